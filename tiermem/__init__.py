@@ -1,0 +1,18 @@
+"""tiermem: a tiered memory manager for PyTorch training.
+
+Every tensor of a training step has a class (params, grads, optimizer states, activations);
+a policy gives each a home tier (device, host, NVMe); an async engine moves them ahead of use.
+"""
+from __future__ import annotations
+
+from tiermem.budgets import Budgets, parse_bytes
+from tiermem.errors import ConfigError, OutOfTierMemory, StoreError, TierMemError
+from tiermem.handles import Handle
+from tiermem.types import TensorClass, TensorInfo, Tier
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Budgets", "ConfigError", "Handle", "OutOfTierMemory", "StoreError", "TensorClass",
+    "TensorInfo", "Tier", "TierMemError", "parse_bytes", "__version__",
+]

@@ -1,0 +1,111 @@
+"""Byte budgets per tier: parsing (``"8GiB"``, ``"500MB"``, ints) and the accounting that enforces them."""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, fields
+from typing import Optional, Union
+
+from tiermem.errors import ConfigError, OutOfTierMemory
+from tiermem.types import Tier
+
+ByteSize = Union[int, str]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: ByteSize, *, what: str = "size") -> int:
+    """``"8GiB"`` -> 8589934592, ``"500MB"`` -> 500000000, ``1024`` -> 1024.
+
+    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) of 1024.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"tiermem: {what}={value!r} is not a size; give bytes as an int or a string such as '8GiB'")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ConfigError(
+                f"tiermem: {what}={value!r} does not parse as a size; write a number with an optional "
+                f"unit from B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '8GiB' or '500MB')")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise ConfigError(f"tiermem: {what}={value!r} is not a size; give bytes as an int or a string such as '8GiB'")
+    if n < 0:
+        raise ConfigError(f"tiermem: {what}={value!r} is negative; give a size of 0 bytes or more")
+    return n
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Caps on the bytes tiermem manages per tier. ``None`` means this machine's default
+    (device memory, or available RAM without an accelerator; available RAM for host; free
+    disk space for NVMe)."""
+
+    device: Optional[ByteSize] = None
+    host: Optional[ByteSize] = None
+    nvme: Optional[ByteSize] = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                object.__setattr__(self, f.name, parse_bytes(v, what=f"Budgets.{f.name}"))
+
+    def for_tier(self, tier: Tier) -> Optional[int]:
+        return getattr(self, tier.value)
+
+
+class Ledger:
+    """Thread-safe byte accounting for one tier: who holds how much, the peak, and the cap.
+
+    ``reserve`` refuses with :class:`OutOfTierMemory` when the cap would be crossed, so the
+    budget holds at every instant, not just on average.
+    """
+
+    def __init__(self, tier: Tier, allowed: int):
+        self.tier = tier
+        self.allowed = int(allowed)
+        self._held: dict[str, int] = {}
+        self._used = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def held(self, key: str) -> int:
+        return self._held.get(key, 0)
+
+    def reserve(self, key: str, nbytes: int) -> None:
+        """Account ``nbytes`` to ``key`` (replacing what it held before)."""
+        with self._lock:
+            before = self._held.get(key, 0)
+            after_used = self._used - before + nbytes
+            if after_used > self.allowed:
+                raise OutOfTierMemory(tier=self.tier, key=key, asked=nbytes,
+                                      used=self._used - before, allowed=self.allowed)
+            self._held[key] = nbytes
+            self._used = after_used
+            self.peak = max(self.peak, after_used)
+
+    def release(self, key: str) -> int:
+        with self._lock:
+            n = self._held.pop(key, 0)
+            self._used -= n
+            return n
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self._used

@@ -1,0 +1,70 @@
+"""Handles: what every asynchronous request returns. Only ``.wait()`` and ``.done()`` are public.
+
+A handle wraps a ``concurrent.futures.Future``. The time a caller spends blocked in ``wait()``
+on an unfinished request is reported to an optional ``on_stall`` callback, which is how the
+engine and the stores measure stall seconds.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable, Optional
+
+StallSink = Callable[[float], None]
+
+
+class Handle:
+    """A pending (or finished) request. ``wait()`` returns its result or raises its error."""
+
+    __slots__ = ("_future", "_on_stall", "_then")
+
+    def __init__(self, future: Future, *, on_stall: Optional[StallSink] = None,
+                 then: Optional[Callable[[], None]] = None):
+        self._future = future
+        self._on_stall = on_stall
+        self._then = then  # run once on the waiting thread after success (e.g. release a staging buffer)
+
+    @classmethod
+    def completed(cls, value: Any = None) -> "Handle":
+        f: Future = Future()
+        f.set_result(value)
+        return cls(f)
+
+    @classmethod
+    def failed(cls, error: BaseException) -> "Handle":
+        f: Future = Future()
+        f.set_exception(error)
+        return cls(f)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        if not self._future.done() and self._on_stall is not None:
+            t0 = time.perf_counter()
+            try:
+                self._future.exception(timeout)  # block without raising yet
+            finally:
+                self._on_stall(time.perf_counter() - t0)
+        result = self._future.result(timeout)
+        then, self._then = self._then, None
+        if then is not None:
+            then()
+        return result
+
+    def add_done_callback(self, fn: Callable[[Future], None]) -> None:
+        self._future.add_done_callback(fn)
+
+
+def wait_all(handles: Iterable[Handle]) -> list[Any]:
+    """Wait for every handle, even after one fails, then raise the first error (if any)."""
+    results, first_error = [], None
+    for h in handles:
+        try:
+            results.append(h.wait())
+        except BaseException as e:  # noqa: BLE001 - re-raised below after all are drained
+            results.append(None)
+            first_error = first_error or e
+    if first_error is not None:
+        raise first_error
+    return results
