@@ -1,0 +1,286 @@
+"""The transfer engine: the only place that touches CUDA streams, events and worker threads.
+
+Every move is a request that returns a :class:`~tiermem.handles.Handle`. Copies between the
+memory tiers run on one worker thread per direction (device->host, host->device), so requests in
+one direction complete in the order they were made, like a CUDA stream; on a GPU that worker
+issues the copy on a side stream and waits on an event, on the CPU it does the copy itself, so
+the same asynchrony and ordering are exercised on a machine without an accelerator. Moves that
+touch NVMe run on an NVMe lane and go through the NVMe store's own I/O threads; device<->NVMe
+moves are staged through a pooled host buffer.
+
+Destination memory is allocated on the caller's thread, so a move that would break a budget
+fails at the call with :class:`~tiermem.errors.OutOfTierMemory`, before anything is touched.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from tiermem.errors import TierMemError
+from tiermem.handles import Handle
+from tiermem.registry import Registry, Residency
+from tiermem.stores.base import Store
+from tiermem.stores.memory import HostStore, _MemoryStore
+from tiermem.types import TensorInfo, Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferStats:
+    """Counters the report reads: bytes per (src, dst), seconds the lanes were busy, and seconds
+    callers stalled waiting, per destination tier."""
+
+    bytes_moved: dict[tuple[Tier, Tier], int] = field(default_factory=lambda: defaultdict(int))
+    busy_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    stall_seconds: dict[Tier, float] = field(default_factory=lambda: defaultdict(float))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_moved(self, src: Tier, dst: Tier, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_moved[(src, dst)] += nbytes
+
+    def add_busy(self, lane: str, seconds: float) -> None:
+        with self._lock:
+            self.busy_seconds[lane] += seconds
+
+    def stall_sink(self, tier: Tier) -> Callable[[float], None]:
+        def sink(seconds: float) -> None:
+            with self._lock:
+                self.stall_seconds[tier] += seconds
+        return sink
+
+    @property
+    def total_stall_seconds(self) -> float:
+        return sum(self.stall_seconds.values())
+
+
+class TransferEngine:
+    """Moves registered tensors between tiers asynchronously and keeps the registry truthful."""
+
+    def __init__(self, stores: Mapping[Tier, Store], registry: Optional[Registry] = None, *,
+                 device: torch.device | str | None = None):
+        self.stores = dict(stores)
+        self.registry = registry if registry is not None else Registry()
+        dev_store = self.stores.get(Tier.DEVICE)
+        self.device = torch.device(device if device is not None else getattr(dev_store, "device", "cpu"))
+        self.stats = TransferStats()
+        self._lanes = {name: ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-{name}")
+                       for name in ("d2h", "h2d", "nvme")}
+        self._streams = ({name: torch.cuda.Stream(self.device) for name in ("d2h", "h2d")}
+                         if self.device.type == "cuda" else {})
+        self._pending: dict[str, tuple[Tier, Handle]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- public requests ----------------------------------------------------------------------
+    def register(self, info: TensorInfo, home: Tier) -> Residency:
+        self._store(home)  # fail now if the policy named a tier this engine has no store for
+        return self.registry.register(info, home)
+
+    def put(self, key: str, tensor: torch.Tensor, tier: Optional[Tier] = None) -> Handle:
+        """Store ``tensor`` as the newest value of ``key`` on ``tier`` (default: its home)."""
+        r = self.registry.get(key)
+        tier = r.home if tier is None else tier
+        self._settle(key)
+        for other in list(r.valid):
+            if other != tier:
+                self._store(other).delete(key)
+        r.valid.clear()
+        h = self._store(tier).write(key, tensor)
+        h.wait()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the caller may reuse `tensor` now
+        self.registry.write_at(key, tier)
+        return Handle.completed(None)
+
+    def prefetch(self, key: str, dst: Tier = Tier.DEVICE) -> Handle:
+        """Make a valid copy of ``key`` resident on ``dst`` (keeping the others)."""
+        r = self.registry.get(key)
+        with self._lock:
+            pending = self._pending.get(key)
+        if pending is not None:
+            if pending[0] == dst:
+                return pending[1]
+            self._settle(key)
+        if dst in r.valid:
+            return Handle.completed(None)
+        src = r.fastest_valid()
+        if src is None:
+            raise TierMemError(f"tiermem: {key!r} holds no value yet; put() it before moving it")
+        return self._launch(r, src, dst, then_drop=None)
+
+    def evict(self, key: str, tier: Tier = Tier.DEVICE) -> Handle:
+        """Release ``key``'s copy on ``tier``, first writing it back to its home if only ``tier``
+        holds the newest value."""
+        r = self.registry.get(key)
+        self._settle(key)
+        if tier not in r.valid:
+            self._store(tier).delete(key)  # a stale copy may still hold memory
+            return Handle.completed(None)
+        if r.valid != {tier}:
+            self.registry.drop(key, tier)
+            self._store(tier).delete(key)
+            return Handle.completed(None)
+        if tier == r.home:
+            raise TierMemError(f"tiermem: cannot evict {key!r} from {tier}, its home and only copy; "
+                               f"move its home with the policy instead")
+        return self._launch(r, tier, r.home, then_drop=tier)
+
+    def fetch(self, key: str, out: torch.Tensor) -> Handle:
+        """Copy the newest value of ``key`` into ``out`` without changing residency."""
+        self._settle(key)
+        r = self.registry.get(key)
+        src = r.fastest_valid()
+        if src is None:
+            raise TierMemError(f"tiermem: {key!r} holds no value yet; put() it before reading it")
+        h = self._store(src).read(key, out)
+        h.wait()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return Handle.completed(out)
+
+    def delete(self, key: str) -> None:
+        self._settle(key)
+        r = self.registry.unregister(key)
+        for tier in set(r.valid) | {r.home}:
+            self._store(tier).delete(key)
+
+    def synchronize(self) -> None:
+        """Wait for every request in flight (errors are left on their own handles)."""
+        with self._lock:
+            handles = [h for _, h in self._pending.values()]
+        for h in handles:
+            with contextlib.suppress(Exception):
+                h.wait()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.synchronize()
+        for lane in self._lanes.values():
+            lane.shutdown(wait=True)
+        self._closed = True
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _store(self, tier: Tier) -> Store:
+        try:
+            return self.stores[tier]
+        except KeyError:
+            raise TierMemError(f"tiermem: no {tier} store is configured; "
+                               f"pass nvme_dir=... to place tensors on NVMe" if tier == Tier.NVME else
+                               f"tiermem: no {tier} store is configured") from None
+
+    def _settle(self, key: str) -> None:
+        """Wait for an in-flight transfer of ``key`` (its error stays on its own handle)."""
+        with self._lock:
+            pending = self._pending.get(key)
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                pending[1].wait()
+
+    def _launch(self, r: Residency, src: Tier, dst: Tier, then_drop: Optional[Tier]) -> Handle:
+        key, info = r.key, r.info
+        dst_store = self._store(dst)
+        # Allocate the destination now, on the caller's thread: a budget error surfaces here.
+        out = (dst_store.allocate(key, info.shape, info.dtype)
+               if isinstance(dst_store, _MemoryStore) else None)
+        ready = None
+        if self.device.type == "cuda" and Tier.DEVICE in (src, dst):
+            # The copy must not start before the compute stream has finished writing the source.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        lane = "nvme" if Tier.NVME in (src, dst) else ("d2h" if src == Tier.DEVICE else "h2d")
+        self.registry.begin(key, src, dst)
+        future = self._lanes[lane].submit(self._run, r, src, dst, out, lane, ready, then_drop)
+        handle = Handle(future, on_stall=self.stats.stall_sink(dst))
+        with self._lock:
+            self._pending[key] = (dst, handle)
+        future.add_done_callback(lambda _f, k=key, h=handle: self._forget(k, h))
+        return handle
+
+    def _forget(self, key: str, handle: Handle) -> None:
+        with self._lock:
+            if self._pending.get(key, (None, None))[1] is handle:
+                del self._pending[key]
+
+    def _run(self, r: Residency, src: Tier, dst: Tier, out: Optional[torch.Tensor], lane: str,
+             ready, then_drop: Optional[Tier]) -> None:
+        t0 = time.perf_counter()
+        key = r.key
+        try:
+            self._copy(key, r.info, src, dst, out, lane, ready)
+        except BaseException:
+            self.registry.finish(key, ok=False)
+            self._store(dst).delete(key)  # dst held no valid copy; free what we allocated for it
+            raise
+        finally:
+            self.stats.add_busy(lane, time.perf_counter() - t0)
+        self.registry.finish(key, ok=True)
+        self.stats.add_moved(src, dst, r.info.nbytes)
+        if then_drop is not None:
+            self.registry.drop(key, then_drop)
+            self._store(then_drop).delete(key)
+
+    def _copy(self, key: str, info: TensorInfo, src: Tier, dst: Tier, out: Optional[torch.Tensor],
+              lane: str, ready) -> None:
+        src_store, dst_store = self._store(src), self._store(dst)
+        if out is not None and isinstance(src_store, _MemoryStore):  # memory -> memory
+            self._memcpy(out, src_store.get(key), lane, ready)
+        elif out is not None:  # NVMe -> memory
+            if dst == Tier.DEVICE and self.device.type == "cuda":
+                self._staged(key, info, lambda buf: (src_store.read(key, buf).wait(),
+                                                     self._memcpy(out, buf, "h2d", None)))
+            else:
+                src_store.read(key, out.view(-1) if out.dim() else out).wait()
+        else:  # memory -> NVMe
+            tensor = src_store.get(key)  # type: ignore[attr-defined]
+            if src == Tier.DEVICE and self.device.type == "cuda":
+                self._staged(key, info, lambda buf: (self._memcpy(buf, tensor, "d2h", ready),
+                                                     dst_store.write(key, buf).wait()))
+            else:
+                dst_store.write(key, tensor).wait()
+
+    def _staged(self, key: str, info: TensorInfo, body: Callable[[torch.Tensor], object]) -> None:
+        host = self.stores[Tier.HOST]
+        assert isinstance(host, HostStore)
+        tag = f"<staging {key}>"
+        base = host.acquire(info.nbytes, tag)
+        try:
+            body(base[:info.nbytes].view(info.dtype).view(info.shape))
+        finally:
+            host.release(tag, base)
+
+    def _memcpy(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready) -> None:
+        stream = self._streams.get(lane)
+        if stream is None:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)  # ordering: after the compute stream's writes to src
+            dst.copy_(src, non_blocking=True)
+            for t in (src, dst):
+                if t.is_cuda:
+                    t.record_stream(stream)  # ordering: the allocator must not reuse t before the copy ends
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()  # ordering: the handle completes only once the bytes have landed

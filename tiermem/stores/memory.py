@@ -1,0 +1,182 @@
+"""The two memory tiers: tensors on the compute device, and a reusable pool of host buffers.
+
+Both hand out resident tensors with ``get(key)``; ``write``/``read`` are plain copies issued with
+``non_blocking=True`` so that, on a GPU, the engine's stream context decides where they run and
+the engine's events decide when they are done. On the CPU they complete before returning.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Iterator, Optional, Sequence
+
+import psutil
+import torch
+
+from tiermem.budgets import Ledger
+from tiermem.errors import OutOfTierMemory
+from tiermem.handles import Handle
+from tiermem.stores.aligned import aligned_empty, can_pin, round_up
+from tiermem.stores.base import Store, check_same_layout, unknown_key
+from tiermem.types import Tier
+
+log = logging.getLogger(__name__)
+
+
+def default_device_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().available
+
+
+def default_host_budget() -> int:
+    return psutil.virtual_memory().available
+
+
+def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+class _MemoryStore(Store):
+    """Keyed tensors in memory with byte accounting. Subclasses supply ``_alloc``/``_free`` of raw
+    uint8 buffers; ``allocate`` views them with the wanted dtype and shape."""
+
+    def __init__(self, tier: Tier, budget: int):
+        self.tier = tier
+        self.ledger = Ledger(tier, budget)
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._bases: dict[str, Optional[torch.Tensor]] = {}  # None: adopted, not ours to pool
+
+    def _alloc(self, key: str, nbytes: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _free(self, key: str, base: torch.Tensor) -> None:
+        self.ledger.release(key)
+
+    def allocate(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor resident on this tier under ``key`` (replacing any old one)."""
+        self.delete(key)
+        nbytes = nbytes_of(shape, dtype)
+        base = self._alloc(key, nbytes)
+        t = base[:nbytes].view(dtype).view(tuple(shape))
+        self._bases[key], self._tensors[key] = base, t
+        return t
+
+    def adopt(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Account a tensor that already lives here (e.g. a module's parameter) under ``key``."""
+        self.delete(key)
+        self.ledger.reserve(key, tensor.numel() * tensor.element_size())
+        self._bases[key], self._tensors[key] = None, tensor
+        return tensor
+
+    def get(self, key: str) -> torch.Tensor:
+        try:
+            return self._tensors[key]
+        except KeyError:
+            raise unknown_key(key, self.tier) from None
+
+    def write(self, key: str, src: torch.Tensor) -> Handle:
+        dst = self._tensors.get(key)
+        if dst is None or dst.dtype != src.dtype or dst.shape != src.shape:
+            dst = self.allocate(key, src.shape, src.dtype)
+        dst.copy_(src, non_blocking=True)
+        return Handle.completed(dst)
+
+    def read(self, key: str, out: torch.Tensor) -> Handle:
+        src = self.get(key)
+        check_same_layout(key, src.dtype, src.numel(), out, self.tier)
+        out.view(src.shape).copy_(src, non_blocking=True)
+        return Handle.completed(out)
+
+    def delete(self, key: str) -> None:
+        if self._tensors.pop(key, None) is None:
+            return
+        base = self._bases.pop(key)
+        if base is None:
+            self.ledger.release(key)
+        else:
+            self._free(key, base)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._tensors
+
+    def keys(self) -> Iterator[str]:
+        return iter(list(self._tensors))
+
+
+class DeviceStore(_MemoryStore):
+    """Tensors on the compute device. Without an accelerator the device is the CPU and the budget
+    is enforced by accounting alone, so every code path runs on a CPU-only machine."""
+
+    def __init__(self, device: torch.device | str, budget: Optional[int] = None):
+        self.device = torch.device(device)
+        super().__init__(Tier.DEVICE, default_device_budget(self.device) if budget is None else budget)
+
+    def _alloc(self, key: str, nbytes: int) -> torch.Tensor:
+        self.ledger.reserve(key, nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+
+class HostStore(_MemoryStore):
+    """Host memory as a pool of page-aligned buffers, pinned when an accelerator exists.
+
+    Freed buffers are kept by size and handed out again, so a training step that allocates the
+    same sizes every time neither re-allocates nor re-pins. Cached free buffers count against the
+    budget too; they are dropped first when an allocation would not fit.
+    """
+
+    _POOL_KEY = "<free host buffers>"
+
+    def __init__(self, budget: Optional[int] = None, *, pin: Optional[bool] = None):
+        super().__init__(Tier.HOST, default_host_budget() if budget is None else budget)
+        self.pin = can_pin() if pin is None else pin
+        self._free_bufs: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._free_bytes = 0
+        self.allocations = 0  # buffers ever allocated; reuse keeps this flat across steps
+
+    def acquire(self, nbytes: int, key: str) -> torch.Tensor:
+        """A page-aligned (pinned where possible) uint8 buffer of at least ``nbytes``, accounted to ``key``."""
+        size = round_up(max(nbytes, 1))
+        cached = self._free_bufs.get(size)
+        if cached:
+            buf = cached.pop()
+            self._set_free_bytes(self._free_bytes - size)
+            self.ledger.reserve(key, size)
+            return buf
+        try:
+            self.ledger.reserve(key, size)
+        except OutOfTierMemory:
+            if not self._free_bytes:
+                raise
+            self.trim()  # cached buffers of other sizes make room before we give up
+            self.ledger.reserve(key, size)
+        self.allocations += 1
+        return aligned_empty(size, pin=self.pin)
+
+    def release(self, key: str, buf: torch.Tensor) -> None:
+        """Give a buffer from :meth:`acquire` back to the pool."""
+        self.ledger.release(key)
+        self._free_bufs[buf.numel()].append(buf)
+        self._set_free_bytes(self._free_bytes + buf.numel())
+
+    def trim(self) -> int:
+        """Drop every cached free buffer; returns the bytes released."""
+        n = self._free_bytes
+        self._free_bufs.clear()
+        self._set_free_bytes(0)
+        return n
+
+    def _set_free_bytes(self, n: int) -> None:
+        self._free_bytes = n
+        self.ledger.release(self._POOL_KEY)
+        if n:
+            self.ledger.reserve(self._POOL_KEY, n)  # shrinking or re-adding what was held: always fits
+
+    def _alloc(self, key: str, nbytes: int) -> torch.Tensor:
+        return self.acquire(nbytes, key)
+
+    def _free(self, key: str, base: torch.Tensor) -> None:
+        self.release(key, base)
