@@ -1,0 +1,131 @@
+"""NvmeStore against fio and torch.save/torch.load, on the same directory, in one run.
+
+    python bench/nvme.py [--size 2GiB] [--dir DIR] [--repeat 3]
+
+tiermem: one write then one read of a ``--size`` tensor through ``NvmeStore`` (O_DIRECT, 8 I/O
+threads, 8 MiB blocks), from and into page-aligned buffers (what the host store hands the
+engine) and from and into plain, unaligned tensors (staged through the store's aligned slots).
+fio: the same bytes, 8 MiB blocks, O_DIRECT, libaio, iodepth 8. torch: torch.save + fsync, then
+torch.load after dropping that file from the page cache (posix_fadvise DONTNEED), so both read
+from the disk. Each measurement is the best of ``--repeat`` runs, interleaved so drift hits all
+of them alike. The ratios come last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from tiermem.budgets import parse_bytes
+from tiermem.stores.aligned import ALIGN, aligned_empty
+from tiermem.stores.nvme import NvmeStore
+
+GB = 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_tiermem(store: NvmeStore, src: torch.Tensor, out: torch.Tensor, key: str) -> tuple[float, float]:
+    w = _timed(lambda: store.write(key, src).wait())
+    out.zero_()
+    r = _timed(lambda: store.read(key, out).wait())
+    assert torch.equal(out, src), "NvmeStore returned different bytes"
+    store.delete(key)
+    return src.numel() / w, src.numel() / r
+
+
+def bench_fio(directory: str, size: int, block: int) -> tuple[float, float]:
+    path = os.path.join(directory, "fio.dat")
+    bw = []
+    for rw in ("write", "read"):
+        cmd = ["fio", "--name=tiermem-bench", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
+               f"--size={size}", "--direct=1", "--ioengine=libaio", "--iodepth=8", "--numjobs=1",
+               "--output-format=json"]
+        res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        bw.append(json.loads(res.stdout)["jobs"][0][rw]["bw_bytes"])
+    os.unlink(path)
+    return bw[0], bw[1]
+
+
+def bench_torch(directory: str, src: torch.Tensor) -> tuple[float, float]:
+    path = os.path.join(directory, "torch.pt")
+
+    def save() -> None:
+        with open(path, "wb") as f:
+            torch.save(src, f)
+            f.flush()
+            os.fsync(f.fileno())  # on the disk, not just in the page cache
+
+    w = _timed(save)
+    with open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # read from the disk, not the cache
+    loaded = []
+    r = _timed(lambda: loaded.append(torch.load(path)))
+    assert torch.equal(loaded[0], src), "torch.load returned different bytes"
+    del loaded
+    os.unlink(path)
+    return src.numel() / w, src.numel() / r
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="2GiB", help="bytes per transfer, e.g. 2GiB (default)")
+    p.add_argument("--dir", default=None, help="directory to test (default: a temporary one under the "
+                                               "current directory, removed afterwards)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per measurement; the best counts")
+    p.add_argument("--block", default="8MiB", help="block size for NvmeStore and fio (default 8MiB)")
+    p.add_argument("--threads", type=int, default=8, help="NvmeStore I/O threads (default 8)")
+    args = p.parse_args(argv)
+    size, block = parse_bytes(args.size, what="--size"), parse_bytes(args.block, what="--block")
+    directory = args.dir or tempfile.mkdtemp(prefix="tiermem-bench-", dir=os.getcwd())
+    have_fio = shutil.which("fio") is not None
+
+    # One page-aligned buffer per direction; the unaligned tensors are views 64 bytes in.
+    src_buf, out_buf = aligned_empty(size + ALIGN, pin=False), aligned_empty(size + ALIGN, pin=False)
+    src_buf.view(torch.int64).random_()
+    src_al, out_al = src_buf[:size], out_buf[:size]
+    src_un, out_un = src_buf[64:64 + size], out_buf[64:64 + size]
+    rows: dict[str, list[tuple[float, float]]] = {"tiermem": [], "tiermem, unaligned tensor": [],
+                                                  "fio": [], "torch.save/load": []}
+    try:
+        with NvmeStore(directory, io_threads=args.threads, block_size=block, direct=True) as store:
+            for _ in range(args.repeat):
+                rows["tiermem"].append(bench_tiermem(store, src_al, out_al, "bench.aligned"))
+                if have_fio:
+                    rows["fio"].append(bench_fio(directory, size, block))
+                rows["tiermem, unaligned tensor"].append(bench_tiermem(store, src_un, out_un, "bench.plain"))
+                rows["torch.save/load"].append(bench_torch(directory, src_un))
+    finally:
+        if args.dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    best = {name: (max(w for w, _ in runs), max(r for _, r in runs)) for name, runs in rows.items() if runs}
+    print(f"{size / 2**30:.2f} GiB per transfer, best of {args.repeat}, directory {directory}")
+    print(f"{'':28s} {'write GB/s':>10s} {'read GB/s':>10s}")
+    for name, (w, r) in best.items():
+        print(f"{name:28s} {w / GB:10.2f} {r / GB:10.2f}")
+    print("note: tiermem and fio use O_DIRECT (no page cache); torch.save is timed with fsync and the file "
+          "is dropped from the page cache (fadvise DONTNEED) before torch.load")
+    if not have_fio:
+        print("note: fio not found on PATH: the fio column is skipped (install fio to compare)")
+    tm_w, tm_r = best["tiermem"]
+    if have_fio:
+        print(f"write: tiermem/fio = {tm_w / best['fio'][0]:.2f}x")
+        print(f"read: tiermem/fio = {tm_r / best['fio'][1]:.2f}x")
+    print(f"write: tiermem/torch.save = {tm_w / best['torch.save/load'][0]:.2f}x")
+    print(f"read: tiermem/torch.load = {tm_r / best['torch.save/load'][1]:.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
