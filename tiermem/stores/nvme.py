@@ -56,30 +56,6 @@ class _Entry:
         return self.nbytes // self.dtype.itemsize
 
 
-class _Fanout:
-    """Runs one request's chunks on several threads; the thread that ends the last chunk calls
-    ``finish`` with the first error (or None). Chunks after an error are skipped."""
-
-    __slots__ = ("_left", "_error", "_lock", "_finish")
-
-    def __init__(self, n: int, finish: Callable[[Optional[BaseException]], None]):
-        self._left, self._error, self._lock, self._finish = n, None, threading.Lock(), finish
-
-    def run(self, job: Callable[[], object]) -> None:
-        error = None
-        if self._error is None:
-            try:
-                job()
-            except BaseException as e:  # noqa: BLE001 - handed to finish, which fails the request
-                error = e
-        with self._lock:
-            self._error = self._error or error
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            self._finish(self._error)
-
-
 class NvmeStore(Store):
     """Tensors under ``directory``, one file per key, read and written asynchronously.
 
@@ -346,7 +322,7 @@ class NvmeStore(Store):
                  finish: Callable[[Optional[BaseException]], None]) -> None:
         """Run ``jobs`` on the pool, the first (it carries the header) on this thread; the thread
         that ends the last one calls ``finish``."""
-        fan = _Fanout(len(jobs), finish)
+        fan = nio.Fanout(len(jobs), finish)
         for job in jobs[1:]:
             self._pool.submit(fan.run, job)
         fan.run(jobs[0])

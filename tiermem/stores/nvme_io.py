@@ -51,7 +51,7 @@ class ShortRead(Exception):
 # -- names, headers, byte views ---------------------------------------------------------------
 def file_name(key: str) -> str:
     """A file name that is safe for any key: a readable part plus a hash of the whole key."""
-    readable = _UNSAFE.sub("_", key).lstrip(".")[:80]
+    readable = _UNSAFE.sub("_", key).lstrip(".")[:80] or "_"  # never hidden, never "." or ".."
     digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
     return f"{readable}.{digest}{SUFFIX}"
 
@@ -124,6 +124,30 @@ class StagingPool:
     @property
     def allocated(self) -> int:
         return self._made
+
+
+class Fanout:
+    """Runs one request's chunks on several threads; the thread that ends the last chunk calls
+    ``finish`` with the first error (or None). Chunks after an error are skipped."""
+
+    __slots__ = ("_left", "_error", "_lock", "_finish")
+
+    def __init__(self, n: int, finish: Callable[[Optional[BaseException]], None]):
+        self._left, self._error, self._lock, self._finish = n, None, threading.Lock(), finish
+
+    def run(self, job: Callable[[], object]) -> None:
+        error = None
+        if self._error is None:
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - handed to finish, which fails the request
+                error = e
+        with self._lock:
+            self._error = self._error or error
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._finish(self._error)
 
 
 # -- one chunk of a transfer ------------------------------------------------------------------
