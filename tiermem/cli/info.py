@@ -1,0 +1,186 @@
+"""``tiermem info``: versions, devices and memory, the pinned-memory limit, the NVMe directory's
+O_DIRECT support and free space, and whether torch.compile (the fast CPU Adam) works here."""
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib
+import logging
+import mmap
+import os
+import platform
+import resource
+import shutil
+import tempfile
+import time
+from typing import Any, Optional
+
+import psutil
+import torch
+from rich.table import Table
+
+from tiermem import __version__, profile
+from tiermem.cli import _common
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("info", help="versions, devices, memory, pinned limit, O_DIRECT, torch.compile",
+                       description="Show what this machine offers tiermem: torch and CUDA versions, "
+                                   "accelerators and their memory, host RAM and the pinned-memory limit "
+                                   "(ulimit -l), whether --nvme-path supports O_DIRECT and its free space, "
+                                   "and whether torch.compile works (so the fast CPU Adam is used).")
+    p.add_argument("--nvme-path", default=".", metavar="DIR",
+                   help="directory to check for NVMe offload (default: .)")
+    p.add_argument("--no-compile-check", action="store_true",
+                   help="skip the torch.compile check (it compiles a small kernel: seconds on a cold cache)")
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="write the facts as JSON to FILE (stdout when FILE is omitted or '-')")
+    p.set_defaults(run=run)
+
+
+def _limit(value: int) -> Optional[int]:
+    return None if value == resource.RLIM_INFINITY else int(value)
+
+
+def probe_o_direct(directory: str) -> tuple[bool, str]:
+    """Write and read back one aligned block with O_DIRECT in ``directory``; (works, why not)."""
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None:
+        return False, f"O_DIRECT does not exist on {platform.system()}"
+    fd, path = tempfile.mkstemp(prefix=".tiermem-odirect-", dir=directory)
+    os.close(fd)
+    buf = mmap.mmap(-1, 4096)  # anonymous maps are page aligned, as O_DIRECT wants
+    try:
+        buf.write(b"tiermem!" * 512)
+        fd = os.open(path, os.O_RDWR | flag)
+        try:
+            if os.pwrite(fd, buf, 0) != 4096 or os.preadv(fd, [buf], 0) != 4096:
+                return False, "short direct write or read"
+        finally:
+            os.close(fd)
+        return True, ""
+    except OSError as e:
+        reason = "the filesystem refuses it" if e.errno == errno.EINVAL else e.strerror
+        return False, f"{reason} (the NVMe store falls back to buffered I/O)"
+    finally:
+        buf.close()
+        os.unlink(path)
+
+
+def _fs_type(path: str) -> str:
+    best = None
+    for part in psutil.disk_partitions(all=True):
+        if path == part.mountpoint or path.startswith(part.mountpoint.rstrip("/") + "/"):
+            if best is None or len(part.mountpoint) > len(best.mountpoint):
+                best = part
+    return best.fstype if best is not None else "unknown"
+
+
+def compile_check() -> dict[str, Any]:
+    """Whether the compiled CPU Adam will be used, asking tiermem.optim when it can tell."""
+    if os.environ.get("TIERMEM_NO_COMPILE") == "1":
+        return {"works": False, "implementation": "fallback", "why": "disabled by TIERMEM_NO_COMPILE=1"}
+    t0 = time.perf_counter()
+    try:
+        optim = importlib.import_module("tiermem.optim")
+        impl = getattr(optim, "implementation", None)
+        if impl is not None:
+            name = str(impl())
+            return {"works": name == "compiled", "implementation": name,
+                    "seconds": time.perf_counter() - t0}
+        fn = torch.compile(lambda a, b: a * 0.5 + b.float(), dynamic=False)
+        x = torch.ones(4096)
+        ok = bool(torch.equal(fn(x, torch.ones(4096, dtype=torch.bfloat16)), x * 1.5))
+        return {"works": ok, "implementation": "compiled" if ok else "fallback",
+                "seconds": time.perf_counter() - t0}
+    except Exception as e:  # noqa: BLE001 - any failure means "no compiler here"; say why
+        logger.info("torch.compile check failed", exc_info=True)
+        return {"works": False, "implementation": "fallback",
+                "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200],
+                "seconds": time.perf_counter() - t0}
+
+
+def gather(nvme_path: str, *, check_compile: bool) -> dict[str, Any]:
+    path = _common.existing_dir("--nvme-path", nvme_path)
+    vm = psutil.virtual_memory()
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    devices = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            free, _ = torch.cuda.mem_get_info(i)
+            devices.append({"index": i, "name": props.name, "total_bytes": int(props.total_memory),
+                            "free_bytes": int(free)})
+    direct, why = probe_o_direct(path)
+    saved = profile.load_profile()
+    return {
+        "tiermem": __version__, "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+        "device": {"accelerators": devices},
+        "host": {"total_bytes": int(vm.total), "available_bytes": int(vm.available),
+                 "cpus": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
+                 "memlock_soft_bytes": _limit(soft), "memlock_hard_bytes": _limit(hard)},
+        "nvme": {"path": path, "free_bytes": _common.disk_free(path), "filesystem": _fs_type(path),
+                 "o_direct": direct, "o_direct_why_not": why},
+        "compile": compile_check() if check_compile else {"works": None, "why": "not checked"},
+        "fio": shutil.which("fio"),
+        "profile": {"path": str(profile.profile_path()),
+                    "created": saved.created if saved else None},
+    }
+
+
+def _render(facts: dict[str, Any]) -> None:
+    con = _common.stdout_console()
+    t = Table(show_header=False, title="tiermem info", title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("tiermem", facts["tiermem"])
+    t.add_row("python", f"{facts['python']} on {facts['platform']}")
+    cuda = facts["cuda"] or "none (CPU build)"
+    t.add_row("torch", f"{facts['torch']}, CUDA {cuda}")
+    accs = facts["device"]["accelerators"]
+    if accs:
+        for a in accs:
+            t.add_row(f"device {a['index']}", f"{a['name']}: {_common.fmt_size(a['total_bytes'])} "
+                                               f"({_common.fmt_size(a['free_bytes'])} free)")
+    else:
+        t.add_row("device", "no accelerator: the device tier is the CPU, carved out of host RAM")
+    h = facts["host"]
+    t.add_row("host RAM", f"{_common.fmt_size(h['total_bytes'])} "
+                          f"({_common.fmt_size(h['available_bytes'])} available), {h['cpus']} CPUs")
+    soft = h["memlock_soft_bytes"]
+    lim = "unlimited" if soft is None else _common.fmt_size(soft)
+    note = "" if accs else " (nothing is pinned without an accelerator)"
+    t.add_row("pinned limit", f"ulimit -l: {lim}{note}")
+    n = facts["nvme"]
+    direct = "yes" if n["o_direct"] else f"no: {n['o_direct_why_not']}"
+    t.add_row("nvme path", f"{n['path']} ({n['filesystem']}), {_common.fmt_size(n['free_bytes'])} free")
+    t.add_row("O_DIRECT", direct)
+    c = facts["compile"]
+    if c["works"] is None:
+        comp = "not checked (--no-compile-check)"
+    elif c["works"]:
+        comp = f"yes: the compiled CPU Adam is used (check took {c['seconds']:.1f} s)"
+    else:
+        comp = f"no: the fallback CPU Adam is used ({c.get('why') or c.get('implementation')})"
+    t.add_row("torch.compile", comp)
+    t.add_row("fio", facts["fio"] or "not found (bench/cli_check.py needs it)")
+    p = facts["profile"]
+    t.add_row("bench profile", f"{p['path']} from {p['created']}" if p["created"]
+              else f"none yet (run `tiermem bench`; it saves to {p['path']})")
+    con.print(t)
+
+
+def run(args: argparse.Namespace) -> int:
+    _common.check_output_path("--json", args.json)
+    facts = gather(args.nvme_path, check_compile=not args.no_compile_check)
+    if args.json is not None:
+        _common.write_json(args.json, facts)
+    if args.json != "-":
+        _render(facts)
+    return 0
+
+
+__all__ = ["add_parser", "compile_check", "gather", "probe_o_direct", "run"]

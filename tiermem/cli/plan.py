@@ -1,0 +1,187 @@
+"""``tiermem plan``: bytes per tensor class and per tier for each built-in policy, and whether they fit."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.table import Table
+
+from tiermem import sizing
+from tiermem.cli import _common
+from tiermem.cli.models import ModelSize, from_config, from_factory, parse_count
+from tiermem.types import Tier
+
+DESCRIPTION = """\
+Print how many bytes a model's training state needs (params, grads, fp32 master, Adam momentum and
+variance), how each built-in policy spreads them over the device, host and NVMe tiers in each
+precision, and whether that fits this machine (or the sizes you give). Sizes are decimal (1 GB =
+10^9 bytes); activations are not counted, the device headroom left for them is shown instead."""
+
+EPILOG = """\
+examples:
+  tiermem plan --params 7.5e9
+  tiermem plan --model mypkg.models:gpt_small --device-mem 24GB
+  tiermem plan --config llama-7b/config.json --json plan.json"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="bytes per tensor class and per tier for each policy; does it fit?",
+                       description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", metavar="N", help="number of parameters, e.g. 7.5e9, 7.5B or 125M")
+    src.add_argument("--model", metavar="PKG.MOD:FACTORY",
+                     help="a function (or nn.Module) to count; built on the meta device, no memory used")
+    src.add_argument("--config", metavar="CONFIG.JSON", help="a Hugging Face style config.json")
+    p.add_argument("--precision", choices=sizing.PRECISIONS, action="append",
+                   help="only this precision (repeatable; default: all)")
+    p.add_argument("--policy", choices=list(sizing.BUILTIN_PLACEMENTS), action="append",
+                   help="only this built-in policy (repeatable; default: all)")
+    p.add_argument("--device-mem", type=_common.size_arg("--device-mem"), metavar="SIZE",
+                   help="device memory, e.g. 80GB (default: the accelerator's; without one, the host RAM "
+                        "the device tier shares)")
+    p.add_argument("--host-mem", type=_common.size_arg("--host-mem"), metavar="SIZE",
+                   help="host RAM (default: this machine's total)")
+    p.add_argument("--nvme-free", type=_common.size_arg("--nvme-free"), metavar="SIZE",
+                   help="free space for NVMe offload (default: free space under --nvme-path)")
+    p.add_argument("--nvme-path", default=".", metavar="DIR",
+                   help="where NVMe offload would write, for the default --nvme-free (default: .)")
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="write the plan as JSON to FILE (stdout when FILE is omitted or '-')")
+    p.set_defaults(run=run)
+
+
+def _model_size(args: argparse.Namespace) -> ModelSize:
+    if args.params is not None:
+        n = parse_count(args.params)
+        return ModelSize(n, 0, source=f"--params {args.params}")
+    if args.model is not None:
+        return from_factory(args.model)
+    return from_config(args.config)
+
+
+def _limits(args: argparse.Namespace) -> tuple[sizing.Limits, dict[str, str]]:
+    """The tiers' capacities and, for the printout, where each figure came from."""
+    origin = {}
+    host = args.host_mem if args.host_mem is not None else _common.host_memory()
+    origin["host"] = "--host-mem" if args.host_mem is not None else "this machine's RAM"
+    dev_mem = _common.device_memory()
+    shares = dev_mem is None  # no accelerator: the device tier is carved out of host RAM
+    if args.device_mem is not None:
+        device, origin["device"] = args.device_mem, "--device-mem"
+    elif dev_mem is not None:
+        device, origin["device"] = dev_mem, _common.accelerator() or "accelerator"
+    else:
+        device, origin["device"] = host, "no accelerator: shares host RAM"
+    if args.nvme_free is not None:
+        nvme, origin["nvme"] = args.nvme_free, "--nvme-free"
+    else:
+        path = _common.existing_dir("--nvme-path", args.nvme_path)
+        nvme, origin["nvme"] = _common.disk_free(path), f"free under {path}"
+    return sizing.Limits(device=device, host=host, nvme=nvme, device_shares_host=shares), origin
+
+
+def build_plan(size: ModelSize, limits: sizing.Limits, precisions: list[str],
+               policies: list[str]) -> dict[str, Any]:
+    """The plan as plain data (what ``--json`` writes); every byte figure is an exact int."""
+    out: dict[str, Any] = {
+        "source": size.source, "note": size.note,
+        "params": {"trainable": size.trainable, "frozen": size.frozen, "total": size.total},
+        "limits": {"device_bytes": limits.device, "host_bytes": limits.host, "nvme_bytes": limits.nvme,
+                   "device_shares_host": limits.device_shares_host},
+        "precisions": {},
+    }
+    for prec in precisions:
+        state = sizing.state_bytes(size.trainable, prec, frozen=size.frozen)
+        entry: dict[str, Any] = {
+            "bytes_per_param": sizing.bytes_per_param(prec).as_dict(),
+            "state_bytes": {**state.as_dict(), "total": state.total},
+            "policies": {},
+        }
+        for name in policies:
+            need = sizing.tier_bytes(size.trainable, prec, sizing.placement_of(name), frozen=size.frozen)
+            fit = sizing.check_fit(need, limits)
+            entry["policies"][name] = {
+                "tiers": {t.value: {"bytes": need[t], "short_bytes": fit.short.get(t, 0)} for t in Tier},
+                "total_bytes": sum(need.values()),
+                "fits": fit.fits,
+                "device_headroom_bytes": fit.device_headroom,
+            }
+        out["precisions"][prec] = entry
+    return out
+
+
+def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
+    con = _common.stdout_console()
+    p = plan["params"]
+    frozen = f" + {p['frozen']:,} frozen" if p["frozen"] else ""
+    con.print(f"[bold]{p['trainable']:,}[/] trainable parameters{frozen}  ({plan['source']})")
+    if plan["note"]:
+        con.print(f"  {plan['note']}")
+    precs = list(plan["precisions"])
+    classes = Table(title="Training state by tensor class (Adam)", title_justify="left")
+    classes.add_column("part")
+    for prec in precs:
+        classes.add_column(f"{prec} B/param", justify="right")
+        classes.add_column(prec, justify="right")
+    for part in ("params", "grads", "master", "momentum", "variance", "total"):
+        row = [part]
+        for prec in precs:
+            per = plan["precisions"][prec]["bytes_per_param"]
+            row.append(str(sum(per.values()) if part == "total" else per[part]))
+            row.append(_common.fmt_size(plan["precisions"][prec]["state_bytes"][part]))
+        classes.add_row(*row, style="bold" if part == "total" else None)
+    con.print(classes)
+
+    lim = plan["limits"]
+    tiers = Table(title="Bytes per tier for each built-in policy (activations not counted)",
+                  title_justify="left")
+    for col, just in (("policy", "left"), ("precision", "left"), ("device", "right"), ("host", "right"),
+                      ("nvme", "right"), ("fits?", "left")):
+        tiers.add_column(col, justify=just)
+    caps = [_common.fmt_size(lim[f"{t}_bytes"]) for t in ("device", "host", "nvme")]
+    if lim["device_shares_host"]:
+        caps[0] = "in host RAM" if lim["device_bytes"] >= lim["host_bytes"] else f"{caps[0]} of host RAM"
+        caps[1] += " (with device)"
+    tiers.add_row("[dim]capacity[/]", "", *(f"[dim]{c}[/]" for c in caps), "")
+    for name in next(iter(plan["precisions"].values()))["policies"]:
+        for prec in precs:
+            e = plan["precisions"][prec]["policies"][name]
+            cells = []
+            for t in ("device", "host", "nvme"):
+                b = e["tiers"][t]["bytes"]
+                text = _common.fmt_size(b) if b else "-"
+                if t == "device":
+                    text = f"{text} + act." if b else "act. only"
+                cells.append(f"[red]{text}[/]" if e["tiers"][t]["short_bytes"] else text)
+            if e["fits"]:
+                verdict = f"[green]yes[/], {_common.fmt_size(e['device_headroom_bytes'])} left for activations"
+            else:
+                verdict = "[red]no[/]: short " + ", ".join(
+                    f"{_common.fmt_size(v['short_bytes'])} on {t}" for t, v in e["tiers"].items()
+                    if v["short_bytes"])
+            tiers.add_row(name, prec, *cells, verdict)
+    con.print(tiers)
+    con.print(f"[dim]capacity: device: {origin['device']}; host: {origin['host']}; nvme: {origin['nvme']}.[/]")
+    con.print("[dim]grads: the class table counts them in the params' dtype (as autograd makes them on "
+              "the device); a policy that homes them on the host or NVMe accumulates them there in fp32, "
+              "4 B/param, and the tier table counts that. Not counted: activations, the bucket of grads "
+              "in flight on the device, the NVMe pipeline's staging buffers.[/]")
+    if lim["device_shares_host"]:
+        con.print("[dim]no accelerator: the device tier lives in host RAM, so device + host must fit "
+                  "in the host's capacity together.[/]")
+
+
+def run(args: argparse.Namespace) -> int:
+    _common.check_output_path("--json", args.json)
+    size = _model_size(args)
+    limits, origin = _limits(args)
+    precisions = args.precision or list(sizing.PRECISIONS)
+    plan = build_plan(size, limits, list(dict.fromkeys(precisions)),
+                      sizing.policies(list(dict.fromkeys(args.policy)) if args.policy else None))
+    if args.json is not None:
+        _common.write_json(args.json, plan)
+    if args.json != "-":
+        _render(plan, origin)
+    return 0
+

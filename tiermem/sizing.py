@@ -1,0 +1,184 @@
+"""How many bytes a model's training state needs, per tensor class and per tier.
+
+Pure arithmetic, no I/O: ``tiermem plan`` prints it, and policies or ``TieredModel`` may use it to
+check a placement before allocating anything.
+
+NOTE [Bytes per parameter]
+The five parts of the training state, per trainable parameter, with Adam:
+
+==========  ==================  =====
+part        mixed (bf16/fp16)   fp32
+==========  ==================  =====
+params      2                   4
+grads       2                   4
+master      4                   4
+momentum    4                   4
+variance    4                   4
+==========  ==================  =====
+
+So 7.5e9 parameters in mixed precision are 15 + 15 + 30 + 30 + 30 = 120 GB (decimal GB), the
+worked example of DESIGN.md. ``master`` is the fp32 copy that Adam updates; in fp32 it is still
+counted as its own tensor, because it lives with the optimizer state, which a policy may place on a
+different tier from the working params. Frozen parameters (``requires_grad=False``) only have params.
+
+Where the grads live changes their size. Autograd produces them in the params' dtype, which is
+what sits on the DEVICE (and what the table counts). When a policy homes GRAD off the device, the
+engine accumulates them there in fp32: 4 B/param. So the per-tier figures count grads at 4 B/param
+on HOST or NVME, e.g. ZeRO-Offload needs 4 + 12 = 16 B/param on the host for 7.5e9 params: 120 GB.
+Not counted anywhere: activations (they depend on batch and sequence length), the one bucket of
+grads in flight on the device under ZeRO-Offload, and the fixed staging buffers of the NVMe pipeline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional
+
+from tiermem.errors import ConfigError
+from tiermem.types import TensorClass, Tier
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+#: Bytes of one element of the working params (and of the grads autograd produces) per precision.
+_PARAM_ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_FP32 = 4  # master, momentum, variance, and grads accumulated away from the device
+
+# NOTE [Built-in placements]
+# The home tier of each tensor class under each built-in policy, as documented in DESIGN.md and
+# the policies' docstrings. This is the only copy of that table in the library outside the policies
+# themselves; `placement_of` is the one function that reads it, so it can later ask the real policy
+# objects instead.
+BUILTIN_PLACEMENTS: dict[str, dict[TensorClass, Tier]] = {
+    "ZeroOffload": {TensorClass.PARAM: Tier.DEVICE, TensorClass.GRAD: Tier.HOST,
+                    TensorClass.OPTIM_STATE: Tier.HOST, TensorClass.ACTIVATION: Tier.DEVICE},
+    "KeepOnDevice": {TensorClass.PARAM: Tier.DEVICE, TensorClass.GRAD: Tier.DEVICE,
+                     TensorClass.OPTIM_STATE: Tier.DEVICE, TensorClass.ACTIVATION: Tier.DEVICE},
+    "ZeroInfinity": {TensorClass.PARAM: Tier.NVME, TensorClass.GRAD: Tier.HOST,
+                     TensorClass.OPTIM_STATE: Tier.NVME, TensorClass.ACTIVATION: Tier.DEVICE},
+}
+
+#: Which tensor class each part of the training state belongs to.
+PART_CLASS: dict[str, TensorClass] = {
+    "params": TensorClass.PARAM, "grads": TensorClass.GRAD, "master": TensorClass.OPTIM_STATE,
+    "momentum": TensorClass.OPTIM_STATE, "variance": TensorClass.OPTIM_STATE,
+}
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of each part of the training state (or bytes per parameter, from `bytes_per_param`)."""
+
+    params: int
+    grads: int
+    master: int
+    momentum: int
+    variance: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master + self.momentum + self.variance
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_precision(precision: str) -> str:
+    if precision not in _PARAM_ELEMENT_BYTES:
+        raise ConfigError(f"tiermem: precision={precision!r} is not one of {', '.join(PRECISIONS)}; "
+                          f"pick one of those")
+    return precision
+
+
+def _check_count(what: str, n: int) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"tiermem: {what}={n!r} is not a parameter count; give a whole number >= 0")
+    return n
+
+
+def bytes_per_param(precision: str) -> StateBytes:
+    """Bytes per trainable parameter of each part, grads counted in the params' dtype."""
+    p = _PARAM_ELEMENT_BYTES[check_precision(precision)]
+    return StateBytes(params=p, grads=p, master=_FP32, momentum=_FP32, variance=_FP32)
+
+
+def state_bytes(trainable: int, precision: str, *, frozen: int = 0) -> StateBytes:
+    """Bytes of each part for ``trainable`` parameters that Adam updates and ``frozen`` ones it does not."""
+    _check_count("trainable", trainable)
+    _check_count("frozen", frozen)
+    per = bytes_per_param(precision)
+    return StateBytes(params=per.params * (trainable + frozen), grads=per.grads * trainable,
+                      master=per.master * trainable, momentum=per.momentum * trainable,
+                      variance=per.variance * trainable)
+
+
+def grad_bytes_at_home(precision: str, home: Tier) -> int:
+    """Bytes per parameter of the grads at their home tier: the params' dtype on the device,
+    an fp32 accumulation buffer anywhere else (see NOTE [Bytes per parameter])."""
+    if home is Tier.DEVICE:
+        return _PARAM_ELEMENT_BYTES[check_precision(precision)]
+    check_precision(precision)
+    return _FP32
+
+
+def placement_of(policy: str) -> Mapping[TensorClass, Tier]:
+    """The home tier of each tensor class under a built-in policy (see NOTE [Built-in placements])."""
+    try:
+        return BUILTIN_PLACEMENTS[policy]
+    except KeyError:
+        raise ConfigError(f"tiermem: no built-in policy named {policy!r}; pick one of "
+                          f"{', '.join(BUILTIN_PLACEMENTS)}") from None
+
+
+def tier_bytes(trainable: int, precision: str, placement: Mapping[TensorClass, Tier], *,
+               frozen: int = 0) -> dict[Tier, int]:
+    """Bytes each tier holds for the training state (activations excluded) under ``placement``."""
+    parts = state_bytes(trainable, precision, frozen=frozen).as_dict()
+    grad_home = placement[TensorClass.GRAD]
+    parts["grads"] = grad_bytes_at_home(precision, grad_home) * trainable
+    out = {tier: 0 for tier in Tier}
+    for part, nbytes in parts.items():
+        out[placement[PART_CLASS[part]]] += nbytes
+    return out
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What each tier can hold. ``device_shares_host``: no accelerator, so the device tier is
+    carved out of the same RAM as the host tier and the two must fit in ``host`` together."""
+
+    device: int
+    host: int
+    nvme: int
+    device_shares_host: bool = False
+
+
+@dataclass(frozen=True)
+class Fit:
+    fits: bool
+    short: dict[Tier, int]  # bytes missing on each tier that does not fit (empty when it fits)
+    device_headroom: int  # bytes left on the device for activations (negative when short)
+
+
+def check_fit(need: Mapping[Tier, int], limits: Limits) -> Fit:
+    """Whether ``need`` (bytes per tier) fits within ``limits``, and by how much it misses."""
+    short: dict[Tier, int] = {}
+    device_room = limits.device - need[Tier.DEVICE]
+    # A device that shares host RAM and is allowed all of it is checked by the RAM sum below alone.
+    if device_room < 0 and not (limits.device_shares_host and limits.device >= limits.host):
+        short[Tier.DEVICE] = -device_room
+    ram_need = need[Tier.HOST] + (need[Tier.DEVICE] if limits.device_shares_host else 0)
+    if ram_need > limits.host:
+        short[Tier.HOST] = ram_need - limits.host
+    if limits.device_shares_host:
+        device_room = min(device_room, limits.host - ram_need)
+    if need[Tier.NVME] > limits.nvme:
+        short[Tier.NVME] = need[Tier.NVME] - limits.nvme
+    return Fit(fits=not short, short=short, device_headroom=device_room)
+
+
+def policies(names: Optional[list[str]] = None) -> list[str]:
+    """The built-in policy names, in the order plan prints them (or the validated subset asked for)."""
+    if names is None:
+        return list(BUILTIN_PLACEMENTS)
+    for n in names:
+        placement_of(n)
+    return list(names)
