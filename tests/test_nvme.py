@@ -117,13 +117,15 @@ def test_any_shape_dtype_alignment_round_trips(shared_store, shape, dtype, align
 
 def test_non_contiguous_source_and_keys_that_are_not_file_names(store, tmp_path):
     x = torch.arange(600, dtype=torch.float32).view(20, 30).t()  # not contiguous
+    z = torch.randn(5, dtype=torch.complex64, generator=torch.Generator().manual_seed(1)).conj()
+    assert _same(_round_trip(store, "lazy conj", z), z.resolve_conj())
     keys = ["blocks.0.attn/qkv.weight:exp_avg", "../escape", "..", ".hidden", "a b\\c*?<>|",
             "ünïcödé:κλειδί", "x" * 300]
     for key in keys:
         assert _same(_round_trip(store, key, x), x)
-    assert sorted(store.keys()) == sorted(keys)
+    assert sorted(store.keys()) == sorted(keys + ["lazy conj"])
     names = _files(tmp_path)
-    assert len(names) == len(keys) and all(n.endswith(".tmn") and not n.startswith(".") for n in names)
+    assert len(names) == len(keys) + 1 and all(n.endswith(".tmn") and not n.startswith(".") for n in names)
     assert not any(os.path.exists(tmp_path.parent / n) for n in names)  # nothing escaped the directory
 
 
@@ -329,6 +331,7 @@ BAD_INPUT = [
     (lambda s, d: s.read("kept", torch.empty(11)), StoreError, r"into a tensor of 11 x torch.float32: it holds 10 x torch.float32"),
     (lambda s, d: s.read("kept", torch.empty(10, dtype=torch.int32)), StoreError, r"holds 10 x torch.float32"),
     (lambda s, d: s.read("kept", torch.empty(20)[::2]), StoreError, r"non-contiguous"),
+    (lambda s, d: s.read("kept", torch._neg_view(torch.empty(10))), StoreError, r"lazily conjugated or negated"),
     (lambda s, d: s.write("k", [1.0, 2.0]), StoreError, r"needs a torch.Tensor as src for 'k', got list"),
     (lambda s, d: s.write("k", torch.empty(3, device="meta")), StoreError, r"dense CPU tensors only"),
     (lambda s, d: s.write(7, torch.ones(1)), StoreError, r"keys are non-empty strings, got 7"),

@@ -111,9 +111,9 @@ class NvmeStore(Store):
     # -- the Store interface --------------------------------------------------------------------
     def write(self, key: str, src: torch.Tensor) -> Handle:
         """Queue a bit-exact copy of ``src`` under ``key``; keep ``src`` unchanged until ``wait()``."""
-        self._check_key(key)
-        self._check_tensor(key, src, "src")
-        data = nio.byte_view(src.detach().contiguous())
+        nio.check_key(key)
+        nio.check_tensor(key, src, "src")
+        data = nio.byte_view(src.detach().resolve_conj().resolve_neg().contiguous())
         shape, nbytes = tuple(src.shape), data.numel()
         entry = _Entry(os.path.join(self.directory, nio.file_name(key)), src.dtype, shape, nbytes,
                        nio.encode_header(key, src.dtype, shape, nbytes))
@@ -133,8 +133,8 @@ class NvmeStore(Store):
 
     def read(self, key: str, out: torch.Tensor) -> Handle:
         """Queue a copy of ``key``'s value into ``out`` (same dtype and element count, contiguous)."""
-        self._check_key(key)
-        self._check_tensor(key, out, "out")
+        nio.check_key(key)
+        nio.check_tensor(key, out, "out")
         with self._lock:
             self._check_open()
             entry = self._latest.get(key)
@@ -393,18 +393,3 @@ class NvmeStore(Store):
         if self._closed:
             raise StoreError(f"tiermem: NvmeStore({self.directory!r}) is closed; make a new store to "
                              f"keep using the directory")
-
-    def _check_key(self, key: object) -> None:
-        if not isinstance(key, str) or not key:
-            raise StoreError(f"tiermem: NvmeStore keys are non-empty strings, got {key!r}; pass a name "
-                             f"such as 'blocks.0.fc.weight:exp_avg'")
-
-    @staticmethod
-    def _check_tensor(key: str, t: object, what: str) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise StoreError(f"tiermem: NvmeStore needs a torch.Tensor as {what} for {key!r}, got "
-                             f"{type(t).__name__}; pass a CPU tensor")
-        if t.device.type != "cpu" or t.layout != torch.strided:
-            raise StoreError(f"tiermem: NvmeStore moves dense CPU tensors only, got {what} for {key!r} on "
-                             f"{t.device} ({t.layout}); copy it to host memory first (the engine stages "
-                             f"device tensors through the host store)")

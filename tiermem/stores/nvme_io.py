@@ -56,6 +56,13 @@ def file_name(key: str) -> str:
     return f"{readable}.{digest}{SUFFIX}"
 
 
+def check_key(key: object) -> None:
+    """Any non-empty string is a key (``file_name`` makes it safe on disk)."""
+    if not isinstance(key, str) or not key:
+        raise StoreError(f"tiermem: NvmeStore keys are non-empty strings, got {key!r}; pass a name "
+                         f"such as 'blocks.0.fc.weight:exp_avg'")
+
+
 def encode_header(key: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
     record = json.dumps({"key": key, "dtype": str(dtype).removeprefix("torch."),
                          "shape": list(shape), "nbytes": nbytes}).encode()
@@ -85,6 +92,20 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous CPU tensor as a 1-d uint8 tensor sharing its memory (bf16 and
     bool included: torch reinterprets them, numpy never sees their dtype)."""
     return t.reshape(-1).view(torch.uint8)
+
+
+def check_tensor(key: str, t: object, what: str) -> None:
+    """What ``byte_view`` can take: a dense CPU tensor (``out`` also without lazy conj/neg bits)."""
+    if not isinstance(t, torch.Tensor):
+        raise StoreError(f"tiermem: NvmeStore needs a torch.Tensor as {what} for {key!r}, got "
+                         f"{type(t).__name__}; pass a CPU tensor")
+    if t.device.type != "cpu" or t.layout != torch.strided:
+        raise StoreError(f"tiermem: NvmeStore moves dense CPU tensors only, got {what} for {key!r} on "
+                         f"{t.device} ({t.layout}); copy it to host memory first (the engine stages "
+                         f"device tensors through the host store)")
+    if what == "out" and (t.is_conj() or t.is_neg()):
+        raise StoreError(f"tiermem: cannot read {key!r} into a lazily conjugated or negated view; "
+                         f"pass a plain tensor as `out` (e.g. torch.empty_like(x))")
 
 
 def _mv(t: torch.Tensor) -> memoryview:
