@@ -1,0 +1,7 @@
+"""Built-in placement policies, installed as ``tiermem.policies``."""
+from __future__ import annotations
+
+from tiermem.policies.keep_on_device import KeepOnDevice
+from tiermem.policies.zero_offload import ZeroOffload
+
+__all__ = ["KeepOnDevice", "ZeroOffload"]

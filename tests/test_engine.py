@@ -30,7 +30,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _engine(tmp: str, device_budget=1 << 20, host_budget=1 << 20) -> TransferEngine:
+def _engine(tmp: str, device_budget=16 << 20, host_budget=16 << 20) -> TransferEngine:
     stores = {Tier.DEVICE: DeviceStore("cpu", device_budget), Tier.HOST: HostStore(host_budget),
               Tier.NVME: NvmeStore(tmp)}
     return TransferEngine(stores)
@@ -192,7 +192,7 @@ def test_budget_refusal_changes_nothing(tmp_path):
         x = torch.randn(500)
         small.register(_info("w", x), Tier.HOST)
         small.put("w", x)
-        with pytest.raises(OutOfTierMemory, match=r"'w': asked 2000 B, 0 B in use of 1000 B allowed"):
+        with pytest.raises(OutOfTierMemory, match=r"'w': asked 1.95 KiB, 0 B in use of 1000 B allowed"):
             small.prefetch("w", Tier.DEVICE)
         assert small.registry.get("w").valid == {Tier.HOST} and small.pending() == 0
         out = torch.empty_like(x)

@@ -6,13 +6,19 @@ a policy gives each a home tier (device, host, NVMe); an async engine moves them
 from __future__ import annotations
 
 from tiermem.budgets import Budgets, parse_bytes
+from tiermem.config import Adam, AdamW
 from tiermem.errors import ConfigError, OutOfTierMemory, StoreError, TierMemError
 from tiermem.handles import Handle
+from tiermem.model import StepResult, TieredModel
+from tiermem.policy import Policy
+from tiermem.report import Report
+from tiermem.stores.nvme import NvmeStore
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Budgets", "ConfigError", "Handle", "OutOfTierMemory", "StoreError", "TensorClass",
-    "TensorInfo", "Tier", "TierMemError", "parse_bytes", "__version__",
+    "Adam", "AdamW", "Budgets", "ConfigError", "Handle", "NvmeStore", "OutOfTierMemory", "Policy",
+    "Report", "StepResult", "StoreError", "TensorClass", "TensorInfo", "TieredModel", "Tier",
+    "TierMemError", "parse_bytes", "__version__",
 ]

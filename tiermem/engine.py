@@ -40,7 +40,7 @@ class TransferStats:
     callers stalled waiting, per destination tier."""
 
     bytes_moved: dict[tuple[Tier, Tier], int] = field(default_factory=lambda: defaultdict(int))
-    busy_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    busy_seconds: dict[tuple[Tier, Tier], float] = field(default_factory=lambda: defaultdict(float))
     stall_seconds: dict[Tier, float] = field(default_factory=lambda: defaultdict(float))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -48,9 +48,9 @@ class TransferStats:
         with self._lock:
             self.bytes_moved[(src, dst)] += nbytes
 
-    def add_busy(self, lane: str, seconds: float) -> None:
+    def add_busy(self, src: Tier, dst: Tier, seconds: float) -> None:
         with self._lock:
-            self.busy_seconds[lane] += seconds
+            self.busy_seconds[(src, dst)] += seconds
 
     def stall_sink(self, tier: Tier) -> Callable[[float], None]:
         def sink(seconds: float) -> None:
@@ -67,8 +67,9 @@ class TransferEngine:
     """Moves registered tensors between tiers asynchronously and keeps the registry truthful."""
 
     def __init__(self, stores: Mapping[Tier, Store], registry: Optional[Registry] = None, *,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, tracer=None):
         self.stores = dict(stores)
+        self.tracer = tracer
         self.registry = registry if registry is not None else Registry()
         dev_store = self.stores.get(Tier.DEVICE)
         self.device = torch.device(device if device is not None else getattr(dev_store, "device", "cpu"))
@@ -83,7 +84,8 @@ class TransferEngine:
 
     # -- public requests ----------------------------------------------------------------------
     def register(self, info: TensorInfo, home: Tier) -> Residency:
-        self._store(home)  # fail now if the policy named a tier this engine has no store for
+        if isinstance(home, Tier):
+            self._store(home)  # fail now if the policy named a tier this engine has no store for
         return self.registry.register(info, home)
 
     def put(self, key: str, tensor: torch.Tensor, tier: Optional[Tier] = None) -> Handle:
@@ -147,6 +149,57 @@ class TransferEngine:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return Handle.completed(out)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, *, src_tier: Tier, dst_tier: Tier,
+                   accumulate: bool = False) -> Handle:
+        """Copy ``src`` into ``dst`` (or add it, when ``accumulate``), converting dtype as needed.
+
+        Requests between two different tiers run on that direction's lane, in the order made;
+        a request within one tier runs on the caller's thread. ``src`` must not be written until
+        the handle is done; the caller may drop its own reference at once.
+        """
+        if src_tier == dst_tier:
+            (dst.add_(src) if accumulate else dst.copy_(src))
+            self.stats.add_moved(src_tier, dst_tier, src.numel() * src.element_size())
+            return Handle.completed(dst)
+        lane = "d2h" if src_tier == Tier.DEVICE else "h2d"
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))  # ordering: after src is written
+        future = self._lanes[lane].submit(self._copy_or_add, dst, src, lane, ready, accumulate,
+                                          src_tier, dst_tier)
+        return Handle(future, on_stall=self.stats.stall_sink(dst_tier))
+
+    def _copy_or_add(self, dst, src, lane, ready, accumulate, src_tier, dst_tier) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            if not accumulate:
+                self._memcpy(dst, src, lane, ready)
+            elif self.device.type == "cuda" and src.device != dst.device:
+                host = self.stores[Tier.HOST]
+                assert isinstance(host, HostStore)
+                nbytes = src.numel() * src.element_size()
+                tag = f"<staging {id(src)}>"
+                base = host.acquire(nbytes, tag)
+                try:
+                    staged = base[:nbytes].view(src.dtype).view(src.shape)
+                    self._memcpy(staged, src, lane, ready)
+                    dst.add_(staged)
+                finally:
+                    host.release(tag, base)
+            else:
+                dst.add_(src)
+        finally:
+            self._account(src_tier, dst_tier, t0)
+        self.stats.add_moved(src_tier, dst_tier, src.numel() * src.element_size())
+        return dst
+
+    def _account(self, src: Tier, dst: Tier, t0: float) -> None:
+        t1 = time.perf_counter()
+        self.stats.add_busy(src, dst, t1 - t0)
+        if self.tracer is not None:
+            self.tracer.add(f"{src.value}->{dst.value}", "transfer", t0, t1)
 
     def delete(self, key: str) -> None:
         self._settle(key)
@@ -233,7 +286,7 @@ class TransferEngine:
             self._store(dst).delete(key)  # dst held no valid copy; free what we allocated for it
             raise
         finally:
-            self.stats.add_busy(lane, time.perf_counter() - t0)
+            self._account(src, dst, t0)
         self.registry.finish(key, ok=True)
         self.stats.add_moved(src, dst, r.info.nbytes)
         if then_drop is not None:

@@ -11,7 +11,6 @@ import psutil
 import torch
 from rich.console import Console
 
-from tiermem.budgets import parse_bytes
 from tiermem.errors import ConfigError
 
 _DECIMAL_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
@@ -44,14 +43,6 @@ def stdout_console() -> Console:
 
 def stderr_console() -> Console:
     return Console(stderr=True, highlight=False)
-
-
-def size_arg(what: str):
-    """An argparse ``type=`` that parses sizes with :func:`tiermem.budgets.parse_bytes`."""
-    def parse(text: str) -> int:
-        return parse_bytes(text, what=what)
-    parse.__name__ = "size"
-    return parse
 
 
 def write_json(target: str, data: dict[str, Any]) -> None:

@@ -210,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         s = Settings(**{**s.__dict__, "repeats": args.repeats})
     _common.check_output_path("--json", args.json)
     _common.check_output_path("--plot", args.plot)
+    if args.nvme_path is not None:
+        _common.existing_dir("--nvme-path", args.nvme_path)
     if args.plot:
         plot.require_matplotlib()
     err = _common.stderr_console()

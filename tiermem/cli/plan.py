@@ -7,6 +7,7 @@ from typing import Any
 from rich.table import Table
 
 from tiermem import sizing
+from tiermem.budgets import parse_bytes
 from tiermem.cli import _common
 from tiermem.cli.models import ModelSize, from_config, from_factory, parse_count
 from tiermem.types import Tier
@@ -37,12 +38,12 @@ def add_parser(sub: Any) -> None:
                    help="only this precision (repeatable; default: all)")
     p.add_argument("--policy", choices=list(sizing.BUILTIN_PLACEMENTS), action="append",
                    help="only this built-in policy (repeatable; default: all)")
-    p.add_argument("--device-mem", type=_common.size_arg("--device-mem"), metavar="SIZE",
+    p.add_argument("--device-mem", metavar="SIZE",
                    help="device memory, e.g. 80GB (default: the accelerator's; without one, the host RAM "
                         "the device tier shares)")
-    p.add_argument("--host-mem", type=_common.size_arg("--host-mem"), metavar="SIZE",
+    p.add_argument("--host-mem", metavar="SIZE",
                    help="host RAM (default: this machine's total)")
-    p.add_argument("--nvme-free", type=_common.size_arg("--nvme-free"), metavar="SIZE",
+    p.add_argument("--nvme-free", metavar="SIZE",
                    help="free space for NVMe offload (default: free space under --nvme-path)")
     p.add_argument("--nvme-path", default=".", metavar="DIR",
                    help="where NVMe offload would write, for the default --nvme-free (default: .)")
@@ -63,6 +64,9 @@ def _model_size(args: argparse.Namespace) -> ModelSize:
 def _limits(args: argparse.Namespace) -> tuple[sizing.Limits, dict[str, str]]:
     """The tiers' capacities and, for the printout, where each figure came from."""
     origin = {}
+    for opt in ("device_mem", "host_mem", "nvme_free"):  # parsed here, so the error is parse_bytes' own
+        if getattr(args, opt) is not None:
+            setattr(args, opt, parse_bytes(getattr(args, opt), what="--" + opt.replace("_", "-")))
     host = args.host_mem if args.host_mem is not None else _common.host_memory()
     origin["host"] = "--host-mem" if args.host_mem is not None else "this machine's RAM"
     dev_mem = _common.device_memory()

@@ -9,13 +9,19 @@ from tiermem.errors import ConfigError
 _COLOURS = {"device": "#4c72b0", "host": "#55a868", "nvme": "#c44e52"}
 
 
-def require_matplotlib() -> None:
-    """Fail before a long run, not after it, when the chart cannot be drawn."""
+def matplotlib_available() -> bool:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
+        return False
+    return True
+
+
+def require_matplotlib() -> None:
+    """Fail before a long run, not after it, when the chart cannot be drawn."""
+    if not matplotlib_available():
         raise ConfigError("tiermem: --plot needs matplotlib, which is not installed; "
-                          "pip install 'tiermem[plot]'") from None
+                          "pip install 'tiermem[plot]'")
 
 
 def _bars(data: dict[str, Any]) -> list[tuple[str, str, float]]:

@@ -7,6 +7,7 @@ the engine's events decide when they are done. On the CPU they complete before r
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
 from typing import Iterator, Optional, Sequence
 
@@ -49,28 +50,32 @@ class _MemoryStore(Store):
         self.ledger = Ledger(tier, budget)
         self._tensors: dict[str, torch.Tensor] = {}
         self._bases: dict[str, Optional[torch.Tensor]] = {}  # None: adopted, not ours to pool
+        self._lock = threading.RLock()  # the engine's lanes allocate and free from their threads
 
-    def _alloc(self, key: str, nbytes: int) -> torch.Tensor:
+    def _alloc(self, key: str, nbytes: int, kind: object) -> torch.Tensor:
         raise NotImplementedError
 
     def _free(self, key: str, base: torch.Tensor) -> None:
         self.ledger.release(key)
 
-    def allocate(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    def allocate(self, key: str, shape: Sequence[int], dtype: torch.dtype,
+                 kind: object = None) -> torch.Tensor:
         """An uninitialised tensor resident on this tier under ``key`` (replacing any old one)."""
-        self.delete(key)
-        nbytes = nbytes_of(shape, dtype)
-        base = self._alloc(key, nbytes)
-        t = base[:nbytes].view(dtype).view(tuple(shape))
-        self._bases[key], self._tensors[key] = base, t
-        return t
+        with self._lock:
+            self.delete(key)
+            nbytes = nbytes_of(shape, dtype)
+            base = self._alloc(key, nbytes, kind)
+            t = base[:nbytes].view(dtype).view(tuple(shape))
+            self._bases[key], self._tensors[key] = base, t
+            return t
 
-    def adopt(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    def adopt(self, key: str, tensor: torch.Tensor, kind: object = None) -> torch.Tensor:
         """Account a tensor that already lives here (e.g. a module's parameter) under ``key``."""
-        self.delete(key)
-        self.ledger.reserve(key, tensor.numel() * tensor.element_size())
-        self._bases[key], self._tensors[key] = None, tensor
-        return tensor
+        with self._lock:
+            self.delete(key)
+            self.ledger.reserve(key, tensor.numel() * tensor.element_size(), kind)
+            self._bases[key], self._tensors[key] = None, tensor
+            return tensor
 
     def get(self, key: str) -> torch.Tensor:
         try:
@@ -92,13 +97,14 @@ class _MemoryStore(Store):
         return Handle.completed(out)
 
     def delete(self, key: str) -> None:
-        if self._tensors.pop(key, None) is None:
-            return
-        base = self._bases.pop(key)
-        if base is None:
-            self.ledger.release(key)
-        else:
-            self._free(key, base)
+        with self._lock:
+            if self._tensors.pop(key, None) is None:
+                return
+            base = self._bases.pop(key)
+            if base is None:
+                self.ledger.release(key)
+            else:
+                self._free(key, base)
 
     def __contains__(self, key: object) -> bool:
         return key in self._tensors
@@ -115,8 +121,8 @@ class DeviceStore(_MemoryStore):
         self.device = torch.device(device)
         super().__init__(Tier.DEVICE, default_device_budget(self.device) if budget is None else budget)
 
-    def _alloc(self, key: str, nbytes: int) -> torch.Tensor:
-        self.ledger.reserve(key, nbytes)
+    def _alloc(self, key: str, nbytes: int, kind: object) -> torch.Tensor:
+        self.ledger.reserve(key, nbytes, kind)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
 
@@ -137,37 +143,43 @@ class HostStore(_MemoryStore):
         self._free_bytes = 0
         self.allocations = 0  # buffers ever allocated; reuse keeps this flat across steps
 
-    def acquire(self, nbytes: int, key: str) -> torch.Tensor:
+    def acquire(self, nbytes: int, key: str, kind: object = None) -> torch.Tensor:
         """A page-aligned (pinned where possible) uint8 buffer of at least ``nbytes``, accounted to ``key``."""
         size = round_up(max(nbytes, 1))
+        with self._lock:
+            return self._acquire_locked(size, key, kind)
+
+    def _acquire_locked(self, size: int, key: str, kind: object) -> torch.Tensor:
         cached = self._free_bufs.get(size)
         if cached:
             buf = cached.pop()
             self._set_free_bytes(self._free_bytes - size)
-            self.ledger.reserve(key, size)
+            self.ledger.reserve(key, size, kind)
             return buf
         try:
-            self.ledger.reserve(key, size)
+            self.ledger.reserve(key, size, kind)
         except OutOfTierMemory:
             if not self._free_bytes:
                 raise
             self.trim()  # cached buffers of other sizes make room before we give up
-            self.ledger.reserve(key, size)
+            self.ledger.reserve(key, size, kind)
         self.allocations += 1
         return aligned_empty(size, pin=self.pin)
 
     def release(self, key: str, buf: torch.Tensor) -> None:
         """Give a buffer from :meth:`acquire` back to the pool."""
-        self.ledger.release(key)
-        self._free_bufs[buf.numel()].append(buf)
-        self._set_free_bytes(self._free_bytes + buf.numel())
+        with self._lock:
+            self.ledger.release(key)
+            self._free_bufs[buf.numel()].append(buf)
+            self._set_free_bytes(self._free_bytes + buf.numel())
 
     def trim(self) -> int:
         """Drop every cached free buffer; returns the bytes released."""
-        n = self._free_bytes
-        self._free_bufs.clear()
-        self._set_free_bytes(0)
-        return n
+        with self._lock:
+            n = self._free_bytes
+            self._free_bufs.clear()
+            self._set_free_bytes(0)
+            return n
 
     def _set_free_bytes(self, n: int) -> None:
         self._free_bytes = n
@@ -175,8 +187,8 @@ class HostStore(_MemoryStore):
         if n:
             self.ledger.reserve(self._POOL_KEY, n)  # shrinking or re-adding what was held: always fits
 
-    def _alloc(self, key: str, nbytes: int) -> torch.Tensor:
-        return self.acquire(nbytes, key)
+    def _alloc(self, key: str, nbytes: int, kind: object) -> torch.Tensor:
+        return self.acquire(nbytes, key, kind)
 
     def _free(self, key: str, base: torch.Tensor) -> None:
         self.release(key, base)

@@ -1,0 +1,67 @@
+"""Small models as users write them, shared by the model tests."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(3 * d, d)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.ln(x))))
+
+
+class TinyGPT(nn.Module):
+    """Token embedding tied to the output head, nested blocks, odd sizes."""
+
+    def __init__(self, vocab: int = 37, d: int = 24, n_layer: int = 2, seq: int = 11):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+class Quirky(nn.Module):
+    """Buffers (BatchNorm running stats), a frozen layer, a branch that gets no grad unless
+    asked, and several outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(13, 17)
+        self.bn = nn.BatchNorm1d(17)
+        self.frozen = nn.Linear(17, 17)
+        self.frozen.requires_grad_(False)
+        self.branch = nn.Linear(17, 5)
+        self.out = nn.Linear(17, 3)
+
+    def forward(self, x, use_branch: bool = False):
+        h = torch.relu(self.bn(self.inp(x)))
+        h = self.frozen(h)
+        y = self.out(h)
+        z = self.branch(h) if use_branch else None
+        return y, z
+
+
+def gpt_batch(seed: int, vocab: int = 37, batch: int = 3, seq: int = 11):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def gpt_loss(logits, y):
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))

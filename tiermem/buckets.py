@@ -1,0 +1,61 @@
+"""Buckets: trainable parameters packed into contiguous flat buffers, in reverse order of use.
+
+Backward produces the last layers' gradients first, so buckets are filled from the end of the
+model: bucket 0's grads are complete first and its transfer starts while backward goes on.
+Parameters that share a placement (the tiers of their GRAD and OPTIM_STATE) share buckets.
+A bucket only records layout (names, offsets, sizes); the buffers themselves belong to stores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tiermem.types import Tier
+
+
+@dataclass
+class Slot:
+    """One parameter's place in its bucket."""
+
+    name: str
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass
+class Bucket:
+    index: int
+    grad_tier: Tier
+    state_tier: Tier
+    group: int  # index of the optimizer param group its parameters belong to
+    slots: list[Slot] = field(default_factory=list)
+    numel: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"bucket{self.index}"
+
+    def add(self, name: str, param: torch.nn.Parameter) -> None:
+        self.slots.append(Slot(name, param, self.numel, param.numel(), param.shape))
+        self.numel += param.numel()
+
+
+def plan_buckets(params: list[tuple[str, torch.nn.Parameter, Tier, Tier, int]],
+                 bucket_numel: int) -> list[Bucket]:
+    """Pack ``(name, param, grad_tier, state_tier, group)`` in the order given (already reverse
+    order of use) into buckets of at most ``bucket_numel`` elements (a larger single parameter
+    gets a bucket of its own). A bucket holds one placement and one param group, so each bucket
+    is one call of the fused Adam."""
+    buckets: list[Bucket] = []
+    open_: dict[tuple, Bucket] = {}
+    for name, p, grad_tier, state_tier, group in params:
+        k = (grad_tier, state_tier, group)
+        b = open_.get(k)
+        if b is None or (b.numel and b.numel + p.numel() > bucket_numel):
+            b = open_[k] = Bucket(len(buckets), grad_tier, state_tier, group)
+            buckets.append(b)
+        b.add(name, p)
+    return buckets

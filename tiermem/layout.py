@@ -1,0 +1,197 @@
+"""Where a model's bytes live: the policy's placements turned into buckets of flat buffers.
+
+For each bucket (see :mod:`tiermem.buckets`) the layout allocates, from the stores of the tiers
+the policy chose:
+
+- ``param``: the low-precision working weights on the device; the module's parameters become
+  views into it, so one copy uploads a whole bucket;
+- ``grad``: fp32 gradient accumulation at the GRAD tier;
+- ``master``, ``exp_avg``, ``exp_avg_sq``: fp32 optimizer state at the OPTIM_STATE tier;
+- ``grad_in``: an fp32 landing buffer at the OPTIM_STATE tier when grads live elsewhere.
+
+When optimizer state lives off the device, Adam writes the updated low-precision weights into
+one of two staging buffers per tier (each as large as the largest bucket), uploaded to the
+device while Adam runs on the next bucket: host memory stays at 16 bytes per parameter plus
+two buckets of staging.
+
+Before allocating anything it checks that the working set fits each tier's budget and, if not,
+says how much each tier needs.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from tiermem.buckets import Bucket, Slot, plan_buckets
+from tiermem.config import _AdamSpec
+from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
+from tiermem.policy import Policy, checked_place
+from tiermem.stores.memory import _MemoryStore
+from tiermem.types import TensorClass, TensorInfo, Tier
+
+#: Placements this version can honour, per tensor class (the rest arrive with the NVMe extension).
+SUPPORTED = {
+    TensorClass.PARAM: {Tier.DEVICE},
+    TensorClass.GRAD: {Tier.DEVICE, Tier.HOST},
+    TensorClass.OPTIM_STATE: {Tier.DEVICE, Tier.HOST},
+    TensorClass.ACTIVATION: {Tier.DEVICE},
+}
+STATE_PARTS = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Buffers:
+    param: torch.Tensor
+    grad: torch.Tensor
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad_in: Optional[torch.Tensor] = None  # grads copied to the state's tier for the step
+
+
+@dataclass
+class Layout:
+    buckets: list[Bucket]
+    buffers: dict[int, Buffers]
+    groups: list[list[str]]  # canonical parameter names per optimizer param group
+    names: dict[int, list[str]]  # id(param) -> every name it has (tied weights have several)
+    slot_of: dict[int, tuple[Bucket, Slot]] = field(default_factory=dict)
+    frozen: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> fp32 copy on host
+    staging: dict[Tier, list[torch.Tensor]] = field(default_factory=dict)  # Adam's output, 2 per tier
+    buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # buffers' dtypes as given
+    n_params: int = 0
+
+
+def owner(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _place(policy: Policy, info: TensorInfo) -> Tier:
+    tier = checked_place(policy, info)
+    if tier not in SUPPORTED[info.kind]:
+        raise ConfigError(
+            f"tiermem: the policy places {info.name!r} ({info.kind}) on {tier}, which this version "
+            f"cannot honour yet (supported for {info.kind}: "
+            f"{', '.join(sorted(t.value for t in SUPPORTED[info.kind]))}); change the policy")
+    return tier
+
+
+def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.dtype,
+         bucket_numel: int) -> tuple[list[Bucket], list[list[str]], dict[int, list[str]]]:
+    """Ask the policy about every tensor, then pack trainable parameters into buckets."""
+    names: dict[int, list[str]] = defaultdict(list)
+    unique: list[tuple[str, torch.nn.Parameter]] = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in names:
+            unique.append((name, p))
+        names[id(p)].append(name)
+    entries, groups = [], [[], []]  # group 0: weight decay applies; group 1: it does not
+    for name, p in reversed(unique):  # reverse order of use: backward fills the last ones first
+        _place(policy, TensorInfo(name, TensorClass.PARAM, p.numel() * dtype.itemsize,
+                                  tuple(p.shape), dtype, owner(name)))
+        if not p.requires_grad:
+            continue
+        grad_tier = _place(policy, TensorInfo(name, TensorClass.GRAD, p.numel() * 4, tuple(p.shape),
+                                              torch.float32, owner(name)))
+        state_tiers = {_place(policy, TensorInfo(f"{name}:{part}", TensorClass.OPTIM_STATE, p.numel() * 4,
+                                                 tuple(p.shape), torch.float32, owner(name)))
+                       for part in STATE_PARTS}
+        if len(state_tiers) != 1:
+            raise ConfigError(f"tiermem: the policy splits the optimizer state of {name!r} over "
+                              f"{sorted(t.value for t in state_tiers)}; master, exp_avg and exp_avg_sq "
+                              f"of one parameter must share a tier")
+        group = 0 if spec.decays(name, p) else 1
+        groups[group].append(name)
+        entries.append((name, p, grad_tier, state_tiers.pop(), group))
+    for mod_name, _ in module.named_modules():
+        _place(policy, TensorInfo(mod_name, TensorClass.ACTIVATION, 0, (), dtype, mod_name))
+    if not groups[1]:
+        groups.pop()
+    return plan_buckets(entries, bucket_numel), groups, dict(names)
+
+
+def needed_bytes(buckets: list[Bucket], frozen: list[torch.nn.Parameter], dtype: torch.dtype,
+                 device_grad_bytes: int) -> dict[Tier, dict[str, int]]:
+    """Bytes each tier must hold, by purpose, for the layout to be built and a step to run."""
+    need: dict[Tier, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    w = dtype.itemsize
+    for b in buckets:
+        need[Tier.DEVICE]["working weights"] += b.numel * w
+        need[b.grad_tier]["fp32 grads"] += b.numel * 4
+        need[b.state_tier]["optimizer state"] += b.numel * 12
+        if b.state_tier != b.grad_tier:
+            need[b.state_tier]["grads for the step"] += b.numel * 4
+    largest: dict[Tier, int] = defaultdict(int)
+    for b in buckets:
+        if b.state_tier != Tier.DEVICE:
+            largest[b.state_tier] = max(largest[b.state_tier], b.numel)
+    for tier, numel in largest.items():
+        need[tier]["weight staging (2 buckets)"] += 2 * numel * w
+    for p in frozen:
+        need[Tier.DEVICE]["frozen weights"] += p.numel() * (w if p.is_floating_point() else p.element_size())
+        need[Tier.HOST]["fp32 copy of frozen weights"] += p.numel() * p.element_size()
+    need[Tier.DEVICE]["grads in flight (largest parameter)"] += device_grad_bytes
+    return need
+
+
+def check_fits(need: dict[Tier, dict[str, int]], stores: dict[Tier, _MemoryStore]) -> None:
+    for tier, parts in need.items():
+        total = sum(parts.values())
+        store = stores[tier]
+        if store.used + total > store.allowed:
+            detail = " + ".join(f"{what} {fmt_bytes(n)}" for what, n in parts.items() if n)
+            raise OutOfTierMemory(
+                tier=tier, key="<model working set>", asked=total, used=store.used, allowed=store.allowed,
+                hint=f"it needs {fmt_bytes(total)} there ({detail}); raise Budgets({tier.value}=...) to "
+                     f"at least {fmt_bytes(store.used + total)} or choose a policy that places less on {tier}")
+
+
+def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]],
+          names: dict[int, list[str]], stores: dict[Tier, _MemoryStore], dtype: torch.dtype,
+          device: torch.device) -> Layout:
+    """Allocate every bucket's buffers, copy the module's weights in, and make its parameters
+    views of the device buffers. Frozen parameters move to the device in the working precision."""
+    layout = Layout(buckets, {}, groups, names)
+    dev = stores[Tier.DEVICE]
+    for b in buckets:
+        st, gt = stores[b.state_tier], stores[b.grad_tier]
+        n = (b.numel,)
+        buf = Buffers(
+            param=dev.allocate(f"{b.key}:param", n, dtype, TensorClass.PARAM),
+            grad=gt.allocate(f"{b.key}:grad", n, torch.float32, TensorClass.GRAD),
+            master=st.allocate(f"{b.key}:master", n, torch.float32, TensorClass.OPTIM_STATE),
+            exp_avg=st.allocate(f"{b.key}:exp_avg", n, torch.float32, TensorClass.OPTIM_STATE).zero_(),
+            exp_avg_sq=st.allocate(f"{b.key}:exp_avg_sq", n, torch.float32, TensorClass.OPTIM_STATE).zero_(),
+        )
+        if b.state_tier != b.grad_tier:
+            buf.grad_in = st.allocate(f"{b.key}:grad_in", n, torch.float32, TensorClass.GRAD)
+        for s in b.slots:
+            buf.master[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        buf.param.copy_(buf.master)  # the working copy is the master rounded to the working precision
+        for s in b.slots:
+            s.param.data = buf.param[s.offset:s.offset + s.numel].view(s.shape)
+            layout.slot_of[id(s.param)] = (b, s)
+        layout.buffers[b.index] = buf
+        layout.n_params += b.numel
+    for tier in {b.state_tier for b in buckets} - {Tier.DEVICE}:
+        largest = max(b.numel for b in buckets if b.state_tier == tier)
+        layout.staging[tier] = [stores[tier].allocate(f"staging{i}:param", (largest,), dtype, TensorClass.PARAM)
+                                for i in range(2)]
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            continue
+        layout.frozen[name] = stores[Tier.HOST].allocate(f"{name}:frozen", p.shape, p.dtype, TensorClass.PARAM)
+        layout.frozen[name].copy_(p.detach())
+        target = dtype if p.is_floating_point() else p.dtype
+        p.data = dev.adopt(f"{name}:frozen", p.detach().to(device=device, dtype=target), TensorClass.PARAM)
+    # Floating-point buffers (e.g. BatchNorm running stats) move to the working precision, as
+    # with module.half(): ops such as batch_norm need them in the dtype of their inputs.
+    for mod_name, mod in module.named_modules():
+        for bname, buf in list(mod._buffers.items()):
+            if buf is not None:
+                layout.buffer_dtypes[f"{mod_name}.{bname}" if mod_name else bname] = buf.dtype
+                mod._buffers[bname] = buf.to(device=device, dtype=dtype if buf.is_floating_point() else buf.dtype)
+    return layout

@@ -1,0 +1,77 @@
+"""Adam's hyperparameters for one update, checked once and turned into the scalars the kernels use."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tiermem.errors import ConfigError
+
+# Where each scalar sits in the fp32 tensor the compiled kernel reads (one tensor, so a new lr or
+# step is new data, never a new compiled graph).
+GRAD_SCALE, CLIP_COEF, DECAY_MUL, L2_DECAY, LERP_COEFF, LERP_FROM_GRAD, BETA2, ONE_MINUS_BETA2, \
+    BC2_SQRT, EPS, NEG_STEP_SIZE = range(11)
+NUM_SCALARS = 11
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """One update's hyperparameters. ``step`` counts updates including this one (torch's ``state["step"]``
+    after its increment). The derived values are computed in Python floats exactly as
+    ``torch.optim.adam._single_tensor_adam`` computes them."""
+
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw: bool = True
+    grad_scale: float = 1.0
+    clip_coef: float = 1.0
+
+    def __post_init__(self) -> None:
+        rules = (
+            ("step", self.step >= 1, "a 1-based count of updates including this one, >= 1"),
+            ("lr", self.lr >= 0.0 and math.isfinite(self.lr), "finite and >= 0"),
+            ("beta1", 0.0 <= self.beta1 < 1.0, "in [0, 1)"),
+            ("beta2", 0.0 <= self.beta2 < 1.0, "in [0, 1)"),
+            ("eps", self.eps >= 0.0 and math.isfinite(self.eps), "finite and >= 0"),
+            ("weight_decay", self.weight_decay >= 0.0 and math.isfinite(self.weight_decay),
+             "finite and >= 0"),
+            ("grad_scale", self.grad_scale > 0.0 and math.isfinite(self.grad_scale), "finite and > 0"),
+            ("clip_coef", self.clip_coef >= 0.0 and math.isfinite(self.clip_coef), "finite and >= 0"),
+        )
+        for name, ok, rule in rules:
+            if not ok:
+                raise ConfigError(f"tiermem: adam_step {name}={getattr(self, name)!r} is invalid: it must "
+                                  f"be {rule}; pass a value that is")
+
+    @property
+    def l2(self) -> bool:
+        """Adam (not AdamW) with weight decay: the decay is added to the gradient."""
+        return not self.adamw and self.weight_decay != 0.0
+
+    @property
+    def step_size(self) -> float:
+        return self.lr / (1.0 - self.beta1 ** self.step)
+
+    @property
+    def bias_correction2_sqrt(self) -> float:
+        return (1.0 - self.beta2 ** self.step) ** 0.5
+
+    def kernel_scalars(self) -> torch.Tensor:
+        """The fp32 scalars of the compiled kernel. Each is rounded to fp32 once, here, as torch's CPU
+        kernels round a Python scalar before using it with an fp32 tensor."""
+        s = [0.0] * NUM_SCALARS
+        s[GRAD_SCALE], s[CLIP_COEF] = self.grad_scale, self.clip_coef
+        # AdamW multiplies the weights by (1 - lr*wd); 1.0 leaves them bit-identical when it is off.
+        s[DECAY_MUL] = 1.0 - self.lr * self.weight_decay if self.adamw and self.weight_decay else 1.0
+        s[L2_DECAY] = self.weight_decay if self.l2 else 0.0
+        # torch's lerp: start + w*(end-start) when |w| < 0.5, else end + (w-1)*(end-start), w in fp32.
+        w = float(torch.tensor(1.0 - self.beta1, dtype=torch.float32))
+        s[LERP_COEFF], s[LERP_FROM_GRAD] = (w, 0.0) if abs(w) < 0.5 else (w - 1.0, 1.0)
+        s[BETA2], s[ONE_MINUS_BETA2] = self.beta2, 1.0 - self.beta2
+        s[BC2_SQRT], s[EPS], s[NEG_STEP_SIZE] = self.bias_correction2_sqrt, self.eps, -self.step_size
+        return torch.tensor(s, dtype=torch.float32)

@@ -1,0 +1,195 @@
+"""``adam_step``: one fused Adam/AdamW update of fp32 master weights and moments, and the choice of
+implementation behind it.
+
+NOTE [found_inf without a second pass]
+A step with an inf/NaN gradient must change nothing, yet a single pass commits each element as it
+goes: an inf found in the last chunk would come after the first chunks were written. Undo copies
+would cost 24 bytes per parameter; instead the gradient alone is read once ahead of the update, by
+a compiled reduction over its exponent bits (no temporary, 2 bytes per parameter for bf16: about 7%
+of the update's 28). Callers that already know the gradients are finite — TieredModel learns it
+from the global gradient norm it computes anyway — pass ``check_finite=False`` and pay nothing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+import torch
+
+from tiermem.errors import ConfigError, TierMemError
+from tiermem.optim import _compiled, _kernels
+from tiermem.optim._hyper import AdamHyper
+
+log = logging.getLogger(__name__)
+
+IMPLEMENTATIONS = ("compiled", "fallback", "reference")
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_COMPILED = _compiled.CompiledAdam()
+_said = threading.Lock()
+_said_which: set[str] = set()
+
+
+def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+              grad: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
+              weight_decay: float, adamw: bool = True, grad_scale: float = 1.0, clip_coef: float = 1.0,
+              out: Optional[torch.Tensor] = None, check_finite: bool = True,
+              impl: Optional[str] = None) -> bool:
+    """One Adam (``adamw=False``) or AdamW update, in place, in one pass over memory.
+
+    ``master``, ``exp_avg`` and ``exp_avg_sq`` are fp32 CPU tensors of one shape (typically 1-D
+    views into a flat bucket); ``grad`` has that shape and is fp32, bf16 or fp16; the gradient used
+    is ``grad / grad_scale * clip_coef``. ``step`` counts updates including this one (torch's
+    ``state["step"]`` after its increment). When ``out`` (fp32/bf16/fp16) is given, it receives
+    ``master.to(out.dtype)`` after the update. The math is torch.optim.Adam/AdamW's for-loop
+    (``foreach=False``) op for op, except that the square root is correctly rounded.
+
+    Returns ``found_inf``: True when some gradient element is inf or NaN, in which case nothing was
+    written. ``check_finite=False`` skips that check (the caller knows the gradients are finite)
+    and always returns False. ``impl`` picks an implementation ("compiled", "fallback",
+    "reference") instead of the default, for tests and benchmarks.
+    """
+    hyper = AdamHyper(step=_as_step(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2),
+                      eps=float(eps), weight_decay=float(weight_decay), adamw=bool(adamw),
+                      grad_scale=float(grad_scale), clip_coef=float(clip_coef))
+    _check_tensors(master, exp_avg, exp_avg_sq, grad, out)
+    if master.numel() == 0:
+        return False
+    name = impl if impl is not None else _default()
+    if name not in IMPLEMENTATIONS:
+        raise ConfigError(f"tiermem: adam_step impl={impl!r} is unknown; pass one of {IMPLEMENTATIONS} "
+                          f"or None for the default")
+    flat = all(t.is_contiguous() for t in (master, exp_avg, exp_avg_sq, grad)) and (
+        out is None or out.is_contiguous())
+    if not flat:  # elementwise ops work on any strides; only the reference takes them as they are
+        name = "reference"
+    else:
+        master, exp_avg, exp_avg_sq, grad = (t.view(-1) for t in (master, exp_avg, exp_avg_sq, grad))
+        out = out.view(-1) if out is not None else None
+    if name == "compiled":
+        try:
+            if check_finite and _COMPILED.any_nonfinite(grad):
+                return True
+            _COMPILED.adam(master, exp_avg, exp_avg_sq, grad, out, hyper)
+            _say("compiled")
+            return False
+        except _compiled.CompileUnavailable as e:
+            if impl == "compiled":
+                raise TierMemError(f"tiermem: the compiled CPU Adam is unavailable here ({e}); install "
+                                   f"a C++ compiler that torch.compile can use, or pass impl=None") from e
+            name = "fallback"
+    if check_finite and _kernels._eager_any_nonfinite(grad):
+        return True
+    kernel = _kernels._fused_fallback_adam if name == "fallback" else _kernels._single_tensor_adam
+    kernel(master, exp_avg, exp_avg_sq, grad, out, hyper)
+    if name == "fallback":
+        _say("fallback")
+    return False
+
+
+def implementation() -> str:
+    """The implementation ``adam_step`` uses by default here: "compiled" or "fallback".
+
+    Answers from what is known when a kernel has been compiled (or has failed to); otherwise
+    compiles the most common kernel (bf16 grad in, bf16 weights out; seconds, or less when cached
+    from an earlier process) to find out.
+    """
+    if _compiled.disabled_by_env():
+        return "fallback"
+    if _COMPILED.failure is None and not _COMPILED.seconds():
+        warm_up()
+    return _default()
+
+
+def warm_up(grad_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+            out_dtypes: tuple[Optional[torch.dtype], ...] = (torch.bfloat16,), *,
+            adam_l2: bool = False) -> dict[str, float]:
+    """Compile (or load from the cache) the kernels for these dtypes now, rather than on the first
+    step; returns seconds per kernel. Does nothing when compiling is off or unavailable."""
+    if _compiled.disabled_by_env():
+        return {}
+    for g in grad_dtypes:
+        _check_dtype("grad", g, GRAD_DTYPES)
+        for o in out_dtypes:
+            if o is not None:
+                _check_dtype("out", o, OUT_DTYPES)
+            try:
+                _COMPILED.update_fn((g, o, adam_l2))
+                _COMPILED.nonfinite_fn(g)
+            except _compiled.CompileUnavailable:
+                _say("fallback")
+                return {}
+    return {str(k): v for k, v in _COMPILED.seconds().items()}
+
+
+def compile_seconds() -> dict[str, float]:
+    """Seconds each compiled kernel took to build (or load from the cache) in this process."""
+    return {str(k): v for k, v in _COMPILED.seconds().items()}
+
+
+def _default() -> str:
+    return "fallback" if _compiled.disabled_by_env() or _COMPILED.failure is not None else "compiled"
+
+
+def _say(which: str) -> None:
+    """Log once per process which implementation runs, and why the fallback does."""
+    if which in _said_which:
+        return
+    with _said:
+        if which in _said_which:
+            return
+        _said_which.add(which)
+    if which == "compiled":
+        log.info("tiermem: CPU Adam runs the torch.compile'd single-pass kernel")
+    elif _compiled.disabled_by_env():
+        log.info("tiermem: CPU Adam runs torch's fused AdamW (TIERMEM_NO_COMPILE is set)")
+    else:
+        log.warning("tiermem: CPU Adam runs torch's fused AdamW with conversions, slower than the "
+                    "compiled kernel, because compiling failed: %s", _COMPILED.failure)
+
+
+def _as_step(step: object) -> int:
+    value = step.item() if isinstance(step, torch.Tensor) else step
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ConfigError(f"tiermem: adam_step step={step!r} is invalid: it must be a whole number "
+                          f"of updates including this one, >= 1; pass an int")
+    return int(value)
+
+
+def _check_dtype(name: str, dtype: torch.dtype, allowed: tuple[torch.dtype, ...]) -> None:
+    if dtype not in allowed:
+        raise ConfigError(f"tiermem: adam_step {name} has dtype {dtype}; it must be one of "
+                          f"{', '.join(str(d) for d in allowed)}; convert it first")
+
+
+def _check_tensors(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   grad: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+    named = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grad": grad}
+    if out is not None:
+        named["out"] = out
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"tiermem: adam_step {name} is a {type(t).__name__}, not a tensor; pass "
+                              f"a CPU tensor")
+        if t.device.type != "cpu":
+            raise ConfigError(f"tiermem: adam_step {name} is on {t.device}; the CPU Adam updates CPU "
+                              f"tensors only; move it to the CPU (or let TieredModel place it)")
+        if t.shape != master.shape:
+            raise ConfigError(f"tiermem: adam_step {name} has shape {tuple(t.shape)} but master has "
+                              f"{tuple(master.shape)}; pass tensors of one shape")
+        if t.requires_grad and name != "grad":
+            raise ConfigError(f"tiermem: adam_step {name} requires grad; pass a detached tensor "
+                              f"(param.data or param.detach())")
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        if named[name].dtype != torch.float32:
+            raise ConfigError(f"tiermem: adam_step {name} has dtype {named[name].dtype}; master weights "
+                              f"and moments must be torch.float32; keep them in fp32")
+    _check_dtype("grad", grad.dtype, GRAD_DTYPES)
+    if out is not None:
+        _check_dtype("out", out.dtype, OUT_DTYPES)
+    ptrs = [master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr()]
+    if master.numel() and len(set(ptrs)) != len(ptrs):
+        raise ConfigError("tiermem: adam_step master, exp_avg, exp_avg_sq and grad must be four "
+                          "different tensors, but two of them share memory; pass separate buffers")

@@ -1,0 +1,65 @@
+"""What a run did with memory: peaks per tier and per (class, tier), bytes moved, stalls."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from tiermem.errors import fmt_bytes
+from tiermem.stores.base import Store
+from tiermem.types import TensorClass, Tier
+
+
+@dataclass
+class Report:
+    """Plain dicts keyed by :class:`Tier` / :class:`TensorClass`, printable as a table."""
+
+    peak_bytes: dict[Tier, int]
+    class_peak_bytes: dict[tuple[TensorClass, Tier], int]
+    bytes_moved: dict[tuple[Tier, Tier], int]
+    stall_seconds: float
+    stall_seconds_per_tier: dict[Tier, float] = field(default_factory=dict)
+    busy_seconds: dict[tuple[Tier, Tier], float] = field(default_factory=dict)
+    budgets: dict[Tier, int] = field(default_factory=dict)
+    steps: int = 0
+    n_params: int = 0
+    step_seconds: float = 0.0  # wall time spent inside step() calls
+
+    def gbps(self, src: Tier, dst: Tier) -> float:
+        """Achieved bandwidth of the transfers src -> dst while they ran (GB/s, 1e9 bytes)."""
+        busy = self.busy_seconds.get((src, dst), 0.0)
+        return self.bytes_moved.get((src, dst), 0) / busy / 1e9 if busy > 0 else 0.0
+
+    def __str__(self) -> str:
+        lines = [f"tiermem report: {self.steps} steps, {self.n_params:,} trainable parameters"]
+        lines.append(f"{'tier':<8}{'peak':>14}{'budget':>14}{'B/param':>10}   by class (peak)")
+        for tier in Tier:
+            if tier not in self.peak_bytes:
+                continue
+            classes = ", ".join(f"{c.value} {fmt_bytes(n)}" for (c, t), n in sorted(
+                self.class_peak_bytes.items(), key=lambda kv: kv[0][0].value) if t == tier and n)
+            per = self.peak_bytes[tier] / self.n_params if self.n_params else 0.0
+            budget = fmt_bytes(self.budgets[tier]) if tier in self.budgets else "-"
+            lines.append(f"{tier.value:<8}{fmt_bytes(self.peak_bytes[tier]):>14}{budget:>14}"
+                         f"{per:>10.2f}   {classes or '-'}")
+        moved = [(k, n) for k, n in self.bytes_moved.items() if n and k[0] != k[1]]
+        if moved:
+            lines.append(f"{'moved':<16}{'bytes':>14}{'GB/s':>10}")
+            for (src, dst), n in sorted(moved, key=lambda kv: (kv[0][0].value, kv[0][1].value)):
+                lines.append(f"{src.value + '->' + dst.value:<16}{fmt_bytes(n):>14}{self.gbps(src, dst):>10.2f}")
+        stalls = ", ".join(f"{t.value} {s:.3f}s" for t, s in self.stall_seconds_per_tier.items() if s)
+        lines.append(f"stalled waiting on transfers: {self.stall_seconds:.3f}s" + (f" ({stalls})" if stalls else "")
+                     + (f"; time in step(): {self.step_seconds:.3f}s" if self.steps else ""))
+        return "\n".join(lines)
+
+
+def collect(stores: Mapping[Tier, Store]) -> tuple[dict[Tier, int], dict[tuple[TensorClass, Tier], int],
+                                                      dict[Tier, int]]:
+    """Peaks per tier and per (class, tier), and the budgets, read off the stores' ledgers."""
+    peak, class_peak, budgets = {}, {}, {}
+    for tier, store in stores.items():
+        peak[tier] = store.ledger.peak
+        budgets[tier] = store.ledger.allowed
+        for kind, n in store.ledger.kind_peak.items():
+            if isinstance(kind, TensorClass):
+                class_peak[(kind, tier)] = n
+    return peak, class_peak, budgets
