@@ -1,6 +1,7 @@
 """``tiermem bench --plot``: the tier bandwidths as a picture (matplotlib, the ``plot`` extra)."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tiermem.cli._common import fmt_binary
@@ -55,6 +56,9 @@ def draw(data: dict[str, Any], path: str) -> None:
     for y, (_, _, v) in enumerate(bars):
         left.text(v, y, f" {v:.2f}", va="center", fontsize=8)
     left.set_xscale("log")
+    values = [b[2] for b in bars]
+    # bars start at the power of ten below the slowest, and there is room for the value labels
+    left.set_xlim(10 ** math.floor(math.log10(min(values))), max(values) * 2)
     left.set_xlabel("GB/s (10^9 bytes/s, log scale)")
     left.set_title("tiermem bench: bandwidth per tier" + (" (--quick)" if data["quick"] else ""))
     for tier, colour in _COLOURS.items():
@@ -70,10 +74,14 @@ def draw(data: dict[str, Any], path: str) -> None:
         right.plot([p[0] for p in pts], [p[2] for p in pts], marker="s", linestyle="--",
                    color=line.get_color(), label=f"read, {fmt_binary(block)}")
     right.set_xscale("log", base=2)
+    depths = sorted({e["in_flight"] for e in sweep})
+    right.set_xticks(depths, [str(q) for q in depths])
+    top = max(max(e["write_GBps"], e["read_GBps"]) for e in sweep)
+    right.set_ylim(0, top * 1.25)  # bandwidths from zero: no exaggerated slopes; room for the legend
     right.set_xlabel("requests in flight (NvmeStore io_threads)")
     right.set_ylabel("GB/s")
     right.set_title("NVMe through NvmeStore, by block size")
-    right.legend(fontsize=8)
+    right.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)
