@@ -42,7 +42,7 @@ class Quirky(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.inp = nn.Linear(13, 17)
+        self.inp = nn.Linear(13, 17, bias=False)  # a bias before BatchNorm has zero true grad: Adam would amplify noise
         self.bn = nn.BatchNorm1d(17)
         self.frozen = nn.Linear(17, 17)
         self.frozen.requires_grad_(False)

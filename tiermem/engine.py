@@ -75,7 +75,7 @@ class TransferEngine:
         self.device = torch.device(device if device is not None else getattr(dev_store, "device", "cpu"))
         self.stats = TransferStats()
         self._lanes = {name: ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-{name}")
-                       for name in ("d2h", "h2d", "nvme")}
+                       for name in ("d2h", "h2d", "nvme", "compute")}
         self._streams = ({name: torch.cuda.Stream(self.device) for name in ("d2h", "h2d")}
                          if self.device.type == "cuda" else {})
         self._pending: dict[str, tuple[Tier, Handle]] = {}
@@ -170,6 +170,18 @@ class TransferEngine:
         future = self._lanes[lane].submit(self._copy_or_add, dst, src, lane, ready, accumulate,
                                           src_tier, dst_tier)
         return Handle(future, on_stall=self.stats.stall_sink(dst_tier))
+
+    def run_async(self, fn: Callable[[], object], *, name: str = "compute") -> Handle:
+        """Run ``fn`` on the engine's compute thread (e.g. a CPU optimizer step that overlaps the
+        next forward and backward). Requests run one at a time, in the order made."""
+        def timed():
+            t0 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                if self.tracer is not None:
+                    self.tracer.add(name, "compute", t0, time.perf_counter())
+        return Handle(self._lanes["compute"].submit(timed), on_stall=self.stats.stall_sink(Tier.HOST))
 
     def _copy_or_add(self, dst, src, lane, ready, accumulate, src_tier, dst_tier) -> torch.Tensor:
         t0 = time.perf_counter()

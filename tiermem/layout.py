@@ -50,6 +50,11 @@ class Buffers:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     grad_in: Optional[torch.Tensor] = None  # grads copied to the state's tier for the step
+    grad_alt: Optional[torch.Tensor] = None  # overlap_step: backward fills one while Adam reads the other
+    param_out: Optional[torch.Tensor] = None  # overlap_step: Adam's low-precision output, uploaded next step
+
+    def grad_buffer(self, which: int) -> torch.Tensor:
+        return self.grad if which == 0 else self.grad_alt
 
 
 @dataclass
@@ -114,7 +119,7 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
 
 
 def needed_bytes(buckets: list[Bucket], frozen: list[torch.nn.Parameter], dtype: torch.dtype,
-                 device_grad_bytes: int) -> dict[Tier, dict[str, int]]:
+                 device_grad_bytes: int, overlap: bool = False) -> dict[Tier, dict[str, int]]:
     """Bytes each tier must hold, by purpose, for the layout to be built and a step to run."""
     need: dict[Tier, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     w = dtype.itemsize
@@ -124,11 +129,14 @@ def needed_bytes(buckets: list[Bucket], frozen: list[torch.nn.Parameter], dtype:
         need[b.state_tier]["optimizer state"] += b.numel * 12
         if b.state_tier != b.grad_tier:
             need[b.state_tier]["grads for the step"] += b.numel * 4
+        if overlap:
+            need[b.grad_tier]["second grad buffer (overlap_step)"] += b.numel * 4
+            need[b.state_tier]["updated weights (overlap_step)"] += b.numel * w
     largest: dict[Tier, int] = defaultdict(int)
     for b in buckets:
         if b.state_tier != Tier.DEVICE:
             largest[b.state_tier] = max(largest[b.state_tier], b.numel)
-    for tier, numel in largest.items():
+    for tier, numel in (largest.items() if not overlap else ()):
         need[tier]["weight staging (2 buckets)"] += 2 * numel * w
     for p in frozen:
         need[Tier.DEVICE]["frozen weights"] += p.numel() * (w if p.is_floating_point() else p.element_size())
@@ -151,7 +159,7 @@ def check_fits(need: dict[Tier, dict[str, int]], stores: dict[Tier, _MemoryStore
 
 def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]],
           names: dict[int, list[str]], stores: dict[Tier, _MemoryStore], dtype: torch.dtype,
-          device: torch.device) -> Layout:
+          device: torch.device, overlap: bool = False) -> Layout:
     """Allocate every bucket's buffers, copy the module's weights in, and make its parameters
     views of the device buffers. Frozen parameters move to the device in the working precision."""
     layout = Layout(buckets, {}, groups, names)
@@ -168,6 +176,9 @@ def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]
         )
         if b.state_tier != b.grad_tier:
             buf.grad_in = st.allocate(f"{b.key}:grad_in", n, torch.float32, TensorClass.GRAD)
+        if overlap:
+            buf.grad_alt = gt.allocate(f"{b.key}:grad_alt", n, torch.float32, TensorClass.GRAD)
+            buf.param_out = st.allocate(f"{b.key}:param_out", n, dtype, TensorClass.PARAM)
         for s in b.slots:
             buf.master[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         buf.param.copy_(buf.master)  # the working copy is the master rounded to the working precision
@@ -176,7 +187,7 @@ def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]
             layout.slot_of[id(s.param)] = (b, s)
         layout.buffers[b.index] = buf
         layout.n_params += b.numel
-    for tier in {b.state_tier for b in buckets} - {Tier.DEVICE}:
+    for tier in ({b.state_tier for b in buckets} - {Tier.DEVICE} if not overlap else ()):
         largest = max(b.numel for b in buckets if b.state_tier == tier)
         layout.staging[tier] = [stores[tier].allocate(f"staging{i}:param", (largest,), dtype, TensorClass.PARAM)
                                 for i in range(2)]

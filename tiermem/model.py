@@ -82,12 +82,12 @@ class TieredModel:
             self.stores[Tier.NVME] = NvmeStore(nvme_dir, budget=budgets.nvme)
         frozen = [p for p in module.parameters() if not p.requires_grad]
         biggest = max((s.numel for b in buckets for s in b.slots), default=0) * self.dtype.itemsize
-        check_fits(needed_bytes(buckets, frozen, self.dtype, biggest), self.stores)
-        self.layout = build(module, buckets, groups, names, self.stores, self.dtype, self.device)
+        check_fits(needed_bytes(buckets, frozen, self.dtype, biggest, self.overlap_step), self.stores)
+        self.layout = build(module, buckets, groups, names, self.stores, self.dtype, self.device, self.overlap_step)
         self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.stepper = Stepper(self.layout, self.engine, self.scaler, self.stores[Tier.DEVICE],
-                               grad_clip=grad_clip, tracer=self.tracer, background=self.overlap_step)
+                               grad_clip=grad_clip, tracer=self.tracer, overlap=self.overlap_step)
         self.optimizer = TieredOptimizer(self.layout, spec, self.stepper)
         self.hooks = HookSet()
         for b in buckets:

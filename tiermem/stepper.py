@@ -42,12 +42,18 @@ class StepResult:
 
 
 class Stepper:
+    """Runs the step. With ``overlap=True`` (one-step delayed update) the Adam of step k runs on
+    the engine's compute thread while forward and backward of step k+1 run; backward then fills
+    the second gradient buffer, and step k+1 first uploads step k's weights. A gradient is thus
+    computed with weights one update older than in the plain loop."""
+
     def __init__(self, layout: Layout, engine, scaler: LossScaler, device_store, *,
-                 grad_clip: Optional[float], tracer, background: bool = False):
+                 grad_clip: Optional[float], tracer, overlap: bool = False):
         self.layout, self.engine, self.scaler = layout, engine, scaler
         self.device_ledger = device_store.ledger
         self.grad_clip = grad_clip
         self.tracer = tracer
+        self.overlap = overlap
         from tiermem.optim import adam_step  # the fused CPU Adam; imported when a model is built
         self._adam_step = adam_step
         self.steps = 0
@@ -55,6 +61,8 @@ class Stepper:
         self._got: set[tuple[int, int]] = set()  # (bucket, slot) that received a grad this step
         self._step_of: dict[str, int] = {}  # canonical parameter name -> updates applied to it
         self._grad_handles: list[Handle] = []
+        self._fill = 0  # which gradient buffer backward fills (always 0 without overlap)
+        self._background: Optional[tuple[Handle, list]] = None  # overlap: the update in flight
 
     # -- during backward ------------------------------------------------------------------------
     def on_grad(self, param: torch.Tensor) -> None:
@@ -63,7 +71,7 @@ class Stepper:
         grad, param.grad = param.grad, None  # the device grad is freed once the copy has read it
         if grad is None:
             return
-        acc = self.layout.buffers[bucket.index].grad[slot.offset:slot.offset + slot.numel]
+        acc = self.layout.buffers[bucket.index].grad_buffer(self._fill)[slot.offset:slot.offset + slot.numel]
         first = (bucket.index, slot.offset) not in self._got
         self._got.add((bucket.index, slot.offset))
         tag = f"<grad in flight {slot.name}>"
@@ -74,10 +82,11 @@ class Stepper:
         self._grad_handles.append(h)
 
     def finish_pending(self) -> None:
-        """Wait for every transfer this stepper started (grad copies of an unfinished step)."""
+        """Wait for every transfer this stepper started, and land a background update."""
         if self._grad_handles:
             wait_all(self._grad_handles)
             self._grad_handles.clear()
+        self._land_background()
 
     def before_forward(self) -> None:
         pass
@@ -105,46 +114,75 @@ class Stepper:
         clip = 1.0
         if self.grad_clip is not None:
             clip = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0).item()
+        plan = [(b, self._runs(b)) for b in self.layout.buckets]
+        hyper = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "adamw")} for g in groups]
+        if self.overlap:  # snapshot taken: a scheduler may change the groups while this runs
+            handle = self.engine.run_async(lambda: self._update(plan, grads, hyper, scale, clip), name="adam")
+            self._background = (handle, plan)
+            self._fill ^= 1  # the next backward fills the other gradient buffer
+        else:
+            self._update(plan, grads, hyper, scale, clip)
+        self.scaler.update(found_inf=False)
+        self._got.clear()
+        self.steps += 1
+        return StepResult(False, norm.item(), self.scaler.scale, self.steps)
+
+    def _update(self, plan, grads, hyper, scale: float, clip: float) -> None:
+        """Fused Adam per bucket; new low-precision weights go to the device (through the
+        double-buffered staging, uploaded while Adam runs on the next bucket), or, with
+        overlap, to ``param_out`` for the next step to upload."""
         uploads: dict[tuple[Tier, int], list[Handle]] = {}  # staging buffer -> its uploads in flight
         turn = 0
-        for b in self.layout.buckets:
+        for b, runs in plan:
             buf = self.layout.buffers[b.index]
-            g = grads[b.index]
-            runs = self._runs(b)
-            if b.state_tier == Tier.DEVICE:
-                out, staging = buf.param, None
+            staging = None
+            if buf.param_out is not None:
+                out = buf.param_out
+            elif b.state_tier == Tier.DEVICE:
+                out = buf.param
             else:
                 staging, turn = (b.state_tier, turn % 2), turn + 1
                 with self.tracer.span("wait staging", "stall"):
                     wait_all(uploads.pop(staging, ()))  # ordering: its last upload has left the buffer
                 out = self.layout.staging[b.state_tier][staging[1]]
-            group = groups[b.group]
-            beta1, beta2 = group["betas"]
+            h = hyper[b.group]
+            g = grads[b.index]
             with self.tracer.span(f"adam {b.key}", "adam", numel=b.numel):
                 for start, end, step in runs:
                     self._adam_step(buf.master[start:end], buf.exp_avg[start:end], buf.exp_avg_sq[start:end],
-                              g[start:end], step=step, lr=group["lr"], beta1=beta1, beta2=beta2,
-                              eps=group["eps"], weight_decay=group["weight_decay"], adamw=group["adamw"],
-                              grad_scale=scale, clip_coef=clip, out=out[start:end], check_finite=False)
+                                    g[start:end], step=step, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1],
+                                    eps=h["eps"], weight_decay=h["weight_decay"], adamw=h["adamw"],
+                                    grad_scale=scale, clip_coef=clip, out=out[start:end], check_finite=False)
             if staging is not None:  # upload while Adam runs on the next bucket
-                uploads[staging] = [self.engine.copy_async(buf.param[a:e], out[a:e], src_tier=b.state_tier,
-                                                           dst_tier=Tier.DEVICE) for a, e, _ in runs]
+                uploads[staging] = self._upload(b, out, runs)
         with self.tracer.span("wait uploads", "stall"):
             wait_all([h for hs in uploads.values() for h in hs])
-        self.scaler.update(found_inf=False)
-        self._got.clear()
-        self.steps += 1
-        return StepResult(False, norm.item(), self.scaler.scale, self.steps)
+
+    def _upload(self, b, src: torch.Tensor, runs) -> list[Handle]:
+        param = self.layout.buffers[b.index].param
+        return [self.engine.copy_async(param[a:e], src[a:e], src_tier=b.state_tier, dst_tier=Tier.DEVICE)
+                for a, e, _ in runs]
+
+    def _land_background(self) -> None:
+        """overlap: wait for the update in flight, then upload the weights it produced."""
+        if self._background is None:
+            return
+        handle, plan = self._background
+        self._background = None
+        with self.tracer.span("wait background adam", "stall"):
+            handle.wait()
+        wait_all([h for b, runs in plan for h in self._upload(b, self.layout.buffers[b.index].param_out, runs)])
 
     def _grads_at_state_tier(self) -> dict[int, torch.Tensor]:
         """Each bucket's grads where its optimizer state lives (copied there if they are not)."""
         grads, copies = {}, []
         for b in self.layout.buckets:
             buf = self.layout.buffers[b.index]
+            acc = buf.grad_buffer(self._fill)
             if buf.grad_in is None:
-                grads[b.index] = buf.grad
+                grads[b.index] = acc
             else:
-                copies.append(self.engine.copy_async(buf.grad_in, buf.grad, src_tier=b.grad_tier,
+                copies.append(self.engine.copy_async(buf.grad_in, acc, src_tier=b.grad_tier,
                                                      dst_tier=b.state_tier))
                 grads[b.index] = buf.grad_in
         wait_all(copies)
