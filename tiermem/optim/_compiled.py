@@ -83,20 +83,12 @@ def _make_update(l2: bool, has_out: bool, name: str) -> Callable[..., None]:
     return update
 
 
-def _make_nonfinite(name: str) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    def exponent_max(bits, mask):
-        return torch.amax(torch.bitwise_and(bits, mask))  # == mask iff some element is inf/NaN
+def _make_all_finite(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def all_finite(grad):
+        return torch.isfinite(grad).all()  # one vectorised reduction, no temporary
 
-    exponent_max.__code__ = exponent_max.__code__.replace(co_name=name)
-    return exponent_max
-
-
-# Integer view and exponent mask per gradient dtype: all exponent bits set means inf or NaN.
-_EXPONENT = {
-    torch.float32: (torch.int32, 0x7F800000),
-    torch.bfloat16: (torch.int16, 0x7F80),
-    torch.float16: (torch.int16, 0x7C00),
-}
+    all_finite.__code__ = all_finite.__code__.replace(co_name=name)
+    return all_finite
 
 
 @dataclass
@@ -158,11 +150,10 @@ class CompiledAdam:
 
         return self._get(("update", variant), lambda: _make_update(l2, out_dtype is not None, name), warm)
 
-    def nonfinite_fn(self, grad_dtype: torch.dtype) -> Callable:
-        int_dtype, mask = _EXPONENT[grad_dtype]
-        name = f"tiermem_nonfinite_{str(grad_dtype)[6:]}"
-        return self._get(("nonfinite", grad_dtype), lambda: _make_nonfinite(name),
-                         lambda fn: fn(torch.zeros(WARMUP_NUMEL, dtype=int_dtype), mask))
+    def all_finite_fn(self, grad_dtype: torch.dtype) -> Callable:
+        name = f"tiermem_all_finite_{str(grad_dtype)[6:]}"
+        return self._get(("all_finite", grad_dtype), lambda: _make_all_finite(name),
+                         lambda fn: fn(torch.zeros(WARMUP_NUMEL, dtype=grad_dtype)))
 
     # -- the kernels, in the shared signature (flat, contiguous, 1-D tensors) ----------------------
     def adam(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -179,12 +170,11 @@ class CompiledAdam:
                    None if out is None else out[a:b], s)
 
     def any_nonfinite(self, grad: torch.Tensor) -> bool:
-        int_dtype, mask = _EXPONENT[grad.dtype]
-        if grad.numel() < 2:
+        if grad.numel() < 2:  # dynamo would specialise size 1
             return not bool(torch.isfinite(grad).all())
-        fn = self.nonfinite_fn(grad.dtype)
+        fn = self.all_finite_fn(grad.dtype)
         with _pinned_global_state():
-            return int(fn(grad.view(int_dtype), mask)) == mask
+            return not bool(fn(grad))
 
 
 def _chunks(n: int) -> Iterator[tuple[int, int]]:

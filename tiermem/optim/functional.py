@@ -5,8 +5,8 @@ NOTE [found_inf without a second pass]
 A step with an inf/NaN gradient must change nothing, yet a single pass commits each element as it
 goes: an inf found in the last chunk would come after the first chunks were written. Undo copies
 would cost 24 bytes per parameter; instead the gradient alone is read once ahead of the update, by
-a compiled reduction over its exponent bits (no temporary, 2 bytes per parameter for bf16: about 7%
-of the update's 28). Callers that already know the gradients are finite — TieredModel learns it
+a compiled ``isfinite().all()`` reduction (no temporary; 2 bytes per parameter for bf16, about 7% of
+the update's 28). Callers that already know the gradients are finite — TieredModel learns it
 from the global gradient norm it computes anyway — pass ``check_finite=False`` and pay nothing.
 """
 from __future__ import annotations
@@ -55,6 +55,9 @@ def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
                       eps=float(eps), weight_decay=float(weight_decay), adamw=bool(adamw),
                       grad_scale=float(grad_scale), clip_coef=float(clip_coef))
     _check_tensors(master, exp_avg, exp_avg_sq, grad, out)
+    # detached views: the same memory, without autograd's view of it (dynamo guards on requires_grad)
+    master, exp_avg, exp_avg_sq, grad = (t.detach() for t in (master, exp_avg, exp_avg_sq, grad))
+    out = out.detach() if out is not None else None
     if master.numel() == 0:
         return False
     name = impl if impl is not None else _default()
@@ -73,7 +76,8 @@ def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
             if check_finite and _COMPILED.any_nonfinite(grad):
                 return True
             _COMPILED.adam(master, exp_avg, exp_avg_sq, grad, out, hyper)
-            _say("compiled")
+            if impl is None:
+                _say("compiled")
             return False
         except _compiled.CompileUnavailable as e:
             if impl == "compiled":
@@ -84,9 +88,22 @@ def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
         return True
     kernel = _kernels._fused_fallback_adam if name == "fallback" else _kernels._single_tensor_adam
     kernel(master, exp_avg, exp_avg_sq, grad, out, hyper)
-    if name == "fallback":
+    if impl is None and name == "fallback":
         _say("fallback")
     return False
+
+
+def any_nonfinite(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` holds an inf or NaN, read once, with the check ``adam_step`` uses."""
+    grad = grad.detach()
+    if grad.numel() == 0:
+        return False
+    if grad.is_contiguous() and grad.dtype in GRAD_DTYPES and _default() == "compiled":
+        try:
+            return _COMPILED.any_nonfinite(grad.view(-1))
+        except _compiled.CompileUnavailable:
+            _say("fallback")
+    return _kernels._eager_any_nonfinite(grad)
 
 
 def implementation() -> str:
@@ -117,7 +134,7 @@ def warm_up(grad_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
                 _check_dtype("out", o, OUT_DTYPES)
             try:
                 _COMPILED.update_fn((g, o, adam_l2))
-                _COMPILED.nonfinite_fn(g)
+                _COMPILED.all_finite_fn(g)
             except _compiled.CompileUnavailable:
                 _say("fallback")
                 return {}
@@ -179,9 +196,6 @@ def _check_tensors(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
         if t.shape != master.shape:
             raise ConfigError(f"tiermem: adam_step {name} has shape {tuple(t.shape)} but master has "
                               f"{tuple(master.shape)}; pass tensors of one shape")
-        if t.requires_grad and name != "grad":
-            raise ConfigError(f"tiermem: adam_step {name} requires grad; pass a detached tensor "
-                              f"(param.data or param.detach())")
     for name in ("master", "exp_avg", "exp_avg_sq"):
         if named[name].dtype != torch.float32:
             raise ConfigError(f"tiermem: adam_step {name} has dtype {named[name].dtype}; master weights "
