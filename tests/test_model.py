@@ -257,11 +257,11 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     tm.backward(gpt_loss(tm(x), y))
     tm.step()
 
-    def full_disk(*a, **k):
+    def full_disk(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(torch, "save", full_disk)
-    from tiermem import StoreError
+    from tiermem import StoreError, checkpoint
+    monkeypatch.setattr(checkpoint.os, "fsync", full_disk)
     with pytest.raises(StoreError, match="No space left on device.*previous checkpoint there is unchanged"):
         tm.save(path)
     monkeypatch.undo()
@@ -275,9 +275,19 @@ def test_load_rejects_bad_files(tmp_path):
     tm = TieredModel(TinyGPT(), precision="bf16")
     from tiermem import StoreError, TierMemError
     junk = tmp_path / "junk.pt"
-    junk.write_bytes(b"\x00not a checkpoint")
+    junk.write_bytes(b"\x00not a checkpoint" * 10)
     with pytest.raises(StoreError, match="not a readable tiermem checkpoint"):
         tm.load(str(junk))
+    good = tmp_path / "good.pt"
+    tm.save(str(good))
+    data = bytearray(good.read_bytes())
+    (tmp_path / "truncated.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(StoreError, match="truncated"):
+        tm.load(str(tmp_path / "truncated.pt"))
+    data[100] ^= 0xFF  # one flipped byte in the tensor data
+    (tmp_path / "flipped.pt").write_bytes(data)
+    with pytest.raises(StoreError, match="fails its checksum"):
+        tm.load(str(tmp_path / "flipped.pt"))
     with pytest.raises(StoreError, match="no checkpoint at"):
         tm.load(str(tmp_path / "missing.pt"))
     other = TieredModel(TinyGPT(d=16), precision="bf16")

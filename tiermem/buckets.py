@@ -23,6 +23,7 @@ class Slot:
     offset: int
     numel: int
     shape: torch.Size
+    order: int  # position in reverse order of use: the same whatever the placement
 
 
 @dataclass
@@ -38,8 +39,8 @@ class Bucket:
     def key(self) -> str:
         return f"bucket{self.index}"
 
-    def add(self, name: str, param: torch.nn.Parameter) -> None:
-        self.slots.append(Slot(name, param, self.numel, param.numel(), param.shape))
+    def add(self, name: str, param: torch.nn.Parameter, order: int) -> None:
+        self.slots.append(Slot(name, param, self.numel, param.numel(), param.shape, order))
         self.numel += param.numel()
 
 
@@ -51,11 +52,11 @@ def plan_buckets(params: list[tuple[str, torch.nn.Parameter, Tier, Tier, int]],
     is one call of the fused Adam."""
     buckets: list[Bucket] = []
     open_: dict[tuple, Bucket] = {}
-    for name, p, grad_tier, state_tier, group in params:
+    for order, (name, p, grad_tier, state_tier, group) in enumerate(params):
         k = (grad_tier, state_tier, group)
         b = open_.get(k)
         if b is None or (b.numel and b.numel + p.numel() > bucket_numel):
             b = open_[k] = Bucket(len(buckets), grad_tier, state_tier, group)
             buckets.append(b)
-        b.add(name, p)
+        b.add(name, p, order)
     return buckets

@@ -1,15 +1,25 @@
-"""Checkpoints keyed by parameter name (never by bucket), written atomically.
+"""Checkpoints keyed by parameter name (never by bucket), streamed, atomic, checksummed.
 
-A checkpoint is one ``torch.save`` file: ``{"format", "params", "exp_avg", "exp_avg_sq",
-"param_step", "frozen", "buffers", "groups", "scaler", "step", "precision"}``, every tensor
-map keyed by the parameter's canonical (first) qualified name. It is written to a temporary
-file beside the target and renamed over it only once complete, so a failed save leaves the
-previous checkpoint loadable. Loading validates everything before changing anything.
+# NOTE [Checkpoint format]
+One file: ``MAGIC``, then each tensor's raw bytes (64-byte aligned), then a JSON footer, its
+length (8 bytes, little endian) and ``MAGIC`` again. The footer holds the step, loss scale,
+hyperparameters and per-parameter step counts, and for every tensor its name
+(``master/<param>``, ``exp_avg/<param>``, ``exp_avg_sq/<param>``, ``frozen/<param>``,
+``buffers/<buffer>``), dtype, shape, offset and CRC-32. Parameter names are the module's
+qualified names (the first one, for tied weights), so a model with another bucket size loads it.
+
+Saving streams bucket by bucket (optimizer state on NVMe passes through one host buffer set at
+a time, never the whole state), into a temporary file beside the target that is renamed over it
+only once complete and synced: a failed save leaves the previous checkpoint loadable. Loading
+checks the footer and every checksum before it changes anything, and unpickles nothing.
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import TYPE_CHECKING
+import struct
+import zlib
+from typing import TYPE_CHECKING, BinaryIO, Iterator
 
 import torch
 
@@ -18,54 +28,69 @@ from tiermem.errors import StoreError, TierMemError
 if TYPE_CHECKING:
     from tiermem.model import TieredModel
 
-FORMAT = "tiermem-checkpoint/1"
+MAGIC = b"TIERMEM-CKPT-v1\n"
+_ALIGN = 64
+_CHUNK = 64 << 20
 _HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+PARTS = ("master", "exp_avg", "exp_avg_sq")
 
 
-def _slots(tm: "TieredModel"):
+# -- the model's tensors, one bucket at a time --------------------------------------------------
+def _bucket_state(tm: "TieredModel") -> Iterator[tuple[object, tuple[torch.Tensor, ...]]]:
+    """(bucket, (master, exp_avg, exp_avg_sq)) with the state in memory; NVMe state is read into
+    one host buffer set, valid until the next item."""
     for b in tm.layout.buckets:
         buf = tm.layout.buffers[b.index]
-        for s in b.slots:
-            yield buf, s, slice(s.offset, s.offset + s.numel)
+        if buf.master is not None:
+            yield b, (buf.master, buf.exp_avg, buf.exp_avg_sq)
+        else:
+            yield b, tm.layout.nvme_state.read(b)
 
 
 def fp32_weights(tm: "TieredModel") -> dict[str, torch.Tensor]:
-    """Every parameter name (tied aliases included) -> its fp32 value, as views (no copies)."""
+    """Every parameter name (tied aliases included) -> a CPU copy of its fp32 value."""
     out: dict[str, torch.Tensor] = {}
-    for buf, s, sl in _slots(tm):
-        for name in tm.layout.names[id(s.param)]:
-            out[name] = buf.master[sl].view(s.shape)
+    for b, (master, _, _) in _bucket_state(tm):
+        for s in b.slots:
+            value = master[s.offset:s.offset + s.numel].view(s.shape).detach().cpu().clone()
+            for name in tm.layout.names[id(s.param)]:
+                out[name] = value
+    params = dict(tm.module.named_parameters())
     for name, t in tm.layout.frozen.items():
-        for alias in tm.layout.names.get(id(dict(tm.module.named_parameters())[name]), [name]):
-            out[alias] = t
+        for alias in tm.layout.names[id(params[name])]:
+            out[alias] = t.detach().cpu().clone()
     return out
 
 
 def module_state(tm: "TieredModel") -> dict[str, torch.Tensor]:
     weights = fp32_weights(tm)
-    state = tm.module.state_dict()
-    return {k: weights[k].detach().cpu().clone() if k in weights else
-            v.detach().to("cpu", tm.layout.buffer_dtypes.get(k, v.dtype), copy=True) for k, v in state.items()}
+    return {k: weights[k] if k in weights else v.detach().to("cpu", tm.layout.buffer_dtypes.get(k, v.dtype), copy=True)
+            for k, v in tm.module.state_dict().items()}
 
 
-def _buffers(tm: "TieredModel") -> dict[str, torch.Tensor]:
-    return {name: b.detach().cpu() for name, b in tm.module.named_buffers()}
+def _tensors(tm: "TieredModel") -> Iterator[tuple[str, torch.Tensor]]:
+    for b, state in _bucket_state(tm):
+        for part, t in zip(PARTS, state):
+            for s in b.slots:
+                yield f"{part}/{s.name}", t[s.offset:s.offset + s.numel].view(s.shape)
+    for name, t in tm.layout.frozen.items():
+        yield f"frozen/{name}", t
+    for name, t in tm.module.named_buffers():
+        yield f"buffers/{name}", t
+
+
+def _meta(tm: "TieredModel") -> dict:
+    return {"precision": tm.precision, "step": tm.stepper.steps, "param_step": tm.stepper.param_steps(),
+            "scaler": tm.scaler.state_dict(),
+            "groups": [{k: g[k] for k in _HYPER if k in g} for g in tm.optimizer.param_groups]}
+
+
+# -- save -----------------------------------------------------------------------------------------
+def _bytes(t: torch.Tensor):
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def save(tm: "TieredModel", path: str) -> None:
-    doc = {
-        "format": FORMAT,
-        "precision": tm.precision,
-        "step": tm.stepper.steps,
-        "param_step": tm.stepper.param_steps(),
-        "params": {s.name: buf.master[sl].view(s.shape) for buf, s, sl in _slots(tm)},
-        "exp_avg": {s.name: buf.exp_avg[sl].view(s.shape) for buf, s, sl in _slots(tm)},
-        "exp_avg_sq": {s.name: buf.exp_avg_sq[sl].view(s.shape) for buf, s, sl in _slots(tm)},
-        "frozen": dict(tm.layout.frozen),
-        "buffers": _buffers(tm),
-        "groups": [{k: g[k] for k in _HYPER if k in g} for g in tm.optimizer.param_groups],
-        "scaler": tm.scaler.state_dict(),
-    }
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise StoreError(f"tiermem: cannot save a checkpoint to {path!r}: directory {directory!r} does not "
@@ -73,7 +98,18 @@ def save(tm: "TieredModel", path: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            torch.save(doc, f)
+            f.write(MAGIC)
+            entries = []
+            for name, t in _tensors(tm):
+                pos = f.tell()
+                f.write(b"\0" * (-pos % _ALIGN))
+                data = _bytes(t)
+                entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
+                                "shape": list(t.shape), "offset": f.tell(), "nbytes": data.nbytes,
+                                "crc32": zlib.crc32(data)})
+                f.write(data)
+            footer = json.dumps({"meta": _meta(tm), "tensors": entries}).encode()
+            f.write(footer + struct.pack("<Q", len(footer)) + MAGIC)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: readers see the old checkpoint or the new one, never half
@@ -84,56 +120,103 @@ def save(tm: "TieredModel", path: str) -> None:
                          f"or choose another path. Any previous checkpoint there is unchanged") from e
 
 
+# -- load -----------------------------------------------------------------------------------------
+def _read_footer(f: BinaryIO, path: str) -> dict:
+    def bad(why: str) -> StoreError:
+        return StoreError(f"tiermem: {path!r} is not a readable tiermem checkpoint ({why}); pass a file "
+                          f"written by tm.save()")
+    size = os.fstat(f.fileno()).st_size
+    if size < 2 * len(MAGIC) + 8 or f.read(len(MAGIC)) != MAGIC:
+        raise bad("no tiermem header")
+    f.seek(size - len(MAGIC) - 8)
+    tail = f.read(8 + len(MAGIC))
+    if tail[8:] != MAGIC:
+        raise bad("truncated: no footer")
+    (n,) = struct.unpack("<Q", tail[:8])
+    if n > size:
+        raise bad("corrupt footer length")
+    f.seek(size - len(MAGIC) - 8 - n)
+    try:
+        doc = json.loads(f.read(n))
+    except ValueError:
+        raise bad("corrupt footer") from None
+    return doc
+
+
+def _check(tm: "TieredModel", doc: dict, f: BinaryIO, path: str) -> dict[str, dict]:
+    index = {e["name"]: e for e in doc["tensors"]}
+    expected = {name: tuple(t.shape) for name, t in _shapes(tm)}
+    missing, unexpected = sorted(set(expected) - set(index)), sorted(set(index) - set(expected))
+    if missing or unexpected:
+        raise TierMemError(f"tiermem: checkpoint {path!r} does not match this model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}; load it into the model it was saved from")
+    for name, shape in expected.items():
+        if tuple(index[name]["shape"]) != shape:
+            raise TierMemError(f"tiermem: checkpoint {path!r}: {name!r} has shape {tuple(index[name]['shape'])}, "
+                               f"the model has {shape}; load it into the model it was saved from")
+    if len(doc["meta"]["groups"]) != len(tm.optimizer.param_groups):
+        raise TierMemError(f"tiermem: checkpoint {path!r} has {len(doc['meta']['groups'])} param groups, this "
+                           f"model {len(tm.optimizer.param_groups)}; use the same optimizer spec")
+    for e in index.values():  # every checksum before anything changes
+        f.seek(e["offset"])
+        crc, left = 0, e["nbytes"]
+        while left:
+            chunk = f.read(min(left, _CHUNK))
+            if not chunk:
+                break
+            crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+        if left or crc != e["crc32"]:
+            raise StoreError(f"tiermem: checkpoint {path!r} is corrupt ({e['name']!r} fails its checksum); "
+                             f"nothing was loaded. Use another checkpoint")
+    return index
+
+
+def _shapes(tm: "TieredModel") -> Iterator[tuple[str, torch.Tensor]]:
+    for b in tm.layout.buckets:
+        for part in PARTS:
+            for s in b.slots:
+                yield f"{part}/{s.name}", torch.empty(s.shape, device="meta")
+    yield from ((f"frozen/{n}", t) for n, t in tm.layout.frozen.items())
+    yield from ((f"buffers/{n}", t) for n, t in tm.module.named_buffers())
+
+
+def _read_into(f: BinaryIO, e: dict, t: torch.Tensor) -> None:
+    dtype = getattr(torch, e["dtype"])
+    f.seek(e["offset"])
+    if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous():
+        f.readinto(t.reshape(-1).view(torch.uint8).numpy())
+        return
+    tmp = torch.empty(e["shape"], dtype=dtype)
+    f.readinto(tmp.reshape(-1).view(torch.uint8).numpy())
+    t.copy_(tmp)
+
+
 def load(tm: "TieredModel", path: str) -> None:
     try:
-        doc = torch.load(path, map_location="cpu", weights_only=True)
+        f = open(path, "rb")
     except FileNotFoundError:
         raise StoreError(f"tiermem: no checkpoint at {path!r}; pass the path given to tm.save()") from None
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is not ours or is damaged
-        raise StoreError(f"tiermem: {path!r} is not a readable tiermem checkpoint ({type(e).__name__}: {e}); "
-                         f"pass a file written by tm.save()") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise StoreError(f"tiermem: {path!r} is not a tiermem checkpoint (format "
-                         f"{doc.get('format') if isinstance(doc, dict) else type(doc).__name__!r}, expected "
-                         f"{FORMAT!r}); pass a file written by tm.save()")
-    _validate(tm, doc, path)
-    for buf, s, sl in _slots(tm):
-        buf.master[sl].copy_(doc["params"][s.name].reshape(-1))
-        buf.exp_avg[sl].copy_(doc["exp_avg"][s.name].reshape(-1))
-        buf.exp_avg_sq[sl].copy_(doc["exp_avg_sq"][s.name].reshape(-1))
-    for b in tm.layout.buckets:
-        buf = tm.layout.buffers[b.index]
-        buf.param.copy_(buf.master)
-    params = dict(tm.module.named_parameters())
-    for name, t in tm.layout.frozen.items():
-        t.copy_(doc["frozen"][name])
-        params[name].data.copy_(t)
-    buffers = dict(tm.module.named_buffers())
-    for name, t in doc["buffers"].items():
-        buffers[name].copy_(t)
-    for group, saved in zip(tm.optimizer.param_groups, doc["groups"]):
+    with f:
+        doc = _read_footer(f, path)
+        index = _check(tm, doc, f, path)
+        for b in tm.layout.buckets:
+            buf = tm.layout.buffers[b.index]
+            state = ((buf.master, buf.exp_avg, buf.exp_avg_sq) if buf.master is not None
+                     else tuple(t[:b.numel] for t in (tm.layout.nvme_state.sets[0][p] for p in PARTS)))
+            for part, t in zip(PARTS, state):
+                for s in b.slots:
+                    _read_into(f, index[f"{part}/{s.name}"], t[s.offset:s.offset + s.numel])
+            if buf.master is None:
+                tm.layout.nvme_state.write_current(b, state)
+            buf.param.copy_(state[0])
+        params = dict(tm.module.named_parameters())
+        for name, t in tm.layout.frozen.items():
+            _read_into(f, index[f"frozen/{name}"], t)
+            params[name].data.copy_(t)
+        for name, t in tm.module.named_buffers():
+            _read_into(f, index[f"buffers/{name}"], t)
+    meta = doc["meta"]
+    for group, saved in zip(tm.optimizer.param_groups, meta["groups"]):
         group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
-    tm.scaler.load_state_dict(doc["scaler"])
-    tm.stepper.load_param_steps(doc["param_step"], doc["step"])
-
-
-def _validate(tm: "TieredModel", doc: dict, path: str) -> None:
-    expected = {s.name: s.shape for _, s, _ in _slots(tm)}
-    for part in ("params", "exp_avg", "exp_avg_sq"):
-        got = doc.get(part, {})
-        missing, unexpected = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
-        if missing or unexpected:
-            raise TierMemError(f"tiermem: checkpoint {path!r} does not match this model: {part} missing "
-                               f"{missing[:5]}, unexpected {unexpected[:5]}; load it into the model it was "
-                               f"saved from")
-        for name, shape in expected.items():
-            if tuple(got[name].shape) != tuple(shape):
-                raise TierMemError(f"tiermem: checkpoint {path!r}: {name!r} has shape {tuple(got[name].shape)}, "
-                                   f"the model has {tuple(shape)}; load it into the model it was saved from")
-    if set(doc.get("frozen", {})) != set(tm.layout.frozen) or set(doc.get("buffers", {})) != {
-            n for n, _ in tm.module.named_buffers()}:
-        raise TierMemError(f"tiermem: checkpoint {path!r} has different frozen parameters or buffers than "
-                           f"this model; load it into the model it was saved from")
-    if len(doc.get("groups", [])) != len(tm.optimizer.param_groups):
-        raise TierMemError(f"tiermem: checkpoint {path!r} has {len(doc.get('groups', []))} param groups, "
-                           f"this model {len(tm.optimizer.param_groups)}; use the same optimizer spec")
+    tm.scaler.load_state_dict(meta["scaler"])
+    tm.stepper.load_param_steps({k: int(v) for k, v in meta["param_step"].items()}, meta["step"])

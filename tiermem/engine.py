@@ -171,6 +171,28 @@ class TransferEngine:
                                           src_tier, dst_tier)
         return Handle(future, on_stall=self.stats.stall_sink(dst_tier))
 
+    def store_write(self, tier: Tier, key: str, src: torch.Tensor, *, src_tier: Tier = Tier.HOST,
+                    kind: object = None) -> Handle:
+        """Write ``src`` (a buffer on ``src_tier``) to ``tier``'s store under ``key`` without
+        registry bookkeeping (for buffers the caller manages, e.g. streamed optimizer state);
+        bytes, busy time and stalls are counted like any other move."""
+        return self._observe(self._store(tier).write(key, src, kind), src_tier, tier, src)
+
+    def store_read(self, tier: Tier, key: str, out: torch.Tensor, *, dst_tier: Tier = Tier.HOST) -> Handle:
+        """Read ``key`` from ``tier``'s store into ``out`` (a buffer on ``dst_tier``)."""
+        return self._observe(self._store(tier).read(key, out), tier, dst_tier, out)
+
+    def _observe(self, h: Handle, src: Tier, dst: Tier, t: torch.Tensor) -> Handle:
+        t0 = time.perf_counter()
+        nbytes = t.numel() * t.element_size()
+
+        def done(f) -> None:
+            if f.exception() is None:
+                self._account(src, dst, t0)
+                self.stats.add_moved(src, dst, nbytes)
+        h.add_done_callback(done)
+        return h.observed(self.stats.stall_sink(dst))
+
     def run_async(self, fn: Callable[[], object], *, name: str = "compute") -> Handle:
         """Run ``fn`` on the engine's compute thread (e.g. a CPU optimizer step that overlaps the
         next forward and backward). Requests run one at a time, in the order made."""

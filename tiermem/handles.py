@@ -55,6 +55,10 @@ class Handle:
     def add_done_callback(self, fn: Callable[[Future], None]) -> None:
         self._future.add_done_callback(fn)
 
+    def observed(self, on_stall: StallSink) -> "Handle":
+        """The same request, reporting the caller's stalls to ``on_stall``."""
+        return Handle(self._future, on_stall=on_stall, then=self._then)
+
 
 def wait_all(handles: Iterable[Handle]) -> list[Any]:
     """Wait for every handle, even after one fails, then raise the first error (if any)."""

@@ -28,6 +28,7 @@ import torch
 from tiermem.buckets import Bucket, Slot, plan_buckets
 from tiermem.config import _AdamSpec
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
+from tiermem.nvme_state import NvmeState
 from tiermem.policy import Policy, checked_place
 from tiermem.stores.memory import _MemoryStore
 from tiermem.types import TensorClass, TensorInfo, Tier
@@ -36,19 +37,24 @@ from tiermem.types import TensorClass, TensorInfo, Tier
 SUPPORTED = {
     TensorClass.PARAM: {Tier.DEVICE},
     TensorClass.GRAD: {Tier.DEVICE, Tier.HOST},
-    TensorClass.OPTIM_STATE: {Tier.DEVICE, Tier.HOST},
+    TensorClass.OPTIM_STATE: {Tier.DEVICE, Tier.HOST, Tier.NVME},
     TensorClass.ACTIVATION: {Tier.DEVICE},
 }
 STATE_PARTS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def compute_tier(b: Bucket) -> Tier:
+    """Where Adam runs for a bucket: where its state lives, or the host for state on NVMe."""
+    return Tier.HOST if b.state_tier == Tier.NVME else b.state_tier
 
 
 @dataclass
 class Buffers:
     param: torch.Tensor
     grad: torch.Tensor
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    master: Optional[torch.Tensor]  # None when the state lives on NVMe (see nvme_state)
+    exp_avg: Optional[torch.Tensor]
+    exp_avg_sq: Optional[torch.Tensor]
     grad_in: Optional[torch.Tensor] = None  # grads copied to the state's tier for the step
     grad_alt: Optional[torch.Tensor] = None  # overlap_step: backward fills one while Adam reads the other
     param_out: Optional[torch.Tensor] = None  # overlap_step: Adam's low-precision output, uploaded next step
@@ -67,6 +73,7 @@ class Layout:
     frozen: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> fp32 copy on host
     staging: dict[Tier, list[torch.Tensor]] = field(default_factory=dict)  # Adam's output, 2 per tier
     buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # buffers' dtypes as given
+    nvme_state: Optional[NvmeState] = None  # the buckets whose optimizer state is on NVMe
     n_params: int = 0
 
 
@@ -124,18 +131,25 @@ def needed_bytes(buckets: list[Bucket], frozen: list[torch.nn.Parameter], dtype:
     need: dict[Tier, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     w = dtype.itemsize
     for b in buckets:
+        ct = compute_tier(b)
         need[Tier.DEVICE]["working weights"] += b.numel * w
         need[b.grad_tier]["fp32 grads"] += b.numel * 4
-        need[b.state_tier]["optimizer state"] += b.numel * 12
-        if b.state_tier != b.grad_tier:
-            need[b.state_tier]["grads for the step"] += b.numel * 4
+        if b.state_tier == Tier.NVME:
+            need[Tier.NVME]["optimizer state (2 generations)"] += b.numel * 24
+        else:
+            need[b.state_tier]["optimizer state"] += b.numel * 12
+        if ct != b.grad_tier:
+            need[ct]["grads for the step"] += b.numel * 4
         if overlap:
             need[b.grad_tier]["second grad buffer (overlap_step)"] += b.numel * 4
-            need[b.state_tier]["updated weights (overlap_step)"] += b.numel * w
+            need[ct]["updated weights (overlap_step)"] += b.numel * w
+    nvme_largest = max((b.numel for b in buckets if b.state_tier == Tier.NVME), default=0)
+    if nvme_largest:
+        need[Tier.HOST]["optimizer state pipeline (3 buckets)"] += 3 * 12 * nvme_largest
     largest: dict[Tier, int] = defaultdict(int)
     for b in buckets:
-        if b.state_tier != Tier.DEVICE:
-            largest[b.state_tier] = max(largest[b.state_tier], b.numel)
+        if compute_tier(b) != Tier.DEVICE:
+            largest[compute_tier(b)] = max(largest[compute_tier(b)], b.numel)
     for tier, numel in (largest.items() if not overlap else ()):
         need[tier]["weight staging (2 buckets)"] += 2 * numel * w
     for p in frozen:
@@ -148,6 +162,9 @@ def needed_bytes(buckets: list[Bucket], frozen: list[torch.nn.Parameter], dtype:
 def check_fits(need: dict[Tier, dict[str, int]], stores: dict[Tier, _MemoryStore]) -> None:
     for tier, parts in need.items():
         total = sum(parts.values())
+        if tier not in stores:
+            raise ConfigError(f"tiermem: the policy places tensors on {tier} but no {tier} store is "
+                              f"configured; pass nvme_dir=... to TieredModel")
         store = stores[tier]
         if store.used + total > store.allowed:
             detail = " + ".join(f"{what} {fmt_bytes(n)}" for what, n in parts.items() if n)
@@ -159,36 +176,44 @@ def check_fits(need: dict[Tier, dict[str, int]], stores: dict[Tier, _MemoryStore
 
 def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]],
           names: dict[int, list[str]], stores: dict[Tier, _MemoryStore], dtype: torch.dtype,
-          device: torch.device, overlap: bool = False) -> Layout:
+          device: torch.device, engine, overlap: bool = False) -> Layout:
     """Allocate every bucket's buffers, copy the module's weights in, and make its parameters
     views of the device buffers. Frozen parameters move to the device in the working precision."""
     layout = Layout(buckets, {}, groups, names)
     dev = stores[Tier.DEVICE]
+    on_nvme = [b for b in buckets if b.state_tier == Tier.NVME]
+    if on_nvme:
+        layout.nvme_state = NvmeState(on_nvme, engine, stores[Tier.HOST])
     for b in buckets:
-        st, gt = stores[b.state_tier], stores[b.grad_tier]
+        ct, gt = stores[compute_tier(b)], stores[b.grad_tier]
         n = (b.numel,)
         buf = Buffers(
             param=dev.allocate(f"{b.key}:param", n, dtype, TensorClass.PARAM),
             grad=gt.allocate(f"{b.key}:grad", n, torch.float32, TensorClass.GRAD),
-            master=st.allocate(f"{b.key}:master", n, torch.float32, TensorClass.OPTIM_STATE),
-            exp_avg=st.allocate(f"{b.key}:exp_avg", n, torch.float32, TensorClass.OPTIM_STATE).zero_(),
-            exp_avg_sq=st.allocate(f"{b.key}:exp_avg_sq", n, torch.float32, TensorClass.OPTIM_STATE).zero_(),
-        )
-        if b.state_tier != b.grad_tier:
-            buf.grad_in = st.allocate(f"{b.key}:grad_in", n, torch.float32, TensorClass.GRAD)
+            master=None, exp_avg=None, exp_avg_sq=None)
+        if b.state_tier != Tier.NVME:
+            st = stores[b.state_tier]
+            buf.master = st.allocate(f"{b.key}:master", n, torch.float32, TensorClass.OPTIM_STATE)
+            buf.exp_avg = st.allocate(f"{b.key}:exp_avg", n, torch.float32, TensorClass.OPTIM_STATE).zero_()
+            buf.exp_avg_sq = st.allocate(f"{b.key}:exp_avg_sq", n, torch.float32, TensorClass.OPTIM_STATE).zero_()
+        if compute_tier(b) != b.grad_tier:
+            buf.grad_in = ct.allocate(f"{b.key}:grad_in", n, torch.float32, TensorClass.GRAD)
         if overlap:
             buf.grad_alt = gt.allocate(f"{b.key}:grad_alt", n, torch.float32, TensorClass.GRAD)
-            buf.param_out = st.allocate(f"{b.key}:param_out", n, dtype, TensorClass.PARAM)
+            buf.param_out = ct.allocate(f"{b.key}:param_out", n, dtype, TensorClass.PARAM)
+        master = buf.master if buf.master is not None else layout.nvme_state.sets[0]["master"][:b.numel]
         for s in b.slots:
-            buf.master[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-        buf.param.copy_(buf.master)  # the working copy is the master rounded to the working precision
+            master[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        buf.param.copy_(master)  # the working copy is the master rounded to the working precision
+        if buf.master is None:
+            layout.nvme_state.initialize(b, master)
         for s in b.slots:
             s.param.data = buf.param[s.offset:s.offset + s.numel].view(s.shape)
             layout.slot_of[id(s.param)] = (b, s)
         layout.buffers[b.index] = buf
         layout.n_params += b.numel
-    for tier in ({b.state_tier for b in buckets} - {Tier.DEVICE} if not overlap else ()):
-        largest = max(b.numel for b in buckets if b.state_tier == tier)
+    for tier in ({compute_tier(b) for b in buckets} - {Tier.DEVICE} if not overlap else ()):
+        largest = max(b.numel for b in buckets if compute_tier(b) == tier)
         layout.staging[tier] = [stores[tier].allocate(f"staging{i}:param", (largest,), dtype, TensorClass.PARAM)
                                 for i in range(2)]
     for name, p in module.named_parameters():

@@ -83,8 +83,9 @@ class TieredModel:
         frozen = [p for p in module.parameters() if not p.requires_grad]
         biggest = max((s.numel for b in buckets for s in b.slots), default=0) * self.dtype.itemsize
         check_fits(needed_bytes(buckets, frozen, self.dtype, biggest, self.overlap_step), self.stores)
-        self.layout = build(module, buckets, groups, names, self.stores, self.dtype, self.device, self.overlap_step)
         self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
+        self.layout = build(module, buckets, groups, names, self.stores, self.dtype, self.device, self.engine,
+                            self.overlap_step)
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.stepper = Stepper(self.layout, self.engine, self.scaler, self.stores[Tier.DEVICE],
                                grad_clip=grad_clip, tracer=self.tracer, overlap=self.overlap_step)
@@ -171,7 +172,7 @@ class TieredModel:
         self.hooks.remove()
         weights = checkpoint.fp32_weights(self)
         for name, p in self.module.named_parameters():
-            p.data = weights[name].clone()
+            p.data = weights[name]
         for mod_name, mod in self.module.named_modules():
             for bname, buf in list(mod._buffers.items()):
                 if buf is not None:

@@ -26,7 +26,7 @@ import torch
 
 from tiermem.errors import TierMemError
 from tiermem.handles import Handle, wait_all
-from tiermem.layout import Layout
+from tiermem.layout import Layout, compute_tier
 from tiermem.scaler import LossScaler
 from tiermem.types import TensorClass, Tier
 
@@ -61,6 +61,7 @@ class Stepper:
         self._got: set[tuple[int, int]] = set()  # (bucket, slot) that received a grad this step
         self._step_of: dict[str, int] = {}  # canonical parameter name -> updates applied to it
         self._grad_handles: list[Handle] = []
+        self._by_order = sorted(((b, s) for b in layout.buckets for s in b.slots), key=lambda bs: bs[1].order)
         self._fill = 0  # which gradient buffer backward fills (always 0 without overlap)
         self._background: Optional[tuple[Handle, list]] = None  # overlap: the update in flight
 
@@ -130,37 +131,57 @@ class Stepper:
     def _update(self, plan, grads, hyper, scale: float, clip: float) -> None:
         """Fused Adam per bucket; new low-precision weights go to the device (through the
         double-buffered staging, uploaded while Adam runs on the next bucket), or, with
-        overlap, to ``param_out`` for the next step to upload."""
-        uploads: dict[tuple[Tier, int], list[Handle]] = {}  # staging buffer -> its uploads in flight
-        turn = 0
-        for b, runs in plan:
+        overlap, to ``param_out`` for the next step to upload. Buckets with state on NVMe go
+        first, through the pipeline of :mod:`tiermem.nvme_state`: if it fails, nothing else has
+        changed yet, their device weights are restored from the state on disk, per-parameter
+        step counts are rolled back, and the error propagates with the grads kept for a retry."""
+        uploads = _Uploads(self)
+
+        def adam(b, runs, state) -> None:
+            master, exp_avg, exp_avg_sq = state
             buf = self.layout.buffers[b.index]
-            staging = None
-            if buf.param_out is not None:
-                out = buf.param_out
-            elif b.state_tier == Tier.DEVICE:
-                out = buf.param
-            else:
-                staging, turn = (b.state_tier, turn % 2), turn + 1
-                with self.tracer.span("wait staging", "stall"):
-                    wait_all(uploads.pop(staging, ()))  # ordering: its last upload has left the buffer
-                out = self.layout.staging[b.state_tier][staging[1]]
-            h = hyper[b.group]
-            g = grads[b.index]
+            out = uploads.target(b)
+            h, g = hyper[b.group], grads[b.index]
             with self.tracer.span(f"adam {b.key}", "adam", numel=b.numel):
                 for start, end, step in runs:
-                    self._adam_step(buf.master[start:end], buf.exp_avg[start:end], buf.exp_avg_sq[start:end],
-                                    g[start:end], step=step, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1],
-                                    eps=h["eps"], weight_decay=h["weight_decay"], adamw=h["adamw"],
-                                    grad_scale=scale, clip_coef=clip, out=out[start:end], check_finite=False)
-            if staging is not None:  # upload while Adam runs on the next bucket
-                uploads[staging] = self._upload(b, out, runs)
-        with self.tracer.span("wait uploads", "stall"):
-            wait_all([h for hs in uploads.values() for h in hs])
+                    self._adam_step(master[start:end], exp_avg[start:end], exp_avg_sq[start:end], g[start:end],
+                                    step=step, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
+                                    weight_decay=h["weight_decay"], adamw=h["adamw"], grad_scale=scale,
+                                    clip_coef=clip, out=out[start:end], check_finite=False)
+            uploads.done(b, out, runs)
+
+        on_nvme = [(b, runs) for b, runs in plan if b.state_tier == Tier.NVME]
+        if on_nvme:
+            try:
+                self.layout.nvme_state.step(on_nvme, adam, self.tracer)
+            except BaseException:
+                uploads.finish()
+                self._roll_back([b for b, _ in on_nvme], plan)
+                raise
+        for b, runs in plan:
+            if b.state_tier != Tier.NVME:
+                buf = self.layout.buffers[b.index]
+                adam(b, runs, (buf.master, buf.exp_avg, buf.exp_avg_sq))
+        uploads.finish()
+
+    def _roll_back(self, nvme_buckets, plan) -> None:
+        """A failed NVMe step: undo the step counts it took and put the device weights back."""
+        for b, runs in plan:
+            for s in b.slots:
+                if any(a <= s.offset < e for a, e, _ in runs):
+                    self._step_of[s.name] -= 1
+        uploads = _Uploads(self)
+
+        def restore(b, master) -> None:
+            out = uploads.target(b)
+            out.copy_(master)
+            uploads.done(b, out, [(0, b.numel, 0)])
+        self.layout.nvme_state.restore_params(nvme_buckets, restore)
+        uploads.finish()
 
     def _upload(self, b, src: torch.Tensor, runs) -> list[Handle]:
         param = self.layout.buffers[b.index].param
-        return [self.engine.copy_async(param[a:e], src[a:e], src_tier=b.state_tier, dst_tier=Tier.DEVICE)
+        return [self.engine.copy_async(param[a:e], src[a:e], src_tier=compute_tier(b), dst_tier=Tier.DEVICE)
                 for a, e, _ in runs]
 
     def _land_background(self) -> None:
@@ -183,14 +204,16 @@ class Stepper:
                 grads[b.index] = acc
             else:
                 copies.append(self.engine.copy_async(buf.grad_in, acc, src_tier=b.grad_tier,
-                                                     dst_tier=b.state_tier))
+                                                     dst_tier=compute_tier(b)))
                 grads[b.index] = buf.grad_in
         wait_all(copies)
         return grads
 
     def _global_norm(self, grads: dict[int, torch.Tensor]) -> torch.Tensor:
+        # Per-parameter norms in a fixed parameter order, so that the rounding of the total (and
+        # so the clip coefficient) never depends on how a policy grouped parameters into buckets.
         norms = [torch.linalg.vector_norm(grads[b.index][s.offset:s.offset + s.numel], dtype=torch.float32).cpu()
-                 for b in self.layout.buckets for s in b.slots if (b.index, s.offset) in self._got]
+                 for b, s in self._by_order if (b.index, s.offset) in self._got]
         if not norms:
             return torch.zeros((), dtype=torch.float32)
         return torch.linalg.vector_norm(torch.stack(norms))
@@ -225,8 +248,10 @@ class TieredOptimizer(torch.optim.Optimizer):
     cleared by it, so ``zero_grad()`` has nothing to do. Checkpoint with ``tm.save()``."""
 
     def __init__(self, layout: Layout, spec, stepper: Stepper):
-        masters = {s.name: layout.buffers[b.index].master[s.offset:s.offset + s.numel].view(s.shape)
-                   for b in layout.buckets for s in b.slots}
+        def master(b, s) -> torch.Tensor:  # state on NVMe has no resident master: a meta placeholder
+            m = layout.buffers[b.index].master
+            return torch.empty(s.shape, device="meta") if m is None else m[s.offset:s.offset + s.numel].view(s.shape)
+        masters = {s.name: master(b, s) for b in layout.buckets for s in b.slots}
         if not masters:
             raise TierMemError("tiermem: the module has no trainable parameters (requires_grad=True); "
                                "unfreeze some before wrapping it")
@@ -253,3 +278,39 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict) -> None:  # type: ignore[override]
         self.state_dict()
+
+
+class _Uploads:
+    """Where Adam writes a bucket's new low-precision weights, and their upload to the device:
+    in place when the state is on the device, ``param_out`` with overlap_step, else one of two
+    staging buffers per tier, reused once its previous upload has finished."""
+
+    def __init__(self, stepper: Stepper):
+        self.s = stepper
+        self.turn = 0
+        self.inflight: dict[tuple[Tier, int], list[Handle]] = {}
+
+    def target(self, b) -> torch.Tensor:
+        buf = self.s.layout.buffers[b.index]
+        if buf.param_out is not None:
+            return buf.param_out
+        tier = compute_tier(b)
+        if tier == Tier.DEVICE:
+            return buf.param
+        which = (tier, self.turn % 2)
+        with self.s.tracer.span("wait staging", "stall"):
+            wait_all(self.inflight.pop(which, ()))  # ordering: its last upload has left the buffer
+        self._current = which
+        return self.s.layout.staging[tier][which[1]][:b.numel]
+
+    def done(self, b, out: torch.Tensor, runs) -> None:
+        buf = self.s.layout.buffers[b.index]
+        if buf.param_out is not None or compute_tier(b) == Tier.DEVICE:
+            return
+        self.inflight[self._current] = self.s._upload(b, out, runs)  # overlaps Adam on the next bucket
+        self.turn += 1
+
+    def finish(self) -> None:
+        with self.s.tracer.span("wait uploads", "stall"):
+            wait_all([h for hs in self.inflight.values() for h in hs])
+        self.inflight.clear()

@@ -22,8 +22,9 @@ class Store(abc.ABC):
     ledger: Ledger
 
     @abc.abstractmethod
-    def write(self, key: str, src: torch.Tensor) -> Handle:
-        """Store a bit-exact copy of ``src`` under ``key``, replacing any previous value."""
+    def write(self, key: str, src: torch.Tensor, kind: object = None) -> Handle:
+        """Store a bit-exact copy of ``src`` under ``key``, replacing any previous value;
+        ``kind`` (a TensorClass) is what the ledger counts the bytes as."""
 
     @abc.abstractmethod
     def read(self, key: str, out: torch.Tensor) -> Handle:

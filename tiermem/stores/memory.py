@@ -83,10 +83,10 @@ class _MemoryStore(Store):
         except KeyError:
             raise unknown_key(key, self.tier) from None
 
-    def write(self, key: str, src: torch.Tensor) -> Handle:
+    def write(self, key: str, src: torch.Tensor, kind: object = None) -> Handle:
         dst = self._tensors.get(key)
         if dst is None or dst.dtype != src.dtype or dst.shape != src.shape:
-            dst = self.allocate(key, src.shape, src.dtype)
+            dst = self.allocate(key, src.shape, src.dtype, kind)
         dst.copy_(src, non_blocking=True)
         return Handle.completed(dst)
 

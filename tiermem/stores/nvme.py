@@ -107,10 +107,12 @@ class NvmeStore(Store):
         self._tail: dict[str, Future] = {}  # each key's last queued request, NOTE [Per-key order]
         self._outstanding = 0
         self._closed = False
+        self._kinds: dict[str, object] = {}  # key -> TensorClass, for the ledger's per-class figures
 
     # -- the Store interface --------------------------------------------------------------------
-    def write(self, key: str, src: torch.Tensor) -> Handle:
-        """Queue a bit-exact copy of ``src`` under ``key``; keep ``src`` unchanged until ``wait()``."""
+    def write(self, key: str, src: torch.Tensor, kind: object = None) -> Handle:
+        """Queue a bit-exact copy of ``src`` under ``key``; keep ``src`` unchanged until ``wait()``.
+        ``kind`` (a TensorClass) lets the ledger report bytes per class."""
         nio.check_key(key)
         nio.check_tensor(key, src, "src")
         data = nio.byte_view(src.detach().resolve_conj().resolve_neg().contiguous())
@@ -125,7 +127,9 @@ class NvmeStore(Store):
                     tier=Tier.NVME, key=key, asked=nbytes, used=used - held, allowed=self.ledger.allowed,
                     hint=f"pass a budget of at least {fmt_bytes(used - held + nbytes)} (Budgets(nvme=...) "
                          f"or NvmeStore(budget=...)), delete keys you no longer need, or place less on NVMe")
-            self.ledger.reserve(key, max(held, nbytes))  # NOTE [Write, then switch]
+            if kind is not None:
+                self._kinds[key] = kind
+            self.ledger.reserve(key, max(held, nbytes), self._kinds.get(key))  # NOTE [Write, then switch]
             self._in_flight.setdefault(key, []).append(nbytes)
             self._latest[key] = entry
             future = self._enqueue(key, partial(self._start_write, key, entry, data))
@@ -349,7 +353,8 @@ class NvmeStore(Store):
         if committed is None and not sizes:
             self.ledger.release(key)
         else:
-            self.ledger.reserve(key, max([committed.nbytes if committed else 0, *(sizes or [])]))
+            self.ledger.reserve(key, max([committed.nbytes if committed else 0, *(sizes or [])]),
+                                self._kinds.get(key))
 
     def _error(self, op: str, key: str, entry: Optional[_Entry],
                err: Optional[BaseException]) -> Optional[BaseException]:

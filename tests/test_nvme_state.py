@@ -1,0 +1,132 @@
+"""Optimizer state on NVMe: same numbers as in memory, bounded host memory, atomic steps, resume."""
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+
+from models import TinyGPT, gpt_batch, gpt_loss
+from tiermem import AdamW, Budgets, StoreError, TensorClass, TieredModel, Tier
+from tiermem.policies import ZeroOffload
+from tiermem.policy import Policy
+
+
+class StateOnNvme(Policy):
+    """ZeRO-Offload, but the optimizer state of every parameter (or of those matching a prefix)
+    lives on NVMe."""
+
+    def __init__(self, prefix: str = ""):
+        self.prefix = prefix
+
+    def place(self, info):
+        if info.kind is TensorClass.OPTIM_STATE and info.name.startswith(self.prefix):
+            return Tier.NVME
+        return ZeroOffload().place(info)
+
+
+def _make(policy, tmp_path, precision="bf16", bucket=2000, n_layer=2, **kw):
+    torch.manual_seed(11)
+    return TieredModel(TinyGPT(n_layer=n_layer), policy, optimizer=AdamW(lr=1e-2, weight_decay=0.1),
+                       precision=precision, grad_clip=1.0, bucket_size=bucket,
+                       nvme_dir=str(tmp_path) if tmp_path else None, **kw)
+
+
+def _train(tm, steps, offset=0):
+    losses = []
+    for i in range(offset, offset + steps):
+        x, y = gpt_batch(i)
+        loss = gpt_loss(tm(x), y)
+        tm.backward(loss)
+        losses.append(loss.item())
+        tm.step()
+    return losses
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("policy", [StateOnNvme(), StateOnNvme(prefix="blocks.1.")], ids=["all", "some"])
+def test_state_on_nvme_gives_identical_numbers(tmp_path, precision, policy):
+    ref = _make(ZeroOffload(), None, precision)
+    tm = _make(policy, tmp_path, precision)
+    assert _train(tm, 5) == _train(ref, 5)
+    a, b = tm.state_dict(), ref.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rep = tm.report()
+    assert rep.class_peak_bytes[(TensorClass.OPTIM_STATE, Tier.NVME)] > 0
+    assert rep.bytes_moved[(Tier.NVME, Tier.HOST)] > 0 and rep.bytes_moved[(Tier.HOST, Tier.NVME)] > 0
+
+
+def test_host_memory_is_bounded_whatever_the_bucket_count(tmp_path):
+    peaks = []
+    for n_layer in (1, 4):
+        d = tmp_path / f"l{n_layer}"
+        d.mkdir()
+        tm = _make(StateOnNvme(), d, n_layer=n_layer, bucket=4000)
+        _train(tm, 2)
+        peaks.append((len(tm.layout.buckets), tm.report().class_peak_bytes[(TensorClass.OPTIM_STATE, Tier.HOST)]))
+    (few, host_few), (many, host_many) = peaks
+    assert many > few + 5
+    assert host_many == host_few  # three buffer sets of the largest bucket, however many buckets
+
+
+def test_failed_step_changes_nothing_and_can_be_retried(tmp_path):
+    ref = _make(StateOnNvme(), tmp_path / "ref" if (tmp_path / "ref").mkdir() is None else None)
+    tm = _make(StateOnNvme(), tmp_path / "tm" if (tmp_path / "tm").mkdir() is None else None)
+    _train(ref, 2)
+    _train(tm, 2)
+    x, y = gpt_batch(2)
+    tm.backward(gpt_loss(tm(x), y))
+    before = tm.state_dict()
+    device_before = {n: p.detach().clone() for n, p in tm.module.named_parameters()}
+    store = tm.stores[Tier.NVME]
+    calls = {"n": 0}
+    real = store._pwritev
+
+    def fails_after_a_few(fd, bufs, offset):
+        calls["n"] += 1
+        if calls["n"] > 4:  # some buckets' state is already written when the disk fills up
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, bufs, offset)
+
+    store._pwritev = fails_after_a_few
+    with pytest.raises(StoreError, match="(?i)no space left"):
+        tm.step()
+    store._pwritev = real
+    after = tm.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(device_before[n], p) for n, p in tm.module.named_parameters())
+    tm.step()  # retry: the grads were kept
+    _train(ref, 1, offset=2)
+    _train(tm, 2, offset=3)
+    _train(ref, 2, offset=3)
+    a, b = tm.state_dict(), ref.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_from_nvme_state_is_bit_identical(tmp_path):
+    dirs = [tmp_path / n for n in ("full", "first", "second")]
+    for d in dirs:
+        d.mkdir()
+    full = _make(StateOnNvme(), dirs[0])
+    _train(full, 6)
+    first = _make(StateOnNvme(), dirs[1])
+    _train(first, 3)
+    path = str(tmp_path / "ckpt")
+    first.save(path)
+    second = _make(StateOnNvme(), dirs[2], bucket=5000)
+    second.load(path)
+    _train(second, 3, offset=3)
+    a, b = full.state_dict(), second.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a checkpoint taken with state on NVMe loads into a model with state in memory, and back
+    plain = _make(ZeroOffload(), None)
+    plain.load(path)
+    assert all(torch.equal(first.state_dict()[k], v) for k, v in plain.state_dict().items())
+
+
+def test_nvme_placement_needs_a_directory_and_room(tmp_path):
+    from tiermem import ConfigError, OutOfTierMemory
+    with pytest.raises(ConfigError, match="pass nvme_dir"):
+        _make(StateOnNvme(), None)
+    with pytest.raises(OutOfTierMemory, match=r"out of nvme memory.*optimizer state \(2 generations\)"):
+        _make(StateOnNvme(), tmp_path, budgets=Budgets(nvme="10KB"))
