@@ -1,0 +1,395 @@
+"""Trace-driven residency: which managed tensors sit on a fast tier, fetched ahead of use and
+evicted by furthest next use.
+
+The first iteration records the order in which managed tensors are acquired. Later iterations
+follow that trace: each acquire prefetches the tensors used next, as many as fit in the
+lookahead, and when room is needed the released tensor whose next use lies furthest ahead is
+evicted (Belady). Without a trace (the first iteration, or one that left the recorded order),
+victims are the least recently used and nothing is fetched ahead.
+
+The decisions (:class:`AccessTrace`, :func:`choose_victim`, :func:`lookahead_window`) are pure
+and know nothing of tensors; :class:`ResidencyScheduler` carries them out with engine calls only.
+
+# NOTE [Room before allocation]
+The engine allocates a destination on the caller's thread and the tier's ledger refuses what
+would cross the budget. The scheduler therefore evicts until the ledger has room *before* it
+asks the engine to move anything, and waits for each eviction it makes: a tensor whose only
+valid copy is on the tier is written back home first, and its bytes count until that write
+lands. Acquired tensors are never victims, so if everything evictable is gone and the tensor
+still does not fit, the working set itself is too large and the error says by how much.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, fields
+from typing import Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from tiermem.budgets import ByteSize, parse_bytes
+from tiermem.engine import TransferEngine
+from tiermem.errors import ConfigError, OutOfTierMemory, TierMemError, fmt_bytes
+from tiermem.handles import Handle
+from tiermem.registry import Residency
+from tiermem.stores.memory import nbytes_of
+from tiermem.types import Tier
+
+log = logging.getLogger(__name__)
+
+EVICTION_POLICIES = ("belady", "lru")
+
+
+# -- decisions (pure) -------------------------------------------------------------------------
+class AccessTrace:
+    """One iteration's sequence of acquired keys, frozen, answering "when is ``key`` used next?".
+
+    The trace repeats: a key not used again in this iteration is next used at its first
+    position plus the trace's length (the next iteration); a key absent from it, never.
+    """
+
+    def __init__(self, keys: Sequence[str]):
+        self.keys = tuple(keys)
+        self._positions: dict[str, list[int]] = {}
+        for i, key in enumerate(self.keys):
+            self._positions.setdefault(key, []).append(i)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._positions
+
+    def next_use(self, key: str, pos: int) -> float:
+        """Position of ``key``'s first access at or after ``pos`` (``math.inf``: never)."""
+        at = self._positions.get(key)
+        if not at:
+            return math.inf
+        i = bisect.bisect_left(at, pos)
+        return at[i] if i < len(at) else at[0] + len(self.keys)
+
+
+def choose_victim(candidates: Iterable[str], last_used: Mapping[str, int], *,
+                  trace: Optional[AccessTrace] = None, pos: int = 0) -> Optional[str]:
+    """The candidate to evict: with a trace, the one used furthest after ``pos`` (Belady), ties
+    going to the least recently used; without one, the least recently used. None if no candidate.
+    ``last_used`` maps keys to a growing counter; a key missing from it counts as oldest."""
+    best, best_rank = None, None
+    for key in candidates:
+        recency = last_used.get(key, -1)
+        rank = (trace.next_use(key, pos), -recency) if trace is not None else (0.0, -recency)
+        if best_rank is None or rank > best_rank:
+            best, best_rank = key, rank
+    return best
+
+
+def lookahead_window(trace: AccessTrace, pos: int, sizes: Mapping[str, int], limit: int, *,
+                     skip: Iterable[str] = ()) -> list[str]:
+    """The distinct keys of ``trace`` from ``pos`` to its end, in order of next use, as many as
+    fit in ``limit`` bytes together. Stops at the first key that does not fit (fetching past it
+    would bring in later tensors before an earlier one). Keys in ``skip`` (acquired already,
+    counted elsewhere) are passed over without counting."""
+    skipped, window, seen, total = set(skip), [], set(), 0
+    for key in trace.keys[pos:]:
+        if key in seen or key in skipped:
+            continue
+        if total + sizes[key] > limit:
+            break
+        seen.add(key)
+        window.append(key)
+        total += sizes[key]
+    return window
+
+
+# -- counters ---------------------------------------------------------------------------------
+@dataclass
+class ScheduleStats:
+    """Counters of one iteration (or, summed, of several). Every acquire is exactly one of
+    ``hits`` (already resident), ``late`` (prefetched, still in flight) or ``misses`` (fetched
+    on demand)."""
+
+    acquires: int = 0
+    hits: int = 0
+    late: int = 0
+    misses: int = 0
+    prefetches: int = 0  # moves issued ahead of use
+    evictions: int = 0
+    writebacks: int = 0  # evictions that first wrote a modified copy back home
+    bytes_prefetched: int = 0
+    bytes_fetched: int = 0  # on demand, by misses
+    bytes_evicted: int = 0
+    bytes_written_back: int = 0
+    stall_seconds: float = 0.0  # time acquire spent waiting on transfers and write-backs
+
+    def __add__(self, other: "ScheduleStats") -> "ScheduleStats":
+        return ScheduleStats(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                                for f in fields(self)})
+
+
+# -- carrying them out --------------------------------------------------------------------------
+class ResidencyScheduler:
+    """Keeps managed tensors resident on ``tier`` when they are used, within its budget.
+
+    ``acquire(key)`` returns the tensor on ``tier`` (waiting for it if needed) and keeps it there
+    until ``release(key)``; acquires nest, like a counted lock. ``mark_dirty(key)`` says the
+    acquired copy was modified, so evicting it writes it back home. ``end_iteration()`` freezes
+    the first iteration's access order as the trace (later: checks it and re-records on change)
+    and starts fetching the next iteration's first tensors; call it after anything that rewrites
+    the managed tensors at home (e.g. the optimizer step), so that prefetch reads new values.
+
+    ``lookahead_bytes`` caps the bytes fetched ahead (default: the budget minus what is acquired
+    and what other tensors hold there). ``prefetch=False`` fetches only on demand;
+    ``eviction="lru"`` ignores the trace when choosing victims (both are for comparison).
+    Managed tensors must be registered with a home other than ``tier``. Call from the training
+    thread(s); the engine's worker threads never call back into the scheduler.
+    """
+
+    def __init__(self, engine: TransferEngine, tier: Tier = Tier.DEVICE, *,
+                 lookahead_bytes: Optional[ByteSize] = None, prefetch: bool = True,
+                 eviction: str = "belady"):
+        store = engine.stores.get(tier)
+        if store is None or not callable(getattr(store, "get", None)):
+            raise ConfigError(f"tiermem: ResidencyScheduler.tier={tier!r} must be a memory tier this "
+                              f"engine has a store for ({', '.join(map(str, engine.stores))}); "
+                              f"pass Tier.DEVICE or Tier.HOST")
+        if eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"tiermem: ResidencyScheduler.eviction={eviction!r} is not one of "
+                              f"{EVICTION_POLICIES}; pass 'belady' (the default) or 'lru'")
+        self.engine, self.tier, self._store = engine, tier, store
+        self.lookahead_bytes = (None if lookahead_bytes is None else
+                                parse_bytes(lookahead_bytes, what="ResidencyScheduler.lookahead_bytes"))
+        self.prefetch, self.eviction = bool(prefetch), eviction
+        self.trace: Optional[AccessTrace] = None
+        self.history: list[ScheduleStats] = []  # one entry per finished iteration
+        self.current = ScheduleStats()
+        self._lock = threading.RLock()
+        self._recording: list[str] = []
+        self._pos = 0  # index in the trace of the next expected access
+        self._on_trace = True  # this iteration has followed the trace so far
+        self._pins: dict[str, int] = {}  # acquired key -> open acquires
+        self._managed: set[str] = set()  # keys this scheduler placed on the tier
+        self._sizes: dict[str, int] = {}
+        self._last_used: dict[str, int] = {}
+        self._clock = 0
+
+    @property
+    def stats(self) -> ScheduleStats:
+        """Totals over every iteration, the current one included."""
+        total = ScheduleStats()
+        for s in [*self.history, self.current]:
+            total = total + s
+        return total
+
+    # -- public calls -------------------------------------------------------------------------
+    def acquire(self, key: str) -> torch.Tensor:
+        """The tensor of ``key`` resident on the tier, held there until :meth:`release`."""
+        with self._lock:
+            r = self._residency(key)
+            self._record(key)
+            self._pins[key] = self._pins.get(key, 0) + 1
+            self._touch(key)
+            try:
+                handle = self._make_resident(r)
+            except BaseException:
+                self._unpin(key)
+                raise
+            self._fetch_ahead()
+        t0, ready = time.perf_counter(), handle.done()
+        try:
+            handle.wait()  # ordering: the tensor is returned only once its bytes have landed
+        except BaseException:
+            with self._lock:
+                self._unpin(key)
+            raise
+        finally:
+            if not ready:
+                with self._lock:
+                    self.current.stall_seconds += time.perf_counter() - t0
+        return self._store.get(key)
+
+    def release(self, key: str) -> None:
+        """The caller is done with ``key`` for now: it may be evicted (nothing moves yet)."""
+        with self._lock:
+            if not self._pins.get(key):
+                raise TierMemError(f"tiermem: release({key!r}) without a matching acquire; pair every "
+                                   f"release with an earlier acquire of the same key")
+            self._unpin(key)
+            self._touch(key)
+
+    def mark_dirty(self, key: str) -> None:
+        """The acquired copy of ``key`` on the tier was modified: it is now the only valid one,
+        and evicting it writes it back home."""
+        with self._lock:
+            if not self._pins.get(key):
+                raise TierMemError(f"tiermem: mark_dirty({key!r}) on a tensor that is not acquired; "
+                                   f"acquire it, modify it, mark it dirty, then release it")
+            self.engine.registry.write_at(key, self.tier)
+
+    def end_iteration(self) -> None:
+        """Close the iteration: freeze (or check and renew) the trace, then fetch ahead of the
+        next iteration's first accesses."""
+        with self._lock:
+            recorded = tuple(self._recording)
+            if not recorded:
+                log.debug("tiermem: an iteration acquired no managed tensor; the trace stays as it was")
+            elif self.trace is None:
+                self.trace = AccessTrace(recorded)
+                log.debug("tiermem: recorded a trace of %d accesses to %d tensors on %s", len(recorded),
+                          len(set(recorded)), self.tier)
+            elif recorded != self.trace.keys:
+                old = self.trace.keys
+                at = next((i for i, (a, b) in enumerate(zip(old, recorded)) if a != b),
+                          min(len(old), len(recorded)))
+                log.debug("tiermem: the access order changed at position %d (%d accesses, were %d); "
+                          "re-recorded the trace", at, len(recorded), len(old))
+                self.trace = AccessTrace(recorded)
+            self.history.append(self.current)
+            self.current = ScheduleStats()
+            self._recording, self._pos, self._on_trace = [], 0, True
+            self._fetch_ahead()
+
+    def evict_all(self) -> None:
+        """Evict every released managed tensor from the tier, writing modified ones back home."""
+        with self._lock:
+            for key in list(self._evictable()):
+                self._evict(key)
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def _residency(self, key: str) -> Residency:
+        r = self.engine.registry.get(key)
+        if r.home == self.tier:
+            raise TierMemError(f"tiermem: {key!r} is homed on the {self.tier} tier, so it is always "
+                               f"resident there; acquire only tensors whose home is another tier")
+        if key not in self._sizes:
+            self._sizes[key] = nbytes_of(r.info.shape, r.info.dtype)
+        return r
+
+    def _record(self, key: str) -> None:
+        self._recording.append(key)
+        if self.trace is None or not self._on_trace:
+            return
+        if self._pos < len(self.trace) and self.trace.keys[self._pos] == key:
+            self._pos += 1
+            return
+        self._on_trace = False
+        log.debug("tiermem: access %d is %r, the trace expected %r; falling back to LRU without "
+                  "prefetch until the iteration ends", self._pos, key,
+                  self.trace.keys[self._pos] if self._pos < len(self.trace) else "the end")
+
+    def _following(self) -> Optional[AccessTrace]:
+        """The trace, while this iteration follows it."""
+        return self.trace if self._on_trace else None
+
+    def _touch(self, key: str) -> None:
+        self._clock += 1
+        self._last_used[key] = self._clock
+
+    def _unpin(self, key: str) -> None:
+        n = self._pins.pop(key)
+        if n > 1:
+            self._pins[key] = n - 1
+
+    def _evictable(self) -> list[str]:
+        registry = self.engine.registry
+        self._managed = {k for k in self._managed if k in registry and k in self._store}
+        return [k for k in self._managed if k not in self._pins]
+
+    # -- moves --------------------------------------------------------------------------------
+    def _make_resident(self, r: Residency) -> Handle:
+        key, stats = r.key, self.current
+        stats.acquires += 1
+        flight = r.in_flight  # read before `valid`: a move that lands in between has added to it
+        if flight is None and self.tier in r.valid:
+            stats.hits += 1
+            return Handle.completed(None)
+        if flight is not None and flight[1] == self.tier:
+            stats.late += 1
+            return self.engine.prefetch(key, self.tier)  # joins the move in flight
+        stats.misses += 1
+        self._make_room(key, self._sizes[key], candidates=self._evictable(), required=True)
+        handle = self.engine.prefetch(key, self.tier)
+        self._managed.add(key)
+        stats.bytes_fetched += self._sizes[key]
+        return handle
+
+    def _fetch_ahead(self) -> None:
+        trace = self._following()
+        if not self.prefetch or trace is None:
+            return
+        registry = self.engine.registry
+        window = lookahead_window(trace, self._pos, self._sizes, self._window_limit(), skip=self._pins)
+        upcoming = set(window)
+        outside = [k for k in self._evictable() if k not in upcoming]
+        for key in window:
+            if key not in registry:
+                continue  # deleted since the trace was recorded
+            r = registry.get(key)
+            if self.tier in r.valid or (r.in_flight is not None and r.in_flight[1] == self.tier):
+                continue
+            if not self._make_room(key, self._sizes[key], candidates=outside, required=False):
+                return
+            try:
+                self.engine.prefetch(key, self.tier)
+            except OutOfTierMemory:  # another user of the tier took the room meanwhile
+                log.debug("tiermem: no room to prefetch %r ahead; it will be fetched on demand", key)
+                return
+            self._managed.add(key)
+            self._touch(key)
+            self.current.prefetches += 1
+            self.current.bytes_prefetched += self._sizes[key]
+
+    def _window_limit(self) -> int:
+        """Bytes the tensors fetched ahead may take: the budget less what is acquired and what
+        tensors outside this scheduler hold on the tier, capped by ``lookahead_bytes``."""
+        ledger = self._store.ledger
+        managed = sum(ledger.held(k) for k in self._managed)
+        pinned = sum(ledger.held(k) for k in self._pins)
+        room = ledger.allowed - (ledger.used - managed) - pinned
+        return room if self.lookahead_bytes is None else min(room, self.lookahead_bytes)
+
+    def _make_room(self, key: str, nbytes: int, *, candidates: list[str], required: bool) -> bool:
+        """Evict from ``candidates`` until ``nbytes`` fit on the tier. NOTE [Room before allocation]"""
+        ledger = self._store.ledger
+        while ledger.allowed - ledger.used < nbytes:
+            trace = self._following() if self.eviction == "belady" else None
+            victim = choose_victim(candidates, self._last_used, trace=trace, pos=self._pos)
+            if victim is None:
+                if required:
+                    raise self._too_small(key, nbytes)
+                return False
+            candidates.remove(victim)
+            self._evict(victim)
+        return True
+
+    def _evict(self, key: str) -> None:
+        r = self.engine.registry.get(key)
+        writeback = r.valid == {self.tier}
+        nbytes = self._store.ledger.held(key)
+        handle = self.engine.evict(key, self.tier)
+        t0 = time.perf_counter()
+        handle.wait()  # ordering: the bytes count against the budget until the write-back lands
+        self.current.stall_seconds += time.perf_counter() - t0
+        self._managed.discard(key)
+        self.current.evictions += 1
+        self.current.bytes_evicted += nbytes
+        if writeback:
+            self.current.writebacks += 1
+            self.current.bytes_written_back += nbytes
+
+    def _too_small(self, key: str, nbytes: int) -> OutOfTierMemory:
+        ledger, tier = self._store.ledger, self.tier
+        others = [k for k in self._pins if k != key]
+        working = nbytes + sum(ledger.held(k) for k in others)
+        foreign = ledger.used - sum(ledger.held(k) for k in others)
+        needed = ledger.used + nbytes
+        names = ", ".join(repr(k) for k in [key, *others][:4]) + (", ..." if len(others) > 3 else "")
+        count = f"{len(others) + 1} tensors acquired at once" if others else "1 tensor"
+        besides = f" besides {fmt_bytes(foreign)} held there by other tensors" if foreign > 0 else ""
+        return OutOfTierMemory(
+            tier=tier, key=key, asked=nbytes, used=ledger.used, allowed=ledger.allowed,
+            hint=f"a module's working set ({count}: {names}) needs "
+                 f"{fmt_bytes(working)} on {tier}{besides}, budget {fmt_bytes(ledger.allowed)}; "
+                 f"raise Budgets({tier}=...) to at least {fmt_bytes(needed)}")
