@@ -29,8 +29,8 @@ def run_train_gpt(*extra: str, timeout: float = 120) -> str:
 
 @pytest.mark.parametrize("extra", [
     (),  # the defaults: ZeRO-Offload, bf16
-    ("--policy", "keep-on-device", "--precision", "fp16", "--grad-accum", "2"),
-], ids=["zero-offload-bf16", "keep-on-device-fp16-accum2"])
+    ("--policy", "keep-on-device", "--grad-accum", "2"),
+], ids=["zero-offload-bf16", "keep-on-device-accum2"])
 def test_train_gpt_loss_falls(extra: tuple[str, ...]) -> None:
     out = run_train_gpt(*extra)
     steps = [(int(s), int(n), float(loss)) for s, n, loss in STEP_LINE.findall(out)]
@@ -41,10 +41,13 @@ def test_train_gpt_loss_falls(extra: tuple[str, ...]) -> None:
     assert "---- sample ----" in out and "tiermem report" in out, out
 
 
-def test_train_gpt_writes_checkpoint_and_trace(tmp_path: Path) -> None:
+def test_train_gpt_fp16_writes_checkpoint_and_trace(tmp_path: Path) -> None:
+    # fp16 matmuls are slow on CPUs (no native kernels), so this run is short: it checks the
+    # options work, not that the model learns.
     ckpt, trace = tmp_path / "gpt.ckpt", tmp_path / "gpt.trace.json"
-    out = run_train_gpt("--steps", "10", "--save", str(ckpt), "--trace", str(trace))
-    assert ckpt.exists(), out
+    out = run_train_gpt("--precision", "fp16", "--steps", "8", "--batch-size", "4", "--sample-tokens", "4",
+                        "--save", str(ckpt), "--trace", str(trace))
+    assert ckpt.exists() and f"checkpoint written to {ckpt}" in out, out
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
     assert any(e.get("name") == "forward" for e in events), events[:5]

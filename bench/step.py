@@ -1,0 +1,185 @@
+"""One training step of a ~50M-parameter GPT: TieredModel against the plain PyTorch loop, in one run.
+
+    python bench/step.py [--preset gpt50m] [--n-layer N --n-embd C] [--batch-size 4] [--seq-len 256]
+                         [--steps 8] [--warmup 2] [--device cpu|cuda]
+
+Three ways to run the same model on the same batches, each step = forward + backward + optimizer
+step (global-norm clipping at 1.0 in all three):
+
+- ``torch``: what a user would otherwise write: fp32 weights, ``torch.autocast`` to bf16,
+  ``clip_grad_norm_``, ``torch.optim.AdamW(fused=True)``.
+- ``zero-offload``: ``TieredModel(ZeroOffload(), precision="bf16")``: bf16 weights on the device
+  tier; fp32 grads, master weights and moments on the host tier, where Adam runs.
+- ``keep-on-device``: ``TieredModel(KeepOnDevice(), precision="bf16")``: the same data flow with
+  every tensor on the device tier.
+
+The three are stepped in turn (round-robin), so load from other processes hits all of them alike;
+each figure is the median over ``--steps`` steps after ``--warmup``. Memory comes from
+``tm.report()``: peak bytes per tier and per (class, tier), divided by the parameter count. On a
+machine without an accelerator both tiers are the CPU's memory, so the step times measure the
+bookkeeping that tiermem adds, not transfer overlap. Ratios come last.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
+
+from examples.gpt import GPT, PRESETS, GPTConfig, lm_loss  # noqa: E402
+from tiermem import AdamW, TensorClass, TieredModel, Tier  # noqa: E402
+from tiermem.budgets import parse_bytes  # noqa: E402
+from tiermem.errors import fmt_bytes  # noqa: E402
+from tiermem.policies import KeepOnDevice, ZeroOffload  # noqa: E402
+
+LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="gpt50m")
+    p.add_argument("--n-layer", type=int, default=None, help="override the preset's depth")
+    p.add_argument("--n-embd", type=int, default=None, help="override the preset's width (heads of 64)")
+    p.add_argument("--vocab-size", type=int, default=96, help="tokens are random ids below this")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=8, help="measured steps per variant")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per variant first")
+    p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args()
+
+
+def build_config(args: argparse.Namespace) -> GPTConfig:
+    over: dict[str, int] = {"vocab_size": args.vocab_size, "block_size": args.seq_len}
+    if args.n_layer is not None:
+        over["n_layer"] = args.n_layer
+    if args.n_embd is not None:
+        over.update(n_embd=args.n_embd, n_head=max(1, args.n_embd // 64))
+    return GPTConfig.preset(args.preset, **over)
+
+
+def make_model(cfg: GPTConfig) -> GPT:
+    torch.manual_seed(0)  # the same initial weights for every variant
+    return GPT(cfg)
+
+
+def plain_torch(cfg: GPTConfig, device: torch.device) -> tuple[Callable, Callable[[], int]]:
+    """The loop a user writes without tiermem. Returns (step function, bytes of model state)."""
+    model = make_model(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, fused=True)
+    grad_bytes = [0]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = lm_loss(model(x), y)
+        loss.backward()
+        grad_bytes[0] = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def state_bytes() -> int:  # weights + grads (at their peak, after backward) + Adam state
+        weights = sum(p.nbytes for p in model.parameters())
+        moments = sum(t.nbytes for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        return weights + grad_bytes[0] + moments
+
+    return step, state_bytes
+
+
+def tiered(cfg: GPTConfig, device: torch.device, policy, bucket_size: str) -> tuple[Callable, TieredModel]:
+    tm = TieredModel(make_model(cfg), policy=policy, optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+                     precision="bf16", grad_clip=CLIP, device=device, bucket_size=bucket_size)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        tm.backward(lm_loss(tm(x), y))
+        tm.step()
+
+    return step, tm
+
+
+def timed(step: Callable, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    step(x, y)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def per_param(n: int, n_params: int) -> str:
+    return f"{n / n_params:6.2f} B/param ({fmt_bytes(n)})"
+
+
+def main() -> int:
+    args = parse_args()
+    device = torch.device(args.device)
+    cfg = build_config(args)
+    n_params = make_model(cfg).num_params()
+    tokens = args.batch_size * args.seq_len
+    print(f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide, {n_params / 1e6:.1f}M parameters; batch "
+          f"{args.batch_size} x {args.seq_len} = {tokens} tokens; device {device}, "
+          f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}", flush=True)
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
+               for _ in range(args.warmup + args.steps)]
+
+    plain_step, plain_bytes = plain_torch(cfg, device)
+    zo_step, zo = tiered(cfg, device, ZeroOffload(), args.bucket_size)
+    kd_step, kd = tiered(cfg, device, KeepOnDevice(), args.bucket_size)
+    variants = {"torch": plain_step, "zero-offload": zo_step, "keep-on-device": kd_step}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for i, b in enumerate(batches):
+        x, y = b[:, :-1], b[:, 1:]
+        row = {name: timed(step, x, y, device) for name, step in variants.items()}
+        if i >= args.warmup:
+            for name, t in row.items():
+                times[name].append(t)
+        print(f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1:2d}: "
+              + "  ".join(f"{name} {1e3 * t:8.1f} ms" for name, t in row.items()), flush=True)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+
+    print("\nstep time (median of %d): " % args.steps + ", ".join(
+        f"{n} {1e3 * m:.1f} ms ({tokens / m:,.0f} tok/s)" for n, m in med.items()))
+    print(f"\nplain torch model state (fp32 weights + grads + AdamW moments): {per_param(plain_bytes(), n_params)}")
+    reports = {"zero-offload": zo.report(), "keep-on-device": kd.report()}
+    for name, rep in reports.items():
+        print(f"\n{name}:\n{rep}")
+        for tier in (Tier.DEVICE, Tier.HOST):
+            parts = ", ".join(f"{c.value} {v / n_params:.2f}" for (c, t), v in sorted(
+                rep.class_peak_bytes.items(), key=lambda kv: kv[0][0].value) if t == tier and v)
+            print(f"  {tier.value:<6} peak {per_param(rep.peak_bytes.get(tier, 0), n_params)}; "
+                  f"by class (B/param): {parts or '-'}")
+    del variants, zo_step, kd_step, plain_step
+    gc.collect()
+
+    rep = reports["zero-offload"]
+    dev = rep.peak_bytes.get(Tier.DEVICE, 0)
+    act = rep.class_peak_bytes.get((TensorClass.ACTIVATION, Tier.DEVICE), 0)
+    ratio = med["zero-offload"] / med["torch"]
+    print("\n== ratios ==")
+    print(f"zero-offload step / plain torch step:      {ratio:5.2f}x  (target <= 1.15x: "
+          f"{'met' if ratio <= 1.15 else 'NOT met'})")
+    print(f"keep-on-device step / plain torch step:    {med['keep-on-device'] / med['torch']:5.2f}x")
+    print(f"zero-offload step / keep-on-device step:   {med['zero-offload'] / med['keep-on-device']:5.2f}x")
+    # bucket_size counts fp32 bytes; the grads in flight on the device are bf16
+    bucket = min(parse_bytes(args.bucket_size) / 4, n_params) * 2 / n_params
+    print(f"zero-offload device tier, peak:            {dev / n_params:5.2f} B/param "
+          f"(activations {act / n_params:.2f} + the rest {(dev - act) / n_params:.2f}; target: activations "
+          f"+ 2 + one bucket of bf16 grads {bucket:.2f} = {2 + bucket:.2f})")
+    print(f"zero-offload host tier, peak:              {rep.peak_bytes.get(Tier.HOST, 0) / n_params:5.2f} B/param "
+          f"(target 16)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
