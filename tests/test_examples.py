@@ -19,7 +19,7 @@ STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+) \| loss (\d+\.\d+)", re.MULTILINE)
 
 
 def run_train_gpt(*extra: str, timeout: float = 120) -> str:
-    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--preset", "tiny", "--steps", "40",
+    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--preset", "tiny", "--seq-len", "32",
            "--batch-size", "8", "--warmup", "5", "--log-every", "5", "--eval-batches", "1",
            "--sample-tokens", "20", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -27,26 +27,24 @@ def run_train_gpt(*extra: str, timeout: float = 120) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("extra", [
-    (),  # the defaults: ZeRO-Offload, bf16
-    ("--policy", "keep-on-device", "--grad-accum", "2"),
-], ids=["zero-offload-bf16", "keep-on-device-accum2"])
-def test_train_gpt_loss_falls(extra: tuple[str, ...]) -> None:
-    out = run_train_gpt(*extra)
+def test_train_gpt_loss_falls() -> None:
+    """The example with its defaults (ZeRO-Offload, bf16), tiny, with gradient accumulation."""
+    out = run_train_gpt("--steps", "30", "--grad-accum", "2")
     steps = [(int(s), int(n), float(loss)) for s, n, loss in STEP_LINE.findall(out)]
-    assert [s for s, _, _ in steps] == list(range(5, 41, 5)), out
+    assert [s for s, _, _ in steps] == list(range(5, 31, 5)) and steps[0][1] == 30, out
     first, last = steps[0][2], steps[-1][2]
     # A char-level model starts near ln(vocab) ~ 4.4 and learns letter frequencies within tens of steps.
     assert last < first - 0.3, f"loss did not fall: {first} -> {last}\n{out}"
-    assert "---- sample ----" in out and "tiermem report" in out, out
+    assert "held-out loss" in out and "---- sample ----" in out and "tiermem report" in out, out
 
 
-def test_train_gpt_fp16_writes_checkpoint_and_trace(tmp_path: Path) -> None:
-    # fp16 matmuls are slow on CPUs (no native kernels), so this run is short: it checks the
-    # options work, not that the model learns.
+def test_train_gpt_other_options_write_checkpoint_and_trace(tmp_path: Path) -> None:
+    # fp16 matmuls are slow on CPUs (no native kernels), so this run is short: it checks that
+    # the other policy, fp16, --save and --trace work, not that the model learns.
     ckpt, trace = tmp_path / "gpt.ckpt", tmp_path / "gpt.trace.json"
-    out = run_train_gpt("--precision", "fp16", "--steps", "8", "--batch-size", "4", "--sample-tokens", "4",
+    out = run_train_gpt("--policy", "keep-on-device", "--precision", "fp16", "--steps", "6", "--batch-size", "4",
                         "--save", str(ckpt), "--trace", str(trace))
+    assert "policy=KeepOnDevice()" in out and "precision='fp16'" in out, out
     assert ckpt.exists() and f"checkpoint written to {ckpt}" in out, out
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
