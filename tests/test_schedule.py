@@ -309,6 +309,22 @@ def test_working_set_larger_than_the_budget_is_a_clear_error(nvme_dir):
         _close(engine)
 
 
+def test_a_tensor_brought_to_the_device_by_others_is_evictable_once_acquired(nvme_dir):
+    sizes = Model.sizes()
+    a, b = "blocks.2.weight", "blocks.6.weight"
+    engine = _engine(nvme_dir, max(sizes[a], sizes[b]) + 100)  # one at a time
+    try:
+        model = Model(engine)
+        engine.prefetch(a, Tier.DEVICE).wait()  # e.g. the caller's own prefetch
+        sched = ResidencyScheduler(engine)
+        assert torch.equal(sched.acquire(a), model.values[a]) and sched.stats.hits == 1
+        sched.release(a)
+        assert torch.equal(sched.acquire(b), model.values[b])  # room made by evicting a
+        assert sched.stats.evictions == 1 and a not in engine.stores[Tier.DEVICE]
+    finally:
+        _close(engine)
+
+
 def test_bad_calls_are_clear_errors(nvme_dir):
     engine = _engine(nvme_dir, 1 << 20)
     try:

@@ -93,7 +93,8 @@ def lookahead_window(trace: AccessTrace, pos: int, sizes: Mapping[str, int], lim
     would bring in later tensors before an earlier one). Keys in ``skip`` (acquired already,
     counted elsewhere) are passed over without counting."""
     skipped, window, seen, total = set(skip), [], set(), 0
-    for key in trace.keys[pos:]:
+    for i in range(pos, len(trace.keys)):
+        key = trace.keys[i]
         if key in seen or key in skipped:
             continue
         if total + sizes[key] > limit:
@@ -178,10 +179,7 @@ class ResidencyScheduler:
     @property
     def stats(self) -> ScheduleStats:
         """Totals over every iteration, the current one included."""
-        total = ScheduleStats()
-        for s in [*self.history, self.current]:
-            total = total + s
-        return total
+        return sum([*self.history, self.current], ScheduleStats())
 
     # -- public calls -------------------------------------------------------------------------
     def acquire(self, key: str) -> torch.Tensor:
@@ -193,10 +191,10 @@ class ResidencyScheduler:
             self._touch(key)
             try:
                 handle = self._make_resident(r)
-            except BaseException:
+                self._fetch_ahead()
+            except BaseException:  # e.g. no room even for this tensor, or a write-back failed
                 self._unpin(key)
                 raise
-            self._fetch_ahead()
         t0, ready = time.perf_counter(), handle.done()
         try:
             handle.wait()  # ordering: the tensor is returned only once its bytes have landed
@@ -304,15 +302,16 @@ class ResidencyScheduler:
         flight = r.in_flight  # read before `valid`: a move that lands in between has added to it
         if flight is None and self.tier in r.valid:
             stats.hits += 1
-            return Handle.completed(None)
-        if flight is not None and flight[1] == self.tier:
+            handle = Handle.completed(None)
+        elif flight is not None and flight[1] == self.tier:
             stats.late += 1
-            return self.engine.prefetch(key, self.tier)  # joins the move in flight
-        stats.misses += 1
-        self._make_room(key, self._sizes[key], candidates=self._evictable(), required=True)
-        handle = self.engine.prefetch(key, self.tier)
-        self._managed.add(key)
-        stats.bytes_fetched += self._sizes[key]
+            handle = self.engine.prefetch(key, self.tier)  # joins the move in flight
+        else:
+            stats.misses += 1
+            self._make_room(key, self._new_bytes(key), candidates=self._evictable(), required=True)
+            handle = self.engine.prefetch(key, self.tier)
+            stats.bytes_fetched += self._sizes[key]
+        self._managed.add(key)  # evictable once released, whoever brought it here
         return handle
 
     def _fetch_ahead(self) -> None:
@@ -329,7 +328,7 @@ class ResidencyScheduler:
             r = registry.get(key)
             if self.tier in r.valid or (r.in_flight is not None and r.in_flight[1] == self.tier):
                 continue
-            if not self._make_room(key, self._sizes[key], candidates=outside, required=False):
+            if not self._make_room(key, self._new_bytes(key), candidates=outside, required=False):
                 return
             try:
                 self.engine.prefetch(key, self.tier)
@@ -340,6 +339,10 @@ class ResidencyScheduler:
             self._touch(key)
             self.current.prefetches += 1
             self.current.bytes_prefetched += self._sizes[key]
+
+    def _new_bytes(self, key: str) -> int:
+        """Bytes that bringing ``key`` to the tier adds: a stale copy there is freed first."""
+        return self._sizes[key] - self._store.ledger.held(key)
 
     def _window_limit(self) -> int:
         """Bytes the tensors fetched ahead may take: the budget less what is acquired and what
