@@ -142,15 +142,18 @@ def _plan(s: Settings, res: _Results, nvme_dir: str) -> list[tuple[str, Callable
             res.rate(d["device"], "bidir_GBps", measure.host_copy_pair(a, b, **kw), "device.bidir_GBps")
         steps.append(("device <-> host stand-in (no accelerator)", stand_in))
 
+    # Probed once here, so a filesystem that refuses O_DIRECT (tmpfs) gives one note, not a store
+    # warning per point; those points then run buffered and say so.
+    direct_ok, why_not = _common.probe_o_direct(nvme_dir)
     d["nvme"].update(bytes=s.nvme_bytes, default_block_size_bytes=DEFAULT_BLOCK,
-                     default_in_flight=DEFAULT_IN_FLIGHT)
+                     default_in_flight=DEFAULT_IN_FLIGHT, o_direct=direct_ok, o_direct_why_not=why_not)
     points = [(b, q, True) for b in s.block_sizes for q in s.in_flight]
     points.append((DEFAULT_BLOCK, DEFAULT_IN_FLIGHT, False))
     for block, depth, direct in points:
         def nvme(block: int = block, depth: int = depth, direct: bool = direct) -> None:
             src, out = (x[:s.nvme_bytes] for x in bufs)
             pt = measure.nvme_point(nvme_dir, src, out, block_size=block, in_flight=depth,
-                                    direct=direct, **kw)
+                                    direct=direct and direct_ok, **kw)
             i = len(d["nvme"]["sweep"])
             entry: dict[str, Any] = {"block_size_bytes": block, "in_flight": depth, "direct": pt.direct,
                                      "asked_direct": direct}

@@ -3,15 +3,12 @@ O_DIRECT support and free space, and whether torch.compile (the fast CPU Adam) w
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import logging
-import mmap
 import os
 import platform
 import resource
 import shutil
-import tempfile
 import time
 from typing import Any, Optional
 
@@ -42,31 +39,6 @@ def add_parser(sub: Any) -> None:
 
 def _limit(value: int) -> Optional[int]:
     return None if value == resource.RLIM_INFINITY else int(value)
-
-
-def probe_o_direct(directory: str) -> tuple[bool, str]:
-    """Write and read back one aligned block with O_DIRECT in ``directory``; (works, why not)."""
-    flag = getattr(os, "O_DIRECT", None)
-    if flag is None:
-        return False, f"O_DIRECT does not exist on {platform.system()}"
-    fd, path = tempfile.mkstemp(prefix=".tiermem-odirect-", dir=directory)
-    os.close(fd)
-    buf = mmap.mmap(-1, 4096)  # anonymous maps are page aligned, as O_DIRECT wants
-    try:
-        buf.write(b"tiermem!" * 512)
-        fd = os.open(path, os.O_RDWR | flag)
-        try:
-            if os.pwrite(fd, buf, 0) != 4096 or os.preadv(fd, [buf], 0) != 4096:
-                return False, "short direct write or read"
-        finally:
-            os.close(fd)
-        return True, ""
-    except OSError as e:
-        reason = "the filesystem refuses it" if e.errno == errno.EINVAL else e.strerror
-        return False, f"{reason} (the NVMe store falls back to buffered I/O)"
-    finally:
-        buf.close()
-        os.unlink(path)
 
 
 def _fs_type(path: str) -> str:
@@ -113,7 +85,7 @@ def gather(nvme_path: str, *, check_compile: bool) -> dict[str, Any]:
             free, _ = torch.cuda.mem_get_info(i)
             devices.append({"index": i, "name": props.name, "total_bytes": int(props.total_memory),
                             "free_bytes": int(free)})
-    direct, why = probe_o_direct(path)
+    direct, why = _common.probe_o_direct(path)
     saved = profile.load_profile()
     return {
         "tiermem": __version__, "python": platform.python_version(), "platform": platform.platform(),
@@ -183,4 +155,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_parser", "compile_check", "gather", "probe_o_direct", "run"]
+__all__ = ["add_parser", "compile_check", "gather", "run"]

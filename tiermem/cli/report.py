@@ -42,7 +42,7 @@ def _tiers_table(data: dict[str, Any]) -> Table:
     t.add_row("host", f"copy_ {fmt_binary(host['copy_bytes'])}", f"{host['copy_GBps']:.2f}",
               _cv(data, host, "copy_GBps", "host.copy_GBps"), "bytes copied per second")
     block, depth = fmt_binary(nvme["default_block_size_bytes"]), nvme["default_in_flight"]
-    io = "direct" if nvme.get("direct") else "[yellow]buffered: O_DIRECT refused[/]"
+    io = "direct" if nvme.get("direct") else f"[yellow]buffered: O_DIRECT {nvme['o_direct_why_not']}[/]"
     for op in ("write", "read"):
         key = f"{op}_GBps"
         t.add_row("nvme", f"{op}, {block} blocks x {depth}", f"{nvme[key]:.2f}",
