@@ -22,7 +22,6 @@ bookkeeping that tiermem adds, not transfer overlap. Ratios come last.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
@@ -159,8 +158,6 @@ def main() -> int:
                 rep.class_peak_bytes.items(), key=lambda kv: kv[0][0].value) if t == tier and v)
             print(f"  {tier.value:<6} peak {per_param(rep.peak_bytes.get(tier, 0), n_params)}; "
                   f"by class (B/param): {parts or '-'}")
-    del variants, zo_step, kd_step, plain_step
-    gc.collect()
 
     rep = reports["zero-offload"]
     dev = rep.peak_bytes.get(Tier.DEVICE, 0)

@@ -1,6 +1,7 @@
 """Train a small character-level GPT on the text in examples/data with tiermem.
 
-    python examples/train_gpt.py                      # ~0.8M-parameter GPT, ZeRO-Offload, bf16
+    python examples/train_gpt.py                      # ~0.8M-parameter GPT, ZeRO-Offload, bf16;
+                                                      # ~2 minutes on a 2-core CPU, loss ~4.4 -> ~1.3
     python examples/train_gpt.py --policy keep-on-device --steps 200
     python examples/train_gpt.py --trace /tmp/gpt.trace.json   # open in https://ui.perfetto.dev
 
@@ -15,7 +16,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -60,7 +61,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def lr_factor(warmup: int, total: int, min_ratio: float):
+def lr_factor(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
     """Multiplier of the peak lr at each step: linear warm-up, then cosine decay to ``min_ratio``."""
     def factor(step: int) -> float:
         if step < warmup:
