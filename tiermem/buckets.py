@@ -32,6 +32,7 @@ class Bucket:
     grad_tier: Tier
     state_tier: Tier
     group: int  # index of the optimizer param group its parameters belong to
+    param_tier: Tier = Tier.DEVICE  # home of the working weights
     slots: list[Slot] = field(default_factory=list)
     numel: int = 0
 
@@ -44,19 +45,19 @@ class Bucket:
         self.numel += param.numel()
 
 
-def plan_buckets(params: list[tuple[str, torch.nn.Parameter, Tier, Tier, int]],
+def plan_buckets(params: list[tuple[str, torch.nn.Parameter, Tier, Tier, int, Tier]],
                  bucket_numel: int) -> list[Bucket]:
-    """Pack ``(name, param, grad_tier, state_tier, group)`` in the order given (already reverse
+    """Pack ``(name, param, grad_tier, state_tier, group, param_tier)`` in the order given (already reverse
     order of use) into buckets of at most ``bucket_numel`` elements (a larger single parameter
     gets a bucket of its own). A bucket holds one placement and one param group, so each bucket
     is one call of the fused Adam."""
     buckets: list[Bucket] = []
     open_: dict[tuple, Bucket] = {}
-    for order, (name, p, grad_tier, state_tier, group) in enumerate(params):
-        k = (grad_tier, state_tier, group)
+    for order, (name, p, grad_tier, state_tier, group, param_tier) in enumerate(params):
+        k = (grad_tier, state_tier, group, param_tier)
         b = open_.get(k)
         if b is None or (b.numel and b.numel + p.numel() > bucket_numel):
-            b = open_[k] = Bucket(len(buckets), grad_tier, state_tier, group)
+            b = open_[k] = Bucket(len(buckets), grad_tier, state_tier, group, param_tier)
             buckets.append(b)
         b.add(name, p, order)
     return buckets

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 import threading
 from dataclasses import dataclass, fields
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from tiermem.errors import ConfigError, OutOfTierMemory
 from tiermem.types import Tier
@@ -83,6 +83,9 @@ class Ledger:
         self.peak = 0
         self.kind_used: dict[object, int] = {}
         self.kind_peak: dict[object, int] = {}
+        # Called with the bytes missing when a reservation does not fit, before giving up: a cache
+        # on this tier (e.g. prefetched weights) can evict to make room. Called outside the lock.
+        self.reclaim: Optional[Callable[[int], None]] = None
         self._lock = threading.Lock()
 
     @property
@@ -94,6 +97,15 @@ class Ledger:
 
     def reserve(self, key: str, nbytes: int, kind: object = None) -> None:
         """Account ``nbytes`` to ``key`` (replacing what it held before)."""
+        try:
+            self._reserve(key, nbytes, kind)
+        except OutOfTierMemory as e:
+            if self.reclaim is None:
+                raise
+            self.reclaim(e.used + e.asked - e.allowed)
+            self._reserve(key, nbytes, kind)
+
+    def _reserve(self, key: str, nbytes: int, kind: object) -> None:
         with self._lock:
             before = self._held.get(key, 0)
             after_used = self._used - before + nbytes

@@ -208,13 +208,23 @@ def load(tm: "TieredModel", path: str) -> None:
                     _read_into(f, index[f"{part}/{s.name}"], t[s.offset:s.offset + s.numel])
             if buf.master is None:
                 tm.layout.nvme_state.write_current(b, state)
-            buf.param.copy_(state[0])
+            if buf.param is not None:
+                buf.param.copy_(state[0])
+            else:  # weights homed off the device: write them home
+                tm.param_offload.begin_update()
+                for s in b.slots:
+                    tm.param_offload.write_home(s.name, state[0][s.offset:s.offset + s.numel].view(s.shape).to(tm.dtype))
         params = dict(tm.module.named_parameters())
         for name, t in tm.layout.frozen.items():
             _read_into(f, index[f"frozen/{name}"], t)
-            params[name].data.copy_(t)
+            if tm.param_offload is not None and id(params[name]) in tm.param_offload.keys:
+                tm.param_offload.write_home(name, t.to(tm.dtype))
+            else:
+                params[name].data.copy_(t)
         for name, t in tm.module.named_buffers():
             _read_into(f, index[f"buffers/{name}"], t)
+    if tm.param_offload is not None:
+        tm.param_offload.end_update()
     meta = doc["meta"]
     for group, saved in zip(tm.optimizer.param_groups, meta["groups"]):
         group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})

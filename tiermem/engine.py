@@ -74,7 +74,9 @@ class TransferEngine:
         dev_store = self.stores.get(Tier.DEVICE)
         self.device = torch.device(device if device is not None else getattr(dev_store, "device", "cpu"))
         self.stats = TransferStats()
-        self._lanes = {name: ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-{name}")
+        # One worker per memory direction keeps requests in order, like a CUDA stream; the NVMe
+        # lane has several, since each request there mostly waits on the store's I/O threads.
+        self._lanes = {name: ThreadPoolExecutor(4 if name == "nvme" else 1, thread_name_prefix=f"tiermem-{name}")
                        for name in ("d2h", "h2d", "nvme", "compute")}
         self._streams = ({name: torch.cuda.Stream(self.device) for name in ("d2h", "h2d")}
                          if self.device.type == "cuda" else {})
@@ -97,7 +99,7 @@ class TransferEngine:
             if other != tier:
                 self._store(other).delete(key)
         r.valid.clear()
-        h = self._store(tier).write(key, tensor)
+        h = self._store(tier).write(key, tensor, r.info.kind)
         h.wait()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the caller may reuse `tensor` now
@@ -288,7 +290,7 @@ class TransferEngine:
         key, info = r.key, r.info
         dst_store = self._store(dst)
         # Allocate the destination now, on the caller's thread: a budget error surfaces here.
-        out = (dst_store.allocate(key, info.shape, info.dtype)
+        out = (dst_store.allocate(key, info.shape, info.dtype, info.kind)
                if isinstance(dst_store, _MemoryStore) else None)
         ready = None
         if self.device.type == "cuda" and Tier.DEVICE in (src, dst):
@@ -342,9 +344,9 @@ class TransferEngine:
             tensor = src_store.get(key)  # type: ignore[attr-defined]
             if src == Tier.DEVICE and self.device.type == "cuda":
                 self._staged(key, info, lambda buf: (self._memcpy(buf, tensor, "d2h", ready),
-                                                     dst_store.write(key, buf).wait()))
+                                                     dst_store.write(key, buf, info.kind).wait()))
             else:
-                dst_store.write(key, tensor).wait()
+                dst_store.write(key, tensor, info.kind).wait()
 
     def _staged(self, key: str, info: TensorInfo, body: Callable[[torch.Tensor], object]) -> None:
         host = self.stores[Tier.HOST]

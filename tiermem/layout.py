@@ -35,10 +35,10 @@ from tiermem.types import TensorClass, TensorInfo, Tier
 
 #: Placements this version can honour, per tensor class (the rest arrive with the NVMe extension).
 SUPPORTED = {
-    TensorClass.PARAM: {Tier.DEVICE},
+    TensorClass.PARAM: {Tier.DEVICE, Tier.HOST, Tier.NVME},
     TensorClass.GRAD: {Tier.DEVICE, Tier.HOST},
     TensorClass.OPTIM_STATE: {Tier.DEVICE, Tier.HOST, Tier.NVME},
-    TensorClass.ACTIVATION: {Tier.DEVICE},
+    TensorClass.ACTIVATION: {Tier.DEVICE, Tier.HOST, Tier.NVME},  # asked per saved tensor, tiermem.activations
 }
 STATE_PARTS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -71,6 +71,7 @@ class Layout:
     names: dict[int, list[str]]  # id(param) -> every name it has (tied weights have several)
     slot_of: dict[int, tuple[Bucket, Slot]] = field(default_factory=dict)
     frozen: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> fp32 copy on host
+    initial_params: dict[str, torch.Tensor] = field(default_factory=dict)  # off-device weights, until placed
     staging: dict[Tier, list[torch.Tensor]] = field(default_factory=dict)  # Adam's output, 2 per tier
     buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # buffers' dtypes as given
     nvme_state: Optional[NvmeState] = None  # the buckets whose optimizer state is on NVMe
@@ -92,8 +93,10 @@ def _place(policy: Policy, info: TensorInfo) -> Tier:
 
 
 def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.dtype,
-         bucket_numel: int) -> tuple[list[Bucket], list[list[str]], dict[int, list[str]]]:
-    """Ask the policy about every tensor, then pack trainable parameters into buckets."""
+         bucket_numel: int) -> tuple[list[Bucket], list[list[str]], dict[int, list[str]], dict[str, Tier]]:
+    """Ask the policy about every tensor, then pack trainable parameters into buckets. Also
+    returns the parameters whose working weights live off the device, with their home."""
+    param_homes: dict[str, Tier] = {}
     names: dict[int, list[str]] = defaultdict(list)
     unique: list[tuple[str, torch.nn.Parameter]] = []
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -102,8 +105,10 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
         names[id(p)].append(name)
     entries, groups = [], [[], []]  # group 0: weight decay applies; group 1: it does not
     for name, p in reversed(unique):  # reverse order of use: backward fills the last ones first
-        _place(policy, TensorInfo(name, TensorClass.PARAM, p.numel() * dtype.itemsize,
-                                  tuple(p.shape), dtype, owner(name)))
+        param_tier = _place(policy, TensorInfo(name, TensorClass.PARAM, p.numel() * dtype.itemsize,
+                                               tuple(p.shape), dtype, owner(name)))
+        if param_tier != Tier.DEVICE:
+            param_homes[name] = param_tier
         if not p.requires_grad:
             continue
         grad_tier = _place(policy, TensorInfo(name, TensorClass.GRAD, p.numel() * 4, tuple(p.shape),
@@ -115,24 +120,26 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
             raise ConfigError(f"tiermem: the policy splits the optimizer state of {name!r} over "
                               f"{sorted(t.value for t in state_tiers)}; master, exp_avg and exp_avg_sq "
                               f"of one parameter must share a tier")
+        if param_tier != Tier.DEVICE and Tier.DEVICE in state_tiers:
+            raise ConfigError(f"tiermem: the policy places {name!r}'s weights on {param_tier} but its optimizer "
+                              f"state on the device; this version updates off-device weights from host or "
+                              f"NVMe state only: place OPTIM_STATE on HOST or NVME for it")
         group = 0 if spec.decays(name, p) else 1
         groups[group].append(name)
-        entries.append((name, p, grad_tier, state_tiers.pop(), group))
-    for mod_name, _ in module.named_modules():
-        _place(policy, TensorInfo(mod_name, TensorClass.ACTIVATION, 0, (), dtype, mod_name))
+        entries.append((name, p, grad_tier, state_tiers.pop(), group, param_tier))
     if not groups[1]:
         groups.pop()
-    return plan_buckets(entries, bucket_numel), groups, dict(names)
+    return plan_buckets(entries, bucket_numel), groups, dict(names), param_homes
 
 
-def needed_bytes(buckets: list[Bucket], frozen: list[torch.nn.Parameter], dtype: torch.dtype,
+def needed_bytes(buckets: list[Bucket], frozen: list[tuple[torch.nn.Parameter, Tier]], dtype: torch.dtype,
                  device_grad_bytes: int, overlap: bool = False) -> dict[Tier, dict[str, int]]:
     """Bytes each tier must hold, by purpose, for the layout to be built and a step to run."""
     need: dict[Tier, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     w = dtype.itemsize
     for b in buckets:
         ct = compute_tier(b)
-        need[Tier.DEVICE]["working weights"] += b.numel * w
+        need[b.param_tier]["working weights"] += b.numel * w
         need[b.grad_tier]["fp32 grads"] += b.numel * 4
         if b.state_tier == Tier.NVME:
             need[Tier.NVME]["optimizer state (2 generations)"] += b.numel * 24
@@ -152,11 +159,21 @@ def needed_bytes(buckets: list[Bucket], frozen: list[torch.nn.Parameter], dtype:
             largest[compute_tier(b)] = max(largest[compute_tier(b)], b.numel)
     for tier, numel in (largest.items() if not overlap else ()):
         need[tier]["weight staging (2 buckets)"] += 2 * numel * w
-    for p in frozen:
-        need[Tier.DEVICE]["frozen weights"] += p.numel() * (w if p.is_floating_point() else p.element_size())
+    for p, home in frozen:
+        need[home]["frozen weights"] += p.numel() * (w if p.is_floating_point() else p.element_size())
         need[Tier.HOST]["fp32 copy of frozen weights"] += p.numel() * p.element_size()
     need[Tier.DEVICE]["grads in flight (largest parameter)"] += device_grad_bytes
     return need
+
+
+def largest_module_bytes(module: torch.nn.Module, param_homes: dict[str, Tier], dtype: torch.dtype) -> int:
+    """The off-device weights one module makes resident while it runs (the device's minimum)."""
+    best = 0
+    for mod_name, mod in module.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        best = max(best, sum(p.numel() * dtype.itemsize for n, p in mod.named_parameters(recurse=False)
+                             if prefix + n in param_homes))
+    return best
 
 
 def check_fits(need: dict[Tier, dict[str, int]], stores: dict[Tier, _MemoryStore]) -> None:
@@ -176,7 +193,8 @@ def check_fits(need: dict[Tier, dict[str, int]], stores: dict[Tier, _MemoryStore
 
 def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]],
           names: dict[int, list[str]], stores: dict[Tier, _MemoryStore], dtype: torch.dtype,
-          device: torch.device, engine, overlap: bool = False) -> Layout:
+          device: torch.device, engine, overlap: bool = False,
+          param_homes: Optional[dict[str, Tier]] = None) -> Layout:
     """Allocate every bucket's buffers, copy the module's weights in, and make its parameters
     views of the device buffers. Frozen parameters move to the device in the working precision."""
     layout = Layout(buckets, {}, groups, names)
@@ -188,7 +206,7 @@ def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]
         ct, gt = stores[compute_tier(b)], stores[b.grad_tier]
         n = (b.numel,)
         buf = Buffers(
-            param=dev.allocate(f"{b.key}:param", n, dtype, TensorClass.PARAM),
+            param=dev.allocate(f"{b.key}:param", n, dtype, TensorClass.PARAM) if b.param_tier == Tier.DEVICE else None,
             grad=gt.allocate(f"{b.key}:grad", n, torch.float32, TensorClass.GRAD),
             master=None, exp_avg=None, exp_avg_sq=None)
         if b.state_tier != Tier.NVME:
@@ -204,11 +222,16 @@ def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]
         master = buf.master if buf.master is not None else layout.nvme_state.sets[0]["master"][:b.numel]
         for s in b.slots:
             master[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-        buf.param.copy_(master)  # the working copy is the master rounded to the working precision
+        if buf.param is not None:
+            buf.param.copy_(master)  # the working copy is the master rounded to the working precision
+        else:  # working weights live off the device: see param_offload
+            for s in b.slots:
+                layout.initial_params[s.name] = master[s.offset:s.offset + s.numel].view(s.shape).to(dtype)
         if buf.master is None:
             layout.nvme_state.initialize(b, master)
         for s in b.slots:
-            s.param.data = buf.param[s.offset:s.offset + s.numel].view(s.shape)
+            if buf.param is not None:
+                s.param.data = buf.param[s.offset:s.offset + s.numel].view(s.shape)
             layout.slot_of[id(s.param)] = (b, s)
         layout.buffers[b.index] = buf
         layout.n_params += b.numel
@@ -222,7 +245,10 @@ def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]
         layout.frozen[name] = stores[Tier.HOST].allocate(f"{name}:frozen", p.shape, p.dtype, TensorClass.PARAM)
         layout.frozen[name].copy_(p.detach())
         target = dtype if p.is_floating_point() else p.dtype
-        p.data = dev.adopt(f"{name}:frozen", p.detach().to(device=device, dtype=target), TensorClass.PARAM)
+        if param_homes and name in param_homes:
+            layout.initial_params[name] = p.detach().to(dtype=target, copy=True)
+        else:
+            p.data = dev.adopt(f"{name}:frozen", p.detach().to(device=device, dtype=target), TensorClass.PARAM)
     # Floating-point buffers (e.g. BatchNorm running stats) move to the working precision, as
     # with module.half(): ops such as batch_norm need them in the dtype of their inputs.
     for mod_name, mod in module.named_modules():

@@ -14,12 +14,15 @@ from typing import Any, Optional
 import torch
 
 from tiermem import checkpoint
+from tiermem.activations import ActivationOffloader
 from tiermem.budgets import Budgets, parse_bytes
 from tiermem.config import AdamW, _AdamSpec, working_dtype
 from tiermem.engine import TransferEngine
 from tiermem.errors import ConfigError
-from tiermem.hooks import ActivationMeter, HookSet
-from tiermem.layout import build, check_fits, needed_bytes, plan
+from tiermem.hooks import HookSet
+from tiermem.layout import build, check_fits, largest_module_bytes, needed_bytes, plan
+from tiermem.param_offload import ParamOffload
+from tiermem.schedule import ResidencyScheduler
 from tiermem.policy import Policy, resolve_policy
 from tiermem.report import Report, collect
 from tiermem.scaler import LossScaler
@@ -74,18 +77,22 @@ class TieredModel:
         self.overlap_step = bool(overlap_step)
         self.tracer = Tracer(trace_path)
 
-        buckets, groups, names = plan(module, self.policy, spec, self.dtype, bucket_bytes // 4)
+        buckets, groups, names, param_homes = plan(module, self.policy, spec, self.dtype, bucket_bytes // 4)
         self.stores: dict[Tier, Any] = {Tier.DEVICE: DeviceStore(self.device, budgets.device),
                                         Tier.HOST: HostStore(budgets.host)}
         if nvme_dir is not None:
             from tiermem.stores.nvme import NvmeStore
             self.stores[Tier.NVME] = NvmeStore(nvme_dir, budget=budgets.nvme)
-        frozen = [p for p in module.parameters() if not p.requires_grad]
+        frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in module.named_parameters() if not p.requires_grad]
         biggest = max((s.numel for b in buckets for s in b.slots), default=0) * self.dtype.itemsize
-        check_fits(needed_bytes(buckets, frozen, self.dtype, biggest, self.overlap_step), self.stores)
+        need = needed_bytes(buckets, frozen, self.dtype, biggest, self.overlap_step)
+        if param_homes:
+            need[Tier.DEVICE]["weights of the largest module, while it runs"] += largest_module_bytes(
+                module, param_homes, self.dtype)
+        check_fits(need, self.stores)
         self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
         self.layout = build(module, buckets, groups, names, self.stores, self.dtype, self.device, self.engine,
-                            self.overlap_step)
+                            self.overlap_step, param_homes)
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.stepper = Stepper(self.layout, self.engine, self.scaler, self.stores[Tier.DEVICE],
                                grad_clip=grad_clip, tracer=self.tracer, overlap=self.overlap_step)
@@ -94,7 +101,18 @@ class TieredModel:
         for b in buckets:
             for s in b.slots:
                 self.hooks.add(s.param.register_post_accumulate_grad_hook(self.stepper.on_grad))
-        self.activations = ActivationMeter(self.stores[Tier.DEVICE], module)
+        self.param_offload: Optional[ParamOffload] = None
+        if param_homes:  # NOTE [Parameters off the device]
+            # Fetch ahead up to a few modules' weights: enough to hide transfers, while leaving the
+            # rest of the device budget to activations and grads in flight.
+            room = self.stores[Tier.DEVICE].ledger.allowed - self.stores[Tier.DEVICE].ledger.used
+            lookahead = min(4 * largest_module_bytes(module, param_homes, self.dtype), room // 2)
+            scheduler = ResidencyScheduler(self.engine, Tier.DEVICE, lookahead_bytes=lookahead)
+            self.stores[Tier.DEVICE].ledger.reclaim = scheduler.make_room  # activations may take that room
+            self.param_offload = ParamOffload(module, param_homes, self.engine, scheduler, self.dtype, self.device,
+                                              lambda name, p: self.layout.initial_params.pop(name), self.hooks)
+            self.stepper.param_offload = self.param_offload
+        self.activations = ActivationOffloader(module, self.policy, self.stores, self.engine, self.hooks)
         self._detached = False
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision)

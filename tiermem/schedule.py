@@ -175,6 +175,7 @@ class ResidencyScheduler:
         self._sizes: dict[str, int] = {}
         self._last_used: dict[str, int] = {}
         self._clock = 0
+        self._reclaiming = False
 
     @property
     def stats(self) -> ScheduleStats:
@@ -248,6 +249,21 @@ class ResidencyScheduler:
             self.current = ScheduleStats()
             self._recording, self._pos, self._on_trace = [], 0, True
             self._fetch_ahead()
+
+    def make_room(self, nbytes: int) -> None:
+        """Evict released tensors (furthest next use first) until ``nbytes`` more fit on the tier.
+        Installed as the tier ledger's ``reclaim`` so other users of the tier (activations,
+        gradients in flight) can take room that prefetched tensors hold."""
+        with self._lock:
+            if self._reclaiming:  # a reservation made while evicting: do not recurse
+                return
+            self._reclaiming = True
+            try:
+                ledger = self._store.ledger
+                free_wanted = ledger.allowed - ledger.used + nbytes  # what is free now, plus what is missing
+                self._make_room("<reclaim>", free_wanted, candidates=self._evictable(), required=False)
+            finally:
+                self._reclaiming = False
 
     def evict_all(self) -> None:
         """Evict every released managed tensor from the tier, writing modified ones back home."""

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from tiermem.errors import TierMemError
+from tiermem.errors import OutOfTierMemory, TierMemError
 from tiermem.handles import Handle, wait_all
 from tiermem.layout import Layout, compute_tier
 from tiermem.scaler import LossScaler
@@ -60,8 +60,9 @@ class Stepper:
         self.seconds = 0.0
         self._got: set[tuple[int, int]] = set()  # (bucket, slot) that received a grad this step
         self._step_of: dict[str, int] = {}  # canonical parameter name -> updates applied to it
-        self._grad_handles: list[Handle] = []
+        self._grad_handles: list[tuple[Handle, str]] = []  # grad copies in flight, with ledger tags
         self._by_order = sorted(((b, s) for b in layout.buckets for s in b.slots), key=lambda bs: bs[1].order)
+        self.param_offload = None  # set by TieredModel when some weights live off the device
         self._fill = 0  # which gradient buffer backward fills (always 0 without overlap)
         self._background: Optional[tuple[Handle, list]] = None  # overlap: the update in flight
 
@@ -76,17 +77,29 @@ class Stepper:
         first = (bucket.index, slot.offset) not in self._got
         self._got.add((bucket.index, slot.offset))
         tag = f"<grad in flight {slot.name}>"
-        self.device_ledger.reserve(tag, grad.numel() * grad.element_size(), TensorClass.GRAD)
+        try:
+            self.device_ledger.reserve(tag, grad.numel() * grad.element_size(), TensorClass.GRAD)
+        except OutOfTierMemory:  # the device budget is tight: let the grads in flight land first
+            self.finish_grads()
+            self.device_ledger.reserve(tag, grad.numel() * grad.element_size(), TensorClass.GRAD)
         h = self.engine.copy_async(acc, grad.reshape(-1), src_tier=Tier.DEVICE, dst_tier=bucket.grad_tier,
                                    accumulate=not first)
         h.add_done_callback(lambda _f, t=tag: self.device_ledger.release(t))
-        self._grad_handles.append(h)
+        self._grad_handles.append((h, tag))
+
+    def finish_grads(self) -> None:
+        """Wait for the gradient copies in flight; their device bytes are free afterwards."""
+        if self._grad_handles:
+            handles, self._grad_handles = self._grad_handles, []
+            try:
+                wait_all([h for h, _ in handles])
+            finally:
+                for _, tag in handles:  # the done-callback may not have run yet when wait returns
+                    self.device_ledger.release(tag)
 
     def finish_pending(self) -> None:
         """Wait for every transfer this stepper started, and land a background update."""
-        if self._grad_handles:
-            wait_all(self._grad_handles)
-            self._grad_handles.clear()
+        self.finish_grads()
         self._land_background()
 
     def before_forward(self) -> None:
@@ -150,6 +163,8 @@ class Stepper:
                                     clip_coef=clip, out=out[start:end], check_finite=False)
             uploads.done(b, out, runs)
 
+        if self.param_offload is not None and not self.overlap:
+            self.param_offload.begin_update()  # device copies of off-device weights are about to be stale
         on_nvme = [(b, runs) for b, runs in plan if b.state_tier == Tier.NVME]
         if on_nvme:
             try:
@@ -163,6 +178,8 @@ class Stepper:
                 buf = self.layout.buffers[b.index]
                 adam(b, runs, (buf.master, buf.exp_avg, buf.exp_avg_sq))
         uploads.finish()
+        if self.param_offload is not None and not self.overlap:
+            self.param_offload.end_update()
 
     def _roll_back(self, nvme_buckets, plan) -> None:
         """A failed NVMe step: undo the step counts it took and put the device weights back."""
@@ -180,6 +197,13 @@ class Stepper:
         uploads.finish()
 
     def _upload(self, b, src: torch.Tensor, runs) -> list[Handle]:
+        """New weights to their home: the device buffer (async), or, for weights homed off the
+        device, their home tier (NOTE [Parameters off the device])."""
+        if b.param_tier != Tier.DEVICE:
+            for s in b.slots:
+                if any(a <= s.offset < e for a, e, _ in runs):
+                    self.param_offload.write_home(s.name, src[s.offset:s.offset + s.numel].view(s.shape))
+            return []
         param = self.layout.buffers[b.index].param
         return [self.engine.copy_async(param[a:e], src[a:e], src_tier=compute_tier(b), dst_tier=Tier.DEVICE)
                 for a, e, _ in runs]
@@ -192,7 +216,11 @@ class Stepper:
         self._background = None
         with self.tracer.span("wait background adam", "stall"):
             handle.wait()
+        if self.param_offload is not None:
+            self.param_offload.begin_update()
         wait_all([h for b, runs in plan for h in self._upload(b, self.layout.buffers[b.index].param_out, runs)])
+        if self.param_offload is not None:
+            self.param_offload.end_update()
 
     def _grads_at_state_tier(self) -> dict[int, torch.Tensor]:
         """Each bucket's grads where its optimizer state lives (copied there if they are not)."""
@@ -295,7 +323,7 @@ class _Uploads:
         if buf.param_out is not None:
             return buf.param_out
         tier = compute_tier(b)
-        if tier == Tier.DEVICE:
+        if tier == Tier.DEVICE and buf.param is not None:
             return buf.param
         which = (tier, self.turn % 2)
         with self.s.tracer.span("wait staging", "stall"):
@@ -305,7 +333,7 @@ class _Uploads:
 
     def done(self, b, out: torch.Tensor, runs) -> None:
         buf = self.s.layout.buffers[b.index]
-        if buf.param_out is not None or compute_tier(b) == Tier.DEVICE:
+        if buf.param_out is not None or (compute_tier(b) == Tier.DEVICE and b.param_tier == Tier.DEVICE):
             return
         self.inflight[self._current] = self.s._upload(b, out, runs)  # overlaps Adam on the next bucket
         self.turn += 1

@@ -1,0 +1,19 @@
+"""ZeRO-Infinity: weights and optimizer state on NVMe, grads on the host, activations on the
+device. Weights come to the device just in time for their module (prefetched in the order the
+first step recorded) and the step streams the optimizer state through bounded host buffers."""
+from __future__ import annotations
+
+from tiermem.policy import Policy
+from tiermem.types import TensorClass, TensorInfo, Tier
+
+_HOMES = {
+    TensorClass.PARAM: Tier.NVME,
+    TensorClass.OPTIM_STATE: Tier.NVME,
+    TensorClass.GRAD: Tier.HOST,
+    TensorClass.ACTIVATION: Tier.DEVICE,
+}
+
+
+class ZeroInfinity(Policy):
+    def place(self, info: TensorInfo) -> Tier:
+        return _HOMES[info.kind]

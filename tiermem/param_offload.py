@@ -1,0 +1,118 @@
+"""Parameters homed off the device (ZeRO-Infinity): resident only while their module runs.
+
+# NOTE [Parameters off the device]
+Every parameter whose PARAM placement is HOST or NVME is registered with the engine under its
+name, its working-precision copy stored at home. Between uses its ``.data`` is a placeholder of
+the right shape that costs one element (NaN, so a use outside its module is loud, not silent).
+A forward pre-hook of each module that owns such parameters acquires them through the
+:class:`~tiermem.schedule.ResidencyScheduler` (which prefetches the next ones in the order
+recorded during the first step and evicts by furthest next use), and a forward hook puts the
+placeholder back and releases them.
+
+Backward needs weights again: when autograd saves a tensor that lives in an acquired
+parameter's storage (the weight, or a view such as ``weight.t()``), the saved-tensor pack hook
+keeps only a reference (key, size, stride, offset); unpacking acquires the parameter again —
+in reverse order, which the trace knows — and rebuilds the view. The optimizer step writes the
+updated weights to their home tier, never to the device.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from tiermem.hooks import HookSet
+from tiermem.schedule import ResidencyScheduler
+from tiermem.types import TensorClass, TensorInfo, Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """What autograd keeps instead of an offloaded parameter's tensor."""
+
+    key: str
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class ParamOffload:
+    def __init__(self, module: torch.nn.Module, homes: dict[str, Tier],
+                 engine, scheduler: ResidencyScheduler, dtype: torch.dtype, device: torch.device,
+                 initial: Callable[[str, torch.nn.Parameter], torch.Tensor], hooks: HookSet):
+        """``homes``: canonical parameter name -> home tier (HOST or NVME) for the parameters to
+        offload; ``initial(name, param)`` gives each one's first working-precision value."""
+        self.engine, self.scheduler, self.device = engine, scheduler, device
+        self.keys: dict[int, str] = {}  # id(param) -> key
+        self._placeholders: dict[str, torch.Tensor] = {}
+        self._live: dict[int, str] = {}  # storage address of an acquired parameter -> key
+        params = dict(module.named_parameters())
+        for name, home in homes.items():
+            p = params[name]
+            value = initial(name, p)
+            engine.register(TensorInfo(name, TensorClass.PARAM, value.numel() * value.element_size(),
+                                       tuple(p.shape), value.dtype, name.rpartition(".")[0]), home)
+            engine.put(name, value)
+            self.keys[id(p)] = name
+            nan = torch.full((), float("nan"), dtype=value.dtype, device=device)
+            self._placeholders[name] = nan.expand(p.shape)
+            p.data = self._placeholders[name]
+        self.owners: dict[torch.nn.Module, list[tuple[torch.nn.Parameter, str]]] = {}
+        for mod in module.modules():
+            mine = [(p, self.keys[id(p)]) for p in mod.parameters(recurse=False) if id(p) in self.keys]
+            if mine:
+                self.owners[mod] = mine
+                hooks.add(mod.register_forward_pre_hook(self._before))
+                hooks.add(mod.register_forward_hook(self._after))
+        self.largest_module_bytes = max(
+            (sum(p.numel() * dtype.itemsize for p, _ in ps) for ps in self.owners.values()), default=0)
+
+    # -- forward -----------------------------------------------------------------------------------
+    def _before(self, mod: torch.nn.Module, args) -> None:
+        for p, key in self.owners[mod]:
+            t = self.scheduler.acquire(key)
+            self._live[t.untyped_storage().data_ptr()] = key
+            p.data = t
+
+    def _after(self, mod: torch.nn.Module, args, out) -> None:
+        for p, key in self.owners[mod]:
+            t = p.data
+            p.data = self._placeholders[key]
+            self._live.pop(t.untyped_storage().data_ptr(), None)
+            self.scheduler.release(key)
+
+    # -- saved tensors -------------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Optional[ParamRef]:
+        """A reference in place of ``t`` if it lives in an acquired parameter's storage."""
+        key = self._live.get(t.untyped_storage().data_ptr())
+        if key is None:
+            return None
+        return ParamRef(key, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def unpack(self, ref: ParamRef) -> torch.Tensor:
+        t = self.scheduler.acquire(ref.key)
+        try:
+            return t.as_strided(ref.size, ref.stride, ref.offset)  # keeps the storage alive for autograd
+        finally:
+            self.scheduler.release(ref.key)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def begin_update(self) -> None:
+        """Before new weights are written home: device copies are about to be stale."""
+        self.scheduler.evict_all()
+
+    def write_home(self, key: str, value: torch.Tensor) -> None:
+        """Store the updated working-precision weights of ``key`` at its home tier."""
+        self.engine.put(key, value)
+
+    def end_update(self) -> None:
+        self.scheduler.end_iteration()  # freezes the trace, prefetches the next step's first weights
+
+    def restore_placeholders(self, module: torch.nn.Module) -> None:
+        for mod, ps in self.owners.items():
+            for p, key in ps:
+                p.data = self._placeholders[key]
