@@ -76,3 +76,11 @@ def test_detach_and_checkpoint_with_weights_off_device(tmp_path):
     x, y = gpt_batch(0)
     gpt_loss(m(x), y).backward()  # plain torch again: real weights, no hooks
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_overlap_step_with_weights_off_device(tmp_path):
+    ref = _make(ZeroOffload(), None, overlap_step=True)
+    tm = _make(ZeroInfinity(), tmp_path, overlap_step=True)
+    assert _train(tm, 4) == _train(ref, 4)
+    a, b = tm.state_dict(), ref.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

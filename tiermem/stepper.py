@@ -110,6 +110,8 @@ class Stepper:
         t0 = time.perf_counter()
         with self.tracer.span("step", "compute", step=self.steps + 1):
             result = self._run(groups)
+            if self.param_offload is not None:  # the iteration ends, skipped or not
+                self.param_offload.end_update()
         self.seconds += time.perf_counter() - t0
         return result
 
@@ -178,8 +180,6 @@ class Stepper:
                 buf = self.layout.buffers[b.index]
                 adam(b, runs, (buf.master, buf.exp_avg, buf.exp_avg_sq))
         uploads.finish()
-        if self.param_offload is not None and not self.overlap:
-            self.param_offload.end_update()
 
     def _roll_back(self, nvme_buckets, plan) -> None:
         """A failed NVMe step: undo the step counts it took and put the device weights back."""
@@ -219,8 +219,6 @@ class Stepper:
         if self.param_offload is not None:
             self.param_offload.begin_update()
         wait_all([h for b, runs in plan for h in self._upload(b, self.layout.buffers[b.index].param_out, runs)])
-        if self.param_offload is not None:
-            self.param_offload.end_update()
 
     def _grads_at_state_tier(self) -> dict[int, torch.Tensor]:
         """Each bucket's grads where its optimizer state lives (copied there if they are not)."""
