@@ -19,9 +19,11 @@ from tiermem.optim import adam_step, implementation
 from tiermem.optim import _compiled, functional
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-# (grad dtype, out dtype, adamw): the compiled variants the tests exercise.
-VARIANTS = [(BF16, BF16, True), (FP32, None, True), (FP16, FP16, False), (BF16, FP32, False),
-            (FP32, FP16, True)]
+# (grad dtype, out dtype, adamw, beta1 choices): the compiled variants the tests exercise. beta1 <= 0.5
+# makes torch's lerp_ weight 1-beta1 >= 0.5, where it computes from the far end (its own variant).
+NEAR, FAR = [0.9, 0.95, 0.8], [0.5, 0.3, 0.0]
+VARIANTS = [(BF16, BF16, True, NEAR), (FP32, None, True, NEAR), (FP16, FP16, False, NEAR),
+            (BF16, FP32, False, FAR), (FP32, FP16, True, FAR)]
 SIZES = st.one_of(st.sampled_from([1, 2, 3, 15, 16, 17, 31, 97, 1021, 4099]), st.integers(1, 3000))
 HYPER = st.fixed_dictionaries({
     "lr": st.sampled_from([1e-4, 1e-3, 3e-2, 0.0]),
@@ -64,9 +66,11 @@ def assert_bits_equal(a, b):
 # -- compiled kernel == reference, bit for bit (NOTE [FMA parity]) ------------------------------------
 @settings(max_examples=30, deadline=None)
 @given(n=SIZES, hp=HYPER, variant=st.sampled_from(VARIANTS), seed=st.integers(0, 2**16),
-       scale=st.sampled_from([(1.0, 1.0), (1024.0, 1.0), (3.0, 0.37)]), small_chunks=st.booleans())
-def test_compiled_is_bit_identical_to_reference(n, hp, variant, seed, scale, small_chunks):
-    grad_dtype, out_dtype, adamw = variant
+       scale=st.sampled_from([(1.0, 1.0), (1024.0, 1.0), (3.0, 0.37)]), small_chunks=st.booleans(),
+       data=st.data())
+def test_compiled_is_bit_identical_to_reference(n, hp, variant, seed, scale, small_chunks, data):
+    grad_dtype, out_dtype, adamw, beta1s = variant
+    hp = {**hp, "beta1": data.draw(st.sampled_from(beta1s))}
     state = make_state(n, seed, FP32)[:3]
     grads = make_state(n, seed + 1, grad_dtype, steps=3)[3]
     kw = dict(grad_scale=scale[0], clip_coef=scale[1])
@@ -138,7 +142,7 @@ def test_default_path_matches_torch_adamw():
 @settings(max_examples=10, deadline=None)
 @given(n=SIZES, hp=HYPER, variant=st.sampled_from(VARIANTS), seed=st.integers(0, 2**16))
 def test_fallback_close_to_reference(n, hp, variant, seed):
-    grad_dtype, out_dtype, adamw = variant
+    grad_dtype, out_dtype, adamw, _ = variant
     state = make_state(n, seed)[:3]
     grads = make_state(n, seed + 1, grad_dtype, steps=10)[3]
     want = run("reference", state, grads, hp, adamw=adamw, out_dtype=out_dtype)
@@ -157,7 +161,13 @@ def test_scale_and_clip_equal_unscaling_and_clipping_first(impl, grad_scale, cli
     grads = make_state(777, 4, BF16, steps=3)[3]
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
     got = run(impl, state, grads, hp, grad_scale=grad_scale, clip_coef=clip_coef)
-    prepared = [g.float() / grad_scale * clip_coef for g in grads]
+    prepared = []
+    for g in grads:  # what torch.amp.GradScaler.unscale_ and clip_grad_norm_ do to a gradient
+        g = g.float()
+        inv_scale = torch.tensor(grad_scale, dtype=torch.float64).reciprocal().float()
+        torch._amp_foreach_non_finite_check_and_unscale_([g], torch.zeros(1), inv_scale)
+        g.mul_(torch.tensor(clip_coef, dtype=torch.float32))
+        prepared.append(g)
     want = run(impl, state, prepared, hp)
     for w, g in zip(want[:3], got[:3]):
         assert_bits_equal(g, w)
@@ -313,7 +323,8 @@ def _call(**over):
     (dict(beta2=-0.1), r"beta2=-0.1 is invalid"),
     (dict(eps=-1e-8), r"eps=-1e-08 is invalid"),
     (dict(weight_decay=-0.1), r"weight_decay=-0.1 is invalid"),
-    (dict(grad_scale=0.0), r"grad_scale=0.0 is invalid.*> 0"),
+    (dict(grad_scale=0.0), r"grad_scale=0.0 is invalid.*between 2\*\*-126 and 2\*\*126"),
+    (dict(grad_scale=math.inf), r"grad_scale=inf is invalid"),
     (dict(clip_coef=math.inf), r"clip_coef=inf is invalid"),
     (dict(exp_avg=torch.zeros(9)), r"exp_avg has shape \(9,\) but master has \(8,\)"),
     (dict(grad=torch.zeros(8, dtype=torch.float64)), r"grad has dtype torch.float64.*bfloat16"),

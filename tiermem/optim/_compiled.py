@@ -6,8 +6,9 @@ memory floor of Adam. What is specialised, and what is not:
 
 * one compiled function per *variant* (grad dtype, out dtype or none, Adam-with-L2 or not), each
   with its own code object, so dynamo's per-code-object recompile limit is never shared;
-* the element count is a dynamic size, so any tensor size (and any chunk of a flat buffer, at any
-  offset) runs the same compiled code; size 1, which dynamo would specialise, is padded to 2;
+* the element count is a dynamic size, so any tensor size (and any 1-D view into a flat buffer, at
+  any offset) runs the same compiled code, in one call; size 1, which dynamo would specialise, is
+  padded to 2;
 * every hyperparameter, step included, is data in one fp32 tensor: a new lr or step never
   recompiles;
 * global state dynamo guards on (grad mode, autocast) is pinned around every call.
@@ -41,31 +42,46 @@ from tiermem.optim import _hyper as H
 
 log = logging.getLogger(__name__)
 
-CHUNK = 1 << 22  # elements per kernel call on large buffers; any size works, this bounds one call
+# Elements per kernel call. The kernel streams, so cache-sized calls would buy nothing, and every call
+# is an OpenMP fork/join, which costs milliseconds when other processes hold the cores; one call per
+# tensor up to this size. (Any size works: the compiled size is dynamic.)
+CHUNK = 1 << 26
 WARMUP_NUMEL = 1 << 16  # compile on this size: inductor plans threads from the first size it sees
 
 _OPTIONS = {
     "cpp.enable_floating_point_contract_flag": "fast",  # NOTE [FMA parity]
     "cpp_wrapper": True,  # C++ wrapper: releases the GIL while the kernel runs
+    "cpp.dynamic_threads": True,  # threads decided at run time, whatever size the kernel first saw
     "fx_graph_cache": True,  # generated code is reused across processes
 }
 
-Variant = tuple[torch.dtype, Optional[torch.dtype], bool]  # (grad dtype, out dtype, l2)
+Variant = tuple[torch.dtype, Optional[torch.dtype], bool, bool]  # grad, out dtype, l2, lerp_from_grad
 
 
 def _keep(x: torch.Tensor) -> torch.Tensor:
-    """The identity, written as a select so the C compiler cannot fuse the product that made ``x``
-    into a later add (NOTE [FMA parity])."""
+    """The identity, as a select: the C compiler cannot fuse the product that made ``x`` into the
+    add that uses it, whichever other operand that add has (NOTE [FMA parity])."""
     return torch.where(x == x, x, float("nan"))
 
 
-def _make_update(l2: bool, has_out: bool, name: str) -> Callable[..., None]:
+def _keep_product(x: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+    """The identity, as ``x * 1.0`` (a 1.0 read at run time): cheaper than :func:`_keep`. The add that
+    uses it may fuse this exact product, but not the one that made ``x``; so it is only good for an
+    add whose other operand is not a product."""
+    return x * one
+
+
+def _make_update(l2: bool, lerp_from_grad: bool, has_out: bool, name: str) -> Callable[..., None]:
     def update(master, exp_avg, exp_avg_sq, grad, out, s):
-        g = _keep(grad.float() / s[H.GRAD_SCALE] * s[H.CLIP_COEF])
+        g = grad.float() * s[H.INV_GRAD_SCALE] * s[H.CLIP_COEF]  # unscale, then clip
+        # g is added to a product below when decay joins it (l2) or when lerp starts from it
+        g = _keep(g) if l2 or lerp_from_grad else _keep_product(g, s[H.ONE])
         if l2:
             g = g + s[H.L2_DECAY] * master  # fma, as torch's grad.add(param, alpha=wd)
-        p = _keep(master * s[H.DECAY_MUL])  # AdamW decay; the factor is 1.0 when it is off
-        start = torch.where(s[H.LERP_FROM_GRAD] > 0, g, exp_avg)
+            p = master
+        else:
+            p = _keep_product(master * s[H.DECAY_MUL], s[H.ONE])  # AdamW decay (1.0 when off)
+        start = g if lerp_from_grad else exp_avg
         m = start + s[H.LERP_COEFF] * (g - exp_avg)  # fma, as torch's lerp_
         v = _keep(exp_avg_sq * s[H.BETA2]) + s[H.ONE_MINUS_BETA2] * g * g  # fma, as addcmul_
         denom = v.sqrt() / s[H.BC2_SQRT] + s[H.EPS]
@@ -136,9 +152,9 @@ class CompiledAdam:
             return fn
 
     def update_fn(self, variant: Variant) -> Callable:
-        grad_dtype, out_dtype, l2 = variant
+        grad_dtype, out_dtype, l2, lerp_from_grad = variant
         name = (f"tiermem_adam_{str(grad_dtype)[6:]}_to_{str(out_dtype)[6:] if out_dtype else 'none'}"
-                f"{'_l2' if l2 else ''}")
+                f"{'_l2' if l2 else ''}{'_lerp_from_grad' if lerp_from_grad else ''}")
 
         def warm(fn: Callable) -> None:
             n = WARMUP_NUMEL
@@ -148,7 +164,8 @@ class CompiledAdam:
             hyper = H.AdamHyper(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
             fn(*z, g, out, hyper.kernel_scalars())
 
-        return self._get(("update", variant), lambda: _make_update(l2, out_dtype is not None, name), warm)
+        return self._get(("update", variant),
+                         lambda: _make_update(l2, lerp_from_grad, out_dtype is not None, name), warm)
 
     def all_finite_fn(self, grad_dtype: torch.dtype) -> Callable:
         name = f"tiermem_all_finite_{str(grad_dtype)[6:]}"
@@ -158,7 +175,7 @@ class CompiledAdam:
     # -- the kernels, in the shared signature (flat, contiguous, 1-D tensors) ----------------------
     def adam(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
              grad: torch.Tensor, out: Optional[torch.Tensor], hyper: H.AdamHyper) -> None:
-        fn = self.update_fn((grad.dtype, None if out is None else out.dtype, hyper.l2))
+        fn = self.update_fn((grad.dtype, None if out is None else out.dtype, hyper.l2, hyper.lerp_from_grad))
         s = hyper.kernel_scalars()
         n = master.numel()
         if n == 1:  # a size-1 dimension would make dynamo compile a specialised copy: pad to 2

@@ -10,8 +10,8 @@ from tiermem.errors import ConfigError
 
 # Where each scalar sits in the fp32 tensor the compiled kernel reads (one tensor, so a new lr or
 # step is new data, never a new compiled graph).
-GRAD_SCALE, CLIP_COEF, DECAY_MUL, L2_DECAY, LERP_COEFF, LERP_FROM_GRAD, BETA2, ONE_MINUS_BETA2, \
-    BC2_SQRT, EPS, NEG_STEP_SIZE = range(11)
+INV_GRAD_SCALE, CLIP_COEF, ONE, DECAY_MUL, L2_DECAY, LERP_COEFF, BETA2, ONE_MINUS_BETA2, BC2_SQRT, \
+    EPS, NEG_STEP_SIZE = range(11)
 NUM_SCALARS = 11
 
 
@@ -40,7 +40,8 @@ class AdamHyper:
             ("eps", self.eps >= 0.0 and math.isfinite(self.eps), "finite and >= 0"),
             ("weight_decay", self.weight_decay >= 0.0 and math.isfinite(self.weight_decay),
              "finite and >= 0"),
-            ("grad_scale", self.grad_scale > 0.0 and math.isfinite(self.grad_scale), "finite and > 0"),
+            ("grad_scale", 2.0**-126 < self.grad_scale < 2.0**126,
+             "between 2**-126 and 2**126 (its reciprocal a normal fp32 number)"),
             ("clip_coef", self.clip_coef >= 0.0 and math.isfinite(self.clip_coef), "finite and >= 0"),
         )
         for name, ok, rule in rules:
@@ -54,6 +55,16 @@ class AdamHyper:
         return not self.adamw and self.weight_decay != 0.0
 
     @property
+    def inv_grad_scale(self) -> float:
+        """1/grad_scale, which multiplies the gradient as torch.amp.GradScaler's unscale_ does."""
+        return 1.0 / self.grad_scale
+
+    @property
+    def lerp_from_grad(self) -> bool:
+        """torch's lerp_ computes from the far end when its weight, fp32(1 - beta1), is >= 0.5."""
+        return abs(float(torch.tensor(1.0 - self.beta1, dtype=torch.float32))) >= 0.5
+
+    @property
     def step_size(self) -> float:
         return self.lr / (1.0 - self.beta1 ** self.step)
 
@@ -65,13 +76,14 @@ class AdamHyper:
         """The fp32 scalars of the compiled kernel. Each is rounded to fp32 once, here, as torch's CPU
         kernels round a Python scalar before using it with an fp32 tensor."""
         s = [0.0] * NUM_SCALARS
-        s[GRAD_SCALE], s[CLIP_COEF] = self.grad_scale, self.clip_coef
+        s[INV_GRAD_SCALE], s[CLIP_COEF], s[ONE] = self.inv_grad_scale, self.clip_coef, 1.0
         # AdamW multiplies the weights by (1 - lr*wd); 1.0 leaves them bit-identical when it is off.
         s[DECAY_MUL] = 1.0 - self.lr * self.weight_decay if self.adamw and self.weight_decay else 1.0
         s[L2_DECAY] = self.weight_decay if self.l2 else 0.0
-        # torch's lerp: start + w*(end-start) when |w| < 0.5, else end + (w-1)*(end-start), w in fp32.
+        # torch's lerp_: start + w*(end-start) when |w| < 0.5, else end + (w-1)*(end-start), w in fp32
+        # (w - 1 is exact in fp32 for w in [0.5, 1]).
         w = float(torch.tensor(1.0 - self.beta1, dtype=torch.float32))
-        s[LERP_COEFF], s[LERP_FROM_GRAD] = (w, 0.0) if abs(w) < 0.5 else (w - 1.0, 1.0)
+        s[LERP_COEFF] = w - 1.0 if self.lerp_from_grad else w
         s[BETA2], s[ONE_MINUS_BETA2] = self.beta2, 1.0 - self.beta2
         s[BC2_SQRT], s[EPS], s[NEG_STEP_SIZE] = self.bias_correction2_sqrt, self.eps, -self.step_size
         return torch.tensor(s, dtype=torch.float32)

@@ -37,7 +37,7 @@ _scratch = threading.local()  # per-thread fp32 scratch: kernels may run on seve
 
 def _single_tensor_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                         grad: torch.Tensor, out: Optional[torch.Tensor], hyper: AdamHyper) -> None:
-    g = grad.float() / hyper.grad_scale * hyper.clip_coef  # unscale, then clip: a new tensor
+    g = grad.float() * hyper.inv_grad_scale * hyper.clip_coef  # unscale, then clip: a new tensor
     if hyper.weight_decay != 0:
         if hyper.adamw:
             master.mul_(1 - hyper.lr * hyper.weight_decay)
@@ -74,7 +74,7 @@ def _fused_fallback_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq
         if convert:  # into cache-resident scratch, so the fused kernel reads it from cache
             g = _grad_scratch(b - a).copy_(g)
             if hyper.grad_scale != 1.0:
-                g.div_(hyper.grad_scale)
+                g.mul_(hyper.inv_grad_scale)
             if hyper.clip_coef != 1.0:
                 g.mul_(hyper.clip_coef)
         p = master[a:b]

@@ -41,7 +41,9 @@ def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
 
     ``master``, ``exp_avg`` and ``exp_avg_sq`` are fp32 CPU tensors of one shape (typically 1-D
     views into a flat bucket); ``grad`` has that shape and is fp32, bf16 or fp16; the gradient used
-    is ``grad / grad_scale * clip_coef``. ``step`` counts updates including this one (torch's
+    is ``grad / grad_scale * clip_coef``, unscaled as torch.amp.GradScaler does (a multiplication by
+    the fp32 reciprocal: exact for the powers of two that loss scaling uses) and then clipped as
+    ``clip_grad_norm_`` does (a multiplication). ``step`` counts updates including this one (torch's
     ``state["step"]`` after its increment). When ``out`` (fp32/bf16/fp16) is given, it receives
     ``master.to(out.dtype)`` after the update. The math is torch.optim.Adam/AdamW's for-loop
     (``foreach=False``) op for op, except that the square root is correctly rounded.
@@ -133,7 +135,7 @@ def warm_up(grad_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
             if o is not None:
                 _check_dtype("out", o, OUT_DTYPES)
             try:
-                _COMPILED.update_fn((g, o, adam_l2))
+                _COMPILED.update_fn((g, o, adam_l2, False))
                 _COMPILED.all_finite_fn(g)
             except _compiled.CompileUnavailable:
                 _say("fallback")
