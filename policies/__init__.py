@@ -1,7 +1,9 @@
 """Built-in placement policies, installed as ``tiermem.policies``."""
 from __future__ import annotations
 
+from tiermem.policies.activation_offload import ActivationOffload
 from tiermem.policies.keep_on_device import KeepOnDevice
+from tiermem.policies.zero_infinity import ZeroInfinity
 from tiermem.policies.zero_offload import ZeroOffload
 
-__all__ = ["KeepOnDevice", "ZeroOffload"]
+__all__ = ["ActivationOffload", "KeepOnDevice", "ZeroInfinity", "ZeroOffload"]

@@ -112,7 +112,8 @@ class TieredModel:
             self.param_offload = ParamOffload(module, param_homes, self.engine, scheduler, self.dtype, self.device,
                                               lambda name, p: self.layout.initial_params.pop(name), self.hooks)
             self.stepper.param_offload = self.param_offload
-        self.activations = ActivationOffloader(module, self.policy, self.stores, self.engine, self.hooks)
+        self.activations = ActivationOffloader(module, self.policy, self.stores, self.engine, self.hooks,
+                                               params=self.param_offload)
         self._detached = False
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision)

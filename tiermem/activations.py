@@ -1,0 +1,263 @@
+"""Activations: the tensors autograd saves for backward, accounted on the device or offloaded.
+
+:class:`ActivationOffloader` installs ``torch.autograd.graph.saved_tensors_hooks`` around each
+training forward. For every saved tensor it asks the policy where it lives, with a
+``TensorInfo`` naming the innermost module whose forward is running (tracked by forward pre and
+post hooks whose handles TieredModel keeps). Tensors that stay are accounted to the device
+ledger as ACTIVATION until autograd drops them; the others leave for the host or NVMe while
+forward goes on (:mod:`tiermem.activation_io`, NOTE [Activation lifecycle]) and come back
+while backward walks the graph in reverse: unpacking record i starts the fetches of records
+i-1 ... i-``window`` too, so they are on their way before backward needs them.
+
+Never moved, whatever the policy says: parameters and buffers (and views of them: matmul saves
+``weight.t()``), tensors under :data:`MIN_OFFLOAD_BYTES`, tensors whose elements overlap (an
+``expand``), tensor subclasses and tensors on another device. Nothing is packed under
+``torch.no_grad()`` or in eval mode: TieredModel only tracks training forwards.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import uuid
+import weakref
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.utils.weak
+
+from tiermem.activation_io import ActivationMover, ActivationStats, Record, reserve_device
+from tiermem.errors import ConfigError, fmt_bytes
+from tiermem.param_offload import ParamOffload, ParamRef
+from tiermem.policy import Policy, checked_place
+from tiermem.stores.aligned import ALIGN
+from tiermem.types import TensorClass, TensorInfo, Tier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ActivationOffloader", "ActivationStats", "MIN_OFFLOAD_BYTES", "PREFETCH_WINDOW"]
+
+#: Saved tensors smaller than this stay on the device whatever the policy says: a pooled host
+#: buffer takes at least a page, and moving a few bytes costs more than it frees.
+MIN_OFFLOAD_BYTES = ALIGN
+#: How many records saved just before the one backward unpacks are fetched ahead of it.
+PREFETCH_WINDOW = 2
+
+
+class _Pass:
+    """The offloaded records of one forward, in the order they were saved."""
+
+    __slots__ = ("records", "__weakref__")
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+
+
+class _Kept:
+    """Packed form of a tensor left on the device: its bytes count until autograd drops it."""
+
+    __slots__ = ("tensor", "ptr", "owner")
+
+    def __init__(self, tensor: torch.Tensor, ptr: int, owner: "ActivationOffloader"):
+        self.tensor, self.ptr, self.owner = tensor, ptr, owner
+
+    def __del__(self) -> None:
+        self.owner._unkeep(self.ptr)
+
+
+class _Offloaded:
+    """Packed form of an offloaded tensor; holds no reference to the device tensor."""
+
+    __slots__ = ("rec", "run", "mover", "__weakref__")
+
+    def __init__(self, rec: Record, run: _Pass, mover: ActivationMover):
+        self.rec, self.run, self.mover = rec, run, mover
+
+    def __del__(self) -> None:
+        self.mover.retire(self.rec)
+
+
+class ActivationOffloader:
+    """Saved-tensor hooks for one module: account, offload and prefetch its activations.
+
+    ``hooks`` (a :class:`~tiermem.hooks.HookSet`) receives the handles of the module hooks and
+    this object, whose ``remove()`` stops it, so ``TieredModel.detach()`` removes them all.
+    ``params``: the weights homed off the device, if any; a saved tensor in one of their storages
+    is packed as their reference (NOTE [Parameters off the device]).
+    """
+
+    def __init__(self, module: torch.nn.Module, policy: Policy, stores: dict, engine, hooks, *,
+                 params: Optional[ParamOffload] = None, window: int = PREFETCH_WINDOW):
+        self.module, self.policy, self.stores, self.params = module, policy, stores, params
+        self.window = window
+        self.stats = ActivationStats()
+        self.mover = ActivationMover(stores, engine, self.stats, f"activation-{uuid.uuid4().hex[:12]}")
+        self.device = self.mover.device
+        self._dev = stores[Tier.DEVICE].ledger
+        self._lock = threading.RLock()  # kept tensors retire on autograd's threads, or in a GC pass
+        self._ids = itertools.count()
+        self._kept: dict[int, list] = {}  # storage pointer -> [packed references, ledger key]
+        self._tiers: dict[tuple, Tier] = {}  # the policy is pure: (module, shape, dtype) -> Tier
+        self._same = torch.utils.weak.WeakIdKeyDictionary()  # tensor -> (its version, its token)
+        self._weights: set[int] = set()
+        self._stack: list[tuple[str, torch.nn.Module]] = []
+        self._run: Optional[_Pass] = None
+        self._active = False
+        for name, mod in module.named_modules():
+            hooks.add(mod.register_forward_pre_hook(self._entering(name)))
+            hooks.add(mod.register_forward_hook(self._leaving, always_call=True))
+        hooks.add(self)
+
+    # -- what TieredModel calls -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Pack and unpack hooks for one training forward."""
+        self.mover.flush()
+        self._weights = {t.untyped_storage().data_ptr()
+                         for t in itertools.chain(self.module.parameters(), self.module.buffers())}
+        self._run, self._active = _Pass(), True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._active, self._run = False, None
+            self._stack.clear()
+
+    def release(self) -> None:
+        """Backward has run: wait for what it retired to be freed, delete its NVMe files."""
+        self.mover.settle()
+
+    def remove(self) -> None:
+        """Stop for good (``TieredModel.detach()``). Records still alive free their host buffers
+        when they retire; their NVMe files go with the store's keys."""
+        self.mover.closed = True
+
+    # -- which module is running ----------------------------------------------------------------
+    def _entering(self, name: str) -> Callable:
+        def pre_hook(mod: torch.nn.Module, args: Any) -> None:
+            if self._active:
+                self._stack.append((name, mod))
+        return pre_hook
+
+    def _leaving(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._active and self._stack:
+            self._stack.pop()
+
+    # -- pack and unpack ------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        self.stats.saved += 1
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return t.detach()  # no plain storage (a wrapper subclass): left as it is
+        ptr = storage.data_ptr()
+        ref = self.params.pack(t) if self.params is not None else None
+        if ref is not None:  # a weight homed off the device: backward acquires it again
+            self.stats.weights += 1
+            return ref
+        if isinstance(t, torch.nn.Parameter) or self._is_weight(ptr):
+            self.stats.weights += 1
+            return t.detach()
+        if t.device.type != self.device.type or self.device.index not in (None, t.device.index):
+            return t.detach()
+        nbytes = t.numel() * t.element_size()
+        if type(t) is torch.Tensor and t.layout is torch.strided and nbytes >= MIN_OFFLOAD_BYTES:
+            same = self._same.get(t)
+            token = same[1]() if same is not None and same[0] == t._version else None
+            if token is not None and token.run is self._run:  # saved before in this forward: share it
+                return token
+            layout = _layout(t)
+            if layout is not None:
+                name = self._stack[-1][0] if self._stack else ""
+                tier = self._tier(name, t, nbytes)
+                if tier is not Tier.DEVICE:
+                    return self._offload(t, tier, name, *layout)
+        return self._keep(t, ptr, storage.nbytes())
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if isinstance(packed, _Kept):
+            return packed.tensor
+        if isinstance(packed, ParamRef):
+            return self.params.unpack(packed)
+        rec, run = packed.rec, packed.run
+        handle = self.mover.fetch(rec, ahead=False)
+        for j in range(rec.index - 1, max(rec.index - 1 - self.window, -1), -1):
+            self.mover.fetch(run.records[j], ahead=True)  # what backward needs next, in reverse
+        return handle.wait()
+
+    def _is_weight(self, ptr: int) -> bool:
+        if ptr in self._weights:
+            return True
+        if self._stack:  # weights made resident during this forward (e.g. by another pre-hook)
+            mod = self._stack[-1][1]
+            for w in itertools.chain(mod._parameters.values(), mod._buffers.values()):
+                if w is not None and w.untyped_storage().data_ptr() == ptr:
+                    return True
+        return False
+
+    def _tier(self, name: str, t: torch.Tensor, nbytes: int) -> Tier:
+        key = (name, tuple(t.shape), t.dtype)
+        tier = self._tiers.get(key)
+        if tier is None:
+            info = TensorInfo(name, TensorClass.ACTIVATION, nbytes, tuple(t.shape), t.dtype, name)
+            tier = checked_place(self.policy, info)
+            if tier not in self.stores:
+                raise ConfigError(
+                    f"tiermem: the policy places an activation of module {name or '<root>'!r} "
+                    f"({fmt_bytes(nbytes)}, shape {tuple(t.shape)}) on {tier}, but no {tier} store is "
+                    f"configured; pass nvme_dir=... to TieredModel, or change the policy")
+            if len(self._tiers) > 4096:
+                self._tiers.clear()
+            self._tiers[key] = tier
+        return tier
+
+    def _offload(self, t: torch.Tensor, tier: Tier, name: str, dense: bool, span: int) -> _Offloaded:
+        run = self._run
+        assert run is not None, "pack outside track()"
+        rec = self.mover.send(t, tier, dense, span, len(run.records), f"activation of {name or '<root>'!r}")
+        run.records.append(rec)
+        token = _Offloaded(rec, run, self.mover)
+        self._same[t] = (t._version, weakref.ref(token))
+        self.stats.offloaded[tier] += 1
+        self.stats.offloaded_bytes[tier] += rec.nbytes
+        self.stats.by_module[name] += 1
+        return token
+
+    def _keep(self, t: torch.Tensor, ptr: int, nbytes: int) -> _Kept:
+        with self._lock:
+            entry = self._kept.setdefault(ptr, [0, None])  # views of one storage count once
+            entry[0] += 1
+            key = None
+            if entry[1] is None:
+                key = entry[1] = f"<activation kept {next(self._ids)}>"
+        if key is not None:  # outside the lock: a full ledger may reclaim, which may wait on lanes
+            try:
+                reserve_device(self._dev, key, nbytes, "activations saved for backward")
+            except BaseException:
+                self._unkeep(ptr)
+                raise
+        return _Kept(t.detach(), ptr, self)
+
+    def _unkeep(self, ptr: int) -> None:
+        with self._lock:
+            entry = self._kept[ptr]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._kept[ptr]
+                self._dev.release(entry[1])
+
+
+def _layout(t: torch.Tensor) -> Optional[tuple[bool, int]]:
+    """``(dense, span)`` of ``t``'s strides, or None when elements may overlap (an expanded
+    tensor). Dense: the elements fill ``numel`` consecutive slots in some order, so the host copy
+    keeps the strides; otherwise it is contiguous. ``span``: slots an ``empty_strided`` needs."""
+    span, dense = 1, True
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride < span:
+            return None
+        dense = dense and stride == span
+        span += (size - 1) * stride
+    return dense, span
