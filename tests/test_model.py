@@ -362,9 +362,9 @@ class _Bad(Policy):
         return "gpu"
 
 
-class _ParamsOnHost(Policy):
+class _GradsOnNvme(Policy):
     def place(self, info):
-        return Tier.HOST
+        return Tier.NVME if info.kind is TensorClass.GRAD else ZeroOffload().place(info)
 
 
 @pytest.mark.parametrize("make, err, match", [
@@ -372,7 +372,7 @@ class _ParamsOnHost(Policy):
     (lambda: TieredModel(TinyGPT(), precision="fp8"), ConfigError, "precision='fp8' is not supported"),
     (lambda: TieredModel(TinyGPT(), _Bad()), ConfigError, r"returned 'gpu' for '.*'"),
     (lambda: TieredModel(TinyGPT(), "zero"), ConfigError, "is not a tiermem.Policy"),
-    (lambda: TieredModel(TinyGPT(), _ParamsOnHost()), ConfigError, r"places '.*' \(param\) on host, which this version"),
+    (lambda: TieredModel(TinyGPT(), _GradsOnNvme()), ConfigError, r"places '.*' \(grad\) on nvme, which this version"),
     (lambda: TieredModel(TinyGPT(), optimizer=torch.optim.SGD), ConfigError, "not a tiermem optimizer spec"),
     (lambda: TieredModel(TinyGPT(), grad_clip=-1), ConfigError, "grad_clip=-1 is invalid"),
     (lambda: TieredModel(TinyGPT(), budgets=Budgets(device="10KB")), OutOfTierMemory,
@@ -454,3 +454,20 @@ def test_overlap_step_matches_plain_step_placement_free():
         out.append((losses, tm.state_dict()))
     assert out[0][0] == out[1][0]
     assert all(torch.equal(out[0][1][k], out[1][1][k]) for k in out[0][1])
+
+
+def test_trace_has_compute_transfers_and_adam(tmp_path):
+    import json
+    path = tmp_path / "t.json"
+    tm = TieredModel(TinyGPT(), precision="bf16", bucket_size=3000, trace_path=str(path))
+    for i in range(2):
+        x, y = gpt_batch(i)
+        tm.backward(gpt_loss(tm(x), y))
+        tm.step()
+    tm.detach()
+    events = json.loads(path.read_text())["traceEvents"]
+    cats = {e["cat"] for e in events}
+    assert {"compute", "adam", "transfer"} <= cats
+    names = {e["name"] for e in events}
+    assert {"forward", "backward", "step", "device->host", "host->device"} <= names
+    assert all(e["ph"] == "X" and e["dur"] >= 0 for e in events)

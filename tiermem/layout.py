@@ -158,7 +158,8 @@ def needed_bytes(buckets: list[Bucket], frozen: list[tuple[torch.nn.Parameter, T
         if compute_tier(b) != Tier.DEVICE:
             largest[compute_tier(b)] = max(largest[compute_tier(b)], b.numel)
     for tier, numel in (largest.items() if not overlap else ()):
-        need[tier]["weight staging (2 buckets)"] += 2 * numel * w
+        count = min(2, sum(1 for b in buckets if compute_tier(b) == tier))
+        need[tier]["weight staging (up to 2 buckets)"] += count * numel * w
     for p, home in frozen:
         need[home]["frozen weights"] += p.numel() * (w if p.is_floating_point() else p.element_size())
         need[Tier.HOST]["fp32 copy of frozen weights"] += p.numel() * p.element_size()
@@ -236,9 +237,10 @@ def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]
         layout.buffers[b.index] = buf
         layout.n_params += b.numel
     for tier in ({compute_tier(b) for b in buckets} - {Tier.DEVICE} if not overlap else ()):
-        largest = max(b.numel for b in buckets if compute_tier(b) == tier)
-        layout.staging[tier] = [stores[tier].allocate(f"staging{i}:param", (largest,), dtype, TensorClass.PARAM)
-                                for i in range(2)]
+        sizes = [b.numel for b in buckets if compute_tier(b) == tier]
+        count = min(2, len(sizes))  # double buffering needs two; a single bucket needs one
+        layout.staging[tier] = [stores[tier].allocate(f"staging{i}:param", (max(sizes),), dtype, TensorClass.PARAM)
+                                for i in range(count)]
     for name, p in module.named_parameters():
         if p.requires_grad:
             continue

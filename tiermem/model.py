@@ -144,7 +144,7 @@ class TieredModel:
         """Update the weights from the accumulated grads, then clear them."""
         self._check_attached()
         result = self.optimizer.step()
-        self.tracer.write()
+        self.tracer.maybe_write()  # throttled: a full rewrite of a growing file; always at detach()
         return result
 
     # -- module-like conveniences ---------------------------------------------------------------

@@ -323,7 +323,7 @@ class _Uploads:
         tier = compute_tier(b)
         if tier == Tier.DEVICE and buf.param is not None:
             return buf.param
-        which = (tier, self.turn % 2)
+        which = (tier, self.turn % len(self.s.layout.staging[tier]))
         with self.s.tracer.span("wait staging", "stall"):
             wait_all(self.inflight.pop(which, ()))  # ordering: its last upload has left the buffer
         self._current = which

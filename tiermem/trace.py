@@ -18,6 +18,7 @@ class Tracer:
         self._events: list[dict] = []
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
+        self._last_write, self._write_seconds = 0.0, 0.0
 
     @property
     def enabled(self) -> bool:
@@ -46,13 +47,22 @@ class Tracer:
             if len(self._events) < self.max_events:
                 self._events.append(ev)
 
+    def maybe_write(self) -> None:
+        """Write the file unless it was written so recently that rewriting it would cost more
+        than a tenth of the time since (a long run's trace grows; each write is a full rewrite)."""
+        if self.enabled and time.perf_counter() - self._last_write >= 10 * self._write_seconds:
+            self.write()
+
     def write(self) -> None:
         """Write the trace file atomically (a reader never sees half a file)."""
         if not self.enabled:
             return
+        t0 = time.perf_counter()
         with self._lock:
             doc = {"traceEvents": list(self._events), "displayTimeUnit": "ms"}
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
             json.dump(doc, f)
         os.replace(tmp, self.path)
+        self._last_write = time.perf_counter()
+        self._write_seconds = self._last_write - t0
