@@ -5,12 +5,13 @@ Only :mod:`tiermem.activations` uses this; it decides *what* moves, this module 
 the engine's lanes (``copy_async``) and the NVMe store's handles.
 
 # NOTE [Activation lifecycle]
-send (forward): the tensor's device bytes are reserved, a pooled host buffer is acquired and a
+send (forward): the storage's device bytes are reserved, a pooled host buffer is acquired and a
 DEVICE->HOST copy is queued on the engine's d2h lane. The record holds the device tensor until
 that copy lands, then drops it (so torch can free it) and releases its device bytes. For NVMe
 the host buffer is staging: it returns to the pool once the NVMe write lands.
 fetch (backward): DEVICE <- HOST, or DEVICE <- HOST <- NVME through a pooled staging buffer,
-into a fresh device tensor with the original strides. A fetch is queued only after the record's
+into fresh device bytes; each saved view is rebuilt over them with its own dtype, size, stride
+and offset, so every view of a storage (q, k and v of one qkv projection) shares one copy. A fetch is queued only after the record's
 send chain finished, so it reads what was written; if the copy to the host has not landed yet,
 the fetch keeps the device tensor instead. Waiting on a fetch's handle counts as stall on the
 device tier.
@@ -60,26 +61,22 @@ class ActivationStats:
 
 
 class Record:
-    """One offloaded tensor; see NOTE [Activation lifecycle]."""
+    """One offloaded storage (every saved view of it shares the record); see NOTE [Activation
+    lifecycle]. Bytes move as they lie in the storage, so views come back exactly as they were."""
 
-    __slots__ = ("n", "tier", "index", "shape", "stride", "host_stride", "dtype", "nbytes", "extent", "key",
-                 "back_key", "nvme_key", "device", "base", "stored", "fetch", "fetch_future", "keep", "retired",
-                 "freed")
+    __slots__ = ("n", "tier", "index", "nbytes", "key", "back_key", "nvme_key", "device", "base", "stored",
+                 "fetch", "fetch_future", "keep", "retired", "freed")
 
-    def __init__(self, n: int, tier: Tier, t: torch.Tensor, dense: bool, span: int, index: int, prefix: str):
-        self.n, self.tier, self.index = n, tier, index
-        self.shape, self.stride, self.dtype = tuple(t.shape), tuple(t.stride()), t.dtype
-        self.host_stride = self.stride if dense else contiguous_strides(self.shape)
-        self.nbytes = t.numel() * t.element_size()
-        self.extent = span * t.element_size()  # bytes of an empty_strided with these strides
+    def __init__(self, n: int, tier: Tier, nbytes: int, index: int, prefix: str):
+        self.n, self.tier, self.index, self.nbytes = n, tier, index, nbytes
         self.key, self.nvme_key = f"<activation {n}>", f"{prefix}.{n}"  # ledger key, NVMe key
         self.back_key = f"<activation {n} back>"  # device bytes of the copy fetched for backward
-        self.device: Optional[torch.Tensor] = None  # the tensor, until its copy lands
+        self.device: Optional[torch.Tensor] = None  # the storage's bytes, until their copy lands
         self.base: Optional[torch.Tensor] = None  # the pooled host buffer (home, or NVMe staging)
         self.stored: Optional[Future] = Future()  # done once the bytes sit at their tier
-        self.fetch: Optional[Handle] = None  # the device copy coming back
+        self.fetch: Optional[Handle] = None  # the device bytes coming back
         self.fetch_future: Optional[Future] = None
-        self.keep = False  # the fetch came before the copy landed: keep the device tensor
+        self.keep = False  # the fetch came before the copy landed: keep the device bytes
         self.retired = False
         self.freed: Optional[Future] = None  # retired with transfers in flight: done once freed
 
@@ -100,8 +97,9 @@ class ActivationMover:
         self.closed = False
 
     # -- forward --------------------------------------------------------------------------------
-    def send(self, t: torch.Tensor, tier: Tier, dense: bool, span: int, index: int, what: str) -> Record:
-        rec = Record(next(self._ids), tier, t, dense, span, index, self.prefix)
+    def send(self, storage: torch.UntypedStorage, tier: Tier, index: int, what: str) -> Record:
+        """Start moving ``storage`` (on the device) to ``tier``."""
+        rec = Record(next(self._ids), tier, storage.nbytes(), index, self.prefix)
         # Reservations are made without holding self._lock: a full device ledger may call its
         # reclaim hook, which can wait on the lanes, whose callbacks take the lock.
         reserve_device(self.dev, rec.key, rec.nbytes, what)
@@ -110,9 +108,8 @@ class ActivationMover:
         except BaseException:
             self.dev.release(rec.key)
             raise
-        rec.device = t.detach()
-        copy = self.engine.copy_async(host_view(rec.base, rec), rec.device, src_tier=Tier.DEVICE,
-                                      dst_tier=Tier.HOST)
+        rec.device = _bytes(storage)
+        copy = self.engine.copy_async(rec.base[:rec.nbytes], rec.device, src_tier=Tier.DEVICE, dst_tier=Tier.HOST)
         copy.add_done_callback(lambda f: self._landed(rec, f))
         return rec
 
@@ -155,7 +152,7 @@ class ActivationMover:
             done = rec.fetch_future = Future()
             rec.fetch = Handle(done, on_stall=self._stall)
         try:  # outside the lock, see send()
-            reserve_device(self.dev, rec.back_key, rec.extent, "an offloaded activation coming back")
+            reserve_device(self.dev, rec.back_key, rec.nbytes, "an offloaded activation coming back")
         except OutOfTierMemory as e:
             with self._lock:
                 rec.fetch = rec.fetch_future = None
@@ -163,7 +160,7 @@ class ActivationMover:
             if ahead:
                 return None  # it comes when its own unpack asks
             raise
-        out = torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=self.device)
+        out = torch.empty(rec.nbytes, dtype=torch.uint8, device=self.device)
         if ahead:
             self.stats.fetched_ahead += 1
         else:
@@ -173,7 +170,7 @@ class ActivationMover:
 
     def _bring_back(self, rec: Record, out: torch.Tensor, done: Future) -> None:
         if rec.tier is Tier.HOST:
-            _chain(lambda: self.engine.copy_async(out, host_view(rec.base, rec), src_tier=Tier.HOST,
+            _chain(lambda: self.engine.copy_async(out, rec.base[:rec.nbytes], src_tier=Tier.HOST,
                                                   dst_tier=Tier.DEVICE), done, lambda: done.set_result(out))
             return
         key = f"{rec.key} staging"
@@ -187,7 +184,7 @@ class ActivationMover:
 
         def upload() -> None:
             self._moved(Tier.NVME, Tier.HOST, rec.nbytes, t0)
-            _chain(lambda: self.engine.copy_async(out, host_view(staging, rec), src_tier=Tier.HOST,
+            _chain(lambda: self.engine.copy_async(out, staging[:rec.nbytes], src_tier=Tier.HOST,
                                                   dst_tier=Tier.DEVICE),
                    done, lambda: (release(), done.set_result(out)), cleanup=release)
 
@@ -275,17 +272,14 @@ def reserve_device(ledger: Ledger, key: str, nbytes: int, what: str) -> None:
                               hint=_DEVICE_HINT) from None
 
 
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, n = [], 1
-    for size in reversed(shape):
-        strides.append(n)
-        n *= max(size, 1)
-    return tuple(reversed(strides))
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """All of ``storage`` as a flat uint8 tensor (it keeps the storage alive)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
-def host_view(base: torch.Tensor, rec: Record) -> torch.Tensor:
-    """``rec``'s tensor inside a pooled uint8 buffer: its own strides when dense, else contiguous."""
-    return base[:rec.nbytes].view(rec.dtype).as_strided(rec.shape, rec.host_stride)
+def view_of(data: torch.Tensor, dtype: torch.dtype, size: tuple, stride: tuple, offset: int) -> torch.Tensor:
+    """A tensor of ``dtype`` laid over the bytes of ``data`` as a saved view lay over its storage."""
+    return torch.empty(0, dtype=dtype, device=data.device).set_(data.untyped_storage(), offset, size, stride)
 
 
 def _after(futures: list[Future], fn: Callable[[Optional[BaseException]], None]) -> None:

@@ -3,16 +3,20 @@
 :class:`ActivationOffloader` installs ``torch.autograd.graph.saved_tensors_hooks`` around each
 training forward. For every saved tensor it asks the policy where it lives, with a
 ``TensorInfo`` naming the innermost module whose forward is running (tracked by forward pre and
-post hooks whose handles TieredModel keeps). Tensors that stay are accounted to the device
-ledger as ACTIVATION until autograd drops them; the others leave for the host or NVMe while
-forward goes on (:mod:`tiermem.activation_io`, NOTE [Activation lifecycle]) and come back
-while backward walks the graph in reverse: unpacking record i starts the fetches of records
-i-1 ... i-``window`` too, so they are on their way before backward needs them.
+post hooks whose handles TieredModel keeps); ``nbytes`` is the size of the storage the tensor
+views, which is what would move. Tensors that stay are accounted to the device ledger as
+ACTIVATION until autograd drops them; the others leave for the host or NVMe while forward goes
+on (:mod:`tiermem.activation_io`, NOTE [Activation lifecycle]) and come back while backward
+walks the graph in reverse: unpacking record i starts the fetches of records i-1 ...
+i-``window`` too, so they are on their way before backward needs them.
 
-Never moved, whatever the policy says: parameters and buffers (and views of them: matmul saves
-``weight.t()``), tensors under :data:`MIN_OFFLOAD_BYTES`, tensors whose elements overlap (an
-``expand``), tensor subclasses and tensors on another device. Nothing is packed under
-``torch.no_grad()`` or in eval mode: TieredModel only tracks training forwards.
+What moves is a storage, once per forward however many of its views autograd saves (q, k, v of
+one projection); each view comes back with its own size, stride and offset, so backward sees the
+same layouts, and the same numbers. Never moved, whatever the policy says: parameters and
+buffers (and views of them: matmul saves ``weight.t()``), storages under
+:data:`MIN_OFFLOAD_BYTES`, tensors with lazy conj/neg bits, tensor subclasses and tensors on
+another device. Nothing is packed under ``torch.no_grad()`` or in eval mode: TieredModel only
+tracks training forwards.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.utils.weak
 
-from tiermem.activation_io import ActivationMover, ActivationStats, Record, reserve_device
+from tiermem.activation_io import ActivationMover, ActivationStats, Record, reserve_device, view_of
 from tiermem.errors import ConfigError, fmt_bytes
 from tiermem.param_offload import ParamOffload, ParamRef
 from tiermem.policy import Policy, checked_place
@@ -67,7 +71,8 @@ class _Kept:
 
 
 class _Offloaded:
-    """Packed form of an offloaded tensor; holds no reference to the device tensor."""
+    """An offloaded storage, shared by the packed forms of its views; retires when they are all
+    gone. Holds no reference to the device storage."""
 
     __slots__ = ("rec", "run", "mover", "__weakref__")
 
@@ -76,6 +81,16 @@ class _Offloaded:
 
     def __del__(self) -> None:
         self.mover.retire(self.rec)
+
+
+class _View:
+    """Packed form of an offloaded tensor: its storage's record and where it lay in it."""
+
+    __slots__ = ("storage", "dtype", "size", "stride", "offset")
+
+    def __init__(self, storage: _Offloaded, t: torch.Tensor):
+        self.storage, self.dtype = storage, t.dtype
+        self.size, self.stride, self.offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
 
 
 class ActivationOffloader:
@@ -98,8 +113,8 @@ class ActivationOffloader:
         self._lock = threading.RLock()  # kept tensors retire on autograd's threads, or in a GC pass
         self._ids = itertools.count()
         self._kept: dict[int, list] = {}  # storage pointer -> [packed references, ledger key]
-        self._tiers: dict[tuple, Tier] = {}  # the policy is pure: (module, shape, dtype) -> Tier
-        self._same = torch.utils.weak.WeakIdKeyDictionary()  # tensor -> (its version, its token)
+        self._tiers: dict[tuple, Tier] = {}  # the policy is pure: what it was told -> its answer
+        self._sent = torch.utils.weak.WeakIdKeyDictionary()  # device storage -> (version, its record)
         self._weights: set[int] = set()
         self._stack: list[tuple[str, torch.nn.Module]] = []
         self._run: Optional[_Pass] = None
@@ -161,19 +176,18 @@ class ActivationOffloader:
             return t.detach()
         if t.device.type != self.device.type or self.device.index not in (None, t.device.index):
             return t.detach()
-        nbytes = t.numel() * t.element_size()
-        if type(t) is torch.Tensor and t.layout is torch.strided and nbytes >= MIN_OFFLOAD_BYTES:
-            same = self._same.get(t)
-            token = same[1]() if same is not None and same[0] == t._version else None
-            if token is not None and token.run is self._run:  # saved before in this forward: share it
-                return token
-            layout = _layout(t)
-            if layout is not None:
-                name = self._stack[-1][0] if self._stack else ""
-                tier = self._tier(name, t, nbytes)
-                if tier is not Tier.DEVICE:
-                    return self._offload(t, tier, name, *layout)
-        return self._keep(t, ptr, storage.nbytes())
+        nbytes = storage.nbytes()
+        if (type(t) is torch.Tensor and t.layout is torch.strided and nbytes >= MIN_OFFLOAD_BYTES
+                and not t.is_conj() and not t.is_neg()):  # lazy conj/neg bits would not survive set_()
+            sent = self._sent.get(storage)
+            token = sent[1]() if sent is not None and sent[0] == t._version else None
+            if token is not None and token.run is self._run:  # a view of a storage sent in this forward
+                return _View(token, t)
+            name = self._stack[-1][0] if self._stack else ""
+            tier = self._tier(name, t, nbytes)
+            if tier is not Tier.DEVICE:
+                return _View(self._offload(storage, t._version, tier, name), t)
+        return self._keep(t, ptr, nbytes)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -182,11 +196,11 @@ class ActivationOffloader:
             return packed.tensor
         if isinstance(packed, ParamRef):
             return self.params.unpack(packed)
-        rec, run = packed.rec, packed.run
+        rec, run = packed.storage.rec, packed.storage.run
         handle = self.mover.fetch(rec, ahead=False)
         for j in range(rec.index - 1, max(rec.index - 1 - self.window, -1), -1):
             self.mover.fetch(run.records[j], ahead=True)  # what backward needs next, in reverse
-        return handle.wait()
+        return view_of(handle.wait(), packed.dtype, packed.size, packed.stride, packed.offset)
 
     def _is_weight(self, ptr: int) -> bool:
         if ptr in self._weights:
@@ -199,7 +213,7 @@ class ActivationOffloader:
         return False
 
     def _tier(self, name: str, t: torch.Tensor, nbytes: int) -> Tier:
-        key = (name, tuple(t.shape), t.dtype)
+        key = (name, tuple(t.shape), t.dtype, nbytes)
         tier = self._tiers.get(key)
         if tier is None:
             info = TensorInfo(name, TensorClass.ACTIVATION, nbytes, tuple(t.shape), t.dtype, name)
@@ -214,13 +228,13 @@ class ActivationOffloader:
             self._tiers[key] = tier
         return tier
 
-    def _offload(self, t: torch.Tensor, tier: Tier, name: str, dense: bool, span: int) -> _Offloaded:
+    def _offload(self, storage: torch.UntypedStorage, version: int, tier: Tier, name: str) -> _Offloaded:
         run = self._run
         assert run is not None, "pack outside track()"
-        rec = self.mover.send(t, tier, dense, span, len(run.records), f"activation of {name or '<root>'!r}")
+        rec = self.mover.send(storage, tier, len(run.records), f"activation of {name or '<root>'!r}")
         run.records.append(rec)
         token = _Offloaded(rec, run, self.mover)
-        self._same[t] = (t._version, weakref.ref(token))
+        self._sent[storage] = (version, weakref.ref(token))
         self.stats.offloaded[tier] += 1
         self.stats.offloaded_bytes[tier] += rec.nbytes
         self.stats.by_module[name] += 1
@@ -249,15 +263,3 @@ class ActivationOffloader:
                 del self._kept[ptr]
                 self._dev.release(entry[1])
 
-
-def _layout(t: torch.Tensor) -> Optional[tuple[bool, int]]:
-    """``(dense, span)`` of ``t``'s strides, or None when elements may overlap (an expanded
-    tensor). Dense: the elements fill ``numel`` consecutive slots in some order, so the host copy
-    keeps the strides; otherwise it is contiguous. ``span``: slots an ``empty_strided`` needs."""
-    span, dense = 1, True
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
-        if stride < span:
-            return None
-        dense = dense and stride == span
-        span += (size - 1) * stride
-    return dense, span
