@@ -5,16 +5,17 @@ Only :mod:`tiermem.activations` uses this; it decides *what* moves, this module 
 the engine's lanes (``copy_async``) and the NVMe store's handles.
 
 # NOTE [Activation lifecycle]
+A record is one storage saved for backward, whichever of its views autograd saved.
 send (forward): the storage's device bytes are reserved, a pooled host buffer is acquired and a
-DEVICE->HOST copy is queued on the engine's d2h lane. The record holds the device tensor until
+DEVICE->HOST copy is queued on the engine's d2h lane. The record holds the device storage until
 that copy lands, then drops it (so torch can free it) and releases its device bytes. For NVMe
 the host buffer is staging: it returns to the pool once the NVMe write lands.
 fetch (backward): DEVICE <- HOST, or DEVICE <- HOST <- NVME through a pooled staging buffer,
 into fresh device bytes; each saved view is rebuilt over them with its own dtype, size, stride
-and offset, so every view of a storage (q, k and v of one qkv projection) shares one copy. A fetch is queued only after the record's
-send chain finished, so it reads what was written; if the copy to the host has not landed yet,
-the fetch keeps the device tensor instead. Waiting on a fetch's handle counts as stall on the
-device tier.
+and offset, so the views of one storage (q, k and v of one qkv projection) share one copy. A
+fetch is queued only after the record's send chain finished, so it reads what was written; if
+the copy to the host has not landed yet, the fetch keeps the device storage instead. Waiting on
+a fetch's handle counts as stall on the device tier.
 retire (autograd dropped the packed object: the node ran, or the graph was freed unused): once
 nothing of the record is in flight its host buffer returns to the pool, its device bytes are
 released, and its NVMe file is deleted, in a batch on the engine's compute lane at ``flush()``.
@@ -52,12 +53,12 @@ class ActivationStats:
 
     saved: int = 0  # tensors saved for backward during training forwards
     weights: int = 0  # of which parameters or buffers (or views of them): never moved
-    offloaded: Counter = field(default_factory=Counter)  # Tier -> tensors sent there
+    offloaded: Counter = field(default_factory=Counter)  # Tier -> storages sent there
     offloaded_bytes: Counter = field(default_factory=Counter)  # Tier -> bytes sent there
-    by_module: Counter = field(default_factory=Counter)  # module name -> tensors offloaded
+    by_module: Counter = field(default_factory=Counter)  # module name -> storages offloaded
     fetched_ahead: int = 0  # fetches started by the unpack of a record saved later
     fetched_on_demand: int = 0  # fetches started by their own unpack
-    still_on_device: int = 0  # fetches that found the device tensor not yet dropped
+    still_on_device: int = 0  # fetches that found the device storage not yet dropped
 
 
 class Record:
