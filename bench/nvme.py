@@ -2,13 +2,21 @@
 
     python bench/nvme.py [--size 2GiB] [--dir DIR] [--repeat 3]
 
-tiermem: one write then one read of a ``--size`` tensor through ``NvmeStore`` (O_DIRECT, 8 I/O
-threads, 8 MiB blocks), from and into page-aligned buffers (what the host store hands the
-engine) and from and into plain, unaligned tensors (staged through the store's aligned slots).
-fio: the same bytes, 8 MiB blocks, O_DIRECT, libaio, iodepth 8. torch: torch.save + fsync, then
-torch.load after dropping that file from the page cache (posix_fadvise DONTNEED), so both read
-from the disk. Each measurement is the best of ``--repeat`` runs, interleaved so drift hits all
-of them alike. The ratios come last.
+tiermem, two access patterns, each as one write then one read of a ``--size`` tensor through
+``NvmeStore`` (O_DIRECT, 8 I/O threads, 8 MiB blocks) from and into page-aligned buffers (what
+the host store hands the engine):
+
+- new key: a key that does not exist yet (its slot file is allocated as it is written; deleted
+  after each run);
+- overwrite: a key written twice before timing starts, so each timed write goes over blocks its
+  slot file already has: the steady state of optimizer state rewritten every step;
+
+plus a new key from and into plain, unaligned tensors (staged through the store's aligned slots).
+fio, the same bytes, 8 MiB blocks, O_DIRECT, libaio, iodepth 8: a new file (laid out by fio's
+fallocate, deleted after each run) and an overwrite of a file written once before timing starts.
+torch: torch.save + fsync, then torch.load after dropping that file from the page cache
+(posix_fadvise DONTNEED), so both read from the disk. Each measurement is the best of
+``--repeat`` runs, interleaved so drift hits all of them alike. The ratios come last.
 """
 from __future__ import annotations
 
@@ -36,26 +44,33 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_tiermem(store: NvmeStore, src: torch.Tensor, out: torch.Tensor, key: str) -> tuple[float, float]:
+def bench_tiermem(store: NvmeStore, src: torch.Tensor, out: torch.Tensor, key: str, *,
+                  keep: bool = False) -> tuple[float, float]:
+    """Write ``src`` under ``key`` then read it into ``out``; delete the key unless ``keep``."""
     w = _timed(lambda: store.write(key, src).wait())
     out.zero_()
     r = _timed(lambda: store.read(key, out).wait())
     assert torch.equal(out, src), "NvmeStore returned different bytes"
-    store.delete(key)
+    if not keep:
+        store.delete(key)
     return src.numel() / w, src.numel() / r
 
 
-def bench_fio(directory: str, size: int, block: int) -> tuple[float, float]:
-    path = os.path.join(directory, "fio.dat")
-    bw = []
-    for rw in ("write", "read"):
-        cmd = ["fio", "--name=tiermem-bench", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
-               f"--size={size}", "--direct=1", "--ioengine=libaio", "--iodepth=8", "--numjobs=1",
-               "--output-format=json"]
-        res = subprocess.run(cmd, check=True, capture_output=True, text=True)
-        bw.append(json.loads(res.stdout)["jobs"][0][rw]["bw_bytes"])
-    os.unlink(path)
-    return bw[0], bw[1]
+def fio(path: str, rw: str, size: int, block: int) -> float:
+    cmd = ["fio", "--name=tiermem-bench", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
+           f"--size={size}", "--direct=1", "--ioengine=libaio", "--iodepth=8", "--numjobs=1",
+           "--output-format=json"]
+    res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(res.stdout)["jobs"][0][rw]["bw_bytes"]
+
+
+def bench_fio(path: str, size: int, block: int, *, keep: bool = False) -> tuple[float, float]:
+    """fio writes then reads ``path``; a missing file is laid out (fallocate) as it is written.
+    The file is removed afterwards unless ``keep``."""
+    bw = fio(path, "write", size, block), fio(path, "read", size, block)
+    if not keep:
+        os.unlink(path)
+    return bw
 
 
 def bench_torch(directory: str, src: torch.Tensor) -> tuple[float, float]:
@@ -96,22 +111,37 @@ def main(argv: list[str] | None = None) -> None:
     src_buf.view(torch.int64).random_()
     src_al, out_al = src_buf[:size], out_buf[:size]
     src_un, out_un = src_buf[64:64 + size], out_buf[64:64 + size]
-    rows: dict[str, list[tuple[float, float]]] = {"tiermem": [], "tiermem, unaligned tensor": [],
-                                                  "fio": [], "torch.save/load": []}
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in (
+        "tiermem, new key", "fio, new file", "tiermem, overwrite", "fio, overwrite",
+        "tiermem, new key, unaligned", "torch.save/load")}
+    fio_new, fio_old = os.path.join(directory, "fio-new.dat"), os.path.join(directory, "fio-old.dat")
+    load = os.getloadavg()[0]
     try:
         with NvmeStore(directory, io_threads=args.threads, block_size=block, direct=True) as store:
+            for _ in range(2):  # both slots of the overwritten key exist before timing starts
+                store.write("bench.overwrite", src_al).wait()
+            if have_fio:
+                fio(fio_old, "write", size, block)  # lay out and fill the file fio overwrites
             for _ in range(args.repeat):
-                rows["tiermem"].append(bench_tiermem(store, src_al, out_al, "bench.aligned"))
+                rows["tiermem, new key"].append(bench_tiermem(store, src_al, out_al, "bench.new"))
                 if have_fio:
-                    rows["fio"].append(bench_fio(directory, size, block))
-                rows["tiermem, unaligned tensor"].append(bench_tiermem(store, src_un, out_un, "bench.plain"))
+                    rows["fio, new file"].append(bench_fio(fio_new, size, block))
+                rows["tiermem, overwrite"].append(bench_tiermem(store, src_al, out_al, "bench.overwrite",
+                                                                keep=True))
+                if have_fio:
+                    rows["fio, overwrite"].append(bench_fio(fio_old, size, block, keep=True))
+                rows["tiermem, new key, unaligned"].append(bench_tiermem(store, src_un, out_un, "bench.plain"))
                 rows["torch.save/load"].append(bench_torch(directory, src_un))
+            store.delete("bench.overwrite")
     finally:
         if args.dir is None:
             shutil.rmtree(directory, ignore_errors=True)
+        elif os.path.exists(fio_old):
+            os.unlink(fio_old)
 
     best = {name: (max(w for w, _ in runs), max(r for _, r in runs)) for name, runs in rows.items() if runs}
-    print(f"{size / 2**30:.2f} GiB per transfer, best of {args.repeat}, directory {directory}")
+    print(f"{size / 2**30:.2f} GiB per transfer, best of {args.repeat}, directory {directory}; load average "
+          f"{load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, on {os.cpu_count()} cores")
     print(f"{'':28s} {'write GB/s':>10s} {'read GB/s':>10s}")
     for name, (w, r) in best.items():
         print(f"{name:28s} {w / GB:10.2f} {r / GB:10.2f}")
@@ -119,12 +149,16 @@ def main(argv: list[str] | None = None) -> None:
           "is dropped from the page cache (fadvise DONTNEED) before torch.load")
     if not have_fio:
         print("note: fio not found on PATH: the fio column is skipped (install fio to compare)")
-    tm_w, tm_r = best["tiermem"]
+    new_w, new_r = best["tiermem, new key"]
+    over_w, over_r = best["tiermem, overwrite"]
     if have_fio:
-        print(f"write: tiermem/fio = {tm_w / best['fio'][0]:.2f}x")
-        print(f"read: tiermem/fio = {tm_r / best['fio'][1]:.2f}x")
-    print(f"write: tiermem/torch.save = {tm_w / best['torch.save/load'][0]:.2f}x")
-    print(f"read: tiermem/torch.load = {tm_r / best['torch.save/load'][1]:.2f}x")
+        print(f"write, new key / new file: tiermem/fio = {new_w / best['fio, new file'][0]:.2f}x")
+        print(f"read, new key / new file: tiermem/fio = {new_r / best['fio, new file'][1]:.2f}x")
+        print(f"write, overwrite: tiermem/fio = {over_w / best['fio, overwrite'][0]:.2f}x")
+        print(f"read, overwritten: tiermem/fio = {over_r / best['fio, overwrite'][1]:.2f}x")
+    print(f"write, overwrite / new key: tiermem = {over_w / new_w:.2f}x")
+    print(f"write: tiermem overwrite/torch.save = {over_w / best['torch.save/load'][0]:.2f}x")
+    print(f"read: tiermem/torch.load = {over_r / best['torch.save/load'][1]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """NvmeStore: bit-exact round trips (odd sizes, every dtype, 0-d, empty, aligned or not), per-key
-order, concurrency, the buffered fallback, bad input, injected disk failures and corrupt files."""
+order, concurrency, overwrites in place through two slots (growth, shrink, the budget), the
+buffered fallback, bad input, injected disk failures mid-overwrite, crashes and corrupt files."""
 from __future__ import annotations
 
 import errno
@@ -17,6 +18,7 @@ from tiermem.errors import ConfigError
 from tiermem.stores import nvme_io as nio
 from tiermem.stores.aligned import ALIGN, aligned_empty, round_up
 from tiermem.stores.nvme import NvmeStore
+from tiermem.stores.nvme_dir import probe_direct
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -62,6 +64,10 @@ def _round_trip(store: NvmeStore, key: str, x: torch.Tensor, *, aligned_out: boo
 
 def _files(directory) -> list[str]:
     return sorted(os.listdir(directory))
+
+
+def _slots(key: str) -> list[str]:
+    return [nio.file_name(key, 0), nio.file_name(key, 1)]
 
 
 @pytest.fixture
@@ -169,10 +175,12 @@ def test_requests_issued_without_waiting_see_every_earlier_request(shared_store,
     for key in list(shared_store.keys()):
         shared_store.delete(key)
     model: dict[str, torch.Tensor] = {}
+    on_disk: dict[str, list[int]] = {}  # sizes of each key's writes since it was last deleted
     handles, checks = [], []
     for i, (op, key, numel) in enumerate(ops):
         if op == "write":
             model[key] = _random((numel,), torch.float32, aligned=i % 2 == 0)
+            on_disk.setdefault(key, []).append(numel * 4)
             handles.append(shared_store.write(key, model[key]))
         elif op == "read" and key in model:
             out = _empty_like(model[key], aligned=i % 3 == 0)
@@ -184,11 +192,13 @@ def test_requests_issued_without_waiting_see_every_earlier_request(shared_store,
         else:
             shared_store.delete(key)
             model.pop(key, None)
+            on_disk.pop(key, None)
     for h in handles:
         h.wait()
     assert all(_same(out, expected) for out, expected in checks)
     assert sorted(shared_store.keys()) == sorted(model)
-    assert shared_store.used == sum(v.numel() * 4 for v in model.values())
+    # the budget counts a key's two slots: its latest value and the one before it
+    assert shared_store.used == sum(sum(sizes[-2:]) for sizes in on_disk.values())
 
 
 def _gate(store: NvmeStore, monkeypatch) -> threading.Event:
@@ -226,10 +236,10 @@ def test_overwrite_with_a_different_size_and_dtype(store, tmp_path):
     store.write("k", _random((100_000,), torch.float32)).wait()
     y = _random((3, 7), torch.bfloat16)
     assert _same(_round_trip(store, "k", y), y)
-    assert store.meta("k") == ((3, 7), torch.bfloat16) and store.used == 42
+    assert store.meta("k") == ((3, 7), torch.bfloat16) and store.used == 42 + 400_000  # both slots
     with pytest.raises(StoreError, match=r"cannot read 'k' .* it holds 21 x torch.bfloat16"):
         store.read("k", torch.empty(100_000))
-    assert len(_files(tmp_path)) == 1  # no part file left behind
+    assert _files(tmp_path) == sorted(_slots("k"))
 
 
 def test_delete_waits_frees_and_forgets(store, tmp_path, monkeypatch):
@@ -240,7 +250,7 @@ def test_delete_waits_frees_and_forgets(store, tmp_path, monkeypatch):
     store.delete("gone")  # waits for the pending write, then removes the file
     assert h.done() and "gone" not in store and store.used == 40
     store.delete("never-written")
-    assert _files(tmp_path) == [nio.file_name("keep")]
+    assert _files(tmp_path) == [nio.file_name("keep", 0)]
     with pytest.raises(StoreError, match="no tensor 'gone'"):
         store.read("gone", torch.empty(5000))
 
@@ -256,7 +266,7 @@ def test_close_drains_pending_work_then_refuses(tmp_path, monkeypatch):
     with pytest.raises(StoreError, match="is closed"):
         s.write("k", torch.ones(1))
     with NvmeStore(tmp_path) as again:  # the file outlives the store; a new store starts empty
-        assert list(again.keys()) == [] and _files(tmp_path) == [nio.file_name("k")]
+        assert list(again.keys()) == [] and _files(tmp_path) == [nio.file_name("k", 0)]
 
 
 def test_stall_seconds_counts_time_blocked_in_wait(store, monkeypatch):
@@ -269,23 +279,23 @@ def test_stall_seconds_counts_time_blocked_in_wait(store, monkeypatch):
 
 # -- direct and buffered I/O ----------------------------------------------------------------------
 def test_direct_path_pads_files_to_whole_blocks(tmp_path):
-    supported, refused = nio.probe_direct(str(tmp_path), None)
+    supported, refused = probe_direct(str(tmp_path), None)
     if not supported:
         pytest.skip(f"{tmp_path} refuses O_DIRECT ({refused}); the fallback is tested below")
     with NvmeStore(tmp_path, direct=True) as s:
         assert s.direct
         x = _random((4097,), torch.uint8)
         assert _same(_round_trip(s, "k", x), x)
-        assert os.path.getsize(tmp_path / nio.file_name("k")) == nio.HEADER + round_up(4097)
+        assert os.path.getsize(tmp_path / nio.file_name("k", 0)) == nio.HEADER + round_up(4097)
 
 
 def test_buffered_path_when_direct_is_off(tmp_path):
     with NvmeStore(tmp_path, direct=False, block_size=SMALL_BLOCK) as s:
         assert not s.direct
-        for aligned in (True, False):
+        for aligned in (True, False):  # the second write goes to the other slot
             x = _random((3 * SMALL_BLOCK + 5,), torch.int16, aligned=aligned)
             assert _same(_round_trip(s, "k", x, aligned_out=not aligned), x)
-        assert os.path.getsize(tmp_path / nio.file_name("k")) == nio.HEADER + x.numel() * 2
+        assert [os.path.getsize(tmp_path / n) for n in _slots("k")] == [nio.HEADER + x.numel() * 2] * 2
 
 
 def _refuse_o_direct(monkeypatch):
@@ -309,7 +319,7 @@ def test_filesystem_refusing_o_direct_falls_back_with_one_warning(tmp_path, monk
         assert not s.direct
         x = _random((5000,), torch.float16)
         assert _same(_round_trip(s, "k", x), x)
-        assert _files(tmp_path) == [nio.file_name("k")]  # the probe file is gone
+        assert _files(tmp_path) == [nio.file_name("k", 0)]  # the probe file is gone
     finally:
         s.close()
     with pytest.raises(ConfigError, match=r"direct=True.* refuses O_DIRECT .*pass direct=None"):
@@ -327,8 +337,12 @@ BAD_INPUT = [
     (lambda s, d: NvmeStore(d, block_size=1000), ConfigError, r"block_size=1000 must be a positive multiple of 4096"),
     (lambda s, d: s.write("big", torch.ones(2000)), OutOfTierMemory,
      r"'big': asked 7.81 KiB, 40 B in use of 4.00 KiB allowed; pass a budget of at least 7.85 KiB"),
+    (lambda s, d: s.write("kept", torch.ones(1020)), OutOfTierMemory,  # fits alone, not beside the old value
+     r"'kept': asked 4.02 KiB, 0 B in use of 4.00 KiB allowed; 'kept' keeps its previous value \(40 B\) "
+     r"on disk beside the new one, .*pass a budget of at least 4.02 KiB"),
     (lambda s, d: s.read("ghost", torch.empty(1)), StoreError, r"no tensor 'ghost' on the nvme tier"),
-    (lambda s, d: s.read("kept", torch.empty(11)), StoreError, r"into a tensor of 11 x torch.float32: it holds 10 x torch.float32"),
+    (lambda s, d: s.read("kept", torch.empty(11)), StoreError,
+     r"into a tensor of 11 x torch.float32: it holds 10 x torch.float32"),
     (lambda s, d: s.read("kept", torch.empty(10, dtype=torch.int32)), StoreError, r"holds 10 x torch.float32"),
     (lambda s, d: s.read("kept", torch.empty(20)[::2]), StoreError, r"non-contiguous"),
     (lambda s, d: s.read("kept", torch._neg_view(torch.empty(10))), StoreError, r"lazily conjugated or negated"),
@@ -351,7 +365,7 @@ def test_bad_input_is_a_clear_error_and_stored_keys_survive(tmp_path, make_error
         out = torch.empty(10)
         s.read("kept", out).wait()
         assert _same(out, kept) and s.used == 40 and list(s.keys()) == ["kept"]
-    assert sorted(_files(tmp_path)) == sorted(["a-file", nio.file_name("kept")])  # nothing else made
+    assert sorted(_files(tmp_path)) == sorted(["a-file", nio.file_name("kept", 0)])  # nothing else made
 
 
 def test_default_budget_is_the_free_space(tmp_path):
@@ -384,7 +398,7 @@ def test_failed_write_keeps_the_previous_value(store, tmp_path, monkeypatch, sea
     with pytest.raises(StoreError, match="'fresh' holds no value"):
         h2.wait()
     assert calls and "fresh" not in store and store.meta("k") == (tuple(old.shape), torch.bfloat16)
-    assert store.used == old.numel() * 2 and _files(tmp_path) == [nio.file_name("k")]
+    assert store.used == old.numel() * 2 and _files(tmp_path) == [nio.file_name("k", 0)]
     monkeypatch.undo()
     out = torch.empty_like(old)
     store.read("k", out).wait()
@@ -404,21 +418,215 @@ def _damage_header(path):
 
 def _restamp_header(path):  # a well-formed header that describes another tensor
     with open(path, "r+b") as f:
-        f.write(nio.encode_header("k", torch.int32, (2500,), 10_000))
+        f.write(nio.encode_header("k", torch.int32, (2500,), 10_000, gen=0))
 
 
-@pytest.mark.parametrize("spoil, message", [
-    (_truncate, r"is truncated \(.*\); the stored value is lost: write 'k' again"),
+def _blank_header(path):  # what a write that died before its switch leaves
+    with open(path, "r+b") as f:
+        f.write(bytes(nio.HEADER))
+
+
+SPOILS = [
+    (_truncate, r"is truncated \(.*\)"),
     (_damage_header, r"is corrupt: its header is damaged"),
-    (_restamp_header, r"is corrupt: its header describes .*'int32'"),
-    (os.unlink, r"is missing \(removed outside tiermem\); write 'k' again"),
-])
+    (_restamp_header, r"is corrupt: its header describes .*'int32'.*, not the value the store wrote"),
+    (_blank_header, r"is corrupt: its header is blank \(a write to it did not finish\)"),
+    (os.unlink, r"is missing \(removed outside tiermem\)"),
+]
+
+
+@pytest.mark.parametrize("spoil, message", SPOILS)
 def test_spoiled_file_is_a_clear_error(store, tmp_path, spoil, message):
     x, other = _random((2500,), torch.float32), _random((3,), torch.float32)
     store.write("k", x).wait()
     store.write("other", other).wait()
-    spoil(tmp_path / nio.file_name("k"))
-    with pytest.raises(StoreError, match=message):
+    spoil(tmp_path / nio.file_name("k", 0))
+    with pytest.raises(StoreError, match=message + r"; the stored value is lost: write 'k' again"):
         store.read("k", torch.empty(2500)).wait()
     assert _same(_round_trip(store, "other", other), other)
     assert _same(_round_trip(store, "k", x), x)  # writing it again repairs it
+
+
+# -- overwrites: two slots, reused in place ----------------------------------------------------------
+def test_overwrites_reuse_the_two_slot_files_in_place(store, tmp_path):
+    n = 3 * SMALL_BLOCK + 3
+    values = [_random((n,), torch.uint8, aligned=i % 2 == 0, gen=torch.Generator().manual_seed(i))
+              for i in range(12)]
+    other = _random((5,), torch.int64)
+    store.write("other", other).wait()
+    inodes = None
+    for i, x in enumerate(values):
+        assert _same(_round_trip(store, "k", x, aligned_out=i % 3 == 0), x)
+        if i == 1:
+            inodes = [os.stat(tmp_path / name).st_ino for name in _slots("k")]
+    # the same two files all along (no new file per write), holding the latest and the one before
+    assert [os.stat(tmp_path / name).st_ino for name in _slots("k")] == inodes
+    assert _files(tmp_path) == sorted(_slots("k") + [nio.file_name("other", 0)])
+    assert store.used == 2 * n + 40 and store.bytes_written == 12 * n + 40
+    out = torch.empty_like(other)
+    store.read("other", out).wait()
+    assert _same(out, other)
+    store.delete("k")  # removes both slots
+    assert _files(tmp_path) == [nio.file_name("other", 0)] and store.used == 40
+
+
+@pytest.mark.parametrize("direct", [None, False])
+def test_values_that_grow_and_shrink(tmp_path, direct):
+    sizes = [5000, 20 * SMALL_BLOCK + 1, 300, 20 * SMALL_BLOCK + 1, 7, 0, 9000, 2 * SMALL_BLOCK]
+    dtypes = [torch.float32, torch.uint8, torch.bfloat16, torch.int8, torch.float64, torch.float16]
+    written = []
+    with NvmeStore(tmp_path, block_size=SMALL_BLOCK, direct=direct) as store:
+        for i, numel in enumerate(sizes):
+            x = _random((numel,), dtypes[i % len(dtypes)], aligned=i % 2 == 1)
+            written.append(x)
+            assert _same(_round_trip(store, "k", x), x), i
+            assert store.used == sum(v.nbytes for v in written[-2:])
+            for j in range(max(0, i - 1), i + 1):  # write j went to slot j % 2, sized to fit it
+                size, nbytes = os.path.getsize(tmp_path / nio.file_name("k", j % 2)), written[j].nbytes
+                assert size == nio.HEADER + (round_up(nbytes) if store.direct else nbytes)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+@pytest.mark.parametrize("where", ["blanking the header", "a middle chunk", "the switch"])
+def test_failure_in_the_middle_of_an_overwrite_keeps_the_previous_value(store, tmp_path, monkeypatch,
+                                                                          where, code):
+    old = [_random((3 * SMALL_BLOCK + 3,), torch.float32) for _ in range(2)]
+    for x in old:  # both slots exist: the overwrite goes over the older one, in place
+        store.write("k", x).wait()
+    real, hit = store._pwritev, []
+
+    def failing(fd, bufs, offset):
+        head = bytes(memoryview(bufs[0])[:len(nio.MAGIC)])
+        if {"blanking the header": offset == 0 and head == bytes(len(nio.MAGIC)),
+                "a middle chunk": offset == nio.HEADER + 2 * SMALL_BLOCK,
+                "the switch": offset == 0 and head == nio.MAGIC}[where]:
+            hit.append(offset)
+            raise OSError(code, os.strerror(code))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(store, "_pwritev", failing)
+    h = store.write("k", _random((3 * SMALL_BLOCK + 3,), torch.float32))
+    with pytest.raises(StoreError, match=rf"write of 'k' .* failed: {os.strerror(code)}; 'k' keeps its previous value"):
+        h.wait()
+    assert hit
+    out = torch.empty_like(old[1])
+    store.read("k", out).wait()
+    assert _same(out, old[1])
+    # the slot it spoilt is gone (blocks given back), the budget counts what is left
+    assert _files(tmp_path) == [nio.file_name("k", 1)] and store.used == old[1].numel() * 4
+    monkeypatch.undo()
+    y = _random((1000,), torch.float32)
+    assert _same(_round_trip(store, "k", y), y)  # the next write succeeds
+
+
+def _hold_body_writes(store: NvmeStore, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Hold every write past the header until ``release`` is set; ``held`` is set once one waits."""
+    held, release, real = threading.Event(), threading.Event(), store._pwritev
+
+    def slow(fd, bufs, offset):
+        if offset >= nio.HEADER:
+            held.set()
+            assert release.wait(10)
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(store, "_pwritev", slow)
+    return held, release
+
+
+def test_a_crash_mid_overwrite_leaves_the_previous_value_and_never_a_torn_one(store, tmp_path, monkeypatch):
+    """Freeze an overwrite half way, copy the disk as a crash would leave it, let the write finish,
+    then put the crashed disk back: the store reads the previous value, never the torn slot."""
+    v0, v1 = _random((3, 2000), torch.float32), _random((4, 1000), torch.bfloat16)
+    store.write("k", v0).wait()
+    store.write("k", v1).wait()
+    held, release = _hold_body_writes(store, monkeypatch)
+    h = store.write("k", _random((3, 2000), torch.float32))  # over slot 0, which holds v0
+    assert held.wait(10)
+    crashed = {name: (tmp_path / name).read_bytes() for name in _slots("k")}
+    assert crashed[_slots("k")[0]][:nio.HEADER] == bytes(nio.HEADER)  # blanked before any data moved
+    release.set()
+    h.wait()
+    monkeypatch.undo()
+    for name, raw in crashed.items():
+        (tmp_path / name).write_bytes(raw)
+    with pytest.raises(StoreError, match=r"its header is blank \(a write to it did not finish\); 'k' falls "
+                                         r"back to its previous value \(4000 x torch.bfloat16"):
+        store.read("k", torch.empty(3, 2000)).wait()
+    out = torch.empty(4, 1000, dtype=torch.bfloat16)
+    store.read("k", out).wait()
+    assert _same(out, v1) and store.meta("k") == ((4, 1000), torch.bfloat16)
+    assert _files(tmp_path) == [nio.file_name("k", 1)] and store.used == v1.numel() * 2
+
+
+@pytest.mark.parametrize("spoil, message", SPOILS + [
+    (lambda path: _restamp(path, gen=0), r"its header describes .*'gen': 0.*, not the value the store wrote")])
+def test_spoiled_latest_slot_falls_back_to_the_previous_value(store, tmp_path, spoil, message):
+    v0, v1, v2 = _random((2500,), torch.float32), _random((50, 50), torch.float32), _random((700,), torch.int16)
+    for x in (v0, v1, v2):  # slot 0: v2 (gen 2), slot 1: v1 (gen 1)
+        store.write("k", x).wait()
+    spoil(tmp_path / nio.file_name("k", 0))
+    with pytest.raises(StoreError, match=message + r"; 'k' falls back to its previous value \(2500 x "
+                                                   r"torch.float32, .*read 'k' again to get that value"):
+        store.read("k", torch.empty(700, dtype=torch.int16)).wait()
+    assert store.meta("k") == ((50, 50), torch.float32) and store.used == 2500 * 4
+    assert _same(_round_trip(store, "other", v2), v2)  # other keys are not involved
+    out = torch.empty(50, 50)
+    store.read("k", out).wait()
+    assert _same(out, v1)
+    v3 = _random((9000,), torch.uint8)
+    assert _same(_round_trip(store, "k", v3), v3)  # goes over the spoilt slot, repairing it
+    store.read("k", torch.empty(9000, dtype=torch.uint8)).wait()
+
+
+def _restamp(path, *, gen):  # the right key and shape, an older generation
+    with open(path, "r+b") as f:
+        f.write(nio.encode_header("k", torch.int16, (700,), 1400, gen=gen))
+
+
+def test_both_slots_spoiled_is_a_clear_error_and_an_older_slot_does_not_matter(store, tmp_path):
+    v0, v1 = _random((2500,), torch.float32), _random((2500,), torch.float32)
+    store.write("k", v0).wait()
+    store.write("k", v1).wait()
+    _truncate(tmp_path / nio.file_name("k", 0))  # the older slot: reads of the latest do not look at it
+    assert _same(_round_trip(store, "other", v0), v0)
+    out = torch.empty(2500)
+    store.read("k", out).wait()
+    assert _same(out, v1)
+    _damage_header(tmp_path / nio.file_name("k", 1))
+    with pytest.raises(StoreError, match=r"\.1\.tmn holding 'k' is corrupt: its header is damaged; so is the "
+                                         r"previous value's: .*\.0\.tmn holding 'k' is truncated .*; the stored "
+                                         r"value is lost: write 'k' again"):
+        store.read("k", out).wait()
+    assert "k" in store
+    assert _same(_round_trip(store, "k", v0), v0)
+
+
+def test_files_left_by_an_earlier_store_are_reused_not_counted(tmp_path):
+    with NvmeStore(tmp_path, block_size=SMALL_BLOCK) as first:
+        for n in (9000, 8000):
+            first.write("k", torch.ones(n)).wait()
+    assert _files(tmp_path) == sorted(_slots("k"))
+    with NvmeStore(tmp_path, block_size=SMALL_BLOCK) as again:  # starts empty, as before slots
+        assert list(again.keys()) == []
+        x = _random((100,), torch.float32)
+        assert _same(_round_trip(again, "k", x), x)
+        assert again.used == 400 and _files(tmp_path) == [nio.file_name("k", 0)]
+
+
+def test_revert_undoes_the_latest_write_once(store, tmp_path):
+    v0, v1 = _random((3000,), torch.float32), _random((10,), torch.int64)
+    store.write("k", v0).wait()
+    with pytest.raises(StoreError, match=r"cannot revert 'k': it holds no value from before its latest write"):
+        store.revert("k")  # written once: nothing to go back to
+    h = store.write("k", v1)
+    store.revert("k")  # waits for the write, then undoes it
+    assert h.done() and store.meta("k") == ((3000,), torch.float32) and store.used == 12_000
+    out = torch.empty(3000)
+    store.read("k", out).wait()
+    assert _same(out, v0) and _files(tmp_path) == [nio.file_name("k", 0)]
+    with pytest.raises(StoreError, match=r"or it was reverted already"):
+        store.revert("k")
+    with pytest.raises(StoreError, match=r"no tensor 'ghost'"):
+        store.revert("ghost")
+    assert _same(_round_trip(store, "k", v1), v1)  # writing goes on from the reverted value
+

@@ -9,11 +9,8 @@ sees the latest write issued before it, and an overwrite never races an older wr
 a done-callback that submits the next request to the pool, so no I/O thread ever blocks on
 another. Requests of different keys run concurrently, each split into chunks.
 
-# NOTE [Write, then switch]
-A write goes to ``<file>.part`` (space reserved up front with fallocate, so a full disk usually
-fails before any byte moves) and replaces the key's file with an atomic rename only once every
-byte landed. A failed write (ENOSPC, EIO) removes the part file and leaves the previous value
-readable. While an overwrite is in flight the ledger holds the larger of the old and new sizes.
+Overwrites, crash safety and the budget: NOTE [Two slots, overwritten in place] and NOTE [What
+the NVMe budget counts] in :mod:`tiermem.stores.nvme_keys`.
 """
 from __future__ import annotations
 
@@ -24,47 +21,35 @@ import os
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from tiermem.budgets import ByteSize, Ledger, parse_bytes
-from tiermem.errors import ConfigError, OutOfTierMemory, StoreError, fmt_bytes
+from tiermem.errors import StoreError, fmt_bytes
 from tiermem.handles import Handle
+from tiermem.stores import nvme_dir
 from tiermem.stores import nvme_io as nio
-from tiermem.stores.aligned import ALIGN, round_up
+from tiermem.stores.aligned import round_up
 from tiermem.stores.base import Store, check_same_layout, unknown_key
+from tiermem.stores.nvme_keys import (SPOILT, Copy, KeyState, Value, cannot_revert, fell_back, io_error, lost,
+                                       over_budget, spoilt)
 from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """One value of a key: where it lives and what it is."""
-
-    path: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    header: bytes
-
-    @property
-    def numel(self) -> int:
-        return self.nbytes // self.dtype.itemsize
-
-
 class NvmeStore(Store):
-    """Tensors under ``directory``, one file per key, read and written asynchronously.
+    """Tensors under ``directory``, two slot files per key, read and written asynchronously.
 
-    ``write(key, src)`` returns at once; ``src`` must stay unchanged until the handle's
-    ``wait()`` returns (the store reads it in place, no snapshot copy). ``read(key, out)`` fills
-    ``out`` after any pending write of ``key``. ``budget`` caps the bytes held (default: the free
-    space on that filesystem). ``direct``: True insists on O_DIRECT, False never uses it, None
-    probes the directory and falls back to buffered I/O with a warning where it is refused.
-    Files stay on disk after ``close()``; ``delete(key)`` removes a key's file.
+    ``write(key, src)`` returns at once; keep ``src`` unchanged until the handle's ``wait()``
+    returns (no snapshot copy). An overwrite goes over the key's other slot file in place and
+    switches to it once every byte landed: a failed write leaves the previous value readable.
+    ``read(key, out)`` fills ``out`` after any pending write of ``key``. ``budget`` caps the bytes
+    held, both slots of a key counted (default: the free space there). ``direct``: True insists
+    on O_DIRECT, False never uses it, None falls back to buffered I/O with a warning where the
+    filesystem refuses it. Files stay on disk after ``close()``; ``delete(key)`` removes them.
     """
 
     tier = Tier.NVME
@@ -72,23 +57,9 @@ class NvmeStore(Store):
     def __init__(self, directory: str | os.PathLike, *, budget: ByteSize | None = None,
                  io_threads: int = 8, block_size: int = 8 * 2**20, direct: bool | None = None):
         self.directory = os.path.abspath(os.fspath(directory))
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise ConfigError(f"tiermem: NvmeStore.io_threads={io_threads!r} must be an int >= 1; "
-                              f"pass e.g. io_threads=8")
-        if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < ALIGN
-                or block_size % ALIGN):
-            raise ConfigError(f"tiermem: NvmeStore.block_size={block_size!r} must be a positive multiple "
-                              f"of {ALIGN} bytes (direct I/O needs aligned lengths); pass e.g. 8 * 2**20")
-        nio.check_directory(self.directory)
-        self.direct, refused = nio.probe_direct(self.directory, direct)
-        if refused is not None and direct:
-            raise ConfigError(f"tiermem: NvmeStore(direct=True) but {self.directory} refuses O_DIRECT "
-                              f"({refused.strerror}); pass direct=None to fall back to buffered I/O, or "
-                              f"put nvme_dir on a filesystem with direct I/O (ext4, xfs)")
-        if refused is not None:
-            log.warning("tiermem: %s refuses O_DIRECT (%s): NvmeStore falls back to buffered I/O through "
-                        "the page cache, which is slower and takes RAM; put nvme_dir on a filesystem "
-                        "with direct I/O (ext4, xfs) to avoid this", self.directory, refused.strerror)
+        nvme_dir.check_options(io_threads, block_size)
+        nvme_dir.check_directory(self.directory)
+        self.direct = nvme_dir.choose_direct(self.directory, direct)
         allowed = (shutil.disk_usage(self.directory).free if budget is None
                    else parse_bytes(budget, what="NvmeStore.budget"))
         self.ledger = Ledger(Tier.NVME, allowed)
@@ -101,13 +72,9 @@ class NvmeStore(Store):
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiermem-nvme")
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._latest: dict[str, _Entry] = {}  # what each key holds once its queued writes land
-        self._committed: dict[str, _Entry] = {}  # what each key's file holds now
-        self._in_flight: dict[str, list[int]] = {}  # sizes of each key's queued writes
-        self._tail: dict[str, Future] = {}  # each key's last queued request, NOTE [Per-key order]
+        self._keys: dict[str, KeyState] = {}
         self._outstanding = 0
         self._closed = False
-        self._kinds: dict[str, object] = {}  # key -> TensorClass, for the ledger's per-class figures
 
     # -- the Store interface --------------------------------------------------------------------
     def write(self, key: str, src: torch.Tensor, kind: object = None) -> Handle:
@@ -116,23 +83,20 @@ class NvmeStore(Store):
         nio.check_key(key)
         nio.check_tensor(key, src, "src")
         data = nio.byte_view(src.detach().resolve_conj().resolve_neg().contiguous())
-        shape, nbytes = tuple(src.shape), data.numel()
-        entry = _Entry(os.path.join(self.directory, nio.file_name(key)), src.dtype, shape, nbytes,
-                       nio.encode_header(key, src.dtype, shape, nbytes))
+        value = Value(src.dtype, tuple(src.shape), data.numel())
+        nio.check_header_fits(key, value.dtype, value.shape, value.nbytes)
         with self._lock:
             self._check_open()
+            state = self._keys.get(key) or KeyState()
             held, used = self.ledger.held(key), self.ledger.used
-            if nbytes > held and used - held + nbytes > self.ledger.allowed:
-                raise OutOfTierMemory(
-                    tier=Tier.NVME, key=key, asked=nbytes, used=used - held, allowed=self.ledger.allowed,
-                    hint=f"pass a budget of at least {fmt_bytes(used - held + nbytes)} (Budgets(nvme=...) "
-                         f"or NvmeStore(budget=...)), delete keys you no longer need, or place less on NVMe")
-            if kind is not None:
-                self._kinds[key] = kind
-            self.ledger.reserve(key, max(held, nbytes), self._kinds.get(key))  # NOTE [Write, then switch]
-            self._in_flight.setdefault(key, []).append(nbytes)
-            self._latest[key] = entry
-            future = self._enqueue(key, partial(self._start_write, key, entry, data))
+            need = state.on_disk(extra=value.nbytes)
+            if need > held and used - held + need > self.ledger.allowed:
+                raise over_budget(key, need, value.nbytes, used - held, self.ledger.allowed)
+            state.kind = kind if kind is not None else state.kind
+            self.ledger.reserve(key, max(held, need), state.kind)  # NOTE [What the NVMe budget counts]
+            self._keys[key] = state
+            state.queued.append(value)
+            future = self._enqueue(state, partial(self._start_write, key, value, data))
         return Handle(future, on_stall=self._add_stall)
 
     def read(self, key: str, out: torch.Tensor) -> Handle:
@@ -141,36 +105,47 @@ class NvmeStore(Store):
         nio.check_tensor(key, out, "out")
         with self._lock:
             self._check_open()
-            entry = self._latest.get(key)
-            if entry is None:
+            if (value := self._latest(key)) is None:
                 raise unknown_key(key, self.tier)
-            check_same_layout(key, entry.dtype, entry.numel, out, self.tier)
-            future = self._enqueue(key, partial(self._start_read, key, nio.byte_view(out), out))
+            check_same_layout(key, value.dtype, value.numel, out, self.tier)
+            future = self._enqueue(self._keys[key], partial(self._start_read, key, nio.byte_view(out), out))
         return Handle(future, on_stall=self._add_stall)
 
     def delete(self, key: str) -> None:
-        """Remove ``key`` and its file once its queued requests are done. Unknown keys are ignored."""
+        """Remove ``key`` and its files once its queued requests are done. Unknown keys are ignored."""
         with self._lock:
             self._check_open()
-            if key not in self._latest:
+            if self._latest(key) is None:
                 return
-            future = self._enqueue(key, partial(self._start_delete, key))
+            future = self._enqueue(self._keys[key], partial(self._start_delete, key))
+        future.result()
+
+    def revert(self, key: str) -> None:
+        """Once ``key``'s queued requests are done, undo its latest write: the key holds the value
+        it held before again (the other slot's). Lets a caller that wrote several keys undo them
+        all when one fails; a key keeps one value back, so this works once per write."""
+        with self._lock:
+            self._check_open()
+            if self._latest(key) is None:
+                raise unknown_key(key, self.tier)
+            future = self._enqueue(self._keys[key], partial(self._start_revert, key))
         future.result()
 
     def __contains__(self, key: object) -> bool:
-        return key in self._latest
+        with self._lock:
+            return isinstance(key, str) and self._latest(key) is not None
 
     def keys(self) -> Iterator[str]:
         with self._lock:
-            return iter(list(self._latest))
+            return iter([k for k, state in self._keys.items() if state.latest() is not None])
 
     def meta(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
         """``(shape, dtype)`` of the latest value written under ``key``."""
-        entry = self._entry(key)
-        return entry.shape, entry.dtype
+        value = self._value(key)
+        return value.shape, value.dtype
 
     def nbytes(self, key: str) -> int:
-        return self._entry(key).nbytes
+        return self._value(key).nbytes
 
     def close(self) -> None:
         """Finish every queued request, then stop the I/O threads. The files stay on disk."""
@@ -190,7 +165,7 @@ class NvmeStore(Store):
 
     def __repr__(self) -> str:
         return (f"NvmeStore({self.directory!r}, {'direct' if self.direct else 'buffered'} I/O, "
-                f"{len(self._latest)} keys, {fmt_bytes(self.used)} of {fmt_bytes(self.allowed)})")
+                f"{len(list(self.keys()))} keys, {fmt_bytes(self.used)} of {fmt_bytes(self.allowed)})")
 
     # -- seams: tests replace these on one store to inject failures -------------------------------
     def _pwritev(self, fd: int, bufs: Sequence, offset: int) -> int:
@@ -208,11 +183,10 @@ class NvmeStore(Store):
             os.ftruncate(fd, size)  # the filesystem cannot reserve space; just size the file
 
     # -- requests (run on the I/O threads) ------------------------------------------------------
-    def _enqueue(self, key: str, start: Callable[[Future], None]) -> Future:
-        """Queue ``start`` behind ``key``'s previous request (NOTE [Per-key order]); holds the lock."""
+    def _enqueue(self, state: KeyState, start: Callable[[Future], None]) -> Future:
+        """Queue ``start`` behind the key's previous request (NOTE [Per-key order]); holds the lock."""
         future: Future = Future()
-        previous = self._tail.get(key)
-        self._tail[key] = future
+        previous, state.tail = state.tail, future
         self._outstanding += 1
         go = lambda _done=None: self._pool.submit(start, future)  # noqa: E731
         if previous is None:
@@ -221,111 +195,150 @@ class NvmeStore(Store):
             previous.add_done_callback(go)
         return future
 
-    def _start_write(self, key: str, entry: _Entry, data: torch.Tensor, future: Future) -> None:
-        part, fd = entry.path + ".part", None
-        try:
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | self._odirect, 0o644)
-            self._fallocate(fd, nio.HEADER + (round_up(entry.nbytes) if self.direct else entry.nbytes))
+    def _start_write(self, key: str, value: Value, data: torch.Tensor, future: Future) -> None:
+        with self._lock:
+            current = self._keys[key].current()
+        slot, gen = (0, 0) if current is None else (1 - current.slot, current.gen + 1)
+        copy = Copy(value, slot, gen, self._path(key, slot),
+                     nio.encode_header(key, value.dtype, value.shape, value.nbytes, gen))
+        fd = None
+        try:  # steps 1 and 2 of NOTE [Two slots, overwritten in place]
+            if current is None:  # a file in the other slot is left from an earlier store: drop it
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._path(key, 1 - slot))
+            fd = os.open(copy.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | self._odirect, 0o644)
+            size = os.fstat(fd).st_size
+            if size:
+                nio.write_header(self._pwritev, fd, None, self._staging, self.direct)
+            want = nio.HEADER + (round_up(value.nbytes) if self.direct else value.nbytes)
+            if size < want:
+                self._fallocate(fd, want)
+            elif size > want:
+                os.ftruncate(fd, want)
         except OSError as e:
-            self._finish_write(key, entry, fd, future, e)
+            self._finish_write(key, copy, fd, future, e)
             return
-        self._fan_out([partial(nio.write_chunk, self._pwritev, fd, data, b0, b1,
-                               entry.header if b0 == 0 else None, self._staging, self.direct)
-                       for b0, b1 in nio.chunks(entry.nbytes, self.block_size)],
-                      lambda err: self._finish_write(key, entry, fd, future, err))
+        self._fan_out([partial(nio.write_chunk, self._pwritev, fd, data, b0, b1, self._staging, self.direct)
+                       for b0, b1 in nio.chunks(value.nbytes, self.block_size)],
+                      lambda err: self._finish_write(key, copy, fd, future, err))
 
-    def _finish_write(self, key: str, entry: _Entry, fd: Optional[int], future: Future,
+    def _finish_write(self, key: str, copy: Copy, fd: Optional[int], future: Future,
                       err: Optional[BaseException]) -> None:
-        part = entry.path + ".part"
         if fd is not None:
+            try:
+                if err is None:  # the switch, step 3 of NOTE [Two slots, overwritten in place]
+                    nio.write_header(self._pwritev, fd, copy.header, self._staging, self.direct)
+            except OSError as e:
+                err = e
             try:
                 os.close(fd)
             except OSError as e:
                 err = err or e
-        if err is None:
-            try:
-                os.replace(part, entry.path)  # the switch: NOTE [Write, then switch]
-            except OSError as e:
-                err = e
-        if err is not None:
+        if err is not None:  # the slot holds nothing usable now: give its blocks back
             with contextlib.suppress(OSError):
-                os.unlink(part)
+                os.unlink(copy.path)
         with self._lock:
-            self._in_flight[key].remove(entry.nbytes)
+            state = self._keys[key]
+            assert state.queued[0] is copy.value  # NOTE [Per-key order]: a key's writes end in order
+            state.queued.pop(0)
+            state.copies[copy.slot] = copy if err is None else None
             if err is None:
-                self._committed[key] = entry
-                self.bytes_written += entry.nbytes
-            elif self._latest.get(key) is entry:  # nothing newer queued: the key keeps its old value
-                if key in self._committed:
-                    self._latest[key] = self._committed[key]
-                else:
-                    del self._latest[key]
-            self._settle(key)
-        self._complete(key, future, self._error("write", key, entry, err))
+                self.bytes_written += copy.value.nbytes
+            self._settle(key, state)
+        self._complete(key, future, self._error("write", key, copy, err))
 
     def _start_read(self, key: str, data: torch.Tensor, out: torch.Tensor, future: Future) -> None:
         with self._lock:
-            entry = self._committed.get(key)
+            current = self._keys[key].current()
         fd = None
         try:
-            if entry is None:  # its only queued write failed
+            if current is None:  # its only queued write failed
                 raise unknown_key(key, self.tier)
-            check_same_layout(key, entry.dtype, entry.numel, out, self.tier)
-            try:
-                fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | self._odirect)
-            except FileNotFoundError:
-                raise StoreError(
-                    f"tiermem: NVMe file {entry.path} holding {key!r} is missing (removed outside tiermem); "
-                    f"write {key!r} again, and keep other programs from deleting files in "
-                    f"{self.directory}") from None
-            size = os.fstat(fd).st_size
-            if size < nio.HEADER + entry.nbytes:
-                raise nio.ShortRead(f"{size} bytes on disk, {nio.HEADER + entry.nbytes} expected")
+            check_same_layout(key, current.value.dtype, current.value.numel, out, self.tier)
+            fd = nio.open_slot(current.path, current.value.nbytes, self._odirect)
         except (OSError, nio.ShortRead) as e:
-            self._finish_read(key, entry, fd, future, e)
+            self._finish_read(key, current, fd, future, e)
             return
 
         def first_chunk(b1: int) -> None:
             raw = nio.read_chunk(self._preadv, fd, data, 0, b1, True, self._staging, self.direct)
-            nio.check_header(raw, entry.header, key=key, path=entry.path)
+            nio.check_header(raw, current.header)
 
-        parts = nio.chunks(entry.nbytes, self.block_size)
+        parts = nio.chunks(current.value.nbytes, self.block_size)
         self._fan_out([partial(first_chunk, parts[0][1])]
                       + [partial(nio.read_chunk, self._preadv, fd, data, b0, b1, False, self._staging,
                                  self.direct) for b0, b1 in parts[1:]],
-                      lambda err: self._finish_read(key, entry, fd, future, err))
+                      lambda err: self._finish_read(key, current, fd, future, err))
 
-    def _finish_read(self, key: str, entry: Optional[_Entry], fd: Optional[int], future: Future,
+    def _finish_read(self, key: str, copy: Optional[Copy], fd: Optional[int], future: Future,
                      err: Optional[BaseException]) -> None:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if err is None:
+        if copy is not None and isinstance(err, SPOILT):
+            err = self._fall_back(key, copy, err)
+        elif err is None:
             with self._lock:
-                self.bytes_read += entry.nbytes  # type: ignore[union-attr]
-        self._complete(key, future, self._error("read", key, entry, err))
+                self.bytes_read += copy.value.nbytes  # type: ignore[union-attr]
+        self._complete(key, future, self._error("read", key, copy, err))
+
+    def _fall_back(self, key: str, bad: Copy, why: BaseException) -> StoreError:
+        """The current copy of ``key`` is spoilt: switch to the previous one if it is intact
+        (NOTE [Two slots, overwritten in place]). Returns the error the read fails with."""
+        with self._lock:
+            previous = self._keys[key].copies[1 - bad.slot]
+        said = spoilt(key, bad, why)
+        if previous is not None:
+            why_too = nio.check_slot(self._preadv, previous.path, previous.value.nbytes, previous.header,
+                                     self._staging, self.direct)
+            if why_too is None:
+                with self._lock:
+                    state = self._keys[key]
+                    state.copies[bad.slot] = None
+                    self._settle(key, state)
+                with contextlib.suppress(OSError):
+                    os.unlink(bad.path)
+                log.warning("tiermem: %s; %r falls back to its previous value", said, key)
+                return fell_back(key, said, previous, self.directory)
+            said += f"; so is the previous value's: {spoilt(key, previous, why_too)}"
+        return lost(key, said, self.directory)
 
     def _start_delete(self, key: str, future: Future) -> None:
         with self._lock:
-            entry = self._committed.pop(key, None)
-            if not self._in_flight.get(key):  # a write queued after this delete keeps its entry
-                self._latest.pop(key, None)
-            self._settle(key)
+            state = self._keys[key]
+            state.copies = [None, None]  # writes queued after this delete still land
+            self._settle(key, state)
         err = None
-        if entry is not None:
+        for slot in (0, 1):
+            path = self._path(key, slot)
             try:
-                os.unlink(entry.path)
+                os.unlink(path)
             except FileNotFoundError:
                 pass
             except OSError as e:
-                err = StoreError(f"tiermem: could not remove {entry.path} holding {key!r} ({e.strerror}); "
-                                 f"the key is forgotten, remove the file by hand")
+                err = err or StoreError(f"tiermem: could not remove {path} holding {key!r} ({e.strerror}); "
+                                        f"the key is forgotten, remove the file by hand")
+        self._complete(key, future, err)
+
+    def _start_revert(self, key: str, future: Future) -> None:
+        with self._lock:
+            state = self._keys[key]
+            latest = state.current()
+            if latest is not None and state.copies[1 - latest.slot] is not None:
+                state.copies[latest.slot] = None
+                self._settle(key, state)
+                err = None
+            else:
+                err = cannot_revert(key)
+        if err is None:
+            with contextlib.suppress(OSError):
+                os.unlink(latest.path)  # a reader going by generations must not find it either
         self._complete(key, future, err)
 
     def _fan_out(self, jobs: list[Callable[[], object]],
                  finish: Callable[[Optional[BaseException]], None]) -> None:
-        """Run ``jobs`` on the pool, the first (it carries the header) on this thread; the thread
-        that ends the last one calls ``finish``."""
+        """Run ``jobs`` on the pool, the first on this thread; the thread that ends the last one
+        calls ``finish``."""
         fan = nio.Fanout(len(jobs), finish)
         for job in jobs[1:]:
             self._pool.submit(fan.run, job)
@@ -333,8 +346,11 @@ class NvmeStore(Store):
 
     def _complete(self, key: str, future: Future, err: Optional[BaseException]) -> None:
         with self._lock:
-            if self._tail.get(key) is future:
-                del self._tail[key]
+            state = self._keys.get(key)
+            if state is not None and state.tail is future:
+                state.tail = None
+                if state.current() is None and not state.queued:
+                    del self._keys[key]  # nothing stored, nothing queued: forget it
             self._outstanding -= 1
             if not self._outstanding:
                 self._idle.notify_all()
@@ -344,51 +360,35 @@ class NvmeStore(Store):
             future.set_exception(err)
 
     # -- helpers -------------------------------------------------------------------------------
-    def _settle(self, key: str) -> None:
-        """Hold the larger of ``key``'s stored and queued sizes (only ever shrinks); holds the lock."""
-        sizes = self._in_flight.get(key)
-        if sizes == []:
-            del self._in_flight[key]
-        committed = self._committed.get(key)
-        if committed is None and not sizes:
+    def _path(self, key: str, slot: int) -> str:
+        return os.path.join(self.directory, nio.file_name(key, slot))
+
+    def _settle(self, key: str, state: KeyState) -> None:
+        """Hold what ``key``'s slots and queued writes take (only ever shrinks); holds the lock."""
+        if state.current() is None and not state.queued:
             self.ledger.release(key)
         else:
-            self.ledger.reserve(key, max([committed.nbytes if committed else 0, *(sizes or [])]),
-                                self._kinds.get(key))
+            self.ledger.reserve(key, state.on_disk(), state.kind)
 
-    def _error(self, op: str, key: str, entry: Optional[_Entry],
+    def _error(self, op: str, key: str, copy: Optional[Copy],
                err: Optional[BaseException]) -> Optional[BaseException]:
         """The error a user sees for a failed request: names the key, the file and what to change."""
-        if err is None or isinstance(err, StoreError):
-            return err
-        path = entry.path if entry is not None else self.directory
-        if isinstance(err, nio.ShortRead):
-            return StoreError(f"tiermem: NVMe file {path} holding {key!r} is truncated ({err}); the stored "
-                              f"value is lost: write {key!r} again, and check the disk and that nothing "
-                              f"else writes to {self.directory}")
-        if not isinstance(err, OSError):
-            return err  # a bug, not an I/O failure: let it through as it is
-        kept = ""
-        if op == "write":
-            kept = (f"; {key!r} keeps its previous value" if key in self._committed
-                    else f"; {key!r} holds no value")
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            fix = (f"free space on that filesystem, pass a different nvme_dir, or set an NVMe budget "
-                   f"below the free space (Budgets(nvme=...) or NvmeStore(budget=...)) so tiermem "
-                   f"refuses before the disk fills")
-        else:
-            fix = "check the disk (dmesg) and the directory, or pass a different nvme_dir"
-        nbytes = fmt_bytes(entry.nbytes) if entry is not None else "?"
-        error = StoreError(f"tiermem: NVMe {op} of {key!r} ({nbytes}) in {self.directory} failed: "
-                           f"{err.strerror or err}{kept}; {fix}")
-        error.__cause__ = err
-        return error
+        if err is None or isinstance(err, StoreError) or not isinstance(err, OSError):
+            return err  # already explained, or a bug (not an I/O failure): let it through as it is
+        state = self._keys.get(key)
+        kept = None if op != "write" else state is not None and state.current() is not None
+        return io_error(op, key, copy.value.nbytes if copy is not None else None, self.directory, err, kept)
 
-    def _entry(self, key: str) -> _Entry:
-        entry = self._latest.get(key)
-        if entry is None:
-            raise unknown_key(key, self.tier)
-        return entry
+    def _latest(self, key: str) -> Optional[Value]:
+        """What ``key`` holds once its queued writes land; holds the lock."""
+        state = self._keys.get(key)
+        return state.latest() if state is not None else None
+
+    def _value(self, key: str) -> Value:
+        with self._lock:
+            if (value := self._latest(key)) is None:
+                raise unknown_key(key, self.tier)
+        return value
 
     def _add_stall(self, seconds: float) -> None:
         with self._lock:

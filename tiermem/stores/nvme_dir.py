@@ -1,0 +1,83 @@
+"""The NVMe store's directory: its options and directory checked, and O_DIRECT probed once."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import uuid
+from typing import Optional
+
+from tiermem.errors import ConfigError
+from tiermem.stores.aligned import ALIGN, aligned_empty
+
+log = logging.getLogger(__name__)
+
+
+def check_options(io_threads: object, block_size: object) -> None:
+    if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+        raise ConfigError(f"tiermem: NvmeStore.io_threads={io_threads!r} must be an int >= 1; "
+                          f"pass e.g. io_threads=8")
+    if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < ALIGN
+            or block_size % ALIGN):
+        raise ConfigError(f"tiermem: NvmeStore.block_size={block_size!r} must be a positive multiple "
+                          f"of {ALIGN} bytes (direct I/O needs aligned lengths); pass e.g. 8 * 2**20")
+
+
+def check_directory(directory: str) -> None:
+    if not os.path.exists(directory):
+        raise ConfigError(f"tiermem: NvmeStore directory {directory} does not exist; create it first "
+                          f"(mkdir -p {directory}) or pass an existing directory as nvme_dir")
+    if not os.path.isdir(directory):
+        raise ConfigError(f"tiermem: NvmeStore directory {directory} is not a directory; "
+                          f"pass a directory as nvme_dir")
+
+
+def choose_direct(directory: str, direct: Optional[bool]) -> bool:
+    """Whether the store uses O_DIRECT in ``directory``: ``direct`` True insists (a clear error
+    where the filesystem refuses it), None falls back to buffered I/O with one warning."""
+    supported, refused = probe_direct(directory, direct)
+    if refused is not None and direct:
+        raise ConfigError(f"tiermem: NvmeStore(direct=True) but {directory} refuses O_DIRECT "
+                          f"({refused.strerror}); pass direct=None to fall back to buffered I/O, or "
+                          f"put nvme_dir on a filesystem with direct I/O (ext4, xfs)")
+    if refused is not None:
+        log.warning("tiermem: %s refuses O_DIRECT (%s): NvmeStore falls back to buffered I/O through "
+                    "the page cache, which is slower and takes RAM; put nvme_dir on a filesystem "
+                    "with direct I/O (ext4, xfs) to avoid this", directory, refused.strerror)
+    return supported
+
+
+def probe_direct(directory: str, direct: Optional[bool]) -> tuple[bool, Optional[OSError]]:
+    """Create, write and remove one small probe file: fails unless the directory takes files.
+    Returns whether O_DIRECT works there (never tried when ``direct`` is False) and, when it
+    does not, the error the filesystem gave."""
+    path = os.path.join(directory, f"tiermem-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    refused: Optional[OSError] = None
+    if direct is not False:
+        try:
+            _probe_write(path, os.O_DIRECT)
+            return True, None
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise _not_writable(directory, e) from e
+            refused = e
+    try:
+        _probe_write(path, 0)
+    except OSError as e:
+        raise _not_writable(directory, e) from e
+    return False, refused
+
+
+def _probe_write(path: str, extra_flags: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags, 0o600)
+    try:
+        block = aligned_empty(ALIGN, pin=False).zero_()
+        os.pwrite(fd, memoryview(block.numpy()), 0)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _not_writable(directory: str, e: OSError) -> ConfigError:
+    return ConfigError(f"tiermem: NvmeStore cannot create files in {directory} ({e.strerror}); "
+                       f"make it writable or pass a writable directory as nvme_dir")
