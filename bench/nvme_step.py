@@ -1,0 +1,351 @@
+"""Steady-state training step with the optimizer state on NVMe, against its floor, in one run.
+
+    python bench/nvme_step.py [--width 2048] [--depth 24] [--rows 128] [--steps 5] [--warmup 2]
+                              [--dir DIR] [--fio-size 1GiB] [--bucket-size 32MiB]
+
+The model is a stack of ``--depth`` square bias-free Linear layers (``--width``; the defaults give
+~100M parameters, 1.2 GB of optimizer state, so that state I/O dominates the step), trained in
+bf16 on ``--rows`` random rows per step. Three setups, stepped in turn (round-robin, so load from
+other processes hits all alike), each on its own directory under ``--dir``:
+
+- ``state-on-nvme``: ZeRO-Offload with OPTIM_STATE on NVMe (examples/nvme_offload.py's policy):
+  weights on the device tier, grads on the host, the state streamed through the three-stage
+  pipeline (read ahead, Adam, write behind);
+- ``zero-infinity``: ``ZeroInfinity()``: the weights on NVMe too, fetched ahead of each layer in
+  the order the first step recorded (the scheduler's prefetch);
+- ``zero-infinity, no prefetch``: the same, with the scheduler fetching only on demand (its
+  ``prefetch`` flag cleared before the first step), for contrast.
+
+The floor of ``tm.step()`` is max(I/O, Adam). I/O is the bytes the step must read from and write
+to NVMe at fio's sequential bandwidth (8 MiB blocks, O_DIRECT, libaio, iodepth 8) on the same
+directory, three ways: ``serial`` (the target's: bytes read / fio read + bytes written / fio
+write, the disk doing one thing at a time), ``mixed`` (all bytes / fio reading and writing at
+once, half each, as the pipeline issues them) and ``overlapped`` (max of bytes read / fio read and
+bytes written / fio write: each direction at its own full speed, the lowest floor). The disk
+drifts by tens of percent within a minute, so fio runs after every measured round of steps and
+each step is compared with the floor of its own round (ratios are medians over rounds); the
+setups take turns at each place in a round. Adam is ``adam_step`` over as many parameters in
+memory (fp32 grads in, bf16 weights out, as the step calls it), measured in this run. The
+state-on-nvme step moves exactly the state (12 B/param read, 12 written); ZeroInfinity's also
+writes the new bf16 weights home (2 B/param; the report's bytes_moved does not count those
+writes, so the bytes a step must move are computed, and the report's count printed beside them).
+The floor of a whole iteration is the state-on-nvme setup's forward+backward (weights resident:
+compute alone) plus the step's serial floor.
+
+Stall time is what the training thread spent waiting on transfers (``tm.report()``, per step):
+during forward+backward that is waiting for weights (ZeroInfinity), which prefetch is meant to
+hide; during ``tm.step()`` it is mostly the pipeline waiting on the disk, which is the floor
+itself. Figures are medians over ``--steps`` steps after ``--warmup`` (the first records the
+trace and loads the compiled Adam). The load average is printed: other processes share the CPUs.
+Ratios come last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples
+
+from examples.nvme_offload import OptimStateOnNvme  # noqa: E402
+from tiermem import AdamW, Budgets, Report, TieredModel, Tier, parse_bytes  # noqa: E402
+from tiermem.errors import fmt_bytes  # noqa: E402
+from tiermem.optim import adam_step, warm_up  # noqa: E402
+from tiermem.policies import ZeroInfinity  # noqa: E402
+
+GB = 1e9
+LR, BETAS, WD = 1e-4, (0.9, 0.95), 0.1
+
+
+class LinearStack(nn.Module):
+    """``depth`` bias-free ``width`` x ``width`` Linear layers with tanh between them."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def windowed_stack(width: int, depth: int) -> LinearStack:
+    """A LinearStack whose layers' weights are windows of one random buffer, each shifted by a few
+    thousand elements: distinct weights, but the module takes the memory of one layer, so a model
+    larger than RAM can be handed to TieredModel, which copies each weight to its home tier."""
+    with torch.device("meta"):
+        model = LinearStack(width, depth)
+    shift = 4099
+    base = torch.randn(width * width + depth * shift, dtype=torch.bfloat16) * width ** -0.5
+    for i, layer in enumerate(model.layers):
+        layer.weight = nn.Parameter(base[i * shift:i * shift + width * width].view(width, width))
+    return model
+
+
+def largest(args: argparse.Namespace) -> int:
+    """--largest: ZeroInfinity on a model far larger than RAM; step time, peak RSS, disk, report."""
+    n = args.width * args.width * args.depth
+    d = tempfile.mkdtemp(prefix="tiermem-largest-", dir=args.dir or os.getcwd())
+    disk = shutil.disk_usage(d)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e9:.2f}B parameters; ZeroInfinity, "
+          f"bf16, device budget {args.device_budget}; needs {26 * n / GB:.1f} GB on disk (24 B/param of state in two "
+          f"generations + 2 B/param of weights), {disk.free / GB:.1f} GB free of {disk.total / GB:.0f}; RAM "
+          f"{ram / GB:.1f} GB, fp32 grads on the host {4 * n / GB:.1f} GB; mixed-precision Adam in memory would "
+          f"need {16 * n / GB:.0f} GB", flush=True)
+    try:
+        t0 = time.perf_counter()
+        tm = TieredModel(windowed_stack(args.width, args.depth), ZeroInfinity(), precision="bf16", nvme_dir=d,
+                         optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD), bucket_size=args.bucket_size,
+                         budgets=Budgets(device=args.device_budget))
+        print(f"built in {time.perf_counter() - t0:.0f} s (initial state and weights written to NVMe); peak RSS "
+              f"{rss_gb():.1f} GB", flush=True)
+        gen, low = torch.Generator().manual_seed(0), shutil.disk_usage(d).free
+        for i in range(1, args.steps + 1):
+            x = torch.randn(args.rows, args.width, generator=gen)
+            t0 = time.perf_counter()
+            loss = tm(x).float().square().mean()
+            tm.backward(loss)
+            t1 = time.perf_counter()
+            res = tm.step()
+            t2 = time.perf_counter()
+            low = min(low, shutil.disk_usage(d).free)
+            print(f"step {i}: loss {loss.item():.6f}, grad norm {res.grad_norm:.4f}; fwd+bwd {t1 - t0:.1f} s, "
+                  f"tm.step() {t2 - t1:.1f} s; peak RSS {rss_gb():.1f} GB; disk free {low / GB:.1f} GB", flush=True)
+        print(tm.report())
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return 0
+
+
+def rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB  # ru_maxrss is in KiB on Linux
+
+
+@dataclass
+class Setup:
+    name: str
+    tm: TieredModel
+    fwd_bwd: list[float] = field(default_factory=list)
+    step: list[float] = field(default_factory=list)
+    stall_fwd_bwd: list[float] = field(default_factory=list)
+    stall_step: list[float] = field(default_factory=list)
+    read: list[int] = field(default_factory=list)  # NVMe bytes read during tm.step()
+    written: list[int] = field(default_factory=list)  # NVMe bytes written during tm.step()
+    read_fwd_bwd: list[int] = field(default_factory=list)  # NVMe bytes read during forward+backward
+
+
+def nvme_bytes(rep: Report) -> tuple[int, int]:
+    """(bytes read from NVMe, bytes written to NVMe) so far."""
+    read = sum(n for (src, dst), n in rep.bytes_moved.items() if src is Tier.NVME and dst is not Tier.NVME)
+    written = sum(n for (src, dst), n in rep.bytes_moved.items() if dst is Tier.NVME and src is not Tier.NVME)
+    return read, written
+
+
+def run_step(s: Setup, x: torch.Tensor, record: bool) -> str:
+    """One forward + backward + step, timed in two parts, with the stalls and NVMe bytes of each."""
+    r0 = s.tm.report()
+    t0 = time.perf_counter()
+    s.tm.backward(s.tm(x).float().square().mean())
+    t1 = time.perf_counter()
+    r1 = s.tm.report()
+    t2 = time.perf_counter()
+    s.tm.step()
+    t3 = time.perf_counter()
+    r2 = s.tm.report()
+    (a0, _), (a1, w1), (a2, w2) = nvme_bytes(r0), nvme_bytes(r1), nvme_bytes(r2)
+    row = (t1 - t0, t3 - t2, r1.stall_seconds - r0.stall_seconds, r2.stall_seconds - r1.stall_seconds,
+           a2 - a1, w2 - w1, a1 - a0)
+    if record:
+        for series, value in zip((s.fwd_bwd, s.step, s.stall_fwd_bwd, s.stall_step, s.read, s.written,
+                                  s.read_fwd_bwd), row):
+            series.append(value)
+    return (f"{s.name}: fwd+bwd {1e3 * row[0]:7.0f} ms (stall {1e3 * row[2]:5.0f}), step {1e3 * row[1]:7.0f} ms "
+            f"(stall {1e3 * row[3]:5.0f}, NVMe read {row[4] / GB:.2f} GB, written {row[5] / GB:.2f} GB)")
+
+
+def fio(directory: str, size: int) -> dict[str, float]:
+    """fio's sequential bandwidth (B/s) on ``directory``: ``write``, ``read``, and ``mixed`` (reads and
+    writes at once, half each, the sum of both) -- 8 MiB blocks, O_DIRECT, libaio, iodepth 8."""
+    path, bw = os.path.join(directory, "fio.dat"), {}
+    try:
+        for rw, name in (("write", "write"), ("read", "read"), ("rw", "mixed")):
+            cmd = ["fio", "--name=nvme-step", f"--filename={path}", f"--rw={rw}", "--bs=8M", f"--size={size}",
+                   "--direct=1", "--ioengine=libaio", "--iodepth=8", "--numjobs=1", "--output-format=json"]
+            job = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["jobs"][0]
+            bw[name] = float(job["read"]["bw_bytes"] + job["write"]["bw_bytes"])
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return bw
+
+
+def adam_seconds(n: int, repeats: int = 3) -> float:
+    """Best time of ``adam_step`` over ``n`` parameters in memory, as the step calls it."""
+    warm_up((torch.float32,), (torch.bfloat16,))
+    master = torch.randn(n)
+    exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
+    grad, out = torch.randn(n) * 1e-3, torch.empty(n, dtype=torch.bfloat16)
+    best = float("inf")
+    for step in range(1, repeats + 1):
+        t0 = time.perf_counter()
+        adam_step(master, exp_avg, exp_avg_sq, grad, step=step, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=1e-8,
+                  weight_decay=WD, adamw=True, out=out, check_finite=False)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--depth", type=int, default=24)
+    p.add_argument("--rows", type=int, default=128, help="rows of input per step")
+    p.add_argument("--steps", type=int, default=5, help="measured steps per setup (and fio rounds)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per setup first")
+    p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size")
+    p.add_argument("--fio-size", default="1GiB", help="bytes per fio pass (three passes per round)")
+    p.add_argument("--dir", default=None, help="directory on the disk to test (default: a temporary one under "
+                                               "the current directory, removed afterwards)")
+    p.add_argument("--largest", action="store_true",
+                   help="instead: train ZeroInfinity on --width x --width x --depth (e.g. 4096, 150: 2.5B "
+                        "parameters) for --steps steps and print step time, peak RSS and the report")
+    p.add_argument("--device-budget", default="2GiB", help="--largest: Budgets(device=...)")
+    args = p.parse_args()
+    if min(args.width, args.depth, args.rows, args.steps) < 1 or args.warmup < 1:
+        p.error("--width, --depth, --rows, --steps must be >= 1 and --warmup >= 1 (the first step records the trace)")
+    return args
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.largest:
+        return largest(args)
+    if shutil.which("fio") is None:
+        print("fio not found on PATH: the floor needs fio's bandwidth on the same directory; install fio",
+              file=sys.stderr)
+        return 2
+    fio_size = parse_bytes(args.fio_size, what="--fio-size")
+    root = args.dir or tempfile.mkdtemp(prefix="tiermem-nvme-step-", dir=os.getcwd())
+    n = args.width * args.width * args.depth
+    print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e6:.1f}M parameters, optimizer state "
+          f"{fmt_bytes(12 * n)} ({fmt_bytes(24 * n)} on disk: two generations); {args.rows} rows per step; "
+          f"directory {root}; {torch.get_num_threads()} CPU threads; load average at start "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
+
+    def show(when: str, bw: dict[str, float]) -> str:
+        return f"fio{when}: " + ", ".join(f"{k} {v / GB:.2f} GB/s" for k, v in bw.items())
+
+    try:
+        def make(name: str, policy, prefetch: bool = True) -> Setup:
+            torch.manual_seed(0)
+            d = os.path.join(root, name.replace(" ", "").replace(",", "-"))
+            os.makedirs(d)
+            tm = TieredModel(LinearStack(args.width, args.depth), policy,
+                             optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD), precision="bf16",
+                             nvme_dir=d, bucket_size=args.bucket_size)
+            if not prefetch:  # before the first step: every later acquire fetches on demand
+                tm.param_offload.scheduler.prefetch = False
+            return Setup(name, tm)
+
+        t0 = time.perf_counter()
+        setups = [make("state-on-nvme", OptimStateOnNvme()), make("zero-infinity", ZeroInfinity()),
+                  make("zero-infinity, no prefetch", ZeroInfinity(), prefetch=False)]
+        print(f"built the three models (initial state written to NVMe) in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+        gen, fios = torch.Generator().manual_seed(0), []
+        for i in range(args.warmup + args.steps):
+            x = torch.randn(args.rows, args.width, generator=gen)
+            for s in setups[i % 3:] + setups[:i % 3]:  # each takes each place in the round in turn
+                line = run_step(s, x, record=i >= args.warmup)
+                print(f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1}: {line}", flush=True)
+            if i >= args.warmup:  # the disk drifts: measure it between the steps it is compared with
+                fios.append(fio(root, fio_size))
+                print(f"        {show('', fios[-1])}; load average {os.getloadavg()[0]:.2f}", flush=True)
+        sched = {s.name: s.tm.param_offload.scheduler.history[-1] for s in setups if s.tm.param_offload}
+        reports = {s.name: s.tm.report() for s in setups}
+        for s in setups:
+            s.tm.detach()  # deletes the model's files
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    adam = adam_seconds(n)
+
+    bw = {k: med([f[k] for f in fios]) for k in fios[0]}
+    print(f"\n{show(f' (median of {len(fios)} rounds)', bw)}; adam_step over {n / 1e6:.1f}M parameters in memory: "
+          f"{1e3 * adam:.0f} ms ({n / adam / 1e9:.2f} Gparam/s)")
+    # What a step must move: the state, read and written; ZeroInfinity also writes the new bf16 weights home.
+    must = {s.name: (12 * n, 12 * n + (2 * n if s.tm.param_offload else 0)) for s in setups}
+
+    def floors(name: str, kind: str) -> list[float]:
+        """The step's floor in each measured round, from that round's fio figures."""
+        r, w = must[name]
+        io = {"serial": lambda f: r / f["read"] + w / f["write"],  # the disk doing one thing at a time
+              "mixed": lambda f: (r + w) / f["mixed"],  # reads and writes at once, as the pipeline issues them
+              "overlapped": lambda f: max(r / f["read"], w / f["write"])}[kind]  # each at its own full speed
+        return [max(io(f), adam) for f in fios]
+
+    def ratio_of(s: Setup, kind: str) -> float:
+        """Median over rounds of the step's time against the floor measured in its round."""
+        return med([t / fl for t, fl in zip(s.step, floors(s.name, kind))])
+
+    floor = {s.name: med(floors(s.name, "serial")) for s in setups}
+    compute = med(setups[0].fwd_bwd)  # weights resident: forward+backward is compute alone
+    iteration = {s.name: med([a + b for a, b in zip(s.fwd_bwd, s.step)]) for s in setups}
+    for s in setups:
+        r, w = must[s.name]
+        print(f"\n{s.name} (median of {args.steps} steps): fwd+bwd {1e3 * med(s.fwd_bwd):.0f} ms "
+              f"(stalled {1e3 * med(s.stall_fwd_bwd):.0f} ms, NVMe read {med(s.read_fwd_bwd) / GB:.3f} GB), "
+              f"tm.step() {1e3 * med(s.step):.0f} ms (stalled {1e3 * med(s.stall_step):.0f} ms), iteration "
+              f"{1e3 * iteration[s.name]:.0f} ms")
+        print(f"  the step must read {r / GB:.2f} GB from NVMe and write {w / GB:.2f} GB (the report counted "
+              f"{med(s.read) / GB:.2f} and {med(s.written) / GB:.2f}); floor max(I/O, Adam), I/O at fio's "
+              + ", ".join(f"{kind} bandwidth {1e3 * med(floors(s.name, kind)):.0f} ms"
+                          for kind in ("serial", "mixed", "overlapped")))
+        if s.name in sched:
+            st = sched[s.name]
+            print(f"  scheduler, last iteration: {st.acquires} acquires = {st.hits} hits + {st.late} late + "
+                  f"{st.misses} misses; {st.prefetches} prefetches; stalled {1e3 * st.stall_seconds:.0f} ms")
+        print("  " + str(reports[s.name]).replace("\n", "\n  "))
+
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min) "
+          f"on {os.cpu_count()} CPUs: other processes share them")
+    print("\n== ratios ==")
+    for kind in ("serial", "mixed", "overlapped"):
+        for s in setups:
+            ratio = ratio_of(s, kind)
+            target = (f"  (target <= 1.15x: {'met' if ratio <= 1.15 else 'NOT met'})"
+                      if s is setups[0] and kind == "serial" else "")
+            print(f"{s.name + ':':<28} tm.step() / floor, {kind + ' I/O':<15}{ratio:5.2f}x{target}")
+    for s in setups:
+        ratio = med([a + b for a, b in zip(s.fwd_bwd, s.step)]) / (compute + floor[s.name])
+        print(f"{s.name + ':':<28} fwd+bwd+step / (compute + floor)  {ratio:5.2f}x")
+    for s in setups[1:]:
+        frac = med(s.stall_fwd_bwd) / iteration[s.name]
+        target = f"  (target <= 10%: {'met' if frac <= 0.10 else 'NOT met'})" if s is setups[1] else "  (contrast)"
+        print(f"{s.name + ':':<28} weight stalls / iteration         {100 * frac:5.1f}%{target}")
+    for s in setups:
+        frac = (med(s.stall_fwd_bwd) + med(s.stall_step)) / iteration[s.name]
+        print(f"{s.name + ':':<28} all stalls / iteration            {100 * frac:5.1f}%  (with the step's waits "
+              f"on the disk)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
