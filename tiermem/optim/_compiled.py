@@ -4,8 +4,9 @@ Inductor turns :func:`_make_update`'s function into one vectorised OpenMP C++ lo
 master, exp_avg and exp_avg_sq once, and writes master, exp_avg, exp_avg_sq and ``out`` once: the
 memory floor of Adam. What is specialised, and what is not:
 
-* one compiled function per *variant* (grad dtype, out dtype or none, Adam-with-L2 or not), each
-  with its own code object, so dynamo's per-code-object recompile limit is never shared;
+* one compiled function per *variant* (grad dtype, out dtype or none, Adam-with-L2 or not, and
+  which end torch's lerp computes from: beta1 <= 0.5 or not), each with its own code object, so
+  dynamo's per-code-object recompile limit is never shared; a variant compiles on first use;
 * the element count is a dynamic size, so any tensor size (and any 1-D view into a flat buffer, at
   any offset) runs the same compiled code, in one call; size 1, which dynamo would specialise, is
   padded to 2;
@@ -22,9 +23,10 @@ NOTE [FMA parity]
 torch's eager CPU kernels use fused multiply-add in three places of Adam: ``grad.add(p, alpha=wd)``
 is fma(p, wd, g), ``lerp_`` is fma(w, end-start, start), and ``addcmul_`` is fma(value*t1, t2, self).
 Inductor's C++ has no fma op, so the kernel is compiled with ``-ffp-contract=fast``, which lets the C
-compiler fuse a multiply into the add that consumes it, and every other product that feeds an add
-is passed through :func:`_keep` (a select that is the identity), which the compiler cannot fuse
-across. The result is bit-identical to the reference kernel; the tests check this on odd sizes.
+compiler fuse a multiply into the add that consumes it; every other product that feeds an add goes
+through an identity the compiler cannot fuse across: a select (:func:`_keep`) where the add has two
+products to choose from, else the cheaper exact ``x * 1.0`` (:func:`_keep_product`). The result is
+bit-identical to the reference kernel; the tests check this on odd sizes, chunkings and variants.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ log = logging.getLogger(__name__)
 # is an OpenMP fork/join, which costs milliseconds when other processes hold the cores; one call per
 # tensor up to this size. (Any size works: the compiled size is dynamic.)
 CHUNK = 1 << 26
-WARMUP_NUMEL = 1 << 16  # compile on this size: inductor plans threads from the first size it sees
+WARMUP_NUMEL = 1 << 16  # the size each kernel is first traced and run on
 
 _OPTIONS = {
     "cpp.enable_floating_point_contract_flag": "fast",  # NOTE [FMA parity]
