@@ -128,5 +128,5 @@ def test_nvme_placement_needs_a_directory_and_room(tmp_path):
     from tiermem import ConfigError, OutOfTierMemory
     with pytest.raises(ConfigError, match="pass nvme_dir"):
         _make(StateOnNvme(), None)
-    with pytest.raises(OutOfTierMemory, match=r"out of nvme memory.*optimizer state \(2 generations\)"):
+    with pytest.raises(OutOfTierMemory, match=r"out of nvme memory.*optimizer state \(latest and previous\)"):
         _make(StateOnNvme(), tmp_path, budgets=Budgets(nvme="10KB"))

@@ -184,6 +184,10 @@ class TransferEngine:
         """Read ``key`` from ``tier``'s store into ``out`` (a buffer on ``dst_tier``)."""
         return self._observe(self._store(tier).read(key, out), tier, dst_tier, out)
 
+    def store_revert(self, tier: Tier, key: str) -> None:
+        """Undo the latest write of ``key`` in ``tier``'s store (see NvmeStore.revert)."""
+        self._store(tier).revert(key)
+
     def _observe(self, h: Handle, src: Tier, dst: Tier, t: torch.Tensor) -> Handle:
         t0 = time.perf_counter()
         nbytes = t.numel() * t.element_size()

@@ -39,6 +39,10 @@ class Handle:
     def done(self) -> bool:
         return self._future.done()
 
+    def succeeded(self) -> bool:
+        """Finished without an error (never blocks)."""
+        return self._future.done() and not self._future.cancelled() and self._future.exception() is None
+
     def wait(self, timeout: Optional[float] = None) -> Any:
         if not self._future.done() and self._on_stall is not None:
             t0 = time.perf_counter()

@@ -142,7 +142,7 @@ def needed_bytes(buckets: list[Bucket], frozen: list[tuple[torch.nn.Parameter, T
         need[b.param_tier]["working weights"] += b.numel * w
         need[b.grad_tier]["fp32 grads"] += b.numel * 4
         if b.state_tier == Tier.NVME:
-            need[Tier.NVME]["optimizer state (2 generations)"] += b.numel * 24
+            need[Tier.NVME]["optimizer state (latest and previous)"] += b.numel * 24
         else:
             need[b.state_tier]["optimizer state"] += b.numel * 12
         if ct != b.grad_tier:

@@ -7,12 +7,13 @@ Three host buffer sets (each as large as the largest such bucket) rotate through
 host memory stays bounded whatever the model size: a set is refilled only after its last write
 has landed.
 
-# NOTE [Two generations on disk]
-Each bucket's state is kept under two generations of keys (``bucket3:master@0`` and ``@1``). A
-step reads the current generation and writes the other; only when every write has landed does
-the current generation flip. A step that fails part-way (disk full, I/O error) therefore leaves
-the previous state whole on disk: the caller restores the device weights from it and the step
-can be retried. This costs twice the state's bytes on NVMe, never more host memory.
+# NOTE [A failed step changes nothing]
+The NVMe store keeps a key's previous value beside its latest (two slot files written
+alternately, in place) and can ``revert`` a key's latest write. A step writes each bucket's new
+state over its keys and remembers which writes landed; if any part of the step fails (disk
+full, I/O error), it reverts those, so every key holds the state from before the step again: the
+caller restores the device weights from it and the step can be retried. The disk holds twice
+the state (both slots), never more host memory.
 """
 from __future__ import annotations
 
@@ -37,13 +38,12 @@ class NvmeState:
     def __init__(self, buckets: Sequence[Bucket], engine, host_store):
         self.buckets = list(buckets)
         self.engine = engine
-        self.generation = 0
         largest = max(b.numel for b in self.buckets)
         self.sets = [{part: host_store.allocate(f"nvme state set{i}:{part}", (largest,), torch.float32,
                                                 TensorClass.OPTIM_STATE) for part in PARTS} for i in range(3)]
 
-    def key(self, b: Bucket, part: str, generation: int) -> str:
-        return f"{b.key}:{part}@{generation}"
+    def key(self, b: Bucket, part: str) -> str:
+        return f"{b.key}:{part}"
 
     # -- initial contents, reads and writes --------------------------------------------------------
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
@@ -52,61 +52,64 @@ class NvmeState:
         views[0].copy_(master)
         views[1].zero_()
         views[2].zero_()
-        wait_all(self._write(b, views, self.generation))
+        wait_all(self._write(b, views))
 
     def read(self, b: Bucket, which: int = 0) -> StateViews:
         """The bucket's current state in host set ``which`` (blocking)."""
         views = self._views(which, b)
-        wait_all(self._read(b, views, self.generation))
+        wait_all(self._read(b, views))
         return views
 
     def write_current(self, b: Bucket, views: StateViews) -> None:
-        """Overwrite the current generation of a bucket (checkpoint load; blocking)."""
-        wait_all(self._write(b, views, self.generation))
+        """Overwrite a bucket's state (checkpoint load; blocking)."""
+        wait_all(self._write(b, views))
 
     def _views(self, which: int, b: Bucket) -> StateViews:
         s = self.sets[which]
         return tuple(s[part][:b.numel] for part in PARTS)  # type: ignore[return-value]
 
-    def _read(self, b: Bucket, views: StateViews, gen: int) -> list[Handle]:
-        return [self.engine.store_read(Tier.NVME, self.key(b, part, gen), v) for part, v in zip(PARTS, views)]
+    def _read(self, b: Bucket, views: StateViews) -> list[Handle]:
+        return [self.engine.store_read(Tier.NVME, self.key(b, part), v) for part, v in zip(PARTS, views)]
 
-    def _write(self, b: Bucket, views: StateViews, gen: int) -> list[Handle]:
-        return [self.engine.store_write(Tier.NVME, self.key(b, part, gen), v, kind=TensorClass.OPTIM_STATE)
+    def _write(self, b: Bucket, views: StateViews) -> list[Handle]:
+        return [self.engine.store_write(Tier.NVME, self.key(b, part), v, kind=TensorClass.OPTIM_STATE)
                 for part, v in zip(PARTS, views)]
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, plan: Sequence[tuple[Bucket, list]], update: Callable[[Bucket, list, StateViews], None],
              tracer) -> None:
         """Run ``update(bucket, runs, (master, exp_avg, exp_avg_sq))`` over every bucket of
-        ``plan`` in the three-stage pipeline; flip the generation once every write has landed.
-        On failure the current generation is untouched and the error propagates."""
-        src, dst = self.generation, 1 - self.generation
+        ``plan`` in the three-stage pipeline. On failure every key is reverted to its value from
+        before the step and the error propagates. NOTE [A failed step changes nothing]"""
         reads: dict[int, list[Handle]] = {}
         writes: dict[int, list[Handle]] = {}  # host set -> writes still reading from it
+        written: list[tuple[str, Handle]] = []  # every write of this step, to revert on failure
         try:
             if plan:
-                reads[0] = self._read(plan[0][0], self._views(0, plan[0][0]), src)
+                reads[0] = self._read(plan[0][0], self._views(0, plan[0][0]))
             for k, (b, runs) in enumerate(plan):
                 if k + 1 < len(plan):  # read ahead into the set bucket k-2 was written from
                     nxt = (k + 1) % 3
                     with tracer.span("wait write-behind", "stall"):
                         wait_all(writes.pop(nxt, ()))  # ordering: its bytes have left the set
-                    reads[k + 1] = self._read(plan[k + 1][0], self._views(nxt, plan[k + 1][0]), src)
+                    reads[k + 1] = self._read(plan[k + 1][0], self._views(nxt, plan[k + 1][0]))
                 with tracer.span("wait read-ahead", "stall"):
                     wait_all(reads.pop(k))
                 views = self._views(k % 3, b)
-                update(b, runs, views)  # with no runs the state is carried over to `dst` unchanged
-                writes[k % 3] = self._write(b, views, dst)
+                update(b, runs, views)  # with no runs the state is written back unchanged
+                writes[k % 3] = self._write(b, views)
+                written += [(self.key(b, part), h) for part, h in zip(PARTS, writes[k % 3])]
             with tracer.span("wait write-behind", "stall"):
                 wait_all([h for hs in writes.values() for h in hs])
         except BaseException:
             wait_all_quietly([h for hs in list(reads.values()) + list(writes.values()) for h in hs])
+            for key, h in written:
+                if h.succeeded():
+                    self.engine.store_revert(Tier.NVME, key)
             raise
-        self.generation = dst
 
     def restore_params(self, buckets: Sequence[Bucket], upload: Callable[[Bucket, torch.Tensor], None]) -> None:
-        """After a failed step: hand each bucket's current-generation master to ``upload``."""
+        """After a failed step: hand each bucket's (reverted) master to ``upload``."""
         for b in buckets:
             master, _, _ = self.read(b)
             upload(b, master)
