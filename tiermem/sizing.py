@@ -22,9 +22,11 @@ counted as its own tensor, because it lives with the optimizer state, which a po
 different tier from the working params. Frozen parameters (``requires_grad=False``) only have params.
 
 Where the grads live changes their size. Autograd produces them in the params' dtype, which is
-what sits on the DEVICE (and what the table counts). When a policy homes GRAD off the device, the
-engine accumulates them there in fp32: 4 B/param. So the per-tier figures count grads at 4 B/param
-on HOST or NVME, e.g. ZeRO-Offload needs 4 + 12 = 16 B/param on the host for 7.5e9 params: 120 GB.
+what the table counts (2 B/param in flight). TieredModel accumulates them at their home in fp32
+(4 B/param), on the device too, so the per-tier figures count grads at 4 B/param wherever they live:
+ZeRO-Offload needs 4 + 12 = 16 B/param on the host for 7.5e9 params (120 GB), KeepOnDevice
+2 + 4 + 12 = 18 B/param on the device (135 GB). Whatever lives on NVMe takes twice its bytes there:
+the NVMe store keeps each key's previous value beside its latest, so a failed step can be undone.
 Not counted anywhere: activations (they depend on batch and sequence length), the one bucket of
 grads in flight on the device under ZeRO-Offload, and the fixed staging buffers of the NVMe pipeline.
 """
@@ -111,10 +113,8 @@ def state_bytes(trainable: int, precision: str, *, frozen: int = 0) -> StateByte
 
 
 def grad_bytes_at_home(precision: str, home: Tier) -> int:
-    """Bytes per parameter of the grads at their home tier: the params' dtype on the device,
-    an fp32 accumulation buffer anywhere else (see NOTE [Bytes per parameter])."""
-    if home is Tier.DEVICE:
-        return _PARAM_ELEMENT_BYTES[check_precision(precision)]
+    """Bytes per parameter of the grads at their home tier: TieredModel accumulates them in fp32
+    wherever they live (see NOTE [Bytes per parameter])."""
     check_precision(precision)
     return _FP32
 
@@ -137,6 +137,7 @@ def tier_bytes(trainable: int, precision: str, placement: Mapping[TensorClass, T
     out = {tier: 0 for tier in Tier}
     for part, nbytes in parts.items():
         out[placement[PART_CLASS[part]]] += nbytes
+    out[Tier.NVME] *= 2  # the latest value of each key and the previous one
     return out
 
 

@@ -168,9 +168,10 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
     con.print(tiers)
     con.print(f"[dim]capacity: device: {origin['device']}; host: {origin['host']}; nvme: {origin['nvme']}.[/]")
     con.print("[dim]grads: the class table counts them in the params' dtype (as autograd makes them on "
-              "the device); a policy that homes them on the host or NVMe accumulates them there in fp32, "
-              "4 B/param, and the tier table counts that. Not counted: activations, the bucket of grads "
-              "in flight on the device, the NVMe pipeline's staging buffers.[/]")
+              "the device); tiermem accumulates them at their home in fp32, 4 B/param, and the tier table "
+              "counts that. nvme: twice the bytes placed there (each value and the previous one, so a "
+              "failed step can be undone). Not counted: activations, the bucket of grads in flight on "
+              "the device, the NVMe pipeline's staging buffers.[/]")
     if lim["device_shares_host"]:
         con.print("[dim]no accelerator: the device tier lives in host RAM, so device + host must fit "
                   "in the host's capacity together.[/]")
