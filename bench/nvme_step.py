@@ -102,20 +102,22 @@ def largest(args: argparse.Namespace) -> int:
     disk = shutil.disk_usage(d)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e9:.2f}B parameters; ZeroInfinity, "
-          f"bf16, device budget {args.device_budget}; needs {26 * n / GB:.1f} GB on disk (24 B/param of state in two "
-          f"generations + 2 B/param of weights), {disk.free / GB:.1f} GB free of {disk.total / GB:.0f}; RAM "
-          f"{ram / GB:.1f} GB, fp32 grads on the host {4 * n / GB:.1f} GB; mixed-precision Adam in memory would "
-          f"need {16 * n / GB:.0f} GB", flush=True)
+          f"bf16, device budget {args.device_budget}; TieredModel asks for {26 * n / GB:.1f} GB on disk (24 B/param "
+          f"of state in two generations + 2 B/param of weights), {disk.free / GB:.1f} GB free of "
+          f"{disk.total / GB:.0f}; RAM {ram / GB:.1f} GB, fp32 grads on the host {4 * n / GB:.1f} GB; "
+          f"mixed-precision Adam in memory would need {16 * n / GB:.0f} GB", flush=True)
     try:
         t0 = time.perf_counter()
+        # One batch, seen every step, at a small lr, so the loss falls step after step (at 1e-5 and above
+        # this deep stack overshoots within a few steps, in torch.autocast + torch.optim.AdamW as well).
         tm = TieredModel(windowed_stack(args.width, args.depth), ZeroInfinity(), precision="bf16", nvme_dir=d,
-                         optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD), bucket_size=args.bucket_size,
+                         optimizer=AdamW(lr=1e-6, betas=BETAS, weight_decay=WD), bucket_size=args.bucket_size,
                          budgets=Budgets(device=args.device_budget))
         print(f"built in {time.perf_counter() - t0:.0f} s (initial state and weights written to NVMe); peak RSS "
               f"{rss_gb():.1f} GB", flush=True)
-        gen, low = torch.Generator().manual_seed(0), shutil.disk_usage(d).free
+        x = torch.randn(args.rows, args.width, generator=torch.Generator().manual_seed(0))
+        low = shutil.disk_usage(d).free
         for i in range(1, args.steps + 1):
-            x = torch.randn(args.rows, args.width, generator=gen)
             t0 = time.perf_counter()
             loss = tm(x).float().square().mean()
             tm.backward(loss)
@@ -125,7 +127,9 @@ def largest(args: argparse.Namespace) -> int:
             low = min(low, shutil.disk_usage(d).free)
             print(f"step {i}: loss {loss.item():.6f}, grad norm {res.grad_norm:.4f}; fwd+bwd {t1 - t0:.1f} s, "
                   f"tm.step() {t2 - t1:.1f} s; peak RSS {rss_gb():.1f} GB; disk free {low / GB:.1f} GB", flush=True)
-        print(tm.report())
+        rep = tm.report()
+        print(f"{rep}\non disk at the end: {rep.peak_bytes[Tier.NVME] / n:.1f} B/param "
+              f"({rep.peak_bytes[Tier.NVME] / GB:.1f} GB); lowest free space seen {low / GB:.1f} GB")
     finally:
         shutil.rmtree(d, ignore_errors=True)
     return 0

@@ -141,7 +141,7 @@ def check_placements(tm: TieredModel, asked: dict[tuple[TensorClass, Tier], int]
             problems.append(f"the weights of {name} are not held on {home}, their home")
     if peaks.get((TensorClass.OPTIM_STATE, Tier.DEVICE), 0):
         problems.append("optimizer state showed up on the device, where the policy put none")
-    nvme_other = [f"{k[0]}" for k, v in peaks.items() if k[1] is Tier.NVME and v and k[0] is not TensorClass.OPTIM_STATE]
+    nvme_other = [f"{c}" for (c, t), v in peaks.items() if t is Tier.NVME and v and c is not TensorClass.OPTIM_STATE]
     if nvme_other:
         problems.append(f"the NVMe tier held {', '.join(nvme_other)}; the policy put only optimizer state there")
     return problems
