@@ -102,8 +102,8 @@ def largest(args: argparse.Namespace) -> int:
     disk = shutil.disk_usage(d)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e9:.2f}B parameters; ZeroInfinity, "
-          f"bf16, device budget {args.device_budget}; TieredModel asks for {26 * n / GB:.1f} GB on disk (24 B/param "
-          f"of state in two generations + 2 B/param of weights), {disk.free / GB:.1f} GB free of "
+          f"bf16, device budget {args.device_budget}; needs {28 * n / GB:.1f} GB on disk (28 B/param: the latest "
+          f"and the previous value of 12 B/param of state and 2 of weights), {disk.free / GB:.1f} GB free of "
           f"{disk.total / GB:.0f}; RAM {ram / GB:.1f} GB, fp32 grads on the host {4 * n / GB:.1f} GB; "
           f"mixed-precision Adam in memory would need {16 * n / GB:.0f} GB", flush=True)
     try:
@@ -249,7 +249,7 @@ def main() -> int:
     root = args.dir or tempfile.mkdtemp(prefix="tiermem-nvme-step-", dir=os.getcwd())
     n = args.width * args.width * args.depth
     print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e6:.1f}M parameters, optimizer state "
-          f"{fmt_bytes(12 * n)} ({fmt_bytes(24 * n)} on disk: two generations); {args.rows} rows per step; "
+          f"{fmt_bytes(12 * n)} ({fmt_bytes(24 * n)} on disk: latest and previous values); {args.rows} rows per step; "
           f"directory {root}; {torch.get_num_threads()} CPU threads; load average at start "
           f"{os.getloadavg()[0]:.2f}", flush=True)
 

@@ -112,7 +112,7 @@ WORKING_SET = {
     (TensorClass.PARAM, Tier.HOST): "+ 2 staging buffers for Adam's new bf16 weights",
     (TensorClass.GRAD, Tier.DEVICE): "bf16 grads in flight to the host during backward",
     (TensorClass.OPTIM_STATE, Tier.HOST): "+ 3 pipeline buffer sets for the state streamed from NVMe",
-    (TensorClass.OPTIM_STATE, Tier.NVME): "x2: two generations on disk (atomic steps)",
+    (TensorClass.OPTIM_STATE, Tier.NVME): "x2: latest and previous values on disk (atomic steps)",
     (TensorClass.ACTIVATION, Tier.DEVICE): "saved for backward (the policy keeps them on the device)",
 }
 
