@@ -178,14 +178,17 @@ def test_scale_and_clip_equal_unscaling_and_clipping_first(impl, grad_scale, cli
 @given(n=st.integers(1, 5000), where=st.floats(0, 1, exclude_max=True),
        bad=st.sampled_from([math.inf, -math.inf, math.nan]), grad_dtype=st.sampled_from([FP32, BF16, FP16]),
        impl=st.sampled_from(["compiled", "fallback", "reference", None]),
-       out_dtype=st.sampled_from([None, BF16]))
-def test_nonfinite_grad_changes_nothing(n, where, bad, grad_dtype, impl, out_dtype):
+       out_dtype=st.sampled_from([None, BF16]), compiled_check=st.booleans())
+def test_nonfinite_grad_changes_nothing(n, where, bad, grad_dtype, impl, out_dtype, compiled_check):
     master, exp_avg, exp_avg_sq, (grad,) = make_state(n, n, grad_dtype)
     grad[int(where * n)] = bad
     out = torch.full((n,), 7.0, dtype=out_dtype) if out_dtype is not None else None
     before = clone_all(master, exp_avg, exp_avg_sq, *([out] if out is not None else []))
-    found = adam_step(master, exp_avg, exp_avg_sq, grad, step=3, lr=1e-2, beta1=0.9, beta2=0.999,
-                      eps=1e-8, weight_decay=0.1, out=out, impl=impl)
+    with pytest.MonkeyPatch.context() as mp:
+        if compiled_check:  # small gradients are checked eagerly; make these take the compiled check
+            mp.setattr(_compiled, "EAGER_CHECK_NUMEL", 2)
+        found = adam_step(master, exp_avg, exp_avg_sq, grad, step=3, lr=1e-2, beta1=0.9, beta2=0.999,
+                          eps=1e-8, weight_decay=0.1, out=out, impl=impl)
     assert found is True
     for a, b in zip([master, exp_avg, exp_avg_sq, out], before):
         assert_bits_equal(a, b)

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # tensor up to this size. (Any size works: the compiled size is dynamic.)
 CHUNK = 1 << 26
 WARMUP_NUMEL = 1 << 16  # the size each kernel is first traced and run on
+EAGER_CHECK_NUMEL = 1 << 15  # below this, eager isfinite() beats a compiled call's overhead
 
 _OPTIONS = {
     "cpp.enable_floating_point_contract_flag": "fast",  # NOTE [FMA parity]
@@ -189,8 +190,8 @@ class CompiledAdam:
                    None if out is None else out[a:b], s)
 
     def any_nonfinite(self, grad: torch.Tensor) -> bool:
-        if grad.numel() < 2:  # dynamo would specialise size 1
-            return not bool(torch.isfinite(grad).all())
+        if grad.numel() < EAGER_CHECK_NUMEL:  # cheaper than a compiled call; and dynamo would
+            return not bool(torch.isfinite(grad).all())  # specialise size 1
         fn = self.all_finite_fn(grad.dtype)
         with _pinned_global_state():
             return not bool(fn(grad))
@@ -220,16 +221,17 @@ def _padded_call(fn: Callable, master, exp_avg, exp_avg_sq, grad, out, s) -> Non
         out.copy_(out_pad[:1])
 
 
-@contextlib.contextmanager
-def _pinned_global_state() -> Iterator[None]:
+def _pinned_global_state() -> contextlib.AbstractContextManager:
     """Grad mode and autocast as the kernels were compiled with: dynamo guards on both, and a
     caller's different setting would otherwise compile a second copy of the kernel."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.no_grad())
-        for device in ("cpu", "cuda"):
-            if torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, enabled=False))
-        yield
+    autocast = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    if not autocast and not torch.is_grad_enabled():
+        return contextlib.nullcontext()  # the common case, and the cheap one
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.no_grad())
+    for device in autocast:
+        stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
 
 
 def disabled_by_env() -> bool:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -59,10 +61,15 @@ class AdamHyper:
         """1/grad_scale, which multiplies the gradient as torch.amp.GradScaler's unscale_ does."""
         return 1.0 / self.grad_scale
 
+    @cached_property
+    def lerp_weight(self) -> float:
+        """torch's lerp_ weight, 1 - beta1, as the fp32 number its kernel uses."""
+        return to_fp32(1.0 - self.beta1)
+
     @property
     def lerp_from_grad(self) -> bool:
-        """torch's lerp_ computes from the far end when its weight, fp32(1 - beta1), is >= 0.5."""
-        return abs(float(torch.tensor(1.0 - self.beta1, dtype=torch.float32))) >= 0.5
+        """torch's lerp_ computes from the far end when its weight is >= 0.5."""
+        return abs(self.lerp_weight) >= 0.5
 
     @property
     def step_size(self) -> float:
@@ -82,8 +89,13 @@ class AdamHyper:
         s[L2_DECAY] = self.weight_decay if self.l2 else 0.0
         # torch's lerp_: start + w*(end-start) when |w| < 0.5, else end + (w-1)*(end-start), w in fp32
         # (w - 1 is exact in fp32 for w in [0.5, 1]).
-        w = float(torch.tensor(1.0 - self.beta1, dtype=torch.float32))
+        w = self.lerp_weight
         s[LERP_COEFF] = w - 1.0 if self.lerp_from_grad else w
         s[BETA2], s[ONE_MINUS_BETA2] = self.beta2, 1.0 - self.beta2
         s[BC2_SQRT], s[EPS], s[NEG_STEP_SIZE] = self.bias_correction2_sqrt, self.eps, -self.step_size
         return torch.tensor(s, dtype=torch.float32)
+
+
+def to_fp32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 number (as torch rounds a Python scalar for an fp32 op)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
