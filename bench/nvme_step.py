@@ -224,7 +224,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="directory on the disk to test (default: a temporary one under "
                                                "the current directory, removed afterwards)")
     p.add_argument("--largest", action="store_true",
-                   help="instead: train ZeroInfinity on --width x --width x --depth (e.g. 4096, 150: 2.5B "
+                   help="instead: train ZeroInfinity on --width x --width x --depth (e.g. 4096, 128: 2.15B "
                         "parameters) for --steps steps and print step time, peak RSS and the report")
     p.add_argument("--device-budget", default="2GiB", help="--largest: Budgets(device=...)")
     args = p.parse_args()
