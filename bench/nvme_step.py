@@ -263,9 +263,7 @@ def main() -> int:
             os.makedirs(d)
             tm = TieredModel(LinearStack(args.width, args.depth), policy,
                              optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD), precision="bf16",
-                             nvme_dir=d, bucket_size=args.bucket_size)
-            if not prefetch:  # before the first step: every later acquire fetches on demand
-                tm.param_offload.scheduler.prefetch = False
+                             nvme_dir=d, bucket_size=args.bucket_size, prefetch=prefetch)
             return Setup(name, tm)
 
         t0 = time.perf_counter()

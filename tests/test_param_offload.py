@@ -84,3 +84,37 @@ def test_overlap_step_with_weights_off_device(tmp_path):
     assert _train(tm, 4) == _train(ref, 4)
     a, b = tm.state_dict(), ref.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("fail_after", [3, 12, 40])
+def test_failed_step_with_weights_on_nvme_changes_nothing(tmp_path, fail_after):
+    import errno
+    from tiermem import StoreError
+    (tmp_path / "a").mkdir()
+    tm = _make(ZeroInfinity(), tmp_path / "a")
+    ref = _make(ZeroOffload(), None)
+    _train(tm, 2)
+    _train(ref, 2)
+    x, y = gpt_batch(2)
+    tm.backward(gpt_loss(tm(x), y))
+    before = tm.state_dict()
+    store = tm.stores[Tier.NVME]
+    real, calls = store._pwritev, {"n": 0}
+
+    def disk_fills_up(fd, bufs, offset):
+        calls["n"] += 1
+        if calls["n"] > fail_after:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, bufs, offset)
+
+    store._pwritev = disk_fills_up
+    with pytest.raises(StoreError, match="(?i)no space left"):
+        tm.step()
+    store._pwritev = real
+    after = tm.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    tm.step()  # the retry uses the kept grads
+    _train(ref, 1, offset=2)
+    assert _train(tm, 2, offset=3) == _train(ref, 2, offset=3)
+    a, b = tm.state_dict(), ref.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -90,8 +90,12 @@ class TransferEngine:
             self._store(home)  # fail now if the policy named a tier this engine has no store for
         return self.registry.register(info, home)
 
-    def put(self, key: str, tensor: torch.Tensor, tier: Optional[Tier] = None) -> Handle:
-        """Store ``tensor`` as the newest value of ``key`` on ``tier`` (default: its home)."""
+    def put(self, key: str, tensor: torch.Tensor, tier: Optional[Tier] = None, *,
+            src_tier: Optional[Tier] = None, wait: bool = True) -> Handle:
+        """Store ``tensor`` as the newest value of ``key`` on ``tier`` (default: its home); every
+        other copy is dropped. ``src_tier`` (where ``tensor`` lives) counts the bytes as moved.
+        With ``wait=False`` the write may still be running when this returns: keep ``tensor``
+        unchanged until the handle is done; any later request for ``key`` waits for it."""
         r = self.registry.get(key)
         tier = r.home if tier is None else tier
         self._settle(key)
@@ -100,11 +104,18 @@ class TransferEngine:
                 self._store(other).delete(key)
         r.valid.clear()
         h = self._store(tier).write(key, tensor, r.info.kind)
-        h.wait()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the caller may reuse `tensor` now
+        if src_tier is not None and src_tier != tier:
+            h = self._observe(h, src_tier, tier, tensor)
         self.registry.write_at(key, tier)
-        return Handle.completed(None)
+        if wait:
+            h.wait()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the caller may reuse `tensor` now
+            return Handle.completed(None)
+        with self._lock:
+            self._pending[key] = (tier, h)
+        h.add_done_callback(lambda _f, k=key, hh=h: self._forget(k, hh))
+        return h
 
     def prefetch(self, key: str, dst: Tier = Tier.DEVICE) -> Handle:
         """Make a valid copy of ``key`` resident on ``dst`` (keeping the others)."""

@@ -139,7 +139,8 @@ def needed_bytes(buckets: list[Bucket], frozen: list[tuple[torch.nn.Parameter, T
     w = dtype.itemsize
     for b in buckets:
         ct = compute_tier(b)
-        need[b.param_tier]["working weights"] += b.numel * w
+        # NVMe holds each value and the previous one (a failed step can be undone): twice the bytes
+        need[b.param_tier]["working weights"] += b.numel * w * (2 if b.param_tier == Tier.NVME else 1)
         need[b.grad_tier]["fp32 grads"] += b.numel * 4
         if b.state_tier == Tier.NVME:
             need[Tier.NVME]["optimizer state (latest and previous)"] += b.numel * 24
@@ -161,7 +162,8 @@ def needed_bytes(buckets: list[Bucket], frozen: list[tuple[torch.nn.Parameter, T
         count = min(2, sum(1 for b in buckets if compute_tier(b) == tier))
         need[tier]["weight staging (up to 2 buckets)"] += count * numel * w
     for p, home in frozen:
-        need[home]["frozen weights"] += p.numel() * (w if p.is_floating_point() else p.element_size())
+        need[home]["frozen weights"] += (p.numel() * (w if p.is_floating_point() else p.element_size())
+                                         * (2 if home == Tier.NVME else 1))
         need[Tier.HOST]["fp32 copy of frozen weights"] += p.numel() * p.element_size()
     need[Tier.DEVICE]["grads in flight (largest parameter)"] += device_grad_bytes
     return need

@@ -44,6 +44,8 @@ class TieredModel:
     update in the background while the next forward and backward run, so those see weights one
     update old (the one-step delayed update of ZeRO-Offload); the update lands at the next
     ``step()``. Floating-point tensors passed to ``tm(...)`` are cast to the working precision.
+    ``prefetch=False`` fetches weights homed off the device only when their module runs (for
+    comparison; by default they are fetched ahead along the order the first step recorded).
     """
 
     def __init__(self, module: torch.nn.Module, policy: Optional[Policy] = None, *,
@@ -51,7 +53,7 @@ class TieredModel:
                  budgets: Optional[Budgets] = None, nvme_dir: Optional[str] = None,
                  grad_clip: Optional[float] = None, device: torch.device | str | None = None,
                  bucket_size: int | str = "32MiB", overlap_step: bool = False,
-                 trace_path: Optional[str] = None):
+                 trace_path: Optional[str] = None, prefetch: bool = True):
         if not isinstance(module, torch.nn.Module):
             raise ConfigError(f"tiermem: TieredModel needs a torch.nn.Module, got {type(module).__name__}; "
                               f"pass the model itself")
@@ -107,7 +109,7 @@ class TieredModel:
             # rest of the device budget to activations and grads in flight.
             room = self.stores[Tier.DEVICE].ledger.allowed - self.stores[Tier.DEVICE].ledger.used
             lookahead = min(4 * largest_module_bytes(module, param_homes, self.dtype), room // 2)
-            scheduler = ResidencyScheduler(self.engine, Tier.DEVICE, lookahead_bytes=lookahead)
+            scheduler = ResidencyScheduler(self.engine, Tier.DEVICE, lookahead_bytes=lookahead, prefetch=prefetch)
             self.stores[Tier.DEVICE].ledger.reclaim = scheduler.make_room  # activations may take that room
             self.param_offload = ParamOffload(module, param_homes, self.engine, scheduler, self.dtype, self.device,
                                               lambda name, p: self.layout.initial_params.pop(name), self.hooks)

@@ -77,10 +77,11 @@ class NvmeState:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, plan: Sequence[tuple[Bucket, list]], update: Callable[[Bucket, list, StateViews], None],
-             tracer) -> None:
+             tracer) -> list[str]:
         """Run ``update(bucket, runs, (master, exp_avg, exp_avg_sq))`` over every bucket of
-        ``plan`` in the three-stage pipeline. On failure every key is reverted to its value from
-        before the step and the error propagates. NOTE [A failed step changes nothing]"""
+        ``plan`` in the three-stage pipeline; returns the keys written (for :meth:`revert`). On
+        failure every key is reverted to its value from before the step and the error
+        propagates. NOTE [A failed step changes nothing]"""
         reads: dict[int, list[Handle]] = {}
         writes: dict[int, list[Handle]] = {}  # host set -> writes still reading from it
         written: list[tuple[str, Handle]] = []  # every write of this step, to revert on failure
@@ -103,10 +104,14 @@ class NvmeState:
                 wait_all([h for hs in writes.values() for h in hs])
         except BaseException:
             wait_all_quietly([h for hs in list(reads.values()) + list(writes.values()) for h in hs])
-            for key, h in written:
-                if h.succeeded():
-                    self.engine.store_revert(Tier.NVME, key)
+            self.revert([key for key, h in written if h.succeeded()])
             raise
+        return [key for key, _ in written]
+
+    def revert(self, keys: Sequence[str]) -> None:
+        """Undo this step's writes of ``keys``: each holds its value from before the step again."""
+        for key in keys:
+            self.engine.store_revert(Tier.NVME, key)
 
     def restore_params(self, buckets: Sequence[Bucket], upload: Callable[[Bucket, torch.Tensor], None]) -> None:
         """After a failed step: hand each bucket's (reverted) master to ``upload``."""

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
+from tiermem.handles import Handle
 from tiermem.hooks import HookSet
 from tiermem.schedule import ResidencyScheduler
 from tiermem.types import TensorClass, TensorInfo, Tier
@@ -105,9 +106,10 @@ class ParamOffload:
         """Before new weights are written home: device copies are about to be stale."""
         self.scheduler.evict_all()
 
-    def write_home(self, key: str, value: torch.Tensor) -> None:
-        """Store the updated working-precision weights of ``key`` at its home tier."""
-        self.engine.put(key, value)
+    def write_home(self, key: str, value: torch.Tensor, *, wait: bool = True) -> Handle:
+        """Store the updated working-precision weights of ``key`` (a host tensor) at its home
+        tier; with ``wait=False``, keep ``value`` unchanged until the handle is done."""
+        return self.engine.put(key, value, src_tier=Tier.HOST, wait=wait)
 
     def end_update(self) -> None:
         self.scheduler.end_iteration()  # freezes the trace, prefetches the next step's first weights

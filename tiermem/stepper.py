@@ -27,6 +27,7 @@ import torch
 from tiermem.errors import OutOfTierMemory, TierMemError
 from tiermem.handles import Handle, wait_all
 from tiermem.layout import Layout, compute_tier
+from tiermem.nvme_state import wait_all_quietly
 from tiermem.scaler import LossScaler
 from tiermem.types import TensorClass, Tier
 
@@ -168,18 +169,21 @@ class Stepper:
         if self.param_offload is not None and not self.overlap:
             self.param_offload.begin_update()  # device copies of off-device weights are about to be stale
         on_nvme = [(b, runs) for b, runs in plan if b.state_tier == Tier.NVME]
-        if on_nvme:
-            try:
-                self.layout.nvme_state.step(on_nvme, adam, self.tracer)
-            except BaseException:
-                uploads.finish()
+        written: list[str] = []
+        try:
+            if on_nvme:
+                written = self.layout.nvme_state.step(on_nvme, adam, self.tracer)
+            for b, runs in plan:
+                if b.state_tier != Tier.NVME:
+                    buf = self.layout.buffers[b.index]
+                    adam(b, runs, (buf.master, buf.exp_avg, buf.exp_avg_sq))
+            uploads.finish()
+        except BaseException:
+            uploads.finish(quiet=True)
+            if on_nvme:  # (state updated in memory cannot be undone; its failures are not I/O)
+                self.layout.nvme_state.revert(written)
                 self._roll_back([b for b, _ in on_nvme], plan)
-                raise
-        for b, runs in plan:
-            if b.state_tier != Tier.NVME:
-                buf = self.layout.buffers[b.index]
-                adam(b, runs, (buf.master, buf.exp_avg, buf.exp_avg_sq))
-        uploads.finish()
+            raise
 
     def _roll_back(self, nvme_buckets, plan) -> None:
         """A failed NVMe step: undo the step counts it took and put the device weights back."""
@@ -199,11 +203,9 @@ class Stepper:
     def _upload(self, b, src: torch.Tensor, runs) -> list[Handle]:
         """New weights to their home: the device buffer (async), or, for weights homed off the
         device, their home tier (NOTE [Parameters off the device])."""
-        if b.param_tier != Tier.DEVICE:
-            for s in b.slots:
-                if any(a <= s.offset < e for a, e, _ in runs):
-                    self.param_offload.write_home(s.name, src[s.offset:s.offset + s.numel].view(s.shape))
-            return []
+        if b.param_tier != Tier.DEVICE:  # overlaps Adam on the next bucket, like an upload
+            return [self.param_offload.write_home(s.name, src[s.offset:s.offset + s.numel].view(s.shape), wait=False)
+                    for s in b.slots if any(a <= s.offset < e for a, e, _ in runs)]
         param = self.layout.buffers[b.index].param
         return [self.engine.copy_async(param[a:e], src[a:e], src_tier=compute_tier(b), dst_tier=Tier.DEVICE)
                 for a, e, _ in runs]
@@ -336,7 +338,8 @@ class _Uploads:
         self.inflight[self._current] = self.s._upload(b, out, runs)  # overlaps Adam on the next bucket
         self.turn += 1
 
-    def finish(self) -> None:
-        with self.s.tracer.span("wait uploads", "stall"):
-            wait_all([h for hs in self.inflight.values() for h in hs])
+    def finish(self, quiet: bool = False) -> None:
+        handles = [h for hs in self.inflight.values() for h in hs]
         self.inflight.clear()
+        with self.s.tracer.span("wait uploads", "stall"):
+            (wait_all_quietly if quiet else wait_all)(handles)
