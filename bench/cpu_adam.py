@@ -6,8 +6,9 @@ Every contender updates the same fp32 master weights and moments (``--params`` o
 of them touch the same memory; each measurement is the fastest of ``--repeat`` calls, taken in
 interleaved rounds so that other work on the machine hits every contender alike.
 
-* tiermem ``adam_step``: bf16 grad in, bf16 weights out (what ZeRO-Offload calls per bucket), with
-  the found_inf check (default) and without (``check_finite=False``); fp32 grad, no ``out``.
+* tiermem ``adam_step``: bf16 grad in, bf16 weights out (what ZeRO-Offload calls per bucket), and
+  fp32 grad with no ``out``; each with the found_inf check (the default) and without
+  (``check_finite=False``, what TieredModel calls: it knows from the gradient norm).
 * torch: ``AdamW(fused=True)`` fp32; the conversion path "bf16 grad -> fp32, fused AdamW, fp32 ->
   bf16 weights"; ``AdamW(foreach=True)``; DeepSpeed's ``DeepSpeedCPUAdam`` when importable.
 * memory floor: the bytes an update must touch per parameter (28 for bf16 in/out: read grad 2,
@@ -16,8 +17,8 @@ interleaved rounds so that other work on the machine hits every contender alike.
   Adam's streams and no arithmetic (on this VM multi-stream kernels move far more bytes per second
   than copy_; the last probe keeps the floor honest).
 
-The first call of each tiermem kernel (trace + compile, or a load from inductor's cache) is timed.
-The ratios against the targets come last.
+The first call of each tiermem kernel (trace + compile, or a load from inductor's cache, which a
+fresh TORCHINDUCTOR_CACHE_DIR avoids) is timed. The ratios against the targets come last.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Every kernel has one signature, ``kernel(master, exp_avg, exp_avg_sq, grad, out, hyper) -> None``: it
 updates ``master``/``exp_avg``/``exp_avg_sq`` (fp32) in place from ``grad`` (fp32/bf16/fp16, never
 written) and, when ``out`` is not None, writes ``master.to(out.dtype)`` into it. Finite gradients are
-checked by the caller before any kernel runs (see NOTE [found_inf without a second pass] in
+checked by the caller before any kernel runs (see NOTE [found_inf: nothing changes] in
 functional.py); kernels do not look.
 
 * ``_single_tensor_adam``: the for-loop reference and test oracle. It is torch.optim's
