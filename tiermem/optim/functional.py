@@ -7,8 +7,9 @@ goes: an inf near the end would be found after the rest was written. Undo copies
 written would cost 24 bytes per parameter written and read back; instead the gradient alone is read
 once ahead of the update, by a compiled ``isfinite().all()`` reduction (no temporary; 2 bytes per
 parameter for bf16 against the update's 28, but one stream reads slower than the update's seven:
-bench/cpu_adam.py measures it at 14-16% of the bf16 step). Callers that already know the gradients are finite (TieredModel learns it from the
-global gradient norm it computes anyway) pass ``check_finite=False`` and pay nothing.
+bench/cpu_adam.py measures it at 14-16% of the bf16 step). Callers that already know the gradients
+are finite (TieredModel learns it from the global gradient norm it computes anyway) pass
+``check_finite=False`` and pay nothing.
 """
 from __future__ import annotations
 
