@@ -471,3 +471,30 @@ def test_trace_has_compute_transfers_and_adam(tmp_path):
     names = {e["name"] for e in events}
     assert {"forward", "backward", "step", "device->host", "host->device"} <= names
     assert all(e["ph"] == "X" and e["dur"] >= 0 for e in events)
+
+
+def test_failed_in_memory_step_is_never_applied_twice(monkeypatch):
+    def make():
+        torch.manual_seed(8)
+        return TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), precision="fp32", bucket_size=2000)
+    ref, tm = make(), make()
+    for m in (ref, tm):
+        x, y = gpt_batch(0)
+        m.backward(gpt_loss(m(x), y))
+    ref.step()
+    real, calls = tm.stepper._adam_step, {"n": 0}
+
+    def fails_on_the_fourth(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("kernel failure")
+        return real(*a, **k)
+
+    tm.stepper._adam_step = fails_on_the_fourth
+    with pytest.raises(RuntimeError, match="kernel failure"):
+        tm.step()
+    tm.stepper._adam_step = real
+    tm.step()  # the retry updates only what the failed step did not
+    a, b = tm.state_dict(), ref.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert tm.stepper.param_steps() == ref.stepper.param_steps()

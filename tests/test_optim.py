@@ -335,7 +335,7 @@ def _call(**over):
     (dict(grad=torch.zeros(8, dtype=torch.float64)), r"grad has dtype torch.float64.*bfloat16"),
     (dict(master=torch.zeros(8, dtype=BF16)), r"master has dtype torch.bfloat16.*float32"),
     (dict(out=torch.zeros(8, dtype=torch.int32)), r"out has dtype torch.int32"),
-    (dict(exp_avg=torch.zeros(8, device="meta")), r"exp_avg is on meta.*CPU tensors only"),
+    (dict(exp_avg=torch.zeros(8, device="meta")), r"exp_avg is on meta but master is on cpu.*one CPU or accelerator"),
     (dict(grad=[0.0] * 8), r"grad is a list, not a tensor"),
     (dict(impl="fast"), r"impl='fast' is unknown"),
 ])

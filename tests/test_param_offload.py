@@ -118,3 +118,29 @@ def test_failed_step_with_weights_on_nvme_changes_nothing(tmp_path, fail_after):
     assert _train(tm, 2, offset=3) == _train(ref, 2, offset=3)
     a, b = tm.state_dict(), ref.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fp32_weights_off_device_match(tmp_path):
+    ref = _make(ZeroOffload(), None, "fp32")
+    tm = _make(ZeroInfinity(), tmp_path, "fp32")
+    assert _train(tm, 3) == _train(ref, 3)
+    a, b = tm.state_dict(), ref.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_module_that_raises_releases_its_weights(tmp_path):
+    tm = _make(ZeroInfinity(), tmp_path)
+    block = tm.module.blocks[0]
+    real = block.forward
+
+    def boom(x):
+        raise RuntimeError("boom")
+
+    block.forward = boom
+    x, y = gpt_batch(0)
+    with pytest.raises(RuntimeError, match="boom"):
+        tm(x)
+    block.forward = real
+    assert not any(tm.param_offload.scheduler._pins.values())  # nothing stays acquired
+    assert all(torch.isnan(p).all() for p in block.parameters())  # placeholders are back
+    _train(tm, 1)  # and training goes on

@@ -13,6 +13,9 @@ import torch
 
 from tiermem.types import Tier
 
+#: the three fp32 tensors of a parameter's optimizer state, in the order every module uses
+STATE_PARTS = ("master", "exp_avg", "exp_avg_sq")
+
 
 @dataclass
 class Slot:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, BinaryIO, Iterator
 
 import torch
 
+from tiermem.buckets import STATE_PARTS
 from tiermem.errors import StoreError, TierMemError
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ MAGIC = b"TIERMEM-CKPT-v1\n"
 _ALIGN = 64
 _CHUNK = 64 << 20
 _HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
-PARTS = ("master", "exp_avg", "exp_avg_sq")
+PARTS = STATE_PARTS
 
 
 # -- the model's tensors, one bucket at a time --------------------------------------------------

@@ -60,7 +60,13 @@ class TransferStats:
 
     @property
     def total_stall_seconds(self) -> float:
-        return sum(self.stall_seconds.values())
+        return sum(self.snapshot()["stall_seconds"].values())
+
+    def snapshot(self) -> dict[str, dict]:
+        """Copies of the counters, taken under the lock (lane threads add keys as they run)."""
+        with self._lock:
+            return {"bytes_moved": dict(self.bytes_moved), "busy_seconds": dict(self.busy_seconds),
+                    "stall_seconds": dict(self.stall_seconds)}
 
 
 class TransferEngine:
@@ -289,9 +295,9 @@ class TransferEngine:
         try:
             return self.stores[tier]
         except KeyError:
-            raise TierMemError(f"tiermem: no {tier} store is configured; "
-                               f"pass nvme_dir=... to place tensors on NVMe" if tier == Tier.NVME else
-                               f"tiermem: no {tier} store is configured") from None
+            fix = ("pass nvme_dir=... to place tensors on NVMe" if tier == Tier.NVME else
+                   f"build the engine with a store for {tier}")
+            raise TierMemError(f"tiermem: no {tier} store is configured; {fix}") from None
 
     def _settle(self, key: str) -> None:
         """Wait for an in-flight transfer of ``key`` (its error stays on its own handle)."""
@@ -352,7 +358,7 @@ class TransferEngine:
         elif out is not None:  # NVMe -> memory
             if dst == Tier.DEVICE and self.device.type == "cuda":
                 self._staged(key, info, lambda buf: (src_store.read(key, buf).wait(),
-                                                     self._memcpy(out, buf, "h2d", None)))
+                                                     self._memcpy(out, buf, "h2d", ready)))
             else:
                 src_store.read(key, out.view(-1) if out.dim() else out).wait()
         else:  # memory -> NVMe

@@ -76,3 +76,12 @@ def wait_all(handles: Iterable[Handle]) -> list[Any]:
     if first_error is not None:
         raise first_error
     return results
+
+
+def wait_all_quietly(handles: Iterable[Handle]) -> None:
+    """Wait for every handle, ignoring their errors (draining after a first error was raised)."""
+    for h in handles:
+        try:
+            h.wait()
+        except Exception:  # noqa: BLE001 - the caller is already propagating the error that matters
+            pass

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from tiermem.buckets import Bucket, Slot, plan_buckets
+from tiermem.buckets import STATE_PARTS, Bucket, Slot, plan_buckets
 from tiermem.config import _AdamSpec
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
 from tiermem.nvme_state import NvmeState
@@ -40,7 +40,6 @@ SUPPORTED = {
     TensorClass.OPTIM_STATE: {Tier.DEVICE, Tier.HOST, Tier.NVME},
     TensorClass.ACTIVATION: {Tier.DEVICE, Tier.HOST, Tier.NVME},  # asked per saved tensor, tiermem.activations
 }
-STATE_PARTS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def compute_tier(b: Bucket) -> Tier:
@@ -229,7 +228,8 @@ def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]
             buf.param.copy_(master)  # the working copy is the master rounded to the working precision
         else:  # working weights live off the device: see param_offload
             for s in b.slots:
-                layout.initial_params[s.name] = master[s.offset:s.offset + s.numel].view(s.shape).to(dtype)
+                # a copy, even in fp32: `master` may be a pipeline buffer the next bucket reuses
+                layout.initial_params[s.name] = master[s.offset:s.offset + s.numel].view(s.shape).to(dtype, copy=True)
         if buf.master is None:
             layout.nvme_state.initialize(b, master)
         for s in b.slots:

@@ -123,7 +123,6 @@ class TieredModel:
     # -- the three calls ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._check_attached()
-        self.stepper.before_forward()
         args, kwargs = _cast_floats((args, kwargs), self.dtype, self.device)
         with self.tracer.span("forward", "compute"):
             if torch.is_grad_enabled() and self.module.training:
@@ -138,6 +137,9 @@ class TieredModel:
             raise ConfigError(f"tiermem: backward() needs a scalar loss tensor, got "
                               f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}; "
                               f"reduce the loss to one number (e.g. .mean())")
+        if not loss.requires_grad:
+            raise ConfigError("tiermem: backward() got a loss that does not require grad; compute it from "
+                              "tm(...) outside torch.no_grad() and with the module in train mode")
         with self.tracer.span("backward", "compute"):
             (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
         self.activations.release()
@@ -179,10 +181,10 @@ class TieredModel:
 
     def report(self) -> Report:
         peak, class_peak, budgets = collect(self.stores)
-        st = self.engine.stats
-        return Report(peak_bytes=peak, class_peak_bytes=class_peak, bytes_moved=dict(st.bytes_moved),
-                      stall_seconds=st.total_stall_seconds, stall_seconds_per_tier=dict(st.stall_seconds),
-                      busy_seconds=dict(st.busy_seconds), budgets=budgets, steps=self.stepper.steps,
+        st = self.engine.stats.snapshot()
+        return Report(peak_bytes=peak, class_peak_bytes=class_peak, bytes_moved=st["bytes_moved"],
+                      stall_seconds=sum(st["stall_seconds"].values()), stall_seconds_per_tier=st["stall_seconds"],
+                      busy_seconds=st["busy_seconds"], budgets=budgets, steps=self.stepper.steps,
                       n_params=self.layout.n_params, step_seconds=self.stepper.seconds)
 
     def detach(self) -> torch.nn.Module:

@@ -22,13 +22,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from tiermem.buckets import Bucket
-from tiermem.handles import Handle, wait_all
+from tiermem.buckets import STATE_PARTS, Bucket
+from tiermem.handles import Handle, wait_all, wait_all_quietly
 from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
 
-PARTS = ("master", "exp_avg", "exp_avg_sq")
+PARTS = STATE_PARTS
 StateViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -119,10 +119,3 @@ class NvmeState:
             master, _, _ = self.read(b)
             upload(b, master)
 
-
-def wait_all_quietly(handles: list[Handle]) -> None:
-    for h in handles:
-        try:
-            h.wait()
-        except Exception:  # noqa: BLE001 - draining after the first error, which is re-raised
-            pass

@@ -68,7 +68,7 @@ class ParamOffload:
             if mine:
                 self.owners[mod] = mine
                 hooks.add(mod.register_forward_pre_hook(self._before))
-                hooks.add(mod.register_forward_hook(self._after))
+                hooks.add(mod.register_forward_hook(self._after, always_call=True))  # also when forward raises
         self.largest_module_bytes = max(
             (sum(p.numel() * dtype.itemsize for p, _ in ps) for ps in self.owners.values()), default=0)
 

@@ -17,6 +17,7 @@ parameter keeps its own step count (bias correction).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -25,9 +26,8 @@ from typing import Optional
 import torch
 
 from tiermem.errors import OutOfTierMemory, TierMemError
-from tiermem.handles import Handle, wait_all
+from tiermem.handles import Handle, wait_all, wait_all_quietly
 from tiermem.layout import Layout, compute_tier
-from tiermem.nvme_state import wait_all_quietly
 from tiermem.scaler import LossScaler
 from tiermem.types import TensorClass, Tier
 
@@ -62,6 +62,7 @@ class Stepper:
         self._got: set[tuple[int, int]] = set()  # (bucket, slot) that received a grad this step
         self._step_of: dict[str, int] = {}  # canonical parameter name -> updates applied to it
         self._grad_handles: list[tuple[Handle, str]] = []  # grad copies in flight, with ledger tags
+        self._copy_ids = itertools.count()
         self._by_order = sorted(((b, s) for b in layout.buckets for s in b.slots), key=lambda bs: bs[1].order)
         self.param_offload = None  # set by TieredModel when some weights live off the device
         self._fill = 0  # which gradient buffer backward fills (always 0 without overlap)
@@ -71,22 +72,28 @@ class Stepper:
     def on_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: ship this parameter's grad to its bucket's GRAD tier."""
         bucket, slot = self.layout.slot_of[id(param)]
-        grad, param.grad = param.grad, None  # the device grad is freed once the copy has read it
+        grad = param.grad
         if grad is None:
             return
+        key = (bucket.index, slot.offset)
         acc = self.layout.buffers[bucket.index].grad_buffer(self._fill)[slot.offset:slot.offset + slot.numel]
-        first = (bucket.index, slot.offset) not in self._got
-        self._got.add((bucket.index, slot.offset))
-        tag = f"<grad in flight {slot.name}>"
+        tag = f"<grad in flight {slot.name} #{next(self._copy_ids)}>"  # one tag per copy: micro-batches overlap
+        nbytes = grad.numel() * grad.element_size()
         try:
-            self.device_ledger.reserve(tag, grad.numel() * grad.element_size(), TensorClass.GRAD)
+            self.device_ledger.reserve(tag, nbytes, TensorClass.GRAD)
         except OutOfTierMemory:  # the device budget is tight: let the grads in flight land first
             self.finish_grads()
-            self.device_ledger.reserve(tag, grad.numel() * grad.element_size(), TensorClass.GRAD)
-        h = self.engine.copy_async(acc, grad.reshape(-1), src_tier=Tier.DEVICE, dst_tier=bucket.grad_tier,
-                                   accumulate=not first)
+            self.device_ledger.reserve(tag, nbytes, TensorClass.GRAD)
+        try:
+            h = self.engine.copy_async(acc, grad.reshape(-1), src_tier=Tier.DEVICE, dst_tier=bucket.grad_tier,
+                                       accumulate=key in self._got)
+        except BaseException:
+            self.device_ledger.release(tag)
+            raise  # the grad stays on the parameter
         h.add_done_callback(lambda _f, t=tag: self.device_ledger.release(t))
         self._grad_handles.append((h, tag))
+        self._got.add(key)
+        param.grad = None  # the device grad is freed once the copy has read it
 
     def finish_grads(self) -> None:
         """Wait for the gradient copies in flight; their device bytes are free afterwards."""
@@ -102,9 +109,6 @@ class Stepper:
         """Wait for every transfer this stepper started, and land a background update."""
         self.finish_grads()
         self._land_background()
-
-    def before_forward(self) -> None:
-        pass
 
     # -- the step --------------------------------------------------------------------------------
     def run(self, groups: list[dict]) -> StepResult:
@@ -170,6 +174,7 @@ class Stepper:
             self.param_offload.begin_update()  # device copies of off-device weights are about to be stale
         on_nvme = [(b, runs) for b, runs in plan if b.state_tier == Tier.NVME]
         written: list[str] = []
+        updated: set[int] = set()  # buckets whose state in memory was updated (cannot be undone)
         try:
             if on_nvme:
                 written = self.layout.nvme_state.step(on_nvme, adam, self.tracer)
@@ -177,20 +182,27 @@ class Stepper:
                 if b.state_tier != Tier.NVME:
                     buf = self.layout.buffers[b.index]
                     adam(b, runs, (buf.master, buf.exp_avg, buf.exp_avg_sq))
+                    updated.add(b.index)
             uploads.finish()
         except BaseException:
             uploads.finish(quiet=True)
-            if on_nvme:  # (state updated in memory cannot be undone; its failures are not I/O)
+            if on_nvme:
                 self.layout.nvme_state.revert(written)
-                self._roll_back([b for b, _ in on_nvme], plan)
+            self._roll_back([b for b, _ in on_nvme], plan, updated)
             raise
 
-    def _roll_back(self, nvme_buckets, plan) -> None:
-        """A failed NVMe step: undo the step counts it took and put the device weights back."""
+    def _roll_back(self, nvme_buckets, plan, updated: set[int]) -> None:
+        """A failed step: buckets left as they were get their step counts back (their grads stay,
+        for a retry); buckets already updated in memory keep theirs and drop their grads, so a
+        retry cannot apply them twice; NVMe buckets' weights are restored from the reverted state."""
         for b, runs in plan:
-            for s in b.slots:
-                if any(a <= s.offset < e for a, e, _ in runs):
+            for s in _slots_in(b, runs):
+                if b.index in updated:
+                    self._got.discard((b.index, s.offset))
+                else:
                     self._step_of[s.name] -= 1
+        if not nvme_buckets:
+            return
         uploads = _Uploads(self)
 
         def restore(b, master) -> None:
@@ -205,7 +217,7 @@ class Stepper:
         device, their home tier (NOTE [Parameters off the device])."""
         if b.param_tier != Tier.DEVICE:  # overlaps Adam on the next bucket, like an upload
             return [self.param_offload.write_home(s.name, src[s.offset:s.offset + s.numel].view(s.shape), wait=False)
-                    for s in b.slots if any(a <= s.offset < e for a, e, _ in runs)]
+                    for s in _slots_in(b, runs)]
         param = self.layout.buffers[b.index].param
         return [self.engine.copy_async(param[a:e], src[a:e], src_tier=compute_tier(b), dst_tier=Tier.DEVICE)
                 for a, e, _ in runs]
@@ -240,11 +252,21 @@ class Stepper:
     def _global_norm(self, grads: dict[int, torch.Tensor]) -> torch.Tensor:
         # Per-parameter norms in a fixed parameter order, so that the rounding of the total (and
         # so the clip coefficient) never depends on how a policy grouped parameters into buckets.
-        norms = [torch.linalg.vector_norm(grads[b.index][s.offset:s.offset + s.numel], dtype=torch.float32).cpu()
+        norms = [torch.linalg.vector_norm(grads[b.index][s.offset:s.offset + s.numel], dtype=torch.float32)
                  for b, s in self._by_order if (b.index, s.offset) in self._got]
         if not norms:
             return torch.zeros((), dtype=torch.float32)
-        return torch.linalg.vector_norm(torch.stack(norms))
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for n in norms:  # one device-to-host sync per device, not per parameter
+            by_device.setdefault(n.device, []).append(n)
+        if len(by_device) == 1:
+            return torch.linalg.vector_norm(torch.stack(norms)).cpu()
+        host = {d: torch.stack(ns).cpu() for d, ns in by_device.items()}
+        ordered, seen = [], {d: 0 for d in host}
+        for n in norms:
+            ordered.append(host[n.device][seen[n.device]])
+            seen[n.device] += 1
+        return torch.linalg.vector_norm(torch.stack(ordered))
 
     def _runs(self, bucket) -> list[tuple[int, int, int]]:
         """Contiguous ranges of parameters that got a grad and share a step count, with the step
@@ -343,3 +365,8 @@ class _Uploads:
         self.inflight.clear()
         with self.s.tracer.span("wait uploads", "stall"):
             (wait_all_quietly if quiet else wait_all)(handles)
+
+
+def _slots_in(bucket, runs) -> list:
+    """The slots of ``bucket`` that the update ``runs`` cover."""
+    return [s for s in bucket.slots if any(a <= s.offset < e for a, e, _ in runs)]

@@ -85,6 +85,24 @@ def _fused_fallback_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq
             out[a:b].copy_(p)
 
 
+def _device_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 grad: torch.Tensor, out: Optional[torch.Tensor], hyper: AdamHyper) -> None:
+    """Tensors on an accelerator (e.g. KeepOnDevice on a GPU): torch's fused Adam(W) there, one
+    launch; unscale and clip as the CPU kernels do (two fp32 multiplications). Agrees with the
+    CPU kernels to rounding, not bit for bit."""
+    fused = torch._fused_adamw_ if hyper.adamw else torch._fused_adam_
+    g = grad.float() if grad.dtype != torch.float32 else grad
+    if hyper.grad_scale != 1.0:
+        g = g.mul(hyper.inv_grad_scale)
+    if hyper.clip_coef != 1.0:
+        g = g.mul(hyper.clip_coef)
+    step = [torch.tensor(float(hyper.step), device=master.device)]
+    fused([master], [g], [exp_avg], [exp_avg_sq], [], step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+          weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False)
+    if out is not None:
+        out.copy_(master)
+
+
 def _eager_any_nonfinite(grad: torch.Tensor) -> bool:
     flat = grad.reshape(-1)
     return any(not bool(torch.isfinite(flat[a:a + CHECK_CHUNK]).all())

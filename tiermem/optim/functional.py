@@ -68,6 +68,11 @@ def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
                           f"or None for the default")
     if master.numel() == 0:
         return False
+    if master.device.type != "cpu":  # optimizer state on an accelerator: torch's fused kernel there
+        if check_finite and _kernels._eager_any_nonfinite(grad):
+            return True
+        _kernels._device_adam(master, exp_avg, exp_avg_sq, grad, out, hyper)
+        return False
     name = impl if impl is not None else _default()
     flat = all(t.is_contiguous() for t in (master, exp_avg, exp_avg_sq, grad)) and (
         out is None or out.is_contiguous())
@@ -195,9 +200,9 @@ def _check_tensors(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
         if not isinstance(t, torch.Tensor):
             raise ConfigError(f"tiermem: adam_step {name} is a {type(t).__name__}, not a tensor; pass "
                               f"a CPU tensor")
-        if t.device.type != "cpu":
-            raise ConfigError(f"tiermem: adam_step {name} is on {t.device}; the CPU Adam updates CPU "
-                              f"tensors only; move it to the CPU (or let TieredModel place it)")
+        if t.device != master.device or t.device.type == "meta":
+            raise ConfigError(f"tiermem: adam_step {name} is on {t.device} but master is on {master.device}; "
+                              f"all tensors must be on one CPU or accelerator device; move them there")
         if t.shape != master.shape:
             raise ConfigError(f"tiermem: adam_step {name} has shape {tuple(t.shape)} but master has "
                               f"{tuple(master.shape)}; pass tensors of one shape")
