@@ -28,6 +28,7 @@ from tiermem.report import Report, collect
 from tiermem.scaler import LossScaler
 from tiermem.stepper import StepResult, Stepper, TieredOptimizer
 from tiermem.stores.memory import DeviceStore, HostStore
+from tiermem.stores.nvme import NvmeStore
 from tiermem.trace import Tracer
 from tiermem.types import TensorClass, Tier
 
@@ -43,7 +44,9 @@ class TieredModel:
     earlier; larger ones make fewer, bigger copies). ``overlap_step=True`` runs each step's CPU
     update in the background while the next forward and backward run, so those see weights one
     update old (the one-step delayed update of ZeRO-Offload); the update lands at the next
-    ``step()``. Floating-point tensors passed to ``tm(...)`` are cast to the working precision.
+    ``step()``; an update that fails in the background raises from that later call, and its
+    gradients cannot be retried. Floating-point tensors passed to ``tm(...)`` are cast to the
+    working precision.
     ``prefetch=False`` fetches weights homed off the device only when their module runs (for
     comparison; by default they are fetched ahead along the order the first step recorded).
     """
@@ -83,7 +86,6 @@ class TieredModel:
         self.stores: dict[Tier, Any] = {Tier.DEVICE: DeviceStore(self.device, budgets.device),
                                         Tier.HOST: HostStore(budgets.host)}
         if nvme_dir is not None:
-            from tiermem.stores.nvme import NvmeStore
             self.stores[Tier.NVME] = NvmeStore(nvme_dir, budget=budgets.nvme)
         frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in module.named_parameters() if not p.requires_grad]
         biggest = max((s.numel for b in buckets for s in b.slots), default=0) * self.dtype.itemsize
@@ -205,7 +207,9 @@ class TieredModel:
         for store in self.stores.values():
             for key in list(store.keys()):
                 store.delete(key)
-            if hasattr(store, "close"):
+            if isinstance(store, HostStore):
+                store.trim()  # the pool's buffers (pinned, on a GPU machine) go back to the system
+            if isinstance(store, NvmeStore):
                 store.close()
         self.tracer.write()
         self._detached = True

@@ -19,7 +19,7 @@ from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle
 from tiermem.stores.aligned import aligned_empty, can_pin, round_up
 from tiermem.stores.base import Store, check_same_layout, unknown_key
-from tiermem.types import Tier
+from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,14 @@ class DeviceStore(_MemoryStore):
 
     def _alloc(self, key: str, nbytes: int, kind: object) -> torch.Tensor:
         self.ledger.reserve(key, nbytes, kind)
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except RuntimeError as e:  # the device itself is out of memory: give the reservation back
+            self.ledger.release(key)
+            raise OutOfTierMemory(tier=Tier.DEVICE, key=key, asked=nbytes, used=self.ledger.used,
+                                  allowed=self.ledger.allowed,
+                                  hint=f"the device refused it ({e}); lower Budgets(device=...) below what "
+                                       f"is really free there, or place less on the device") from e
 
 
 class HostStore(_MemoryStore):
@@ -131,7 +138,9 @@ class HostStore(_MemoryStore):
 
     Freed buffers are kept by size and handed out again, so a training step that allocates the
     same sizes every time neither re-allocates nor re-pins. Cached free buffers count against the
-    budget too; they are dropped first when an allocation would not fit.
+    budget too; they are dropped first when an allocation would not fit. Optimizer state is never
+    copied to or from the accelerator, so its buffers are not pinned (pinned memory is scarce,
+    slow to allocate, and rounded up by torch's pinned-memory cache).
     """
 
     _POOL_KEY = "<free host buffers>"
@@ -139,7 +148,7 @@ class HostStore(_MemoryStore):
     def __init__(self, budget: Optional[int] = None, *, pin: Optional[bool] = None):
         super().__init__(Tier.HOST, default_host_budget() if budget is None else budget)
         self.pin = can_pin() if pin is None else pin
-        self._free_bufs: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._free_bufs: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)  # (bytes, pinned)
         self._free_bytes = 0
         self.allocations = 0  # buffers ever allocated; reuse keeps this flat across steps
 
@@ -150,7 +159,8 @@ class HostStore(_MemoryStore):
             return self._acquire_locked(size, key, kind)
 
     def _acquire_locked(self, size: int, key: str, kind: object) -> torch.Tensor:
-        cached = self._free_bufs.get(size)
+        pin = self.pin and kind is not TensorClass.OPTIM_STATE
+        cached = self._free_bufs.get((size, pin))
         if cached:
             buf = cached.pop()
             self._set_free_bytes(self._free_bytes - size)
@@ -163,14 +173,22 @@ class HostStore(_MemoryStore):
                 raise
             self.trim()  # cached buffers of other sizes make room before we give up
             self.ledger.reserve(key, size, kind)
+        try:
+            buf = aligned_empty(size, pin=pin)
+        except RuntimeError as e:  # e.g. the pinned-memory limit: give the reservation back
+            self.ledger.release(key)
+            raise OutOfTierMemory(tier=Tier.HOST, key=key, asked=size, used=self.ledger.used,
+                                  allowed=self.ledger.allowed,
+                                  hint=f"the allocation failed ({e}); raise the memlock limit (ulimit -l) "
+                                       f"or lower Budgets(host=...) to what this machine can give") from e
         self.allocations += 1
-        return aligned_empty(size, pin=self.pin)
+        return buf
 
     def release(self, key: str, buf: torch.Tensor) -> None:
         """Give a buffer from :meth:`acquire` back to the pool."""
         with self._lock:
             self.ledger.release(key)
-            self._free_bufs[buf.numel()].append(buf)
+            self._free_bufs[(buf.numel(), self.pin and buf.is_pinned())].append(buf)
             self._set_free_bytes(self._free_bytes + buf.numel())
 
     def trim(self) -> int:
