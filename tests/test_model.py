@@ -352,6 +352,8 @@ def test_report_shows_zero_offload_placement():
     assert (TensorClass.OPTIM_STATE, Tier.DEVICE) not in cp
     assert rep.bytes_moved[(Tier.DEVICE, Tier.HOST)] == 2 * 2 * n  # bf16 grads, two steps
     assert rep.bytes_moved[(Tier.HOST, Tier.DEVICE)] == 2 * 2 * n  # bf16 weights, two steps
+    assert rep.class_bytes_moved[(TensorClass.GRAD, Tier.DEVICE, Tier.HOST)] == 2 * 2 * n
+    assert rep.class_bytes_moved[(TensorClass.PARAM, Tier.HOST, Tier.DEVICE)] == 2 * 2 * n
     assert rep.peak_bytes[Tier.HOST] < 16 * n + 2 * 2 * 4000 + 6 * pages  # 16 B/param + 2 buckets of staging
     text = str(rep)
     assert "device" in text and "host->device" in text and "optim_state" in text

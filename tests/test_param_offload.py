@@ -38,6 +38,12 @@ def test_weights_off_device_give_identical_numbers(tmp_path, precision, policy):
         assert cp[(TensorClass.PARAM, Tier.HOST)] > 0 and cp[(TensorClass.OPTIM_STATE, Tier.NVME)] > 0
     stats = tm.param_offload.scheduler.stats
     assert stats.prefetches > 0  # later steps fetched ahead along the recorded trace
+    moved = rep.class_bytes_moved
+    assert moved[(TensorClass.PARAM, Tier.NVME, Tier.DEVICE)] > 0  # weights fetched for their modules
+    assert moved[(TensorClass.PARAM, Tier.HOST, Tier.NVME)] > 0  # updated weights written home
+    assert moved[(TensorClass.OPTIM_STATE, Tier.NVME, Tier.HOST)] > 0
+    assert moved[(TensorClass.GRAD, Tier.DEVICE, Tier.HOST)] > 0
+    assert "param" in str(rep) and "nvme->device" in str(rep)
 
 
 def test_device_budget_smaller_than_the_weights(tmp_path):

@@ -110,7 +110,8 @@ class ActivationMover:
             self.dev.release(rec.key)
             raise
         rec.device = _bytes(storage)
-        copy = self.engine.copy_async(rec.base[:rec.nbytes], rec.device, src_tier=Tier.DEVICE, dst_tier=Tier.HOST)
+        copy = self.engine.copy_async(rec.base[:rec.nbytes], rec.device, src_tier=Tier.DEVICE, dst_tier=Tier.HOST,
+                                      kind=_ACT)
         copy.add_done_callback(lambda f: self._landed(rec, f))
         return rec
 
@@ -127,13 +128,11 @@ class ActivationMover:
             rec.stored.set_result(None)
         else:
             t0 = time.perf_counter()
-            _chain(lambda: self.stores[Tier.NVME].write(rec.nvme_key, rec.base[:rec.nbytes]), rec.stored,
+            _chain(lambda: self.stores[Tier.NVME].write(rec.nvme_key, rec.base[:rec.nbytes], _ACT), rec.stored,
                    lambda: self._written(rec, t0), cleanup=lambda: self._drop_base(rec))
 
     def _written(self, rec: Record, t0: float) -> None:
-        """The NVMe write landed: tag its bytes as ACTIVATION, give the staging buffer back."""
-        ledger = self.stores[Tier.NVME].ledger
-        ledger.reserve(rec.nvme_key, ledger.held(rec.nvme_key), _ACT)  # NvmeStore.write takes no kind
+        """The NVMe write landed: count it, give the staging buffer back."""
         self._moved(Tier.HOST, Tier.NVME, rec.nbytes, t0)
         self._drop_base(rec)
         rec.stored.set_result(None)
@@ -171,7 +170,7 @@ class ActivationMover:
 
     def _bring_back(self, rec: Record, out: torch.Tensor, done: Future) -> None:
         if rec.tier is Tier.HOST:
-            _chain(lambda: self.engine.copy_async(out, rec.base[:rec.nbytes], src_tier=Tier.HOST,
+            _chain(lambda: self.engine.copy_async(out, rec.base[:rec.nbytes], src_tier=Tier.HOST, kind=_ACT,
                                                   dst_tier=Tier.DEVICE), done, lambda: done.set_result(out))
             return
         key = f"{rec.key} staging"
@@ -185,7 +184,7 @@ class ActivationMover:
 
         def upload() -> None:
             self._moved(Tier.NVME, Tier.HOST, rec.nbytes, t0)
-            _chain(lambda: self.engine.copy_async(out, staging[:rec.nbytes], src_tier=Tier.HOST,
+            _chain(lambda: self.engine.copy_async(out, staging[:rec.nbytes], src_tier=Tier.HOST, kind=_ACT,
                                                   dst_tier=Tier.DEVICE),
                    done, lambda: (release(), done.set_result(out)), cleanup=release)
 
@@ -251,7 +250,7 @@ class ActivationMover:
     # -- helpers --------------------------------------------------------------------------------
     def _moved(self, src: Tier, dst: Tier, nbytes: int, t0: float) -> None:
         """Count an NVMe leg in the report (busy: from the request to its end, queueing included)."""
-        self.engine.stats.add_moved(src, dst, nbytes)
+        self.engine.stats.add_moved(src, dst, nbytes, _ACT)
         self.engine.stats.add_busy(src, dst, time.perf_counter() - t0)
 
     def _acquire_host(self, key: str, nbytes: int) -> torch.Tensor:

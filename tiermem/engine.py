@@ -40,13 +40,16 @@ class TransferStats:
     callers stalled waiting, per destination tier."""
 
     bytes_moved: dict[tuple[Tier, Tier], int] = field(default_factory=lambda: defaultdict(int))
+    class_bytes_moved: dict[tuple[object, Tier, Tier], int] = field(default_factory=lambda: defaultdict(int))
     busy_seconds: dict[tuple[Tier, Tier], float] = field(default_factory=lambda: defaultdict(float))
     stall_seconds: dict[Tier, float] = field(default_factory=lambda: defaultdict(float))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add_moved(self, src: Tier, dst: Tier, nbytes: int) -> None:
+    def add_moved(self, src: Tier, dst: Tier, nbytes: int, kind: object = None) -> None:
         with self._lock:
             self.bytes_moved[(src, dst)] += nbytes
+            if kind is not None:
+                self.class_bytes_moved[(kind, src, dst)] += nbytes
 
     def add_busy(self, src: Tier, dst: Tier, seconds: float) -> None:
         with self._lock:
@@ -66,7 +69,7 @@ class TransferStats:
         """Copies of the counters, taken under the lock (lane threads add keys as they run)."""
         with self._lock:
             return {"bytes_moved": dict(self.bytes_moved), "busy_seconds": dict(self.busy_seconds),
-                    "stall_seconds": dict(self.stall_seconds)}
+                    "stall_seconds": dict(self.stall_seconds), "class_bytes_moved": dict(self.class_bytes_moved)}
 
 
 class TransferEngine:
@@ -111,7 +114,7 @@ class TransferEngine:
         r.valid.clear()
         h = self._store(tier).write(key, tensor, r.info.kind)
         if src_tier is not None and src_tier != tier:
-            h = self._observe(h, src_tier, tier, tensor)
+            h = self._observe(h, src_tier, tier, tensor, r.info.kind)
         self.registry.write_at(key, tier)
         if wait:
             h.wait()
@@ -170,16 +173,17 @@ class TransferEngine:
         return Handle.completed(out)
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, *, src_tier: Tier, dst_tier: Tier,
-                   accumulate: bool = False) -> Handle:
+                   accumulate: bool = False, kind: object = None) -> Handle:
         """Copy ``src`` into ``dst`` (or add it, when ``accumulate``), converting dtype as needed.
 
         Requests between two different tiers run on that direction's lane, in the order made;
         a request within one tier runs on the caller's thread. ``src`` must not be written until
-        the handle is done; the caller may drop its own reference at once.
+        the handle is done; the caller may drop its own reference at once. ``kind`` (a
+        TensorClass) is what the report counts the bytes as.
         """
         if src_tier == dst_tier:
             (dst.add_(src) if accumulate else dst.copy_(src))
-            self.stats.add_moved(src_tier, dst_tier, src.numel() * src.element_size())
+            self.stats.add_moved(src_tier, dst_tier, src.numel() * src.element_size(), kind)
             return Handle.completed(dst)
         lane = "d2h" if src_tier == Tier.DEVICE else "h2d"
         ready = None
@@ -187,7 +191,7 @@ class TransferEngine:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))  # ordering: after src is written
         future = self._lanes[lane].submit(self._copy_or_add, dst, src, lane, ready, accumulate,
-                                          src_tier, dst_tier)
+                                          src_tier, dst_tier, kind)
         return Handle(future, on_stall=self.stats.stall_sink(dst_tier))
 
     def store_write(self, tier: Tier, key: str, src: torch.Tensor, *, src_tier: Tier = Tier.HOST,
@@ -195,24 +199,25 @@ class TransferEngine:
         """Write ``src`` (a buffer on ``src_tier``) to ``tier``'s store under ``key`` without
         registry bookkeeping (for buffers the caller manages, e.g. streamed optimizer state);
         bytes, busy time and stalls are counted like any other move."""
-        return self._observe(self._store(tier).write(key, src, kind), src_tier, tier, src)
+        return self._observe(self._store(tier).write(key, src, kind), src_tier, tier, src, kind)
 
-    def store_read(self, tier: Tier, key: str, out: torch.Tensor, *, dst_tier: Tier = Tier.HOST) -> Handle:
+    def store_read(self, tier: Tier, key: str, out: torch.Tensor, *, dst_tier: Tier = Tier.HOST,
+                   kind: object = None) -> Handle:
         """Read ``key`` from ``tier``'s store into ``out`` (a buffer on ``dst_tier``)."""
-        return self._observe(self._store(tier).read(key, out), tier, dst_tier, out)
+        return self._observe(self._store(tier).read(key, out), tier, dst_tier, out, kind)
 
     def store_revert(self, tier: Tier, key: str) -> None:
         """Undo the latest write of ``key`` in ``tier``'s store (see NvmeStore.revert)."""
         self._store(tier).revert(key)
 
-    def _observe(self, h: Handle, src: Tier, dst: Tier, t: torch.Tensor) -> Handle:
+    def _observe(self, h: Handle, src: Tier, dst: Tier, t: torch.Tensor, kind: object = None) -> Handle:
         t0 = time.perf_counter()
         nbytes = t.numel() * t.element_size()
 
         def done(f) -> None:
             if f.exception() is None:
                 self._account(src, dst, t0)
-                self.stats.add_moved(src, dst, nbytes)
+                self.stats.add_moved(src, dst, nbytes, kind)
         h.add_done_callback(done)
         return h.observed(self.stats.stall_sink(dst))
 
@@ -228,7 +233,7 @@ class TransferEngine:
                     self.tracer.add(name, "compute", t0, time.perf_counter())
         return Handle(self._lanes["compute"].submit(timed), on_stall=self.stats.stall_sink(Tier.HOST))
 
-    def _copy_or_add(self, dst, src, lane, ready, accumulate, src_tier, dst_tier) -> torch.Tensor:
+    def _copy_or_add(self, dst, src, lane, ready, accumulate, src_tier, dst_tier, kind) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
             if not accumulate:
@@ -249,7 +254,7 @@ class TransferEngine:
                 dst.add_(src)
         finally:
             self._account(src_tier, dst_tier, t0)
-        self.stats.add_moved(src_tier, dst_tier, src.numel() * src.element_size())
+        self.stats.add_moved(src_tier, dst_tier, src.numel() * src.element_size(), kind)
         return dst
 
     def _account(self, src: Tier, dst: Tier, t0: float) -> None:
@@ -345,7 +350,7 @@ class TransferEngine:
         finally:
             self._account(src, dst, t0)
         self.registry.finish(key, ok=True)
-        self.stats.add_moved(src, dst, r.info.nbytes)
+        self.stats.add_moved(src, dst, r.info.nbytes, r.info.kind)
         if then_drop is not None:
             self.registry.drop(key, then_drop)
             self._store(then_drop).delete(key)

@@ -187,6 +187,7 @@ class TieredModel:
         return Report(peak_bytes=peak, class_peak_bytes=class_peak, bytes_moved=st["bytes_moved"],
                       stall_seconds=sum(st["stall_seconds"].values()), stall_seconds_per_tier=st["stall_seconds"],
                       busy_seconds=st["busy_seconds"], budgets=budgets, steps=self.stepper.steps,
+                      class_bytes_moved=st["class_bytes_moved"],
                       n_params=self.layout.n_params, step_seconds=self.stepper.seconds)
 
     def detach(self) -> torch.nn.Module:

@@ -69,7 +69,8 @@ class NvmeState:
         return tuple(s[part][:b.numel] for part in PARTS)  # type: ignore[return-value]
 
     def _read(self, b: Bucket, views: StateViews) -> list[Handle]:
-        return [self.engine.store_read(Tier.NVME, self.key(b, part), v) for part, v in zip(PARTS, views)]
+        return [self.engine.store_read(Tier.NVME, self.key(b, part), v, kind=TensorClass.OPTIM_STATE)
+                for part, v in zip(PARTS, views)]
 
     def _write(self, b: Bucket, views: StateViews) -> list[Handle]:
         return [self.engine.store_write(Tier.NVME, self.key(b, part), v, kind=TensorClass.OPTIM_STATE)

@@ -20,6 +20,7 @@ class Report:
     stall_seconds_per_tier: dict[Tier, float] = field(default_factory=dict)
     busy_seconds: dict[tuple[Tier, Tier], float] = field(default_factory=dict)
     budgets: dict[Tier, int] = field(default_factory=dict)
+    class_bytes_moved: dict[tuple[TensorClass, Tier, Tier], int] = field(default_factory=dict)
     steps: int = 0
     n_params: int = 0
     step_seconds: float = 0.0  # wall time spent inside step() calls
@@ -43,9 +44,12 @@ class Report:
                          f"{per:>10.2f}   {classes or '-'}")
         moved = [(k, n) for k, n in self.bytes_moved.items() if n and k[0] != k[1]]
         if moved:
-            lines.append(f"{'moved':<16}{'bytes':>14}{'GB/s':>10}")
+            lines.append(f"{'moved':<16}{'bytes':>14}{'GB/s':>10}   by class")
             for (src, dst), n in sorted(moved, key=lambda kv: (kv[0][0].value, kv[0][1].value)):
-                lines.append(f"{src.value + '->' + dst.value:<16}{fmt_bytes(n):>14}{self.gbps(src, dst):>10.2f}")
+                classes = ", ".join(f"{c.value} {fmt_bytes(b)}" for (c, s, d), b in sorted(
+                    self.class_bytes_moved.items(), key=lambda kv: kv[0][0].value) if (s, d) == (src, dst) and b)
+                lines.append(f"{src.value + '->' + dst.value:<16}{fmt_bytes(n):>14}{self.gbps(src, dst):>10.2f}"
+                             + (f"   {classes}" if classes else ""))
         stalls = ", ".join(f"{t.value} {s:.3f}s" for t, s in self.stall_seconds_per_tier.items() if s)
         lines.append(f"stalled waiting on transfers: {self.stall_seconds:.3f}s" + (f" ({stalls})" if stalls else "")
                      + (f"; time in step(): {self.step_seconds:.3f}s" if self.steps else ""))

@@ -86,7 +86,7 @@ class Stepper:
             self.device_ledger.reserve(tag, nbytes, TensorClass.GRAD)
         try:
             h = self.engine.copy_async(acc, grad.reshape(-1), src_tier=Tier.DEVICE, dst_tier=bucket.grad_tier,
-                                       accumulate=key in self._got)
+                                       accumulate=key in self._got, kind=TensorClass.GRAD)
         except BaseException:
             self.device_ledger.release(tag)
             raise  # the grad stays on the parameter
@@ -219,7 +219,8 @@ class Stepper:
             return [self.param_offload.write_home(s.name, src[s.offset:s.offset + s.numel].view(s.shape), wait=False)
                     for s in _slots_in(b, runs)]
         param = self.layout.buffers[b.index].param
-        return [self.engine.copy_async(param[a:e], src[a:e], src_tier=compute_tier(b), dst_tier=Tier.DEVICE)
+        return [self.engine.copy_async(param[a:e], src[a:e], src_tier=compute_tier(b), dst_tier=Tier.DEVICE,
+                                       kind=TensorClass.PARAM)
                 for a, e, _ in runs]
 
     def _land_background(self) -> None:
@@ -243,7 +244,7 @@ class Stepper:
             if buf.grad_in is None:
                 grads[b.index] = acc
             else:
-                copies.append(self.engine.copy_async(buf.grad_in, acc, src_tier=b.grad_tier,
+                copies.append(self.engine.copy_async(buf.grad_in, acc, src_tier=b.grad_tier, kind=TensorClass.GRAD,
                                                      dst_tier=compute_tier(b)))
                 grads[b.index] = buf.grad_in
         wait_all(copies)
