@@ -12,6 +12,7 @@ memory, so the run shows the data flow and the report rather than a speed-up.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import math
 import sys
 import time
@@ -24,9 +25,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples
 
 from examples.gpt import GPT, PRESETS, CharTokenizer, GPTConfig, generate, lm_loss, load_corpus  # noqa: E402
 from tiermem import AdamW, TieredModel  # noqa: E402
-from tiermem.policies import KeepOnDevice, ZeroOffload  # noqa: E402
+from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
 
-POLICIES = {"zero-offload": ZeroOffload, "keep-on-device": KeepOnDevice}
+POLICIES = {
+    "zero-offload": ZeroOffload,
+    "keep-on-device": KeepOnDevice,
+    "zero-infinity": ZeroInfinity,  # weights and optimizer state on NVMe (needs --nvme-dir)
+    "activation-offload": lambda: ActivationOffload(ZeroOffload(), min_bytes=64 * 1024),  # saved tensors to the host
+}
+
+
+def nvme_dir(args: argparse.Namespace) -> Optional[str]:
+    if args.policy != "zero-infinity":
+        return args.nvme_dir
+    if args.nvme_dir is None:  # removed when the process exits
+        args._nvme_tmp = tempfile.TemporaryDirectory(prefix="tiermem-nvme-", dir=".")
+        return args._nvme_tmp.name
+    return args.nvme_dir
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -39,6 +54,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--policy", choices=sorted(POLICIES), default="zero-offload")
+    p.add_argument("--nvme-dir", default=None, help="directory for tensors a policy places on NVMe "
+                                                     "(zero-infinity; default: a temporary one under .)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr")
     p.add_argument("--warmup", type=int, default=50, help="steps of linear warm-up before the cosine decay")
@@ -103,6 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         precision=args.precision,
         grad_clip=args.grad_clip or None,
         trace_path=args.trace,
+        nvme_dir=nvme_dir(args),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(tm.optimizer, lr_factor(args.warmup, args.steps, args.min_lr_ratio))
     print(f"{tm!r}; {args.steps} steps of {args.grad_accum} x {args.batch_size} x {seq_len} tokens", flush=True)

@@ -51,6 +51,13 @@ def test_train_gpt_other_options_write_checkpoint_and_trace(tmp_path: Path) -> N
     assert any(e.get("name") == "forward" for e in events), events[:5]
 
 
+def test_train_gpt_with_weights_and_state_on_nvme(tmp_path: Path) -> None:
+    out = run_train_gpt("--policy", "zero-infinity", "--nvme-dir", str(tmp_path), "--steps", "10")
+    assert "policy=ZeroInfinity()" in out and "nvme->device" in out, out
+    steps = [float(loss) for _, _, loss in STEP_LINE.findall(out)]
+    assert steps[-1] < steps[0], out
+
+
 def test_gpt_head_is_tied_to_embedding() -> None:
     model = GPT(GPTConfig.preset("tiny", vocab_size=50))
     assert model.head.weight is model.wte.weight
