@@ -1,10 +1,9 @@
 """Everything on the device: the baseline every offloading policy is measured against."""
 from __future__ import annotations
 
-from tiermem.policy import Policy
-from tiermem.types import TensorInfo, Tier
+from tiermem.policy import PerClass
+from tiermem.types import TensorClass, Tier
 
 
-class KeepOnDevice(Policy):
-    def place(self, info: TensorInfo) -> Tier:
-        return Tier.DEVICE
+class KeepOnDevice(PerClass):
+    homes = {kind: Tier.DEVICE for kind in TensorClass}

@@ -3,17 +3,14 @@ device. Weights come to the device just in time for their module (prefetched in 
 first step recorded) and the step streams the optimizer state through bounded host buffers."""
 from __future__ import annotations
 
-from tiermem.policy import Policy
-from tiermem.types import TensorClass, TensorInfo, Tier
-
-_HOMES = {
-    TensorClass.PARAM: Tier.NVME,
-    TensorClass.OPTIM_STATE: Tier.NVME,
-    TensorClass.GRAD: Tier.HOST,
-    TensorClass.ACTIVATION: Tier.DEVICE,
-}
+from tiermem.policy import PerClass
+from tiermem.types import TensorClass, Tier
 
 
-class ZeroInfinity(Policy):
-    def place(self, info: TensorInfo) -> Tier:
-        return _HOMES[info.kind]
+class ZeroInfinity(PerClass):
+    homes = {
+        TensorClass.PARAM: Tier.NVME,
+        TensorClass.OPTIM_STATE: Tier.NVME,
+        TensorClass.GRAD: Tier.HOST,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+    }

@@ -2,17 +2,14 @@
 where the fused CPU Adam updates them."""
 from __future__ import annotations
 
-from tiermem.policy import Policy
-from tiermem.types import TensorClass, TensorInfo, Tier
-
-_HOMES = {
-    TensorClass.PARAM: Tier.DEVICE,
-    TensorClass.ACTIVATION: Tier.DEVICE,
-    TensorClass.GRAD: Tier.HOST,
-    TensorClass.OPTIM_STATE: Tier.HOST,
-}
+from tiermem.policy import PerClass
+from tiermem.types import TensorClass, Tier
 
 
-class ZeroOffload(Policy):
-    def place(self, info: TensorInfo) -> Tier:
-        return _HOMES[info.kind]
+class ZeroOffload(PerClass):
+    homes = {
+        TensorClass.PARAM: Tier.DEVICE,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+        TensorClass.GRAD: Tier.HOST,
+        TensorClass.OPTIM_STATE: Tier.HOST,
+    }

@@ -65,3 +65,26 @@ def gpt_batch(seed: int, vocab: int = 37, batch: int = 3, seq: int = 11):
 
 def gpt_loss(logits, y):
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+class disk_fills_up:
+    """Within ``with disk_fills_up(store, after=n):`` the NVMe store's writes fail with ENOSPC
+    once ``n`` write calls have gone through (so part of a step has landed when the disk fills)."""
+
+    def __init__(self, store, after: int):
+        self.store, self.after, self.calls = store, after, 0
+
+    def __enter__(self):
+        import errno
+        real = self.real = self.store._pwritev
+
+        def write(fd, bufs, offset):
+            self.calls += 1
+            if self.calls > self.after:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(fd, bufs, offset)
+        self.store._pwritev = write
+        return self
+
+    def __exit__(self, *exc):
+        self.store._pwritev = self.real

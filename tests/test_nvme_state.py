@@ -1,12 +1,10 @@
 """Optimizer state on NVMe: same numbers as in memory, bounded host memory, atomic steps, resume."""
 from __future__ import annotations
 
-import errno
-
 import pytest
 import torch
 
-from models import TinyGPT, gpt_batch, gpt_loss
+from models import TinyGPT, disk_fills_up, gpt_batch, gpt_loss
 from tiermem import AdamW, Budgets, StoreError, TensorClass, TieredModel, Tier
 from tiermem.policies import ZeroOffload
 from tiermem.policy import Policy
@@ -78,20 +76,9 @@ def test_failed_step_changes_nothing_and_can_be_retried(tmp_path):
     tm.backward(gpt_loss(tm(x), y))
     before = tm.state_dict()
     device_before = {n: p.detach().clone() for n, p in tm.module.named_parameters()}
-    store = tm.stores[Tier.NVME]
-    calls = {"n": 0}
-    real = store._pwritev
-
-    def fails_after_a_few(fd, bufs, offset):
-        calls["n"] += 1
-        if calls["n"] > 4:  # some buckets' state is already written when the disk fills up
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, bufs, offset)
-
-    store._pwritev = fails_after_a_few
-    with pytest.raises(StoreError, match="(?i)no space left"):
-        tm.step()
-    store._pwritev = real
+    with disk_fills_up(tm.stores[Tier.NVME], after=4):  # some buckets' state has landed by then
+        with pytest.raises(StoreError, match="(?i)no space left"):
+            tm.step()
     after = tm.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(torch.equal(device_before[n], p) for n, p in tm.module.named_parameters())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import TinyGPT, gpt_batch, gpt_loss
+from models import TinyGPT, disk_fills_up, gpt_batch, gpt_loss
 from tiermem import Budgets, OutOfTierMemory, TensorClass, TieredModel, Tier
 from tiermem.policies import ZeroInfinity, ZeroOffload
 from tiermem.policy import Policy
@@ -94,7 +94,6 @@ def test_overlap_step_with_weights_off_device(tmp_path):
 
 @pytest.mark.parametrize("fail_after", [3, 12, 40])
 def test_failed_step_with_weights_on_nvme_changes_nothing(tmp_path, fail_after):
-    import errno
     from tiermem import StoreError
     (tmp_path / "a").mkdir()
     tm = _make(ZeroInfinity(), tmp_path / "a")
@@ -104,19 +103,9 @@ def test_failed_step_with_weights_on_nvme_changes_nothing(tmp_path, fail_after):
     x, y = gpt_batch(2)
     tm.backward(gpt_loss(tm(x), y))
     before = tm.state_dict()
-    store = tm.stores[Tier.NVME]
-    real, calls = store._pwritev, {"n": 0}
-
-    def disk_fills_up(fd, bufs, offset):
-        calls["n"] += 1
-        if calls["n"] > fail_after:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, bufs, offset)
-
-    store._pwritev = disk_fills_up
-    with pytest.raises(StoreError, match="(?i)no space left"):
-        tm.step()
-    store._pwritev = real
+    with disk_fills_up(tm.stores[Tier.NVME], after=fail_after):
+        with pytest.raises(StoreError, match="(?i)no space left"):
+            tm.step()
     after = tm.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     tm.step()  # the retry uses the kept grads

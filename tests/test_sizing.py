@@ -88,14 +88,18 @@ def test_builtin_policies_per_param(policy, device, host, nvme):
     assert got == {Tier.DEVICE: device * n, Tier.HOST: host * n, Tier.NVME: nvme * n}
 
 
-def test_table_agrees_with_the_policy_objects_that_exist():
+def test_builtin_placements_are_the_documented_ones():
+    """DESIGN.md: ZeRO-Offload keeps PARAM and ACTIVATION on the device, GRAD and OPTIM_STATE on
+    the host; ZeRO-Infinity puts PARAM and OPTIM_STATE on NVMe and GRAD on the host."""
+    P, G, O, A = TensorClass.PARAM, TensorClass.GRAD, TensorClass.OPTIM_STATE, TensorClass.ACTIVATION
+    D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
+    documented = {"ZeroOffload": {P: D, A: D, G: H, O: H}, "KeepOnDevice": {P: D, A: D, G: D, O: D},
+                  "ZeroInfinity": {P: N, O: N, G: H, A: D}}
+    assert {k: dict(v) for k, v in sizing.BUILTIN_PLACEMENTS.items()} == documented
     import tiermem.policies as builtins
-
-    present = [name for name in sizing.BUILTIN_PLACEMENTS if hasattr(builtins, name)]
-    assert "ZeroOffload" in present  # the default policy always exists: this test is never empty
-    for name in present:
+    for name, homes in documented.items():
         policy = getattr(builtins, name)()
-        for kind, tier in sizing.placement_of(name).items():
+        for kind, tier in homes.items():
             info = TensorInfo(name="blocks.0.fc.weight", kind=kind, nbytes=4096, shape=(32, 32),
                               dtype=torch.float32, module="blocks.0.fc")
             assert policy.place(info) is tier, (name, kind)

@@ -12,10 +12,10 @@ manager mutates, so it can be tested with made-up :class:`TensorInfo` on any mac
 from __future__ import annotations
 
 import abc
-from typing import Optional
+from typing import Mapping, Optional
 
 from tiermem.errors import ConfigError
-from tiermem.types import TensorInfo, Tier
+from tiermem.types import TensorClass, TensorInfo, Tier
 
 
 class Policy(abc.ABC):
@@ -27,6 +27,15 @@ class Policy(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class PerClass(Policy):
+    """Every tensor of a class on one tier: subclasses set ``homes`` (TensorClass -> Tier)."""
+
+    homes: Mapping[TensorClass, Tier] = {}
+
+    def place(self, info: TensorInfo) -> Tier:
+        return self.homes[info.kind]
 
 
 def resolve_policy(policy: Optional[Policy]) -> Policy:

@@ -45,18 +45,14 @@ _PARAM_ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _FP32 = 4  # master, momentum, variance, and grads accumulated away from the device
 
 # NOTE [Built-in placements]
-# The home tier of each tensor class under each built-in policy, as documented in DESIGN.md and
-# the policies' docstrings. This is the only copy of that table in the library outside the policies
-# themselves; `placement_of` is the one function that reads it, so it can later ask the real policy
-# objects instead.
-BUILTIN_PLACEMENTS: dict[str, dict[TensorClass, Tier]] = {
-    "ZeroOffload": {TensorClass.PARAM: Tier.DEVICE, TensorClass.GRAD: Tier.HOST,
-                    TensorClass.OPTIM_STATE: Tier.HOST, TensorClass.ACTIVATION: Tier.DEVICE},
-    "KeepOnDevice": {TensorClass.PARAM: Tier.DEVICE, TensorClass.GRAD: Tier.DEVICE,
-                     TensorClass.OPTIM_STATE: Tier.DEVICE, TensorClass.ACTIVATION: Tier.DEVICE},
-    "ZeroInfinity": {TensorClass.PARAM: Tier.NVME, TensorClass.GRAD: Tier.HOST,
-                     TensorClass.OPTIM_STATE: Tier.NVME, TensorClass.ACTIVATION: Tier.DEVICE},
-}
+# The home tier of each tensor class under each built-in policy, read off the policy classes
+# themselves (their ``homes``), so this module never keeps a copy that could drift.
+def _builtin_placements() -> dict[str, Mapping[TensorClass, Tier]]:
+    from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
+    return {cls.__name__: dict(cls.homes) for cls in (ZeroOffload, KeepOnDevice, ZeroInfinity)}
+
+
+BUILTIN_PLACEMENTS: dict[str, Mapping[TensorClass, Tier]] = _builtin_placements()
 
 #: Which tensor class each part of the training state belongs to.
 PART_CLASS: dict[str, TensorClass] = {
