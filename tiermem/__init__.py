@@ -10,7 +10,7 @@ from tiermem.config import Adam, AdamW
 from tiermem.errors import ConfigError, OutOfTierMemory, StoreError, TierMemError
 from tiermem.handles import Handle
 from tiermem.model import StepResult, TieredModel
-from tiermem.policy import Policy
+from tiermem.policy import PerClass, Policy
 from tiermem.report import Report
 from tiermem.stores.nvme import NvmeStore
 from tiermem.types import TensorClass, TensorInfo, Tier
@@ -18,7 +18,7 @@ from tiermem.types import TensorClass, TensorInfo, Tier
 __version__ = "0.1.0"
 
 __all__ = [
-    "Adam", "AdamW", "Budgets", "ConfigError", "Handle", "NvmeStore", "OutOfTierMemory", "Policy",
+    "Adam", "AdamW", "Budgets", "ConfigError", "Handle", "NvmeStore", "OutOfTierMemory", "PerClass", "Policy",
     "Report", "StepResult", "StoreError", "TensorClass", "TensorInfo", "TieredModel", "Tier",
     "TierMemError", "parse_bytes", "__version__",
 ]
