@@ -60,7 +60,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples
 
 from examples.nvme_offload import OptimStateOnNvme  # noqa: E402
-from tiermem import AdamW, Budgets, Report, TieredModel, Tier, parse_bytes  # noqa: E402
+from tiermem import AdamW, Budgets, PerClass, Report, TensorClass, TieredModel, Tier, parse_bytes  # noqa: E402
 from tiermem.errors import fmt_bytes  # noqa: E402
 from tiermem.optim import adam_step, warm_up  # noqa: E402
 from tiermem.policies import ZeroInfinity  # noqa: E402
@@ -95,22 +95,30 @@ def windowed_stack(width: int, depth: int) -> LinearStack:
     return model
 
 
+class WeightsOnHostStateOnNvme(PerClass):
+    homes = {TensorClass.PARAM: Tier.HOST, TensorClass.GRAD: Tier.HOST, TensorClass.OPTIM_STATE: Tier.NVME,
+             TensorClass.ACTIVATION: Tier.DEVICE}
+
+
 def largest(args: argparse.Namespace) -> int:
     """--largest: ZeroInfinity on a model far larger than RAM; step time, peak RSS, disk, report."""
     n = args.width * args.width * args.depth
     d = tempfile.mkdtemp(prefix="tiermem-largest-", dir=args.dir or os.getcwd())
     disk = shutil.disk_usage(d)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e9:.2f}B parameters; ZeroInfinity, "
-          f"bf16, device budget {args.device_budget}; needs {28 * n / GB:.1f} GB on disk (28 B/param: the latest "
-          f"and the previous value of 12 B/param of state and 2 of weights), {disk.free / GB:.1f} GB free of "
+    per = 28 if args.largest_policy == "zero-infinity" else 24
+    print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e9:.2f}B parameters; "
+          f"{args.largest_policy}, bf16, device budget {args.device_budget}; needs {per * n / GB:.1f} GB on disk "
+          f"({per} B/param: the latest and the previous value of 12 B/param of state"
+          f"{' and 2 of weights' if per == 28 else ''}), {disk.free / GB:.1f} GB free of "
           f"{disk.total / GB:.0f}; RAM {ram / GB:.1f} GB, fp32 grads on the host {4 * n / GB:.1f} GB; "
           f"mixed-precision Adam in memory would need {16 * n / GB:.0f} GB", flush=True)
     try:
         t0 = time.perf_counter()
         # One batch, seen every step, at a small lr, so the loss falls step after step (at 1e-5 and above
         # this deep stack overshoots within a few steps, in torch.autocast + torch.optim.AdamW as well).
-        tm = TieredModel(windowed_stack(args.width, args.depth), ZeroInfinity(), precision="bf16", nvme_dir=d,
+        policy = ZeroInfinity() if args.largest_policy == "zero-infinity" else WeightsOnHostStateOnNvme()
+        tm = TieredModel(windowed_stack(args.width, args.depth), policy, precision="bf16", nvme_dir=d,
                          optimizer=AdamW(lr=1e-6, betas=BETAS, weight_decay=WD), bucket_size=args.bucket_size,
                          budgets=Budgets(device=args.device_budget))
         print(f"built in {time.perf_counter() - t0:.0f} s (initial state and weights written to NVMe); peak RSS "
@@ -227,6 +235,9 @@ def parse_args() -> argparse.Namespace:
                    help="instead: train ZeroInfinity on --width x --width x --depth (e.g. 4096, 128: 2.15B "
                         "parameters) for --steps steps and print step time, peak RSS and the report")
     p.add_argument("--device-budget", default="2GiB", help="--largest: Budgets(device=...)")
+    p.add_argument("--largest-policy", choices=["zero-infinity", "weights-on-host"], default="zero-infinity",
+                   help="--largest: weights on NVMe (28 B/param on disk) or on the host (24 B/param on disk, "
+                        "2 B/param more RAM)")
     args = p.parse_args()
     if min(args.width, args.depth, args.rows, args.steps) < 1 or args.warmup < 1:
         p.error("--width, --depth, --rows, --steps must be >= 1 and --warmup >= 1 (the first step records the trace)")
