@@ -284,6 +284,10 @@ def test_load_rejects_bad_files(tmp_path):
     (tmp_path / "truncated.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(StoreError, match="truncated"):
         tm.load(str(tmp_path / "truncated.pt"))
+    spoilt = bytes(data).replace(b'"dtype": "float32"', b'"dtype": "floatXX"', 1)  # same length
+    (tmp_path / "footer.pt").write_bytes(spoilt)
+    with pytest.raises(StoreError, match="corrupt footer"):
+        tm.load(str(tmp_path / "footer.pt"))
     data[100] ^= 0xFF  # one flipped byte in the tensor data
     (tmp_path / "flipped.pt").write_bytes(data)
     with pytest.raises(StoreError, match="fails its checksum"):

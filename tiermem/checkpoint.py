@@ -114,6 +114,11 @@ def save(tm: "TieredModel", path: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: readers see the old checkpoint or the new one, never half
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)  # the rename itself survives a crash
+        finally:
+            os.close(dfd)
     except OSError as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -139,7 +144,14 @@ def _read_footer(f: BinaryIO, path: str) -> dict:
     f.seek(size - len(MAGIC) - 8 - n)
     try:
         doc = json.loads(f.read(n))
-    except ValueError:
+        meta = doc["meta"]
+        for key in ("precision", "step", "param_step", "scaler", "groups"):
+            meta[key]  # noqa: B018 - present, or the footer is not ours
+        for e in doc["tensors"]:
+            if not isinstance(getattr(torch, e["dtype"], None), torch.dtype):
+                raise ValueError(e["dtype"])
+            e["name"], e["shape"], e["offset"], e["nbytes"], e["crc32"]  # noqa: B018
+    except (ValueError, KeyError, TypeError):
         raise bad("corrupt footer") from None
     return doc
 

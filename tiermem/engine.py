@@ -236,9 +236,10 @@ class TransferEngine:
     def _copy_or_add(self, dst, src, lane, ready, accumulate, src_tier, dst_tier, kind) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
-            if not accumulate:
+            cross = self.device.type == "cuda" and src.device != dst.device
+            if not accumulate and not (cross and src.dtype != dst.dtype):
                 self._memcpy(dst, src, lane, ready)
-            elif self.device.type == "cuda" and src.device != dst.device:
+            elif cross:  # convert on the host: a converting copy would allocate a temporary on the device
                 host = self.stores[Tier.HOST]
                 assert isinstance(host, HostStore)
                 nbytes = src.numel() * src.element_size()
@@ -247,7 +248,7 @@ class TransferEngine:
                 try:
                     staged = base[:nbytes].view(src.dtype).view(src.shape)
                     self._memcpy(staged, src, lane, ready)
-                    dst.add_(staged)
+                    (dst.add_(staged) if accumulate else dst.copy_(staged))
                 finally:
                     host.release(tag, base)
             else:

@@ -227,9 +227,7 @@ class TieredModel:
 
 def _cast_floats(obj: Any, dtype: torch.dtype, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.dtype != dtype:
-            obj = obj.to(dtype)
-        return obj.to(device) if obj.device != device else obj
+        return obj.to(device=device, dtype=dtype if obj.is_floating_point() else obj.dtype)  # one copy at most
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cast_floats(o, dtype, device) for o in obj)
     if isinstance(obj, dict):

@@ -137,7 +137,9 @@ class Stepper:
             clip = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0).item()
         plan = [(b, self._runs(b)) for b in self.layout.buckets]
         hyper = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "adamw")} for g in groups]
-        if self.overlap:  # snapshot taken: a scheduler may change the groups while this runs
+        if not any(runs for _, runs in plan):
+            pass  # no parameter got a gradient: nothing to update (and no state to stream)
+        elif self.overlap:  # snapshot taken: a scheduler may change the groups while this runs
             handle = self.engine.run_async(lambda: self._update(plan, grads, hyper, scale, clip), name="adam")
             self._background = (handle, plan)
             self._fill ^= 1  # the next backward fills the other gradient buffer

@@ -146,7 +146,8 @@ def _plan(s: Settings, res: _Results, nvme_dir: str) -> list[tuple[str, Callable
     # warning per point; those points then run buffered and say so.
     direct_ok, why_not = _common.probe_o_direct(nvme_dir)
     d["nvme"].update(bytes=s.nvme_bytes, default_block_size_bytes=DEFAULT_BLOCK,
-                     default_in_flight=DEFAULT_IN_FLIGHT, o_direct=direct_ok, o_direct_why_not=why_not)
+                     default_in_flight=DEFAULT_IN_FLIGHT, o_direct=direct_ok, o_direct_why_not=why_not,
+                     write_is="overwrite of a key written before (measure.nvme_point)")
     points = [(b, q, True) for b in s.block_sizes for q in s.in_flight]
     points.append((DEFAULT_BLOCK, DEFAULT_IN_FLIGHT, False))
     for block, depth, direct in points:
@@ -184,7 +185,7 @@ def _plan(s: Settings, res: _Results, nvme_dir: str) -> list[tuple[str, Callable
 
 
 def _check_space(nvme_dir: str, s: Settings) -> None:
-    need = 2 * s.nvme_bytes + 64 * MiB  # an overwrite holds the old and the new file for a moment
+    need = 2 * s.nvme_bytes + 64 * MiB  # the key's two slot files, both kept: overwrites alternate between them
     free = _common.disk_free(nvme_dir)
     if free < need:
         raise ConfigError(f"tiermem: bench needs {_common.fmt_size(need)} free under {nvme_dir}, "

@@ -140,8 +140,9 @@ class NvmePoint:
     block_size: int
     in_flight: int
     direct: bool  # what the store actually used (it falls back where O_DIRECT is refused)
-    write: Rate
+    write: Rate  # overwrites of a key written before: the steady state of training
     read: Rate
+    first_write: Optional[Rate] = None  # writes of a key new to the store (asked for by first_write=True)
 
 
 def _drop_cached(directory: str) -> None:
@@ -161,10 +162,15 @@ def _drop_cached(directory: str) -> None:
 
 
 def nvme_point(directory: str, src: torch.Tensor, out: torch.Tensor, *, block_size: int, in_flight: int,
-               direct: bool, repeats: int, min_seconds: float) -> NvmePoint:
+               direct: bool, repeats: int, min_seconds: float, first_write: bool = False) -> NvmePoint:
     """Write ``src`` then read it into ``out`` (page-aligned uint8 buffers of one size) through an
     NvmeStore with ``in_flight`` I/O threads and ``block_size`` chunks. A buffered read starts from
-    a cold page cache each time."""
+    a cold page cache each time.
+
+    The write figure times overwrites of a key already written twice, so both of its slot files
+    are on disk and every timed write goes over one in place (what a training step does to its
+    optimizer state). ``first_write`` also times writes of a key new to the store (fresh files,
+    allocated as they are written), its files removed outside the clock before each."""
     from tiermem.stores.nvme import NvmeStore  # imported late: `tiermem plan` does not need it
 
     nbytes = src.numel()
@@ -172,11 +178,18 @@ def nvme_point(directory: str, src: torch.Tensor, out: torch.Tensor, *, block_si
     store = NvmeStore(directory, io_threads=in_flight, block_size=block_size, direct=None if direct else False)
     try:
         kw = dict(repeats=repeats, min_seconds=min_seconds)
-        write = measure(lambda: store.write("bench", src).wait(), nbytes, **kw)
+
+        def write() -> None:
+            store.write("bench", src).wait()
+
+        first = measure(write, nbytes, prepare=lambda: store.delete("bench"), **kw) if first_write else None
+        write()
+        write()  # both slots laid out: the warm-up and every timed write below are overwrites
+        over = measure(write, nbytes, **kw)
         drop = None if store.direct else (lambda: _drop_cached(directory))
         read = measure(lambda: store.read("bench", out).wait(), nbytes, prepare=drop, **kw)
         assert torch.equal(src, out), "NvmeStore returned different bytes"
-        return NvmePoint(block_size, in_flight, bool(store.direct), write, read)
+        return NvmePoint(block_size, in_flight, bool(store.direct), over, read, first)
     finally:
         store.delete("bench")
         store.close()
