@@ -1,13 +1,16 @@
 """Does `tiermem bench` measure what independent tools measure? One run, side by side:
 
 - its NVMe figures (the bench's own measurement: NvmeStore, O_DIRECT) against fio at the same
-  block size, requests in flight (libaio iodepth), bytes and access pattern, on the same directory;
+  block size, requests in flight (libaio iodepth), bytes and access pattern, on the same directory.
+  The bench's write figure is an overwrite: NvmeStore keeps a key's two slot files and writes over
+  the older in place, so fio overwrites two files laid out beforehand, in turn, with no truncate or
+  allocation in the timed pass. A key's first write (fresh files) is compared too, labelled apart;
 - its host copy figure against a plain torch ``copy_`` timing loop on the same size.
 
 A third NVMe column, the store's syscalls made bare from a thread pool, tells a bench that
 measures wrong apart from a store that is slower than the disk allows.
 
-Disks (virtual ones above all) drift by tens of percent within a minute, so the two sides are
+Disks (virtual ones above all) drift by tens of percent within a minute, so the three sides are
 interleaved point by point, in alternating order, over several rounds, and their medians compared.
 Target: every ratio within 10% of 1.
 
@@ -17,6 +20,7 @@ Target: every ratio within 10% of 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -31,63 +35,101 @@ import torch
 
 from tiermem.cli import measure
 from tiermem.cli.bench import FULL, QUICK
+from tiermem.stores import nvme_io as nio
 
 MiB = 2**20
 
 
-def fio(path: str, rw: str, *, size: int, block: int, depth: int) -> float:
-    """Bytes/s fio reaches for one sequential direct ``rw`` pass of ``size`` bytes over ``path``."""
-    cmd = ["fio", "--name=cli-check", f"--filename={path}", f"--rw={rw}", f"--bs={block}", f"--size={size}",
-           "--direct=1", "--ioengine=libaio", f"--iodepth={depth}", "--numjobs=1", "--output-format=json"]
-    res = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return float(json.loads(res.stdout)["jobs"][0][rw]["bw_bytes"])
+HEADER = nio.HEADER  # NvmeStore puts the tensor's bytes after a header block: so do the anchors
+PATTERNS = ("overwrite", "first write", "read")  # overwrite: the steady state a training step sees
 
 
-def fio_point(directory: str, *, size: int, block: int, depth: int, repeats: int) -> tuple[float, float]:
-    """fio in the access pattern the bench gives NvmeStore: every write goes to a fresh file that
-    replaces the previous one (the store writes a new file and renames it over the old), then the
-    last file is read ``repeats`` times; a warm-up pass first, medians, as the bench does."""
-    writes, reads, last = [], [], None
+def fio(paths: list[str], rw: str, *, size: int, block: int, depth: int, fresh: bool = False) -> float:
+    """Bytes/s of one fio pass per path (run in turn, so each is one store write or read):
+    sequential O_DIRECT libaio ``rw`` of ``size`` bytes at offset ``HEADER``, ``depth`` requests in
+    flight. Rather than ``fresh`` files (allocated as written, as the store's first write of a key
+    does), a write overwrites files laid out before the clock starts (``--overwrite=1``) and
+    allocates nothing (``--fallocate=none``), as the store's overwrite of a key does."""
+    rates = []
+    for path in paths:
+        cmd = ["fio", "--name=cli-check", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
+               f"--size={size}", f"--offset={HEADER}", "--direct=1", "--ioengine=libaio",
+               f"--iodepth={depth}", "--numjobs=1", "--output-format=json"]
+        if rw == "write":
+            cmd += ["--fallocate=native"] if fresh else ["--overwrite=1", "--fallocate=none"]
+        res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        rates.append(float(json.loads(res.stdout)["jobs"][0][rw]["bw_bytes"]))
+    return statistics.median(rates)
+
+
+def slot_paths(directory: str, tag: str) -> list[str]:
+    return [os.path.join(directory, f"{tag}.{slot}.dat") for slot in (0, 1)]
+
+
+def remove(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def fio_point(directory: str, *, size: int, block: int, depth: int, repeats: int) -> dict[str, float]:
+    """fio in the bench's access pattern, bytes/s per pattern (medians, after a warm-up pass):
+    overwrite: two files laid out once, overwritten in turn in place (the store's two slots);
+    first write: a fresh file each pass, the previous one removed outside the clock;
+    read: the last file written, read again and again."""
+    slots = slot_paths(directory, "fio")
+    passes = [slots[i % 2] for i in range(2 * repeats + 1)]
+    fio(slots, "write", size=size, block=block, depth=depth)  # lays both out: the warm-up
+    over = fio(passes[1:], "write", size=size, block=block, depth=depth)
+    remove(slots)
+    firsts = []
     for i in range(repeats + 1):
-        path = os.path.join(directory, f"fio-{i}.dat")
-        bw = fio(path, "write", size=size, block=block, depth=depth)
-        writes += [bw] if i else []
-        if last is not None:
-            os.unlink(last)
-        last = path
-    for i in range(repeats + 1):
-        bw = fio(last, "read", size=size, block=block, depth=depth)
-        reads += [bw] if i else []
-    os.unlink(last)
-    return statistics.median(writes), statistics.median(reads)
+        remove(slots[:1])
+        rate = fio(slots[:1], "write", size=size, block=block, depth=depth, fresh=True)
+        firsts += [rate] if i else []
+    reads = [fio(slots[:1], "read", size=size, block=block, depth=depth) for _ in range(repeats + 1)][1:]
+    remove(slots)
+    return {"overwrite": over, "first write": statistics.median(firsts), "read": statistics.median(reads)}
 
 
 def raw_point(directory: str, src: torch.Tensor, out: torch.Tensor, *, block: int, depth: int,
-              repeats: int) -> tuple[float, float]:
+              repeats: int) -> dict[str, float]:
     """A third opinion: the syscalls NvmeStore makes, bare (a pool of ``depth`` threads, O_DIRECT
-    pwritev/preadv of ``block`` bytes, a fresh fallocated file renamed over the previous one), in
-    the bench's pattern. Tells "the bench measures wrong" apart from "the store is slower"."""
+    pwritev/preadv of ``block`` bytes at ``HEADER`` on, the file opened and closed in each pass),
+    in fio_point's patterns. Tells "the bench measures wrong" apart from "the store is slower"."""
     nbytes, view_src, view_out = src.numel(), memoryview(src.numpy()), memoryview(out.numpy())
-    final, part = os.path.join(directory, "raw.dat"), os.path.join(directory, "raw.part")
     offsets = range(0, nbytes, block)
-    writes, reads = [], []
-    with ThreadPoolExecutor(depth) as pool:
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-            os.posix_fallocate(fd, 0, nbytes)
-            list(pool.map(lambda o: os.pwritev(fd, [view_src[o:o + block]], o), offsets))
-            os.close(fd)
-            os.replace(part, final)
-            writes += [nbytes / (time.perf_counter() - t0)] if i else []
-        fd = os.open(final, os.O_RDONLY | os.O_DIRECT)
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            list(pool.map(lambda o: os.preadv(fd, [view_out[o:o + block]], o), offsets))
-            reads += [nbytes / (time.perf_counter() - t0)] if i else []
+    slots = slot_paths(directory, "raw")
+
+    def write(path: str, fresh: bool) -> float:
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        if fresh:
+            os.posix_fallocate(fd, 0, HEADER + nbytes)
+        list(pool.map(lambda o: os.pwritev(fd, [view_src[o:o + block]], HEADER + o), offsets))
         os.close(fd)
-    os.unlink(final)
-    return statistics.median(writes), statistics.median(reads)
+        return nbytes / (time.perf_counter() - t0)
+
+    def read(path: str) -> float:
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        list(pool.map(lambda o: os.preadv(fd, [view_out[o:o + block]], HEADER + o), offsets))
+        os.close(fd)
+        return nbytes / (time.perf_counter() - t0)
+
+    with ThreadPoolExecutor(depth) as pool:
+        for path in slots:  # laid out once, outside the clock
+            write(path, fresh=True)
+        over = [write(slots[i % 2], fresh=False) for i in range(2 * repeats + 1)][1:]
+        firsts = []
+        for i in range(repeats + 1):
+            remove(slots[:1])
+            rate = write(slots[0], fresh=True)
+            firsts += [rate] if i else []
+        reads = [read(slots[0]) for _ in range(repeats + 1)][1:]
+    remove(slots)
+    med = statistics.median
+    return {"overwrite": med(over), "first write": med(firsts), "read": med(reads)}
 
 
 def torch_copy(src: torch.Tensor, dst: torch.Tensor, *, repeats: int, seconds: float) -> float:
@@ -117,66 +159,65 @@ def main() -> None:
     s = FULL if args.full else QUICK
     points = [(b, q) for b in s.block_sizes for q in s.in_flight]
     kw = dict(repeats=s.repeats, min_seconds=s.min_seconds)
-    ours: dict = {p: ([], []) for p in points}
-    theirs: dict = {p: ([], []) for p in points}
-    bare: dict = {p: ([], []) for p in points}
+    # side -> (block, depth) -> pattern -> one figure per round
+    figs: dict = {side: {p: {pat: [] for pat in PATTERNS} for p in points} for side in ("bench", "fio", "bare")}
     direct = set()
+    load = os.getloadavg()
     work = tempfile.mkdtemp(prefix=".cli-check-", dir=args.dir)
     try:
         size = max(s.copy_bytes, s.nvme_bytes)
         a, b = measure.filled(size), measure.filled(size)  # the bench shares two buffers the same way
+        src, out = a[:s.nvme_bytes], b[:s.nvme_bytes]
         for rnd in range(args.rounds):
             print(f"round {rnd + 1}/{args.rounds} ...", file=sys.stderr)
             for (block, depth) in points:
-                def bench() -> None:
-                    pt = measure.nvme_point(work, a[:s.nvme_bytes], b[:s.nvme_bytes], block_size=block,
-                                            in_flight=depth, direct=True, **kw)
+                def bench() -> dict[str, float]:
+                    pt = measure.nvme_point(work, src, out, block_size=block, in_flight=depth, direct=True,
+                                            first_write=True, **kw)
                     direct.add(pt.direct)
-                    ours[(block, depth)][0].append(pt.write.median)
-                    ours[(block, depth)][1].append(pt.read.median)
+                    return {"overwrite": pt.write.median, "first write": pt.first_write.median,
+                            "read": pt.read.median}
 
-                def anchor() -> None:
-                    w, r = fio_point(work, size=s.nvme_bytes, block=block, depth=depth, repeats=s.repeats)
-                    theirs[(block, depth)][0].append(w)
-                    theirs[(block, depth)][1].append(r)
-                def syscalls() -> None:
-                    w, r = raw_point(work, a[:s.nvme_bytes], b[:s.nvme_bytes], block=block, depth=depth,
-                                     repeats=s.repeats)
-                    bare[(block, depth)][0].append(w)
-                    bare[(block, depth)][1].append(r)
-                for step in ((bench, anchor, syscalls) if rnd % 2 == 0 else (syscalls, anchor, bench)):
-                    step()
+                sides = {"bench": bench,
+                         "fio": lambda: fio_point(work, size=s.nvme_bytes, block=block, depth=depth,
+                                                  repeats=s.repeats),
+                         "bare": lambda: raw_point(work, src, out, block=block, depth=depth, repeats=s.repeats)}
+                for side in (list(sides) if rnd % 2 == 0 else list(sides)[::-1]):
+                    for pat, rate in sides[side]().items():
+                        figs[side][(block, depth)][pat].append(rate)
         host_ours, host_theirs = [], []
         for rnd in range(args.rounds * 2):
             x, y = a[:s.copy_bytes], b[:s.copy_bytes]
-            sides = [lambda: host_ours.append(measure.host_copy(x, y, **kw).median),
-                     lambda: host_theirs.append(torch_copy(x, y, repeats=s.repeats, seconds=0.3))]
-            for side in (sides if rnd % 2 == 0 else sides[::-1]):
-                side()
+            copies = [lambda: host_ours.append(measure.host_copy(x, y, **kw).median),
+                      lambda: host_theirs.append(torch_copy(x, y, repeats=s.repeats, seconds=0.3))]
+            for copy in (copies if rnd % 2 == 0 else copies[::-1]):
+                copy()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     med = statistics.median
     print(f"tiermem bench{'' if args.full else ' --quick'}'s measurements against independent tools, one run: "
-          f"{args.rounds} interleaved rounds, medians; {s.nvme_bytes // MiB} MiB per NVMe pass "
-          f"(NvmeStore direct I/O: {sorted(direct)}; fio libaio O_DIRECT, fresh file per write)")
+          f"{args.rounds} interleaved rounds, medians; {s.nvme_bytes // MiB} MiB per NVMe pass at offset "
+          f"{HEADER} (NvmeStore direct I/O: {sorted(direct)}; fio libaio O_DIRECT); load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start")
+    print("  overwrite: a file laid out before the clock, written over in place, two files in turn (the "
+          "bench's write figure); first write: a fresh file each time (the bench's first write of a key)")
     ratios = []
     for (block, depth) in points:
-        for i, op in enumerate(("write", "read")):
-            o, t = med(ours[(block, depth)][i]) / 1e9, med(theirs[(block, depth)][i]) / 1e9
-            raw = med(bare[(block, depth)][i]) / 1e9
-            print(f"  nvme {op:5s} {block // MiB:2d} MiB x {depth:2d} in flight   tiermem bench {o:5.2f} GB/s   "
+        for pat in PATTERNS:
+            o, t, raw = (med(figs[side][(block, depth)][pat]) / 1e9 for side in ("bench", "fio", "bare"))
+            print(f"  nvme {pat:11s} {block // MiB:2d} MiB x {depth:2d} in flight   tiermem {o:5.2f} GB/s   "
                   f"fio {t:5.2f} GB/s   bare syscalls {raw:5.2f} GB/s")
-            ratios.append((f"nvme {op} {block // MiB} MiB x {depth} in flight: tiermem bench / fio", o / t))
-            ratios.append((f"nvme {op} {block // MiB} MiB x {depth} in flight: tiermem bench / bare syscalls",
-                           o / raw))
+            what = f"nvme {pat} {block // MiB} MiB x {depth} in flight: tiermem"
+            ratios.append((f"{what} / fio", o / t))
+            ratios.append((f"{what} / bare syscalls", o / raw))
     o, t = med(host_ours) / 1e9, med(host_theirs) / 1e9
-    print(f"  host copy {s.copy_bytes // MiB} MiB                tiermem bench {o:5.2f} GB/s   "
+    print(f"  host copy {s.copy_bytes // MiB} MiB                  tiermem bench {o:5.2f} GB/s   "
           f"torch copy_ {t:5.2f} GB/s")
     ratios.append((f"host copy {s.copy_bytes // MiB} MiB: tiermem bench / torch copy_", o / t))
     print("ratios (target: within 10% of 1.00)")
     for label, r in ratios:
-        print(f"  {label:68s} {r:5.2f}  {'ok' if abs(r - 1) <= 0.10 else 'OFF'}")
+        print(f"  {label:62s} {r:5.2f}  {'ok' if abs(r - 1) <= 0.10 else 'OFF'}")
 
 
 if __name__ == "__main__":
