@@ -368,9 +368,9 @@ class _Bad(Policy):
         return "gpu"
 
 
-class _GradsOnNvme(Policy):
+class _GradsOnNvmeStateOnDevice(Policy):
     def place(self, info):
-        return Tier.NVME if info.kind is TensorClass.GRAD else ZeroOffload().place(info)
+        return Tier.NVME if info.kind is TensorClass.GRAD else Tier.DEVICE
 
 
 @pytest.mark.parametrize("make, err, match", [
@@ -378,7 +378,8 @@ class _GradsOnNvme(Policy):
     (lambda: TieredModel(TinyGPT(), precision="fp8"), ConfigError, "precision='fp8' is not supported"),
     (lambda: TieredModel(TinyGPT(), _Bad()), ConfigError, r"returned 'gpu' for '.*'"),
     (lambda: TieredModel(TinyGPT(), "zero"), ConfigError, "is not a tiermem.Policy"),
-    (lambda: TieredModel(TinyGPT(), _GradsOnNvme()), ConfigError, r"places '.*' \(grad\) on nvme, which this version"),
+    (lambda: TieredModel(TinyGPT(), _GradsOnNvmeStateOnDevice(), nvme_dir="."), ConfigError,
+     r"grads on NVMe but its optimizer state on the device.*place OPTIM_STATE on HOST or NVME"),
     (lambda: TieredModel(TinyGPT(), optimizer=torch.optim.SGD), ConfigError, "not a tiermem optimizer spec"),
     (lambda: TieredModel(TinyGPT(), grad_clip=-1), ConfigError, "grad_clip=-1 is invalid"),
     (lambda: TieredModel(TinyGPT(), budgets=Budgets(device="10KB")), OutOfTierMemory,

@@ -221,9 +221,10 @@ class TransferEngine:
         h.add_done_callback(done)
         return h.observed(self.stats.stall_sink(dst))
 
-    def run_async(self, fn: Callable[[], object], *, name: str = "compute") -> Handle:
+    def run_async(self, fn: Callable[[], object], *, name: str = "compute", lane: str = "compute") -> Handle:
         """Run ``fn`` on the engine's compute thread (e.g. a CPU optimizer step that overlaps the
-        next forward and backward). Requests run one at a time, in the order made."""
+        next forward and backward), or behind the requests already queued on another ``lane``
+        ("d2h", "h2d"). Requests on a lane run one at a time, in the order made."""
         def timed():
             t0 = time.perf_counter()
             try:
@@ -231,7 +232,7 @@ class TransferEngine:
             finally:
                 if self.tracer is not None:
                     self.tracer.add(name, "compute", t0, time.perf_counter())
-        return Handle(self._lanes["compute"].submit(timed), on_stall=self.stats.stall_sink(Tier.HOST))
+        return Handle(self._lanes[lane].submit(timed), on_stall=self.stats.stall_sink(Tier.HOST))
 
     def _copy_or_add(self, dst, src, lane, ready, accumulate, src_tier, dst_tier, kind) -> torch.Tensor:
         t0 = time.perf_counter()

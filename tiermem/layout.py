@@ -28,6 +28,7 @@ import torch
 from tiermem.buckets import STATE_PARTS, Bucket, Slot, plan_buckets
 from tiermem.config import _AdamSpec
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
+from tiermem.nvme_grads import NvmeGrads
 from tiermem.nvme_state import NvmeState
 from tiermem.policy import Policy, checked_place
 from tiermem.stores.memory import _MemoryStore
@@ -36,7 +37,7 @@ from tiermem.types import TensorClass, TensorInfo, Tier
 #: Placements this version can honour, per tensor class (the rest arrive with the NVMe extension).
 SUPPORTED = {
     TensorClass.PARAM: {Tier.DEVICE, Tier.HOST, Tier.NVME},
-    TensorClass.GRAD: {Tier.DEVICE, Tier.HOST},
+    TensorClass.GRAD: {Tier.DEVICE, Tier.HOST, Tier.NVME},
     TensorClass.OPTIM_STATE: {Tier.DEVICE, Tier.HOST, Tier.NVME},
     TensorClass.ACTIVATION: {Tier.DEVICE, Tier.HOST, Tier.NVME},  # asked per saved tensor, tiermem.activations
 }
@@ -49,8 +50,8 @@ def compute_tier(b: Bucket) -> Tier:
 
 @dataclass
 class Buffers:
-    param: torch.Tensor
-    grad: torch.Tensor
+    param: Optional[torch.Tensor]  # None when the weights live off the device (see param_offload)
+    grad: Optional[torch.Tensor]  # None when the grads live on NVMe (see nvme_grads)
     master: Optional[torch.Tensor]  # None when the state lives on NVMe (see nvme_state)
     exp_avg: Optional[torch.Tensor]
     exp_avg_sq: Optional[torch.Tensor]
@@ -74,6 +75,7 @@ class Layout:
     staging: dict[Tier, list[torch.Tensor]] = field(default_factory=dict)  # Adam's output, 2 per tier
     buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # buffers' dtypes as given
     nvme_state: Optional[NvmeState] = None  # the buckets whose optimizer state is on NVMe
+    nvme_grads: Optional[NvmeGrads] = None  # the buckets whose gradients are on NVMe
     n_params: int = 0
 
 
@@ -119,6 +121,10 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
             raise ConfigError(f"tiermem: the policy splits the optimizer state of {name!r} over "
                               f"{sorted(t.value for t in state_tiers)}; master, exp_avg and exp_avg_sq "
                               f"of one parameter must share a tier")
+        if grad_tier == Tier.NVME and Tier.DEVICE in state_tiers:
+            raise ConfigError(f"tiermem: the policy places {name!r}'s grads on NVMe but its optimizer state on "
+                              f"the device; grads on NVMe are read back to the host for the step: place "
+                              f"OPTIM_STATE on HOST or NVME for it")
         if param_tier != Tier.DEVICE and Tier.DEVICE in state_tiers:
             raise ConfigError(f"tiermem: the policy places {name!r}'s weights on {param_tier} but its optimizer "
                               f"state on the device; this version updates off-device weights from host or "
@@ -140,16 +146,19 @@ def needed_bytes(buckets: list[Bucket], frozen: list[tuple[torch.nn.Parameter, T
         ct = compute_tier(b)
         # NVMe holds each value and the previous one (a failed step can be undone): twice the bytes
         need[b.param_tier]["working weights"] += b.numel * w * (2 if b.param_tier == Tier.NVME else 1)
-        need[b.grad_tier]["fp32 grads"] += b.numel * 4
+        need[b.grad_tier]["fp32 grads"] += b.numel * 4 * (2 if b.grad_tier == Tier.NVME else 1)
         if b.state_tier == Tier.NVME:
             need[Tier.NVME]["optimizer state (latest and previous)"] += b.numel * 24
         else:
             need[b.state_tier]["optimizer state"] += b.numel * 12
-        if ct != b.grad_tier:
+        if ct != b.grad_tier and b.grad_tier != Tier.NVME:
             need[ct]["grads for the step"] += b.numel * 4
         if overlap:
             need[b.grad_tier]["second grad buffer (overlap_step)"] += b.numel * 4
             need[ct]["updated weights (overlap_step)"] += b.numel * w
+    grads_largest = max((b.numel for b in buckets if b.grad_tier == Tier.NVME), default=0)
+    if grads_largest:
+        need[Tier.HOST]["grads on their way to NVMe (about 3 buckets)"] += 3 * 4 * grads_largest
     nvme_largest = max((b.numel for b in buckets if b.state_tier == Tier.NVME), default=0)
     if nvme_largest:
         need[Tier.HOST]["optimizer state pipeline (3 buckets)"] += 3 * 12 * nvme_largest
@@ -204,19 +213,26 @@ def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]
     on_nvme = [b for b in buckets if b.state_tier == Tier.NVME]
     if on_nvme:
         layout.nvme_state = NvmeState(on_nvme, engine, stores[Tier.HOST])
+    if any(b.grad_tier == Tier.NVME for b in buckets):
+        if overlap:
+            raise ConfigError("tiermem: overlap_step=True cannot be combined with grads on NVMe (the next "
+                              "backward would overwrite grads the update still reads); place GRAD on HOST "
+                              "or pass overlap_step=False")
+        layout.nvme_grads = NvmeGrads([b for b in buckets if b.grad_tier == Tier.NVME], engine, stores[Tier.HOST])
     for b in buckets:
-        ct, gt = stores[compute_tier(b)], stores[b.grad_tier]
+        ct = stores[compute_tier(b)]
+        gt = stores[b.grad_tier] if b.grad_tier != Tier.NVME else None
         n = (b.numel,)
         buf = Buffers(
             param=dev.allocate(f"{b.key}:param", n, dtype, TensorClass.PARAM) if b.param_tier == Tier.DEVICE else None,
-            grad=gt.allocate(f"{b.key}:grad", n, torch.float32, TensorClass.GRAD),
+            grad=gt.allocate(f"{b.key}:grad", n, torch.float32, TensorClass.GRAD) if gt is not None else None,
             master=None, exp_avg=None, exp_avg_sq=None)
         if b.state_tier != Tier.NVME:
             st = stores[b.state_tier]
             buf.master = st.allocate(f"{b.key}:master", n, torch.float32, TensorClass.OPTIM_STATE)
             buf.exp_avg = st.allocate(f"{b.key}:exp_avg", n, torch.float32, TensorClass.OPTIM_STATE).zero_()
             buf.exp_avg_sq = st.allocate(f"{b.key}:exp_avg_sq", n, torch.float32, TensorClass.OPTIM_STATE).zero_()
-        if compute_tier(b) != b.grad_tier:
+        if compute_tier(b) != b.grad_tier and gt is not None:
             buf.grad_in = ct.allocate(f"{b.key}:grad_in", n, torch.float32, TensorClass.GRAD)
         if overlap:
             buf.grad_alt = gt.allocate(f"{b.key}:grad_alt", n, torch.float32, TensorClass.GRAD)

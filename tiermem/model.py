@@ -144,6 +144,7 @@ class TieredModel:
                               "tm(...) outside torch.no_grad() and with the module in train mode")
         with self.tracer.span("backward", "compute"):
             (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
+        self.stepper.end_backward()
         self.activations.release()
 
     def step(self) -> StepResult:

@@ -28,6 +28,7 @@ import torch
 from tiermem.errors import OutOfTierMemory, TierMemError
 from tiermem.handles import Handle, wait_all, wait_all_quietly
 from tiermem.layout import Layout, compute_tier
+from tiermem.uploads import Uploads, slots_in
 from tiermem.scaler import LossScaler
 from tiermem.types import TensorClass, Tier
 
@@ -76,7 +77,9 @@ class Stepper:
         if grad is None:
             return
         key = (bucket.index, slot.offset)
-        acc = self.layout.buffers[bucket.index].grad_buffer(self._fill)[slot.offset:slot.offset + slot.numel]
+        on_nvme = bucket.grad_tier == Tier.NVME  # NOTE [Gradients on NVMe]: they land on the host first
+        acc = (self.layout.nvme_grads.landing(bucket) if on_nvme else
+               self.layout.buffers[bucket.index].grad_buffer(self._fill))[slot.offset:slot.offset + slot.numel]
         tag = f"<grad in flight {slot.name} #{next(self._copy_ids)}>"  # one tag per copy: micro-batches overlap
         nbytes = grad.numel() * grad.element_size()
         try:
@@ -85,7 +88,8 @@ class Stepper:
             self.finish_grads()
             self.device_ledger.reserve(tag, nbytes, TensorClass.GRAD)
         try:
-            h = self.engine.copy_async(acc, grad.reshape(-1), src_tier=Tier.DEVICE, dst_tier=bucket.grad_tier,
+            h = self.engine.copy_async(acc, grad.reshape(-1), src_tier=Tier.DEVICE,
+                                       dst_tier=Tier.HOST if on_nvme else bucket.grad_tier,
                                        accumulate=key in self._got, kind=TensorClass.GRAD)
         except BaseException:
             self.device_ledger.release(tag)
@@ -94,6 +98,13 @@ class Stepper:
         self._grad_handles.append((h, tag))
         self._got.add(key)
         param.grad = None  # the device grad is freed once the copy has read it
+        if on_nvme:
+            self.layout.nvme_grads.arrived(bucket)
+
+    def end_backward(self) -> None:
+        """Backward has returned: buckets of grads on NVMe that are still open are flushed."""
+        if self.layout.nvme_grads is not None:
+            self.layout.nvme_grads.end_backward({b.index: b for b in self.layout.buckets})
 
     def finish_grads(self) -> None:
         """Wait for the gradient copies in flight; their device bytes are free afterwards."""
@@ -108,6 +119,13 @@ class Stepper:
     def finish_pending(self) -> None:
         """Wait for every transfer this stepper started, and land a background update."""
         self.finish_grads()
+        if self.layout.nvme_grads is not None:
+            try:
+                self.layout.nvme_grads.wait()
+            except BaseException:  # this step's grads did not all reach NVMe: drop them all, never
+                self._got.clear()  # step on a mix; the caller runs backward again
+                self.layout.nvme_grads.end_step()
+                raise
         self._land_background()
 
     # -- the step --------------------------------------------------------------------------------
@@ -129,6 +147,7 @@ class Stepper:
         if not torch.isfinite(norm):
             self.scaler.update(found_inf=True)
             self._got.clear()
+            self._grads_consumed()
             if not self.scaler.enabled:
                 log.warning("tiermem: gradient norm is %s; step skipped, weights unchanged", norm.item())
             return StepResult(True, norm.item(), self.scaler.scale, self.steps)
@@ -147,8 +166,13 @@ class Stepper:
             self._update(plan, grads, hyper, scale, clip)
         self.scaler.update(found_inf=False)
         self._got.clear()
+        self._grads_consumed()
         self.steps += 1
         return StepResult(False, norm.item(), self.scaler.scale, self.steps)
+
+    def _grads_consumed(self) -> None:
+        if self.layout.nvme_grads is not None:
+            self.layout.nvme_grads.end_step()
 
     def _update(self, plan, grads, hyper, scale: float, clip: float) -> None:
         """Fused Adam per bucket; new low-precision weights go to the device (through the
@@ -157,19 +181,24 @@ class Stepper:
         first, through the pipeline of :mod:`tiermem.nvme_state`: if it fails, nothing else has
         changed yet, their device weights are restored from the state on disk, per-parameter
         step counts are rolled back, and the error propagates with the grads kept for a retry."""
-        uploads = _Uploads(self)
+        uploads = Uploads(self)
 
         def adam(b, runs, state) -> None:
             master, exp_avg, exp_avg_sq = state
             buf = self.layout.buffers[b.index]
             out = uploads.target(b)
             h, g = hyper[b.group], grads[b.index]
+            free = None
+            if g is None and runs:  # grads on NVMe: read back for this bucket only
+                g, free = self.layout.nvme_grads.read(b)
             with self.tracer.span(f"adam {b.key}", "adam", numel=b.numel):
                 for start, end, step in runs:
                     self._adam_step(master[start:end], exp_avg[start:end], exp_avg_sq[start:end], g[start:end],
                                     step=step, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
                                     weight_decay=h["weight_decay"], adamw=h["adamw"], grad_scale=scale,
                                     clip_coef=clip, out=out[start:end], check_finite=False)
+            if free is not None:
+                free()
             uploads.done(b, out, runs)
 
         if self.param_offload is not None and not self.overlap:
@@ -198,14 +227,14 @@ class Stepper:
         for a retry); buckets already updated in memory keep theirs and drop their grads, so a
         retry cannot apply them twice; NVMe buckets' weights are restored from the reverted state."""
         for b, runs in plan:
-            for s in _slots_in(b, runs):
+            for s in slots_in(b, runs):
                 if b.index in updated:
                     self._got.discard((b.index, s.offset))
                 else:
                     self._step_of[s.name] -= 1
         if not nvme_buckets:
             return
-        uploads = _Uploads(self)
+        uploads = Uploads(self)
 
         def restore(b, master) -> None:
             out = uploads.target(b)
@@ -219,7 +248,7 @@ class Stepper:
         device, their home tier (NOTE [Parameters off the device])."""
         if b.param_tier != Tier.DEVICE:  # overlaps Adam on the next bucket, like an upload
             return [self.param_offload.write_home(s.name, src[s.offset:s.offset + s.numel].view(s.shape), wait=False)
-                    for s in _slots_in(b, runs)]
+                    for s in slots_in(b, runs)]
         param = self.layout.buffers[b.index].param
         return [self.engine.copy_async(param[a:e], src[a:e], src_tier=compute_tier(b), dst_tier=Tier.DEVICE,
                                        kind=TensorClass.PARAM)
@@ -242,6 +271,9 @@ class Stepper:
         grads, copies = {}, []
         for b in self.layout.buckets:
             buf = self.layout.buffers[b.index]
+            if b.grad_tier == Tier.NVME:
+                grads[b.index] = None  # read back when needed: NOTE [Gradients on NVMe]
+                continue
             acc = buf.grad_buffer(self._fill)
             if buf.grad_in is None:
                 grads[b.index] = acc
@@ -255,8 +287,20 @@ class Stepper:
     def _global_norm(self, grads: dict[int, torch.Tensor]) -> torch.Tensor:
         # Per-parameter norms in a fixed parameter order, so that the rounding of the total (and
         # so the clip coefficient) never depends on how a policy grouped parameters into buckets.
-        norms = [torch.linalg.vector_norm(grads[b.index][s.offset:s.offset + s.numel], dtype=torch.float32)
-                 for b, s in self._by_order if (b.index, s.offset) in self._got]
+        per_slot = {}
+        for b in self.layout.buckets:
+            g, free = grads[b.index], None
+            if g is None:
+                if not any((b.index, s.offset) in self._got for s in b.slots):
+                    continue
+                g, free = self.layout.nvme_grads.read(b)
+            for s in b.slots:
+                if (b.index, s.offset) in self._got:
+                    per_slot[(b.index, s.offset)] = torch.linalg.vector_norm(g[s.offset:s.offset + s.numel],
+                                                                             dtype=torch.float32)
+            if free is not None:
+                free()
+        norms = [per_slot[(b.index, s.offset)] for b, s in self._by_order if (b.index, s.offset) in per_slot]
         if not norms:
             return torch.zeros((), dtype=torch.float32)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -331,45 +375,3 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict) -> None:  # type: ignore[override]
         self.state_dict()
-
-
-class _Uploads:
-    """Where Adam writes a bucket's new low-precision weights, and their upload to the device:
-    in place when the state is on the device, ``param_out`` with overlap_step, else one of two
-    staging buffers per tier, reused once its previous upload has finished."""
-
-    def __init__(self, stepper: Stepper):
-        self.s = stepper
-        self.turn = 0
-        self.inflight: dict[tuple[Tier, int], list[Handle]] = {}
-
-    def target(self, b) -> torch.Tensor:
-        buf = self.s.layout.buffers[b.index]
-        if buf.param_out is not None:
-            return buf.param_out
-        tier = compute_tier(b)
-        if tier == Tier.DEVICE and buf.param is not None:
-            return buf.param
-        which = (tier, self.turn % len(self.s.layout.staging[tier]))
-        with self.s.tracer.span("wait staging", "stall"):
-            wait_all(self.inflight.pop(which, ()))  # ordering: its last upload has left the buffer
-        self._current = which
-        return self.s.layout.staging[tier][which[1]][:b.numel]
-
-    def done(self, b, out: torch.Tensor, runs) -> None:
-        buf = self.s.layout.buffers[b.index]
-        if buf.param_out is not None or (compute_tier(b) == Tier.DEVICE and b.param_tier == Tier.DEVICE):
-            return
-        self.inflight[self._current] = self.s._upload(b, out, runs)  # overlaps Adam on the next bucket
-        self.turn += 1
-
-    def finish(self, quiet: bool = False) -> None:
-        handles = [h for hs in self.inflight.values() for h in hs]
-        self.inflight.clear()
-        with self.s.tracer.span("wait uploads", "stall"):
-            (wait_all_quietly if quiet else wait_all)(handles)
-
-
-def _slots_in(bucket, runs) -> list:
-    """The slots of ``bucket`` that the update ``runs`` cover."""
-    return [s for s in bucket.slots if any(a <= s.offset < e for a, e, _ in runs)]
