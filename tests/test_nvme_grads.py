@@ -69,8 +69,8 @@ def test_failed_grad_flush_surfaces_and_state_is_unchanged(tmp_path):
     before = tm.state_dict()
     x, y = gpt_batch(99)
     with disk_fills_up(tm.stores[Tier.NVME], after=0):
-        tm.backward(gpt_loss(tm(x), y))
-        with pytest.raises(StoreError, match="(?i)no space left"):
+        with pytest.raises(StoreError, match="(?i)no space left"):  # in backward or at the step
+            tm.backward(gpt_loss(tm(x), y))
             tm.step()
     after = tm.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -82,3 +82,25 @@ def test_failed_grad_flush_surfaces_and_state_is_unchanged(tmp_path):
 def test_grads_on_nvme_refuse_overlap_step(tmp_path):
     with pytest.raises(ConfigError, match="overlap_step=True cannot be combined with grads on NVMe"):
         TieredModel(TinyGPT(), GradsOnNvme(), nvme_dir=str(tmp_path), overlap_step=True)
+
+
+def test_a_backward_that_stops_early_never_steps_on_old_grads(tmp_path):
+    """Step 2's backward raises half way: its grads are dropped; the next step uses only the
+    grads of a complete backward (same numbers as ZeroOffload doing the same)."""
+    results = []
+    for policy, tmp in ((ZeroOffload(), None), (GradsOnNvme(), tmp_path)):
+        torch.manual_seed(22)
+        tm = TieredModel(TinyGPT(n_layer=3), policy, optimizer=AdamW(lr=1e-2), precision="fp32",
+                         bucket_size=2500, nvme_dir=str(tmp) if tmp else None)
+        for i in range(3):
+            x, y = gpt_batch(i)
+            if i == 1:
+                handle = tm.module.blocks[1].register_full_backward_hook(lambda *a: 1 / 0)
+                with pytest.raises(ZeroDivisionError):
+                    tm.backward(gpt_loss(tm(x), y))
+                handle.remove()
+                assert not tm.stepper._got
+            tm.backward(gpt_loss(tm(x), y))
+            tm.step()
+        results.append(tm.state_dict())
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])

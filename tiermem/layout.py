@@ -218,7 +218,7 @@ def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]
             raise ConfigError("tiermem: overlap_step=True cannot be combined with grads on NVMe (the next "
                               "backward would overwrite grads the update still reads); place GRAD on HOST "
                               "or pass overlap_step=False")
-        layout.nvme_grads = NvmeGrads([b for b in buckets if b.grad_tier == Tier.NVME], engine, stores[Tier.HOST])
+        layout.nvme_grads = NvmeGrads(engine, stores[Tier.HOST])
     for b in buckets:
         ct = stores[compute_tier(b)]
         gt = stores[b.grad_tier] if b.grad_tier != Tier.NVME else None

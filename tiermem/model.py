@@ -133,7 +133,9 @@ class TieredModel:
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` (scaled in fp16); call once per micro-batch, grads accumulate."""
+        """Backward of ``loss`` (scaled in fp16); call once per micro-batch, grads accumulate.
+        If it raises, this step's grads (earlier micro-batches too) are dropped: run the step's
+        forward and backward again."""
         self._check_attached()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ConfigError(f"tiermem: backward() needs a scalar loss tensor, got "
@@ -142,10 +144,15 @@ class TieredModel:
         if not loss.requires_grad:
             raise ConfigError("tiermem: backward() got a loss that does not require grad; compute it from "
                               "tm(...) outside torch.no_grad() and with the module in train mode")
-        with self.tracer.span("backward", "compute"):
-            (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
-        self.stepper.end_backward()
-        self.activations.release()
+        try:
+            with self.tracer.span("backward", "compute"):
+                (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
+            self.stepper.end_backward()
+        except BaseException:  # some grads are missing: drop the step's grads, never step on a mix
+            self.stepper.drop_grads()
+            raise
+        finally:
+            self.activations.release()
 
     def step(self) -> StepResult:
         """Update the weights from the accumulated grads, then clear them."""

@@ -13,17 +13,19 @@ for the global norm, once for Adam.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Sequence
+from concurrent.futures import Future
+from typing import Callable, Optional
 
 import torch
 
 from tiermem.buckets import Bucket
+from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle, wait_all
 from tiermem.types import TensorClass, Tier
 
 
 class NvmeGrads:
-    def __init__(self, buckets: Sequence[Bucket], engine, host_store):
+    def __init__(self, engine, host_store):
         self.engine, self.host = engine, host_store
         self._landing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (fp32 view, pool buffer)
         self._arrived: dict[int, int] = defaultdict(int)  # gradients delivered in this backward
@@ -39,13 +41,31 @@ class NvmeGrads:
     def landing(self, b: Bucket) -> torch.Tensor:
         """The host buffer that accumulates ``b``'s gradients in this backward."""
         if b.index not in self._landing:
-            base = self.host.acquire(b.numel * 4, f"<grad landing {b.key}>", TensorClass.GRAD)
+            tag = f"<grad landing {b.key}>"
+            base = self._acquire(b.numel * 4, tag)
             t = base[:b.numel * 4].view(torch.float32)
-            if b.index in self._on_disk:  # an earlier micro-batch of this step: continue from it
-                self._flush_of.pop(b.index).wait()  # ordering: its flush is issued and landed first
-                self.engine.store_read(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD).wait()
+            try:
+                if b.index in self._on_disk:  # an earlier micro-batch of this step: continue from it
+                    earlier = self._flush_of.pop(b.index, None)
+                    if earlier is not None:
+                        earlier.wait()  # ordering: its flush is issued and landed first
+                    self.engine.store_read(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD).wait()
+            except BaseException:
+                self.host.release(tag, base)
+                raise
             self._landing[b.index] = (t, base)
         return self._landing[b.index][0]
+
+    def _acquire(self, nbytes: int, tag: str) -> torch.Tensor:
+        """A pooled host buffer; when the host budget is tight, the flushes in flight (whose
+        buffers go back to the pool) land first. Bounded: at most a few flushes in flight."""
+        while len([h for h in self._flushes if not h.done()]) > 2:
+            next(h for h in self._flushes if not h.done()).wait()
+        try:
+            return self.host.acquire(nbytes, tag, TensorClass.GRAD)
+        except OutOfTierMemory:
+            wait_all(self._flushes)
+            return self.host.acquire(nbytes, tag, TensorClass.GRAD)
 
     def arrived(self, b: Bucket) -> None:
         """One more of ``b``'s parameters has its gradient copy queued."""
@@ -63,12 +83,21 @@ class NvmeGrads:
         self._arrived[b.index] = 0
         self._on_disk.add(b.index)
 
-        def write() -> None:  # runs on the lane after the bucket's copies: NOTE [Gradients on NVMe]
-            try:
-                self.engine.store_write(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD).wait()
-            finally:
-                self.host.release(f"<grad landing {b.key}>", base)
-        h = self.engine.run_async(write, name=f"flush {b.key} grads", lane="d2h")
+        landed: Future = Future()
+
+        def release(error: Optional[BaseException]) -> None:
+            self.host.release(f"<grad landing {b.key}>", base)
+            landed.set_exception(error) if error is not None else landed.set_result(None)
+
+        def issue() -> None:  # runs on the lane after the bucket's copies: NOTE [Gradients on NVMe]
+            try:  # issue the write and return: the lane is not held while the disk works
+                h = self.engine.store_write(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the flush
+                release(e)
+                return
+            h.add_done_callback(lambda f: release(f.exception()))
+        self.engine.run_async(issue, name=f"flush {b.key} grads", lane="d2h")
+        h = Handle(landed, on_stall=self.engine.stats.stall_sink(Tier.NVME))
         self._flushes.append(h)
         self._flush_of[b.index] = h
 
@@ -82,13 +111,19 @@ class NvmeGrads:
         tag = f"<grad read {b.key}>"
         base = self.host.acquire(b.numel * 4, tag, TensorClass.GRAD)
         t = base[:b.numel * 4].view(torch.float32)
-        self.engine.store_read(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD).wait()
+        try:
+            self.engine.store_read(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD).wait()
+        except BaseException:
+            self.host.release(tag, base)
+            raise
         return t, lambda: self.host.release(tag, base)
 
-    def has(self, b: Bucket) -> bool:
-        return b.index in self._on_disk
+    def open(self) -> bool:
+        """Some bucket still accumulates (a backward stopped before its end)."""
+        return bool(self._landing)
 
     def end_step(self) -> None:
-        """The step consumed the gradients: the next backward starts afresh."""
+        """The step consumed (or dropped) the gradients: the next backward starts afresh."""
         self._on_disk.clear()
         self._flush_of.clear()
+        self._arrived.clear()

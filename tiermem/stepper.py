@@ -17,6 +17,7 @@ parameter keeps its own step count (bias correction).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -117,16 +118,36 @@ class Stepper:
                     self.device_ledger.release(tag)
 
     def finish_pending(self) -> None:
-        """Wait for every transfer this stepper started, and land a background update."""
-        self.finish_grads()
-        if self.layout.nvme_grads is not None:
-            try:
-                self.layout.nvme_grads.wait()
-            except BaseException:  # this step's grads did not all reach NVMe: drop them all, never
-                self._got.clear()  # step on a mix; the caller runs backward again
-                self.layout.nvme_grads.end_step()
-                raise
+        """Wait for every transfer this stepper started, and land a background update. If some
+        grads did not arrive (a copy or a flush to NVMe failed), this step's grads are dropped
+        with the error, never stepped on as a mix: the caller runs backward again."""
+        nvme = self.layout.nvme_grads
+        try:
+            self.finish_grads()
+            if nvme is not None:
+                if nvme.open():  # a backward that stopped early left buckets accumulating
+                    self.end_backward()
+                nvme.wait()
+        except BaseException:
+            self.drop_grads()
+            raise
         self._land_background()
+
+    def drop_grads(self) -> None:
+        """Forget this step's grads (after an error left some missing): transfers in flight
+        are drained, nothing will be stepped on."""
+        handles, self._grad_handles = self._grad_handles, []
+        wait_all_quietly([h for h, _ in handles])
+        for _, tag in handles:
+            self.device_ledger.release(tag)
+        self._got.clear()
+        nvme = self.layout.nvme_grads
+        if nvme is not None:
+            with contextlib.suppress(BaseException):
+                nvme.end_backward({b.index: b for b in self.layout.buckets})
+            with contextlib.suppress(BaseException):
+                nvme.wait()  # drain: no flush keeps writing behind the error
+            nvme.end_step()
 
     # -- the step --------------------------------------------------------------------------------
     def run(self, groups: list[dict]) -> StepResult:
@@ -191,14 +212,17 @@ class Stepper:
             free = None
             if g is None and runs:  # grads on NVMe: read back for this bucket only
                 g, free = self.layout.nvme_grads.read(b)
-            with self.tracer.span(f"adam {b.key}", "adam", numel=b.numel):
-                for start, end, step in runs:
-                    self._adam_step(master[start:end], exp_avg[start:end], exp_avg_sq[start:end], g[start:end],
-                                    step=step, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
-                                    weight_decay=h["weight_decay"], adamw=h["adamw"], grad_scale=scale,
-                                    clip_coef=clip, out=out[start:end], check_finite=False)
-            if free is not None:
-                free()
+            try:
+                with self.tracer.span(f"adam {b.key}", "adam", numel=b.numel):
+                    for start, end, step in runs:
+                        self._adam_step(master[start:end], exp_avg[start:end], exp_avg_sq[start:end],
+                                        g[start:end], step=step, lr=h["lr"], beta1=h["betas"][0],
+                                        beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"],
+                                        adamw=h["adamw"], grad_scale=scale, clip_coef=clip, out=out[start:end],
+                                        check_finite=False)
+            finally:
+                if free is not None:
+                    free()
             uploads.done(b, out, runs)
 
         if self.param_offload is not None and not self.overlap:
@@ -294,12 +318,14 @@ class Stepper:
                 if not any((b.index, s.offset) in self._got for s in b.slots):
                     continue
                 g, free = self.layout.nvme_grads.read(b)
-            for s in b.slots:
-                if (b.index, s.offset) in self._got:
-                    per_slot[(b.index, s.offset)] = torch.linalg.vector_norm(g[s.offset:s.offset + s.numel],
-                                                                             dtype=torch.float32)
-            if free is not None:
-                free()
+            try:
+                for s in b.slots:
+                    if (b.index, s.offset) in self._got:
+                        per_slot[(b.index, s.offset)] = torch.linalg.vector_norm(
+                            g[s.offset:s.offset + s.numel], dtype=torch.float32)
+            finally:
+                if free is not None:
+                    free()
         norms = [per_slot[(b.index, s.offset)] for b, s in self._by_order if (b.index, s.offset) in per_slot]
         if not norms:
             return torch.zeros((), dtype=torch.float32)
