@@ -505,3 +505,16 @@ def test_failed_in_memory_step_is_never_applied_twice(monkeypatch):
     a, b = tm.state_dict(), ref.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert tm.stepper.param_steps() == ref.stepper.param_steps()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_non_finite_grads_skip_the_step_in_every_precision(precision, caplog):
+    tm = TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), precision=precision, bucket_size=3000)
+    x, y = gpt_batch(0)
+    before = tm.state_dict()
+    tm.backward(gpt_loss(tm(x), y) * float("nan"))
+    res = tm.step()
+    assert res.skipped and res.step == 0 and res.loss_scale == 1.0
+    assert "step skipped" in caplog.text
+    after = tm.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
