@@ -139,3 +139,11 @@ def test_a_module_that_raises_releases_its_weights(tmp_path):
     assert not any(tm.param_offload.scheduler._pins.values())  # nothing stays acquired
     assert all(torch.isnan(p).all() for p in block.parameters())  # placeholders are back
     _train(tm, 1)  # and training goes on
+
+
+def test_prefetch_off_fetches_on_demand_with_the_same_numbers(tmp_path):
+    ref = _make(ZeroInfinity(), tmp_path / "on" if (tmp_path / "on").mkdir() is None else None)
+    tm = _make(ZeroInfinity(), tmp_path / "off" if (tmp_path / "off").mkdir() is None else None, prefetch=False)
+    assert _train(tm, 3) == _train(ref, 3)
+    assert tm.param_offload.scheduler.stats.prefetches == 0 and tm.param_offload.scheduler.stats.misses > 0
+    assert ref.param_offload.scheduler.stats.prefetches > 0
