@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,9 +68,6 @@ class _AdamSpec:
         """The keys torch optimizers keep in each param group (so lr schedulers work)."""
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
                 "weight_decay": self.weight_decay, "adamw": self.adamw}
-
-    def replace_fields(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,9 +18,9 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -28,7 +28,7 @@ from tiermem.errors import TierMemError
 from tiermem.handles import Handle
 from tiermem.registry import Registry, Residency
 from tiermem.stores.base import Store
-from tiermem.stores.memory import HostStore, _MemoryStore
+from tiermem.stores.memory import HostStore, _MemoryStore, nbytes_of
 from tiermem.types import TensorInfo, Tier
 
 log = logging.getLogger(__name__)
@@ -241,17 +241,9 @@ class TransferEngine:
             if not accumulate and not (cross and src.dtype != dst.dtype):
                 self._memcpy(dst, src, lane, ready)
             elif cross:  # convert on the host: a converting copy would allocate a temporary on the device
-                host = self.stores[Tier.HOST]
-                assert isinstance(host, HostStore)
-                nbytes = src.numel() * src.element_size()
-                tag = f"<staging {id(src)}>"
-                base = host.acquire(nbytes, tag)
-                try:
-                    staged = base[:nbytes].view(src.dtype).view(src.shape)
+                with self._staging(f"<staging {id(src)}>", src.shape, src.dtype) as staged:
                     self._memcpy(staged, src, lane, ready)
                     (dst.add_(staged) if accumulate else dst.copy_(staged))
-                finally:
-                    host.release(tag, base)
             else:
                 dst.add_(src)
         finally:
@@ -364,25 +356,29 @@ class TransferEngine:
             self._memcpy(out, src_store.get(key), lane, ready)
         elif out is not None:  # NVMe -> memory
             if dst == Tier.DEVICE and self.device.type == "cuda":
-                self._staged(key, info, lambda buf: (src_store.read(key, buf).wait(),
-                                                     self._memcpy(out, buf, "h2d", ready)))
+                with self._staging(f"<staging {key}>", info.shape, info.dtype) as buf:
+                    src_store.read(key, buf).wait()
+                    self._memcpy(out, buf, "h2d", ready)
             else:
                 src_store.read(key, out.view(-1) if out.dim() else out).wait()
         else:  # memory -> NVMe
             tensor = src_store.get(key)  # type: ignore[attr-defined]
             if src == Tier.DEVICE and self.device.type == "cuda":
-                self._staged(key, info, lambda buf: (self._memcpy(buf, tensor, "d2h", ready),
-                                                     dst_store.write(key, buf, info.kind).wait()))
+                with self._staging(f"<staging {key}>", info.shape, info.dtype) as buf:
+                    self._memcpy(buf, tensor, "d2h", ready)
+                    dst_store.write(key, buf, info.kind).wait()
             else:
                 dst_store.write(key, tensor, info.kind).wait()
 
-    def _staged(self, key: str, info: TensorInfo, body: Callable[[torch.Tensor], object]) -> None:
+    @contextlib.contextmanager
+    def _staging(self, tag: str, shape, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """A pooled (pinned) host buffer of ``shape`` and ``dtype`` for the length of a transfer."""
         host = self.stores[Tier.HOST]
         assert isinstance(host, HostStore)
-        tag = f"<staging {key}>"
-        base = host.acquire(info.nbytes, tag)
+        nbytes = nbytes_of(shape, dtype)
+        base = host.acquire(nbytes, tag)
         try:
-            body(base[:info.nbytes].view(info.dtype).view(info.shape))
+            yield base[:nbytes].view(dtype).view(shape)
         finally:
             host.release(tag, base)
 

@@ -16,24 +16,16 @@ StallSink = Callable[[float], None]
 class Handle:
     """A pending (or finished) request. ``wait()`` returns its result or raises its error."""
 
-    __slots__ = ("_future", "_on_stall", "_then")
+    __slots__ = ("_future", "_on_stall")
 
-    def __init__(self, future: Future, *, on_stall: Optional[StallSink] = None,
-                 then: Optional[Callable[[], None]] = None):
+    def __init__(self, future: Future, *, on_stall: Optional[StallSink] = None):
         self._future = future
         self._on_stall = on_stall
-        self._then = then  # run once on the waiting thread after success (e.g. release a staging buffer)
 
     @classmethod
     def completed(cls, value: Any = None) -> "Handle":
         f: Future = Future()
         f.set_result(value)
-        return cls(f)
-
-    @classmethod
-    def failed(cls, error: BaseException) -> "Handle":
-        f: Future = Future()
-        f.set_exception(error)
         return cls(f)
 
     def done(self) -> bool:
@@ -50,18 +42,14 @@ class Handle:
                 self._future.exception(timeout)  # block without raising yet
             finally:
                 self._on_stall(time.perf_counter() - t0)
-        result = self._future.result(timeout)
-        then, self._then = self._then, None
-        if then is not None:
-            then()
-        return result
+        return self._future.result(timeout)
 
     def add_done_callback(self, fn: Callable[[Future], None]) -> None:
         self._future.add_done_callback(fn)
 
     def observed(self, on_stall: StallSink) -> "Handle":
         """The same request, reporting the caller's stalls to ``on_stall``."""
-        return Handle(self._future, on_stall=on_stall, then=self._then)
+        return Handle(self._future, on_stall=on_stall)
 
 
 def wait_all(handles: Iterable[Handle]) -> list[Any]:

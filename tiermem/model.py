@@ -8,7 +8,6 @@ step of :mod:`tiermem.stepper`.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Optional
 
 import torch
@@ -30,7 +29,7 @@ from tiermem.stepper import StepResult, Stepper, TieredOptimizer
 from tiermem.stores.memory import DeviceStore, HostStore
 from tiermem.stores.nvme import NvmeStore
 from tiermem.trace import Tracer
-from tiermem.types import TensorClass, Tier
+from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
 

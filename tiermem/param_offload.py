@@ -69,8 +69,7 @@ class ParamOffload:
                 self.owners[mod] = mine
                 hooks.add(mod.register_forward_pre_hook(self._before))
                 hooks.add(mod.register_forward_hook(self._after, always_call=True))  # also when forward raises
-        self.largest_module_bytes = max(
-            (sum(p.numel() * dtype.itemsize for p, _ in ps) for ps in self.owners.values()), default=0)
+
 
     # -- forward -----------------------------------------------------------------------------------
     def _before(self, mod: torch.nn.Module, args) -> None:
@@ -113,8 +112,3 @@ class ParamOffload:
 
     def end_update(self) -> None:
         self.scheduler.end_iteration()  # freezes the trace, prefetches the next step's first weights
-
-    def restore_placeholders(self, module: torch.nn.Module) -> None:
-        for mod, ps in self.owners.items():
-            for p, key in ps:
-                p.data = self._placeholders[key]

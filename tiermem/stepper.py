@@ -206,7 +206,6 @@ class Stepper:
 
         def adam(b, runs, state) -> None:
             master, exp_avg, exp_avg_sq = state
-            buf = self.layout.buffers[b.index]
             out = uploads.target(b)
             h, g = hyper[b.group], grads[b.index]
             free = None

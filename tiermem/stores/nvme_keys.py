@@ -105,7 +105,7 @@ class KeyState:
 SPOILT = (FileNotFoundError, nio.ShortRead, nio.Corrupt)  # what a slot's damage looks like to a read
 
 
-def spoilt(key: str, copy: _Copy, why: BaseException) -> str:
+def spoilt(key: str, copy: Copy, why: BaseException) -> str:
     """What is wrong with ``copy``'s slot file, in words."""
     what = {FileNotFoundError: "is missing (removed outside tiermem)", nio.ShortRead: f"is truncated ({why})",
             nio.Corrupt: f"is corrupt: {why}"}.get(type(why))
