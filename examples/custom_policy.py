@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples/custom_policy.py` from anywhere
 
-from examples.gpt import GPT, PRESETS, CharTokenizer, GPTConfig, lm_loss, load_corpus  # noqa: E402
+from examples.gpt import GPT, GPTConfig, PRESETS, lm_loss, load_tokens  # noqa: E402
 from examples.train_gpt import get_batch  # noqa: E402
 from tiermem import AdamW, Policy, Report, TensorClass, TensorInfo, TieredModel, Tier  # noqa: E402
 from tiermem.errors import fmt_bytes  # noqa: E402
@@ -149,9 +149,7 @@ def check_placements(tm: TieredModel, asked: dict[tuple[TensorClass, Tier], int]
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    text = load_corpus()
-    tok = CharTokenizer(text)
-    data = tok.encode(text)
+    tok, data = load_tokens()
     cfg = GPTConfig.preset(args.preset, vocab_size=tok.vocab_size, block_size=args.seq_len)
     gen = torch.Generator().manual_seed(args.seed)
     batches = [get_batch(data, args.batch_size, args.seq_len, gen) for _ in range(args.steps)]

@@ -186,6 +186,13 @@ def load_corpus(data_dir: Path = DATA_DIR) -> str:
     return "\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
+def load_tokens(data_dir: Path = DATA_DIR) -> tuple["CharTokenizer", torch.Tensor]:
+    """The shipped corpus as a tokenizer built from it and the token ids of the whole text."""
+    text = load_corpus(data_dir)
+    tok = CharTokenizer(text)
+    return tok, tok.encode(text)
+
+
 @torch.no_grad()
 def generate(forward: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor, max_new_tokens: int, *,
              block_size: int, temperature: float = 0.8, top_k: Optional[int] = None,

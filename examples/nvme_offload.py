@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples/nvme_offload.py` from anywhere
 
-from examples.gpt import GPT, PRESETS, CharTokenizer, GPTConfig, lm_loss, load_corpus  # noqa: E402
+from examples.gpt import GPT, GPTConfig, PRESETS, lm_loss, load_tokens  # noqa: E402
 from examples.train_gpt import get_batch  # noqa: E402
 from tiermem import (AdamW, Budgets, OutOfTierMemory, Policy, TensorClass, TensorInfo, TieredModel,  # noqa: E402
                      Tier, TierMemError, parse_bytes)
@@ -85,9 +85,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    text = load_corpus()
-    tok = CharTokenizer(text)
-    data = tok.encode(text)
+    tok, data = load_tokens()
     cfg = GPTConfig.preset(args.preset, vocab_size=tok.vocab_size, block_size=args.seq_len)
     model = GPT(cfg)
     n = model.num_params()

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples/train_gpt.py` from anywhere
 
-from examples.gpt import GPT, PRESETS, CharTokenizer, GPTConfig, generate, lm_loss, load_corpus  # noqa: E402
+from examples.gpt import GPT, GPTConfig, PRESETS, generate, lm_loss, load_tokens  # noqa: E402
 from tiermem import AdamW, TieredModel  # noqa: E402
 from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
 
@@ -100,9 +100,7 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Gene
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    text = load_corpus()
-    tok = CharTokenizer(text)
-    data = tok.encode(text)
+    tok, data = load_tokens()
     split = int(0.9 * len(data))  # the last 10% of the text is held out for the final loss
     train_data, val_data = data[:split], data[split:]
 
@@ -110,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     seq_len = args.seq_len or preset.block_size
     cfg = GPTConfig.preset(args.preset, vocab_size=tok.vocab_size, block_size=seq_len)
     model = GPT(cfg)
-    print(f"corpus: {len(text):,} characters, vocabulary {tok.vocab_size}; model: preset {args.preset!r}, "
+    print(f"corpus: {len(data):,} characters, vocabulary {tok.vocab_size}; model: preset {args.preset!r}, "
           f"{model.num_params():,} parameters, {cfg.n_layer} layers x {cfg.n_embd} wide", flush=True)
 
     tm = TieredModel(

@@ -88,3 +88,8 @@ class disk_fills_up:
 
     def __exit__(self, *exc):
         self.store._pwritev = self.real
+
+
+def same_state(a: dict, b: dict) -> bool:
+    """Two state dicts with the same keys and bit-identical tensors."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

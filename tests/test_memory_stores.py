@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiermem import OutOfTierMemory, StoreError, Tier
+from tiermem import OutOfTierMemory, StoreError
 from tiermem.stores.aligned import ALIGN, aligned_empty
 from tiermem.stores.memory import DeviceStore, HostStore
 

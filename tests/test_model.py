@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from models import Quirky, TinyGPT, gpt_batch, gpt_loss
+from models import Quirky, TinyGPT, gpt_batch, gpt_loss, same_state
 from tiermem import Adam, AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, TieredModel, Tier
 from tiermem.policies import KeepOnDevice, ZeroOffload
 from tiermem.policy import Policy
@@ -215,7 +215,7 @@ def test_fp16_overflow_skips_and_halves_scale():
     assert res.skipped and res.loss_scale == scale / 2 and res.step == 1
     assert not math.isfinite(res.grad_norm)
     after = tm.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert same_state(before, after)
     assert all(torch.equal(m, tm.layout.buffers[b.index].exp_avg) for m, b in zip(moments, tm.layout.buckets))
     tm.backward(gpt_loss(tm(x), y))  # and training goes on
     assert not tm.step().skipped
@@ -244,7 +244,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert second.stepper.steps == first.stepper.steps and second.scaler.scale == first.scaler.scale
     train(second, 3, 3)
     a, b = full.state_dict(), second.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_state(a, b)
     assert torch.equal(full.module.wte.weight, second.module.wte.weight)
 
 
@@ -300,7 +300,7 @@ def test_load_rejects_bad_files(tmp_path):
     with pytest.raises(TierMemError, match="has shape"):
         tm.load(str(tmp_path / "other.pt"))
     after = tm.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing changed
+    assert same_state(before, after)  # nothing changed
 
 
 def test_detach_removes_hooks_and_trains_with_plain_torch():
@@ -503,7 +503,7 @@ def test_failed_in_memory_step_is_never_applied_twice(monkeypatch):
     tm.stepper._adam_step = real
     tm.step()  # the retry updates only what the failed step did not
     a, b = tm.state_dict(), ref.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_state(a, b)
     assert tm.stepper.param_steps() == ref.stepper.param_steps()
 
 
@@ -517,4 +517,4 @@ def test_non_finite_grads_skip_the_step_in_every_precision(precision, caplog):
     assert res.skipped and res.step == 0 and res.loss_scale == 1.0
     assert "step skipped" in caplog.text
     after = tm.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert same_state(before, after)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import Quirky, TinyGPT, disk_fills_up, gpt_batch, gpt_loss
+from models import Quirky, TinyGPT, disk_fills_up, gpt_batch, gpt_loss, same_state
 from tiermem import AdamW, ConfigError, StoreError, TensorClass, TieredModel, Tier
-from tiermem.policies import ZeroInfinity, ZeroOffload
+from tiermem.policies import ZeroOffload
 from tiermem.policy import PerClass
 
 
@@ -48,7 +48,7 @@ def test_grads_on_nvme_give_identical_numbers(tmp_path, policy, precision, accum
     ref_losses, ref_sd, _ = _run(ZeroOffload(), None, precision, accum, quirky)
     losses, sd, tm = _run(policy, tmp_path, precision, accum, quirky)
     assert losses == ref_losses
-    assert all(torch.equal(sd[k], ref_sd[k]) for k in sd)
+    assert same_state(sd, ref_sd)
     rep = tm.report()
     assert rep.class_peak_bytes[(TensorClass.GRAD, Tier.NVME)] > 0
     assert rep.class_bytes_moved[(TensorClass.GRAD, Tier.HOST, Tier.NVME)] > 0
@@ -73,7 +73,7 @@ def test_failed_grad_flush_surfaces_and_state_is_unchanged(tmp_path):
             tm.backward(gpt_loss(tm(x), y))
             tm.step()
     after = tm.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert same_state(before, after)
     assert not tm.stepper._got  # the partial grads were dropped: a retry cannot step on a mix
     tm.backward(gpt_loss(tm(x), y))  # backward again, and training goes on
     assert not tm.step().skipped
@@ -103,4 +103,4 @@ def test_a_backward_that_stops_early_never_steps_on_old_grads(tmp_path):
             tm.backward(gpt_loss(tm(x), y))
             tm.step()
         results.append(tm.state_dict())
-    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+    assert same_state(results[0], results[1])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import TinyGPT, disk_fills_up, gpt_batch, gpt_loss
+from models import TinyGPT, disk_fills_up, gpt_batch, gpt_loss, same_state
 from tiermem import AdamW, Budgets, StoreError, TensorClass, TieredModel, Tier
 from tiermem.policies import ZeroOffload
 from tiermem.policy import Policy
@@ -30,6 +30,13 @@ def _make(policy, tmp_path, precision="bf16", bucket=2000, n_layer=2, **kw):
                        nvme_dir=str(tmp_path) if tmp_path else None, **kw)
 
 
+def _trains_like(tm, ref, steps):
+    """``tm`` and ``ref`` give the same losses and bit-identical weights over ``steps``; the report."""
+    assert _train(tm, steps) == _train(ref, steps)
+    assert same_state(tm.state_dict(), ref.state_dict())
+    return tm.report()
+
+
 def _train(tm, steps, offset=0):
     losses = []
     for i in range(offset, offset + steps):
@@ -45,11 +52,7 @@ def _train(tm, steps, offset=0):
 @pytest.mark.parametrize("policy", [StateOnNvme(), StateOnNvme(prefix="blocks.1.")], ids=["all", "some"])
 def test_state_on_nvme_gives_identical_numbers(tmp_path, precision, policy):
     ref = _make(ZeroOffload(), None, precision)
-    tm = _make(policy, tmp_path, precision)
-    assert _train(tm, 5) == _train(ref, 5)
-    a, b = tm.state_dict(), ref.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    rep = tm.report()
+    rep = _trains_like(_make(policy, tmp_path, precision), ref, 5)
     assert rep.class_peak_bytes[(TensorClass.OPTIM_STATE, Tier.NVME)] > 0
     assert rep.bytes_moved[(Tier.NVME, Tier.HOST)] > 0 and rep.bytes_moved[(Tier.HOST, Tier.NVME)] > 0
 
@@ -80,14 +83,14 @@ def test_failed_step_changes_nothing_and_can_be_retried(tmp_path):
         with pytest.raises(StoreError, match="(?i)no space left"):
             tm.step()
     after = tm.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert same_state(before, after)
     assert all(torch.equal(device_before[n], p) for n, p in tm.module.named_parameters())
     tm.step()  # retry: the grads were kept
     _train(ref, 1, offset=2)
     _train(tm, 2, offset=3)
     _train(ref, 2, offset=3)
     a, b = tm.state_dict(), ref.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_state(a, b)
 
 
 def test_resume_from_nvme_state_is_bit_identical(tmp_path):
@@ -104,7 +107,7 @@ def test_resume_from_nvme_state_is_bit_identical(tmp_path):
     second.load(path)
     _train(second, 3, offset=3)
     a, b = full.state_dict(), second.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_state(a, b)
     # a checkpoint taken with state on NVMe loads into a model with state in memory, and back
     plain = _make(ZeroOffload(), None)
     plain.load(path)

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import TinyGPT, disk_fills_up, gpt_batch, gpt_loss
+from models import TinyGPT, disk_fills_up, gpt_batch, gpt_loss, same_state
 from tiermem import Budgets, OutOfTierMemory, TensorClass, TieredModel, Tier
 from tiermem.policies import ZeroInfinity, ZeroOffload
 from tiermem.policy import Policy
-from test_nvme_state import _make, _train
+from test_nvme_state import _make, _train, _trains_like
 
 
 class Scatter(Policy):
@@ -28,10 +28,7 @@ class Scatter(Policy):
 def test_weights_off_device_give_identical_numbers(tmp_path, precision, policy):
     ref = _make(ZeroOffload(), None, precision)
     tm = _make(policy, tmp_path, precision)
-    assert _train(tm, 4) == _train(ref, 4)
-    a, b = tm.state_dict(), ref.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    rep = tm.report()
+    rep = _trains_like(tm, ref, 4)
     cp = rep.class_peak_bytes
     assert cp.get((TensorClass.PARAM, Tier.NVME), 0) > 0
     if isinstance(policy, Scatter):
@@ -87,9 +84,7 @@ def test_detach_and_checkpoint_with_weights_off_device(tmp_path):
 def test_overlap_step_with_weights_off_device(tmp_path):
     ref = _make(ZeroOffload(), None, overlap_step=True)
     tm = _make(ZeroInfinity(), tmp_path, overlap_step=True)
-    assert _train(tm, 4) == _train(ref, 4)
-    a, b = tm.state_dict(), ref.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    _trains_like(tm, ref, 4)
 
 
 @pytest.mark.parametrize("fail_after", [3, 12, 40])
@@ -107,20 +102,18 @@ def test_failed_step_with_weights_on_nvme_changes_nothing(tmp_path, fail_after):
         with pytest.raises(StoreError, match="(?i)no space left"):
             tm.step()
     after = tm.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert same_state(before, after)
     tm.step()  # the retry uses the kept grads
     _train(ref, 1, offset=2)
     assert _train(tm, 2, offset=3) == _train(ref, 2, offset=3)
     a, b = tm.state_dict(), ref.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_state(a, b)
 
 
 def test_fp32_weights_off_device_match(tmp_path):
     ref = _make(ZeroOffload(), None, "fp32")
     tm = _make(ZeroInfinity(), tmp_path, "fp32")
-    assert _train(tm, 3) == _train(ref, 3)
-    a, b = tm.state_dict(), ref.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    _trains_like(tm, ref, 3)
 
 
 def test_a_module_that_raises_releases_its_weights(tmp_path):
