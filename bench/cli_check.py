@@ -35,7 +35,7 @@ import torch
 
 from tiermem.cli import measure
 from tiermem.cli.bench import FULL, QUICK
-from tiermem.stores import nvme_io as nio
+from tiermem.memory import nvme_io as nio
 
 MiB = 2**20
 

@@ -36,8 +36,8 @@ import time
 import torch
 
 from tiermem.budgets import parse_bytes
-from tiermem.stores.aligned import ALIGN, aligned_empty
-from tiermem.stores.nvme import NvmeStore
+from tiermem.memory.aligned import ALIGN, aligned_empty
+from tiermem.memory.nvme import NvmeStore
 
 GB = 1e9
 

@@ -6,7 +6,7 @@
 A synthetic training loop: ``--tensors`` weight matrices homed on NVMe, a device budget of
 ``--fraction`` of their total, and per iteration a forward pass over them in order (one matmul
 each) then a backward pass in reverse order (two matmuls each), each weight acquired through a
-:class:`~tiermem.schedule.ResidencyScheduler` just before use and released after. As in a GPT
+:class:`~tiermem.transfer.schedule.ResidencyScheduler` just before use and released after. As in a GPT
 whose head is tied to the token embedding, weight 0 is used first and last in each pass
 (``--untied``: once). Five setups run side by side, one iteration each in turn so drift hits
 all alike:
@@ -35,10 +35,10 @@ import torch
 
 from tiermem import TensorClass, TensorInfo, Tier
 from tiermem.budgets import parse_bytes
-from tiermem.engine import TransferEngine
-from tiermem.schedule import ResidencyScheduler, ScheduleStats
-from tiermem.stores.memory import DeviceStore, HostStore
-from tiermem.stores.nvme import NvmeStore
+from tiermem.transfer.engine import TransferEngine
+from tiermem.transfer.schedule import ResidencyScheduler, ScheduleStats
+from tiermem.memory.resident import DeviceStore, HostStore
+from tiermem.memory.nvme import NvmeStore
 
 MiB = 2**20
 

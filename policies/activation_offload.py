@@ -6,7 +6,7 @@ saves them until backward needs them; everything else goes where ``base`` says::
     policy = ActivationOffload(ZeroOffload(), tier=Tier.HOST, min_bytes="1MiB")
 
 The hooks never move parameters, nor tensors under one page
-(:data:`tiermem.activations.MIN_OFFLOAD_BYTES`), whatever ``min_bytes`` says.
+(:data:`tiermem.train.activations.MIN_OFFLOAD_BYTES`), whatever ``min_bytes`` says.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import KW_ONLY, dataclass
 
 from tiermem.budgets import ByteSize, parse_bytes
 from tiermem.errors import ConfigError
-from tiermem.policy import Policy
+from tiermem.plan.policy import Policy
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 

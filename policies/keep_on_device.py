@@ -1,7 +1,7 @@
 """Everything on the device: the baseline every offloading policy is measured against."""
 from __future__ import annotations
 
-from tiermem.policy import PerClass
+from tiermem.plan.policy import PerClass
 from tiermem.types import TensorClass, Tier
 
 

@@ -3,7 +3,7 @@ device. Weights come to the device just in time for their module (prefetched in 
 first step recorded) and the step streams the optimizer state through bounded host buffers."""
 from __future__ import annotations
 
-from tiermem.policy import PerClass
+from tiermem.plan.policy import PerClass
 from tiermem.types import TensorClass, Tier
 
 

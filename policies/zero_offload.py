@@ -2,7 +2,7 @@
 where the fused CPU Adam updates them."""
 from __future__ import annotations
 
-from tiermem.policy import PerClass
+from tiermem.plan.policy import PerClass
 from tiermem.types import TensorClass, Tier
 
 

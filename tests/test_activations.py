@@ -17,10 +17,10 @@ from torch import nn
 
 from models import Quirky, TinyGPT, gpt_batch, gpt_loss, same_state
 from tiermem import AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, TensorInfo, TieredModel, Tier
-from tiermem.activations import MIN_OFFLOAD_BYTES
+from tiermem.train.activations import MIN_OFFLOAD_BYTES
 from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroOffload
-from tiermem.policy import Policy
-from tiermem.stores.aligned import round_up
+from tiermem.plan.policy import Policy
+from tiermem.memory.aligned import round_up
 
 ACT = TensorClass.ACTIVATION
 BATCH = 8  # TinyGPT's residual stream is then 8*11*24*2 = 4224 bytes in bf16: above one page

@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from tiermem import Budgets, ConfigError, OutOfTierMemory, TierMemError, Tier
-from tiermem.budgets import Ledger, parse_bytes
+from tiermem.budgets import parse_bytes
+from tiermem.memory.ledger import Ledger
 
 
 @pytest.mark.parametrize("text, expected", [

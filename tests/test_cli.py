@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tiermem import profile
+from tiermem.plan import profile
 from tiermem.cli import main, measure, plot
 from tiermem.cli.models import count_config, from_config, from_factory, parse_count
 from tiermem.errors import ConfigError
@@ -408,7 +408,7 @@ def test_profile_round_trip_and_bandwidths(tmp_path, monkeypatch):
 def test_unreadable_profile_reads_as_none_with_a_warning(text, tmp_path, caplog):
     path = tmp_path / "profile.json"
     path.write_text(text)
-    with caplog.at_level(logging.WARNING, logger="tiermem.profile"):
+    with caplog.at_level(logging.WARNING, logger="tiermem.plan.profile"):
         assert profile.load_profile(path) is None
     assert "run `tiermem bench`" in caplog.text
 

@@ -7,10 +7,10 @@ import torch
 
 from models import TinyGPT, gpt_batch, gpt_loss
 from tiermem import AdamW, TensorClass, TensorInfo, TieredModel, Tier
-from tiermem.engine import TransferEngine
+from tiermem.transfer.engine import TransferEngine
 from tiermem.optim import adam_step
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
-from tiermem.stores.memory import DeviceStore, HostStore
+from tiermem.memory.resident import DeviceStore, HostStore
 
 pytestmark = pytest.mark.cuda
 
@@ -30,7 +30,7 @@ def test_adam_step_on_the_gpu_agrees_with_the_cpu_kernel():
 
 
 def test_engine_moves_are_bit_exact_on_the_gpu(tmp_path):
-    from tiermem.stores.nvme import NvmeStore
+    from tiermem.memory.nvme import NvmeStore
     e = TransferEngine({Tier.DEVICE: DeviceStore("cuda"), Tier.HOST: HostStore(), Tier.NVME: NvmeStore(tmp_path)})
     x = torch.randn(3, 4099).bfloat16()
     e.register(TensorInfo("w", TensorClass.PARAM, x.nbytes, tuple(x.shape), x.dtype), Tier.NVME)

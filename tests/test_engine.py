@@ -13,10 +13,10 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from tiermem import OutOfTierMemory, TensorClass, TensorInfo, Tier, TierMemError
-from tiermem.engine import TransferEngine
-from tiermem.registry import Registry
-from tiermem.stores.memory import DeviceStore, HostStore
-from tiermem.stores.nvme import NvmeStore
+from tiermem.transfer.engine import TransferEngine
+from tiermem.memory.registry import Registry
+from tiermem.memory.resident import DeviceStore, HostStore
+from tiermem.memory.nvme import NvmeStore
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.uint8]
 TIERS = [Tier.DEVICE, Tier.HOST, Tier.NVME]

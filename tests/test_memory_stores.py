@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tiermem import OutOfTierMemory, StoreError
-from tiermem.stores.aligned import ALIGN, aligned_empty
-from tiermem.stores.memory import DeviceStore, HostStore
+from tiermem.memory.aligned import ALIGN, aligned_empty
+from tiermem.memory.resident import DeviceStore, HostStore
 
 
 def test_host_buffers_are_page_aligned_and_reused_across_steps():

@@ -12,7 +12,7 @@ from torch import nn
 from models import Quirky, TinyGPT, gpt_batch, gpt_loss, same_state
 from tiermem import Adam, AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, TieredModel, Tier
 from tiermem.policies import KeepOnDevice, ZeroOffload
-from tiermem.policy import Policy
+from tiermem.plan.policy import Policy
 
 STEPS = 6
 
@@ -260,7 +260,8 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     def full_disk(fd):
         raise OSError(28, "No space left on device")
 
-    from tiermem import StoreError, checkpoint
+    from tiermem import StoreError
+    from tiermem.train import checkpoint
     monkeypatch.setattr(checkpoint.os, "fsync", full_disk)
     with pytest.raises(StoreError, match="No space left on device.*previous checkpoint there is unchanged"):
         tm.save(path)

@@ -15,10 +15,10 @@ from hypothesis import given, settings, strategies as st
 
 from tiermem import OutOfTierMemory, StoreError, TierMemError
 from tiermem.errors import ConfigError
-from tiermem.stores import nvme_io as nio
-from tiermem.stores.aligned import ALIGN, aligned_empty, round_up
-from tiermem.stores.nvme import NvmeStore
-from tiermem.stores.nvme_dir import probe_direct
+from tiermem.memory import nvme_io as nio
+from tiermem.memory.aligned import ALIGN, aligned_empty, round_up
+from tiermem.memory.nvme import NvmeStore
+from tiermem.memory.nvme_dir import probe_direct
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -311,7 +311,7 @@ def _refuse_o_direct(monkeypatch):
 
 def test_filesystem_refusing_o_direct_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):
     _refuse_o_direct(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="tiermem.stores.nvme"):
+    with caplog.at_level(logging.WARNING, logger="tiermem.memory.nvme"):
         s = NvmeStore(tmp_path)
     try:
         warnings = [r for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]

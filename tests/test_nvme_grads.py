@@ -8,7 +8,7 @@ import torch
 from models import Quirky, TinyGPT, disk_fills_up, gpt_batch, gpt_loss, same_state
 from tiermem import AdamW, ConfigError, StoreError, TensorClass, TieredModel, Tier
 from tiermem.policies import ZeroOffload
-from tiermem.policy import PerClass
+from tiermem.plan.policy import PerClass
 
 
 class GradsOnNvme(PerClass):

@@ -7,7 +7,7 @@ import torch
 from models import TinyGPT, disk_fills_up, gpt_batch, gpt_loss, same_state
 from tiermem import AdamW, Budgets, StoreError, TensorClass, TieredModel, Tier
 from tiermem.policies import ZeroOffload
-from tiermem.policy import Policy
+from tiermem.plan.policy import Policy
 
 
 class StateOnNvme(Policy):

@@ -7,7 +7,7 @@ import torch
 from models import TinyGPT, disk_fills_up, gpt_batch, gpt_loss, same_state
 from tiermem import Budgets, OutOfTierMemory, TensorClass, TieredModel, Tier
 from tiermem.policies import ZeroInfinity, ZeroOffload
-from tiermem.policy import Policy
+from tiermem.plan.policy import Policy
 from test_nvme_state import _make, _train, _trains_like
 
 

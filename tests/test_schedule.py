@@ -15,12 +15,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tiermem import ConfigError, OutOfTierMemory, TensorClass, TensorInfo, Tier, TierMemError
-from tiermem.engine import TransferEngine
+from tiermem.transfer.engine import TransferEngine
 from tiermem.errors import fmt_bytes
-from tiermem.schedule import (AccessTrace, ResidencyScheduler, ScheduleStats, choose_victim,
+from tiermem.transfer.schedule import (AccessTrace, ResidencyScheduler, ScheduleStats, choose_victim,
                               lookahead_window)
-from tiermem.stores.memory import DeviceStore, HostStore
-from tiermem.stores.nvme import NvmeStore
+from tiermem.memory.resident import DeviceStore, HostStore
+from tiermem.memory.nvme import NvmeStore
 
 
 # -- pure decisions -------------------------------------------------------------------------------
@@ -268,7 +268,7 @@ def test_a_changed_access_order_is_re_recorded(nvme_dir, caplog):
         sched = ResidencyScheduler(engine)
         _run(sched, model, model.keys, iterations=2)
         assert sched.trace.keys == tuple(model.keys) and sched.history[1].misses == 0
-        with caplog.at_level(logging.DEBUG, logger="tiermem.schedule"):
+        with caplog.at_level(logging.DEBUG, logger="tiermem.transfer.schedule"):
             _run(sched, model, model.keys[::-1], iterations=1)
         assert "re-recorded the trace" in caplog.text and "the trace expected" in caplog.text
         assert sched.trace.keys == tuple(model.keys[::-1])

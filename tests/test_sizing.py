@@ -1,4 +1,4 @@
-"""tiermem.sizing: bytes per tensor class and per tier, checked against real tensors' nbytes."""
+"""tiermem.plan.sizing: bytes per tensor class and per tier, checked against real tensors' nbytes."""
 from __future__ import annotations
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiermem import sizing
+from tiermem.plan import sizing
 from tiermem.errors import ConfigError
-from tiermem.sizing import Limits, StateBytes
+from tiermem.plan.sizing import Limits, StateBytes
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

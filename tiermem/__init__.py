@@ -9,10 +9,10 @@ from tiermem.budgets import Budgets, parse_bytes
 from tiermem.config import Adam, AdamW
 from tiermem.errors import ConfigError, OutOfTierMemory, StoreError, TierMemError
 from tiermem.handles import Handle
-from tiermem.model import StepResult, TieredModel
-from tiermem.policy import PerClass, Policy
-from tiermem.report import Report
-from tiermem.stores.nvme import NvmeStore
+from tiermem.train.model import StepResult, TieredModel
+from tiermem.plan.policy import PerClass, Policy
+from tiermem.observe.report import Report
+from tiermem.memory.nvme import NvmeStore
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 """``tiermem bench``: how fast each tier moves bytes on this machine, and how fast the CPU Adam runs.
 
 Prints a table, optionally writes JSON (``--json``) and a chart (``--plot``), and saves the results
-as the machine profile (:mod:`tiermem.profile`) that policies can read later.
+as the machine profile (:mod:`tiermem.plan.profile`) that policies can read later.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tiermem import __version__, profile
+from tiermem import __version__
+from tiermem.plan import profile
 from tiermem.cli import _common, measure, plot, report
 from tiermem.cli.measure import Rate
 from tiermem.errors import ConfigError

@@ -16,7 +16,8 @@ import psutil
 import torch
 from rich.table import Table
 
-from tiermem import __version__, profile
+from tiermem import __version__
+from tiermem.plan import profile
 from tiermem.cli import _common
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from tiermem.stores.aligned import aligned_empty
+from tiermem.memory.aligned import aligned_empty
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def nvme_point(directory: str, src: torch.Tensor, out: torch.Tensor, *, block_si
     are on disk and every timed write goes over one in place (what a training step does to its
     optimizer state). ``first_write`` also times writes of a key new to the store (fresh files,
     allocated as they are written), its files removed outside the clock before each."""
-    from tiermem.stores.nvme import NvmeStore  # imported late: `tiermem plan` does not need it
+    from tiermem.memory.nvme import NvmeStore  # imported late: `tiermem plan` does not need it
 
     nbytes = src.numel()
     out.zero_()

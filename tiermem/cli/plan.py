@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
-from tiermem import sizing
+from tiermem.plan import sizing
 from tiermem.budgets import parse_bytes
 from tiermem.cli import _common
 from tiermem.cli.models import ModelSize, from_config, from_factory, parse_count

@@ -5,7 +5,7 @@ Every parameter whose PARAM placement is HOST or NVME is registered with the eng
 name, its working-precision copy stored at home. Between uses its ``.data`` is a placeholder of
 the right shape that costs one element (NaN, so a use outside its module is loud, not silent).
 A forward pre-hook of each module that owns such parameters acquires them through the
-:class:`~tiermem.schedule.ResidencyScheduler` (which prefetches the next ones in the order
+:class:`~tiermem.transfer.schedule.ResidencyScheduler` (which prefetches the next ones in the order
 recorded during the first step and evicts by furthest next use), and a forward hook puts the
 placeholder back and releases them.
 
@@ -24,8 +24,8 @@ from typing import Callable, Optional
 import torch
 
 from tiermem.handles import Handle
-from tiermem.hooks import HookSet
-from tiermem.schedule import ResidencyScheduler
+from tiermem.train.hooks import HookSet
+from tiermem.transfer.schedule import ResidencyScheduler
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 log = logging.getLogger(__name__)

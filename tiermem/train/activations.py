@@ -6,7 +6,7 @@ training forward. For every saved tensor it asks the policy where it lives, with
 post hooks whose handles TieredModel keeps); ``nbytes`` is the size of the storage the tensor
 views, which is what would move. Tensors that stay are accounted to the device ledger as
 ACTIVATION until autograd drops them; the others leave for the host or NVMe while forward goes
-on (:mod:`tiermem.activation_io`, NOTE [Activation lifecycle]) and come back while backward
+on (:mod:`tiermem.transfer.activation_io`, NOTE [Activation lifecycle]) and come back while backward
 walks the graph in reverse: unpacking record i starts the fetches of records i-1 ...
 i-``window`` too, so they are on their way before backward needs them.
 
@@ -31,11 +31,11 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.utils.weak
 
-from tiermem.activation_io import ActivationMover, ActivationStats, Record, reserve_device, view_of
+from tiermem.transfer.activation_io import ActivationMover, ActivationStats, Record, reserve_device, view_of
 from tiermem.errors import ConfigError, fmt_bytes
-from tiermem.param_offload import ParamOffload, ParamRef
-from tiermem.policy import Policy, checked_place
-from tiermem.stores.aligned import ALIGN
+from tiermem.train.param_offload import ParamOffload, ParamRef
+from tiermem.plan.policy import Policy, checked_place
+from tiermem.memory.aligned import ALIGN
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class _View:
 class ActivationOffloader:
     """Saved-tensor hooks for one module: account, offload and prefetch its activations.
 
-    ``hooks`` (a :class:`~tiermem.hooks.HookSet`) receives the handles of the module hooks and
+    ``hooks`` (a :class:`~tiermem.train.hooks.HookSet`) receives the handles of the module hooks and
     this object, whose ``remove()`` stops it, so ``TieredModel.detach()`` removes them all.
     ``params``: the weights homed off the device, if any; a saved tensor in one of their storages
     is packed as their reference (NOTE [Parameters off the device]).

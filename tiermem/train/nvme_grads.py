@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from tiermem.buckets import Bucket
+from tiermem.plan.buckets import Bucket
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle, wait_all
 from tiermem.types import TensorClass, Tier

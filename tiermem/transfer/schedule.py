@@ -31,11 +31,11 @@ from typing import Iterable, Mapping, Optional, Sequence
 import torch
 
 from tiermem.budgets import ByteSize, parse_bytes
-from tiermem.engine import TransferEngine
+from tiermem.transfer.engine import TransferEngine
 from tiermem.errors import ConfigError, OutOfTierMemory, TierMemError, fmt_bytes
 from tiermem.handles import Handle
-from tiermem.registry import Residency
-from tiermem.stores.memory import nbytes_of
+from tiermem.memory.registry import Residency
+from tiermem.memory.resident import nbytes_of
 from tiermem.types import Tier
 
 log = logging.getLogger(__name__)

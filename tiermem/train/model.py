@@ -1,9 +1,9 @@
 """TieredModel: wrap any ``nn.Module`` and train it with ``tm(x)``, ``tm.backward(loss)``, ``tm.step()``.
 
 Construction asks the policy where every tensor lives, packs trainable parameters into buckets
-(:mod:`tiermem.layout`) and hooks each parameter's post-accumulate-grad event, so gradients
+(:mod:`tiermem.train.layout`) and hooks each parameter's post-accumulate-grad event, so gradients
 leave the device bucket by bucket while backward is still running. ``step()`` is the optimizer
-step of :mod:`tiermem.stepper`.
+step of :mod:`tiermem.train.stepper`.
 """
 from __future__ import annotations
 
@@ -12,23 +12,23 @@ from typing import Any, Optional
 
 import torch
 
-from tiermem import checkpoint
-from tiermem.activations import ActivationOffloader
+from tiermem.train import checkpoint
+from tiermem.train.activations import ActivationOffloader
 from tiermem.budgets import Budgets, parse_bytes
 from tiermem.config import AdamW, _AdamSpec, working_dtype
-from tiermem.engine import TransferEngine
+from tiermem.transfer.engine import TransferEngine
 from tiermem.errors import ConfigError
-from tiermem.hooks import HookSet
-from tiermem.layout import build, check_fits, largest_module_bytes, needed_bytes, plan
-from tiermem.param_offload import ParamOffload
-from tiermem.schedule import ResidencyScheduler
-from tiermem.policy import Policy, resolve_policy
-from tiermem.report import Report, collect
-from tiermem.scaler import LossScaler
-from tiermem.stepper import StepResult, Stepper, TieredOptimizer
-from tiermem.stores.memory import DeviceStore, HostStore
-from tiermem.stores.nvme import NvmeStore
-from tiermem.trace import Tracer
+from tiermem.train.hooks import HookSet
+from tiermem.train.layout import build, check_fits, largest_module_bytes, needed_bytes, plan
+from tiermem.train.param_offload import ParamOffload
+from tiermem.transfer.schedule import ResidencyScheduler
+from tiermem.plan.policy import Policy, resolve_policy
+from tiermem.observe.report import Report, collect
+from tiermem.train.scaler import LossScaler
+from tiermem.train.stepper import StepResult, Stepper, TieredOptimizer
+from tiermem.memory.resident import DeviceStore, HostStore
+from tiermem.memory.nvme import NvmeStore
+from tiermem.observe.trace import Tracer
 from tiermem.types import Tier
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Where a model's bytes live: the policy's placements turned into buckets of flat buffers.
 
-For each bucket (see :mod:`tiermem.buckets`) the layout allocates, from the stores of the tiers
+For each bucket (see :mod:`tiermem.plan.buckets`) the layout allocates, from the stores of the tiers
 the policy chose:
 
 - ``param``: the low-precision working weights on the device; the module's parameters become
@@ -25,13 +25,13 @@ from typing import Optional
 
 import torch
 
-from tiermem.buckets import STATE_PARTS, Bucket, Slot, plan_buckets
+from tiermem.plan.buckets import STATE_PARTS, Bucket, Slot, plan_buckets
 from tiermem.config import _AdamSpec
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
-from tiermem.nvme_grads import NvmeGrads
-from tiermem.nvme_state import NvmeState
-from tiermem.policy import Policy, checked_place
-from tiermem.stores.memory import _MemoryStore
+from tiermem.train.nvme_grads import NvmeGrads
+from tiermem.train.nvme_state import NvmeState
+from tiermem.plan.policy import Policy, checked_place
+from tiermem.memory.resident import _MemoryStore
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 #: Placements this version can honour, per tensor class (the rest arrive with the NVMe extension).
@@ -39,7 +39,7 @@ SUPPORTED = {
     TensorClass.PARAM: {Tier.DEVICE, Tier.HOST, Tier.NVME},
     TensorClass.GRAD: {Tier.DEVICE, Tier.HOST, Tier.NVME},
     TensorClass.OPTIM_STATE: {Tier.DEVICE, Tier.HOST, Tier.NVME},
-    TensorClass.ACTIVATION: {Tier.DEVICE, Tier.HOST, Tier.NVME},  # asked per saved tensor, tiermem.activations
+    TensorClass.ACTIVATION: {Tier.DEVICE, Tier.HOST, Tier.NVME},  # asked per saved tensor, tiermem.train.activations
 }
 
 

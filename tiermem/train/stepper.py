@@ -28,9 +28,9 @@ import torch
 
 from tiermem.errors import OutOfTierMemory, TierMemError
 from tiermem.handles import Handle, wait_all, wait_all_quietly
-from tiermem.layout import Layout, compute_tier
-from tiermem.uploads import Uploads, slots_in
-from tiermem.scaler import LossScaler
+from tiermem.train.layout import Layout, compute_tier
+from tiermem.train.uploads import Uploads, slots_in
+from tiermem.train.scaler import LossScaler
 from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class Stepper:
         """Fused Adam per bucket; new low-precision weights go to the device (through the
         double-buffered staging, uploaded while Adam runs on the next bucket), or, with
         overlap, to ``param_out`` for the next step to upload. Buckets with state on NVMe go
-        first, through the pipeline of :mod:`tiermem.nvme_state`: if it fails, nothing else has
+        first, through the pipeline of :mod:`tiermem.train.nvme_state`: if it fails, nothing else has
         changed yet, their device weights are restored from the state on disk, per-parameter
         step counts are rolled back, and the error propagates with the grads kept for a retry."""
         uploads = Uploads(self)

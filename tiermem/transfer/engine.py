@@ -26,9 +26,9 @@ import torch
 
 from tiermem.errors import TierMemError
 from tiermem.handles import Handle
-from tiermem.registry import Registry, Residency
-from tiermem.stores.base import Store
-from tiermem.stores.memory import HostStore, _MemoryStore, nbytes_of
+from tiermem.memory.registry import Registry, Residency
+from tiermem.memory.base import Store
+from tiermem.memory.resident import HostStore, _MemoryStore, nbytes_of
 from tiermem.types import TensorInfo, Tier
 
 log = logging.getLogger(__name__)

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, BinaryIO, Iterator
 
 import torch
 
-from tiermem.buckets import STATE_PARTS
+from tiermem.plan.buckets import STATE_PARTS
 from tiermem.errors import StoreError, TierMemError
 
 if TYPE_CHECKING:
-    from tiermem.model import TieredModel
+    from tiermem.train.model import TieredModel
 
 MAGIC = b"TIERMEM-CKPT-v1\n"
 _ALIGN = 64

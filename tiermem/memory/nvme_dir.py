@@ -8,7 +8,7 @@ import uuid
 from typing import Optional
 
 from tiermem.errors import ConfigError
-from tiermem.stores.aligned import ALIGN, aligned_empty
+from tiermem.memory.aligned import ALIGN, aligned_empty
 
 log = logging.getLogger(__name__)
 

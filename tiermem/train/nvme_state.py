@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from tiermem.buckets import STATE_PARTS, Bucket
+from tiermem.plan.buckets import STATE_PARTS, Bucket
 from tiermem.handles import Handle, wait_all, wait_all_quietly
 from tiermem.types import TensorClass, Tier
 

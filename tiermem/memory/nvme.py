@@ -1,6 +1,6 @@
 """NvmeStore: tensors as files in a directory, moved with direct I/O on the store's own threads.
 
-File format, chunking and staging live in :mod:`tiermem.stores.nvme_io`; this module holds the
+File format, chunking and staging live in :mod:`tiermem.memory.nvme_io`; this module holds the
 store: the per-key order of requests, the budget, crash safety and the errors users see.
 
 # NOTE [Per-key order]
@@ -10,7 +10,7 @@ a done-callback that submits the next request to the pool, so no I/O thread ever
 another. Requests of different keys run concurrently, each split into chunks.
 
 Overwrites, crash safety and the budget: NOTE [Two slots, overwritten in place] and NOTE [What
-the NVMe budget counts] in :mod:`tiermem.stores.nvme_keys`.
+the NVMe budget counts] in :mod:`tiermem.memory.nvme_keys`.
 """
 from __future__ import annotations
 
@@ -26,14 +26,15 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from tiermem.budgets import ByteSize, Ledger, parse_bytes
+from tiermem.budgets import ByteSize, parse_bytes
+from tiermem.memory.ledger import Ledger
 from tiermem.errors import StoreError, fmt_bytes
 from tiermem.handles import Handle
-from tiermem.stores import nvme_dir
-from tiermem.stores import nvme_io as nio
-from tiermem.stores.aligned import round_up
-from tiermem.stores.base import Store, check_same_layout, unknown_key
-from tiermem.stores.nvme_keys import (SPOILT, Copy, KeyState, Value, cannot_revert, fell_back, io_error, lost,
+from tiermem.memory import nvme_dir
+from tiermem.memory import nvme_io as nio
+from tiermem.memory.aligned import round_up
+from tiermem.memory.base import Store, check_same_layout, unknown_key
+from tiermem.memory.nvme_keys import (SPOILT, Copy, KeyState, Value, cannot_revert, fell_back, io_error, lost,
                                        over_budget, spoilt)
 from tiermem.types import Tier
 

@@ -47,7 +47,7 @@ import torch
 
 from tiermem.errors import OutOfTierMemory, StoreError, fmt_bytes
 from tiermem.types import Tier
-from tiermem.stores import nvme_io as nio
+from tiermem.memory import nvme_io as nio
 
 
 @dataclass(frozen=True, eq=False)

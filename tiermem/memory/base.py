@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 
-from tiermem.budgets import Ledger
+from tiermem.memory.ledger import Ledger
 from tiermem.errors import StoreError
 from tiermem.handles import Handle
 from tiermem.types import Tier

@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiermem.handles import Handle, wait_all, wait_all_quietly
-from tiermem.layout import compute_tier
+from tiermem.train.layout import compute_tier
 from tiermem.types import Tier
 
 if TYPE_CHECKING:
-    from tiermem.stepper import Stepper
+    from tiermem.train.stepper import Stepper
 
 
 class Uploads:

@@ -2,7 +2,7 @@
 
 # NOTE [NVMe file layout]
 Two slot files per key, ``<name>.0.tmn`` and ``<name>.1.tmn`` (NOTE [Two slots, overwritten in
-place] in :mod:`tiermem.stores.nvme` says how they alternate). The first ``HEADER`` (4096) bytes
+place] in :mod:`tiermem.memory.nvme` says how they alternate). The first ``HEADER`` (4096) bytes
 of a slot hold a header: magic, a crc32-checked JSON record ``{"key", "dtype", "shape",
 "nbytes", "gen"}``, zero padding. ``gen`` counts the key's successful writes: the valid slot with
 the larger ``gen`` holds the newer value. The tensor's bytes follow at offset ``HEADER``. With
@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from tiermem.errors import StoreError
-from tiermem.stores.aligned import ALIGN, aligned_empty, is_aligned, round_up
+from tiermem.memory.aligned import ALIGN, aligned_empty, is_aligned, round_up
 
 HEADER = ALIGN
 MAGIC = b"TIERMEM\x01"

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from tiermem.errors import fmt_bytes
-from tiermem.stores.base import Store
+from tiermem.memory.base import Store
 from tiermem.types import TensorClass, Tier
 
 

@@ -1,7 +1,7 @@
 """The round trip of an offloaded activation: device -> host (-> NVMe) during forward, back
 during backward, and its buffers freed once autograd is done with it.
 
-Only :mod:`tiermem.activations` uses this; it decides *what* moves, this module moves it, through
+Only :mod:`tiermem.train.activations` uses this; it decides *what* moves, this module moves it, through
 the engine's lanes (``copy_async``) and the NVMe store's handles.
 
 # NOTE [Activation lifecycle]
@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from tiermem.budgets import Ledger
+from tiermem.memory.ledger import Ledger
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle
 from tiermem.types import TensorClass, Tier

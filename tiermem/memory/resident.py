@@ -14,11 +14,11 @@ from typing import Iterator, Optional, Sequence
 import psutil
 import torch
 
-from tiermem.budgets import Ledger
+from tiermem.memory.ledger import Ledger
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle
-from tiermem.stores.aligned import aligned_empty, can_pin, round_up
-from tiermem.stores.base import Store, check_same_layout, unknown_key
+from tiermem.memory.aligned import aligned_empty, can_pin, round_up
+from tiermem.memory.base import Store, check_same_layout, unknown_key
 from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
