@@ -10,6 +10,7 @@ from tiermem.config import Adam, AdamW
 from tiermem.errors import ConfigError, OutOfTierMemory, StoreError, TierMemError
 from tiermem.handles import Handle
 from tiermem.train.model import StepResult, TieredModel
+from tiermem.train.phase import Phase
 from tiermem.plan.policy import PerClass, Policy
 from tiermem.observe.report import Report
 from tiermem.memory.nvme import NvmeStore
@@ -18,7 +19,7 @@ from tiermem.types import TensorClass, TensorInfo, Tier
 __version__ = "0.1.0"
 
 __all__ = [
-    "Adam", "AdamW", "Budgets", "ConfigError", "Handle", "NvmeStore", "OutOfTierMemory", "PerClass", "Policy",
+    "Adam", "AdamW", "Budgets", "ConfigError", "Handle", "NvmeStore", "OutOfTierMemory", "PerClass", "Phase", "Policy",
     "Report", "StepResult", "StoreError", "TensorClass", "TensorInfo", "TieredModel", "Tier",
     "TierMemError", "parse_bytes", "__version__",
 ]

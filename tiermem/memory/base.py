@@ -40,6 +40,15 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def keys(self) -> Iterator[str]: ...
 
+    def close(self) -> None:
+        """Give back what the store holds beyond its keys (pooled buffers, open files)."""
+
+    def release_all(self) -> None:
+        """Delete every key, then :meth:`close`: the store's bytes all go back to the system."""
+        for key in list(self.keys()):
+            self.delete(key)
+        self.close()
+
     @property
     def used(self) -> int:
         return self.ledger.used

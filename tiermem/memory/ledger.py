@@ -8,6 +8,22 @@ from tiermem.errors import OutOfTierMemory
 from tiermem.types import Tier
 
 
+class Reclaimers:
+    """Who can give bytes back on a tier when a reservation does not fit (a cache of prefetched
+    weights evicts). Handed to the tier's ledger when the store is built; a cache built later on
+    the same tier registers with it, the way hooks register with a module."""
+
+    def __init__(self) -> None:
+        self._fns: list[Callable[[int], None]] = []
+
+    def add(self, fn: Callable[[int], None]) -> None:
+        self._fns.append(fn)
+
+    def __call__(self, missing: int) -> None:
+        for fn in self._fns:
+            fn(missing)
+
+
 class Ledger:
     """Thread-safe byte accounting for one tier: who holds how much, the peak, and the cap.
 
@@ -16,7 +32,7 @@ class Ledger:
     :class:`~tiermem.types.TensorClass`); bytes and peaks are then also kept per kind.
     """
 
-    def __init__(self, tier: Tier, allowed: int):
+    def __init__(self, tier: Tier, allowed: int, *, reclaim: Optional[Callable[[int], None]] = None):
         self.tier = tier
         self.allowed = int(allowed)
         self._held: dict[str, int] = {}
@@ -27,7 +43,7 @@ class Ledger:
         self.kind_peak: dict[object, int] = {}
         # Called with the bytes missing when a reservation does not fit, before giving up: a cache
         # on this tier (e.g. prefetched weights) can evict to make room. Called outside the lock.
-        self.reclaim: Optional[Callable[[int], None]] = None
+        self.reclaim = reclaim
         self._lock = threading.Lock()
 
     @property

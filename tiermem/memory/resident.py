@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import psutil
 import torch
@@ -45,9 +45,9 @@ class _MemoryStore(Store):
     """Keyed tensors in memory with byte accounting. Subclasses supply ``_alloc``/``_free`` of raw
     uint8 buffers; ``allocate`` views them with the wanted dtype and shape."""
 
-    def __init__(self, tier: Tier, budget: int):
+    def __init__(self, tier: Tier, budget: int, *, reclaim: Optional[Callable[[int], None]] = None):
         self.tier = tier
-        self.ledger = Ledger(tier, budget)
+        self.ledger = Ledger(tier, budget, reclaim=reclaim)
         self._tensors: dict[str, torch.Tensor] = {}
         self._bases: dict[str, Optional[torch.Tensor]] = {}  # None: adopted, not ours to pool
         self._lock = threading.RLock()  # the engine's lanes allocate and free from their threads
@@ -117,9 +117,13 @@ class DeviceStore(_MemoryStore):
     """Tensors on the compute device. Without an accelerator the device is the CPU and the budget
     is enforced by accounting alone, so every code path runs on a CPU-only machine."""
 
-    def __init__(self, device: torch.device | str, budget: Optional[int] = None):
+    def __init__(self, device: torch.device | str, budget: Optional[int] = None, *,
+                 reclaim: Optional[Callable[[int], None]] = None):
+        """``reclaim(missing_bytes)``: called before refusing a reservation, so a cache on the
+        device (prefetched weights) can make room."""
         self.device = torch.device(device)
-        super().__init__(Tier.DEVICE, default_device_budget(self.device) if budget is None else budget)
+        super().__init__(Tier.DEVICE, default_device_budget(self.device) if budget is None else budget,
+                         reclaim=reclaim)
 
     def _alloc(self, key: str, nbytes: int, kind: object) -> torch.Tensor:
         self.ledger.reserve(key, nbytes, kind)
@@ -190,6 +194,9 @@ class HostStore(_MemoryStore):
             self.ledger.release(key)
             self._free_bufs[(buf.numel(), self.pin and buf.is_pinned())].append(buf)
             self._set_free_bytes(self._free_bytes + buf.numel())
+
+    def close(self) -> None:
+        self.trim()  # the pool's buffers (pinned, on a GPU machine) go back to the system
 
     def trim(self) -> int:
         """Drop every cached free buffer; returns the bytes released."""

@@ -19,71 +19,16 @@ import json
 import os
 import struct
 import zlib
-from typing import TYPE_CHECKING, BinaryIO, Iterator
+from typing import BinaryIO
 
 import torch
 
-from tiermem.plan.buckets import STATE_PARTS
 from tiermem.errors import StoreError, TierMemError
-
-if TYPE_CHECKING:
-    from tiermem.train.model import TieredModel
+from tiermem.train.state import ModelState
 
 MAGIC = b"TIERMEM-CKPT-v1\n"
 _ALIGN = 64
 _CHUNK = 64 << 20
-_HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
-PARTS = STATE_PARTS
-
-
-# -- the model's tensors, one bucket at a time --------------------------------------------------
-def _bucket_state(tm: "TieredModel") -> Iterator[tuple[object, tuple[torch.Tensor, ...]]]:
-    """(bucket, (master, exp_avg, exp_avg_sq)) with the state in memory; NVMe state is read into
-    one host buffer set, valid until the next item."""
-    for b in tm.layout.buckets:
-        buf = tm.layout.buffers[b.index]
-        if buf.master is not None:
-            yield b, (buf.master, buf.exp_avg, buf.exp_avg_sq)
-        else:
-            yield b, tm.layout.nvme_state.read(b)
-
-
-def fp32_weights(tm: "TieredModel") -> dict[str, torch.Tensor]:
-    """Every parameter name (tied aliases included) -> a CPU copy of its fp32 value."""
-    out: dict[str, torch.Tensor] = {}
-    for b, (master, _, _) in _bucket_state(tm):
-        for s in b.slots:
-            value = master[s.offset:s.offset + s.numel].view(s.shape).detach().cpu().clone()
-            for name in tm.layout.names[id(s.param)]:
-                out[name] = value
-    params = dict(tm.module.named_parameters())
-    for name, t in tm.layout.frozen.items():
-        for alias in tm.layout.names[id(params[name])]:
-            out[alias] = t.detach().cpu().clone()
-    return out
-
-
-def module_state(tm: "TieredModel") -> dict[str, torch.Tensor]:
-    weights = fp32_weights(tm)
-    return {k: weights[k] if k in weights else v.detach().to("cpu", tm.layout.buffer_dtypes.get(k, v.dtype), copy=True)
-            for k, v in tm.module.state_dict().items()}
-
-
-def _tensors(tm: "TieredModel") -> Iterator[tuple[str, torch.Tensor]]:
-    for b, state in _bucket_state(tm):
-        for part, t in zip(PARTS, state):
-            for s in b.slots:
-                yield f"{part}/{s.name}", t[s.offset:s.offset + s.numel].view(s.shape)
-    for name, t in tm.layout.frozen.items():
-        yield f"frozen/{name}", t
-    for name, t in tm.module.named_buffers():
-        yield f"buffers/{name}", t
-
-
-def _meta(tm: "TieredModel") -> dict:
-    return {"precision": tm.precision, "step": tm.stepper.steps, "param_step": tm.stepper.param_steps(),
-            "scaler": tm.scaler.state_dict(),
-            "groups": [{k: g[k] for k in _HYPER if k in g} for g in tm.optimizer.param_groups]}
 
 
 # -- save -----------------------------------------------------------------------------------------
@@ -91,7 +36,7 @@ def _bytes(t: torch.Tensor):
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def save(tm: "TieredModel", path: str) -> None:
+def save(state: ModelState, path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise StoreError(f"tiermem: cannot save a checkpoint to {path!r}: directory {directory!r} does not "
@@ -101,7 +46,7 @@ def save(tm: "TieredModel", path: str) -> None:
         with open(tmp, "wb") as f:
             f.write(MAGIC)
             entries = []
-            for name, t in _tensors(tm):
+            for name, t in state.tensors():
                 pos = f.tell()
                 f.write(b"\0" * (-pos % _ALIGN))
                 data = _bytes(t)
@@ -109,7 +54,7 @@ def save(tm: "TieredModel", path: str) -> None:
                                 "shape": list(t.shape), "offset": f.tell(), "nbytes": data.nbytes,
                                 "crc32": zlib.crc32(data)})
                 f.write(data)
-            footer = json.dumps({"meta": _meta(tm), "tensors": entries}).encode()
+            footer = json.dumps({"meta": state.meta(), "tensors": entries}).encode()
             f.write(footer + struct.pack("<Q", len(footer)) + MAGIC)
             f.flush()
             os.fsync(f.fileno())
@@ -156,9 +101,9 @@ def _read_footer(f: BinaryIO, path: str) -> dict:
     return doc
 
 
-def _check(tm: "TieredModel", doc: dict, f: BinaryIO, path: str) -> dict[str, dict]:
+def _check(state: ModelState, doc: dict, f: BinaryIO, path: str) -> dict[str, dict]:
     index = {e["name"]: e for e in doc["tensors"]}
-    expected = {name: tuple(t.shape) for name, t in _shapes(tm)}
+    expected = dict(state.shapes())
     missing, unexpected = sorted(set(expected) - set(index)), sorted(set(index) - set(expected))
     if missing or unexpected:
         raise TierMemError(f"tiermem: checkpoint {path!r} does not match this model: missing {missing[:5]}, "
@@ -167,9 +112,9 @@ def _check(tm: "TieredModel", doc: dict, f: BinaryIO, path: str) -> dict[str, di
         if tuple(index[name]["shape"]) != shape:
             raise TierMemError(f"tiermem: checkpoint {path!r}: {name!r} has shape {tuple(index[name]['shape'])}, "
                                f"the model has {shape}; load it into the model it was saved from")
-    if len(doc["meta"]["groups"]) != len(tm.optimizer.param_groups):
+    if len(doc["meta"]["groups"]) != len(state.param_groups):
         raise TierMemError(f"tiermem: checkpoint {path!r} has {len(doc['meta']['groups'])} param groups, this "
-                           f"model {len(tm.optimizer.param_groups)}; use the same optimizer spec")
+                           f"model {len(state.param_groups)}; use the same optimizer spec")
     for e in index.values():  # every checksum before anything changes
         f.seek(e["offset"])
         crc, left = 0, e["nbytes"]
@@ -184,15 +129,6 @@ def _check(tm: "TieredModel", doc: dict, f: BinaryIO, path: str) -> dict[str, di
     return index
 
 
-def _shapes(tm: "TieredModel") -> Iterator[tuple[str, torch.Tensor]]:
-    for b in tm.layout.buckets:
-        for part in PARTS:
-            for s in b.slots:
-                yield f"{part}/{s.name}", torch.empty(s.shape, device="meta")
-    yield from ((f"frozen/{n}", t) for n, t in tm.layout.frozen.items())
-    yield from ((f"buffers/{n}", t) for n, t in tm.module.named_buffers())
-
-
 def _read_into(f: BinaryIO, e: dict, t: torch.Tensor) -> None:
     dtype = getattr(torch, e["dtype"])
     f.seek(e["offset"])
@@ -204,42 +140,12 @@ def _read_into(f: BinaryIO, e: dict, t: torch.Tensor) -> None:
     t.copy_(tmp)
 
 
-def load(tm: "TieredModel", path: str) -> None:
+def load(state: ModelState, path: str) -> None:
     try:
         f = open(path, "rb")
     except FileNotFoundError:
         raise StoreError(f"tiermem: no checkpoint at {path!r}; pass the path given to tm.save()") from None
     with f:
         doc = _read_footer(f, path)
-        index = _check(tm, doc, f, path)
-        for b in tm.layout.buckets:
-            buf = tm.layout.buffers[b.index]
-            state = ((buf.master, buf.exp_avg, buf.exp_avg_sq) if buf.master is not None
-                     else tuple(t[:b.numel] for t in (tm.layout.nvme_state.sets[0][p] for p in PARTS)))
-            for part, t in zip(PARTS, state):
-                for s in b.slots:
-                    _read_into(f, index[f"{part}/{s.name}"], t[s.offset:s.offset + s.numel])
-            if buf.master is None:
-                tm.layout.nvme_state.write_current(b, state)
-            if buf.param is not None:
-                buf.param.copy_(state[0])
-            else:  # weights homed off the device: write them home
-                tm.param_offload.begin_update()
-                for s in b.slots:
-                    tm.param_offload.write_home(s.name, state[0][s.offset:s.offset + s.numel].view(s.shape).to(tm.dtype))
-        params = dict(tm.module.named_parameters())
-        for name, t in tm.layout.frozen.items():
-            _read_into(f, index[f"frozen/{name}"], t)
-            if tm.param_offload is not None and id(params[name]) in tm.param_offload.keys:
-                tm.param_offload.write_home(name, t.to(tm.dtype))
-            else:
-                params[name].data.copy_(t)
-        for name, t in tm.module.named_buffers():
-            _read_into(f, index[f"buffers/{name}"], t)
-    if tm.param_offload is not None:
-        tm.param_offload.end_update()
-    meta = doc["meta"]
-    for group, saved in zip(tm.optimizer.param_groups, meta["groups"]):
-        group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
-    tm.scaler.load_state_dict(meta["scaler"])
-    tm.stepper.load_param_steps({k: int(v) for k, v in meta["param_step"].items()}, meta["step"])
+        index = _check(state, doc, f, path)  # everything checked before anything changes
+        state.load(lambda name, t: _read_into(f, index[name], t), doc["meta"])

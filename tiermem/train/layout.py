@@ -1,142 +1,45 @@
-"""Where a model's bytes live: the policy's placements turned into buckets of flat buffers.
+"""Where a model's bytes live: the placement plan turned into homes that own real buffers.
 
-For each bucket (see :mod:`tiermem.plan.buckets`) the layout allocates, from the stores of the tiers
-the policy chose:
-
-- ``param``: the low-precision working weights on the device; the module's parameters become
-  views into it, so one copy uploads a whole bucket;
-- ``grad``: fp32 gradient accumulation at the GRAD tier;
-- ``master``, ``exp_avg``, ``exp_avg_sq``: fp32 optimizer state at the OPTIM_STATE tier;
-- ``grad_in``: an fp32 landing buffer at the OPTIM_STATE tier when grads live elsewhere.
-
-When optimizer state lives off the device, Adam writes the updated low-precision weights into
-one of two staging buffers per tier (each as large as the largest bucket), uploaded to the
-device while Adam runs on the next bucket: host memory stays at 16 bytes per parameter plus
-two buckets of staging.
-
-Before allocating anything it checks that the working set fits each tier's budget and, if not,
-says how much each tier needs.
+For each bucket (see :mod:`tiermem.plan.buckets`), :func:`make_homes` picks one home per class
+(NOTE [Homes]): the gradient accumulation, the optimizer state and the working weights, each
+from the tier the policy chose. :func:`build` then fills them with the module's weights: the fp32
+master from the parameters, the working weights rounded from it, the moments zero. Frozen
+parameters move to the device in the working precision (or to their home, when it is off the
+device), floating-point buffers too, as ``module.half()`` would.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from tiermem.plan.buckets import STATE_PARTS, Bucket, Slot, plan_buckets
-from tiermem.config import _AdamSpec
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
+from tiermem.plan.buckets import Bucket, Slot
+from tiermem.plan.placement import compute_tier
+from tiermem.train.homes import DeviceWeights, GradHome, Homes, MemoryGrads, MemoryState, StateHome, WeightHome
 from tiermem.train.nvme_grads import NvmeGrads
 from tiermem.train.nvme_state import NvmeState
-from tiermem.plan.policy import Policy, checked_place
-from tiermem.memory.resident import _MemoryStore
-from tiermem.types import TensorClass, TensorInfo, Tier
-
-#: Placements this version can honour, per tensor class (the rest arrive with the NVMe extension).
-SUPPORTED = {
-    TensorClass.PARAM: {Tier.DEVICE, Tier.HOST, Tier.NVME},
-    TensorClass.GRAD: {Tier.DEVICE, Tier.HOST, Tier.NVME},
-    TensorClass.OPTIM_STATE: {Tier.DEVICE, Tier.HOST, Tier.NVME},
-    TensorClass.ACTIVATION: {Tier.DEVICE, Tier.HOST, Tier.NVME},  # asked per saved tensor, tiermem.train.activations
-}
+from tiermem.train.param_offload import ParamOffload
+from tiermem.types import TensorClass, Tier
 
 
-def compute_tier(b: Bucket) -> Tier:
-    """Where Adam runs for a bucket: where its state lives, or the host for state on NVMe."""
-    return Tier.HOST if b.state_tier == Tier.NVME else b.state_tier
-
-
-@dataclass
-class Buffers:
-    param: Optional[torch.Tensor]  # None when the weights live off the device (see param_offload)
-    grad: Optional[torch.Tensor]  # None when the grads live on NVMe (see nvme_grads)
-    master: Optional[torch.Tensor]  # None when the state lives on NVMe (see nvme_state)
-    exp_avg: Optional[torch.Tensor]
-    exp_avg_sq: Optional[torch.Tensor]
-    grad_in: Optional[torch.Tensor] = None  # grads copied to the state's tier for the step
-    grad_alt: Optional[torch.Tensor] = None  # overlap_step: backward fills one while Adam reads the other
-    param_out: Optional[torch.Tensor] = None  # overlap_step: Adam's low-precision output, uploaded next step
-
-    def grad_buffer(self, which: int) -> torch.Tensor:
-        return self.grad if which == 0 else self.grad_alt
-
-
-@dataclass
+@dataclass(frozen=True)
 class Layout:
+    """The buckets and their homes, and what the module's own tensors became."""
+
     buckets: list[Bucket]
-    buffers: dict[int, Buffers]
+    homes: Homes
     groups: list[list[str]]  # canonical parameter names per optimizer param group
     names: dict[int, list[str]]  # id(param) -> every name it has (tied weights have several)
-    slot_of: dict[int, tuple[Bucket, Slot]] = field(default_factory=dict)
-    frozen: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> fp32 copy on host
-    initial_params: dict[str, torch.Tensor] = field(default_factory=dict)  # off-device weights, until placed
-    staging: dict[Tier, list[torch.Tensor]] = field(default_factory=dict)  # Adam's output, 2 per tier
-    buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # buffers' dtypes as given
-    nvme_state: Optional[NvmeState] = None  # the buckets whose optimizer state is on NVMe
-    nvme_grads: Optional[NvmeGrads] = None  # the buckets whose gradients are on NVMe
-    n_params: int = 0
+    slot_of: dict[int, tuple[Bucket, Slot]]  # id(param) -> its place
+    frozen: dict[str, torch.Tensor]  # name -> fp32 copy on the host
+    buffer_dtypes: dict[str, torch.dtype]  # the module's buffers' dtypes as given
+    n_params: int
 
 
-def owner(name: str) -> str:
-    return name.rpartition(".")[0]
-
-
-def _place(policy: Policy, info: TensorInfo) -> Tier:
-    tier = checked_place(policy, info)
-    if tier not in SUPPORTED[info.kind]:
-        raise ConfigError(
-            f"tiermem: the policy places {info.name!r} ({info.kind}) on {tier}, which this version "
-            f"cannot honour yet (supported for {info.kind}: "
-            f"{', '.join(sorted(t.value for t in SUPPORTED[info.kind]))}); change the policy")
-    return tier
-
-
-def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.dtype,
-         bucket_numel: int) -> tuple[list[Bucket], list[list[str]], dict[int, list[str]], dict[str, Tier]]:
-    """Ask the policy about every tensor, then pack trainable parameters into buckets. Also
-    returns the parameters whose working weights live off the device, with their home."""
-    param_homes: dict[str, Tier] = {}
-    names: dict[int, list[str]] = defaultdict(list)
-    unique: list[tuple[str, torch.nn.Parameter]] = []
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) not in names:
-            unique.append((name, p))
-        names[id(p)].append(name)
-    entries, groups = [], [[], []]  # group 0: weight decay applies; group 1: it does not
-    for name, p in reversed(unique):  # reverse order of use: backward fills the last ones first
-        param_tier = _place(policy, TensorInfo(name, TensorClass.PARAM, p.numel() * dtype.itemsize,
-                                               tuple(p.shape), dtype, owner(name)))
-        if param_tier != Tier.DEVICE:
-            param_homes[name] = param_tier
-        if not p.requires_grad:
-            continue
-        grad_tier = _place(policy, TensorInfo(name, TensorClass.GRAD, p.numel() * 4, tuple(p.shape),
-                                              torch.float32, owner(name)))
-        state_tiers = {_place(policy, TensorInfo(f"{name}:{part}", TensorClass.OPTIM_STATE, p.numel() * 4,
-                                                 tuple(p.shape), torch.float32, owner(name)))
-                       for part in STATE_PARTS}
-        if len(state_tiers) != 1:
-            raise ConfigError(f"tiermem: the policy splits the optimizer state of {name!r} over "
-                              f"{sorted(t.value for t in state_tiers)}; master, exp_avg and exp_avg_sq "
-                              f"of one parameter must share a tier")
-        if grad_tier == Tier.NVME and Tier.DEVICE in state_tiers:
-            raise ConfigError(f"tiermem: the policy places {name!r}'s grads on NVMe but its optimizer state on "
-                              f"the device; grads on NVMe are read back to the host for the step: place "
-                              f"OPTIM_STATE on HOST or NVME for it")
-        if param_tier != Tier.DEVICE and Tier.DEVICE in state_tiers:
-            raise ConfigError(f"tiermem: the policy places {name!r}'s weights on {param_tier} but its optimizer "
-                              f"state on the device; this version updates off-device weights from host or "
-                              f"NVMe state only: place OPTIM_STATE on HOST or NVME for it")
-        group = 0 if spec.decays(name, p) else 1
-        groups[group].append(name)
-        entries.append((name, p, grad_tier, state_tiers.pop(), group, param_tier))
-    if not groups[1]:
-        groups.pop()
-    return plan_buckets(entries, bucket_numel), groups, dict(names), param_homes
-
-
+# TEMPORARY: moving to tiermem.plan.footprint (one rule for the constructor and `tiermem plan`)
 def needed_bytes(buckets: list[Bucket], frozen: list[tuple[torch.nn.Parameter, Tier]], dtype: torch.dtype,
                  device_grad_bytes: int, overlap: bool = False) -> dict[Tier, dict[str, int]]:
     """Bytes each tier must hold, by purpose, for the layout to be built and a step to run."""
@@ -187,7 +90,7 @@ def largest_module_bytes(module: torch.nn.Module, param_homes: dict[str, Tier], 
     return best
 
 
-def check_fits(need: dict[Tier, dict[str, int]], stores: dict[Tier, _MemoryStore]) -> None:
+def check_fits(need: dict[Tier, dict[str, int]], stores: dict) -> None:
     for tier, parts in need.items():
         total = sum(parts.values())
         if tier not in stores:
@@ -202,78 +105,85 @@ def check_fits(need: dict[Tier, dict[str, int]], stores: dict[Tier, _MemoryStore
                      f"at least {fmt_bytes(store.used + total)} or choose a policy that places less on {tier}")
 
 
-def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]],
-          names: dict[int, list[str]], stores: dict[Tier, _MemoryStore], dtype: torch.dtype,
-          device: torch.device, engine, overlap: bool = False,
-          param_homes: Optional[dict[str, Tier]] = None) -> Layout:
-    """Allocate every bucket's buffers, copy the module's weights in, and make its parameters
-    views of the device buffers. Frozen parameters move to the device in the working precision."""
-    layout = Layout(buckets, {}, groups, names)
-    dev = stores[Tier.DEVICE]
-    on_nvme = [b for b in buckets if b.state_tier == Tier.NVME]
-    if on_nvme:
-        layout.nvme_state = NvmeState(on_nvme, engine, stores[Tier.HOST])
-    if any(b.grad_tier == Tier.NVME for b in buckets):
-        if overlap:
-            raise ConfigError("tiermem: overlap_step=True cannot be combined with grads on NVMe (the next "
-                              "backward would overwrite grads the update still reads); place GRAD on HOST "
-                              "or pass overlap_step=False")
-        layout.nvme_grads = NvmeGrads(engine, stores[Tier.HOST])
+def _by_tier(buckets: list[Bucket], tier_of) -> dict[Tier, list[Bucket]]:
+    out: dict[Tier, list[Bucket]] = {}
     for b in buckets:
-        ct = stores[compute_tier(b)]
-        gt = stores[b.grad_tier] if b.grad_tier != Tier.NVME else None
-        n = (b.numel,)
-        buf = Buffers(
-            param=dev.allocate(f"{b.key}:param", n, dtype, TensorClass.PARAM) if b.param_tier == Tier.DEVICE else None,
-            grad=gt.allocate(f"{b.key}:grad", n, torch.float32, TensorClass.GRAD) if gt is not None else None,
-            master=None, exp_avg=None, exp_avg_sq=None)
-        if b.state_tier != Tier.NVME:
-            st = stores[b.state_tier]
-            buf.master = st.allocate(f"{b.key}:master", n, torch.float32, TensorClass.OPTIM_STATE)
-            buf.exp_avg = st.allocate(f"{b.key}:exp_avg", n, torch.float32, TensorClass.OPTIM_STATE).zero_()
-            buf.exp_avg_sq = st.allocate(f"{b.key}:exp_avg_sq", n, torch.float32, TensorClass.OPTIM_STATE).zero_()
-        if compute_tier(b) != b.grad_tier and gt is not None:
-            buf.grad_in = ct.allocate(f"{b.key}:grad_in", n, torch.float32, TensorClass.GRAD)
-        if overlap:
-            buf.grad_alt = gt.allocate(f"{b.key}:grad_alt", n, torch.float32, TensorClass.GRAD)
-            buf.param_out = ct.allocate(f"{b.key}:param_out", n, dtype, TensorClass.PARAM)
-        master = buf.master if buf.master is not None else layout.nvme_state.sets[0]["master"][:b.numel]
+        out.setdefault(tier_of(b), []).append(b)
+    return out
+
+
+def make_homes(buckets: list[Bucket], stores: dict, engine, dtype: torch.dtype, *, overlap: bool,
+               weights_off_device: Optional[ParamOffload]) -> Homes:
+    """One home per class and tier, shared by the buckets placed there: the only code that maps
+    a tier to the class that homes it."""
+    compute = {b.index: compute_tier(b) for b in buckets}
+    grads: dict[int, GradHome] = {}
+    for tier, bs in _by_tier(buckets, lambda b: b.grad_tier).items():
+        home: GradHome = (NvmeGrads(bs, engine, stores[Tier.HOST]) if tier == Tier.NVME else
+                          MemoryGrads(stores[tier], bs, compute, stores, engine, buffers=2 if overlap else 1))
+        grads.update({b.index: home for b in bs})
+    state: dict[int, StateHome] = {}
+    for tier, bs in _by_tier(buckets, lambda b: b.state_tier).items():
+        sh: StateHome = NvmeState(bs, engine, stores[Tier.HOST]) if tier == Tier.NVME else MemoryState(stores[tier], bs)
+        assert all(sh.compute_tier == compute[b.index] for b in bs), "homes and plan disagree on where Adam runs"
+        state.update({b.index: sh for b in bs})
+    weights: dict[int, WeightHome] = {}
+    on_device = [b for b in buckets if b.param_tier == Tier.DEVICE]
+    if on_device:
+        dw = DeviceWeights(stores[Tier.DEVICE], on_device, dtype, engine)
+        weights.update({b.index: dw for b in on_device})
+    for b in buckets:
+        if b.param_tier != Tier.DEVICE:
+            assert weights_off_device is not None, "weights off the device without their home"
+            weights[b.index] = weights_off_device
+    return Homes(grads, state, weights)
+
+
+def build(module: torch.nn.Module, buckets: list[Bucket], groups: list[list[str]], names: dict[int, list[str]],
+          homes: Homes, stores: dict, dtype: torch.dtype, device: torch.device,
+          weights_off_device: Optional[ParamOffload]) -> Layout:
+    """Fill the homes from the module's weights and point its parameters at their working copies."""
+    slot_of: dict[int, tuple[Bucket, Slot]] = {}
+    for b in buckets:
+        state = homes.state[b.index]
+        master = state.initial_master(b)
         for s in b.slots:
             master[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-        if buf.param is not None:
-            buf.param.copy_(master)  # the working copy is the master rounded to the working precision
-        else:  # working weights live off the device: see param_offload
-            for s in b.slots:
-                # a copy, even in fp32: `master` may be a pipeline buffer the next bucket reuses
-                layout.initial_params[s.name] = master[s.offset:s.offset + s.numel].view(s.shape).to(dtype, copy=True)
-        if buf.master is None:
-            layout.nvme_state.initialize(b, master)
-        for s in b.slots:
-            if buf.param is not None:
-                s.param.data = buf.param[s.offset:s.offset + s.numel].view(s.shape)
-            layout.slot_of[id(s.param)] = (b, s)
-        layout.buffers[b.index] = buf
-        layout.n_params += b.numel
-    for tier in ({compute_tier(b) for b in buckets} - {Tier.DEVICE} if not overlap else ()):
-        sizes = [b.numel for b in buckets if compute_tier(b) == tier]
-        count = min(2, len(sizes))  # double buffering needs two; a single bucket needs one
-        layout.staging[tier] = [stores[tier].allocate(f"staging{i}:param", (max(sizes),), dtype, TensorClass.PARAM)
-                                for i in range(count)]
+            slot_of[id(s.param)] = (b, s)
+        homes.weights[b.index].initialize(b, master)
+        state.initialize(b)
+    frozen = _place_frozen(module, stores, dtype, device, weights_off_device)
+    return Layout(buckets, homes, groups, names, slot_of, frozen, _cast_buffers(module, dtype, device),
+                  sum(b.numel for b in buckets))
+
+
+def _place_frozen(module: torch.nn.Module, stores: dict, dtype: torch.dtype, device: torch.device,
+                  weights_off_device: Optional[ParamOffload]) -> dict[str, torch.Tensor]:
+    """Frozen parameters: an fp32 copy on the host (for checkpoints and detach), the working copy
+    on the device or at its home off the device."""
+    frozen: dict[str, torch.Tensor] = {}
     for name, p in module.named_parameters():
         if p.requires_grad:
             continue
-        layout.frozen[name] = stores[Tier.HOST].allocate(f"{name}:frozen", p.shape, p.dtype, TensorClass.PARAM)
-        layout.frozen[name].copy_(p.detach())
+        frozen[name] = stores[Tier.HOST].allocate(f"{name}:frozen", p.shape, p.dtype, TensorClass.PARAM)
+        frozen[name].copy_(p.detach())
         target = dtype if p.is_floating_point() else p.dtype
-        if param_homes and name in param_homes:
-            layout.initial_params[name] = p.detach().to(dtype=target, copy=True)
+        if weights_off_device is not None and name in weights_off_device.homes:
+            weights_off_device.adopt(name, p.detach().to(dtype=target, copy=True))
         else:
-            p.data = dev.adopt(f"{name}:frozen", p.detach().to(device=device, dtype=target), TensorClass.PARAM)
-    # Floating-point buffers (e.g. BatchNorm running stats) move to the working precision, as
-    # with module.half(): ops such as batch_norm need them in the dtype of their inputs.
+            p.data = stores[Tier.DEVICE].adopt(f"{name}:frozen", p.detach().to(device=device, dtype=target),
+                                               TensorClass.PARAM)
+    return frozen
+
+
+def _cast_buffers(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, torch.dtype]:
+    """Floating-point buffers (e.g. BatchNorm running stats) move to the working precision, as
+    with module.half(): ops such as batch_norm need them in the dtype of their inputs. Returns
+    their dtypes as given, for state_dict() and detach()."""
+    dtypes: dict[str, torch.dtype] = {}
     for mod_name, mod in module.named_modules():
         for bname, buf in list(mod._buffers.items()):
             if buf is not None:
-                layout.buffer_dtypes[f"{mod_name}.{bname}" if mod_name else bname] = buf.dtype
+                dtypes[f"{mod_name}.{bname}" if mod_name else bname] = buf.dtype
                 mod._buffers[bname] = buf.to(device=device, dtype=dtype if buf.is_floating_point() else buf.dtype)
-    return layout
+    return dtypes

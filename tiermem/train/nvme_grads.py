@@ -12,21 +12,28 @@ for the global norm, once for Adam.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from concurrent.futures import Future
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from tiermem.plan.buckets import Bucket
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle, wait_all
+from tiermem.plan.buckets import Bucket
+from tiermem.train.homes import GradHome
 from tiermem.types import TensorClass, Tier
 
 
-class NvmeGrads:
-    def __init__(self, engine, host_store):
+class NvmeGrads(GradHome):
+    """The GRAD home of the buckets whose gradients live on NVMe: NOTE [Gradients on NVMe]."""
+
+    landing_tier = Tier.HOST
+
+    def __init__(self, buckets: Sequence[Bucket], engine, host_store):
         self.engine, self.host = engine, host_store
+        self._buckets = {b.index: b for b in buckets}
         self._landing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (fp32 view, pool buffer)
         self._arrived: dict[int, int] = defaultdict(int)  # gradients delivered in this backward
         self._on_disk: set[int] = set()  # buckets whose NVMe key holds this step's gradients so far
@@ -38,8 +45,9 @@ class NvmeGrads:
         return f"{b.key}:grad"
 
     # -- backward ----------------------------------------------------------------------------------
-    def landing(self, b: Bucket) -> torch.Tensor:
-        """The host buffer that accumulates ``b``'s gradients in this backward."""
+    def landing(self, b: Bucket, fill: int) -> torch.Tensor:
+        """The host buffer that accumulates ``b``'s gradients in this backward (one buffer: this
+        home refuses overlap_step, see :func:`tiermem.train.layout.make_homes`)."""
         if b.index not in self._landing:
             tag = f"<grad landing {b.key}>"
             base = self._acquire(b.numel * 4, tag)
@@ -73,9 +81,9 @@ class NvmeGrads:
         if self._arrived[b.index] >= len(b.slots):
             self._flush(b)
 
-    def end_backward(self, buckets: dict[int, Bucket]) -> None:
+    def end_backward(self) -> None:
         for index in list(self._landing):
-            self._flush(buckets[index])
+            self._flush(self._buckets[index])
         self._arrived.clear()
 
     def _flush(self, b: Bucket) -> None:
@@ -106,7 +114,7 @@ class NvmeGrads:
         wait_all(flushes)
 
     # -- the step ----------------------------------------------------------------------------------
-    def read(self, b: Bucket) -> tuple[torch.Tensor, Callable[[], None]]:
+    def read(self, b: Bucket, fill: int = 0) -> tuple[torch.Tensor, Callable[[], None]]:
         """``b``'s gradients of this step in a pooled host buffer, and the function that frees it."""
         tag = f"<grad read {b.key}>"
         base = self.host.acquire(b.numel * 4, tag, TensorClass.GRAD)
@@ -118,9 +126,15 @@ class NvmeGrads:
             raise
         return t, lambda: self.host.release(tag, base)
 
-    def open(self) -> bool:
-        """Some bucket still accumulates (a backward stopped before its end)."""
+    def accumulating(self) -> bool:
         return bool(self._landing)
+
+    def drop(self) -> None:
+        with contextlib.suppress(BaseException):
+            self.end_backward()
+        with contextlib.suppress(BaseException):
+            self.wait()  # drain: no flush keeps writing behind the error
+        self.end_step()
 
     def end_step(self) -> None:
         """The step consumed (or dropped) the gradients: the next backward starts afresh."""

@@ -18,22 +18,26 @@ the state (both slots), never more host memory.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from tiermem.plan.buckets import STATE_PARTS, Bucket
 from tiermem.handles import Handle, wait_all, wait_all_quietly
+from tiermem.plan.buckets import STATE_PARTS, Bucket
+from tiermem.train.homes import StateHome, StateViews, Update
 from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
 
 PARTS = STATE_PARTS
-StateViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class NvmeState:
-    """The NVMe-resident optimizer state of some buckets, and the step's pipeline over them."""
+class NvmeState(StateHome):
+    """The OPTIM_STATE home of the buckets whose state lives on NVMe, and the step's pipeline
+    over them. Adam runs on the host, in the pipeline's buffers."""
+
+    compute_tier = Tier.HOST
+    revertible = True  # NOTE [A failed step changes nothing]
 
     def __init__(self, buckets: Sequence[Bucket], engine, host_store):
         self.buckets = list(buckets)
@@ -46,10 +50,12 @@ class NvmeState:
         return f"{b.key}:{part}"
 
     # -- initial contents, reads and writes --------------------------------------------------------
-    def initialize(self, b: Bucket, master: torch.Tensor) -> None:
-        """Store a bucket's initial state: ``master`` given, moments zero."""
+    def initial_master(self, b: Bucket) -> torch.Tensor:
+        return self._views(0, b)[0]
+
+    def initialize(self, b: Bucket) -> None:
+        """Store a bucket's initial state: the master filled into :meth:`initial_master`, moments zero."""
         views = self._views(0, b)
-        views[0].copy_(master)
         views[1].zero_()
         views[2].zero_()
         wait_all(self._write(b, views))
@@ -60,7 +66,10 @@ class NvmeState:
         wait_all(self._read(b, views))
         return views
 
-    def write_current(self, b: Bucket, views: StateViews) -> None:
+    def load_views(self, b: Bucket) -> StateViews:
+        return self._views(0, b)
+
+    def store(self, b: Bucket, views: StateViews) -> None:
         """Overwrite a bucket's state (checkpoint load; blocking)."""
         wait_all(self._write(b, views))
 
@@ -77,12 +86,12 @@ class NvmeState:
                 for part, v in zip(PARTS, views)]
 
     # -- the step ----------------------------------------------------------------------------------
-    def step(self, plan: Sequence[tuple[Bucket, list]], update: Callable[[Bucket, list, StateViews], None],
-             tracer) -> list[str]:
+    def step(self, plan: Sequence[tuple[Bucket, list]], update: Update, tracer, updated: set[int]) -> list[str]:
         """Run ``update(bucket, runs, (master, exp_avg, exp_avg_sq))`` over every bucket of
         ``plan`` in the three-stage pipeline; returns the keys written (for :meth:`revert`). On
         failure every key is reverted to its value from before the step and the error
-        propagates. NOTE [A failed step changes nothing]"""
+        propagates; ``updated`` is left alone (every bucket here can be undone).
+        NOTE [A failed step changes nothing]"""
         reads: dict[int, list[Handle]] = {}
         writes: dict[int, list[Handle]] = {}  # host set -> writes still reading from it
         written: list[tuple[str, Handle]] = []  # every write of this step, to revert on failure
@@ -109,14 +118,7 @@ class NvmeState:
             raise
         return [key for key, _ in written]
 
-    def revert(self, keys: Sequence[str]) -> None:
+    def revert(self, keys: Sequence[str]) -> None:  # type: ignore[override]
         """Undo this step's writes of ``keys``: each holds its value from before the step again."""
         for key in keys:
             self.engine.store_revert(Tier.NVME, key)
-
-    def restore_params(self, buckets: Sequence[Bucket], upload: Callable[[Bucket, torch.Tensor], None]) -> None:
-        """After a failed step: hand each bucket's (reverted) master to ``upload``."""
-        for b in buckets:
-            master, _, _ = self.read(b)
-            upload(b, master)
-

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from tiermem.handles import Handle
+from tiermem.plan.buckets import Bucket
+from tiermem.train.homes import Runs, WeightHome, slots_in
 from tiermem.train.hooks import HookSet
 from tiermem.transfer.schedule import ResidencyScheduler
 from tiermem.types import TensorClass, TensorInfo, Tier
@@ -41,27 +43,20 @@ class ParamRef:
     offset: int
 
 
-class ParamOffload:
+class ParamOffload(WeightHome):
+    """The PARAM home of weights that live on the host or NVMe: NOTE [Parameters off the device]."""
+
     def __init__(self, module: torch.nn.Module, homes: dict[str, Tier],
-                 engine, scheduler: ResidencyScheduler, dtype: torch.dtype, device: torch.device,
-                 initial: Callable[[str, torch.nn.Parameter], torch.Tensor], hooks: HookSet):
-        """``homes``: canonical parameter name -> home tier (HOST or NVME) for the parameters to
-        offload; ``initial(name, param)`` gives each one's first working-precision value."""
-        self.engine, self.scheduler, self.device = engine, scheduler, device
-        self.keys: dict[int, str] = {}  # id(param) -> key
+                 engine, scheduler: ResidencyScheduler, dtype: torch.dtype, device: torch.device, hooks: HookSet):
+        """``homes``: canonical parameter name -> home tier (HOST or NVME) of the parameters to
+        offload; each one's first value arrives through :meth:`initialize` or :meth:`adopt`."""
+        self.engine, self.scheduler, self.dtype, self.device = engine, scheduler, dtype, device
+        self.homes = dict(homes)
+        params = dict(module.named_parameters())
+        self.keys: dict[int, str] = {id(params[name]): name for name in homes}  # id(param) -> key
+        self._params = {name: params[name] for name in homes}
         self._placeholders: dict[str, torch.Tensor] = {}
         self._live: dict[int, str] = {}  # storage address of an acquired parameter -> key
-        params = dict(module.named_parameters())
-        for name, home in homes.items():
-            p = params[name]
-            value = initial(name, p)
-            engine.register(TensorInfo(name, TensorClass.PARAM, value.numel() * value.element_size(),
-                                       tuple(p.shape), value.dtype, name.rpartition(".")[0]), home)
-            engine.put(name, value)
-            self.keys[id(p)] = name
-            nan = torch.full((), float("nan"), dtype=value.dtype, device=device)
-            self._placeholders[name] = nan.expand(p.shape)
-            p.data = self._placeholders[name]
         self.owners: dict[torch.nn.Module, list[tuple[torch.nn.Parameter, str]]] = {}
         for mod in module.modules():
             mine = [(p, self.keys[id(p)]) for p in mod.parameters(recurse=False) if id(p) in self.keys]
@@ -70,6 +65,28 @@ class ParamOffload:
                 hooks.add(mod.register_forward_pre_hook(self._before))
                 hooks.add(mod.register_forward_hook(self._after, always_call=True))  # also when forward raises
 
+    def adopt(self, name: str, value: torch.Tensor) -> None:
+        """``value`` (a host tensor in the working precision) becomes ``name``'s first value at
+        home; the parameter holds a NaN placeholder from now on."""
+        p = self._params[name]
+        self.engine.register(TensorInfo(name, TensorClass.PARAM, value.numel() * value.element_size(),
+                                        tuple(p.shape), value.dtype, name.rpartition(".")[0]), self.homes[name])
+        self.engine.put(name, value)
+        nan = torch.full((), float("nan"), dtype=value.dtype, device=self.device)
+        self._placeholders[name] = nan.expand(p.shape)
+        p.data = self._placeholders[name]
+
+    # -- as a WeightHome ---------------------------------------------------------------------------
+    def initialize(self, b: Bucket, master: torch.Tensor) -> None:
+        for s in b.slots:
+            # a copy, even in fp32: `master` may be a pipeline buffer the next bucket reuses
+            self.adopt(s.name, master[s.offset:s.offset + s.numel].view(s.shape).to(self.dtype, copy=True))
+
+    def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
+        """Updated weights go to their home tier, never to the device; overlaps Adam on the next
+        bucket, like an upload. ``src`` in another dtype (an fp32 master) is rounded first."""
+        return [self.write_home(s.name, src[s.offset:s.offset + s.numel].view(s.shape).to(self.dtype), wait=False)
+                for s in slots_in(b, runs)]
 
     # -- forward -----------------------------------------------------------------------------------
     def _before(self, mod: torch.nn.Module, args) -> None:

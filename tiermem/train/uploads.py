@@ -1,55 +1,91 @@
-"""Where Adam writes a bucket's new low-precision weights, and how they reach their home."""
-from __future__ import annotations
+"""Where Adam writes a bucket's new low-precision weights, and how they reach their home.
 
-from typing import TYPE_CHECKING
+Three cases, decided once per bucket from its homes:
+
+- the weights live where Adam runs (state and weights on the device): Adam writes them in place;
+- overlap_step: into the bucket's own ``param_out`` buffer at the tier where Adam runs, sent home
+  by the next step (:meth:`Outputs.land_background`);
+- otherwise: into one of two staging buffers per tier where Adam runs (each as large as the
+  largest bucket there), sent home while Adam runs on the next bucket; a buffer is reused once
+  its previous transfer has finished. Host memory stays at 16 bytes per parameter plus two
+  buckets of staging.
+"""
+from __future__ import annotations
 
 import torch
 
 from tiermem.handles import Handle, wait_all, wait_all_quietly
-from tiermem.train.layout import compute_tier
-from tiermem.types import Tier
+from tiermem.plan.buckets import Bucket
+from tiermem.train.homes import Homes, Runs
+from tiermem.types import TensorClass, Tier
 
-if TYPE_CHECKING:
-    from tiermem.train.stepper import Stepper
+
+class Outputs:
+    """The buffers Adam writes new weights into, allocated once for the life of the model."""
+
+    def __init__(self, buckets: list[Bucket], homes: Homes, stores: dict, dtype: torch.dtype, *, overlap: bool,
+                 tracer):
+        self.homes, self.tracer, self.overlap = homes, tracer, overlap
+        self.param_out: dict[int, torch.Tensor] = {}
+        self.staging: dict[Tier, list[torch.Tensor]] = {}
+        if overlap:  # the update runs while the next forward reads the old weights: one buffer per bucket
+            for b in buckets:
+                self.param_out[b.index] = stores[homes.compute_tier(b)].allocate(
+                    f"{b.key}:param_out", (b.numel,), dtype, TensorClass.PARAM)
+            return
+        sizes: dict[Tier, list[int]] = {}
+        for b in buckets:
+            if homes.weights[b.index].in_place(b, homes.compute_tier(b)) is None:
+                sizes.setdefault(homes.compute_tier(b), []).append(b.numel)
+        for tier, ns in sizes.items():
+            count = min(2, len(ns))  # double buffering needs two; a single bucket needs one
+            self.staging[tier] = [stores[tier].allocate(f"staging{i}:param", (max(ns),), dtype, TensorClass.PARAM)
+                                  for i in range(count)]
+
+    def session(self) -> "Uploads":
+        """The bookkeeping of one step's uploads."""
+        return Uploads(self)
+
+    def land_background(self, plan: list[tuple[Bucket, Runs]]) -> None:
+        """overlap_step: send home the weights a finished background update wrote."""
+        wait_all([h for b, runs in plan
+                  for h in self.homes.weights[b.index].write(b, self.param_out[b.index], runs,
+                                                             self.homes.compute_tier(b))])
 
 
 class Uploads:
-    """Where Adam writes a bucket's new low-precision weights, and their upload to the device:
-    in place when the state is on the device, ``param_out`` with overlap_step, else one of two
-    staging buffers per tier, reused once its previous upload has finished."""
+    """One step's targets and transfers (see the module's docstring)."""
 
-    def __init__(self, stepper: "Stepper"):
-        self.s = stepper
+    def __init__(self, outputs: Outputs):
+        self.o = outputs
         self.turn = 0
         self.inflight: dict[tuple[Tier, int], list[Handle]] = {}
+        self._current: tuple[Tier, int] | None = None
 
-    def target(self, b) -> torch.Tensor:
-        buf = self.s.layout.buffers[b.index]
-        if buf.param_out is not None:
-            return buf.param_out
-        tier = compute_tier(b)
-        if tier == Tier.DEVICE and buf.param is not None:
-            return buf.param
-        which = (tier, self.turn % len(self.s.layout.staging[tier]))
-        with self.s.tracer.span("wait staging", "stall"):
+    def target(self, b: Bucket) -> torch.Tensor:
+        if self.o.overlap:
+            return self.o.param_out[b.index]
+        tier = self.o.homes.compute_tier(b)
+        direct = self.o.homes.weights[b.index].in_place(b, tier)
+        if direct is not None:
+            self._current = None
+            return direct
+        which = (tier, self.turn % len(self.o.staging[tier]))
+        with self.o.tracer.span("wait staging", "stall"):
             wait_all(self.inflight.pop(which, ()))  # ordering: its last upload has left the buffer
         self._current = which
-        return self.s.layout.staging[tier][which[1]][:b.numel]
+        return self.o.staging[tier][which[1]][:b.numel]
 
-    def done(self, b, out: torch.Tensor, runs) -> None:
-        buf = self.s.layout.buffers[b.index]
-        if buf.param_out is not None or (compute_tier(b) == Tier.DEVICE and b.param_tier == Tier.DEVICE):
+    def done(self, b: Bucket, out: torch.Tensor, runs: Runs) -> None:
+        """Adam wrote ``out`` (from :meth:`target`): send it home, overlapping the next bucket."""
+        if self.o.overlap or self._current is None:
             return
-        self.inflight[self._current] = self.s._upload(b, out, runs)  # overlaps Adam on the next bucket
+        self.inflight[self._current] = self.o.homes.weights[b.index].write(b, out, runs,
+                                                                           self.o.homes.compute_tier(b))
         self.turn += 1
 
     def finish(self, quiet: bool = False) -> None:
         handles = [h for hs in self.inflight.values() for h in hs]
         self.inflight.clear()
-        with self.s.tracer.span("wait uploads", "stall"):
+        with self.o.tracer.span("wait uploads", "stall"):
             (wait_all_quietly if quiet else wait_all)(handles)
-
-
-def slots_in(bucket, runs) -> list:
-    """The slots of ``bucket`` that the update ``runs`` cover."""
-    return [s for s in bucket.slots if any(a <= s.offset < e for a, e, _ in runs)]

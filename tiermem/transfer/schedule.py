@@ -306,6 +306,10 @@ class ResidencyScheduler:
         if n > 1:
             self._pins[key] = n - 1
 
+    def acquired(self) -> list[str]:
+        """The keys acquired and not yet released (a module running, or autograd unpacking)."""
+        return sorted(k for k, n in self._pins.items() if n)
+
     def _evictable(self) -> list[str]:
         registry = self.engine.registry
         self._managed = {k for k in self._managed if k in registry and k in self._store}

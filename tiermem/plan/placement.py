@@ -1,0 +1,90 @@
+"""Placement: the policy asked about every tensor, its answers checked once, trainable
+parameters packed into buckets. Pure: no allocation, no I/O.
+
+Every rule about which placements this version can honour lives here, so the constructor,
+``tiermem plan`` and the homes agree: a combination it cannot honour is refused with a
+``tiermem:`` error that names the tensor and what to change.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from tiermem.config import _AdamSpec
+from tiermem.errors import ConfigError
+from tiermem.plan.buckets import STATE_PARTS, Bucket, plan_buckets
+from tiermem.plan.policy import Policy, checked_place
+from tiermem.types import TensorClass, TensorInfo, Tier
+
+def compute_tier(b: Bucket) -> Tier:
+    """Where Adam runs for a bucket: where its state lives, or the host for state on NVMe."""
+    return Tier.HOST if b.state_tier == Tier.NVME else b.state_tier
+
+
+def owner(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _info(name: str, kind: TensorClass, p: torch.Tensor, dtype: torch.dtype, suffix: str = "") -> TensorInfo:
+    return TensorInfo(f"{name}{suffix}", kind, p.numel() * dtype.itemsize, tuple(p.shape), dtype, owner(name))
+
+
+def check_combination(name: str, param_tier: Tier, grad_tier: Tier, state_tiers: set[Tier], overlap: bool) -> Tier:
+    """The rules a parameter's placements must follow in this version; returns its state tier."""
+    if len(state_tiers) != 1:
+        raise ConfigError(f"tiermem: the policy splits the optimizer state of {name!r} over "
+                          f"{sorted(t.value for t in state_tiers)}; master, exp_avg and exp_avg_sq "
+                          f"of one parameter must share a tier")
+    state_tier = next(iter(state_tiers))
+    if grad_tier == Tier.NVME and state_tier == Tier.DEVICE:
+        raise ConfigError(f"tiermem: the policy places {name!r}'s grads on NVMe but its optimizer state on "
+                          f"the device; grads on NVMe are read back to the host for the step: place "
+                          f"OPTIM_STATE on HOST or NVME for it")
+    if param_tier != Tier.DEVICE and state_tier == Tier.DEVICE:
+        raise ConfigError(f"tiermem: the policy places {name!r}'s weights on {param_tier} but its optimizer "
+                          f"state on the device; this version updates off-device weights from host or "
+                          f"NVMe state only: place OPTIM_STATE on HOST or NVME for it")
+    if overlap and grad_tier == Tier.NVME:
+        raise ConfigError("tiermem: overlap_step=True cannot be combined with grads on NVMe (the next "
+                          "backward would overwrite grads the update still reads); place GRAD on HOST "
+                          "or pass overlap_step=False")
+    return state_tier
+
+
+def _unique_params(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], dict[int, list[str]]]:
+    """Each parameter once (under its first name), and every name it has (tied weights have several)."""
+    names: dict[int, list[str]] = defaultdict(list)
+    unique: list[tuple[str, torch.nn.Parameter]] = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in names:
+            unique.append((name, p))
+        names[id(p)].append(name)
+    return unique, dict(names)
+
+
+def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.dtype,
+         bucket_numel: int, *, overlap: bool = False
+         ) -> tuple[list[Bucket], list[list[str]], dict[int, list[str]], dict[str, Tier]]:
+    """Ask the policy about every tensor, then pack trainable parameters into buckets. Returns the
+    buckets, the parameter names per optimizer group, every name of each parameter, and the
+    parameters whose working weights live off the device, with their home."""
+    unique, names = _unique_params(module)
+    param_homes: dict[str, Tier] = {}
+    entries, groups = [], [[], []]  # group 0: weight decay applies; group 1: it does not
+    for name, p in reversed(unique):  # reverse order of use: backward fills the last ones first
+        param_tier = checked_place(policy, _info(name, TensorClass.PARAM, p, dtype))
+        if param_tier != Tier.DEVICE:
+            param_homes[name] = param_tier
+        if not p.requires_grad:
+            continue
+        grad_tier = checked_place(policy, _info(name, TensorClass.GRAD, p, torch.float32))
+        state_tiers = {checked_place(policy, _info(name, TensorClass.OPTIM_STATE, p, torch.float32, f":{part}"))
+                       for part in STATE_PARTS}
+        state_tier = check_combination(name, param_tier, grad_tier, state_tiers, overlap)
+        group = 0 if spec.decays(name, p) else 1
+        groups[group].append(name)
+        entries.append((name, p, grad_tier, state_tier, group, param_tier))
+    if not groups[1]:
+        groups.pop()
+    return plan_buckets(entries, bucket_numel), groups, names, param_homes

@@ -1,0 +1,277 @@
+"""Homes: where each class of a bucket's training state lives, behind one interface per class.
+
+# NOTE [Homes]
+A bucket's fp32 gradients, its optimizer state and its working weights each have a *home*: an
+object that owns those bytes on one tier and answers the step, the checkpoint and ``detach()``
+in the same words whatever that tier is. The step never asks where a bucket's grads are; it asks
+the bucket's :class:`GradHome` for them. Three interfaces:
+
+- :class:`GradHome`: where the device's gradient copies land during backward (``landing``), and
+  the step's view of them where Adam runs (``read``, with a function that frees what it took).
+- :class:`StateHome`: fp32 master weights, ``exp_avg`` and ``exp_avg_sq``; runs the step's update
+  over its buckets (``step``), can undo a step when its tier keeps the previous value
+  (``revertible``), and reads/writes whole buckets for checkpoints.
+- :class:`WeightHome`: the low-precision working weights the module computes with: given their
+  first value (``initialize``) and each update (``write``).
+
+This module holds the interfaces and the homes in memory (device or host: buffers from the
+tier's store); :func:`tiermem.train.layout.make_homes` is the one place that maps a tier to the
+class that homes it. The NVMe homes live in :mod:`tiermem.train.nvme_grads` and :mod:`tiermem.train.nvme_state`, the
+off-device weights in :mod:`tiermem.train.param_offload`. Adding a tier (another rank's memory)
+is one more class per interface and one more row in ``make_homes``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from tiermem.handles import Handle, wait_all
+from tiermem.plan.buckets import STATE_PARTS, Bucket, Slot
+from tiermem.types import TensorClass, Tier
+
+StateViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # master, exp_avg, exp_avg_sq
+Runs = list[tuple[int, int, int]]  # (start, end, step) ranges of a bucket that an update covers
+Update = Callable[[Bucket, Runs, StateViews], None]
+
+
+def _nothing() -> None:
+    return None
+
+
+def slots_in(bucket: Bucket, runs: Runs) -> list[Slot]:
+    """The slots of ``bucket`` that the update ``runs`` cover."""
+    return [s for s in bucket.slots if any(a <= s.offset < e for a, e, _ in runs)]
+
+
+# -- gradients ------------------------------------------------------------------------------------
+class GradHome(ABC):
+    """fp32 gradient accumulation for some buckets."""
+
+    #: the tier the device's gradient copies land on (the home's own, or a host buffer before NVMe)
+    landing_tier: Tier
+
+    @abstractmethod
+    def landing(self, b: Bucket, fill: int) -> torch.Tensor:
+        """The fp32 buffer ``b``'s device gradients are copied (or added) into in this backward;
+        ``fill`` picks one of two buffers under overlap_step."""
+
+    def arrived(self, b: Bucket) -> None:
+        """One more of ``b``'s parameters has its gradient copy queued."""
+
+    def end_backward(self) -> None:
+        """Backward returned: buckets still open (a parameter got no grad) are complete."""
+
+    def wait(self) -> None:
+        """Everything this backward sent home has landed (raises what failed)."""
+
+    def accumulating(self) -> bool:
+        """A backward stopped before its end and left buckets open."""
+        return False
+
+    def gather(self, fill: int) -> list[Handle]:
+        """Start bringing the step's grads where Adam runs; the step waits on the handles."""
+        return []
+
+    @abstractmethod
+    def read(self, b: Bucket, fill: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """``b``'s grads of this step where Adam runs, and the function that frees them."""
+
+    def drop(self) -> None:
+        """Forget this step's grads after an error: nothing in flight keeps writing."""
+        self.end_step()
+
+    def end_step(self) -> None:
+        """The step consumed (or dropped) the grads: the next backward starts afresh."""
+
+
+class MemoryGrads(GradHome):
+    """Gradients accumulated in fp32 buffers of a memory tier (device or host). When Adam runs on
+    another tier, ``gather`` copies them there first (``grad_in``)."""
+
+    def __init__(self, store, buckets: Sequence[Bucket], compute_tier: dict[int, Tier], stores: dict, engine,
+                 *, buffers: int = 1):
+        self.landing_tier = store.tier
+        self.engine = engine
+        n = {b.index: (b.numel,) for b in buckets}
+        names = ("grad", "grad_alt")[:buffers]  # overlap_step: backward fills one while Adam reads the other
+        self._acc = {b.index: [store.allocate(f"{b.key}:{name}", n[b.index], torch.float32, TensorClass.GRAD)
+                               for name in names] for b in buckets}
+        self._in = {b.index: stores[compute_tier[b.index]].allocate(f"{b.key}:grad_in", n[b.index], torch.float32,
+                                                                  TensorClass.GRAD)
+                    for b in buckets if compute_tier[b.index] != store.tier}
+        self._compute = compute_tier
+
+    def landing(self, b: Bucket, fill: int) -> torch.Tensor:
+        return self._acc[b.index][fill]
+
+    def gather(self, fill: int) -> list[Handle]:
+        return [self.engine.copy_async(grad_in, self._acc[index][fill], src_tier=self.landing_tier,
+                                       dst_tier=self._compute[index], kind=TensorClass.GRAD)
+                for index, grad_in in self._in.items()]
+
+    def read(self, b: Bucket, fill: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        return self._in.get(b.index, self._acc[b.index][fill]), _nothing
+
+
+# -- optimizer state --------------------------------------------------------------------------------
+class StateHome(ABC):
+    """fp32 master weights and Adam moments for some buckets."""
+
+    #: where Adam runs on this state
+    compute_tier: Tier
+    #: a step's writes can be undone (the tier keeps each key's previous value)
+    revertible: bool = False
+
+    @abstractmethod
+    def initial_master(self, b: Bucket) -> torch.Tensor:
+        """A buffer to fill with ``b``'s initial fp32 weights before :meth:`initialize`."""
+
+    @abstractmethod
+    def initialize(self, b: Bucket) -> None:
+        """Store ``b``'s initial state: the master just filled, moments zero."""
+
+    @abstractmethod
+    def step(self, plan: Sequence[tuple[Bucket, Runs]], update: Update, tracer, updated: set[int]) -> object:
+        """Run ``update`` over every bucket of ``plan`` (adding each bucket it finished to
+        ``updated`` when that update cannot be undone); returns what :meth:`revert` needs."""
+
+    def revert(self, undo: object) -> None:
+        """Undo a whole :meth:`step` (only when ``revertible``)."""
+
+    @abstractmethod
+    def read(self, b: Bucket) -> StateViews:
+        """``b``'s current state, valid until the next call on this home."""
+
+    @abstractmethod
+    def load_views(self, b: Bucket) -> StateViews:
+        """Buffers to fill with ``b``'s state from a checkpoint; then :meth:`store`."""
+
+    def store(self, b: Bucket, views: StateViews) -> None:
+        """Commit the state filled into :meth:`load_views`."""
+
+    def master(self, b: Bucket, s: Slot) -> torch.Tensor:
+        """The parameter's fp32 master as torch optimizer param groups show it (a meta tensor of
+        the right shape when it is not resident)."""
+        return torch.empty(s.shape, device="meta")
+
+
+class MemoryState(StateHome):
+    """Optimizer state in buffers of a memory tier, updated in place by Adam where it lives."""
+
+    def __init__(self, store, buckets: Sequence[Bucket]):
+        self.compute_tier = store.tier
+        self._views: dict[int, StateViews] = {}
+        for b in buckets:
+            master, m, v = (store.allocate(f"{b.key}:{part}", (b.numel,), torch.float32, TensorClass.OPTIM_STATE)
+                            for part in STATE_PARTS)
+            self._views[b.index] = (master, m.zero_(), v.zero_())
+
+    def initial_master(self, b: Bucket) -> torch.Tensor:
+        return self._views[b.index][0]
+
+    def initialize(self, b: Bucket) -> None:
+        pass  # already in place; moments were zeroed at allocation
+
+    def step(self, plan, update, tracer, updated):
+        for b, runs in plan:
+            update(b, runs, self._views[b.index])
+            updated.add(b.index)  # memory has no previous value: this bucket cannot be undone
+        return None
+
+    def read(self, b: Bucket) -> StateViews:
+        return self._views[b.index]
+
+    def load_views(self, b: Bucket) -> StateViews:
+        return self._views[b.index]
+
+    def master(self, b: Bucket, s: Slot) -> torch.Tensor:
+        return self._views[b.index][0][s.offset:s.offset + s.numel].view(s.shape)
+
+
+# -- working weights --------------------------------------------------------------------------------
+class WeightHome(ABC):
+    """The low-precision working weights of some buckets."""
+
+    @abstractmethod
+    def initialize(self, b: Bucket, master: torch.Tensor) -> None:
+        """The first working weights, rounded from ``b``'s fp32 ``master``; the module's
+        parameters are pointed at them (or at a placeholder, when they live off the device)."""
+
+    def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
+        """A buffer Adam running on ``compute_tier`` may write ``b``'s new weights into directly,
+        needing no :meth:`write` afterwards; None when the weights live elsewhere."""
+        return None
+
+    @abstractmethod
+    def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
+        """Send the ranges ``runs`` of ``b``'s new weights (``src``, on ``src_tier``) home;
+        ``src`` stays unchanged until the handles are done."""
+
+    def begin_update(self) -> None:
+        """New weights are about to be written: cached device copies become stale."""
+
+    def end_update(self) -> None:
+        """The update (or a step that skipped it) is over."""
+
+
+class DeviceWeights(WeightHome):
+    """Working weights in one flat device buffer per bucket; the parameters are views of it, so
+    one copy uploads a whole bucket."""
+
+    def __init__(self, store, buckets: Sequence[Bucket], dtype: torch.dtype, engine):
+        self.engine = engine
+        self._param = {b.index: store.allocate(f"{b.key}:param", (b.numel,), dtype, TensorClass.PARAM)
+                       for b in buckets}
+
+    def initialize(self, b: Bucket, master: torch.Tensor) -> None:
+        param = self._param[b.index]
+        param.copy_(master)  # the working copy is the master rounded to the working precision
+        for s in b.slots:
+            s.param.data = param[s.offset:s.offset + s.numel].view(s.shape)
+
+    def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
+        return self._param[b.index] if compute_tier == Tier.DEVICE else None
+
+    def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
+        param = self._param[b.index]
+        return [self.engine.copy_async(param[a:e], src[a:e], src_tier=src_tier, dst_tier=Tier.DEVICE,
+                                       kind=TensorClass.PARAM)
+                for a, e, _ in runs]
+
+
+# -- all homes of a model ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Homes:
+    """Each bucket's three homes, by bucket index."""
+
+    grads: dict[int, GradHome]
+    state: dict[int, StateHome]
+    weights: dict[int, WeightHome]
+
+    @staticmethod
+    def _unique(homes: dict[int, object]) -> list:
+        seen: dict[int, object] = {}
+        for h in homes.values():
+            seen.setdefault(id(h), h)
+        return list(seen.values())
+
+    def grad_homes(self) -> list[GradHome]:
+        return self._unique(self.grads)
+
+    def state_homes(self) -> list[StateHome]:
+        """Revertible homes first: a step that fails there has changed nothing else yet."""
+        return sorted(self._unique(self.state), key=lambda h: not h.revertible)
+
+    def weight_homes(self) -> list[WeightHome]:
+        return self._unique(self.weights)
+
+    def compute_tier(self, b: Bucket) -> Tier:
+        return self.state[b.index].compute_tier
+
+
+def wait_gathered(homes: Homes, fill: int) -> None:
+    """Every grad home brings its grads where Adam runs; returns when all have arrived."""
+    wait_all([h for home in homes.grad_homes() for h in home.gather(fill)])

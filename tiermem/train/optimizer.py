@@ -1,0 +1,45 @@
+"""``tm.optimizer``: the torch Optimizer face of a TieredModel, for lr schedulers."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tiermem.config import _AdamSpec
+from tiermem.errors import TierMemError
+from tiermem.train.layout import Layout
+
+
+class TieredOptimizer(torch.optim.Optimizer):
+    """A torch Optimizer whose param groups (fp32 master weights and hyperparameters) lr
+    schedulers can drive. ``step()`` runs the tiered step; gradients are cleared by it, so
+    ``zero_grad()`` has nothing to do. Checkpoint with ``tm.save()``."""
+
+    def __init__(self, layout: Layout, spec: _AdamSpec, step: Callable[[list[dict]], object]):
+        masters = {s.name: layout.homes.state[b.index].master(b, s) for b in layout.buckets for s in b.slots}
+        if not masters:
+            raise TierMemError("tiermem: the module has no trainable parameters (requires_grad=True); "
+                               "unfreeze some before wrapping it")
+        groups = []
+        for i, names in enumerate(layout.groups):
+            g = {"params": [masters[n] for n in names], "param_names": list(names), **spec.group_defaults()}
+            if i == 1:
+                g["weight_decay"] = 0.0  # the no_decay group
+            groups.append(g)
+        super().__init__(groups, spec.group_defaults())
+        self._run_step = step
+
+    def step(self, closure=None):  # type: ignore[override]
+        if closure is not None:
+            raise TierMemError("tiermem: step(closure) is not supported; call tm.backward(loss) then tm.step()")
+        return self._run_step(self.param_groups)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: tm.step() clears the gradients it consumed."""
+
+    def state_dict(self):  # type: ignore[override]
+        raise TierMemError("tiermem: tm.optimizer holds no checkpointable state of its own; use "
+                           "tm.save(path) and tm.load(path), which include the optimizer state")
+
+    def load_state_dict(self, state_dict) -> None:  # type: ignore[override]
+        self.state_dict()

@@ -1,0 +1,118 @@
+"""What a checkpoint, ``state_dict()`` and ``detach()`` see of a TieredModel: one narrow interface.
+
+:class:`ModelState` names every tensor by parameter (``master/<param>``, ``exp_avg/<param>``,
+``exp_avg_sq/<param>``, ``frozen/<param>``, ``buffers/<buffer>``), never by bucket, and reaches the
+bytes through the homes (NOTE [Homes]): optimizer state on NVMe passes through one host buffer
+set at a time, so it never has to fit in memory. :mod:`tiermem.train.checkpoint` reads and writes
+through it and knows nothing else of the model.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+from tiermem.plan.buckets import STATE_PARTS
+from tiermem.train.layout import Layout
+from tiermem.train.param_offload import ParamOffload
+from tiermem.train.scaler import LossScaler
+from tiermem.train.stepper import Stepper
+
+_HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+
+
+class ModelState:
+    def __init__(self, module: torch.nn.Module, layout: Layout, stepper: Stepper, scaler: LossScaler,
+                 param_groups: list[dict], precision: str, dtype: torch.dtype,
+                 frozen_off_device: dict[str, ParamOffload]):
+        self.module, self.layout, self.stepper, self.scaler = module, layout, stepper, scaler
+        self.param_groups, self.precision, self.dtype = param_groups, precision, dtype
+        self._frozen_off_device = frozen_off_device  # frozen parameter name -> its home off the device
+
+    # -- reading ------------------------------------------------------------------------------------
+    def _bucket_state(self) -> Iterator[tuple[object, tuple[torch.Tensor, ...]]]:
+        """(bucket, (master, exp_avg, exp_avg_sq)), each valid until the next item."""
+        for b in self.layout.buckets:
+            yield b, self.layout.homes.state[b.index].read(b)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor a checkpoint holds, by name; each valid until the next."""
+        for b, state in self._bucket_state():
+            for part, t in zip(STATE_PARTS, state):
+                for s in b.slots:
+                    yield f"{part}/{s.name}", t[s.offset:s.offset + s.numel].view(s.shape)
+        for name, t in self.layout.frozen.items():
+            yield f"frozen/{name}", t
+        for name, t in self.module.named_buffers():
+            yield f"buffers/{name}", t
+
+    def shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """The name and shape of every tensor :meth:`tensors` gives, without reading any."""
+        for b in self.layout.buckets:
+            for part in STATE_PARTS:
+                for s in b.slots:
+                    yield f"{part}/{s.name}", tuple(s.shape)
+        yield from ((f"frozen/{n}", tuple(t.shape)) for n, t in self.layout.frozen.items())
+        yield from ((f"buffers/{n}", tuple(t.shape)) for n, t in self.module.named_buffers())
+
+    def meta(self) -> dict:
+        return {"precision": self.precision, "step": self.stepper.steps, "param_step": self.stepper.param_steps(),
+                "scaler": self.scaler.state_dict(),
+                "groups": [{k: g[k] for k in _HYPER if k in g} for g in self.param_groups]}
+
+    def fp32_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter name (tied aliases included) -> a CPU copy of its fp32 value."""
+        out: dict[str, torch.Tensor] = {}
+        for b, (master, _, _) in self._bucket_state():
+            for s in b.slots:
+                value = master[s.offset:s.offset + s.numel].view(s.shape).detach().cpu().clone()
+                for name in self.layout.names[id(s.param)]:
+                    out[name] = value
+        params = dict(self.module.named_parameters())
+        for name, t in self.layout.frozen.items():
+            for alias in self.layout.names[id(params[name])]:
+                out[alias] = t.detach().cpu().clone()
+        return out
+
+    def module_state(self) -> dict[str, torch.Tensor]:
+        """``module.state_dict()``'s keys: fp32 weights, buffers in their original dtypes."""
+        weights = self.fp32_weights()
+        dtypes = self.layout.buffer_dtypes
+        return {k: weights[k] if k in weights else v.detach().to("cpu", dtypes.get(k, v.dtype), copy=True)
+                for k, v in self.module.state_dict().items()}
+
+    # -- writing ------------------------------------------------------------------------------------
+    def load(self, read_into: Callable[[str, torch.Tensor], None], meta: dict) -> None:
+        """Fill every tensor through ``read_into(name, target)`` (the caller has validated the
+        whole checkpoint first), send the weights home, then take the step counts, loss scale
+        and hyperparameters from ``meta``."""
+        homes = self.layout.homes
+        for home in homes.weight_homes():
+            home.begin_update()
+        for b in self.layout.buckets:
+            views = homes.state[b.index].load_views(b)
+            for part, t in zip(STATE_PARTS, views):
+                for s in b.slots:
+                    read_into(f"{part}/{s.name}", t[s.offset:s.offset + s.numel])
+            homes.state[b.index].store(b, views)
+            for h in homes.weights[b.index].write(b, views[0], [(0, b.numel, 0)], homes.compute_tier(b)):
+                h.wait()
+        self._load_frozen(read_into)
+        for name, t in self.module.named_buffers():
+            read_into(f"buffers/{name}", t)
+        for home in homes.weight_homes():
+            home.end_update()
+        for group, saved in zip(self.param_groups, meta["groups"]):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+        self.scaler.load_state_dict(meta["scaler"])
+        self.stepper.load_param_steps({k: int(v) for k, v in meta["param_step"].items()}, meta["step"])
+
+    def _load_frozen(self, read_into: Callable[[str, torch.Tensor], None]) -> None:
+        params = dict(self.module.named_parameters())
+        for name, t in self.layout.frozen.items():
+            read_into(f"frozen/{name}", t)
+            home = self._frozen_off_device.get(name)
+            if home is not None:
+                home.write_home(name, t.to(self.dtype))
+            else:
+                params[name].data.copy_(t)
