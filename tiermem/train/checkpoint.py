@@ -36,6 +36,22 @@ def _bytes(t: torch.Tensor):
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+def _write(state: ModelState, tmp: str) -> None:
+    with open(tmp, "wb") as f:
+        f.write(MAGIC)
+        entries = []
+        for name, t in state.tensors():
+            f.write(b"\0" * (-f.tell() % _ALIGN))
+            data = _bytes(t)
+            entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                            "offset": f.tell(), "nbytes": data.nbytes, "crc32": zlib.crc32(data)})
+            f.write(data)
+        footer = json.dumps({"meta": state.meta(), "tensors": entries}).encode()
+        f.write(footer + struct.pack("<Q", len(footer)) + MAGIC)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save(state: ModelState, path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
@@ -43,32 +59,20 @@ def save(state: ModelState, path: str) -> None:
                          f"exist; create it or choose another path")
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC)
-            entries = []
-            for name, t in state.tensors():
-                pos = f.tell()
-                f.write(b"\0" * (-pos % _ALIGN))
-                data = _bytes(t)
-                entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
-                                "shape": list(t.shape), "offset": f.tell(), "nbytes": data.nbytes,
-                                "crc32": zlib.crc32(data)})
-                f.write(data)
-            footer = json.dumps({"meta": state.meta(), "tensors": entries}).encode()
-            f.write(footer + struct.pack("<Q", len(footer)) + MAGIC)
-            f.flush()
-            os.fsync(f.fileno())
+        _write(state, tmp)
         os.replace(tmp, path)  # atomic: readers see the old checkpoint or the new one, never half
         dfd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(dfd)  # the rename itself survives a crash
         finally:
             os.close(dfd)
-    except OSError as e:
+    except BaseException as e:  # whatever stopped it (a full disk, an error reading the state): no debris
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise StoreError(f"tiermem: saving the checkpoint to {path!r} failed ({e.strerror or e}); free space "
-                         f"or choose another path. Any previous checkpoint there is unchanged") from e
+        if isinstance(e, OSError):
+            raise StoreError(f"tiermem: saving the checkpoint to {path!r} failed ({e.strerror or e}); free space "
+                             f"or choose another path. Any previous checkpoint there is unchanged") from e
+        raise
 
 
 # -- load -----------------------------------------------------------------------------------------

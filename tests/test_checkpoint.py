@@ -1,0 +1,107 @@
+"""The checkpoint file against its narrow interface (tensors by name, metadata, a load that is
+handed a reader): a stand-in model state, no TieredModel."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tiermem import StoreError, TierMemError
+from tiermem.train import checkpoint
+
+
+class FakeState:
+    """What :class:`tiermem.train.state.ModelState` offers checkpoint.py, over a dict."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], meta: dict | None = None, fail_after: int | None = None):
+        self.t, self._meta, self.fail_after = tensors, meta or {"step": 3}, fail_after
+        self.param_groups = [{}]
+        self.loaded_meta = None
+
+    def tensors(self):
+        for i, item in enumerate(self.t.items()):
+            if self.fail_after is not None and i == self.fail_after:
+                raise RuntimeError("state unreadable")
+            yield item
+
+    def shapes(self):
+        return ((n, tuple(t.shape)) for n, t in self.t.items())
+
+    def meta(self):
+        return dict(self._meta, precision="bf16", param_step={}, scaler={}, groups=[{}])
+
+    def load(self, read_into, meta):
+        for n, t in self.t.items():
+            read_into(n, t)
+        self.loaded_meta = meta
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"master/w": torch.randn(3, 5, generator=g), "exp_avg/w": torch.randn(15, generator=g).view(3, 5),
+            "frozen/e": torch.randn(7, generator=g).to(torch.bfloat16), "buffers/n": torch.tensor(seed),
+            "buffers/empty": torch.zeros(0), "buffers/half": torch.randn(2, 2, generator=g).half()}
+
+
+def _zeroed(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in like.items()}
+
+
+def test_round_trip_every_dtype(tmp_path):
+    path = str(tmp_path / "c.tm")
+    src = _tensors(1)
+    checkpoint.save(FakeState(src, {"step": 7}), path)
+    dst = FakeState(_zeroed(src))
+    checkpoint.load(dst, path)
+    assert all(torch.equal(src[k], dst.t[k]) and src[k].dtype == dst.t[k].dtype for k in src)
+    assert dst.loaded_meta["step"] == 7
+
+
+def test_a_flipped_byte_is_found_before_anything_is_loaded(tmp_path):
+    path = str(tmp_path / "c.tm")
+    checkpoint.save(FakeState(_tensors(1)), path)
+    with open(path, "r+b") as f:
+        f.seek(len(checkpoint.MAGIC) + 70)  # inside the second tensor's bytes
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    dst = FakeState(_zeroed(_tensors(1)))
+    with pytest.raises(StoreError, match="fails its checksum.*nothing was loaded"):
+        checkpoint.load(dst, path)
+    assert dst.loaded_meta is None and all(not t.any() for t in dst.t.values())
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.pop("exp_avg/w"), "does not match this model: missing"),
+    (lambda t: t.update({"master/w": torch.zeros(5, 3)}), "has shape"),
+])
+def test_a_checkpoint_of_another_model_is_refused(tmp_path, change, message):
+    path = str(tmp_path / "c.tm")
+    saved = _tensors(2)
+    change(saved)
+    checkpoint.save(FakeState(saved), path)
+    dst = FakeState(_zeroed(_tensors(2)))
+    with pytest.raises(TierMemError, match=message):
+        checkpoint.load(dst, path)
+    assert dst.loaded_meta is None
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_leaves_no_debris(tmp_path):
+    path = str(tmp_path / "c.tm")
+    checkpoint.save(FakeState(_tensors(3)), path)
+    before = open(path, "rb").read()
+    with pytest.raises(RuntimeError, match="state unreadable"):
+        checkpoint.save(FakeState(_tensors(4), fail_after=2), path)
+    assert open(path, "rb").read() == before
+    assert os.listdir(tmp_path) == ["c.tm"]
+
+
+@pytest.mark.parametrize("mangle", [lambda b: b[:-3], lambda b: b"junk" + b[4:], lambda b: b""])
+def test_a_damaged_file_is_not_a_checkpoint(tmp_path, mangle):
+    path = str(tmp_path / "c.tm")
+    checkpoint.save(FakeState(_tensors(5)), path)
+    data = open(path, "rb").read()
+    open(path, "wb").write(mangle(data))
+    with pytest.raises(StoreError, match="is not a readable tiermem checkpoint"):
+        checkpoint.load(FakeState(_zeroed(_tensors(5))), path)

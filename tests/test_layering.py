@@ -1,0 +1,91 @@
+"""The package's layers: imports flow one way (vocabulary -> policy -> plan -> memory -> observe
+-> transfer -> train -> cli) and the module-level import graph has no cycle. Read from the
+source with ``ast``, so a new import that breaks the layering fails here, not in a user's
+process."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: layer of each module, by longest matching prefix
+LAYERS = {
+    "tiermem.types": 0, "tiermem.errors": 0, "tiermem.handles": 0, "tiermem.config": 0, "tiermem.budgets": 0,
+    "tiermem.plan.policy": 1, "tiermem.policies": 1, "tiermem.optim": 1,
+    "tiermem.plan": 2,
+    "tiermem.memory": 3,
+    "tiermem.observe": 4,
+    "tiermem.transfer": 5,
+    "tiermem.train": 6,
+    "tiermem.cli": 7, "tiermem.__main__": 7, "tiermem": 7,  # the package itself re-exports the public API
+}
+
+
+def layer(module: str) -> int:
+    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[best]
+
+
+def sources() -> dict[str, Path]:
+    out = {}
+    for base, prefix in ((REPO / "tiermem", "tiermem"), (REPO / "policies", "tiermem.policies")):
+        for path in base.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([prefix, *parts])] = path
+    return out
+
+
+def imports(path: Path, known: set[str], *, top_level_only: bool) -> set[str]:
+    """The tiermem modules ``path`` imports (``from pkg import submodule`` counts as the submodule)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tiermem"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("tiermem")}
+    return found
+
+
+MODULES = sources()
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_never_reach_a_higher_layer(module):
+    mine = layer(module)
+    for target in imports(MODULES[module], set(MODULES), top_level_only=False):
+        assert layer(target) <= mine, (f"{module} (layer {mine}) imports {target} (layer {layer(target)}): "
+                                       f"move the shared code down a layer or pass it in")
+
+
+def test_no_import_cycle_at_module_level():
+    graph = {m: imports(p, set(MODULES), top_level_only=True) & set(MODULES) for m, p in MODULES.items()}
+    for m in graph:  # a package's own __init__ importing its submodules is not a cycle
+        graph[m] = {t for t in graph[m] if not m.startswith(t + ".")}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            assert state.get(t) != 1, "import cycle: " + " -> ".join(path + [m, t])
+            if t not in state:
+                visit(t, path + [m])
+        state[m] = 2
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+
+
+def test_the_layering_test_sees_a_violation():
+    """The checker itself: an upward import is reported."""
+    assert layer("tiermem.memory.nvme") > layer("tiermem.plan.placement")
+    assert layer("tiermem.train.model") > layer("tiermem.transfer.engine") > layer("tiermem.memory.resident")
+    assert "tiermem.train.homes" in imports(MODULES["tiermem.train.layout"], set(MODULES), top_level_only=True)
