@@ -104,45 +104,70 @@ class _Results:
             self.data["noisy"].append(path)
 
 
-def _plan(s: Settings, res: _Results, nvme_dir: str) -> list[tuple[str, Callable[[], None]]]:
-    """The measurements of one run, in order, as (label, action) pairs for the progress bar."""
-    d = res.data
-    kw = dict(repeats=s.repeats, min_seconds=s.min_seconds)
-    steps: list[tuple[str, Callable[[], None]]] = []
-    bufs: list[torch.Tensor] = []  # two host buffers that every measurement shares
+_Steps = list[tuple[str, Callable[[], None]]]  # (label for the progress bar, the measurement)
 
-    def host() -> None:
+
+def _plan(s: Settings, res: _Results, nvme_dir: str) -> _Steps:
+    """The measurements of one run, in order, as (label, action) pairs for the progress bar."""
+    bufs: list[torch.Tensor] = []  # two host buffers that every measurement shares
+    steps = _host_steps(s, res, bufs)
+    steps += _device_steps(s, res, bufs) if torch.cuda.is_available() else _stand_in_steps(s, res, bufs)
+    steps += _nvme_steps(s, res, bufs, nvme_dir)
+    steps += _adam_steps(s, res, bufs)
+    return steps
+
+
+def _timing(s: Settings) -> dict[str, Any]:
+    """The keywords that every measure.* call takes from the settings."""
+    return dict(repeats=s.repeats, min_seconds=s.min_seconds)
+
+
+def _host_steps(s: Settings, res: _Results, bufs: list[torch.Tensor]) -> _Steps:
+    d = res.data
+
+    def host() -> None:  # first, so it allocates the shared buffers
         size = max(s.copy_bytes, s.nvme_bytes)
         bufs.extend(measure.filled(size) for _ in range(2))
         d["host"]["copy_bytes"] = s.copy_bytes
         a, b = (x[:s.copy_bytes] for x in bufs)
-        res.rate(d["host"], "copy_GBps", measure.host_copy(a, b, **kw), "host.copy_GBps")
-    steps.append(("host copy", host))
+        res.rate(d["host"], "copy_GBps", measure.host_copy(a, b, **_timing(s)), "host.copy_GBps")
+    return [("host copy", host)]
 
-    if torch.cuda.is_available():
-        d["device"].update(accelerator=_common.accelerator(), stand_in=None, copy_bytes=s.copy_bytes)
-        for pinned in (True, False):
-            def dev(pinned: bool = pinned) -> None:
-                if pinned:  # the engine's staging buffers are pinned: those figures are the profile's
-                    pair = [measure.filled(s.copy_bytes, pin=True) for _ in range(2)]
-                else:
-                    pair = [x[:s.copy_bytes] for x in bufs]
-                rates = measure.device_copies(*pair, **kw)
-                del pair
-                suffix = "" if pinned else "_pageable"  # the engine copies from pinned buffers
-                for name, r in rates.items():
-                    res.rate(d["device"], f"{name}{suffix}_GBps", r, f"device.{name}{suffix}_GBps")
-            steps.append((f"device <-> host, {'pinned' if pinned else 'pageable'}", dev))
-    else:
-        def stand_in() -> None:
-            d["device"].update(accelerator=None, copy_bytes=s.copy_bytes,
-                               stand_in="no accelerator: host-to-host copies stand in for device<->host")
-            for key in ("h2d_GBps", "d2h_GBps", "h2d_cv", "d2h_cv"):  # one copy_, the same either way
-                d["device"][key] = d["host"][key.replace("h2d", "copy").replace("d2h", "copy")]
-            a, b = (x[:s.copy_bytes] for x in bufs)
-            res.rate(d["device"], "bidir_GBps", measure.host_copy_pair(a, b, **kw), "device.bidir_GBps")
-        steps.append(("device <-> host stand-in (no accelerator)", stand_in))
 
+def _device_steps(s: Settings, res: _Results, bufs: list[torch.Tensor]) -> _Steps:
+    d = res.data
+    d["device"].update(accelerator=_common.accelerator(), stand_in=None, copy_bytes=s.copy_bytes)
+    steps: _Steps = []
+    for pinned in (True, False):
+        def dev(pinned: bool = pinned) -> None:
+            if pinned:  # the engine's staging buffers are pinned: those figures are the profile's
+                pair = [measure.filled(s.copy_bytes, pin=True) for _ in range(2)]
+            else:
+                pair = [x[:s.copy_bytes] for x in bufs]
+            rates = measure.device_copies(*pair, **_timing(s))
+            del pair
+            suffix = "" if pinned else "_pageable"  # the engine copies from pinned buffers
+            for name, r in rates.items():
+                res.rate(d["device"], f"{name}{suffix}_GBps", r, f"device.{name}{suffix}_GBps")
+        steps.append((f"device <-> host, {'pinned' if pinned else 'pageable'}", dev))
+    return steps
+
+
+def _stand_in_steps(s: Settings, res: _Results, bufs: list[torch.Tensor]) -> _Steps:
+    d = res.data
+
+    def stand_in() -> None:
+        d["device"].update(accelerator=None, copy_bytes=s.copy_bytes,
+                           stand_in="no accelerator: host-to-host copies stand in for device<->host")
+        for key in ("h2d_GBps", "d2h_GBps", "h2d_cv", "d2h_cv"):  # one copy_, the same either way
+            d["device"][key] = d["host"][key.replace("h2d", "copy").replace("d2h", "copy")]
+        a, b = (x[:s.copy_bytes] for x in bufs)
+        res.rate(d["device"], "bidir_GBps", measure.host_copy_pair(a, b, **_timing(s)), "device.bidir_GBps")
+    return [("device <-> host stand-in (no accelerator)", stand_in)]
+
+
+def _nvme_steps(s: Settings, res: _Results, bufs: list[torch.Tensor], nvme_dir: str) -> _Steps:
+    d = res.data
     # Probed once here, so a filesystem that refuses O_DIRECT (tmpfs) gives one note, not a store
     # warning per point; those points then run buffered and say so.
     direct_ok, why_not = _common.probe_o_direct(nvme_dir)
@@ -151,11 +176,12 @@ def _plan(s: Settings, res: _Results, nvme_dir: str) -> list[tuple[str, Callable
                      write_is="overwrite of a key written before (measure.nvme_point)")
     points = [(b, q, True) for b in s.block_sizes for q in s.in_flight]
     points.append((DEFAULT_BLOCK, DEFAULT_IN_FLIGHT, False))
+    steps: _Steps = []
     for block, depth, direct in points:
         def nvme(block: int = block, depth: int = depth, direct: bool = direct) -> None:
             src, out = (x[:s.nvme_bytes] for x in bufs)
             pt = measure.nvme_point(nvme_dir, src, out, block_size=block, in_flight=depth,
-                                    direct=direct and direct_ok, **kw)
+                                    direct=direct and direct_ok, **_timing(s))
             i = len(d["nvme"]["sweep"])
             entry: dict[str, Any] = {"block_size_bytes": block, "in_flight": depth, "direct": pt.direct,
                                      "asked_direct": direct}
@@ -170,10 +196,15 @@ def _plan(s: Settings, res: _Results, nvme_dir: str) -> list[tuple[str, Callable
                     d["nvme"]["direct"] = pt.direct
         io = "direct" if direct else "buffered"
         steps.append((f"nvme {io} {_common.fmt_binary(block)} x {depth} in flight", nvme))
+    return steps
+
+
+def _adam_steps(s: Settings, res: _Results, bufs: list[torch.Tensor]) -> _Steps:
+    d = res.data
 
     def adam() -> None:
         bufs.clear()  # give the memory back before Adam allocates its own
-        a = measure.adam(s.adam_params, **kw)
+        a = measure.adam(s.adam_params, **_timing(s))
         d["adam"].update(params=s.adam_params, implementation=a.implementation,
                          compile_s=round(a.compile_seconds, 3),
                          tiermem_kernel="adam_step: bf16 grad in, fp32 master/m/v, bf16 weights out",
@@ -181,8 +212,7 @@ def _plan(s: Settings, res: _Results, nvme_dir: str) -> list[tuple[str, Callable
         res.rate(d["adam"], "tiermem_Gparams_per_s", a.tiermem, "adam.tiermem_Gparams_per_s")
         res.rate(d["adam"], "torch_fused_Gparams_per_s", a.torch_fused, "adam.torch_fused_Gparams_per_s")
         d["adam"]["tiermem_vs_torch"] = round(a.tiermem.median / a.torch_fused.median, 3)
-    steps.append(("CPU Adam: tiermem and torch fused AdamW", adam))
-    return steps
+    return [("CPU Adam: tiermem and torch fused AdamW", adam)]
 
 
 def _check_space(nvme_dir: str, s: Settings) -> None:

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 IMPLEMENTATIONS = ("compiled", "fallback", "reference")
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# what every kernel takes, in this order: master, exp_avg, exp_avg_sq, grad, out
+_Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 _COMPILED = _compiled.CompiledAdam()
 _said = threading.Lock()
@@ -60,43 +62,66 @@ def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
                       eps=float(eps), weight_decay=float(weight_decay), adamw=bool(adamw),
                       grad_scale=float(grad_scale), clip_coef=float(clip_coef))
     _check_tensors(master, exp_avg, exp_avg_sq, grad, out)
+    _check_impl(impl)
     # detached views: the same memory, without autograd's view of it (dynamo guards on requires_grad)
     master, exp_avg, exp_avg_sq, grad = (t.detach() for t in (master, exp_avg, exp_avg_sq, grad))
     out = out.detach() if out is not None else None
-    if impl is not None and impl not in IMPLEMENTATIONS:
-        raise ConfigError(f"tiermem: adam_step impl={impl!r} is unknown; pass one of {IMPLEMENTATIONS} "
-                          f"or None for the default")
     if master.numel() == 0:
         return False
-    if master.device.type != "cpu":  # optimizer state on an accelerator: torch's fused kernel there
-        if check_finite and _kernels._eager_any_nonfinite(grad):
-            return True
-        _kernels._device_adam(master, exp_avg, exp_avg_sq, grad, out, hyper)
-        return False
-    name = impl if impl is not None else _default()
-    flat = all(t.is_contiguous() for t in (master, exp_avg, exp_avg_sq, grad)) and (
-        out is None or out.is_contiguous())
-    if not flat:  # elementwise ops work on any strides; only the reference takes them as they are
-        name = "reference"
-    else:
-        master, exp_avg, exp_avg_sq, grad = (t.view(-1) for t in (master, exp_avg, exp_avg_sq, grad))
-        out = out.view(-1) if out is not None else None
+    name, tensors = _choose(impl, master, exp_avg, exp_avg_sq, grad, out)
     if name == "compiled":
-        try:
-            if check_finite and _COMPILED.any_nonfinite(grad):
-                return True
-            _COMPILED.adam(master, exp_avg, exp_avg_sq, grad, out, hyper)
-            if impl is None:
-                _say("compiled")
-            return False
-        except _compiled.CompileUnavailable as e:
-            if impl == "compiled":
-                raise TierMemError(f"tiermem: the compiled CPU Adam is unavailable here ({e}); install "
-                                   f"a C++ compiler that torch.compile can use, or pass impl=None") from e
-            name = "fallback"
+        found_inf = _compiled_step(*tensors, hyper, check_finite=check_finite, impl=impl)
+        if found_inf is not None:
+            return found_inf
+        name = "fallback"  # it cannot be compiled here, and impl=None lets it fall back
+    return _eager_step(name, *tensors, hyper, check_finite=check_finite, impl=impl)
+
+
+def _choose(impl: Optional[str], master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+            grad: torch.Tensor, out: Optional[torch.Tensor]) -> tuple[str, _Tensors]:
+    """Which kernel runs, and the (master, exp_avg, exp_avg_sq, grad, out) to hand it: viewed as 1-D
+    where the kernel needs flat tensors, as they are where it takes any strides."""
+    tensors = (master, exp_avg, exp_avg_sq, grad, out)
+    if master.device.type != "cpu":  # optimizer state on an accelerator: torch's fused kernel there
+        return "device", tensors
+    if not all(t is None or t.is_contiguous() for t in tensors):
+        return "reference", tensors  # elementwise ops work on any strides; only the reference takes them
+    name = impl if impl is not None else _default()
+    return name, tuple(None if t is None else t.view(-1) for t in tensors)
+
+
+def _compiled_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                   out: Optional[torch.Tensor], hyper: AdamHyper, *, check_finite: bool,
+                   impl: Optional[str]) -> Optional[bool]:
+    """The compiled single pass: found_inf, or None when it cannot be compiled here and ``impl``
+    (None) lets the caller fall back."""
+    try:
+        if check_finite and _COMPILED.any_nonfinite(grad):
+            return True
+        _COMPILED.adam(master, exp_avg, exp_avg_sq, grad, out, hyper)
+    except _compiled.CompileUnavailable as e:
+        if impl == "compiled":
+            raise TierMemError(f"tiermem: the compiled CPU Adam is unavailable here ({e}); install "
+                               f"a C++ compiler that torch.compile can use, or pass impl=None") from e
+        return None
+    if impl is None:
+        _say("compiled")
+    return False
+
+
+def _eager_step(name: str, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                grad: torch.Tensor, out: Optional[torch.Tensor], hyper: AdamHyper, *, check_finite: bool,
+                impl: Optional[str]) -> bool:
+    """An uncompiled kernel: torch's fused one on an accelerator ("device"), torch's fused AdamW with
+    conversions ("fallback"), or the for-loop oracle ("reference"). Returns found_inf."""
     if check_finite and _kernels._eager_any_nonfinite(grad):
         return True
-    kernel = _kernels._fused_fallback_adam if name == "fallback" else _kernels._single_tensor_adam
+    if name == "device":
+        kernel = _kernels._device_adam
+    elif name == "fallback":
+        kernel = _kernels._fused_fallback_adam
+    else:
+        kernel = _kernels._single_tensor_adam
     kernel(master, exp_avg, exp_avg_sq, grad, out, hyper)
     if impl is None and name == "fallback":
         _say("fallback")
@@ -183,6 +208,12 @@ def _as_step(step: object) -> int:
         raise ConfigError(f"tiermem: adam_step step={step!r} is invalid: it must be a whole number "
                           f"of updates including this one, >= 1; pass an int")
     return int(value)
+
+
+def _check_impl(impl: Optional[str]) -> None:
+    if impl is not None and impl not in IMPLEMENTATIONS:
+        raise ConfigError(f"tiermem: adam_step impl={impl!r} is unknown; pass one of {IMPLEMENTATIONS} "
+                          f"or None for the default")
 
 
 def _check_dtype(name: str, dtype: torch.dtype, allowed: tuple[torch.dtype, ...]) -> None:
