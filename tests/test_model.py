@@ -11,7 +11,8 @@ from torch import nn
 
 from models import Quirky, TinyGPT, gpt_batch, gpt_loss, same_state
 import tiermem.optim
-from tiermem import Adam, AdamW, Budgets, ConfigError, OutOfTierMemory, Phase, TensorClass, TieredModel, Tier
+from tiermem import (Adam, AdamW, Budgets, ConfigError, OutOfTierMemory, Phase, TensorClass, TieredModel, Tier,
+                     TierMemError)
 from tiermem.policies import KeepOnDevice, ZeroOffload
 from tiermem.plan.policy import Policy
 
@@ -387,7 +388,7 @@ class _GradsOnNvmeStateOnDevice(Policy):
     (lambda: TieredModel(TinyGPT(), budgets=Budgets(device="10KB")), OutOfTierMemory,
      r"out of device memory.*it needs .* \(working weights"),
     (lambda: TieredModel(TinyGPT(), budgets=Budgets(host=1000)), OutOfTierMemory, r"raise Budgets\(host=\.\.\.\)"),
-    (lambda: TieredModel(nn.Linear(3, 3).requires_grad_(False)), Exception, "no trainable parameters"),
+    (lambda: TieredModel(nn.Linear(3, 3).requires_grad_(False)), TierMemError, "no trainable parameters"),
 ])
 def test_bad_input_is_a_clear_error(make, err, match):
     with pytest.raises(err, match=match) as e:
@@ -400,7 +401,7 @@ def test_bad_loss_and_closure():
     x, _ = gpt_batch(0)
     with pytest.raises(ConfigError, match="scalar loss"):
         tm.backward(tm(x))
-    with pytest.raises(Exception, match="closure"):
+    with pytest.raises(TierMemError, match=r"step\(closure\) is not supported"):
         tm.optimizer.step(lambda: 0)
 
 
