@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiermem import config
 from tiermem.plan import sizing
 from tiermem.errors import ConfigError
 from tiermem.plan.sizing import Limits, StateBytes
@@ -131,3 +132,19 @@ def test_check_fit(need, limits, fits, short, headroom):
 def test_errors(call, match):
     with pytest.raises(ConfigError, match=match):
         call()
+
+
+def test_precisions_are_the_configs():
+    """One list of precisions (tiermem.config); plan's bytes per element are its dtypes' sizes."""
+    assert sizing.PRECISIONS == tuple(config.PRECISIONS)
+    for precision, dtype in config.PRECISIONS.items():
+        assert sizing.bytes_per_param(precision).params == dtype.itemsize == DTYPE[precision].itemsize
+
+
+def test_sizing_does_not_import_the_policies():
+    """The plan layer reads the built-in placements when asked, not at import (policies build on tiermem)."""
+    import subprocess
+    import sys
+    code = ("import sys, tiermem.plan.sizing as s; assert 'tiermem.policies' not in sys.modules; "
+            "assert 'ZeroOffload' in s.BUILTIN_PLACEMENTS and 'tiermem.policies' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> None:
     src.add_argument("--config", metavar="CONFIG.JSON", help="a Hugging Face style config.json")
     p.add_argument("--precision", choices=sizing.PRECISIONS, action="append",
                    help="only this precision (repeatable; default: all)")
-    p.add_argument("--policy", choices=list(sizing.BUILTIN_PLACEMENTS), action="append",
+    p.add_argument("--policy", choices=list(sizing.builtin_placements()), action="append",
                    help="only this built-in policy (repeatable; default: all)")
     p.add_argument("--device-mem", metavar="SIZE",
                    help="device memory, e.g. 80GB (default: the accelerator's; without one, the host RAM "
@@ -170,8 +170,9 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
     con.print("[dim]grads: the class table counts them in the params' dtype (as autograd makes them on "
               "the device); tiermem accumulates them at their home in fp32, 4 B/param, and the tier table "
               "counts that. nvme: twice the bytes placed there (each value and the previous one, so a "
-              "failed step can be undone). Not counted: activations, the bucket of grads in flight on "
-              "the device, the NVMe pipeline's staging buffers.[/]")
+              "failed step can be undone). Not counted: activations; tiermem's working buffers, sized by "
+              "bucket_size and the largest parameter and module (grads in flight on the device, weight "
+              "staging, the NVMe pipelines); the host's copy of frozen weights.[/]")
     if lim["device_shares_host"]:
         con.print("[dim]no accelerator: the device tier lives in host RAM, so device + host must fit "
                   "in the host's capacity together.[/]")

@@ -27,32 +27,52 @@ what the table counts (2 B/param in flight). TieredModel accumulates them at the
 ZeRO-Offload needs 4 + 12 = 16 B/param on the host for 7.5e9 params (120 GB), KeepOnDevice
 2 + 4 + 12 = 18 B/param on the device (135 GB). Whatever lives on NVMe takes twice its bytes there:
 the NVMe store keeps each key's previous value beside its latest, so a failed step can be undone.
-Not counted anywhere: activations (they depend on batch and sequence length), the one bucket of
-grads in flight on the device under ZeRO-Offload, and the fixed staging buffers of the NVMe pipeline.
+
+The per-tier figures are the training-state part of the footprint that TieredModel checks its
+budgets with (tiermem/plan/footprint.py, NOTE [Footprint]), computed by the same function for a
+bucket plan of one bucket. They leave out activations (they depend on batch and sequence length);
+TieredModel's working buffers, which a parameter count does not determine: the grad of the largest
+parameter in flight on the device, the weight staging buffers (up to two buckets at each tier off
+the device where Adam runs), the NVMe pipelines' host buffers (three buckets each), the
+overlap_step buffers, and the largest module's weights while it runs when weights live off the
+device; and the host's copy of frozen weights in their own dtype, which the constructor counts but
+which is no part of the table above.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Mapping, Optional
+from functools import cache
+from typing import Any, Mapping, Optional
 
+import torch
+
+from tiermem.config import PRECISIONS as _WORKING_DTYPES, working_dtype
 from tiermem.errors import ConfigError
+from tiermem.plan.buckets import Bucket
+from tiermem.plan.footprint import TRAINING_STATE, footprint, totals
 from tiermem.types import TensorClass, Tier
 
-PRECISIONS = ("bf16", "fp16", "fp32")
+#: The precisions, in the order plan prints them (declared with their dtypes in tiermem.config).
+PRECISIONS = tuple(_WORKING_DTYPES)
 
-#: Bytes of one element of the working params (and of the grads autograd produces) per precision.
-_PARAM_ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_FP32 = 4  # master, momentum, variance, and grads accumulated away from the device
+_FP32 = torch.float32.itemsize  # master, momentum and variance
+
 
 # NOTE [Built-in placements]
 # The home tier of each tensor class under each built-in policy, read off the policy classes
-# themselves (their ``homes``), so this module never keeps a copy that could drift.
-def _builtin_placements() -> dict[str, Mapping[TensorClass, Tier]]:
+# themselves (their ``homes``), so this module never keeps a copy that could drift. Read when first
+# asked for, not at import: tiermem.policies is built on tiermem, and the plan layer must not import it.
+@cache
+def builtin_placements() -> dict[str, Mapping[TensorClass, Tier]]:
     from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
     return {cls.__name__: dict(cls.homes) for cls in (ZeroOffload, KeepOnDevice, ZeroInfinity)}
 
 
-BUILTIN_PLACEMENTS: dict[str, Mapping[TensorClass, Tier]] = _builtin_placements()
+def __getattr__(name: str) -> Any:
+    if name == "BUILTIN_PLACEMENTS":  # the placements by policy name, as a module attribute
+        return builtin_placements()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: Which tensor class each part of the training state belongs to.
 PART_CLASS: dict[str, TensorClass] = {
@@ -80,7 +100,7 @@ class StateBytes:
 
 
 def check_precision(precision: str) -> str:
-    if precision not in _PARAM_ELEMENT_BYTES:
+    if not (isinstance(precision, str) and precision in _WORKING_DTYPES):
         raise ConfigError(f"tiermem: precision={precision!r} is not one of {', '.join(PRECISIONS)}; "
                           f"pick one of those")
     return precision
@@ -94,7 +114,7 @@ def _check_count(what: str, n: int) -> int:
 
 def bytes_per_param(precision: str) -> StateBytes:
     """Bytes per trainable parameter of each part, grads counted in the params' dtype."""
-    p = _PARAM_ELEMENT_BYTES[check_precision(precision)]
+    p = working_dtype(check_precision(precision)).itemsize
     return StateBytes(params=p, grads=p, master=_FP32, momentum=_FP32, variance=_FP32)
 
 
@@ -108,33 +128,28 @@ def state_bytes(trainable: int, precision: str, *, frozen: int = 0) -> StateByte
                       variance=per.variance * trainable)
 
 
-def grad_bytes_at_home(precision: str, home: Tier) -> int:
-    """Bytes per parameter of the grads at their home tier: TieredModel accumulates them in fp32
-    wherever they live (see NOTE [Bytes per parameter])."""
-    check_precision(precision)
-    return _FP32
-
-
 def placement_of(policy: str) -> Mapping[TensorClass, Tier]:
     """The home tier of each tensor class under a built-in policy (see NOTE [Built-in placements])."""
     try:
-        return BUILTIN_PLACEMENTS[policy]
+        return builtin_placements()[policy]
     except KeyError:
         raise ConfigError(f"tiermem: no built-in policy named {policy!r}; pick one of "
-                          f"{', '.join(BUILTIN_PLACEMENTS)}") from None
+                          f"{', '.join(builtin_placements())}") from None
 
 
 def tier_bytes(trainable: int, precision: str, placement: Mapping[TensorClass, Tier], *,
                frozen: int = 0) -> dict[Tier, int]:
-    """Bytes each tier holds for the training state (activations excluded) under ``placement``."""
-    parts = state_bytes(trainable, precision, frozen=frozen).as_dict()
-    grad_home = placement[TensorClass.GRAD]
-    parts["grads"] = grad_bytes_at_home(precision, grad_home) * trainable
-    out = {tier: 0 for tier in Tier}
-    for part, nbytes in parts.items():
-        out[placement[PART_CLASS[part]]] += nbytes
-    out[Tier.NVME] *= 2  # the latest value of each key and the previous one
-    return out
+    """Bytes each tier holds for the training state under ``placement``: the training-state part
+    of :func:`tiermem.plan.footprint.footprint` for one bucket of ``trainable`` parameters (see
+    NOTE [Bytes per parameter] for what it leaves out)."""
+    _check_count("trainable", trainable)
+    _check_count("frozen", frozen)
+    home = placement[TensorClass.PARAM]
+    bucket = Bucket(0, grad_tier=placement[TensorClass.GRAD], state_tier=placement[TensorClass.OPTIM_STATE],
+                    group=0, param_tier=home, numel=trainable)
+    frozen_params = [(torch.empty(frozen, dtype=torch.float32, device="meta"), home)]  # no memory
+    need = footprint([bucket], frozen_params, working_dtype(check_precision(precision)))
+    return totals(need, TRAINING_STATE)
 
 
 @dataclass(frozen=True)
@@ -175,7 +190,7 @@ def check_fit(need: Mapping[Tier, int], limits: Limits) -> Fit:
 def policies(names: Optional[list[str]] = None) -> list[str]:
     """The built-in policy names, in the order plan prints them (or the validated subset asked for)."""
     if names is None:
-        return list(BUILTIN_PLACEMENTS)
+        return list(builtin_placements())
     for n in names:
         placement_of(n)
     return list(names)

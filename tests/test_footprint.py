@@ -1,0 +1,170 @@
+"""tiermem.plan.footprint: the one rule for the bytes each tier needs, checked three ways: by hand
+on made-up bucket plans, against ``tiermem plan``'s figures and the layout's old rule for real
+models under every built-in policy, and against what TieredModel really allocates."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from models import Quirky, TinyGPT
+from tiermem import AdamW, ConfigError, OutOfTierMemory, TensorClass, TensorInfo, TieredModel, Tier
+from tiermem.plan import footprint as fp
+from tiermem.plan import sizing
+from tiermem.plan.buckets import Bucket
+from tiermem.plan.placement import plan as plan_placement
+from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload
+from tiermem.train import layout
+
+D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
+BF16 = torch.bfloat16
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _bucket(numel: int, grad: Tier, state: Tier, param: Tier = D, index: int = 0) -> Bucket:
+    return Bucket(index, grad_tier=grad, state_tier=state, group=0, param_tier=param, numel=numel)
+
+
+# -- the rule, by hand ---------------------------------------------------------------------------
+@pytest.mark.parametrize("buckets, overlap, expect", [
+    # ZeRO-Offload, buckets of 10 and 6: bf16 weights on the device, fp32 grads and state on the
+    # host, and two staging buffers as large as the larger bucket where Adam runs
+    ([_bucket(10, H, H), _bucket(6, H, H, index=1)], False,
+     {D: {fp.WORKING_WEIGHTS: 2 * 16, fp.GRADS_IN_FLIGHT: 0},
+      H: {fp.GRADS: 4 * 16, fp.OPTIM_STATE: 12 * 16, fp.WEIGHT_STAGING: 2 * 2 * 10}}),
+    # overlap_step: a second grad buffer and Adam's output per bucket instead of the staging
+    ([_bucket(10, H, H), _bucket(6, H, H, index=1)], True,
+     {D: {fp.WORKING_WEIGHTS: 32, fp.GRADS_IN_FLIGHT: 0},
+      H: {fp.GRADS: 64, fp.OPTIM_STATE: 192, fp.SECOND_GRADS: 64, fp.UPDATED_WEIGHTS: 32}}),
+    # everything on the device: no staging, no copies
+    ([_bucket(10, D, D)], False, {D: {fp.WORKING_WEIGHTS: 20, fp.GRADS: 40, fp.OPTIM_STATE: 120,
+                                      fp.GRADS_IN_FLIGHT: 0}}),
+    # ZeRO-Infinity: NVMe holds twice what it stores; the host streams state through 3 buckets;
+    # a single bucket needs one staging buffer
+    ([_bucket(10, H, N, param=N)], False,
+     {N: {fp.WORKING_WEIGHTS: 2 * 20, fp.OPTIM_STATE_NVME: 2 * 120},
+      H: {fp.GRADS: 40, fp.STATE_PIPELINE: 3 * 120, fp.WEIGHT_STAGING: 20}, D: {fp.GRADS_IN_FLIGHT: 0}}),
+    # grads on NVMe: twice there, three buckets on their way through the host
+    ([_bucket(10, N, H)], False,
+     {D: {fp.WORKING_WEIGHTS: 20, fp.GRADS_IN_FLIGHT: 0},
+      N: {fp.GRADS: 80}, H: {fp.OPTIM_STATE: 120, fp.GRADS_TO_NVME: 3 * 40, fp.WEIGHT_STAGING: 20}}),
+    # grads on the device, state on the host: Adam needs them copied to the host for the step
+    ([_bucket(10, D, H)], False,
+     {D: {fp.WORKING_WEIGHTS: 20, fp.GRADS: 40, fp.GRADS_IN_FLIGHT: 0},
+      H: {fp.OPTIM_STATE: 120, fp.GRADS_FOR_STEP: 40, fp.WEIGHT_STAGING: 20}}),
+])
+def test_footprint_by_hand(buckets, overlap, expect):
+    assert fp.footprint(buckets, [], BF16, overlap=overlap) == expect
+
+
+def test_frozen_grads_in_flight_and_largest_module():
+    frozen = [(torch.empty(5, dtype=torch.float32, device="meta"), N),  # meta: nothing allocated
+              (torch.empty(3, dtype=torch.int64, device="meta"), D)]  # not floating point: its own size
+    b = _bucket(0, H, H)
+    b.add("w", nn.Parameter(torch.empty(7)), 0)
+    b.add("v", nn.Parameter(torch.empty(2)), 1)
+    need = fp.footprint([b], frozen, torch.float16, largest_module=123)
+    assert need[N][fp.FROZEN_WEIGHTS] == 2 * 5 * 2
+    assert need[D][fp.FROZEN_WEIGHTS] == 3 * 8
+    assert need[H][fp.FROZEN_COPY] == 5 * 4 + 3 * 8
+    assert need[D][fp.GRADS_IN_FLIGHT] == 7 * 2  # the largest parameter's grad, in fp16
+    assert need[D][fp.LARGEST_MODULE] == 123
+
+
+def test_totals():
+    need = {D: {fp.WORKING_WEIGHTS: 5, fp.GRADS_IN_FLIGHT: 3}, H: {fp.FROZEN_COPY: 7}}
+    assert fp.totals(need) == {D: 8, H: 7, N: 0}
+    assert fp.totals(need, fp.TRAINING_STATE) == {D: 5, H: 0, N: 0}
+
+
+def test_largest_module_bytes():
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert fp.largest_module_bytes(m, {}, BF16) == 0
+    assert fp.largest_module_bytes(m, {"0.weight": N, "2.weight": N, "2.bias": N}, BF16) == 2 * 32
+    assert fp.largest_module_bytes(m, {"0.weight": H, "0.bias": H, "2.weight": H}, torch.float32) == 4 * 40
+
+
+@dataclass
+class _Store:
+    used: int
+    allowed: int
+
+
+def test_check_fits():
+    need = {D: {fp.WORKING_WEIGHTS: 600, fp.GRADS_IN_FLIGHT: 0}, H: {fp.GRADS: 100}}
+    fp.check_fits(need, {D: _Store(400, 1000), H: _Store(0, 100)})
+    with pytest.raises(OutOfTierMemory, match=r"^tiermem: out of device memory.*it needs 600 B there "
+                                              r"\(working weights 600 B\); raise Budgets\(device=\.\.\.\) "
+                                              r"to at least 1001 B") as e:
+        fp.check_fits(need, {D: _Store(401, 1000), H: _Store(0, 100)})
+    assert (e.value.tier, e.value.asked) == (D, 600)
+    with pytest.raises(ConfigError, match=r"^tiermem: the policy places tensors on host but no host store"):
+        fp.check_fits(need, {D: _Store(0, 1000)})
+
+
+# -- one rule for the constructor and for `tiermem plan` -------------------------------------------
+def _models():
+    return {"TinyGPT": TinyGPT, "Quirky": Quirky,  # tied weights; a frozen layer and BatchNorm buffers
+            "Linears": lambda: nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 13), nn.Linear(13, 5))}
+
+
+POLICIES = {"ZeroOffload": ZeroOffload(), "KeepOnDevice": KeepOnDevice(), "ZeroInfinity": ZeroInfinity(),
+            "ActivationOffload": ActivationOffload(ZeroOffload(), min_bytes=0),
+            "ActivationOffload(ZeroInfinity)": ActivationOffload(ZeroInfinity(), tier=Tier.NVME)}
+
+
+def _placement(policy) -> dict[TensorClass, Tier]:
+    """The policy's home for each class, as ``tiermem plan`` takes it (all built-ins place per class)."""
+    return {kind: policy.place(TensorInfo("x.weight", kind, 4096, (32, 32), torch.float32, "x"))
+            for kind in TensorClass}
+
+
+def _footprint_of(model: nn.Module, policy, dtype: torch.dtype, overlap: bool, bucket_numel: int):
+    """The footprint of ``model`` as TieredModel plans it (and the inputs the old rule took)."""
+    buckets, _, _, homes = plan_placement(model, policy, AdamW(), dtype, bucket_numel, overlap=overlap)
+    frozen = [(p, homes.get(n, D)) for n, p in model.named_parameters() if not p.requires_grad]
+    largest_module = fp.largest_module_bytes(model, homes, dtype)
+    need = fp.footprint(buckets, frozen, dtype, overlap=overlap, largest_module=largest_module)
+    return need, (buckets, frozen, largest_module, homes)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("precision", sizing.PRECISIONS)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("model", _models())
+def test_plan_and_constructor_agree(model, policy, precision, overlap):
+    module, dtype = _models()[model](), DTYPES[precision]
+    need, (buckets, frozen, largest_module, homes) = _footprint_of(module, POLICIES[policy], dtype, overlap,
+                                                                   bucket_numel=97)
+    # `tiermem plan`'s code path, from the parameter counts alone: the training-state part
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    n_frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+    planned = sizing.tier_bytes(trainable, precision, _placement(POLICIES[policy]), frozen=n_frozen)
+    assert fp.totals(need, fp.TRAINING_STATE) == planned
+    # the drift test, while the layout's own rule still exists: every tier and purpose the same
+    needed_bytes = getattr(layout, "needed_bytes", None)
+    if needed_bytes is None:
+        pytest.skip("tiermem.train.layout.needed_bytes is gone: TieredModel uses the footprint")
+    biggest = max((s.numel for b in buckets for s in b.slots), default=0) * dtype.itemsize
+    old = needed_bytes(buckets, frozen, dtype, biggest, overlap)
+    if homes:
+        old[D][fp.LARGEST_MODULE] += largest_module
+    assert need == {tier: dict(parts) for tier, parts in old.items()}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("model", ["TinyGPT", "Quirky"])
+def test_what_construction_allocates(model, policy, overlap, tmp_path):
+    """TieredModel's stores after construction hold what the footprint says, except what is only
+    there while a step runs (grads in flight, the largest module's weights): the device exactly,
+    the host at least that (its buffers are rounded up to whole pages)."""
+    need, _ = _footprint_of(_models()[model](), POLICIES[policy], BF16, overlap, bucket_numel=300)
+    tm = TieredModel(_models()[model](), POLICIES[policy], precision="bf16", bucket_size=4 * 300,
+                     overlap_step=overlap, nvme_dir=str(tmp_path))
+    allocated = set().union(*need.values()) - {fp.GRADS_IN_FLIGHT, fp.LARGEST_MODULE}
+    peak = tm.report().peak_bytes
+    assert peak[D] == fp.totals(need, frozenset(allocated))[D]
+    assert peak[H] >= fp.totals(need, frozenset(allocated))[H]

@@ -1,0 +1,173 @@
+"""The bytes a training layout needs on each tier, and what for: the one rule for them.
+
+``TieredModel`` checks this footprint against its budgets before allocating anything, and
+``tiermem plan`` prints the training-state part of it for a parameter count (through
+:func:`tiermem.plan.sizing.tier_bytes`), so the two cannot drift apart. Pure arithmetic on a
+bucket plan (:mod:`tiermem.plan.buckets`): nothing is allocated, frozen parameters may be meta tensors.
+
+NOTE [Footprint]
+For a bucket of ``n`` trainable parameters, ``w`` bytes per element of the working precision,
+and the compute tier where Adam runs for it (its state's tier; the host for state on NVMe):
+
+- working weights: ``w*n`` at the PARAM tier;
+- fp32 grads: ``4n`` at the GRAD tier;
+- optimizer state: ``12n`` (fp32 master, exp_avg, exp_avg_sq) at the OPTIM_STATE tier;
+- grads for the step: ``4n`` at the compute tier, when the grads live on another tier in memory;
+- with ``overlap_step``: a second ``4n`` grad buffer at the GRAD tier, and Adam's output, ``w*n``,
+  at the compute tier.
+
+Anything on NVMe takes twice its bytes there: the store keeps each key's previous value beside its
+latest, so a failed step can be undone. For the model as a whole:
+
+- weight staging: at each compute tier off the device, up to two buffers the size of its largest
+  bucket in the working precision, which Adam writes the new weights into (not with
+  ``overlap_step``, whose output buffers above take their place);
+- the NVMe pipelines, on the host: three of the largest bucket with grads on NVMe (4 B each),
+  three of the largest bucket with state on NVMe (12 B each);
+- frozen parameters: ``w`` bytes each at their PARAM home (their own element size when not
+  floating point), and a copy in their own dtype on the host;
+- grads in flight on the device: autograd makes each grad there, in the working precision, and it
+  leaves for its home once complete; when the device budget is tight the next one waits until
+  those in flight have landed, so the device needs room for at least the largest parameter's grad;
+- the largest module's weights, while it runs, when weights live off the device.
+
+Working weights, fp32 grads, optimizer state and frozen weights (:data:`TRAINING_STATE`) are the
+parts of NOTE [Bytes per parameter] (tiermem/plan/sizing.py): they grow with the parameter count
+alone, and they are what ``tiermem plan`` counts. The rest are TieredModel's own buffers: the
+working buffers sized by the bucket plan (``bucket_size``), the largest parameter or module and
+``overlap_step``, which a parameter count does not determine, and the host's copy of frozen weights.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Protocol, Sequence
+
+import torch
+
+from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
+from tiermem.plan.buckets import STATE_PARTS, Bucket
+from tiermem.plan.placement import compute_tier
+from tiermem.types import Tier
+
+#: Bytes per tier, by purpose: ``{tier: {purpose: bytes}}``; a tier is present only when
+#: something is placed on it (the device always: grads are made there).
+Footprint = dict[Tier, dict[str, int]]
+
+_FP32 = torch.float32.itemsize  # grads at their home and each part of the optimizer state
+_STATE = len(STATE_PARTS) * _FP32  # master, exp_avg and exp_avg_sq
+
+# What the bytes are for: the keys of a Footprint's inner dicts, as OutOfTierMemory prints them.
+WORKING_WEIGHTS = "working weights"
+GRADS = "fp32 grads"
+OPTIM_STATE = "optimizer state"
+OPTIM_STATE_NVME = "optimizer state (latest and previous)"
+FROZEN_WEIGHTS = "frozen weights"
+GRADS_FOR_STEP = "grads for the step"
+SECOND_GRADS = "second grad buffer (overlap_step)"
+UPDATED_WEIGHTS = "updated weights (overlap_step)"
+GRADS_TO_NVME = "grads on their way to NVMe (about 3 buckets)"
+STATE_PIPELINE = "optimizer state pipeline (3 buckets)"
+WEIGHT_STAGING = "weight staging (up to 2 buckets)"
+FROZEN_COPY = "fp32 copy of frozen weights"
+GRADS_IN_FLIGHT = "grads in flight (largest parameter)"
+LARGEST_MODULE = "weights of the largest module, while it runs"
+
+#: The purposes that are the training state itself (see NOTE [Footprint]).
+TRAINING_STATE = frozenset({WORKING_WEIGHTS, GRADS, OPTIM_STATE, OPTIM_STATE_NVME, FROZEN_WEIGHTS})
+
+
+def _on(tier: Tier) -> int:
+    """How many copies a tier keeps of each value: NVMe the latest and the previous."""
+    return 2 if tier == Tier.NVME else 1
+
+
+def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Tier]], dtype: torch.dtype, *,
+              overlap: bool = False, largest_module: int = 0) -> Footprint:
+    """Bytes each tier must hold, by purpose, for the layout of ``buckets`` to be built and a step
+    to run (NOTE [Footprint]). ``frozen``: each parameter that needs no grad, with its PARAM home;
+    ``dtype``: the working precision; ``largest_module``: bytes of the off-device weights one module
+    makes resident while it runs (:func:`largest_module_bytes`), 0 when all weights are on the device."""
+    need: Footprint = {}
+
+    def add(tier: Tier, purpose: str, nbytes: int) -> None:
+        parts = need.setdefault(tier, {})
+        parts[purpose] = parts.get(purpose, 0) + nbytes
+
+    w = dtype.itemsize
+    for b in buckets:
+        ct = compute_tier(b)
+        add(b.param_tier, WORKING_WEIGHTS, b.numel * w * _on(b.param_tier))
+        add(b.grad_tier, GRADS, b.numel * _FP32 * _on(b.grad_tier))
+        if b.state_tier == Tier.NVME:
+            add(Tier.NVME, OPTIM_STATE_NVME, b.numel * _STATE * _on(Tier.NVME))
+        else:
+            add(b.state_tier, OPTIM_STATE, b.numel * _STATE)
+        if ct != b.grad_tier and b.grad_tier != Tier.NVME:
+            add(ct, GRADS_FOR_STEP, b.numel * _FP32)
+        if overlap:
+            add(b.grad_tier, SECOND_GRADS, b.numel * _FP32)
+            add(ct, UPDATED_WEIGHTS, b.numel * w)
+    grads_largest = max((b.numel for b in buckets if b.grad_tier == Tier.NVME), default=0)
+    if grads_largest:
+        add(Tier.HOST, GRADS_TO_NVME, 3 * _FP32 * grads_largest)
+    state_largest = max((b.numel for b in buckets if b.state_tier == Tier.NVME), default=0)
+    if state_largest:
+        add(Tier.HOST, STATE_PIPELINE, 3 * _STATE * state_largest)
+    if not overlap:
+        largest: dict[Tier, int] = {}
+        for b in buckets:
+            if compute_tier(b) != Tier.DEVICE:
+                largest[compute_tier(b)] = max(largest.get(compute_tier(b), 0), b.numel)
+        for tier, numel in largest.items():
+            count = min(2, sum(1 for b in buckets if compute_tier(b) == tier))  # a single bucket needs one
+            add(tier, WEIGHT_STAGING, count * numel * w)
+    for p, home in frozen:
+        add(home, FROZEN_WEIGHTS, p.numel() * (w if p.is_floating_point() else p.element_size()) * _on(home))
+        add(Tier.HOST, FROZEN_COPY, p.numel() * p.element_size())
+    add(Tier.DEVICE, GRADS_IN_FLIGHT, max((s.numel for b in buckets for s in b.slots), default=0) * w)
+    if largest_module:
+        add(Tier.DEVICE, LARGEST_MODULE, largest_module)
+    return need
+
+
+def totals(need: Footprint, purposes: frozenset[str] | None = None) -> dict[Tier, int]:
+    """Bytes on every tier (0 where nothing is placed): of every purpose, or of ``purposes`` only."""
+    return {tier: sum(n for what, n in need.get(tier, {}).items() if purposes is None or what in purposes)
+            for tier in Tier}
+
+
+def largest_module_bytes(module: torch.nn.Module, param_homes: Mapping[str, Tier], dtype: torch.dtype) -> int:
+    """The off-device weights one module makes resident while it runs (the device's minimum).
+    ``param_homes``: the parameters whose working weights live off the device, by name."""
+    best = 0
+    for mod_name, mod in module.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        best = max(best, sum(p.numel() * dtype.itemsize for n, p in mod.named_parameters(recurse=False)
+                             if prefix + n in param_homes))
+    return best
+
+
+class Budgeted(Protocol):
+    """What :func:`check_fits` reads of a store: the bytes it holds and the bytes it may hold."""
+
+    @property
+    def used(self) -> int: ...
+
+    @property
+    def allowed(self) -> int: ...
+
+
+def check_fits(need: Footprint, stores: Mapping[Tier, Budgeted]) -> None:
+    """Raise unless every tier's store has room for its part of ``need``: :class:`ConfigError` for
+    a tier with no store, :class:`OutOfTierMemory` naming what the bytes are for otherwise."""
+    for tier, parts in need.items():
+        total = sum(parts.values())
+        if tier not in stores:
+            raise ConfigError(f"tiermem: the policy places tensors on {tier} but no {tier} store is "
+                              f"configured; pass nvme_dir=... to TieredModel")
+        store = stores[tier]
+        if store.used + total > store.allowed:
+            detail = " + ".join(f"{what} {fmt_bytes(n)}" for what, n in parts.items() if n)
+            raise OutOfTierMemory(
+                tier=tier, key="<model working set>", asked=total, used=store.used, allowed=store.allowed,
+                hint=f"it needs {fmt_bytes(total)} there ({detail}); raise Budgets({tier.value}=...) to "
+                     f"at least {fmt_bytes(store.used + total)} or choose a policy that places less on {tier}")
