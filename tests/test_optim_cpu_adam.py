@@ -167,6 +167,33 @@ def test_bad_hyperparameters(kwargs, match):
     assert str(e.value).startswith("tiermem:")
 
 
+@pytest.mark.parametrize("name, value, accepted", [
+    ("lr", 0.0, True), ("lr", -1e-3, False), ("lr", math.inf, False), ("lr", math.nan, False), ("lr", "0.1", False),
+    ("beta1", 0.0, True), ("beta1", 0.999, True), ("beta1", 1.0, False), ("beta1", -0.1, False),
+    ("beta2", math.nan, False),
+    ("eps", 0.0, True), ("eps", -1e-8, False), ("eps", math.inf, False),
+    ("weight_decay", 0.5, True), ("weight_decay", -0.1, False), ("weight_decay", math.inf, False),
+])
+def test_one_rule_for_every_adam(name, value, accepted):
+    """NOTE [Adam hyperparameter rules]: the AdamW spec, CPUAdam and adam_step accept and refuse the
+    same values, each naming itself, the hyperparameter and the value."""
+    from tiermem import AdamW
+    from tiermem.optim._hyper import AdamHyper
+
+    betas = {"beta1": lambda v: (v, 0.999), "beta2": lambda v: (0.9, v)}
+    kw = {"betas": betas[name](value)} if name in betas else {name: value}
+    hyper = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    makers = {r"AdamW\.": lambda: AdamW(**kw), "CPUAdam ": lambda: CPUAdam([nn.Parameter(torch.zeros(2))], **kw),
+              "adam_step ": lambda: AdamHyper(**{**hyper, name: value})}
+    for where, make in makers.items():
+        if accepted:
+            make()
+            continue
+        shown = "betas" if name in betas and where != "adam_step " else name
+        with pytest.raises(ConfigError, match=rf"^tiermem: {where}{shown}=.* is invalid: it must be "):
+            make()
+
+
 def test_bad_parameters_and_grads():
     with pytest.raises(ConfigError, match=r"torch.bfloat16 parameter on cpu.*fp32 CPU parameters only"):
         CPUAdam([nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])

@@ -4,13 +4,15 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from tiermem.errors import ConfigError
 
-PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: The working precisions: the dtype of the weights forward and backward use, by name. The one
+#: list: ``tiermem plan`` (tiermem.plan.sizing) derives its precisions and bytes per element from it.
+PRECISIONS: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def working_dtype(precision: str) -> torch.dtype:
@@ -21,9 +23,52 @@ def working_dtype(precision: str) -> torch.dtype:
                           f"use one of {', '.join(repr(p) for p in PRECISIONS)}") from None
 
 
-def _need(cls: str, name: str, value: Any, ok: bool, rule: str) -> None:
-    if not ok:
-        raise ConfigError(f"tiermem: {cls}.{name}={value!r} is invalid: {rule}")
+# NOTE [Adam hyperparameter rules]
+# The rule for each Adam hyperparameter, by name, in one table that the three places taking them
+# check against: the AdamW/Adam specs here, CPUAdam's arguments and adam_step's (through
+# tiermem.optim._hyper.AdamHyper). Numbers are ints or floats (CPUAdam checks a tensor lr, which
+# torch optimizers allow, as the number it holds).
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float))
+
+
+def _finite_non_negative(v: Any) -> bool:
+    return _number(v) and 0 <= v < math.inf
+
+
+def _unit(v: Any) -> bool:
+    return _number(v) and 0.0 <= v < 1.0
+
+
+_FINITE_NON_NEGATIVE = (_finite_non_negative, "a finite number >= 0")
+_ADAM_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "lr": _FINITE_NON_NEGATIVE,
+    "betas": (lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_unit(b) for b in v),
+              "two numbers, each in [0, 1)"),
+    "beta1": (_unit, "a number in [0, 1)"),
+    "beta2": (_unit, "a number in [0, 1)"),
+    "eps": _FINITE_NON_NEGATIVE,
+    "weight_decay": _FINITE_NON_NEGATIVE,
+    "step": (lambda v: isinstance(v, int) and v >= 1, "a 1-based count of updates including this one, >= 1"),
+    "grad_scale": (lambda v: _number(v) and 2.0**-126 < v < 2.0**126,
+                   "between 2**-126 and 2**126 (its reciprocal a normal fp32 number)"),
+    "clip_coef": _FINITE_NON_NEGATIVE,
+}
+
+
+def _invalid(where: str, name: str, value: Any, rule: str) -> ConfigError:
+    """The error for a value that breaks its rule. ``where`` is what the name is read after:
+    ``"AdamW."`` for a field, ``"CPUAdam "`` or ``"adam_step "`` for an argument."""
+    return ConfigError(f"tiermem: {where}{name}={value!r} is invalid: it must be {rule}; pass a value that is")
+
+
+def check_adam_hyper(where: str, **values: Any) -> None:
+    """Check each Adam hyperparameter given by the one rule for its name (NOTE [Adam
+    hyperparameter rules]); raises :class:`ConfigError` naming the first that breaks it."""
+    for name, value in values.items():
+        ok, rule = _ADAM_RULES[name]
+        if not ok(value):
+            raise _invalid(where, name, value, rule)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,20 +87,12 @@ class _AdamSpec:
     adamw = False  # class constant: how weight decay is applied
 
     def __post_init__(self) -> None:
-        c = type(self).__name__
-        _need(c, "lr", self.lr, isinstance(self.lr, (int, float)) and self.lr >= 0 and math.isfinite(self.lr),
-              "must be a finite number >= 0")
-        betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else None
-        _need(c, "betas", self.betas, betas is not None and len(betas) == 2
-              and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas),
-              "must be two numbers in [0, 1)")
-        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
-        _need(c, "eps", self.eps, isinstance(self.eps, (int, float)) and self.eps >= 0, "must be >= 0")
-        _need(c, "weight_decay", self.weight_decay,
-              isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0, "must be >= 0")
+        where = f"{type(self).__name__}."
+        check_adam_hyper(where, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
         nd = (self.no_decay,) if isinstance(self.no_decay, str) else tuple(self.no_decay)
-        _need(c, "no_decay", self.no_decay, all(isinstance(p, str) for p in nd),
-              "must be a tuple of name patterns such as ('*.bias',)")
+        if not all(isinstance(p, str) for p in nd):
+            raise _invalid(where, "no_decay", self.no_decay, "a tuple of name patterns such as ('*.bias',)")
         object.__setattr__(self, "no_decay", nd)
 
     def decays(self, name: str, param: torch.Tensor) -> bool:

@@ -1,14 +1,10 @@
 """What the subcommands share: output consoles, size formatting, JSON output, paths and the machine's sizes."""
 from __future__ import annotations
 
-import errno
 import json
-import mmap
 import os
-import platform
 import shutil
 import sys
-import tempfile
 from typing import Any, Optional
 
 import psutil
@@ -16,6 +12,7 @@ import torch
 from rich.console import Console
 
 from tiermem.errors import ConfigError
+from tiermem.memory.nvme_dir import describe_direct
 
 _DECIMAL_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
 
@@ -112,28 +109,6 @@ def disk_free(path: str) -> int:
 
 
 def probe_o_direct(directory: str) -> tuple[bool, str]:
-    """Write and read back one aligned block with O_DIRECT in ``directory``; (works, why not)."""
-    flag = getattr(os, "O_DIRECT", None)
-    if flag is None:
-        return False, f"O_DIRECT does not exist on {platform.system()}"
-    try:
-        fd, path = tempfile.mkstemp(prefix=".tiermem-odirect-", dir=directory)
-    except OSError as e:
-        return False, f"cannot create a file there ({e.strerror})"
-    os.close(fd)
-    buf = mmap.mmap(-1, 4096)  # anonymous maps are page aligned, as O_DIRECT wants
-    try:
-        buf.write(b"tiermem!" * 512)
-        fd = os.open(path, os.O_RDWR | flag)
-        try:
-            if os.pwrite(fd, buf, 0) != 4096 or os.preadv(fd, [buf], 0) != 4096:
-                return False, "short direct write or read"
-        finally:
-            os.close(fd)
-        return True, ""
-    except OSError as e:
-        reason = "the filesystem refuses it" if e.errno == errno.EINVAL else e.strerror
-        return False, f"{reason} (the NVMe store falls back to buffered I/O)"
-    finally:
-        buf.close()
-        os.unlink(path)
+    """(works, why not): the NVMe store's own O_DIRECT probe, :func:`tiermem.memory.nvme_dir.describe_direct`
+    (kept under this name for bench's call)."""
+    return describe_direct(directory)

@@ -19,6 +19,7 @@ from rich.table import Table
 from tiermem import __version__
 from tiermem.plan import profile
 from tiermem.cli import _common
+from tiermem.memory.nvme_dir import describe_direct
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def gather(nvme_path: str, *, check_compile: bool) -> dict[str, Any]:
             free, _ = torch.cuda.mem_get_info(i)
             devices.append({"index": i, "name": props.name, "total_bytes": int(props.total_memory),
                             "free_bytes": int(free)})
-    direct, why = _common.probe_o_direct(path)
+    direct, why = describe_direct(path)
     saved = profile.load_profile()
     return {
         "tiermem": __version__, "python": platform.python_version(), "platform": platform.platform(),

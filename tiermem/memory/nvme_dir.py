@@ -1,9 +1,11 @@
-"""The NVMe store's directory: its options and directory checked, and O_DIRECT probed once."""
+"""The NVMe store's directory: its options and directory checked, and O_DIRECT probed once (the
+one probe: ``tiermem info`` and ``bench`` report what it finds)."""
 from __future__ import annotations
 
 import errno
 import logging
 import os
+import platform
 import uuid
 from typing import Optional
 
@@ -50,21 +52,43 @@ def choose_direct(directory: str, direct: Optional[bool]) -> bool:
 def probe_direct(directory: str, direct: Optional[bool]) -> tuple[bool, Optional[OSError]]:
     """Create, write and remove one small probe file: fails unless the directory takes files.
     Returns whether O_DIRECT works there (never tried when ``direct`` is False) and, when it
-    does not, the error the filesystem gave."""
+    does not, the error the filesystem gave. The one O_DIRECT probe: the store decides with it
+    and ``tiermem info`` and ``bench`` report it (:func:`describe_direct`)."""
+    try:
+        return _probe(directory, direct)
+    except OSError as e:
+        raise ConfigError(f"tiermem: NvmeStore cannot create files in {directory} ({e.strerror}); "
+                          f"make it writable or pass a writable directory as nvme_dir") from e
+
+
+def describe_direct(directory: str) -> tuple[bool, str]:
+    """For a report: whether the NVMe store would use O_DIRECT in ``directory`` and, when not,
+    why in words (empty when it would). Never raises."""
+    try:
+        supported, refused = _probe(directory, None)
+    except OSError as e:
+        return False, f"cannot create a file there ({e.strerror})"
+    if supported:
+        return True, ""
+    why = "the filesystem refuses it" if refused.errno == errno.EINVAL else refused.strerror
+    return False, f"{why} (the NVMe store falls back to buffered I/O)"
+
+
+def _probe(directory: str, direct: Optional[bool]) -> tuple[bool, Optional[OSError]]:
+    """:func:`probe_direct`, raising the OSError of a directory that takes no files."""
     path = os.path.join(directory, f"tiermem-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     refused: Optional[OSError] = None
-    if direct is not False:
+    if direct is not False and not hasattr(os, "O_DIRECT"):
+        refused = OSError(errno.EOPNOTSUPP, f"O_DIRECT does not exist on {platform.system()}")
+    elif direct is not False:
         try:
             _probe_write(path, os.O_DIRECT)
             return True, None
         except OSError as e:
             if e.errno != errno.EINVAL:
-                raise _not_writable(directory, e) from e
+                raise
             refused = e
-    try:
-        _probe_write(path, 0)
-    except OSError as e:
-        raise _not_writable(directory, e) from e
+    _probe_write(path, 0)
     return False, refused
 
 
@@ -76,8 +100,3 @@ def _probe_write(path: str, extra_flags: int) -> None:
     finally:
         os.close(fd)
         os.unlink(path)
-
-
-def _not_writable(directory: str, e: OSError) -> ConfigError:
-    return ConfigError(f"tiermem: NvmeStore cannot create files in {directory} ({e.strerror}); "
-                       f"make it writable or pass a writable directory as nvme_dir")

@@ -1,14 +1,13 @@
 """Adam's hyperparameters for one update, checked once and turned into the scalars the kernels use."""
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
-from tiermem.errors import ConfigError
+from tiermem.config import check_adam_hyper
 
 # Where each scalar sits in the fp32 tensor the compiled kernel reads (one tensor, so a new lr or
 # step is new data, never a new compiled graph).
@@ -34,22 +33,9 @@ class AdamHyper:
     clip_coef: float = 1.0
 
     def __post_init__(self) -> None:
-        rules = (
-            ("step", self.step >= 1, "a 1-based count of updates including this one, >= 1"),
-            ("lr", self.lr >= 0.0 and math.isfinite(self.lr), "finite and >= 0"),
-            ("beta1", 0.0 <= self.beta1 < 1.0, "in [0, 1)"),
-            ("beta2", 0.0 <= self.beta2 < 1.0, "in [0, 1)"),
-            ("eps", self.eps >= 0.0 and math.isfinite(self.eps), "finite and >= 0"),
-            ("weight_decay", self.weight_decay >= 0.0 and math.isfinite(self.weight_decay),
-             "finite and >= 0"),
-            ("grad_scale", 2.0**-126 < self.grad_scale < 2.0**126,
-             "between 2**-126 and 2**126 (its reciprocal a normal fp32 number)"),
-            ("clip_coef", self.clip_coef >= 0.0 and math.isfinite(self.clip_coef), "finite and >= 0"),
-        )
-        for name, ok, rule in rules:
-            if not ok:
-                raise ConfigError(f"tiermem: adam_step {name}={getattr(self, name)!r} is invalid: it must "
-                                  f"be {rule}; pass a value that is")
+        check_adam_hyper("adam_step ", step=self.step, lr=self.lr, beta1=self.beta1, beta2=self.beta2,
+                         eps=self.eps, weight_decay=self.weight_decay, grad_scale=self.grad_scale,
+                         clip_coef=self.clip_coef)
 
     @property
     def l2(self) -> bool:

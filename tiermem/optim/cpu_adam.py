@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch.optim import Optimizer
 
+from tiermem.config import check_adam_hyper
 from tiermem.errors import ConfigError
 from tiermem.optim.functional import adam_step, any_nonfinite
 
@@ -83,17 +83,7 @@ class CPUAdam(Optimizer):
 
 
 def _check_hyper(*, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    lr_value = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
-    ok_betas = (isinstance(betas, (tuple, list)) and len(betas) == 2
-                and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas))
-    rules = (
-        ("lr", lr, lr_value >= 0.0 and math.isfinite(lr_value), "finite and >= 0"),
-        ("betas", betas, ok_betas, "two numbers, each in [0, 1)"),
-        ("eps", eps, isinstance(eps, (int, float)) and 0.0 <= eps < math.inf, "finite and >= 0"),
-        ("weight_decay", weight_decay,
-         isinstance(weight_decay, (int, float)) and 0.0 <= weight_decay < math.inf, "finite and >= 0"),
-    )
-    for name, value, ok, rule in rules:
-        if not ok:
-            raise ConfigError(f"tiermem: CPUAdam {name}={value!r} is invalid: it must be {rule}; "
-                              f"pass a value that is")
+    """The rules every Adam in tiermem checks (NOTE [Adam hyperparameter rules]); a tensor lr, which
+    torch optimizers allow, is checked as the number it holds."""
+    check_adam_hyper("CPUAdam ", lr=lr.item() if isinstance(lr, torch.Tensor) else lr, betas=betas, eps=eps,
+                     weight_decay=weight_decay)
