@@ -84,7 +84,7 @@ def _wire(module: nn.Module, snapshot_buckets: set[int]):
     homes = Homes({b.index: host for b in buckets},
                   {b.index: snap if b.index in snapshot_buckets else mem for b in buckets},
                   {b.index: weights for b in buckets})
-    layout = build(module, buckets, groups, names, homes, stores, torch.float32, torch.device("cpu"), None)
+    layout = build(module, buckets, buckets, groups, names, homes, stores, torch.float32, torch.device("cpu"), None)
     grads = GradCollector(homes, layout.slot_of, engine, stores[Tier.DEVICE].ledger)
     for b in buckets:
         for s in b.slots:

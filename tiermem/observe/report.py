@@ -24,6 +24,9 @@ class Report:
     steps: int = 0
     n_params: int = 0
     step_seconds: float = 0.0  # wall time spent inside step() calls
+    rank: int = 0  # under data parallelism: this rank's figures, of ``world``
+    world: int = 1
+    collective_bytes: int = 0  # bytes this rank sent through collectives (reduce-scatter, all-gather, ...)
 
     def gbps(self, src: Tier, dst: Tier) -> float:
         """Achieved bandwidth of the transfers src -> dst while they ran (GB/s, 1e9 bytes)."""
@@ -31,7 +34,9 @@ class Report:
         return self.bytes_moved.get((src, dst), 0) / busy / 1e9 if busy > 0 else 0.0
 
     def __str__(self) -> str:
-        lines = [f"tiermem report: {self.steps} steps, {self.n_params:,} trainable parameters"]
+        lines = [f"tiermem report: {self.steps} steps, {self.n_params:,} trainable parameters"
+                 + (f"; rank {self.rank} of {self.world}, {fmt_bytes(self.collective_bytes)} through collectives"
+                    if self.world > 1 else "")]
         lines.append(f"{'tier':<8}{'peak':>14}{'budget':>14}{'B/param':>10}   by class (peak)")
         for tier in Tier:
             if tier not in self.peak_bytes:

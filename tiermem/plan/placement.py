@@ -30,6 +30,22 @@ def _info(name: str, kind: TensorClass, p: torch.Tensor, dtype: torch.dtype, suf
     return TensorInfo(f"{name}{suffix}", kind, p.numel() * dtype.itemsize, tuple(p.shape), dtype, owner(name))
 
 
+def check_data_parallel(name: str, param_tier: Tier, grad_tier: Tier, overlap: bool, world: int) -> None:
+    """What data parallelism (NOTE [Data parallel]) does not combine with in this version."""
+    if world == 1:
+        return
+    if param_tier != Tier.DEVICE:
+        raise ConfigError(f"tiermem: the policy places {name!r}'s weights on {param_tier} under data parallelism "
+                          f"({world} ranks); weights off the device are not sharded in this version: use "
+                          f"ZeroOffload (with OPTIM_STATE on NVME for a larger model), or process_group=False")
+    if grad_tier == Tier.NVME:
+        raise ConfigError(f"tiermem: the policy places {name!r}'s grads on NVMe under data parallelism ({world} "
+                          f"ranks); each rank keeps only 1/{world} of the grads: place GRAD on HOST")
+    if overlap:
+        raise ConfigError(f"tiermem: overlap_step=True is not supported under data parallelism ({world} ranks) "
+                          f"in this version; pass overlap_step=False")
+
+
 def check_combination(name: str, param_tier: Tier, grad_tier: Tier, state_tiers: set[Tier], overlap: bool) -> Tier:
     """The rules a parameter's placements must follow in this version; returns its state tier."""
     if len(state_tiers) != 1:
@@ -64,7 +80,7 @@ def _unique_params(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Pa
 
 
 def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.dtype,
-         bucket_numel: int, *, overlap: bool = False
+         bucket_numel: int, *, overlap: bool = False, world: int = 1
          ) -> tuple[list[Bucket], list[list[str]], dict[int, list[str]], dict[str, Tier]]:
     """Ask the policy about every tensor, then pack trainable parameters into buckets. Returns the
     buckets, the parameter names per optimizer group, every name of each parameter, and the
@@ -82,6 +98,7 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
         state_tiers = {checked_place(policy, _info(name, TensorClass.OPTIM_STATE, p, torch.float32, f":{part}"))
                        for part in STATE_PARTS}
         state_tier = check_combination(name, param_tier, grad_tier, state_tiers, overlap)
+        check_data_parallel(name, param_tier, grad_tier, overlap, world)
         group = 0 if spec.decays(name, p) else 1
         groups[group].append(name)
         entries.append((name, p, grad_tier, state_tier, group, param_tier))

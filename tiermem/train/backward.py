@@ -17,14 +17,18 @@ from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle, wait_all, wait_all_quietly
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.train.homes import Homes
+from tiermem.transfer.collectives import Group, Solo
 from tiermem.types import TensorClass, Tier
 
 
 class GradCollector:
-    def __init__(self, homes: Homes, slot_of: dict[int, tuple[Bucket, Slot]], engine, device_ledger):
+    def __init__(self, homes: Homes, slot_of: dict[int, tuple[Bucket, Slot]], engine, device_ledger, *,
+                 group: Group = Solo()):
         self.homes, self.slot_of, self.engine, self.device_ledger = homes, slot_of, engine, device_ledger
+        self.group = group
+        self._names = sorted((s.order, s.name) for b, s in slot_of.values())  # every parameter, one order
         self.fill = 0  # which gradient buffer backward fills (always 0 without overlap_step)
-        self._got: set[tuple[int, int]] = set()  # (bucket, slot offset) that received a grad this step
+        self._got: set[str] = set()  # parameters that received a grad this step
         self._in_flight: list[tuple[Handle, str]] = []  # grad copies in flight, with their ledger tags
         self._copy_ids = itertools.count()
 
@@ -37,7 +41,7 @@ class GradCollector:
         bucket, slot = self.slot_of[id(param)]
         home = self.homes.grads[bucket.index]
         acc = home.landing(bucket, self.fill)[slot.offset:slot.offset + slot.numel]
-        key = (bucket.index, slot.offset)
+        key = slot.name
         tag = f"<grad in flight {slot.name} #{next(self._copy_ids)}>"  # one tag per copy: micro-batches overlap
         self._reserve(tag, grad.numel() * grad.element_size())
         try:
@@ -84,9 +88,16 @@ class GradCollector:
                 if home.accumulating():  # a backward that stopped early left buckets open
                     home.end_backward()
                 home.wait()
+            self._agree()
         except BaseException:
             self.drop()
             raise
+
+    def _agree(self) -> None:
+        """Every rank updates the parameters that got a gradient on any rank (one mask, all-reduced)."""
+        mask = torch.tensor([float(name in self._got) for _, name in self._names])
+        self.group.max_(mask)
+        self._got = {name for (_, name), m in zip(self._names, mask.tolist()) if m}
 
     def drop(self) -> None:
         """Forget this step's grads (after an error left some missing): transfers in flight are
@@ -103,12 +114,12 @@ class GradCollector:
     def has_grads(self) -> bool:
         return bool(self._got)
 
-    def received(self, b: Bucket, s: Slot) -> bool:
-        return (b.index, s.offset) in self._got
+    def received(self, name: str) -> bool:
+        return name in self._got
 
-    def forget(self, b: Bucket, s: Slot) -> None:
-        """``s`` was updated by a step that then failed: a retry must not apply its grad again."""
-        self._got.discard((b.index, s.offset))
+    def forget(self, name: str) -> None:
+        """``name`` was updated by a step that then failed: a retry must not apply its grad again."""
+        self._got.discard(name)
 
     def consumed(self, *, swap: bool = False) -> None:
         """The step used (or skipped) the grads; with ``swap`` the next backward fills the other

@@ -36,36 +36,56 @@ def _bytes(t: torch.Tensor):
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _write(state: ModelState, tmp: str) -> None:
-    with open(tmp, "wb") as f:
-        f.write(MAGIC)
-        entries = []
-        for name, t in state.tensors():
-            f.write(b"\0" * (-f.tell() % _ALIGN))
-            data = _bytes(t)
-            entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                            "offset": f.tell(), "nbytes": data.nbytes, "crc32": zlib.crc32(data)})
-            f.write(data)
-        footer = json.dumps({"meta": state.meta(), "tensors": entries}).encode()
-        f.write(footer + struct.pack("<Q", len(footer)) + MAGIC)
-        f.flush()
-        os.fsync(f.fileno())
+def _write(state: ModelState, f) -> None:
+    f.write(MAGIC)
+    entries = []
+    for name, t in state.tensors():
+        f.write(b"\0" * (-f.tell() % _ALIGN))
+        data = _bytes(t)
+        entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                        "offset": f.tell(), "nbytes": data.nbytes, "crc32": zlib.crc32(data)})
+        f.write(data)
+    footer = json.dumps({"meta": state.meta(), "tensors": entries}).encode()
+    f.write(footer + struct.pack("<Q", len(footer)) + MAGIC)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _publish(tmp: str, path: str, directory: str) -> None:
+    os.replace(tmp, path)  # atomic: readers see the old checkpoint or the new one, never half
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # the rename itself survives a crash
+    finally:
+        os.close(dfd)
 
 
 def save(state: ModelState, path: str) -> None:
+    """Write ``state`` to ``path``. Under data parallelism every rank calls it (reading the state
+    gathers it), rank 0 writes, and the file is renamed into place only when every rank got
+    through: a rank failing mid-save leaves the previous checkpoint as it was."""
     directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
+    if not state.all_ok(os.path.isdir(directory) or not state.writes_files):
         raise StoreError(f"tiermem: cannot save a checkpoint to {path!r}: directory {directory!r} does not "
-                         f"exist; create it or choose another path")
+                         f"exist on rank 0; create it or choose another path")
     tmp = f"{path}.tmp-{os.getpid()}"
+    error: BaseException | None = None
     try:
-        _write(state, tmp)
-        os.replace(tmp, path)  # atomic: readers see the old checkpoint or the new one, never half
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)  # the rename itself survives a crash
-        finally:
-            os.close(dfd)
+        if state.writes_files:
+            with open(tmp, "wb") as f:
+                _write(state, f)
+        else:
+            for _ in state.tensors():
+                pass  # taking part in the gathers
+    except BaseException as e:  # noqa: BLE001 - reported after every rank knows
+        error = e
+    try:
+        if not state.all_ok(error is None):
+            raise error if error is not None else StoreError(
+                f"tiermem: saving the checkpoint to {path!r} failed on another rank (see its error); any "
+                f"previous checkpoint there is unchanged")
+        if state.writes_files:
+            _publish(tmp, path, directory)
     except BaseException as e:  # whatever stopped it (a full disk, an error reading the state): no debris
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -144,12 +164,30 @@ def _read_into(f: BinaryIO, e: dict, t: torch.Tensor) -> None:
     t.copy_(tmp)
 
 
-def load(state: ModelState, path: str) -> None:
+def _open_checked(state: ModelState, path: str) -> tuple[BinaryIO, dict, dict[str, dict]]:
     try:
         f = open(path, "rb")
     except FileNotFoundError:
         raise StoreError(f"tiermem: no checkpoint at {path!r}; pass the path given to tm.save()") from None
-    with f:
+    try:
         doc = _read_footer(f, path)
-        index = _check(state, doc, f, path)  # everything checked before anything changes
+        return f, doc, _check(state, doc, f, path)  # everything checked before anything changes
+    except BaseException:
+        f.close()
+        raise
+
+
+def load(state: ModelState, path: str) -> None:
+    """Check the whole checkpoint, then load it. Under data parallelism every rank calls it and
+    reads the file (it must be where every rank sees it); if any rank finds it unusable, every
+    rank raises before anything changes."""
+    try:
+        f, doc, index = _open_checked(state, path)
+    except TierMemError:
+        state.all_ok(False)
+        raise
+    with f:
+        if not state.all_ok(True):
+            raise StoreError(f"tiermem: checkpoint {path!r} failed its checks on another rank (see its error); "
+                             f"nothing was loaded")
         state.load(lambda name, t: _read_into(f, index[name], t), doc["meta"])

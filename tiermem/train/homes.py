@@ -83,6 +83,10 @@ class GradHome(ABC):
         """Forget this step's grads after an error: nothing in flight keeps writing."""
         self.end_step()
 
+    def defer(self, on: bool) -> None:
+        """Inside ``tm.no_sync()``: grads accumulate here and are not communicated yet (only a
+        home that communicates does anything)."""
+
     def end_step(self) -> None:
         """The step consumed (or dropped) the grads: the next backward starts afresh."""
 
@@ -209,6 +213,11 @@ class WeightHome(ABC):
     def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
         """Send the ranges ``runs`` of ``b``'s new weights (``src``, on ``src_tier``) home;
         ``src`` stays unchanged until the handles are done."""
+
+    def load(self, b: Bucket, master: torch.Tensor, src_tier: Tier) -> None:
+        """Replace ``b``'s whole working weights with ``master`` rounded (a checkpoint's)."""
+        for h in self.write(b, master, [(0, b.numel, 0)], src_tier):
+            h.wait()
 
     def begin_update(self) -> None:
         """New weights are about to be written: cached device copies become stale."""

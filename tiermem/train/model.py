@@ -9,9 +9,11 @@ Every public call is checked against the step's phase in one place (NOTE [Step l
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -23,13 +25,14 @@ from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
+from tiermem.plan.footprint import check_fits, footprint, largest_module_bytes, totals
 from tiermem.plan.placement import plan
 from tiermem.plan.policy import Policy, resolve_policy
 from tiermem.train import checkpoint
 from tiermem.train.activations import ActivationOffloader
 from tiermem.train.backward import GradCollector
 from tiermem.train.hooks import HookSet
-from tiermem.train.layout import build, check_fits, largest_module_bytes, make_homes, needed_bytes
+from tiermem.train.layout import build, make_homes
 from tiermem.train.optimizer import TieredOptimizer
 from tiermem.train.param_offload import ParamOffload
 from tiermem.train.phase import Lifecycle, Phase
@@ -37,6 +40,7 @@ from tiermem.train.scaler import LossScaler
 from tiermem.train.state import ModelState
 from tiermem.train.stepper import StepResult, Stepper
 from tiermem.train.uploads import Outputs
+from tiermem.transfer.collectives import Group, fingerprint, resolve_group
 from tiermem.transfer.engine import TransferEngine
 from tiermem.transfer.schedule import ResidencyScheduler
 from tiermem.types import Tier
@@ -98,30 +102,35 @@ class TieredModel:
                  budgets: Optional[Budgets] = None, nvme_dir: Optional[str] = None,
                  grad_clip: Optional[float] = None, device: torch.device | str | None = None,
                  bucket_size: int | str = "32MiB", overlap_step: bool = False,
-                 trace_path: Optional[str] = None, prefetch: bool = True):
+                 trace_path: Optional[str] = None, prefetch: bool = True, process_group: Any = None):
         opts = _validate(module, optimizer, precision, budgets, grad_clip, device, bucket_size, overlap_step)
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = grad_clip, opts.overlap
         self.tracer = Tracer(trace_path)
+        self.group = resolve_group(process_group)  # NOTE [Data parallel]; one process: every collective a no-op
         buckets, groups, names, param_homes = plan(module, self.policy, opts.spec, self.dtype, opts.bucket_numel,
-                                                   overlap=opts.overlap)
+                                                   overlap=opts.overlap, world=self.group.world)
+        self.group.check_same("model or configuration", fingerprint(
+            [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+            + [repr(self.policy), precision, opts.bucket_numel, repr(opts.spec), grad_clip, opts.overlap]))
         reclaimers = Reclaimers()  # a cache on the device (prefetched weights) gives room back to others
-        self.stores = _make_stores(opts, nvme_dir, reclaimers)
+        self.stores = _make_stores(opts, nvme_dir, reclaimers, self.group)
         device_need = self._check_fits(buckets, param_homes)
         self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
         self.hooks = HookSet()
         self.param_offload = (self._offload_weights(param_homes, device_need, prefetch, reclaimers)
                               if param_homes else None)
-        homes = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
-                           weights_off_device=self.param_offload)
-        self.layout = build(module, buckets, groups, names, homes, self.stores, self.dtype, self.device,
+        homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
+                                         weights_off_device=self.param_offload, group=self.group)
+        self.layout = build(module, buckets, step_buckets, groups, names, homes, self.stores, self.dtype, self.device,
                             self.param_offload)
         self.scaler = LossScaler(enabled=precision == "fp16")
-        self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger)
-        self.stepper = Stepper(self.layout, self.grads,
-                               Outputs(buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer),
-                               self.engine, self.scaler, grad_clip=grad_clip, tracer=self.tracer, overlap=opts.overlap)
+        self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger,
+                                   group=self.group)
+        outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
+        self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=grad_clip,
+                               tracer=self.tracer, overlap=opts.overlap, group=self.group)
         self.optimizer = TieredOptimizer(self.layout, opts.spec, self._step)
         for b in buckets:
             for s in b.slots:
@@ -130,22 +139,20 @@ class TieredModel:
                                                params=self.param_offload)
         frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
         self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
-                                 precision, self.dtype, frozen_off)
+                                 precision, self.dtype, frozen_off, self.group)
         self._life = Lifecycle()
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
 
     def _check_fits(self, buckets, param_homes: dict[str, Tier]) -> int:
-        """Refuse a working set that does not fit its budgets; returns the device bytes it needs."""
+        """Refuse a working set that does not fit its budgets (the rule ``tiermem plan`` uses too);
+        returns the device bytes it needs."""
         frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in self.module.named_parameters()
                   if not p.requires_grad]
-        biggest = max((s.numel for b in buckets for s in b.slots), default=0) * self.dtype.itemsize
-        need = needed_bytes(buckets, frozen, self.dtype, biggest, self.overlap_step)
-        if param_homes:
-            need[Tier.DEVICE]["weights of the largest module, while it runs"] += largest_module_bytes(
-                self.module, param_homes, self.dtype)
+        need = footprint(buckets, frozen, self.dtype, overlap=self.overlap_step,
+                         largest_module=largest_module_bytes(self.module, param_homes, self.dtype))
         check_fits(need, self.stores)
-        return sum(need[Tier.DEVICE].values())
+        return totals(need)[Tier.DEVICE]
 
     def _offload_weights(self, param_homes: dict[str, Tier], device_need: int, prefetch: bool,
                          reclaimers: Reclaimers) -> ParamOffload:
@@ -209,6 +216,21 @@ class TieredModel:
             self._life.to(Phase.IDLE)
         return result
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Under data parallelism, backward inside this block accumulates gradients on this rank
+        without communicating (as ``DistributedDataParallel.no_sync``); the next backward outside
+        it (or the step) sends the sum once. In one process it changes nothing."""
+        self._life.check("backward")
+        homes = self.layout.homes.grad_homes()
+        for home in homes:
+            home.defer(True)
+        try:
+            yield
+        finally:
+            for home in homes:
+                home.defer(False)
+
     # -- module-like conveniences ---------------------------------------------------------------
     def train(self, mode: bool = True) -> "TieredModel":
         self.module.train(mode)
@@ -247,7 +269,8 @@ class TieredModel:
                       stall_seconds=sum(st["stall_seconds"].values()), stall_seconds_per_tier=st["stall_seconds"],
                       busy_seconds=st["busy_seconds"], budgets=budgets, steps=self.stepper.steps,
                       class_bytes_moved=st["class_bytes_moved"],
-                      n_params=self.layout.n_params, step_seconds=self.stepper.seconds)
+                      n_params=self.layout.n_params, step_seconds=self.stepper.seconds,
+                      rank=self.group.rank, world=self.group.world, collective_bytes=self.group.bytes_sent())
 
     def detach(self) -> torch.nn.Module:
         """Remove every hook and give the module back with fp32 weights (on the CPU, where the
@@ -274,11 +297,14 @@ class TieredModel:
                 f"params={self.layout.n_params:,}, buckets={len(self.layout.buckets)})")
 
 
-def _make_stores(opts: _Options, nvme_dir: Optional[str], reclaimers: Reclaimers) -> dict[Tier, Any]:
+def _make_stores(opts: _Options, nvme_dir: Optional[str], reclaimers: Reclaimers, group: Group) -> dict[Tier, Any]:
     stores: dict[Tier, Any] = {Tier.DEVICE: DeviceStore(opts.device, opts.budgets.device, reclaim=reclaimers),
                                Tier.HOST: HostStore(opts.budgets.host)}
     if nvme_dir is not None:
-        stores[Tier.NVME] = NvmeStore(nvme_dir, budget=opts.budgets.nvme)
+        mine = group.subdirectory(nvme_dir)  # under data parallelism each rank its own: nvme_dir/rank<r>
+        if mine != nvme_dir and os.path.isdir(nvme_dir):
+            os.makedirs(mine, mode=0o700, exist_ok=True)
+        stores[Tier.NVME] = NvmeStore(mine, budget=opts.budgets.nvme)
     return stores
 
 

@@ -17,6 +17,7 @@ from tiermem.train.layout import Layout
 from tiermem.train.param_offload import ParamOffload
 from tiermem.train.scaler import LossScaler
 from tiermem.train.stepper import Stepper
+from tiermem.transfer.collectives import Group, Solo
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
 
@@ -24,10 +25,16 @@ _HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
 class ModelState:
     def __init__(self, module: torch.nn.Module, layout: Layout, stepper: Stepper, scaler: LossScaler,
                  param_groups: list[dict], precision: str, dtype: torch.dtype,
-                 frozen_off_device: dict[str, ParamOffload]):
+                 frozen_off_device: dict[str, ParamOffload], group: Group = Solo()):
         self.module, self.layout, self.stepper, self.scaler = module, layout, stepper, scaler
         self.param_groups, self.precision, self.dtype = param_groups, precision, dtype
         self._frozen_off_device = frozen_off_device  # frozen parameter name -> its home off the device
+        self.group = group
+        self.writes_files = group.rank == 0  # under data parallelism rank 0 writes; every rank takes part
+
+    def all_ok(self, ok: bool) -> bool:
+        """True on every rank when ``ok`` is True on every rank (one process: ``ok``)."""
+        return self.group.all_ok(ok)
 
     # -- reading ------------------------------------------------------------------------------------
     def _bucket_state(self) -> Iterator[tuple[object, tuple[torch.Tensor, ...]]]:
@@ -95,8 +102,7 @@ class ModelState:
                 for s in b.slots:
                     read_into(f"{part}/{s.name}", t[s.offset:s.offset + s.numel])
             homes.state[b.index].store(b, views)
-            for h in homes.weights[b.index].write(b, views[0], [(0, b.numel, 0)], homes.compute_tier(b)):
-                h.wait()
+            homes.weights[b.index].load(b, views[0], homes.compute_tier(b))
         self._load_frozen(read_into)
         for name, t in self.module.named_buffers():
             read_into(f"buffers/{name}", t)

@@ -31,6 +31,7 @@ from tiermem.train.homes import Runs, StateViews, slots_in, wait_gathered
 from tiermem.train.layout import Layout
 from tiermem.train.scaler import LossScaler
 from tiermem.train.uploads import Outputs, Uploads
+from tiermem.transfer.collectives import Group, Solo
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +65,13 @@ class Stepper:
     computed with weights one update older than in the plain loop."""
 
     def __init__(self, layout: Layout, grads: GradCollector, outputs: Outputs, engine, scaler: LossScaler, *,
-                 grad_clip: Optional[float], tracer, overlap: bool = False):
-        self.layout, self.homes, self.grads, self.outputs = layout, layout.homes, grads, outputs
+                 grad_clip: Optional[float], tracer, overlap: bool = False, group: Group = Solo()):
+        self.layout, self.homes, self.grads, self.outputs, self.group = layout, layout.homes, grads, outputs, group
         self.engine, self.scaler, self.grad_clip, self.tracer, self.overlap = engine, scaler, grad_clip, tracer, overlap
         self.steps = 0
         self.seconds = 0.0
         self._step_of: dict[str, int] = {}  # canonical parameter name -> updates applied to it
-        self._by_order = sorted(((b, s) for b in layout.buckets for s in b.slots), key=lambda bs: bs[1].order)
+        self._order = sorted((s.order, s.name) for b in layout.buckets for s in b.slots)  # every parameter
         self._background: Optional[tuple[Handle, list]] = None  # overlap: the update in flight
 
     # -- between steps -----------------------------------------------------------------------------
@@ -121,7 +122,8 @@ class Stepper:
         clip = 1.0
         if self.grad_clip is not None:
             clip = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0).item()
-        upd = _Update([(b, self._runs(b)) for b in self.layout.buckets],
+        self._count_steps()
+        upd = _Update([(b, self._runs(b)) for b in self.layout.step_buckets],
                       [{k: g[k] for k in _HYPER} for g in groups], scale, clip, self.grads.fill)
         if not any(runs for _, runs in upd.plan):
             pass  # no parameter got a gradient: nothing to update (and no state to stream)
@@ -139,6 +141,7 @@ class Stepper:
         master, exp_avg, exp_avg_sq = state
         out = uploads.target(b)
         h = upd.hyper[b.group]
+        _fill_gaps(out, master, b, runs)  # `out` holds the bucket's complete new weights
         g, free = self.homes.grads[b.index].read(b, upd.fill) if runs else (None, None)
         try:
             with self.tracer.span(f"adam {b.key}", "adam", numel=b.numel):
@@ -184,7 +187,7 @@ class Stepper:
         for b, runs in plan:
             for s in slots_in(b, runs):
                 if b.index in updated:
-                    self.grads.forget(b, s)
+                    self.grads.forget(s.name)
                 else:
                     self._step_of[s.name] -= 1
         restore = [b for b, _ in plan if self.homes.state[b.index].revertible]
@@ -200,31 +203,39 @@ class Stepper:
 
     def _global_norm(self) -> torch.Tensor:
         # Per-parameter norms in a fixed parameter order, so that the rounding of the total (and
-        # so the clip coefficient) never depends on how a policy grouped parameters into buckets.
-        per_slot = {}
-        for b in self.layout.buckets:
-            mine = [s for s in b.slots if self.grads.received(b, s)]
+        # so the clip coefficient) never depends on how a policy grouped parameters into buckets;
+        # under data parallelism each rank has the norms of its pieces, combined by the group.
+        per_slot: dict[str, torch.Tensor] = {}
+        for b in self.layout.step_buckets:
+            mine = [s for s in b.slots if self.grads.received(s.name)]
             if not mine:
                 continue
             g, free = self.homes.grads[b.index].read(b, self.grads.fill)
             try:
                 for s in mine:
-                    per_slot[(b.index, s.offset)] = torch.linalg.vector_norm(g[s.offset:s.offset + s.numel],
-                                                                             dtype=torch.float32)
+                    per_slot[s.name] = torch.linalg.vector_norm(g[s.offset:s.offset + s.numel], dtype=torch.float32)
             finally:
                 free()
-        norms = [per_slot[(b.index, s.offset)] for b, s in self._by_order if (b.index, s.offset) in per_slot]
-        return _total_norm(norms)
+        names = [name for _, name in self._order if self.grads.received(name)]
+        if not names:
+            return torch.zeros((), dtype=torch.float32)
+        zero = torch.zeros((), dtype=torch.float32)
+        return torch.linalg.vector_norm(self.group.norms(_on_host([per_slot.get(n, zero) for n in names])))
+
+    def _count_steps(self) -> None:
+        """Every parameter that got a gradient (on any rank) takes one more step."""
+        for _, name in self._order:
+            if self.grads.received(name):
+                self._step_of[name] = self._step_of.get(name, 0) + 1
 
     def _runs(self, bucket: Bucket) -> Runs:
         """Contiguous ranges of parameters that got a grad and share a step count, with the step
-        number (1-based, including this update) to use; bumps each parameter's count."""
+        number (1-based, including this update) to use."""
         runs: Runs = []
         for s in bucket.slots:
-            if not self.grads.received(bucket, s):
+            if not self.grads.received(s.name):
                 continue
-            step = self._step_of.get(s.name, 0) + 1
-            self._step_of[s.name] = step
+            step = self._step_of[s.name]
             if runs and runs[-1][1] == s.offset and runs[-1][2] == step:
                 runs[-1] = (runs[-1][0], s.offset + s.numel, step)
             else:
@@ -240,19 +251,28 @@ class Stepper:
         self.steps = int(total)
 
 
-def _total_norm(norms: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of per-parameter norms, in their order, with one device-to-host sync per
-    device they live on (not one per parameter)."""
-    if not norms:
-        return torch.zeros((), dtype=torch.float32)
+def _on_host(norms: list[torch.Tensor]) -> torch.Tensor:
+    """The per-parameter norms stacked in their order, with one device-to-host sync per device
+    they live on (not one per parameter)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for n in norms:
         by_device.setdefault(n.device, []).append(n)
     if len(by_device) == 1:
-        return torch.linalg.vector_norm(torch.stack(norms)).cpu()
+        return torch.stack(norms).cpu()
     host = {d: torch.stack(ns).cpu() for d, ns in by_device.items()}
     ordered, seen = [], {d: 0 for d in host}
     for n in norms:
         ordered.append(host[n.device][seen[n.device]])
         seen[n.device] += 1
-    return torch.linalg.vector_norm(torch.stack(ordered))
+    return torch.stack(ordered)
+
+
+def _fill_gaps(out: torch.Tensor, master: torch.Tensor, b: Bucket, runs: Runs) -> None:
+    """Where Adam will not write (parameters without a grad this step), the weights as they are."""
+    pos, end = 0, (b.slots[-1].offset + b.slots[-1].numel) if b.slots else 0
+    for a, e, _ in runs:
+        if a > pos:
+            out[pos:a].copy_(master[pos:a])
+        pos = e
+    if pos < end:
+        out[pos:end].copy_(master[pos:end])

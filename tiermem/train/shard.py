@@ -1,0 +1,234 @@
+"""A rank's shard as one more home (NOTE [Data parallel]): each class of home wrapped so the
+step, the checkpoint and the model see the same interfaces as in one process.
+
+- :class:`ShardedGrads`: the device's gradients of a whole bucket accumulate in a device buffer
+  (zeroed, so a parameter this rank never saw counts as 0), reduce-scattered into this rank's
+  chunk, in bucket order on every rank, as soon as the bucket is complete; the chunk's mean
+  lands in the inner GRAD home (host memory).
+- :class:`ShardedState`: the inner OPTIM_STATE home (host or NVMe) holds this rank's chunk of
+  every bucket. Read by the model (checkpoint, ``state_dict``), it all-gathers whole buckets into
+  one host buffer set; written from a checkpoint, it keeps its chunk of the whole bucket given.
+- :class:`ShardedWeights`: Adam's new low-precision weights of this rank's chunk are all-gathered
+  into every rank's full device copy (the inner WEIGHT home).
+
+The step runs on the shard buckets (:func:`shard_buckets`): a bucket's chunk, its slots the
+pieces of the parameters that fall inside it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tiermem.handles import Handle
+from tiermem.plan.buckets import STATE_PARTS, Bucket, Slot
+from tiermem.train.homes import GradHome, Runs, StateHome, StateViews, WeightHome
+from tiermem.transfer.collectives import Group, Pending
+from tiermem.types import TensorClass, Tier
+
+
+def shard_buckets(buckets: Sequence[Bucket], group: Group) -> list[Bucket]:
+    """Each bucket's chunk for this rank, as a bucket of its own (same index and placement)."""
+    out = []
+    for b in buckets:
+        c = group.chunk(b.numel)
+        sb = Bucket(b.index, b.grad_tier, b.state_tier, b.group, b.param_tier)
+        for s in b.slots:
+            lo, hi = max(s.offset, c.start), min(s.offset + s.numel, c.end)
+            if lo < hi:
+                sb.slots.append(Slot(s.name, s.param, lo - c.start, hi - lo, torch.Size([hi - lo]), s.order))
+        sb.numel = c.size  # the chunk with its padding: every rank's chunk is the same size
+        out.append(sb)
+    return out
+
+
+class ShardedGrads(GradHome):
+    def __init__(self, buckets: Sequence[Bucket], shards: Sequence[Bucket], inner: GradHome, group: Group,
+                 device_store, engine):
+        self.landing_tier = Tier.DEVICE
+        self.full = {b.index: b for b in buckets}
+        self.shards = {b.index: b for b in shards}
+        self.inner, self.group, self.store, self.engine = inner, group, device_store, engine
+        self.deferred = False  # no_sync(): accumulate locally, communicate on a later backward
+        self._landing: dict[int, torch.Tensor] = {}
+        self._arrived: dict[int, int] = {}
+        self._issued: set[int] = set()  # buckets communicated in this backward
+        self._next = 0  # buckets are communicated in index order on every rank
+        self._complete: set[int] = set()
+        self._pending: list[tuple[Pending, int, torch.Tensor]] = []
+        self._have: set[int] = set()  # shard buckets holding this step's grads already
+
+    def landing(self, b: Bucket, fill: int) -> torch.Tensor:
+        t = self._landing.get(b.index)
+        if t is None:
+            c = self.group.chunk(b.numel)
+            t = self.store.allocate(f"{b.key}:grad landing", (c.padded,), torch.float32, TensorClass.GRAD).zero_()
+            self._landing[b.index] = t
+        return t
+
+    def arrived(self, b: Bucket) -> None:
+        self._arrived[b.index] = self._arrived.get(b.index, 0) + 1
+        if self._arrived[b.index] >= len(b.slots):
+            self._complete.add(b.index)
+            if not self.deferred:
+                self._issue_ready()
+
+    def _issue_ready(self) -> None:
+        while self._next in self.full and (self._next in self._complete or self._next in self._issued):
+            if self._next not in self._issued:
+                self._issue(self._next)
+            self._next += 1
+
+    def _issue(self, index: int) -> None:
+        b = self.full[index]
+        full = self.landing(b, 0)  # a bucket no grad reached on this rank contributes zeros
+        out = self.store.allocate(f"{b.key}:grad chunk", (self.group.chunk(b.numel).size,), torch.float32,
+                                  TensorClass.GRAD)
+        self._pending.append((self.group.reduce_scatter_mean_async(out, full), index, out))
+        self._issued.add(index)
+
+    def end_backward(self) -> None:
+        self._arrived.clear()
+        if not self.deferred:  # every bucket goes out, in order, complete or not; landed before returning
+            self.wait()
+        self._complete.clear()
+
+    def wait(self) -> None:
+        """Every bucket's chunk is in the inner home: grads kept back by no_sync() go out now
+        (every rank's step reaches here, so every rank sends them, in the same order)."""
+        if any(index not in self._issued for index in self._landing):
+            self._complete.update(self.full)
+            self._issue_ready()
+        pending, self._pending = self._pending, []
+        for work, index, out in pending:
+            work.wait()
+            sb = self.shards[index]
+            acc = self.inner.landing(sb, 0)
+            self.engine.copy_async(acc, out, src_tier=Tier.DEVICE, dst_tier=self.inner.landing_tier,
+                                   accumulate=index in self._have, kind=TensorClass.GRAD).wait()
+            self._have.add(index)
+            self.store.delete(f"{sb.key}:grad chunk")
+            self.store.delete(f"{sb.key}:grad landing")
+            self._landing.pop(index, None)
+        self.inner.wait()
+        self._issued.clear()
+        self._complete.clear()
+        self._next = 0
+
+
+    def defer(self, on: bool) -> None:
+        self.deferred = on
+
+    def gather(self, fill: int) -> list[Handle]:
+        return self.inner.gather(fill)
+
+    def read(self, b: Bucket, fill: int):
+        return self.inner.read(b, fill)
+
+    def drop(self) -> None:
+        for work, _, _ in self._pending:
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - draining after the error that matters
+                pass
+        self._pending.clear()
+        for index in list(self._landing):
+            self.store.delete(f"{self.full[index].key}:grad landing")
+        self._landing.clear()
+        self.end_step()
+        self.inner.drop()
+
+    def end_step(self) -> None:
+        self._have.clear()
+        self._issued.clear()
+        self._complete.clear()
+        self._arrived.clear()
+        self._next = 0
+        self.inner.end_step()
+
+    def has(self, index: int) -> bool:
+        return index in self._have
+
+
+class ShardedState(StateHome):
+    """This rank's chunk of every bucket's optimizer state, in ``inner``; whole buckets for the
+    model (all-gathered when read, sliced when written)."""
+
+    revertible = False  # a failed step under data parallelism stops every rank: resume from a checkpoint
+
+    def __init__(self, buckets: Sequence[Bucket], shards: Sequence[Bucket], inner: StateHome, group: Group,
+                 host_store):
+        self.compute_tier = inner.compute_tier
+        self.full = {b.index: b for b in buckets}
+        self.shards = {b.index: b for b in shards}
+        self.inner, self.group = inner, group
+        padded = max(group.chunk(b.numel).padded for b in buckets)
+        self._set = [host_store.allocate(f"shard gather:{part}", (padded,), torch.float32, TensorClass.OPTIM_STATE)
+                     for part in STATE_PARTS]
+
+    def _whole(self, b: Bucket) -> StateViews:
+        return tuple(t[:b.numel] for t in self._set)  # type: ignore[return-value]
+
+    def initial_master(self, b: Bucket) -> torch.Tensor:
+        return self._whole(b)[0]
+
+    def initialize(self, b: Bucket) -> None:
+        master = self.group.broadcast_(self._whole(b)[0])  # every rank starts from rank 0's weights
+        c, sb = self.group.chunk(b.numel), self.shards[b.index]
+        mine = self.inner.initial_master(sb)
+        mine.zero_()
+        mine[:c.end - c.start].copy_(master[c.start:c.end])
+        self.inner.initialize(sb)
+
+    def step(self, plan, update, tracer, updated):
+        return self.inner.step(plan, update, tracer, updated)
+
+    def revert(self, undo) -> None:
+        self.inner.revert(undo)
+
+    def read(self, b: Bucket) -> StateViews:
+        padded = self.group.chunk(b.numel).padded
+        for whole, mine in zip(self._set, self.inner.read(self.shards[b.index])):
+            self.group.all_gather(whole[:padded], mine)
+        return self._whole(b)
+
+    def load_views(self, b: Bucket) -> StateViews:
+        return self._whole(b)
+
+    def store(self, b: Bucket, views: StateViews) -> None:
+        c, sb = self.group.chunk(b.numel), self.shards[b.index]
+        mine = self.inner.load_views(sb)
+        for dst, src in zip(mine, views):
+            dst.zero_()
+            dst[:c.end - c.start].copy_(src[c.start:c.end])
+        self.inner.store(sb, mine)
+
+
+class ShardedWeights(WeightHome):
+    """The full working weights in ``inner`` on every rank; a step's chunk is all-gathered into them."""
+
+    def __init__(self, buckets: Sequence[Bucket], inner: WeightHome, group: Group):
+        self.full = {b.index: b for b in buckets}
+        self.inner, self.group = inner, group
+
+    def initialize(self, b: Bucket, master: torch.Tensor) -> None:
+        self.inner.initialize(b, master)
+
+    def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
+        full_b = self.full[b.index]
+        c = self.group.chunk(full_b.numel)
+        whole = torch.empty(c.padded, dtype=src.dtype, device=src.device)
+        self.group.all_gather(whole, src[:c.size])  # `src` holds the chunk's complete new weights
+        handles = self.inner.write(full_b, whole[:full_b.numel], [(0, full_b.numel, 0)], src_tier)
+        for h in handles:
+            h.wait()  # `whole` is a temporary
+        return []
+
+    def load(self, b: Bucket, master: torch.Tensor, src_tier: Tier) -> None:
+        self.inner.load(b, master, src_tier)
+
+    def begin_update(self) -> None:
+        self.inner.begin_update()
+
+    def end_update(self) -> None:
+        self.inner.end_update()

@@ -1,0 +1,242 @@
+"""Collectives: the only code that calls ``torch.distributed``, on plain tensors.
+
+# NOTE [Data parallel]
+Under data parallelism (ZeRO-2 with offload) every bucket is cut into ``world`` equal chunks
+(the last padded); rank r owns chunk r of every bucket: its gradients, its optimizer state,
+its Adam. A bucket's gradients are reduce-scattered (averaged, as DDP does) into the chunks when
+the bucket is complete; after Adam, the new low-precision weights of every chunk are
+all-gathered into every rank's full device copy. Whatever all ranks must decide alike (which
+parameters got a gradient, the global norm, an fp16 overflow) is all-reduced first.
+
+A :class:`Group` is that vocabulary. :class:`Solo` is the group of one process: every
+collective is the identity, so the step has no "if distributed" anywhere; :class:`Distributed`
+wraps a ``torch.distributed`` process group (gloo on the CPU, NCCL on GPUs), counts the bytes
+each collective sends and receives, and turns a failed or timed-out collective into a
+``tiermem:`` error that names the operation and the ranks.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional, Sequence
+
+import torch
+
+from tiermem.errors import ConfigError, TierMemError
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rank ``rank``'s piece of a bucket of ``numel`` elements cut in ``world`` chunks of ``size``."""
+
+    numel: int
+    world: int
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return -(-self.numel // self.world) if self.numel else 0
+
+    @property
+    def start(self) -> int:
+        return min(self.rank * self.size, self.numel)
+
+    @property
+    def end(self) -> int:
+        return min((self.rank + 1) * self.size, self.numel)
+
+    @property
+    def padded(self) -> int:
+        return self.size * self.world
+
+
+class Group:
+    """The collectives the step needs; see NOTE [Data parallel]."""
+
+    rank: int = 0
+    world: int = 1
+
+    def chunk(self, numel: int) -> Chunk:
+        return Chunk(numel, self.world, self.rank)
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over ranks, in place."""
+        return t
+
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s elementwise maximum over ranks, in place."""
+        return t
+
+    def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor) -> None:
+        """``out`` (``size`` elements) = this rank's chunk of the mean over ranks of ``full``
+        (``padded`` elements)."""
+        out.copy_(full[:out.numel()])
+
+    def reduce_scatter_mean_async(self, out: torch.Tensor, full: torch.Tensor) -> "Pending":
+        """:meth:`reduce_scatter_mean` started; ``.wait()`` finishes it (``full`` and ``out`` stay
+        untouched by the caller until then)."""
+        self.reduce_scatter_mean(out, full)
+        return Pending(None, lambda: None)
+
+    def all_gather(self, full: torch.Tensor, mine: torch.Tensor) -> None:
+        """``full`` (``padded`` elements) = every rank's ``mine`` (``size`` elements), in rank order."""
+        full[:mine.numel()].copy_(mine)
+
+    def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``t`` on every rank, in place."""
+        return t
+
+    def all_ok(self, ok: bool) -> bool:
+        """True on every rank when ``ok`` was True on every rank."""
+        return ok
+
+    def norms(self, partial: torch.Tensor) -> torch.Tensor:
+        """Per-parameter L2 norms from each rank's norms of its pieces."""
+        return partial
+
+    def check_same(self, what: str, fingerprint: str) -> None:
+        """Every rank built the same thing (``fingerprint``), or a ``tiermem:`` error."""
+
+    def bytes_sent(self) -> int:
+        return 0
+
+    def subdirectory(self, directory: str) -> str:
+        """Where this rank keeps its own files under ``directory``."""
+        return directory
+
+    def close(self) -> None:
+        """Nothing of the group's outlives the model."""
+
+
+class Pending:
+    """A collective in flight: ``wait()`` blocks until it is done, then runs its finishing step."""
+
+    def __init__(self, wait, finish):
+        self._wait, self._finish, self._done = wait, finish, False
+
+    def wait(self) -> None:
+        if not self._done:
+            self._done = True
+            if self._wait is not None:
+                self._wait()
+            self._finish()
+
+
+class Solo(Group):
+    """One process: every collective is the identity."""
+
+
+class Distributed(Group):
+    """A ``torch.distributed`` process group. Collectives run on the calling thread and wait."""
+
+    def __init__(self, pg: Any = None, *, timeout: Optional[float] = None):
+        import torch.distributed as dist  # imported only when a process group exists
+        self.dist, self.pg = dist, pg
+        self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
+        self.timeout = None if timeout is None else timedelta(seconds=timeout)
+        self._sent = 0
+        self._lock = threading.Lock()
+        self.seconds = 0.0
+
+    def _call(self, op: str, fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(op, e) from e
+
+    def _failed(self, op: str, e: BaseException) -> TierMemError:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        return TierMemError(f"tiermem: rank {self.rank} of {self.world}: {op} failed ({type(e).__name__}: {first}); "
+                            f"another rank probably stopped or raised: see its error")
+
+    def _run(self, op: str, fn, nbytes: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            work = fn()
+            if work is not None:
+                work.wait(self.timeout) if self.timeout is not None else work.wait()
+        except Exception as e:  # noqa: BLE001 - every failure of a peer surfaces here, named
+            raise self._failed(op, e) from e
+        with self._lock:
+            self._sent += nbytes
+            self.seconds += time.perf_counter() - t0
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        self._run("all_reduce(sum)", lambda: self.dist.all_reduce(t, group=self.pg, async_op=True), t.nbytes)
+        return t
+
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        self._run("all_reduce(max)", lambda: self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.pg,
+                                                                   async_op=True), t.nbytes)
+        return t
+
+    def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor) -> None:
+        self._run("reduce_scatter", lambda: self.dist.reduce_scatter_tensor(out, full, group=self.pg, async_op=True),
+                  full.nbytes)
+        out.div_(self.world)  # gloo has no AVG; dividing by a power of two is exact
+
+    def reduce_scatter_mean_async(self, out: torch.Tensor, full: torch.Tensor) -> Pending:
+        work = self._call("reduce_scatter", lambda: self.dist.reduce_scatter_tensor(out, full, group=self.pg,
+                                                                                   async_op=True))
+        return Pending(lambda: self._run("reduce_scatter", lambda: work, full.nbytes), lambda: out.div_(self.world))
+
+    def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
+        self._run("broadcast", lambda: self.dist.broadcast(t, self.dist.get_global_rank(self.pg, 0)
+                                                          if self.pg is not None else 0, group=self.pg, async_op=True),
+                  t.nbytes)
+        return t
+
+    def all_ok(self, ok: bool) -> bool:
+        flag = torch.tensor([0.0 if ok else 1.0])
+        self.sum_(flag)
+        return flag.item() == 0
+
+    def all_gather(self, full: torch.Tensor, mine: torch.Tensor) -> None:
+        self._run("all_gather", lambda: self.dist.all_gather_into_tensor(full, mine, group=self.pg, async_op=True),
+                  mine.nbytes * self.world)
+
+    def norms(self, partial: torch.Tensor) -> torch.Tensor:
+        squares = partial.double().square()
+        self.sum_(squares)
+        return squares.sqrt().float()
+
+    def check_same(self, what: str, fingerprint: str) -> None:
+        prints: list[Optional[str]] = [None] * self.world
+        self._run("all_gather_object", lambda: self.dist.all_gather_object(prints, fingerprint, group=self.pg), 0)
+        differ = [r for r, p in enumerate(prints) if p != prints[0]]
+        if differ:
+            raise ConfigError(f"tiermem: ranks {differ} built a different {what} from rank 0 (fingerprints "
+                              f"{sorted(set(prints))}); give every rank the same model, policy and options")
+
+    def bytes_sent(self) -> int:
+        with self._lock:
+            return self._sent
+
+    def subdirectory(self, directory: str) -> str:
+        import os
+        return os.path.join(directory, f"rank{self.rank}")
+
+
+def resolve_group(process_group: Any, *, timeout: Optional[float] = None) -> Group:
+    """``process_group=None``: the default group when ``torch.distributed`` is initialized, else one
+    process; ``False``: one full replica per process; a process group: that one."""
+    if process_group is False:
+        return Solo()
+    if process_group is None:
+        import sys
+        dist = sys.modules.get("torch.distributed")  # never imported here: no cost without it
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return Solo()
+        return Distributed(None, timeout=timeout) if dist.get_world_size() > 1 else Solo()
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        raise ConfigError("tiermem: process_group= was given but torch.distributed is not initialized; call "
+                          "torch.distributed.init_process_group(...) first, or pass process_group=False")
+    return Distributed(process_group, timeout=timeout) if dist.get_world_size(process_group) > 1 else Solo()
+
+
+def fingerprint(parts: Sequence[object]) -> str:
+    return hashlib.sha256(repr(list(parts)).encode()).hexdigest()[:16]
