@@ -135,6 +135,9 @@ class Distributed(Group):
     def __init__(self, pg: Any = None, *, timeout: Optional[float] = None):
         import torch.distributed as dist  # imported only when a process group exists
         self.dist, self.pg = dist, pg
+        # torch 2.13 renamed the flat-tensor collectives; older versions have only the first names
+        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
         self.timeout = None if timeout is None else timedelta(seconds=timeout)
         self._sent = 0
@@ -174,13 +177,12 @@ class Distributed(Group):
         return t
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor) -> None:
-        self._run("reduce_scatter", lambda: self.dist.reduce_scatter_tensor(out, full, group=self.pg, async_op=True),
+        self._run("reduce_scatter", lambda: self._reduce_scatter(out, full, group=self.pg, async_op=True),
                   full.nbytes)
         out.div_(self.world)  # gloo has no AVG; dividing by a power of two is exact
 
     def reduce_scatter_mean_async(self, out: torch.Tensor, full: torch.Tensor) -> Pending:
-        work = self._call("reduce_scatter", lambda: self.dist.reduce_scatter_tensor(out, full, group=self.pg,
-                                                                                   async_op=True))
+        work = self._call("reduce_scatter", lambda: self._reduce_scatter(out, full, group=self.pg, async_op=True))
         return Pending(lambda: self._run("reduce_scatter", lambda: work, full.nbytes), lambda: out.div_(self.world))
 
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
@@ -195,7 +197,7 @@ class Distributed(Group):
         return flag.item() == 0
 
     def all_gather(self, full: torch.Tensor, mine: torch.Tensor) -> None:
-        self._run("all_gather", lambda: self.dist.all_gather_into_tensor(full, mine, group=self.pg, async_op=True),
+        self._run("all_gather", lambda: self._all_gather(full, mine, group=self.pg, async_op=True),
                   mine.nbytes * self.world)
 
     def norms(self, partial: torch.Tensor) -> torch.Tensor:

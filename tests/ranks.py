@@ -1,0 +1,77 @@
+"""Run a function on N gloo ranks in fresh processes, with a deadline, and report every rank's
+failure: the harness of the data-parallel tests. A rank's function gets ``(rank, world, *args)``
+after the process group is up, and returns something picklable."""
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+
+DEADLINE = 120.0  # seconds for a whole run; a hang fails the test instead of the suite
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, fn, args, results) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+        try:
+            value = io.BytesIO()
+            torch.save(fn(rank, world, *args), value)  # bytes: tensors would be shared with a process about to exit
+            results.put((rank, "ok", value.getvalue()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class RankFailed(AssertionError):
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        super().__init__("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
+
+
+def run_ranks(fn, *args, world: int = 2, deadline: float = DEADLINE, allow_errors: bool = False):
+    """``[fn(0, world, *args), ..., fn(world-1, world, *args)]``, each on its own rank. Raises
+    :class:`RankFailed` with every rank's error (or returns them, ``allow_errors=True``: a dict
+    rank -> result or error text); a rank not done by ``deadline`` is killed and reported."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, object]] = {}
+    try:
+        while len(got) < world:
+            try:
+                rank, status, value = results.get(timeout=deadline)
+            except queue.Empty:
+                break
+            got[rank] = (status, torch.load(io.BytesIO(value), weights_only=False) if status == "ok" else value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = {r: v for r, (s, v) in got.items() if s == "error"}
+    errors.update({r: f"no answer within {deadline:.0f} s (hung or died)" for r in range(world) if r not in got})
+    if allow_errors:
+        return {r: (v if s == "ok" else None) for r, (s, v) in got.items()}, errors
+    if errors:
+        raise RankFailed(errors)
+    return [got[r][1] for r in range(world)]

@@ -1,0 +1,265 @@
+"""Data parallel (NOTE [Data parallel]) on 2 gloo ranks in fresh processes (tests/ranks.py): N
+ranks train like one process accumulating their N micro-batches, decide alike, checkpoint into
+any world size, and fail loudly."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from models import TinyGPT, gpt_batch, gpt_loss
+from ranks import run_ranks
+from tiermem import AdamW, ConfigError, PerClass, TensorClass, TieredModel, Tier, TierMemError
+from tiermem.policies import ZeroInfinity, ZeroOffload
+
+STEPS = 3
+
+
+class StateOnNvme(PerClass):
+    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.ACTIVATION: Tier.DEVICE,
+             TensorClass.GRAD: Tier.HOST, TensorClass.OPTIM_STATE: Tier.NVME}
+
+
+def _batch(step: int, rank: int):
+    return gpt_batch(100 * step + rank)
+
+
+def _make(precision: str = "fp32", policy=None, **kw) -> TieredModel:
+    torch.manual_seed(0)
+    return TieredModel(TinyGPT(), policy or ZeroOffload(), optimizer=AdamW(lr=1e-2, weight_decay=0.1),
+                       precision=precision, bucket_size=kw.pop("bucket_size", 3000), **kw)
+
+
+def _train(tm: TieredModel, rank: int, world: int, steps: range, scale=None) -> list:
+    """Each rank its own micro-batch per step (in one process, every rank's, loss / world)."""
+    results = []
+    for i in steps:
+        for r in ([rank] if world > 1 else range(scale or 1)):
+            x, y = _batch(i, r)
+            tm.backward(gpt_loss(tm(x), y) / (scale or 1))
+        results.append(tm.step())
+    return results
+
+
+def _solo(steps=range(STEPS), **kw):
+    tm = _make(**kw)
+    res = _train(tm, 0, 1, steps, scale=2)
+    return tm, res
+
+
+def _torch_spread(steps: int = STEPS) -> float:
+    """How far torch's own AdamW variants (for-loop, foreach, fused) land apart on this run."""
+    runs = []
+    for kw in ({"foreach": False}, {"foreach": True}, {"fused": True}):
+        torch.manual_seed(0)
+        m = TinyGPT()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, **kw)
+        for i in range(steps):
+            for r in range(2):
+                x, y = _batch(i, r)
+                (gpt_loss(m(x), y) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(m.state_dict())
+    return max((a[k] - b[k]).abs().max().item() for a in runs for b in runs for k in a)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# -- what each rank runs (top level: the spawned processes import them) --------------------------
+def _rank_train(rank, world, precision, policy_name, nvme_dir, clip):
+    policy = {"zero-offload": ZeroOffload(), "state-on-nvme": StateOnNvme()}[policy_name]
+    tm = _make(precision, policy, nvme_dir=nvme_dir, grad_clip=clip)
+    per_step = []
+    for i in range(STEPS):
+        res = _train(tm, rank, world, range(i, i + 1))[0]
+        per_step.append((res, {k: v.clone() for k, v in tm.state_dict().items()}))
+    rep = tm.report()
+    return per_step, rep.class_peak_bytes.get((TensorClass.OPTIM_STATE, Tier.HOST), 0), rep.collective_bytes
+
+
+def test_two_ranks_train_like_one_process_accumulating_both():
+    spread = _torch_spread()
+    ranks = run_ranks(_rank_train, "fp32", "zero-offload", None, 1.0)
+    solo, solo_res = _solo(grad_clip=1.0)
+    (r0, _, sent0), (r1, _, _) = ranks
+    assert all(torch.equal(r0[-1][1][k], r1[-1][1][k]) for k in r0[-1][1])  # the ranks agree bit for bit
+    assert _max_diff(r0[-1][1], solo.state_dict()) <= max(spread, 1e-7), spread
+    for (a, _), (b, _), s in zip(r0, r1, solo_res):  # one decision: the same norm and clip everywhere
+        assert a == b
+        assert a.grad_norm == pytest.approx(s.grad_norm, rel=1e-6) and not a.skipped
+    assert sent0 > 0
+
+
+def test_bf16_loss_falls_and_ranks_stay_identical_after_every_step():
+    r0, r1 = (r[0] for r in run_ranks(_rank_train, "bf16", "zero-offload", None, None))
+    for (_, a), (_, b) in zip(r0, r1):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    first = _make("bf16")
+    assert _max_diff(r0[-1][1], first.state_dict()) > 1e-3  # it trained
+
+
+def _wide() -> TieredModel:
+    torch.manual_seed(0)
+    return TieredModel(TinyGPT(d=96, n_layer=4), precision="bf16", bucket_size="96KiB")
+
+
+def _rank_peak(rank, world):
+    tm = _wide()
+    _train(tm, rank, world, range(1))
+    return tm.report().class_peak_bytes[(TensorClass.OPTIM_STATE, Tier.HOST)]
+
+
+def test_each_rank_holds_half_the_optimizer_state():
+    solo = _wide()
+    _train(solo, 0, 1, range(1))
+    whole = solo.report().class_peak_bytes[(TensorClass.OPTIM_STATE, Tier.HOST)]
+    largest = max(b.numel for b in solo.layout.buckets) * 12  # the one bucket a rank gathers whole, to read it
+    for peak in run_ranks(_rank_peak):
+        assert whole / 2 <= peak <= whole / 2 + largest + 64 * 4096, (peak, whole)
+
+
+def test_state_on_nvme_each_rank_in_its_own_directory(tmp_path):
+    host = run_ranks(_rank_train, "fp32", "zero-offload", None, None)
+    nvme = run_ranks(_rank_train, "fp32", "state-on-nvme", str(tmp_path), None)
+    for (a, _, _), (b, _, _) in zip(host, nvme):  # placement never changes the numbers
+        assert all(torch.equal(a[-1][1][k], b[-1][1][k]) for k in a[-1][1])
+    assert sorted(os.listdir(tmp_path)) == ["rank0", "rank1"]
+    assert all(os.listdir(tmp_path / d) for d in ("rank0", "rank1"))
+
+
+# -- checkpoints across world sizes --------------------------------------------------------------
+def _rank_save(rank, world, path, steps):
+    tm = _make()
+    _train(tm, rank, world, range(steps))
+    tm.save(path)
+    return tm.state_dict()
+
+
+def _rank_load(rank, world, path, resave, more):
+    torch.manual_seed(123)
+    tm = TieredModel(TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="fp32",
+                     bucket_size=1700)  # another bucket size: the checkpoint is keyed by parameter
+    tm.load(path)
+    loaded = tm.state_dict()
+    tm.save(resave)
+    _train(tm, rank, world, range(STEPS, STEPS + more))
+    return loaded, tm.state_dict()
+
+
+def _bytes(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("saved_by, loaded_by", [(2, 2), (2, 1), (1, 2)])
+def test_a_checkpoint_loads_into_any_world_size(tmp_path, saved_by, loaded_by):
+    path, resave = str(tmp_path / "a.tm"), str(tmp_path / "b.tm")
+    if saved_by == 2:
+        saved = run_ranks(_rank_save, path, STEPS)[0]
+    else:
+        tm, _ = _solo()
+        tm.save(path)
+        saved = tm.state_dict()
+    if loaded_by == 2:
+        (loaded, after), (loaded1, after1) = run_ranks(_rank_load, path, resave, 2)
+        assert all(torch.equal(after[k], after1[k]) for k in after)
+    else:
+        tm = _make(bucket_size=1700)
+        tm.load(path)
+        loaded = tm.state_dict()
+        tm.save(resave)
+        _train(tm, 0, 1, range(STEPS, STEPS + 2), scale=2)
+        after = tm.state_dict()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)  # bit-exact after load
+    assert _bytes(resave) == _bytes(path)  # moments, step counts and all: saved again, the same file
+    reference, _ = _solo(steps=range(STEPS + 2))
+    assert _max_diff(after, reference.state_dict()) <= max(_torch_spread(STEPS + 2), 1e-7)
+
+
+# -- one decision for all; failures ----------------------------------------------------------------
+def _rank_overflow(rank, world):
+    tm = _make("fp16")
+    x, y = _batch(0, rank)
+    loss = gpt_loss(tm(x), y)
+    tm.backward(loss * float("inf") if rank == 1 else loss)
+    res = tm.step()
+    return res.skipped, res.loss_scale, res.step
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    assert run_ranks(_rank_overflow) == [(True, 2.0**15, 0)] * 2
+
+
+def _rank_raises(rank, world):
+    tm = _make()
+    x, y = _batch(0, rank)
+    tm.backward(gpt_loss(tm(x), y))
+    if rank == 1:
+        raise RuntimeError("rank 1 gives up")
+    tm.step()
+
+
+def test_a_rank_that_raises_makes_the_others_fail_not_hang():
+    results, errors = run_ranks(_rank_raises, deadline=60, allow_errors=True)
+    assert "rank 1 gives up" in errors[1]
+    assert "TierMemError" in errors[0] and "rank 0 of 2" in errors[0] and "failed" in errors[0], errors[0]
+
+
+def _rank_mismatch(rank, world):
+    torch.manual_seed(0)
+    TieredModel(TinyGPT(), bucket_size=3000 if rank == 0 else 5000)
+
+
+def test_ranks_with_different_configurations_are_caught_at_construction():
+    _, errors = run_ranks(_rank_mismatch, allow_errors=True)
+    assert set(errors) == {0, 1}
+    assert all("ConfigError" in e and "ranks [1] built a different model or configuration" in e
+               for e in errors.values())
+
+
+def _rank_refused(rank, world, nvme_dir):
+    with pytest.raises(ConfigError, match="not sharded in this version: use ZeroOffload"):
+        TieredModel(TinyGPT(), ZeroInfinity(), nvme_dir=nvme_dir)
+    with pytest.raises(ConfigError, match="overlap_step=True is not supported under data parallelism"):
+        TieredModel(TinyGPT(), overlap_step=True)
+    return TieredModel(nn.Linear(3, 3), process_group=False).report().world  # a full replica: no collective
+
+
+def test_what_data_parallel_refuses_says_what_to_use(tmp_path):
+    assert run_ranks(_rank_refused, str(tmp_path)) == [1, 1]
+
+
+def _rank_no_sync(rank, world, use_no_sync):
+    tm = _make()
+    for i in range(2):
+        x, y = _batch(i, rank)
+        x2, y2 = _batch(i + 50, rank)
+        if use_no_sync:
+            with tm.no_sync():
+                tm.backward(gpt_loss(tm(x), y))
+        else:
+            tm.backward(gpt_loss(tm(x), y))
+        tm.backward(gpt_loss(tm(x2), y2))
+        tm.step()
+    return tm.state_dict(), tm.report().collective_bytes
+
+
+def test_no_sync_communicates_once_with_the_same_result():
+    (plain, sent_plain), _ = run_ranks(_rank_no_sync, False)
+    (once, sent_once), _ = run_ranks(_rank_no_sync, True)
+    assert sent_once < sent_plain
+    assert _max_diff(plain, once) <= max(_torch_spread(2), 1e-7)
+
+
+def test_without_a_process_group_nothing_is_distributed():
+    tm = _make()
+    rep = tm.report()
+    assert (rep.rank, rep.world, rep.collective_bytes) == (0, 1, 0)
+    with pytest.raises(TierMemError):
+        TieredModel(nn.Linear(2, 2), process_group=object())  # a group given without torch.distributed
