@@ -24,7 +24,9 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, world: int, port: int, fn, args, results) -> None:
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # torch's fused AdamW instead of compiling tiermem's kernel in every fresh process (seconds each,
+    # on two cores); the compiled kernel is tested in one process, where it compiles once
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TIERMEM_NO_COMPILE="1")
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))

@@ -17,6 +17,40 @@ from tiermem.policies import ZeroInfinity, ZeroOffload
 STEPS = 3
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _same_kernel_as_the_ranks():
+    """The ranks run torch's fused AdamW (tests/ranks.py); so do the one-process references here."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIERMEM_NO_COMPILE", "1")
+        yield
+
+
+def _rank_all(rank, world, tmp, solo_ckpt):
+    """Every scenario that leaves the process group usable, in one pair of processes (a fresh
+    process costs seconds here): each test below reads its part."""
+    out = {"fp32": _rank_train(rank, world, "fp32", "zero-offload", None, 1.0),
+           "bf16": _rank_train(rank, world, "bf16", "zero-offload", None, None),
+           "host": _rank_train(rank, world, "fp32", "zero-offload", None, None),
+           "nvme": _rank_train(rank, world, "fp32", "state-on-nvme", os.path.join(tmp, "nvme"), None),
+           "peak": _rank_peak(rank, world), "overflow": _rank_overflow(rank, world),
+           "refused": _rank_refused(rank, world, os.path.join(tmp, "nvme")),
+           "no_sync": (_rank_no_sync(rank, world, False), _rank_no_sync(rank, world, True))}
+    saved = os.path.join(tmp, "by2.tm")
+    out["saved"] = _rank_save(rank, world, saved, STEPS)
+    out["2->2"] = _rank_load(rank, world, saved, os.path.join(tmp, "by2-again.tm"), 2)
+    out["1->2"] = _rank_load(rank, world, solo_ckpt, os.path.join(tmp, "by1-again.tm"), 2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dp(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp")
+    (tmp / "nvme").mkdir()
+    tm, _ = _solo()
+    tm.save(str(tmp / "by1.tm"))
+    return tmp, tm.state_dict(), run_ranks(_rank_all, str(tmp), str(tmp / "by1.tm"))
+
+
 class StateOnNvme(PerClass):
     homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.ACTIVATION: Tier.DEVICE,
              TensorClass.GRAD: Tier.HOST, TensorClass.OPTIM_STATE: Tier.NVME}
@@ -83,9 +117,9 @@ def _rank_train(rank, world, precision, policy_name, nvme_dir, clip):
     return per_step, rep.class_peak_bytes.get((TensorClass.OPTIM_STATE, Tier.HOST), 0), rep.collective_bytes
 
 
-def test_two_ranks_train_like_one_process_accumulating_both():
+def test_two_ranks_train_like_one_process_accumulating_both(dp):
     spread = _torch_spread()
-    ranks = run_ranks(_rank_train, "fp32", "zero-offload", None, 1.0)
+    ranks = [r["fp32"] for r in dp[2]]
     solo, solo_res = _solo(grad_clip=1.0)
     (r0, _, sent0), (r1, _, _) = ranks
     assert all(torch.equal(r0[-1][1][k], r1[-1][1][k]) for k in r0[-1][1])  # the ranks agree bit for bit
@@ -96,8 +130,8 @@ def test_two_ranks_train_like_one_process_accumulating_both():
     assert sent0 > 0
 
 
-def test_bf16_loss_falls_and_ranks_stay_identical_after_every_step():
-    r0, r1 = (r[0] for r in run_ranks(_rank_train, "bf16", "zero-offload", None, None))
+def test_bf16_loss_falls_and_ranks_stay_identical_after_every_step(dp):
+    r0, r1 = (r["bf16"][0] for r in dp[2])
     for (_, a), (_, b) in zip(r0, r1):
         assert all(torch.equal(a[k], b[k]) for k in a)
     first = _make("bf16")
@@ -115,22 +149,22 @@ def _rank_peak(rank, world):
     return tm.report().class_peak_bytes[(TensorClass.OPTIM_STATE, Tier.HOST)]
 
 
-def test_each_rank_holds_half_the_optimizer_state():
+def test_each_rank_holds_half_the_optimizer_state(dp):
     solo = _wide()
     _train(solo, 0, 1, range(1))
     whole = solo.report().class_peak_bytes[(TensorClass.OPTIM_STATE, Tier.HOST)]
     largest = max(b.numel for b in solo.layout.buckets) * 12  # the one bucket a rank gathers whole, to read it
-    for peak in run_ranks(_rank_peak):
+    for peak in (r["peak"] for r in dp[2]):
         assert whole / 2 <= peak <= whole / 2 + largest + 64 * 4096, (peak, whole)
 
 
-def test_state_on_nvme_each_rank_in_its_own_directory(tmp_path):
-    host = run_ranks(_rank_train, "fp32", "zero-offload", None, None)
-    nvme = run_ranks(_rank_train, "fp32", "state-on-nvme", str(tmp_path), None)
-    for (a, _, _), (b, _, _) in zip(host, nvme):  # placement never changes the numbers
+def test_state_on_nvme_each_rank_in_its_own_directory(dp):
+    tmp, _, ranks = dp
+    for r in ranks:  # placement never changes the numbers
+        (a, _, _), (b, _, _) = r["host"], r["nvme"]
         assert all(torch.equal(a[-1][1][k], b[-1][1][k]) for k in a[-1][1])
-    assert sorted(os.listdir(tmp_path)) == ["rank0", "rank1"]
-    assert all(os.listdir(tmp_path / d) for d in ("rank0", "rank1"))
+    assert sorted(os.listdir(tmp / "nvme")) == ["rank0", "rank1"]
+    assert all(os.listdir(tmp / "nvme" / d) for d in ("rank0", "rank1"))
 
 
 # -- checkpoints across world sizes --------------------------------------------------------------
@@ -157,25 +191,27 @@ def _bytes(path) -> bytes:
         return f.read()
 
 
+def _after_loading(path: str, resave: str):
+    tm = _make(bucket_size=1700)
+    tm.load(path)
+    loaded = tm.state_dict()
+    tm.save(resave)
+    _train(tm, 0, 1, range(STEPS, STEPS + 2), scale=2)
+    return loaded, tm.state_dict()
+
+
 @pytest.mark.parametrize("saved_by, loaded_by", [(2, 2), (2, 1), (1, 2)])
-def test_a_checkpoint_loads_into_any_world_size(tmp_path, saved_by, loaded_by):
-    path, resave = str(tmp_path / "a.tm"), str(tmp_path / "b.tm")
-    if saved_by == 2:
-        saved = run_ranks(_rank_save, path, STEPS)[0]
-    else:
-        tm, _ = _solo()
-        tm.save(path)
-        saved = tm.state_dict()
+def test_a_checkpoint_loads_into_any_world_size(dp, tmp_path, saved_by, loaded_by):
+    tmp, solo_saved, ranks = dp
+    saved = ranks[0]["saved"] if saved_by == 2 else solo_saved
+    path = tmp / ("by2.tm" if saved_by == 2 else "by1.tm")
     if loaded_by == 2:
-        (loaded, after), (loaded1, after1) = run_ranks(_rank_load, path, resave, 2)
+        (loaded, after), (_, after1) = (r[f"{saved_by}->2"] for r in ranks)
         assert all(torch.equal(after[k], after1[k]) for k in after)
+        resave = tmp / f"by{saved_by}-again.tm"
     else:
-        tm = _make(bucket_size=1700)
-        tm.load(path)
-        loaded = tm.state_dict()
-        tm.save(resave)
-        _train(tm, 0, 1, range(STEPS, STEPS + 2), scale=2)
-        after = tm.state_dict()
+        resave = tmp_path / "again.tm"
+        loaded, after = _after_loading(str(path), str(resave))
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)  # bit-exact after load
     assert _bytes(resave) == _bytes(path)  # moments, step counts and all: saved again, the same file
     reference, _ = _solo(steps=range(STEPS + 2))
@@ -192,8 +228,8 @@ def _rank_overflow(rank, world):
     return res.skipped, res.loss_scale, res.step
 
 
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
-    assert run_ranks(_rank_overflow) == [(True, 2.0**15, 0)] * 2
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(dp):
+    assert [r["overflow"] for r in dp[2]] == [(True, 2.0**15, 0)] * 2
 
 
 def _rank_raises(rank, world):
@@ -231,8 +267,8 @@ def _rank_refused(rank, world, nvme_dir):
     return TieredModel(nn.Linear(3, 3), process_group=False).report().world  # a full replica: no collective
 
 
-def test_what_data_parallel_refuses_says_what_to_use(tmp_path):
-    assert run_ranks(_rank_refused, str(tmp_path)) == [1, 1]
+def test_what_data_parallel_refuses_says_what_to_use(dp):
+    assert [r["refused"] for r in dp[2]] == [1, 1]
 
 
 def _rank_no_sync(rank, world, use_no_sync):
@@ -250,9 +286,8 @@ def _rank_no_sync(rank, world, use_no_sync):
     return tm.state_dict(), tm.report().collective_bytes
 
 
-def test_no_sync_communicates_once_with_the_same_result():
-    (plain, sent_plain), _ = run_ranks(_rank_no_sync, False)
-    (once, sent_once), _ = run_ranks(_rank_no_sync, True)
+def test_no_sync_communicates_once_with_the_same_result(dp):
+    (plain, sent_plain), (once, sent_once) = dp[2][0]["no_sync"]
     assert sent_once < sent_plain
     assert _max_diff(plain, once) <= max(_torch_spread(2), 1e-7)
 
