@@ -22,14 +22,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, fn, args, results) -> None:
+def _rank_main(rank: int, world: int, port: int, fn, args, results, backend: str = "gloo") -> None:
     import torch.distributed as dist
     # torch's fused AdamW instead of compiling tiermem's kernel in every fresh process (seconds each,
     # on two cores); the compiled kernel is tested in one process, where it compiles once
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TIERMEM_NO_COMPILE="1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=30))
         try:
             value = io.BytesIO()
             torch.save(fn(rank, world, *args), value)  # bytes: tensors would be shared with a process about to exit
@@ -46,14 +48,15 @@ class RankFailed(AssertionError):
         super().__init__("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
 
 
-def run_ranks(fn, *args, world: int = 2, deadline: float = DEADLINE, allow_errors: bool = False):
+def run_ranks(fn, *args, world: int = 2, deadline: float = DEADLINE, allow_errors: bool = False,
+              backend: str = "gloo"):
     """``[fn(0, world, *args), ..., fn(world-1, world, *args)]``, each on its own rank. Raises
     :class:`RankFailed` with every rank's error (or returns them, ``allow_errors=True``: a dict
     rank -> result or error text); a rank not done by ``deadline`` is killed and reported."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results, backend)) for r in range(world)]
     for p in procs:
         p.start()
     got: dict[int, tuple[str, object]] = {}

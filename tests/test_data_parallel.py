@@ -12,7 +12,7 @@ from torch import nn
 from models import TinyGPT, gpt_batch, gpt_loss
 from ranks import run_ranks
 from tiermem import AdamW, ConfigError, PerClass, TensorClass, TieredModel, Tier, TierMemError
-from tiermem.policies import ZeroInfinity, ZeroOffload
+from tiermem.policies import ActivationOffload, ZeroInfinity, ZeroOffload
 
 STEPS = 3
 
@@ -32,6 +32,7 @@ def _rank_all(rank, world, tmp, solo_ckpt):
            "bf16": _rank_train(rank, world, "bf16", "zero-offload", None, None),
            "host": _rank_train(rank, world, "fp32", "zero-offload", None, None),
            "nvme": _rank_train(rank, world, "fp32", "state-on-nvme", os.path.join(tmp, "nvme"), None),
+           "activations": _rank_train(rank, world, "fp32", "activation-offload", None, None),
            "peak": _rank_peak(rank, world), "overflow": _rank_overflow(rank, world),
            "refused": _rank_refused(rank, world, os.path.join(tmp, "nvme")),
            "no_sync": (_rank_no_sync(rank, world, False), _rank_no_sync(rank, world, True))}
@@ -107,7 +108,8 @@ def _max_diff(a: dict, b: dict) -> float:
 
 # -- what each rank runs (top level: the spawned processes import them) --------------------------
 def _rank_train(rank, world, precision, policy_name, nvme_dir, clip):
-    policy = {"zero-offload": ZeroOffload(), "state-on-nvme": StateOnNvme()}[policy_name]
+    policy = {"zero-offload": ZeroOffload(), "state-on-nvme": StateOnNvme(),
+              "activation-offload": ActivationOffload(ZeroOffload(), min_bytes=0)}[policy_name]
     tm = _make(precision, policy, nvme_dir=nvme_dir, grad_clip=clip)
     per_step = []
     for i in range(STEPS):
@@ -161,8 +163,9 @@ def test_each_rank_holds_half_the_optimizer_state(dp):
 def test_state_on_nvme_each_rank_in_its_own_directory(dp):
     tmp, _, ranks = dp
     for r in ranks:  # placement never changes the numbers
-        (a, _, _), (b, _, _) = r["host"], r["nvme"]
+        (a, _, _), (b, _, _), (c, _, _) = r["host"], r["nvme"], r["activations"]
         assert all(torch.equal(a[-1][1][k], b[-1][1][k]) for k in a[-1][1])
+        assert all(torch.equal(a[-1][1][k], c[-1][1][k]) for k in a[-1][1])  # activations offloaded too
     assert sorted(os.listdir(tmp / "nvme")) == ["rank0", "rank1"]
     assert all(os.listdir(tmp / "nvme" / d) for d in ("rank0", "rank1"))
 
@@ -298,3 +301,25 @@ def test_without_a_process_group_nothing_is_distributed():
     assert (rep.rank, rep.world, rep.collective_bytes) == (0, 1, 0)
     with pytest.raises(TierMemError):
         TieredModel(nn.Linear(2, 2), process_group=object())  # a group given without torch.distributed
+
+
+def _rank_nccl(rank, world):
+    torch.manual_seed(0)
+    tm = TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), precision="bf16", bucket_size=3000, grad_clip=1.0)
+    for i in range(STEPS):
+        x, y = _batch(i, rank)
+        tm.backward(gpt_loss(tm(x), y))
+        tm.step()
+    return {k: v.cpu() for k, v in tm.state_dict().items()}, tm.report().class_peak_bytes.get(
+        (TensorClass.OPTIM_STATE, Tier.HOST), 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: this machine has fewer than 2")
+def test_nccl_ranks_agree_and_hold_half_the_state():
+    (a, peak_a), (b, peak_b) = run_ranks(_rank_nccl, backend="nccl")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    torch.manual_seed(0)
+    solo = TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), precision="bf16", bucket_size=3000)
+    whole = solo.report().class_peak_bytes[(TensorClass.OPTIM_STATE, Tier.HOST)]
+    assert peak_a < 0.75 * whole and peak_b < 0.75 * whole

@@ -108,7 +108,7 @@ class TieredModel:
         self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = grad_clip, opts.overlap
         self.tracer = Tracer(trace_path)
-        self.group = resolve_group(process_group)  # NOTE [Data parallel]; one process: every collective a no-op
+        self.group = resolve_group(process_group, tracer=self.tracer if trace_path else None)  # NOTE [Data parallel]; one process: every collective a no-op
         buckets, groups, names, param_homes = plan(module, self.policy, opts.spec, self.dtype, opts.bucket_numel,
                                                    overlap=opts.overlap, world=self.group.world)
         self.group.check_same("model or configuration", fingerprint(

@@ -130,19 +130,26 @@ class Solo(Group):
 
 
 class Distributed(Group):
-    """A ``torch.distributed`` process group. Collectives run on the calling thread and wait."""
+    """A ``torch.distributed`` process group. Collectives run on the calling thread and wait (the
+    reduce-scatter of gradients returns at once and is waited for later). Tensors that are not
+    where the backend works (host tensors under NCCL) go through a copy on its device."""
 
-    def __init__(self, pg: Any = None, *, timeout: Optional[float] = None):
+    def __init__(self, pg: Any = None, *, timeout: Optional[float] = None, tracer=None):
         import torch.distributed as dist  # imported only when a process group exists
-        self.dist, self.pg = dist, pg
+        self.dist, self.pg, self.tracer = dist, pg, tracer
         # torch 2.13 renamed the flat-tensor collectives; older versions have only the first names
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl"
+                       else torch.device("cpu"))
         self.timeout = None if timeout is None else timedelta(seconds=timeout)
         self._sent = 0
         self._lock = threading.Lock()
         self.seconds = 0.0
+
+    def _here(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == self.device else t.to(self.device)
 
     def _call(self, op: str, fn):
         try:
@@ -163,33 +170,44 @@ class Distributed(Group):
                 work.wait(self.timeout) if self.timeout is not None else work.wait()
         except Exception as e:  # noqa: BLE001 - every failure of a peer surfaces here, named
             raise self._failed(op, e) from e
+        t1 = time.perf_counter()
         with self._lock:
             self._sent += nbytes
-            self.seconds += time.perf_counter() - t0
+            self.seconds += t1 - t0
+        if self.tracer is not None:
+            self.tracer.add(op, "collective", t0, t1)
+
+    def _in_place(self, op: str, t: torch.Tensor, call) -> torch.Tensor:
+        here = self._here(t)
+        self._run(op, lambda: call(here), t.nbytes)
+        if here is not t:
+            t.copy_(here)
+        return t
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        self._run("all_reduce(sum)", lambda: self.dist.all_reduce(t, group=self.pg, async_op=True), t.nbytes)
-        return t
+        return self._in_place("all_reduce(sum)", t, lambda x: self.dist.all_reduce(x, group=self.pg, async_op=True))
 
     def max_(self, t: torch.Tensor) -> torch.Tensor:
-        self._run("all_reduce(max)", lambda: self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.pg,
-                                                                   async_op=True), t.nbytes)
-        return t
-
-    def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor) -> None:
-        self._run("reduce_scatter", lambda: self._reduce_scatter(out, full, group=self.pg, async_op=True),
-                  full.nbytes)
-        out.div_(self.world)  # gloo has no AVG; dividing by a power of two is exact
-
-    def reduce_scatter_mean_async(self, out: torch.Tensor, full: torch.Tensor) -> Pending:
-        work = self._call("reduce_scatter", lambda: self._reduce_scatter(out, full, group=self.pg, async_op=True))
-        return Pending(lambda: self._run("reduce_scatter", lambda: work, full.nbytes), lambda: out.div_(self.world))
+        return self._in_place("all_reduce(max)", t, lambda x: self.dist.all_reduce(
+            x, op=self.dist.ReduceOp.MAX, group=self.pg, async_op=True))
 
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
-        self._run("broadcast", lambda: self.dist.broadcast(t, self.dist.get_global_rank(self.pg, 0)
-                                                          if self.pg is not None else 0, group=self.pg, async_op=True),
-                  t.nbytes)
-        return t
+        src = self.dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
+        return self._in_place("broadcast", t, lambda x: self.dist.broadcast(x, src, group=self.pg, async_op=True))
+
+    def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor) -> None:
+        self.reduce_scatter_mean_async(out, full).wait()
+
+    def reduce_scatter_mean_async(self, out: torch.Tensor, full: torch.Tensor) -> Pending:
+        full_here, out_here = self._here(full), self._here(out)
+        work = self._call("reduce_scatter", lambda: self._reduce_scatter(out_here, full_here, group=self.pg,
+                                                                        async_op=True))
+
+        def finish() -> None:
+            out_here.div_(self.world)  # gloo has no AVG; dividing by a power of two is exact
+            if out_here is not out:
+                out.copy_(out_here)
+        return Pending(lambda: self._run("reduce_scatter", lambda: work, full.nbytes), finish)
 
     def all_ok(self, ok: bool) -> bool:
         flag = torch.tensor([0.0 if ok else 1.0])
@@ -197,8 +215,11 @@ class Distributed(Group):
         return flag.item() == 0
 
     def all_gather(self, full: torch.Tensor, mine: torch.Tensor) -> None:
-        self._run("all_gather", lambda: self._all_gather(full, mine, group=self.pg, async_op=True),
+        full_here, mine_here = self._here(full), self._here(mine)
+        self._run("all_gather", lambda: self._all_gather(full_here, mine_here, group=self.pg, async_op=True),
                   mine.nbytes * self.world)
+        if full_here is not full:
+            full.copy_(full_here)
 
     def norms(self, partial: torch.Tensor) -> torch.Tensor:
         squares = partial.double().square()
@@ -222,7 +243,7 @@ class Distributed(Group):
         return os.path.join(directory, f"rank{self.rank}")
 
 
-def resolve_group(process_group: Any, *, timeout: Optional[float] = None) -> Group:
+def resolve_group(process_group: Any, *, timeout: Optional[float] = None, tracer=None) -> Group:
     """``process_group=None``: the default group when ``torch.distributed`` is initialized, else one
     process; ``False``: one full replica per process; a process group: that one."""
     if process_group is False:
@@ -232,12 +253,12 @@ def resolve_group(process_group: Any, *, timeout: Optional[float] = None) -> Gro
         dist = sys.modules.get("torch.distributed")  # never imported here: no cost without it
         if dist is None or not dist.is_available() or not dist.is_initialized():
             return Solo()
-        return Distributed(None, timeout=timeout) if dist.get_world_size() > 1 else Solo()
+        return Distributed(None, timeout=timeout, tracer=tracer) if dist.get_world_size() > 1 else Solo()
     import torch.distributed as dist
     if not dist.is_initialized():
         raise ConfigError("tiermem: process_group= was given but torch.distributed is not initialized; call "
                           "torch.distributed.init_process_group(...) first, or pass process_group=False")
-    return Distributed(process_group, timeout=timeout) if dist.get_world_size(process_group) > 1 else Solo()
+    return Distributed(process_group, timeout=timeout, tracer=tracer) if dist.get_world_size(process_group) > 1 else Solo()
 
 
 def fingerprint(parts: Sequence[object]) -> str:
