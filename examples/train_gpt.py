@@ -4,17 +4,26 @@
                                                       # ~2 minutes on a 2-core CPU, loss ~4.4 -> ~1.3
     python examples/train_gpt.py --policy keep-on-device --steps 200
     python examples/train_gpt.py --trace /tmp/gpt.trace.json   # open in https://ui.perfetto.dev
+    torchrun --nproc_per_node 2 examples/train_gpt.py --steps 100  # data parallel over 2 processes
 
 Weights in bf16 live on the device tier; gradients, fp32 master weights and Adam's moments live
 on the host, where Adam runs. On a machine without an accelerator both tiers are the CPU's
 memory, so the run shows the data flow and the report rather than a speed-up.
+
+Launched by torchrun (WORLD_SIZE > 1), the script joins the process group itself (gloo on the
+CPU, NCCL on GPUs) and TieredModel shards gradients and optimizer state over the ranks (NOTE
+[Data parallel] in tiermem/transfer/collectives.py). Each rank draws its own batches (the seed
+offset by its rank); rank 0 prints, losses averaged over the ranks, throughput counting every
+rank's tokens; rank 0 alone writes the trace.
 """
 from __future__ import annotations
 
 import argparse
-import tempfile
+import contextlib
 import math
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -65,7 +74,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10, help="print a progress line every this many steps")
     p.add_argument("--eval-batches", type=int, default=8, help="batches of held-out text for the final loss")
     p.add_argument("--sample-tokens", type=int, default=300, help="characters to generate at the end; 0: none")
-    p.add_argument("--trace", metavar="PATH", default=None, help="write a Chrome trace of the run here")
+    p.add_argument("--trace", metavar="PATH", default=None, help="write a Chrome trace of the run here (rank 0's)")
     p.add_argument("--save", metavar="PATH", default=None, help="write a tiermem checkpoint here at the end")
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "grad_accum", "log_every"):
@@ -97,9 +106,42 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Gene
     return windows[:, :-1], windows[:, 1:]
 
 
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size). Under torchrun (WORLD_SIZE > 1), join its process group first."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # TieredModel's device="cuda" is this one
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world
+
+
+def mean_over_ranks(value: float, world: int) -> float:
+    """``value`` averaged over the ranks (for printing: every rank must call it at the same point)."""
+    if world == 1:
+        return value
+    import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t)  # NCCL reduces CUDA tensors only
+    return t.item() / world
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    torch.manual_seed(args.seed)
+    rank, world = init_distributed()
+    try:
+        return train(args, rank, world)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, rank: int, world: int) -> int:
+    say = print if rank == 0 else (lambda *a, **k: None)  # one rank prints
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
     tok, data = load_tokens()
     split = int(0.9 * len(data))  # the last 10% of the text is held out for the final loss
     train_data, val_data = data[:split], data[split:]
@@ -108,8 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     seq_len = args.seq_len or preset.block_size
     cfg = GPTConfig.preset(args.preset, vocab_size=tok.vocab_size, block_size=seq_len)
     model = GPT(cfg)
-    print(f"corpus: {len(data):,} characters, vocabulary {tok.vocab_size}; model: preset {args.preset!r}, "
-          f"{model.num_params():,} parameters, {cfg.n_layer} layers x {cfg.n_embd} wide", flush=True)
+    say(f"corpus: {len(data):,} characters, vocabulary {tok.vocab_size}; model: preset {args.preset!r}, "
+        f"{model.num_params():,} parameters, {cfg.n_layer} layers x {cfg.n_embd} wide", flush=True)
 
     tm = TieredModel(
         model,
@@ -117,22 +159,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         optimizer=AdamW(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, no_decay_1d=True),
         precision=args.precision,
         grad_clip=args.grad_clip or None,
-        trace_path=args.trace,
+        trace_path=args.trace if rank == 0 else None,
         nvme_dir=nvme_dir(args),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(tm.optimizer, lr_factor(args.warmup, args.steps, args.min_lr_ratio))
-    print(f"{tm!r}; {args.steps} steps of {args.grad_accum} x {args.batch_size} x {seq_len} tokens", flush=True)
+    say(f"{tm!r}; {args.steps} steps of {args.grad_accum} x {args.batch_size} x {seq_len} tokens"
+        + (f" on each of {world} ranks" if world > 1 else ""), flush=True)
 
-    gen = torch.Generator().manual_seed(args.seed)
-    tokens_per_step = args.grad_accum * args.batch_size * seq_len
+    gen = torch.Generator().manual_seed(args.seed + rank)  # each rank its own batches
+    tokens_per_step = args.grad_accum * args.batch_size * seq_len * world
     tm.train()
     window_start, window_loss, window_steps, skipped = time.perf_counter(), 0.0, 0, 0
     for step in range(1, args.steps + 1):
         step_loss = 0.0
-        for _ in range(args.grad_accum):
+        for micro in range(args.grad_accum):
             x, y = get_batch(train_data, args.batch_size, seq_len, gen)
             loss = lm_loss(tm(x), y) / args.grad_accum  # mean over the micro-batches
-            tm.backward(loss)
+            # ranks exchange gradients once per step, in the last micro-batch's backward
+            with tm.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext():
+                tm.backward(loss)
             step_loss += loss.item()
         res = tm.step()
         sched.step()
@@ -140,33 +185,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         window_loss += step_loss
         window_steps += 1
         if step % args.log_every == 0 or step == args.steps:
+            window_loss = mean_over_ranks(window_loss, world)
             elapsed = time.perf_counter() - window_start
             note = f" | skipped (fp16 overflow), scale {res.loss_scale:g}" if res.skipped else ""
-            print(f"step {step:5d}/{args.steps} | loss {window_loss / window_steps:.4f} "
-                  f"| grad norm {res.grad_norm:6.3f} | lr {sched.get_last_lr()[0]:.2e} "
-                  f"| {tokens_per_step * window_steps / elapsed:8,.0f} tok/s "
-                  f"| {1e3 * elapsed / window_steps:7.1f} ms/step{note}", flush=True)
+            say(f"step {step:5d}/{args.steps} | loss {window_loss / window_steps:.4f} "
+                f"| grad norm {res.grad_norm:6.3f} | lr {sched.get_last_lr()[0]:.2e} "
+                f"| {tokens_per_step * window_steps / elapsed:8,.0f} tok/s "
+                f"| {1e3 * elapsed / window_steps:7.1f} ms/step{note}", flush=True)
             window_start, window_loss, window_steps = time.perf_counter(), 0.0, 0
 
     tm.eval()
     with torch.no_grad():
         losses = [lm_loss(tm(x), y).item() for x, y in
                   (get_batch(val_data, args.batch_size, seq_len, gen) for _ in range(args.eval_batches))]
-    print(f"held-out loss {sum(losses) / len(losses):.4f} (last 10% of the text, {args.eval_batches} batches)"
-          + (f"; {skipped} steps skipped" if skipped else ""), flush=True)
+    held_out = mean_over_ranks(sum(losses) / len(losses), world)
+    say(f"held-out loss {held_out:.4f} (last 10% of the text, {args.eval_batches} batches)"
+        + (f"; {skipped} steps skipped" if skipped else ""), flush=True)
 
     if args.sample_tokens:
         prompt = "This License"
         out = generate(tm, tok.encode(prompt).view(1, -1), args.sample_tokens, block_size=seq_len,
                        temperature=0.8, generator=torch.Generator().manual_seed(args.seed))
-        print("---- sample ----\n" + tok.decode(out[0]) + "\n---- end of sample ----", flush=True)
+        say("---- sample ----\n" + tok.decode(out[0]) + "\n---- end of sample ----", flush=True)
 
     if args.save:
         tm.save(args.save)
-        print(f"checkpoint written to {args.save}", flush=True)
-    print(tm.report(), flush=True)
+        say(f"checkpoint written to {args.save}", flush=True)
+    say(tm.report(), flush=True)
     if args.trace:
-        print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)", flush=True)
+        say(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)", flush=True)
     return 0
 
 
