@@ -70,6 +70,8 @@ WEIGHT_STAGING = "weight staging (up to 2 buckets)"
 FROZEN_COPY = "fp32 copy of frozen weights"
 GRADS_IN_FLIGHT = "grads in flight (largest parameter)"
 LARGEST_MODULE = "weights of the largest module, while it runs"
+GRADS_TO_REDUCE = "grads on their way to be reduce-scattered (about 4 buckets)"
+WHOLE_BUCKET = "one whole bucket of optimizer state, gathered to be read"
 
 #: The purposes that are the training state itself (see NOTE [Footprint]).
 TRAINING_STATE = frozenset({WORKING_WEIGHTS, GRADS, OPTIM_STATE, OPTIM_STATE_NVME, FROZEN_WEIGHTS})
@@ -81,42 +83,51 @@ def _on(tier: Tier) -> int:
 
 
 def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Tier]], dtype: torch.dtype, *,
-              overlap: bool = False, largest_module: int = 0) -> Footprint:
+              overlap: bool = False, largest_module: int = 0, world: int = 1) -> Footprint:
     """Bytes each tier must hold, by purpose, for the layout of ``buckets`` to be built and a step
     to run (NOTE [Footprint]). ``frozen``: each parameter that needs no grad, with its PARAM home;
     ``dtype``: the working precision; ``largest_module``: bytes of the off-device weights one module
-    makes resident while it runs (:func:`largest_module_bytes`), 0 when all weights are on the device."""
+    makes resident while it runs (:func:`largest_module_bytes`), 0 when all weights are on the device;
+    ``world``: ranks sharing the grads and optimizer state (NOTE [Data parallel]): each holds a chunk
+    of every bucket, the weights whole."""
     need: Footprint = {}
 
     def add(tier: Tier, purpose: str, nbytes: int) -> None:
         parts = need.setdefault(tier, {})
         parts[purpose] = parts.get(purpose, 0) + nbytes
 
+    def chunk(b: Bucket) -> int:
+        return -(-b.numel // world)
+
     w = dtype.itemsize
     for b in buckets:
-        ct = compute_tier(b)
+        ct, n = compute_tier(b), chunk(b)
         add(b.param_tier, WORKING_WEIGHTS, b.numel * w * _on(b.param_tier))
-        add(b.grad_tier, GRADS, b.numel * _FP32 * _on(b.grad_tier))
+        add(b.grad_tier, GRADS, n * _FP32 * _on(b.grad_tier))
         if b.state_tier == Tier.NVME:
-            add(Tier.NVME, OPTIM_STATE_NVME, b.numel * _STATE * _on(Tier.NVME))
+            add(Tier.NVME, OPTIM_STATE_NVME, n * _STATE * _on(Tier.NVME))
         else:
-            add(b.state_tier, OPTIM_STATE, b.numel * _STATE)
+            add(b.state_tier, OPTIM_STATE, n * _STATE)
         if ct != b.grad_tier and b.grad_tier != Tier.NVME:
-            add(ct, GRADS_FOR_STEP, b.numel * _FP32)
+            add(ct, GRADS_FOR_STEP, n * _FP32)
         if overlap:
-            add(b.grad_tier, SECOND_GRADS, b.numel * _FP32)
-            add(ct, UPDATED_WEIGHTS, b.numel * w)
-    grads_largest = max((b.numel for b in buckets if b.grad_tier == Tier.NVME), default=0)
+            add(b.grad_tier, SECOND_GRADS, n * _FP32)
+            add(ct, UPDATED_WEIGHTS, n * w)
+    grads_largest = max((chunk(b) for b in buckets if b.grad_tier == Tier.NVME), default=0)
     if grads_largest:
         add(Tier.HOST, GRADS_TO_NVME, 3 * _FP32 * grads_largest)
-    state_largest = max((b.numel for b in buckets if b.state_tier == Tier.NVME), default=0)
+    state_largest = max((chunk(b) for b in buckets if b.state_tier == Tier.NVME), default=0)
     if state_largest:
         add(Tier.HOST, STATE_PIPELINE, 3 * _STATE * state_largest)
+    if world > 1:
+        padded = max((chunk(b) * world for b in buckets), default=0)
+        add(Tier.DEVICE, GRADS_TO_REDUCE, 4 * _FP32 * padded)  # a few buckets in flight, and one accumulating
+        add(Tier.HOST, WHOLE_BUCKET, _STATE * padded)  # while a checkpoint or state_dict reads it
     if not overlap:
         largest: dict[Tier, int] = {}
         for b in buckets:
             if compute_tier(b) != Tier.DEVICE:
-                largest[compute_tier(b)] = max(largest.get(compute_tier(b), 0), b.numel)
+                largest[compute_tier(b)] = max(largest.get(compute_tier(b), 0), chunk(b))
         for tier, numel in largest.items():
             count = min(2, sum(1 for b in buckets if compute_tier(b) == tier))  # a single bucket needs one
             add(tier, WEIGHT_STAGING, count * numel * w)

@@ -35,12 +35,13 @@ def check_data_parallel(name: str, param_tier: Tier, grad_tier: Tier, overlap: b
     if world == 1:
         return
     if param_tier != Tier.DEVICE:
-        raise ConfigError(f"tiermem: the policy places {name!r}'s weights on {param_tier} under data parallelism "
-                          f"({world} ranks); weights off the device are not sharded in this version: use "
-                          f"ZeroOffload (with OPTIM_STATE on NVME for a larger model), or process_group=False")
+        raise ConfigError(f"tiermem: the policy places the weights of {name!r} on {param_tier} under data "
+                          f"parallelism ({world} ranks); weights off the device are not sharded in this version: "
+                          f"use a policy with PARAM on DEVICE (ZeroOffload; for a larger model, a PerClass with "
+                          f"OPTIM_STATE on NVME), or process_group=False")
     if grad_tier == Tier.NVME:
-        raise ConfigError(f"tiermem: the policy places {name!r}'s grads on NVMe under data parallelism ({world} "
-                          f"ranks); each rank keeps only 1/{world} of the grads: place GRAD on HOST")
+        raise ConfigError(f"tiermem: the policy places the grads of {name!r} on NVMe under data parallelism "
+                          f"({world} ranks); each rank keeps only 1/{world} of the grads: place GRAD on HOST")
     if overlap:
         raise ConfigError(f"tiermem: overlap_step=True is not supported under data parallelism ({world} ranks) "
                           f"in this version; pass overlap_step=False")

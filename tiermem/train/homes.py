@@ -156,6 +156,9 @@ class StateHome(ABC):
     def store(self, b: Bucket, views: StateViews) -> None:
         """Commit the state filled into :meth:`load_views`."""
 
+    def release_views(self) -> None:
+        """The model is done reading or writing whole buckets: buffers kept for that can go."""
+
     def master(self, b: Bucket, s: Slot) -> torch.Tensor:
         """The parameter's fp32 master as torch optimizer param groups show it (a meta tensor of
         the right shape when it is not resident)."""

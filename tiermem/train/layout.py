@@ -101,7 +101,7 @@ def make_homes(buckets: list[Bucket], stores: dict, engine, dtype: torch.dtype, 
              for t, (home, bs) in _grad_homes(shards, stores, engine, compute, overlap).items()}
     state = {t: (ShardedState([full[b.index] for b in bs], bs, home, group, stores[Tier.HOST]), bs)
              for t, (home, bs) in _state_homes(shards, stores, engine, compute).items()}
-    sharded = {id(h): ShardedWeights(buckets, h, group) for h in weights.values()}
+    sharded = {id(h): ShardedWeights(buckets, h, group, engine) for h in weights.values()}
     return Homes(_per_bucket(grads), _per_bucket(state), {i: sharded[id(h)] for i, h in weights.items()}), shards
 
 
@@ -118,6 +118,8 @@ def build(module: torch.nn.Module, buckets: list[Bucket], step_buckets: list[Buc
             slot_of[id(s.param)] = (b, s)
         state.initialize(b)
         homes.weights[b.index].initialize(b, master)
+    for home in homes.state_homes():
+        home.release_views()
     frozen = _place_frozen(module, stores, dtype, device, weights_off_device)
     return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, _cast_buffers(module, dtype, device),
                   sum(b.numel for b in buckets))

@@ -149,7 +149,7 @@ class TieredModel:
         returns the device bytes it needs."""
         frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in self.module.named_parameters()
                   if not p.requires_grad]
-        need = footprint(buckets, frozen, self.dtype, overlap=self.overlap_step,
+        need = footprint(buckets, frozen, self.dtype, overlap=self.overlap_step, world=self.group.world,
                          largest_module=largest_module_bytes(self.module, param_homes, self.dtype))
         check_fits(need, self.stores)
         return totals(need)[Tier.DEVICE]
@@ -304,6 +304,8 @@ def _make_stores(opts: _Options, nvme_dir: Optional[str], reclaimers: Reclaimers
         mine = group.subdirectory(nvme_dir)  # under data parallelism each rank its own: nvme_dir/rank<r>
         if mine != nvme_dir and os.path.isdir(nvme_dir):
             os.makedirs(mine, mode=0o700, exist_ok=True)
+        else:
+            mine = nvme_dir  # missing: the store's error names the directory the user gave
         stores[Tier.NVME] = NvmeStore(mine, budget=opts.budgets.nvme)
     return stores
 

@@ -57,8 +57,10 @@ class ShardedGrads(GradHome):
         self._complete: set[int] = set()
         self._pending: list[tuple[Pending, int, torch.Tensor]] = []
         self._have: set[int] = set()  # shard buckets holding this step's grads already
+        self._dirty = False  # a backward ran since the last communication
 
     def landing(self, b: Bucket, fill: int) -> torch.Tensor:
+        self._dirty = True
         t = self._landing.get(b.index)
         if t is None:
             c = self.group.chunk(b.numel)
@@ -86,35 +88,45 @@ class ShardedGrads(GradHome):
                                   TensorClass.GRAD)
         self._pending.append((self.group.reduce_scatter_mean_async(out, full), index, out))
         self._issued.add(index)
+        while len(self._pending) > self.IN_FLIGHT:  # the device holds a few buckets of fp32 grads, not all
+            self._land(*self._pending.pop(0))
+
+    #: reduce-scatters in flight before the oldest is waited for and its device buffers freed
+    IN_FLIGHT = 2
+
+    def _land(self, work: Pending, index: int, out: torch.Tensor) -> None:
+        work.wait()
+        sb = self.shards[index]
+        self.engine.copy_async(self.inner.landing(sb, 0), out, src_tier=Tier.DEVICE,
+                               dst_tier=self.inner.landing_tier, accumulate=index in self._have,
+                               kind=TensorClass.GRAD).wait()
+        self._have.add(index)
+        self.store.delete(f"{sb.key}:grad chunk")
+        self.store.delete(f"{sb.key}:grad landing")
+        self._landing.pop(index, None)
 
     def end_backward(self) -> None:
         self._arrived.clear()
+        self._dirty = True  # even a backward that reached no parameter of this rank's buckets
         if not self.deferred:  # every bucket goes out, in order, complete or not; landed before returning
             self.wait()
         self._complete.clear()
 
     def wait(self) -> None:
-        """Every bucket's chunk is in the inner home: grads kept back by no_sync() go out now
-        (every rank's step reaches here, so every rank sends them, in the same order)."""
-        if any(index not in self._issued for index in self._landing):
+        """Every bucket's chunk is in the inner home. After a backward every bucket is sent, in
+        order, whether this rank got grads for it or not (every rank sends the same sequence);
+        grads kept back by no_sync() go out here, at the step."""
+        if self._dirty:
             self._complete.update(self.full)
             self._issue_ready()
+            self._dirty = False
         pending, self._pending = self._pending, []
-        for work, index, out in pending:
-            work.wait()
-            sb = self.shards[index]
-            acc = self.inner.landing(sb, 0)
-            self.engine.copy_async(acc, out, src_tier=Tier.DEVICE, dst_tier=self.inner.landing_tier,
-                                   accumulate=index in self._have, kind=TensorClass.GRAD).wait()
-            self._have.add(index)
-            self.store.delete(f"{sb.key}:grad chunk")
-            self.store.delete(f"{sb.key}:grad landing")
-            self._landing.pop(index, None)
+        for item in pending:
+            self._land(*item)
         self.inner.wait()
         self._issued.clear()
         self._complete.clear()
         self._next = 0
-
 
     def defer(self, on: bool) -> None:
         self.deferred = on
@@ -126,6 +138,7 @@ class ShardedGrads(GradHome):
         return self.inner.read(b, fill)
 
     def drop(self) -> None:
+        self._dirty = False
         for work, _, _ in self._pending:
             try:
                 work.wait()
@@ -161,19 +174,29 @@ class ShardedState(StateHome):
         self.compute_tier = inner.compute_tier
         self.full = {b.index: b for b in buckets}
         self.shards = {b.index: b for b in shards}
-        self.inner, self.group = inner, group
-        padded = max(group.chunk(b.numel).padded for b in buckets)
-        self._set = [host_store.allocate(f"shard gather:{part}", (padded,), torch.float32, TensorClass.OPTIM_STATE)
-                     for part in STATE_PARTS]
+        self.inner, self.group, self.host = inner, group, host_store
+        self._padded = max(group.chunk(b.numel).padded for b in buckets)
+        self._set: dict[str, torch.Tensor] = {}  # whole-bucket buffers, only while the model reads or writes
+
+    def _part(self, part: str) -> torch.Tensor:
+        if part not in self._set:
+            self._set[part] = self.host.allocate(f"shard gather:{part}", (self._padded,), torch.float32,
+                                                 TensorClass.OPTIM_STATE)
+        return self._set[part]
 
     def _whole(self, b: Bucket) -> StateViews:
-        return tuple(t[:b.numel] for t in self._set)  # type: ignore[return-value]
+        return tuple(self._part(part)[:b.numel] for part in STATE_PARTS)  # type: ignore[return-value]
+
+    def release_views(self) -> None:
+        for part in list(self._set):
+            self.host.delete(f"shard gather:{part}")
+        self._set.clear()
 
     def initial_master(self, b: Bucket) -> torch.Tensor:
-        return self._whole(b)[0]
+        return self._part("master")[:b.numel]  # the moments start at zero: no whole buffers for them
 
     def initialize(self, b: Bucket) -> None:
-        master = self.group.broadcast_(self._whole(b)[0])  # every rank starts from rank 0's weights
+        master = self.group.broadcast_(self.initial_master(b))  # every rank starts from rank 0's weights
         c, sb = self.group.chunk(b.numel), self.shards[b.index]
         mine = self.inner.initial_master(sb)
         mine.zero_()
@@ -188,8 +211,8 @@ class ShardedState(StateHome):
 
     def read(self, b: Bucket) -> StateViews:
         padded = self.group.chunk(b.numel).padded
-        for whole, mine in zip(self._set, self.inner.read(self.shards[b.index])):
-            self.group.all_gather(whole[:padded], mine)
+        for part, mine in zip(STATE_PARTS, self.inner.read(self.shards[b.index])):
+            self.group.all_gather(self._part(part)[:padded], mine)
         return self._whole(b)
 
     def load_views(self, b: Bucket) -> StateViews:
@@ -207,22 +230,27 @@ class ShardedState(StateHome):
 class ShardedWeights(WeightHome):
     """The full working weights in ``inner`` on every rank; a step's chunk is all-gathered into them."""
 
-    def __init__(self, buckets: Sequence[Bucket], inner: WeightHome, group: Group):
+    def __init__(self, buckets: Sequence[Bucket], inner: WeightHome, group: Group, engine):
         self.full = {b.index: b for b in buckets}
-        self.inner, self.group = inner, group
+        self.inner, self.group, self.engine = inner, group, engine
 
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
         self.inner.initialize(b, master)
 
     def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
+        """The gather starts here, in bucket order on every rank; an engine lane waits for it and
+        sends the whole bucket home, while Adam runs on the next bucket."""
         full_b = self.full[b.index]
         c = self.group.chunk(full_b.numel)
         whole = torch.empty(c.padded, dtype=src.dtype, device=src.device)
-        self.group.all_gather(whole, src[:c.size])  # `src` holds the chunk's complete new weights
-        handles = self.inner.write(full_b, whole[:full_b.numel], [(0, full_b.numel, 0)], src_tier)
-        for h in handles:
-            h.wait()  # `whole` is a temporary
-        return []
+        gathering = self.group.all_gather_async(whole, src[:c.size])  # `src` holds the chunk's complete new weights
+
+        def land() -> None:
+            gathering.wait()
+            for h in self.inner.write(full_b, whole[:full_b.numel], [(0, full_b.numel, 0)], src_tier):
+                h.wait()  # `whole` lives until its copy is done
+        # not on the upload lane itself: the copies `land` queues there would wait behind it
+        return [self.engine.run_async(land, name=f"gather {b.key}", lane="compute")]
 
     def load(self, b: Bucket, master: torch.Tensor, src_tier: Tier) -> None:
         self.inner.load(b, master, src_tier)

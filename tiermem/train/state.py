@@ -39,8 +39,15 @@ class ModelState:
     # -- reading ------------------------------------------------------------------------------------
     def _bucket_state(self) -> Iterator[tuple[object, tuple[torch.Tensor, ...]]]:
         """(bucket, (master, exp_avg, exp_avg_sq)), each valid until the next item."""
-        for b in self.layout.buckets:
-            yield b, self.layout.homes.state[b.index].read(b)
+        try:
+            for b in self.layout.buckets:
+                yield b, self.layout.homes.state[b.index].read(b)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        for home in self.layout.homes.state_homes():
+            home.release_views()
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor a checkpoint holds, by name; each valid until the next."""
@@ -103,6 +110,7 @@ class ModelState:
                     read_into(f"{part}/{s.name}", t[s.offset:s.offset + s.numel])
             homes.state[b.index].store(b, views)
             homes.weights[b.index].load(b, views[0], homes.compute_tier(b))
+        self._release()
         self._load_frozen(read_into)
         for name, t in self.module.named_buffers():
             read_into(f"buffers/{name}", t)

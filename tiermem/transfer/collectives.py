@@ -85,6 +85,11 @@ class Group:
         """``full`` (``padded`` elements) = every rank's ``mine`` (``size`` elements), in rank order."""
         full[:mine.numel()].copy_(mine)
 
+    def all_gather_async(self, full: torch.Tensor, mine: torch.Tensor) -> "Pending":
+        """:meth:`all_gather` started; ``.wait()`` finishes it."""
+        self.all_gather(full, mine)
+        return Pending(None, lambda: None)
+
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``t`` on every rank, in place."""
         return t
@@ -215,11 +220,16 @@ class Distributed(Group):
         return flag.item() == 0
 
     def all_gather(self, full: torch.Tensor, mine: torch.Tensor) -> None:
+        self.all_gather_async(full, mine).wait()
+
+    def all_gather_async(self, full: torch.Tensor, mine: torch.Tensor) -> Pending:
         full_here, mine_here = self._here(full), self._here(mine)
-        self._run("all_gather", lambda: self._all_gather(full_here, mine_here, group=self.pg, async_op=True),
-                  mine.nbytes * self.world)
-        if full_here is not full:
-            full.copy_(full_here)
+        work = self._call("all_gather", lambda: self._all_gather(full_here, mine_here, group=self.pg, async_op=True))
+
+        def finish() -> None:
+            if full_here is not full:
+                full.copy_(full_here)
+        return Pending(lambda: self._run("all_gather", lambda: work, mine.nbytes * self.world), finish)
 
     def norms(self, partial: torch.Tensor) -> torch.Tensor:
         squares = partial.double().square()
