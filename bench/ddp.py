@@ -196,10 +196,10 @@ def run(rank: int, args: argparse.Namespace) -> None:
         print(f"| {name} | {1e3 * med[name]:.1f} ms | {1e3 * best[name]:.1f} ms | {tokens / med[name]:,.0f} | "
               + " | ".join(per_param(n, n_params) for n in state[name]) + " |")
     print(f"| full replica | | | | {per_param(full, n_params)} | {per_param(full, n_params)} |")
-    shard, gather = full / WORLD, FULL_REPLICA * max(b.numel for b in tm.layout.buckets)
-    print(f"\ntiermem's state per rank: its 1/{WORLD} shard {shard / n_params:.2f} B/param + a whole bucket's "
-          f"state, to gather it when read (12 B x the largest bucket) {gather / n_params:.2f} B/param = "
-          f"{(shard + gather) / n_params:.2f} B/param; measured {max(state['tiermem']) / n_params:.2f}")
+    shard, gather = full / WORLD, 4 * max(b.numel for b in tm.layout.buckets)
+    print(f"\ntiermem's state per rank, peak: its 1/{WORLD} shard {shard / n_params:.2f} B/param + one whole "
+          f"bucket's fp32 master while the model is built (4 B x the largest bucket) {gather / n_params:.2f} "
+          f"B/param = {(shard + gather) / n_params:.2f} B/param; measured {max(state['tiermem']) / n_params:.2f}")
     print(f"DDP+ZeRO's state is the moments only: its fp32 weights ({4 * n_params / n_params:.2f} B/param) are the "
           f"model's, whole on every rank")
     print(f"loss at the last step, mean over ranks: " + ", ".join(f"{n} {ls[-1]:.4f}" for n, ls in losses.items()))
