@@ -202,7 +202,7 @@ def run(rank: int, args: argparse.Namespace) -> None:
           f"B/param = {(shard + gather) / n_params:.2f} B/param; measured {max(state['tiermem']) / n_params:.2f}")
     print(f"DDP+ZeRO's state is the moments only: its fp32 weights ({4 * n_params / n_params:.2f} B/param) are the "
           f"model's, whole on every rank")
-    print(f"loss at the last step, mean over ranks: " + ", ".join(f"{n} {ls[-1]:.4f}" for n, ls in losses.items()))
+    print("loss at the last step, mean over ranks: " + ", ".join(f"{n} {ls[-1]:.4f}" for n, ls in losses.items()))
 
     ratio = med["tiermem"] / med["DDP+ZeRO"]
     print("\n== ratios ==")

@@ -33,6 +33,7 @@ def _rank_all(rank, world, tmp, solo_ckpt):
            "host": _rank_train(rank, world, "fp32", "zero-offload", None, None),
            "nvme": _rank_train(rank, world, "fp32", "state-on-nvme", os.path.join(tmp, "nvme"), None),
            "activations": _rank_train(rank, world, "fp32", "activation-offload", None, None),
+           "overlap": _rank_train(rank, world, "fp32", "zero-offload", None, 1.0, overlap=True),
            "peak": _rank_peak(rank, world), "overflow": _rank_overflow(rank, world),
            "refused": _rank_refused(rank, world, os.path.join(tmp, "nvme")),
            "no_sync": (_rank_no_sync(rank, world, False), _rank_no_sync(rank, world, True))}
@@ -107,14 +108,15 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 # -- what each rank runs (top level: the spawned processes import them) --------------------------
-def _rank_train(rank, world, precision, policy_name, nvme_dir, clip):
+def _rank_train(rank, world, precision, policy_name, nvme_dir, clip, overlap=False):
     policy = {"zero-offload": ZeroOffload(), "state-on-nvme": StateOnNvme(),
               "activation-offload": ActivationOffload(ZeroOffload(), min_bytes=0)}[policy_name]
-    tm = _make(precision, policy, nvme_dir=nvme_dir, grad_clip=clip)
+    tm = _make(precision, policy, nvme_dir=nvme_dir, grad_clip=clip, overlap_step=overlap)
     per_step = []
     for i in range(STEPS):
         res = _train(tm, rank, world, range(i, i + 1))[0]
-        per_step.append((res, {k: v.clone() for k, v in tm.state_dict().items()}))
+        last = i == STEPS - 1  # reading the state lands an overlapped update: only at the end, then
+        per_step.append((res, {k: v.clone() for k, v in tm.state_dict().items()} if last or not overlap else {}))
     rep = tm.report()
     return per_step, rep.class_peak_bytes.get((TensorClass.OPTIM_STATE, Tier.HOST), 0), rep.collective_bytes
 
@@ -130,6 +132,19 @@ def test_two_ranks_train_like_one_process_accumulating_both(dp):
         assert a == b
         assert a.grad_norm == pytest.approx(s.grad_norm, rel=1e-6) and not a.skipped
     assert sent0 > 0
+
+
+def test_overlap_step_trains_like_one_process_with_overlap_step(dp):
+    """The one-step delayed update under data parallelism: the weights' gathers run on the
+    engine's thread beside the next backward's reduce-scatters (each on a group of its own)."""
+    (r0, _, _), (r1, _, _) = (r["overlap"] for r in dp[2])
+    assert all(torch.equal(r0[-1][1][k], r1[-1][1][k]) for k in r0[-1][1])
+    solo, solo_res = _solo(grad_clip=1.0, overlap_step=True)
+    assert _max_diff(r0[-1][1], solo.state_dict()) <= max(_torch_spread(), 1e-7)
+    plain = dp[2][0]["fp32"][0][-1][1]
+    assert _max_diff(r0[-1][1], plain) > 1e-4  # a delayed update is not the plain one
+    for (a, _), s in zip(r0, solo_res):
+        assert a.grad_norm == pytest.approx(s.grad_norm, rel=1e-6)
 
 
 def test_bf16_loss_falls_and_ranks_stay_identical_after_every_step(dp):
@@ -269,8 +284,6 @@ def test_ranks_with_different_configurations_are_caught_at_construction():
 def _rank_refused(rank, world, nvme_dir):
     with pytest.raises(ConfigError, match=r"not sharded in this version: use a policy with PARAM on DEVICE \(ZeroOffload"):
         TieredModel(TinyGPT(), ZeroInfinity(), nvme_dir=nvme_dir)
-    with pytest.raises(ConfigError, match="overlap_step=True is not supported under data parallelism"):
-        TieredModel(TinyGPT(), overlap_step=True)
     return TieredModel(nn.Linear(3, 3), process_group=False).report().world  # a full replica: no collective
 
 

@@ -30,7 +30,7 @@ def _info(name: str, kind: TensorClass, p: torch.Tensor, dtype: torch.dtype, suf
     return TensorInfo(f"{name}{suffix}", kind, p.numel() * dtype.itemsize, tuple(p.shape), dtype, owner(name))
 
 
-def check_data_parallel(name: str, param_tier: Tier, grad_tier: Tier, overlap: bool, world: int) -> None:
+def check_data_parallel(name: str, param_tier: Tier, grad_tier: Tier, world: int) -> None:
     """What data parallelism (NOTE [Data parallel]) does not combine with in this version."""
     if world == 1:
         return
@@ -42,9 +42,6 @@ def check_data_parallel(name: str, param_tier: Tier, grad_tier: Tier, overlap: b
     if grad_tier == Tier.NVME:
         raise ConfigError(f"tiermem: the policy places the grads of {name!r} on NVMe under data parallelism "
                           f"({world} ranks); each rank keeps only 1/{world} of the grads: place GRAD on HOST")
-    if overlap:
-        raise ConfigError(f"tiermem: overlap_step=True is not supported under data parallelism ({world} ranks) "
-                          f"in this version; pass overlap_step=False")
 
 
 def check_combination(name: str, param_tier: Tier, grad_tier: Tier, state_tiers: set[Tier], overlap: bool) -> Tier:
@@ -99,7 +96,7 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
         state_tiers = {checked_place(policy, _info(name, TensorClass.OPTIM_STATE, p, torch.float32, f":{part}"))
                        for part in STATE_PARTS}
         state_tier = check_combination(name, param_tier, grad_tier, state_tiers, overlap)
-        check_data_parallel(name, param_tier, grad_tier, overlap, world)
+        check_data_parallel(name, param_tier, grad_tier, world)
         group = 0 if spec.decays(name, p) else 1
         groups[group].append(name)
         entries.append((name, p, grad_tier, state_tier, group, param_tier))

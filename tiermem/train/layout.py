@@ -101,7 +101,8 @@ def make_homes(buckets: list[Bucket], stores: dict, engine, dtype: torch.dtype, 
              for t, (home, bs) in _grad_homes(shards, stores, engine, compute, overlap).items()}
     state = {t: (ShardedState([full[b.index] for b in bs], bs, home, group, stores[Tier.HOST]), bs)
              for t, (home, bs) in _state_homes(shards, stores, engine, compute).items()}
-    sharded = {id(h): ShardedWeights(buckets, h, group, engine) for h in weights.values()}
+    wgroup = group.for_weights()
+    sharded = {id(h): ShardedWeights(buckets, h, wgroup, engine) for h in weights.values()}
     return Homes(_per_bucket(grads), _per_bucket(state), {i: sharded[id(h)] for i, h in weights.items()}), shards
 
 

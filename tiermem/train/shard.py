@@ -58,9 +58,11 @@ class ShardedGrads(GradHome):
         self._pending: list[tuple[Pending, int, torch.Tensor]] = []
         self._have: set[int] = set()  # shard buckets holding this step's grads already
         self._dirty = False  # a backward ran since the last communication
+        self._fill = 0
 
     def landing(self, b: Bucket, fill: int) -> torch.Tensor:
         self._dirty = True
+        self._fill = fill  # the inner buffer this backward's chunks land in (two alternate under overlap_step)
         t = self._landing.get(b.index)
         if t is None:
             c = self.group.chunk(b.numel)
@@ -83,10 +85,10 @@ class ShardedGrads(GradHome):
 
     def _issue(self, index: int) -> None:
         b = self.full[index]
-        full = self.landing(b, 0)  # a bucket no grad reached on this rank contributes zeros
+        full = self.landing(b, self._fill)  # a bucket no grad reached on this rank contributes zeros
         out = self.store.allocate(f"{b.key}:grad chunk", (self.group.chunk(b.numel).size,), torch.float32,
                                   TensorClass.GRAD)
-        self._pending.append((self.group.reduce_scatter_mean_async(out, full), index, out))
+        self._pending.append((self.group.reduce_scatter_mean_async(out, full), index, out, self._fill))
         self._issued.add(index)
         while len(self._pending) > self.IN_FLIGHT:  # the device holds a few buckets of fp32 grads, not all
             self._land(*self._pending.pop(0))
@@ -94,10 +96,10 @@ class ShardedGrads(GradHome):
     #: reduce-scatters in flight before the oldest is waited for and its device buffers freed
     IN_FLIGHT = 2
 
-    def _land(self, work: Pending, index: int, out: torch.Tensor) -> None:
+    def _land(self, work: Pending, index: int, out: torch.Tensor, fill: int) -> None:
         work.wait()
         sb = self.shards[index]
-        self.engine.copy_async(self.inner.landing(sb, 0), out, src_tier=Tier.DEVICE,
+        self.engine.copy_async(self.inner.landing(sb, fill), out, src_tier=Tier.DEVICE,
                                dst_tier=self.inner.landing_tier, accumulate=index in self._have,
                                kind=TensorClass.GRAD).wait()
         self._have.add(index)
@@ -139,7 +141,7 @@ class ShardedGrads(GradHome):
 
     def drop(self) -> None:
         self._dirty = False
-        for work, _, _ in self._pending:
+        for work, *_ in self._pending:
             try:
                 work.wait()
             except Exception:  # noqa: BLE001 - draining after the error that matters
@@ -231,6 +233,8 @@ class ShardedWeights(WeightHome):
     """The full working weights in ``inner`` on every rank; a step's chunk is all-gathered into them."""
 
     def __init__(self, buckets: Sequence[Bucket], inner: WeightHome, group: Group, engine):
+        """``group``: the weights' own (NOTE [Data parallel]): under overlap_step their gathers run
+        on the engine's thread while backward reduce-scatters grads on the caller's."""
         self.full = {b.index: b for b in buckets}
         self.inner, self.group, self.engine = inner, group, engine
 

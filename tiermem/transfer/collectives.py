@@ -108,6 +108,12 @@ class Group:
     def bytes_sent(self) -> int:
         return 0
 
+    def for_weights(self) -> "Group":
+        """The group the weights' all-gathers use: collectives issued from two threads (grads from
+        backward's, weights from the engine's under overlap_step) each need a group of their own,
+        so that every rank sees each group's collectives in the same order."""
+        return self
+
     def subdirectory(self, directory: str) -> str:
         """Where this rank keeps its own files under ``directory``."""
         return directory
@@ -152,6 +158,7 @@ class Distributed(Group):
         self._sent = 0
         self._lock = threading.Lock()
         self.seconds = 0.0
+        self._sibling: Optional[Distributed] = None
 
     def _here(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device == self.device else t.to(self.device)
@@ -246,7 +253,18 @@ class Distributed(Group):
 
     def bytes_sent(self) -> int:
         with self._lock:
-            return self._sent
+            sent = self._sent
+        return sent + (self._sibling.bytes_sent() if self._sibling is not None else 0)
+
+    def for_weights(self) -> "Distributed":
+        if self._sibling is None:  # collective: every rank builds its model, so every rank gets here
+            ranks = [self.dist.get_global_rank(self.pg, r) if self.pg is not None else r for r in range(self.world)]
+            sibling = Distributed.__new__(Distributed)
+            sibling.__dict__.update(self.__dict__)
+            sibling.pg, sibling._sent, sibling._lock, sibling._sibling = self.dist.new_group(ranks), 0, threading.Lock(), None
+            sibling.seconds = 0.0
+            self._sibling = sibling
+        return self._sibling
 
     def subdirectory(self, directory: str) -> str:
         import os
