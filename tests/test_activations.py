@@ -451,3 +451,62 @@ def test_errors_in_forward_say_what_to_change(make, err, match):
     gc.collect()
     for t in (Tier.DEVICE, Tier.HOST):  # a failed forward leaves nothing behind
         assert tm.stores[t].ledger.kind_used.get(ACT, 0) == 0
+
+
+# -- one async mechanism: every leg through the engine -------------------------------------------
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.NVME])
+def test_a_step_leaves_no_reference_cycle(tier, tmp_path):
+    """Records, chains and leases let go of each other once retired: nothing waits for the GC."""
+    tm = TieredModel(_Chain(), ActivationOffload(ZeroOffload(), tier=tier, min_bytes=0), precision="bf16",
+                     nvme_dir=str(tmp_path))
+    tm.backward(tm(torch.randn(32, 96)).float().pow(2).mean())
+    tm.step()  # the first step compiles the optimizer, which leaves cycles of its own
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):
+            tm.backward(tm(torch.randn(32, 96)).float().pow(2).mean())
+            tm.step()
+        _drain(tm)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
+def test_the_nvme_legs_are_counted_by_the_engine(tmp_path):
+    tm = TieredModel(_Chain(), ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0), precision="bf16",
+                     nvme_dir=str(tmp_path))
+    tm.backward(tm(torch.randn(32, 96)).float().pow(2).mean())
+    rep, stats = tm.report(), tm.activations.stats
+    sent = stats.offloaded_bytes[Tier.NVME]
+    back = rep.class_bytes_moved[(ACT, Tier.NVME, Tier.HOST)]  # what was not still on the device
+    assert rep.class_bytes_moved[(ACT, Tier.DEVICE, Tier.HOST)] == rep.class_bytes_moved[(ACT, Tier.HOST, Tier.NVME)] == sent
+    assert rep.class_bytes_moved[(ACT, Tier.HOST, Tier.DEVICE)] == back
+    assert back == sent * (stats.fetched_ahead + stats.fetched_on_demand) // stats.offloaded[Tier.NVME] > 0
+    for leg in ((Tier.DEVICE, Tier.HOST), (Tier.HOST, Tier.NVME), (Tier.NVME, Tier.HOST), (Tier.HOST, Tier.DEVICE)):
+        assert rep.busy_seconds[leg] > 0, leg
+
+
+def test_a_failed_nvme_read_surfaces_at_backward_and_gives_staging_back(tmp_path):
+    tm = TieredModel(_Chain(), ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0), precision="bf16",
+                     nvme_dir=str(tmp_path))
+    store = tm.stores[Tier.NVME]
+
+    def broken(fd, bufs, offset):
+        raise OSError(5, "Input/output error")
+    store._preadv = broken
+    loss = tm(torch.randn(32, 96)).float().pow(2).mean()
+    host = tm.stores[Tier.HOST].ledger
+    assert _soon(lambda: not host.kind_used.get(ACT, 0))  # the forward's writes landed
+    with pytest.raises(OSError, match="Input/output error"):
+        tm.backward(loss)
+    tm.activations.release()
+    assert _soon(lambda: not host.kind_used.get(ACT, 0))  # the failed fetches gave their staging back
+
+
+def _soon(cond, timeout: float = 30.0) -> bool:
+    """Whether ``cond()`` holds within ``timeout`` seconds (NVMe requests end on their own threads)."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return cond()

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from tiermem import OutOfTierMemory, TensorClass, TensorInfo, Tier, TierMemError
@@ -147,6 +147,7 @@ TestEngineMachine.settings = settings(max_examples=25, stateful_step_count=30, d
 def engine(tmp_path):
     e = _engine(str(tmp_path))
     yield e
+    _Gate.open_all()  # a test that failed holding a lane must not hang close()
     e.close()
     e.stores[Tier.NVME].close()
 
@@ -236,3 +237,212 @@ def test_registry_transitions_are_checked():
         reg.begin("k", Tier.HOST, Tier.NVME)
     reg.finish("k", ok=False)
     assert reg.get("k").valid == {Tier.HOST}
+
+
+# -- chains, leases, stats (NOTE [Chained requests], NOTE [Pooled staging]) -----------------------
+class _Gate:
+    """A request held on a lane until ``open()``: ``handle`` completes when the gate opens."""
+
+    made: list = []
+
+    def __init__(self, engine, lane="d2h"):
+        self.event = threading.Event()
+        self.handle = engine.run_async(self.event.wait, lane=lane)
+        _Gate.made.append(self)
+
+    def open(self):
+        self.event.set()
+
+    @classmethod
+    def open_all(cls):
+        for gate in cls.made:
+            gate.open()
+        cls.made.clear()
+
+
+def _failing(engine, error):
+    def boom():
+        raise error
+    return engine.run_async(boom)
+
+
+def test_chain_runs_then_after_first_and_follows_its_request(engine):
+    gate, order = _Gate(engine), []
+    inner = _Gate(engine, lane="h2d")
+    h = engine.chain(gate.handle, lambda: order.append("then") or inner.handle,
+                     cleanup=lambda: order.append("cleanup"))
+    assert not h.done() and order == []
+    gate.open()
+    engine.behind("d2h").wait()
+    assert order == ["then"] and not h.done()  # it follows the request `then` issued
+    inner.open()
+    assert h.wait() is True and order == ["then", "cleanup"]  # Event.wait's result; cleanup first
+
+
+@pytest.mark.parametrize("where", ["first", "second of two", "then", "then's request", "cleanup"])
+def test_an_error_anywhere_ends_the_chain_and_cleanup_runs_once(engine, where):
+    err, ran, cleaned = ValueError(where), [], []
+    ok = engine.run_async(lambda: 1)
+    first = {"first": [_failing(engine, err), ok], "second of two": [ok, _failing(engine, err)]}.get(where, [ok])
+
+    def then():
+        ran.append(1)
+        if where == "then":
+            raise err
+        return _failing(engine, err) if where == "then's request" else 7
+
+    def cleanup():
+        cleaned.append(1)
+        if where == "cleanup":
+            raise err
+    h = engine.chain(first, then, cleanup=cleanup)
+    with pytest.raises(ValueError, match=where):
+        h.wait()
+    assert cleaned == [1] and ran == ([] if where in ("first", "second of two") else [1])
+
+
+def test_chain_without_then_ends_with_the_results(engine):
+    a, b = engine.run_async(lambda: "a"), engine.run_async(lambda: "b")
+    assert engine.chain(a).wait() == "a"
+    assert engine.chain([a, b]).wait() == ["a", "b"]
+    assert engine.chain([]).wait() == []
+    first_error = engine.chain([_failing(engine, KeyError("x")), _failing(engine, ValueError("y"))])
+    with pytest.raises(KeyError):  # the first in the order given, whichever finished first
+        first_error.wait()
+
+
+def test_then_runs_at_once_on_the_caller_when_first_is_done(engine):
+    done = engine.run_async(lambda: None)
+    done.wait()
+    seen = []
+    engine.chain(done, lambda: seen.append(threading.current_thread())).wait()
+    assert seen == [threading.current_thread()]
+
+
+def test_behind_runs_then_on_the_lane_after_its_queued_requests(engine):
+    gate, seen = _Gate(engine), []
+    h = engine.chain(engine.behind("d2h"), lambda: seen.append(threading.current_thread().name))
+    assert not h.done()
+    gate.open()
+    h.wait()
+    assert gate.handle.done() and seen[0].startswith("tiermem-d2h")
+
+
+def test_stall_on_a_chain_counts_to_its_tier(engine):
+    gate = _Gate(engine)
+    h = engine.chain(gate.handle, stall=Tier.NVME)
+    threading.Timer(0.05, gate.open).start()
+    h.wait()
+    assert engine.stats.stall_seconds[Tier.NVME] >= 0.03
+
+
+def test_copy_after_waits_for_its_request_and_orders_on_the_callers_thread(engine, monkeypatch):
+    """The CUDA rule of NOTE [Chained requests]: the ordering event is taken at the call, on the
+    caller's thread, not when the copy finally starts on another one."""
+    marks, real = [], engine._ready
+    monkeypatch.setattr(engine, "_ready", lambda: marks.append(threading.current_thread()) or real())
+    gate = _Gate(engine, lane="nvme")
+    src, dst = torch.arange(4099, dtype=torch.float32), torch.zeros(4099)
+    h = engine.copy_async(dst, src, src_tier=Tier.HOST, dst_tier=Tier.DEVICE, after=gate.handle)
+    assert marks == [threading.current_thread()]
+    engine.behind("h2d").wait()
+    assert not h.done() and not dst.any()  # not started while `after` runs
+    gate.open()
+    assert h.wait() is dst and torch.equal(dst, src)
+    again = torch.zeros(4099)
+    assert engine.copy_async(again, src, src_tier=Tier.HOST, dst_tier=Tier.DEVICE, after=h).wait() is again
+    assert torch.equal(again, src) and marks == [threading.current_thread()] * 2
+    failed = engine.copy_async(dst, src, src_tier=Tier.HOST, dst_tier=Tier.DEVICE,
+                               after=_failing(engine, OSError("disk")))
+    with pytest.raises(OSError, match="disk"):
+        failed.wait()
+    with pytest.raises(TierMemError, match=r"chains copies between two tiers"):
+        engine.copy_async(dst, src, src_tier=Tier.HOST, dst_tier=Tier.HOST, after=h)
+
+
+def test_lease_is_pooled_released_once_and_refused_over_budget(engine):
+    host = engine.stores[Tier.HOST]
+    with engine.lease(4 * 1001, "<a>", TensorClass.GRAD) as lease:
+        assert lease.view(torch.float32).shape == (1001,) and lease.view(torch.float32, (7, 143)).shape == (7, 143)
+        assert host.ledger.kind_used[TensorClass.GRAD] > 0
+    lease.release()  # again: nothing
+    assert host.ledger.kind_used[TensorClass.GRAD] == 0 and host.ledger.held("<a>") == 0
+    before = host.allocations
+    engine.lease(4 * 1001, "<b>").release()
+    assert host.allocations == before  # the same buffer again
+    with pytest.raises(OutOfTierMemory, match="'<big>'"):
+        engine.lease(64 << 20, "<big>")
+    assert host.ledger.held("<big>") == 0
+
+
+def test_flush_behind_queued_copies_then_give_the_buffer_back(engine):
+    """What NVMe gradients do (NOTE [Gradients on NVMe]): accumulate in a leased host buffer
+    from device->host copies, write it to NVMe behind them, give it back when the write lands."""
+    host, grads = engine.stores[Tier.HOST], torch.randn(4, 1001)
+    lease = engine.lease(grads.nbytes, "<grad landing b0>", TensorClass.GRAD)
+    acc = lease.view(torch.float32, grads.shape)
+    acc.zero_()
+    gate = _Gate(engine)
+    copies = [engine.copy_async(acc[i], grads[i], src_tier=Tier.DEVICE, dst_tier=Tier.HOST, accumulate=True)
+              for i in range(4)]
+    flush = engine.chain(engine.behind("d2h"),
+                         lambda: engine.store_write(Tier.NVME, "b0:grad", acc, kind=TensorClass.GRAD),
+                         cleanup=lease.release, stall=Tier.NVME)
+    assert not flush.done()
+    gate.open()
+    flush.wait()
+    assert all(c.done() for c in copies) and host.ledger.held("<grad landing b0>") == 0
+    out = torch.empty_like(grads)
+    engine.store_read(Tier.NVME, "b0:grad", out).wait()
+    assert torch.equal(out, grads)
+    assert engine.stats.bytes_moved[(Tier.HOST, Tier.NVME)] == grads.nbytes  # counted once
+    assert engine.stats.class_bytes_moved[(TensorClass.GRAD, Tier.HOST, Tier.NVME)] == grads.nbytes
+    assert engine.stats.busy_seconds[(Tier.HOST, Tier.NVME)] > 0
+
+
+def test_every_move_is_counted_once_in_the_stats(engine):
+    x = torch.randn(1000)
+    engine.register(_info("w", x), Tier.NVME)
+    engine.put("w", x, src_tier=Tier.HOST)
+    engine.prefetch("w", Tier.DEVICE).wait()
+    engine.copy_async(torch.empty(1000), x, src_tier=Tier.DEVICE, dst_tier=Tier.HOST, kind=TensorClass.GRAD).wait()
+    engine.copy_async(torch.empty(1000), x, src_tier=Tier.HOST, dst_tier=Tier.HOST).wait()
+    snap = engine.stats.snapshot()
+    assert snap["bytes_moved"] == {(Tier.HOST, Tier.NVME): 4000, (Tier.NVME, Tier.DEVICE): 4000,
+                                   (Tier.DEVICE, Tier.HOST): 4000, (Tier.HOST, Tier.HOST): 4000}
+    assert snap["class_bytes_moved"][(TensorClass.GRAD, Tier.DEVICE, Tier.HOST)] == 4000
+    assert set(snap["busy_seconds"]) == {(Tier.HOST, Tier.NVME), (Tier.NVME, Tier.DEVICE), (Tier.DEVICE, Tier.HOST)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(firsts=st.lists(st.one_of(st.integers(), st.none()), max_size=4),
+       then=st.sampled_from(["none", "value", "raise", "request", "failed request"]), cleanup_fails=st.booleans())
+def test_chain_outcome_is_the_first_error_or_the_last_result(firsts, then, cleanup_fails):
+    """``None`` in ``firsts`` is a failed request. The chain ends with the first error along the
+    way (``first`` in order, then ``then``, then ``cleanup``), else with its last result."""
+    e = TransferEngine({Tier.HOST: HostStore(1 << 20)})
+    try:
+        handles = [e.run_async(lambda v=v: v) if v is not None else _failing(e, KeyError("first")) for v in firsts]
+        fns = {"none": None, "value": lambda: "v", "raise": lambda: {}["then"],
+               "request": lambda: e.run_async(lambda: "r"), "failed request": lambda: _failing(e, KeyError("req"))}
+        cleaned = []
+
+        def cleanup():
+            cleaned.append(1)
+            if cleanup_fails:
+                raise KeyError("cleanup")
+        h = e.chain(handles, fns[then], cleanup=cleanup)
+        if None in firsts:
+            expect = "first"
+        elif then in ("raise", "failed request"):
+            expect = {"raise": "then", "failed request": "req"}[then]
+        else:
+            expect = "cleanup" if cleanup_fails else None
+        if expect is None:
+            assert h.wait() == {"none": firsts, "value": "v", "request": "r"}[then]
+        else:
+            with pytest.raises(KeyError, match=expect):
+                h.wait()
+        assert cleaned == [1]
+    finally:
+        e.close()

@@ -2,13 +2,15 @@
 
 A handle wraps a ``concurrent.futures.Future``. The time a caller spends blocked in ``wait()``
 on an unfinished request is reported to an optional ``on_stall`` callback, which is how the
-engine and the stores measure stall seconds.
+engine and the stores measure stall seconds. :func:`chain` composes handles into one; callers
+reach it through ``TransferEngine.chain``, which counts the stalls (NOTE [Chained requests]).
 """
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Optional
+from concurrent.futures import CancelledError, Future
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 StallSink = Callable[[float], None]
 
@@ -73,3 +75,90 @@ def wait_all_quietly(handles: Iterable[Handle]) -> None:
             h.wait()
         except Exception:  # noqa: BLE001 - the caller is already propagating the error that matters
             pass
+
+
+def chain(first: Union[Handle, Sequence[Handle]], then: Optional[Callable[[], Any]] = None, *,
+          cleanup: Optional[Callable[[], None]] = None, on_stall: Optional[StallSink] = None) -> Handle:
+    """One handle for "``then()`` once ``first`` has finished"; see NOTE [Chained requests] in
+    :mod:`tiermem.transfer.engine`, whose ``TransferEngine.chain`` is the way in."""
+    link = _Link(then, cleanup, isinstance(first, Handle))
+    firsts = [first] if link.single else list(first)
+    if len(firsts) == 1:
+        firsts[0].add_done_callback(link.first_done)
+    else:
+        _when_all(firsts, link.start)
+    return Handle(link.out, on_stall=on_stall)
+
+
+class _Link:
+    """One chain in flight. It refers to neither ``first`` nor what waits on it, and lets go of
+    ``then`` and ``cleanup`` once it ended, so a finished chain holds nothing and no cycle."""
+
+    __slots__ = ("then", "cleanup", "single", "out")
+
+    def __init__(self, then: Optional[Callable[[], Any]], cleanup: Optional[Callable[[], None]], single: bool):
+        self.then, self.cleanup, self.single = then, cleanup, single
+        self.out: Future = Future()
+
+    def first_done(self, f: Future) -> None:
+        error = _error_of(f)
+        self.start(error, [f.result()] if error is None and self.then is None else [])
+
+    def start(self, error: Optional[BaseException], results: list) -> None:
+        if error is not None:
+            self.end(error)
+            return
+        try:
+            value = self.then() if self.then is not None else (results[0] if self.single else results)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the chain
+            self.end(e)
+            return
+        if isinstance(value, Handle):  # a request issued by `then`: the chain ends with it
+            value.add_done_callback(self.request_done)
+        else:
+            self.end(None, value)
+
+    def request_done(self, f: Future) -> None:
+        error = _error_of(f)
+        self.end(error, f.result() if error is None else None)
+
+    def end(self, error: Optional[BaseException], value: Any = None) -> None:
+        cleanup, self.then, self.cleanup = self.cleanup, None, None
+        if cleanup is not None:
+            try:
+                cleanup()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the chain
+                error = error or e
+        self.out.set_exception(error) if error is not None else self.out.set_result(value)
+
+
+def _when_all(handles: list[Handle], fn: Callable[[Optional[BaseException], list], None]) -> None:
+    """Call ``fn(first error in the order given or None, results)`` once every handle is done, on
+    the thread that finished the last one (at once, on this thread, if there are none)."""
+    if not handles:
+        fn(None, [])
+        return
+    errors: list[Optional[BaseException]] = [None] * len(handles)
+    results: list[Any] = [None] * len(handles)
+    left, lock = [len(handles)], threading.Lock()
+
+    def one(i: int, f: Future) -> None:
+        errors[i] = _error_of(f)
+        if errors[i] is None:
+            results[i] = f.result()
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            error = next((e for e in errors if e is not None), None)
+            fn(error, [] if error is not None else results)
+    for i, h in enumerate(handles):
+        h.add_done_callback(lambda f, i=i: one(i, f))
+
+
+def _error_of(f: Future) -> Optional[BaseException]:
+    """A finished future's error (a cancelled one's is CancelledError), or None."""
+    try:
+        return f.exception()
+    except CancelledError as e:
+        return e

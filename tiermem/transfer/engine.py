@@ -10,6 +10,20 @@ moves are staged through a pooled host buffer.
 
 Destination memory is allocated on the caller's thread, so a move that would break a budget
 fails at the call with :class:`~tiermem.errors.OutOfTierMemory`, before anything is touched.
+
+# NOTE [Chained requests]
+A request that must wait for another (write to NVMe what a device->host copy brings, copy to
+the device what an NVMe read brings, give a buffer back once a write lands) is one handle made by
+:meth:`TransferEngine.chain`: ``then()`` runs once ``first`` (one handle or several) has finished
+without error, and the chain ends with what ``then`` returned, or, if that is a handle (a request
+``then`` issued), with that request's result or error. ``cleanup()`` runs exactly once when the
+chain ends, whichever way, before its handle completes. An error anywhere ends the chain with it.
+``then`` runs on whichever thread finished ``first`` (a lane, an NVMe I/O thread, or the
+caller's own when ``first`` is already done), so it only issues requests, never waits, and never
+issues a device copy with plain ``copy_async``: that orders the copy after the *current* stream
+of the thread it runs on. A copy that must follow a request is ``copy_async(..., after=handle)``,
+which records the ordering against the caller's stream at the call and joins its lane once
+``after`` succeeded.
 """
 from __future__ import annotations
 
@@ -17,59 +31,21 @@ import contextlib
 import logging
 import threading
 import time
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from tiermem.errors import TierMemError
-from tiermem.handles import Handle
+from tiermem.handles import Handle, chain
 from tiermem.memory.registry import Registry, Residency
 from tiermem.memory.base import Store
 from tiermem.memory.resident import HostStore, _MemoryStore, nbytes_of
+from tiermem.transfer.lease import Lease
+from tiermem.transfer.stats import TransferStats
 from tiermem.types import TensorInfo, Tier
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TransferStats:
-    """Counters the report reads: bytes per (src, dst), seconds the lanes were busy, and seconds
-    callers stalled waiting, per destination tier."""
-
-    bytes_moved: dict[tuple[Tier, Tier], int] = field(default_factory=lambda: defaultdict(int))
-    class_bytes_moved: dict[tuple[object, Tier, Tier], int] = field(default_factory=lambda: defaultdict(int))
-    busy_seconds: dict[tuple[Tier, Tier], float] = field(default_factory=lambda: defaultdict(float))
-    stall_seconds: dict[Tier, float] = field(default_factory=lambda: defaultdict(float))
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add_moved(self, src: Tier, dst: Tier, nbytes: int, kind: object = None) -> None:
-        with self._lock:
-            self.bytes_moved[(src, dst)] += nbytes
-            if kind is not None:
-                self.class_bytes_moved[(kind, src, dst)] += nbytes
-
-    def add_busy(self, src: Tier, dst: Tier, seconds: float) -> None:
-        with self._lock:
-            self.busy_seconds[(src, dst)] += seconds
-
-    def stall_sink(self, tier: Tier) -> Callable[[float], None]:
-        def sink(seconds: float) -> None:
-            with self._lock:
-                self.stall_seconds[tier] += seconds
-        return sink
-
-    @property
-    def total_stall_seconds(self) -> float:
-        return sum(self.snapshot()["stall_seconds"].values())
-
-    def snapshot(self) -> dict[str, dict]:
-        """Copies of the counters, taken under the lock (lane threads add keys as they run)."""
-        with self._lock:
-            return {"bytes_moved": dict(self.bytes_moved), "busy_seconds": dict(self.busy_seconds),
-                    "stall_seconds": dict(self.stall_seconds), "class_bytes_moved": dict(self.class_bytes_moved)}
 
 
 class TransferEngine:
@@ -82,7 +58,7 @@ class TransferEngine:
         self.registry = registry if registry is not None else Registry()
         dev_store = self.stores.get(Tier.DEVICE)
         self.device = torch.device(device if device is not None else getattr(dev_store, "device", "cpu"))
-        self.stats = TransferStats()
+        self.stats = TransferStats(tracer=tracer)
         # One worker per memory direction keeps requests in order, like a CUDA stream; the NVMe
         # lane has several, since each request there mostly waits on the store's I/O threads.
         self._lanes = {name: ThreadPoolExecutor(4 if name == "nvme" else 1, thread_name_prefix=f"tiermem-{name}")
@@ -173,26 +149,35 @@ class TransferEngine:
         return Handle.completed(out)
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, *, src_tier: Tier, dst_tier: Tier,
-                   accumulate: bool = False, kind: object = None) -> Handle:
+                   accumulate: bool = False, kind: object = None, after: Optional[Handle] = None) -> Handle:
         """Copy ``src`` into ``dst`` (or add it, when ``accumulate``), converting dtype as needed.
 
         Requests between two different tiers run on that direction's lane, in the order made;
         a request within one tier runs on the caller's thread. ``src`` must not be written until
         the handle is done; the caller may drop its own reference at once. ``kind`` (a
-        TensorClass) is what the report counts the bytes as.
+        TensorClass) is what the report counts the bytes as. ``after``: start only once that
+        request succeeded (it fails with its error otherwise), in the lane's order from then on;
+        the copy is still ordered after the caller's stream as it is now (NOTE [Chained requests]).
         """
         if src_tier == dst_tier:
+            if after is not None:
+                raise TierMemError(f"tiermem: copy_async(after=...) chains copies between two tiers, "
+                                   f"not within {src_tier}; wait for the request first")
             (dst.add_(src) if accumulate else dst.copy_(src))
-            self.stats.add_moved(src_tier, dst_tier, src.numel() * src.element_size(), kind)
+            self.stats.count(src_tier, dst_tier, nbytes=src.numel() * src.element_size(), kind=kind)
             return Handle.completed(dst)
         lane = "d2h" if src_tier == Tier.DEVICE else "h2d"
-        ready = None
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))  # ordering: after src is written
-        future = self._lanes[lane].submit(self._copy_or_add, dst, src, lane, ready, accumulate,
-                                          src_tier, dst_tier, kind)
-        return Handle(future, on_stall=self.stats.stall_sink(dst_tier))
+        # Ordering: after what the caller's stream queued (src written, dst's memory free), taken
+        # now, on the caller's thread, even when the copy starts later (NOTE [Chained requests]).
+        ready = self._ready()
+
+        def issue() -> Handle:
+            future = self._lanes[lane].submit(self._copy_or_add, dst, src, lane, ready, accumulate,
+                                              src_tier, dst_tier, kind)
+            return Handle(future, on_stall=self.stats.stall_sink(dst_tier))
+        if after is None or after.succeeded():  # nothing to wait for: issue it now
+            return issue()
+        return self.chain(after, issue, stall=dst_tier)
 
     def store_write(self, tier: Tier, key: str, src: torch.Tensor, *, src_tier: Tier = Tier.HOST,
                     kind: object = None) -> Handle:
@@ -211,13 +196,13 @@ class TransferEngine:
         self._store(tier).revert(key)
 
     def _observe(self, h: Handle, src: Tier, dst: Tier, t: torch.Tensor, kind: object = None) -> Handle:
+        """Count a store request (busy: from the request to its end, queueing included)."""
         t0 = time.perf_counter()
         nbytes = t.numel() * t.element_size()
 
         def done(f) -> None:
             if f.exception() is None:
-                self._account(src, dst, t0)
-                self.stats.add_moved(src, dst, nbytes, kind)
+                self.stats.count(src, dst, t0=t0, nbytes=nbytes, kind=kind)
         h.add_done_callback(done)
         return h.observed(self.stats.stall_sink(dst))
 
@@ -234,6 +219,30 @@ class TransferEngine:
                     self.tracer.add(name, "compute", t0, time.perf_counter())
         return Handle(self._lanes[lane].submit(timed), on_stall=self.stats.stall_sink(Tier.HOST))
 
+    def lease(self, nbytes: int, key: str, kind: object = None) -> Lease:
+        """A pooled host buffer of ``nbytes`` accounted to ``key`` as ``kind``, until its
+        ``release()`` (NOTE [Pooled staging]); refused with OutOfTierMemory over the budget."""
+        host = self._store(Tier.HOST)
+        assert isinstance(host, HostStore), "the host tier's store pools buffers"
+        return Lease(host, nbytes, key, kind)
+
+    def behind(self, lane: str) -> Handle:
+        """A handle that is done once every request queued on ``lane`` so far has finished; a
+        chain on it runs ``then`` on that lane, before the lane takes its next request."""
+        return Handle(self._lanes[lane].submit(_nothing), on_stall=self.stats.stall_sink(Tier.HOST))
+
+    def chain(self, first: Union[Handle, Sequence[Handle]], then: Optional[Callable[[], Any]] = None, *,
+              cleanup: Optional[Callable[[], None]] = None, stall: Tier = Tier.HOST) -> Handle:
+        """One handle for "``then()`` once ``first`` has finished" (NOTE [Chained requests]).
+
+        ``first``: a handle, or several (the chain starts when all are done; the first error in
+        the order given wins). ``then``: no arguments; it may return a handle, which the chain
+        then follows; without ``then`` the chain ends with ``first``'s result (a list for
+        several). ``cleanup``: runs once when the chain ends, on every path, before its handle
+        completes (e.g. ``lease.release``). ``stall``: the tier a wait on the handle counts to.
+        """
+        return chain(first, then, cleanup=cleanup, on_stall=self.stats.stall_sink(stall))
+
     def _copy_or_add(self, dst, src, lane, ready, accumulate, src_tier, dst_tier, kind) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
@@ -241,21 +250,17 @@ class TransferEngine:
             if not accumulate and not (cross and src.dtype != dst.dtype):
                 self._memcpy(dst, src, lane, ready)
             elif cross:  # convert on the host: a converting copy would allocate a temporary on the device
-                with self._staging(f"<staging {id(src)}>", src.shape, src.dtype) as staged:
+                with self.lease(nbytes_of(src.shape, src.dtype), f"<staging {id(src)}>") as lease:
+                    staged = lease.view(src.dtype, src.shape)
                     self._memcpy(staged, src, lane, ready)
                     (dst.add_(staged) if accumulate else dst.copy_(staged))
             else:
                 dst.add_(src)
-        finally:
-            self._account(src_tier, dst_tier, t0)
-        self.stats.add_moved(src_tier, dst_tier, src.numel() * src.element_size(), kind)
+        except BaseException:
+            self.stats.count(src_tier, dst_tier, t0=t0)
+            raise
+        self.stats.count(src_tier, dst_tier, t0=t0, nbytes=src.numel() * src.element_size(), kind=kind)
         return dst
-
-    def _account(self, src: Tier, dst: Tier, t0: float) -> None:
-        t1 = time.perf_counter()
-        self.stats.add_busy(src, dst, t1 - t0)
-        if self.tracer is not None:
-            self.tracer.add(f"{src.value}->{dst.value}", "transfer", t0, t1)
 
     def delete(self, key: str) -> None:
         self._settle(key)
@@ -312,11 +317,8 @@ class TransferEngine:
         # Allocate the destination now, on the caller's thread: a budget error surfaces here.
         out = (dst_store.allocate(key, info.shape, info.dtype, info.kind)
                if isinstance(dst_store, _MemoryStore) else None)
-        ready = None
-        if self.device.type == "cuda" and Tier.DEVICE in (src, dst):
-            # The copy must not start before the compute stream has finished writing the source.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+        # The copy must not start before the compute stream has finished writing the source.
+        ready = self._ready() if Tier.DEVICE in (src, dst) else None
         lane = "nvme" if Tier.NVME in (src, dst) else ("d2h" if src == Tier.DEVICE else "h2d")
         self.registry.begin(key, src, dst)
         future = self._lanes[lane].submit(self._run, r, src, dst, out, lane, ready, then_drop)
@@ -338,13 +340,12 @@ class TransferEngine:
         try:
             self._copy(key, r.info, src, dst, out, lane, ready)
         except BaseException:
+            self.stats.count(src, dst, t0=t0)
             self.registry.finish(key, ok=False)
             self._store(dst).delete(key)  # dst held no valid copy; free what we allocated for it
             raise
-        finally:
-            self._account(src, dst, t0)
+        self.stats.count(src, dst, t0=t0, nbytes=r.info.nbytes, kind=r.info.kind)
         self.registry.finish(key, ok=True)
-        self.stats.add_moved(src, dst, r.info.nbytes, r.info.kind)
         if then_drop is not None:
             self.registry.drop(key, then_drop)
             self._store(then_drop).delete(key)
@@ -356,7 +357,8 @@ class TransferEngine:
             self._memcpy(out, src_store.get(key), lane, ready)
         elif out is not None:  # NVMe -> memory
             if dst == Tier.DEVICE and self.device.type == "cuda":
-                with self._staging(f"<staging {key}>", info.shape, info.dtype) as buf:
+                with self.lease(nbytes_of(info.shape, info.dtype), f"<staging {key}>") as lease:
+                    buf = lease.view(info.dtype, info.shape)
                     src_store.read(key, buf).wait()
                     self._memcpy(out, buf, "h2d", ready)
             else:
@@ -364,23 +366,21 @@ class TransferEngine:
         else:  # memory -> NVMe
             tensor = src_store.get(key)  # type: ignore[attr-defined]
             if src == Tier.DEVICE and self.device.type == "cuda":
-                with self._staging(f"<staging {key}>", info.shape, info.dtype) as buf:
+                with self.lease(nbytes_of(info.shape, info.dtype), f"<staging {key}>") as lease:
+                    buf = lease.view(info.dtype, info.shape)
                     self._memcpy(buf, tensor, "d2h", ready)
                     dst_store.write(key, buf, info.kind).wait()
             else:
                 dst_store.write(key, tensor, info.kind).wait()
 
-    @contextlib.contextmanager
-    def _staging(self, tag: str, shape, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-        """A pooled (pinned) host buffer of ``shape`` and ``dtype`` for the length of a transfer."""
-        host = self.stores[Tier.HOST]
-        assert isinstance(host, HostStore)
-        nbytes = nbytes_of(shape, dtype)
-        base = host.acquire(nbytes, tag)
-        try:
-            yield base[:nbytes].view(dtype).view(shape)
-        finally:
-            host.release(tag, base)
+    def _ready(self) -> Optional[torch.cuda.Event]:
+        """On a GPU, an event on the calling thread's current stream: a copy that waits on it
+        starts after what that stream has queued so far (None on the CPU)."""
+        if self.device.type != "cuda":
+            return None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        return ready
 
     def _memcpy(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready) -> None:
         stream = self._streams.get(lane)
@@ -397,3 +397,7 @@ class TransferEngine:
             done = torch.cuda.Event()
             done.record(stream)
         done.synchronize()  # ordering: the handle completes only once the bytes have landed
+
+
+def _nothing() -> None:
+    return None
