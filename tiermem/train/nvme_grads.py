@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from concurrent.futures import Future
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle, wait_all
+from tiermem.transfer.lease import Lease
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes import GradHome
 from tiermem.types import TensorClass, Tier
@@ -49,9 +49,8 @@ class NvmeGrads(GradHome):
         """The host buffer that accumulates ``b``'s gradients in this backward (one buffer: this
         home refuses overlap_step, see :func:`tiermem.train.layout.make_homes`)."""
         if b.index not in self._landing:
-            tag = f"<grad landing {b.key}>"
-            base = self._acquire(b.numel * 4, tag)
-            t = base[:b.numel * 4].view(torch.float32)
+            lease = self._lease(b.numel * 4, f"<grad landing {b.key}>")
+            t = lease.view(torch.float32)
             try:
                 if b.index in self._on_disk:  # an earlier micro-batch of this step: continue from it
                     earlier = self._flush_of.pop(b.index, None)
@@ -59,21 +58,21 @@ class NvmeGrads(GradHome):
                         earlier.wait()  # ordering: its flush is issued and landed first
                     self.engine.store_read(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD).wait()
             except BaseException:
-                self.host.release(tag, base)
+                lease.release()
                 raise
-            self._landing[b.index] = (t, base)
+            self._landing[b.index] = (t, lease)
         return self._landing[b.index][0]
 
-    def _acquire(self, nbytes: int, tag: str) -> torch.Tensor:
-        """A pooled host buffer; when the host budget is tight, the flushes in flight (whose
-        buffers go back to the pool) land first. Bounded: at most a few flushes in flight."""
+    def _lease(self, nbytes: int, tag: str) -> Lease:
+        """A pooled host buffer (NOTE [Pooled staging]); when the host budget is tight, the flushes
+        in flight (whose buffers go back to the pool) land first. Bounded: a few flushes in flight."""
         while len([h for h in self._flushes if not h.done()]) > 2:
             next(h for h in self._flushes if not h.done()).wait()
         try:
-            return self.host.acquire(nbytes, tag, TensorClass.GRAD)
+            return self.engine.lease(nbytes, tag, TensorClass.GRAD)
         except OutOfTierMemory:
             wait_all(self._flushes)
-            return self.host.acquire(nbytes, tag, TensorClass.GRAD)
+            return self.engine.lease(nbytes, tag, TensorClass.GRAD)
 
     def arrived(self, b: Bucket) -> None:
         """One more of ``b``'s parameters has its gradient copy queued."""
@@ -87,25 +86,15 @@ class NvmeGrads(GradHome):
         self._arrived.clear()
 
     def _flush(self, b: Bucket) -> None:
-        t, base = self._landing.pop(b.index)
+        """Write the bucket behind its copies (the d2h lane runs in order: NOTE [Gradients on
+        NVMe]); the write is issued from the lane, which is not held while the disk works, and the
+        buffer goes back to the pool when it lands, whichever way (NOTE [Chained requests])."""
+        t, lease = self._landing.pop(b.index)
         self._arrived[b.index] = 0
         self._on_disk.add(b.index)
-
-        landed: Future = Future()
-
-        def release(error: Optional[BaseException]) -> None:
-            self.host.release(f"<grad landing {b.key}>", base)
-            landed.set_exception(error) if error is not None else landed.set_result(None)
-
-        def issue() -> None:  # runs on the lane after the bucket's copies: NOTE [Gradients on NVMe]
-            try:  # issue the write and return: the lane is not held while the disk works
-                h = self.engine.store_write(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD)
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the flush
-                release(e)
-                return
-            h.add_done_callback(lambda f: release(f.exception()))
-        self.engine.run_async(issue, name=f"flush {b.key} grads", lane="d2h")
-        h = Handle(landed, on_stall=self.engine.stats.stall_sink(Tier.NVME))
+        h = self.engine.chain(self.engine.behind("d2h"),
+                              lambda: self.engine.store_write(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD),
+                              cleanup=lease.release, stall=Tier.NVME)
         self._flushes.append(h)
         self._flush_of[b.index] = h
 
@@ -116,15 +105,14 @@ class NvmeGrads(GradHome):
     # -- the step ----------------------------------------------------------------------------------
     def read(self, b: Bucket, fill: int = 0) -> tuple[torch.Tensor, Callable[[], None]]:
         """``b``'s gradients of this step in a pooled host buffer, and the function that frees it."""
-        tag = f"<grad read {b.key}>"
-        base = self.host.acquire(b.numel * 4, tag, TensorClass.GRAD)
-        t = base[:b.numel * 4].view(torch.float32)
+        lease = self.engine.lease(b.numel * 4, f"<grad read {b.key}>", TensorClass.GRAD)
+        t = lease.view(torch.float32)
         try:
             self.engine.store_read(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD).wait()
         except BaseException:
-            self.host.release(tag, base)
+            lease.release()
             raise
-        return t, lambda: self.host.release(tag, base)
+        return t, lease.release
 
     def accumulating(self) -> bool:
         return bool(self._landing)
