@@ -36,6 +36,7 @@ class Report:
     def __str__(self) -> str:
         lines = [f"tiermem report: {self.steps} steps, {self.n_params:,} trainable parameters"
                  + (f"; rank {self.rank} of {self.world}, {fmt_bytes(self.collective_bytes)} through collectives"
+                    + (f" ({fmt_bytes(self.collective_bytes // self.steps)} per step)" if self.steps else "")
                     if self.world > 1 else "")]
         lines.append(f"{'tier':<8}{'peak':>14}{'budget':>14}{'B/param':>10}   by class (peak)")
         for tier in Tier:
