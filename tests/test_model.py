@@ -389,11 +389,30 @@ class _GradsOnNvmeStateOnDevice(Policy):
      r"out of device memory.*it needs .* \(working weights"),
     (lambda: TieredModel(TinyGPT(), budgets=Budgets(host=1000)), OutOfTierMemory, r"raise Budgets\(host=\.\.\.\)"),
     (lambda: TieredModel(nn.Linear(3, 3).requires_grad_(False)), TierMemError, "no trainable parameters"),
+    # issue 11's misuse list: answered at the call that receives it, never a raw error or silence
+    (lambda: TieredModel(TinyGPT(), nvme_dir=123), ConfigError, r"nvme_dir=123 is not a path"),
+    (lambda: TieredModel(TinyGPT(), device="gpu"), ConfigError, r"device='gpu' is not a device torch knows"),
+    (lambda: TieredModel(TinyGPT(), device=123), ConfigError, r"device=123 is not a device; pass 'cpu'"),
+    (lambda: TieredModel(TinyGPT(), device="meta"), ConfigError, r"trains on 'cpu' or 'cuda' devices"),
+    (lambda: TieredModel(nn.Linear(3, 3, device="meta")), ConfigError, r"on the meta device.*materialize"),
+    (lambda: TieredModel(TinyGPT(), trace_path="/no/such/dir/t.json"), ConfigError,
+     r"directory '/no/such/dir' does not exist"),
+    (lambda: TieredModel(TinyGPT(), trace_path=123), ConfigError, r"trace_path=123 is not a path"),
+    (lambda: TieredModel(TinyGPT(), overlap_step="no"), ConfigError, r"overlap_step='no' is not a bool"),
+    (lambda: TieredModel(TinyGPT(), prefetch="no"), ConfigError, r"prefetch='no' is not a bool"),
+    (lambda: TieredModel(TinyGPT(), grad_clip=float("inf")), ConfigError, r"grad_clip=inf is invalid.*finite"),
+    (lambda: TieredModel(TinyGPT(), grad_clip=True), ConfigError, r"grad_clip=True is invalid"),
 ])
 def test_bad_input_is_a_clear_error(make, err, match):
     with pytest.raises(err, match=match) as e:
         make()
     assert str(e.value).startswith("tiermem:")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a torch without CUDA")
+def test_cuda_on_a_torch_without_it_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"^tiermem: device='cuda' but this torch has no usable CUDA device"):
+        TieredModel(TinyGPT(), device="cuda")
 
 
 def test_bad_loss_and_closure():

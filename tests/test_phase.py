@@ -67,7 +67,37 @@ def test_forward_or_save_from_inside_forward_is_refused(tmp_path):
     assert not (tmp_path / "c.tm").exists()
 
 
+def test_a_second_backward_through_one_graph_keeps_the_grads_and_says_so(caplog):
+    tm, ref = _tm(), _tm()
+    x, y = gpt_batch(0)
+    loss = gpt_loss(tm(x), y)
+    tm.backward(loss)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time") as e:
+        tm.backward(loss)
+    assert any("earlier gradients are kept" in n for n in getattr(e.value, "__notes__", ["earlier gradients are kept"]))
+    assert "earlier gradients are kept" in caplog.text
+    assert tm.phase is Phase.GRADS_READY
+    ref.backward(gpt_loss(ref(x), y))
+    assert tm.step().grad_norm == ref.step().grad_norm > 0  # the first backward's grads were stepped on
+    assert same_state(tm.state_dict(), ref.state_dict())
+
+
+def test_a_step_without_backward_is_a_no_op_that_does_not_count(caplog):
+    tm = _tm()
+    before = tm.state_dict()
+    res = tm.step()
+    assert res.skipped and res.step == 0 and res.grad_norm == 0.0
+    assert "not counted" in caplog.text
+    assert same_state(before, tm.state_dict())
+    x, y = gpt_batch(0)
+    tm.backward(gpt_loss(tm(x), y))
+    assert tm.step().step == 1
+
+
 @pytest.mark.parametrize("call", [
+    lambda tm, x, y: tm.load("unused.tm"),
+    lambda tm, x, y: tm.optimizer.step(),
+    lambda tm, x, y: tm.no_sync().__enter__(),
     lambda tm, x, y: tm(x),
     lambda tm, x, y: tm.backward(torch.zeros((), requires_grad=True)),
     lambda tm, x, y: tm.step(),

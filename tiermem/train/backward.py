@@ -31,6 +31,7 @@ class GradCollector:
         self._got: set[str] = set()  # parameters that received a grad this step
         self._in_flight: list[tuple[Handle, str]] = []  # grad copies in flight, with their ledger tags
         self._copy_ids = itertools.count()
+        self.arrivals = 0  # gradients received since the model was built (a backward that got none changed nothing)
 
     # -- during backward ------------------------------------------------------------------------
     def on_grad(self, param: torch.Tensor) -> None:
@@ -38,6 +39,7 @@ class GradCollector:
         grad = param.grad
         if grad is None:
             return
+        self.arrivals += 1
         bucket, slot = self.slot_of[id(param)]
         home = self.homes.grads[bucket.index]
         acc = home.landing(bucket, self.fill)[slot.offset:slot.offset + slot.numel]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -62,6 +63,47 @@ class _Options:
     overlap: bool
 
 
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"tiermem: {name}={value!r} is not a bool; pass True or False")
+    return value
+
+
+def _device(device: Any) -> torch.device:
+    """Where the working weights live: a CPU or an accelerator torch can reach."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise ConfigError(f"tiermem: device={device!r} is not a device; pass 'cpu', 'cuda', 'cuda:1' or a "
+                          f"torch.device (or leave it out: cuda when available, else cpu)")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"tiermem: device={device!r} is not a device torch knows; pass 'cpu' or 'cuda[:N]'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"tiermem: device={device!r}: tiermem trains on 'cpu' or 'cuda' devices; pass one of them")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"tiermem: device={device!r} but this torch has no usable CUDA device (torch "
+                          f"{torch.__version__}); pass device='cpu' or install a CUDA build of torch")
+    return dev
+
+
+def _check_paths(module: torch.nn.Module, nvme_dir: Any, trace_path: Any) -> None:
+    if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
+        raise ConfigError(f"tiermem: nvme_dir={nvme_dir!r} is not a path; pass the directory as a str or Path")
+    if trace_path is not None:
+        if not isinstance(trace_path, (str, os.PathLike)):
+            raise ConfigError(f"tiermem: trace_path={trace_path!r} is not a path; pass a file name as a str or Path")
+        parent = os.path.dirname(os.path.abspath(trace_path))
+        if not os.path.isdir(parent):
+            raise ConfigError(f"tiermem: trace_path={str(trace_path)!r}: directory {parent!r} does not exist; "
+                              f"create it or choose another path")
+    meta = [n for n, p in module.named_parameters() if p.is_meta]
+    if meta:
+        raise ConfigError(f"tiermem: parameters {meta[:3]} are on the meta device (no values yet); materialize "
+                          f"the module first (e.g. module.to_empty(device='cpu') and initialize it, or load weights)")
+
+
 def _validate(module, optimizer, precision, budgets, grad_clip, device, bucket_size, overlap_step) -> _Options:
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"tiermem: TieredModel needs a torch.nn.Module, got {type(module).__name__}; "
@@ -70,16 +112,18 @@ def _validate(module, optimizer, precision, budgets, grad_clip, device, bucket_s
     if not isinstance(spec, _AdamSpec):
         raise ConfigError(f"tiermem: optimizer={spec!r} is not a tiermem optimizer spec; pass "
                           f"tiermem.AdamW(...) or tiermem.Adam(...) (hyperparameters, not a torch optimizer)")
-    if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
-        raise ConfigError(f"tiermem: grad_clip={grad_clip!r} is invalid: must be a number > 0, or None")
+    if grad_clip is not None and (isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float))
+                                  or not math.isfinite(grad_clip) or grad_clip <= 0):
+        raise ConfigError(f"tiermem: grad_clip={grad_clip!r} is invalid: must be a finite number > 0 (the largest "
+                          f"global gradient norm), or None for no clipping")
     budgets = Budgets() if budgets is None else budgets
     if not isinstance(budgets, Budgets):
         raise ConfigError(f"tiermem: budgets={budgets!r} is not a tiermem.Budgets; pass Budgets(device=..., host=...)")
     bucket_bytes = parse_bytes(bucket_size, what="bucket_size")
     if bucket_bytes < 4:
         raise ConfigError(f"tiermem: bucket_size={bucket_size!r} is invalid: must be at least 4 bytes")
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return _Options(spec, working_dtype(precision), dev, budgets, bucket_bytes // 4, bool(overlap_step))
+    return _Options(spec, working_dtype(precision), _device(device), budgets, bucket_bytes // 4,
+                    _flag("overlap_step", overlap_step))
 
 
 class TieredModel:
@@ -104,6 +148,8 @@ class TieredModel:
                  bucket_size: int | str = "32MiB", overlap_step: bool = False,
                  trace_path: Optional[str] = None, prefetch: bool = True, process_group: Any = None):
         opts = _validate(module, optimizer, precision, budgets, grad_clip, device, bucket_size, overlap_step)
+        _check_paths(module, nvme_dir, trace_path)
+        prefetch = _flag("prefetch", prefetch)
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = grad_clip, opts.overlap
@@ -182,18 +228,27 @@ class TieredModel:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled in fp16); call once per micro-batch, grads accumulate.
-        If it raises, this step's grads (earlier micro-batches too) are dropped: run the step's
-        forward and backward again."""
+        If it raises after some of its gradients arrived, this step's grads (earlier micro-batches
+        too) are dropped: run the step's forward and backward again. If it raises before any did
+        (e.g. a second backward through the same graph), nothing changed: earlier micro-batches'
+        grads are kept, and the error says so."""
         self._life.check("backward")
         _check_loss(loss)
-        with self._life.during("backward", Phase.BACKWARD):
+        arrived_before = self.grads.arrivals
+        with self._life.during("backward", Phase.BACKWARD):  # raising before any grad: back to the phase before
             try:
                 with self.tracer.span("backward", "compute"):
                     (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
                 self.grads.end_backward()
-            except BaseException:  # some grads are missing: drop the step's grads, never step on a mix
-                self.grads.drop()
+            except BaseException as e:
+                if self.grads.arrivals == arrived_before:  # nothing of this backward reached tiermem
+                    _note(e, "tiermem: no gradient of this backward had arrived: the step's earlier gradients "
+                             "are kept; run forward again to get a new graph before calling backward")
+                    raise
+                self.grads.drop()  # some grads are missing: drop the step's grads, never step on a mix
                 self._life.to(Phase.IDLE)
+                _note(e, "tiermem: this backward stopped part way: the step's gradients (earlier micro-batches "
+                         "too) were dropped; run the step's forward and backward again")
                 raise
             finally:
                 self.activations.release()
@@ -308,6 +363,13 @@ def _make_stores(opts: _Options, nvme_dir: Optional[str], reclaimers: Reclaimers
             mine = nvme_dir  # missing: the store's error names the directory the user gave
         stores[Tier.NVME] = NvmeStore(mine, budget=opts.budgets.nvme)
     return stores
+
+
+def _note(error: BaseException, text: str) -> None:
+    """Tell the user what tiermem did about ``error`` without changing its type."""
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(text)
+    log.warning("%s (%s: %s)", text, type(error).__name__, error)
 
 
 def _check_loss(loss: Any) -> None:

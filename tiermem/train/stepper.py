@@ -108,6 +108,10 @@ class Stepper:
     def _run(self, groups: list[dict]) -> StepResult:
         with self.tracer.span("wait grads", "stall"):
             self.finish_pending()
+        if not self.grads.has_grads():  # no backward since the last step (on any rank): a no-op, not counted
+            log.warning("tiermem: step() with no gradient since the last step (no backward?): nothing updated, "
+                        "the step is not counted")
+            return StepResult(True, 0.0, self.scaler.scale, self.steps)
         wait_gathered(self.homes, self.grads.fill)
         scale = self.scaler.scale
         norm = self._global_norm()
