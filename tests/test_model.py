@@ -541,3 +541,30 @@ def test_non_finite_grads_skip_the_step_in_every_precision(precision, caplog):
     assert "step skipped" in caplog.text
     after = tm.state_dict()
     assert same_state(before, after)
+
+
+def test_a_stalled_run_names_the_parameters_and_stops(caplog):
+    """NOTE [A stalled run is loud]: in bf16/fp32 a skipped step names the parameters whose grads
+    are not finite, and max_skipped_steps in a row raise with that diagnosis."""
+    torch.manual_seed(3)
+    tm = TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), precision="bf16", bucket_size=3000, max_skipped_steps=3)
+    bad = tm.module.blocks[1].fc.weight.register_hook(lambda g: g * float("nan"))  # this parameter's grad only
+    before = tm.state_dict()
+    x, y = gpt_batch(0)
+    for _ in range(2):
+        tm.backward(gpt_loss(tm(x), y))
+        assert tm.step().skipped
+    assert "not finite: blocks.1.fc.weight" in caplog.text and "blocks.0" not in caplog.text
+    tm.backward(gpt_loss(tm(x), y))
+    with pytest.raises(TierMemError, match=r"3 steps in a row were skipped .*\(in blocks\.1\.fc\.weight\).*"
+                                           r"max_skipped_steps"):
+        tm.step()
+    assert same_state(before, tm.state_dict()) and tm.phase is Phase.IDLE
+    bad.remove()
+    tm.backward(gpt_loss(tm(x), y))  # a good step resets the count
+    assert not tm.step().skipped and tm.stepper.skipped_in_a_row == 0
+
+
+def test_max_skipped_steps_is_checked():
+    with pytest.raises(ConfigError, match=r"max_skipped_steps=0 is invalid"):
+        TieredModel(TinyGPT(), max_skipped_steps=0)

@@ -139,6 +139,8 @@ class TieredModel:
     ``prefetch=False`` fetches weights homed off the device only when their module runs (for
     comparison; by default they are fetched ahead along the order the first step recorded).
     ``tm.phase`` tells where in the step the model is (NOTE [Step lifecycle]).
+    ``max_skipped_steps``: in bf16/fp32, this many steps skipped in a row for non-finite gradients
+    raise an error naming the parameters (NOTE [A stalled run is loud]); None never stops.
     """
 
     def __init__(self, module: torch.nn.Module, policy: Optional[Policy] = None, *,
@@ -146,10 +148,15 @@ class TieredModel:
                  budgets: Optional[Budgets] = None, nvme_dir: Optional[str] = None,
                  grad_clip: Optional[float] = None, device: torch.device | str | None = None,
                  bucket_size: int | str = "32MiB", overlap_step: bool = False,
-                 trace_path: Optional[str] = None, prefetch: bool = True, process_group: Any = None):
+                 trace_path: Optional[str] = None, prefetch: bool = True, process_group: Any = None,
+                 max_skipped_steps: Optional[int] = 10):
         opts = _validate(module, optimizer, precision, budgets, grad_clip, device, bucket_size, overlap_step)
         _check_paths(module, nvme_dir, trace_path)
         prefetch = _flag("prefetch", prefetch)
+        if max_skipped_steps is not None and (isinstance(max_skipped_steps, bool) or not isinstance(
+                max_skipped_steps, int) or max_skipped_steps < 1):
+            raise ConfigError(f"tiermem: max_skipped_steps={max_skipped_steps!r} is invalid: must be an int >= 1, "
+                              f"or None to never stop on skipped steps")
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = grad_clip, opts.overlap
@@ -176,7 +183,8 @@ class TieredModel:
                                    group=self.group)
         outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
         self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=grad_clip,
-                               tracer=self.tracer, overlap=opts.overlap, group=self.group)
+                               tracer=self.tracer, overlap=opts.overlap, group=self.group,
+                               max_skipped=max_skipped_steps)
         self.optimizer = TieredOptimizer(self.layout, opts.spec, self._step)
         for b in buckets:
             for s in b.slots:

@@ -10,6 +10,12 @@
    the update over its buckets), writing the new low-precision weights in the same pass, which
    go home while Adam runs on the next bucket (:mod:`tiermem.train.uploads`).
 
+# NOTE [A stalled run is loud]
+In bf16 and fp32 an overflow is not expected: a skipped step logs a warning with the names of the
+parameters whose gradients are not finite, and ``max_skipped_steps`` (default 10) skipped steps
+in a row raise a ``tiermem:`` error with that diagnosis, instead of a run that trains nothing
+for hours. In fp16 skipping is the loss scaler's normal way to find its scale.
+
 Like ``torch.optim``, a parameter that received no gradient in a step is not updated, and each
 parameter keeps its own step count (bias correction). The step talks to homes only (NOTE
 [Homes]): it never asks which tier a bucket's grads, state or weights are on.
@@ -24,6 +30,7 @@ from typing import Optional
 import torch
 
 from tiermem import optim
+from tiermem.errors import TierMemError
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket
 from tiermem.train.backward import GradCollector
@@ -65,7 +72,8 @@ class Stepper:
     computed with weights one update older than in the plain loop."""
 
     def __init__(self, layout: Layout, grads: GradCollector, outputs: Outputs, engine, scaler: LossScaler, *,
-                 grad_clip: Optional[float], tracer, overlap: bool = False, group: Group = Solo()):
+                 grad_clip: Optional[float], tracer, overlap: bool = False, group: Group = Solo(),
+                 max_skipped: Optional[int] = 10):
         self.layout, self.homes, self.grads, self.outputs, self.group = layout, layout.homes, grads, outputs, group
         self.engine, self.scaler, self.grad_clip, self.tracer, self.overlap = engine, scaler, grad_clip, tracer, overlap
         self.steps = 0
@@ -73,6 +81,9 @@ class Stepper:
         self._step_of: dict[str, int] = {}  # canonical parameter name -> updates applied to it
         self._order = sorted((s.order, s.name) for b in layout.buckets for s in b.slots)  # every parameter
         self._background: Optional[tuple[Handle, list]] = None  # overlap: the update in flight
+        self.max_skipped = max_skipped  # NOTE [A stalled run is loud]
+        self.skipped_in_a_row = 0
+        self._norms: tuple[list[str], torch.Tensor] = ([], torch.zeros(0))
 
     # -- between steps -----------------------------------------------------------------------------
     def finish_pending(self) -> None:
@@ -118,11 +129,8 @@ class Stepper:
         if self.scaler.enabled:
             norm = norm / scale
         if not torch.isfinite(norm):
-            self.scaler.update(found_inf=True)
-            self.grads.consumed()
-            if not self.scaler.enabled:
-                log.warning("tiermem: gradient norm is %s; step skipped, weights unchanged", norm.item())
-            return StepResult(True, norm.item(), self.scaler.scale, self.steps)
+            return self._skipped(norm)
+        self.skipped_in_a_row = 0
         clip = 1.0
         if self.grad_clip is not None:
             clip = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0).item()
@@ -222,9 +230,38 @@ class Stepper:
                 free()
         names = [name for _, name in self._order if self.grads.received(name)]
         if not names:
+            self._norms = ([], torch.zeros(0))
             return torch.zeros((), dtype=torch.float32)
         zero = torch.zeros((), dtype=torch.float32)
-        return torch.linalg.vector_norm(self.group.norms(_on_host([per_slot.get(n, zero) for n in names])))
+        norms = self.group.norms(_on_host([per_slot.get(n, zero) for n in names]))
+        self._norms = (names, norms)  # for the diagnosis of a skipped step
+        return torch.linalg.vector_norm(norms)
+
+    def _not_finite(self) -> list[str]:
+        """The parameters whose gradients (of the last norm) are not finite, in parameter order."""
+        names, norms = self._norms
+        return [n for n, ok in zip(names, torch.isfinite(norms).tolist()) if not ok]
+
+    def _skipped(self, norm: torch.Tensor) -> StepResult:
+        """Overflow or non-finite gradients: nothing is touched. In fp16 that is the loss scale's
+        business; in bf16/fp32 it is not expected (NOTE [A stalled run is loud])."""
+        self.scaler.update(found_inf=True)
+        self.grads.consumed()
+        result = StepResult(True, norm.item(), self.scaler.scale, self.steps)
+        if self.scaler.enabled:
+            return result
+        self.skipped_in_a_row += 1
+        bad = self._not_finite()
+        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        log.warning("tiermem: gradient norm is %s; step skipped, weights unchanged (%d in a row); not finite: %s",
+                    norm.item(), self.skipped_in_a_row, shown)
+        if self.max_skipped is not None and self.skipped_in_a_row >= self.max_skipped:
+            raise TierMemError(
+                f"tiermem: {self.skipped_in_a_row} steps in a row were skipped because the gradients are not "
+                f"finite (in {shown}); the weights have not moved since. Lower the learning rate, check the "
+                f"inputs and the loss for inf/NaN, or resume from the last checkpoint (raise "
+                f"max_skipped_steps= to allow more)")
+        return result
 
     def _count_steps(self) -> None:
         """Every parameter that got a gradient (on any rank) takes one more step."""
