@@ -29,11 +29,11 @@ class FakeState:
                 raise RuntimeError("state unreadable")
             yield item
 
-    def shapes(self):
-        return ((n, tuple(t.shape)) for n, t in self.t.items())
+    def specs(self, precision):
+        return ((n, tuple(t.shape), t.dtype) for n, t in self.t.items())
 
     def meta(self):
-        return dict(self._meta, precision="bf16", param_step={}, scaler={}, groups=[{}])
+        return dict(self._meta, precision="bf16", param_step={}, scaler={"scale": 1.0, "good_steps": 0}, groups=[{}])
 
     def load(self, read_into, meta):
         for n, t in self.t.items():

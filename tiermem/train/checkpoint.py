@@ -2,33 +2,57 @@
 
 # NOTE [Checkpoint format]
 One file: ``MAGIC``, then each tensor's raw bytes (64-byte aligned), then a JSON footer, its
-length (8 bytes, little endian) and ``MAGIC`` again. The footer holds the step, loss scale,
-hyperparameters and per-parameter step counts, and for every tensor its name
-(``master/<param>``, ``exp_avg/<param>``, ``exp_avg_sq/<param>``, ``frozen/<param>``,
-``buffers/<buffer>``), dtype, shape, offset and CRC-32. Parameter names are the module's
-qualified names (the first one, for tied weights), so a model with another bucket size loads it.
+length (8 bytes, little endian), the footer's CRC-32 (4 bytes, little endian) and ``MAGIC``
+again. The footer holds the precision, step, loss scale, hyperparameters and per-parameter step
+counts, and for every tensor its name (``master/<param>``, ``exp_avg/<param>``,
+``exp_avg_sq/<param>``, ``frozen/<param>``, ``buffers/<buffer>``), dtype, shape, offset, size and
+CRC-32. Parameter names are the module's qualified names (the first one, for tied weights), so a
+model with another bucket size loads it. Files of ``MAGIC_V1`` (the same, without the footer's
+CRC-32) still load.
 
 Saving streams bucket by bucket (optimizer state on NVMe passes through one host buffer set at
-a time, never the whole state), into a temporary file beside the target that is renamed over it
-only once complete and synced: a failed save leaves the previous checkpoint loadable. Loading
-checks the footer and every checksum before it changes anything, and unpickles nothing.
+a time, never the whole state), into a temporary ``<path>.tmp-<pid>`` beside the target, created
+exclusively (a file or symlink already at that name is refused, never followed) with mode 0600,
+and renamed over ``path`` only once complete and synced: a failed save leaves the previous
+checkpoint loadable, and a symlink at ``path`` is replaced, not written through. A save first
+removes the temporaries of ``path`` that a killed save left: only names of exactly that form,
+only of a pid that is not alive on this machine, never this process's.
+
+Loading checks, before it changes anything and in this order: the footer's checksum; every
+footer field's type and range (the Adam hyperparameters by the one rule of NOTE [Adam
+hyperparameter rules]); each tensor's size against its dtype and shape and its place inside the
+file; the names, shapes and dtypes against the model; every tensor's checksum. It unpickles
+nothing. A checkpoint of another precision loads (the master weights and moments are fp32
+whatever the precision); the loss scale is taken from it only when the precisions agree, so
+an fp32 checkpoint resumed in fp16 keeps the run's scale rather than reset it to 1.0.
 """
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import re
+import stat
 import struct
 import zlib
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
-from tiermem.errors import StoreError, TierMemError
-from tiermem.train.state import ModelState
+from tiermem.config import PRECISIONS, check_adam_hyper
+from tiermem.errors import ConfigError, StoreError, TierMemError
+from tiermem.train.state import HYPER, ModelState
 
-MAGIC = b"TIERMEM-CKPT-v1\n"
+log = logging.getLogger(__name__)
+
+MAGIC = b"TIERMEM-CKPT-v2\n"
+MAGIC_V1 = b"TIERMEM-CKPT-v1\n"  # no checksum on the footer; read, never written
+_TRAILER = {MAGIC: struct.Struct("<QI"), MAGIC_V1: struct.Struct("<Q")}  # footer length (, footer CRC-32)
 _ALIGN = 64
 _CHUNK = 64 << 20
+_META_KEYS = {"precision", "step", "param_step", "scaler", "groups"}
+_ENTRY_KEYS = {"name", "dtype", "shape", "offset", "nbytes", "crc32"}
 
 
 # -- save -----------------------------------------------------------------------------------------
@@ -46,13 +70,58 @@ def _write(state: ModelState, f) -> None:
                         "offset": f.tell(), "nbytes": data.nbytes, "crc32": zlib.crc32(data)})
         f.write(data)
     footer = json.dumps({"meta": state.meta(), "tensors": entries}).encode()
-    f.write(footer + struct.pack("<Q", len(footer)) + MAGIC)
+    f.write(footer + _TRAILER[MAGIC].pack(len(footer), zlib.crc32(footer)) + MAGIC)
     f.flush()
     os.fsync(f.fileno())
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process, or no pid this machine can have: leave it
+        return True
+    return True
+
+
+def _remove_stale_temporaries(path: str) -> None:
+    """Remove the ``<path>.tmp-<pid>`` files of saves that were killed (NOTE [Checkpoint format])."""
+    directory, base = os.path.split(os.path.abspath(path))
+    pattern = re.compile(re.escape(base) + r"\.tmp-([1-9][0-9]{0,9})")
+    try:
+        entries = list(os.scandir(directory))
+    except OSError as e:
+        log.warning("tiermem: cannot list %r to remove stale checkpoint temporaries (%s)", directory, e)
+        return
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if m is None or int(m[1]) == os.getpid() or _alive(int(m[1])) or entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            os.unlink(entry.path)  # a symlink itself, never its target
+            log.info("tiermem: removed %r, left by a save of process %s, which is gone", entry.path, m[1])
+        except FileNotFoundError:
+            pass  # another save removed it first
+        except OSError as e:
+            log.warning("tiermem: cannot remove the stale checkpoint temporary %r (%s)", entry.path, e)
+
+
+def _create(tmp: str, path: str) -> BinaryIO:
+    """``tmp``, new, mode 0600: whatever is already at that name (a symlink too) is refused."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o600)
+    except FileExistsError:
+        raise StoreError(f"tiermem: cannot save the checkpoint to {path!r}: its temporary {tmp!r} already exists "
+                         f"(left by an earlier process with this pid, or planted there) and is never written "
+                         f"through; remove it and save again") from None
+    os.fchmod(fd, 0o600)  # whatever the umask
+    return os.fdopen(fd, "wb")
+
+
 def _publish(tmp: str, path: str, directory: str) -> None:
-    os.replace(tmp, path)  # atomic: readers see the old checkpoint or the new one, never half
+    os.replace(tmp, path)  # atomic: readers see the old checkpoint or the new one, never half; a link is replaced
     dfd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dfd)  # the rename itself survives a crash
@@ -69,16 +138,24 @@ def save(state: ModelState, path: str) -> None:
         raise StoreError(f"tiermem: cannot save a checkpoint to {path!r}: directory {directory!r} does not "
                          f"exist on rank 0; create it or choose another path")
     tmp = f"{path}.tmp-{os.getpid()}"
+    f: BinaryIO | None = None
     error: BaseException | None = None
+    if state.writes_files:
+        try:
+            _remove_stale_temporaries(path)
+            f = _create(tmp, path)
+        except OSError as e:
+            error = e
     try:
-        if state.writes_files:
-            with open(tmp, "wb") as f:
+        if f is not None:
+            with f:
                 _write(state, f)
         else:
             for _ in state.tensors():
-                pass  # taking part in the gathers
+                pass  # taking part in the gathers (and on rank 0 when the temporary could not be made)
     except BaseException as e:  # noqa: BLE001 - reported after every rank knows
-        error = e
+        error = error or e
+    published = False
     try:
         if not state.all_ok(error is None):
             raise error if error is not None else StoreError(
@@ -86,58 +163,162 @@ def save(state: ModelState, path: str) -> None:
                 f"previous checkpoint there is unchanged")
         if state.writes_files:
             _publish(tmp, path, directory)
+            published = True
     except BaseException as e:  # whatever stopped it (a full disk, an error reading the state): no debris
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
+        if f is not None and not published:
+            try:
+                os.unlink(tmp)  # the file this save created, and only that
+            except FileNotFoundError:
+                pass  # renamed into place before the directory's sync failed
+        if isinstance(e, OSError) and not isinstance(e, TierMemError):
             raise StoreError(f"tiermem: saving the checkpoint to {path!r} failed ({e.strerror or e}); free space "
                              f"or choose another path. Any previous checkpoint there is unchanged") from e
         raise
 
 
-# -- load -----------------------------------------------------------------------------------------
+# -- load: the footer -----------------------------------------------------------------------------
+class _Invalid(Exception):
+    """A footer field breaks its rule; the message says which, its value and the rule."""
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _require(ok: bool, where: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise _Invalid(f"{where}={_short(value)} is invalid: it must be {rule}")
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _keys(d: Any, where: str, allowed: set[str], required: set[str]) -> None:
+    _require(isinstance(d, dict), where, d, "an object")
+    rule = f"the keys {sorted(allowed)}" if required == allowed else f"keys among {sorted(allowed)}"
+    _require(required <= d.keys() <= allowed, where + " keys", sorted(d), rule)
+
+
+def _hyper(where: str, field: str, value: Any, rule: str | None = None) -> None:
+    """``field`` by the rule of the Adam hyperparameter ``rule`` (by default its own name) in
+    tiermem.config, booleans refused."""
+    _require(not isinstance(value, bool) and not (isinstance(value, list) and any(isinstance(v, bool) for v in value)),
+             where + field, value, "a number, not a boolean")
+    try:
+        check_adam_hyper("", **{rule or field: value})
+    except ConfigError as e:  # "tiermem: <rule>=<value> is invalid: it must be ...; pass a value that is"
+        why = str(e).partition(" is invalid: ")[2].partition("; pass")[0]
+        raise _Invalid(f"{where}{field}={_short(value)} is invalid: {why}") from None
+
+
+def _check_meta(meta: Any) -> None:
+    _keys(meta, "meta", _META_KEYS, _META_KEYS)
+    precision, step = meta["precision"], meta["step"]
+    _require(isinstance(precision, str) and precision in PRECISIONS, "meta.precision", precision,
+             f"one of {sorted(PRECISIONS)}")
+    _require(_count(step), "meta.step", step, "an int >= 0")
+    _require(isinstance(meta["param_step"], dict), "meta.param_step", meta["param_step"], "an object")
+    for name, n in meta["param_step"].items():
+        _require(_count(n) and n <= step, f"meta.param_step[{name!r}]", n, f"an int in [0, step={step}]")
+    scaler = meta["scaler"]
+    _keys(scaler, "meta.scaler", {"scale", "good_steps"}, {"scale", "good_steps"})
+    _hyper("meta.scaler.", "scale", scaler["scale"], "grad_scale")
+    _require(_count(scaler["good_steps"]), "meta.scaler.good_steps", scaler["good_steps"], "an int >= 0")
+    if precision != "fp16":  # no loss scaling: a scale other than 1 would divide every gradient
+        _require(scaler == {"scale": 1.0, "good_steps": 0}, "meta.scaler", scaler,
+                 f"{{'scale': 1.0, 'good_steps': 0}} at precision {precision!r}")
+    _require(isinstance(meta["groups"], list), "meta.groups", meta["groups"], "a list")
+    for i, group in enumerate(meta["groups"]):
+        _keys(group, f"meta.groups[{i}]", set(HYPER), set())
+        for name, value in group.items():
+            _hyper(f"meta.groups[{i}].", name, value, "lr" if name == "initial_lr" else name)
+
+
+def _dtype(name: Any) -> torch.dtype | None:
+    """The torch dtype ``name`` spells as a checkpoint writes it (``float32``, not ``float``)."""
+    d = getattr(torch, name, None) if isinstance(name, str) else None
+    return d if isinstance(d, torch.dtype) and str(d) == "torch." + name else None
+
+
+def _check_entries(entries: Any, data_end: int) -> None:
+    _require(isinstance(entries, list), "tensors", entries, "a list")
+    seen: set[str] = set()
+    for i, e in enumerate(entries):
+        where = f"tensors[{i}]"
+        _keys(e, where, _ENTRY_KEYS, _ENTRY_KEYS)
+        _require(isinstance(e["name"], str) and e["name"] not in seen, where + ".name", e["name"], "a name not seen before")
+        seen.add(e["name"])
+        where = f"tensors[{i}] ({e['name']!r})"
+        dtype, shape, offset, nbytes = _dtype(e["dtype"]), e["shape"], e["offset"], e["nbytes"]
+        _require(dtype is not None, where + ".dtype", e["dtype"], "a torch dtype such as 'float32'")
+        _require(isinstance(shape, list) and all(_count(n) for n in shape), where + ".shape", shape,
+                 "a list of ints >= 0")
+        _require(_count(offset) and offset >= len(MAGIC), where + ".offset", offset, f"an int >= {len(MAGIC)}")
+        size = math.prod(shape) * dtype.itemsize
+        _require(nbytes == size and not isinstance(nbytes, bool), where + ".nbytes", nbytes,
+                 f"{size} ({e['dtype']} x {shape})")
+        _require(offset + nbytes <= data_end, where + ".offset", offset,
+                 f"such that its {nbytes} bytes end before the footer, at {data_end}")
+        _require(_count(e["crc32"]) and e["crc32"] < 2**32, where + ".crc32", e["crc32"], "an int in [0, 2**32)")
+
+
 def _read_footer(f: BinaryIO, path: str) -> dict:
     def bad(why: str) -> StoreError:
-        return StoreError(f"tiermem: {path!r} is not a readable tiermem checkpoint ({why}); pass a file "
-                          f"written by tm.save()")
+        return StoreError(f"tiermem: {path!r} is not a readable tiermem checkpoint ({why}); nothing was loaded. "
+                          f"Pass a file written by tm.save(), unedited")
     size = os.fstat(f.fileno()).st_size
-    if size < 2 * len(MAGIC) + 8 or f.read(len(MAGIC)) != MAGIC:
+    head = f.read(len(MAGIC))
+    if size < 2 * len(MAGIC) + 8 or head not in _TRAILER:
         raise bad("no tiermem header")
-    f.seek(size - len(MAGIC) - 8)
-    tail = f.read(8 + len(MAGIC))
-    if tail[8:] != MAGIC:
+    trailer = _TRAILER[head]
+    end = size - len(MAGIC) - trailer.size  # where the footer ends
+    f.seek(max(end, 0))
+    tail = f.read(trailer.size + len(MAGIC))
+    if end < len(MAGIC) or tail[trailer.size:] != head:
         raise bad("truncated: no footer")
-    (n,) = struct.unpack("<Q", tail[:8])
-    if n > size:
+    n, *crc = trailer.unpack(tail[:trailer.size])
+    if n > end - len(MAGIC):
         raise bad("corrupt footer length")
-    f.seek(size - len(MAGIC) - 8 - n)
+    f.seek(end - n)
+    footer = f.read(n)
+    if crc and zlib.crc32(footer) != crc[0]:
+        raise bad("corrupt footer: it fails its checksum, edited or damaged")
     try:
-        doc = json.loads(f.read(n))
-        meta = doc["meta"]
-        for key in ("precision", "step", "param_step", "scaler", "groups"):
-            meta[key]  # noqa: B018 - present, or the footer is not ours
-        for e in doc["tensors"]:
-            if not isinstance(getattr(torch, e["dtype"], None), torch.dtype):
-                raise ValueError(e["dtype"])
-            e["name"], e["shape"], e["offset"], e["nbytes"], e["crc32"]  # noqa: B018
-    except (ValueError, KeyError, TypeError):
-        raise bad("corrupt footer") from None
+        doc = json.loads(footer)
+        _keys(doc, "footer", {"meta", "tensors"}, {"meta", "tensors"})
+        _check_meta(doc["meta"])
+        _check_entries(doc["tensors"], end - n)
+    except (ValueError, RecursionError):
+        raise bad("corrupt footer: not JSON") from None
+    except _Invalid as e:
+        raise bad(f"corrupt footer: {e}") from None
     return doc
 
 
+# -- load: against the model, then the data -------------------------------------------------------
 def _check(state: ModelState, doc: dict, f: BinaryIO, path: str) -> dict[str, dict]:
+    def other(what: str) -> TierMemError:
+        return TierMemError(f"tiermem: checkpoint {path!r} does not match this model: {what}; nothing was loaded. "
+                            f"Load it into the model it was saved from")
     index = {e["name"]: e for e in doc["tensors"]}
-    expected = dict(state.shapes())
+    meta = doc["meta"]
+    expected = {name: (shape, dtype) for name, shape, dtype in state.specs(meta["precision"])}
     missing, unexpected = sorted(set(expected) - set(index)), sorted(set(index) - set(expected))
     if missing or unexpected:
-        raise TierMemError(f"tiermem: checkpoint {path!r} does not match this model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}; load it into the model it was saved from")
-    for name, shape in expected.items():
+        raise other(f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, (shape, dtype) in expected.items():
         if tuple(index[name]["shape"]) != shape:
-            raise TierMemError(f"tiermem: checkpoint {path!r}: {name!r} has shape {tuple(index[name]['shape'])}, "
-                               f"the model has {shape}; load it into the model it was saved from")
-    if len(doc["meta"]["groups"]) != len(state.param_groups):
-        raise TierMemError(f"tiermem: checkpoint {path!r} has {len(doc['meta']['groups'])} param groups, this "
+            raise other(f"{name!r} has shape {tuple(index[name]['shape'])}, the model has {shape}")
+        if _dtype(index[name]["dtype"]) != dtype:
+            raise other(f"{name!r} is {index[name]['dtype']}, the model holds it as {str(dtype).removeprefix('torch.')}")
+    params = {name.partition("/")[2] for name in expected if name.startswith("master/")}
+    strangers = sorted(set(meta["param_step"]) - params)
+    if strangers:
+        raise other(f"meta.param_step counts steps of {strangers[:5]}, not trainable parameters of this model")
+    if len(meta["groups"]) != len(state.param_groups):
+        raise TierMemError(f"tiermem: checkpoint {path!r} has {len(meta['groups'])} param groups, this "
                            f"model {len(state.param_groups)}; use the same optimizer spec")
     for e in index.values():  # every checksum before anything changes
         f.seek(e["offset"])
@@ -154,7 +335,7 @@ def _check(state: ModelState, doc: dict, f: BinaryIO, path: str) -> dict[str, di
 
 
 def _read_into(f: BinaryIO, e: dict, t: torch.Tensor) -> None:
-    dtype = getattr(torch, e["dtype"])
+    dtype = _dtype(e["dtype"])
     f.seek(e["offset"])
     if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous():
         f.readinto(t.reshape(-1).view(torch.uint8).numpy())
@@ -164,11 +345,23 @@ def _read_into(f: BinaryIO, e: dict, t: torch.Tensor) -> None:
     t.copy_(tmp)
 
 
-def _open_checked(state: ModelState, path: str) -> tuple[BinaryIO, dict, dict[str, dict]]:
+def _open(path: str) -> BinaryIO:
     try:
-        f = open(path, "rb")
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a directory, a FIFO (which would block), a device
+            raise StoreError(f"tiermem: {path!r} is {'a directory' if os.path.isdir(path) else 'not a regular file'}, "
+                             f"not a checkpoint; pass the file path given to tm.save()")
+        return open(path, "rb")
     except FileNotFoundError:
         raise StoreError(f"tiermem: no checkpoint at {path!r}; pass the path given to tm.save()") from None
+    except TierMemError:
+        raise
+    except OSError as e:
+        raise StoreError(f"tiermem: cannot open the checkpoint {path!r} ({e.strerror or e}); check its "
+                         f"permissions or pass another path") from None
+
+
+def _open_checked(state: ModelState, path: str) -> tuple[BinaryIO, dict, dict[str, dict]]:
+    f = _open(path)
     try:
         doc = _read_footer(f, path)
         return f, doc, _check(state, doc, f, path)  # everything checked before anything changes

@@ -8,10 +8,12 @@ through it and knows nothing else of the model.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Iterator
 
 import torch
 
+from tiermem.config import PRECISIONS
 from tiermem.plan.buckets import STATE_PARTS
 from tiermem.train.layout import Layout
 from tiermem.train.param_offload import ParamOffload
@@ -19,7 +21,9 @@ from tiermem.train.scaler import LossScaler
 from tiermem.train.stepper import Stepper
 from tiermem.transfer.collectives import Group, Solo
 
-_HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+log = logging.getLogger(__name__)
+
+HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")  # what a checkpoint keeps of each param group
 
 
 class ModelState:
@@ -60,19 +64,24 @@ class ModelState:
         for name, t in self.module.named_buffers():
             yield f"buffers/{name}", t
 
-    def shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
-        """The name and shape of every tensor :meth:`tensors` gives, without reading any."""
+    def specs(self, precision: str) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+        """The name, shape and dtype of every tensor a checkpoint this model saved at
+        ``precision`` holds (at its own precision: what :meth:`tensors` gives), reading none.
+        Optimizer state is fp32 and frozen parameters keep their dtype whatever the precision;
+        floating-point buffers are in the working dtype (layout._cast_buffers)."""
         for b in self.layout.buckets:
             for part in STATE_PARTS:
                 for s in b.slots:
-                    yield f"{part}/{s.name}", tuple(s.shape)
-        yield from ((f"frozen/{n}", tuple(t.shape)) for n, t in self.layout.frozen.items())
-        yield from ((f"buffers/{n}", tuple(t.shape)) for n, t in self.module.named_buffers())
+                    yield f"{part}/{s.name}", tuple(s.shape), torch.float32
+        yield from ((f"frozen/{n}", tuple(t.shape), t.dtype) for n, t in self.layout.frozen.items())
+        working = PRECISIONS[precision]
+        yield from ((f"buffers/{n}", tuple(t.shape), working if t.is_floating_point() else t.dtype)
+                    for n, t in self.module.named_buffers())
 
     def meta(self) -> dict:
         return {"precision": self.precision, "step": self.stepper.steps, "param_step": self.stepper.param_steps(),
                 "scaler": self.scaler.state_dict(),
-                "groups": [{k: g[k] for k in _HYPER if k in g} for g in self.param_groups]}
+                "groups": [{k: g[k] for k in HYPER if k in g} for g in self.param_groups]}
 
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter name (tied aliases included) -> a CPU copy of its fp32 value."""
@@ -91,15 +100,14 @@ class ModelState:
     def module_state(self) -> dict[str, torch.Tensor]:
         """``module.state_dict()``'s keys: fp32 weights, buffers in their original dtypes."""
         weights = self.fp32_weights()
-        dtypes = self.layout.buffer_dtypes
-        return {k: weights[k] if k in weights else v.detach().to("cpu", dtypes.get(k, v.dtype), copy=True)
-                for k, v in self.module.state_dict().items()}
+        kept = self.layout.buffers  # NOTE [Buffers keep their values]
+        return {k: weights[k] if k in weights else kept.value(k, v) for k, v in self.module.state_dict().items()}
 
     # -- writing ------------------------------------------------------------------------------------
     def load(self, read_into: Callable[[str, torch.Tensor], None], meta: dict) -> None:
         """Fill every tensor through ``read_into(name, target)`` (the caller has validated the
         whole checkpoint first), send the weights home, then take the step counts, loss scale
-        and hyperparameters from ``meta``."""
+        (only from a checkpoint of this precision) and hyperparameters from ``meta``."""
         homes = self.layout.homes
         for home in homes.weight_homes():
             home.begin_update()
@@ -118,7 +126,11 @@ class ModelState:
             home.end_update()
         for group, saved in zip(self.param_groups, meta["groups"]):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
-        self.scaler.load_state_dict(meta["scaler"])
+        if meta["precision"] == self.precision:
+            self.scaler.load_state_dict(meta["scaler"])
+        else:  # another precision's scale means nothing here (fp32's 1.0 would defeat fp16's scaling)
+            log.info("tiermem: a %s checkpoint loaded at %s: the loss scale stays %s", meta["precision"],
+                     self.precision, self.scaler.scale)
         self.stepper.load_param_steps({k: int(v) for k, v in meta["param_step"].items()}, meta["step"])
 
     def _load_frozen(self, read_into: Callable[[str, torch.Tensor], None]) -> None:
