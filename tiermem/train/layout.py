@@ -5,7 +5,8 @@ For each bucket (see :mod:`tiermem.plan.buckets`), :func:`make_homes` picks one 
 from the tier the policy chose. :func:`build` then fills them with the module's weights: the fp32
 master from the parameters, the working weights rounded from it, the moments zero. Frozen
 parameters move to the device in the working precision (or to their home, when it is off the
-device), floating-point buffers too, as ``module.half()`` would.
+device), floating-point buffers too, as ``module.half()`` would, their values as given kept
+(NOTE [Buffers keep their values]).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.plan.placement import compute_tier
+from tiermem.train.buffers import KeptBuffers
 from tiermem.train.homes import DeviceWeights, GradHome, Homes, MemoryGrads, MemoryState, StateHome, WeightHome
 from tiermem.train.nvme_grads import NvmeGrads
 from tiermem.train.nvme_state import NvmeState
@@ -36,8 +38,13 @@ class Layout:
     names: dict[int, list[str]]  # id(param) -> every name it has (tied weights have several)
     slot_of: dict[int, tuple[Bucket, Slot]]  # id(param) -> its place
     frozen: dict[str, torch.Tensor]  # name -> fp32 copy on the host
-    buffer_dtypes: dict[str, torch.dtype]  # the module's buffers' dtypes as given
+    buffers: KeptBuffers  # NOTE [Buffers keep their values]
     n_params: int
+
+    @property
+    def buffer_dtypes(self) -> dict[str, torch.dtype]:
+        """The module's buffers' dtypes as given."""
+        return self.buffers.dtypes
 
 
 def _by_tier(buckets: list[Bucket], tier_of) -> dict[Tier, list[Bucket]]:
@@ -122,7 +129,7 @@ def build(module: torch.nn.Module, buckets: list[Bucket], step_buckets: list[Buc
     for home in homes.state_homes():
         home.release_views()
     frozen = _place_frozen(module, stores, dtype, device, weights_off_device)
-    return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, _cast_buffers(module, dtype, device),
+    return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, KeptBuffers(module, dtype, device),
                   sum(b.numel for b in buckets))
 
 
@@ -143,16 +150,3 @@ def _place_frozen(module: torch.nn.Module, stores: dict, dtype: torch.dtype, dev
             p.data = stores[Tier.DEVICE].adopt(f"{name}:frozen", p.detach().to(device=device, dtype=target),
                                                TensorClass.PARAM)
     return frozen
-
-
-def _cast_buffers(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, torch.dtype]:
-    """Floating-point buffers (e.g. BatchNorm running stats) move to the working precision, as
-    with module.half(): ops such as batch_norm need them in the dtype of their inputs. Returns
-    their dtypes as given, for state_dict() and detach()."""
-    dtypes: dict[str, torch.dtype] = {}
-    for mod_name, mod in module.named_modules():
-        for bname, buf in list(mod._buffers.items()):
-            if buf is not None:
-                dtypes[f"{mod_name}.{bname}" if mod_name else bname] = buf.dtype
-                mod._buffers[bname] = buf.to(device=device, dtype=dtype if buf.is_floating_point() else buf.dtype)
-    return dtypes

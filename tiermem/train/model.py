@@ -343,11 +343,7 @@ class TieredModel:
         weights = state.fp32_weights()
         for name, p in self.module.named_parameters():
             p.data = weights[name]
-        for mod_name, mod in self.module.named_modules():
-            for bname, buf in list(mod._buffers.items()):
-                if buf is not None:
-                    full = f"{mod_name}.{bname}" if mod_name else bname
-                    mod._buffers[bname] = buf.to("cpu", self.layout.buffer_dtypes.get(full, buf.dtype))
+        self.layout.buffers.give_back()
         self.engine.close()
         for store in self.stores.values():
             store.release_all()

@@ -1,0 +1,70 @@
+"""The module's buffers: computed with in the working precision, given back as the model wrote them.
+
+# NOTE [Buffers keep their values]
+Floating-point buffers (BatchNorm statistics, rotary ``inv_freq``) move to the device in the
+working precision while the model is attached, as with ``module.half()``: ops such as
+``batch_norm`` need them in the dtype of their inputs. Rounding them must not be for good: each
+one's value as given is kept (on the host, in its own dtype). ``state_dict()``, checkpoints and
+``detach()`` give back, for a buffer the model never wrote, that value bit for bit; for one it
+wrote (it no longer holds the rounded value, or the module holds another tensor), what it wrote,
+in the buffer's own dtype. A checkpoint's buffer is loaded into the kept value first, then rounded
+for the device.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+
+class KeptBuffers:
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, device: torch.device):
+        self.module, self.dtype, self.device = module, dtype, device
+        self.dtypes: dict[str, torch.dtype] = {}  # every buffer's dtype as given
+        self._given: dict[str, torch.Tensor] = {}  # float buffers' values as given (or last loaded)
+        self._placed: dict[str, torch.Tensor] = {}  # the tensor put in the module
+        for name, owner, bname, buf in self._buffers():
+            self.dtypes[name] = buf.dtype
+            if buf.is_floating_point():
+                self._given[name] = buf.detach().to("cpu", copy=True)
+            self._place(name, owner, bname, buf)
+
+    def _buffers(self) -> Iterator[tuple[str, torch.nn.Module, str, torch.Tensor]]:
+        for mod_name, mod in self.module.named_modules():
+            for bname, buf in list(mod._buffers.items()):
+                if buf is not None:
+                    yield (f"{mod_name}.{bname}" if mod_name else bname), mod, bname, buf
+
+    def _place(self, name: str, owner: torch.nn.Module, bname: str, value: torch.Tensor) -> None:
+        work = value.to(device=self.device, dtype=self.dtype if value.is_floating_point() else value.dtype)
+        owner._buffers[bname] = work
+        self._placed[name] = work
+
+    def value(self, name: str, current: torch.Tensor) -> torch.Tensor:
+        """What ``name`` holds for the outside world (a CPU tensor in its own dtype)."""
+        placed = self._placed.get(name)
+        # the same storage (state_dict() hands out detached views) still holding the rounded value:
+        # kernels such as batch_norm update running statistics without bumping the version counter
+        given = self._given.get(name)
+        if (given is not None and placed is not None and current.data_ptr() == placed.data_ptr()
+                and torch.equal(current.detach().cpu(), given.to(current.dtype))):
+            return given.clone()
+        return current.detach().to("cpu", self.dtypes.get(name, current.dtype), copy=True)
+
+    def targets(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Where a checkpoint's buffers are read into: the kept value, in the buffer's own dtype."""
+        for name, _, _, buf in self._buffers():
+            yield name, self._given.get(name, buf)
+
+    def loaded(self) -> None:
+        """The checkpoint's values are in :meth:`targets`: round them for the device again."""
+        for name, owner, bname, buf in self._buffers():
+            if name in self._given:
+                self._place(name, owner, bname, self._given[name])
+            else:
+                self._placed[name] = buf
+
+    def give_back(self) -> None:
+        """detach(): every buffer back in the module, on the CPU, as :meth:`value` says."""
+        for name, owner, bname, buf in self._buffers():
+            owner._buffers[bname] = self.value(name, buf)
