@@ -7,8 +7,7 @@ working precision while the model is attached, as with ``module.half()``: ops su
 one's value as given is kept (on the host, in its own dtype). ``state_dict()``, checkpoints and
 ``detach()`` give back, for a buffer the model never wrote, that value bit for bit; for one it
 wrote (it no longer holds the rounded value, or the module holds another tensor), what it wrote,
-in the buffer's own dtype. A checkpoint's buffer is loaded into the kept value first, then rounded
-for the device.
+in the buffer's own dtype. Checkpoints keep buffers as the model computes with them (working precision).
 """
 from __future__ import annotations
 
@@ -50,19 +49,6 @@ class KeptBuffers:
                 and torch.equal(current.detach().cpu(), given.to(current.dtype))):
             return given.clone()
         return current.detach().to("cpu", self.dtypes.get(name, current.dtype), copy=True)
-
-    def targets(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Where a checkpoint's buffers are read into: the kept value, in the buffer's own dtype."""
-        for name, _, _, buf in self._buffers():
-            yield name, self._given.get(name, buf)
-
-    def loaded(self) -> None:
-        """The checkpoint's values are in :meth:`targets`: round them for the device again."""
-        for name, owner, bname, buf in self._buffers():
-            if name in self._given:
-                self._place(name, owner, bname, self._given[name])
-            else:
-                self._placed[name] = buf
 
     def give_back(self) -> None:
         """detach(): every buffer back in the module, on the CPU, as :meth:`value` says."""
