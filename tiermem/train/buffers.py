@@ -4,10 +4,11 @@
 Floating-point buffers (BatchNorm statistics, rotary ``inv_freq``) move to the device in the
 working precision while the model is attached, as with ``module.half()``: ops such as
 ``batch_norm`` need them in the dtype of their inputs. Rounding them must not be for good: each
-one's value as given is kept (on the host, in its own dtype). ``state_dict()``, checkpoints and
-``detach()`` give back, for a buffer the model never wrote, that value bit for bit; for one it
-wrote (it no longer holds the rounded value, or the module holds another tensor), what it wrote,
-in the buffer's own dtype. Checkpoints keep buffers as the model computes with them (working precision).
+one's value as given is kept (on the host, in its own dtype). ``state_dict()`` and ``detach()``
+give back, for a buffer the model never wrote, that value bit for bit; for one it wrote (it no
+longer holds the rounded value, or the module holds another tensor), what it wrote, in the
+buffer's own dtype. Checkpoints hold buffers as the model computes with them (in the working
+precision); after a load a buffer gives back the loaded value.
 """
 from __future__ import annotations
 
