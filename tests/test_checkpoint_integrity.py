@@ -269,13 +269,31 @@ def test_the_loss_scale_is_taken_only_from_a_checkpoint_of_the_same_precision(tm
     assert result.step == src.stepper.steps + (not result.skipped)
 
 
-def test_buffers_of_another_precision_load(tmp_path):
+@pytest.mark.parametrize("saved_at, loaded_at", [("bf16", "fp32"), ("fp32", "bf16"), ("fp16", "bf16")])
+def test_buffers_of_another_precision_load(tmp_path, saved_at, loaded_at):
+    torch.manual_seed(1)
+    src = TieredModel(Quirky(), precision=saved_at)
+    src.save(str(tmp_path / "c.tm"))
+    torch.manual_seed(2)
+    dst = TieredModel(Quirky(), precision=loaded_at)
+    dst.load(str(tmp_path / "c.tm"))  # BatchNorm's statistics, saved at one precision, loaded at another
+    assert torch.equal(dst.state_dict()["bn.running_var"], src.state_dict()["bn.running_var"])
+
+
+@pytest.mark.parametrize("buffer, dtype, held", [
+    ("buffers/bn.running_var", "int16", "float32 or bfloat16"),
+    ("buffers/bn.num_batches_tracked", "float64", "int64"),
+    ("frozen/frozen.weight", "int32", "float32"),
+])
+def test_a_buffer_or_frozen_weight_of_another_dtype_is_refused(tmp_path, buffer, dtype, held):
     torch.manual_seed(1)
     TieredModel(Quirky(), precision="bf16").save(str(tmp_path / "c.tm"))
+    body, doc, _ = _split((tmp_path / "c.tm").read_bytes())
+    _entry(doc, buffer)["dtype"] = dtype  # the same size: only the model can tell
+    (tmp_path / "c.tm").write_bytes(_join(body, json.dumps(doc).encode()))
     torch.manual_seed(2)
-    dst = TieredModel(Quirky(), precision="fp32")
-    dst.load(str(tmp_path / "c.tm"))  # its BatchNorm stats were saved in bf16 and come back as fp32
-    assert dst.module.bn.running_var.dtype == torch.float32
+    dst = TieredModel(Quirky(), precision="bf16")
+    _refused(dst, tmp_path / "c.tm", TierMemError, f"'{buffer}' is {dtype}, the model holds it as {held}")
 
 
 # -- the file system ------------------------------------------------------------------------------

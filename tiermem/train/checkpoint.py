@@ -304,15 +304,16 @@ def _check(state: ModelState, doc: dict, f: BinaryIO, path: str) -> dict[str, di
                             f"Load it into the model it was saved from")
     index = {e["name"]: e for e in doc["tensors"]}
     meta = doc["meta"]
-    expected = {name: (shape, dtype) for name, shape, dtype in state.specs(meta["precision"])}
+    expected = {name: (shape, dtypes) for name, shape, dtypes in state.specs(meta["precision"])}
     missing, unexpected = sorted(set(expected) - set(index)), sorted(set(index) - set(expected))
     if missing or unexpected:
         raise other(f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for name, (shape, dtype) in expected.items():
+    for name, (shape, dtypes) in expected.items():
         if tuple(index[name]["shape"]) != shape:
             raise other(f"{name!r} has shape {tuple(index[name]['shape'])}, the model has {shape}")
-        if _dtype(index[name]["dtype"]) != dtype:
-            raise other(f"{name!r} is {index[name]['dtype']}, the model holds it as {str(dtype).removeprefix('torch.')}")
+        if _dtype(index[name]["dtype"]) not in dtypes:
+            held = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise other(f"{name!r} is {index[name]['dtype']}, the model holds it as {held}")
     params = {name.partition("/")[2] for name in expected if name.startswith("master/")}
     strangers = sorted(set(meta["param_step"]) - params)
     if strangers:

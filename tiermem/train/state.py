@@ -64,19 +64,23 @@ class ModelState:
         for name, t in self.module.named_buffers():
             yield f"buffers/{name}", t
 
-    def specs(self, precision: str) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
-        """The name, shape and dtype of every tensor a checkpoint this model saved at
-        ``precision`` holds (at its own precision: what :meth:`tensors` gives), reading none.
-        Optimizer state is fp32 and frozen parameters keep their dtype whatever the precision;
-        floating-point buffers are in the working dtype (layout._cast_buffers)."""
+    def specs(self, precision: str) -> Iterator[tuple[str, tuple[int, ...], tuple[torch.dtype, ...]]]:
+        """The name, shape and the dtypes accepted of every tensor a checkpoint saved at
+        ``precision`` may hold for this model, reading none. Optimizer state is fp32 and frozen
+        parameters keep their dtype, whatever the precision; a buffer may be in its dtype as the
+        module gave it or, floating-point, in the working dtype of ``precision`` (as this version
+        writes it): loading converts either (``t.copy_``), and nothing else is taken."""
         for b in self.layout.buckets:
             for part in STATE_PARTS:
                 for s in b.slots:
-                    yield f"{part}/{s.name}", tuple(s.shape), torch.float32
-        yield from ((f"frozen/{n}", tuple(t.shape), t.dtype) for n, t in self.layout.frozen.items())
-        working = PRECISIONS[precision]
-        yield from ((f"buffers/{n}", tuple(t.shape), working if t.is_floating_point() else t.dtype)
-                    for n, t in self.module.named_buffers())
+                    yield f"{part}/{s.name}", tuple(s.shape), (torch.float32,)
+        yield from ((f"frozen/{n}", tuple(t.shape), (t.dtype,)) for n, t in self.layout.frozen.items())
+        given = self.layout.buffer_dtypes
+        for n, t in self.module.named_buffers():
+            dtypes = (given.get(n, t.dtype),)
+            if t.is_floating_point():
+                dtypes += (PRECISIONS[precision],)
+            yield f"buffers/{n}", tuple(t.shape), dtypes
 
     def meta(self) -> dict:
         return {"precision": self.precision, "step": self.stepper.steps, "param_step": self.stepper.param_steps(),
