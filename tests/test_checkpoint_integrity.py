@@ -53,7 +53,8 @@ def _join(body: bytes, footer: bytes, crc: int | None = None) -> bytes:
 def _as_v1(data: bytes) -> bytes:
     body, doc, _ = _split(data)
     footer = json.dumps(doc).encode()
-    return checkpoint.MAGIC_V1 + body[len(checkpoint.MAGIC):] + footer + struct.pack("<Q", len(footer)) + checkpoint.MAGIC_V1
+    v1 = checkpoint.MAGIC_V1
+    return v1 + body[len(checkpoint.MAGIC):] + footer + struct.pack("<Q", len(footer)) + v1
 
 
 def _entry(doc: dict, name: str) -> dict:
@@ -97,7 +98,8 @@ def _dtype_float64(doc):
 
 
 _W = "master/wte.weight"
-CORRUPT, OTHER = (StoreError, "not a readable tiermem checkpoint \\(corrupt footer"), (TierMemError, "does not match this model")
+CORRUPT = (StoreError, r"not a readable tiermem checkpoint \(corrupt footer")
+OTHER = (TierMemError, "does not match this model")
 
 # Edits a user could make with a text editor, the footer still valid JSON but its checksum not updated.
 UNSIGNED = [
@@ -113,11 +115,13 @@ SIGNED = {
     "step negative": (step(-1), *CORRUPT, r"meta\.step=-1"),
     "step a boolean": (step(True), *CORRUPT, r"meta\.step=True"),
     "step a float": (step(2.0), *CORRUPT, r"meta\.step=2\.0"),
-    "step below a parameter's count": (step(0), *CORRUPT, r"meta\.param_step\[.*\]=2 is invalid: it must be an int in \[0, step=0\]"),
-    "param_step a list": (_set("meta", "param_step")([]), *CORRUPT, r"meta\.param_step=\[\] is invalid: it must be an object"),
+    "step below a parameter's count": (step(0), *CORRUPT,
+        r"meta\.param_step\[.*\]=2 is invalid: it must be an int in \[0, step=0\]"),
+    "param_step a list": (_set("meta", "param_step")([]), *CORRUPT,
+        r"meta\.param_step=\[\] is invalid: it must be an object"),
     "param_step negative": (_param_step(-1), *CORRUPT, r"meta\.param_step\['.*'\]=-1"),
     "param_step a string": (_param_step("2"), *CORRUPT, r"meta\.param_step\['.*'\]='2'"),
-    "param_step of a stranger": (_set("meta", "param_step", "nope.weight")(1), *OTHER[:1],
+    "param_step of a stranger": (_set("meta", "param_step", "nope.weight")(1), *OTHER,
                                  r"param_step counts steps of \['nope.weight'\], not trainable parameters"),
     "scaler a string": (scaler("big"), *CORRUPT, r"meta\.scaler='big' is invalid: it must be an object"),
     "scaler without good_steps": (scaler({"scale": 1.0}), *CORRUPT, r"meta\.scaler keys=\['scale'\]"),
@@ -127,13 +131,15 @@ SIGNED = {
     "good_steps negative": (scaler({"scale": 1.0, "good_steps": -3}), *CORRUPT, r"meta\.scaler\.good_steps=-3"),
     "a loss scale at fp32": (scaler({"scale": 1024.0, "good_steps": 0}), *CORRUPT,
                              r"meta\.scaler=.* it must be \{'scale': 1\.0, 'good_steps': 0\} at precision 'fp32'"),
-    "precision unknown": (_set("meta", "precision")("fp8"), *CORRUPT, r"meta\.precision='fp8' is invalid: it must be one of"),
+    "precision unknown": (_set("meta", "precision")("fp8"), *CORRUPT,
+        r"meta\.precision='fp8' is invalid: it must be one of"),
     "precision a number": (_set("meta", "precision")(16), *CORRUPT, r"meta\.precision=16"),
     "lr a string": (lr("evil"), *CORRUPT, r"meta\.groups\[0\]\.lr='evil' is invalid: it must be a finite number >= 0"),
     "lr negative": (lr(-1e-3), *CORRUPT, r"meta\.groups\[0\]\.lr=-0\.001"),
     "lr NaN": (lr(math.nan), *CORRUPT, r"meta\.groups\[0\]\.lr=nan"),
     "lr a boolean": (lr(True), *CORRUPT, r"meta\.groups\[0\]\.lr=True is invalid: it must be a number, not a boolean"),
-    "betas null": (_group("betas")(None), *CORRUPT, r"meta\.groups\[0\]\.betas=None is invalid: it must be two numbers"),
+    "betas null": (_group("betas")(None), *CORRUPT,
+        r"meta\.groups\[0\]\.betas=None is invalid: it must be two numbers"),
     "betas of one": (_group("betas")([0.9]), *CORRUPT, r"meta\.groups\[0\]\.betas=\[0\.9\]"),
     "beta2 of 1": (_group("betas")([0.9, 1.0]), *CORRUPT, r"meta\.groups\[0\]\.betas=\[0\.9, 1\.0\]"),
     "eps negative": (_group("eps")(-1.0), *CORRUPT, r"meta\.groups\[0\]\.eps=-1\.0"),
@@ -141,7 +147,8 @@ SIGNED = {
     "initial_lr negative": (_group("initial_lr")(-1.0), *CORRUPT, r"meta\.groups\[0\]\.initial_lr=-1\.0"),
     "a key no group has": (_group("momentum")(0.9), *CORRUPT, r"meta\.groups\[0\] keys="),
     "groups a dict": (_set("meta", "groups")({}), *CORRUPT, r"meta\.groups=\{\} is invalid: it must be a list"),
-    "a group a string": (_set("meta", "groups")(["x"]), *CORRUPT, r"meta\.groups\[0\]='x' is invalid: it must be an object"),
+    "a group a string": (_set("meta", "groups")(["x"]), *CORRUPT,
+        r"meta\.groups\[0\]='x' is invalid: it must be an object"),
     "one group more": (lambda d: d["meta"]["groups"].append(dict(d["meta"]["groups"][0])), TierMemError,
                        r"has 2 param groups, this model 1"),
     "meta without step": (lambda d: d["meta"].pop("step"), *CORRUPT, r"meta keys="),
@@ -149,23 +156,28 @@ SIGNED = {
     "footer with more": (_set("extra")(1), *CORRUPT, r"footer keys="),
     "footer a list": (lambda d: d.clear(), *CORRUPT, r"footer keys=\[\]"),
     "tensors a dict": (_set("tensors")({}), *CORRUPT, r"tensors=\{\} is invalid: it must be a list"),
-    "dtype unknown": (_tensor(_W, "dtype")("floatXX"), *CORRUPT, r"\.dtype='floatXX' is invalid: it must be a torch dtype"),
+    "dtype unknown": (_tensor(_W, "dtype")("floatXX"), *CORRUPT,
+        r"\.dtype='floatXX' is invalid: it must be a torch dtype"),
     "dtype an alias": (_tensor(_W, "dtype")("float"), *CORRUPT, r"\.dtype='float'"),
     "dtype not a dtype": (_tensor(_W, "dtype")("nn"), *CORRUPT, r"\.dtype='nn'"),
-    "dtype float64, same nbytes": (_dtype_float64, *CORRUPT, r"'master/wte\.weight'\)\.nbytes=3552 is invalid: it must be 7104"),
-    "dtype of the same size": (_tensor(_W, "dtype")("int32"), *OTHER[:1],
+    "dtype float64, same nbytes": (_dtype_float64, *CORRUPT,
+        r"'master/wte\.weight'\)\.nbytes=3552 is invalid: it must be 7104"),
+    "dtype of the same size": (_tensor(_W, "dtype")("int32"), *OTHER,
                                r"'master/wte\.weight' is int32, the model holds it as float32"),
-    "shape of the same size": (_tensor(_W, "shape")([24, 37]), *OTHER[:1], r"'master/wte\.weight' has shape \(24, 37\)"),
+    "shape of the same size": (_tensor(_W, "shape")([24, 37]), *OTHER, r"'master/wte\.weight' has shape \(24, 37\)"),
     "shape negative": (_tensor(_W, "shape")([-37, -24]), *CORRUPT, r"\.shape=\[-37, -24\]"),
-    "nbytes short": (_tensor(_W, "nbytes")(8), *CORRUPT, r"\.nbytes=8 is invalid: it must be 3552 \(float32 x \[37, 24\]\)"),
+    "nbytes short": (_tensor(_W, "nbytes")(8), *CORRUPT,
+        r"\.nbytes=8 is invalid: it must be 3552 \(float32 x \[37, 24\]\)"),
     "offset negative": (_tensor(_W, "offset")(-64), *CORRUPT, r"\.offset=-64 is invalid: it must be an int >= 16"),
     "offset in the header": (_tensor(_W, "offset")(0), *CORRUPT, r"\.offset=0"),
     "offset a string": (_tensor(_W, "offset")("64"), *CORRUPT, r"\.offset='64'"),
-    "offset past the data": (_tensor(_W, "offset")(10**9), *CORRUPT, r"\.offset=1000000000 is invalid: it must be such that"),
+    "offset past the data": (_tensor(_W, "offset")(10**9), *CORRUPT,
+        r"\.offset=1000000000 is invalid: it must be such that"),
     "crc32 negative": (_tensor(_W, "crc32")(-1), *CORRUPT, r"\.crc32=-1"),
     "an entry without crc32": (lambda d: _entry(d, _W).pop("crc32"), *CORRUPT, r"keys="),
-    "a name twice": (lambda d: d["tensors"].append(dict(_entry(d, _W))), *CORRUPT, r"\.name='master/wte\.weight' is invalid"),
-    "a tensor missing": (lambda d: d["tensors"].remove(_entry(d, _W)), *OTHER[:1], r"missing \['master/wte\.weight'\]"),
+    "a name twice": (lambda d: d["tensors"].append(dict(_entry(d, _W))), *CORRUPT,
+        r"\.name='master/wte\.weight' is invalid"),
+    "a tensor missing": (lambda d: d["tensors"].remove(_entry(d, _W)), *OTHER, r"missing \['master/wte\.weight'\]"),
     "crc32 of other bytes": (_tensor(_W, "crc32")(12345), StoreError, r"'master/wte\.weight' fails its checksum"),
 }
 
@@ -319,6 +331,34 @@ def test_a_killed_saves_temporaries_are_removed_by_the_next_save(tmp_path):
     assert set(os.listdir(tmp_path)) == {"c.tm", "victim", *kept}
     assert victim.read_bytes() == b"precious"
     _model(steps=0).load(str(path))
+
+
+def test_a_save_killed_part_way_leaves_a_temporary_that_the_next_save_removes(tmp_path):
+    path = tmp_path / "c.tm"
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys, time
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from models import TinyGPT
+from tiermem import TieredModel
+def stall(fd):
+    print("written", flush=True)
+    time.sleep(600)
+os.fsync = stall  # the checkpoint's bytes are in the temporary: stop before it is synced and renamed
+TieredModel(TinyGPT(), precision="fp32").save({str(path)!r})
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "written\n"
+    finally:
+        child.kill()  # SIGKILL: no handler, no cleanup
+        child.wait()
+        child.stdout.close()
+    assert os.listdir(tmp_path) == [f"c.tm.tmp-{child.pid}"]
+    tm = _model()
+    tm.save(str(path))
+    assert os.listdir(tmp_path) == ["c.tm"]
+    fresh = _model(steps=0)
+    fresh.load(str(path))
+    assert same_state(fresh.state_dict(), tm.state_dict())
 
 
 def test_a_dead_pids_directory_at_a_temporary_name_is_left(tmp_path):

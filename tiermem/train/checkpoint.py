@@ -248,7 +248,8 @@ def _check_entries(entries: Any, data_end: int) -> None:
     for i, e in enumerate(entries):
         where = f"tensors[{i}]"
         _keys(e, where, _ENTRY_KEYS, _ENTRY_KEYS)
-        _require(isinstance(e["name"], str) and e["name"] not in seen, where + ".name", e["name"], "a name not seen before")
+        _require(isinstance(e["name"], str) and e["name"] not in seen, where + ".name", e["name"],
+                 "a name not seen before")
         seen.add(e["name"])
         where = f"tensors[{i}] ({e['name']!r})"
         dtype, shape, offset, nbytes = _dtype(e["dtype"]), e["shape"], e["offset"], e["nbytes"]
