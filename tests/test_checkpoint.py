@@ -19,6 +19,7 @@ class FakeState:
         self.param_groups = [{}]
         self.loaded_meta = None
         self.writes_files = True
+        self.read = 0  # tensors given out: under data parallelism each one is a gather every rank joins
 
     def all_ok(self, ok):
         return ok
@@ -27,6 +28,7 @@ class FakeState:
         for i, item in enumerate(self.t.items()):
             if self.fail_after is not None and i == self.fail_after:
                 raise RuntimeError("state unreadable")
+            self.read += 1
             yield item
 
     def specs(self, precision):
@@ -110,3 +112,15 @@ def test_a_damaged_file_is_not_a_checkpoint(tmp_path, mangle):
     open(path, "wb").write(mangle(data))
     with pytest.raises(StoreError, match="is not a readable tiermem checkpoint"):
         checkpoint.load(FakeState(_zeroed(_tensors(5))), path)
+
+
+def test_a_temporary_that_cannot_be_made_still_reads_the_state_through(tmp_path):
+    """Rank 0 refusing the temporary (here a symlink planted at its name) still reads every tensor,
+    as the other ranks do, so that no rank waits on a gather it never joins."""
+    path = tmp_path / "c.tm"
+    os.symlink(tmp_path / "elsewhere", f"{path}.tmp-{os.getpid()}")
+    state = FakeState(_tensors(6))
+    with pytest.raises(StoreError, match="already exists"):
+        checkpoint.save(state, str(path))
+    assert state.read == len(state.t)
+    assert not os.path.lexists(tmp_path / "elsewhere") and not os.path.lexists(path)
