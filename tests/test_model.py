@@ -568,3 +568,35 @@ def test_a_stalled_run_names_the_parameters_and_stops(caplog):
 def test_max_skipped_steps_is_checked():
     with pytest.raises(ConfigError, match=r"max_skipped_steps=0 is invalid"):
         TieredModel(TinyGPT(), max_skipped_steps=0)
+
+
+class _Rotary(nn.Module):
+    """A buffer the model only reads (like Llama's rotary inv_freq) and BatchNorm's, which it writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)))
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(self.lin(x * self.inv_freq))
+
+
+def test_buffers_keep_the_values_the_model_last_wrote():
+    """NOTE [Buffers keep their values]: rounded to bf16 while attached, never for good."""
+    torch.manual_seed(0)
+    model = _Rotary()
+    given = model.inv_freq.clone()
+    assert not torch.equal(given, given.to(torch.bfloat16).float())  # bf16 would change it
+    tm = TieredModel(model, precision="bf16")
+    x = torch.randn(5, 8)
+    tm.backward(tm(x).float().square().mean())
+    tm.step()
+    written = tm.module.bn.running_mean.detach().float().clone()  # what the model itself wrote, in bf16
+    sd = tm.state_dict()
+    assert torch.equal(sd["inv_freq"], given) and sd["inv_freq"].dtype == torch.float32
+    assert torch.equal(sd["bn.running_mean"], written)
+    back = tm.detach()
+    assert torch.equal(back.inv_freq, given) and torch.equal(back.bn.running_mean, written)
+    assert back.bn.num_batches_tracked.dtype == torch.int64 and back.bn.num_batches_tracked.item() == 1

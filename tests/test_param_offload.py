@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from models import TinyGPT, disk_fills_up, gpt_batch, gpt_loss, same_state
-from tiermem import Budgets, OutOfTierMemory, TensorClass, TieredModel, Tier
+from tiermem import AdamW, Budgets, OutOfTierMemory, TensorClass, TieredModel, Tier
 from tiermem.policies import ZeroInfinity, ZeroOffload
 from tiermem.plan.policy import Policy
 from test_nvme_state import _make, _train, _trains_like
@@ -140,3 +141,51 @@ def test_prefetch_off_fetches_on_demand_with_the_same_numbers(tmp_path):
     assert _train(tm, 3) == _train(ref, 3)
     assert tm.param_offload.scheduler.stats.prefetches == 0 and tm.param_offload.scheduler.stats.misses > 0
     assert ref.param_offload.scheduler.stats.prefetches > 0
+
+
+# -- weights read where their module is not running (issue 12, item 1) ---------------------------------
+class _CheckpointedNorm(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.a, self.ln, self.b, self.reentrant = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3), reentrant
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.reentrant is None:
+            return self.b(self.ln(h).relu())
+        from torch.utils.checkpoint import checkpoint
+        return self.b(checkpoint(lambda t: self.ln(t).relu(), h, use_reentrant=self.reentrant))
+
+
+class _Borrowing(nn.Module):
+    """A head computing with another module's weight, a module called twice, a root parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.mid, self.scale = nn.Embedding(10, 8), nn.Linear(8, 8), nn.Parameter(torch.ones(8))
+
+    def forward(self, idx):
+        h = self.mid(self.mid(self.wte(idx))) * self.scale
+        return torch.nn.functional.linear(h, self.wte.weight)
+
+
+@pytest.mark.parametrize("make, eval_mode, inputs", [
+    (lambda: _CheckpointedNorm(None), True, lambda: torch.randn(4, 8)),  # eval() mode
+    (lambda: _CheckpointedNorm(True), False, lambda: torch.randn(4, 8, requires_grad=True)),  # reentrant recompute
+    (lambda: _CheckpointedNorm(False), False, lambda: torch.randn(4, 8)),
+    (_Borrowing, False, lambda: torch.randint(0, 10, (4, 5))),
+])
+def test_weights_are_resident_wherever_autograd_or_the_model_reads_them(tmp_path, make, eval_mode, inputs):
+    """Same numbers as ZeroOffload, never a NaN placeholder in arithmetic."""
+    states = []
+    for policy in (ZeroOffload(), ZeroInfinity()):
+        torch.manual_seed(0)
+        tm = TieredModel(make(), policy, optimizer=AdamW(lr=1e-2), precision="fp32", nvme_dir=str(tmp_path))
+        if eval_mode:
+            tm.eval()
+        torch.manual_seed(1)
+        for _ in range(2):
+            tm.backward(tm(inputs()).square().mean())
+            assert not tm.step().skipped
+        states.append(tm.state_dict())
+    assert same_state(*states)

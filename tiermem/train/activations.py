@@ -139,6 +139,26 @@ class ActivationOffloader:
             self._active, self._run = False, None
             self._stack.clear()
 
+    @contextlib.contextmanager
+    def weights_by_reference(self) -> Iterator[None]:
+        """Around backward, and around an eval() forward with grad: a forward run there (recomputed
+        by activation checkpointing, reentrant or not; or not a training one, whose activations stay
+        put) saves references to off-device weights, not the weights themselves, which go back to
+        their placeholders when their module returns (NOTE [Parameters off the device])."""
+        if self.params is None:
+            yield
+            return
+        params = self.params
+
+        def pack(t: torch.Tensor) -> Any:
+            ref = params.pack(t)
+            return t if ref is None else ref
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return params.unpack(packed) if isinstance(packed, ParamRef) else packed
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
     def release(self) -> None:
         """Backward has run: wait for what it retired to be freed, delete its NVMe files."""
         self.mover.settle()

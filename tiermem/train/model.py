@@ -228,9 +228,13 @@ class TieredModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._life.during("forward", Phase.FORWARD):
             args, kwargs = _cast_floats((args, kwargs), self.dtype, self.device)
-            with self.tracer.span("forward", "compute"):
+            borrowing = self.param_offload.borrowing() if self.param_offload is not None else contextlib.nullcontext()
+            with self.tracer.span("forward", "compute"), borrowing:
                 if torch.is_grad_enabled() and self.module.training:
                     with self.activations.track():
+                        return self.module(*args, **kwargs)
+                if torch.is_grad_enabled():  # eval() with grad: activations stay, a backward may follow
+                    with self.activations.weights_by_reference():
                         return self.module(*args, **kwargs)
                 return self.module(*args, **kwargs)
 
@@ -245,7 +249,7 @@ class TieredModel:
         arrived_before = self.grads.arrivals
         with self._life.during("backward", Phase.BACKWARD):  # raising before any grad: back to the phase before
             try:
-                with self.tracer.span("backward", "compute"):
+                with self.tracer.span("backward", "compute"), self.activations.weights_by_reference():
                     (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
                 self.grads.end_backward()
             except BaseException as e:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket
@@ -57,6 +58,7 @@ class ParamOffload(WeightHome):
         self._params = {name: params[name] for name in homes}
         self._placeholders: dict[str, torch.Tensor] = {}
         self._live: dict[int, str] = {}  # storage address of an acquired parameter -> key
+        self._by_placeholder: dict[int, str] = {}  # a placeholder's address -> key
         self.owners: dict[torch.nn.Module, list[tuple[torch.nn.Parameter, str]]] = {}
         for mod in module.modules():
             mine = [(p, self.keys[id(p)]) for p in mod.parameters(recurse=False) if id(p) in self.keys]
@@ -74,6 +76,7 @@ class ParamOffload(WeightHome):
         self.engine.put(name, value)
         nan = torch.full((), float("nan"), dtype=value.dtype, device=self.device)
         self._placeholders[name] = nan.expand(p.shape)
+        self._by_placeholder[nan.data_ptr()] = name
         p.data = self._placeholders[name]
 
     # -- as a WeightHome ---------------------------------------------------------------------------
@@ -102,6 +105,28 @@ class ParamOffload(WeightHome):
             self._live.pop(t.untyped_storage().data_ptr(), None)
             self.scheduler.release(key)
 
+    # -- weights read outside their own module ------------------------------------------------------
+    def borrowing(self) -> "_Borrowing":
+        """Around a forward: an op that reads an off-device weight outside its own module (a head
+        computing ``F.linear(x, self.wte.weight)``) makes it resident first, until the forward
+        ends, instead of computing with the NaN placeholder."""
+        return _Borrowing(self)
+
+    def key_of_placeholder(self, t: torch.Tensor) -> Optional[str]:
+        return self._by_placeholder.get(t.data_ptr()) if t.numel() else None
+
+    def borrow(self, key: str) -> None:
+        t = self.scheduler.acquire(key)
+        self._live[t.untyped_storage().data_ptr()] = key
+        self._params[key].data = t
+
+    def give_back(self, key: str) -> None:
+        p = self._params[key]
+        t = p.data
+        p.data = self._placeholders[key]
+        self._live.pop(t.untyped_storage().data_ptr(), None)
+        self.scheduler.release(key)
+
     # -- saved tensors -------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Optional[ParamRef]:
         """A reference in place of ``t`` if it lives in an acquired parameter's storage."""
@@ -129,3 +154,36 @@ class ParamOffload(WeightHome):
 
     def end_update(self) -> None:
         self.scheduler.end_iteration()  # freezes the trace, prefetches the next step's first weights
+
+
+#: tensor methods and properties that read no values: a placeholder may answer them
+_METADATA = frozenset({"__get__", "__set__", "untyped_storage", "data_ptr", "storage_offset", "stride", "size",
+                       "dim", "numel", "element_size", "is_floating_point", "is_contiguous", "__repr__",
+                       "__format__", "__len__", "__hash__", "_is_view", "is_complex",
+                       "register_hook", "requires_grad_", "get_device", "nbytes", "itemsize"})
+
+
+class _Borrowing(TorchFunctionMode):
+    """NOTE [Parameters off the device]: the ops of a forward, watched for placeholders."""
+
+    def __init__(self, offload: ParamOffload):
+        super().__init__()
+        self.offload, self.borrowed = offload, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _METADATA:  # asks about the tensor, computes nothing with it
+            return func(*args, **kwargs)
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, torch.Tensor):
+                    key = self.offload.key_of_placeholder(t)
+                    if key is not None:
+                        self.offload.borrow(key)
+                        self.borrowed.append(key)
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)  # first: giving back sets .data, which this mode would watch
+        while self.borrowed:
+            self.offload.give_back(self.borrowed.pop())
