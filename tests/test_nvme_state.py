@@ -120,3 +120,36 @@ def test_nvme_placement_needs_a_directory_and_room(tmp_path):
         _make(StateOnNvme(), None)
     with pytest.raises(OutOfTierMemory, match=r"out of nvme memory.*optimizer state \(latest and previous\)"):
         _make(StateOnNvme(), tmp_path, budgets=Budgets(nvme="10KB"))
+
+
+@pytest.mark.parametrize("damage", ["header", "data"])
+def test_a_retry_after_a_fall_back_never_mixes_steps_and_a_checkpoint_resumes(tmp_path, damage):
+    """A bucket's master falls back to the step before (its latest slot damaged): the step fails,
+    and so does every retry, rather than run on master from one step and moments from the next
+    (NOTE [No mix after a fall back]); loading the last checkpoint restores it bit-exact and it trains on."""
+    (tmp_path / "tm").mkdir()
+    (tmp_path / "ref").mkdir()
+    tm = _make(StateOnNvme(), tmp_path / "tm")
+    _train(tm, 2)
+    ckpt = str(tmp_path / "ckpt")
+    tm.save(ckpt)
+    _train(tm, 1, offset=2)
+    store = tm.stores[Tier.NVME]
+    key = sorted(k for k in store.keys() if k.endswith(":master"))[-1]
+    path = store._keys[key].current().path
+    with open(path, "r+b") as f:
+        f.seek(40 if damage == "header" else 4096 + 3)  # a header byte, or a data byte
+        f.write(b"\xff")
+    x, y = gpt_batch(3)
+    tm.backward(gpt_loss(tm(x), y))
+    # the step fails (restoring the device weights from the state, it meets the refusal in turn)
+    with pytest.raises(StoreError, match=rf"holding '{key}' is corrupt.*resume from the last checkpoint"):
+        tm.step()
+    for _ in range(2):
+        with pytest.raises(StoreError, match=r"would mix two generations.*resume from the last checkpoint"):
+            tm.step()
+    tm.load(ckpt)  # writes every key again: nothing left to mix
+    ref = _make(StateOnNvme(), tmp_path / "ref")
+    ref.load(ckpt)
+    assert same_state(tm.state_dict(), ref.state_dict())
+    _train(tm, 1, offset=2)  # steps again (with the gradients the failed step kept, so not compared to ref)

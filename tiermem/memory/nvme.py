@@ -15,6 +15,7 @@ the NVMe budget counts] in :mod:`tiermem.memory.nvme_keys`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -34,8 +35,8 @@ from tiermem.memory import nvme_dir
 from tiermem.memory import nvme_io as nio
 from tiermem.memory.aligned import round_up
 from tiermem.memory.base import Store, check_same_layout, unknown_key
-from tiermem.memory.nvme_keys import (SPOILT, Copy, KeyState, Value, cannot_revert, fell_back, io_error, lost,
-                                       over_budget, spoilt)
+from tiermem.memory.nvme_keys import (SPOILT, Copy, FellBack, KeyState, Value, cannot_revert, fell_back, io_error,
+                                       lost, over_budget, spoilt, would_mix)
 from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class NvmeStore(Store):
         nvme_dir.check_options(io_threads, block_size)
         nvme_dir.check_directory(self.directory)
         self.direct = nvme_dir.choose_direct(self.directory, direct)
+        self.checksums = nvme_dir.checksums_wanted(self.directory)  # NOTE [Data checksums]
         allowed = (shutil.disk_usage(self.directory).free if budget is None
                    else parse_bytes(budget, what="NvmeStore.budget"))
         self.ledger = Ledger(Tier.NVME, allowed)
@@ -76,6 +78,8 @@ class NvmeStore(Store):
         self._keys: dict[str, KeyState] = {}
         self._outstanding = 0
         self._closed = False
+        self._seq = 0  # successful writes so far, NOTE [No mix after a fall back]
+        self._fell_back: list[FellBack] = []
 
     # -- the Store interface --------------------------------------------------------------------
     def write(self, key: str, src: torch.Tensor, kind: object = None) -> Handle:
@@ -85,7 +89,7 @@ class NvmeStore(Store):
         nio.check_tensor(key, src, "src")
         data = nio.byte_view(src.detach().resolve_conj().resolve_neg().contiguous())
         value = Value(src.dtype, tuple(src.shape), data.numel())
-        nio.check_header_fits(key, value.dtype, value.shape, value.nbytes)
+        nio.check_header_fits(key, value.dtype, value.shape, value.nbytes, self.block_size)
         with self._lock:
             self._check_open()
             state = self._keys.get(key) or KeyState()
@@ -200,15 +204,17 @@ class NvmeStore(Store):
         with self._lock:
             current = self._keys[key].current()
         slot, gen = (0, 0) if current is None else (1 - current.slot, current.gen + 1)
-        copy = Copy(value, slot, gen, self._path(key, slot),
-                     nio.encode_header(key, value.dtype, value.shape, value.nbytes, gen))
+        copy = Copy(value, slot, gen, self._path(key, slot), header=b"")  # the header once the data is hashed
         fd = None
         try:  # steps 1 and 2 of NOTE [Two slots, overwritten in place]
             if current is None:  # a file in the other slot is left from an earlier store: drop it
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._path(key, 1 - slot))
-            fd = os.open(copy.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | self._odirect, 0o644)
-            size = os.fstat(fd).st_size
+            fd = os.open(copy.path, nio.WRITE_FLAGS | self._odirect, 0o600)  # never through a symlink
+            st = os.fstat(fd)
+            size = st.st_size
+            if st.st_mode & 0o077:  # a file left by an older tiermem, made under the umask
+                os.fchmod(fd, 0o600)
             if size:
                 nio.write_header(self._pwritev, fd, None, self._staging, self.direct)
             want = nio.HEADER + (round_up(value.nbytes) if self.direct else value.nbytes)
@@ -219,15 +225,22 @@ class NvmeStore(Store):
         except OSError as e:
             self._finish_write(key, copy, fd, future, e)
             return
-        self._fan_out([partial(nio.write_chunk, self._pwritev, fd, data, b0, b1, self._staging, self.direct)
-                       for b0, b1 in nio.chunks(value.nbytes, self.block_size)],
-                      lambda err: self._finish_write(key, copy, fd, future, err))
+        parts = nio.chunks(value.nbytes, self.block_size)
+        digests: list[Optional[int]] = [None] * len(parts)  # per chunk, NOTE [Data checksums]
+        self._fan_out([partial(_into, digests, i, partial(nio.write_chunk, self._pwritev, fd, data, b0, b1,
+                                                          self._staging, self.direct, self.checksums))
+                       for i, (b0, b1) in enumerate(parts)],
+                      lambda err: self._finish_write(key, copy, fd, future, err, digests))
 
     def _finish_write(self, key: str, copy: Copy, fd: Optional[int], future: Future,
-                      err: Optional[BaseException]) -> None:
+                      err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
         if fd is not None:
             try:
                 if err is None:  # the switch, step 3 of NOTE [Two slots, overwritten in place]
+                    v = copy.value
+                    xxh3 = nio.combine(digests) if self.checksums else None
+                    copy = dataclasses.replace(copy, xxh3=xxh3, header=nio.encode_header(
+                        key, v.dtype, v.shape, v.nbytes, copy.gen, xxh3, self.block_size))
                     nio.write_header(self._pwritev, fd, copy.header, self._staging, self.direct)
             except OSError as e:
                 err = e
@@ -242,9 +255,11 @@ class NvmeStore(Store):
             state = self._keys[key]
             assert state.queued[0] is copy.value  # NOTE [Per-key order]: a key's writes end in order
             state.queued.pop(0)
-            state.copies[copy.slot] = copy if err is None else None
             if err is None:
+                self._seq += 1
+                copy = dataclasses.replace(copy, seq=self._seq)
                 self.bytes_written += copy.value.nbytes
+            state.copies[copy.slot] = copy if err is None else None
             self._settle(key, state)
         self._complete(key, future, self._error("write", key, copy, err))
 
@@ -256,26 +271,35 @@ class NvmeStore(Store):
             if current is None:  # its only queued write failed
                 raise unknown_key(key, self.tier)
             check_same_layout(key, current.value.dtype, current.value.numel, out, self.tier)
+            self._check_no_mix(key, current)
             fd = nio.open_slot(current.path, current.value.nbytes, self._odirect)
-        except (OSError, nio.ShortRead) as e:
+        except (OSError, nio.ShortRead, nio.Corrupt) as e:
             self._finish_read(key, current, fd, future, e)
             return
+        checked = current.xxh3 is not None
 
-        def first_chunk(b1: int) -> None:
-            raw = nio.read_chunk(self._preadv, fd, data, 0, b1, True, self._staging, self.direct)
-            nio.check_header(raw, current.header)
+        def chunk(b0: int, b1: int) -> Optional[int]:
+            head, digest = nio.read_chunk(self._preadv, fd, data, b0, b1, b0 == 0, self._staging, self.direct,
+                                          checked)
+            if head is not None:
+                nio.check_header(head, current.header)
+            return digest
 
         parts = nio.chunks(current.value.nbytes, self.block_size)
-        self._fan_out([partial(first_chunk, parts[0][1])]
-                      + [partial(nio.read_chunk, self._preadv, fd, data, b0, b1, False, self._staging,
-                                 self.direct) for b0, b1 in parts[1:]],
-                      lambda err: self._finish_read(key, current, fd, future, err))
+        digests: list[Optional[int]] = [None] * len(parts)  # per chunk, NOTE [Data checksums]
+        self._fan_out([partial(_into, digests, i, partial(chunk, b0, b1)) for i, (b0, b1) in enumerate(parts)],
+                      lambda err: self._finish_read(key, current, fd, future, err, digests))
 
     def _finish_read(self, key: str, copy: Optional[Copy], fd: Optional[int], future: Future,
-                     err: Optional[BaseException]) -> None:
+                     err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        if err is None and copy is not None and copy.xxh3 is not None:
+            try:
+                nio.check_data(nio.combine(digests), copy.xxh3)
+            except nio.Corrupt as e:
+                err = e
         if copy is not None and isinstance(err, SPOILT):
             err = self._fall_back(key, copy, err)
         elif err is None:
@@ -291,12 +315,13 @@ class NvmeStore(Store):
         said = spoilt(key, bad, why)
         if previous is not None:
             why_too = nio.check_slot(self._preadv, previous.path, previous.value.nbytes, previous.header,
-                                     self._staging, self.direct)
+                                     previous.xxh3, self._staging, self.direct)
             if why_too is None:
                 with self._lock:
                     state = self._keys[key]
                     state.copies[bad.slot] = None
                     self._settle(key, state)
+                    self._fell_back.append(FellBack(key, previous.seq, self._seq, said))
                 with contextlib.suppress(OSError):
                     os.unlink(bad.path)
                 log.warning("tiermem: %s; %r falls back to its previous value", said, key)
@@ -385,6 +410,13 @@ class NvmeStore(Store):
         state = self._keys.get(key)
         return state.latest() if state is not None else None
 
+    def _check_no_mix(self, key: str, copy: Copy) -> None:
+        """NOTE [No mix after a fall back]."""
+        with self._lock:
+            for why in self._fell_back:
+                if why.spans(key, copy):
+                    raise would_mix(key, copy, why)
+
     def _value(self, key: str) -> Value:
         with self._lock:
             if (value := self._latest(key)) is None:
@@ -399,3 +431,8 @@ class NvmeStore(Store):
         if self._closed:
             raise StoreError(f"tiermem: NvmeStore({self.directory!r}) is closed; make a new store to "
                              f"keep using the directory")
+
+
+def _into(results: list, i: int, job: Callable[[], object]) -> None:
+    """Run one chunk's ``job`` and keep what it returns (its digest) at ``results[i]``."""
+    results[i] = job()

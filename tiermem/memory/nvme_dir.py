@@ -34,6 +34,24 @@ def check_directory(directory: str) -> None:
                           f"pass a directory as nvme_dir")
 
 
+CHECKSUMS_ENV = "TIERMEM_NVME_CHECKSUMS"
+
+
+def checksums_wanted(directory: str) -> bool:
+    """Whether a new store checks its data (NOTE [Data checksums]): yes unless the environment
+    sets TIERMEM_NVME_CHECKSUMS=0, a benchmarking switch that measures what the checks cost."""
+    value = os.environ.get(CHECKSUMS_ENV, "1").strip()
+    if value not in ("0", "1", ""):
+        raise ConfigError(f"tiermem: {CHECKSUMS_ENV}={value!r} must be 0 or 1; unset it (checksums on, "
+                          f"the default) or set it to 0 only to measure their cost")
+    if value == "0":
+        log.warning("tiermem: %s=0: the NVMe store in %s does not check its data; a byte damaged on disk "
+                    "will be read back silently. This switch is for benchmarks only: unset it to train",
+                    CHECKSUMS_ENV, directory)
+        return False
+    return True
+
+
 def choose_direct(directory: str, direct: Optional[bool]) -> bool:
     """Whether the store uses O_DIRECT in ``directory``: ``direct`` True insists (a clear error
     where the filesystem refuses it), None falls back to buffered I/O with one warning."""

@@ -4,14 +4,27 @@
 Two slot files per key, ``<name>.0.tmn`` and ``<name>.1.tmn`` (NOTE [Two slots, overwritten in
 place] in :mod:`tiermem.memory.nvme` says how they alternate). The first ``HEADER`` (4096) bytes
 of a slot hold a header: magic, a crc32-checked JSON record ``{"key", "dtype", "shape",
-"nbytes", "gen"}``, zero padding. ``gen`` counts the key's successful writes: the valid slot with
-the larger ``gen`` holds the newer value. The tensor's bytes follow at offset ``HEADER``. With
+"nbytes", "gen", "xxh3", "chunk"}``, zero padding. ``gen`` counts the key's successful writes: the
+valid slot with the larger ``gen`` holds the newer value. ``xxh3`` checks the tensor's bytes
+(NOTE [Data checksums]); ``chunk`` is the chunk size it was computed over. The tensor's bytes follow at offset ``HEADER``. With
 direct I/O a slot is padded to a multiple of 4096 (O_DIRECT wants aligned offsets and lengths);
 buffered slots end exactly after the last byte. Either way a slot shorter than ``HEADER + nbytes``
 is truncated, and a header that does not match what the store wrote (zeroes included: that is
 how a slot being rewritten is marked) is corrupt: both are reported, never returned as data.
 The header stays at the front: on the disk this was measured on, fio wrote and read 8 MiB blocks
 at offset 4096 as fast as at offset 0 (within the run-to-run noise of a few percent).
+
+# NOTE [Data checksums]
+Every byte of a value is checked on every read. Each chunk's I/O thread hashes the chunk it
+moves (xxh3_64: ~28 GB/s on one core here, over ten times the disk) right after the chunk's
+syscall, so the data is hashed while it streams, never in a second pass over the tensor. The
+value's checksum is xxh3_64 over the chunks' digests in order (an incremental ``xxh3_64()``
+object), written in the header, which its own crc32 protects. A read hashes each chunk it
+fills the same way and compares at the end: a mismatch is :class:`Corrupt`, like a damaged
+header (NOTE [Two slots, overwritten in place] says what the store does then). The chunk size
+is in the header, so the checksum is defined by the file alone. ``TIERMEM_NVME_CHECKSUMS=0`` in
+the environment turns checksums off for stores made after it is set: a benchmarking switch (it
+measures what they cost), never for training; such a store warns once when it is made.
 
 # NOTE [Chunks and staging]
 A request is split into chunks of ``block_size`` bytes (a multiple of 4096) that run
@@ -35,6 +48,7 @@ import zlib
 from typing import Callable, Optional, Sequence
 
 import torch
+import xxhash
 
 from tiermem.errors import StoreError
 from tiermem.memory.aligned import ALIGN, aligned_empty, is_aligned, round_up
@@ -45,6 +59,7 @@ SUFFIX = ".tmn"
 _PREFIX = struct.Struct("<8sII")  # magic, JSON length, crc32 of the JSON
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
+WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW  # slot files: 0600, never via a symlink
 PWritev = Callable[[int, Sequence, int], int]
 PReadv = Callable[[int, Sequence, int], int]
 
@@ -74,9 +89,13 @@ def check_key(key: object) -> None:
                          f"such as 'blocks.0.fc.weight:exp_avg'")
 
 
-def encode_header(key: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, gen: int) -> bytes:
-    record = json.dumps({"key": key, "dtype": str(dtype).removeprefix("torch."),
-                         "shape": list(shape), "nbytes": nbytes, "gen": gen}).encode()
+def encode_header(key: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, gen: int,
+                  xxh3: Optional[int] = None, chunk: int = 0) -> bytes:
+    """The header of a slot; ``xxh3`` (None: not checked) is :func:`combine` of the value's chunk
+    digests over chunks of ``chunk`` bytes (NOTE [Data checksums])."""
+    record = json.dumps({"key": key, "dtype": str(dtype).removeprefix("torch."), "shape": list(shape),
+                         "nbytes": nbytes, "gen": gen, "xxh3": None if xxh3 is None else f"{xxh3:016x}",
+                         "chunk": chunk}).encode()
     if _PREFIX.size + len(record) > HEADER:
         raise StoreError(f"tiermem: key {key!r} with shape {tuple(shape)} does not fit the "
                          f"{HEADER}-byte NVMe file header ({_PREFIX.size + len(record)} bytes needed); "
@@ -85,9 +104,9 @@ def encode_header(key: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes: 
     return head + bytes(HEADER - len(head))
 
 
-def check_header_fits(key: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> None:
+def check_header_fits(key: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, chunk: int) -> None:
     """Raise the header's error now, at the caller, rather than on an I/O thread."""
-    encode_header(key, dtype, shape, nbytes, gen=2**63)  # the widest generation there will be
+    encode_header(key, dtype, shape, nbytes, gen=2**63, xxh3=2**64 - 1, chunk=chunk)  # the widest header
 
 
 def check_header(raw: bytes, expected: bytes) -> None:
@@ -101,6 +120,27 @@ def check_header(raw: bytes, expected: bytes) -> None:
     if magic != MAGIC or length > HEADER - _PREFIX.size or zlib.crc32(record) != crc:
         raise Corrupt("its header is damaged")
     raise Corrupt(f"its header describes {json.loads(record)}, not the value the store wrote")
+
+
+def digest(data: torch.Tensor) -> int:
+    """xxh3_64 of a chunk's bytes (``data``: uint8, 1-d, contiguous), NOTE [Data checksums]."""
+    return xxhash.xxh3_64_intdigest(_mv(data))
+
+
+def combine(digests: Sequence[Optional[int]]) -> int:
+    """The value's checksum: xxh3_64 over its chunks' digests, in order."""
+    h = xxhash.xxh3_64()
+    for d in digests:
+        assert d is not None, "every chunk of a finished transfer has its digest"
+        h.update(d.to_bytes(8, "little"))
+    return h.intdigest()
+
+
+def check_data(got: int, want: int) -> None:
+    """Raise :class:`Corrupt` unless a value's bytes hash to the checksum its header holds."""
+    if got != want:
+        raise Corrupt(f"its data fails its checksum (xxh3 {got:016x}, the header says {want:016x}: bytes "
+                      f"changed on disk after tiermem wrote them)")
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -188,8 +228,15 @@ class Fanout:
 
 # -- one chunk of a transfer ------------------------------------------------------------------
 def write_chunk(pwritev: PWritev, fd: int, src: torch.Tensor, b0: int, b1: int, pool: StagingPool,
+                direct: bool, checked: bool) -> Optional[int]:
+    """Write body bytes ``[b0, b1)`` of ``src`` (uint8, 1-d) at ``HEADER + b0``; returns their
+    digest when ``checked`` (NOTE [Data checksums])."""
+    _write_body(pwritev, fd, src, b0, b1, pool, direct)
+    return digest(src[b0:b1]) if checked else None
+
+
+def _write_body(pwritev: PWritev, fd: int, src: torch.Tensor, b0: int, b1: int, pool: StagingPool,
                 direct: bool) -> None:
-    """Write body bytes ``[b0, b1)`` of ``src`` (uint8, 1-d) at ``HEADER + b0``."""
     n, offset = b1 - b0, HEADER + b0
     if not n:
         return
@@ -242,8 +289,15 @@ def read_header(preadv: PReadv, fd: int, pool: StagingPool, direct: bool) -> byt
 
 
 def read_chunk(preadv: PReadv, fd: int, out: torch.Tensor, b0: int, b1: int, want_header: bool,
+               pool: StagingPool, direct: bool, checked: bool) -> tuple[Optional[bytes], Optional[int]]:
+    """Read body bytes ``[b0, b1)`` into ``out`` (uint8, 1-d); returns the header (chunk 0 only)
+    and, when ``checked``, the digest of the bytes read (NOTE [Data checksums])."""
+    head = _read_body(preadv, fd, out, b0, b1, want_header, pool, direct)
+    return head, (digest(out[b0:b1]) if checked else None)
+
+
+def _read_body(preadv: PReadv, fd: int, out: torch.Tensor, b0: int, b1: int, want_header: bool,
                pool: StagingPool, direct: bool) -> Optional[bytes]:
-    """Read body bytes ``[b0, b1)`` into ``out`` (uint8, 1-d); chunk 0 also returns the header."""
     n = b1 - b0
     offset = 0 if want_header else HEADER + b0
     need = n + (HEADER if want_header else 0)
@@ -277,7 +331,12 @@ def read_chunk(preadv: PReadv, fd: int, out: torch.Tensor, b0: int, b1: int, wan
 def open_slot(path: str, nbytes: int, flags: int) -> int:
     """Open a slot file for reading (``flags``: e.g. O_DIRECT); raises :class:`ShortRead` if it is
     too short to hold ``nbytes`` after its header."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise Corrupt("it is a symbolic link, which tiermem never follows (its target is untouched)") from e
+        raise
     size = os.fstat(fd).st_size
     if size < HEADER + nbytes:
         os.close(fd)
@@ -285,19 +344,36 @@ def open_slot(path: str, nbytes: int, flags: int) -> int:
     return fd
 
 
-def check_slot(preadv: PReadv, path: str, nbytes: int, header: bytes, pool: StagingPool,
+def check_slot(preadv: PReadv, path: str, nbytes: int, header: bytes, xxh3: Optional[int], pool: StagingPool,
                direct: bool) -> Optional[BaseException]:
-    """None if the slot file at ``path`` has the length and the header of the value the store
-    wrote there; otherwise what is wrong with it (missing, truncated, corrupt, unreadable)."""
+    """None if the slot file at ``path`` has the length, the header and (``xxh3`` not None) the
+    data of the value the store wrote there; otherwise what is wrong with it (missing, truncated,
+    corrupt, unreadable). Reads the whole slot, through one staging slot, chunk by chunk."""
     try:
         fd = open_slot(path, nbytes, os.O_DIRECT if direct else 0)
         try:
             check_header(read_header(preadv, fd, pool, direct), header)
+            if xxh3 is not None:
+                check_data(_slot_digest(preadv, fd, nbytes, pool, direct), xxh3)
         finally:
             os.close(fd)
     except (OSError, ShortRead, Corrupt) as e:
         return e
     return None
+
+
+def _slot_digest(preadv: PReadv, fd: int, nbytes: int, pool: StagingPool, direct: bool) -> int:
+    digests = []
+    slot = pool.acquire()
+    try:
+        for b0, b1 in chunks(nbytes, pool.block):
+            n = b1 - b0
+            if n:
+                _read_all(preadv, fd, [_mv(slot[:round_up(n) if direct else n])], HEADER + b0, n)
+            digests.append(digest(slot[:n]))
+    finally:
+        pool.release(slot)
+    return combine(digests)
 
 
 def _write_all(pwritev: PWritev, fd: int, bufs: list, offset: int) -> None:

@@ -26,6 +26,19 @@ looks at the other slot: when that one still holds the previous value intact, th
 to it and the read fails once, saying so; a read after that returns the previous value. The read
 that finds the damage fails rather than hand back the previous value silently: a caller that
 reads several keys as one state (optimizer state per bucket) would otherwise mix two steps.
+The same holds for a slot whose data fails its checksum (NOTE [Data checksums]); the previous
+slot is taken only when its header and every byte of its data check out.
+
+# NOTE [No mix after a fall back]
+A fall back leaves the key one write behind the keys written with it: a training run that
+retried its step would read this key's older value beside the others' newer ones (master
+weights from one step, moments from the next). The store cannot tell which keys belong
+together, so it refuses all that could mix: once ``k`` fell back to the value it wrote at
+sequence number ``s`` (every successful write takes the next number), a read of any other key
+whose current value was written after ``s`` and before the fall back fails, saying to resume
+from the last checkpoint. ``k`` itself reads back its previous value, as said above. A key
+written again after the fall back is readable again (its value is newer than the damage).
+
 ``revert(key)`` makes the previous value current on purpose (undoing a multi-key update).
 
 # NOTE [What the NVMe budget counts]
@@ -72,6 +85,23 @@ class Copy:
     gen: int
     path: str
     header: bytes
+    xxh3: Optional[int] = None  # NOTE [Data checksums]; None: written without checksums
+    seq: int = 0  # the store's count of successful writes when this one landed, NOTE [No mix after a fall back]
+
+
+@dataclass(frozen=True)
+class FellBack:
+    """One fall back (NOTE [No mix after a fall back]): ``key`` went back to the value written
+    at ``after``, when the store's last write was ``upto``; ``said`` is what was wrong."""
+
+    key: str
+    after: int
+    upto: int
+    said: str
+
+    def spans(self, key: str, copy: Copy) -> bool:
+        """Whether reading ``copy`` of ``key`` now would mix it with this fall back's key."""
+        return key != self.key and self.after < copy.seq <= self.upto
 
 
 @dataclass(eq=False)
@@ -122,6 +152,9 @@ def io_error(op: str, key: str, nbytes: Optional[int], directory: str, err: OSEr
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         fix = ("free space on that filesystem, pass a different nvme_dir, or set an NVMe budget below the "
                "free space (Budgets(nvme=...) or NvmeStore(budget=...)) so tiermem refuses before the disk fills")
+    elif err.errno == errno.ELOOP:
+        fix = (f"{err.filename} is a symbolic link, which tiermem never writes through (its target is "
+               f"untouched); remove it, and find out who planted it")
     else:
         fix = "check the disk (dmesg) and the directory, or pass a different nvme_dir"
     size = fmt_bytes(nbytes) if nbytes is not None else "?"
@@ -147,14 +180,24 @@ def fell_back(key: str, said: str, previous: Copy, directory: str) -> StoreError
     v = previous.value
     return StoreError(f"tiermem: {said}; {key!r} falls back to its previous value ({v.numel} x {v.dtype}, "
                       f"the one written before the latest) in {previous.path}: read {key!r} again to get "
-                      f"that value, or write {key!r} again; check the disk and that nothing else writes "
-                      f"to {directory}")
+                      f"that value, or write {key!r} again; a training run cannot go on from it (keys "
+                      f"written with the lost value would mix two steps): resume from the last checkpoint; "
+                      f"check the disk and that nothing else writes to {directory}")
 
 
 def lost(key: str, said: str, directory: str) -> StoreError:
     """No slot of ``key`` holds a usable value (``said``: what is wrong)."""
-    return StoreError(f"tiermem: {said}; the stored value is lost: write {key!r} again, and check the disk "
-                      f"and that nothing else writes to {directory}")
+    return StoreError(f"tiermem: {said}; the stored value is lost: write {key!r} again (a training run: "
+                      f"resume from the last checkpoint), and check the disk and that nothing else writes "
+                      f"to {directory}")
+
+
+def would_mix(key: str, copy: Copy, why: FellBack) -> StoreError:
+    """A read refused by NOTE [No mix after a fall back]."""
+    return StoreError(f"tiermem: refusing to read {key!r} from {copy.path}: it was written after the value "
+                      f"{why.key!r} fell back to ({why.said}); read together they would mix two "
+                      f"generations (e.g. weights of one step with optimizer state of the next): resume from "
+                      f"the last checkpoint, or write {key!r} again")
 
 
 def cannot_revert(key: str) -> StoreError:
