@@ -18,7 +18,7 @@ from tiermem.errors import ConfigError
 from tiermem.memory import nvme_io as nio
 from tiermem.memory.aligned import ALIGN, aligned_empty, round_up
 from tiermem.memory.nvme import NvmeStore
-from tiermem.memory.nvme_dir import probe_direct
+from tiermem.memory.nvme_dir import LOCK_NAME, probe_direct
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -63,7 +63,8 @@ def _round_trip(store: NvmeStore, key: str, x: torch.Tensor, *, aligned_out: boo
 
 
 def _files(directory) -> list[str]:
-    return sorted(os.listdir(directory))
+    """The files a store keeps in ``directory``, less the lock file of a store still open there."""
+    return sorted(name for name in os.listdir(directory) if name != LOCK_NAME)
 
 
 def _slots(key: str) -> list[str]:

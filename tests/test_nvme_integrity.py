@@ -1,9 +1,12 @@
 """Nothing on disk is read back silently: a table of disk defects (a flipped data byte, a flipped
 header byte, a truncated file, another key's file, a planted symlink), each with its error and
-with every other stored value unchanged; files are 0600 and never opened through a symlink."""
+with every other stored value unchanged; files are 0600 and never opened through a symlink; a
+directory is owned by one store at a time (NOTE [One store owns a directory])."""
 from __future__ import annotations
 
+import multiprocessing
 import os
+import re
 import shutil
 import stat
 
@@ -11,9 +14,11 @@ import pytest
 import torch
 
 from tiermem import StoreError
+from tiermem.errors import ConfigError
 from tiermem.memory import nvme_io as nio
 from tiermem.memory.aligned import ALIGN
 from tiermem.memory.nvme import NvmeStore
+from tiermem.memory.nvme_dir import LOCK_NAME
 
 BLOCK = 4 * ALIGN  # several chunks per value, so a flipped byte lands in a chunk of its own
 
@@ -206,3 +211,72 @@ def test_a_symlink_planted_at_a_slot_is_never_written_through(tmp_path):
             store.write("k", _value(N, 9)).wait()
         assert (tmp_path / "target").read_bytes() == b"precious"
         assert _same(_read(store, "k", x), x)
+
+
+# -- one store owns a directory ----------------------------------------------------------------------
+def _hold(directory: str, ready, done) -> None:
+    """In a child process: own ``directory`` until told to stop."""
+    store = NvmeStore(directory)
+    ready.set()
+    done.wait(60)
+    store.close()
+
+
+def _try(directory: str, queue) -> None:
+    """In a child process: try to make a store in ``directory``; report the error, or None."""
+    try:
+        NvmeStore(directory).close()
+        queue.put(None)
+    except ConfigError as e:
+        queue.put(str(e))
+
+
+def test_a_second_store_in_this_process_is_refused_until_the_first_closes(tmp_path):
+    first = NvmeStore(tmp_path)
+    first.write("k", torch.ones(3)).wait()
+    lock = tmp_path / LOCK_NAME
+    assert lock.read_text() == f"{os.getpid()}\n" and stat.S_IMODE(os.stat(lock).st_mode) == 0o600
+    with pytest.raises(ConfigError, match=rf"^tiermem: NVMe directory {tmp_path} is in use by another NvmeStore, "
+                                          rf"in this process \(pid {os.getpid()}\): close the other NvmeStore "
+                                          rf"first.*or pass another nvme_dir"):
+        NvmeStore(tmp_path)
+    assert _same(_read(first, "k", torch.ones(3)), torch.ones(3))  # the owner is unaffected
+    first.close()
+    assert not lock.exists()
+    with NvmeStore(tmp_path) as again:
+        assert lock.exists()
+    abandoned = NvmeStore(tmp_path)
+    del abandoned  # nothing references it: it lets go when collected
+    NvmeStore(tmp_path).close()
+
+
+def test_a_store_in_another_process_is_refused_with_its_pid_then_taken(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    ready, done, queue = ctx.Event(), ctx.Event(), ctx.Queue()
+    holder = ctx.Process(target=_hold, args=(str(tmp_path), ready, done))
+    holder.start()
+    try:
+        assert ready.wait(60)
+        with pytest.raises(ConfigError, match=rf"in use by another NvmeStore, in process {holder.pid}: stop that "
+                                              rf"run first"):
+            NvmeStore(tmp_path)
+        prober = ctx.Process(target=_try, args=(str(tmp_path), queue))  # a third process is refused alike
+        prober.start()
+        said = queue.get(timeout=60)
+        prober.join(60)
+        assert said and re.search(rf"in process {holder.pid}: stop that run first", said), said
+    finally:
+        done.set()
+        holder.join(60)
+    assert holder.exitcode == 0
+    NvmeStore(tmp_path).close()  # free again
+
+
+def test_a_lock_file_left_by_a_killed_run_is_taken_over_and_a_symlinked_one_refused(tmp_path):
+    (tmp_path / LOCK_NAME).write_text("999999\n")  # the kernel dropped its flock when it died
+    NvmeStore(tmp_path).close()
+    (tmp_path / "target").write_text("precious")
+    os.symlink(tmp_path / "target", tmp_path / LOCK_NAME)
+    with pytest.raises(ConfigError, match=r"lock file .*tiermem.lock is a symbolic link, which tiermem never follows"):
+        NvmeStore(tmp_path)
+    assert (tmp_path / "target").read_text() == "precious"

@@ -45,14 +45,14 @@ def test_weights_off_device_give_identical_numbers(tmp_path, precision, policy):
 
 
 def test_device_budget_smaller_than_the_weights(tmp_path):
-    def make(policy, budgets=None):
+    def make(policy, budgets=None, nvme_dir=str(tmp_path)):
         torch.manual_seed(12)
         return TieredModel(TinyGPT(d=256, n_layer=4), policy, precision="bf16", bucket_size="256KiB",
-                           nvme_dir=str(tmp_path), budgets=budgets)
+                           nvme_dir=nvme_dir, budgets=budgets)
     weights = 2 * sum(p.numel() for p in TinyGPT(d=256, n_layer=4).parameters())
     budget = weights * 3 // 4  # weights alone would not fit; activations need their share too
     tm = make(ZeroInfinity(), Budgets(device=budget))
-    ref = make(ZeroOffload())
+    ref = make(ZeroOffload(), nvme_dir=None)  # one run owns a directory; this one needs none
     assert _train(tm, 3) == _train(ref, 3)
     rep = tm.report()
     assert rep.peak_bytes[Tier.DEVICE] <= budget
@@ -180,7 +180,9 @@ def test_weights_are_resident_wherever_autograd_or_the_model_reads_them(tmp_path
     states = []
     for policy in (ZeroOffload(), ZeroInfinity()):
         torch.manual_seed(0)
-        tm = TieredModel(make(), policy, optimizer=AdamW(lr=1e-2), precision="fp32", nvme_dir=str(tmp_path))
+        (tmp_path / type(policy).__name__).mkdir()  # a directory each: one run owns a directory
+        tm = TieredModel(make(), policy, optimizer=AdamW(lr=1e-2), precision="fp32",
+                         nvme_dir=str(tmp_path / type(policy).__name__))
         if eval_mode:
             tm.eval()
         torch.manual_seed(1)

@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Callable, Iterator, Optional, Sequence
@@ -52,6 +53,8 @@ class NvmeStore(Store):
     held, both slots of a key counted (default: the free space there). ``direct``: True insists
     on O_DIRECT, False never uses it, None falls back to buffered I/O with a warning where the
     filesystem refuses it. Files stay on disk after ``close()``; ``delete(key)`` removes them.
+    The store owns ``directory`` until ``close()`` (NOTE [One store owns a directory]): another
+    store there is refused with the holder's pid.
     """
 
     tier = Tier.NVME
@@ -61,11 +64,14 @@ class NvmeStore(Store):
         self.directory = os.path.abspath(os.fspath(directory))
         nvme_dir.check_options(io_threads, block_size)
         nvme_dir.check_directory(self.directory)
-        self.direct = nvme_dir.choose_direct(self.directory, direct)
+        self.direct = nvme_dir.choose_direct(self.directory, direct)  # fails first where no file can be made
         self.checksums = nvme_dir.checksums_wanted(self.directory)  # NOTE [Data checksums]
         allowed = (shutil.disk_usage(self.directory).free if budget is None
                    else parse_bytes(budget, what="NvmeStore.budget"))
         self.ledger = Ledger(Tier.NVME, allowed)
+        lock = nvme_dir.DirectoryLock(self.directory)  # NOTE [One store owns a directory], once all is valid
+        lock.acquire()
+        self._release_lock = weakref.finalize(self, lock.release)  # at close(), or when collected
         self.block_size = block_size
         self.bytes_written = 0  # bytes of writes that completed
         self.bytes_read = 0  # bytes of reads that completed
@@ -161,6 +167,7 @@ class NvmeStore(Store):
             while self._outstanding:
                 self._idle.wait()
         self._pool.shutdown(wait=True)
+        self._release_lock()
 
     def __enter__(self) -> "NvmeStore":
         return self

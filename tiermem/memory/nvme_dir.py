@@ -1,8 +1,23 @@
-"""The NVMe store's directory: its options and directory checked, and O_DIRECT probed once (the
-one probe: ``tiermem info`` and ``bench`` report what it finds)."""
+"""The NVMe store's directory: its options and directory checked, O_DIRECT probed once (the
+one probe: ``tiermem info`` and ``bench`` report what it finds), and the lock that makes one
+store its owner.
+
+# NOTE [One store owns a directory]
+Two runs on one directory would overwrite each other's slot files and train on each other's
+state. A store takes an exclusive ``flock`` on ``tiermem.lock`` in its directory when it is made
+(the file is 0600, opened without following a symlink) and writes its pid there; another store
+(this process or another) gets an error naming that pid. ``close()`` removes the file and lets
+go; a store nothing references any more lets go when it is collected, so a store made in this
+process that the holder's pid names first collects garbage and tries once more. The lock dies
+with the process (the kernel drops it), so a killed run never leaves the directory locked: a
+file left behind is taken over. The file is removed while still locked, and a store that got
+the lock checks that the file it locked is still the one at the path, else it tries again.
+"""
 from __future__ import annotations
 
 import errno
+import fcntl
+import gc
 import logging
 import os
 import platform
@@ -32,6 +47,74 @@ def check_directory(directory: str) -> None:
     if not os.path.isdir(directory):
         raise ConfigError(f"tiermem: NvmeStore directory {directory} is not a directory; "
                           f"pass a directory as nvme_dir")
+
+
+LOCK_NAME = "tiermem.lock"
+
+
+class DirectoryLock:
+    """The lock of NOTE [One store owns a directory]: :meth:`acquire` or a ConfigError naming the
+    holder; :meth:`release` is idempotent (a finalizer may call it after ``close``)."""
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, LOCK_NAME)
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        collected = False
+        for _ in range(8):  # a releasing store may unlink the file between our open and flock
+            fd = _open_lock_file(self.path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                os.close(fd)
+                if holder == str(os.getpid()) and not collected:  # perhaps a store nothing references
+                    collected = True
+                    gc.collect()
+                    continue
+                raise ConfigError(self._held(holder)) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            self._fd = fd
+            return
+        raise ConfigError(f"tiermem: could not take the lock {self.path}: it kept being replaced; make sure "
+                          f"no other run uses this directory, or pass another nvme_dir")
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.unlink(self.path)  # still locked: no other store takes a file about to vanish
+        except OSError:
+            pass
+        os.close(fd)  # lets go of the flock
+
+    def _held(self, holder: str) -> str:
+        who = ("this process (pid " + holder + "): close the other NvmeStore first, or tm.detach() the "
+               "TieredModel that uses it" if holder == str(os.getpid())
+               else f"process {holder or '(pid not written yet)'}: stop that run first")
+        return (f"tiermem: NVMe directory {os.path.dirname(self.path)} is in use by another NvmeStore, in "
+                f"{who}, or pass another nvme_dir (one run owns a directory: lock file {self.path})")
+
+
+def _open_lock_file(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ConfigError(f"tiermem: the NVMe lock file {path} is a symbolic link, which tiermem never "
+                              f"follows; remove it, and find out who planted it") from e
+        raise ConfigError(f"tiermem: cannot create the NVMe lock file {path} ({e.strerror}); make the "
+                          f"directory writable or pass another nvme_dir") from e
 
 
 CHECKSUMS_ENV = "TIERMEM_NVME_CHECKSUMS"
