@@ -111,3 +111,18 @@ def test_every_call_after_detach_says_so(call):
     tm.detach()
     with pytest.raises(ConfigError, match="this TieredModel was detached; wrap the module again"):
         call(tm, x, y)
+
+
+def test_load_drops_the_gradients_waiting_for_a_step(tmp_path):
+    tm, ref = _tm(), _tm()
+    path = str(tmp_path / "c.tm")
+    tm.save(path)
+    x, y = gpt_batch(0)
+    tm.backward(gpt_loss(tm(x), y))  # waiting for a step...
+    tm.load(path)  # ...when the checkpoint comes back
+    assert tm.phase is Phase.IDLE
+    for m in (tm, ref):
+        x, y = gpt_batch(1)
+        m.backward(gpt_loss(m(x), y))
+        m.step()
+    assert same_state(tm.state_dict(), ref.state_dict())  # the old grads were not added to the new ones

@@ -326,8 +326,12 @@ class TieredModel:
         checkpoint.save(self._settled(), path)
 
     def load(self, path: str) -> None:
-        """Restore a checkpoint written by :meth:`save` (any bucket size, same parameter names)."""
+        """Restore a checkpoint written by :meth:`save` (any bucket size, same parameter names).
+        Gradients waiting for a step (kept for the retry of a failed one) were computed with other
+        weights: they are dropped, and the next step starts from the checkpoint alone."""
         checkpoint.load(self._settled(), path)
+        self.grads.drop()
+        self._life.to(Phase.IDLE)
 
     def report(self) -> Report:
         peak, class_peak, budgets = collect(self.stores)
