@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from examples.gpt import GPT, PRESETS, GPTConfig, lm_loss  # noqa: E402
+from examples.gpt import GPT, PRESETS, GPTConfig, config_from_args as build_config, lm_loss  # noqa: E402
 from tiermem import AdamW, TensorClass, TieredModel, Tier  # noqa: E402
 from tiermem.errors import fmt_bytes  # noqa: E402
 from tiermem.policies import ZeroOffload  # noqa: E402
@@ -67,15 +67,6 @@ def parse_args() -> argparse.Namespace:
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be at least 1 (the first step compiles tiermem's Adam)")
     return args
-
-
-def build_config(args: argparse.Namespace) -> GPTConfig:
-    over: dict[str, int] = {"vocab_size": args.vocab_size, "block_size": args.seq_len}
-    if args.n_layer is not None:
-        over["n_layer"] = args.n_layer
-    if args.n_embd is not None:
-        over.update(n_embd=args.n_embd, n_head=max(1, args.n_embd // 64))
-    return GPTConfig.preset(args.preset, **over)
 
 
 def make_model(cfg: GPTConfig) -> GPT:

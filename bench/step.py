@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from examples.gpt import GPT, PRESETS, GPTConfig, lm_loss  # noqa: E402
+from examples.gpt import GPT, PRESETS, GPTConfig, config_from_args as build_config, lm_loss  # noqa: E402
 from tiermem import AdamW, TensorClass, TieredModel, Tier  # noqa: E402
 from tiermem.budgets import parse_bytes  # noqa: E402
 from tiermem.errors import fmt_bytes  # noqa: E402
@@ -54,15 +54,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args()
-
-
-def build_config(args: argparse.Namespace) -> GPTConfig:
-    over: dict[str, int] = {"vocab_size": args.vocab_size, "block_size": args.seq_len}
-    if args.n_layer is not None:
-        over["n_layer"] = args.n_layer
-    if args.n_embd is not None:
-        over.update(n_embd=args.n_embd, n_head=max(1, args.n_embd // 64))
-    return GPTConfig.preset(args.preset, **over)
 
 
 def make_model(cfg: GPTConfig) -> GPT:

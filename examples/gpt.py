@@ -56,6 +56,17 @@ class GPTConfig:
         return replace(PRESETS[name], **overrides)  # type: ignore[arg-type]
 
 
+def config_from_args(args) -> GPTConfig:
+    """A preset sized by a benchmark's command line: ``args.preset``, ``vocab_size``, ``seq_len``
+    and, when given, ``n_layer`` and ``n_embd`` (heads of 64)."""
+    over: dict[str, int] = {"vocab_size": args.vocab_size, "block_size": args.seq_len}
+    if args.n_layer is not None:
+        over["n_layer"] = args.n_layer
+    if args.n_embd is not None:
+        over.update(n_embd=args.n_embd, n_head=max(1, args.n_embd // 64))
+    return GPTConfig.preset(args.preset, **over)
+
+
 PRESETS: dict[str, GPTConfig] = {
     # Tests: ~0.1M parameters, a step takes milliseconds.
     "tiny": GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64),
