@@ -383,13 +383,18 @@ def test_state_step_updates_every_bucket_once(engine, case):
         _check_state(home, buckets, _bumped(before, buckets))
 
 
-@pytest.mark.parametrize("case", STATE_CASES, ids=lambda c: c.id)
-def test_state_step_that_fails_on_the_second_bucket(engine, case):
+def _stepped_once(case, engine):
+    """A state home after one step, and its state then."""
     buckets, home = _state_home(case, engine)
     _initialize(home, buckets, _masters(buckets))
     tracer = Tracer(None)
     home.step(_plan(buckets), _bump, tracer, set())
-    before = _snapshot(home, buckets)
+    return buckets, home, tracer, _snapshot(home, buckets)
+
+
+@pytest.mark.parametrize("case", STATE_CASES, ids=lambda c: c.id)
+def test_state_step_that_fails_on_the_second_bucket(engine, case):
+    buckets, home, tracer, before = _stepped_once(case, engine)
 
     def update(b, runs, views):
         if b is buckets[1]:
@@ -410,11 +415,7 @@ def test_state_step_that_fails_on_the_second_bucket(engine, case):
 @pytest.mark.parametrize("failing", [1, -1], ids=["second", "last"])
 @pytest.mark.parametrize("case", REVERTIBLE, ids=lambda c: c.id)
 def test_state_revertible_step_that_fails_changes_nothing(engine, case, failing):
-    buckets, home = _state_home(case, engine)
-    _initialize(home, buckets, _masters(buckets))
-    tracer = Tracer(None)
-    home.step(_plan(buckets), _bump, tracer, set())
-    before = _snapshot(home, buckets)
+    buckets, home, tracer, before = _stepped_once(case, engine)
 
     def update(b, runs, views):
         _bump(b, runs, views)
@@ -433,11 +434,7 @@ def test_state_revertible_step_that_fails_changes_nothing(engine, case, failing)
 
 @pytest.mark.parametrize("case", REVERTIBLE, ids=lambda c: c.id)
 def test_state_revert_undoes_a_whole_step(engine, case):
-    buckets, home = _state_home(case, engine)
-    _initialize(home, buckets, _masters(buckets))
-    tracer = Tracer(None)
-    home.step(_plan(buckets), _bump, tracer, set())
-    before = _snapshot(home, buckets)
+    buckets, home, tracer, before = _stepped_once(case, engine)
     undo = home.step(_plan(buckets), _bump, tracer, set())
     with pytest.raises(AssertionError):  # the step did change the state
         _check_state(home, buckets, before)

@@ -26,7 +26,7 @@ class GradCollector:
                  group: Group = Solo()):
         self.homes, self.slot_of, self.engine, self.device_ledger = homes, slot_of, engine, device_ledger
         self.group = group
-        self._names = sorted((s.order, s.name) for b, s in slot_of.values())  # every parameter, one order
+        self.names = [s.name for _, s in sorted(slot_of.values(), key=lambda bs: bs[1].order)]  # one order, every rank
         self.fill = 0  # which gradient buffer backward fills (always 0 without overlap_step)
         self._got: set[str] = set()  # parameters that received a grad this step
         self._in_flight: list[tuple[Handle, str]] = []  # grad copies in flight, with their ledger tags
@@ -97,9 +97,7 @@ class GradCollector:
 
     def _agree(self) -> None:
         """Every rank updates the parameters that got a gradient on any rank (one mask, all-reduced)."""
-        mask = torch.tensor([float(name in self._got) for _, name in self._names])
-        self.group.max_(mask)
-        self._got = {name for (_, name), m in zip(self._names, mask.tolist()) if m}
+        self._got = self.group.agree(self._got, self.names)
 
     def drop(self) -> None:
         """Forget this step's grads (after an error left some missing): transfers in flight are

@@ -93,17 +93,12 @@ class ParamOffload(WeightHome):
 
     # -- forward -----------------------------------------------------------------------------------
     def _before(self, mod: torch.nn.Module, args) -> None:
-        for p, key in self.owners[mod]:
-            t = self.scheduler.acquire(key)
-            self._live[t.untyped_storage().data_ptr()] = key
-            p.data = t
+        for _, key in self.owners[mod]:
+            self.borrow(key)
 
     def _after(self, mod: torch.nn.Module, args, out) -> None:
-        for p, key in self.owners[mod]:
-            t = p.data
-            p.data = self._placeholders[key]
-            self._live.pop(t.untyped_storage().data_ptr(), None)
-            self.scheduler.release(key)
+        for _, key in self.owners[mod]:
+            self.give_back(key)
 
     # -- weights read outside their own module ------------------------------------------------------
     def borrowing(self) -> "_Borrowing":
@@ -116,11 +111,13 @@ class ParamOffload(WeightHome):
         return self._by_placeholder.get(t.data_ptr()) if t.numel() else None
 
     def borrow(self, key: str) -> None:
+        """Make ``key`` resident in its parameter (its module runs, or another reads it)."""
         t = self.scheduler.acquire(key)
         self._live[t.untyped_storage().data_ptr()] = key
         self._params[key].data = t
 
     def give_back(self, key: str) -> None:
+        """The placeholder back in ``key``'s parameter; the scheduler may evict its device copy."""
         p = self._params[key]
         t = p.data
         p.data = self._placeholders[key]

@@ -79,7 +79,6 @@ class Stepper:
         self.steps = 0
         self.seconds = 0.0
         self._step_of: dict[str, int] = {}  # canonical parameter name -> updates applied to it
-        self._order = sorted((s.order, s.name) for b in layout.buckets for s in b.slots)  # every parameter
         self._background: Optional[tuple[Handle, list]] = None  # overlap: the update in flight
         self.max_skipped = max_skipped  # NOTE [A stalled run is loud]
         self.skipped_in_a_row = 0
@@ -228,7 +227,7 @@ class Stepper:
                     per_slot[s.name] = torch.linalg.vector_norm(g[s.offset:s.offset + s.numel], dtype=torch.float32)
             finally:
                 free()
-        names = [name for _, name in self._order if self.grads.received(name)]
+        names = [name for name in self.grads.names if self.grads.received(name)]
         if not names:
             self._norms = ([], torch.zeros(0))
             return torch.zeros((), dtype=torch.float32)
@@ -265,7 +264,7 @@ class Stepper:
 
     def _count_steps(self) -> None:
         """Every parameter that got a gradient (on any rank) takes one more step."""
-        for _, name in self._order:
+        for name in self.grads.names:
             if self.grads.received(name):
                 self._step_of[name] = self._step_of.get(name, 0) + 1
 

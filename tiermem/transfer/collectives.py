@@ -105,6 +105,10 @@ class Group:
     def check_same(self, what: str, fingerprint: str) -> None:
         """Every rank built the same thing (``fingerprint``), or a ``tiermem:`` error."""
 
+    def agree(self, got: set[str], names: Sequence[str]) -> set[str]:
+        """The names in ``got`` on any rank (``names``: all of them, in one order on every rank)."""
+        return got
+
     def bytes_sent(self) -> int:
         return 0
 
@@ -154,6 +158,7 @@ class Distributed(Group):
         self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl"
                        else torch.device("cpu"))
+        self._timeout_s = timeout
         self.timeout = None if timeout is None else timedelta(seconds=timeout)
         self._sent = 0
         self._lock = threading.Lock()
@@ -238,6 +243,10 @@ class Distributed(Group):
                 full.copy_(full_here)
         return Pending(lambda: self._run("all_gather", lambda: work, mine.nbytes * self.world), finish)
 
+    def agree(self, got: set[str], names: Sequence[str]) -> set[str]:
+        mask = self.max_(torch.tensor([float(name in got) for name in names]))
+        return {name for name, m in zip(names, mask.tolist()) if m}
+
     def norms(self, partial: torch.Tensor) -> torch.Tensor:
         squares = partial.double().square()
         self.sum_(squares)
@@ -259,11 +268,7 @@ class Distributed(Group):
     def for_weights(self) -> "Distributed":
         if self._sibling is None:  # collective: every rank builds its model, so every rank gets here
             ranks = [self.dist.get_global_rank(self.pg, r) if self.pg is not None else r for r in range(self.world)]
-            sibling = Distributed.__new__(Distributed)
-            sibling.__dict__.update(self.__dict__)
-            sibling.pg, sibling._sent, sibling._lock, sibling._sibling = self.dist.new_group(ranks), 0, threading.Lock(), None
-            sibling.seconds = 0.0
-            self._sibling = sibling
+            self._sibling = Distributed(self.dist.new_group(ranks), timeout=self._timeout_s, tracer=self.tracer)
         return self._sibling
 
     def subdirectory(self, directory: str) -> str:
