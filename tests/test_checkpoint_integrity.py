@@ -13,12 +13,13 @@ import zlib
 
 import pytest
 import torch
+import xxhash
 
 from models import Quirky, TinyGPT, gpt_batch, gpt_loss, same_state
 from tiermem import AdamW, StoreError, TieredModel, TierMemError
 from tiermem.train import checkpoint
 
-_TAIL = struct.Struct("<QI")  # NOTE [Checkpoint format]: footer length, footer CRC-32, then MAGIC
+_TAIL = struct.Struct("<QQ")  # NOTE [Checkpoint format]: footer length, footer xxh3_64, then MAGIC
 
 
 def _model(precision: str = "fp32", steps: int = 2) -> TieredModel:
@@ -39,22 +40,28 @@ def saved(tmp_path_factory) -> bytes:
 
 
 def _split(data: bytes) -> tuple[bytes, dict, int]:
-    """(everything before the footer, the footer, its CRC-32 as written)."""
+    """(everything before the footer, the footer, its checksum as written)."""
     n, crc = _TAIL.unpack(data[-len(checkpoint.MAGIC) - _TAIL.size:-len(checkpoint.MAGIC)])
     start = len(data) - len(checkpoint.MAGIC) - _TAIL.size - n
     return data[:start], json.loads(data[start:start + n]), crc
 
 
 def _join(body: bytes, footer: bytes, crc: int | None = None) -> bytes:
-    """A v2 file; ``crc=None`` signs the footer anew, as an editor who knows the format would."""
-    return body + footer + _TAIL.pack(len(footer), zlib.crc32(footer) if crc is None else crc) + checkpoint.MAGIC
+    """A v3 file; ``crc=None`` signs the footer anew, as an editor who knows the format would."""
+    checksum = xxhash.xxh3_64_intdigest(footer) if crc is None else crc
+    return body + footer + _TAIL.pack(len(footer), checksum) + checkpoint.MAGIC
 
 
-def _as_v1(data: bytes) -> bytes:
+def _as_old(data: bytes, magic: bytes) -> bytes:
+    """The same checkpoint in an older format: CRC-32s of the tensors, and (v2) of the footer."""
     body, doc, _ = _split(data)
+    for e in doc["tensors"]:
+        del e["xxh3"]
+        e["crc32"] = zlib.crc32(body[e["offset"]:e["offset"] + e["nbytes"]])
     footer = json.dumps(doc).encode()
-    v1 = checkpoint.MAGIC_V1
-    return v1 + body[len(checkpoint.MAGIC):] + footer + struct.pack("<Q", len(footer)) + v1
+    trailer = (struct.pack("<QI", len(footer), zlib.crc32(footer)) if magic == checkpoint.MAGIC_V2
+               else struct.pack("<Q", len(footer)))
+    return magic + body[len(checkpoint.MAGIC):] + footer + trailer + magic
 
 
 def _entry(doc: dict, name: str) -> dict:
@@ -173,12 +180,15 @@ SIGNED = {
     "offset a string": (_tensor(_W, "offset")("64"), *CORRUPT, r"\.offset='64'"),
     "offset past the data": (_tensor(_W, "offset")(10**9), *CORRUPT,
         r"\.offset=1000000000 is invalid: it must be such that"),
-    "crc32 negative": (_tensor(_W, "crc32")(-1), *CORRUPT, r"\.crc32=-1"),
-    "an entry without crc32": (lambda d: _entry(d, _W).pop("crc32"), *CORRUPT, r"keys="),
+    "xxh3 negative": (_tensor(_W, "xxh3")("-1"), *CORRUPT, r"\.xxh3='-1' is invalid: it must be 16 lowercase hex"),
+    "xxh3 an int": (_tensor(_W, "xxh3")(12345), *CORRUPT, r"\.xxh3=12345"),
+    "an entry without xxh3": (lambda d: _entry(d, _W).pop("xxh3"), *CORRUPT, r"keys="),
+    "crc32 in place of xxh3": (lambda d: _entry(d, _W).update(crc32=_entry(d, _W).pop("xxh3")), *CORRUPT, r"keys="),
     "a name twice": (lambda d: d["tensors"].append(dict(_entry(d, _W))), *CORRUPT,
         r"\.name='master/wte\.weight' is invalid"),
     "a tensor missing": (lambda d: d["tensors"].remove(_entry(d, _W)), *OTHER, r"missing \['master/wte\.weight'\]"),
-    "crc32 of other bytes": (_tensor(_W, "crc32")(12345), StoreError, r"'master/wte\.weight' fails its checksum"),
+    "xxh3 of other bytes": (_tensor(_W, "xxh3")(f"{12345:016x}"), StoreError,
+                            r"'master/wte\.weight' fails its checksum"),
 }
 
 
@@ -241,23 +251,31 @@ def test_a_re_signed_footer_that_is_not_ours(saved, target, tmp_path, footer, me
 
 def test_a_footer_length_past_the_file(saved, target, tmp_path):
     data = bytearray(saved)
-    data[-len(checkpoint.MAGIC) - _TAIL.size:-len(checkpoint.MAGIC) - 4] = struct.pack("<Q", 2**63)
+    data[-len(checkpoint.MAGIC) - _TAIL.size:-len(checkpoint.MAGIC) - 8] = struct.pack("<Q", 2**63)
     (tmp_path / "edited.tm").write_bytes(bytes(data))
     _refused(target, tmp_path / "edited.tm", StoreError, "corrupt footer length")
 
 
-def test_a_v1_file_still_loads_and_is_still_checked(saved, tmp_path):
-    (tmp_path / "v1.tm").write_bytes(_as_v1(saved))
-    (tmp_path / "v2.tm").write_bytes(saved)
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_an_older_format_still_loads_and_is_still_checked(saved, tmp_path, version):
+    magic = {"v1": checkpoint.MAGIC_V1, "v2": checkpoint.MAGIC_V2}[version]
+    (tmp_path / "old.tm").write_bytes(_as_old(saved, magic))
+    (tmp_path / "v3.tm").write_bytes(saved)
     a, b = _model(steps=0), _model(steps=0)
-    a.load(str(tmp_path / "v1.tm"))
-    b.load(str(tmp_path / "v2.tm"))
+    a.load(str(tmp_path / "old.tm"))
+    b.load(str(tmp_path / "v3.tm"))
     assert same_state(a.state_dict(), b.state_dict()) and a.stepper.steps == b.stepper.steps == 2
     assert a.stepper.param_steps() == b.stepper.param_steps() and a.optimizer.param_groups[0]["lr"] == 1e-2
+    old = bytearray(_as_old(saved, magic))  # a flipped data byte fails the tensor's CRC-32
     body, doc, _ = _split(saved)
-    _dtype_float64(doc)  # v1 has no footer checksum: the size check finds this edit
-    (tmp_path / "v1-edited.tm").write_bytes(_as_v1(_join(body, json.dumps(doc).encode())))
-    _refused(a, tmp_path / "v1-edited.tm", *CORRUPT[:1], r"\.nbytes=3552 is invalid: it must be 7104")
+    e = _entry(doc, _W)
+    old[e["offset"] + 5] ^= 0x10
+    (tmp_path / "old-flipped.tm").write_bytes(bytes(old))
+    _refused(a, tmp_path / "old-flipped.tm", StoreError, r"'master/wte\.weight' fails its checksum")
+    if version == "v1":  # no footer checksum: the size check finds this edit
+        _dtype_float64(doc)
+        (tmp_path / "v1-edited.tm").write_bytes(_as_old(_join(body, json.dumps(doc).encode()), magic))
+        _refused(a, tmp_path / "v1-edited.tm", *CORRUPT[:1], r"\.nbytes=3552 is invalid: it must be 7104")
 
 
 # -- precision ------------------------------------------------------------------------------------
