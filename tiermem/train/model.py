@@ -311,25 +311,25 @@ class TieredModel:
         return self.module.training
 
     # -- state ------------------------------------------------------------------------------------
-    def _settled(self) -> ModelState:
+    def _settled(self, call: str) -> ModelState:
         """The model's state with nothing in flight, for the calls that read or replace it."""
-        self._life.check("state")
+        self._life.check("state", call)
         self.stepper.finish_pending()
         return self._state
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights (and buffers) with the keys of ``module.state_dict()``."""
-        return self._settled().module_state()
+        return self._settled("state_dict()").module_state()
 
     def save(self, path: str) -> None:
         """Checkpoint weights, optimizer state, loss scale and step to ``path``, atomically."""
-        checkpoint.save(self._settled(), path)
+        checkpoint.save(self._settled("save()"), path)
 
     def load(self, path: str) -> None:
         """Restore a checkpoint written by :meth:`save` (any bucket size, same parameter names).
         Gradients waiting for a step (kept for the retry of a failed one) were computed with other
         weights: they are dropped, and the next step starts from the checkpoint alone."""
-        checkpoint.load(self._settled(), path)
+        checkpoint.load(self._settled("load()"), path)
         self.grads.drop()
         self._life.to(Phase.IDLE)
 
@@ -346,7 +346,7 @@ class TieredModel:
     def detach(self) -> torch.nn.Module:
         """Remove every hook and give the module back with fp32 weights (on the CPU, where the
         master weights were), ready for plain PyTorch."""
-        state = self._settled()
+        state = self._settled("detach()")
         self.hooks.remove()
         weights = state.fp32_weights()
         for name, p in self.module.named_parameters():

@@ -57,9 +57,11 @@ class Lifecycle:
     def __init__(self) -> None:
         self.phase = Phase.IDLE
 
-    def check(self, call: str) -> None:
+    def check(self, call: str, name: str | None = None) -> None:
+        """Refuse ``call`` (a key of :data:`ALLOWED`; the error says ``name``, default ``call``)
+        unless the phase allows it."""
         if self.phase not in ALLOWED[call]:
-            raise ConfigError(f"tiermem: {call} is not allowed while the model is {self.phase.value}: "
+            raise ConfigError(f"tiermem: {name or call} is not allowed while the model is {self.phase.value}: "
                               f"{_FIX[self.phase]}")
 
     @contextlib.contextmanager
