@@ -1,0 +1,119 @@
+"""The host-side halves of the GPU code, on any machine: exact pinned host buffers and their
+bookkeeping (NOTE [Exact pinned memory]), the default device budget, and joining requests.
+The GPU halves are in test_cuda.py / test_cuda_streams.py."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from tiermem import TensorClass, Tier
+from tiermem.memory import aligned, resident
+from tiermem.memory.resident import HostStore
+from tiermem.transfer.engine import TransferEngine
+
+
+def _mapped(ptr: int) -> bool:
+    """Whether some mapping of this process covers address ``ptr`` (Linux)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+@pytest.fixture
+def fake_pinning(monkeypatch):
+    """Stand-in for cudaHostRegister/Unregister: records what would be pinned."""
+    pinned: dict[int, int] = {}
+
+    def register(ptr: int, nbytes: int) -> None:
+        assert ptr % aligned.ALIGN == 0 and nbytes % aligned.ALIGN == 0 and ptr not in pinned
+        pinned[ptr] = nbytes
+
+    def unregister(ptr: int) -> None:
+        del pinned[ptr]  # a KeyError: unpinning what was never pinned
+    monkeypatch.setattr(aligned, "register_host", register)
+    monkeypatch.setattr(aligned, "unregister_host", unregister)
+    return pinned
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_host_buffer_is_exact_page_aligned_and_unmapped_once_dropped():
+    buf = aligned.host_buffer(3 * 4096 + 1, pin=False)
+    assert buf.dtype == torch.uint8 and buf.numel() == 4 * 4096 and buf.data_ptr() % 4096 == 0
+    buf.fill_(7)
+    assert int(buf.sum()) == 7 * 4 * 4096
+    ptr, view = buf.data_ptr(), buf[4096:8192]
+    del buf
+    gc.collect()
+    assert _mapped(ptr)  # a view keeps the mapping
+    del view
+    gc.collect()
+    assert not _mapped(ptr)  # given back to the system
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_pool_pins_exactly_what_its_ledger_counts_and_trim_gives_it_back(fake_pinning):
+    host = HostStore(1 << 30, pin=True)
+    sizes = [2 ** 20, 2 ** 20 + 12, 4096 * 3 + 5, 100]  # a power of two, just above one, odd sizes
+    ptrs = []
+    for _ in range(3):  # steps: the same sizes every time
+        bufs = [host.acquire(n, f"k{i}", TensorClass.GRAD) for i, n in enumerate(sizes)]
+        state = host.acquire(2 ** 20, "state", TensorClass.OPTIM_STATE)  # never pinned
+        pinned = sum(fake_pinning.values())
+        assert pinned == host.pinned_bytes == host.ledger.used - host.ledger.held("state")
+        assert pinned == sum(aligned.round_up(n) for n in sizes)  # exact, not rounded to a power of two
+        ptrs = [b.data_ptr() for b in bufs] + [state.data_ptr()]
+        for i, b in enumerate(bufs):
+            host.release(f"k{i}", b)
+        host.release("state", state)
+        del bufs, state, b
+    assert host.allocations == len(sizes) + 1  # reused: pinned bytes stay flat over steps
+    assert host.trim() == sum(aligned.round_up(n) for n in sizes) + 2 ** 20
+    gc.collect()
+    assert fake_pinning == {} and host.pinned_bytes == 0 and host.ledger.used == 0
+    assert not any(_mapped(p) for p in ptrs)
+
+
+def test_a_store_dropped_without_close_unpins(fake_pinning):
+    host = HostStore(1 << 30, pin=True)
+    buf = host.acquire(8192, "k", TensorClass.GRAD)
+    assert sum(fake_pinning.values()) == 8192
+    del host
+    gc.collect()
+    assert fake_pinning == {} and buf.numel() == 8192  # unpinned; the bytes stay valid for whoever holds them
+    buf.fill_(1)
+
+
+def test_default_device_budget_is_free_plus_what_torch_holds_minus_the_margin(monkeypatch):
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 141 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * gib)
+    margin = resident.device_margin(141 * gib)
+    assert margin == int(141 * gib * 0.05)
+    assert resident.default_device_budget(torch.device("cuda", 0)) == 70 * gib - margin
+    assert resident.device_margin(8 * gib) == gib  # a small card keeps at least 1 GiB out
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (gib // 2, 8 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    assert resident.default_device_budget(torch.device("cuda", 0)) == 0  # never negative
+
+
+def test_join_on_the_cpu_is_wait():
+    e = TransferEngine({Tier.DEVICE: resident.DeviceStore("cpu", 1 << 20), Tier.HOST: HostStore(1 << 20)})
+    try:
+        src, dst = torch.arange(1000, dtype=torch.float32), torch.zeros(1000, dtype=torch.bfloat16)
+        h = e.copy_async(dst, src, src_tier=Tier.HOST, dst_tier=Tier.DEVICE)
+        assert h.wait_issued() is None  # no GPU stage here
+        assert e.join(h) is dst and torch.equal(dst, src.bfloat16())
+        acc = torch.ones(1000)
+        e.copy_async(acc, dst, src_tier=Tier.DEVICE, dst_tier=Tier.HOST, accumulate=True).wait()
+        assert torch.equal(acc, src.bfloat16().float() + 1)
+        bad = e.copy_async(torch.zeros(3), torch.zeros(4), src_tier=Tier.HOST, dst_tier=Tier.DEVICE)
+        with pytest.raises(RuntimeError):
+            e.join(bad)
+        assert e.behind("h2d").wait() is None
+    finally:
+        e.close()
