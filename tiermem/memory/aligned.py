@@ -68,7 +68,7 @@ def unpin(buf: torch.Tensor) -> None:
 
 
 def register_host(ptr: int, nbytes: int) -> None:
-    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable, every context
     if err != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err}")
 
