@@ -117,3 +117,30 @@ def test_join_on_the_cpu_is_wait():
         assert e.behind("h2d").wait() is None
     finally:
         e.close()
+
+
+def test_gradients_leave_the_device_one_request_per_bucket():
+    """Finding 8: one engine request (one turn of the copy lane, one completion) per bucket, not
+    per parameter; the numbers are the golden tests' business."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from models import TinyGPT, gpt_batch, gpt_loss
+    from tiermem import AdamW, TieredModel
+    from tiermem.policies import ZeroOffload
+
+    torch.manual_seed(0)
+    tm = TieredModel(TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-3), bucket_size="16KiB", device="cpu")
+    requests, single = [], []
+    many, one = tm.engine.copy_many, tm.engine.copy_async
+    tm.engine.copy_many = lambda copies, **kw: requests.append(len(copies)) or many(copies, **kw)
+    tm.engine.copy_async = lambda *a, **kw: single.append(1) or one(*a, **kw)
+    n_params = sum(len(b.slots) for b in tm.layout.step_buckets)
+    assert len(tm.layout.step_buckets) > 1 and n_params > 2 * len(tm.layout.step_buckets), n_params
+    for i in range(2):  # two micro-batches: the second adds
+        x, y = gpt_batch(i)
+        tm.backward(gpt_loss(tm(x), y))
+    assert sorted(requests) == sorted([len(b.slots) for b in tm.layout.step_buckets] * 2)
+    assert not single  # no gradient went on its own
+    assert not tm.step().skipped
+    tm.detach()

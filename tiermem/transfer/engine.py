@@ -21,8 +21,8 @@ the device what an NVMe read brings, give a buffer back once a write lands) is o
 without error, and the chain ends with what ``then`` returned, or, if that is a handle (a request
 ``then`` issued), with that request's result or error. ``cleanup()`` runs exactly once when the
 chain ends, whichever way, before its handle completes. An error anywhere ends the chain with it.
-``then`` runs on whichever thread finished ``first`` (a lane, an NVMe I/O thread, or the
-caller's own when ``first`` is already done), so it only issues requests, never waits, and never
+``then`` runs on whichever thread finished ``first`` (a lane, a lane's completion thread, an NVMe
+I/O thread, or the caller's own when ``first`` is already done), so it only issues requests, never waits, and never
 issues a device copy with plain ``copy_async``: that orders the copy after the *current* stream
 of the thread it runs on. A copy that must follow a request is ``copy_async(..., after=handle)``,
 which records the ordering against the caller's stream at the call and joins its lane once
@@ -176,6 +176,21 @@ class TransferEngine:
             return issue()
         return self.chain(after, issue, stall=dst_tier)
 
+    def copy_many(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor, bool]], *, src_tier: Tier,
+                  dst_tier: Tier, kind: object = None) -> Handle:
+        """Several :meth:`copy_async` requests, ``(dst, src, accumulate)`` each, as one: one turn
+        of the lane and one completion for all (a bucket's gradients), done in the order given.
+        Within one tier they run on the caller's thread."""
+        if src_tier == dst_tier:
+            for dst, src, accumulate in copies:
+                self.copy_async(dst, src, src_tier=src_tier, dst_tier=dst_tier, accumulate=accumulate, kind=kind)
+            return Handle.completed(None)
+        lane = "d2h" if src_tier == Tier.DEVICE else "h2d"
+        ready = self._ready()  # ordering: after what the caller's stream queued (NOTE [Chained requests])
+        copies = list(copies)
+        return self.lanes.request(lane, lambda: self._copy_many(copies, lane, ready, src_tier, dst_tier, kind),
+                                  self.stats.stall_sink(dst_tier))
+
     def store_write(self, tier: Tier, key: str, src: torch.Tensor, *, src_tier: Tier = Tier.HOST,
                     kind: object = None) -> Handle:
         """Write ``src`` (a buffer on ``src_tier``) to ``tier``'s store under ``key`` without
@@ -263,26 +278,54 @@ class TransferEngine:
         return chain(first, then, cleanup=cleanup, on_stall=self.stats.stall_sink(stall))
 
     def _copy_or_add(self, dst, src, lane, ready, accumulate, src_tier, dst_tier, kind):
-        """Issue one copy_async request on its lane (NOTE [Issued, then done])."""
+        gpu, _, finish = self._copy_many([(dst, src, accumulate)], lane, ready, src_tier, dst_tier, kind)
+        return gpu, dst, finish
+
+    def _copy_many(self, copies, lane, ready, src_tier, dst_tier, kind):
+        """Issue copy requests on their lane, in order (NOTE [Issued, then done]); returns the GPU
+        work that completes them all, and what is left for once it is done."""
         t0 = time.perf_counter()
+        works: list[GpuWork] = []
+        tails: list[Callable[[], None]] = []
+
+        def run_tails() -> None:
+            error = None
+            for tail in tails:  # every one runs: each gives its staging buffer back
+                try:
+                    tail()
+                except BaseException as e:  # noqa: BLE001 - the first is raised below
+                    error = error or e
+            if error is not None:
+                raise error
         try:
-            gpu, tail = self._issue_copy(dst, src, lane, ready, accumulate)
+            for dst, src, accumulate in copies:
+                gpu, tail = self._issue_copy(dst, src, lane, ready, accumulate)
+                works += [gpu] if gpu is not None else []
+                tails += [tail] if tail is not None else []
         except BaseException:
             self.stats.count(src_tier, dst_tier, t0=t0)
+            with contextlib.suppress(BaseException):
+                for w in works[-1:]:
+                    w.wait()  # ordering: staging goes back only once the copies issued so far are done
+                run_tails()
             raise
-        nbytes = src.numel() * src.element_size()
+        nbytes = sum(src.numel() * src.element_size() for _, src, _ in copies)
+        last = works[-1] if works else None
 
-        def finish(_held=(src, dst)) -> None:  # the caller may drop src: it lives until the copy is done
+        def finish(_held=copies) -> None:  # the caller may drop the sources: they live until the copies are done
             try:
-                if gpu is not None:
-                    gpu.wait()
-                if tail is not None:
-                    tail()
+                if last is not None:
+                    last.wait()  # one stream, in order: the last done means all done
+                run_tails()
             except BaseException:
                 self.stats.count(src_tier, dst_tier, t0=t0)
                 raise
-            self._count(src_tier, dst_tier, t0, gpu, nbytes, kind)
-        return gpu, dst, finish
+            if works:
+                self.stats.count(src_tier, dst_tier, seconds=sum(w.seconds() for w in works), nbytes=nbytes,
+                                 kind=kind)
+            else:
+                self.stats.count(src_tier, dst_tier, t0=t0, nbytes=nbytes, kind=kind)
+        return last, None, finish
 
     def _issue_copy(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready, accumulate: bool
                     ) -> tuple[Optional[GpuWork], Optional[Callable[[], None]]]:

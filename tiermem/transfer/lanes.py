@@ -20,6 +20,11 @@ A consumer on the host (CPU Adam reading gradients, an NVMe write of a staging b
 host goes on queueing work. A request that has no GPU stage (the CPU, NVMe legs, chains) is
 joined by waiting for it, which is always correct.
 
+A copy into a freshly allocated device buffer still waits for everything the caller's stream
+queued before the call (the allocator may have handed out a block that stream's kernels still
+read), but nobody waits for it on the host: a prefetch miss makes the consumer's stream wait on
+the GPU, and the host goes on queueing work, so the GPU's queue does not drain.
+
 Every lane thread is bound to the engine's device (``torch.cuda.set_device``), so work a lane
 issues on ``cuda:N`` never creates a context on GPU 0. On the CPU the lanes do each copy
 themselves and a request is issued and done at once, so every path but the stream calls runs on

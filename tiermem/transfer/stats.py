@@ -1,4 +1,5 @@
-"""What the report says about transfers: bytes moved, seconds the lanes were busy, seconds callers
+"""What the report says about transfers: bytes moved, seconds the lanes were busy (for a GPU copy:
+its own time on its stream, so bytes over busy seconds is the link's bandwidth), seconds callers
 stalled. Every move is counted here and nowhere else: the engine's lanes and its store requests
 call :meth:`TransferStats.count`, and every handle the engine returns reports its waits to a
 :meth:`TransferStats.stall_sink`."""
