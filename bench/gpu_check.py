@@ -217,9 +217,10 @@ def main() -> int:
     if device.type == "cuda":
         figures["gpu"] = torch.cuda.get_device_name(device)
     failed = []
-    parts = [("copies", lambda: ({} if device.type != "cuda" else
-                                 {f"pinned_peak_{k}_gbs": v for k, v in pinned_peak(args.copy_mib << 20, device).items()})
-              | engine_copies(args, device)),
+    def copies() -> dict[str, float]:
+        peak = pinned_peak(args.copy_mib << 20, device) if device.type == "cuda" else {}
+        return {f"pinned_peak_{k}_gbs": v for k, v in peak.items()} | engine_copies(args, device)
+    parts = [("copies", copies),
              ("cpu_adam", lambda: cpu_adam(args)),
              ("step", lambda: step_variants(args, device))]
     for name, part in parts:

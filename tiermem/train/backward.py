@@ -5,9 +5,10 @@ the gradient until every parameter of its bucket has one, then hands the bucket'
 the engine as one request (one turn of the copy lane, one completion), which copies each into the
 fp32 buffer its home gives (converting, or adding on later micro-batches of the same step) while
 backward continues, and frees the device gradients once the copy has read them. A bucket that a
-backward leaves incomplete (a parameter got no gradient) goes at the end of that backward. The collector remembers which parameters got a gradient in
-this step (a parameter that got none is not updated, as in ``torch.optim``) and which buffer
-backward fills (two alternate under overlap_step).
+backward leaves incomplete (a parameter got no gradient) goes at the end of that backward. The
+collector remembers which parameters got a gradient in this step (a parameter that got none is
+not updated, as in ``torch.optim``) and which buffer backward fills (two alternate under
+overlap_step).
 """
 from __future__ import annotations
 
