@@ -144,3 +144,127 @@ def test_gradients_leave_the_device_one_request_per_bucket():
     assert not single  # no gradient went on its own
     assert not tm.step().skipped
     tm.detach()
+
+
+# -- the engine's GPU mode, with stand-ins for streams and events --------------------------------
+class _FakeEvent:
+    """A CUDA event stand-in: every wait on it is counted; it is always complete."""
+    synced = 0
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False):
+        assert blocking, "every engine event is blocking (a host wait sleeps, never spins)"
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        type(self).synced += 1
+
+    def elapsed_time(self, other: "_FakeEvent") -> float:
+        return 1.0  # ms
+
+
+class _FakeStream:
+    waited = 0
+
+    def __init__(self, device=None):
+        pass
+
+    def wait_event(self, ev) -> None:
+        type(self).waited += 1
+
+
+@pytest.fixture
+def gpu_mode(monkeypatch):
+    """The engine's GPU control flow (issue on the lane, land on the completion thread, join on
+    the caller's stream) with CPU tensors: streams and events are stand-ins."""
+    import contextlib
+    import threading
+    from tiermem.transfer import engine as engine_mod, lanes as lanes_mod
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    bound = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: bound.append((threading.current_thread().name, i)))
+    _FakeEvent.synced = _FakeStream.waited = 0
+
+    def make() -> TransferEngine:
+        e = TransferEngine({Tier.DEVICE: resident.DeviceStore("cpu", 1 << 24), Tier.HOST: HostStore(1 << 24)})
+        e.lanes.close()
+        gpu = torch.device("cuda", 0)
+        e.lanes = lanes_mod.Lanes(gpu)  # the GPU lanes: completion threads and (stand-in) streams
+        e._lanes, e._cuda = e.lanes.pools, True
+        return e
+    yield make, bound
+    assert engine_mod.event is lanes_mod.event
+
+
+def test_gpu_mode_moves_land_on_the_completion_thread_and_join_waits_on_the_gpu(gpu_mode):
+    from tiermem import TensorInfo
+    make, bound = gpu_mode
+    e = make()
+    try:
+        x = torch.arange(5000, dtype=torch.float32)
+        e.register(TensorInfo("w", TensorClass.PARAM, x.nbytes, tuple(x.shape), x.dtype), Tier.HOST)
+        e.put("w", x)
+        h = e.prefetch("w", Tier.DEVICE)
+        assert e.join(h) is e.stores[Tier.DEVICE].get("w")  # the request's value, once issued
+        assert _FakeStream.waited >= 2  # the lane waited on `ready`, the caller's stream on `done`
+        h.wait()
+        assert e.registry.get("w").valid == {Tier.HOST, Tier.DEVICE}  # the completion thread's bookkeeping
+        assert torch.equal(e.stores[Tier.DEVICE].get("w"), x)
+        e.stores[Tier.DEVICE].get("w").mul_(2)
+        e.registry.write_at("w", Tier.DEVICE)
+        e.evict("w", Tier.DEVICE).wait()
+        assert e.registry.get("w").valid == {Tier.HOST} and "w" not in e.stores[Tier.DEVICE]
+        out = torch.empty_like(x)
+        e.fetch("w", out)
+        assert torch.equal(out, x * 2)
+        stats = e.stats.snapshot()
+        assert stats["busy_seconds"][(Tier.HOST, Tier.DEVICE)] == pytest.approx(1e-3)  # the events' time
+        assert stats["bytes_moved"][(Tier.DEVICE, Tier.HOST)] == x.nbytes
+        synced = _FakeEvent.synced
+        ran = e.run_async(lambda: 7)
+        assert e.join(ran) == 7 and ran.wait() == 7 and _FakeEvent.synced == synced + 1
+        assert e.behind("d2h").wait() is None and e.behind("h2d").wait() is None
+        failing = e.run_async(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            e.join(failing)
+    finally:
+        e.close()
+    names = {name.split("_")[0] for name, i in bound}
+    assert all(i == 0 for _, i in bound)
+    assert {"tiermem-d2h", "tiermem-h2d", "tiermem-compute", "tiermem-d2h-done", "tiermem-h2d-done"} <= names
+
+
+def test_gpu_mode_trains_bit_identical_to_the_cpu_mode(gpu_mode, tmp_path):
+    """The whole GPU control flow under training (grads per bucket, uploads, overlap_step,
+    activation offload): the numbers do not move."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from models import TinyGPT, gpt_batch, gpt_loss
+    from tiermem import AdamW, TieredModel
+    from tiermem.policies import ActivationOffload, ZeroOffload
+    make, _ = gpu_mode
+
+    def run(gpu: bool, **kw) -> dict:
+        torch.manual_seed(0)
+        tm = TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), bucket_size="16KiB", device="cpu", **kw)
+        if gpu:
+            tm.engine.lanes.close()
+            fake = make()
+            tm.engine.lanes, tm.engine._lanes, tm.engine._cuda = fake.lanes, fake.lanes.pools, True
+        for i in range(3):
+            x, y = gpt_batch(i)
+            tm.backward(gpt_loss(tm(x), y))
+            tm.step()
+        state = {k: v.clone() for k, v in tm.state_dict().items()}
+        tm.detach()
+        return state
+    for kw in (dict(policy=ZeroOffload(), overlap_step=True),
+               dict(policy=ActivationOffload(ZeroOffload(), min_bytes=0))):
+        cpu, gpu = run(False, **kw), run(True, **kw)
+        assert all(torch.equal(cpu[k], gpu[k]) for k in cpu), kw
