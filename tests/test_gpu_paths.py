@@ -268,3 +268,19 @@ def test_gpu_mode_trains_bit_identical_to_the_cpu_mode(gpu_mode, tmp_path):
                dict(policy=ActivationOffload(ZeroOffload(), min_bytes=0))):
         cpu, gpu = run(False, **kw), run(True, **kw)
         assert all(torch.equal(cpu[k], gpu[k]) for k in cpu), kw
+
+
+def test_where_cuda_refuses_to_register_the_pool_falls_back_to_torchs_pinned_cache(monkeypatch, fake_pinning):
+    def refuse(ptr: int, nbytes: int) -> None:
+        raise RuntimeError("cudaHostRegister of 8192 bytes failed with CUDA error 801")
+    monkeypatch.setattr(aligned, "register_host", refuse)
+    monkeypatch.setattr(aligned, "_register_refused", False)
+    cached = []
+    monkeypatch.setattr(resident, "aligned_empty", lambda n, pin: cached.append(pin) or aligned.aligned_empty(n, pin=False))
+    host = HostStore(1 << 20, pin=True)
+    buf = host.acquire(8000, "k", TensorClass.GRAD)
+    assert cached == [True] and buf.numel() == 8192 and host.pinned_bytes == 8192
+    host.release("k", buf)
+    assert host.acquire(8000, "k2", TensorClass.GRAD) is buf  # pooled like any pinned buffer
+    host.release("k2", buf)
+    assert host.trim() == 8192 and host.pinned_bytes == 0  # nothing to unregister: fake_pinning saw nothing

@@ -17,9 +17,12 @@ dropped unpins it.
 """
 from __future__ import annotations
 
+import logging
 import mmap
 
 import torch
+
+log = logging.getLogger(__name__)
 
 ALIGN = 4096
 
@@ -60,6 +63,24 @@ def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
     if pin:
         register_host(buf.data_ptr(), size)
     return buf
+
+
+def pin_in_place(buf: torch.Tensor) -> bool:
+    """Pin a :func:`host_buffer` in place; False (with a warning, once) where CUDA refuses to
+    register host memory: the caller then takes a buffer from torch's pinned cache instead."""
+    global _register_refused
+    try:
+        register_host(buf.data_ptr(), buf.numel())
+        return True
+    except RuntimeError as e:
+        if not _register_refused:
+            log.warning("tiermem: %s; pinned host buffers come from torch's pinned cache instead "
+                        "(rounded up to powers of two, returned to the system only by torch)", e)
+        _register_refused = True
+        return False
+
+
+_register_refused = False
 
 
 def unpin(buf: torch.Tensor) -> None:

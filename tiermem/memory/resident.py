@@ -18,7 +18,7 @@ import torch
 from tiermem.memory.ledger import Ledger
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle
-from tiermem.memory.aligned import can_pin, host_buffer, round_up, unpin
+from tiermem.memory.aligned import aligned_empty, can_pin, host_buffer, pin_in_place, round_up, unpin
 from tiermem.memory.base import Store, check_same_layout, unknown_key
 from tiermem.types import TensorClass, Tier
 
@@ -173,7 +173,8 @@ class HostStore(_MemoryStore):
         self._free_bytes = 0
         self.allocations = 0  # buffers ever allocated; reuse keeps this flat across steps
         self._pinned: dict[int, torch.Tensor] = {}  # data_ptr -> every pinned buffer of this pool, in use or free
-        weakref.finalize(self, _unpin_all, self._pinned)  # a store dropped without close() unpins too
+        self._registered: set[int] = set()  # ...of which those pinned in place (the rest: torch's pinned cache)
+        weakref.finalize(self, _unpin_all, self._pinned, self._registered)  # dropped without close(): unpinned too
 
     @property
     def pinned_bytes(self) -> int:
@@ -203,7 +204,10 @@ class HostStore(_MemoryStore):
             self.trim()  # cached buffers of other sizes make room before we give up
             self.ledger.reserve(key, size, kind)
         try:
-            buf = host_buffer(size, pin=pin)
+            buf = host_buffer(size, pin=False)
+            registered = pin and pin_in_place(buf)
+            if pin and not registered:
+                buf = aligned_empty(size, pin=True)  # CUDA would not register it: torch's pinned cache
         except RuntimeError as e:  # e.g. the pinned-memory limit: give the reservation back
             self.ledger.release(key)
             raise OutOfTierMemory(tier=Tier.HOST, key=key, asked=size, used=self.ledger.used,
@@ -213,6 +217,8 @@ class HostStore(_MemoryStore):
         self.allocations += 1
         if pin:
             self._pinned[buf.data_ptr()] = buf
+            if registered:
+                self._registered.add(buf.data_ptr())
         return buf
 
     def release(self, key: str, buf: torch.Tensor) -> None:
@@ -232,7 +238,9 @@ class HostStore(_MemoryStore):
             n = self._free_bytes
             for bufs in self._free_bufs.values():
                 for buf in bufs:
-                    if self._pinned.pop(buf.data_ptr(), None) is not None:
+                    self._pinned.pop(buf.data_ptr(), None)
+                    if buf.data_ptr() in self._registered:
+                        self._registered.discard(buf.data_ptr())
                         unpin(buf)
             self._free_bufs.clear()
             self._set_free_bytes(0)
@@ -251,10 +259,13 @@ class HostStore(_MemoryStore):
         self.release(key, base)
 
 
-def _unpin_all(pinned: dict[int, torch.Tensor]) -> None:
-    for buf in pinned.values():
+def _unpin_all(pinned: dict[int, torch.Tensor], registered: set[int]) -> None:
+    for ptr, buf in pinned.items():
+        if ptr not in registered:
+            continue
         try:
             unpin(buf)
         except Exception as e:  # noqa: BLE001 - at exit the CUDA runtime may be gone already
             log.debug("tiermem: could not unpin a host buffer: %s", e)
     pinned.clear()
+    registered.clear()
