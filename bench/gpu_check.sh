@@ -14,6 +14,7 @@ out="${OUT:-gpu-check}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"  # cuBLAS bit-identical across streams
 dry=""; [ "${1:-}" = "--dry-run" ] && dry="--dry-run"
 status=0
 

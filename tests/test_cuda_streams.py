@@ -4,7 +4,9 @@ direction are in flight; waiting does not spin; pinned host memory is exact. Mar
 (skipped without a device); the host-side halves run everywhere in test_gpu_paths.py.
 
 ``torch.cuda._sleep(cycles)`` holds a stream on the GPU: work queued behind it runs late, so a
-copy that is not ordered after it reads or overwrites bytes too early, and the test sees it."""
+copy that is not ordered after it reads or overwrites bytes too early, and the test sees it.
+Bit-identical runs on two streams need cuBLAS to be deterministic across streams:
+bench/gpu_check.sh sets CUBLAS_WORKSPACE_CONFIG=:4096:8 (set it too when running these by hand)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +21,7 @@ from torch import nn
 from models import TinyGPT, gpt_batch, gpt_loss
 from tiermem import AdamW, TensorClass, TieredModel, Tier
 from tiermem.handles import Handle
-from tiermem.memory.resident import DeviceStore, HostStore, default_device_budget
+from tiermem.memory.resident import DeviceStore, HostStore, default_device_budget, device_margin
 from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload
 from tiermem.transfer.engine import TransferEngine
 
@@ -146,7 +148,7 @@ def test_pinned_host_memory_is_exact_and_given_back(engine):
     assert host.pinned_bytes == 0 and not keep.is_pinned()
     free, total = torch.cuda.mem_get_info()
     assert DeviceStore("cuda").ledger.allowed <= free + torch.cuda.memory_reserved() - (1 << 30)
-    assert default_device_budget(torch.device("cuda")) <= free + torch.cuda.memory_reserved() - total // 20
+    assert default_device_budget(torch.device("cuda")) <= free + torch.cuda.memory_reserved() - device_margin(total)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
