@@ -43,6 +43,7 @@ from tiermem.handles import Handle, chain
 from tiermem.memory.registry import Registry, Residency
 from tiermem.memory.base import Store
 from tiermem.memory.resident import HostStore, _MemoryStore, nbytes_of
+from tiermem.transfer.copies import Copies
 from tiermem.transfer.lanes import GpuWork, Lanes, event
 from tiermem.transfer.lease import Lease
 from tiermem.transfer.stats import TransferStats
@@ -65,6 +66,7 @@ class TransferEngine:
         self.lanes = Lanes(self.device)
         self._lanes = self.lanes.pools
         self._cuda = self.lanes.cuda
+        self._copies = Copies(self.lanes, self.stats, self.lease)
         self._pending: dict[str, tuple[Tier, Handle]] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -169,7 +171,7 @@ class TransferEngine:
         ready = self._ready()
 
         def issue() -> Handle:
-            return self.lanes.request(lane, lambda: self._copy_or_add(dst, src, lane, ready, accumulate, src_tier,
+            return self.lanes.request(lane, lambda: self._copies.one(dst, src, lane, ready, accumulate, src_tier,
                                                                       dst_tier, kind),
                                       self.stats.stall_sink(dst_tier))
         if after is None or after.succeeded():  # nothing to wait for: issue it now
@@ -188,7 +190,7 @@ class TransferEngine:
         lane = "d2h" if src_tier == Tier.DEVICE else "h2d"
         ready = self._ready()  # ordering: after what the caller's stream queued (NOTE [Chained requests])
         copies = list(copies)
-        return self.lanes.request(lane, lambda: self._copy_many(copies, lane, ready, src_tier, dst_tier, kind),
+        return self.lanes.request(lane, lambda: self._copies.many(copies, lane, ready, src_tier, dst_tier, kind),
                                   self.stats.stall_sink(dst_tier))
 
     def store_write(self, tier: Tier, key: str, src: torch.Tensor, *, src_tier: Tier = Tier.HOST,
@@ -276,108 +278,6 @@ class TransferEngine:
         completes (e.g. ``lease.release``). ``stall``: the tier a wait on the handle counts to.
         """
         return chain(first, then, cleanup=cleanup, on_stall=self.stats.stall_sink(stall))
-
-    def _copy_or_add(self, dst, src, lane, ready, accumulate, src_tier, dst_tier, kind):
-        gpu, _, finish = self._copy_many([(dst, src, accumulate)], lane, ready, src_tier, dst_tier, kind)
-        return gpu, dst, finish
-
-    def _copy_many(self, copies, lane, ready, src_tier, dst_tier, kind):
-        """Issue copy requests on their lane, in order (NOTE [Issued, then done]); returns the GPU
-        work that completes them all, and what is left for once it is done."""
-        t0 = time.perf_counter()
-        works: list[GpuWork] = []
-        tails: list[Callable[[], None]] = []
-
-        def run_tails() -> None:
-            error = None
-            for tail in tails:  # every one runs: each gives its staging buffer back
-                try:
-                    tail()
-                except BaseException as e:  # noqa: BLE001 - the first is raised below
-                    error = error or e
-            if error is not None:
-                raise error
-        try:
-            for dst, src, accumulate in copies:
-                gpu, tail = self._issue_copy(dst, src, lane, ready, accumulate)
-                works += [gpu] if gpu is not None else []
-                tails += [tail] if tail is not None else []
-        except BaseException:
-            self.stats.count(src_tier, dst_tier, t0=t0)
-            with contextlib.suppress(BaseException):
-                for w in works[-1:]:
-                    w.wait()  # ordering: staging goes back only once the copies issued so far are done
-                run_tails()
-            raise
-        nbytes = sum(src.numel() * src.element_size() for _, src, _ in copies)
-        last = works[-1] if works else None
-
-        def finish(_held=copies) -> None:  # the caller may drop the sources: they live until the copies are done
-            try:
-                if last is not None:
-                    last.wait()  # one stream, in order: the last done means all done
-                run_tails()
-            except BaseException:
-                self.stats.count(src_tier, dst_tier, t0=t0)
-                raise
-            if works:
-                self.stats.count(src_tier, dst_tier, seconds=sum(w.seconds() for w in works), nbytes=nbytes,
-                                 kind=kind)
-            else:
-                self.stats.count(src_tier, dst_tier, t0=t0, nbytes=nbytes, kind=kind)
-        return last, None, finish
-
-    def _issue_copy(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready, accumulate: bool
-                    ) -> tuple[Optional[GpuWork], Optional[Callable[[], None]]]:
-        """Queue ``dst <- src`` (or ``dst += src``) on ``lane``; returns the GPU work and the host
-        work left for once it is done (both None when nothing is left: the CPU)."""
-        if not self._cuda or src.device == dst.device:
-            (dst.add_(src) if accumulate else dst.copy_(src))
-            return None, None
-        if src.is_cuda:  # device -> host: convert or add on the host, on the completion thread
-            if not accumulate and src.dtype == dst.dtype:
-                return self.lanes.memcpy(dst, src, lane, ready), None
-            lease = self.lease(nbytes_of(src.shape, src.dtype), f"<staging {id(src)}>")
-            try:
-                staged = lease.view(src.dtype, src.shape)
-                gpu = self.lanes.memcpy(staged, src, lane, ready)
-            except BaseException:
-                lease.release()
-                raise
-
-            def tail() -> None:
-                try:
-                    (dst.add_(staged) if accumulate else dst.copy_(staged))
-                finally:
-                    lease.release()
-            return gpu, tail
-        if accumulate:  # host -> device, added there: through a device temporary of src's dtype
-            def add() -> None:
-                tmp = torch.empty(src.shape, dtype=src.dtype, device=dst.device)  # on the side stream
-                tmp.copy_(src, non_blocking=True)
-                dst.add_(tmp)
-            return self.lanes.on_stream(lane, ready, add, (dst,)), None
-        if src.dtype == dst.dtype:
-            return self.lanes.memcpy(dst, src, lane, ready), None
-        # host -> device, converting: on the host into a pooled staging buffer of dst's dtype (a
-        # converting copy would allocate a temporary on the device), then one plain copy
-        lease = self.lease(nbytes_of(src.shape, dst.dtype), f"<staging {id(src)}>")
-        try:
-            staged = lease.view(dst.dtype, src.shape)
-            staged.copy_(src)
-            gpu = self.lanes.memcpy(dst, staged, lane, ready)
-        except BaseException:
-            lease.release()
-            raise
-        return gpu, lease.release
-
-    def _count(self, src: Tier, dst: Tier, t0: float, gpu: Optional[GpuWork], nbytes: int, kind: object) -> None:
-        """Count a finished move: on a GPU busy for the copy's own time on its stream (so bytes
-        over busy seconds is the link's bandwidth), elsewhere from ``t0`` until now."""
-        if gpu is None:
-            self.stats.count(src, dst, t0=t0, nbytes=nbytes, kind=kind)
-        else:
-            self.stats.count(src, dst, seconds=gpu.seconds(), nbytes=nbytes, kind=kind)
 
     def delete(self, key: str) -> None:
         self._settle(key)
@@ -472,7 +372,7 @@ class TransferEngine:
             except BaseException:
                 failed()
                 raise
-            self._count(src, dst, t0, gpu, r.info.nbytes, r.info.kind)
+            self._copies.count(src, dst, t0, gpu, r.info.nbytes, r.info.kind)
             self.registry.finish(key, ok=True)
             if then_drop is not None:
                 self.registry.drop(key, then_drop)
