@@ -5,7 +5,7 @@
 # Nothing is installed: tiermem runs from this tree (PYTHONPATH), with the machine's own torch,
 # pytest, psutil, xxhash and filelock (pip install --no-index --no-deps --no-build-isolation -e .
 # would do as well, offline). Files: env.txt (machine, versions), tests.txt (the cuda-marked
-# tests), bench.txt and gpu_check.json (copy GB/s against the pinned peak, CPU Adam, the ~300M
+# tests and the suite's policy-equivalence tests, on the GPU), bench.txt and gpu_check.json (copy GB/s against the pinned peak, CPU Adam, the ~300M
 # step: plain vs ZeroOffload vs ZeroOffload+overlap_step; ratios last). Exits non-zero when the
 # environment, a test or a benchmark part fails. Record the figures, dated, in bench/RESULTS.md.
 set -uo pipefail
@@ -33,6 +33,17 @@ else
     timeout 300 "$py" -m pytest -q -m cuda -p no:cacheprovider --timeout=240 tests/ >"$out/tests.txt" 2>&1
 fi
 rc=$?; tail -15 "$out/tests.txt"; [ $rc -eq 0 ] || { echo "cuda tests: exit $rc"; status=1; }
+# the suite's policy-equivalence tests train on the default device, the GPU here
+equiv="tests/test_param_offload.py::test_weights_off_device_give_identical_numbers
+  tests/test_nvme_state.py::test_state_on_nvme_gives_identical_numbers
+  tests/test_nvme_grads.py::test_grads_on_nvme_give_identical_numbers
+  tests/test_activations.py::test_offload_never_changes_the_numbers"
+if [ -n "$dry" ]; then
+    timeout 60 "$py" -m pytest -q --collect-only -p no:cacheprovider $equiv >>"$out/tests.txt" 2>&1
+else
+    timeout 150 "$py" -m pytest -q -p no:cacheprovider --timeout=120 $equiv >>"$out/tests.txt" 2>&1
+fi
+rc=$?; tail -3 "$out/tests.txt"; [ $rc -eq 0 ] || { echo "equivalence tests on the GPU: exit $rc"; status=1; }
 
 timeout 240 "$py" bench/gpu_check.py --out "$out" $dry >"$out/bench.txt" 2>&1
 rc=$?; cat "$out/bench.txt" | tail -40; [ $rc -eq 0 ] || { echo "benchmarks: exit $rc"; status=1; }
