@@ -64,6 +64,7 @@ def gpt_batch(seed: int, vocab: int = 37, batch: int = 3, seq: int = 11):
 
 
 def gpt_loss(logits, y):
+    y = y.to(logits.device)  # the targets follow the logits (on a GPU machine tests train on cuda by default)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 

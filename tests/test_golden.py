@@ -82,12 +82,12 @@ def fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def train(setup: dict, precision: str) -> dict[str, str]:
+def train(setup: dict, precision: str, device: str = "cpu") -> dict[str, str]:
     torch.manual_seed(0)
     model = GPT(_cfg())
     tm = TieredModel(model, optimizer=AdamW(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1), precision=precision,
-                     grad_clip=1.0, bucket_size="64KiB", **setup)
-    batches = _batches(STEPS)
+                     grad_clip=1.0, bucket_size="64KiB", device=device, **setup)
+    batches = [(x.to(device), y.to(device)) for x, y in _batches(STEPS)]
     for i, (x, y) in enumerate(batches):
         for j in range(2 if i % 5 == 0 else 1):  # some steps accumulate two micro-batches
             tm.backward(lm_loss(tm(x), y) / (2 if i % 5 == 0 else 1))
@@ -113,6 +113,19 @@ def test_policies_agree_bit_for_bit(runs):
             if name != "overlap-step":  # the delayed update computes other numbers by design
                 assert runs[f"{name}/{precision}"] == ref, f"{name}/{precision} differs from zero-offload"
     assert runs["overlap-step/bf16"] != runs["zero-offload/bf16"]  # a delayed update is not a plain one
+
+
+@pytest.mark.cuda
+def test_policies_agree_bit_for_bit_on_cuda(tmp_path):
+    """On a GPU every policy whose step runs on the CPU agrees bit for bit with ZeRO-Offload
+    (KeepOnDevice steps on the GPU: it agrees to rounding, see test_cuda.py)."""
+    names = [n for n in setups("-") if n not in ("keep-on-device", "overlap-step")]
+    for precision in PRECISIONS:
+        got = {name: train(setup, precision, "cuda") for name, setup in setups(str(tmp_path)).items()
+               if name in names or name == "overlap-step"}
+        for name in names:
+            assert got[name] == got["zero-offload"], f"{name}/{precision} on cuda differs from zero-offload"
+        assert got["overlap-step"] != got["zero-offload"]
 
 
 def test_numbers_match_the_record(runs):

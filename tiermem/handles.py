@@ -1,4 +1,5 @@
-"""Handles: what every asynchronous request returns. Only ``.wait()`` and ``.done()`` are public.
+"""Handles: what every asynchronous request returns. Only ``.wait()`` and ``.done()`` are public
+(``wait_issued()`` is for ``TransferEngine.join``).
 
 A handle wraps a ``concurrent.futures.Future``. The time a caller spends blocked in ``wait()``
 on an unfinished request is reported to an optional ``on_stall`` callback, which is how the
@@ -18,11 +19,12 @@ StallSink = Callable[[float], None]
 class Handle:
     """A pending (or finished) request. ``wait()`` returns its result or raises its error."""
 
-    __slots__ = ("_future", "_on_stall")
+    __slots__ = ("_future", "_on_stall", "_issued")
 
-    def __init__(self, future: Future, *, on_stall: Optional[StallSink] = None):
+    def __init__(self, future: Future, *, on_stall: Optional[StallSink] = None, issued: Optional["Issued"] = None):
         self._future = future
         self._on_stall = on_stall
+        self._issued = issued
 
     @classmethod
     def completed(cls, value: Any = None) -> "Handle":
@@ -46,12 +48,55 @@ class Handle:
                 self._on_stall(time.perf_counter() - t0)
         return self._future.result(timeout)
 
+    def wait_issued(self) -> Optional["Issued"]:
+        """For a request that ends with GPU work: wait until that work is queued (not done) and
+        return its :class:`Issued`; None for any other request (then ``wait()`` is the way)."""
+        issued = self._issued
+        if issued is None:
+            return None
+        if not issued.is_set() and self._on_stall is not None:
+            t0 = time.perf_counter()
+            try:
+                issued.wait()
+            finally:
+                self._on_stall(time.perf_counter() - t0)
+        issued.wait()
+        return issued
+
     def add_done_callback(self, fn: Callable[[Future], None]) -> None:
         self._future.add_done_callback(fn)
 
     def observed(self, on_stall: StallSink) -> "Handle":
         """The same request, reporting the caller's stalls to ``on_stall``."""
-        return Handle(self._future, on_stall=on_stall)
+        return Handle(self._future, on_stall=on_stall, issued=self._issued)
+
+
+class Issued:
+    """The first moment of a request that ends with GPU work (NOTE [Issued, then done] in
+    :mod:`tiermem.transfer.lanes`): set once the work is queued, with the CUDA ``event`` that
+    completes it and the request's ``value``; ``failed`` when issuing it raised."""
+
+    __slots__ = ("_flag", "event", "value", "failed")
+
+    def __init__(self):
+        self._flag = threading.Event()
+        self.event: Any = None
+        self.value: Any = None
+        self.failed = False
+
+    def set(self, event: Any, value: Any) -> None:
+        self.event, self.value = event, value
+        self._flag.set()
+
+    def fail(self) -> None:
+        self.failed = True
+        self._flag.set()
+
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+    def wait(self) -> None:
+        self._flag.wait()
 
 
 def wait_all(handles: Iterable[Handle]) -> list[Any]:

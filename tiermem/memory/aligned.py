@@ -4,10 +4,25 @@ Direct I/O (O_DIRECT) needs the buffer address, the file offset and the length a
 device's logical block size; 4096 covers every NVMe drive we know of. Pinned buffers let CUDA copy
 asynchronously. ``Tensor.pin_memory()`` raises on a machine without an accelerator, so pinning is
 only ever asked for when ``torch.cuda.is_available()``.
+
+# NOTE [Exact pinned memory]
+torch's pinned-memory cache (``pin_memory=True``) rounds every request below its threshold up to
+the next power of two and keeps freed blocks for itself: a 2^k-byte bucket plus an alignment page
+pins 2^(k+1) bytes, about 1.4x on average, and nothing goes back to the system until
+``torch.cuda`` empties that cache. The host pool therefore takes each buffer as its own anonymous
+mapping of exactly ``round_up(nbytes)`` bytes (page-aligned by construction, given back to the
+system when the mapping is closed) and pins it in place with ``cudaHostRegister``:
+:func:`host_buffer` pins exactly what the ledger counts, and :func:`unpin` before the buffer is
+dropped unpins it.
 """
 from __future__ import annotations
 
+import logging
+import mmap
+
 import torch
+
+log = logging.getLogger(__name__)
 
 ALIGN = 4096
 
@@ -37,3 +52,49 @@ def aligned_empty(nbytes: int, *, pin: bool | None = None, align: int = ALIGN) -
 
 def is_aligned(t: torch.Tensor, align: int = ALIGN) -> bool:
     return t.data_ptr() % align == 0
+
+
+def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
+    """A uint8 CPU tensor of exactly ``round_up(nbytes)`` bytes in its own anonymous mapping
+    (page-aligned; unmapped once the tensor and its views are gone), registered with CUDA in
+    place when ``pin`` (NOTE [Exact pinned memory]); call :func:`unpin` before dropping it."""
+    size = round_up(max(nbytes, 1))
+    buf = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+    if pin:
+        register_host(buf.data_ptr(), size)
+    return buf
+
+
+def pin_in_place(buf: torch.Tensor) -> bool:
+    """Pin a :func:`host_buffer` in place; False (with a warning, once) where CUDA refuses to
+    register host memory: the caller then takes a buffer from torch's pinned cache instead."""
+    global _register_refused
+    try:
+        register_host(buf.data_ptr(), buf.numel())
+        return True
+    except RuntimeError as e:
+        if not _register_refused:
+            log.warning("tiermem: %s; pinned host buffers come from torch's pinned cache instead "
+                        "(rounded up to powers of two, returned to the system only by torch)", e)
+        _register_refused = True
+        return False
+
+
+_register_refused = False
+
+
+def unpin(buf: torch.Tensor) -> None:
+    """Undo the registration of a pinned :func:`host_buffer` (the bytes stay valid, unpinned)."""
+    unregister_host(buf.data_ptr())
+
+
+def register_host(ptr: int, nbytes: int) -> None:
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable, every context
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err}")
+
+
+def unregister_host(ptr: int) -> None:
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        raise RuntimeError(f"cudaHostUnregister failed with CUDA error {err}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import defaultdict
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -17,16 +18,31 @@ import torch
 from tiermem.memory.ledger import Ledger
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle
-from tiermem.memory.aligned import aligned_empty, can_pin, round_up
+from tiermem.memory.aligned import aligned_empty, can_pin, host_buffer, pin_in_place, round_up, unpin
 from tiermem.memory.base import Store, check_same_layout, unknown_key
 from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
 
 
+DEVICE_MARGIN_FRACTION = 0.05  # of the card's memory, kept out of the default device budget...
+DEVICE_MARGIN_MIN = 1 << 30  # ...but never less than 1 GiB
+
+
+def device_margin(total: int) -> int:
+    """What the default device budget leaves unmanaged: cuBLAS/cuDNN workspaces, kernels'
+    temporaries, the caching allocator's rounding and fragmentation."""
+    return max(DEVICE_MARGIN_MIN, int(total * DEVICE_MARGIN_FRACTION))
+
+
 def default_device_budget(device: torch.device) -> int:
+    """On a GPU: what is free now (``mem_get_info``, so the CUDA context and other processes are
+    already out), plus what torch's caching allocator holds (tensors tiermem is about to adopt,
+    such as a model already moved there, and cached blocks it can reuse), minus
+    :func:`device_margin`. On the CPU: the available memory."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, int(free) + int(torch.cuda.memory_reserved(device)) - device_margin(int(total)))
     return psutil.virtual_memory().available
 
 
@@ -142,9 +158,10 @@ class HostStore(_MemoryStore):
 
     Freed buffers are kept by size and handed out again, so a training step that allocates the
     same sizes every time neither re-allocates nor re-pins. Cached free buffers count against the
-    budget too; they are dropped first when an allocation would not fit. Optimizer state is never
-    copied to or from the accelerator, so its buffers are not pinned (pinned memory is scarce,
-    slow to allocate, and rounded up by torch's pinned-memory cache).
+    budget too; they are dropped first when an allocation would not fit, and :meth:`trim` gives
+    them back to the system. Each buffer is pinned in place, exactly the bytes the ledger counts
+    (NOTE [Exact pinned memory]). Optimizer state is never copied to or from the accelerator, so
+    its buffers are not pinned (pinned memory is scarce and slow to allocate).
     """
 
     _POOL_KEY = "<free host buffers>"
@@ -155,6 +172,15 @@ class HostStore(_MemoryStore):
         self._free_bufs: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)  # (bytes, pinned)
         self._free_bytes = 0
         self.allocations = 0  # buffers ever allocated; reuse keeps this flat across steps
+        self._pinned: dict[int, torch.Tensor] = {}  # data_ptr -> every pinned buffer of this pool, in use or free
+        self._registered: set[int] = set()  # ...of which those pinned in place (the rest: torch's pinned cache)
+        weakref.finalize(self, _unpin_all, self._pinned, self._registered)  # dropped without close(): unpinned too
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of host memory this pool holds pinned (in use and cached)."""
+        with self._lock:
+            return sum(b.numel() for b in self._pinned.values())
 
     def acquire(self, nbytes: int, key: str, kind: object = None) -> torch.Tensor:
         """A page-aligned (pinned where possible) uint8 buffer of at least ``nbytes``, accounted to ``key``."""
@@ -178,7 +204,10 @@ class HostStore(_MemoryStore):
             self.trim()  # cached buffers of other sizes make room before we give up
             self.ledger.reserve(key, size, kind)
         try:
-            buf = aligned_empty(size, pin=pin)
+            buf = host_buffer(size, pin=False)
+            registered = pin and pin_in_place(buf)
+            if pin and not registered:
+                buf = aligned_empty(size, pin=True)  # CUDA would not register it: torch's pinned cache
         except RuntimeError as e:  # e.g. the pinned-memory limit: give the reservation back
             self.ledger.release(key)
             raise OutOfTierMemory(tier=Tier.HOST, key=key, asked=size, used=self.ledger.used,
@@ -186,22 +215,33 @@ class HostStore(_MemoryStore):
                                   hint=f"the allocation failed ({e}); raise the memlock limit (ulimit -l) "
                                        f"or lower Budgets(host=...) to what this machine can give") from e
         self.allocations += 1
+        if pin:
+            self._pinned[buf.data_ptr()] = buf
+            if registered:
+                self._registered.add(buf.data_ptr())
         return buf
 
     def release(self, key: str, buf: torch.Tensor) -> None:
         """Give a buffer from :meth:`acquire` back to the pool."""
         with self._lock:
             self.ledger.release(key)
-            self._free_bufs[(buf.numel(), self.pin and buf.is_pinned())].append(buf)
+            self._free_bufs[(buf.numel(), buf.data_ptr() in self._pinned)].append(buf)
             self._set_free_bytes(self._free_bytes + buf.numel())
 
     def close(self) -> None:
         self.trim()  # the pool's buffers (pinned, on a GPU machine) go back to the system
 
     def trim(self) -> int:
-        """Drop every cached free buffer; returns the bytes released."""
+        """Give every cached free buffer back to the system (unpinned, unmapped); returns the
+        bytes released."""
         with self._lock:
             n = self._free_bytes
+            for bufs in self._free_bufs.values():
+                for buf in bufs:
+                    self._pinned.pop(buf.data_ptr(), None)
+                    if buf.data_ptr() in self._registered:
+                        self._registered.discard(buf.data_ptr())
+                        unpin(buf)
             self._free_bufs.clear()
             self._set_free_bytes(0)
             return n
@@ -217,3 +257,15 @@ class HostStore(_MemoryStore):
 
     def _free(self, key: str, base: torch.Tensor) -> None:
         self.release(key, base)
+
+
+def _unpin_all(pinned: dict[int, torch.Tensor], registered: set[int]) -> None:
+    for ptr, buf in pinned.items():
+        if ptr not in registered:
+            continue
+        try:
+            unpin(buf)
+        except Exception as e:  # noqa: BLE001 - at exit the CUDA runtime may be gone already
+            log.debug("tiermem: could not unpin a host buffer: %s", e)
+    pinned.clear()
+    registered.clear()

@@ -220,7 +220,7 @@ class ActivationOffloader:
         handle = self.mover.fetch(rec, ahead=False)
         for j in range(rec.index - 1, max(rec.index - 1 - self.window, -1), -1):
             self.mover.fetch(run.records[j], ahead=True)  # what backward needs next, in reverse
-        return view_of(handle.wait(), packed.dtype, packed.size, packed.stride, packed.offset)
+        return view_of(self.mover.engine.join(handle), packed.dtype, packed.size, packed.stride, packed.offset)
 
     def _is_weight(self, ptr: int) -> bool:
         if ptr in self._weights:

@@ -1,15 +1,19 @@
 """Gradients leaving the device during backward, bucket by bucket, to their GRAD home.
 
-:meth:`GradCollector.on_grad` is every trainable parameter's post-accumulate-grad hook: it hands
-the gradient to the engine, which copies it into the fp32 buffer its home gives (converting, or
-adding on later micro-batches of the same step) while backward continues, and frees the device
-gradient once the copy has read it. The collector remembers which parameters got a gradient in
-this step (a parameter that got none is not updated, as in ``torch.optim``) and which buffer
-backward fills (two alternate under overlap_step).
+:meth:`GradCollector.on_grad` is every trainable parameter's post-accumulate-grad hook: it holds
+the gradient until every parameter of its bucket has one, then hands the bucket's gradients to
+the engine as one request (one turn of the copy lane, one completion), which copies each into the
+fp32 buffer its home gives (converting, or adding on later micro-batches of the same step) while
+backward continues, and frees the device gradients once the copy has read them. A bucket that a
+backward leaves incomplete (a parameter got no gradient) goes at the end of that backward. The
+collector remembers which parameters got a gradient in this step (a parameter that got none is
+not updated, as in ``torch.optim``) and which buffer backward fills (two alternate under
+overlap_step).
 """
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +23,18 @@ from tiermem.plan.buckets import Bucket, Slot
 from tiermem.train.homes import Homes
 from tiermem.transfer.collectives import Group, Solo
 from tiermem.types import TensorClass, Tier
+
+
+@dataclass
+class _Held:
+    """A gradient waiting for the rest of its bucket."""
+
+    param: torch.nn.Parameter
+    grad: torch.Tensor
+    acc: torch.Tensor  # where it lands
+    key: str
+    first: bool  # the step's first gradient of this parameter: copied, not added
+    tag: str  # its device bytes in the ledger
 
 
 class GradCollector:
@@ -31,6 +47,7 @@ class GradCollector:
         self._got: set[str] = set()  # parameters that received a grad this step
         self._in_flight: list[tuple[Handle, str]] = []  # grad copies in flight, with their ledger tags
         self._copy_ids = itertools.count()
+        self._held: dict[int, tuple[Bucket, list[_Held]]] = {}  # bucket index -> gradients not yet sent
         self.arrivals = 0  # gradients received since the model was built (a backward that got none changed nothing)
 
     # -- during backward ------------------------------------------------------------------------
@@ -46,27 +63,50 @@ class GradCollector:
         key = slot.name
         tag = f"<grad in flight {slot.name} #{next(self._copy_ids)}>"  # one tag per copy: micro-batches overlap
         self._reserve(tag, grad.numel() * grad.element_size())
-        try:
-            h = self.engine.copy_async(acc, grad.reshape(-1), src_tier=Tier.DEVICE, dst_tier=home.landing_tier,
-                                       accumulate=key in self._got, kind=TensorClass.GRAD)
-        except BaseException:
-            self.device_ledger.release(tag)
-            raise  # the grad stays on the parameter
-        h.add_done_callback(lambda _f, t=tag: self.device_ledger.release(t))
-        self._in_flight.append((h, tag))
+        held = self._held.setdefault(bucket.index, (bucket, []))[1]
+        if any(h.key == key for h in held):  # the same parameter again before its bucket filled
+            self._send(bucket.index)
+            held = self._held.setdefault(bucket.index, (bucket, []))[1]
+        held.append(_Held(param, grad.reshape(-1), acc, key, key not in self._got, tag))
         self._got.add(key)
-        param.grad = None  # the device grad is freed once the copy has read it
+        param.grad = None  # the device grad is freed once its bucket's copy has read it
+        if len(held) >= len(bucket.slots):
+            self._send(bucket.index)  # before arrived(): a home may act on the complete bucket
         home.arrived(bucket)
+
+    def _send(self, index: int) -> None:
+        """Hand the held gradients of bucket ``index`` to the engine, as one request."""
+        bucket, held = self._held.pop(index)
+        tags = [h.tag for h in held]
+        try:
+            handle = self.engine.copy_many([(h.acc, h.grad, not h.first) for h in held], src_tier=Tier.DEVICE,
+                                           dst_tier=self.homes.grads[bucket.index].landing_tier,
+                                           kind=TensorClass.GRAD)
+        except BaseException:
+            for h in held:  # nothing was sent: the grads go back on their parameters
+                self.device_ledger.release(h.tag)
+                h.param.grad = h.grad.view(h.param.shape)
+                if h.first:
+                    self._got.discard(h.key)
+            raise
+        handle.add_done_callback(lambda _f, ts=tags: [self.device_ledger.release(t) for t in ts])
+        self._in_flight += [(handle, t) for t in tags]
+
+    def _send_all(self) -> None:
+        for index in list(self._held):
+            self._send(index)
 
     def _reserve(self, tag: str, nbytes: int) -> None:
         try:
             self.device_ledger.reserve(tag, nbytes, TensorClass.GRAD)
         except OutOfTierMemory:  # the device budget is tight: let the grads in flight land first
+            self._send_all()
             self.wait_copies()
             self.device_ledger.reserve(tag, nbytes, TensorClass.GRAD)
 
     def end_backward(self) -> None:
         """Backward has returned: every home completes the buckets still open."""
+        self._send_all()
         for home in self.homes.grad_homes():
             home.end_backward()
 
@@ -85,6 +125,7 @@ class GradCollector:
         """Every grad of this step is at home. If some did not arrive (a copy or a flush to NVMe
         failed), this step's grads are dropped with the error, never stepped on as a mix."""
         try:
+            self._send_all()  # a backward that stopped early held some
             self.wait_copies()
             for home in self.homes.grad_homes():
                 if home.accumulating():  # a backward that stopped early left buckets open
@@ -102,6 +143,10 @@ class GradCollector:
     def drop(self) -> None:
         """Forget this step's grads (after an error left some missing): transfers in flight are
         drained, nothing will be stepped on."""
+        for _, held in self._held.values():
+            for h in held:
+                self.device_ledger.release(h.tag)
+        self._held.clear()
         handles, self._in_flight = self._in_flight, []
         wait_all_quietly([h for h, _ in handles])
         for _, tag in handles:

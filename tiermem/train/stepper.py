@@ -100,7 +100,7 @@ class Stepper:
         handle, plan = self._background
         self._background = None
         with self.tracer.span("wait background adam", "stall"):
-            handle.wait()
+            self.engine.join(handle)  # ordering: on a GPU the caller's stream waits for Adam's kernels
         for home in self.homes.weight_homes():
             home.begin_update()
         self.outputs.land_background(plan)

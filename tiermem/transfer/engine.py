@@ -3,8 +3,11 @@
 Every move is a request that returns a :class:`~tiermem.handles.Handle`. Copies between the
 memory tiers run on one worker thread per direction (device->host, host->device), so requests in
 one direction complete in the order they were made, like a CUDA stream; on a GPU that worker
-issues the copy on a side stream and waits on an event, on the CPU it does the copy itself, so
-the same asynchrony and ordering are exercised on a machine without an accelerator. Moves that
+issues the copy on a side stream and moves on, and a completion thread sees it land (NOTE
+[Issued, then done] in :mod:`tiermem.transfer.lanes`); on the CPU it does the copy itself, so the
+same asynchrony and ordering are exercised on a machine without an accelerator. A consumer on
+the GPU joins a request with :meth:`TransferEngine.join` (its stream waits on the copy's event),
+one on the host with ``wait()``. Moves that
 touch NVMe run on an NVMe lane and go through the NVMe store's own I/O threads; device<->NVMe
 moves are staged through a pooled host buffer.
 
@@ -18,8 +21,8 @@ the device what an NVMe read brings, give a buffer back once a write lands) is o
 without error, and the chain ends with what ``then`` returned, or, if that is a handle (a request
 ``then`` issued), with that request's result or error. ``cleanup()`` runs exactly once when the
 chain ends, whichever way, before its handle completes. An error anywhere ends the chain with it.
-``then`` runs on whichever thread finished ``first`` (a lane, an NVMe I/O thread, or the
-caller's own when ``first`` is already done), so it only issues requests, never waits, and never
+``then`` runs on whichever thread finished ``first`` (a lane, a lane's completion thread, an NVMe
+I/O thread, or the caller's own when ``first`` is already done), so it only issues requests, never waits, and never
 issues a device copy with plain ``copy_async``: that orders the copy after the *current* stream
 of the thread it runs on. A copy that must follow a request is ``copy_async(..., after=handle)``,
 which records the ordering against the caller's stream at the call and joins its lane once
@@ -31,7 +34,6 @@ import contextlib
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -41,6 +43,8 @@ from tiermem.handles import Handle, chain
 from tiermem.memory.registry import Registry, Residency
 from tiermem.memory.base import Store
 from tiermem.memory.resident import HostStore, _MemoryStore, nbytes_of
+from tiermem.transfer.copies import Copies
+from tiermem.transfer.lanes import GpuWork, Lanes, event
 from tiermem.transfer.lease import Lease
 from tiermem.transfer.stats import TransferStats
 from tiermem.types import TensorInfo, Tier
@@ -59,12 +63,10 @@ class TransferEngine:
         dev_store = self.stores.get(Tier.DEVICE)
         self.device = torch.device(device if device is not None else getattr(dev_store, "device", "cpu"))
         self.stats = TransferStats(tracer=tracer)
-        # One worker per memory direction keeps requests in order, like a CUDA stream; the NVMe
-        # lane has several, since each request there mostly waits on the store's I/O threads.
-        self._lanes = {name: ThreadPoolExecutor(4 if name == "nvme" else 1, thread_name_prefix=f"tiermem-{name}")
-                       for name in ("d2h", "h2d", "nvme", "compute")}
-        self._streams = ({name: torch.cuda.Stream(self.device) for name in ("d2h", "h2d")}
-                         if self.device.type == "cuda" else {})
+        self.lanes = Lanes(self.device)
+        self._lanes = self.lanes.pools
+        self._cuda = self.lanes.cuda
+        self._copies = Copies(self.lanes, self.stats, self.lease)
         self._pending: dict[str, tuple[Tier, Handle]] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -89,13 +91,12 @@ class TransferEngine:
                 self._store(other).delete(key)
         r.valid.clear()
         h = self._store(tier).write(key, tensor, r.info.kind)
+        self._landed_on_caller_stream(tier, tensor)
         if src_tier is not None and src_tier != tier:
             h = self._observe(h, src_tier, tier, tensor, r.info.kind)
         self.registry.write_at(key, tier)
         if wait:
             h.wait()
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # the caller may reuse `tensor` now
             return Handle.completed(None)
         with self._lock:
             self._pending[key] = (tier, h)
@@ -142,10 +143,8 @@ class TransferEngine:
         src = r.fastest_valid()
         if src is None:
             raise TierMemError(f"tiermem: {key!r} holds no value yet; put() it before reading it")
-        h = self._store(src).read(key, out)
-        h.wait()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        self._store(src).read(key, out).wait()
+        self._landed_on_caller_stream(src, out)
         return Handle.completed(out)
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, *, src_tier: Tier, dst_tier: Tier,
@@ -172,24 +171,43 @@ class TransferEngine:
         ready = self._ready()
 
         def issue() -> Handle:
-            future = self._lanes[lane].submit(self._copy_or_add, dst, src, lane, ready, accumulate,
-                                              src_tier, dst_tier, kind)
-            return Handle(future, on_stall=self.stats.stall_sink(dst_tier))
+            return self.lanes.request(lane, lambda: self._copies.one(dst, src, lane, ready, accumulate, src_tier,
+                                                                      dst_tier, kind),
+                                      self.stats.stall_sink(dst_tier))
         if after is None or after.succeeded():  # nothing to wait for: issue it now
             return issue()
         return self.chain(after, issue, stall=dst_tier)
+
+    def copy_many(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor, bool]], *, src_tier: Tier,
+                  dst_tier: Tier, kind: object = None) -> Handle:
+        """Several :meth:`copy_async` requests, ``(dst, src, accumulate)`` each, as one: one turn
+        of the lane and one completion for all (a bucket's gradients), done in the order given.
+        Within one tier they run on the caller's thread."""
+        if src_tier == dst_tier:
+            for dst, src, accumulate in copies:
+                self.copy_async(dst, src, src_tier=src_tier, dst_tier=dst_tier, accumulate=accumulate, kind=kind)
+            return Handle.completed(None)
+        lane = "d2h" if src_tier == Tier.DEVICE else "h2d"
+        ready = self._ready()  # ordering: after what the caller's stream queued (NOTE [Chained requests])
+        copies = list(copies)
+        return self.lanes.request(lane, lambda: self._copies.many(copies, lane, ready, src_tier, dst_tier, kind),
+                                  self.stats.stall_sink(dst_tier))
 
     def store_write(self, tier: Tier, key: str, src: torch.Tensor, *, src_tier: Tier = Tier.HOST,
                     kind: object = None) -> Handle:
         """Write ``src`` (a buffer on ``src_tier``) to ``tier``'s store under ``key`` without
         registry bookkeeping (for buffers the caller manages, e.g. streamed optimizer state);
         bytes, busy time and stalls are counted like any other move."""
-        return self._observe(self._store(tier).write(key, src, kind), src_tier, tier, src, kind)
+        h = self._store(tier).write(key, src, kind)
+        self._landed_on_caller_stream(tier, src)
+        return self._observe(h, src_tier, tier, src, kind)
 
     def store_read(self, tier: Tier, key: str, out: torch.Tensor, *, dst_tier: Tier = Tier.HOST,
                    kind: object = None) -> Handle:
         """Read ``key`` from ``tier``'s store into ``out`` (a buffer on ``dst_tier``)."""
-        return self._observe(self._store(tier).read(key, out), tier, dst_tier, out, kind)
+        h = self._store(tier).read(key, out)
+        self._landed_on_caller_stream(tier, out)
+        return self._observe(h, tier, dst_tier, out, kind)
 
     def store_revert(self, tier: Tier, key: str) -> None:
         """Undo the latest write of ``key`` in ``tier``'s store (see NvmeStore.revert)."""
@@ -209,7 +227,10 @@ class TransferEngine:
     def run_async(self, fn: Callable[[], object], *, name: str = "compute", lane: str = "compute") -> Handle:
         """Run ``fn`` on the engine's compute thread (e.g. a CPU optimizer step that overlaps the
         next forward and backward), or behind the requests already queued on another ``lane``
-        ("d2h", "h2d"). Requests on a lane run one at a time, in the order made."""
+        ("d2h", "h2d"). Requests on a lane run one at a time, in the order made. On a GPU ``fn``
+        runs on the lane's own stream, after what the caller's stream has queued so far; the
+        handle completes once what ``fn`` queued there is done, and a GPU consumer may
+        :meth:`join` it as soon as ``fn`` returned."""
         def timed():
             t0 = time.perf_counter()
             try:
@@ -217,7 +238,22 @@ class TransferEngine:
             finally:
                 if self.tracer is not None:
                     self.tracer.add(name, "compute", t0, time.perf_counter())
-        return Handle(self._lanes[lane].submit(timed), on_stall=self.stats.stall_sink(Tier.HOST))
+        return self.lanes.run(lane, timed, self.stats.stall_sink(Tier.HOST))
+
+    def join(self, handle: Handle) -> Any:
+        """Wait for ``handle`` as a GPU consumer: once its GPU work is queued, the caller's
+        current stream waits on it (``wait_event``) and the host goes on; returns the request's
+        value, a device tensor marked used by that stream. Requests without a GPU stage (and
+        everything on the CPU) are waited for (NOTE [Issued, then done])."""
+        issued = handle.wait_issued() if self._cuda else None
+        if issued is None or issued.failed or issued.event is None:
+            return handle.wait()
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(issued.event)  # ordering: the caller's next kernels read what the copy wrote
+        value = issued.value
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            value.record_stream(stream)  # ordering: not reused before this stream is done with it
+        return value
 
     def lease(self, nbytes: int, key: str, kind: object = None) -> Lease:
         """A pooled host buffer of ``nbytes`` accounted to ``key`` as ``kind``, until its
@@ -229,7 +265,7 @@ class TransferEngine:
     def behind(self, lane: str) -> Handle:
         """A handle that is done once every request queued on ``lane`` so far has finished; a
         chain on it runs ``then`` on that lane, before the lane takes its next request."""
-        return Handle(self._lanes[lane].submit(_nothing), on_stall=self.stats.stall_sink(Tier.HOST))
+        return Handle(self.lanes.behind(lane), on_stall=self.stats.stall_sink(Tier.HOST))
 
     def chain(self, first: Union[Handle, Sequence[Handle]], then: Optional[Callable[[], Any]] = None, *,
               cleanup: Optional[Callable[[], None]] = None, stall: Tier = Tier.HOST) -> Handle:
@@ -242,25 +278,6 @@ class TransferEngine:
         completes (e.g. ``lease.release``). ``stall``: the tier a wait on the handle counts to.
         """
         return chain(first, then, cleanup=cleanup, on_stall=self.stats.stall_sink(stall))
-
-    def _copy_or_add(self, dst, src, lane, ready, accumulate, src_tier, dst_tier, kind) -> torch.Tensor:
-        t0 = time.perf_counter()
-        try:
-            cross = self.device.type == "cuda" and src.device != dst.device
-            if not accumulate and not (cross and src.dtype != dst.dtype):
-                self._memcpy(dst, src, lane, ready)
-            elif cross:  # convert on the host: a converting copy would allocate a temporary on the device
-                with self.lease(nbytes_of(src.shape, src.dtype), f"<staging {id(src)}>") as lease:
-                    staged = lease.view(src.dtype, src.shape)
-                    self._memcpy(staged, src, lane, ready)
-                    (dst.add_(staged) if accumulate else dst.copy_(staged))
-            else:
-                dst.add_(src)
-        except BaseException:
-            self.stats.count(src_tier, dst_tier, t0=t0)
-            raise
-        self.stats.count(src_tier, dst_tier, t0=t0, nbytes=src.numel() * src.element_size(), kind=kind)
-        return dst
 
     def delete(self, key: str) -> None:
         self._settle(key)
@@ -284,8 +301,7 @@ class TransferEngine:
         if self._closed:
             return
         self.synchronize()
-        for lane in self._lanes.values():
-            lane.shutdown(wait=True)
+        self.lanes.close()
         self._closed = True
 
     def __enter__(self) -> "TransferEngine":
@@ -321,11 +337,11 @@ class TransferEngine:
         ready = self._ready() if Tier.DEVICE in (src, dst) else None
         lane = "nvme" if Tier.NVME in (src, dst) else ("d2h" if src == Tier.DEVICE else "h2d")
         self.registry.begin(key, src, dst)
-        future = self._lanes[lane].submit(self._run, r, src, dst, out, lane, ready, then_drop)
-        handle = Handle(future, on_stall=self.stats.stall_sink(dst))
+        handle = self.lanes.request(lane, lambda: self._run(r, src, dst, out, lane, ready, then_drop),
+                                    self.stats.stall_sink(dst))
         with self._lock:
             self._pending[key] = (dst, handle)
-        future.add_done_callback(lambda _f, k=key, h=handle: self._forget(k, h))
+        handle.add_done_callback(lambda _f, k=key, h=handle: self._forget(k, h))
         return handle
 
     def _forget(self, key: str, handle: Handle) -> None:
@@ -334,70 +350,71 @@ class TransferEngine:
                 del self._pending[key]
 
     def _run(self, r: Residency, src: Tier, dst: Tier, out: Optional[torch.Tensor], lane: str,
-             ready, then_drop: Optional[Tier]) -> None:
+             ready, then_drop: Optional[Tier]):
+        """Issue a move on its lane; the registry learns of it once it is done."""
         t0 = time.perf_counter()
         key = r.key
-        try:
-            self._copy(key, r.info, src, dst, out, lane, ready)
-        except BaseException:
+
+        def failed() -> None:
             self.stats.count(src, dst, t0=t0)
             self.registry.finish(key, ok=False)
             self._store(dst).delete(key)  # dst held no valid copy; free what we allocated for it
+        try:
+            gpu = self._copy(key, r.info, src, dst, out, lane, ready)
+        except BaseException:
+            failed()
             raise
-        self.stats.count(src, dst, t0=t0, nbytes=r.info.nbytes, kind=r.info.kind)
-        self.registry.finish(key, ok=True)
-        if then_drop is not None:
-            self.registry.drop(key, then_drop)
-            self._store(then_drop).delete(key)
+
+        def finish() -> None:
+            try:
+                if gpu is not None:
+                    gpu.wait()
+            except BaseException:
+                failed()
+                raise
+            self._copies.count(src, dst, t0, gpu, r.info.nbytes, r.info.kind)
+            self.registry.finish(key, ok=True)
+            if then_drop is not None:
+                self.registry.drop(key, then_drop)
+                self._store(then_drop).delete(key)
+        return gpu, (out if dst == Tier.DEVICE else None), finish
 
     def _copy(self, key: str, info: TensorInfo, src: Tier, dst: Tier, out: Optional[torch.Tensor],
-              lane: str, ready) -> None:
+              lane: str, ready) -> Optional[GpuWork]:
+        """Issue the copy; returns its GPU work when it may still run (memory -> memory on a GPU),
+        else None: NVMe legs are done on return."""
         src_store, dst_store = self._store(src), self._store(dst)
         if out is not None and isinstance(src_store, _MemoryStore):  # memory -> memory
-            self._memcpy(out, src_store.get(key), lane, ready)
-        elif out is not None:  # NVMe -> memory
-            if dst == Tier.DEVICE and self.device.type == "cuda":
+            return self.lanes.memcpy(out, src_store.get(key), lane, ready)
+        if out is not None:  # NVMe -> memory
+            if dst == Tier.DEVICE and self._cuda:
                 with self.lease(nbytes_of(info.shape, info.dtype), f"<staging {key}>") as lease:
                     buf = lease.view(info.dtype, info.shape)
                     src_store.read(key, buf).wait()
-                    self._memcpy(out, buf, "h2d", ready)
+                    self.lanes.memcpy(out, buf, "h2d", ready).wait()  # ordering: the staging goes back after
             else:
                 src_store.read(key, out.view(-1) if out.dim() else out).wait()
         else:  # memory -> NVMe
             tensor = src_store.get(key)  # type: ignore[attr-defined]
-            if src == Tier.DEVICE and self.device.type == "cuda":
+            if src == Tier.DEVICE and self._cuda:
                 with self.lease(nbytes_of(info.shape, info.dtype), f"<staging {key}>") as lease:
                     buf = lease.view(info.dtype, info.shape)
-                    self._memcpy(buf, tensor, "d2h", ready)
+                    self.lanes.memcpy(buf, tensor, "d2h", ready).wait()  # ordering: landed before the write
                     dst_store.write(key, buf, info.kind).wait()
             else:
                 dst_store.write(key, tensor, info.kind).wait()
+        return None
 
     def _ready(self) -> Optional[torch.cuda.Event]:
         """On a GPU, an event on the calling thread's current stream: a copy that waits on it
         starts after what that stream has queued so far (None on the CPU)."""
-        if self.device.type != "cuda":
-            return None
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        return ready
+        return self.lanes.ready()
 
-    def _memcpy(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready) -> None:
-        stream = self._streams.get(lane)
-        if stream is None:
-            dst.copy_(src)
-            return
-        with torch.cuda.stream(stream):
-            if ready is not None:
-                stream.wait_event(ready)  # ordering: after the compute stream's writes to src
-            dst.copy_(src, non_blocking=True)
-            for t in (src, dst):
-                if t.is_cuda:
-                    t.record_stream(stream)  # ordering: the allocator must not reuse t before the copy ends
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()  # ordering: the handle completes only once the bytes have landed
+    def _landed_on_caller_stream(self, tier: Tier, t: torch.Tensor) -> None:
+        """A memory store copies on the caller's stream (``non_blocking``); a copy between host
+        and device is waited for here, so the completed handle the store returns is true."""
+        if self._cuda and tier != Tier.NVME and (tier == Tier.DEVICE) != t.is_cuda:
+            done = event()
+            done.record(torch.cuda.current_stream(self.device))
+            done.synchronize()  # ordering: the store's handle is done, so the bytes have landed
 
-
-def _nothing() -> None:
-    return None

@@ -198,7 +198,10 @@ class ResidencyScheduler:
                 raise
         t0, ready = time.perf_counter(), handle.done()
         try:
-            handle.wait()  # ordering: the tensor is returned only once its bytes have landed
+            if self.tier == Tier.DEVICE:
+                self.engine.join(handle)  # ordering: the caller's stream reads the tensor after its bytes land
+            else:
+                handle.wait()  # ordering: the host reads the tensor only once its bytes have landed
         except BaseException:
             with self._lock:
                 self._unpin(key)

@@ -1,4 +1,5 @@
-"""What the report says about transfers: bytes moved, seconds the lanes were busy, seconds callers
+"""What the report says about transfers: bytes moved, seconds the lanes were busy (for a GPU copy:
+its own time on its stream, so bytes over busy seconds is the link's bandwidth), seconds callers
 stalled. Every move is counted here and nowhere else: the engine's lanes and its store requests
 call :meth:`TransferStats.count`, and every handle the engine returns reports its waits to a
 :meth:`TransferStats.stall_sink`."""
@@ -27,11 +28,14 @@ class TransferStats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def count(self, src: Tier, dst: Tier, *, t0: Optional[float] = None, nbytes: Optional[int] = None,
-              kind: object = None) -> None:
+              kind: object = None, seconds: Optional[float] = None) -> None:
         """Count one move from ``src`` to ``dst``: busy from ``t0`` until now (``None``: it took
-        no lane time, e.g. a copy within one tier) and ``nbytes`` moved as ``kind`` (``None``:
-        the move failed and moved nothing)."""
+        no lane time, e.g. a copy within one tier), or for ``seconds`` ending now (a GPU copy's
+        own time on its stream), and ``nbytes`` moved as ``kind`` (``None``: the move failed and
+        moved nothing)."""
         t1 = time.perf_counter()
+        if seconds is not None:
+            t0 = t1 - seconds
         with self._lock:
             if t0 is not None:
                 self.busy_seconds[(src, dst)] += t1 - t0

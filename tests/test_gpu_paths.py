@@ -1,0 +1,286 @@
+"""The host-side halves of the GPU code, on any machine: exact pinned host buffers and their
+bookkeeping (NOTE [Exact pinned memory]), the default device budget, and joining requests.
+The GPU halves are in test_cuda.py / test_cuda_streams.py."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from tiermem import TensorClass, Tier
+from tiermem.memory import aligned, resident
+from tiermem.memory.resident import HostStore
+from tiermem.transfer.engine import TransferEngine
+
+
+def _mapped(ptr: int) -> bool:
+    """Whether some mapping of this process covers address ``ptr`` (Linux)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+@pytest.fixture
+def fake_pinning(monkeypatch):
+    """Stand-in for cudaHostRegister/Unregister: records what would be pinned."""
+    pinned: dict[int, int] = {}
+
+    def register(ptr: int, nbytes: int) -> None:
+        assert ptr % aligned.ALIGN == 0 and nbytes % aligned.ALIGN == 0 and ptr not in pinned
+        pinned[ptr] = nbytes
+
+    def unregister(ptr: int) -> None:
+        del pinned[ptr]  # a KeyError: unpinning what was never pinned
+    monkeypatch.setattr(aligned, "register_host", register)
+    monkeypatch.setattr(aligned, "unregister_host", unregister)
+    return pinned
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_host_buffer_is_exact_page_aligned_and_unmapped_once_dropped():
+    buf = aligned.host_buffer(3 * 4096 + 1, pin=False)
+    assert buf.dtype == torch.uint8 and buf.numel() == 4 * 4096 and buf.data_ptr() % 4096 == 0
+    buf.fill_(7)
+    assert int(buf.sum()) == 7 * 4 * 4096
+    ptr, view = buf.data_ptr(), buf[4096:8192]
+    del buf
+    gc.collect()
+    assert _mapped(ptr)  # a view keeps the mapping
+    del view
+    gc.collect()
+    assert not _mapped(ptr)  # given back to the system
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_pool_pins_exactly_what_its_ledger_counts_and_trim_gives_it_back(fake_pinning):
+    host = HostStore(1 << 30, pin=True)
+    sizes = [2 ** 20, 2 ** 20 + 12, 4096 * 3 + 5, 100]  # a power of two, just above one, odd sizes
+    ptrs = []
+    for _ in range(3):  # steps: the same sizes every time
+        bufs = [host.acquire(n, f"k{i}", TensorClass.GRAD) for i, n in enumerate(sizes)]
+        state = host.acquire(2 ** 20, "state", TensorClass.OPTIM_STATE)  # never pinned
+        pinned = sum(fake_pinning.values())
+        assert pinned == host.pinned_bytes == host.ledger.used - host.ledger.held("state")
+        assert pinned == sum(aligned.round_up(n) for n in sizes)  # exact, not rounded to a power of two
+        ptrs = [b.data_ptr() for b in bufs] + [state.data_ptr()]
+        for i, b in enumerate(bufs):
+            host.release(f"k{i}", b)
+        host.release("state", state)
+        del bufs, state, b
+    assert host.allocations == len(sizes) + 1  # reused: pinned bytes stay flat over steps
+    assert host.trim() == sum(aligned.round_up(n) for n in sizes) + 2 ** 20
+    gc.collect()
+    assert fake_pinning == {} and host.pinned_bytes == 0 and host.ledger.used == 0
+    assert not any(_mapped(p) for p in ptrs)
+
+
+def test_a_store_dropped_without_close_unpins(fake_pinning):
+    host = HostStore(1 << 30, pin=True)
+    buf = host.acquire(8192, "k", TensorClass.GRAD)
+    assert sum(fake_pinning.values()) == 8192
+    del host
+    gc.collect()
+    assert fake_pinning == {} and buf.numel() == 8192  # unpinned; the bytes stay valid for whoever holds them
+    buf.fill_(1)
+
+
+def test_default_device_budget_is_free_plus_what_torch_holds_minus_the_margin(monkeypatch):
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 141 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * gib)
+    margin = resident.device_margin(141 * gib)
+    assert margin == int(141 * gib * 0.05)
+    assert resident.default_device_budget(torch.device("cuda", 0)) == 70 * gib - margin
+    assert resident.device_margin(8 * gib) == gib  # a small card keeps at least 1 GiB out
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (gib // 2, 8 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    assert resident.default_device_budget(torch.device("cuda", 0)) == 0  # never negative
+
+
+def test_join_on_the_cpu_is_wait():
+    e = TransferEngine({Tier.DEVICE: resident.DeviceStore("cpu", 1 << 20), Tier.HOST: HostStore(1 << 20)})
+    try:
+        src, dst = torch.arange(1000, dtype=torch.float32), torch.zeros(1000, dtype=torch.bfloat16)
+        h = e.copy_async(dst, src, src_tier=Tier.HOST, dst_tier=Tier.DEVICE)
+        assert h.wait_issued() is None  # no GPU stage here
+        assert e.join(h) is dst and torch.equal(dst, src.bfloat16())
+        acc = torch.ones(1000)
+        e.copy_async(acc, dst, src_tier=Tier.DEVICE, dst_tier=Tier.HOST, accumulate=True).wait()
+        assert torch.equal(acc, src.bfloat16().float() + 1)
+        bad = e.copy_async(torch.zeros(3), torch.zeros(4), src_tier=Tier.HOST, dst_tier=Tier.DEVICE)
+        with pytest.raises(RuntimeError):
+            e.join(bad)
+        assert e.behind("h2d").wait() is None
+    finally:
+        e.close()
+
+
+def test_gradients_leave_the_device_one_request_per_bucket():
+    """Finding 8: one engine request (one turn of the copy lane, one completion) per bucket, not
+    per parameter; the numbers are the golden tests' business."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from models import TinyGPT, gpt_batch, gpt_loss
+    from tiermem import AdamW, TieredModel
+    from tiermem.policies import ZeroOffload
+
+    torch.manual_seed(0)
+    tm = TieredModel(TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-3), bucket_size="16KiB", device="cpu")
+    requests, single = [], []
+    many, one = tm.engine.copy_many, tm.engine.copy_async
+    tm.engine.copy_many = lambda copies, **kw: requests.append(len(copies)) or many(copies, **kw)
+    tm.engine.copy_async = lambda *a, **kw: single.append(1) or one(*a, **kw)
+    n_params = sum(len(b.slots) for b in tm.layout.step_buckets)
+    assert len(tm.layout.step_buckets) > 1 and n_params > 2 * len(tm.layout.step_buckets), n_params
+    for i in range(2):  # two micro-batches: the second adds
+        x, y = gpt_batch(i)
+        tm.backward(gpt_loss(tm(x), y))
+    assert sorted(requests) == sorted([len(b.slots) for b in tm.layout.step_buckets] * 2)
+    assert not single  # no gradient went on its own
+    assert not tm.step().skipped
+    tm.detach()
+
+
+# -- the engine's GPU mode, with stand-ins for streams and events --------------------------------
+class _FakeEvent:
+    """A CUDA event stand-in: every wait on it is counted; it is always complete."""
+    synced = 0
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False):
+        assert blocking, "every engine event is blocking (a host wait sleeps, never spins)"
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        type(self).synced += 1
+
+    def elapsed_time(self, other: "_FakeEvent") -> float:
+        return 1.0  # ms
+
+
+class _FakeStream:
+    waited = 0
+
+    def __init__(self, device=None):
+        pass
+
+    def wait_event(self, ev) -> None:
+        type(self).waited += 1
+
+
+@pytest.fixture
+def gpu_mode(monkeypatch):
+    """The engine's GPU control flow (issue on the lane, land on the completion thread, join on
+    the caller's stream) with CPU tensors: streams and events are stand-ins."""
+    import contextlib
+    import threading
+    from tiermem.transfer import engine as engine_mod, lanes as lanes_mod
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    bound = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: bound.append((threading.current_thread().name, i)))
+    _FakeEvent.synced = _FakeStream.waited = 0
+
+    def make() -> TransferEngine:
+        e = TransferEngine({Tier.DEVICE: resident.DeviceStore("cpu", 1 << 24), Tier.HOST: HostStore(1 << 24)})
+        e.lanes.close()
+        gpu = torch.device("cuda", 0)
+        e.lanes = lanes_mod.Lanes(gpu)  # the GPU lanes: completion threads and (stand-in) streams
+        e._lanes, e._cuda = e.lanes.pools, True
+        return e
+    yield make, bound
+    assert engine_mod.event is lanes_mod.event
+
+
+def test_gpu_mode_moves_land_on_the_completion_thread_and_join_waits_on_the_gpu(gpu_mode):
+    from tiermem import TensorInfo
+    make, bound = gpu_mode
+    e = make()
+    try:
+        x = torch.arange(5000, dtype=torch.float32)
+        e.register(TensorInfo("w", TensorClass.PARAM, x.nbytes, tuple(x.shape), x.dtype), Tier.HOST)
+        e.put("w", x)
+        h = e.prefetch("w", Tier.DEVICE)
+        assert e.join(h) is e.stores[Tier.DEVICE].get("w")  # the request's value, once issued
+        assert _FakeStream.waited >= 2  # the lane waited on `ready`, the caller's stream on `done`
+        h.wait()
+        assert e.registry.get("w").valid == {Tier.HOST, Tier.DEVICE}  # the completion thread's bookkeeping
+        assert torch.equal(e.stores[Tier.DEVICE].get("w"), x)
+        e.stores[Tier.DEVICE].get("w").mul_(2)
+        e.registry.write_at("w", Tier.DEVICE)
+        e.evict("w", Tier.DEVICE).wait()
+        assert e.registry.get("w").valid == {Tier.HOST} and "w" not in e.stores[Tier.DEVICE]
+        out = torch.empty_like(x)
+        e.fetch("w", out)
+        assert torch.equal(out, x * 2)
+        stats = e.stats.snapshot()
+        assert stats["busy_seconds"][(Tier.HOST, Tier.DEVICE)] == pytest.approx(1e-3)  # the events' time
+        assert stats["bytes_moved"][(Tier.DEVICE, Tier.HOST)] == x.nbytes
+        synced = _FakeEvent.synced
+        ran = e.run_async(lambda: 7)
+        assert e.join(ran) == 7 and ran.wait() == 7 and _FakeEvent.synced == synced + 1
+        assert e.behind("d2h").wait() is None and e.behind("h2d").wait() is None
+        failing = e.run_async(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            e.join(failing)
+    finally:
+        e.close()
+    names = {name.split("_")[0] for name, i in bound}
+    assert all(i == 0 for _, i in bound)
+    assert {"tiermem-d2h", "tiermem-h2d", "tiermem-compute", "tiermem-d2h-done", "tiermem-h2d-done"} <= names
+
+
+def test_gpu_mode_trains_bit_identical_to_the_cpu_mode(gpu_mode, tmp_path):
+    """The whole GPU control flow under training (grads per bucket, uploads, overlap_step,
+    activation offload): the numbers do not move."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from models import TinyGPT, gpt_batch, gpt_loss
+    from tiermem import AdamW, TieredModel
+    from tiermem.policies import ActivationOffload, ZeroOffload
+    make, _ = gpu_mode
+
+    def run(gpu: bool, **kw) -> dict:
+        torch.manual_seed(0)
+        tm = TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), bucket_size="16KiB", device="cpu", **kw)
+        if gpu:
+            tm.engine.lanes.close()
+            fake = make()
+            tm.engine.lanes, tm.engine._lanes, tm.engine._cuda = fake.lanes, fake.lanes.pools, True
+        for i in range(3):
+            x, y = gpt_batch(i)
+            tm.backward(gpt_loss(tm(x), y))
+            tm.step()
+        state = {k: v.clone() for k, v in tm.state_dict().items()}
+        tm.detach()
+        return state
+    for kw in (dict(policy=ZeroOffload(), overlap_step=True),
+               dict(policy=ActivationOffload(ZeroOffload(), min_bytes=0))):
+        cpu, gpu = run(False, **kw), run(True, **kw)
+        assert all(torch.equal(cpu[k], gpu[k]) for k in cpu), kw
+
+
+def test_where_cuda_refuses_to_register_the_pool_falls_back_to_torchs_pinned_cache(monkeypatch, fake_pinning):
+    def refuse(ptr: int, nbytes: int) -> None:
+        raise RuntimeError("cudaHostRegister of 8192 bytes failed with CUDA error 801")
+    monkeypatch.setattr(aligned, "register_host", refuse)
+    monkeypatch.setattr(aligned, "_register_refused", False)
+    cached = []
+    monkeypatch.setattr(resident, "aligned_empty", lambda n, pin: cached.append(pin) or aligned.aligned_empty(n, pin=False))
+    host = HostStore(1 << 20, pin=True)
+    buf = host.acquire(8000, "k", TensorClass.GRAD)
+    assert cached == [True] and buf.numel() == 8192 and host.pinned_bytes == 8192
+    host.release("k", buf)
+    assert host.acquire(8000, "k2", TensorClass.GRAD) is buf  # pooled like any pinned buffer
+    host.release("k2", buf)
+    assert host.trim() == 8192 and host.pinned_bytes == 0  # nothing to unregister: fake_pinning saw nothing

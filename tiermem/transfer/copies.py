@@ -1,0 +1,131 @@
+"""How a copy request between the device and the host is issued on its lane and finished once
+it landed (NOTE [Issued, then done] in :mod:`tiermem.transfer.lanes`): plain copies go straight
+to the side stream; a copy that converts or adds does it on the host, device->host on the
+completion thread behind the copy (off the copy's critical path), host->device on the lane before
+it, through a pooled staging buffer; an add into device memory runs on the side stream. Only
+:class:`~tiermem.transfer.engine.TransferEngine` uses this module.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Optional
+
+import torch
+
+from tiermem.memory.resident import nbytes_of
+from tiermem.transfer.lanes import GpuWork, Lanes
+from tiermem.transfer.lease import Lease
+from tiermem.transfer.stats import TransferStats
+from tiermem.types import Tier
+
+
+class Copies:
+    """Issues the engine's ``copy_async``/``copy_many`` requests; ``lease(nbytes, key)`` lends
+    pooled host staging buffers."""
+
+    def __init__(self, lanes: Lanes, stats: TransferStats, lease: Callable[[int, str], Lease]):
+        self.lanes, self.stats, self.lease = lanes, stats, lease
+
+    def one(self, dst, src, lane, ready, accumulate, src_tier, dst_tier, kind):
+        """One copy_async request (NOTE [Issued, then done])."""
+        gpu, _, finish = self.many([(dst, src, accumulate)], lane, ready, src_tier, dst_tier, kind)
+        return gpu, dst, finish
+
+    def many(self, copies, lane, ready, src_tier, dst_tier, kind):
+        """Issue copy requests on their lane, in order (NOTE [Issued, then done]); returns the GPU
+        work that completes them all, and what is left for once it is done."""
+        t0 = time.perf_counter()
+        works: list[GpuWork] = []
+        tails: list[Callable[[], None]] = []
+
+        def run_tails() -> None:
+            error = None
+            for tail in tails:  # every one runs: each gives its staging buffer back
+                try:
+                    tail()
+                except BaseException as e:  # noqa: BLE001 - the first is raised below
+                    error = error or e
+            if error is not None:
+                raise error
+        try:
+            for dst, src, accumulate in copies:
+                gpu, tail = self._issue(dst, src, lane, ready, accumulate)
+                works += [gpu] if gpu is not None else []
+                tails += [tail] if tail is not None else []
+        except BaseException:
+            self.stats.count(src_tier, dst_tier, t0=t0)
+            with contextlib.suppress(BaseException):
+                for w in works[-1:]:
+                    w.wait()  # ordering: staging goes back only once the copies issued so far are done
+                run_tails()
+            raise
+        nbytes = sum(src.numel() * src.element_size() for _, src, _ in copies)
+        last = works[-1] if works else None
+
+        def finish(_held=copies) -> None:  # the caller may drop the sources: they live until the copies are done
+            try:
+                if last is not None:
+                    last.wait()  # one stream, in order: the last done means all done
+                run_tails()
+            except BaseException:
+                self.stats.count(src_tier, dst_tier, t0=t0)
+                raise
+            if works:
+                self.stats.count(src_tier, dst_tier, seconds=sum(w.seconds() for w in works), nbytes=nbytes,
+                                 kind=kind)
+            else:
+                self.stats.count(src_tier, dst_tier, t0=t0, nbytes=nbytes, kind=kind)
+        return last, None, finish
+
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready, accumulate: bool
+                    ) -> tuple[Optional[GpuWork], Optional[Callable[[], None]]]:
+        """Queue ``dst <- src`` (or ``dst += src``) on ``lane``; returns the GPU work and the host
+        work left for once it is done (both None when nothing is left: the CPU)."""
+        if not self.lanes.cuda or src.device == dst.device:
+            (dst.add_(src) if accumulate else dst.copy_(src))
+            return None, None
+        if src.is_cuda:  # device -> host: convert or add on the host, on the completion thread
+            if not accumulate and src.dtype == dst.dtype:
+                return self.lanes.memcpy(dst, src, lane, ready), None
+            lease = self.lease(nbytes_of(src.shape, src.dtype), f"<staging {id(src)}>")
+            try:
+                staged = lease.view(src.dtype, src.shape)
+                gpu = self.lanes.memcpy(staged, src, lane, ready)
+            except BaseException:
+                lease.release()
+                raise
+
+            def tail() -> None:
+                try:
+                    (dst.add_(staged) if accumulate else dst.copy_(staged))
+                finally:
+                    lease.release()
+            return gpu, tail
+        if accumulate:  # host -> device, added there: through a device temporary of src's dtype
+            def add() -> None:
+                tmp = torch.empty(src.shape, dtype=src.dtype, device=dst.device)  # on the side stream
+                tmp.copy_(src, non_blocking=True)
+                dst.add_(tmp)
+            return self.lanes.on_stream(lane, ready, add, (dst,)), None
+        if src.dtype == dst.dtype:
+            return self.lanes.memcpy(dst, src, lane, ready), None
+        # host -> device, converting: on the host into a pooled staging buffer of dst's dtype (a
+        # converting copy would allocate a temporary on the device), then one plain copy
+        lease = self.lease(nbytes_of(src.shape, dst.dtype), f"<staging {id(src)}>")
+        try:
+            staged = lease.view(dst.dtype, src.shape)
+            staged.copy_(src)
+            gpu = self.lanes.memcpy(dst, staged, lane, ready)
+        except BaseException:
+            lease.release()
+            raise
+        return gpu, lease.release
+
+    def count(self, src: Tier, dst: Tier, t0: float, gpu: Optional[GpuWork], nbytes: int, kind: object) -> None:
+        """Count a finished move: on a GPU busy for the copy's own time on its stream (so bytes
+        over busy seconds is the link's bandwidth), elsewhere from ``t0`` until now."""
+        if gpu is None:
+            self.stats.count(src, dst, t0=t0, nbytes=nbytes, kind=kind)
+        else:
+            self.stats.count(src, dst, seconds=gpu.seconds(), nbytes=nbytes, kind=kind)
