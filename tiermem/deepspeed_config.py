@@ -45,7 +45,7 @@ from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["from_deepspeed_config", "translate"]
+__all__ = ["from_deepspeed_config", "read_config", "translate"]
 
 _ABSENT = object()
 
@@ -350,7 +350,8 @@ def _batch(r: _Reader, cfg: Mapping) -> None:
             r.note(key, cfg[key], why)
 
 
-def _load(config: Any) -> dict:
+def read_config(config: Any) -> dict:
+    """A DeepSpeed config as a dict: from a JSON file, or a deep copy of the dict given."""
     if isinstance(config, Mapping):
         return json.loads(json.dumps(config))  # a deep copy, and a check that it is JSON
     if not isinstance(config, (str, os.PathLike)):
@@ -378,7 +379,7 @@ def translate(config: Any, **overrides: Any) -> tuple[dict[str, Any], list[str]]
     if bad:
         raise ConfigError(f"tiermem: from_deepspeed_config got unexpected keyword arguments {bad}; it takes "
                           f"{', '.join(CONFIG_KEYWORDS + PASS_THROUGH)} (the config gives policy and optimizer)")
-    cfg = _load(config)
+    cfg = read_config(config)
     r = _Reader(overrides)
     precision = _precision(r, cfg)
     policy, nvme_dir = _policy(r, cfg)
