@@ -144,37 +144,38 @@ def _block(cfg: Mapping, key: str, where: str) -> dict:
     return value
 
 
-def _enabled(r: _Reader, cfg: Mapping, key: str) -> Optional[bool]:
-    """A precision block's ``enabled``: True/False, or None when the block is absent."""
+def _enabled(cfg: Mapping, key: str) -> Any:
+    """A precision block's ``enabled``: True, False, "auto", or None when the block is absent."""
     if key not in cfg:
         return None
     value = _block(cfg, key, "").get("enabled", False)
-    if value == "auto":
-        precision = r.overrides.get("precision", _ABSENT)
-        if precision is _ABSENT:
-            raise ConfigError(f"tiermem: DeepSpeed config {key}.enabled='auto' needs a value: pass precision=... "
-                              f"(the HF Trainer takes it from bf16=/fp16=) or write true/false")
-        return precision == key
-    if not isinstance(value, bool):
+    if value != "auto" and not isinstance(value, bool):
         raise ConfigError(f"tiermem: DeepSpeed config {key}.enabled={_short(value)} is not true, false or 'auto'")
     return value
 
 
 def _precision(r: _Reader, cfg: Mapping) -> str:
+    """The block enabled explicitly, else the ``precision`` keyword (as the HF Trainer adds the
+    block its bf16=/fp16= asks for), else fp32 (DeepSpeed's default)."""
     if "bf16" in cfg and "bfloat16" in cfg:
         raise ConfigError("tiermem: DeepSpeed config has both 'bf16' and 'bfloat16' (the same block); keep one")
-    bf16 = _enabled(r, {"bf16": cfg["bfloat16"]} if "bfloat16" in cfg else cfg, "bf16")
-    fp16 = _enabled(r, cfg, "fp16")
-    if bf16 and fp16:
+    flags = {"bf16": _enabled({"bf16": cfg["bfloat16"]} if "bfloat16" in cfg else cfg, "bf16"),
+             "fp16": _enabled(cfg, "fp16")}
+    on = [k for k, v in flags.items() if v is True]
+    if len(on) == 2:
         raise ConfigError("tiermem: DeepSpeed config enables both bf16 and fp16; enable one of them")
-    chosen = "bf16" if bf16 else "fp16" if fp16 else "fp32"
     given = r.overrides.get("precision", _ABSENT)
-    if bf16 is None and fp16 is None:  # no precision block: the keyword, else DeepSpeed's fp32
-        return chosen if given is _ABSENT else given
-    if given is not _ABSENT and given != chosen:
-        raise ConfigError(f"tiermem: DeepSpeed config's bf16/fp16 blocks mean precision={chosen!r} but "
-                          f"precision={given!r} was given; make them agree (or write 'auto' for enabled)")
-    return chosen
+    if given is _ABSENT:
+        auto = [k for k, v in flags.items() if v == "auto"]
+        if auto:
+            raise ConfigError(f"tiermem: DeepSpeed config {auto[0]}.enabled='auto' needs a value: pass precision=... "
+                              f"(the HF Trainer takes it from bf16=/fp16=) or write true/false")
+        return on[0] if on else "fp32"
+    if (on and on[0] != given) or flags.get(given) is False:
+        why = f"enables {on[0]}" if on and on[0] != given else f"has {given}.enabled=false"
+        raise ConfigError(f"tiermem: DeepSpeed config {why} but precision={given!r} was given; make them agree "
+                          f"(or write 'auto' for enabled)")
+    return given
 
 
 def _loss_scale(r: _Reader, cfg: Mapping) -> LossScale:
