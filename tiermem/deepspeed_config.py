@@ -340,7 +340,8 @@ def _batch(r: _Reader, cfg: Mapping) -> None:
     """Batch sizes and accumulation are the training loop's: checked against the keywords when
     given (the Trainer passes its own), otherwise reported as the loop's business."""
     loop = {"train_micro_batch_size_per_gpu": "the micro-batch size is your data loader's",
-            "gradient_accumulation_steps": "call tm.backward() once per micro-batch and tm.step() after the last",
+            "gradient_accumulation_steps": "call tm.backward(loss / N) once per micro-batch (DeepSpeed's "
+                                           "engine divided by N) and tm.step() after the last",
             "train_batch_size": "the global batch size is your loop's (micro-batch x accumulation x ranks)"}
     for key, why in loop.items():
         if key not in cfg:
