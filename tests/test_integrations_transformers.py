@@ -20,7 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa:
 
 from tiermem import AdamW, ConfigError, TieredModel, TierMemError  # noqa: E402
 from tiermem.integrations.transformers import TIERMEM_CHECKPOINT, TieredTrainer, TrainerOptimizer  # noqa: E402
-from tiermem.policies import KeepOnDevice, ZeroOffload  # noqa: E402
+from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 LR, WARMUP, STEPS, ACCUM, CLIP, DECAY = 2e-3, 1, 4, 2, 0.5, 0.1
@@ -98,16 +98,20 @@ AUTO = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
 
 
-@pytest.mark.parametrize("precision,deepspeed", [("fp32", None), ("bf16", None), ("bf16", "ds.json")])
-def test_trainer_trains_as_tiered_models_own_loop(tmp_path, precision, deepspeed):
-    if deepspeed:
-        (tmp_path / deepspeed).write_text(json.dumps(AUTO))
-        deepspeed = str(tmp_path / deepspeed)
+@pytest.mark.parametrize("precision,how", [("fp32", None), ("bf16", None), ("bf16", "ds.json"),
+                                           ("bf16", "zero-infinity")])
+def test_trainer_trains_as_tiered_models_own_loop(tmp_path, precision, how):
+    deepspeed, options, policy = None, None, ZeroOffload
+    if how == "ds.json":
+        (tmp_path / how).write_text(json.dumps(AUTO))
+        deepspeed = str(tmp_path / how)
+    elif how == "zero-infinity":  # placement never changes the numbers: the oracle stays ZeroOffload's loop
+        options, policy = {"policy": ZeroInfinity(), "nvme_dir": str(tmp_path)}, ZeroInfinity
     args = arguments(tmp_path / "out", bf16=precision == "bf16")
-    trainer = Recording(model=gpt2(), args=args, train_dataset=dataset(), deepspeed=deepspeed)
+    trainer = Recording(model=gpt2(), args=args, train_dataset=dataset(), deepspeed=deepspeed, tiermem=options)
     trainer.train()
     assert trainer.tiered.precision == precision and not trainer.args.bf16  # tiermem's dtype; no autocast on top
-    assert isinstance(trainer.tiered.policy, ZeroOffload) and trainer.tiered.grad_clip == CLIP
+    assert isinstance(trainer.tiered.policy, policy) and trainer.tiered.grad_clip == CLIP
     assert len(trainer.fed) == STEPS * ACCUM
 
     tm, losses, logs = own_loop(trainer.fed, precision)
