@@ -94,7 +94,8 @@ def own_loop(fed, precision: str):
 
 AUTO = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
         "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
 
 
@@ -177,7 +178,8 @@ BAD = {
                                 r"optimizers=\.\.\.\) is not supported"),
     "precision in tiermem=": (dict(tiermem={"precision": "bf16"}), r"these come from TrainingArguments"),
     "a placement besides the config": (dict(deepspeed=AUTO, tiermem={"policy": KeepOnDevice()}),
-                                       r"the DeepSpeed config says where tensors live"),
+                                       r"the DeepSpeed config says these \(where tensors live"),
+    "no_decay in tiermem=": (dict(tiermem={"no_decay": ("*.bias",)}), r"get_decay_parameter_names\(\)"),
 }
 
 

@@ -167,7 +167,7 @@ class TieredTrainer(Trainer):
         optim = getattr(a.optim, "value", a.optim)  # an OptimizerNames (a str enum) or a str
         if optim not in _ADAMW and not _has_optimizer_block(self.deepspeed_config):
             raise ConfigError(f"tiermem: TrainingArguments(optim={optim!r}) is not an optimizer tiermem runs; it "
-                              f"trains with AdamW: use optim='adamw_torch' (the default elsewhere) or leave it out")
+                              f"trains with AdamW: use optim='adamw_torch' or 'adamw_torch_fused' (the default)")
         decay = set(self.get_decay_parameter_names(model))
         no_decay = tuple(n for n, p in model.named_parameters() if p.requires_grad and n not in decay)
         grad_clip = a.max_grad_norm if a.max_grad_norm and a.max_grad_norm > 0 else None
@@ -250,8 +250,8 @@ class TieredTrainer(Trainer):
                 _record_dtype(output_dir, dtypes)
             else:
                 from safetensors.torch import save_file
-                save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(output_dir, "model.safetensors"),
-                          metadata={"format": "pt"})
+                save_file({k: v.contiguous() for k, v in weights.items()},
+                          os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
             if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.user_args, os.path.join(output_dir, TRAINING_ARGS_NAME))
@@ -302,17 +302,17 @@ def _has_optimizer_block(config: Any) -> bool:
 
 def _tiermem_options(options: Optional[dict], deepspeed: Any) -> dict:
     options = dict(options or {})
-    fixed = {"optimizer", "precision", "grad_clip"} & set(options)
+    fixed = {"optimizer", "precision", "grad_clip", "no_decay", "no_decay_1d"} & set(options)
     if fixed:
         raise ConfigError(f"tiermem: TieredTrainer(tiermem={{{', '.join(sorted(fixed))}: ...}}): these come from "
-                          f"TrainingArguments (learning_rate, adam_*, weight_decay, bf16/fp16, max_grad_norm); set "
-                          f"them there")
+                          f"TrainingArguments (learning_rate, adam_*, weight_decay, bf16/fp16, max_grad_norm) and "
+                          f"the Trainer's get_decay_parameter_names(); set them there")
     if deepspeed is not None:
         bad = sorted(set(options) - set(PASS_THROUGH) - {"nvme_dir"})
         if bad:
             raise ConfigError(f"tiermem: TieredTrainer(deepspeed=..., tiermem={{{', '.join(bad)}: ...}}): the "
-                              f"DeepSpeed config says where tensors live; drop them, or drop deepspeed= and give "
-                              f"TieredModel's options in tiermem=")
+                              f"DeepSpeed config says these (where tensors live, loss scaling); drop them, or drop "
+                              f"deepspeed= and give TieredModel's options in tiermem=")
     return options
 
 
