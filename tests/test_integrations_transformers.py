@@ -88,7 +88,8 @@ def own_loop(fed, precision: str):
         lr = tm.optimizer.param_groups[0]["lr"]
         res = tm.step()
         sched.step()
-        logs.append({"loss": sum(x.item() for x in losses[-ACCUM:]), "grad_norm": res.grad_norm, "lr": lr})
+        logs.append({"loss": sum(x.item() for x in losses[-ACCUM:]), "grad_norm": res.grad_norm, "lr": lr,
+                     "loss_scale": res.loss_scale})
     return tm, losses, logs
 
 
@@ -99,7 +100,7 @@ AUTO = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
 
 
-@pytest.mark.parametrize("precision,how", [("fp32", None), ("bf16", None), ("bf16", "ds.json"),
+@pytest.mark.parametrize("precision,how", [("fp32", None), ("bf16", None), ("fp16", None), ("bf16", "ds.json"),
                                            ("bf16", "zero-infinity")])
 def test_trainer_trains_as_tiered_models_own_loop(tmp_path, precision, how):
     deepspeed, options, policy = None, None, ZeroOffload
@@ -108,10 +109,11 @@ def test_trainer_trains_as_tiered_models_own_loop(tmp_path, precision, how):
         deepspeed = str(tmp_path / how)
     elif how == "zero-infinity":  # placement never changes the numbers: the oracle stays ZeroOffload's loop
         options, policy = {"policy": ZeroInfinity(), "nvme_dir": str(tmp_path)}, ZeroInfinity
-    args = arguments(tmp_path / "out", bf16=precision == "bf16")
+    args = arguments(tmp_path / "out", bf16=precision == "bf16", fp16=precision == "fp16")
     trainer = Recording(model=gpt2(), args=args, train_dataset=dataset(), deepspeed=deepspeed, tiermem=options)
     trainer.train()
-    assert trainer.tiered.precision == precision and not trainer.args.bf16  # tiermem's dtype; no autocast on top
+    assert trainer.tiered.precision == precision  # tiermem's dtype; no autocast or GradScaler on top:
+    assert not (trainer.args.bf16 or trainer.args.fp16) and trainer.accelerator.scaler is None
     assert isinstance(trainer.tiered.policy, policy) and trainer.tiered.grad_clip == CLIP
     assert len(trainer.fed) == STEPS * ACCUM
 
@@ -125,6 +127,7 @@ def test_trainer_trains_as_tiered_models_own_loop(tmp_path, precision, how):
     for h, ref in zip(history, logs):
         assert h["grad_norm"] == ref["grad_norm"] and h["learning_rate"] == ref["lr"]
         assert h["loss"] == pytest.approx(ref["loss"], rel=1e-6)  # the Trainer sums the micro-batch losses
+        assert h.get("loss_scale") == (ref["loss_scale"] if precision == "fp16" else None)
     assert any(ref["grad_norm"] > CLIP for ref in logs)  # clipping took part
     assert logs[0]["lr"] == 0.0 and logs[1]["lr"] == LR  # the warmup
 
