@@ -182,6 +182,9 @@ BAD = {
     "precision in tiermem=": (dict(tiermem={"precision": "bf16"}), r"these come from TrainingArguments"),
     "a placement besides the config": (dict(deepspeed=AUTO, tiermem={"policy": KeepOnDevice()}),
                                        r"the DeepSpeed config says these \(where tensors live"),
+    "load the best model at the end": (dict(args=dict(load_best_model_at_end=True, eval_strategy="steps",
+                                                      save_strategy="steps", eval_steps=2, save_steps=2)),
+                                       r"load_best_model_at_end=True\) would load weights into the module"),
     "no_decay in tiermem=": (dict(tiermem={"no_decay": ("*.bias",)}), r"get_decay_parameter_names\(\)"),
 }
 

@@ -37,8 +37,9 @@ for subclasses, and nothing else:
   dtype themselves, so the Trainer gets a copy of the arguments with bf16/fp16 off (no autocast or
   GradScaler of its own on top) and ``place_model_on_device`` False (tiermem places the weights).
 
-One process only (tiermem's own data parallelism runs under ``TieredModel`` directly). In fp16,
-a step tiermem skips for overflow still advances the lr schedule.
+One process only (tiermem's own data parallelism runs under ``TieredModel`` directly);
+``load_best_model_at_end`` is refused (it would load weights into the module behind tiermem's
+back). In fp16, a step tiermem skips for overflow still advances the lr schedule.
 """
 from __future__ import annotations
 
@@ -324,6 +325,10 @@ def _check_supported(args: TrainingArguments, kwargs: dict) -> None:
         raise ConfigError(f"tiermem: TieredTrainer runs in one process on one device (this run has world size "
                           f"{args.world_size}, {args.n_gpu} GPUs visible); run one process with one visible GPU "
                           f"(CUDA_VISIBLE_DEVICES=0), or use TieredModel directly under torchrun")
+    if args.load_best_model_at_end:
+        raise ConfigError("tiermem: TrainingArguments(load_best_model_at_end=True) would load weights into the module "
+                          "behind tiermem's back; leave it out and load the best checkpoint-N/ afterwards with "
+                          "from_pretrained (its model.safetensors holds the fp32 weights)")
     for key in ("optimizers", "optimizer_cls_and_kwargs"):
         value = kwargs.get(key)
         if value is not None and value != (None, None):
