@@ -215,7 +215,10 @@ def test_refused_when_training_starts(tmp_path, case):
 
 def test_resume_needs_tiermems_checkpoint_of_the_same_step(tmp_path):
     (tmp_path / "out" / "checkpoint-2").mkdir(parents=True)
-    with pytest.raises(TierMemError, match=r"^tiermem: .*checkpoint-2' has no tiermem\.ckpt"):
+    with pytest.raises(TierMemError, match=r"^tiermem: .*checkpoint-2' has no tiermem\.ckpt or trainer_state\.json"):
+        _fails(tmp_path).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    (tmp_path / "out" / "checkpoint-2" / TIERMEM_CHECKPOINT).write_bytes(b"")  # the Trainer's state never came
+    with pytest.raises(TierMemError, match=r"^tiermem: .*checkpoint-2' has no trainer_state\.json \(not saved"):
         _fails(tmp_path).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     with pytest.raises(TierMemError, match=r"^tiermem: no complete checkpoint-N folder"):
         _fails(tmp_path).train(resume_from_checkpoint=True)

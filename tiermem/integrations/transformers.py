@@ -68,6 +68,8 @@ TIERMEM_CHECKPOINT = "tiermem.ckpt"
 #: the optimizers TrainingArguments(optim=...) may name: torch's AdamW, which tiermem's AdamW matches
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused")
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+#: what a finished checkpoint-N/ holds: tiermem's state, and the Trainer's, which it writes last
+_COMPLETE = (TIERMEM_CHECKPOINT, TRAINER_STATE_NAME)
 
 
 class TrainerOptimizer(torch.optim.Optimizer):
@@ -226,8 +228,9 @@ class TieredTrainer(Trainer):
             if self.tiered is not None:
                 raise TierMemError("tiermem: this TieredTrainer has trained already; resume from a checkpoint with "
                                    "a new TieredTrainer (and a fresh model)")
-            if not os.path.isfile(os.path.join(resume_from_checkpoint, TIERMEM_CHECKPOINT)):
-                raise TierMemError(f"tiermem: {str(resume_from_checkpoint)!r} has no {TIERMEM_CHECKPOINT} (not "
+            missing = [f for f in _COMPLETE if not os.path.isfile(os.path.join(resume_from_checkpoint, f))]
+            if missing:
+                raise TierMemError(f"tiermem: {str(resume_from_checkpoint)!r} has no {' or '.join(missing)} (not "
                                    f"saved by a TieredTrainer, or its save did not finish); resume from another "
                                    f"checkpoint-N folder")
         self._resume = resume_from_checkpoint
@@ -288,7 +291,7 @@ def last_complete_checkpoint(output_dir: str) -> str:
         if head == PREFIX_CHECKPOINT_DIR and number.isdigit() and os.path.isdir(os.path.join(output_dir, name)):
             found.append((int(number), os.path.join(output_dir, name)))
     for _, path in sorted(found, reverse=True):
-        if all(os.path.isfile(os.path.join(path, f)) for f in (TIERMEM_CHECKPOINT, TRAINER_STATE_NAME)):
+        if all(os.path.isfile(os.path.join(path, f)) for f in _COMPLETE):
             return path
         log.warning("tiermem: %s is incomplete (a save that did not finish?); resuming from an earlier one", path)
     raise TierMemError(f"tiermem: no complete checkpoint-N folder in {str(output_dir)!r} to resume from; train "
