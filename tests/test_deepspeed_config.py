@@ -165,6 +165,8 @@ def test_other_offload_pairs_and_adam_modes():
 def test_keywords_fill_auto_and_must_agree():
     options, _ = translate({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}, lr=3e-4, budgets=tiermem.Budgets())
     assert options["optimizer"].lr == 3e-4 and isinstance(options["budgets"], tiermem.Budgets)
+    options, _ = translate({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}}, betas=[0.9, 0.95])
+    assert options["optimizer"].betas == (0.9, 0.95)  # a list and a tuple agree
     options, _ = translate({"gradient_clipping": 0}, grad_clip=None)
     assert options["grad_clip"] is None
     options, _ = translate({}, precision="bf16", grad_clip=2.0, nvme_dir="/d")  # absent keys: the keyword applies

@@ -117,6 +117,7 @@ class _Reader:
         """The value of ``where``: the config's, or keyword ``name``'s where the config says "auto"
         or nothing; a keyword that disagrees with the config is an error."""
         given = self.overrides.get(name, _ABSENT)
+        given = given if given is _ABSENT else norm(given)
         if value == "auto":
             if given is _ABSENT:
                 raise ConfigError(f"tiermem: DeepSpeed config {where}='auto' needs a value: pass {name}=... "
