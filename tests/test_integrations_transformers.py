@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tiny models built from configs: nothing is ever downloaded
 transformers = pytest.importorskip("transformers")  # the `hf` / `test` extra
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
 
@@ -22,7 +23,6 @@ from tiermem import AdamW, ConfigError, TieredModel, TierMemError  # noqa: E402
 from tiermem.integrations.transformers import TIERMEM_CHECKPOINT, TieredTrainer, TrainerOptimizer  # noqa: E402
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 LR, WARMUP, STEPS, ACCUM, CLIP, DECAY = 2e-3, 1, 4, 2, 0.5, 0.1
 
 
