@@ -6,7 +6,7 @@ a policy gives each a home tier (device, host, NVMe); an async engine moves them
 from __future__ import annotations
 
 from tiermem.budgets import Budgets, parse_bytes
-from tiermem.config import Adam, AdamW
+from tiermem.config import Adam, AdamW, LossScale
 from tiermem.errors import ConfigError, OutOfTierMemory, StoreError, TierMemError
 from tiermem.handles import Handle
 from tiermem.train.model import StepResult, TieredModel
@@ -15,11 +15,12 @@ from tiermem.plan.policy import PerClass, Policy
 from tiermem.observe.report import Report
 from tiermem.memory.nvme import NvmeStore
 from tiermem.types import TensorClass, TensorInfo, Tier
+from tiermem.deepspeed_config import from_deepspeed_config
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Adam", "AdamW", "Budgets", "ConfigError", "Handle", "NvmeStore", "OutOfTierMemory", "PerClass", "Phase", "Policy",
+    "Adam", "AdamW", "Budgets", "ConfigError", "Handle", "LossScale", "NvmeStore", "OutOfTierMemory", "PerClass", "Phase", "Policy",
     "Report", "StepResult", "StoreError", "TensorClass", "TensorInfo", "TieredModel", "Tier",
-    "TierMemError", "parse_bytes", "__version__",
+    "TierMemError", "from_deepspeed_config", "parse_bytes", "__version__",
 ]

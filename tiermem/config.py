@@ -118,3 +118,25 @@ class AdamW(_AdamSpec):
 
     weight_decay: float = 1e-2
     adamw = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScale:
+    """fp16 dynamic loss scaling: start at ``init_scale``; on overflow skip the step and halve the
+    scale, never below ``min_scale``; after ``growth_interval`` clean steps in a row, double it.
+    The defaults are ``torch.amp.GradScaler``'s (no floor); DeepSpeed's are ``init_scale=2**16``,
+    ``growth_interval=1000``, ``min_scale=1`` (what :func:`tiermem.from_deepspeed_config` uses)."""
+
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+    min_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        ok, rule = _ADAM_RULES["grad_scale"]  # the loss scale divides the grads: the same range
+        if not ok(self.init_scale):
+            raise _invalid("LossScale.", "init_scale", self.init_scale, rule)
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
+                or self.growth_interval < 1:
+            raise _invalid("LossScale.", "growth_interval", self.growth_interval, "an int >= 1")
+        if self.min_scale is not None and not (ok(self.min_scale) and self.min_scale <= self.init_scale):
+            raise _invalid("LossScale.", "min_scale", self.min_scale, f"None or {rule}, at most init_scale")

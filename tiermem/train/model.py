@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from tiermem.budgets import Budgets, parse_bytes
-from tiermem.config import AdamW, _AdamSpec, working_dtype
+from tiermem.config import AdamW, LossScale, _AdamSpec, working_dtype
 from tiermem.errors import ConfigError
 from tiermem.memory.ledger import Reclaimers
 from tiermem.memory.nvme import NvmeStore
@@ -141,6 +141,8 @@ class TieredModel:
     ``tm.phase`` tells where in the step the model is (NOTE [Step lifecycle]).
     ``max_skipped_steps``: in bf16/fp32, this many steps skipped in a row for non-finite gradients
     raise an error naming the parameters (NOTE [A stalled run is loud]); None never stops.
+    ``loss_scale``: fp16's dynamic loss scaling (a :class:`tiermem.LossScale`; default: the
+    initial scale, window and factors of ``torch.amp.GradScaler``).
     """
 
     def __init__(self, module: torch.nn.Module, policy: Optional[Policy] = None, *,
@@ -149,7 +151,7 @@ class TieredModel:
                  grad_clip: Optional[float] = None, device: torch.device | str | None = None,
                  bucket_size: int | str = "32MiB", overlap_step: bool = False,
                  trace_path: Optional[str] = None, prefetch: bool = True, process_group: Any = None,
-                 max_skipped_steps: Optional[int] = 10):
+                 max_skipped_steps: Optional[int] = 10, loss_scale: Optional[LossScale] = None):
         opts = _validate(module, optimizer, precision, budgets, grad_clip, device, bucket_size, overlap_step)
         _check_paths(module, nvme_dir, trace_path)
         prefetch = _flag("prefetch", prefetch)
@@ -157,6 +159,9 @@ class TieredModel:
                 max_skipped_steps, int) or max_skipped_steps < 1):
             raise ConfigError(f"tiermem: max_skipped_steps={max_skipped_steps!r} is invalid: must be an int >= 1, "
                               f"or None to never stop on skipped steps")
+        if loss_scale is not None and (not isinstance(loss_scale, LossScale) or precision != "fp16"):
+            raise ConfigError(f"tiermem: loss_scale={loss_scale!r} is invalid: it must be a tiermem.LossScale, and "
+                              f"only precision='fp16' scales the loss; pass LossScale(...) with fp16, or leave it out")
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = grad_clip, opts.overlap
@@ -178,7 +183,7 @@ class TieredModel:
                                          weights_off_device=self.param_offload, group=self.group)
         self.layout = build(module, buckets, step_buckets, groups, names, homes, self.stores, self.dtype, self.device,
                             self.param_offload)
-        self.scaler = LossScaler(enabled=precision == "fp16")
+        self.scaler = LossScaler.of(precision == "fp16", loss_scale)
         self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger,
                                    group=self.group)
         outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)

@@ -1,13 +1,18 @@
-"""Dynamic loss scaling for fp16, with the defaults of ``torch.amp.GradScaler``."""
+"""Dynamic loss scaling for fp16, with the defaults of ``torch.amp.GradScaler`` unless a
+:class:`tiermem.LossScale` says otherwise."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+from tiermem.config import LossScale
 
 
 @dataclass
 class LossScaler:
-    """Multiply the loss by ``scale`` before backward; on overflow skip the step and halve it;
-    after ``growth_interval`` clean steps in a row, double it. Disabled (scale 1.0) unless fp16."""
+    """Multiply the loss by ``scale`` before backward; on overflow skip the step and halve it
+    (never below ``min_scale``); after ``growth_interval`` clean steps in a row, double it.
+    Disabled (scale 1.0) unless fp16."""
 
     enabled: bool
     scale: float = 2.0**16
@@ -15,6 +20,14 @@ class LossScaler:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     good_steps: int = 0
+    min_scale: Optional[float] = None
+
+    @classmethod
+    def of(cls, enabled: bool, spec: Optional[LossScale]) -> "LossScaler":
+        if spec is None:
+            return cls(enabled=enabled)
+        return cls(enabled=enabled, scale=spec.init_scale, growth_interval=spec.growth_interval,
+                   min_scale=spec.min_scale)
 
     def __post_init__(self) -> None:
         if not self.enabled:
@@ -25,6 +38,8 @@ class LossScaler:
             return
         if found_inf:
             self.scale *= self.backoff_factor
+            if self.min_scale is not None:
+                self.scale = max(self.scale, self.min_scale)
             self.good_steps = 0
         else:
             self.good_steps += 1

@@ -1,0 +1,339 @@
+"""The Hugging Face ``Trainer`` on tiermem: :class:`TieredTrainer`.
+
+Coming from DeepSpeed, two lines change: the import, and where the DeepSpeed config goes (to
+the trainer instead of ``TrainingArguments``)::
+
+    from tiermem.integrations.transformers import TieredTrainer
+    args = TrainingArguments("out", bf16=True, gradient_accumulation_steps=4, max_grad_norm=1.0, save_steps=500)
+    trainer = TieredTrainer(model=model, args=args, train_dataset=ds, deepspeed="ds.json")
+    trainer.train()                     # later: trainer.train(resume_from_checkpoint=True)
+
+Without a DeepSpeed config, ``tiermem={...}`` gives TieredModel's own options
+(``policy=``, ``nvme_dir=``, ``budgets=``, ...); the optimizer, precision and clipping always come
+from ``TrainingArguments`` (and the config).
+
+# NOTE [Trainer integration]
+The Trainer keeps its loop (data, gradient accumulation, lr scheduler, logging, evaluation,
+``save_steps``, resume); tiermem comes in through the extension points the Trainer documents
+for subclasses, and nothing else:
+
+- ``create_optimizer`` wraps the model in a TieredModel and gives the Trainer a torch Optimizer
+  (:class:`TrainerOptimizer`) whose param groups are tiermem's, so the Trainer's lr scheduler
+  sets tiermem's lr, and whose ``step()`` is ``tm.step()`` (clipping to ``max_grad_norm`` inside).
+- ``training_step``: ``compute_loss`` with the TieredModel as the model (the forward runs through
+  ``tm(...)``), the Trainer's gradient-accumulation scaling rule, then ``tm.backward(loss)``.
+  ``prediction_step`` (evaluation) forwards through ``tm(...)`` too.
+- ``log``: the Trainer measures the grad norm from the module's ``.grad``, which tiermem has
+  already moved to the gradients' home; the ``grad_norm`` logged is the one ``tm.step()``
+  measured (before clipping, as the Trainer's is).
+- ``save_model`` writes the fp32 master weights (``model.safetensors``, loadable with
+  ``from_pretrained``), and inside a ``checkpoint-N/`` folder also ``tiermem.ckpt`` (``tm.save``:
+  atomic, checksummed, optimizer state included). The Trainer's ``optimizer.pt`` then holds the
+  param groups' hyperparameters and the step count, which resuming checks against tiermem.ckpt.
+- ``train(resume_from_checkpoint=True)`` takes the newest *complete* ``checkpoint-N/`` (with
+  ``tiermem.ckpt`` and ``trainer_state.json``, which the Trainer writes last): a run killed while
+  saving resumes from the checkpoint before.
+- ``TrainingArguments(bf16=True)`` / ``fp16=True`` is tiermem's precision: the weights are in that
+  dtype themselves, so the Trainer gets a copy of the arguments with bf16/fp16 off (no autocast or
+  GradScaler of its own on top) and ``place_model_on_device`` False (tiermem places the weights).
+
+One process only (tiermem's own data parallelism runs under ``TieredModel`` directly);
+``load_best_model_at_end`` is refused (it would load weights into the module behind tiermem's
+back). In fp16, a step tiermem skips for overflow still advances the lr schedule.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+from transformers import Trainer, TrainingArguments
+from transformers.trainer import OPTIMIZER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from tiermem.config import AdamW
+from tiermem.deepspeed_config import PASS_THROUGH, read_config, translate
+from tiermem.errors import ConfigError, TierMemError
+from tiermem.train.model import StepResult, TieredModel
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TieredTrainer", "TrainerOptimizer", "TIERMEM_CHECKPOINT"]
+
+#: tiermem's checkpoint inside each checkpoint-N/ folder
+TIERMEM_CHECKPOINT = "tiermem.ckpt"
+#: the optimizers TrainingArguments(optim=...) may name: torch's AdamW, which tiermem's AdamW matches
+_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused")
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+#: what a finished checkpoint-N/ holds: tiermem's state, and the Trainer's, which it writes last
+_COMPLETE = (TIERMEM_CHECKPOINT, TRAINER_STATE_NAME)
+
+
+class TrainerOptimizer(torch.optim.Optimizer):
+    """``tm.optimizer`` as the Trainer handles optimizers: the same param groups (list and
+    dicts), ``step()`` runs ``tm.step()`` and keeps its :class:`StepResult` in ``last``, and a
+    ``state_dict()`` of hyperparameters and step count only (the state itself is in
+    ``tiermem.ckpt``; NOTE [Trainer integration])."""
+
+    def __init__(self, tiered: TieredModel):
+        super().__init__(tiered.optimizer.param_groups, tiered.optimizer.defaults)
+        self.param_groups = tiered.optimizer.param_groups  # one list: what a scheduler sets, tiermem uses
+        self.tiered = tiered
+        self.last: Optional[StepResult] = None
+
+    def step(self, closure=None):  # type: ignore[override]
+        if closure is not None:
+            raise TierMemError("tiermem: step(closure) is not supported; the TieredTrainer calls step() itself")
+        self.last = self.tiered.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: tm.step() clears the gradients it consumed."""
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        return {"state": {}, "tiermem_step": self.tiered.stepper.steps,
+                "param_groups": [{k: g[k] for k in _GROUP_KEYS if k in g} for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        """Restore the groups' hyperparameters (the lr the scheduler had set), after checking that
+        the state is of the step tiermem's checkpoint holds."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or "tiermem_step" not in state_dict or len(groups) != len(self.param_groups):
+            raise TierMemError("tiermem: this optimizer state was not written by a TieredTrainer (or by one with "
+                               "another model); resume from a checkpoint a TieredTrainer saved")
+        if state_dict["tiermem_step"] != self.tiered.stepper.steps:
+            raise TierMemError(f"tiermem: the checkpoint's {OPTIMIZER_NAME} is of step {state_dict['tiermem_step']} "
+                               f"but its {TIERMEM_CHECKPOINT} of step {self.tiered.stepper.steps}: the folder mixes "
+                               f"two saves; resume from another checkpoint")
+        for group, saved in zip(self.param_groups, groups):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k in _GROUP_KEYS})
+
+
+class _NoPlacementArguments:
+    """Mixed into the Trainer's copy of the arguments: tiermem places the weights (the override
+    the Trainer documents for integrations that do)."""
+
+    @property
+    def place_model_on_device(self) -> bool:
+        return False
+
+
+def _trainer_arguments(args: TrainingArguments) -> TrainingArguments:
+    """The user's arguments with bf16/fp16 off and no device placement (NOTE [Trainer integration])."""
+    cls = type(f"Tiered{type(args).__name__}", (_NoPlacementArguments, type(args)), {})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    return cls(**{**values, "bf16": False, "fp16": False})
+
+
+def _precision(args: TrainingArguments) -> str:
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+
+
+class TieredTrainer(Trainer):
+    """A ``transformers.Trainer`` that trains through a :class:`tiermem.TieredModel` (NOTE
+    [Trainer integration]). ``deepspeed``: a DeepSpeed config (path or dict) read by
+    :func:`tiermem.from_deepspeed_config`, its ``"auto"`` values taken from ``args``. ``tiermem``:
+    more TieredModel options (``policy``, ``nvme_dir``, ``budgets``, ``device``, ...); with a
+    DeepSpeed config only those the config has no say in. After ``train()`` starts,
+    ``trainer.tiered`` is the TieredModel."""
+
+    def __init__(self, *args: Any, deepspeed: Any = None, tiermem: Optional[dict] = None, **kwargs: Any):
+        targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if not isinstance(targs, TrainingArguments):
+            raise ConfigError("tiermem: TieredTrainer needs args=TrainingArguments(...) (its learning rate, "
+                              "precision and clipping are tiermem's too)")
+        _check_supported(targs, kwargs)
+        self.tiermem_options = _tiermem_options(tiermem, deepspeed)
+        self.deepspeed_config, self.user_args = deepspeed, targs
+        self.tiered: Optional[TieredModel] = None
+        self.tiered_optimizer: Optional[TrainerOptimizer] = None
+        self._resume: Optional[str] = None  # the checkpoint folder train() resumes from
+        if "args" in kwargs:
+            kwargs["args"] = _trainer_arguments(targs)
+        else:
+            args = (args[0], _trainer_arguments(targs), *args[2:])
+        super().__init__(*args, **kwargs)
+
+    # -- the optimizer: a TieredModel ------------------------------------------------------------
+    def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            self.tiered = self._wrap(self.model)
+            self.optimizer = self.tiered_optimizer = TrainerOptimizer(self.tiered)
+            if self._resume is not None:
+                self.tiered.load(os.path.join(self._resume, TIERMEM_CHECKPOINT))
+        return self.optimizer
+
+    def _wrap(self, model: torch.nn.Module) -> TieredModel:
+        a = self.user_args
+        optim = getattr(a.optim, "value", a.optim)  # an OptimizerNames (a str enum) or a str
+        if optim not in _ADAMW and not _has_optimizer_block(self.deepspeed_config):
+            raise ConfigError(f"tiermem: TrainingArguments(optim={optim!r}) is not an optimizer tiermem runs; it "
+                              f"trains with AdamW: use optim='adamw_torch' or 'adamw_torch_fused' (the default)")
+        decay = set(self.get_decay_parameter_names(model))
+        no_decay = tuple(n for n, p in model.named_parameters() if p.requires_grad and n not in decay)
+        grad_clip = a.max_grad_norm if a.max_grad_norm and a.max_grad_norm > 0 else None
+        hyper = dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
+                     weight_decay=a.weight_decay)
+        if self.deepspeed_config is None:
+            return TieredModel(model, optimizer=AdamW(**hyper, no_decay=no_decay), precision=_precision(a),
+                               grad_clip=grad_clip, **self.tiermem_options)
+        options, notes = translate(
+            self.deepspeed_config, **hyper, precision=_precision(a), grad_clip=grad_clip, no_decay=no_decay,
+            train_micro_batch_size_per_gpu=a.per_device_train_batch_size,
+            gradient_accumulation_steps=a.gradient_accumulation_steps,
+            train_batch_size=a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size,
+            **self.tiermem_options)
+        for line in notes:
+            log.warning("%s", line)
+        return TieredModel(model, **options)
+
+    # -- a step: forward and backward through the TieredModel -------------------------------------
+    def training_step(self, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
+        tm = self.tiered
+        tm.train()
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(tm, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        scaled = self.loss_is_scaled_for_ga  # the Trainer's rule: is the loss already a share of the step's?
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
+                or self.compute_loss_func is not None
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        tm.backward(loss)
+        return loss.detach()
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict, prediction_loss_only: bool,
+                        ignore_keys: Optional[list[str]] = None):
+        return super().prediction_step(self.tiered if self.tiered is not None else model, inputs,
+                                       prediction_loss_only, ignore_keys=ignore_keys)
+
+    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
+        last = self.tiered_optimizer.last if self.tiered_optimizer is not None else None
+        if last is not None and "grad_norm" in logs:
+            logs["grad_norm"] = last.grad_norm  # what tm.step() measured (NOTE [Trainer integration])
+            if self.tiered.precision == "fp16":
+                logs["loss_scale"] = last.loss_scale
+        super().log(logs, start_time)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+        if resume_from_checkpoint is False:
+            resume_from_checkpoint = None
+        if resume_from_checkpoint is not None:
+            if self.tiered is not None:
+                raise TierMemError("tiermem: this TieredTrainer has trained already; resume from a checkpoint with "
+                                   "a new TieredTrainer (and a fresh model)")
+            missing = [f for f in _COMPLETE if not os.path.isfile(os.path.join(resume_from_checkpoint, f))]
+            if missing:
+                raise TierMemError(f"tiermem: {str(resume_from_checkpoint)!r} has no {' or '.join(missing)} (not "
+                                   f"saved by a TieredTrainer, or its save did not finish); resume from another "
+                                   f"checkpoint-N folder")
+        self._resume = resume_from_checkpoint
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._resume = None
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """The fp32 master weights, loadable with ``from_pretrained``; in a checkpoint folder
+        also tiermem's own checkpoint (NOTE [Trainer integration])."""
+        if self.tiered is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        weights = self.tiered.state_dict()
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            if hasattr(self.model, "save_pretrained"):
+                dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
+                self.model.save_pretrained(output_dir, state_dict=weights)
+                _record_dtype(output_dir, dtypes)
+            else:
+                from safetensors.torch import save_file
+                save_file({k: v.contiguous() for k, v in weights.items()},
+                          os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.user_args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if _internal_call:
+            self.tiered.save(os.path.join(output_dir, TIERMEM_CHECKPOINT))
+
+
+def _record_dtype(output_dir: str, dtypes: set[torch.dtype]) -> None:
+    """``save_pretrained`` records the module's dtype (tiermem's working precision) in
+    config.json; the weights written are the fp32 masters, so record theirs, or ``from_pretrained``
+    would load them rounded to the working precision."""
+    path = os.path.join(output_dir, "config.json")
+    if len(dtypes) != 1 or not os.path.isfile(path):
+        return
+    with open(path) as f:
+        cfg = json.load(f)
+    dtype = str(dtypes.pop()).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):
+        if key in cfg:
+            cfg[key] = dtype
+    with open(path + ".tmp", "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+def last_complete_checkpoint(output_dir: str) -> str:
+    """The newest ``checkpoint-N`` folder under ``output_dir`` that holds both tiermem's checkpoint
+    and the Trainer's state (written last); newer incomplete ones are named in a warning."""
+    found = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        head, _, number = name.rpartition("-")
+        if head == PREFIX_CHECKPOINT_DIR and number.isdigit() and os.path.isdir(os.path.join(output_dir, name)):
+            found.append((int(number), os.path.join(output_dir, name)))
+    for _, path in sorted(found, reverse=True):
+        if all(os.path.isfile(os.path.join(path, f)) for f in _COMPLETE):
+            return path
+        log.warning("tiermem: %s is incomplete (a save that did not finish?); resuming from an earlier one", path)
+    raise TierMemError(f"tiermem: no complete checkpoint-N folder in {str(output_dir)!r} to resume from; train "
+                       f"without resume_from_checkpoint, or pass the folder")
+
+
+def _has_optimizer_block(config: Any) -> bool:
+    if config is None:
+        return False
+    return "optimizer" in read_config(config)
+
+
+def _tiermem_options(options: Optional[dict], deepspeed: Any) -> dict:
+    options = dict(options or {})
+    fixed = {"optimizer", "precision", "grad_clip", "no_decay", "no_decay_1d"} & set(options)
+    if fixed:
+        raise ConfigError(f"tiermem: TieredTrainer(tiermem={{{', '.join(sorted(fixed))}: ...}}): these come from "
+                          f"TrainingArguments (learning_rate, adam_*, weight_decay, bf16/fp16, max_grad_norm) and "
+                          f"the Trainer's get_decay_parameter_names(); set them there")
+    if deepspeed is not None:
+        bad = sorted(set(options) - set(PASS_THROUGH) - {"nvme_dir"})
+        if bad:
+            raise ConfigError(f"tiermem: TieredTrainer(deepspeed=..., tiermem={{{', '.join(bad)}: ...}}): the "
+                              f"DeepSpeed config says these (where tensors live, loss scaling); drop them, or drop "
+                              f"deepspeed= and give TieredModel's options in tiermem=")
+    return options
+
+
+def _check_supported(args: TrainingArguments, kwargs: dict) -> None:
+    if args.deepspeed:
+        raise ConfigError("tiermem: TrainingArguments(deepspeed=...) would start DeepSpeed itself; pass the config to "
+                          "TieredTrainer(..., deepspeed='ds.json') instead and leave it out of TrainingArguments")
+    if args.world_size > 1 or args.n_gpu > 1:
+        raise ConfigError(f"tiermem: TieredTrainer runs in one process on one device (this run has world size "
+                          f"{args.world_size}, {args.n_gpu} GPUs visible); run one process with one visible GPU "
+                          f"(CUDA_VISIBLE_DEVICES=0), or use TieredModel directly under torchrun")
+    if args.load_best_model_at_end:
+        raise ConfigError("tiermem: TrainingArguments(load_best_model_at_end=True) would load weights into the module "
+                          "behind tiermem's back; leave it out and load the best checkpoint-N/ afterwards with "
+                          "from_pretrained (its model.safetensors holds the fp32 weights)")
+    for key in ("optimizers", "optimizer_cls_and_kwargs"):
+        value = kwargs.get(key)
+        if value is not None and value != (None, None):
+            raise ConfigError(f"tiermem: TieredTrainer({key}=...) is not supported: the optimizer is tiermem's (AdamW "
+                              f"from TrainingArguments); leave {key} out")
