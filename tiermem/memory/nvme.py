@@ -9,8 +9,9 @@ sees the latest write issued before it, and an overwrite never races an older wr
 a done-callback that submits the next request to the pool, so no I/O thread ever blocks on
 another. Requests of different keys run concurrently, each split into chunks.
 
-Overwrites, crash safety and the budget: NOTE [Two slots, overwritten in place] and NOTE [What
-the NVMe budget counts] in :mod:`tiermem.memory.nvme_keys`.
+Overwrites, crash safety and the budget: NOTE [Two slots, overwritten in place], NOTE [One value
+per key, and a few spare files] and NOTE [What the NVMe budget counts] in
+:mod:`tiermem.memory.nvme_keys`.
 """
 from __future__ import annotations
 
@@ -52,7 +53,11 @@ class NvmeStore(Store):
     ``read(key, out)`` fills ``out`` after any pending write of ``key``. ``budget`` caps the bytes
     held, both slots of a key counted (default: the free space there). ``direct``: True insists
     on O_DIRECT, False never uses it, None falls back to buffered I/O with a warning where the
-    filesystem refuses it. Files stay on disk after ``close()``; ``delete(key)`` removes them.
+    filesystem refuses it. ``keep_previous=False`` keeps one value per key: the previous slot is
+    released once a write lands (into a pool of at most ``spares`` files that later writes go over
+    in place), so the disk holds each value once, and nothing can be reverted or fallen back to
+    (NOTE [One value per key, and a few spare files]). Files stay on disk after ``close()``
+    (spares excepted); ``delete(key)`` removes them.
     The store owns ``directory`` until ``close()`` (NOTE [One store owns a directory]): another
     store there is refused with the holder's pid.
     """
