@@ -457,6 +457,28 @@ def test_nvme_state_write_torn_mid_step_keeps_every_bucket_whole_and_a_retry_com
 
 
 @pytest.mark.parametrize("case", STATE_CASES, ids=lambda c: c.id)
+def test_state_stored_between_steps_is_what_the_next_step_reads(engine, case):
+    """NvmeState reads the next step's first bucket ahead when a step ends: a checkpoint load
+    between the steps (store) must win over that read."""
+    buckets, home, tracer, _ = _stepped_once(case, engine)
+    g = torch.Generator().manual_seed(5)
+    stored = {b.index: tuple(torch.randn(b.numel, generator=g) for _ in range(3)) for b in buckets}
+    for b in buckets:
+        views = home.load_views(b)
+        for v, value in zip(views, stored[b.index]):
+            v.copy_(value)
+        home.store(b, views)
+    seen = {}
+
+    def update(b, runs, views):
+        seen[b.index] = tuple(v.clone() for v in views)
+        _bump(b, runs, views)
+    home.step(_plan(buckets), update, tracer, set())
+    assert all(_same(a, w) for b in buckets for a, w in zip(seen[b.index], stored[b.index]))
+    _check_state(home, buckets, _bumped(stored, buckets))
+
+
+@pytest.mark.parametrize("case", STATE_CASES, ids=lambda c: c.id)
 def test_state_master_is_a_view_or_a_meta_tensor(engine, case):
     buckets, home = _state_home(case, engine)
     masters = _masters(buckets)

@@ -7,6 +7,11 @@ Three host buffer sets (each as large as the largest such bucket) rotate through
 host memory stays bounded whatever the model size: a set is refilled only after its last write
 has landed.
 
+A step that completes reads the next step's first bucket ahead into the first set, so that its
+read overlaps the forward and backward in between instead of the start of the next step (the
+state of that bucket cannot change before then: anything else that touches this home's state,
+a checkpoint load or a read, first waits for that read and drops it).
+
 # NOTE [A failed step is rolled forward]
 Each bucket's state (fp32 master, exp_avg, exp_avg_sq) is one NVMe key, ``<bucket>:state``, so it
 changes as a whole: the store switches a key to its new value only once every byte landed, and a
@@ -24,7 +29,7 @@ between two steps.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -52,6 +57,7 @@ class NvmeState(StateHome):
         # each set holds one bucket's parts back to back, so that they are one key's value
         self.sets = [host_store.allocate(f"nvme state set{i}", (len(PARTS) * largest,), torch.float32,
                                          TensorClass.OPTIM_STATE) for i in range(3)]
+        self._ahead: Optional[tuple[int, list[Handle]]] = None  # (bucket, its read into set 0) for the next step
 
     @staticmethod
     def key(b: Bucket) -> str:
@@ -63,6 +69,7 @@ class NvmeState(StateHome):
 
     def initialize(self, b: Bucket) -> None:
         """Store a bucket's initial state: the master filled into :meth:`initial_master`, moments zero."""
+        self._drop_ahead()
         views = self._views(0, b)
         views[1].zero_()
         views[2].zero_()
@@ -70,16 +77,26 @@ class NvmeState(StateHome):
 
     def read(self, b: Bucket, which: int = 0) -> StateViews:
         """The bucket's current state in host set ``which`` (blocking)."""
+        self._drop_ahead()
         views = self._views(which, b)
         wait_all(self._read(b, views))
         return views
 
     def load_views(self, b: Bucket) -> StateViews:
+        self._drop_ahead()
         return self._views(0, b)
 
     def store(self, b: Bucket, views: StateViews) -> None:
         """Overwrite a bucket's state (checkpoint load; blocking)."""
+        self._drop_ahead()
         wait_all(self._write(b, views))
+
+    def _drop_ahead(self) -> None:
+        """The next step's first read, issued at the end of the last step: landed and forgotten
+        (its set is about to be reused, or its bucket rewritten)."""
+        if self._ahead is not None:
+            wait_all_quietly(self._ahead[1])
+            self._ahead = None
 
     def _views(self, which: int, b: Bucket) -> StateViews:
         return tuple(self._whole(which, b).view(len(PARTS), b.numel).unbind())  # type: ignore[return-value]
@@ -102,9 +119,15 @@ class NvmeState(StateHome):
         reads: dict[int, list[Handle]] = {}
         writes: dict[int, list[Handle]] = {}  # host set -> writes still reading from it
         written: list[tuple[int, Handle]] = []  # (bucket, its state write) of this step
+        ahead, self._ahead = self._ahead, None
         try:
             if plan:
-                reads[0] = self._read(plan[0][0], self._views(0, plan[0][0]))
+                first = plan[0][0]
+                if ahead is not None and ahead[0] == first.index:
+                    reads[0] = ahead[1]  # read at the end of the last step
+                else:
+                    wait_all_quietly(ahead[1] if ahead is not None else ())
+                    reads[0] = self._read(first, self._views(0, first))
             for k, (b, runs) in enumerate(plan):
                 if k + 1 < len(plan):  # read ahead into the set bucket k-2 was written from
                     nxt = (k + 1) % 3
@@ -119,6 +142,8 @@ class NvmeState(StateHome):
                 written += [(b.index, h) for h in writes[k % 3]]
             with tracer.span("wait write-behind", "stall"):
                 wait_all([h for hs in writes.values() for h in hs])
+            if plan:  # every set is free again: the next step's first bucket, read ahead
+                self._ahead = (plan[0][0].index, self._read(plan[0][0], self._views(0, plan[0][0])))
         except BaseException:
             wait_all_quietly([h for hs in list(reads.values()) + list(writes.values()) for h in hs])
             updated.update(index for index, h in written if h.succeeded())
