@@ -1,0 +1,122 @@
+"""The largest model this machine trains: ZeroInfinity with one value per NVMe key, 2 steps.
+
+    python bench/largest.py [--params 4.5e9] [--width 4096] [--keep-free 10GB] [--steps 2]
+                            [--device-budget 1GiB] [--bucket-size 16MiB] [--dir DIR] [--dry-run]
+
+A stack of ``width`` x ``width`` bias-free Linear layers (bench/nvme_step.py's ``windowed_stack``:
+the module itself takes one layer's memory; TieredModel copies each weight to its home), deep
+enough for ``--params``, trained in bf16 on one batch of 8 rows seen every step, under
+ZeroInfinity: weights (2 B/param) and optimizer state (12 B/param) on NVMe, each value once
+(NOTE [A failed step is rolled forward]), fp32 grads (4 B/param) on the host, where they fit
+(the disk cannot also hold them here). Before building, it checks that the directory's free space
+holds the model's 14 B/param plus the NVMe journal (a few buckets) and still leaves
+``--keep-free``; if not, it shows the arithmetic and trains the largest depth that fits instead.
+
+Prints, per step, forward+backward and ``tm.step()`` time, peak RSS and the disk's free space; at
+the end ``du`` of the directory (bytes/param on disk, measured, with the spare files counted),
+bytes/param in RAM (peak RSS / params), the report, and removes the directory.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.nvme_step import rss_gb, windowed_stack  # noqa: E402
+from tiermem import AdamW, Budgets, TieredModel, Tier, parse_bytes  # noqa: E402
+from tiermem.plan.footprint import JOURNAL_BUCKETS  # noqa: E402
+from tiermem.policies import ZeroInfinity  # noqa: E402
+
+GB = 1e9
+DISK_PER_PARAM = 2 + 12  # bf16 weights and fp32 master, exp_avg, exp_avg_sq, each once
+
+
+def du_bytes(path: str) -> int:
+    out = subprocess.run(["du", "-s", "--block-size=1", path], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
+
+
+def depth_that_fits(args: argparse.Namespace, free: int) -> tuple[int, str]:
+    """The depth for ``--params``, or the largest that leaves ``--keep-free`` on the disk; and the
+    arithmetic, in words."""
+    layer = args.width * args.width
+    bucket = parse_bytes(args.bucket_size, what="--bucket-size") // 2  # parameters per bucket (bf16)
+    journal = JOURNAL_BUCKETS["state"] * 12 * bucket + JOURNAL_BUCKETS["weights"] * 2 * bucket
+    spares = 4 * 12 * bucket  # the store's spare files, at most, each no larger than a bucket's state
+    usable = free - args.keep_free - journal - spares
+    want = -(-int(args.params) // layer)
+    fits = max(1, usable // (DISK_PER_PARAM * layer))
+    said = (f"disk: {free / GB:.1f} GB free; keep {args.keep_free / GB:.0f} GB free; journal {journal / GB:.2f} GB "
+            f"+ spares {spares / GB:.2f} GB; {DISK_PER_PARAM} B/param -> room for {fits * layer / 1e9:.2f}B "
+            f"parameters ({fits} layers of {args.width} x {args.width})")
+    return min(want, fits), said
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=4.5e9)
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--keep-free", default="10GB", help="free space to leave on the disk")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--device-budget", default="1GiB")
+    p.add_argument("--bucket-size", default="16MiB")
+    p.add_argument("--dir", default=None, help="where to make the NVMe directory (default: the current one)")
+    p.add_argument("--dry-run", action="store_true", help="print the arithmetic only")
+    args = p.parse_args()
+    args.keep_free = parse_bytes(args.keep_free, what="--keep-free")
+    where = args.dir or os.getcwd()
+    free = shutil.disk_usage(where).free
+    depth, said = depth_that_fits(args, free)
+    n = depth * args.width * args.width
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    print(said)
+    print(f"training {depth} layers: {n:,} parameters ({n / 1e9:.2f}B{'' if n >= args.params else ', fewer than asked'});"
+          f" {DISK_PER_PARAM * n / GB:.1f} GB on disk; fp32 grads on the host {4 * n / GB:.1f} GB of {ram / GB:.1f} GB "
+          f"RAM; mixed-precision Adam in memory would need {16 * n / GB:.0f} GB", flush=True)
+    if args.dry_run:
+        return 0
+    d = tempfile.mkdtemp(prefix="tiermem-largest-", dir=where)
+    try:
+        t0 = time.perf_counter()
+        tm = TieredModel(windowed_stack(args.width, depth), ZeroInfinity(), precision="bf16", nvme_dir=d,
+                         optimizer=AdamW(lr=1e-6, betas=(0.9, 0.95), weight_decay=0.1),
+                         bucket_size=args.bucket_size, budgets=Budgets(device=args.device_budget))
+        print(f"built in {time.perf_counter() - t0:.0f} s (initial weights and state written to NVMe); "
+              f"peak RSS {rss_gb():.1f} GB; du {du_bytes(d) / n:.2f} B/param", flush=True)
+        x = torch.randn(args.rows, args.width, generator=torch.Generator().manual_seed(0))
+        low = shutil.disk_usage(d).free
+        for i in range(1, args.steps + 1):
+            t0 = time.perf_counter()
+            loss = tm(x).float().square().mean()
+            tm.backward(loss)
+            t1 = time.perf_counter()
+            res = tm.step()
+            t2 = time.perf_counter()
+            low = min(low, shutil.disk_usage(d).free)
+            print(f"step {i}: loss {loss.item():.6f}, grad norm {res.grad_norm:.4f}; fwd+bwd {t1 - t0:.1f} s, "
+                  f"tm.step() {t2 - t1:.1f} s; peak RSS {rss_gb():.1f} GB; du {du_bytes(d) / n:.2f} B/param; "
+                  f"disk free {low / GB:.1f} GB", flush=True)
+        on_disk = du_bytes(d)
+        rep = tm.report()
+        spares = [f for f in os.listdir(d) if f.startswith("spare-")]
+        print(f"{rep}\nparameters {n:,}; on disk (du) {on_disk / GB:.1f} GB = {on_disk / n:.2f} B/param "
+              f"({len(spares)} spare files); NVMe peak held {rep.peak_bytes[Tier.NVME] / n:.2f} B/param; "
+              f"peak RSS {rss_gb():.1f} GB = {rss_gb() * GB / n:.2f} B/param in RAM; lowest free disk {low / GB:.1f} GB")
+        tm.detach()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
