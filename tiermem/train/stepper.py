@@ -84,9 +84,10 @@ class Stepper:
         self.skipped_in_a_row = 0
         self._norms: tuple[list[str], torch.Tensor] = ([], torch.zeros(0))
         self._unsent: set[int] = set()  # buckets a failed step updated: their weights go home again
-        # (norm, clip) of a step that failed part-way, which its retry completes with (the grads of
-        # the buckets it updated are gone, so a norm computed again would differ)
-        self._resuming: Optional[tuple[torch.Tensor, float]] = None
+        # (norm, clip, gradients received by then) of a step that failed part-way, which its retry
+        # completes with (the grads of the buckets it updated are gone, so a norm computed again
+        # would differ); a backward since then makes it a new step
+        self._resuming: Optional[tuple[torch.Tensor, float, int]] = None
 
     # -- between steps -----------------------------------------------------------------------------
     def finish_pending(self) -> None:
@@ -138,8 +139,8 @@ class Stepper:
         clip = 1.0
         if self.grad_clip is not None:
             clip = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0).item()
-        if self._resuming is not None:
-            norm, clip = self._resuming
+        if self._resuming is not None and self._resuming[2] == self.grads.arrivals:
+            norm, clip, _ = self._resuming
         self._count_steps()
         upd = _Update([(b, self._runs(b)) for b in self.layout.step_buckets],
                       [{k: g[k] for k in _HYPER} for g in groups], scale, clip, self.grads.fill)
@@ -148,7 +149,7 @@ class Stepper:
         elif self.overlap:
             self._background = (self.engine.run_async(lambda: self._update(upd), name="adam"), upd.plan)
         else:
-            self._resuming = (norm, clip)  # for a retry, should the update fail part-way
+            self._resuming = (norm, clip, self.grads.arrivals)  # for a retry, should the update fail part-way
             self._update(upd)
             self._resuming = None
         self.scaler.update(found_inf=False)
