@@ -115,7 +115,8 @@ def main() -> int:
     n = depth * layer
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     print(said)
-    print(f"training {depth} layers: {n:,} parameters ({n / 1e9:.2f}B{'' if n >= args.params else ', fewer than asked'});"
+    fewer = "" if n >= args.params else ", fewer than asked"
+    print(f"training {depth} layers: {n:,} parameters ({n / 1e9:.2f}B{fewer});"
           f" {(DISK_PER_PARAM * n + 4 * layer * nvme_grads) / GB:.1f} GB on disk (grads of {nvme_grads} layers "
           f"there); fp32 grads on the host {4 * layer * (depth - nvme_grads) / GB:.1f} GB of {ram / GB:.1f} GB RAM; "
           f"mixed-precision Adam in memory would need {16 * n / GB:.0f} GB", flush=True)
@@ -147,7 +148,8 @@ def main() -> int:
         spares = [f for f in os.listdir(d) if f.startswith("spare-")]
         print(f"{rep}\nparameters {n:,}; on disk (du) {on_disk / GB:.1f} GB = {on_disk / n:.2f} B/param "
               f"({len(spares)} spare files); NVMe peak held {rep.peak_bytes[Tier.NVME] / n:.2f} B/param; "
-              f"peak RSS {rss_gb():.1f} GB = {rss_gb() * GB / n:.2f} B/param in RAM; lowest free disk {low / GB:.1f} GB")
+              f"peak RSS {rss_gb():.1f} GB = {rss_gb() * GB / n:.2f} B/param in RAM; "
+              f"lowest free disk {low / GB:.1f} GB")
         # not tm.detach(): it hands back the module with fp32 weights, 4 B/param in RAM (18 GB at 4.5B,
         # which got the first 4.5B run OOM-killed after its last line); the directory goes below
     finally:

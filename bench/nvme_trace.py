@@ -68,7 +68,8 @@ def main() -> int:
             for e in sorted(events, key=lambda e: e["ts"]):
                 inside = last["ts"] <= e["ts"] <= last["ts"] + last["dur"] and e is not last
                 if inside and (e["name"].startswith(("adam", "wait")) or "h2d" in str(e.get("tid"))):
-                    print(f"  {(e['ts'] - last['ts']) / 1e3:7.1f} +{e['dur'] / 1e3:6.1f}  {e['name']:<22} {e.get('tid')}")
+                    start = (e["ts"] - last["ts"]) / 1e3
+                    print(f"  {start:7.1f} +{e['dur'] / 1e3:6.1f}  {e['name']:<22} {e.get('tid')}")
     finally:
         for tm in tms.values():
             tm.detach()

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from models import TinyGPT, disk_fills_up, gpt_batch, gpt_loss, same_state
+from models import TinyGPT, gpt_batch, gpt_loss, same_state
 from tiermem import AdamW, Budgets, StoreError, TensorClass, TieredModel, Tier
 from tiermem.policies import ZeroInfinity, ZeroOffload
 from tiermem.plan.policy import Policy
