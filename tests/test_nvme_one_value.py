@@ -158,3 +158,18 @@ def test_spares_left_by_a_killed_run_are_taken_over_and_close_removes_them(tmp_p
 def test_bad_arguments_are_refused(tmp_path, kw, message):
     with pytest.raises(ConfigError, match=message):
         NvmeStore(tmp_path, **kw)
+
+
+def test_a_key_named_like_a_spare_is_never_taken_for_one(tmp_path):
+    """A killed run left both a spare and the file of a key whose name starts like a spare's: the
+    next store takes over the spare only, and the key's file is never renamed to another key."""
+    s = NvmeStore(tmp_path, block_size=BLOCK, keep_previous=False, spares=3)
+    for seed in range(3):
+        s.write("spare-1", _value(3000, seed)).wait()
+    s._release_lock()  # as a killed process's lock dies with it
+    s._pool.shutdown(wait=True)
+    again = NvmeStore(tmp_path, block_size=BLOCK, keep_previous=False, spares=3)
+    adopted = {os.path.basename(p) for p in again._spares.ready}
+    key_files = {nio.file_name("spare-1", slot) for slot in (0, 1)} & set(_files(tmp_path))
+    assert adopted and key_files and not adopted & key_files
+    again.close()

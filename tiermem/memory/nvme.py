@@ -37,8 +37,9 @@ from tiermem.memory import nvme_dir
 from tiermem.memory import nvme_io as nio
 from tiermem.memory.aligned import round_up
 from tiermem.memory.base import Store, check_same_layout, unknown_key
-from tiermem.memory.nvme_keys import (SPOILT, Copy, FellBack, KeyState, SparePool, Value, cannot_revert, fell_back,
-                                       io_error, lost, over_budget, spoilt, would_mix)
+from tiermem.memory.nvme_keys import (SPOILT, Copy, FellBack, KeyState, Value, cannot_revert, fell_back, io_error,
+                                       lost, over_budget, spoilt, would_mix)
+from tiermem.memory.nvme_spares import SparePool
 from tiermem.types import Tier
 
 log = logging.getLogger(__name__)

@@ -75,10 +75,7 @@ count under ``<spare files>`` until a write takes them or they are unlinked.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
-import os
-import stat
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
@@ -232,76 +229,3 @@ def cannot_revert(key: str) -> StoreError:
                       f"written once, or its latest write failed and so changed nothing, or it was reverted "
                       f"already); revert only keys whose write succeeded, once each")
 
-
-SPARES = "<spare files>"  # the ledger key of the pool's files
-_SPARE_PREFIX = "spare-"  # never the start of a slot file's name (those end "<hash>.<slot>.tmn")
-
-
-class SparePool:
-    """Files that held a key's previous value, kept for the next write to go over in place (NOTE
-    [One value per key, and a few spare files]). The store calls every method with its lock held;
-    renaming a file in or out is the caller's, outside the lock."""
-
-    def __init__(self, directory: str, limit: int, ledger):
-        self.directory, self.limit, self.ledger = directory, limit, ledger
-        self.ready: dict[str, int] = {}  # path -> file size, free to take
-        self.arriving: dict[str, int] = {}  # given, not renamed in yet
-        self._next = 0
-        for name in sorted(os.listdir(directory)) if limit else ():  # left by a killed run: their blocks are reused
-            path = os.path.join(directory, name)
-            if name.startswith(_SPARE_PREFIX) and name.endswith(nio.SUFFIX) and len(self.ready) < limit:
-                st = os.lstat(path)
-                if stat.S_ISREG(st.st_mode):
-                    self.ready[path] = st.st_size
-        self._next = len(self.ready)
-        with contextlib.suppress(OutOfTierMemory):  # too big for the budget: not adopted, left as they are
-            self._count()
-
-    def take(self, want: int) -> Optional[str]:
-        """A ready spare for a file of ``want`` bytes (half to twice that size: close enough that
-        the write reuses most of its blocks and wastes few), or None."""
-        fits = [(abs(size - want), path) for path, size in self.ready.items() if want // 2 <= size <= 2 * want]
-        if not fits:
-            return None
-        path = min(fits)[1]
-        del self.ready[path]
-        self._count()
-        return path
-
-    def give(self, size: int) -> Optional[str]:
-        """Where to rename a released file of ``size`` bytes to keep it (then :meth:`keep`), or
-        None: unlink it (the pool is full, or the budget cannot hold it)."""
-        if len(self.ready) + len(self.arriving) >= self.limit:
-            return None
-        while (path := os.path.join(self.directory, f"{_SPARE_PREFIX}{self._next}{nio.SUFFIX}")) in self.ready:
-            self._next += 1
-        self._next += 1
-        self.arriving[path] = size
-        try:
-            self._count()
-        except OutOfTierMemory:
-            del self.arriving[path]
-            return None
-        return path
-
-    def keep(self, path: str, renamed: bool) -> None:
-        """``path`` (from :meth:`give`) was renamed in (or that failed: forget it)."""
-        size = self.arriving.pop(path)
-        if renamed:
-            self.ready[path] = size
-        self._count()
-
-    def drop_all(self) -> None:
-        """Unlink every ready spare and give its bytes back to the budget."""
-        for path in self.ready:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        self.ready.clear()
-        self._count()
-
-    def _count(self) -> None:
-        held = sum(max(0, size - nio.HEADER) for size in (*self.ready.values(), *self.arriving.values()))
-        if held:
-            self.ledger.reserve(SPARES, held)
-        else:
-            self.ledger.release(SPARES)
