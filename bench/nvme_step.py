@@ -106,10 +106,10 @@ def largest(args: argparse.Namespace) -> int:
     d = tempfile.mkdtemp(prefix="tiermem-largest-", dir=args.dir or os.getcwd())
     disk = shutil.disk_usage(d)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    per = 28 if args.largest_policy == "zero-infinity" else 24
+    per = 14 if args.largest_policy == "zero-infinity" else 12
     print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e9:.2f}B parameters; "
           f"{args.largest_policy}, bf16, device budget {args.device_budget}; needs {per * n / GB:.1f} GB on disk "
-          f"({per} B/param: the latest and the previous value of 12 B/param of state"
+          f"({per} B/param: each value once, 12 B/param of state"
           f"{' and 2 of weights' if per == 28 else ''}), {disk.free / GB:.1f} GB free of "
           f"{disk.total / GB:.0f}; RAM {ram / GB:.1f} GB, fp32 grads on the host {4 * n / GB:.1f} GB; "
           f"mixed-precision Adam in memory would need {16 * n / GB:.0f} GB", flush=True)
@@ -239,7 +239,7 @@ def parse_args() -> argparse.Namespace:
                         "parameters) for --steps steps and print step time, peak RSS and the report")
     p.add_argument("--device-budget", default="2GiB", help="--largest: Budgets(device=...)")
     p.add_argument("--largest-policy", choices=["zero-infinity", "weights-on-host"], default="zero-infinity",
-                   help="--largest: weights on NVMe (28 B/param on disk) or on the host (24 B/param on disk, "
+                   help="--largest: weights on NVMe (14 B/param on disk) or on the host (12 B/param on disk, "
                         "2 B/param more RAM)")
     args = p.parse_args()
     if min(args.width, args.depth, args.rows, args.steps) < 1 or args.warmup < 1:
@@ -263,7 +263,7 @@ def main() -> int:
     root = args.dir or tempfile.mkdtemp(prefix="tiermem-nvme-step-", dir=os.getcwd())
     n = args.width * args.width * args.depth
     print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e6:.1f}M parameters, optimizer state "
-          f"{fmt_bytes(12 * n)} ({fmt_bytes(24 * n)} on disk: latest and previous values); {args.rows} rows per step; "
+          f"{fmt_bytes(12 * n)} (as much on disk: each value once); {args.rows} rows per step; "
           f"directory {root}; {torch.get_num_threads()} CPU threads; load average at start "
           f"{os.getloadavg()[0]:.2f}", flush=True)
 

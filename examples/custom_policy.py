@@ -112,7 +112,7 @@ WORKING_SET = {
     (TensorClass.PARAM, Tier.HOST): "+ 2 staging buffers for Adam's new bf16 weights",
     (TensorClass.GRAD, Tier.DEVICE): "bf16 grads in flight to the host during backward",
     (TensorClass.OPTIM_STATE, Tier.HOST): "+ 3 pipeline buffer sets for the state streamed from NVMe",
-    (TensorClass.OPTIM_STATE, Tier.NVME): "x2: latest and previous values on disk (atomic steps)",
+    (TensorClass.OPTIM_STATE, Tier.NVME): "x2 at the peak: each write lands beside its key's value, then replaces it",
     (TensorClass.ACTIVATION, Tier.DEVICE): "saved for backward (the policy keeps them on the device)",
 }
 
@@ -132,6 +132,7 @@ def check_placements(tm: TieredModel, asked: dict[tuple[TensorClass, Tier], int]
               f"{fmt_bytes(theirs):>14}   {WORKING_SET.get(key, '') if got else ''}")
     problems = []
     for (kind, tier), a in asked.items():
+        # on NVMe each write goes beside its key's value until it lands: the peak holds both
         want = 2 * a if (kind, tier) == (TensorClass.OPTIM_STATE, Tier.NVME) else a
         if peaks.get((kind, tier), 0) < want:
             problems.append(f"{kind} on {tier}: report shows {peaks.get((kind, tier), 0)} B, policy asked {want} B")

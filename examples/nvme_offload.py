@@ -141,8 +141,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         host_peak = rep.peak_bytes[Tier.HOST]
         on_disk = rep.class_peak_bytes.get((TensorClass.OPTIM_STATE, Tier.NVME), 0)
         print(f"\nhost peak {fmt_bytes(host_peak)} within the budget of {fmt_bytes(host_budget)}, below the optimizer "
-              f"state's {fmt_bytes(state_bytes)}; on NVMe: optimizer state {fmt_bytes(on_disk)} (latest and "
-              f"previous values)")
+              f"state's {fmt_bytes(state_bytes)}; on NVMe: optimizer state {fmt_bytes(on_disk)} at its peak (each "
+              f"value once, and the writes in flight beside it)")
         tm.detach()  # removes its files from the NVMe directory
     finally:
         if args.nvme_dir is None:

@@ -31,7 +31,7 @@ def test_custom_policy_is_honoured_and_matches_zero_offload(tmp_path: Path) -> N
     assert "placements honoured" in out and "NOT" not in out, out
     assert "losses bit-identical, weights bit-identical" in out, out
     rows = {(c, t): (asked, peak) for c, t, asked, peak in ROW.findall(out)}
-    asked, peak = rows[("optim_state", "nvme")]  # the embeddings' state: latest and previous values
+    asked, peak = rows[("optim_state", "nvme")]  # the embeddings' state, and its next value written beside it
     assert parse_bytes(peak) == 2 * parse_bytes(asked), out
     assert parse_bytes(rows[("param", "host")][0]) > 0 and ("optim_state", "device") not in rows, out
     assert list(tmp_path.iterdir()) == [], "the temporary NVMe directory was left behind"

@@ -40,15 +40,17 @@ def _bucket(numel: int, grad: Tier, state: Tier, param: Tier = D, index: int = 0
     # everything on the device: no staging, no copies
     ([_bucket(10, D, D)], False, {D: {fp.WORKING_WEIGHTS: 20, fp.GRADS: 40, fp.OPTIM_STATE: 120,
                                       fp.GRADS_IN_FLIGHT: 0}}),
-    # ZeRO-Infinity: NVMe holds twice what it stores; the host streams state through 3 buckets;
+    # ZeRO-Infinity: NVMe holds each value once, plus the writes that can be in flight beside their
+    # key's value (3 buckets of state, 2 of weights); the host streams state through 3 buckets;
     # a single bucket needs one staging buffer
     ([_bucket(10, H, N, param=N)], False,
-     {N: {fp.WORKING_WEIGHTS: 2 * 20, fp.OPTIM_STATE_NVME: 2 * 120},
+     {N: {fp.WORKING_WEIGHTS: 20, fp.OPTIM_STATE_NVME: 120, fp.NVME_JOURNAL: 3 * 120 + 2 * 20},
       H: {fp.GRADS: 40, fp.STATE_PIPELINE: 3 * 120, fp.WEIGHT_STAGING: 20}, D: {fp.GRADS_IN_FLIGHT: 0}}),
-    # grads on NVMe: twice there, three buckets on their way through the host
+    # grads on NVMe: once there, 4 buckets of writes in flight; three on their way through the host
     ([_bucket(10, N, H)], False,
      {D: {fp.WORKING_WEIGHTS: 20, fp.GRADS_IN_FLIGHT: 0},
-      N: {fp.GRADS: 80}, H: {fp.OPTIM_STATE: 120, fp.GRADS_TO_NVME: 3 * 40, fp.WEIGHT_STAGING: 20}}),
+      N: {fp.GRADS: 40, fp.NVME_JOURNAL: 4 * 40},
+      H: {fp.OPTIM_STATE: 120, fp.GRADS_TO_NVME: 3 * 40, fp.WEIGHT_STAGING: 20}}),
     # grads on the device, state on the host: Adam needs them copied to the host for the step
     ([_bucket(10, D, H)], False,
      {D: {fp.WORKING_WEIGHTS: 20, fp.GRADS: 40, fp.GRADS_IN_FLIGHT: 0},
@@ -65,7 +67,7 @@ def test_frozen_grads_in_flight_and_largest_module():
     b.add("w", nn.Parameter(torch.empty(7)), 0)
     b.add("v", nn.Parameter(torch.empty(2)), 1)
     need = fp.footprint([b], frozen, torch.float16, largest_module=123)
-    assert need[N][fp.FROZEN_WEIGHTS] == 2 * 5 * 2
+    assert need[N][fp.FROZEN_WEIGHTS] == 2 * 5  # once: frozen weights are written once
     assert need[D][fp.FROZEN_WEIGHTS] == 3 * 8
     assert need[H][fp.FROZEN_COPY] == 5 * 4 + 3 * 8
     assert need[D][fp.GRADS_IN_FLIGHT] == 7 * 2  # the largest parameter's grad, in fp16

@@ -89,7 +89,10 @@ def test_overlap_step_with_weights_off_device(tmp_path):
 
 
 @pytest.mark.parametrize("fail_after", [3, 12, 40])
-def test_failed_step_with_weights_on_nvme_changes_nothing(tmp_path, fail_after):
+def test_failed_step_with_weights_on_nvme_is_completed_by_a_retry(tmp_path, fail_after):
+    """NOTE [A failed step is rolled forward]: after the disk fills mid-step every parameter holds
+    its state from before the step or from after it (never a mix), and the retry completes the step
+    exactly as the uninterrupted run (weights on NVMe included: the next forwards give its losses)."""
     from tiermem import StoreError
     (tmp_path / "a").mkdir()
     tm = _make(ZeroInfinity(), tmp_path / "a")
@@ -103,12 +106,53 @@ def test_failed_step_with_weights_on_nvme_changes_nothing(tmp_path, fail_after):
         with pytest.raises(StoreError, match="(?i)no space left"):
             tm.step()
     after = tm.state_dict()
-    assert same_state(before, after)
-    tm.step()  # the retry uses the kept grads
     _train(ref, 1, offset=2)
+    stepped = ref.state_dict()
+    assert all(torch.equal(after[k], before[k]) or torch.equal(after[k], stepped[k]) for k in after)
+    tm.step()  # the retry uses the kept grads of the buckets that had not landed
+    assert same_state(tm.state_dict(), stepped)
     assert _train(tm, 2, offset=3) == _train(ref, 2, offset=3)
     a, b = tm.state_dict(), ref.state_dict()
     assert same_state(a, b)
+
+
+def test_weights_that_did_not_land_are_sent_home_again_by_the_retry(tmp_path):
+    """The new weights cannot be written (EIO on the weights' files only) while the buckets'
+    state lands: the step fails once Adam needs a staging buffer whose weights did not land, the
+    buckets whose state landed count as updated (their grads are gone), and the retry sends their
+    weights home again from the new master, so the next forwards compute with them, as the
+    uninterrupted run does."""
+    import errno
+    import os
+    from tiermem import StoreError
+    (tmp_path / "a").mkdir()
+    tm = _make(ZeroInfinity(), tmp_path / "a")
+    ref = _make(ZeroOffload(), None)
+    _train(tm, 2)
+    _train(ref, 2)
+    x, y = gpt_batch(2)
+    tm.backward(gpt_loss(tm(x), y))
+    store = tm.stores[Tier.NVME]
+    real = store._pwritev
+
+    def weights_fail(fd, bufs, offset):
+        if "_state." not in os.path.basename(os.readlink(f"/proc/self/fd/{fd}")):  # a weight's file
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, bufs, offset)
+    store._pwritev = weights_fail
+    try:
+        with pytest.raises(StoreError, match="Input/output error"):
+            tm.step()
+    finally:
+        store._pwritev = real
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    _train(ref, 1, offset=2)
+    stepped, after = ref.state_dict(), tm.state_dict()
+    landed = [k for k in after if torch.equal(after[k], stepped[k]) and not torch.equal(after[k], before[k])]
+    assert landed and all(torch.equal(after[k], before[k]) or k in landed for k in after)
+    tm.step()  # the rest of the update, and the landed buckets' weights sent home again
+    assert _train(tm, 2, offset=3) == _train(ref, 2, offset=3)
+    assert same_state(tm.state_dict(), ref.state_dict())
 
 
 def test_fp32_weights_off_device_match(tmp_path):

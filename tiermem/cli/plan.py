@@ -169,10 +169,10 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
     con.print(f"[dim]capacity: device: {origin['device']}; host: {origin['host']}; nvme: {origin['nvme']}.[/]")
     con.print("[dim]grads: the class table counts them in the params' dtype (as autograd makes them on "
               "the device); tiermem accumulates them at their home in fp32, 4 B/param, and the tier table "
-              "counts that. nvme: twice the bytes placed there (each value and the previous one, so a "
-              "failed step can be undone). Not counted: activations; tiermem's working buffers, sized by "
-              "bucket_size and the largest parameter and module (grads in flight on the device, weight "
-              "staging, the NVMe pipelines); the host's copy of frozen weights.[/]")
+              "counts that. nvme: each value once (a failed step is completed by retrying it). Not counted: "
+              "activations; tiermem's working buffers, sized by bucket_size and the largest parameter and "
+              "module (grads in flight on the device, weight staging, the NVMe pipelines and the NVMe "
+              "writes in flight); the host's copy of frozen weights.[/]")
     if lim["device_shares_host"]:
         con.print("[dim]no accelerator: the device tier lives in host RAM, so device + host must fit "
                   "in the host's capacity together.[/]")

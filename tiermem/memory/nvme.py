@@ -9,8 +9,9 @@ sees the latest write issued before it, and an overwrite never races an older wr
 a done-callback that submits the next request to the pool, so no I/O thread ever blocks on
 another. Requests of different keys run concurrently, each split into chunks.
 
-Overwrites, crash safety and the budget: NOTE [Two slots, overwritten in place] and NOTE [What
-the NVMe budget counts] in :mod:`tiermem.memory.nvme_keys`.
+Overwrites, crash safety and the budget: NOTE [Two slots, overwritten in place], NOTE [One value
+per key, and a few spare files] and NOTE [What the NVMe budget counts] in
+:mod:`tiermem.memory.nvme_keys`.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from tiermem.memory.aligned import round_up
 from tiermem.memory.base import Store, check_same_layout, unknown_key
 from tiermem.memory.nvme_keys import (SPOILT, Copy, FellBack, KeyState, Value, cannot_revert, fell_back, io_error,
                                        lost, over_budget, spoilt, would_mix)
+from tiermem.memory.nvme_spares import SparePool
 from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,11 @@ class NvmeStore(Store):
     ``read(key, out)`` fills ``out`` after any pending write of ``key``. ``budget`` caps the bytes
     held, both slots of a key counted (default: the free space there). ``direct``: True insists
     on O_DIRECT, False never uses it, None falls back to buffered I/O with a warning where the
-    filesystem refuses it. Files stay on disk after ``close()``; ``delete(key)`` removes them.
+    filesystem refuses it. ``keep_previous=False`` keeps one value per key: the previous slot is
+    released once a write lands (into a pool of at most ``spares`` files that later writes go over
+    in place), so the disk holds each value once, and nothing can be reverted or fallen back to
+    (NOTE [One value per key, and a few spare files]). Files stay on disk after ``close()``
+    (spares excepted); ``delete(key)`` removes them.
     The store owns ``directory`` until ``close()`` (NOTE [One store owns a directory]): another
     store there is refused with the holder's pid.
     """
@@ -60,9 +66,11 @@ class NvmeStore(Store):
     tier = Tier.NVME
 
     def __init__(self, directory: str | os.PathLike, *, budget: ByteSize | None = None,
-                 io_threads: int = 8, block_size: int = 8 * 2**20, direct: bool | None = None):
+                 io_threads: int = 8, block_size: int = 8 * 2**20, direct: bool | None = None,
+                 keep_previous: bool = True, spares: int = 4):
         self.directory = os.path.abspath(os.fspath(directory))
         nvme_dir.check_options(io_threads, block_size)
+        nvme_dir.check_journal(keep_previous, spares)
         nvme_dir.check_directory(self.directory)
         self.direct = nvme_dir.choose_direct(self.directory, direct)  # fails first where no file can be made
         self.checksums = nvme_dir.checksums_wanted(self.directory)  # NOTE [Data checksums]
@@ -86,6 +94,8 @@ class NvmeStore(Store):
         self._closed = False
         self._seq = 0  # successful writes so far, NOTE [No mix after a fall back]
         self._fell_back: list[FellBack] = []
+        self.keep_previous = keep_previous  # NOTE [One value per key, and a few spare files]
+        self._spares = SparePool(self.directory, spares if not keep_previous else 0, self.ledger)
 
     # -- the Store interface --------------------------------------------------------------------
     def write(self, key: str, src: torch.Tensor, kind: object = None) -> Handle:
@@ -101,6 +111,9 @@ class NvmeStore(Store):
             state = self._keys.get(key) or KeyState()
             held, used = self.ledger.held(key), self.ledger.used
             need = state.on_disk(extra=value.nbytes)
+            if need > held and used - held + need > self.ledger.allowed:
+                self._spares.drop_all()  # spare files hold no value: give their blocks back first
+                used = self.ledger.used
             if need > held and used - held + need > self.ledger.allowed:
                 raise over_budget(key, need, value.nbytes, used - held, self.ledger.allowed)
             state.kind = kind if kind is not None else state.kind
@@ -166,6 +179,7 @@ class NvmeStore(Store):
             self._closed = True
             while self._outstanding:
                 self._idle.wait()
+            self._spares.drop_all()  # they hold no value
         self._pool.shutdown(wait=True)
         self._release_lock()
 
@@ -217,6 +231,12 @@ class NvmeStore(Store):
             if current is None:  # a file in the other slot is left from an earlier store: drop it
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._path(key, 1 - slot))
+            want = self._file_size(value)
+            if not self.keep_previous and not os.path.lexists(copy.path):
+                with self._lock:
+                    spare = self._spares.take(want)
+                if spare is not None:  # reuse its blocks: NOTE [One value per key, and a few spare files]
+                    os.rename(spare, copy.path)
             fd = os.open(copy.path, nio.WRITE_FLAGS | self._odirect, 0o600)  # never through a symlink
             st = os.fstat(fd)
             size = st.st_size
@@ -224,7 +244,6 @@ class NvmeStore(Store):
                 os.fchmod(fd, 0o600)
             if size:
                 nio.write_header(self._pwritev, fd, None, self._staging, self.direct)
-            want = nio.HEADER + (round_up(value.nbytes) if self.direct else value.nbytes)
             if size < want:
                 self._fallocate(fd, want)
             elif size > want:
@@ -267,7 +286,13 @@ class NvmeStore(Store):
                 copy = dataclasses.replace(copy, seq=self._seq)
                 self.bytes_written += copy.value.nbytes
             state.copies[copy.slot] = copy if err is None else None
+            previous = state.copies[1 - copy.slot] if err is None and not self.keep_previous else None
+            if previous is not None:  # NOTE [One value per key, and a few spare files]
+                state.copies[previous.slot] = None
             self._settle(key, state)
+            spare = self._spares.give(self._file_size(previous.value)) if previous is not None else None
+        if previous is not None:
+            self._release_file(previous.path, spare)
         self._complete(key, future, self._error("write", key, copy, err))
 
     def _start_read(self, key: str, data: torch.Tensor, out: torch.Tensor, future: Future) -> None:
@@ -393,6 +418,25 @@ class NvmeStore(Store):
             future.set_exception(err)
 
     # -- helpers -------------------------------------------------------------------------------
+    def _file_size(self, value: Value) -> int:
+        """The size of a slot file holding ``value``."""
+        return nio.HEADER + (round_up(value.nbytes) if self.direct else value.nbytes)
+
+    def _release_file(self, path: str, spare: Optional[str]) -> None:
+        """A slot file whose value is no longer wanted: kept as ``spare`` (None: unlinked)."""
+        renamed = False
+        if spare is not None:
+            try:
+                os.rename(path, spare)
+                renamed = True
+            except OSError:
+                pass
+            with self._lock:
+                self._spares.keep(spare, renamed)
+        if not renamed:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
     def _path(self, key: str, slot: int) -> str:
         return os.path.join(self.directory, nio.file_name(key, slot))
 

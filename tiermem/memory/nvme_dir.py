@@ -40,6 +40,13 @@ def check_options(io_threads: object, block_size: object) -> None:
                           f"of {ALIGN} bytes (direct I/O needs aligned lengths); pass e.g. 8 * 2**20")
 
 
+def check_journal(keep_previous: object, spares: object) -> None:
+    if not isinstance(keep_previous, bool):
+        raise ConfigError(f"tiermem: NvmeStore.keep_previous={keep_previous!r} must be True or False")
+    if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+        raise ConfigError(f"tiermem: NvmeStore.spares={spares!r} must be an int >= 0; pass e.g. spares=4")
+
+
 def check_directory(directory: str) -> None:
     if not os.path.exists(directory):
         raise ConfigError(f"tiermem: NvmeStore directory {directory} does not exist; create it first "

@@ -41,13 +41,37 @@ written again after the fall back is readable again (its value is newer than the
 
 ``revert(key)`` makes the previous value current on purpose (undoing a multi-key update).
 
+# NOTE [One value per key, and a few spare files]
+``NvmeStore(keep_previous=False)`` (what TieredModel uses) keeps one value per key at rest. A
+write still goes to the slot that does not hold the current value, with the same three steps, so
+a write that fails or a process that dies mid-way leaves the current value whole; but once the
+switch (step 3) has landed, the previous slot's file is released instead of kept. The disk then
+holds each value once, plus, while writes are in flight, one file per write beside its key's
+value: the journal, bounded by how many writes the caller keeps in flight (TieredModel: a few
+buckets, NOTE [Footprint] in tiermem/plan/footprint.py). There is no previous value to fall back
+to or ``revert`` to: a damaged value is lost (the read says so, and to resume from the last
+checkpoint), and a caller that writes several keys as one state must make a failed update
+complete rather than undo it (NOTE [A failed step is rolled forward] in
+tiermem/train/nvme_state.py).
+
+A released file is not unlinked at once: it is renamed to ``spare-<n>.tmn`` in a pool of at most
+``spares`` files, and the next write whose slot file does not exist takes the spare closest in
+size (within a factor of two) by renaming it to its slot, so that it goes over blocks already
+allocated, which is what made two slots fast (NOTE [Two slots, overwritten in place]). Renames
+are metadata only, and never follow a symlink. A spare holds no value: its old header names
+another key and is blanked before any data moves. The pool is full: the file is unlinked. A
+write that needs room the budget lacks first unlinks the spares; ``close()`` unlinks them; a
+store made on a directory where a killed run left spares takes them into its pool.
+
 # NOTE [What the NVMe budget counts]
 The ledger counts the payload bytes the slot files hold (not the 4096-byte headers or the direct
 I/O padding): a key written once counts its size, a key overwritten counts its current and its
 previous value, which stays on disk so that the next write can reuse its blocks. An overwrite
 therefore needs room for both values, as every crash-safe overwrite does while it runs. While
 writes are queued a key holds the sum of the two largest sizes among its slots and its queued
-writes, which bounds what its slots ever take on disk at once.
+writes, which bounds what its slots ever take on disk at once. With one value per key (NOTE [One
+value per key, and a few spare files]) a key at rest counts its one value, and the spare files
+count under ``<spare files>`` until a write takes them or they are unlinked.
 """
 from __future__ import annotations
 
@@ -204,3 +228,4 @@ def cannot_revert(key: str) -> StoreError:
     return StoreError(f"tiermem: cannot revert {key!r}: it holds no value from before its latest write (it was "
                       f"written once, or its latest write failed and so changed nothing, or it was reverted "
                       f"already); revert only keys whose write succeeded, once each")
+

@@ -16,8 +16,15 @@ and the compute tier where Adam runs for it (its state's tier; the host for stat
 - with ``overlap_step``: a second ``4n`` grad buffer at the GRAD tier, and Adam's output, ``w*n``,
   at the compute tier.
 
-Anything on NVMe takes twice its bytes there: the store keeps each key's previous value beside its
-latest, so a failed step can be undone. For the model as a whole:
+Anything on NVMe takes its bytes there once: TieredModel's store keeps one value per key and rolls
+a failed step forward (NOTE [A failed step is rolled forward], tiermem/train/nvme_state.py). For the
+model as a whole:
+
+- the NVMe journal: a write goes beside its key's value until it lands (the switch is atomic), so
+  NVMe also needs room for the writes that can be in flight at once: three buckets of state (the
+  pipeline's buffer sets), two buckets of weights (the staging buffers) and four buckets of grads
+  (about three flushes and one read-modify-write), each of the largest such bucket; the store's
+  spare files (NOTE [One value per key, and a few spare files]) give their room back when asked;
 
 - weight staging: at each compute tier off the device, up to two buffers the size of its largest
   bucket in the working precision, which Adam writes the new weights into (not with
@@ -59,7 +66,8 @@ _STATE = len(STATE_PARTS) * _FP32  # master, exp_avg and exp_avg_sq
 WORKING_WEIGHTS = "working weights"
 GRADS = "fp32 grads"
 OPTIM_STATE = "optimizer state"
-OPTIM_STATE_NVME = "optimizer state (latest and previous)"
+OPTIM_STATE_NVME = "optimizer state (one value per key)"
+NVME_JOURNAL = "writes in flight beside their key's value (the journal)"
 FROZEN_WEIGHTS = "frozen weights"
 GRADS_FOR_STEP = "grads for the step"
 SECOND_GRADS = "second grad buffer (overlap_step)"
@@ -77,9 +85,8 @@ WHOLE_BUCKET = "one whole bucket of optimizer state, gathered to be read"
 TRAINING_STATE = frozenset({WORKING_WEIGHTS, GRADS, OPTIM_STATE, OPTIM_STATE_NVME, FROZEN_WEIGHTS})
 
 
-def _on(tier: Tier) -> int:
-    """How many copies a tier keeps of each value: NVMe the latest and the previous."""
-    return 2 if tier == Tier.NVME else 1
+#: Buckets whose writes can be in flight on NVMe at once, by what they write (NOTE [Footprint]).
+JOURNAL_BUCKETS = {"state": 3, "weights": 2, "grads": 4}
 
 
 def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Tier]], dtype: torch.dtype, *,
@@ -102,10 +109,10 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
     w = dtype.itemsize
     for b in buckets:
         ct, n = compute_tier(b), chunk(b)
-        add(b.param_tier, WORKING_WEIGHTS, b.numel * w * _on(b.param_tier))
-        add(b.grad_tier, GRADS, n * _FP32 * _on(b.grad_tier))
+        add(b.param_tier, WORKING_WEIGHTS, b.numel * w)
+        add(b.grad_tier, GRADS, n * _FP32)
         if b.state_tier == Tier.NVME:
-            add(Tier.NVME, OPTIM_STATE_NVME, n * _STATE * _on(Tier.NVME))
+            add(Tier.NVME, OPTIM_STATE_NVME, n * _STATE)
         else:
             add(b.state_tier, OPTIM_STATE, n * _STATE)
         if ct != b.grad_tier and b.grad_tier != Tier.NVME:
@@ -119,6 +126,11 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
     state_largest = max((chunk(b) for b in buckets if b.state_tier == Tier.NVME), default=0)
     if state_largest:
         add(Tier.HOST, STATE_PIPELINE, 3 * _STATE * state_largest)
+    weights_largest = max((b.numel for b in buckets if b.param_tier == Tier.NVME), default=0)
+    journal = (JOURNAL_BUCKETS["state"] * _STATE * state_largest + JOURNAL_BUCKETS["weights"] * w * weights_largest
+               + JOURNAL_BUCKETS["grads"] * _FP32 * grads_largest)
+    if journal:
+        add(Tier.NVME, NVME_JOURNAL, journal)
     if world > 1:
         padded = max((chunk(b) * world for b in buckets), default=0)
         add(Tier.DEVICE, GRADS_TO_REDUCE, 4 * _FP32 * padded)  # a few buckets in flight, and one accumulating
@@ -132,7 +144,7 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
             count = min(2, sum(1 for b in buckets if compute_tier(b) == tier))  # a single bucket needs one
             add(tier, WEIGHT_STAGING, count * numel * w)
     for p, home in frozen:
-        add(home, FROZEN_WEIGHTS, p.numel() * (w if p.is_floating_point() else p.element_size()) * _on(home))
+        add(home, FROZEN_WEIGHTS, p.numel() * (w if p.is_floating_point() else p.element_size()))
         add(Tier.HOST, FROZEN_COPY, p.numel() * p.element_size())
     add(Tier.DEVICE, GRADS_IN_FLIGHT, max((s.numel for b in buckets for s in b.slots), default=0) * w)
     if largest_module:

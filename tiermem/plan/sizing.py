@@ -25,18 +25,21 @@ Where the grads live changes their size. Autograd produces them in the params' d
 what the table counts (2 B/param in flight). TieredModel accumulates them at their home in fp32
 (4 B/param), on the device too, so the per-tier figures count grads at 4 B/param wherever they live:
 ZeRO-Offload needs 4 + 12 = 16 B/param on the host for 7.5e9 params (120 GB), KeepOnDevice
-2 + 4 + 12 = 18 B/param on the device (135 GB). Whatever lives on NVMe takes twice its bytes there:
-the NVMe store keeps each key's previous value beside its latest, so a failed step can be undone.
+2 + 4 + 12 = 18 B/param on the device (135 GB). Whatever lives on NVMe takes its bytes there once
+(ZeroInfinity: 2 + 12 = 14 B/param): TieredModel's store keeps one value per key, and a failed step
+is completed by retrying it rather than undone (NOTE [A failed step is rolled forward] in
+tiermem/train/nvme_state.py); the few writes in flight beside their key's value (the journal) are
+working buffers, bounded by the bucket size, not counted here.
 
 The per-tier figures are the training-state part of the footprint that TieredModel checks its
 budgets with (tiermem/plan/footprint.py, NOTE [Footprint]), computed by the same function for a
 bucket plan of one bucket. They leave out activations (they depend on batch and sequence length);
 TieredModel's working buffers, which a parameter count does not determine: the grad of the largest
 parameter in flight on the device, the weight staging buffers (up to two buckets at each tier off
-the device where Adam runs), the NVMe pipelines' host buffers (three buckets each), the
-overlap_step buffers, and the largest module's weights while it runs when weights live off the
-device; and the host's copy of frozen weights in their own dtype, which the constructor counts but
-which is no part of the table above.
+the device where Adam runs), the NVMe pipelines' host buffers (three buckets each), the NVMe
+journal (a few buckets), the overlap_step buffers, and the largest module's weights while it runs
+when weights live off the device; and the host's copy of frozen weights in their own dtype, which
+the constructor counts but which is no part of the table above.
 """
 from __future__ import annotations
 

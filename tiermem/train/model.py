@@ -378,7 +378,8 @@ def _make_stores(opts: _Options, nvme_dir: Optional[str], reclaimers: Reclaimers
             os.makedirs(mine, mode=0o700, exist_ok=True)
         else:
             mine = nvme_dir  # missing: the store's error names the directory the user gave
-        stores[Tier.NVME] = NvmeStore(mine, budget=opts.budgets.nvme)
+        # one value per key: a failed step is rolled forward, not back (tiermem/train/nvme_state.py)
+        stores[Tier.NVME] = NvmeStore(mine, budget=opts.budgets.nvme, keep_previous=False)
     return stores
 
 

@@ -7,18 +7,29 @@ Three host buffer sets (each as large as the largest such bucket) rotate through
 host memory stays bounded whatever the model size: a set is refilled only after its last write
 has landed.
 
-# NOTE [A failed step changes nothing]
-The NVMe store keeps a key's previous value beside its latest (two slot files written
-alternately, in place) and can ``revert`` a key's latest write. A step writes each bucket's new
-state over its keys and remembers which writes landed; if any part of the step fails (disk
-full, I/O error), it reverts those, so every key holds the state from before the step again: the
-caller restores the device weights from it and the step can be retried. The disk holds twice
-the state (both slots), never more host memory.
+A step that completes reads the next step's first bucket ahead into the first set, so that its
+read overlaps the forward and backward in between instead of the start of the next step (the
+state of that bucket cannot change before then: anything else that touches this home's state,
+a checkpoint load or a read, first waits for that read and drops it).
+
+# NOTE [A failed step is rolled forward]
+Each bucket's state (fp32 master, exp_avg, exp_avg_sq) is one NVMe key, ``<bucket>:state``, so it
+changes as a whole: the store switches a key to its new value only once every byte landed, and a
+write that fails leaves the previous value (NOTE [One value per key, and a few spare files] in
+tiermem/memory/nvme_keys.py). The store keeps one value per key, not the one before it, so a
+step cannot be undone; it is completed instead. A bucket whose state write landed is *updated*:
+the step reports it, and the stepper drops its gradients, keeps its step counts and sends its
+weights home again at the next step (in case they did not land). A bucket whose write did not
+land still holds the state from before the step, and the stepper keeps its gradients: retrying
+``tm.step()`` runs Adam on it from that state with those gradients, which gives bit for bit what
+the uninterrupted step would have. What the disk holds between the failure and the retry is one
+consistent state per bucket, some buckets one step ahead of the others, never a bucket torn
+between two steps.
 """
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -37,17 +48,20 @@ class NvmeState(StateHome):
     over them. Adam runs on the host, in the pipeline's buffers."""
 
     compute_tier = Tier.HOST
-    revertible = True  # NOTE [A failed step changes nothing]
+    revertible = False  # NOTE [A failed step is rolled forward]
 
     def __init__(self, buckets: Sequence[Bucket], engine, host_store):
         self.buckets = list(buckets)
         self.engine = engine
         largest = max(b.numel for b in self.buckets)
-        self.sets = [{part: host_store.allocate(f"nvme state set{i}:{part}", (largest,), torch.float32,
-                                                TensorClass.OPTIM_STATE) for part in PARTS} for i in range(3)]
+        # each set holds one bucket's parts back to back, so that they are one key's value
+        self.sets = [host_store.allocate(f"nvme state set{i}", (len(PARTS) * largest,), torch.float32,
+                                         TensorClass.OPTIM_STATE) for i in range(3)]
+        self._ahead: Optional[tuple[int, list[Handle]]] = None  # (bucket, its read into set 0) for the next step
 
-    def key(self, b: Bucket, part: str) -> str:
-        return f"{b.key}:{part}"
+    @staticmethod
+    def key(b: Bucket) -> str:
+        return f"{b.key}:state"
 
     # -- initial contents, reads and writes --------------------------------------------------------
     def initial_master(self, b: Bucket) -> torch.Tensor:
@@ -55,6 +69,7 @@ class NvmeState(StateHome):
 
     def initialize(self, b: Bucket) -> None:
         """Store a bucket's initial state: the master filled into :meth:`initial_master`, moments zero."""
+        self._drop_ahead()
         views = self._views(0, b)
         views[1].zero_()
         views[2].zero_()
@@ -62,42 +77,57 @@ class NvmeState(StateHome):
 
     def read(self, b: Bucket, which: int = 0) -> StateViews:
         """The bucket's current state in host set ``which`` (blocking)."""
+        self._drop_ahead()
         views = self._views(which, b)
         wait_all(self._read(b, views))
         return views
 
     def load_views(self, b: Bucket) -> StateViews:
+        self._drop_ahead()
         return self._views(0, b)
 
     def store(self, b: Bucket, views: StateViews) -> None:
         """Overwrite a bucket's state (checkpoint load; blocking)."""
+        self._drop_ahead()
         wait_all(self._write(b, views))
 
+    def _drop_ahead(self) -> None:
+        """The next step's first read, issued at the end of the last step: landed and forgotten
+        (its set is about to be reused, or its bucket rewritten)."""
+        if self._ahead is not None:
+            wait_all_quietly(self._ahead[1])
+            self._ahead = None
+
     def _views(self, which: int, b: Bucket) -> StateViews:
-        s = self.sets[which]
-        return tuple(s[part][:b.numel] for part in PARTS)  # type: ignore[return-value]
+        return tuple(self._whole(which, b).view(len(PARTS), b.numel).unbind())  # type: ignore[return-value]
+
+    def _whole(self, which: int, b: Bucket) -> torch.Tensor:
+        return self.sets[which][:len(PARTS) * b.numel]
 
     def _read(self, b: Bucket, views: StateViews) -> list[Handle]:
-        return [self.engine.store_read(Tier.NVME, self.key(b, part), v, kind=TensorClass.OPTIM_STATE)
-                for part, v in zip(PARTS, views)]
+        return [self.engine.store_read(Tier.NVME, self.key(b), _joined(views), kind=TensorClass.OPTIM_STATE)]
 
     def _write(self, b: Bucket, views: StateViews) -> list[Handle]:
-        return [self.engine.store_write(Tier.NVME, self.key(b, part), v, kind=TensorClass.OPTIM_STATE)
-                for part, v in zip(PARTS, views)]
+        return [self.engine.store_write(Tier.NVME, self.key(b), _joined(views), kind=TensorClass.OPTIM_STATE)]
 
     # -- the step ----------------------------------------------------------------------------------
-    def step(self, plan: Sequence[tuple[Bucket, list]], update: Update, tracer, updated: set[int]) -> list[str]:
+    def step(self, plan: Sequence[tuple[Bucket, list]], update: Update, tracer, updated: set[int]) -> None:
         """Run ``update(bucket, runs, (master, exp_avg, exp_avg_sq))`` over every bucket of
-        ``plan`` in the three-stage pipeline; returns the keys written (for :meth:`revert`). On
-        failure every key is reverted to its value from before the step and the error
-        propagates; ``updated`` is left alone (every bucket here can be undone).
-        NOTE [A failed step changes nothing]"""
+        ``plan`` in the three-stage pipeline, adding each bucket to ``updated`` once its new state
+        has landed; on failure, the buckets whose state landed are added and the error propagates
+        (NOTE [A failed step is rolled forward])."""
         reads: dict[int, list[Handle]] = {}
         writes: dict[int, list[Handle]] = {}  # host set -> writes still reading from it
-        written: list[tuple[str, Handle]] = []  # every write of this step, to revert on failure
+        written: list[tuple[int, Handle]] = []  # (bucket, its state write) of this step
+        ahead, self._ahead = self._ahead, None
         try:
             if plan:
-                reads[0] = self._read(plan[0][0], self._views(0, plan[0][0]))
+                first = plan[0][0]
+                if ahead is not None and ahead[0] == first.index:
+                    reads[0] = ahead[1]  # read at the end of the last step
+                else:
+                    wait_all_quietly(ahead[1] if ahead is not None else ())
+                    reads[0] = self._read(first, self._views(0, first))
             for k, (b, runs) in enumerate(plan):
                 if k + 1 < len(plan):  # read ahead into the set bucket k-2 was written from
                     nxt = (k + 1) % 3
@@ -109,16 +139,22 @@ class NvmeState(StateHome):
                 views = self._views(k % 3, b)
                 update(b, runs, views)  # with no runs the state is written back unchanged
                 writes[k % 3] = self._write(b, views)
-                written += [(self.key(b, part), h) for part, h in zip(PARTS, writes[k % 3])]
+                written += [(b.index, h) for h in writes[k % 3]]
             with tracer.span("wait write-behind", "stall"):
                 wait_all([h for hs in writes.values() for h in hs])
+            if plan:  # every set is free again: the next step's first bucket, read ahead
+                self._ahead = (plan[0][0].index, self._read(plan[0][0], self._views(0, plan[0][0])))
         except BaseException:
             wait_all_quietly([h for hs in list(reads.values()) + list(writes.values()) for h in hs])
-            self.revert([key for key, h in written if h.succeeded()])
+            updated.update(index for index, h in written if h.succeeded())
             raise
-        return [key for key, _ in written]
+        updated.update(index for index, _ in written)
 
-    def revert(self, keys: Sequence[str]) -> None:  # type: ignore[override]
-        """Undo this step's writes of ``keys``: each holds its value from before the step again."""
-        for key in keys:
-            self.engine.store_revert(Tier.NVME, key)
+
+def _joined(views: StateViews) -> torch.Tensor:
+    """The one tensor the three views of :meth:`NvmeState._views` are rows of."""
+    master = views[0]
+    n = master.numel()
+    whole = master.as_strided((len(PARTS) * n,), (1,), master.storage_offset())
+    assert all(v.data_ptr() == master.data_ptr() + i * n * 4 for i, v in enumerate(views))
+    return whole

@@ -83,6 +83,11 @@ class Stepper:
         self.max_skipped = max_skipped  # NOTE [A stalled run is loud]
         self.skipped_in_a_row = 0
         self._norms: tuple[list[str], torch.Tensor] = ([], torch.zeros(0))
+        self._unsent: set[int] = set()  # buckets a failed step updated: their weights go home again
+        # (norm, clip, gradients received by then) of a step that failed part-way, which its retry
+        # completes with (the grads of the buckets it updated are gone, so a norm computed again
+        # would differ); a backward since then makes it a new step
+        self._resuming: Optional[tuple[torch.Tensor, float, int]] = None
 
     # -- between steps -----------------------------------------------------------------------------
     def finish_pending(self) -> None:
@@ -118,6 +123,7 @@ class Stepper:
     def _run(self, groups: list[dict]) -> StepResult:
         with self.tracer.span("wait grads", "stall"):
             self.finish_pending()
+        self._send_unsent()
         if not self.grads.has_grads():  # no backward since the last step (on any rank): a no-op, not counted
             log.warning("tiermem: step() with no gradient since the last step (no backward?): nothing updated, "
                         "the step is not counted")
@@ -133,6 +139,8 @@ class Stepper:
         clip = 1.0
         if self.grad_clip is not None:
             clip = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0).item()
+        if self._resuming is not None and self._resuming[2] == self.grads.arrivals:
+            norm, clip, _ = self._resuming
         self._count_steps()
         upd = _Update([(b, self._runs(b)) for b in self.layout.step_buckets],
                       [{k: g[k] for k in _HYPER} for g in groups], scale, clip, self.grads.fill)
@@ -141,7 +149,9 @@ class Stepper:
         elif self.overlap:
             self._background = (self.engine.run_async(lambda: self._update(upd), name="adam"), upd.plan)
         else:
+            self._resuming = (norm, clip, self.grads.arrivals)  # for a retry, should the update fail part-way
             self._update(upd)
+            self._resuming = None
         self.scaler.update(found_inf=False)
         self.grads.consumed(swap=self.overlap and self._background is not None)
         self.steps += 1
@@ -201,6 +211,9 @@ class Stepper:
                     self.grads.forget(s.name)
                 else:
                     self._step_of[s.name] -= 1
+        self._unsent |= updated  # their new weights may not have reached home: the next step sends them
+        if not updated:
+            self._resuming = None  # nothing changed: the retry is a step like any other
         restore = [b for b, _ in plan if self.homes.state[b.index].revertible]
         if not restore:
             return
@@ -211,6 +224,22 @@ class Stepper:
             out.copy_(master)
             uploads.done(b, out, [(0, b.numel, 0)])
         uploads.finish()
+
+    def _send_unsent(self) -> None:
+        """The weights of buckets a failed step updated, sent home again from their master (NOTE
+        [A failed step is rolled forward] in tiermem/train/nvme_state.py)."""
+        if not self._unsent:
+            return
+        for home in self.homes.weight_homes():
+            home.begin_update()
+        uploads = self.outputs.session()
+        for b in [b for b in self.layout.step_buckets if b.index in self._unsent]:
+            master = self.homes.state[b.index].read(b)[0]
+            out = uploads.target(b)
+            out.copy_(master)
+            uploads.done(b, out, [(0, b.numel, 0)])
+        uploads.finish()
+        self._unsent.clear()
 
     def _global_norm(self) -> torch.Tensor:
         # Per-parameter norms in a fixed parameter order, so that the rounding of the total (and
@@ -288,6 +317,7 @@ class Stepper:
 
     def load_param_steps(self, steps: dict[str, int], total: int) -> None:
         self._step_of = dict(steps)
+        self._resuming = None
         self.steps = int(total)
 
 

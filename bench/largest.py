@@ -1,0 +1,161 @@
+"""The largest model this machine trains: ZeroInfinity with one value per NVMe key, 2 steps.
+
+    python bench/largest.py [--params 4.5e9] [--width 4096] [--keep-free 10GB] [--steps 2]
+                            [--device-budget 1GiB] [--bucket-size 16MiB] [--dir DIR] [--dry-run]
+
+A stack of ``width`` x ``width`` bias-free Linear layers (bench/nvme_step.py's ``windowed_stack``:
+the module itself takes one layer's memory; TieredModel copies each weight to its home), deep
+enough for ``--params``, trained in bf16 on one batch of 8 rows seen every step, as ZeroInfinity
+places it: weights (2 B/param) and optimizer state (12 B/param) on NVMe, each value once (NOTE [A
+failed step is rolled forward]); the fp32 grads (4 B/param) wherever they fit best: on the host
+for as many layers as the memory available now allows (less ``--ram-margin`` and tiermem's
+buffers), on NVMe for the others. Before building, it checks that the disk holds the model's 14
+B/param, the NVMe grads, the journal (a few buckets) and still leaves ``--keep-free``; if not, it
+shows the arithmetic and trains the largest depth that fits instead.
+
+Prints, per step, forward+backward and ``tm.step()`` time, peak RSS and the disk's free space; at
+the end ``du`` of the directory (bytes/param on disk, measured, with the spare files counted),
+bytes/param in RAM (peak RSS / params), the report, and removes the directory.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.nvme_step import rss_gb, windowed_stack  # noqa: E402
+from tiermem import AdamW, Budgets, Policy, TensorClass, TensorInfo, TieredModel, Tier, parse_bytes  # noqa: E402
+from tiermem.plan.footprint import JOURNAL_BUCKETS  # noqa: E402
+from tiermem.policies import ZeroInfinity  # noqa: E402
+
+GB = 1e9
+DISK_PER_PARAM = 2 + 12  # bf16 weights and fp32 master, exp_avg, exp_avg_sq, each once
+
+
+def du_bytes(path: str) -> int:
+    out = subprocess.run(["du", "-s", "--block-size=1", path], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
+
+
+def available_ram() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def plan_depth(args: argparse.Namespace, free: int, ram: int) -> tuple[int, int, str]:
+    """(layers, of them with grads on NVMe, the arithmetic in words): ``--params`` if disk and RAM
+    hold it, else the most layers they hold; grads on the host as far as RAM allows."""
+    layer = args.width * args.width
+    bucket = parse_bytes(args.bucket_size, what="--bucket-size") // 4  # parameters per bucket (fp32 grads)
+    journal = (JOURNAL_BUCKETS["state"] * 12 + JOURNAL_BUCKETS["weights"] * 2 + JOURNAL_BUCKETS["grads"] * 4) * bucket
+    spares = 4 * 12 * bucket  # the store's spare files, at most, each no larger than a bucket's state
+    disk = free - args.keep_free - journal - spares
+    # host: the state pipeline (3 x 12 B), weight staging (2 x 2 B) and grads to NVMe (3 x 4 B) per
+    # bucket parameter, the device budget (the CPU's RAM here), and what Python and torch hold
+    fixed = (3 * 12 + 2 * 2 + 3 * 4) * bucket + parse_bytes(args.device_budget, what="--device-budget") + 2 * 2**30
+    host = ram - args.ram_margin - fixed
+    want = -(-int(args.params) // layer)
+    on_host = max(0, host // (4 * layer))  # layers whose grads RAM holds
+    fits = max(1, min((disk + 4 * layer * on_host) // (18 * layer),  # all on disk but the host's grads
+                      disk // (DISK_PER_PARAM * layer)))
+    depth = min(want, fits)
+    nvme_grads = max(0, depth - on_host)
+    said = (f"disk: {free / GB:.1f} GB free, keep {args.keep_free / GB:.0f} GB, journal {journal / GB:.2f} GB + "
+            f"spares {spares / GB:.2f} GB -> {disk / GB:.1f} GB for {DISK_PER_PARAM} B/param + NVMe grads 4 B/param; "
+            f"RAM: {ram / GB:.1f} GB available, keep {args.ram_margin / GB:.0f} GB, tiermem's buffers and the "
+            f"process {fixed / GB:.1f} GB -> {host / GB:.1f} GB for host grads 4 B/param ({on_host} layers); "
+            f"room for {fits} layers of {args.width} x {args.width} ({fits * layer / 1e9:.2f}B parameters)")
+    return depth, nvme_grads, said
+
+
+class GradsSplit(Policy):
+    """ZeroInfinity, but the grads of the first ``nvme_layers`` layers on NVMe."""
+
+    def __init__(self, nvme_layers: int):
+        self.nvme_layers = nvme_layers
+
+    def place(self, info: TensorInfo) -> Tier:
+        if info.kind is TensorClass.GRAD and int(info.name.split(".")[1]) < self.nvme_layers:
+            return Tier.NVME
+        return ZeroInfinity().place(info)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=4.5e9)
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--keep-free", default="10GB", help="free space to leave on the disk")
+    p.add_argument("--ram-margin", default="1GB", help="available memory to leave to other processes")
+    p.add_argument("--nvme-grad-layers", type=int, default=None, help="grads of this many layers on NVMe "
+                                                                      "(default: as many as RAM cannot hold)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--device-budget", default="1GiB")
+    p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size (fp32 grad bytes per bucket)")
+    p.add_argument("--dir", default=None, help="where to make the NVMe directory (default: the current one)")
+    p.add_argument("--dry-run", action="store_true", help="print the arithmetic only")
+    args = p.parse_args()
+    args.keep_free = parse_bytes(args.keep_free, what="--keep-free")
+    args.ram_margin = parse_bytes(args.ram_margin, what="--ram-margin")
+    where = args.dir or os.getcwd()
+    free = shutil.disk_usage(where).free
+    depth, nvme_grads, said = plan_depth(args, free, available_ram())
+    if args.nvme_grad_layers is not None:
+        nvme_grads = min(depth, args.nvme_grad_layers)
+    layer = args.width * args.width
+    n = depth * layer
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    print(said)
+    fewer = "" if n >= args.params else ", fewer than asked"
+    print(f"training {depth} layers: {n:,} parameters ({n / 1e9:.2f}B{fewer});"
+          f" {(DISK_PER_PARAM * n + 4 * layer * nvme_grads) / GB:.1f} GB on disk (grads of {nvme_grads} layers "
+          f"there); fp32 grads on the host {4 * layer * (depth - nvme_grads) / GB:.1f} GB of {ram / GB:.1f} GB RAM; "
+          f"mixed-precision Adam in memory would need {16 * n / GB:.0f} GB", flush=True)
+    if args.dry_run:
+        return 0
+    d = tempfile.mkdtemp(prefix="tiermem-largest-", dir=where)
+    try:
+        t0 = time.perf_counter()
+        tm = TieredModel(windowed_stack(args.width, depth), GradsSplit(nvme_grads), precision="bf16", nvme_dir=d,
+                         optimizer=AdamW(lr=1e-6, betas=(0.9, 0.95), weight_decay=0.1),
+                         bucket_size=args.bucket_size, budgets=Budgets(device=args.device_budget))
+        print(f"built in {time.perf_counter() - t0:.0f} s (initial weights and state written to NVMe); "
+              f"peak RSS {rss_gb():.1f} GB; du {du_bytes(d) / n:.2f} B/param", flush=True)
+        x = torch.randn(args.rows, args.width, generator=torch.Generator().manual_seed(0))
+        low = shutil.disk_usage(d).free
+        for i in range(1, args.steps + 1):
+            t0 = time.perf_counter()
+            loss = tm(x).float().square().mean()
+            tm.backward(loss)
+            t1 = time.perf_counter()
+            res = tm.step()
+            t2 = time.perf_counter()
+            low = min(low, shutil.disk_usage(d).free)
+            print(f"step {i}: loss {loss.item():.6f}, grad norm {res.grad_norm:.4f}; fwd+bwd {t1 - t0:.1f} s, "
+                  f"tm.step() {t2 - t1:.1f} s; peak RSS {rss_gb():.1f} GB; du {du_bytes(d) / n:.2f} B/param; "
+                  f"disk free {low / GB:.1f} GB", flush=True)
+        on_disk = du_bytes(d)
+        rep = tm.report()
+        spares = [f for f in os.listdir(d) if f.startswith("spare-")]
+        print(f"{rep}\nparameters {n:,}; on disk (du) {on_disk / GB:.1f} GB = {on_disk / n:.2f} B/param "
+              f"({len(spares)} spare files); NVMe peak held {rep.peak_bytes[Tier.NVME] / n:.2f} B/param; "
+              f"peak RSS {rss_gb():.1f} GB = {rss_gb() * GB / n:.2f} B/param in RAM; "
+              f"lowest free disk {low / GB:.1f} GB")
+        # not tm.detach(): it hands back the module with fp32 weights, 4 B/param in RAM (18 GB at 4.5B,
+        # which got the first 4.5B run OOM-killed after its last line); the directory goes below
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
