@@ -8,14 +8,46 @@ manager mutates, so it can be tested with made-up :class:`TensorInfo` on any mac
             if info.kind is TensorClass.OPTIM_STATE and info.name.startswith("wte."):
                 return Tier.NVME
             return ZeroOffload().place(info)
+
+A policy that decides over the whole model (how much of the optimizer state fits on the device,
+which parameters get it) overrides :meth:`Policy.for_model`: it is told about every trainable
+parameter once, before any ``place`` call, and returns the policy to ask, itself still pure
+(NOTE [Whole-model policies]).
 """
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
+
+import torch
 
 from tiermem.errors import ConfigError
 from tiermem.types import TensorClass, TensorInfo, Tier
+
+
+# NOTE [Whole-model policies]
+# ``place(info)`` sees one tensor; a split such as "a quarter of the optimizer state on the device"
+# needs the whole model. Before asking about any tensor, the planner calls ``for_model`` once with
+# a :class:`ModelInfo` and asks the policy it returns from then on. That policy is an ordinary
+# pure one (usually a frozen set of names decided from the ModelInfo), so the decision is made
+# once, is visible in its repr, and every ``place`` answer stays a function of the info alone.
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a policy is told about the whole model before it places any tensor."""
+
+    #: a PARAM info for every trainable parameter (tied weights once), in the order forward uses
+    #: them (registration order): backward produces their gradients in the reverse order
+    params: tuple[TensorInfo, ...]
+    #: the working precision of the weights
+    dtype: torch.dtype = torch.bfloat16
+    #: bytes each tier may hold for this model (the Budgets, or the tier's capacity); a tier
+    #: absent from the mapping is unbounded
+    limits: Mapping[Tier, int] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
 
 
 class Policy(abc.ABC):
@@ -24,6 +56,11 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def place(self, info: TensorInfo) -> Tier:
         """The home tier of the tensor ``info`` describes."""
+
+    def for_model(self, model: ModelInfo) -> "Policy":
+        """The policy to ask about this model's tensors (NOTE [Whole-model policies]); by default
+        this one, which places each tensor on its own."""
+        return self
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -46,6 +83,15 @@ def resolve_policy(policy: Optional[Policy]) -> Policy:
         raise ConfigError(f"tiermem: policy={policy!r} is not a tiermem.Policy; pass an instance such "
                           f"as ZeroOffload() or a subclass of Policy that implements place(info)")
     return policy
+
+
+def bound(policy: Policy, model: ModelInfo) -> Policy:
+    """``policy.for_model(model)``, refusing anything that is not a :class:`Policy`."""
+    out = policy.for_model(model)
+    if not isinstance(out, Policy):
+        raise ConfigError(f"tiermem: {policy!r}.for_model() returned {out!r}; it must return a tiermem.Policy "
+                          f"(itself, when nothing depends on the whole model)")
+    return out
 
 
 def checked_place(policy: Policy, info: TensorInfo) -> Tier:
