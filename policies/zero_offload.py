@@ -72,8 +72,8 @@ class ZeroOffload(PerClass):
         self._on_device: Optional[frozenset[str]] = None  # decided by for_model (None: not yet)
 
     def for_model(self, model: ModelInfo) -> Policy:
-        if self.device_fraction in (0.0, 1.0):
-            return self  # nothing depends on the model
+        if self.device_fraction in (0.0, 1.0) or self._on_device is not None:
+            return self  # nothing depends on the model, or it is bound already
         bound = copy.copy(self)  # a subclass stays itself
         bound._on_device = device_share(model, self.device_fraction)
         return bound

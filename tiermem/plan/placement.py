@@ -8,14 +8,14 @@ Every rule about which placements this version can honour lives here, so the con
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
 from tiermem.config import _AdamSpec
 from tiermem.errors import ConfigError
 from tiermem.plan.buckets import STATE_PARTS, Bucket, plan_buckets
-from tiermem.plan.policy import ModelInfo, Policy, bound, checked_place
+from tiermem.plan.policy import Evaluation, ModelInfo, Policy, bound, checked_place
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 def compute_tier(b: Bucket) -> Tier:
@@ -78,11 +78,14 @@ def _unique_params(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Pa
     return unique, dict(names)
 
 
-def model_info(unique: list[tuple[str, torch.nn.Parameter]], dtype: torch.dtype,
-               limits: Optional[Mapping[Tier, int]] = None) -> ModelInfo:
-    """What a whole-model policy is told: the trainable parameters in the order forward uses them."""
+def bind(module: torch.nn.Module, policy: Policy, dtype: torch.dtype, limits: Optional[Mapping[Tier, int]] = None,
+         evaluate: Optional[Callable[..., Evaluation]] = None) -> Policy:
+    """The policy to ask about ``module``'s tensors: ``policy.for_model`` told about the trainable
+    parameters in the order forward uses them (NOTE [Whole-model policies]). Binding a bound
+    policy again gives it back unchanged."""
+    unique, _ = _unique_params(module)
     params = tuple(_info(name, TensorClass.PARAM, p, dtype) for name, p in unique if p.requires_grad)
-    return ModelInfo(params, dtype, dict(limits or {}))
+    return bound(policy, ModelInfo(params, dtype, dict(limits or {}), evaluate))
 
 
 def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.dtype,
@@ -94,7 +97,7 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
     weights live off the device, with their home. ``limits``: bytes each tier may hold, for the
     policies that size a split."""
     unique, names = _unique_params(module)
-    policy = bound(policy, model_info(unique, dtype, limits))
+    policy = bind(module, policy, dtype, limits)
     param_homes: dict[str, Tier] = {}
     entries, groups = [], [[], []]  # group 0: weight decay applies; group 1: it does not
     for name, p in reversed(unique):  # reverse order of use: backward fills the last ones first

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -45,9 +45,36 @@ class ModelInfo:
     #: absent from the mapping is unbounded
     limits: Mapping[Tier, int] = field(default_factory=dict)
 
+    #: the planner's judge of a candidate placement (NOTE [Choosing a placement]); None where no
+    #: planner can judge (a ModelInfo made up in a test of a policy that needs none)
+    evaluate: Optional[Callable[..., "Evaluation"]] = field(default=None, compare=False)
+
     @property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
+
+
+# NOTE [Choosing a placement]
+# A policy that chooses among placements (policies.Auto) cannot check one itself: the footprint,
+# the budgets and the cost model sit above the policy layer. The planner passes its judge in
+# ModelInfo.evaluate: ``evaluate(policy, profile=None, forward_backward=0.0)`` plans the buckets
+# ``policy`` gives this model exactly as TieredModel would, and says whether the constructor would
+# accept them (no refused combination, every tier within its limit) and how long a step is predicted
+# to take, per stage (tiermem/plan/cost.py, NOTE [Cost model]). ``profile``: a machine profile to
+# use instead of this machine's (saved by ``tiermem bench``, measured on first use when none is).
+@dataclass(frozen=True)
+class Evaluation:
+    """The planner's verdict on one candidate placement."""
+
+    fits: bool
+    stages: Mapping[str, float]  # predicted seconds per stage of a step
+    need: Mapping[Tier, int]  # bytes per tier the constructor would check
+    short: Mapping[Tier, int]  # bytes over the limit, per tier that does not fit
+    refused: Optional[str] = None  # the constructor's error for a combination it cannot honour
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.stages.values())
 
 
 class Policy(abc.ABC):

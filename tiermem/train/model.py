@@ -13,6 +13,8 @@ import contextlib
 import logging
 import math
 import os
+import shutil
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -23,10 +25,11 @@ from tiermem.config import AdamW, _AdamSpec, working_dtype
 from tiermem.errors import ConfigError
 from tiermem.memory.ledger import Reclaimers
 from tiermem.memory.nvme import NvmeStore
-from tiermem.memory.resident import DeviceStore, HostStore
+from tiermem.memory.resident import DeviceStore, HostStore, default_device_budget, default_host_budget
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
 from tiermem.plan.footprint import check_fits, footprint, largest_module_bytes, totals
+from tiermem.plan.choose import Evaluator
 from tiermem.plan.placement import plan
 from tiermem.plan.policy import Policy, resolve_policy
 from tiermem.train import checkpoint
@@ -34,6 +37,7 @@ from tiermem.train.activations import ActivationOffloader
 from tiermem.train.backward import GradCollector
 from tiermem.train.hooks import HookSet
 from tiermem.train.layout import build, make_homes
+from tiermem.train.machine import machine_profile
 from tiermem.train.optimizer import TieredOptimizer
 from tiermem.train.param_offload import ParamOffload
 from tiermem.train.phase import Lifecycle, Phase
@@ -162,7 +166,11 @@ class TieredModel:
         self.grad_clip, self.overlap_step = grad_clip, opts.overlap
         self.tracer = Tracer(trace_path)
         self.group = resolve_group(process_group, tracer=self.tracer if trace_path else None)  # NOTE [Data parallel]; one process: every collective a no-op
-        buckets, groups, names, param_homes = plan(module, self.policy, opts.spec, self.dtype, opts.bucket_numel,
+        self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=_limits(opts, nvme_dir),
+                                    machine=lambda: machine_profile(opts.device, nvme_dir), overlap=opts.overlap,
+                                    world=self.group.world)
+        self.placement = self._evaluator.bind(self.policy)  # NOTE [Whole-model policies]: what decides each tensor
+        buckets, groups, names, param_homes = plan(module, self.placement, opts.spec, self.dtype, opts.bucket_numel,
                                                    overlap=opts.overlap, world=self.group.world)
         self.group.check_same("model or configuration", fingerprint(
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
@@ -195,6 +203,7 @@ class TieredModel:
         self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
                                  precision, self.dtype, frozen_off, self.group)
         self._life = Lifecycle()
+        self._compute_seconds = 0.0  # inside tm(...) and tm.backward(...): forward+backward, for report()
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
 
@@ -226,6 +235,13 @@ class TieredModel:
         return self._life.phase
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._forward(args, kwargs)
+        finally:
+            self._compute_seconds += time.perf_counter() - t0
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
         with self._life.during("forward", Phase.FORWARD):
             args, kwargs = _cast_floats((args, kwargs), self.dtype, self.device)
             borrowing = self.param_offload.borrowing() if self.param_offload is not None else contextlib.nullcontext()
@@ -244,6 +260,13 @@ class TieredModel:
         too) are dropped: run the step's forward and backward again. If it raises before any did
         (e.g. a second backward through the same graph), nothing changed: earlier micro-batches'
         grads are kept, and the error says so."""
+        t0 = time.perf_counter()
+        try:
+            self._backward(loss)
+        finally:
+            self._compute_seconds += time.perf_counter() - t0
+
+    def _backward(self, loss: torch.Tensor) -> None:
         self._life.check("backward")
         _check_loss(loss)
         arrived_before = self.grads.arrivals
@@ -341,7 +364,25 @@ class TieredModel:
                       busy_seconds=st["busy_seconds"], budgets=budgets, steps=self.stepper.steps,
                       class_bytes_moved=st["class_bytes_moved"],
                       n_params=self.layout.n_params, step_seconds=self.stepper.seconds,
-                      rank=self.group.rank, world=self.group.world, collective_bytes=self.group.bytes_sent())
+                      rank=self.group.rank, world=self.group.world, collective_bytes=self.group.bytes_sent(),
+                      placement=repr(self.placement), stages=self._stages())
+
+    def _stages(self) -> dict[str, tuple[float, float]]:
+        """Predicted against measured seconds per step, by stage (the predicted ones from the cost
+        model, NOTE [Cost model], fed the measured forward+backward); empty before a step, or when no
+        machine profile exists and the placement needed none."""
+        steps = self.stepper.steps
+        if not steps:
+            return {}
+        fb = self._compute_seconds / steps
+        predicted = self._evaluator.predict(self.placement, fb)
+        if predicted is None:
+            return {}
+        home = predicted.pop("grads home")
+        compute = predicted.pop("forward+backward")
+        waited = self.stepper.wait_seconds / steps
+        return {"forward+backward": (compute, fb), "grads home": (home, waited),
+                "norm, Adam, weights up": (sum(predicted.values()), self.stepper.seconds / steps - waited)}
 
     def detach(self) -> torch.nn.Module:
         """Remove every hook and give the module back with fp32 weights (on the CPU, where the
@@ -375,6 +416,20 @@ def _make_stores(opts: _Options, nvme_dir: Optional[str], reclaimers: Reclaimers
             mine = nvme_dir  # missing: the store's error names the directory the user gave
         stores[Tier.NVME] = NvmeStore(mine, budget=opts.budgets.nvme)
     return stores
+
+
+def _limits(opts: _Options, nvme_dir: Optional[str]) -> dict[Tier, int]:
+    """What each store will be allowed, as the stores compute it, before any exists (on an
+    accelerator, no more than is free there now)."""
+    device = opts.budgets.device if opts.budgets.device is not None else default_device_budget(opts.device)
+    if opts.device.type == "cuda":
+        device = min(device, torch.cuda.mem_get_info(opts.device)[0])
+    limits = {Tier.DEVICE: device,
+              Tier.HOST: opts.budgets.host if opts.budgets.host is not None else default_host_budget()}
+    if nvme_dir is not None:
+        limits[Tier.NVME] = opts.budgets.nvme if opts.budgets.nvme is not None else (
+            shutil.disk_usage(nvme_dir).free if os.path.isdir(nvme_dir) else 0)
+    return limits
 
 
 def _note(error: BaseException, text: str) -> None:

@@ -91,6 +91,7 @@ class Stepper:
         self.engine, self.scaler, self.grad_clip, self.tracer, self.overlap = engine, scaler, grad_clip, tracer, overlap
         self.steps = 0
         self.seconds = 0.0
+        self.wait_seconds = 0.0  # of ``seconds``: waiting for the last grads to reach their homes
         self._step_of: dict[str, int] = {}  # canonical parameter name -> updates applied to it
         self._background: Optional[tuple[Handle, list]] = None  # overlap: the update in flight
         self.max_skipped = max_skipped  # NOTE [A stalled run is loud]
@@ -129,8 +130,10 @@ class Stepper:
         return result
 
     def _run(self, groups: list[dict]) -> StepResult:
+        t0 = time.perf_counter()
         with self.tracer.span("wait grads", "stall"):
             self.finish_pending()
+        self.wait_seconds += time.perf_counter() - t0  # the grads' exposed trip home, for report()
         if not self.grads.has_grads():  # no backward since the last step (on any rank): a no-op, not counted
             log.warning("tiermem: step() with no gradient since the last step (no backward?): nothing updated, "
                         "the step is not counted")

@@ -1,0 +1,79 @@
+"""The planner's judge of candidate placements (NOTE [Choosing a placement] in tiermem/plan/policy.py).
+
+:class:`Evaluator` plans the buckets a candidate policy gives a model with the same functions
+TieredModel's constructor calls (:func:`tiermem.plan.placement.plan`,
+:func:`tiermem.plan.footprint.footprint`), checks them against the tiers' limits as the constructor
+checks its stores, and predicts a step's seconds per stage (:mod:`tiermem.plan.cost`). Nothing is
+allocated: the module may live on the meta device.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from tiermem.errors import ConfigError
+from tiermem.plan.cost import Rates, predict
+from tiermem.plan.footprint import footprint, largest_module_bytes, totals
+from tiermem.plan.placement import bind, plan
+from tiermem.plan.policy import Evaluation, Policy
+from tiermem.plan.profile import Profile
+from tiermem.types import Tier
+
+
+class Evaluator:
+    """``evaluator(policy, profile=None, forward_backward=0.0) -> Evaluation`` for one model and
+    configuration. ``limits``: the bytes each tier's store may hold (a tier without a store is
+    absent); ``machine``: returns this machine's profile (called once, when first needed)."""
+
+    def __init__(self, module: torch.nn.Module, spec: Any, dtype: torch.dtype, bucket_numel: int, *,
+                 limits: Mapping[Tier, int], machine: Callable[[], Profile], overlap: bool = False, world: int = 1):
+        self.module, self.spec, self.dtype, self.bucket_numel = module, spec, dtype, bucket_numel
+        self.limits, self.overlap, self.world = dict(limits), overlap, world
+        self._machine = machine
+        self._rates: Optional[Rates] = None
+        self._asked: Any = None  # the last profile a policy passed in, for :meth:`predict`
+
+    def rates(self, profile: Any = None) -> Rates:
+        """The rates of ``profile`` (a Profile or its data), or of this machine's when None."""
+        if profile is not None:
+            return Rates.from_profile(profile if isinstance(profile, Profile) else Profile(profile))
+        if self._rates is None:
+            self._rates = Rates.from_profile(self._machine())
+        return self._rates
+
+    def predict(self, policy: Policy, forward_backward: float) -> Optional[dict[str, float]]:
+        """Predicted seconds per stage of ``policy``'s step with the measured ``forward_backward``,
+        from the profile the placement was chosen with (or a saved one); None when there is none
+        (nothing is measured for it)."""
+        if self._asked is None and self._rates is None:
+            from tiermem.plan.profile import load_profile
+            saved = load_profile()
+            if saved is None:
+                return None
+            self._rates = Rates.from_profile(saved)
+        ev = self(policy, self._asked, forward_backward)
+        return dict(ev.stages) if ev.stages else None
+
+    def __call__(self, policy: Policy, profile: Any = None, forward_backward: float = 0.0) -> Evaluation:
+        if profile is not None:
+            self._asked = profile
+        try:
+            buckets, _, _, param_homes = plan(self.module, policy, self.spec, self.dtype, self.bucket_numel,
+                                              overlap=self.overlap, world=self.world)
+        except ConfigError as e:
+            return Evaluation(False, {}, {}, {}, refused=str(e))
+        frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in self.module.named_parameters()
+                  if not p.requires_grad]
+        need = totals(footprint(buckets, frozen, self.dtype, overlap=self.overlap, world=self.world,
+                                largest_module=largest_module_bytes(self.module, param_homes, self.dtype)))
+        short = {t: n - self.limits.get(t, 0) for t, n in need.items() if n > self.limits.get(t, 0)}
+        refused = None
+        if need[Tier.NVME] and Tier.NVME not in self.limits:
+            refused = "it places tensors on NVMe and no nvme_dir is given"
+        stages = predict(buckets, self.dtype.itemsize, self.rates(profile), forward_backward=forward_backward)
+        return Evaluation(not short and refused is None, stages.stages, need, short, refused)
+
+    def bind(self, policy: Policy) -> Policy:
+        """``policy`` bound to this model, with this evaluator as its judge."""
+        return bind(self.module, policy, self.dtype, self.limits, self)
