@@ -15,7 +15,7 @@ import torch
 from tiermem.errors import ConfigError
 from tiermem.plan.cost import Rates, predict
 from tiermem.plan.footprint import footprint, largest_module_bytes, totals
-from tiermem.plan.placement import bind, plan
+from tiermem.plan.placement import bind, compute_tier, plan
 from tiermem.plan.policy import Evaluation, Policy
 from tiermem.plan.profile import Profile
 from tiermem.types import Tier
@@ -67,7 +67,9 @@ class Evaluator:
                   if not p.requires_grad]
         need = totals(footprint(buckets, frozen, self.dtype, overlap=self.overlap, world=self.world,
                                 largest_module=largest_module_bytes(self.module, param_homes, self.dtype)))
-        short = {t: n - self.limits.get(t, 0) for t, n in need.items() if n > self.limits.get(t, 0)}
+        slack = _rounding(buckets, frozen, self.dtype.itemsize, self.overlap)
+        short = {t: n + slack[t] - self.limits.get(t, 0) for t, n in need.items()
+                 if n and n + slack[t] > self.limits.get(t, 0)}
         refused = None
         if need[Tier.NVME] and Tier.NVME not in self.limits:
             refused = "it places tensors on NVMe and no nvme_dir is given"
@@ -77,3 +79,43 @@ class Evaluator:
     def bind(self, policy: Policy) -> Policy:
         """``policy`` bound to this model, with this evaluator as its judge."""
         return bind(self.module, policy, self.dtype, self.limits, self)
+
+
+_PAGE = 4096
+
+
+def _rounding(buckets, frozen, w: int, overlap: bool) -> dict[Tier, int]:
+    """What the footprint does not count: the host pool and the NVMe store round each buffer up to
+    a page (4 KiB). Computed per buffer the layout allocates there (per bucket: its grads, two under
+    overlap_step; its three parts of state, two slots per key on NVMe; its grads for the step; its
+    output buffer; each weight living off the device; for the model: the weight staging, the NVMe
+    state pipeline's nine buffers, the frozen weights' copies), plus a page for each buffer whose
+    size varies (three pooled buffers of grads on their way to NVMe, four of weights fetched from
+    their home). Nothing for the device: its store allocates exact sizes. So a layout judged to fit
+    is one the constructor builds, even under budgets of a few pages."""
+    def r(nbytes: int) -> int:
+        return (-nbytes) % _PAGE
+    out = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.NVME: 0}
+    slots = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.NVME: 2}  # copies kept per key
+    staged, streamed = 0, 0
+    for b in buckets:
+        n, ct = b.numel, compute_tier(b)
+        out[b.grad_tier] += slots[b.grad_tier] * r(4 * n) * (2 if overlap and b.grad_tier == Tier.HOST else 1)
+        out[b.state_tier] += 3 * slots[b.state_tier] * r(4 * n)
+        if ct == Tier.HOST and b.grad_tier not in (Tier.NVME, Tier.HOST):
+            out[Tier.HOST] += r(4 * n)
+        if ct == Tier.HOST and overlap:
+            out[Tier.HOST] += r(w * n)
+        elif ct == Tier.HOST:
+            staged = max(staged, n)
+        if b.state_tier == Tier.NVME:
+            streamed = max(streamed, n)
+        if b.param_tier != Tier.DEVICE:
+            out[b.param_tier] += sum(slots[b.param_tier] * r(w * s.numel) for s in b.slots)
+    out[Tier.HOST] += 2 * r(w * staged) + 9 * r(4 * streamed)
+    out[Tier.HOST] += sum(r(p.numel() * p.element_size()) for p, _ in frozen)
+    if any(b.grad_tier == Tier.NVME for b in buckets):
+        out[Tier.HOST] += 3 * _PAGE
+    if any(b.param_tier != Tier.DEVICE for b in buckets):
+        out[Tier.HOST] += 4 * _PAGE
+    return out
