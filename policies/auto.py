@@ -9,7 +9,10 @@ activations on the device. A candidate is a tier for the weights (device, host o
 runs of parameters: the first ``d`` keep their grads and optimizer state on the device (the split
 step, NOTE [Which optimizer state goes to the device first]: only with weights on the device), the
 next ``h`` keep them on the host, the rest keep their state on NVMe with their grads on the host
-(or on NVMe, when even that leaves the host short). For each weights tier it finds, by bisection,
+(or on NVMe, when even that leaves the host short). The weights stay on the device whenever some
+candidate with them there fits; only then are the host and NVMe tried, in that order (the cost
+model does not price the per-module fetches of off-device weights, which cost more than their
+bytes, so it would rank them too well). For each weights tier it finds, by bisection,
 the largest ``d`` whose device part fits (less ``device_reserve`` of the device, left for
 activations and temporaries), and for ``d`` and a few smaller values the largest ``h`` that fits
 the host; every candidate is judged by the planner (NOTE [Choosing a placement]): the constructor's
@@ -134,6 +137,8 @@ class _Search:
     def run(self) -> list[Choice]:
         m = len(self.names)
         for weights in (Tier.DEVICE, Tier.HOST, Tier.NVME):
+            if any(c.verdict == "fits" for c in self.judged.values()):
+                break  # weights leave the device only when they cannot stay (NOTE [How Auto chooses])
             d_max = self._largest(lambda d: self._device_ok(self._judge(weights, d, m - d, Tier.HOST)), m) \
                 if weights == Tier.DEVICE else 0
             if d_max is None:

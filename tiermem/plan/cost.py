@@ -20,12 +20,15 @@ One step of a plan of buckets, each of ``n`` parameters, ``w`` bytes per working
   state on NVMe streams through (read ``12n``, write ``12n``, concurrently with Adam: the longest of
   the three); the two processors run at once (NOTE [Split step]), so the stage is the longer of
   them, or their sum when the "device" is the CPU itself;
-- ``weights up``: the host-updated weights (``w*n``) go to the device behind the CPU's Adam; the last
-  bucket's trip and whatever exceeds the CPU's Adam are exposed.
+- ``weights up``: the host-updated weights (``w*n``) go to the device (or to their host home) behind
+  the CPU's Adam; the last bucket's trip and whatever exceeds the CPU's Adam are exposed (weights on
+  NVMe are written with the state, above).
 
 The step is the sum of the stages. Transfers are taken at their measured bandwidth alone: the
 model does not charge the CPU for driving the copies, nor memory bandwidth shared between Adam
-and the transfers (bench/auto.py measures how far off that leaves it).
+and the transfers, nor the per-module cost of fetching weights that live off the device (hooks,
+one transfer per module; policies.Auto places weights off the device only when they cannot stay
+on it). bench/auto.py measures how far off that leaves it.
 """
 from __future__ import annotations
 
@@ -120,7 +123,8 @@ def predict(buckets: Sequence[Bucket], itemsize: int, rates: Rates, *, forward_b
     host_part = max(on_host / rates.cpu_adam, nvme_read, nvme_write)
     device_part = on_device / rates.device_adam
     optimizer = device_part + host_part if rates.device_is_cpu else max(device_part, host_part)
-    ups = [b.numel * w / rates.h2d for b in buckets if compute_tier(b) != Tier.DEVICE and b.param_tier == Tier.DEVICE]
+    ups = [b.numel * w / (rates.h2d if b.param_tier == Tier.DEVICE else rates.host_copy)
+           for b in buckets if compute_tier(b) != Tier.DEVICE and b.param_tier != Tier.NVME]
     weights_up = max(ups[-1], sum(ups) - host_part) if ups else 0.0
     return Prediction({"forward+backward": max(forward_backward, fetch), "grads home": grads_home,
                        "grads to Adam": to_adam, "grad norm": norm, "optimizer": optimizer, "weights up": weights_up})
