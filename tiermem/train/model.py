@@ -174,7 +174,7 @@ class TieredModel:
                                                    overlap=opts.overlap, world=self.group.world)
         self.group.check_same("model or configuration", fingerprint(
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
-            + [repr(self.policy), precision, opts.bucket_numel, repr(opts.spec), grad_clip, opts.overlap]))
+            + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), grad_clip, opts.overlap]))
         reclaimers = Reclaimers()  # a cache on the device (prefetched weights) gives room back to others
         self.stores = _make_stores(opts, nvme_dir, reclaimers, self.group)
         device_need = self._check_fits(buckets, param_homes)
