@@ -203,7 +203,7 @@ class TieredModel:
         self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
                                  precision, self.dtype, frozen_off, self.group)
         self._life = Lifecycle()
-        self._compute_seconds = 0.0  # inside tm(...) and tm.backward(...): forward+backward, for report()
+        self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
 
@@ -235,6 +235,8 @@ class TieredModel:
         return self._life.phase
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not (torch.is_grad_enabled() and self.module.training):
+            return self._forward(args, kwargs)  # not a training forward: no part of a step's time
         t0 = time.perf_counter()
         try:
             return self._forward(args, kwargs)
