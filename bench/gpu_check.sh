@@ -10,3 +10,4 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python -m pytest -q -m cuda tests/ 2>&1 | tee "$out/tests.txt" | tail -5
 timeout 240 python bench/step.py --device cuda --steps 10 2>&1 | tee "$out/step.txt" | tail -12
 timeout 120 python -m tiermem bench --quick --json "$out/bench.json" 2>&1 | tee "$out/tiermem-bench.txt" | tail -20
+timeout 180 python bench/split_step.py --device cuda --steps 6 2>&1 | tee "$out/split_step.txt" | tail -8
