@@ -12,11 +12,11 @@ each setting:
 - ``roomy``: no budgets;
 - ``device short``: the device holds ZeroOffload's bytes plus half the model's 16 B/param of grads and
   optimizer state (KeepOnDevice does not fit);
-- ``host short``: the device 1.2x ZeroOffload's peak there, the host 60% of ZeroOffload's, NVMe in
+- ``host short``: the device 1.3x ZeroOffload's peak there, the host 60% of ZeroOffload's, NVMe in
   ``--nvme-dir`` (ZeroOffload does not fit).
 
 every built-in that the constructor accepts (ZeroOffload with device_fraction 0, 0.25, 0.5, 0.75, 1,
-KeepOnDevice, ZeroInfinity) and Auto run side by side (round-robin), each iteration = forward +
+KeepOnDevice, ZeroInfinity) and Auto run side by side (round-robin, the order rotated each time), each iteration = forward +
 backward + step, medians over ``--steps``. Ratios last.
 """
 from __future__ import annotations
@@ -115,17 +115,21 @@ def main() -> int:
     settings = {
         "roomy": dict(budgets=None, nvme_dir=None),
         "device short": dict(budgets=Budgets(device=device_short), nvme_dir=None),
-        "host short": dict(budgets=Budgets(device=dev0 * 12 // 10, host=host0 * 6 // 10), nvme_dir=tmp.name),
+        "host short": dict(budgets=Budgets(device=dev0 * 13 // 10, host=host0 * 6 // 10), nvme_dir=tmp.name),
     }
     rows = []
     for setting, kw in settings.items():
         limit = (kw["budgets"].device if kw["budgets"] is not None and kw["budgets"].device else None)
-        reserve = min(0.9, 1.5 * act / limit) if limit else 0.1  # room for the activations measured above
+        reserve = min(0.9, 1.1 * act / limit) if limit else 0.1  # room for the activations measured above
         auto = Auto(forward_backward=forward_backward, device_reserve=reserve)
         variants: dict[str, TieredModel] = {}
-        for name, policy in {"Auto": auto, **builtins()}.items():
+        for i, (name, policy) in enumerate({"Auto": auto, **builtins()}.items()):
+            own = dict(kw)
+            if kw["nvme_dir"] is not None:  # a run owns its NVMe directory
+                own["nvme_dir"] = str(Path(kw["nvme_dir"]) / f"v{i}")
+                Path(own["nvme_dir"]).mkdir()
             try:
-                variants[name] = build(cfg, policy, device, **kw)
+                variants[name] = build(cfg, policy, device, **own)
             except TierMemError as e:
                 print(f"  [{setting}] {name}: refused ({str(e).splitlines()[0][:140]})")
         if "Auto" not in variants:
@@ -133,7 +137,9 @@ def main() -> int:
             continue
         times: dict[str, list[float]] = {k: [] for k in variants}
         for i, b in enumerate(batches):
-            for name, tm in list(variants.items()):
+            names = list(variants)
+            for name in names[i % len(names):] + names[:i % len(names)]:  # rotated: no one always goes first
+                tm = variants[name]
                 try:
                     _, t = iteration(tm, b[:, :-1], b[:, 1:], device)
                 except TierMemError as e:  # e.g. activations past a tight device budget: it does not fit

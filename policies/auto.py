@@ -17,7 +17,9 @@ the largest ``d`` whose device part fits (less ``device_reserve`` of the device,
 activations and temporaries), and for ``d`` and a few smaller values the largest ``h`` that fits
 the host; every candidate is judged by the planner (NOTE [Choosing a placement]): the constructor's
 own footprint and limits, and the cost model's predicted seconds per stage (NOTE [Cost model]). The
-fastest candidate that fits wins. So, at the extremes: memory to spare puts everything on the
+fastest candidate that fits wins; among those within 1% of it, the one with the most bytes on
+the device (on a machine whose "device" is the CPU, every split predicts the same Adam time). So,
+at the extremes: memory to spare puts everything on the
 device; when 16 B/param of grads and state do not fit there, the state splits with the largest
 device share that fits; when the host is short too, the state that does not fit goes to NVMe; and
 a candidate the constructor would refuse is never chosen (when none fits, the error says what is
@@ -104,13 +106,20 @@ class Auto(Policy):
         if not fitting:
             raise ConfigError(f"tiermem: Auto() found no placement that fits: {_closest(judged)}; raise the "
                               f"Budgets, pass nvme_dir=... for NVMe, or lower device_reserve")
-        best = fitting[0]
+        # within 1% of the fastest, the one with the most on the device: the cost model cannot tell
+        # such candidates apart, and it leaves out costs that grow with what is off the device
+        # (driving the copies, the memory bandwidth they share with Adam)
+        near = [c for c in fitting if c.evaluation.seconds <= 1.01 * fitting[0].evaluation.seconds]
+        best = max(near, key=lambda c: c.evaluation.need.get(Tier.DEVICE, 0))
         rest = []
         for c in judged:
             if c is best:
                 continue
             verdict = c.verdict
-            if verdict == "fits":
+            if verdict == "fits" and c in near:
+                verdict = (f"as fast within 1% ({_ms(c.evaluation.seconds)} predicted), with less on the "
+                           f"device")
+            elif verdict == "fits":
                 verdict = (f"slower: {_ms(c.evaluation.seconds)} predicted against "
                            f"{_ms(best.evaluation.seconds)}")
             rest.append(Choice(c.label, c.policy, c.evaluation, verdict))
