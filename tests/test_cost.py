@@ -70,3 +70,12 @@ def test_rates_from_a_profile_and_what_is_missing():
         Rates.from_profile(Profile(gpu))
     with pytest.raises(ConfigError, match="lacks nvme.read_GBps"):
         Rates.from_profile(Profile({**data, "nvme": {"write_GBps": 1}}))
+
+
+def test_a_prediction_beside_a_measured_step_groups_what_step_runs():
+    from tiermem.plan.cost import against_measured
+    predicted = {"forward+backward": 1.0, "grads home": 0.1, "grads to Adam": 0.0, "grad norm": 0.2,
+                 "optimizer": 0.5, "weights up": 0.05}
+    pairs = against_measured(predicted, forward_backward=1.2, grads_home=0.3, step=1.0)
+    assert pairs == {"forward+backward": (1.0, 1.2), "grads home": (0.1, 0.3),
+                     "norm, Adam, weights up": (pytest.approx(0.75), pytest.approx(0.7))}

@@ -134,3 +134,14 @@ def _bandwidth(rates: Rates, src: Tier, dst: Tier) -> float:
     if src == dst or Tier.DEVICE not in (src, dst):
         return rates.host_copy
     return rates.h2d if dst == Tier.DEVICE else rates.d2h
+
+
+def against_measured(predicted: dict[str, float], *, forward_backward: float, grads_home: float,
+                     step: float) -> dict[str, tuple[float, float]]:
+    """``predicted`` stages beside what a run measured, per step: forward+backward (inside ``tm(...)``
+    and ``tm.backward``), the wait for the last grads at the start of ``step()``, and the rest of
+    ``step()`` (the other stages, which it runs)."""
+    rest = {k: v for k, v in predicted.items() if k not in ("forward+backward", "grads home")}
+    return {"forward+backward": (predicted["forward+backward"], forward_backward),
+            "grads home": (predicted["grads home"], grads_home),
+            "norm, Adam, weights up": (sum(rest.values()), step - grads_home)}

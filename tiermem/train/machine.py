@@ -1,12 +1,14 @@
-"""This machine's profile for the cost model: the one ``tiermem bench`` saved, or, on first use when
-there is none, a quick measurement (a few seconds, announced by a log line) that is saved in its
-place. ``tiermem bench`` measures more, and more carefully; run it to replace this one.
+"""This machine as the planner sees it: the limits its stores will have, and its profile for the cost
+model (the one ``tiermem bench`` saved, or, on first use when there is none, a quick measurement of
+a few seconds, announced by a log line, saved in its place; ``tiermem bench`` measures more, and
+more carefully: run it to replace this one).
 """
 from __future__ import annotations
 
 import datetime
 import logging
 import os
+import shutil
 import tempfile
 import time
 from typing import Callable, Optional
@@ -14,13 +16,29 @@ from typing import Callable, Optional
 import torch
 
 from tiermem import optim
+from tiermem.budgets import Budgets
 from tiermem.memory.nvme import NvmeStore
+from tiermem.memory.resident import default_device_budget, default_host_budget
 from tiermem.plan.profile import SCHEMA, Profile, load_profile, profile_path, save_profile
+from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
 
 _BYTES = 64 * 2**20
 _ADAM_PARAMS = 2**22
+
+
+def store_limits(device: torch.device, budgets: Budgets, nvme_dir: Optional[str]) -> dict[Tier, int]:
+    """What each store will be allowed, computed as the stores compute it, before any exists (on an
+    accelerator, no more than is free there now); NVMe only with a directory."""
+    dev = budgets.device if budgets.device is not None else default_device_budget(device)
+    if device.type == "cuda":
+        dev = min(dev, torch.cuda.mem_get_info(device)[0])
+    limits = {Tier.DEVICE: dev, Tier.HOST: budgets.host if budgets.host is not None else default_host_budget()}
+    if nvme_dir is not None:
+        limits[Tier.NVME] = budgets.nvme if budgets.nvme is not None else (
+            shutil.disk_usage(nvme_dir).free if os.path.isdir(nvme_dir) else 0)
+    return limits
 
 
 def machine_profile(device: torch.device, nvme_dir: Optional[str]) -> Profile:

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -25,11 +24,12 @@ from tiermem.config import AdamW, _AdamSpec, working_dtype
 from tiermem.errors import ConfigError
 from tiermem.memory.ledger import Reclaimers
 from tiermem.memory.nvme import NvmeStore
-from tiermem.memory.resident import DeviceStore, HostStore, default_device_budget, default_host_budget
+from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
 from tiermem.plan.footprint import check_fits, footprint, largest_module_bytes, totals
 from tiermem.plan.choose import Evaluator
+from tiermem.plan.cost import against_measured
 from tiermem.plan.placement import plan
 from tiermem.plan.policy import Policy, resolve_policy
 from tiermem.train import checkpoint
@@ -37,7 +37,7 @@ from tiermem.train.activations import ActivationOffloader
 from tiermem.train.backward import GradCollector
 from tiermem.train.hooks import HookSet
 from tiermem.train.layout import build, make_homes
-from tiermem.train.machine import machine_profile
+from tiermem.train.machine import machine_profile, store_limits
 from tiermem.train.optimizer import TieredOptimizer
 from tiermem.train.param_offload import ParamOffload
 from tiermem.train.phase import Lifecycle, Phase
@@ -166,7 +166,7 @@ class TieredModel:
         self.grad_clip, self.overlap_step = grad_clip, opts.overlap
         self.tracer = Tracer(trace_path)
         self.group = resolve_group(process_group, tracer=self.tracer if trace_path else None)  # NOTE [Data parallel]; one process: every collective a no-op
-        self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=_limits(opts, nvme_dir),
+        self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=store_limits(opts.device, opts.budgets, nvme_dir),
                                     machine=lambda: machine_profile(opts.device, nvme_dir), overlap=opts.overlap,
                                     world=self.group.world)
         self.placement = self._evaluator.bind(self.policy)  # NOTE [Whole-model policies]: what decides each tensor
@@ -370,21 +370,15 @@ class TieredModel:
                       placement=repr(self.placement), stages=self._stages())
 
     def _stages(self) -> dict[str, tuple[float, float]]:
-        """Predicted against measured seconds per step, by stage (the predicted ones from the cost
-        model, NOTE [Cost model], fed the measured forward+backward); empty before a step, or when no
-        machine profile exists and the placement needed none."""
+        """Predicted against measured seconds per step, by stage (NOTE [Cost model]; the prediction fed
+        the measured forward+backward); empty before a step, or when no machine profile exists and
+        the placement needed none."""
         steps = self.stepper.steps
-        if not steps:
-            return {}
-        fb = self._compute_seconds / steps
-        predicted = self._evaluator.predict(self.placement, fb)
+        predicted = self._evaluator.predict(self.placement, self._compute_seconds / steps) if steps else None
         if predicted is None:
             return {}
-        home = predicted.pop("grads home")
-        compute = predicted.pop("forward+backward")
-        waited = self.stepper.wait_seconds / steps
-        return {"forward+backward": (compute, fb), "grads home": (home, waited),
-                "norm, Adam, weights up": (sum(predicted.values()), self.stepper.seconds / steps - waited)}
+        return against_measured(predicted, forward_backward=self._compute_seconds / steps,
+                                grads_home=self.stepper.wait_seconds / steps, step=self.stepper.seconds / steps)
 
     def detach(self) -> torch.nn.Module:
         """Remove every hook and give the module back with fp32 weights (on the CPU, where the
@@ -418,20 +412,6 @@ def _make_stores(opts: _Options, nvme_dir: Optional[str], reclaimers: Reclaimers
             mine = nvme_dir  # missing: the store's error names the directory the user gave
         stores[Tier.NVME] = NvmeStore(mine, budget=opts.budgets.nvme)
     return stores
-
-
-def _limits(opts: _Options, nvme_dir: Optional[str]) -> dict[Tier, int]:
-    """What each store will be allowed, as the stores compute it, before any exists (on an
-    accelerator, no more than is free there now)."""
-    device = opts.budgets.device if opts.budgets.device is not None else default_device_budget(opts.device)
-    if opts.device.type == "cuda":
-        device = min(device, torch.cuda.mem_get_info(opts.device)[0])
-    limits = {Tier.DEVICE: device,
-              Tier.HOST: opts.budgets.host if opts.budgets.host is not None else default_host_budget()}
-    if nvme_dir is not None:
-        limits[Tier.NVME] = opts.budgets.nvme if opts.budgets.nvme is not None else (
-            shutil.disk_usage(nvme_dir).free if os.path.isdir(nvme_dir) else 0)
-    return limits
 
 
 def _note(error: BaseException, text: str) -> None:
