@@ -217,3 +217,23 @@ def test_a_split_on_the_gpu_agrees_with_zero_offload_on_the_cpu():
     diff = torch.cat([(g[k].cpu() - c[k]).flatten() for k in w0]).norm()
     update = torch.cat([(c[k] - w0[k]).flatten() for k in w0]).norm()
     assert update > 0 and diff <= GPU_VS_CPU_ALL * update
+
+
+@pytest.mark.cuda
+def test_the_device_adam_never_waits_for_the_device():
+    """NOTE [Split step]: the CPU's Adam runs while the device's is queued, so queueing it must not
+    synchronise with the device (torch raises on a synchronising call in "error" mode)."""
+    from tiermem.optim import adam_step
+    g = torch.Generator(device="cuda").manual_seed(0)
+    master, grad = (torch.randn(4099, device="cuda", generator=g) for _ in range(2))
+    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    out = torch.empty(4099, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        adam_step(master, exp_avg, exp_avg_sq, grad, step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                  weight_decay=0.1, grad_scale=2.0, clip_coef=0.5, out=out, check_finite=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.isfinite(master).all() and exp_avg.abs().sum() > 0
