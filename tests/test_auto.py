@@ -201,3 +201,19 @@ def test_without_a_profile_the_machine_is_measured_once_and_saved(tmp_path, monk
     with caplog.at_level(logging.WARNING, logger="tiermem.train.machine"):
         _tm(Auto())
     assert "measuring" not in caplog.text  # the saved profile is used from then on
+
+
+def test_report_without_a_usable_profile_leaves_the_stages_out(tmp_path, monkeypatch):
+    """A saved profile that lacks a figure (an older bench's) makes report() say nothing of the
+    stages; it never fails a report."""
+    from tiermem.plan import profile
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    profile.save_profile({"schema": profile.SCHEMA, "device": {"accelerator": "a GPU"}, "host": {}, "nvme": {},
+                          "adam": {}})
+    tm = _tm(ZeroOffload())
+    _train(tm, 1)
+    assert tm.report().stages == {}
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "none"))
+    tm = _tm(ZeroOffload())
+    _train(tm, 1)
+    assert tm.report().stages == {}  # no profile, and ZeroOffload needed none: nothing is measured for it

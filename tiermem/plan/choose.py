@@ -17,7 +17,7 @@ from tiermem.plan.cost import Rates, predict
 from tiermem.plan.footprint import footprint, largest_module_bytes, totals
 from tiermem.plan.placement import bind, compute_tier, plan
 from tiermem.plan.policy import Evaluation, Policy
-from tiermem.plan.profile import Profile
+from tiermem.plan.profile import Profile, load_profile
 from tiermem.types import Tier
 
 
@@ -45,14 +45,16 @@ class Evaluator:
     def predict(self, policy: Policy, forward_backward: float) -> Optional[dict[str, float]]:
         """Predicted seconds per stage of ``policy``'s step with the measured ``forward_backward``,
         from the profile the placement was chosen with (or a saved one); None when there is none
-        (nothing is measured for it)."""
-        if self._asked is None and self._rates is None:
-            from tiermem.plan.profile import load_profile
-            saved = load_profile()
-            if saved is None:
-                return None
-            self._rates = Rates.from_profile(saved)
-        ev = self(policy, self._asked, forward_backward)
+        (nothing is measured for it) or it lacks a figure the cost model needs."""
+        try:
+            if self._asked is None and self._rates is None:
+                saved = load_profile()
+                if saved is None:
+                    return None
+                self._rates = Rates.from_profile(saved)
+            ev = self(policy, self._asked, forward_backward)
+        except ConfigError:  # a profile that lacks a figure: report() says nothing rather than fail
+            return None
         return dict(ev.stages) if ev.stages else None
 
     def __call__(self, policy: Policy, profile: Any = None, forward_backward: float = 0.0) -> Evaluation:
