@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from tiermem.errors import ConfigError, fmt_bytes
 from tiermem.plan.policy import Evaluation, ModelInfo, Policy
@@ -80,6 +80,11 @@ class Auto(Policy):
                 not 0 <= device_reserve < 1:
             raise ConfigError(f"tiermem: Auto.device_reserve={device_reserve!r} is invalid: the share of the device "
                               f"left for activations, a number from 0 up to (not including) 1, e.g. 0.1")
+        if profile is not None and not isinstance(profile, Mapping) and not isinstance(getattr(profile, "data", None),
+                                                                                Mapping):
+            raise ConfigError(f"tiermem: Auto.profile={profile!r} is invalid: pass a machine profile (a "
+                              f"tiermem.plan.profile.Profile, e.g. load_profile(path), or its data as a dict), or "
+                              f"None for this machine's")
         self.profile, self.forward_backward, self.device_reserve = profile, float(forward_backward), float(device_reserve)
         self.choices: Optional[list[Choice]] = None  # set on the bound copy: the chosen one first
 

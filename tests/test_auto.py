@@ -172,6 +172,7 @@ def test_every_rejected_alternative_says_why():
     (dict(forward_backward=True), "Auto.forward_backward=True is invalid"),
     (dict(device_reserve=1.0), "Auto.device_reserve=1.0 is invalid"),
     (dict(device_reserve=-0.5), "Auto.device_reserve=-0.5 is invalid"),
+    (dict(profile="profile.json"), "Auto.profile='profile.json' is invalid: pass a machine profile"),
 ])
 def test_bad_arguments_are_refused(kw, match):
     with pytest.raises(ConfigError, match="^tiermem: " + match):
