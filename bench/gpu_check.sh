@@ -30,7 +30,7 @@ fi
 if [ -n "$dry" ]; then  # no device: the cuda tests must at least import and collect
     timeout 120 "$py" -m pytest -q -m cuda --collect-only -p no:cacheprovider tests/ >"$out/tests.txt" 2>&1
 else
-    timeout 300 "$py" -m pytest -q -m cuda -p no:cacheprovider --timeout=240 tests/ >"$out/tests.txt" 2>&1
+    timeout 210 "$py" -m pytest -q -m cuda -p no:cacheprovider --timeout=150 tests/ >"$out/tests.txt" 2>&1
 fi
 rc=$?; tail -15 "$out/tests.txt"; [ $rc -eq 0 ] || { echo "cuda tests: exit $rc"; status=1; }
 # the suite's policy-equivalence tests train on the default device, the GPU here
@@ -41,11 +41,16 @@ equiv="tests/test_param_offload.py::test_weights_off_device_give_identical_numbe
 if [ -n "$dry" ]; then
     timeout 60 "$py" -m pytest -q --collect-only -p no:cacheprovider $equiv >>"$out/tests.txt" 2>&1
 else
-    timeout 150 "$py" -m pytest -q -p no:cacheprovider --timeout=120 $equiv >>"$out/tests.txt" 2>&1
+    timeout 90 "$py" -m pytest -q -p no:cacheprovider --timeout=80 $equiv >>"$out/tests.txt" 2>&1
 fi
 rc=$?; tail -3 "$out/tests.txt"; [ $rc -eq 0 ] || { echo "equivalence tests on the GPU: exit $rc"; status=1; }
 
-timeout 240 "$py" bench/gpu_check.py --out "$out" $dry >"$out/bench.txt" 2>&1
+timeout 200 "$py" bench/gpu_check.py --out "$out" $dry >"$out/bench.txt" 2>&1
 rc=$?; cat "$out/bench.txt" | tail -40; [ $rc -eq 0 ] || { echo "benchmarks: exit $rc"; status=1; }
+# the split optimizer's real GPU gain (ZeroOffload(device_fraction=f), f in 0, 0.25, 0.5, 1)
+if [ -n "$dry" ]; then split="--device cpu --n-layer 2 --n-embd 64 --seq-len 32 --fractions 0,1 --steps 1 --warmup 1"
+else split="--device cuda --steps 4"; fi
+timeout 90 "$py" bench/split_step.py $split >"$out/split_step.txt" 2>&1
+rc=$?; tail -8 "$out/split_step.txt"; [ $rc -eq 0 ] || { echo "split step: exit $rc"; status=1; }
 echo "gpu_check: $([ $status -eq 0 ] && echo passed || echo FAILED); files in $out"
 exit $status

@@ -10,11 +10,11 @@ The hooks never move parameters, nor tensors under one page
 """
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, replace
 
 from tiermem.budgets import ByteSize, parse_bytes
 from tiermem.errors import ConfigError
-from tiermem.plan.policy import Policy
+from tiermem.plan.policy import ModelInfo, Policy
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 
@@ -43,6 +43,10 @@ class ActivationOffload(Policy):
         if info.kind is TensorClass.ACTIVATION and info.nbytes >= self.min_bytes:
             return self.tier
         return self.base.place(info)
+
+    def for_model(self, model: ModelInfo) -> Policy:
+        base = self.base.for_model(model)
+        return self if base is self.base else replace(self, base=base)
 
     def __repr__(self) -> str:
         return f"ActivationOffload({self.base!r}, tier={self.tier}, min_bytes={self.min_bytes})"

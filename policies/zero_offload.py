@@ -1,15 +1,94 @@
 """ZeRO-Offload: weights and activations on the device; grads and optimizer state on the host,
-where the fused CPU Adam updates them."""
+where the fused CPU Adam updates them. ``device_fraction`` keeps part of the optimizer state (and
+its grads) on the device, where the device's Adam updates it while the CPU updates the rest.
+
+# NOTE [Which optimizer state goes to the device first]
+``ZeroOffload(device_fraction=f)`` keeps the state of about ``f`` of the trainable parameters
+(counted in elements, so in bytes: all of it is fp32) on the device, chosen in the order forward
+uses the parameters: the first layers first. Those are the parameters whose gradients backward
+produces *last*, and three things follow:
+
+- the grads that arrive early leave for the host while backward still runs, hidden behind it;
+  the last ones would leave when backward is over, with the step waiting for them. Keeping the
+  last ones on the device takes that exposed tail off the critical path;
+- the host buckets are the ones whose grads have been home longest, so the CPU Adam can start on
+  them at once, while the device Adam runs on the freshest grads where they already are;
+- in a GPT the first parameter forward uses is the token embedding, usually tied to the output
+  head and the largest tensor, whose grad is complete only after the very last op of backward.
+
+A parameter is taken whole, and the walk stops at the first one that would pass the fraction: the
+device part is a prefix of the model in forward order (the tail of backward), at most ``f`` of the
+state and short of it by less than one parameter. (Skipping a large parameter to take smaller
+ones after it would get closer to ``f``, but would send grads that arrive early in backward, the
+ones whose trip home is hidden anyway, to the device.) ``f=0`` is plain
+ZeRO-Offload, ``f=1`` every grad and all state on the device (KeepOnDevice's step, weights and
+activations as ZeRO-Offload places them).
+"""
 from __future__ import annotations
 
-from tiermem.plan.policy import PerClass
-from tiermem.types import TensorClass, Tier
+import copy
+import math
+from typing import Optional
+
+from tiermem.errors import ConfigError
+from tiermem.plan.policy import ModelInfo, PerClass, Policy
+from tiermem.types import TensorClass, TensorInfo, Tier
+
+
+def _check_fraction(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0.0 <= value <= 1.0:
+        raise ConfigError(f"tiermem: ZeroOffload.device_fraction={value!r} is invalid: it is the share of the "
+                          f"optimizer state kept on the device, a number from 0 (all on the host) to 1 (all "
+                          f"on the device); pass e.g. device_fraction=0.25")
+    return float(value)
+
+
+def device_share(model: ModelInfo, fraction: float) -> frozenset[str]:
+    """The parameters whose grads and optimizer state ``ZeroOffload(device_fraction=fraction)`` keeps
+    on the device (NOTE [Which optimizer state goes to the device first])."""
+    room = fraction * model.numel
+    chosen: set[str] = set()
+    for p in model.params:
+        if p.numel > room:
+            break
+        chosen.add(p.name)
+        room -= p.numel
+    return frozenset(chosen)
 
 
 class ZeroOffload(PerClass):
+    """ZeRO-Offload, with ``device_fraction`` of the optimizer state (and its grads) on the device."""
+
     homes = {
         TensorClass.PARAM: Tier.DEVICE,
         TensorClass.ACTIVATION: Tier.DEVICE,
         TensorClass.GRAD: Tier.HOST,
         TensorClass.OPTIM_STATE: Tier.HOST,
     }
+
+    def __init__(self, *, device_fraction: float = 0.0):
+        self.device_fraction = _check_fraction(device_fraction)
+        self._on_device: Optional[frozenset[str]] = None  # decided by for_model (None: not yet)
+
+    def for_model(self, model: ModelInfo) -> Policy:
+        if self.device_fraction in (0.0, 1.0) or self._on_device is not None:
+            return self  # nothing depends on the model, or it is bound already
+        bound = copy.copy(self)  # a subclass stays itself
+        bound._on_device = device_share(model, self.device_fraction)
+        return bound
+
+    def place(self, info: TensorInfo) -> Tier:
+        if info.kind not in (TensorClass.GRAD, TensorClass.OPTIM_STATE) or self.device_fraction == 0.0:
+            return self.homes[info.kind]
+        if self.device_fraction == 1.0:
+            return Tier.DEVICE
+        if self._on_device is None:
+            raise ConfigError(f"tiermem: {self!r} splits the optimizer state over the whole model and was asked "
+                              f"about {info.name!r} alone; call .for_model(ModelInfo(...)) first and ask the "
+                              f"policy it returns (TieredModel does this)")
+        name = info.name.rpartition(":")[0] if info.kind is TensorClass.OPTIM_STATE else info.name
+        return Tier.DEVICE if name in self._on_device else Tier.HOST
+
+    def __repr__(self) -> str:
+        return "ZeroOffload()" if self.device_fraction == 0.0 else f"ZeroOffload(device_fraction={self.device_fraction})"

@@ -212,7 +212,13 @@ def _adam_steps(s: Settings, res: _Results, bufs: list[torch.Tensor]) -> _Steps:
         res.rate(d["adam"], "tiermem_Gparams_per_s", a.tiermem, "adam.tiermem_Gparams_per_s")
         res.rate(d["adam"], "torch_fused_Gparams_per_s", a.torch_fused, "adam.torch_fused_Gparams_per_s")
         d["adam"]["tiermem_vs_torch"] = round(a.tiermem.median / a.torch_fused.median, 3)
-    return [("CPU Adam: tiermem and torch fused AdamW", adam)]
+    steps: _Steps = [("CPU Adam: tiermem and torch fused AdamW", adam)]
+    if torch.cuda.is_available():
+        def device_adam() -> None:  # the split step's device half (ZeroOffload(device_fraction=...))
+            res.rate(d["adam"], "device_Gparams_per_s", measure.device_adam(s.adam_params, **_timing(s)),
+                     "adam.device_Gparams_per_s")
+        steps.append(("device Adam", device_adam))
+    return steps
 
 
 def _check_space(nvme_dir: str, s: Settings) -> None:

@@ -48,6 +48,32 @@ def parse_count(text: str) -> int:
 def from_factory(spec: str) -> ModelSize:
     """Build ``pkg.mod:factory`` (a callable returning a module, or a module object) on the meta
     device, so no memory is allocated, and count its parameters (tied ones once)."""
+    model = load_model(spec)
+    trainable = frozen = 0
+    for p in model.parameters():  # parameters() yields a tied parameter once
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen += p.numel()
+    return ModelSize(trainable, frozen, source=f"--model {spec}")
+
+
+class StandIn(torch.nn.Module):
+    """A model known by its parameter count only, as ``layers`` equal layers on the meta device (in
+    the order forward uses them), for planners that place parameters one by one."""
+
+    def __init__(self, trainable: int, frozen: int = 0, *, layers: int = 48):
+        super().__init__()
+        layers = max(1, min(layers, trainable))
+        sizes = [trainable // layers + (1 if i < trainable % layers else 0) for i in range(layers)]
+        self.layers = torch.nn.ParameterList(torch.nn.Parameter(torch.empty(n, device="meta")) for n in sizes)
+        if frozen:
+            self.frozen = torch.nn.Parameter(torch.empty(frozen, device="meta"), requires_grad=False)
+
+
+def load_model(spec: str) -> torch.nn.Module:
+    """The module ``pkg.mod:factory`` names (a callable returning one, built on the meta device, or
+    a module object)."""
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise ConfigError(f"tiermem: --model {spec!r} is not 'package.module:factory'; write the module "
@@ -66,14 +92,7 @@ def from_factory(spec: str) -> ModelSize:
     except AttributeError:
         raise ConfigError(f"tiermem: module {mod_name!r} has no attribute {attr!r}; check the name "
                           f"after the colon in --model") from None
-    model = obj if isinstance(obj, torch.nn.Module) else _build(spec, obj)
-    trainable = frozen = 0
-    for p in model.parameters():  # parameters() yields a tied parameter once
-        if p.requires_grad:
-            trainable += p.numel()
-        else:
-            frozen += p.numel()
-    return ModelSize(trainable, frozen, source=f"--model {spec}")
+    return obj if isinstance(obj, torch.nn.Module) else _build(spec, obj)
 
 
 def _build(spec: str, factory: Any) -> torch.nn.Module:

@@ -22,7 +22,8 @@ EPILOG = """\
 examples:
   tiermem plan --params 7.5e9
   tiermem plan --model mypkg.models:gpt_small --device-mem 24GB
-  tiermem plan --config llama-7b/config.json --json plan.json"""
+  tiermem plan --config llama-7b/config.json --json plan.json
+  tiermem plan --params 7.5e9 --policy auto --device-mem 80GB --host-mem 256GB"""
 
 
 def add_parser(sub: Any) -> None:
@@ -36,8 +37,11 @@ def add_parser(sub: Any) -> None:
     src.add_argument("--config", metavar="CONFIG.JSON", help="a Hugging Face style config.json")
     p.add_argument("--precision", choices=sizing.PRECISIONS, action="append",
                    help="only this precision (repeatable; default: all)")
-    p.add_argument("--policy", choices=list(sizing.builtin_placements()), action="append",
-                   help="only this built-in policy (repeatable; default: all)")
+    p.add_argument("--policy", choices=list(sizing.builtin_placements()) + ["auto"], action="append",
+                   help="only this built-in policy (repeatable; default: all); 'auto': what policies.Auto "
+                        "would choose, the predicted seconds per stage, and the alternatives it rejected")
+    p.add_argument("--forward-backward", type=float, metavar="SECONDS",
+                   help="with --policy auto: the measured seconds of one forward and backward")
     p.add_argument("--device-mem", metavar="SIZE",
                    help="device memory, e.g. 80GB (default: the accelerator's; without one, the host RAM "
                         "the device tier shares)")
@@ -183,11 +187,21 @@ def run(args: argparse.Namespace) -> int:
     size = _model_size(args)
     limits, origin = _limits(args)
     precisions = args.precision or list(sizing.PRECISIONS)
-    plan = build_plan(size, limits, list(dict.fromkeys(precisions)),
-                      sizing.policies(list(dict.fromkeys(args.policy)) if args.policy else None))
+    named = list(dict.fromkeys(args.policy or []))
+    auto = "auto" in named
+    named = [n for n in named if n != "auto"]
+    plan: dict[str, Any] = {}
+    if named or not auto:
+        plan = build_plan(size, limits, list(dict.fromkeys(precisions)), sizing.policies(named or None))
+    if auto:
+        from tiermem.cli import plan_auto  # imports the policies and the machine profile: only when asked
+        plan["auto"] = plan_auto.choose(args, size.trainable, size.frozen, limits, precisions[0])
     if args.json is not None:
         _common.write_json(args.json, plan)
     if args.json != "-":
-        _render(plan, origin)
+        if "precisions" in plan:
+            _render(plan, origin)
+        if auto:
+            plan_auto.render(plan["auto"])
     return 0
 

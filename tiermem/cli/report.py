@@ -94,6 +94,10 @@ def _adam_table(data: dict[str, Any]) -> Table:
     t.add_row(a["torch_kernel"], f"{a['torch_fused_Gparams_per_s']:.3f}",
               _cv(data, a, "torch_fused_Gparams_per_s", "adam.torch_fused_Gparams_per_s"),
               f"tiermem / torch = {a['tiermem_vs_torch']:.2f}x")
+    if "device_Gparams_per_s" in a:  # measured on an accelerator: the split step's device half
+        t.add_row("device: adam_step on the accelerator, fp32 state", f"{a['device_Gparams_per_s']:.3f}",
+                  _cv(data, a, "device_Gparams_per_s", "adam.device_Gparams_per_s"),
+                  "ZeroOffload(device_fraction=...), Auto")
     return t
 
 

@@ -27,6 +27,9 @@ class Report:
     rank: int = 0  # under data parallelism: this rank's figures, of ``world``
     world: int = 1
     collective_bytes: int = 0  # bytes this rank sent through collectives (reduce-scatter, all-gather, ...)
+    placement: str = ""  # the policy that placed each tensor (a whole-model policy's decision in its repr)
+    #: seconds per step by stage: (predicted by the cost model, measured); empty without a machine profile
+    stages: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def gbps(self, src: Tier, dst: Tier) -> float:
         """Achieved bandwidth of the transfers src -> dst while they ran (GB/s, 1e9 bytes)."""
@@ -59,6 +62,13 @@ class Report:
         stalls = ", ".join(f"{t.value} {s:.3f}s" for t, s in self.stall_seconds_per_tier.items() if s)
         lines.append(f"stalled waiting on transfers: {self.stall_seconds:.3f}s" + (f" ({stalls})" if stalls else "")
                      + (f"; time in step(): {self.step_seconds:.3f}s" if self.steps else ""))
+        if self.stages:
+            lines.append(f"placement: {self.placement}")
+            lines.append(f"{'per step':<26}{'predicted':>12}{'measured':>12}")
+            for stage, (predicted, measured) in self.stages.items():
+                lines.append(f"{stage:<26}{predicted * 1e3:>10.1f}ms{measured * 1e3:>10.1f}ms")
+            p, m = (sum(v[i] for v in self.stages.values()) for i in (0, 1))
+            lines.append(f"{'step':<26}{p * 1e3:>10.1f}ms{m * 1e3:>10.1f}ms")
         return "\n".join(lines)
 
 

@@ -96,7 +96,9 @@ def _device_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
         g = g.mul(hyper.inv_grad_scale)
     if hyper.clip_coef != 1.0:
         g = g.mul(hyper.clip_coef)
-    step = [torch.full((), float(hyper.step), dtype=torch.float32, device=master.device)]  # a fill, not a blocking copy
+    # a fill, not a copy from the CPU: a blocking copy would wait for every kernel queued before it
+    # (NOTE [Split step]: the CPU's Adam runs while the device's is queued)
+    step = [torch.full((), float(hyper.step), dtype=torch.float32, device=master.device)]
     fused([master], [g], [exp_avg], [exp_avg_sq], [], step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
           weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False)
     if out is not None:

@@ -8,13 +8,14 @@ Every rule about which placements this version can honour lives here, so the con
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable, Mapping, Optional
 
 import torch
 
 from tiermem.config import _AdamSpec
 from tiermem.errors import ConfigError
 from tiermem.plan.buckets import STATE_PARTS, Bucket, plan_buckets
-from tiermem.plan.policy import Policy, checked_place
+from tiermem.plan.policy import Evaluation, ModelInfo, Policy, bound, checked_place
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 def compute_tier(b: Bucket) -> Tier:
@@ -77,13 +78,26 @@ def _unique_params(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Pa
     return unique, dict(names)
 
 
+def bind(module: torch.nn.Module, policy: Policy, dtype: torch.dtype, limits: Optional[Mapping[Tier, int]] = None,
+         evaluate: Optional[Callable[..., Evaluation]] = None) -> Policy:
+    """The policy to ask about ``module``'s tensors: ``policy.for_model`` told about the trainable
+    parameters in the order forward uses them (NOTE [Whole-model policies]). Binding a bound
+    policy again gives it back unchanged."""
+    unique, _ = _unique_params(module)
+    params = tuple(_info(name, TensorClass.PARAM, p, dtype) for name, p in unique if p.requires_grad)
+    return bound(policy, ModelInfo(params, dtype, dict(limits or {}), evaluate))
+
+
 def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.dtype,
-         bucket_numel: int, *, overlap: bool = False, world: int = 1
+         bucket_numel: int, *, overlap: bool = False, world: int = 1, limits: Optional[Mapping[Tier, int]] = None
          ) -> tuple[list[Bucket], list[list[str]], dict[int, list[str]], dict[str, Tier]]:
-    """Ask the policy about every tensor, then pack trainable parameters into buckets. Returns the
-    buckets, the parameter names per optimizer group, every name of each parameter, and the
-    parameters whose working weights live off the device, with their home."""
+    """Ask the policy about every tensor (once bound to the whole model: NOTE [Whole-model
+    policies]), then pack trainable parameters into buckets. Returns the buckets, the parameter
+    names per optimizer group, every name of each parameter, and the parameters whose working
+    weights live off the device, with their home. ``limits``: bytes each tier may hold, for the
+    policies that size a split."""
     unique, names = _unique_params(module)
+    policy = bind(module, policy, dtype, limits)
     param_homes: dict[str, Tier] = {}
     entries, groups = [], [[], []]  # group 0: weight decay applies; group 1: it does not
     for name, p in reversed(unique):  # reverse order of use: backward fills the last ones first

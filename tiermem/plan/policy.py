@@ -8,14 +8,73 @@ manager mutates, so it can be tested with made-up :class:`TensorInfo` on any mac
             if info.kind is TensorClass.OPTIM_STATE and info.name.startswith("wte."):
                 return Tier.NVME
             return ZeroOffload().place(info)
+
+A policy that decides over the whole model (how much of the optimizer state fits on the device,
+which parameters get it) overrides :meth:`Policy.for_model`: it is told about every trainable
+parameter once, before any ``place`` call, and returns the policy to ask, itself still pure
+(NOTE [Whole-model policies]).
 """
 from __future__ import annotations
 
 import abc
-from typing import Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+import torch
 
 from tiermem.errors import ConfigError
 from tiermem.types import TensorClass, TensorInfo, Tier
+
+
+# NOTE [Whole-model policies]
+# ``place(info)`` sees one tensor; a split such as "a quarter of the optimizer state on the device"
+# needs the whole model. Before asking about any tensor, the planner calls ``for_model`` once with
+# a :class:`ModelInfo` and asks the policy it returns from then on. That policy is an ordinary
+# pure one (usually a frozen set of names decided from the ModelInfo), so the decision is made
+# once, is visible in its repr, and every ``place`` answer stays a function of the info alone.
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a policy is told about the whole model before it places any tensor."""
+
+    #: a PARAM info for every trainable parameter (tied weights once), in the order forward uses
+    #: them (registration order): backward produces their gradients in the reverse order
+    params: tuple[TensorInfo, ...]
+    #: the working precision of the weights
+    dtype: torch.dtype = torch.bfloat16
+    #: bytes each tier may hold for this model (the Budgets, or the tier's capacity); a tier
+    #: absent from the mapping is unbounded
+    limits: Mapping[Tier, int] = field(default_factory=dict)
+
+    #: the planner's judge of a candidate placement (NOTE [Choosing a placement]); None where no
+    #: planner can judge (a ModelInfo made up in a test of a policy that needs none)
+    evaluate: Optional[Callable[..., "Evaluation"]] = field(default=None, compare=False)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+# NOTE [Choosing a placement]
+# A policy that chooses among placements (policies.Auto) cannot check one itself: the footprint,
+# the budgets and the cost model sit above the policy layer. The planner passes its judge in
+# ModelInfo.evaluate: ``evaluate(policy, profile=None, forward_backward=0.0)`` plans the buckets
+# ``policy`` gives this model exactly as TieredModel would, and says whether the constructor would
+# accept them (no refused combination, every tier within its limit) and how long a step is predicted
+# to take, per stage (tiermem/plan/cost.py, NOTE [Cost model]). ``profile``: a machine profile to
+# use instead of this machine's (saved by ``tiermem bench``, measured on first use when none is).
+@dataclass(frozen=True)
+class Evaluation:
+    """The planner's verdict on one candidate placement."""
+
+    fits: bool
+    stages: Mapping[str, float]  # predicted seconds per stage of a step
+    need: Mapping[Tier, int]  # bytes per tier the constructor would check
+    short: Mapping[Tier, int]  # bytes over the limit, per tier that does not fit
+    refused: Optional[str] = None  # the constructor's error for a combination it cannot honour
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.stages.values())
 
 
 class Policy(abc.ABC):
@@ -24,6 +83,11 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def place(self, info: TensorInfo) -> Tier:
         """The home tier of the tensor ``info`` describes."""
+
+    def for_model(self, model: ModelInfo) -> "Policy":
+        """The policy to ask about this model's tensors (NOTE [Whole-model policies]); by default
+        this one, which places each tensor on its own."""
+        return self
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -46,6 +110,15 @@ def resolve_policy(policy: Optional[Policy]) -> Policy:
         raise ConfigError(f"tiermem: policy={policy!r} is not a tiermem.Policy; pass an instance such "
                           f"as ZeroOffload() or a subclass of Policy that implements place(info)")
     return policy
+
+
+def bound(policy: Policy, model: ModelInfo) -> Policy:
+    """``policy.for_model(model)``, refusing anything that is not a :class:`Policy`."""
+    out = policy.for_model(model)
+    if not isinstance(out, Policy):
+        raise ConfigError(f"tiermem: {policy!r}.for_model() returned {out!r}; it must return a tiermem.Policy "
+                          f"(itself, when nothing depends on the whole model)")
+    return out
 
 
 def checked_place(policy: Policy, info: TensorInfo) -> Tier:

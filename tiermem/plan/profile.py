@@ -62,6 +62,12 @@ class Profile:
         value = self.data.get("adam", {}).get("tiermem_Gparams_per_s")
         return float(value) * 1e9 if isinstance(value, (int, float)) and value > 0 else None
 
+    def device_adam_params_per_second(self) -> Optional[float]:
+        """The device's Adam (fp32 state on the accelerator), or None when not measured (no accelerator:
+        the device's Adam is the CPU's)."""
+        value = self.data.get("adam", {}).get("device_Gparams_per_s")
+        return float(value) * 1e9 if isinstance(value, (int, float)) and value > 0 else None
+
     def noisy(self) -> list[str]:
         """Keys of the figures that varied by more than 10% over their repeats."""
         return list(self.data.get("noisy", []))

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -27,6 +28,8 @@ from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
 from tiermem.plan.footprint import check_fits, footprint, largest_module_bytes, totals
+from tiermem.plan.choose import Evaluator
+from tiermem.plan.cost import against_measured
 from tiermem.plan.placement import plan
 from tiermem.plan.policy import Policy, resolve_policy
 from tiermem.train import checkpoint
@@ -34,6 +37,7 @@ from tiermem.train.activations import ActivationOffloader
 from tiermem.train.backward import GradCollector
 from tiermem.train.hooks import HookSet
 from tiermem.train.layout import build, make_homes
+from tiermem.train.machine import machine_profile, store_limits
 from tiermem.train.optimizer import TieredOptimizer
 from tiermem.train.param_offload import ParamOffload
 from tiermem.train.phase import Lifecycle, Phase
@@ -167,11 +171,15 @@ class TieredModel:
         self.grad_clip, self.overlap_step = grad_clip, opts.overlap
         self.tracer = Tracer(trace_path)
         self.group = resolve_group(process_group, tracer=self.tracer if trace_path else None)  # NOTE [Data parallel]; one process: every collective a no-op
-        buckets, groups, names, param_homes = plan(module, self.policy, opts.spec, self.dtype, opts.bucket_numel,
+        self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=store_limits(opts.device, opts.budgets, nvme_dir),
+                                    machine=lambda: machine_profile(opts.device, nvme_dir), overlap=opts.overlap,
+                                    world=self.group.world)
+        self.placement = self._evaluator.bind(self.policy)  # NOTE [Whole-model policies]: what decides each tensor
+        buckets, groups, names, param_homes = plan(module, self.placement, opts.spec, self.dtype, opts.bucket_numel,
                                                    overlap=opts.overlap, world=self.group.world)
         self.group.check_same("model or configuration", fingerprint(
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
-            + [repr(self.policy), precision, opts.bucket_numel, repr(opts.spec), grad_clip, opts.overlap]))
+            + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), grad_clip, opts.overlap]))
         reclaimers = Reclaimers()  # a cache on the device (prefetched weights) gives room back to others
         self.stores = _make_stores(opts, nvme_dir, reclaimers, self.group)
         device_need = self._check_fits(buckets, param_homes)
@@ -200,6 +208,7 @@ class TieredModel:
         self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
                                  precision, self.dtype, frozen_off, self.group)
         self._life = Lifecycle()
+        self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
 
@@ -231,6 +240,15 @@ class TieredModel:
         return self._life.phase
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not (torch.is_grad_enabled() and self.module.training):
+            return self._forward(args, kwargs)  # not a training forward: no part of a step's time
+        t0 = time.perf_counter()
+        try:
+            return self._forward(args, kwargs)
+        finally:
+            self._compute_seconds += time.perf_counter() - t0
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
         with self._life.during("forward", Phase.FORWARD):
             args, kwargs = _cast_floats((args, kwargs), self.dtype, self.device)
             borrowing = self.param_offload.borrowing() if self.param_offload is not None else contextlib.nullcontext()
@@ -249,6 +267,13 @@ class TieredModel:
         too) are dropped: run the step's forward and backward again. If it raises before any did
         (e.g. a second backward through the same graph), nothing changed: earlier micro-batches'
         grads are kept, and the error says so."""
+        t0 = time.perf_counter()
+        try:
+            self._backward(loss)
+        finally:
+            self._compute_seconds += time.perf_counter() - t0
+
+    def _backward(self, loss: torch.Tensor) -> None:
         self._life.check("backward")
         _check_loss(loss)
         arrived_before = self.grads.arrivals
@@ -346,7 +371,19 @@ class TieredModel:
                       busy_seconds=st["busy_seconds"], budgets=budgets, steps=self.stepper.steps,
                       class_bytes_moved=st["class_bytes_moved"],
                       n_params=self.layout.n_params, step_seconds=self.stepper.seconds,
-                      rank=self.group.rank, world=self.group.world, collective_bytes=self.group.bytes_sent())
+                      rank=self.group.rank, world=self.group.world, collective_bytes=self.group.bytes_sent(),
+                      placement=repr(self.placement), stages=self._stages())
+
+    def _stages(self) -> dict[str, tuple[float, float]]:
+        """Predicted against measured seconds per step, by stage (NOTE [Cost model]; the prediction fed
+        the measured forward+backward); empty before a step, or when no machine profile exists and
+        the placement needed none."""
+        steps = self.stepper.steps
+        predicted = self._evaluator.predict(self.placement, self._compute_seconds / steps) if steps else None
+        if predicted is None:
+            return {}
+        return against_measured(predicted, forward_backward=self._compute_seconds / steps,
+                                grads_home=self.stepper.wait_seconds / steps, step=self.stepper.seconds / steps)
 
     def detach(self) -> torch.nn.Module:
         """Remove every hook and give the module back with fp32 weights (on the CPU, where the

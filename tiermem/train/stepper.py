@@ -16,6 +16,18 @@ parameters whose gradients are not finite, and ``max_skipped_steps`` (default 10
 in a row raise a ``tiermem:`` error with that diagnosis, instead of a run that trains nothing
 for hours. In fp16 skipping is the loss scaler's normal way to find its scale.
 
+# NOTE [Split step]
+A policy may keep some buckets' optimizer state (and their grads) on the device and the rest on
+the host or NVMe (``ZeroOffload(device_fraction=f)``). The step then launches the device's Adam
+on the device buckets before the CPU's Adam starts on the others: on an accelerator the device
+kernels are queued on its stream and return at once (no host synchronisation on that path), so
+both processors update at the same time; the device buckets' new weights are written in place,
+and only the host-updated weights are uploaded, behind the CPU's Adam. The next forward is queued
+on the same device stream, after the device's Adam. Revertible homes (NVMe) still go first, so a
+failed read or write there has changed nothing anywhere. On a machine without an accelerator the
+"device" is the CPU: the two parts run one after the other (running them at once would only share
+the same cores), with the same kernel, so the numbers are bit-identical to ZeRO-Offload's.
+
 Like ``torch.optim``, a parameter that received no gradient in a step is not updated, and each
 parameter keeps its own step count (bias correction). The step talks to homes only (NOTE
 [Homes]): it never asks which tier a bucket's grads, state or weights are on.
@@ -34,11 +46,12 @@ from tiermem.errors import TierMemError
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket
 from tiermem.train.backward import GradCollector
-from tiermem.train.homes import Runs, StateViews, slots_in, wait_gathered
+from tiermem.train.homes import Runs, StateHome, StateViews, slots_in, wait_gathered
 from tiermem.train.layout import Layout
 from tiermem.train.scaler import LossScaler
 from tiermem.train.uploads import Outputs, Uploads
 from tiermem.transfer.collectives import Group, Solo
+from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +91,7 @@ class Stepper:
         self.engine, self.scaler, self.grad_clip, self.tracer, self.overlap = engine, scaler, grad_clip, tracer, overlap
         self.steps = 0
         self.seconds = 0.0
+        self.wait_seconds = 0.0  # of ``seconds``: waiting for the last grads to reach their homes
         self._step_of: dict[str, int] = {}  # canonical parameter name -> updates applied to it
         self._background: Optional[tuple[Handle, list]] = None  # overlap: the update in flight
         self.max_skipped = max_skipped  # NOTE [A stalled run is loud]
@@ -121,8 +135,10 @@ class Stepper:
         return result
 
     def _run(self, groups: list[dict]) -> StepResult:
+        t0 = time.perf_counter()
         with self.tracer.span("wait grads", "stall"):
             self.finish_pending()
+        self.wait_seconds += time.perf_counter() - t0  # the grads' exposed trip home, for report()
         self._send_unsent()
         if not self.grads.has_grads():  # no backward since the last step (on any rank): a no-op, not counted
             log.warning("tiermem: step() with no gradient since the last step (no backward?): nothing updated, "
@@ -188,7 +204,7 @@ class Stepper:
         done: list[tuple[object, object]] = []
         updated: set[int] = set()  # buckets whose update cannot be undone
         try:
-            for home in self.homes.state_homes():
+            for home in _launch_order(self.homes.state_homes()):
                 mine = [(b, runs) for b, runs in upd.plan if self.homes.state[b.index] is home]
                 done.append((home, home.step(mine, lambda b, runs, st: self._adam(upd, uploads, b, runs, st),
                                              self.tracer, updated)))
@@ -319,6 +335,12 @@ class Stepper:
         self._step_of = dict(steps)
         self._resuming = None
         self.steps = int(total)
+
+
+def _launch_order(homes: list[StateHome]) -> list[StateHome]:
+    """NOTE [Split step]: revertible homes first (a failure there has changed nothing), then the
+    homes whose Adam runs on the device (launched, not waited for), then the rest on the CPU."""
+    return sorted(homes, key=lambda h: (not h.revertible, h.compute_tier != Tier.DEVICE))
 
 
 def _on_host(norms: list[torch.Tensor]) -> torch.Tensor:

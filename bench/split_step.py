@@ -1,0 +1,155 @@
+"""The split optimizer: step time of the example GPT across ``ZeroOffload(device_fraction=f)``, in one run.
+
+    python bench/split_step.py [--preset gpt50m] [--n-layer N --n-embd C] [--batch-size 4] [--seq-len 256]
+                               [--fractions 0,0.25,0.5,1] [--steps 6] [--warmup 2] [--device cpu|cuda]
+                               [--profile PROFILE.json] [--gpu-profile PROFILE.json]
+
+Each variant is one TieredModel with the same initial weights; they are stepped in turn (round-robin,
+so load from other processes hits all alike) and timed per iteration in two parts: forward+backward,
+and ``tm.step()`` (waiting for the last grads, the norm, both Adams, the uploads), synchronised on a GPU.
+
+Besides the measured figures it prints the cost model's prediction of ``tm.step()`` for each fraction
+(tiermem/plan/cost.py, NOTE [Cost model]) from this machine's profile (``tiermem bench``; measured
+here, quickly, when there is none) and, for a machine without an accelerator, the predicted step on a
+GPU: the GPU's rates from ``--gpu-profile`` (a profile saved by ``tiermem bench`` on a GPU machine) or,
+without one, nominal H100-class figures (stated in the output), with this machine's CPU Adam. With
+``--device cuda`` the measured figures are the real GPU gain. Ratios against f=0 come last.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
+
+from examples.gpt import GPT, PRESETS, config_from_args, lm_loss  # noqa: E402
+from tiermem import AdamW, TieredModel  # noqa: E402
+from tiermem.plan import cost  # noqa: E402
+from tiermem.plan.profile import Profile, load_profile  # noqa: E402
+from tiermem.policies import ZeroOffload  # noqa: E402
+
+LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
+# Nominal figures for a GPU machine when no --gpu-profile is given: PCIe 5 x16 pinned copies as
+# commonly measured, and torch's fused AdamW on HBM3 at about half its 3.35 TB/s over 28 B/param.
+NOMINAL_GPU = dict(h2d=25e9, d2h=25e9, device_adam=60e9)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="gpt50m")
+    p.add_argument("--n-layer", type=int, default=None, help="override the preset's depth")
+    p.add_argument("--n-embd", type=int, default=None, help="override the preset's width (heads of 64)")
+    p.add_argument("--vocab-size", type=int, default=96, help="tokens are random ids below this")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--fractions", default="0,0.25,0.5,1", help="device_fraction values, comma separated")
+    p.add_argument("--steps", type=int, default=6, help="measured steps per variant")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per variant first")
+    p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--profile", help="this machine's profile (default: the saved one; measured if none)")
+    p.add_argument("--gpu-profile", help="a GPU machine's profile, for the predicted GPU gain")
+    return p.parse_args()
+
+
+def machine_profile(path: str | None) -> Profile:
+    prof = load_profile(path) if path else load_profile()
+    if prof is not None:
+        return prof
+    from tiermem.cli.bench import QUICK, collect
+    print("no machine profile: measuring this machine (tiermem bench --quick, not saved) ...", flush=True)
+    return Profile(collect(QUICK, None, quick=True))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> int:
+    args = parse_args()
+    device = torch.device(args.device)
+    fractions = [float(f) for f in args.fractions.split(",")]
+    cfg = config_from_args(args)
+    rates = cost.Rates.from_profile(machine_profile(args.profile))
+    models = {}
+    for f in fractions:
+        torch.manual_seed(0)
+        models[f] = TieredModel(GPT(cfg), ZeroOffload(device_fraction=f), optimizer=AdamW(lr=LR, betas=BETAS,
+                                weight_decay=WD), precision="bf16", grad_clip=CLIP, device=device,
+                                bucket_size=args.bucket_size)
+    n = models[fractions[0]].layout.n_params
+    print(f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide, {n / 1e6:.1f}M parameters; batch {args.batch_size} x "
+          f"{args.seq_len}; device {device}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}")
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
+               for _ in range(args.warmup + args.steps)]
+    fb: dict[float, list[float]] = {f: [] for f in fractions}
+    st: dict[float, list[float]] = {f: [] for f in fractions}
+    for i, b in enumerate(batches):
+        x, y = b[:, :-1], b[:, 1:]
+        row = []
+        for f, tm in models.items():
+            sync(device)
+            t0 = time.perf_counter()
+            tm.backward(lm_loss(tm(x), y))
+            sync(device)
+            t1 = time.perf_counter()
+            tm.step()
+            sync(device)
+            t2 = time.perf_counter()
+            if i >= args.warmup:
+                fb[f].append(t1 - t0)
+                st[f].append(t2 - t1)
+            row.append(f"f={f:g} {1e3 * (t1 - t0):7.1f} + {1e3 * (t2 - t1):6.1f} ms")
+        print(f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1:2d}: " + "  ".join(row), flush=True)
+
+    med_fb = {f: statistics.median(v) for f, v in fb.items()}
+    med_st = {f: statistics.median(v) for f, v in st.items()}
+    itemsize = models[fractions[0]].dtype.itemsize
+    here = {f: cost.predict(tm.layout.buckets, itemsize, rates, forward_backward=med_fb[f]) for f, tm in models.items()}
+    print("\nmedian of", args.steps, "steps (forward+backward | tm.step()), and the cost model's tm.step():")
+    for f in fractions:
+        p = here[f]
+        print(f"  f={f:<5g} {1e3 * med_fb[f]:8.1f} | {1e3 * med_st[f]:7.1f} ms   predicted step() "
+              f"{1e3 * (p.seconds - p.stages['forward+backward']):7.1f} ms ({p})")
+
+    gpu = None
+    if device.type == "cpu":
+        if args.gpu_profile:
+            gpu, source = cost.Rates.from_profile(load_profile(args.gpu_profile)), args.gpu_profile
+        else:
+            gpu = cost.Rates(h2d=NOMINAL_GPU["h2d"], d2h=NOMINAL_GPU["d2h"], host_copy=rates.host_copy,
+                             nvme_read=rates.nvme_read, nvme_write=rates.nvme_write, cpu_adam=rates.cpu_adam,
+                             device_adam=NOMINAL_GPU["device_adam"], device_is_cpu=False)
+            source = (f"nominal GPU: h2d/d2h {NOMINAL_GPU['h2d'] / 1e9:g} GB/s, device Adam "
+                      f"{NOMINAL_GPU['device_adam'] / 1e9:g} Gparam/s; this machine's CPU Adam "
+                      f"{rates.cpu_adam / 1e9:.2f} Gparam/s")
+        print(f"\npredicted tm.step() on a GPU ({source}):")
+        on_gpu = {f: cost.predict(tm.layout.buckets, itemsize, gpu) for f, tm in models.items()}
+        for f in fractions:
+            print(f"  f={f:<5g} {1e3 * on_gpu[f].seconds:7.2f} ms ({on_gpu[f]})")
+
+    base = fractions[0]
+    print(f"\n== ratios (against f={base:g}, measured side by side) ==")
+    for f in fractions[1:]:
+        print(f"f={f:<5g} tm.step() / f={base:g}: measured {med_st[f] / med_st[base]:5.2f}x, predicted here "
+              f"{_step(here[f]) / _step(here[base]):5.2f}x" +
+              (f", predicted on a GPU {on_gpu[f].seconds / on_gpu[base].seconds:5.2f}x" if gpu else ""))
+    for f in fractions[1:]:
+        print(f"f={f:<5g} whole iteration / f={base:g}: measured "
+              f"{(med_fb[f] + med_st[f]) / (med_fb[base] + med_st[base]):5.2f}x")
+    return 0
+
+
+def _step(p: cost.Prediction) -> float:
+    return p.seconds - p.stages["forward+backward"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

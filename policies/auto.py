@@ -1,0 +1,241 @@
+"""Auto: the placement with the least predicted step time that fits, chosen per model.
+
+    tm = TieredModel(model, Auto(), budgets=Budgets(device="20GiB", host="64GiB"), nvme_dir="/mnt/nvme/x")
+    print(tm.report())        # what it chose, and the predicted against the measured stages
+
+# NOTE [How Auto chooses]
+Auto decides per trainable parameter, in the order forward uses them (ModelInfo.params), and keeps
+activations on the device. A candidate is a tier for the weights (device, host or NVMe) and three
+runs of parameters: the first ``d`` keep their grads and optimizer state on the device (the split
+step, NOTE [Which optimizer state goes to the device first]: only with weights on the device), the
+next ``h`` keep them on the host, the rest keep their state on NVMe with their grads on the host
+(or on NVMe, when even that leaves the host short). The weights stay on the device whenever some
+candidate with them there fits; only then are the host and NVMe tried, in that order (the cost
+model does not price the per-module fetches of off-device weights, which cost more than their
+bytes, so it would rank them too well). For each weights tier it finds, by bisection,
+the largest ``d`` whose device part fits (less ``device_reserve`` of the device, left for
+activations and temporaries), and for ``d`` and a few smaller values the largest ``h`` that fits
+the host; every candidate is judged by the planner (NOTE [Choosing a placement]): the constructor's
+own footprint and limits, and the cost model's predicted seconds per stage (NOTE [Cost model]). The
+fastest candidate that fits wins; among those within 1% of it, the one with the most bytes on
+the device (on a machine whose "device" is the CPU, every split predicts the same Adam time). So,
+at the extremes: memory to spare puts everything on the
+device; when 16 B/param of grads and state do not fit there, the state splits with the largest
+device share that fits; when the host is short too, the state that does not fit goes to NVMe; and
+a candidate the constructor would refuse is never chosen (when none fits, the error says what is
+short by how much).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from tiermem.errors import ConfigError, fmt_bytes
+from tiermem.plan.policy import Evaluation, ModelInfo, Policy
+from tiermem.types import TensorClass, TensorInfo, Tier
+
+
+class Assigned(Policy):
+    """A placement decided per trainable parameter: the weights on one tier, each parameter's state
+    (and grads) on the tiers given; activations on the device."""
+
+    def __init__(self, label: str, weights: Tier, state: dict[str, Tier], grads: dict[str, Tier]):
+        self.label, self.weights, self.state, self.grads = label, weights, state, grads
+
+    def place(self, info: TensorInfo) -> Tier:
+        if info.kind is TensorClass.PARAM:
+            return self.weights
+        if info.kind is TensorClass.ACTIVATION:
+            return Tier.DEVICE
+        if info.kind is TensorClass.GRAD:
+            return self.grads[info.name]
+        return self.state[info.name.rpartition(":")[0]]
+
+    def __repr__(self) -> str:
+        return f"Assigned({self.label!r})"
+
+
+@dataclass(frozen=True)
+class Choice:
+    label: str
+    policy: Policy
+    evaluation: Evaluation
+    verdict: str  # "chosen", or why it was not
+
+
+class Auto(Policy):
+    """Chooses the placement from the machine profile, the model's sizes and the budgets (NOTE [How
+    Auto chooses]). ``profile``: a machine profile (its data, or a ``Profile``) to use instead of this
+    machine's; ``forward_backward``: the measured seconds of one forward and backward, when known
+    (they decide how much of the grads' trip hides behind backward); ``device_reserve``: the share of
+    the device's limit left for activations."""
+
+    def __init__(self, *, profile: Any = None, forward_backward: float = 0.0, device_reserve: float = 0.1):
+        if isinstance(forward_backward, bool) or not isinstance(forward_backward, (int, float)) or \
+                not forward_backward >= 0:
+            raise ConfigError(f"tiermem: Auto.forward_backward={forward_backward!r} is invalid: the seconds of one "
+                              f"forward and backward, a number >= 0 (0 when unknown)")
+        if isinstance(device_reserve, bool) or not isinstance(device_reserve, (int, float)) or \
+                not 0 <= device_reserve < 1:
+            raise ConfigError(f"tiermem: Auto.device_reserve={device_reserve!r} is invalid: the share of the device "
+                              f"left for activations, a number from 0 up to (not including) 1, e.g. 0.1")
+        if profile is not None and not isinstance(profile, Mapping) and not isinstance(getattr(profile, "data", None),
+                                                                                Mapping):
+            raise ConfigError(f"tiermem: Auto.profile={profile!r} is invalid: pass a machine profile (a "
+                              f"tiermem.plan.profile.Profile, e.g. load_profile(path), or its data as a dict), or "
+                              f"None for this machine's")
+        self.profile, self.forward_backward, self.device_reserve = profile, float(forward_backward), float(device_reserve)
+        self.choices: Optional[list[Choice]] = None  # set on the bound copy: the chosen one first
+
+    @property
+    def chosen(self) -> Optional[Choice]:
+        return self.choices[0] if self.choices else None
+
+    def place(self, info: TensorInfo) -> Tier:
+        if self.choices is not None:
+            return self.choices[0].policy.place(info)
+        if info.kind is TensorClass.ACTIVATION:
+            return Tier.DEVICE
+        raise ConfigError(f"tiermem: Auto() chooses over the whole model and was asked about {info.name!r} alone; "
+                          f"call .for_model(...) first and ask the policy it returns (TieredModel does this)")
+
+    def for_model(self, model: ModelInfo) -> Policy:
+        if self.choices is not None:
+            return self
+        if model.evaluate is None:
+            raise ConfigError("tiermem: Auto() needs the planner to judge placements; use it through "
+                              "TieredModel(module, Auto(), ...) or `tiermem plan --policy auto`")
+        judged = _Search(self, model).run()
+        fitting = sorted((c for c in judged if c.verdict == "fits"), key=lambda c: c.evaluation.seconds)
+        if not fitting:
+            raise ConfigError(f"tiermem: Auto() found no placement that fits: {_closest(judged)}; raise the "
+                              f"Budgets, pass nvme_dir=... for NVMe, or lower device_reserve")
+        # within 1% of the fastest, the one with the most on the device: the cost model cannot tell
+        # such candidates apart, and it leaves out costs that grow with what is off the device
+        # (driving the copies, the memory bandwidth they share with Adam)
+        near = [c for c in fitting if c.evaluation.seconds <= 1.01 * fitting[0].evaluation.seconds]
+        best = max(near, key=lambda c: c.evaluation.need.get(Tier.DEVICE, 0))
+        rest = []
+        for c in judged:
+            if c is best:
+                continue
+            verdict = c.verdict
+            if verdict == "fits" and c in near:
+                verdict = (f"as fast within 1% ({_ms(c.evaluation.seconds)} predicted), with less on the "
+                           f"device")
+            elif verdict == "fits":
+                verdict = (f"slower: {_ms(c.evaluation.seconds)} predicted against "
+                           f"{_ms(best.evaluation.seconds)}")
+            rest.append(Choice(c.label, c.policy, c.evaluation, verdict))
+        out = copy.copy(self)
+        out.choices = [Choice(best.label, best.policy, best.evaluation, "chosen")] + rest
+        return out
+
+    def __repr__(self) -> str:
+        if self.choices:
+            return f"Auto(chose {self.choices[0].label!r})"
+        return "Auto()"
+
+
+class _Search:
+    """The candidates of NOTE [How Auto chooses], judged once each."""
+
+    def __init__(self, auto: Auto, model: ModelInfo):
+        self.auto, self.model = auto, model
+        self.names = [p.name for p in model.params]
+        self.numel = [p.numel for p in model.params]
+        self.total = max(1, sum(self.numel))
+        self.judged: dict[tuple, Choice] = {}
+
+    def run(self) -> list[Choice]:
+        m = len(self.names)
+        for weights in (Tier.DEVICE, Tier.HOST, Tier.NVME):
+            if any(c.verdict == "fits" for c in self.judged.values()):
+                break  # weights leave the device only when they cannot stay (NOTE [How Auto chooses])
+            d_max = self._largest(lambda d: self._device_ok(self._judge(weights, d, m - d, Tier.HOST)), m) \
+                if weights == Tier.DEVICE else 0
+            if d_max is None:
+                continue  # not even the weights fit on the device
+            for d in sorted({d_max, d_max * 3 // 4, d_max // 2, d_max // 4, 0}, reverse=True):
+                for grads in (Tier.HOST, Tier.NVME):
+                    h = self._largest(lambda h: self._fits(self._judge(weights, d, h, grads)), m - d)
+                    if h is not None:
+                        break
+        return list(self.judged.values())
+
+    @staticmethod
+    def _largest(ok: Callable[[int], bool], hi: int) -> Optional[int]:
+        """The largest k in [0, hi] with ok(k), for ok true up to some k and false after; None if ok(0) is false."""
+        if ok(hi):
+            return hi
+        if not ok(0):
+            return None
+        lo = 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        return lo
+
+    def _judge(self, weights: Tier, d: int, h: int, grads_rest: Tier) -> Choice:
+        if weights != Tier.DEVICE:
+            d = 0  # the device updates on-device weights only (placement's rule)
+        m = len(self.names)
+        h = min(h, m - d)
+        if d + h == m:
+            grads_rest = Tier.HOST  # nothing on NVMe: the grads' rest tier does not matter
+        key = (weights, d, h, grads_rest)
+        if key not in self.judged:
+            state, grads = {}, {}
+            for i, name in enumerate(self.names):
+                state[name] = Tier.DEVICE if i < d else Tier.HOST if i < d + h else Tier.NVME
+                grads[name] = Tier.DEVICE if i < d else Tier.HOST if i < d + h else grads_rest
+            label = self._label(weights, d, h, grads_rest)
+            policy = Assigned(label, weights, state, grads)
+            ev = self.model.evaluate(policy, profile=self.auto.profile, forward_backward=self.auto.forward_backward)
+            self.judged[key] = Choice(label, policy, ev, self._verdict(ev))
+        return self.judged[key]
+
+    def _label(self, weights: Tier, d: int, h: int, grads_rest: Tier) -> str:
+        share = [sum(self.numel[:d]), sum(self.numel[d:d + h]), sum(self.numel[d + h:])]
+        counts = [d, h, len(self.names) - d - h]
+        parts = [f"{100 * n / self.total:.0f}% {t} ({k} params)"
+                 for n, k, t in zip(share, counts, ("device", "host", "NVMe")) if k]
+        grads = "" if not share[2] or grads_rest == Tier.HOST else ", grads of the NVMe part on NVMe"
+        return f"weights on {weights}; grads and optimizer state: {' / '.join(parts) or 'none'}{grads}"
+
+    def _device_limit(self) -> Optional[int]:
+        limit = self.model.limits.get(Tier.DEVICE)
+        return None if limit is None else int(limit * (1 - self.auto.device_reserve))
+
+    def _device_ok(self, c: Choice) -> bool:
+        ev = c.evaluation
+        limit = self._device_limit()
+        return ev.refused is None and Tier.DEVICE not in ev.short and (limit is None or ev.need[Tier.DEVICE] <= limit)
+
+    def _fits(self, c: Choice) -> bool:
+        return c.verdict == "fits"
+
+    def _verdict(self, ev: Evaluation) -> str:
+        if ev.refused is not None:
+            return f"refused: {ev.refused}"
+        if ev.short:
+            return "does not fit: " + ", ".join(f"{t} short by {fmt_bytes(n)}" for t, n in ev.short.items())
+        limit = self._device_limit()
+        if limit is not None and ev.need[Tier.DEVICE] > limit:
+            return (f"does not fit: the device needs {fmt_bytes(ev.need[Tier.DEVICE])}, more than "
+                    f"{100 * (1 - self.auto.device_reserve):.0f}% of its {fmt_bytes(self.model.limits[Tier.DEVICE])} "
+                    f"(device_reserve={self.auto.device_reserve:g})")
+        return "fits"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _closest(judged: list[Choice]) -> str:
+    short = [c for c in judged if c.evaluation.short]
+    if not short:
+        return "; ".join(sorted({c.verdict for c in judged}))[:400]
+    c = min(short, key=lambda c: sum(c.evaluation.short.values()))
+    return f"the closest ({c.label}) {c.verdict}"

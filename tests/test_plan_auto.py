@@ -1,0 +1,68 @@
+"""``tiermem plan --policy auto`` (tiermem/cli/plan_auto.py): Auto's choice for a parameter count,
+with a made-up GPU machine's profile saved where the planner looks for it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tiermem.cli import main
+from tiermem.plan import profile
+
+GPU = {"schema": profile.SCHEMA, "device": {"accelerator": "a GPU", "h2d_GBps": 25, "d2h_GBps": 25},
+       "host": {"copy_GBps": 20}, "nvme": {"read_GBps": 2, "write_GBps": 1.5},
+       "adam": {"tiermem_Gparams_per_s": 1.5, "device_Gparams_per_s": 60}}
+
+
+@pytest.fixture(autouse=True)
+def gpu_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    profile.save_profile(GPU)
+
+
+def _auto(capsys, *caps: str) -> dict:
+    assert main(["plan", "--params", "7.5e9", "--precision", "bf16", "--policy", "auto", *caps, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["auto"]
+
+
+def test_memory_to_spare_puts_everything_on_the_device(capsys):
+    out = _auto(capsys, "--device-mem", "1TB", "--host-mem", "1TB", "--nvme-free", "0")
+    chosen = out["choices"][0]
+    assert chosen["verdict"] == "chosen" and "100% device" in chosen["placement"] and "host" not in chosen["placement"]
+    assert chosen["bytes"]["host"] == 0
+
+
+def test_an_80gb_device_gets_the_largest_share_of_the_state_that_fits(capsys):
+    out = _auto(capsys, "--device-mem", "80GB", "--host-mem", "1TB", "--nvme-free", "0")
+    chosen, rest = out["choices"][0], out["choices"][1:]
+    assert "weights on device" in chosen["placement"] and "device (" in chosen["placement"]
+    assert "host (" in chosen["placement"] and "NVMe" not in chosen["placement"]
+    # the bytes the device would hold stay within 90% of 80 GB (device_reserve), and any candidate
+    # with more on the device was refused for that reason
+    assert chosen["bytes"]["device"] <= 0.9 * 80e9
+    more = [c for c in rest if c["bytes"].get("device", 0) > chosen["bytes"]["device"]]
+    assert more and all(c["verdict"].startswith("does not fit: ") for c in more)
+    assert all(c["verdict"] != "chosen" for c in rest)
+    # the predicted stages add up to the step
+    assert sum(chosen["predicted_s"].values()) == pytest.approx(chosen["step_s"])
+
+
+def test_a_short_host_sends_state_to_nvme(capsys):
+    out = _auto(capsys, "--device-mem", "24GB", "--host-mem", "64GB", "--nvme-free", "4TB")
+    chosen = out["choices"][0]["placement"]
+    assert "NVMe" in chosen and "weights on device" in chosen
+
+
+def test_the_printed_plan_says_what_was_chosen_and_why_the_others_were_not(capsys):
+    assert main(["plan", "--params", "1.5B", "--policy", "auto", "--device-mem", "16GB", "--host-mem", "1TB",
+                 "--nvme-free", "0", "--forward-backward", "0.5"]) == 0
+    text = capsys.readouterr().out
+    assert "chose:" in text and "predicted step" in text and "rejected (" in text
+    assert "does not fit: " in text and "forward+backward 500.0 ms" in text
+
+
+def test_nothing_fits_is_a_one_line_error(capsys):
+    assert main(["plan", "--params", "7.5e9", "--policy", "auto", "--device-mem", "1GB", "--host-mem", "1GB",
+                 "--nvme-free", "0"]) != 0
+    err = capsys.readouterr().err
+    assert "tiermem: Auto() found no placement that fits" in err
