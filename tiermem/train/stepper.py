@@ -23,8 +23,10 @@ on the device buckets before the CPU's Adam starts on the others: on an accelera
 kernels are queued on its stream and return at once (no host synchronisation on that path), so
 both processors update at the same time; the device buckets' new weights are written in place,
 and only the host-updated weights are uploaded, behind the CPU's Adam. The next forward is queued
-on the same device stream, after the device's Adam. Revertible homes (NVMe) still go first, so a
-failed read or write there has changed nothing anywhere. On a machine without an accelerator the
+on the same device stream, after the device's Adam. A failure in any home later in the step
+(an NVMe read or write) leaves every bucket either before or after its update, and the retry
+completes the rest (NOTE [A failed step is rolled forward]), so the device's share may go first.
+On a machine without an accelerator the
 "device" is the CPU: the two parts run one after the other (running them at once would only share
 the same cores), with the same kernel, so the numbers are bit-identical to ZeRO-Offload's.
 
@@ -339,7 +341,8 @@ class Stepper:
 
 def _launch_order(homes: list[StateHome]) -> list[StateHome]:
     """NOTE [Split step]: revertible homes first (a failure there has changed nothing), then the
-    homes whose Adam runs on the device (launched, not waited for), then the rest on the CPU."""
+    homes whose Adam runs on the device (launched, not waited for), then the rest on the CPU in
+    their order."""
     return sorted(homes, key=lambda h: (not h.revertible, h.compute_tier != Tier.DEVICE))
 
 
