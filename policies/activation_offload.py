@@ -44,5 +44,8 @@ class ActivationOffload(Policy):
             return self.tier
         return self.base.place(info)
 
+    def places_activations_by_module(self) -> bool:
+        return self.base.places_activations_by_module()  # this one looks at the size alone
+
     def __repr__(self) -> str:
         return f"ActivationOffload({self.base!r}, tier={self.tier}, min_bytes={self.min_bytes})"

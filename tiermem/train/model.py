@@ -174,6 +174,10 @@ class TieredModel:
         self.hooks = HookSet()
         self.param_offload = (self._offload_weights(param_homes, device_need, prefetch, reclaimers)
                               if param_homes else None)
+        if param_homes and _is_compiled(module):
+            log.warning("tiermem: %d weights of this torch.compile'd model live off the device under %r: their "
+                        "forward runs eagerly (NOTE [Parameters off the device]); place PARAM on the device "
+                        "to run it compiled", len(param_homes), self.policy)
         homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
                                          weights_off_device=self.param_offload, group=self.group)
         self.layout = build(module, buckets, step_buckets, groups, names, homes, self.stores, self.dtype, self.device,
@@ -375,6 +379,12 @@ def _make_stores(opts: _Options, nvme_dir: Optional[str], reclaimers: Reclaimers
             mine = nvme_dir  # missing: the store's error names the directory the user gave
         stores[Tier.NVME] = NvmeStore(mine, budget=opts.budgets.nvme)
     return stores
+
+
+def _is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns."""
+    from torch._dynamo.eval_frame import OptimizedModule  # here: only asked with weights off the device
+    return isinstance(module, OptimizedModule)
 
 
 def _note(error: BaseException, text: str) -> None:
