@@ -99,8 +99,11 @@ def _tiered(family: str, policy: str, tmp_path, *, precision: str = "bf16", mode
             seed: int = 0) -> TieredModel:
     model = _build(family, seed)
     if mode.startswith("checkpoint"):
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": mode == "checkpoint-reentrant"})
+        kw = {"use_reentrant": mode == "checkpoint-reentrant"}
+        if hasattr(model, "activation_checkpointing_enable"):  # its name since transformers 5.x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     if mode == "eval":
         model.eval()
     if policy == "zero-infinity":
