@@ -24,6 +24,8 @@ from models import TinyGPT, gpt_batch, gpt_loss, same_state
 from tiermem import AdamW, Policy, TensorClass, TieredModel, Tier
 from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
+
 ACT = TensorClass.ACTIVATION
 LR, WD = 1e-2, 0.1
 
@@ -170,31 +172,34 @@ def test_compiled_model_reading_an_off_device_weight_outside_its_module(tmp_path
     assert same_state(runs["eager"], runs["zero-infinity"])
 
 
+@pytest.mark.slow  # ~17 s with an empty inductor cache on this 2-core machine (a fp32 compile), <1 s warm
 def test_compiled_model_agrees_with_torch_adamw_in_fp32():
-    """fp32: the compiled model trained by tiermem and by ``torch.optim.AdamW`` (its for-loop and
-    foreach variants set the tolerance: the spread between two correct implementations)."""
+    """fp32: the compiled model trained by tiermem and by ``torch.optim.AdamW`` (its for-loop,
+    foreach and fused variants set the tolerance: the spread between correct implementations).
+    One module, compiled once, restarted from the same weights for each run."""
     torch.manual_seed(0)
-    init = TinyGPT().state_dict()
+    model = TinyGPT()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    compiled = torch.compile(model)
     runs = {}
-    for name in ("for-loop", "foreach"):
-        model = TinyGPT()
+    for name in ("for-loop", "foreach", "fused"):
         model.load_state_dict(init)
-        compiled = torch.compile(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=name == "foreach")
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=name == "foreach",
+                                fused=name == "fused" or None)
         for i in range(3):
             x, y = gpt_batch(i, batch=8)
             gpt_loss(compiled(x), y).backward()
             opt.step()
             opt.zero_grad()
         runs[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    model = TinyGPT()
     model.load_state_dict(init)
-    _, ours, tm = _train_gpt(torch.compile(model), policy=ZeroOffload(), precision="fp32")
+    _, ours, tm = _train_gpt(compiled, policy=ZeroOffload(), precision="fp32")
     tm.detach()
-    for k, ref in runs["for-loop"].items():
-        spread = (runs["foreach"][k] - ref).abs().max().item()
-        assert (ours[k] - ref).abs().max().item() <= max(spread, 1e-7) * 4, k
-    assert any((runs["foreach"][k] != runs["for-loop"][k]).any() for k in runs["for-loop"])
+    ref = runs["for-loop"]
+    spread = max((runs[v][k] - ref[k]).abs().max().item() for v in ("foreach", "fused") for k in ref)
+    worst = max((ours[k] - ref[k]).abs().max().item() for k in ref)
+    assert spread > 0  # the variants round differently: that difference is the tolerance
+    assert worst <= spread, f"tiermem is {worst:.3g} from torch's for-loop AdamW; its variants differ by {spread:.3g}"
 
 
 # -- a transformers model -----------------------------------------------------------------------
@@ -204,11 +209,13 @@ def _gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(cfg)
 
 
+@pytest.mark.slow  # ~15 s with a warm inductor cache, ~45 s cold, on this 2-core machine
 def test_compiled_transformers_model_trains_the_same_under_every_policy(tmp_path):
-    """Tiny GPT-2 from a config (never downloaded), compiled, under the policies that keep it
-    compiled (ZeroInfinity's forward runs eagerly: tested above)."""
+    """Tiny GPT-2 from a config (never downloaded), compiled, under ZeroOffload and with its
+    activations offloaded (KeepOnDevice reads weights and keeps activations as ZeroOffload does;
+    ZeroInfinity's forward runs eagerly: tested above)."""
     runs = {}
-    for setup in ("zero-offload", "activation-offload", "keep-on-device"):
+    for setup in ("zero-offload", "activation-offload"):
         torch.manual_seed(0)
         tm = TieredModel(torch.compile(_gpt2()), optimizer=AdamW(lr=LR), **_policies(tmp_path)[setup])
         losses = []

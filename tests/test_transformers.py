@@ -29,23 +29,13 @@ from models import same_state  # noqa: E402
 from tiermem import AdamW, TieredModel  # noqa: E402
 from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 transformers.logging.set_verbosity_error()  # the tiny configs' token ids outside the vocabulary, etc.
 
 VOCAB, BATCH, SEQ = 128, 2, 16  # bf16 logits of one batch: 8 KiB, over a page: ActivationOffload moves them
 SPEC = AdamW(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 STEPS = 3  # the last one after a checkpoint is loaded
 FP32_STEPS = 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """These models are tiny: one intra-op thread runs them faster than two, far faster on a
-    loaded machine (a 32x32 bf16 linear: ~66 us with one thread, ~1.7 ms with two measured here
-    while other jobs ran). The thread count does not change which numbers are compared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _llama_config(tied: bool):
