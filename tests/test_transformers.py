@@ -113,16 +113,16 @@ def _train(tm: TieredModel, family: str, steps: range) -> list[float]:
     return losses
 
 
-_REFERENCE: dict[tuple[str, str], tuple] = {}
+_REFERENCE: dict[tuple[str, str, int], tuple] = {}
 
 
 @pytest.fixture
 def reference(tmp_path_factory):
     """ZeroOffload, bf16: losses and fp32 weights after each step, per family and mode (each run
     once, shared by the tests that compare with it). Checkpointing changes the numbers of some
-    models in plain PyTorch too (T5: the order its gradients accumulate), so each mode has its own."""
+    models in plain PyTorch too (T5's gradients, in both modes), so each mode has its own."""
     def get(family: str, mode: str = "plain", steps: int = STEPS) -> tuple[list[float], list[dict]]:
-        key = (family, mode)
+        key = (family, mode, steps)
         if key not in _REFERENCE:
             tm = _tiered(family, "zero-offload", tmp_path_factory.mktemp("ref"), mode=mode)
             losses, states = [], []

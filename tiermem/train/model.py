@@ -174,8 +174,10 @@ class TieredModel:
         self.hooks = HookSet()
         self.param_offload = (self._offload_weights(param_homes, device_need, prefetch, reclaimers)
                               if param_homes else None)
-        if param_homes and _is_compiled(module):
-            log.warning("tiermem: %d weights of this torch.compile'd model live off the device under %r: their "
+        self._eager = param_homes and _is_compiled(module)  # NOTE [Parameters off the device]
+        if self._eager:
+            log.warning("tiermem: %d weights of this torch.compile'd model (or of modules compiled in it) live off "
+                        "the device under %r: its "
                         "forward runs eagerly (NOTE [Parameters off the device]); place PARAM on the device "
                         "to run it compiled", len(param_homes), self.policy)
         homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
@@ -233,7 +235,7 @@ class TieredModel:
         with self._life.during("forward", Phase.FORWARD):
             args, kwargs = _cast_floats((args, kwargs), self.dtype, self.device)
             borrowing = self.param_offload.borrowing() if self.param_offload is not None else contextlib.nullcontext()
-            with self.tracer.span("forward", "compute"), borrowing:
+            with self.tracer.span("forward", "compute"), borrowing, _eagerly(self._eager):
                 if torch.is_grad_enabled() and self.module.training:
                     with self.activations.track():
                         return self.module(*args, **kwargs)
@@ -382,9 +384,18 @@ def _make_stores(opts: _Options, nvme_dir: Optional[str], reclaimers: Reclaimers
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is what ``torch.compile(module)`` returns."""
+    """Whether ``module`` is what ``torch.compile(module)`` returns, or has modules compiled in
+    place (``block.compile()``)."""
     from torch._dynamo.eval_frame import OptimizedModule  # here: only asked with weights off the device
-    return isinstance(module, OptimizedModule)
+    return isinstance(module, OptimizedModule) or any(
+        getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+
+
+def _eagerly(on: bool) -> contextlib.AbstractContextManager:
+    """Compiled code runs eagerly inside (``torch.compiler.set_stance``, torch 2.6+; before it,
+    dynamo finds the eager hooks and falls back by itself, after trying to trace)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if on and set_stance is not None else contextlib.nullcontext()
 
 
 def _note(error: BaseException, text: str) -> None:

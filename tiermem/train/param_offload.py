@@ -10,8 +10,9 @@ recorded during the first step and evicts by furthest next use), and a forward h
 placeholder back and releases them. These hooks, and the watch on a forward's ops for weights
 read outside their module, run as plain Python even in a ``torch.compile``d model
 (:func:`~tiermem.train.hooks.eager`): traced, they would run once at compile time, and the graph
-would compute with the placeholder. Dynamo then runs such a forward eagerly, with the numbers of
-the uncompiled model.
+would compute with the placeholder. So a compiled model with weights off the device runs its
+forward eagerly (``torch.compiler.set_stance("force_eager")`` around ``tm(...)``), with the numbers
+of the uncompiled model.
 
 Backward needs weights again: when autograd saves a tensor that lives in an acquired
 parameter's storage (the weight, or a view such as ``weight.t()``), the saved-tensor pack hook
