@@ -185,8 +185,8 @@ class ActivationOffloader:
     # (``_orig_mod``), not the submodule that computed them.
     # Hooks that move weights, take locks or read data pointers (ParamOffload's) are marked
     # :func:`~tiermem.train.hooks.eager` instead: dynamo stops its graph there and they run as
-    # plain Python; with weights homed off the device, a compiled forward thus runs eagerly
-    # (NOTE [Parameters off the device]).
+    # plain Python; and TieredModel runs a compiled forward eagerly when weights live off the
+    # device (NOTE [Parameters off the device]).
     def _entering(self, name: str) -> Callable:
         def pre_hook(mod: torch.nn.Module, args: Any) -> None:
             if self._active:

@@ -174,12 +174,11 @@ class TieredModel:
         self.hooks = HookSet()
         self.param_offload = (self._offload_weights(param_homes, device_need, prefetch, reclaimers)
                               if param_homes else None)
-        self._eager = param_homes and _is_compiled(module)  # NOTE [Parameters off the device]
-        if self._eager:
+        self._force_eager = bool(param_homes) and _is_compiled(module)  # NOTE [Parameters off the device]
+        if self._force_eager:
             log.warning("tiermem: %d weights of this torch.compile'd model (or of modules compiled in it) live off "
-                        "the device under %r: its "
-                        "forward runs eagerly (NOTE [Parameters off the device]); place PARAM on the device "
-                        "to run it compiled", len(param_homes), self.policy)
+                        "the device under %r: its forward runs eagerly (NOTE [Parameters off the device]); "
+                        "place PARAM on the device to run it compiled", len(param_homes), self.policy)
         homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
                                          weights_off_device=self.param_offload, group=self.group)
         self.layout = build(module, buckets, step_buckets, groups, names, homes, self.stores, self.dtype, self.device,
@@ -235,7 +234,7 @@ class TieredModel:
         with self._life.during("forward", Phase.FORWARD):
             args, kwargs = _cast_floats((args, kwargs), self.dtype, self.device)
             borrowing = self.param_offload.borrowing() if self.param_offload is not None else contextlib.nullcontext()
-            with self.tracer.span("forward", "compute"), borrowing, _eagerly(self._eager):
+            with self.tracer.span("forward", "compute"), borrowing, _eagerly(self._force_eager):
                 if torch.is_grad_enabled() and self.module.training:
                     with self.activations.track():
                         return self.module(*args, **kwargs)
