@@ -139,14 +139,15 @@ def _blocks_compiled_in_place() -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("make", [lambda: torch.compile(TinyGPT()), _blocks_compiled_in_place],
-                         ids=["torch.compile(model)", "block.compile()"])
-def test_compiled_model_under_zero_infinity_runs_eagerly_with_the_uncompiled_numbers(make, tmp_path, caplog):
+@pytest.mark.parametrize("make, overlap", [(lambda: torch.compile(TinyGPT()), False), (_blocks_compiled_in_place, False),
+                                           (lambda: torch.compile(TinyGPT()), True)],
+                         ids=["torch.compile(model)", "block.compile()", "overlap_step"])
+def test_compiled_model_under_zero_infinity_runs_eagerly_with_the_uncompiled_numbers(make, overlap, tmp_path, caplog):
     torch.manual_seed(0)
-    eager = _train_gpt(TinyGPT(), policy=ZeroOffload())
+    eager = _train_gpt(TinyGPT(), policy=ZeroOffload(), overlap_step=overlap)
     torch.manual_seed(0)
     with caplog.at_level(logging.WARNING, logger="tiermem.train.model"):
-        compiled = _train_gpt(make(), **_policies(tmp_path)["zero-infinity"])
+        compiled = _train_gpt(make(), **_policies(tmp_path)["zero-infinity"], overlap_step=overlap)
     assert "forward runs eagerly" in caplog.text
     assert compiled[0] == eager[0] and same_state(compiled[1], eager[1])
     compiled[2].detach()

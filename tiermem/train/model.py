@@ -174,8 +174,11 @@ class TieredModel:
         self.hooks = HookSet()
         self.param_offload = (self._offload_weights(param_homes, device_need, prefetch, reclaimers)
                               if param_homes else None)
-        self._force_eager = bool(param_homes) and _is_compiled(module)  # NOTE [Parameters off the device]
-        if self._force_eager:
+        compiled_off_device = bool(param_homes) and _is_compiled(module)  # NOTE [Parameters off the device]
+        # the stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during
+        # the forward on another thread, and must stay compiled; dynamo then falls back by itself
+        self._force_eager = compiled_off_device and not opts.overlap
+        if compiled_off_device:
             log.warning("tiermem: %d weights of this torch.compile'd model (or of modules compiled in it) live off "
                         "the device under %r: its forward runs eagerly (NOTE [Parameters off the device]); "
                         "place PARAM on the device to run it compiled", len(param_homes), self.policy)

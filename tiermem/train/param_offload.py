@@ -11,8 +11,9 @@ placeholder back and releases them. These hooks, and the watch on a forward's op
 read outside their module, run as plain Python even in a ``torch.compile``d model
 (:func:`~tiermem.train.hooks.eager`): traced, they would run once at compile time, and the graph
 would compute with the placeholder. So a compiled model with weights off the device runs its
-forward eagerly (``torch.compiler.set_stance("force_eager")`` around ``tm(...)``), with the numbers
-of the uncompiled model.
+forward eagerly (``torch.compiler.set_stance("force_eager")`` around ``tm(...)``; with
+``overlap_step`` dynamo falls back by itself at the eager hooks, as the stance is process-wide and
+the step's compiled Adam runs meanwhile), with the numbers of the uncompiled model.
 
 Backward needs weights again: when autograd saves a tensor that lives in an acquired
 parameter's storage (the weight, or a view such as ``weight.t()``), the saved-tensor pack hook
