@@ -48,5 +48,8 @@ class ActivationOffload(Policy):
         base = self.base.for_model(model)
         return self if base is self.base else replace(self, base=base)
 
+    def places_activations_by_module(self) -> bool:
+        return self.base.places_activations_by_module()  # this one looks at the size alone
+
     def __repr__(self) -> str:
         return f"ActivationOffload({self.base!r}, tier={self.tier}, min_bytes={self.min_bytes})"

@@ -52,6 +52,9 @@ class Assigned(Policy):
             return self.grads[info.name]
         return self.state[info.name.rpartition(":")[0]]
 
+    def places_activations_by_module(self) -> bool:
+        return False  # every activation on the device: no module hooks
+
     def __repr__(self) -> str:
         return f"Assigned({self.label!r})"
 
@@ -99,6 +102,9 @@ class Auto(Policy):
             return Tier.DEVICE
         raise ConfigError(f"tiermem: Auto() chooses over the whole model and was asked about {info.name!r} alone; "
                           f"call .for_model(...) first and ask the policy it returns (TieredModel does this)")
+
+    def places_activations_by_module(self) -> bool:
+        return self.choices is not None and self.choices[0].policy.places_activations_by_module()
 
     def for_model(self, model: ModelInfo) -> Policy:
         if self.choices is not None:

@@ -89,6 +89,14 @@ class Policy(abc.ABC):
         this one, which places each tensor on its own."""
         return self
 
+    def places_activations_by_module(self) -> bool:
+        """Whether an activation's home may depend on the module that saved it (``info.name``,
+        ``info.module``). By default it may: tiermem then tracks which module's forward is running,
+        with a pre and post hook on every module. A policy that answers False gets ``""`` for
+        both, and the model no hooks for it (fewer Python calls per forward; nothing for
+        ``torch.compile`` to trace)."""
+        return True
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -100,6 +108,9 @@ class PerClass(Policy):
 
     def place(self, info: TensorInfo) -> Tier:
         return self.homes[info.kind]
+
+    def places_activations_by_module(self) -> bool:
+        return False  # one tier for every activation
 
 
 def resolve_policy(policy: Optional[Policy]) -> Policy:

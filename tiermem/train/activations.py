@@ -116,12 +116,15 @@ class ActivationOffloader:
         self._tiers: dict[tuple, Tier] = {}  # the policy is pure: what it was told -> its answer
         self._sent = torch.utils.weak.WeakIdKeyDictionary()  # device storage -> (version, its record)
         self._weights: set[int] = set()
-        self._stack: list[tuple[str, torch.nn.Module]] = []
+        self._stack: list[str] = []  # names of the modules whose forward is running, innermost last
+        self._modules: dict[str, torch.nn.Module] = {}
         self._run: Optional[_Pass] = None
         self._active = False
-        for name, mod in module.named_modules():
-            hooks.add(mod.register_forward_pre_hook(self._entering(name)))
-            hooks.add(mod.register_forward_hook(self._leaving, always_call=True))
+        if policy.places_activations_by_module():  # NOTE [Module hooks and torch.compile]
+            self._modules = dict(module.named_modules())
+            for name, mod in self._modules.items():
+                hooks.add(mod.register_forward_pre_hook(self._entering(name)))
+                hooks.add(mod.register_forward_hook(self._leaving, always_call=True))
         hooks.add(self)
 
     # -- what TieredModel calls -----------------------------------------------------------------
@@ -169,10 +172,25 @@ class ActivationOffloader:
         self.mover.closed = True
 
     # -- which module is running ----------------------------------------------------------------
+    # NOTE [Module hooks and torch.compile]
+    # The module of a saved activation is known only through a forward pre and post hook on every
+    # module, so they are installed only for a policy that places activations by module
+    # (``Policy.places_activations_by_module()``); the built-in ones do not, and a compiled
+    # model under them runs with no tiermem hook in its forward but the saved-tensor hooks,
+    # which see the tensors the compiled graph saves. Under ``torch.compile`` dynamo traces these
+    # module hooks into the graph: they touch nothing but plain Python values (a flag, a list of
+    # names), never a module object, whose mutation dynamo would have to track (storing the
+    # module made it fail: "is already tracked for mutation"). A compiled region saves its
+    # activations as one autograd function, so they are named after the compiled module
+    # (``_orig_mod``), not the submodule that computed them.
+    # Hooks that move weights, take locks or read data pointers (ParamOffload's) are marked
+    # :func:`~tiermem.train.hooks.eager` instead: dynamo stops its graph there and they run as
+    # plain Python; and TieredModel runs a compiled forward eagerly when weights live off the
+    # device (NOTE [Parameters off the device]).
     def _entering(self, name: str) -> Callable:
         def pre_hook(mod: torch.nn.Module, args: Any) -> None:
             if self._active:
-                self._stack.append((name, mod))
+                self._stack.append(name)
         return pre_hook
 
     def _leaving(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
@@ -203,7 +221,7 @@ class ActivationOffloader:
             token = sent[1]() if sent is not None and sent[0] == t._version else None
             if token is not None and token.run is self._run:  # a view of a storage sent in this forward
                 return _View(token, t)
-            name = self._stack[-1][0] if self._stack else ""
+            name = self._stack[-1] if self._stack else ""
             tier = self._tier(name, t, nbytes)
             if tier is not Tier.DEVICE:
                 return _View(self._offload(storage, t._version, tier, name), t)
@@ -226,7 +244,7 @@ class ActivationOffloader:
         if ptr in self._weights:
             return True
         if self._stack:  # weights made resident during this forward (e.g. by another pre-hook)
-            mod = self._stack[-1][1]
+            mod = self._modules[self._stack[-1]]
             for w in itertools.chain(mod._parameters.values(), mod._buffers.values()):
                 if w is not None and w.untyped_storage().data_ptr() == ptr:
                     return True

@@ -2,6 +2,20 @@
 hooks that account and offload activations live in :mod:`tiermem.train.activations`.)"""
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+
+def eager(fn: F) -> F:
+    """``fn`` runs as plain Python even inside a ``torch.compile``d forward: dynamo stops its graph
+    at the call instead of tracing it (NOTE [Module hooks and torch.compile] in
+    :mod:`tiermem.train.activations`). For hooks that move weights, take locks or look at data
+    pointers: traced, such code would run at compile time, on fake tensors, not at every call."""
+    return torch.compiler.disable(fn, recursive=True)
+
 
 class HookSet:
     """Removable handles from PyTorch's own registration functions."""

@@ -187,6 +187,14 @@ class TieredModel:
         self.hooks = HookSet()
         self.param_offload = (self._offload_weights(param_homes, device_need, prefetch, reclaimers)
                               if param_homes else None)
+        compiled_off_device = bool(param_homes) and _is_compiled(module)  # NOTE [Parameters off the device]
+        # the stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during
+        # the forward on another thread, and must stay compiled; dynamo then falls back by itself
+        self._force_eager = compiled_off_device and not opts.overlap
+        if compiled_off_device:
+            log.warning("tiermem: %d weights of this torch.compile'd model (or of modules compiled in it) live off "
+                        "the device under %r: its forward runs eagerly (NOTE [Parameters off the device]); "
+                        "place PARAM on the device to run it compiled", len(param_homes), self.policy)
         homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
                                          weights_off_device=self.param_offload, group=self.group)
         self.layout = build(module, buckets, step_buckets, groups, names, homes, self.stores, self.dtype, self.device,
@@ -202,7 +210,7 @@ class TieredModel:
         for b in buckets:
             for s in b.slots:
                 self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
-        self.activations = ActivationOffloader(module, self.policy, self.stores, self.engine, self.hooks,
+        self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks,
                                                params=self.param_offload)
         frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
         self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
@@ -252,7 +260,7 @@ class TieredModel:
         with self._life.during("forward", Phase.FORWARD):
             args, kwargs = _cast_floats((args, kwargs), self.dtype, self.device)
             borrowing = self.param_offload.borrowing() if self.param_offload is not None else contextlib.nullcontext()
-            with self.tracer.span("forward", "compute"), borrowing:
+            with self.tracer.span("forward", "compute"), borrowing, _eagerly(self._force_eager):
                 if torch.is_grad_enabled() and self.module.training:
                     with self.activations.track():
                         return self.module(*args, **kwargs)
@@ -418,6 +426,21 @@ def _make_stores(opts: _Options, nvme_dir: Optional[str], reclaimers: Reclaimers
         # one value per key: a failed step is rolled forward, not back (tiermem/train/nvme_state.py)
         stores[Tier.NVME] = NvmeStore(mine, budget=opts.budgets.nvme, keep_previous=False)
     return stores
+
+
+def _is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns, or has modules compiled in
+    place (``block.compile()``)."""
+    from torch._dynamo.eval_frame import OptimizedModule  # here: only asked with weights off the device
+    return isinstance(module, OptimizedModule) or any(
+        getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+
+
+def _eagerly(on: bool) -> contextlib.AbstractContextManager:
+    """Compiled code runs eagerly inside (``torch.compiler.set_stance``, torch 2.6+; before it,
+    dynamo finds the eager hooks and falls back by itself, after trying to trace)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if on and set_stance is not None else contextlib.nullcontext()
 
 
 def _note(error: BaseException, text: str) -> None:

@@ -7,7 +7,13 @@ the right shape that costs one element (NaN, so a use outside its module is loud
 A forward pre-hook of each module that owns such parameters acquires them through the
 :class:`~tiermem.transfer.schedule.ResidencyScheduler` (which prefetches the next ones in the order
 recorded during the first step and evicts by furthest next use), and a forward hook puts the
-placeholder back and releases them.
+placeholder back and releases them. These hooks, and the watch on a forward's ops for weights
+read outside their module, run as plain Python even in a ``torch.compile``d model
+(:func:`~tiermem.train.hooks.eager`): traced, they would run once at compile time, and the graph
+would compute with the placeholder. So a compiled model with weights off the device runs its
+forward eagerly (``torch.compiler.set_stance("force_eager")`` around ``tm(...)``; with
+``overlap_step`` dynamo falls back by itself at the eager hooks, as the stance is process-wide and
+the step's compiled Adam runs meanwhile), with the numbers of the uncompiled model.
 
 Backward needs weights again: when autograd saves a tensor that lives in an acquired
 parameter's storage (the weight, or a view such as ``weight.t()``), the saved-tensor pack hook
@@ -27,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes import Runs, WeightHome, slots_in
-from tiermem.train.hooks import HookSet
+from tiermem.train.hooks import HookSet, eager
 from tiermem.transfer.schedule import ResidencyScheduler
 from tiermem.types import TensorClass, TensorInfo, Tier
 
@@ -64,8 +70,8 @@ class ParamOffload(WeightHome):
             mine = [(p, self.keys[id(p)]) for p in mod.parameters(recurse=False) if id(p) in self.keys]
             if mine:
                 self.owners[mod] = mine
-                hooks.add(mod.register_forward_pre_hook(self._before))
-                hooks.add(mod.register_forward_hook(self._after, always_call=True))  # also when forward raises
+                hooks.add(mod.register_forward_pre_hook(eager(self._before)))
+                hooks.add(mod.register_forward_hook(eager(self._after), always_call=True))  # also when forward raises
 
     def adopt(self, name: str, value: torch.Tensor) -> None:
         """``value`` (a host tensor in the working precision) becomes ``name``'s first value at
@@ -167,6 +173,7 @@ class _Borrowing(TorchFunctionMode):
         super().__init__()
         self.offload, self.borrowed = offload, []
 
+    @eager
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") in _METADATA:  # asks about the tensor, computes nothing with it
