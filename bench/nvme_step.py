@@ -1,6 +1,6 @@
 """Steady-state training step with the optimizer state on NVMe, against its floor, in one run.
 
-    python bench/nvme_step.py [--width 2048] [--depth 24] [--rows 128] [--steps 5] [--warmup 2] [--checksum-contrast]
+    python bench/nvme_step.py [--width 2048] [--depth 24] [--rows 128] [--steps 5] [--warmup 2]
                               [--dir DIR] [--fio-size 1GiB] [--bucket-size 32MiB]
 
 The model is a stack of ``--depth`` square bias-free Linear layers (``--width``; the defaults give
@@ -231,9 +231,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fio-size", default="1GiB", help="bytes per fio pass (three passes per round)")
     p.add_argument("--dir", default=None, help="directory on the disk to test (default: a temporary one under "
                                                "the current directory, removed afterwards)")
-    p.add_argument("--checksum-contrast", action="store_true",
-                   help="a fourth setup: state-on-nvme with its store's data checksums off "
-                        "(TIERMEM_NVME_CHECKSUMS=0, a benchmarking switch), stepped in the same rounds")
     p.add_argument("--largest", action="store_true",
                    help="instead: train ZeroInfinity on --width x --width x --depth (e.g. 4096, 128: 2.15B "
                         "parameters) for --steps steps and print step time, peak RSS and the report")
@@ -283,12 +280,6 @@ def main() -> int:
         t0 = time.perf_counter()
         setups = [make("state-on-nvme", OptimStateOnNvme()), make("zero-infinity", ZeroInfinity()),
                   make("zero-infinity, no prefetch", ZeroInfinity(), prefetch=False)]
-        if args.checksum_contrast:  # the store reads the benchmarking switch when it is made
-            os.environ["TIERMEM_NVME_CHECKSUMS"] = "0"
-            try:
-                setups.append(make("state-on-nvme, no checksums", OptimStateOnNvme()))
-            finally:
-                del os.environ["TIERMEM_NVME_CHECKSUMS"]
         print(f"built the {len(setups)} models (initial state written to NVMe) in {time.perf_counter() - t0:.1f} s",
               flush=True)
         gen, fios = torch.Generator().manual_seed(0), []
@@ -356,10 +347,6 @@ def main() -> int:
             target = (f"  (target <= 1.15x: {'met' if ratio <= 1.15 else 'NOT met'})"
                       if s is setups[0] and kind == "serial" else "")
             print(f"{s.name + ':':<28} tm.step() / floor, {kind + ' I/O':<15}{ratio:5.2f}x{target}")
-    if args.checksum_contrast:
-        ratio = med([a / b for a, b in zip(setups[0].step, setups[-1].step)])
-        print(f"{'checksums:':<28} tm.step() with / without           {ratio:5.2f}x  (target <= 1.05x: "
-              f"{'met' if ratio <= 1.05 else 'NOT met'}; median over steps of the same round)")
     for s in setups:
         ratio = med([a + b for a, b in zip(s.fwd_bwd, s.step)]) / (compute + floor[s.name])
         print(f"{s.name + ':':<28} fwd+bwd+step / (compute + floor)  {ratio:5.2f}x")
