@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from examples.gpt import GPT, PRESETS, GPTConfig, config_from_args as build_config, lm_loss  # noqa: E402
+from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args as build_config, lm_loss  # noqa: E402
 from tiermem import AdamW, TensorClass, TieredModel, Tier  # noqa: E402
 from tiermem.errors import fmt_bytes  # noqa: E402
 from tiermem.policies import ZeroOffload  # noqa: E402
@@ -52,12 +52,8 @@ FULL_REPLICA = 12  # B/param of mixed-precision Adam state: fp32 master weights,
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    p.add_argument("--n-layer", type=int, default=6, help="override the preset's depth")
-    p.add_argument("--n-embd", type=int, default=384, help="override the preset's width (heads of 64)")
-    p.add_argument("--vocab-size", type=int, default=96, help="tokens are random ids below this")
-    p.add_argument("--batch-size", type=int, default=16, help=f"global batch, split over the {WORLD} ranks")
-    p.add_argument("--seq-len", type=int, default=128)
+    add_model_args(p, preset="small", n_layer=6, n_embd=384, batch_size=16, seq_len=128,
+                   batch_help=f"global batch, split over the {WORLD} ranks")
     p.add_argument("--steps", type=int, default=20, help="measured steps per setup")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per setup first")
     p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size")

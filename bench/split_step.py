@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from examples.gpt import GPT, PRESETS, config_from_args, lm_loss  # noqa: E402
+from examples.gpt import GPT, add_model_args, config_from_args, lm_loss  # noqa: E402
 from tiermem import AdamW, TieredModel  # noqa: E402
 from tiermem.plan import cost  # noqa: E402
 from tiermem.plan.profile import Profile, load_profile  # noqa: E402
@@ -41,12 +41,7 @@ NOMINAL_GPU = dict(h2d=25e9, d2h=25e9, device_adam=60e9)
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="gpt50m")
-    p.add_argument("--n-layer", type=int, default=None, help="override the preset's depth")
-    p.add_argument("--n-embd", type=int, default=None, help="override the preset's width (heads of 64)")
-    p.add_argument("--vocab-size", type=int, default=96, help="tokens are random ids below this")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
+    add_model_args(p)
     p.add_argument("--fractions", default="0,0.25,0.5,1", help="device_fraction values, comma separated")
     p.add_argument("--steps", type=int, default=6, help="measured steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per variant first")

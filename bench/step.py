@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from examples.gpt import GPT, PRESETS, GPTConfig, config_from_args as build_config, lm_loss  # noqa: E402
+from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args as build_config, lm_loss  # noqa: E402
 from tiermem import AdamW, TensorClass, TieredModel, Tier  # noqa: E402
 from tiermem.budgets import parse_bytes  # noqa: E402
 from tiermem.errors import fmt_bytes  # noqa: E402
@@ -43,12 +43,7 @@ LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="gpt50m")
-    p.add_argument("--n-layer", type=int, default=None, help="override the preset's depth")
-    p.add_argument("--n-embd", type=int, default=None, help="override the preset's width (heads of 64)")
-    p.add_argument("--vocab-size", type=int, default=96, help="tokens are random ids below this")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=8, help="measured steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per variant first")
     p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size")

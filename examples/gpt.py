@@ -56,6 +56,17 @@ class GPTConfig:
         return replace(PRESETS[name], **overrides)  # type: ignore[arg-type]
 
 
+def add_model_args(p, *, preset: str = "gpt50m", n_layer: int | None = None, n_embd: int | None = None,
+                   batch_size: int = 4, seq_len: int = 256, batch_help: str | None = None) -> None:
+    """The model and batch options the benchmarks share (read back by :func:`config_from_args`)."""
+    p.add_argument("--preset", choices=sorted(PRESETS), default=preset)
+    p.add_argument("--n-layer", type=int, default=n_layer, help="override the preset's depth")
+    p.add_argument("--n-embd", type=int, default=n_embd, help="override the preset's width (heads of 64)")
+    p.add_argument("--vocab-size", type=int, default=96, help="tokens are random ids below this")
+    p.add_argument("--batch-size", type=int, default=batch_size, help=batch_help)
+    p.add_argument("--seq-len", type=int, default=seq_len)
+
+
 def config_from_args(args) -> GPTConfig:
     """A preset sized by a benchmark's command line: ``args.preset``, ``vocab_size``, ``seq_len``
     and, when given, ``n_layer`` and ``n_embd`` (heads of 64)."""
