@@ -88,12 +88,9 @@ def test_overlap_step_with_weights_off_device(tmp_path):
     _trains_like(tm, ref, 4)
 
 
-@pytest.mark.parametrize("fail_after", [3, 12, 40])
-def test_failed_step_with_weights_on_nvme_is_completed_by_a_retry(tmp_path, fail_after):
-    """NOTE [A failed step is rolled forward]: after the disk fills mid-step every parameter holds
-    its state from before the step or from after it (never a mix), and the retry completes the step
-    exactly as the uninterrupted run (weights on NVMe included: the next forwards give its losses)."""
-    from tiermem import StoreError
+def _two_steps_and_a_backward(tmp_path):
+    """ZeroInfinity (on ``tmp_path/a``) and its ZeroOffload reference after two steps, with the
+    third step's gradients waiting in the ZeroInfinity model."""
     (tmp_path / "a").mkdir()
     tm = _make(ZeroInfinity(), tmp_path / "a")
     ref = _make(ZeroOffload(), None)
@@ -101,6 +98,16 @@ def test_failed_step_with_weights_on_nvme_is_completed_by_a_retry(tmp_path, fail
     _train(ref, 2)
     x, y = gpt_batch(2)
     tm.backward(gpt_loss(tm(x), y))
+    return tm, ref
+
+
+@pytest.mark.parametrize("fail_after", [3, 12, 40])
+def test_failed_step_with_weights_on_nvme_is_completed_by_a_retry(tmp_path, fail_after):
+    """NOTE [A failed step is rolled forward]: after the disk fills mid-step every parameter holds
+    its state from before the step or from after it (never a mix), and the retry completes the step
+    exactly as the uninterrupted run (weights on NVMe included: the next forwards give its losses)."""
+    from tiermem import StoreError
+    tm, ref = _two_steps_and_a_backward(tmp_path)
     before = tm.state_dict()
     with disk_fills_up(tm.stores[Tier.NVME], after=fail_after):
         with pytest.raises(StoreError, match="(?i)no space left"):
@@ -125,13 +132,7 @@ def test_weights_that_did_not_land_are_sent_home_again_by_the_retry(tmp_path):
     import errno
     import os
     from tiermem import StoreError
-    (tmp_path / "a").mkdir()
-    tm = _make(ZeroInfinity(), tmp_path / "a")
-    ref = _make(ZeroOffload(), None)
-    _train(tm, 2)
-    _train(ref, 2)
-    x, y = gpt_batch(2)
-    tm.backward(gpt_loss(tm(x), y))
+    tm, ref = _two_steps_and_a_backward(tmp_path)
     store = tm.stores[Tier.NVME]
     real = store._pwritev
 
