@@ -1,8 +1,15 @@
 """policies.Auto on the example GPT under three budget settings: its predicted against its measured
-step time, and its step time against the best built-in policy that fits, in one run.
+step time, and its step time against the best built-in policy that fits, one fresh process per run.
 
     python bench/auto.py [--preset gpt50m] [--n-layer N --n-embd C] [--batch-size 4] [--seq-len 256]
-                         [--steps 3] [--warmup 1] [--nvme-dir DIR] [--device cpu|cuda]
+                         [--steps 3] [--warmup 1] [--rounds 2] [--all-builtins] [--nvme-dir DIR]
+                         [--device cpu|cuda]
+
+Every model trains in a process of its own (the script runs itself with ``--one NAME --setting S``,
+which prints one JSON line): on this machine identical TieredModels in one process step at
+systematically different speeds (bench/RESULTS.md, "2026-12-01 One model per process"), so a
+variant's place in a shared process would be part of its figure (Auto, built first, measured
+1.27x-1.80x of a built-in with its very layout).
 
 First a ZeroOffload run measures what every placement shares: the forward+backward time (fed to Auto
 as ``forward_backward``, the "first measured forward/backward") and the device bytes that are not
@@ -15,17 +22,26 @@ each setting:
 - ``host short``: the device 1.3x ZeroOffload's peak there, the host 60% of ZeroOffload's, NVMe in
   ``--nvme-dir`` (ZeroOffload does not fit).
 
-every built-in that the constructor accepts (ZeroOffload with device_fraction 0, 0.25, 0.5, 0.75, 1,
-KeepOnDevice, ZeroInfinity) and Auto run side by side (round-robin, the order rotated each time), each iteration = forward +
-backward + step, medians over ``--steps``. Auto's prediction is given twice: as made at construction
-(with the ZeroOffload run's forward+backward, measured earlier: on a shared machine the load can
-change in between) and as ``tm.report()`` gives it after the run (fed Auto's own forward+backward,
-measured alongside the rest). Ratios last.
+Auto runs against a few built-ins per setting (``BUILTINS``: the one with Auto's layout where there
+is one, ZeroOffload() and the built-in that did best before), or against every built-in with
+``--all-builtins`` (ZeroOffload with device_fraction 0, 0.25, 0.5, 0.75, 1, KeepOnDevice,
+ZeroInfinity; about three times as long). ``--rounds`` rounds, each running every setting's variants
+in turn, the order reversed every other round (A B C, C B A, ...) so that drift in the machine's load
+falls on all of them alike. A variant the constructor refuses, or that runs out of memory while
+training, is reported once and not run again. Each run: ``--warmup`` iterations, then ``--steps``
+timed ones (forward + backward + step); a variant's figure is the median over all its timed
+iterations. Auto's prediction is given twice: as made at construction (with the ZeroOffload run's
+forward+backward, measured earlier: on a shared machine the load can change in between) and as
+``tm.report()`` gives it after each run (fed that run's own forward+backward), against the median of
+that run. Ratios last.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,9 +57,19 @@ from tiermem.errors import fmt_bytes  # noqa: E402
 from tiermem.policies import Auto, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
 
 LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
+SETTINGS = ("roomy", "device short", "host short")
+# The built-ins run by default: the one with Auto's layout where there is one (roomy: everything on
+# the device), ZeroOffload() (the default placement), and the one that did best in the runs of
+# 2026-12-01 (device short: half of the state on the device); under "host short" only ZeroInfinity
+# fits. --all-builtins runs every one the constructor accepts.
+BUILTINS = {
+    "roomy": ("ZeroOffload(device_fraction=1.0)", "ZeroOffload()"),
+    "device short": ("ZeroOffload(device_fraction=0.5)", "ZeroOffload()"),
+    "host short": ("ZeroInfinity()",),
+}
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="gpt50m")
     p.add_argument("--n-layer", type=int, default=None)
@@ -51,21 +77,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=96)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="timed iterations per run")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=2, help="runs per variant, the order reversed every other round")
+    p.add_argument("--all-builtins", action="store_true", help="every built-in, not only those in BUILTINS")
     p.add_argument("--nvme-dir", default=None, help="default: a temporary directory here")
     p.add_argument("--bucket-size", default="8MiB", help="TieredModel bucket_size (the NVMe pipelines hold 3)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return p.parse_args()
+    # one run in this process, printed as a JSON line (what the script passes to itself)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--setting", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--base", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
 
 
-BUCKET = "8MiB"
-
-
-def build(cfg, policy, device, budgets=None, nvme_dir=None) -> TieredModel:
+def build(cfg, policy, device, bucket, budgets=None, nvme_dir=None) -> TieredModel:
     torch.manual_seed(0)
     return TieredModel(GPT(cfg), policy, optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD), precision="bf16",
-                       grad_clip=CLIP, device=device, budgets=budgets, nvme_dir=nvme_dir, bucket_size=BUCKET)
+                       grad_clip=CLIP, device=device, budgets=budgets, nvme_dir=nvme_dir, bucket_size=bucket)
 
 
 def iteration(tm: TieredModel, x, y, device) -> tuple[float, float]:
@@ -86,88 +115,152 @@ def builtins() -> dict[str, object]:
     return {"ZeroOffload()": ZeroOffload(), **out, "KeepOnDevice()": KeepOnDevice(), "ZeroInfinity()": ZeroInfinity()}
 
 
+def setting_kw(setting: str, base: dict) -> dict:
+    """Budgets of ``setting`` from the ZeroOffload run's figures, and whether it has an NVMe tier."""
+    dev0, host0, n = base["dev0"], base["host0"], base["n"]
+    if setting == "roomy":
+        return dict(budgets=None, nvme=False)
+    if setting == "device short":
+        return dict(budgets=Budgets(device=dev0 + 8 * n), nvme=False)
+    return dict(budgets=Budgets(device=dev0 * 13 // 10, host=host0 * 6 // 10), nvme=True)
+
+
+def warm_up_process(device, bucket) -> None:
+    """Two steps of a throwaway tiny model, so that what a process pays once (compiling or loading
+    the CPU Adam kernel: up to seconds) is not charged to the measured model, whose report()
+    averages over every step it took, warm-up included. No NVMe: the bias between models in one
+    process was seen only there."""
+    cfg = PRESETS["tiny"]
+    tm = build(cfg, ZeroOffload(), device, bucket)
+    for _ in range(2):
+        b = torch.randint(cfg.vocab_size, (2, cfg.block_size + 1), device=device)
+        iteration(tm, b[:, :-1], b[:, 1:], device)
+    tm.detach()
+
+
+def run_one(args, cfg, device, batches) -> dict:
+    """One variant (or the ZeroOffload baseline, ``--one base``) trained in this process."""
+    warm_up_process(device, args.bucket_size)
+    if args.one == "base":
+        tm = build(cfg, ZeroOffload(), device, args.bucket_size)
+        fb = [iteration(tm, b[:, :-1], b[:, 1:], device)[0] for b in batches][args.warmup:]
+        rep = tm.report()
+        dev0, host0 = rep.peak_bytes[Tier.DEVICE], rep.peak_bytes.get(Tier.HOST, 0)
+        act = dev0 - sum(v for (c, t), v in rep.class_peak_bytes.items()
+                         if t == Tier.DEVICE and c.value != "activation")
+        out = dict(forward_backward=statistics.median(fb), dev0=dev0, host0=host0, act=act, n=tm.layout.n_params)
+        tm.detach()
+        return out
+    base = json.loads(args.base)
+    kw = setting_kw(args.setting, base)
+    if args.one == "Auto":
+        limit = kw["budgets"].device if kw["budgets"] is not None and kw["budgets"].device else None
+        reserve = min(0.9, 1.1 * base["act"] / limit) if limit else 0.1  # room for the activations measured there
+        policy = Auto(forward_backward=base["forward_backward"], device_reserve=reserve)
+    else:
+        policy = builtins()[args.one]
+    tmp = tempfile.TemporaryDirectory(prefix="tiermem-auto-", dir=args.nvme_dir or ".") if kw["nvme"] else None
+    try:
+        try:
+            tm = build(cfg, policy, device, args.bucket_size, kw["budgets"], tmp.name if tmp else None)
+        except TierMemError as e:
+            return dict(refused=str(e).splitlines()[0][:140])
+        times = []
+        try:
+            for i, b in enumerate(batches):
+                _, t = iteration(tm, b[:, :-1], b[:, 1:], device)
+                if i >= args.warmup:
+                    times.append(t)
+        except TierMemError as e:  # e.g. activations past a tight device budget: it does not fit
+            tm.detach()
+            return dict(failed=str(e).splitlines()[0][:140])
+        out: dict = dict(times=times)
+        if args.one == "Auto":
+            chosen = tm.placement.chosen
+            stages = tm.report().stages  # fed this run's own forward+backward
+            out.update(label=chosen.label, predicted=chosen.evaluation.seconds,
+                       predicted_stages=chosen.evaluation.stages,
+                       report={k: list(v) for k, v in stages.items()},
+                       predicted_fed=sum(p for p, _ in stages.values()) if stages else float("nan"))
+        tm.detach()
+        return out
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def spawn(argv: list[str], one: str, setting: str | None = None, base: dict | None = None) -> dict:
+    """Run ``one`` in a fresh process; its last output line is the JSON result."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--one", one]
+    if setting is not None:
+        cmd += ["--setting", setting, "--base", json.dumps(base)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    lines = res.stdout.strip().splitlines()
+    if res.returncode != 0 or not lines:
+        raise RuntimeError(f"bench/auto.py: the run of {one} ({setting}) exited {res.returncode}:\n{res.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
 def main() -> int:
-    global BUCKET
     args = parse_args()
-    BUCKET = args.bucket_size
     device = torch.device(args.device)
     cfg = config_from_args(args)
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
-               for _ in range(args.warmup + args.steps)]
-    # what every placement shares, measured once under ZeroOffload
-    base = build(cfg, ZeroOffload(), device)
-    fb = []
-    for i, b in enumerate(batches):
-        f, _ = iteration(base, b[:, :-1], b[:, 1:], device)
-        if i >= args.warmup:
-            fb.append(f)
-    forward_backward = statistics.median(fb)
-    rep = base.report()
-    n = base.layout.n_params
-    dev0, host0 = rep.peak_bytes[Tier.DEVICE], rep.peak_bytes.get(Tier.HOST, 0)
-    act = dev0 - sum(v for (c, t), v in rep.class_peak_bytes.items() if t == Tier.DEVICE and c.value != "activation")
-    base.detach()
-    del base
-    print(f"GPT {cfg.n_layer} x {cfg.n_embd}, {n / 1e6:.1f}M parameters, batch {args.batch_size} x {args.seq_len}, "
-          f"device {device}; ZeroOffload: forward+backward {forward_backward * 1e3:.0f} ms, device peak "
-          f"{fmt_bytes(dev0)} (activations {fmt_bytes(act)}), host peak {fmt_bytes(host0)}", flush=True)
+    if args.one is not None:
+        gen = torch.Generator().manual_seed(0)
+        batches = [torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
+                   for _ in range(args.warmup + args.steps)]
+        print(json.dumps(run_one(args, cfg, device, batches)), flush=True)
+        return 0
 
-    tmp = tempfile.TemporaryDirectory(prefix="tiermem-auto-", dir=args.nvme_dir or ".")
-    device_short = dev0 + 8 * n
-    settings = {
-        "roomy": dict(budgets=None, nvme_dir=None),
-        "device short": dict(budgets=Budgets(device=device_short), nvme_dir=None),
-        "host short": dict(budgets=Budgets(device=dev0 * 13 // 10, host=host0 * 6 // 10), nvme_dir=tmp.name),
-    }
-    rows = []
-    for setting, kw in settings.items():
-        limit = (kw["budgets"].device if kw["budgets"] is not None and kw["budgets"].device else None)
-        reserve = min(0.9, 1.1 * act / limit) if limit else 0.1  # room for the activations measured above
-        auto = Auto(forward_backward=forward_backward, device_reserve=reserve)
-        variants: dict[str, TieredModel] = {}
-        for i, (name, policy) in enumerate({"Auto": auto, **builtins()}.items()):
-            own = dict(kw)
-            if kw["nvme_dir"] is not None:  # a run owns its NVMe directory
-                own["nvme_dir"] = str(Path(kw["nvme_dir"]) / f"v{i}")
-                Path(own["nvme_dir"]).mkdir()
-            try:
-                variants[name] = build(cfg, policy, device, **own)
-            except TierMemError as e:
-                print(f"  [{setting}] {name}: refused ({str(e).splitlines()[0][:140]})")
-        if "Auto" not in variants:
-            print(f"  [{setting}] Auto found nothing that fits; skipped")
-            continue
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        for i, b in enumerate(batches):
-            names = list(variants)
-            for name in names[i % len(names):] + names[:i % len(names)]:  # rotated: no one always goes first
-                tm = variants[name]
-                try:
-                    _, t = iteration(tm, b[:, :-1], b[:, 1:], device)
-                except TierMemError as e:  # e.g. activations past a tight device budget: it does not fit
-                    print(f"  [{setting}] {name}: failed while training ({str(e).splitlines()[0][:140]})")
-                    variants.pop(name).detach()
-                    times.pop(name)
+    argv = sys.argv[1:]
+    t_start = time.perf_counter()
+    base = spawn(argv, "base")  # what every placement shares, measured once under ZeroOffload
+    print(f"GPT {cfg.n_layer} x {cfg.n_embd}, {base['n'] / 1e6:.1f}M parameters, batch {args.batch_size} x "
+          f"{args.seq_len}, device {device}, one process per run, {args.rounds} rounds of {args.steps} timed "
+          f"iterations; ZeroOffload: forward+backward {base['forward_backward'] * 1e3:.0f} ms, device peak "
+          f"{fmt_bytes(base['dev0'])} (activations {fmt_bytes(base['act'])}), host peak {fmt_bytes(base['host0'])}; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    names = {s: ["Auto", *(builtins() if args.all_builtins else BUILTINS[s])] for s in SETTINGS}
+    times: dict[str, dict[str, list[float]]] = {s: {k: [] for k in names[s]} for s in SETTINGS}
+    autos: dict[str, list[dict]] = {s: [] for s in SETTINGS}
+    for r in range(args.rounds):
+        for setting in SETTINGS:
+            order = names[setting] if r % 2 == 0 else names[setting][::-1]  # A B C, then C B A
+            for name in list(order):
+                out = spawn(argv, name, setting, base)
+                if "refused" in out or "failed" in out:
+                    why = "refused" if "refused" in out else "failed while training"
+                    print(f"  [{setting}] {name}: {why} ({out.get('refused') or out.get('failed')})", flush=True)
+                    names[setting].remove(name)
+                    times[setting].pop(name)
                     continue
-                if i >= args.warmup:
-                    times[name].append(t)
-        med = {k: statistics.median(v) for k, v in times.items() if v}
-        chosen = variants["Auto"].placement.chosen
-        predicted = chosen.evaluation.seconds  # at construction, with the ZeroOffload run's forward+backward
-        fed = variants["Auto"].report().stages  # report(): fed Auto's own forward+backward, measured alongside
-        predicted_fed = sum(p for p, _ in fed.values()) if fed else float("nan")
+                times[setting][name] += out["times"]
+                if name == "Auto":
+                    autos[setting].append(out)
+                print(f"  round {r + 1} [{setting}] {name}: " + " ".join(f"{t * 1e3:.0f}" for t in out["times"])
+                      + f" ms; load average {os.getloadavg()[0]:.2f}", flush=True)
+
+    rows = []
+    for setting in SETTINGS:
+        if not autos[setting]:
+            print(f"\n[{setting}] Auto found nothing that fits; skipped")
+            continue
+        med = {k: statistics.median(v) for k, v in times[setting].items() if v}
+        a = autos[setting][0]
+        fed = statistics.median(x["predicted_fed"] for x in autos[setting])
         best_name = min((k for k in med if k != "Auto"), key=med.get, default=None)
-        print(f"\n[{setting}] Auto chose: {chosen.label}")
-        print(f"  predicted {predicted * 1e3:.0f} ms ({', '.join(f'{k} {v * 1e3:.0f}' for k, v in chosen.evaluation.stages.items())})")
-        print(f"  report(): " + ", ".join(f"{k} {p * 1e3:.0f} predicted / {m * 1e3:.0f} measured" for k, (p, m) in fed.items()))
+        print(f"\n[{setting}] Auto chose: {a['label']}")
+        print(f"  predicted {a['predicted'] * 1e3:.0f} ms ("
+              + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in a["predicted_stages"].items()) + ")")
+        for i, x in enumerate(autos[setting]):
+            print(f"  report(), run {i + 1}: " + ", ".join(f"{k} {p * 1e3:.0f} predicted / {m * 1e3:.0f} measured"
+                                                       for k, (p, m) in x["report"].items()))
         for k in sorted(med, key=med.get):
-            print(f"  {k:<34} {med[k] * 1e3:8.0f} ms")
-        rows.append((setting, predicted / med["Auto"], predicted_fed / med["Auto"],
+            print(f"  {k:<34} {med[k] * 1e3:8.0f} ms  (iterations: "
+                  + " ".join(f"{t * 1e3:.0f}" for t in times[setting][k]) + ")")
+        rows.append((setting, a["predicted"] / med["Auto"], fed / med["Auto"],
                      med["Auto"] / med[best_name] if best_name else None, best_name))
-        for tm in variants.values():
-            tm.detach()
-    tmp.cleanup()
+    print(f"\n({time.perf_counter() - t_start:.0f} s in all; load average at the end {os.getloadavg()[0]:.2f})")
 
     print("\n== ratios ==")
     for setting, pred, fed, vs_best, best_name in rows:

@@ -1,12 +1,17 @@
 """Steady-state training step with the optimizer state on NVMe, against its floor, in one run.
 
-    python bench/nvme_step.py [--width 2048] [--depth 24] [--rows 128] [--steps 5] [--warmup 2]
-                              [--dir DIR] [--fio-size 1GiB] [--bucket-size 32MiB]
+    python bench/nvme_step.py [--width 2048] [--depth 24] [--rows 128] [--steps 3] [--rounds 2]
+                              [--warmup 2] [--dir DIR] [--fio-size 1GiB] [--bucket-size 32MiB]
 
 The model is a stack of ``--depth`` square bias-free Linear layers (``--width``; the defaults give
 ~100M parameters, 1.2 GB of optimizer state, so that state I/O dominates the step), trained in
-bf16 on ``--rows`` random rows per step. Three setups, stepped in turn (round-robin, so load from
-other processes hits all alike), each on its own directory under ``--dir``:
+bf16 on ``--rows`` random rows per step. Three setups, each trained in a fresh process of its own
+(the script runs itself with ``--one NAME``, which prints one JSON line) on its own directory under
+``--dir``: on this machine identical models in one process step at systematically different
+speeds (bench/RESULTS.md, "2026-12-01 One model per process"), which made the setup stepped first
+(state-on-nvme) look slow. ``--rounds`` rounds, the setups' order reversed every other round
+(A B C, C B A, ...) so that drift in the load and the disk falls on all alike; each run takes
+``--warmup`` steps, then ``--steps`` measured ones:
 
 - ``state-on-nvme``: ZeRO-Offload with OPTIM_STATE on NVMe (examples/nvme_offload.py's policy):
   weights on the device tier, grads on the host, the state streamed through the three-stage
@@ -22,9 +27,9 @@ directory, three ways: ``serial`` (the target's: bytes read / fio read + bytes w
 write, the disk doing one thing at a time), ``mixed`` (all bytes / fio reading and writing at
 once, half each, as the pipeline issues them) and ``overlapped`` (max of bytes read / fio read and
 bytes written / fio write: each direction at its own full speed, the lowest floor). The disk
-drifts by tens of percent within a minute, so fio runs after every measured round of steps and
-each step is compared with the floor of its own round (ratios are medians over rounds); the
-setups take turns at each place in a round. Adam is ``adam_step`` over as many parameters in
+drifts by tens of percent within a minute, so fio runs after every measured step, in the same
+process, and each step is compared with the floor measured right after it (ratios are medians
+over all of a setup's measured steps). Adam is ``adam_step`` over as many parameters in
 memory (fp32 grads in, bf16 weights out, as the step calls it), measured in this run. The
 state-on-nvme step moves exactly the state (12 B/param read, 12 written); ZeroInfinity's also
 writes the new bf16 weights home (2 B/param; the report's bytes_moved does not count those
@@ -35,8 +40,8 @@ compute alone) plus the step's serial floor.
 Stall time is what the training thread spent waiting on transfers (``tm.report()``, per step):
 during forward+backward that is waiting for weights (ZeroInfinity), which prefetch is meant to
 hide; during ``tm.step()`` it is mostly the pipeline waiting on the disk, which is the floor
-itself. Figures are medians over ``--steps`` steps after ``--warmup`` (the first records the
-trace and loads the compiled Adam). The load average is printed: other processes share the CPUs.
+itself. Figures are medians over a setup's ``--rounds`` x ``--steps`` measured steps (each run's
+``--warmup`` steps first: the first records the trace and loads the compiled Adam). The load average is printed: other processes share the CPUs.
 Ratios come last.
 """
 from __future__ import annotations
@@ -53,6 +58,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -150,7 +156,8 @@ def rss_gb() -> float:
 @dataclass
 class Setup:
     name: str
-    tm: TieredModel
+    tm: Optional[TieredModel] = None  # only in the process that trains it
+    weights_on_nvme: bool = False
     fwd_bwd: list[float] = field(default_factory=list)
     step: list[float] = field(default_factory=list)
     stall_fwd_bwd: list[float] = field(default_factory=list)
@@ -158,6 +165,11 @@ class Setup:
     read: list[int] = field(default_factory=list)  # NVMe bytes read during tm.step()
     written: list[int] = field(default_factory=list)  # NVMe bytes written during tm.step()
     read_fwd_bwd: list[int] = field(default_factory=list)  # NVMe bytes read during forward+backward
+    fios: list[dict[str, float]] = field(default_factory=list)  # fio right after each measured step
+    sched: Optional[dict[str, float]] = None  # the scheduler's last iteration (ZeroInfinity)
+    report: str = ""
+
+    SERIES = ("fwd_bwd", "step", "stall_fwd_bwd", "stall_step", "read", "written", "read_fwd_bwd", "fios")
 
 
 def nvme_bytes(rep: Report) -> tuple[int, int]:
@@ -225,10 +237,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--depth", type=int, default=24)
     p.add_argument("--rows", type=int, default=128, help="rows of input per step")
-    p.add_argument("--steps", type=int, default=5, help="measured steps per setup (and fio rounds)")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per setup first")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per run of a setup (fio after each)")
+    p.add_argument("--rounds", type=int, default=2, help="runs per setup, each in a fresh process, the order "
+                                                          "reversed every other round")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first in each run")
     p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size")
-    p.add_argument("--fio-size", default="1GiB", help="bytes per fio pass (three passes per round)")
+    p.add_argument("--fio-size", default="1GiB", help="bytes per fio pass (three passes after each measured step)")
     p.add_argument("--dir", default=None, help="directory on the disk to test (default: a temporary one under "
                                                "the current directory, removed afterwards)")
     p.add_argument("--largest", action="store_true",
@@ -238,14 +252,59 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--largest-policy", choices=["zero-infinity", "weights-on-host"], default="zero-infinity",
                    help="--largest: weights on NVMe (14 B/param on disk) or on the host (12 B/param on disk, "
                         "2 B/param more RAM)")
+    p.add_argument("--one", choices=SETUPS, default=None, help=argparse.SUPPRESS)  # one run, as a JSON line
     args = p.parse_args()
-    if min(args.width, args.depth, args.rows, args.steps) < 1 or args.warmup < 1:
-        p.error("--width, --depth, --rows, --steps must be >= 1 and --warmup >= 1 (the first step records the trace)")
+    if min(args.width, args.depth, args.rows, args.steps, args.rounds) < 1 or args.warmup < 1:
+        p.error("--width, --depth, --rows, --steps, --rounds must be >= 1 and --warmup >= 1 (the first step "
+                "records the trace)")
     return args
 
 
 def med(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+SETUPS = ("state-on-nvme", "zero-infinity", "zero-infinity, no prefetch")
+
+
+def run_one(args: argparse.Namespace, root: str) -> Setup:
+    """``args.one`` trained in this process in a directory of its own under ``root``: ``--warmup``
+    steps, then ``--steps`` measured ones, fio on the same directory after each."""
+    d = tempfile.mkdtemp(prefix=args.one.replace(" ", "").replace(",", "-") + "-", dir=root)
+    try:
+        torch.manual_seed(0)
+        policy = OptimStateOnNvme() if args.one == "state-on-nvme" else ZeroInfinity()
+        tm = TieredModel(LinearStack(args.width, args.depth), policy,
+                         optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD), precision="bf16",
+                         nvme_dir=d, bucket_size=args.bucket_size, prefetch=args.one != "zero-infinity, no prefetch")
+        s = Setup(args.one, tm, weights_on_nvme=tm.param_offload is not None)
+        gen = torch.Generator().manual_seed(0)
+        for i in range(args.warmup + args.steps):
+            line = run_step(s, torch.randn(args.rows, args.width, generator=gen), record=i >= args.warmup)
+            print(f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1}: {line}", file=sys.stderr, flush=True)
+            if i >= args.warmup:  # the disk drifts: measure it right after the step it is compared with
+                s.fios.append(fio(d, parse_bytes(args.fio_size, what="--fio-size")))
+        if tm.param_offload:
+            st = tm.param_offload.scheduler.history[-1]
+            s.sched = {k: getattr(st, k) for k in ("acquires", "hits", "late", "misses", "prefetches",
+                                                   "stall_seconds")}
+        s.report = str(tm.report())
+        tm.detach()  # deletes the model's files
+        s.tm = None
+        return s
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def spawn(name: str, root: str) -> Setup:
+    """One run of ``name`` in a fresh process; its last output line is the JSON result."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--one", name, "--dir", root]
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # its per-step lines go to our stderr
+    lines = res.stdout.strip().splitlines()
+    if res.returncode != 0 or not lines:
+        raise RuntimeError(f"bench/nvme_step.py: the run of {name} exited {res.returncode}")
+    d = json.loads(lines[-1])
+    return Setup(name, **d)
 
 
 def main() -> int:
@@ -256,64 +315,58 @@ def main() -> int:
         print("fio not found on PATH: the floor needs fio's bandwidth on the same directory; install fio",
               file=sys.stderr)
         return 2
-    fio_size = parse_bytes(args.fio_size, what="--fio-size")
+    parse_bytes(args.fio_size, what="--fio-size")  # a bad size fails here, before any run
     root = args.dir or tempfile.mkdtemp(prefix="tiermem-nvme-step-", dir=os.getcwd())
     n = args.width * args.width * args.depth
-    print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e6:.1f}M parameters, optimizer state "
-          f"{fmt_bytes(12 * n)} (as much on disk: each value once); {args.rows} rows per step; "
-          f"directory {root}; {torch.get_num_threads()} CPU threads; load average at start "
-          f"{os.getloadavg()[0]:.2f}", flush=True)
+    if args.one is None:
+        print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e6:.1f}M parameters, optimizer "
+              f"state {fmt_bytes(12 * n)} (as much on disk: each value once); {args.rows} rows per step; "
+              f"directory {root}; {torch.get_num_threads()} CPU threads; load average at start "
+              f"{os.getloadavg()[0]:.2f}; each setup in its own process, {args.rounds} rounds of {args.steps} "
+              f"measured steps", flush=True)
 
     def show(when: str, bw: dict[str, float]) -> str:
         return f"fio{when}: " + ", ".join(f"{k} {v / GB:.2f} GB/s" for k, v in bw.items())
 
-    try:
-        def make(name: str, policy, prefetch: bool = True) -> Setup:
-            torch.manual_seed(0)
-            d = os.path.join(root, name.replace(" ", "").replace(",", "-"))
-            os.makedirs(d)
-            tm = TieredModel(LinearStack(args.width, args.depth), policy,
-                             optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD), precision="bf16",
-                             nvme_dir=d, bucket_size=args.bucket_size, prefetch=prefetch)
-            return Setup(name, tm)
-
-        t0 = time.perf_counter()
-        setups = [make("state-on-nvme", OptimStateOnNvme()), make("zero-infinity", ZeroInfinity()),
-                  make("zero-infinity, no prefetch", ZeroInfinity(), prefetch=False)]
-        print(f"built the {len(setups)} models (initial state written to NVMe) in {time.perf_counter() - t0:.1f} s",
+    if args.one is not None:
+        s = run_one(args, root)
+        print(json.dumps({k: getattr(s, k) for k in (*Setup.SERIES, "weights_on_nvme", "sched", "report")}),
               flush=True)
-        gen, fios = torch.Generator().manual_seed(0), []
-        for i in range(args.warmup + args.steps):
-            x = torch.randn(args.rows, args.width, generator=gen)
-            k = i % len(setups)
-            for s in setups[k:] + setups[:k]:  # each takes each place in the round in turn
-                line = run_step(s, x, record=i >= args.warmup)
-                print(f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1}: {line}", flush=True)
-            if i >= args.warmup:  # the disk drifts: measure it between the steps it is compared with
-                fios.append(fio(root, fio_size))
-                print(f"        {show('', fios[-1])}; load average {os.getloadavg()[0]:.2f}", flush=True)
-        sched = {s.name: s.tm.param_offload.scheduler.history[-1] for s in setups if s.tm.param_offload}
-        reports = {s.name: s.tm.report() for s in setups}
-        for s in setups:
-            s.tm.detach()  # deletes the model's files
+        return 0
+    try:
+        setups = {name: Setup(name) for name in SETUPS}
+        for r in range(args.rounds):
+            for name in (SETUPS if r % 2 == 0 else SETUPS[::-1]):  # A B C, then C B A
+                t0 = time.perf_counter()
+                one = spawn(name, root)
+                s = setups[name]
+                for k in Setup.SERIES:
+                    getattr(s, k).extend(getattr(one, k))
+                s.weights_on_nvme, s.sched, s.report = one.weights_on_nvme, one.sched, one.report
+                print(f"round {r + 1}, {name}: tm.step() " + " ".join(f"{1e3 * t:.0f}" for t in one.step)
+                      + " ms; " + "; ".join(show("", f) for f in one.fios)
+                      + f"; run {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.2f}", flush=True)
+        setups = list(setups.values())
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     adam = adam_seconds(n)
 
+    fios = [f for s in setups for f in s.fios]
     bw = {k: med([f[k] for f in fios]) for k in fios[0]}
-    print(f"\n{show(f' (median of {len(fios)} rounds)', bw)}; adam_step over {n / 1e6:.1f}M parameters in memory: "
+    print(f"\n{show(f' (median of {len(fios)} passes)', bw)}; adam_step over {n / 1e6:.1f}M parameters in memory: "
           f"{1e3 * adam:.0f} ms ({n / adam / 1e9:.2f} Gparam/s)")
     # What a step must move: the state, read and written; ZeroInfinity also writes the new bf16 weights home.
-    must = {s.name: (12 * n, 12 * n + (2 * n if s.tm.param_offload else 0)) for s in setups}
+    must = {s.name: (12 * n, 12 * n + (2 * n if s.weights_on_nvme else 0)) for s in setups}
 
     def floors(name: str, kind: str) -> list[float]:
-        """The step's floor in each measured round, from that round's fio figures."""
+        """The floor of each of the setup's measured steps, from the fio run right after it."""
+        s = next(s for s in setups if s.name == name)
         r, w = must[name]
         io = {"serial": lambda f: r / f["read"] + w / f["write"],  # the disk doing one thing at a time
               "mixed": lambda f: (r + w) / f["mixed"],  # reads and writes at once, as the pipeline issues them
               "overlapped": lambda f: max(r / f["read"], w / f["write"])}[kind]  # each at its own full speed
-        return [max(io(f), adam) for f in fios]
+        return [max(io(f), adam) for f in s.fios]
 
     def ratio_of(s: Setup, kind: str) -> float:
         """Median over rounds of the step's time against the floor measured in its round."""
@@ -324,7 +377,7 @@ def main() -> int:
     iteration = {s.name: med([a + b for a, b in zip(s.fwd_bwd, s.step)]) for s in setups}
     for s in setups:
         r, w = must[s.name]
-        print(f"\n{s.name} (median of {args.steps} steps): fwd+bwd {1e3 * med(s.fwd_bwd):.0f} ms "
+        print(f"\n{s.name} (median of {len(s.step)} steps): fwd+bwd {1e3 * med(s.fwd_bwd):.0f} ms "
               f"(stalled {1e3 * med(s.stall_fwd_bwd):.0f} ms, NVMe read {med(s.read_fwd_bwd) / GB:.3f} GB), "
               f"tm.step() {1e3 * med(s.step):.0f} ms (stalled {1e3 * med(s.stall_step):.0f} ms), iteration "
               f"{1e3 * iteration[s.name]:.0f} ms")
@@ -332,11 +385,12 @@ def main() -> int:
               f"{med(s.read) / GB:.2f} and {med(s.written) / GB:.2f}); floor max(I/O, Adam), I/O at fio's "
               + ", ".join(f"{kind} bandwidth {1e3 * med(floors(s.name, kind)):.0f} ms"
                           for kind in ("serial", "mixed", "overlapped")))
-        if s.name in sched:
-            st = sched[s.name]
-            print(f"  scheduler, last iteration: {st.acquires} acquires = {st.hits} hits + {st.late} late + "
-                  f"{st.misses} misses; {st.prefetches} prefetches; stalled {1e3 * st.stall_seconds:.0f} ms")
-        print("  " + str(reports[s.name]).replace("\n", "\n  "))
+        if s.sched is not None:
+            st = s.sched
+            print(f"  scheduler, last iteration of the last run: {st['acquires']} acquires = {st['hits']} hits + "
+                  f"{st['late']} late + {st['misses']} misses; {st['prefetches']} prefetches; stalled "
+                  f"{1e3 * st['stall_seconds']:.0f} ms")
+        print("  last run's report: " + s.report.replace("\n", "\n  "))
 
     print(f"\nload average at the end {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min) "
           f"on {os.cpu_count()} CPUs: other processes share them")
