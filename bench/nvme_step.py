@@ -66,7 +66,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples
 
 from examples.nvme_offload import OptimStateOnNvme  # noqa: E402
-from tiermem import AdamW, Budgets, PerClass, Report, TensorClass, TieredModel, Tier, parse_bytes  # noqa: E402
+from tiermem import AdamW, Report, TieredModel, Tier, parse_bytes  # noqa: E402
 from tiermem.errors import fmt_bytes  # noqa: E402
 from tiermem.optim import adam_step, warm_up  # noqa: E402
 from tiermem.policies import ZeroInfinity  # noqa: E402
@@ -99,54 +99,6 @@ def windowed_stack(width: int, depth: int) -> LinearStack:
     for i, layer in enumerate(model.layers):
         layer.weight = nn.Parameter(base[i * shift:i * shift + width * width].view(width, width))
     return model
-
-
-class WeightsOnHostStateOnNvme(PerClass):
-    homes = {TensorClass.PARAM: Tier.HOST, TensorClass.GRAD: Tier.HOST, TensorClass.OPTIM_STATE: Tier.NVME,
-             TensorClass.ACTIVATION: Tier.DEVICE}
-
-
-def largest(args: argparse.Namespace) -> int:
-    """--largest: ZeroInfinity on a model far larger than RAM; step time, peak RSS, disk, report."""
-    n = args.width * args.width * args.depth
-    d = tempfile.mkdtemp(prefix="tiermem-largest-", dir=args.dir or os.getcwd())
-    disk = shutil.disk_usage(d)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    per = 14 if args.largest_policy == "zero-infinity" else 12
-    print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e9:.2f}B parameters; "
-          f"{args.largest_policy}, bf16, device budget {args.device_budget}; needs {per * n / GB:.1f} GB on disk "
-          f"({per} B/param: each value once, 12 B/param of state"
-          f"{' and 2 of weights' if per == 28 else ''}), {disk.free / GB:.1f} GB free of "
-          f"{disk.total / GB:.0f}; RAM {ram / GB:.1f} GB, fp32 grads on the host {4 * n / GB:.1f} GB; "
-          f"mixed-precision Adam in memory would need {16 * n / GB:.0f} GB", flush=True)
-    try:
-        t0 = time.perf_counter()
-        # One batch, seen every step, at a small lr, so the loss falls step after step (at 1e-5 and above
-        # this deep stack overshoots within a few steps, in torch.autocast + torch.optim.AdamW as well).
-        policy = ZeroInfinity() if args.largest_policy == "zero-infinity" else WeightsOnHostStateOnNvme()
-        tm = TieredModel(windowed_stack(args.width, args.depth), policy, precision="bf16", nvme_dir=d,
-                         optimizer=AdamW(lr=1e-6, betas=BETAS, weight_decay=WD), bucket_size=args.bucket_size,
-                         budgets=Budgets(device=args.device_budget))
-        print(f"built in {time.perf_counter() - t0:.0f} s (initial state and weights written to NVMe); peak RSS "
-              f"{rss_gb():.1f} GB", flush=True)
-        x = torch.randn(args.rows, args.width, generator=torch.Generator().manual_seed(0))
-        low = shutil.disk_usage(d).free
-        for i in range(1, args.steps + 1):
-            t0 = time.perf_counter()
-            loss = tm(x).float().square().mean()
-            tm.backward(loss)
-            t1 = time.perf_counter()
-            res = tm.step()
-            t2 = time.perf_counter()
-            low = min(low, shutil.disk_usage(d).free)
-            print(f"step {i}: loss {loss.item():.6f}, grad norm {res.grad_norm:.4f}; fwd+bwd {t1 - t0:.1f} s, "
-                  f"tm.step() {t2 - t1:.1f} s; peak RSS {rss_gb():.1f} GB; disk free {low / GB:.1f} GB", flush=True)
-        rep = tm.report()
-        print(f"{rep}\non disk at the end: {rep.peak_bytes[Tier.NVME] / n:.1f} B/param "
-              f"({rep.peak_bytes[Tier.NVME] / GB:.1f} GB); lowest free space seen {low / GB:.1f} GB")
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-    return 0
 
 
 def rss_gb() -> float:
@@ -245,13 +197,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fio-size", default="1GiB", help="bytes per fio pass (three passes after each measured step)")
     p.add_argument("--dir", default=None, help="directory on the disk to test (default: a temporary one under "
                                                "the current directory, removed afterwards)")
-    p.add_argument("--largest", action="store_true",
-                   help="instead: train ZeroInfinity on --width x --width x --depth (e.g. 4096, 128: 2.15B "
-                        "parameters) for --steps steps and print step time, peak RSS and the report")
-    p.add_argument("--device-budget", default="2GiB", help="--largest: Budgets(device=...)")
-    p.add_argument("--largest-policy", choices=["zero-infinity", "weights-on-host"], default="zero-infinity",
-                   help="--largest: weights on NVMe (14 B/param on disk) or on the host (12 B/param on disk, "
-                        "2 B/param more RAM)")
     p.add_argument("--one", choices=SETUPS, default=None, help=argparse.SUPPRESS)  # one run, as a JSON line
     args = p.parse_args()
     if min(args.width, args.depth, args.rows, args.steps, args.rounds) < 1 or args.warmup < 1:
@@ -309,8 +254,6 @@ def spawn(name: str, root: str) -> Setup:
 
 def main() -> int:
     args = parse_args()
-    if args.largest:
-        return largest(args)
     if shutil.which("fio") is None:
         print("fio not found on PATH: the floor needs fio's bandwidth on the same directory; install fio",
               file=sys.stderr)
