@@ -130,6 +130,24 @@ def test_the_budget_needs_room_for_one_value_and_a_write_in_flight(tmp_path):
         assert torch.equal(_read(s, "k", _value(n, 4)), _value(n, 4))
 
 
+def test_each_size_band_keeps_its_own_spares(tmp_path):
+    """A store writing two sizes (ZeroInfinity: small weight files, large state files) keeps up to
+    ``spares`` files of each: the frequent small ones do not crowd the large ones out, so every
+    overwrite of the large key goes over a spare's blocks."""
+    small, big = 700, 40 * 1024
+    with NvmeStore(tmp_path, block_size=BLOCK, keep_previous=False, spares=1) as s:
+        for seed in range(2):
+            s.write("big", _value(big, seed)).wait()
+            s.write("small", _value(small, seed)).wait()
+        sizes = sorted(os.path.getsize(tmp_path / n) for n in _spares(tmp_path))
+        assert sizes == [_file_bytes(small, s.direct), _file_bytes(big, s.direct)]  # one of each band
+        spare_inodes = {os.stat(tmp_path / n).st_ino for n in _spares(tmp_path)}
+        x = _value(big, 9)
+        s.write("big", x).wait()  # goes over the large spare, though a small one was released since
+        assert os.stat(tmp_path / nio.file_name("big", 0)).st_ino in spare_inodes
+        assert torch.equal(_read(s, "big", x), x)
+
+
 def test_spares_left_by_a_killed_run_are_taken_over_and_close_removes_them(tmp_path):
     s = NvmeStore(tmp_path, block_size=BLOCK, keep_previous=False, spares=3)
     for seed in range(3):

@@ -55,8 +55,8 @@ class NvmeStore(Store):
     held, both slots of a key counted (default: the free space there). ``direct``: True insists
     on O_DIRECT, False never uses it, None falls back to buffered I/O with a warning where the
     filesystem refuses it. ``keep_previous=False`` keeps one value per key: the previous slot is
-    released once a write lands (into a pool of at most ``spares`` files that later writes go over
-    in place), so the disk holds each value once, and nothing can be reverted or fallen back to
+    released once a write lands (into a pool of at most ``spares`` files of each size band that
+    later writes go over in place), so the disk holds each value once, and nothing can be reverted or fallen back to
     (NOTE [One value per key, and a few spare files]). Files stay on disk after ``close()``
     (spares excepted); ``delete(key)`` removes them.
     The store owns ``directory`` until ``close()`` (NOTE [One store owns a directory]): another

@@ -55,11 +55,15 @@ complete rather than undo it (NOTE [A failed step is rolled forward] in
 tiermem/train/nvme_state.py).
 
 A released file is not unlinked at once: it is renamed to ``spare-<n>.tmn`` in a pool of at most
-``spares`` files, and the next write whose slot file does not exist takes the spare closest in
-size (within a factor of two) by renaming it to its slot, so that it goes over blocks already
-allocated, which is what made two slots fast (NOTE [Two slots, overwritten in place]). Renames
-are metadata only, and never follow a symlink. A spare holds no value: its old header names
-another key and is blanked before any data moves. The pool is full: the file is unlinked. A
+``spares`` files of each size band (sizes within the same power of two), and the next write whose
+slot file does not exist takes the spare closest in size (within a factor of two) by renaming it
+to its slot, so that it goes over blocks already allocated, which is what made two slots fast
+(NOTE [Two slots, overwritten in place]). Renames are metadata only, and never follow a symlink.
+A spare holds no value: its old header names another key and is blanked before any data moves.
+The file's band is full: it is unlinked. The limit is per band because one shared limit let the
+frequent size crowd out the others: ZeroInfinity writes two 8 MiB weight files per 100 MB state
+file, the pool filled with weight files, and a third of the state writes made a new file and
+fallocated it (bench/RESULTS.md, "2026-12-01 ZeroInfinity's NVMe step"). A
 write that needs room the budget lacks first unlinks the spares; ``close()`` unlinks them; a
 store made on a directory where a killed run left spares takes them into its pool.
 

@@ -51,8 +51,10 @@ class SparePool:
 
     def give(self, size: int) -> Optional[str]:
         """Where to rename a released file of ``size`` bytes to keep it (then :meth:`keep`), or
-        None: unlink it (the pool is full, or the budget cannot hold it)."""
-        if len(self.ready) + len(self.arriving) >= self.limit:
+        None: unlink it (the pool holds ``limit`` files of its size band already, or the budget
+        cannot hold it)."""
+        held = [s for s in (*self.ready.values(), *self.arriving.values()) if _band(s) == _band(size)]
+        if len(held) >= self.limit:
             return None
         while (path := os.path.join(self.directory, f"{_SPARE_PREFIX}{self._next}{nio.SUFFIX}")) in self.ready:
             self._next += 1
@@ -86,3 +88,10 @@ class SparePool:
             self.ledger.reserve(SPARES, held)
         else:
             self.ledger.release(SPARES)
+
+
+def _band(size: int) -> int:
+    """The pool's size band of a file: sizes within the same power of two share one band, so a
+    store that writes values of several sizes (a model's bf16 weights and its optimizer state)
+    keeps spares of each instead of the more frequent size crowding out the others."""
+    return size.bit_length()
