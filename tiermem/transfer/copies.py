@@ -17,7 +17,6 @@ from tiermem.memory.resident import nbytes_of
 from tiermem.transfer.lanes import GpuWork, Lanes
 from tiermem.transfer.lease import Lease
 from tiermem.transfer.stats import TransferStats
-from tiermem.types import Tier
 
 
 class Copies:
@@ -71,11 +70,9 @@ class Copies:
             except BaseException:
                 self.stats.count(src_tier, dst_tier, t0=t0)
                 raise
-            if works:
-                self.stats.count(src_tier, dst_tier, seconds=sum(w.seconds() for w in works), nbytes=nbytes,
-                                 kind=kind)
-            else:
-                self.stats.count(src_tier, dst_tier, t0=t0, nbytes=nbytes, kind=kind)
+            # on a GPU busy for the copies' own time on their stream, elsewhere from t0 until now
+            self.stats.count(src_tier, dst_tier, t0=t0, seconds=sum(w.seconds() for w in works) if works else None,
+                             nbytes=nbytes, kind=kind)
         return last, None, finish
 
     def _issue(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready, accumulate: bool
@@ -121,11 +118,3 @@ class Copies:
             lease.release()
             raise
         return gpu, lease.release
-
-    def count(self, src: Tier, dst: Tier, t0: float, gpu: Optional[GpuWork], nbytes: int, kind: object) -> None:
-        """Count a finished move: on a GPU busy for the copy's own time on its stream (so bytes
-        over busy seconds is the link's bandwidth), elsewhere from ``t0`` until now."""
-        if gpu is None:
-            self.stats.count(src, dst, t0=t0, nbytes=nbytes, kind=kind)
-        else:
-            self.stats.count(src, dst, seconds=gpu.seconds(), nbytes=nbytes, kind=kind)

@@ -372,7 +372,8 @@ class TransferEngine:
             except BaseException:
                 failed()
                 raise
-            self._copies.count(src, dst, t0, gpu, r.info.nbytes, r.info.kind)
+            self.stats.count(src, dst, t0=t0, seconds=gpu.seconds() if gpu is not None else None,
+                             nbytes=r.info.nbytes, kind=r.info.kind)  # a GPU copy: its own time on its stream
             self.registry.finish(key, ok=True)
             if then_drop is not None:
                 self.registry.drop(key, then_drop)
