@@ -26,6 +26,7 @@ class TransferStats:
     stall_seconds: dict[Tier, float] = field(default_factory=lambda: defaultdict(float))
     tracer: Any = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _sinks: dict[Tier, Callable[[float], None]] = field(default_factory=dict, repr=False)
 
     def count(self, src: Tier, dst: Tier, *, t0: Optional[float] = None, nbytes: Optional[int] = None,
               kind: object = None, seconds: Optional[float] = None) -> None:
@@ -47,9 +48,13 @@ class TransferStats:
             self.tracer.add(f"{src.value}->{dst.value}", "transfer", t0, t1)
 
     def stall_sink(self, tier: Tier) -> Callable[[float], None]:
-        def sink(seconds: float) -> None:
-            with self._lock:
-                self.stall_seconds[tier] += seconds
+        """The callback a handle reports its waits to, one per tier (made once: every request asks)."""
+        sink = self._sinks.get(tier)
+        if sink is None:
+            def sink(seconds: float) -> None:
+                with self._lock:
+                    self.stall_seconds[tier] += seconds
+            sink = self._sinks.setdefault(tier, sink)
         return sink
 
     @property
