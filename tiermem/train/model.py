@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import os
 import time
-from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
 
-from tiermem.budgets import Budgets, parse_bytes
-from tiermem.config import AdamW, LossScale, _AdamSpec, working_dtype
+from tiermem.budgets import Budgets
+from tiermem.config import LossScale, _AdamSpec
 from tiermem.errors import ConfigError
 from tiermem.memory.ledger import Reclaimers
-from tiermem.memory.nvme import NvmeStore
-from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
 from tiermem.plan.footprint import check_fits, footprint, largest_module_bytes, totals
@@ -39,13 +34,14 @@ from tiermem.train.hooks import HookSet
 from tiermem.train.layout import build, make_homes
 from tiermem.train.machine import machine_profile, store_limits
 from tiermem.train.optimizer import TieredOptimizer
+from tiermem.train.options import make_stores, validate
 from tiermem.train.param_offload import ParamOffload
 from tiermem.train.phase import Lifecycle, Phase
 from tiermem.train.scaler import LossScaler
 from tiermem.train.state import ModelState
 from tiermem.train.stepper import StepResult, Stepper
 from tiermem.train.uploads import Outputs
-from tiermem.transfer.collectives import Group, fingerprint, resolve_group
+from tiermem.transfer.collectives import fingerprint, resolve_group
 from tiermem.transfer.engine import TransferEngine
 from tiermem.transfer.schedule import ResidencyScheduler
 from tiermem.types import Tier
@@ -53,81 +49,6 @@ from tiermem.types import Tier
 log = logging.getLogger(__name__)
 
 __all__ = ["TieredModel", "StepResult", "Phase"]
-
-
-@dataclass(frozen=True)
-class _Options:
-    """The constructor's keyword arguments, validated."""
-
-    spec: _AdamSpec
-    dtype: torch.dtype
-    device: torch.device
-    budgets: Budgets
-    bucket_numel: int
-    overlap: bool
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"tiermem: {name}={value!r} is not a bool; pass True or False")
-    return value
-
-
-def _device(device: Any) -> torch.device:
-    """Where the working weights live: a CPU or an accelerator torch can reach."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not isinstance(device, (str, torch.device)):
-        raise ConfigError(f"tiermem: device={device!r} is not a device; pass 'cpu', 'cuda', 'cuda:1' or a "
-                          f"torch.device (or leave it out: cuda when available, else cpu)")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"tiermem: device={device!r} is not a device torch knows; pass 'cpu' or 'cuda[:N]'") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"tiermem: device={device!r}: tiermem trains on 'cpu' or 'cuda' devices; pass one of them")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"tiermem: device={device!r} but this torch has no usable CUDA device (torch "
-                          f"{torch.__version__}); pass device='cpu' or install a CUDA build of torch")
-    return dev
-
-
-def _check_paths(module: torch.nn.Module, nvme_dir: Any, trace_path: Any) -> None:
-    if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
-        raise ConfigError(f"tiermem: nvme_dir={nvme_dir!r} is not a path; pass the directory as a str or Path")
-    if trace_path is not None:
-        if not isinstance(trace_path, (str, os.PathLike)):
-            raise ConfigError(f"tiermem: trace_path={trace_path!r} is not a path; pass a file name as a str or Path")
-        parent = os.path.dirname(os.path.abspath(trace_path))
-        if not os.path.isdir(parent):
-            raise ConfigError(f"tiermem: trace_path={str(trace_path)!r}: directory {parent!r} does not exist; "
-                              f"create it or choose another path")
-    meta = [n for n, p in module.named_parameters() if p.is_meta]
-    if meta:
-        raise ConfigError(f"tiermem: parameters {meta[:3]} are on the meta device (no values yet); materialize "
-                          f"the module first (e.g. module.to_empty(device='cpu') and initialize it, or load weights)")
-
-
-def _validate(module, optimizer, precision, budgets, grad_clip, device, bucket_size, overlap_step) -> _Options:
-    if not isinstance(module, torch.nn.Module):
-        raise ConfigError(f"tiermem: TieredModel needs a torch.nn.Module, got {type(module).__name__}; "
-                          f"pass the model itself")
-    spec = AdamW() if optimizer is None else optimizer
-    if not isinstance(spec, _AdamSpec):
-        raise ConfigError(f"tiermem: optimizer={spec!r} is not a tiermem optimizer spec; pass "
-                          f"tiermem.AdamW(...) or tiermem.Adam(...) (hyperparameters, not a torch optimizer)")
-    if grad_clip is not None and (isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float))
-                                  or not math.isfinite(grad_clip) or grad_clip <= 0):
-        raise ConfigError(f"tiermem: grad_clip={grad_clip!r} is invalid: must be a finite number > 0 (the largest "
-                          f"global gradient norm), or None for no clipping")
-    budgets = Budgets() if budgets is None else budgets
-    if not isinstance(budgets, Budgets):
-        raise ConfigError(f"tiermem: budgets={budgets!r} is not a tiermem.Budgets; pass Budgets(device=..., host=...)")
-    bucket_bytes = parse_bytes(bucket_size, what="bucket_size")
-    if bucket_bytes < 4:
-        raise ConfigError(f"tiermem: bucket_size={bucket_size!r} is invalid: must be at least 4 bytes")
-    return _Options(spec, working_dtype(precision), _device(device), budgets, bucket_bytes // 4,
-                    _flag("overlap_step", overlap_step))
 
 
 class TieredModel:
@@ -156,16 +77,10 @@ class TieredModel:
                  bucket_size: int | str = "32MiB", overlap_step: bool = False,
                  trace_path: Optional[str] = None, prefetch: bool = True, process_group: Any = None,
                  max_skipped_steps: Optional[int] = 10, loss_scale: Optional[LossScale] = None):
-        opts = _validate(module, optimizer, precision, budgets, grad_clip, device, bucket_size, overlap_step)
-        _check_paths(module, nvme_dir, trace_path)
-        prefetch = _flag("prefetch", prefetch)
-        if max_skipped_steps is not None and (isinstance(max_skipped_steps, bool) or not isinstance(
-                max_skipped_steps, int) or max_skipped_steps < 1):
-            raise ConfigError(f"tiermem: max_skipped_steps={max_skipped_steps!r} is invalid: must be an int >= 1, "
-                              f"or None to never stop on skipped steps")
-        if loss_scale is not None and (not isinstance(loss_scale, LossScale) or precision != "fp16"):
-            raise ConfigError(f"tiermem: loss_scale={loss_scale!r} is invalid: it must be a tiermem.LossScale, and "
-                              f"only precision='fp16' scales the loss; pass LossScale(...) with fp16, or leave it out")
+        opts = validate(module, optimizer=optimizer, precision=precision, budgets=budgets, grad_clip=grad_clip,
+                        device=device, bucket_size=bucket_size, overlap_step=overlap_step, nvme_dir=nvme_dir,
+                        trace_path=trace_path, prefetch=prefetch, max_skipped_steps=max_skipped_steps,
+                        loss_scale=loss_scale)
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = grad_clip, opts.overlap
@@ -181,11 +96,11 @@ class TieredModel:
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
             + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), grad_clip, opts.overlap]))
         reclaimers = Reclaimers()  # a cache on the device (prefetched weights) gives room back to others
-        self.stores = _make_stores(opts, nvme_dir, reclaimers, self.group)
+        self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)
         device_need = self._check_fits(buckets, param_homes)
         self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
         self.hooks = HookSet()
-        self.param_offload = (self._offload_weights(param_homes, device_need, prefetch, reclaimers)
+        self.param_offload = (self._offload_weights(param_homes, device_need, opts.prefetch, reclaimers)
                               if param_homes else None)
         compiled_off_device = bool(param_homes) and _is_compiled(module)  # NOTE [Parameters off the device]
         # the stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during
@@ -412,20 +327,6 @@ class TieredModel:
     def __repr__(self) -> str:
         return (f"TieredModel({type(self.module).__name__}, policy={self.policy!r}, precision={self.precision!r}, "
                 f"params={self.layout.n_params:,}, buckets={len(self.layout.buckets)})")
-
-
-def _make_stores(opts: _Options, nvme_dir: Optional[str], reclaimers: Reclaimers, group: Group) -> dict[Tier, Any]:
-    stores: dict[Tier, Any] = {Tier.DEVICE: DeviceStore(opts.device, opts.budgets.device, reclaim=reclaimers),
-                               Tier.HOST: HostStore(opts.budgets.host)}
-    if nvme_dir is not None:
-        mine = group.subdirectory(nvme_dir)  # under data parallelism each rank its own: nvme_dir/rank<r>
-        if mine != nvme_dir and os.path.isdir(nvme_dir):
-            os.makedirs(mine, mode=0o700, exist_ok=True)
-        else:
-            mine = nvme_dir  # missing: the store's error names the directory the user gave
-        # one value per key: a failed step is rolled forward, not back (tiermem/train/nvme_state.py)
-        stores[Tier.NVME] = NvmeStore(mine, budget=opts.budgets.nvme, keep_previous=False)
-    return stores
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
