@@ -40,7 +40,7 @@ def engine():
 def _gate(e: TransferEngine) -> tuple[Handle, threading.Event]:
     """A request on the NVMe lane that finishes when the event is set (from another thread)."""
     opened = threading.Event()
-    return Handle(e._lanes["nvme"].submit(opened.wait)), opened
+    return Handle(e.lanes.pools["nvme"].submit(opened.wait)), opened
 
 
 def test_d2h_waits_for_the_callers_stream(engine):

@@ -177,7 +177,7 @@ def test_prefetch_is_async_and_stall_is_measured(engine):
     engine.register(_info("big", x), Tier.HOST)
     engine.put("big", x)
     gate = threading.Event()
-    engine._lanes["h2d"].submit(gate.wait)  # hold the lane so the request must queue behind it
+    engine.lanes.pools["h2d"].submit(gate.wait)  # hold the lane so the request must queue behind it
     h = engine.prefetch("big", Tier.DEVICE)
     assert not h.done() and engine.pending() == 1
     assert engine.prefetch("big", Tier.DEVICE) is h  # a second request joins the one in flight

@@ -195,7 +195,7 @@ def gpu_mode(monkeypatch):
         e.lanes.close()
         gpu = torch.device("cuda", 0)
         e.lanes = lanes_mod.Lanes(gpu)  # the GPU lanes: completion threads and (stand-in) streams
-        e._lanes, e._cuda = e.lanes.pools, True
+        e._copies.lanes = e.lanes  # the copies issue on them too
         return e
     yield make, bound
     assert engine_mod.event is lanes_mod.event
@@ -256,7 +256,7 @@ def test_gpu_mode_trains_bit_identical_to_the_cpu_mode(gpu_mode, tmp_path):
         if gpu:
             tm.engine.lanes.close()
             fake = make()
-            tm.engine.lanes, tm.engine._lanes, tm.engine._cuda = fake.lanes, fake.lanes.pools, True
+            tm.engine.lanes = tm.engine._copies.lanes = fake.lanes
         for i in range(3):
             x, y = gpt_batch(i)
             tm.backward(gpt_loss(tm(x), y))

@@ -64,8 +64,6 @@ class TransferEngine:
         self.device = torch.device(device if device is not None else getattr(dev_store, "device", "cpu"))
         self.stats = TransferStats(tracer=tracer)
         self.lanes = Lanes(self.device)
-        self._lanes = self.lanes.pools
-        self._cuda = self.lanes.cuda
         self._copies = Copies(self.lanes, self.stats, self.lease)
         self._pending: dict[str, tuple[Tier, Handle]] = {}
         self._lock = threading.Lock()
@@ -245,7 +243,7 @@ class TransferEngine:
         current stream waits on it (``wait_event``) and the host goes on; returns the request's
         value, a device tensor marked used by that stream. Requests without a GPU stage (and
         everything on the CPU) are waited for (NOTE [Issued, then done])."""
-        issued = handle.wait_issued() if self._cuda else None
+        issued = handle.wait_issued() if self.lanes.cuda else None
         if issued is None or issued.failed or issued.event is None:
             return handle.wait()
         stream = torch.cuda.current_stream(self.device)
@@ -388,7 +386,7 @@ class TransferEngine:
         if out is not None and isinstance(src_store, _MemoryStore):  # memory -> memory
             return self.lanes.memcpy(out, src_store.get(key), lane, ready)
         if out is not None:  # NVMe -> memory
-            if dst == Tier.DEVICE and self._cuda:
+            if dst == Tier.DEVICE and self.lanes.cuda:
                 with self.lease(nbytes_of(info.shape, info.dtype), f"<staging {key}>") as lease:
                     buf = lease.view(info.dtype, info.shape)
                     src_store.read(key, buf).wait()
@@ -397,7 +395,7 @@ class TransferEngine:
                 src_store.read(key, out.view(-1) if out.dim() else out).wait()
         else:  # memory -> NVMe
             tensor = src_store.get(key)  # type: ignore[attr-defined]
-            if src == Tier.DEVICE and self._cuda:
+            if src == Tier.DEVICE and self.lanes.cuda:
                 with self.lease(nbytes_of(info.shape, info.dtype), f"<staging {key}>") as lease:
                     buf = lease.view(info.dtype, info.shape)
                     self.lanes.memcpy(buf, tensor, "d2h", ready).wait()  # ordering: landed before the write
@@ -414,7 +412,7 @@ class TransferEngine:
     def _landed_on_caller_stream(self, tier: Tier, t: torch.Tensor) -> None:
         """A memory store copies on the caller's stream (``non_blocking``); a copy between host
         and device is waited for here, so the completed handle the store returns is true."""
-        if self._cuda and tier != Tier.NVME and (tier == Tier.DEVICE) != t.is_cuda:
+        if self.lanes.cuda and tier != Tier.NVME and (tier == Tier.DEVICE) != t.is_cuda:
             done = event()
             done.record(torch.cuda.current_stream(self.device))
             done.synchronize()  # ordering: the store's handle is done, so the bytes have landed
