@@ -68,6 +68,18 @@ def gpt_loss(logits, y):
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def train_steps(tm, steps: int, offset: int = 0) -> list[float]:
+    """``steps`` steps of ``tm`` on ``gpt_batch(offset)``, ``gpt_batch(offset + 1)``, ...; the losses."""
+    losses = []
+    for i in range(offset, offset + steps):
+        x, y = gpt_batch(i)
+        loss = gpt_loss(tm(x), y)
+        tm.backward(loss)
+        losses.append(loss.item())
+        tm.step()
+    return losses
+
+
 class disk_fills_up:
     """Within ``with disk_fills_up(store, after=n):`` the NVMe store's writes fail with ENOSPC
     once ``n`` write calls have gone through (so part of a step has landed when the disk fills)."""

@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from models import TinyGPT, gpt_batch, gpt_loss
+from models import TinyGPT, train_steps
 from tiermem import AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, TensorInfo, TieredModel, Tier
 from tiermem.plan.policy import ModelInfo
-from tiermem.policies import Auto, KeepOnDevice, ZeroInfinity, ZeroOffload
+from tiermem.policies import Auto, ZeroOffload
 from tiermem.policies.auto import Assigned
 
 GPU = {"device": {"accelerator": "a GPU", "h2d_GBps": 25, "d2h_GBps": 25}, "host": {"copy_GBps": 20},
@@ -26,17 +26,6 @@ def _tm(policy, **kw) -> TieredModel:
     torch.manual_seed(0)
     return TieredModel(TinyGPT(), policy, optimizer=AdamW(lr=1e-2), precision="bf16", grad_clip=1.0,
                        bucket_size=BUCKET, **kw)
-
-
-def _train(tm: TieredModel, steps: int = 2) -> list[float]:
-    out = []
-    for i in range(steps):
-        x, y = gpt_batch(i)
-        loss = gpt_loss(tm(x), y)
-        tm.backward(loss)
-        out.append(loss.item())
-        tm.step()
-    return out
 
 
 def _split(tm: TieredModel) -> tuple[int, int, int]:
@@ -88,14 +77,14 @@ def test_when_16_bytes_per_param_do_not_fit_the_state_splits_with_the_largest_de
     assert all(b.param_tier == Tier.DEVICE for b in tm.layout.buckets)
     device_state = {s.name for b in tm.layout.buckets if b.state_tier == Tier.DEVICE for s in b.slots}
     assert device_state == set(names[:largest]), "the device share is the first parameters forward uses"
-    assert _train(tm) == _train(_tm(ZeroOffload())), "placement never changes the numbers"
+    assert train_steps(tm, 2) == train_steps(_tm(ZeroOffload()), 2), "placement never changes the numbers"
 
 
 def test_a_short_host_sends_the_state_that_does_not_fit_to_nvme(tmp_path):
     def run(policy, **kw):
         torch.manual_seed(0)
         tm = TieredModel(TinyGPT(d=64), policy, optimizer=AdamW(lr=1e-2), precision="bf16", bucket_size=16384, **kw)
-        return tm, _train(tm)
+        return tm, train_steps(tm, 2)
     tm, losses = run(Auto(profile=GPU, device_reserve=0.5), budgets=Budgets(device=300_000, host=800_000),
                      nvme_dir=str(tmp_path))
     d, h, nvme = _split(tm)
@@ -147,7 +136,7 @@ def _host_need(policy) -> int:
 # -- what it says ---------------------------------------------------------------------------------------------
 def test_report_sets_the_prediction_beside_the_measured_stages():
     tm = _tm(Auto(profile=CPU, device_reserve=0.5), budgets=Budgets(device=120_000))
-    _train(tm, 2)
+    train_steps(tm, 2)
     rep = tm.report()
     assert set(rep.stages) == {"forward+backward", "grads home", "norm, Adam, weights up"}
     predicted, measured = rep.stages["forward+backward"]
@@ -212,9 +201,9 @@ def test_report_without_a_usable_profile_leaves_the_stages_out(tmp_path, monkeyp
     profile.save_profile({"schema": profile.SCHEMA, "device": {"accelerator": "a GPU"}, "host": {}, "nvme": {},
                           "adam": {}})
     tm = _tm(ZeroOffload())
-    _train(tm, 1)
+    train_steps(tm, 1)
     assert tm.report().stages == {}
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "none"))
     tm = _tm(ZeroOffload())
-    _train(tm, 1)
+    train_steps(tm, 1)
     assert tm.report().stages == {}  # no profile, and ZeroOffload needed none: nothing is measured for it

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from models import TinyGPT, gpt_batch, gpt_loss, same_state
+from models import TinyGPT, gpt_batch, gpt_loss, same_state, train_steps as _train  # _train: test_param_offload imports it
 from tiermem import AdamW, Budgets, StoreError, TensorClass, TieredModel, Tier
 from tiermem.policies import ZeroInfinity, ZeroOffload
 from tiermem.plan.policy import Policy
@@ -42,17 +42,6 @@ def _trains_like(tm, ref, steps):
     assert _train(tm, steps) == _train(ref, steps)
     assert same_state(tm.state_dict(), ref.state_dict())
     return tm.report()
-
-
-def _train(tm, steps, offset=0):
-    losses = []
-    for i in range(offset, offset + steps):
-        x, y = gpt_batch(i)
-        loss = gpt_loss(tm(x), y)
-        tm.backward(loss)
-        losses.append(loss.item())
-        tm.step()
-    return losses
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
