@@ -45,9 +45,9 @@ class GradCollector:
         self.names = [s.name for _, s in sorted(slot_of.values(), key=lambda bs: bs[1].order)]  # one order, every rank
         self.fill = 0  # which gradient buffer backward fills (always 0 without overlap_step)
         self._got: set[str] = set()  # parameters that received a grad this step
-        self._in_flight: list[tuple[Handle, str]] = []  # grad copies in flight, with their ledger tags
+        self._in_flight: list[tuple[Handle, list[str]]] = []  # one copy per bucket in flight, with its ledger tags
         self._copy_ids = itertools.count()
-        self._held: dict[int, tuple[Bucket, list[_Held]]] = {}  # bucket index -> gradients not yet sent
+        self._held: dict[int, tuple[Bucket, dict[str, _Held]]] = {}  # bucket index -> gradients not yet sent, by name
         self.arrivals = 0  # gradients received since the model was built (a backward that got none changed nothing)
 
     # -- during backward ------------------------------------------------------------------------
@@ -63,11 +63,11 @@ class GradCollector:
         key = slot.name
         tag = f"<grad in flight {slot.name} #{next(self._copy_ids)}>"  # one tag per copy: micro-batches overlap
         self._reserve(tag, grad.numel() * grad.element_size())
-        held = self._held.setdefault(bucket.index, (bucket, []))[1]
-        if any(h.key == key for h in held):  # the same parameter again before its bucket filled
+        held = self._held.setdefault(bucket.index, (bucket, {}))[1]
+        if key in held:  # the same parameter again before its bucket filled
             self._send(bucket.index)
-            held = self._held.setdefault(bucket.index, (bucket, []))[1]
-        held.append(_Held(param, grad.reshape(-1), acc, key, key not in self._got, tag))
+            held = self._held.setdefault(bucket.index, (bucket, {}))[1]
+        held[key] = _Held(param, grad.reshape(-1), acc, key, key not in self._got, tag)
         self._got.add(key)
         param.grad = None  # the device grad is freed once its bucket's copy has read it
         if len(held) >= len(bucket.slots):
@@ -76,7 +76,8 @@ class GradCollector:
 
     def _send(self, index: int) -> None:
         """Hand the held gradients of bucket ``index`` to the engine, as one request."""
-        bucket, held = self._held.pop(index)
+        bucket, by_name = self._held.pop(index)
+        held = list(by_name.values())
         tags = [h.tag for h in held]
         try:
             handle = self.engine.copy_many([(h.acc, h.grad, not h.first) for h in held], src_tier=Tier.DEVICE,
@@ -90,7 +91,7 @@ class GradCollector:
                     self._got.discard(h.key)
             raise
         handle.add_done_callback(lambda _f, ts=tags: [self.device_ledger.release(t) for t in ts])
-        self._in_flight += [(handle, t) for t in tags]
+        self._in_flight.append((handle, tags))
 
     def _send_all(self) -> None:
         for index in list(self._held):
@@ -118,8 +119,9 @@ class GradCollector:
             try:
                 wait_all([h for h, _ in handles])
             finally:
-                for _, tag in handles:  # the done-callback may not have run yet when wait returns
-                    self.device_ledger.release(tag)
+                for _, tags in handles:  # the done-callback may not have run yet when wait returns
+                    for tag in tags:
+                        self.device_ledger.release(tag)
 
     def settle(self) -> None:
         """Every grad of this step is at home. If some did not arrive (a copy or a flush to NVMe
@@ -144,13 +146,14 @@ class GradCollector:
         """Forget this step's grads (after an error left some missing): transfers in flight are
         drained, nothing will be stepped on."""
         for _, held in self._held.values():
-            for h in held:
+            for h in held.values():
                 self.device_ledger.release(h.tag)
         self._held.clear()
         handles, self._in_flight = self._in_flight, []
         wait_all_quietly([h for h, _ in handles])
-        for _, tag in handles:
-            self.device_ledger.release(tag)
+        for _, tags in handles:
+            for tag in tags:
+                self.device_ledger.release(tag)
         self._got.clear()
         for home in self.homes.grad_homes():
             home.drop()
