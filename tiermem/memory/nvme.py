@@ -1,13 +1,8 @@
 """NvmeStore: tensors as files in a directory, moved with direct I/O on the store's own threads.
 
-File format, chunking and staging live in :mod:`tiermem.memory.nvme_io`; this module holds the
-store: the per-key order of requests, the budget, crash safety and the errors users see.
-
-# NOTE [Per-key order]
-Every request (write, read, delete) of a key waits for the key's previous request, so a read
-sees the latest write issued before it, and an overwrite never races an older write. The wait is
-a done-callback that submits the next request to the pool, so no I/O thread ever blocks on
-another. Requests of different keys run concurrently, each split into chunks.
+File format, chunking and staging live in :mod:`tiermem.memory.nvme_io`, the order of requests
+(NOTE [Per-key order]) in :mod:`tiermem.memory.nvme_requests`; this module holds the store: the
+budget, crash safety and the errors users see.
 
 Overwrites, crash safety and the budget: NOTE [Two slots, overwritten in place], NOTE [One value
 per key, and a few spare files] and NOTE [What the NVMe budget counts] in
@@ -25,7 +20,7 @@ import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -39,6 +34,7 @@ from tiermem.memory.aligned import round_up
 from tiermem.memory.base import Store, check_same_layout, unknown_key
 from tiermem.memory.nvme_keys import (SPOILT, Copy, FellBack, KeyState, Value, cannot_revert, fell_back, io_error,
                                        lost, over_budget, spoilt, would_mix)
+from tiermem.memory.nvme_requests import Requests
 from tiermem.memory.nvme_spares import SparePool
 from tiermem.types import Tier
 
@@ -88,9 +84,8 @@ class NvmeStore(Store):
         self._staging = nio.StagingPool(block_size, io_threads)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiermem-nvme")
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._requests = Requests(self._pool, self._lock)  # NOTE [Per-key order]
         self._keys: dict[str, KeyState] = {}
-        self._outstanding = 0
         self._closed = False
         self._seq = 0  # successful writes so far, NOTE [No mix after a fall back]
         self._fell_back: list[FellBack] = []
@@ -120,7 +115,7 @@ class NvmeStore(Store):
             self.ledger.reserve(key, max(held, need), state.kind)  # NOTE [What the NVMe budget counts]
             self._keys[key] = state
             state.queued.append(value)
-            future = self._enqueue(state, partial(self._start_write, key, value, data))
+            future = self._requests.enqueue(state, partial(self._start_write, key, value, data))
         return Handle(future, on_stall=self._add_stall)
 
     def read(self, key: str, out: torch.Tensor) -> Handle:
@@ -132,7 +127,7 @@ class NvmeStore(Store):
             if (value := self._latest(key)) is None:
                 raise unknown_key(key, self.tier)
             check_same_layout(key, value.dtype, value.numel, out, self.tier)
-            future = self._enqueue(self._keys[key], partial(self._start_read, key, nio.byte_view(out), out))
+            future = self._requests.enqueue(self._keys[key], partial(self._start_read, key, nio.byte_view(out), out))
         return Handle(future, on_stall=self._add_stall)
 
     def delete(self, key: str) -> None:
@@ -141,7 +136,7 @@ class NvmeStore(Store):
             self._check_open()
             if self._latest(key) is None:
                 return
-            future = self._enqueue(self._keys[key], partial(self._start_delete, key))
+            future = self._requests.enqueue(self._keys[key], partial(self._start_delete, key))
         future.result()
 
     def revert(self, key: str) -> None:
@@ -152,7 +147,7 @@ class NvmeStore(Store):
             self._check_open()
             if self._latest(key) is None:
                 raise unknown_key(key, self.tier)
-            future = self._enqueue(self._keys[key], partial(self._start_revert, key))
+            future = self._requests.enqueue(self._keys[key], partial(self._start_revert, key))
         future.result()
 
     def __contains__(self, key: object) -> bool:
@@ -177,8 +172,7 @@ class NvmeStore(Store):
             if self._closed:
                 return
             self._closed = True
-            while self._outstanding:
-                self._idle.wait()
+            self._requests.drain()
             self._spares.drop_all()  # they hold no value
         self._pool.shutdown(wait=True)
         self._release_lock()
@@ -209,18 +203,6 @@ class NvmeStore(Store):
             os.ftruncate(fd, size)  # the filesystem cannot reserve space; just size the file
 
     # -- requests (run on the I/O threads) ------------------------------------------------------
-    def _enqueue(self, state: KeyState, start: Callable[[Future], None]) -> Future:
-        """Queue ``start`` behind the key's previous request (NOTE [Per-key order]); holds the lock."""
-        future: Future = Future()
-        previous, state.tail = state.tail, future
-        self._outstanding += 1
-        go = lambda _done=None: self._pool.submit(start, future)  # noqa: E731
-        if previous is None:
-            go()
-        else:
-            previous.add_done_callback(go)
-        return future
-
     def _start_write(self, key: str, value: Value, data: torch.Tensor, future: Future) -> None:
         with self._lock:
             current = self._keys[key].current()
@@ -251,12 +233,10 @@ class NvmeStore(Store):
         except OSError as e:
             self._finish_write(key, copy, fd, future, e)
             return
-        parts = nio.chunks(value.nbytes, self.block_size)
-        digests: list[Optional[int]] = [None] * len(parts)  # per chunk, NOTE [Data checksums]
-        self._fan_out([partial(_into, digests, i, partial(nio.write_chunk, self._pwritev, fd, data, b0, b1,
-                                                          self._staging, self.direct, self.checksums))
-                       for i, (b0, b1) in enumerate(parts)],
-                      lambda err: self._finish_write(key, copy, fd, future, err, digests))
+        self._requests.fan_out([partial(nio.write_chunk, self._pwritev, fd, data, b0, b1, self._staging,
+                                        self.direct, self.checksums)
+                                for b0, b1 in nio.chunks(value.nbytes, self.block_size)],
+                               partial(self._finish_write, key, copy, fd, future))
 
     def _finish_write(self, key: str, copy: Copy, fd: Optional[int], future: Future,
                       err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
@@ -317,10 +297,8 @@ class NvmeStore(Store):
                 nio.check_header(head, current.header)
             return digest
 
-        parts = nio.chunks(current.value.nbytes, self.block_size)
-        digests: list[Optional[int]] = [None] * len(parts)  # per chunk, NOTE [Data checksums]
-        self._fan_out([partial(_into, digests, i, partial(chunk, b0, b1)) for i, (b0, b1) in enumerate(parts)],
-                      lambda err: self._finish_read(key, current, fd, future, err, digests))
+        self._requests.fan_out([partial(chunk, b0, b1) for b0, b1 in nio.chunks(current.value.nbytes, self.block_size)],
+                               partial(self._finish_read, key, current, fd, future))
 
     def _finish_read(self, key: str, copy: Optional[Copy], fd: Optional[int], future: Future,
                      err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
@@ -393,25 +371,11 @@ class NvmeStore(Store):
                 os.unlink(latest.path)  # a reader going by generations must not find it either
         self._complete(key, future, err)
 
-    def _fan_out(self, jobs: list[Callable[[], object]],
-                 finish: Callable[[Optional[BaseException]], None]) -> None:
-        """Run ``jobs`` on the pool, the first on this thread; the thread that ends the last one
-        calls ``finish``."""
-        fan = nio.Fanout(len(jobs), finish)
-        for job in jobs[1:]:
-            self._pool.submit(fan.run, job)
-        fan.run(jobs[0])
-
     def _complete(self, key: str, future: Future, err: Optional[BaseException]) -> None:
         with self._lock:
             state = self._keys.get(key)
-            if state is not None and state.tail is future:
-                state.tail = None
-                if state.current() is None and not state.queued:
-                    del self._keys[key]  # nothing stored, nothing queued: forget it
-            self._outstanding -= 1
-            if not self._outstanding:
-                self._idle.notify_all()
+            if self._requests.finished(state, future) and state.current() is None and not state.queued:
+                del self._keys[key]  # nothing stored, nothing queued: forget it
         if err is None:
             future.set_result(None)
         else:
@@ -483,7 +447,3 @@ class NvmeStore(Store):
             raise StoreError(f"tiermem: NvmeStore({self.directory!r}) is closed; make a new store to "
                              f"keep using the directory")
 
-
-def _into(results: list, i: int, job: Callable[[], object]) -> None:
-    """Run one chunk's ``job`` and keep what it returns (its digest) at ``results[i]``."""
-    results[i] = job()

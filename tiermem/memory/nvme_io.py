@@ -2,7 +2,7 @@
 
 # NOTE [NVMe file layout]
 Two slot files per key, ``<name>.0.tmn`` and ``<name>.1.tmn`` (NOTE [Two slots, overwritten in
-place] in :mod:`tiermem.memory.nvme` says how they alternate). The first ``HEADER`` (4096) bytes
+place] in :mod:`tiermem.memory.nvme_keys` says how they alternate). The first ``HEADER`` (4096) bytes
 of a slot hold a header: magic, a crc32-checked JSON record ``{"key", "dtype", "shape",
 "nbytes", "gen", "xxh3", "chunk"}``, zero padding. ``gen`` counts the key's successful writes: the
 valid slot with the larger ``gen`` holds the newer value. ``xxh3`` checks the tensor's bytes
@@ -200,30 +200,6 @@ class StagingPool:
     @property
     def allocated(self) -> int:
         return self._made
-
-
-class Fanout:
-    """Runs one request's chunks on several threads; the thread that ends the last chunk calls
-    ``finish`` with the first error (or None). Chunks after an error are skipped."""
-
-    __slots__ = ("_left", "_error", "_lock", "_finish")
-
-    def __init__(self, n: int, finish: Callable[[Optional[BaseException]], None]):
-        self._left, self._error, self._lock, self._finish = n, None, threading.Lock(), finish
-
-    def run(self, job: Callable[[], object]) -> None:
-        error = None
-        if self._error is None:
-            try:
-                job()
-            except BaseException as e:  # noqa: BLE001 - handed to finish, which fails the request
-                error = e
-        with self._lock:
-            self._error = self._error or error
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            self._finish(self._error)
 
 
 # -- one chunk of a transfer ------------------------------------------------------------------
