@@ -172,15 +172,16 @@ class HostStore(_MemoryStore):
         self._free_bufs: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)  # (bytes, pinned)
         self._free_bytes = 0
         self.allocations = 0  # buffers ever allocated; reuse keeps this flat across steps
-        self._pinned: dict[int, torch.Tensor] = {}  # data_ptr -> every pinned buffer of this pool, in use or free
-        self._registered: set[int] = set()  # ...of which those pinned in place (the rest: torch's pinned cache)
-        weakref.finalize(self, _unpin_all, self._pinned, self._registered)  # dropped without close(): unpinned too
+        # data_ptr -> (buffer, pinned in place) for every pinned buffer of this pool, in use or free;
+        # not in place: from torch's pinned cache, which unpins it itself
+        self._pinned: dict[int, tuple[torch.Tensor, bool]] = {}
+        weakref.finalize(self, _unpin_all, self._pinned)  # dropped without close(): unpinned too
 
     @property
     def pinned_bytes(self) -> int:
         """Bytes of host memory this pool holds pinned (in use and cached)."""
         with self._lock:
-            return sum(b.numel() for b in self._pinned.values())
+            return sum(b.numel() for b, _ in self._pinned.values())
 
     def acquire(self, nbytes: int, key: str, kind: object = None) -> torch.Tensor:
         """A page-aligned (pinned where possible) uint8 buffer of at least ``nbytes``, accounted to ``key``."""
@@ -216,9 +217,7 @@ class HostStore(_MemoryStore):
                                        f"or lower Budgets(host=...) to what this machine can give") from e
         self.allocations += 1
         if pin:
-            self._pinned[buf.data_ptr()] = buf
-            if registered:
-                self._registered.add(buf.data_ptr())
+            self._pinned[buf.data_ptr()] = (buf, registered)
         return buf
 
     def release(self, key: str, buf: torch.Tensor) -> None:
@@ -238,9 +237,7 @@ class HostStore(_MemoryStore):
             n = self._free_bytes
             for bufs in self._free_bufs.values():
                 for buf in bufs:
-                    self._pinned.pop(buf.data_ptr(), None)
-                    if buf.data_ptr() in self._registered:
-                        self._registered.discard(buf.data_ptr())
+                    if self._pinned.pop(buf.data_ptr(), (None, False))[1]:
                         unpin(buf)
             self._free_bufs.clear()
             self._set_free_bytes(0)
@@ -259,13 +256,12 @@ class HostStore(_MemoryStore):
         self.release(key, base)
 
 
-def _unpin_all(pinned: dict[int, torch.Tensor], registered: set[int]) -> None:
-    for ptr, buf in pinned.items():
-        if ptr not in registered:
+def _unpin_all(pinned: dict[int, tuple[torch.Tensor, bool]]) -> None:
+    for buf, in_place in pinned.values():
+        if not in_place:
             continue
         try:
             unpin(buf)
         except Exception as e:  # noqa: BLE001 - at exit the CUDA runtime may be gone already
             log.debug("tiermem: could not unpin a host buffer: %s", e)
     pinned.clear()
-    registered.clear()
