@@ -99,8 +99,24 @@ _ZERO_IGNORED = {
 }
 _OFFLOAD_IGNORED = {k: _BUFFERS for k in ("buffer_count", "buffer_size", "max_in_cpu", "pipeline", "pipeline_read",
                                           "pipeline_write", "fast_init")}
-_ADAM_IGNORED = {"torch_adam": "tiermem's Adam is its own fused kernel, on the CPU or the device by policy",
-                 "fused": "tiermem's Adam is its own fused kernel, on the CPU or the device by policy"}
+_ADAM_IGNORED = {k: "tiermem's Adam is its own fused kernel, on the CPU or the device by policy"
+                 for k in ("torch_adam", "fused")}
+#: Adam's hyperparameters: DeepSpeed's defaults for those the config leaves out
+_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+#: fp16 loss-scale keys tiermem reads: DeepSpeed's defaults, also for "auto" (the Trainer has none of these)
+_FP16_DEFAULTS = {"initial_scale_power": 16, "loss_scale_window": 1000, "min_loss_scale": 1}
+#: fp16 keys whose value tiermem always has: (is the value tiermem's?, why not honoured otherwise)
+_FP16_FIXED = {
+    "hysteresis": (lambda v: v == 1, "tiermem lowers the loss scale at the first overflow (hysteresis 1)"),
+    "consecutive_hysteresis": (lambda v: not v, "tiermem lowers the loss scale at the first overflow"),
+    "auto_cast": (lambda v: v is True, "tiermem always casts floating-point inputs to the working precision"),
+    "fp16_master_weights_and_grads": (lambda v: not v, "tiermem's master weights and grads are fp32"),
+}
+#: the training loop's keys: checked against the keywords when given, otherwise noted with why
+_LOOP = {"train_micro_batch_size_per_gpu": "the micro-batch size is your data loader's",
+         "gradient_accumulation_steps": "call tm.backward(loss / N) once per micro-batch (DeepSpeed's "
+                                        "engine divided by N) and tm.step() after the last",
+         "train_batch_size": "the global batch size is your loop's (micro-batch x accumulation x ranks)"}
 
 
 class _Reader:
@@ -185,20 +201,14 @@ def _loss_scale(r: _Reader, cfg: Mapping) -> LossScale:
         if key == "loss_scale" and value not in (0, 0.0, "auto"):
             raise ConfigError(f"tiermem: DeepSpeed config fp16.loss_scale={_short(value)} (a static loss scale) is "
                               f"not supported: tiermem scales fp16 losses dynamically; write 0 or leave it out")
-        if key == "hysteresis" and value != 1:
-            r.note("fp16.hysteresis", value, "tiermem lowers the loss scale at the first overflow (hysteresis 1)")
-        elif key == "consecutive_hysteresis" and value:
-            r.note("fp16.consecutive_hysteresis", value, "tiermem lowers the loss scale at the first overflow")
-        elif key == "auto_cast" and value is not True:
-            r.note("fp16.auto_cast", value, "tiermem always casts floating-point inputs to the working precision")
-        elif key == "fp16_master_weights_and_grads" and value:
-            r.note("fp16.fp16_master_weights_and_grads", value, "tiermem's master weights and grads are fp32")
-        elif key not in ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale",
-                         "hysteresis", "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"):
+        if key in _FP16_FIXED:
+            ours, why = _FP16_FIXED[key]
+            if not ours(value):
+                r.note(f"fp16.{key}", value, why)
+        elif key not in ("enabled", "loss_scale", *_FP16_DEFAULTS):
             r.note(f"fp16.{key}", value, _NONE)
-    power = _auto_default(fp16.get("initial_scale_power", 16), 16)
-    window = _auto_default(fp16.get("loss_scale_window", 1000), 1000)
-    floor = _auto_default(fp16.get("min_loss_scale", 1), 1)
+    power, window, floor = (default if fp16.get(key, "auto") == "auto" else fp16[key]
+                            for key, default in _FP16_DEFAULTS.items())
     if isinstance(power, bool) or not isinstance(power, int) or not 0 <= power < 126:
         raise ConfigError(f"tiermem: DeepSpeed config fp16.initial_scale_power={_short(power)} is invalid: it must "
                           f"be an int in [0, 126) (the scale is 2**power)")
@@ -207,10 +217,6 @@ def _loss_scale(r: _Reader, cfg: Mapping) -> LossScale:
     except ConfigError as e:
         raise ConfigError(f"tiermem: DeepSpeed config fp16 block (loss_scale_window -> growth_interval, "
                           f"min_loss_scale -> min_scale): {str(e).removeprefix('tiermem: ')}") from None
-
-
-def _auto_default(value: Any, default: Any) -> Any:
-    return default if value == "auto" else value  # DeepSpeed's own default; the Trainer has none of these
 
 
 def _optimizer(r: _Reader, cfg: Mapping):
@@ -223,8 +229,7 @@ def _optimizer(r: _Reader, cfg: Mapping):
         if key not in ("type", "params"):
             r.note(f"optimizer.{key}", block[key], _NONE)
     params = _block(block, "params", "optimizer.")
-    known = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", *_ADAM_IGNORED}
-    unknown = sorted(set(params) - known - {"bias_correction", "amsgrad"})
+    unknown = sorted(set(params) - {*_ADAM_DEFAULTS, "adam_w_mode", *_ADAM_IGNORED, "bias_correction", "amsgrad"})
     if unknown:
         raise ConfigError(f"tiermem: DeepSpeed config optimizer.params has {unknown}, which Adam does not take; "
                           f"use lr, betas, eps, weight_decay, adam_w_mode")
@@ -239,12 +244,9 @@ def _optimizer(r: _Reader, cfg: Mapping):
         raise ConfigError(f"tiermem: DeepSpeed config optimizer.params.adam_w_mode={_short(w_mode)} with type "
                           f"{kind!r}: write true/false with \"Adam\" (false: L2 penalty) or drop it with \"AdamW\"")
     spec = AdamW if w_mode else Adam
-    betas = r.take("optimizer.params.betas", params.get("betas", _ABSENT), "betas", default=(0.9, 0.999),
-                   norm=lambda v: tuple(v) if isinstance(v, list) else v)
-    hyper = dict(lr=r.take("optimizer.params.lr", params.get("lr", _ABSENT), "lr", default=1e-3), betas=betas,
-                 eps=r.take("optimizer.params.eps", params.get("eps", _ABSENT), "eps", default=1e-8),
-                 weight_decay=r.take("optimizer.params.weight_decay", params.get("weight_decay", _ABSENT),
-                                     "weight_decay", default=0.0))
+    hyper = {k: r.take(f"optimizer.params.{k}", params.get(k, _ABSENT), k, default=default,
+                       norm=lambda v: tuple(v) if isinstance(v, list) else v)  # JSON's betas are a list
+             for k, default in _ADAM_DEFAULTS.items()}
     for key in ("no_decay", "no_decay_1d"):
         if key in r.overrides:
             hyper[key] = r.overrides[key]
@@ -263,7 +265,7 @@ def _offload(r: _Reader, zero: Mapping, key: str) -> tuple[Tier, Optional[str]]:
                           f"\"none\", \"cpu\" or \"nvme\"")
     path = block.get("nvme_path")
     for k, v in block.items():
-        if k in ("device",):
+        if k == "device":
             continue
         if k == "nvme_path":
             if device != "nvme":
@@ -272,7 +274,7 @@ def _offload(r: _Reader, zero: Mapping, key: str) -> tuple[Tier, Optional[str]]:
             if v is not True:
                 r.note(f"{where}.pin_memory", v, "tiermem pins its host memory whenever an accelerator exists")
         elif k == "ratio":
-            if v != 1 and v != 1.0:
+            if v != 1:
                 r.note(f"{where}.ratio", v, "tiermem offloads all of the optimizer state, not a fraction")
         elif k in _OFFLOAD_IGNORED:
             r.note(f"{where}.{k}", v, _OFFLOAD_IGNORED[k])
@@ -340,11 +342,7 @@ def _placement(homes: dict[TensorClass, Tier]) -> Policy:
 def _batch(r: _Reader, cfg: Mapping) -> None:
     """Batch sizes and accumulation are the training loop's: checked against the keywords when
     given (the Trainer passes its own), otherwise reported as the loop's business."""
-    loop = {"train_micro_batch_size_per_gpu": "the micro-batch size is your data loader's",
-            "gradient_accumulation_steps": "call tm.backward(loss / N) once per micro-batch (DeepSpeed's "
-                                           "engine divided by N) and tm.step() after the last",
-            "train_batch_size": "the global batch size is your loop's (micro-batch x accumulation x ranks)"}
-    for key, why in loop.items():
+    for key, why in _LOOP.items():
         if key not in cfg:
             continue
         if key in r.overrides:
@@ -397,8 +395,7 @@ def translate(config: Any, **overrides: Any) -> tuple[dict[str, Any], list[str]]
                                    nvme_dir=nvme_dir)
     if precision == "fp16":
         options["loss_scale"] = _loss_scale(r, cfg)
-    handled = {"bf16", "bfloat16", "fp16", "zero_optimization", "gradient_clipping", "optimizer",
-               "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"}
+    handled = {"bf16", "bfloat16", "fp16", "zero_optimization", "gradient_clipping", "optimizer", *_LOOP}
     for key, value in cfg.items():
         if key not in handled:
             r.note(key, value, _TOP_IGNORED.get(key, _NONE))
@@ -409,9 +406,7 @@ def translate(config: Any, **overrides: Any) -> tuple[dict[str, Any], list[str]]
 def from_deepspeed_config(model: torch.nn.Module, config: Any, **overrides: Any) -> TieredModel:
     """A :class:`TieredModel` of ``model`` as the DeepSpeed config ``config`` (a path to a JSON
     file, or a dict) describes it; logs one warning line per key tiermem does not honour (NOTE
-    [DeepSpeed config]). Keyword arguments fill ``"auto"`` values (``lr``, ``betas``, ``eps``,
-    ``weight_decay``, ``precision``, ``grad_clip``, ``nvme_dir``) or go to TieredModel as they are
-    (``budgets``, ``device``, ``bucket_size``, ...)."""
+    [DeepSpeed config]). Keyword arguments as :func:`translate` takes them."""
     options, notes = translate(config, **overrides)
     for line in notes:
         log.warning("%s", line)
