@@ -27,7 +27,6 @@ class SparePool:
         self.directory, self.limit, self.ledger = directory, limit, ledger
         self.ready: dict[str, int] = {}  # path -> file size, free to take
         self.arriving: dict[str, int] = {}  # given, not renamed in yet
-        self._next = 0
         for name in sorted(os.listdir(directory)) if limit else ():  # left by a killed run: their blocks are reused
             path = os.path.join(directory, name)
             if _SPARE_NAME.fullmatch(name) and len(self.ready) < limit:
