@@ -233,15 +233,8 @@ class Stepper:
         if not updated:
             self._resuming = None  # nothing changed: the retry is a step like any other
         restore = [b for b, _ in plan if self.homes.state[b.index].revertible]
-        if not restore:
-            return
-        uploads = self.outputs.session()
-        for b in restore:
-            master = self.homes.state[b.index].read(b)[0]
-            out = uploads.target(b)
-            out.copy_(master)
-            uploads.done(b, out, [(0, b.numel, 0)])
-        uploads.finish()
+        if restore:
+            self._send_masters(restore)
 
     def _send_unsent(self) -> None:
         """The weights of buckets a failed step updated, sent home again from their master (NOTE
@@ -250,14 +243,18 @@ class Stepper:
             return
         for home in self.homes.weight_homes():
             home.begin_update()
+        self._send_masters([b for b in self.layout.step_buckets if b.index in self._unsent])
+        self._unsent.clear()
+
+    def _send_masters(self, buckets: list[Bucket]) -> None:
+        """Each bucket's weights sent home from its fp32 master as its state home holds it."""
         uploads = self.outputs.session()
-        for b in [b for b in self.layout.step_buckets if b.index in self._unsent]:
+        for b in buckets:
             master = self.homes.state[b.index].read(b)[0]
             out = uploads.target(b)
             out.copy_(master)
             uploads.done(b, out, [(0, b.numel, 0)])
         uploads.finish()
-        self._unsent.clear()
 
     def _global_norm(self) -> torch.Tensor:
         # Per-parameter norms in a fixed parameter order, so that the rounding of the total (and
