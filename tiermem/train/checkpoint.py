@@ -33,37 +33,26 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import stat
 import struct
 import zlib
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import torch
 import xxhash
 
-from tiermem.config import PRECISIONS, check_adam_hyper
-from tiermem.errors import ConfigError, StoreError, TierMemError
-from tiermem.train.state import HYPER, ModelState
+from tiermem.errors import StoreError, TierMemError
+from tiermem.train.checkpoint_footer import MAGIC, MAGIC_V1, MAGIC_V2, Invalid, check_footer, dtype_named
+from tiermem.train.state import ModelState
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"TIERMEM-CKPT-v3\n"
-MAGIC_V2 = b"TIERMEM-CKPT-v2\n"  # CRC-32s; read, never written
-MAGIC_V1 = b"TIERMEM-CKPT-v1\n"  # CRC-32s, no checksum on the footer; read, never written
 # footer length (, the footer's checksum)
 _TRAILER = {MAGIC: struct.Struct("<QQ"), MAGIC_V2: struct.Struct("<QI"), MAGIC_V1: struct.Struct("<Q")}
 _ALIGN = 64
 _CHUNK = 64 << 20
-_META_KEYS = {"precision", "step", "param_step", "scaler", "groups"}
-_ENTRY_KEYS = {"name", "dtype", "shape", "offset", "nbytes"}
-
-
-def _sum_key(magic: bytes) -> str:
-    """The name of a tensor entry's checksum field in files of ``magic``."""
-    return "xxh3" if magic == MAGIC else "crc32"
 
 
 def _footer_sum(magic: bytes, footer: bytes) -> int:
@@ -214,99 +203,6 @@ def save(state: ModelState, path: str) -> None:
 
 
 # -- load: the footer -----------------------------------------------------------------------------
-class _Invalid(Exception):
-    """A footer field breaks its rule; the message says which, its value and the rule."""
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _require(ok: bool, where: str, value: Any, rule: str) -> None:
-    if not ok:
-        raise _Invalid(f"{where}={_short(value)} is invalid: it must be {rule}")
-
-
-def _count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _keys(d: Any, where: str, allowed: set[str], required: set[str]) -> None:
-    _require(isinstance(d, dict), where, d, "an object")
-    rule = f"the keys {sorted(allowed)}" if required == allowed else f"keys among {sorted(allowed)}"
-    _require(required <= d.keys() <= allowed, where + " keys", sorted(d), rule)
-
-
-def _hyper(where: str, field: str, value: Any, rule: str | None = None) -> None:
-    """``field`` by the rule of the Adam hyperparameter ``rule`` (by default its own name) in
-    tiermem.config, booleans refused."""
-    _require(not isinstance(value, bool) and not (isinstance(value, list) and any(isinstance(v, bool) for v in value)),
-             where + field, value, "a number, not a boolean")
-    try:
-        check_adam_hyper("", **{rule or field: value})
-    except ConfigError as e:  # "tiermem: <rule>=<value> is invalid: it must be ...; pass a value that is"
-        why = str(e).partition(" is invalid: ")[2].partition("; pass")[0]
-        raise _Invalid(f"{where}{field}={_short(value)} is invalid: {why}") from None
-
-
-def _check_meta(meta: Any) -> None:
-    _keys(meta, "meta", _META_KEYS, _META_KEYS)
-    precision, step = meta["precision"], meta["step"]
-    _require(isinstance(precision, str) and precision in PRECISIONS, "meta.precision", precision,
-             f"one of {sorted(PRECISIONS)}")
-    _require(_count(step), "meta.step", step, "an int >= 0")
-    _require(isinstance(meta["param_step"], dict), "meta.param_step", meta["param_step"], "an object")
-    for name, n in meta["param_step"].items():
-        _require(_count(n) and n <= step, f"meta.param_step[{name!r}]", n, f"an int in [0, step={step}]")
-    scaler = meta["scaler"]
-    _keys(scaler, "meta.scaler", {"scale", "good_steps"}, {"scale", "good_steps"})
-    _hyper("meta.scaler.", "scale", scaler["scale"], "grad_scale")
-    _require(_count(scaler["good_steps"]), "meta.scaler.good_steps", scaler["good_steps"], "an int >= 0")
-    if precision != "fp16":  # no loss scaling: a scale other than 1 would divide every gradient
-        _require(scaler == {"scale": 1.0, "good_steps": 0}, "meta.scaler", scaler,
-                 f"{{'scale': 1.0, 'good_steps': 0}} at precision {precision!r}")
-    _require(isinstance(meta["groups"], list), "meta.groups", meta["groups"], "a list")
-    for i, group in enumerate(meta["groups"]):
-        _keys(group, f"meta.groups[{i}]", set(HYPER), set())
-        for name, value in group.items():
-            _hyper(f"meta.groups[{i}].", name, value, "lr" if name == "initial_lr" else name)
-
-
-def _dtype(name: Any) -> torch.dtype | None:
-    """The torch dtype ``name`` spells as a checkpoint writes it (``float32``, not ``float``)."""
-    d = getattr(torch, name, None) if isinstance(name, str) else None
-    return d if isinstance(d, torch.dtype) and str(d) == "torch." + name else None
-
-
-def _check_entries(entries: Any, data_end: int, magic: bytes) -> None:
-    _require(isinstance(entries, list), "tensors", entries, "a list")
-    seen: set[str] = set()
-    for i, e in enumerate(entries):
-        where = f"tensors[{i}]"
-        keys = _ENTRY_KEYS | {_sum_key(magic)}
-        _keys(e, where, keys, keys)
-        _require(isinstance(e["name"], str) and e["name"] not in seen, where + ".name", e["name"],
-                 "a name not seen before")
-        seen.add(e["name"])
-        where = f"tensors[{i}] ({e['name']!r})"
-        dtype, shape, offset, nbytes = _dtype(e["dtype"]), e["shape"], e["offset"], e["nbytes"]
-        _require(dtype is not None, where + ".dtype", e["dtype"], "a torch dtype such as 'float32'")
-        _require(isinstance(shape, list) and all(_count(n) for n in shape), where + ".shape", shape,
-                 "a list of ints >= 0")
-        _require(_count(offset) and offset >= len(MAGIC), where + ".offset", offset, f"an int >= {len(MAGIC)}")
-        size = math.prod(shape) * dtype.itemsize
-        _require(nbytes == size and not isinstance(nbytes, bool), where + ".nbytes", nbytes,
-                 f"{size} ({e['dtype']} x {shape})")
-        _require(offset + nbytes <= data_end, where + ".offset", offset,
-                 f"such that its {nbytes} bytes end before the footer, at {data_end}")
-        if magic == MAGIC:
-            _require(isinstance(e["xxh3"], str) and re.fullmatch("[0-9a-f]{16}", e["xxh3"]) is not None,
-                     where + ".xxh3", e["xxh3"], "16 lowercase hex digits")
-        else:
-            _require(_count(e["crc32"]) and e["crc32"] < 2**32, where + ".crc32", e["crc32"], "an int in [0, 2**32)")
-
-
 def _read_footer(f: BinaryIO, path: str) -> tuple[dict, bytes]:
     """The footer, checked, and the file's magic (its format)."""
     def bad(why: str) -> StoreError:
@@ -331,12 +227,10 @@ def _read_footer(f: BinaryIO, path: str) -> tuple[dict, bytes]:
         raise bad("corrupt footer: it fails its checksum, edited or damaged")
     try:
         doc = json.loads(footer)
-        _keys(doc, "footer", {"meta", "tensors"}, {"meta", "tensors"})
-        _check_meta(doc["meta"])
-        _check_entries(doc["tensors"], end - n, head)
+        check_footer(doc, end - n, head)
     except (ValueError, RecursionError):
         raise bad("corrupt footer: not JSON") from None
-    except _Invalid as e:
+    except Invalid as e:
         raise bad(f"corrupt footer: {e}") from None
     return doc, head
 
@@ -355,7 +249,7 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
     for name, (shape, dtypes) in expected.items():
         if tuple(index[name]["shape"]) != shape:
             raise other(f"{name!r} has shape {tuple(index[name]['shape'])}, the model has {shape}")
-        if _dtype(index[name]["dtype"]) not in dtypes:
+        if dtype_named(index[name]["dtype"]) not in dtypes:
             held = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
             raise other(f"{name!r} is {index[name]['dtype']}, the model holds it as {held}")
     params = {name.partition("/")[2] for name in expected if name.startswith("master/")}
@@ -381,7 +275,7 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
 
 
 def _read_into(f: BinaryIO, e: dict, t: torch.Tensor) -> None:
-    dtype = _dtype(e["dtype"])
+    dtype = dtype_named(e["dtype"])
     f.seek(e["offset"])
     if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous():
         f.readinto(t.reshape(-1).view(torch.uint8).numpy())
