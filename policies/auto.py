@@ -15,7 +15,7 @@ model does not price the per-module fetches of off-device weights, which cost mo
 bytes, so it would rank them too well). For each weights tier it finds, by bisection,
 the largest ``d`` whose device part fits (less ``device_reserve`` of the device, left for
 activations and temporaries), and for ``d`` and a few smaller values the largest ``h`` that fits
-the host; every candidate is judged by the planner (NOTE [Choosing a placement]): the constructor's
+the host (the candidate with the least on NVMe, so the one to judge against the disk); every candidate is judged by the planner (NOTE [Choosing a placement]): the constructor's
 own footprint and limits, and the cost model's predicted seconds per stage (NOTE [Cost model]). The
 fastest candidate that fits wins; among those within 1% of it, the one with the most bytes on
 the device (on a machine whose "device" is the CPU, every split predicts the same Adam time). So,
@@ -165,8 +165,10 @@ class _Search:
                 continue  # not even the weights fit on the device
             for d in sorted({d_max, d_max * 3 // 4, d_max // 2, d_max // 4, 0}, reverse=True):
                 for grads in (Tier.HOST, Tier.NVME):
-                    h = self._largest(lambda h: self._fits(self._judge(weights, d, h, grads)), m - d)
-                    if h is not None:
+                    # the host's part shrinks as h does, NVMe's grows: the largest h the host holds
+                    # is the one with the least on NVMe, so it fits if any h does
+                    h = self._largest(lambda h: self._host_ok(self._judge(weights, d, h, grads)), m - d)
+                    if h is not None and self._fits(self._judge(weights, d, h, grads)):
                         break
         return list(self.judged.values())
 
@@ -218,6 +220,10 @@ class _Search:
         ev = c.evaluation
         limit = self._device_limit()
         return ev.refused is None and Tier.DEVICE not in ev.short and (limit is None or ev.need[Tier.DEVICE] <= limit)
+
+    def _host_ok(self, c: Choice) -> bool:
+        ev = c.evaluation
+        return ev.refused is None and not {Tier.DEVICE, Tier.HOST} & set(ev.short)
 
     def _fits(self, c: Choice) -> bool:
         return c.verdict == "fits"
