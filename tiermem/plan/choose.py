@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from tiermem.errors import ConfigError
-from tiermem.plan.cost import Rates, predict
+from tiermem.plan.cost import Rates, predict as predict_stages
 from tiermem.plan.footprint import footprint, largest_module_bytes, totals
 from tiermem.plan.placement import bind, compute_tier, plan
 from tiermem.plan.policy import Evaluation, Policy
@@ -59,7 +59,8 @@ class Evaluator:
             return None
         return dict(ev.stages) if ev.stages else None
 
-    def __call__(self, policy: Policy, profile: Any = None, forward_backward: float = 0.0) -> Evaluation:
+    def __call__(self, policy: Policy, profile: Any = None, forward_backward: float = 0.0, *,
+                 predict: bool = True) -> Evaluation:
         if profile is not None:
             self._asked = profile
         try:
@@ -75,8 +76,9 @@ class Evaluator:
         refused = None
         if need[Tier.NVME] and Tier.NVME not in self.limits:
             refused = "it places tensors on NVMe and no nvme_dir is given"
-        stages = predict(buckets, self.dtype.itemsize, self.rates(profile), forward_backward=forward_backward)
-        return Evaluation(not short and refused is None, stages.stages, need, short, refused)
+        stages = (predict_stages(buckets, self.dtype.itemsize, self.rates(profile), forward_backward=forward_backward)
+                  .stages if predict else {})
+        return Evaluation(not short and refused is None, stages, need, short, refused)
 
     def bind(self, policy: Policy) -> Policy:
         """``policy`` bound to this model, with this evaluator as its judge."""
