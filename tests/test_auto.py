@@ -155,8 +155,8 @@ def test_no_placement_that_fits_is_a_clear_error():
        overlap=st.booleans())
 def test_auto_never_chooses_what_the_constructor_refuses(tmp_path_factory, device, host, nvme, overlap):
     """Whatever the budgets, Auto either chooses a placement the constructor builds or says that
-    nothing fits; it never hands the constructor one it refuses. (It may refuse budgets that miss
-    by less than its allowance for page rounding, NOTE in tiermem/plan/choose.py.)"""
+    nothing fits; it never hands the constructor one it refuses (it judges with the constructor's
+    footprint, page rounding included, and no allowance of its own)."""
     nvme_dir = str(tmp_path_factory.mktemp("nvme")) if nvme else None
     budgets = Budgets(device=device, host=host, nvme="1GiB" if nvme else None)
     try:
@@ -169,10 +169,10 @@ def test_auto_never_chooses_what_the_constructor_refuses(tmp_path_factory, devic
     tm.detach()  # constructed: every buffer was allocated within its budget
 
 
-def test_auto_finds_a_fit_whenever_a_builtin_fits_with_room_to_spare():
-    """The converse, away from the page-rounding allowance: budgets where ZeroOffload fits with 40
-    KiB to spare on the host, and the device holds the weights only."""
-    budgets = Budgets(device=50_000, host=_host_need(ZeroOffload()) + 40_000)
+def test_auto_finds_a_fit_whenever_a_builtin_fits():
+    """The converse, to the byte: budgets where ZeroOffload fits with nothing to spare on the host
+    (what its construction allocates, pages and all), and the device holds the weights only."""
+    budgets = Budgets(device=50_000, host=_host_need(ZeroOffload()))
     _tm(ZeroOffload(), budgets=budgets)
     tm = _tm(Auto(profile=GPU, device_reserve=0.0), budgets=budgets)
     assert tm.placement.chosen.evaluation.fits
