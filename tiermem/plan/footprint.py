@@ -39,7 +39,8 @@ model as a whole:
 - the largest module's weights, while it runs, when weights live off the device;
 - page rounding: the host pool hands out every buffer in whole pages (``round_up(max(n, 1))``
   bytes of 4 KiB pages, :func:`tiermem.memory.aligned.round_up`), and its budget counts what it
-  hands out, so each buffer the layout takes on the host adds up to a page less one byte. The
+  hands out, so each buffer the layout takes on the host adds less than a page (an empty one, a
+  whole page). The
   footprint counts each such buffer: per bucket its fp32 grads (two with ``overlap_step``), the
   grads for the step, the three parts of its state and Adam's output; per parameter whose weights
   live on the host its working weights (one buffer each: a model of many small parameters, such as
