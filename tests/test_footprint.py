@@ -16,6 +16,7 @@ from tiermem.plan import sizing
 from tiermem.memory.aligned import round_up
 from tiermem.memory.resident import HostStore
 from tiermem.plan.buckets import Bucket
+from tiermem.plan.choose import Evaluator
 from tiermem.plan.placement import plan as plan_placement
 from tiermem.plan.policy import PerClass
 from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload
@@ -156,6 +157,11 @@ def test_plan_and_constructor_agree(model, policy, precision, overlap):
     n_frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
     planned = sizing.tier_bytes(trainable, precision, _placement(POLICIES[policy]), frozen=n_frozen)
     assert fp.totals(need, fp.TRAINING_STATE) == planned
+    # `tiermem plan --policy auto`'s and Auto's judge: the whole footprint, page rounding and the NVMe
+    # journal included, nothing added
+    judge = Evaluator(module, AdamW(), dtype, 97, limits={D: 1 << 40, H: 1 << 40, N: 1 << 40}, machine=lambda: None,
+                      overlap=overlap)
+    assert dict(judge(POLICIES[policy], predict=False).need) == fp.totals(need)
 
 
 class WeightsOnHost(PerClass):
