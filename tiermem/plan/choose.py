@@ -24,8 +24,8 @@ from tiermem.types import Tier
 
 
 class Evaluator:
-    """``evaluator(policy, profile=None, forward_backward=0.0) -> Evaluation`` for one model and
-    configuration. ``limits``: the bytes each tier's store may hold (a tier without a store is
+    """``evaluator(policy, profile=None, forward_backward=0.0, *, predict=True) -> Evaluation`` for
+    one model and configuration (``predict=False``: the bytes alone, no stages, no profile). ``limits``: the bytes each tier's store may hold (a tier without a store is
     absent); ``machine``: returns this machine's profile (called once, when first needed)."""
 
     def __init__(self, module: torch.nn.Module, spec: Any, dtype: torch.dtype, bucket_numel: int, *,
