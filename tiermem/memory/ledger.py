@@ -24,7 +24,7 @@ from tiermem.types import TensorClass, Tier
 
 #: How a refusal names the bytes each class holds.
 _CLASS_WORDS = {TensorClass.PARAM: "weights", TensorClass.GRAD: "grads", TensorClass.OPTIM_STATE: "optimizer state",
-                TensorClass.ACTIVATION: "activations"}
+                TensorClass.ACTIVATION: "activations saved so far"}
 
 
 class Reclaimers:
@@ -106,9 +106,9 @@ class Ledger:
         return OutOfTierMemory(tier=self.tier, key=label, asked=nbytes, used=used, allowed=self.allowed, hint=(
             f"the activations of this batch did not fit beside what the device holds ({self._held_by_class()}); "
             f"use a smaller batch (or shorter sequences), offload activations (ActivationOffload(policy)), keep "
-            f"less optimizer state on the device (a lower ZeroOffload(device_fraction=...); ZeroOffload and "
-            f"Auto take a device_reserve that keeps room for activations), recompute them in backward "
-            f"(gradient checkpointing, torch.utils.checkpoint), or raise Budgets(device=...)"))
+            f"less optimizer state on the device (a lower ZeroOffload(device_fraction=...); ZeroOffload, "
+            f"KeepOnDevice and Auto take a device_reserve that keeps room for activations), recompute them in "
+            f"backward (gradient checkpointing, torch.utils.checkpoint), or raise Budgets(device=...)"))
 
     def _held_by_class(self) -> str:
         parts = [f"{_CLASS_WORDS[k]} {fmt_bytes(n)}" for k, n in self.kind_used.items() if k in _CLASS_WORDS and n]
