@@ -15,7 +15,7 @@ model does not price the per-module fetches of off-device weights, which cost mo
 bytes, so it would rank them too well). For each weights tier it finds, by bisection,
 the largest ``d`` whose device part fits (less ``device_reserve`` of the device, left for
 activations and temporaries), and for ``d`` and a few smaller values the largest ``h`` that fits
-the host; every candidate is judged by the planner (NOTE [Choosing a placement]): the constructor's
+the host (the candidate with the least on NVMe, so the one to judge against the disk); every candidate is judged by the planner (NOTE [Choosing a placement]): the constructor's
 own footprint and limits, and the cost model's predicted seconds per stage (NOTE [Cost model]). The
 fastest candidate that fits wins; among those within 1% of it, the one with the most bytes on
 the device (on a machine whose "device" is the CPU, every split predicts the same Adam time). So,
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from tiermem.errors import ConfigError, fmt_bytes
-from tiermem.plan.policy import Evaluation, ModelInfo, Policy
+from tiermem.plan.policy import Evaluation, ModelInfo, Policy, check_reserve, over_reserve
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 
@@ -72,23 +72,20 @@ class Auto(Policy):
     Auto chooses]). ``profile``: a machine profile (its data, or a ``Profile``) to use instead of this
     machine's; ``forward_backward``: the measured seconds of one forward and backward, when known
     (they decide how much of the grads' trip hides behind backward); ``device_reserve``: the share of
-    the device's limit left for activations."""
+    the device's limit left for activations (NOTE [Device reserve] in tiermem/plan/policy.py)."""
 
     def __init__(self, *, profile: Any = None, forward_backward: float = 0.0, device_reserve: float = 0.1):
         if isinstance(forward_backward, bool) or not isinstance(forward_backward, (int, float)) or \
                 not forward_backward >= 0:
             raise ConfigError(f"tiermem: Auto.forward_backward={forward_backward!r} is invalid: the seconds of one "
                               f"forward and backward, a number >= 0 (0 when unknown)")
-        if isinstance(device_reserve, bool) or not isinstance(device_reserve, (int, float)) or \
-                not 0 <= device_reserve < 1:
-            raise ConfigError(f"tiermem: Auto.device_reserve={device_reserve!r} is invalid: the share of the device "
-                              f"left for activations, a number from 0 up to (not including) 1, e.g. 0.1")
         if profile is not None and not isinstance(profile, Mapping) and not isinstance(getattr(profile, "data", None),
                                                                                 Mapping):
             raise ConfigError(f"tiermem: Auto.profile={profile!r} is invalid: pass a machine profile (a "
                               f"tiermem.plan.profile.Profile, e.g. load_profile(path), or its data as a dict), or "
                               f"None for this machine's")
-        self.profile, self.forward_backward, self.device_reserve = profile, float(forward_backward), float(device_reserve)
+        self.profile, self.forward_backward = profile, float(forward_backward)
+        self.device_reserve = check_reserve(device_reserve, "Auto")  # NOTE [Device reserve]
         self.choices: Optional[list[Choice]] = None  # set on the bound copy: the chosen one first
 
     @property
@@ -165,8 +162,10 @@ class _Search:
                 continue  # not even the weights fit on the device
             for d in sorted({d_max, d_max * 3 // 4, d_max // 2, d_max // 4, 0}, reverse=True):
                 for grads in (Tier.HOST, Tier.NVME):
-                    h = self._largest(lambda h: self._fits(self._judge(weights, d, h, grads)), m - d)
-                    if h is not None:
+                    # the host's part shrinks as h does, NVMe's grows: the largest h the host holds
+                    # is the one with the least on NVMe, so it fits if any h does
+                    h = self._largest(lambda h: self._host_ok(self._judge(weights, d, h, grads)), m - d)
+                    if h is not None and self._fits(self._judge(weights, d, h, grads)):
                         break
         return list(self.judged.values())
 
@@ -210,14 +209,16 @@ class _Search:
         grads = "" if not share[2] or grads_rest == Tier.HOST else ", grads of the NVMe part on NVMe"
         return f"weights on {weights}; grads and optimizer state: {' / '.join(parts) or 'none'}{grads}"
 
-    def _device_limit(self) -> Optional[int]:
-        limit = self.model.limits.get(Tier.DEVICE)
-        return None if limit is None else int(limit * (1 - self.auto.device_reserve))
+    def _over_reserve(self, ev: Evaluation) -> Optional[str]:
+        return over_reserve(ev.need[Tier.DEVICE], self.model.limits, self.auto.device_reserve)
 
     def _device_ok(self, c: Choice) -> bool:
         ev = c.evaluation
-        limit = self._device_limit()
-        return ev.refused is None and Tier.DEVICE not in ev.short and (limit is None or ev.need[Tier.DEVICE] <= limit)
+        return ev.refused is None and Tier.DEVICE not in ev.short and self._over_reserve(ev) is None
+
+    def _host_ok(self, c: Choice) -> bool:
+        ev = c.evaluation
+        return ev.refused is None and not {Tier.DEVICE, Tier.HOST} & set(ev.short)
 
     def _fits(self, c: Choice) -> bool:
         return c.verdict == "fits"
@@ -227,12 +228,8 @@ class _Search:
             return f"refused: {ev.refused}"
         if ev.short:
             return "does not fit: " + ", ".join(f"{t} short by {fmt_bytes(n)}" for t, n in ev.short.items())
-        limit = self._device_limit()
-        if limit is not None and ev.need[Tier.DEVICE] > limit:
-            return (f"does not fit: the device needs {fmt_bytes(ev.need[Tier.DEVICE])}, more than "
-                    f"{100 * (1 - self.auto.device_reserve):.0f}% of its {fmt_bytes(self.model.limits[Tier.DEVICE])} "
-                    f"(device_reserve={self.auto.device_reserve:g})")
-        return "fits"
+        words = self._over_reserve(ev)
+        return "fits" if words is None else f"does not fit: {words}"
 
 
 def _ms(seconds: float) -> str:

@@ -23,6 +23,11 @@ ones after it would get closer to ``f``, but would send grads that arrive early 
 ones whose trip home is hidden anyway, to the device.) ``f=0`` is plain
 ZeRO-Offload, ``f=1`` every grad and all state on the device (KeepOnDevice's step, weights and
 activations as ZeRO-Offload places them).
+
+``device_reserve=r`` keeps the share ``r`` of the device's limit for activations: TieredModel
+refuses, before allocating anything, a layout whose device bytes pass ``1 - r`` of it (NOTE [Device
+reserve] in tiermem/plan/policy.py), where without it the first forward would find no room for
+the activations of its batch. 0 (the default) checks nothing beyond the constructor's fit check.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import math
 from typing import Optional
 
 from tiermem.errors import ConfigError
-from tiermem.plan.policy import ModelInfo, PerClass, Policy
+from tiermem.plan.policy import ModelInfo, PerClass, Policy, check_device_reserve, check_reserve
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 
@@ -67,15 +72,19 @@ class ZeroOffload(PerClass):
         TensorClass.OPTIM_STATE: Tier.HOST,
     }
 
-    def __init__(self, *, device_fraction: float = 0.0):
+    def __init__(self, *, device_fraction: float = 0.0, device_reserve: float = 0.0):
         self.device_fraction = _check_fraction(device_fraction)
+        self.device_reserve = check_reserve(device_reserve, type(self).__name__)
         self._on_device: Optional[frozenset[str]] = None  # decided by for_model (None: not yet)
 
     def for_model(self, model: ModelInfo) -> Policy:
         if self.device_fraction in (0.0, 1.0) or self._on_device is not None:
-            return self  # nothing depends on the model, or it is bound already
-        bound = copy.copy(self)  # a subclass stays itself
-        bound._on_device = device_share(model, self.device_fraction)
+            bound = self  # nothing depends on the model, or it is bound already
+        else:
+            bound = copy.copy(self)  # a subclass stays itself
+            bound._on_device = device_share(model, self.device_fraction)
+        check_device_reserve(bound, model, self.device_reserve,
+                             "lower device_fraction" if self.device_fraction else "place less on the device")
         return bound
 
     def place(self, info: TensorInfo) -> Tier:
@@ -91,4 +100,6 @@ class ZeroOffload(PerClass):
         return Tier.DEVICE if name in self._on_device else Tier.HOST
 
     def __repr__(self) -> str:
-        return "ZeroOffload()" if self.device_fraction == 0.0 else f"ZeroOffload(device_fraction={self.device_fraction})"
+        args = [f"{k}={v}" for k, v in (("device_fraction", self.device_fraction),
+                                        ("device_reserve", self.device_reserve)) if v]
+        return f"{type(self).__name__}({', '.join(args)})"

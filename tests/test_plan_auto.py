@@ -6,8 +6,11 @@ import json
 
 import pytest
 
+from models import TinyGPT, train_steps
+from tiermem import Budgets, OutOfTierMemory, TieredModel, Tier
 from tiermem.cli import main
 from tiermem.plan import profile
+from tiermem.policies import Auto
 
 GPU = {"schema": profile.SCHEMA, "device": {"accelerator": "a GPU", "h2d_GBps": 25, "d2h_GBps": 25},
        "host": {"copy_GBps": 20}, "nvme": {"read_GBps": 2, "write_GBps": 1.5},
@@ -66,3 +69,33 @@ def test_nothing_fits_is_a_one_line_error(capsys):
                  "--nvme-free", "0"]) != 0
     err = capsys.readouterr().err
     assert "tiermem: Auto() found no placement that fits" in err
+
+
+def test_the_printed_bytes_are_what_the_constructor_checks(capsys, tmp_path):
+    """`tiermem plan --model ... --policy auto` prints, for its choice, the bytes the constructor
+    checks, page rounding of host buffers included: the same choice and bytes as TieredModel's
+    Auto, and a budget of those bytes on the host builds and trains while one byte less is refused.
+    (The disk's rule, through Auto: tests/test_auto.py; a model of one 32 MiB bucket gains nothing
+    from NVMe, whose pipeline takes three buckets of the host.)"""
+    device, host = 60_000, 200_000
+    assert main(["plan", "--model", "models:TinyGPT", "--policy", "auto", "--device-mem", str(device),
+                 "--host-mem", str(host), "--nvme-free", "1GiB", "--json"]) == 0
+    chosen = json.loads(capsys.readouterr().out)["auto"]["choices"][0]
+    printed = {Tier(t): n for t, n in chosen["bytes"].items()}
+    assert printed[Tier.DEVICE] > 20_000 and printed[Tier.HOST] > 0, "the budgets must split the state"
+    tm = TieredModel(TinyGPT(), Auto(), budgets=Budgets(device=device, host=host, nvme="1GiB"),
+                     nvme_dir=str(tmp_path))
+    assert (tm.placement.chosen.label, dict(tm.placement.chosen.evaluation.need)) == (chosen["placement"], printed)
+    policy = tm.placement.chosen.policy
+    tm.detach()
+
+    def build(**short):
+        budgets = {t.value: printed[t] - short.get(t.value, 0) for t in (Tier.HOST, Tier.NVME)}
+        d = tmp_path / f"nvme-{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        # the device: room for this batch's activations beside the choice (what device_reserve is for)
+        return TieredModel(TinyGPT(), policy, budgets=Budgets(device=10 * device, **budgets), nvme_dir=str(d))
+    for tier in [t.value for t in (Tier.HOST, Tier.NVME) if printed[t]]:
+        with pytest.raises(OutOfTierMemory, match=rf"^tiermem: out of {tier} memory"):
+            build(**{tier: 1})
+    assert len(train_steps(build(), 2)) == 2

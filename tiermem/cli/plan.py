@@ -176,7 +176,8 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
               "counts that. nvme: each value once (a failed step is completed by retrying it). Not counted: "
               "activations; tiermem's working buffers, sized by bucket_size and the largest parameter and "
               "module (grads in flight on the device, weight staging, the NVMe pipelines and the NVMe "
-              "writes in flight); the host's copy of frozen weights.[/]")
+              "writes in flight); the host's copy of frozen weights; host buffers rounded up to whole "
+              "pages (--policy auto counts all of these).[/]")
     if lim["device_shares_host"]:
         con.print("[dim]no accelerator: the device tier lives in host RAM, so device + host must fit "
                   "in the host's capacity together.[/]")

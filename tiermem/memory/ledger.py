@@ -1,11 +1,30 @@
-"""Thread-safe byte accounting per tier: the ledger that makes a budget hold at every instant."""
+"""Thread-safe byte accounting per tier: the ledger that makes a budget hold at every instant.
+
+# NOTE [Activations that do not fit]
+Activations depend on the batch, which TieredModel's constructor never sees, so its fit check
+(NOTE [Footprint] in tiermem/plan/footprint.py) counts none: a layout that fits can still leave
+too little of the device for the activations of a given batch. The device ledger is where that
+shows, when forward saves (or backward brings back) an activation it cannot hold. Its refusal
+then says that the activations of this batch did not fit, how many bytes were asked, what the
+device holds by class (weights, grads, optimizer state, the activations saved so far), and what
+to change: a smaller batch, ActivationOffload, less optimizer state on the device, gradient
+checkpointing, or a larger device budget. Nothing stored is touched by it: the refused forward's
+activations are released as autograd drops them, the step's phase goes back to idle, and a
+smaller batch trains as if the refused one had never been tried. Up front, a policy's
+``device_reserve`` (NOTE [Device reserve] in tiermem/plan/policy.py) keeps a share of the device
+out of the layout for activations.
+"""
 from __future__ import annotations
 
 import threading
 from typing import Callable, Optional
 
-from tiermem.errors import OutOfTierMemory
-from tiermem.types import Tier
+from tiermem.errors import OutOfTierMemory, fmt_bytes
+from tiermem.types import TensorClass, Tier
+
+#: How a refusal names the bytes each class holds.
+_CLASS_WORDS = {TensorClass.PARAM: "weights", TensorClass.GRAD: "grads", TensorClass.OPTIM_STATE: "optimizer state",
+                TensorClass.ACTIVATION: "activations saved so far"}
 
 
 class Reclaimers:
@@ -53,23 +72,23 @@ class Ledger:
     def held(self, key: str) -> int:
         return self._held.get(key, 0)
 
-    def reserve(self, key: str, nbytes: int, kind: object = None) -> None:
-        """Account ``nbytes`` to ``key`` (replacing what it held before)."""
+    def reserve(self, key: str, nbytes: int, kind: object = None, *, label: Optional[str] = None) -> None:
+        """Account ``nbytes`` to ``key`` (replacing what it held before); ``label``: what a
+        refusal calls the bytes (default: ``key``)."""
         try:
-            self._reserve(key, nbytes, kind)
+            self._reserve(key, nbytes, kind, label)
         except OutOfTierMemory as e:
             if self.reclaim is None:
                 raise
             self.reclaim(e.used + e.asked - e.allowed)
-            self._reserve(key, nbytes, kind)
+            self._reserve(key, nbytes, kind, label)
 
-    def _reserve(self, key: str, nbytes: int, kind: object) -> None:
+    def _reserve(self, key: str, nbytes: int, kind: object, label: Optional[str] = None) -> None:
         with self._lock:
             before = self._held.get(key, 0)
             after_used = self._used - before + nbytes
             if after_used > self.allowed:
-                raise OutOfTierMemory(tier=self.tier, key=key, asked=nbytes,
-                                      used=self._used - before, allowed=self.allowed)
+                raise self._refusal(label or key, nbytes, kind, self._used - before)
             self._drop_kind(key, before)
             self._held[key] = nbytes
             self._used = after_used
@@ -78,6 +97,25 @@ class Ledger:
                 self._kind[key] = kind
                 self.kind_used[kind] = used = self.kind_used.get(kind, 0) + nbytes
                 self.kind_peak[kind] = max(self.kind_peak.get(kind, 0), used)
+
+    def _refusal(self, label: str, nbytes: int, kind: object, used: int) -> OutOfTierMemory:
+        """NOTE [Activations that do not fit]: a refused activation says what the tier holds, by
+        class, and what to change; other refusals keep OutOfTierMemory's own advice."""
+        if kind is not TensorClass.ACTIVATION or self.tier != Tier.DEVICE:
+            return OutOfTierMemory(tier=self.tier, key=label, asked=nbytes, used=used, allowed=self.allowed)
+        return OutOfTierMemory(tier=self.tier, key=label, asked=nbytes, used=used, allowed=self.allowed, hint=(
+            f"the activations of this batch did not fit beside what the device holds ({self._held_by_class()}); "
+            f"use a smaller batch (or shorter sequences), offload activations (ActivationOffload(policy)), keep "
+            f"less optimizer state on the device (a lower ZeroOffload(device_fraction=...); ZeroOffload, "
+            f"KeepOnDevice and Auto take a device_reserve that keeps room for activations), recompute them in "
+            f"backward (gradient checkpointing, torch.utils.checkpoint), or raise Budgets(device=...)"))
+
+    def _held_by_class(self) -> str:
+        parts = [f"{_CLASS_WORDS[k]} {fmt_bytes(n)}" for k, n in self.kind_used.items() if k in _CLASS_WORDS and n]
+        other = self._used - sum(n for k, n in self.kind_used.items() if k in _CLASS_WORDS)
+        if other:
+            parts.append(f"other {fmt_bytes(other)}")
+        return ", ".join(parts) or "nothing"
 
     def release(self, key: str) -> int:
         with self._lock:

@@ -36,13 +36,28 @@ model as a whole:
 - grads in flight on the device: autograd makes each grad there, in the working precision, and it
   leaves for its home once complete; when the device budget is tight the next one waits until
   those in flight have landed, so the device needs room for at least the largest parameter's grad;
-- the largest module's weights, while it runs, when weights live off the device.
+- the largest module's weights, while it runs, when weights live off the device;
+- page rounding: the host pool hands out every buffer in whole pages (``round_up(max(n, 1))``
+  bytes of 4 KiB pages, :func:`tiermem.memory.aligned.round_up`), and its budget counts what it
+  hands out, so each buffer the layout takes on the host adds less than a page (an empty one, a
+  whole page). The
+  footprint counts each such buffer: per bucket its fp32 grads (two with ``overlap_step``), the
+  grads for the step, the three parts of its state and Adam's output; per parameter whose weights
+  live on the host its working weights (one buffer each: a model of many small parameters, such as
+  LayerNorm biases, pays a page for each); per frozen parameter its host copy (and its working
+  weights when they live on the host); and the staging, pipeline and whole-bucket buffers above.
+  The device's store allocates exact sizes and the NVMe budget counts the bytes of each value
+  (NOTE [What the NVMe budget counts] in tiermem/memory/nvme_keys.py), so neither rounds.
 
 Working weights, fp32 grads, optimizer state and frozen weights (:data:`TRAINING_STATE`) are the
 parts of NOTE [Bytes per parameter] (tiermem/plan/sizing.py): they grow with the parameter count
 alone, and they are what ``tiermem plan`` counts. The rest are TieredModel's own buffers: the
 working buffers sized by the bucket plan (``bucket_size``), the largest parameter or module and
-``overlap_step``, which a parameter count does not determine, and the host's copy of frozen weights.
+``overlap_step``, which a parameter count does not determine, the host's copy of frozen weights,
+and the page rounding (a few pages for a parameter count, however large).
+
+Auto judges its candidates with this footprint as it is (tiermem/plan/choose.py): a layout it
+accepts is one the constructor accepts, with no allowance of its own on any tier.
 """
 from __future__ import annotations
 
@@ -80,6 +95,16 @@ GRADS_IN_FLIGHT = "grads in flight (largest parameter)"
 LARGEST_MODULE = "weights of the largest module, while it runs"
 GRADS_TO_REDUCE = "grads on their way to be reduce-scattered (about 4 buckets)"
 WHOLE_BUCKET = "one whole bucket of optimizer state, gathered to be read"
+PAGE_ROUNDING = "host buffers rounded up to whole pages"
+
+#: The host pool's page (tiermem.memory.aligned.ALIGN; the plan layer does not import the memory layer).
+HOST_PAGE = 4096
+
+
+def host_buffer_bytes(nbytes: int) -> int:
+    """What the host pool takes for a buffer of ``nbytes``: whole pages, and at least one
+    (``round_up(max(nbytes, 1))`` of tiermem/memory/aligned.py; a test holds the two equal)."""
+    return -(-max(nbytes, 1) // HOST_PAGE) * HOST_PAGE
 
 #: The purposes that are the training state itself (see NOTE [Footprint]).
 TRAINING_STATE = frozenset({WORKING_WEIGHTS, GRADS, OPTIM_STATE, OPTIM_STATE_NVME, FROZEN_WEIGHTS})
@@ -99,9 +124,17 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
     of every bucket, the weights whole."""
     need: Footprint = {}
 
-    def add(tier: Tier, purpose: str, nbytes: int) -> None:
+    def add(tier: Tier, purpose: str, nbytes: int, *, buffers: Sequence[int] = ()) -> None:
+        """``nbytes`` for ``purpose`` on ``tier``; ``buffers``: the sizes of the buffers they
+        are allocated as, when on the host (NOTE [Footprint]: page rounding)."""
         parts = need.setdefault(tier, {})
         parts[purpose] = parts.get(purpose, 0) + nbytes
+        if tier == Tier.HOST and buffers:
+            assert sum(buffers) == nbytes, (purpose, nbytes, buffers)
+            parts[PAGE_ROUNDING] = parts.get(PAGE_ROUNDING, 0) + sum(host_buffer_bytes(n) - n for n in buffers)
+
+    def each(nbytes: int, count: int = 1) -> dict:
+        return {"nbytes": count * nbytes, "buffers": [nbytes] * count}
 
     def chunk(b: Bucket) -> int:
         return -(-b.numel // world)
@@ -109,23 +142,24 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
     w = dtype.itemsize
     for b in buckets:
         ct, n = compute_tier(b), chunk(b)
-        add(b.param_tier, WORKING_WEIGHTS, b.numel * w)
-        add(b.grad_tier, GRADS, n * _FP32)
+        add(b.param_tier, WORKING_WEIGHTS, b.numel * w, buffers=[s.numel * w for s in b.slots]
+            if b.param_tier != Tier.DEVICE else ())  # off the device: one buffer per parameter
+        add(b.grad_tier, GRADS, **each(n * _FP32))
         if b.state_tier == Tier.NVME:
             add(Tier.NVME, OPTIM_STATE_NVME, n * _STATE)
         else:
-            add(b.state_tier, OPTIM_STATE, n * _STATE)
+            add(b.state_tier, OPTIM_STATE, **each(n * _FP32, len(STATE_PARTS)))
         if ct != b.grad_tier and b.grad_tier != Tier.NVME:
-            add(ct, GRADS_FOR_STEP, n * _FP32)
+            add(ct, GRADS_FOR_STEP, **each(n * _FP32))
         if overlap:
-            add(b.grad_tier, SECOND_GRADS, n * _FP32)
-            add(ct, UPDATED_WEIGHTS, n * w)
+            add(b.grad_tier, SECOND_GRADS, **each(n * _FP32))
+            add(ct, UPDATED_WEIGHTS, **each(n * w))
     grads_largest = max((chunk(b) for b in buckets if b.grad_tier == Tier.NVME), default=0)
     if grads_largest:
-        add(Tier.HOST, GRADS_TO_NVME, 3 * _FP32 * grads_largest)
+        add(Tier.HOST, GRADS_TO_NVME, **each(_FP32 * grads_largest, 3))
     state_largest = max((chunk(b) for b in buckets if b.state_tier == Tier.NVME), default=0)
     if state_largest:
-        add(Tier.HOST, STATE_PIPELINE, 3 * _STATE * state_largest)
+        add(Tier.HOST, STATE_PIPELINE, **each(_STATE * state_largest, 3))  # each set: a bucket's three parts
     weights_largest = max((b.numel for b in buckets if b.param_tier == Tier.NVME), default=0)
     journal = (JOURNAL_BUCKETS["state"] * _STATE * state_largest + JOURNAL_BUCKETS["weights"] * w * weights_largest
                + JOURNAL_BUCKETS["grads"] * _FP32 * grads_largest)
@@ -134,7 +168,7 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
     if world > 1:
         padded = max((chunk(b) * world for b in buckets), default=0)
         add(Tier.DEVICE, GRADS_TO_REDUCE, 4 * _FP32 * padded)  # a few buckets in flight, and one accumulating
-        add(Tier.HOST, WHOLE_BUCKET, _STATE * padded)  # while a checkpoint or state_dict reads it
+        add(Tier.HOST, WHOLE_BUCKET, **each(_FP32 * padded, len(STATE_PARTS)))  # while a checkpoint reads it
     if not overlap:
         largest: dict[Tier, int] = {}
         for b in buckets:
@@ -142,10 +176,11 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
                 largest[compute_tier(b)] = max(largest.get(compute_tier(b), 0), chunk(b))
         for tier, numel in largest.items():
             count = min(2, sum(1 for b in buckets if compute_tier(b) == tier))  # a single bucket needs one
-            add(tier, WEIGHT_STAGING, count * numel * w)
+            add(tier, WEIGHT_STAGING, **each(numel * w, count))
     for p, home in frozen:
-        add(home, FROZEN_WEIGHTS, p.numel() * (w if p.is_floating_point() else p.element_size()))
-        add(Tier.HOST, FROZEN_COPY, p.numel() * p.element_size())
+        size = p.numel() * (w if p.is_floating_point() else p.element_size())
+        add(home, FROZEN_WEIGHTS, **(each(size) if home != Tier.DEVICE else {"nbytes": size}))
+        add(Tier.HOST, FROZEN_COPY, **each(p.numel() * p.element_size()))
     add(Tier.DEVICE, GRADS_IN_FLIGHT, max((s.numel for b in buckets for s in b.slots), default=0) * w)
     if largest_module:
         add(Tier.DEVICE, LARGEST_MODULE, largest_module)

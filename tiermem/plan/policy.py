@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from tiermem.errors import ConfigError
+from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 
@@ -139,3 +139,47 @@ def checked_place(policy: Policy, info: TensorInfo) -> Tier:
         raise ConfigError(f"tiermem: {policy!r}.place() returned {tier!r} for {info.name!r} "
                           f"({info.kind}); it must return Tier.DEVICE, Tier.HOST or Tier.NVME")
     return tier
+
+
+# NOTE [Device reserve]
+# Activations depend on the batch, which a placement is chosen without, so the footprint counts none
+# (NOTE [Activations that do not fit] in tiermem/memory/ledger.py). A policy that takes
+# ``device_reserve=r`` (Auto, ZeroOffload, KeepOnDevice) leaves the share ``r`` of the device's limit
+# out of its layout: the layout's device bytes must fit ``(1 - r)`` of it. Auto chooses among the
+# candidates that do; the others check, when bound to a model by the planner, that theirs does, and
+# refuse up front otherwise. The rule is these three functions, for all of them.
+def check_reserve(value: object, owner: str) -> float:
+    """``value`` as a device reserve (a share from 0 up to, not including, 1), or a ConfigError
+    naming ``owner`` (e.g. ``"Auto"``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(f"tiermem: {owner}.device_reserve={value!r} is invalid: the share of the device "
+                          f"left for activations, a number from 0 up to (not including) 1, e.g. 0.1")
+    return float(value)
+
+
+def over_reserve(need_device: int, limits: Mapping[Tier, int], reserve: float) -> Optional[str]:
+    """Why ``need_device`` bytes on the device leave less than ``reserve`` of its limit, in words
+    ("the device needs ..."), or None when they leave enough (or the device has no limit)."""
+    limit = limits.get(Tier.DEVICE)
+    if limit is None or need_device <= int(limit * (1 - reserve)):
+        return None
+    return (f"the device needs {fmt_bytes(need_device)}, more than {100 * (1 - reserve):.0f}% of its "
+            f"{fmt_bytes(limit)} (device_reserve={reserve:g})")
+
+
+def check_device_reserve(policy: Policy, model: ModelInfo, reserve: float, fix: str) -> None:
+    """Refuse ``policy`` (bound to ``model``) when its layout leaves less than ``reserve`` of the
+    device: an OutOfTierMemory saying so and ``fix``. Nothing to check without a reserve or a
+    planner; a layout that does not fit at all is left to the constructor's own error."""
+    if not reserve or model.evaluate is None or Tier.DEVICE not in model.limits:
+        return
+    ev = model.evaluate(policy, predict=False)
+    words = None if ev.refused is not None or ev.short else over_reserve(ev.need[Tier.DEVICE], model.limits,
+                                                                           reserve)
+    if words is not None:
+        limit = model.limits[Tier.DEVICE]
+        raise OutOfTierMemory(
+            tier=Tier.DEVICE, key="<model working set>", asked=ev.need[Tier.DEVICE], used=0,
+            allowed=int(limit * (1 - reserve)),
+            hint=f"{words}: the rest is kept for activations (NOTE [Device reserve]); {fix}, lower device_reserve, "
+                 f"or raise Budgets(device=...)")

@@ -54,8 +54,6 @@ from tiermem.types import TensorClass, Tier
 log = logging.getLogger(__name__)
 
 _ACT = TensorClass.ACTIVATION
-_DEVICE_HINT = ("reduce the batch size or sequence length, offload activations "
-                "(tiermem.policies.ActivationOffload), or raise Budgets(device=...)")
 
 
 @dataclass
@@ -255,12 +253,9 @@ class ActivationMover:
 
 
 def reserve_device(ledger: Ledger, key: str, nbytes: int, what: str) -> None:
-    """Account activation bytes on the device; over budget, say what to change."""
-    try:
-        ledger.reserve(key, nbytes, _ACT)
-    except OutOfTierMemory as e:
-        raise OutOfTierMemory(tier=e.tier, key=what, asked=nbytes, used=e.used, allowed=e.allowed,
-                              hint=_DEVICE_HINT) from None
+    """Account activation bytes on the device; over budget, the ledger's error says what the
+    device holds and what to change (NOTE [Activations that do not fit] in tiermem/memory/ledger.py)."""
+    ledger.reserve(key, nbytes, _ACT, label=what)
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
