@@ -271,10 +271,12 @@ def test_gpu_mode_trains_bit_identical_to_the_cpu_mode(gpu_mode, tmp_path):
 
 
 def test_where_cuda_refuses_to_register_the_pool_falls_back_to_torchs_pinned_cache(monkeypatch, fake_pinning):
+    asked = []
+
     def refuse(ptr: int, nbytes: int) -> None:
+        asked.append(nbytes)
         raise RuntimeError("cudaHostRegister of 8192 bytes failed with CUDA error 801")
     monkeypatch.setattr(aligned, "register_host", refuse)
-    monkeypatch.setattr(aligned, "_register_refused", False)
     cached = []
     monkeypatch.setattr(resident, "aligned_empty", lambda n, pin: cached.append(pin) or aligned.aligned_empty(n, pin=False))
     host = HostStore(1 << 20, pin=True)
@@ -282,5 +284,45 @@ def test_where_cuda_refuses_to_register_the_pool_falls_back_to_torchs_pinned_cac
     assert cached == [True] and buf.numel() == 8192 and host.pinned_bytes == 8192
     host.release("k", buf)
     assert host.acquire(8000, "k2", TensorClass.GRAD) is buf  # pooled like any pinned buffer
+    other = host.acquire(3 * 4096, "k3", TensorClass.GRAD)  # a new size: CUDA is not asked again
+    assert asked == [8192] and cached == [True, True] and host.pinned_bytes == 8192 + 3 * 4096
     host.release("k2", buf)
-    assert host.trim() == 8192 and host.pinned_bytes == 0  # nothing to unregister: fake_pinning saw nothing
+    host.release("k3", other)
+    assert host.trim() == 8192 + 3 * 4096 and host.pinned_bytes == 0  # nothing to unregister: fake_pinning saw nothing
+    monkeypatch.setattr(aligned, "register_host", lambda ptr, nbytes: fake_pinning.__setitem__(ptr, nbytes))
+    fresh = HostStore(1 << 20, pin=True)  # the refusal was that pool's: another one asks again
+    fresh.release("k", fresh.acquire(8000, "k", TensorClass.GRAD))
+    assert sum(fake_pinning.values()) == 8192 and fresh.trim() == 8192 and fake_pinning == {}
+
+
+def test_host_registration_runs_on_its_own_thread_in_an_existing_context(monkeypatch):
+    """NOTE [Registering host memory], with stand-ins for torch's cudart binding: the call runs on
+    the pinning thread (never the caller's, where the error it leaves would surface later), in
+    the context of a device that has one, and an error code is raised."""
+    import contextlib
+    import threading
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", threading.current_thread().name, entered[-1], ptr, nbytes, flags))
+            return 0 if nbytes == 4096 else 2
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", threading.current_thread().name, entered[-1], ptr))
+            return 0
+    entered = [None]
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext(entered.append(i)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: i == 2, raising=False)
+    aligned.register_host(8192 * 4, 4096)
+    aligned.unregister_host(8192 * 4)
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 8192 bytes failed with CUDA error 2"):
+        aligned.register_host(8192 * 5, 8192)
+    assert [c[0] for c in calls] == ["register", "unregister", "register"]
+    assert all(c[1].startswith("tiermem-pin") and c[2] == 2 for c in calls)  # cuda:2 has the only context
+    assert calls[0][3:] == (8192 * 4, 4096, 1)  # cudaHostRegisterPortable
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: True, raising=False)
+    assert aligned.context_device() == 0  # the caller's current device, when it has a context
