@@ -326,3 +326,27 @@ def test_host_registration_runs_on_its_own_thread_in_an_existing_context(monkeyp
     assert calls[0][3:] == (8192 * 4, 4096, 1)  # cudaHostRegisterPortable
     monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: True, raising=False)
     assert aligned.context_device() == 0  # the caller's current device, when it has a context
+
+
+def test_device_adam_matches_torchs_fused_adamw_and_makes_its_step_once_per_step():
+    """The device kernel (torch's fused AdamW, one launch) runs on CPU tensors too: two steps of it
+    equal torch.optim.AdamW(fused=True) bit for bit, and the step scalar it reads is made once per
+    step (per thread and stream), not per bucket."""
+    from tiermem.optim import _kernels
+    from tiermem.optim._hyper import AdamHyper
+    g = torch.Generator().manual_seed(0)
+    p0, grads = torch.randn(1031, generator=g), [torch.randn(1031, generator=g) for _ in range(2)]
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    master, m, v = p0.clone(), torch.zeros(1031), torch.zeros(1031)
+    out = torch.empty(1031, dtype=torch.bfloat16)
+    for step, grad in enumerate(grads, 1):
+        ref.grad = grad.clone()
+        opt.step()
+        hyper = AdamHyper(step=step, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, adamw=True)
+        _kernels._device_adam(master, m, v, grad, out, hyper)
+        assert torch.equal(master, ref.detach()) and torch.equal(out, master.bfloat16())
+    assert torch.equal(m, opt.state[ref]["exp_avg"]) and torch.equal(v, opt.state[ref]["exp_avg_sq"])
+    one = _kernels._device_step(7, torch.device("cpu"))
+    assert _kernels._device_step(7, torch.device("cpu")) is one and float(one) == 7.0
+    assert float(_kernels._device_step(8, torch.device("cpu"))) == 8.0
