@@ -350,3 +350,39 @@ def test_device_adam_matches_torchs_fused_adamw_and_makes_its_step_once_per_step
     one = _kernels._device_step(7, torch.device("cpu"))
     assert _kernels._device_step(7, torch.device("cpu")) is one and float(one) == 7.0
     assert float(_kernels._device_step(8, torch.device("cpu"))) == 8.0
+
+
+def test_gpu_mode_staged_copies_share_one_pooled_buffer_per_request(gpu_mode):
+    """Converting and adding copies between the device and the host go through host staging:
+    one pooled buffer per request (a bucket's gradients), carved per copy, back in the pool once
+    the request is done; every byte lands as plain torch would put it."""
+    make, _ = gpu_mode
+    e = make()
+    host = e.stores[Tier.HOST]
+    leased = []
+    acquire = host.acquire
+    host.acquire = lambda n, key, kind=None: leased.append((n, key)) or acquire(n, key, kind)
+    try:
+        g = torch.Generator().manual_seed(0)
+        grads = [torch.randn(n, generator=g).bfloat16() for n in (7, 1000, 333)]
+        plain = torch.randn(50, generator=g)
+        accs = [torch.randn(n, generator=g) for n in (7, 1000, 333)]
+        expect = [accs[0] + grads[0].float(), grads[1].float(), accs[2] + grads[2].float()]
+        out_plain = torch.empty(50)
+        for _ in range(2):  # the second request reuses the pooled buffer
+            got = [a.clone() for a in accs]
+            e.copy_many([(got[0], grads[0], True), (got[1], grads[1], False), (out_plain, plain, False),
+                         (got[2], grads[2], True)], src_tier=Tier.DEVICE, dst_tier=Tier.HOST).wait()
+            assert all(torch.equal(a, b) for a, b in zip(got, expect)) and torch.equal(out_plain, plain)
+        assert len(leased) == 2 and leased[0][0] == 256 + 2048 + 768  # one lease per request: 3 pieces
+        assert host.allocations == 1 and host.ledger.used == host.ledger.held("<free host buffers>")
+        dev = torch.empty(1000, dtype=torch.bfloat16)
+        src = torch.randn(1000, generator=g)
+        e.copy_async(dev, src, src_tier=Tier.HOST, dst_tier=Tier.DEVICE).wait()  # converting h2d
+        assert torch.equal(dev, src.bfloat16()) and leased[-1][0] == 2048
+        dev32 = torch.randn(1000, generator=g)
+        ref = dev32 + dev.float()
+        e.copy_async(dev32, dev, src_tier=Tier.HOST, dst_tier=Tier.DEVICE, accumulate=True).wait()
+        assert torch.equal(dev32, ref) and len(leased) == 3  # an add on the device needs no staging
+    finally:
+        e.close()
