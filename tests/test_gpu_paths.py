@@ -386,3 +386,46 @@ def test_gpu_mode_staged_copies_share_one_pooled_buffer_per_request(gpu_mode):
         assert torch.equal(dev32, ref) and len(leased) == 3  # an add on the device needs no staging
     finally:
         e.close()
+
+
+# Every torch.cuda call tiermem's GPU paths make, with the arguments they pass: these exist (and
+# bind) on a CPU-only build too, so a rename or a changed signature fails here, not on the first GPU.
+_CUDA_CALLS = [
+    (torch.cuda.Event, (), dict(enable_timing=True, blocking=True)),
+    (torch.cuda.Stream, (torch.device("cuda", 1),), {}),
+    (torch.cuda.stream, (None,), {}),
+    (torch.cuda.current_stream, (torch.device("cuda", 1),), {}),
+    (torch.cuda.set_device, (1,), {}),
+    (torch.cuda.device, (1,), {}),
+    (torch.cuda.current_device, (), {}),
+    (torch.cuda.device_count, (), {}),
+    (torch.cuda.mem_get_info, (torch.device("cuda", 1),), {}),
+    (torch.cuda.memory_reserved, (torch.device("cuda", 1),), {}),
+    (torch.cuda.max_memory_allocated, (torch.device("cuda", 1),), {}),
+    (torch.cuda.synchronize, (torch.device("cuda", 1),), {}),
+    (torch.cuda.get_device_name, (torch.device("cuda", 1),), {}),
+    (torch.cuda._sleep, (1000,), {}),
+    (torch.cuda.cudart, (), {}),
+    (torch.cuda.set_sync_debug_mode, ("error",), {}),
+    (torch.cuda.Event.record, (None, None), {}),
+    (torch.cuda.Event.synchronize, (None,), {}),
+    (torch.cuda.Event.elapsed_time, (None, None), {}),
+    (torch.cuda.Stream.wait_event, (None, None), {}),
+]
+
+
+@pytest.mark.parametrize("fn,args,kwargs", _CUDA_CALLS, ids=lambda x: getattr(x, "__qualname__", None))
+def test_the_cuda_calls_made_exist_with_the_arguments_passed(fn, args, kwargs):
+    import inspect
+    target = fn.__new__ if isinstance(fn, type) and fn.__new__ is not object.__new__ else fn
+    sig = inspect.signature(target)
+    sig.bind(*((fn,) if target is not fn else ()), *args, **kwargs)
+
+
+def test_the_tensor_and_fused_adam_entry_points_exist():
+    assert callable(torch.Tensor.record_stream) and callable(torch.Tensor.is_pinned)
+    names = {s.name for s in torch._C._jit_get_all_schemas()}
+    assert {"aten::_fused_adam_", "aten::_fused_adamw_", "aten::record_stream"} <= names
+    for op in ("aten::_fused_adam_", "aten::_fused_adamw_"):  # the keyword arguments _device_adam passes
+        args = [{a.name for a in s.arguments} for s in torch._C._jit_get_schemas_for_operator(op)]
+        assert any({"lr", "beta1", "beta2", "weight_decay", "eps", "amsgrad", "maximize"} <= a for a in args), op
