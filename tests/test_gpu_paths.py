@@ -306,7 +306,9 @@ def test_host_registration_runs_on_its_own_thread_in_an_existing_context(monkeyp
     class Cudart:
         def cudaHostRegister(self, ptr, nbytes, flags):
             calls.append(("register", threading.current_thread().name, entered[-1], ptr, nbytes, flags))
-            return 0 if nbytes == 4096 else 2
+            if nbytes == 3 * 4096:  # as a pool's finalizer would, run by a GC pass on the pinning thread
+                aligned.unregister_host(ptr)
+            return 0 if nbytes in (4096, 3 * 4096) else 2
 
         def cudaHostUnregister(self, ptr):
             calls.append(("unregister", threading.current_thread().name, entered[-1], ptr))
@@ -324,6 +326,11 @@ def test_host_registration_runs_on_its_own_thread_in_an_existing_context(monkeyp
     assert [c[0] for c in calls] == ["register", "unregister", "register"]
     assert all(c[1].startswith("tiermem-pin") and c[2] == 2 for c in calls)  # cuda:2 has the only context
     assert calls[0][3:] == (8192 * 4, 4096, 1)  # cudaHostRegisterPortable
+    nested = threading.Thread(target=aligned.register_host, args=(8192 * 6, 3 * 4096), daemon=True)
+    nested.start()
+    nested.join(timeout=30)
+    assert not nested.is_alive(), "a call made on the pinning thread itself waited for that thread"
+    assert [c[0] for c in calls[3:]] == ["register", "unregister"] and calls[4][1] == calls[3][1]
     monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: True, raising=False)
     assert aligned.context_device() == 0  # the caller's current device, when it has a context
 

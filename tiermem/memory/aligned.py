@@ -90,14 +90,16 @@ def unpin(buf: torch.Tensor) -> None:
 # pinned allocator does: calling on a thread whose current device is 0 would otherwise create a
 # context on GPU 0 for a model on cuda:N. Pinned host memory is usable from every device.
 _pinner: Optional[ThreadPoolExecutor] = None
-_pinner_lock = threading.Lock()
+_pinner_lock = threading.RLock()  # reentrant: a GC pass may run a finalizer that pins while it is held
+_on_pinner = threading.local()  # .yes on the pinning thread itself
 
 
 def _pin_thread() -> ThreadPoolExecutor:
     global _pinner
     with _pinner_lock:
         if _pinner is None:
-            _pinner = ThreadPoolExecutor(1, thread_name_prefix="tiermem-pin")
+            _pinner = ThreadPoolExecutor(1, thread_name_prefix="tiermem-pin",
+                                         initializer=lambda: setattr(_on_pinner, "yes", True))
         return _pinner
 
 
@@ -117,6 +119,8 @@ def _cudart_call(name: str, *args: int) -> int:
     def call() -> int:
         with torch.cuda.device(device):
             return int(getattr(torch.cuda.cudart(), name)(*args))
+    if getattr(_on_pinner, "yes", False):  # e.g. a pool's finalizer, run by a GC pass on this thread
+        return call()
     return _pin_thread().submit(call).result()
 
 
