@@ -148,8 +148,9 @@ def main() -> int:
             source = (f"nominal GPU: h2d/d2h {NOMINAL_GPU['h2d'] / 1e9:g} GB/s, device Adam "
                       f"{NOMINAL_GPU['device_adam'] / 1e9:g} Gparam/s; this machine's CPU Adam "
                       f"{rates.cpu_adam / 1e9:.2f} Gparam/s")
-    print(f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide; batch {args.batch_size} x {args.seq_len}; device {device}, "
-          f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}; one process per variant", flush=True)
+    name = f" ({torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda})" if device.type == "cuda" else ""
+    print(f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide; batch {args.batch_size} x {args.seq_len}; device {device}"
+          f"{name}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}; one process per variant", flush=True)
     runs = {f: spawn(f, rates, gpu) for f in fractions}
     print(f"{runs[fractions[0]]['n_params'] / 1e6:.1f}M parameters")
     med_fb = {f: statistics.median(r["fb"]) for f, r in runs.items()}
