@@ -241,18 +241,21 @@ def test_gpu_mode_moves_land_on_the_completion_thread_and_join_waits_on_the_gpu(
 
 def test_gpu_mode_trains_bit_identical_to_the_cpu_mode(gpu_mode, tmp_path):
     """The whole GPU control flow under training (grads per bucket, uploads, overlap_step,
-    activation offload): the numbers do not move."""
+    activation offload to the host and to NVMe, weights on NVMe): the numbers do not move."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
     from models import TinyGPT, gpt_batch, gpt_loss
     from tiermem import AdamW, TieredModel
-    from tiermem.policies import ActivationOffload, ZeroOffload
+    from tiermem.policies import ActivationOffload, ZeroInfinity, ZeroOffload
     make, _ = gpu_mode
 
     def run(gpu: bool, **kw) -> dict:
         torch.manual_seed(0)
-        tm = TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), bucket_size="16KiB", device="cpu", **kw)
+        nvme = tmp_path / f"nvme-{gpu}-{len(list(tmp_path.iterdir()))}"
+        nvme.mkdir()
+        tm = TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), bucket_size="16KiB", device="cpu",
+                         nvme_dir=str(nvme), **kw)
         if gpu:
             tm.engine.lanes.close()
             fake = make()
@@ -265,7 +268,9 @@ def test_gpu_mode_trains_bit_identical_to_the_cpu_mode(gpu_mode, tmp_path):
         tm.detach()
         return state
     for kw in (dict(policy=ZeroOffload(), overlap_step=True),
-               dict(policy=ActivationOffload(ZeroOffload(), min_bytes=0))):
+               dict(policy=ActivationOffload(ZeroOffload(), min_bytes=0)),
+               dict(policy=ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0)),  # chains, joined by waiting
+               dict(policy=ZeroInfinity())):  # weights through the scheduler; the NVMe legs stage through the pool
         cpu, gpu = run(False, **kw), run(True, **kw)
         assert all(torch.equal(cpu[k], gpu[k]) for k in cpu), kw
 
