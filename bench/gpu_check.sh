@@ -58,7 +58,7 @@ run env env.txt bash -c "date -u; \"$py\" -c \"import sys, torch, tiermem; print
   torch.cuda.device_count(), 'tiermem from', tiermem.__file__)\"; nvidia-smi --query-gpu=name,memory.total,driver_version \
   --format=csv || true; nproc; free -g | head -2"
 cat "$out/env.txt"
-if [ -z "$dry" ] && ! timeout 60 "$py" -c "import torch; assert torch.cuda.is_available()"; then
+if [ -z "$dry" ] && ! grep -q " available True " "$out/env.txt"; then  # the env part asked torch
     echo "gpu_check: no CUDA device here: run with --dry-run"; exit 1
 fi
 
