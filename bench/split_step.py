@@ -4,9 +4,12 @@
                                [--fractions 0,0.25,0.5,1] [--steps 6] [--warmup 2] [--device cpu|cuda]
                                [--profile PROFILE.json] [--gpu-profile PROFILE.json]
 
-Each variant is one TieredModel with the same initial weights; they are stepped in turn (round-robin,
-so load from other processes hits all alike) and timed per iteration in two parts: forward+backward,
-and ``tm.step()`` (waiting for the last grads, the norm, both Adams, the uploads), synchronised on a GPU.
+Each variant is one TieredModel with the same initial weights, trained in a process of its own (the
+script runs itself with ``--one F``, which prints one JSON line): identical TieredModels in one
+process step at systematically different speeds (bench/RESULTS.md, "2026-12-01 One model per
+process"), so a variant's place in a shared process would be part of its figure. Each is timed per
+iteration in two parts: forward+backward, and ``tm.step()`` (waiting for the last grads, the norm,
+both Adams, the uploads), synchronised on a GPU. The variants run one after another.
 
 Besides the measured figures it prints the cost model's prediction of ``tm.step()`` for each fraction
 (tiermem/plan/cost.py, NOTE [Cost model]) from this machine's profile (``tiermem bench``; measured
@@ -18,7 +21,11 @@ without one, nominal H100-class figures (stated in the output), with this machin
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,7 +46,7 @@ LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 NOMINAL_GPU = dict(h2d=25e9, d2h=25e9, device_adam=60e9)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p)
     p.add_argument("--fractions", default="0,0.25,0.5,1", help="device_fraction values, comma separated")
@@ -49,7 +56,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--profile", help="this machine's profile (default: the saved one; measured if none)")
     p.add_argument("--gpu-profile", help="a GPU machine's profile, for the predicted GPU gain")
-    return p.parse_args()
+    # one variant in this process, printed as a JSON line (what the script passes to itself)
+    p.add_argument("--one", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rates", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--gpu-rates", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
 
 
 def machine_profile(path: str | None) -> Profile:
@@ -66,55 +77,67 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def run_one(args) -> dict:
+    """The variant ``device_fraction=args.one``, the only model of this process: its timings, and
+    the cost model's predictions for its layout (here, and on a GPU when ``--gpu-rates``)."""
+    device = torch.device(args.device)
+    cfg = config_from_args(args)
+    torch.manual_seed(0)
+    tm = TieredModel(GPT(cfg), ZeroOffload(device_fraction=args.one), optimizer=AdamW(lr=LR, betas=BETAS,
+                     weight_decay=WD), precision="bf16", grad_clip=CLIP, device=device, bucket_size=args.bucket_size)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
+               for _ in range(args.warmup + args.steps)]
+    fb: list[float] = []
+    st: list[float] = []
+    for i, b in enumerate(batches):
+        x, y = b[:, :-1], b[:, 1:]
+        sync(device)
+        t0 = time.perf_counter()
+        tm.backward(lm_loss(tm(x), y))
+        sync(device)
+        t1 = time.perf_counter()
+        tm.step()
+        sync(device)
+        t2 = time.perf_counter()
+        if i >= args.warmup:
+            fb.append(t1 - t0)
+            st.append(t2 - t1)
+        print(f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1:2d}: f={args.one:g} {1e3 * (t1 - t0):7.1f} + "
+              f"{1e3 * (t2 - t1):6.1f} ms", file=sys.stderr, flush=True)
+    itemsize = tm.dtype.itemsize
+    here = cost.predict(tm.layout.buckets, itemsize, cost.Rates(**json.loads(args.rates)),
+                        forward_backward=statistics.median(fb))
+    result = {"n_params": tm.layout.n_params, "fb": fb, "st": st, "here": here.stages}
+    if args.gpu_rates:
+        result["gpu"] = cost.predict(tm.layout.buckets, itemsize, cost.Rates(**json.loads(args.gpu_rates))).stages
+    tm.detach()
+    return result
+
+
+def spawn(f: float, rates: cost.Rates, gpu: cost.Rates | None) -> dict:
+    """``run_one`` for fraction ``f`` in a fresh process; its last output line is the JSON result."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--one", repr(f),
+           "--rates", json.dumps(dataclasses.asdict(rates))]
+    if gpu is not None:
+        cmd += ["--gpu-rates", json.dumps(dataclasses.asdict(gpu))]
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ)  # its step lines: our stderr
+    lines = res.stdout.strip().splitlines()
+    if res.returncode != 0 or not lines:
+        raise RuntimeError(f"bench/split_step.py: the run of device_fraction={f:g} exited {res.returncode}")
+    return json.loads(lines[-1])
+
+
 def main() -> int:
     args = parse_args()
+    if args.one is not None:
+        print(json.dumps(run_one(args)), flush=True)
+        return 0
     device = torch.device(args.device)
     fractions = [float(f) for f in args.fractions.split(",")]
     cfg = config_from_args(args)
     rates = cost.Rates.from_profile(machine_profile(args.profile))
-    models = {}
-    for f in fractions:
-        torch.manual_seed(0)
-        models[f] = TieredModel(GPT(cfg), ZeroOffload(device_fraction=f), optimizer=AdamW(lr=LR, betas=BETAS,
-                                weight_decay=WD), precision="bf16", grad_clip=CLIP, device=device,
-                                bucket_size=args.bucket_size)
-    n = models[fractions[0]].layout.n_params
-    print(f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide, {n / 1e6:.1f}M parameters; batch {args.batch_size} x "
-          f"{args.seq_len}; device {device}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}")
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
-               for _ in range(args.warmup + args.steps)]
-    fb: dict[float, list[float]] = {f: [] for f in fractions}
-    st: dict[float, list[float]] = {f: [] for f in fractions}
-    for i, b in enumerate(batches):
-        x, y = b[:, :-1], b[:, 1:]
-        row = []
-        for f, tm in models.items():
-            sync(device)
-            t0 = time.perf_counter()
-            tm.backward(lm_loss(tm(x), y))
-            sync(device)
-            t1 = time.perf_counter()
-            tm.step()
-            sync(device)
-            t2 = time.perf_counter()
-            if i >= args.warmup:
-                fb[f].append(t1 - t0)
-                st[f].append(t2 - t1)
-            row.append(f"f={f:g} {1e3 * (t1 - t0):7.1f} + {1e3 * (t2 - t1):6.1f} ms")
-        print(f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1:2d}: " + "  ".join(row), flush=True)
-
-    med_fb = {f: statistics.median(v) for f, v in fb.items()}
-    med_st = {f: statistics.median(v) for f, v in st.items()}
-    itemsize = models[fractions[0]].dtype.itemsize
-    here = {f: cost.predict(tm.layout.buckets, itemsize, rates, forward_backward=med_fb[f]) for f, tm in models.items()}
-    print("\nmedian of", args.steps, "steps (forward+backward | tm.step()), and the cost model's tm.step():")
-    for f in fractions:
-        p = here[f]
-        print(f"  f={f:<5g} {1e3 * med_fb[f]:8.1f} | {1e3 * med_st[f]:7.1f} ms   predicted step() "
-              f"{1e3 * (p.seconds - p.stages['forward+backward']):7.1f} ms ({p})")
-
-    gpu = None
+    gpu = source = None
     if device.type == "cpu":
         if args.gpu_profile:
             gpu, source = cost.Rates.from_profile(load_profile(args.gpu_profile)), args.gpu_profile
@@ -125,13 +148,28 @@ def main() -> int:
             source = (f"nominal GPU: h2d/d2h {NOMINAL_GPU['h2d'] / 1e9:g} GB/s, device Adam "
                       f"{NOMINAL_GPU['device_adam'] / 1e9:g} Gparam/s; this machine's CPU Adam "
                       f"{rates.cpu_adam / 1e9:.2f} Gparam/s")
+    name = f" ({torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda})" if device.type == "cuda" else ""
+    print(f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide; batch {args.batch_size} x {args.seq_len}; device {device}"
+          f"{name}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}; one process per variant", flush=True)
+    runs = {f: spawn(f, rates, gpu) for f in fractions}
+    print(f"{runs[fractions[0]]['n_params'] / 1e6:.1f}M parameters")
+    med_fb = {f: statistics.median(r["fb"]) for f, r in runs.items()}
+    med_st = {f: statistics.median(r["st"]) for f, r in runs.items()}
+    here = {f: cost.Prediction(r["here"]) for f, r in runs.items()}
+    print("\nmedian of", args.steps, "steps (forward+backward | tm.step()), and the cost model's tm.step():")
+    for f in fractions:
+        p = here[f]
+        print(f"  f={f:<5g} {1e3 * med_fb[f]:8.1f} | {1e3 * med_st[f]:7.1f} ms   predicted step() "
+              f"{1e3 * (p.seconds - p.stages['forward+backward']):7.1f} ms ({p})")
+    on_gpu = {}
+    if gpu is not None:
         print(f"\npredicted tm.step() on a GPU ({source}):")
-        on_gpu = {f: cost.predict(tm.layout.buckets, itemsize, gpu) for f, tm in models.items()}
+        on_gpu = {f: cost.Prediction(r["gpu"]) for f, r in runs.items()}
         for f in fractions:
             print(f"  f={f:<5g} {1e3 * on_gpu[f].seconds:7.2f} ms ({on_gpu[f]})")
 
     base = fractions[0]
-    print(f"\n== ratios (against f={base:g}, measured side by side) ==")
+    print(f"\n== ratios (against f={base:g}, measured in this run, one process each) ==")
     for f in fractions[1:]:
         print(f"f={f:<5g} tm.step() / f={base:g}: measured {med_st[f] / med_st[base]:5.2f}x, predicted here "
               f"{_step(here[f]) / _step(here[base]):5.2f}x" +

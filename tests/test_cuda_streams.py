@@ -135,17 +135,19 @@ def test_several_copies_in_flight_per_direction_and_waiting_does_not_spin(engine
 
 def test_pinned_host_memory_is_exact_and_given_back(engine):
     host = HostStore(1 << 30, pin=True)
-    bufs = [host.acquire(n, f"k{n}", TensorClass.GRAD) for n in (1 << 20, (1 << 20) + 8, 12345)]
+    sizes = (1 << 20, (1 << 20) + 8, 12345)
+    bufs = [host.acquire(n, f"k{i}", TensorClass.GRAD) for i, n in enumerate(sizes)]
     assert all(b.is_pinned() for b in bufs)
-    assert host.pinned_bytes == host.ledger.used  # exact: no power-of-two rounding
+    assert host.pinned_bytes == host.ledger.used == sum(-(-n // 4096) * 4096 for n in sizes)  # exact: no power of two
     state = host.acquire(1 << 20, "state", TensorClass.OPTIM_STATE)
     assert not state.is_pinned()
     keep = bufs[0][:16]
-    for b in bufs:
-        host.release(f"k{b.numel()}", b)
+    for i, b in enumerate(bufs):
+        host.release(f"k{i}", b)
     del bufs, b
     host.trim()
     assert host.pinned_bytes == 0 and not keep.is_pinned()
+    assert host.ledger.used == host.ledger.held("state")
     free, total = torch.cuda.mem_get_info()
     assert DeviceStore("cuda").ledger.allowed <= free + torch.cuda.memory_reserved() - (1 << 30)
     assert default_device_budget(torch.device("cuda")) <= free + torch.cuda.memory_reserved() - device_margin(total)

@@ -241,18 +241,21 @@ def test_gpu_mode_moves_land_on_the_completion_thread_and_join_waits_on_the_gpu(
 
 def test_gpu_mode_trains_bit_identical_to_the_cpu_mode(gpu_mode, tmp_path):
     """The whole GPU control flow under training (grads per bucket, uploads, overlap_step,
-    activation offload): the numbers do not move."""
+    activation offload to the host and to NVMe, weights on NVMe): the numbers do not move."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
     from models import TinyGPT, gpt_batch, gpt_loss
     from tiermem import AdamW, TieredModel
-    from tiermem.policies import ActivationOffload, ZeroOffload
+    from tiermem.policies import ActivationOffload, ZeroInfinity, ZeroOffload
     make, _ = gpu_mode
 
     def run(gpu: bool, **kw) -> dict:
         torch.manual_seed(0)
-        tm = TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), bucket_size="16KiB", device="cpu", **kw)
+        nvme = tmp_path / f"nvme-{gpu}-{len(list(tmp_path.iterdir()))}"
+        nvme.mkdir()
+        tm = TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), bucket_size="16KiB", device="cpu",
+                         nvme_dir=str(nvme), **kw)
         if gpu:
             tm.engine.lanes.close()
             fake = make()
@@ -265,16 +268,20 @@ def test_gpu_mode_trains_bit_identical_to_the_cpu_mode(gpu_mode, tmp_path):
         tm.detach()
         return state
     for kw in (dict(policy=ZeroOffload(), overlap_step=True),
-               dict(policy=ActivationOffload(ZeroOffload(), min_bytes=0))):
+               dict(policy=ActivationOffload(ZeroOffload(), min_bytes=0)),
+               dict(policy=ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0)),  # chains, joined by waiting
+               dict(policy=ZeroInfinity())):  # weights through the scheduler; the NVMe legs stage through the pool
         cpu, gpu = run(False, **kw), run(True, **kw)
         assert all(torch.equal(cpu[k], gpu[k]) for k in cpu), kw
 
 
 def test_where_cuda_refuses_to_register_the_pool_falls_back_to_torchs_pinned_cache(monkeypatch, fake_pinning):
+    asked = []
+
     def refuse(ptr: int, nbytes: int) -> None:
+        asked.append(nbytes)
         raise RuntimeError("cudaHostRegister of 8192 bytes failed with CUDA error 801")
     monkeypatch.setattr(aligned, "register_host", refuse)
-    monkeypatch.setattr(aligned, "_register_refused", False)
     cached = []
     monkeypatch.setattr(resident, "aligned_empty", lambda n, pin: cached.append(pin) or aligned.aligned_empty(n, pin=False))
     host = HostStore(1 << 20, pin=True)
@@ -282,5 +289,155 @@ def test_where_cuda_refuses_to_register_the_pool_falls_back_to_torchs_pinned_cac
     assert cached == [True] and buf.numel() == 8192 and host.pinned_bytes == 8192
     host.release("k", buf)
     assert host.acquire(8000, "k2", TensorClass.GRAD) is buf  # pooled like any pinned buffer
+    other = host.acquire(3 * 4096, "k3", TensorClass.GRAD)  # a new size: CUDA is not asked again
+    assert asked == [8192] and cached == [True, True] and host.pinned_bytes == 8192 + 3 * 4096
     host.release("k2", buf)
-    assert host.trim() == 8192 and host.pinned_bytes == 0  # nothing to unregister: fake_pinning saw nothing
+    host.release("k3", other)
+    assert host.trim() == 8192 + 3 * 4096 and host.pinned_bytes == 0  # nothing to unregister: fake_pinning saw nothing
+    monkeypatch.setattr(aligned, "register_host", lambda ptr, nbytes: fake_pinning.__setitem__(ptr, nbytes))
+    fresh = HostStore(1 << 20, pin=True)  # the refusal was that pool's: another one asks again
+    fresh.release("k", fresh.acquire(8000, "k", TensorClass.GRAD))
+    assert sum(fake_pinning.values()) == 8192 and fresh.trim() == 8192 and fake_pinning == {}
+
+
+def test_host_registration_runs_on_its_own_thread_in_an_existing_context(monkeypatch):
+    """NOTE [Registering host memory], with stand-ins for torch's cudart binding: the call runs on
+    the pinning thread (never the caller's, where the error it leaves would surface later), in
+    the context of a device that has one, and an error code is raised."""
+    import contextlib
+    import threading
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", threading.current_thread().name, entered[-1], ptr, nbytes, flags))
+            if nbytes == 3 * 4096:  # as a pool's finalizer would, run by a GC pass on the pinning thread
+                aligned.unregister_host(ptr)
+            return 0 if nbytes in (4096, 3 * 4096) else 2
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", threading.current_thread().name, entered[-1], ptr))
+            return 0
+    entered = [None]
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext(entered.append(i)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: i == 2, raising=False)
+    aligned.register_host(8192 * 4, 4096)
+    aligned.unregister_host(8192 * 4)
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 8192 bytes failed with CUDA error 2"):
+        aligned.register_host(8192 * 5, 8192)
+    assert [c[0] for c in calls] == ["register", "unregister", "register"]
+    assert all(c[1].startswith("tiermem-pin") and c[2] == 2 for c in calls)  # cuda:2 has the only context
+    assert calls[0][3:] == (8192 * 4, 4096, 1)  # cudaHostRegisterPortable
+    nested = threading.Thread(target=aligned.register_host, args=(8192 * 6, 3 * 4096), daemon=True)
+    nested.start()
+    nested.join(timeout=30)
+    assert not nested.is_alive(), "a call made on the pinning thread itself waited for that thread"
+    assert [c[0] for c in calls[3:]] == ["register", "unregister"] and calls[4][1] == calls[3][1]
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: True, raising=False)
+    assert aligned.context_device() == 0  # the caller's current device, when it has a context
+
+
+def test_device_adam_matches_torchs_fused_adamw_and_makes_its_step_once_per_step():
+    """The device kernel (torch's fused AdamW, one launch) runs on CPU tensors too: two steps of it
+    equal torch.optim.AdamW(fused=True) bit for bit, and the step scalar it reads is made once per
+    step (per thread and stream), not per bucket."""
+    from tiermem.optim import _kernels
+    from tiermem.optim._hyper import AdamHyper
+    g = torch.Generator().manual_seed(0)
+    p0, grads = torch.randn(1031, generator=g), [torch.randn(1031, generator=g) for _ in range(2)]
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    master, m, v = p0.clone(), torch.zeros(1031), torch.zeros(1031)
+    out = torch.empty(1031, dtype=torch.bfloat16)
+    for step, grad in enumerate(grads, 1):
+        ref.grad = grad.clone()
+        opt.step()
+        hyper = AdamHyper(step=step, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, adamw=True)
+        _kernels._device_adam(master, m, v, grad, out, hyper)
+        assert torch.equal(master, ref.detach()) and torch.equal(out, master.bfloat16())
+    assert torch.equal(m, opt.state[ref]["exp_avg"]) and torch.equal(v, opt.state[ref]["exp_avg_sq"])
+    one = _kernels._device_step(7, torch.device("cpu"))
+    assert _kernels._device_step(7, torch.device("cpu")) is one and float(one) == 7.0
+    assert float(_kernels._device_step(8, torch.device("cpu"))) == 8.0
+
+
+def test_gpu_mode_staged_copies_share_one_pooled_buffer_per_request(gpu_mode):
+    """Converting and adding copies between the device and the host go through host staging:
+    one pooled buffer per request (a bucket's gradients), carved per copy, back in the pool once
+    the request is done; every byte lands as plain torch would put it."""
+    make, _ = gpu_mode
+    e = make()
+    host = e.stores[Tier.HOST]
+    leased = []
+    acquire = host.acquire
+    host.acquire = lambda n, key, kind=None: leased.append((n, key)) or acquire(n, key, kind)
+    try:
+        g = torch.Generator().manual_seed(0)
+        grads = [torch.randn(n, generator=g).bfloat16() for n in (7, 1000, 333)]
+        plain = torch.randn(50, generator=g)
+        accs = [torch.randn(n, generator=g) for n in (7, 1000, 333)]
+        expect = [accs[0] + grads[0].float(), grads[1].float(), accs[2] + grads[2].float()]
+        out_plain = torch.empty(50)
+        for _ in range(2):  # the second request reuses the pooled buffer
+            got = [a.clone() for a in accs]
+            e.copy_many([(got[0], grads[0], True), (got[1], grads[1], False), (out_plain, plain, False),
+                         (got[2], grads[2], True)], src_tier=Tier.DEVICE, dst_tier=Tier.HOST).wait()
+            assert all(torch.equal(a, b) for a, b in zip(got, expect)) and torch.equal(out_plain, plain)
+        assert len(leased) == 2 and leased[0][0] == 256 + 2048 + 768  # one lease per request: 3 pieces
+        assert host.allocations == 1 and host.ledger.used == host.ledger.held("<free host buffers>")
+        dev = torch.empty(1000, dtype=torch.bfloat16)
+        src = torch.randn(1000, generator=g)
+        e.copy_async(dev, src, src_tier=Tier.HOST, dst_tier=Tier.DEVICE).wait()  # converting h2d
+        assert torch.equal(dev, src.bfloat16()) and leased[-1][0] == 2048
+        dev32 = torch.randn(1000, generator=g)
+        ref = dev32 + dev.float()
+        e.copy_async(dev32, dev, src_tier=Tier.HOST, dst_tier=Tier.DEVICE, accumulate=True).wait()
+        assert torch.equal(dev32, ref) and len(leased) == 3  # an add on the device needs no staging
+    finally:
+        e.close()
+
+
+# Every torch.cuda call tiermem's GPU paths make, with the arguments they pass: these exist (and
+# bind) on a CPU-only build too, so a rename or a changed signature fails here, not on the first GPU.
+_CUDA_CALLS = [
+    (torch.cuda.Event, (), dict(enable_timing=True, blocking=True)),
+    (torch.cuda.Stream, (torch.device("cuda", 1),), {}),
+    (torch.cuda.stream, (None,), {}),
+    (torch.cuda.current_stream, (torch.device("cuda", 1),), {}),
+    (torch.cuda.set_device, (1,), {}),
+    (torch.cuda.device, (1,), {}),
+    (torch.cuda.current_device, (), {}),
+    (torch.cuda.device_count, (), {}),
+    (torch.cuda.mem_get_info, (torch.device("cuda", 1),), {}),
+    (torch.cuda.memory_reserved, (torch.device("cuda", 1),), {}),
+    (torch.cuda.max_memory_allocated, (torch.device("cuda", 1),), {}),
+    (torch.cuda.synchronize, (torch.device("cuda", 1),), {}),
+    (torch.cuda.get_device_name, (torch.device("cuda", 1),), {}),
+    (torch.cuda._sleep, (1000,), {}),
+    (torch.cuda.cudart, (), {}),
+    (torch.cuda.set_sync_debug_mode, ("error",), {}),
+    (torch.cuda.Event.record, (None, None), {}),
+    (torch.cuda.Event.synchronize, (None,), {}),
+    (torch.cuda.Event.elapsed_time, (None, None), {}),
+    (torch.cuda.Stream.wait_event, (None, None), {}),
+]
+
+
+@pytest.mark.parametrize("fn,args,kwargs", _CUDA_CALLS, ids=lambda x: getattr(x, "__qualname__", None))
+def test_the_cuda_calls_made_exist_with_the_arguments_passed(fn, args, kwargs):
+    import inspect
+    target = fn.__new__ if isinstance(fn, type) and fn.__new__ is not object.__new__ else fn
+    sig = inspect.signature(target)
+    sig.bind(*((fn,) if target is not fn else ()), *args, **kwargs)
+
+
+def test_the_tensor_and_fused_adam_entry_points_exist():
+    assert callable(torch.Tensor.record_stream) and callable(torch.Tensor.is_pinned)
+    names = {s.name for s in torch._C._jit_get_all_schemas()}
+    assert {"aten::_fused_adam_", "aten::_fused_adamw_", "aten::record_stream"} <= names
+    for op in ("aten::_fused_adam_", "aten::_fused_adamw_"):  # the keyword arguments _device_adam passes
+        args = [{a.name for a in s.arguments} for s in torch._C._jit_get_schemas_for_operator(op)]
+        assert any({"lr", "beta1", "beta2", "weight_decay", "eps", "amsgrad", "maximize"} <= a for a in args), op

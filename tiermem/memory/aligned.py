@@ -11,18 +11,19 @@ the next power of two and keeps freed blocks for itself: a 2^k-byte bucket plus 
 pins 2^(k+1) bytes, about 1.4x on average, and nothing goes back to the system until
 ``torch.cuda`` empties that cache. The host pool therefore takes each buffer as its own anonymous
 mapping of exactly ``round_up(nbytes)`` bytes (page-aligned by construction, given back to the
-system when the mapping is closed) and pins it in place with ``cudaHostRegister``:
-:func:`host_buffer` pins exactly what the ledger counts, and :func:`unpin` before the buffer is
-dropped unpins it.
+system when the mapping is closed) and pins it in place with ``cudaHostRegister`` (NOTE
+[Registering host memory]): :func:`host_buffer` pins exactly what the ledger counts, and
+:func:`unpin` before the buffer is dropped unpins it. Where CUDA refuses to register host memory
+(some virtualised or WSL setups), a pool falls back to torch's pinned cache and stops asking.
 """
 from __future__ import annotations
 
-import logging
 import mmap
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 import torch
-
-log = logging.getLogger(__name__)
 
 ALIGN = 4096
 
@@ -65,22 +66,14 @@ def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
     return buf
 
 
-def pin_in_place(buf: torch.Tensor) -> bool:
-    """Pin a :func:`host_buffer` in place; False (with a warning, once) where CUDA refuses to
-    register host memory: the caller then takes a buffer from torch's pinned cache instead."""
-    global _register_refused
+def pin_in_place(buf: torch.Tensor) -> Optional[str]:
+    """Pin a :func:`host_buffer` in place; returns None, or why CUDA refused (the caller then takes
+    a buffer from torch's pinned cache instead, and asks no more: NOTE [Exact pinned memory])."""
     try:
         register_host(buf.data_ptr(), buf.numel())
-        return True
+        return None
     except RuntimeError as e:
-        if not _register_refused:
-            log.warning("tiermem: %s; pinned host buffers come from torch's pinned cache instead "
-                        "(rounded up to powers of two, returned to the system only by torch)", e)
-        _register_refused = True
-        return False
-
-
-_register_refused = False
+        return str(e)
 
 
 def unpin(buf: torch.Tensor) -> None:
@@ -88,13 +81,56 @@ def unpin(buf: torch.Tensor) -> None:
     unregister_host(buf.data_ptr())
 
 
+# NOTE [Registering host memory]
+# torch's binding of cudaHostRegister/Unregister hands back the error code and leaves it as the
+# runtime's "last error" of the calling thread, where the next kernel launch check on that thread
+# (cudaGetLastError) would raise it from an unrelated operation. Both calls therefore run on one
+# thread of their own that launches nothing. They run in the context of a device that already has
+# one (the calling thread's current device if it has, else the first that has), as torch's own
+# pinned allocator does: calling on a thread whose current device is 0 would otherwise create a
+# context on GPU 0 for a model on cuda:N. Pinned host memory is usable from every device.
+_pinner: Optional[ThreadPoolExecutor] = None
+_pinner_lock = threading.RLock()  # reentrant: a GC pass may run a finalizer that pins while it is held
+_on_pinner = threading.local()  # .yes on the pinning thread itself
+
+
+def _pin_thread() -> ThreadPoolExecutor:
+    global _pinner
+    with _pinner_lock:
+        if _pinner is None:
+            _pinner = ThreadPoolExecutor(1, thread_name_prefix="tiermem-pin",
+                                         initializer=lambda: setattr(_on_pinner, "yes", True))
+        return _pinner
+
+
+def context_device() -> int:
+    """A device whose CUDA context exists, preferring the calling thread's current device."""
+    current = torch.cuda.current_device()
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has_context is None or has_context(current):
+        return current
+    return next((i for i in range(torch.cuda.device_count()) if has_context(i)), current)
+
+
+def _cudart_call(name: str, *args: int) -> int:
+    """``torch.cuda.cudart().<name>(*args)`` on the pinning thread (NOTE [Registering host memory])."""
+    device = context_device()
+
+    def call() -> int:
+        with torch.cuda.device(device):
+            return int(getattr(torch.cuda.cudart(), name)(*args))
+    if getattr(_on_pinner, "yes", False):  # e.g. a pool's finalizer, run by a GC pass on this thread
+        return call()
+    return _pin_thread().submit(call).result()
+
+
 def register_host(ptr: int, nbytes: int) -> None:
-    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable, every context
+    err = _cudart_call("cudaHostRegister", ptr, nbytes, 1)  # 1: cudaHostRegisterPortable, every context
     if err != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err}")
 
 
 def unregister_host(ptr: int) -> None:
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    err = _cudart_call("cudaHostUnregister", ptr)
     if err != 0:
         raise RuntimeError(f"cudaHostUnregister failed with CUDA error {err}")

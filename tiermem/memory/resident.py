@@ -175,6 +175,7 @@ class HostStore(_MemoryStore):
         # data_ptr -> (buffer, pinned in place) for every pinned buffer of this pool, in use or free;
         # not in place: from torch's pinned cache, which unpins it itself
         self._pinned: dict[int, tuple[torch.Tensor, bool]] = {}
+        self._register = True  # pin in place with cudaHostRegister, until CUDA refuses once
         weakref.finalize(self, _unpin_all, self._pinned)  # dropped without close(): unpinned too
 
     @property
@@ -205,10 +206,7 @@ class HostStore(_MemoryStore):
             self.trim()  # cached buffers of other sizes make room before we give up
             self.ledger.reserve(key, size, kind)
         try:
-            buf = host_buffer(size, pin=False)
-            registered = pin and pin_in_place(buf)
-            if pin and not registered:
-                buf = aligned_empty(size, pin=True)  # CUDA would not register it: torch's pinned cache
+            buf, registered = self._new_buffer(size, pin)
         except RuntimeError as e:  # e.g. the pinned-memory limit: give the reservation back
             self.ledger.release(key)
             raise OutOfTierMemory(tier=Tier.HOST, key=key, asked=size, used=self.ledger.used,
@@ -219,6 +217,21 @@ class HostStore(_MemoryStore):
         if pin:
             self._pinned[buf.data_ptr()] = (buf, registered)
         return buf
+
+    def _new_buffer(self, size: int, pin: bool) -> tuple[torch.Tensor, bool]:
+        """A fresh buffer of ``size`` bytes, and whether it is pinned in place (NOTE [Exact pinned
+        memory]); once CUDA refused to register host memory, this pool asks no more."""
+        if pin and self._register:
+            buf = host_buffer(size, pin=False)
+            refused = pin_in_place(buf)
+            if refused is None:
+                return buf, True
+            log.warning("tiermem: %s; this pool's pinned buffers come from torch's pinned cache instead "
+                        "(rounded up to powers of two, returned to the system only by torch)", refused)
+            self._register = False
+        if pin:
+            return aligned_empty(size, pin=True), False
+        return host_buffer(size, pin=False), False
 
     def release(self, key: str, buf: torch.Tensor) -> None:
         """Give a buffer from :meth:`acquire` back to the pool."""

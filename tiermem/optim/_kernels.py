@@ -96,13 +96,28 @@ def _device_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
         g = g.mul(hyper.inv_grad_scale)
     if hyper.clip_coef != 1.0:
         g = g.mul(hyper.clip_coef)
-    # a fill, not a copy from the CPU: a blocking copy would wait for every kernel queued before it
-    # (NOTE [Split step]: the CPU's Adam runs while the device's is queued)
-    step = [torch.full((), float(hyper.step), dtype=torch.float32, device=master.device)]
+    step = [_device_step(hyper.step, master.device)]
     fused([master], [g], [exp_avg], [exp_avg_sq], [], step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
           weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False)
     if out is not None:
         out.copy_(master)
+
+
+def _device_step(step: int, device: torch.device) -> torch.Tensor:
+    """The step count as the fp32 device scalar the fused kernel reads (it never writes it), made
+    once per step, device and stream: by a fill, not a copy from the CPU, which would wait for every
+    kernel queued before it (NOTE [Split step]: the CPU's Adam runs while the device's is queued).
+    Kept per thread and stream, so a tensor is only ever freed (replaced by the next step's) on
+    the stream that made and read it."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    key = (device, getattr(stream, "cuda_stream", None))
+    cache = getattr(_scratch, "steps", None)
+    if cache is None:
+        cache = _scratch.steps = {}
+    held = cache.get(key)
+    if held is None or held[0] != step:
+        held = cache[key] = (step, torch.full((), float(step), dtype=torch.float32, device=device))
+    return held[1]
 
 
 def _eager_any_nonfinite(grad: torch.Tensor) -> bool:

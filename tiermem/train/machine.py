@@ -82,7 +82,8 @@ def measure(device: torch.device, nvme_dir: Optional[str]) -> dict:
                   "host": {"copy_GBps": round(host, 4)}, "device": {"accelerator": None},
                   "nvme": {}, "adam": {}}
     if device.type == "cuda":
-        sync = torch.cuda.synchronize
+        def sync() -> None:  # the model's device: a bare synchronize() is the current device's, 0 on cuda:N
+            torch.cuda.synchronize(device)
         d = torch.empty(_BYTES, dtype=torch.uint8, device=device)
         pa, pb = a.pin_memory(), b.pin_memory()
         data["device"] = {"accelerator": torch.cuda.get_device_name(device),

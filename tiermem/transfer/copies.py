@@ -2,7 +2,7 @@
 it landed (NOTE [Issued, then done] in :mod:`tiermem.transfer.lanes`): plain copies go straight
 to the side stream; a copy that converts or adds does it on the host, device->host on the
 completion thread behind the copy (off the copy's critical path), host->device on the lane before
-it, through a pooled staging buffer; an add into device memory runs on the side stream. Only
+it, through pooled staging (one buffer per request); an add into device memory runs on the side stream. Only
 :class:`~tiermem.transfer.engine.TransferEngine` uses this module.
 """
 from __future__ import annotations
@@ -19,6 +19,9 @@ from tiermem.transfer.lease import Lease
 from tiermem.transfer.stats import TransferStats
 
 
+_PIECE = 256  # bytes: each copy's part of a request's staging buffer starts on this boundary
+
+
 class Copies:
     """Issues the engine's ``copy_async``/``copy_many`` requests; ``lease(nbytes, key)`` lends
     pooled host staging buffers."""
@@ -33,23 +36,29 @@ class Copies:
 
     def many(self, copies, lane, ready, src_tier, dst_tier, kind):
         """Issue copy requests on their lane, in order (NOTE [Issued, then done]); returns the GPU
-        work that completes them all, and what is left for once it is done."""
+        work that completes them all, and what is left for once it is done. The copies that go
+        through host staging share one pooled buffer, leased for the whole request."""
         t0 = time.perf_counter()
         works: list[GpuWork] = []
         tails: list[Callable[[], None]] = []
+        pieces, lease = self._staging(copies, lane)
 
         def run_tails() -> None:
             error = None
-            for tail in tails:  # every one runs: each gives its staging buffer back
-                try:
-                    tail()
-                except BaseException as e:  # noqa: BLE001 - the first is raised below
-                    error = error or e
+            try:
+                for tail in tails:
+                    try:
+                        tail()
+                    except BaseException as e:  # noqa: BLE001 - the first is raised below
+                        error = error or e
+            finally:
+                if lease is not None:
+                    lease.release()
             if error is not None:
                 raise error
         try:
-            for dst, src, accumulate in copies:
-                gpu, tail = self._issue(dst, src, lane, ready, accumulate)
+            for (dst, src, accumulate), piece in zip(copies, pieces):
+                gpu, tail = self._issue(dst, src, lane, ready, accumulate, piece)
                 works += [gpu] if gpu is not None else []
                 tails += [tail] if tail is not None else []
         except BaseException:
@@ -75,46 +84,55 @@ class Copies:
                              nbytes=nbytes, kind=kind)
         return last, None, finish
 
-    def _issue(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready, accumulate: bool
-                    ) -> tuple[Optional[GpuWork], Optional[Callable[[], None]]]:
-        """Queue ``dst <- src`` (or ``dst += src``) on ``lane``; returns the GPU work and the host
-        work left for once it is done (both None when nothing is left: the CPU)."""
-        if not self.lanes.cuda or src.device == dst.device:
+    def _staging(self, copies, lane: str) -> tuple[list[Optional[torch.Tensor]], Optional[Lease]]:
+        """Each copy's part of one pooled host buffer (None for a copy that needs none), and the
+        lease of that buffer (None when no copy needs staging: always on the CPU)."""
+        if not self.lanes.cuda:
+            return [None] * len(copies), None
+        sizes = [_staged_bytes(dst, src, accumulate, lane) for dst, src, accumulate in copies]
+        starts, total = [], 0
+        for n in sizes:
+            starts.append(total)
+            total += -(-n // _PIECE) * _PIECE
+        if not total:
+            return [None] * len(copies), None
+        lease = self.lease(total, f"<staging {id(copies)}>")
+        buf = lease.view()
+        return [buf[a:a + n] if n else None for a, n in zip(starts, sizes)], lease
+
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready, accumulate: bool,
+               piece: Optional[torch.Tensor]) -> tuple[Optional[GpuWork], Optional[Callable[[], None]]]:
+        """Queue ``dst <- src`` (or ``dst += src``) on ``lane``, through ``piece`` of host staging
+        where :func:`_staged_bytes` says so; returns the GPU work and the host work left for once
+        it is done (both None when nothing is left: the CPU)."""
+        if not self.lanes.cuda:
             (dst.add_(src) if accumulate else dst.copy_(src))
             return None, None
-        if src.is_cuda:  # device -> host: convert or add on the host, on the completion thread
-            if not accumulate and src.dtype == dst.dtype:
+        if lane == "d2h":  # device -> host: convert or add on the host, on the completion thread
+            if piece is None:
                 return self.lanes.memcpy(dst, src, lane, ready), None
-            lease = self.lease(nbytes_of(src.shape, src.dtype), f"<staging {id(src)}>")
-            try:
-                staged = lease.view(src.dtype, src.shape)
-                gpu = self.lanes.memcpy(staged, src, lane, ready)
-            except BaseException:
-                lease.release()
-                raise
-
-            def tail() -> None:
-                try:
-                    (dst.add_(staged) if accumulate else dst.copy_(staged))
-                finally:
-                    lease.release()
-            return gpu, tail
+            staged = piece.view(src.dtype).view(src.shape)
+            gpu = self.lanes.memcpy(staged, src, lane, ready)
+            return gpu, lambda: (dst.add_(staged) if accumulate else dst.copy_(staged))
         if accumulate:  # host -> device, added there: through a device temporary of src's dtype
             def add() -> None:
                 tmp = torch.empty(src.shape, dtype=src.dtype, device=dst.device)  # on the side stream
                 tmp.copy_(src, non_blocking=True)
                 dst.add_(tmp)
             return self.lanes.on_stream(lane, ready, add, (dst,)), None
-        if src.dtype == dst.dtype:
+        if piece is None:
             return self.lanes.memcpy(dst, src, lane, ready), None
-        # host -> device, converting: on the host into a pooled staging buffer of dst's dtype (a
-        # converting copy would allocate a temporary on the device), then one plain copy
-        lease = self.lease(nbytes_of(src.shape, dst.dtype), f"<staging {id(src)}>")
-        try:
-            staged = lease.view(dst.dtype, src.shape)
-            staged.copy_(src)
-            gpu = self.lanes.memcpy(dst, staged, lane, ready)
-        except BaseException:
-            lease.release()
-            raise
-        return gpu, lease.release
+        # host -> device, converting: on the host into staging of dst's dtype (a converting copy
+        # would allocate a temporary on the device), then one plain copy
+        staged = piece.view(dst.dtype).view(src.shape)
+        staged.copy_(src)
+        return self.lanes.memcpy(dst, staged, lane, ready), None
+
+
+def _staged_bytes(dst: torch.Tensor, src: torch.Tensor, accumulate: bool, lane: str) -> int:
+    """Host staging one copy between the device and the host needs: device->host converting or
+    adding, ``src``'s bytes (it lands there first); host->device converting, ``src`` in ``dst``'s
+    dtype; else none."""
+    if lane == "d2h":
+        return 0 if not accumulate and src.dtype == dst.dtype else nbytes_of(src.shape, src.dtype)
+    return nbytes_of(src.shape, dst.dtype) if not accumulate and src.dtype != dst.dtype else 0
