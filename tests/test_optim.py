@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from tiermem import ConfigError, TierMemError
 from tiermem.optim import adam_step, implementation
@@ -93,30 +93,62 @@ def test_compiled_is_bit_identical_to_reference(n, hp, variant, seed, scale, sma
 # apart. Per step that is at most 2**-22 * (|update| + |master|) with |update| <= 4 * lr here; the
 # errors add at most linearly over the steps (AdamW's moments do not depend on the weights, and are
 # compared bit for bit). Observed: one ulp of master after 30 steps.
+# Adam's L2 term feeds the weights' last-ulp differences back into the gradient, and with beta2 = 0
+# and eps = 0 an element whose gradient plus decay lands near zero divides by that near-zero: there
+# torch's own fused and for-loop Adam part by far more than any ulp bound (seen: 5.6e-4 at lr 0.03).
+# Each element is also allowed that spread of torch's two implementations, measured on the same data.
+def _torch_adam(cls, master, grads, hp, **impl):
+    p = torch.nn.Parameter(master.clone())
+    opt = cls([p], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+              weight_decay=hp["weight_decay"], **impl)
+    for g in grads:
+        p.grad = g.float()
+        opt.step()
+    return p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+
+
+def _assert_within(got, want, spread, rtol, atol):
+    excess = (got - want).abs() - (atol + rtol * want.abs() + spread)
+    assert not (excess > 0).any(), f"{int((excess > 0).sum())} elements off by up to {excess.max().item():.3g} more than allowed"
+
+
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(1, 3000), hp=HYPER, adamw=st.booleans(), grad_dtype=st.sampled_from([FP32, BF16, FP16]),
        seed=st.integers(0, 2**16))
+# found by hypothesis: torch's fused and for-loop Adam part by 5.6e-4 at one element here
+@example(n=2870, hp=dict(lr=0.03, beta1=0.3, beta2=0.0, eps=0.0, weight_decay=0.1), adamw=False,
+         grad_dtype=BF16, seed=261)
 def test_reference_matches_torch_optim_over_many_steps(n, hp, adamw, grad_dtype, seed):
     steps = 30
     master, _, _, grads = make_state(n, seed, grad_dtype, steps=steps)
-    p = torch.nn.Parameter(master.clone())
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    opt = cls([p], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
-              weight_decay=hp["weight_decay"], foreach=False)
+    want = _torch_adam(cls, master, grads, hp, foreach=False)
     ours = master.clone(), torch.zeros(n), torch.zeros(n)
     for i, g in enumerate(grads):
-        p.grad = g.float()
-        opt.step()
         adam_step(*ours, g, step=i + 1, adamw=adamw, impl="reference", **hp)
-    st_ = opt.state[p]
     tol = steps * 2.0**-22
-    torch.testing.assert_close(ours[0], p.detach(), rtol=tol, atol=tol * 4 * hp["lr"])
     if adamw or hp["weight_decay"] == 0:
-        assert_bits_equal(ours[1], st_["exp_avg"])
-        assert_bits_equal(ours[2], st_["exp_avg_sq"])
-    else:  # Adam's L2 term feeds the weights' last-ulp differences back into the gradient
-        for a, b in ((ours[1], st_["exp_avg"]), (ours[2], st_["exp_avg_sq"])):
-            torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
+        torch.testing.assert_close(ours[0], want[0], rtol=tol, atol=tol * 4 * hp["lr"])
+        assert_bits_equal(ours[1], want[1])
+        assert_bits_equal(ours[2], want[2])
+    else:
+        fused = _torch_adam(cls, master, grads, hp, fused=True)
+        _assert_within(ours[0], want[0], (fused[0] - want[0]).abs(), rtol=tol, atol=tol * 4 * hp["lr"])
+        for a, b, f in zip(ours[1:], want[1:], fused[1:]):
+            _assert_within(a, b, (f - b).abs(), rtol=tol, atol=tol * b.abs().max().item())
+
+
+def test_adam_l2_tolerance_is_tight_where_torch_agrees():
+    """The spread allowance is no blanket: where torch's two Adams agree, a one-step lag is caught."""
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    master, _, _, grads = make_state(257, 3, FP32, steps=5)
+    want = _torch_adam(torch.optim.Adam, master, grads, hp, foreach=False)
+    fused = _torch_adam(torch.optim.Adam, master, grads, hp, fused=True)
+    lagging = _torch_adam(torch.optim.Adam, master, grads[:-1], hp, foreach=False)
+    tol = 5 * 2.0**-22
+    _assert_within(fused[0], want[0], torch.zeros(257), rtol=tol, atol=tol * 4e-3)
+    with pytest.raises(AssertionError):
+        _assert_within(lagging[0], want[0], (fused[0] - want[0]).abs(), rtol=tol, atol=tol * 4e-3)
 
 
 def test_default_path_matches_torch_adamw():
