@@ -67,8 +67,9 @@ class Recording(TieredTrainer):
         return loss
 
 
-def own_loop(fed, precision: str):
-    """TieredModel's own loop over the same micro-batches: the oracle."""
+def own_loop(fed, precision: str, blowup: dict[int, float] | None = None):
+    """TieredModel's own loop over the same micro-batches: the oracle. ``blowup``: step -> factor
+    on its losses; a skipped step does not step the scheduler (the Trainer's rule)."""
     model = gpt2()
     no_decay = tuple(n for n, _ in model.named_parameters() if n.endswith(".bias") or ".ln_" in n)
     tm = TieredModel(model, optimizer=AdamW(lr=LR, weight_decay=DECAY, no_decay=no_decay), precision=precision,
@@ -83,13 +84,15 @@ def own_loop(fed, precision: str):
         assert int(n) in counts and all(n_fed is n for _, n_fed in fed[step * ACCUM:(step + 1) * ACCUM])
         for b in group:
             loss = tm(**b, num_items_in_batch=n).loss  # already a share of the step's loss: no division
+            loss = loss * blowup[step] if blowup and step in blowup else loss
             tm.backward(loss)
             losses.append(loss.detach())
         lr = tm.optimizer.param_groups[0]["lr"]
         res = tm.step()
-        sched.step()
+        if not res.skipped:
+            sched.step()
         logs.append({"loss": sum(x.item() for x in losses[-ACCUM:]), "grad_norm": res.grad_norm, "lr": lr,
-                     "loss_scale": res.loss_scale})
+                     "loss_scale": res.loss_scale, "skipped": res.skipped})
     return tm, losses, logs
 
 
@@ -234,3 +237,30 @@ def test_import_tiermem_does_not_import_transformers():
     code = "import sys, tiermem; assert 'transformers' not in sys.modules and 'tiermem.integrations' not in sys.modules"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+class Overflowing(Recording):
+    """Multiplies the loss of optimizer step ``OVERFLOW`` (0-based) by ``BLOWUP``: in fp16 its
+    scaled gradients overflow, as a loss spike does under the Trainer's own GradScaler."""
+
+    def compute_loss(self, model, inputs, *a, **kw):
+        loss = super().compute_loss(model, inputs, *a, **kw)
+        return loss * BLOWUP if self.state.global_step == OVERFLOW else loss
+
+
+OVERFLOW, BLOWUP = 1, 1e6
+
+
+def test_fp16_step_skipped_for_overflow_leaves_the_lr_schedule(tmp_path):
+    trainer = Overflowing(model=gpt2(), args=arguments(tmp_path / "out", fp16=True), train_dataset=dataset())
+    trainer.train()
+    tm, _, logs = own_loop(trainer.fed, "fp16", blowup={OVERFLOW: BLOWUP})
+    assert [ref["skipped"] for ref in logs] == [s == OVERFLOW for s in range(STEPS)]  # the overflow did happen
+    got, want = trainer.tiered.state_dict(), tm.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)  # the later steps ran with the oracle's lrs
+    history = [h for h in trainer.state.log_history if "grad_norm" in h]
+    assert [h["learning_rate"] for h in history] == [ref["lr"] for ref in logs]
+    assert [h["loss_scale"] for h in history] == [ref["loss_scale"] for ref in logs]
+    # the Trainer's rule under its GradScaler: a skipped step does not step the scheduler
+    assert logs[OVERFLOW + 1]["lr"] == logs[OVERFLOW]["lr"] == LR and trainer.lr_scheduler.last_epoch == STEPS - 1
+    assert trainer.accelerator.optimizer_step_was_skipped is False  # the last step was not skipped

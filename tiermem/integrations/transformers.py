@@ -20,6 +20,10 @@ for subclasses, and nothing else:
 - ``create_optimizer`` wraps the model in a TieredModel and gives the Trainer a torch Optimizer
   (:class:`TrainerOptimizer`) whose param groups are tiermem's, so the Trainer's lr scheduler
   sets tiermem's lr, and whose ``step()`` is ``tm.step()`` (clipping to ``max_grad_norm`` inside).
+  Accelerate gets it already prepared (:class:`SkipAwareOptimizer`, an ``AcceleratedOptimizer``)
+  whose ``step_was_skipped`` is ``tm.step()``'s ``skipped``: the Trainer steps its lr scheduler
+  only ``if not accelerator.optimizer_step_was_skipped``, so an fp16 step tiermem skips for
+  overflow leaves the schedule where it was, as the Trainer's own GradScaler does.
 - ``training_step``: ``compute_loss`` with the TieredModel as the model (the forward runs through
   ``tm(...)``), the Trainer's gradient-accumulation scaling rule, then ``tm.backward(loss)``.
   ``prediction_step`` (evaluation) forwards through ``tm(...)`` too.
@@ -39,7 +43,7 @@ for subclasses, and nothing else:
 
 One process only (tiermem's own data parallelism runs under ``TieredModel`` directly);
 ``load_best_model_at_end`` is refused (it would load weights into the module behind tiermem's
-back). In fp16, a step tiermem skips for overflow still advances the lr schedule.
+back).
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ import os
 from typing import Any, Optional
 
 import torch
+from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -61,7 +66,7 @@ from tiermem.train.model import StepResult, TieredModel
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TieredTrainer", "TrainerOptimizer", "TIERMEM_CHECKPOINT"]
+__all__ = ["TieredTrainer", "TrainerOptimizer", "SkipAwareOptimizer", "TIERMEM_CHECKPOINT"]
 
 #: tiermem's checkpoint inside each checkpoint-N/ folder
 TIERMEM_CHECKPOINT = "tiermem.ckpt"
@@ -109,6 +114,22 @@ class TrainerOptimizer(torch.optim.Optimizer):
                                f"two saves; resume from another checkpoint")
         for group, saved in zip(self.param_groups, groups):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k in _GROUP_KEYS})
+
+
+class SkipAwareOptimizer(AcceleratedOptimizer):
+    """The :class:`TrainerOptimizer` as accelerate's prepared optimizer: ``step_was_skipped``
+    (what ``Accelerator.optimizer_step_was_skipped`` reads, and the Trainer consults before it
+    steps the lr scheduler) is tiermem's own verdict on the last step, as it is the GradScaler's
+    under the Trainer's fp16 (NOTE [Trainer integration])."""
+
+    def __init__(self, optimizer: TrainerOptimizer):
+        super().__init__(optimizer, device_placement=False, scaler=None)  # tiermem placed the state; no scaler
+        self._is_accelerate_prepared = True  # accelerate's own mark: prepare() keeps this wrapper as it is
+
+    @property
+    def step_was_skipped(self) -> bool:
+        last = self.optimizer.last
+        return last is not None and last.skipped
 
 
 class _NoPlacementArguments:
@@ -160,7 +181,8 @@ class TieredTrainer(Trainer):
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             self.tiered = self._wrap(self.model)
-            self.optimizer = self.tiered_optimizer = TrainerOptimizer(self.tiered)
+            self.tiered_optimizer = TrainerOptimizer(self.tiered)
+            self.optimizer = SkipAwareOptimizer(self.tiered_optimizer)
             if self._resume is not None:
                 self.tiered.load(os.path.join(self._resume, TIERMEM_CHECKPOINT))
         return self.optimizer
