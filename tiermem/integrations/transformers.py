@@ -132,6 +132,30 @@ class SkipAwareOptimizer(AcceleratedOptimizer):
         return last is not None and last.skipped
 
 
+class _TieredModule(torch.nn.Module):
+    """The model the Trainer's loop holds (its ``model_wrapped``) while a TieredModel trains:
+    accelerate wraps no DDP around it (tiermem reduces the gradients itself), its ``no_sync()``,
+    which the Trainer enters on the micro-batches before the last of a step, is ``tm.no_sync()``,
+    and its ``zero_grad()`` is nothing (``tm.step()`` cleared the grads it consumed)."""
+
+    def __init__(self, tiered: TieredModel):
+        super().__init__()
+        object.__setattr__(self, "tiered", tiered)  # not a submodule: no parameters for anyone to wrap
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tiered(*args, **kwargs)
+
+    def no_sync(self):
+        return self.tiered.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: tm.step() clears the gradients it consumed."""
+
+    def train(self, mode: bool = True) -> "_TieredModule":
+        self.tiered.train(mode)
+        return super().train(mode)
+
+
 class _NoPlacementArguments:
     """Mixed into the Trainer's copy of the arguments: tiermem places the weights (the override
     the Trainer documents for integrations that do)."""
@@ -181,6 +205,10 @@ class TieredTrainer(Trainer):
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             self.tiered = self._wrap(self.model)
+            if self.tiered.group.world != self.args.world_size:
+                raise ConfigError(f"tiermem: this Trainer runs {self.args.world_size} processes but the TieredModel "
+                                  f"shards over {self.tiered.group.world}; leave process_group out of tiermem= (the "
+                                  f"default group is the Trainer's)")
             self.tiered_optimizer = TrainerOptimizer(self.tiered)
             self.optimizer = SkipAwareOptimizer(self.tiered_optimizer)
             if self._resume is not None:
@@ -210,6 +238,13 @@ class TieredTrainer(Trainer):
         for line in notes:
             log.warning("%s", line)
         return TieredModel(model, **options)
+
+    def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
+        """Once the TieredModel exists, the loop's model is :class:`_TieredModule`: not the
+        Trainer's ``self.model``, so accelerate prepares the optimizer and data only (no DDP)."""
+        if self.tiered is None:
+            return super()._wrap_model(model, training, dataloader)
+        return _TieredModule(self.tiered)
 
     # -- a step: forward and backward through the TieredModel -------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -346,10 +381,9 @@ def _check_supported(args: TrainingArguments, kwargs: dict) -> None:
     if args.deepspeed:
         raise ConfigError("tiermem: TrainingArguments(deepspeed=...) would start DeepSpeed itself; pass the config to "
                           "TieredTrainer(..., deepspeed='ds.json') instead and leave it out of TrainingArguments")
-    if args.world_size > 1 or args.n_gpu > 1:
-        raise ConfigError(f"tiermem: TieredTrainer runs in one process on one device (this run has world size "
-                          f"{args.world_size}, {args.n_gpu} GPUs visible); run one process with one visible GPU "
-                          f"(CUDA_VISIBLE_DEVICES=0), or use TieredModel directly under torchrun")
+    if args.n_gpu > 1:
+        raise ConfigError(f"tiermem: TieredTrainer drives one device per process ({args.n_gpu} GPUs are visible to "
+                          f"this one); run one process per GPU with torchrun --nproc_per_node {args.n_gpu}")
     if args.load_best_model_at_end:
         raise ConfigError("tiermem: TrainingArguments(load_best_model_at_end=True) would load weights into the module "
                           "behind tiermem's back; leave it out and load the best checkpoint-N/ afterwards with "

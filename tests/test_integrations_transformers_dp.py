@@ -1,0 +1,125 @@
+"""TieredTrainer under torch.distributed (2 gloo ranks in fresh processes, tests/ranks.py): the
+Trainer's sampler splits the data, gradient accumulation communicates once per step (tm.no_sync()
+on the earlier micro-batches), the ranks train like one process over both ranks' micro-batches,
+a checkpoint-N/ holds one tiermem.ckpt, and a resume on 2 ranks continues bit-exact."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("transformers")
+
+from ranks import run_ranks  # noqa: E402
+from test_integrations_transformers import (  # noqa: E402
+    ACCUM, CLIP, DECAY, LR, STEPS, WARMUP, Recording, arguments, dataset, gpt2)
+from tiermem import AdamW, TieredModel  # noqa: E402
+from tiermem.integrations import transformers as integration  # noqa: E402
+from tiermem.integrations.transformers import TIERMEM_CHECKPOINT, TieredTrainer  # noqa: E402
+
+SAMPLES = 32  # 2 ranks x 2 per micro-batch x 2 micro-batches x 4 steps: one epoch
+#: fp32 weights of 2 ranks against one process on the same samples after 4 steps: the gradient
+#: sums run in another order (measured 1.4e-7 here; grad norms and losses 1e-7 apart relatively);
+#: a wrong lr or a lost micro-batch moves the weights by ~1e-3, a wrong loss scaling the grad norm 2x
+SPREAD, REL = 5e-7, 1e-6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _same_kernel_as_the_ranks():
+    """The ranks run torch's fused AdamW (tests/ranks.py); so does the one-process oracle here."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIERMEM_NO_COMPILE", "1")
+        yield
+
+
+def _rank_trainer(rank, world, tmp):
+    """A run with checkpoints, then a resume from its checkpoint-2 in another folder."""
+    import torch.distributed as dist
+    # what torchrun sets; accelerate reads these and joins the group the harness made
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    entered = []
+    no_sync = integration._TieredModule.no_sync
+    integration._TieredModule.no_sync = lambda self: entered.append(1) or no_sync(self)  # count the Trainer's
+    kw = dict(save_strategy="steps", save_steps=2)
+    first = Recording(model=gpt2(), args=arguments(os.path.join(tmp, "a"), **kw), train_dataset=dataset(SAMPLES))
+    first.train()
+    out = {"world": first.args.world_size, "tm_world": first.tiered.group.world, "no_sync": len(entered),
+           "fed": first.fed, "weights": first.tiered.state_dict(), "history": first.state.log_history,
+           "files": sorted(os.listdir(os.path.join(tmp, "a", "checkpoint-2")))}
+    if rank == 0:
+        shutil.copytree(os.path.join(tmp, "a", "checkpoint-2"), os.path.join(tmp, "b", "checkpoint-2"))
+    dist.barrier()
+    second = TieredTrainer(model=gpt2(), args=arguments(os.path.join(tmp, "b"), **kw), train_dataset=dataset(SAMPLES))
+    second.train(resume_from_checkpoint=True)
+    out.update(resumed=second.tiered.state_dict(), resumed_history=second.state.log_history)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_ranks(_rank_trainer, str(tmp_path_factory.mktemp("trainer-dp")), deadline=240.0)
+
+
+def one_process(fed0, fed1):
+    """The oracle: TieredModel's own loop in one process over both ranks' micro-batches of each
+    step, each loss a share of the step's tokens over both ranks."""
+    model = gpt2()
+    no_decay = tuple(n for n, _ in model.named_parameters() if n.endswith(".bias") or ".ln_" in n)
+    tm = TieredModel(model, optimizer=AdamW(lr=LR, weight_decay=DECAY, no_decay=no_decay), precision="fp32",
+                     grad_clip=CLIP)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        tm.optimizer, lambda s: s / WARMUP if s < WARMUP else max(0.0, (STEPS - s) / (STEPS - WARMUP)))
+    logs = []
+    for step in range(STEPS):
+        part = slice(step * ACCUM, (step + 1) * ACCUM)
+        group = fed0[part] + fed1[part]
+        n = group[0][1]
+        assert all(int(n_fed) == int(n) for _, n_fed in group)  # the Trainer counted the tokens of both ranks
+        assert int(n) in {int(sum((b["labels"][:, shift:] != -100).sum() for b, _ in group)) for shift in (0, 1)}
+        loss = 0.0
+        for b, _ in group:
+            share = tm(**b, num_items_in_batch=n).loss
+            tm.backward(share)
+            loss += share.item()
+        lr = tm.optimizer.param_groups[0]["lr"]
+        res = tm.step()
+        sched.step()
+        logs.append({"loss": loss, "grad_norm": res.grad_norm, "lr": lr})
+    return tm.state_dict(), logs
+
+
+def test_the_trainers_sampler_splits_the_data_between_the_ranks(ranks):
+    assert [r["world"] for r in ranks] == [r["tm_world"] for r in ranks] == [2, 2]
+    rows = [tuple(x.tolist()) for r in ranks for b, _ in r["fed"] for x in b["input_ids"]]
+    assert sorted(rows) == sorted(tuple(d["input_ids"].tolist()) for d in dataset(SAMPLES))  # each once
+
+
+def test_two_ranks_train_like_one_process_over_both_ranks_micro_batches(ranks):
+    want, logs = one_process(ranks[0]["fed"], ranks[1]["fed"])
+    for r in ranks:
+        assert max((r["weights"][k] - want[k]).abs().max().item() for k in want) < SPREAD
+    assert all(torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]) for k in want)  # one model
+    # accumulation: no reduction on the micro-batches before a step's last
+    assert [r["no_sync"] for r in ranks] == [STEPS * (ACCUM - 1)] * 2
+    history = [[h for h in r["history"] if "grad_norm" in h] for r in ranks]
+    assert history[0] == history[1]  # every rank logs the same (the Trainer prints rank 0's)
+    for h, ref in zip(history[0], logs):
+        assert h["learning_rate"] == ref["lr"]
+        assert h["grad_norm"] == pytest.approx(ref["grad_norm"], rel=REL)
+        assert h["loss"] == pytest.approx(ref["loss"], rel=REL)  # the mean over ranks of each rank's sum
+    assert any(ref["grad_norm"] > CLIP for ref in logs)
+
+
+def test_checkpoint_holds_one_tiermem_checkpoint_and_resumes_bit_exact_on_two_ranks(ranks):
+    files = set(ranks[0]["files"])
+    assert {TIERMEM_CHECKPOINT, "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json",
+            "rng_state_0.pth", "rng_state_1.pth"} <= files
+    assert [f for f in files if f.endswith(".ckpt")] == [TIERMEM_CHECKPOINT]  # one file, whatever the world size
+    for r in ranks:
+        assert all(torch.equal(r["resumed"][k], r["weights"][k]) for k in r["weights"])
+        later = lambda hist: [h for h in hist if "grad_norm" in h and h["step"] > 2]  # noqa: E731
+        assert later(r["resumed_history"]) == later(r["history"])
