@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,11 +18,15 @@ pytest.importorskip("transformers")
 from ranks import run_ranks  # noqa: E402
 from test_integrations_transformers import (  # noqa: E402
     ACCUM, CLIP, DECAY, LR, STEPS, WARMUP, Recording, arguments, dataset, gpt2)
-from tiermem import AdamW, TieredModel  # noqa: E402
+import transformers  # noqa: E402
+
+from tiermem import AdamW, ConfigError, TieredModel  # noqa: E402
 from tiermem.integrations import transformers as integration  # noqa: E402
 from tiermem.integrations.transformers import TIERMEM_CHECKPOINT, TieredTrainer  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = 32  # 2 ranks x 2 per micro-batch x 2 micro-batches x 4 steps: one epoch
+EVAL = 6
 #: fp32 weights of 2 ranks against one process on the same samples after 4 steps: the gradient
 #: sums run in another order (measured 1.4e-7 here; grad norms and losses 1e-7 apart relatively);
 #: a wrong lr or a lost micro-batch moves the weights by ~1e-3, a wrong loss scaling the grad norm 2x
@@ -36,7 +42,8 @@ def _same_kernel_as_the_ranks():
 
 
 def _rank_trainer(rank, world, tmp):
-    """A run with checkpoints, then a resume from its checkpoint-2 in another folder."""
+    """A run with checkpoints, then a resume from its checkpoint-2 in another folder and an
+    evaluation; then a configuration refused."""
     import torch.distributed as dist
     # what torchrun sets; accelerate reads these and joins the group the harness made
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -44,7 +51,7 @@ def _rank_trainer(rank, world, tmp):
     entered = []
     no_sync = integration._TieredModule.no_sync
     integration._TieredModule.no_sync = lambda self: entered.append(1) or no_sync(self)  # count the Trainer's
-    kw = dict(save_strategy="steps", save_steps=2)
+    kw = dict(save_strategy="steps", save_steps=2, per_device_eval_batch_size=1)
     first = Recording(model=gpt2(), args=arguments(os.path.join(tmp, "a"), **kw), train_dataset=dataset(SAMPLES))
     first.train()
     out = {"world": first.args.world_size, "tm_world": first.tiered.group.world, "no_sync": len(entered),
@@ -56,6 +63,16 @@ def _rank_trainer(rank, world, tmp):
     second = TieredTrainer(model=gpt2(), args=arguments(os.path.join(tmp, "b"), **kw), train_dataset=dataset(SAMPLES))
     second.train(resume_from_checkpoint=True)
     out.update(resumed=second.tiered.state_dict(), resumed_history=second.state.log_history)
+    out["eval_loss"] = second.evaluate(dataset(EVAL))["eval_loss"]  # the eval sampler splits these too
+    model = gpt2()
+    model.load_state_dict(out["resumed"])  # the oracle: the plain Trainer on these ranks, same fp32 weights
+    plain = transformers.Trainer(model=model, args=arguments(os.path.join(tmp, "plain"), **kw))
+    out["plain_eval_loss"] = plain.evaluate(dataset(EVAL))["eval_loss"]
+    try:  # a replica per rank would train each on its own data: refused on both ranks alike
+        TieredTrainer(model=gpt2(), args=arguments(os.path.join(tmp, "c")), train_dataset=dataset(SAMPLES),
+                      tiermem={"process_group": False}).train()
+    except ConfigError as e:
+        out["refused"] = str(e)
     return out
 
 
@@ -123,3 +140,23 @@ def test_checkpoint_holds_one_tiermem_checkpoint_and_resumes_bit_exact_on_two_ra
         assert all(torch.equal(r["resumed"][k], r["weights"][k]) for k in r["weights"])
         later = lambda hist: [h for h in hist if "grad_norm" in h and h["step"] > 2]  # noqa: E731
         assert later(r["resumed_history"]) == later(r["history"])
+
+
+def test_evaluate_on_two_ranks_and_a_replica_per_rank_refused(ranks):
+    for r in ranks:
+        assert r["eval_loss"] == r["plain_eval_loss"]
+        assert r["refused"].startswith("tiermem: this Trainer runs 2 processes but the TieredModel shards over 1")
+
+
+def test_the_readmes_torchrun_command_runs_the_example(tmp_path):
+    """``torchrun --nproc_per_node 2 examples/trainer_gpt.py``, a few steps: trains, checkpoints,
+    and prints once (rank 0)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           os.path.join(ROOT, "examples", "trainer_gpt.py"), "--steps", "4", "--save-steps", "2",
+           "--out", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("world size 2: loss ") == 1, proc.stdout
+    assert "'checkpoint-2', 'checkpoint-4'" in proc.stdout
+    assert (tmp_path / "run" / "checkpoint-4" / TIERMEM_CHECKPOINT).is_file()
