@@ -41,7 +41,13 @@ for subclasses, and nothing else:
   dtype themselves, so the Trainer gets a copy of the arguments with bf16/fp16 off (no autocast or
   GradScaler of its own on top) and ``place_model_on_device`` False (tiermem places the weights).
 
-One process only (tiermem's own data parallelism runs under ``TieredModel`` directly);
+- Under torchrun (``world_size > 1``) the loop's model is :class:`_TieredModule`, not the
+  Trainer's ``self.model`` (``_wrap_model``), so accelerate prepares the data (each rank its share)
+  and the optimizer but wraps no DDP: the TieredModel shards over the default process group, which
+  the Trainer joined. On the micro-batches before a step's last the Trainer enters the model's
+  ``no_sync()``: ``tm.no_sync()``. ``save_model`` runs on every rank (``state_dict()`` and
+  ``tm.save`` are collectives); rank 0 writes. One process driving several GPUs is refused.
+
 ``load_best_model_at_end`` is refused (it would load weights into the module behind tiermem's
 back).
 """
