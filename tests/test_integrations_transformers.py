@@ -1,7 +1,8 @@
 """tiermem.integrations.transformers: the HF Trainer trains through a TieredModel exactly as
 TieredModel's own loop does (gradient accumulation, clipping, lr schedule, weight-decay groups,
 bf16, a DeepSpeed config with "auto" values), logs loss / grad_norm / lr, writes checkpoint-N/
-folders with tiermem's checkpoint, and resumes bit-exact. Tiny GPT-2s built from a config (never
+folders with tiermem's checkpoint, resumes bit-exact, leaves the lr schedule alone on an fp16 step
+skipped for overflow, and loads the best checkpoint at the end through tiermem. Tiny GPT-2s built from a config (never
 downloaded); a few steps each."""
 from __future__ import annotations
 
@@ -174,6 +175,27 @@ def test_evaluate_runs_through_the_tiered_model(tmp_path):
     assert got == plain.evaluate()["eval_loss"]
 
 
+def test_load_best_model_at_end_loads_tiermems_checkpoint_of_the_best_step(tmp_path):
+    # greater_is_better: the highest eval loss is the best, an early step (the last would prove nothing)
+    kw = dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+              metric_for_best_model="eval_loss", greater_is_better=True, per_device_eval_batch_size=3)
+    trainer = TieredTrainer(model=gpt2(), args=arguments(tmp_path, **kw), train_dataset=dataset(),
+                            eval_dataset=dataset(6))
+    trainer.train()
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    best = max(evals, key=evals.get)
+    assert best < STEPS and trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best}")
+    saved = lambda n: GPT2LMHeadModel.from_pretrained(tmp_path / f"checkpoint-{n}").state_dict()  # noqa: E731
+    got, want, last = trainer.tiered.state_dict(), saved(best), saved(STEPS)
+    assert all(torch.equal(got[k], want[k]) for k in want) and not all(torch.equal(got[k], last[k]) for k in last)
+    assert trainer.tiered.stepper.steps == best  # optimizer state and step are the best checkpoint's too
+    assert trainer.evaluate()["eval_loss"] == evals[best]  # the metric it was chosen by, measured again
+    os.remove(tmp_path / f"checkpoint-{best}" / TIERMEM_CHECKPOINT)
+    with pytest.raises(TierMemError, match=rf"^tiermem: the best checkpoint .*checkpoint-{best}' \(by eval_loss\) "
+                                           r"has no tiermem\.ckpt; it was not saved by a TieredTrainer"):
+        trainer._load_best_model()
+
+
 def _fails(tmp_path, **kw):
     return TieredTrainer(model=gpt2(), args=arguments(tmp_path / "out", **kw.pop("args", {})),
                          train_dataset=dataset(), **kw)
@@ -185,9 +207,6 @@ BAD = {
     "precision in tiermem=": (dict(tiermem={"precision": "bf16"}), r"these come from TrainingArguments"),
     "a placement besides the config": (dict(deepspeed=AUTO, tiermem={"policy": KeepOnDevice()}),
                                        r"the DeepSpeed config says these \(where tensors live"),
-    "load the best model at the end": (dict(args=dict(load_best_model_at_end=True, eval_strategy="steps",
-                                                      save_strategy="steps", eval_steps=2, save_steps=2)),
-                                       r"load_best_model_at_end=True\) would load weights into the module"),
     "no_decay in tiermem=": (dict(tiermem={"no_decay": ("*.bias",)}), r"get_decay_parameter_names\(\)"),
 }
 

@@ -1,7 +1,8 @@
 """TieredTrainer under torch.distributed (2 gloo ranks in fresh processes, tests/ranks.py): the
 Trainer's sampler splits the data, gradient accumulation communicates once per step (tm.no_sync()
 on the earlier micro-batches), the ranks train like one process over both ranks' micro-batches,
-a checkpoint-N/ holds one tiermem.ckpt, and a resume on 2 ranks continues bit-exact."""
+a checkpoint-N/ holds one tiermem.ckpt, a resume on 2 ranks continues bit-exact, evaluation and
+load_best_model_at_end work there, and README's torchrun command runs the example."""
 from __future__ import annotations
 
 import os
@@ -68,6 +69,14 @@ def _rank_trainer(rank, world, tmp):
     model.load_state_dict(out["resumed"])  # the oracle: the plain Trainer on these ranks, same fp32 weights
     plain = transformers.Trainer(model=model, args=arguments(os.path.join(tmp, "plain"), **kw))
     out["plain_eval_loss"] = plain.evaluate(dataset(EVAL))["eval_loss"]
+    best = TieredTrainer(model=gpt2(), args=arguments(
+        os.path.join(tmp, "best"), load_best_model_at_end=True, eval_strategy="steps", eval_steps=1,
+        save_strategy="steps", save_steps=1,
+        metric_for_best_model="eval_loss", greater_is_better=True, per_device_eval_batch_size=1),
+        train_dataset=dataset(SAMPLES), eval_dataset=dataset(EVAL))
+    best.train()  # the highest eval loss is the best: an early step
+    out.update(best=best.state.best_model_checkpoint, best_steps=best.tiered.stepper.steps,
+               best_history=best.state.log_history, best_eval_loss=best.evaluate()["eval_loss"])
     try:  # a replica per rank would train each on its own data: refused on both ranks alike
         TieredTrainer(model=gpt2(), args=arguments(os.path.join(tmp, "c")), train_dataset=dataset(SAMPLES),
                       tiermem={"process_group": False}).train()
@@ -146,6 +155,15 @@ def test_evaluate_on_two_ranks_and_a_replica_per_rank_refused(ranks):
     for r in ranks:
         assert r["eval_loss"] == r["plain_eval_loss"]
         assert r["refused"].startswith("tiermem: this Trainer runs 2 processes but the TieredModel shards over 1")
+
+
+def test_load_best_model_at_end_on_two_ranks(ranks):
+    evals = [{h["step"]: h["eval_loss"] for h in r["best_history"] if "eval_loss" in h} for r in ranks]
+    assert evals[0] == evals[1] and len(evals[0]) == STEPS
+    step = max(evals[0], key=evals[0].get)
+    for r in ranks:
+        assert step < STEPS and r["best"].endswith(f"checkpoint-{step}") and r["best_steps"] == step
+        assert r["best_eval_loss"] == evals[0][step]  # the metric it was chosen by, measured again
 
 
 def test_the_readmes_torchrun_command_runs_the_example(tmp_path):

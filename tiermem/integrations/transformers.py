@@ -48,8 +48,8 @@ for subclasses, and nothing else:
   ``no_sync()``: ``tm.no_sync()``. ``save_model`` runs on every rank (``state_dict()`` and
   ``tm.save`` are collectives); rank 0 writes. One process driving several GPUs is refused.
 
-``load_best_model_at_end`` is refused (it would load weights into the module behind tiermem's
-back).
+- ``load_best_model_at_end=True`` loads the best ``checkpoint-N/``'s ``tiermem.ckpt`` with
+  ``tm.load`` (``_load_best_model``): weights, optimizer state and step are the best checkpoint's.
 """
 from __future__ import annotations
 
@@ -282,6 +282,22 @@ class TieredTrainer(Trainer):
         super().log(logs, start_time)
 
     # -- checkpoints ----------------------------------------------------------------------------
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint-N/'s ``tiermem.ckpt`` through ``tm.load``
+        (weights, optimizer state and step; a collective under torchrun), never its
+        model.safetensors into the module behind tiermem's back."""
+        if self.tiered is None:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        path = os.path.join(best, TIERMEM_CHECKPOINT)
+        if not os.path.isfile(path):
+            raise TierMemError(f"tiermem: the best checkpoint {best!r} (by {self.args.metric_for_best_model}) has no "
+                               f"{TIERMEM_CHECKPOINT}; it was not saved by a TieredTrainer: load it with "
+                               f"from_pretrained, or train without load_best_model_at_end")
+        log.info("tiermem: loading the best model from %s (%s %s)", path, self.args.metric_for_best_model,
+                 self.state.best_metric)
+        self.tiered.load(path)
+
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
@@ -390,10 +406,6 @@ def _check_supported(args: TrainingArguments, kwargs: dict) -> None:
     if args.n_gpu > 1:
         raise ConfigError(f"tiermem: TieredTrainer drives one device per process ({args.n_gpu} GPUs are visible to "
                           f"this one); run one process per GPU with torchrun --nproc_per_node {args.n_gpu}")
-    if args.load_best_model_at_end:
-        raise ConfigError("tiermem: TrainingArguments(load_best_model_at_end=True) would load weights into the module "
-                          "behind tiermem's back; leave it out and load the best checkpoint-N/ afterwards with "
-                          "from_pretrained (its model.safetensors holds the fp32 weights)")
     for key in ("optimizers", "optimizer_cls_and_kwargs"):
         value = kwargs.get(key)
         if value is not None and value != (None, None):
