@@ -2,8 +2,8 @@
 TieredModel's own loop does (gradient accumulation, clipping, lr schedule, weight-decay groups,
 bf16, a DeepSpeed config with "auto" values), logs loss / grad_norm / lr, writes checkpoint-N/
 folders with tiermem's checkpoint, resumes bit-exact, leaves the lr schedule alone on an fp16 step
-skipped for overflow, and loads the best checkpoint at the end through tiermem. Tiny GPT-2s built from a config (never
-downloaded); a few steps each."""
+skipped for overflow, and loads the best checkpoint at the end through tiermem. Tiny GPT-2s built
+from a config (never downloaded); a few steps each. Under torchrun: test_integrations_transformers_dp."""
 from __future__ import annotations
 
 import json
