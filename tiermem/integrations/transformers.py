@@ -45,7 +45,9 @@ for subclasses, and nothing else:
   Trainer's ``self.model`` (``_wrap_model``), so accelerate prepares the data (each rank its share)
   and the optimizer but wraps no DDP: the TieredModel shards over the default process group, which
   the Trainer joined. On the micro-batches before a step's last the Trainer enters the model's
-  ``no_sync()``: ``tm.no_sync()``. ``save_model`` runs on every rank (``state_dict()`` and
+  ``no_sync()``: ``tm.no_sync()``. The TieredModel's device is the Trainer's ``args.device``
+  (``cuda:<local rank>``, or the CPU with ``use_cpu``) unless ``tiermem={"device": ...}`` says
+  otherwise. ``save_model`` runs on every rank (``state_dict()`` and
   ``tm.save`` are collectives); rank 0 writes. One process driving several GPUs is refused.
 
 - ``load_best_model_at_end=True`` loads the best ``checkpoint-N/``'s ``tiermem.ckpt`` with
@@ -232,15 +234,16 @@ class TieredTrainer(Trainer):
         grad_clip = a.max_grad_norm if a.max_grad_norm and a.max_grad_norm > 0 else None
         hyper = dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
                      weight_decay=a.weight_decay)
+        placed = {"device": self.args.device, **self.tiermem_options}  # the Trainer's (cuda:<local rank>, use_cpu)
         if self.deepspeed_config is None:
             return TieredModel(model, optimizer=AdamW(**hyper, no_decay=no_decay), precision=_precision(a),
-                               grad_clip=grad_clip, **self.tiermem_options)
+                               grad_clip=grad_clip, **placed)
         options, notes = translate(
             self.deepspeed_config, **hyper, precision=_precision(a), grad_clip=grad_clip, no_decay=no_decay,
             train_micro_batch_size_per_gpu=a.per_device_train_batch_size,
             gradient_accumulation_steps=a.gradient_accumulation_steps,
             train_batch_size=a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size,
-            **self.tiermem_options)
+            **placed)
         for line in notes:
             log.warning("%s", line)
         return TieredModel(model, **options)
