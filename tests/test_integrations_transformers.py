@@ -218,6 +218,14 @@ def test_refused_at_construction(tmp_path, case):
         _fails(tmp_path, **kw)
 
 
+def test_one_process_on_several_gpus_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))  # what 2 visible GPUs give
+    with pytest.raises(ConfigError, match=r"^tiermem: TieredTrainer drives one device per process \(2 GPUs are "
+                                          r"visible to this one\); run one process per GPU with torchrun "
+                                          r"--nproc_per_node 2$"):
+        _fails(tmp_path)
+
+
 TRAIN_BAD = {
     "sgd": (dict(args={"optim": "sgd"}), r"optim='sgd'\) is not an optimizer tiermem runs"),
     "config disagrees with args": (
