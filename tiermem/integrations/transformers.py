@@ -15,7 +15,8 @@ from ``TrainingArguments`` (and the config).
 # NOTE [Trainer integration]
 The Trainer keeps its loop (data, gradient accumulation, lr scheduler, logging, evaluation,
 ``save_steps``, resume); tiermem comes in through the extension points the Trainer documents
-for subclasses, and nothing else:
+for subclasses, and two private methods of transformers 5 where no public hook exists
+(``_wrap_model``: what wraps the model for distributed training; ``_load_best_model``):
 
 - ``create_optimizer`` wraps the model in a TieredModel and gives the Trainer a torch Optimizer
   (:class:`TrainerOptimizer`) whose param groups are tiermem's, so the Trainer's lr scheduler
@@ -41,14 +42,15 @@ for subclasses, and nothing else:
   dtype themselves, so the Trainer gets a copy of the arguments with bf16/fp16 off (no autocast or
   GradScaler of its own on top) and ``place_model_on_device`` False (tiermem places the weights).
 
-- Under torchrun (``world_size > 1``) the loop's model is :class:`_TieredModule`, not the
-  Trainer's ``self.model`` (``_wrap_model``), so accelerate prepares the data (each rank its share)
-  and the optimizer but wraps no DDP: the TieredModel shards over the default process group, which
-  the Trainer joined. On the micro-batches before a step's last the Trainer enters the model's
-  ``no_sync()``: ``tm.no_sync()``. The TieredModel's device is the Trainer's ``args.device``
-  (``cuda:<local rank>``, or the CPU with ``use_cpu``) unless ``tiermem={"device": ...}`` says
-  otherwise. ``save_model`` runs on every rank (``state_dict()`` and
-  ``tm.save`` are collectives); rank 0 writes. One process driving several GPUs is refused.
+- The loop's model (``model_wrapped``) is a :class:`_TieredModule`, not the Trainer's
+  ``self.model`` (``_wrap_model``), so accelerate prepares the data and the optimizer but wraps no
+  DDP. Under torchrun (``world_size > 1``) the TieredModel shards over the default process group,
+  which the Trainer joined; the data loader gives each rank its share; on the micro-batches before
+  a step's last the Trainer enters the model's ``no_sync()``, which is ``tm.no_sync()``. The
+  TieredModel's device is the Trainer's ``args.device`` (``cuda:<local rank>``, or the CPU with
+  ``use_cpu``) unless ``tiermem={"device": ...}`` says otherwise. ``save_model`` runs on every
+  rank (``state_dict()`` and ``tm.save`` are collectives); rank 0 writes. One process driving
+  several GPUs is refused.
 
 - ``load_best_model_at_end=True`` loads the best ``checkpoint-N/``'s ``tiermem.ckpt`` with
   ``tm.load`` (``_load_best_model``): weights, optimizer state and step are the best checkpoint's.
