@@ -22,7 +22,7 @@ from test_integrations_transformers import (  # noqa: E402
 import transformers  # noqa: E402
 
 from tiermem import AdamW, ConfigError, TieredModel  # noqa: E402
-from tiermem.integrations import transformers as integration  # noqa: E402
+from tiermem.integrations.hf_loop import TrainerModule  # noqa: E402
 from tiermem.integrations.transformers import TIERMEM_CHECKPOINT, TieredTrainer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,8 +50,8 @@ def _rank_trainer(rank, world, tmp):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       OMP_NUM_THREADS="1")
     entered = []
-    no_sync = integration._TieredModule.no_sync
-    integration._TieredModule.no_sync = lambda self: entered.append(1) or no_sync(self)  # count the Trainer's
+    no_sync = TrainerModule.no_sync
+    TrainerModule.no_sync = lambda self: entered.append(1) or no_sync(self)  # count the Trainer's
     kw = dict(save_strategy="steps", save_steps=2, per_device_eval_batch_size=1)
     first = Recording(model=gpt2(), args=arguments(os.path.join(tmp, "a"), **kw), train_dataset=dataset(SAMPLES))
     first.train()

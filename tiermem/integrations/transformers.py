@@ -42,7 +42,7 @@ for subclasses, and two private methods of transformers 5 where no public hook e
   dtype themselves, so the Trainer gets a copy of the arguments with bf16/fp16 off (no autocast or
   GradScaler of its own on top) and ``place_model_on_device`` False (tiermem places the weights).
 
-- The loop's model (``model_wrapped``) is a :class:`_TieredModule`, not the Trainer's
+- The loop's model (``model_wrapped``) is a :class:`TrainerModule`, not the Trainer's
   ``self.model`` (``_wrap_model``), so accelerate prepares the data and the optimizer but wraps no
   DDP. Under torchrun (``world_size > 1``) the TieredModel shards over the default process group,
   which the Trainer joined; the data loader gives each rank its share; on the micro-batches before
@@ -64,106 +64,24 @@ import os
 from typing import Any, Optional
 
 import torch
-from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer, TrainingArguments
-from transformers.trainer import OPTIMIZER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tiermem.config import AdamW
 from tiermem.deepspeed_config import PASS_THROUGH, read_config, translate
 from tiermem.errors import ConfigError, TierMemError
-from tiermem.train.model import StepResult, TieredModel
+from tiermem.integrations.hf_loop import TIERMEM_CHECKPOINT, SkipAwareOptimizer, TrainerModule, TrainerOptimizer
+from tiermem.train.model import TieredModel
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TieredTrainer", "TrainerOptimizer", "SkipAwareOptimizer", "TIERMEM_CHECKPOINT"]
+__all__ = ["TieredTrainer", "TrainerOptimizer", "SkipAwareOptimizer", "TrainerModule", "TIERMEM_CHECKPOINT"]
 
-#: tiermem's checkpoint inside each checkpoint-N/ folder
-TIERMEM_CHECKPOINT = "tiermem.ckpt"
 #: the optimizers TrainingArguments(optim=...) may name: torch's AdamW, which tiermem's AdamW matches
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused")
-_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "initial_lr")
 #: what a finished checkpoint-N/ holds: tiermem's state, and the Trainer's, which it writes last
 _COMPLETE = (TIERMEM_CHECKPOINT, TRAINER_STATE_NAME)
-
-
-class TrainerOptimizer(torch.optim.Optimizer):
-    """``tm.optimizer`` as the Trainer handles optimizers: the same param groups (list and
-    dicts), ``step()`` runs ``tm.step()`` and keeps its :class:`StepResult` in ``last``, and a
-    ``state_dict()`` of hyperparameters and step count only (the state itself is in
-    ``tiermem.ckpt``; NOTE [Trainer integration])."""
-
-    def __init__(self, tiered: TieredModel):
-        super().__init__(tiered.optimizer.param_groups, tiered.optimizer.defaults)
-        self.param_groups = tiered.optimizer.param_groups  # one list: what a scheduler sets, tiermem uses
-        self.tiered = tiered
-        self.last: Optional[StepResult] = None
-
-    def step(self, closure=None):  # type: ignore[override]
-        if closure is not None:
-            raise TierMemError("tiermem: step(closure) is not supported; the TieredTrainer calls step() itself")
-        self.last = self.tiered.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: tm.step() clears the gradients it consumed."""
-
-    def state_dict(self) -> dict:  # type: ignore[override]
-        return {"state": {}, "tiermem_step": self.tiered.stepper.steps,
-                "param_groups": [{k: g[k] for k in _GROUP_KEYS if k in g} for g in self.param_groups]}
-
-    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
-        """Restore the groups' hyperparameters (the lr the scheduler had set), after checking that
-        the state is of the step tiermem's checkpoint holds."""
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if not isinstance(groups, list) or "tiermem_step" not in state_dict or len(groups) != len(self.param_groups):
-            raise TierMemError("tiermem: this optimizer state was not written by a TieredTrainer (or by one with "
-                               "another model); resume from a checkpoint a TieredTrainer saved")
-        if state_dict["tiermem_step"] != self.tiered.stepper.steps:
-            raise TierMemError(f"tiermem: the checkpoint's {OPTIMIZER_NAME} is of step {state_dict['tiermem_step']} "
-                               f"but its {TIERMEM_CHECKPOINT} of step {self.tiered.stepper.steps}: the folder mixes "
-                               f"two saves; resume from another checkpoint")
-        for group, saved in zip(self.param_groups, groups):
-            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k in _GROUP_KEYS})
-
-
-class SkipAwareOptimizer(AcceleratedOptimizer):
-    """The :class:`TrainerOptimizer` as accelerate's prepared optimizer: ``step_was_skipped``
-    (what ``Accelerator.optimizer_step_was_skipped`` reads, and the Trainer consults before it
-    steps the lr scheduler) is tiermem's own verdict on the last step, as it is the GradScaler's
-    under the Trainer's fp16 (NOTE [Trainer integration])."""
-
-    def __init__(self, optimizer: TrainerOptimizer):
-        super().__init__(optimizer, device_placement=False, scaler=None)  # tiermem placed the state; no scaler
-        self._is_accelerate_prepared = True  # accelerate's own mark: prepare() keeps this wrapper as it is
-
-    @property
-    def step_was_skipped(self) -> bool:
-        last = self.optimizer.last
-        return last is not None and last.skipped
-
-
-class _TieredModule(torch.nn.Module):
-    """The model the Trainer's loop holds (its ``model_wrapped``) while a TieredModel trains:
-    accelerate wraps no DDP around it (tiermem reduces the gradients itself), its ``no_sync()``,
-    which the Trainer enters on the micro-batches before the last of a step, is ``tm.no_sync()``,
-    and its ``zero_grad()`` is nothing (``tm.step()`` cleared the grads it consumed)."""
-
-    def __init__(self, tiered: TieredModel):
-        super().__init__()
-        object.__setattr__(self, "tiered", tiered)  # not a submodule: no parameters for anyone to wrap
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.tiered(*args, **kwargs)
-
-    def no_sync(self):
-        return self.tiered.no_sync()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: tm.step() clears the gradients it consumed."""
-
-    def train(self, mode: bool = True) -> "_TieredModule":
-        self.tiered.train(mode)
-        return super().train(mode)
 
 
 class _NoPlacementArguments:
@@ -251,11 +169,11 @@ class TieredTrainer(Trainer):
         return TieredModel(model, **options)
 
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
-        """Once the TieredModel exists, the loop's model is :class:`_TieredModule`: not the
+        """Once the TieredModel exists, the loop's model is :class:`TrainerModule`: not the
         Trainer's ``self.model``, so accelerate prepares the optimizer and data only (no DDP)."""
         if self.tiered is None:
             return super()._wrap_model(model, training, dataloader)
-        return _TieredModule(self.tiered)
+        return TrainerModule(self.tiered)
 
     # -- a step: forward and backward through the TieredModel -------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
