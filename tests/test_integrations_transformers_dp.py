@@ -1,8 +1,9 @@
 """TieredTrainer under torch.distributed (2 gloo ranks in fresh processes, tests/ranks.py): the
 Trainer's sampler splits the data, gradient accumulation communicates once per step (tm.no_sync()
 on the earlier micro-batches), the ranks train like one process over both ranks' micro-batches,
-a checkpoint-N/ holds one tiermem.ckpt, a resume on 2 ranks continues bit-exact, evaluation and
-load_best_model_at_end work there, and README's torchrun command runs the example."""
+a checkpoint-N/ holds one tiermem.ckpt, a resume on 2 ranks continues bit-exact, evaluation,
+load_best_model_at_end and an fp16 overflow on one rank work there, and README's torchrun command
+runs the example."""
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ pytest.importorskip("transformers")
 
 from ranks import run_ranks  # noqa: E402
 from test_integrations_transformers import (  # noqa: E402
-    ACCUM, CLIP, DECAY, LR, STEPS, WARMUP, Recording, arguments, dataset, gpt2)
+    ACCUM, CLIP, DECAY, LR, OVERFLOW, STEPS, WARMUP, Overflowing, Recording, arguments, dataset, gpt2)
 import transformers  # noqa: E402
 
 from tiermem import AdamW, ConfigError, TieredModel  # noqa: E402
@@ -40,6 +41,13 @@ def _same_kernel_as_the_ranks():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIERMEM_NO_COMPILE", "1")
         yield
+
+
+class OverflowingOnRank0(Overflowing):
+    def compute_loss(self, model, inputs, *a, **kw):
+        if self.args.process_index == 0:
+            return super().compute_loss(model, inputs, *a, **kw)
+        return Recording.compute_loss(self, model, inputs, *a, **kw)
 
 
 def _rank_trainer(rank, world, tmp):
@@ -77,6 +85,10 @@ def _rank_trainer(rank, world, tmp):
     best.train()  # the highest eval loss is the best: an early step
     out.update(best=best.state.best_model_checkpoint, best_steps=best.tiered.stepper.steps,
                best_history=best.state.log_history, best_eval_loss=best.evaluate()["eval_loss"])
+    fp16 = OverflowingOnRank0(model=gpt2(), args=arguments(os.path.join(tmp, "fp16"), fp16=True),
+                              train_dataset=dataset(SAMPLES))
+    fp16.train()  # both ranks skip the step rank 0's loss blew up in (the overflow check is global)
+    out.update(fp16_history=fp16.state.log_history, fp16_scheduled=fp16.lr_scheduler.last_epoch)
     try:  # a replica per rank would train each on its own data: refused on both ranks alike
         TieredTrainer(model=gpt2(), args=arguments(os.path.join(tmp, "c")), train_dataset=dataset(SAMPLES),
                       tiermem={"process_group": False}).train()
@@ -164,6 +176,17 @@ def test_load_best_model_at_end_on_two_ranks(ranks):
     for r in ranks:
         assert step < STEPS and r["best"].endswith(f"checkpoint-{step}") and r["best_steps"] == step
         assert r["best_eval_loss"] == evals[0][step]  # the metric it was chosen by, measured again
+
+
+def test_fp16_overflow_on_two_ranks_leaves_the_lr_schedule(ranks):
+    for r in ranks:
+        logged = [h for h in r["fp16_history"] if "grad_norm" in h]
+        scales = [h["loss_scale"] for h in logged]
+        assert scales[OVERFLOW] == scales[0] / 2 and set(scales[OVERFLOW:]) == {scales[OVERFLOW]}  # one skip
+        lrs = [h["learning_rate"] for h in logged]
+        assert lrs[OVERFLOW + 1] == lrs[OVERFLOW] == LR and r["fp16_scheduled"] == STEPS - 1
+    same = lambda r: [str(h) for h in r["fp16_history"][:-1]]  # noqa: E731 - str: a skipped step's norm is nan
+    assert same(ranks[0]) == same(ranks[1])  # the last entry holds timings
 
 
 def test_the_readmes_torchrun_command_runs_the_example(tmp_path):
