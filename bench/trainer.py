@@ -1,7 +1,7 @@
 """The HF Trainer on tiermem: what ``TieredTrainer`` costs per optimizer step, in one run.
 
     python bench/trainer.py [--n-embd 256] [--n-layer 4] [--seq-len 128] [--batch-size 4]
-                            [--accum 2] [--steps 12] [--warmup 3] [--rounds 2]
+                            [--accum 2] [--steps 12] [--warmup 3] [--rounds 2] [--ranks 1]
 
 Three ways to train the same GPT-2 (built from a config) on the same batches, bf16, gradient
 accumulation, clipping at 1.0, a linear lr schedule:
@@ -12,6 +12,12 @@ accumulation, clipping at 1.0, a linear lr schedule:
 - ``own-loop``: ``TieredModel``'s own loop with the same options (the integration's anchor: what
   ``TieredTrainer`` adds is the Trainer's loop around it).
 
+``--ranks 2`` runs the three on 2 gloo ranks the script spawns (one intra-op thread each): the
+plain Trainer under DDP (accelerate wraps it), ``TieredTrainer`` on tiermem's data parallelism,
+and the own loop on the same (``tm.no_sync()`` on the micro-batches before a step's last); each
+rank its share of the batches; rank 0's step times are reported (collectives keep the ranks in
+step).
+
 A Trainer step is timed from ``on_step_begin`` to ``on_step_end`` (forward, backward, optimizer
 step and lr schedule of one optimizer step; logging and saving are outside). The three run in
 turn, ``--rounds`` times, so load from other processes hits them alike; each figure is the median
@@ -20,7 +26,9 @@ turn, ``--rounds`` times, so load from other processes hits them alike; each fig
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -58,7 +66,7 @@ def model_of(a) -> GPT2LMHeadModel:
 
 def data_of(a) -> list[dict]:
     g = torch.Generator().manual_seed(1)
-    n = a.batch_size * a.accum * a.steps
+    n = a.batch_size * a.accum * a.steps * a.ranks  # each rank gets its share through the Trainer's sampler
     return [{"input_ids": x, "labels": x} for x in torch.randint(0, 512, (n, a.seq_len), generator=g)]
 
 
@@ -86,13 +94,14 @@ def run_own_loop(a) -> list[float]:
                      precision="bf16", grad_clip=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(tm.optimizer, lambda s: min(1.0, s) * max(0.0, (a.steps - s)
                                                                                         / max(1, a.steps - 1)))
-    data, seconds = data_of(a), []
+    data, seconds, rank = data_of(a), [], tm.group.rank
     for step in range(a.steps):
         t0 = time.perf_counter()
         for i in range(a.accum):
-            at = (step * a.accum + i) * a.batch_size
+            at = ((step * a.accum + i) * a.ranks + rank) * a.batch_size
             x = torch.stack([d["input_ids"] for d in data[at:at + a.batch_size]])
-            tm.backward(tm(input_ids=x, labels=x).loss / a.accum)
+            with tm.no_sync() if i < a.accum - 1 else contextlib.nullcontext():  # communicate once per step
+                tm.backward(tm(input_ids=x, labels=x).loss / a.accum)
         tm.step()
         sched.step()
         seconds.append(time.perf_counter() - t0)
@@ -109,11 +118,38 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=1, help="gloo ranks (processes); 1: this process alone")
     a = p.parse_args(argv)
+    if a.ranks == 1:
+        return measure(a)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torch.multiprocessing.spawn(rank_main, args=(a, port), nprocs=a.ranks)
+    return 0
+
+
+def rank_main(rank: int, a: argparse.Namespace, port: int) -> None:
+    """One of ``--ranks`` processes, in the environment torchrun would give it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(a.ranks),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(a.ranks), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=a.ranks)  # accelerate joins this group
+    try:
+        if rank == 0:
+            measure(a)
+        else:
+            with contextlib.redirect_stdout(open(os.devnull, "w")):
+                measure(a)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def measure(a: argparse.Namespace) -> int:
     n = sum(q.numel() for q in model_of(a).parameters())
-    print(f"GPT-2 {n / 1e6:.1f}M params, batch {a.batch_size} x seq {a.seq_len} x accum {a.accum}, bf16, "
-          f"{a.steps} steps x {a.rounds} rounds (first {a.warmup} of each dropped); load average "
-          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print(f"GPT-2 {n / 1e6:.1f}M params, batch {a.batch_size} x seq {a.seq_len} x accum {a.accum} per rank, "
+          f"{a.ranks} rank(s), bf16, {a.steps} steps x {a.rounds} rounds (first {a.warmup} of each dropped); "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
     runs = {"trainer": lambda: run_trainer(a, Trainer, optim="adamw_torch_fused"),
             "tiered-trainer": lambda: run_trainer(a, TieredTrainer),
             "own-loop": lambda: run_own_loop(a)}
@@ -133,7 +169,7 @@ def main(argv=None) -> int:
     print(f"  tiered-trainer / own-loop = {med['tiered-trainer'] / med['own-loop']:.2f}x  (the Trainer's loop around "
           f"tiermem)")
     print(f"  tiered-trainer / trainer  = {med['tiered-trainer'] / med['trainer']:.2f}x  (tiermem's ZeRO-Offload "
-          f"against the plain Trainer)")
+          f"against the plain Trainer{' under DDP' if a.ranks > 1 else ''})", flush=True)
     return 0
 
 

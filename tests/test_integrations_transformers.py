@@ -1,8 +1,9 @@
 """tiermem.integrations.transformers: the HF Trainer trains through a TieredModel exactly as
 TieredModel's own loop does (gradient accumulation, clipping, lr schedule, weight-decay groups,
 bf16, a DeepSpeed config with "auto" values), logs loss / grad_norm / lr, writes checkpoint-N/
-folders with tiermem's checkpoint, and resumes bit-exact. Tiny GPT-2s built from a config (never
-downloaded); a few steps each."""
+folders with tiermem's checkpoint, resumes bit-exact, leaves the lr schedule alone on an fp16 step
+skipped for overflow, and loads the best checkpoint at the end through tiermem. Tiny GPT-2s built
+from a config (never downloaded); a few steps each. Under torchrun: test_integrations_transformers_dp."""
 from __future__ import annotations
 
 import json
@@ -67,8 +68,9 @@ class Recording(TieredTrainer):
         return loss
 
 
-def own_loop(fed, precision: str):
-    """TieredModel's own loop over the same micro-batches: the oracle."""
+def own_loop(fed, precision: str, blowup: dict[int, float] | None = None):
+    """TieredModel's own loop over the same micro-batches: the oracle. ``blowup``: step -> factor
+    on its losses; a skipped step does not step the scheduler (the Trainer's rule)."""
     model = gpt2()
     no_decay = tuple(n for n, _ in model.named_parameters() if n.endswith(".bias") or ".ln_" in n)
     tm = TieredModel(model, optimizer=AdamW(lr=LR, weight_decay=DECAY, no_decay=no_decay), precision=precision,
@@ -83,13 +85,15 @@ def own_loop(fed, precision: str):
         assert int(n) in counts and all(n_fed is n for _, n_fed in fed[step * ACCUM:(step + 1) * ACCUM])
         for b in group:
             loss = tm(**b, num_items_in_batch=n).loss  # already a share of the step's loss: no division
+            loss = loss * blowup[step] if blowup and step in blowup else loss
             tm.backward(loss)
             losses.append(loss.detach())
         lr = tm.optimizer.param_groups[0]["lr"]
         res = tm.step()
-        sched.step()
+        if not res.skipped:
+            sched.step()
         logs.append({"loss": sum(x.item() for x in losses[-ACCUM:]), "grad_norm": res.grad_norm, "lr": lr,
-                     "loss_scale": res.loss_scale})
+                     "loss_scale": res.loss_scale, "skipped": res.skipped})
     return tm, losses, logs
 
 
@@ -171,6 +175,27 @@ def test_evaluate_runs_through_the_tiered_model(tmp_path):
     assert got == plain.evaluate()["eval_loss"]
 
 
+def test_load_best_model_at_end_loads_tiermems_checkpoint_of_the_best_step(tmp_path):
+    # greater_is_better: the highest eval loss is the best, an early step (the last would prove nothing)
+    kw = dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+              metric_for_best_model="eval_loss", greater_is_better=True, per_device_eval_batch_size=3)
+    trainer = TieredTrainer(model=gpt2(), args=arguments(tmp_path, **kw), train_dataset=dataset(),
+                            eval_dataset=dataset(6))
+    trainer.train()
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    best = max(evals, key=evals.get)
+    assert best < STEPS and trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best}")
+    saved = lambda n: GPT2LMHeadModel.from_pretrained(tmp_path / f"checkpoint-{n}").state_dict()  # noqa: E731
+    got, want, last = trainer.tiered.state_dict(), saved(best), saved(STEPS)
+    assert all(torch.equal(got[k], want[k]) for k in want) and not all(torch.equal(got[k], last[k]) for k in last)
+    assert trainer.tiered.stepper.steps == best  # optimizer state and step are the best checkpoint's too
+    assert trainer.evaluate()["eval_loss"] == evals[best]  # the metric it was chosen by, measured again
+    os.remove(tmp_path / f"checkpoint-{best}" / TIERMEM_CHECKPOINT)
+    with pytest.raises(TierMemError, match=rf"^tiermem: the best checkpoint .*checkpoint-{best}' \(by eval_loss\) "
+                                           r"has no tiermem\.ckpt; it was not saved by a TieredTrainer"):
+        trainer._load_best_model()
+
+
 def _fails(tmp_path, **kw):
     return TieredTrainer(model=gpt2(), args=arguments(tmp_path / "out", **kw.pop("args", {})),
                          train_dataset=dataset(), **kw)
@@ -182,9 +207,6 @@ BAD = {
     "precision in tiermem=": (dict(tiermem={"precision": "bf16"}), r"these come from TrainingArguments"),
     "a placement besides the config": (dict(deepspeed=AUTO, tiermem={"policy": KeepOnDevice()}),
                                        r"the DeepSpeed config says these \(where tensors live"),
-    "load the best model at the end": (dict(args=dict(load_best_model_at_end=True, eval_strategy="steps",
-                                                      save_strategy="steps", eval_steps=2, save_steps=2)),
-                                       r"load_best_model_at_end=True\) would load weights into the module"),
     "no_decay in tiermem=": (dict(tiermem={"no_decay": ("*.bias",)}), r"get_decay_parameter_names\(\)"),
 }
 
@@ -194,6 +216,14 @@ def test_refused_at_construction(tmp_path, case):
     kw, match = BAD[case]
     with pytest.raises(ConfigError, match="^tiermem: .*" + match):
         _fails(tmp_path, **kw)
+
+
+def test_one_process_on_several_gpus_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))  # what 2 visible GPUs give
+    with pytest.raises(ConfigError, match=r"^tiermem: TieredTrainer drives one device per process \(2 GPUs are "
+                                          r"visible to this one\); run one process per GPU with torchrun "
+                                          r"--nproc_per_node 2$"):
+        _fails(tmp_path)
 
 
 TRAIN_BAD = {
@@ -234,3 +264,30 @@ def test_import_tiermem_does_not_import_transformers():
     code = "import sys, tiermem; assert 'transformers' not in sys.modules and 'tiermem.integrations' not in sys.modules"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+class Overflowing(Recording):
+    """Multiplies the loss of optimizer step ``OVERFLOW`` (0-based) by ``BLOWUP``: in fp16 its
+    scaled gradients overflow, as a loss spike does under the Trainer's own GradScaler."""
+
+    def compute_loss(self, model, inputs, *a, **kw):
+        loss = super().compute_loss(model, inputs, *a, **kw)
+        return loss * BLOWUP if self.state.global_step == OVERFLOW else loss
+
+
+OVERFLOW, BLOWUP = 1, 1e6
+
+
+def test_fp16_step_skipped_for_overflow_leaves_the_lr_schedule(tmp_path):
+    trainer = Overflowing(model=gpt2(), args=arguments(tmp_path / "out", fp16=True), train_dataset=dataset())
+    trainer.train()
+    tm, _, logs = own_loop(trainer.fed, "fp16", blowup={OVERFLOW: BLOWUP})
+    assert [ref["skipped"] for ref in logs] == [s == OVERFLOW for s in range(STEPS)]  # the overflow did happen
+    got, want = trainer.tiered.state_dict(), tm.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)  # the later steps ran with the oracle's lrs
+    history = [h for h in trainer.state.log_history if "grad_norm" in h]
+    assert [h["learning_rate"] for h in history] == [ref["lr"] for ref in logs]
+    assert [h["loss_scale"] for h in history] == [ref["loss_scale"] for ref in logs]
+    # the Trainer's rule under its GradScaler: a skipped step does not step the scheduler
+    assert logs[OVERFLOW + 1]["lr"] == logs[OVERFLOW]["lr"] == LR and trainer.lr_scheduler.last_epoch == STEPS - 1
+    assert trainer.accelerator.optimizer_step_was_skipped is False  # the last step was not skipped

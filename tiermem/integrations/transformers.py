@@ -15,11 +15,16 @@ from ``TrainingArguments`` (and the config).
 # NOTE [Trainer integration]
 The Trainer keeps its loop (data, gradient accumulation, lr scheduler, logging, evaluation,
 ``save_steps``, resume); tiermem comes in through the extension points the Trainer documents
-for subclasses, and nothing else:
+for subclasses, and two private methods of transformers 5 where no public hook exists
+(``_wrap_model``: what wraps the model for distributed training; ``_load_best_model``):
 
 - ``create_optimizer`` wraps the model in a TieredModel and gives the Trainer a torch Optimizer
   (:class:`TrainerOptimizer`) whose param groups are tiermem's, so the Trainer's lr scheduler
   sets tiermem's lr, and whose ``step()`` is ``tm.step()`` (clipping to ``max_grad_norm`` inside).
+  Accelerate gets it already prepared (:class:`SkipAwareOptimizer`, an ``AcceleratedOptimizer``)
+  whose ``step_was_skipped`` is ``tm.step()``'s ``skipped``: the Trainer steps its lr scheduler
+  only ``if not accelerator.optimizer_step_was_skipped``, so an fp16 step tiermem skips for
+  overflow leaves the schedule where it was, as the Trainer's own GradScaler does.
 - ``training_step``: ``compute_loss`` with the TieredModel as the model (the forward runs through
   ``tm(...)``), the Trainer's gradient-accumulation scaling rule, then ``tm.backward(loss)``.
   ``prediction_step`` (evaluation) forwards through ``tm(...)`` too.
@@ -37,9 +42,18 @@ for subclasses, and nothing else:
   dtype themselves, so the Trainer gets a copy of the arguments with bf16/fp16 off (no autocast or
   GradScaler of its own on top) and ``place_model_on_device`` False (tiermem places the weights).
 
-One process only (tiermem's own data parallelism runs under ``TieredModel`` directly);
-``load_best_model_at_end`` is refused (it would load weights into the module behind tiermem's
-back). In fp16, a step tiermem skips for overflow still advances the lr schedule.
+- The loop's model (``model_wrapped``) is a :class:`TrainerModule`, not the Trainer's
+  ``self.model`` (``_wrap_model``), so accelerate prepares the data and the optimizer but wraps no
+  DDP. Under torchrun (``world_size > 1``) the TieredModel shards over the default process group,
+  which the Trainer joined; the data loader gives each rank its share; on the micro-batches before
+  a step's last the Trainer enters the model's ``no_sync()``, which is ``tm.no_sync()``. The
+  TieredModel's device is the Trainer's ``args.device`` (``cuda:<local rank>``, or the CPU with
+  ``use_cpu``) unless ``tiermem={"device": ...}`` says otherwise. ``save_model`` runs on every
+  rank (``state_dict()`` and ``tm.save`` are collectives); rank 0 writes. One process driving
+  several GPUs is refused.
+
+- ``load_best_model_at_end=True`` loads the best ``checkpoint-N/``'s ``tiermem.ckpt`` with
+  ``tm.load`` (``_load_best_model``): weights, optimizer state and step are the best checkpoint's.
 """
 from __future__ import annotations
 
@@ -51,64 +65,23 @@ from typing import Any, Optional
 
 import torch
 from transformers import Trainer, TrainingArguments
-from transformers.trainer import OPTIMIZER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tiermem.config import AdamW
 from tiermem.deepspeed_config import PASS_THROUGH, read_config, translate
 from tiermem.errors import ConfigError, TierMemError
-from tiermem.train.model import StepResult, TieredModel
+from tiermem.integrations.hf_loop import TIERMEM_CHECKPOINT, SkipAwareOptimizer, TrainerModule, TrainerOptimizer
+from tiermem.train.model import TieredModel
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TieredTrainer", "TrainerOptimizer", "TIERMEM_CHECKPOINT"]
+__all__ = ["TieredTrainer", "TrainerOptimizer", "SkipAwareOptimizer", "TrainerModule", "TIERMEM_CHECKPOINT"]
 
-#: tiermem's checkpoint inside each checkpoint-N/ folder
-TIERMEM_CHECKPOINT = "tiermem.ckpt"
 #: the optimizers TrainingArguments(optim=...) may name: torch's AdamW, which tiermem's AdamW matches
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused")
-_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "initial_lr")
 #: what a finished checkpoint-N/ holds: tiermem's state, and the Trainer's, which it writes last
 _COMPLETE = (TIERMEM_CHECKPOINT, TRAINER_STATE_NAME)
-
-
-class TrainerOptimizer(torch.optim.Optimizer):
-    """``tm.optimizer`` as the Trainer handles optimizers: the same param groups (list and
-    dicts), ``step()`` runs ``tm.step()`` and keeps its :class:`StepResult` in ``last``, and a
-    ``state_dict()`` of hyperparameters and step count only (the state itself is in
-    ``tiermem.ckpt``; NOTE [Trainer integration])."""
-
-    def __init__(self, tiered: TieredModel):
-        super().__init__(tiered.optimizer.param_groups, tiered.optimizer.defaults)
-        self.param_groups = tiered.optimizer.param_groups  # one list: what a scheduler sets, tiermem uses
-        self.tiered = tiered
-        self.last: Optional[StepResult] = None
-
-    def step(self, closure=None):  # type: ignore[override]
-        if closure is not None:
-            raise TierMemError("tiermem: step(closure) is not supported; the TieredTrainer calls step() itself")
-        self.last = self.tiered.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: tm.step() clears the gradients it consumed."""
-
-    def state_dict(self) -> dict:  # type: ignore[override]
-        return {"state": {}, "tiermem_step": self.tiered.stepper.steps,
-                "param_groups": [{k: g[k] for k in _GROUP_KEYS if k in g} for g in self.param_groups]}
-
-    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
-        """Restore the groups' hyperparameters (the lr the scheduler had set), after checking that
-        the state is of the step tiermem's checkpoint holds."""
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if not isinstance(groups, list) or "tiermem_step" not in state_dict or len(groups) != len(self.param_groups):
-            raise TierMemError("tiermem: this optimizer state was not written by a TieredTrainer (or by one with "
-                               "another model); resume from a checkpoint a TieredTrainer saved")
-        if state_dict["tiermem_step"] != self.tiered.stepper.steps:
-            raise TierMemError(f"tiermem: the checkpoint's {OPTIMIZER_NAME} is of step {state_dict['tiermem_step']} "
-                               f"but its {TIERMEM_CHECKPOINT} of step {self.tiered.stepper.steps}: the folder mixes "
-                               f"two saves; resume from another checkpoint")
-        for group, saved in zip(self.param_groups, groups):
-            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k in _GROUP_KEYS})
 
 
 class _NoPlacementArguments:
@@ -160,7 +133,12 @@ class TieredTrainer(Trainer):
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             self.tiered = self._wrap(self.model)
-            self.optimizer = self.tiered_optimizer = TrainerOptimizer(self.tiered)
+            if self.tiered.group.world != self.args.world_size:
+                raise ConfigError(f"tiermem: this Trainer runs {self.args.world_size} processes but the TieredModel "
+                                  f"shards over {self.tiered.group.world}; leave process_group out of tiermem= (the "
+                                  f"default group is the Trainer's)")
+            self.tiered_optimizer = TrainerOptimizer(self.tiered)
+            self.optimizer = SkipAwareOptimizer(self.tiered_optimizer)
             if self._resume is not None:
                 self.tiered.load(os.path.join(self._resume, TIERMEM_CHECKPOINT))
         return self.optimizer
@@ -176,18 +154,26 @@ class TieredTrainer(Trainer):
         grad_clip = a.max_grad_norm if a.max_grad_norm and a.max_grad_norm > 0 else None
         hyper = dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
                      weight_decay=a.weight_decay)
+        placed = {"device": self.args.device, **self.tiermem_options}  # the Trainer's (cuda:<local rank>, use_cpu)
         if self.deepspeed_config is None:
             return TieredModel(model, optimizer=AdamW(**hyper, no_decay=no_decay), precision=_precision(a),
-                               grad_clip=grad_clip, **self.tiermem_options)
+                               grad_clip=grad_clip, **placed)
         options, notes = translate(
             self.deepspeed_config, **hyper, precision=_precision(a), grad_clip=grad_clip, no_decay=no_decay,
             train_micro_batch_size_per_gpu=a.per_device_train_batch_size,
             gradient_accumulation_steps=a.gradient_accumulation_steps,
             train_batch_size=a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size,
-            **self.tiermem_options)
+            **placed)
         for line in notes:
             log.warning("%s", line)
         return TieredModel(model, **options)
+
+    def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
+        """Once the TieredModel exists, the loop's model is :class:`TrainerModule`: not the
+        Trainer's ``self.model``, so accelerate prepares the optimizer and data only (no DDP)."""
+        if self.tiered is None:
+            return super()._wrap_model(model, training, dataloader)
+        return TrainerModule(self.tiered)
 
     # -- a step: forward and backward through the TieredModel -------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -219,6 +205,22 @@ class TieredTrainer(Trainer):
         super().log(logs, start_time)
 
     # -- checkpoints ----------------------------------------------------------------------------
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint-N/'s ``tiermem.ckpt`` through ``tm.load``
+        (weights, optimizer state and step; a collective under torchrun), never its
+        model.safetensors into the module behind tiermem's back."""
+        if self.tiered is None:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        path = os.path.join(best, TIERMEM_CHECKPOINT)
+        if not os.path.isfile(path):
+            raise TierMemError(f"tiermem: the best checkpoint {best!r} (by {self.args.metric_for_best_model}) has no "
+                               f"{TIERMEM_CHECKPOINT}; it was not saved by a TieredTrainer: load it with "
+                               f"from_pretrained, or train without load_best_model_at_end")
+        log.info("tiermem: loading the best model from %s (%s %s)", path, self.args.metric_for_best_model,
+                 self.state.best_metric)
+        self.tiered.load(path)
+
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
@@ -324,14 +326,9 @@ def _check_supported(args: TrainingArguments, kwargs: dict) -> None:
     if args.deepspeed:
         raise ConfigError("tiermem: TrainingArguments(deepspeed=...) would start DeepSpeed itself; pass the config to "
                           "TieredTrainer(..., deepspeed='ds.json') instead and leave it out of TrainingArguments")
-    if args.world_size > 1 or args.n_gpu > 1:
-        raise ConfigError(f"tiermem: TieredTrainer runs in one process on one device (this run has world size "
-                          f"{args.world_size}, {args.n_gpu} GPUs visible); run one process with one visible GPU "
-                          f"(CUDA_VISIBLE_DEVICES=0), or use TieredModel directly under torchrun")
-    if args.load_best_model_at_end:
-        raise ConfigError("tiermem: TrainingArguments(load_best_model_at_end=True) would load weights into the module "
-                          "behind tiermem's back; leave it out and load the best checkpoint-N/ afterwards with "
-                          "from_pretrained (its model.safetensors holds the fp32 weights)")
+    if args.n_gpu > 1:
+        raise ConfigError(f"tiermem: TieredTrainer drives one device per process ({args.n_gpu} GPUs are visible to "
+                          f"this one); run one process per GPU with torchrun --nproc_per_node {args.n_gpu}")
     for key in ("optimizers", "optimizer_cls_and_kwargs"):
         value = kwargs.get(key)
         if value is not None and value != (None, None):
