@@ -107,7 +107,8 @@ class DirectoryLock:
 
     def _held(self, holder: str) -> str:
         who = ("this process (pid " + holder + "): close the other NvmeStore first, or tm.detach() the "
-               "TieredModel that uses it" if holder == str(os.getpid())
+               "TieredModel that uses it (or drop every reference to it: `del tm` before building the next "
+               "one)" if holder == str(os.getpid())
                else f"process {holder or '(pid not written yet)'}: stop that run first")
         return (f"tiermem: NVMe directory {os.path.dirname(self.path)} is in use by another NvmeStore, in "
                 f"{who}, or pass another nvme_dir (one run owns a directory: lock file {self.path})")

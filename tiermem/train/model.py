@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -131,6 +133,11 @@ class TieredModel:
         self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
                                  precision, self.dtype, frozen_off, self.group)
         self._life = Lifecycle()
+        # NOTE [A dropped model lets go]: nothing above refers back to self, so a model nobody
+        # references is collected; this gives back what it held (and is detach()'s last part)
+        self._release = weakref.finalize(self, _give_back, self.hooks, self.engine, self.stores, self.tracer,
+                                         weakref.ref(module))
+        self._release.atexit = False  # the process's end frees it all; no I/O on the way out
         self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
@@ -317,16 +324,75 @@ class TieredModel:
         for name, p in self.module.named_parameters():
             p.data = weights[name]
         self.layout.buffers.give_back()
-        self.engine.close()
-        for store in self.stores.values():
-            store.release_all()
-        self.tracer.write()
         self._life.to(Phase.DETACHED)
+        self._release.detach()  # the finalizer's own call would warn that the weights were not given back
+        _give_back(self.hooks, self.engine, self.stores, self.tracer)
         return self.module
+
+    def __enter__(self) -> "TieredModel":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """``with TieredModel(module) as tm:`` detaches on the way out, so ``module`` holds the
+        trained fp32 weights afterwards. If the block raised and the model cannot be detached
+        (e.g. it stopped inside a hook), its memory, files and lock are still given back, and
+        the block's error is the one raised."""
+        if self._life.phase is Phase.DETACHED:
+            return
+        if exc_type is None:
+            self.detach()
+            return
+        try:
+            self.detach()
+        except Exception as e:  # noqa: BLE001 - the block's own error is the one to see
+            _note(exc, f"tiermem: detach() on leaving the block failed too ({type(e).__name__}: {e}); the "
+                       f"model's memory, files and lock were given back; the module may not hold its trained weights")
+            self._life.to(Phase.DETACHED)
+            self._release()  # runs once: says that the weights did not go back
 
     def __repr__(self) -> str:
         return (f"TieredModel({type(self.module).__name__}, policy={self.policy!r}, precision={self.precision!r}, "
                 f"params={self.layout.n_params:,}, buckets={len(self.layout.buckets)})")
+
+
+# NOTE [A dropped model lets go]
+# A TieredModel owns threads (the engine's lanes, the NVMe store's I/O), pooled and pinned host
+# memory, NVMe files and the NVMe directory's lock. detach() gives them back; so does dropping the
+# last reference to the model: nothing the model builds refers back to it (the hooks on the user's
+# module reach its collaborators, never the TieredModel; tm.optimizer refers to it weakly), and a
+# finalizer on it runs :func:`_give_back`, which removes the hooks (the module no longer reaches
+# anything of tiermem's), closes the engine (its threads end), and deletes every stored key and
+# frees the pools (files, pinned memory and the lock go). The module keeps what its parameters
+# hold at that moment (working-precision weights; a NaN placeholder for those homed off the
+# device): detach() is the way to get the trained fp32 weights back. The finalizer may run in a
+# garbage-collection pass on one of tiermem's own threads, which cannot join itself: there it
+# hands the work to a new thread.
+def _give_back(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer,
+               module: Optional[weakref.ref] = None) -> None:
+    """NOTE [A dropped model lets go]: everything a TieredModel holds, given back (once).
+    ``module``: set when the model was dropped without detach(), to say so while it lives on."""
+    if threading.current_thread().name.startswith("tiermem-"):  # a lane or I/O thread: it cannot join itself
+        threading.Thread(target=_give_back_now, args=(hooks, engine, stores, tracer, module),
+                         name="tiermem-release", daemon=True).start()
+    else:
+        _give_back_now(hooks, engine, stores, tracer, module)
+
+
+def _give_back_now(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer,
+                   module: Optional[weakref.ref]) -> None:
+    if module is not None and module() is not None:
+        log.warning("tiermem: a TieredModel of %s was dropped without detach(): its memory, files and lock "
+                    "were given back, and its module holds working-precision weights (NaN for those that "
+                    "lived off the device); call tm.detach() to get the trained fp32 weights back",
+                    type(module()).__name__)
+    errors = []
+    for give_back in (hooks.remove, engine.close, *(s.release_all for s in stores.values()), tracer.write):
+        try:
+            give_back()
+        except Exception as e:  # noqa: BLE001 - give back the rest first, then tell
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
