@@ -35,7 +35,7 @@ class AdamHyper:
     def __post_init__(self) -> None:
         check_adam_hyper("adam_step ", step=self.step, lr=self.lr, beta1=self.beta1, beta2=self.beta2,
                          eps=self.eps, weight_decay=self.weight_decay, grad_scale=self.grad_scale,
-                         clip_coef=self.clip_coef)
+                         clip_coef=self.clip_coef, adamw=self.adamw)
 
     @property
     def l2(self) -> bool:

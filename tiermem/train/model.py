@@ -20,7 +20,7 @@ import torch
 
 from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _AdamSpec
-from tiermem.errors import ConfigError
+from tiermem.errors import ConfigError, checked_arguments
 from tiermem.memory.ledger import Reclaimers
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 __all__ = ["TieredModel", "StepResult", "Phase"]
 
 
+@checked_arguments
 class TieredModel:
     """Train ``module`` with its tensors placed on tiers by ``policy`` (default: ZeRO-Offload).
 
@@ -136,7 +137,7 @@ class TieredModel:
         # NOTE [A dropped model lets go]: nothing above refers back to self, so a model nobody
         # references is collected; this gives back what it held (and is detach()'s last part)
         self._release = weakref.finalize(self, _give_back, self.hooks, self.engine, self.stores, self.tracer,
-                                         weakref.ref(module))
+                                         self.stepper)
         self._release.atexit = False  # the process's end frees it all; no I/O on the way out
         self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
@@ -368,23 +369,23 @@ class TieredModel:
 # garbage-collection pass on one of tiermem's own threads, which cannot join itself: there it
 # hands the work to a new thread.
 def _give_back(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer,
-               module: Optional[weakref.ref] = None) -> None:
+               dropped: Optional[Stepper] = None) -> None:
     """NOTE [A dropped model lets go]: everything a TieredModel holds, given back (once).
-    ``module``: set when the model was dropped without detach(), to say so while it lives on."""
+    ``dropped``: the stepper of a model dropped without detach(), to say what was lost."""
     if threading.current_thread().name.startswith("tiermem-"):  # a lane or I/O thread: it cannot join itself
-        threading.Thread(target=_give_back_now, args=(hooks, engine, stores, tracer, module),
+        threading.Thread(target=_give_back_now, args=(hooks, engine, stores, tracer, dropped),
                          name="tiermem-release", daemon=True).start()
     else:
-        _give_back_now(hooks, engine, stores, tracer, module)
+        _give_back_now(hooks, engine, stores, tracer, dropped)
 
 
 def _give_back_now(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer,
-                   module: Optional[weakref.ref]) -> None:
-    if module is not None and module() is not None:
-        log.warning("tiermem: a TieredModel of %s was dropped without detach(): its memory, files and lock "
-                    "were given back, and its module holds working-precision weights (NaN for those that "
-                    "lived off the device); call tm.detach() to get the trained fp32 weights back",
-                    type(module()).__name__)
+                   dropped: Optional[Stepper]) -> None:
+    if dropped is not None and dropped.steps:
+        log.warning("tiermem: a TieredModel trained for %d steps was dropped without detach(): its memory, files "
+                    "and lock were given back with its trained weights (its module holds working-precision "
+                    "weights, NaN for those that lived off the device); call tm.detach() or tm.save(path) "
+                    "before dropping a model whose weights you need", dropped.steps)
     errors = []
     for give_back in (hooks.remove, engine.close, *(s.release_all for s in stores.values()), tracer.write):
         try:
