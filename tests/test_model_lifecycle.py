@@ -136,3 +136,45 @@ def test_detach_returns_the_module_once_and_refuses_after(tmp_path):
     with tm:  # leaving a detached model's block changes nothing
         pass
     assert _files(tmp_path) == []
+
+
+def test_a_module_has_one_live_tiered_model_at_a_time(tmp_path):
+    model = TinyGPT()
+    tm = TieredModel(model, precision="fp32")
+    for wrap in (model, model.blocks[0], model.blocks):  # the module, a part of it
+        with pytest.raises(ConfigError, match=r"a live TieredModel already wraps .*tm\.detach\(\).*del tm"):
+            TieredModel(wrap, precision="fp32")
+    outer = torch.nn.Sequential(model)  # or a module around it
+    with pytest.raises(ConfigError, match=r"already wraps its submodule '0'"):
+        TieredModel(outer, precision="fp32")
+    train_steps(tm, 1)  # the refused ones changed nothing
+    tm.detach()
+    again = TieredModel(model, precision="fp32")
+    del again  # dropped: the module is free again
+    TieredModel(model, precision="fp32").detach()
+
+
+def test_a_failed_construction_leaves_the_module_and_directory_as_they_were(tmp_path, monkeypatch):
+    import errno
+
+    from tiermem.memory.nvme import NvmeStore
+
+    model = TinyGPT()
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    threads = _threads()
+
+    def full(self, fd, bufs, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(NvmeStore, "_pwritev", full)
+    with pytest.raises(TierMemError, match="No space left"):
+        _build(model, tmp_path)  # writing the first weights to NVMe fails part way through construction
+    for n, p in model.named_parameters():
+        assert p is before[n][0] and p.dtype == torch.float32 and torch.equal(p.detach(), before[n][1]), n
+        assert not p._post_accumulate_grad_hooks
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert not {t for t in _threads() - threads if t.name.startswith("tiermem")}
+    assert _files(tmp_path) == []
+    monkeypatch.undo()  # the disk has room again: the same module and directory build
+    tm = _build(model, tmp_path)
+    train_steps(tm, 1)
+    tm.detach()

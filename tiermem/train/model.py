@@ -10,6 +10,7 @@ Every public call is checked against the step's phase in one place (NOTE [Step l
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -52,6 +53,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["TieredModel", "StepResult", "Phase"]
 
+#: every module (and submodule) a live TieredModel wraps -> that model, weakly: one owner at a time
+_OWNERS: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
 
 @checked_arguments
 class TieredModel:
@@ -84,6 +88,7 @@ class TieredModel:
                         device=device, bucket_size=bucket_size, overlap_step=overlap_step, nvme_dir=nvme_dir,
                         trace_path=trace_path, prefetch=prefetch, max_skipped_steps=max_skipped_steps,
                         loss_scale=loss_scale)
+        _check_unowned(module)
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = grad_clip, opts.overlap
@@ -100,46 +105,49 @@ class TieredModel:
             + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), grad_clip, opts.overlap]))
         reclaimers = Reclaimers()  # a cache on the device (prefetched weights) gives room back to others
         self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)
-        device_need = self._check_fits(buckets, param_homes)
-        self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
-        self.hooks = HookSet()
-        self.param_offload = (self._offload_weights(param_homes, device_need, opts.prefetch, reclaimers)
-                              if param_homes else None)
-        compiled_off_device = bool(param_homes) and _is_compiled(module)  # NOTE [Parameters off the device]
-        # the stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during
-        # the forward on another thread, and must stay compiled; dynamo then falls back by itself
-        self._force_eager = compiled_off_device and not opts.overlap
-        if compiled_off_device:
-            log.warning("tiermem: %d weights of this torch.compile'd model (or of modules compiled in it) live off "
-                        "the device under %r: its forward runs eagerly (NOTE [Parameters off the device]); "
-                        "place PARAM on the device to run it compiled", len(param_homes), self.policy)
-        homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
-                                         weights_off_device=self.param_offload, group=self.group)
-        self.layout = build(module, buckets, step_buckets, groups, names, homes, self.stores, self.dtype, self.device,
-                            self.param_offload)
-        self.scaler = LossScaler.of(precision == "fp16", loss_scale)
-        self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger,
-                                   group=self.group)
-        outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
-        self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=grad_clip,
-                               tracer=self.tracer, overlap=opts.overlap, group=self.group,
-                               max_skipped=max_skipped_steps)
-        self.optimizer = TieredOptimizer(self.layout, opts.spec, self._step)
-        for b in buckets:
-            for s in b.slots:
-                self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
-        self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks,
-                                               params=self.param_offload)
-        frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
-        self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
-                                 precision, self.dtype, frozen_off, self.group)
-        self._life = Lifecycle()
-        # NOTE [A dropped model lets go]: nothing above refers back to self, so a model nobody
-        # references is collected; this gives back what it held (and is detach()'s last part)
-        self._release = weakref.finalize(self, _give_back, self.hooks, self.engine, self.stores, self.tracer,
-                                         self.stepper)
-        self._release.atexit = False  # the process's end frees it all; no I/O on the way out
-        self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
+        with _undone_on_failure(self, module):  # NOTE [A dropped model lets go]: a failed build leaves nothing held
+            device_need = self._check_fits(buckets, param_homes)
+            self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
+            self.hooks = HookSet()
+            self.param_offload = (self._offload_weights(param_homes, device_need, opts.prefetch, reclaimers)
+                                  if param_homes else None)
+            compiled_off_device = bool(param_homes) and _is_compiled(module)  # NOTE [Parameters off the device]
+            # the stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during
+            # the forward on another thread, and must stay compiled; dynamo then falls back by itself
+            self._force_eager = compiled_off_device and not opts.overlap
+            if compiled_off_device:
+                log.warning("tiermem: %d weights of this torch.compile'd model (or of modules compiled in it) live "
+                            "off the device under %r: its forward runs eagerly (NOTE [Parameters off the device]); "
+                            "place PARAM on the device to run it compiled", len(param_homes), self.policy)
+            homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
+                                             weights_off_device=self.param_offload, group=self.group)
+            self.layout = build(module, buckets, step_buckets, groups, names, homes, self.stores, self.dtype,
+                                self.device, self.param_offload)
+            self.scaler = LossScaler.of(precision == "fp16", loss_scale)
+            self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger,
+                                       group=self.group)
+            outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
+            self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=grad_clip,
+                                   tracer=self.tracer, overlap=opts.overlap, group=self.group,
+                                   max_skipped=max_skipped_steps)
+            self.optimizer = TieredOptimizer(self.layout, opts.spec, self._step)
+            for b in buckets:
+                for s in b.slots:
+                    self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
+            self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks,
+                                                   params=self.param_offload)
+            frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
+            self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
+                                     precision, self.dtype, frozen_off, self.group)
+            self._life = Lifecycle()
+            # NOTE [A dropped model lets go]: nothing above refers back to self, so a model nobody
+            # references is collected; this gives back what it held (and is detach()'s last part)
+            self._release = weakref.finalize(self, _give_back, self.hooks, self.engine, self.stores, self.tracer,
+                                             self.stepper)
+            self._release.atexit = False  # the process's end frees it all; no I/O on the way out
+            for m in module.modules():
+                _OWNERS[m] = weakref.ref(self)
+            self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
 
@@ -326,6 +334,9 @@ class TieredModel:
             p.data = weights[name]
         self.layout.buffers.give_back()
         self._life.to(Phase.DETACHED)
+        for m in self.module.modules():
+            if _OWNERS.get(m) is not None and _OWNERS[m]() is self:
+                del _OWNERS[m]
         self._release.detach()  # the finalizer's own call would warn that the weights were not given back
         _give_back(self.hooks, self.engine, self.stores, self.tracer)
         return self.module
@@ -368,6 +379,12 @@ class TieredModel:
 # device): detach() is the way to get the trained fp32 weights back. The finalizer may run in a
 # garbage-collection pass on one of tiermem's own threads, which cannot join itself: there it
 # hands the work to a new thread.
+# Two more ends are kept as clean. A construction that raises once the stores exist (a disk that
+# fills while the first weights are written) puts back the tensors the module's parameters and
+# buffers held, removes its hooks and gives everything back before the error propagates. And a
+# module (or any module in it, or around it) belongs to one live TieredModel at a time: a second
+# one would hook the same parameters and each would take the other's gradients, so it is refused
+# until the first is detached or dropped.
 def _give_back(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer,
                dropped: Optional[Stepper] = None) -> None:
     """NOTE [A dropped model lets go]: everything a TieredModel holds, given back (once).
@@ -394,6 +411,54 @@ def _give_back_now(hooks: HookSet, engine: TransferEngine, stores: dict, tracer:
             errors.append(e)
     if errors:
         raise errors[0]
+
+
+@contextlib.contextmanager
+def _undone_on_failure(tm: TieredModel, module: torch.nn.Module) -> Iterator[None]:
+    """TieredModel's construction once its stores exist: if it raises, the module gets back the
+    tensors its parameters and buffers held and loses the hooks put on it, and the engine's
+    threads and the stores' memory, files and lock are given back, before the error propagates."""
+    params = [(p, p.data) for p in module.parameters()]
+    buffers = [(owner, name, buf) for owner in module.modules() for name, buf in owner._buffers.items()]
+    try:
+        yield
+    except BaseException:
+        for p, data in params:
+            p.data = data
+        for owner, name, buf in buffers:
+            owner._buffers[name] = buf
+        hooks, engine = getattr(tm, "hooks", None), getattr(tm, "engine", None)
+        steps = [hooks.remove] if hooks is not None else []
+        steps += [engine.close] if engine is not None else []
+        for give_back in steps + [s.release_all for s in tm.stores.values()]:
+            try:
+                give_back()
+            except Exception as e:  # noqa: BLE001 - the construction's own error is the one to see
+                log.warning("tiermem: while undoing a failed TieredModel(...): %s: %s", type(e).__name__, e)
+        raise
+
+
+def _check_unowned(module: torch.nn.Module) -> None:
+    """Refuse a module that a live TieredModel already wraps, wholly or in part: both would hook
+    its parameters, and each would see the other's gradients (NOTE [A dropped model lets go])."""
+    def owner_of() -> Optional[tuple[str, "TieredModel"]]:
+        for name, m in module.named_modules():
+            ref = _OWNERS.get(m)
+            tm = ref() if ref is not None else None
+            if tm is not None and tm.phase is not Phase.DETACHED:
+                return name, tm
+        return None
+    found = owner_of()
+    if found is not None:
+        del found
+        gc.collect()  # a model that only a reference cycle keeps lets go
+        found = owner_of()
+    if found is not None:
+        name, tm = found
+        what = f"its submodule {name!r}" if name else "it"
+        raise ConfigError(f"tiermem: this {type(module).__name__} cannot be wrapped: a live TieredModel already wraps "
+                          f"{what} ({tm!r}); call tm.detach() on that one, or drop every reference to it "
+                          f"(del tm), before wrapping the module again")
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
