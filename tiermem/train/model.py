@@ -10,9 +10,7 @@ Every public call is checked against the step's phase in one place (NOTE [Step l
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-import threading
 import time
 import weakref
 from typing import Any, Iterator, Optional
@@ -30,7 +28,7 @@ from tiermem.plan.choose import Evaluator
 from tiermem.plan.cost import against_measured
 from tiermem.plan.placement import plan
 from tiermem.plan.policy import Policy, resolve_policy
-from tiermem.train import checkpoint
+from tiermem.train import checkpoint, lifetime
 from tiermem.train.activations import ActivationOffloader
 from tiermem.train.backward import GradCollector
 from tiermem.train.hooks import HookSet
@@ -52,9 +50,6 @@ from tiermem.types import Tier
 log = logging.getLogger(__name__)
 
 __all__ = ["TieredModel", "StepResult", "Phase"]
-
-#: every module (and submodule) a live TieredModel wraps -> that model, weakly: one owner at a time
-_OWNERS: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 @checked_arguments
@@ -88,7 +83,7 @@ class TieredModel:
                         device=device, bucket_size=bucket_size, overlap_step=overlap_step, nvme_dir=nvme_dir,
                         trace_path=trace_path, prefetch=prefetch, max_skipped_steps=max_skipped_steps,
                         loss_scale=loss_scale)
-        _check_unowned(module)
+        lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = grad_clip, opts.overlap
@@ -105,7 +100,7 @@ class TieredModel:
             + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), grad_clip, opts.overlap]))
         reclaimers = Reclaimers()  # a cache on the device (prefetched weights) gives room back to others
         self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)
-        with _undone_on_failure(self, module):  # NOTE [A dropped model lets go]: a failed build leaves nothing held
+        with lifetime.undone_on_failure(self, module):  # a failed build leaves nothing held
             device_need = self._check_fits(buckets, param_homes)
             self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
             self.hooks = HookSet()
@@ -142,11 +137,10 @@ class TieredModel:
             self._life = Lifecycle()
             # NOTE [A dropped model lets go]: nothing above refers back to self, so a model nobody
             # references is collected; this gives back what it held (and is detach()'s last part)
-            self._release = weakref.finalize(self, _give_back, self.hooks, self.engine, self.stores, self.tracer,
-                                             self.stepper)
+            self._release = weakref.finalize(self, lifetime.give_back, self.hooks, self.engine, self.stores,
+                                             self.tracer, self.stepper)
             self._release.atexit = False  # the process's end frees it all; no I/O on the way out
-            for m in module.modules():
-                _OWNERS[m] = weakref.ref(self)
+            lifetime.claim(module, self)
             self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
@@ -334,11 +328,9 @@ class TieredModel:
             p.data = weights[name]
         self.layout.buffers.give_back()
         self._life.to(Phase.DETACHED)
-        for m in self.module.modules():
-            if _OWNERS.get(m) is not None and _OWNERS[m]() is self:
-                del _OWNERS[m]
+        lifetime.disown(self.module, self)
         self._release.detach()  # the finalizer's own call would warn that the weights were not given back
-        _give_back(self.hooks, self.engine, self.stores, self.tracer)
+        lifetime.give_back(self.hooks, self.engine, self.stores, self.tracer)
         return self.module
 
     def __enter__(self) -> "TieredModel":
@@ -365,100 +357,6 @@ class TieredModel:
     def __repr__(self) -> str:
         return (f"TieredModel({type(self.module).__name__}, policy={self.policy!r}, precision={self.precision!r}, "
                 f"params={self.layout.n_params:,}, buckets={len(self.layout.buckets)})")
-
-
-# NOTE [A dropped model lets go]
-# A TieredModel owns threads (the engine's lanes, the NVMe store's I/O), pooled and pinned host
-# memory, NVMe files and the NVMe directory's lock. detach() gives them back; so does dropping the
-# last reference to the model: nothing the model builds refers back to it (the hooks on the user's
-# module reach its collaborators, never the TieredModel; tm.optimizer refers to it weakly), and a
-# finalizer on it runs :func:`_give_back`, which removes the hooks (the module no longer reaches
-# anything of tiermem's), closes the engine (its threads end), and deletes every stored key and
-# frees the pools (files, pinned memory and the lock go). The module keeps what its parameters
-# hold at that moment (working-precision weights; a NaN placeholder for those homed off the
-# device): detach() is the way to get the trained fp32 weights back. The finalizer may run in a
-# garbage-collection pass on one of tiermem's own threads, which cannot join itself: there it
-# hands the work to a new thread.
-# Two more ends are kept as clean. A construction that raises once the stores exist (a disk that
-# fills while the first weights are written) puts back the tensors the module's parameters and
-# buffers held, removes its hooks and gives everything back before the error propagates. And a
-# module (or any module in it, or around it) belongs to one live TieredModel at a time: a second
-# one would hook the same parameters and each would take the other's gradients, so it is refused
-# until the first is detached or dropped.
-def _give_back(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer,
-               dropped: Optional[Stepper] = None) -> None:
-    """NOTE [A dropped model lets go]: everything a TieredModel holds, given back (once).
-    ``dropped``: the stepper of a model dropped without detach(), to say what was lost."""
-    if threading.current_thread().name.startswith("tiermem-"):  # a lane or I/O thread: it cannot join itself
-        threading.Thread(target=_give_back_now, args=(hooks, engine, stores, tracer, dropped),
-                         name="tiermem-release", daemon=True).start()
-    else:
-        _give_back_now(hooks, engine, stores, tracer, dropped)
-
-
-def _give_back_now(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer,
-                   dropped: Optional[Stepper]) -> None:
-    if dropped is not None and dropped.steps:
-        log.warning("tiermem: a TieredModel trained for %d steps was dropped without detach(): its memory, files "
-                    "and lock were given back with its trained weights (its module holds working-precision "
-                    "weights, NaN for those that lived off the device); call tm.detach() or tm.save(path) "
-                    "before dropping a model whose weights you need", dropped.steps)
-    errors = []
-    for give_back in (hooks.remove, engine.close, *(s.release_all for s in stores.values()), tracer.write):
-        try:
-            give_back()
-        except Exception as e:  # noqa: BLE001 - give back the rest first, then tell
-            errors.append(e)
-    if errors:
-        raise errors[0]
-
-
-@contextlib.contextmanager
-def _undone_on_failure(tm: TieredModel, module: torch.nn.Module) -> Iterator[None]:
-    """TieredModel's construction once its stores exist: if it raises, the module gets back the
-    tensors its parameters and buffers held and loses the hooks put on it, and the engine's
-    threads and the stores' memory, files and lock are given back, before the error propagates."""
-    params = [(p, p.data) for p in module.parameters()]
-    buffers = [(owner, name, buf) for owner in module.modules() for name, buf in owner._buffers.items()]
-    try:
-        yield
-    except BaseException:
-        for p, data in params:
-            p.data = data
-        for owner, name, buf in buffers:
-            owner._buffers[name] = buf
-        hooks, engine = getattr(tm, "hooks", None), getattr(tm, "engine", None)
-        steps = [hooks.remove] if hooks is not None else []
-        steps += [engine.close] if engine is not None else []
-        for give_back in steps + [s.release_all for s in tm.stores.values()]:
-            try:
-                give_back()
-            except Exception as e:  # noqa: BLE001 - the construction's own error is the one to see
-                log.warning("tiermem: while undoing a failed TieredModel(...): %s: %s", type(e).__name__, e)
-        raise
-
-
-def _check_unowned(module: torch.nn.Module) -> None:
-    """Refuse a module that a live TieredModel already wraps, wholly or in part: both would hook
-    its parameters, and each would see the other's gradients (NOTE [A dropped model lets go])."""
-    def owner_of() -> Optional[tuple[str, "TieredModel"]]:
-        for name, m in module.named_modules():
-            ref = _OWNERS.get(m)
-            tm = ref() if ref is not None else None
-            if tm is not None and tm.phase is not Phase.DETACHED:
-                return name, tm
-        return None
-    found = owner_of()
-    if found is not None:
-        del found
-        gc.collect()  # a model that only a reference cycle keeps lets go
-        found = owner_of()
-    if found is not None:
-        name, tm = found
-        what = f"its submodule {name!r}" if name else "it"
-        raise ConfigError(f"tiermem: this {type(module).__name__} cannot be wrapped: a live TieredModel already wraps "
-                          f"{what} ({tm!r}); call tm.detach() on that one, or drop every reference to it "
-                          f"(del tm), before wrapping the module again")
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:

@@ -29,7 +29,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             groups.append(g)
         super().__init__(groups, spec.group_defaults())
         # weakly: a scheduler that keeps this optimizer must not keep the whole model alive
-        # (NOTE [A dropped model lets go] in tiermem.train.model)
+        # (NOTE [A dropped model lets go] in tiermem.train.lifetime)
         self._run_step = weakref.WeakMethod(step) if hasattr(step, "__self__") else (lambda: step)
 
     def step(self, closure=None):  # type: ignore[override]

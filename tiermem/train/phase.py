@@ -12,7 +12,7 @@ A TieredModel is always in exactly one :class:`Phase`. The public calls move it:
 
 A model dropped in any phase but DETACHED gives back its threads, memory, files and lock when
 it is collected, without restoring the module's weights (NOTE [A dropped model lets go] in
-:mod:`tiermem.train.model`).
+:mod:`tiermem.train.lifetime`).
 
 A call that its phase does not allow (a step from inside a backward hook, a forward after
 detach) raises a ``tiermem:`` error naming the phase and what to do, before anything changes.
