@@ -171,12 +171,18 @@ class ActivationMover:
         if handle is None:
             self._unfetch(rec, staging)
             return None
-        handle.add_done_callback(lambda f: f.exception() is not None and self.dev.release(rec.back_key))
+        handle.add_done_callback(lambda f: self._fetch_ended(rec, f))
         if ahead:
             self.stats.fetched_ahead += 1
         else:
             self.stats.fetched_on_demand += 1
         return handle
+
+    def _fetch_ended(self, rec: Record, future) -> None:
+        """A failed fetch gives its device bytes back now, not when its graph goes (a failed
+        backward's graph may be kept for long: by the loss, or the error's traceback)."""
+        if future.exception() is not None:
+            self.dev.release(rec.back_key)
 
     def _unfetch(self, rec: Record, staging: Optional[Lease]) -> None:
         """Give back what a fetch that did not start took."""
