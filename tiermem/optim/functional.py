@@ -20,7 +20,6 @@ from typing import Optional
 
 import torch
 
-from tiermem.config import check_adam_hyper
 from tiermem.errors import ConfigError, TierMemError
 from tiermem.optim import _compiled, _kernels
 from tiermem.optim._hyper import AdamHyper
@@ -60,10 +59,9 @@ def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
     and always returns False. ``impl`` picks an implementation ("compiled", "fallback",
     "reference") instead of the default, for tests and benchmarks.
     """
-    scalars = {k: _as_number(v) for k, v in dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                                   grad_scale=grad_scale, clip_coef=clip_coef).items()}
-    check_adam_hyper("adam_step ", adamw=adamw, **scalars)  # before float(): "1e-3" or None is an error, not a cast
-    hyper = AdamHyper(step=_as_step(step), adamw=adamw, **{k: float(v) for k, v in scalars.items()})
+    hyper = AdamHyper(step=_as_step(step), lr=_as_number(lr), beta1=_as_number(beta1), beta2=_as_number(beta2),
+                      eps=_as_number(eps), weight_decay=_as_number(weight_decay), adamw=adamw,
+                      grad_scale=_as_number(grad_scale), clip_coef=_as_number(clip_coef))
     _check_tensors(master, exp_avg, exp_avg_sq, grad, out)
     _check_impl(impl)
     # detached views: the same memory, without autograd's view of it (dynamo guards on requires_grad)
