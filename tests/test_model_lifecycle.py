@@ -12,11 +12,13 @@ import torch
 
 from models import TinyGPT, gpt_batch, gpt_loss, train_steps
 from tiermem import ConfigError, Phase, TieredModel, TierMemError, Tier
+from tiermem.memory import deferred
 from tiermem.policies import ZeroInfinity
 
 
 def _threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.is_alive()}
+    """Live threads but the one release worker a process keeps (NOTE [Finalizers only enqueue])."""
+    return {t for t in threading.enumerate() if t.is_alive() and t.name != "tiermem-release"}
 
 
 def _files(directory) -> list[str]:
@@ -39,7 +41,8 @@ def test_a_dropped_model_gives_back_threads_memory_files_and_lock(tmp_path, capl
     assert host_ledger.used > 0
     alive = [weakref.ref(o) for o in (tm, tm.engine, tm.grads, *tm.stores.values())]
     del tm
-    gc.collect()
+    deferred.collect()  # gc.collect(), then wait for the release worker
+    gc.collect()  # what it gave back holds reference cycles of its own
     assert [r() for r in alive] == [None] * len(alive)
     assert not {t for t in _threads() - before if t.name.startswith("tiermem")}
     assert _files(tmp_path) == []  # slot files deleted, the lock let go
@@ -52,13 +55,22 @@ def test_a_dropped_model_gives_back_threads_memory_files_and_lock(tmp_path, capl
     again.detach()
 
 
+def test_the_next_model_on_a_directory_builds_right_after_a_drop(tmp_path):
+    model = TinyGPT()
+    tm = _build(model, tmp_path)
+    train_steps(tm, 1)
+    del tm
+    gc.collect()  # the release runs on its worker; the next construction waits for it
+    _build(model, tmp_path).detach()  # same module, same directory
+
+
 def test_rebuilding_in_a_loop_holds_one_model_at_a_time(tmp_path):
     before = _threads()
     for _ in range(3):
         tm = _build(TinyGPT(), tmp_path)
         train_steps(tm, 1)
         del tm  # a notebook user rebuilding the model
-    gc.collect()
+    deferred.collect()
     assert not {t for t in _threads() - before if t.name.startswith("tiermem")}
     assert _files(tmp_path) == []
 
@@ -82,7 +94,7 @@ def test_a_scheduler_keeps_the_optimizer_not_the_model(tmp_path):
     sched.step()
     dropped = weakref.ref(tm)
     del tm
-    gc.collect()
+    deferred.collect()
     assert dropped() is None and _files(tmp_path) == []
     with pytest.raises(TierMemError, match="TieredModel of this optimizer was dropped"):
         sched.optimizer.step()
@@ -96,9 +108,7 @@ def test_dropped_on_a_tiermem_thread_gives_back_from_another(tmp_path):
     train_steps(holder[0], 1)
     engine = holder[0].engine
     engine.run_async(holder.clear).wait(timeout=60)  # the last reference goes on the engine's compute lane
-    for t in threading.enumerate():
-        if t.name == "tiermem-release":
-            t.join(timeout=60)
+    deferred.settle()
     assert _files(tmp_path) == []
     _build(TinyGPT(), tmp_path).detach()
 

@@ -6,13 +6,14 @@ A TieredModel owns threads (the engine's lanes, the NVMe store's I/O), pooled an
 memory, NVMe files and the NVMe directory's lock. detach() gives them back; so does dropping the
 last reference to the model: nothing the model builds refers back to it (the hooks on the user's
 module reach its collaborators, never the TieredModel; tm.optimizer refers to it weakly), and a
-finalizer on it runs :func:`give_back`, which removes the hooks (the module no longer reaches
-anything of tiermem's), closes the engine (its threads end), and deletes every stored key and
-frees the pools (files, pinned memory and the lock go). The module keeps what its parameters
+finalizer on it has the release worker (NOTE [Finalizers only enqueue] in
+:mod:`tiermem.memory.deferred`) remove the hooks (the module no longer reaches anything of
+tiermem's), close the engine (its threads end), and delete every stored key and free the pools
+(files, pinned memory and the lock go), soon after. The module keeps what its parameters
 hold at that moment (working-precision weights; a NaN placeholder for those homed off the
 device): detach() is the way to get the trained fp32 weights back, and a model dropped after it
-trained says so in a warning. The finalizer may run in a garbage-collection pass on one of
-tiermem's own threads, which cannot join itself: there it hands the work to a new thread.
+trained says so in a warning. A new TieredModel, and an NVMe store that finds its directory
+locked by this process, first collect garbage and wait for the worker (``deferred.collect``).
 
 Two more ends are kept as clean. A construction that raises once the stores exist (a disk that
 fills while the first weights are written) puts back the tensors the module's parameters and
@@ -24,15 +25,14 @@ each would take the other's gradients, so it is refused until the first is detac
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
 from tiermem.errors import ConfigError
+from tiermem.memory import deferred
 from tiermem.train.phase import Phase
 
 if TYPE_CHECKING:
@@ -47,24 +47,24 @@ log = logging.getLogger(__name__)
 _OWNERS: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def give_back(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer,
-              dropped: Optional[Stepper] = None) -> None:
-    """Everything a TieredModel holds, given back (once; NOTE [A dropped model lets go]).
-    ``dropped``: the stepper of a model dropped without detach(), to say what was lost."""
-    if threading.current_thread().name.startswith("tiermem-"):  # a lane or I/O thread: it cannot join itself
-        threading.Thread(target=_give_back_now, args=(hooks, engine, stores, tracer, dropped),
-                         name="tiermem-release", daemon=True).start()
-    else:
-        _give_back_now(hooks, engine, stores, tracer, dropped)
+def dropped(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer, stepper: Stepper) -> None:
+    """The finalizer of a TieredModel: its :func:`give_back`, deferred (NOTE [Finalizers only
+    enqueue] in :mod:`tiermem.memory.deferred`)."""
+    deferred.defer(_give_back_now, hooks, engine, stores, tracer, stepper)
+
+
+def give_back(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer) -> None:
+    """Everything a TieredModel holds, given back now (detach(); NOTE [A dropped model lets go])."""
+    _give_back_now(hooks, engine, stores, tracer, None)
 
 
 def _give_back_now(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer,
-                   dropped: Optional[Stepper]) -> None:
-    if dropped is not None and dropped.steps:
+                   stepper: Optional[Stepper]) -> None:
+    if stepper is not None and stepper.steps:
         log.warning("tiermem: a TieredModel trained for %d steps was dropped without detach(): its memory, files "
                     "and lock were given back with its trained weights (its module holds working-precision "
                     "weights, NaN for those that lived off the device); call tm.detach() or tm.save(path) "
-                    "before dropping a model whose weights you need", dropped.steps)
+                    "before dropping a model whose weights you need", stepper.steps)
     errors = []
     for step in (hooks.remove, engine.close, *(s.release_all for s in stores.values()), tracer.write):
         try:
@@ -119,7 +119,7 @@ def check_unowned(module: torch.nn.Module) -> None:
     found = _owner(module)
     if found is not None:
         del found
-        gc.collect()  # a model that only a reference cycle keeps lets go
+        deferred.collect()  # a model that only a reference cycle keeps lets go
         found = _owner(module)
     if found is not None:
         name, tm = found

@@ -20,6 +20,7 @@ import torch
 from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _AdamSpec
 from tiermem.errors import ConfigError, checked_arguments
+from tiermem.memory import deferred
 from tiermem.memory.ledger import Reclaimers
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
@@ -83,6 +84,8 @@ class TieredModel:
                         device=device, bucket_size=bucket_size, overlap_step=overlap_step, nvme_dir=nvme_dir,
                         trace_path=trace_path, prefetch=prefetch, max_skipped_steps=max_skipped_steps,
                         loss_scale=loss_scale)
+        deferred.start()  # the worker that gives back dropped models (NOTE [Finalizers only enqueue])
+        deferred.settle()  # what models dropped before this one held is back (their hooks are off the module)
         lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         self.policy = resolve_policy(policy)
@@ -137,7 +140,7 @@ class TieredModel:
             self._life = Lifecycle()
             # NOTE [A dropped model lets go]: nothing above refers back to self, so a model nobody
             # references is collected; this gives back what it held (and is detach()'s last part)
-            self._release = weakref.finalize(self, lifetime.give_back, self.hooks, self.engine, self.stores,
+            self._release = weakref.finalize(self, lifetime.dropped, self.hooks, self.engine, self.stores,
                                              self.tracer, self.stepper)
             self._release.atexit = False  # the process's end frees it all; no I/O on the way out
             lifetime.claim(module, self)
@@ -353,6 +356,7 @@ class TieredModel:
                        f"model's memory, files and lock were given back; the module may not hold its trained weights")
             self._life.to(Phase.DETACHED)
             self._release()  # runs once: says that the weights did not go back
+            deferred.settle()
 
     def __repr__(self) -> str:
         return (f"TieredModel({type(self.module).__name__}, policy={self.policy!r}, precision={self.precision!r}, "
