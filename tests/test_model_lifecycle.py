@@ -3,6 +3,7 @@ when it is detached, left by a ``with`` block, or dropped (NOTE [A dropped model
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
 import weakref
@@ -31,6 +32,7 @@ def _build(model, nvme_dir) -> TieredModel:
 
 
 def test_a_dropped_model_gives_back_threads_memory_files_and_lock(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="tiermem")
     model = TinyGPT()
     before = _threads()
     tm = _build(model, tmp_path)

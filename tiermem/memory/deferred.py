@@ -10,10 +10,12 @@ on a ``queue.SimpleQueue`` (whose ``put`` is safe inside finalizers), and one da
 ``tiermem-release``, started by :func:`start` from an ordinary call, runs it. :func:`settle`
 waits until everything deferred so far has run; :func:`collect` first collects garbage, so that
 what nothing references any more is given back before it returns (a new model on the same
-directory or module calls it before refusing).
+directory or module calls it before refusing). At exit the worker finishes what was deferred
+before the interpreter tears down, and what is dropped later is left to the process's end.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import queue
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 _jobs: "queue.SimpleQueue[Callable[[], Any]]" = queue.SimpleQueue()
 _worker: Optional[threading.Thread] = None
 _start_lock = threading.Lock()
+_exiting = False  # the interpreter is ending: it frees everything itself, nothing more is deferred
 
 
 def start() -> None:
@@ -32,13 +35,16 @@ def start() -> None:
     global _worker
     with _start_lock:
         if _worker is None or not _worker.is_alive():
+            if _worker is None:
+                atexit.register(_at_exit)
             _worker = threading.Thread(target=_work, name="tiermem-release", daemon=True)
             _worker.start()
 
 
 def defer(fn: Callable[..., Any], *args: Any) -> None:
     """Run ``fn(*args)`` on the worker; safe to call from a finalizer."""
-    _jobs.put(lambda: fn(*args))
+    if not _exiting:
+        _jobs.put(lambda: fn(*args))
 
 
 def settle(timeout: float = 60.0) -> None:
@@ -57,11 +63,20 @@ def collect() -> None:
     settle()
 
 
+def _at_exit() -> None:
+    """The interpreter is ending: what was dropped before runs now (a daemon thread must not be
+    in the middle of it once the interpreter tears down); later drops are left to the exit."""
+    global _exiting
+    _exiting = True
+    settle(timeout=30.0)
+
+
 def _work() -> None:
     while True:
         job = _jobs.get()
         try:
             job()
         except Exception as e:  # noqa: BLE001 - one failed release must not stop the others
-            log.warning("tiermem: giving back a dropped model's resources failed: %s: %s", type(e).__name__, e)
+            (log.debug if _exiting else log.warning)(  # at exit, thread pools refuse work: expected
+                "tiermem: giving back a dropped model's resources failed: %s: %s", type(e).__name__, e)
         del job  # what it referred to goes now, not when the next job comes

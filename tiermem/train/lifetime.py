@@ -12,8 +12,9 @@ tiermem's), close the engine (its threads end), and delete every stored key and 
 (files, pinned memory and the lock go), soon after. The module keeps what its parameters
 hold at that moment (working-precision weights; a NaN placeholder for those homed off the
 device): detach() is the way to get the trained fp32 weights back, and a model dropped after it
-trained says so in a warning. A new TieredModel, and an NVMe store that finds its directory
-locked by this process, first collect garbage and wait for the worker (``deferred.collect``).
+trained says so in the log (at INFO: a script whose model lives in a function drops it too). A
+new TieredModel, and an NVMe store that finds its directory locked by this process, first
+collect garbage and wait for the worker (``deferred.collect``).
 
 Two more ends are kept as clean. A construction that raises once the stores exist (a disk that
 fills while the first weights are written) puts back the tensors the module's parameters and
@@ -61,10 +62,10 @@ def give_back(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Trac
 def _give_back_now(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer,
                    stepper: Optional[Stepper]) -> None:
     if stepper is not None and stepper.steps:
-        log.warning("tiermem: a TieredModel trained for %d steps was dropped without detach(): its memory, files "
-                    "and lock were given back with its trained weights (its module holds working-precision "
-                    "weights, NaN for those that lived off the device); call tm.detach() or tm.save(path) "
-                    "before dropping a model whose weights you need", stepper.steps)
+        log.info("tiermem: a TieredModel trained for %d steps was dropped without detach(): its memory, files "
+                 "and lock were given back with its trained weights (its module holds working-precision "
+                 "weights, NaN for those that lived off the device); call tm.detach() or tm.save(path) "
+                 "before dropping a model whose weights you need", stepper.steps)
     errors = []
     for step in (hooks.remove, engine.close, *(s.release_all for s in stores.values()), tracer.write):
         try:
