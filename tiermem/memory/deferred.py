@@ -48,8 +48,10 @@ def defer(fn: Callable[..., Any], *args: Any) -> None:
 
 
 def settle(timeout: float = 60.0) -> None:
-    """Wait until everything deferred before this call has run (no-op on the worker itself)."""
-    if _worker is None or threading.current_thread() is _worker:
+    """Wait until everything deferred before this call has run (no-op on the worker itself, and
+    where none runs: never started, or a forked child's copy of the parent's)."""
+    worker = _worker
+    if worker is None or not worker.is_alive() or threading.current_thread() is worker:
         return
     done = threading.Event()
     _jobs.put(done.set)  # FIFO: set once every earlier job has run
