@@ -13,11 +13,12 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass, replace
 
 from tiermem.budgets import ByteSize, parse_bytes
-from tiermem.errors import ConfigError
+from tiermem.errors import ConfigError, checked_arguments
 from tiermem.plan.policy import ModelInfo, Policy
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 
+@checked_arguments
 @dataclass(frozen=True, repr=False)
 class ActivationOffload(Policy):
     """``base``'s placements, with activations of at least ``min_bytes`` on ``tier``."""

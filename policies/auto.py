@@ -31,7 +31,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from tiermem.errors import ConfigError, fmt_bytes
+from tiermem.errors import ConfigError, checked_arguments, fmt_bytes
 from tiermem.plan.policy import Evaluation, ModelInfo, Policy, check_reserve, over_reserve
 from tiermem.types import TensorClass, TensorInfo, Tier
 
@@ -67,6 +67,7 @@ class Choice:
     verdict: str  # "chosen", or why it was not
 
 
+@checked_arguments
 class Auto(Policy):
     """Chooses the placement from the machine profile, the model's sizes and the budgets (NOTE [How
     Auto chooses]). ``profile``: a machine profile (its data, or a ``Profile``) to use instead of this

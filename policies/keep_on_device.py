@@ -3,10 +3,12 @@
 tiermem/plan/policy.py): a model whose training state passes the rest is refused up front."""
 from __future__ import annotations
 
+from tiermem.errors import checked_arguments
 from tiermem.plan.policy import ModelInfo, PerClass, Policy, check_device_reserve, check_reserve
 from tiermem.types import TensorClass, Tier
 
 
+@checked_arguments
 class KeepOnDevice(PerClass):
     homes = {kind: Tier.DEVICE for kind in TensorClass}
 

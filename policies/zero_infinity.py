@@ -3,10 +3,12 @@ device. Weights come to the device just in time for their module (prefetched in 
 first step recorded) and the step streams the optimizer state through bounded host buffers."""
 from __future__ import annotations
 
+from tiermem.errors import checked_arguments
 from tiermem.plan.policy import PerClass
 from tiermem.types import TensorClass, Tier
 
 
+@checked_arguments
 class ZeroInfinity(PerClass):
     homes = {
         TensorClass.PARAM: Tier.NVME,

@@ -35,7 +35,7 @@ import copy
 import math
 from typing import Optional
 
-from tiermem.errors import ConfigError
+from tiermem.errors import ConfigError, checked_arguments
 from tiermem.plan.policy import ModelInfo, PerClass, Policy, check_device_reserve, check_reserve
 from tiermem.types import TensorClass, TensorInfo, Tier
 
@@ -62,6 +62,7 @@ def device_share(model: ModelInfo, fraction: float) -> frozenset[str]:
     return frozenset(chosen)
 
 
+@checked_arguments
 class ZeroOffload(PerClass):
     """ZeRO-Offload, with ``device_fraction`` of the optimizer state (and its grads) on the device."""
 

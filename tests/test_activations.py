@@ -488,13 +488,19 @@ def test_the_nvme_legs_are_counted_by_the_engine(tmp_path):
 
 
 def test_a_failed_nvme_read_surfaces_at_backward_and_gives_staging_back(tmp_path):
-    tm = TieredModel(_Chain(), ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0), precision="bf16",
+    torch.manual_seed(0)
+    model = _Chain()
+    plain = TieredModel(copy.deepcopy(model), ZeroOffload(), precision="bf16")  # the oracle: same numbers
+    tm = TieredModel(model, ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0), precision="bf16",
                      nvme_dir=str(tmp_path))
     store = tm.stores[Tier.NVME]
+    real = store._preadv
 
     def broken(fd, bufs, offset):
         raise OSError(5, "Input/output error")
     store._preadv = broken
+    dev = tm.stores[Tier.DEVICE].ledger
+    dev_before = dev.used
     loss = tm(torch.randn(32, 96)).float().pow(2).mean()
     host = tm.stores[Tier.HOST].ledger
     assert _soon(lambda: not host.kind_used.get(ACT, 0))  # the forward's writes landed
@@ -502,6 +508,15 @@ def test_a_failed_nvme_read_surfaces_at_backward_and_gives_staging_back(tmp_path
         tm.backward(loss)
     tm.activations.release()
     assert _soon(lambda: not host.kind_used.get(ACT, 0))  # the failed fetches gave their staging back
+    # and their device bytes, though the failed graph is still referenced (``loss``)
+    assert _soon(lambda: dev.used == dev_before and not dev.kind_used.get(ACT, 0)), dev.kind_used
+    store._preadv = real  # the disk is back: the documented recovery is forward and backward again
+    x = torch.randn(32, 96)
+    for m in (tm, plain):
+        m.backward(m(x).float().pow(2).mean())
+        m.step()
+    assert same_state(tm.state_dict(), plain.state_dict())
+    assert _soon(lambda: dev.used == dev_before)
 
 
 def _soon(cond, timeout: float = 30.0) -> bool:

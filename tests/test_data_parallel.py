@@ -28,10 +28,13 @@ def _same_kernel_as_the_ranks():
 def _rank_all(rank, world, tmp, solo_ckpt):
     """Every scenario that leaves the process group usable, in one pair of processes (a fresh
     process costs seconds here): each test below reads its part."""
+    nvme_files: list[str] = []
     out = {"fp32": _rank_train(rank, world, "fp32", "zero-offload", None, 1.0),
            "bf16": _rank_train(rank, world, "bf16", "zero-offload", None, None),
            "host": _rank_train(rank, world, "fp32", "zero-offload", None, None),
-           "nvme": _rank_train(rank, world, "fp32", "state-on-nvme", os.path.join(tmp, "nvme"), None),
+           "nvme": _rank_train(rank, world, "fp32", "state-on-nvme", os.path.join(tmp, "nvme"), None,
+                               files=nvme_files),
+           "nvme_files": nvme_files,
            "activations": _rank_train(rank, world, "fp32", "activation-offload", None, None),
            "overlap": _rank_train(rank, world, "fp32", "zero-offload", None, 1.0, overlap=True),
            "peak": _rank_peak(rank, world), "overflow": _rank_overflow(rank, world),
@@ -108,7 +111,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 # -- what each rank runs (top level: the spawned processes import them) --------------------------
-def _rank_train(rank, world, precision, policy_name, nvme_dir, clip, overlap=False):
+def _rank_train(rank, world, precision, policy_name, nvme_dir, clip, overlap=False, files=None):
     policy = {"zero-offload": ZeroOffload(), "state-on-nvme": StateOnNvme(),
               "activation-offload": ActivationOffload(ZeroOffload(), min_bytes=0)}[policy_name]
     tm = _make(precision, policy, nvme_dir=nvme_dir, grad_clip=clip, overlap_step=overlap)
@@ -118,6 +121,8 @@ def _rank_train(rank, world, precision, policy_name, nvme_dir, clip, overlap=Fal
         last = i == STEPS - 1  # reading the state lands an overlapped update: only at the end, then
         per_step.append((res, {k: v.clone() for k, v in tm.state_dict().items()} if last or not overlap else {}))
     rep = tm.report()
+    if files is not None:  # what the rank's directory holds while the model lives (a dropped one deletes its files)
+        files.extend(os.listdir(os.path.join(nvme_dir, f"rank{rank}")))
     return per_step, rep.class_peak_bytes.get((TensorClass.OPTIM_STATE, Tier.HOST), 0), rep.collective_bytes
 
 
@@ -186,7 +191,7 @@ def test_state_on_nvme_each_rank_in_its_own_directory(dp):
         assert all(torch.equal(a[-1][1][k], b[-1][1][k]) for k in a[-1][1])
         assert all(torch.equal(a[-1][1][k], c[-1][1][k]) for k in a[-1][1])  # activations offloaded too
     assert sorted(os.listdir(tmp / "nvme")) == ["rank0", "rank1"]
-    assert all(os.listdir(tmp / "nvme" / d) for d in ("rank0", "rank1"))
+    assert all(r["nvme_files"] for r in ranks)
 
 
 # -- checkpoints across world sizes --------------------------------------------------------------

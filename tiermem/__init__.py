@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tiermem.budgets import Budgets, parse_bytes
 from tiermem.config import Adam, AdamW, LossScale
-from tiermem.errors import ConfigError, OutOfTierMemory, StoreError, TierMemError
+from tiermem.errors import ArgumentError, ConfigError, OutOfTierMemory, StoreError, TierMemError
 from tiermem.handles import Handle
 from tiermem.train.model import StepResult, TieredModel
 from tiermem.train.phase import Phase
@@ -20,7 +20,7 @@ from tiermem.deepspeed_config import from_deepspeed_config
 __version__ = "0.1.0"
 
 __all__ = [
-    "Adam", "AdamW", "Budgets", "ConfigError", "Handle", "LossScale", "NvmeStore", "OutOfTierMemory", "PerClass", "Phase", "Policy",
+    "Adam", "AdamW", "ArgumentError", "Budgets", "ConfigError", "Handle", "LossScale", "NvmeStore", "OutOfTierMemory", "PerClass", "Phase", "Policy",
     "Report", "StepResult", "StoreError", "TensorClass", "TensorInfo", "TieredModel", "Tier",
     "TierMemError", "from_deepspeed_config", "parse_bytes", "__version__",
 ]

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
-from tiermem.errors import ConfigError
+from tiermem.errors import ConfigError, checked_arguments
 from tiermem.types import Tier
 
 ByteSize = Union[int, str]
@@ -46,6 +46,7 @@ def parse_bytes(value: ByteSize, *, what: str = "size") -> int:
     return n
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class Budgets:
     """Caps on the bytes tiermem manages per tier. ``None`` means this machine's default

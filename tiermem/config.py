@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from tiermem.errors import ConfigError
+from tiermem.errors import ConfigError, checked_arguments
 
 #: The working precisions: the dtype of the weights forward and backward use, by name. The one
 #: list: ``tiermem plan`` (tiermem.plan.sizing) derives its precisions and bytes per element from it.
@@ -26,10 +27,11 @@ def working_dtype(precision: str) -> torch.dtype:
 # NOTE [Adam hyperparameter rules]
 # The rule for each Adam hyperparameter, by name, in one table that the three places taking them
 # check against: the AdamW/Adam specs here, CPUAdam's arguments and adam_step's (through
-# tiermem.optim._hyper.AdamHyper). Numbers are ints or floats (CPUAdam checks a tensor lr, which
-# torch optimizers allow, as the number it holds).
+# tiermem.optim._hyper.AdamHyper). Numbers are real numbers but not bools (ints, floats, numpy
+# scalars; CPUAdam and adam_step check a one-element tensor, which torch optimizers allow for lr,
+# as the number it holds).
 def _number(v: Any) -> bool:
-    return isinstance(v, (int, float))
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _finite_non_negative(v: Any) -> bool:
@@ -53,6 +55,7 @@ _ADAM_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "grad_scale": (lambda v: _number(v) and 2.0**-126 < v < 2.0**126,
                    "between 2**-126 and 2**126 (its reciprocal a normal fp32 number)"),
     "clip_coef": _FINITE_NON_NEGATIVE,
+    "adamw": (lambda v: isinstance(v, bool), "True (AdamW: decoupled weight decay) or False (Adam: L2 penalty)"),
 }
 
 
@@ -71,6 +74,7 @@ def check_adam_hyper(where: str, **values: Any) -> None:
             raise _invalid(where, name, value, rule)
 
 
+@checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class _AdamSpec:
     """Adam hyperparameters. ``no_decay`` lists fnmatch patterns of parameter names that get no
@@ -90,10 +94,15 @@ class _AdamSpec:
         where = f"{type(self).__name__}."
         check_adam_hyper(where, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
-        nd = (self.no_decay,) if isinstance(self.no_decay, str) else tuple(self.no_decay)
-        if not all(isinstance(p, str) for p in nd):
-            raise _invalid(where, "no_decay", self.no_decay, "a tuple of name patterns such as ('*.bias',)")
+        nd = self.no_decay
+        if isinstance(nd, (set, frozenset)):
+            nd = sorted(nd, key=str)  # one order in every process (the ranks compare their configurations)
+        nd = (nd,) if isinstance(nd, str) else tuple(nd) if isinstance(nd, (tuple, list)) else None
+        if nd is None or not all(isinstance(p, str) for p in nd):
+            raise _invalid(where, "no_decay", self.no_decay, "a name pattern or a tuple of them, such as ('*.bias',)")
         object.__setattr__(self, "no_decay", nd)
+        if not isinstance(self.no_decay_1d, bool):
+            raise _invalid(where, "no_decay_1d", self.no_decay_1d, "True or False")
 
     def decays(self, name: str, param: torch.Tensor) -> bool:
         """Whether weight decay applies to the parameter ``name``."""
@@ -107,11 +116,13 @@ class _AdamSpec:
                 "weight_decay": self.weight_decay, "adamw": self.adamw}
 
 
+@checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class Adam(_AdamSpec):
     """Adam (L2 penalty added to the gradient), like ``torch.optim.Adam``."""
 
 
+@checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class AdamW(_AdamSpec):
     """AdamW (decoupled weight decay), like ``torch.optim.AdamW``; weight decay defaults to 0.01."""
@@ -120,6 +131,7 @@ class AdamW(_AdamSpec):
     adamw = True
 
 
+@checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class LossScale:
     """fp16 dynamic loss scaling: start at ``init_scale``; on overflow skip the step and halve the

@@ -1,7 +1,10 @@
 """The errors a user can cause. Every message starts with ``tiermem:`` and ends with what to change."""
 from __future__ import annotations
 
-from typing import Optional
+import difflib
+import functools
+import inspect
+from typing import Optional, TypeVar
 
 
 class TierMemError(Exception):
@@ -15,6 +18,46 @@ class TierMemError(Exception):
 
 class ConfigError(TierMemError, ValueError):
     """A configuration value is invalid: names the class, the field, the value and the rule."""
+
+
+class ArgumentError(ConfigError, TypeError):
+    """A call got arguments its signature does not take (an unknown or missing keyword, too many
+    positional ones): names them and lists the ones it takes. A TypeError too, as Python's is."""
+
+
+C = TypeVar("C", bound=type)
+
+
+def checked_arguments(cls: C) -> C:
+    """Class decorator (outermost, above ``@dataclass``): ``cls(...)`` with arguments its
+    ``__init__`` does not take raises :class:`ArgumentError` instead of Python's bare TypeError."""
+    init = cls.__init__
+    sig = inspect.signature(init if init is not object.__init__ else lambda self: None)
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        try:
+            sig.bind(self, *args, **kwargs)
+        except TypeError as e:
+            raise ArgumentError(_wrong_arguments(type(self).__name__, sig, kwargs, e)) from None
+        init(self, *args, **kwargs)
+    cls.__init__ = __init__
+    return cls
+
+
+def _wrong_arguments(name: str, sig: inspect.Signature, kwargs: dict, error: TypeError) -> str:
+    params = list(sig.parameters.values())[1:]  # without self
+    shown, star = [], False
+    for p in params:
+        if p.kind is p.KEYWORD_ONLY and not star:
+            shown.append("*")
+            star = True
+        shown.append(p.name if p.default is p.empty else f"{p.name}=...")
+    names = [p.name for p in params]
+    guesses = [f"{close[0]}= instead of {k}=" for k in kwargs if k not in names
+               for close in [difflib.get_close_matches(k, names, n=1)] if close]
+    hint = f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+    return f"tiermem: {name}(): {error}{hint}; it takes {name}({', '.join(shown)})"
 
 
 class StoreError(TierMemError, OSError):

@@ -8,7 +8,8 @@ state. A store takes an exclusive ``flock`` on ``tiermem.lock`` in its directory
 (the file is 0600, opened without following a symlink) and writes its pid there; another store
 (this process or another) gets an error naming that pid. ``close()`` removes the file and lets
 go; a store nothing references any more lets go when it is collected, so a store made in this
-process that the holder's pid names first collects garbage and tries once more. The lock dies
+process that the holder's pid names first collects garbage (and waits for what dropped models
+give back: NOTE [Finalizers only enqueue] in :mod:`tiermem.memory.deferred`) and tries once more. The lock dies
 with the process (the kernel drops it), so a killed run never leaves the directory locked: a
 file left behind is taken over. The file is removed while still locked, and a store that got
 the lock checks that the file it locked is still the one at the path, else it tries again.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import gc
 import logging
 import os
 import platform
@@ -25,6 +25,7 @@ import uuid
 from typing import Optional
 
 from tiermem.errors import ConfigError
+from tiermem.memory import deferred
 from tiermem.memory.aligned import ALIGN, aligned_empty
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class DirectoryLock:
                 os.close(fd)
                 if holder == str(os.getpid()) and not collected:  # perhaps a store nothing references
                     collected = True
-                    gc.collect()
+                    deferred.collect()  # and a dropped model's store, given back on the release worker
                     continue
                 raise ConfigError(self._held(holder)) from None
             try:
@@ -107,7 +108,8 @@ class DirectoryLock:
 
     def _held(self, holder: str) -> str:
         who = ("this process (pid " + holder + "): close the other NvmeStore first, or tm.detach() the "
-               "TieredModel that uses it" if holder == str(os.getpid())
+               "TieredModel that uses it (or drop every reference to it: `del tm` before building the next "
+               "one)" if holder == str(os.getpid())
                else f"process {holder or '(pid not written yet)'}: stop that run first")
         return (f"tiermem: NVMe directory {os.path.dirname(self.path)} is in use by another NvmeStore, in "
                 f"{who}, or pass another nvme_dir (one run owns a directory: lock file {self.path})")

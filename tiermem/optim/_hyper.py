@@ -16,6 +16,9 @@ INV_GRAD_SCALE, CLIP_COEF, ONE, DECAY_MUL, L2_DECAY, LERP_COEFF, BETA2, ONE_MINU
 NUM_SCALARS = 11
 
 
+_FLOATS = ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale", "clip_coef")
+
+
 @dataclass(frozen=True)
 class AdamHyper:
     """One update's hyperparameters. ``step`` counts updates including this one (torch's ``state["step"]``
@@ -35,7 +38,9 @@ class AdamHyper:
     def __post_init__(self) -> None:
         check_adam_hyper("adam_step ", step=self.step, lr=self.lr, beta1=self.beta1, beta2=self.beta2,
                          eps=self.eps, weight_decay=self.weight_decay, grad_scale=self.grad_scale,
-                         clip_coef=self.clip_coef)
+                         clip_coef=self.clip_coef, adamw=self.adamw)
+        for name in _FLOATS:  # checked as given ("1e-3" is an error, not a cast), then Python floats
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def l2(self) -> bool:

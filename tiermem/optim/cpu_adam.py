@@ -8,7 +8,7 @@ import torch
 from torch.optim import Optimizer
 
 from tiermem.config import check_adam_hyper
-from tiermem.errors import ConfigError
+from tiermem.errors import ConfigError, checked_arguments
 from tiermem.optim.functional import adam_step, any_nonfinite
 
 log = logging.getLogger(__name__)
@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 Params = Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]]
 
 
+@checked_arguments
 class CPUAdam(Optimizer):
     """Adam or AdamW (``adamw=True``, the default) on CPU parameters, one fused pass per tensor.
 
@@ -30,7 +31,9 @@ class CPUAdam(Optimizer):
     def __init__(self, params: Params, lr: Union[float, torch.Tensor] = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw: bool = True, *, check_finite: bool = True):
-        _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
+        if not isinstance(check_finite, bool):
+            raise ConfigError(f"tiermem: CPUAdam check_finite={check_finite!r} is invalid: it must be True or False")
         self.check_finite = check_finite
         self.last_step_skipped = False
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw))
@@ -38,7 +41,7 @@ class CPUAdam(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = {**self.defaults, **param_group}  # what torch's add_param_group will store
         _check_hyper(lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                     weight_decay=group["weight_decay"])
+                     weight_decay=group["weight_decay"], adamw=group["adamw"])
         params = group["params"]
         for p in [params] if isinstance(params, torch.Tensor) else list(params):
             if p.device.type != "cpu" or p.dtype != torch.float32:
@@ -82,8 +85,8 @@ class CPUAdam(Optimizer):
         return loss
 
 
-def _check_hyper(*, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+def _check_hyper(*, lr: Any, betas: Any, eps: Any, weight_decay: Any, adamw: Any) -> None:
     """The rules every Adam in tiermem checks (NOTE [Adam hyperparameter rules]); a tensor lr, which
     torch optimizers allow, is checked as the number it holds."""
-    check_adam_hyper("CPUAdam ", lr=lr.item() if isinstance(lr, torch.Tensor) else lr, betas=betas, eps=eps,
-                     weight_decay=weight_decay)
+    check_adam_hyper("CPUAdam ", lr=lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr,
+                     betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)

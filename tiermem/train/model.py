@@ -12,13 +12,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
 
 from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _AdamSpec
-from tiermem.errors import ConfigError
+from tiermem.errors import ConfigError, checked_arguments
+from tiermem.memory import deferred
 from tiermem.memory.ledger import Reclaimers
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
@@ -27,7 +29,7 @@ from tiermem.plan.choose import Evaluator
 from tiermem.plan.cost import against_measured
 from tiermem.plan.placement import plan
 from tiermem.plan.policy import Policy, resolve_policy
-from tiermem.train import checkpoint
+from tiermem.train import checkpoint, lifetime
 from tiermem.train.activations import ActivationOffloader
 from tiermem.train.backward import GradCollector
 from tiermem.train.hooks import HookSet
@@ -51,6 +53,7 @@ log = logging.getLogger(__name__)
 __all__ = ["TieredModel", "StepResult", "Phase"]
 
 
+@checked_arguments
 class TieredModel:
     """Train ``module`` with its tensors placed on tiers by ``policy`` (default: ZeRO-Offload).
 
@@ -81,6 +84,9 @@ class TieredModel:
                         device=device, bucket_size=bucket_size, overlap_step=overlap_step, nvme_dir=nvme_dir,
                         trace_path=trace_path, prefetch=prefetch, max_skipped_steps=max_skipped_steps,
                         loss_scale=loss_scale)
+        deferred.start()  # the worker that gives back dropped models (NOTE [Finalizers only enqueue])
+        deferred.settle()  # what models dropped before this one held is back (their hooks are off the module)
+        lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = grad_clip, opts.overlap
@@ -97,41 +103,48 @@ class TieredModel:
             + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), grad_clip, opts.overlap]))
         reclaimers = Reclaimers()  # a cache on the device (prefetched weights) gives room back to others
         self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)
-        device_need = self._check_fits(buckets, param_homes)
-        self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
-        self.hooks = HookSet()
-        self.param_offload = (self._offload_weights(param_homes, device_need, opts.prefetch, reclaimers)
-                              if param_homes else None)
-        compiled_off_device = bool(param_homes) and _is_compiled(module)  # NOTE [Parameters off the device]
-        # the stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during
-        # the forward on another thread, and must stay compiled; dynamo then falls back by itself
-        self._force_eager = compiled_off_device and not opts.overlap
-        if compiled_off_device:
-            log.warning("tiermem: %d weights of this torch.compile'd model (or of modules compiled in it) live off "
-                        "the device under %r: its forward runs eagerly (NOTE [Parameters off the device]); "
-                        "place PARAM on the device to run it compiled", len(param_homes), self.policy)
-        homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
-                                         weights_off_device=self.param_offload, group=self.group)
-        self.layout = build(module, buckets, step_buckets, groups, names, homes, self.stores, self.dtype, self.device,
-                            self.param_offload)
-        self.scaler = LossScaler.of(precision == "fp16", loss_scale)
-        self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger,
-                                   group=self.group)
-        outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
-        self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=grad_clip,
-                               tracer=self.tracer, overlap=opts.overlap, group=self.group,
-                               max_skipped=max_skipped_steps)
-        self.optimizer = TieredOptimizer(self.layout, opts.spec, self._step)
-        for b in buckets:
-            for s in b.slots:
-                self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
-        self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks,
-                                               params=self.param_offload)
-        frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
-        self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
-                                 precision, self.dtype, frozen_off, self.group)
-        self._life = Lifecycle()
-        self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
+        with lifetime.undone_on_failure(self, module):  # a failed build leaves nothing held
+            device_need = self._check_fits(buckets, param_homes)
+            self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
+            self.hooks = HookSet()
+            self.param_offload = (self._offload_weights(param_homes, device_need, opts.prefetch, reclaimers)
+                                  if param_homes else None)
+            compiled_off_device = bool(param_homes) and _is_compiled(module)  # NOTE [Parameters off the device]
+            # the stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during
+            # the forward on another thread, and must stay compiled; dynamo then falls back by itself
+            self._force_eager = compiled_off_device and not opts.overlap
+            if compiled_off_device:
+                log.warning("tiermem: %d weights of this torch.compile'd model (or of modules compiled in it) live "
+                            "off the device under %r: its forward runs eagerly (NOTE [Parameters off the device]); "
+                            "place PARAM on the device to run it compiled", len(param_homes), self.policy)
+            homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
+                                             weights_off_device=self.param_offload, group=self.group)
+            self.layout = build(module, buckets, step_buckets, groups, names, homes, self.stores, self.dtype,
+                                self.device, self.param_offload)
+            self.scaler = LossScaler.of(precision == "fp16", loss_scale)
+            self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger,
+                                       group=self.group)
+            outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
+            self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=grad_clip,
+                                   tracer=self.tracer, overlap=opts.overlap, group=self.group,
+                                   max_skipped=max_skipped_steps)
+            self.optimizer = TieredOptimizer(self.layout, opts.spec, self._step)
+            for b in buckets:
+                for s in b.slots:
+                    self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
+            self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks,
+                                                   params=self.param_offload)
+            frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
+            self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
+                                     precision, self.dtype, frozen_off, self.group)
+            self._life = Lifecycle()
+            # NOTE [A dropped model lets go]: nothing above refers back to self, so a model nobody
+            # references is collected; this gives back what it held (and is detach()'s last part)
+            self._release = weakref.finalize(self, lifetime.dropped, self.hooks, self.engine, self.stores,
+                                             self.tracer, self.stepper)
+            self._release.atexit = False  # the process's end frees it all; no I/O on the way out
+            lifetime.claim(module, self)
+            self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
 
@@ -317,12 +330,33 @@ class TieredModel:
         for name, p in self.module.named_parameters():
             p.data = weights[name]
         self.layout.buffers.give_back()
-        self.engine.close()
-        for store in self.stores.values():
-            store.release_all()
-        self.tracer.write()
         self._life.to(Phase.DETACHED)
+        lifetime.disown(self.module, self)
+        self._release.detach()  # the finalizer's own call would warn that the weights were not given back
+        lifetime.give_back(self.hooks, self.engine, self.stores, self.tracer)
         return self.module
+
+    def __enter__(self) -> "TieredModel":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """``with TieredModel(module) as tm:`` detaches on the way out, so ``module`` holds the
+        trained fp32 weights afterwards. If the block raised and the model cannot be detached
+        (e.g. it stopped inside a hook), its memory, files and lock are still given back, and
+        the block's error is the one raised."""
+        if self._life.phase is Phase.DETACHED:
+            return
+        if exc_type is None:
+            self.detach()
+            return
+        try:
+            self.detach()
+        except Exception as e:  # noqa: BLE001 - the block's own error is the one to see
+            _note(exc, f"tiermem: detach() on leaving the block failed too ({type(e).__name__}: {e}); the "
+                       f"model's memory, files and lock were given back; the module may not hold its trained weights")
+            self._life.to(Phase.DETACHED)
+            self._release()  # runs once: says that the weights did not go back
+            deferred.settle()
 
     def __repr__(self) -> str:
         return (f"TieredModel({type(self.module).__name__}, policy={self.policy!r}, precision={self.precision!r}, "

@@ -1,6 +1,7 @@
 """``tm.optimizer``: the torch Optimizer face of a TieredModel, for lr schedulers."""
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -27,12 +28,18 @@ class TieredOptimizer(torch.optim.Optimizer):
                 g["weight_decay"] = 0.0  # the no_decay group
             groups.append(g)
         super().__init__(groups, spec.group_defaults())
-        self._run_step = step
+        # weakly: a scheduler that keeps this optimizer must not keep the whole model alive
+        # (NOTE [A dropped model lets go] in tiermem.train.lifetime)
+        self._run_step = weakref.WeakMethod(step) if hasattr(step, "__self__") else (lambda: step)
 
     def step(self, closure=None):  # type: ignore[override]
         if closure is not None:
             raise TierMemError("tiermem: step(closure) is not supported; call tm.backward(loss) then tm.step()")
-        return self._run_step(self.param_groups)
+        run = self._run_step()
+        if run is None:
+            raise TierMemError("tiermem: the TieredModel of this optimizer was dropped (nothing referenced it any "
+                               "more); keep a reference to the TieredModel while you train with its optimizer")
+        return run(self.param_groups)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: tm.step() clears the gradients it consumed."""

@@ -8,7 +8,11 @@ A TieredModel is always in exactly one :class:`Phase`. The public calls move it:
                                                    --raises--> IDLE (the step's grads are dropped)
     GRADS_READY --tm.step()--> STEPPING --returns--> IDLE
                                         --raises--> GRADS_READY (grads kept: retry) or IDLE (dropped)
-    any --tm.detach()--> DETACHED (final)
+    any --tm.detach()--> DETACHED (final; also on leaving ``with TieredModel(...) as tm:``)
+
+A model dropped in any phase but DETACHED gives back its threads, memory, files and lock when
+it is collected, without restoring the module's weights (NOTE [A dropped model lets go] in
+:mod:`tiermem.train.lifetime`).
 
 A call that its phase does not allow (a step from inside a backward hook, a forward after
 detach) raises a ``tiermem:`` error naming the phase and what to do, before anything changes.

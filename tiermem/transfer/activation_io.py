@@ -13,7 +13,8 @@ until that copy lands, then drops it (so torch can free it) and releases its dev
 NVMe the leased buffer is staging: a chain writes it to NVMe once the copy landed and gives it
 back to the pool once the write lands. ``stored`` is the handle of that whole send.
 fetch (backward): DEVICE <- HOST, or DEVICE <- HOST <- NVME through a leased staging buffer, into
-fresh device bytes; each saved view is rebuilt over them with its own dtype, size, stride and
+fresh device bytes (reserved at the fetch, given back at once if it fails: a failed backward
+leaves the device ledger as it was, even while its graph is still referenced); each saved view is rebuilt over them with its own dtype, size, stride and
 offset, so the views of one storage (q, k and v of one qkv projection) share one copy. The
 fetch is chained after ``stored``, so it reads what was written; if the copy to the host has not
 landed yet, the fetch keeps the device storage instead. Waiting on a fetch's handle counts as
@@ -167,11 +168,19 @@ class ActivationMover:
             raise
         if handle is None:
             self._unfetch(rec, staging)
-        elif ahead:
+            return None
+        handle.add_done_callback(lambda f: self._fetch_ended(rec, f))
+        if ahead:
             self.stats.fetched_ahead += 1
         else:
             self.stats.fetched_on_demand += 1
         return handle
+
+    def _fetch_ended(self, rec: Record, future) -> None:
+        """A failed fetch gives its device bytes back now, not when its graph goes (a failed
+        backward's graph may be kept for long: by the loss, or the error's traceback)."""
+        if future.exception() is not None:
+            self.dev.release(rec.back_key)
 
     def _unfetch(self, rec: Record, staging: Optional[Lease]) -> None:
         """Give back what a fetch that did not start took."""

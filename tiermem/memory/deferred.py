@@ -1,0 +1,84 @@
+"""Work a finalizer must not do where it runs: given to one worker thread, and waited for on demand.
+
+# NOTE [Finalizers only enqueue]
+A weakref finalizer runs wherever the last reference went or a garbage-collection pass started:
+on any thread, between any two bytecodes, possibly while that thread holds a lock that is not
+reentrant (``concurrent.futures`` takes a module-wide one in ``submit``; a store holds its own).
+Closing a dropped model there (joining its threads, deleting its files through its store's
+pool) can deadlock on such a lock. So a finalizer only calls :func:`defer`, which puts the work
+on a ``queue.SimpleQueue`` (whose ``put`` is safe inside finalizers), and one daemon thread,
+``tiermem-release``, started by :func:`start` from an ordinary call, runs it. :func:`settle`
+waits until everything deferred so far has run; :func:`collect` first collects garbage, so that
+what nothing references any more is given back before it returns (a new model on the same
+directory or module calls it before refusing). At exit the worker finishes what was deferred
+before the interpreter tears down, and what is dropped later is left to the process's end.
+"""
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import queue
+import threading
+from typing import Any, Callable, Optional
+
+log = logging.getLogger(__name__)
+
+_jobs: "queue.SimpleQueue[Callable[[], Any]]" = queue.SimpleQueue()
+_worker: Optional[threading.Thread] = None
+_start_lock = threading.Lock()
+_exiting = False  # the interpreter is ending: it frees everything itself, nothing more is deferred
+
+
+def start() -> None:
+    """Make sure the worker runs (call from an ordinary call, never from a finalizer)."""
+    global _worker
+    with _start_lock:
+        if _worker is None or not _worker.is_alive():
+            if _worker is None:
+                atexit.register(_at_exit)
+            _worker = threading.Thread(target=_work, name="tiermem-release", daemon=True)
+            _worker.start()
+
+
+def defer(fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` on the worker; safe to call from a finalizer."""
+    if not _exiting:
+        _jobs.put(lambda: fn(*args))
+
+
+def settle(timeout: float = 60.0) -> None:
+    """Wait until everything deferred before this call has run (no-op on the worker itself, and
+    where none runs: never started, or a forked child's copy of the parent's)."""
+    worker = _worker
+    if worker is None or not worker.is_alive() or threading.current_thread() is worker:
+        return
+    done = threading.Event()
+    _jobs.put(done.set)  # FIFO: set once every earlier job has run
+    if not done.wait(timeout):
+        log.warning("tiermem: giving back a dropped model's resources took over %.0f s; going on", timeout)
+
+
+def collect() -> None:
+    """Collect garbage, then :func:`settle`: what nothing references any more is given back."""
+    gc.collect()
+    settle()
+
+
+def _at_exit() -> None:
+    """The interpreter is ending: what was dropped before runs now (a daemon thread must not be
+    in the middle of it once the interpreter tears down); later drops are left to the exit."""
+    global _exiting
+    _exiting = True
+    settle(timeout=30.0)
+
+
+def _work() -> None:
+    while True:
+        job = _jobs.get()
+        try:
+            job()
+        except Exception as e:  # noqa: BLE001 - one failed release must not stop the others
+            (log.debug if _exiting else log.warning)(  # at exit, thread pools refuse work: expected
+                "tiermem: giving back a dropped model's resources failed: %s: %s", type(e).__name__, e)
+        del job  # what it referred to goes now, not when the next job comes
