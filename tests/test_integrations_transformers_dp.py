@@ -2,14 +2,17 @@
 Trainer's sampler splits the data, gradient accumulation communicates once per step (tm.no_sync()
 on the earlier micro-batches), the ranks train like one process over both ranks' micro-batches,
 a checkpoint-N/ holds one tiermem.ckpt, a resume on 2 ranks continues bit-exact, evaluation,
-load_best_model_at_end and an fp16 overflow on one rank work there, and README's torchrun command
-runs the example."""
+load_best_model_at_end and an fp16 overflow on one rank work there, checkpoint-2 resumes in one
+process too, save_model() on rank 0 alone is a tiermem: error once the process group's timeout
+passes (not a hang), and README's torchrun command runs the example."""
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
 import sys
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ from test_integrations_transformers import (  # noqa: E402
     ACCUM, CLIP, DECAY, LR, OVERFLOW, STEPS, WARMUP, Overflowing, Recording, arguments, dataset, gpt2)
 import transformers  # noqa: E402
 
-from tiermem import AdamW, ConfigError, TieredModel  # noqa: E402
+from tiermem import AdamW, ConfigError, TieredModel, TierMemError  # noqa: E402
 from tiermem.integrations.hf_loop import TrainerModule  # noqa: E402
 from tiermem.integrations.transformers import TIERMEM_CHECKPOINT, TieredTrainer  # noqa: E402
 
@@ -95,6 +98,21 @@ def _rank_trainer(rank, world, tmp):
                       tiermem={"process_group": False}).train()
     except ConfigError as e:
         out["refused"] = str(e)
+    # save_model() on rank 0 alone (a collective): an error naming the mistake once the process
+    # group's timeout (shortened here) has passed; rank 1 does not save, and waits until rank 0 is done
+    dist.barrier()
+    dist.distributed_c10d._get_default_group().set_timeout(timedelta(seconds=2))
+    done = os.path.join(tmp, "alone.done")
+    if rank == 0:
+        try:
+            second.save_model(os.path.join(tmp, "alone"))
+        except TierMemError as e:
+            out["alone"] = str(e)
+        open(done, "w").close()
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
     return out
 
 
@@ -191,6 +209,13 @@ def test_evaluate_on_two_ranks_and_a_replica_per_rank_refused(ranks):
     for r in ranks:
         assert r["eval_loss"] == r["plain_eval_loss"]
         assert r["refused"].startswith("tiermem: this Trainer runs 2 processes but the TieredModel shards over 1")
+
+
+def test_save_model_on_rank_0_alone_is_a_tiermem_error_at_the_timeout(ranks):
+    message = ranks[0]["alone"]
+    assert message.startswith("tiermem: save_model() waited for the other ranks past the process group's timeout")
+    assert "call it on every rank" in message and "Timed out" in message and "\n" not in message
+    assert "alone" not in ranks[1]
 
 
 def test_load_best_model_at_end_on_two_ranks(ranks):
