@@ -98,8 +98,9 @@ BAD = [  # (make, error type, what the message must say: the keyword and what is
     (lambda: from_deepspeed_config(_lin(), {}, prefetch="no"), ConfigError, r"prefetch='no' is not a bool"),
     (lambda: from_deepspeed_config(_lin(), 5), ConfigError, r"config"),
     # NvmeStore (a directory that exists: the checks of its options and directory run after the keywords')
-    (lambda: NvmeStore(".", threads=2), ArgumentError, r"NvmeStore\(\): .*unexpected keyword argument 'threads'"
-                                                      r".*it takes NvmeStore\(directory, \*, budget=\.\.\., io_threads="),
+    (lambda: NvmeStore(".", threads=2), ArgumentError,
+     r"NvmeStore\(\): .*unexpected keyword argument 'threads'.*it takes NvmeStore\(directory, \*, budget=\.\.\., "
+     r"io_threads="),
     (lambda: NvmeStore(".", io_thread=2), ArgumentError, r"did you mean io_threads= instead of io_thread=\?"),
     (lambda: NvmeStore(".", 1 << 20), ArgumentError, r"NvmeStore\(\): too many positional arguments"),
     (lambda: NvmeStore(), ArgumentError, r"missing a required argument: 'directory'"),

@@ -269,7 +269,8 @@ def test_nvme_staging_is_what_the_gpu_path_leases(gpu_mode, tmp_path):
     for gpu in (False, True):
         (tmp_path / str(gpu)).mkdir()
         tm = TieredModel(TinyGPT(), ZeroInfinity(), optimizer=AdamW(lr=1e-2), precision="bf16",
-                         bucket_size=2 * 4096, nvme_dir=str(tmp_path / str(gpu)), budgets=Budgets(host=fp.totals(need)[H]))
+                         bucket_size=2 * 4096, nvme_dir=str(tmp_path / str(gpu)),
+                         budgets=Budgets(host=fp.totals(need)[H]))
         assert tm.engine.lanes.pools["nvme"]._max_workers == fp.NVME_THREADS
         if gpu:
             tm.engine.lanes.close()

@@ -74,12 +74,16 @@ import torch
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
 from tiermem.plan.buckets import STATE_PARTS, Bucket
 from tiermem.plan.placement import compute_tier
-from tiermem.transfer.lanes import NVME_THREADS
 from tiermem.types import Tier
 
 #: Bytes per tier, by purpose: ``{tier: {purpose: bytes}}``; a tier is present only when
 #: something is placed on it (the device always: grads are made there).
 Footprint = dict[Tier, dict[str, int]]
+
+#: The engine's NVMe lane threads (tiermem/transfer/lanes.py makes that many). On a GPU each
+#: request between NVMe and the device holds one host staging buffer for its length
+#: (TransferEngine._copy), so at most this many are live at once (NOTE [Footprint]).
+NVME_THREADS = 4
 
 _FP32 = torch.float32.itemsize  # grads at their home and each part of the optimizer state
 _STATE = len(STATE_PARTS) * _FP32  # master, exp_avg and exp_avg_sq
