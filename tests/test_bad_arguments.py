@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiermem import (Adam, AdamW, ArgumentError, Budgets, ConfigError, LossScale, TieredModel, TierMemError,
+from tiermem import (Adam, AdamW, ArgumentError, Budgets, ConfigError, LossScale, NvmeStore, TieredModel, TierMemError,
                      from_deepspeed_config)
 from tiermem.optim import CPUAdam, adam_step
 from tiermem.policies import ActivationOffload, Auto, KeepOnDevice, ZeroInfinity, ZeroOffload
@@ -97,6 +97,13 @@ BAD = [  # (make, error type, what the message must say: the keyword and what is
                                                                               r"\['learning_rate'\]; it takes"),
     (lambda: from_deepspeed_config(_lin(), {}, prefetch="no"), ConfigError, r"prefetch='no' is not a bool"),
     (lambda: from_deepspeed_config(_lin(), 5), ConfigError, r"config"),
+    # NvmeStore (a directory that exists: the checks of its options and directory run after the keywords')
+    (lambda: NvmeStore(".", threads=2), ArgumentError,
+     r"NvmeStore\(\): .*unexpected keyword argument 'threads'.*it takes NvmeStore\(directory, \*, budget=\.\.\., "
+     r"io_threads="),
+    (lambda: NvmeStore(".", io_thread=2), ArgumentError, r"did you mean io_threads= instead of io_thread=\?"),
+    (lambda: NvmeStore(".", 1 << 20), ArgumentError, r"NvmeStore\(\): too many positional arguments"),
+    (lambda: NvmeStore(), ArgumentError, r"missing a required argument: 'directory'"),
     # CPUAdam and adam_step
     (lambda: _cpu_adam(lr="x"), ConfigError, r"CPUAdam lr='x' .*a finite number >= 0"),
     (lambda: _cpu_adam(adamw="yes"), ConfigError, r"CPUAdam adamw='yes' .*True \(AdamW"),

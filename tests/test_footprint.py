@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from models import Quirky, TinyGPT
+from test_gpu_paths import gpu_mode  # noqa: F401 - the engine's GPU control flow on the CPU (a fixture)
 from tiermem import AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, TensorInfo, TieredModel, Tier
 from tiermem.plan import footprint as fp
 from tiermem.plan import sizing
@@ -224,3 +225,78 @@ def test_the_footprint_rounds_host_buffers_as_the_pool_does(nbytes):
     pool = HostStore(budget=1 << 20, pin=False)
     pool.allocate("x", (nbytes,), torch.uint8)
     assert pool.ledger.used == fp.host_buffer_bytes(nbytes)
+
+
+# -- staging between NVMe and the device, on a GPU -------------------------------------------------
+def test_nvme_staging_by_hand():
+    """On a GPU the host stages the four largest weights that live on NVMe (trainable or frozen,
+    one per NVMe lane thread), each rounded to pages as the pool leases it; on the CPU none."""
+    b = _bucket(0, H, N, param=N)
+    for i, numel in enumerate([300, 7, 1000, 20, 5000]):
+        b.add(f"w{i}", nn.Parameter(torch.empty(numel)), i)
+    frozen = [(torch.empty(2500, device="meta"), N), (torch.empty(9999, device="meta"), H)]  # on the host: none
+    cpu = fp.footprint([b], frozen, BF16)
+    gpu = fp.footprint([b], frozen, BF16, nvme_staging=True)
+    assert fp.NVME_THREADS == 4 and fp.NVME_STAGING not in cpu[H]
+    staged = [2 * 5000, 2 * 2500, 2 * 1000, 2 * 300]  # bf16 bytes of the four largest on NVMe
+    assert gpu[H][fp.NVME_STAGING] == sum(staged)
+    assert gpu[H][fp.PAGE_ROUNDING] - cpu[H][fp.PAGE_ROUNDING] == sum(fp.host_buffer_bytes(n) - n for n in staged)
+    assert {t: p for t, p in gpu.items() if t != H} == {t: p for t, p in cpu.items() if t != H}
+    one = fp.footprint([_bucket(0, H, N, param=N)], [(torch.empty(3, device="meta"), N)], BF16, nvme_staging=True)
+    assert one[H][fp.NVME_STAGING] == 6  # fewer weights than threads: each once
+    on_host = fp.footprint([b], [], BF16, nvme_staging=True, overlap=True)
+    assert fp.NVME_STAGING in on_host[H]  # overlap_step changes nothing here
+    assert fp.NVME_STAGING not in fp.footprint([_bucket(10, H, H)], [], BF16, nvme_staging=True)[H]
+
+
+def test_nvme_staging_is_what_the_gpu_path_leases(gpu_mode, tmp_path):
+    """The engine's GPU control flow (stand-in streams, tests/test_gpu_paths.py) under ZeRO-Infinity
+    training: the NVMe staging buffers live at once, as the host pool counts them (whole pages),
+    stay within the footprint's NVMe staging and its pages; the CPU path leases none. The thread
+    count the footprint multiplies by is the lanes' own."""
+    import threading
+    from models import gpt_batch, gpt_loss
+    _, (buckets, frozen, largest, _) = _footprint_of(TinyGPT(), ZeroInfinity(), BF16, False, bucket_numel=4096)
+    need = fp.footprint(buckets, frozen, BF16, largest_module=largest, nvme_staging=True)
+    staged = sorted((s.numel * 2 for b in buckets for s in b.slots), reverse=True)[:fp.NVME_THREADS]
+    assert need[H][fp.NVME_STAGING] == sum(staged)
+    judge = Evaluator(TinyGPT(), AdamW(), BF16, 4096, limits={D: 1 << 40, H: 1 << 40, N: 1 << 40},
+                      machine=lambda: None, nvme_staging=True)
+    assert dict(judge(ZeroInfinity(), predict=False).need) == fp.totals(need)  # Auto judges with it too
+    make, _ = gpu_mode
+    names = {n for n, _ in TinyGPT().named_parameters()}
+    peaks = {}
+    for gpu in (False, True):
+        (tmp_path / str(gpu)).mkdir()
+        tm = TieredModel(TinyGPT(), ZeroInfinity(), optimizer=AdamW(lr=1e-2), precision="bf16",
+                         bucket_size=2 * 4096, nvme_dir=str(tmp_path / str(gpu)),
+                         budgets=Budgets(host=fp.totals(need)[H]))
+        assert tm.engine.lanes.pools["nvme"]._max_workers == fp.NVME_THREADS
+        if gpu:
+            tm.engine.lanes.close()
+            tm.engine.lanes = tm.engine._copies.lanes = make().lanes
+        host, live, peak, lock = tm.stores[H], {}, [0, 0], threading.Lock()
+        acquire, release = host.acquire, host.release
+
+        def leased(nbytes, key, kind=None, acquire=acquire, live=live, peak=peak, lock=lock):
+            buf = acquire(nbytes, key, kind)
+            if key.startswith("<staging ") and key[len("<staging "):-1] in names:  # a weight's, not a converting copy's
+                with lock:
+                    live[key] = buf.numel()  # what the pool counts: whole pages
+                    peak[:] = max(peak[0], sum(live.values())), max(peak[1], len(live))
+            return buf
+
+        def returned(key, buf, release=release, live=live, lock=lock):
+            with lock:
+                live.pop(key, None)
+            release(key, buf)
+        host.acquire, host.release = leased, returned
+        for i in range(3):
+            x, y = gpt_batch(i)
+            tm.backward(gpt_loss(tm(x), y))
+            tm.step()
+        peaks[gpu] = tuple(peak)
+        tm.detach()
+    assert peaks[False] == (0, 0)  # the CPU path reads NVMe into the device buffer itself
+    assert 0 < peaks[True][0] <= sum(fp.host_buffer_bytes(n) for n in staged)
+    assert 1 <= peaks[True][1] <= fp.NVME_THREADS

@@ -2,14 +2,17 @@
 Trainer's sampler splits the data, gradient accumulation communicates once per step (tm.no_sync()
 on the earlier micro-batches), the ranks train like one process over both ranks' micro-batches,
 a checkpoint-N/ holds one tiermem.ckpt, a resume on 2 ranks continues bit-exact, evaluation,
-load_best_model_at_end and an fp16 overflow on one rank work there, and README's torchrun command
-runs the example."""
+load_best_model_at_end and an fp16 overflow on one rank work there, checkpoint-2 resumes in one
+process too, save_model() on rank 0 alone is a tiermem: error once the process group's timeout
+passes (not a hang), and README's torchrun command runs the example."""
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
 import sys
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ from test_integrations_transformers import (  # noqa: E402
     ACCUM, CLIP, DECAY, LR, OVERFLOW, STEPS, WARMUP, Overflowing, Recording, arguments, dataset, gpt2)
 import transformers  # noqa: E402
 
-from tiermem import AdamW, ConfigError, TieredModel  # noqa: E402
+from tiermem import AdamW, ConfigError, TieredModel, TierMemError  # noqa: E402
 from tiermem.integrations.hf_loop import TrainerModule  # noqa: E402
 from tiermem.integrations.transformers import TIERMEM_CHECKPOINT, TieredTrainer  # noqa: E402
 
@@ -65,7 +68,8 @@ def _rank_trainer(rank, world, tmp):
     first.train()
     out = {"world": first.args.world_size, "tm_world": first.tiered.group.world, "no_sync": len(entered),
            "fed": first.fed, "weights": first.tiered.state_dict(), "history": first.state.log_history,
-           "files": sorted(os.listdir(os.path.join(tmp, "a", "checkpoint-2")))}
+           "files": sorted(os.listdir(os.path.join(tmp, "a", "checkpoint-2"))),
+           "checkpoint": os.path.join(tmp, "a", "checkpoint-2")}  # written by both ranks; resumed in one process too
     if rank == 0:
         shutil.copytree(os.path.join(tmp, "a", "checkpoint-2"), os.path.join(tmp, "b", "checkpoint-2"))
     dist.barrier()
@@ -94,6 +98,21 @@ def _rank_trainer(rank, world, tmp):
                       tiermem={"process_group": False}).train()
     except ConfigError as e:
         out["refused"] = str(e)
+    # save_model() on rank 0 alone (a collective): an error naming the mistake once the process
+    # group's timeout (shortened here) has passed; rank 1 does not save, and waits until rank 0 is done
+    dist.barrier()
+    dist.distributed_c10d._get_default_group().set_timeout(timedelta(seconds=2))
+    done = os.path.join(tmp, "alone.done")
+    if rank == 0:
+        try:
+            second.save_model(os.path.join(tmp, "alone"))
+        except TierMemError as e:
+            out["alone"] = str(e)
+        open(done, "w").close()
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
     return out
 
 
@@ -102,9 +121,10 @@ def ranks(tmp_path_factory):
     return run_ranks(_rank_trainer, str(tmp_path_factory.mktemp("trainer-dp")), deadline=240.0)
 
 
-def one_process(fed0, fed1):
+def one_process(fed0, fed1, then=()):
     """The oracle: TieredModel's own loop in one process over both ranks' micro-batches of each
-    step, each loss a share of the step's tokens over both ranks."""
+    step, each loss a share of the step's tokens over both ranks; then over the micro-batches
+    ``then`` of a single process, ACCUM a step."""
     model = gpt2()
     no_decay = tuple(n for n, _ in model.named_parameters() if n.endswith(".bias") or ".ln_" in n)
     tm = TieredModel(model, optimizer=AdamW(lr=LR, weight_decay=DECAY, no_decay=no_decay), precision="fp32",
@@ -112,9 +132,10 @@ def one_process(fed0, fed1):
     sched = torch.optim.lr_scheduler.LambdaLR(
         tm.optimizer, lambda s: s / WARMUP if s < WARMUP else max(0.0, (STEPS - s) / (STEPS - WARMUP)))
     logs = []
-    for step in range(STEPS):
-        part = slice(step * ACCUM, (step + 1) * ACCUM)
-        group = fed0[part] + fed1[part]
+    groups = ([fed0[i:i + ACCUM] + fed1[i:i + ACCUM] for i in range(0, len(fed0), ACCUM)]
+              + [list(then[i:i + ACCUM]) for i in range(0, len(then), ACCUM)])
+    assert len(groups) == STEPS
+    for group in groups:
         n = group[0][1]
         assert all(int(n_fed) == int(n) for _, n_fed in group)  # the Trainer counted the tokens of both ranks
         assert int(n) in {int(sum((b["labels"][:, shift:] != -100).sum() for b, _ in group)) for shift in (0, 1)}
@@ -163,10 +184,38 @@ def test_checkpoint_holds_one_tiermem_checkpoint_and_resumes_bit_exact_on_two_ra
         assert later(r["resumed_history"]) == later(r["history"])
 
 
+def test_a_checkpoint_of_two_ranks_resumes_in_one_process(ranks, tmp_path):
+    """checkpoint-2 of the 2-rank run, resumed by a TieredTrainer in this process (world 1):
+    the last two steps train like TieredModel's own loop that ran the first two over both ranks'
+    micro-batches and the last two over this process's."""
+    shutil.copytree(ranks[0]["checkpoint"], tmp_path / "checkpoint-2")
+    one = Recording(model=gpt2(), args=arguments(str(tmp_path)), train_dataset=dataset(SAMPLES))
+    one.train(resume_from_checkpoint=True)
+    assert one.tiered.group.world == 1 and one.args.world_size == 1
+    assert len(one.fed) == (STEPS - 2) * ACCUM  # the two steps after the checkpoint, nothing before
+    want, logs = one_process(ranks[0]["fed"][:2 * ACCUM], ranks[1]["fed"][:2 * ACCUM], then=one.fed)
+    got = one.tiered.state_dict()
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= SPREAD
+    history = [h for h in one.state.log_history if "grad_norm" in h]  # the checkpoint's, then this run's
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    history = history[2:]
+    for h, ref in zip(history, logs[2:]):
+        assert h["grad_norm"] == pytest.approx(ref["grad_norm"], rel=REL)
+        assert h["loss"] == pytest.approx(ref["loss"], rel=REL)
+        assert h["learning_rate"] == pytest.approx(ref["lr"], rel=1e-12)
+
+
 def test_evaluate_on_two_ranks_and_a_replica_per_rank_refused(ranks):
     for r in ranks:
         assert r["eval_loss"] == r["plain_eval_loss"]
         assert r["refused"].startswith("tiermem: this Trainer runs 2 processes but the TieredModel shards over 1")
+
+
+def test_save_model_on_rank_0_alone_is_a_tiermem_error_at_the_timeout(ranks):
+    message = ranks[0]["alone"]
+    assert message.startswith("tiermem: save_model() waited for the other ranks past the process group's timeout")
+    assert "call it on every rank" in message and "Timed out" in message and "\n" not in message
+    assert "alone" not in ranks[1]
 
 
 def test_load_best_model_at_end_on_two_ranks(ranks):

@@ -33,7 +33,7 @@ def choose(args: argparse.Namespace, trainable: int, frozen: int, limits: Limits
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     caps = {Tier.DEVICE: limits.device, Tier.HOST: limits.host, Tier.NVME: limits.nvme}
     evaluator = Evaluator(module, AdamW(), working_dtype(precision), BUCKET_NUMEL, limits=caps,
-                          machine=lambda: machine_profile(device, args.nvme_path))
+                          machine=lambda: machine_profile(device, args.nvme_path), nvme_staging=device.type == "cuda")
     auto = evaluator.bind(Auto(forward_backward=args.forward_backward or 0.0))
     assert isinstance(auto, Auto) and auto.choices
     return {

@@ -49,7 +49,9 @@ for subclasses, and two private methods of transformers 5 where no public hook e
   a step's last the Trainer enters the model's ``no_sync()``, which is ``tm.no_sync()``. The
   TieredModel's device is the Trainer's ``args.device`` (``cuda:<local rank>``, or the CPU with
   ``use_cpu``) unless ``tiermem={"device": ...}`` says otherwise. ``save_model`` runs on every
-  rank (``state_dict()`` and ``tm.save`` are collectives); rank 0 writes. One process driving
+  rank (``state_dict()`` and ``tm.save`` are collectives); rank 0 writes. Called on rank 0 alone
+  it waits for the others until the process group's timeout, then (gloo) raises a ``tiermem:``
+  error naming the mistake. One process driving
   several GPUs is refused.
 
 - ``load_best_model_at_end=True`` loads the best ``checkpoint-N/``'s ``tiermem.ckpt`` with
@@ -243,9 +245,27 @@ class TieredTrainer(Trainer):
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """The fp32 master weights, loadable with ``from_pretrained``; in a checkpoint folder
-        also tiermem's own checkpoint (NOTE [Trainer integration])."""
+        also tiermem's own checkpoint (NOTE [Trainer integration]).
+
+        Under torchrun this is a collective (it gathers the weights, and ``tm.save`` is one too):
+        call it on every rank, as with DeepSpeed or FSDP, never under ``if
+        trainer.is_world_process_zero()``. Called on some ranks only, it waits for the others
+        until the process group's timeout (``TrainingArguments(ddp_timeout=...)``, 1800 s by
+        default); then, on gloo, it raises a ``tiermem:`` error that says so (NCCL's watchdog
+        ends the process with its own message instead)."""
         if self.tiered is None:
             return super().save_model(output_dir, _internal_call)
+        try:
+            self._save_model(output_dir, _internal_call)
+        except TierMemError as e:
+            if self.tiered.group.world > 1 and "timed out" in str(e).lower():
+                raise TierMemError(f"tiermem: save_model() waited for the other ranks past the process group's "
+                                   f"timeout: under torchrun it is a collective (it gathers the weights), so call "
+                                   f"it on every rank, not under `if trainer.is_world_process_zero()` "
+                                   f"({str(e).removeprefix('tiermem: ')})") from e
+            raise
+
+    def _save_model(self, output_dir: Optional[str], _internal_call: bool) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         weights = self.tiered.state_dict()
         if self.args.should_save:

@@ -26,7 +26,7 @@ import torch
 
 from tiermem.budgets import ByteSize, parse_bytes
 from tiermem.memory.ledger import Ledger
-from tiermem.errors import StoreError, fmt_bytes
+from tiermem.errors import StoreError, checked_arguments, fmt_bytes
 from tiermem.handles import Handle
 from tiermem.memory import nvme_dir
 from tiermem.memory import nvme_io as nio
@@ -41,6 +41,7 @@ from tiermem.types import Tier
 log = logging.getLogger(__name__)
 
 
+@checked_arguments
 class NvmeStore(Store):
     """Tensors under ``directory``, two slot files per key, read and written asynchronously.
 

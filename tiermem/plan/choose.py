@@ -26,12 +26,14 @@ from tiermem.types import Tier
 class Evaluator:
     """``evaluator(policy, profile=None, forward_backward=0.0, *, predict=True) -> Evaluation`` for
     one model and configuration (``predict=False``: the bytes alone, no stages, no profile). ``limits``: the bytes each tier's store may hold (a tier without a store is
-    absent); ``machine``: returns this machine's profile (called once, when first needed)."""
+    absent); ``machine``: returns this machine's profile (called once, when first needed);
+    ``nvme_staging``: as :func:`~tiermem.plan.footprint.footprint` takes it (True on a GPU)."""
 
     def __init__(self, module: torch.nn.Module, spec: Any, dtype: torch.dtype, bucket_numel: int, *,
-                 limits: Mapping[Tier, int], machine: Callable[[], Profile], overlap: bool = False, world: int = 1):
+                 limits: Mapping[Tier, int], machine: Callable[[], Profile], overlap: bool = False, world: int = 1,
+                 nvme_staging: bool = False):
         self.module, self.spec, self.dtype, self.bucket_numel = module, spec, dtype, bucket_numel
-        self.limits, self.overlap, self.world = dict(limits), overlap, world
+        self.limits, self.overlap, self.world, self.nvme_staging = dict(limits), overlap, world, nvme_staging
         self._machine = machine
         self._rates: Optional[Rates] = None
         self._asked: Any = None  # the last profile a policy passed in, for :meth:`predict`
@@ -71,7 +73,8 @@ class Evaluator:
         frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in self.module.named_parameters()
                   if not p.requires_grad]
         need = totals(footprint(buckets, frozen, self.dtype, overlap=self.overlap, world=self.world,
-                                largest_module=largest_module_bytes(self.module, param_homes, self.dtype)))
+                                largest_module=largest_module_bytes(self.module, param_homes, self.dtype),
+                                nvme_staging=self.nvme_staging))
         short = {t: n - self.limits.get(t, 0) for t, n in need.items() if n and n > self.limits.get(t, 0)}
         refused = None
         if need[Tier.NVME] and Tier.NVME not in self.limits:

@@ -31,6 +31,11 @@ model as a whole:
   ``overlap_step``, whose output buffers above take their place);
 - the NVMe pipelines, on the host: three of the largest bucket with grads on NVMe (4 B each),
   three of the largest bucket with state on NVMe (12 B each);
+- NVMe staging, on a GPU only: weights moving between NVMe and the device pass through a host
+  buffer of their own size (in the working precision; a frozen one in its own element size when
+  not floating point), held for the length of the move on one of the engine's NVMe lane threads,
+  so at most ``NVME_THREADS`` (4) are live at once: the host needs the largest four weights that
+  live on NVMe (``nvme_staging``; on the CPU the store reads into the device buffer itself);
 - frozen parameters: ``w`` bytes each at their PARAM home (their own element size when not
   floating point), and a copy in their own dtype on the host;
 - grads in flight on the device: autograd makes each grad there, in the working precision, and it
@@ -45,7 +50,8 @@ model as a whole:
   grads for the step, the three parts of its state and Adam's output; per parameter whose weights
   live on the host its working weights (one buffer each: a model of many small parameters, such as
   LayerNorm biases, pays a page for each); per frozen parameter its host copy (and its working
-  weights when they live on the host); and the staging, pipeline and whole-bucket buffers above.
+  weights when they live on the host); and the staging, pipeline and whole-bucket buffers above
+  (the NVMe staging buffers each rounded, as they are leased one by one).
   The device's store allocates exact sizes and the NVMe budget counts the bytes of each value
   (NOTE [What the NVMe budget counts] in tiermem/memory/nvme_keys.py), so neither rounds.
 
@@ -74,6 +80,11 @@ from tiermem.types import Tier
 #: something is placed on it (the device always: grads are made there).
 Footprint = dict[Tier, dict[str, int]]
 
+#: The engine's NVMe lane threads (tiermem/transfer/lanes.py makes that many). On a GPU each
+#: request between NVMe and the device holds one host staging buffer for its length
+#: (TransferEngine._copy), so at most this many are live at once (NOTE [Footprint]).
+NVME_THREADS = 4
+
 _FP32 = torch.float32.itemsize  # grads at their home and each part of the optimizer state
 _STATE = len(STATE_PARTS) * _FP32  # master, exp_avg and exp_avg_sq
 
@@ -96,6 +107,7 @@ LARGEST_MODULE = "weights of the largest module, while it runs"
 GRADS_TO_REDUCE = "grads on their way to be reduce-scattered (about 4 buckets)"
 WHOLE_BUCKET = "one whole bucket of optimizer state, gathered to be read"
 PAGE_ROUNDING = "host buffers rounded up to whole pages"
+NVME_STAGING = f"staging between NVMe and the device (up to {NVME_THREADS} weights)"
 
 #: The host pool's page (tiermem.memory.aligned.ALIGN; the plan layer does not import the memory layer).
 HOST_PAGE = 4096
@@ -115,13 +127,15 @@ JOURNAL_BUCKETS = {"state": 3, "weights": 2, "grads": 4}
 
 
 def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Tier]], dtype: torch.dtype, *,
-              overlap: bool = False, largest_module: int = 0, world: int = 1) -> Footprint:
+              overlap: bool = False, largest_module: int = 0, world: int = 1,
+              nvme_staging: bool = False) -> Footprint:
     """Bytes each tier must hold, by purpose, for the layout of ``buckets`` to be built and a step
     to run (NOTE [Footprint]). ``frozen``: each parameter that needs no grad, with its PARAM home;
     ``dtype``: the working precision; ``largest_module``: bytes of the off-device weights one module
     makes resident while it runs (:func:`largest_module_bytes`), 0 when all weights are on the device;
     ``world``: ranks sharing the grads and optimizer state (NOTE [Data parallel]): each holds a chunk
-    of every bucket, the weights whole."""
+    of every bucket, the weights whole; ``nvme_staging``: whether weights moving between NVMe and
+    the device stage through the host (on a GPU: ``device.type == "cuda"``)."""
     need: Footprint = {}
 
     def add(tier: Tier, purpose: str, nbytes: int, *, buffers: Sequence[int] = ()) -> None:
@@ -177,10 +191,15 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
         for tier, numel in largest.items():
             count = min(2, sum(1 for b in buckets if compute_tier(b) == tier))  # a single bucket needs one
             add(tier, WEIGHT_STAGING, **each(numel * w, count))
+    on_nvme = [s.numel * w for b in buckets if b.param_tier == Tier.NVME for s in b.slots]
     for p, home in frozen:
         size = p.numel() * (w if p.is_floating_point() else p.element_size())
         add(home, FROZEN_WEIGHTS, **(each(size) if home != Tier.DEVICE else {"nbytes": size}))
         add(Tier.HOST, FROZEN_COPY, **each(p.numel() * p.element_size()))
+        on_nvme += [size] if home == Tier.NVME else []
+    if nvme_staging and on_nvme:
+        staged = sorted(on_nvme, reverse=True)[:NVME_THREADS]  # one per NVMe lane thread, the largest
+        add(Tier.HOST, NVME_STAGING, sum(staged), buffers=staged)
     add(Tier.DEVICE, GRADS_IN_FLIGHT, max((s.numel for b in buckets for s in b.slots), default=0) * w)
     if largest_module:
         add(Tier.DEVICE, LARGEST_MODULE, largest_module)

@@ -94,7 +94,7 @@ class TieredModel:
         self.group = resolve_group(process_group, tracer=self.tracer if trace_path else None)  # NOTE [Data parallel]; one process: every collective a no-op
         self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=store_limits(opts.device, opts.budgets, nvme_dir),
                                     machine=lambda: machine_profile(opts.device, nvme_dir), overlap=opts.overlap,
-                                    world=self.group.world)
+                                    world=self.group.world, nvme_staging=opts.device.type == "cuda")
         self.placement = self._evaluator.bind(self.policy)  # NOTE [Whole-model policies]: what decides each tensor
         buckets, groups, names, param_homes = plan(module, self.placement, opts.spec, self.dtype, opts.bucket_numel,
                                                    overlap=opts.overlap, world=self.group.world)
@@ -154,7 +154,8 @@ class TieredModel:
         frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in self.module.named_parameters()
                   if not p.requires_grad]
         need = footprint(buckets, frozen, self.dtype, overlap=self.overlap_step, world=self.group.world,
-                         largest_module=largest_module_bytes(self.module, param_homes, self.dtype))
+                         largest_module=largest_module_bytes(self.module, param_homes, self.dtype),
+                         nvme_staging=self.device.type == "cuda")
         check_fits(need, self.stores)
         return totals(need)[Tier.DEVICE]
 

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from tiermem.handles import Handle, Issued, StallSink
+from tiermem.plan.footprint import NVME_THREADS  # the footprint counts a staging buffer per NVMe thread
 
 LANES = ("d2h", "h2d", "nvme", "compute")
 STREAM_LANES = ("d2h", "h2d", "compute")  # lanes that own a side stream on a GPU
@@ -83,8 +84,9 @@ class Lanes:
         if self.cuda:
             index = device.index if device.index is not None else torch.cuda.current_device()
             init = lambda: torch.cuda.set_device(index)  # noqa: E731 - lanes run on the model's device
-        self.pools = {name: ThreadPoolExecutor(4 if name == "nvme" else 1, thread_name_prefix=f"tiermem-{name}",
-                                               initializer=init) for name in LANES}
+        self.pools = {name: ThreadPoolExecutor(NVME_THREADS if name == "nvme" else 1,
+                                               thread_name_prefix=f"tiermem-{name}", initializer=init)
+                      for name in LANES}
         self.done = ({name: ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-{name}-done", initializer=init)
                       for name in DONE_LANES} if self.cuda else {})
         self.streams = {name: torch.cuda.Stream(device) for name in STREAM_LANES} if self.cuda else {}
