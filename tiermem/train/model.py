@@ -124,6 +124,7 @@ class TieredModel:
             self.scaler = LossScaler.of(precision == "fp16", loss_scale)
             self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger,
                                        group=self.group)
+            reclaimers.add(self.grads.give_room)  # grads in flight free device room once they land
             outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
             self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=grad_clip,
                                    tracer=self.tracer, overlap=opts.overlap, group=self.group,
