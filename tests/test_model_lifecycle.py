@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import threading
+import time
 import weakref
 
 import pytest
@@ -190,3 +192,69 @@ def test_a_failed_construction_leaves_the_module_and_directory_as_they_were(tmp_
     tm = _build(model, tmp_path)
     train_steps(tm, 1)
     tm.detach()
+
+
+def _in_forked_child(body, timeout: float = 30.0) -> int:
+    """Run ``body`` (returning an exit code) in a forked child; its exit code. A child still
+    running after ``timeout`` seconds is killed and the test fails: it hung."""
+    pid = os.fork()
+    if pid == 0:
+        code = 2
+        try:
+            code = body()
+        finally:
+            os._exit(code)  # no atexit, no pytest teardown in the child
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child did not finish within {timeout} s")
+
+
+def test_a_forked_child_runs_none_of_the_parents_deferred_work(tmp_path):
+    parent, gate, ran = os.getpid(), threading.Event(), tmp_path / "ran"
+    deferred.start()
+    deferred.defer(lambda: gate.wait(30) if os.getpid() == parent else None)  # the parent's worker is busy
+    deferred.defer(lambda: ran.open("a").write(f"{os.getpid()}\n"))  # so this is still queued at the fork
+
+    def child() -> int:
+        deferred.start()
+        deferred.settle(timeout=5)
+        return 0
+    try:
+        status = _in_forked_child(child)
+    finally:
+        gate.set()
+    deferred.settle()
+    assert status == 0
+    assert ran.read_text().split() == [str(parent)]  # run once, by the parent's worker
+
+
+def test_a_forked_childs_copy_of_a_model_gives_back_nothing(tmp_path):
+    """A forked child (a DataLoader worker, say) that drops its copy of the parent's model must
+    not start tearing it down: its files and lock are the parent's, and the copy's I/O threads
+    did not come along (a release there would wait on them for ever)."""
+    model = TinyGPT()
+    holder = [_build(model, tmp_path)]
+    train_steps(holder[0], 1)
+    files = _files(tmp_path)
+
+    def child() -> int:
+        holder.clear()
+        gc.collect()  # the copy's finalizer runs here, in the child
+        deferred.start()
+        t0 = time.monotonic()
+        deferred.settle(timeout=5)
+        untouched = any(p._post_accumulate_grad_hooks for p in model.parameters())  # a release takes them off first
+        return 0 if untouched and time.monotonic() - t0 < 2 else 1
+    assert _in_forked_child(child) == 0
+    assert _files(tmp_path) == files
+    with open(tmp_path / "tiermem.lock") as f:
+        assert f.read().strip() == str(os.getpid())
+    assert all(l == l for l in train_steps(holder[0], 1, offset=1))  # noqa: E741 - its files are all there
+    holder[0].detach()
+    assert _files(tmp_path) == []

@@ -12,12 +12,17 @@ waits until everything deferred so far has run; :func:`collect` first collects g
 what nothing references any more is given back before it returns (a new model on the same
 directory or module calls it before refusing). At exit the worker finishes what was deferred
 before the interpreter tears down, and what is dropped later is left to the process's end.
+
+A forked child starts with nothing deferred and no worker (:func:`_forget_in_child`): the jobs
+queued in the parent are the parent's to run, and a lock another parent thread held at the fork
+would never be let go in the child.
 """
 from __future__ import annotations
 
 import atexit
 import gc
 import logging
+import os
 import queue
 import threading
 from typing import Any, Callable, Optional
@@ -28,14 +33,16 @@ _jobs: "queue.SimpleQueue[Callable[[], Any]]" = queue.SimpleQueue()
 _worker: Optional[threading.Thread] = None
 _start_lock = threading.Lock()
 _exiting = False  # the interpreter is ending: it frees everything itself, nothing more is deferred
+_exit_registered = False  # a forked child inherits the parent's atexit handlers, this one included
 
 
 def start() -> None:
     """Make sure the worker runs (call from an ordinary call, never from a finalizer)."""
-    global _worker
+    global _worker, _exit_registered
     with _start_lock:
         if _worker is None or not _worker.is_alive():
-            if _worker is None:
+            if not _exit_registered:
+                _exit_registered = True
                 atexit.register(_at_exit)
             _worker = threading.Thread(target=_work, name="tiermem-release", daemon=True)
             _worker.start()
@@ -71,6 +78,17 @@ def _at_exit() -> None:
     global _exiting
     _exiting = True
     settle(timeout=30.0)
+
+
+def _forget_in_child() -> None:
+    """After a fork, in the child: nothing of the parent's is run here (its worker did not come
+    along, and what it had queued is the parent's business)."""
+    global _jobs, _worker, _start_lock
+    _jobs, _worker, _start_lock = queue.SimpleQueue(), None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _work() -> None:
