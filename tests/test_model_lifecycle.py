@@ -6,6 +6,9 @@ import gc
 import logging
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import weakref
@@ -257,4 +260,31 @@ def test_a_forked_childs_copy_of_a_model_gives_back_nothing(tmp_path):
         assert f.read().strip() == str(os.getpid())
     assert all(l == l for l in train_steps(holder[0], 1, offset=1))  # noqa: E741 - its files are all there
     holder[0].detach()
+    assert _files(tmp_path) == []
+
+
+def test_a_model_dropped_as_a_script_ends_leaves_no_files(tmp_path):
+    """The release worker finishes before the interpreter's thread pools stop taking work, so
+    the store still deletes its files (a model living in ``main()`` is dropped at every end)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {here!r})
+        import time
+        from models import TinyGPT, train_steps
+        from tiermem import TieredModel
+        from tiermem.memory import deferred
+        from tiermem.policies import ZeroInfinity
+
+        def main():
+            tm = TieredModel(TinyGPT(), ZeroInfinity(), nvme_dir={str(tmp_path)!r}, precision="bf16",
+                             bucket_size=4096)
+            train_steps(tm, 1)
+            deferred.defer(time.sleep, 0.5)  # the worker is busy: the release below runs during the exit
+
+        main()
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
     assert _files(tmp_path) == []

@@ -11,7 +11,9 @@ on a ``queue.SimpleQueue`` (whose ``put`` is safe inside finalizers), and one da
 waits until everything deferred so far has run; :func:`collect` first collects garbage, so that
 what nothing references any more is given back before it returns (a new model on the same
 directory or module calls it before refusing). At exit the worker finishes what was deferred
-before the interpreter tears down, and what is dropped later is left to the process's end.
+before the interpreter tears down, and before thread pools stop taking work (a release deletes its
+files through its store's pool: a model dropped as a script ends leaves none behind); what is
+dropped later, or still alive then, is left to the process's end.
 
 A forked child starts with nothing deferred and no worker (:func:`_forget_in_child`): the jobs
 queued in the parent are the parent's to run, and a lock another parent thread held at the fork
@@ -43,7 +45,10 @@ def start() -> None:
         if _worker is None or not _worker.is_alive():
             if not _exit_registered:
                 _exit_registered = True
-                atexit.register(_at_exit)
+                # before concurrent.futures refuses new work at exit (its hook is registered the
+                # same way, earlier: these run last-registered first), so a release can still
+                # delete its files through its store's pool; atexit is too late for that
+                getattr(threading, "_register_atexit", atexit.register)(_at_exit)
             _worker = threading.Thread(target=_work, name="tiermem-release", daemon=True)
             _worker.start()
 
