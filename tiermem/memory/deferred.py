@@ -48,7 +48,10 @@ def start() -> None:
                 # before concurrent.futures refuses new work at exit (its hook is registered the
                 # same way, earlier: these run last-registered first), so a release can still
                 # delete its files through its store's pool; atexit is too late for that
-                getattr(threading, "_register_atexit", atexit.register)(_at_exit)
+                try:
+                    getattr(threading, "_register_atexit", atexit.register)(_at_exit)
+                except RuntimeError:  # threading is shutting down already (a thread the exit waits for)
+                    atexit.register(_at_exit)
             _worker = threading.Thread(target=_work, name="tiermem-release", daemon=True)
             _worker.start()
 
