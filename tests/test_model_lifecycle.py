@@ -288,3 +288,35 @@ def test_a_model_dropped_as_a_script_ends_leaves_no_files(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert _files(tmp_path) == []
+
+
+def test_a_model_collected_inside_a_thread_pools_lock_does_not_deadlock(tmp_path):
+    """A GC pass can start inside ``ThreadPoolExecutor.submit``, which holds concurrent.futures'
+    module-wide lock; a model collected there gives back on the release worker, not inline
+    (NOTE [Finalizers only enqueue]). In a subprocess: a deadlock would wedge every pool."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = textwrap.dedent(f"""
+        import concurrent.futures.thread, gc, os, sys
+        sys.path.insert(0, {here!r})
+        from models import TinyGPT, train_steps
+        from tiermem import TieredModel
+        from tiermem.memory import deferred
+        from tiermem.policies import ZeroInfinity
+
+        holder = [TieredModel(TinyGPT(), ZeroInfinity(), nvme_dir={str(tmp_path)!r}, precision="bf16",
+                              bucket_size=4096)]
+        train_steps(holder[0], 1)
+        holder.append(holder)  # only a GC pass collects it
+        del holder
+        with concurrent.futures.thread._global_shutdown_lock:  # what submit() holds
+            gc.collect()  # the model's finalizer runs here, on this thread, inside that lock
+        deferred.settle()
+        print(sorted(os.listdir({str(tmp_path)!r})))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a model collected inside concurrent.futures' lock deadlocked")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"  # released after all: files and lock gone
