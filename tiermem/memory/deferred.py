@@ -22,6 +22,7 @@ would never be let go in the child.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import os
@@ -45,13 +46,13 @@ def start() -> None:
         if _worker is None or not _worker.is_alive():
             if not _exit_registered:
                 _exit_registered = True
-                # before concurrent.futures refuses new work at exit (its hook is registered the
-                # same way, earlier: these run last-registered first), so a release can still
-                # delete its files through its store's pool; atexit is too late for that
-                try:
-                    getattr(threading, "_register_atexit", atexit.register)(_at_exit)
-                except RuntimeError:  # threading is shutting down already (a thread the exit waits for)
-                    atexit.register(_at_exit)
+                # first a drain before concurrent.futures refuses new work at exit (its hook is
+                # registered the same way, earlier: these run last-registered first), so a release
+                # can still delete its files through its store's pool; then, at atexit, after the
+                # non-daemon threads ended, what they dropped meanwhile, and nothing more
+                with contextlib.suppress(AttributeError, RuntimeError):  # RuntimeError: shutting down already
+                    threading._register_atexit(_drain)
+                atexit.register(_at_exit)
             _worker = threading.Thread(target=_work, name="tiermem-release", daemon=True)
             _worker.start()
 
@@ -78,6 +79,12 @@ def collect() -> None:
     """Collect garbage, then :func:`settle`: what nothing references any more is given back."""
     gc.collect()
     settle()
+
+
+def _drain() -> None:
+    """The main thread has ended: what was dropped so far is given back while thread pools
+    still take work (other threads may still run, and drop more)."""
+    settle(timeout=30.0)
 
 
 def _at_exit() -> None:
