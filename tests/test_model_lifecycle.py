@@ -23,8 +23,11 @@ from tiermem.policies import ZeroInfinity
 
 
 def _threads() -> set[threading.Thread]:
-    """Live threads but the one release worker a process keeps (NOTE [Finalizers only enqueue])."""
-    return {t for t in threading.enumerate() if t.is_alive() and t.name != "tiermem-release"}
+    """Live threads but those a process keeps: the release worker (NOTE [Finalizers only enqueue])
+    and, on a GPU, the one thread that pins host memory (NOTE [Registering host memory]), which
+    the first model of a process starts."""
+    return {t for t in threading.enumerate()
+            if t.is_alive() and t.name != "tiermem-release" and not t.name.startswith("tiermem-pin")}
 
 
 def _files(directory) -> list[str]:
