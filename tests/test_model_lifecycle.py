@@ -5,7 +5,12 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 import weakref
 
 import pytest
@@ -18,8 +23,11 @@ from tiermem.policies import ZeroInfinity
 
 
 def _threads() -> set[threading.Thread]:
-    """Live threads but the one release worker a process keeps (NOTE [Finalizers only enqueue])."""
-    return {t for t in threading.enumerate() if t.is_alive() and t.name != "tiermem-release"}
+    """Live threads but those a process keeps: the release worker (NOTE [Finalizers only enqueue])
+    and, on a GPU, the one thread that pins host memory (NOTE [Registering host memory]), which
+    the first model of a process starts."""
+    return {t for t in threading.enumerate()
+            if t.is_alive() and t.name != "tiermem-release" and not t.name.startswith("tiermem-pin")}
 
 
 def _files(directory) -> list[str]:
@@ -190,3 +198,128 @@ def test_a_failed_construction_leaves_the_module_and_directory_as_they_were(tmp_
     tm = _build(model, tmp_path)
     train_steps(tm, 1)
     tm.detach()
+
+
+def _in_forked_child(body, timeout: float = 30.0) -> int:
+    """Run ``body`` (returning an exit code) in a forked child; its exit code. A child still
+    running after ``timeout`` seconds is killed and the test fails: it hung."""
+    pid = os.fork()
+    if pid == 0:
+        code = 2
+        try:
+            code = body()
+        finally:
+            os._exit(code)  # no atexit, no pytest teardown in the child
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child did not finish within {timeout} s")
+
+
+def test_a_forked_child_runs_none_of_the_parents_deferred_work(tmp_path):
+    parent, gate, ran = os.getpid(), threading.Event(), tmp_path / "ran"
+    deferred.start()
+    deferred.defer(lambda: gate.wait(30) if os.getpid() == parent else None)  # the parent's worker is busy
+    deferred.defer(lambda: ran.open("a").write(f"{os.getpid()}\n"))  # so this is still queued at the fork
+
+    def child() -> int:
+        deferred.start()
+        deferred.settle(timeout=5)
+        return 0
+    try:
+        status = _in_forked_child(child)
+    finally:
+        gate.set()
+    deferred.settle()
+    assert status == 0
+    assert ran.read_text().split() == [str(parent)]  # run once, by the parent's worker
+
+
+def test_a_forked_childs_copy_of_a_model_gives_back_nothing(tmp_path):
+    """A forked child (a DataLoader worker, say) that drops its copy of the parent's model must
+    not start tearing it down: its files and lock are the parent's, and the copy's I/O threads
+    did not come along (a release there would wait on them for ever)."""
+    model = TinyGPT()
+    holder = [_build(model, tmp_path)]
+    train_steps(holder[0], 1)
+    files = _files(tmp_path)
+
+    def child() -> int:
+        holder.clear()
+        gc.collect()  # the copy's finalizer runs here, in the child
+        deferred.start()
+        t0 = time.monotonic()
+        deferred.settle(timeout=5)
+        untouched = any(p._post_accumulate_grad_hooks for p in model.parameters())  # a release takes them off first
+        return 0 if untouched and time.monotonic() - t0 < 2 else 1
+    assert _in_forked_child(child) == 0
+    assert _files(tmp_path) == files
+    with open(tmp_path / "tiermem.lock") as f:
+        assert f.read().strip() == str(os.getpid())
+    assert all(l == l for l in train_steps(holder[0], 1, offset=1))  # noqa: E741 - its files are all there
+    holder[0].detach()
+    assert _files(tmp_path) == []
+
+
+def test_a_model_dropped_as_a_script_ends_leaves_no_files(tmp_path):
+    """The release worker finishes before the interpreter's thread pools stop taking work, so
+    the store still deletes its files (a model living in ``main()`` is dropped at every end)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {here!r})
+        import time
+        from models import TinyGPT, train_steps
+        from tiermem import TieredModel
+        from tiermem.memory import deferred
+        from tiermem.policies import ZeroInfinity
+
+        def main():
+            tm = TieredModel(TinyGPT(), ZeroInfinity(), nvme_dir={str(tmp_path)!r}, precision="bf16",
+                             bucket_size=4096)
+            train_steps(tm, 1)
+            deferred.defer(time.sleep, 0.5)  # the worker is busy: the release below runs during the exit
+
+        main()
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _files(tmp_path) == []
+
+
+def test_a_model_collected_inside_a_thread_pools_lock_does_not_deadlock(tmp_path):
+    """A GC pass can start inside ``ThreadPoolExecutor.submit``, which holds concurrent.futures'
+    module-wide lock; a model collected there gives back on the release worker, not inline
+    (NOTE [Finalizers only enqueue]). In a subprocess: a deadlock would wedge every pool."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = textwrap.dedent(f"""
+        import concurrent.futures.thread, gc, os, sys
+        sys.path.insert(0, {here!r})
+        from models import TinyGPT, train_steps
+        from tiermem import TieredModel
+        from tiermem.memory import deferred
+        from tiermem.policies import ZeroInfinity
+
+        holder = [TieredModel(TinyGPT(), ZeroInfinity(), nvme_dir={str(tmp_path)!r}, precision="bf16",
+                              bucket_size=4096)]
+        train_steps(holder[0], 1)
+        holder.append(holder)  # only a GC pass collects it
+        del holder
+        with concurrent.futures.thread._global_shutdown_lock:  # what submit() holds
+            gc.collect()  # the model's finalizer runs here, on this thread, inside that lock
+        deferred.settle()
+        print(sorted(os.listdir({str(tmp_path)!r})))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a model collected inside concurrent.futures' lock deadlocked")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"  # released after all: files and lock gone

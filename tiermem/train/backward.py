@@ -13,6 +13,7 @@ overlap_step).
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,19 @@ class GradCollector:
             self._send_all()
             self.wait_copies()
             self.device_ledger.reserve(tag, nbytes, TensorClass.GRAD)
+
+    def give_room(self, missing: int) -> None:
+        """A reclaimer of the device ledger (NOTE [Room before allocation] in
+        tiermem/transfer/schedule.py): wait for the gradient copies in flight, whose device bytes
+        go once they land. Never on one of tiermem's own threads, where the copies may be queued
+        behind the caller; and the list is only read, as backward may be appending to it."""
+        if threading.current_thread().name.startswith("tiermem-"):
+            return
+        in_flight = list(self._in_flight)
+        wait_all_quietly([h for h, _ in in_flight])  # a failed copy is for settle() to report
+        for _, tags in in_flight:
+            for tag in tags:  # releasing twice is harmless: the done-callback may run after this
+                self.device_ledger.release(tag)
 
     def end_backward(self) -> None:
         """Backward has returned: every home completes the buckets still open."""

@@ -16,6 +16,10 @@ trained says so in the log (at INFO: a script whose model lives in a function dr
 new TieredModel, and an NVMe store that finds its directory locked by this process, first
 collect garbage and wait for the worker (``deferred.collect``).
 
+A process forked from one holding a model (a DataLoader worker, a fork-started helper) holds a
+copy of it that shares the parent's files and lock: when that copy is dropped in the child, it
+gives nothing back, and nothing the parent had deferred runs there.
+
 Two more ends are kept as clean. A construction that raises once the stores exist (a disk that
 fills while the first weights are written) puts back the tensors the module's parameters and
 buffers held, removes its hooks and gives everything back before the error propagates
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -48,9 +53,13 @@ log = logging.getLogger(__name__)
 _OWNERS: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def dropped(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer, stepper: Stepper) -> None:
-    """The finalizer of a TieredModel: its :func:`give_back`, deferred (NOTE [Finalizers only
-    enqueue] in :mod:`tiermem.memory.deferred`)."""
+def dropped(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer, stepper: Stepper,
+            pid: Optional[int] = None) -> None:
+    """The finalizer of a TieredModel built in process ``pid``: its :func:`give_back`, deferred
+    (NOTE [Finalizers only enqueue] in :mod:`tiermem.memory.deferred`). In a forked child, the
+    copy of a parent's model gives nothing back: its files and lock are the parent's."""
+    if pid is not None and pid != os.getpid():
+        return
     deferred.defer(_give_back_now, hooks, engine, stores, tracer, stepper)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 import weakref
 from typing import Any, Iterator, Optional
@@ -124,6 +125,7 @@ class TieredModel:
             self.scaler = LossScaler.of(precision == "fp16", loss_scale)
             self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger,
                                        group=self.group)
+            reclaimers.add(self.grads.give_room)  # grads in flight free device room once they land
             outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
             self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=grad_clip,
                                    tracer=self.tracer, overlap=opts.overlap, group=self.group,
@@ -141,7 +143,7 @@ class TieredModel:
             # NOTE [A dropped model lets go]: nothing above refers back to self, so a model nobody
             # references is collected; this gives back what it held (and is detach()'s last part)
             self._release = weakref.finalize(self, lifetime.dropped, self.hooks, self.engine, self.stores,
-                                             self.tracer, self.stepper)
+                                             self.tracer, self.stepper, os.getpid())
             self._release.atexit = False  # the process's end frees it all; no I/O on the way out
             lifetime.claim(module, self)
             self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()

@@ -15,8 +15,11 @@ The engine allocates a destination on the caller's thread and the tier's ledger 
 would cross the budget. The scheduler therefore evicts until the ledger has room *before* it
 asks the engine to move anything, and waits for each eviction it makes: a tensor whose only
 valid copy is on the tier is written back home first, and its bytes count until that write
-lands. Acquired tensors are never victims, so if everything evictable is gone and the tensor
-still does not fit, the working set itself is too large and the error says by how much.
+lands. Acquired tensors are never victims. If everything evictable is gone and the tensor still
+does not fit, the tier's other reclaimers are asked once (gradients still being copied home hold
+device bytes until their copy lands: a slow copy lane, e.g. on a busy CPU, must not turn a budget
+that fits into a refusal); if it still does not fit, the working set itself is too large and the
+error says by how much.
 """
 from __future__ import annotations
 
@@ -378,10 +381,14 @@ class ResidencyScheduler:
 
     def _make_room(self, key: str, nbytes: int, *, candidates: list[str], required: bool) -> bool:
         """Evict from ``candidates`` until ``nbytes`` fit on the tier. NOTE [Room before allocation]"""
-        ledger = self._store.ledger
+        ledger, asked_others = self._store.ledger, False
         while ledger.allowed - ledger.used < nbytes:
             trace = self._following() if self.eviction == "belady" else None
             victim = choose_victim(candidates, self._last_used, trace=trace, pos=self._pos)
+            if victim is None and required and not asked_others and ledger.reclaim is not None:
+                asked_others = True  # bytes in flight elsewhere (grads still copying home) go once they land
+                self._ask_others(nbytes - (ledger.allowed - ledger.used))
+                continue
             if victim is None:
                 if required:
                     raise self._too_small(key, nbytes)
@@ -389,6 +396,15 @@ class ResidencyScheduler:
             candidates.remove(victim)
             self._evict(victim)
         return True
+
+    def _ask_others(self, missing: int) -> None:
+        """The tier's other reclaimers give back what they can (this scheduler's own
+        :meth:`make_room` is skipped: nothing of ours is left to evict)."""
+        reclaiming, self._reclaiming = self._reclaiming, True
+        try:
+            self._store.ledger.reclaim(missing)
+        finally:
+            self._reclaiming = reclaiming
 
     def _evict(self, key: str) -> None:
         r = self.engine.registry.get(key)
