@@ -4,12 +4,16 @@ The GPU halves are in test_cuda.py / test_cuda_streams.py."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from tiermem import TensorClass, Tier
-from tiermem.memory import aligned, resident
+from tiermem.memory import aligned, deferred, resident
 from tiermem.memory.resident import HostStore
 from tiermem.transfer.engine import TransferEngine
 
@@ -83,9 +87,53 @@ def test_a_store_dropped_without_close_unpins(fake_pinning):
     buf = host.acquire(8192, "k", TensorClass.GRAD)
     assert sum(fake_pinning.values()) == 8192
     del host
-    gc.collect()
+    deferred.collect()  # the finalizer only enqueues the unpinning (NOTE [Finalizers only enqueue])
     assert fake_pinning == {} and buf.numel() == 8192  # unpinned; the bytes stay valid for whoever holds them
     buf.fill_(1)
+
+
+def test_a_pinned_pool_collected_inside_a_thread_pools_lock_does_not_deadlock():
+    """Unpinning runs on the pinning thread's pool, whose submit() takes concurrent.futures'
+    module-wide lock: a pool dropped without close() and collected by a GC pass inside that lock
+    unpins on the release worker instead of waiting there (inline, it deadlocked). In a
+    subprocess, with a stand-in for torch's cudart binding: a deadlock would wedge every pool."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = textwrap.dedent("""
+        import concurrent.futures.thread, contextlib, gc, torch
+        from tiermem import TensorClass
+        from tiermem.memory import deferred
+        from tiermem.memory.resident import HostStore
+        pinned = {}
+        class Cudart:
+            def cudaHostRegister(self, ptr, nbytes, flags):
+                pinned[ptr] = nbytes
+                return 0
+            def cudaHostUnregister(self, ptr):
+                del pinned[ptr]
+                return 0
+        torch.cuda.cudart = lambda: Cudart()
+        torch.cuda.device = lambda i: contextlib.nullcontext()
+        torch.cuda.current_device = lambda: 0
+        torch.cuda.device_count = lambda: 1
+        torch._C._cuda_hasPrimaryContext = lambda i: True
+        host = HostStore(1 << 30, pin=True)
+        host.acquire(8192, "k", TensorClass.GRAD)
+        assert sum(pinned.values()) == 8192, pinned
+        cycle = [host]
+        cycle.append(cycle)  # only a GC pass collects it
+        del host, cycle
+        with concurrent.futures.thread._global_shutdown_lock:  # what submit() holds
+            gc.collect()  # the pool's finalizer runs here, on this thread, inside that lock
+        deferred.settle()
+        print(len(pinned))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a pinned pool collected inside concurrent.futures' lock deadlocked")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "0"  # unpinned after all
 
 
 def test_default_device_budget_is_free_plus_what_torch_holds_minus_the_margin(monkeypatch):

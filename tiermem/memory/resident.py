@@ -18,6 +18,7 @@ import torch
 from tiermem.memory.ledger import Ledger
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle
+from tiermem.memory import deferred
 from tiermem.memory.aligned import aligned_empty, can_pin, host_buffer, pin_in_place, round_up, unpin
 from tiermem.memory.base import Store, check_same_layout, unknown_key
 from tiermem.types import TensorClass, Tier
@@ -176,7 +177,9 @@ class HostStore(_MemoryStore):
         # not in place: from torch's pinned cache, which unpins it itself
         self._pinned: dict[int, tuple[torch.Tensor, bool]] = {}
         self._register = True  # pin in place with cudaHostRegister, until CUDA refuses once
-        weakref.finalize(self, _unpin_all, self._pinned)  # dropped without close(): unpinned too
+        # dropped without close(): unpinned too, on the release worker (NOTE [Finalizers only enqueue]:
+        # unpinning submits to the pinning thread's pool, which a GC pass inside submit() would deadlock)
+        weakref.finalize(self, deferred.defer, _unpin_all, self._pinned)
 
     @property
     def pinned_bytes(self) -> int:
@@ -225,6 +228,7 @@ class HostStore(_MemoryStore):
             buf = host_buffer(size, pin=False)
             refused = pin_in_place(buf)
             if refused is None:
+                deferred.start()  # the worker that unpins this pool if it is dropped without close()
                 return buf, True
             log.warning("tiermem: %s; this pool's pinned buffers come from torch's pinned cache instead "
                         "(rounded up to powers of two, returned to the system only by torch)", refused)
