@@ -1,6 +1,12 @@
 """Small models as users write them, shared by the model tests."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -106,3 +112,19 @@ class disk_fills_up:
 def same_state(a: dict, b: dict) -> bool:
     """Two state dicts with the same keys and bit-identical tensors."""
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def run_python(script: str, *, timeout: float, hang: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (dedented) in a fresh interpreter that imports tiermem from this tree and
+    these helpers (``from models import ...``); fails the test with ``hang`` if it runs past
+    ``timeout`` seconds (a deadlock stays in the child), and with the child's stderr if it fails."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    path = [os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    try:
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(hang)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done

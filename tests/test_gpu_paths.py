@@ -4,10 +4,6 @@ The GPU halves are in test_cuda.py / test_cuda_streams.py."""
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,6 +12,8 @@ from tiermem import TensorClass, Tier
 from tiermem.memory import aligned, deferred, resident
 from tiermem.memory.resident import HostStore
 from tiermem.transfer.engine import TransferEngine
+
+from models import run_python
 
 
 def _mapped(ptr: int) -> bool:
@@ -97,8 +95,7 @@ def test_a_pinned_pool_collected_inside_a_thread_pools_lock_does_not_deadlock():
     module-wide lock: a pool dropped without close() and collected by a GC pass inside that lock
     unpins on the release worker instead of waiting there (inline, it deadlocked). In a
     subprocess, with a stand-in for torch's cudart binding: a deadlock would wedge every pool."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = textwrap.dedent("""
+    done = run_python("""
         import concurrent.futures.thread, contextlib, gc, torch
         from tiermem import TensorClass
         from tiermem.memory import deferred
@@ -126,13 +123,7 @@ def test_a_pinned_pool_collected_inside_a_thread_pools_lock_does_not_deadlock():
             gc.collect()  # the pool's finalizer runs here, on this thread, inside that lock
         deferred.settle()
         print(len(pinned))
-    """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    try:
-        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=90)
-    except subprocess.TimeoutExpired:
-        pytest.fail("a pinned pool collected inside concurrent.futures' lock deadlocked")
-    assert done.returncode == 0, done.stderr[-2000:]
+    """, timeout=90, hang="a pinned pool collected inside concurrent.futures' lock deadlocked")
     assert done.stdout.strip() == "0"  # unpinned after all
 
 

@@ -6,9 +6,6 @@ import gc
 import logging
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 import weakref
@@ -16,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from models import TinyGPT, gpt_batch, gpt_loss, train_steps
+from models import TinyGPT, gpt_batch, gpt_loss, run_python, train_steps
 from tiermem import ConfigError, Phase, TieredModel, TierMemError, Tier
 from tiermem.memory import deferred
 from tiermem.policies import ZeroInfinity
@@ -269,10 +266,7 @@ def test_a_forked_childs_copy_of_a_model_gives_back_nothing(tmp_path):
 def test_a_model_dropped_as_a_script_ends_leaves_no_files(tmp_path):
     """The release worker finishes before the interpreter's thread pools stop taking work, so
     the store still deletes its files (a model living in ``main()`` is dropped at every end)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {here!r})
+    run_python(f"""
         import time
         from models import TinyGPT, train_steps
         from tiermem import TieredModel
@@ -286,10 +280,7 @@ def test_a_model_dropped_as_a_script_ends_leaves_no_files(tmp_path):
             deferred.defer(time.sleep, 0.5)  # the worker is busy: the release below runs during the exit
 
         main()
-    """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    """, timeout=120, hang="a model dropped as the script ended kept the interpreter from exiting")
     assert _files(tmp_path) == []
 
 
@@ -297,10 +288,8 @@ def test_a_model_collected_inside_a_thread_pools_lock_does_not_deadlock(tmp_path
     """A GC pass can start inside ``ThreadPoolExecutor.submit``, which holds concurrent.futures'
     module-wide lock; a model collected there gives back on the release worker, not inline
     (NOTE [Finalizers only enqueue]). In a subprocess: a deadlock would wedge every pool."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = textwrap.dedent(f"""
-        import concurrent.futures.thread, gc, os, sys
-        sys.path.insert(0, {here!r})
+    done = run_python(f"""
+        import concurrent.futures.thread, gc, os
         from models import TinyGPT, train_steps
         from tiermem import TieredModel
         from tiermem.memory import deferred
@@ -315,11 +304,5 @@ def test_a_model_collected_inside_a_thread_pools_lock_does_not_deadlock(tmp_path
             gc.collect()  # the model's finalizer runs here, on this thread, inside that lock
         deferred.settle()
         print(sorted(os.listdir({str(tmp_path)!r})))
-    """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    try:
-        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=90)
-    except subprocess.TimeoutExpired:
-        pytest.fail("a model collected inside concurrent.futures' lock deadlocked")
-    assert done.returncode == 0, done.stderr[-2000:]
+    """, timeout=90, hang="a model collected inside concurrent.futures' lock deadlocked")
     assert done.stdout.strip() == "[]"  # released after all: files and lock gone
