@@ -9,7 +9,7 @@ from torch.optim import Optimizer
 
 from tiermem.config import check_adam_hyper
 from tiermem.errors import ConfigError, checked_arguments
-from tiermem.optim.functional import adam_step, any_nonfinite
+from tiermem.optim.functional import adam_step, any_nonfinite, as_number
 
 log = logging.getLogger(__name__)
 
@@ -88,5 +88,4 @@ class CPUAdam(Optimizer):
 def _check_hyper(*, lr: Any, betas: Any, eps: Any, weight_decay: Any, adamw: Any) -> None:
     """The rules every Adam in tiermem checks (NOTE [Adam hyperparameter rules]); a tensor lr, which
     torch optimizers allow, is checked as the number it holds."""
-    check_adam_hyper("CPUAdam ", lr=lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr,
-                     betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
+    check_adam_hyper("CPUAdam ", lr=as_number(lr), betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)

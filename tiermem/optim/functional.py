@@ -59,9 +59,9 @@ def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
     and always returns False. ``impl`` picks an implementation ("compiled", "fallback",
     "reference") instead of the default, for tests and benchmarks.
     """
-    hyper = AdamHyper(step=_as_step(step), lr=_as_number(lr), beta1=_as_number(beta1), beta2=_as_number(beta2),
-                      eps=_as_number(eps), weight_decay=_as_number(weight_decay), adamw=adamw,
-                      grad_scale=_as_number(grad_scale), clip_coef=_as_number(clip_coef))
+    hyper = AdamHyper(step=_as_step(step), lr=as_number(lr), beta1=as_number(beta1), beta2=as_number(beta2),
+                      eps=as_number(eps), weight_decay=as_number(weight_decay), adamw=adamw,
+                      grad_scale=as_number(grad_scale), clip_coef=as_number(clip_coef))
     _check_tensors(master, exp_avg, exp_avg_sq, grad, out)
     _check_impl(impl)
     # detached views: the same memory, without autograd's view of it (dynamo guards on requires_grad)
@@ -203,13 +203,13 @@ def _say(which: str) -> None:
                     "compiled kernel, because compiling failed: %s", _COMPILED.failure)
 
 
-def _as_number(value: object) -> object:
+def as_number(value: object) -> object:
     """A one-element tensor (torch optimizers allow a tensor lr) as the number it holds."""
     return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
 def _as_step(step: object) -> int:
-    value = _as_number(step)
+    value = as_number(step)
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
             or value != int(value)):
         raise ConfigError(f"tiermem: adam_step step={step!r} is invalid: it must be a whole number "
