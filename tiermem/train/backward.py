@@ -115,9 +115,7 @@ class GradCollector:
             return
         in_flight = list(self._in_flight)
         wait_all_quietly([h for h, _ in in_flight])  # a failed copy is for settle() to report
-        for _, tags in in_flight:
-            for tag in tags:  # releasing twice is harmless: the done-callback may run after this
-                self.device_ledger.release(tag)
+        self._release(in_flight)
 
     def end_backward(self) -> None:
         """Backward has returned: every home completes the buckets still open."""
@@ -133,9 +131,14 @@ class GradCollector:
             try:
                 wait_all([h for h, _ in handles])
             finally:
-                for _, tags in handles:  # the done-callback may not have run yet when wait returns
-                    for tag in tags:
-                        self.device_ledger.release(tag)
+                self._release(handles)
+
+    def _release(self, copies: list[tuple[Handle, list[str]]]) -> None:
+        """The ledger tags of grad copies that have landed or failed. The done-callback may not
+        have run yet when a wait returns, or may run after this: releasing twice is harmless."""
+        for _, tags in copies:
+            for tag in tags:
+                self.device_ledger.release(tag)
 
     def settle(self) -> None:
         """Every grad of this step is at home. If some did not arrive (a copy or a flush to NVMe
@@ -165,9 +168,7 @@ class GradCollector:
         self._held.clear()
         handles, self._in_flight = self._in_flight, []
         wait_all_quietly([h for h, _ in handles])
-        for _, tags in handles:
-            for tag in tags:
-                self.device_ledger.release(tag)
+        self._release(handles)
         self._got.clear()
         for home in self.homes.grad_homes():
             home.drop()
