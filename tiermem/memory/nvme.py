@@ -447,4 +447,3 @@ class NvmeStore(Store):
         if self._closed:
             raise StoreError(f"tiermem: NvmeStore({self.directory!r}) is closed; make a new store to "
                              f"keep using the directory")
-

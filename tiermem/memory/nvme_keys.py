@@ -232,4 +232,3 @@ def cannot_revert(key: str) -> StoreError:
     return StoreError(f"tiermem: cannot revert {key!r}: it holds no value from before its latest write (it was "
                       f"written once, or its latest write failed and so changed nothing, or it was reverted "
                       f"already); revert only keys whose write succeeded, once each")
-
