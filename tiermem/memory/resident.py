@@ -179,7 +179,7 @@ class HostStore(_MemoryStore):
         self._register = True  # pin in place with cudaHostRegister, until CUDA refuses once
         # dropped without close(): unpinned too, on the release worker (NOTE [Finalizers only enqueue]:
         # unpinning submits to the pinning thread's pool, which a GC pass inside submit() would deadlock)
-        weakref.finalize(self, deferred.defer, _unpin_all, self._pinned)
+        weakref.finalize(self, _dropped, self._pinned)
 
     @property
     def pinned_bytes(self) -> int:
@@ -271,6 +271,14 @@ class HostStore(_MemoryStore):
 
     def _free(self, key: str, base: torch.Tensor) -> None:
         self.release(key, base)
+
+
+def _dropped(pinned: dict[int, tuple[torch.Tensor, bool]]) -> None:
+    """A pool's finalizer: what it pinned in place is unpinned on the release worker (which the
+    first such pin started); a pool that pinned nothing in place queues nothing, so a job that
+    would do nothing never waits, holding torch's pinned buffers, for a worker that never started."""
+    if any(in_place for _, in_place in pinned.values()):
+        deferred.defer(_unpin_all, pinned)
 
 
 def _unpin_all(pinned: dict[int, tuple[torch.Tensor, bool]]) -> None:
