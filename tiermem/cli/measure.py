@@ -239,20 +239,14 @@ def adam(n: int, *, repeats: int, min_seconds: float) -> AdamRates:
 
 def device_adam(n: int, *, repeats: int, min_seconds: float) -> Rate:
     """Parameters/s of ``adam_step`` on the accelerator as the split step calls it (fp32 state and grads
-    there, bf16 weights out), synchronised after each call."""
-    from tiermem import optim  # imported late: it may compile kernels
+    there, bf16 weights out), synchronised after each call; the same call the machine profile's
+    quick measurement times (:func:`tiermem.train.machine.adam_steps`)."""
+    from tiermem.train.machine import adam_steps  # imported late: it may compile kernels
 
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    master = torch.randn(n, device=dev, generator=gen)
-    exp_avg, exp_avg_sq = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
-    grad = torch.randn(n, device=dev, generator=gen) * 1e-3
-    out = torch.empty(n, dtype=torch.bfloat16, device=dev)
-    step = [0]
+    step = adam_steps(dev, n)
 
     def one() -> None:
-        step[0] += 1
-        optim.adam_step(master, exp_avg, exp_avg_sq, grad, step=step[0], lr=1e-3, beta1=0.9, beta2=0.999,
-                        eps=1e-8, weight_decay=0.01, adamw=True, out=out, check_finite=False)
-        torch.cuda.synchronize()
+        step()
+        torch.cuda.synchronize(dev)
     return measure(one, n, repeats=repeats, min_seconds=min_seconds)

@@ -98,7 +98,13 @@ def measure(device: torch.device, nvme_dir: Optional[str]) -> dict:
 
 
 def _adam(device: torch.device, sync: Callable[[], None]) -> float:
-    n = _ADAM_PARAMS
+    return _rate(adam_steps(device, _ADAM_PARAMS), _ADAM_PARAMS, sync)
+
+
+def adam_steps(device: torch.device, n: int) -> Callable[[], None]:
+    """One ``adam_step`` over ``n`` parameters on ``device`` per call, as the step calls it there
+    (fp32 state; grads in bf16 on the CPU, fp32 on an accelerator; bf16 weights out), not
+    synchronised: what this profile and ``tiermem bench`` time."""
     master = torch.randn(n, device=device)
     m, v = torch.zeros_like(master), torch.zeros_like(master)
     grad = (torch.randn(n, device=device) * 1e-3).to(torch.bfloat16 if device.type == "cpu" else torch.float32)
@@ -109,7 +115,7 @@ def _adam(device: torch.device, sync: Callable[[], None]) -> float:
         step[0] += 1
         optim.adam_step(master, m, v, grad, step=step[0], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                         weight_decay=0.0, out=out, check_finite=False)
-    return _rate(one, n, sync)
+    return one
 
 
 def _nvme(nvme_dir: Optional[str], a: torch.Tensor, b: torch.Tensor) -> dict:
