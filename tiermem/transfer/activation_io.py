@@ -14,11 +14,11 @@ NVMe the leased buffer is staging: a chain writes it to NVMe once the copy lande
 back to the pool once the write lands. ``stored`` is the handle of that whole send.
 fetch (backward): DEVICE <- HOST, or DEVICE <- HOST <- NVME through a leased staging buffer, into
 fresh device bytes (reserved at the fetch, given back at once if it fails: a failed backward
-leaves the device ledger as it was, even while its graph is still referenced); each saved view is rebuilt over them with its own dtype, size, stride and
-offset, so the views of one storage (q, k and v of one qkv projection) share one copy. The
-fetch is chained after ``stored``, so it reads what was written; if the copy to the host has not
-landed yet, the fetch keeps the device storage instead. Waiting on a fetch's handle counts as
-stall on the device tier.
+leaves the device ledger as it was, even while its graph is still referenced); each saved view
+is rebuilt over them with its own dtype, size, stride and offset, so the views of one storage
+(q, k and v of one qkv projection) share one copy. The fetch is chained after ``stored``, so it
+reads what was written; if the copy to the host has not landed yet, the fetch keeps the device
+storage instead. Waiting on a fetch's handle counts as stall on the device tier.
 retire (autograd dropped the packed object: the node ran, or the graph was freed unused): once
 nothing of the record is in flight its host buffer returns to the pool, its device bytes are
 released, and its NVMe file is deleted, in a batch on the engine's compute lane at ``flush()``.
