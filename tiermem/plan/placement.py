@@ -83,7 +83,12 @@ def bind(module: torch.nn.Module, policy: Policy, dtype: torch.dtype, limits: Op
     """The policy to ask about ``module``'s tensors: ``policy.for_model`` told about the trainable
     parameters in the order forward uses them (NOTE [Whole-model policies]). Binding a bound
     policy again gives it back unchanged."""
-    unique, _ = _unique_params(module)
+    return _bind(_unique_params(module)[0], policy, dtype, limits, evaluate)
+
+
+def _bind(unique: list[tuple[str, torch.nn.Parameter]], policy: Policy, dtype: torch.dtype,
+          limits: Optional[Mapping[Tier, int]] = None, evaluate: Optional[Callable[..., Evaluation]] = None) -> Policy:
+    """:func:`bind` with the module's parameters already listed (:func:`_unique_params`)."""
     params = tuple(_info(name, TensorClass.PARAM, p, dtype) for name, p in unique if p.requires_grad)
     return bound(policy, ModelInfo(params, dtype, dict(limits or {}), evaluate))
 
@@ -97,7 +102,7 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
     weights live off the device, with their home. ``limits``: bytes each tier may hold, for the
     policies that size a split."""
     unique, names = _unique_params(module)
-    policy = bind(module, policy, dtype, limits)
+    policy = _bind(unique, policy, dtype, limits)
     param_homes: dict[str, Tier] = {}
     entries, groups = [], [[], []]  # group 0: weight decay applies; group 1: it does not
     for name, p in reversed(unique):  # reverse order of use: backward fills the last ones first
