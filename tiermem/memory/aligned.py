@@ -90,7 +90,9 @@ def unpin(buf: torch.Tensor) -> None:
 # pinned allocator does: calling on a thread whose current device is 0 would otherwise create a
 # context on GPU 0 for a model on cuda:N. Pinned host memory is usable from every device.
 _pinner: Optional[ThreadPoolExecutor] = None
-_pinner_lock = threading.RLock()  # reentrant: a GC pass may run a finalizer that pins while it is held
+# reentrant, and the pinning thread calls inline: a GC pass there must not deadlock if a finalizer ever
+# pins (tiermem's own only enqueue, NOTE [Finalizers only enqueue] in tiermem/memory/deferred.py)
+_pinner_lock = threading.RLock()
 _on_pinner = threading.local()  # .yes on the pinning thread itself
 
 
@@ -119,7 +121,7 @@ def _cudart_call(name: str, *args: int) -> int:
     def call() -> int:
         with torch.cuda.device(device):
             return int(getattr(torch.cuda.cudart(), name)(*args))
-    if getattr(_on_pinner, "yes", False):  # e.g. a pool's finalizer, run by a GC pass on this thread
+    if getattr(_on_pinner, "yes", False):  # called on the pinning thread itself: waiting on it would deadlock
         return call()
     return _pin_thread().submit(call).result()
 
