@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
+from bench._common import run_again  # noqa: E402
 from examples.gpt import GPT, PRESETS, config_from_args, lm_loss  # noqa: E402
 from tiermem import AdamW, Budgets, TierMemError, TieredModel, Tier  # noqa: E402
 from tiermem.errors import fmt_bytes  # noqa: E402
@@ -191,14 +191,8 @@ def run_one(args, cfg, device, batches) -> dict:
 
 def spawn(argv: list[str], one: str, setting: str | None = None, base: dict | None = None) -> dict:
     """Run ``one`` in a fresh process; its last output line is the JSON result."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--one", one]
-    if setting is not None:
-        cmd += ["--setting", setting, "--base", json.dumps(base)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    lines = res.stdout.strip().splitlines()
-    if res.returncode != 0 or not lines:
-        raise RuntimeError(f"bench/auto.py: the run of {one} ({setting}) exited {res.returncode}:\n{res.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    extra = ["--one", one] if setting is None else ["--one", one, "--setting", setting, "--base", json.dumps(base)]
+    return run_again(__file__, [*argv, *extra], f"{one} ({setting})", keep_stderr=True)
 
 
 def main() -> int:

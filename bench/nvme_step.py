@@ -65,6 +65,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples
 
+from bench._common import run_again  # noqa: E402
 from examples.nvme_offload import OptimStateOnNvme  # noqa: E402
 from tiermem import AdamW, Report, TieredModel, Tier, parse_bytes  # noqa: E402
 from tiermem.errors import fmt_bytes  # noqa: E402
@@ -243,12 +244,7 @@ def run_one(args: argparse.Namespace, root: str) -> Setup:
 
 def spawn(name: str, root: str) -> Setup:
     """One run of ``name`` in a fresh process; its last output line is the JSON result."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--one", name, "--dir", root]
-    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # its per-step lines go to our stderr
-    lines = res.stdout.strip().splitlines()
-    if res.returncode != 0 or not lines:
-        raise RuntimeError(f"bench/nvme_step.py: the run of {name} exited {res.returncode}")
-    d = json.loads(lines[-1])
+    d = run_again(__file__, [*sys.argv[1:], "--one", name, "--dir", root], name)  # its per-step lines: our stderr
     return Setup(name, **d)
 
 

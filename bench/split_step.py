@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
+from bench._common import run_again  # noqa: E402
 from examples.gpt import GPT, add_model_args, config_from_args, lm_loss  # noqa: E402
 from tiermem import AdamW, TieredModel  # noqa: E402
 from tiermem.plan import cost  # noqa: E402
@@ -117,15 +116,10 @@ def run_one(args) -> dict:
 
 def spawn(f: float, rates: cost.Rates, gpu: cost.Rates | None) -> dict:
     """``run_one`` for fraction ``f`` in a fresh process; its last output line is the JSON result."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--one", repr(f),
-           "--rates", json.dumps(dataclasses.asdict(rates))]
+    argv = [*sys.argv[1:], "--one", repr(f), "--rates", json.dumps(dataclasses.asdict(rates))]
     if gpu is not None:
-        cmd += ["--gpu-rates", json.dumps(dataclasses.asdict(gpu))]
-    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ)  # its step lines: our stderr
-    lines = res.stdout.strip().splitlines()
-    if res.returncode != 0 or not lines:
-        raise RuntimeError(f"bench/split_step.py: the run of device_fraction={f:g} exited {res.returncode}")
-    return json.loads(lines[-1])
+        argv += ["--gpu-rates", json.dumps(dataclasses.asdict(gpu))]
+    return run_again(__file__, argv, f"device_fraction={f:g}")  # its step lines: our stderr
 
 
 def main() -> int:
