@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -134,8 +134,7 @@ class TieredModel:
             for b in buckets:
                 for s in b.slots:
                     self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
-            self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks,
-                                                   params=self.param_offload)
+            self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks)
             frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
             self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
                                      precision, self.dtype, frozen_off, self.group)
@@ -146,6 +145,8 @@ class TieredModel:
                                              self.tracer, self.stepper, os.getpid())
             self._release.atexit = False  # the process's end frees it all; no I/O on the way out
             lifetime.claim(module, self)
+            if self.param_offload is not None:
+                self.param_offload.settle()  # the module's original tensors of off-device weights go
             self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
@@ -190,15 +191,11 @@ class TieredModel:
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         with self._life.during("forward", Phase.FORWARD):
             args, kwargs = _cast_floats((args, kwargs), self.dtype, self.device)
-            borrowing = self.param_offload.borrowing() if self.param_offload is not None else contextlib.nullcontext()
-            with self.tracer.span("forward", "compute"), borrowing, _eagerly(self._force_eager):
+            with self.tracer.span("forward", "compute"), _eagerly(self._force_eager):
                 if torch.is_grad_enabled() and self.module.training:
                     with self.activations.track():
                         return self.module(*args, **kwargs)
-                if torch.is_grad_enabled():  # eval() with grad: activations stay, a backward may follow
-                    with self.activations.weights_by_reference():
-                        return self.module(*args, **kwargs)
-                return self.module(*args, **kwargs)
+                return self.module(*args, **kwargs)  # eval() or no_grad: activations stay where they are
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled in fp16); call once per micro-batch, grads accumulate.
@@ -218,7 +215,7 @@ class TieredModel:
         arrived_before = self.grads.arrivals
         with self._life.during("backward", Phase.BACKWARD):  # raising before any grad: back to the phase before
             try:
-                with self.tracer.span("backward", "compute"), self.activations.weights_by_reference():
+                with self.tracer.span("backward", "compute"):
                     (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
                 self.grads.end_backward()
             except BaseException as e:
@@ -302,6 +299,29 @@ class TieredModel:
         self.grads.drop()
         self._life.to(Phase.IDLE)
 
+    @contextlib.contextmanager
+    def resident(self, what: "torch.nn.Module | torch.Tensor | Iterable[torch.Tensor]") -> Iterator[None]:
+        """Explicit access to weights outside ``tm(...)``: inside the block the parameters of
+        ``what`` (a module of the model, a parameter, or several of either) are real tensors on
+        the device, those homed off the device held there for the block. Writes into them (in
+        place, under ``torch.no_grad()``: ``p.mul_(0.5)``, ``p.copy_(new)``, ``nn.init``) become the
+        model's weights: when the block ends they reach the weights' home tier and the fp32 master
+        weights the optimizer updates. Reads of an off-device weight outside such a block work too
+        (fetched for each op); writes outside it are refused (NOTE [Parameters off the device])."""
+        self._settled("resident()")
+        params = _params_of(what, self.module)
+        offload = self.param_offload
+        off = [n for n in params if offload is not None and n in offload.homes]
+        on = {n: p for n, p in params.items() if n not in off}
+        versions = {n: p._version for n, p in on.items()}
+        with (offload.resident(off) if off else contextlib.nullcontext({})) as written:
+            yield
+        # a weight on the device may share its version counter with others of its bucket: the
+        # elements that differ from their masters are what was written (ModelState.take_weights)
+        changed = {**{n: p.detach() for n, p in on.items() if p._version != versions[n]}, **written}
+        if changed:
+            self._state.take_weights(changed)
+
     def report(self) -> Report:
         peak, class_peak, budgets = collect(self.stores)
         st = self.engine.stats.snapshot()
@@ -311,7 +331,8 @@ class TieredModel:
                       class_bytes_moved=st["class_bytes_moved"],
                       n_params=self.layout.n_params, step_seconds=self.stepper.seconds,
                       rank=self.group.rank, world=self.group.world, collective_bytes=self.group.bytes_sent(),
-                      placement=repr(self.placement), stages=self._stages())
+                      placement=repr(self.placement), stages=self._stages(),
+                      weights_on_demand=dict(self.param_offload.on_demand) if self.param_offload is not None else {})
 
     def _stages(self) -> dict[str, tuple[float, float]]:
         """Predicted against measured seconds per step, by stage (NOTE [Cost model]; the prediction fed
@@ -330,6 +351,8 @@ class TieredModel:
         state = self._settled("detach()")
         self.hooks.remove()
         weights = state.fp32_weights()
+        if self.param_offload is not None:
+            self.param_offload.restore(weights)  # plain tensors again (NOTE [Parameters off the device])
         for name, p in self.module.named_parameters():
             p.data = weights[name]
         self.layout.buffers.give_back()
@@ -379,6 +402,21 @@ def _eagerly(on: bool) -> contextlib.AbstractContextManager:
     dynamo finds the eager hooks and falls back by itself, after trying to trace)."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if on and set_stance is not None else contextlib.nullcontext()
+
+
+def _params_of(what: Any, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Canonical name -> parameter, for a module of ``module``, a parameter of it, or several."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    items = [what] if isinstance(what, (torch.nn.Module, torch.Tensor)) else list(what)
+    out: dict[str, torch.Tensor] = {}
+    for item in items:
+        for p in (item.parameters() if isinstance(item, torch.nn.Module) else [item]):
+            if not isinstance(p, torch.Tensor) or id(p) not in names:
+                raise ConfigError(f"tiermem: resident() takes modules and parameters of the wrapped model; got "
+                                  f"{type(p).__name__}{tuple(p.shape) if isinstance(p, torch.Tensor) else ''}, "
+                                  f"which is not one of its parameters")
+            out[names[id(p)]] = p
+    return out
 
 
 def _note(error: BaseException, text: str) -> None:

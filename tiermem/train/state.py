@@ -137,6 +137,28 @@ class ModelState:
                      self.precision, self.scaler.scale)
         self.stepper.load_param_steps({k: int(v) for k, v in meta["param_step"].items()}, meta["step"])
 
+    def take_weights(self, values: dict[str, torch.Tensor]) -> None:
+        """User code wrote into weights (``tm.resident(...)``): name -> the working-precision value
+        now. Each element that differs from its fp32 master rounded to the working precision (what
+        it held before) becomes the master (or the frozen parameter's fp32 copy); the others keep
+        their fp32 value."""
+        slots = {s.name: (b, s) for b in self.layout.buckets for s in b.slots}
+        by_bucket: dict[int, list] = {}
+        for name, value in values.items():
+            if name in slots:
+                b, s = slots[name]
+                by_bucket.setdefault(b.index, [b]).append((s, value))
+            else:
+                _take(self.layout.frozen[name], value)
+        homes = self.layout.homes
+        try:
+            for b, *entries in by_bucket.values():
+                views = homes.state[b.index].read(b)
+                if any([_take(views[0][s.offset:s.offset + s.numel].view(s.shape), value) for s, value in entries]):
+                    homes.state[b.index].store(b, views)
+        finally:
+            self._release()
+
     def _load_frozen(self, read_into: Callable[[str, torch.Tensor], None]) -> None:
         params = dict(self.module.named_parameters())
         for name, t in self.layout.frozen.items():
@@ -146,3 +168,14 @@ class ModelState:
                 home.write_home(name, t.to(self.dtype))
             else:
                 params[name].data.copy_(t)
+
+
+def _take(master: torch.Tensor, value: torch.Tensor) -> bool:
+    """Copy into ``master`` the elements of ``value`` that differ from ``master`` in ``value``'s
+    dtype; whether any did."""
+    value = value.detach().to(master.device)
+    changed = value != master.to(value.dtype)
+    if not changed.any():
+        return False
+    master[changed] = value[changed].to(master.dtype)
+    return True
