@@ -31,6 +31,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from tiermem.config import is_number
 from tiermem.errors import ConfigError, checked_arguments, fmt_bytes
 from tiermem.plan.policy import Evaluation, ModelInfo, Policy, check_reserve, over_reserve
 from tiermem.types import TensorClass, TensorInfo, Tier
@@ -76,8 +77,7 @@ class Auto(Policy):
     the device's limit left for activations (NOTE [Device reserve] in tiermem/plan/policy.py)."""
 
     def __init__(self, *, profile: Any = None, forward_backward: float = 0.0, device_reserve: float = 0.1):
-        if isinstance(forward_backward, bool) or not isinstance(forward_backward, (int, float)) or \
-                not forward_backward >= 0:
+        if not is_number(forward_backward) or not forward_backward >= 0:
             raise ConfigError(f"tiermem: Auto.forward_backward={forward_backward!r} is invalid: the seconds of one "
                               f"forward and backward, a number >= 0 (0 when unknown)")
         if profile is not None and not isinstance(profile, Mapping) and not isinstance(getattr(profile, "data", None),

@@ -35,14 +35,14 @@ import copy
 import math
 from typing import Optional
 
+from tiermem.config import is_number
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.plan.policy import ModelInfo, PerClass, Policy, check_device_reserve, check_reserve
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 
 def _check_fraction(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0.0 <= value <= 1.0:
+    if not is_number(value) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
         raise ConfigError(f"tiermem: ZeroOffload.device_fraction={value!r} is invalid: it is the share of the "
                           f"optimizer state kept on the device, a number from 0 (all on the host) to 1 (all "
                           f"on the device); pass e.g. device_fraction=0.25")

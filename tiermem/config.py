@@ -24,22 +24,33 @@ def working_dtype(precision: str) -> torch.dtype:
                           f"use one of {', '.join(repr(p) for p in PRECISIONS)}") from None
 
 
-# NOTE [Adam hyperparameter rules]
-# The rule for each Adam hyperparameter, by name, in one table that the three places taking them
-# check against: the AdamW/Adam specs here, CPUAdam's arguments and adam_step's (through
-# tiermem.optim._hyper.AdamHyper). Numbers are real numbers but not bools (ints, floats, numpy
-# scalars; CPUAdam and adam_step check a one-element tensor, which torch optimizers allow for lr,
-# as the number it holds).
-def _number(v: Any) -> bool:
+# NOTE [Numbers are not bools]
+# ``True`` is an int to Python, so every check of a number must also refuse a bool. The two
+# functions below are that check, for every argument tiermem takes (the Adam rules table below,
+# the policies' shares, TieredModel's and NvmeStore's arguments, DeepSpeed configs, checkpoint
+# footers): a number is a real number but not a bool (ints, floats, numpy scalars); a count is
+# an int but not a bool.
+def is_number(v: Any) -> bool:
+    """A real number that is not a bool (NOTE [Numbers are not bools])."""
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+def is_int(v: Any) -> bool:
+    """An int that is not a bool (NOTE [Numbers are not bools])."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# NOTE [Adam hyperparameter rules]
+# The rule for each Adam hyperparameter, by name, in one table that the three places taking them
+# check against: the AdamW/Adam specs here, CPUAdam's arguments and adam_step's (through
+# tiermem.optim._hyper.AdamHyper). Numbers follow NOTE [Numbers are not bools] (CPUAdam and
+# adam_step check a one-element tensor, which torch optimizers allow for lr, as the number it holds).
 def _finite_non_negative(v: Any) -> bool:
-    return _number(v) and 0 <= v < math.inf
+    return is_number(v) and 0 <= v < math.inf
 
 
 def _unit(v: Any) -> bool:
-    return _number(v) and 0.0 <= v < 1.0
+    return is_number(v) and 0.0 <= v < 1.0
 
 
 _FINITE_NON_NEGATIVE = (_finite_non_negative, "a finite number >= 0")
@@ -52,7 +63,7 @@ _ADAM_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eps": _FINITE_NON_NEGATIVE,
     "weight_decay": _FINITE_NON_NEGATIVE,
     "step": (lambda v: isinstance(v, int) and v >= 1, "a 1-based count of updates including this one, >= 1"),
-    "grad_scale": (lambda v: _number(v) and 2.0**-126 < v < 2.0**126,
+    "grad_scale": (lambda v: is_number(v) and 2.0**-126 < v < 2.0**126,
                    "between 2**-126 and 2**126 (its reciprocal a normal fp32 number)"),
     "clip_coef": _FINITE_NON_NEGATIVE,
     "adamw": (lambda v: isinstance(v, bool), "True (AdamW: decoupled weight decay) or False (Adam: L2 penalty)"),
@@ -147,8 +158,7 @@ class LossScale:
         ok, rule = _ADAM_RULES["grad_scale"]  # the loss scale divides the grads: the same range
         if not ok(self.init_scale):
             raise _invalid("LossScale.", "init_scale", self.init_scale, rule)
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
-                or self.growth_interval < 1:
+        if not is_int(self.growth_interval) or self.growth_interval < 1:
             raise _invalid("LossScale.", "growth_interval", self.growth_interval, "an int >= 1")
         if self.min_scale is not None and not (ok(self.min_scale) and self.min_scale <= self.init_scale):
             raise _invalid("LossScale.", "min_scale", self.min_scale, f"None or {rule}, at most init_scale")

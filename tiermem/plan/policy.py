@@ -22,6 +22,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from tiermem.config import is_number
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
 from tiermem.types import TensorClass, TensorInfo, Tier
 
@@ -151,7 +152,7 @@ def checked_place(policy: Policy, info: TensorInfo) -> Tier:
 def check_reserve(value: object, owner: str) -> float:
     """``value`` as a device reserve (a share from 0 up to, not including, 1), or a ConfigError
     naming ``owner`` (e.g. ``"Auto"``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+    if not is_number(value) or not 0 <= value < 1:
         raise ConfigError(f"tiermem: {owner}.device_reserve={value!r} is invalid: the share of the device "
                           f"left for activations, a number from 0 up to (not including) 1, e.g. 0.1")
     return float(value)

@@ -90,7 +90,7 @@ class TieredModel:
         lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         self.policy = resolve_policy(policy)
-        self.grad_clip, self.overlap_step = grad_clip, opts.overlap
+        self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
         self.tracer = Tracer(trace_path)
         self.group = resolve_group(process_group, tracer=self.tracer if trace_path else None)  # NOTE [Data parallel]; one process: every collective a no-op
         self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=store_limits(opts.device, opts.budgets, nvme_dir),
@@ -101,7 +101,7 @@ class TieredModel:
                                                    overlap=opts.overlap, world=self.group.world)
         self.group.check_same("model or configuration", fingerprint(
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
-            + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), grad_clip, opts.overlap]))
+            + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), opts.grad_clip, opts.overlap]))
         reclaimers = Reclaimers()  # a cache on the device (prefetched weights) gives room back to others
         self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)
         with lifetime.undone_on_failure(self, module):  # a failed build leaves nothing held
@@ -127,7 +127,7 @@ class TieredModel:
                                        group=self.group)
             reclaimers.add(self.grads.give_room)  # grads in flight free device room once they land
             outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
-            self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=grad_clip,
+            self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=opts.grad_clip,
                                    tracer=self.tracer, overlap=opts.overlap, group=self.group,
                                    max_skipped=max_skipped_steps)
             self.optimizer = TieredOptimizer(self.layout, opts.spec, self._step)

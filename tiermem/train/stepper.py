@@ -111,9 +111,6 @@ class Stepper:
         self.grads.settle()
         self._land_background()
 
-    def update_in_flight(self) -> bool:
-        return self._background is not None
-
     def _land_background(self) -> None:
         """overlap: wait for the update in flight, then send home the weights it produced."""
         if self._background is None:

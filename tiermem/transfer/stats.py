@@ -57,10 +57,6 @@ class TransferStats:
             sink = self._sinks.setdefault(tier, sink)
         return sink
 
-    @property
-    def total_stall_seconds(self) -> float:
-        return sum(self.snapshot()["stall_seconds"].values())
-
     def snapshot(self) -> dict[str, dict]:
         """Copies of the counters, taken under the lock (lane threads add keys as they run)."""
         with self._lock:
