@@ -4,8 +4,9 @@ from __future__ import annotations
 import fnmatch
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -85,6 +86,32 @@ def check_adam_hyper(where: str, **values: Any) -> None:
             raise _invalid(where, name, value, rule)
 
 
+# NOTE [Param groups]
+# An optimizer spec defines its param groups: each a name and the hyperparameters it sets over the
+# spec's own (``group_defaults``), and which group each trainable parameter joins (``group_of``).
+# The planner lists every group's parameters (tiermem.plan.placement.ParamGroup), each bucket
+# holds one group's parameters (one fused Adam call, one set of hyperparameters), and
+# ``tm.optimizer.param_groups`` shows the groups in this order, which lr schedulers drive and
+# checkpoints keep. The first group is always there (it may hold no parameter); a later one
+# only when some parameter joins it. Today's specs define two: "decay" and "no_decay" (weight
+# decay 0, from ``no_decay``/``no_decay_1d``); torch-style groups with hyperparameters of their
+# own are more GroupSpecs, each with its overrides.
+@dataclass(frozen=True)
+class GroupSpec:
+    """One param group as a spec defines it (NOTE [Param groups])."""
+
+    name: str
+    #: the hyperparameters this group sets over the spec's (e.g. ``{"weight_decay": 0.0}``)
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "overrides", MappingProxyType(dict(self.overrides)))
+
+
+DECAY = GroupSpec("decay")
+NO_DECAY = GroupSpec("no_decay", {"weight_decay": 0.0})
+
+
 @checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class _AdamSpec:
@@ -120,6 +147,14 @@ class _AdamSpec:
         if self.no_decay_1d and param.dim() < 2:
             return False
         return not any(fnmatch.fnmatchcase(name, p) for p in self.no_decay)
+
+    def param_groups(self) -> tuple[GroupSpec, ...]:
+        """The param groups this spec defines, in order (NOTE [Param groups])."""
+        return (DECAY, NO_DECAY)
+
+    def group_of(self, name: str, param: torch.Tensor) -> int:
+        """The index in :meth:`param_groups` of the group the parameter ``name`` joins."""
+        return 0 if self.decays(name, param) else 1
 
     def group_defaults(self) -> dict[str, Any]:
         """The keys torch optimizers keep in each param group (so lr schedulers work)."""

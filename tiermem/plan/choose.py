@@ -66,10 +66,11 @@ class Evaluator:
         if profile is not None:
             self._asked = profile
         try:
-            buckets, _, _, param_homes = plan(self.module, policy, self.spec, self.dtype, self.bucket_numel,
-                                              overlap=self.overlap, world=self.world)
+            planned = plan(self.module, policy, self.spec, self.dtype, self.bucket_numel, overlap=self.overlap,
+                           world=self.world)
         except ConfigError as e:
             return Evaluation(False, {}, {}, {}, refused=str(e))
+        buckets, param_homes = planned.buckets, planned.weight_homes
         frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in self.module.named_parameters()
                   if not p.requires_grad]
         need = totals(footprint(buckets, frozen, self.dtype, overlap=self.overlap, world=self.world,

@@ -11,12 +11,12 @@ device), floating-point buffers too, as ``module.half()`` would, their values as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
 from tiermem.plan.buckets import Bucket, Slot
-from tiermem.plan.placement import compute_tier
+from tiermem.plan.placement import ParamGroup, compute_tier
 from tiermem.train.buffers import KeptBuffers
 from tiermem.train.homes import DeviceWeights, GradHome, Homes, MemoryGrads, MemoryState, StateHome, WeightHome
 from tiermem.train.nvme_grads import NvmeGrads
@@ -34,8 +34,8 @@ class Layout:
     buckets: list[Bucket]
     step_buckets: list[Bucket]  # what grads and state homes hold: ``buckets``, or this rank's chunks of them
     homes: Homes
-    groups: list[list[str]]  # canonical parameter names per optimizer param group
-    names: dict[int, list[str]]  # id(param) -> every name it has (tied weights have several)
+    groups: tuple[ParamGroup, ...]  # the optimizer param groups (Bucket.group indexes them)
+    names: Mapping[int, tuple[str, ...]]  # id(param) -> every name it has (tied weights have several)
     slot_of: dict[int, tuple[Bucket, Slot]]  # id(param) -> its place
     frozen: dict[str, torch.Tensor]  # name -> fp32 copy on the host
     buffers: KeptBuffers  # NOTE [Buffers keep their values]
@@ -113,9 +113,9 @@ def make_homes(buckets: list[Bucket], stores: dict, engine, dtype: torch.dtype, 
     return Homes(_per_bucket(grads), _per_bucket(state), {i: sharded[id(h)] for i, h in weights.items()}), shards
 
 
-def build(module: torch.nn.Module, buckets: list[Bucket], step_buckets: list[Bucket], groups: list[list[str]],
-          names: dict[int, list[str]], homes: Homes, stores: dict, dtype: torch.dtype, device: torch.device,
-          weights_off_device: Optional[ParamOffload]) -> Layout:
+def build(module: torch.nn.Module, buckets: list[Bucket], step_buckets: list[Bucket],
+          groups: tuple[ParamGroup, ...], names: Mapping[int, tuple[str, ...]], homes: Homes, stores: dict,
+          dtype: torch.dtype, device: torch.device, weights_off_device: Optional[ParamOffload]) -> Layout:
     """Fill the homes from the module's weights and point its parameters at their working copies."""
     slot_of: dict[int, tuple[Bucket, Slot]] = {}
     for b in buckets:

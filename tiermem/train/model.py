@@ -97,8 +97,9 @@ class TieredModel:
                                     machine=lambda: machine_profile(opts.device, nvme_dir), overlap=opts.overlap,
                                     world=self.group.world, nvme_staging=opts.device.type == "cuda")
         self.placement = self._evaluator.bind(self.policy)  # NOTE [Whole-model policies]: what decides each tensor
-        buckets, groups, names, param_homes = plan(module, self.placement, opts.spec, self.dtype, opts.bucket_numel,
-                                                   overlap=opts.overlap, world=self.group.world)
+        planned = plan(module, self.placement, opts.spec, self.dtype, opts.bucket_numel, overlap=opts.overlap,
+                       world=self.group.world)
+        buckets, param_homes = list(planned.buckets), dict(planned.weight_homes)
         self.group.check_same("model or configuration", fingerprint(
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
             + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), opts.grad_clip, opts.overlap]))
@@ -120,8 +121,8 @@ class TieredModel:
                             "place PARAM on the device to run it compiled", len(param_homes), self.policy)
             homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
                                              weights_off_device=self.param_offload, group=self.group)
-            self.layout = build(module, buckets, step_buckets, groups, names, homes, self.stores, self.dtype,
-                                self.device, self.param_offload)
+            self.layout = build(module, buckets, step_buckets, planned.groups, planned.aliases, homes, self.stores,
+                                self.dtype, self.device, self.param_offload)
             self.scaler = LossScaler.of(precision == "fp16", loss_scale)
             self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger,
                                        group=self.group)
