@@ -55,11 +55,11 @@ class Ledger:
         self.tier = tier
         self.allowed = int(allowed)
         self._held: dict[str, int] = {}
-        self._kind: dict[str, object] = {}
+        self._kind: dict[str, TensorClass] = {}
         self._used = 0
         self.peak = 0
-        self.kind_used: dict[object, int] = {}
-        self.kind_peak: dict[object, int] = {}
+        self.kind_used: dict[TensorClass, int] = {}
+        self.kind_peak: dict[TensorClass, int] = {}
         # Called with the bytes missing when a reservation does not fit, before giving up: a cache
         # on this tier (e.g. prefetched weights) can evict to make room. Called outside the lock.
         self.reclaim = reclaim
@@ -72,7 +72,7 @@ class Ledger:
     def held(self, key: str) -> int:
         return self._held.get(key, 0)
 
-    def reserve(self, key: str, nbytes: int, kind: object = None, *, label: Optional[str] = None) -> None:
+    def reserve(self, key: str, nbytes: int, kind: Optional[TensorClass] = None, *, label: Optional[str] = None) -> None:
         """Account ``nbytes`` to ``key`` (replacing what it held before); ``label``: what a
         refusal calls the bytes (default: ``key``)."""
         try:
@@ -83,7 +83,7 @@ class Ledger:
             self.reclaim(e.used + e.asked - e.allowed)
             self._reserve(key, nbytes, kind, label)
 
-    def _reserve(self, key: str, nbytes: int, kind: object, label: Optional[str] = None) -> None:
+    def _reserve(self, key: str, nbytes: int, kind: Optional[TensorClass], label: Optional[str] = None) -> None:
         with self._lock:
             before = self._held.get(key, 0)
             after_used = self._used - before + nbytes
@@ -98,7 +98,7 @@ class Ledger:
                 self.kind_used[kind] = used = self.kind_used.get(kind, 0) + nbytes
                 self.kind_peak[kind] = max(self.kind_peak.get(kind, 0), used)
 
-    def _refusal(self, label: str, nbytes: int, kind: object, used: int) -> OutOfTierMemory:
+    def _refusal(self, label: str, nbytes: int, kind: Optional[TensorClass], used: int) -> OutOfTierMemory:
         """NOTE [Activations that do not fit]: a refused activation says what the tier holds, by
         class, and what to change; other refusals keep OutOfTierMemory's own advice."""
         if kind is not TensorClass.ACTIVATION or self.tier != Tier.DEVICE:

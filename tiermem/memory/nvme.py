@@ -36,7 +36,7 @@ from tiermem.memory.nvme_keys import (SPOILT, Copy, FellBack, KeyState, Value, c
                                        lost, over_budget, spoilt, would_mix)
 from tiermem.memory.nvme_requests import Requests
 from tiermem.memory.nvme_spares import SparePool
-from tiermem.types import Tier
+from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class NvmeStore(Store):
         self._spares = SparePool(self.directory, spares if not keep_previous else 0, self.ledger)
 
     # -- the Store interface --------------------------------------------------------------------
-    def write(self, key: str, src: torch.Tensor, kind: object = None) -> Handle:
+    def write(self, key: str, src: torch.Tensor, kind: Optional[TensorClass] = None) -> Handle:
         """Queue a bit-exact copy of ``src`` under ``key``; keep ``src`` unchanged until ``wait()``.
         ``kind`` (a TensorClass) lets the ledger report bytes per class."""
         nio.check_key(key)

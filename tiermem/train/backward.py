@@ -20,9 +20,11 @@ import torch
 
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle, wait_all, wait_all_quietly
+from tiermem.memory.ledger import Ledger
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.train.homes import Homes
 from tiermem.transfer.collectives import Group, Solo
+from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 
@@ -39,7 +41,8 @@ class _Held:
 
 
 class GradCollector:
-    def __init__(self, homes: Homes, slot_of: dict[int, tuple[Bucket, Slot]], engine, device_ledger, *,
+    def __init__(self, homes: Homes, slot_of: dict[int, tuple[Bucket, Slot]], engine: CopyService,
+                 device_ledger: Ledger, *,
                  group: Group = Solo()):
         self.homes, self.slot_of, self.engine, self.device_ledger = homes, slot_of, engine, device_ledger
         self.group = group

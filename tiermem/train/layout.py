@@ -24,6 +24,7 @@ from tiermem.train.nvme_state import NvmeState
 from tiermem.train.param_offload import ParamOffload
 from tiermem.train.shard import ShardedGrads, ShardedState, ShardedWeights, shard_buckets
 from tiermem.transfer.collectives import Group, Solo
+from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 
@@ -54,7 +55,7 @@ def _by_tier(buckets: list[Bucket], tier_of) -> dict[Tier, list[Bucket]]:
     return out
 
 
-def _grad_homes(buckets: list[Bucket], stores: dict, engine, compute: dict[int, Tier], overlap: bool
+def _grad_homes(buckets: list[Bucket], stores: dict, engine: CopyService, compute: dict[int, Tier], overlap: bool
                 ) -> dict[Tier, tuple[GradHome, list[Bucket]]]:
     out: dict[Tier, tuple[GradHome, list[Bucket]]] = {}
     for tier, bs in _by_tier(buckets, lambda b: b.grad_tier).items():
@@ -64,7 +65,7 @@ def _grad_homes(buckets: list[Bucket], stores: dict, engine, compute: dict[int, 
     return out
 
 
-def _state_homes(buckets: list[Bucket], stores: dict, engine, compute: dict[int, Tier]
+def _state_homes(buckets: list[Bucket], stores: dict, engine: CopyService, compute: dict[int, Tier]
                  ) -> dict[Tier, tuple[StateHome, list[Bucket]]]:
     out: dict[Tier, tuple[StateHome, list[Bucket]]] = {}
     for tier, bs in _by_tier(buckets, lambda b: b.state_tier).items():
@@ -74,7 +75,7 @@ def _state_homes(buckets: list[Bucket], stores: dict, engine, compute: dict[int,
     return out
 
 
-def _weight_homes(buckets: list[Bucket], stores: dict, engine, dtype: torch.dtype,
+def _weight_homes(buckets: list[Bucket], stores: dict, engine: CopyService, dtype: torch.dtype,
                   weights_off_device: Optional[ParamOffload]) -> dict[int, WeightHome]:
     weights: dict[int, WeightHome] = {}
     on_device = [b for b in buckets if b.param_tier == Tier.DEVICE]
@@ -92,7 +93,7 @@ def _per_bucket(homes: dict) -> dict[int, object]:
     return {b.index: home for home, bs in homes.values() for b in bs}
 
 
-def make_homes(buckets: list[Bucket], stores: dict, engine, dtype: torch.dtype, *, overlap: bool,
+def make_homes(buckets: list[Bucket], stores: dict, engine: CopyService, dtype: torch.dtype, *, overlap: bool,
                weights_off_device: Optional[ParamOffload], group: Group = Solo()) -> tuple[Homes, list[Bucket]]:
     """One home per class and tier, shared by the buckets placed there: the only code that maps
     a tier (or a rank's shard, NOTE [Data parallel]) to the class that homes it. Returns the
