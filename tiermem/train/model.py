@@ -22,7 +22,7 @@ from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _AdamSpec
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.memory import deferred
-from tiermem.memory.ledger import Reclaimers
+from tiermem.memory.ledger import InFlight, Reclaimers
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
 from tiermem.plan.footprint import check_fits, footprint, largest_module_bytes, totals
@@ -103,7 +103,8 @@ class TieredModel:
         self.group.check_same("model or configuration", fingerprint(
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
             + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), opts.grad_clip, opts.overlap]))
-        reclaimers = Reclaimers()  # a cache on the device (prefetched weights) gives room back to others
+        in_flight = InFlight()  # grads copying home hold device room until they land: the device ledger waits for them
+        reclaimers = Reclaimers(in_flight.give_room)  # and a cache of prefetched weights, once built, evicts
         self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)
         with lifetime.undone_on_failure(self, module):  # a failed build leaves nothing held
             device_need = self._check_fits(buckets, param_homes)
@@ -125,8 +126,7 @@ class TieredModel:
                                 self.dtype, self.device, self.param_offload)
             self.scaler = LossScaler.of(precision == "fp16", loss_scale)
             self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger,
-                                       group=self.group)
-            reclaimers.add(self.grads.give_room)  # grads in flight free device room once they land
+                                       in_flight=in_flight, group=self.group)
             outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
             self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=opts.grad_clip,
                                    tracer=self.tracer, overlap=opts.overlap, group=self.group,
