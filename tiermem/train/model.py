@@ -34,6 +34,7 @@ from tiermem.train import checkpoint, lifetime
 from tiermem.train.activations import ActivationOffloader
 from tiermem.train.backward import GradCollector
 from tiermem.train.hooks import HookSet
+from tiermem.train.inputs import cast_inputs
 from tiermem.train.layout import build, make_homes
 from tiermem.train.machine import machine_profile, store_limits
 from tiermem.train.optimizer import TieredOptimizer
@@ -63,8 +64,8 @@ class TieredModel:
     update in the background while the next forward and backward run, so those see weights one
     update old (the one-step delayed update of ZeRO-Offload); the update lands at the next
     ``step()``; an update that fails in the background raises from that later call, and its
-    gradients cannot be retried. Floating-point tensors passed to ``tm(...)`` are cast to the
-    working precision.
+    gradients cannot be retried. Tensors passed to ``tm(...)`` move to the device and floating-point
+    ones are cast to the working precision, inside any container (:mod:`tiermem.train.inputs`).
     ``prefetch=False`` fetches weights homed off the device only when their module runs (for
     comparison; by default they are fetched ahead along the order the first step recorded).
     ``tm.phase`` tells where in the step the model is (NOTE [Step lifecycle]).
@@ -190,7 +191,7 @@ class TieredModel:
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         with self._life.during("forward", Phase.FORWARD):
-            args, kwargs = _cast_floats((args, kwargs), self.dtype, self.device)
+            args, kwargs = cast_inputs((args, kwargs), self.dtype, self.device)
             borrowing = self.param_offload.borrowing() if self.param_offload is not None else contextlib.nullcontext()
             with self.tracer.span("forward", "compute"), borrowing, _eagerly(self._force_eager):
                 if torch.is_grad_enabled() and self.module.training:
@@ -398,12 +399,3 @@ def _check_loss(loss: Any) -> None:
         raise ConfigError("tiermem: backward() got a loss that does not require grad; compute it from "
                           "tm(...) outside torch.no_grad() and with the module in train mode")
 
-
-def _cast_floats(obj: Any, dtype: torch.dtype, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device=device, dtype=dtype if obj.is_floating_point() else obj.dtype)  # one copy at most
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype, device) for k, v in obj.items()}
-    return obj
