@@ -69,8 +69,8 @@ class TensorInfo:
         if self.param is None and self.kind is not TensorClass.ACTIVATION:
             # an info made by hand with the name alone (a policy's own test): the planner always
             # gives ``param`` and ``part``; this is the one place that reads them from the name
-            if self.kind is TensorClass.OPTIM_STATE:
-                param, _, part = self.name.rpartition(":")
+            param, sep, part = self.name.rpartition(":")
+            if self.kind is TensorClass.OPTIM_STATE and sep:
                 object.__setattr__(self, "param", param)
                 object.__setattr__(self, "part", part)
             else:
