@@ -149,3 +149,17 @@ def test_transformers_batch_encoding():
     _check(out["mask"], torch.bfloat16)
     _check(out["input_ids"], torch.int64)
     _check(out.input_ids, torch.int64)  # its attribute access reads the converted data
+
+
+def test_casting_leaves_no_reference_cycle():
+    """It runs on every forward: nothing it makes may wait for the GC (pytree's tree_map would)."""
+    import gc
+    obj = {"a": [Pair(_x(), _ids())], "b": (Batch(_x(), _ids()),), "c": Encoding({"x": _x()})}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            cast_inputs(obj, torch.bfloat16, META)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

@@ -1,12 +1,14 @@
 """What ``tm(...)`` does to its inputs: floating-point tensors cast to the working precision, every
 tensor moved to the device, wherever it sits in the arguments.
 
-Containers are walked with ``torch.utils._pytree`` (tuples, lists, NamedTuples, dicts and whatever
-else is registered with it, as ``torch.compile`` and ``torch.export`` walk them); two kinds it
-leaves as leaves are opened here too: any ``Mapping`` (transformers' ``BatchEncoding``, a dict
-subclass) and dataclass instances. Each container comes back as its own type with the same
-contents, converted; a container that cannot be rebuilt with converted contents is refused with a
-``tiermem:`` error, never passed on unconverted.
+Containers are opened with ``torch.utils._pytree``'s node registry (tuples, lists, NamedTuples,
+dicts and whatever else is registered with it, as ``torch.compile`` and ``torch.export`` open
+them), one level at a time (``tree_map`` would leave a reference cycle per call, from its
+recursive closure, for the GC to find on every forward); two kinds it leaves as leaves are opened
+here too: any ``Mapping`` (transformers' ``BatchEncoding``, a dict subclass) and dataclass
+instances. Each container comes back as its own type with the same contents, converted; a
+container that cannot be rebuilt with converted contents is refused with a ``tiermem:`` error,
+never passed on unconverted.
 """
 from __future__ import annotations
 
@@ -26,12 +28,13 @@ __all__ = ["cast_inputs"]
 def cast_inputs(obj: Any, dtype: torch.dtype, device: torch.device) -> Any:
     """``obj`` with every tensor on ``device`` and every floating-point one in ``dtype`` (one copy
     at most; a tensor already so is passed as it is)."""
-    return pytree.tree_map(lambda x: _leaf(x, dtype, device), obj)
-
-
-def _leaf(x: Any, dtype: torch.dtype, device: torch.device) -> Any:
+    x = obj
     if isinstance(x, torch.Tensor):
         return x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
+    if not pytree.tree_is_leaf(x):  # a container pytree knows
+        node = pytree.SUPPORTED_NODES[pytree._get_node_type(x)]
+        children, context = node.flatten_fn(x)
+        return node.unflatten_fn([cast_inputs(c, dtype, device) for c in children], context)
     if isinstance(x, Mapping):
         return _mapping(x, {k: cast_inputs(v, dtype, device) for k, v in x.items()})
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
