@@ -111,7 +111,8 @@ class Ledger:
     def held(self, key: str) -> int:
         return self._held.get(key, 0)
 
-    def reserve(self, key: str, nbytes: int, kind: Optional[TensorClass] = None, *, label: Optional[str] = None) -> None:
+    def reserve(self, key: str, nbytes: int, kind: Optional[TensorClass] = None, *,
+                label: Optional[str] = None) -> None:
         """Account ``nbytes`` to ``key`` (replacing what it held before); ``label``: what a
         refusal calls the bytes (default: ``key``)."""
         try:

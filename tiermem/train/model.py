@@ -398,4 +398,3 @@ def _check_loss(loss: Any) -> None:
     if not loss.requires_grad:
         raise ConfigError("tiermem: backward() got a loss that does not require grad; compute it from "
                           "tm(...) outside torch.no_grad() and with the module in train mode")
-
