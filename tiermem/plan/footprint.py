@@ -233,9 +233,10 @@ class Budgeted(Protocol):
     def allowed(self) -> int: ...
 
 
-def check_fits(need: Footprint, stores: Mapping[Tier, Budgeted]) -> None:
+def check_fits(need: Footprint, stores: Mapping[Tier, Budgeted], *, what: str = "<model working set>") -> None:
     """Raise unless every tier's store has room for its part of ``need``: :class:`ConfigError` for
-    a tier with no store, :class:`OutOfTierMemory` naming what the bytes are for otherwise."""
+    a tier with no store, :class:`OutOfTierMemory` naming what the bytes are for otherwise
+    (``what``: the key the error shows)."""
     for tier, parts in need.items():
         total = sum(parts.values())
         if tier not in stores:
@@ -245,6 +246,6 @@ def check_fits(need: Footprint, stores: Mapping[Tier, Budgeted]) -> None:
         if store.used + total > store.allowed:
             detail = " + ".join(f"{what} {fmt_bytes(n)}" for what, n in parts.items() if n)
             raise OutOfTierMemory(
-                tier=tier, key="<model working set>", asked=total, used=store.used, allowed=store.allowed,
+                tier=tier, key=what, asked=total, used=store.used, allowed=store.allowed,
                 hint=f"it needs {fmt_bytes(total)} there ({detail}); raise Budgets({tier.value}=...) to "
                      f"at least {fmt_bytes(store.used + total)} or choose a policy that places less on {tier}")

@@ -27,7 +27,8 @@ class ParamGroup:
 
     name: str
     options: Mapping[str, Any]  # the hyperparameters it sets over the optimizer spec's
-    params: tuple[str, ...]  # canonical parameter names, in reverse order of use
+    params: tuple[str, ...]  # canonical names of its trainable parameters, in reverse order of use
+    frozen: tuple[str, ...] = ()  # its frozen (floating-point) parameters, trained in it once unfrozen
 
 
 @dataclass(frozen=True)
@@ -129,9 +130,8 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
     hold, for the policies that size a split."""
     unique, names = _unique_params(module)
     policy = _bind(unique, policy, dtype, limits)
+    groups, group_of = param_groups(spec, unique)
     weight_homes: dict[str, Tier] = {}
-    defined = spec.param_groups()
-    members: list[list[str]] = [[] for _ in defined]
     placed: list[Placed] = []
     for name, p in reversed(unique):  # reverse order of use: backward fills the last ones first
         param_tier = checked_place(policy, _info(name, TensorClass.PARAM, p, dtype))
@@ -139,16 +139,52 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
             weight_homes[name] = param_tier
         if not p.requires_grad:
             continue
-        grad_tier = checked_place(policy, _info(name, TensorClass.GRAD, p, torch.float32))
-        state_tiers = {checked_place(policy, _state_info(StateKey(name, part), p)) for part in STATE_PARTS}
-        state_tier = check_combination(name, param_tier, grad_tier, state_tiers, overlap)
-        check_data_parallel(name, param_tier, grad_tier, world)
-        group = spec.group_of(name, p)
-        members[group].append(name)
-        placed.append(Placed(name, p, grad_tier, state_tier, group, param_tier))
-    kept = [i for i, m in enumerate(members) if m or i == 0]  # NOTE [Param groups]: the first always
-    index = {i: k for k, i in enumerate(kept)}
-    groups = tuple(ParamGroup(defined[i].name, defined[i].overrides, tuple(members[i])) for i in kept)
-    buckets = plan_buckets([e._replace(group=index[e.group]) for e in placed], bucket_numel)
+        grad_tier, state_tier = place_training_state(policy, name, p, param_tier, overlap=overlap, world=world)
+        placed.append(Placed(name, p, grad_tier, state_tier, group_of[name], param_tier))
+    buckets = plan_buckets(placed, bucket_numel)
     return Plan(tuple(buckets), groups, MappingProxyType({k: tuple(v) for k, v in names.items()}),
                 MappingProxyType(weight_homes))
+
+
+def place_training_state(policy: Policy, name: str, p: torch.Tensor, param_tier: Tier, *, overlap: bool,
+                         world: int) -> tuple[Tier, Tier]:
+    """The tiers of a trainable parameter's grads and optimizer state, as the (bound) policy
+    places them and this version can honour them."""
+    grad_tier = checked_place(policy, _info(name, TensorClass.GRAD, p, torch.float32))
+    state_tiers = {checked_place(policy, _state_info(StateKey(name, part), p)) for part in STATE_PARTS}
+    state_tier = check_combination(name, param_tier, grad_tier, state_tiers, overlap)
+    check_data_parallel(name, param_tier, grad_tier, world)
+    return grad_tier, state_tier
+
+
+def param_groups(spec: _AdamSpec, unique: list[tuple[str, torch.nn.Parameter]]
+                 ) -> tuple[tuple[ParamGroup, ...], dict[str, int]]:
+    """The optimizer param groups of a model (NOTE [Param groups]) and the group index of each
+    trainable parameter. Groups given to the spec must hold only this module's parameters, and
+    every trainable parameter must be in one; a frozen one may be (it joins it once unfrozen)."""
+    defined = spec.param_groups()
+    if spec.given is not None:
+        ours = {id(p) for _, p in unique}
+        strangers = [tuple(t.shape) for g in spec.given for t in g.params if id(t) not in ours]
+        if strangers:
+            raise ConfigError(f"tiermem: the optimizer's param groups hold {len(strangers)} tensors that are not "
+                              f"parameters of the wrapped module (shapes {strangers[:3]}); build the groups from "
+                              f"this module's parameters")
+    members: list[list[str]] = [[] for _ in defined]
+    frozen: list[list[str]] = [[] for _ in defined]
+    missing: list[str] = []
+    for name, p in reversed(unique):
+        group = spec.group_of(name, p)
+        if p.requires_grad:
+            (missing if group is None else members[group]).append(name)
+        elif group is not None and p.is_floating_point():
+            frozen[group].append(name)
+    if missing:
+        raise ConfigError(f"tiermem: the trainable parameters {missing[::-1][:5]}{' and more' if len(missing) > 5 else ''} "
+                          f"are in no param group of the optimizer; add them to a group, or freeze them "
+                          f"(requires_grad_(False)) before building the TieredModel")
+    # NOTE [Param groups]: the first always; a rule group when a parameter joins it; a given one always
+    kept = [i for i, g in enumerate(defined) if members[i] or frozen[i] or i == 0 or g.given]
+    groups = tuple(ParamGroup(defined[i].name, defined[i].overrides, tuple(members[i]), tuple(frozen[i]))
+                   for i in kept)
+    return groups, {name: k for k, i in enumerate(kept) for name in members[i]}

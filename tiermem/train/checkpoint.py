@@ -245,6 +245,14 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
     expected = {name: (shape, dtypes) for name, shape, dtypes in state.specs(meta["precision"])}
     missing, unexpected = sorted(set(expected) - set(index)), sorted(set(index) - set(expected))
     if missing or unexpected:
+        trained = sorted({n.partition("/")[2] for n in unexpected if n.startswith("master/")}
+                         & {n.partition("/")[2] for n in missing if n.startswith("frozen/")})
+        if trained:  # NOTE [Freezing and unfreezing]: unfrozen in the run that saved it
+            raise TierMemError(f"tiermem: checkpoint {path!r} holds optimizer state for {trained[:5]}, which "
+                               f"{'is' if len(trained) == 1 else 'are'} frozen in this model and never trained in "
+                               f"it; nothing was loaded. Unfreeze {'it' if len(trained) == 1 else 'them'} "
+                               f"(requires_grad_(True)) before tm.load(), as in the run that saved it (freezing "
+                               f"again after the load keeps the state)")
         raise other(f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, (shape, dtypes) in expected.items():
         if tuple(index[name]["shape"]) != shape:
@@ -256,9 +264,7 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
     strangers = sorted(set(meta["param_step"]) - params)
     if strangers:
         raise other(f"meta.param_step counts steps of {strangers[:5]}, not trainable parameters of this model")
-    if len(meta["groups"]) != len(state.param_groups):
-        raise TierMemError(f"tiermem: checkpoint {path!r} has {len(meta['groups'])} param groups, this "
-                           f"model {len(state.param_groups)}; use the same optimizer spec")
+    _check_groups(meta["groups"], state.param_groups, path)
     for e in index.values():  # every checksum before anything changes
         f.seek(e["offset"])
         checksum, left = _data_sum(magic), e["nbytes"]
@@ -272,6 +278,24 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
             raise StoreError(f"tiermem: checkpoint {path!r} is corrupt ({e['name']!r} fails its checksum); "
                              f"nothing was loaded. Use another checkpoint")
     return index
+
+
+def _check_groups(saved: list[dict], mine: list[dict], path: str) -> None:
+    """The checkpoint's param groups are this model's: as many, and (written by a version that
+    records them) the same names with the same parameters, in the same order."""
+    fix = "build the same param groups (the optimizer's, and tm.optimizer.add_param_group) before loading"
+    if len(saved) != len(mine):
+        raise TierMemError(f"tiermem: checkpoint {path!r} has {len(saved)} param groups, this model {len(mine)}; "
+                           f"nothing was loaded: {fix}")
+    for i, (theirs, ours) in enumerate(zip(saved, mine)):
+        if "name" not in theirs:
+            continue  # written before groups were recorded: matched by their number
+        extra = sorted(set(theirs.get("params", ())) - set(ours["param_names"]))
+        lacking = sorted(set(ours["param_names"]) - set(theirs.get("params", ())))
+        if theirs["name"] != ours["name"] or extra or lacking:
+            raise TierMemError(f"tiermem: checkpoint {path!r} has other param groups than this model: group {i} is "
+                               f"{theirs['name']!r} there, {ours['name']!r} here (only there: {extra[:3]}, only here: "
+                               f"{lacking[:3]}); nothing was loaded: {fix}")
 
 
 def _read_into(f: BinaryIO, e: dict, t: torch.Tensor) -> None:

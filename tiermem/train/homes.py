@@ -284,6 +284,13 @@ class Homes:
     def compute_tier(self, b: Bucket) -> Tier:
         return self.state[b.index].compute_tier
 
+    def add(self, other: "Homes") -> None:
+        """The homes of buckets appended to the model (NOTE [Freezing and unfreezing])."""
+        assert not (other.grads.keys() & self.grads.keys()), "appended buckets reuse an index"
+        self.grads.update(other.grads)
+        self.state.update(other.state)
+        self.weights.update(other.weights)
+
 
 def wait_gathered(homes: Homes, fill: int) -> None:
     """Every grad home brings its grads where Adam runs; returns when all have arrived."""

@@ -38,14 +38,30 @@ class Layout:
     groups: tuple[ParamGroup, ...]  # the optimizer param groups (Bucket.group indexes them)
     names: Mapping[int, tuple[str, ...]]  # id(param) -> every name it has (tied weights have several)
     slot_of: dict[int, tuple[Bucket, Slot]]  # id(param) -> its place
-    frozen: dict[str, torch.Tensor]  # name -> fp32 copy on the host
+    frozen: dict[str, torch.Tensor]  # name -> fp32 copy on the host, of parameters without optimizer state
     buffers: KeptBuffers  # NOTE [Buffers keep their values]
-    n_params: int
+
+    @property
+    def n_params(self) -> int:
+        """Parameters with optimizer state (trainable, or frozen after they trained)."""
+        return sum(b.numel for b in self.buckets)
 
     @property
     def buffer_dtypes(self) -> dict[str, torch.dtype]:
         """The module's buffers' dtypes as given."""
         return self.buffers.dtypes
+
+    def grow(self, buckets: list[Bucket], step_buckets: list[Bucket], homes: Homes) -> None:
+        """Buckets appended for parameters unfrozen since (NOTE [Freezing and unfreezing]): the one
+        place the layout changes after it is built; their parameters leave ``frozen``."""
+        self.homes.add(homes)
+        if self.step_buckets is not self.buckets:  # one process: one list, the buckets themselves
+            self.step_buckets.extend(step_buckets)
+        self.buckets.extend(buckets)
+        for b in buckets:
+            for s in b.slots:
+                self.slot_of[id(s.param)] = (b, s)
+                self.frozen.pop(s.name)
 
 
 def _by_tier(buckets: list[Bucket], tier_of) -> dict[Tier, list[Bucket]]:
@@ -130,8 +146,7 @@ def build(module: torch.nn.Module, buckets: list[Bucket], step_buckets: list[Buc
     for home in homes.state_homes():
         home.release_views()
     frozen = _place_frozen(module, stores, dtype, device, weights_off_device)
-    return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, KeptBuffers(module, dtype, device),
-                  sum(b.numel for b in buckets))
+    return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, KeptBuffers(module, dtype, device))
 
 
 def _place_frozen(module: torch.nn.Module, stores: dict, dtype: torch.dtype, device: torch.device,

@@ -20,7 +20,7 @@ import torch
 
 from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _AdamSpec
-from tiermem.errors import ConfigError, checked_arguments
+from tiermem.errors import ConfigError, TierMemError, checked_arguments
 from tiermem.memory import deferred
 from tiermem.memory.ledger import InFlight, Reclaimers
 from tiermem.observe.report import Report, collect
@@ -37,6 +37,7 @@ from tiermem.train.hooks import HookSet
 from tiermem.train.inputs import cast_inputs
 from tiermem.train.layout import build, make_homes
 from tiermem.train.machine import machine_profile, store_limits
+from tiermem.train.groups import GroupEditor, group_dicts
 from tiermem.train.optimizer import TieredOptimizer
 from tiermem.train.options import make_stores, validate
 from tiermem.train.param_offload import ParamOffload
@@ -44,6 +45,7 @@ from tiermem.train.phase import Lifecycle, Phase
 from tiermem.train.scaler import LossScaler
 from tiermem.train.state import ModelState
 from tiermem.train.stepper import StepResult, Stepper
+from tiermem.train.trainable import Trainable
 from tiermem.train.uploads import Outputs
 from tiermem.transfer.collectives import fingerprint, resolve_group
 from tiermem.transfer.engine import TransferEngine
@@ -73,10 +75,15 @@ class TieredModel:
     raise an error naming the parameters (NOTE [A stalled run is loud]); None never stops.
     ``loss_scale``: fp16's dynamic loss scaling (a :class:`tiermem.LossScale`; default: the
     initial scale, window and factors of ``torch.amp.GradScaler``).
+    ``optimizer``: a tiermem spec (``tiermem.AdamW(...)``, param groups optional) or a
+    ``torch.optim`` optimizer built on the module's parameters (``torch.optim.AdamW(groups,
+    lr=...)``), read for its class, groups and hyperparameters and never stepped itself
+    (:mod:`tiermem.torch_optim`); default ``tiermem.AdamW()``. ``requires_grad`` may change between
+    steps (NOTE [Freezing and unfreezing] in :mod:`tiermem.train.trainable`).
     """
 
     def __init__(self, module: torch.nn.Module, policy: Optional[Policy] = None, *,
-                 optimizer: Optional[_AdamSpec] = None, precision: str = "bf16",
+                 optimizer: "_AdamSpec | torch.optim.Optimizer | None" = None, precision: str = "bf16",
                  budgets: Optional[Budgets] = None, nvme_dir: Optional[str] = None,
                  grad_clip: Optional[float] = None, device: torch.device | str | None = None,
                  bucket_size: int | str = "32MiB", overlap_step: bool = False,
@@ -103,7 +110,8 @@ class TieredModel:
         buckets, param_homes = list(planned.buckets), dict(planned.weight_homes)
         self.group.check_same("model or configuration", fingerprint(
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
-            + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), opts.grad_clip, opts.overlap]))
+            + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), opts.grad_clip, opts.overlap]
+            + [(g.name, sorted(g.options.items()), g.params, g.frozen) for g in planned.groups]))
         in_flight = InFlight()  # grads copying home hold device room until they land: the device ledger waits for them
         reclaimers = Reclaimers(in_flight.give_room)  # and a cache of prefetched weights, once built, evicts
         self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)
@@ -132,10 +140,23 @@ class TieredModel:
             self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=opts.grad_clip,
                                    tracer=self.tracer, overlap=opts.overlap, group=self.group,
                                    max_skipped=max_skipped_steps)
-            self.optimizer = TieredOptimizer(self.layout, opts.spec, self._step)
+            if not buckets:
+                raise TierMemError("tiermem: the module has no trainable parameters (requires_grad=True); "
+                                   "unfreeze some before wrapping it")
+            self.optimizer = TieredOptimizer(group_dicts(planned.groups, opts.spec, self._fp32_value),
+                                             opts.spec.group_defaults(), self._step, self._add_group)
+            self._groups = GroupEditor(module, opts.spec, self._fp32_value)
             for b in buckets:
                 for s in b.slots:
                     self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
+            if opts.torch_optimizer is not None:  # never stepped: a step of it would do nothing, silently
+                self.hooks.add(opts.torch_optimizer.register_step_pre_hook(_stepped_elsewhere))
+            self._trainable = Trainable(module, self.layout, policy=self.placement, dtype=self.dtype,
+                                        bucket_numel=opts.bucket_numel, overlap=opts.overlap, group=self.group,
+                                        stores=self.stores, engine=self.engine, weights_off_device=self.param_offload,
+                                        grads=self.grads, outputs=outputs, hooks=self.hooks,
+                                        param_groups=self.optimizer.param_groups, settle=self.stepper.finish_pending,
+                                        on_device_cuda=self.device.type == "cuda")
             self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks)
             frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
             self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
@@ -192,6 +213,9 @@ class TieredModel:
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         with self._life.during("forward", Phase.FORWARD):
+            if torch.is_grad_enabled() and self.module.training and self.group.world == 1:
+                # NOTE [Freezing and unfreezing]; under data parallelism at backward, where every rank is
+                self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=False)
             args, kwargs = cast_inputs((args, kwargs), self.dtype, self.device)
             with self.tracer.span("forward", "compute"), _eagerly(self._force_eager):
                 if torch.is_grad_enabled() and self.module.training:
@@ -214,6 +238,7 @@ class TieredModel:
     def _backward(self, loss: torch.Tensor) -> None:
         self._life.check("backward")
         _check_loss(loss)
+        self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=True)  # NOTE [Freezing and unfreezing]
         arrived_before = self.grads.arrivals
         with self._life.during("backward", Phase.BACKWARD):  # raising before any grad: back to the phase before
             try:
@@ -239,6 +264,19 @@ class TieredModel:
         result = self.optimizer.step()
         self.tracer.maybe_write()  # throttled: a full rewrite of a growing file; always at detach()
         return result
+
+    def _add_group(self, groups: list[dict], group: dict) -> None:
+        """What ``tm.optimizer.add_param_group(group)`` runs (tiermem.train.groups.GroupEditor)."""
+        self._life.check("state", "tm.optimizer.add_param_group()")
+        self._groups.add(groups, group)
+
+    def _fp32_value(self, name: str) -> torch.Tensor:
+        """The fp32 tensor ``tm.optimizer`` shows for a parameter: its master, or its frozen copy."""
+        frozen = self.layout.frozen.get(name)
+        if frozen is not None:
+            return frozen
+        b, s = next((b, s) for b in self.layout.buckets for s in b.slots if s.name == name)
+        return self.layout.homes.state[b.index].master(b, s)
 
     def _step(self, groups: list[dict]) -> StepResult:
         """What ``tm.optimizer.step()`` runs: the tiered step, checked against the phase."""
@@ -297,7 +335,9 @@ class TieredModel:
         """Restore a checkpoint written by :meth:`save` (any bucket size, same parameter names).
         Gradients waiting for a step (kept for the retry of a failed one) were computed with other
         weights: they are dropped, and the next step starts from the checkpoint alone."""
-        checkpoint.load(self._settled("load()"), path)
+        state = self._settled("load()")
+        self._trainable.sync(grads_waiting=False, collective=True)  # parameters unfrozen before loading get state
+        checkpoint.load(state, path)
         self.grads.drop()
         self._life.to(Phase.IDLE)
 
@@ -419,6 +459,11 @@ def _params_of(what: Any, module: torch.nn.Module) -> dict[str, torch.Tensor]:
                                   f"which is not one of its parameters")
             out[names[id(p)]] = p
     return out
+
+
+def _stepped_elsewhere(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    raise TierMemError(f"tiermem: this {type(optimizer).__name__} was given to a TieredModel, which runs its update "
+                       f"where the optimizer state lives; call tm.step() (or tm.optimizer.step()) instead of its step()")
 
 
 def _note(error: BaseException, text: str) -> None:

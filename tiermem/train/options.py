@@ -14,6 +14,7 @@ import torch
 from tiermem.budgets import Budgets, parse_bytes
 from tiermem.config import AdamW, LossScale, _AdamSpec, is_int, is_number, working_dtype
 from tiermem.errors import ConfigError
+from tiermem.torch_optim import spec_from_torch, supported_names
 from tiermem.memory.ledger import Reclaimers
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import DeviceStore, HostStore
@@ -28,6 +29,7 @@ class Options:
     """The constructor's keyword arguments, validated."""
 
     spec: _AdamSpec
+    torch_optimizer: Optional[torch.optim.Optimizer]  # the one given as optimizer=, read into ``spec``
     grad_clip: Optional[float]  # a float (a numpy number given is converted), or None
     dtype: torch.dtype
     device: torch.device
@@ -85,10 +87,12 @@ def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"tiermem: TieredModel needs a torch.nn.Module, got {type(module).__name__}; "
                           f"pass the model itself")
-    spec = AdamW() if optimizer is None else optimizer
+    torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    spec = AdamW() if optimizer is None else spec_from_torch(optimizer) if torch_optimizer is not None else optimizer
     if not isinstance(spec, _AdamSpec):
-        raise ConfigError(f"tiermem: optimizer={spec!r} is not a tiermem optimizer spec; pass "
-                          f"tiermem.AdamW(...) or tiermem.Adam(...) (hyperparameters, not a torch optimizer)")
+        raise ConfigError(f"tiermem: optimizer={spec!r} is not an optimizer tiermem runs; pass tiermem.AdamW(...) "
+                          f"or tiermem.Adam(...), or a torch optimizer built on the module's parameters "
+                          f"({supported_names()})")
     if grad_clip is not None and (not is_number(grad_clip) or not math.isfinite(grad_clip) or grad_clip <= 0):
         raise ConfigError(f"tiermem: grad_clip={grad_clip!r} is invalid: must be a finite number > 0 (the largest "
                           f"global gradient norm), or None for no clipping")
@@ -107,7 +111,7 @@ def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_
     if loss_scale is not None and (not isinstance(loss_scale, LossScale) or precision != "fp16"):
         raise ConfigError(f"tiermem: loss_scale={loss_scale!r} is invalid: it must be a tiermem.LossScale, and "
                           f"only precision='fp16' scales the loss; pass LossScale(...) with fp16, or leave it out")
-    return Options(spec, None if grad_clip is None else float(grad_clip), dtype, dev, budgets, bucket_bytes // 4,
+    return Options(spec, torch_optimizer, None if grad_clip is None else float(grad_clip), dtype, dev, budgets, bucket_bytes // 4,
                    overlap, prefetch)
 
 

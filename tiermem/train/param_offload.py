@@ -160,7 +160,11 @@ class ParamOffload(WeightHome):
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
         for s in b.slots:
             # a copy, even in fp32: `master` may be a pipeline buffer the next bucket reuses
-            self.adopt(s.name, master[s.offset:s.offset + s.numel].view(s.shape).to(self.dtype, copy=True))
+            value = master[s.offset:s.offset + s.numel].view(s.shape).to(self.dtype, copy=True)
+            if s.name in self._plain:  # homed here already, frozen until now (NOTE [Freezing and unfreezing])
+                self.write_home(s.name, value)
+            else:
+                self.adopt(s.name, value)
 
     def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
         """Updated weights go to their home tier, never to the device; overlaps Adam on the next

@@ -24,6 +24,9 @@ from tiermem.transfer.collectives import Group, Solo
 log = logging.getLogger(__name__)
 
 HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")  # what a checkpoint keeps of each param group
+#: and which group it is: its name and its parameters' names (NOTE [Param groups]); checkpoints
+#: written before groups could be given have neither, and are matched by the number of groups
+MEMBERS = ("name", "params")
 
 
 class ModelState:
@@ -85,7 +88,8 @@ class ModelState:
     def meta(self) -> dict:
         return {"precision": self.precision, "step": self.stepper.steps, "param_step": self.stepper.param_steps(),
                 "scaler": self.scaler.state_dict(),
-                "groups": [{k: g[k] for k in HYPER if k in g} for g in self.param_groups]}
+                "groups": [{**{k: g[k] for k in HYPER if k in g}, "name": g["name"], "params": list(g["param_names"])}
+                           for g in self.param_groups]}
 
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter name (tied aliases included) -> a CPU copy of its fp32 value."""
@@ -129,7 +133,7 @@ class ModelState:
         for home in homes.weight_homes():
             home.end_update()
         for group, saved in zip(self.param_groups, meta["groups"]):
-            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k in HYPER})
         if meta["precision"] == self.precision:
             self.scaler.load_state_dict(meta["scaler"])
         else:  # another precision's scale means nothing here (fp32's 1.0 would defeat fp16's scaling)
