@@ -35,12 +35,13 @@ def supported_names() -> str:
     return ", ".join(f"torch.optim.{cls.__name__}" for cls in TORCH_OPTIMIZERS)
 
 
-def spec_from_torch(optimizer: torch.optim.Optimizer) -> _AdamSpec:
+def spec_from_torch(optimizer: torch.optim.Optimizer, *, scheduled: bool = False) -> _AdamSpec:
     """The spec that runs ``optimizer`` in tiermem: its class (by :data:`TORCH_OPTIMIZERS`), its
     param groups in order, each with its hyperparameters. Refused: a class not in the table (a
     subclass too: it may change the update), an optimizer that has stepped (tiermem never steps
     it, so its state would be lost) or one an lr scheduler was built on (that scheduler would set
-    the lr of an optimizer nobody steps: build it on ``tm.optimizer``)."""
+    the lr of an optimizer nobody steps: build it on ``tm.optimizer``), unless ``scheduled``: the
+    caller moves that scheduler onto tiermem's optimizer (the Trainer integration does)."""
     cls = type(optimizer)
     if cls not in TORCH_OPTIMIZERS:
         raise ConfigError(f"tiermem: optimizer={cls.__module__}.{cls.__qualname__} is not one tiermem runs; it runs "
@@ -50,13 +51,13 @@ def spec_from_torch(optimizer: torch.optim.Optimizer) -> _AdamSpec:
         raise ConfigError(f"tiermem: the {cls.__name__} given as optimizer= has state for {len(optimizer.state)} "
                           f"parameters (it has stepped); tiermem runs the update itself and never steps it: pass a "
                           f"new one, and load a checkpoint with tm.load()")
-    if any("initial_lr" in g for g in optimizer.param_groups):
+    if not scheduled and any("initial_lr" in g for g in optimizer.param_groups):
         raise ConfigError(f"tiermem: an lr scheduler was built on the {cls.__name__} given as optimizer=; it would "
                           f"set the lr of an optimizer tiermem never steps: build the scheduler on tm.optimizer, "
                           f"after the TieredModel")
     defaults = optimizer.defaults
     spec = TORCH_OPTIMIZERS[cls](defaults)
-    groups = [{k: v for k, v in g.items() if k != "adamw"} for g in optimizer.param_groups]
+    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
     decoupled = spec is AdamW
     for g in groups:  # torch.optim.Adam's groups may differ from its defaults in decoupled_weight_decay
         if cls is torch.optim.AdamW or g.get("decoupled_weight_decay", decoupled) == decoupled:
