@@ -39,7 +39,8 @@ def _rank_all(rank, world, tmp, solo_ckpt):
            "overlap": _rank_train(rank, world, "fp32", "zero-offload", None, 1.0, overlap=True),
            "peak": _rank_peak(rank, world), "overflow": _rank_overflow(rank, world),
            "refused": _rank_refused(rank, world, os.path.join(tmp, "nvme")),
-           "no_sync": (_rank_no_sync(rank, world, False), _rank_no_sync(rank, world, True))}
+           "no_sync": (_rank_no_sync(rank, world, False), _rank_no_sync(rank, world, True)),
+           "freezing": _rank_freezing(rank, world)}
     saved = os.path.join(tmp, "by2.tm")
     out["saved"] = _rank_save(rank, world, saved, STEPS)
     out["2->2"] = _rank_load(rank, world, saved, os.path.join(tmp, "by2-again.tm"), 2)
@@ -315,6 +316,47 @@ def test_no_sync_communicates_once_with_the_same_result(dp):
     (plain, sent_plain), (once, sent_once) = dp[2][0]["no_sync"]
     assert sent_once < sent_plain
     assert _max_diff(plain, once) <= max(_torch_spread(2), 1e-7)
+
+
+def _freeze_block0(tm: TieredModel, i: int) -> None:
+    tm.module.blocks[0].requires_grad_(i not in (1, 2))  # trained, frozen for two steps, trained again
+
+
+def _rank_freezing(rank, world):
+    """NOTE [Freezing and unfreezing] under data parallelism: alike on every rank, it trains as
+    one process does; a rank that differs, or a parameter frozen at construction unfrozen, is
+    refused on every rank (the group stays usable)."""
+    tm = _make()
+    for i in range(4):
+        _freeze_block0(tm, i)
+        _train(tm, rank, world, range(i, i + 1))
+    out = {"alike": tm.state_dict()}
+    tm.module.blocks[1].requires_grad_(rank == 0)
+    x, y = _batch(9, rank)
+    with pytest.raises(TierMemError, match=r"the ranks train different parameters"):
+        tm.backward(gpt_loss(tm(x), y))
+    tm.module.blocks[1].requires_grad_(True)
+    m = TinyGPT()
+    m.blocks[1].requires_grad_(False)
+    frozen = TieredModel(m, ZeroOffload(), precision="fp32", bucket_size=3000)
+    m.blocks[1].requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"under data parallelism this version cannot add them to the sharded "
+                                          r"buckets: build the model with them trainable and freeze them"):
+        frozen.backward(gpt_loss(frozen(x), y))
+    out["refused"] = True
+    return out
+
+
+def test_freezing_alike_on_every_rank_trains_as_one_process_and_differing_is_refused(dp):
+    ranks = dp[2]
+    solo = _make()
+    for i in range(4):
+        _freeze_block0(solo, i)
+        _train(solo, 0, 1, range(i, i + 1), scale=2)
+    want = solo.state_dict()
+    for r in ranks:
+        assert _max_diff(r["freezing"]["alike"], want) <= max(_torch_spread(4), 1e-7)
+        assert r["freezing"]["refused"]
 
 
 def test_without_a_process_group_nothing_is_distributed():
