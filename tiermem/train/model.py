@@ -275,7 +275,7 @@ class TieredModel:
         frozen = self.layout.frozen.get(name)
         if frozen is not None:
             return frozen
-        b, s = next((b, s) for b in self.layout.buckets for s in b.slots if s.name == name)
+        b, s = self.layout.slot_of[id(self.module.get_parameter(name))]
         return self.layout.homes.state[b.index].master(b, s)
 
     def _step(self, groups: list[dict]) -> StepResult:
