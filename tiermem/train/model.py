@@ -108,6 +108,9 @@ class TieredModel:
         planned = plan(module, self.placement, opts.spec, self.dtype, opts.bucket_numel, overlap=opts.overlap,
                        world=self.group.world)
         buckets, param_homes = list(planned.buckets), dict(planned.weight_homes)
+        if not buckets:
+            raise TierMemError("tiermem: the module has no trainable parameters (requires_grad=True); "
+                               "unfreeze some before wrapping it (others may be unfrozen later)")
         self.group.check_same("model or configuration", fingerprint(
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
             + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), opts.grad_clip, opts.overlap]
@@ -140,9 +143,6 @@ class TieredModel:
             self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=opts.grad_clip,
                                    tracer=self.tracer, overlap=opts.overlap, group=self.group,
                                    max_skipped=max_skipped_steps)
-            if not buckets:
-                raise TierMemError("tiermem: the module has no trainable parameters (requires_grad=True); "
-                                   "unfreeze some before wrapping it")
             self.optimizer = TieredOptimizer(group_dicts(planned.groups, opts.spec, self._fp32_value),
                                              opts.spec.group_defaults(), self._step, self._add_group)
             self._groups = GroupEditor(module, opts.spec, self._fp32_value)
