@@ -17,11 +17,27 @@ import torch
 from tiermem.config import GROUP_HYPER, _AdamSpec, read_groups
 from tiermem.errors import ConfigError, TierMemError
 from tiermem.plan.placement import ParamGroup
+from tiermem.train.layout import Layout
 
 log = logging.getLogger(__name__)
 
 #: what each group dict holds besides the hyperparameters
 MEMBERS = ("params", "param_names", "name")
+
+
+class Fp32Values:
+    """The fp32 tensor a group shows for each parameter, by name: its master where its optimizer
+    state lives, or the fp32 copy of a frozen parameter that has no state (yet)."""
+
+    def __init__(self, module: torch.nn.Module, layout: Layout):
+        self.module, self.layout = module, layout
+
+    def __call__(self, name: str) -> torch.Tensor:
+        frozen = self.layout.frozen.get(name)
+        if frozen is not None:
+            return frozen
+        b, s = self.layout.slot_of[id(self.module.get_parameter(name))]
+        return self.layout.homes.state[b.index].master(b, s)
 
 
 def group_dicts(groups: Iterable[ParamGroup], spec: _AdamSpec, value_of: Callable[[str], torch.Tensor]

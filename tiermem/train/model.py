@@ -37,7 +37,7 @@ from tiermem.train.hooks import HookSet
 from tiermem.train.inputs import cast_inputs
 from tiermem.train.layout import build, make_homes
 from tiermem.train.machine import machine_profile, store_limits
-from tiermem.train.groups import GroupEditor, group_dicts
+from tiermem.train.groups import Fp32Values, GroupEditor, group_dicts
 from tiermem.train.optimizer import TieredOptimizer
 from tiermem.train.options import make_stores, validate
 from tiermem.train.param_offload import ParamOffload
@@ -143,9 +143,10 @@ class TieredModel:
             self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=opts.grad_clip,
                                    tracer=self.tracer, overlap=opts.overlap, group=self.group,
                                    max_skipped=max_skipped_steps)
-            self.optimizer = TieredOptimizer(group_dicts(planned.groups, opts.spec, self._fp32_value),
+            shown = Fp32Values(module, self.layout)  # not a method of self: nothing here refers back to it
+            self.optimizer = TieredOptimizer(group_dicts(planned.groups, opts.spec, shown),
                                              opts.spec.group_defaults(), self._step, self._add_group)
-            self._groups = GroupEditor(module, opts.spec, self._fp32_value)
+            self._groups = GroupEditor(module, opts.spec, shown)
             for b in buckets:
                 for s in b.slots:
                     self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
@@ -269,14 +270,6 @@ class TieredModel:
         """What ``tm.optimizer.add_param_group(group)`` runs (tiermem.train.groups.GroupEditor)."""
         self._life.check("state", "tm.optimizer.add_param_group()")
         self._groups.add(groups, group)
-
-    def _fp32_value(self, name: str) -> torch.Tensor:
-        """The fp32 tensor ``tm.optimizer`` shows for a parameter: its master, or its frozen copy."""
-        frozen = self.layout.frozen.get(name)
-        if frozen is not None:
-            return frozen
-        b, s = self.layout.slot_of[id(self.module.get_parameter(name))]
-        return self.layout.homes.state[b.index].master(b, s)
 
     def _step(self, groups: list[dict]) -> StepResult:
         """What ``tm.optimizer.step()`` runs: the tiered step, checked against the phase."""
