@@ -44,7 +44,7 @@ import torch
 import xxhash
 
 from tiermem.errors import ConfigError, StoreError, TierMemError
-from tiermem.train.checkpoint_dir import pid_alive
+from tiermem.train.checkpoint_dir import is_checkpoint_dir, pid_alive
 from tiermem.train.checkpoint_footer import MAGIC, MAGIC_V1, MAGIC_V2, Invalid, check_footer, dtype_named
 from tiermem.train.state import ModelState
 
@@ -324,7 +324,7 @@ def load(state: ModelState, path: str) -> None:
     """Check the whole checkpoint (a file, or a directory of :mod:`tiermem.train.checkpoint_dcp`),
     then load it. Under data parallelism every rank calls it and reads it (it must be where every
     rank sees it); if any rank finds it unusable, every rank raises before anything changes."""
-    is_dir = os.path.isdir(path)
+    is_dir = is_checkpoint_dir(path)  # any other directory is refused as the single file refuses one
     if state.all_ok(is_dir):
         from tiermem.train import checkpoint_dcp
         checkpoint_dcp.load(state, path)

@@ -31,13 +31,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from tiermem.errors import ConfigError, StoreError, TierMemError
 from tiermem.plan.buckets import STATE_PARTS
 from tiermem.train import checkpoint_dir as disk
-from tiermem.train.checkpoint_footer import Invalid, check_meta
-from tiermem.train.checkpoint_shards import META, ShardedValue, key, nested
+from tiermem.train.checkpoint_dcp_check import checked, meta_fits, parse_meta
+from tiermem.train.checkpoint_shards import MANIFESTS, META, ShardedValue, key, nested
 from tiermem.train.state import ModelState, Piece
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,9 @@ def _write(state: ModelState, writer: _Writer) -> None:
         values.update(state.rest())
     order = {key(name): i for i, name in enumerate(values)}
     tree = nested(values, json.dumps(state.meta()))
-    if not state.writes_files:
+    if state.writes_files:
+        tree[MANIFESTS] = state.group.world
+    else:
         del tree[META]  # one copy, rank 0's
     group = state.group
     try:
@@ -273,7 +275,7 @@ def load(state: ModelState, path: str) -> None:
     """Check the whole directory on every rank, then read this process's pieces into the model."""
     reader = _Reader(path)
     try:
-        meta = _checked(state, path, reader)
+        meta = checked(state, path, reader.read_metadata, lambda: _read_meta(reader))
     except TierMemError:
         state.all_ok(False)
         raise
@@ -290,6 +292,12 @@ def load(state: ModelState, path: str) -> None:
     state.take_meta(meta)
 
 
+def _read_meta(reader: _Reader) -> Any:
+    holder: dict[str, Any] = {META: None}
+    _load(reader, holder)
+    return holder[META]
+
+
 def _read_pieces(reader: _Reader, pieces: list[Piece], views: tuple[torch.Tensor, ...]) -> None:
     values = {}
     for part, t in zip(STATE_PARTS, views):
@@ -298,119 +306,6 @@ def _read_pieces(reader: _Reader, pieces: list[Piece], views: tuple[torch.Tensor
             values[key(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, t[p.at:p.at + p.hi - p.lo], device=t.device)
     if values:
         _load(reader, values)
-
-
-def _checked(state: ModelState, path: str, reader: _Reader) -> dict:
-    """The checkpoint's meta, once everything this rank checks passed (NOTE [Checkpoint directories])."""
-    def bad(why: str) -> StoreError:
-        return StoreError(f"tiermem: {path!r} is not a readable tiermem checkpoint ({why}); nothing was loaded. "
-                          f"Pass a directory written by tm.save() or by dcp.save(tm.sharded_state_dict())")
-    try:
-        files = disk.read_manifests(path)
-    except OSError as e:
-        raise bad(e.strerror or str(e)) from None
-    if files is None:
-        log.warning("tiermem: %s has no tiermem manifest (written by dcp.save, not tm.save): its bytes are not "
-                    "checksummed; names, shapes, dtypes and coverage are checked against the model", path)
-    else:
-        if disk.METADATA not in files:
-            raise bad(f"its manifests do not list {disk.METADATA}")
-        disk.verify(path, [disk.METADATA], files)  # before DCP unpickles it
-    try:
-        metadata = reader.read_metadata()
-        storage = metadata.storage_data
-        tensors = dict(metadata.state_dict_metadata)
-    except Exception as e:  # noqa: BLE001 - a missing or unreadable .metadata, whatever DCP raises for it
-        raise bad(f"no DCP metadata: {type(e).__name__}: {e}") from None
-    if files is not None:
-        unlisted = sorted({getattr(info, "relative_path", "?") for info in storage.values()} - set(files))
-        if unlisted:
-            raise bad(f"DCP's metadata points to {unlisted[:3]}, which no manifest lists")
-        data = {n: v for n, v in files.items() if n != disk.METADATA}
-        disk.verify(path, disk.share(data, state.group.world, state.group.rank), files)
-    if not isinstance(tensors.get(META), BytesStorageMetadata):
-        raise bad(f"no {META!r} entry: not saved by tiermem")
-    meta = _meta(reader, bad)
-    _match(state, path, meta, tensors)
-    return meta
-
-
-def _meta(reader: _Reader, bad: Callable[[str], StoreError]) -> dict:
-    holder: dict[str, Any] = {META: ""}
-    try:
-        _load(reader, holder)
-        meta = json.loads(holder[META])
-        check_meta(meta)
-    except (ValueError, TypeError, RecursionError):
-        raise bad(f"its {META!r} entry is not tiermem's JSON") from None
-    except Invalid as e:
-        raise bad(f"corrupt {META!r} entry: {e}") from None
-    return meta
-
-
-def _match(state: ModelState, path: str, meta: dict, tensors: dict[str, Any]) -> None:
-    """Every tensor the model needs is there, with its shape and an accepted dtype, its chunks
-    covering it exactly; nothing else is; the meta fits the model."""
-    def other(what: str) -> TierMemError:
-        return TierMemError(f"tiermem: checkpoint {path!r} does not match this model: {what}; nothing was loaded. "
-                            f"Load it into the model it was saved from")
-    expected = {key(name): (shape, dtypes) for name, shape, dtypes in state.specs(meta["precision"])}
-    present = set(tensors) - {META}
-    missing, unexpected = sorted(set(expected) - present), sorted(present - set(expected))
-    if missing or unexpected:
-        raise other(f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for name, (shape, dtypes) in expected.items():
-        md = tensors[name]
-        if not isinstance(md, TensorStorageMetadata):
-            raise other(f"{name!r} is not a tensor")
-        if tuple(md.size) != shape:
-            raise other(f"{name!r} has shape {tuple(md.size)}, the model has {shape}")
-        if md.properties.dtype not in dtypes:
-            held = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-            raise other(f"{name!r} is {str(md.properties.dtype).removeprefix('torch.')}, the model holds it as {held}")
-        why = _coverage(shape, [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
-        if why:
-            raise StoreError(f"tiermem: checkpoint {path!r} is corrupt ({name!r}: {why}); nothing was loaded. "
-                             f"Use another checkpoint")
-    _meta_fits(state, meta, other, f"checkpoint {path!r}")
-
-
-def _meta_fits(state: ModelState, meta: dict, other: Callable[[str], TierMemError], what: str) -> None:
-    params = {name.partition("/")[2] for name, _, _ in state.specs(meta["precision"]) if name.startswith("master/")}
-    strangers = sorted(set(meta["param_step"]) - params)
-    if strangers:
-        raise other(f"meta.param_step counts steps of {strangers[:5]}, not trainable parameters of this model")
-    if len(meta["groups"]) != len(state.param_groups):
-        raise TierMemError(f"tiermem: {what} has {len(meta['groups'])} param groups, this model "
-                           f"{len(state.param_groups)}; use the same optimizer spec")
-
-
-def _coverage(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
-    """Why ``chunks`` (offsets, sizes) do not cover a tensor of ``shape`` exactly once; '' when they do."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    total = 0
-    for offsets, sizes in chunks:
-        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
-                o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
-            return f"a chunk at {offsets} of {sizes} lies outside its shape {shape}"
-        volume = 1
-        for s in sizes:
-            volume *= s
-        total += volume
-    if total != numel:
-        return f"its chunks hold {total} elements, the tensor {numel}"
-    if not shape:
-        return ""  # one element, held once
-    boxes = sorted((o, s) for o, s in chunks if all(n > 0 for n in s))
-    for i, (o1, s1) in enumerate(boxes):  # as many elements as the tensor: no two may overlap
-        for o2, s2 in boxes[i + 1:]:
-            if o2[0] >= o1[0] + s1[0]:
-                break  # sorted by the first offset: no later box reaches back into this one
-            if all(a2 < a1 + n1 and a1 < a2 + n2 for a1, n1, a2, n2 in zip(o1, s1, o2, s2)):
-                return f"chunks at {o1} and {o2} overlap"
-    return ""
 
 
 # -- a user's own dcp.load, handed back -------------------------------------------------------------
@@ -422,14 +317,8 @@ def load_sharded(state: ModelState, tree: Any) -> None:
                            f"returned (filled by dcp.load); {why}; nothing was loaded")
     if not isinstance(tree, dict) or set(tree) != {"model", "optim", META}:
         raise bad(f"got {type(tree).__name__} with keys {sorted(tree)[:5] if isinstance(tree, dict) else '-'}")
-    try:
-        meta = json.loads(tree[META])
-        check_meta(meta)
-    except (ValueError, TypeError, RecursionError):
-        raise bad(f"its {META!r} entry is not tiermem's JSON") from None
-    except Invalid as e:
-        raise bad(f"its {META!r} entry is invalid: {e}") from None
-    _meta_fits(state, meta, lambda what: bad(f"it does not match this model: {what}"), "the state dict")
+    meta = parse_meta(tree[META], lambda why: bad(f"its {META!r} entry {why}"))
+    meta_fits(state, meta, lambda what: bad(f"it does not match this model: {what}"), "the state dict")
     pieces = state.pieces()
     values: dict[str, Any] = {}
     for index, mine in pieces:

@@ -207,6 +207,14 @@ def share(files: Files, world: int, rank: int) -> list[str]:
 
 
 # -- the directory as a whole ------------------------------------------------------------------------
+def is_checkpoint_dir(path: str) -> bool:
+    """``path`` is a directory holding DCP's metadata or a tiermem manifest."""
+    try:
+        return os.path.isdir(path) and any(n == METADATA or _MANIFEST.fullmatch(n) for n in os.listdir(path))
+    except OSError:
+        return False
+
+
 def check_target(path: str) -> None:
     """A save may replace what is at ``path``: nothing, a file, a symlink, or a directory that holds
     only a checkpoint's files."""

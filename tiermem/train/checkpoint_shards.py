@@ -28,7 +28,8 @@ whole weights).
 Names (NOTE [Checkpoint format] for the single file): ``master/<p>`` and frozen parameters and
 buffers are ``model.<name>``; ``exp_avg/<p>`` is ``optim.state.<p>.exp_avg`` (and likewise
 ``exp_avg_sq``), as torch's optimizer state dicts nest them; the step counts, loss scale and
-hyperparameters are one JSON string under ``tiermem`` (the footer's ``meta``).
+hyperparameters are one JSON string under ``tiermem`` (the footer's ``meta``); a directory
+tm.save wrote also holds ``tiermem_manifests``, the number of its manifests.
 """
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ import torch
 from tiermem.errors import TierMemError
 
 META = "tiermem"
+#: in a directory tm.save wrote: the number of its manifests (NOTE [Checkpoint directories]), so
+#: that one whose manifests were lost never loads as if a user's own dcp.save had written it
+MANIFESTS = "tiermem_manifests"
 Box = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes, index of its first element in the flat tensor
 
 
