@@ -5,16 +5,21 @@
     python examples/train_gpt.py --policy keep-on-device --steps 200
     python examples/train_gpt.py --trace /tmp/gpt.trace.json   # open in https://ui.perfetto.dev
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 100  # data parallel over 2 processes
+    torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        examples/train_gpt.py --policy state-on-nvme --nvme-dir /mnt/nvme/gpt   # on each of 2 nodes
 
 Weights in bf16 live on the device tier; gradients, fp32 master weights and Adam's moments live
 on the host, where Adam runs. On a machine without an accelerator both tiers are the CPU's
 memory, so the run shows the data flow and the report rather than a speed-up.
 
 Launched by torchrun (WORLD_SIZE > 1), the script joins the process group itself (gloo on the
-CPU, NCCL on GPUs) and TieredModel shards gradients and optimizer state over the ranks (NOTE
-[Data parallel] in tiermem/transfer/collectives.py). Each rank draws its own batches (the seed
-offset by its rank); rank 0 prints, losses averaged over the ranks, throughput counting every
-rank's tokens; rank 0 alone writes the trace.
+CPU, NCCL on GPUs: LOCAL_RANK, the rank on its node, picks the GPU) and TieredModel shards
+gradients and optimizer state over the ranks (NOTE [Data parallel] in
+tiermem/transfer/collectives.py). Each rank draws its own batches (the seed offset by its
+global rank); global rank 0 prints, losses averaged over the ranks, throughput counting every
+rank's tokens, and alone writes the trace. Each rank keeps its NVMe files under
+``--nvme-dir``/rank<global rank>; ``--save`` writes a torch.distributed.checkpoint directory
+every rank writes its shards to (it must be on storage every node sees).
 """
 from __future__ import annotations
 
@@ -33,19 +38,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples/train_gpt.py` from anywhere
 
 from examples.gpt import GPT, GPTConfig, PRESETS, generate, lm_loss, load_tokens  # noqa: E402
-from tiermem import AdamW, TieredModel  # noqa: E402
+from tiermem import AdamW, PerClass, TensorClass, TieredModel, Tier  # noqa: E402
 from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
+
+
+class StateOnNvme(PerClass):
+    """ZeRO-Offload with the fp32 master weights and Adam's moments on NVMe."""
+
+    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.GRAD: Tier.HOST, TensorClass.OPTIM_STATE: Tier.NVME,
+             TensorClass.ACTIVATION: Tier.DEVICE}
+
 
 POLICIES = {
     "zero-offload": ZeroOffload,
     "keep-on-device": KeepOnDevice,
     "zero-infinity": ZeroInfinity,  # weights and optimizer state on NVMe (needs --nvme-dir)
+    "state-on-nvme": StateOnNvme,  # optimizer state on NVMe, weights on the device (needs --nvme-dir)
     "activation-offload": lambda: ActivationOffload(ZeroOffload(), min_bytes=64 * 1024),  # saved tensors to the host
 }
 
 
 def nvme_dir(args: argparse.Namespace) -> Optional[str]:
-    if args.policy != "zero-infinity":
+    if args.policy not in ("zero-infinity", "state-on-nvme"):
         return args.nvme_dir
     if args.nvme_dir is None:  # removed when the process exits
         args._nvme_tmp = tempfile.TemporaryDirectory(prefix="tiermem-nvme-", dir=".")
@@ -63,8 +77,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--policy", choices=sorted(POLICIES), default="zero-offload")
-    p.add_argument("--nvme-dir", default=None, help="directory for tensors a policy places on NVMe "
-                                                     "(zero-infinity; default: a temporary one under .)")
+    p.add_argument("--nvme-dir", default=None, help="directory for tensors a policy places on NVMe (zero-infinity, "
+                                                     "state-on-nvme; default: a temporary one under .); each rank "
+                                                     "uses its rank<r> subdirectory")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr")
     p.add_argument("--warmup", type=int, default=50, help="steps of linear warm-up before the cosine decay")
