@@ -126,7 +126,7 @@ class ShardedValue(torch.Tensor):
     def _box(self, i: int) -> torch.Tensor:
         _, sizes, start = self._boxes[i]
         begin = start - self._lo if math.prod(self.shape) else 0
-        return self.local()[begin:begin + math.prod(sizes)].view(sizes)
+        return _own_storage(self.local()[begin:begin + math.prod(sizes)]).view(sizes)
 
     # -- the protocol DCP's planner calls (DTensor implements it too) ------------------------------
     def __create_write_items__(self, fqn: str, obj: Any) -> list:
@@ -151,6 +151,15 @@ class ShardedValue(torch.Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return (f"ShardedValue({self._name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"elements [{self._lo}, {self._hi}))")
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (flat, contiguous) sharing its bytes but as the whole of its storage where it is a view
+    of a larger one on the CPU: DCP writes such a tensor as it is, where it would first copy a view
+    (``torch.save`` writes a tensor's whole storage)."""
+    if t.device.type != "cpu" or t.numel() == 0 or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return torch.frombuffer(memoryview(t.view(torch.uint8).numpy()), dtype=t.dtype)
 
 
 def key(name: str) -> str:
