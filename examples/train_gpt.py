@@ -86,6 +86,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay (not applied to biases and norms)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global grad-norm clip; 0 turns it off")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the weights live and compute runs (under torchrun: NCCL on cuda, gloo on cpu)")
     p.add_argument("--log-every", type=int, default=10, help="print a progress line every this many steps")
     p.add_argument("--eval-batches", type=int, default=8, help="batches of held-out text for the final loss")
     p.add_argument("--sample-tokens", type=int, default=300, help="characters to generate at the end; 0: none")
@@ -121,31 +123,32 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Gene
     return windows[:, :-1], windows[:, 1:]
 
 
-def init_distributed() -> tuple[int, int]:
-    """(rank, world size). Under torchrun (WORLD_SIZE > 1), join its process group first."""
+def init_distributed(device: str) -> tuple[int, int]:
+    """(global rank, world size). Under torchrun (WORLD_SIZE > 1), join its process group first:
+    NCCL with one GPU per process, the rank on its node (LOCAL_RANK) picking it; gloo on the CPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     import torch.distributed as dist
-    if torch.cuda.is_available():
+    if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # TieredModel's device="cuda" is this one
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
     return dist.get_rank(), world
 
 
-def mean_over_ranks(value: float, world: int) -> float:
+def mean_over_ranks(value: float, world: int, device: str) -> float:
     """``value`` averaged over the ranks (for printing: every rank must call it at the same point)."""
     if world == 1:
         return value
     import torch.distributed as dist
-    t = torch.tensor([value], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)  # NCCL reduces CUDA tensors only
     return t.item() / world
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    rank, world = init_distributed()
+    rank, world = init_distributed(args.device)
     try:
         return train(args, rank, world)
     finally:
@@ -176,6 +179,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> int:
         grad_clip=args.grad_clip or None,
         trace_path=args.trace if rank == 0 else None,
         nvme_dir=nvme_dir(args),
+        device=args.device,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(tm.optimizer, lr_factor(args.warmup, args.steps, args.min_lr_ratio))
     say(f"{tm!r}; {args.steps} steps of {args.grad_accum} x {args.batch_size} x {seq_len} tokens"
@@ -200,7 +204,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> int:
         window_loss += step_loss
         window_steps += 1
         if step % args.log_every == 0 or step == args.steps:
-            window_loss = mean_over_ranks(window_loss, world)
+            window_loss = mean_over_ranks(window_loss, world, args.device)
             elapsed = time.perf_counter() - window_start
             note = f" | skipped (fp16 overflow), scale {res.loss_scale:g}" if res.skipped else ""
             say(f"step {step:5d}/{args.steps} | loss {window_loss / window_steps:.4f} "
@@ -213,7 +217,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> int:
     with torch.no_grad():
         losses = [lm_loss(tm(x), y).item() for x, y in
                   (get_batch(val_data, args.batch_size, seq_len, gen) for _ in range(args.eval_batches))]
-    held_out = mean_over_ranks(sum(losses) / len(losses), world)
+    held_out = mean_over_ranks(sum(losses) / len(losses), world, args.device)
     say(f"held-out loss {held_out:.4f} (last 10% of the text, {args.eval_batches} batches)"
         + (f"; {skipped} steps skipped" if skipped else ""), flush=True)
 
