@@ -10,8 +10,9 @@ from round to round, so that neither always goes first) and loads each back into
 the slowest rank's, from a barrier to the last rank's return; the figures are medians over the
 rounds. Each rank's peak host memory during a save is exact: the kernel's high-water mark of the
 process's resident memory (VmHWM), reset just before the save (``/proc/self/clear_refs``), less
-the resident memory then. Loads read what the saves just wrote, from the page cache as much as
-from the disk, for both formats alike. Ratios come last.
+the resident memory then; the bytes a rank writes and reads are its system calls' (``rchar``,
+``wchar`` of ``/proc/self/io``: files, page cache hits included, and gloo's sockets). Loads read what the saves just wrote,
+from the page cache as much as from the disk, for both formats alike. Ratios come last.
 """
 from __future__ import annotations
 
@@ -65,18 +66,27 @@ def _rss_kib(field: str) -> int:
         return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)[1])
 
 
-def peak_during(fn) -> tuple[float, int]:
-    """(seconds of ``fn()`` on the slowest rank, this rank's peak resident bytes above those before it)."""
+def _io() -> tuple[int, int]:
+    """Bytes this process has read and written through system calls: files (page cache hits
+    included) and gloo's sockets alike."""
+    with open("/proc/self/io") as f:
+        text = f.read()
+    return tuple(int(re.search(rf"^{k}: (\d+)", text, re.MULTILINE)[1]) for k in ("rchar", "wchar"))  # type: ignore
+
+
+def measured(fn) -> tuple[float, int, int, int]:
+    """(seconds of ``fn()`` on the slowest rank; this rank's peak resident bytes above those before
+    it, bytes read and bytes written meanwhile)."""
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the high-water mark starts again from what is resident now
-    before = _rss_kib("VmRSS")
+    before, io0 = _rss_kib("VmRSS"), _io()
     t0 = time.perf_counter()
     fn()
     seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    peak = _rss_kib("VmHWM")
+    peak, io1 = _rss_kib("VmHWM"), _io()
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return seconds.item(), 1024 * max(0, peak - before)
+    return seconds.item(), 1024 * max(0, peak - before), io1[0] - io0[0], io1[1] - io0[1]
 
 
 def du(path: str) -> int:
@@ -112,21 +122,26 @@ def run(rank: int, args: argparse.Namespace, root: str) -> None:
     save_s: dict[str, list[float]] = {f: [] for f in FORMATS}
     load_s: dict[str, list[float]] = {f: [] for f in FORMATS}
     peaks: dict[str, list[int]] = {f: [] for f in FORMATS}
+    io: dict[str, tuple[int, int]] = {}
     for r in range(args.rounds):
         order = FORMATS if r % 2 == 0 else FORMATS[::-1]
         for fmt in order:
             path = os.path.join(root, f"ck.{fmt}")
-            seconds, peak = peak_during(lambda: tm.save(path, format=fmt))
+            seconds, peak, _, written = measured(lambda: tm.save(path, format=fmt))
             save_s[fmt].append(seconds)
             peaks[fmt].append(peak)
+            io[fmt] = (0, written)
         for fmt in order:
             path = os.path.join(root, f"ck.{fmt}")
-            seconds, _ = peak_during(lambda: tm.load(path))
+            seconds, _, read, _ = measured(lambda: tm.load(path))
             load_s[fmt].append(seconds)
+            io[fmt] = (read, io[fmt][1])
         say(f"round {r + 1}: " + "  ".join(f"{f} save {save_s[f][-1]:6.2f} s load {load_s[f][-1]:6.2f} s"
                                             for f in FORMATS), flush=True)
     all_peaks: list[dict[str, int]] = [{}] * WORLD
     dist.all_gather_object(all_peaks, {f: max(p) for f, p in peaks.items()})
+    all_io: list[dict[str, tuple[int, int]]] = [{}] * WORLD
+    dist.all_gather_object(all_io, io)
     if rank != 0:
         return
     size = {f: du(os.path.join(root, f"ck.{f}")) for f in FORMATS}
@@ -138,11 +153,19 @@ def run(rank: int, args: argparse.Namespace, root: str) -> None:
     for f in FORMATS:
         print(f"| {f} | {med[f][0]:.2f} s | {med[f][1]:.2f} s | {fmt_bytes(size[f])} | "
               + " | ".join(f"+{fmt_bytes(p[f])}" for p in all_peaks) + " |")
+    print("\n| format | bytes a save writes (files and gloo's sockets), rank 0 | rank 1 | bytes a load reads, rank 0 "
+          f"| rank 1 |")
+    print("|---|---|---|---|---|")
+    for f in FORMATS:
+        print(f"| {f} | " + " | ".join(fmt_bytes(i[f][1]) for i in all_io) + " | "
+              + " | ".join(fmt_bytes(i[f][0]) for i in all_io) + " |")
     print(f"\nfor scale: the model's fp32 state (12 B/param) {fmt_bytes(12 * n)}, a rank's shard "
           f"{fmt_bytes(12 * n // WORLD)}, one bucket's state (12 B x the largest bucket) {fmt_bytes(12 * largest)}")
     print("\n== ratios ==")
     print(f"dcp save / file save:                    {med['dcp'][0] / med['file'][0]:5.2f}x")
     print(f"dcp load / file load:                    {med['dcp'][1] / med['file'][1]:5.2f}x")
+    most = {f: max(i[f][0] for i in all_io) for f in FORMATS}
+    print(f"bytes a rank reads to load, dcp / file:  {most['dcp'] / most['file']:5.2f}x")
     for r in range(WORLD):
         print(f"rank {r} save peak host memory, dcp / file: {all_peaks[r]['dcp'] / max(1, all_peaks[r]['file']):5.2f}x "
               f"(/ one bucket's state: {all_peaks[r]['dcp'] / (12 * largest):.2f}x)")

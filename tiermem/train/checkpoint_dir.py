@@ -118,12 +118,14 @@ class HashedFile:
 
 
 def file_hash(path: str) -> tuple[int, str]:
-    """(bytes, xxh3_64) of the file at ``path``, read in chunks."""
+    """(bytes, xxh3_64) of the file at ``path``, read in chunks into one buffer (a fresh buffer a
+    chunk would fault its pages in again each time)."""
     h, n = xxhash.xxh3_64(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            n += len(chunk)
+    with open(path, "rb", buffering=0) as f:
+        buf = memoryview(bytearray(min(_CHUNK, max(1, os.fstat(f.fileno()).st_size))))
+        while got := f.readinto(buf):
+            h.update(buf[:got])
+            n += got
     return n, h.hexdigest()
 
 
