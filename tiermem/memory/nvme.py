@@ -20,7 +20,7 @@ import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -36,7 +36,8 @@ from tiermem.memory.nvme_keys import (SPOILT, Copy, FellBack, KeyState, Value, c
                                        lost, over_budget, spoilt, would_mix)
 from tiermem.memory.nvme_requests import Requests
 from tiermem.memory.nvme_spares import SparePool
-from tiermem.types import Tier
+from tiermem.spans import lazy_span
+from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class NvmeStore(Store):
         self._spares = SparePool(self.directory, spares if not keep_previous else 0, self.ledger)
 
     # -- the Store interface --------------------------------------------------------------------
-    def write(self, key: str, src: torch.Tensor, kind: object = None) -> Handle:
+    def write(self, key: str, src: torch.Tensor, kind: Optional[TensorClass] = None) -> Handle:
         """Queue a bit-exact copy of ``src`` under ``key``; keep ``src`` unchanged until ``wait()``.
         ``kind`` (a TensorClass) lets the ledger report bytes per class."""
         nio.check_key(key)
@@ -234,8 +235,8 @@ class NvmeStore(Store):
         except OSError as e:
             self._finish_write(key, copy, fd, future, e)
             return
-        self._requests.fan_out([partial(nio.write_chunk, self._pwritev, fd, data, b0, b1, self._staging,
-                                        self.direct, self.checksums)
+        self._requests.fan_out([_spanned("write", key, partial(nio.write_chunk, self._pwritev, fd, data, b0, b1,
+                                                               self._staging, self.direct, self.checksums))
                                 for b0, b1 in nio.chunks(value.nbytes, self.block_size)],
                                partial(self._finish_write, key, copy, fd, future))
 
@@ -298,7 +299,8 @@ class NvmeStore(Store):
                 nio.check_header(head, current.header)
             return digest
 
-        self._requests.fan_out([partial(chunk, b0, b1) for b0, b1 in nio.chunks(current.value.nbytes, self.block_size)],
+        self._requests.fan_out([_spanned("read", key, partial(chunk, b0, b1))
+                                for b0, b1 in nio.chunks(current.value.nbytes, self.block_size)],
                                partial(self._finish_read, key, current, fd, future))
 
     def _finish_read(self, key: str, copy: Optional[Copy], fd: Optional[int], future: Future,
@@ -447,3 +449,12 @@ class NvmeStore(Store):
         if self._closed:
             raise StoreError(f"tiermem: NvmeStore({self.directory!r}) is closed; make a new store to "
                              f"keep using the directory")
+
+
+def _spanned(op: str, key: str, chunk: Callable[[], Optional[int]]) -> Callable[[], Optional[int]]:
+    """``chunk`` as a ``tiermem::nvme <op> <key>`` span of a running torch profiler (NOTE [tiermem in
+    the torch profiler] in tiermem/spans.py)."""
+    def run() -> Optional[int]:
+        with lazy_span(lambda: f"nvme {op} {key}"):
+            return chunk()
+    return run
