@@ -154,7 +154,7 @@ def run(rank: int, args: argparse.Namespace, root: str) -> None:
         print(f"| {f} | {med[f][0]:.2f} s | {med[f][1]:.2f} s | {fmt_bytes(size[f])} | "
               + " | ".join(f"+{fmt_bytes(p[f])}" for p in all_peaks) + " |")
     print("\n| format | bytes a save writes (files and gloo's sockets), rank 0 | rank 1 | bytes a load reads, rank 0 "
-          f"| rank 1 |")
+          "| rank 1 |")
     print("|---|---|---|---|---|")
     for f in FORMATS:
         print(f"| {f} | " + " | ".join(fmt_bytes(i[f][1]) for i in all_io) + " | "

@@ -149,12 +149,9 @@ def _publish(tmp: str, path: str, directory: str) -> None:
 FORMATS = ("file", "dcp")
 
 
-def save(state: ModelState, path: str, format: str | None = None) -> None:
-    """Write ``state`` to ``path`` as one file (``format="file"``, the default in one process) or
-    as a torch.distributed.checkpoint directory every rank writes its shards to (``"dcp"``, the
-    default under data parallelism: :mod:`tiermem.train.checkpoint_dcp`)."""
-    if format is None:
-        format = "dcp" if state.group.world > 1 else "file"
+def save(state: ModelState, path: str, format: str = "file") -> None:
+    """Write ``state`` to ``path`` as one file (``format="file"``) or as a torch.distributed.checkpoint
+    directory every rank writes its shards to (``"dcp"``: :mod:`tiermem.train.checkpoint_dcp`)."""
     if format not in FORMATS:
         raise ConfigError(f"tiermem: format={format!r} is not a checkpoint format; pass 'file' (one file) or 'dcp' "
                           f"(a torch.distributed.checkpoint directory every rank writes), or leave it out")

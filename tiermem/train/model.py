@@ -295,6 +295,8 @@ class TieredModel:
         torch.distributed.checkpoint directory in which every rank writes its own shards, readable
         at any world size. Default: ``"dcp"`` under data parallelism, ``"file"`` in one process.
         Under data parallelism a collective: every rank calls it with the same path."""
+        if format is None:
+            format = "dcp" if self.group.world > 1 else "file"
         checkpoint.save(self._settled("save()"), path, format)
 
     def sharded_state_dict(self) -> dict[str, Any]:
