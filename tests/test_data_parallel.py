@@ -51,6 +51,7 @@ def _rank_all(rank, world, tmp):
         out[f"{fmt} 1->2"] = _rank_load(rank, world, os.path.join(tmp, f"by1.{fmt}"),
                                         os.path.join(tmp, f"by1-again.{fmt}"), 2, fmt)
     out["user"] = _rank_user(rank, world, tmp)
+    out["empty"] = _rank_empty(rank, world, tmp)
     out["nvme dcp"] = _rank_nvme_dcp(rank, world, tmp)
     return out
 
@@ -327,6 +328,37 @@ def test_a_users_own_dcp_save_and_load_of_the_sharded_state_dict(dp):
     one = _make(bucket_size=1100)
     one.load(str(tmp / "by2-user"))  # 2 -> 1
     assert same_state(one.state_dict(), saved)
+
+
+class WithEmpty(nn.Module):
+    """A parameter of no elements lies in no rank's chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.empty = nn.Parameter(torch.zeros(0, 3))
+
+    def forward(self, x):
+        return self.lin(x) + self.empty.sum()
+
+
+def _with_empty() -> TieredModel:
+    torch.manual_seed(0)
+    return TieredModel(WithEmpty(), optimizer=AdamW(lr=1e-2), precision="fp32", bucket_size=64)
+
+
+def _rank_empty(rank, world, tmp):
+    tm = _with_empty()
+    tm.backward(tm(torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))).sum())
+    tm.step()
+    tm.save(os.path.join(tmp, "by2-empty.dcp"))
+    return tm.state_dict()
+
+
+def test_a_parameter_of_no_elements_is_saved_by_rank_0(dp):
+    one = _with_empty()
+    one.load(str(dp[0] / "by2-empty.dcp"))
+    assert same_state(one.state_dict(), dp[2][0]["empty"]) and one.stepper.steps == 1
 
 
 def _rank_nvme_dcp(rank, world, tmp):

@@ -109,7 +109,7 @@ class ShardedValue(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.detach.default:
             return args[0]
-        value = next(a for a in args if isinstance(a, ShardedValue))
+        value = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedValue))
         raise TierMemError(f"tiermem: {value._name!r} is a ShardedValue from tm.sharded_state_dict(): it holds only "
                            f"this process's elements [{value._lo}, {value._hi}) of {math.prod(value.shape)}, so "
                            f"{func} cannot run on it; use .local() for them, or tm.state_dict() for whole weights")

@@ -137,6 +137,9 @@ class ModelState:
                 s = whole[p.name]
                 lo = start + p.offset - s.offset
                 mine.append(Piece(p.name, tuple(s.shape), lo, lo + p.numel, p.offset))
+            if self.group.rank == 0:  # a parameter of no elements is in no rank's chunk: rank 0 keeps its name
+                kept = {p.name for p in mine}
+                mine += [Piece(s.name, tuple(s.shape), 0, 0, 0) for s in b.slots if s.numel == 0 and s.name not in kept]
             out.append((b.index, mine))
         return out
 
