@@ -11,8 +11,9 @@ the slowest rank's, from a barrier to the last rank's return; the figures are me
 rounds. Each rank's peak host memory during a save is exact: the kernel's high-water mark of the
 process's resident memory (VmHWM), reset just before the save (``/proc/self/clear_refs``), less
 the resident memory then; the bytes a rank writes and reads are its system calls' (``rchar``,
-``wchar`` of ``/proc/self/io``: files, page cache hits included, and gloo's sockets). Loads read what the saves just wrote,
-from the page cache as much as from the disk, for both formats alike. Ratios come last.
+``wchar`` of ``/proc/self/io``: files, page cache hits included, and gloo's sockets). Loads read
+what the saves just wrote, from the page cache as much as from the disk, for both formats alike.
+Ratios come last.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """TieredTrainer under torch.distributed (2 gloo ranks in fresh processes, tests/ranks.py): the
 Trainer's sampler splits the data, gradient accumulation communicates once per step (tm.no_sync()
 on the earlier micro-batches), the ranks train like one process over both ranks' micro-batches,
-a checkpoint-N/ holds one tiermem.ckpt (a DCP directory both ranks wrote), a resume on 2 ranks continues bit-exact, evaluation,
-load_best_model_at_end and an fp16 overflow on one rank work there, checkpoint-2 resumes in one
-process too, save_model() on rank 0 alone is a tiermem: error once the process group's timeout
+a checkpoint-N/ holds one tiermem.ckpt (a DCP directory both ranks wrote), a resume on 2 ranks
+continues bit-exact, evaluation, load_best_model_at_end and an fp16 overflow on one rank work
+there, checkpoint-2 resumes in one process too, save_model() on rank 0 alone is a tiermem: error once the process group's timeout
 passes (not a hang), and README's torchrun command runs the example."""
 from __future__ import annotations
 

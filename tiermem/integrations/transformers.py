@@ -34,8 +34,9 @@ for subclasses, and two private methods of transformers 5 where no public hook e
 - ``save_model`` writes the fp32 master weights (``model.safetensors``, loadable with
   ``from_pretrained``), and inside a ``checkpoint-N/`` folder also ``tiermem.ckpt`` (``tm.save``:
   atomic, checksummed, optimizer state included; one file in one process, under torchrun a
-  torch.distributed.checkpoint directory every rank writes its shards to). The Trainer's ``optimizer.pt`` then holds the
-  param groups' hyperparameters and the step count, which resuming checks against tiermem.ckpt.
+  torch.distributed.checkpoint directory every rank writes its shards to). The Trainer's
+  ``optimizer.pt`` then holds the param groups' hyperparameters and the step count, which
+  resuming checks against tiermem.ckpt.
 - ``train(resume_from_checkpoint=True)`` takes the newest *complete* ``checkpoint-N/`` (with
   ``tiermem.ckpt`` and ``trainer_state.json``, which the Trainer writes last): a run killed while
   saving resumes from the checkpoint before.

@@ -148,9 +148,11 @@ def sharded_state_dict(state: ModelState) -> dict[str, Any]:
     """``tm.sharded_state_dict()``: this process's pieces as ShardedValues (views of the live state
     where it lives in memory, copies of state on NVMe), and the frozen parameters and buffers
     (the model's own tensors), nested as DCP saves them."""
+    one = _OneBucket(state)  # each bucket read once
+
     def source(index: int, part: int, p: Piece) -> torch.Tensor:
-        t = state.read_local(index)[part][p.at:p.at + p.hi - p.lo]  # the bucket read once: NVMe keeps it
-        return t if state.resident(index) else t.clone()
+        t = one.source(index, part, p)()
+        return t if state.resident(index) else t.clone()  # NVMe's buffer set is the next bucket's
     try:
         values: dict[str, Any] = dict(_pieces(state, source))
     finally:
@@ -172,7 +174,8 @@ def save(state: ModelState, path: str) -> None:
         try:
             if not os.path.isdir(os.path.dirname(path)):
                 raise StoreError(f"tiermem: cannot save a checkpoint to {path!r}: directory "
-                                 f"{os.path.dirname(path)!r} does not exist on rank 0; create it or choose another path")
+                                 f"{os.path.dirname(path)!r} does not exist on rank 0; create it or choose another "
+                                 f"path")
             disk.check_target(path)
             disk.make_temporary(path, pid)
             made = True
@@ -303,7 +306,8 @@ def _read_pieces(reader: _Reader, pieces: list[Piece], views: tuple[torch.Tensor
     for part, t in zip(STATE_PARTS, views):
         for p in pieces:
             name = f"{part}/{p.name}"
-            values[key(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, t[p.at:p.at + p.hi - p.lo], device=t.device)
+            local = t[p.at:p.at + p.hi - p.lo]
+            values[key(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, device=t.device)
     if values:
         _load(reader, values)
 

@@ -132,10 +132,10 @@ class ShardedValue(torch.Tensor):
     def __create_write_items__(self, fqn: str, obj: Any) -> list:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+        properties = TensorProperties(dtype=self.dtype)
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-                                                      properties=TensorProperties(dtype=self.dtype), size=self.shape))
-                for offsets, sizes, _ in self._boxes]
+                          tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape))
+                for offsets, chunk in zip((o for o, _, _ in self._boxes), self.__create_chunk_list__())]
 
     def __create_chunk_list__(self) -> list:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
