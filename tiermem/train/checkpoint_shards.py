@@ -130,7 +130,7 @@ class ShardedValue(torch.Tensor):
 
     # -- the protocol DCP's planner calls (DTensor implements it too) ------------------------------
     def __create_write_items__(self, fqn: str, obj: Any) -> list:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
         properties = TensorProperties(dtype=self.dtype)
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
