@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from models import TinyGPT, gpt_batch, gpt_loss, same_state
 from ranks import run_ranks
-from tiermem import AdamW, Budgets, ConfigError, PerClass, TensorClass, TieredModel, Tier, TierMemError
+from tiermem import AdamW, Budgets, ConfigError, PerClass, StoreError, TensorClass, TieredModel, Tier, TierMemError
 from tiermem.policies import ActivationOffload, ZeroInfinity, ZeroOffload
 
 STEPS = 3
@@ -52,6 +52,7 @@ def _rank_all(rank, world, tmp):
                                         os.path.join(tmp, f"by1-again.{fmt}"), 2, fmt)
     out["user"] = _rank_user(rank, world, tmp)
     out["empty"] = _rank_empty(rank, world, tmp)
+    out["unseen"] = _rank_unseen(rank, world, tmp)
     out["nvme dcp"] = _rank_nvme_dcp(rank, world, tmp)
     return out
 
@@ -353,6 +354,25 @@ def _rank_empty(rank, world, tmp):
     tm.step()
     tm.save(os.path.join(tmp, "by2-empty.dcp"))
     return tm.state_dict()
+
+
+def _rank_unseen(rank, world, tmp):
+    """Rank 1 does not see the directory rank 0 made (as without a shared filesystem)."""
+    tm = _make()
+    real = os.path.isdir
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os.path, "isdir", lambda p: real(p) and not (rank == 1 and ".tmp-" in str(p)))
+        with pytest.raises(StoreError) as info:
+            tm.save(os.path.join(tmp, "unseen.dcp"))
+    return str(info.value)
+
+
+def test_a_directory_some_rank_does_not_see_is_refused_before_anything_is_written(dp):
+    tmp, _, ranks = dp
+    assert ranks[1]["unseen"].startswith("tiermem: rank 1 of 2 does not see the directory")
+    assert ranks[0]["unseen"].startswith("tiermem: another rank does not see the directory")
+    assert all("nothing was written. Save it where every rank sees the same files" in r["unseen"] for r in ranks)
+    assert not [n for n in os.listdir(tmp) if n.startswith("unseen")]  # rank 0's temporary is gone too
 
 
 def test_a_parameter_of_no_elements_is_saved_by_rank_0(dp):

@@ -185,10 +185,12 @@ def save(state: ModelState, path: str) -> None:
         raise _as_store(error, path) if error is not None else StoreError(
             f"tiermem: saving the checkpoint to {path!r} failed on rank 0 (see its error); any previous "
             f"checkpoint there is unchanged")
-    if not group.all_ok(os.path.isdir(tmp)):
+    sees = os.path.isdir(tmp)
+    if not group.all_ok(sees):
         _discard_if(made, tmp)
-        raise StoreError(f"tiermem: rank {group.rank} of {group.world} does not see the directory {tmp!r} rank 0 made "
-                         f"for the checkpoint: save it where every rank sees the same files (a shared filesystem)")
+        who = f"rank {group.rank} of {group.world}" if not sees else "another rank"
+        raise StoreError(f"tiermem: {who} does not see the directory {tmp!r} rank 0 made for the checkpoint; nothing "
+                         f"was written. Save it where every rank sees the same files (a shared filesystem)")
     writer = _Writer(tmp)
     try:
         _write(state, writer)
