@@ -13,9 +13,9 @@ from typing import Any, Callable
 import torch
 
 from tiermem.config import GROUP_HYPER, Adam, AdamW, _AdamSpec
-from tiermem.errors import ConfigError
+from tiermem.errors import ConfigError, TierMemError
 
-__all__ = ["TORCH_OPTIMIZERS", "spec_from_torch", "supported_names"]
+__all__ = ["TORCH_OPTIMIZERS", "spec_from_torch", "stepped_elsewhere", "supported_names"]
 
 
 def _adam(defaults: dict[str, Any]) -> type[_AdamSpec]:
@@ -67,3 +67,10 @@ def spec_from_torch(optimizer: torch.optim.Optimizer, *, scheduled: bool = False
     except ConfigError as e:
         raise ConfigError(f"tiermem: the {cls.__name__} given as optimizer=: "
                           f"{str(e).removeprefix('tiermem: ')}") from None
+
+
+def stepped_elsewhere(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A step pre-hook for an optimizer tiermem read: stepping it would do nothing (its parameters'
+    gradients go to tiermem), silently; this says what to call instead."""
+    raise TierMemError(f"tiermem: this {type(optimizer).__name__} was given to a TieredModel, which runs its update "
+                       f"where the optimizer state lives; call tm.step() (or tm.optimizer.step()) instead of its step()")

@@ -30,6 +30,7 @@ from tiermem.plan.choose import Evaluator
 from tiermem.plan.cost import against_measured
 from tiermem.plan.placement import plan
 from tiermem.plan.policy import Policy, resolve_policy
+from tiermem.torch_optim import stepped_elsewhere
 from tiermem.train import checkpoint, lifetime
 from tiermem.train.activations import ActivationOffloader
 from tiermem.train.backward import GradCollector
@@ -151,7 +152,7 @@ class TieredModel:
                 for s in b.slots:
                     self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
             if opts.torch_optimizer is not None:  # never stepped: a step of it would do nothing, silently
-                self.hooks.add(opts.torch_optimizer.register_step_pre_hook(_stepped_elsewhere))
+                self.hooks.add(opts.torch_optimizer.register_step_pre_hook(stepped_elsewhere))
             self._trainable = Trainable(module, self.layout, policy=self.placement, dtype=self.dtype,
                                         bucket_numel=opts.bucket_numel, overlap=opts.overlap, group=self.group,
                                         stores=self.stores, engine=self.engine, weights_off_device=self.param_offload,
@@ -477,11 +478,6 @@ def _params_of(what: Any, module: torch.nn.Module) -> dict[str, torch.Tensor]:
                                   f"which is not one of its parameters")
             out[names[id(p)]] = p
     return out
-
-
-def _stepped_elsewhere(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    raise TierMemError(f"tiermem: this {type(optimizer).__name__} was given to a TieredModel, which runs its update "
-                       f"where the optimizer state lives; call tm.step() (or tm.optimizer.step()) instead of its step()")
 
 
 def _note(error: BaseException, text: str) -> None:
