@@ -74,27 +74,27 @@ class Trainable:
         self.overlap, self.group, self.stores, self.engine = overlap, group, stores, engine
         self.off_device, self.grads, self.outputs, self.hooks = weights_off_device, grads, outputs, hooks
         self.param_groups, self.settle, self.nvme_staging = param_groups, settle, on_device_cuda
-        self._params: list[tuple[str, torch.nn.Parameter]] = []  # each parameter once, by its first name
-        seen: set[int] = set()
-        for name, p in module.named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                self._params.append((name, p))
-        self._trained = self._now()
+        self._params = list(module.named_parameters())  # each parameter once, by its first name
+        self._flags = self._read()  # requires_grad of each, as last taken
+        self._trained = self._names(self._flags)
 
-    def _now(self) -> frozenset[str]:
-        return frozenset(n for n, p in self._params if p.requires_grad)
+    def _read(self) -> list[bool]:
+        return [p.requires_grad for _, p in self._params]  # per call: ~0.1 ms per 1000 parameters
+
+    def _names(self, flags: list[bool]) -> frozenset[str]:
+        return frozenset(n for (n, _), f in zip(self._params, flags) if f)
 
     # -- the checks at a step's forward, backward and load ------------------------------------------
     def sync(self, *, grads_waiting: bool, collective: bool) -> None:
         """Take any change of ``requires_grad`` since the last call (NOTE [Freezing and
         unfreezing]). ``collective``: the ranks compare their trainable sets first (every rank
         makes this call at the same point: a backward or a load)."""
-        now = self._now()
+        flags = self._read()
         if collective and self.group.world > 1:
-            self._same_on_every_rank(now)
-        if now == self._trained:
+            self._same_on_every_rank(self._names(flags))
+        if flags == self._flags:
             return
+        now = self._names(flags)
         new = [(n, p) for n, p in self._params if n in now and n in self.layout.frozen]
         if new:
             self._unfreeze(new, grads_waiting)
@@ -102,7 +102,7 @@ class Trainable:
         if frozen:
             log.info("tiermem: %d parameters were frozen; their optimizer state is kept, and they train again when "
                      "unfrozen: %s", len(frozen), ", ".join(frozen[:5]))
-        self._trained = now
+        self._flags, self._trained = flags, now
 
     def _same_on_every_rank(self, now: frozenset[str]) -> None:
         """The trainable set and the param groups' membership alike on every rank, or an error on all."""
