@@ -112,10 +112,20 @@ class Group:
     def bytes_sent(self) -> int:
         return 0
 
+    def exchange(self, header: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``header`` (a few ints, the same count on every rank), in rank order."""
+        return [list(header)]
+
     def for_weights(self) -> "Group":
         """The group the weights' all-gathers use: collectives issued from two threads (grads from
         backward's, weights from the engine's under overlap_step) each need a group of their own,
         so that every rank sees each group's collectives in the same order."""
+        return self
+
+    def for_gathers(self) -> "Group":
+        """The group that gathers sharded weights before their modules run (NOTE [Weights sharded
+        over the ranks] in tiermem/train/gathered.py): issued from the thread that runs forward and
+        backward, beside the grads' reduce-scatters and the replicated weights' all-gathers."""
         return self
 
     def subdirectory(self, directory: str) -> str:
@@ -163,7 +173,7 @@ class Distributed(Group):
         self._sent = 0
         self._lock = threading.Lock()
         self.seconds = 0.0
-        self._sibling: Optional[Distributed] = None
+        self._siblings: dict[str, Distributed] = {}
 
     def _here(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device == self.device else t.to(self.device)
@@ -243,6 +253,13 @@ class Distributed(Group):
                 full.copy_(full_here)
         return Pending(lambda: self._run("all_gather", lambda: work, mine.nbytes * self.world), finish)
 
+    def exchange(self, header: Sequence[int]) -> list[list[int]]:
+        mine = self._here(torch.tensor(list(header), dtype=torch.int64))
+        every = torch.empty(self.world * mine.numel(), dtype=torch.int64, device=mine.device)
+        self._run("all_gather(header)", lambda: self._all_gather(every, mine, group=self.pg, async_op=True),
+                  mine.nbytes * self.world)
+        return every.view(self.world, -1).tolist()
+
     def agree(self, got: set[str], names: Sequence[str]) -> set[str]:
         mask = self.max_(torch.tensor([float(name in got) for name in names]))
         return {name for name, m in zip(names, mask.tolist()) if m}
@@ -263,13 +280,20 @@ class Distributed(Group):
     def bytes_sent(self) -> int:
         with self._lock:
             sent = self._sent
-        return sent + (self._sibling.bytes_sent() if self._sibling is not None else 0)
+        return sent + sum(s.bytes_sent() for s in self._siblings.values())
+
+    def _sibling(self, what: str) -> "Distributed":
+        """A group of the same ranks for ``what``'s collectives alone, made once."""
+        if what not in self._siblings:  # collective: every rank builds its model, so every rank gets here
+            ranks = [self.dist.get_global_rank(self.pg, r) if self.pg is not None else r for r in range(self.world)]
+            self._siblings[what] = Distributed(self.dist.new_group(ranks), timeout=self._timeout_s, tracer=self.tracer)
+        return self._siblings[what]
 
     def for_weights(self) -> "Distributed":
-        if self._sibling is None:  # collective: every rank builds its model, so every rank gets here
-            ranks = [self.dist.get_global_rank(self.pg, r) if self.pg is not None else r for r in range(self.world)]
-            self._sibling = Distributed(self.dist.new_group(ranks), timeout=self._timeout_s, tracer=self.tracer)
-        return self._sibling
+        return self._sibling("weights")
+
+    def for_gathers(self) -> "Distributed":
+        return self._sibling("gathers")
 
     def subdirectory(self, directory: str) -> str:
         import os
