@@ -219,7 +219,8 @@ def _weights_in(args: tuple, kwargs: dict) -> list[OffDeviceWeight]:
 
 
 def _real_of(w: OffDeviceWeight, real: dict[str, torch.Tensor]) -> torch.Tensor:
-    return real[w._key].as_strided(w.size(), w.stride(), w.storage_offset())
+    whole = real[w._key]  # the weight's values may begin anywhere in their storage (a view of a gathered bucket)
+    return whole.as_strided(w.size(), w.stride(), whole.storage_offset() + w.storage_offset())
 
 
 def _replace_one(x: Any, real: dict[str, torch.Tensor]) -> Any:
