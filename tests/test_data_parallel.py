@@ -11,8 +11,8 @@ from torch import nn
 
 from models import TinyGPT, gpt_batch, gpt_loss
 from ranks import run_ranks
-from tiermem import AdamW, Budgets, ConfigError, PerClass, TensorClass, TieredModel, Tier, TierMemError
-from tiermem.policies import ActivationOffload, ZeroInfinity, ZeroOffload
+from tiermem import AdamW, Budgets, PerClass, TensorClass, TieredModel, Tier, TierMemError
+from tiermem.policies import ActivationOffload, ZeroOffload
 
 STEPS = 3
 
@@ -38,7 +38,7 @@ def _rank_all(rank, world, tmp, solo_ckpt):
            "activations": _rank_train(rank, world, "fp32", "activation-offload", None, None),
            "overlap": _rank_train(rank, world, "fp32", "zero-offload", None, 1.0, overlap=True),
            "peak": _rank_peak(rank, world), "overflow": _rank_overflow(rank, world),
-           "refused": _rank_refused(rank, world, os.path.join(tmp, "nvme")),
+           "replica": _rank_replica(rank, world),
            "no_sync": (_rank_no_sync(rank, world, False), _rank_no_sync(rank, world, True))}
     saved = os.path.join(tmp, "by2.tm")
     out["saved"] = _rank_save(rank, world, saved, STEPS)
@@ -286,14 +286,12 @@ def test_ranks_with_different_configurations_are_caught_at_construction():
                for e in errors.values())
 
 
-def _rank_refused(rank, world, nvme_dir):
-    with pytest.raises(ConfigError, match=r"not sharded in this version: use a policy with PARAM on DEVICE \(ZeroOffload"):
-        TieredModel(TinyGPT(), ZeroInfinity(), nvme_dir=nvme_dir)
+def _rank_replica(rank, world):
     return TieredModel(nn.Linear(3, 3), process_group=False).report().world  # a full replica: no collective
 
 
-def test_what_data_parallel_refuses_says_what_to_use(dp):
-    assert [r["refused"] for r in dp[2]] == [1, 1]
+def test_process_group_false_keeps_a_full_replica(dp):
+    assert [r["replica"] for r in dp[2]] == [1, 1]
 
 
 def _rank_no_sync(rank, world, use_no_sync):
