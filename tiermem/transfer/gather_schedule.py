@@ -49,11 +49,19 @@ class GatherSchedule:
         return self.trace if self.on_trace else None
 
     def window(self) -> list[str]:
-        """The buckets the trace uses next, within ``ahead`` bytes (empty off the trace)."""
+        """The buckets the trace uses next, within ``ahead`` bytes (empty off the trace). Held
+        buckets count too, so the window at an acquire and at the release that follows is one."""
         trace = self._following()
         if trace is None:
             return []
-        return lookahead_window(trace, self.pos, self.sizes, self.ahead, skip=self.held)
+        return lookahead_window(trace, self.pos, self.sizes, self.ahead)
+
+    def _outside(self, window: list[str]) -> list[str]:
+        """On the trace: the gathered buckets no one holds outside ``window``, to free."""
+        free = [k for k in self.gathered if not self.held[k] and k not in window]
+        for k in free:
+            del self.gathered[k]
+        return free
 
     def acquire(self, key: str) -> tuple[list[str], list[str]]:
         """``key`` is about to be used: (the buckets to gather now, in this order: ``key`` first
@@ -67,36 +75,27 @@ class GatherSchedule:
         gather = [] if key in self.gathered else [key]
         self.gathered[key] = None
         self.gathered.move_to_end(key)
-        free: list[str] = []
-        if self._following() is not None:
+        if self._following() is None:
+            free = self._trim()
+        else:
             window = self.window()
-            free = [k for k in self.gathered if not self.held[k] and k not in window]
+            free = self._outside(window)
             ahead = [k for k in window if k not in self.gathered] if self.prefetch else []
             gather += ahead
             self.gathered.update((k, None) for k in ahead)
-        else:
-            free = self._trim()
-        for k in free:
-            del self.gathered[k]
         return gather, free
 
     def release(self, key: str) -> list[str]:
-        """``key``'s use ended: the buckets to free now (``key``, unless it is kept)."""
+        """``key``'s use ended: the buckets to free now (``key`` among them, unless it is kept)."""
         self.held[key] -= 1
         if self.held[key]:
             return []
         del self.held[key]
         self.gathered.move_to_end(key)
-        if self._following() is not None:
-            free = [] if key in self.window() else [key]
-        else:
-            free = self._trim()
-        for k in free:
-            del self.gathered[k]
-        return free
+        return self._outside(self.window()) if self._following() is not None else self._trim()
 
     def _trim(self) -> list[str]:
-        """Off the trace: the least recently released unheld buckets past ``ahead`` bytes."""
+        """Off the trace: the least recently released unheld buckets past ``ahead`` bytes, to free."""
         kept = [k for k in self.gathered if not self.held[k]]
         total = sum(self.sizes[k] for k in kept)
         free = []
@@ -105,6 +104,8 @@ class GatherSchedule:
                 break
             free.append(k)
             total -= self.sizes[k]
+        for k in free:
+            del self.gathered[k]
         return free
 
     def free_all(self) -> list[str]:
@@ -124,11 +125,9 @@ class GatherSchedule:
             self.trace = AccessTrace(self.recording)
         self.recording, self.pos, self.on_trace = [], 0, True
         if not self.prefetch or self.trace is None:
-            return [], []
+            return [], self._trim()
         window = self.window()
-        free = [k for k in self.gathered if not self.held[k] and k not in window]
-        for k in free:
-            del self.gathered[k]
+        free = self._outside(window)
         gather = [k for k in window if k not in self.gathered]
         self.gathered.update((k, None) for k in gather)
         return gather, free
