@@ -265,6 +265,7 @@ class GatheredWeights(WeightHome):
         the block ends), whose home has them."""
         held: list[str] = []
         written: dict[str, torch.Tensor] = {}
+        marked: list[str] = []
         try:
             for key in dict.fromkeys(self.slots[n][0].key for n in names):
                 self._acquire(key)
@@ -272,6 +273,7 @@ class GatheredWeights(WeightHome):
             with self._lock:
                 for name in names:
                     self._writable[name] += 1
+                    marked.append(name)
             yield written
             with self._lock:
                 dirty = [n for n in names if n in self._dirty]
@@ -283,7 +285,7 @@ class GatheredWeights(WeightHome):
                 written.update({n: self._view(n).to("cpu", copy=True) for n in dirty})
         finally:
             with self._lock:
-                for name in names if held else ():
+                for name in marked:
                     self._writable[name] -= 1
                     if not self._writable[name]:
                         del self._writable[name]

@@ -5,7 +5,10 @@ Under data parallelism (ZeRO-2 with offload) every bucket is cut into ``world`` 
 (the last padded); rank r owns chunk r of every bucket: its gradients, its optimizer state,
 its Adam. A bucket's gradients are reduce-scattered (averaged, as DDP does) into the chunks when
 the bucket is complete; after Adam, the new low-precision weights of every chunk are
-all-gathered into every rank's full device copy. Whatever all ranks must decide alike (which
+all-gathered into every rank's full device copy (ZeRO-2), unless the weights are sharded too
+(ZeRO-3: off the device, or ``shard_weights=True``), when each rank keeps its chunk and a bucket
+is gathered while it is read (NOTE [Weights sharded over the ranks] in
+tiermem/train/gathered.py). Whatever all ranks must decide alike (which
 parameters got a gradient, the global norm, an fp16 overflow) is all-reduced first.
 
 A :class:`Group` is that vocabulary. :class:`Solo` is the group of one process: every
