@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tiermem import TierMemError
 from tiermem.plan.buckets import Bucket
 from tiermem.train.weight_shards import END, GATHER, Gatherer
-from tiermem.transfer.collectives import Group
+from tiermem.transfer.collectives import Group, Pending
 from tiermem.transfer.gather_schedule import GatherSchedule
 
 SIZES = {"a": 10, "b": 10, "c": 10, "d": 10, "e": 5}
@@ -129,28 +129,28 @@ class _Told(Group):
     def __init__(self, rank: int, headers: list[list[int]]):
         self.rank, self.world, self.headers = rank, len(headers), headers
 
-    def exchange(self, header):
+    def exchange_async(self, header):
         assert list(header) == self.headers[self.rank]
-        return self.headers
+        return Pending(None, lambda: self.headers)
 
 
 def test_an_announced_gather_that_ranks_disagree_on_names_both_buckets():
     b = Bucket(3, None, None, 0, numel=8)
     names = {3: ["blocks.0.fc.weight", "blocks.0.fc.bias"], 5: ["extra.weight"]}
-    g = Gatherer(_Told(0, [[GATHER, 3, 8, 17], [GATHER, 5, 8, 18]]), names)
+    g = Gatherer(None, _Told(0, [[GATHER, 3, 8, 17], [GATHER, 5, 8, 18]]), names)  # no data may move
     with pytest.raises(TierMemError, match=r"^tiermem: rank 0 of 2: the ranks are out of step on their sharded "
                                            r"weights: rank 0 gathers bucket 3 \(blocks.0.fc.weight, blocks.0.fc.bias\) "
                                            r"for access 17; rank 1 gathers bucket 5 \(extra.weight\) for access 18"):
-        g.gather(b, None, None, 17)
-    g = Gatherer(_Told(1, [[END, 7, 4, 4], [GATHER, 5, 8, 5]]), names)
+        g.launch(g.announce(b, 17), None, None)
+    g = Gatherer(None, _Told(1, [[END, 7, 4, 4], [GATHER, 5, 8, 5]]), names)
     with pytest.raises(TierMemError, match=r"rank 0 ended the iteration after 4 accesses; rank 1 gathers bucket 5"):
-        g.gather(Bucket(5, None, None, 0, numel=8), None, None, 5)
+        g.launch(g.announce(Bucket(5, None, None, 0, numel=8), 5), None, None)
 
 
 def test_ranks_that_end_alike_agree_or_not_on_their_accesses():
-    same = Gatherer(_Echo(), {})
+    same = Gatherer(None, _Echo(), {})
     assert same.end(["bucket1", "bucket2"])
-    differ = Gatherer(_Echo(other=[END, 1, 2, 2]), {})
+    differ = Gatherer(None, _Echo(other=[END, 1, 2, 2]), {})
     assert not differ.end(["bucket1", "bucket2"])
 
 
@@ -160,5 +160,5 @@ class _Echo(Group):
     def __init__(self, other=None):
         self.rank, self.world, self.other = 0, 2, other
 
-    def exchange(self, header):
-        return [list(header), list(self.other or header)]
+    def exchange_async(self, header):
+        return Pending(None, lambda: [list(header), list(self.other or header)])

@@ -66,9 +66,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Gathered:
-    """A bucket gathered on the device, or on its way (``pending``)."""
+    """A bucket gathered on the device, or on its way: announced (``announced``: every rank's
+    header on its way), then launched (``pending``: the data on its way), then ready (neither)."""
 
     buffer: torch.Tensor
+    mine: torch.Tensor  # this rank's chunk, to send
+    announced: Optional[Pending]
     pending: Optional[Pending]
     release: Callable[[], None]  # frees what the gather sent (a chunk read from NVMe)
 
@@ -76,22 +79,24 @@ class _Gathered:
 class GatheredWeights(WeightHome):
     """The PARAM home of the sharded buckets, and the source of their weights' values: NOTE
     [Weights sharded over the ranks]. ``buckets``: the whole buckets it homes; ``shards``: each
-    one's chunk home, by index; ``group``: the gathers' own; ``ahead``: the bytes of gathered
+    one's chunk home, by index; ``group``: the gathers' own, ``headers`` their headers' (NOTE
+    [Announced, then launched]); ``ahead``: the bytes of gathered
     buckets kept or fetched ahead besides the held ones (the same on every rank)."""
 
     def __init__(self, module: torch.nn.Module, buckets: Sequence[Bucket], shards: dict[int, ShardHome],
-                 group: Group, device_store, dtype: torch.dtype, device: torch.device, hooks: HookSet, *,
-                 ahead: int, prefetch: bool = True):
+                 group: Group, headers: Group, device_store, dtype: torch.dtype, device: torch.device,
+                 hooks: HookSet, *, ahead: int, prefetch: bool = True):
         self.store, self.dtype, self.device, self.shards = device_store, dtype, device, shards
         self.group = group
         self.full = {b.key: b for b in buckets}
         self.chunks = {b.index: group.chunk(b.numel) for b in buckets}
         self.slots: dict[str, tuple[Bucket, Slot]] = {s.name: (b, s) for b in buckets for s in b.slots}
         self.homes = {name: shards[b.index].tier for name, (b, _) in self.slots.items()}
-        self.gatherer = Gatherer(group, {b.index: [s.name for s in b.slots] for b in buckets})
+        self.gatherer = Gatherer(group, headers, {b.index: [s.name for s in b.slots] for b in buckets})
         self.schedule = GatherSchedule({b.key: self.chunks[b.index].padded * dtype.itemsize for b in buckets},
                                        ahead, prefetch=prefetch)
         self._gathered: dict[str, _Gathered] = {}
+        self._queue: list[str] = []  # announced, not launched yet (NOTE [Announced, then launched])
         self._lock = threading.RLock()  # reads come from autograd's threads too
         self._swaps = SwappedParams(module, {name: s.param for name, (_, s) in self.slots.items()})
         self._link = Link(self)
@@ -149,35 +154,61 @@ class GatheredWeights(WeightHome):
         """The iteration ends on every rank: they compare their accesses, which become the next
         iteration's trace if they agree, and the next forward's first buckets are gathered ahead."""
         with self._lock:
+            self._launch()  # every rank launches what it announced before it ends the iteration
             agreed = self.gatherer.end(self.schedule.recording)
             if not agreed:
                 log.warning("tiermem: the ranks read their sharded weights in different orders in this iteration; "
                             "the next one gathers on demand (NOTE [Weights sharded over the ranks])")
             self._carry_out(*self.schedule.end_iteration(agreed=agreed))
+            self._launch()  # every rank is here: nothing to wait for
 
     # -- gathers -----------------------------------------------------------------------------------
+    # NOTE [Announced, then launched]: a gather is announced when the schedule decides it (its
+    # header goes to every rank, asynchronously) and launched (its data all-gathered) once every
+    # rank's header has arrived (looked at, without waiting, at each access) or when its bucket is
+    # needed, whichever comes first, always in the order announced, so the k-th data collective is
+    # the same bucket on every rank whenever each rank launches it. A rank thus runs ahead of
+    # another without waiting for it at each gather, as with FSDP's prefetched all-gathers, and
+    # never sends a bucket's bytes before every rank has said it gathers that bucket.
     def _carry_out(self, gather: list[str], free: list[str]) -> None:
         for key in free:
             self._free(key)
         for key in gather:
-            self._start(key)
+            self._announce(key)
 
-    def _start(self, key: str) -> None:
+    def _announce(self, key: str) -> None:
         b, c = self.full[key], self.chunks[self.full[key].index]
         mine, release = self.shards[b.index].read(b)
         try:
             buffer = self.store.allocate(f"{key}:gathered", (c.padded,), self.dtype, TensorClass.PARAM)
-            pending = self.gatherer.gather(b, buffer, mine[:c.size], self.schedule.pos)
+            announced = self.gatherer.announce(b, self.schedule.pos)
         except BaseException:
             release()
             self.store.delete(f"{key}:gathered")
             raise
-        self._gathered[key] = _Gathered(buffer, pending, release)
+        self._gathered[key] = _Gathered(buffer, mine[:c.size], announced, None, release)
+        self._queue.append(key)
         self.gathers += 1
 
+    def _launch(self, upto: Optional[str] = None, *, arrived: bool = False) -> None:
+        """Launch the announced gathers in the order announced: all, or up to ``upto``, or (with
+        ``arrived``) those whose every header is here already."""
+        while self._queue:
+            key = self._queue[0]
+            g = self._gathered[key]
+            if arrived and not g.announced.done():
+                return
+            self._queue.pop(0)
+            announced, g.announced = g.announced, None
+            g.pending = self.gatherer.launch(announced, g.buffer, g.mine)
+            if key == upto:
+                return
+
     def _ready(self, key: str) -> torch.Tensor:
-        """``key`` gathered: its gather waited for (a rank that stopped surfaces here, named)."""
+        """``key`` gathered: its gather launched and waited for (a rank that stopped surfaces here, named)."""
         g = self._gathered[key]
+        if g.announced is not None:
+            self._launch(upto=key)
         if g.pending is not None:
             pending, g.pending = g.pending, None
             try:
@@ -187,19 +218,17 @@ class GatheredWeights(WeightHome):
         return g.buffer
 
     def _free(self, key: str) -> None:
-        g = self._gathered.pop(key, None)
-        if g is None:
+        if key not in self._gathered:
             return
         try:
-            if g.pending is not None:
-                g.pending.wait()  # every rank finishes the gathers it issued
+            self._ready(key)  # every rank finishes the gathers it announced
         finally:
-            if g.pending is not None:
-                g.release()
+            self._gathered.pop(key, None)
             self.store.delete(f"{key}:gathered")
 
     def _acquire(self, key: str, *, counted: bool = False) -> torch.Tensor:
         with self._lock:
+            self._launch(arrived=True)  # what earlier accesses announced goes out, if every rank has said so
             gather, free = self.schedule.acquire(key)
             if counted and key in gather and self.schedule.trace is not None:
                 self.on_demand[key] += 1
@@ -210,6 +239,7 @@ class GatheredWeights(WeightHome):
         with self._lock:
             for k in self.schedule.release(key):
                 self._free(k)
+            self._launch(arrived=True)
 
     # -- reads -----------------------------------------------------------------------------------------
     def _before(self, mod: torch.nn.Module, args) -> None:
@@ -305,12 +335,20 @@ class GatheredWeights(WeightHome):
 
     def remove(self) -> None:
         """The model is detached or given back: nothing is read through it any more, and the
-        gathered buffers go (a gather in flight is finished first)."""
+        gathered buffers go, without waiting for a gather in flight: a rank may have launched one
+        that another, dropping its model at another moment, never will (the collective holds its
+        own references to the tensors until it ends, or fails at the group's timeout)."""
         self._link.source = None
         with self._lock:
-            for key in list(self._gathered):
+            self._queue.clear()
+            for key, g in list(self._gathered.items()):
+                if g.pending is None and g.announced is None:
+                    continue
                 with contextlib.suppress(Exception):
-                    self._free(key)
+                    g.release()
+            for key in list(self._gathered):
+                self.store.delete(f"{key}:gathered")
+            self._gathered.clear()
 
 
 def build_gathered(module: torch.nn.Module, buckets: Sequence[Bucket], stores: dict, engine, group: Group,
@@ -327,5 +365,5 @@ def build_gathered(module: torch.nn.Module, buckets: Sequence[Bucket], stores: d
                            MemoryShards(stores[tier], engine, mine, sizes, dtype))
         shards.update({b.index: home for b in mine})
     ahead = gather_ahead([group.chunk(b.numel).padded * dtype.itemsize for b in buckets])
-    return GatheredWeights(module, buckets, shards, group.for_gathers(), stores[Tier.DEVICE], dtype, device, hooks,
-                           ahead=ahead, prefetch=prefetch)
+    return GatheredWeights(module, buckets, shards, group.for_gathers(), group.for_gather_headers(),
+                           stores[Tier.DEVICE], dtype, device, hooks, ahead=ahead, prefetch=prefetch)

@@ -109,36 +109,44 @@ GATHER, END = 1, 2
 
 
 class Gatherer:
-    """Gathers announced by a header every rank checks (see the module's docstring). ``names``:
-    a few parameter names of each bucket, by index, for the errors."""
+    """Gathers announced by a header every rank checks (see the module's docstring). The headers
+    travel on a group of their own (``headers``), all of one size, so ranks out of step pair two
+    headers and find out, never a header with a bucket's bytes; a gather's data goes out on
+    ``group`` only once every rank announced the same bucket, in the order announced, so the k-th
+    data collective is the same bucket on every rank. ``names``: a few parameter names of each
+    bucket, by index, for the errors."""
 
-    def __init__(self, group: Group, names: dict[int, list[str]]):
-        self.group, self.names = group, names
+    def __init__(self, group: Group, headers: Group, names: dict[int, list[str]]):
+        self.group, self.headers, self.names = group, headers, names
 
-    def gather(self, b: Bucket, full: torch.Tensor, mine: torch.Tensor, at: int) -> Pending:
-        """Start gathering ``b`` into ``full`` (``padded`` elements) from every rank's ``mine``,
-        once every rank has announced the same bucket; ``at``: the access it serves, for errors."""
-        self._agree([GATHER, b.index, b.numel, at])
+    def announce(self, b: Bucket, at: int) -> Pending:
+        """Tell every rank that this one gathers ``b`` next (for its access ``at``); returns at once."""
+        return self.headers.exchange_async([GATHER, b.index, b.numel, at])
+
+    def launch(self, announced: Pending, full: torch.Tensor, mine: torch.Tensor) -> Pending:
+        """Once every rank announced the same bucket (else a ``tiermem:`` error naming what each
+        announced), start gathering it into ``full`` (``padded`` elements) from every rank's ``mine``."""
+        self._check(announced.wait())
         return self.group.all_gather_async(full, mine)
 
     def end(self, accesses: Sequence[str]) -> bool:
         """The iteration ended on every rank; whether every rank made the same ``accesses``."""
         digest = int.from_bytes(hashlib.sha256("\n".join(accesses).encode()).digest()[:7], "little")
-        headers = self._agree([END, digest, len(accesses), len(accesses)])
-        return all(h[1:3] == headers[0][1:3] for h in headers)
+        told = self.headers.exchange([END, digest, len(accesses), len(accesses)])
+        self._check(told)
+        return all(h[1:3] == told[0][1:3] for h in told)
 
-    def _agree(self, header: list[int]) -> list[list[int]]:
-        headers = self.group.exchange(header)
-        mine = headers[self.group.rank]
-        differ = [r for r, h in enumerate(headers) if h[0] != mine[0] or (mine[0] == GATHER and h[:3] != mine[:3])]
+    def _check(self, told: list[list[int]]) -> None:
+        rank = self.headers.rank
+        mine = told[rank]
+        differ = [r for r, h in enumerate(told) if h[0] != mine[0] or (mine[0] == GATHER and h[:3] != mine[:3])]
         if differ:
-            told = "; ".join(f"rank {r} {self._what(h)}" for r, h in enumerate(headers))
+            said = "; ".join(f"rank {r} {self._what(h)}" for r, h in enumerate(told))
             raise TierMemError(
-                f"tiermem: rank {self.group.rank} of {self.group.world}: the ranks are out of step on their sharded "
-                f"weights: {told}. Every rank must read the same weights in the same order (a branch that depends "
+                f"tiermem: rank {rank} of {self.headers.world}: the ranks are out of step on their sharded "
+                f"weights: {said}. Every rank must read the same weights in the same order (a branch that depends "
                 f"on the data or the rank reads another weight on some ranks?): read the same weights on every "
                 f"rank, or place PARAM on the device without shard_weights (NOTE [Weights sharded over the ranks])")
-        return headers
 
     def _what(self, h: list[int]) -> str:
         if h[0] == END:

@@ -117,7 +117,11 @@ class Group:
 
     def exchange(self, header: Sequence[int]) -> list[list[int]]:
         """Every rank's ``header`` (a few ints, the same count on every rank), in rank order."""
-        return [list(header)]
+        return self.exchange_async(header).wait()
+
+    def exchange_async(self, header: Sequence[int]) -> "Pending":
+        """:meth:`exchange` started; ``.wait()`` returns every rank's header."""
+        return Pending(None, lambda: [list(header)])
 
     def for_weights(self) -> "Group":
         """The group the weights' all-gathers use: collectives issued from two threads (grads from
@@ -131,6 +135,11 @@ class Group:
         backward, beside the grads' reduce-scatters and the replicated weights' all-gathers."""
         return self
 
+    def for_gather_headers(self) -> "Group":
+        """The group that carries only the headers announcing those gathers (all of one size, so
+        ranks out of step pair two headers, never a header with a bucket's bytes)."""
+        return self
+
     def subdirectory(self, directory: str) -> str:
         """Where this rank keeps its own files under ``directory``."""
         return directory
@@ -140,17 +149,24 @@ class Group:
 
 
 class Pending:
-    """A collective in flight: ``wait()`` blocks until it is done, then runs its finishing step."""
+    """A collective in flight: ``wait()`` blocks until it is done, then runs its finishing step
+    and returns what that gave (every later ``wait()`` returns it again)."""
 
-    def __init__(self, wait, finish):
-        self._wait, self._finish, self._done = wait, finish, False
+    def __init__(self, wait, finish, done=None):
+        self._wait, self._finish, self._done, self._value = wait, finish, False, None
+        self._ready = done  # whether ``wait()`` would return at once (None: it always would)
 
-    def wait(self) -> None:
+    def done(self) -> bool:
+        """The collective has finished (``wait()`` returns without blocking); never blocks."""
+        return self._done or self._ready is None or self._ready()
+
+    def wait(self) -> Any:
         if not self._done:
             self._done = True
             if self._wait is not None:
                 self._wait()
-            self._finish()
+            self._value = self._finish()
+        return self._value
 
 
 class Solo(Group):
@@ -256,12 +272,12 @@ class Distributed(Group):
                 full.copy_(full_here)
         return Pending(lambda: self._run("all_gather", lambda: work, mine.nbytes * self.world), finish)
 
-    def exchange(self, header: Sequence[int]) -> list[list[int]]:
+    def exchange_async(self, header: Sequence[int]) -> Pending:
         mine = self._here(torch.tensor(list(header), dtype=torch.int64))
         every = torch.empty(self.world * mine.numel(), dtype=torch.int64, device=mine.device)
-        self._run("all_gather(header)", lambda: self._all_gather(every, mine, group=self.pg, async_op=True),
-                  mine.nbytes * self.world)
-        return every.view(self.world, -1).tolist()
+        work = self._call("all_gather(header)", lambda: self._all_gather(every, mine, group=self.pg, async_op=True))
+        return Pending(lambda: self._run("all_gather(header)", lambda: work, mine.nbytes * self.world),
+                       lambda: every.view(self.world, -1).tolist(), done=work.is_completed)
 
     def agree(self, got: set[str], names: Sequence[str]) -> set[str]:
         mask = self.max_(torch.tensor([float(name in got) for name in names]))
@@ -297,6 +313,9 @@ class Distributed(Group):
 
     def for_gathers(self) -> "Distributed":
         return self._sibling("gathers")
+
+    def for_gather_headers(self) -> "Distributed":
+        return self._sibling("gather headers")
 
     def subdirectory(self, directory: str) -> str:
         import os
