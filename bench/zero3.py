@@ -10,7 +10,8 @@ Three parts, each in fresh processes (the script spawns its gloo ranks, one intr
    optimizer state on NVMe), ``weights-on-host`` (PARAM, GRAD and OPTIM_STATE on the host) and
    ``shard-weights`` (ZeroOffload with ``shard_weights=True``) train a small GPT in fp32 for
    ``--numbers-steps`` steps, each rank on its own micro-batch, against one process accumulating the
-   N micro-batches; bf16 runs check the ranks stay identical. Per rank: the peak bytes of working
+   N micro-batches, and against ZeRO-2 (ZeroOffload, weights whole on every rank) on the same
+   ranks; bf16 runs check the ranks stay identical. Per rank: the peak bytes of working
    weights on their home tier (``tm.report()``'s ledger; for NVMe also ``du`` of the weights' files),
    against one process's.
 2. **Speed** (2 ranks, the ``--n-layer``/``--n-embd`` GPT in bf16, ``--batch-size`` global):
@@ -48,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args, lm_loss  # noqa: E402
 from tiermem import AdamW, PerClass, TensorClass, TieredModel, Tier  # noqa: E402
 from tiermem.policies import ZeroInfinity, ZeroOffload  # noqa: E402
+from tiermem.train.weight_shards import shard_key  # noqa: E402
 
 LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 
@@ -61,7 +63,8 @@ class WeightsOnHost(PerClass):
 SETUPS = {"zero-infinity": (ZeroInfinity, False, Tier.NVME), "weights-on-host": (WeightsOnHost, False, Tier.HOST),
           "shard-weights": (ZeroOffload, True, Tier.DEVICE)}
 ANCHOR = {"zero-infinity": "FSDP2+CPUOffload", "weights-on-host": "FSDP2+CPUOffload", "shard-weights": "FSDP2"}
-NUMBERS_CFG = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64, vocab_size=96)
+NUMBERS_CFG = GPTConfig(block_size=32, n_layer=4, n_head=2, n_embd=128, vocab_size=96)
+NUMBERS_BUCKET = "64KiB"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -137,21 +140,31 @@ def weight_files(directory: str) -> list[str]:
 
 
 def numbers_rank(rank: int, world: int, steps: int, tmp: str) -> None:
-    out = {}
+    torch.manual_seed(0)
+    zero2 = TieredModel(GPT(NUMBERS_CFG), ZeroOffload(), optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+                        precision="fp32", grad_clip=CLIP, bucket_size=NUMBERS_BUCKET)
+    numbers_train(zero2, [rank], steps)
+    out = {"zero2": zero2.state_dict() if rank == 0 else None}
+    del zero2
     for setup in SETUPS:
         nvme = os.path.join(tmp, f"{setup}-{world}")
         os.makedirs(nvme, exist_ok=True)
-        tm = tiermem_model(setup, NUMBERS_CFG, precision="fp32", bucket_size="16KiB", nvme_dir=nvme)
+        tm = tiermem_model(setup, NUMBERS_CFG, precision="fp32", bucket_size=NUMBERS_BUCKET, nvme_dir=nvme)
         numbers_train(tm, [rank], steps)
         files = du(weight_files(os.path.join(nvme, f"rank{rank}")))
-        home = tm.report().class_peak_bytes.get((TensorClass.PARAM, SETUPS[setup][2]), 0)
-        gathered = tm.report().class_peak_bytes.get((TensorClass.PARAM, Tier.DEVICE), 0)
+        peak = tm.report().class_peak_bytes
+        home = peak.get((TensorClass.PARAM, SETUPS[setup][2]), 0)
+        gathered = peak.get((TensorClass.PARAM, Tier.DEVICE), 0)
+        if SETUPS[setup][2] == Tier.DEVICE:  # the chunks and the gathered buckets share the device's ledger
+            ledger = tm.stores[Tier.DEVICE].ledger
+            home = sum(ledger.held(shard_key(b)) for b in tm.gathered.full.values())
+            gathered -= home
         sd = tm.state_dict()
         os.makedirs(nvme + "-bf16", exist_ok=True)
-        bf16 = tiermem_model(setup, NUMBERS_CFG, precision="bf16", bucket_size="16KiB", nvme_dir=nvme + "-bf16")
+        bf16 = tiermem_model(setup, NUMBERS_CFG, precision="bf16", bucket_size=NUMBERS_BUCKET, nvme_dir=nvme + "-bf16")
         numbers_train(bf16, [rank], steps)
         out[setup] = {"home": home, "du": files, "bf16": {k: v.float() for k, v in bf16.state_dict().items()},
-                      "gathered": gathered if SETUPS[setup][2] != Tier.DEVICE else None}
+                      "gathered": gathered}
         if rank == 0:
             out[setup]["state"] = sd
         del tm, bf16
@@ -189,21 +202,22 @@ def numbers(args: argparse.Namespace) -> dict:
                 os.makedirs(nvme, exist_ok=True)
                 torch.manual_seed(0)
                 reference = TieredModel(GPT(NUMBERS_CFG), ZeroOffload(), optimizer=AdamW(lr=LR, betas=BETAS,
-                                        weight_decay=WD), precision="fp32", grad_clip=CLIP, bucket_size="16KiB",
+                                        weight_decay=WD), precision="fp32", grad_clip=CLIP, bucket_size=NUMBERS_BUCKET,
                                         process_group=False)
                 numbers_train(reference, list(range(world)), args.numbers_steps)
-                solo = tiermem_model(setup, NUMBERS_CFG, precision="fp32", bucket_size="16KiB", nvme_dir=nvme)
+                solo = tiermem_model(setup, NUMBERS_CFG, precision="fp32", bucket_size=NUMBERS_BUCKET, nvme_dir=nvme)
                 numbers_train(solo, [0], 1)  # one process holds every weight at home
                 whole = solo.report().class_peak_bytes.get((TensorClass.PARAM, SETUPS[setup][2]), 0)
                 whole_du = du(weight_files(nvme))
                 ref = reference.state_dict()
                 diff = max((ranks[0][setup]["state"][k] - ref[k]).abs().max().item() for k in ref)
+                same_as_zero2 = all(torch.equal(ranks[0][setup]["state"][k], ranks[0]["zero2"][k]) for k in ref)
                 bf16 = all(torch.equal(ranks[0][setup]["bf16"][k], r[setup]["bf16"][k])
                            for r in ranks[1:] for k in ranks[0][setup]["bf16"])
                 results[(world, setup)] = {
-                    "diff": diff, "spread": spread, "bf16_identical": bf16,
+                    "diff": diff, "spread": spread, "bf16_identical": bf16, "same_as_zero2": same_as_zero2,
                     "home_ratio": max(r[setup]["home"] for r in ranks) / whole,
-                    "gathered_ratio": max(r[setup]["gathered"] or 0 for r in ranks) / whole,
+                    "gathered_ratio": max(r[setup]["gathered"] for r in ranks) / whole,
                     "du_ratio": (max(r[setup]["du"] for r in ranks) / whole_du) if whole_du else None}
                 del solo, reference
             print(f"numbers on {world} ranks: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -338,13 +352,14 @@ def main() -> int:
     nums = {} if args.skip_numbers else numbers(args)
     speed, memory = ({}, {}) if args.skip_speed else speed_and_memory(args)
     if nums:
-        print("\n| ranks | setup | max diff vs one process | torch AdamW spread | bf16 ranks identical | "
-              "weights at home per rank / one process (ledger) | (du) | gathered on the device / one process's |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n| ranks | setup | max diff vs one process | torch AdamW spread | bit-identical to ZeRO-2 | "
+              "bf16 ranks identical | weights at home per rank / one process (ledger) | (du) | "
+              "gathered on the device / one process's weights |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for (world, setup), r in nums.items():
             du_ratio = f"{r['du_ratio']:.3f}" if r["du_ratio"] is not None else "-"
-            print(f"| {world} | {setup} | {r['diff']:.2e} | {r['spread']:.2e} | {r['bf16_identical']} | "
-                  f"{r['home_ratio']:.3f} | {du_ratio} | {r['gathered_ratio']:.3f} |")
+            print(f"| {world} | {setup} | {r['diff']:.2e} | {r['spread']:.2e} | {r['same_as_zero2']} | "
+                  f"{r['bf16_identical']} | {r['home_ratio']:.3f} | {du_ratio} | {r['gathered_ratio']:.3f} |")
     if speed:
         print(f"\n| setup | step (median of {args.steps}) | peak RSS growth per rank | tiermem's managed peak |")
         print("|---|---|---|---|")
@@ -355,8 +370,8 @@ def main() -> int:
     for (world, setup), r in nums.items():
         ok = "within" if r["diff"] <= max(r["spread"], 1e-7) else "OUTSIDE"
         print(f"{world} ranks, {setup + ':':<17} weights at home per rank / one process {r['home_ratio']:.3f} "
-              f"(1/{world} = {1 / world:.3f}); numbers {ok} torch's spread; bf16 ranks identical: "
-              f"{r['bf16_identical']}")
+              f"(1/{world} = {1 / world:.3f}); numbers {ok} torch's spread, bit-identical to ZeRO-2's: "
+              f"{r['same_as_zero2']}; bf16 ranks identical: {r['bf16_identical']}")
     for setup, anchor in ANCHOR.items():
         if speed:
             ratio, mem = speed[setup] / speed[anchor], memory[setup]["grew"] / memory[anchor]["grew"]

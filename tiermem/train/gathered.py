@@ -79,15 +79,14 @@ class _Gathered:
 class GatheredWeights(WeightHome):
     """The PARAM home of the sharded buckets, and the source of their weights' values: NOTE
     [Weights sharded over the ranks]. ``buckets``: the whole buckets it homes; ``shards``: each
-    one's chunk home, by index; ``group``: the gathers' own, ``headers`` their headers' (NOTE
-    [Announced, then launched]); ``ahead``: the bytes of gathered
-    buckets kept or fetched ahead besides the held ones (the same on every rank)."""
+    one's chunk home, by index; ``group``: the gathers' own process group, ``headers`` their
+    headers' (NOTE [Announced, then launched]); ``ahead``: the bytes of gathered buckets kept or
+    fetched ahead besides the held ones (the same on every rank)."""
 
     def __init__(self, module: torch.nn.Module, buckets: Sequence[Bucket], shards: dict[int, ShardHome],
                  group: Group, headers: Group, device_store, dtype: torch.dtype, device: torch.device,
                  hooks: HookSet, *, ahead: int, prefetch: bool = True):
         self.store, self.dtype, self.device, self.shards = device_store, dtype, device, shards
-        self.group = group
         self.full = {b.key: b for b in buckets}
         self.chunks = {b.index: group.chunk(b.numel) for b in buckets}
         self.slots: dict[str, tuple[Bucket, Slot]] = {s.name: (b, s) for b in buckets for s in b.slots}
