@@ -124,7 +124,8 @@ def _rank_setup(rank, world, tmp, setup):
 
 def _construction_need(tm: TieredModel) -> dict:
     """The footprint of ``tm``'s layout, less what only a running step takes (tests/test_footprint.py)."""
-    buckets, _, _, homes = plan_placement(tm.module, tm.placement, AdamW(), tm.dtype, 750)
+    planned = plan_placement(tm.module, tm.placement, AdamW(), tm.dtype, 750)
+    buckets, homes = planned.buckets, planned.weight_homes
     need = fp.model_footprint(tm.module, buckets, homes, tm.dtype, world=tm.group.world,
                               shard_weights=tm.gathered is not None and any(
                                   b.param_tier == D for b in tm.gathered.full.values()))
@@ -227,7 +228,8 @@ def _rank_all(rank, world, tmp, host_budget):
 def _host_need(world: int) -> int:
     """The host bytes TieredModel's budget check asks for the wide model with its weights on the host."""
     model = TinyGPT(d=96, n_layer=4)
-    buckets, _, _, homes = plan_placement(model, WeightsOnHost(), AdamW(), torch.bfloat16, 96 * 1024 // 4)
+    planned = plan_placement(model, WeightsOnHost(), AdamW(), torch.bfloat16, 96 * 1024 // 4)
+    buckets, homes = planned.buckets, planned.weight_homes
     return fp.totals(fp.model_footprint(model, buckets, homes, torch.bfloat16, world=world))[H]
 
 

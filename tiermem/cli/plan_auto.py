@@ -15,6 +15,7 @@ from tiermem.errors import ConfigError
 from tiermem.plan.choose import Evaluator
 from tiermem.plan.sizing import Limits
 from tiermem.policies import Auto
+from tiermem.policies.auto import AutoChoice
 from tiermem.train.machine import machine_profile
 from tiermem.types import Tier
 
@@ -36,9 +37,10 @@ def choose(args: argparse.Namespace, trainable: int, frozen: int, limits: Limits
                           machine=lambda: machine_profile(device, args.nvme_path), nvme_staging=device.type == "cuda",
                           world=args.ranks, shard_weights=args.shard_weights)
     auto = evaluator.bind(Auto(forward_backward=args.forward_backward or 0.0))
-    assert isinstance(auto, Auto) and auto.choices
+    assert isinstance(auto, AutoChoice)
     return {
-        "precision": precision, "parameters_as": shape, "ranks": args.ranks, "forward_backward_s": args.forward_backward or 0.0,
+        "precision": precision, "parameters_as": shape, "ranks": args.ranks,
+        "forward_backward_s": args.forward_backward or 0.0,
         "choices": [{"placement": c.label, "verdict": c.verdict, "fits": c.evaluation.fits,
                      "predicted_s": c.evaluation.stages and dict(c.evaluation.stages),
                      "step_s": c.evaluation.seconds if c.evaluation.stages else None,

@@ -59,6 +59,7 @@ from tiermem.train.offdevice import Link, SwappedParams
 from tiermem.train.weight_shards import Gatherer, MemoryShards, NvmeShards, ShardHome
 from tiermem.transfer.collectives import Group, Pending
 from tiermem.transfer.gather_schedule import GatherSchedule
+from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
@@ -350,8 +351,8 @@ class GatheredWeights(WeightHome):
             self._gathered.clear()
 
 
-def build_gathered(module: torch.nn.Module, buckets: Sequence[Bucket], stores: dict, engine, group: Group,
-                   dtype: torch.dtype, device: torch.device, hooks: HookSet, *, prefetch: bool = True
+def build_gathered(module: torch.nn.Module, buckets: Sequence[Bucket], stores: dict, engine: CopyService,
+                   group: Group, dtype: torch.dtype, device: torch.device, hooks: HookSet, *, prefetch: bool = True
                    ) -> GatheredWeights:
     """The home of the sharded ``buckets`` (whole ones), its chunks on each bucket's PARAM tier:
     the one place that maps that tier to the class that keeps the chunks there. Collective (it

@@ -30,6 +30,7 @@ import torch
 
 from tiermem.handles import Handle, wait_all
 from tiermem.plan.buckets import STATE_PARTS, Bucket, Slot
+from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 StateViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # master, exp_avg, exp_avg_sq
@@ -99,8 +100,8 @@ class MemoryGrads(GradHome):
     """Gradients accumulated in fp32 buffers of a memory tier (device or host). When Adam runs on
     another tier, ``gather`` copies them there first (``grad_in``)."""
 
-    def __init__(self, store, buckets: Sequence[Bucket], compute_tier: dict[int, Tier], stores: dict, engine,
-                 *, buffers: int = 1):
+    def __init__(self, store, buckets: Sequence[Bucket], compute_tier: dict[int, Tier], stores: dict,
+                 engine: CopyService, *, buffers: int = 1):
         self.landing_tier = store.tier
         self.engine = engine
         n = {b.index: (b.numel,) for b in buckets}
@@ -237,7 +238,7 @@ class DeviceWeights(WeightHome):
     """Working weights in one flat device buffer per bucket; the parameters are views of it, so
     one copy uploads a whole bucket."""
 
-    def __init__(self, store, buckets: Sequence[Bucket], dtype: torch.dtype, engine):
+    def __init__(self, store, buckets: Sequence[Bucket], dtype: torch.dtype, engine: CopyService):
         self.engine = engine
         self._param = {b.index: store.allocate(f"{b.key}:param", (b.numel,), dtype, TensorClass.PARAM)
                        for b in buckets}

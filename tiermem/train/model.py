@@ -23,7 +23,7 @@ from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _AdamSpec
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.memory import deferred
-from tiermem.memory.ledger import Reclaimers
+from tiermem.memory.ledger import InFlight, Reclaimers
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
 from tiermem.plan.footprint import check_fits, largest_module_bytes, model_footprint, totals
@@ -36,6 +36,7 @@ from tiermem.train.activations import ActivationOffloader
 from tiermem.train.backward import GradCollector
 from tiermem.train.gathered import build_gathered
 from tiermem.train.hooks import HookSet
+from tiermem.train.inputs import cast_inputs
 from tiermem.train.layout import build, make_homes
 from tiermem.train.machine import machine_profile, store_limits
 from tiermem.train.optimizer import TieredOptimizer
@@ -65,8 +66,8 @@ class TieredModel:
     update in the background while the next forward and backward run, so those see weights one
     update old (the one-step delayed update of ZeRO-Offload); the update lands at the next
     ``step()``; an update that fails in the background raises from that later call, and its
-    gradients cannot be retried. Floating-point tensors passed to ``tm(...)`` are cast to the
-    working precision.
+    gradients cannot be retried. Tensors passed to ``tm(...)`` move to the device and floating-point
+    ones are cast to the working precision, inside any container (:mod:`tiermem.train.inputs`).
     ``prefetch=False`` fetches weights homed off the device only when their module runs (for
     comparison; by default they are fetched ahead along the order the first step recorded).
     ``tm.phase`` tells where in the step the model is (NOTE [Step lifecycle]).
@@ -96,7 +97,7 @@ class TieredModel:
         lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         self.policy = resolve_policy(policy)
-        self.grad_clip, self.overlap_step = grad_clip, opts.overlap
+        self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
         self.tracer = Tracer(trace_path)
         self.group = resolve_group(process_group, tracer=self.tracer if trace_path else None)  # NOTE [Data parallel]; one process: every collective a no-op
         self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=store_limits(opts.device, opts.budgets, nvme_dir),
@@ -104,14 +105,16 @@ class TieredModel:
                                     world=self.group.world, nvme_staging=opts.device.type == "cuda",
                                     shard_weights=opts.shard_weights)
         self.placement = self._evaluator.bind(self.policy)  # NOTE [Whole-model policies]: what decides each tensor
-        buckets, groups, names, param_homes = plan(module, self.placement, opts.spec, self.dtype, opts.bucket_numel,
-                                                   overlap=opts.overlap, world=self.group.world)
+        planned = plan(module, self.placement, opts.spec, self.dtype, opts.bucket_numel, overlap=opts.overlap,
+                       world=self.group.world)
+        buckets, param_homes = list(planned.buckets), dict(planned.weight_homes)
         self.group.check_same("model or configuration", fingerprint(
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
-            + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), grad_clip, opts.overlap,
+            + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), opts.grad_clip, opts.overlap,
                opts.shard_weights]))
         sharded, offloaded = split_weights(buckets, param_homes, self.group.world, opts.shard_weights)
-        reclaimers = Reclaimers()  # a cache on the device (prefetched weights) gives room back to others
+        in_flight = InFlight()  # grads copying home hold device room until they land: the device ledger waits for them
+        reclaimers = Reclaimers(in_flight.give_room)  # and a cache of prefetched weights, once built, evicts
         self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)
         with lifetime.undone_on_failure(self, module):  # a failed build leaves nothing held
             device_need = self._check_fits(buckets, param_homes, opts.shard_weights)
@@ -122,7 +125,8 @@ class TieredModel:
             self.gathered = (build_gathered(module, sharded, self.stores, self.engine, self.group, self.dtype,
                                             self.device, self.hooks, prefetch=opts.prefetch)
                              if sharded else None)  # NOTE [Weights sharded over the ranks]
-            compiled_off_device = bool(param_homes or sharded) and _is_compiled(module)  # NOTE [Parameters off the device]
+            # NOTE [Parameters off the device]: a compiled forward reading such weights runs eagerly
+            compiled_off_device = bool(param_homes or sharded) and _is_compiled(module)
             # the stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during
             # the forward on another thread, and must stay compiled; dynamo then falls back by itself
             self._force_eager = compiled_off_device and not opts.overlap
@@ -133,14 +137,13 @@ class TieredModel:
             homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
                                              weights_off_device=self.param_offload, group=self.group,
                                              gathered=self.gathered)
-            self.layout = build(module, buckets, step_buckets, groups, names, homes, self.stores, self.dtype,
-                                self.device, self.param_offload)
+            self.layout = build(module, buckets, step_buckets, planned.groups, planned.aliases, homes, self.stores,
+                                self.dtype, self.device, self.param_offload)
             self.scaler = LossScaler.of(precision == "fp16", loss_scale)
             self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger,
-                                       group=self.group)
-            reclaimers.add(self.grads.give_room)  # grads in flight free device room once they land
+                                       in_flight=in_flight, group=self.group)
             outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
-            self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=grad_clip,
+            self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=opts.grad_clip,
                                    tracer=self.tracer, overlap=opts.overlap, group=self.group,
                                    max_skipped=max_skipped_steps)
             self.optimizer = TieredOptimizer(self.layout, opts.spec, self._step)
@@ -206,7 +209,7 @@ class TieredModel:
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         with self._life.during("forward", Phase.FORWARD):
-            args, kwargs = _cast_floats((args, kwargs), self.dtype, self.device)
+            args, kwargs = cast_inputs((args, kwargs), self.dtype, self.device)
             with self.tracer.span("forward", "compute"), _eagerly(self._force_eager):
                 if torch.is_grad_enabled() and self.module.training:
                     with self.activations.track():
@@ -456,13 +459,3 @@ def _check_loss(loss: Any) -> None:
     if not loss.requires_grad:
         raise ConfigError("tiermem: backward() got a loss that does not require grad; compute it from "
                           "tm(...) outside torch.no_grad() and with the module in train mode")
-
-
-def _cast_floats(obj: Any, dtype: torch.dtype, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device=device, dtype=dtype if obj.is_floating_point() else obj.dtype)  # one copy at most
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype, device) for k, v in obj.items()}
-    return obj

@@ -24,6 +24,7 @@ from tiermem.handles import Handle
 from tiermem.plan.buckets import STATE_PARTS, Bucket, Slot
 from tiermem.train.homes import GradHome, Runs, StateHome, StateViews, WeightHome
 from tiermem.transfer.collectives import Group, Pending
+from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 
@@ -44,7 +45,7 @@ def shard_buckets(buckets: Sequence[Bucket], group: Group) -> list[Bucket]:
 
 class ShardedGrads(GradHome):
     def __init__(self, buckets: Sequence[Bucket], shards: Sequence[Bucket], inner: GradHome, group: Group,
-                 device_store, engine):
+                 device_store, engine: CopyService):
         self.landing_tier = Tier.DEVICE
         self.full = {b.index: b for b in buckets}
         self.shards = {b.index: b for b in shards}
@@ -233,7 +234,7 @@ class ShardedState(StateHome):
 class ShardedWeights(WeightHome):
     """The full working weights in ``inner`` on every rank; a step's chunk is all-gathered into them."""
 
-    def __init__(self, buckets: Sequence[Bucket], inner: WeightHome, group: Group, engine):
+    def __init__(self, buckets: Sequence[Bucket], inner: WeightHome, group: Group, engine: CopyService):
         """``group``: the weights' own (NOTE [Data parallel]): under overlap_step their gathers run
         on the engine's thread while backward reduce-scatters grads on the caller's."""
         self.full = {b.index: b for b in buckets}

@@ -24,6 +24,7 @@ from tiermem.errors import TierMemError
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket
 from tiermem.transfer.collectives import Group, Pending
+from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 
@@ -59,7 +60,8 @@ class ShardHome(ABC):
 class MemoryShards(ShardHome):
     """Chunks in buffers of a memory tier (the device's: ``shard_weights=True``; the host's)."""
 
-    def __init__(self, store, engine, buckets: Sequence[Bucket], sizes: dict[int, int], dtype: torch.dtype):
+    def __init__(self, store, engine: CopyService, buckets: Sequence[Bucket], sizes: dict[int, int],
+                 dtype: torch.dtype):
         self.tier, self.engine = store.tier, engine
         self._chunk = {b.index: store.allocate(shard_key(b), (sizes[b.index],), dtype, TensorClass.PARAM)
                        for b in buckets}
@@ -81,7 +83,7 @@ class NvmeShards(ShardHome):
 
     tier = Tier.NVME
 
-    def __init__(self, engine, sizes: dict[int, int], dtype: torch.dtype):
+    def __init__(self, engine: CopyService, sizes: dict[int, int], dtype: torch.dtype):
         self.engine, self.sizes, self.dtype = engine, sizes, dtype
 
     def write(self, b: Bucket, src: torch.Tensor, src_tier: Tier) -> list[Handle]:
