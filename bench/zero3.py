@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -94,7 +95,8 @@ def spawn(fn, world: int, *args) -> None:
 
 def _worker(rank: int, world: int, port: int, fn, args) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))  # a rank that stops makes the others fail, not hang
     try:
         fn(rank, world, *args)
     finally:
@@ -144,7 +146,8 @@ def numbers_rank(rank: int, world: int, steps: int, tmp: str) -> None:
     zero2 = TieredModel(GPT(NUMBERS_CFG), ZeroOffload(), optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
                         precision="fp32", grad_clip=CLIP, bucket_size=NUMBERS_BUCKET)
     numbers_train(zero2, [rank], steps)
-    out = {"zero2": zero2.state_dict() if rank == 0 else None}
+    zero2_state = zero2.state_dict()  # collective: every rank reads it
+    out = {"zero2": zero2_state if rank == 0 else None}
     del zero2
     for setup in SETUPS:
         nvme = os.path.join(tmp, f"{setup}-{world}")
@@ -159,7 +162,7 @@ def numbers_rank(rank: int, world: int, steps: int, tmp: str) -> None:
             ledger = tm.stores[Tier.DEVICE].ledger
             home = sum(ledger.held(shard_key(b)) for b in tm.gathered.full.values())
             gathered -= home
-        sd = tm.state_dict()
+        sd = tm.state_dict()  # collective
         os.makedirs(nvme + "-bf16", exist_ok=True)
         bf16 = tiermem_model(setup, NUMBERS_CFG, precision="bf16", bucket_size=NUMBERS_BUCKET, nvme_dir=nvme + "-bf16")
         numbers_train(bf16, [rank], steps)
@@ -348,7 +351,7 @@ def main() -> int:
     print(f"torch {torch.__version__}; speed/memory: GPT {cfg.n_layer} x {cfg.n_embd} ({n_params / 1e6:.1f}M "
           f"parameters), global batch {args.batch_size} x {args.seq_len}, 2 gloo ranks, bucket_size "
           f"{args.bucket_size}; numbers: GPT {NUMBERS_CFG.n_layer} x {NUMBERS_CFG.n_embd}, fp32, "
-          f"{args.numbers_steps} steps, buckets of 16 KiB", flush=True)
+          f"{args.numbers_steps} steps, bucket_size {NUMBERS_BUCKET}", flush=True)
     nums = {} if args.skip_numbers else numbers(args)
     speed, memory = ({}, {}) if args.skip_speed else speed_and_memory(args)
     if nums:
