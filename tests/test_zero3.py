@@ -373,3 +373,17 @@ def test_ranks_that_read_different_weights_stop_at_once_naming_them(z3):
         assert "out of step on their sharded weights" in text and "extra.weight" in text, text
         assert "read the same weights on every rank" in text
         assert seconds < 10  # not the group's timeout (30 s here)
+
+
+def test_shard_weights_alone_changes_nothing():
+    """In one process there is nothing to shard over: the same layout and numbers as without."""
+    runs = []
+    for shard in (False, True):
+        torch.manual_seed(0)
+        tm = TieredModel(TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2), precision="bf16", bucket_size=3000,
+                         shard_weights=shard)
+        _train(tm, 0, 1, range(2))
+        runs.append((tm.state_dict(), tm.gathered, tm.report().peak_bytes))
+    (plain, none, peak), (sharded, gathered, peak_sharded) = runs
+    assert gathered is none is None and peak == peak_sharded
+    assert all(torch.equal(plain[k], sharded[k]) for k in plain)
