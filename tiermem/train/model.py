@@ -306,9 +306,34 @@ class TieredModel:
         """fp32 master weights (and buffers) with the keys of ``module.state_dict()``."""
         return self._settled("state_dict()").module_state()
 
-    def save(self, path: str) -> None:
-        """Checkpoint weights, optimizer state, loss scale and step to ``path``, atomically."""
-        checkpoint.save(self._settled("save()"), path)
+    def save(self, path: str, *, format: Optional[str] = None) -> None:
+        """Checkpoint weights, optimizer state, loss scale and step to ``path``, atomically.
+        ``format="file"``: one file (under data parallelism rank 0 writes it); ``"dcp"``: a
+        torch.distributed.checkpoint directory in which every rank writes its own shards, readable
+        at any world size. Default: ``"dcp"`` under data parallelism, ``"file"`` in one process.
+        Under data parallelism a collective: every rank calls it with the same path."""
+        if format is None:
+            format = "dcp" if self.group.world > 1 else "file"
+        checkpoint.save(self._settled("save()"), path, format)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This process's shards of the fp32 master weights and Adam moments, in a form
+        ``torch.distributed.checkpoint`` saves and loads at any world size (NOTE [Sharded values
+        for DCP]): ``{"model": {name: ...}, "optim": {"state": {name: {"exp_avg": ...,
+        "exp_avg_sq": ...}}}, "tiermem": <step counts, loss scale, hyperparameters as JSON>}``.
+        Values alias the model's state where it lives in memory (state on NVMe is copied into host
+        memory). ``dcp.save(tm.sharded_state_dict(), checkpoint_id=d)`` writes a checkpoint
+        ``tm.load(d)`` reads; ``sd = tm.sharded_state_dict(); dcp.load(sd, checkpoint_id=d);
+        tm.load_sharded_state_dict(sd)`` loads one. ``tm.state_dict()`` stays the whole weights."""
+        return checkpoint.sharded_state_dict(self._settled("sharded_state_dict()"))
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take back what :meth:`sharded_state_dict` gave, filled by ``dcp.load``: the state, the
+        working weights made from it, step counts, loss scale and hyperparameters (checked whole
+        first). Under data parallelism a collective. Gradients waiting for a step are dropped."""
+        checkpoint.load_sharded(self._settled("load_sharded_state_dict()"), state_dict)
+        self.grads.drop()
+        self._life.to(Phase.IDLE)
 
     def load(self, path: str) -> None:
         """Restore a checkpoint written by :meth:`save` (any bucket size, same parameter names).
