@@ -15,11 +15,13 @@ memory, so the run shows the data flow and the report rather than a speed-up.
 Launched by torchrun (WORLD_SIZE > 1), the script joins the process group itself (gloo on the
 CPU, NCCL on GPUs: LOCAL_RANK, the rank on its node, picks the GPU) and TieredModel shards
 gradients and optimizer state over the ranks (NOTE [Data parallel] in
-tiermem/transfer/collectives.py). Each rank draws its own batches (the seed offset by its
-global rank); global rank 0 prints, losses averaged over the ranks, throughput counting every
-rank's tokens, and alone writes the trace. Each rank keeps its NVMe files under
-``--nvme-dir``/rank<global rank>; ``--save`` writes a torch.distributed.checkpoint directory
-every rank writes its shards to (it must be on storage every node sees).
+tiermem/transfer/collectives.py), and the weights too when they live off the device or with
+--shard-weights (NOTE [Weights sharded over the ranks] in tiermem/train/gathered.py). Each rank
+draws its own batches (the seed offset by its global rank); global rank 0 prints, losses
+averaged over the ranks, throughput counting every rank's tokens, and alone writes the trace.
+Each rank keeps its NVMe files under ``--nvme-dir``/rank<global rank>; ``--save`` writes a
+torch.distributed.checkpoint directory every rank writes its shards to (it must be on storage
+every node sees).
 """
 from __future__ import annotations
 
@@ -80,6 +82,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--nvme-dir", default=None, help="directory for tensors a policy places on NVMe (zero-infinity, "
                                                      "state-on-nvme; default: a temporary one under .); each rank "
                                                      "uses its rank<r> subdirectory")
+    p.add_argument("--shard-weights", action="store_true",
+                   help="under torchrun, shard the weights on the device over the ranks too (ZeRO-3); weights "
+                        "off the device (--policy zero-infinity) always are")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr")
     p.add_argument("--warmup", type=int, default=50, help="steps of linear warm-up before the cosine decay")
@@ -180,6 +185,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> int:
         trace_path=args.trace if rank == 0 else None,
         nvme_dir=nvme_dir(args),
         device=args.device,
+        shard_weights=args.shard_weights,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(tm.optimizer, lr_factor(args.warmup, args.steps, args.min_lr_ratio))
     say(f"{tm!r}; {args.steps} steps of {args.grad_accum} x {args.batch_size} x {seq_len} tokens"

@@ -86,6 +86,7 @@ BAD = [  # (make, error type, what the message must say: the keyword and what is
     (lambda: TieredModel(_lin(), device=0), ConfigError, r"device=0 is not a device; pass 'cpu', 'cuda'"),
     (lambda: TieredModel(_lin(), overlap_step="yes"), ConfigError, r"overlap_step='yes' is not a bool"),
     (lambda: TieredModel(_lin(), prefetch=1), ConfigError, r"prefetch=1 is not a bool"),
+    (lambda: TieredModel(_lin(), shard_weights="yes"), ConfigError, r"shard_weights='yes' is not a bool"),
     (lambda: TieredModel(_lin(), max_skipped_steps=0), ConfigError, r"max_skipped_steps=0 .*an int >= 1, or None"),
     (lambda: TieredModel(_lin(), loss_scale=LossScale()), ConfigError, r"loss_scale=.*only precision='fp16'"),
     (lambda: TieredModel(_lin(), nvme_dir=3), ConfigError, r"nvme_dir=3 is not a path"),

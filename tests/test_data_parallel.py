@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from models import TinyGPT, gpt_batch, gpt_loss, same_state
 from ranks import run_ranks
-from tiermem import AdamW, Budgets, ConfigError, PerClass, StoreError, TensorClass, TieredModel, Tier, TierMemError
-from tiermem.policies import ActivationOffload, ZeroInfinity, ZeroOffload
+from tiermem import AdamW, Budgets, PerClass, StoreError, TensorClass, TieredModel, Tier, TierMemError
+from tiermem.policies import ActivationOffload, ZeroOffload
 
 STEPS = 3
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in one process
@@ -42,7 +42,7 @@ def _rank_all(rank, world, tmp):
            "activations": _rank_train(rank, world, "fp32", "activation-offload", None, None),
            "overlap": _rank_train(rank, world, "fp32", "zero-offload", None, 1.0, overlap=True),
            "peak": _rank_peak(rank, world), "overflow": _rank_overflow(rank, world),
-           "refused": _rank_refused(rank, world, os.path.join(tmp, "nvme")),
+           "replica": _rank_replica(rank, world),
            "no_sync": (_rank_no_sync(rank, world, False), _rank_no_sync(rank, world, True)),
            "freezing": _rank_freezing(rank, world)}
     out["saved"] = _rank_save(rank, world, tmp, STEPS)
@@ -452,14 +452,12 @@ def test_ranks_with_different_configurations_are_caught_at_construction():
                for e in errors.values())
 
 
-def _rank_refused(rank, world, nvme_dir):
-    with pytest.raises(ConfigError, match=r"not sharded in this version: use a policy with PARAM on DEVICE \(ZeroOffload"):
-        TieredModel(TinyGPT(), ZeroInfinity(), nvme_dir=nvme_dir)
+def _rank_replica(rank, world):
     return TieredModel(nn.Linear(3, 3), process_group=False).report().world  # a full replica: no collective
 
 
-def test_what_data_parallel_refuses_says_what_to_use(dp):
-    assert [r["refused"] for r in dp[2]] == [1, 1]
+def test_process_group_false_keeps_a_full_replica(dp):
+    assert [r["replica"] for r in dp[2]] == [1, 1]
 
 
 def _rank_no_sync(rank, world, use_no_sync):

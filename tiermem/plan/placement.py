@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -60,18 +60,30 @@ def _state_info(key: StateKey, p: torch.Tensor) -> TensorInfo:
     return TensorInfo.of_state(key, p.numel() * 4, tuple(p.shape), torch.float32, owner(key.param))
 
 
-def check_data_parallel(name: str, param_tier: Tier, grad_tier: Tier, world: int) -> None:
-    """What data parallelism (NOTE [Data parallel]) does not combine with in this version."""
-    if world == 1:
-        return
-    if param_tier != Tier.DEVICE:
-        raise ConfigError(f"tiermem: the policy places the weights of {name!r} on {param_tier} under data "
-                          f"parallelism ({world} ranks); weights off the device are not sharded in this version: "
-                          f"use a policy with PARAM on DEVICE (ZeroOffload; for a larger model, a PerClass with "
-                          f"OPTIM_STATE on NVME), or process_group=False")
-    if grad_tier == Tier.NVME:
-        raise ConfigError(f"tiermem: the policy places the grads of {name!r} on NVMe under data parallelism "
-                          f"({world} ranks); each rank keeps only 1/{world} of the grads: place GRAD on HOST")
+def weights_sharded(b: Bucket, world: int, shard_weights: bool) -> bool:
+    """Whether a bucket's working weights are cut over the ranks, each keeping its chunk (NOTE
+    [Weights sharded over the ranks] in tiermem/train/gathered.py): under data parallelism, those
+    off the device always; those on the device with ``shard_weights`` (else each rank keeps them
+    whole, ZeRO-2)."""
+    return world > 1 and (b.param_tier != Tier.DEVICE or shard_weights)
+
+
+def split_weights(buckets: Sequence[Bucket], param_homes: Mapping[str, Tier], world: int, shard_weights: bool
+                  ) -> tuple[list[Bucket], dict[str, Tier]]:
+    """The buckets whose weights are sharded over the ranks (:func:`weights_sharded`), and the
+    parameters whose weights live off the device each on its own (NOTE [Parameters off the device]:
+    those of one process, and frozen ones), with their home."""
+    sharded = [b for b in buckets if weights_sharded(b, world, shard_weights)]
+    in_shards = {s.name for b in sharded for s in b.slots}
+    return sharded, {n: t for n, t in param_homes.items() if n not in in_shards}
+
+
+def writes_weights_in_place(b: Bucket, sharded: bool) -> bool:
+    """Whether Adam writes ``b``'s new working weights straight into their home (no staging
+    buffer): weights on the device updated there, or this rank's chunk of sharded weights on the
+    tier where Adam runs."""
+    ct = compute_tier(b)
+    return (ct == Tier.DEVICE and b.param_tier == Tier.DEVICE) or (sharded and b.param_tier == ct)
 
 
 def check_combination(name: str, param_tier: Tier, grad_tier: Tier, state_tiers: set[Tier], overlap: bool) -> Tier:
@@ -139,22 +151,20 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
             weight_homes[name] = param_tier
         if not p.requires_grad:
             continue
-        grad_tier, state_tier = place_training_state(policy, name, p, param_tier, overlap=overlap, world=world)
+        grad_tier, state_tier = place_training_state(policy, name, p, param_tier, overlap=overlap)
         placed.append(Placed(name, p, grad_tier, state_tier, group_of[name], param_tier))
     buckets = plan_buckets(placed, bucket_numel)
     return Plan(tuple(buckets), groups, MappingProxyType({k: tuple(v) for k, v in names.items()}),
                 MappingProxyType(weight_homes))
 
 
-def place_training_state(policy: Policy, name: str, p: torch.Tensor, param_tier: Tier, *, overlap: bool,
-                         world: int) -> tuple[Tier, Tier]:
+def place_training_state(policy: Policy, name: str, p: torch.Tensor, param_tier: Tier, *, overlap: bool
+                         ) -> tuple[Tier, Tier]:
     """The tiers of a trainable parameter's grads and optimizer state, as the (bound) policy
     places them and this version can honour them."""
     grad_tier = checked_place(policy, _info(name, TensorClass.GRAD, p, torch.float32))
     state_tiers = {checked_place(policy, _state_info(StateKey(name, part), p)) for part in STATE_PARTS}
-    state_tier = check_combination(name, param_tier, grad_tier, state_tiers, overlap)
-    check_data_parallel(name, param_tier, grad_tier, world)
-    return grad_tier, state_tier
+    return grad_tier, check_combination(name, param_tier, grad_tier, state_tiers, overlap)
 
 
 def param_groups(spec: _AdamSpec, unique: list[tuple[str, torch.nn.Parameter]]

@@ -62,6 +62,10 @@ class GradHome(ABC):
     def arrived(self, b: Bucket) -> None:
         """One more of ``b``'s parameters has its gradient copy queued."""
 
+    def complete(self, b: Bucket) -> None:
+        """``b``'s whole landing buffer has this backward's grads (a rank's reduce-scattered chunk
+        landed at once, NOTE [Data parallel]): a home that writes complete buckets elsewhere may."""
+
     def end_backward(self) -> None:
         """Backward returned: buckets still open (a parameter got no grad) are complete."""
 

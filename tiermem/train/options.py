@@ -37,6 +37,7 @@ class Options:
     bucket_numel: int
     overlap: bool
     prefetch: bool
+    shard_weights: bool = False  # under data parallelism, weights on the device sharded too (ZeRO-3); alone, nothing
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -82,7 +83,7 @@ def _check_paths(module: torch.nn.Module, nvme_dir: Any, trace_path: Any) -> Non
 
 def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_clip: Any, device: Any,
              bucket_size: Any, overlap_step: Any, nvme_dir: Any, trace_path: Any, prefetch: Any,
-             max_skipped_steps: Any, loss_scale: Any) -> Options:
+             max_skipped_steps: Any, loss_scale: Any, shard_weights: Any = False) -> Options:
     """Check every argument of ``TieredModel(...)``; the first one wrong raises a ConfigError naming it."""
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"tiermem: TieredModel needs a torch.nn.Module, got {type(module).__name__}; "
@@ -111,8 +112,9 @@ def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_
     if loss_scale is not None and (not isinstance(loss_scale, LossScale) or precision != "fp16"):
         raise ConfigError(f"tiermem: loss_scale={loss_scale!r} is invalid: it must be a tiermem.LossScale, and "
                           f"only precision='fp16' scales the loss; pass LossScale(...) with fp16, or leave it out")
-    return Options(spec, torch_optimizer, None if grad_clip is None else float(grad_clip), dtype, dev, budgets, bucket_bytes // 4,
-                   overlap, prefetch)
+    shard = _flag("shard_weights", shard_weights)
+    return Options(spec, torch_optimizer, None if grad_clip is None else float(grad_clip), dtype, dev, budgets,
+                   bucket_bytes // 4, overlap, prefetch, shard)
 
 
 def make_stores(opts: Options, nvme_dir: Optional[str], reclaimers: Reclaimers, group: Group) -> dict[Tier, Any]:

@@ -103,6 +103,7 @@ class ShardedGrads(GradHome):
         self.engine.copy_async(self.inner.landing(sb, fill), out, src_tier=Tier.DEVICE,
                                dst_tier=self.inner.landing_tier, accumulate=index in self._have,
                                kind=TensorClass.GRAD).wait()
+        self.inner.complete(sb)  # grads on NVMe: written there now, not kept on the host
         self._have.add(index)
         self.store.delete(f"{sb.key}:grad chunk")
         self.store.delete(f"{sb.key}:grad landing")

@@ -141,8 +141,7 @@ class Trainable:
                 raise ConfigError(f"tiermem: {name!r} was unfrozen; the policy now places its weights on {asked}, "
                                   f"but they live on {param_tier}, where it placed them when the model was built; a "
                                   f"policy must place a parameter's weights in one tier for the life of the model")
-            grad_tier, state_tier = place_training_state(self.policy, name, p, param_tier, overlap=self.overlap,
-                                                         world=self.group.world)
+            grad_tier, state_tier = place_training_state(self.policy, name, p, param_tier, overlap=self.overlap)
             placed.append(Placed(name, p, grad_tier, state_tier, group_of[name], param_tier))
         buckets = plan_buckets(placed, self.bucket_numel, first_index=len(self.layout.buckets),
                                first_order=sum(len(b.slots) for b in self.layout.buckets))
