@@ -80,8 +80,8 @@ TM_INLINE int threads(int64_t n, int nt) { return n >= PAR_MIN && nt > 1 ? nt : 
 // Runs f(a, b) on [0, n) split into one contiguous range per thread, each a multiple of `align`
 // elements long (but the last). The kernels' loops live in functions of their own that take
 // __restrict__ pointers: written inline in an OpenMP loop, GCC does not vectorise them.
-template <class F> void parallel(int64_t n, int nt, int64_t align, F f) {
-    int t_max = threads(n, nt);
+template <class F> void parallel(int64_t n, int nt, int64_t align, F f, int64_t min_parallel = PAR_MIN) {
+    int t_max = n >= min_parallel && nt > 1 ? nt : 1;
     if (t_max == 1) { f((int64_t)0, n); return; }
     #pragma omp parallel num_threads(t_max)
     {
@@ -92,27 +92,25 @@ template <class F> void parallel(int64_t n, int nt, int64_t align, F f) {
     }
 }
 
-template <class G> int any_nonfinite_range(const G* __restrict__ g, int64_t a, int64_t b);
-template <> int any_nonfinite_range(const float* __restrict__ g, int64_t a, int64_t b) {
-    const uint32_t* u = (const uint32_t*)g;
-    int bad = 0;
-    #pragma omp simd reduction(|:bad)
-    for (int64_t i = a; i < b; i++) bad |= (u[i] & 0x7F800000u) == 0x7F800000u;
-    return bad;
+// A value is inf or NaN when its exponent bits are all ones: the largest exponent field in the range
+// tells (a max reduction vectorises where an "or" of comparisons did not).
+template <class U> TM_INLINE int exponent_all_ones(const U* __restrict__ u, int64_t a, int64_t b, U mask) {
+    U top = 0;
+    #pragma omp simd reduction(max:top)
+    for (int64_t i = a; i < b; i++) {
+        const U e = (U)(u[i] & mask);
+        top = e > top ? e : top;
+    }
+    return top == mask;
 }
-template <> int any_nonfinite_range(const bf16* __restrict__ g, int64_t a, int64_t b) {
-    const uint16_t* u = (const uint16_t*)g;
-    int bad = 0;
-    #pragma omp simd reduction(|:bad)
-    for (int64_t i = a; i < b; i++) bad |= (u[i] & 0x7F80u) == 0x7F80u;
-    return bad;
+TM_INLINE int any_nonfinite_range(const float* g, int64_t a, int64_t b) {
+    return exponent_all_ones((const uint32_t*)g, a, b, (uint32_t)0x7F800000u);
 }
-template <> int any_nonfinite_range(const f16* __restrict__ g, int64_t a, int64_t b) {
-    const uint16_t* u = (const uint16_t*)g;
-    int bad = 0;
-    #pragma omp simd reduction(|:bad)
-    for (int64_t i = a; i < b; i++) bad |= (u[i] & 0x7C00u) == 0x7C00u;
-    return bad;
+TM_INLINE int any_nonfinite_range(const bf16* g, int64_t a, int64_t b) {
+    return exponent_all_ones((const uint16_t*)g, a, b, (uint16_t)0x7F80u);
+}
+TM_INLINE int any_nonfinite_range(const f16* g, int64_t a, int64_t b) {
+    return exponent_all_ones((const uint16_t*)g, a, b, (uint16_t)0x7C00u);
 }
 template <class G> int any_nonfinite_t(const G* g, int64_t n, int nt) {
     int bad[64] = {0};

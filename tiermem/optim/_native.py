@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from tiermem.optim import _csrc_adam8bit, _csrc_common, _csrc_elementwise
+from tiermem.optim import _csrc_adafactor, _csrc_adam8bit, _csrc_common, _csrc_elementwise
 from tiermem.optim._compiled import disabled_by_env
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,19 @@ _ADAM8BIT = {
     "tm_quantize": [_I64, _P, _I32, _P, _P, _P, _I32],
     "tm_dequantize": [_I64, _P, _P, _I32, _P, _P, _I32],
 }
+_D = ctypes.c_double
+_ADAFACTOR = {
+    "tm_adafactor_stats": [_I64, _I64, _I64, _P, _I32, _P, _I32, _P, _P, _P, _P, _I32],
+    "tm_adafactor_rms": [_I64, _I64, _I64, _P, _I32, _P, _P, _P, _P, _I32],
+    "tm_adafactor_apply": [_I64, _I64, _I64, _P, _I32, _P, _I32, _P, _I32, _P, _P, _P, _P, _P, _I32],
+    "tm_adafactor_vec_stats": [_I64, _P, _I32, _P, _I32, _P, _P, _P, _P, _I32],
+    "tm_adafactor_vec_apply": [_I64, _P, _I32, _P, _I32, _P, _I32, _P, _P, _P, _I32],
+}
+_RESTYPES = {"tm_any_nonfinite": ctypes.c_int, "tm_adafactor_rms": _D}
 LIBRARIES = {
     "elementwise": ((_csrc_common.SOURCE, _csrc_elementwise.ADAM_MATH, _csrc_elementwise.SOURCE), _ELEMENTWISE),
     "adam8bit": ((_csrc_common.SOURCE, _csrc_elementwise.ADAM_MATH, _csrc_adam8bit.SOURCE), _ADAM8BIT),
+    "adafactor": ((_csrc_common.SOURCE, _csrc_adafactor.SOURCE), _ADAFACTOR),
 }
 
 
@@ -173,7 +183,7 @@ def _load(name: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     for fn, argtypes in functions.items():
         getattr(lib, fn).argtypes = argtypes
-        getattr(lib, fn).restype = ctypes.c_int if fn == "tm_any_nonfinite" else None
+        getattr(lib, fn).restype = _RESTYPES.get(fn)
     return lib
 
 
