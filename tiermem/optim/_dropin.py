@@ -87,6 +87,14 @@ class CPUOptimizer(Optimizer):
         for group in self.param_groups:  # a torch optimizer's state_dict lacks tiermem's keys
             for key in ("bf16_stochastic_round", "sr_seed"):
                 group.setdefault(key, self.defaults[key])
+        # torch casts floating-point state to the parameter's dtype: a bf16 parameter's fp32 moments
+        # would lose their precision and 8-bit codes their type. State keeps the dtype it was saved in.
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(pid, {}).items():
+                if isinstance(value, torch.Tensor) and key != "step" and self.state[p][key].dtype != value.dtype:
+                    self.state[p][key] = value.detach().to(p.device, copy=True)
         self._index = None
 
     @torch.no_grad()

@@ -85,12 +85,12 @@ class _Library:
         self.seconds: Optional[float] = None  # build (or cache load) time in this process
 
     def get(self) -> ctypes.CDLL:
+        if disabled_by_env():
+            raise NativeUnavailable("TIERMEM_NO_COMPILE is set")
         if self._lib is not None:
             return self._lib
         with self._lock:
             if self._lib is None:
-                if disabled_by_env():
-                    raise NativeUnavailable("TIERMEM_NO_COMPILE is set")
                 if self.failure is not None:
                     raise NativeUnavailable(self.failure)
                 t0 = time.perf_counter()

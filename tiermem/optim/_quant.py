@@ -19,7 +19,8 @@ up, plus 0 and 1 exactly (so a block's largest element survives requantization u
   cells (bitsandbytes' unsigned map).
 
 Quantizing x takes y = x * (1 / absmax), its decade d (how many of the decade starts 1e-7, ..., 0.1
-and of 1.0 are <= |y|), and the code ``min(trunc(|y| * IW[d] + C[d]), HI[d])`` (plus 128 for a
+and of 1 - 2^-22 are <= |y|: the last is the code of 1, which a block's largest element must keep
+although x * (1 / x) may round below 1), and the code ``min(trunc(|y| * IW[d] + C[d]), HI[d])`` (plus 128 for a
 negative y in the signed map), where IW is the decade's cells per unit and C puts its first cell at
 its first code. A code's value is its cell's centre, ``B[d] + q * W[d]`` (W the cell width). The
 constants are fp32, each rounded once here (``CONSTANTS``, the one definition); values and codes are
@@ -39,6 +40,9 @@ BLOCK = 256
 MIN_8BIT_NUMEL = 4096
 DECADES = 7
 ZERO_SLOT, ONE_SLOT = 15, 7  # constant slots of "below 1e-7" (decade -1, read mod 16) and of 1.0
+# Where the code of 1.0 starts: a block's largest element times the fp32 reciprocal of itself is 1 to
+# within 2^-23, so it must land there to keep its exact value.
+ONE_EDGE = 1.0 - 2.0**-22
 
 
 def _cells(signed: bool, d: int) -> int:
@@ -68,7 +72,7 @@ def _tables(signed: bool) -> list[list[float]]:
 def _octaves() -> list[list[float]]:
     """Per fp32 exponent e in [103, 127] (slot e % 32): the decade at the octave's start (-1 below
     1e-7, 7 at 1.0) and the decade start inside the octave, if any (else inf)."""
-    starts = [_fp32(10.0 ** (k - DECADES)) for k in range(DECADES)] + [1.0]
+    starts = [_fp32(10.0 ** (k - DECADES)) for k in range(DECADES)] + [ONE_EDGE]
     first, edge = [0.0] * 32, [math.inf] * 32
     for e in range(103, 128):
         low, high = 2.0 ** (e - 127), 2.0 ** (e - 126)
@@ -83,10 +87,10 @@ def _fp32(x: float) -> float:
 
 
 #: the constants of both maps, in the order the native kernel reads them: per map IW, C, HI, B, W (16
-#: each, signed map first), then the decade starts (8: 1e-7 ... 0.1, 1.0) and the octave tables
-#: (first decade, edge: 32 each)
+#: each, signed map first), then the decade starts (8: 1e-7 ... 0.1, and ONE_EDGE) and the octave
+#: tables (first decade, edge: 32 each)
 CONSTANTS = torch.tensor([x for signed in (True, False) for row in _tables(signed) for x in row]
-                         + [_fp32(10.0 ** (k - DECADES)) for k in range(DECADES)] + [1.0]
+                         + [_fp32(10.0 ** (k - DECADES)) for k in range(DECADES)] + [ONE_EDGE]
                          + [x for row in _octaves() for x in row], dtype=torch.float32)
 STARTS = CONSTANTS[160:168]
 
@@ -101,7 +105,7 @@ def num_blocks(n: int) -> int:
 
 
 def decades_of(a: torch.Tensor) -> torch.Tensor:
-    """The decade of each magnitude (-1 below 1e-7, 7 at 1 or more), as a slot (mod 16)."""
+    """The decade of each magnitude (-1 below 1e-7, 7 from ONE_EDGE up), as a slot (mod 16)."""
     d = torch.full(a.shape, -1, dtype=torch.long, device=a.device)
     for start in STARTS.tolist():
         d += a >= start
