@@ -249,3 +249,53 @@ def test_aliased_buffers_are_refused():
 def test_more_caller_errors(make_bad, match):
     with pytest.raises(ConfigError, match=match):
         make_bad()
+
+
+# -- Adafactor: native passes against the reference ------------------------------------------------------
+@settings(max_examples=15, deadline=None)
+@given(shape=st.sampled_from([(1,), (4097,), (1, 1), (37, 53), (2, 3, 40, 9), (300, 129)]),
+       grad_dtype=st.sampled_from([FP32, BF16]), bf16_master=st.booleans(), wd=st.sampled_from([0.0, 0.01]),
+       seed=st.integers(0, 2**16))
+def test_adafactor_native_matches_reference(shape, grad_dtype, bf16_master, wd, seed):
+    """The sums are taken in double in another order than the reference's: the results agree to the
+    last bits of the sums, far below anything a step moves (here: bit for bit, or a relative 1e-6)."""
+    from tiermem.optim import adafactor_step
+    from tiermem.optim.adafactor import state_numels
+
+    gen = torch.Generator().manual_seed(seed)
+    master0 = torch.randn(shape, generator=gen).to(BF16 if bf16_master else FP32)
+    grads = [(torch.randn(shape, generator=gen) * 0.1).to(grad_dtype) for _ in range(3)]
+    sr = StochasticRound.for_parameter(seed, "w") if bf16_master else None
+    results = []
+    for impl in ("native", "reference"):
+        master = master0.clone()
+        state = {k: torch.zeros(v) for k, v in state_numels(shape).items()}
+        out = torch.empty(shape, dtype=BF16)
+        for i, g in enumerate(grads):
+            assert adafactor_step(master, g, step=i + 1, lr=0.05, weight_decay=wd, out=out, stochastic_round=sr,
+                                  impl=impl, **state) is False
+        results.append([master, out, *state.values()])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+    assert_bits_equal(results[0][1], results[0][0].to(BF16))
+
+
+def test_adafactor_nonfinite_grad_changes_nothing_and_wrong_state_is_refused():
+    from tiermem.optim import adafactor_step
+
+    master, row, col, grad = torch.randn(20, 30), torch.rand(20), torch.rand(30), torch.randn(20, 30)
+    grad[19, 29] = math.inf
+    before = [t.clone() for t in (master, row, col)]
+    assert adafactor_step(master, grad, step=2, row_var=row, col_var=col) is True
+    for a, b in zip((master, row, col), before):
+        assert_bits_equal(a, b)
+    with pytest.raises(ConfigError, match=r"factors a tensor of shape \(20, 30\): pass row_var and col_var"):
+        adafactor_step(master, grad, step=2, variance=torch.zeros(600))
+    with pytest.raises(ConfigError, match=r"keeps a full variance for a tensor of shape \(600,\)"):
+        adafactor_step(master.view(-1), grad.view(-1), step=2, row_var=row, col_var=col)
+    with pytest.raises(ConfigError, match=r"row_var has 21 elements but master's 600 need 20"):
+        adafactor_step(master, grad, step=2, row_var=torch.zeros(21), col_var=col)
+    with pytest.raises(ConfigError, match=r"shape=\(7, 7\) has 49 elements but master has 600"):
+        adafactor_step(master, grad, step=2, row_var=row, col_var=col, shape=(7, 7))
+    with pytest.raises(ConfigError, match=r"adafactor_step d=0.5 is invalid"):
+        adafactor_step(master, grad, step=2, row_var=row, col_var=col, d=0.5)

@@ -65,25 +65,28 @@ void stats_t(int64_t B, int64_t R, int64_t C, const M* master, const G* grad, co
     delete[] p_parts;
 }
 
-// The update of element (row r, column c): g / sqrt(max((row_var[r] * col_var[c]) / row_mean, eps1^2)).
-TM_INLINE float factored_update(float g, float row, float col, float row_mean, float eps1sq) {
-    float v = (row * col) / row_mean;
-    v = v < eps1sq ? eps1sq : v;
-    return g * (1.f / sqrtf(v));
+// The factored second moment of element (r, c) is v = rs[r] * col[c] (rs: the row's variance over its
+// batch's mean row variance), and its update g / sqrt(max(v, eps1^2)) = g * (rr[r] * rc[c]) with
+// rr = 1/sqrt(rs) and rc = 1/sqrt(col) taken once per row and column (tiermem/optim/adafactor.py).
+// ``f`` holds rs, rr (B*R each), then col, rc (B*C each).
+TM_INLINE float factored_scale(float rs, float rr, float col, float rc, float eps1sq, float inv_eps1) {
+    return rs * col < eps1sq ? inv_eps1 : rr * rc;
 }
 
 template <class G>
-double rms_rows(int64_t r0, int64_t r1, int64_t R, int64_t C, const G* __restrict__ grad, float inv, float clip,
-                const float* __restrict__ row_var, const float* __restrict__ col_var,
-                const float* __restrict__ row_mean, float eps1sq) {
+double rms_rows(int64_t r0, int64_t r1, int64_t R, int64_t C, const G* __restrict__ grad, const float* s,
+                const float* __restrict__ f, int64_t B) {
+    const float inv = s[0], clip = s[1], eps1sq = s[2], inv_eps1 = s[7];
+    const float *rs = f, *rr = f + B * R;
     double us = 0.0;
     for (int64_t r = r0; r < r1; r++) {
         const int64_t o = r * C, b = r / R;
-        const float row = row_var[r], rm = row_mean[b];
-        const float* __restrict__ col = col_var + b * C;
+        const float row_s = rs[r], row_r = rr[r];
+        const float* __restrict__ col = f + 2 * B * R + b * C;
+        const float* __restrict__ rc = col + B * C;
         #pragma omp simd reduction(+:us)
         for (int64_t c = 0; c < C; c++) {
-            const float u = factored_update(load(grad, o + c) * inv * clip, row, col[c], rm, eps1sq);
+            const float u = load(grad, o + c) * inv * clip * factored_scale(row_s, row_r, col[c], rc[c], eps1sq, inv_eps1);
             us += (double)u * (double)u;
         }
     }
@@ -91,15 +94,13 @@ double rms_rows(int64_t r0, int64_t r1, int64_t R, int64_t C, const G* __restric
 }
 
 template <class G>
-double rms_t(int64_t B, int64_t R, int64_t C, const G* grad, const float* s, const float* row_var,
-             const float* col_var, const float* row_mean, int nt) {
-    const float inv = s[0], clip = s[1], eps1sq = s[2];
+double rms_t(int64_t B, int64_t R, int64_t C, const G* grad, const float* s, const float* f, int nt) {
     const int64_t rows = B * R, rows_per = (CHUNK + C - 1) / C, parts = (rows + rows_per - 1) / rows_per;
     double* part = new double[parts]();
     parallel(parts, rows * C >= PAR_MIN ? nt : 1, 1, [&](int64_t a, int64_t b) {
         for (int64_t k = a; k < b; k++) {
             const int64_t r1 = (k + 1) * rows_per < rows ? (k + 1) * rows_per : rows;
-            part[k] = rms_rows(k * rows_per, r1, R, C, grad, inv, clip, row_var, col_var, row_mean, eps1sq);
+            part[k] = rms_rows(k * rows_per, r1, R, C, grad, s, f, B);
         }
     }, 2);
     double total = 0.0;
@@ -110,17 +111,18 @@ double rms_t(int64_t B, int64_t R, int64_t C, const G* grad, const float* s, con
 
 template <class M, class G, class O>
 void apply_rows(int64_t r0, int64_t r1, int64_t R, int64_t C, M* __restrict__ master, const G* __restrict__ grad,
-                O* __restrict__ out, const float* __restrict__ row_var, const float* __restrict__ col_var,
-                const float* __restrict__ row_mean, const float* s, const SR& sr_) {
+                O* __restrict__ out, const float* __restrict__ f, int64_t B, const float* s, const SR& sr_) {
     const SR sr = sr_;
-    const float inv = s[0], clip = s[1], eps1sq = s[2], decay_mul = s[3], neg_step = s[4];
+    const float inv = s[0], clip = s[1], eps1sq = s[2], decay_mul = s[3], neg_step = s[4], inv_eps1 = s[7];
+    const float *rs = f, *rr = f + B * R;
     for (int64_t r = r0; r < r1; r++) {
         const int64_t o = r * C, b = r / R;
-        const float row = row_var[r], rm = row_mean[b];
-        const float* __restrict__ col = col_var + b * C;
+        const float row_s = rs[r], row_r = rr[r];
+        const float* __restrict__ col = f + 2 * B * R + b * C;
+        const float* __restrict__ rc = col + B * C;
         #pragma omp simd
         for (int64_t c = 0; c < C; c++) {
-            const float u = factored_update(load(grad, o + c) * inv * clip, row, col[c], rm, eps1sq);
+            const float u = load(grad, o + c) * inv * clip * factored_scale(row_s, row_r, col[c], rc[c], eps1sq, inv_eps1);
             const float p = load(master, o + c) * decay_mul;           // param.mul_(1 - lr*wd)
             store(out, o + c, store_master(master, o + c, fmaf(u, neg_step, p), sr));  // add_(u, alpha=...)
         }
@@ -166,7 +168,41 @@ void vec_apply_range(int64_t a, int64_t b, M* __restrict__ master, const G* __re
     }
 }
 
+// The floor: Adafactor's three passes' streams (read grad and master; read grad; read grad and
+// master, write master and out) and next to no arithmetic.
+template <class M, class G, class O>
+double floor_t(int64_t n, M* master, const G* grad, O* out, const uint32_t* sr_, int nt) {
+    const SR sr(sr_);
+    const int64_t parts = (n + CHUNK - 1) / CHUNK;
+    double* part = new double[parts]();
+    for (int pass = 0; pass < 3; pass++)
+        parallel(parts, n >= PAR_MIN ? nt : 1, 1, [&](int64_t a, int64_t b) {
+            for (int64_t k = a; k < b; k++) {
+                const int64_t lo = k * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;
+                double acc = 0.0;
+                if (pass == 2) {
+                    #pragma omp simd
+                    for (int64_t i = lo; i < hi; i++) store(out, i, store_master(master, i, load(master, i) + load(grad, i), sr));
+                } else {
+                    #pragma omp simd reduction(+:acc)
+                    for (int64_t i = lo; i < hi; i++) acc += (double)load(grad, i) + (pass == 0 ? (double)load(master, i) : 0.0);
+                }
+                part[k] += acc;
+            }
+        }, 2);
+    double total = 0.0;
+    for (int64_t k = 0; k < parts; k++) total += part[k];
+    delete[] part;
+    return total;
+}
+
 }  // namespace
+
+extern "C" double tm_adafactor_floor(int64_t n, void* master, int mdt, const void* grad, int gdt, void* out, int odt,
+                                     const uint32_t* sr, int nt) {
+    TM_ALL(mdt, gdt, odt, return (floor_t<M, G, O>(n, (M*)master, (const G*)grad, (O*)out, sr, nt)))
+    return 0.0;
+}
 
 extern "C" void tm_adafactor_stats(int64_t B, int64_t R, int64_t C, const void* master, int mdt, const void* grad,
                                    int gdt, const float* s, double* row_sum, double* col_sum, double* p_sumsq,
@@ -174,18 +210,16 @@ extern "C" void tm_adafactor_stats(int64_t B, int64_t R, int64_t C, const void* 
     TM_MASTER(mdt, TM_GRAD(gdt, stats_t(B, R, C, (const M*)master, (const G*)grad, s, row_sum, col_sum, p_sumsq, nt)))
 }
 extern "C" double tm_adafactor_rms(int64_t B, int64_t R, int64_t C, const void* grad, int gdt, const float* s,
-                                   const float* row_var, const float* col_var, const float* row_mean, int nt) {
-    TM_GRAD(gdt, return rms_t(B, R, C, (const G*)grad, s, row_var, col_var, row_mean, nt))
+                                   const float* f, int nt) {
+    TM_GRAD(gdt, return rms_t(B, R, C, (const G*)grad, s, f, nt))
     return 0.0;
 }
 extern "C" void tm_adafactor_apply(int64_t B, int64_t R, int64_t C, void* master, int mdt, const void* grad, int gdt,
-                                   void* out, int odt, const float* row_var, const float* col_var,
-                                   const float* row_mean, const float* s, const uint32_t* sr_, int nt) {
+                                   void* out, int odt, const float* f, const float* s, const uint32_t* sr_, int nt) {
     const SR sr(sr_);
     const int64_t rows = B * R;
     TM_ALL(mdt, gdt, odt, parallel(rows, rows * C >= PAR_MIN ? nt : 1, 1, [&](int64_t a, int64_t b) {
-        apply_rows<M, G, O>(a, b, R, C, (M*)master, (const G*)grad, (O*)out, row_var, col_var, row_mean, s, sr); },
-        2))
+        apply_rows<M, G, O>(a, b, R, C, (M*)master, (const G*)grad, (O*)out, f, B, s, sr); }, 2))
 }
 extern "C" void tm_adafactor_vec_stats(int64_t n, const void* master, int mdt, const void* grad, int gdt, float* var,
                                        const float* s, double* u_sumsq, double* p_sumsq, int nt) {

@@ -59,12 +59,13 @@ _ADAM8BIT = {
 _D = ctypes.c_double
 _ADAFACTOR = {
     "tm_adafactor_stats": [_I64, _I64, _I64, _P, _I32, _P, _I32, _P, _P, _P, _P, _I32],
-    "tm_adafactor_rms": [_I64, _I64, _I64, _P, _I32, _P, _P, _P, _P, _I32],
-    "tm_adafactor_apply": [_I64, _I64, _I64, _P, _I32, _P, _I32, _P, _I32, _P, _P, _P, _P, _P, _I32],
+    "tm_adafactor_rms": [_I64, _I64, _I64, _P, _I32, _P, _P, _I32],
+    "tm_adafactor_apply": [_I64, _I64, _I64, _P, _I32, _P, _I32, _P, _I32, _P, _P, _P, _I32],
     "tm_adafactor_vec_stats": [_I64, _P, _I32, _P, _I32, _P, _P, _P, _P, _I32],
     "tm_adafactor_vec_apply": [_I64, _P, _I32, _P, _I32, _P, _I32, _P, _P, _P, _I32],
+    "tm_adafactor_floor": [_I64, _P, _I32, _P, _I32, _P, _I32, _P, _I32],
 }
-_RESTYPES = {"tm_any_nonfinite": ctypes.c_int, "tm_adafactor_rms": _D}
+_RESTYPES = {"tm_any_nonfinite": ctypes.c_int, "tm_adafactor_rms": _D, "tm_adafactor_floor": _D}
 LIBRARIES = {
     "elementwise": ((_csrc_common.SOURCE, _csrc_elementwise.ADAM_MATH, _csrc_elementwise.SOURCE), _ELEMENTWISE),
     "adam8bit": ((_csrc_common.SOURCE, _csrc_elementwise.ADAM_MATH, _csrc_adam8bit.SOURCE), _ADAM8BIT),
@@ -97,7 +98,9 @@ class _Library:
                 try:
                     lib = _load(self.name)
                 except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-                    self.failure = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:300]}"
+                    lines = str(e).strip().splitlines() or [""]
+                    why = next((ln for ln in lines if "error" in ln), lines[0])
+                    self.failure = f"{type(e).__name__}: {why.strip()[:300]}"
                     log.warning("tiermem: building the native optimizer kernels (%s) failed, so the slower "
                                 "reference kernels run: %s", self.name, self.failure)
                     raise NativeUnavailable(self.failure) from e
@@ -178,7 +181,7 @@ def _load(name: str) -> ctypes.CDLL:
             res = subprocess.run([compiler, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True,
                                  timeout=600)
             if res.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {res.stderr.strip()[-2000:]}")
+                raise RuntimeError(f"{compiler} failed:\n{res.stderr.strip()[-4000:]}")
             os.replace(out, path)  # atomic: another process sees the old state or the whole library
     lib = ctypes.CDLL(str(path))
     for fn, argtypes in functions.items():

@@ -5,8 +5,11 @@ For a tensor of two or more dimensions (the last two factored, leading ones a ba
 the state is ``row_var`` (one value per row: ``prod(shape[:-1])``) and ``col_var`` (one per column of
 each matrix: ``prod(shape[:-2]) * shape[-1]``); for fewer dimensions, ``variance`` (one per element).
 Differences from torch.optim.Adafactor (``foreach=False``), all at the rounding level: sums of squares
-are taken directly in double (torch squares fp32 norms), square roots are correctly rounded, and the
-weights' and the update's RMS come from those sums. ``eps1=None`` is fp32's machine epsilon, for bf16
+are taken directly in double (torch squares fp32 norms), square roots are correctly rounded, the
+weights' and the update's RMS come from those sums, and a factored update's ``1/sqrt(v)`` (v = the
+row's variance over the mean row variance, times the column's) is ``1/sqrt(row) * 1/sqrt(col)``, taken
+once per row and column rather than per element, so the passes over the tensor move bytes, not
+divide (unless v is below ``eps1**2``, where both clamp). ``eps1=None`` is fp32's machine epsilon, for bf16
 master weights too (the update is computed in fp32).
 """
 from __future__ import annotations
@@ -63,7 +66,13 @@ class AdafactorHyper(_Hyper):
     def scalars(self, neg_step: float = 0.0) -> list[float]:
         w = self.one_minus_beta2
         return [self.grad_multiplier, self.clip_coef, self.eps1_value * self.eps1_value, self.decay_mul, neg_step,
-                w, float(abs(_fp32(w)) >= 0.5)]
+                w, float(abs(_fp32(w)) >= 0.5), self.inv_eps1]
+
+    @property
+    def inv_eps1(self) -> float:
+        """The update's factor where the second moment is clamped: 1 / sqrt(fp32(eps1^2)), rounded as
+        the kernels round (a correctly rounded square root, then a division)."""
+        return _fp32(1.0 / _fp32(math.sqrt(_fp32(self.eps1_value * self.eps1_value))))
 
     def neg_step(self, p_sumsq: float, u_sumsq: float, n: int) -> float:
         """-alpha / denom: the weights' RMS sets the step size, the update's RMS clips it."""
@@ -187,14 +196,14 @@ def reference(master: torch.Tensor, state: list, grad: torch.Tensor, out: Option
         g2 = g.reshape(b, r, c).double() ** 2
         row_var.lerp_((g2.sum(-1) / c).float(), w)
         col_var.lerp_((g2.sum(-2) / r).float(), w)
-        row_mean = row_var.mean(dim=-1, keepdim=True).clamp(min=eps1)
-        v = (row_var.view(b, r, 1) * col_var.view(b, 1, c)) / row_mean.view(b, 1, 1)
+        rs, rr, col, rc = factors(row_var, col_var, b, r, c, eps1)
+        v = rs.view(b, r, 1) * col.view(b, 1, c)
+        scale = torch.where(v < _fp32(eps1 * eps1), h.inv_eps1, rr.view(b, r, 1) * rc.view(b, 1, c))
+        u = g.reshape(b, r, c) * scale
     else:
         variance = state[0].view(shape)
         variance.lerp_(g * g, w)
-        v = variance
-    v = v.clamp(min=eps1 * eps1)
-    u = g.reshape(v.shape) * torch.reciprocal(v.double().sqrt().float())  # NOTE [sqrt rounding]
+        u = g * _rsqrt(variance.clamp(min=eps1 * eps1))
     neg_step = h.neg_step(p_sumsq, float((u.double() ** 2).sum()), master.numel())
     if h.weight_decay != 0:
         p.mul_(h.decay_mul)
@@ -203,6 +212,23 @@ def reference(master: torch.Tensor, state: list, grad: torch.Tensor, out: Option
         master.copy_(_sr.round_bf16(p.reshape(-1), keys).view(master.shape))
     if out is not None:
         out.copy_(master)
+
+
+def _rsqrt(x: torch.Tensor) -> torch.Tensor:
+    """1 / sqrt(x) as the kernels round it: a correctly rounded square root (NOTE [sqrt rounding]), then
+    a division."""
+    return torch.reciprocal(x.double().sqrt().float())
+
+
+def factors(row_var: torch.Tensor, col_var: torch.Tensor, b: int, r: int, c: int,
+            eps1: float) -> tuple[torch.Tensor, ...]:
+    """rs, rr, col, rc (flat): each row's variance over its batch's mean row variance (clamped at
+    eps1, as torch clamps it) and 1/sqrt of it, each column's variance and 1/sqrt of it. The second
+    moment of (r, c) is rs[r] * col[c] and its update's factor rr[r] * rc[c] (unless clamped)."""
+    row_mean = row_var.view(b, r).mean(dim=-1, keepdim=True).clamp(min=eps1)
+    rs = (row_var.view(b, r) / row_mean).reshape(-1)
+    col = col_var.reshape(-1)
+    return rs, _rsqrt(rs), col, _rsqrt(col)
 
 
 def _native_step(lib, master: torch.Tensor, grad: torch.Tensor, out: Optional[torch.Tensor], state: list,
@@ -221,12 +247,11 @@ def _native_step(lib, master: torch.Tensor, grad: torch.Tensor, out: Optional[to
         w, eps1 = h.one_minus_beta2, h.eps1_value
         row_var.lerp_((row_sum / c).float(), w)
         col_var.lerp_((col_sum / r).float(), w)
-        row_mean = row_var.view(b, r).mean(dim=-1).clamp(min=eps1)
-        u_sumsq = lib.tm_adafactor_rms(b, r, c, P(grad), C(grad), _native.floats(s), P(row_var), P(col_var),
-                                       P(row_mean), nt)
+        f = torch.cat(factors(row_var, col_var, b, r, c, eps1))
+        u_sumsq = lib.tm_adafactor_rms(b, r, c, P(grad), C(grad), _native.floats(s), P(f), nt)
         s = h.scalars(h.neg_step(sums[0].item(), u_sumsq, n))
-        lib.tm_adafactor_apply(b, r, c, P(master), C(master), P(grad), C(grad), P(out), C(out), P(row_var),
-                               P(col_var), P(row_mean), _native.floats(s), sr, nt)
+        lib.tm_adafactor_apply(b, r, c, P(master), C(master), P(grad), C(grad), P(out), C(out), P(f),
+                               _native.floats(s), sr, nt)
     else:
         (variance,) = state
         sums = torch.zeros(2, dtype=torch.float64)  # the sums of u^2 and of p^2
