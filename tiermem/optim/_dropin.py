@@ -14,6 +14,7 @@ a resumed run rounds as the uninterrupted one.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -21,7 +22,7 @@ import torch
 from torch.optim import Optimizer
 
 from tiermem.errors import ConfigError
-from tiermem.optim import _run
+from tiermem.optim import _native, _run
 from tiermem.optim._sr import StochasticRound
 from tiermem.optim.functional import as_number
 
@@ -46,6 +47,7 @@ class CPUOptimizer(Optimizer):
         self.check_finite = check_finite
         self.last_step_skipped = False
         self._index: Optional[dict[int, int]] = None
+        self._prepared: dict[tuple, tuple[Any, ctypes.Array]] = {}
         defaults = {**defaults, "bf16_stochastic_round": bf16_stochastic_round,
                     "sr_seed": torch.initial_seed() if sr_seed is None else sr_seed}
         super().__init__(params, defaults)
@@ -113,6 +115,7 @@ class CPUOptimizer(Optimizer):
         if self.last_step_skipped:
             log.info("tiermem: %s skipped a step: a gradient holds inf or NaN", type(self).__name__)
             return loss
+        self._prepared.clear()
         for group, p in todo:
             state = self.state[p]
             if not state:
@@ -125,6 +128,20 @@ class CPUOptimizer(Optimizer):
             sr = self._rounding(p, group) if p.dtype == torch.bfloat16 else None
             self._update(p, state, group, step, sr)
         return loss
+
+    def _fused(self, kernel: _run.Kernel, p: torch.Tensor, state: tuple, group: dict[str, Any], step: int,
+               sr: Optional[StochasticRound], make: Callable[[], Any], checked: Callable[[], None],
+               *variant: Any) -> None:
+        """One update: the native kernel straight away, with the group's hyperparameters made and checked
+        once per step (``make``), when the tensors allow; else ``checked``, the functional entry."""
+        key = (id(group), step, *variant)
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            hyper = make()
+            prepared = self._prepared[key] = (hyper, _native.floats(kernel.scalars(hyper)))
+        keys = None if sr is None else sr.keys(step)
+        if not _run.fast_step(kernel, p.detach(), state, p.grad.detach(), prepared[1], keys):
+            checked()
 
     def _rounding(self, p: torch.Tensor, group: dict[str, Any]) -> StochasticRound:
         if self._index is None:

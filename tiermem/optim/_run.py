@@ -44,7 +44,8 @@ class Kernel:
     name: str  # the functional entry, as errors name it
     states: tuple[StateSpec, ...]
     reference: Callable
-    native: Callable  # (lib, n, master, state, grad, out, hyper, sr) -> None
+    native: Callable  # (lib, n, master, state, grad, out, s, sr) -> None
+    scalars: Callable = lambda hyper: []  # the native kernel's scalars of the hyperparameters
     library: str = "elementwise"
 
 
@@ -52,46 +53,66 @@ def _sr_array(keys: Optional[tuple[int, int, int]]) -> Optional[ctypes.Array]:
     return None if keys is None else (ctypes.c_uint32 * 3)(*keys)
 
 
-def _call_sgd(lib, n, master, state, grad, out, h, sr) -> None:
+# The native calls, in one signature: (lib, n, master, state, grad, out, s, sr), s the kernel's scalars as
+# a ctypes array (Kernel.scalars of the hyperparameters), sr the rounding keys or None.
+def _call_sgd(lib, n, master, state, grad, out, s, sr) -> None:
     P, C = _native.ptr, _native.code
-    lib.tm_sgd(n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), _native.floats(h.scalars()),
-               _sr_array(sr), _native.threads())
+    lib.tm_sgd(n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr),
+               _native.threads())
 
 
-def _call_adagrad(lib, n, master, state, grad, out, h, sr) -> None:
+def _call_adagrad(lib, n, master, state, grad, out, s, sr) -> None:
     P, C = _native.ptr, _native.code
-    lib.tm_adagrad(n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out),
-                   _native.floats(h.scalars()), _sr_array(sr), _native.threads())
+    lib.tm_adagrad(n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr),
+                   _native.threads())
 
 
-def _call_lion(lib, n, master, state, grad, out, h, sr) -> None:
+def _call_lion(lib, n, master, state, grad, out, s, sr) -> None:
     P, C = _native.ptr, _native.code
-    lib.tm_lion(n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), _native.floats(h.scalars()),
-                _sr_array(sr), _native.threads())
+    lib.tm_lion(n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr),
+                _native.threads())
 
 
-def _call_adam(lib, n, master, state, grad, out, h, sr) -> None:
+def _call_adam(lib, n, master, state, grad, out, s, sr) -> None:
     P, C = _native.ptr, _native.code
-    lib.tm_adam(n, P(master), C(master), P(state[0]), P(state[1]), P(grad), C(grad), P(out), C(out),
-                _native.floats(adam_scalars(h)), _sr_array(sr), _native.threads())
+    lib.tm_adam(n, P(master), C(master), P(state[0]), P(state[1]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr),
+                _native.threads())
 
 
-def _call_adam8bit(lib, n, master, state, grad, out, h, sr) -> None:
+def _call_adam8bit(lib, n, master, state, grad, out, s, sr) -> None:
     P, C = _native.ptr, _native.code
-    lib.tm_adam8bit(n, P(master), C(master), *(P(t) for t in state), P(grad), C(grad), P(out), C(out),
-                    _native.floats(adam_scalars(h)), P(_quant.CONSTANTS), _sr_array(sr), _native.threads())
+    lib.tm_adam8bit(n, P(master), C(master), *(P(t) for t in state), P(grad), C(grad), P(out), C(out), s,
+                    P(_quant.CONSTANTS), _sr_array(sr), _native.threads())
+
+
+def _scalars(hyper) -> list[float]:
+    return hyper.scalars()
 
 
 _BLOCKS = _quant.num_blocks
-SGD = Kernel("sgd_step", (StateSpec("momentum_buffer", torch.float32),), _reference.sgd, _call_sgd)
-ADAGRAD = Kernel("adagrad_step", (StateSpec("state_sum", torch.float32),), _reference.adagrad, _call_adagrad)
-LION = Kernel("lion_step", (StateSpec("exp_avg", torch.float32),), _reference.lion, _call_lion)
+SGD = Kernel("sgd_step", (StateSpec("momentum_buffer", torch.float32),), _reference.sgd, _call_sgd, _scalars)
+ADAGRAD = Kernel("adagrad_step", (StateSpec("state_sum", torch.float32),), _reference.adagrad, _call_adagrad, _scalars)
+LION = Kernel("lion_step", (StateSpec("exp_avg", torch.float32),), _reference.lion, _call_lion, _scalars)
 ADAM = Kernel("adam_step", (StateSpec("exp_avg", torch.float32), StateSpec("exp_avg_sq", torch.float32)),
-              _reference.adam, _call_adam)
+              _reference.adam, _call_adam, adam_scalars)
 ADAM8BIT = Kernel("adam8bit_step", (StateSpec("exp_avg", torch.uint8), StateSpec("exp_avg_absmax", torch.float32, _BLOCKS),
                                     StateSpec("exp_avg_sq", torch.uint8),
                                     StateSpec("exp_avg_sq_absmax", torch.float32, _BLOCKS)),
-                  _reference.adam8bit, _call_adam8bit, library="adam8bit")
+                  _reference.adam8bit, _call_adam8bit, adam_scalars, library="adam8bit")
+
+
+def fast_step(kernel: Kernel, master: torch.Tensor, state: Sequence[Optional[torch.Tensor]], grad: torch.Tensor,
+              s: ctypes.Array, keys: Optional[tuple[int, int, int]]) -> bool:
+    """The drop-ins' path: their parameters and state were checked when made, so only what a step can
+    change is (the gradient; contiguity): the native kernel, with the scalars ``s`` already made,
+    when it can run; False, with nothing done, when the checked :func:`run` must."""
+    n = master.numel()
+    if not (grad.dtype in GRAD_DTYPES and grad.device.type == "cpu" and grad.numel() == n and grad.is_contiguous()
+            and master.is_contiguous() and n and all(t is None or t.is_contiguous() for t in state)
+            and _native.available(kernel.library)):
+        return False
+    kernel.native(_native.library(kernel.library), n, master, state, grad, None, s, keys)
+    return True
 
 
 def run(kernel: Kernel, master: torch.Tensor, state: Sequence[Optional[torch.Tensor]], grad: torch.Tensor,
@@ -126,7 +147,7 @@ def run(kernel: Kernel, master: torch.Tensor, state: Sequence[Optional[torch.Ten
         except _native.NativeUnavailable as e:
             raise TierMemError(f"tiermem: the native CPU optimizer kernels are unavailable here ({e}); install a "
                                f"C++ compiler (g++ 12 or newer), or pass impl=None") from e
-        kernel.native(lib, master.numel(), master, state, grad, out, hyper, keys)
+        kernel.native(lib, master.numel(), master, state, grad, out, _native.floats(kernel.scalars(hyper)), keys)
     else:
         if impl is None and master.device.type == "cpu" and flat:
             _say_once(kernel.library)

@@ -21,7 +21,7 @@ import torch
 
 from tiermem.config import check_adam_hyper
 from tiermem.errors import checked_arguments
-from tiermem.optim import _native, _run
+from tiermem.optim import _run
 from tiermem.optim._dropin import CPUOptimizer, Params, number
 from tiermem.optim._hyper import AdamHyper
 from tiermem.optim._sr import StochasticRound
@@ -67,21 +67,19 @@ class CPUAdam(CPUOptimizer):
 
     def _update(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int,
                 sr: Optional[StochasticRound]) -> None:
-        adam_update(p, state, group, step, sr)
+        adam_update(self, p, state, group, step, sr)
 
 
-def adam_update(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int,
+def adam_update(opt: CPUOptimizer, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int,
                 sr: Optional[StochasticRound]) -> None:
-    """One Adam update of a drop-in's parameter with fp32 moments (NOTE [Drop-in speed])."""
+    """One Adam update of a drop-in's parameter with fp32 moments (NOTE [Drop-in speed]): the native
+    kernel, else ``adam_step`` (the compiled kernel, or bf16 weights' reference)."""
     beta1, beta2 = group["betas"]
-    hyper = AdamHyper(step=step, lr=as_number(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                      weight_decay=group["weight_decay"], adamw=group["adamw"])
-    if sr is not None or _native.available("elementwise"):
-        _run.run(_run.ADAM, p, (state["exp_avg"], state["exp_avg_sq"]), p.grad, None, hyper, stochastic_round=sr,
-                 step=step, check_finite=False, impl=None)
-        return
-    adam_step(p, state["exp_avg"], state["exp_avg_sq"], p.grad, step=step, lr=hyper.lr, beta1=beta1, beta2=beta2,
-              eps=hyper.eps, weight_decay=hyper.weight_decay, adamw=hyper.adamw, check_finite=False)
+    kw = dict(step=step, lr=as_number(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+              weight_decay=group["weight_decay"], adamw=group["adamw"])
+    opt._fused(_run.ADAM, p, (state["exp_avg"], state["exp_avg_sq"]), group, step, sr, lambda: AdamHyper(**kw),
+               lambda: adam_step(p, state["exp_avg"], state["exp_avg_sq"], p.grad, **kw, check_finite=False,
+                                 stochastic_round=sr))
 
 
 def check_adam_group(where: str, group: dict[str, Any]) -> None:

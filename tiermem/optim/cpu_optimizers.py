@@ -15,9 +15,10 @@ from typing import Any, Optional, Union
 import torch
 
 from tiermem.errors import ConfigError, checked_arguments
-from tiermem.optim import _quant
+from tiermem.optim import _quant, _run
 from tiermem.optim._dropin import CPUOptimizer, Params, number
-from tiermem.optim._hypers import check_hyper
+from tiermem.optim._hyper import AdamHyper
+from tiermem.optim._hypers import AdagradHyper, LionHyper, SGDHyper, check_hyper
 from tiermem.optim._sr import StochasticRound
 from tiermem.optim.adafactor import adafactor_step, check_adafactor
 from tiermem.optim.cpu_adam import adam_update, check_adam_group
@@ -54,10 +55,11 @@ class CPUSGD(CPUOptimizer):
             buf = state["momentum_buffer"] = torch.empty_like(p, dtype=torch.float32,
                                                               memory_format=torch.preserve_format)
             new = True
-        sgd_step(p, buf if g["momentum"] != 0 else None, p.grad, step=step, lr=number(g["lr"]),
-                 momentum=g["momentum"], dampening=g["dampening"], nesterov=g["nesterov"],
-                 weight_decay=g["weight_decay"], maximize=g["maximize"], stochastic_round=sr, check_finite=False,
-                 init_buffer=new)
+        kw = dict(step=step, lr=number(g["lr"]), momentum=g["momentum"], dampening=g["dampening"],
+                  nesterov=g["nesterov"], weight_decay=g["weight_decay"], maximize=g["maximize"], init_buffer=new)
+        buf = buf if g["momentum"] != 0 else None
+        self._fused(_run.SGD, p, (buf,), g, step, sr, lambda: SGDHyper(**kw),
+                    lambda: sgd_step(p, buf, p.grad, **kw, stochastic_round=sr, check_finite=False), new)
 
 
 @checked_arguments
@@ -82,9 +84,10 @@ class CPUAdagrad(CPUOptimizer):
 
     def _update(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int,
                 sr: Optional[StochasticRound]) -> None:
-        adagrad_step(p, state["sum"], p.grad, step=step, lr=number(g["lr"]), lr_decay=g["lr_decay"],
-                     weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"], stochastic_round=sr,
-                     check_finite=False)
+        kw = dict(step=step, lr=number(g["lr"]), lr_decay=g["lr_decay"], weight_decay=g["weight_decay"], eps=g["eps"],
+                  maximize=g["maximize"])
+        self._fused(_run.ADAGRAD, p, (state["sum"],), g, step, sr, lambda: AdagradHyper(**kw),
+                    lambda: adagrad_step(p, state["sum"], p.grad, **kw, stochastic_round=sr, check_finite=False))
 
 
 @checked_arguments
@@ -110,8 +113,11 @@ class CPULion(CPUOptimizer):
 
     def _update(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int,
                 sr: Optional[StochasticRound]) -> None:
-        lion_step(p, state["exp_avg"], p.grad, step=step, lr=number(g["lr"]), beta1=g["betas"][0],
-                  beta2=g["betas"][1], weight_decay=g["weight_decay"], stochastic_round=sr, check_finite=False)
+        lr, (b1, b2), wd = number(g["lr"]), g["betas"], g["weight_decay"]
+        self._fused(_run.LION, p, (state["exp_avg"],), g, step, sr,
+                    lambda: LionHyper(step=step, lr=lr, lion_beta1=b1, lion_beta2=b2, weight_decay=wd),
+                    lambda: lion_step(p, state["exp_avg"], p.grad, step=step, lr=lr, beta1=b1, beta2=b2,
+                                      weight_decay=wd, stochastic_round=sr, check_finite=False))
 
 
 @checked_arguments
@@ -183,10 +189,12 @@ class CPUAdam8bit(CPUOptimizer):
     def _update(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int,
                 sr: Optional[StochasticRound]) -> None:
         if "exp_avg_absmax" not in state:
-            adam_update(p, state, g, step, sr)
+            adam_update(self, p, state, g, step, sr)
             return
         beta1, beta2 = g["betas"]
-        adam8bit_step(p.view(-1) if p.is_contiguous() else p, state["exp_avg"], state["exp_avg_absmax"],
-                      state["exp_avg_sq"], state["exp_avg_sq_absmax"], p.grad.reshape(-1), step=step,
-                      lr=number(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"],
-                      adamw=g["adamw"], stochastic_round=sr, check_finite=False)
+        kw = dict(step=step, lr=number(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"],
+                  adamw=g["adamw"])
+        quantized = (state["exp_avg"], state["exp_avg_absmax"], state["exp_avg_sq"], state["exp_avg_sq_absmax"])
+        self._fused(_run.ADAM8BIT, p, quantized, g, step, sr, lambda: AdamHyper(**kw),
+                    lambda: adam8bit_step(p.view(-1) if p.is_contiguous() else p, *quantized, p.grad.reshape(-1), **kw,
+                                          stochastic_round=sr, check_finite=False))
