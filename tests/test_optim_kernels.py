@@ -217,7 +217,7 @@ def _sgd(**over):
     (dict(grad=torch.zeros(8, dtype=torch.float64)), r"grad has dtype torch.float64"),
     (dict(grad=torch.zeros(9)), r"grad has shape \(9,\) but master has \(8,\)"),
     (dict(out=torch.zeros(8, dtype=torch.int32)), r"out has dtype torch.int32"),
-    (dict(master=torch.zeros(8, dtype=BF16)), r"master is bf16, which needs stochastic rounding"),
+    (dict(master=torch.zeros(8, dtype=BF16)), r"sgd_step master has dtype torch.bfloat16, which needs stochastic rounding"),
     (dict(stochastic_round=StochasticRound(1)), r"stochastic_round applies to bf16 master weights"),
     (dict(stochastic_round=3), r"stochastic_round=3 is invalid"),
     (dict(master=torch.zeros(8, dtype=FP16)), r"master has dtype torch.float16"),
@@ -299,3 +299,29 @@ def test_adafactor_nonfinite_grad_changes_nothing_and_wrong_state_is_refused():
         adafactor_step(master, grad, step=2, row_var=row, col_var=col, shape=(7, 7))
     with pytest.raises(ConfigError, match=r"adafactor_step d=0.5 is invalid"):
         adafactor_step(master, grad, step=2, row_var=row, col_var=col, d=0.5)
+
+
+# (grad dtype, out dtype, adamw, beta1): variants tests/test_optim.py compiles anyway
+@pytest.mark.parametrize("grad_dtype, out_dtype, adamw, beta1", [(BF16, BF16, True, 0.9), (FP32, None, True, 0.95),
+                                                                 (FP16, FP16, False, 0.8), (BF16, FP32, False, 0.3)])
+def test_native_fp32_adam_is_the_compiled_kernel(grad_dtype, out_dtype, adamw, beta1):
+    """CPUAdam steps fp32 weights with the native kernel (NOTE [Drop-in speed]); adam_step with the
+    compiled one. Both are the reference bit for bit, so each other."""
+    from tiermem.optim._hyper import AdamHyper
+
+    master0, state0 = make("adam", 40_003, 9)
+    grads = [(torch.randn(40_003) * 0.1).to(grad_dtype) for _ in range(3)]
+    hp = dict(lr=1e-3, beta1=beta1, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=adamw)
+    results = []
+    for native in (False, True):
+        master, state = master0.clone(), [t.clone() for t in state0]
+        out = torch.full(master.shape, 7.0, dtype=out_dtype) if out_dtype is not None else None
+        for i, g in enumerate(grads):
+            if native:
+                _run.run(_run.ADAM, master, state, g, out, AdamHyper(step=i + 1, **hp), stochastic_round=None,
+                         step=i + 1, check_finite=True, impl="native")
+            else:
+                adam_step(master, *state, g, step=i + 1, out=out, impl="compiled", **hp)
+        results.append([master, *state] + ([out] if out is not None else []))
+    for got, want in zip(*results):
+        assert_bits_equal(got, want)
