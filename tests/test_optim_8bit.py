@@ -79,7 +79,7 @@ def test_quantization_error_is_within_half_a_cell(kind, signed):
     blocks = torch.nn.functional.pad(x, (0, 256 - x.numel() % 256)).view(-1, 256)
     assert torch.equal(absmax, blocks.abs().amax(1))
     worst = (error / absmax.repeat_interleave(256)[:x.numel()].clamp(min=1e-30)).max().item()
-    assert worst <= (0.9 / 63 / 2 if signed else 0.9 / 128 / 2) * (1 + 1e-5)  # the top decade's half cell
+    assert worst <= (0.9 / 63 / 2 if signed else 0.9 / 128 / 2) + 2.0**-21  # the top decade's half cell
 
 
 def test_the_largest_element_of_a_block_survives_exactly():
@@ -130,8 +130,9 @@ def test_native_kernel_is_bit_identical_to_reference(n, grad_dtype, bf16_master,
 
 
 def test_one_step_against_fp32_adam():
-    """From the same (dequantized) moments, one 8-bit step moves the weights exactly as fp32 Adam, and
-    its new moments are fp32 Adam's within the quantization error bound."""
+    """From the same (dequantized) moments, one 8-bit step moves the weights as fp32 Adam does (to the
+    rounding of one multiplication that replaces a division, see adam_math8), and its new moments are
+    fp32 Adam's within the quantization error bound."""
     n = 100_000
     state = _state(n, 1)
     m0, v0 = dequantize_blockwise(*state[:2], True), dequantize_blockwise(*state[2:], False)
@@ -139,7 +140,9 @@ def test_one_step_against_fp32_adam():
     master, fp32 = master0.clone(), [master0.clone(), m0.clone(), v0.clone()]
     adam8bit_step(master, *state, grad, step=5, **HP)
     adam_step(*fp32, grad, step=5, **HP, out=torch.empty(n, dtype=BF16))  # a variant test_optim.py compiles
-    assert_bits_equal(master, fp32[0])
+    update = (fp32[0] - master0).abs()  # the denominator differs by an ulp at most: the update by 2**-22 of itself
+    assert ((master - fp32[0]).abs() <= 2.0**-22 * update + torch.finfo(torch.float32).eps * master0.abs()).all()
+    assert (master != fp32[0]).float().mean() < 0.05
     for (codes, absmax), want, signed in ((state[:2], fp32[1], True), (state[2:], fp32[2], False)):
         error = (dequantize_blockwise(codes, absmax, signed) - want).abs()
         assert (error <= _error_bound(want, absmax, signed)).all()

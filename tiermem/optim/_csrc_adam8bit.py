@@ -1,8 +1,9 @@
 """C++ of the 8-bit Adam kernel: block-wise quantized moments dequantized, updated and requantized in
 one pass (NOTE [8-bit state] in tiermem/optim/_quant.py has the layout and the maps).
 
-A block of 256 elements is dequantized into two L1-resident fp32 arrays, updated with Adam's
-arithmetic (the fp32 kernel's, op for op), its new absmax taken, and quantized back; master, grad
+A block of 256 elements is dequantized into two L1-resident fp32 arrays (byte-permute table lookups
+where the CPU has AVX-512 VBMI), updated with Adam's
+arithmetic (the fp32 kernel's, but for one division: _csrc_elementwise.adam_math8), its new absmax taken, and quantized back; master, grad
 and ``out`` stream through once, so the memory traffic is 16 bytes per parameter (bf16 grad and out)
 against the fp32 kernel's 28. The maps are computed, not looked up (table gathers cost more than the
 whole update here): each code is a decade and a cell in it, and the decade's constants come from one
@@ -35,16 +36,11 @@ TM_INLINE uint8_t quant1(float y, const Map& m, const float* k, bool is_signed) 
     const int q = (int)(a * m.iw[d] + m.c[d]);
     return (uint8_t)(is_signed && std::signbit(y) ? q + 128 : q);
 }
-// The value of a code in a block with this absmax: B[d] * absmax + q * (W[d] * absmax).
-TM_INLINE float dequant1(uint32_t code, const Map& m, float absmax, bool is_signed) {
-    if (!is_signed) {
-        const int d = (30 - __builtin_clz(code + 1)) & 15;  // 0 -> slot 15 (value 0), 255 -> slot 7 (1.0)
-        return m.b[d] * absmax + (float)code * (m.w[d] * absmax);
-    }
-    const uint32_t q = code & 127u;
-    const int d = q ? 31 - __builtin_clz(q) : 15;
-    const float v = q == 127u ? absmax : m.b[d] * absmax + (float)q * (m.w[d] * absmax);
-    return code & 128u ? -v : v;
+// The value of a code in a block with this absmax: the map's value (CONSTANTS from float 256: the signed
+// map, then the unsigned one) times absmax.
+TM_INLINE const float* map_values(const float* k, bool is_signed) { return k + (is_signed ? 256 : 512); }
+TM_INLINE float dequant1(uint32_t code, const float* k, float absmax, bool is_signed) {
+    return map_values(k, is_signed)[code] * absmax;
 }
 
 #ifdef TM_AVX512
@@ -76,32 +72,73 @@ TM_INLINE __m512i quant16(__m512 y, const MapVec& m, const Octaves& o, bool is_s
     if (is_signed) q = _mm512_or_si512(q, _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(INT32_MIN)), 24));
     return q;
 }
-TM_INLINE __m512 dequant16(const uint8_t* codes, __m512 b, __m512 w, __m512 absmax, bool is_signed) {
+// 16 values (at absmax 1) computed from their codes: B[d] + q * W[d], as the map was made.
+TM_INLINE __m512 dequant16(const uint8_t* codes, const MapVec& m, bool is_signed) {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)codes));
     if (!is_signed) {
         const __m512i d = _mm512_sub_epi32(_mm512_set1_epi32(30), _mm512_lzcnt_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(1))));
-        return _mm512_add_ps(_mm512_permutexvar_ps(d, b), _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_permutexvar_ps(d, w)));
+        return _mm512_add_ps(_mm512_permutexvar_ps(d, m.b), _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_permutexvar_ps(d, m.w)));
     }
     const __m512i q = _mm512_and_si512(c, _mm512_set1_epi32(127));
     const __m512i d = _mm512_sub_epi32(_mm512_set1_epi32(31), _mm512_lzcnt_epi32(q));  // q = 0 -> slot 15
-    __m512 v = _mm512_add_ps(_mm512_permutexvar_ps(d, b), _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_permutexvar_ps(d, w)));
-    v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(q, _mm512_set1_epi32(127)), v, absmax);
+    __m512 v = _mm512_add_ps(_mm512_permutexvar_ps(d, m.b), _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_permutexvar_ps(d, m.w)));
+    v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(q, _mm512_set1_epi32(127)), v, _mm512_set1_ps(1.f));
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v),
                                                 _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(128)), 24)));
+}
+#endif
+
+#if defined(TM_AVX512) && defined(__AVX512VBMI__)
+// 64 values looked up at once: each fp32 value's 4 bytes come from 4 byte planes of the map
+// (CONSTANTS from float 768: signed planes, then unsigned), each a 256-entry byte table held in 4
+// registers and read with byte permutes; the codes are first shuffled so that interleaving the planes'
+// bytes into words and dwords (which works within 128-bit lanes) lands every value at its place.
+struct Planes {
+    __m512i t[4][4];  // plane b, codes 64q .. 64q + 63
+    TM_INLINE Planes(const float* k, bool is_signed) {
+        const uint8_t* p = (const uint8_t*)(k + (is_signed ? 768 : 1024));
+        for (int b = 0; b < 4; b++)
+            for (int q = 0; q < 4; q++) t[b][q] = _mm512_loadu_si512(p + 256 * b + 64 * q);
+    }
+};
+TM_INLINE __m512i lane_order() {  // position 16L + 4k + j takes code 16k + 4L + j
+    alignas(64) uint8_t idx[64];
+    for (int l = 0; l < 4; l++)
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < 4; j++) idx[16 * l + 4 * k + j] = (uint8_t)(16 * k + 4 * l + j);
+    return _mm512_load_si512(idx);
+}
+TM_INLINE void dequant64(const uint8_t* codes, const Planes& pl, __m512i order, __m512 scale, float* out) {
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes));
+    const __mmask64 high = _mm512_movepi8_mask(c);  // codes 128..255
+    __m512i plane[4];
+    for (int b = 0; b < 4; b++)
+        plane[b] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(pl.t[b][0], c, pl.t[b][1]),
+                                          _mm512_permutex2var_epi8(pl.t[b][2], c, pl.t[b][3]));
+    const __m512i w_lo = _mm512_unpacklo_epi8(plane[0], plane[1]), w_hi = _mm512_unpackhi_epi8(plane[0], plane[1]);
+    const __m512i x_lo = _mm512_unpacklo_epi8(plane[2], plane[3]), x_hi = _mm512_unpackhi_epi8(plane[2], plane[3]);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w_lo, x_lo)), scale));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w_lo, x_lo)), scale));
+    _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w_hi, x_hi)), scale));
+    _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w_hi, x_hi)), scale));
 }
 #endif
 
 // codes -> values, for len (<= QBLOCK) elements of a block.
 TM_INLINE void dequant_block(const uint8_t* codes, float absmax, bool is_signed, float* out, int64_t len,
                              const float* k) {
-    const Map m = map_of(k, is_signed);
     int64_t i = 0;
-#ifdef TM_AVX512
-    const __m512 scale = _mm512_set1_ps(absmax);
-    const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(m.b), scale), w = _mm512_mul_ps(_mm512_loadu_ps(m.w), scale);
-    for (; i + 16 <= len; i += 16) _mm512_storeu_ps(out + i, dequant16(codes + i, b, w, scale, is_signed));
+#if defined(TM_AVX512) && defined(__AVX512VBMI__)
+    const Planes pl(k, is_signed);
+    const __m512i order = lane_order();
+    for (; i + 64 <= len; i += 64) dequant64(codes + i, pl, order, _mm512_set1_ps(absmax), out + i);
 #endif
-    for (; i < len; i++) out[i] = dequant1(codes[i], m, absmax, is_signed);
+#ifdef TM_AVX512
+    const MapVec mv(map_of(k, is_signed));
+    for (; i + 16 <= len; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(dequant16(codes + i, mv, is_signed), _mm512_set1_ps(absmax)));
+#endif
+    for (; i < len; i++) out[i] = dequant1(codes[i], k, absmax, is_signed);
 }
 // x * inv -> codes
 TM_INLINE void quant_block(const float* x, float inv, bool is_signed, uint8_t* codes, int64_t len, const float* k) {
@@ -127,7 +164,7 @@ void adam8_update(int64_t o, int64_t len, M* __restrict__ master, const G* __res
     float mm = 0.f, vm = 0.f;
     #pragma omp simd reduction(max:mm, vm)
     for (int64_t i = 0; i < len; i++) {
-        AdamOut r = adam_math(c, load(master, o + i), load(grad, o + i), m[i], v[i]);
+        AdamOut r = adam_math8(c, load(master, o + i), load(grad, o + i), m[i], v[i]);
         m[i] = r.m;
         v[i] = r.v;
         store(out, o + i, store_master(master, o + i, r.p, sr));

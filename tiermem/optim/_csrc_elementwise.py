@@ -14,13 +14,13 @@ namespace {
 
 // Adam's arithmetic, shared with the 8-bit kernel: torch.optim.adam._single_tensor_adam op for op
 // (tiermem/optim/_kernels.py _single_tensor_adam), on the scalars of AdamHyper.kernel_scalars() plus
-// two flags: the new weight and moments.
+// two flags (and, for the 8-bit kernel, 1 / bias_correction2_sqrt): the new weight and moments.
 struct AdamScalars {
-    float inv, clip, decay_mul, l2, lerp, b2, omb2, bc2, eps, neg_step;
+    float inv, clip, decay_mul, l2, lerp, b2, omb2, bc2, eps, neg_step, inv_bc2;
     bool use_l2, from_grad;
     explicit AdamScalars(const float* s)
         : inv(s[0]), clip(s[1]), decay_mul(s[3]), l2(s[4]), lerp(s[5]), b2(s[6]), omb2(s[7]), bc2(s[8]),
-          eps(s[9]), neg_step(s[10]), use_l2(s[11] != 0.f), from_grad(s[12] != 0.f) {}
+          eps(s[9]), neg_step(s[10]), inv_bc2(s[13]), use_l2(s[11] != 0.f), from_grad(s[12] != 0.f) {}
 };
 struct AdamOut { float p, m, v; };
 TM_INLINE AdamOut adam_math(const AdamScalars& c, float p, float g, float m, float v) {
@@ -31,6 +31,18 @@ TM_INLINE AdamOut adam_math(const AdamScalars& c, float p, float g, float m, flo
     v = fmaf(c.omb2 * g, g, v * c.b2);                         // exp_avg_sq.mul_(b2).addcmul_(g, g, 1-b2)
     float denom = sqrtf(v) / c.bc2 + c.eps;
     return {p + (c.neg_step * m) / denom, m, v};               // param.addcdiv_(exp_avg, denom, -step_size)
+}
+// The 8-bit kernel's: the same but for one division fewer, sqrt(v) * (1 / bias_correction2_sqrt) (a
+// division costs as much as the rest of the update on some CPUs; the moments' quantization error is
+// ~10^5 times this rounding difference).
+TM_INLINE AdamOut adam_math8(const AdamScalars& c, float p, float g, float m, float v) {
+    g = g * c.inv * c.clip;
+    if (c.use_l2) g = fmaf(p, c.l2, g);
+    p = p * c.decay_mul;
+    m = fmaf(c.lerp, g - m, c.from_grad ? g : m);
+    v = fmaf(c.omb2 * g, g, v * c.b2);
+    float denom = sqrtf(v) * c.inv_bc2 + c.eps;
+    return {p + (c.neg_step * m) / denom, m, v};
 }
 
 }  // namespace

@@ -145,5 +145,7 @@ class LionHyper(_Hyper):
 
 
 def adam_scalars(hyper: Any) -> list[float]:
-    """The native Adam kernel's scalars: AdamHyper.kernel_scalars() and its two flags."""
-    return hyper.kernel_scalars().tolist() + [float(hyper.l2), float(hyper.lerp_from_grad)]
+    """The native Adam kernel's scalars: AdamHyper.kernel_scalars(), its two flags, and (read by the
+    8-bit kernel) 1 / bias_correction2_sqrt."""
+    return hyper.kernel_scalars().tolist() + [float(hyper.l2), float(hyper.lerp_from_grad),
+                                              1.0 / hyper.bias_correction2_sqrt]

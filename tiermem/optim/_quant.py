@@ -22,9 +22,9 @@ Quantizing x takes y = x * (1 / absmax), its decade d (how many of the decade st
 and of 1 - 2^-22 are <= |y|: the last is the code of 1, which a block's largest element must keep
 although x * (1 / x) may round below 1), and the code ``min(trunc(|y| * IW[d] + C[d]), HI[d])`` (plus 128 for a
 negative y in the signed map), where IW is the decade's cells per unit and C puts its first cell at
-its first code. A code's value is its cell's centre, ``B[d] + q * W[d]`` (W the cell width). The
-constants are fp32, each rounded once here (``CONSTANTS``, the one definition); values and codes are
-these fp32 operations in this order, which the native kernel performs too: the two agree bit for
+its first code. A code's value is its cell's centre, ``B[d] + q * W[d]`` (W the cell width), times the block's
+absmax. The constants are fp32, each rounded once here (``CONSTANTS``, the one definition); values and
+codes are these fp32 operations in this order, which the native kernel performs too: the two agree bit for
 bit. A quantized element is off by at most half its cell (0.35% of absmax near 1 for exp_avg_sq, 0.7%
 for exp_avg, coarser in lower decades as every dynamic-tree map), and what falls below 1e-7 of
 absmax becomes 0.
@@ -86,13 +86,19 @@ def _fp32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float32).item()
 
 
-#: the constants of both maps, in the order the native kernel reads them: per map IW, C, HI, B, W (16
-#: each, signed map first), then the decade starts (8: 1e-7 ... 0.1, and ONE_EDGE) and the octave
-#: tables (first decade, edge: 32 each)
-CONSTANTS = torch.tensor([x for signed in (True, False) for row in _tables(signed) for x in row]
-                         + [_fp32(10.0 ** (k - DECADES)) for k in range(DECADES)] + [ONE_EDGE]
-                         + [x for row in _octaves() for x in row], dtype=torch.float32)
-STARTS = CONSTANTS[160:168]
+def _planes(table: torch.Tensor) -> torch.Tensor:
+    """The 256 fp32 values as 4 planes of 256 bytes (byte b of every value), as fp32 words: the native
+    dequantizer looks codes up in each plane with byte permutes and interleaves them into values."""
+    return table.view(torch.uint8).view(256, 4).t().contiguous().view(torch.float32).reshape(-1)
+
+
+def _tables_and_maps() -> torch.Tensor:
+    head = torch.tensor([x for signed in (True, False) for row in _tables(signed) for x in row]
+                        + [_fp32(10.0 ** (k - DECADES)) for k in range(DECADES)] + [ONE_EDGE]
+                        + [x for row in _octaves() for x in row], dtype=torch.float32)
+    pad = torch.zeros(256 - head.numel())
+    maps = [_map(True), _map(False)]
+    return torch.cat([head, pad, *maps, *(_planes(m) for m in maps)])
 
 
 def _slots(signed: bool) -> tuple[torch.Tensor, ...]:
@@ -123,28 +129,28 @@ def codes_of(y: torch.Tensor, signed: bool) -> torch.Tensor:
     return q.to(torch.uint8)
 
 
-def _per_code(signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """B, W, q (as fp32) and the sign of each of the 256 codes: the value of code c in a block with
-    absmax a is ``sign * (B[c] * a + q[c] * (W[c] * a))`` (NOTE [8-bit state])."""
-    _, _, _, b, w = _slots(signed)
+def _map(signed: bool) -> torch.Tensor:
+    """The value of each of the 256 codes (at absmax 1), by the fp32 formula of NOTE [8-bit state]."""
+    _, _, _, b, w = (torch.tensor(row, dtype=torch.float32) for row in _tables(signed))
     codes = torch.arange(256)
     q = codes & 127 if signed else codes
     d = (torch.floor(torch.log2(q.clamp(min=1).double())).long() if signed
          else torch.floor(torch.log2((codes + 1).double())).long() - 1) % 16
-    bc, wc = b[d], w[d]
-    if signed:  # q = 0 is 0 and q = 127 is 1: B = 0 or 1, W = 0
-        bc = torch.where(q == 127, 1.0, torch.where(q == 0, 0.0, bc))
-        wc = torch.where((q == 127) | (q == 0), 0.0, wc)
-    sign = torch.where(codes >= 128, -1.0, 1.0) if signed else torch.ones(256)
-    return bc, wc, q.float(), sign
+    v = b[d] + q.float() * w[d]
+    if signed:  # q = 0 is 0 and q = 127 is 1
+        v = torch.where(q == 127, 1.0, torch.where(q == 0, 0.0, v))
+        return torch.where(codes >= 128, -v, v)
+    return v  # code 0: slot 15 (B = W = 0); code 255: slot 7 (B = 1, W = 0)
 
 
-def _map(signed: bool) -> torch.Tensor:
-    bc, wc, q, sign = _per_code(signed)
-    return sign * (bc + q * wc)
+#: the constants of both maps, in the order the native kernel reads them: per map IW, C, HI, B, W (16
+#: each, signed map first), the decade starts (8: 1e-7 ... 0.1, and ONE_EDGE), the octave tables
+#: (first decade, edge: 32 each); from float 256 the two maps' 256 values, then their byte planes
+CONSTANTS = _tables_and_maps()
+STARTS = CONSTANTS[160:168]
+MAP_SIGNED, MAP_UNSIGNED = CONSTANTS[256:512], CONSTANTS[512:768]
 
 
-MAP_SIGNED, MAP_UNSIGNED = _map(True), _map(False)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -163,6 +169,5 @@ def reference_quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, tor
 
 def reference_dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """The fp32 values of ``codes`` (1-D) with per-block ``absmax``, in torch ops."""
-    bc, wc, q, sign = (t.to(codes.device)[codes.long()] for t in _per_code(signed))
-    a = absmax.repeat_interleave(BLOCK)[:codes.numel()]
-    return sign * (bc * a + q * (wc * a))
+    table = (MAP_SIGNED if signed else MAP_UNSIGNED).to(codes.device)
+    return table[codes.long()] * absmax.repeat_interleave(BLOCK)[:codes.numel()]

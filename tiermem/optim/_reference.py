@@ -95,12 +95,22 @@ def adam(master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[t
 
 def adam8bit(master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[torch.Tensor], h: AdamHyper,
              sr: Keys) -> None:
-    """Dequantize both moments, take the fp32 reference Adam step, quantize back (NOTE [8-bit state])."""
+    """Dequantize both moments, take an Adam step, quantize back (NOTE [8-bit state]). The step is the
+    fp32 reference's but for ``sqrt(v) * (1 / bias_correction2_sqrt)`` where it divides."""
     m_codes, m_absmax, v_codes, v_absmax = state
     p = _working(master)
     m = _quant.reference_dequantize(m_codes, m_absmax, signed=True)
     v = _quant.reference_dequantize(v_codes, v_absmax, signed=False)
-    _single_tensor_adam(p, m, v, grad, None, h)
+    g = grad.float() * h.inv_grad_scale * h.clip_coef
+    if h.weight_decay != 0:
+        if h.adamw:
+            p.mul_(1 - h.lr * h.weight_decay)
+        else:
+            g = g.add(p, alpha=h.weight_decay)
+    m.lerp_(g, 1 - h.beta1)
+    v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
+    denom = v.double().sqrt().float().mul_(1.0 / h.bias_correction2_sqrt).add_(h.eps)  # NOTE [sqrt rounding]
+    p.addcdiv_(m, denom, value=-h.step_size)
     for codes, absmax, x, signed in ((m_codes, m_absmax, m, True), (v_codes, v_absmax, v, False)):
         c, a = _quant.reference_quantize(x, signed)
         codes.copy_(c)
