@@ -41,7 +41,8 @@ void stats_rows(int64_t r0, int64_t r1, int64_t C, const M* __restrict__ master,
 template <class M, class G>
 void stats_t(int64_t B, int64_t R, int64_t C, const M* master, const G* grad, const float* s, double* row_sum,
              double* col_sum, double* p_sumsq, int nt) {
-    const int64_t rows_per = R * C >= CHUNK ? (CHUNK + C - 1) / C : R;
+    // at least CHUNK elements a part, and at most 64 parts a matrix (each keeps a row of column sums)
+    const int64_t rows_per = std::max((CHUNK + C - 1) / C, (R + 63) / 64);
     const int64_t parts_per_batch = (R + rows_per - 1) / rows_per, parts = B * parts_per_batch;
     double* col_parts = new double[parts * C]();
     double* p_parts = new double[parts]();

@@ -11,6 +11,7 @@ torch's do.
 from __future__ import annotations
 
 SOURCE = r"""
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <cmath>
