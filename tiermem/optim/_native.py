@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 #: dtype codes of the C++ dispatch (TM_GRAD / TM_OUT / TM_MASTER); -1 is "no tensor"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c++20", "-shared",
+FLAGS = ("-O2", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c++20", "-shared",
          "-fPIC")
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
