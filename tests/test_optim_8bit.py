@@ -136,7 +136,8 @@ def test_one_step_against_fp32_adam():
     n = 100_000
     state = _state(n, 1)
     m0, v0 = dequantize_blockwise(*state[:2], True), dequantize_blockwise(*state[2:], False)
-    master0, grad = torch.randn(n), torch.randn(n, dtype=BF16) * 0.1
+    gen = torch.Generator().manual_seed(4)
+    master0, grad = torch.randn(n, generator=gen), (torch.randn(n, generator=gen) * 0.1).to(BF16)
     master, fp32 = master0.clone(), [master0.clone(), m0.clone(), v0.clone()]
     adam8bit_step(master, *state, grad, step=5, **HP)
     adam_step(*fp32, grad, step=5, **HP, out=torch.empty(n, dtype=BF16))  # a variant test_optim.py compiles
