@@ -182,16 +182,17 @@ def test_nonfinite_gradient_changes_nothing():
 ])
 def test_caller_errors(bad, match):
     args = dict(master=torch.zeros(1000), exp_avg=torch.zeros(1000, dtype=torch.uint8), exp_avg_absmax=torch.zeros(4),
-                exp_avg_sq=torch.zeros(1000, dtype=torch.uint8), exp_avg_sq_absmax=torch.zeros(4), grad=torch.zeros(1000))
+                exp_avg_sq=torch.zeros(1000, dtype=torch.uint8), exp_avg_sq_absmax=torch.zeros(4),
+                grad=torch.zeros(1000))
     args.update(bad)
     with pytest.raises(ConfigError, match=match):
         adam8bit_step(*args.values(), step=1, **HP)
 
 
 def test_state_layout():
-    assert state_layout("adamw8bit", (64, 100)) == {"exp_avg": (6400, torch.uint8), "exp_avg_absmax": (25, torch.float32),
-                                                     "exp_avg_sq": (6400, torch.uint8),
-                                                     "exp_avg_sq_absmax": (25, torch.float32)}
+    assert state_layout("adamw8bit", (64, 100)) == {
+        "exp_avg": (6400, torch.uint8), "exp_avg_absmax": (25, torch.float32),
+        "exp_avg_sq": (6400, torch.uint8), "exp_avg_sq_absmax": (25, torch.float32)}
     assert state_layout("adam8bit", (10, 10)) == state_layout("adam", (10, 10))  # below the 8-bit threshold
     assert state_bytes("adamw8bit", (1 << 20,)) == 2 * (1 << 20) + 2 * 4 * 4096  # 2 B/param + the scales
     assert state_bytes("adamw", (1 << 20,)) == 8 * (1 << 20)

@@ -152,7 +152,8 @@ def test_adafactor_error_is_at_most_torchs(shape, kw):
         adafactor_step(ours, g, step=i + 1, lr=kw["lr"], beta2_decay=kw.get("beta2_decay", -0.8), eps1=eps1,
                        eps2=eps2, d=kw.get("d", 1.0), weight_decay=kw.get("weight_decay", 0.0),
                        maximize=kw.get("maximize", False), **state)
-    exact, exact_state = torch_run(torch.optim.Adafactor, master.double(), [g.double() for g in grads], kw, foreach=False)
+    exact, exact_state = torch_run(torch.optim.Adafactor, master.double(), [g.double() for g in grads], kw,
+                                   foreach=False)
     torch_errors = [(torch_run(torch.optim.Adafactor, master, grads, kw, **impl)[0].double() - exact).abs().max().item()
                     for impl in (dict(foreach=False), dict(foreach=True))]
     ulp = torch.finfo(FP32).eps * exact.abs().max().item()

@@ -87,7 +87,8 @@ double rms_rows(int64_t r0, int64_t r1, int64_t R, int64_t C, const G* __restric
         const float* __restrict__ rc = col + B * C;
         #pragma omp simd reduction(+:us)
         for (int64_t c = 0; c < C; c++) {
-            const float u = load(grad, o + c) * inv * clip * factored_scale(row_s, row_r, col[c], rc[c], eps1sq, inv_eps1);
+            const float u = load(grad, o + c) * inv * clip
+                            * factored_scale(row_s, row_r, col[c], rc[c], eps1sq, inv_eps1);
             us += (double)u * (double)u;
         }
     }
@@ -123,7 +124,8 @@ void apply_rows(int64_t r0, int64_t r1, int64_t R, int64_t C, M* __restrict__ ma
         const float* __restrict__ rc = col + B * C;
         #pragma omp simd
         for (int64_t c = 0; c < C; c++) {
-            const float u = load(grad, o + c) * inv * clip * factored_scale(row_s, row_r, col[c], rc[c], eps1sq, inv_eps1);
+            const float u = load(grad, o + c) * inv * clip
+                            * factored_scale(row_s, row_r, col[c], rc[c], eps1sq, inv_eps1);
             const float p = load(master, o + c) * decay_mul;           // param.mul_(1 - lr*wd)
             store(out, o + c, store_master(master, o + c, fmaf(u, neg_step, p), sr));  // add_(u, alpha=...)
         }
@@ -183,10 +185,12 @@ double floor_t(int64_t n, M* master, const G* grad, O* out, const uint32_t* sr_,
                 double acc = 0.0;
                 if (pass == 2) {
                     #pragma omp simd
-                    for (int64_t i = lo; i < hi; i++) store(out, i, store_master(master, i, load(master, i) + load(grad, i), sr));
+                    for (int64_t i = lo; i < hi; i++)
+                        store(out, i, store_master(master, i, load(master, i) + load(grad, i), sr));
                 } else {
                     #pragma omp simd reduction(+:acc)
-                    for (int64_t i = lo; i < hi; i++) acc += (double)load(grad, i) + (pass == 0 ? (double)load(master, i) : 0.0);
+                    for (int64_t i = lo; i < hi; i++)
+                        acc += (double)load(grad, i) + (pass == 0 ? (double)load(master, i) : 0.0);
                 }
                 part[k] += acc;
             }

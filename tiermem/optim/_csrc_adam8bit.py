@@ -3,7 +3,8 @@ one pass (NOTE [8-bit state] in tiermem/optim/_quant.py has the layout and the m
 
 A block of 256 elements is dequantized into two L1-resident fp32 arrays (byte-permute table lookups
 where the CPU has AVX-512 VBMI), updated with Adam's
-arithmetic (the fp32 kernel's, but for one division: _csrc_elementwise.adam_math8), its new absmax taken, and quantized back; master, grad
+arithmetic (the fp32 kernel's, but for one division: _csrc_elementwise.adam_math8), its new absmax
+taken, and quantized back; master, grad
 and ``out`` stream through once, so the memory traffic is 16 bytes per parameter (bf16 grad and out)
 against the fp32 kernel's 28. The maps are computed, not looked up (table gathers cost more than the
 whole update here): each code is a decade and a cell in it, and the decade's constants come from one
@@ -76,12 +77,15 @@ TM_INLINE __m512i quant16(__m512 y, const MapVec& m, const Octaves& o, bool is_s
 TM_INLINE __m512 dequant16(const uint8_t* codes, const MapVec& m, bool is_signed) {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)codes));
     if (!is_signed) {
-        const __m512i d = _mm512_sub_epi32(_mm512_set1_epi32(30), _mm512_lzcnt_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(1))));
-        return _mm512_add_ps(_mm512_permutexvar_ps(d, m.b), _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_permutexvar_ps(d, m.w)));
+        const __m512i t = _mm512_add_epi32(c, _mm512_set1_epi32(1));
+        const __m512i d = _mm512_sub_epi32(_mm512_set1_epi32(30), _mm512_lzcnt_epi32(t));
+        return _mm512_add_ps(_mm512_permutexvar_ps(d, m.b),
+                             _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_permutexvar_ps(d, m.w)));
     }
     const __m512i q = _mm512_and_si512(c, _mm512_set1_epi32(127));
     const __m512i d = _mm512_sub_epi32(_mm512_set1_epi32(31), _mm512_lzcnt_epi32(q));  // q = 0 -> slot 15
-    __m512 v = _mm512_add_ps(_mm512_permutexvar_ps(d, m.b), _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_permutexvar_ps(d, m.w)));
+    __m512 v = _mm512_add_ps(_mm512_permutexvar_ps(d, m.b),
+                             _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_permutexvar_ps(d, m.w)));
     v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(q, _mm512_set1_epi32(127)), v, _mm512_set1_ps(1.f));
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v),
                                                 _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(128)), 24)));

@@ -144,9 +144,11 @@ extern "C" void tm_sgd(int64_t n, void* master, int mdt, float* buf, const void*
                        const float* s, const uint32_t* sr_, int nt) {
     const SR sr(sr_);
     if (buf) {
-        TM_ALL(mdt, gdt, odt, TM_RUN((sgd_range<M, G, O, true>(a, b, (M*)master, buf, (const G*)grad, (O*)out, s, sr))))
+        TM_ALL(mdt, gdt, odt,
+               TM_RUN((sgd_range<M, G, O, true>(a, b, (M*)master, buf, (const G*)grad, (O*)out, s, sr))))
     } else {
-        TM_ALL(mdt, gdt, odt, TM_RUN((sgd_range<M, G, O, false>(a, b, (M*)master, buf, (const G*)grad, (O*)out, s, sr))))
+        TM_ALL(mdt, gdt, odt,
+               TM_RUN((sgd_range<M, G, O, false>(a, b, (M*)master, buf, (const G*)grad, (O*)out, s, sr))))
     }
 }
 extern "C" void tm_adagrad(int64_t n, void* master, int mdt, float* sum, const void* grad, int gdt, void* out,

@@ -95,7 +95,8 @@ ADAGRAD = Kernel("adagrad_step", (StateSpec("state_sum", torch.float32),), _refe
 LION = Kernel("lion_step", (StateSpec("exp_avg", torch.float32),), _reference.lion, _call_lion, _scalars)
 ADAM = Kernel("adam_step", (StateSpec("exp_avg", torch.float32), StateSpec("exp_avg_sq", torch.float32)),
               _reference.adam, _call_adam, adam_scalars)
-ADAM8BIT = Kernel("adam8bit_step", (StateSpec("exp_avg", torch.uint8), StateSpec("exp_avg_absmax", torch.float32, _BLOCKS),
+ADAM8BIT = Kernel("adam8bit_step", (StateSpec("exp_avg", torch.uint8),
+                                    StateSpec("exp_avg_absmax", torch.float32, _BLOCKS),
                                     StateSpec("exp_avg_sq", torch.uint8),
                                     StateSpec("exp_avg_sq_absmax", torch.float32, _BLOCKS)),
                   _reference.adam8bit, _call_adam8bit, adam_scalars, library="adam8bit")
