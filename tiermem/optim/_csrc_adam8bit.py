@@ -1,14 +1,15 @@
 """C++ of the 8-bit Adam kernel: block-wise quantized moments dequantized, updated and requantized in
 one pass (NOTE [8-bit state] in tiermem/optim/_quant.py has the layout and the maps).
 
-A block of 256 elements is dequantized into two L1-resident fp32 arrays (byte-permute table lookups
-where the CPU has AVX-512 VBMI), updated with Adam's
-arithmetic (the fp32 kernel's, but for one division: _csrc_elementwise.adam_math8), its new absmax
-taken, and quantized back; master, grad
-and ``out`` stream through once, so the memory traffic is 16 bytes per parameter (bf16 grad and out)
-against the fp32 kernel's 28. The maps are computed, not looked up (table gathers cost more than the
-whole update here): each code is a decade and a cell in it, and the decade's constants come from one
-register by a permute (AVX-512) or an 8-entry array (the portable path, which gives the same bits).
+A block of 256 elements is dequantized into two L1-resident fp32 arrays, updated with Adam's
+arithmetic (the fp32 kernel's but for one division: _csrc_elementwise.adam_math8), its new absmax
+taken, and quantized back; master, grad and ``out`` stream through once, so the memory traffic is
+16 bytes per parameter (bf16 grad and out) against the fp32 kernel's 28. No memory gathers (they cost
+more than the whole update here): dequantizing looks codes up in the map's byte planes with byte
+permutes (AVX-512 VBMI) or computes the value from the code (AVX-512); quantizing finds the decade
+from the value's fp32 exponent (an octave holds at most one decade start) and the cell by a
+multiply-add with the decade's constants, taken from registers by permutes. The portable scalar path
+(other CPUs, and the tails) computes the same bits. bench/RESULTS.md (2026-12-01) has what it costs.
 """
 from __future__ import annotations
 

@@ -19,15 +19,16 @@ up, plus 0 and 1 exactly (so a block's largest element survives requantization u
   cells (bitsandbytes' unsigned map).
 
 Quantizing x takes y = x * (1 / absmax), its decade d (how many of the decade starts 1e-7, ..., 0.1
-and of 1 - 2^-22 are <= |y|: the last is the code of 1, which a block's largest element must keep
-although x * (1 / x) may round below 1), and the code ``min(trunc(|y| * IW[d] + C[d]), HI[d])`` (plus 128 for a
+and 1 - 2^-22 are <= |y|: the last is the code of 1, which a block's largest element must keep
+although x * (1 / x) may round below 1), and the code ``trunc(|y| * IW[d] + C[d])`` (plus 128 for a
 negative y in the signed map), where IW is the decade's cells per unit and C puts its first cell at
-its first code. A code's value is its cell's centre, ``B[d] + q * W[d]`` (W the cell width), times the block's
-absmax. The constants are fp32, each rounded once here (``CONSTANTS``, the one definition); values and
-codes are these fp32 operations in this order, which the native kernel performs too: the two agree bit for
-bit. A quantized element is off by at most half its cell (0.35% of absmax near 1 for exp_avg_sq, 0.7%
-for exp_avg, coarser in lower decades as every dynamic-tree map), and what falls below 1e-7 of
-absmax becomes 0.
+its first code (rounding may carry a value at the very top of a decade into the next decade's first
+cell, its neighbour). A code's value is its cell's centre, ``B[d] + q * W[d]`` (W the cell width),
+times the block's absmax. The constants are fp32, each rounded once here (``CONSTANTS``, the one
+definition); values and codes are these fp32 operations in this order, which the native kernel
+performs too: the two agree bit for bit. A quantized element is off by at most half its cell (0.35%
+of absmax near 1 for exp_avg_sq, 0.7% for exp_avg, coarser in lower decades as every dynamic-tree
+map), and what falls below 1e-7 of absmax becomes 0.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def _first_code(signed: bool, d: int) -> int:
 
 
 def _tables(signed: bool) -> list[list[float]]:
-    """IW, C, HI (quantize) and B, W (dequantize): 16 slots each, decade d in slot d."""
+    """IW, C (quantize), HI (the decade's last code: for reading, the kernels do not need it) and B, W
+    (dequantize): 16 slots each, decade d in slot d."""
     iw, c, hi, b, w = ([0.0] * 16 for _ in range(5))
     c[ONE_SLOT] = hi[ONE_SLOT] = 127.0 if signed else 255.0  # the code of 1.0 (iw = w = 0 there)
     b[ONE_SLOT] = 1.0
