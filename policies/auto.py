@@ -27,12 +27,13 @@ short by how much).
 """
 from __future__ import annotations
 
-import copy
+import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from tiermem.config import is_number
 from tiermem.errors import ConfigError, checked_arguments, fmt_bytes
-from tiermem.plan.policy import Evaluation, ModelInfo, Policy, check_reserve, over_reserve
+from tiermem.plan.policy import Evaluation, ModelInfo, Policy, asked_alone, check_reserve, over_reserve
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 
@@ -49,8 +50,8 @@ class Assigned(Policy):
         if info.kind is TensorClass.ACTIVATION:
             return Tier.DEVICE
         if info.kind is TensorClass.GRAD:
-            return self.grads[info.name]
-        return self.state[info.name.rpartition(":")[0]]
+            return self.grads[info.param]
+        return self.state[info.param]
 
     def places_activations_by_module(self) -> bool:
         return False  # every activation on the device: no module hooks
@@ -59,12 +60,29 @@ class Assigned(Policy):
         return f"Assigned({self.label!r})"
 
 
+class Verdict(enum.Enum):
+    """What Auto made of a candidate."""
+
+    CHOSEN = "chosen"
+    FITS = "fits"  # judged, before the fastest was picked
+    AS_FAST = "as fast within 1%"  # fits, as fast as the chosen one, with less on the device
+    SLOWER = "slower"  # fits, predicted slower than the chosen one
+    DOES_NOT_FIT = "does not fit"
+    REFUSED = "refused"  # a combination the constructor refuses
+
+
 @dataclass(frozen=True)
 class Choice:
     label: str
     policy: Policy
     evaluation: Evaluation
-    verdict: str  # "chosen", or why it was not
+    outcome: Verdict
+    why: str = ""  # the figures behind the outcome, in words
+
+    @property
+    def verdict(self) -> str:
+        """The outcome and why, in words (what ``tiermem plan --policy auto`` prints)."""
+        return f"{self.outcome.value}: {self.why}" if self.why else self.outcome.value
 
 
 @checked_arguments
@@ -76,8 +94,7 @@ class Auto(Policy):
     the device's limit left for activations (NOTE [Device reserve] in tiermem/plan/policy.py)."""
 
     def __init__(self, *, profile: Any = None, forward_backward: float = 0.0, device_reserve: float = 0.1):
-        if isinstance(forward_backward, bool) or not isinstance(forward_backward, (int, float)) or \
-                not forward_backward >= 0:
+        if not is_number(forward_backward) or not forward_backward >= 0:
             raise ConfigError(f"tiermem: Auto.forward_backward={forward_backward!r} is invalid: the seconds of one "
                               f"forward and backward, a number >= 0 (0 when unknown)")
         if profile is not None and not isinstance(profile, Mapping) and not isinstance(getattr(profile, "data", None),
@@ -87,31 +104,21 @@ class Auto(Policy):
                               f"None for this machine's")
         self.profile, self.forward_backward = profile, float(forward_backward)
         self.device_reserve = check_reserve(device_reserve, "Auto")  # NOTE [Device reserve]
-        self.choices: Optional[list[Choice]] = None  # set on the bound copy: the chosen one first
-
-    @property
-    def chosen(self) -> Optional[Choice]:
-        return self.choices[0] if self.choices else None
 
     def place(self, info: TensorInfo) -> Tier:
-        if self.choices is not None:
-            return self.choices[0].policy.place(info)
         if info.kind is TensorClass.ACTIVATION:
             return Tier.DEVICE
-        raise ConfigError(f"tiermem: Auto() chooses over the whole model and was asked about {info.name!r} alone; "
-                          f"call .for_model(...) first and ask the policy it returns (TieredModel does this)")
+        raise asked_alone(self, info)  # the choice needs the whole model: AutoChoice answers
 
     def places_activations_by_module(self) -> bool:
-        return self.choices is not None and self.choices[0].policy.places_activations_by_module()
+        return False
 
     def for_model(self, model: ModelInfo) -> Policy:
-        if self.choices is not None:
-            return self
         if model.evaluate is None:
             raise ConfigError("tiermem: Auto() needs the planner to judge placements; use it through "
                               "TieredModel(module, Auto(), ...) or `tiermem plan --policy auto`")
         judged = _Search(self, model).run()
-        fitting = sorted((c for c in judged if c.verdict == "fits"), key=lambda c: c.evaluation.seconds)
+        fitting = sorted((c for c in judged if c.outcome is Verdict.FITS), key=lambda c: c.evaluation.seconds)
         if not fitting:
             raise ConfigError(f"tiermem: Auto() found no placement that fits: {_closest(judged)}; raise the "
                               f"Budgets, pass nvme_dir=... for NVMe, or lower device_reserve")
@@ -124,22 +131,42 @@ class Auto(Policy):
         for c in judged:
             if c is best:
                 continue
-            verdict = c.verdict
-            if verdict == "fits" and c in near:
-                verdict = (f"as fast within 1% ({_ms(c.evaluation.seconds)} predicted), with less on the "
-                           f"device")
-            elif verdict == "fits":
-                verdict = (f"slower: {_ms(c.evaluation.seconds)} predicted against "
-                           f"{_ms(best.evaluation.seconds)}")
-            rest.append(Choice(c.label, c.policy, c.evaluation, verdict))
-        out = copy.copy(self)
-        out.choices = [Choice(best.label, best.policy, best.evaluation, "chosen")] + rest
-        return out
+            if c.outcome is Verdict.FITS and c in near:
+                c = Choice(c.label, c.policy, c.evaluation, Verdict.AS_FAST,
+                           f"{_ms(c.evaluation.seconds)} predicted, with less on the device")
+            elif c.outcome is Verdict.FITS:
+                c = Choice(c.label, c.policy, c.evaluation, Verdict.SLOWER,
+                           f"{_ms(c.evaluation.seconds)} predicted against {_ms(best.evaluation.seconds)}")
+            rest.append(c)
+        chosen = Choice(best.label, best.policy, best.evaluation, Verdict.CHOSEN)
+        return AutoChoice((chosen, *rest), self.profile)
 
     def __repr__(self) -> str:
-        if self.choices:
-            return f"Auto(chose {self.choices[0].label!r})"
         return "Auto()"
+
+
+@dataclass(frozen=True, repr=False, eq=False)
+class AutoChoice(Policy):
+    """What ``Auto`` chose for one model (NOTE [How Auto chooses]): it places every tensor as the
+    chosen candidate does. ``choices``: every candidate judged, the chosen one first;
+    ``profile``: the machine profile it was chosen with (None: this machine's), which
+    ``tm.report()`` predicts the step from."""
+
+    choices: tuple[Choice, ...]
+    profile: Any = None
+
+    @property
+    def chosen(self) -> Choice:
+        return self.choices[0]
+
+    def place(self, info: TensorInfo) -> Tier:
+        return self.chosen.policy.place(info)
+
+    def places_activations_by_module(self) -> bool:
+        return self.chosen.policy.places_activations_by_module()
+
+    def __repr__(self) -> str:
+        return f"Auto(chose {self.chosen.label!r})"
 
 
 class _Search:
@@ -155,7 +182,7 @@ class _Search:
     def run(self) -> list[Choice]:
         m = len(self.names)
         for weights in (Tier.DEVICE, Tier.HOST, Tier.NVME):
-            if any(c.verdict == "fits" for c in self.judged.values()):
+            if any(c.outcome is Verdict.FITS for c in self.judged.values()):
                 break  # weights leave the device only when they cannot stay (NOTE [How Auto chooses])
             d_max = self._largest(lambda d: self._device_ok(self._judge(weights, d, m - d, Tier.HOST)), m) \
                 if weights == Tier.DEVICE else 0
@@ -199,7 +226,7 @@ class _Search:
             label = self._label(weights, d, h, grads_rest)
             policy = Assigned(label, weights, state, grads)
             ev = self.model.evaluate(policy, profile=self.auto.profile, forward_backward=self.auto.forward_backward)
-            self.judged[key] = Choice(label, policy, ev, self._verdict(ev))
+            self.judged[key] = Choice(label, policy, ev, *self._verdict(ev))
         return self.judged[key]
 
     def _label(self, weights: Tier, d: int, h: int, grads_rest: Tier) -> str:
@@ -222,15 +249,15 @@ class _Search:
         return ev.refused is None and not {Tier.DEVICE, Tier.HOST} & set(ev.short)
 
     def _fits(self, c: Choice) -> bool:
-        return c.verdict == "fits"
+        return c.outcome is Verdict.FITS
 
-    def _verdict(self, ev: Evaluation) -> str:
+    def _verdict(self, ev: Evaluation) -> tuple[Verdict, str]:
         if ev.refused is not None:
-            return f"refused: {ev.refused}"
+            return Verdict.REFUSED, ev.refused
         if ev.short:
-            return "does not fit: " + ", ".join(f"{t} short by {fmt_bytes(n)}" for t, n in ev.short.items())
+            return Verdict.DOES_NOT_FIT, ", ".join(f"{t} short by {fmt_bytes(n)}" for t, n in ev.short.items())
         words = self._over_reserve(ev)
-        return "fits" if words is None else f"does not fit: {words}"
+        return (Verdict.FITS, "") if words is None else (Verdict.DOES_NOT_FIT, words)
 
 
 def _ms(seconds: float) -> str:

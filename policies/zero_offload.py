@@ -31,18 +31,19 @@ the activations of its batch. 0 (the default) checks nothing beyond the construc
 """
 from __future__ import annotations
 
-import copy
 import math
-from typing import Optional
+from dataclasses import dataclass
 
+from tiermem.config import is_number
 from tiermem.errors import ConfigError, checked_arguments
-from tiermem.plan.policy import ModelInfo, PerClass, Policy, check_device_reserve, check_reserve
+from tiermem.plan.policy import ModelInfo, PerClass, Policy, asked_alone, check_device_reserve, check_reserve
 from tiermem.types import TensorClass, TensorInfo, Tier
+
+_SPLIT = (TensorClass.GRAD, TensorClass.OPTIM_STATE)  # the classes device_fraction places
 
 
 def _check_fraction(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0.0 <= value <= 1.0:
+    if not is_number(value) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
         raise ConfigError(f"tiermem: ZeroOffload.device_fraction={value!r} is invalid: it is the share of the "
                           f"optimizer state kept on the device, a number from 0 (all on the host) to 1 (all "
                           f"on the device); pass e.g. device_fraction=0.25")
@@ -76,31 +77,50 @@ class ZeroOffload(PerClass):
     def __init__(self, *, device_fraction: float = 0.0, device_reserve: float = 0.0):
         self.device_fraction = _check_fraction(device_fraction)
         self.device_reserve = check_reserve(device_reserve, type(self).__name__)
-        self._on_device: Optional[frozenset[str]] = None  # decided by for_model (None: not yet)
 
     def for_model(self, model: ModelInfo) -> Policy:
-        if self.device_fraction in (0.0, 1.0) or self._on_device is not None:
-            bound = self  # nothing depends on the model, or it is bound already
-        else:
-            bound = copy.copy(self)  # a subclass stays itself
-            bound._on_device = device_share(model, self.device_fraction)
+        bound: Policy = self  # nothing depends on the model
+        if self.device_fraction not in (0.0, 1.0):
+            if type(self).place is not ZeroOffload.place:
+                raise ConfigError(
+                    f"tiermem: {type(self).__name__} overrides place() of a ZeroOffload that splits the optimizer "
+                    f"state (device_fraction={self.device_fraction}); the split is decided over the whole model by "
+                    f"the policy for_model returns, which would not ask your place(): wrap ZeroOffload(device_"
+                    f"fraction=...) in your policy instead and forward for_model to it (NOTE [Whole-model policies])")
+            bound = DeviceShare(self, device_share(model, self.device_fraction))
         check_device_reserve(bound, model, self.device_reserve,
                              "lower device_fraction" if self.device_fraction else "place less on the device")
         return bound
 
     def place(self, info: TensorInfo) -> Tier:
-        if info.kind not in (TensorClass.GRAD, TensorClass.OPTIM_STATE) or self.device_fraction == 0.0:
+        if info.kind not in _SPLIT or self.device_fraction == 0.0:
             return self.homes[info.kind]
         if self.device_fraction == 1.0:
             return Tier.DEVICE
-        if self._on_device is None:
-            raise ConfigError(f"tiermem: {self!r} splits the optimizer state over the whole model and was asked "
-                              f"about {info.name!r} alone; call .for_model(ModelInfo(...)) first and ask the "
-                              f"policy it returns (TieredModel does this)")
-        name = info.name.rpartition(":")[0] if info.kind is TensorClass.OPTIM_STATE else info.name
-        return Tier.DEVICE if name in self._on_device else Tier.HOST
+        raise asked_alone(self, info)  # the share needs the whole model: DeviceShare answers
 
     def __repr__(self) -> str:
         args = [f"{k}={v}" for k, v in (("device_fraction", self.device_fraction),
                                         ("device_reserve", self.device_reserve)) if v]
         return f"{type(self).__name__}({', '.join(args)})"
+
+
+@dataclass(frozen=True, repr=False)
+class DeviceShare(Policy):
+    """``ZeroOffload(device_fraction=f)`` bound to a model: the grads and optimizer state of the
+    parameters ``on_device`` on the device, those of the others on the host, the rest as ``base``
+    places it (NOTE [Which optimizer state goes to the device first])."""
+
+    base: ZeroOffload
+    on_device: frozenset[str]
+
+    def place(self, info: TensorInfo) -> Tier:
+        if info.kind in _SPLIT:
+            return Tier.DEVICE if info.param in self.on_device else Tier.HOST
+        return self.base.place(info)
+
+    def places_activations_by_module(self) -> bool:
+        return self.base.places_activations_by_module()
+
+    def __repr__(self) -> str:
+        return repr(self.base)

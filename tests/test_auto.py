@@ -15,7 +15,9 @@ from models import TinyGPT, train_steps
 from tiermem import AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, TensorInfo, TieredModel, Tier
 from tiermem.plan.policy import ModelInfo
 from tiermem.policies import Auto, ZeroOffload
-from tiermem.policies.auto import Assigned
+from tiermem.plan.choose import Evaluator
+from tiermem.plan.profile import Profile
+from tiermem.policies.auto import Assigned, AutoChoice, Verdict
 
 GPU = {"device": {"accelerator": "a GPU", "h2d_GBps": 25, "d2h_GBps": 25}, "host": {"copy_GBps": 20},
        "nvme": {"read_GBps": 2, "write_GBps": 1.5}, "adam": {"tiermem_Gparams_per_s": 1.5, "device_Gparams_per_s": 60}}
@@ -199,11 +201,36 @@ def test_report_sets_the_prediction_beside_the_measured_stages():
 def test_every_rejected_alternative_says_why():
     tm = _tm(Auto(profile=GPU), budgets=Budgets(device=60_000))
     choices = tm.placement.choices
-    assert choices[0].verdict == "chosen"
+    assert choices[0].verdict == "chosen" and choices[0].outcome is Verdict.CHOSEN
     assert len(choices) > 2
     assert all(c.verdict.startswith(("slower: ", "as fast within 1%", "does not fit: ", "refused: "))
                for c in choices[1:])
-    assert any(c.verdict.startswith("does not fit: device") for c in choices[1:])
+    assert {c.outcome for c in choices[1:]} <= {Verdict.SLOWER, Verdict.AS_FAST, Verdict.DOES_NOT_FIT, Verdict.REFUSED}
+    assert all(c.verdict == f"{c.outcome.value}: {c.why}" for c in choices[1:])  # the words follow the outcome
+    assert any(c.outcome is Verdict.DOES_NOT_FIT and c.why.startswith("device") for c in choices[1:])
+
+
+def test_binding_returns_a_choice_and_leaves_auto_as_it_was():
+    auto = Auto(profile=GPU)
+    before = dict(vars(auto))
+    tm = _tm(auto)
+    assert isinstance(tm.placement, AutoChoice) and tm.placement.profile is GPU
+    assert vars(auto) == before and repr(auto) == "Auto()"
+    assert tm.placement.for_model(ModelInfo(())) is tm.placement  # binding a bound policy gives it back
+
+
+def test_the_judge_keeps_nothing_a_search_asked_it():
+    """Evaluator.predict answers from the policy it is given (Auto's choice keeps the profile it was
+    chosen with), never from whichever profile the last search passed it."""
+    evaluator = Evaluator(TinyGPT(), AdamW(), torch.bfloat16, BUCKET, limits={Tier.DEVICE: 10**9, Tier.HOST: 10**9},
+                          machine=lambda: Profile(CPU))
+    evaluator.rates()  # this machine's figures: CPU's
+    zero = evaluator.bind(ZeroOffload())
+    before = evaluator.predict(zero, 0.1)
+    choice = evaluator.bind(Auto(profile=GPU))  # a search with another machine's figures
+    assert evaluator.predict(zero, 0.1) == before
+    assert evaluator.predict(choice, 0.1) == dict(evaluator(choice.chosen.policy, GPU, 0.1).stages)
+    assert evaluator.predict(choice, 0.1) != dict(evaluator(choice.chosen.policy, CPU, 0.1).stages)
 
 
 @pytest.mark.parametrize("kw, match", [

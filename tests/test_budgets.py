@@ -64,3 +64,39 @@ def test_ledger_never_exceeds_budget(ops):
                 assert sum(model.values()) - model.get(key, 0) + n > 1000
         assert led.used == sum(model.values()) <= 1000
         assert led.peak <= 1000
+
+
+def test_requests_in_flight_give_their_room_back_when_the_ledger_is_short():
+    """InFlight is given to the ledger at construction (through Reclaimers): a reservation that does
+    not fit waits for the requests in flight, whose room their release gives back, then fits."""
+    import threading
+    from concurrent.futures import Future
+
+    from tiermem.handles import Handle
+    from tiermem.memory.ledger import InFlight, Reclaimers
+
+    in_flight = InFlight()
+    led = Ledger(Tier.DEVICE, 1000, reclaim=Reclaimers(in_flight.give_room))
+    led.reserve("<copy in flight>", 800)
+    future: Future = Future()
+    in_flight.add(Handle(future), lambda: led.release("<copy in flight>"))
+    threading.Timer(0.05, future.set_result, (None,)).start()  # the copy lands a moment later
+    led.reserve("activation", 500)  # waits for it instead of refusing
+    assert led.used == 500 and led.held("<copy in flight>") == 0
+    assert [h.done() for h, _ in in_flight.take()] == [True]  # its owner still sees it, to report a failure
+
+
+def test_a_reclaimer_on_tiermems_own_threads_does_not_wait():
+    """On a lane the request may be queued behind the caller: waiting would deadlock, so it refuses."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from tiermem.handles import Handle
+    from tiermem.memory.ledger import InFlight, Reclaimers
+
+    in_flight = InFlight()
+    led = Ledger(Tier.DEVICE, 1000, reclaim=Reclaimers(in_flight.give_room))
+    led.reserve("<copy in flight>", 800)
+    in_flight.add(Handle(Future()), lambda: led.release("<copy in flight>"))  # never lands
+    with ThreadPoolExecutor(1, thread_name_prefix="tiermem-d2h") as lane:
+        with pytest.raises(OutOfTierMemory):
+            lane.submit(led.reserve, "activation", 500).result(timeout=10)

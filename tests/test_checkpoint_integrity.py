@@ -144,7 +144,7 @@ SIGNED = {
     "lr a string": (lr("evil"), *CORRUPT, r"meta\.groups\[0\]\.lr='evil' is invalid: it must be a finite number >= 0"),
     "lr negative": (lr(-1e-3), *CORRUPT, r"meta\.groups\[0\]\.lr=-0\.001"),
     "lr NaN": (lr(math.nan), *CORRUPT, r"meta\.groups\[0\]\.lr=nan"),
-    "lr a boolean": (lr(True), *CORRUPT, r"meta\.groups\[0\]\.lr=True is invalid: it must be a number, not a boolean"),
+    "lr a boolean": (lr(True), *CORRUPT, r"meta\.groups\[0\]\.lr=True is invalid: it must be a finite number >= 0"),
     "betas null": (_group("betas")(None), *CORRUPT,
         r"meta\.groups\[0\]\.betas=None is invalid: it must be two numbers"),
     "betas of one": (_group("betas")([0.9]), *CORRUPT, r"meta\.groups\[0\]\.betas=\[0\.9\]"),

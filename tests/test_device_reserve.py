@@ -13,6 +13,7 @@ from tiermem import AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, T
 from tiermem.errors import fmt_bytes
 from tiermem.plan.policy import over_reserve
 from tiermem.policies import Auto, KeepOnDevice, ZeroOffload
+from tiermem.policies.auto import Verdict
 
 D = Tier.DEVICE
 
@@ -93,9 +94,9 @@ def test_one_reserve_rule_for_auto_and_the_builtins():
                   device_reserve=0.3), device=budget)
     need = tm.placement.chosen.evaluation.need[D]
     assert over_reserve(need, {D: budget}, 0.3) is None
-    refused = [c for c in tm.placement.choices if "device_reserve=0.3" in c.verdict]
-    assert refused and all(c.verdict == "does not fit: " + over_reserve(c.evaluation.need[D], {D: budget}, 0.3)
-                           for c in refused)
+    refused = [c for c in tm.placement.choices if "device_reserve=0.3" in c.why]
+    assert refused and all(c.outcome is Verdict.DOES_NOT_FIT
+                           and c.why == over_reserve(c.evaluation.need[D], {D: budget}, 0.3) for c in refused)
 
 
 def test_over_reserve_by_hand():

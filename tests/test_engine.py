@@ -446,3 +446,21 @@ def test_chain_outcome_is_the_first_error_or_the_last_result(firsts, then, clean
         assert cleaned == [1]
     finally:
         e.close()
+
+
+def test_the_engine_provides_the_copy_service_the_homes_depend_on():
+    """tiermem.transfer.service.CopyService is what the homes, the grad collector and the step call:
+    every member is on TransferEngine, taking at least the protocol's arguments, by the same names."""
+    import inspect
+
+    from tiermem.transfer.service import CopyService
+    members = [n for n, v in vars(CopyService).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert {"copy_async", "copy_many", "store_write", "store_read", "run_async", "join", "lease", "behind",
+            "chain"} <= set(members)
+    for name in members:
+        want = inspect.signature(getattr(CopyService, name)).parameters
+        have = inspect.signature(getattr(TransferEngine, name)).parameters
+        assert [(p.name, p.kind) for p in want.values()] == [(p.name, p.kind) for p in have.values()
+                                                             if p.name in want], name
+    with TransferEngine({Tier.HOST: HostStore()}, device="cpu") as engine:
+        assert engine.device == torch.device("cpu")  # the one attribute of the protocol

@@ -115,3 +115,16 @@ def test_gpt_rejects_too_long_input_and_unknown_preset() -> None:
         GPTConfig.preset("huge")
     with pytest.raises(ValueError, match="not in the vocabulary"):
         CharTokenizer("abc").encode("abd")
+
+
+def test_lora_example_trains_with_its_base_weights_on_nvme(tmp_path: Path) -> None:
+    """examples/lora.py, a few steps: LoRA adapters trained with the base on NVMe, then merged."""
+    pytest.importorskip("peft")
+    cmd = [sys.executable, str(ROOT / "examples" / "lora.py"), "--steps", "6", "--batch-size", "2", "--seq-len", "16",
+           "--nvme-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    out = proc.stdout
+    assert proc.returncode == 0, f"lora.py exited {proc.returncode}\n{out}\n{proc.stderr}"
+    losses = [float(x) for x in re.findall(r"^step\s+\d+  loss (\d+\.\d+)", out, re.MULTILINE)]
+    assert len(losses) >= 2 and all(x == x for x in losses) and "(skipped)" not in out, out
+    assert "nvme->device" in out and "sample:" in out, out

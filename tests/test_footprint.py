@@ -139,7 +139,8 @@ def _placement(policy) -> dict[TensorClass, Tier]:
 
 def _footprint_of(model: nn.Module, policy, dtype: torch.dtype, overlap: bool, bucket_numel: int):
     """The footprint of ``model`` as TieredModel plans it (and the inputs the old rule took)."""
-    buckets, _, _, homes = plan_placement(model, policy, AdamW(), dtype, bucket_numel, overlap=overlap)
+    planned = plan_placement(model, policy, AdamW(), dtype, bucket_numel, overlap=overlap)
+    buckets, homes = list(planned.buckets), dict(planned.weight_homes)
     frozen = [(p, homes.get(n, D)) for n, p in model.named_parameters() if not p.requires_grad]
     largest_module = fp.largest_module_bytes(model, homes, dtype)
     need = fp.footprint(buckets, frozen, dtype, overlap=overlap, largest_module=largest_module)

@@ -22,7 +22,7 @@ from tiermem.handles import wait_all
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.observe.trace import Tracer
-from tiermem.plan.buckets import Bucket, plan_buckets
+from tiermem.plan.buckets import Bucket, Placed, plan_buckets
 from tiermem.plan.placement import compute_tier
 from tiermem.train.homes import DeviceWeights, GradHome, MemoryGrads, MemoryState, StateHome, WeightHome
 from tiermem.train.hooks import HookSet
@@ -63,7 +63,7 @@ def _buckets(shapes=SHAPES, bucket_numel=BUCKET_NUMEL, *, grad=Tier.HOST, state=
              weights=Tier.DEVICE, params: Optional[list] = None) -> list[Bucket]:
     if params is None:
         params = [(f"p{i}", torch.nn.Parameter(torch.zeros(shape))) for i, shape in enumerate(shapes)]
-    return plan_buckets([(name, p, grad, state, 0, weights) for name, p in params], bucket_numel)
+    return plan_buckets([Placed(name, p, grad, state, 0, weights) for name, p in params], bucket_numel)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,11 @@ def test_the_next_model_on_a_directory_builds_right_after_a_drop(tmp_path):
     train_steps(tm, 1)
     del tm
     gc.collect()  # the release runs on its worker; the next construction waits for it
-    _build(model, tmp_path).detach()  # same module, same directory
+    # its weights lived on NVMe and went with it: wrapping the same module again says so, and
+    # gives back what it took (the directory too)
+    with pytest.raises(TierMemError, match="dropped without detach.*build the module again"):
+        _build(model, tmp_path)
+    _build(TinyGPT(), tmp_path).detach()  # same directory, right away
 
 
 def test_rebuilding_in_a_loop_holds_one_model_at_a_time(tmp_path):

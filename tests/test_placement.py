@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from models import TinyGPT
-from tiermem import AdamW, ConfigError, Policy, TensorClass, Tier
+from tiermem import AdamW, ConfigError, Policy, StateKey, TensorClass, TensorInfo, Tier
 from tiermem.plan.placement import compute_tier, plan
 from tiermem.plan.buckets import STATE_PARTS
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
@@ -47,34 +47,63 @@ def test_every_tensor_is_asked_once_with_its_name_kind_and_bytes():
     assert (w.nbytes, w.shape, w.dtype, w.module) == (15 * 2, (5, 3), torch.bfloat16, "0")
     g = asked[("0.weight", TensorClass.GRAD)]
     assert (g.nbytes, g.dtype) == (15 * 4, torch.float32)
+    # the parameter and the state part come as fields: a policy never takes the name apart
+    assert (w.param, w.part, g.param, g.part) == ("0.weight", None, "0.weight", None)
+    m = asked[("0.weight:exp_avg", TensorClass.OPTIM_STATE)]
+    assert (m.param, m.part, m.state_key, m.module) == ("0.weight", "exp_avg", StateKey("0.weight", "exp_avg"), "0")
+
+
+def test_an_info_made_by_hand_with_the_name_alone_gets_its_parameter_and_part():
+    """A policy's own test builds infos as the planner's NOTE shows them: the fields follow the name."""
+    state = TensorInfo("blocks.0.fc.weight:exp_avg_sq", TensorClass.OPTIM_STATE, 4, (1,), torch.float32)
+    assert (state.param, state.part) == ("blocks.0.fc.weight", "exp_avg_sq")
+    grad = TensorInfo("blocks.0.fc.weight", TensorClass.GRAD, 4, (1,), torch.float32)
+    assert (grad.param, grad.part, grad.state_key) == ("blocks.0.fc.weight", None, None)
+    act = TensorInfo("blocks.0", TensorClass.ACTIVATION, 4, (1,), torch.float32)
+    assert (act.param, act.part) == (None, None)
+    key = StateKey("wte.weight", "master")
+    assert TensorInfo.of_state(key, 4, (1,), torch.float32) == TensorInfo(
+        "wte.weight:master", TensorClass.OPTIM_STATE, 4, (1,), torch.float32, None, "wte.weight", "master")
 
 
 def test_buckets_in_reverse_order_of_use_with_tied_weights_once():
     model = TinyGPT()
-    buckets, groups, names, param_homes = _plan(model, ZeroOffload(), bucket_numel=1500)
+    planned = _plan(model, ZeroOffload(), bucket_numel=1500)
+    buckets = planned.buckets
     order = [s.name for b in buckets for s in b.slots]
     first_names = [n for n, _ in model.named_parameters()]  # each parameter once, first name
     assert order == list(reversed(first_names))
-    assert names[id(model.wte.weight)] == ["wte.weight", "head.weight"]
+    assert planned.aliases[id(model.wte.weight)] == ("wte.weight", "head.weight")
     assert all(b.numel <= 1500 or len(b.slots) == 1 for b in buckets)
     assert [s.order for b in buckets for s in b.slots] == list(range(len(order)))
-    assert param_homes == {}
-    assert sorted(n for g in groups for n in g) == sorted(first_names)
+    assert planned.weight_homes == {}
+    assert sorted(n for g in planned.groups for n in g.params) == sorted(first_names)
 
 
 def test_decay_groups_follow_the_spec():
     model = nn.Sequential(nn.Linear(3, 5), nn.LayerNorm(5))
-    _, groups, _, _ = _plan(model, ZeroOffload(), spec=AdamW(no_decay_1d=True))
-    assert groups == [["0.weight"], ["1.bias", "1.weight", "0.bias"]]
-    _, groups, _, _ = _plan(model, ZeroOffload())
-    assert len(groups) == 1  # no parameter without decay: one group
+    planned = _plan(model, ZeroOffload(), spec=AdamW(no_decay_1d=True))
+    assert [(g.name, dict(g.options), g.params) for g in planned.groups] == [
+        ("decay", {}, ("0.weight",)), ("no_decay", {"weight_decay": 0.0}, ("1.bias", "1.weight", "0.bias"))]
+    assert {b.group for b in planned.buckets if b.slots[0].name == "0.weight"} == {0}
+    assert {b.group for b in planned.buckets if b.slots[0].name != "0.weight"} == {1}
+    groups = _plan(model, ZeroOffload()).groups
+    assert [g.name for g in groups] == ["decay"]  # no parameter without decay: one group
+
+
+def test_the_first_group_stays_when_every_parameter_is_in_another():
+    """NOTE [Param groups]: the first group is always there, empty or not; buckets index the kept ones."""
+    model = nn.Sequential(nn.LayerNorm(5))
+    planned = _plan(model, ZeroOffload(), spec=AdamW(no_decay_1d=True))
+    assert [(g.name, g.params) for g in planned.groups] == [("decay", ()), ("no_decay", ("0.bias", "0.weight"))]
+    assert {b.group for b in planned.buckets} == {1}
 
 
 def test_a_bucket_holds_one_placement():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     policy = Recording(ZO, **{"0.weight:master": Tier.NVME, "0.weight:exp_avg": Tier.NVME,
                               "0.weight:exp_avg_sq": Tier.NVME})
-    buckets, *_ = _plan(model, policy)
+    buckets = _plan(model, policy).buckets
     by_name = {s.name: b for b in buckets for s in b.slots}
     assert by_name["0.weight"].state_tier == Tier.NVME and compute_tier(by_name["0.weight"]) == Tier.HOST
     assert by_name["0.bias"].state_tier == Tier.HOST and compute_tier(by_name["0.bias"]) == Tier.HOST
@@ -86,7 +115,8 @@ def test_a_bucket_holds_one_placement():
     (ZeroInfinity(), Tier.NVME, Tier.HOST)])
 def test_built_in_policies(policy, params_off, compute):
     model = TinyGPT()
-    buckets, _, _, param_homes = _plan(model, policy)
+    planned = _plan(model, policy)
+    buckets, param_homes = planned.buckets, planned.weight_homes
     assert {compute_tier(b) for b in buckets} == {compute}
     expected = {} if params_off == Tier.DEVICE else {n: params_off for n, _ in model.named_parameters()}
     assert param_homes == expected

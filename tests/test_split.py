@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from models import Quirky, TinyGPT, gpt_batch, gpt_loss
-from tiermem import AdamW, ConfigError, TensorClass, TensorInfo, TieredModel, Tier
+from tiermem import AdamW, ConfigError, Policy, TensorClass, TensorInfo, TieredModel, Tier
 from tiermem.plan.policy import ModelInfo
 from tiermem.policies import ActivationOffload, ZeroOffload
 from tiermem.policies.zero_offload import device_share
@@ -174,15 +174,46 @@ def test_the_device_adam_is_launched_before_the_cpu_adam(tmp_path):
     assert kinds == sorted(kinds, key=lambda t: t != Tier.DEVICE), f"device buckets first: {order}"
 
 
+class _HostStateOnNvme(Policy):
+    """Builds on a whole-model policy as NOTE [Whole-model policies] says: wraps it, forwards for_model."""
+
+    def __init__(self, base: Policy):
+        self.base = base
+
+    def for_model(self, model):
+        return _HostStateOnNvme(self.base.for_model(model))
+
+    def place(self, info):
+        tier = self.base.place(info)
+        return Tier.NVME if info.kind is TensorClass.OPTIM_STATE and tier == Tier.HOST else tier
+
+    def __repr__(self):
+        return f"_HostStateOnNvme({self.base!r})"
+
+
+def test_a_subclass_that_overrides_place_of_a_split_is_refused_with_the_way_to_build_on_it():
+    class Split(ZeroOffload):
+        def place(self, info):
+            return super().place(info)
+    with pytest.raises(ConfigError, match=r"^tiermem: Split overrides place\(\) .* wrap ZeroOffload"):
+        Split(device_fraction=0.5).for_model(_infos([10, 10]))
+    assert Split().for_model(_infos([10, 10])).place(  # without a split nothing needs the whole model
+        TensorInfo("p0", TensorClass.GRAD, 40, (10,), torch.float32)) == Tier.HOST
+
+
+def test_binding_returns_a_separate_policy_and_leaves_the_one_bound_as_it_was():
+    policy = ZeroOffload(device_fraction=0.5)
+    before = dict(vars(policy))
+    p = policy.for_model(_infos([10, 10]))
+    assert p is not policy and vars(policy) == before
+    assert p.for_model(_infos([10, 10])) is p  # binding a bound policy gives it back
+
+
 def test_a_device_share_goes_first_beside_state_on_nvme(tmp_path):
     """The device's Adam is launched first, then NVMe's pipeline (NOTE [Split step]); a failure there
     is rolled forward by the retry (tested in test_nvme_state)."""
-    class Split(ZeroOffload):
-        def place(self, info):
-            tier = super().place(info)
-            return Tier.NVME if info.kind is TensorClass.OPTIM_STATE and tier == Tier.HOST else tier
     trace = tmp_path / "trace.json"
-    tm = _model(Split(device_fraction=0.5), trace_path=str(trace), nvme_dir=str(tmp_path))
+    tm = _model(_HostStateOnNvme(ZeroOffload(device_fraction=0.5)), trace_path=str(trace), nvme_dir=str(tmp_path))
     ref = _model(ZeroOffload())
     assert _train(tm, range(2), micro=1) == _train(ref, range(2), micro=1)
     assert _same(tm.state_dict(), ref.state_dict())

@@ -76,7 +76,8 @@ def _wire(module: nn.Module, snapshot_buckets: set[int]):
     homed in SnapshotState and the rest in ordinary host memory."""
     stores = {Tier.DEVICE: DeviceStore("cpu"), Tier.HOST: HostStore()}
     engine = TransferEngine(stores, device=torch.device("cpu"))
-    buckets, groups, names, _ = plan(module, ZeroOffload(), AdamW(), torch.float32, 60)
+    planned = plan(module, ZeroOffload(), AdamW(), torch.float32, 60)
+    buckets = list(planned.buckets)
     host = MemoryGrads(stores[Tier.HOST], buckets, {b.index: Tier.HOST for b in buckets}, stores, engine)
     snap = SnapshotState([b for b in buckets if b.index in snapshot_buckets])
     mem = MemoryState(stores[Tier.HOST], [b for b in buckets if b.index not in snapshot_buckets])
@@ -84,7 +85,8 @@ def _wire(module: nn.Module, snapshot_buckets: set[int]):
     homes = Homes({b.index: host for b in buckets},
                   {b.index: snap if b.index in snapshot_buckets else mem for b in buckets},
                   {b.index: weights for b in buckets})
-    layout = build(module, buckets, buckets, groups, names, homes, stores, torch.float32, torch.device("cpu"), None)
+    layout = build(module, buckets, buckets, planned.groups, planned.aliases, homes, stores, torch.float32,
+                   torch.device("cpu"), None)
     grads = GradCollector(homes, layout.slot_of, engine, stores[Tier.DEVICE].ledger)
     for b in buckets:
         for s in b.slots:

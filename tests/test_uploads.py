@@ -18,7 +18,7 @@ import torch
 from tiermem.handles import Handle
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.observe.trace import Tracer
-from tiermem.plan.buckets import Bucket, plan_buckets
+from tiermem.plan.buckets import Bucket, Placed, plan_buckets
 from tiermem.train.homes import DeviceWeights, Homes, MemoryState, Runs, WeightHome
 from tiermem.train.uploads import Outputs
 from tiermem.transfer.engine import TransferEngine
@@ -83,7 +83,7 @@ def _stores():
 
 def _buckets(numels, states) -> list[Bucket]:
     """One bucket per numel, its optimizer state on the tier given (so Adam runs there)."""
-    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n)), Tier.HOST, state, 0, Tier.DEVICE)
+    params = [Placed(f"p{i}", torch.nn.Parameter(torch.zeros(n)), Tier.HOST, state, 0, Tier.DEVICE)
               for i, (n, state) in enumerate(zip(numels, states))]
     buckets = plan_buckets(params, 1)
     assert [b.numel for b in buckets] == list(numels)

@@ -14,13 +14,13 @@ from tiermem.train.phase import Phase
 from tiermem.plan.policy import PerClass, Policy
 from tiermem.observe.report import Report
 from tiermem.memory.nvme import NvmeStore
-from tiermem.types import TensorClass, TensorInfo, Tier
+from tiermem.types import StateKey, TensorClass, TensorInfo, Tier
 from tiermem.deepspeed_config import from_deepspeed_config
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Adam", "AdamW", "ArgumentError", "Budgets", "ConfigError", "Handle", "LossScale", "NvmeStore", "OutOfTierMemory", "PerClass", "Phase", "Policy",
-    "Report", "StepResult", "StoreError", "TensorClass", "TensorInfo", "TieredModel", "Tier",
+    "Report", "StateKey", "StepResult", "StoreError", "TensorClass", "TensorInfo", "TieredModel", "Tier",
     "TierMemError", "from_deepspeed_config", "parse_bytes", "__version__",
 ]

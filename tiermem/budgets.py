@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
+from tiermem.config import is_int
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.types import Tier
 
@@ -25,9 +26,7 @@ def parse_bytes(value: ByteSize, *, what: str = "size") -> int:
 
     Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) of 1024.
     """
-    if isinstance(value, bool):
-        raise ConfigError(f"tiermem: {what}={value!r} is not a size; give bytes as an int or a string such as '8GiB'")
-    if isinstance(value, int):
+    if is_int(value):
         n = value
     elif isinstance(value, float) and value.is_integer():
         n = int(value)

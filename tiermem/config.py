@@ -4,8 +4,9 @@ from __future__ import annotations
 import fnmatch
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -24,22 +25,33 @@ def working_dtype(precision: str) -> torch.dtype:
                           f"use one of {', '.join(repr(p) for p in PRECISIONS)}") from None
 
 
-# NOTE [Adam hyperparameter rules]
-# The rule for each Adam hyperparameter, by name, in one table that the three places taking them
-# check against: the AdamW/Adam specs here, CPUAdam's arguments and adam_step's (through
-# tiermem.optim._hyper.AdamHyper). Numbers are real numbers but not bools (ints, floats, numpy
-# scalars; CPUAdam and adam_step check a one-element tensor, which torch optimizers allow for lr,
-# as the number it holds).
-def _number(v: Any) -> bool:
+# NOTE [Numbers are not bools]
+# ``True`` is an int to Python, so every check of a number must also refuse a bool. The two
+# functions below are that check, for every argument tiermem takes (the Adam rules table below,
+# the policies' shares, TieredModel's and NvmeStore's arguments, DeepSpeed configs, checkpoint
+# footers): a number is a real number but not a bool (ints, floats, numpy scalars); a count is
+# an int but not a bool.
+def is_number(v: Any) -> bool:
+    """A real number that is not a bool (NOTE [Numbers are not bools])."""
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+def is_int(v: Any) -> bool:
+    """An int that is not a bool (NOTE [Numbers are not bools])."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# NOTE [Adam hyperparameter rules]
+# The rule for each Adam hyperparameter, by name, in one table that the three places taking them
+# check against: the AdamW/Adam specs here, CPUAdam's arguments and adam_step's (through
+# tiermem.optim._hyper.AdamHyper). Numbers follow NOTE [Numbers are not bools] (CPUAdam and
+# adam_step check a one-element tensor, which torch optimizers allow for lr, as the number it holds).
 def _finite_non_negative(v: Any) -> bool:
-    return _number(v) and 0 <= v < math.inf
+    return is_number(v) and 0 <= v < math.inf
 
 
 def _unit(v: Any) -> bool:
-    return _number(v) and 0.0 <= v < 1.0
+    return is_number(v) and 0.0 <= v < 1.0
 
 
 _FINITE_NON_NEGATIVE = (_finite_non_negative, "a finite number >= 0")
@@ -52,7 +64,7 @@ _ADAM_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eps": _FINITE_NON_NEGATIVE,
     "weight_decay": _FINITE_NON_NEGATIVE,
     "step": (lambda v: isinstance(v, int) and v >= 1, "a 1-based count of updates including this one, >= 1"),
-    "grad_scale": (lambda v: _number(v) and 2.0**-126 < v < 2.0**126,
+    "grad_scale": (lambda v: is_number(v) and 2.0**-126 < v < 2.0**126,
                    "between 2**-126 and 2**126 (its reciprocal a normal fp32 number)"),
     "clip_coef": _FINITE_NON_NEGATIVE,
     "adamw": (lambda v: isinstance(v, bool), "True (AdamW: decoupled weight decay) or False (Adam: L2 penalty)"),
@@ -72,6 +84,32 @@ def check_adam_hyper(where: str, **values: Any) -> None:
         ok, rule = _ADAM_RULES[name]
         if not ok(value):
             raise _invalid(where, name, value, rule)
+
+
+# NOTE [Param groups]
+# An optimizer spec defines its param groups: each a name and the hyperparameters it sets over the
+# spec's own (``group_defaults``), and which group each trainable parameter joins (``group_of``).
+# The planner lists every group's parameters (tiermem.plan.placement.ParamGroup), each bucket
+# holds one group's parameters (one fused Adam call, one set of hyperparameters), and
+# ``tm.optimizer.param_groups`` shows the groups in this order, which lr schedulers drive and
+# checkpoints keep. The first group is always there (it may hold no parameter); a later one
+# only when some parameter joins it. Today's specs define two: "decay" and "no_decay" (weight
+# decay 0, from ``no_decay``/``no_decay_1d``); torch-style groups with hyperparameters of their
+# own are more GroupSpecs, each with its overrides.
+@dataclass(frozen=True)
+class GroupSpec:
+    """One param group as a spec defines it (NOTE [Param groups])."""
+
+    name: str
+    #: the hyperparameters this group sets over the spec's (e.g. ``{"weight_decay": 0.0}``)
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "overrides", MappingProxyType(dict(self.overrides)))
+
+
+DECAY = GroupSpec("decay")
+NO_DECAY = GroupSpec("no_decay", {"weight_decay": 0.0})
 
 
 @checked_arguments
@@ -110,6 +148,14 @@ class _AdamSpec:
             return False
         return not any(fnmatch.fnmatchcase(name, p) for p in self.no_decay)
 
+    def param_groups(self) -> tuple[GroupSpec, ...]:
+        """The param groups this spec defines, in order (NOTE [Param groups])."""
+        return (DECAY, NO_DECAY)
+
+    def group_of(self, name: str, param: torch.Tensor) -> int:
+        """The index in :meth:`param_groups` of the group the parameter ``name`` joins."""
+        return 0 if self.decays(name, param) else 1
+
     def group_defaults(self) -> dict[str, Any]:
         """The keys torch optimizers keep in each param group (so lr schedulers work)."""
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
@@ -147,8 +193,7 @@ class LossScale:
         ok, rule = _ADAM_RULES["grad_scale"]  # the loss scale divides the grads: the same range
         if not ok(self.init_scale):
             raise _invalid("LossScale.", "init_scale", self.init_scale, rule)
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
-                or self.growth_interval < 1:
+        if not is_int(self.growth_interval) or self.growth_interval < 1:
             raise _invalid("LossScale.", "growth_interval", self.growth_interval, "an int >= 1")
         if self.min_scale is not None and not (ok(self.min_scale) and self.min_scale <= self.init_scale):
             raise _invalid("LossScale.", "min_scale", self.min_scale, f"None or {rule}, at most init_scale")

@@ -37,7 +37,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from tiermem.config import Adam, AdamW, LossScale
+from tiermem.config import Adam, AdamW, LossScale, is_int, is_number
 from tiermem.errors import ConfigError
 from tiermem.plan.policy import PerClass, Policy
 from tiermem.train.model import TieredModel
@@ -209,7 +209,7 @@ def _loss_scale(r: _Reader, cfg: Mapping) -> LossScale:
             r.note(f"fp16.{key}", value, _NONE)
     power, window, floor = (default if fp16.get(key, "auto") == "auto" else fp16[key]
                             for key, default in _FP16_DEFAULTS.items())
-    if isinstance(power, bool) or not isinstance(power, int) or not 0 <= power < 126:
+    if not is_int(power) or not 0 <= power < 126:
         raise ConfigError(f"tiermem: DeepSpeed config fp16.initial_scale_power={_short(power)} is invalid: it must "
                           f"be an int in [0, 126) (the scale is 2**power)")
     try:
@@ -287,7 +287,7 @@ def _offload(r: _Reader, zero: Mapping, key: str) -> tuple[Tier, Optional[str]]:
 def _policy(r: _Reader, cfg: Mapping) -> tuple[Policy, Optional[str]]:
     zero = _block(cfg, "zero_optimization", "")
     stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+    if not is_int(stage) or stage not in (0, 1, 2, 3):
         raise ConfigError(f"tiermem: DeepSpeed config zero_optimization.stage={_short(stage)} is invalid: it must "
                           f"be 0, 1, 2 or 3")
     for old in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"):
@@ -386,8 +386,7 @@ def translate(config: Any, **overrides: Any) -> tuple[dict[str, Any], list[str]]
     policy, nvme_dir = _policy(r, cfg)
     clip = r.take("gradient_clipping", cfg.get("gradient_clipping", _ABSENT), "grad_clip", default=None,
                   norm=lambda v: None if v == 0 else v)
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
-                             or math.isinf(clip)):
+    if clip is not None and (not is_number(clip) or not clip > 0 or math.isinf(clip)):
         raise ConfigError(f"tiermem: DeepSpeed config gradient_clipping={_short(clip)} is invalid: it must be a "
                           f"number >= 0 (0: no clipping)")
     _batch(r, cfg)

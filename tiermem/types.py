@@ -32,12 +32,28 @@ class TensorClass(enum.Enum):
 
 
 @dataclass(frozen=True)
+class StateKey:
+    """One tensor of a parameter's optimizer state: the parameter's qualified name and the part
+    (``"master"``, ``"exp_avg"`` or ``"exp_avg_sq"``). ``str()`` of it is the name a policy sees
+    in :attr:`TensorInfo.name`: ``"blocks.0.fc.weight:exp_avg"``."""
+
+    param: str
+    part: str
+
+    def __str__(self) -> str:
+        return f"{self.param}:{self.part}"
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     """What a policy is told about a tensor before it picks its home tier.
 
     ``name`` is the parameter's qualified name for PARAM, GRAD and OPTIM_STATE
     (``"blocks.0.fc.weight"``, ``"blocks.0.fc.weight:exp_avg"``) and the module's
     qualified name for ACTIVATION. ``module`` is the owning module's qualified name.
+    ``param`` is the parameter's qualified name (PARAM, GRAD and OPTIM_STATE; None for an
+    activation) and ``part`` which of its optimizer state tensors an OPTIM_STATE info is, so a
+    policy never takes the name apart (:attr:`state_key`).
     """
 
     name: str
@@ -46,6 +62,32 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype
     module: Optional[str] = None
+    param: Optional[str] = None
+    part: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.param is None and self.kind is not TensorClass.ACTIVATION:
+            # an info made by hand with the name alone (a policy's own test): the planner always
+            # gives ``param`` and ``part``; this is the one place that reads them from the name
+            param, sep, part = self.name.rpartition(":")
+            if self.kind is TensorClass.OPTIM_STATE and sep:
+                object.__setattr__(self, "param", param)
+                object.__setattr__(self, "part", part)
+            else:
+                object.__setattr__(self, "param", self.name)
+
+    @classmethod
+    def of_state(cls, key: StateKey, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype,
+                 module: Optional[str] = None) -> "TensorInfo":
+        """The OPTIM_STATE info of ``key``."""
+        return cls(str(key), TensorClass.OPTIM_STATE, nbytes, shape, dtype, module, key.param, key.part)
+
+    @property
+    def state_key(self) -> Optional[StateKey]:
+        """The optimizer state tensor this info describes (None unless OPTIM_STATE)."""
+        if self.kind is not TensorClass.OPTIM_STATE or self.param is None or self.part is None:
+            return None
+        return StateKey(self.param, self.part)
 
     @property
     def numel(self) -> int:

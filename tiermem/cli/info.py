@@ -54,8 +54,10 @@ def _fs_type(path: str) -> str:
 
 def compile_check() -> dict[str, Any]:
     """Whether the compiled CPU Adam will be used, asking tiermem.optim when it can tell."""
-    if os.environ.get("TIERMEM_NO_COMPILE") == "1":
-        return {"works": False, "implementation": "fallback", "why": "disabled by TIERMEM_NO_COMPILE=1"}
+    from tiermem.optim import compile_disabled  # the one reading of the variable
+    if compile_disabled():
+        return {"works": False, "implementation": "fallback",
+                "why": f"disabled by TIERMEM_NO_COMPILE={os.environ['TIERMEM_NO_COMPILE']}"}
     t0 = time.perf_counter()
     try:
         optim = importlib.import_module("tiermem.optim")

@@ -15,6 +15,7 @@ from tiermem.errors import ConfigError
 from tiermem.plan.choose import Evaluator
 from tiermem.plan.sizing import Limits
 from tiermem.policies import Auto
+from tiermem.policies.auto import AutoChoice
 from tiermem.train.machine import machine_profile
 from tiermem.types import Tier
 
@@ -35,7 +36,7 @@ def choose(args: argparse.Namespace, trainable: int, frozen: int, limits: Limits
     evaluator = Evaluator(module, AdamW(), working_dtype(precision), BUCKET_NUMEL, limits=caps,
                           machine=lambda: machine_profile(device, args.nvme_path), nvme_staging=device.type == "cuda")
     auto = evaluator.bind(Auto(forward_backward=args.forward_backward or 0.0))
-    assert isinstance(auto, Auto) and auto.choices
+    assert isinstance(auto, AutoChoice)
     return {
         "precision": precision, "parameters_as": shape, "forward_backward_s": args.forward_backward or 0.0,
         "choices": [{"placement": c.label, "verdict": c.verdict, "fits": c.evaluation.fits,

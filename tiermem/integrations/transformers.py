@@ -33,8 +33,10 @@ for subclasses, and two private methods of transformers 5 where no public hook e
   measured (before clipping, as the Trainer's is).
 - ``save_model`` writes the fp32 master weights (``model.safetensors``, loadable with
   ``from_pretrained``), and inside a ``checkpoint-N/`` folder also ``tiermem.ckpt`` (``tm.save``:
-  atomic, checksummed, optimizer state included). The Trainer's ``optimizer.pt`` then holds the
-  param groups' hyperparameters and the step count, which resuming checks against tiermem.ckpt.
+  atomic, checksummed, optimizer state included; one file in one process, under torchrun a
+  torch.distributed.checkpoint directory every rank writes its shards to). The Trainer's
+  ``optimizer.pt`` then holds the param groups' hyperparameters and the step count, which
+  resuming checks against tiermem.ckpt.
 - ``train(resume_from_checkpoint=True)`` takes the newest *complete* ``checkpoint-N/`` (with
   ``tiermem.ckpt`` and ``trainer_state.json``, which the Trainer writes last): a run killed while
   saving resumes from the checkpoint before.
@@ -49,7 +51,8 @@ for subclasses, and two private methods of transformers 5 where no public hook e
   a step's last the Trainer enters the model's ``no_sync()``, which is ``tm.no_sync()``. The
   TieredModel's device is the Trainer's ``args.device`` (``cuda:<local rank>``, or the CPU with
   ``use_cpu``) unless ``tiermem={"device": ...}`` says otherwise. ``save_model`` runs on every
-  rank (``state_dict()`` and ``tm.save`` are collectives); rank 0 writes. Called on rank 0 alone
+  rank (``state_dict()`` and ``tm.save`` are collectives); rank 0 writes model.safetensors, every
+  rank its shards of ``tiermem.ckpt``. Called on rank 0 alone
   it waits for the others until the process group's timeout, then (gloo) raises a ``tiermem:``
   error naming the mistake. One process driving
   several GPUs is refused.
@@ -215,7 +218,7 @@ class TieredTrainer(Trainer):
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
         path = os.path.join(best, TIERMEM_CHECKPOINT)
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise TierMemError(f"tiermem: the best checkpoint {best!r} (by {self.args.metric_for_best_model}) has no "
                                f"{TIERMEM_CHECKPOINT}; it was not saved by a TieredTrainer: load it with "
                                f"from_pretrained, or train without load_best_model_at_end")
@@ -232,7 +235,7 @@ class TieredTrainer(Trainer):
             if self.tiered is not None:
                 raise TierMemError("tiermem: this TieredTrainer has trained already; resume from a checkpoint with "
                                    "a new TieredTrainer (and a fresh model)")
-            missing = [f for f in _COMPLETE if not os.path.isfile(os.path.join(resume_from_checkpoint, f))]
+            missing = [f for f in _COMPLETE if not os.path.exists(os.path.join(resume_from_checkpoint, f))]
             if missing:
                 raise TierMemError(f"tiermem: {str(resume_from_checkpoint)!r} has no {' or '.join(missing)} (not "
                                    f"saved by a TieredTrainer, or its save did not finish); resume from another "
@@ -313,7 +316,7 @@ def last_complete_checkpoint(output_dir: str) -> str:
         if head == PREFIX_CHECKPOINT_DIR and number.isdigit() and os.path.isdir(os.path.join(output_dir, name)):
             found.append((int(number), os.path.join(output_dir, name)))
     for _, path in sorted(found, reverse=True):
-        if all(os.path.isfile(os.path.join(path, f)) for f in _COMPLETE):
+        if all(os.path.exists(os.path.join(path, f)) for f in _COMPLETE):  # tiermem.ckpt: a file or a directory
             return path
         log.warning("tiermem: %s is incomplete (a save that did not finish?); resuming from an earlier one", path)
     raise TierMemError(f"tiermem: no complete checkpoint-N folder in {str(output_dir)!r} to resume from; train "

@@ -7,14 +7,14 @@ both return a :class:`~tiermem.handles.Handle`. ``delete(key)`` frees the key. M
 from __future__ import annotations
 
 import abc
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 from tiermem.memory.ledger import Ledger
 from tiermem.errors import StoreError
 from tiermem.handles import Handle
-from tiermem.types import Tier
+from tiermem.types import TensorClass, Tier
 
 
 class Store(abc.ABC):
@@ -22,7 +22,7 @@ class Store(abc.ABC):
     ledger: Ledger
 
     @abc.abstractmethod
-    def write(self, key: str, src: torch.Tensor, kind: object = None) -> Handle:
+    def write(self, key: str, src: torch.Tensor, kind: Optional[TensorClass] = None) -> Handle:
         """Store a bit-exact copy of ``src`` under ``key``, replacing any previous value;
         ``kind`` (a TensorClass) is what the ledger counts the bytes as."""
 

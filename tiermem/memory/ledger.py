@@ -20,6 +20,7 @@ import threading
 from typing import Callable, Optional
 
 from tiermem.errors import OutOfTierMemory, fmt_bytes
+from tiermem.handles import Handle, wait_all_quietly
 from tiermem.types import TensorClass, Tier
 
 #: How a refusal names the bytes each class holds.
@@ -27,13 +28,51 @@ _CLASS_WORDS = {TensorClass.PARAM: "weights", TensorClass.GRAD: "grads", TensorC
                 TensorClass.ACTIVATION: "activations saved so far"}
 
 
-class Reclaimers:
-    """Who can give bytes back on a tier when a reservation does not fit (a cache of prefetched
-    weights evicts). Handed to the tier's ledger when the store is built; a cache built later on
-    the same tier registers with it, the way hooks register with a module."""
+class InFlight:
+    """Requests in flight whose landing gives room back on a tier (a gradient's copy home holds
+    its device bytes until the copy has read them), each with what gives that room back. Built
+    before the tier's store and given to it, through :class:`Reclaimers`, as a reclaimer; the
+    requests' owner (tiermem.train.backward.GradCollector) adds them as it makes them and takes
+    them back when it waits for them itself. Thread-safe: backward adds while a reservation on
+    another thread may be waiting for room."""
 
     def __init__(self) -> None:
-        self._fns: list[Callable[[int], None]] = []
+        self._items: list[tuple[Handle, Callable[[], None]]] = []
+        self._lock = threading.Lock()
+
+    def add(self, handle: Handle, release: Callable[[], None]) -> None:
+        """``handle``'s request holds room until it ends; ``release()`` gives it back (may run twice)."""
+        with self._lock:
+            self._items.append((handle, release))
+
+    def take(self) -> list[tuple[Handle, Callable[[], None]]]:
+        """Every request in flight, now off the list (their owner waits for them)."""
+        with self._lock:
+            items, self._items = self._items, []
+        return items
+
+    def give_room(self, missing: int) -> None:
+        """A reclaimer: wait for the requests in flight, then give their room back (a failed one
+        is its owner's to report). Never on one of tiermem's own threads, where the requests may
+        be queued behind the caller. A wait returns before the handle's own callbacks ran, so
+        the room is given back here too."""
+        if threading.current_thread().name.startswith("tiermem-"):
+            return
+        with self._lock:
+            items = list(self._items)
+        wait_all_quietly([h for h, _ in items])
+        for _, release in items:
+            release()
+
+
+class Reclaimers:
+    """Who can give bytes back on a tier when a reservation does not fit: the reclaimers given at
+    construction (requests in flight, :class:`InFlight`), then a cache of prefetched weights,
+    which registers once built (it needs the engine, which needs the stores: the one reclaimer
+    that cannot exist before the store it frees room in)."""
+
+    def __init__(self, *fns: Callable[[int], None]) -> None:
+        self._fns: list[Callable[[int], None]] = list(fns)
 
     def add(self, fn: Callable[[int], None]) -> None:
         self._fns.append(fn)
@@ -55,11 +94,11 @@ class Ledger:
         self.tier = tier
         self.allowed = int(allowed)
         self._held: dict[str, int] = {}
-        self._kind: dict[str, object] = {}
+        self._kind: dict[str, TensorClass] = {}
         self._used = 0
         self.peak = 0
-        self.kind_used: dict[object, int] = {}
-        self.kind_peak: dict[object, int] = {}
+        self.kind_used: dict[TensorClass, int] = {}
+        self.kind_peak: dict[TensorClass, int] = {}
         # Called with the bytes missing when a reservation does not fit, before giving up: a cache
         # on this tier (e.g. prefetched weights) can evict to make room. Called outside the lock.
         self.reclaim = reclaim
@@ -72,7 +111,8 @@ class Ledger:
     def held(self, key: str) -> int:
         return self._held.get(key, 0)
 
-    def reserve(self, key: str, nbytes: int, kind: object = None, *, label: Optional[str] = None) -> None:
+    def reserve(self, key: str, nbytes: int, kind: Optional[TensorClass] = None, *,
+                label: Optional[str] = None) -> None:
         """Account ``nbytes`` to ``key`` (replacing what it held before); ``label``: what a
         refusal calls the bytes (default: ``key``)."""
         try:
@@ -83,7 +123,7 @@ class Ledger:
             self.reclaim(e.used + e.asked - e.allowed)
             self._reserve(key, nbytes, kind, label)
 
-    def _reserve(self, key: str, nbytes: int, kind: object, label: Optional[str] = None) -> None:
+    def _reserve(self, key: str, nbytes: int, kind: Optional[TensorClass], label: Optional[str] = None) -> None:
         with self._lock:
             before = self._held.get(key, 0)
             after_used = self._used - before + nbytes
@@ -98,7 +138,7 @@ class Ledger:
                 self.kind_used[kind] = used = self.kind_used.get(kind, 0) + nbytes
                 self.kind_peak[kind] = max(self.kind_peak.get(kind, 0), used)
 
-    def _refusal(self, label: str, nbytes: int, kind: object, used: int) -> OutOfTierMemory:
+    def _refusal(self, label: str, nbytes: int, kind: Optional[TensorClass], used: int) -> OutOfTierMemory:
         """NOTE [Activations that do not fit]: a refused activation says what the tier holds, by
         class, and what to change; other refusals keep OutOfTierMemory's own advice."""
         if kind is not TensorClass.ACTIVATION or self.tier != Tier.DEVICE:

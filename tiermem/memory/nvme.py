@@ -20,7 +20,7 @@ import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -36,9 +36,14 @@ from tiermem.memory.nvme_keys import (SPOILT, Copy, FellBack, KeyState, Value, c
                                        lost, over_budget, spoilt, would_mix)
 from tiermem.memory.nvme_requests import Requests
 from tiermem.memory.nvme_spares import SparePool
-from tiermem.types import Tier
+from tiermem.spans import lazy_span
+from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
+
+# hashing threads per store (NOTE [Hashing beside the I/O]): one hashes ~12 GB/s of memory the cache does not
+# hold, faster than the disk; a second keeps chunks that land together from queueing behind each other
+HASH_THREADS = 2
 
 
 @checked_arguments
@@ -84,8 +89,10 @@ class NvmeStore(Store):
         self._odirect = os.O_DIRECT if self.direct else 0
         self._staging = nio.StagingPool(block_size, io_threads)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiermem-nvme")
+        self._hasher = (ThreadPoolExecutor(min(HASH_THREADS, io_threads), thread_name_prefix="tiermem-nvme-hash")
+                        if self.checksums else None)  # NOTE [Hashing beside the I/O]
         self._lock = threading.Lock()
-        self._requests = Requests(self._pool, self._lock)  # NOTE [Per-key order]
+        self._requests = Requests(self._pool, self._lock, self._hasher)  # NOTE [Per-key order]
         self._keys: dict[str, KeyState] = {}
         self._closed = False
         self._seq = 0  # successful writes so far, NOTE [No mix after a fall back]
@@ -94,7 +101,7 @@ class NvmeStore(Store):
         self._spares = SparePool(self.directory, spares if not keep_previous else 0, self.ledger)
 
     # -- the Store interface --------------------------------------------------------------------
-    def write(self, key: str, src: torch.Tensor, kind: object = None) -> Handle:
+    def write(self, key: str, src: torch.Tensor, kind: Optional[TensorClass] = None) -> Handle:
         """Queue a bit-exact copy of ``src`` under ``key``; keep ``src`` unchanged until ``wait()``.
         ``kind`` (a TensorClass) lets the ledger report bytes per class."""
         nio.check_key(key)
@@ -176,6 +183,8 @@ class NvmeStore(Store):
             self._requests.drain()
             self._spares.drop_all()  # they hold no value
         self._pool.shutdown(wait=True)
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
         self._release_lock()
 
     def __enter__(self) -> "NvmeStore":
@@ -234,10 +243,15 @@ class NvmeStore(Store):
         except OSError as e:
             self._finish_write(key, copy, fd, future, e)
             return
-        self._requests.fan_out([partial(nio.write_chunk, self._pwritev, fd, data, b0, b1, self._staging,
-                                        self.direct, self.checksums)
-                                for b0, b1 in nio.chunks(value.nbytes, self.block_size)],
-                               partial(self._finish_write, key, copy, fd, future))
+        spans = nio.chunks(value.nbytes, self.block_size)
+        beside = self._hash_beside(value.nbytes)  # NOTE [Hashing beside the I/O]
+        self._requests.fan_out([_spanned("write", key, partial(nio.write_chunk, self._pwritev, fd, data, b0, b1,
+                                                               self._staging, self.direct,
+                                                               self.checksums and not beside))
+                                for b0, b1 in spans],
+                               partial(self._finish_write, key, copy, fd, future),
+                               [partial(nio.digest, data[b0:b1]) for b0, b1 in spans] if beside else None,
+                               hash_first=True)
 
     def _finish_write(self, key: str, copy: Copy, fd: Optional[int], future: Future,
                       err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
@@ -290,16 +304,19 @@ class NvmeStore(Store):
             self._finish_read(key, current, fd, future, e)
             return
         checked = current.xxh3 is not None
+        beside = checked and self._hash_beside(current.value.nbytes)  # NOTE [Hashing beside the I/O]
 
         def chunk(b0: int, b1: int) -> Optional[int]:
             head, digest = nio.read_chunk(self._preadv, fd, data, b0, b1, b0 == 0, self._staging, self.direct,
-                                          checked)
+                                          checked and not beside)
             if head is not None:
                 nio.check_header(head, current.header)
             return digest
 
-        self._requests.fan_out([partial(chunk, b0, b1) for b0, b1 in nio.chunks(current.value.nbytes, self.block_size)],
-                               partial(self._finish_read, key, current, fd, future))
+        spans = nio.chunks(current.value.nbytes, self.block_size)
+        self._requests.fan_out([_spanned("read", key, partial(chunk, b0, b1)) for b0, b1 in spans],
+                               partial(self._finish_read, key, current, fd, future),
+                               [partial(nio.digest, data[b0:b1]) for b0, b1 in spans] if beside else None)
 
     def _finish_read(self, key: str, copy: Optional[Copy], fd: Optional[int], future: Future,
                      err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
@@ -383,6 +400,10 @@ class NvmeStore(Store):
             future.set_exception(err)
 
     # -- helpers -------------------------------------------------------------------------------
+    def _hash_beside(self, nbytes: int) -> bool:
+        """Whether a value of ``nbytes`` is hashed on the hashing threads (NOTE [Hashing beside the I/O])."""
+        return self._hasher is not None and min(nbytes, self.block_size) >= nio.HASH_HANDOFF
+
     def _file_size(self, value: Value) -> int:
         """The size of a slot file holding ``value``."""
         return nio.HEADER + (round_up(value.nbytes) if self.direct else value.nbytes)
@@ -447,3 +468,12 @@ class NvmeStore(Store):
         if self._closed:
             raise StoreError(f"tiermem: NvmeStore({self.directory!r}) is closed; make a new store to "
                              f"keep using the directory")
+
+
+def _spanned(op: str, key: str, chunk: Callable[[], Optional[int]]) -> Callable[[], Optional[int]]:
+    """``chunk`` as a ``tiermem::nvme <op> <key>`` span of a running torch profiler (NOTE [tiermem in
+    the torch profiler] in tiermem/spans.py)."""
+    def run() -> Optional[int]:
+        with lazy_span(lambda: f"nvme {op} {key}"):
+            return chunk()
+    return run

@@ -24,6 +24,7 @@ import platform
 import uuid
 from typing import Optional
 
+from tiermem.config import is_int
 from tiermem.errors import ConfigError
 from tiermem.memory import deferred
 from tiermem.memory.aligned import ALIGN, aligned_empty
@@ -32,11 +33,10 @@ log = logging.getLogger(__name__)
 
 
 def check_options(io_threads: object, block_size: object) -> None:
-    if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+    if not is_int(io_threads) or io_threads < 1:
         raise ConfigError(f"tiermem: NvmeStore.io_threads={io_threads!r} must be an int >= 1; "
                           f"pass e.g. io_threads=8")
-    if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < ALIGN
-            or block_size % ALIGN):
+    if not is_int(block_size) or block_size < ALIGN or block_size % ALIGN:
         raise ConfigError(f"tiermem: NvmeStore.block_size={block_size!r} must be a positive multiple "
                           f"of {ALIGN} bytes (direct I/O needs aligned lengths); pass e.g. 8 * 2**20")
 
@@ -44,7 +44,7 @@ def check_options(io_threads: object, block_size: object) -> None:
 def check_journal(keep_previous: object, spares: object) -> None:
     if not isinstance(keep_previous, bool):
         raise ConfigError(f"tiermem: NvmeStore.keep_previous={keep_previous!r} must be True or False")
-    if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+    if not is_int(spares) or spares < 0:
         raise ConfigError(f"tiermem: NvmeStore.spares={spares!r} must be an int >= 0; pass e.g. spares=4")
 
 

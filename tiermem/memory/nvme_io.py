@@ -15,9 +15,9 @@ The header stays at the front: on the disk this was measured on, fio wrote and r
 at offset 4096 as fast as at offset 0 (within the run-to-run noise of a few percent).
 
 # NOTE [Data checksums]
-Every byte of a value is checked on every read. Each chunk's I/O thread hashes the chunk it
-moves (xxh3_64: ~28 GB/s on one core here, over ten times the disk) right after the chunk's
-syscall, so the data is hashed while it streams, never in a second pass over the tensor. The
+Every byte of a value is checked on every read. Each chunk is hashed (xxh3_64: ~28 GB/s on one
+core here, ~12 GB/s from memory the cache does not hold, over four times the disk) as it moves,
+never in a second pass over the tensor (NOTE [Hashing beside the I/O] says on which thread). The
 value's checksum is xxh3_64 over the chunks' digests in order (an incremental ``xxh3_64()``
 object), written in the header, which its own crc32 protects. A read hashes each chunk it
 fills the same way and compares at the end: a mismatch is :class:`Corrupt`, like a damaged
@@ -25,6 +25,23 @@ header (NOTE [Two slots, overwritten in place] says what the store does then). T
 is in the header, so the checksum is defined by the file alone. ``TIERMEM_NVME_CHECKSUMS=0`` in
 the environment turns checksums off for stores made after it is set: a benchmarking switch (it
 measures what they cost), never for training; such a store warns once when it is made.
+
+# NOTE [Hashing beside the I/O]
+A request keeps ``io_threads`` chunks in flight, one per I/O thread, as fio keeps ``iodepth``
+blocks in flight. An I/O thread that hashed its chunk after the syscall would leave the disk one
+request short for as long as the hash takes (on a device emulated to reward every request in
+flight, bench/nvme.py: 7.5 chunks in flight of 8 with the hash inline, 7.65 handed over, 7.8
+with no checksums; 1.03x the throughput of inline hashing). So the chunks of a request of at
+least ``HASH_HANDOFF`` bytes per chunk are hashed on the store's hashing threads: a write's chunk
+is handed over as its I/O starts (the source stays unchanged until the write's handle returns,
+so its bytes are the ones that land), a read's once its bytes have landed, and the I/O thread
+goes straight to the next chunk. The binding releases the GIL while it hashes (xxhash >= 3,
+inputs past 64 KiB), so the hash runs on another core while the I/O threads wait in their
+syscalls. A request ends once every chunk's I/O and hash have ended; a hash whose chunk failed
+is skipped. Smaller chunks are hashed inline, right after their syscall: handing over a few KiB
+would cost more than hashing them. What hashing still costs is CPU, ~0.07 s per GiB (xxh3 at
+~14 GB/s from memory the cache does not hold): on 2 cores that other processes keep busy, a
+write with checksums ran at 0.80-0.91x the same write without them.
 
 # NOTE [Chunks and staging]
 A request is split into chunks of ``block_size`` bytes (a multiple of 4096) that run
@@ -54,6 +71,7 @@ from tiermem.errors import StoreError
 from tiermem.memory.aligned import ALIGN, aligned_empty, is_aligned, round_up
 
 HEADER = ALIGN
+HASH_HANDOFF = 2**20  # chunks of at least this many bytes are hashed beside the I/O, NOTE [Hashing beside the I/O]
 MAGIC = b"TIERMEM\x01"
 SUFFIX = ".tmn"
 _PREFIX = struct.Struct("<8sII")  # magic, JSON length, crc32 of the JSON

@@ -87,7 +87,7 @@ from typing import Optional
 import torch
 
 from tiermem.errors import OutOfTierMemory, StoreError, fmt_bytes
-from tiermem.types import Tier
+from tiermem.types import TensorClass, Tier
 from tiermem.memory import nvme_io as nio
 
 
@@ -139,7 +139,7 @@ class KeyState:
     copies: list[Optional[Copy]] = field(default_factory=lambda: [None, None])  # per slot
     queued: list[Value] = field(default_factory=list)  # writes issued, not finished, in order
     tail: Optional[Future] = None  # the last request queued, NOTE [Per-key order]
-    kind: object = None  # a TensorClass, for the ledger's per-class figures
+    kind: Optional[TensorClass] = None  # for the ledger's per-class figures
 
     def current(self) -> Optional[Copy]:
         """The copy reads return: the newer of the slots that hold a value."""

@@ -1,5 +1,5 @@
 """The order of an NVMe store's requests: one key's one after another, different keys' at once,
-and one request's chunks spread over the I/O threads.
+and one request's chunks spread over the I/O threads, their hashes over the hashing threads.
 
 # NOTE [Per-key order]
 Every request (write, read, delete) of a key waits for the key's previous request, so a read
@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Callable, Optional
 
 from tiermem.memory.nvme_keys import KeyState
 
 
 class Requests:
-    """A store's queued requests on its I/O ``pool``; ``lock`` is the store's lock, held by the
+    """A store's queued requests on its I/O ``pool`` (and its ``hasher`` threads, NOTE [Hashing
+    beside the I/O] in :mod:`tiermem.memory.nvme_io`); ``lock`` is the store's lock, held by the
     callers of :meth:`enqueue`, :meth:`finished` and :meth:`drain`."""
 
-    def __init__(self, pool: ThreadPoolExecutor, lock: threading.Lock):
-        self.pool = pool
+    def __init__(self, pool: ThreadPoolExecutor, lock: threading.Lock,
+                 hasher: Optional[ThreadPoolExecutor] = None):
+        self.pool, self.hasher = pool, hasher
         self._idle = threading.Condition(lock)
         self._outstanding = 0
 
@@ -52,16 +55,42 @@ class Requests:
         while self._outstanding:
             self._idle.wait()
 
-    def fan_out(self, jobs: list[Callable[[], object]],
-                finish: Callable[[Optional[BaseException], list], None]) -> None:
-        """Run ``jobs`` on the pool, the first on this thread; the thread that ends the last one
-        calls ``finish`` with the first error (or None) and what each job returned, in order
-        (a chunk's digest, NOTE [Data checksums])."""
+    def fan_out(self, jobs: list[Callable[[], object]], finish: Callable[[Optional[BaseException], list], None],
+                hashes: Optional[list[Callable[[], object]]] = None, *, hash_first: bool = False) -> None:
+        """Run ``jobs`` (one per chunk) on the pool, the first on this thread; the thread that ends
+        the last part calls ``finish`` with the first error (or None) and the chunks' results in
+        order. With ``hashes`` (one per chunk; needs ``hasher``) each chunk's hash runs on the
+        hashing threads, handed over as its job starts (``hash_first``: a write hashes its source
+        while the bytes go out) or once its job ended (a read hashes the bytes that landed), and
+        the results are the hashes'; without, they are the jobs' (a chunk hashed inline returns
+        its digest): NOTE [Hashing beside the I/O]."""
         results: list = [None] * len(jobs)
-        fan = Fanout(len(jobs), lambda err: finish(err, results))
-        for i, job in enumerate(jobs[1:], 1):
-            self.pool.submit(fan.run, _into(results, i, job))
-        fan.run(_into(results, 0, jobs[0]))
+        fan = Fanout(len(jobs) * (2 if hashes else 1), lambda err: finish(err, results))
+        if hashes:
+            parts = [partial(self._io_and_hash, fan, job, _into(results, i, digest), hash_first)
+                     for i, (job, digest) in enumerate(zip(jobs, hashes))]
+        else:
+            parts = [partial(fan.run, _into(results, i, job)) for i, job in enumerate(jobs)]
+        for part in parts[1:]:
+            self.pool.submit(part)
+        parts[0]()
+
+    def _io_and_hash(self, fan: "Fanout", job: Callable[[], object], digest: Callable[[], None],
+                     hash_first: bool) -> None:
+        """One chunk on an I/O thread: its job, and its hash handed to the hashing threads before
+        or after it. A hash whose chunk failed is skipped (:meth:`Fanout.run`), but still counted."""
+        if hash_first:
+            self._hand_over(fan, digest)
+        fan.run(job)
+        if not hash_first:
+            self._hand_over(fan, digest)
+
+    def _hand_over(self, fan: "Fanout", digest: Callable[[], None]) -> None:
+        assert self.hasher is not None, "hashes are handed over only where the store has hashing threads"
+        try:
+            self.hasher.submit(fan.run, digest)
+        except RuntimeError:  # the interpreter is shutting down: hash here rather than never finish
+            fan.run(digest)
 
 
 class Fanout:

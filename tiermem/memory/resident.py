@@ -69,14 +69,14 @@ class _MemoryStore(Store):
         self._bases: dict[str, Optional[torch.Tensor]] = {}  # None: adopted, not ours to pool
         self._lock = threading.RLock()  # the engine's lanes allocate and free from their threads
 
-    def _alloc(self, key: str, nbytes: int, kind: object) -> torch.Tensor:
+    def _alloc(self, key: str, nbytes: int, kind: Optional[TensorClass]) -> torch.Tensor:
         raise NotImplementedError
 
     def _free(self, key: str, base: torch.Tensor) -> None:
         self.ledger.release(key)
 
     def allocate(self, key: str, shape: Sequence[int], dtype: torch.dtype,
-                 kind: object = None) -> torch.Tensor:
+                 kind: Optional[TensorClass] = None) -> torch.Tensor:
         """An uninitialised tensor resident on this tier under ``key`` (replacing any old one)."""
         with self._lock:
             self.delete(key)
@@ -86,7 +86,7 @@ class _MemoryStore(Store):
             self._bases[key], self._tensors[key] = base, t
             return t
 
-    def adopt(self, key: str, tensor: torch.Tensor, kind: object = None) -> torch.Tensor:
+    def adopt(self, key: str, tensor: torch.Tensor, kind: Optional[TensorClass] = None) -> torch.Tensor:
         """Account a tensor that already lives here (e.g. a module's parameter) under ``key``."""
         with self._lock:
             self.delete(key)
@@ -100,7 +100,7 @@ class _MemoryStore(Store):
         except KeyError:
             raise unknown_key(key, self.tier) from None
 
-    def write(self, key: str, src: torch.Tensor, kind: object = None) -> Handle:
+    def write(self, key: str, src: torch.Tensor, kind: Optional[TensorClass] = None) -> Handle:
         dst = self._tensors.get(key)
         if dst is None or dst.dtype != src.dtype or dst.shape != src.shape:
             dst = self.allocate(key, src.shape, src.dtype, kind)
@@ -142,7 +142,7 @@ class DeviceStore(_MemoryStore):
         super().__init__(Tier.DEVICE, default_device_budget(self.device) if budget is None else budget,
                          reclaim=reclaim)
 
-    def _alloc(self, key: str, nbytes: int, kind: object) -> torch.Tensor:
+    def _alloc(self, key: str, nbytes: int, kind: Optional[TensorClass]) -> torch.Tensor:
         self.ledger.reserve(key, nbytes, kind)
         try:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -187,13 +187,13 @@ class HostStore(_MemoryStore):
         with self._lock:
             return sum(b.numel() for b, _ in self._pinned.values())
 
-    def acquire(self, nbytes: int, key: str, kind: object = None) -> torch.Tensor:
+    def acquire(self, nbytes: int, key: str, kind: Optional[TensorClass] = None) -> torch.Tensor:
         """A page-aligned (pinned where possible) uint8 buffer of at least ``nbytes``, accounted to ``key``."""
         size = round_up(max(nbytes, 1))
         with self._lock:
             return self._acquire_locked(size, key, kind)
 
-    def _acquire_locked(self, size: int, key: str, kind: object) -> torch.Tensor:
+    def _acquire_locked(self, size: int, key: str, kind: Optional[TensorClass]) -> torch.Tensor:
         pin = self.pin and kind is not TensorClass.OPTIM_STATE
         cached = self._free_bufs.get((size, pin))
         if cached:
@@ -266,7 +266,7 @@ class HostStore(_MemoryStore):
         if n:
             self.ledger.reserve(self._POOL_KEY, n)  # shrinking or re-adding what was held: always fits
 
-    def _alloc(self, key: str, nbytes: int, kind: object) -> torch.Tensor:
+    def _alloc(self, key: str, nbytes: int, kind: Optional[TensorClass]) -> torch.Tensor:
         return self.acquire(nbytes, key, kind)
 
     def _free(self, key: str, base: torch.Tensor) -> None:

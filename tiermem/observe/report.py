@@ -30,6 +30,9 @@ class Report:
     placement: str = ""  # the policy that placed each tensor (a whole-model policy's decision in its repr)
     #: seconds per step by stage: (predicted by the cost model, measured); empty without a machine profile
     stages: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: weights homed off the device -> how many reads, once a step had recorded the order of use,
+    #: still waited for a fetch started on demand: reads the prefetch schedule did not foresee
+    weights_on_demand: dict[str, int] = field(default_factory=dict)
 
     def gbps(self, src: Tier, dst: Tier) -> float:
         """Achieved bandwidth of the transfers src -> dst while they ran (GB/s, 1e9 bytes)."""
@@ -62,6 +65,10 @@ class Report:
         stalls = ", ".join(f"{t.value} {s:.3f}s" for t, s in self.stall_seconds_per_tier.items() if s)
         lines.append(f"stalled waiting on transfers: {self.stall_seconds:.3f}s" + (f" ({stalls})" if stalls else "")
                      + (f"; time in step(): {self.step_seconds:.3f}s" if self.steps else ""))
+        if self.weights_on_demand:
+            top = sorted(self.weights_on_demand.items(), key=lambda kv: -kv[1])
+            lines.append(f"weights fetched on demand (not prefetched): {sum(self.weights_on_demand.values())} reads; "
+                         + ", ".join(f"{k} x{n}" for k, n in top[:5]) + (", ..." if len(top) > 5 else ""))
         if self.stages:
             lines.append(f"placement: {self.placement}")
             lines.append(f"{'per step':<26}{'predicted':>12}{'measured':>12}")

@@ -1,4 +1,6 @@
-"""A Chrome trace (open it in Perfetto or chrome://tracing) of compute, transfers and Adam."""
+"""A Chrome trace (open it in Perfetto or chrome://tracing) of compute, transfers and Adam. Each
+span is one of a user's ``torch.profiler`` trace too (NOTE [tiermem in the torch profiler] in
+:mod:`tiermem.spans`)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,6 +9,8 @@ import os
 import threading
 import time
 from typing import Iterator, Optional
+
+from tiermem.spans import span as profiler_span
 
 
 class Tracer:
@@ -26,14 +30,16 @@ class Tracer:
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str, **args) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, cat, t0, time.perf_counter(), **args)
+        """An event of the trace file (when it is written) and a span of a running torch profiler."""
+        with profiler_span(name):
+            if not self.enabled:
+                yield
+                return
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.add(name, cat, t0, time.perf_counter(), **args)
 
     def add(self, name: str, cat: str, t_start: float, t_end: float, **args) -> None:
         if not self.enabled:

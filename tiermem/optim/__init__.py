@@ -8,7 +8,8 @@ Functional entries (what TieredModel calls per bucket; one style, see tiermem/op
 convert 8-bit state, ``StochasticRound`` keys bf16 master weights. Drop-in ``torch.optim``
 optimizers for CPU parameters: ``CPUAdam``, ``CPUAdam8bit``, ``CPUSGD``, ``CPUAdagrad``, ``CPULion``,
 ``CPUAdafactor``. ``implementation()`` says which Adam kernel runs here ("compiled" or "fallback";
-``TIERMEM_NO_COMPILE=1`` forces the fallback, and the reference kernels for the others).
+``TIERMEM_NO_COMPILE=1`` forces the fallback, as ``compile_disabled()`` tells, and the reference
+kernels for the others).
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from tiermem.optim._sr import StochasticRound
 from tiermem.optim.adafactor import adafactor_step
 from tiermem.optim.cpu_adam import CPUAdam
 from tiermem.optim.cpu_optimizers import CPUAdafactor, CPUAdagrad, CPUAdam8bit, CPULion, CPUSGD
-from tiermem.optim.functional import adam_step, compile_seconds, implementation, warm_up
+from tiermem.optim.functional import adam_step, compile_disabled, compile_seconds, implementation, warm_up
 from tiermem.optim.layout import state_bytes, state_layout
 from tiermem.optim.steps import (adagrad_step, adam8bit_step, dequantize_blockwise, lion_step, quantize_blockwise,
                                  sgd_step)
 
 __all__ = ["CPUAdafactor", "CPUAdagrad", "CPUAdam", "CPUAdam8bit", "CPULion", "CPUSGD", "StochasticRound",
-           "adafactor_step", "adagrad_step", "adam8bit_step", "adam_step", "compile_seconds", "dequantize_blockwise",
-           "implementation", "lion_step", "quantize_blockwise", "sgd_step", "state_bytes", "state_layout", "warm_up"]
+           "adafactor_step", "adagrad_step", "adam8bit_step", "adam_step", "compile_disabled", "compile_seconds",
+           "dequantize_blockwise", "implementation", "lion_step", "quantize_blockwise", "sgd_step", "state_bytes",
+           "state_layout", "warm_up"]

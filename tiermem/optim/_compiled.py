@@ -235,4 +235,5 @@ def _pinned_global_state() -> contextlib.AbstractContextManager:
 
 
 def disabled_by_env() -> bool:
+    """``TIERMEM_NO_COMPILE`` set to anything but "" or "0" forces the fallback (the one reading of it)."""
     return os.environ.get("TIERMEM_NO_COMPILE", "") not in ("", "0")

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch.optim import Optimizer
 
+from tiermem.config import is_int
 from tiermem.errors import ConfigError
 from tiermem.optim import _native, _run
 from tiermem.optim._sr import StochasticRound
@@ -42,7 +43,7 @@ class CPUOptimizer(Optimizer):
         for key, value in (("check_finite", check_finite), ("bf16_stochastic_round", bf16_stochastic_round)):
             if not isinstance(value, bool):
                 raise ConfigError(f"tiermem: {name} {key}={value!r} is invalid: it must be True or False")
-        if sr_seed is not None and (isinstance(sr_seed, bool) or not isinstance(sr_seed, int)):
+        if sr_seed is not None and not is_int(sr_seed):
             raise ConfigError(f"tiermem: {name} sr_seed={sr_seed!r} is invalid: it must be an int or None")
         self.check_finite = check_finite
         self.last_step_skipped = False

@@ -9,16 +9,14 @@ folded into the sign of the gradient's multiplier (negating is exact, so this eq
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
 
-from tiermem.config import check_adam_hyper
+from tiermem.config import check_adam_hyper, is_number
 from tiermem.errors import ConfigError
 
 
-def _real(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+_real = is_number  # NOTE [Numbers are not bools]
 
 
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import xxhash
 
+from tiermem.config import is_int
 from tiermem.errors import ConfigError
 
 _M32 = 0xFFFFFFFF
@@ -42,7 +43,7 @@ class StochasticRound:
     def __post_init__(self) -> None:
         for name in ("key", "offset"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ConfigError(f"tiermem: StochasticRound {name}={value!r} is invalid: it must be an int >= 0")
         object.__setattr__(self, "key", self.key & _M64)
 
@@ -50,7 +51,7 @@ class StochasticRound:
     def for_parameter(cls, seed: int, name: str, offset: int = 0) -> "StochasticRound":
         """The rounding of the parameter called ``name`` (e.g. its qualified name) in a run seeded
         with ``seed``."""
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        if not is_int(seed):
             raise ConfigError(f"tiermem: StochasticRound seed={seed!r} is invalid: it must be an int")
         return cls(xxhash.xxh64_intdigest(name.encode(), seed=seed & _M64), offset)
 

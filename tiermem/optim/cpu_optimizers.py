@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from tiermem.config import is_int
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.optim import _quant, _run
 from tiermem.optim._dropin import CPUOptimizer, Params, number
@@ -167,7 +168,7 @@ class CPUAdam8bit(CPUOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True, *,
                  min_8bit_size: int = _quant.MIN_8BIT_NUMEL, check_finite: bool = True,
                  bf16_stochastic_round: bool = False, sr_seed: Optional[int] = None):
-        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 1:
+        if not is_int(min_8bit_size) or min_8bit_size < 1:
             raise ConfigError(f"tiermem: CPUAdam8bit min_8bit_size={min_8bit_size!r} is invalid: it must be an int "
                               f">= 1")
         self.min_8bit_size = min_8bit_size

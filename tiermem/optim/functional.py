@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from tiermem.config import is_number
 from tiermem.errors import ConfigError, TierMemError
 from tiermem.optim import _compiled, _kernels
 from tiermem.optim._hyper import AdamHyper
@@ -217,6 +218,11 @@ def _say(which: str) -> None:
                     "compiled kernel, because compiling failed: %s", _COMPILED.failure)
 
 
+def compile_disabled() -> bool:
+    """Whether ``TIERMEM_NO_COMPILE`` forces the fallback kernel (set to anything but "" or "0")."""
+    return _compiled.disabled_by_env()
+
+
 def as_number(value: object) -> object:
     """A one-element tensor (torch optimizers allow a tensor lr) as the number it holds."""
     return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
@@ -224,8 +230,7 @@ def as_number(value: object) -> object:
 
 def _as_step(step: object) -> int:
     value = as_number(step)
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or value != int(value)):
+    if not is_number(value) or not math.isfinite(value) or value != int(value):
         raise ConfigError(f"tiermem: adam_step step={step!r} is invalid: it must be a whole number "
                           f"of updates including this one, >= 1; pass an int")
     return int(value)

@@ -8,6 +8,7 @@ A bucket only records layout (names, offsets, sizes); the buffers themselves bel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -34,7 +35,7 @@ class Bucket:
     index: int
     grad_tier: Tier
     state_tier: Tier
-    group: int  # index of the optimizer param group its parameters belong to
+    group: int  # index of its parameters' optimizer param group in Plan.groups (and tm.optimizer.param_groups)
     param_tier: Tier = Tier.DEVICE  # home of the working weights
     slots: list[Slot] = field(default_factory=list)
     numel: int = 0
@@ -48,12 +49,21 @@ class Bucket:
         self.numel += param.numel()
 
 
-def plan_buckets(params: list[tuple[str, torch.nn.Parameter, Tier, Tier, int, Tier]],
-                 bucket_numel: int) -> list[Bucket]:
-    """Pack ``(name, param, grad_tier, state_tier, group, param_tier)`` in the order given (already reverse
-    order of use) into buckets of at most ``bucket_numel`` elements (a larger single parameter
-    gets a bucket of its own). A bucket holds one placement and one param group, so each bucket
-    is one call of the fused Adam."""
+class Placed(NamedTuple):
+    """A trainable parameter, its homes and its param group: what :func:`plan_buckets` packs."""
+
+    name: str
+    param: torch.nn.Parameter
+    grad_tier: Tier
+    state_tier: Tier
+    group: int  # index in Plan.groups
+    param_tier: Tier
+
+
+def plan_buckets(params: Sequence[Placed], bucket_numel: int) -> list[Bucket]:
+    """Pack the parameters in the order given (already reverse order of use) into buckets of at
+    most ``bucket_numel`` elements (a larger single parameter gets a bucket of its own). A bucket
+    holds one placement and one param group, so each bucket is one call of the fused Adam."""
     buckets: list[Bucket] = []
     open_: dict[tuple, Bucket] = {}
     for order, (name, p, grad_tier, state_tier, group, param_tier) in enumerate(params):

@@ -35,8 +35,7 @@ class Evaluator:
         self.module, self.spec, self.dtype, self.bucket_numel = module, spec, dtype, bucket_numel
         self.limits, self.overlap, self.world, self.nvme_staging = dict(limits), overlap, world, nvme_staging
         self._machine = machine
-        self._rates: Optional[Rates] = None
-        self._asked: Any = None  # the last profile a policy passed in, for :meth:`predict`
+        self._rates: Optional[Rates] = None  # this machine's, once asked for
 
     def rates(self, profile: Any = None) -> Rates:
         """The rates of ``profile`` (a Profile or its data), or of this machine's when None."""
@@ -48,28 +47,30 @@ class Evaluator:
 
     def predict(self, policy: Policy, forward_backward: float) -> Optional[dict[str, float]]:
         """Predicted seconds per stage of ``policy``'s step with the measured ``forward_backward``,
-        from the profile the placement was chosen with (or a saved one); None when there is none
-        (nothing is measured for it) or it lacks a figure the cost model needs."""
+        from the profile the placement was chosen with (a bound policy's ``profile``: Auto's
+        choice) or else this machine's (a saved one; None when there is none: nothing is measured
+        for it), or None when the profile lacks a figure the cost model needs. Nothing an earlier
+        call judged changes the answer."""
+        chosen_with = getattr(policy, "profile", None)  # NOTE [Choosing a placement]
         try:
-            if self._asked is None and self._rates is None:
+            if chosen_with is None and self._rates is None:
                 saved = load_profile()
                 if saved is None:
                     return None
                 self._rates = Rates.from_profile(saved)
-            ev = self(policy, self._asked, forward_backward)
+            ev = self(policy, chosen_with, forward_backward)
         except ConfigError:  # a profile that lacks a figure: report() says nothing rather than fail
             return None
         return dict(ev.stages) if ev.stages else None
 
     def __call__(self, policy: Policy, profile: Any = None, forward_backward: float = 0.0, *,
                  predict: bool = True) -> Evaluation:
-        if profile is not None:
-            self._asked = profile
         try:
-            buckets, _, _, param_homes = plan(self.module, policy, self.spec, self.dtype, self.bucket_numel,
-                                              overlap=self.overlap, world=self.world)
+            planned = plan(self.module, policy, self.spec, self.dtype, self.bucket_numel, overlap=self.overlap,
+                           world=self.world)
         except ConfigError as e:
             return Evaluation(False, {}, {}, {}, refused=str(e))
+        buckets, param_homes = planned.buckets, planned.weight_homes
         frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in self.module.named_parameters()
                   if not p.requires_grad]
         need = totals(footprint(buckets, frozen, self.dtype, overlap=self.overlap, world=self.world,

@@ -8,15 +8,39 @@ Every rule about which placements this version can honour lives here, so the con
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Mapping, Optional
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from tiermem.config import _AdamSpec
 from tiermem.errors import ConfigError
-from tiermem.plan.buckets import STATE_PARTS, Bucket, plan_buckets
+from tiermem.plan.buckets import STATE_PARTS, Bucket, Placed, plan_buckets
 from tiermem.plan.policy import Evaluation, ModelInfo, Policy, bound, checked_place
-from tiermem.types import TensorClass, TensorInfo, Tier
+from tiermem.types import StateKey, TensorClass, TensorInfo, Tier
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """One optimizer param group of a plan (NOTE [Param groups] in tiermem/config.py)."""
+
+    name: str
+    options: Mapping[str, Any]  # the hyperparameters it sets over the optimizer spec's
+    params: tuple[str, ...]  # canonical parameter names, in reverse order of use
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`plan` decided for a model: the buckets (trainable parameters packed in reverse
+    order of use, each with its homes), the optimizer param groups (``Bucket.group`` indexes
+    them), every name of each parameter, and where the working weights of the parameters homed
+    off the device live."""
+
+    buckets: tuple[Bucket, ...]
+    groups: tuple[ParamGroup, ...]
+    aliases: Mapping[int, tuple[str, ...]]  # id(param) -> every name it has (tied weights have several)
+    weight_homes: Mapping[str, Tier]  # parameter name -> home of its working weights, when not the device
 
 def compute_tier(b: Bucket) -> Tier:
     """Where Adam runs for a bucket: where its state lives, or the host for state on NVMe."""
@@ -27,8 +51,12 @@ def owner(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def _info(name: str, kind: TensorClass, p: torch.Tensor, dtype: torch.dtype, suffix: str = "") -> TensorInfo:
-    return TensorInfo(f"{name}{suffix}", kind, p.numel() * dtype.itemsize, tuple(p.shape), dtype, owner(name))
+def _info(name: str, kind: TensorClass, p: torch.Tensor, dtype: torch.dtype) -> TensorInfo:
+    return TensorInfo(name, kind, p.numel() * dtype.itemsize, tuple(p.shape), dtype, owner(name), param=name)
+
+
+def _state_info(key: StateKey, p: torch.Tensor) -> TensorInfo:
+    return TensorInfo.of_state(key, p.numel() * 4, tuple(p.shape), torch.float32, owner(key.param))
 
 
 def check_data_parallel(name: str, param_tier: Tier, grad_tier: Tier, world: int) -> None:
@@ -95,30 +123,32 @@ def _bind(unique: list[tuple[str, torch.nn.Parameter]], policy: Policy, dtype: t
 
 def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.dtype,
          bucket_numel: int, *, overlap: bool = False, world: int = 1, limits: Optional[Mapping[Tier, int]] = None
-         ) -> tuple[list[Bucket], list[list[str]], dict[int, list[str]], dict[str, Tier]]:
+         ) -> Plan:
     """Ask the policy about every tensor (once bound to the whole model: NOTE [Whole-model
-    policies]), then pack trainable parameters into buckets. Returns the buckets, the parameter
-    names per optimizer group, every name of each parameter, and the parameters whose working
-    weights live off the device, with their home. ``limits``: bytes each tier may hold, for the
-    policies that size a split."""
+    policies]), then pack trainable parameters into buckets. ``limits``: bytes each tier may
+    hold, for the policies that size a split."""
     unique, names = _unique_params(module)
     policy = _bind(unique, policy, dtype, limits)
-    param_homes: dict[str, Tier] = {}
-    entries, groups = [], [[], []]  # group 0: weight decay applies; group 1: it does not
+    weight_homes: dict[str, Tier] = {}
+    defined = spec.param_groups()
+    members: list[list[str]] = [[] for _ in defined]
+    placed: list[Placed] = []
     for name, p in reversed(unique):  # reverse order of use: backward fills the last ones first
         param_tier = checked_place(policy, _info(name, TensorClass.PARAM, p, dtype))
         if param_tier != Tier.DEVICE:
-            param_homes[name] = param_tier
+            weight_homes[name] = param_tier
         if not p.requires_grad:
             continue
         grad_tier = checked_place(policy, _info(name, TensorClass.GRAD, p, torch.float32))
-        state_tiers = {checked_place(policy, _info(name, TensorClass.OPTIM_STATE, p, torch.float32, f":{part}"))
-                       for part in STATE_PARTS}
+        state_tiers = {checked_place(policy, _state_info(StateKey(name, part), p)) for part in STATE_PARTS}
         state_tier = check_combination(name, param_tier, grad_tier, state_tiers, overlap)
         check_data_parallel(name, param_tier, grad_tier, world)
-        group = 0 if spec.decays(name, p) else 1
-        groups[group].append(name)
-        entries.append((name, p, grad_tier, state_tier, group, param_tier))
-    if not groups[1]:
-        groups.pop()
-    return plan_buckets(entries, bucket_numel), groups, names, param_homes
+        group = spec.group_of(name, p)
+        members[group].append(name)
+        placed.append(Placed(name, p, grad_tier, state_tier, group, param_tier))
+    kept = [i for i, m in enumerate(members) if m or i == 0]  # NOTE [Param groups]: the first always
+    index = {i: k for k, i in enumerate(kept)}
+    groups = tuple(ParamGroup(defined[i].name, defined[i].overrides, tuple(members[i])) for i in kept)
+    buckets = plan_buckets([e._replace(group=index[e.group]) for e in placed], bucket_numel)
+    return Plan(tuple(buckets), groups, MappingProxyType({k: tuple(v) for k, v in names.items()}),
+                MappingProxyType(weight_homes))

@@ -22,6 +22,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from tiermem.config import is_number
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
 from tiermem.types import TensorClass, TensorInfo, Tier
 
@@ -32,6 +33,11 @@ from tiermem.types import TensorClass, TensorInfo, Tier
 # a :class:`ModelInfo` and asks the policy it returns from then on. That policy is an ordinary
 # pure one (usually a frozen set of names decided from the ModelInfo), so the decision is made
 # once, is visible in its repr, and every ``place`` answer stays a function of the info alone.
+# The bound policy is a separate object, complete when made (ZeroOffload's DeviceShare, Auto's
+# AutoChoice): nothing is set on a policy after it was built, and binding it again gives it back.
+# The policy that was bound only answers what it knows without the model; asked about the rest
+# it raises :func:`asked_alone`'s error. To build on such a policy, wrap it and forward
+# ``for_model`` to it (as ActivationOffload does), rather than subclass it.
 @dataclass(frozen=True)
 class ModelInfo:
     """What a policy is told about the whole model before it places any tensor."""
@@ -62,6 +68,8 @@ class ModelInfo:
 # accept them (no refused combination, every tier within its limit) and how long a step is predicted
 # to take, per stage (tiermem/plan/cost.py, NOTE [Cost model]). ``profile``: a machine profile to
 # use instead of this machine's (saved by ``tiermem bench``, measured on first use when none is).
+# The judge keeps nothing of what it was asked: a policy bound from a profile keeps that profile as
+# its ``profile`` (Auto's AutoChoice), which ``tm.report()`` predicts the measured step with.
 @dataclass(frozen=True)
 class Evaluation:
     """The planner's verdict on one candidate placement."""
@@ -123,6 +131,14 @@ def resolve_policy(policy: Optional[Policy]) -> Policy:
     return policy
 
 
+def asked_alone(policy: Policy, info: TensorInfo) -> ConfigError:
+    """The error of a whole-model policy asked about one tensor before it was bound (NOTE
+    [Whole-model policies])."""
+    return ConfigError(f"tiermem: {policy!r} decides over the whole model and was asked about {info.name!r} "
+                       f"alone; call .for_model(ModelInfo(...)) first and ask the policy it returns (TieredModel "
+                       f"does this)")
+
+
 def bound(policy: Policy, model: ModelInfo) -> Policy:
     """``policy.for_model(model)``, refusing anything that is not a :class:`Policy`."""
     out = policy.for_model(model)
@@ -151,7 +167,7 @@ def checked_place(policy: Policy, info: TensorInfo) -> Tier:
 def check_reserve(value: object, owner: str) -> float:
     """``value`` as a device reserve (a share from 0 up to, not including, 1), or a ConfigError
     naming ``owner`` (e.g. ``"Auto"``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+    if not is_number(value) or not 0 <= value < 1:
         raise ConfigError(f"tiermem: {owner}.device_reserve={value!r} is invalid: the share of the device "
                           f"left for activations, a number from 0 up to (not including) 1, e.g. 0.1")
     return float(value)

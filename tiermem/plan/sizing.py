@@ -51,7 +51,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from tiermem.config import PRECISIONS as _WORKING_DTYPES, working_dtype
+from tiermem.config import PRECISIONS as _WORKING_DTYPES, is_int, working_dtype
 from tiermem.errors import ConfigError
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.footprint import TRAINING_STATE, footprint, totals
@@ -112,7 +112,7 @@ def check_precision(precision: str) -> str:
 
 
 def _check_count(what: str, n: int) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    if not is_int(n) or n < 0:
         raise ConfigError(f"tiermem: {what}={n!r} is not a parameter count; give a whole number >= 0")
     return n
 

@@ -33,7 +33,7 @@ import torch.utils.weak
 
 from tiermem.transfer.activation_io import ActivationMover, ActivationStats, Record, reserve_device, view_of
 from tiermem.errors import ConfigError, fmt_bytes
-from tiermem.train.param_offload import ParamOffload, ParamRef
+from tiermem.train.offdevice import is_off_device
 from tiermem.plan.policy import Policy, checked_place
 from tiermem.memory.aligned import ALIGN
 from tiermem.types import TensorClass, TensorInfo, Tier
@@ -98,13 +98,14 @@ class ActivationOffloader:
 
     ``hooks`` (a :class:`~tiermem.train.hooks.HookSet`) receives the handles of the module hooks and
     this object, whose ``remove()`` stops it, so ``TieredModel.detach()`` removes them all.
-    ``params``: the weights homed off the device, if any; a saved tensor in one of their storages
-    is packed as their reference (NOTE [Parameters off the device]).
+    Weights homed off the device are saved as what they are, an
+    :class:`~tiermem.train.offdevice.OffDeviceWeight` with no bytes on the device (NOTE [Weights
+    off the device are a tensor subclass]).
     """
 
     def __init__(self, module: torch.nn.Module, policy: Policy, stores: dict, engine, hooks, *,
-                 params: Optional[ParamOffload] = None, window: int = PREFETCH_WINDOW):
-        self.module, self.policy, self.stores, self.params = module, policy, stores, params
+                 window: int = PREFETCH_WINDOW):
+        self.module, self.policy, self.stores = module, policy, stores
         self.window = window
         self.stats = ActivationStats()
         self.mover = ActivationMover(stores, engine, self.stats, f"activation-{uuid.uuid4().hex[:12]}")
@@ -133,7 +134,8 @@ class ActivationOffloader:
         """Pack and unpack hooks for one training forward."""
         self.mover.flush()
         self._weights = {t.untyped_storage().data_ptr()
-                         for t in itertools.chain(self.module.parameters(), self.module.buffers())}
+                         for t in itertools.chain(self.module.parameters(), self.module.buffers())
+                         if not is_off_device(t)}
         self._run, self._active = _Pass(), True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -141,26 +143,6 @@ class ActivationOffloader:
         finally:
             self._active, self._run = False, None
             self._stack.clear()
-
-    @contextlib.contextmanager
-    def weights_by_reference(self) -> Iterator[None]:
-        """Around backward, and around an eval() forward with grad: a forward run there (recomputed
-        by activation checkpointing, reentrant or not; or not a training one, whose activations stay
-        put) saves references to off-device weights, not the weights themselves, which go back to
-        their placeholders when their module returns (NOTE [Parameters off the device])."""
-        if self.params is None:
-            yield
-            return
-        params = self.params
-
-        def pack(t: torch.Tensor) -> Any:
-            ref = params.pack(t)
-            return t if ref is None else ref
-
-        def unpack(packed: Any) -> torch.Tensor:
-            return params.unpack(packed) if isinstance(packed, ParamRef) else packed
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
 
     def release(self) -> None:
         """Backward has run: wait for what it retired to be freed, delete its NVMe files."""
@@ -200,15 +182,14 @@ class ActivationOffloader:
     # -- pack and unpack ------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
         self.stats.saved += 1
+        if is_off_device(t):  # a weight homed off the device: backward reads it again through its home
+            self.stats.weights += 1
+            return t.detach()
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
             return t.detach()  # no plain storage (a wrapper subclass): left as it is
         ptr = storage.data_ptr()
-        ref = self.params.pack(t) if self.params is not None else None
-        if ref is not None:  # a weight homed off the device: backward acquires it again
-            self.stats.weights += 1
-            return ref
         if isinstance(t, torch.nn.Parameter) or self._is_weight(ptr):
             self.stats.weights += 1
             return t.detach()
@@ -232,8 +213,6 @@ class ActivationOffloader:
             return packed
         if isinstance(packed, _Kept):
             return packed.tensor
-        if isinstance(packed, ParamRef):
-            return self.params.unpack(packed)
         rec, run = packed.storage.rec, packed.storage.run
         handle = self.mover.fetch(rec, ahead=False)
         for j in range(rec.index - 1, max(rec.index - 1 - self.window, -1), -1):
@@ -246,7 +225,7 @@ class ActivationOffloader:
         if self._stack:  # weights made resident during this forward (e.g. by another pre-hook)
             mod = self._modules[self._stack[-1]]
             for w in itertools.chain(mod._parameters.values(), mod._buffers.values()):
-                if w is not None and w.untyped_storage().data_ptr() == ptr:
+                if w is not None and not is_off_device(w) and w.untyped_storage().data_ptr() == ptr:
                     return True
         return False
 

@@ -13,16 +13,18 @@ overlap_step).
 from __future__ import annotations
 
 import itertools
-import threading
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from tiermem.errors import OutOfTierMemory
-from tiermem.handles import Handle, wait_all, wait_all_quietly
+from tiermem.handles import wait_all, wait_all_quietly
+from tiermem.memory.ledger import InFlight, Ledger
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.train.homes import Homes
 from tiermem.transfer.collectives import Group, Solo
+from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 
@@ -39,14 +41,16 @@ class _Held:
 
 
 class GradCollector:
-    def __init__(self, homes: Homes, slot_of: dict[int, tuple[Bucket, Slot]], engine, device_ledger, *,
-                 group: Group = Solo()):
+    def __init__(self, homes: Homes, slot_of: dict[int, tuple[Bucket, Slot]], engine: CopyService,
+                 device_ledger: Ledger, *, in_flight: Optional[InFlight] = None, group: Group = Solo()):
+        """``in_flight``: where the copies in flight are kept, which the device ledger waits for
+        when short (given to its store at construction); by default one of its own."""
         self.homes, self.slot_of, self.engine, self.device_ledger = homes, slot_of, engine, device_ledger
         self.group = group
+        self.in_flight = InFlight() if in_flight is None else in_flight  # one copy per bucket, with its tags
         self.names = [s.name for _, s in sorted(slot_of.values(), key=lambda bs: bs[1].order)]  # one order, every rank
         self.fill = 0  # which gradient buffer backward fills (always 0 without overlap_step)
         self._got: set[str] = set()  # parameters that received a grad this step
-        self._in_flight: list[tuple[Handle, list[str]]] = []  # one copy per bucket in flight, with its ledger tags
         self._copy_ids = itertools.count()
         self._held: dict[int, tuple[Bucket, dict[str, _Held]]] = {}  # bucket index -> gradients not yet sent, by name
         self.arrivals = 0  # gradients received since the model was built (a backward that got none changed nothing)
@@ -91,8 +95,8 @@ class GradCollector:
                 if h.first:
                     self._got.discard(h.key)
             raise
-        handle.add_done_callback(lambda _f, ts=tags: [self.device_ledger.release(t) for t in ts])
-        self._in_flight.append((handle, tags))
+        handle.add_done_callback(lambda _f, ts=tags: self._release(ts))
+        self.in_flight.add(handle, lambda ts=tags: self._release(ts))
 
     def _send_all(self) -> None:
         for index in list(self._held):
@@ -106,17 +110,6 @@ class GradCollector:
             self.wait_copies()
             self.device_ledger.reserve(tag, nbytes, TensorClass.GRAD)
 
-    def give_room(self, missing: int) -> None:
-        """A reclaimer of the device ledger (NOTE [Room before allocation] in
-        tiermem/transfer/schedule.py): wait for the gradient copies in flight, whose device bytes
-        go once they land. Never on one of tiermem's own threads, where the copies may be queued
-        behind the caller; and the list is only read, as backward may be appending to it."""
-        if threading.current_thread().name.startswith("tiermem-"):
-            return
-        in_flight = list(self._in_flight)
-        wait_all_quietly([h for h, _ in in_flight])  # a failed copy is for settle() to report
-        self._release(in_flight)
-
     def end_backward(self) -> None:
         """Backward has returned: every home completes the buckets still open."""
         self._send_all()
@@ -126,19 +119,18 @@ class GradCollector:
     # -- before the step -------------------------------------------------------------------------
     def wait_copies(self) -> None:
         """Wait for the gradient copies in flight; their device bytes are free afterwards."""
-        if self._in_flight:
-            handles, self._in_flight = self._in_flight, []
-            try:
-                wait_all([h for h, _ in handles])
-            finally:
-                self._release(handles)
+        copies = self.in_flight.take()
+        try:
+            wait_all([h for h, _ in copies])
+        finally:
+            for _, release in copies:
+                release()
 
-    def _release(self, copies: list[tuple[Handle, list[str]]]) -> None:
-        """The ledger tags of grad copies that have landed or failed. The done-callback may not
+    def _release(self, tags: list[str]) -> None:
+        """The ledger tags of a grad copy that has landed or failed. The done-callback may not
         have run yet when a wait returns, or may run after this: releasing twice is harmless."""
-        for _, tags in copies:
-            for tag in tags:
-                self.device_ledger.release(tag)
+        for tag in tags:
+            self.device_ledger.release(tag)
 
     def settle(self) -> None:
         """Every grad of this step is at home. If some did not arrive (a copy or a flush to NVMe
@@ -166,9 +158,10 @@ class GradCollector:
             for h in held.values():
                 self.device_ledger.release(h.tag)
         self._held.clear()
-        handles, self._in_flight = self._in_flight, []
-        wait_all_quietly([h for h, _ in handles])
-        self._release(handles)
+        copies = self.in_flight.take()
+        wait_all_quietly([h for h, _ in copies])
+        for _, release in copies:
+            release()
         self._got.clear()
         for home in self.homes.grad_homes():
             home.drop()

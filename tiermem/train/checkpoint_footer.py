@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tiermem.config import PRECISIONS, check_adam_hyper
+from tiermem.config import PRECISIONS, check_adam_hyper, is_int
 from tiermem.errors import ConfigError
 from tiermem.train.state import HYPER
 
@@ -45,7 +45,7 @@ def _require(ok: bool, where: str, value: Any, rule: str) -> None:
 
 
 def _count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return is_int(v) and v >= 0
 
 
 def _keys(d: Any, where: str, allowed: set[str], required: set[str]) -> None:
@@ -56,9 +56,7 @@ def _keys(d: Any, where: str, allowed: set[str], required: set[str]) -> None:
 
 def _hyper(where: str, field: str, value: Any, rule: str | None = None) -> None:
     """``field`` by the rule of the Adam hyperparameter ``rule`` (by default its own name) in
-    tiermem.config, booleans refused."""
-    _require(not isinstance(value, bool) and not (isinstance(value, list) and any(isinstance(v, bool) for v in value)),
-             where + field, value, "a number, not a boolean")
+    tiermem.config (which refuses booleans: NOTE [Numbers are not bools])."""
     try:
         check_adam_hyper("", **{rule or field: value})
     except ConfigError as e:  # "tiermem: <rule>=<value> is invalid: it must be ...; pass a value that is"
@@ -112,7 +110,7 @@ def check_entries(entries: Any, data_end: int, magic: bytes) -> None:
                  "a list of ints >= 0")
         _require(_count(offset) and offset >= len(MAGIC), where + ".offset", offset, f"an int >= {len(MAGIC)}")
         size = math.prod(shape) * dtype.itemsize
-        _require(nbytes == size and not isinstance(nbytes, bool), where + ".nbytes", nbytes,
+        _require(is_int(nbytes) and nbytes == size, where + ".nbytes", nbytes,
                  f"{size} ({e['dtype']} x {shape})")
         _require(offset + nbytes <= data_end, where + ".offset", offset,
                  f"such that its {nbytes} bytes end before the footer, at {data_end}")

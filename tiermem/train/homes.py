@@ -30,6 +30,7 @@ import torch
 
 from tiermem.handles import Handle, wait_all
 from tiermem.plan.buckets import STATE_PARTS, Bucket, Slot
+from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 StateViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # master, exp_avg, exp_avg_sq
@@ -95,8 +96,8 @@ class MemoryGrads(GradHome):
     """Gradients accumulated in fp32 buffers of a memory tier (device or host). When Adam runs on
     another tier, ``gather`` copies them there first (``grad_in``)."""
 
-    def __init__(self, store, buckets: Sequence[Bucket], compute_tier: dict[int, Tier], stores: dict, engine,
-                 *, buffers: int = 1):
+    def __init__(self, store, buckets: Sequence[Bucket], compute_tier: dict[int, Tier], stores: dict,
+                 engine: CopyService, *, buffers: int = 1):
         self.landing_tier = store.tier
         self.engine = engine
         n = {b.index: (b.numel,) for b in buckets}
@@ -164,6 +165,28 @@ class StateHome(ABC):
         the right shape when it is not resident)."""
         return torch.empty(s.shape, device="meta")
 
+    # -- this rank's part of a bucket (a sharded checkpoint: NOTE [Sharded values for DCP]) --------
+    #: :meth:`read_local` returns the live state (valid while the model lives), not a staging copy
+    resident: bool = False
+
+    def read_local(self, b: Bucket) -> StateViews:
+        """The part of ``b``'s state this process keeps (all of it in one process; this rank's
+        chunk under data parallelism), with no communication; valid until the next call."""
+        return self.read(b)
+
+    def local_views(self, b: Bucket) -> StateViews:
+        """Buffers to fill with the part of ``b``'s state this process keeps; then :meth:`store_local`."""
+        return self.load_views(b)
+
+    def store_local(self, b: Bucket, views: StateViews) -> None:
+        """Commit the state filled into :meth:`local_views`."""
+        self.store(b, views)
+
+    def whole_master(self, b: Bucket, mine: torch.Tensor) -> torch.Tensor:
+        """``b``'s whole fp32 master, given this process's part of it (``mine``, from
+        :meth:`local_views`): ``mine`` itself in one process, gathered under data parallelism."""
+        return mine
+
 
 class MemoryState(StateHome):
     """Optimizer state in buffers of a memory tier, updated in place by Adam where it lives."""
@@ -193,6 +216,8 @@ class MemoryState(StateHome):
 
     def load_views(self, b: Bucket) -> StateViews:
         return self._views[b.index]
+
+    resident = True
 
     def master(self, b: Bucket, s: Slot) -> torch.Tensor:
         return self._views[b.index][0][s.offset:s.offset + s.numel].view(s.shape)
@@ -233,7 +258,7 @@ class DeviceWeights(WeightHome):
     """Working weights in one flat device buffer per bucket; the parameters are views of it, so
     one copy uploads a whole bucket."""
 
-    def __init__(self, store, buckets: Sequence[Bucket], dtype: torch.dtype, engine):
+    def __init__(self, store, buckets: Sequence[Bucket], dtype: torch.dtype, engine: CopyService):
         self.engine = engine
         self._param = {b.index: store.allocate(f"{b.key}:param", (b.numel,), dtype, TensorClass.PARAM)
                        for b in buckets}

@@ -11,12 +11,12 @@ device), floating-point buffers too, as ``module.half()`` would, their values as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
 from tiermem.plan.buckets import Bucket, Slot
-from tiermem.plan.placement import compute_tier
+from tiermem.plan.placement import ParamGroup, compute_tier
 from tiermem.train.buffers import KeptBuffers
 from tiermem.train.homes import DeviceWeights, GradHome, Homes, MemoryGrads, MemoryState, StateHome, WeightHome
 from tiermem.train.nvme_grads import NvmeGrads
@@ -24,6 +24,7 @@ from tiermem.train.nvme_state import NvmeState
 from tiermem.train.param_offload import ParamOffload
 from tiermem.train.shard import ShardedGrads, ShardedState, ShardedWeights, shard_buckets
 from tiermem.transfer.collectives import Group, Solo
+from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 
@@ -34,8 +35,8 @@ class Layout:
     buckets: list[Bucket]
     step_buckets: list[Bucket]  # what grads and state homes hold: ``buckets``, or this rank's chunks of them
     homes: Homes
-    groups: list[list[str]]  # canonical parameter names per optimizer param group
-    names: dict[int, list[str]]  # id(param) -> every name it has (tied weights have several)
+    groups: tuple[ParamGroup, ...]  # the optimizer param groups (Bucket.group indexes them)
+    names: Mapping[int, tuple[str, ...]]  # id(param) -> every name it has (tied weights have several)
     slot_of: dict[int, tuple[Bucket, Slot]]  # id(param) -> its place
     frozen: dict[str, torch.Tensor]  # name -> fp32 copy on the host
     buffers: KeptBuffers  # NOTE [Buffers keep their values]
@@ -54,7 +55,7 @@ def _by_tier(buckets: list[Bucket], tier_of) -> dict[Tier, list[Bucket]]:
     return out
 
 
-def _grad_homes(buckets: list[Bucket], stores: dict, engine, compute: dict[int, Tier], overlap: bool
+def _grad_homes(buckets: list[Bucket], stores: dict, engine: CopyService, compute: dict[int, Tier], overlap: bool
                 ) -> dict[Tier, tuple[GradHome, list[Bucket]]]:
     out: dict[Tier, tuple[GradHome, list[Bucket]]] = {}
     for tier, bs in _by_tier(buckets, lambda b: b.grad_tier).items():
@@ -64,7 +65,7 @@ def _grad_homes(buckets: list[Bucket], stores: dict, engine, compute: dict[int, 
     return out
 
 
-def _state_homes(buckets: list[Bucket], stores: dict, engine, compute: dict[int, Tier]
+def _state_homes(buckets: list[Bucket], stores: dict, engine: CopyService, compute: dict[int, Tier]
                  ) -> dict[Tier, tuple[StateHome, list[Bucket]]]:
     out: dict[Tier, tuple[StateHome, list[Bucket]]] = {}
     for tier, bs in _by_tier(buckets, lambda b: b.state_tier).items():
@@ -74,7 +75,7 @@ def _state_homes(buckets: list[Bucket], stores: dict, engine, compute: dict[int,
     return out
 
 
-def _weight_homes(buckets: list[Bucket], stores: dict, engine, dtype: torch.dtype,
+def _weight_homes(buckets: list[Bucket], stores: dict, engine: CopyService, dtype: torch.dtype,
                   weights_off_device: Optional[ParamOffload]) -> dict[int, WeightHome]:
     weights: dict[int, WeightHome] = {}
     on_device = [b for b in buckets if b.param_tier == Tier.DEVICE]
@@ -92,7 +93,7 @@ def _per_bucket(homes: dict) -> dict[int, object]:
     return {b.index: home for home, bs in homes.values() for b in bs}
 
 
-def make_homes(buckets: list[Bucket], stores: dict, engine, dtype: torch.dtype, *, overlap: bool,
+def make_homes(buckets: list[Bucket], stores: dict, engine: CopyService, dtype: torch.dtype, *, overlap: bool,
                weights_off_device: Optional[ParamOffload], group: Group = Solo()) -> tuple[Homes, list[Bucket]]:
     """One home per class and tier, shared by the buckets placed there: the only code that maps
     a tier (or a rank's shard, NOTE [Data parallel]) to the class that homes it. Returns the
@@ -113,9 +114,9 @@ def make_homes(buckets: list[Bucket], stores: dict, engine, dtype: torch.dtype, 
     return Homes(_per_bucket(grads), _per_bucket(state), {i: sharded[id(h)] for i, h in weights.items()}), shards
 
 
-def build(module: torch.nn.Module, buckets: list[Bucket], step_buckets: list[Bucket], groups: list[list[str]],
-          names: dict[int, list[str]], homes: Homes, stores: dict, dtype: torch.dtype, device: torch.device,
-          weights_off_device: Optional[ParamOffload]) -> Layout:
+def build(module: torch.nn.Module, buckets: list[Bucket], step_buckets: list[Bucket],
+          groups: tuple[ParamGroup, ...], names: Mapping[int, tuple[str, ...]], homes: Homes, stores: dict,
+          dtype: torch.dtype, device: torch.device, weights_off_device: Optional[ParamOffload]) -> Layout:
     """Fill the homes from the module's weights and point its parameters at their working copies."""
     slot_of: dict[int, tuple[Bucket, Slot]] = {}
     for b in buckets:

@@ -10,8 +10,8 @@ finalizer on it has the release worker (NOTE [Finalizers only enqueue] in
 :mod:`tiermem.memory.deferred`) remove the hooks (the module no longer reaches anything of
 tiermem's), close the engine (its threads end), and delete every stored key and free the pools
 (files, pinned memory and the lock go), soon after. The module keeps what its parameters
-hold at that moment (working-precision weights; a NaN placeholder for those homed off the
-device): detach() is the way to get the trained fp32 weights back, and a model dropped after it
+hold at that moment (working-precision weights; those homed off the device raise a ``tiermem:``
+error when read): detach() is the way to get the trained fp32 weights back, and a model dropped after it
 trained says so in the log (at INFO: a script whose model lives in a function drops it too). A
 new TieredModel, and an NVMe store that finds its directory locked by this process, first
 collect garbage and wait for the worker (``deferred.collect``).
@@ -73,7 +73,7 @@ def _give_back_now(hooks: HookSet, engine: TransferEngine, stores: dict, tracer:
     if stepper is not None and stepper.steps:
         log.info("tiermem: a TieredModel trained for %d steps was dropped without detach(): its memory, files "
                  "and lock were given back with its trained weights (its module holds working-precision "
-                 "weights, NaN for those that lived off the device); call tm.detach() or tm.save(path) "
+                 "weights; those that lived off the device raise an error when read); call tm.detach() or tm.save(path) "
                  "before dropping a model whose weights you need", stepper.steps)
     errors = []
     for step in (hooks.remove, engine.close, *(s.release_all for s in stores.values()), tracer.write):
@@ -95,6 +95,9 @@ def undone_on_failure(tm: Any, module: torch.nn.Module) -> Iterator[None]:
     try:
         yield
     except BaseException:
+        offload = getattr(tm, "param_offload", None)
+        if offload is not None:
+            offload.undo()  # off-device weights become the plain tensors they were
         for p, data in params:
             p.data = data
         for owner, name, buf in buffers:

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -22,7 +22,7 @@ from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _AdamSpec
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.memory import deferred
-from tiermem.memory.ledger import Reclaimers
+from tiermem.memory.ledger import InFlight, Reclaimers
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
 from tiermem.plan.footprint import check_fits, footprint, largest_module_bytes, totals
@@ -34,6 +34,7 @@ from tiermem.train import checkpoint, lifetime
 from tiermem.train.activations import ActivationOffloader
 from tiermem.train.backward import GradCollector
 from tiermem.train.hooks import HookSet
+from tiermem.train.inputs import cast_inputs
 from tiermem.train.layout import build, make_homes
 from tiermem.train.machine import machine_profile, store_limits
 from tiermem.train.optimizer import TieredOptimizer
@@ -63,8 +64,8 @@ class TieredModel:
     update in the background while the next forward and backward run, so those see weights one
     update old (the one-step delayed update of ZeRO-Offload); the update lands at the next
     ``step()``; an update that fails in the background raises from that later call, and its
-    gradients cannot be retried. Floating-point tensors passed to ``tm(...)`` are cast to the
-    working precision.
+    gradients cannot be retried. Tensors passed to ``tm(...)`` move to the device and floating-point
+    ones are cast to the working precision, inside any container (:mod:`tiermem.train.inputs`).
     ``prefetch=False`` fetches weights homed off the device only when their module runs (for
     comparison; by default they are fetched ahead along the order the first step recorded).
     ``tm.phase`` tells where in the step the model is (NOTE [Step lifecycle]).
@@ -90,19 +91,21 @@ class TieredModel:
         lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         self.policy = resolve_policy(policy)
-        self.grad_clip, self.overlap_step = grad_clip, opts.overlap
+        self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
         self.tracer = Tracer(trace_path)
         self.group = resolve_group(process_group, tracer=self.tracer if trace_path else None)  # NOTE [Data parallel]; one process: every collective a no-op
         self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=store_limits(opts.device, opts.budgets, nvme_dir),
                                     machine=lambda: machine_profile(opts.device, nvme_dir), overlap=opts.overlap,
                                     world=self.group.world, nvme_staging=opts.device.type == "cuda")
         self.placement = self._evaluator.bind(self.policy)  # NOTE [Whole-model policies]: what decides each tensor
-        buckets, groups, names, param_homes = plan(module, self.placement, opts.spec, self.dtype, opts.bucket_numel,
-                                                   overlap=opts.overlap, world=self.group.world)
+        planned = plan(module, self.placement, opts.spec, self.dtype, opts.bucket_numel, overlap=opts.overlap,
+                       world=self.group.world)
+        buckets, param_homes = list(planned.buckets), dict(planned.weight_homes)
         self.group.check_same("model or configuration", fingerprint(
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
-            + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), grad_clip, opts.overlap]))
-        reclaimers = Reclaimers()  # a cache on the device (prefetched weights) gives room back to others
+            + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), opts.grad_clip, opts.overlap]))
+        in_flight = InFlight()  # grads copying home hold device room until they land: the device ledger waits for them
+        reclaimers = Reclaimers(in_flight.give_room)  # and a cache of prefetched weights, once built, evicts
         self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)
         with lifetime.undone_on_failure(self, module):  # a failed build leaves nothing held
             device_need = self._check_fits(buckets, param_homes)
@@ -120,22 +123,20 @@ class TieredModel:
                             "place PARAM on the device to run it compiled", len(param_homes), self.policy)
             homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
                                              weights_off_device=self.param_offload, group=self.group)
-            self.layout = build(module, buckets, step_buckets, groups, names, homes, self.stores, self.dtype,
-                                self.device, self.param_offload)
+            self.layout = build(module, buckets, step_buckets, planned.groups, planned.aliases, homes, self.stores,
+                                self.dtype, self.device, self.param_offload)
             self.scaler = LossScaler.of(precision == "fp16", loss_scale)
             self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger,
-                                       group=self.group)
-            reclaimers.add(self.grads.give_room)  # grads in flight free device room once they land
+                                       in_flight=in_flight, group=self.group)
             outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
-            self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=grad_clip,
+            self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=opts.grad_clip,
                                    tracer=self.tracer, overlap=opts.overlap, group=self.group,
                                    max_skipped=max_skipped_steps)
             self.optimizer = TieredOptimizer(self.layout, opts.spec, self._step)
             for b in buckets:
                 for s in b.slots:
                     self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
-            self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks,
-                                                   params=self.param_offload)
+            self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks)
             frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
             self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
                                      precision, self.dtype, frozen_off, self.group)
@@ -146,6 +147,8 @@ class TieredModel:
                                              self.tracer, self.stepper, os.getpid())
             self._release.atexit = False  # the process's end frees it all; no I/O on the way out
             lifetime.claim(module, self)
+            if self.param_offload is not None:
+                self.param_offload.settle()  # the module's original tensors of off-device weights go
             self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
@@ -189,16 +192,12 @@ class TieredModel:
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         with self._life.during("forward", Phase.FORWARD):
-            args, kwargs = _cast_floats((args, kwargs), self.dtype, self.device)
-            borrowing = self.param_offload.borrowing() if self.param_offload is not None else contextlib.nullcontext()
-            with self.tracer.span("forward", "compute"), borrowing, _eagerly(self._force_eager):
+            args, kwargs = cast_inputs((args, kwargs), self.dtype, self.device)
+            with self.tracer.span("forward", "compute"), _eagerly(self._force_eager):
                 if torch.is_grad_enabled() and self.module.training:
                     with self.activations.track():
                         return self.module(*args, **kwargs)
-                if torch.is_grad_enabled():  # eval() with grad: activations stay, a backward may follow
-                    with self.activations.weights_by_reference():
-                        return self.module(*args, **kwargs)
-                return self.module(*args, **kwargs)
+                return self.module(*args, **kwargs)  # eval() or no_grad: activations stay where they are
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled in fp16); call once per micro-batch, grads accumulate.
@@ -218,7 +217,7 @@ class TieredModel:
         arrived_before = self.grads.arrivals
         with self._life.during("backward", Phase.BACKWARD):  # raising before any grad: back to the phase before
             try:
-                with self.tracer.span("backward", "compute"), self.activations.weights_by_reference():
+                with self.tracer.span("backward", "compute"):
                     (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
                 self.grads.end_backward()
             except BaseException as e:
@@ -290,9 +289,34 @@ class TieredModel:
         """fp32 master weights (and buffers) with the keys of ``module.state_dict()``."""
         return self._settled("state_dict()").module_state()
 
-    def save(self, path: str) -> None:
-        """Checkpoint weights, optimizer state, loss scale and step to ``path``, atomically."""
-        checkpoint.save(self._settled("save()"), path)
+    def save(self, path: str, *, format: Optional[str] = None) -> None:
+        """Checkpoint weights, optimizer state, loss scale and step to ``path``, atomically.
+        ``format="file"``: one file (under data parallelism rank 0 writes it); ``"dcp"``: a
+        torch.distributed.checkpoint directory in which every rank writes its own shards, readable
+        at any world size. Default: ``"dcp"`` under data parallelism, ``"file"`` in one process.
+        Under data parallelism a collective: every rank calls it with the same path."""
+        if format is None:
+            format = "dcp" if self.group.world > 1 else "file"
+        checkpoint.save(self._settled("save()"), path, format)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This process's shards of the fp32 master weights and Adam moments, in a form
+        ``torch.distributed.checkpoint`` saves and loads at any world size (NOTE [Sharded values
+        for DCP]): ``{"model": {name: ...}, "optim": {"state": {name: {"exp_avg": ...,
+        "exp_avg_sq": ...}}}, "tiermem": <step counts, loss scale, hyperparameters as JSON>}``.
+        Values alias the model's state where it lives in memory (state on NVMe is copied into host
+        memory). ``dcp.save(tm.sharded_state_dict(), checkpoint_id=d)`` writes a checkpoint
+        ``tm.load(d)`` reads; ``sd = tm.sharded_state_dict(); dcp.load(sd, checkpoint_id=d);
+        tm.load_sharded_state_dict(sd)`` loads one. ``tm.state_dict()`` stays the whole weights."""
+        return checkpoint.sharded_state_dict(self._settled("sharded_state_dict()"))
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take back what :meth:`sharded_state_dict` gave, filled by ``dcp.load``: the state, the
+        working weights made from it, step counts, loss scale and hyperparameters (checked whole
+        first). Under data parallelism a collective. Gradients waiting for a step are dropped."""
+        checkpoint.load_sharded(self._settled("load_sharded_state_dict()"), state_dict)
+        self.grads.drop()
+        self._life.to(Phase.IDLE)
 
     def load(self, path: str) -> None:
         """Restore a checkpoint written by :meth:`save` (any bucket size, same parameter names).
@@ -301,6 +325,29 @@ class TieredModel:
         checkpoint.load(self._settled("load()"), path)
         self.grads.drop()
         self._life.to(Phase.IDLE)
+
+    @contextlib.contextmanager
+    def resident(self, what: "torch.nn.Module | torch.Tensor | Iterable[torch.Tensor]") -> Iterator[None]:
+        """Explicit access to weights outside ``tm(...)``: inside the block the parameters of
+        ``what`` (a module of the model, a parameter, or several of either) are real tensors on
+        the device, those homed off the device held there for the block. Writes into them (in
+        place, under ``torch.no_grad()``: ``p.mul_(0.5)``, ``p.copy_(new)``, ``nn.init``) become the
+        model's weights: when the block ends they reach the weights' home tier and the fp32 master
+        weights the optimizer updates. Reads of an off-device weight outside such a block work too
+        (fetched for each op); writes outside it are refused (NOTE [Parameters off the device])."""
+        self._settled("resident()")
+        params = _params_of(what, self.module)
+        offload = self.param_offload
+        off = [n for n in params if offload is not None and n in offload.homes]
+        on = {n: p for n, p in params.items() if n not in off}
+        versions = {n: p._version for n, p in on.items()}
+        with (offload.resident(off) if off else contextlib.nullcontext({})) as written:
+            yield
+        # a weight on the device may share its version counter with others of its bucket: the
+        # elements that differ from their masters are what was written (ModelState.take_weights)
+        changed = {**{n: p.detach() for n, p in on.items() if p._version != versions[n]}, **written}
+        if changed:
+            self._state.take_weights(changed)
 
     def report(self) -> Report:
         peak, class_peak, budgets = collect(self.stores)
@@ -311,7 +358,8 @@ class TieredModel:
                       class_bytes_moved=st["class_bytes_moved"],
                       n_params=self.layout.n_params, step_seconds=self.stepper.seconds,
                       rank=self.group.rank, world=self.group.world, collective_bytes=self.group.bytes_sent(),
-                      placement=repr(self.placement), stages=self._stages())
+                      placement=repr(self.placement), stages=self._stages(),
+                      weights_on_demand=dict(self.param_offload.on_demand) if self.param_offload is not None else {})
 
     def _stages(self) -> dict[str, tuple[float, float]]:
         """Predicted against measured seconds per step, by stage (NOTE [Cost model]; the prediction fed
@@ -330,6 +378,8 @@ class TieredModel:
         state = self._settled("detach()")
         self.hooks.remove()
         weights = state.fp32_weights()
+        if self.param_offload is not None:
+            self.param_offload.restore(weights)  # plain tensors again (NOTE [Parameters off the device])
         for name, p in self.module.named_parameters():
             p.data = weights[name]
         self.layout.buffers.give_back()
@@ -381,6 +431,21 @@ def _eagerly(on: bool) -> contextlib.AbstractContextManager:
     return set_stance("force_eager") if on and set_stance is not None else contextlib.nullcontext()
 
 
+def _params_of(what: Any, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Canonical name -> parameter, for a module of ``module``, a parameter of it, or several."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    items = [what] if isinstance(what, (torch.nn.Module, torch.Tensor)) else list(what)
+    out: dict[str, torch.Tensor] = {}
+    for item in items:
+        for p in (item.parameters() if isinstance(item, torch.nn.Module) else [item]):
+            if not isinstance(p, torch.Tensor) or id(p) not in names:
+                raise ConfigError(f"tiermem: resident() takes modules and parameters of the wrapped model; got "
+                                  f"{type(p).__name__}{tuple(p.shape) if isinstance(p, torch.Tensor) else ''}, "
+                                  f"which is not one of its parameters")
+            out[names[id(p)]] = p
+    return out
+
+
 def _note(error: BaseException, text: str) -> None:
     """Tell the user what tiermem did about ``error`` without changing its type."""
     if hasattr(error, "add_note"):  # Python 3.11+
@@ -396,13 +461,3 @@ def _check_loss(loss: Any) -> None:
     if not loss.requires_grad:
         raise ConfigError("tiermem: backward() got a loss that does not require grad; compute it from "
                           "tm(...) outside torch.no_grad() and with the module in train mode")
-
-
-def _cast_floats(obj: Any, dtype: torch.dtype, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device=device, dtype=dtype if obj.is_floating_point() else obj.dtype)  # one copy at most
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype, device) for k, v in obj.items()}
-    return obj

@@ -23,6 +23,7 @@ from tiermem.handles import Handle, wait_all
 from tiermem.transfer.lease import Lease
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes import GradHome
+from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 
@@ -31,7 +32,7 @@ class NvmeGrads(GradHome):
 
     landing_tier = Tier.HOST
 
-    def __init__(self, buckets: Sequence[Bucket], engine, host_store):
+    def __init__(self, buckets: Sequence[Bucket], engine: CopyService, host_store):
         self.engine, self.host = engine, host_store
         self._buckets = {b.index: b for b in buckets}
         self._landing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (fp32 view, pool buffer)

@@ -36,6 +36,7 @@ import torch
 from tiermem.handles import Handle, wait_all, wait_all_quietly
 from tiermem.plan.buckets import STATE_PARTS, Bucket
 from tiermem.train.homes import StateHome, StateViews, Update
+from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class NvmeState(StateHome):
     compute_tier = Tier.HOST
     revertible = False  # NOTE [A failed step is rolled forward]
 
-    def __init__(self, buckets: Sequence[Bucket], engine, host_store):
+    def __init__(self, buckets: Sequence[Bucket], engine: CopyService, host_store):
         self.buckets = list(buckets)
         self.engine = engine
         largest = max(b.numel for b in self.buckets)

@@ -21,12 +21,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         if not masters:
             raise TierMemError("tiermem: the module has no trainable parameters (requires_grad=True); "
                                "unfreeze some before wrapping it")
-        groups = []
-        for i, names in enumerate(layout.groups):
-            g = {"params": [masters[n] for n in names], "param_names": list(names), **spec.group_defaults()}
-            if i == 1:
-                g["weight_decay"] = 0.0  # the no_decay group
-            groups.append(g)
+        groups = [{"params": [masters[n] for n in g.params], "param_names": list(g.params),
+                   **spec.group_defaults(), **g.options}  # NOTE [Param groups]: the group's own over the spec's
+                  for g in layout.groups]
         super().__init__(groups, spec.group_defaults())
         # weakly: a scheduler that keeps this optimizer must not keep the whole model alive
         # (NOTE [A dropped model lets go] in tiermem.train.lifetime)

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from tiermem.budgets import Budgets, parse_bytes
-from tiermem.config import AdamW, LossScale, _AdamSpec, working_dtype
+from tiermem.config import AdamW, LossScale, _AdamSpec, is_int, is_number, working_dtype
 from tiermem.errors import ConfigError
 from tiermem.memory.ledger import Reclaimers
 from tiermem.memory.nvme import NvmeStore
@@ -28,6 +28,7 @@ class Options:
     """The constructor's keyword arguments, validated."""
 
     spec: _AdamSpec
+    grad_clip: Optional[float]  # a float (a numpy number given is converted), or None
     dtype: torch.dtype
     device: torch.device
     budgets: Budgets
@@ -88,8 +89,7 @@ def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_
     if not isinstance(spec, _AdamSpec):
         raise ConfigError(f"tiermem: optimizer={spec!r} is not a tiermem optimizer spec; pass "
                           f"tiermem.AdamW(...) or tiermem.Adam(...) (hyperparameters, not a torch optimizer)")
-    if grad_clip is not None and (isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float))
-                                  or not math.isfinite(grad_clip) or grad_clip <= 0):
+    if grad_clip is not None and (not is_number(grad_clip) or not math.isfinite(grad_clip) or grad_clip <= 0):
         raise ConfigError(f"tiermem: grad_clip={grad_clip!r} is invalid: must be a finite number > 0 (the largest "
                           f"global gradient norm), or None for no clipping")
     budgets = Budgets() if budgets is None else budgets
@@ -101,14 +101,14 @@ def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_
     dtype, dev, overlap = working_dtype(precision), _device(device), _flag("overlap_step", overlap_step)
     _check_paths(module, nvme_dir, trace_path)
     prefetch = _flag("prefetch", prefetch)
-    if max_skipped_steps is not None and (isinstance(max_skipped_steps, bool) or not isinstance(
-            max_skipped_steps, int) or max_skipped_steps < 1):
+    if max_skipped_steps is not None and (not is_int(max_skipped_steps) or max_skipped_steps < 1):
         raise ConfigError(f"tiermem: max_skipped_steps={max_skipped_steps!r} is invalid: must be an int >= 1, "
                           f"or None to never stop on skipped steps")
     if loss_scale is not None and (not isinstance(loss_scale, LossScale) or precision != "fp16"):
         raise ConfigError(f"tiermem: loss_scale={loss_scale!r} is invalid: it must be a tiermem.LossScale, and "
                           f"only precision='fp16' scales the loss; pass LossScale(...) with fp16, or leave it out")
-    return Options(spec, dtype, dev, budgets, bucket_bytes // 4, overlap, prefetch)
+    return Options(spec, None if grad_clip is None else float(grad_clip), dtype, dev, budgets, bucket_bytes // 4,
+                   overlap, prefetch)
 
 
 def make_stores(opts: Options, nvme_dir: Optional[str], reclaimers: Reclaimers, group: Group) -> dict[Tier, Any]:

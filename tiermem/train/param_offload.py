@@ -1,53 +1,77 @@
-"""Parameters homed off the device (ZeRO-Infinity): resident only while their module runs.
+"""Parameters off the device (ZeRO-Infinity): real wherever they are read, resident only while used.
 
 # NOTE [Parameters off the device]
-Every parameter whose PARAM placement is HOST or NVME is registered with the engine under its
-name, its working-precision copy stored at home. Between uses its ``.data`` is a placeholder of
-the right shape that costs one element (NaN, so a use outside its module is loud, not silent).
-A forward pre-hook of each module that owns such parameters acquires them through the
-:class:`~tiermem.transfer.schedule.ResidencyScheduler` (which prefetches the next ones in the order
-recorded during the first step and evicts by furthest next use), and a forward hook puts the
-placeholder back and releases them. These hooks, and the watch on a forward's ops for weights
-read outside their module, run as plain Python even in a ``torch.compile``d model
-(:func:`~tiermem.train.hooks.eager`): traced, they would run once at compile time, and the graph
-would compute with the placeholder. So a compiled model with weights off the device runs its
-forward eagerly (``torch.compiler.set_stance("force_eager")`` around ``tm(...)``; with
-``overlap_step`` dynamo falls back by itself at the eager hooks, as the stance is process-wide and
-the step's compiled Adam runs meanwhile), with the numbers of the uncompiled model.
+Every parameter whose PARAM placement is HOST or NVME is registered with the residency scheduler
+under its name, its working-precision copy stored at home, and becomes an
+:class:`~tiermem.train.offdevice.OffDeviceWeight` (NOTE [Weights off the device are a tensor
+subclass]): every op that computes with it asks :class:`ParamOffload` for the real values.
 
-Backward needs weights again: when autograd saves a tensor that lives in an acquired
-parameter's storage (the weight, or a view such as ``weight.t()``), the saved-tensor pack hook
-keeps only a reference (key, size, stride, offset); unpacking acquires the parameter again —
-in reverse order, which the trace knows — and rebuilds the view. The optimizer step writes the
-updated weights to their home tier, never to the device.
+Two ways in, one residency. A forward pre-hook of each module that owns such parameters acquires
+them through the :class:`~tiermem.transfer.schedule.ResidencyScheduler` (which prefetches the next
+ones in the order recorded during the first step and evicts by furthest next use), and a forward
+hook releases them: while its module runs, a weight's ops find it resident at once. Any other read
+(another module's code, autograd's backward formulas, a forward recomputed by checkpointing, user
+code between steps) acquires the weight for that one op; those reads are recorded in the trace
+like the module's, so the next step prefetches them, and the ones that still had to wait for a
+fetch started on demand are counted (``tm.report().weights_on_demand``).
+
+These hooks run as plain Python even in a ``torch.compile``d model
+(:func:`~tiermem.train.hooks.eager`), and dynamo cannot trace the fetch inside an op either: a
+compiled model with weights off the device runs its forward eagerly
+(``torch.compiler.set_stance("force_eager")`` around ``tm(...)``; with ``overlap_step`` dynamo
+falls back by itself, as the stance is process-wide and the step's compiled Adam runs meanwhile),
+with the numbers of the uncompiled model.
+
+The optimizer step writes the updated weights to their home tier, never to the device; device
+copies still cached are dropped first (:meth:`begin_update`). ``tm.resident(...)`` holds weights
+on the device for a block and lets user code write into them; what it wrote goes home when the
+block ends (:meth:`resident`). ``detach()`` gives each parameter a plain tensor again
+(:meth:`restore`); a model dropped without it leaves weights that raise a ``tiermem:`` error when
+read, never a made-up value.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from dataclasses import dataclass
-from typing import Optional
+import threading
+from collections import Counter
+from typing import Iterator, Optional, Sequence
 
 import torch
-from torch.overrides import TorchFunctionMode
 
+from tiermem.errors import ConfigError, TierMemError
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes import Runs, WeightHome, slots_in
 from tiermem.train.hooks import HookSet, eager
+from tiermem.train.offdevice import OffDeviceWeight
 from tiermem.transfer.schedule import ResidencyScheduler
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ParamRef:
-    """What autograd keeps instead of an offloaded parameter's tensor."""
+class _Link:
+    """What an off-device weight asks for its values: the model's :class:`ParamOffload` while it
+    lives; once it is given back (a model dropped without ``detach()``), a clear error."""
 
-    key: str
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
+    __slots__ = ("offload",)
+
+    def __init__(self, offload: "ParamOffload"):
+        self.offload: Optional[ParamOffload] = offload
+
+    def _live(self, key: str) -> "ParamOffload":
+        if self.offload is None:
+            raise TierMemError(f"tiermem: the weight {key!r} lived off the device under a TieredModel that was "
+                               f"dropped without detach(), so its values are gone: build the module again (and "
+                               f"call tm.detach() or tm.save(path) before dropping a model whose weights you need)")
+        return self.offload
+
+    def holding(self, keys: Sequence[str], reader: str):
+        return self._live(keys[0]).holding(keys, reader)
+
+    def written(self, key: str, op: str) -> None:
+        self._live(key).written(key, op)
 
 
 class ParamOffload(WeightHome):
@@ -60,30 +84,77 @@ class ParamOffload(WeightHome):
         self.engine, self.scheduler, self.dtype, self.device = engine, scheduler, dtype, device
         self.homes = dict(homes)
         params = dict(module.named_parameters())
-        self.keys: dict[int, str] = {id(params[name]): name for name in homes}  # id(param) -> key
         self._params = {name: params[name] for name in homes}
-        self._placeholders: dict[str, torch.Tensor] = {}
-        self._live: dict[int, str] = {}  # storage address of an acquired parameter -> key
-        self._by_placeholder: dict[int, str] = {}  # a placeholder's address -> key
-        self.owners: dict[torch.nn.Module, list[tuple[torch.nn.Parameter, str]]] = {}
+        where = {id(p): name for name, p in self._params.items()}
+        self._places: dict[str, list[tuple[torch.nn.Module, str]]] = {}  # name -> every (module, attribute) of it
         for mod in module.modules():
-            mine = [(p, self.keys[id(p)]) for p in mod.parameters(recurse=False) if id(p) in self.keys]
+            for attr, p in mod._parameters.items():
+                if p is not None and id(p) in where:
+                    self._places.setdefault(where[id(p)], []).append((mod, attr))
+        self._link = _Link(self)
+        self._plain: dict[str, torch.nn.Parameter] = {}  # name -> the plain tensor swapped out of the parameter
+        self._lock = threading.RLock()  # reads come from autograd's threads too
+        self._running: dict[str, list] = {}  # key -> [its device tensor, holds]: acquired by a module or a block
+        self._writable: Counter[str] = Counter()  # keys user code may write into (inside tm.resident)
+        self._dirty: set[str] = set()
+        self.on_demand: Counter[str] = Counter()  # reads outside the schedule that waited for a fetch
+        keys = {id(p): name for name, p in self._params.items()}
+        self.owners: dict[torch.nn.Module, list[str]] = {}
+        for mod in module.modules():
+            mine = [keys[id(p)] for p in mod.parameters(recurse=False) if id(p) in keys]
             if mine:
                 self.owners[mod] = mine
                 hooks.add(mod.register_forward_pre_hook(eager(self._before)))
                 hooks.add(mod.register_forward_hook(eager(self._after), always_call=True))  # also when forward raises
+        hooks.add(self)  # remove(): reads after the model is given back fail clearly
 
     def adopt(self, name: str, value: torch.Tensor) -> None:
         """``value`` (a host tensor in the working precision) becomes ``name``'s first value at
-        home; the parameter holds a NaN placeholder from now on."""
+        home, and the parameter an :class:`OffDeviceWeight` of it from now on."""
         p = self._params[name]
         self.engine.register(TensorInfo(name, TensorClass.PARAM, value.numel() * value.element_size(),
                                         tuple(p.shape), value.dtype, name.rpartition(".")[0]), self.homes[name])
         self.engine.put(name, value)
-        nan = torch.full((), float("nan"), dtype=value.dtype, device=self.device)
-        self._placeholders[name] = nan.expand(p.shape)
-        self._by_placeholder[nan.data_ptr()] = name
-        p.data = self._placeholders[name]
+        weight = torch.nn.Parameter(OffDeviceWeight.whole(self._link, name, tuple(p.shape), value.dtype, self.device),
+                                    requires_grad=p.requires_grad)
+        _swap(p, weight, name)
+        self._plain[name] = weight  # now the plain one; its data goes back in restore() or undo()
+
+    def settle(self) -> None:
+        """Construction succeeded: the original tensors swapped out of the parameters are let go."""
+        for plain in self._plain.values():
+            plain.data = torch.empty(0, dtype=plain.dtype, device=plain.device)
+
+    def undo(self) -> None:
+        """Construction failed: every parameter gets back the tensor it had (before :meth:`settle`)."""
+        for name, plain in self._plain.items():
+            self._put_back(name, plain)
+        self._plain.clear()
+
+    def restore(self, values: dict[str, torch.Tensor]) -> None:
+        """``detach()``: each parameter becomes a plain tensor again, holding ``values[name]``."""
+        for name, plain in self._plain.items():
+            plain.data = values[name]
+            self._put_back(name, plain)
+        self._plain.clear()
+
+    def _put_back(self, name: str, plain: torch.nn.Parameter) -> None:
+        """The plain tensor back in the parameter object; if something still holds references into
+        the parameter (a graph ``torch.compile`` built with it under overlap_step), the modules get
+        ``plain`` as their parameter instead, a new object with the same values and attributes."""
+        p = self._params[name]
+        try:
+            _swap(p, plain, name)
+        except ConfigError:
+            vars(plain).update({k: v for k, v in vars(p).items() if k not in _OWN})
+            for mod, attr in self._places.get(name, []):
+                mod._parameters[attr] = plain
+            log.info("tiermem: %r was still referenced elsewhere (a compiled graph?), so the module holds a new "
+                     "Parameter object for it, with its values", name)
+
+    def remove(self) -> None:
+        """The model is detached or given back: nothing is read through it any more."""
+        self._link.offload = None
 
     # -- as a WeightHome ---------------------------------------------------------------------------
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
@@ -97,53 +168,96 @@ class ParamOffload(WeightHome):
         return [self.write_home(s.name, src[s.offset:s.offset + s.numel].view(s.shape).to(self.dtype), wait=False)
                 for s in slots_in(b, runs)]
 
-    # -- forward -----------------------------------------------------------------------------------
+    # -- reads ---------------------------------------------------------------------------------------
     def _before(self, mod: torch.nn.Module, args) -> None:
-        for _, key in self.owners[mod]:
-            self.borrow(key)
+        for key in self.owners[mod]:
+            self._hold(key)
 
     def _after(self, mod: torch.nn.Module, args, out) -> None:
-        for _, key in self.owners[mod]:
-            self.give_back(key)
+        for key in self.owners[mod]:
+            self._unhold(key)
 
-    # -- weights read outside their own module ------------------------------------------------------
-    def borrowing(self) -> "_Borrowing":
-        """Around a forward: an op that reads an off-device weight outside its own module (a head
-        computing ``F.linear(x, self.wte.weight)``) makes it resident first, until the forward
-        ends, instead of computing with the NaN placeholder."""
-        return _Borrowing(self)
-
-    def key_of_placeholder(self, t: torch.Tensor) -> Optional[str]:
-        return self._by_placeholder.get(t.data_ptr()) if t.numel() else None
-
-    def borrow(self, key: str) -> None:
-        """Make ``key`` resident in its parameter (its module runs, or another reads it)."""
+    def _hold(self, key: str) -> torch.Tensor:
+        """Acquire ``key`` for a module or a block: its ops find it resident until :meth:`_unhold`."""
+        with self._lock:
+            entry = self._running.get(key)
+            if entry is not None:
+                entry[1] += 1
+                return entry[0]
         t = self.scheduler.acquire(key)
-        self._live[t.untyped_storage().data_ptr()] = key
-        self._params[key].data = t
+        with self._lock:
+            entry = self._running.setdefault(key, [t, 0])
+            entry[1] += 1
+            if entry[0] is not t:  # held meanwhile by another thread: one acquire is enough
+                self.scheduler.release(key)
+            return entry[0]
 
-    def give_back(self, key: str) -> None:
-        """The placeholder back in ``key``'s parameter; the scheduler may evict its device copy."""
-        p = self._params[key]
-        t = p.data
-        p.data = self._placeholders[key]
-        self._live.pop(t.untyped_storage().data_ptr(), None)
+    def _unhold(self, key: str) -> None:
+        with self._lock:
+            entry = self._running[key]
+            entry[1] -= 1
+            if entry[1]:
+                return
+            del self._running[key]
         self.scheduler.release(key)
 
-    # -- saved tensors -------------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> Optional[ParamRef]:
-        """A reference in place of ``t`` if it lives in an acquired parameter's storage."""
-        key = self._live.get(t.untyped_storage().data_ptr())
-        if key is None:
-            return None
-        return ParamRef(key, tuple(t.size()), tuple(t.stride()), t.storage_offset())
-
-    def unpack(self, ref: ParamRef) -> torch.Tensor:
-        t = self.scheduler.acquire(ref.key)
+    @contextlib.contextmanager
+    def holding(self, keys: Sequence[str], reader: str) -> Iterator[list[torch.Tensor]]:
+        """The device tensors of ``keys`` for one op (NOTE [Weights off the device are a tensor
+        subclass]): held already by a running module or block, or acquired for the op."""
+        reals, taken = [], []
         try:
-            return t.as_strided(ref.size, ref.stride, ref.offset)  # keeps the storage alive for autograd
+            for key in keys:
+                with self._lock:
+                    entry = self._running.get(key)
+                    if entry is not None:
+                        reals.append(entry[0])
+                        continue
+                reals.append(self.scheduler.acquire(key, on_demand=self.on_demand))
+                taken.append(key)
+            yield reals
         finally:
-            self.scheduler.release(ref.key)
+            for key in taken:
+                self.scheduler.release(key)
+
+    def written(self, key: str, op: str) -> None:
+        """An op writes into ``key``: allowed inside ``tm.resident(...)`` only."""
+        with self._lock:
+            if self._writable[key]:
+                self._dirty.add(key)
+                return
+        raise TierMemError(f"tiermem: {op} writes into the weight {key!r}, which lives off the device; "
+                           f"write to it inside `with tm.resident(...)`, which sends the new values home "
+                           f"and to the optimizer's master weights")
+
+    @contextlib.contextmanager
+    def resident(self, keys: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:
+        """Hold ``keys`` on the device for a block in which they may be written; yields the
+        written ones' new values (host copies, filled in when the block ends), whose home has them."""
+        held: list[str] = []
+        written: dict[str, torch.Tensor] = {}
+        try:
+            for key in keys:
+                self._hold(key)
+                held.append(key)
+                with self._lock:
+                    self._writable[key] += 1
+            yield written
+            with self._lock:
+                dirty = [k for k in held if k in self._dirty]
+            for key in dirty:
+                value = self._running[key][0].to("cpu", copy=True)
+                self.write_home(key, value)  # drops the device copy: the next read fetches the new value
+                written[key] = value
+        finally:
+            with self._lock:
+                for key in held:
+                    self._writable[key] -= 1
+                    if not self._writable[key]:
+                        del self._writable[key]
+                        self._dirty.discard(key)
+            for key in held:
+                self._unhold(key)
 
     # -- the step ----------------------------------------------------------------------------------
     def begin_update(self) -> None:
@@ -159,35 +273,18 @@ class ParamOffload(WeightHome):
         self.scheduler.end_iteration()  # freezes the trace, prefetches the next step's first weights
 
 
-#: tensor methods and properties that read no values: a placeholder may answer them
-_METADATA = frozenset({"__get__", "__set__", "untyped_storage", "data_ptr", "storage_offset", "stride", "size",
-                       "dim", "numel", "element_size", "is_floating_point", "is_contiguous", "__repr__",
-                       "__format__", "__len__", "__hash__", "_is_view", "is_complex",
-                       "register_hook", "requires_grad_", "get_device", "nbytes", "itemsize"})
+#: what an OffDeviceWeight keeps in its ``__dict__``: not the user's, so not carried across a swap
+_OWN = frozenset({"_source", "_key", "_is_param"})
 
 
-class _Borrowing(TorchFunctionMode):
-    """NOTE [Parameters off the device]: the ops of a forward, watched for placeholders."""
-
-    def __init__(self, offload: ParamOffload):
-        super().__init__()
-        self.offload, self.borrowed = offload, []
-
-    @eager
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _METADATA:  # asks about the tensor, computes nothing with it
-            return func(*args, **kwargs)
-        for a in (*args, *kwargs.values()):
-            for t in (a if isinstance(a, (list, tuple)) else (a,)):
-                if isinstance(t, torch.Tensor):
-                    key = self.offload.key_of_placeholder(t)
-                    if key is not None:
-                        self.offload.borrow(key)
-                        self.borrowed.append(key)
-        return func(*args, **kwargs)
-
-    def __exit__(self, *exc) -> None:
-        super().__exit__(*exc)  # first: giving back sets .data, which this mode would watch
-        while self.borrowed:
-            self.offload.give_back(self.borrowed.pop())
+def _swap(p: torch.nn.Parameter, other: torch.nn.Parameter, name: str) -> None:
+    """Exchange the contents of two parameters, keeping each Python object; attributes user code
+    set on ``p`` (``torch.utils.swap_tensors`` exchanges those too) stay with ``p``."""
+    attrs = {k: v for k, v in vars(p).items() if k not in _OWN}
+    try:
+        torch.utils.swap_tensors(p, other)
+    except RuntimeError as e:
+        raise ConfigError(f"tiermem: the parameter {name!r} cannot be homed off the device: {e}; build the "
+                          f"TieredModel before anything else holds references into the parameter (a "
+                          f"torch.compile'd call, a live autograd graph), or place PARAM on the device") from None
+    vars(p).update(attrs)

@@ -24,6 +24,7 @@ from tiermem.handles import Handle
 from tiermem.plan.buckets import STATE_PARTS, Bucket, Slot
 from tiermem.train.homes import GradHome, Runs, StateHome, StateViews, WeightHome
 from tiermem.transfer.collectives import Group, Pending
+from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 
@@ -44,7 +45,7 @@ def shard_buckets(buckets: Sequence[Bucket], group: Group) -> list[Bucket]:
 
 class ShardedGrads(GradHome):
     def __init__(self, buckets: Sequence[Bucket], shards: Sequence[Bucket], inner: GradHome, group: Group,
-                 device_store, engine):
+                 device_store, engine: CopyService):
         self.landing_tier = Tier.DEVICE
         self.full = {b.index: b for b in buckets}
         self.shards = {b.index: b for b in shards}
@@ -228,11 +229,33 @@ class ShardedState(StateHome):
             dst[:c.end - c.start].copy_(src[c.start:c.end])
         self.inner.store(sb, mine)
 
+    # -- this rank's chunk alone (a sharded checkpoint: NOTE [Sharded values for DCP]) -------------
+    @property
+    def resident(self) -> bool:  # type: ignore[override]
+        return self.inner.resident
+
+    def read_local(self, b: Bucket) -> StateViews:
+        return self.inner.read(self.shards[b.index])
+
+    def local_views(self, b: Bucket) -> StateViews:
+        c = self.group.chunk(b.numel)
+        mine = self.inner.load_views(self.shards[b.index])
+        for t in mine:
+            t[c.end - c.start:].zero_()  # the chunk's padding stays zero, as :meth:`store` leaves it
+        return mine
+
+    def store_local(self, b: Bucket, views: StateViews) -> None:
+        self.inner.store(self.shards[b.index], views)
+
+    def whole_master(self, b: Bucket, mine: torch.Tensor) -> torch.Tensor:
+        self.group.all_gather(self._part("master")[:self.group.chunk(b.numel).padded], mine)
+        return self._part("master")[:b.numel]
+
 
 class ShardedWeights(WeightHome):
     """The full working weights in ``inner`` on every rank; a step's chunk is all-gathered into them."""
 
-    def __init__(self, buckets: Sequence[Bucket], inner: WeightHome, group: Group, engine):
+    def __init__(self, buckets: Sequence[Bucket], inner: WeightHome, group: Group, engine: CopyService):
         """``group``: the weights' own (NOTE [Data parallel]): under overlap_step their gathers run
         on the engine's thread while backward reduce-scatters grads on the caller's."""
         self.full = {b.index: b for b in buckets}

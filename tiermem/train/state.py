@@ -8,7 +8,9 @@ through it and knows nothing else of the model.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -26,6 +28,19 @@ log = logging.getLogger(__name__)
 HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")  # what a checkpoint keeps of each param group
 
 
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter's fp32 state this process keeps: elements ``[lo, hi)`` of the
+    flattened parameter (of shape ``shape``), at ``at`` in this process's views of its bucket
+    (NOTE [Sharded values for DCP])."""
+
+    name: str
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+    at: int
+
+
 class ModelState:
     def __init__(self, module: torch.nn.Module, layout: Layout, stepper: Stepper, scaler: LossScaler,
                  param_groups: list[dict], precision: str, dtype: torch.dtype,
@@ -34,6 +49,7 @@ class ModelState:
         self.param_groups, self.precision, self.dtype = param_groups, precision, dtype
         self._frozen_off_device = frozen_off_device  # frozen parameter name -> its home off the device
         self.group = group
+        self._bucket = {b.index: b for b in layout.buckets}
         self.writes_files = group.rank == 0  # under data parallelism rank 0 writes; every rank takes part
 
     def all_ok(self, ok: bool) -> bool:
@@ -107,27 +123,102 @@ class ModelState:
         kept = self.layout.buffers  # NOTE [Buffers keep their values]
         return {k: weights[k] if k in weights else kept.value(k, v) for k, v in self.module.state_dict().items()}
 
+    # -- this process's part of the state (a sharded checkpoint) ----------------------------------------
+    def pieces(self) -> list[tuple[int, list[Piece]]]:
+        """Each bucket's index and the pieces of its parameters this process keeps, in bucket
+        order (every piece of a parameter lies in one bucket); reads nothing."""
+        steps = {sb.index: sb for sb in self.layout.step_buckets}
+        out = []
+        for b in self.layout.buckets:
+            start = self.group.chunk(b.numel).start  # where this process's part begins in the bucket
+            whole = {s.name: s for s in b.slots}
+            mine = []
+            for p in steps[b.index].slots:
+                s = whole[p.name]
+                lo = start + p.offset - s.offset
+                mine.append(Piece(p.name, tuple(s.shape), lo, lo + p.numel, p.offset))
+            if self.group.rank == 0:  # a parameter of no elements is in no rank's chunk: rank 0 keeps its name
+                kept = {p.name for p in mine}
+                mine += [Piece(s.name, tuple(s.shape), 0, 0, 0) for s in b.slots if s.numel == 0 and s.name not in kept]
+            out.append((b.index, mine))
+        return out
+
+    def resident(self, index: int) -> bool:
+        """Whether :meth:`read_local` of bucket ``index`` gives the live state, not a staging copy."""
+        return self.layout.homes.state[index].resident
+
+    def read_local(self, index: int) -> tuple[torch.Tensor, ...]:
+        """This process's part of bucket ``index``'s (master, exp_avg, exp_avg_sq), no
+        communication; valid until the next read (then :meth:`release`)."""
+        return self.layout.homes.state[index].read_local(self._bucket[index])
+
+    def release(self) -> None:
+        """Done reading or writing buckets: whole-bucket buffers kept for that go."""
+        self._release()
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """The weights are about to be replaced (a checkpoint load): cached copies are stale."""
+        homes = self.layout.homes
+        for home in homes.weight_homes():
+            home.begin_update()
+        yield
+        for home in homes.weight_homes():
+            home.end_update()
+
+    def load_local(self, index: int, fill: Callable[[tuple[torch.Tensor, ...]], None]) -> None:
+        """Replace this process's part of bucket ``index``'s state with what ``fill(views)`` writes
+        into ``views`` (zeros elsewhere), then send the bucket's weights home (under data
+        parallelism a collective: every rank calls it for every bucket, in order)."""
+        b = self._bucket[index]
+        homes = self.layout.homes
+        home = homes.state[index]
+        views = home.local_views(b)
+        fill(views)
+        home.store_local(b, views)
+        homes.weights[index].load(b, home.whole_master(b, views[0]), homes.compute_tier(b))
+
+    def rest(self) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint holds besides the optimizer state, by name (``frozen/<param>``:
+        the fp32 host copy; ``buffers/<buffer>``: the module's); filled in place, then
+        :meth:`commit_rest`."""
+        out = {f"frozen/{name}": t for name, t in self.layout.frozen.items()}
+        out.update((f"buffers/{name}", t) for name, t in self.module.named_buffers())
+        return out
+
+    def commit_rest(self) -> None:
+        """Frozen parameters take their fp32 copies' values, at their home."""
+        params = dict(self.module.named_parameters())
+        for name, t in self.layout.frozen.items():
+            home = self._frozen_off_device.get(name)
+            if home is not None:
+                home.write_home(name, t.to(self.dtype))
+            else:
+                params[name].data.copy_(t)
+
     # -- writing ------------------------------------------------------------------------------------
     def load(self, read_into: Callable[[str, torch.Tensor], None], meta: dict) -> None:
         """Fill every tensor through ``read_into(name, target)`` (the caller has validated the
         whole checkpoint first), send the weights home, then take the step counts, loss scale
         (only from a checkpoint of this precision) and hyperparameters from ``meta``."""
         homes = self.layout.homes
-        for home in homes.weight_homes():
-            home.begin_update()
-        for b in self.layout.buckets:
-            views = homes.state[b.index].load_views(b)
-            for part, t in zip(STATE_PARTS, views):
-                for s in b.slots:
-                    read_into(f"{part}/{s.name}", t[s.offset:s.offset + s.numel])
-            homes.state[b.index].store(b, views)
-            homes.weights[b.index].load(b, views[0], homes.compute_tier(b))
-        self._release()
-        self._load_frozen(read_into)
-        for name, t in self.module.named_buffers():
-            read_into(f"buffers/{name}", t)
-        for home in homes.weight_homes():
-            home.end_update()
+        with self.updating():
+            for b in self.layout.buckets:
+                views = homes.state[b.index].load_views(b)
+                for part, t in zip(STATE_PARTS, views):
+                    for s in b.slots:
+                        read_into(f"{part}/{s.name}", t[s.offset:s.offset + s.numel])
+                homes.state[b.index].store(b, views)
+                homes.weights[b.index].load(b, views[0], homes.compute_tier(b))
+            self._release()
+            for name, t in self.rest().items():
+                read_into(name, t)
+            self.commit_rest()
+        self.take_meta(meta)
+
+    def take_meta(self, meta: dict) -> None:
+        """The step counts, loss scale (only from a checkpoint of this precision) and
+        hyperparameters of a validated checkpoint's ``meta``."""
         for group, saved in zip(self.param_groups, meta["groups"]):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
         if meta["precision"] == self.precision:
@@ -137,12 +228,35 @@ class ModelState:
                      self.precision, self.scaler.scale)
         self.stepper.load_param_steps({k: int(v) for k, v in meta["param_step"].items()}, meta["step"])
 
-    def _load_frozen(self, read_into: Callable[[str, torch.Tensor], None]) -> None:
-        params = dict(self.module.named_parameters())
-        for name, t in self.layout.frozen.items():
-            read_into(f"frozen/{name}", t)
-            home = self._frozen_off_device.get(name)
-            if home is not None:
-                home.write_home(name, t.to(self.dtype))
+    def take_weights(self, values: dict[str, torch.Tensor]) -> None:
+        """User code wrote into weights (``tm.resident(...)``): name -> the working-precision value
+        now. Each element that differs from its fp32 master rounded to the working precision (what
+        it held before) becomes the master (or the frozen parameter's fp32 copy); the others keep
+        their fp32 value."""
+        slots = {s.name: (b, s) for b in self.layout.buckets for s in b.slots}
+        by_bucket: dict[int, list] = {}
+        for name, value in values.items():
+            if name in slots:
+                b, s = slots[name]
+                by_bucket.setdefault(b.index, [b]).append((s, value))
             else:
-                params[name].data.copy_(t)
+                _take(self.layout.frozen[name], value)
+        homes = self.layout.homes
+        try:
+            for b, *entries in by_bucket.values():
+                views = homes.state[b.index].read(b)
+                if any([_take(views[0][s.offset:s.offset + s.numel].view(s.shape), value) for s, value in entries]):
+                    homes.state[b.index].store(b, views)
+        finally:
+            self._release()
+
+
+def _take(master: torch.Tensor, value: torch.Tensor) -> bool:
+    """Copy into ``master`` the elements of ``value`` that differ from ``master`` in ``value``'s
+    dtype; whether any did."""
+    value = value.detach().to(master.device)
+    changed = value != master.to(value.dtype)
+    if not changed.any():
+        return False
+    master[changed] = value[changed].to(master.dtype)
+    return True

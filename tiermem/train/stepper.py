@@ -39,13 +39,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from tiermem import optim
 from tiermem.errors import TierMemError
 from tiermem.handles import Handle
+from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket
 from tiermem.train.backward import GradCollector
 from tiermem.train.homes import Runs, StateHome, StateViews, slots_in, wait_gathered
@@ -53,6 +54,7 @@ from tiermem.train.layout import Layout
 from tiermem.train.scaler import LossScaler
 from tiermem.train.uploads import Outputs, Uploads
 from tiermem.transfer.collectives import Group, Solo
+from tiermem.transfer.service import CopyService
 from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,15 @@ class StepResult:
     grad_norm: float  # global L2 norm of the (unscaled) gradients, before clipping
     loss_scale: float  # the loss scale for the next backward (1.0 unless fp16)
     step: int  # updates applied so far
+
+
+class _Resume(NamedTuple):
+    """A step that failed part-way, which its retry completes with the same norm and clip (the
+    grads of the buckets it updated are gone, so a norm computed again would differ)."""
+
+    norm: torch.Tensor
+    clip: float
+    arrivals: int  # gradients received when it started: a backward since makes the retry a new step
 
 
 @dataclass(frozen=True)
@@ -86,8 +97,9 @@ class Stepper:
     the second gradient buffer, and step k+1 first sends home step k's weights. A gradient is thus
     computed with weights one update older than in the plain loop."""
 
-    def __init__(self, layout: Layout, grads: GradCollector, outputs: Outputs, engine, scaler: LossScaler, *,
-                 grad_clip: Optional[float], tracer, overlap: bool = False, group: Group = Solo(),
+    def __init__(self, layout: Layout, grads: GradCollector, outputs: Outputs, engine: CopyService,
+                 scaler: LossScaler, *,
+                 grad_clip: Optional[float], tracer: Tracer, overlap: bool = False, group: Group = Solo(),
                  max_skipped: Optional[int] = 10):
         self.layout, self.homes, self.grads, self.outputs, self.group = layout, layout.homes, grads, outputs, group
         self.engine, self.scaler, self.grad_clip, self.tracer, self.overlap = engine, scaler, grad_clip, tracer, overlap
@@ -100,19 +112,13 @@ class Stepper:
         self.skipped_in_a_row = 0
         self._norms: tuple[list[str], torch.Tensor] = ([], torch.zeros(0))
         self._unsent: set[int] = set()  # buckets a failed step updated: their weights go home again
-        # (norm, clip, gradients received by then) of a step that failed part-way, which its retry
-        # completes with (the grads of the buckets it updated are gone, so a norm computed again
-        # would differ); a backward since then makes it a new step
-        self._resuming: Optional[tuple[torch.Tensor, float, int]] = None
+        self._resuming: Optional[_Resume] = None  # a step that failed part-way, for its retry
 
     # -- between steps -----------------------------------------------------------------------------
     def finish_pending(self) -> None:
         """Every transfer this step started has landed, and a background update is home."""
         self.grads.settle()
         self._land_background()
-
-    def update_in_flight(self) -> bool:
-        return self._background is not None
 
     def _land_background(self) -> None:
         """overlap: wait for the update in flight, then send home the weights it produced."""
@@ -157,8 +163,8 @@ class Stepper:
         clip = 1.0
         if self.grad_clip is not None:
             clip = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0).item()
-        if self._resuming is not None and self._resuming[2] == self.grads.arrivals:
-            norm, clip, _ = self._resuming
+        if self._resuming is not None and self._resuming.arrivals == self.grads.arrivals:
+            norm, clip = self._resuming.norm, self._resuming.clip
         self._count_steps()
         upd = _Update([(b, self._runs(b)) for b in self.layout.step_buckets],
                       [{k: g[k] for k in _HYPER} for g in groups], scale, clip, self.grads.fill)
@@ -167,7 +173,7 @@ class Stepper:
         elif self.overlap:
             self._background = (self.engine.run_async(lambda: self._update(upd), name="adam"), upd.plan)
         else:
-            self._resuming = (norm, clip, self.grads.arrivals)  # for a retry, should the update fail part-way
+            self._resuming = _Resume(norm, clip, self.grads.arrivals)  # for a retry, should the update fail part-way
             self._update(upd)
             self._resuming = None
         self.scaler.update(found_inf=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from tiermem.handles import Handle, wait_all, wait_all_quietly
+from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes import Homes, Runs
 from tiermem.types import TensorClass, Tier
@@ -24,7 +25,7 @@ class Outputs:
     """The buffers Adam writes new weights into, allocated once for the life of the model."""
 
     def __init__(self, buckets: list[Bucket], homes: Homes, stores: dict, dtype: torch.dtype, *, overlap: bool,
-                 tracer):
+                 tracer: Tracer):
         self.homes, self.tracer, self.overlap = homes, tracer, overlap
         self.param_out: dict[int, torch.Tensor] = {}
         self.staging: dict[Tier, list[torch.Tensor]] = {}

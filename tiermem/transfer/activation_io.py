@@ -50,6 +50,7 @@ from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle, wait_all_quietly
 from tiermem.memory.ledger import Ledger
 from tiermem.transfer.lease import Lease
+from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class Record:
 class ActivationMover:
     """Sends, fetches and frees offloaded activations; thread-safe (NOTE [Record state])."""
 
-    def __init__(self, stores: dict, engine, stats: ActivationStats, prefix: str):
+    def __init__(self, stores: dict, engine: CopyService, stats: ActivationStats, prefix: str):
         self.stores, self.engine, self.stats, self.prefix = stores, engine, stats, prefix
         self.device = torch.device(engine.device)
         self.dev: Ledger = stores[Tier.DEVICE].ledger

@@ -58,6 +58,9 @@ class Group:
 
     rank: int = 0
     world: int = 1
+    #: the ``torch.distributed`` process group, for a library that runs its own collectives over it
+    #: (torch.distributed.checkpoint); None with :class:`Solo`, and for the default group
+    pg: Any = None
 
     def chunk(self, numel: int) -> Chunk:
         return Chunk(numel, self.world, self.rank)
@@ -272,8 +275,10 @@ class Distributed(Group):
         return self._sibling
 
     def subdirectory(self, directory: str) -> str:
+        """Named by the global rank (rank in the default group), unique across every group and node
+        (a rank of ``pg`` may be rank 0 of another group too)."""
         import os
-        return os.path.join(directory, f"rank{self.rank}")
+        return os.path.join(directory, f"rank{self.dist.get_rank()}")
 
 
 def resolve_group(process_group: Any, *, timeout: Optional[float] = None, tracer=None) -> Group:

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from tiermem.memory.resident import nbytes_of
+from tiermem.spans import lazy_span
 from tiermem.transfer.lanes import GpuWork, Lanes
 from tiermem.transfer.lease import Lease
 from tiermem.transfer.stats import TransferStats
@@ -38,6 +39,11 @@ class Copies:
         """Issue copy requests on their lane, in order (NOTE [Issued, then done]); returns the GPU
         work that completes them all, and what is left for once it is done. The copies that go
         through host staging share one pooled buffer, leased for the whole request."""
+        # NOTE [tiermem in the torch profiler]
+        with lazy_span(lambda: f"copy {kind or 'tensor'} {src_tier}->{dst_tier}"):
+            return self._many(copies, lane, ready, src_tier, dst_tier, kind)
+
+    def _many(self, copies, lane, ready, src_tier, dst_tier, kind):
         t0 = time.perf_counter()
         works: list[GpuWork] = []
         tails: list[Callable[[], None]] = []

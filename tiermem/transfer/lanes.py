@@ -40,6 +40,7 @@ import torch
 
 from tiermem.handles import Handle, Issued, StallSink
 from tiermem.plan.footprint import NVME_THREADS  # the footprint counts a staging buffer per NVMe thread
+from tiermem.spans import lazy_span, span
 
 LANES = ("d2h", "h2d", "nvme", "compute")
 STREAM_LANES = ("d2h", "h2d", "compute")  # lanes that own a side stream on a GPU
@@ -137,7 +138,8 @@ class Lanes:
 
         def job() -> None:
             try:
-                gpu, value, finish = issue()
+                with span(lane):  # NOTE [tiermem in the torch profiler]
+                    gpu, value, finish = issue()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the handle
                 if issued is not None:
                     issued.fail()
@@ -148,7 +150,7 @@ class Lanes:
             if gpu is None or done is None:
                 _settle(future, value, finish)
             else:
-                done.submit(_settle, future, value, finish)
+                done.submit(_settle, future, value, finish, lane)
         self.pools[lane].submit(job)
         return Handle(future, on_stall=on_stall, issued=issued)
 
@@ -157,13 +159,13 @@ class Lanes:
         now, and the handle completes once the GPU work ``fn`` queued is done too. A GPU consumer
         may join at the end of ``fn`` instead (NOTE [Issued, then done])."""
         if not self.cuda:
-            return Handle(self.pools[lane].submit(fn), on_stall=on_stall)
+            return Handle(self.pools[lane].submit(_spanned, lane, fn), on_stall=on_stall)
         ready, stream = self.ready(), self.streams.get(lane)
         issued = Issued()
 
         def job() -> Any:
             try:
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                with span(lane), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     current = torch.cuda.current_stream(self.device)
                     current.wait_event(ready)  # ordering: after what the caller queued (grads written)
                     value = fn()
@@ -197,10 +199,18 @@ class Lanes:
             pool.shutdown(wait=True)
 
 
-def _settle(future: Future, value: Any, finish: Optional[Callable[[], None]]) -> None:
+def _spanned(lane: str, fn: Callable[[], Any]) -> Any:
+    with span(lane):  # NOTE [tiermem in the torch profiler]
+        return fn()
+
+
+def _settle(future: Future, value: Any, finish: Optional[Callable[[], None]], lane: Optional[str] = None) -> None:
+    """Complete ``future`` after ``finish`` ran; ``lane``: it runs on that lane's completion thread
+    (a ``tiermem::<lane> landed`` span; on the lane itself it is inside the lane's own span)."""
     try:
         if finish is not None:
-            finish()
+            with lazy_span(lambda: f"{lane} landed") if lane is not None else contextlib.nullcontext():
+                finish()
     except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the handle
         future.set_exception(e)
         return

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from tiermem.memory.resident import HostStore
+from tiermem.types import TensorClass
 
 
 class Lease:
@@ -24,7 +25,7 @@ class Lease:
 
     __slots__ = ("key", "nbytes", "_host", "_base", "_lock")
 
-    def __init__(self, host: HostStore, nbytes: int, key: str, kind: object = None):
+    def __init__(self, host: HostStore, nbytes: int, key: str, kind: Optional[TensorClass] = None):
         """Take a buffer of at least ``nbytes`` from ``host``'s pool, accounted to ``key`` as
         ``kind``; raises :class:`~tiermem.errors.OutOfTierMemory` when the budget has no room."""
         self.key, self.nbytes, self._host = key, nbytes, host

@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Iterable, Mapping, Optional, Sequence
 
@@ -186,15 +187,20 @@ class ResidencyScheduler:
         return sum([*self.history, self.current], ScheduleStats())
 
     # -- public calls -------------------------------------------------------------------------
-    def acquire(self, key: str) -> torch.Tensor:
-        """The tensor of ``key`` resident on the tier, held there until :meth:`release`."""
+    def acquire(self, key: str, *, on_demand: Optional[Counter] = None) -> torch.Tensor:
+        """The tensor of ``key`` resident on the tier, held there until :meth:`release`.
+        ``on_demand``: counts ``key`` there when, once a trace exists, it had to be fetched on
+        demand (nothing had brought it or started to)."""
         with self._lock:
             r = self._residency(key)
             self._record(key)
             self._pins[key] = self._pins.get(key, 0) + 1
             self._touch(key)
             try:
+                misses = self.current.misses
                 handle = self._make_resident(r)
+                if on_demand is not None and self.trace is not None and self.current.misses > misses:
+                    on_demand[key] += 1
                 self._fetch_ahead()
             except BaseException:  # e.g. no room even for this tensor, or a write-back failed
                 self._unpin(key)

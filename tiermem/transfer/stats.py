@@ -11,7 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from tiermem.types import Tier
+from tiermem.types import TensorClass, Tier
 
 
 @dataclass
@@ -21,7 +21,7 @@ class TransferStats:
     receives a span for every counted move."""
 
     bytes_moved: dict[tuple[Tier, Tier], int] = field(default_factory=lambda: defaultdict(int))
-    class_bytes_moved: dict[tuple[object, Tier, Tier], int] = field(default_factory=lambda: defaultdict(int))
+    class_bytes_moved: dict[tuple[TensorClass, Tier, Tier], int] = field(default_factory=lambda: defaultdict(int))
     busy_seconds: dict[tuple[Tier, Tier], float] = field(default_factory=lambda: defaultdict(float))
     stall_seconds: dict[Tier, float] = field(default_factory=lambda: defaultdict(float))
     tracer: Any = field(default=None, repr=False)
@@ -29,7 +29,7 @@ class TransferStats:
     _sinks: dict[Tier, Callable[[float], None]] = field(default_factory=dict, repr=False)
 
     def count(self, src: Tier, dst: Tier, *, t0: Optional[float] = None, nbytes: Optional[int] = None,
-              kind: object = None, seconds: Optional[float] = None) -> None:
+              kind: Optional[TensorClass] = None, seconds: Optional[float] = None) -> None:
         """Count one move from ``src`` to ``dst``: busy from ``t0`` until now (``None``: it took
         no lane time, e.g. a copy within one tier), or for ``seconds`` ending now (a GPU copy's
         own time on its stream), and ``nbytes`` moved as ``kind`` (``None``: the move failed and
@@ -56,10 +56,6 @@ class TransferStats:
                     self.stall_seconds[tier] += seconds
             sink = self._sinks.setdefault(tier, sink)
         return sink
-
-    @property
-    def total_stall_seconds(self) -> float:
-        return sum(self.snapshot()["stall_seconds"].values())
 
     def snapshot(self) -> dict[str, dict]:
         """Copies of the counters, taken under the lock (lane threads add keys as they run)."""
