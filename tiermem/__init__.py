@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tiermem.budgets import Budgets, parse_bytes
 from tiermem.config import Adam, AdamW, LossScale
+from tiermem.optim_specs import SGD, Adagrad, Adam8bit, AdamW8bit, Lion
 from tiermem.errors import ArgumentError, ConfigError, OutOfTierMemory, StoreError, TierMemError
 from tiermem.handles import Handle
 from tiermem.train.model import StepResult, TieredModel
@@ -20,7 +21,7 @@ from tiermem.deepspeed_config import from_deepspeed_config
 __version__ = "0.1.0"
 
 __all__ = [
-    "Adam", "AdamW", "ArgumentError", "Budgets", "ConfigError", "Handle", "LossScale", "NvmeStore", "OutOfTierMemory", "PerClass", "Phase", "Policy",
-    "Report", "StateKey", "StepResult", "StoreError", "TensorClass", "TensorInfo", "TieredModel", "Tier",
+    "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "ArgumentError", "Budgets", "ConfigError", "Handle", "Lion", "LossScale", "NvmeStore", "OutOfTierMemory", "PerClass", "Phase", "Policy",
+    "Report", "SGD", "StateKey", "StepResult", "StoreError", "TensorClass", "TensorInfo", "TieredModel", "Tier",
     "TierMemError", "from_deepspeed_config", "parse_bytes", "__version__",
 ]

@@ -6,7 +6,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 import torch
 
@@ -69,6 +69,36 @@ _ADAM_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "clip_coef": _FINITE_NON_NEGATIVE,
     "adamw": (lambda v: isinstance(v, bool), "True (AdamW: decoupled weight decay) or False (Adam: L2 penalty)"),
 }
+
+
+#: the rules of the other optimizers' hyperparameters (SGD, Adagrad, Lion: torch's names), checked by
+#: :func:`check_hyper` with Adam's; Lion's betas may reach 1 (``lion_betas``)
+_OTHER_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "momentum": (_finite_non_negative, "a finite number >= 0"),
+    "dampening": (lambda v: is_number(v) and math.isfinite(v), "a finite number"),
+    "nesterov": (lambda v: isinstance(v, bool), "True or False"),
+    "maximize": (lambda v: isinstance(v, bool), "True or False"),
+    "init_buffer": (lambda v: v is None or isinstance(v, bool), "None, True or False"),
+    "lr_decay": _FINITE_NON_NEGATIVE,
+    "initial_accumulator_value": _FINITE_NON_NEGATIVE,
+    "lion_beta": (lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "lion_betas": (lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(
+        is_number(b) and 0 <= b <= 1 for b in v), "two numbers, each in [0, 1]"),
+    "bf16_stochastic_round": (lambda v: isinstance(v, bool), "True or False"),
+}
+#: every hyperparameter a param group of some tiermem optimizer may hold (what a checkpoint keeps)
+ALL_GROUP_HYPER = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "maximize",
+                   "lr_decay", "initial_accumulator_value")
+
+
+def check_hyper(where: str, **values: Any) -> None:
+    """Each value against the one rule for its name (Adam's table and the others'); the error names
+    ``where`` (``"sgd_step "``, ``"SGD."``), the name and the value."""
+    for name, value in values.items():
+        key = "lion_beta" if name in ("lion_beta1", "lion_beta2") else name
+        ok, rule = _ADAM_RULES[key] if key in _ADAM_RULES else _OTHER_RULES[key]
+        if not ok(value):
+            raise _invalid(where, name.removeprefix("lion_"), value, rule)
 
 
 def _invalid(where: str, name: str, value: Any, rule: str) -> ConfigError:
@@ -158,10 +188,14 @@ def _tensors(where: str, params: Any) -> list[torch.Tensor]:
     return out
 
 
-def read_groups(where: str, given: Any) -> tuple[GivenGroup, ...]:
+def read_groups(where: str, given: Any, *, hyper: tuple[str, ...] = GROUP_HYPER, off: tuple[str, ...] = TORCH_OFF,
+                rules: Optional[Mapping[str, str]] = None, what: str = "Adam") -> tuple[GivenGroup, ...]:
     """Torch-style param groups (as ``torch.optim.AdamW(params, ...)`` takes them: an iterable of
     tensors, or of dicts with ``"params"`` and the hyperparameters the group sets) checked and
-    normalised. ``where``: what the field names are read after (``"AdamW."``)."""
+    normalised. ``where``: what the field names are read after (``"AdamW."``); ``hyper``: the keys
+    a group may set (checked by the rule of their name, or of ``rules[name]``), ``off``: keys taken
+    only when False, ``what``: the optimizer, as errors name it."""
+    rules = rules or {}
     items = [given] if isinstance(given, (torch.Tensor, dict)) else None
     if items is None:
         if isinstance(given, (set, frozenset, str)) or not hasattr(given, "__iter__"):
@@ -199,20 +233,22 @@ def read_groups(where: str, given: Any) -> tuple[GivenGroup, ...]:
                 if not isinstance(value, str) or not value:
                     raise _invalid(at, "name", value, "a non-empty str")
                 name = value
-            elif key in GROUP_HYPER:
+            elif key in hyper:
                 overrides[key] = tuple(_number(b) for b in value) if key == "betas" and isinstance(
                     value, (tuple, list)) else _number(value)
-            elif key == "decoupled_weight_decay":  # torch.optim.Adam's switch to AdamW
+            elif key == "decoupled_weight_decay" and "betas" in hyper and "adamw" not in off:  # torch's Adam -> AdamW
                 if not isinstance(value, bool):
                     raise _invalid(at, key, value, "True or False")
                 overrides["adamw"] = value
-            elif key in TORCH_OFF:
+            elif key in off:
                 if value is not False:
-                    raise ConfigError(f"tiermem: {at}{key}={value!r}: tiermem's Adam has no {key}; leave it False")
+                    raise ConfigError(f"tiermem: {at}{key}={value!r}: tiermem's {what} has no {key}; leave it False")
             elif key not in TORCH_NO_EFFECT:
-                raise ConfigError(f"tiermem: {at[:-1]} sets {key!r}, which tiermem's Adam does not take; a group "
-                                  f"takes 'params', 'name' and {', '.join(repr(k) for k in GROUP_HYPER)}")
-        check_adam_hyper(at, **{k: v for k, v in overrides.items() if k in GROUP_HYPER})
+                raise ConfigError(f"tiermem: {at[:-1]} sets {key!r}, which tiermem's {what} does not take; a group "
+                                  f"takes 'params', 'name' and {', '.join(repr(k) for k in hyper)}")
+        for k, v in overrides.items():
+            if k in hyper:
+                check_hyper(at, **{rules.get(k, k): v})
         if "betas" in overrides:
             overrides["betas"] = (float(overrides["betas"][0]), float(overrides["betas"][1]))
         out.append(GivenGroup(name, tuple(tensors), MappingProxyType(overrides)))
@@ -227,33 +263,46 @@ DECAY = GroupSpec("decay")
 NO_DECAY = GroupSpec("no_decay", {"weight_decay": 0.0})
 
 
-@checked_arguments
+# NOTE [Optimizer specs]
+# A spec names an optimizer (``kind``: the kernel family of tiermem/optim/format.py, which the
+# planner turns into each parameter's state format), its hyperparameters (``HYPER``: the keys a
+# param group holds, in order, each checked by the rule of its name or of ``RULES[name]``) and its
+# groups (NOTE [Param groups]). ``bf16_stochastic_round=True`` (bf16 precision only) keeps the
+# master weights in bf16, each update rounded stochastically into them (NOTE [Stochastic rounding
+# bits] in tiermem/optim/_sr.py). Adam and AdamW are here; the others in tiermem/optim_specs.py.
 @dataclass(frozen=True, kw_only=True)
-class _AdamSpec:
-    """Adam hyperparameters. ``params`` (optional, the one positional argument): torch-style param
-    groups, as ``torch.optim.AdamW`` takes them (the model's parameters, or dicts with ``"params"``
-    and the hyperparameters each group sets, ``"name"`` too); every trainable parameter must be in
-    one (NOTE [Param groups]). Without them, ``no_decay`` lists fnmatch patterns of parameter names
+class _Spec:
+    """What every optimizer spec shares: the param groups, the rule groups and the master's dtype.
+    ``params`` (optional, the one positional argument): torch-style param groups, as torch
+    optimizers take them (the model's parameters, or dicts with ``"params"`` and the
+    hyperparameters each group sets, ``"name"`` too); every trainable parameter must be in one
+    (NOTE [Param groups]). Without them, ``no_decay`` lists fnmatch patterns of parameter names
     that get no weight decay (e.g. ``("*.bias", "*.ln_*")``) and ``no_decay_1d=True`` exempts every
     parameter with fewer than two dimensions, which covers biases and norm weights in most models."""
 
     params: Any = field(default=None, kw_only=False, repr=False, compare=False)
     lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
     weight_decay: float = 0.0
     no_decay: tuple[str, ...] = ()
     no_decay_1d: bool = False
+    bf16_stochastic_round: bool = False
     #: id(tensor) -> index of its given group (NOTE [Param groups])
     _member: Mapping[int, int] = field(init=False, repr=False, compare=False, default_factory=dict)
 
-    adamw = False  # class constant: how weight decay is applied
+    kind: ClassVar[str] = "adam"
+    HYPER: ClassVar[tuple[str, ...]] = GROUP_HYPER
+    RULES: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    OFF: ClassVar[tuple[str, ...]] = TORCH_OFF  # torch keys taken only when False
+    WHAT: ClassVar[str] = "Adam"
 
     def __post_init__(self) -> None:
         where = f"{type(self).__name__}."
-        check_adam_hyper(where, lr=_number(self.lr), betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
-        object.__setattr__(self, "lr", _number(self.lr))
-        object.__setattr__(self, "betas", (float(_number(self.betas[0])), float(_number(self.betas[1]))))
+        for name in self.HYPER:
+            value = getattr(self, name)
+            value = tuple(_number(b) for b in value) if isinstance(value, (tuple, list)) else _number(value)
+            check_hyper(where, **{self.RULES.get(name, name): value})
+            object.__setattr__(self, name, tuple(float(b) for b in value) if isinstance(value, tuple) else value)
+        check_hyper(where, bf16_stochastic_round=self.bf16_stochastic_round)
         nd = self.no_decay
         if isinstance(nd, (set, frozenset)):
             nd = sorted(nd, key=str)  # one order in every process (the ranks compare their configurations)
@@ -268,7 +317,7 @@ class _AdamSpec:
                 raise ConfigError(f"tiermem: {where}no_decay/no_decay_1d choose groups by rule; with param groups "
                                   f"given, put the parameters without weight decay in a group of their own with "
                                   f"'weight_decay': 0.0")
-            groups = read_groups(where, self.params)
+            groups = read_groups(where, self.params, hyper=self.HYPER, off=self.OFF, rules=self.RULES, what=self.WHAT)
             object.__setattr__(self, "params", groups)
             object.__setattr__(self, "_member", MappingProxyType(
                 {id(t): i for i, g in enumerate(groups) for t in g.params}))
@@ -299,13 +348,36 @@ class _AdamSpec:
 
     def group_defaults(self) -> dict[str, Any]:
         """The keys torch optimizers keep in each param group (so lr schedulers work)."""
-        return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
-                "weight_decay": self.weight_decay, "adamw": self.adamw}
+        return {name: getattr(self, name) for name in self.HYPER}
+
+    def group_values(self, name: str) -> list[Any]:
+        """``name``'s value in every group this spec defines (the spec's own where a group sets none)."""
+        return [g.overrides.get(name, getattr(self, name)) for g in self.param_groups()]
+
+    def state_options(self) -> dict[str, Any]:
+        """What the state format depends on besides ``kind`` (tiermem.optim.format.state_format)."""
+        return {}
 
     def __repr__(self) -> str:
         groups = "" if self.params is None else f"<{len(self.params)} param groups>, "
-        return (f"{type(self).__name__}({groups}lr={self.lr!r}, betas={self.betas!r}, eps={self.eps!r}, "
-                f"weight_decay={self.weight_decay!r}, no_decay={self.no_decay!r}, no_decay_1d={self.no_decay_1d!r})")
+        hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.HYPER)
+        sr = ", bf16_stochastic_round=True" if self.bf16_stochastic_round else ""
+        return (f"{type(self).__name__}({groups}{hyper}, no_decay={self.no_decay!r}, "
+                f"no_decay_1d={self.no_decay_1d!r}{sr})")
+
+
+@checked_arguments
+@dataclass(frozen=True, kw_only=True, repr=False)
+class _AdamSpec(_Spec):
+    """Adam hyperparameters (and the groups, NOTE [Optimizer specs])."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    adamw = False  # class constant: how weight decay is applied
+
+    def group_defaults(self) -> dict[str, Any]:
+        return {**super().group_defaults(), "adamw": self.adamw}
 
 
 @checked_arguments
@@ -321,6 +393,7 @@ class AdamW(_AdamSpec):
 
     weight_decay: float = 1e-2
     adamw = True
+    kind: ClassVar[str] = "adamw"
 
 
 @checked_arguments

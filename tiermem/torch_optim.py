@@ -8,34 +8,56 @@ class not in it is refused by name, with the list.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
-from tiermem.config import GROUP_HYPER, Adam, AdamW, _AdamSpec
+from tiermem.config import Adam, AdamW, _Spec
 from tiermem.errors import ConfigError, TierMemError
+from tiermem.optim_specs import SGD, Adagrad, Adam8bit, AdamW8bit
 
 __all__ = ["TORCH_OPTIMIZERS", "spec_from_torch", "stepped_elsewhere", "supported_names"]
 
 
-def _adam(defaults: dict[str, Any]) -> type[_AdamSpec]:
+def _adam(defaults: dict[str, Any]) -> type[_Spec]:
     """torch.optim.Adam: AdamW's update when built with ``decoupled_weight_decay=True``."""
     return AdamW if defaults.get("decoupled_weight_decay", False) else Adam
 
 
 #: the torch.optim classes tiermem runs: each with the spec class that runs it, given the
 #: optimizer's defaults (one row per optimizer; a class not here is refused with this list)
-TORCH_OPTIMIZERS: dict[type, Callable[[dict[str, Any]], type[_AdamSpec]]] = {
+TORCH_OPTIMIZERS: dict[type, Callable[[dict[str, Any]], type[_Spec]]] = {
     torch.optim.AdamW: lambda defaults: AdamW,
     torch.optim.Adam: _adam,
+    torch.optim.SGD: lambda defaults: SGD,
+    torch.optim.Adagrad: lambda defaults: Adagrad,
+}
+
+#: 8-bit AdamW classes of other libraries, read by their module and class name (the libraries are
+#: never imported): each runs as tiermem's 8-bit Adam of the same meaning (block-wise 8-bit moments,
+#: fp32 below a size threshold). Paged variants page their state between GPU and host; tiermem homes
+#: the state by its policy instead, so the numbers are the same.
+FOREIGN_8BIT: dict[tuple[str, str], type[_Spec]] = {
+    ("bitsandbytes.optim.adamw", "AdamW8bit"): AdamW8bit,
+    ("bitsandbytes.optim.adamw", "PagedAdamW8bit"): AdamW8bit,
+    ("bitsandbytes.optim.adam", "Adam8bit"): Adam8bit,
+    ("bitsandbytes.optim.adam", "PagedAdam8bit"): Adam8bit,
+    ("torchao.optim.adam", "AdamW8bit"): AdamW8bit,
+    ("torchao.prototype.low_bit_optim.adam", "AdamW8bit"): AdamW8bit,
 }
 
 
 def supported_names() -> str:
-    return ", ".join(f"torch.optim.{cls.__name__}" for cls in TORCH_OPTIMIZERS)
+    return ", ".join([f"torch.optim.{cls.__name__}" for cls in TORCH_OPTIMIZERS]
+                     + [f"{m.partition('.')[0]} {c}" for m, c in FOREIGN_8BIT])
 
 
-def spec_from_torch(optimizer: torch.optim.Optimizer, *, scheduled: bool = False) -> _AdamSpec:
+def _foreign(cls: type) -> Optional[type[_Spec]]:
+    """The spec of another library's 8-bit AdamW class, by its module and name (FOREIGN_8BIT)."""
+    return FOREIGN_8BIT.get((cls.__module__, cls.__name__))
+
+
+def spec_from_torch(optimizer: torch.optim.Optimizer, *, scheduled: bool = False) -> _Spec:
     """The spec that runs ``optimizer`` in tiermem: its class (by :data:`TORCH_OPTIMIZERS`), its
     param groups in order, each with its hyperparameters. Refused: a class not in the table (a
     subclass too: it may change the update), an optimizer that has stepped (tiermem never steps
@@ -43,7 +65,7 @@ def spec_from_torch(optimizer: torch.optim.Optimizer, *, scheduled: bool = False
     the lr of an optimizer nobody steps: build it on ``tm.optimizer``), unless ``scheduled``: the
     caller moves that scheduler onto tiermem's optimizer (the Trainer integration does)."""
     cls = type(optimizer)
-    if cls not in TORCH_OPTIMIZERS:
+    if cls not in TORCH_OPTIMIZERS and _foreign(cls) is None:
         raise ConfigError(f"tiermem: optimizer={cls.__module__}.{cls.__qualname__} is not one tiermem runs; it runs "
                           f"{supported_names()} (and tiermem.AdamW/Adam): pass one of them, built on the model's "
                           f"parameters as usual")
@@ -56,17 +78,46 @@ def spec_from_torch(optimizer: torch.optim.Optimizer, *, scheduled: bool = False
                           f"set the lr of an optimizer tiermem never steps: build the scheduler on tm.optimizer, "
                           f"after the TieredModel")
     defaults = optimizer.defaults
-    spec = TORCH_OPTIMIZERS[cls](defaults)
+    spec = TORCH_OPTIMIZERS[cls](defaults) if cls in TORCH_OPTIMIZERS else _foreign(cls)
+    assert spec is not None
+    if cls not in TORCH_OPTIMIZERS:  # another library's 8-bit AdamW: only the keys tiermem's takes
+        return _foreign_spec(spec, optimizer)
     groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
     decoupled = spec is AdamW
     for g in groups:  # torch.optim.Adam's groups may differ from its defaults in decoupled_weight_decay
         if cls is torch.optim.AdamW or g.get("decoupled_weight_decay", decoupled) == decoupled:
             g.pop("decoupled_weight_decay", None)
     try:
-        return spec(groups, **{k: defaults[k] for k in GROUP_HYPER})
+        return spec(groups, **{k: defaults[k] for k in spec.HYPER if k in defaults})
     except ConfigError as e:
         raise ConfigError(f"tiermem: the {cls.__name__} given as optimizer=: "
                           f"{str(e).removeprefix('tiermem: ')}") from None
+
+
+#: options of the other libraries' 8-bit AdamW that change its numbers, with the value that does not
+#: (their default); any other value is refused by name
+_FOREIGN_PLAIN: dict[str, Any] = {"amsgrad": False, "percentile_clipping": 100, "max_unorm": 0.0, "optim_bits": 8,
+                                  "block_size": 256}
+
+
+def _foreign_spec(spec: type[_Spec], optimizer: torch.optim.Optimizer) -> _Spec:
+    """An 8-bit AdamW of bitsandbytes or torchao as tiermem's: its groups' lr, betas, eps and
+    weight decay; block size and maps are tiermem's own (NOTE [8-bit state])."""
+    cls, defaults = type(optimizer), optimizer.defaults
+    groups = [{k: v for k, v in g.items() if k == "params" or k in spec.HYPER} for g in optimizer.param_groups]
+    kwargs = {k: defaults[k] for k in spec.HYPER if k in defaults}
+    for key in ("min_8bit_size", "bf16_stochastic_round"):  # bitsandbytes' threshold; torchao's rounding
+        if key in defaults:
+            kwargs[key] = defaults[key]
+    changed = [f"{k}={defaults[k]!r}" for k, plain in _FOREIGN_PLAIN.items() if k in defaults and defaults[k] != plain]
+    if changed:
+        raise ConfigError(f"tiermem: the {cls.__name__} given as optimizer= sets {', '.join(changed)}, which tiermem's "
+                          f"8-bit Adam does not do; leave {', '.join(c.partition('=')[0] for c in changed)} at "
+                          f"{', '.join(repr(_FOREIGN_PLAIN[c.partition('=')[0]]) for c in changed)}")
+    try:
+        return spec(groups, **kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"tiermem: the {cls.__name__} given as optimizer=: {str(e).removeprefix('tiermem: ')}") from None
 
 
 def stepped_elsewhere(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

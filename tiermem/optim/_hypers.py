@@ -8,41 +8,16 @@ folded into the sign of the gradient's multiplier (negating is exact, so this eq
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from tiermem.config import check_adam_hyper, is_number
+from tiermem.config import check_hyper as _check_hyper
+from tiermem.config import is_number
 from tiermem.errors import ConfigError
 
 
 _real = is_number  # NOTE [Numbers are not bools]
-
-
-_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "momentum": (lambda v: _real(v) and 0 <= v < math.inf, "a finite number >= 0"),
-    "dampening": (lambda v: _real(v) and math.isfinite(v), "a finite number"),
-    "nesterov": (lambda v: isinstance(v, bool), "True or False"),
-    "maximize": (lambda v: isinstance(v, bool), "True or False"),
-    "init_buffer": (lambda v: v is None or isinstance(v, bool), "None, True or False"),
-    "lr_decay": (lambda v: _real(v) and 0 <= v < math.inf, "a finite number >= 0"),
-    "initial_accumulator_value": (lambda v: _real(v) and 0 <= v < math.inf, "a finite number >= 0"),
-    "beta1_lion": (lambda v: _real(v) and 0 <= v <= 1, "a number in [0, 1]"),
-}
-_ADAM_NAMES = ("lr", "eps", "weight_decay", "step", "grad_scale", "clip_coef", "beta1", "beta2")
-
-
-def check_hyper(where: str, **values: Any) -> None:
-    """Each value against the rule for its name (Adam's table for the names the two share); the
-    error names ``where`` (``"sgd_step "``, ``"CPUSGD "``), the name and the value."""
-    for name, value in values.items():
-        if name in _ADAM_NAMES:
-            check_adam_hyper(where, **{name: value})
-            continue
-        ok, rule = _RULES["beta1_lion" if name in ("lion_beta1", "lion_beta2") else name]
-        if not ok(value):
-            shown = name.replace("lion_", "")
-            raise ConfigError(f"tiermem: {where}{shown}={value!r} is invalid: it must be {rule}; pass a value that is")
+check_hyper = _check_hyper  # the one rule table, in tiermem/config.py (specs check the same names)
 
 
 class _Hyper:

@@ -12,10 +12,12 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from tiermem.optim.format import ADAM, StateFormat
 from tiermem.types import Tier
 
-#: the three fp32 tensors of a parameter's optimizer state, in the order every module uses
-STATE_PARTS = ("master", "exp_avg", "exp_avg_sq")
+#: the three fp32 tensors of Adam's state (:data:`tiermem.optim.format.ADAM`); a bucket's own are
+#: ``bucket.state.names`` (NOTE [State formats])
+STATE_PARTS = ADAM.names
 
 
 @dataclass
@@ -28,6 +30,7 @@ class Slot:
     numel: int
     shape: torch.Size
     order: int  # position in reverse order of use: the same whatever the placement
+    first: int = 0  # index in the parameter of the slot's first element (a rank's chunk may start inside it)
 
 
 @dataclass
@@ -39,6 +42,7 @@ class Bucket:
     param_tier: Tier = Tier.DEVICE  # home of the working weights
     slots: list[Slot] = field(default_factory=list)
     numel: int = 0
+    state: StateFormat = ADAM  # its parameters' optimizer state (NOTE [State formats])
 
     @property
     def key(self) -> str:
@@ -47,6 +51,28 @@ class Bucket:
     def add(self, name: str, param: torch.nn.Parameter, order: int) -> None:
         self.slots.append(Slot(name, param, self.numel, param.numel(), param.shape, order))
         self.numel += param.numel()
+
+    def part_numels(self) -> list[int]:
+        """Elements of each part of the state (``state.parts``) for the whole bucket."""
+        return [sum(p.numel(s.numel) for s in self.slots) if p.block != 1 else self.numel for p in self.state.parts]
+
+    def part_offsets(self) -> list[list[int]]:
+        """Per part of the state, where each slot's piece starts in that part's buffer."""
+        if self.state.elementwise:
+            return [[s.offset for s in self.slots]] * len(self.state.parts)
+        return self.state.offsets([s.numel for s in self.slots])
+
+    def joined_bytes(self) -> int:
+        """Bytes of the whole state as one buffer (one NVMe value): :meth:`StateFormat.joined`."""
+        return self.state.joined(self.part_numels())[1]
+
+    def pieces(self, views: tuple, slot_index: int) -> list[torch.Tensor]:
+        """Slot ``slot_index``'s piece of each part, given the bucket's ``views`` (one per part)."""
+        s = self.slots[slot_index]
+        if self.state.elementwise:
+            return [v[s.offset:s.offset + s.numel] for v in views]
+        return [v[at[slot_index]:at[slot_index] + p.numel(s.numel)]
+                for v, p, at in zip(views, self.state.parts, self.part_offsets())]
 
 
 class Placed(NamedTuple):
@@ -58,22 +84,23 @@ class Placed(NamedTuple):
     state_tier: Tier
     group: int  # index in Plan.groups
     param_tier: Tier
+    state: StateFormat = ADAM
 
 
 def plan_buckets(params: Sequence[Placed], bucket_numel: int, *, first_index: int = 0, first_order: int = 0
                  ) -> list[Bucket]:
     """Pack the parameters in the order given (already reverse order of use) into buckets of at
     most ``bucket_numel`` elements (a larger single parameter gets a bucket of its own). A bucket
-    holds one placement and one param group, so each bucket is one call of the fused Adam.
+    holds one placement, one param group and one state format, so each bucket is one kernel family.
     ``first_index``/``first_order``: where the buckets' indices and the slots' orders start (past
     a model's buckets, for parameters unfrozen later: NOTE [Freezing and unfreezing])."""
     buckets: list[Bucket] = []
     open_: dict[tuple, Bucket] = {}
-    for order, (name, p, grad_tier, state_tier, group, param_tier) in enumerate(params, start=first_order):
-        k = (grad_tier, state_tier, group, param_tier)
+    for order, (name, p, grad_tier, state_tier, group, param_tier, fmt) in enumerate(params, start=first_order):
+        k = (grad_tier, state_tier, group, param_tier, fmt)
         b = open_.get(k)
         if b is None or (b.numel and b.numel + p.numel() > bucket_numel):
-            b = open_[k] = Bucket(first_index + len(buckets), grad_tier, state_tier, group, param_tier)
+            b = open_[k] = Bucket(first_index + len(buckets), grad_tier, state_tier, group, param_tier, state=fmt)
             buckets.append(b)
         b.add(name, p, order)
     return buckets

@@ -11,7 +11,9 @@ and the compute tier where Adam runs for it (its state's tier; the host for stat
 
 - working weights: ``w*n`` at the PARAM tier;
 - fp32 grads: ``4n`` at the GRAD tier;
-- optimizer state: ``12n`` (fp32 master, exp_avg, exp_avg_sq) at the OPTIM_STATE tier;
+- optimizer state: the bytes of its state format at the OPTIM_STATE tier (NOTE [State formats]:
+  ``12n`` for Adam's fp32 master, exp_avg and exp_avg_sq; ``4n`` for SGD without momentum; about
+  ``4n`` for 8-bit Adam with bf16 master weights), one buffer per part;
 - grads for the step: ``4n`` at the compute tier, when the grads live on another tier in memory;
 - with ``overlap_step``: a second ``4n`` grad buffer at the GRAD tier, and Adam's output, ``w*n``,
   at the compute tier.
@@ -30,7 +32,7 @@ model as a whole:
   bucket in the working precision, which Adam writes the new weights into (not with
   ``overlap_step``, whose output buffers above take their place);
 - the NVMe pipelines, on the host: three of the largest bucket with grads on NVMe (4 B each),
-  three of the largest bucket with state on NVMe (12 B each);
+  three of the largest bucket with state on NVMe (all its parts, as one buffer: 12 B each for Adam);
 - NVMe staging, on a GPU only: weights moving between NVMe and the device pass through a host
   buffer of their own size (in the working precision; a frozen one in its own element size when
   not floating point), held for the length of the move on one of the engine's NVMe lane threads,
@@ -80,7 +82,7 @@ from typing import Mapping, Protocol, Sequence
 import torch
 
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
-from tiermem.plan.buckets import STATE_PARTS, Bucket
+from tiermem.plan.buckets import Bucket
 from tiermem.plan.placement import compute_tier, split_weights, weights_sharded, writes_weights_in_place
 from tiermem.types import Tier
 
@@ -93,8 +95,7 @@ Footprint = dict[Tier, dict[str, int]]
 #: (TransferEngine._copy), so at most this many are live at once (NOTE [Footprint]).
 NVME_THREADS = 4
 
-_FP32 = torch.float32.itemsize  # grads at their home and each part of the optimizer state
-_STATE = len(STATE_PARTS) * _FP32  # master, exp_avg and exp_avg_sq
+_FP32 = torch.float32.itemsize  # grads at their home
 
 # What the bytes are for: the keys of a Footprint's inner dicts, as OutOfTierMemory prints them.
 WORKING_WEIGHTS = "working weights"
@@ -169,6 +170,14 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
     def chunk(b: Bucket) -> int:
         return -(-b.numel // world)
 
+    def state_parts(b: Bucket) -> list[int]:
+        """Bytes of each part of this rank's state of ``b`` (its chunk's, elementwise, under DP)."""
+        return b.state.part_bytes([chunk(b)]) if world > 1 else b.state.part_bytes([s.numel for s in b.slots])
+
+    def state_joined(b: Bucket) -> int:
+        """Bytes of this rank's state of ``b`` as one buffer (one NVMe value)."""
+        return b.state.joined([chunk(b)] * len(b.state.parts))[1] if world > 1 else b.joined_bytes()
+
     w = dtype.itemsize
     sharded = {b.index for b in buckets if weights_sharded(b, world, shard_weights)}
     for b in buckets:
@@ -180,9 +189,10 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
                 if b.param_tier != Tier.DEVICE else ())  # off the device: one buffer per parameter
         add(b.grad_tier, GRADS, **each(n * _FP32))
         if b.state_tier == Tier.NVME:
-            add(Tier.NVME, OPTIM_STATE_NVME, n * _STATE)
+            add(Tier.NVME, OPTIM_STATE_NVME, state_joined(b))
         else:
-            add(b.state_tier, OPTIM_STATE, **each(n * _FP32, len(STATE_PARTS)))
+            parts = state_parts(b)
+            add(b.state_tier, OPTIM_STATE, sum(parts), buffers=parts)
         if ct != b.grad_tier and b.grad_tier != Tier.NVME:
             add(ct, GRADS_FOR_STEP, **each(n * _FP32))
         if overlap:
@@ -191,19 +201,20 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
     grads_largest = max((chunk(b) for b in buckets if b.grad_tier == Tier.NVME), default=0)
     if grads_largest:
         add(Tier.HOST, GRADS_TO_NVME, **each(_FP32 * grads_largest, 3))
-    state_largest = max((chunk(b) for b in buckets if b.state_tier == Tier.NVME), default=0)
+    state_largest = max((state_joined(b) for b in buckets if b.state_tier == Tier.NVME), default=0)
     if state_largest:
-        add(Tier.HOST, STATE_PIPELINE, **each(_STATE * state_largest, 3))  # each set: a bucket's three parts
+        add(Tier.HOST, STATE_PIPELINE, **each(state_largest, 3))  # each set: a bucket's parts, back to back
     weights_largest = max((chunk(b) if b.index in sharded else b.numel for b in buckets if b.param_tier == Tier.NVME),
                           default=0)
-    journal = (JOURNAL_BUCKETS["state"] * _STATE * state_largest + JOURNAL_BUCKETS["weights"] * w * weights_largest
+    journal = (JOURNAL_BUCKETS["state"] * state_largest + JOURNAL_BUCKETS["weights"] * w * weights_largest
                + JOURNAL_BUCKETS["grads"] * _FP32 * grads_largest)
     if journal:
         add(Tier.NVME, NVME_JOURNAL, journal)
     if world > 1:
         padded = max((chunk(b) * world for b in buckets), default=0)
         add(Tier.DEVICE, GRADS_TO_REDUCE, 4 * _FP32 * padded)  # a few buckets in flight, and one accumulating
-        add(Tier.HOST, WHOLE_BUCKET, **each(_FP32 * padded, len(STATE_PARTS)))  # while a checkpoint reads it
+        whole = {(p.name, p.dtype): p.itemsize * padded for b in buckets for p in b.state.parts}
+        add(Tier.HOST, WHOLE_BUCKET, sum(whole.values()), buffers=list(whole.values()))  # while a checkpoint reads it
     if not overlap:
         staged: dict[Tier, list[int]] = {}
         for b in buckets:

@@ -14,9 +14,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from tiermem.config import _AdamSpec
+from tiermem.config import _Spec
 from tiermem.errors import ConfigError
-from tiermem.plan.buckets import STATE_PARTS, Bucket, Placed, plan_buckets
+from tiermem.optim.format import StateFormat, state_format
+from tiermem.plan.buckets import Bucket, Placed, plan_buckets
 from tiermem.plan.policy import Evaluation, ModelInfo, Policy, bound, checked_place
 from tiermem.types import StateKey, TensorClass, TensorInfo, Tier
 
@@ -56,8 +57,17 @@ def _info(name: str, kind: TensorClass, p: torch.Tensor, dtype: torch.dtype) -> 
     return TensorInfo(name, kind, p.numel() * dtype.itemsize, tuple(p.shape), dtype, owner(name), param=name)
 
 
-def _state_info(key: StateKey, p: torch.Tensor) -> TensorInfo:
-    return TensorInfo.of_state(key, p.numel() * 4, tuple(p.shape), torch.float32, owner(key.param))
+def _state_info(key: StateKey, p: torch.Tensor, fmt: StateFormat) -> TensorInfo:
+    part = fmt.parts[fmt.names.index(key.part)]
+    return TensorInfo.of_state(key, part.numel(p.numel()) * part.itemsize, tuple(p.shape), part.dtype,
+                               owner(key.param))
+
+
+def format_of(spec: _Spec, p: torch.Tensor) -> StateFormat:
+    """The optimizer state format of a trainable parameter under ``spec`` (NOTE [State formats]):
+    the one rule the plan, the unfreezing and ``tiermem plan`` use."""
+    master = torch.bfloat16 if spec.bf16_stochastic_round else torch.float32
+    return state_format(spec.kind, master_dtype=master, numel=p.numel(), **spec.state_options())
 
 
 def weights_sharded(b: Bucket, world: int, shard_weights: bool) -> bool:
@@ -90,8 +100,8 @@ def check_combination(name: str, param_tier: Tier, grad_tier: Tier, state_tiers:
     """The rules a parameter's placements must follow in this version; returns its state tier."""
     if len(state_tiers) != 1:
         raise ConfigError(f"tiermem: the policy splits the optimizer state of {name!r} over "
-                          f"{sorted(t.value for t in state_tiers)}; master, exp_avg and exp_avg_sq "
-                          f"of one parameter must share a tier")
+                          f"{sorted(t.value for t in state_tiers)}; every part of one "
+                          f"parameter's optimizer state must share a tier")
     state_tier = next(iter(state_tiers))
     if grad_tier == Tier.NVME and state_tier == Tier.DEVICE:
         raise ConfigError(f"tiermem: the policy places {name!r}'s grads on NVMe but its optimizer state on "
@@ -134,7 +144,7 @@ def _bind(unique: list[tuple[str, torch.nn.Parameter]], policy: Policy, dtype: t
     return bound(policy, ModelInfo(params, dtype, dict(limits or {}), evaluate))
 
 
-def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.dtype,
+def plan(module: torch.nn.Module, policy: Policy, spec: _Spec, dtype: torch.dtype,
          bucket_numel: int, *, overlap: bool = False, world: int = 1, limits: Optional[Mapping[Tier, int]] = None
          ) -> Plan:
     """Ask the policy about every tensor (once bound to the whole model: NOTE [Whole-model
@@ -151,23 +161,24 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
             weight_homes[name] = param_tier
         if not p.requires_grad:
             continue
-        grad_tier, state_tier = place_training_state(policy, name, p, param_tier, overlap=overlap)
-        placed.append(Placed(name, p, grad_tier, state_tier, group_of[name], param_tier))
+        fmt = format_of(spec, p)
+        grad_tier, state_tier = place_training_state(policy, name, p, param_tier, fmt, overlap=overlap)
+        placed.append(Placed(name, p, grad_tier, state_tier, group_of[name], param_tier, fmt))
     buckets = plan_buckets(placed, bucket_numel)
     return Plan(tuple(buckets), groups, MappingProxyType({k: tuple(v) for k, v in names.items()}),
                 MappingProxyType(weight_homes))
 
 
-def place_training_state(policy: Policy, name: str, p: torch.Tensor, param_tier: Tier, *, overlap: bool
-                         ) -> tuple[Tier, Tier]:
+def place_training_state(policy: Policy, name: str, p: torch.Tensor, param_tier: Tier, fmt: StateFormat, *,
+                         overlap: bool) -> tuple[Tier, Tier]:
     """The tiers of a trainable parameter's grads and optimizer state, as the (bound) policy
     places them and this version can honour them."""
     grad_tier = checked_place(policy, _info(name, TensorClass.GRAD, p, torch.float32))
-    state_tiers = {checked_place(policy, _state_info(StateKey(name, part), p)) for part in STATE_PARTS}
+    state_tiers = {checked_place(policy, _state_info(StateKey(name, part), p, fmt)) for part in fmt.names}
     return grad_tier, check_combination(name, param_tier, grad_tier, state_tiers, overlap)
 
 
-def param_groups(spec: _AdamSpec, unique: list[tuple[str, torch.nn.Parameter]]
+def param_groups(spec: _Spec, unique: list[tuple[str, torch.nn.Parameter]]
                  ) -> tuple[tuple[ParamGroup, ...], dict[str, int]]:
     """The optimizer param groups of a model (NOTE [Param groups]) and the group index of each
     trainable parameter. Groups given to the spec must hold only this module's parameters, and

@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
 from tiermem.errors import ConfigError, StoreError, TierMemError
-from tiermem.plan.buckets import STATE_PARTS
 from tiermem.train import checkpoint_dir as disk
 from tiermem.train.checkpoint_dcp_check import checked, meta_fits, parse_meta
 from tiermem.train.checkpoint_shards import MANIFESTS, META, ShardedValue, key, nested
@@ -135,7 +134,7 @@ def _pieces(state: ModelState, source: Callable[[int, int, Piece], Any]) -> dict
     """Every piece of optimizer state this process keeps, by tiermem name, in bucket order."""
     out: dict[str, ShardedValue] = {}
     for index, pieces in state.pieces():
-        for part_index, part in enumerate(STATE_PARTS):
+        for part_index, part in enumerate(state.part_names(index)):
             for p in pieces:
                 name = f"{part}/{p.name}"
                 local = source(index, part_index, p)
@@ -289,7 +288,8 @@ def load(state: ModelState, path: str) -> None:
                          f"was loaded")
     with state.updating():
         for index, pieces in state.pieces():
-            state.load_local(index, lambda views, pieces=pieces: _read_pieces(reader, pieces, views))
+            state.load_local(index, lambda views, pieces=pieces, index=index: _read_pieces(
+                reader, state.part_names(index), pieces, views))
         state.release()
         rest = state.rest()
         _load(reader, {key(name): t for name, t in rest.items()})
@@ -303,9 +303,10 @@ def _read_meta(reader: _Reader) -> Any:
     return holder[META]
 
 
-def _read_pieces(reader: _Reader, pieces: list[Piece], views: tuple[torch.Tensor, ...]) -> None:
+def _read_pieces(reader: _Reader, parts: tuple[str, ...], pieces: list[Piece], views: tuple[torch.Tensor, ...]
+                 ) -> None:
     values = {}
-    for part, t in zip(STATE_PARTS, views):
+    for part, t in zip(parts, views):
         for p in pieces:
             name = f"{part}/{p.name}"
             local = t[p.at:p.at + p.hi - p.lo]
@@ -328,7 +329,7 @@ def load_sharded(state: ModelState, tree: Any) -> None:
     pieces = state.pieces()
     values: dict[str, Any] = {}
     for index, mine in pieces:
-        for part in STATE_PARTS:
+        for part in state.part_names(index):
             for p in mine:
                 name = f"{part}/{p.name}"
                 v = values[name] = _lookup(tree, name)
@@ -341,7 +342,8 @@ def load_sharded(state: ModelState, tree: Any) -> None:
             raise bad(f"{key(name)!r} is not a tensor of shape {tuple(t.shape)}")
     with state.updating():
         for index, mine in pieces:
-            state.load_local(index, lambda views, mine=mine: _copy_pieces(values, mine, views))
+            state.load_local(index, lambda views, mine=mine, index=index: _copy_pieces(
+                values, state.part_names(index), mine, views))
         state.release()
         for name, t in rest.items():
             t.copy_(values[name])  # a no-op where dcp.load filled the model's own tensor
@@ -361,7 +363,8 @@ def _lookup(tree: dict, name: str) -> Any:
                           f"returned (filled by dcp.load); it has no {where!r}; nothing was loaded") from None
 
 
-def _copy_pieces(values: dict[str, Any], mine: list[Piece], views: tuple[torch.Tensor, ...]) -> None:
-    for part, t in zip(STATE_PARTS, views):
+def _copy_pieces(values: dict[str, Any], parts: tuple[str, ...], mine: list[Piece],
+                 views: tuple[torch.Tensor, ...]) -> None:
+    for part, t in zip(parts, views):
         for p in mine:
             t[p.at:p.at + p.hi - p.lo].copy_(values[f"{part}/{p.name}"].local())

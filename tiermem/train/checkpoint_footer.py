@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tiermem.config import PRECISIONS, check_adam_hyper, is_int
+from tiermem.config import PRECISIONS, check_hyper, is_int
 from tiermem.errors import ConfigError
 from tiermem.train.state import HYPER, MEMBERS
 
@@ -58,7 +58,7 @@ def _hyper(where: str, field: str, value: Any, rule: str | None = None) -> None:
     """``field`` by the rule of the Adam hyperparameter ``rule`` (by default its own name) in
     tiermem.config (which refuses booleans: NOTE [Numbers are not bools])."""
     try:
-        check_adam_hyper("", **{rule or field: value})
+        check_hyper("", **{rule or field: value})
     except ConfigError as e:  # "tiermem: <rule>=<value> is invalid: it must be ...; pass a value that is"
         why = str(e).partition(" is invalid: ")[2].partition("; pass")[0]
         raise Invalid(f"{where}{field}={_short(value)} is invalid: {why}") from None

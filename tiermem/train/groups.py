@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from tiermem.config import GROUP_HYPER, _AdamSpec, read_groups
+from tiermem.config import _Spec, read_groups
 from tiermem.errors import ConfigError, TierMemError
 from tiermem.plan.placement import ParamGroup
 from tiermem.train.layout import Layout
@@ -40,7 +40,7 @@ class Fp32Values:
         return self.layout.homes.state[b.index].master(b, s)
 
 
-def group_dicts(groups: Iterable[ParamGroup], spec: _AdamSpec, value_of: Callable[[str], torch.Tensor]
+def group_dicts(groups: Iterable[ParamGroup], spec: _Spec, value_of: Callable[[str], torch.Tensor]
                 ) -> list[dict]:
     """The torch optimizer groups of the plan's ``groups``: the group's own hyperparameters over
     the spec's; ``value_of(name)``: the fp32 tensor shown for a parameter."""
@@ -66,7 +66,7 @@ class GroupEditor:
     changes: parameters of the wrapped module, each once, floating point; the hyperparameters by
     the spec's rules, those left out the spec's."""
 
-    def __init__(self, module: torch.nn.Module, spec: _AdamSpec, value_of: Callable[[str], torch.Tensor]):
+    def __init__(self, module: torch.nn.Module, spec: _Spec, value_of: Callable[[str], torch.Tensor]):
         self.spec, self.value_of = spec, value_of
         self._names: dict[int, str] = {}  # id(parameter) -> its canonical name (tied aliases: the first)
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -79,7 +79,9 @@ class GroupEditor:
         given = {k: v for k, v in group.items() if k not in ("adamw",)}
         if "name" not in given:
             given["name"] = f"group{len(groups)}"
-        (read,) = read_groups(f"add_param_group(): group {len(groups)}'s ", [given])
+        spec = self.spec
+        (read,) = read_groups(f"add_param_group(): group {len(groups)}'s ", [given], hyper=spec.HYPER, off=spec.OFF,
+                              rules=spec.RULES, what=spec.WHAT)
         taken = {g["name"] for g in groups}
         if read.name in taken:
             raise ConfigError(f"tiermem: add_param_group(): a group named {read.name!r} exists already; give the new "
@@ -129,5 +131,6 @@ def check_listed(groups: list[dict], names: Iterable[str]) -> dict[str, int]:
 
 
 def hyper_of(group: dict) -> dict[str, Any]:
-    """The hyperparameters the update reads from a group, as they are at this moment."""
-    return {k: group[k] for k in (*GROUP_HYPER, "adamw")}
+    """The hyperparameters the update reads from a group, as they are at this moment (the kernel of
+    the state format picks its own by name: tiermem.optim.format.step)."""
+    return {k: v for k, v in group.items() if k not in MEMBERS}

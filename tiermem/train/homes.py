@@ -8,7 +8,9 @@ the bucket's :class:`GradHome` for them. Three interfaces:
 
 - :class:`GradHome`: where the device's gradient copies land during backward (``landing``), and
   the step's view of them where Adam runs (``read``, with a function that frees what it took).
-- :class:`StateHome`: fp32 master weights, ``exp_avg`` and ``exp_avg_sq``; runs the step's update
+- :class:`StateHome`: master weights and the optimizer's state, the parts of each bucket's state
+  format (NOTE [State formats] in tiermem/optim/format.py: fp32 master, ``exp_avg`` and
+  ``exp_avg_sq`` for Adam); runs the step's update
   over its buckets (``step``), can undo a step when its tier keeps the previous value
   (``revertible``), and reads/writes whole buckets for checkpoints.
 - :class:`WeightHome`: the low-precision working weights the module computes with: given their
@@ -29,11 +31,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from tiermem.handles import Handle, wait_all
-from tiermem.plan.buckets import STATE_PARTS, Bucket, Slot
+from tiermem.plan.buckets import Bucket, Slot
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
-StateViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # master, exp_avg, exp_avg_sq
+StateViews = tuple[torch.Tensor, ...]  # one flat tensor per part of the bucket's state format, master first
 Runs = list[tuple[int, int, int]]  # (start, end, step) ranges of a bucket that an update covers
 Update = Callable[[Bucket, Runs, StateViews], None]
 
@@ -127,7 +129,7 @@ class MemoryGrads(GradHome):
 
 # -- optimizer state --------------------------------------------------------------------------------
 class StateHome(ABC):
-    """fp32 master weights and Adam moments for some buckets."""
+    """Master weights and optimizer state for some buckets, each part as its format says."""
 
     #: where Adam runs on this state
     compute_tier: Tier
@@ -140,7 +142,7 @@ class StateHome(ABC):
 
     @abstractmethod
     def initialize(self, b: Bucket) -> None:
-        """Store ``b``'s initial state: the master just filled, moments zero."""
+        """Store ``b``'s initial state: the master just filled, the other parts at their initial value."""
 
     @abstractmethod
     def step(self, plan: Sequence[tuple[Bucket, Runs]], update: Update, tracer, updated: set[int]) -> object:
@@ -165,8 +167,8 @@ class StateHome(ABC):
         """The model is done reading or writing whole buckets: buffers kept for that can go."""
 
     def master(self, b: Bucket, s: Slot) -> torch.Tensor:
-        """The parameter's fp32 master as torch optimizer param groups show it (a meta tensor of
-        the right shape when it is not resident)."""
+        """The parameter's master as torch optimizer param groups show it (a meta tensor of the
+        right shape when it is not resident)."""
         return torch.empty(s.shape, device="meta")
 
     # -- this rank's part of a bucket (a sharded checkpoint: NOTE [Sharded values for DCP]) --------
@@ -199,15 +201,17 @@ class MemoryState(StateHome):
         self.compute_tier = store.tier
         self._views: dict[int, StateViews] = {}
         for b in buckets:
-            master, m, v = (store.allocate(f"{b.key}:{part}", (b.numel,), torch.float32, TensorClass.OPTIM_STATE)
-                            for part in STATE_PARTS)
-            self._views[b.index] = (master, m.zero_(), v.zero_())
+            views = tuple(store.allocate(f"{b.key}:{part.name}", (n,), part.dtype, TensorClass.OPTIM_STATE)
+                          for part, n in zip(b.state.parts, b.part_numels()))
+            for part, t in zip(b.state.parts[1:], views[1:]):
+                t.fill_(part.initial)
+            self._views[b.index] = views
 
     def initial_master(self, b: Bucket) -> torch.Tensor:
         return self._views[b.index][0]
 
     def initialize(self, b: Bucket) -> None:
-        pass  # already in place; moments were zeroed at allocation
+        pass  # already in place; the other parts were set at allocation
 
     def step(self, plan, update, tracer, updated):
         for b, runs in plan:

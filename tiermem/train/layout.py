@@ -15,6 +15,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from tiermem.errors import ConfigError
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.plan.placement import ParamGroup, compute_tier
 from tiermem.train.buffers import KeptBuffers
@@ -128,6 +129,11 @@ def make_homes(buckets: list[Bucket], stores: dict, engine: CopyService, dtype: 
     if group.world == 1:
         return Homes(_per_bucket(_grad_homes(buckets, stores, engine, compute, overlap)),
                      _per_bucket(_state_homes(buckets, stores, engine, compute)), weights), buckets
+    blocked = sorted({b.state.kind for b in buckets if not b.state.elementwise})
+    if blocked:
+        raise ConfigError(f"tiermem: under data parallelism this version shards elementwise optimizer state only; "
+                          f"{blocked} keeps block-wise 8-bit state, whose blocks a rank's chunk would cut: pass "
+                          f"process_group=False (a full replica per process), or AdamW with fp32 state")
     shards = shard_buckets(buckets, group)
     full = {b.index: b for b in buckets}
     grads = {t: (ShardedGrads([full[b.index] for b in bs], bs, home, group, stores[Tier.DEVICE], engine), bs)

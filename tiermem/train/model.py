@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from tiermem.budgets import Budgets
-from tiermem.config import LossScale, _AdamSpec
+from tiermem.config import LossScale, _Spec
 from tiermem.errors import ConfigError, TierMemError, checked_arguments
 from tiermem.memory import deferred
 from tiermem.memory.ledger import InFlight, Reclaimers
@@ -89,7 +89,7 @@ class TieredModel:
     """
 
     def __init__(self, module: torch.nn.Module, policy: Optional[Policy] = None, *,
-                 optimizer: "_AdamSpec | torch.optim.Optimizer | None" = None, precision: str = "bf16",
+                 optimizer: "_Spec | torch.optim.Optimizer | None" = None, precision: str = "bf16",
                  budgets: Optional[Budgets] = None, nvme_dir: Optional[str] = None,
                  grad_clip: Optional[float] = None, device: torch.device | str | None = None,
                  bucket_size: int | str = "32MiB", overlap_step: bool = False,
@@ -172,7 +172,7 @@ class TieredModel:
                                         stores=self.stores, engine=self.engine, weights_off_device=self.param_offload,
                                         grads=self.grads, outputs=outputs, hooks=self.hooks,
                                         param_groups=self.optimizer.param_groups, settle=self.stepper.finish_pending,
-                                        on_device_cuda=self.device.type == "cuda")
+                                        on_device_cuda=self.device.type == "cuda", spec=opts.spec)
             self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks)
             frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
             self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,

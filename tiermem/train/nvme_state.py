@@ -1,8 +1,9 @@
 """Optimizer state homed on NVMe, streamed through a fixed set of host buffers.
 
 # NOTE [Three-stage state pipeline]
-For the buckets whose OPTIM_STATE lives on NVMe, a step reads bucket k+1's fp32 master,
-exp_avg and exp_avg_sq ahead, runs the fused Adam on bucket k, and writes bucket k-1 behind.
+For the buckets whose OPTIM_STATE lives on NVMe, a step reads bucket k+1's state (every part of
+its format: fp32 master, exp_avg and exp_avg_sq for Adam) ahead, runs the fused update on bucket
+k, and writes bucket k-1 behind.
 Three host buffer sets (each as large as the largest such bucket) rotate through those roles, so
 host memory stays bounded whatever the model size: a set is refilled only after its last write
 has landed.
@@ -13,7 +14,7 @@ state of that bucket cannot change before then: anything else that touches this 
 a checkpoint load or a read, first waits for that read and drops it).
 
 # NOTE [A failed step is rolled forward]
-Each bucket's state (fp32 master, exp_avg, exp_avg_sq) is one NVMe key, ``<bucket>:state``, so it
+Each bucket's state (all its parts, back to back: StateFormat.joined) is one NVMe key, ``<bucket>:state``, so it
 changes as a whole: the store switches a key to its new value only once every byte landed, and a
 write that fails leaves the previous value (NOTE [One value per key, and a few spare files] in
 tiermem/memory/nvme_keys.py). The store keeps one value per key, not the one before it, so a
@@ -34,14 +35,12 @@ from typing import Optional, Sequence
 import torch
 
 from tiermem.handles import Handle, wait_all, wait_all_quietly
-from tiermem.plan.buckets import STATE_PARTS, Bucket
+from tiermem.plan.buckets import Bucket
 from tiermem.train.homes import StateHome, StateViews, Update
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
-
-PARTS = STATE_PARTS
 
 
 class NvmeState(StateHome):
@@ -54,11 +53,11 @@ class NvmeState(StateHome):
     def __init__(self, buckets: Sequence[Bucket], engine: CopyService, host_store):
         self.buckets = list(buckets)
         self.engine = engine
-        largest = max(b.numel for b in self.buckets)
-        # each set holds one bucket's parts back to back, so that they are one key's value
+        largest = max(b.joined_bytes() for b in self.buckets)
+        # each set holds one bucket's parts back to back (bytes), so that they are one key's value
         # named by the first bucket: buckets appended later get a home with sets of their own
-        self.sets = [host_store.allocate(f"nvme state set{i} of {self.buckets[0].key}...", (len(PARTS) * largest,),
-                                         torch.float32, TensorClass.OPTIM_STATE) for i in range(3)]
+        self.sets = [host_store.allocate(f"nvme state set{i} of {self.buckets[0].key}...", (largest,),
+                                         torch.uint8, TensorClass.OPTIM_STATE) for i in range(3)]
         self._ahead: Optional[tuple[int, list[Handle]]] = None  # (bucket, its read into set 0) for the next step
 
     @staticmethod
@@ -70,11 +69,12 @@ class NvmeState(StateHome):
         return self._views(0, b)[0]
 
     def initialize(self, b: Bucket) -> None:
-        """Store a bucket's initial state: the master filled into :meth:`initial_master`, moments zero."""
+        """Store a bucket's initial state: the master filled into :meth:`initial_master`, the other
+        parts at their initial value."""
         self._drop_ahead()
         views = self._views(0, b)
-        views[1].zero_()
-        views[2].zero_()
+        for part, t in zip(b.state.parts[1:], views[1:]):
+            t.fill_(part.initial)
         wait_all(self._write(b, views))
 
     def read(self, b: Bucket, which: int = 0) -> StateViews:
@@ -101,20 +101,26 @@ class NvmeState(StateHome):
             self._ahead = None
 
     def _views(self, which: int, b: Bucket) -> StateViews:
-        return tuple(self._whole(which, b).view(len(PARTS), b.numel).unbind())  # type: ignore[return-value]
+        numels = b.part_numels()
+        offsets, _ = b.state.joined(numels)
+        whole = self.sets[which]
+        return tuple(whole[at:at + n * part.itemsize].view(part.dtype)
+                     for part, n, at in zip(b.state.parts, numels, offsets))
 
-    def _whole(self, which: int, b: Bucket) -> torch.Tensor:
-        return self.sets[which][:len(PARTS) * b.numel]
+    def _joined(self, b: Bucket, views: StateViews) -> torch.Tensor:
+        """The one byte buffer the views of :meth:`_views` are parts of: the key's value."""
+        which = [t.data_ptr() for t in self.sets].index(views[0].data_ptr())  # the master starts its set
+        return self.sets[which][:b.joined_bytes()]
 
     def _read(self, b: Bucket, views: StateViews) -> list[Handle]:
-        return [self.engine.store_read(Tier.NVME, self.key(b), _joined(views), kind=TensorClass.OPTIM_STATE)]
+        return [self.engine.store_read(Tier.NVME, self.key(b), self._joined(b, views), kind=TensorClass.OPTIM_STATE)]
 
     def _write(self, b: Bucket, views: StateViews) -> list[Handle]:
-        return [self.engine.store_write(Tier.NVME, self.key(b), _joined(views), kind=TensorClass.OPTIM_STATE)]
+        return [self.engine.store_write(Tier.NVME, self.key(b), self._joined(b, views), kind=TensorClass.OPTIM_STATE)]
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, plan: Sequence[tuple[Bucket, list]], update: Update, tracer, updated: set[int]) -> None:
-        """Run ``update(bucket, runs, (master, exp_avg, exp_avg_sq))`` over every bucket of
+        """Run ``update(bucket, runs, views)`` (views: the parts of its state) over every bucket of
         ``plan`` in the three-stage pipeline, adding each bucket to ``updated`` once its new state
         has landed; on failure, the buckets whose state landed are added and the error propagates
         (NOTE [A failed step is rolled forward])."""
@@ -151,12 +157,3 @@ class NvmeState(StateHome):
             updated.update(index for index, h in written if h.succeeded())
             raise
         updated.update(index for index, _ in written)
-
-
-def _joined(views: StateViews) -> torch.Tensor:
-    """The one tensor the three views of :meth:`NvmeState._views` are rows of."""
-    master = views[0]
-    n = master.numel()
-    whole = master.as_strided((len(PARTS) * n,), (1,), master.storage_offset())
-    assert all(v.data_ptr() == master.data_ptr() + i * n * 4 for i, v in enumerate(views))
-    return whole

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from tiermem.budgets import Budgets, parse_bytes
-from tiermem.config import AdamW, LossScale, _AdamSpec, is_int, is_number, working_dtype
+from tiermem.config import AdamW, LossScale, _Spec, is_int, is_number, working_dtype
 from tiermem.errors import ConfigError
 from tiermem.torch_optim import spec_from_torch, supported_names
 from tiermem.memory.ledger import Reclaimers
@@ -28,7 +28,7 @@ __all__ = ["Options", "validate", "make_stores"]
 class Options:
     """The constructor's keyword arguments, validated."""
 
-    spec: _AdamSpec
+    spec: _Spec
     torch_optimizer: Optional[torch.optim.Optimizer]  # the one given as optimizer=, read into ``spec``
     grad_clip: Optional[float]  # a float (a numpy number given is converted), or None
     dtype: torch.dtype
@@ -90,10 +90,10 @@ def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_
                           f"pass the model itself")
     torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     spec = AdamW() if optimizer is None else spec_from_torch(optimizer) if torch_optimizer is not None else optimizer
-    if not isinstance(spec, _AdamSpec):
-        raise ConfigError(f"tiermem: optimizer={spec!r} is not an optimizer tiermem runs; pass tiermem.AdamW(...) "
-                          f"or tiermem.Adam(...), or a torch optimizer built on the module's parameters "
-                          f"({supported_names()})")
+    if not isinstance(spec, _Spec):
+        raise ConfigError(f"tiermem: optimizer={spec!r} is not an optimizer tiermem runs; pass tiermem.AdamW(...), "
+                          f"Adam, SGD, Adagrad, Lion, AdamW8bit or Adam8bit, or a torch optimizer built on the "
+                          f"module's parameters ({supported_names()})")
     if grad_clip is not None and (not is_number(grad_clip) or not math.isfinite(grad_clip) or grad_clip <= 0):
         raise ConfigError(f"tiermem: grad_clip={grad_clip!r} is invalid: must be a finite number > 0 (the largest "
                           f"global gradient norm), or None for no clipping")
@@ -113,6 +113,10 @@ def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_
         raise ConfigError(f"tiermem: loss_scale={loss_scale!r} is invalid: it must be a tiermem.LossScale, and "
                           f"only precision='fp16' scales the loss; pass LossScale(...) with fp16, or leave it out")
     shard = _flag("shard_weights", shard_weights)
+    if spec.bf16_stochastic_round and precision != "bf16":
+        raise ConfigError(f"tiermem: {type(spec).__name__}(bf16_stochastic_round=True) keeps bf16 master weights, "
+                          f"which needs precision='bf16' (got {precision!r}); pass precision='bf16' or drop "
+                          f"bf16_stochastic_round")
     return Options(spec, torch_optimizer, None if grad_clip is None else float(grad_clip), dtype, dev, budgets,
                    bucket_bytes // 4, overlap, prefetch, shard)
 

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from tiermem.handles import Handle
-from tiermem.plan.buckets import STATE_PARTS, Bucket, Slot
+from tiermem.plan.buckets import Bucket, Slot
 from tiermem.train.homes import GradHome, Runs, StateHome, StateViews, WeightHome
 from tiermem.transfer.collectives import Group, Pending
 from tiermem.transfer.service import CopyService
@@ -33,11 +33,12 @@ def shard_buckets(buckets: Sequence[Bucket], group: Group) -> list[Bucket]:
     out = []
     for b in buckets:
         c = group.chunk(b.numel)
-        sb = Bucket(b.index, b.grad_tier, b.state_tier, b.group, b.param_tier)
+        sb = Bucket(b.index, b.grad_tier, b.state_tier, b.group, b.param_tier, state=b.state)
         for s in b.slots:
             lo, hi = max(s.offset, c.start), min(s.offset + s.numel, c.end)
             if lo < hi:
-                sb.slots.append(Slot(s.name, s.param, lo - c.start, hi - lo, torch.Size([hi - lo]), s.order))
+                sb.slots.append(Slot(s.name, s.param, lo - c.start, hi - lo, torch.Size([hi - lo]), s.order,
+                                     first=lo - s.offset))
         sb.numel = c.size  # the chunk with its padding: every rank's chunk is the same size
         out.append(sb)
     return out
@@ -182,22 +183,24 @@ class ShardedState(StateHome):
         self._padded = max(group.chunk(b.numel).padded for b in buckets)
         self._set: dict[str, torch.Tensor] = {}  # whole-bucket buffers, only while the model reads or writes
 
-    def _part(self, part: str) -> torch.Tensor:
-        if part not in self._set:
-            self._set[part] = self.host.allocate(f"shard gather:{part}", (self._padded,), torch.float32,
-                                                 TensorClass.OPTIM_STATE)
-        return self._set[part]
+    def _part(self, b: Bucket, i: int) -> torch.Tensor:
+        """The whole-bucket buffer of part ``i`` of ``b``'s state (elementwise: ``padded`` elements)."""
+        part = b.state.parts[i]
+        key = f"shard gather:{part.name}" + ("" if part.dtype == torch.float32 else f":{str(part.dtype).removeprefix('torch.')}")
+        if key not in self._set:
+            self._set[key] = self.host.allocate(key, (self._padded,), part.dtype, TensorClass.OPTIM_STATE)
+        return self._set[key]
 
     def _whole(self, b: Bucket) -> StateViews:
-        return tuple(self._part(part)[:b.numel] for part in STATE_PARTS)  # type: ignore[return-value]
+        return tuple(self._part(b, i)[:b.numel] for i in range(len(b.state.parts)))
 
     def release_views(self) -> None:
-        for part in list(self._set):
-            self.host.delete(f"shard gather:{part}")
+        for key in list(self._set):
+            self.host.delete(key)
         self._set.clear()
 
     def initial_master(self, b: Bucket) -> torch.Tensor:
-        return self._part("master")[:b.numel]  # the moments start at zero: no whole buffers for them
+        return self._part(b, 0)[:b.numel]  # the other parts start at their initial value: no whole buffers for them
 
     def initialize(self, b: Bucket) -> None:
         master = self.group.broadcast_(self.initial_master(b))  # every rank starts from rank 0's weights
@@ -215,8 +218,8 @@ class ShardedState(StateHome):
 
     def read(self, b: Bucket) -> StateViews:
         padded = self.group.chunk(b.numel).padded
-        for part, mine in zip(STATE_PARTS, self.inner.read(self.shards[b.index])):
-            self.group.all_gather(self._part(part)[:padded], mine)
+        for i, mine in enumerate(self.inner.read(self.shards[b.index])):
+            self.group.all_gather(self._part(b, i)[:padded], mine)
         return self._whole(b)
 
     def load_views(self, b: Bucket) -> StateViews:
@@ -249,8 +252,8 @@ class ShardedState(StateHome):
         self.inner.store(self.shards[b.index], views)
 
     def whole_master(self, b: Bucket, mine: torch.Tensor) -> torch.Tensor:
-        self.group.all_gather(self._part("master")[:self.group.chunk(b.numel).padded], mine)
-        return self._part("master")[:b.numel]
+        self.group.all_gather(self._part(b, 0)[:self.group.chunk(b.numel).padded], mine)
+        return self._part(b, 0)[:b.numel]
 
 
 class ShardedWeights(WeightHome):

@@ -1,7 +1,8 @@
 """What a checkpoint, ``state_dict()`` and ``detach()`` see of a TieredModel: one narrow interface.
 
-:class:`ModelState` names every tensor by parameter (``master/<param>``, ``exp_avg/<param>``,
-``exp_avg_sq/<param>``, ``frozen/<param>``, ``buffers/<buffer>``), never by bucket, and reaches the
+:class:`ModelState` names every tensor by parameter (``<part>/<param>`` for each part of its state
+format: ``master/<param>``, ``exp_avg/<param>``, ``exp_avg_sq/<param>`` for Adam, NOTE [State
+formats]; ``frozen/<param>``, ``buffers/<buffer>``), never by bucket, and reaches the
 bytes through the homes (NOTE [Homes]): optimizer state on NVMe passes through one host buffer
 set at a time, so it never has to fit in memory. :mod:`tiermem.train.checkpoint` reads and writes
 through it and knows nothing else of the model.
@@ -15,9 +16,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from tiermem.config import PRECISIONS
+from tiermem.config import ALL_GROUP_HYPER, PRECISIONS
 from tiermem.errors import TierMemError
-from tiermem.plan.buckets import STATE_PARTS
+from tiermem.plan.buckets import Bucket
 from tiermem.train.layout import Layout
 from tiermem.train.param_offload import ParamOffload
 from tiermem.train.scaler import LossScaler
@@ -26,7 +27,7 @@ from tiermem.transfer.collectives import Group, Solo
 
 log = logging.getLogger(__name__)
 
-HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")  # what a checkpoint keeps of each param group
+HYPER = (*ALL_GROUP_HYPER, "initial_lr")  # what a checkpoint keeps of each param group
 #: and which group it is: its name and its parameters' names (NOTE [Param groups]); checkpoints
 #: written before groups could be given have neither, and are matched by the number of groups
 MEMBERS = ("name", "params")
@@ -61,8 +62,8 @@ class ModelState:
         return self.group.all_ok(ok)
 
     # -- reading ------------------------------------------------------------------------------------
-    def _bucket_state(self) -> Iterator[tuple[object, tuple[torch.Tensor, ...]]]:
-        """(bucket, (master, exp_avg, exp_avg_sq)), each valid until the next item."""
+    def _bucket_state(self) -> Iterator[tuple[Bucket, tuple[torch.Tensor, ...]]]:
+        """(bucket, its state's parts), each valid until the next item."""
         try:
             for b in self.layout.buckets:
                 yield b, self.layout.homes.state[b.index].read(b)
@@ -76,9 +77,9 @@ class ModelState:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor a checkpoint holds, by name; each valid until the next."""
         for b, state in self._bucket_state():
-            for part, t in zip(STATE_PARTS, state):
-                for s in b.slots:
-                    yield f"{part}/{s.name}", t[s.offset:s.offset + s.numel].view(s.shape)
+            for i, part in enumerate(b.state.parts):
+                for j, s in enumerate(b.slots):
+                    yield f"{part.name}/{s.name}", _shaped(b.pieces(state, j)[i], part.block, s.shape)
         for name, t in self.layout.frozen.items():
             yield f"frozen/{name}", t
         for name, t in self.module.named_buffers():
@@ -86,14 +87,15 @@ class ModelState:
 
     def specs(self, precision: str) -> Iterator[tuple[str, tuple[int, ...], tuple[torch.dtype, ...]]]:
         """The name, shape and the dtypes accepted of every tensor a checkpoint saved at
-        ``precision`` may hold for this model, reading none. Optimizer state is fp32 and frozen
-        parameters keep their dtype, whatever the precision; a buffer may be in its dtype as the
+        ``precision`` may hold for this model, reading none. Optimizer state is in its format's
+        dtypes and frozen parameters keep their dtype, whatever the precision; a buffer may be in its dtype as the
         module gave it or, floating-point, in the working dtype of ``precision`` (as this version
         writes it): loading converts either (``t.copy_``), and nothing else is taken."""
         for b in self.layout.buckets:
-            for part in STATE_PARTS:
+            for part in b.state.parts:
                 for s in b.slots:
-                    yield f"{part}/{s.name}", tuple(s.shape), (torch.float32,)
+                    shape = tuple(s.shape) if part.block == 1 else (part.numel(s.numel),)
+                    yield f"{part.name}/{s.name}", shape, (part.dtype,)
         yield from ((f"frozen/{n}", tuple(t.shape), (t.dtype,)) for n, t in self.layout.frozen.items())
         given = self.layout.buffer_dtypes
         for n, t in self.module.named_buffers():
@@ -129,9 +131,10 @@ class ModelState:
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter name (tied aliases included) -> a CPU copy of its fp32 value."""
         out: dict[str, torch.Tensor] = {}
-        for b, (master, _, _) in self._bucket_state():
+        for b, state in self._bucket_state():
+            master = state[0]
             for s in b.slots:
-                value = master[s.offset:s.offset + s.numel].view(s.shape).detach().cpu().clone()
+                value = master[s.offset:s.offset + s.numel].view(s.shape).detach().to("cpu", torch.float32, copy=True)
                 for name in self.layout.names[id(s.param)]:
                     out[name] = value
         params = dict(self.module.named_parameters())
@@ -170,8 +173,12 @@ class ModelState:
         """Whether :meth:`read_local` of bucket ``index`` gives the live state, not a staging copy."""
         return self.layout.homes.state[index].resident
 
+    def part_names(self, index: int) -> tuple[str, ...]:
+        """The parts of bucket ``index``'s state format, in order (NOTE [State formats])."""
+        return self._bucket[index].state.names
+
     def read_local(self, index: int) -> tuple[torch.Tensor, ...]:
-        """This process's part of bucket ``index``'s (master, exp_avg, exp_avg_sq), no
+        """This process's part of bucket ``index``'s state (each part of its format), no
         communication; valid until the next read (then :meth:`release`)."""
         return self.layout.homes.state[index].read_local(self._bucket[index])
 
@@ -228,9 +235,9 @@ class ModelState:
         with self.updating():
             for b in self.layout.buckets:
                 views = homes.state[b.index].load_views(b)
-                for part, t in zip(STATE_PARTS, views):
-                    for s in b.slots:
-                        read_into(f"{part}/{s.name}", t[s.offset:s.offset + s.numel])
+                for i, part in enumerate(b.state.parts):
+                    for j, s in enumerate(b.slots):
+                        read_into(f"{part.name}/{s.name}", b.pieces(views, j)[i])
                 homes.state[b.index].store(b, views)
                 homes.weights[b.index].load(b, views[0], homes.compute_tier(b))
             self._release()
@@ -272,6 +279,12 @@ class ModelState:
                     homes.state[b.index].store(b, views)
         finally:
             self._release()
+
+
+def _shaped(t: torch.Tensor, block: int, shape: torch.Size) -> torch.Tensor:
+    """A parameter's piece of a part as a checkpoint holds it: the parameter's shape for an
+    elementwise part, flat for a blocked one (one value per block)."""
+    return t.view(shape) if block == 1 else t
 
 
 def _take(master: torch.Tensor, value: torch.Tensor) -> bool:

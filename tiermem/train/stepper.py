@@ -45,8 +45,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from tiermem import optim
 from tiermem.errors import TierMemError
+from tiermem.optim import format as optim_format
+from tiermem.optim import StochasticRound
 from tiermem.handles import Handle
 from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket
@@ -61,6 +62,11 @@ from tiermem.transfer.service import CopyService
 from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
+
+#: the seed of bf16 master weights' stochastic rounding: the bits are a function of (this, the
+#: parameter's name, its step, the element's index), so runs are reproducible and placement, bucket
+#: sizes and ranks never change them (NOTE [Stochastic rounding bits] in tiermem/optim/_sr.py)
+SR_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -187,19 +193,27 @@ class Stepper:
         return StepResult(False, norm.item(), self.scaler.scale, self.steps)
 
     def _adam(self, upd: _Update, uploads: Uploads, b: Bucket, runs: Runs, state: StateViews) -> None:
-        """Fused Adam over ``runs`` of bucket ``b``, its new weights sent home behind it."""
-        master, exp_avg, exp_avg_sq = state
+        """The fused update of the bucket's state format over ``runs`` of bucket ``b``, its new
+        weights sent home behind it (NOTE [State formats] in tiermem/optim/format.py)."""
+        master, fmt = state[0], b.state
         out = uploads.target(b)
         _fill_gaps(out, master, b, runs)  # `out` holds the bucket's complete new weights
         g, free = self.homes.grads[b.index].read(b, upd.fill) if runs else (None, None)
+        common = dict(grad_scale=upd.scale, clip_coef=upd.clip)
         try:
             with self.tracer.span(f"adam {b.key}", "adam", numel=b.numel):
-                for start, end, step in runs:
-                    h = upd.hyper[(b.index, start)]
-                    optim.adam_step(master[start:end], exp_avg[start:end], exp_avg_sq[start:end], g[start:end],
-                                    step=step, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
-                                    weight_decay=h["weight_decay"], adamw=h["adamw"], grad_scale=upd.scale,
-                                    clip_coef=upd.clip, out=out[start:end], check_finite=False)
+                if fmt.elementwise and not fmt.stochastic_round:  # any range is a valid call: one per run
+                    for start, end, step in runs:
+                        optim_format.step(fmt, master[start:end], [t[start:end] for t in state[1:]], g[start:end],
+                                          step=step, hyper=upd.hyper[(b.index, start)], out=out[start:end], **common)
+                else:  # blocks and rounding keys start at each parameter's element 0: one call per parameter
+                    for i, s, start, step in _slots_of(b, runs):
+                        pieces = b.pieces(state, i)
+                        a, e = s.offset, s.offset + s.numel
+                        sr = StochasticRound.for_parameter(SR_SEED, s.name, s.first) if fmt.stochastic_round else None
+                        optim_format.step(fmt, pieces[0], pieces[1:], g[a:e], step=step,
+                                          hyper=upd.hyper[(b.index, start)], out=out[a:e], stochastic_round=sr,
+                                          **common)
         finally:
             if free is not None:
                 free()
@@ -368,6 +382,17 @@ def _on_host(norms: list[torch.Tensor]) -> torch.Tensor:
         ordered.append(host[n.device][seen[n.device]])
         seen[n.device] += 1
     return torch.stack(ordered)
+
+
+def _slots_of(b: Bucket, runs: Runs) -> list[tuple[int, object, int, int]]:
+    """(slot index, slot, start of its run, step) of each slot that ``runs`` cover."""
+    out = []
+    for i, s in enumerate(b.slots):
+        for a, e, step in runs:
+            if a <= s.offset < e:
+                out.append((i, s, a, step))
+                break
+    return out
 
 
 def _fill_gaps(out: torch.Tensor, master: torch.Tensor, b: Bucket, runs: Runs) -> None:

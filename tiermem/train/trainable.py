@@ -42,10 +42,11 @@ from typing import Any, Callable, Optional
 import torch
 import xxhash
 
+from tiermem.config import _Spec
 from tiermem.errors import ConfigError, TierMemError
 from tiermem.plan.buckets import Bucket, Placed, plan_buckets
 from tiermem.plan.footprint import WORKING_WEIGHTS, check_fits, footprint
-from tiermem.plan.placement import _info, place_training_state
+from tiermem.plan.placement import _info, format_of, place_training_state
 from tiermem.plan.policy import Policy, checked_place
 from tiermem.train.backward import GradCollector
 from tiermem.train.groups import check_listed
@@ -67,13 +68,14 @@ class Trainable:
     def __init__(self, module: torch.nn.Module, layout: Layout, *, policy: Policy, dtype: torch.dtype,
                  bucket_numel: int, overlap: bool, group: Group, stores: dict, engine: CopyService,
                  weights_off_device: Optional[ParamOffload], grads: GradCollector, outputs: Outputs, hooks: HookSet,
-                 param_groups: list[dict], settle: Callable[[], None], on_device_cuda: bool):
+                 param_groups: list[dict], settle: Callable[[], None], on_device_cuda: bool, spec: _Spec):
         """``settle``: lands an update still running in the background (overlap_step) before the
         layout changes."""
         self.layout, self.policy, self.dtype, self.bucket_numel = layout, policy, dtype, bucket_numel
         self.overlap, self.group, self.stores, self.engine = overlap, group, stores, engine
         self.off_device, self.grads, self.outputs, self.hooks = weights_off_device, grads, outputs, hooks
         self.param_groups, self.settle, self.nvme_staging = param_groups, settle, on_device_cuda
+        self.spec = spec  # the optimizer: the state format of a parameter unfrozen
         self._params = list(module.named_parameters())  # each parameter once, by its first name
         self._flags = self._read()  # requires_grad of each, as last taken
         self._trained = self._names(self._flags)
@@ -141,8 +143,9 @@ class Trainable:
                 raise ConfigError(f"tiermem: {name!r} was unfrozen; the policy now places its weights on {asked}, "
                                   f"but they live on {param_tier}, where it placed them when the model was built; a "
                                   f"policy must place a parameter's weights in one tier for the life of the model")
-            grad_tier, state_tier = place_training_state(self.policy, name, p, param_tier, overlap=self.overlap)
-            placed.append(Placed(name, p, grad_tier, state_tier, group_of[name], param_tier))
+            fmt = format_of(self.spec, p)
+            grad_tier, state_tier = place_training_state(self.policy, name, p, param_tier, fmt, overlap=self.overlap)
+            placed.append(Placed(name, p, grad_tier, state_tier, group_of[name], param_tier, fmt))
         buckets = plan_buckets(placed, self.bucket_numel, first_index=len(self.layout.buckets),
                                first_order=sum(len(b.slots) for b in self.layout.buckets))
         need = footprint(buckets, [], self.dtype, overlap=self.overlap, nvme_staging=self.nvme_staging)

@@ -1,0 +1,208 @@
+"""``StateFormat``: what one parameter's optimizer state is made of, as one record that every part of
+TieredModel reads (bytes in plans and budgets, buffers in the homes, NVMe keys, checkpoints, the
+kernel the step calls).
+
+# NOTE [State formats]
+A parameter's state is its master weights and the state tensors of its optimizer kind, each a
+:class:`StatePart`: a name (the checkpoint key's prefix, ``master/<p>``, ``exp_avg/<p>``; the part a
+policy sees, ``<p>:exp_avg``), a dtype, and how many of its elements a parameter of ``n`` elements
+has. Elementwise parts have ``n``; a blocked part (8-bit state's absmax) has one per ``block``
+elements of the parameter, counted from the parameter's own element 0, so blocks never span two
+parameters and the numbers never depend on bucket sizes or placement. The master part is fp32, or
+bf16 with stochastic rounding (``bf16_stochastic_round``: no separate fp32 copy). A bucket holds the
+parameters of one format (one kernel family): each part is one flat buffer per bucket, the slots'
+pieces of it back to back in slot order (:meth:`StateFormat.offsets`).
+
+Later formats join here without touching the homes: a factored state (Adafactor's row and column
+vectors per matrix) is parts whose element count depends on the shape, not only on ``n`` (the
+``numel`` of a part takes the shape); an opaque state (a generic torch optimizer) would be one
+part of bytes per parameter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from tiermem.errors import ConfigError
+from tiermem.optim import _quant
+from tiermem.optim._sr import StochasticRound
+from tiermem.optim.functional import adam_step
+from tiermem.optim.steps import adagrad_step, adam8bit_step, lion_step, sgd_step
+
+#: the kernel families TieredModel runs, by the name a spec gives (``kind``)
+KINDS = ("adam", "adamw", "adam8bit", "adamw8bit", "sgd", "adagrad", "lion")
+MASTER_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """One tensor of a parameter's state: its name, dtype, one element per ``block`` elements of the
+    parameter (1: elementwise), and the value it starts at (moments 0; Adagrad's sum its
+    ``initial_accumulator_value``)."""
+
+    name: str
+    dtype: torch.dtype
+    block: int = 1
+    initial: float = 0.0
+
+    def numel(self, n: int) -> int:
+        """Elements of this part for a parameter of ``n`` elements."""
+        return n if self.block == 1 else -(-n // self.block)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """A parameter's state (NOTE [State formats]): the kernel ``kind`` and its ``parts``, master first."""
+
+    kind: str
+    parts: tuple[StatePart, ...]
+    #: options the update needs besides the groups' hyperparameters (e.g. Adagrad's initial value)
+    options: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"tiermem: StateFormat kind={self.kind!r} is unknown; pass one of {KINDS}")
+        if not self.parts or self.parts[0].name != "master" or self.parts[0].dtype not in MASTER_DTYPES:
+            raise ConfigError("tiermem: a StateFormat's first part is the master weights, fp32 or bf16")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.parts)
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    @property
+    def stochastic_round(self) -> bool:
+        """bf16 master weights, rounded stochastically (NOTE [Stochastic rounding bits])."""
+        return self.master_dtype == torch.bfloat16
+
+    @property
+    def elementwise(self) -> bool:
+        """Every part has one element per parameter element: any element range of a bucket is a
+        valid piece of state (data parallel chunks may cut parameters anywhere)."""
+        return all(p.block == 1 for p in self.parts)
+
+    def nbytes(self, n: int) -> int:
+        """Bytes of the state (master included) of a parameter of ``n`` elements."""
+        return sum(p.numel(n) * p.itemsize for p in self.parts)
+
+    def part_bytes(self, numels: Sequence[int]) -> list[int]:
+        """Bytes of each part's buffer for parameters of these element counts, back to back."""
+        return [sum(p.numel(n) for n in numels) * p.itemsize for p in self.parts]
+
+    def offsets(self, numels: Sequence[int]) -> list[list[int]]:
+        """Per part, where each parameter's piece starts in the part's buffer (parameters of these
+        element counts, in order); for an elementwise part, the parameter's offset in the bucket."""
+        out = []
+        for p in self.parts:
+            at, mine = 0, []
+            for n in numels:
+                mine.append(at)
+                at += p.numel(n)
+            out.append(mine)
+        return out
+
+    def joined(self, part_numels: Sequence[int]) -> tuple[list[int], int]:
+        """The parts of one bucket (``part_numels`` elements each) back to back in one byte buffer,
+        as one NVMe value holds them: each part's byte offset (aligned to the parts' largest element
+        size) and the total bytes."""
+        align = max(p.itemsize for p in self.parts)
+        at, offsets = 0, []
+        for p, n in zip(self.parts, part_numels):
+            offsets.append(at)
+            at += -(-n * p.itemsize // align) * align
+        return offsets, at
+
+    def describe(self) -> str:
+        """One line: the parts and their bytes per parameter (an 8-bit part's scales counted)."""
+        per = " + ".join(f"{p.name} {p.itemsize / p.block:g}" for p in self.parts)
+        return f"{self.kind}: {per} B/param"
+
+
+def state_format(kind: str, *, master_dtype: torch.dtype = torch.float32, numel: Optional[int] = None,
+                 momentum: bool = False, initial_accumulator_value: float = 0.0,
+                 min_8bit_size: int = _quant.MIN_8BIT_NUMEL) -> StateFormat:
+    """The format of a parameter of ``numel`` elements under ``kind``: SGD keeps a
+    ``momentum_buffer`` only with ``momentum``; 8-bit Adam keeps fp32 moments (Adam's format) below
+    ``min_8bit_size`` elements (NOTE [8-bit state]); ``master_dtype`` bf16 drops the fp32 master."""
+    if kind not in KINDS:
+        raise ConfigError(f"tiermem: state_format kind={kind!r} is unknown; pass one of {KINDS}")
+    f32 = torch.float32
+    parts = [StatePart("master", master_dtype)]
+    options: dict[str, Any] = {}
+    if kind in ("adam8bit", "adamw8bit") and (numel is None or numel < min_8bit_size):
+        kind = kind.removesuffix("8bit")
+    if kind in ("adam8bit", "adamw8bit"):
+        b = _quant.BLOCK
+        parts += [StatePart("exp_avg", torch.uint8), StatePart("exp_avg_absmax", f32, b),
+                  StatePart("exp_avg_sq", torch.uint8), StatePart("exp_avg_sq_absmax", f32, b)]
+    elif kind in ("adam", "adamw"):
+        parts += [StatePart("exp_avg", f32), StatePart("exp_avg_sq", f32)]
+    elif kind == "sgd":
+        parts += [StatePart("momentum_buffer", f32)] if momentum else []
+    elif kind == "adagrad":
+        parts += [StatePart("state_sum", f32, initial=float(initial_accumulator_value))]
+    elif kind == "lion":
+        parts += [StatePart("exp_avg", f32)]
+    return StateFormat(kind, tuple(parts), options)
+
+
+#: Adam with fp32 master and moments: 12 B/param, what TieredModel kept before formats
+ADAM = state_format("adamw")
+
+
+def step(fmt: StateFormat, master: torch.Tensor, state: Sequence[torch.Tensor], grad: torch.Tensor, *,
+         step: int, hyper: Mapping[str, Any], grad_scale: float, clip_coef: float,
+         out: Optional[torch.Tensor], stochastic_round: Optional[StochasticRound] = None) -> None:
+    """One fused update of one piece of state under ``fmt``'s kernel, the hyperparameters read from
+    a param group's dict (``hyper``, torch's names); the gradients are known to be finite."""
+    common = dict(step=step, grad_scale=grad_scale, clip_coef=clip_coef, out=out, check_finite=False)
+    if stochastic_round is not None:
+        common["stochastic_round"] = stochastic_round
+    kind = fmt.kind
+    if kind in ("adam", "adamw"):
+        beta1, beta2 = hyper["betas"]
+        adam_step(master, state[0], state[1], grad, lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
+                  weight_decay=hyper["weight_decay"], adamw=hyper["adamw"], **common)
+    elif kind in ("adam8bit", "adamw8bit"):
+        beta1, beta2 = hyper["betas"]
+        adam8bit_step(master, *state, grad, lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
+                      weight_decay=hyper["weight_decay"], adamw=hyper["adamw"], **common)
+    elif kind == "sgd":
+        momentum = hyper["momentum"]
+        buffer = state[0] if state else None
+        if (momentum != 0) != (buffer is not None):
+            raise ConfigError(f"tiermem: a param group's SGD momentum is {momentum} but the optimizer state was made "
+                              f"{'with' if buffer is not None else 'without'} a momentum buffer; set momentum "
+                              f"{'> 0' if buffer is not None else '= 0'} in every group, or give the optimizer a "
+                              f"momentum > 0 from the start")
+        sgd_step(master, buffer, grad, lr=hyper["lr"], momentum=momentum, dampening=hyper["dampening"],
+                 nesterov=hyper["nesterov"], weight_decay=hyper["weight_decay"], maximize=hyper["maximize"], **common)
+    elif kind == "adagrad":
+        adagrad_step(master, state[0], grad, lr=hyper["lr"], lr_decay=hyper["lr_decay"],
+                     weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=hyper["maximize"], **common)
+    else:
+        beta1, beta2 = hyper["betas"]
+        lion_step(master, state[0], grad, lr=hyper["lr"], beta1=beta1, beta2=beta2,
+                  weight_decay=hyper["weight_decay"], **common)
+
+
+def blocks_aligned(fmt: StateFormat, start: int) -> bool:
+    """Whether a piece of a parameter starting at its element ``start`` keeps ``fmt``'s blocks whole."""
+    return all(start % p.block == 0 for p in fmt.parts)
+
+
+def per_param_bytes(fmt: StateFormat) -> float:
+    """Bytes per parameter element of a large parameter (blocked parts amortised)."""
+    return sum(p.itemsize / p.block for p in fmt.parts)
+
+
+__all__ = ["ADAM", "KINDS", "StateFormat", "StatePart", "blocks_aligned", "per_param_bytes", "state_format", "step"]

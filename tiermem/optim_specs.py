@@ -1,0 +1,130 @@
+"""The optimizer specs beyond Adam (NOTE [Optimizer specs] in tiermem/config.py): ``SGD``,
+``Adagrad``, ``Lion`` and the 8-bit Adams, each with torch's names and defaults (bitsandbytes' and
+torchao's for the 8-bit ones, the paper's for Lion), the same param groups as ``AdamW``, and
+``bf16_stochastic_round``. TieredModel runs each with its fused CPU kernel (tiermem.optim) where the
+optimizer state lives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping
+
+from tiermem.config import Adam, AdamW, ConfigError, _Spec, _invalid, checked_arguments, is_int
+
+
+@checked_arguments
+@dataclass(frozen=True, kw_only=True, repr=False)
+class SGD(_Spec):
+    """SGD with momentum, dampening, Nesterov and weight decay, like ``torch.optim.SGD``. The
+    momentum buffer exists when some group's momentum is not 0 (then every group's must be)."""
+
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    maximize: bool = False
+
+    kind: ClassVar[str] = "sgd"
+    HYPER: ClassVar[tuple[str, ...]] = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+    OFF: ClassVar[tuple[str, ...]] = ()
+    WHAT: ClassVar[str] = "SGD"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        momenta = self.group_values("momentum")
+        if len({m != 0 for m in momenta}) > 1:
+            raise ConfigError(f"tiermem: SGD: some param groups have momentum 0 and others not ({momenta}); tiermem "
+                              f"keeps a momentum buffer for all parameters or none: give every group momentum > 0 "
+                              f"(or all 0)")
+        for i, (m, d, n) in enumerate(zip(momenta, self.group_values("dampening"), self.group_values("nesterov"))):
+            if n and (m <= 0 or d != 0):
+                raise ConfigError(f"tiermem: SGD group {i}: nesterov=True needs momentum > 0 and dampening = 0 (got "
+                                  f"momentum={m}, dampening={d}), as torch.optim.SGD")
+
+    def state_options(self) -> dict[str, Any]:
+        return {"momentum": any(m != 0 for m in self.group_values("momentum"))}
+
+
+@checked_arguments
+@dataclass(frozen=True, kw_only=True, repr=False)
+class Adagrad(_Spec):
+    """Adagrad, like ``torch.optim.Adagrad`` (``initial_accumulator_value`` one for all groups)."""
+
+    lr: float = 1e-2
+    lr_decay: float = 0.0
+    eps: float = 1e-10
+    initial_accumulator_value: float = 0.0
+    maximize: bool = False
+
+    kind: ClassVar[str] = "adagrad"
+    HYPER: ClassVar[tuple[str, ...]] = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps",
+                                        "maximize")
+    OFF: ClassVar[tuple[str, ...]] = ()
+    WHAT: ClassVar[str] = "Adagrad"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(set(self.group_values("initial_accumulator_value"))) > 1:
+            raise ConfigError("tiermem: Adagrad: param groups set different initial_accumulator_value; tiermem "
+                              "starts every parameter's sum at one value: set it on the optimizer, not per group")
+
+    def state_options(self) -> dict[str, Any]:
+        return {"initial_accumulator_value": float(self.initial_accumulator_value)}
+
+
+@checked_arguments
+@dataclass(frozen=True, kw_only=True, repr=False)
+class Lion(_Spec):
+    """Lion (Chen et al. 2023, "Symbolic discovery of optimization algorithms"): the sign of an
+    interpolated momentum, decoupled weight decay; defaults as the paper's (lr 1e-4, betas (0.9, 0.99))."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.99)
+
+    kind: ClassVar[str] = "lion"
+    HYPER: ClassVar[tuple[str, ...]] = ("lr", "betas", "weight_decay")
+    RULES: ClassVar[Mapping[str, str]] = MappingProxyType({"betas": "lion_betas"})
+    OFF: ClassVar[tuple[str, ...]] = ()
+    WHAT: ClassVar[str] = "Lion"
+
+
+class _EightBit:
+    """Block-wise 8-bit moments (NOTE [8-bit state] in tiermem/optim/_quant.py); parameters with
+    fewer than ``min_8bit_size`` elements keep fp32 moments, as bitsandbytes and torchao do."""
+
+    def _check_8bit(self) -> None:
+        size = getattr(self, "min_8bit_size")
+        if not is_int(size) or size < 1:
+            raise _invalid(f"{type(self).__name__}.", "min_8bit_size", size, "an int >= 1")
+
+    def state_options(self) -> dict[str, Any]:
+        return {"min_8bit_size": getattr(self, "min_8bit_size")}
+
+
+@checked_arguments
+@dataclass(frozen=True, kw_only=True, repr=False)
+class AdamW8bit(_EightBit, AdamW):
+    """AdamW with 8-bit moments: bitsandbytes' ``AdamW8bit`` and torchao's ``AdamW8bit`` by name."""
+
+    min_8bit_size: int = 4096
+    kind: ClassVar[str] = "adamw8bit"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_8bit()
+
+
+@checked_arguments
+@dataclass(frozen=True, kw_only=True, repr=False)
+class Adam8bit(_EightBit, Adam):
+    """Adam (L2 decay) with 8-bit moments: bitsandbytes' ``Adam8bit`` by name."""
+
+    min_8bit_size: int = 4096
+    kind: ClassVar[str] = "adam8bit"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_8bit()
+
+
+__all__ = ["Adagrad", "Adam8bit", "AdamW8bit", "Lion", "SGD"]
