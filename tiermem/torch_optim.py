@@ -52,6 +52,12 @@ def supported_names() -> str:
                      + [f"{m.partition('.')[0]} {c}" for m, c in FOREIGN_8BIT])
 
 
+def _stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer has state of a step (torch's Adagrad makes its sums at construction,
+    at step 0: that is not a step)."""
+    return any(not isinstance(st, dict) or float(st.get("step", 1)) > 0 for st in optimizer.state.values())
+
+
 def _foreign(cls: type) -> Optional[type[_Spec]]:
     """The spec of another library's 8-bit AdamW class, by its module and name (FOREIGN_8BIT)."""
     return FOREIGN_8BIT.get((cls.__module__, cls.__name__))
@@ -69,7 +75,7 @@ def spec_from_torch(optimizer: torch.optim.Optimizer, *, scheduled: bool = False
         raise ConfigError(f"tiermem: optimizer={cls.__module__}.{cls.__qualname__} is not one tiermem runs; it runs "
                           f"{supported_names()} (and tiermem.AdamW/Adam): pass one of them, built on the model's "
                           f"parameters as usual")
-    if len(optimizer.state):
+    if _stepped(optimizer):
         raise ConfigError(f"tiermem: the {cls.__name__} given as optimizer= has state for {len(optimizer.state)} "
                           f"parameters (it has stepped); tiermem runs the update itself and never steps it: pass a "
                           f"new one, and load a checkpoint with tm.load()")

@@ -171,12 +171,15 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
         return -(-b.numel // world)
 
     def state_parts(b: Bucket) -> list[int]:
-        """Bytes of each part of this rank's state of ``b`` (its chunk's, elementwise, under DP)."""
-        return b.state.part_bytes([chunk(b)]) if world > 1 else b.state.part_bytes([s.numel for s in b.slots])
+        """Bytes of each part of this rank's state of ``b`` (under DP its chunk's: elementwise)."""
+        if b.state.elementwise:
+            return b.state.part_bytes([chunk(b)])
+        return [n * p.itemsize for p, n in zip(b.state.parts, b.part_numels())]
 
     def state_joined(b: Bucket) -> int:
         """Bytes of this rank's state of ``b`` as one buffer (one NVMe value)."""
-        return b.state.joined([chunk(b)] * len(b.state.parts))[1] if world > 1 else b.joined_bytes()
+        numels = [chunk(b)] * len(b.state.parts) if b.state.elementwise else b.part_numels()
+        return b.state.joined(numels)[1]
 
     w = dtype.itemsize
     sharded = {b.index for b in buckets if weights_sharded(b, world, shard_weights)}
