@@ -264,8 +264,9 @@ class MyAdamW(torch.optim.AdamW):
 
 
 REFUSED_AT_CONSTRUCTION = {
-    "sgd": (lambda m: torch.optim.SGD(m.parameters(), lr=0.1), r"optimizer=torch\.optim\.sgd\.SGD is not one tiermem "
-            r"runs; it runs torch\.optim\.AdamW, torch\.optim\.Adam \(and tiermem\.AdamW/Adam\)"),
+    "rmsprop": (lambda m: torch.optim.RMSprop(m.parameters(), lr=0.1), r"optimizer=torch\.optim\.rmsprop\.RMSprop is "
+                r"not one tiermem runs; it runs torch\.optim\.AdamW, torch\.optim\.Adam, torch\.optim\.SGD, "
+                r"torch\.optim\.Adagrad, bitsandbytes AdamW8bit"),
     "a subclass": (lambda m: MyAdamW(m.parameters()), r"MyAdamW is not one tiermem runs"),
     "amsgrad": (lambda m: torch.optim.AdamW(m.parameters(), amsgrad=True),
                 r"AdamW given as optimizer=: AdamW\.params\[0\]\.amsgrad=True: tiermem's Adam has no amsgrad"),

@@ -202,9 +202,9 @@ def _fails(tmp_path, **kw):
 
 
 BAD = {
-    "an optimizer tiermem has not": (dict(optimizers=(torch.optim.SGD(gpt2().parameters(), lr=0.1), None)),
-                                     r"optimizers=\(SGD\(\.\.\.\), \.\.\.\)\) is not an optimizer tiermem runs; "
-                                     r"it runs torch\.optim\.AdamW, torch\.optim\.Adam"),
+    "an optimizer tiermem has not": (dict(optimizers=(torch.optim.RMSprop(gpt2().parameters(), lr=0.1), None)),
+                                     r"optimizers=\(RMSprop\(\.\.\.\), \.\.\.\)\) is not an optimizer tiermem "
+                                     r"runs; it runs torch\.optim\.AdamW, torch\.optim\.Adam"),
     "two optimizers": (dict(optimizers=(torch.optim.AdamW(gpt2().parameters()), None),
                             optimizer_cls_and_kwargs=(torch.optim.AdamW, {})), r"got both optimizers= and"),
     "precision in tiermem=": (dict(tiermem={"precision": "bf16"}), r"these come from TrainingArguments"),
@@ -230,11 +230,12 @@ def test_one_process_on_several_gpus_refused(tmp_path, monkeypatch):
 
 
 TRAIN_BAD = {
-    "sgd": (dict(args={"optim": "sgd"}), r"optim='sgd'\) is not an optimizer tiermem runs; it runs 'adamw_torch', "
-                                        r"'adamw_torch_fused'"),
+    "rmsprop": (dict(args={"optim": "rmsprop"}), r"optim='rmsprop'\) is not an optimizer tiermem runs; it runs "
+                                                r"'adamw_torch', 'adamw_torch_fused'"),
+    "4-bit": (dict(args={"optim": "adamw_torch_4bit"}), r"optim='adamw_torch_4bit'\) is not an optimizer tiermem runs"),
     "adafactor": (dict(args={"optim": "adafactor"}), r"optim='adafactor'\) is not an optimizer tiermem runs"),
-    "a class tiermem has not": (dict(optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1})),
-                                r"optimizer_cls_and_kwargs=\(SGD, \.\.\.\)\) is not an optimizer tiermem runs"),
+    "a class tiermem has not": (dict(optimizer_cls_and_kwargs=(torch.optim.RMSprop, {"lr": 0.1})),
+                                r"optimizer_cls_and_kwargs=\(RMSprop, \.\.\.\)\) is not an optimizer tiermem runs"),
     "another model's optimizer": (dict(optimizers=(torch.optim.AdamW(gpt2().parameters()), None)),
                                   r"hold \d+ tensors that are not parameters of the wrapped module"),
     "config disagrees with args": (

@@ -16,7 +16,7 @@ from tiermem.config import Adam, AdamW, _Spec
 from tiermem.errors import ConfigError, TierMemError
 from tiermem.optim_specs import SGD, Adagrad, Adam8bit, AdamW8bit
 
-__all__ = ["TORCH_OPTIMIZERS", "spec_from_torch", "stepped_elsewhere", "supported_names"]
+__all__ = ["FOREIGN_8BIT", "TORCH_OPTIMIZERS", "runs", "spec_from_torch", "stepped_elsewhere", "supported_names"]
 
 
 def _adam(defaults: dict[str, Any]) -> type[_Spec]:
@@ -50,6 +50,11 @@ FOREIGN_8BIT: dict[tuple[str, str], type[_Spec]] = {
 def supported_names() -> str:
     return ", ".join([f"torch.optim.{cls.__name__}" for cls in TORCH_OPTIMIZERS]
                      + [f"{m.partition('.')[0]} {c}" for m, c in FOREIGN_8BIT])
+
+
+def runs(cls: Any) -> bool:
+    """Whether tiermem runs optimizers of this class (TORCH_OPTIMIZERS, FOREIGN_8BIT)."""
+    return cls in TORCH_OPTIMIZERS or (isinstance(cls, type) and _foreign(cls) is not None)
 
 
 def _stepped(optimizer: torch.optim.Optimizer) -> bool:

@@ -81,11 +81,12 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from tiermem.config import AdamW, _AdamSpec
+from tiermem.config import AdamW, _Spec
+from tiermem.optim_specs import SGD, Adagrad, AdamW8bit, Lion
 from tiermem.deepspeed_config import PASS_THROUGH, read_config, translate
 from tiermem.errors import ConfigError, TierMemError
 from tiermem.integrations.hf_loop import TIERMEM_CHECKPOINT, SkipAwareOptimizer, TrainerModule, TrainerOptimizer
-from tiermem.torch_optim import TORCH_OPTIMIZERS, spec_from_torch, supported_names
+from tiermem.torch_optim import runs, spec_from_torch, supported_names
 from tiermem.train.model import TieredModel
 
 log = logging.getLogger(__name__)
@@ -93,10 +94,21 @@ log = logging.getLogger(__name__)
 __all__ = ["TieredTrainer", "TrainerOptimizer", "SkipAwareOptimizer", "TrainerModule", "TIERMEM_CHECKPOINT"]
 
 #: the optimizers TrainingArguments(optim=...) may name, each with the tiermem spec that runs it
-#: (built with the arguments' learning_rate, adam_beta1/2, adam_epsilon, weight_decay and the
-#: Trainer's no-decay group); one row per optimizer, any other name is refused with this list
-OPTIM_NAMES: dict[str, type[_AdamSpec]] = {
+#: (built with those of the arguments' learning_rate, adam_beta1/2, adam_epsilon, weight_decay that
+#: it takes, as the Trainer builds them: Lion takes the adam betas; and the Trainer's no-decay
+#: group); one row per optimizer whose meaning tiermem's has (bitsandbytes' and torchao's 8-bit
+#: AdamW are block-wise 8-bit moments; paged state is homed by the policy instead), any other name
+#: (4-bit, 8-bit Lion, RMSprop, ...) is refused with this list
+OPTIM_NAMES: dict[str, type[_Spec]] = {
     "adamw_torch": AdamW, "adamw_torch_fused": AdamW, "adamw_torch_xla": AdamW, "adamw_torch_npu_fused": AdamW,
+    "paged_adamw_32bit": AdamW, "sgd": SGD, "adagrad": Adagrad, "lion_32bit": Lion, "paged_lion_32bit": Lion,
+    "adamw_8bit": AdamW8bit, "adamw_bnb_8bit": AdamW8bit, "paged_adamw_8bit": AdamW8bit, "adamw_torch_8bit": AdamW8bit,
+}
+#: the ``optim_args`` keys the Trainer reads for an optimizer ("momentum=0.9,nesterov=True"), as it reads them
+OPTIM_ARGS: dict[type, dict[str, Any]] = {
+    SGD: {"momentum": float, "dampening": float, "weight_decay": float,
+          "nesterov": lambda v: v.lower() in ("true", "1", "yes")},
+    Adagrad: {"lr_decay": float, "weight_decay": float, "eps": float},
 }
 #: what a finished checkpoint-N/ holds: tiermem's state, and the Trainer's, which it writes last
 _COMPLETE = (TIERMEM_CHECKPOINT, TRAINER_STATE_NAME)
@@ -179,7 +191,7 @@ class TieredTrainer(Trainer):
         placed = {"device": self.args.device, **self.tiermem_options}  # the Trainer's (cuda:<local rank>, use_cpu)
         given = self._given_optimizer(model, decay)
         if self.deepspeed_config is None:
-            optimizer = given if given is not None else self._named_optimizer()(**hyper, no_decay=no_decay)
+            optimizer = given if given is not None else self._built_named(hyper, no_decay)
             return TieredModel(model, optimizer=optimizer, precision=_precision(a), grad_clip=grad_clip, **placed)
         if given is None and not _has_optimizer_block(self.deepspeed_config):
             self._named_optimizer()  # the arguments' optim= must be one tiermem runs: the config has none
@@ -198,7 +210,17 @@ class TieredTrainer(Trainer):
             log.warning("%s", line)
         return TieredModel(model, **options)
 
-    def _named_optimizer(self) -> type[_AdamSpec]:
+    def _built_named(self, hyper: dict[str, Any], no_decay: tuple[str, ...]) -> _Spec:
+        """The spec of ``optim=`` with the arguments' hyperparameters it takes, and ``optim_args``."""
+        spec = self._named_optimizer()
+        kwargs = {k: v for k, v in hyper.items() if k in spec.HYPER}
+        given = self.user_args.optim_args
+        if given and spec in OPTIM_ARGS:
+            pairs = dict(x.split("=", 1) for x in given.replace(" ", "").split(",") if "=" in x)
+            kwargs.update({k: read(pairs[k]) for k, read in OPTIM_ARGS[spec].items() if k in pairs})
+        return spec(**kwargs, no_decay=no_decay)
+
+    def _named_optimizer(self) -> type[_Spec]:
         """The spec of ``TrainingArguments(optim=...)``, by :data:`OPTIM_NAMES`."""
         optim = getattr(self.user_args.optim, "value", self.user_args.optim)  # an OptimizerNames (a str enum) or a str
         if optim not in OPTIM_NAMES:
@@ -214,7 +236,7 @@ class TieredTrainer(Trainer):
         if self.user_optimizer_cls_and_kwargs is None:
             return None
         cls, kwargs = self.user_optimizer_cls_and_kwargs
-        if cls not in TORCH_OPTIMIZERS and not (isinstance(cls, type) and issubclass(cls, _AdamSpec)):
+        if not runs(cls) and not (isinstance(cls, type) and issubclass(cls, _Spec)):
             raise ConfigError(f"tiermem: TieredTrainer(optimizer_cls_and_kwargs=({getattr(cls, '__name__', cls)}, ...)) "
                               f"is not an optimizer tiermem runs; it runs {supported_names()} and tiermem.AdamW/Adam")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -404,7 +426,7 @@ def _check_supported(args: TrainingArguments, kwargs: dict) -> None:
     optimizer, _ = kwargs.get("optimizers") or (None, None)
     if optimizer is not None and kwargs.get("optimizer_cls_and_kwargs") is not None:
         raise ConfigError("tiermem: TieredTrainer got both optimizers= and optimizer_cls_and_kwargs=; give one")
-    if optimizer is not None and type(optimizer) not in TORCH_OPTIMIZERS:
+    if optimizer is not None and not runs(type(optimizer)):
         raise ConfigError(f"tiermem: TieredTrainer(optimizers=({type(optimizer).__name__}(...), ...)) is not an "
                           f"optimizer tiermem runs; it runs {supported_names()}, built on the model's parameters")
 

@@ -47,6 +47,7 @@ from tiermem.errors import ConfigError, StoreError, TierMemError
 from tiermem.train.checkpoint_dir import is_checkpoint_dir, pid_alive
 from tiermem.train.checkpoint_footer import MAGIC, MAGIC_V1, MAGIC_V2, Invalid, check_footer, dtype_named
 from tiermem.train.state import ModelState
+from tiermem.train.state_convert import Conversion
 
 log = logging.getLogger(__name__)
 
@@ -243,14 +244,17 @@ def _read_footer(f: BinaryIO, path: str) -> tuple[dict, bytes]:
 
 
 # -- load: against the model, then the data -------------------------------------------------------
-def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -> dict[str, dict]:
+def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -> tuple[dict[str, dict], Conversion]:
     def other(what: str) -> TierMemError:
         return TierMemError(f"tiermem: checkpoint {path!r} does not match this model: {what}; nothing was loaded. "
                             f"Load it into the model it was saved from")
     index = {e["name"]: e for e in doc["tensors"]}
     meta = doc["meta"]
     expected = {name: (shape, dtypes) for name, shape, dtypes in state.specs(meta["precision"])}
-    missing, unexpected = sorted(set(expected) - set(index)), sorted(set(index) - set(expected))
+    have = {name: (tuple(e["shape"]), dtype_named(e["dtype"])) for name, e in index.items()}
+    conversion = Conversion(expected, have)  # NOTE [Converting state formats]
+    expected, have = conversion.reconciled(expected, have)
+    missing, unexpected = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
     if missing or unexpected:
         trained = sorted({n.partition("/")[2] for n in unexpected if n.startswith("master/")}
                          & {n.partition("/")[2] for n in missing if n.startswith("frozen/")})
@@ -284,7 +288,7 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
         if left or checksum.intdigest() != _stored_sum(magic, e):
             raise StoreError(f"tiermem: checkpoint {path!r} is corrupt ({e['name']!r} fails its checksum); "
                              f"nothing was loaded. Use another checkpoint")
-    return index
+    return index, conversion
 
 
 def _read_into(f: BinaryIO, e: dict, t: torch.Tensor) -> None:
@@ -295,7 +299,7 @@ def _read_into(f: BinaryIO, e: dict, t: torch.Tensor) -> None:
         return
     tmp = torch.empty(e["shape"], dtype=dtype)
     f.readinto(tmp.reshape(-1).view(torch.uint8).numpy())
-    t.copy_(tmp)
+    t.copy_(tmp.reshape(t.shape))  # the model's piece may be flat (optimizer state), the file's shaped
 
 
 def _open(path: str) -> BinaryIO:
@@ -313,7 +317,7 @@ def _open(path: str) -> BinaryIO:
                          f"permissions or pass another path") from None
 
 
-def _open_checked(state: ModelState, path: str) -> tuple[BinaryIO, dict, dict[str, dict]]:
+def _open_checked(state: ModelState, path: str) -> tuple[BinaryIO, dict, tuple[dict[str, dict], Conversion]]:
     f = _open(path)
     try:
         doc, magic = _read_footer(f, path)
@@ -352,7 +356,7 @@ def load_sharded(state: ModelState, tree: dict) -> None:
 
 def _load_file(state: ModelState, path: str) -> None:
     try:
-        f, doc, index = _open_checked(state, path)
+        f, doc, (index, conversion) = _open_checked(state, path)
     except TierMemError:
         state.all_ok(False)
         raise
@@ -360,4 +364,7 @@ def _load_file(state: ModelState, path: str) -> None:
         if not state.all_ok(True):
             raise StoreError(f"tiermem: checkpoint {path!r} failed its checks on another rank (see its error); "
                              f"nothing was loaded")
-        state.load(lambda name, t: _read_into(f, index[name], t), doc["meta"])
+        if conversion:
+            conversion.say(f"checkpoint {path!r}")
+        held = {name: (tuple(e["shape"]), dtype_named(e["dtype"])) for name, e in index.items()}
+        state.load(conversion.reader(lambda name, t: _read_into(f, index[name], t), held), doc["meta"])

@@ -1,0 +1,382 @@
+"""Optimizers beyond Adam inside TieredModel (NOTE [State formats] in tiermem/optim/format.py): SGD,
+Adagrad, Lion and 8-bit AdamW, with fp32 or bf16 (stochastically rounded) master weights, on every
+tier. Oracles: torch.optim.SGD/Adagrad and torch.optim.AdamW in plain loops (each within the spread
+of torch's own for-loop, foreach and fused variants, measured in the same run), Lion as the paper
+writes it (in this file), and for 8-bit AdamW torch's AdamW whose moments are quantized and
+dequantized after every step (its quantization, by tiermem's public quantize_blockwise)."""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import struct
+
+import pytest
+import torch
+
+import tiermem
+from models import TinyGPT, gpt_batch, gpt_loss
+from tiermem import ConfigError, PerClass, TensorClass, Tier, TieredModel, TierMemError
+from tiermem.optim import dequantize_blockwise, quantize_blockwise
+from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
+from tiermem.train import checkpoint
+
+STEPS = 4
+VARIANTS = ({"foreach": False}, {"foreach": True}, {"fused": True})
+SMALL_8BIT = 256  # TinyGPT's matrices are below bitsandbytes' 4096: quantize those of 256 elements and more
+
+
+class StateOnNvme(PerClass):
+    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.ACTIVATION: Tier.DEVICE, TensorClass.GRAD: Tier.NVME,
+             TensorClass.OPTIM_STATE: Tier.NVME}
+
+
+POLICIES = {"zero_offload": ZeroOffload, "keep_on_device": KeepOnDevice, "zero_infinity": ZeroInfinity,
+            "state_on_nvme": StateOnNvme}
+
+
+class PaperLion(torch.optim.Optimizer):
+    """Lion as Chen et al. (2023) write it (Program 1): ``c = b1*m + (1-b1)*g``; ``p -= lr*(sign(c) +
+    wd*p)``; ``m = b2*m + (1-b2)*g``. ``lerp=True`` computes the two interpolations with torch's
+    lerp_ instead (another rounding of the same update: the spread)."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.99), weight_decay: float = 0.0, lerp: bool = False):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+        self.lerp = lerp
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                c = m.lerp(p.grad, 1 - b1) if self.lerp else m * b1 + p.grad * (1 - b1)
+                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(torch.sign(c), alpha=-group["lr"])
+                if self.lerp:
+                    m.lerp_(p.grad, 1 - b2)
+                else:
+                    m.mul_(b2).add_(p.grad, alpha=1 - b2)
+
+
+def quantized_moments(opt: torch.optim.Optimizer, min_size: int = SMALL_8BIT) -> None:
+    """After a torch AdamW step: each large parameter's moments as 8-bit state holds them."""
+    for st in opt.state.values():
+        for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            t = st[name]
+            if t.numel() >= min_size:
+                t.copy_(dequantize_blockwise(*quantize_blockwise(t, signed=signed), signed=signed).view(t.shape))
+
+
+def torch_loop(make, *, after=None, steps: int = STEPS) -> dict:
+    torch.manual_seed(0)
+    m = TinyGPT()
+    opt = make(m.parameters())
+    for i in range(steps):
+        x, y = gpt_batch(i)
+        gpt_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if after is not None:
+            after(opt)
+    return m.state_dict()
+
+
+def tiered(make, *, policy: str = "zero_offload", precision: str = "fp32", steps: int = STEPS, tmp_path=None,
+           bucket_size: int = 4000, start: int = 0, tm_out: list | None = None) -> dict:
+    torch.manual_seed(0)
+    m = TinyGPT()
+    nvme = {"nvme_dir": str(tmp_path)} if policy in ("zero_infinity", "state_on_nvme") else {}
+    tm = TieredModel(m, POLICIES[policy](), optimizer=make(m.parameters()), precision=precision,
+                     bucket_size=bucket_size, **nvme)
+    for i in range(start, start + steps):
+        x, y = gpt_batch(i)
+        tm.backward(gpt_loss(tm(x), y))
+        tm.step()
+    out = tm.state_dict()
+    if tm_out is not None:
+        tm_out.append(tm)
+    else:
+        tm.detach()
+    return out
+
+
+def diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+TORCH = {
+    "sgd": lambda ps, **v: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, **v),
+    "sgd_dampened": lambda ps, **v: torch.optim.SGD(ps, lr=0.05, momentum=0.8, dampening=0.3, weight_decay=0.01,
+                                                    maximize=True, **v),
+    "sgd_plain": lambda ps, **v: torch.optim.SGD(ps, lr=0.05, **v),
+    "adagrad": lambda ps, **v: torch.optim.Adagrad(ps, lr=0.05, lr_decay=0.01, weight_decay=0.01,
+                                                   initial_accumulator_value=0.1, **v),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def torch_reference(kind: str) -> tuple[dict, float]:
+    """torch's for-loop result and the spread of its three variants."""
+    runs = [torch_loop(lambda ps, v=v: TORCH[kind](ps, **v)) for v in VARIANTS]
+    return runs[0], max(diff(runs[0], r) for r in runs[1:])
+
+
+@pytest.mark.parametrize("kind", list(TORCH))
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_torch_sgd_and_adagrad_given_as_optimizer_match_torch_on_every_tier(kind, policy, tmp_path):
+    ref, spread = torch_reference(kind)
+    got = tiered(lambda ps: TORCH[kind](ps), policy=policy, tmp_path=tmp_path)
+    assert diff(got, ref) <= spread, (diff(got, ref), spread)
+    assert diff(got, torch_loop(lambda ps: torch.optim.SGD(ps, lr=0.0))) > 1e-3  # it trained
+
+
+@functools.lru_cache(maxsize=None)
+def lion_reference() -> tuple[dict, float]:
+    runs = [torch_loop(lambda ps, lerp=lerp: PaperLion(ps, lr=1e-3, weight_decay=0.1, lerp=lerp))
+            for lerp in (False, True)]
+    return runs[0], diff(*runs)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_lion_matches_the_papers_update_on_every_tier(policy, tmp_path):
+    ref, spread = lion_reference()
+    got = tiered(lambda ps: tiermem.Lion(ps, lr=1e-3, weight_decay=0.1), policy=policy, tmp_path=tmp_path)
+    assert diff(got, ref) <= spread, (diff(got, ref), spread)
+    assert diff(got, torch_loop(lambda ps: torch.optim.SGD(ps, lr=0.0))) >= 1e-3 * STEPS * 0.9  # sign steps of lr
+
+
+@functools.lru_cache(maxsize=None)
+def adamw_8bit_reference() -> tuple[dict, float, dict]:
+    """torch AdamW with its moments quantized after every step (the oracle), the spread of its
+    variants, and plain fp32 AdamW."""
+    runs = [torch_loop(lambda ps, v=v: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **v), after=quantized_moments)
+            for v in VARIANTS]
+    plain = torch_loop(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
+    return runs[0], max(diff(runs[0], r) for r in runs[1:]), plain
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_adamw_8bit_is_torch_adamw_with_8bit_moments_on_every_tier(policy, tmp_path):
+    ref, spread, plain = adamw_8bit_reference()
+    got = tiered(lambda ps: tiermem.AdamW8bit(ps, lr=1e-2, weight_decay=0.1, min_8bit_size=SMALL_8BIT),
+                 policy=policy, tmp_path=tmp_path)
+    # the quantization error, measured: 8-bit moments move the weights away from fp32 AdamW's by far
+    # more than the oracle's own spread, and the oracle follows tiermem within that spread
+    assert diff(got, ref) <= max(spread, 1e-6), (diff(got, ref), spread)
+    assert diff(got, plain) > 10 * max(spread, 1e-6)
+
+
+def test_bitsandbytes_and_torchao_8bit_adamw_map_by_class_name_without_importing_them():
+    def fake(module: str, name: str, **defaults):
+        cls = type(name, (torch.optim.Optimizer,), {"__module__": module})
+        cls.__init__ = lambda self, ps, **kw: torch.optim.Optimizer.__init__(self, ps, {**defaults, **kw})
+        return cls
+    m = TinyGPT()
+    bnb = fake("bitsandbytes.optim.adamw", "PagedAdamW8bit", lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01,
+               amsgrad=False, optim_bits=8, min_8bit_size=4096, percentile_clipping=100, max_unorm=0.0,
+               is_paged=True)
+    tm = TieredModel(m, optimizer=bnb(m.parameters(), lr=3e-3), precision="fp32")
+    g = tm.optimizer.param_groups[0]
+    assert (g["lr"], g["betas"]) == (3e-3, (0.9, 0.99))
+    tm.detach()
+    ao = fake("torchao.optim.adam", "AdamW8bit", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+              amsgrad=False, block_size=256, bf16_stochastic_round=True)
+    m2 = TinyGPT()
+    tm = TieredModel(m2, optimizer=ao(m2.parameters()), precision="bf16")  # its bf16_stochastic_round taken
+    x, y = gpt_batch(0)
+    tm.backward(gpt_loss(tm(x), y))
+    tm.step()
+    tm.detach()
+    clipped = bnb(m.parameters(), percentile_clipping=5)
+    with pytest.raises(ConfigError, match=r"tiermem: the PagedAdamW8bit given as optimizer= sets percentile_clipping=5"):
+        TieredModel(m, optimizer=clipped)
+
+
+SR_SPECS = {
+    "adamw": lambda ps: tiermem.AdamW(ps, lr=1e-2, bf16_stochastic_round=True),
+    "sgd": lambda ps: tiermem.SGD(ps, lr=0.05, momentum=0.9, bf16_stochastic_round=True),
+    "adagrad": lambda ps: tiermem.Adagrad(ps, lr=0.05, bf16_stochastic_round=True),
+    "lion": lambda ps: tiermem.Lion(ps, lr=1e-3, weight_decay=0.1, bf16_stochastic_round=True),
+    "adamw8bit": lambda ps: tiermem.AdamW8bit(ps, lr=1e-2, min_8bit_size=SMALL_8BIT, bf16_stochastic_round=True),
+    "adamw8bit_fp32_master": lambda ps: tiermem.AdamW8bit(ps, lr=1e-2, min_8bit_size=SMALL_8BIT),
+}
+
+
+@pytest.mark.parametrize("kind", list(SR_SPECS))
+def test_bf16_is_bit_identical_across_policies_and_bucket_sizes(kind, tmp_path):
+    base = tiered(SR_SPECS[kind], precision="bf16")
+    for policy, bucket_size in (("keep_on_device", 4000), ("zero_offload", 100_000), ("zero_infinity", 1000),
+                                ("state_on_nvme", 4000)):
+        got = tiered(SR_SPECS[kind], precision="bf16", policy=policy, bucket_size=bucket_size, tmp_path=tmp_path)
+        assert diff(got, base) == 0.0, (policy, bucket_size)
+
+
+def test_stochastic_rounding_keeps_updates_round_to_nearest_loses():
+    """bf16 master weights with stochastic rounding follow fp32 masters closely; an update far below
+    half a bf16 ulp still moves them on average, where rounding to nearest would drop it."""
+    fp32 = tiered(lambda ps: tiermem.AdamW(ps, lr=1e-2), precision="bf16")
+    sr = tiered(SR_SPECS["adamw"], precision="bf16")
+    assert 0 < diff(sr, fp32) < 0.05
+    tm_out: list = []
+    tiered(lambda ps: tiermem.SGD(ps, lr=1e-5, bf16_stochastic_round=True), precision="bf16", steps=8, tm_out=tm_out)
+    tm = tm_out[0]
+    moved = diff(tm.state_dict(), torch_loop(lambda ps: torch.optim.SGD(ps, lr=0.0)))
+    assert moved > 0  # lr 1e-5 is below half an ulp of most weights: round-to-nearest would leave them all
+    tm.detach()
+
+
+def _footer(path) -> dict:
+    data = open(path, "rb").read()
+    tail = struct.Struct("<QQ")
+    n, _ = tail.unpack(data[-len(checkpoint.MAGIC) - tail.size:-len(checkpoint.MAGIC)])
+    start = len(data) - len(checkpoint.MAGIC) - tail.size - n
+    return json.loads(data[start:start + n])
+
+
+@pytest.mark.parametrize("policy", ["zero_offload", "zero_infinity"])
+def test_checkpoint_stores_8bit_state_as_it_is_and_resumes_bit_exact(policy, tmp_path):
+    make = SR_SPECS["adamw8bit"]
+    whole = tiered(make, precision="bf16", steps=4)
+    tm_out: list = []
+    (tmp_path / "a").mkdir()
+    tiered(make, precision="bf16", steps=2, policy=policy, tmp_path=tmp_path / "a", tm_out=tm_out)
+    tm_out[0].save(str(tmp_path / "ckpt.tm"))
+    tm_out[0].detach()
+    dtypes = {e["name"]: e["dtype"] for e in _footer(tmp_path / "ckpt.tm")["tensors"]}
+    assert dtypes["master/blocks.0.fc.weight"] == "bfloat16"
+    assert dtypes["exp_avg/blocks.0.fc.weight"] == dtypes["exp_avg_sq/blocks.0.fc.weight"] == "uint8"
+    assert dtypes["exp_avg_absmax/blocks.0.fc.weight"] == "float32"
+    assert dtypes["exp_avg/blocks.0.ln.weight"] == "float32"  # below min_8bit_size: fp32 moments
+    torch.manual_seed(0)
+    (tmp_path / "b").mkdir()
+    nvme = {"nvme_dir": str(tmp_path / "b")} if policy == "zero_infinity" else {}
+    m = TinyGPT()
+    tm = TieredModel(m, POLICIES[policy](), optimizer=make(m.parameters()), precision="bf16", bucket_size=1000, **nvme)
+    tm.load(str(tmp_path / "ckpt.tm"))
+    for i in range(2, 4):
+        x, y = gpt_batch(i)
+        tm.backward(gpt_loss(tm(x), y))
+        tm.step()
+    assert diff(tm.state_dict(), whole) == 0.0
+    tm.detach()
+
+
+def _saved(make, path, precision: str = "fp32", steps: int = 2) -> None:
+    tm_out: list = []
+    tiered(make, precision=precision, steps=steps, tm_out=tm_out)
+    tm_out[0].save(str(path))
+    tm_out[0].detach()
+
+
+def _resumed(make, path, precision: str = "fp32") -> dict:
+    torch.manual_seed(0)
+    m = TinyGPT()
+    tm = TieredModel(m, optimizer=make(m.parameters()), precision=precision, bucket_size=4000)
+    tm.load(str(path))
+    for i in range(2, 4):
+        x, y = gpt_batch(i)
+        tm.backward(gpt_loss(tm(x), y))
+        tm.step()
+    out = tm.state_dict()
+    tm.detach()
+    return out
+
+
+def test_a_checkpoint_of_one_format_loads_into_another_converted_and_said(tmp_path, caplog):
+    fp32 = lambda ps: tiermem.AdamW(ps, lr=1e-2)  # noqa: E731
+    eight = lambda ps: tiermem.AdamW8bit(ps, lr=1e-2, min_8bit_size=SMALL_8BIT)  # noqa: E731
+    _saved(eight, tmp_path / "8bit.tm")
+    # 8-bit -> fp32 -> 8-bit: the moments dequantized, then quantized back to the same codes, so the
+    # run resumed from the round trip is the run resumed from the 8-bit checkpoint itself
+    m = TinyGPT()
+    tm = TieredModel(m, optimizer=fp32(m.parameters()), precision="fp32")
+    with caplog.at_level(logging.INFO, logger="tiermem"):
+        tm.load(str(tmp_path / "8bit.tm"))
+    assert "8-bit moments dequantized to fp32" in caplog.text
+    tm.save(str(tmp_path / "fp32.tm"))
+    tm.detach()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tiermem"):
+        back = _resumed(eight, tmp_path / "fp32.tm")
+    assert "fp32 moments quantized to 8 bits" in caplog.text
+    assert diff(back, _resumed(eight, tmp_path / "8bit.tm")) == 0.0
+    # fp32 moments into an 8-bit run: torch's AdamW whose moments are quantized from the load on
+    _saved(fp32, tmp_path / "adam.tm")
+
+    def from_load(v):
+        seen = []
+
+        def after(opt):
+            seen.append(1)
+            if len(seen) >= 2:  # the load after step 2 quantizes; every 8-bit step after it too
+                quantized_moments(opt)
+        return torch_loop(lambda ps: torch.optim.AdamW(ps, lr=1e-2, **v), after=after)
+    refs = [from_load(v) for v in VARIANTS]
+    spread = max(diff(refs[0], r) for r in refs[1:])
+    assert diff(_resumed(eight, tmp_path / "adam.tm"), refs[0]) <= max(spread, 1e-6)
+    # fp32 master weights into bf16 ones (and back) load too
+    bf16 = lambda ps: tiermem.AdamW(ps, lr=1e-2, bf16_stochastic_round=True)  # noqa: E731
+    _saved(lambda ps: tiermem.AdamW(ps, lr=1e-2), tmp_path / "bf16_fp32master.tm", precision="bf16")
+    _resumed(bf16, tmp_path / "bf16_fp32master.tm", precision="bf16")
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_with_nothing_loaded(tmp_path):
+    _saved(lambda ps: tiermem.SGD(ps, lr=0.05, momentum=0.9), tmp_path / "sgd.tm")
+    m = TinyGPT()
+    tm = TieredModel(m, optimizer=tiermem.AdamW(m.parameters(), lr=1e-2), precision="fp32")
+    before = tm.state_dict()
+    with pytest.raises(TierMemError, match=r"tiermem: checkpoint .* does not match this model: missing \['exp_avg"):
+        tm.load(str(tmp_path / "sgd.tm"))
+    assert diff(tm.state_dict(), before) == 0.0
+    tm.detach()
+
+
+def test_state_bytes_per_parameter_follow_the_format():
+    """The host's OPTIM_STATE bytes under ZeroOffload (the report's ledger): what each format keeps
+    per parameter (master included; page rounding is a few pages)."""
+    def per_param(make, precision="bf16") -> float:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256, bias=False))
+        tm = TieredModel(m, optimizer=make(m.parameters()), precision=precision)
+        got = tm.report().class_peak_bytes[(TensorClass.OPTIM_STATE, Tier.HOST)]
+        tm.detach()
+        return got / (2 * 256 * 256)
+    assert 12 <= per_param(lambda ps: tiermem.AdamW(ps)) < 12.2
+    assert 4 <= per_param(lambda ps: tiermem.SGD(ps, lr=0.1)) < 4.2
+    assert 8 <= per_param(lambda ps: tiermem.SGD(ps, lr=0.1, momentum=0.9)) < 8.2
+    assert 8 <= per_param(lambda ps: tiermem.Lion(ps)) < 8.2
+    assert 6 + 8 / 256 <= per_param(lambda ps: tiermem.AdamW8bit(ps)) < 6.2  # fp32 master, 1 + 1 B and scales
+    assert 4 + 8 / 256 <= per_param(lambda ps: tiermem.AdamW8bit(ps, bf16_stochastic_round=True)) < 4.2
+    assert 10 <= per_param(lambda ps: tiermem.AdamW(ps, bf16_stochastic_round=True)) < 10.2
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda ps: tiermem.AdamW(ps, bf16_stochastic_round=True), ConfigError,
+     r"tiermem: AdamW\(bf16_stochastic_round=True\) keeps bf16 master weights, which needs precision='bf16'"),
+    (lambda ps: tiermem.SGD(ps, lr=0.1, bf16_stochastic_round=1), ConfigError,
+     r"tiermem: SGD.bf16_stochastic_round=1 is invalid: it must be True or False"),
+    (lambda ps: tiermem.Lion(ps, betas=(0.9, 1.5)), ConfigError, r"tiermem: Lion.betas=\(0.9, 1.5\) is invalid"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, nesterov=True), ValueError, r"Nesterov momentum requires"),
+    (lambda ps: tiermem.AdamW8bit(ps, min_8bit_size=0), ConfigError, r"tiermem: AdamW8bit.min_8bit_size=0 is invalid"),
+])
+def test_bad_optimizer_arguments_are_refused_by_name(make, error, match):
+    m = TinyGPT()
+    with pytest.raises(error, match=match):
+        TieredModel(m, optimizer=make(m.parameters()), precision="fp32")
+
+
+def test_sgd_groups_keep_momentum_on_or_off_together():
+    """A momentum buffer exists for every parameter or none: a group turning momentum off while
+    another has it is refused up front, and so is a schedule that turns it off mid-run."""
+    m = TinyGPT()
+    groups = [{"params": list(m.parameters())[:2], "momentum": 0.0}, {"params": list(m.parameters())[2:]}]
+    with pytest.raises(ConfigError, match=r"tiermem: SGD: some param groups have momentum 0 and others not"):
+        tiermem.SGD(groups, lr=0.1, momentum=0.9)
+    tm = TieredModel(m, optimizer=tiermem.SGD(m.parameters(), lr=0.1, momentum=0.9), precision="fp32")
+    tm.optimizer.param_groups[0]["momentum"] = 0.0
+    x, y = gpt_batch(0)
+    tm.backward(gpt_loss(tm(x), y))
+    with pytest.raises(ConfigError, match=r"tiermem: a param group's SGD momentum is 0.0 but the optimizer state"):
+        tm.step()
+    tm.detach()

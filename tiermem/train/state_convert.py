@@ -1,0 +1,112 @@
+"""A checkpoint of one state format loaded into a model of another (NOTE [State formats]).
+
+# NOTE [Converting state formats]
+A checkpoint stores each parameter's state as its format had it (8-bit codes and their absmax, no
+expansion). Loaded into a model whose format for that parameter differs, the state is converted as
+it is read, and the log says so once per load:
+
+- Adam's fp32 moments into 8-bit ones: quantized (``quantize_blockwise``, exp_avg signed, exp_avg_sq
+  unsigned): the moments lose what 8 bits cannot hold, as an 8-bit step would have lost it;
+- 8-bit moments into fp32 ones: dequantized, exactly the values the 8-bit step used;
+- fp32 master weights into bf16 ones (``bf16_stochastic_round``): rounded to nearest; bf16 into
+  fp32: exact.
+
+Any other difference (SGD's momentum buffer into Adam's moments, ...) keeps the plain check: the
+names differ and the load is refused with the names missing and unexpected, nothing changed.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from tiermem.optim import dequantize_blockwise, quantize_blockwise
+
+log = logging.getLogger(__name__)
+
+#: the 8-bit moments, each with whether its map is signed (NOTE [8-bit state])
+MOMENTS = {"exp_avg": True, "exp_avg_sq": False}
+
+Shapes = dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]  # name -> (shape, dtypes accepted)
+Held = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype) in the checkpoint
+ReadInto = Callable[[str, torch.Tensor], None]
+
+
+class Conversion:
+    """Which of the model's tensors are converted from what a checkpoint holds, and the reader that
+    converts them as the model asks for each."""
+
+    def __init__(self, expected: Shapes, held: Held):
+        self.quantize: set[str] = set()  # "exp_avg/<p>": fp32 in the checkpoint, 8-bit in the model
+        self.dequantize: set[str] = set()  # "exp_avg/<p>": 8-bit in the checkpoint, fp32 in the model
+        self.master: set[str] = set()  # "master/<p>": another float dtype there
+        for name, (_, dtypes) in expected.items():
+            part, _, param = name.partition("/")
+            if name not in held:
+                continue
+            have = held[name][1]
+            if part in MOMENTS and have == torch.float32 and dtypes == (torch.uint8,) \
+                    and f"{part}_absmax/{param}" not in held:
+                self.quantize.add(name)
+            elif part in MOMENTS and have == torch.uint8 and dtypes == (torch.float32,) \
+                    and f"{part}_absmax/{param}" in held:
+                self.dequantize.add(name)
+            elif part == "master" and have in (torch.float32, torch.bfloat16) and have not in dtypes:
+                self.master.add(name)
+        self._absmax: dict[str, torch.Tensor] = {}
+
+    def reconciled(self, expected: Shapes, held: Held) -> tuple[Shapes, Held]:
+        """``expected`` and ``held`` with the converted tensors made to agree (the absmax the
+        conversion makes or uses is not asked of the other side)."""
+        expected, held = dict(expected), dict(held)
+        for name in self.quantize:
+            part, _, param = name.partition("/")
+            expected.pop(f"{part}_absmax/{param}", None)
+            shape, _ = expected[name]
+            expected[name] = (shape, (torch.float32,))
+        for name in self.dequantize:
+            part, _, param = name.partition("/")
+            held.pop(f"{part}_absmax/{param}", None)
+            expected[name] = (held[name][0], (torch.uint8,))
+        for name in self.master:
+            shape, dtypes = expected[name]
+            expected[name] = (shape, (*dtypes, held[name][1]))
+        return expected, held
+
+    def __bool__(self) -> bool:
+        return bool(self.quantize or self.dequantize or self.master)
+
+    def say(self, what: str) -> None:
+        parts = []
+        if self.quantize:
+            parts.append(f"{len(self.quantize)} fp32 moments quantized to 8 bits")
+        if self.dequantize:
+            parts.append(f"{len(self.dequantize)} 8-bit moments dequantized to fp32")
+        if self.master:
+            parts.append(f"{len(self.master)} master weights converted between fp32 and bf16")
+        log.info("tiermem: %s has another optimizer state format than this model: %s (NOTE [Converting state "
+                 "formats])", what, ", ".join(parts))
+
+    def reader(self, read_into: ReadInto, held: Held) -> ReadInto:
+        """``read_into`` for the model's names, converting where this conversion says."""
+        def read(name: str, target: torch.Tensor) -> None:
+            part, _, param = name.partition("/")
+            if name in self.quantize:
+                value = torch.empty(held[name][0], dtype=torch.float32)
+                read_into(name, value)
+                codes, absmax = quantize_blockwise(value, signed=MOMENTS[part])
+                target.copy_(codes.view(target.shape))
+                self._absmax[f"{part}_absmax/{param}"] = absmax
+            elif name.partition("/")[0].removesuffix("_absmax") in MOMENTS and name in self._absmax:
+                target.copy_(self._absmax.pop(name))
+            elif name in self.dequantize:
+                codes = torch.empty(held[name][0], dtype=torch.uint8)
+                absmax_name = f"{part}_absmax/{param}"
+                absmax = torch.empty(held[absmax_name][0], dtype=torch.float32)
+                read_into(name, codes)
+                read_into(absmax_name, absmax)
+                target.copy_(dequantize_blockwise(codes, absmax, signed=MOMENTS[part]).view(target.shape))
+            else:
+                read_into(name, target)
+        return read
