@@ -249,3 +249,14 @@ def test_loss_scale_window_and_floor_are_honoured():
         TieredModel(torch.nn.Linear(4, 4), precision="bf16", loss_scale=LossScale())
     with pytest.raises(ConfigError, match=r"^tiermem: LossScale\.min_scale=16\.0 is invalid"):
         LossScale(init_scale=8.0, min_scale=16.0)
+
+
+def test_adagrad_and_lion_blocks_are_tiermems():
+    """DeepSpeed's CPU optimizers besides Adam: its defaults for what a block leaves out."""
+    options, notes = translate({"optimizer": {"type": "Adagrad", "params": {"lr": 0.05}}})
+    assert options["optimizer"] == tiermem.Adagrad(lr=0.05, eps=1e-10) and notes == []
+    options, _ = translate({"optimizer": {"type": "Lion", "params": {"lr": "auto", "betas": [0.9, 0.99]}}}, lr=1e-4)
+    assert options["optimizer"] == tiermem.Lion(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)
+    with pytest.raises(ConfigError, match=r"^tiermem: DeepSpeed config optimizer.params has \['eps'\], which Lion "
+                                          r"does not take; use lr, betas, weight_decay$"):
+        translate({"optimizer": {"type": "Lion", "params": {"eps": 1e-8}}})

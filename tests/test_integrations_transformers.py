@@ -355,3 +355,19 @@ def test_fp16_step_skipped_for_overflow_leaves_the_lr_schedule(tmp_path):
     # the Trainer's rule under its GradScaler: a skipped step does not step the scheduler
     assert logs[OVERFLOW + 1]["lr"] == logs[OVERFLOW]["lr"] == LR and trainer.lr_scheduler.last_epoch == STEPS - 1
     assert trainer.accelerator.optimizer_step_was_skipped is False  # the last step was not skipped
+
+
+@pytest.mark.parametrize("optim, optim_args, want", [
+    ("sgd", "momentum=0.9,nesterov=True", {"momentum": 0.9, "nesterov": True, "weight_decay": DECAY}),
+    ("adagrad", "lr_decay=0.01", {"lr_decay": 0.01, "eps": 1e-10}),
+    ("lion_32bit", None, {"betas": (0.9, 0.999), "weight_decay": DECAY}),  # the Trainer gives Lion the adam betas
+    ("paged_adamw_8bit", None, {"betas": (0.9, 0.999), "eps": 1e-8}),
+])
+def test_trainer_optim_names_build_tiermems_optimizer_of_that_meaning(tmp_path, optim, optim_args, want):
+    trainer = TieredTrainer(model=gpt2(), args=arguments(tmp_path / "out", optim=optim, optim_args=optim_args,
+                                                         max_steps=1), train_dataset=dataset())
+    trainer.train()
+    group = trainer.tiered.optimizer.param_groups[0]
+    assert {k: group[k] for k in want} == want
+    assert type(trainer.tiered.optimizer_spec).__name__ == {"sgd": "SGD", "adagrad": "Adagrad", "lion_32bit": "Lion",
+                                                  "paged_adamw_8bit": "AdamW8bit"}[optim]

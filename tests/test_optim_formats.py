@@ -380,3 +380,66 @@ def test_sgd_groups_keep_momentum_on_or_off_together():
     with pytest.raises(ConfigError, match=r"tiermem: a param group's SGD momentum is 0.0 but the optimizer state"):
         tm.step()
     tm.detach()
+
+
+# -- data parallel: 2 gloo ranks, each its chunk of every bucket's state ----------------------------
+def _rank_formats(rank: int, world: int, nvme_dir: str) -> dict:
+    """SGD (fp32) and Lion with bf16 stochastic rounding (two bucket sizes: the chunks' edges move
+    inside parameters), each rank its own micro-batch per step."""
+    out = {}
+    runs = {"sgd": (lambda ps: tiermem.SGD(ps, lr=0.05, momentum=0.9, nesterov=True), "fp32", 3000, "zero_offload"),
+            "lion_sr": (SR_SPECS["lion"], "bf16", 3000, "zero_offload"),
+            "lion_sr_small": (SR_SPECS["lion"], "bf16", 1000, "state_on_nvme")}
+    for name, (make, precision, bucket_size, policy) in runs.items():
+        torch.manual_seed(0)
+        m = TinyGPT()
+        nvme = {"nvme_dir": nvme_dir} if policy == "state_on_nvme" else {}
+        tm = TieredModel(m, POLICIES[policy](), optimizer=make(m.parameters()), precision=precision,
+                         bucket_size=bucket_size, **nvme)
+        for i in range(3):
+            x, y = gpt_batch(100 * i + rank)
+            tm.backward(gpt_loss(tm(x), y))
+            tm.step()
+        out[name] = {k: v.clone() for k, v in tm.state_dict().items()}
+        tm.detach()
+    return out
+
+
+def test_two_ranks_shard_sgd_and_bf16_lion_state_and_train_as_one(tmp_path):
+    from ranks import run_ranks
+    r0, r1 = run_ranks(_rank_formats, str(tmp_path))
+    for name in r0:
+        assert diff(r0[name], r1[name]) == 0.0, name  # the ranks agree bit for bit
+    assert diff(r0["lion_sr"], r0["lion_sr_small"]) == 0.0  # rounding keys follow the parameter, not the chunk
+    torch.manual_seed(0)
+    m = TinyGPT()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True, foreach=False)]
+    for i in range(3):  # one process accumulating both ranks' micro-batches
+        for r in range(2):
+            x, y = gpt_batch(100 * i + r)
+            (gpt_loss(m(x), y) / 2).backward()
+        opts[0].step()
+        opts[0].zero_grad()
+    assert diff(r0["sgd"], m.state_dict()) <= 1e-7
+
+
+def test_plan_counts_each_state_options_bytes(capsys):
+    """``tiermem plan``: a column per optimizer state option, each tier's bytes exact (7.5e9
+    parameters: 8-bit moments 1 + 1 B and an fp32 scale per 256 for each; bf16 master 2 B)."""
+    from tiermem.cli import main
+    n, G = 7_500_000_000, 10**9
+    blocks = n // 256
+    assert main(["plan", "--params", "7.5e9", "--precision", "bf16", "--json", "-"]) == 0
+    options = json.loads(capsys.readouterr().out)["precisions"]["bf16"]["state_options"]
+    assert options["ZeroOffload"]["fp32"] == {"device": 15 * G, "host": 120 * G, "nvme": 0}
+    assert options["ZeroOffload"]["8-bit"] == {"device": 15 * G, "host": (4 + 4 + 2) * n + 8 * blocks, "nvme": 0}
+    assert options["ZeroOffload"]["8-bit + bf16 master"] == {"device": 15 * G, "host": (4 + 2 + 2) * n + 8 * blocks,
+                                                              "nvme": 0}
+    assert options["ZeroInfinity"]["8-bit + bf16 master"] == {"device": 0, "host": 4 * n,
+                                                               "nvme": 2 * n + (2 + 2) * n + 8 * blocks}
+    assert main(["plan", "--params", "7.5e9", "--precision", "fp16", "--json", "-"]) == 0
+    fp16 = json.loads(capsys.readouterr().out)["precisions"]["fp16"]["state_options"]
+    assert fp16["ZeroOffload"]["8-bit + bf16 master"] is None  # bf16 master weights need bf16
+    assert main(["plan", "--params", "7.5e9", "--precision", "bf16", "--policy", "ZeroOffload"]) == 0
+    out = capsys.readouterr().out
+    assert "8-bit + bf16 master" in out and "60.23 GB" in out

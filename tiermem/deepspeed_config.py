@@ -15,7 +15,8 @@ What a DeepSpeed config says, tiermem does where it has the same thing:
 - ``gradient_clipping`` is ``grad_clip`` (0: none); the ``optimizer`` block (``Adam``/``AdamW``:
   ``lr``, ``betas``, ``eps``, ``weight_decay``, ``adam_w_mode``) is ``tiermem.AdamW``/``Adam``, with
   DeepSpeed's defaults for what it leaves out (weight decay 0; ``Adam`` is AdamW unless
-  ``adam_w_mode`` is false, as in DeepSpeed).
+  ``adam_w_mode`` is false, as in DeepSpeed); ``Adagrad`` and ``Lion`` blocks are
+  ``tiermem.Adagrad``/``Lion`` (the optimizers DeepSpeed runs on the CPU).
 
 Every key it does not honour (tuning knobs of DeepSpeed's own buffers and collectives, a
 scheduler block, a partial offload ratio...) is logged as one warning line that says why and
@@ -38,6 +39,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from tiermem.config import Adam, AdamW, LossScale, is_int, is_number
+from tiermem.optim_specs import Adagrad, Lion
 from tiermem.errors import ConfigError
 from tiermem.plan.policy import PerClass, Policy
 from tiermem.train.model import TieredModel
@@ -71,8 +73,8 @@ _TOP_IGNORED = {
     "activation_checkpointing": "use the model's gradient checkpointing (torch.utils.checkpoint), and an "
                                 "ActivationOffload policy to keep activations off the device",
     "aio": "tiermem's NvmeStore runs its own I/O threads and block sizes",
-    "zero_allow_untested_optimizer": "tiermem's optimizer is always its fused Adam",
-    "zero_force_ds_cpu_optimizer": "tiermem's optimizer is always its fused Adam",
+    "zero_allow_untested_optimizer": "tiermem runs its own fused optimizers only",
+    "zero_force_ds_cpu_optimizer": "tiermem runs its own fused optimizers only",
     "amp": "tiermem's precision is its weights' dtype (bf16/fp16 blocks), not apex AMP",
     **{k: _REPORT for k in ("steps_per_print", "wall_clock_breakdown", "dump_state", "tensorboard", "wandb",
                             "csv_monitor", "comet", "flops_profiler", "comms_logger", "memory_breakdown")},
@@ -226,7 +228,7 @@ def _optimizer(r: _Reader, cfg: Mapping):
     if kind is _ABSENT or not isinstance(kind, str) or kind.lower() not in OPTIMIZER_BLOCKS:
         raise ConfigError(f"tiermem: DeepSpeed config optimizer.type={_short(None if kind is _ABSENT else kind)} is "
                           f"not supported: tiermem runs the types {', '.join(repr(k) for k in OPTIMIZER_BLOCKS)} (in any "
-                          f"case); write \"AdamW\" (or \"Adam\")")
+                          f"case); write \"AdamW\" (or another of them)")
     for key in block:
         if key not in ("type", "params"):
             r.note(f"optimizer.{key}", block[key], _NONE)
@@ -262,9 +264,34 @@ def _adam_block(r: _Reader, kind: str, params: Mapping):
         raise ConfigError(f"tiermem: DeepSpeed config optimizer block: {str(e).removeprefix('tiermem: ')}") from None
 
 
+def _plain_block(spec: type, defaults: dict[str, Any]):
+    """The reader of a ``params`` block that maps key for key onto ``spec`` (DeepSpeed's defaults
+    for what it leaves out): Adagrad (``lr``, ``eps``, ``weight_decay``), Lion (``lr``, ``betas``,
+    ``weight_decay``)."""
+    def read(r: _Reader, kind: str, params: Mapping):
+        unknown = sorted(set(params) - set(defaults))
+        if unknown:
+            raise ConfigError(f"tiermem: DeepSpeed config optimizer.params has {unknown}, which {kind} does not take; "
+                              f"use {', '.join(defaults)}")
+        hyper = {k: r.take(f"optimizer.params.{k}", params.get(k, _ABSENT), k, default=default,
+                           norm=lambda v: tuple(v) if isinstance(v, list) else v)
+                 for k, default in defaults.items()}
+        for key in ("no_decay", "no_decay_1d"):
+            if key in r.overrides:
+                hyper[key] = r.overrides[key]
+        try:
+            return spec(**hyper)
+        except ConfigError as e:
+            raise ConfigError(f"tiermem: DeepSpeed config optimizer block: {str(e).removeprefix('tiermem: ')}") from None
+    return read
+
+
 #: DeepSpeed optimizer types tiermem runs (lowercase; the config's in any case), each with the
-#: reader of its ``params`` block into a tiermem spec: one row per optimizer
-OPTIMIZER_BLOCKS = {"adam": _adam_block, "adamw": _adam_block}
+#: reader of its ``params`` block into a tiermem spec: one row per optimizer (DeepSpeed's CPU
+#: Adagrad and Lion defaults for what a block leaves out)
+OPTIMIZER_BLOCKS = {"adam": _adam_block, "adamw": _adam_block,
+                    "adagrad": _plain_block(Adagrad, {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0}),
+                    "lion": _plain_block(Lion, {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0})}
 
 
 def _offload(r: _Reader, zero: Mapping, key: str) -> tuple[Tier, Optional[str]]:

@@ -125,6 +125,15 @@ def build_plan(size: ModelSize, limits: sizing.Limits, precisions: list[str],
                 "fits": fit.fits,
                 "device_headroom_bytes": fit.device_headroom,
             }
+        entry["state_options"] = {}  # the same policies with fewer optimizer-state bytes (NOTE [State formats])
+        for name in policies:
+            entry["state_options"][name] = {}
+            for option in sizing.STATE_OPTIONS:
+                fmt = sizing.state_option(option, size.trainable, prec)
+                need = None if fmt is None else sizing.tier_bytes(
+                    size.trainable, prec, sizing.placement_of(name), frozen=size.frozen, world=ranks,
+                    shard_weights=shard_weights, state=fmt)
+                entry["state_options"][name][option] = None if need is None else {t.value: need[t] for t in Tier}
         out["precisions"][prec] = entry
     return out
 
@@ -182,6 +191,7 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
                     if v["short_bytes"])
             tiers.add_row(name, prec, *cells, verdict)
     con.print(tiers)
+    _render_state_options(con, plan, precs)
     con.print(f"[dim]capacity: device: {origin['device']}; host: {origin['host']}; nvme: {origin['nvme']}.[/]")
     con.print("[dim]grads: the class table counts them in the params' dtype (as autograd makes them on "
               "the device); tiermem accumulates them at their home in fp32, 4 B/param, and the tier table "
@@ -193,6 +203,25 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
     if lim["device_shares_host"]:
         con.print("[dim]no accelerator: the device tier lives in host RAM, so device + host must fit "
                   "in the host's capacity together.[/]")
+
+
+def _render_state_options(con: Any, plan: dict[str, Any], precs: list[str]) -> None:
+    """One column per optimizer state option: the training state's bytes on each tier the policy uses."""
+    first = plan["precisions"][precs[0]]["state_options"]
+    options = list(next(iter(first.values())))
+    table = Table(title="Bytes per tier with each optimizer state option (tiermem.AdamW, AdamW8bit, "
+                        "bf16_stochastic_round=True)", title_justify="left")
+    for col in ("policy", "precision", *options):
+        table.add_column(col, justify="left" if col in ("policy", "precision") else "right")
+    for name in first:
+        for prec in precs:
+            cells = []
+            for option in options:
+                tiers = plan["precisions"][prec]["state_options"][name][option]
+                cells.append("-" if tiers is None else ", ".join(
+                    f"{t} {_common.fmt_size(b)}" for t, b in tiers.items() if b))
+            table.add_row(name, prec, *cells)
+    con.print(table)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -54,7 +54,8 @@ class Bucket:
 
     def part_numels(self) -> list[int]:
         """Elements of each part of the state (``state.parts``) for the whole bucket."""
-        return [sum(p.numel(s.numel) for s in self.slots) if p.block != 1 else self.numel for p in self.state.parts]
+        return [sum(p.numel(s.numel) for s in self.slots) if p.block != 1 and self.slots else p.numel(self.numel)
+                for p in self.state.parts]  # (a bucket of no slots: a plan's one bucket of ``numel`` parameters)
 
     def part_offsets(self) -> list[list[int]]:
         """Per part of the state, where each slot's piece starts in that part's buffer."""

@@ -17,8 +17,8 @@ One step of a plan of buckets, each of ``n`` parameters, ``w`` bytes per working
 - ``grads to Adam``: fp32 grads copied where Adam runs when they live on another memory tier;
 - ``grad norm``: one read of every fp32 grad (host memory bandwidth);
 - ``optimizer``: the device's Adam over the device buckets and the CPU's over the others, where
-  state on NVMe streams through (read ``12n``, write ``12n``, concurrently with Adam: the longest of
-  the three); the two processors run at once (NOTE [Split step]), so the stage is the longer of
+  state on NVMe streams through (read and write its state format's bytes, ``12n`` for Adam's fp32
+  state, concurrently with Adam: the longest of the three); the two processors run at once (NOTE [Split step]), so the stage is the longer of
   them, or their sum when the "device" is the CPU itself;
 - ``weights up``: the host-updated weights (``w*n``) go to the device (or to their host home) behind
   the CPU's Adam; the last bucket's trip and whatever exceeds the CPU's Adam are exposed (weights on
@@ -42,7 +42,6 @@ from tiermem.plan.profile import Profile
 from tiermem.types import Tier
 
 _FP32 = 4
-_STATE = 12  # fp32 master, exp_avg, exp_avg_sq
 BACKWARD_SHARE = 2 / 3  # of forward+backward: backward does twice forward's work
 
 STAGES = ("forward+backward", "grads home", "grads to Adam", "grad norm", "optimizer", "weights up")
@@ -118,8 +117,10 @@ def predict(buckets: Sequence[Bucket], itemsize: int, rates: Rates, *, forward_b
     on_device = sum(b.numel for b in buckets if compute_tier(b) == Tier.DEVICE)
     on_host = sum(b.numel for b in buckets if compute_tier(b) != Tier.DEVICE)
     streamed = [b for b in buckets if b.state_tier == Tier.NVME]
-    nvme_read = sum(b.numel * _STATE for b in streamed) / rates.nvme_read
-    nvme_write = sum(b.numel * (_STATE + (w if b.param_tier == Tier.NVME else 0)) for b in streamed) / rates.nvme_write
+    # each bucket's state as its format keeps it (NOTE [State formats]: 12 B/param for Adam's fp32 state)
+    nvme_read = sum(b.joined_bytes() for b in streamed) / rates.nvme_read
+    nvme_write = sum(b.joined_bytes() + (b.numel * w if b.param_tier == Tier.NVME else 0)
+                     for b in streamed) / rates.nvme_write
     host_part = max(on_host / rates.cpu_adam, nvme_read, nvme_write)
     device_part = on_device / rates.device_adam
     optimizer = device_part + host_part if rates.device_is_cpu else max(device_part, host_part)

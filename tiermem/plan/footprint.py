@@ -172,14 +172,15 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
 
     def state_parts(b: Bucket) -> list[int]:
         """Bytes of each part of this rank's state of ``b`` (under DP its chunk's: elementwise)."""
-        if b.state.elementwise:
-            return b.state.part_bytes([chunk(b)])
-        return [n * p.itemsize for p, n in zip(b.state.parts, b.part_numels())]
+        return [n * p.itemsize for p, n in zip(b.state.parts, part_numels(b))]
+
+    def part_numels(b: Bucket) -> list[int]:
+        """Elements of each part of this rank's state of ``b``: its chunk's under DP."""
+        return [p.numel(chunk(b)) for p in b.state.parts] if world > 1 else b.part_numels()
 
     def state_joined(b: Bucket) -> int:
         """Bytes of this rank's state of ``b`` as one buffer (one NVMe value)."""
-        numels = [chunk(b)] * len(b.state.parts) if b.state.elementwise else b.part_numels()
-        return b.state.joined(numels)[1]
+        return b.state.joined(part_numels(b))[1]
 
     w = dtype.itemsize
     sharded = {b.index for b in buckets if weights_sharded(b, world, shard_weights)}

@@ -53,6 +53,7 @@ import torch
 
 from tiermem.config import PRECISIONS as _WORKING_DTYPES, is_int, working_dtype
 from tiermem.errors import ConfigError
+from tiermem.optim.format import ADAM, StateFormat, state_format
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.footprint import TRAINING_STATE, footprint, totals
 from tiermem.types import TensorClass, Tier
@@ -142,20 +143,39 @@ def placement_of(policy: str) -> Mapping[TensorClass, Tier]:
                           f"{', '.join(builtin_placements())}") from None
 
 
+#: the optimizer state options ``tiermem plan`` compares (NOTE [State formats]): Adam's fp32 state,
+#: 8-bit moments (tiermem.AdamW8bit), and 8-bit moments with bf16 master weights
+#: (``bf16_stochastic_round=True``, bf16 precision only)
+STATE_OPTIONS: dict[str, tuple[str, torch.dtype]] = {
+    "fp32": ("adamw", torch.float32), "8-bit": ("adamw8bit", torch.float32),
+    "8-bit + bf16 master": ("adamw8bit", torch.bfloat16)}
+
+
+def state_option(option: str, trainable: int, precision: str) -> Optional[StateFormat]:
+    """The state format of ``option`` (:data:`STATE_OPTIONS`) for ``trainable`` parameters in one
+    bucket, or None where the precision does not allow it (bf16 master weights need bf16)."""
+    kind, master = STATE_OPTIONS[option]
+    if master == torch.bfloat16 and precision != "bf16":
+        return None
+    return state_format(kind, master_dtype=master, numel=trainable, min_8bit_size=1)
+
+
 def tier_bytes(trainable: int, precision: str, placement: Mapping[TensorClass, Tier], *,
-               frozen: int = 0, world: int = 1, shard_weights: bool = False) -> dict[Tier, int]:
+               frozen: int = 0, world: int = 1, shard_weights: bool = False,
+               state: StateFormat = ADAM) -> dict[Tier, int]:
     """Bytes each tier holds for the training state under ``placement``: the training-state part
     of :func:`tiermem.plan.footprint.footprint` for one bucket of ``trainable`` parameters (see
     NOTE [Bytes per parameter] for what it leaves out). ``world``: the bytes of one of that many
     data-parallel ranks (its share of grads and optimizer state, and of the weights when they are
-    sharded: off the device, or with ``shard_weights``)."""
+    sharded: off the device, or with ``shard_weights``); ``state``: the optimizer state's format
+    (Adam's fp32 state by default; :func:`state_option`)."""
     _check_count("trainable", trainable)
     _check_count("frozen", frozen)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ConfigError(f"tiermem: world={world!r} is not a number of ranks; give a whole number >= 1")
     home = placement[TensorClass.PARAM]
     bucket = Bucket(0, grad_tier=placement[TensorClass.GRAD], state_tier=placement[TensorClass.OPTIM_STATE],
-                    group=0, param_tier=home, numel=trainable)
+                    group=0, param_tier=home, numel=trainable, state=state)
     frozen_params = [(torch.empty(frozen, dtype=torch.float32, device="meta"), home)]  # no memory
     need = footprint([bucket], frozen_params, working_dtype(check_precision(precision)), world=world,
                      shard_weights=shard_weights)

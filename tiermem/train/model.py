@@ -162,6 +162,8 @@ class TieredModel:
             self.optimizer = TieredOptimizer(group_dicts(planned.groups, opts.spec, shown),
                                              opts.spec.group_defaults(), self._step, self._add_group)
             self._groups = GroupEditor(module, opts.spec, shown)
+            #: the tiermem optimizer spec this model runs (a torch optimizer given is read into one)
+            self.optimizer_spec = opts.spec
             for b in buckets:
                 for s in b.slots:
                     self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
