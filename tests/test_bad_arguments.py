@@ -42,7 +42,7 @@ BAD = [  # (make, error type, what the message must say: the keyword and what is
     (lambda: Adam(eps=-1.0), ConfigError, r"Adam\.eps=-1\.0 .*a finite number >= 0"),
     (lambda: AdamW(weight_decay=math.inf), ConfigError, r"AdamW\.weight_decay=inf .*finite number"),
     (lambda: AdamW(learning_rate=1e-3), ArgumentError, r"AdamW\(\): .*unexpected keyword argument 'learning_rate'"
-                                                       r".*it takes AdamW\(params=\.\.\., \*, lr=\.\.\., betas="),
+                                                       r".*it takes AdamW\(params=\.\.\., \*, lr=\.\.\., .*betas="),
     (lambda: AdamW(1e-3), ConfigError, r"AdamW\.params=0\.001 is invalid: the one positional argument is the "
                                        r"model's parameters or torch-style param groups.*pass hyperparameters by keyword"),
     (lambda: AdamW(1e-3, 0.9), ArgumentError, r"AdamW\(\): too many positional arguments; it takes AdamW\(params="),

@@ -152,7 +152,7 @@ SIGNED = {
     "eps negative": (_group("eps")(-1.0), *CORRUPT, r"meta\.groups\[0\]\.eps=-1\.0"),
     "weight_decay a string": (_group("weight_decay")("0.1"), *CORRUPT, r"meta\.groups\[0\]\.weight_decay='0\.1'"),
     "initial_lr negative": (_group("initial_lr")(-1.0), *CORRUPT, r"meta\.groups\[0\]\.initial_lr=-1\.0"),
-    "a key no group has": (_group("momentum")(0.9), *CORRUPT, r"meta\.groups\[0\] keys="),
+    "a key no group has": (_group("amsgrad")(True), *CORRUPT, r"meta\.groups\[0\] keys="),
     "groups a dict": (_set("meta", "groups")({}), *CORRUPT, r"meta\.groups=\{\} is invalid: it must be a list"),
     "a group a string": (_set("meta", "groups")(["x"]), *CORRUPT,
         r"meta\.groups\[0\]='x' is invalid: it must be an object"),

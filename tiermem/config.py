@@ -264,7 +264,7 @@ NO_DECAY = GroupSpec("no_decay", {"weight_decay": 0.0})
 
 
 # NOTE [Optimizer specs]
-# A spec names an optimizer (``kind``: the kernel family of tiermem/optim/format.py, which the
+# A spec names an optimizer (``kind``: the kernel family of tiermem/optim/formats.py, which the
 # planner turns into each parameter's state format), its hyperparameters (``HYPER``: the keys a
 # param group holds, in order, each checked by the rule of its name or of ``RULES[name]``) and its
 # groups (NOTE [Param groups]). ``bf16_stochastic_round=True`` (bf16 precision only) keeps the
@@ -355,7 +355,7 @@ class _Spec:
         return [g.overrides.get(name, getattr(self, name)) for g in self.param_groups()]
 
     def state_options(self) -> dict[str, Any]:
-        """What the state format depends on besides ``kind`` (tiermem.optim.format.state_format)."""
+        """What the state format depends on besides ``kind`` (tiermem.optim.formats.state_format)."""
         return {}
 
     def __repr__(self) -> str:

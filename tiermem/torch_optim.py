@@ -128,7 +128,8 @@ def _foreign_spec(spec: type[_Spec], optimizer: torch.optim.Optimizer) -> _Spec:
     try:
         return spec(groups, **kwargs)
     except ConfigError as e:
-        raise ConfigError(f"tiermem: the {cls.__name__} given as optimizer=: {str(e).removeprefix('tiermem: ')}") from None
+        raise ConfigError(f"tiermem: the {cls.__name__} given as optimizer=: "
+                          f"{str(e).removeprefix('tiermem: ')}") from None
 
 
 def stepped_elsewhere(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

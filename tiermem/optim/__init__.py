@@ -5,7 +5,8 @@ optimizers built on them.
 Functional entries (what TieredModel calls per bucket; one style, see tiermem/optim/steps.py):
 ``adam_step``, ``adam8bit_step``, ``sgd_step``, ``adagrad_step``, ``lion_step``, ``adafactor_step``;
 ``state_layout`` says which state tensors each takes, ``quantize_blockwise``/``dequantize_blockwise``
-convert 8-bit state, ``StochasticRound`` keys bf16 master weights. Drop-in ``torch.optim``
+convert 8-bit state, ``StochasticRound`` keys bf16 master weights; ``StateFormat`` (``state_format``) is
+what one parameter's state is made of inside TieredModel (NOTE [State formats]). Drop-in ``torch.optim``
 optimizers for CPU parameters: ``CPUAdam``, ``CPUAdam8bit``, ``CPUSGD``, ``CPUAdagrad``, ``CPULion``,
 ``CPUAdafactor``. ``implementation()`` says which Adam kernel runs here ("compiled" or "fallback";
 ``TIERMEM_NO_COMPILE=1`` forces the fallback, as ``compile_disabled()`` tells, and the reference
@@ -18,11 +19,12 @@ from tiermem.optim.adafactor import adafactor_step
 from tiermem.optim.cpu_adam import CPUAdam
 from tiermem.optim.cpu_optimizers import CPUAdafactor, CPUAdagrad, CPUAdam8bit, CPULion, CPUSGD
 from tiermem.optim.functional import adam_step, compile_disabled, compile_seconds, implementation, warm_up
+from tiermem.optim.formats import StateFormat, StatePart, state_format
 from tiermem.optim.layout import state_bytes, state_layout
 from tiermem.optim.steps import (adagrad_step, adam8bit_step, dequantize_blockwise, lion_step, quantize_blockwise,
                                  sgd_step)
 
-__all__ = ["CPUAdafactor", "CPUAdagrad", "CPUAdam", "CPUAdam8bit", "CPULion", "CPUSGD", "StochasticRound",
+__all__ = ["StateFormat", "StatePart", "state_format", "CPUAdafactor", "CPUAdagrad", "CPUAdam", "CPUAdam8bit", "CPULion", "CPUSGD", "StochasticRound",
            "adafactor_step", "adagrad_step", "adam8bit_step", "adam_step", "compile_disabled", "compile_seconds",
            "dequantize_blockwise", "implementation", "lion_step", "quantize_blockwise", "sgd_step", "state_bytes",
            "state_layout", "warm_up"]

@@ -12,10 +12,10 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from tiermem.optim.format import ADAM, StateFormat
+from tiermem.optim.formats import ADAM, StateFormat
 from tiermem.types import Tier
 
-#: the three fp32 tensors of Adam's state (:data:`tiermem.optim.format.ADAM`); a bucket's own are
+#: the three fp32 tensors of Adam's state (:data:`tiermem.optim.formats.ADAM`); a bucket's own are
 #: ``bucket.state.names`` (NOTE [State formats])
 STATE_PARTS = ADAM.names
 

@@ -16,7 +16,7 @@ import torch
 
 from tiermem.config import _Spec
 from tiermem.errors import ConfigError
-from tiermem.optim.format import StateFormat, state_format
+from tiermem.optim.formats import StateFormat, state_format
 from tiermem.plan.buckets import Bucket, Placed, plan_buckets
 from tiermem.plan.policy import Evaluation, ModelInfo, Policy, bound, checked_place
 from tiermem.types import StateKey, TensorClass, TensorInfo, Tier

@@ -53,7 +53,7 @@ import torch
 
 from tiermem.config import PRECISIONS as _WORKING_DTYPES, is_int, working_dtype
 from tiermem.errors import ConfigError
-from tiermem.optim.format import ADAM, StateFormat, state_format
+from tiermem.optim.formats import ADAM, StateFormat, state_format
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.footprint import TRAINING_STATE, footprint, totals
 from tiermem.types import TensorClass, Tier

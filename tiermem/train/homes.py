@@ -9,7 +9,7 @@ the bucket's :class:`GradHome` for them. Three interfaces:
 - :class:`GradHome`: where the device's gradient copies land during backward (``landing``), and
   the step's view of them where Adam runs (``read``, with a function that frees what it took).
 - :class:`StateHome`: master weights and the optimizer's state, the parts of each bucket's state
-  format (NOTE [State formats] in tiermem/optim/format.py: fp32 master, ``exp_avg`` and
+  format (NOTE [State formats] in tiermem/optim/formats.py: fp32 master, ``exp_avg`` and
   ``exp_avg_sq`` for Adam); runs the step's update
   over its buckets (``step``), can undo a step when its tier keeps the previous value
   (``revertible``), and reads/writes whole buckets for checkpoints.

@@ -186,7 +186,8 @@ class ShardedState(StateHome):
     def _part(self, b: Bucket, i: int) -> torch.Tensor:
         """The whole-bucket buffer of part ``i`` of ``b``'s state (elementwise: ``padded`` elements)."""
         part = b.state.parts[i]
-        key = f"shard gather:{part.name}" + ("" if part.dtype == torch.float32 else f":{str(part.dtype).removeprefix('torch.')}")
+        dtype = "" if part.dtype == torch.float32 else f":{str(part.dtype).removeprefix('torch.')}"
+        key = f"shard gather:{part.name}{dtype}"
         if key not in self._set:
             self._set[key] = self.host.allocate(key, (self._padded,), part.dtype, TensorClass.OPTIM_STATE)
         return self._set[key]

@@ -46,10 +46,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from tiermem.errors import TierMemError
-from tiermem.optim import format as optim_format
-from tiermem.optim import StochasticRound
 from tiermem.handles import Handle
 from tiermem.observe.trace import Tracer
+from tiermem.optim import StochasticRound
+from tiermem.optim import formats as optim_format
 from tiermem.plan.buckets import Bucket
 from tiermem.train.backward import GradCollector
 from tiermem.train.groups import check_listed, hyper_of
@@ -194,7 +194,7 @@ class Stepper:
 
     def _adam(self, upd: _Update, uploads: Uploads, b: Bucket, runs: Runs, state: StateViews) -> None:
         """The fused update of the bucket's state format over ``runs`` of bucket ``b``, its new
-        weights sent home behind it (NOTE [State formats] in tiermem/optim/format.py)."""
+        weights sent home behind it (NOTE [State formats] in tiermem/optim/formats.py)."""
         master, fmt = state[0], b.state
         out = uploads.target(b)
         _fill_gaps(out, master, b, runs)  # `out` holds the bucket's complete new weights

@@ -25,11 +25,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from tiermem import optim as _entries  # the functional entries, looked up when called (tests may wrap them)
 from tiermem.errors import ConfigError
 from tiermem.optim import _quant
 from tiermem.optim._sr import StochasticRound
-from tiermem.optim.functional import adam_step
-from tiermem.optim.steps import adagrad_step, adam8bit_step, lion_step, sgd_step
 
 #: the kernel families TieredModel runs, by the name a spec gives (``kind``)
 KINDS = ("adam", "adamw", "adam8bit", "adamw8bit", "sgd", "adagrad", "lion")
@@ -170,12 +169,12 @@ def step(fmt: StateFormat, master: torch.Tensor, state: Sequence[torch.Tensor], 
     kind = fmt.kind
     if kind in ("adam", "adamw"):
         beta1, beta2 = hyper["betas"]
-        adam_step(master, state[0], state[1], grad, lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
-                  weight_decay=hyper["weight_decay"], adamw=hyper["adamw"], **common)
+        _entries.adam_step(master, state[0], state[1], grad, lr=hyper["lr"], beta1=beta1, beta2=beta2,
+                           eps=hyper["eps"], weight_decay=hyper["weight_decay"], adamw=hyper["adamw"], **common)
     elif kind in ("adam8bit", "adamw8bit"):
         beta1, beta2 = hyper["betas"]
-        adam8bit_step(master, *state, grad, lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
-                      weight_decay=hyper["weight_decay"], adamw=hyper["adamw"], **common)
+        _entries.adam8bit_step(master, *state, grad, lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
+                               weight_decay=hyper["weight_decay"], adamw=hyper["adamw"], **common)
     elif kind == "sgd":
         momentum = hyper["momentum"]
         buffer = state[0] if state else None
@@ -184,15 +183,17 @@ def step(fmt: StateFormat, master: torch.Tensor, state: Sequence[torch.Tensor], 
                               f"{'with' if buffer is not None else 'without'} a momentum buffer; set momentum "
                               f"{'> 0' if buffer is not None else '= 0'} in every group, or give the optimizer a "
                               f"momentum > 0 from the start")
-        sgd_step(master, buffer, grad, lr=hyper["lr"], momentum=momentum, dampening=hyper["dampening"],
-                 nesterov=hyper["nesterov"], weight_decay=hyper["weight_decay"], maximize=hyper["maximize"], **common)
+        _entries.sgd_step(master, buffer, grad, lr=hyper["lr"], momentum=momentum, dampening=hyper["dampening"],
+                          nesterov=hyper["nesterov"], weight_decay=hyper["weight_decay"], maximize=hyper["maximize"],
+                          **common)
     elif kind == "adagrad":
-        adagrad_step(master, state[0], grad, lr=hyper["lr"], lr_decay=hyper["lr_decay"],
-                     weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=hyper["maximize"], **common)
+        _entries.adagrad_step(master, state[0], grad, lr=hyper["lr"], lr_decay=hyper["lr_decay"],
+                              weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=hyper["maximize"],
+                              **common)
     else:
         beta1, beta2 = hyper["betas"]
-        lion_step(master, state[0], grad, lr=hyper["lr"], beta1=beta1, beta2=beta2,
-                  weight_decay=hyper["weight_decay"], **common)
+        _entries.lion_step(master, state[0], grad, lr=hyper["lr"], beta1=beta1, beta2=beta2,
+                           weight_decay=hyper["weight_decay"], **common)
 
 
 def blocks_aligned(fmt: StateFormat, start: int) -> bool:
