@@ -104,6 +104,10 @@ OPTIM_NAMES: dict[str, type[_Spec]] = {
     "paged_adamw_32bit": AdamW, "sgd": SGD, "adagrad": Adagrad, "lion_32bit": Lion, "paged_lion_32bit": Lion,
     "adamw_8bit": AdamW8bit, "adamw_bnb_8bit": AdamW8bit, "paged_adamw_8bit": AdamW8bit, "adamw_torch_8bit": AdamW8bit,
 }
+#: which of the arguments' hyperparameters the Trainer gives each (the Adams all of theirs; SGD and
+#: Adagrad the lr and the groups' weight decay, their eps their own; Lion the adam betas too)
+TRAINER_TAKES: dict[type, tuple[str, ...]] = {SGD: ("lr", "weight_decay"), Adagrad: ("lr", "weight_decay"),
+                                              Lion: ("lr", "betas", "weight_decay")}
 #: the ``optim_args`` keys the Trainer reads for an optimizer ("momentum=0.9,nesterov=True"), as it reads them
 OPTIM_ARGS: dict[type, dict[str, Any]] = {
     SGD: {"momentum": float, "dampening": float, "weight_decay": float,
@@ -213,7 +217,8 @@ class TieredTrainer(Trainer):
     def _built_named(self, hyper: dict[str, Any], no_decay: tuple[str, ...]) -> _Spec:
         """The spec of ``optim=`` with the arguments' hyperparameters it takes, and ``optim_args``."""
         spec = self._named_optimizer()
-        kwargs = {k: v for k, v in hyper.items() if k in spec.HYPER}
+        taken = TRAINER_TAKES.get(spec, spec.HYPER)
+        kwargs = {k: v for k, v in hyper.items() if k in taken}
         given = self.user_args.optim_args
         if given and spec in OPTIM_ARGS:
             pairs = dict(x.split("=", 1) for x in given.replace(" ", "").split(",") if "=" in x)
