@@ -88,10 +88,17 @@ class Choice:
 @checked_arguments
 class Auto(Policy):
     """Chooses the placement from the machine profile, the model's sizes and the budgets (NOTE [How
-    Auto chooses]). ``profile``: a machine profile (its data, or a ``Profile``) to use instead of this
-    machine's; ``forward_backward``: the measured seconds of one forward and backward, when known
-    (they decide how much of the grads' trip hides behind backward); ``device_reserve``: the share of
-    the device's limit left for activations (NOTE [Device reserve] in tiermem/plan/policy.py)."""
+    Auto chooses]): among the candidates the constructor would accept, the one with the least
+    predicted step time. ``tm.placement`` shows the choice and every rejected alternative.
+
+    Args:
+        profile: a machine profile (a ``tiermem.plan.profile.Profile`` or its data as a dict) to use
+            instead of this machine's (saved by ``tiermem bench``; measured on first use when none is).
+        forward_backward: the measured seconds of one forward and backward, when known (they decide
+            how much of the grads' trip hides behind backward); 0 when unknown.
+        device_reserve: the share of the device's limit left for activations (NOTE [Device reserve]
+            in tiermem/plan/policy.py), from 0 up to (not including) 1.
+    """
 
     def __init__(self, *, profile: Any = None, forward_backward: float = 0.0, device_reserve: float = 0.1):
         if not is_number(forward_backward) or not forward_backward >= 0:

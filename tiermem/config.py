@@ -230,12 +230,23 @@ NO_DECAY = GroupSpec("no_decay", {"weight_decay": 0.0})
 @checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class _AdamSpec:
-    """Adam hyperparameters. ``params`` (optional, the one positional argument): torch-style param
-    groups, as ``torch.optim.AdamW`` takes them (the model's parameters, or dicts with ``"params"``
-    and the hyperparameters each group sets, ``"name"`` too); every trainable parameter must be in
-    one (NOTE [Param groups]). Without them, ``no_decay`` lists fnmatch patterns of parameter names
-    that get no weight decay (e.g. ``("*.bias", "*.ln_*")``) and ``no_decay_1d=True`` exempts every
-    parameter with fewer than two dimensions, which covers biases and norm weights in most models."""
+    """Adam hyperparameters: a frozen spec that :class:`~tiermem.TieredModel` runs where the
+    optimizer state lives.
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups, as
+            ``torch.optim.AdamW`` takes them (the model's parameters, or dicts with ``"params"`` and
+            the hyperparameters each group sets, ``"name"`` too); every trainable parameter must be
+            in one (NOTE [Param groups]). Without them, two rule groups: ``decay`` and ``no_decay``.
+        lr: learning rate (an lr scheduler on ``tm.optimizer`` changes it per group).
+        betas: coefficients of the running averages of the gradient and of its square.
+        eps: term added to the denominator for numerical stability.
+        weight_decay: weight decay (decoupled for AdamW, an L2 penalty for Adam).
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay
+            (e.g. ``("*.bias", "*.ln_*")``).
+        no_decay_1d: without ``params``: True exempts every parameter with fewer than two
+            dimensions from weight decay, which covers biases and norm weights in most models.
+    """
 
     params: Any = field(default=None, kw_only=False, repr=False, compare=False)
     lr: float = 1e-3
@@ -311,13 +322,37 @@ class _AdamSpec:
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class Adam(_AdamSpec):
-    """Adam (L2 penalty added to the gradient), like ``torch.optim.Adam``."""
+    """Adam (L2 penalty added to the gradient), like ``torch.optim.Adam``.
+
+    Args:
+        params: optional torch-style param groups (see :class:`AdamW`).
+        lr: learning rate.
+        betas: coefficients of the running averages of the gradient and of its square.
+        eps: term added to the denominator for numerical stability.
+        weight_decay: L2 penalty added to the gradient.
+        no_decay: without ``params``: fnmatch patterns of parameter names without weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+    """
 
 
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class AdamW(_AdamSpec):
-    """AdamW (decoupled weight decay), like ``torch.optim.AdamW``; weight decay defaults to 0.01."""
+    """AdamW (decoupled weight decay), like ``torch.optim.AdamW``; weight decay defaults to 0.01.
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate.
+        betas: coefficients of the running averages of the gradient and of its square.
+        eps: term added to the denominator for numerical stability.
+        weight_decay: decoupled weight decay.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay
+            (e.g. ``("*.bias", "*.ln_*")``).
+        no_decay_1d: without ``params``: True exempts every parameter with fewer than two
+            dimensions (biases and norm weights in most models).
+    """
 
     weight_decay: float = 1e-2
     adamw = True
@@ -329,7 +364,13 @@ class LossScale:
     """fp16 dynamic loss scaling: start at ``init_scale``; on overflow skip the step and halve the
     scale, never below ``min_scale``; after ``growth_interval`` clean steps in a row, double it.
     The defaults are ``torch.amp.GradScaler``'s (no floor); DeepSpeed's are ``init_scale=2**16``,
-    ``growth_interval=1000``, ``min_scale=1`` (what :func:`tiermem.from_deepspeed_config` uses)."""
+    ``growth_interval=1000``, ``min_scale=1`` (what :func:`tiermem.from_deepspeed_config` uses).
+
+    Args:
+        init_scale: the first loss scale, a finite number > 0.
+        growth_interval: clean steps in a row after which the scale doubles, an int >= 1.
+        min_scale: the floor the scale never goes below (at most ``init_scale``); None: no floor.
+    """
 
     init_scale: float = 2.0**16
     growth_interval: int = 2000

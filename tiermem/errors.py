@@ -8,7 +8,11 @@ from typing import Optional, TypeVar
 
 
 class TierMemError(Exception):
-    """Base class of every error tiermem raises for something a user can cause or fix."""
+    """Base class of every error tiermem raises for something a user can cause or fix.
+
+    Args:
+        message: the text; ``"tiermem: "`` is put in front when it does not start with it.
+    """
 
     def __init__(self, message: str):
         if not message.startswith("tiermem:"):
@@ -65,7 +69,17 @@ class StoreError(TierMemError, OSError):
 
 
 class OutOfTierMemory(TierMemError, MemoryError):
-    """An allocation would take a tier past its budget."""
+    """An allocation would take a tier past its budget. The message names the tier, the tensor,
+    the bytes asked, used and allowed, and what to change.
+
+    Args:
+        tier: the tier that is full.
+        key: the tensor (or working set) being placed.
+        asked: the bytes asked for.
+        used: the bytes already in use on the tier.
+        allowed: the tier's budget.
+        hint: what to change, when the default advice (raise the budget, place less there) is not it.
+    """
 
     def __init__(self, *, tier: object, key: str, asked: int, used: int, allowed: int,
                  hint: Optional[str] = None):

@@ -17,7 +17,14 @@ StallSink = Callable[[float], None]
 
 
 class Handle:
-    """A pending (or finished) request. ``wait()`` returns its result or raises its error."""
+    """A pending (or finished) request of a store or the engine. ``wait()`` returns its result or
+    raises its error; ``done()`` never blocks.
+
+    Args:
+        future: the ``concurrent.futures.Future`` the request completes.
+        on_stall: called with the seconds a caller spent blocked in ``wait()``.
+        issued: for a request that ends with GPU work, the moment that work is queued.
+    """
 
     __slots__ = ("_future", "_on_stall", "_issued")
 
@@ -28,11 +35,17 @@ class Handle:
 
     @classmethod
     def completed(cls, value: Any = None) -> "Handle":
+        """A handle already finished with ``value``.
+
+        Args:
+            value: what ``wait()`` returns.
+        """
         f: Future = Future()
         f.set_result(value)
         return cls(f)
 
     def done(self) -> bool:
+        """Finished, with or without an error (never blocks)."""
         return self._future.done()
 
     def succeeded(self) -> bool:
@@ -40,6 +53,11 @@ class Handle:
         return self._future.done() and not self._future.cancelled() and self._future.exception() is None
 
     def wait(self, timeout: Optional[float] = None) -> Any:
+        """Block until the request finished; return its result or raise its error.
+
+        Args:
+            timeout: seconds to wait at most (``TimeoutError`` past it); None waits as long as it takes.
+        """
         if not self._future.done() and self._on_stall is not None:
             t0 = time.perf_counter()
             try:
@@ -64,10 +82,19 @@ class Handle:
         return issued
 
     def add_done_callback(self, fn: Callable[[Future], None]) -> None:
+        """Call ``fn(future)`` once the request finished (at once when it has).
+
+        Args:
+            fn: the callback, given the underlying future.
+        """
         self._future.add_done_callback(fn)
 
     def observed(self, on_stall: StallSink) -> "Handle":
-        """The same request, reporting the caller's stalls to ``on_stall``."""
+        """The same request, reporting the caller's stalls to ``on_stall``.
+
+        Args:
+            on_stall: called with the seconds each ``wait()`` blocked.
+        """
         return Handle(self._future, on_stall=on_stall, issued=self._issued)
 
 

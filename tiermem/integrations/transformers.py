@@ -124,11 +124,17 @@ def _precision(args: TrainingArguments) -> str:
 
 class TieredTrainer(Trainer):
     """A ``transformers.Trainer`` that trains through a :class:`tiermem.TieredModel` (NOTE
-    [Trainer integration]). ``deepspeed``: a DeepSpeed config (path or dict) read by
-    :func:`tiermem.from_deepspeed_config`, its ``"auto"`` values taken from ``args``. ``tiermem``:
-    more TieredModel options (``policy``, ``nvme_dir``, ``budgets``, ``device``, ...); with a
-    DeepSpeed config only those the config has no say in. After ``train()`` starts,
-    ``trainer.tiered`` is the TieredModel."""
+    [Trainer integration]). After ``train()`` starts, ``trainer.tiered`` is the TieredModel.
+
+    Args:
+        *args: as ``transformers.Trainer`` takes them (``model``, ``args``, ...).
+        deepspeed: a DeepSpeed config (path or dict) read by :func:`tiermem.from_deepspeed_config`,
+            its ``"auto"`` values taken from ``args``; give it here, not to ``TrainingArguments``.
+        tiermem: more TieredModel options (``policy``, ``nvme_dir``, ``budgets``, ``device``, ...);
+            with a DeepSpeed config only those the config has no say in.
+        **kwargs: as ``transformers.Trainer`` takes them; ``optimizers=(optimizer, scheduler)`` takes
+            a torch optimizer built on the model's parameters, as ``TieredModel(optimizer=...)`` does.
+    """
 
     def __init__(self, *args: Any, deepspeed: Any = None, tiermem: Optional[dict] = None, **kwargs: Any):
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -155,6 +161,12 @@ class TieredTrainer(Trainer):
 
     # -- the optimizer: a TieredModel ------------------------------------------------------------
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
+        """Wrap the model in its TieredModel (once) and return ``trainer.tiered.optimizer``, which
+        the Trainer's lr scheduler drives.
+
+        Args:
+            model: unused; the Trainer's own model is wrapped.
+        """
         if self.optimizer is None:
             self.tiered = self._wrap(self.model)
             if self.tiered.group.world != self.args.world_size:
@@ -231,6 +243,15 @@ class TieredTrainer(Trainer):
 
     # -- a step: forward and backward through the TieredModel -------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
+        """One micro-batch: forward through the TieredModel and ``tm.backward`` of its loss (divided
+        by the accumulation steps unless the Trainer already did; the Trainer enters ``tm.no_sync()``
+        for all but a step's last micro-batch); returns the loss, detached.
+
+        Args:
+            model: the model the Trainer passes (the TieredModel's module).
+            inputs: the batch.
+            num_items_in_batch: the Trainer's count of items for loss normalisation.
+        """
         tm = self.tiered
         tm.train()
         with self.compute_loss_context_manager():
@@ -276,6 +297,14 @@ class TieredTrainer(Trainer):
         self.tiered.load(path)
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the newest *complete*
+        ``checkpoint-N/`` (one whose save did not finish is skipped with a warning).
+
+        Args:
+            resume_from_checkpoint: a checkpoint folder, True for the newest complete one, or None.
+            *args: passed to ``Trainer.train``.
+            **kwargs: passed to ``Trainer.train``.
+        """
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
         if resume_from_checkpoint is False:
@@ -304,7 +333,12 @@ class TieredTrainer(Trainer):
         trainer.is_world_process_zero()``. Called on some ranks only, it waits for the others
         until the process group's timeout (``TrainingArguments(ddp_timeout=...)``, 1800 s by
         default); then, on gloo, it raises a ``tiermem:`` error that says so (NCCL's watchdog
-        ends the process with its own message instead)."""
+        ends the process with its own message instead).
+
+        Args:
+            output_dir: the folder to write to (default: ``args.output_dir``).
+            _internal_call: the Trainer's own flag, passed on as it gives it.
+        """
         if self.tiered is None:
             return super().save_model(output_dir, _internal_call)
         try:

@@ -62,7 +62,20 @@ class NvmeStore(Store):
     (NOTE [One value per key, and a few spare files]). Files stay on disk after ``close()``
     (spares excepted); ``delete(key)`` removes them.
     The store owns ``directory`` until ``close()`` (NOTE [One store owns a directory]): another
-    store there is refused with the holder's pid.
+    store there is refused with the holder's pid. Every value carries an xxh3_64 checksum that every
+    read checks (NOTE [Data checksums]).
+
+    Args:
+        directory: an existing directory for the store's files.
+        budget: cap on the bytes held (an int or a string such as ``"100GB"``). Default: the
+            filesystem's free space.
+        io_threads: threads issuing ``os.pwritev``/``os.preadv`` (requests in flight).
+        block_size: bytes per I/O request.
+        direct: True insists on ``O_DIRECT``, False never uses it, None uses it where the filesystem
+            takes it (buffered I/O with a warning elsewhere).
+        keep_previous: keep each key's previous value (a damaged value falls back to it); False keeps
+            one value per key.
+        spares: with ``keep_previous=False``, spare files kept per size band for later writes.
     """
 
     tier = Tier.NVME
@@ -103,7 +116,16 @@ class NvmeStore(Store):
     # -- the Store interface --------------------------------------------------------------------
     def write(self, key: str, src: torch.Tensor, kind: Optional[TensorClass] = None) -> Handle:
         """Queue a bit-exact copy of ``src`` under ``key``; keep ``src`` unchanged until ``wait()``.
-        ``kind`` (a TensorClass) lets the ledger report bytes per class."""
+
+        Args:
+            key: the value's name (a plain string: no path separators).
+            src: a CPU tensor to store.
+            kind: the :class:`~tiermem.TensorClass` it is, so the ledger reports bytes per class.
+
+        Returns:
+            A :class:`~tiermem.Handle`; ``wait()`` returns once every byte landed (or raises a
+            :class:`~tiermem.StoreError`).
+        """
         nio.check_key(key)
         nio.check_tensor(key, src, "src")
         data = nio.byte_view(src.detach().resolve_conj().resolve_neg().contiguous())
@@ -127,7 +149,16 @@ class NvmeStore(Store):
         return Handle(future, on_stall=self._add_stall)
 
     def read(self, key: str, out: torch.Tensor) -> Handle:
-        """Queue a copy of ``key``'s value into ``out`` (same dtype and element count, contiguous)."""
+        """Queue a copy of ``key``'s value into ``out``, after any pending write of ``key``.
+
+        Args:
+            key: a key written before.
+            out: a contiguous CPU tensor of the value's dtype and element count.
+
+        Returns:
+            A :class:`~tiermem.Handle`; ``wait()`` returns once ``out`` holds the checked value
+            (or raises a :class:`~tiermem.StoreError` naming the file).
+        """
         nio.check_key(key)
         nio.check_tensor(key, out, "out")
         with self._lock:
@@ -139,7 +170,11 @@ class NvmeStore(Store):
         return Handle(future, on_stall=self._add_stall)
 
     def delete(self, key: str) -> None:
-        """Remove ``key`` and its files once its queued requests are done. Unknown keys are ignored."""
+        """Remove ``key`` and its files once its queued requests are done. Unknown keys are ignored.
+
+        Args:
+            key: the key to remove.
+        """
         with self._lock:
             self._check_open()
             if self._latest(key) is None:
@@ -150,7 +185,11 @@ class NvmeStore(Store):
     def revert(self, key: str) -> None:
         """Once ``key``'s queued requests are done, undo its latest write: the key holds the value
         it held before again (the other slot's). Lets a caller that wrote several keys undo them
-        all when one fails; a key keeps one value back, so this works once per write."""
+        all when one fails; a key keeps one value back, so this works once per write.
+
+        Args:
+            key: a key written before (with ``keep_previous=True``).
+        """
         with self._lock:
             self._check_open()
             if self._latest(key) is None:
@@ -163,15 +202,25 @@ class NvmeStore(Store):
             return isinstance(key, str) and self._latest(key) is not None
 
     def keys(self) -> Iterator[str]:
+        """The keys that hold a value."""
         with self._lock:
             return iter([k for k, state in self._keys.items() if state.latest() is not None])
 
     def meta(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
-        """``(shape, dtype)`` of the latest value written under ``key``."""
+        """``(shape, dtype)`` of the latest value written under ``key``.
+
+        Args:
+            key: a key written before.
+        """
         value = self._value(key)
         return value.shape, value.dtype
 
     def nbytes(self, key: str) -> int:
+        """Bytes of the latest value written under ``key``.
+
+        Args:
+            key: a key written before.
+        """
         return self._value(key).nbytes
 
     def close(self) -> None:

@@ -42,6 +42,20 @@ class CPUAdam(CPUOptimizer):
     hold an inf or NaN changes nothing (no parameter, moment or step count) and sets
     ``last_step_skipped``; ``check_finite=False`` turns the check off. ``bf16_stochastic_round=True``
     takes bf16 parameters and keeps no fp32 copy (tiermem/optim/_dropin.py).
+
+    Args:
+        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
+            CPU tensors.
+        lr: learning rate.
+        betas: coefficients of the running averages of the gradient and of its square.
+        eps: term added to the denominator.
+        weight_decay: decoupled (``adamw=True``) or L2 weight decay.
+        adamw: AdamW when True (the default), Adam when False.
+        check_finite: check every gradient for inf/NaN before any update; a step that finds one
+            changes nothing and sets ``last_step_skipped``. False skips the check.
+        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
+            stochastically (NOTE [Stochastic rounding bits]).
+        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
     _sparse_hint = "use torch.optim.SparseAdam for sparse gradients"

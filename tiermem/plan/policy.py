@@ -86,15 +86,36 @@ class Evaluation:
 
 
 class Policy(abc.ABC):
-    """Gives every managed tensor a home tier."""
+    """Gives every managed tensor a home tier.
+
+    Subclass it and implement :meth:`place`. A policy is pure: no I/O, no device calls and no state
+    the manager mutates, so it can be tested with made-up :class:`~tiermem.TensorInfo` on any machine.
+    """
 
     @abc.abstractmethod
     def place(self, info: TensorInfo) -> Tier:
-        """The home tier of the tensor ``info`` describes."""
+        """The home tier of the tensor ``info`` describes.
+
+        Args:
+            info: what the tensor is (name, kind, nbytes, shape, dtype, module; ``param`` and
+                ``part`` for optimizer state).
+
+        Returns:
+            ``Tier.DEVICE``, ``Tier.HOST`` or ``Tier.NVME``.
+        """
 
     def for_model(self, model: ModelInfo) -> "Policy":
         """The policy to ask about this model's tensors (NOTE [Whole-model policies]); by default
-        this one, which places each tensor on its own."""
+        this one, which places each tensor on its own.
+
+        Args:
+            model: every trainable parameter in forward order, the working dtype and the tiers'
+                limits (:class:`ModelInfo`).
+
+        Returns:
+            A pure :class:`Policy`, complete when made (a separate object when the decision
+            depends on the model).
+        """
         return self
 
     def places_activations_by_module(self) -> bool:
@@ -110,11 +131,18 @@ class Policy(abc.ABC):
 
 
 class PerClass(Policy):
-    """Every tensor of a class on one tier: subclasses set ``homes`` (TensorClass -> Tier)."""
+    """Every tensor of a class on one tier: subclasses set ``homes``, a mapping of
+    :class:`~tiermem.TensorClass` to :class:`~tiermem.Tier`. Its ``place`` never looks at the
+    module, so the model gets no per-module hooks for it."""
 
     homes: Mapping[TensorClass, Tier] = {}
 
     def place(self, info: TensorInfo) -> Tier:
+        """``homes[info.kind]``.
+
+        Args:
+            info: the tensor to place.
+        """
         return self.homes[info.kind]
 
     def places_activations_by_module(self) -> bool:

@@ -65,6 +65,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepResult:
+    """What ``tm.step()`` did.
+
+    Attributes:
+        skipped: True when the gradients held an inf or NaN (or no backward ran since the last step)
+            and nothing was updated.
+        grad_norm: the global L2 norm of the unscaled gradients, before clipping.
+        loss_scale: the loss scale of the next backward (1.0 unless fp16).
+        step: the number of updates applied so far.
+    """
+
     skipped: bool  # True when the gradients overflowed (inf/NaN) and nothing was updated
     grad_norm: float  # global L2 norm of the (unscaled) gradients, before clipping
     loss_scale: float  # the loss scale for the next backward (1.0 unless fp16)
