@@ -66,6 +66,12 @@ class CPUOptimizer(Optimizer):
 
     # -- torch.optim.Optimizer -----------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, as ``torch.optim.Optimizer.add_param_group``; its hyperparameters are
+        checked first.
+
+        Args:
+            param_group: the group: ``"params"`` and the hyperparameters it sets.
+        """
         group = {**self.defaults, **param_group}  # what torch's add_param_group will store
         self._check_group(group)
         if not isinstance(group["bf16_stochastic_round"], bool):
@@ -86,6 +92,11 @@ class CPUOptimizer(Optimizer):
                               f"TieredModel for mixed precision")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this optimizer, or of the torch optimizer it stands in for.
+
+        Args:
+            state_dict: what ``state_dict()`` returned.
+        """
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # a torch optimizer's state_dict lacks tiermem's keys
             for key in ("bf16_stochastic_round", "sr_seed"):
@@ -102,6 +113,15 @@ class CPUOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One update of every parameter with a gradient, after every gradient was checked: a step
+        whose gradients hold an inf or NaN changes nothing and sets ``last_step_skipped``.
+
+        Args:
+            closure: reevaluates the model and returns the loss, as ``torch.optim`` takes it.
+
+        Returns:
+            The closure's loss, or None without one.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
