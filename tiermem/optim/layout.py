@@ -59,6 +59,6 @@ def state_bytes(kind: str, shape: Sequence[int], **options) -> int:
     Args:
         kind: as :func:`state_layout` takes it.
         shape: the parameter's shape.
-        **options: :func:`state_layout`'s keywords (``momentum``, ``min_8bit_size``).
+        **options (Any): :func:`state_layout`'s keywords (``momentum``, ``min_8bit_size``).
     """
     return sum(k * torch.empty((), dtype=dt).element_size() for k, dt in state_layout(kind, shape, **options).values())
