@@ -196,6 +196,26 @@ def test_ci_runs_the_readme_test_command():
     assert any(line.strip() == command for line in (ROOT / ".ci" / "run").read_text().splitlines())
 
 
+# -- the layers table -------------------------------------------------------------------------------
+def test_architecture_page_gives_each_module_its_layer():
+    """docs/architecture.md's table puts every prefix of tests/test_layering.py's LAYERS in the row
+    of its layer, so the table moves when the layering does."""
+    from test_layering import LAYERS
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows: dict[int, str] = {}
+    for line in text.splitlines():
+        m = re.match(r"^\| (\d) \|(.*)", line)
+        if m:
+            rows[int(m.group(1))] = rows.get(int(m.group(1)), "") + m.group(2)
+    for module, layer in LAYERS.items():
+        if module in ("tiermem", "tiermem.__main__"):
+            continue  # the package's own re-exports
+        rel = "policies" if module == "tiermem.policies" else module.replace(".", "/")
+        names = (f"`{rel}/`", f"`{rel}.py`", f"`{module.rsplit('.', 1)[1]}`")
+        assert any(n in rows.get(layer, "") for n in names), f"{module} is not in the row of layer {layer}"
+
+
 # -- the NOTE index ----------------------------------------------------------------------------------
 NOTE_DEF = re.compile(r"^\s*(?:#|//)?\s*NOTE \[([^\]]+)\]\s*$")
 NOTE_REF = re.compile(r"NOTE \[([^\]]+)\]")
