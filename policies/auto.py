@@ -184,7 +184,7 @@ class _Search:
         for weights in (Tier.DEVICE, Tier.HOST, Tier.NVME):
             if any(c.outcome is Verdict.FITS for c in self.judged.values()):
                 break  # weights leave the device only when they cannot stay (NOTE [How Auto chooses])
-            d_max = self._largest(lambda d: self._device_ok(self._judge(weights, d, m - d, Tier.HOST)), m) \
+            d_max = self._largest(lambda d, w=weights: self._device_ok(self._judge(w, d, m - d, Tier.HOST)), m) \
                 if weights == Tier.DEVICE else 0
             if d_max is None:
                 continue  # not even the weights fit on the device
@@ -192,7 +192,7 @@ class _Search:
                 for grads in (Tier.HOST, Tier.NVME):
                     # the host's part shrinks as h does, NVMe's grows: the largest h the host holds
                     # is the one with the least on NVMe, so it fits if any h does
-                    h = self._largest(lambda h: self._host_ok(self._judge(weights, d, h, grads)), m - d)
+                    h = self._largest(lambda h, w=weights, d=d, g=grads: self._host_ok(self._judge(w, d, h, g)), m - d)
                     if h is not None and self._fits(self._judge(weights, d, h, grads)):
                         break
         return list(self.judged.values())

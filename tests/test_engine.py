@@ -2,8 +2,6 @@
 counted in, and the protocol the homes depend on. Keyed moves are tests/test_residency.py's."""
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 
 import pytest

@@ -216,7 +216,7 @@ def test_updates_written_home_between_iterations_are_read_again(nvme_dir):
     try:
         model = Model(res)
         sched = ResidencyScheduler().connect(res)
-        for step in range(3):
+        for _ in range(3):
             _run(sched, model, model.keys + model.keys[::-1], iterations=1)
             for key in model.keys[::3]:  # an optimizer step writes new values to the home tier
                 new = model.values[key] + 1 if model.values[key].is_floating_point() else model.values[key] - 7

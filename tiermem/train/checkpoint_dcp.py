@@ -327,7 +327,7 @@ def load_sharded(state: ModelState, tree: Any) -> None:
     meta_fits(state, meta, lambda what: bad(f"it does not match this model: {what}"), "the state dict")
     pieces = state.pieces()
     values: dict[str, Any] = {}
-    for index, mine in pieces:
+    for _, mine in pieces:
         for part in STATE_PARTS:
             for p in mine:
                 name = f"{part}/{p.name}"

@@ -341,7 +341,7 @@ class GatheredWeights(WeightHome):
         self._link.source = None
         with self._lock:
             self._queue.clear()
-            for key, g in list(self._gathered.items()):
+            for g in list(self._gathered.values()):
                 if g.pending is None and g.announced is None:
                     continue
                 with contextlib.suppress(Exception):

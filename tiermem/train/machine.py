@@ -51,7 +51,7 @@ def machine_profile(device: torch.device, nvme_dir: Optional[str]) -> Profile:
     data = measure(device, nvme_dir)
     try:
         save_profile(data)
-    except Exception as e:  # a read-only cache directory costs a measurement next time, nothing else
+    except Exception as e:  # noqa: BLE001 - a read-only cache directory costs a measurement next time, nothing else
         log.warning("%s", e)
     log.warning("tiermem: machine measured: %s", ", ".join(
         f"{k} {v}" for sec in ("host", "device", "nvme", "adam") for k, v in data[sec].items()
