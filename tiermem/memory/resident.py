@@ -44,11 +44,11 @@ def default_device_budget(device: torch.device) -> int:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return max(0, int(free) + int(torch.cuda.memory_reserved(device)) - device_margin(int(total)))
-    return psutil.virtual_memory().available
+    return int(psutil.virtual_memory().available)
 
 
 def default_host_budget() -> int:
-    return psutil.virtual_memory().available
+    return int(psutil.virtual_memory().available)
 
 
 def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
