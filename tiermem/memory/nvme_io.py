@@ -298,7 +298,8 @@ def _read_body(preadv: PReadv, fd: int, out: torch.Tensor, b0: int, b1: int, wan
     need = n + (HEADER if want_header else 0)
     if not direct:
         head = bytearray(HEADER) if want_header else None
-        into: list[Buf] = ([head] if head is not None else []) + ([_mv(out[b0:b1])] if n else [])
+        into: list[Buf] = [head] if head is not None else []
+        into += [_mv(out[b0:b1])] if n else []
         _read_all(preadv, fd, into, offset, need)
         return bytes(head) if head is not None else None
     main = n // ALIGN * ALIGN if is_aligned(out) else 0
