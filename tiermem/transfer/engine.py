@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -141,7 +142,7 @@ class TransferEngine:
         t0 = time.perf_counter()
         nbytes = t.numel() * t.element_size()
 
-        def done(f) -> None:
+        def done(f: Future[Any]) -> None:
             if f.exception() is None:
                 self.stats.count(src, dst, t0=t0, nbytes=nbytes, kind=kind)
         h.add_done_callback(done)
@@ -154,7 +155,7 @@ class TransferEngine:
         runs on the lane's own stream, after what the caller's stream has queued so far; the
         handle completes once what ``fn`` queued there is done, and a GPU consumer may
         :meth:`join` it as soon as ``fn`` returned."""
-        def timed():
+        def timed() -> object:
             t0 = time.perf_counter()
             try:
                 return fn()

@@ -15,9 +15,10 @@ registry learns of it once it has landed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -27,12 +28,8 @@ from tiermem.memory.base import Store
 from tiermem.memory.registry import Registry, Residency
 from tiermem.memory.resident import MemoryStore, nbytes_of
 from tiermem.transfer.engine import TransferEngine
-from tiermem.transfer.lanes import GpuWork
+from tiermem.transfer.lanes import GpuWork, IssueResult, Ready
 from tiermem.types import TensorInfo, Tier
-
-#: what a lane request returns (NOTE [Issued, then done] in tiermem.transfer.lanes)
-_Issued = tuple[Optional[GpuWork], Optional[torch.Tensor], Callable[[], None]]
-
 
 class KeyedResidency:
     """Moves registered tensors between tiers asynchronously and keeps the registry truthful."""
@@ -76,7 +73,7 @@ class KeyedResidency:
             return Handle.completed(None)
         with self._lock:
             self._pending[key] = (tier, h)
-        h.add_done_callback(lambda _f, k=key, hh=h: self._forget(k, hh))
+        h.add_done_callback(functools.partial(self._forget, key, h))
         return h
 
     def prefetch(self, key: str, dst: Tier = Tier.DEVICE) -> Handle:
@@ -150,7 +147,7 @@ class KeyedResidency:
             with contextlib.suppress(Exception):
                 pending[1].wait()
 
-    def _forget(self, key: str, handle: Handle) -> None:
+    def _forget(self, key: str, handle: Handle, _done: object = None) -> None:
         with self._lock:
             entry = self._pending.get(key)
             if entry is not None and entry[1] is handle:
@@ -169,11 +166,11 @@ class KeyedResidency:
         handle = self.engine.request(lane, lambda: self._run(r, src, dst, out, lane, ready, then_drop), stall=dst)
         with self._lock:
             self._pending[key] = (dst, handle)
-        handle.add_done_callback(lambda _f, k=key, h=handle: self._forget(k, h))
+        handle.add_done_callback(functools.partial(self._forget, key, handle))
         return handle
 
     def _run(self, r: Residency, src: Tier, dst: Tier, out: Optional[torch.Tensor], lane: str,
-             ready: Optional[torch.cuda.Event], then_drop: Optional[Tier]) -> _Issued:
+             ready: Ready, then_drop: Optional[Tier]) -> IssueResult:
         """Issue a move on its lane; the registry learns of it once it is done."""
         t0 = time.perf_counter()
         key, stats = r.key, self.engine.stats
@@ -204,7 +201,7 @@ class KeyedResidency:
         return gpu, (out if dst == Tier.DEVICE else None), finish
 
     def _copy(self, key: str, info: TensorInfo, src: Tier, dst: Tier, out: Optional[torch.Tensor],
-              lane: str, ready: Optional[torch.cuda.Event]) -> Optional[GpuWork]:
+              lane: str, ready: Ready) -> Optional[GpuWork]:
         """Issue the copy; returns its GPU work when it may still run (memory -> memory on a GPU),
         else None: NVMe legs are done on return."""
         src_store, dst_store = self.store(src), self.store(dst)

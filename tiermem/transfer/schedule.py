@@ -219,7 +219,7 @@ class ResidencyScheduler(Reclaimer):
         return sum([*self.history, self.current], ScheduleStats())
 
     # -- public calls -------------------------------------------------------------------------
-    def acquire(self, key: str, *, on_demand: Optional[Counter] = None) -> torch.Tensor:
+    def acquire(self, key: str, *, on_demand: Optional[Counter[str]] = None) -> torch.Tensor:
         """The tensor of ``key`` resident on the tier, held there until :meth:`release`.
         ``on_demand``: counts ``key`` there when, once a trace exists, it had to be fetched on
         demand (nothing had brought it or started to)."""
