@@ -19,6 +19,7 @@ NOTE [Checkpoint directories]. Here, the flow:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -289,7 +290,7 @@ def load(state: ModelState, path: str) -> None:
                          f"was loaded")
     with state.updating():
         for index, pieces in state.pieces():
-            state.load_local(index, lambda views, pieces=pieces: _read_pieces(reader, pieces, views))
+            state.load_local(index, functools.partial(_read_pieces, reader, pieces))
         state.release()
         rest = state.rest()
         _load(reader, {key(name): t for name, t in rest.items()})
@@ -341,7 +342,7 @@ def load_sharded(state: ModelState, tree: Any) -> None:
             raise bad(f"{key(name)!r} is not a tensor of shape {tuple(t.shape)}")
     with state.updating():
         for index, mine in pieces:
-            state.load_local(index, lambda views, mine=mine: _copy_pieces(values, mine, views))
+            state.load_local(index, functools.partial(_copy_pieces, values, mine))
         state.release()
         for name, t in rest.items():
             t.copy_(values[name])  # a no-op where dcp.load filled the model's own tensor

@@ -159,7 +159,8 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     (``torch.save`` writes a tensor's whole storage)."""
     if t.device.type != "cpu" or t.numel() == 0 or t.untyped_storage().nbytes() == t.nbytes:
         return t
-    return torch.frombuffer(memoryview(t.view(torch.uint8).numpy()), dtype=t.dtype)
+    return torch.frombuffer(memoryview(t.view(torch.uint8).numpy()),  # type: ignore[arg-type]  # numpy's stubs
+                            dtype=t.dtype)
 
 
 def key(name: str) -> str:

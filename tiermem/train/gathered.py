@@ -196,6 +196,7 @@ class GatheredWeights(WeightHome):
         while self._queue:
             key = self._queue[0]
             g = self._gathered[key]
+            assert g.announced is not None  # queued once announced, until launched
             if arrived and not g.announced.done():
                 return
             self._queue.pop(0)

@@ -181,7 +181,8 @@ class TieredModel:
                                         param_groups=self.optimizer.param_groups, settle=self.stepper.finish_pending,
                                         on_device_cuda=self.device.type == "cuda")
             self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks)
-            frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
+            frozen_off = ({n: self.param_offload for n in self.layout.frozen if n in param_homes}
+                          if self.param_offload is not None else {})  # (frozen weights off the device make one)
             self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
                                      precision, self.dtype, frozen_off, self.group)
             self._life = Lifecycle()

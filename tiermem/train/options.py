@@ -120,8 +120,9 @@ def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_
 def make_stores(opts: Options, nvme_dir: Optional[str], reclaimers: Sequence[Reclaimer], group: Group) -> dict[Tier, Any]:
     """One store per tier the arguments ask for: device and host always, NVMe with a directory;
     ``reclaimers``: the device's (NOTE [Reclaimers at construction])."""
-    stores: dict[Tier, Any] = {Tier.DEVICE: DeviceStore(opts.device, opts.budgets.device, reclaimers=reclaimers),
-                               Tier.HOST: HostStore(opts.budgets.host)}
+    stores: dict[Tier, Any] = {Tier.DEVICE: DeviceStore(opts.device, opts.budgets.for_tier(Tier.DEVICE),
+                                                        reclaimers=reclaimers),
+                               Tier.HOST: HostStore(opts.budgets.for_tier(Tier.HOST))}
     if nvme_dir is not None:
         mine = group.subdirectory(nvme_dir)  # under data parallelism each rank its own: nvme_dir/rank<r>
         if mine != nvme_dir and os.path.isdir(nvme_dir):
