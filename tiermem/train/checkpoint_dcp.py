@@ -79,7 +79,7 @@ class _Writer(FileSystemWriter):
     def __init__(self, path: str):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0,
                          overwrite=False)
-        self.fs = _HashingFileSystem()
+        self.fs: _HashingFileSystem = _HashingFileSystem()
 
 
 class _InOrder(DefaultSavePlanner):
@@ -122,7 +122,8 @@ class _OneBucket:
     """This process's part of one bucket's state at a time, read when DCP first asks for it."""
 
     def __init__(self, state: ModelState):
-        self.state, self.index, self.views = state, -1, ()
+        self.state, self.index = state, -1
+        self.views: tuple[torch.Tensor, ...] = ()
 
     def source(self, index: int, part: int, p: Piece) -> Callable[[], torch.Tensor]:
         def read() -> torch.Tensor:
