@@ -10,7 +10,7 @@ from tiermem.config import is_int
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.types import Tier
 
-ByteSize = Union[int, str]
+ByteSize = Union[int, float, str]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -63,4 +63,5 @@ class Budgets:
                 object.__setattr__(self, f.name, parse_bytes(v, what=f"Budgets.{f.name}"))
 
     def for_tier(self, tier: Tier) -> Optional[int]:
-        return getattr(self, tier.value)
+        value = getattr(self, tier.value)  # an int once constructed (__post_init__ parsed it)
+        return None if value is None else int(value)
