@@ -76,7 +76,7 @@ def main(argv=None) -> int:
 
     # "pre-training" on the first part of the text: every parameter in one group
     with TieredModel(model, optimizer=AdamW(lr=3e-3), precision=a.precision) as tm:
-        for step, (x, y) in zip(range(a.pretrain_steps), batches(data[:split], 8, 64, seed=0)):
+        for _, (x, y) in zip(range(a.pretrain_steps), batches(data[:split], 8, 64, seed=0)):
             tm.backward(lm_loss(tm(x), y))
             tm.step()
     print(f"pre-trained {a.pretrain_steps} steps; fine-tuning on the rest of the text")

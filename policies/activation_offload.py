@@ -47,7 +47,7 @@ class ActivationOffload(Policy):
         object.__setattr__(self, "min_bytes", parse_bytes(self.min_bytes, what="ActivationOffload.min_bytes"))
 
     def place(self, info: TensorInfo) -> Tier:
-        if info.kind is TensorClass.ACTIVATION and info.nbytes >= self.min_bytes:
+        if info.kind is TensorClass.ACTIVATION and info.nbytes >= int(self.min_bytes):  # an int once constructed
             return self.tier
         return self.base.place(info)
 

@@ -49,6 +49,7 @@ class Assigned(Policy):
             return self.weights
         if info.kind is TensorClass.ACTIVATION:
             return Tier.DEVICE
+        assert info.param is not None  # a GRAD or OPTIM_STATE info names its parameter
         if info.kind is TensorClass.GRAD:
             return self.grads[info.param]
         return self.state[info.param]
@@ -180,26 +181,28 @@ class _Search:
     """The candidates of NOTE [How Auto chooses], judged once each."""
 
     def __init__(self, auto: Auto, model: ModelInfo):
-        self.auto, self.model = auto, model
+        assert model.evaluate is not None, "the planner binds a policy with its evaluator"
+        self.auto, self.model, self.evaluate = auto, model, model.evaluate
         self.names = [p.name for p in model.params]
         self.numel = [p.numel for p in model.params]
         self.total = max(1, sum(self.numel))
-        self.judged: dict[tuple, Choice] = {}
+        self.judged: dict[tuple[object, ...], Choice] = {}
 
     def run(self) -> list[Choice]:
         m = len(self.names)
         for weights in (Tier.DEVICE, Tier.HOST, Tier.NVME):
             if any(c.outcome is Verdict.FITS for c in self.judged.values()):
                 break  # weights leave the device only when they cannot stay (NOTE [How Auto chooses])
-            d_max = self._largest(lambda d: self._device_ok(self._judge(weights, d, m - d, Tier.HOST)), m) \
-                if weights == Tier.DEVICE else 0
+            # the bisections call their lambdas at once, within this iteration (hence the noqa: B023)
+            d_max = (self._largest(lambda d: self._device_ok(self._judge(weights, d, m - d, Tier.HOST)), m)  # noqa: B023
+                     if weights == Tier.DEVICE else 0)
             if d_max is None:
                 continue  # not even the weights fit on the device
             for d in sorted({d_max, d_max * 3 // 4, d_max // 2, d_max // 4, 0}, reverse=True):
                 for grads in (Tier.HOST, Tier.NVME):
                     # the host's part shrinks as h does, NVMe's grows: the largest h the host holds
                     # is the one with the least on NVMe, so it fits if any h does
-                    h = self._largest(lambda h: self._host_ok(self._judge(weights, d, h, grads)), m - d)
+                    h = self._largest(lambda h: self._host_ok(self._judge(weights, d, h, grads)), m - d)  # noqa: B023
                     if h is not None and self._fits(self._judge(weights, d, h, grads)):
                         break
         return list(self.judged.values())
@@ -232,7 +235,7 @@ class _Search:
                 grads[name] = Tier.DEVICE if i < d else Tier.HOST if i < d + h else grads_rest
             label = self._label(weights, d, h, grads_rest)
             policy = Assigned(label, weights, state, grads)
-            ev = self.model.evaluate(policy, profile=self.auto.profile, forward_backward=self.auto.forward_backward)
+            ev = self.evaluate(policy, profile=self.auto.profile, forward_backward=self.auto.forward_backward)
             self.judged[key] = Choice(label, policy, ev, *self._verdict(ev))
         return self.judged[key]
 

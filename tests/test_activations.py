@@ -327,7 +327,7 @@ def test_backward_fetches_ahead_in_reverse_order(window):
     tm = TieredModel(_Chain(), ActivationOffload(ZeroOffload(), min_bytes=0), precision="bf16")
     tm.activations.window = window
     steps = 3
-    for i in range(steps):
+    for _ in range(steps):
         tm.backward(tm(torch.randn(32, 96)).float().pow(2).mean())
     s = tm.activations.stats
     assert s.offloaded[Tier.HOST] == steps * 7  # the input and each tanh output (the next layer's input)
@@ -348,7 +348,9 @@ def test_waiting_on_a_slow_tier_counts_as_device_stall(tmp_path):
         time.sleep(0.03)
         return fast(fd, bufs, offset)
     store._preadv = slow
-    tm.backward(tm(torch.randn(32, 96)).float().pow(2).mean())
+    loss = tm(torch.randn(32, 96)).float().pow(2).mean()
+    _drain(tm)  # every activation reached the host (a fetch before that keeps the device copy: no read)
+    tm.backward(loss)
     rep = tm.report()
     assert rep.stall_seconds_per_tier[Tier.DEVICE] >= 0.02
     assert rep.bytes_moved[(Tier.NVME, Tier.HOST)] > 0

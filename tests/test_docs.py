@@ -18,7 +18,6 @@ import contextlib
 import enum
 import inspect
 import io
-import os
 import re
 import shlex
 import sys

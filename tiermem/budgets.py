@@ -10,7 +10,7 @@ from tiermem.config import is_int
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.types import Tier
 
-ByteSize = Union[int, str]
+ByteSize = Union[int, float, str]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -85,4 +85,5 @@ class Budgets:
         Args:
             tier: a :class:`~tiermem.Tier`.
         """
-        return getattr(self, tier.value)
+        value = getattr(self, tier.value)  # an int once constructed (__post_init__ parsed it)
+        return None if value is None else int(value)

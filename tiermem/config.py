@@ -6,7 +6,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, TypeGuard, cast
 
 import torch
 
@@ -31,12 +31,12 @@ def working_dtype(precision: str) -> torch.dtype:
 # the policies' shares, TieredModel's and NvmeStore's arguments, DeepSpeed configs, checkpoint
 # footers): a number is a real number but not a bool (ints, floats, numpy scalars); a count is
 # an int but not a bool.
-def is_number(v: Any) -> bool:
+def is_number(v: Any) -> TypeGuard[float]:
     """A real number that is not a bool (NOTE [Numbers are not bools])."""
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
-def is_int(v: Any) -> bool:
+def is_int(v: Any) -> TypeGuard[int]:
     """An int that is not a bool (NOTE [Numbers are not bools])."""
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -162,7 +162,7 @@ def read_groups(where: str, given: Any) -> tuple[GivenGroup, ...]:
     """Torch-style param groups (as ``torch.optim.AdamW(params, ...)`` takes them: an iterable of
     tensors, or of dicts with ``"params"`` and the hyperparameters the group sets) checked and
     normalised. ``where``: what the field names are read after (``"AdamW."``)."""
-    items = [given] if isinstance(given, (torch.Tensor, dict)) else None
+    items: Optional[list[Any]] = [given] if isinstance(given, (torch.Tensor, dict)) else None
     if items is None:
         if isinstance(given, (set, frozenset, str)) or not hasattr(given, "__iter__"):
             what = repr(given) if isinstance(given, (int, float, str)) else f"a {type(given).__name__}"
@@ -173,6 +173,7 @@ def read_groups(where: str, given: Any) -> tuple[GivenGroup, ...]:
     if not items:
         raise ConfigError(f"tiermem: {where}params is empty; give the model's parameters or param groups, or leave "
                           f"params out (every trainable parameter in the groups by rule)")
+    groups: list[dict[str, Any]]
     if all(isinstance(g, dict) for g in items):
         groups = items
     elif not any(isinstance(g, dict) for g in items):
@@ -287,7 +288,7 @@ class _AdamSpec:
     @property
     def given(self) -> Optional[tuple[GivenGroup, ...]]:
         """The param groups given (NOTE [Param groups]), or None when groups follow the rule."""
-        return self.params
+        return cast(Optional[tuple[GivenGroup, ...]], self.params)  # read_groups' result, once constructed
 
     def decays(self, name: str, param: torch.Tensor) -> bool:
         """Whether weight decay applies to the parameter ``name`` under the rule groups."""

@@ -8,6 +8,7 @@ reach it through ``TransferEngine.chain``, which counts the stalls (NOTE [Chaine
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import CancelledError, Future
@@ -28,7 +29,7 @@ class Handle:
 
     __slots__ = ("_future", "_on_stall", "_issued")
 
-    def __init__(self, future: Future, *, on_stall: Optional[StallSink] = None, issued: Optional["Issued"] = None):
+    def __init__(self, future: Future[Any], *, on_stall: Optional[StallSink] = None, issued: Optional["Issued"] = None):
         self._future = future
         self._on_stall = on_stall
         self._issued = issued
@@ -40,7 +41,7 @@ class Handle:
         Args:
             value: what ``wait()`` returns.
         """
-        f: Future = Future()
+        f: Future[Any] = Future()
         f.set_result(value)
         return cls(f)
 
@@ -81,7 +82,7 @@ class Handle:
         issued.wait()
         return issued
 
-    def add_done_callback(self, fn: Callable[[Future], None]) -> None:
+    def add_done_callback(self, fn: Callable[[Future[Any]], None]) -> None:
         """Call ``fn(future)`` once the request finished (at once when it has).
 
         Args:
@@ -105,7 +106,7 @@ class Issued:
 
     __slots__ = ("_flag", "event", "value", "failed")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._flag = threading.Event()
         self.event: Any = None
         self.value: Any = None
@@ -154,7 +155,7 @@ def chain(first: Union[Handle, Sequence[Handle]], then: Optional[Callable[[], An
     """One handle for "``then()`` once ``first`` has finished"; see NOTE [Chained requests] in
     :mod:`tiermem.transfer.engine`, whose ``TransferEngine.chain`` is the way in."""
     link = _Link(then, cleanup, isinstance(first, Handle))
-    firsts = [first] if link.single else list(first)
+    firsts = [first] if isinstance(first, Handle) else list(first)
     if len(firsts) == 1:
         firsts[0].add_done_callback(link.first_done)
     else:
@@ -170,13 +171,13 @@ class _Link:
 
     def __init__(self, then: Optional[Callable[[], Any]], cleanup: Optional[Callable[[], None]], single: bool):
         self.then, self.cleanup, self.single = then, cleanup, single
-        self.out: Future = Future()
+        self.out: Future[Any] = Future()
 
-    def first_done(self, f: Future) -> None:
+    def first_done(self, f: Future[Any]) -> None:
         error = _error_of(f)
         self.start(error, [f.result()] if error is None and self.then is None else [])
 
-    def start(self, error: Optional[BaseException], results: list) -> None:
+    def start(self, error: Optional[BaseException], results: list[Any]) -> None:
         if error is not None:
             self.end(error)
             return
@@ -190,7 +191,7 @@ class _Link:
         else:
             self.end(None, value)
 
-    def request_done(self, f: Future) -> None:
+    def request_done(self, f: Future[Any]) -> None:
         error = _error_of(f)
         self.end(error, f.result() if error is None else None)
 
@@ -204,7 +205,7 @@ class _Link:
         self.out.set_exception(error) if error is not None else self.out.set_result(value)
 
 
-def _when_all(handles: list[Handle], fn: Callable[[Optional[BaseException], list], None]) -> None:
+def _when_all(handles: list[Handle], fn: Callable[[Optional[BaseException], list[Any]], None]) -> None:
     """Call ``fn(first error in the order given or None, results)`` once every handle is done, on
     the thread that finished the last one (at once, on this thread, if there are none)."""
     if not handles:
@@ -214,7 +215,7 @@ def _when_all(handles: list[Handle], fn: Callable[[Optional[BaseException], list
     results: list[Any] = [None] * len(handles)
     left, lock = [len(handles)], threading.Lock()
 
-    def one(i: int, f: Future) -> None:
+    def one(i: int, f: Future[Any]) -> None:
         errors[i] = _error_of(f)
         if errors[i] is None:
             results[i] = f.result()
@@ -225,10 +226,10 @@ def _when_all(handles: list[Handle], fn: Callable[[Optional[BaseException], list
             error = next((e for e in errors if e is not None), None)
             fn(error, [] if error is not None else results)
     for i, h in enumerate(handles):
-        h.add_done_callback(lambda f, i=i: one(i, f))
+        h.add_done_callback(functools.partial(one, i))
 
 
-def _error_of(f: Future) -> Optional[BaseException]:
+def _error_of(f: Future[Any]) -> Optional[BaseException]:
     """A finished future's error (a cancelled one's is CancelledError), or None."""
     try:
         return f.exception()

@@ -158,7 +158,7 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
                   title_justify="left")
     for col, just in (("policy", "left"), ("precision", "left"), ("device", "right"), ("host", "right"),
                       ("nvme", "right"), ("fits?", "left")):
-        tiers.add_column(col, justify=just)
+        tiers.add_column(col, justify=just)  # type: ignore[arg-type]  # rich wants a Literal: these are
     caps = [_common.fmt_size(lim[f"{t}_bytes"]) for t in ("device", "host", "nvme")]
     if lim["device_shares_host"]:
         caps[0] = "in host RAM" if lim["device_bytes"] >= lim["host_bytes"] else f"{caps[0]} of host RAM"

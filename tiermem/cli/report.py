@@ -23,7 +23,7 @@ def _tiers_table(data: dict[str, Any]) -> Table:
                     f"(GB/s = 10^9 bytes/s, median of repeats; cv = spread)", title_justify="left")
     for col, just in (("tier", "left"), ("move", "left"), ("GB/s", "right"), ("cv", "right"),
                       ("", "left")):
-        t.add_column(col, justify=just)
+        t.add_column(col, justify=just)  # type: ignore[arg-type]  # rich wants a Literal: these are
     dev, host, nvme = data["device"], data["host"], data["nvme"]
     if dev.get("accelerator"):
         for suffix, kind in (("", "pinned"), ("_pageable", "pageable")):
@@ -70,7 +70,7 @@ def _sweep_table(data: dict[str, Any]) -> Table:
               title_justify="left")
     for col, just in (("block size", "right"), ("in flight", "right"), ("I/O", "left"),
                       ("write GB/s", "right"), ("cv", "right"), ("read GB/s", "right"), ("cv", "right")):
-        t.add_column(col, justify=just)
+        t.add_column(col, justify=just)  # type: ignore[arg-type]  # rich wants a Literal: these are
     best = {op: max(e[f"{op}_GBps"] for e in nv["sweep"] if e["asked_direct"]) for op in ("write", "read")}
     for i, e in enumerate(nv["sweep"]):
         cells = []
@@ -87,7 +87,7 @@ def _adam_table(data: dict[str, Any]) -> Table:
     a = data["adam"]
     t = Table(title=f"CPU Adam, {a['params'] / 1e6:.1f}M parameters (Gparam/s)", title_justify="left")
     for col, just in (("kernel", "left"), ("Gparam/s", "right"), ("cv", "right"), ("", "left")):
-        t.add_column(col, justify=just)
+        t.add_column(col, justify=just)  # type: ignore[arg-type]  # rich wants a Literal: these are
     first = f"{a['implementation']} kernel; compiled (or loaded from cache) in {a['compile_s']:.1f} s"
     t.add_row(f"tiermem {a['tiermem_kernel']}", f"{a['tiermem_Gparams_per_s']:.3f}",
               _cv(data, a, "tiermem_Gparams_per_s", "adam.tiermem_Gparams_per_s"), first)

@@ -20,7 +20,7 @@ import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -80,7 +80,7 @@ class NvmeStore(Store):
 
     tier = Tier.NVME
 
-    def __init__(self, directory: str | os.PathLike, *, budget: ByteSize | None = None,
+    def __init__(self, directory: str | os.PathLike[str], *, budget: ByteSize | None = None,
                  io_threads: int = 8, block_size: int = 8 * 2**20, direct: bool | None = None,
                  keep_previous: bool = True, spares: int = 4):
         self.directory = os.path.abspath(os.fspath(directory))
@@ -247,10 +247,10 @@ class NvmeStore(Store):
                 f"{len(list(self.keys()))} keys, {fmt_bytes(self.used)} of {fmt_bytes(self.allowed)})")
 
     # -- seams: tests replace these on one store to inject failures -------------------------------
-    def _pwritev(self, fd: int, bufs: Sequence, offset: int) -> int:
+    def _pwritev(self, fd: int, bufs: Sequence[nio.Buf], offset: int) -> int:
         return os.pwritev(fd, bufs, offset)
 
-    def _preadv(self, fd: int, bufs: Sequence, offset: int) -> int:
+    def _preadv(self, fd: int, bufs: Sequence[nio.Buf], offset: int) -> int:
         return os.preadv(fd, bufs, offset)
 
     def _fallocate(self, fd: int, size: int) -> None:
@@ -262,7 +262,7 @@ class NvmeStore(Store):
             os.ftruncate(fd, size)  # the filesystem cannot reserve space; just size the file
 
     # -- requests (run on the I/O threads) ------------------------------------------------------
-    def _start_write(self, key: str, value: Value, data: torch.Tensor, future: Future) -> None:
+    def _start_write(self, key: str, value: Value, data: torch.Tensor, future: Future[Any]) -> None:
         with self._lock:
             current = self._keys[key].current()
         slot, gen = (0, 0) if current is None else (1 - current.slot, current.gen + 1)
@@ -302,7 +302,7 @@ class NvmeStore(Store):
                                [partial(nio.digest, data[b0:b1]) for b0, b1 in spans] if beside else None,
                                hash_first=True)
 
-    def _finish_write(self, key: str, copy: Copy, fd: Optional[int], future: Future,
+    def _finish_write(self, key: str, copy: Copy, fd: Optional[int], future: Future[Any],
                       err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
         if fd is not None:
             try:
@@ -339,7 +339,7 @@ class NvmeStore(Store):
             self._release_file(previous.path, spare)
         self._complete(key, future, self._error("write", key, copy, err))
 
-    def _start_read(self, key: str, data: torch.Tensor, out: torch.Tensor, future: Future) -> None:
+    def _start_read(self, key: str, data: torch.Tensor, out: torch.Tensor, future: Future[Any]) -> None:
         with self._lock:
             current = self._keys[key].current()
         fd = None
@@ -367,7 +367,7 @@ class NvmeStore(Store):
                                partial(self._finish_read, key, current, fd, future),
                                [partial(nio.digest, data[b0:b1]) for b0, b1 in spans] if beside else None)
 
-    def _finish_read(self, key: str, copy: Optional[Copy], fd: Optional[int], future: Future,
+    def _finish_read(self, key: str, copy: Optional[Copy], fd: Optional[int], future: Future[Any],
                      err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
         if fd is not None:
             with contextlib.suppress(OSError):
@@ -406,7 +406,7 @@ class NvmeStore(Store):
             said += f"; so is the previous value's: {spoilt(key, previous, why_too)}"
         return lost(key, said, self.directory)
 
-    def _start_delete(self, key: str, future: Future) -> None:
+    def _start_delete(self, key: str, future: Future[Any]) -> None:
         with self._lock:
             state = self._keys[key]
             state.copies = [None, None]  # writes queued after this delete still land
@@ -423,7 +423,7 @@ class NvmeStore(Store):
                                         f"the key is forgotten, remove the file by hand")
         self._complete(key, future, err)
 
-    def _start_revert(self, key: str, future: Future) -> None:
+    def _start_revert(self, key: str, future: Future[Any]) -> None:
         with self._lock:
             state = self._keys[key]
             latest = state.current()
@@ -433,15 +433,16 @@ class NvmeStore(Store):
                 err = None
             else:
                 err = cannot_revert(key)
-        if err is None:
+        if err is None and latest is not None:  # (no error: there was a latest copy)
             with contextlib.suppress(OSError):
                 os.unlink(latest.path)  # a reader going by generations must not find it either
         self._complete(key, future, err)
 
-    def _complete(self, key: str, future: Future, err: Optional[BaseException]) -> None:
+    def _complete(self, key: str, future: Future[Any], err: Optional[BaseException]) -> None:
         with self._lock:
             state = self._keys.get(key)
-            if self._requests.finished(state, future) and state.current() is None and not state.queued:
+            last = self._requests.finished(state, future)  # True only for a state: its last request
+            if last and state is not None and state.current() is None and not state.queued:
                 del self._keys[key]  # nothing stored, nothing queued: forget it
         if err is None:
             future.set_result(None)

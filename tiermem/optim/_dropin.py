@@ -112,7 +112,7 @@ class CPUOptimizer(Optimizer):
         self._index = None
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]  # torch's stub: overloads
         """One update of every parameter with a gradient, after every gradient was checked: a step
         whose gradients hold an inf or NaN changes nothing and sets ``last_step_skipped``.
 
@@ -151,7 +151,7 @@ class CPUOptimizer(Optimizer):
         return loss
 
     def _fused(self, kernel: _run.Kernel, p: torch.Tensor, state: tuple, group: dict[str, Any], step: int,
-               sr: Optional[StochasticRound], make: Callable[[], Any], checked: Callable[[], None],
+               sr: Optional[StochasticRound], make: Callable[[], Any], checked: Callable[[], object],
                *variant: Any) -> None:
         """One update: the native kernel straight away, with the group's hyperparameters made and checked
         once per step (``make``), when the tensors allow; else ``checked``, the functional entry."""
@@ -161,7 +161,9 @@ class CPUOptimizer(Optimizer):
             hyper = make()
             prepared = self._prepared[key] = (hyper, _native.floats(kernel.scalars(hyper)))
         keys = None if sr is None else sr.keys(step)
-        if not _run.fast_step(kernel, p.detach(), state, p.grad.detach(), prepared[1], keys):
+        grad = p.grad
+        assert grad is not None  # the drop-ins step the parameters that have a gradient
+        if not _run.fast_step(kernel, p.detach(), state, grad.detach(), prepared[1], keys):
             checked()
 
     def _rounding(self, p: torch.Tensor, group: dict[str, Any]) -> StochasticRound:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -203,8 +203,13 @@ def state_numels(shape: tuple[int, ...]) -> dict[str, int]:
 
 def _kernel(shape: tuple[int, ...]) -> _run.Kernel:
     """What _run's tensor checks read: the state's names, dtypes and element counts."""
-    specs = tuple(_run.StateSpec(name, torch.float32, lambda n, k=k: k) for name, k in state_numels(shape).items())
-    return _run.Kernel("adafactor_step", specs, None, None)
+    specs = tuple(_run.StateSpec(name, torch.float32, _always(k)) for name, k in state_numels(shape).items())
+    return _run.Kernel("adafactor_step", specs, None, None)  # type: ignore[arg-type]  # only the tensor checks read it
+
+
+def _always(k: int) -> Callable[[int], int]:
+    """A state's element count, whatever the master's."""
+    return lambda n: k
 
 
 def reference(master: torch.Tensor, state: list, grad: torch.Tensor, out: Optional[torch.Tensor],
@@ -282,7 +287,7 @@ def _native_step(lib, master: torch.Tensor, grad: torch.Tensor, out: Optional[to
         (variance,) = state
         sums = torch.zeros(2, dtype=torch.float64)  # the sums of u^2 and of p^2
         lib.tm_adafactor_vec_stats(n, P(master), C(master), P(grad), C(grad), P(variance),
-                                   _native.floats(h.scalars()), P(sums), P(sums) + 8, nt)
+                                   _native.floats(h.scalars()), P(sums), sums.data_ptr() + 8, nt)
         s = h.scalars(h.neg_step(sums[1].item(), sums[0].item(), n))
         lib.tm_adafactor_vec_apply(n, P(master), C(master), P(grad), C(grad), P(out), C(out), P(variance),
                                    _native.floats(s), sr, nt)

@@ -92,8 +92,10 @@ def adam_update(opt: CPUOptimizer, p: torch.Tensor, state: dict[str, Any], group
     beta1, beta2 = group["betas"]
     kw = dict(step=step, lr=as_number(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
               weight_decay=group["weight_decay"], adamw=group["adamw"])
+    grad = p.grad
+    assert grad is not None  # the drop-ins step the parameters that have a gradient
     opt._fused(_run.ADAM, p, (state["exp_avg"], state["exp_avg_sq"]), group, step, sr, lambda: AdamHyper(**kw),
-               lambda: adam_step(p, state["exp_avg"], state["exp_avg_sq"], p.grad, **kw, check_finite=False,
+               lambda: adam_step(p, state["exp_avg"], state["exp_avg_sq"], grad, **kw, check_finite=False,
                                  stochastic_round=sr))
 
 

@@ -75,8 +75,10 @@ class CPUSGD(CPUOptimizer):
         kw = dict(step=step, lr=number(g["lr"]), momentum=g["momentum"], dampening=g["dampening"],
                   nesterov=g["nesterov"], weight_decay=g["weight_decay"], maximize=g["maximize"], init_buffer=new)
         buf = buf if g["momentum"] != 0 else None
+        grad = p.grad
+        assert grad is not None  # the drop-ins step the parameters that have a gradient
         self._fused(_run.SGD, p, (buf,), g, step, sr, lambda: SGDHyper(**kw),
-                    lambda: sgd_step(p, buf, p.grad, **kw, stochastic_round=sr, check_finite=False), new)
+                    lambda: sgd_step(p, buf, grad, **kw, stochastic_round=sr, check_finite=False), new)
 
 
 @checked_arguments
@@ -119,8 +121,10 @@ class CPUAdagrad(CPUOptimizer):
                 sr: Optional[StochasticRound]) -> None:
         kw = dict(step=step, lr=number(g["lr"]), lr_decay=g["lr_decay"], weight_decay=g["weight_decay"], eps=g["eps"],
                   maximize=g["maximize"])
+        grad = p.grad
+        assert grad is not None  # the drop-ins step the parameters that have a gradient
         self._fused(_run.ADAGRAD, p, (state["sum"],), g, step, sr, lambda: AdagradHyper(**kw),
-                    lambda: adagrad_step(p, state["sum"], p.grad, **kw, stochastic_round=sr, check_finite=False))
+                    lambda: adagrad_step(p, state["sum"], grad, **kw, stochastic_round=sr, check_finite=False))
 
 
 @checked_arguments
@@ -160,9 +164,11 @@ class CPULion(CPUOptimizer):
     def _update(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int,
                 sr: Optional[StochasticRound]) -> None:
         lr, (b1, b2), wd = number(g["lr"]), g["betas"], g["weight_decay"]
+        grad = p.grad
+        assert grad is not None  # the drop-ins step the parameters that have a gradient
         self._fused(_run.LION, p, (state["exp_avg"],), g, step, sr,
                     lambda: LionHyper(step=step, lr=lr, lion_beta1=b1, lion_beta2=b2, weight_decay=wd),
-                    lambda: lion_step(p, state["exp_avg"], p.grad, step=step, lr=lr, beta1=b1, beta2=b2,
+                    lambda: lion_step(p, state["exp_avg"], grad, step=step, lr=lr, beta1=b1, beta2=b2,
                                       weight_decay=wd, stochastic_round=sr, check_finite=False))
 
 
@@ -213,7 +219,9 @@ class CPUAdafactor(CPUOptimizer):
 
     def _update(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int,
                 sr: Optional[StochasticRound]) -> None:
-        adafactor_step(p, p.grad, step=step, lr=number(g["lr"]), beta2_decay=g["beta2_decay"], eps1=g["eps"][0],
+        grad = p.grad
+        assert grad is not None  # the drop-ins step the parameters that have a gradient
+        adafactor_step(p, grad, step=step, lr=number(g["lr"]), beta2_decay=g["beta2_decay"], eps1=g["eps"][0],
                        eps2=g["eps"][1], d=g["d"], weight_decay=g["weight_decay"], maximize=g["maximize"],
                        row_var=state.get("row_var"), col_var=state.get("col_var"), variance=state.get("variance"),
                        stochastic_round=sr, check_finite=False)
@@ -274,6 +282,8 @@ class CPUAdam8bit(CPUOptimizer):
         kw = dict(step=step, lr=number(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"],
                   adamw=g["adamw"])
         quantized = (state["exp_avg"], state["exp_avg_absmax"], state["exp_avg_sq"], state["exp_avg_sq_absmax"])
+        grad = p.grad
+        assert grad is not None  # the drop-ins step the parameters that have a gradient
         self._fused(_run.ADAM8BIT, p, quantized, g, step, sr, lambda: AdamHyper(**kw),
-                    lambda: adam8bit_step(p.view(-1) if p.is_contiguous() else p, *quantized, p.grad.reshape(-1), **kw,
+                    lambda: adam8bit_step(p.view(-1) if p.is_contiguous() else p, *quantized, grad.reshape(-1), **kw,
                                           stochastic_round=sr, check_finite=False))

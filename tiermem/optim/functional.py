@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -125,7 +125,7 @@ def _choose(impl: Optional[str], master: torch.Tensor, exp_avg: torch.Tensor, ex
     if not all(t is None or t.is_contiguous() for t in tensors):
         return "reference", tensors  # elementwise ops work on any strides; only the reference takes them
     name = impl if impl is not None else _default()
-    return name, tuple(None if t is None else t.view(-1) for t in tensors)
+    return name, tuple(None if t is None else t.view(-1) for t in tensors)  # type: ignore[return-value]  # the five, flat
 
 
 def _compiled_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
@@ -251,8 +251,9 @@ def compile_disabled() -> bool:
     return _compiled.disabled_by_env()
 
 
-def as_number(value: object) -> object:
-    """A one-element tensor (torch optimizers allow a tensor lr) as the number it holds."""
+def as_number(value: object) -> Any:
+    """A one-element tensor (torch optimizers allow a tensor lr) as the number it holds (anything
+    else as it is: the hyperparameters' rules check it)."""
     return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 

@@ -68,7 +68,7 @@ def plan_buckets(params: Sequence[Placed], bucket_numel: int, *, first_index: in
     ``first_index``/``first_order``: where the buckets' indices and the slots' orders start (past
     a model's buckets, for parameters unfrozen later: NOTE [Freezing and unfreezing])."""
     buckets: list[Bucket] = []
-    open_: dict[tuple, Bucket] = {}
+    open_: dict[tuple[Tier, Tier, int, Tier], Bucket] = {}
     for order, (name, p, grad_tier, state_tier, group, param_tier) in enumerate(params, start=first_order):
         k = (grad_tier, state_tier, group, param_tier)
         b = open_.get(k)

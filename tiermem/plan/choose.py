@@ -17,7 +17,7 @@ import torch
 from tiermem.errors import ConfigError
 from tiermem.plan.cost import Rates, predict as predict_stages
 from tiermem.plan.footprint import model_footprint, totals
-from tiermem.plan.placement import bind, compute_tier, plan
+from tiermem.plan.placement import bind, plan
 from tiermem.plan.policy import Evaluation, Policy
 from tiermem.plan.profile import Profile, load_profile
 from tiermem.types import Tier

@@ -152,7 +152,8 @@ class PerClass(Policy):
 def resolve_policy(policy: Optional[Policy]) -> Policy:
     if policy is None:
         from tiermem.policies import ZeroOffload  # lazy: policies import tiermem, never the reverse
-        return ZeroOffload()
+        default: Policy = ZeroOffload()
+        return default
     if not isinstance(policy, Policy):
         raise ConfigError(f"tiermem: policy={policy!r} is not a tiermem.Policy; pass an instance such "
                           f"as ZeroOffload() or a subclass of Policy that implements place(info)")

@@ -73,7 +73,7 @@ class Profile:
         return list(self.data.get("noisy", []))
 
 
-def load_profile(path: Optional[os.PathLike | str] = None) -> Optional[Profile]:
+def load_profile(path: Optional[os.PathLike[str] | str] = None) -> Optional[Profile]:
     """The saved profile, or None when there is none (or it cannot be read: logged, not raised)."""
     p = Path(path) if path is not None else profile_path()
     try:
@@ -92,7 +92,7 @@ def load_profile(path: Optional[os.PathLike | str] = None) -> Optional[Profile]:
     return Profile(data)
 
 
-def save_profile(data: Mapping[str, Any], path: Optional[os.PathLike | str] = None) -> Path:
+def save_profile(data: Mapping[str, Any], path: Optional[os.PathLike[str] | str] = None) -> Path:
     """Write ``data`` atomically (a reader never sees half a file); returns where it went."""
     p = Path(path) if path is not None else profile_path()
     try:

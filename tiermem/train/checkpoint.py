@@ -31,6 +31,7 @@ an fp32 checkpoint resumed in fp16 keeps the run's scale rather than reset it to
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -287,18 +288,18 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
     return index
 
 
-def _read_into(f: BinaryIO, e: dict, t: torch.Tensor) -> None:
+def _read_into(f: io.BufferedReader, e: dict, t: torch.Tensor) -> None:
     dtype = dtype_named(e["dtype"])
     f.seek(e["offset"])
     if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous():
-        f.readinto(t.reshape(-1).view(torch.uint8).numpy())
+        f.readinto(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy's stubs: no buffer protocol
         return
     tmp = torch.empty(e["shape"], dtype=dtype)
-    f.readinto(tmp.reshape(-1).view(torch.uint8).numpy())
+    f.readinto(tmp.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # (as above)
     t.copy_(tmp)
 
 
-def _open(path: str) -> BinaryIO:
+def _open(path: str) -> io.BufferedReader:
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a directory, a FIFO (which would block), a device
             raise StoreError(f"tiermem: {path!r} is {'a directory' if os.path.isdir(path) else 'not a regular file'}, "
@@ -313,7 +314,7 @@ def _open(path: str) -> BinaryIO:
                          f"permissions or pass another path") from None
 
 
-def _open_checked(state: ModelState, path: str) -> tuple[BinaryIO, dict, dict[str, dict]]:
+def _open_checked(state: ModelState, path: str) -> tuple[io.BufferedReader, dict, dict[str, dict]]:
     f = _open(path)
     try:
         doc, magic = _read_footer(f, path)

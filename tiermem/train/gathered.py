@@ -197,6 +197,7 @@ class GatheredWeights(WeightHome):
         while self._queue:
             key = self._queue[0]
             g = self._gathered[key]
+            assert g.announced is not None  # queued once announced, until launched
             if arrived and not g.announced.done():
                 return
             self._queue.pop(0)
@@ -342,7 +343,7 @@ class GatheredWeights(WeightHome):
         self._link.source = None
         with self._lock:
             self._queue.clear()
-            for key, g in list(self._gathered.items()):
+            for g in list(self._gathered.values()):
                 if g.pending is None and g.announced is None:
                     continue
                 with contextlib.suppress(Exception):

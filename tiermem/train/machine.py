@@ -31,12 +31,14 @@ _ADAM_PARAMS = 2**22
 def store_limits(device: torch.device, budgets: Budgets, nvme_dir: Optional[str]) -> dict[Tier, int]:
     """What each store will be allowed, computed as the stores compute it, before any exists (on an
     accelerator, no more than is free there now); NVMe only with a directory."""
-    dev = budgets.device if budgets.device is not None else default_device_budget(device)
+    given = budgets.for_tier(Tier.DEVICE)
+    dev = given if given is not None else default_device_budget(device)
     if device.type == "cuda":
         dev = min(dev, torch.cuda.mem_get_info(device)[0])
-    limits = {Tier.DEVICE: dev, Tier.HOST: budgets.host if budgets.host is not None else default_host_budget()}
+    host, nvme = budgets.for_tier(Tier.HOST), budgets.for_tier(Tier.NVME)
+    limits = {Tier.DEVICE: dev, Tier.HOST: host if host is not None else default_host_budget()}
     if nvme_dir is not None:
-        limits[Tier.NVME] = budgets.nvme if budgets.nvme is not None else (
+        limits[Tier.NVME] = nvme if nvme is not None else (
             shutil.disk_usage(nvme_dir).free if os.path.isdir(nvme_dir) else 0)
     return limits
 
@@ -51,7 +53,7 @@ def machine_profile(device: torch.device, nvme_dir: Optional[str]) -> Profile:
     data = measure(device, nvme_dir)
     try:
         save_profile(data)
-    except Exception as e:  # a read-only cache directory costs a measurement next time, nothing else
+    except Exception as e:  # noqa: BLE001 - a read-only cache directory costs a measurement next time, nothing else
         log.warning("%s", e)
     log.warning("tiermem: machine measured: %s", ", ".join(
         f"{k} {v}" for sec in ("host", "device", "nvme", "adam") for k, v in data[sec].items()
@@ -59,7 +61,7 @@ def machine_profile(device: torch.device, nvme_dir: Optional[str]) -> Profile:
     return Profile(data)
 
 
-def _rate(fn: Callable[[], None], units: float, sync: Callable[[], None] = lambda: None, repeats: int = 3) -> float:
+def _rate(fn: Callable[[], object], units: float, sync: Callable[[], None] = lambda: None, repeats: int = 3) -> float:
     """Best of ``repeats`` timings, in units per second (after one untimed call)."""
     fn()
     sync()

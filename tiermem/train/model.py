@@ -23,10 +23,11 @@ from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _AdamSpec
 from tiermem.errors import ConfigError, TierMemError, checked_arguments
 from tiermem.memory import deferred
-from tiermem.memory.ledger import InFlight, Reclaimers
+from tiermem.memory.ledger import InFlight
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
-from tiermem.plan.footprint import check_fits, largest_module_bytes, model_footprint, totals
+from tiermem.plan.buckets import Bucket
+from tiermem.plan.footprint import Footprint, check_fits, largest_module_bytes, model_footprint, totals
 from tiermem.plan.choose import Evaluator
 from tiermem.plan.cost import against_measured
 from tiermem.plan.placement import plan, split_weights
@@ -52,6 +53,7 @@ from tiermem.train.trainable import Trainable
 from tiermem.train.uploads import Outputs
 from tiermem.transfer.collectives import fingerprint, resolve_group
 from tiermem.transfer.engine import TransferEngine
+from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import ResidencyScheduler
 from tiermem.types import Tier
 
@@ -146,7 +148,8 @@ class TieredModel:
         self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
         self.tracer = Tracer(trace_path)
         self.group = resolve_group(process_group, tracer=self.tracer if trace_path else None)  # NOTE [Data parallel]; one process: every collective a no-op
-        self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=store_limits(opts.device, opts.budgets, nvme_dir),
+        limits = store_limits(opts.device, opts.budgets, nvme_dir)
+        self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=limits,
                                     machine=lambda: machine_profile(opts.device, nvme_dir), overlap=opts.overlap,
                                     world=self.group.world, nvme_staging=opts.device.type == "cuda",
                                     shard_weights=opts.shard_weights)
@@ -163,15 +166,19 @@ class TieredModel:
                opts.shard_weights]
             + [(g.name, sorted(g.options.items()), g.params, g.frozen) for g in planned.groups]))
         sharded, offloaded = split_weights(buckets, param_homes, self.group.world, opts.shard_weights)
+        need = self._footprint(buckets, param_homes, opts.shard_weights)
         in_flight = InFlight()  # grads copying home hold device room until they land: the device ledger waits for them
-        reclaimers = Reclaimers(in_flight.give_room)  # and a cache of prefetched weights, once built, evicts
-        self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)
+        # and a cache of prefetched weights evicts: both given to the device store as it is built
+        weights_cache = (self._weights_cache(offloaded, limits[Tier.DEVICE] - totals(need)[Tier.DEVICE], opts.prefetch)
+                         if offloaded else None)
+        reclaimers = (in_flight,) if weights_cache is None else (in_flight, weights_cache)
+        self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)  # NOTE [Reclaimers at construction]
         with lifetime.undone_on_failure(self, module):  # a failed build leaves nothing held
-            device_need = self._check_fits(buckets, param_homes, opts.shard_weights)
+            check_fits(need, self.stores)  # refuse a working set that does not fit its budgets (as `tiermem plan`)
             self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
             self.hooks = HookSet()
-            self.param_offload = (self._offload_weights(offloaded, device_need, opts.prefetch, reclaimers)
-                                  if offloaded else None)
+            self.param_offload = (self._offload_weights(offloaded, weights_cache)
+                                  if weights_cache is not None else None)
             self.gathered = (build_gathered(module, sharded, self.stores, self.engine, self.group, self.dtype,
                                             self.device, self.hooks, prefetch=opts.prefetch)
                              if sharded else None)  # NOTE [Weights sharded over the ranks]
@@ -212,7 +219,8 @@ class TieredModel:
                                         param_groups=self.optimizer.param_groups, settle=self.stepper.finish_pending,
                                         on_device_cuda=self.device.type == "cuda")
             self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks)
-            frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
+            frozen_off = ({n: self.param_offload for n in self.layout.frozen if n in param_homes}
+                          if self.param_offload is not None else {})  # (frozen weights off the device make one)
             self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
                                      precision, self.dtype, frozen_off, self.group)
             self._life = Lifecycle()
@@ -228,30 +236,31 @@ class TieredModel:
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
 
-    def _check_fits(self, buckets, param_homes: dict[str, Tier], shard_weights: bool) -> int:
-        """Refuse a working set that does not fit its budgets (the rule ``tiermem plan`` uses too);
-        returns the device bytes it needs."""
-        need = model_footprint(self.module, buckets, param_homes, self.dtype, overlap=self.overlap_step,
+    def _footprint(self, buckets: list[Bucket], param_homes: dict[str, Tier], shard_weights: bool) -> Footprint:
+        """The bytes per tier the working set needs (the rule ``tiermem plan`` uses too)."""
+        return model_footprint(self.module, buckets, param_homes, self.dtype, overlap=self.overlap_step,
                                world=self.group.world, shard_weights=shard_weights,
                                nvme_staging=self.device.type == "cuda")
-        check_fits(need, self.stores)
-        return totals(need)[Tier.DEVICE]
 
     def weight_sources(self) -> list:
         """The homes whose weights are OffDeviceWeights: ParamOffload (weights off the device in one
         process, and frozen ones), GatheredWeights (sharded over the ranks)."""
         return [s for s in (self.param_offload, self.gathered) if s is not None]
 
-    def _offload_weights(self, param_homes: dict[str, Tier], device_need: int, prefetch: bool,
-                         reclaimers: Reclaimers) -> ParamOffload:
-        """NOTE [Parameters off the device]. Fetch ahead up to a few modules' weights: enough to
-        hide transfers, while leaving the rest of the device budget to activations and grads."""
-        ledger = self.stores[Tier.DEVICE].ledger
-        room = ledger.allowed - ledger.used - device_need
+    def _weights_cache(self, param_homes: dict[str, Tier], room: int, prefetch: bool) -> ResidencyScheduler:
+        """NOTE [Parameters off the device]: what brings weights to the device. It fetches ahead up
+        to a few modules' weights: enough to hide transfers, while leaving the rest of the device
+        (``room``: what the working set leaves) to activations and grads, which may take back what
+        it holds (it is a reclaimer of the device store)."""
         lookahead = min(4 * largest_module_bytes(self.module, param_homes, self.dtype), max(room, 0) // 2)
-        scheduler = ResidencyScheduler(self.engine, Tier.DEVICE, lookahead_bytes=lookahead, prefetch=prefetch)
-        reclaimers.add(scheduler.make_room)  # activations may take that room
-        return ParamOffload(self.module, param_homes, self.engine, scheduler, self.dtype, self.device, self.hooks)
+        return ResidencyScheduler(Tier.DEVICE, lookahead_bytes=lookahead, prefetch=prefetch)
+
+    def _offload_weights(self, param_homes: dict[str, Tier], weights_cache: ResidencyScheduler) -> ParamOffload:
+        """NOTE [Parameters off the device]: the weights' residency, over the engine, and the cache
+        that brings them to the device, connected to it."""
+        residency = KeyedResidency(self.engine)
+        return ParamOffload(self.module, param_homes, residency, weights_cache.connect(residency), self.dtype,
+                            self.device, self.hooks)
 
     # -- the three calls ------------------------------------------------------------------------
     @property

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -15,7 +15,7 @@ from tiermem.budgets import Budgets, parse_bytes
 from tiermem.config import AdamW, LossScale, _AdamSpec, is_int, is_number, working_dtype
 from tiermem.errors import ConfigError
 from tiermem.torch_optim import spec_from_torch, supported_names
-from tiermem.memory.ledger import Reclaimers
+from tiermem.memory.ledger import Reclaimer
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.transfer.collectives import Group
@@ -117,10 +117,12 @@ def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_
                    bucket_bytes // 4, overlap, prefetch, shard)
 
 
-def make_stores(opts: Options, nvme_dir: Optional[str], reclaimers: Reclaimers, group: Group) -> dict[Tier, Any]:
-    """One store per tier the arguments ask for: device and host always, NVMe with a directory."""
-    stores: dict[Tier, Any] = {Tier.DEVICE: DeviceStore(opts.device, opts.budgets.device, reclaim=reclaimers),
-                               Tier.HOST: HostStore(opts.budgets.host)}
+def make_stores(opts: Options, nvme_dir: Optional[str], reclaimers: Sequence[Reclaimer], group: Group) -> dict[Tier, Any]:
+    """One store per tier the arguments ask for: device and host always, NVMe with a directory;
+    ``reclaimers``: the device's (NOTE [Reclaimers at construction])."""
+    stores: dict[Tier, Any] = {Tier.DEVICE: DeviceStore(opts.device, opts.budgets.for_tier(Tier.DEVICE),
+                                                        reclaimers=reclaimers),
+                               Tier.HOST: HostStore(opts.budgets.for_tier(Tier.HOST))}
     if nvme_dir is not None:
         mine = group.subdirectory(nvme_dir)  # under data parallelism each rank its own: nvme_dir/rank<r>
         if mine != nvme_dir and os.path.isdir(nvme_dir):

@@ -17,7 +17,7 @@ import torch
 
 from tiermem.config import PRECISIONS
 from tiermem.errors import TierMemError
-from tiermem.plan.buckets import STATE_PARTS
+from tiermem.plan.buckets import STATE_PARTS, Bucket
 from tiermem.train.layout import Layout
 from tiermem.train.param_offload import ParamOffload
 from tiermem.train.scaler import LossScaler
@@ -61,7 +61,7 @@ class ModelState:
         return self.group.all_ok(ok)
 
     # -- reading ------------------------------------------------------------------------------------
-    def _bucket_state(self) -> Iterator[tuple[object, tuple[torch.Tensor, ...]]]:
+    def _bucket_state(self) -> Iterator[tuple[Bucket, tuple[torch.Tensor, ...]]]:
         """(bucket, (master, exp_avg, exp_avg_sq)), each valid until the next item."""
         try:
             for b in self.layout.buckets:
@@ -97,7 +97,7 @@ class ModelState:
         yield from ((f"frozen/{n}", tuple(t.shape), (t.dtype,)) for n, t in self.layout.frozen.items())
         given = self.layout.buffer_dtypes
         for n, t in self.module.named_buffers():
-            dtypes = (given.get(n, t.dtype),)
+            dtypes: tuple[torch.dtype, ...] = (given.get(n, t.dtype),)
             if t.is_floating_point():
                 dtypes += (PRECISIONS[precision],)
             yield f"buffers/{n}", tuple(t.shape), dtypes

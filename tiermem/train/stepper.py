@@ -205,6 +205,7 @@ class Stepper:
         try:
             with self.tracer.span(f"adam {b.key}", "adam", numel=b.numel):
                 for start, end, step in runs:
+                    assert g is not None  # read, since there are runs
                     h = upd.hyper[(b.index, start)]
                     optim.adam_step(master[start:end], exp_avg[start:end], exp_avg_sq[start:end], g[start:end],
                                     step=step, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
@@ -222,9 +223,9 @@ class Stepper:
         propagates with the grads kept for a retry (except those already applied in memory)."""
         uploads = self.outputs.session()
         if not self.overlap:
-            for home in self.homes.weight_homes():
-                home.begin_update()  # cached device copies of off-device weights are about to be stale
-        done: list[tuple[object, object]] = []
+            for weights in self.homes.weight_homes():
+                weights.begin_update()  # cached device copies of off-device weights are about to be stale
+        done: list[tuple[StateHome, object]] = []
         updated: set[int] = set()  # buckets whose update cannot be undone
         try:
             for home in _launch_order(self.homes.state_homes()):
