@@ -36,6 +36,7 @@ from tiermem.train.backward import GradCollector
 from tiermem.train.hooks import HookSet
 from tiermem.train.inputs import cast_inputs
 from tiermem.train.layout import build, make_homes
+from tiermem.train.compute import warn_if_slow
 from tiermem.train.machine import machine_profile, store_limits
 from tiermem.train.optimizer import TieredOptimizer
 from tiermem.train.options import make_stores, validate
@@ -69,6 +70,10 @@ class TieredModel:
     ``prefetch=False`` fetches weights homed off the device only when their module runs (for
     comparison; by default they are fetched ahead along the order the first step recorded).
     ``tm.phase`` tells where in the step the model is (NOTE [Step lifecycle]).
+    ``precision``: the working weights' dtype, ``"bf16"``, ``"fp16"`` (dynamic loss scaling) or
+    ``"fp32"``, or ``"auto"``: bf16 where the device computes it natively, else fp32 on a CPU and
+    fp16 on an older GPU (NOTE [Choosing the precision] in tiermem/config.py); ``tm.precision`` is
+    the one in use. bf16 or fp16 on a CPU much slower at them than at fp32 logs one warning.
     ``max_skipped_steps``: in bf16/fp32, this many steps skipped in a row for non-finite gradients
     raise an error naming the parameters (NOTE [A stalled run is loud]); None never stops.
     ``loss_scale``: fp16's dynamic loss scaling (a :class:`tiermem.LossScale`; default: the
@@ -89,7 +94,9 @@ class TieredModel:
         deferred.start()  # the worker that gives back dropped models (NOTE [Finalizers only enqueue])
         deferred.settle()  # what models dropped before this one held is back (their hooks are off the module)
         lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
+        precision, given = opts.precision, precision  # "auto" made this device's (NOTE [Choosing the precision])
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
+        warn_if_slow(precision, opts.device)  # one warning, from the profile's matmul figures
         self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
         self.tracer = Tracer(trace_path)
@@ -150,8 +157,9 @@ class TieredModel:
             if self.param_offload is not None:
                 self.param_offload.settle()  # the module's original tensors of off-device weights go
             self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
-        log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
-                 f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
+        log.info("tiermem: %s trainable parameters in %d buckets under %r (%s%s)",
+                 f"{self.layout.n_params:,}", len(buckets), self.policy, precision,
+                 f", from precision={given!r}" if given != precision else "")
 
     def _check_fits(self, buckets, param_homes: dict[str, Tier]) -> int:
         """Refuse a working set that does not fit its budgets (the rule ``tiermem plan`` uses too);
