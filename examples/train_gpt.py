@@ -5,6 +5,8 @@
     python examples/train_gpt.py --policy keep-on-device --steps 200
     python examples/train_gpt.py --trace /tmp/gpt.trace.json   # open in https://ui.perfetto.dev
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 100  # data parallel over 2 processes
+    torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        examples/train_gpt.py --policy state-on-nvme --nvme-dir /mnt/nvme/gpt   # on each of 2 nodes
 
 Weights in the working precision live on the device tier; gradients, fp32 master weights and
 Adam's moments live on the host, where Adam runs. On a machine without an accelerator both tiers
@@ -14,10 +16,15 @@ a CPU with AVX512-BF16 or AMX) and fp32 on other CPUs, where bf16 matmuls run se
 (NOTE [Choosing the precision] in tiermem/config.py; `tiermem info` says which this machine gets).
 
 Launched by torchrun (WORLD_SIZE > 1), the script joins the process group itself (gloo on the
-CPU, NCCL on GPUs) and TieredModel shards gradients and optimizer state over the ranks (NOTE
-[Data parallel] in tiermem/transfer/collectives.py). Each rank draws its own batches (the seed
-offset by its rank); rank 0 prints, losses averaged over the ranks, throughput counting every
-rank's tokens; rank 0 alone writes the trace.
+CPU, NCCL on GPUs: LOCAL_RANK, the rank on its node, picks the GPU) and TieredModel shards
+gradients and optimizer state over the ranks (NOTE [Data parallel] in
+tiermem/transfer/collectives.py), and the weights too when they live off the device or with
+--shard-weights (NOTE [Weights sharded over the ranks] in tiermem/train/gathered.py). Each rank
+draws its own batches (the seed offset by its global rank); global rank 0 prints, losses
+averaged over the ranks, throughput counting every rank's tokens, and alone writes the trace.
+Each rank keeps its NVMe files under ``--nvme-dir``/rank<global rank>; ``--save`` writes a
+torch.distributed.checkpoint directory every rank writes its shards to (it must be on storage
+every node sees).
 """
 from __future__ import annotations
 
@@ -36,19 +43,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples/train_gpt.py` from anywhere
 
 from examples.gpt import GPT, GPTConfig, PRESETS, generate, lm_loss, load_tokens  # noqa: E402
-from tiermem import AdamW, TieredModel  # noqa: E402
+from tiermem import AdamW, PerClass, TensorClass, TieredModel, Tier  # noqa: E402
 from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
+
+
+class StateOnNvme(PerClass):
+    """ZeRO-Offload with the fp32 master weights and Adam's moments on NVMe."""
+
+    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.GRAD: Tier.HOST, TensorClass.OPTIM_STATE: Tier.NVME,
+             TensorClass.ACTIVATION: Tier.DEVICE}
+
 
 POLICIES = {
     "zero-offload": ZeroOffload,
     "keep-on-device": KeepOnDevice,
     "zero-infinity": ZeroInfinity,  # weights and optimizer state on NVMe (needs --nvme-dir)
+    "state-on-nvme": StateOnNvme,  # optimizer state on NVMe, weights on the device (needs --nvme-dir)
     "activation-offload": lambda: ActivationOffload(ZeroOffload(), min_bytes=64 * 1024),  # saved tensors to the host
 }
 
 
 def nvme_dir(args: argparse.Namespace) -> Optional[str]:
-    if args.policy != "zero-infinity":
+    if args.policy not in ("zero-infinity", "state-on-nvme"):
         return args.nvme_dir
     if args.nvme_dir is None:  # removed when the process exits
         args._nvme_tmp = tempfile.TemporaryDirectory(prefix="tiermem-nvme-", dir=".")
@@ -67,14 +83,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                    help="auto: bf16 where the device computes it natively, else fp32 on a CPU (fp16 on an older GPU)")
     p.add_argument("--policy", choices=sorted(POLICIES), default="zero-offload")
-    p.add_argument("--nvme-dir", default=None, help="directory for tensors a policy places on NVMe "
-                                                     "(zero-infinity; default: a temporary one under .)")
+    p.add_argument("--nvme-dir", default=None, help="directory for tensors a policy places on NVMe (zero-infinity, "
+                                                     "state-on-nvme; default: a temporary one under .); each rank "
+                                                     "uses its rank<r> subdirectory")
+    p.add_argument("--shard-weights", action="store_true",
+                   help="under torchrun, shard the weights on the device over the ranks too (ZeRO-3); weights "
+                        "off the device (--policy zero-infinity) always are")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr")
     p.add_argument("--warmup", type=int, default=50, help="steps of linear warm-up before the cosine decay")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay (not applied to biases and norms)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global grad-norm clip; 0 turns it off")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the weights live and compute runs (under torchrun: NCCL on cuda, gloo on cpu)")
     p.add_argument("--log-every", type=int, default=10, help="print a progress line every this many steps")
     p.add_argument("--eval-batches", type=int, default=8, help="batches of held-out text for the final loss")
     p.add_argument("--sample-tokens", type=int, default=300, help="characters to generate at the end; 0: none")
@@ -110,31 +132,32 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Gene
     return windows[:, :-1], windows[:, 1:]
 
 
-def init_distributed() -> tuple[int, int]:
-    """(rank, world size). Under torchrun (WORLD_SIZE > 1), join its process group first."""
+def init_distributed(device: str) -> tuple[int, int]:
+    """(global rank, world size). Under torchrun (WORLD_SIZE > 1), join its process group first:
+    NCCL with one GPU per process, the rank on its node (LOCAL_RANK) picking it; gloo on the CPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     import torch.distributed as dist
-    if torch.cuda.is_available():
+    if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # TieredModel's device="cuda" is this one
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
     return dist.get_rank(), world
 
 
-def mean_over_ranks(value: float, world: int) -> float:
+def mean_over_ranks(value: float, world: int, device: str) -> float:
     """``value`` averaged over the ranks (for printing: every rank must call it at the same point)."""
     if world == 1:
         return value
     import torch.distributed as dist
-    t = torch.tensor([value], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)  # NCCL reduces CUDA tensors only
     return t.item() / world
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    rank, world = init_distributed()
+    rank, world = init_distributed(args.device)
     try:
         return train(args, rank, world)
     finally:
@@ -165,6 +188,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> int:
         grad_clip=args.grad_clip or None,
         trace_path=args.trace if rank == 0 else None,
         nvme_dir=nvme_dir(args),
+        device=args.device,
+        shard_weights=args.shard_weights,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(tm.optimizer, lr_factor(args.warmup, args.steps, args.min_lr_ratio))
     say(f"{tm!r}; {args.steps} steps of {args.grad_accum} x {args.batch_size} x {seq_len} tokens"
@@ -189,7 +214,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> int:
         window_loss += step_loss
         window_steps += 1
         if step % args.log_every == 0 or step == args.steps:
-            window_loss = mean_over_ranks(window_loss, world)
+            window_loss = mean_over_ranks(window_loss, world, args.device)
             elapsed = time.perf_counter() - window_start
             note = f" | skipped (fp16 overflow), scale {res.loss_scale:g}" if res.skipped else ""
             say(f"step {step:5d}/{args.steps} | loss {window_loss / window_steps:.4f} "
@@ -202,7 +227,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> int:
     with torch.no_grad():
         losses = [lm_loss(tm(x), y).item() for x, y in
                   (get_batch(val_data, args.batch_size, seq_len, gen) for _ in range(args.eval_batches))]
-    held_out = mean_over_ranks(sum(losses) / len(losses), world)
+    held_out = mean_over_ranks(sum(losses) / len(losses), world, args.device)
     say(f"held-out loss {held_out:.4f} (last 10% of the text, {args.eval_batches} batches)"
         + (f"; {skipped} steps skipped" if skipped else ""), flush=True)
 

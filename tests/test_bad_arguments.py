@@ -42,9 +42,11 @@ BAD = [  # (make, error type, what the message must say: the keyword and what is
     (lambda: Adam(eps=-1.0), ConfigError, r"Adam\.eps=-1\.0 .*a finite number >= 0"),
     (lambda: AdamW(weight_decay=math.inf), ConfigError, r"AdamW\.weight_decay=inf .*finite number"),
     (lambda: AdamW(learning_rate=1e-3), ArgumentError, r"AdamW\(\): .*unexpected keyword argument 'learning_rate'"
-                                                       r".*it takes AdamW\(\*, lr=\.\.\., betas="),
-    (lambda: AdamW(1e-3), ArgumentError, r"AdamW\(\): too many positional arguments; it takes AdamW\(\*, lr="),
-    (lambda: Adam(amsgrad=True), ArgumentError, r"'amsgrad'.*it takes Adam\(\*, lr=\.\.\."),
+                                                       r".*it takes AdamW\(params=\.\.\., \*, lr=\.\.\., betas="),
+    (lambda: AdamW(1e-3), ConfigError, r"AdamW\.params=0\.001 is invalid: the one positional argument is the "
+                                       r"model's parameters or torch-style param groups.*pass hyperparameters by keyword"),
+    (lambda: AdamW(1e-3, 0.9), ArgumentError, r"AdamW\(\): too many positional arguments; it takes AdamW\(params="),
+    (lambda: Adam(amsgrad=True), ArgumentError, r"'amsgrad'.*it takes Adam\(params=\.\.\., \*, lr=\.\.\."),
     # loss scaling and budgets
     (lambda: LossScale(init_scale="big"), ConfigError, r"LossScale\.init_scale='big' .*between 2\*\*-126"),
     (lambda: LossScale(growth_interval=2.5), ConfigError, r"LossScale\.growth_interval=2\.5 .*an int >= 1"),
@@ -74,7 +76,7 @@ BAD = [  # (make, error type, what the message must say: the keyword and what is
     (lambda: TieredModel(_lin(), lr=1e-3), ArgumentError, r"'lr'; it takes TieredModel\(module, policy=\.\.\., \*, "
                                                           r"optimizer=\.\.\."),
     (lambda: TieredModel(_lin(), None, AdamW()), ArgumentError, r"too many positional arguments"),
-    (lambda: TieredModel(_lin(), optimizer=AdamW), ConfigError, r"optimizer=.* is not a tiermem optimizer spec"),
+    (lambda: TieredModel(_lin(), optimizer=AdamW), ConfigError, r"optimizer=.* is not an optimizer tiermem runs; pass tiermem.AdamW"),
     (lambda: TieredModel(_lin(), optimizer=torch.optim.AdamW), ConfigError, r"optimizer=.*tiermem\.AdamW\(\.\.\.\)"),
     (lambda: TieredModel(_lin(), precision=torch.bfloat16), ConfigError, r"precision=torch\.bfloat16 .*'bf16'"),
     (lambda: TieredModel(_lin(), budgets={"host": 1}), ConfigError, r"budgets=\{'host': 1\} is not a tiermem\.Budgets"),
@@ -84,6 +86,7 @@ BAD = [  # (make, error type, what the message must say: the keyword and what is
     (lambda: TieredModel(_lin(), device=0), ConfigError, r"device=0 is not a device; pass 'cpu', 'cuda'"),
     (lambda: TieredModel(_lin(), overlap_step="yes"), ConfigError, r"overlap_step='yes' is not a bool"),
     (lambda: TieredModel(_lin(), prefetch=1), ConfigError, r"prefetch=1 is not a bool"),
+    (lambda: TieredModel(_lin(), shard_weights="yes"), ConfigError, r"shard_weights='yes' is not a bool"),
     (lambda: TieredModel(_lin(), max_skipped_steps=0), ConfigError, r"max_skipped_steps=0 .*an int >= 1, or None"),
     (lambda: TieredModel(_lin(), loss_scale=LossScale()), ConfigError, r"loss_scale=.*only precision='fp16'"),
     (lambda: TieredModel(_lin(), nvme_dir=3), ConfigError, r"nvme_dir=3 is not a path"),

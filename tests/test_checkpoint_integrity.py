@@ -158,6 +158,13 @@ SIGNED = {
         r"meta\.groups\[0\]='x' is invalid: it must be an object"),
     "one group more": (lambda d: d["meta"]["groups"].append(dict(d["meta"]["groups"][0])), TierMemError,
                        r"has 2 param groups, this model 1"),
+    "a group renamed": (_group("name")("other"), TierMemError,
+                        r"has other param groups than this model: group 0 is 'other' there, 'decay' here"),
+    "a group's parameter moved out": (lambda d: d["meta"]["groups"][0]["params"].pop(), TierMemError,
+                                      r"group 0 is 'decay' there, 'decay' here \(only there: \[\], only here: \['"),
+    "a group name not a str": (_group("name")(3), *CORRUPT, r"meta\.groups\[0\]\.name=3 is invalid: it must be a str"),
+    "group params not names": (_group("params")([1]), *CORRUPT,
+                               r"meta\.groups\[0\]\.params=\[1\] is invalid: it must be a list of parameter names"),
     "meta without step": (lambda d: d["meta"].pop("step"), *CORRUPT, r"meta keys="),
     "meta with more": (_set("meta", "epoch")(3), *CORRUPT, r"meta keys="),
     "footer with more": (_set("extra")(1), *CORRUPT, r"footer keys="),
@@ -234,7 +241,7 @@ def test_a_re_signed_edit_is_refused_by_the_field_it_breaks(saved, target, tmp_p
     (tmp_path / "edited.tm").write_bytes(_join(body, json.dumps(doc).encode()))
     message = _refused(target, tmp_path / "edited.tm", error, ".*".join(messages))
     assert message.endswith(("Pass a file written by tm.save(), unedited", "Load it into the model it was saved from",
-                             "use the same optimizer spec", "Use another checkpoint"))
+                             "tm.optimizer.add_param_group) before loading", "Use another checkpoint"))
 
 
 @pytest.mark.parametrize("footer, message", [

@@ -127,6 +127,26 @@ def test_plan_json_gives_the_worked_example_exactly(tmp_path, env):
     assert plan["limits"]["nvme_bytes"] > 0
 
 
+def test_plan_counts_bytes_per_rank(capsys):
+    """``--ranks N``: a rank's share: grads and optimizer state 1/N; weights 1/N off the device
+    (ZeroInfinity) or with --shard-weights, else whole."""
+    G = 10**9
+    tiers = {}
+    for extra in ([], ["--shard-weights"]):
+        assert main(["plan", "--params", "8e9", "--precision", "bf16", "--ranks", "4", *extra, "--json", "-"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["ranks"] == 4
+        tiers[bool(extra)] = {n: {t: v["bytes"] for t, v in e["tiers"].items()}
+                              for n, e in plan["precisions"]["bf16"]["policies"].items()}
+    assert tiers[False]["ZeroOffload"] == {"device": 16 * G, "host": 32 * G, "nvme": 0}
+    assert tiers[False]["ZeroInfinity"] == {"device": 0, "host": 8 * G, "nvme": 28 * G}
+    assert tiers[True]["ZeroOffload"] == {"device": 4 * G, "host": 32 * G, "nvme": 0}
+    assert main(["plan", "--params", "8e9", "--precision", "bf16", "--ranks", "4", "--policy", "ZeroOffload"]) == 0
+    assert "per rank of 4 data-parallel ranks" in capsys.readouterr().out
+    assert main(["plan", "--params", "8e9", "--ranks", "0"]) != 0
+    assert "--ranks 0 is not a number of ranks" in capsys.readouterr().err
+
+
 def test_plan_prints_the_worked_example(capsys):
     assert main(["plan", "--params", "7.5e9", "--precision", "bf16", "--policy", "ZeroOffload"]) == 0
     out = capsys.readouterr().out

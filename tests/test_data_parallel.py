@@ -3,18 +3,22 @@ ranks train like one process accumulating their N micro-batches, decide alike, c
 any world size, and fail loudly."""
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from models import TinyGPT, gpt_batch, gpt_loss
+from models import TinyGPT, gpt_batch, gpt_loss, same_state
 from ranks import run_ranks
-from tiermem import AdamW, Budgets, ConfigError, PerClass, TensorClass, TieredModel, Tier, TierMemError
-from tiermem.policies import ActivationOffload, ZeroInfinity, ZeroOffload
+from tiermem import AdamW, Budgets, PerClass, StoreError, TensorClass, TieredModel, Tier, TierMemError
+from tiermem.policies import ActivationOffload, ZeroOffload
 
 STEPS = 3
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in one process
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -25,7 +29,7 @@ def _same_kernel_as_the_ranks():
         yield
 
 
-def _rank_all(rank, world, tmp, solo_ckpt):
+def _rank_all(rank, world, tmp):
     """Every scenario that leaves the process group usable, in one pair of processes (a fresh
     process costs seconds here): each test below reads its part."""
     nvme_files: list[str] = []
@@ -38,13 +42,23 @@ def _rank_all(rank, world, tmp, solo_ckpt):
            "activations": _rank_train(rank, world, "fp32", "activation-offload", None, None),
            "overlap": _rank_train(rank, world, "fp32", "zero-offload", None, 1.0, overlap=True),
            "peak": _rank_peak(rank, world), "overflow": _rank_overflow(rank, world),
-           "refused": _rank_refused(rank, world, os.path.join(tmp, "nvme")),
-           "no_sync": (_rank_no_sync(rank, world, False), _rank_no_sync(rank, world, True))}
-    saved = os.path.join(tmp, "by2.tm")
-    out["saved"] = _rank_save(rank, world, saved, STEPS)
-    out["2->2"] = _rank_load(rank, world, saved, os.path.join(tmp, "by2-again.tm"), 2)
-    out["1->2"] = _rank_load(rank, world, solo_ckpt, os.path.join(tmp, "by1-again.tm"), 2)
+           "replica": _rank_replica(rank, world),
+           "no_sync": (_rank_no_sync(rank, world, False), _rank_no_sync(rank, world, True)),
+           "freezing": _rank_freezing(rank, world)}
+    out["saved"] = _rank_save(rank, world, tmp, STEPS)
+    for fmt in FORMATS:
+        out[f"{fmt} 2->2"] = _rank_load(rank, world, os.path.join(tmp, f"by2.{fmt}"),
+                                        os.path.join(tmp, f"by2-again.{fmt}"), 2, fmt)
+        out[f"{fmt} 1->2"] = _rank_load(rank, world, os.path.join(tmp, f"by1.{fmt}"),
+                                        os.path.join(tmp, f"by1-again.{fmt}"), 2, fmt)
+    out["user"] = _rank_user(rank, world, tmp)
+    out["empty"] = _rank_empty(rank, world, tmp)
+    out["unseen"] = _rank_unseen(rank, world, tmp)
+    out["nvme dcp"] = _rank_nvme_dcp(rank, world, tmp)
     return out
+
+
+FORMATS = ("file", "dcp")  # one file rank 0 writes, as earlier versions did; a DCP directory every rank writes
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +66,9 @@ def dp(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp")
     (tmp / "nvme").mkdir()
     tm, _ = _solo()
-    tm.save(str(tmp / "by1.tm"))
-    return tmp, tm.state_dict(), run_ranks(_rank_all, str(tmp), str(tmp / "by1.tm"))
+    for fmt in FORMATS:
+        tm.save(str(tmp / f"by1.{fmt}"), format=fmt)
+    return tmp, tm.state_dict(), run_ranks(_rank_all, str(tmp))
 
 
 class StateOnNvme(PerClass):
@@ -82,23 +97,25 @@ def _train(tm: TieredModel, rank: int, world: int, steps: range, scale=None) -> 
     return results
 
 
-def _solo(steps=range(STEPS), **kw):
+def _solo(steps=range(STEPS), schedule=None, **kw):
+    """One process; step i accumulates ``schedule[i]`` micro-batches (ranks' batches 0, 1, ...; 2 each by default)."""
     tm = _make(**kw)
-    res = _train(tm, 0, 1, steps, scale=2)
+    res = [r for i in steps for r in _train(tm, 0, 1, range(i, i + 1), scale=schedule[i] if schedule else 2)]
     return tm, res
 
 
-def _torch_spread(steps: int = STEPS) -> float:
+def _torch_spread(steps: int = STEPS, schedule=None) -> float:
     """How far torch's own AdamW variants (for-loop, foreach, fused) land apart on this run."""
+    schedule = schedule or [2] * steps
     runs = []
     for kw in ({"foreach": False}, {"foreach": True}, {"fused": True}):
         torch.manual_seed(0)
         m = TinyGPT()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, **kw)
-        for i in range(steps):
-            for r in range(2):
+        for i, n in enumerate(schedule):
+            for r in range(n):
                 x, y = _batch(i, r)
-                (gpt_loss(m(x), y) / 2).backward()
+                (gpt_loss(m(x), y) / n).backward()
             opt.step()
             opt.zero_grad()
         runs.append(m.state_dict())
@@ -195,54 +212,203 @@ def test_state_on_nvme_each_rank_in_its_own_directory(dp):
 
 
 # -- checkpoints across world sizes --------------------------------------------------------------
-def _rank_save(rank, world, path, steps):
+def _rank_save(rank, world, tmp, steps):
     tm = _make()
     _train(tm, rank, world, range(steps))
-    tm.save(path)
+    for fmt in FORMATS:
+        tm.save(os.path.join(tmp, f"by2.{fmt}"), format=fmt)
     return tm.state_dict()
 
 
-def _rank_load(rank, world, path, resave, more):
+def _rank_load(rank, world, path, resave, more, fmt):
     torch.manual_seed(123)
     tm = TieredModel(TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="fp32",
                      bucket_size=1700)  # another bucket size: the checkpoint is keyed by parameter
     tm.load(path)
     loaded = tm.state_dict()
-    tm.save(resave)
+    tm.save(resave, format=fmt)
     _train(tm, rank, world, range(STEPS, STEPS + more))
     return loaded, tm.state_dict()
 
 
-def _bytes(path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def _contents(path, tmp_path) -> object:
+    """A file's bytes; everything a DCP directory holds, read by torch alone (less the number of
+    its manifests: the world size that wrote it)."""
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return f.read()
+    out = tmp_path / f"contents-{len(os.listdir(tmp_path))}.pt"
+    dcp_to_torch_save(str(path), str(out))
+    whole = torch.load(out, weights_only=False)
+    whole.pop("tiermem_manifests")
+    return whole
 
 
-def _after_loading(path: str, resave: str):
+def _same_tree(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def _after_loading(path: str, resave: str, fmt: str):
     tm = _make(bucket_size=1700)
     tm.load(path)
     loaded = tm.state_dict()
-    tm.save(resave)
+    tm.save(resave, format=fmt)
     _train(tm, 0, 1, range(STEPS, STEPS + 2), scale=2)
     return loaded, tm.state_dict()
 
 
-@pytest.mark.parametrize("saved_by, loaded_by", [(2, 2), (2, 1), (1, 2)])
-def test_a_checkpoint_loads_into_any_world_size(dp, tmp_path, saved_by, loaded_by):
+def _rank_three(rank, world, tmp):
+    """Each 2-rank checkpoint loaded by 3 ranks, saved again, then two steps of 3 micro-batches."""
+    return {fmt: _rank_load(rank, world, os.path.join(tmp, f"by2.{fmt}"), os.path.join(tmp, f"by2-by3.{fmt}"), 2,
+                            fmt) for fmt in FORMATS}
+
+
+@pytest.fixture(scope="module")
+def three(dp):
+    return run_ranks(_rank_three, str(dp[0]), world=3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("saved_by, loaded_by", [(2, 2), (2, 1), (1, 2), (2, 3)])
+def test_a_checkpoint_loads_into_any_world_size(dp, three, tmp_path, fmt, saved_by, loaded_by):
+    """Bit-exact after the load, the same contents saved again; then the steps after it train like
+    one process accumulating as many micro-batches (within torch's AdamW spread: dividing by 3
+    rounds differently from one process's losses / 3)."""
     tmp, solo_saved, ranks = dp
     saved = ranks[0]["saved"] if saved_by == 2 else solo_saved
-    path = tmp / ("by2.tm" if saved_by == 2 else "by1.tm")
+    path = tmp / f"by{saved_by}.{fmt}"
     if loaded_by == 2:
-        (loaded, after), (_, after1) = (r[f"{saved_by}->2"] for r in ranks)
+        (loaded, after), (_, after1) = (r[f"{fmt} {saved_by}->2"] for r in ranks)
         assert all(torch.equal(after[k], after1[k]) for k in after)
-        resave = tmp / f"by{saved_by}-again.tm"
+        resave = tmp / f"by{saved_by}-again.{fmt}"
+    elif loaded_by == 3:
+        (loaded, after), rest = three[0][fmt], [r[fmt] for r in three[1:]]
+        assert all(torch.equal(after[k], r[1][k]) for r in rest for k in after)
+        resave = tmp / f"by2-by3.{fmt}"
     else:
-        resave = tmp_path / "again.tm"
-        loaded, after = _after_loading(str(path), str(resave))
+        resave = tmp_path / f"again.{fmt}"
+        loaded, after = _after_loading(str(path), str(resave), fmt)
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)  # bit-exact after load
-    assert _bytes(resave) == _bytes(path)  # moments, step counts and all: saved again, the same file
-    reference, _ = _solo(steps=range(STEPS + 2))
-    assert _max_diff(after, reference.state_dict()) <= max(_torch_spread(STEPS + 2), 1e-7)
+    assert _same_tree(_contents(resave, tmp_path), _contents(path, tmp_path))  # moments, step counts and all
+    schedule = (2,) * STEPS + (loaded_by if loaded_by > 1 else 2,) * 2
+    reference, spread = _continued(schedule)
+    assert _max_diff(after, reference) <= max(spread, 1e-7)
+
+
+@functools.lru_cache(maxsize=None)
+def _continued(schedule: tuple[int, ...]) -> tuple[dict, float]:
+    """One process's weights after steps of ``schedule[i]`` micro-batches each, and torch's spread there."""
+    reference, _ = _solo(steps=range(len(schedule)), schedule=schedule)
+    return reference.state_dict(), _torch_spread(schedule=schedule)
+
+
+def _rank_user(rank, world, tmp):
+    """A user's own dcp.save of tm.sharded_state_dict(), and dcp.load into one, on 2 ranks."""
+    user = os.path.join(tmp, "by2-user")
+    tm = _make()
+    _train(tm, rank, world, range(STEPS))
+    dcp.save(tm.sharded_state_dict(), checkpoint_id=user)
+    mine = _make(bucket_size=1300)
+    mine.load(user)
+    theirs = _make(bucket_size=900)
+    sd = theirs.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=os.path.join(tmp, "by2.dcp"))
+    theirs.load_sharded_state_dict(sd)
+    return tm.state_dict(), mine.state_dict(), theirs.state_dict()
+
+
+def test_a_users_own_dcp_save_and_load_of_the_sharded_state_dict(dp):
+    tmp, _, ranks = dp
+    saved = ranks[0]["saved"]
+    for r in ranks:
+        trained, loaded_by_tm, loaded_by_dcp = r["user"]
+        assert same_state(trained, saved) and same_state(loaded_by_tm, saved) and same_state(loaded_by_dcp, saved)
+    one = _make(bucket_size=1100)
+    one.load(str(tmp / "by2-user"))  # 2 -> 1
+    assert same_state(one.state_dict(), saved)
+
+
+class WithEmpty(nn.Module):
+    """A parameter of no elements lies in no rank's chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.empty = nn.Parameter(torch.zeros(0, 3))
+
+    def forward(self, x):
+        return self.lin(x) + self.empty.sum()
+
+
+def _with_empty() -> TieredModel:
+    torch.manual_seed(0)
+    return TieredModel(WithEmpty(), optimizer=AdamW(lr=1e-2), precision="fp32", bucket_size=64)
+
+
+def _rank_empty(rank, world, tmp):
+    tm = _with_empty()
+    tm.backward(tm(torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))).sum())
+    tm.step()
+    tm.save(os.path.join(tmp, "by2-empty.dcp"))
+    return tm.state_dict()
+
+
+def _rank_unseen(rank, world, tmp):
+    """Rank 1 does not see the directory rank 0 made (as without a shared filesystem)."""
+    tm = _make()
+    real = os.path.isdir
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os.path, "isdir", lambda p: real(p) and not (rank == 1 and ".tmp-" in str(p)))
+        with pytest.raises(StoreError) as info:
+            tm.save(os.path.join(tmp, "unseen.dcp"))
+    return str(info.value)
+
+
+def test_a_directory_some_rank_does_not_see_is_refused_before_anything_is_written(dp):
+    tmp, _, ranks = dp
+    assert ranks[1]["unseen"].startswith("tiermem: rank 1 of 2 does not see the directory")
+    assert ranks[0]["unseen"].startswith("tiermem: another rank does not see the directory")
+    assert all("nothing was written. Save it where every rank sees the same files" in r["unseen"] for r in ranks)
+    assert not [n for n in os.listdir(tmp) if n.startswith("unseen")]  # rank 0's temporary is gone too
+
+
+def test_a_parameter_of_no_elements_is_saved_by_rank_0(dp):
+    one = _with_empty()
+    one.load(str(dp[0] / "by2-empty.dcp"))
+    assert same_state(one.state_dict(), dp[2][0]["empty"]) and one.stepper.steps == 1
+
+
+def _rank_nvme_dcp(rank, world, tmp):
+    """State on NVMe, saved as DCP: host memory holds no more than before; loads into host state."""
+    nvme = os.path.join(tmp, "nvme-dcp")
+    os.makedirs(nvme, exist_ok=True)
+    tm = _make(policy=StateOnNvme(), nvme_dir=nvme)
+    _train(tm, rank, world, range(STEPS))
+    tm.save(os.path.join(tmp, "by2-nvme.first"))  # a step's read-ahead of its next bucket lands first
+    key = (TensorClass.OPTIM_STATE, Tier.HOST)
+    before = tm.report()
+    tm.save(os.path.join(tmp, "by2-nvme.dcp"))
+    after = tm.report()
+    read = after.bytes_moved[(Tier.NVME, Tier.HOST)] - before.bytes_moved[(Tier.NVME, Tier.HOST)]
+    host = _make(bucket_size=1700)
+    host.load(os.path.join(tmp, "by2-nvme.dcp"))
+    return (tm.state_dict(), host.state_dict(), after.class_peak_bytes[key] - before.class_peak_bytes[key], read,
+            sum(b.numel for b in tm.layout.step_buckets) * 12)
+
+
+def test_state_on_nvme_is_streamed_into_a_dcp_checkpoint_by_every_rank(dp):
+    for r in dp[2]:
+        trained, loaded, more_host, read, shard_bytes = r["nvme dcp"]
+        assert same_state(loaded, trained)
+        assert more_host == 0  # through the home's own buffers: no bucket more, let alone the shard
+        assert read == shard_bytes  # this rank's shard of each bucket read once, in order
+    assert same_state(dp[2][0]["nvme dcp"][0], dp[2][1]["nvme dcp"][0])
+    assert sorted(n for n in os.listdir(dp[0] / "by2-nvme.dcp") if n.endswith(".distcp")) == ["__0_0.distcp",
+                                                                                               "__1_0.distcp"]
 
 
 # -- one decision for all; failures ----------------------------------------------------------------
@@ -286,14 +452,12 @@ def test_ranks_with_different_configurations_are_caught_at_construction():
                for e in errors.values())
 
 
-def _rank_refused(rank, world, nvme_dir):
-    with pytest.raises(ConfigError, match=r"not sharded in this version: use a policy with PARAM on DEVICE \(ZeroOffload"):
-        TieredModel(TinyGPT(), ZeroInfinity(), nvme_dir=nvme_dir)
+def _rank_replica(rank, world):
     return TieredModel(nn.Linear(3, 3), process_group=False).report().world  # a full replica: no collective
 
 
-def test_what_data_parallel_refuses_says_what_to_use(dp):
-    assert [r["refused"] for r in dp[2]] == [1, 1]
+def test_process_group_false_keeps_a_full_replica(dp):
+    assert [r["replica"] for r in dp[2]] == [1, 1]
 
 
 def _rank_no_sync(rank, world, use_no_sync):
@@ -315,6 +479,47 @@ def test_no_sync_communicates_once_with_the_same_result(dp):
     (plain, sent_plain), (once, sent_once) = dp[2][0]["no_sync"]
     assert sent_once < sent_plain
     assert _max_diff(plain, once) <= max(_torch_spread(2), 1e-7)
+
+
+def _freeze_block0(tm: TieredModel, i: int) -> None:
+    tm.module.blocks[0].requires_grad_(i not in (1, 2))  # trained, frozen for two steps, trained again
+
+
+def _rank_freezing(rank, world):
+    """NOTE [Freezing and unfreezing] under data parallelism: alike on every rank, it trains as
+    one process does; a rank that differs, or a parameter frozen at construction unfrozen, is
+    refused on every rank (the group stays usable)."""
+    tm = _make()
+    for i in range(4):
+        _freeze_block0(tm, i)
+        _train(tm, rank, world, range(i, i + 1))
+    out = {"alike": tm.state_dict()}
+    tm.module.blocks[1].requires_grad_(rank == 0)
+    x, y = _batch(9, rank)
+    with pytest.raises(TierMemError, match=r"the ranks train different parameters"):
+        tm.backward(gpt_loss(tm(x), y))
+    tm.module.blocks[1].requires_grad_(True)
+    m = TinyGPT()
+    m.blocks[1].requires_grad_(False)
+    frozen = TieredModel(m, ZeroOffload(), precision="fp32", bucket_size=3000)
+    m.blocks[1].requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"under data parallelism this version cannot add them to the sharded "
+                                          r"buckets: build the model with them trainable and freeze them"):
+        frozen.backward(gpt_loss(frozen(x), y))
+    out["refused"] = True
+    return out
+
+
+def test_freezing_alike_on_every_rank_trains_as_one_process_and_differing_is_refused(dp):
+    ranks = dp[2]
+    solo = _make()
+    for i in range(4):
+        _freeze_block0(solo, i)
+        _train(solo, 0, 1, range(i, i + 1), scale=2)
+    want = solo.state_dict()
+    for r in ranks:
+        assert _max_diff(r["freezing"]["alike"], want) <= max(_torch_spread(4), 1e-7)
+        assert r["freezing"]["refused"]
 
 
 def test_without_a_process_group_nothing_is_distributed():

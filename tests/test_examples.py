@@ -128,3 +128,14 @@ def test_lora_example_trains_with_its_base_weights_on_nvme(tmp_path: Path) -> No
     losses = [float(x) for x in re.findall(r"^step\s+\d+  loss (\d+\.\d+)", out, re.MULTILINE)]
     assert len(losses) >= 2 and all(x == x for x in losses) and "(skipped)" not in out, out
     assert "nvme->device" in out and "sample:" in out, out
+
+
+def test_finetune_trains_with_one_group_per_layer_and_unfreezes_them_in_turn() -> None:
+    """examples/finetune.py: LLRD groups from a torch optimizer, each layer unfrozen in turn."""
+    cmd = [sys.executable, str(ROOT / "examples" / "finetune.py"), "--pretrain-steps", "3", "--steps", "12",
+           "--unfreeze-every", "3", "--precision", "fp32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, f"finetune.py exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "groups: layer0 lr 1.03e-03, layer1 lr 1.47e-03, layer2 lr 2.10e-03, layer3 lr 3.00e-03" in proc.stdout
+    # layer 3 from the start, then one layer down every 3 steps: from steps 3, 6 and 9 of 12
+    assert "updates per layer: layer0 4, layer1 7, layer2 10, layer3 12" in proc.stdout, proc.stdout

@@ -75,6 +75,47 @@ def test_footprint_by_hand(buckets, overlap, expect):
     assert fp.footprint(buckets, [], BF16, overlap=overlap) == expect
 
 
+def test_weights_sharded_over_ranks_by_hand():
+    """Under data parallelism a rank keeps its chunk of sharded weights (one host buffer per
+    bucket), and the device room for gathered buckets: held ones (``gathered_at_once`` of the
+    largest) plus two of the largest gathered ahead, never more than all of them; a chunk on NVMe
+    is read into a host buffer for its gather; Adam writes a chunk on its own tier in place."""
+    host = [_bucket(10, H, H, param=H), _bucket(6, H, H, param=H, index=1)]
+    need = fp.footprint(host, [], BF16, world=2, gathered_at_once=1)
+    assert need[H][fp.WORKING_WEIGHTS] == 2 * (5 + 3)  # half of each bucket, in bf16
+    assert fp.WEIGHT_STAGING not in need[H]  # in place
+    assert need[D][fp.GATHERED] == min(2 * 16, 1 * 20 + 2 * 20)  # capped by all the buckets gathered
+    many = [_bucket(10, H, H, param=H, index=i) for i in range(8)]
+    assert fp.footprint(many, [], BF16, world=2, gathered_at_once=2)[D][fp.GATHERED] == (2 + 2) * 20
+    nvme = fp.footprint([_bucket(11, H, N, param=N)], [], BF16, world=2, gathered_at_once=1)
+    assert nvme[N][fp.WORKING_WEIGHTS] == 2 * 6  # 11 in two chunks of 6 (the last padded)
+    assert nvme[N][fp.NVME_JOURNAL] == 3 * 12 * 6 + 2 * 2 * 6
+    assert nvme[H][fp.GATHER_STAGING] == 2 * 6 and nvme[H][fp.WEIGHT_STAGING] == 2 * 6
+    device = fp.footprint(host[:1] + [_bucket(10, H, H, index=1)], [], BF16, world=2, gathered_at_once=1)
+    assert device[D][fp.WORKING_WEIGHTS] == 2 * 10  # on the device: whole on every rank (ZeRO-2)...
+    sharded = fp.footprint(host[:1] + [_bucket(10, H, H, index=1)], [], BF16, world=2, gathered_at_once=1,
+                           shard_weights=True)
+    assert sharded[D][fp.WORKING_WEIGHTS] == 2 * 5  # ...unless shard_weights
+    assert fp.footprint(host, [], BF16, shard_weights=True) == fp.footprint(host, [], BF16)  # alone: nothing
+
+
+def test_gathers_held_counts_nested_modules_and_one_op():
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+            self.inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    m = Outer()
+    buckets = []
+    for i, p in enumerate([m.scale, m.inner[0].weight, m.inner[0].bias, m.inner[1].weight, m.inner[1].bias]):
+        b = _bucket(0, H, H, param=H, index=i)
+        b.add(f"p{i}", p, i)
+        buckets.append(b)
+    # Outer's bucket while inner[0] (two buckets) runs, plus one op reading as many as a module's
+    assert fp.gathers_held(m, buckets, {b.index for b in buckets}) == 3 + 2
+    assert fp.gathers_held(m, buckets, {0}) == 1 + 1
+
+
 def test_frozen_grads_in_flight_and_largest_module():
     frozen = [(torch.empty(5, dtype=torch.float32, device="meta"), N),  # meta: nothing allocated
               (torch.empty(3, dtype=torch.int64, device="meta"), D)]  # not floating point: its own size

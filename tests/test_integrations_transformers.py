@@ -202,8 +202,11 @@ def _fails(tmp_path, **kw):
 
 
 BAD = {
-    "an optimizer of its own": (dict(optimizers=(torch.optim.SGD(gpt2().parameters(), lr=0.1), None)),
-                                r"optimizers=\.\.\.\) is not supported"),
+    "an optimizer tiermem has not": (dict(optimizers=(torch.optim.SGD(gpt2().parameters(), lr=0.1), None)),
+                                     r"optimizers=\(SGD\(\.\.\.\), \.\.\.\)\) is not an optimizer tiermem runs; "
+                                     r"it runs torch\.optim\.AdamW, torch\.optim\.Adam"),
+    "two optimizers": (dict(optimizers=(torch.optim.AdamW(gpt2().parameters()), None),
+                            optimizer_cls_and_kwargs=(torch.optim.AdamW, {})), r"got both optimizers= and"),
     "precision in tiermem=": (dict(tiermem={"precision": "bf16"}), r"these come from TrainingArguments"),
     "a placement besides the config": (dict(deepspeed=AUTO, tiermem={"policy": KeepOnDevice()}),
                                        r"the DeepSpeed config says these \(where tensors live"),
@@ -227,7 +230,13 @@ def test_one_process_on_several_gpus_refused(tmp_path, monkeypatch):
 
 
 TRAIN_BAD = {
-    "sgd": (dict(args={"optim": "sgd"}), r"optim='sgd'\) is not an optimizer tiermem runs"),
+    "sgd": (dict(args={"optim": "sgd"}), r"optim='sgd'\) is not an optimizer tiermem runs; it runs 'adamw_torch', "
+                                        r"'adamw_torch_fused'"),
+    "adafactor": (dict(args={"optim": "adafactor"}), r"optim='adafactor'\) is not an optimizer tiermem runs"),
+    "a class tiermem has not": (dict(optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1})),
+                                r"optimizer_cls_and_kwargs=\(SGD, \.\.\.\)\) is not an optimizer tiermem runs"),
+    "another model's optimizer": (dict(optimizers=(torch.optim.AdamW(gpt2().parameters()), None)),
+                                  r"hold \d+ tensors that are not parameters of the wrapped module"),
     "config disagrees with args": (
         dict(deepspeed={"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}),
         r"optimizer\.params\.lr=0\.0003 but lr=0\.002 was given; make them agree"),
@@ -241,6 +250,60 @@ def test_refused_when_training_starts(tmp_path, case):
     kw, match = TRAIN_BAD[case]
     with pytest.raises(ConfigError, match="^tiermem: .*" + match):
         _fails(tmp_path, **kw).train()
+
+
+def _llrd(model: GPT2LMHeadModel) -> list[dict]:
+    """Layer-wise lr decay over a GPT-2: the embeddings lowest, each block higher, the rest at LR."""
+    t = model.transformer
+    layers = [[t.wte, t.wpe], *[[h] for h in t.h], [t.ln_f]]
+    return [{"params": [p for mod in layer for p in mod.parameters()], "lr": LR * 0.5 ** (len(layers) - 1 - d)}
+            for d, layer in enumerate(layers)]
+
+
+def _warmup(opt) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, [lambda s, i=i: min(1.0, (s + 1) / (i + 2))
+                                                   for i in range(len(opt.param_groups))])
+
+
+def test_trainer_takes_an_optimizer_and_scheduler_of_the_users(tmp_path):
+    """optimizers=(torch AdamW with per-layer groups, a per-group LambdaLR built on it): the Trainer
+    trains as TieredModel's own loop with that optimizer and that schedule on tm.optimizer."""
+    model = gpt2()
+    opt = torch.optim.AdamW(_llrd(model), lr=LR, weight_decay=DECAY)
+    trainer = Recording(model=model, args=arguments(tmp_path / "out"), train_dataset=dataset(),
+                        optimizers=(opt, _warmup(opt)))
+    trainer.train()
+    ref_model = gpt2()
+    tm = TieredModel(ref_model, optimizer=torch.optim.AdamW(_llrd(ref_model), lr=LR, weight_decay=DECAY),
+                     precision="fp32", grad_clip=CLIP)
+    sched = _warmup(tm.optimizer)
+    lrs = []
+    for step in range(STEPS):
+        for batch, n in trainer.fed[step * ACCUM:(step + 1) * ACCUM]:
+            tm.backward(tm(**batch, num_items_in_batch=n).loss)
+        lrs.append([g["lr"] for g in tm.optimizer.param_groups])
+        tm.step()
+        sched.step()
+    got, want = trainer.tiered.state_dict(), tm.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert [g["lr"] for g in trainer.tiered.optimizer.param_groups] == [g["lr"] for g in tm.optimizer.param_groups]
+    history = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    assert history == [group_lrs[0] for group_lrs in lrs]  # the Trainer logs the first group's
+    assert len({tuple(x) for x in lrs}) == STEPS  # the schedule moved every step
+
+
+def test_trainer_builds_optimizer_cls_and_kwargs_on_its_weight_decay_groups(tmp_path):
+    """optimizer_cls_and_kwargs=(torch.optim.AdamW, kwargs): built as the Trainer builds it (its
+    decay and no-decay groups, the kwargs as given): the numbers of the default optimizer with
+    the same hyperparameters, group for group."""
+    kwargs = {"lr": LR, "betas": (0.9, 0.999), "eps": 1e-8}
+    trainer = Recording(model=gpt2(), args=arguments(tmp_path / "out"), train_dataset=dataset(),
+                        optimizer_cls_and_kwargs=(torch.optim.AdamW, kwargs))
+    trainer.train()
+    tm, _, _ = own_loop(trainer.fed, "fp32")
+    got, want = trainer.tiered.state_dict(), tm.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert [g["weight_decay"] for g in trainer.tiered.optimizer.param_groups] == [DECAY, 0.0]
 
 
 def test_resume_needs_tiermems_checkpoint_of_the_same_step(tmp_path):

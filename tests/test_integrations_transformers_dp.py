@@ -1,9 +1,9 @@
 """TieredTrainer under torch.distributed (2 gloo ranks in fresh processes, tests/ranks.py): the
 Trainer's sampler splits the data, gradient accumulation communicates once per step (tm.no_sync()
 on the earlier micro-batches), the ranks train like one process over both ranks' micro-batches,
-a checkpoint-N/ holds one tiermem.ckpt, a resume on 2 ranks continues bit-exact, evaluation,
-load_best_model_at_end and an fp16 overflow on one rank work there, checkpoint-2 resumes in one
-process too, save_model() on rank 0 alone is a tiermem: error once the process group's timeout
+a checkpoint-N/ holds one tiermem.ckpt (a DCP directory both ranks wrote), a resume on 2 ranks
+continues bit-exact, evaluation, load_best_model_at_end and an fp16 overflow on one rank work
+there, checkpoint-2 resumes in one process too, save_model() on rank 0 alone is a tiermem: error once the process group's timeout
 passes (not a hang), and README's torchrun command runs the example."""
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ def _rank_trainer(rank, world, tmp):
     out = {"world": first.args.world_size, "tm_world": first.tiered.group.world, "no_sync": len(entered),
            "fed": first.fed, "weights": first.tiered.state_dict(), "history": first.state.log_history,
            "files": sorted(os.listdir(os.path.join(tmp, "a", "checkpoint-2"))),
+           "tiermem_files": sorted(os.listdir(os.path.join(tmp, "a", "checkpoint-2", TIERMEM_CHECKPOINT))),
            "checkpoint": os.path.join(tmp, "a", "checkpoint-2")}  # written by both ranks; resumed in one process too
     if rank == 0:
         shutil.copytree(os.path.join(tmp, "a", "checkpoint-2"), os.path.join(tmp, "b", "checkpoint-2"))
@@ -177,7 +178,9 @@ def test_checkpoint_holds_one_tiermem_checkpoint_and_resumes_bit_exact_on_two_ra
     files = set(ranks[0]["files"])
     assert {TIERMEM_CHECKPOINT, "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json",
             "rng_state_0.pth", "rng_state_1.pth"} <= files
-    assert [f for f in files if f.endswith(".ckpt")] == [TIERMEM_CHECKPOINT]  # one file, whatever the world size
+    assert [f for f in files if f.endswith(".ckpt")] == [TIERMEM_CHECKPOINT]  # one checkpoint, whatever the world size
+    assert ranks[0]["tiermem_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "tiermem-rank0.json",
+                                         "tiermem-rank1.json"]  # a DCP directory: every rank wrote its shards
     for r in ranks:
         assert all(torch.equal(r["resumed"][k], r["weights"][k]) for k in r["weights"])
         later = lambda hist: [h for h in hist if "grad_norm" in h and h["step"] > 2]  # noqa: E731
@@ -249,4 +252,4 @@ def test_the_readmes_torchrun_command_runs_the_example(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("world size 2: loss ") == 1, proc.stdout
     assert "'checkpoint-2', 'checkpoint-4'" in proc.stdout
-    assert (tmp_path / "run" / "checkpoint-4" / TIERMEM_CHECKPOINT).is_file()
+    assert (tmp_path / "run" / "checkpoint-4" / TIERMEM_CHECKPOINT / "tiermem-rank1.json").is_file()

@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: layer of each module, by longest matching prefix
 LAYERS = {
     "tiermem.types": 0, "tiermem.errors": 0, "tiermem.handles": 0, "tiermem.config": 0, "tiermem.budgets": 0,
+    "tiermem.torch_optim": 0,
     "tiermem.spans": 0,
     "tiermem.plan.policy": 1, "tiermem.policies": 1, "tiermem.optim": 1,
     "tiermem.plan": 2,

@@ -383,7 +383,7 @@ class _GradsOnNvmeStateOnDevice(Policy):
     (lambda: TieredModel(TinyGPT(), "zero"), ConfigError, "is not a tiermem.Policy"),
     (lambda: TieredModel(TinyGPT(), _GradsOnNvmeStateOnDevice(), nvme_dir="."), ConfigError,
      r"grads on NVMe but its optimizer state on the device.*place OPTIM_STATE on HOST or NVME"),
-    (lambda: TieredModel(TinyGPT(), optimizer=torch.optim.SGD), ConfigError, "not a tiermem optimizer spec"),
+    (lambda: TieredModel(TinyGPT(), optimizer=torch.optim.SGD), ConfigError, "not an optimizer tiermem runs"),
     (lambda: TieredModel(TinyGPT(), grad_clip=-1), ConfigError, "grad_clip=-1 is invalid"),
     (lambda: TieredModel(TinyGPT(), budgets=Budgets(device="10KB")), OutOfTierMemory,
      r"out of device memory.*it needs .* \(working weights"),

@@ -22,7 +22,9 @@ from tiermem.train.stepper import Stepper
 from tiermem.train.uploads import Outputs
 from tiermem.transfer.engine import TransferEngine
 
-HYPER = [{"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1, "adamw": True}]
+#: the one param group of _model(), as tm.optimizer shows it (the step reads each parameter's group by name)
+HYPER = [{"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1, "adamw": True,
+          "param_names": ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"]}]
 
 
 class SnapshotState(StateHome):

@@ -180,14 +180,22 @@ def check_adam_hyper(where: str, **values: Any) -> None:
 
 # NOTE [Param groups]
 # An optimizer spec defines its param groups: each a name and the hyperparameters it sets over the
-# spec's own (``group_defaults``), and which group each trainable parameter joins (``group_of``).
-# The planner lists every group's parameters (tiermem.plan.placement.ParamGroup), each bucket
-# holds one group's parameters (one fused Adam call, one set of hyperparameters), and
-# ``tm.optimizer.param_groups`` shows the groups in this order, which lr schedulers drive and
-# checkpoints keep. The first group is always there (it may hold no parameter); a later one
-# only when some parameter joins it. Today's specs define two: "decay" and "no_decay" (weight
-# decay 0, from ``no_decay``/``no_decay_1d``); torch-style groups with hyperparameters of their
-# own are more GroupSpecs, each with its overrides.
+# spec's own (``group_defaults``), and which group each parameter joins (``group_of``). The
+# planner lists every group's parameters (tiermem.plan.placement.ParamGroup): the trainable ones,
+# and the frozen ones that join it once unfrozen. At construction each bucket holds one group's
+# parameters (one fused Adam call, one set of hyperparameters); ``tm.optimizer.param_groups``
+# shows the groups in this order, each with its ``name`` and ``param_names``, which lr schedulers
+# drive and checkpoints keep. Membership is the groups' ``param_names`` from then on: the step
+# reads each parameter's hyperparameters from the group that lists it, so
+# ``tm.optimizer.add_param_group`` may move a parameter to a new group (tiermem.train.groups).
+# Two kinds of spec:
+# - rule groups (``AdamW(lr=...)``): "decay" and "no_decay" (weight decay 0, from
+#   ``no_decay``/``no_decay_1d``); the first group is always there (it may hold no parameter), a
+#   later one only when some parameter, trainable or frozen, joins it;
+# - given groups (``AdamW(groups, lr=...)``, or a torch optimizer read by tiermem.torch_optim):
+#   torch-style groups, each with hyperparameters of its own, matched to the model's parameters by
+#   identity; every group is kept, in the order given, empty or not (an lr scheduler's per-group
+#   lambdas follow that order).
 @dataclass(frozen=True)
 class GroupSpec:
     """One param group as a spec defines it (NOTE [Param groups])."""
@@ -195,9 +203,116 @@ class GroupSpec:
     name: str
     #: the hyperparameters this group sets over the spec's (e.g. ``{"weight_decay": 0.0}``)
     overrides: Mapping[str, Any] = field(default_factory=dict)
+    #: a group the user gave: kept even when no parameter joins it
+    given: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overrides", MappingProxyType(dict(self.overrides)))
+
+
+@dataclass(frozen=True, eq=False)
+class GivenGroup:
+    """A torch-style param group as given to a spec: its tensors and the hyperparameters it sets."""
+
+    name: str
+    params: tuple[torch.Tensor, ...]
+    overrides: Mapping[str, Any]
+
+
+#: the hyperparameters a param group may set (torch's names)
+GROUP_HYPER = ("lr", "betas", "eps", "weight_decay")
+#: torch group keys that choose how torch runs its update, never its numbers: accepted and ignored
+TORCH_NO_EFFECT = ("foreach", "fused", "capturable", "differentiable")
+#: torch group keys for features tiermem's Adam has not: accepted only when off
+TORCH_OFF = ("amsgrad", "maximize")
+
+
+def _number(v: Any) -> Any:
+    """A one-element tensor (torch optimizers allow one for lr and betas) as the number it holds."""
+    return v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+
+
+def _tensors(where: str, params: Any) -> list[torch.Tensor]:
+    """A group's ``params``: a tensor, or an iterable of tensors or of (name, tensor) pairs (torch's)."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, (set, frozenset, dict, str)) or not hasattr(params, "__iter__"):
+        raise ConfigError(f"tiermem: {where}params is a {type(params).__name__}; give a group's parameters as a "
+                          f"tensor, or a list of tensors or of (name, tensor) pairs (an ordered sequence, not a set)")
+    out = []
+    for item in params:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            item = item[1]  # torch 2.x takes named parameters too
+        if not isinstance(item, torch.Tensor):
+            raise ConfigError(f"tiermem: {where}params holds a {type(item).__name__}; a group holds tensors (the "
+                              f"model's parameters)")
+        out.append(item)
+    return out
+
+
+def read_groups(where: str, given: Any) -> tuple[GivenGroup, ...]:
+    """Torch-style param groups (as ``torch.optim.AdamW(params, ...)`` takes them: an iterable of
+    tensors, or of dicts with ``"params"`` and the hyperparameters the group sets) checked and
+    normalised. ``where``: what the field names are read after (``"AdamW."``)."""
+    items = [given] if isinstance(given, (torch.Tensor, dict)) else None
+    if items is None:
+        if isinstance(given, (set, frozenset, str)) or not hasattr(given, "__iter__"):
+            what = repr(given) if isinstance(given, (int, float, str)) else f"a {type(given).__name__}"
+            raise ConfigError(f"tiermem: {where}params={what} is invalid: the one positional argument is the "
+                              f"model's parameters or torch-style param groups (a list of dicts with 'params'), as "
+                              f"torch.optim takes them; pass hyperparameters by keyword (lr=...)")
+        items = list(given)
+    if not items:
+        raise ConfigError(f"tiermem: {where}params is empty; give the model's parameters or param groups, or leave "
+                          f"params out (every trainable parameter in the groups by rule)")
+    if all(isinstance(g, dict) for g in items):
+        groups = items
+    elif not any(isinstance(g, dict) for g in items):
+        groups = [{"params": items}]
+    else:
+        raise ConfigError(f"tiermem: {where}params mixes tensors and param groups (dicts); give either")
+    out: list[GivenGroup] = []
+    seen: dict[int, int] = {}
+    for i, g in enumerate(groups):
+        at = f"{where}params[{i}]."
+        if "params" not in g:
+            raise ConfigError(f"tiermem: {at[:-1]} has no 'params'; give each group its parameters as 'params'")
+        tensors = _tensors(at, g["params"])
+        for t in tensors:
+            if id(t) in seen:
+                raise ConfigError(f"tiermem: {at[:-1]} repeats a parameter of group {seen[id(t)]} (shape "
+                                  f"{tuple(t.shape)}); a parameter belongs to one group")
+            seen[id(t)] = i
+        name, overrides = f"group{i}", {}
+        for key, value in g.items():
+            if key in ("params", "param_names"):
+                continue
+            if key == "name":
+                if not isinstance(value, str) or not value:
+                    raise _invalid(at, "name", value, "a non-empty str")
+                name = value
+            elif key in GROUP_HYPER:
+                overrides[key] = tuple(_number(b) for b in value) if key == "betas" and isinstance(
+                    value, (tuple, list)) else _number(value)
+            elif key == "decoupled_weight_decay":  # torch.optim.Adam's switch to AdamW
+                if not isinstance(value, bool):
+                    raise _invalid(at, key, value, "True or False")
+                overrides["adamw"] = value
+            elif key in TORCH_OFF:
+                if value is not False:
+                    raise ConfigError(f"tiermem: {at}{key}={value!r}: tiermem's Adam has no {key}; leave it False")
+            elif key not in TORCH_NO_EFFECT:
+                raise ConfigError(f"tiermem: {at[:-1]} sets {key!r}, which tiermem's Adam does not take; a group "
+                                  f"takes 'params', 'name' and {', '.join(repr(k) for k in GROUP_HYPER)}")
+        check_adam_hyper(at, **{k: v for k, v in overrides.items() if k in GROUP_HYPER})
+        if "betas" in overrides:
+            overrides["betas"] = (float(overrides["betas"][0]), float(overrides["betas"][1]))
+        out.append(GivenGroup(name, tuple(tensors), MappingProxyType(overrides)))
+    names = [g.name for g in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"tiermem: {where}params names groups {twice} more than once; give each group its own name")
+    return tuple(out)
 
 
 DECAY = GroupSpec("decay")
@@ -207,23 +322,30 @@ NO_DECAY = GroupSpec("no_decay", {"weight_decay": 0.0})
 @checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class _AdamSpec:
-    """Adam hyperparameters. ``no_decay`` lists fnmatch patterns of parameter names that get no
-    weight decay (e.g. ``("*.bias", "*.ln_*")``); ``no_decay_1d=True`` exempts every parameter with
-    fewer than two dimensions, which covers biases and norm weights in most models."""
+    """Adam hyperparameters. ``params`` (optional, the one positional argument): torch-style param
+    groups, as ``torch.optim.AdamW`` takes them (the model's parameters, or dicts with ``"params"``
+    and the hyperparameters each group sets, ``"name"`` too); every trainable parameter must be in
+    one (NOTE [Param groups]). Without them, ``no_decay`` lists fnmatch patterns of parameter names
+    that get no weight decay (e.g. ``("*.bias", "*.ln_*")``) and ``no_decay_1d=True`` exempts every
+    parameter with fewer than two dimensions, which covers biases and norm weights in most models."""
 
+    params: Any = field(default=None, kw_only=False, repr=False, compare=False)
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
     no_decay: tuple[str, ...] = ()
     no_decay_1d: bool = False
+    #: id(tensor) -> index of its given group (NOTE [Param groups])
+    _member: Mapping[int, int] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     adamw = False  # class constant: how weight decay is applied
 
     def __post_init__(self) -> None:
         where = f"{type(self).__name__}."
-        check_adam_hyper(where, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
-        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        check_adam_hyper(where, lr=_number(self.lr), betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        object.__setattr__(self, "lr", _number(self.lr))
+        object.__setattr__(self, "betas", (float(_number(self.betas[0])), float(_number(self.betas[1]))))
         nd = self.no_decay
         if isinstance(nd, (set, frozenset)):
             nd = sorted(nd, key=str)  # one order in every process (the ranks compare their configurations)
@@ -233,35 +355,59 @@ class _AdamSpec:
         object.__setattr__(self, "no_decay", nd)
         if not isinstance(self.no_decay_1d, bool):
             raise _invalid(where, "no_decay_1d", self.no_decay_1d, "True or False")
+        if self.params is not None:
+            if nd or self.no_decay_1d:
+                raise ConfigError(f"tiermem: {where}no_decay/no_decay_1d choose groups by rule; with param groups "
+                                  f"given, put the parameters without weight decay in a group of their own with "
+                                  f"'weight_decay': 0.0")
+            groups = read_groups(where, self.params)
+            object.__setattr__(self, "params", groups)
+            object.__setattr__(self, "_member", MappingProxyType(
+                {id(t): i for i, g in enumerate(groups) for t in g.params}))
+
+    @property
+    def given(self) -> Optional[tuple[GivenGroup, ...]]:
+        """The param groups given (NOTE [Param groups]), or None when groups follow the rule."""
+        return self.params
 
     def decays(self, name: str, param: torch.Tensor) -> bool:
-        """Whether weight decay applies to the parameter ``name``."""
+        """Whether weight decay applies to the parameter ``name`` under the rule groups."""
         if self.no_decay_1d and param.dim() < 2:
             return False
         return not any(fnmatch.fnmatchcase(name, p) for p in self.no_decay)
 
     def param_groups(self) -> tuple[GroupSpec, ...]:
         """The param groups this spec defines, in order (NOTE [Param groups])."""
-        return (DECAY, NO_DECAY)
+        if self.params is None:
+            return (DECAY, NO_DECAY)
+        return tuple(GroupSpec(g.name, g.overrides, given=True) for g in self.params)
 
-    def group_of(self, name: str, param: torch.Tensor) -> int:
-        """The index in :meth:`param_groups` of the group the parameter ``name`` joins."""
-        return 0 if self.decays(name, param) else 1
+    def group_of(self, name: str, param: torch.Tensor) -> Optional[int]:
+        """The index in :meth:`param_groups` of the group the parameter ``name`` joins; None when
+        groups were given and none holds it."""
+        if self.params is None:
+            return 0 if self.decays(name, param) else 1
+        return self._member.get(id(param))
 
     def group_defaults(self) -> dict[str, Any]:
         """The keys torch optimizers keep in each param group (so lr schedulers work)."""
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
                 "weight_decay": self.weight_decay, "adamw": self.adamw}
 
+    def __repr__(self) -> str:
+        groups = "" if self.params is None else f"<{len(self.params)} param groups>, "
+        return (f"{type(self).__name__}({groups}lr={self.lr!r}, betas={self.betas!r}, eps={self.eps!r}, "
+                f"weight_decay={self.weight_decay!r}, no_decay={self.no_decay!r}, no_decay_1d={self.no_decay_1d!r})")
+
 
 @checked_arguments
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, repr=False)
 class Adam(_AdamSpec):
     """Adam (L2 penalty added to the gradient), like ``torch.optim.Adam``."""
 
 
 @checked_arguments
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, repr=False)
 class AdamW(_AdamSpec):
     """AdamW (decoupled weight decay), like ``torch.optim.AdamW``; weight decay defaults to 0.01."""
 

@@ -220,15 +220,21 @@ def _loss_scale(r: _Reader, cfg: Mapping) -> LossScale:
 
 
 def _optimizer(r: _Reader, cfg: Mapping):
+    """The ``optimizer`` block as a tiermem spec, by :data:`OPTIMIZER_BLOCKS` (no block: AdamW)."""
     block = _block(cfg, "optimizer", "")
     kind = block.get("type", "AdamW" if not block else _ABSENT)
-    if kind is _ABSENT or not isinstance(kind, str) or kind.lower() not in ("adam", "adamw"):
+    if kind is _ABSENT or not isinstance(kind, str) or kind.lower() not in OPTIMIZER_BLOCKS:
         raise ConfigError(f"tiermem: DeepSpeed config optimizer.type={_short(None if kind is _ABSENT else kind)} is "
-                          f"not supported: tiermem trains with Adam or AdamW; write \"AdamW\" (or \"Adam\")")
+                          f"not supported: tiermem runs the types {', '.join(repr(k) for k in OPTIMIZER_BLOCKS)} (in any "
+                          f"case); write \"AdamW\" (or \"Adam\")")
     for key in block:
         if key not in ("type", "params"):
             r.note(f"optimizer.{key}", block[key], _NONE)
-    params = _block(block, "params", "optimizer.")
+    return OPTIMIZER_BLOCKS[kind.lower()](r, kind, _block(block, "params", "optimizer."))
+
+
+def _adam_block(r: _Reader, kind: str, params: Mapping):
+    """``Adam``/``AdamW``: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``adam_w_mode``."""
     unknown = sorted(set(params) - {*_ADAM_DEFAULTS, "adam_w_mode", *_ADAM_IGNORED, "bias_correction", "amsgrad"})
     if unknown:
         raise ConfigError(f"tiermem: DeepSpeed config optimizer.params has {unknown}, which Adam does not take; "
@@ -254,6 +260,11 @@ def _optimizer(r: _Reader, cfg: Mapping):
         return spec(**hyper)
     except ConfigError as e:
         raise ConfigError(f"tiermem: DeepSpeed config optimizer block: {str(e).removeprefix('tiermem: ')}") from None
+
+
+#: DeepSpeed optimizer types tiermem runs (lowercase; the config's in any case), each with the
+#: reader of its ``params`` block into a tiermem spec: one row per optimizer
+OPTIMIZER_BLOCKS = {"adam": _adam_block, "adamw": _adam_block}
 
 
 def _offload(r: _Reader, zero: Mapping, key: str) -> tuple[Tier, Optional[str]]:

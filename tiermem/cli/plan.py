@@ -12,6 +12,7 @@ from tiermem.plan import sizing
 from tiermem.budgets import parse_bytes
 from tiermem.cli import _common
 from tiermem.cli.models import ModelSize, from_config, from_factory, parse_count
+from tiermem.errors import ConfigError
 from tiermem.types import Tier
 
 DESCRIPTION = """\
@@ -25,7 +26,8 @@ examples:
   tiermem plan --params 7.5e9
   tiermem plan --model mypkg.models:gpt_small --device-mem 24GB
   tiermem plan --config llama-7b/config.json --json plan.json
-  tiermem plan --params 7.5e9 --policy auto --device-mem 80GB --host-mem 256GB"""
+  tiermem plan --params 7.5e9 --policy auto --device-mem 80GB --host-mem 256GB
+  tiermem plan --params 70e9 --ranks 8 --device-mem 80GB   # bytes per rank of 8 data-parallel ranks"""
 
 
 def add_parser(sub: Any) -> None:
@@ -57,6 +59,12 @@ def add_parser(sub: Any) -> None:
                    help="free space for NVMe offload (default: free space under --nvme-path)")
     p.add_argument("--nvme-path", default=".", metavar="DIR",
                    help="where NVMe offload would write, for the default --nvme-free (default: .)")
+    p.add_argument("--ranks", type=int, default=1, metavar="N",
+                   help="bytes per rank of N data-parallel ranks: each keeps 1/N of the grads and optimizer "
+                        "state, and of the weights when they live off the device (ZeRO-3) or with --shard-weights")
+    p.add_argument("--shard-weights", action="store_true",
+                   help="with --ranks: weights on the device sharded over the ranks too (TieredModel(..., "
+                        "shard_weights=True)); without it they are whole on every rank")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="write the plan as JSON to FILE (stdout when FILE is omitted or '-')")
     p.set_defaults(run=run)
@@ -96,10 +104,11 @@ def _limits(args: argparse.Namespace) -> tuple[sizing.Limits, dict[str, str]]:
 
 
 def build_plan(size: ModelSize, limits: sizing.Limits, precisions: list[str],
-               policies: list[str]) -> dict[str, Any]:
-    """The plan as plain data (what ``--json`` writes); every byte figure is an exact int."""
+               policies: list[str], *, ranks: int = 1, shard_weights: bool = False) -> dict[str, Any]:
+    """The plan as plain data (what ``--json`` writes); every byte figure is an exact int, per
+    rank of ``ranks`` data-parallel ranks."""
     out: dict[str, Any] = {
-        "source": size.source, "note": size.note,
+        "source": size.source, "note": size.note, "ranks": ranks, "shard_weights": shard_weights,
         "params": {"trainable": size.trainable, "frozen": size.frozen, "total": size.total},
         "limits": {"device_bytes": limits.device, "host_bytes": limits.host, "nvme_bytes": limits.nvme,
                    "device_shares_host": limits.device_shares_host},
@@ -113,7 +122,8 @@ def build_plan(size: ModelSize, limits: sizing.Limits, precisions: list[str],
             "policies": {},
         }
         for name in policies:
-            need = sizing.tier_bytes(size.trainable, prec, sizing.placement_of(name), frozen=size.frozen)
+            need = sizing.tier_bytes(size.trainable, prec, sizing.placement_of(name), frozen=size.frozen,
+                                     world=ranks, shard_weights=shard_weights)
             fit = sizing.check_fit(need, limits)
             entry["policies"][name] = {
                 "tiers": {t.value: {"bytes": need[t], "short_bytes": fit.short.get(t, 0)} for t in Tier},
@@ -148,7 +158,9 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
     con.print(classes)
 
     lim = plan["limits"]
-    tiers = Table(title="Bytes per tier for each built-in policy (activations not counted)",
+    per_rank = (f", per rank of {plan['ranks']} data-parallel ranks"
+                + (" (device weights sharded too)" if plan["shard_weights"] else "") if plan["ranks"] > 1 else "")
+    tiers = Table(title=f"Bytes per tier for each built-in policy{per_rank} (activations not counted)",
                   title_justify="left")
     for col, just in (("policy", "left"), ("precision", "left"), ("device", "right"), ("host", "right"),
                       ("nvme", "right"), ("fits?", "left")):
@@ -191,6 +203,8 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _common.check_output_path("--json", args.json)
+    if args.ranks < 1:
+        raise ConfigError(f"tiermem: --ranks {args.ranks} is not a number of ranks; give a whole number >= 1")
     size = _model_size(args)
     limits, origin = _limits(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -200,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
     named = [n for n in named if n != "auto"]
     plan: dict[str, Any] = {}
     if named or not auto:
-        plan = build_plan(size, limits, list(dict.fromkeys(precisions)), sizing.policies(named or None))
+        plan = build_plan(size, limits, list(dict.fromkeys(precisions)), sizing.policies(named or None),
+                          ranks=args.ranks, shard_weights=args.shard_weights)
     if auto:
         from tiermem.cli import plan_auto  # imports the policies and the machine profile: only when asked
         mine = precisions[0] if args.precision else resolve_precision("auto", device)

@@ -37,12 +37,13 @@ def choose(args: argparse.Namespace, trainable: int, frozen: int, limits: Limits
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     caps = {Tier.DEVICE: limits.device, Tier.HOST: limits.host, Tier.NVME: limits.nvme}
     evaluator = Evaluator(module, AdamW(), working_dtype(precision), BUCKET_NUMEL, limits=caps,
-                          machine=lambda: machine_profile(device, args.nvme_path), nvme_staging=device.type == "cuda")
+                          machine=lambda: machine_profile(device, args.nvme_path), nvme_staging=device.type == "cuda",
+                          world=args.ranks, shard_weights=args.shard_weights)
     auto = evaluator.bind(Auto(forward_backward=args.forward_backward or 0.0, tokens_per_step=args.tokens or 0))
     assert isinstance(auto, AutoChoice)
     return {
-        "precision": precision, "parameters_as": shape, "forward_backward_s": args.forward_backward or 0.0,
-        "tokens_per_step": args.tokens or 0,
+        "precision": precision, "parameters_as": shape, "ranks": args.ranks,
+        "forward_backward_s": args.forward_backward or 0.0, "tokens_per_step": args.tokens or 0,
         "choices": [{"placement": c.label, "verdict": c.verdict, "fits": c.evaluation.fits,
                      "predicted_s": c.evaluation.stages and dict(c.evaluation.stages),
                      "step_s": c.evaluation.seconds if c.evaluation.stages else None,
@@ -53,7 +54,8 @@ def choose(args: argparse.Namespace, trainable: int, frozen: int, limits: Limits
 def render(out: dict[str, Any]) -> None:
     con = _common.stdout_console()
     best, rest = out["choices"][0], out["choices"][1:]
-    con.print(f"\n[bold]Auto[/] ({out['precision']}; parameters as {out['parameters_as']}) chose:")
+    ranks = f"; per rank of {out['ranks']} ranks" if out.get("ranks", 1) > 1 else ""
+    con.print(f"\n[bold]Auto[/] ({out['precision']}; parameters as {out['parameters_as']}{ranks}) chose:")
     con.print(f"  [green]{best['placement']}[/]")
     con.print("  bytes: " + ", ".join(f"{t} {_common.fmt_size(n)}" for t, n in best["bytes"].items() if n))
     fb = ("" if out["forward_backward_s"] else f" (forward+backward predicted for {out['tokens_per_step']:,} tokens at "

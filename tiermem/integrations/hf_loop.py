@@ -28,10 +28,18 @@ class TrainerOptimizer(torch.optim.Optimizer):
     ``tiermem.ckpt``; NOTE [Trainer integration])."""
 
     def __init__(self, tiered: TieredModel):
+        self.tiered: Optional[TieredModel] = None
         super().__init__(tiered.optimizer.param_groups, tiered.optimizer.defaults)
         self.param_groups = tiered.optimizer.param_groups  # one list: what a scheduler sets, tiermem uses
         self.tiered = tiered
         self.last: Optional[StepResult] = None
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As ``tm.optimizer.add_param_group`` (torch's constructor adds the groups it shows first)."""
+        if self.tiered is None:
+            super().add_param_group(param_group)
+        else:
+            self.tiered.optimizer.add_param_group(param_group)
 
     def step(self, closure=None):  # type: ignore[override]
         if closure is not None:

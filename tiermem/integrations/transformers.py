@@ -9,8 +9,12 @@ the trainer instead of ``TrainingArguments``)::
     trainer.train()                     # later: trainer.train(resume_from_checkpoint=True)
 
 Without a DeepSpeed config, ``tiermem={...}`` gives TieredModel's own options
-(``policy=``, ``nvme_dir=``, ``budgets=``, ...); the optimizer, precision and clipping always come
-from ``TrainingArguments`` (and the config).
+(``policy=``, ``nvme_dir=``, ``budgets=``, ...); precision and clipping always come from
+``TrainingArguments`` (and the config), the optimizer from ``TrainingArguments(optim=...)`` (the
+names tiermem runs: :data:`OPTIM_NAMES`), the config's optimizer block,
+``optimizer_cls_and_kwargs=(cls, kwargs)`` or ``optimizers=(optimizer, scheduler)`` (a torch
+optimizer as ``TieredModel(optimizer=...)`` takes it, and an lr scheduler built on it, which is
+moved onto tiermem's optimizer).
 
 # NOTE [Trainer integration]
 The Trainer keeps its loop (data, gradient accumulation, lr scheduler, logging, evaluation,
@@ -18,7 +22,11 @@ The Trainer keeps its loop (data, gradient accumulation, lr scheduler, logging, 
 for subclasses, and two private methods of transformers 5 where no public hook exists
 (``_wrap_model``: what wraps the model for distributed training; ``_load_best_model``):
 
-- ``create_optimizer`` wraps the model in a TieredModel and gives the Trainer a torch Optimizer
+- ``create_optimizer`` wraps the model in a TieredModel (its optimizer: a name of
+  :data:`OPTIM_NAMES` with the arguments' hyperparameters and the Trainer's weight-decay groups,
+  ``optimizer_cls_and_kwargs`` built on those same groups, or the optimizer of ``optimizers=``,
+  each read as :mod:`tiermem.torch_optim` reads a torch optimizer; a scheduler of ``optimizers=``
+  then drives tiermem's groups) and gives the Trainer a torch Optimizer
   (:class:`TrainerOptimizer`) whose param groups are tiermem's, so the Trainer's lr scheduler
   sets tiermem's lr, and whose ``step()`` is ``tm.step()`` (clipping to ``max_grad_norm`` inside).
   Accelerate gets it already prepared (:class:`SkipAwareOptimizer`, an ``AcceleratedOptimizer``)
@@ -33,8 +41,10 @@ for subclasses, and two private methods of transformers 5 where no public hook e
   measured (before clipping, as the Trainer's is).
 - ``save_model`` writes the fp32 master weights (``model.safetensors``, loadable with
   ``from_pretrained``), and inside a ``checkpoint-N/`` folder also ``tiermem.ckpt`` (``tm.save``:
-  atomic, checksummed, optimizer state included). The Trainer's ``optimizer.pt`` then holds the
-  param groups' hyperparameters and the step count, which resuming checks against tiermem.ckpt.
+  atomic, checksummed, optimizer state included; one file in one process, under torchrun a
+  torch.distributed.checkpoint directory every rank writes its shards to). The Trainer's
+  ``optimizer.pt`` then holds the param groups' hyperparameters and the step count, which
+  resuming checks against tiermem.ckpt.
 - ``train(resume_from_checkpoint=True)`` takes the newest *complete* ``checkpoint-N/`` (with
   ``tiermem.ckpt`` and ``trainer_state.json``, which the Trainer writes last): a run killed while
   saving resumes from the checkpoint before.
@@ -49,7 +59,8 @@ for subclasses, and two private methods of transformers 5 where no public hook e
   a step's last the Trainer enters the model's ``no_sync()``, which is ``tm.no_sync()``. The
   TieredModel's device is the Trainer's ``args.device`` (``cuda:<local rank>``, or the CPU with
   ``use_cpu``) unless ``tiermem={"device": ...}`` says otherwise. ``save_model`` runs on every
-  rank (``state_dict()`` and ``tm.save`` are collectives); rank 0 writes. Called on rank 0 alone
+  rank (``state_dict()`` and ``tm.save`` are collectives); rank 0 writes model.safetensors, every
+  rank its shards of ``tiermem.ckpt``. Called on rank 0 alone
   it waits for the others until the process group's timeout, then (gloo) raises a ``tiermem:``
   error naming the mistake. One process driving
   several GPUs is refused.
@@ -70,18 +81,23 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from tiermem.config import AdamW
+from tiermem.config import AdamW, _AdamSpec
 from tiermem.deepspeed_config import PASS_THROUGH, read_config, translate
 from tiermem.errors import ConfigError, TierMemError
 from tiermem.integrations.hf_loop import TIERMEM_CHECKPOINT, SkipAwareOptimizer, TrainerModule, TrainerOptimizer
+from tiermem.torch_optim import TORCH_OPTIMIZERS, spec_from_torch, supported_names
 from tiermem.train.model import TieredModel
 
 log = logging.getLogger(__name__)
 
 __all__ = ["TieredTrainer", "TrainerOptimizer", "SkipAwareOptimizer", "TrainerModule", "TIERMEM_CHECKPOINT"]
 
-#: the optimizers TrainingArguments(optim=...) may name: torch's AdamW, which tiermem's AdamW matches
-_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused")
+#: the optimizers TrainingArguments(optim=...) may name, each with the tiermem spec that runs it
+#: (built with the arguments' learning_rate, adam_beta1/2, adam_epsilon, weight_decay and the
+#: Trainer's no-decay group); one row per optimizer, any other name is refused with this list
+OPTIM_NAMES: dict[str, type[_AdamSpec]] = {
+    "adamw_torch": AdamW, "adamw_torch_fused": AdamW, "adamw_torch_xla": AdamW, "adamw_torch_npu_fused": AdamW,
+}
 #: what a finished checkpoint-N/ holds: tiermem's state, and the Trainer's, which it writes last
 _COMPLETE = (TIERMEM_CHECKPOINT, TRAINER_STATE_NAME)
 
@@ -120,6 +136,12 @@ class TieredTrainer(Trainer):
             raise ConfigError("tiermem: TieredTrainer needs args=TrainingArguments(...) (its learning rate, "
                               "precision and clipping are tiermem's too)")
         _check_supported(targs, kwargs)
+        # the optimizer given (built on the module's parameters) becomes the TieredModel's at create_optimizer;
+        # the Trainer holds none until then, only the scheduler built on it
+        self.user_optimizer, scheduler = kwargs.pop("optimizers", None) or (None, None)
+        if self.user_optimizer is not None:
+            kwargs["optimizers"] = (None, scheduler)
+        self.user_optimizer_cls_and_kwargs = kwargs.pop("optimizer_cls_and_kwargs", None)
         self.tiermem_options = _tiermem_options(tiermem, deepspeed)
         self.deepspeed_config, self.user_args = deepspeed, targs
         self.tiered: Optional[TieredModel] = None
@@ -141,34 +163,64 @@ class TieredTrainer(Trainer):
                                   f"default group is the Trainer's)")
             self.tiered_optimizer = TrainerOptimizer(self.tiered)
             self.optimizer = SkipAwareOptimizer(self.tiered_optimizer)
+            if self.user_optimizer is not None and self.lr_scheduler is not None:
+                _move_scheduler(self.lr_scheduler, self.user_optimizer, self.optimizer)
             if self._resume is not None:
                 self.tiered.load(os.path.join(self._resume, TIERMEM_CHECKPOINT))
         return self.optimizer
 
     def _wrap(self, model: torch.nn.Module) -> TieredModel:
         a = self.user_args
-        optim = getattr(a.optim, "value", a.optim)  # an OptimizerNames (a str enum) or a str
-        if optim not in _ADAMW and not _has_optimizer_block(self.deepspeed_config):
-            raise ConfigError(f"tiermem: TrainingArguments(optim={optim!r}) is not an optimizer tiermem runs; it "
-                              f"trains with AdamW: use optim='adamw_torch' or 'adamw_torch_fused' (the default)")
         decay = set(self.get_decay_parameter_names(model))
         no_decay = tuple(n for n, p in model.named_parameters() if p.requires_grad and n not in decay)
         grad_clip = a.max_grad_norm if a.max_grad_norm and a.max_grad_norm > 0 else None
         hyper = dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
                      weight_decay=a.weight_decay)
         placed = {"device": self.args.device, **self.tiermem_options}  # the Trainer's (cuda:<local rank>, use_cpu)
+        given = self._given_optimizer(model, decay)
         if self.deepspeed_config is None:
-            return TieredModel(model, optimizer=AdamW(**hyper, no_decay=no_decay), precision=_precision(a),
-                               grad_clip=grad_clip, **placed)
+            optimizer = given if given is not None else self._named_optimizer()(**hyper, no_decay=no_decay)
+            return TieredModel(model, optimizer=optimizer, precision=_precision(a), grad_clip=grad_clip, **placed)
+        if given is None and not _has_optimizer_block(self.deepspeed_config):
+            self._named_optimizer()  # the arguments' optim= must be one tiermem runs: the config has none
         options, notes = translate(
             self.deepspeed_config, **hyper, precision=_precision(a), grad_clip=grad_clip, no_decay=no_decay,
             train_micro_batch_size_per_gpu=a.per_device_train_batch_size,
             gradient_accumulation_steps=a.gradient_accumulation_steps,
             train_batch_size=a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size,
             **placed)
+        if given is not None:
+            if _has_optimizer_block(self.deepspeed_config):
+                raise ConfigError("tiermem: TieredTrainer got an optimizer (optimizers= or optimizer_cls_and_kwargs=) "
+                                  "and a DeepSpeed config with an optimizer block; drop one of them")
+            options["optimizer"] = given
         for line in notes:
             log.warning("%s", line)
         return TieredModel(model, **options)
+
+    def _named_optimizer(self) -> type[_AdamSpec]:
+        """The spec of ``TrainingArguments(optim=...)``, by :data:`OPTIM_NAMES`."""
+        optim = getattr(self.user_args.optim, "value", self.user_args.optim)  # an OptimizerNames (a str enum) or a str
+        if optim not in OPTIM_NAMES:
+            raise ConfigError(f"tiermem: TrainingArguments(optim={optim!r}) is not an optimizer tiermem runs; it runs "
+                              f"{', '.join(repr(n) for n in OPTIM_NAMES)} (the default is 'adamw_torch_fused')")
+        return OPTIM_NAMES[optim]
+
+    def _given_optimizer(self, model: torch.nn.Module, decay: set[str]) -> Any:
+        """The optimizer of ``optimizers=`` or one built as the Trainer builds
+        ``optimizer_cls_and_kwargs`` (its weight-decay groups), or None."""
+        if self.user_optimizer is not None:  # its scheduler, if any, moves onto tiermem's groups (_move_scheduler)
+            return spec_from_torch(self.user_optimizer, scheduled=True)
+        if self.user_optimizer_cls_and_kwargs is None:
+            return None
+        cls, kwargs = self.user_optimizer_cls_and_kwargs
+        if cls not in TORCH_OPTIMIZERS and not (isinstance(cls, type) and issubclass(cls, _AdamSpec)):
+            raise ConfigError(f"tiermem: TieredTrainer(optimizer_cls_and_kwargs=({getattr(cls, '__name__', cls)}, ...)) "
+                              f"is not an optimizer tiermem runs; it runs {supported_names()} and tiermem.AdamW/Adam")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.user_args.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        return cls(groups, **dict(kwargs))
 
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
         """Once the TieredModel exists, the loop's model is :class:`TrainerModule`: not the
@@ -215,7 +267,7 @@ class TieredTrainer(Trainer):
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
         path = os.path.join(best, TIERMEM_CHECKPOINT)
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise TierMemError(f"tiermem: the best checkpoint {best!r} (by {self.args.metric_for_best_model}) has no "
                                f"{TIERMEM_CHECKPOINT}; it was not saved by a TieredTrainer: load it with "
                                f"from_pretrained, or train without load_best_model_at_end")
@@ -232,7 +284,7 @@ class TieredTrainer(Trainer):
             if self.tiered is not None:
                 raise TierMemError("tiermem: this TieredTrainer has trained already; resume from a checkpoint with "
                                    "a new TieredTrainer (and a fresh model)")
-            missing = [f for f in _COMPLETE if not os.path.isfile(os.path.join(resume_from_checkpoint, f))]
+            missing = [f for f in _COMPLETE if not os.path.exists(os.path.join(resume_from_checkpoint, f))]
             if missing:
                 raise TierMemError(f"tiermem: {str(resume_from_checkpoint)!r} has no {' or '.join(missing)} (not "
                                    f"saved by a TieredTrainer, or its save did not finish); resume from another "
@@ -313,7 +365,7 @@ def last_complete_checkpoint(output_dir: str) -> str:
         if head == PREFIX_CHECKPOINT_DIR and number.isdigit() and os.path.isdir(os.path.join(output_dir, name)):
             found.append((int(number), os.path.join(output_dir, name)))
     for _, path in sorted(found, reverse=True):
-        if all(os.path.isfile(os.path.join(path, f)) for f in _COMPLETE):
+        if all(os.path.exists(os.path.join(path, f)) for f in _COMPLETE):  # tiermem.ckpt: a file or a directory
             return path
         log.warning("tiermem: %s is incomplete (a save that did not finish?); resuming from an earlier one", path)
     raise TierMemError(f"tiermem: no complete checkpoint-N folder in {str(output_dir)!r} to resume from; train "
@@ -349,8 +401,28 @@ def _check_supported(args: TrainingArguments, kwargs: dict) -> None:
     if args.n_gpu > 1:
         raise ConfigError(f"tiermem: TieredTrainer drives one device per process ({args.n_gpu} GPUs are visible to "
                           f"this one); run one process per GPU with torchrun --nproc_per_node {args.n_gpu}")
-    for key in ("optimizers", "optimizer_cls_and_kwargs"):
-        value = kwargs.get(key)
-        if value is not None and value != (None, None):
-            raise ConfigError(f"tiermem: TieredTrainer({key}=...) is not supported: the optimizer is tiermem's (AdamW "
-                              f"from TrainingArguments); leave {key} out")
+    optimizer, _ = kwargs.get("optimizers") or (None, None)
+    if optimizer is not None and kwargs.get("optimizer_cls_and_kwargs") is not None:
+        raise ConfigError("tiermem: TieredTrainer got both optimizers= and optimizer_cls_and_kwargs=; give one")
+    if optimizer is not None and type(optimizer) not in TORCH_OPTIMIZERS:
+        raise ConfigError(f"tiermem: TieredTrainer(optimizers=({type(optimizer).__name__}(...), ...)) is not an "
+                          f"optimizer tiermem runs; it runs {supported_names()}, built on the model's parameters")
+
+
+def _move_scheduler(scheduler: Any, given: torch.optim.Optimizer, tiered: torch.optim.Optimizer) -> None:
+    """The lr scheduler of ``optimizers=(optimizer, scheduler)``, built on the torch optimizer
+    tiermem read (and never steps), drives tiermem's groups instead: the same groups in the same
+    order, each with the lr and initial_lr the scheduler set. Torch schedulers check that the
+    optimizer's step is wrapped by one of them, and wrap it when they are built: a scheduler
+    built on ``tiered`` and dropped does that, its lr then put back."""
+    if getattr(scheduler, "optimizer", None) is not given:
+        raise ConfigError("tiermem: TieredTrainer(optimizers=(optimizer, scheduler)): the scheduler was not built on "
+                          "that optimizer; build it on the optimizer you pass with it")
+    if len(given.param_groups) != len(tiered.param_groups):
+        raise TierMemError("tiermem: the optimizer's param groups and tiermem's differ in number; pass param groups "
+                           "that hold the model's trainable parameters")
+    kept = [{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in given.param_groups]
+    torch.optim.lr_scheduler.LambdaLR(tiered, lambda _: 1.0)  # wraps tiered.step as torch's schedulers expect
+    for group, values in zip(tiered.param_groups, kept):
+        group.update(values)
+    scheduler.optimizer = tiered

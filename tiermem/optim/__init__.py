@@ -1,13 +1,28 @@
-"""The CPU Adam executor: a fused, single-pass Adam/AdamW update of fp32 master weights and moments
-(low-precision gradients in, low-precision weights out), and a torch Optimizer built on it.
+"""tiermem's CPU optimizers: fused, single-pass updates of fp32 (or bf16, stochastically rounded) master
+weights and their state (low-precision gradients in, low-precision weights out), and drop-in torch
+optimizers built on them.
 
-``adam_step`` is what TieredModel calls per bucket; ``CPUAdam`` is a drop-in ``torch.optim``
-optimizer for CPU parameters; ``implementation()`` says which kernel runs here ("compiled" or
-"fallback"; ``TIERMEM_NO_COMPILE=1`` forces the fallback, as ``compile_disabled()`` tells).
+Functional entries (what TieredModel calls per bucket; one style, see tiermem/optim/steps.py):
+``adam_step``, ``adam8bit_step``, ``sgd_step``, ``adagrad_step``, ``lion_step``, ``adafactor_step``;
+``state_layout`` says which state tensors each takes, ``quantize_blockwise``/``dequantize_blockwise``
+convert 8-bit state, ``StochasticRound`` keys bf16 master weights. Drop-in ``torch.optim``
+optimizers for CPU parameters: ``CPUAdam``, ``CPUAdam8bit``, ``CPUSGD``, ``CPUAdagrad``, ``CPULion``,
+``CPUAdafactor``. ``implementation()`` says which Adam kernel runs here ("compiled" or "fallback";
+``TIERMEM_NO_COMPILE=1`` forces the fallback, as ``compile_disabled()`` tells, and the reference
+kernels for the others).
 """
 from __future__ import annotations
 
+from tiermem.optim._sr import StochasticRound
+from tiermem.optim.adafactor import adafactor_step
 from tiermem.optim.cpu_adam import CPUAdam
+from tiermem.optim.cpu_optimizers import CPUAdafactor, CPUAdagrad, CPUAdam8bit, CPULion, CPUSGD
 from tiermem.optim.functional import adam_step, compile_disabled, compile_seconds, implementation, warm_up
+from tiermem.optim.layout import state_bytes, state_layout
+from tiermem.optim.steps import (adagrad_step, adam8bit_step, dequantize_blockwise, lion_step, quantize_blockwise,
+                                 sgd_step)
 
-__all__ = ["CPUAdam", "adam_step", "compile_disabled", "compile_seconds", "implementation", "warm_up"]
+__all__ = ["CPUAdafactor", "CPUAdagrad", "CPUAdam", "CPUAdam8bit", "CPULion", "CPUSGD", "StochasticRound",
+           "adafactor_step", "adagrad_step", "adam8bit_step", "adam_step", "compile_disabled", "compile_seconds",
+           "dequantize_blockwise", "implementation", "lion_step", "quantize_blockwise", "sgd_step", "state_bytes",
+           "state_layout", "warm_up"]

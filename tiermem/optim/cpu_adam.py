@@ -1,23 +1,38 @@
-"""``CPUAdam``: a drop-in ``torch.optim.Optimizer`` for fp32 CPU parameters, built on ``adam_step``."""
+"""``CPUAdam``: a drop-in ``torch.optim.Optimizer`` for fp32 CPU parameters, built on the fused Adam kernel.
+
+NOTE [Drop-in speed]
+CPUAdam once stepped 4 tensors of 2M fp32 parameters 2.5-3x slower than torch.optim.AdamW(fused=True),
+while the same update inside TieredModel ran at ~0.9x. Two costs TieredModel does not pay: the
+found_inf check ran torch.compile's ``isfinite().all()`` per gradient, which reads at half the
+bandwidth of the update itself (14-34% of the step alone, more under load), and each ``adam_step``
+call went through argument checks and dynamo's guards (~0.1 ms a tensor, and a compiled kernel's
+OpenMP fork/join, whose cost grows with the machine's load). Now the check is the native bit test
+(one read of the gradient at memory speed) and the update is the native Adam kernel
+(tiermem/optim/_csrc_elementwise.py: bit-identical to the compiled kernel, both equal the reference),
+called through ctypes in microseconds; the compiled ``adam_step`` remains the path where no native
+kernel can be built. bench/cpu_optim.py measures it against torch's fused AdamW (bench/RESULTS.md,
+2026-12-01, one core at load 7-8: 0.73-0.75x with the check, 0.78-0.89x without; was 0.33-0.40x).
+"""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
-from torch.optim import Optimizer
 
 from tiermem.config import check_adam_hyper
-from tiermem.errors import ConfigError, checked_arguments
-from tiermem.optim.functional import adam_step, any_nonfinite, as_number
+from tiermem.errors import checked_arguments
+from tiermem.optim import _run
+from tiermem.optim._dropin import CPUOptimizer, Params, number
+from tiermem.optim._hyper import AdamHyper
+from tiermem.optim._sr import StochasticRound
+from tiermem.optim.functional import adam_step, as_number
 
 log = logging.getLogger(__name__)
 
-Params = Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]]
-
 
 @checked_arguments
-class CPUAdam(Optimizer):
+class CPUAdam(CPUOptimizer):
     """Adam or AdamW (``adamw=True``, the default) on CPU parameters, one fused pass per tensor.
 
     Matches ``torch.optim.AdamW`` / ``torch.optim.Adam`` (``foreach=False``) up to the rounding of
@@ -25,64 +40,53 @@ class CPUAdam(Optimizer):
     groups with their own hyperparameters, and ``state_dict``/``load_state_dict`` work as they do
     there, with the same state keys (``step``, ``exp_avg``, ``exp_avg_sq``). A step whose gradients
     hold an inf or NaN changes nothing (no parameter, moment or step count) and sets
-    ``last_step_skipped``; ``check_finite=False`` turns the check off.
+    ``last_step_skipped``; ``check_finite=False`` turns the check off. ``bf16_stochastic_round=True``
+    takes bf16 parameters and keeps no fp32 copy (tiermem/optim/_dropin.py).
     """
+
+    _sparse_hint = "use torch.optim.SparseAdam for sparse gradients"
 
     def __init__(self, params: Params, lr: Union[float, torch.Tensor] = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, adamw: bool = True, *, check_finite: bool = True):
+                 weight_decay: float = 0.0, adamw: bool = True, *, check_finite: bool = True,
+                 bf16_stochastic_round: bool = False, sr_seed: Optional[int] = None):
         _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
-        if not isinstance(check_finite, bool):
-            raise ConfigError(f"tiermem: CPUAdam check_finite={check_finite!r} is invalid: it must be True or False")
-        self.check_finite = check_finite
-        self.last_step_skipped = False
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw))
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw),
+                         check_finite=check_finite, bf16_stochastic_round=bf16_stochastic_round, sr_seed=sr_seed)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        group = {**self.defaults, **param_group}  # what torch's add_param_group will store
-        _check_hyper(lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                     weight_decay=group["weight_decay"], adamw=group["adamw"])
-        params = group["params"]
-        for p in [params] if isinstance(params, torch.Tensor) else list(params):
-            if p.device.type != "cpu" or p.dtype != torch.float32:
-                raise ConfigError(f"tiermem: CPUAdam got a {p.dtype} parameter on {p.device} of shape "
-                                  f"{tuple(p.shape)}; it updates fp32 CPU parameters only; use "
-                                  f"torch.optim.AdamW for others, or TieredModel for mixed precision")
-        super().add_param_group(param_group)
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_adam_group("CPUAdam ", group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # a torch.optim.Adam/AdamW state_dict names it differently
             group.setdefault("adamw", group.get("decoupled_weight_decay", self.defaults["adamw"]))
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        todo = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for _, p in todo:
-            if p.grad.is_sparse:
-                raise ConfigError(f"tiermem: CPUAdam got a sparse gradient for a parameter of shape "
-                                  f"{tuple(p.shape)}; use torch.optim.SparseAdam for sparse gradients")
-        # A step is atomic: every gradient is checked before any parameter is written.
-        self.last_step_skipped = self.check_finite and any(any_nonfinite(p.grad) for _, p in todo)
-        if self.last_step_skipped:
-            log.info("tiermem: CPUAdam skipped a step: a gradient holds inf or NaN")
-            return loss
-        for group, p in todo:
-            state = self.state[p]
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            beta1, beta2 = group["betas"]
-            adam_step(p, state["exp_avg"], state["exp_avg_sq"], p.grad, step=state["step"],
-                      lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                      weight_decay=group["weight_decay"], adamw=group["adamw"], check_finite=False)
-        return loss
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+
+    def _update(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int,
+                sr: Optional[StochasticRound]) -> None:
+        adam_update(self, p, state, group, step, sr)
+
+
+def adam_update(opt: CPUOptimizer, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int,
+                sr: Optional[StochasticRound]) -> None:
+    """One Adam update of a drop-in's parameter with fp32 moments (NOTE [Drop-in speed]): the native
+    kernel, else ``adam_step`` (the compiled kernel, or bf16 weights' reference)."""
+    beta1, beta2 = group["betas"]
+    kw = dict(step=step, lr=as_number(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+              weight_decay=group["weight_decay"], adamw=group["adamw"])
+    opt._fused(_run.ADAM, p, (state["exp_avg"], state["exp_avg_sq"]), group, step, sr, lambda: AdamHyper(**kw),
+               lambda: adam_step(p, state["exp_avg"], state["exp_avg_sq"], p.grad, **kw, check_finite=False,
+                                 stochastic_round=sr))
+
+
+def check_adam_group(where: str, group: dict[str, Any]) -> None:
+    """The rules every Adam in tiermem checks (NOTE [Adam hyperparameter rules]), on a param group."""
+    check_adam_hyper(where, lr=number(group["lr"]), betas=group["betas"], eps=group["eps"],
+                     weight_decay=group["weight_decay"], adamw=group["adamw"])
 
 
 def _check_hyper(*, lr: Any, betas: Any, eps: Any, weight_decay: Any, adamw: Any) -> None:

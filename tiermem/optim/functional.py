@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -24,6 +24,9 @@ from tiermem.config import is_number
 from tiermem.errors import ConfigError, TierMemError
 from tiermem.optim import _compiled, _kernels
 from tiermem.optim._hyper import AdamHyper
+
+if TYPE_CHECKING:
+    from tiermem.optim._sr import StochasticRound
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
               grad: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
               weight_decay: float, adamw: bool = True, grad_scale: float = 1.0, clip_coef: float = 1.0,
               out: Optional[torch.Tensor] = None, check_finite: bool = True,
-              impl: Optional[str] = None) -> bool:
+              impl: Optional[str] = None, stochastic_round: Optional["StochasticRound"] = None) -> bool:
     """One Adam (``adamw=False``) or AdamW update, in place, in one pass over the optimizer state
     (plus one read of ``grad`` for the finite check, see NOTE [found_inf: nothing changes]).
 
@@ -59,12 +62,23 @@ def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
     written. ``check_finite=False`` skips that check (the caller knows the gradients are finite)
     and always returns False. ``impl`` picks an implementation ("compiled", "fallback",
     "reference") instead of the default, for tests and benchmarks.
+
+    bf16 master weights (no fp32 copy) take ``stochastic_round=StochasticRound(...)``: the update is
+    computed in fp32, as above, and rounded stochastically into ``master`` (NOTE [Stochastic rounding
+    bits] in tiermem/optim/_sr.py); that path runs the native kernel ("compiled" picks it,
+    "fallback" and "reference" the torch-ops reference).
     """
     hyper = AdamHyper(step=_as_step(step), lr=as_number(lr), beta1=as_number(beta1), beta2=as_number(beta2),
                       eps=as_number(eps), weight_decay=as_number(weight_decay), adamw=adamw,
                       grad_scale=as_number(grad_scale), clip_coef=as_number(clip_coef))
-    _check_tensors(master, exp_avg, exp_avg_sq, grad, out)
     _check_impl(impl)
+    if stochastic_round is not None or (isinstance(master, torch.Tensor) and master.dtype == torch.bfloat16):
+        from tiermem.optim import _run  # imports this module
+
+        return _run.run(_run.ADAM, master, (exp_avg, exp_avg_sq), grad, out, hyper,
+                        stochastic_round=stochastic_round, step=hyper.step, check_finite=check_finite,
+                        impl=None if impl is None else "native" if impl == "compiled" else "reference")
+    _check_tensors(master, exp_avg, exp_avg_sq, grad, out)
     # detached views: the same memory, without autograd's view of it (dynamo guards on requires_grad)
     master, exp_avg, exp_avg_sq, grad = (t.detach() for t in (master, exp_avg, exp_avg_sq, grad))
     out = out.detach() if out is not None else None

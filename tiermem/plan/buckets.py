@@ -60,17 +60,20 @@ class Placed(NamedTuple):
     param_tier: Tier
 
 
-def plan_buckets(params: Sequence[Placed], bucket_numel: int) -> list[Bucket]:
+def plan_buckets(params: Sequence[Placed], bucket_numel: int, *, first_index: int = 0, first_order: int = 0
+                 ) -> list[Bucket]:
     """Pack the parameters in the order given (already reverse order of use) into buckets of at
     most ``bucket_numel`` elements (a larger single parameter gets a bucket of its own). A bucket
-    holds one placement and one param group, so each bucket is one call of the fused Adam."""
+    holds one placement and one param group, so each bucket is one call of the fused Adam.
+    ``first_index``/``first_order``: where the buckets' indices and the slots' orders start (past
+    a model's buckets, for parameters unfrozen later: NOTE [Freezing and unfreezing])."""
     buckets: list[Bucket] = []
     open_: dict[tuple, Bucket] = {}
-    for order, (name, p, grad_tier, state_tier, group, param_tier) in enumerate(params):
+    for order, (name, p, grad_tier, state_tier, group, param_tier) in enumerate(params, start=first_order):
         k = (grad_tier, state_tier, group, param_tier)
         b = open_.get(k)
         if b is None or (b.numel and b.numel + p.numel() > bucket_numel):
-            b = open_[k] = Bucket(len(buckets), grad_tier, state_tier, group, param_tier)
+            b = open_[k] = Bucket(first_index + len(buckets), grad_tier, state_tier, group, param_tier)
             buckets.append(b)
         b.add(name, p, order)
     return buckets

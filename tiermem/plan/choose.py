@@ -17,7 +17,7 @@ import torch
 from tiermem.errors import ConfigError
 from tiermem.config import precision_of
 from tiermem.plan.cost import Rates, predict as predict_stages, step_flops
-from tiermem.plan.footprint import footprint, largest_module_bytes, totals
+from tiermem.plan.footprint import model_footprint, totals
 from tiermem.plan.placement import bind, compute_tier, plan
 from tiermem.plan.policy import Evaluation, Policy
 from tiermem.plan.profile import Profile, load_profile
@@ -34,9 +34,10 @@ class Evaluator:
 
     def __init__(self, module: torch.nn.Module, spec: Any, dtype: torch.dtype, bucket_numel: int, *,
                  limits: Mapping[Tier, int], machine: Callable[[], Profile], overlap: bool = False, world: int = 1,
-                 nvme_staging: bool = False):
+                 nvme_staging: bool = False, shard_weights: bool = False):
         self.module, self.spec, self.dtype, self.bucket_numel = module, spec, dtype, bucket_numel
         self.limits, self.overlap, self.world, self.nvme_staging = dict(limits), overlap, world, nvme_staging
+        self.shard_weights = shard_weights
         self._machine = machine
         self._rates: Optional[Rates] = None  # this machine's, once asked for
 
@@ -74,11 +75,9 @@ class Evaluator:
         except ConfigError as e:
             return Evaluation(False, {}, {}, {}, refused=str(e))
         buckets, param_homes = planned.buckets, planned.weight_homes
-        frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in self.module.named_parameters()
-                  if not p.requires_grad]
-        need = totals(footprint(buckets, frozen, self.dtype, overlap=self.overlap, world=self.world,
-                                largest_module=largest_module_bytes(self.module, param_homes, self.dtype),
-                                nvme_staging=self.nvme_staging))
+        need = totals(model_footprint(self.module, buckets, param_homes, self.dtype, overlap=self.overlap,
+                                      world=self.world, shard_weights=self.shard_weights,
+                                      nvme_staging=self.nvme_staging))
         short = {t: n - self.limits.get(t, 0) for t, n in need.items() if n and n > self.limits.get(t, 0)}
         refused = None
         if need[Tier.NVME] and Tier.NVME not in self.limits:

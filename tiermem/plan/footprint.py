@@ -41,7 +41,15 @@ model as a whole:
 - grads in flight on the device: autograd makes each grad there, in the working precision, and it
   leaves for its home once complete; when the device budget is tight the next one waits until
   those in flight have landed, so the device needs room for at least the largest parameter's grad;
-- the largest module's weights, while it runs, when weights live off the device;
+- the largest module's weights, while it runs, when weights live off the device (and are not
+  sharded: see below);
+- weights sharded over the ranks (NOTE [Weights sharded over the ranks] in
+  tiermem/train/gathered.py): each rank keeps ``w*ceil(n/world)`` of such a bucket at its PARAM
+  tier (on the host, one buffer per bucket), and the device holds the buckets gathered whole while
+  they are read: at most ``gathered_at_once`` of the largest (held by running modules and one op, a
+  bound :func:`gathers_held` computes from the module tree) plus :func:`gather_ahead` bytes
+  gathered ahead of use or kept after it; a gather of a chunk on NVMe reads it into a host buffer
+  first, held until the gather is done (as many as gathered buckets can be in flight);
 - page rounding: the host pool hands out every buffer in whole pages (``round_up(max(n, 1))``
   bytes of 4 KiB pages, :func:`tiermem.memory.aligned.round_up`), and its budget counts what it
   hands out, so each buffer the layout takes on the host adds less than a page (an empty one, a
@@ -73,7 +81,7 @@ import torch
 
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
 from tiermem.plan.buckets import STATE_PARTS, Bucket
-from tiermem.plan.placement import compute_tier
+from tiermem.plan.placement import compute_tier, split_weights, weights_sharded, writes_weights_in_place
 from tiermem.types import Tier
 
 #: Bytes per tier, by purpose: ``{tier: {purpose: bytes}}``; a tier is present only when
@@ -108,6 +116,12 @@ GRADS_TO_REDUCE = "grads on their way to be reduce-scattered (about 4 buckets)"
 WHOLE_BUCKET = "one whole bucket of optimizer state, gathered to be read"
 PAGE_ROUNDING = "host buffers rounded up to whole pages"
 NVME_STAGING = f"staging between NVMe and the device (up to {NVME_THREADS} weights)"
+GATHERED = "sharded weights gathered on the device (held, and gathered ahead)"
+GATHER_STAGING = "sharded weights' chunks read from NVMe for their gathers"
+
+#: Buckets' bytes gathered ahead of use, or kept after it, besides the held ones: this many of
+#: the largest sharded bucket (NOTE [A gather schedule every rank takes alike]).
+GATHER_AHEAD = 2
 
 #: The host pool's page (tiermem.memory.aligned.ALIGN; the plan layer does not import the memory layer).
 HOST_PAGE = 4096
@@ -128,14 +142,16 @@ JOURNAL_BUCKETS = {"state": 3, "weights": 2, "grads": 4}
 
 def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Tier]], dtype: torch.dtype, *,
               overlap: bool = False, largest_module: int = 0, world: int = 1,
-              nvme_staging: bool = False) -> Footprint:
+              nvme_staging: bool = False, shard_weights: bool = False, gathered_at_once: int = 0) -> Footprint:
     """Bytes each tier must hold, by purpose, for the layout of ``buckets`` to be built and a step
     to run (NOTE [Footprint]). ``frozen``: each parameter that needs no grad, with its PARAM home;
     ``dtype``: the working precision; ``largest_module``: bytes of the off-device weights one module
     makes resident while it runs (:func:`largest_module_bytes`), 0 when all weights are on the device;
     ``world``: ranks sharing the grads and optimizer state (NOTE [Data parallel]): each holds a chunk
-    of every bucket, the weights whole; ``nvme_staging``: whether weights moving between NVMe and
-    the device stage through the host (on a GPU: ``device.type == "cuda"``)."""
+    of every bucket, the weights whole unless sharded (:func:`~tiermem.plan.placement.weights_sharded`
+    with ``shard_weights``; ``gathered_at_once``: :func:`gathers_held` of the module);
+    ``nvme_staging``: whether weights moving between NVMe and the device stage through the host (on
+    a GPU: ``device.type == "cuda"``)."""
     need: Footprint = {}
 
     def add(tier: Tier, purpose: str, nbytes: int, *, buffers: Sequence[int] = ()) -> None:
@@ -154,10 +170,14 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
         return -(-b.numel // world)
 
     w = dtype.itemsize
+    sharded = {b.index for b in buckets if weights_sharded(b, world, shard_weights)}
     for b in buckets:
         ct, n = compute_tier(b), chunk(b)
-        add(b.param_tier, WORKING_WEIGHTS, b.numel * w, buffers=[s.numel * w for s in b.slots]
-            if b.param_tier != Tier.DEVICE else ())  # off the device: one buffer per parameter
+        if b.index in sharded:  # this rank's chunk, one buffer
+            add(b.param_tier, WORKING_WEIGHTS, n * w, buffers=[n * w] if b.param_tier == Tier.HOST else ())
+        else:
+            add(b.param_tier, WORKING_WEIGHTS, b.numel * w, buffers=[s.numel * w for s in b.slots]
+                if b.param_tier != Tier.DEVICE else ())  # off the device: one buffer per parameter
         add(b.grad_tier, GRADS, **each(n * _FP32))
         if b.state_tier == Tier.NVME:
             add(Tier.NVME, OPTIM_STATE_NVME, n * _STATE)
@@ -174,7 +194,8 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
     state_largest = max((chunk(b) for b in buckets if b.state_tier == Tier.NVME), default=0)
     if state_largest:
         add(Tier.HOST, STATE_PIPELINE, **each(_STATE * state_largest, 3))  # each set: a bucket's three parts
-    weights_largest = max((b.numel for b in buckets if b.param_tier == Tier.NVME), default=0)
+    weights_largest = max((chunk(b) if b.index in sharded else b.numel for b in buckets if b.param_tier == Tier.NVME),
+                          default=0)
     journal = (JOURNAL_BUCKETS["state"] * _STATE * state_largest + JOURNAL_BUCKETS["weights"] * w * weights_largest
                + JOURNAL_BUCKETS["grads"] * _FP32 * grads_largest)
     if journal:
@@ -184,14 +205,19 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
         add(Tier.DEVICE, GRADS_TO_REDUCE, 4 * _FP32 * padded)  # a few buckets in flight, and one accumulating
         add(Tier.HOST, WHOLE_BUCKET, **each(_FP32 * padded, len(STATE_PARTS)))  # while a checkpoint reads it
     if not overlap:
-        largest: dict[Tier, int] = {}
+        staged: dict[Tier, list[int]] = {}
         for b in buckets:
-            if compute_tier(b) != Tier.DEVICE:
-                largest[compute_tier(b)] = max(largest.get(compute_tier(b), 0), chunk(b))
-        for tier, numel in largest.items():
-            count = min(2, sum(1 for b in buckets if compute_tier(b) == tier))  # a single bucket needs one
-            add(tier, WEIGHT_STAGING, **each(numel * w, count))
-    on_nvme = [s.numel * w for b in buckets if b.param_tier == Tier.NVME for s in b.slots]
+            if compute_tier(b) != Tier.DEVICE and not writes_weights_in_place(b, b.index in sharded):
+                staged.setdefault(compute_tier(b), []).append(chunk(b))
+        for tier, numels in staged.items():
+            add(tier, WEIGHT_STAGING, **each(max(numels) * w, min(2, len(numels))))  # a single bucket needs one
+    if sharded:
+        padded = [chunk(b) * world * w for b in buckets if b.index in sharded]
+        add(Tier.DEVICE, GATHERED, min(sum(padded), gathered_at_once * max(padded) + gather_ahead(padded)))
+        on_disk = [chunk(b) * w for b in buckets if b.index in sharded and b.param_tier == Tier.NVME]
+        if on_disk:
+            add(Tier.HOST, GATHER_STAGING, **each(max(on_disk), min(len(on_disk), gathered_at_once + GATHER_AHEAD)))
+    on_nvme = [s.numel * w for b in buckets if b.param_tier == Tier.NVME and b.index not in sharded for s in b.slots]
     for p, home in frozen:
         size = p.numel() * (w if p.is_floating_point() else p.element_size())
         add(home, FROZEN_WEIGHTS, **(each(size) if home != Tier.DEVICE else {"nbytes": size}))
@@ -204,6 +230,42 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
     if largest_module:
         add(Tier.DEVICE, LARGEST_MODULE, largest_module)
     return need
+
+
+def model_footprint(module: torch.nn.Module, buckets: Sequence[Bucket], param_homes: Mapping[str, Tier],
+                    dtype: torch.dtype, *, overlap: bool = False, world: int = 1, shard_weights: bool = False,
+                    nvme_staging: bool = False) -> Footprint:
+    """:func:`footprint` of ``module`` planned as ``buckets`` (``param_homes``: the parameters whose
+    weights live off the device, as :func:`tiermem.plan.placement.plan` returns them), with what
+    the module's shape decides (its frozen parameters, its largest module, how many sharded buckets
+    its modules hold at once): what TieredModel checks its budgets with, and Auto judges by."""
+    sharded, offloaded = split_weights(buckets, param_homes, world, shard_weights)
+    frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in module.named_parameters() if not p.requires_grad]
+    return footprint(buckets, frozen, dtype, overlap=overlap, world=world, nvme_staging=nvme_staging,
+                     largest_module=largest_module_bytes(module, offloaded, dtype), shard_weights=shard_weights,
+                     gathered_at_once=gathers_held(module, buckets, {b.index for b in sharded}) if sharded else 0)
+
+
+def gather_ahead(padded: Sequence[int]) -> int:
+    """The bytes of sharded buckets gathered ahead of use or kept after it, besides the held ones
+    (``padded``: each sharded bucket's bytes gathered): the same on every rank."""
+    return GATHER_AHEAD * max(padded, default=0)
+
+
+def gathers_held(module: torch.nn.Module, buckets: Sequence[Bucket], sharded: set[int]) -> int:
+    """How many sharded buckets (``sharded``: their indices) can be held gathered at once: those
+    of the parameters of every module along a chain of modules running inside one another (each
+    holds its own parameters' buckets while it runs), plus those one op may read besides (as many
+    as one module's)."""
+    bucket_of = {id(s.param): b.index for b in buckets if b.index in sharded for s in b.slots}
+
+    def own(m: torch.nn.Module) -> frozenset[int]:
+        return frozenset(bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of)
+
+    def chain(m: torch.nn.Module, above: frozenset[int]) -> int:
+        mine = above | own(m)
+        return max([len(mine), *(chain(c, mine) for c in m.children())])
+    return chain(module, frozenset()) + max((len(own(m)) for m in module.modules()), default=0)
 
 
 def totals(need: Footprint, purposes: frozenset[str] | None = None) -> dict[Tier, int]:
@@ -233,9 +295,10 @@ class Budgeted(Protocol):
     def allowed(self) -> int: ...
 
 
-def check_fits(need: Footprint, stores: Mapping[Tier, Budgeted]) -> None:
+def check_fits(need: Footprint, stores: Mapping[Tier, Budgeted], *, what: str = "<model working set>") -> None:
     """Raise unless every tier's store has room for its part of ``need``: :class:`ConfigError` for
-    a tier with no store, :class:`OutOfTierMemory` naming what the bytes are for otherwise."""
+    a tier with no store, :class:`OutOfTierMemory` naming what the bytes are for otherwise
+    (``what``: the key the error shows)."""
     for tier, parts in need.items():
         total = sum(parts.values())
         if tier not in stores:
@@ -245,6 +308,6 @@ def check_fits(need: Footprint, stores: Mapping[Tier, Budgeted]) -> None:
         if store.used + total > store.allowed:
             detail = " + ".join(f"{what} {fmt_bytes(n)}" for what, n in parts.items() if n)
             raise OutOfTierMemory(
-                tier=tier, key="<model working set>", asked=total, used=store.used, allowed=store.allowed,
+                tier=tier, key=what, asked=total, used=store.used, allowed=store.allowed,
                 hint=f"it needs {fmt_bytes(total)} there ({detail}); raise Budgets({tier.value}=...) to "
                      f"at least {fmt_bytes(store.used + total)} or choose a policy that places less on {tier}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -27,7 +27,8 @@ class ParamGroup:
 
     name: str
     options: Mapping[str, Any]  # the hyperparameters it sets over the optimizer spec's
-    params: tuple[str, ...]  # canonical parameter names, in reverse order of use
+    params: tuple[str, ...]  # canonical names of its trainable parameters, in reverse order of use
+    frozen: tuple[str, ...] = ()  # its frozen (floating-point) parameters, trained in it once unfrozen
 
 
 @dataclass(frozen=True)
@@ -59,18 +60,30 @@ def _state_info(key: StateKey, p: torch.Tensor) -> TensorInfo:
     return TensorInfo.of_state(key, p.numel() * 4, tuple(p.shape), torch.float32, owner(key.param))
 
 
-def check_data_parallel(name: str, param_tier: Tier, grad_tier: Tier, world: int) -> None:
-    """What data parallelism (NOTE [Data parallel]) does not combine with in this version."""
-    if world == 1:
-        return
-    if param_tier != Tier.DEVICE:
-        raise ConfigError(f"tiermem: the policy places the weights of {name!r} on {param_tier} under data "
-                          f"parallelism ({world} ranks); weights off the device are not sharded in this version: "
-                          f"use a policy with PARAM on DEVICE (ZeroOffload; for a larger model, a PerClass with "
-                          f"OPTIM_STATE on NVME), or process_group=False")
-    if grad_tier == Tier.NVME:
-        raise ConfigError(f"tiermem: the policy places the grads of {name!r} on NVMe under data parallelism "
-                          f"({world} ranks); each rank keeps only 1/{world} of the grads: place GRAD on HOST")
+def weights_sharded(b: Bucket, world: int, shard_weights: bool) -> bool:
+    """Whether a bucket's working weights are cut over the ranks, each keeping its chunk (NOTE
+    [Weights sharded over the ranks] in tiermem/train/gathered.py): under data parallelism, those
+    off the device always; those on the device with ``shard_weights`` (else each rank keeps them
+    whole, ZeRO-2)."""
+    return world > 1 and (b.param_tier != Tier.DEVICE or shard_weights)
+
+
+def split_weights(buckets: Sequence[Bucket], param_homes: Mapping[str, Tier], world: int, shard_weights: bool
+                  ) -> tuple[list[Bucket], dict[str, Tier]]:
+    """The buckets whose weights are sharded over the ranks (:func:`weights_sharded`), and the
+    parameters whose weights live off the device each on its own (NOTE [Parameters off the device]:
+    those of one process, and frozen ones), with their home."""
+    sharded = [b for b in buckets if weights_sharded(b, world, shard_weights)]
+    in_shards = {s.name for b in sharded for s in b.slots}
+    return sharded, {n: t for n, t in param_homes.items() if n not in in_shards}
+
+
+def writes_weights_in_place(b: Bucket, sharded: bool) -> bool:
+    """Whether Adam writes ``b``'s new working weights straight into their home (no staging
+    buffer): weights on the device updated there, or this rank's chunk of sharded weights on the
+    tier where Adam runs."""
+    ct = compute_tier(b)
+    return (ct == Tier.DEVICE and b.param_tier == Tier.DEVICE) or (sharded and b.param_tier == ct)
 
 
 def check_combination(name: str, param_tier: Tier, grad_tier: Tier, state_tiers: set[Tier], overlap: bool) -> Tier:
@@ -129,9 +142,8 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
     hold, for the policies that size a split."""
     unique, names = _unique_params(module)
     policy = _bind(unique, policy, dtype, limits)
+    groups, group_of = param_groups(spec, unique)
     weight_homes: dict[str, Tier] = {}
-    defined = spec.param_groups()
-    members: list[list[str]] = [[] for _ in defined]
     placed: list[Placed] = []
     for name, p in reversed(unique):  # reverse order of use: backward fills the last ones first
         param_tier = checked_place(policy, _info(name, TensorClass.PARAM, p, dtype))
@@ -139,16 +151,50 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _AdamSpec, dtype: torch.
             weight_homes[name] = param_tier
         if not p.requires_grad:
             continue
-        grad_tier = checked_place(policy, _info(name, TensorClass.GRAD, p, torch.float32))
-        state_tiers = {checked_place(policy, _state_info(StateKey(name, part), p)) for part in STATE_PARTS}
-        state_tier = check_combination(name, param_tier, grad_tier, state_tiers, overlap)
-        check_data_parallel(name, param_tier, grad_tier, world)
-        group = spec.group_of(name, p)
-        members[group].append(name)
-        placed.append(Placed(name, p, grad_tier, state_tier, group, param_tier))
-    kept = [i for i, m in enumerate(members) if m or i == 0]  # NOTE [Param groups]: the first always
-    index = {i: k for k, i in enumerate(kept)}
-    groups = tuple(ParamGroup(defined[i].name, defined[i].overrides, tuple(members[i])) for i in kept)
-    buckets = plan_buckets([e._replace(group=index[e.group]) for e in placed], bucket_numel)
+        grad_tier, state_tier = place_training_state(policy, name, p, param_tier, overlap=overlap)
+        placed.append(Placed(name, p, grad_tier, state_tier, group_of[name], param_tier))
+    buckets = plan_buckets(placed, bucket_numel)
     return Plan(tuple(buckets), groups, MappingProxyType({k: tuple(v) for k, v in names.items()}),
                 MappingProxyType(weight_homes))
+
+
+def place_training_state(policy: Policy, name: str, p: torch.Tensor, param_tier: Tier, *, overlap: bool
+                         ) -> tuple[Tier, Tier]:
+    """The tiers of a trainable parameter's grads and optimizer state, as the (bound) policy
+    places them and this version can honour them."""
+    grad_tier = checked_place(policy, _info(name, TensorClass.GRAD, p, torch.float32))
+    state_tiers = {checked_place(policy, _state_info(StateKey(name, part), p)) for part in STATE_PARTS}
+    return grad_tier, check_combination(name, param_tier, grad_tier, state_tiers, overlap)
+
+
+def param_groups(spec: _AdamSpec, unique: list[tuple[str, torch.nn.Parameter]]
+                 ) -> tuple[tuple[ParamGroup, ...], dict[str, int]]:
+    """The optimizer param groups of a model (NOTE [Param groups]) and the group index of each
+    trainable parameter. Groups given to the spec must hold only this module's parameters, and
+    every trainable parameter must be in one; a frozen one may be (it joins it once unfrozen)."""
+    defined = spec.param_groups()
+    if spec.given is not None:
+        ours = {id(p) for _, p in unique}
+        strangers = [tuple(t.shape) for g in spec.given for t in g.params if id(t) not in ours]
+        if strangers:
+            raise ConfigError(f"tiermem: the optimizer's param groups hold {len(strangers)} tensors that are not "
+                              f"parameters of the wrapped module (shapes {strangers[:3]}); build the groups from "
+                              f"this module's parameters")
+    members: list[list[str]] = [[] for _ in defined]
+    frozen: list[list[str]] = [[] for _ in defined]
+    missing: list[str] = []
+    for name, p in reversed(unique):
+        group = spec.group_of(name, p)
+        if p.requires_grad:
+            (missing if group is None else members[group]).append(name)
+        elif group is not None and p.is_floating_point():
+            frozen[group].append(name)
+    if missing:
+        raise ConfigError(f"tiermem: the trainable parameters {missing[::-1][:5]}{' and more' if len(missing) > 5 else ''} "
+                          f"are in no param group of the optimizer; add them to a group, or freeze them "
+                          f"(requires_grad_(False)) before building the TieredModel")
+    # NOTE [Param groups]: the first always; a rule group when a parameter joins it; a given one always
+    kept = [i for i, g in enumerate(defined) if members[i] or frozen[i] or i == 0 or g.given]
+    groups = tuple(ParamGroup(defined[i].name, defined[i].overrides, tuple(members[i]), tuple(frozen[i]))
+                   for i in kept)
+    return groups, {name: k for k, i in enumerate(kept) for name in members[i]}

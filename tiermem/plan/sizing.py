@@ -143,17 +143,22 @@ def placement_of(policy: str) -> Mapping[TensorClass, Tier]:
 
 
 def tier_bytes(trainable: int, precision: str, placement: Mapping[TensorClass, Tier], *,
-               frozen: int = 0) -> dict[Tier, int]:
+               frozen: int = 0, world: int = 1, shard_weights: bool = False) -> dict[Tier, int]:
     """Bytes each tier holds for the training state under ``placement``: the training-state part
     of :func:`tiermem.plan.footprint.footprint` for one bucket of ``trainable`` parameters (see
-    NOTE [Bytes per parameter] for what it leaves out)."""
+    NOTE [Bytes per parameter] for what it leaves out). ``world``: the bytes of one of that many
+    data-parallel ranks (its share of grads and optimizer state, and of the weights when they are
+    sharded: off the device, or with ``shard_weights``)."""
     _check_count("trainable", trainable)
     _check_count("frozen", frozen)
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ConfigError(f"tiermem: world={world!r} is not a number of ranks; give a whole number >= 1")
     home = placement[TensorClass.PARAM]
     bucket = Bucket(0, grad_tier=placement[TensorClass.GRAD], state_tier=placement[TensorClass.OPTIM_STATE],
                     group=0, param_tier=home, numel=trainable)
     frozen_params = [(torch.empty(frozen, dtype=torch.float32, device="meta"), home)]  # no memory
-    need = footprint([bucket], frozen_params, working_dtype(check_precision(precision)))
+    need = footprint([bucket], frozen_params, working_dtype(check_precision(precision)), world=world,
+                     shard_weights=shard_weights)
     return totals(need, TRAINING_STATE)
 
 

@@ -55,6 +55,11 @@ class GradCollector:
         self._held: dict[int, tuple[Bucket, dict[str, _Held]]] = {}  # bucket index -> gradients not yet sent, by name
         self.arrivals = 0  # gradients received since the model was built (a backward that got none changed nothing)
 
+    def add(self, slots: list[Slot]) -> None:
+        """Parameters unfrozen since construction (their slots, already in ``slot_of``), after
+        the others in the one order every rank uses (NOTE [Freezing and unfreezing])."""
+        self.names.extend(s.name for s in sorted(slots, key=lambda s: s.order))
+
     # -- during backward ------------------------------------------------------------------------
     def on_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: ship this parameter's grad to its bucket's GRAD home."""

@@ -43,7 +43,8 @@ from typing import BinaryIO
 import torch
 import xxhash
 
-from tiermem.errors import StoreError, TierMemError
+from tiermem.errors import ConfigError, StoreError, TierMemError
+from tiermem.train.checkpoint_dir import is_checkpoint_dir, pid_alive
 from tiermem.train.checkpoint_footer import MAGIC, MAGIC_V1, MAGIC_V2, Invalid, check_footer, dtype_named
 from tiermem.train.state import ModelState
 
@@ -101,16 +102,6 @@ def _write(state: ModelState, f) -> None:
     os.fsync(f.fileno())
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):  # another user's process, or no pid this machine can have: leave it
-        return True
-    return True
-
-
 def _remove_stale_temporaries(path: str) -> None:
     """Remove the ``<path>.tmp-<pid>`` files of saves that were killed (NOTE [Checkpoint format])."""
     directory, base = os.path.split(os.path.abspath(path))
@@ -122,7 +113,7 @@ def _remove_stale_temporaries(path: str) -> None:
         return
     for entry in entries:
         m = pattern.fullmatch(entry.name)
-        if m is None or int(m[1]) == os.getpid() or _alive(int(m[1])) or entry.is_dir(follow_symlinks=False):
+        if m is None or int(m[1]) == os.getpid() or pid_alive(int(m[1])) or entry.is_dir(follow_symlinks=False):
             continue
         try:
             os.unlink(entry.path)  # a symlink itself, never its target
@@ -155,10 +146,26 @@ def _publish(tmp: str, path: str, directory: str) -> None:
         os.close(dfd)
 
 
-def save(state: ModelState, path: str) -> None:
-    """Write ``state`` to ``path``. Under data parallelism every rank calls it (reading the state
-    gathers it), rank 0 writes, and the file is renamed into place only when every rank got
-    through: a rank failing mid-save leaves the previous checkpoint as it was."""
+FORMATS = ("file", "dcp")
+
+
+def save(state: ModelState, path: str, format: str = "file") -> None:
+    """Write ``state`` to ``path`` as one file (``format="file"``) or as a torch.distributed.checkpoint
+    directory every rank writes its shards to (``"dcp"``: :mod:`tiermem.train.checkpoint_dcp`)."""
+    if format not in FORMATS:
+        raise ConfigError(f"tiermem: format={format!r} is not a checkpoint format; pass 'file' (one file) or 'dcp' "
+                          f"(a torch.distributed.checkpoint directory every rank writes), or leave it out")
+    if format == "dcp":
+        from tiermem.train import checkpoint_dcp  # torch.distributed.checkpoint takes seconds to import
+        checkpoint_dcp.save(state, path)
+    else:
+        _save_file(state, path)
+
+
+def _save_file(state: ModelState, path: str) -> None:
+    """Write ``state`` to the file ``path``. Under data parallelism every rank calls it (reading
+    the state gathers it), rank 0 writes, and the file is renamed into place only when every rank
+    got through: a rank failing mid-save leaves the previous checkpoint as it was."""
     directory = os.path.dirname(os.path.abspath(path))
     if not state.all_ok(os.path.isdir(directory) or not state.writes_files):
         raise StoreError(f"tiermem: cannot save a checkpoint to {path!r}: directory {directory!r} does not "
@@ -245,6 +252,14 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
     expected = {name: (shape, dtypes) for name, shape, dtypes in state.specs(meta["precision"])}
     missing, unexpected = sorted(set(expected) - set(index)), sorted(set(index) - set(expected))
     if missing or unexpected:
+        trained = sorted({n.partition("/")[2] for n in unexpected if n.startswith("master/")}
+                         & {n.partition("/")[2] for n in missing if n.startswith("frozen/")})
+        if trained:  # NOTE [Freezing and unfreezing]: unfrozen in the run that saved it
+            raise TierMemError(f"tiermem: checkpoint {path!r} holds optimizer state for {trained[:5]}, which "
+                               f"{'is' if len(trained) == 1 else 'are'} frozen in this model and never trained in "
+                               f"it; nothing was loaded. Unfreeze {'it' if len(trained) == 1 else 'them'} "
+                               f"(requires_grad_(True)) before tm.load(), as in the run that saved it (freezing "
+                               f"again after the load keeps the state)")
         raise other(f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, (shape, dtypes) in expected.items():
         if tuple(index[name]["shape"]) != shape:
@@ -256,9 +271,7 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
     strangers = sorted(set(meta["param_step"]) - params)
     if strangers:
         raise other(f"meta.param_step counts steps of {strangers[:5]}, not trainable parameters of this model")
-    if len(meta["groups"]) != len(state.param_groups):
-        raise TierMemError(f"tiermem: checkpoint {path!r} has {len(meta['groups'])} param groups, this "
-                           f"model {len(state.param_groups)}; use the same optimizer spec")
+    state.check_groups(meta["groups"], f"checkpoint {path!r}")
     for e in index.values():  # every checksum before anything changes
         f.seek(e["offset"])
         checksum, left = _data_sum(magic), e["nbytes"]
@@ -311,9 +324,33 @@ def _open_checked(state: ModelState, path: str) -> tuple[BinaryIO, dict, dict[st
 
 
 def load(state: ModelState, path: str) -> None:
-    """Check the whole checkpoint, then load it. Under data parallelism every rank calls it and
-    reads the file (it must be where every rank sees it); if any rank finds it unusable, every
-    rank raises before anything changes."""
+    """Check the whole checkpoint (a file, or a directory of :mod:`tiermem.train.checkpoint_dcp`),
+    then load it. Under data parallelism every rank calls it and reads it (it must be where every
+    rank sees it); if any rank finds it unusable, every rank raises before anything changes."""
+    is_dir = is_checkpoint_dir(path)  # any other directory is refused as the single file refuses one
+    if state.all_ok(is_dir):
+        from tiermem.train import checkpoint_dcp
+        checkpoint_dcp.load(state, path)
+    elif not state.all_ok(not is_dir):
+        raise StoreError(f"tiermem: {path!r} is a directory on some ranks and not on others; nothing was loaded. "
+                         f"Load a checkpoint from where every rank sees the same files (a shared filesystem)")
+    else:
+        _load_file(state, path)
+
+
+def sharded_state_dict(state: ModelState) -> dict:
+    """``tm.sharded_state_dict()`` (NOTE [Sharded values for DCP])."""
+    from tiermem.train import checkpoint_dcp
+    return checkpoint_dcp.sharded_state_dict(state)
+
+
+def load_sharded(state: ModelState, tree: dict) -> None:
+    """``tm.load_sharded_state_dict(tree)``."""
+    from tiermem.train import checkpoint_dcp
+    checkpoint_dcp.load_sharded(state, tree)
+
+
+def _load_file(state: ModelState, path: str) -> None:
     try:
         f, doc, index = _open_checked(state, path)
     except TierMemError:

@@ -13,7 +13,7 @@ import torch
 
 from tiermem.config import PRECISIONS, check_adam_hyper, is_int
 from tiermem.errors import ConfigError
-from tiermem.train.state import HYPER
+from tiermem.train.state import HYPER, MEMBERS
 
 __all__ = ["MAGIC", "MAGIC_V2", "MAGIC_V1", "META_KEYS", "ENTRY_KEYS", "Invalid", "sum_key", "check_meta",
            "check_entries", "check_footer", "dtype_named"]
@@ -82,9 +82,15 @@ def check_meta(meta: Any) -> None:
                  f"{{'scale': 1.0, 'good_steps': 0}} at precision {precision!r}")
     _require(isinstance(meta["groups"], list), "meta.groups", meta["groups"], "a list")
     for i, group in enumerate(meta["groups"]):
-        _keys(group, f"meta.groups[{i}]", set(HYPER), set())
+        _keys(group, f"meta.groups[{i}]", {*HYPER, *MEMBERS}, set())
         for name, value in group.items():
-            _hyper(f"meta.groups[{i}].", name, value, "lr" if name == "initial_lr" else name)
+            if name == "name":
+                _require(isinstance(value, str), f"meta.groups[{i}].name", value, "a str")
+            elif name == "params":
+                _require(isinstance(value, list) and all(isinstance(n, str) for n in value),
+                         f"meta.groups[{i}].params", value, "a list of parameter names")
+            else:
+                _hyper(f"meta.groups[{i}].", name, value, "lr" if name == "initial_lr" else name)
 
 
 def dtype_named(name: Any) -> torch.dtype | None:

@@ -62,6 +62,10 @@ class GradHome(ABC):
     def arrived(self, b: Bucket) -> None:
         """One more of ``b``'s parameters has its gradient copy queued."""
 
+    def complete(self, b: Bucket) -> None:
+        """``b``'s whole landing buffer has this backward's grads (a rank's reduce-scattered chunk
+        landed at once, NOTE [Data parallel]): a home that writes complete buckets elsewhere may."""
+
     def end_backward(self) -> None:
         """Backward returned: buckets still open (a parameter got no grad) are complete."""
 
@@ -165,6 +169,28 @@ class StateHome(ABC):
         the right shape when it is not resident)."""
         return torch.empty(s.shape, device="meta")
 
+    # -- this rank's part of a bucket (a sharded checkpoint: NOTE [Sharded values for DCP]) --------
+    #: :meth:`read_local` returns the live state (valid while the model lives), not a staging copy
+    resident: bool = False
+
+    def read_local(self, b: Bucket) -> StateViews:
+        """The part of ``b``'s state this process keeps (all of it in one process; this rank's
+        chunk under data parallelism), with no communication; valid until the next call."""
+        return self.read(b)
+
+    def local_views(self, b: Bucket) -> StateViews:
+        """Buffers to fill with the part of ``b``'s state this process keeps; then :meth:`store_local`."""
+        return self.load_views(b)
+
+    def store_local(self, b: Bucket, views: StateViews) -> None:
+        """Commit the state filled into :meth:`local_views`."""
+        self.store(b, views)
+
+    def whole_master(self, b: Bucket, mine: torch.Tensor) -> torch.Tensor:
+        """``b``'s whole fp32 master, given this process's part of it (``mine``, from
+        :meth:`local_views`): ``mine`` itself in one process, gathered under data parallelism."""
+        return mine
+
 
 class MemoryState(StateHome):
     """Optimizer state in buffers of a memory tier, updated in place by Adam where it lives."""
@@ -194,6 +220,8 @@ class MemoryState(StateHome):
 
     def load_views(self, b: Bucket) -> StateViews:
         return self._views[b.index]
+
+    resident = True
 
     def master(self, b: Bucket, s: Slot) -> torch.Tensor:
         return self._views[b.index][0][s.offset:s.offset + s.numel].view(s.shape)
@@ -283,6 +311,13 @@ class Homes:
 
     def compute_tier(self, b: Bucket) -> Tier:
         return self.state[b.index].compute_tier
+
+    def add(self, other: "Homes") -> None:
+        """The homes of buckets appended to the model (NOTE [Freezing and unfreezing])."""
+        assert not (other.grads.keys() & self.grads.keys()), "appended buckets reuse an index"
+        self.grads.update(other.grads)
+        self.state.update(other.state)
+        self.weights.update(other.weights)
 
 
 def wait_gathered(homes: Homes, fill: int) -> None:

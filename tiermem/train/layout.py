@@ -18,6 +18,7 @@ import torch
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.plan.placement import ParamGroup, compute_tier
 from tiermem.train.buffers import KeptBuffers
+from tiermem.train.gathered import GatheredWeights
 from tiermem.train.homes import DeviceWeights, GradHome, Homes, MemoryGrads, MemoryState, StateHome, WeightHome
 from tiermem.train.nvme_grads import NvmeGrads
 from tiermem.train.nvme_state import NvmeState
@@ -38,14 +39,30 @@ class Layout:
     groups: tuple[ParamGroup, ...]  # the optimizer param groups (Bucket.group indexes them)
     names: Mapping[int, tuple[str, ...]]  # id(param) -> every name it has (tied weights have several)
     slot_of: dict[int, tuple[Bucket, Slot]]  # id(param) -> its place
-    frozen: dict[str, torch.Tensor]  # name -> fp32 copy on the host
+    frozen: dict[str, torch.Tensor]  # name -> fp32 copy on the host, of parameters without optimizer state
     buffers: KeptBuffers  # NOTE [Buffers keep their values]
-    n_params: int
+
+    @property
+    def n_params(self) -> int:
+        """Parameters with optimizer state (trainable, or frozen after they trained)."""
+        return sum(b.numel for b in self.buckets)
 
     @property
     def buffer_dtypes(self) -> dict[str, torch.dtype]:
         """The module's buffers' dtypes as given."""
         return self.buffers.dtypes
+
+    def grow(self, buckets: list[Bucket], step_buckets: list[Bucket], homes: Homes) -> None:
+        """Buckets appended for parameters unfrozen since (NOTE [Freezing and unfreezing]): the one
+        place the layout changes after it is built; their parameters leave ``frozen``."""
+        self.homes.add(homes)
+        if self.step_buckets is not self.buckets:  # one process: one list, the buckets themselves
+            self.step_buckets.extend(step_buckets)
+        self.buckets.extend(buckets)
+        for b in buckets:
+            for s in b.slots:
+                self.slot_of[id(s.param)] = (b, s)
+                self.frozen.pop(s.name)
 
 
 def _by_tier(buckets: list[Bucket], tier_of) -> dict[Tier, list[Bucket]]:
@@ -76,14 +93,19 @@ def _state_homes(buckets: list[Bucket], stores: dict, engine: CopyService, compu
 
 
 def _weight_homes(buckets: list[Bucket], stores: dict, engine: CopyService, dtype: torch.dtype,
-                  weights_off_device: Optional[ParamOffload]) -> dict[int, WeightHome]:
+                  weights_off_device: Optional[ParamOffload], gathered: Optional[GatheredWeights]
+                  ) -> dict[int, WeightHome]:
     weights: dict[int, WeightHome] = {}
-    on_device = [b for b in buckets if b.param_tier == Tier.DEVICE]
+    sharded = set() if gathered is None else {b.index for b in gathered.full.values()}
+    on_device = [b for b in buckets if b.param_tier == Tier.DEVICE and b.index not in sharded]
     if on_device:
         dw = DeviceWeights(stores[Tier.DEVICE], on_device, dtype, engine)
         weights.update({b.index: dw for b in on_device})
     for b in buckets:
-        if b.param_tier != Tier.DEVICE:
+        if b.index in sharded:
+            assert gathered is not None
+            weights[b.index] = gathered
+        elif b.param_tier != Tier.DEVICE:
             assert weights_off_device is not None, "weights off the device without their home"
             weights[b.index] = weights_off_device
     return weights
@@ -94,12 +116,15 @@ def _per_bucket(homes: dict) -> dict[int, object]:
 
 
 def make_homes(buckets: list[Bucket], stores: dict, engine: CopyService, dtype: torch.dtype, *, overlap: bool,
-               weights_off_device: Optional[ParamOffload], group: Group = Solo()) -> tuple[Homes, list[Bucket]]:
+               weights_off_device: Optional[ParamOffload], group: Group = Solo(),
+               gathered: Optional[GatheredWeights] = None) -> tuple[Homes, list[Bucket]]:
     """One home per class and tier, shared by the buckets placed there: the only code that maps
     a tier (or a rank's shard, NOTE [Data parallel]) to the class that homes it. Returns the
-    homes and the buckets the step runs on (each rank's chunks, under data parallelism)."""
+    homes and the buckets the step runs on (each rank's chunks, under data parallelism).
+    ``gathered``: the home of the buckets whose weights are sharded over the ranks (NOTE
+    [Weights sharded over the ranks]), already built (its chunks are on their tiers)."""
     compute = {b.index: compute_tier(b) for b in buckets}
-    weights = _weight_homes(buckets, stores, engine, dtype, weights_off_device)
+    weights = _weight_homes(buckets, stores, engine, dtype, weights_off_device, gathered)
     if group.world == 1:
         return Homes(_per_bucket(_grad_homes(buckets, stores, engine, compute, overlap)),
                      _per_bucket(_state_homes(buckets, stores, engine, compute)), weights), buckets
@@ -109,9 +134,10 @@ def make_homes(buckets: list[Bucket], stores: dict, engine: CopyService, dtype: 
              for t, (home, bs) in _grad_homes(shards, stores, engine, compute, overlap).items()}
     state = {t: (ShardedState([full[b.index] for b in bs], bs, home, group, stores[Tier.HOST]), bs)
              for t, (home, bs) in _state_homes(shards, stores, engine, compute).items()}
-    wgroup = group.for_weights()
-    sharded = {id(h): ShardedWeights(buckets, h, wgroup, engine) for h in weights.values()}
-    return Homes(_per_bucket(grads), _per_bucket(state), {i: sharded[id(h)] for i, h in weights.items()}), shards
+    whole = {id(h): h for h in weights.values() if h is not gathered}  # replicated: gathered after each step
+    wgroup = group.for_weights() if whole else group
+    wrapped = {i: ShardedWeights(buckets, h, wgroup, engine) for i, h in whole.items()}
+    return Homes(_per_bucket(grads), _per_bucket(state), {i: wrapped.get(id(h), h) for i, h in weights.items()}), shards
 
 
 def build(module: torch.nn.Module, buckets: list[Bucket], step_buckets: list[Bucket],
@@ -130,8 +156,7 @@ def build(module: torch.nn.Module, buckets: list[Bucket], step_buckets: list[Buc
     for home in homes.state_homes():
         home.release_views()
     frozen = _place_frozen(module, stores, dtype, device, weights_off_device)
-    return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, KeptBuffers(module, dtype, device),
-                  sum(b.numel for b in buckets))
+    return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, KeptBuffers(module, dtype, device))
 
 
 def _place_frozen(module: torch.nn.Module, stores: dict, dtype: torch.dtype, device: torch.device,

@@ -95,9 +95,10 @@ def undone_on_failure(tm: Any, module: torch.nn.Module) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        offload = getattr(tm, "param_offload", None)
-        if offload is not None:
-            offload.undo()  # off-device weights become the plain tensors they were
+        for attr in ("param_offload", "gathered"):
+            source = getattr(tm, attr, None)
+            if source is not None:
+                source.undo()  # off-device weights become the plain tensors they were
         for p, data in params:
             p.data = data
         for owner, name, buf in buffers:

@@ -14,30 +14,34 @@ import logging
 import os
 import time
 import weakref
+from collections import Counter
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
 from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _AdamSpec
-from tiermem.errors import ConfigError, checked_arguments
+from tiermem.errors import ConfigError, TierMemError, checked_arguments
 from tiermem.memory import deferred
 from tiermem.memory.ledger import InFlight, Reclaimers
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
-from tiermem.plan.footprint import check_fits, footprint, largest_module_bytes, totals
+from tiermem.plan.footprint import check_fits, largest_module_bytes, model_footprint, totals
 from tiermem.plan.choose import Evaluator
 from tiermem.plan.cost import against_measured
-from tiermem.plan.placement import plan
+from tiermem.plan.placement import plan, split_weights
 from tiermem.plan.policy import Policy, resolve_policy
+from tiermem.torch_optim import stepped_elsewhere
 from tiermem.train import checkpoint, lifetime
 from tiermem.train.activations import ActivationOffloader
 from tiermem.train.backward import GradCollector
+from tiermem.train.gathered import build_gathered
 from tiermem.train.hooks import HookSet
 from tiermem.train.inputs import cast_inputs
 from tiermem.train.layout import build, make_homes
 from tiermem.train.compute import warn_if_slow
 from tiermem.train.machine import machine_profile, store_limits
+from tiermem.train.groups import Fp32Values, GroupEditor, group_dicts
 from tiermem.train.optimizer import TieredOptimizer
 from tiermem.train.options import make_stores, validate
 from tiermem.train.param_offload import ParamOffload
@@ -45,6 +49,7 @@ from tiermem.train.phase import Lifecycle, Phase
 from tiermem.train.scaler import LossScaler
 from tiermem.train.state import ModelState
 from tiermem.train.stepper import StepResult, Stepper
+from tiermem.train.trainable import Trainable
 from tiermem.train.uploads import Outputs
 from tiermem.transfer.collectives import fingerprint, resolve_group
 from tiermem.transfer.engine import TransferEngine
@@ -78,19 +83,28 @@ class TieredModel:
     raise an error naming the parameters (NOTE [A stalled run is loud]); None never stops.
     ``loss_scale``: fp16's dynamic loss scaling (a :class:`tiermem.LossScale`; default: the
     initial scale, window and factors of ``torch.amp.GradScaler``).
+    ``optimizer``: a tiermem spec (``tiermem.AdamW(...)``, param groups optional) or a
+    ``torch.optim`` optimizer built on the module's parameters (``torch.optim.AdamW(groups,
+    lr=...)``), read for its class, groups and hyperparameters and never stepped itself
+    (:mod:`tiermem.torch_optim`); default ``tiermem.AdamW()``. ``requires_grad`` may change between
+    steps (NOTE [Freezing and unfreezing] in :mod:`tiermem.train.trainable`).
+    ``shard_weights=True``: under data parallelism, weights on the device are sharded over the ranks
+    too, each rank keeping 1/N and gathering a bucket while it is read (ZeRO-3; weights off the device
+    always are: NOTE [Weights sharded over the ranks]); in one process it changes nothing.
     """
 
     def __init__(self, module: torch.nn.Module, policy: Optional[Policy] = None, *,
-                 optimizer: Optional[_AdamSpec] = None, precision: str = "bf16",
+                 optimizer: "_AdamSpec | torch.optim.Optimizer | None" = None, precision: str = "bf16",
                  budgets: Optional[Budgets] = None, nvme_dir: Optional[str] = None,
                  grad_clip: Optional[float] = None, device: torch.device | str | None = None,
                  bucket_size: int | str = "32MiB", overlap_step: bool = False,
                  trace_path: Optional[str] = None, prefetch: bool = True, process_group: Any = None,
-                 max_skipped_steps: Optional[int] = 10, loss_scale: Optional[LossScale] = None):
+                 max_skipped_steps: Optional[int] = 10, loss_scale: Optional[LossScale] = None,
+                 shard_weights: bool = False):
         opts = validate(module, optimizer=optimizer, precision=precision, budgets=budgets, grad_clip=grad_clip,
                         device=device, bucket_size=bucket_size, overlap_step=overlap_step, nvme_dir=nvme_dir,
                         trace_path=trace_path, prefetch=prefetch, max_skipped_steps=max_skipped_steps,
-                        loss_scale=loss_scale)
+                        loss_scale=loss_scale, shard_weights=shard_weights)
         deferred.start()  # the worker that gives back dropped models (NOTE [Finalizers only enqueue])
         deferred.settle()  # what models dropped before this one held is back (their hooks are off the module)
         lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
@@ -103,24 +117,35 @@ class TieredModel:
         self.group = resolve_group(process_group, tracer=self.tracer if trace_path else None)  # NOTE [Data parallel]; one process: every collective a no-op
         self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=store_limits(opts.device, opts.budgets, nvme_dir),
                                     machine=lambda: machine_profile(opts.device, nvme_dir), overlap=opts.overlap,
-                                    world=self.group.world, nvme_staging=opts.device.type == "cuda")
+                                    world=self.group.world, nvme_staging=opts.device.type == "cuda",
+                                    shard_weights=opts.shard_weights)
         self.placement = self._evaluator.bind(self.policy)  # NOTE [Whole-model policies]: what decides each tensor
         planned = plan(module, self.placement, opts.spec, self.dtype, opts.bucket_numel, overlap=opts.overlap,
                        world=self.group.world)
         buckets, param_homes = list(planned.buckets), dict(planned.weight_homes)
+        if not buckets:
+            raise TierMemError("tiermem: the module has no trainable parameters (requires_grad=True); "
+                               "unfreeze some before wrapping it (others may be unfrozen later)")
         self.group.check_same("model or configuration", fingerprint(
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
-            + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), opts.grad_clip, opts.overlap]))
+            + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), opts.grad_clip, opts.overlap,
+               opts.shard_weights]
+            + [(g.name, sorted(g.options.items()), g.params, g.frozen) for g in planned.groups]))
+        sharded, offloaded = split_weights(buckets, param_homes, self.group.world, opts.shard_weights)
         in_flight = InFlight()  # grads copying home hold device room until they land: the device ledger waits for them
         reclaimers = Reclaimers(in_flight.give_room)  # and a cache of prefetched weights, once built, evicts
         self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)
         with lifetime.undone_on_failure(self, module):  # a failed build leaves nothing held
-            device_need = self._check_fits(buckets, param_homes)
+            device_need = self._check_fits(buckets, param_homes, opts.shard_weights)
             self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
             self.hooks = HookSet()
-            self.param_offload = (self._offload_weights(param_homes, device_need, opts.prefetch, reclaimers)
-                                  if param_homes else None)
-            compiled_off_device = bool(param_homes) and _is_compiled(module)  # NOTE [Parameters off the device]
+            self.param_offload = (self._offload_weights(offloaded, device_need, opts.prefetch, reclaimers)
+                                  if offloaded else None)
+            self.gathered = (build_gathered(module, sharded, self.stores, self.engine, self.group, self.dtype,
+                                            self.device, self.hooks, prefetch=opts.prefetch)
+                             if sharded else None)  # NOTE [Weights sharded over the ranks]
+            # NOTE [Parameters off the device]: a compiled forward reading such weights runs eagerly
+            compiled_off_device = bool(param_homes or sharded) and _is_compiled(module)
             # the stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during
             # the forward on another thread, and must stay compiled; dynamo then falls back by itself
             self._force_eager = compiled_off_device and not opts.overlap
@@ -129,7 +154,8 @@ class TieredModel:
                             "off the device under %r: its forward runs eagerly (NOTE [Parameters off the device]); "
                             "place PARAM on the device to run it compiled", len(param_homes), self.policy)
             homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
-                                             weights_off_device=self.param_offload, group=self.group)
+                                             weights_off_device=self.param_offload, group=self.group,
+                                             gathered=self.gathered)
             self.layout = build(module, buckets, step_buckets, planned.groups, planned.aliases, homes, self.stores,
                                 self.dtype, self.device, self.param_offload)
             self.scaler = LossScaler.of(precision == "fp16", loss_scale)
@@ -139,10 +165,21 @@ class TieredModel:
             self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=opts.grad_clip,
                                    tracer=self.tracer, overlap=opts.overlap, group=self.group,
                                    max_skipped=max_skipped_steps)
-            self.optimizer = TieredOptimizer(self.layout, opts.spec, self._step)
+            shown = Fp32Values(module, self.layout)  # not a method of self: nothing here refers back to it
+            self.optimizer = TieredOptimizer(group_dicts(planned.groups, opts.spec, shown),
+                                             opts.spec.group_defaults(), self._step, self._add_group)
+            self._groups = GroupEditor(module, opts.spec, shown)
             for b in buckets:
                 for s in b.slots:
                     self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
+            if opts.torch_optimizer is not None:  # never stepped: a step of it would do nothing, silently
+                self.hooks.add(opts.torch_optimizer.register_step_pre_hook(stepped_elsewhere))
+            self._trainable = Trainable(module, self.layout, policy=self.placement, dtype=self.dtype,
+                                        bucket_numel=opts.bucket_numel, overlap=opts.overlap, group=self.group,
+                                        stores=self.stores, engine=self.engine, weights_off_device=self.param_offload,
+                                        grads=self.grads, outputs=outputs, hooks=self.hooks,
+                                        param_groups=self.optimizer.param_groups, settle=self.stepper.finish_pending,
+                                        on_device_cuda=self.device.type == "cuda")
             self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks)
             frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
             self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
@@ -154,23 +191,26 @@ class TieredModel:
                                              self.tracer, self.stepper, os.getpid())
             self._release.atexit = False  # the process's end frees it all; no I/O on the way out
             lifetime.claim(module, self)
-            if self.param_offload is not None:
-                self.param_offload.settle()  # the module's original tensors of off-device weights go
+            for source in self.weight_sources():
+                source.settle()  # the module's original tensors of off-device weights go
             self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
         log.info("tiermem: %s trainable parameters in %d buckets under %r (%s%s)",
                  f"{self.layout.n_params:,}", len(buckets), self.policy, precision,
                  f", from precision={given!r}" if given != precision else "")
 
-    def _check_fits(self, buckets, param_homes: dict[str, Tier]) -> int:
+    def _check_fits(self, buckets, param_homes: dict[str, Tier], shard_weights: bool) -> int:
         """Refuse a working set that does not fit its budgets (the rule ``tiermem plan`` uses too);
         returns the device bytes it needs."""
-        frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in self.module.named_parameters()
-                  if not p.requires_grad]
-        need = footprint(buckets, frozen, self.dtype, overlap=self.overlap_step, world=self.group.world,
-                         largest_module=largest_module_bytes(self.module, param_homes, self.dtype),
-                         nvme_staging=self.device.type == "cuda")
+        need = model_footprint(self.module, buckets, param_homes, self.dtype, overlap=self.overlap_step,
+                               world=self.group.world, shard_weights=shard_weights,
+                               nvme_staging=self.device.type == "cuda")
         check_fits(need, self.stores)
         return totals(need)[Tier.DEVICE]
+
+    def weight_sources(self) -> list:
+        """The homes whose weights are OffDeviceWeights: ParamOffload (weights off the device in one
+        process, and frozen ones), GatheredWeights (sharded over the ranks)."""
+        return [s for s in (self.param_offload, self.gathered) if s is not None]
 
     def _offload_weights(self, param_homes: dict[str, Tier], device_need: int, prefetch: bool,
                          reclaimers: Reclaimers) -> ParamOffload:
@@ -200,6 +240,9 @@ class TieredModel:
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         with self._life.during("forward", Phase.FORWARD):
+            if torch.is_grad_enabled() and self.module.training and self.group.world == 1:
+                # NOTE [Freezing and unfreezing]; under data parallelism at backward, where every rank is
+                self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=False)
             args, kwargs = cast_inputs((args, kwargs), self.dtype, self.device)
             with self.tracer.span("forward", "compute"), _eagerly(self._force_eager):
                 if torch.is_grad_enabled() and self.module.training:
@@ -222,6 +265,7 @@ class TieredModel:
     def _backward(self, loss: torch.Tensor) -> None:
         self._life.check("backward")
         _check_loss(loss)
+        self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=True)  # NOTE [Freezing and unfreezing]
         arrived_before = self.grads.arrivals
         with self._life.during("backward", Phase.BACKWARD):  # raising before any grad: back to the phase before
             try:
@@ -247,6 +291,11 @@ class TieredModel:
         result = self.optimizer.step()
         self.tracer.maybe_write()  # throttled: a full rewrite of a growing file; always at detach()
         return result
+
+    def _add_group(self, groups: list[dict], group: dict) -> None:
+        """What ``tm.optimizer.add_param_group(group)`` runs (tiermem.train.groups.GroupEditor)."""
+        self._life.check("state", "tm.optimizer.add_param_group()")
+        self._groups.add(groups, group)
 
     def _step(self, groups: list[dict]) -> StepResult:
         """What ``tm.optimizer.step()`` runs: the tiered step, checked against the phase."""
@@ -297,15 +346,42 @@ class TieredModel:
         """fp32 master weights (and buffers) with the keys of ``module.state_dict()``."""
         return self._settled("state_dict()").module_state()
 
-    def save(self, path: str) -> None:
-        """Checkpoint weights, optimizer state, loss scale and step to ``path``, atomically."""
-        checkpoint.save(self._settled("save()"), path)
+    def save(self, path: str, *, format: Optional[str] = None) -> None:
+        """Checkpoint weights, optimizer state, loss scale and step to ``path``, atomically.
+        ``format="file"``: one file (under data parallelism rank 0 writes it); ``"dcp"``: a
+        torch.distributed.checkpoint directory in which every rank writes its own shards, readable
+        at any world size. Default: ``"dcp"`` under data parallelism, ``"file"`` in one process.
+        Under data parallelism a collective: every rank calls it with the same path."""
+        if format is None:
+            format = "dcp" if self.group.world > 1 else "file"
+        checkpoint.save(self._settled("save()"), path, format)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This process's shards of the fp32 master weights and Adam moments, in a form
+        ``torch.distributed.checkpoint`` saves and loads at any world size (NOTE [Sharded values
+        for DCP]): ``{"model": {name: ...}, "optim": {"state": {name: {"exp_avg": ...,
+        "exp_avg_sq": ...}}}, "tiermem": <step counts, loss scale, hyperparameters as JSON>}``.
+        Values alias the model's state where it lives in memory (state on NVMe is copied into host
+        memory). ``dcp.save(tm.sharded_state_dict(), checkpoint_id=d)`` writes a checkpoint
+        ``tm.load(d)`` reads; ``sd = tm.sharded_state_dict(); dcp.load(sd, checkpoint_id=d);
+        tm.load_sharded_state_dict(sd)`` loads one. ``tm.state_dict()`` stays the whole weights."""
+        return checkpoint.sharded_state_dict(self._settled("sharded_state_dict()"))
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take back what :meth:`sharded_state_dict` gave, filled by ``dcp.load``: the state, the
+        working weights made from it, step counts, loss scale and hyperparameters (checked whole
+        first). Under data parallelism a collective. Gradients waiting for a step are dropped."""
+        checkpoint.load_sharded(self._settled("load_sharded_state_dict()"), state_dict)
+        self.grads.drop()
+        self._life.to(Phase.IDLE)
 
     def load(self, path: str) -> None:
         """Restore a checkpoint written by :meth:`save` (any bucket size, same parameter names).
         Gradients waiting for a step (kept for the retry of a failed one) were computed with other
         weights: they are dropped, and the next step starts from the checkpoint alone."""
-        checkpoint.load(self._settled("load()"), path)
+        state = self._settled("load()")
+        self._trainable.sync(grads_waiting=False, collective=True)  # parameters unfrozen before loading get state
+        checkpoint.load(state, path)
         self.grads.drop()
         self._life.to(Phase.IDLE)
 
@@ -320,12 +396,18 @@ class TieredModel:
         (fetched for each op); writes outside it are refused (NOTE [Parameters off the device])."""
         self._settled("resident()")
         params = _params_of(what, self.module)
-        offload = self.param_offload
-        off = [n for n in params if offload is not None and n in offload.homes]
-        on = {n: p for n, p in params.items() if n not in off}
-        versions = {n: p._version for n, p in on.items()}
-        with (offload.resident(off) if off else contextlib.nullcontext({})) as written:
+        filled: list[dict[str, torch.Tensor]] = []  # what each home's block wrote, once it ends
+        with contextlib.ExitStack() as blocks:
+            off = []
+            for source in self.weight_sources():
+                mine = [n for n in params if n in source.homes]
+                if mine:
+                    filled.append(blocks.enter_context(source.resident(mine)))
+                    off += mine
+            on = {n: p for n, p in params.items() if n not in off}
+            versions = {n: p._version for n, p in on.items()}
             yield
+        written = {n: v for values in filled for n, v in values.items()}
         # a weight on the device may share its version counter with others of its bucket: the
         # elements that differ from their masters are what was written (ModelState.take_weights)
         changed = {**{n: p.detach() for n, p in on.items() if p._version != versions[n]}, **written}
@@ -342,7 +424,7 @@ class TieredModel:
                       n_params=self.layout.n_params, step_seconds=self.stepper.seconds,
                       rank=self.group.rank, world=self.group.world, collective_bytes=self.group.bytes_sent(),
                       placement=repr(self.placement), stages=self._stages(),
-                      weights_on_demand=dict(self.param_offload.on_demand) if self.param_offload is not None else {})
+                      weights_on_demand=dict(sum((s.on_demand for s in self.weight_sources()), Counter())))
 
     def _stages(self) -> dict[str, tuple[float, float]]:
         """Predicted against measured seconds per step, by stage (NOTE [Cost model]; the prediction fed
@@ -361,8 +443,8 @@ class TieredModel:
         state = self._settled("detach()")
         self.hooks.remove()
         weights = state.fp32_weights()
-        if self.param_offload is not None:
-            self.param_offload.restore(weights)  # plain tensors again (NOTE [Parameters off the device])
+        for source in self.weight_sources():
+            source.restore(weights)  # plain tensors again (NOTE [Parameters off the device])
         for name, p in self.module.named_parameters():
             p.data = weights[name]
         self.layout.buffers.give_back()

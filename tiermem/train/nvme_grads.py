@@ -81,6 +81,10 @@ class NvmeGrads(GradHome):
         if self._arrived[b.index] >= len(b.slots):
             self._flush(b)
 
+    def complete(self, b: Bucket) -> None:
+        if b.index in self._landing:
+            self._flush(b)
+
     def end_backward(self) -> None:
         for index in list(self._landing):
             self._flush(self._buckets[index])

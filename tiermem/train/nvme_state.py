@@ -56,8 +56,9 @@ class NvmeState(StateHome):
         self.engine = engine
         largest = max(b.numel for b in self.buckets)
         # each set holds one bucket's parts back to back, so that they are one key's value
-        self.sets = [host_store.allocate(f"nvme state set{i}", (len(PARTS) * largest,), torch.float32,
-                                         TensorClass.OPTIM_STATE) for i in range(3)]
+        # named by the first bucket: buckets appended later get a home with sets of their own
+        self.sets = [host_store.allocate(f"nvme state set{i} of {self.buckets[0].key}...", (len(PARTS) * largest,),
+                                         torch.float32, TensorClass.OPTIM_STATE) for i in range(3)]
         self._ahead: Optional[tuple[int, list[Handle]]] = None  # (bucket, its read into set 0) for the next step
 
     @staticmethod

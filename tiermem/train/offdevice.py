@@ -40,14 +40,17 @@ compiled model with off-device weights runs its forward eagerly (NOTE [Parameter
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch._ops import OpOverload
 
-from tiermem.errors import TierMemError
+from tiermem.errors import ConfigError, TierMemError
 
-__all__ = ["OffDeviceWeight", "WeightSource", "is_off_device"]
+__all__ = ["OffDeviceWeight", "WeightSource", "is_off_device", "Link", "SwappedParams"]
+
+log = logging.getLogger(__name__)
 
 
 class WeightSource(Protocol):
@@ -92,15 +95,21 @@ class OffDeviceWeight(torch.Tensor):
         if kind is _VIEW:
             return _view(func, args, kwargs)
         weights = _weights_in(args, kwargs)
-        source, reader = weights[0]._source, _op_name(func)
+        reader = _op_name(func)
         if kind is not _PURE:
             for i in kind:  # the arguments this op writes into
                 target = args[i] if i < len(args) else None
                 if type(target) is OffDeviceWeight:
-                    source.written(target._key, reader)
-        keys = list(dict.fromkeys(w._key for w in weights))
-        with source.holding(keys, reader) as reals:
-            real = dict(zip(keys, reals))
+                    target._source.written(target._key, reader)
+        by_source: dict[int, tuple[WeightSource, list[str]]] = {}  # weights of two homes may meet in one op
+        for w in weights:
+            keys = by_source.setdefault(id(w._source), (w._source, []))[1]
+            if w._key not in keys:
+                keys.append(w._key)
+        with contextlib.ExitStack() as held:
+            real: dict[str, torch.Tensor] = {}
+            for source, keys in by_source.values():
+                real.update(zip(keys, held.enter_context(source.holding(keys, reader))))
             out = func(*_replace(args, real), **{k: _replace_one(v, real) for k, v in kwargs.items()})
         if kind is not _PURE:  # an in-place op returns the tensor it wrote: give back the weight, not its copy
             return _rewrap_written(func, args, out)
@@ -210,7 +219,8 @@ def _weights_in(args: tuple, kwargs: dict) -> list[OffDeviceWeight]:
 
 
 def _real_of(w: OffDeviceWeight, real: dict[str, torch.Tensor]) -> torch.Tensor:
-    return real[w._key].as_strided(w.size(), w.stride(), w.storage_offset())
+    whole = real[w._key]  # the weight's values may begin anywhere in their storage (a view of a gathered bucket)
+    return whole.as_strided(w.size(), w.stride(), whole.storage_offset() + w.storage_offset())
 
 
 def _replace_one(x: Any, real: dict[str, torch.Tensor]) -> Any:
@@ -237,6 +247,104 @@ def _rewrap_written(func: OpOverload, args: tuple, out: Any) -> Any:
     if isinstance(out, torch.Tensor) and kind and kind[0] < len(args):
         return args[kind[0]]
     return out
+
+
+# -- the parameters that become such weights ---------------------------------------------------------
+class Link:
+    """What off-device weights ask for their values: their home (``source``) while the model
+    lives; once it is given back (a model dropped without ``detach()``), a clear error. Each home
+    has its own: the weights of two homes may meet in one op."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, source: WeightSource):
+        self.source: Optional[WeightSource] = source
+
+    def _live(self, key: str) -> WeightSource:
+        if self.source is None:
+            raise TierMemError(f"tiermem: the weight {key!r} lived off the device under a TieredModel that was "
+                               f"dropped without detach(), so its values are gone: build the module again (and "
+                               f"call tm.detach() or tm.save(path) before dropping a model whose weights you need)")
+        return self.source
+
+    def holding(self, keys: Sequence[str], reader: str) -> ContextManager[Sequence[torch.Tensor]]:
+        return self._live(keys[0]).holding(keys, reader)
+
+    def written(self, key: str, op: str) -> None:
+        self._live(key).written(key, op)
+
+
+#: what an OffDeviceWeight keeps in its ``__dict__``: not the user's, so not carried across a swap
+_OWN = frozenset({"_source", "_key", "_is_param"})
+
+
+def swap_param(p: torch.nn.Parameter, other: torch.nn.Parameter, name: str) -> None:
+    """Exchange the contents of two parameters, keeping each Python object; attributes user code
+    set on ``p`` (``torch.utils.swap_tensors`` exchanges those too) stay with ``p``."""
+    attrs = {k: v for k, v in vars(p).items() if k not in _OWN}
+    try:
+        torch.utils.swap_tensors(p, other)
+    except RuntimeError as e:
+        raise ConfigError(f"tiermem: the parameter {name!r} cannot be homed off the device: {e}; build the "
+                          f"TieredModel before anything else holds references into the parameter (a "
+                          f"torch.compile'd call, a live autograd graph), or place PARAM on the device") from None
+    vars(p).update(attrs)
+
+
+class SwappedParams:
+    """Parameters of ``module`` (``params``: name -> parameter) that become OffDeviceWeights, each
+    keeping its Python object, and the plain tensors swapped out of them, until the model settles
+    (construction succeeded), is undone (it failed) or gives them back (``detach()``)."""
+
+    def __init__(self, module: torch.nn.Module, params: dict[str, torch.nn.Parameter]):
+        self._params = dict(params)
+        where = {id(p): name for name, p in self._params.items()}
+        self._places: dict[str, list[tuple[torch.nn.Module, str]]] = {}  # name -> every (module, attribute) of it
+        for mod in module.modules():
+            for attr, p in mod._parameters.items():
+                if p is not None and id(p) in where:
+                    self._places.setdefault(where[id(p)], []).append((mod, attr))
+        self._plain: dict[str, torch.nn.Parameter] = {}  # name -> the plain tensor swapped out of the parameter
+
+    def swap_in(self, name: str, link: Link, dtype: torch.dtype, device: torch.device) -> None:
+        """The parameter ``name`` becomes an :class:`OffDeviceWeight` whose values ``link`` holds."""
+        p = self._params[name]
+        weight = torch.nn.Parameter(OffDeviceWeight.whole(link, name, tuple(p.shape), dtype, device),
+                                    requires_grad=p.requires_grad)
+        swap_param(p, weight, name)
+        self._plain[name] = weight  # now the plain one; its data goes back in restore() or undo()
+
+    def settle(self) -> None:
+        """Construction succeeded: the original tensors swapped out of the parameters are let go."""
+        for plain in self._plain.values():
+            plain.data = torch.empty(0, dtype=plain.dtype, device=plain.device)
+
+    def undo(self) -> None:
+        """Construction failed: every parameter gets back the tensor it had (before :meth:`settle`)."""
+        for name, plain in self._plain.items():
+            self._put_back(name, plain)
+        self._plain.clear()
+
+    def restore(self, values: dict[str, torch.Tensor]) -> None:
+        """``detach()``: each parameter becomes a plain tensor again, holding ``values[name]``."""
+        for name, plain in self._plain.items():
+            plain.data = values[name]
+            self._put_back(name, plain)
+        self._plain.clear()
+
+    def _put_back(self, name: str, plain: torch.nn.Parameter) -> None:
+        """The plain tensor back in the parameter object; if something still holds references into
+        the parameter (a graph ``torch.compile`` built with it under overlap_step), the modules get
+        ``plain`` as their parameter instead, a new object with the same values and attributes."""
+        p = self._params[name]
+        try:
+            swap_param(p, plain, name)
+        except ConfigError:
+            vars(plain).update({k: v for k, v in vars(p).items() if k not in _OWN})
+            for mod, attr in self._places.get(name, []):
+                mod._parameters[attr] = plain
+            log.info("tiermem: %r was still referenced elsewhere (a compiled graph?), so the module holds a new "
+                     "Parameter object for it, with its values", name)
 
 
 @contextlib.contextmanager

@@ -6,37 +6,44 @@ from typing import Callable
 
 import torch
 
-from tiermem.config import _AdamSpec
 from tiermem.errors import TierMemError
-from tiermem.train.layout import Layout
+
+
+def _weakly(fn: Callable) -> Callable[[], Callable | None]:
+    """A bound method held weakly (NOTE [A dropped model lets go] in tiermem.train.lifetime): a
+    scheduler that keeps this optimizer must not keep the whole model alive."""
+    return weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
 
 
 class TieredOptimizer(torch.optim.Optimizer):
-    """A torch Optimizer whose param groups (fp32 master weights and hyperparameters) lr
-    schedulers can drive. ``step()`` runs the tiered step; gradients are cleared by it, so
-    ``zero_grad()`` has nothing to do. Checkpoint with ``tm.save()``."""
+    """A torch Optimizer whose param groups (named, with their ``param_names``; NOTE [Param
+    groups] in tiermem/config.py) lr schedulers drive. ``step()`` runs the tiered step; gradients
+    are cleared by it, so ``zero_grad()`` has nothing to do. ``add_param_group`` works as in
+    torch, moving parameters that are in a group already. Checkpoint with ``tm.save()``."""
 
-    def __init__(self, layout: Layout, spec: _AdamSpec, step: Callable[[list[dict]], object]):
-        masters = {s.name: layout.homes.state[b.index].master(b, s) for b in layout.buckets for s in b.slots}
-        if not masters:
-            raise TierMemError("tiermem: the module has no trainable parameters (requires_grad=True); "
-                               "unfreeze some before wrapping it")
-        groups = [{"params": [masters[n] for n in g.params], "param_names": list(g.params),
-                   **spec.group_defaults(), **g.options}  # NOTE [Param groups]: the group's own over the spec's
-                  for g in layout.groups]
-        super().__init__(groups, spec.group_defaults())
-        # weakly: a scheduler that keeps this optimizer must not keep the whole model alive
-        # (NOTE [A dropped model lets go] in tiermem.train.lifetime)
-        self._run_step = weakref.WeakMethod(step) if hasattr(step, "__self__") else (lambda: step)
+    def __init__(self, groups: list[dict], defaults: dict, step: Callable[[list[dict]], object],
+                 add_group: Callable[[list[dict], dict], None]):
+        self._run_step, self._add_group = _weakly(step), None
+        super().__init__(groups, defaults)  # torch adds each group through add_param_group
+        self._add_group = _weakly(add_group)
+
+    def _model(self, call: Callable[[], Callable | None] | None) -> Callable:
+        run = call() if call is not None else None
+        if run is None:
+            raise TierMemError("tiermem: the TieredModel of this optimizer was dropped (nothing referenced it any "
+                               "more); keep a reference to the TieredModel while you train with its optimizer")
+        return run
 
     def step(self, closure=None):  # type: ignore[override]
         if closure is not None:
             raise TierMemError("tiermem: step(closure) is not supported; call tm.backward(loss) then tm.step()")
-        run = self._run_step()
-        if run is None:
-            raise TierMemError("tiermem: the TieredModel of this optimizer was dropped (nothing referenced it any "
-                               "more); keep a reference to the TieredModel while you train with its optimizer")
-        return run(self.param_groups)
+        return self._model(self._run_step)(self.param_groups)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self._add_group is None:  # torch's constructor, adding the plan's groups
+            super().add_param_group(param_group)
+            return
+        self._model(self._add_group)(self.param_groups, param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: tm.step() clears the gradients it consumed."""

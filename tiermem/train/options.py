@@ -14,6 +14,7 @@ import torch
 from tiermem.budgets import Budgets, parse_bytes
 from tiermem.config import AdamW, LossScale, _AdamSpec, is_int, is_number, resolve_precision, working_dtype
 from tiermem.errors import ConfigError
+from tiermem.torch_optim import spec_from_torch, supported_names
 from tiermem.memory.ledger import Reclaimers
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import DeviceStore, HostStore
@@ -28,6 +29,7 @@ class Options:
     """The constructor's keyword arguments, validated."""
 
     spec: _AdamSpec
+    torch_optimizer: Optional[torch.optim.Optimizer]  # the one given as optimizer=, read into ``spec``
     grad_clip: Optional[float]  # a float (a numpy number given is converted), or None
     dtype: torch.dtype
     device: torch.device
@@ -36,6 +38,7 @@ class Options:
     overlap: bool
     prefetch: bool
     precision: str  # the working precision: "auto" made this device's (NOTE [Choosing the precision])
+    shard_weights: bool = False  # under data parallelism, weights on the device sharded too (ZeRO-3); alone, nothing
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -81,15 +84,17 @@ def _check_paths(module: torch.nn.Module, nvme_dir: Any, trace_path: Any) -> Non
 
 def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_clip: Any, device: Any,
              bucket_size: Any, overlap_step: Any, nvme_dir: Any, trace_path: Any, prefetch: Any,
-             max_skipped_steps: Any, loss_scale: Any) -> Options:
+             max_skipped_steps: Any, loss_scale: Any, shard_weights: Any = False) -> Options:
     """Check every argument of ``TieredModel(...)``; the first one wrong raises a ConfigError naming it."""
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"tiermem: TieredModel needs a torch.nn.Module, got {type(module).__name__}; "
                           f"pass the model itself")
-    spec = AdamW() if optimizer is None else optimizer
+    torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    spec = AdamW() if optimizer is None else spec_from_torch(optimizer) if torch_optimizer is not None else optimizer
     if not isinstance(spec, _AdamSpec):
-        raise ConfigError(f"tiermem: optimizer={spec!r} is not a tiermem optimizer spec; pass "
-                          f"tiermem.AdamW(...) or tiermem.Adam(...) (hyperparameters, not a torch optimizer)")
+        raise ConfigError(f"tiermem: optimizer={spec!r} is not an optimizer tiermem runs; pass tiermem.AdamW(...) "
+                          f"or tiermem.Adam(...), or a torch optimizer built on the module's parameters "
+                          f"({supported_names()})")
     if grad_clip is not None and (not is_number(grad_clip) or not math.isfinite(grad_clip) or grad_clip <= 0):
         raise ConfigError(f"tiermem: grad_clip={grad_clip!r} is invalid: must be a finite number > 0 (the largest "
                           f"global gradient norm), or None for no clipping")
@@ -111,8 +116,9 @@ def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_
         auto = f" (precision={given!r} is {precision!r} here)" if given != precision else ""
         raise ConfigError(f"tiermem: loss_scale={loss_scale!r} is invalid: it must be a tiermem.LossScale, and "
                           f"only precision='fp16' scales the loss{auto}; pass LossScale(...) with fp16, or leave it out")
-    return Options(spec, None if grad_clip is None else float(grad_clip), dtype, dev, budgets, bucket_bytes // 4,
-                   overlap, prefetch, precision)
+    shard = _flag("shard_weights", shard_weights)
+    return Options(spec, torch_optimizer, None if grad_clip is None else float(grad_clip), dtype, dev, budgets,
+                   bucket_bytes // 4, overlap, prefetch, precision, shard)
 
 
 def make_stores(opts: Options, nvme_dir: Optional[str], reclaimers: Reclaimers, group: Group) -> dict[Tier, Any]:

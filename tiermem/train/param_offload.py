@@ -35,43 +35,20 @@ import contextlib
 import logging
 import threading
 from collections import Counter
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
-from tiermem.errors import ConfigError, TierMemError
+from tiermem.errors import TierMemError
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes import Runs, WeightHome, slots_in
 from tiermem.train.hooks import HookSet, eager
-from tiermem.train.offdevice import OffDeviceWeight
+from tiermem.train.offdevice import Link, SwappedParams
 from tiermem.transfer.schedule import ResidencyScheduler
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 log = logging.getLogger(__name__)
-
-
-class _Link:
-    """What an off-device weight asks for its values: the model's :class:`ParamOffload` while it
-    lives; once it is given back (a model dropped without ``detach()``), a clear error."""
-
-    __slots__ = ("offload",)
-
-    def __init__(self, offload: "ParamOffload"):
-        self.offload: Optional[ParamOffload] = offload
-
-    def _live(self, key: str) -> "ParamOffload":
-        if self.offload is None:
-            raise TierMemError(f"tiermem: the weight {key!r} lived off the device under a TieredModel that was "
-                               f"dropped without detach(), so its values are gone: build the module again (and "
-                               f"call tm.detach() or tm.save(path) before dropping a model whose weights you need)")
-        return self.offload
-
-    def holding(self, keys: Sequence[str], reader: str):
-        return self._live(keys[0]).holding(keys, reader)
-
-    def written(self, key: str, op: str) -> None:
-        self._live(key).written(key, op)
 
 
 class ParamOffload(WeightHome):
@@ -85,14 +62,8 @@ class ParamOffload(WeightHome):
         self.homes = dict(homes)
         params = dict(module.named_parameters())
         self._params = {name: params[name] for name in homes}
-        where = {id(p): name for name, p in self._params.items()}
-        self._places: dict[str, list[tuple[torch.nn.Module, str]]] = {}  # name -> every (module, attribute) of it
-        for mod in module.modules():
-            for attr, p in mod._parameters.items():
-                if p is not None and id(p) in where:
-                    self._places.setdefault(where[id(p)], []).append((mod, attr))
-        self._link = _Link(self)
-        self._plain: dict[str, torch.nn.Parameter] = {}  # name -> the plain tensor swapped out of the parameter
+        self._swaps = SwappedParams(module, self._params)
+        self._link = Link(self)
         self._lock = threading.RLock()  # reads come from autograd's threads too
         self._running: dict[str, list] = {}  # key -> [its device tensor, holds]: acquired by a module or a block
         self._writable: Counter[str] = Counter()  # keys user code may write into (inside tm.resident)
@@ -115,52 +86,33 @@ class ParamOffload(WeightHome):
         self.engine.register(TensorInfo(name, TensorClass.PARAM, value.numel() * value.element_size(),
                                         tuple(p.shape), value.dtype, name.rpartition(".")[0]), self.homes[name])
         self.engine.put(name, value)
-        weight = torch.nn.Parameter(OffDeviceWeight.whole(self._link, name, tuple(p.shape), value.dtype, self.device),
-                                    requires_grad=p.requires_grad)
-        _swap(p, weight, name)
-        self._plain[name] = weight  # now the plain one; its data goes back in restore() or undo()
+        self._swaps.swap_in(name, self._link, value.dtype, self.device)
 
     def settle(self) -> None:
         """Construction succeeded: the original tensors swapped out of the parameters are let go."""
-        for plain in self._plain.values():
-            plain.data = torch.empty(0, dtype=plain.dtype, device=plain.device)
+        self._swaps.settle()
 
     def undo(self) -> None:
         """Construction failed: every parameter gets back the tensor it had (before :meth:`settle`)."""
-        for name, plain in self._plain.items():
-            self._put_back(name, plain)
-        self._plain.clear()
+        self._swaps.undo()
 
     def restore(self, values: dict[str, torch.Tensor]) -> None:
         """``detach()``: each parameter becomes a plain tensor again, holding ``values[name]``."""
-        for name, plain in self._plain.items():
-            plain.data = values[name]
-            self._put_back(name, plain)
-        self._plain.clear()
-
-    def _put_back(self, name: str, plain: torch.nn.Parameter) -> None:
-        """The plain tensor back in the parameter object; if something still holds references into
-        the parameter (a graph ``torch.compile`` built with it under overlap_step), the modules get
-        ``plain`` as their parameter instead, a new object with the same values and attributes."""
-        p = self._params[name]
-        try:
-            _swap(p, plain, name)
-        except ConfigError:
-            vars(plain).update({k: v for k, v in vars(p).items() if k not in _OWN})
-            for mod, attr in self._places.get(name, []):
-                mod._parameters[attr] = plain
-            log.info("tiermem: %r was still referenced elsewhere (a compiled graph?), so the module holds a new "
-                     "Parameter object for it, with its values", name)
+        self._swaps.restore(values)
 
     def remove(self) -> None:
         """The model is detached or given back: nothing is read through it any more."""
-        self._link.offload = None
+        self._link.source = None
 
     # -- as a WeightHome ---------------------------------------------------------------------------
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
         for s in b.slots:
             # a copy, even in fp32: `master` may be a pipeline buffer the next bucket reuses
-            self.adopt(s.name, master[s.offset:s.offset + s.numel].view(s.shape).to(self.dtype, copy=True))
+            value = master[s.offset:s.offset + s.numel].view(s.shape).to(self.dtype, copy=True)
+            if s.name in self._plain:  # homed here already, frozen until now (NOTE [Freezing and unfreezing])
+                self.write_home(s.name, value)
+            else:
+                self.adopt(s.name, value)
 
     def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
         """Updated weights go to their home tier, never to the device; overlaps Adam on the next
@@ -271,20 +223,3 @@ class ParamOffload(WeightHome):
 
     def end_update(self) -> None:
         self.scheduler.end_iteration()  # freezes the trace, prefetches the next step's first weights
-
-
-#: what an OffDeviceWeight keeps in its ``__dict__``: not the user's, so not carried across a swap
-_OWN = frozenset({"_source", "_key", "_is_param"})
-
-
-def _swap(p: torch.nn.Parameter, other: torch.nn.Parameter, name: str) -> None:
-    """Exchange the contents of two parameters, keeping each Python object; attributes user code
-    set on ``p`` (``torch.utils.swap_tensors`` exchanges those too) stay with ``p``."""
-    attrs = {k: v for k, v in vars(p).items() if k not in _OWN}
-    try:
-        torch.utils.swap_tensors(p, other)
-    except RuntimeError as e:
-        raise ConfigError(f"tiermem: the parameter {name!r} cannot be homed off the device: {e}; build the "
-                          f"TieredModel before anything else holds references into the parameter (a "
-                          f"torch.compile'd call, a live autograd graph), or place PARAM on the device") from None
-    vars(p).update(attrs)

@@ -103,6 +103,7 @@ class ShardedGrads(GradHome):
         self.engine.copy_async(self.inner.landing(sb, fill), out, src_tier=Tier.DEVICE,
                                dst_tier=self.inner.landing_tier, accumulate=index in self._have,
                                kind=TensorClass.GRAD).wait()
+        self.inner.complete(sb)  # grads on NVMe: written there now, not kept on the host
         self._have.add(index)
         self.store.delete(f"{sb.key}:grad chunk")
         self.store.delete(f"{sb.key}:grad landing")
@@ -228,6 +229,28 @@ class ShardedState(StateHome):
             dst.zero_()
             dst[:c.end - c.start].copy_(src[c.start:c.end])
         self.inner.store(sb, mine)
+
+    # -- this rank's chunk alone (a sharded checkpoint: NOTE [Sharded values for DCP]) -------------
+    @property
+    def resident(self) -> bool:  # type: ignore[override]
+        return self.inner.resident
+
+    def read_local(self, b: Bucket) -> StateViews:
+        return self.inner.read(self.shards[b.index])
+
+    def local_views(self, b: Bucket) -> StateViews:
+        c = self.group.chunk(b.numel)
+        mine = self.inner.load_views(self.shards[b.index])
+        for t in mine:
+            t[c.end - c.start:].zero_()  # the chunk's padding stays zero, as :meth:`store` leaves it
+        return mine
+
+    def store_local(self, b: Bucket, views: StateViews) -> None:
+        self.inner.store(self.shards[b.index], views)
+
+    def whole_master(self, b: Bucket, mine: torch.Tensor) -> torch.Tensor:
+        self.group.all_gather(self._part("master")[:self.group.chunk(b.numel).padded], mine)
+        return self._part("master")[:b.numel]
 
 
 class ShardedWeights(WeightHome):

@@ -8,12 +8,15 @@ through it and knows nothing else of the model.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 from tiermem.config import PRECISIONS
+from tiermem.errors import TierMemError
 from tiermem.plan.buckets import STATE_PARTS
 from tiermem.train.layout import Layout
 from tiermem.train.param_offload import ParamOffload
@@ -24,6 +27,22 @@ from tiermem.transfer.collectives import Group, Solo
 log = logging.getLogger(__name__)
 
 HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")  # what a checkpoint keeps of each param group
+#: and which group it is: its name and its parameters' names (NOTE [Param groups]); checkpoints
+#: written before groups could be given have neither, and are matched by the number of groups
+MEMBERS = ("name", "params")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter's fp32 state this process keeps: elements ``[lo, hi)`` of the
+    flattened parameter (of shape ``shape``), at ``at`` in this process's views of its bucket
+    (NOTE [Sharded values for DCP])."""
+
+    name: str
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+    at: int
 
 
 class ModelState:
@@ -34,6 +53,7 @@ class ModelState:
         self.param_groups, self.precision, self.dtype = param_groups, precision, dtype
         self._frozen_off_device = frozen_off_device  # frozen parameter name -> its home off the device
         self.group = group
+        self._bucket = {b.index: b for b in layout.buckets}
         self.writes_files = group.rank == 0  # under data parallelism rank 0 writes; every rank takes part
 
     def all_ok(self, ok: bool) -> bool:
@@ -85,7 +105,26 @@ class ModelState:
     def meta(self) -> dict:
         return {"precision": self.precision, "step": self.stepper.steps, "param_step": self.stepper.param_steps(),
                 "scaler": self.scaler.state_dict(),
-                "groups": [{k: g[k] for k in HYPER if k in g} for g in self.param_groups]}
+                "groups": [{**{k: g[k] for k in HYPER if k in g}, "name": g["name"], "params": list(g["param_names"])}
+                           for g in self.param_groups]}
+
+    def check_groups(self, saved: list[dict], what: str) -> None:
+        """A checkpoint's param groups (``saved``, its meta's) are this model's: as many, and
+        (written by a version that records them: MEMBERS) the same names with the same
+        parameters, in the same order; else a ``tiermem:`` error naming ``what``."""
+        fix = "build the same param groups (the optimizer's, and tm.optimizer.add_param_group) before loading"
+        if len(saved) != len(self.param_groups):
+            raise TierMemError(f"tiermem: {what} has {len(saved)} param groups, this model {len(self.param_groups)}; "
+                               f"nothing was loaded: {fix}")
+        for i, (theirs, ours) in enumerate(zip(saved, self.param_groups)):
+            if "name" not in theirs:
+                continue  # written before groups were recorded: matched by their number
+            extra = sorted(set(theirs.get("params", ())) - set(ours["param_names"]))
+            lacking = sorted(set(ours["param_names"]) - set(theirs.get("params", ())))
+            if theirs["name"] != ours["name"] or extra or lacking:
+                raise TierMemError(f"tiermem: {what} has other param groups than this model: group {i} is "
+                                   f"{theirs['name']!r} there, {ours['name']!r} here (only there: {extra[:3]}, only "
+                                   f"here: {lacking[:3]}); nothing was loaded: {fix}")
 
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter name (tied aliases included) -> a CPU copy of its fp32 value."""
@@ -107,29 +146,104 @@ class ModelState:
         kept = self.layout.buffers  # NOTE [Buffers keep their values]
         return {k: weights[k] if k in weights else kept.value(k, v) for k, v in self.module.state_dict().items()}
 
+    # -- this process's part of the state (a sharded checkpoint) ----------------------------------------
+    def pieces(self) -> list[tuple[int, list[Piece]]]:
+        """Each bucket's index and the pieces of its parameters this process keeps, in bucket
+        order (every piece of a parameter lies in one bucket); reads nothing."""
+        steps = {sb.index: sb for sb in self.layout.step_buckets}
+        out = []
+        for b in self.layout.buckets:
+            start = self.group.chunk(b.numel).start  # where this process's part begins in the bucket
+            whole = {s.name: s for s in b.slots}
+            mine = []
+            for p in steps[b.index].slots:
+                s = whole[p.name]
+                lo = start + p.offset - s.offset
+                mine.append(Piece(p.name, tuple(s.shape), lo, lo + p.numel, p.offset))
+            if self.group.rank == 0:  # a parameter of no elements is in no rank's chunk: rank 0 keeps its name
+                kept = {p.name for p in mine}
+                mine += [Piece(s.name, tuple(s.shape), 0, 0, 0) for s in b.slots if s.numel == 0 and s.name not in kept]
+            out.append((b.index, mine))
+        return out
+
+    def resident(self, index: int) -> bool:
+        """Whether :meth:`read_local` of bucket ``index`` gives the live state, not a staging copy."""
+        return self.layout.homes.state[index].resident
+
+    def read_local(self, index: int) -> tuple[torch.Tensor, ...]:
+        """This process's part of bucket ``index``'s (master, exp_avg, exp_avg_sq), no
+        communication; valid until the next read (then :meth:`release`)."""
+        return self.layout.homes.state[index].read_local(self._bucket[index])
+
+    def release(self) -> None:
+        """Done reading or writing buckets: whole-bucket buffers kept for that go."""
+        self._release()
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """The weights are about to be replaced (a checkpoint load): cached copies are stale."""
+        homes = self.layout.homes
+        for home in homes.weight_homes():
+            home.begin_update()
+        yield
+        for home in homes.weight_homes():
+            home.end_update()
+
+    def load_local(self, index: int, fill: Callable[[tuple[torch.Tensor, ...]], None]) -> None:
+        """Replace this process's part of bucket ``index``'s state with what ``fill(views)`` writes
+        into ``views`` (zeros elsewhere), then send the bucket's weights home (under data
+        parallelism a collective: every rank calls it for every bucket, in order)."""
+        b = self._bucket[index]
+        homes = self.layout.homes
+        home = homes.state[index]
+        views = home.local_views(b)
+        fill(views)
+        home.store_local(b, views)
+        homes.weights[index].load(b, home.whole_master(b, views[0]), homes.compute_tier(b))
+
+    def rest(self) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint holds besides the optimizer state, by name (``frozen/<param>``:
+        the fp32 host copy; ``buffers/<buffer>``: the module's); filled in place, then
+        :meth:`commit_rest`."""
+        out = {f"frozen/{name}": t for name, t in self.layout.frozen.items()}
+        out.update((f"buffers/{name}", t) for name, t in self.module.named_buffers())
+        return out
+
+    def commit_rest(self) -> None:
+        """Frozen parameters take their fp32 copies' values, at their home."""
+        params = dict(self.module.named_parameters())
+        for name, t in self.layout.frozen.items():
+            home = self._frozen_off_device.get(name)
+            if home is not None:
+                home.write_home(name, t.to(self.dtype))
+            else:
+                params[name].data.copy_(t)
+
     # -- writing ------------------------------------------------------------------------------------
     def load(self, read_into: Callable[[str, torch.Tensor], None], meta: dict) -> None:
         """Fill every tensor through ``read_into(name, target)`` (the caller has validated the
         whole checkpoint first), send the weights home, then take the step counts, loss scale
         (only from a checkpoint of this precision) and hyperparameters from ``meta``."""
         homes = self.layout.homes
-        for home in homes.weight_homes():
-            home.begin_update()
-        for b in self.layout.buckets:
-            views = homes.state[b.index].load_views(b)
-            for part, t in zip(STATE_PARTS, views):
-                for s in b.slots:
-                    read_into(f"{part}/{s.name}", t[s.offset:s.offset + s.numel])
-            homes.state[b.index].store(b, views)
-            homes.weights[b.index].load(b, views[0], homes.compute_tier(b))
-        self._release()
-        self._load_frozen(read_into)
-        for name, t in self.module.named_buffers():
-            read_into(f"buffers/{name}", t)
-        for home in homes.weight_homes():
-            home.end_update()
+        with self.updating():
+            for b in self.layout.buckets:
+                views = homes.state[b.index].load_views(b)
+                for part, t in zip(STATE_PARTS, views):
+                    for s in b.slots:
+                        read_into(f"{part}/{s.name}", t[s.offset:s.offset + s.numel])
+                homes.state[b.index].store(b, views)
+                homes.weights[b.index].load(b, views[0], homes.compute_tier(b))
+            self._release()
+            for name, t in self.rest().items():
+                read_into(name, t)
+            self.commit_rest()
+        self.take_meta(meta)
+
+    def take_meta(self, meta: dict) -> None:
+        """The step counts, loss scale (only from a checkpoint of this precision) and
+        hyperparameters of a validated checkpoint's ``meta``."""
         for group, saved in zip(self.param_groups, meta["groups"]):
-            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k in HYPER})
         if meta["precision"] == self.precision:
             self.scaler.load_state_dict(meta["scaler"])
         else:  # another precision's scale means nothing here (fp32's 1.0 would defeat fp16's scaling)
@@ -158,16 +272,6 @@ class ModelState:
                     homes.state[b.index].store(b, views)
         finally:
             self._release()
-
-    def _load_frozen(self, read_into: Callable[[str, torch.Tensor], None]) -> None:
-        params = dict(self.module.named_parameters())
-        for name, t in self.layout.frozen.items():
-            read_into(f"frozen/{name}", t)
-            home = self._frozen_off_device.get(name)
-            if home is not None:
-                home.write_home(name, t.to(self.dtype))
-            else:
-                params[name].data.copy_(t)
 
 
 def _take(master: torch.Tensor, value: torch.Tensor) -> bool:

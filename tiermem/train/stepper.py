@@ -31,7 +31,9 @@ On a machine without an accelerator the
 the same cores), with the same kernel, so the numbers are bit-identical to ZeRO-Offload's.
 
 Like ``torch.optim``, a parameter that received no gradient in a step is not updated, and each
-parameter keeps its own step count (bias correction). The step talks to homes only (NOTE
+parameter keeps its own step count (bias correction). Each parameter's hyperparameters are those
+of the param group that lists it when the step starts (NOTE [Param groups] in tiermem/config.py):
+a bucket's update runs in ranges that share a step count and a group. The step talks to homes only (NOTE
 [Homes]): it never asks which tier a bucket's grads, state or weights are on.
 """
 from __future__ import annotations
@@ -49,6 +51,7 @@ from tiermem.handles import Handle
 from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket
 from tiermem.train.backward import GradCollector
+from tiermem.train.groups import check_listed, hyper_of
 from tiermem.train.homes import Runs, StateHome, StateViews, slots_in, wait_gathered
 from tiermem.train.layout import Layout
 from tiermem.train.scaler import LossScaler
@@ -58,8 +61,6 @@ from tiermem.transfer.service import CopyService
 from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
-
-_HYPER = ("lr", "betas", "eps", "weight_decay", "adamw")
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class _Update:
     param groups while an overlapped update runs)."""
 
     plan: list[tuple[Bucket, Runs]]
-    hyper: list[dict]
+    hyper: dict[tuple[int, int], dict]  # (bucket index, start of a run) -> its group's hyperparameters
     scale: float
     clip: float
     fill: int  # the gradient buffer this update reads (backward may fill the other one meanwhile)
@@ -165,9 +166,13 @@ class Stepper:
             clip = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0).item()
         if self._resuming is not None and self._resuming.arrivals == self.grads.arrivals:
             norm, clip = self._resuming.norm, self._resuming.clip
+        group_of = check_listed(groups, [n for n in self.grads.names if self.grads.received(n)])
         self._count_steps()
-        upd = _Update([(b, self._runs(b)) for b in self.layout.step_buckets],
-                      [{k: g[k] for k in _HYPER} for g in groups], scale, clip, self.grads.fill)
+        runs = {b.index: self._runs(b, group_of) for b in self.layout.step_buckets}
+        hyper = [hyper_of(g) for g in groups]  # as the groups are now: an lr scheduler may change them meanwhile
+        upd = _Update([(b, [(a, e, st) for a, e, st, _ in runs[b.index]]) for b in self.layout.step_buckets],
+                      {(index, a): hyper[g] for index, rs in runs.items() for a, _, _, g in rs},
+                      scale, clip, self.grads.fill)
         if not any(runs for _, runs in upd.plan):
             pass  # no parameter got a gradient: nothing to update (and no state to stream)
         elif self.overlap:
@@ -185,12 +190,12 @@ class Stepper:
         """Fused Adam over ``runs`` of bucket ``b``, its new weights sent home behind it."""
         master, exp_avg, exp_avg_sq = state
         out = uploads.target(b)
-        h = upd.hyper[b.group]
         _fill_gaps(out, master, b, runs)  # `out` holds the bucket's complete new weights
         g, free = self.homes.grads[b.index].read(b, upd.fill) if runs else (None, None)
         try:
             with self.tracer.span(f"adam {b.key}", "adam", numel=b.numel):
                 for start, end, step in runs:
+                    h = upd.hyper[(b.index, start)]
                     optim.adam_step(master[start:end], exp_avg[start:end], exp_avg_sq[start:end], g[start:end],
                                     step=step, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
                                     weight_decay=h["weight_decay"], adamw=h["adamw"], grad_scale=upd.scale,
@@ -318,18 +323,18 @@ class Stepper:
             if self.grads.received(name):
                 self._step_of[name] = self._step_of.get(name, 0) + 1
 
-    def _runs(self, bucket: Bucket) -> Runs:
-        """Contiguous ranges of parameters that got a grad and share a step count, with the step
-        number (1-based, including this update) to use."""
-        runs: Runs = []
+    def _runs(self, bucket: Bucket, group_of: dict[str, int]) -> list[tuple[int, int, int, int]]:
+        """Contiguous ranges of parameters that got a grad and share a step count and a param
+        group: (start, end, step number (1-based, including this update), group index)."""
+        runs: list[tuple[int, int, int, int]] = []
         for s in bucket.slots:
             if not self.grads.received(s.name):
                 continue
-            step = self._step_of[s.name]
-            if runs and runs[-1][1] == s.offset and runs[-1][2] == step:
-                runs[-1] = (runs[-1][0], s.offset + s.numel, step)
+            step, group = self._step_of[s.name], group_of[s.name]
+            if runs and runs[-1][1] == s.offset and runs[-1][2:] == (step, group):
+                runs[-1] = (runs[-1][0], s.offset + s.numel, step, group)
             else:
-                runs.append((s.offset, s.offset + s.numel, step))
+                runs.append((s.offset, s.offset + s.numel, step, group))
         return runs
 
     # -- state for checkpoints --------------------------------------------------------------------

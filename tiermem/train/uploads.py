@@ -27,21 +27,31 @@ class Outputs:
     def __init__(self, buckets: list[Bucket], homes: Homes, stores: dict, dtype: torch.dtype, *, overlap: bool,
                  tracer: Tracer):
         self.homes, self.tracer, self.overlap = homes, tracer, overlap
+        self.stores, self.dtype = stores, dtype
         self.param_out: dict[int, torch.Tensor] = {}
         self.staging: dict[Tier, list[torch.Tensor]] = {}
-        if overlap:  # the update runs while the next forward reads the old weights: one buffer per bucket
+        self._staged: dict[Tier, list[int]] = {}  # the sizes of the buckets staged at each tier
+        self.add(buckets)
+
+    def add(self, buckets: list[Bucket]) -> None:
+        """Buffers for ``buckets`` too (at construction; later, for buckets of parameters unfrozen
+        since: NOTE [Freezing and unfreezing]). A tier's staging grows to its largest bucket, and
+        to two buffers once it stages two buckets."""
+        if self.overlap:  # the update runs while the next forward reads the old weights: one buffer per bucket
             for b in buckets:
-                self.param_out[b.index] = stores[homes.compute_tier(b)].allocate(
-                    f"{b.key}:param_out", (b.numel,), dtype, TensorClass.PARAM)
+                self.param_out[b.index] = self.stores[self.homes.compute_tier(b)].allocate(
+                    f"{b.key}:param_out", (b.numel,), self.dtype, TensorClass.PARAM)
             return
-        sizes: dict[Tier, list[int]] = {}
         for b in buckets:
-            if homes.weights[b.index].in_place(b, homes.compute_tier(b)) is None:
-                sizes.setdefault(homes.compute_tier(b), []).append(b.numel)
-        for tier, ns in sizes.items():
+            if self.homes.weights[b.index].in_place(b, self.homes.compute_tier(b)) is None:
+                self._staged.setdefault(self.homes.compute_tier(b), []).append(b.numel)
+        for tier, ns in self._staged.items():
             count = min(2, len(ns))  # double buffering needs two; a single bucket needs one
-            self.staging[tier] = [stores[tier].allocate(f"staging{i}:param", (max(ns),), dtype, TensorClass.PARAM)
-                                  for i in range(count)]
+            have = self.staging.get(tier, [])
+            if len(have) == count and all(t.numel() >= max(ns) for t in have):
+                continue
+            self.staging[tier] = [self.stores[tier].allocate(f"staging{i}:param", (max(ns),), self.dtype,
+                                                             TensorClass.PARAM) for i in range(count)]
 
     def session(self) -> "Uploads":
         """The bookkeeping of one step's uploads."""

@@ -5,7 +5,10 @@ Under data parallelism (ZeRO-2 with offload) every bucket is cut into ``world`` 
 (the last padded); rank r owns chunk r of every bucket: its gradients, its optimizer state,
 its Adam. A bucket's gradients are reduce-scattered (averaged, as DDP does) into the chunks when
 the bucket is complete; after Adam, the new low-precision weights of every chunk are
-all-gathered into every rank's full device copy. Whatever all ranks must decide alike (which
+all-gathered into every rank's full device copy (ZeRO-2), unless the weights are sharded too
+(ZeRO-3: off the device, or ``shard_weights=True``), when each rank keeps its chunk and a bucket
+is gathered while it is read (NOTE [Weights sharded over the ranks] in
+tiermem/train/gathered.py). Whatever all ranks must decide alike (which
 parameters got a gradient, the global norm, an fp16 overflow) is all-reduced first.
 
 A :class:`Group` is that vocabulary. :class:`Solo` is the group of one process: every
@@ -58,6 +61,9 @@ class Group:
 
     rank: int = 0
     world: int = 1
+    #: the ``torch.distributed`` process group, for a library that runs its own collectives over it
+    #: (torch.distributed.checkpoint); None with :class:`Solo`, and for the default group
+    pg: Any = None
 
     def chunk(self, numel: int) -> Chunk:
         return Chunk(numel, self.world, self.rank)
@@ -112,10 +118,29 @@ class Group:
     def bytes_sent(self) -> int:
         return 0
 
+    def exchange(self, header: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``header`` (a few ints, the same count on every rank), in rank order."""
+        return self.exchange_async(header).wait()
+
+    def exchange_async(self, header: Sequence[int]) -> "Pending":
+        """:meth:`exchange` started; ``.wait()`` returns every rank's header."""
+        return Pending(None, lambda: [list(header)])
+
     def for_weights(self) -> "Group":
         """The group the weights' all-gathers use: collectives issued from two threads (grads from
         backward's, weights from the engine's under overlap_step) each need a group of their own,
         so that every rank sees each group's collectives in the same order."""
+        return self
+
+    def for_gathers(self) -> "Group":
+        """The group that gathers sharded weights before their modules run (NOTE [Weights sharded
+        over the ranks] in tiermem/train/gathered.py): issued from the thread that runs forward and
+        backward, beside the grads' reduce-scatters and the replicated weights' all-gathers."""
+        return self
+
+    def for_gather_headers(self) -> "Group":
+        """The group that carries only the headers announcing those gathers (all of one size, so
+        ranks out of step pair two headers, never a header with a bucket's bytes)."""
         return self
 
     def subdirectory(self, directory: str) -> str:
@@ -127,17 +152,24 @@ class Group:
 
 
 class Pending:
-    """A collective in flight: ``wait()`` blocks until it is done, then runs its finishing step."""
+    """A collective in flight: ``wait()`` blocks until it is done, then runs its finishing step
+    and returns what that gave (every later ``wait()`` returns it again)."""
 
-    def __init__(self, wait, finish):
-        self._wait, self._finish, self._done = wait, finish, False
+    def __init__(self, wait, finish, done=None):
+        self._wait, self._finish, self._done, self._value = wait, finish, False, None
+        self._ready = done  # whether ``wait()`` would return at once (None: it always would)
 
-    def wait(self) -> None:
+    def done(self) -> bool:
+        """The collective has finished (``wait()`` returns without blocking); never blocks."""
+        return self._done or self._ready is None or self._ready()
+
+    def wait(self) -> Any:
         if not self._done:
             self._done = True
             if self._wait is not None:
                 self._wait()
-            self._finish()
+            self._value = self._finish()
+        return self._value
 
 
 class Solo(Group):
@@ -163,7 +195,7 @@ class Distributed(Group):
         self._sent = 0
         self._lock = threading.Lock()
         self.seconds = 0.0
-        self._sibling: Optional[Distributed] = None
+        self._siblings: dict[str, Distributed] = {}
 
     def _here(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device == self.device else t.to(self.device)
@@ -243,6 +275,13 @@ class Distributed(Group):
                 full.copy_(full_here)
         return Pending(lambda: self._run("all_gather", lambda: work, mine.nbytes * self.world), finish)
 
+    def exchange_async(self, header: Sequence[int]) -> Pending:
+        mine = self._here(torch.tensor(list(header), dtype=torch.int64))
+        every = torch.empty(self.world * mine.numel(), dtype=torch.int64, device=mine.device)
+        work = self._call("all_gather(header)", lambda: self._all_gather(every, mine, group=self.pg, async_op=True))
+        return Pending(lambda: self._run("all_gather(header)", lambda: work, mine.nbytes * self.world),
+                       lambda: every.view(self.world, -1).tolist(), done=work.is_completed)
+
     def agree(self, got: set[str], names: Sequence[str]) -> set[str]:
         mask = self.max_(torch.tensor([float(name in got) for name in names]))
         return {name for name, m in zip(names, mask.tolist()) if m}
@@ -263,17 +302,29 @@ class Distributed(Group):
     def bytes_sent(self) -> int:
         with self._lock:
             sent = self._sent
-        return sent + (self._sibling.bytes_sent() if self._sibling is not None else 0)
+        return sent + sum(s.bytes_sent() for s in self._siblings.values())
+
+    def _sibling(self, what: str) -> "Distributed":
+        """A group of the same ranks for ``what``'s collectives alone, made once."""
+        if what not in self._siblings:  # collective: every rank builds its model, so every rank gets here
+            ranks = [self.dist.get_global_rank(self.pg, r) if self.pg is not None else r for r in range(self.world)]
+            self._siblings[what] = Distributed(self.dist.new_group(ranks), timeout=self._timeout_s, tracer=self.tracer)
+        return self._siblings[what]
 
     def for_weights(self) -> "Distributed":
-        if self._sibling is None:  # collective: every rank builds its model, so every rank gets here
-            ranks = [self.dist.get_global_rank(self.pg, r) if self.pg is not None else r for r in range(self.world)]
-            self._sibling = Distributed(self.dist.new_group(ranks), timeout=self._timeout_s, tracer=self.tracer)
-        return self._sibling
+        return self._sibling("weights")
+
+    def for_gathers(self) -> "Distributed":
+        return self._sibling("gathers")
+
+    def for_gather_headers(self) -> "Distributed":
+        return self._sibling("gather headers")
 
     def subdirectory(self, directory: str) -> str:
+        """Named by the global rank (rank in the default group), unique across every group and node
+        (a rank of ``pg`` may be rank 0 of another group too)."""
         import os
-        return os.path.join(directory, f"rank{self.rank}")
+        return os.path.join(directory, f"rank{self.dist.get_rank()}")
 
 
 def resolve_group(process_group: Any, *, timeout: Optional[float] = None, tracer=None) -> Group:

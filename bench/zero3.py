@@ -1,0 +1,387 @@
+"""Weights sharded over the ranks (ZeRO-3): numbers, weight bytes per rank, and step time and memory
+against FSDP2, on gloo ranks of this machine.
+
+    python bench/zero3.py [--ranks 2 4] [--steps 8] [--warmup 2] [--n-layer 6 --n-embd 384]
+                          [--batch-size 16] [--seq-len 128] [--bucket-size 4MiB] [--skip-numbers]
+
+Three parts, each in fresh processes (the script spawns its gloo ranks, one intra-op thread each):
+
+1. **Numbers** (for each ``--ranks`` N): the setups ``zero-infinity`` (ZeroInfinity: weights and
+   optimizer state on NVMe), ``weights-on-host`` (PARAM, GRAD and OPTIM_STATE on the host) and
+   ``shard-weights`` (ZeroOffload with ``shard_weights=True``) train a small GPT in fp32 for
+   ``--numbers-steps`` steps, each rank on its own micro-batch, against one process accumulating the
+   N micro-batches, and against ZeRO-2 (ZeroOffload, weights whole on every rank) on the same
+   ranks; bf16 runs check the ranks stay identical. Per rank: the peak bytes of working
+   weights on their home tier (``tm.report()``'s ledger; for NVMe also ``du`` of the weights' files),
+   against one process's.
+2. **Speed** (2 ranks, the ``--n-layer``/``--n-embd`` GPT in bf16, ``--batch-size`` global):
+   FSDP2 (``fully_shard`` per block and at the root, ``MixedPrecisionPolicy(param_dtype=bf16)``;
+   with ``CPUOffloadPolicy(pin_memory=False)``, the anchor of the host-offload setups, and without,
+   the anchor of ``shard-weights``), torch AdamW, ``clip_grad_norm_``; and tiermem's three setups,
+   grad_clip=1.0. Stepped round-robin from a barrier; a step's time is the slowest rank's; medians
+   over ``--steps`` after ``--warmup``.
+3. **Memory** (2 ranks): each of those setups alone in a fresh pair of processes, built from the
+   same fp32 model and stepped ``--warmup + 2`` times; each rank's peak resident memory
+   (``ru_maxrss``) beyond what it held once the plain model was built.
+
+Ratios come last. DeepSpeed is not installed here (it is no dependency of tiermem), so it is not run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
+
+from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args, lm_loss  # noqa: E402
+from tiermem import AdamW, PerClass, TensorClass, TieredModel, Tier  # noqa: E402
+from tiermem.policies import ZeroInfinity, ZeroOffload  # noqa: E402
+from tiermem.train.weight_shards import shard_key  # noqa: E402
+
+LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
+
+
+class WeightsOnHost(PerClass):
+    homes = {TensorClass.PARAM: Tier.HOST, TensorClass.ACTIVATION: Tier.DEVICE, TensorClass.GRAD: Tier.HOST,
+             TensorClass.OPTIM_STATE: Tier.HOST}
+
+
+#: setup -> (policy, shard_weights, the weights' home tier)
+SETUPS = {"zero-infinity": (ZeroInfinity, False, Tier.NVME), "weights-on-host": (WeightsOnHost, False, Tier.HOST),
+          "shard-weights": (ZeroOffload, True, Tier.DEVICE)}
+ANCHOR = {"zero-infinity": "FSDP2+CPUOffload", "weights-on-host": "FSDP2+CPUOffload", "shard-weights": "FSDP2"}
+NUMBERS_CFG = GPTConfig(block_size=32, n_layer=4, n_head=2, n_embd=128, vocab_size=96)
+NUMBERS_BUCKET = "64KiB"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p, preset="small", n_layer=6, n_embd=384, batch_size=16, seq_len=128,
+                   batch_help="global batch, split over the ranks")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes of the numbers part")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per setup (speed)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per setup first")
+    p.add_argument("--numbers-steps", type=int, default=3, help="steps of the numbers part")
+    p.add_argument("--bucket-size", default="4MiB", help="TieredModel bucket_size of the speed and memory parts")
+    p.add_argument("--skip-numbers", action="store_true")
+    p.add_argument("--skip-speed", action="store_true")
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world: int, *args) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def _worker(rank: int, world: int, port: int, fn, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))  # a rank that stops makes the others fail, not hang
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def tiermem_model(setup: str, cfg: GPTConfig, *, precision: str, bucket_size, nvme_dir: str) -> TieredModel:
+    policy, shard, _ = SETUPS[setup]
+    torch.manual_seed(0)
+    return TieredModel(GPT(cfg), policy(), optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD), precision=precision,
+                       grad_clip=CLIP, bucket_size=bucket_size, shard_weights=shard,
+                       nvme_dir=nvme_dir if setup == "zero-infinity" else None)
+
+
+# -- 1. numbers ---------------------------------------------------------------------------------------
+def numbers_batch(step: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + r)
+    b = torch.randint(NUMBERS_CFG.vocab_size, (2, NUMBERS_CFG.block_size + 1), generator=g)
+    return b[:, :-1], b[:, 1:]
+
+
+def numbers_train(tm: TieredModel, micro: list[int], steps: int) -> None:
+    for i in range(steps):
+        for r in micro:
+            x, y = numbers_batch(i, r)
+            tm.backward(lm_loss(tm(x), y) / len(micro))
+        tm.step()
+
+
+def du(paths: list[str]) -> int:
+    """Bytes the files take on disk (``du``'s allocated blocks)."""
+    if not paths:
+        return 0
+    out = subprocess.run(["du", "-cB1", *paths], capture_output=True, text=True, check=True).stdout
+    return int(out.strip().splitlines()[-1].split()[0])
+
+
+def weight_files(directory: str) -> list[str]:
+    """The NVMe store's files of working weights (a parameter's, or a rank's chunk of a bucket's)
+    under ``directory``: not optimizer state, grads or spare files."""
+    return [os.path.join(root, f) for root, _, files in os.walk(directory) for f in files
+            if f.endswith(".tmn") and not f.startswith("spare-") and "_state." not in f and "_grad." not in f]
+
+
+def numbers_rank(rank: int, world: int, steps: int, tmp: str) -> None:
+    torch.manual_seed(0)
+    zero2 = TieredModel(GPT(NUMBERS_CFG), ZeroOffload(), optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+                        precision="fp32", grad_clip=CLIP, bucket_size=NUMBERS_BUCKET)
+    numbers_train(zero2, [rank], steps)
+    zero2_state = zero2.state_dict()  # collective: every rank reads it
+    out = {"zero2": zero2_state if rank == 0 else None}
+    del zero2
+    for setup in SETUPS:
+        nvme = os.path.join(tmp, f"{setup}-{world}")
+        os.makedirs(nvme, exist_ok=True)
+        tm = tiermem_model(setup, NUMBERS_CFG, precision="fp32", bucket_size=NUMBERS_BUCKET, nvme_dir=nvme)
+        numbers_train(tm, [rank], steps)
+        files = du(weight_files(os.path.join(nvme, f"rank{rank}")))
+        peak = tm.report().class_peak_bytes
+        home = peak.get((TensorClass.PARAM, SETUPS[setup][2]), 0)
+        gathered = peak.get((TensorClass.PARAM, Tier.DEVICE), 0)
+        if SETUPS[setup][2] == Tier.DEVICE:  # the chunks and the gathered buckets share the device's ledger
+            ledger = tm.stores[Tier.DEVICE].ledger
+            home = sum(ledger.held(shard_key(b)) for b in tm.gathered.full.values())
+            gathered -= home
+        sd = tm.state_dict()  # collective
+        os.makedirs(nvme + "-bf16", exist_ok=True)
+        bf16 = tiermem_model(setup, NUMBERS_CFG, precision="bf16", bucket_size=NUMBERS_BUCKET, nvme_dir=nvme + "-bf16")
+        numbers_train(bf16, [rank], steps)
+        out[setup] = {"home": home, "du": files, "bf16": {k: v.float() for k, v in bf16.state_dict().items()},
+                      "gathered": gathered}
+        if rank == 0:
+            out[setup]["state"] = sd
+        del tm, bf16
+    torch.save(out, os.path.join(tmp, f"numbers-{world}-{rank}.pt"))
+
+
+def torch_spread(steps: int, world: int) -> float:
+    """How far torch's AdamW variants (for-loop, foreach, fused) land apart on this run."""
+    runs = []
+    for kw in ({"foreach": False}, {"foreach": True}, {"fused": True}):
+        torch.manual_seed(0)
+        m = GPT(NUMBERS_CFG)
+        opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=BETAS, weight_decay=WD, **kw)
+        for i in range(steps):
+            for r in range(world):
+                x, y = numbers_batch(i, r)
+                (lm_loss(m(x), y) / world).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+        runs.append(m.state_dict())
+    return max((a[k] - b[k]).abs().max().item() for a in runs for b in runs for k in a)
+
+
+def numbers(args: argparse.Namespace) -> dict:
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="tiermem-zero3-", dir=".") as tmp:
+        for world in args.ranks:
+            t0 = time.perf_counter()
+            spawn(numbers_rank, world, args.numbers_steps, tmp)
+            ranks = [torch.load(os.path.join(tmp, f"numbers-{world}-{r}.pt")) for r in range(world)]
+            spread = torch_spread(args.numbers_steps, world)
+            for setup in SETUPS:
+                nvme = os.path.join(tmp, f"solo-{setup}-{world}")
+                os.makedirs(nvme, exist_ok=True)
+                torch.manual_seed(0)
+                reference = TieredModel(GPT(NUMBERS_CFG), ZeroOffload(), optimizer=AdamW(lr=LR, betas=BETAS,
+                                        weight_decay=WD), precision="fp32", grad_clip=CLIP, bucket_size=NUMBERS_BUCKET,
+                                        process_group=False)
+                numbers_train(reference, list(range(world)), args.numbers_steps)
+                solo = tiermem_model(setup, NUMBERS_CFG, precision="fp32", bucket_size=NUMBERS_BUCKET, nvme_dir=nvme)
+                numbers_train(solo, [0], 1)  # one process holds every weight at home
+                whole = solo.report().class_peak_bytes.get((TensorClass.PARAM, SETUPS[setup][2]), 0)
+                whole_du = du(weight_files(nvme))
+                ref = reference.state_dict()
+                diff = max((ranks[0][setup]["state"][k] - ref[k]).abs().max().item() for k in ref)
+                same_as_zero2 = all(torch.equal(ranks[0][setup]["state"][k], ranks[0]["zero2"][k]) for k in ref)
+                bf16 = all(torch.equal(ranks[0][setup]["bf16"][k], r[setup]["bf16"][k])
+                           for r in ranks[1:] for k in ranks[0][setup]["bf16"])
+                results[(world, setup)] = {
+                    "diff": diff, "spread": spread, "bf16_identical": bf16, "same_as_zero2": same_as_zero2,
+                    "home_ratio": max(r[setup]["home"] for r in ranks) / whole,
+                    "gathered_ratio": max(r[setup]["gathered"] for r in ranks) / whole,
+                    "du_ratio": (max(r[setup]["du"] for r in ranks) / whole_du) if whole_du else None}
+                del solo, reference
+            print(f"numbers on {world} ranks: {time.perf_counter() - t0:.0f} s", flush=True)
+    return results
+
+
+# -- 2. speed ---------------------------------------------------------------------------------------
+def fsdp2(cfg: GPTConfig, offload: bool):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(0)
+    m = GPT(cfg)
+    kw = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),)),
+          "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)  # pinning needs an accelerator
+    for block in m.blocks:
+        fully_shard(block, **kw)
+    fully_shard(m, **kw)
+    try:
+        opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=BETAS, weight_decay=WD, fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=True)
+
+    def step(x, y):
+        loss = lm_loss(m(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def tiermem_step(setup: str, cfg: GPTConfig, args: argparse.Namespace, nvme: str):
+    tm = tiermem_model(setup, cfg, precision="bf16", bucket_size=args.bucket_size, nvme_dir=nvme)
+
+    def step(x, y):
+        loss = lm_loss(tm(x), y)
+        tm.backward(loss)
+        tm.step()
+        return loss.detach()
+    return step, tm
+
+
+def make_setup(name: str, cfg: GPTConfig, args: argparse.Namespace, nvme: str):
+    if name.startswith("FSDP2"):
+        return fsdp2(cfg, offload=name.endswith("CPUOffload")), None
+    return tiermem_step(name, cfg, args, nvme)
+
+
+def batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list:
+    gen = torch.Generator().manual_seed(0)
+    half = args.batch_size // world
+    return [torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)[rank * half:][:half]
+            for _ in range(n)]
+
+
+def speed_rank(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
+    cfg = config_from_args(args)
+    names = ["FSDP2+CPUOffload", "FSDP2", *SETUPS]
+    steps = {}
+    for name in names:
+        nvme = os.path.join(tmp, f"speed-{name}")
+        os.makedirs(nvme, exist_ok=True)
+        steps[name] = make_setup(name, cfg, args, nvme)[0]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for i, b in enumerate(batches(args, rank, world, args.warmup + args.steps)):
+        x, y = b[:, :-1], b[:, 1:]
+        for name in names[i % len(names):] + names[:i % len(names)]:  # rotating order
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[name](x, y)
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if i >= args.warmup:
+                times[name].append(t.item())
+    if rank == 0:
+        with open(os.path.join(tmp, "speed.json"), "w") as f:
+            json.dump({n: statistics.median(ts) for n, ts in times.items()}, f)
+
+
+# -- 3. memory --------------------------------------------------------------------------------------
+def memory_rank(rank: int, world: int, name: str, args: argparse.Namespace, tmp: str) -> None:
+    cfg = config_from_args(args)
+    torch.manual_seed(0)
+    GPT(cfg)  # what both kinds of setup start from, once: the plain fp32 model
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    nvme = os.path.join(tmp, f"memory-{name}")
+    os.makedirs(nvme, exist_ok=True)
+    step, tm = make_setup(name, cfg, args, nvme)
+    for b in batches(args, rank, world, args.warmup + 2):
+        step(b[:, :-1], b[:, 1:])
+    grew = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before], dtype=torch.float64)
+    dist.all_reduce(grew, op=dist.ReduceOp.MAX)
+    managed = sum(tm.report().peak_bytes.values()) if tm is not None else 0
+    if rank == 0:
+        with open(os.path.join(tmp, f"memory-{name}.json"), "w") as f:
+            json.dump({"grew": grew.item(), "managed": managed}, f)
+
+
+def speed_and_memory(args: argparse.Namespace) -> tuple[dict, dict]:
+    with tempfile.TemporaryDirectory(prefix="tiermem-zero3-", dir=".") as tmp:
+        t0 = time.perf_counter()
+        spawn(speed_rank, 2, args, tmp)
+        with open(os.path.join(tmp, "speed.json")) as f:
+            speed = json.load(f)
+        print(f"speed: {time.perf_counter() - t0:.0f} s", flush=True)
+        memory = {}
+        for name in ["FSDP2+CPUOffload", "FSDP2", *SETUPS]:
+            spawn(memory_rank, 2, name, args, tmp)
+            with open(os.path.join(tmp, f"memory-{name}.json")) as f:
+                memory[name] = json.load(f)
+        return speed, memory
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def main() -> int:
+    args = parse_args()
+    if args.batch_size % 2:
+        raise SystemExit(f"--batch-size={args.batch_size}: must be even (one half per rank)")
+    os.environ.setdefault("TIERMEM_NO_COMPILE", "1")  # torch's fused AdamW in every rank, not a compile each
+    cfg = config_from_args(args)
+    n_params = GPT(cfg).num_params()
+    print(f"torch {torch.__version__}; speed/memory: GPT {cfg.n_layer} x {cfg.n_embd} ({n_params / 1e6:.1f}M "
+          f"parameters), global batch {args.batch_size} x {args.seq_len}, 2 gloo ranks, bucket_size "
+          f"{args.bucket_size}; numbers: GPT {NUMBERS_CFG.n_layer} x {NUMBERS_CFG.n_embd}, fp32, "
+          f"{args.numbers_steps} steps, bucket_size {NUMBERS_BUCKET}", flush=True)
+    nums = {} if args.skip_numbers else numbers(args)
+    speed, memory = ({}, {}) if args.skip_speed else speed_and_memory(args)
+    if nums:
+        print("\n| ranks | setup | max diff vs one process | torch AdamW spread | bit-identical to ZeRO-2 | "
+              "bf16 ranks identical | weights at home per rank / one process (ledger) | (du) | "
+              "gathered on the device / one process's weights |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for (world, setup), r in nums.items():
+            du_ratio = f"{r['du_ratio']:.3f}" if r["du_ratio"] is not None else "-"
+            print(f"| {world} | {setup} | {r['diff']:.2e} | {r['spread']:.2e} | {r['same_as_zero2']} | "
+                  f"{r['bf16_identical']} | {r['home_ratio']:.3f} | {du_ratio} | {r['gathered_ratio']:.3f} |")
+    if speed:
+        print(f"\n| setup | step (median of {args.steps}) | peak RSS growth per rank | tiermem's managed peak |")
+        print("|---|---|---|---|")
+        for name, t in speed.items():
+            m = memory[name]
+            print(f"| {name} | {1e3 * t:.0f} ms | {mib(m['grew'])} | {mib(m['managed']) if m['managed'] else '-'} |")
+    print("\n== ratios ==")
+    for (world, setup), r in nums.items():
+        ok = "within" if r["diff"] <= max(r["spread"], 1e-7) else "OUTSIDE"
+        print(f"{world} ranks, {setup + ':':<17} weights at home per rank / one process {r['home_ratio']:.3f} "
+              f"(1/{world} = {1 / world:.3f}); numbers {ok} torch's spread, bit-identical to ZeRO-2's: "
+              f"{r['same_as_zero2']}; bf16 ranks identical: {r['bf16_identical']}")
+    for setup, anchor in ANCHOR.items():
+        if speed:
+            ratio, mem = speed[setup] / speed[anchor], memory[setup]["grew"] / memory[anchor]["grew"]
+            print(f"{setup + ':':<17} step / {anchor} {ratio:.2f}x (target <= 1.10x: "
+                  f"{'met' if ratio <= 1.10 else 'NOT met'}); peak RSS growth / {anchor} {mem:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""Checkpoints as torch.distributed.checkpoint (DCP) directories: every rank writes its own shards
+in parallel, and any world size reads them (DCP's planner reshards from the metadata).
+
+What a directory holds is NOTE [Sharded values for DCP] (names, shapes, how a rank's arbitrary
+range of a parameter becomes DCP chunks); how its bytes are checked and how it is published is
+NOTE [Checkpoint directories]. Here, the flow:
+
+- **save** (every rank): rank 0 makes the temporary directory; each rank hands DCP this process's
+  pieces of every bucket's state, read one bucket at a time when DCP writes them (a sorted plan,
+  one writer thread, no copy-ahead: state on NVMe passes through the home's one host buffer set,
+  state in memory is written from where it lives), rank 0 adds the frozen parameters, buffers and
+  the ``tiermem`` meta; each rank writes its manifest; rank 0 publishes once every rank got through.
+- **load** (every rank): everything is checked first (manifests and checksums, DCP's metadata,
+  the meta, every tensor's name, shape, dtype and coverage against the model) and every rank
+  learns whether every rank's checks passed; then, bucket by bucket, each rank reads the pieces it
+  keeps now (one ``dcp.load`` of that bucket's pieces, no collective inside, straight into the
+  home's buffers) and sends the bucket's weights home, then the frozen parameters and buffers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import warnings
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata
+
+from tiermem.errors import ConfigError, StoreError, TierMemError
+from tiermem.plan.buckets import STATE_PARTS
+from tiermem.train import checkpoint_dir as disk
+from tiermem.train.checkpoint_dcp_check import checked, meta_fits, parse_meta
+from tiermem.train.checkpoint_shards import MANIFESTS, META, ShardedValue, key, nested
+from tiermem.train.state import ModelState, Piece
+
+log = logging.getLogger(__name__)
+
+
+# -- DCP's storage, through tiermem's files --------------------------------------------------------
+class _HashingFileSystem(FileSystem):
+    """DCP's local filesystem, but every file it writes is created by :func:`disk.create_exclusive`
+    and hashed as written; ``written`` is this process's files (NOTE [Checkpoint directories])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: disk.Files = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[Any]:
+        if "r" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with disk.HashedFile(disk.create_exclusive(str(path))) as f:
+            yield f
+        self.written[os.path.basename(str(path))] = (f.nbytes, f.digest())
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        self.written[os.path.basename(str(new_path))] = self.written.pop(os.path.basename(str(path)))
+
+    def rm_file(self, path) -> None:
+        super().rm_file(path)
+        self.written.pop(os.path.basename(str(path)), None)
+
+
+class _Writer(FileSystemWriter):
+    """One file per rank, written in the plan's order by one thread, each tensor resolved just
+    before it is written (no copy-ahead): one bucket of state in memory at a time."""
+
+    def __init__(self, path: str):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0,
+                         overwrite=False)
+        self.fs = _HashingFileSystem()
+
+
+class _InOrder(DefaultSavePlanner):
+    """DCP's planner, with each rank's writes in bucket order (``order``: key -> position)."""
+
+    def __init__(self, order: dict[str, int]):
+        super().__init__(dedup_save_to_lowest_rank=True)
+        self._order = order
+
+    def finish_plan(self, new_plan):
+        plan = super().finish_plan(new_plan)
+        last = len(self._order)
+        return dataclasses.replace(plan, items=sorted(plan.items, key=lambda i: self._order.get(i.index.fqn, last)))
+
+
+class _Reader(FileSystemReader):
+    """DCP's reader of ``path``, its metadata read once (after it was checked) for every load."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+def _load(reader: _Reader, values: dict[str, Any]) -> None:
+    """DCP reads ``values`` (flat keys; a str value is replaced by what it holds) from
+    ``reader``'s checkpoint, in this process alone (no collective)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # asked for: no_dist
+        dcp.load(values, storage_reader=reader, no_dist=True,
+                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+
+
+# -- this process's values ------------------------------------------------------------------------
+class _OneBucket:
+    """This process's part of one bucket's state at a time, read when DCP first asks for it."""
+
+    def __init__(self, state: ModelState):
+        self.state, self.index, self.views = state, -1, ()
+
+    def source(self, index: int, part: int, p: Piece) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            if self.index != index:
+                self.views, self.index = self.state.read_local(index), index
+            return self.views[part][p.at:p.at + p.hi - p.lo]
+        return read
+
+
+def _pieces(state: ModelState, source: Callable[[int, int, Piece], Any]) -> dict[str, ShardedValue]:
+    """Every piece of optimizer state this process keeps, by tiermem name, in bucket order."""
+    out: dict[str, ShardedValue] = {}
+    for index, pieces in state.pieces():
+        for part_index, part in enumerate(STATE_PARTS):
+            for p in pieces:
+                name = f"{part}/{p.name}"
+                local = source(index, part_index, p)
+                device = local.device if isinstance(local, torch.Tensor) else "cpu"
+                out[name] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, device=device)
+    return out
+
+
+def sharded_state_dict(state: ModelState) -> dict[str, Any]:
+    """``tm.sharded_state_dict()``: this process's pieces as ShardedValues (views of the live state
+    where it lives in memory, copies of state on NVMe), and the frozen parameters and buffers
+    (the model's own tensors), nested as DCP saves them."""
+    one = _OneBucket(state)  # each bucket read once
+
+    def source(index: int, part: int, p: Piece) -> torch.Tensor:
+        t = one.source(index, part, p)()
+        return t if state.resident(index) else t.clone()  # NVMe's buffer set is the next bucket's
+    try:
+        values: dict[str, Any] = dict(_pieces(state, source))
+    finally:
+        state.release()
+    values.update(state.rest())
+    return nested(values, json.dumps(state.meta()))
+
+
+# -- save --------------------------------------------------------------------------------------------
+def save(state: ModelState, path: str) -> None:
+    """Write a DCP directory at ``path`` (NOTE [Checkpoint directories]); every rank calls it."""
+    group = state.group
+    path = os.path.abspath(path)
+    pid = int(group.broadcast_(torch.tensor([os.getpid()], dtype=torch.int64)).item())  # rank 0's names the temporary
+    tmp = f"{path}.tmp-{pid}"
+    error: BaseException | None = None
+    made = False
+    if state.writes_files:
+        try:
+            if not os.path.isdir(os.path.dirname(path)):
+                raise StoreError(f"tiermem: cannot save a checkpoint to {path!r}: directory "
+                                 f"{os.path.dirname(path)!r} does not exist on rank 0; create it or choose another "
+                                 f"path")
+            disk.check_target(path)
+            disk.make_temporary(path, pid)
+            made = True
+        except (OSError, TierMemError) as e:
+            error = e
+    if not group.all_ok(error is None):
+        raise _as_store(error, path) if error is not None else StoreError(
+            f"tiermem: saving the checkpoint to {path!r} failed on rank 0 (see its error); any previous "
+            f"checkpoint there is unchanged")
+    sees = os.path.isdir(tmp)
+    if not group.all_ok(sees):
+        _discard_if(made, tmp)
+        who = f"rank {group.rank} of {group.world}" if not sees else "another rank"
+        raise StoreError(f"tiermem: {who} does not see the directory {tmp!r} rank 0 made for the checkpoint; nothing "
+                         f"was written. Save it where every rank sees the same files (a shared filesystem)")
+    writer = _Writer(tmp)
+    try:
+        _write(state, writer)
+        disk.write_manifest(tmp, group.rank, group.world, writer.fs.written)
+    except BaseException as e:  # noqa: BLE001 - reported after every rank knows
+        error = e
+    finally:
+        state.release()
+    published = False
+    try:
+        if not group.all_ok(error is None):
+            raise error if error is not None else StoreError(
+                f"tiermem: saving the checkpoint to {path!r} failed on another rank (see its error); any previous "
+                f"checkpoint there is unchanged")
+        if state.writes_files:
+            _check_complete(tmp, group.world)
+            disk.sync_dir(tmp)
+            disk.publish(tmp, path)
+            published = True
+    except BaseException as e:
+        _discard_if(made and not published, tmp)
+        if isinstance(e, OSError) and not isinstance(e, TierMemError):
+            raise _as_store(e, path) from e
+        raise
+
+
+def _write(state: ModelState, writer: _Writer) -> None:
+    """DCP writes this process's pieces, one bucket read at a time; rank 0 also the rest."""
+    values: dict[str, Any] = dict(_pieces(state, _OneBucket(state).source))
+    if state.writes_files:  # the same on every rank: rank 0's are saved, as by the single file
+        values.update(state.rest())
+    order = {key(name): i for i, name in enumerate(values)}
+    tree = nested(values, json.dumps(state.meta()))
+    if state.writes_files:
+        tree[MANIFESTS] = state.group.world
+    else:
+        del tree[META]  # one copy, rank 0's
+    group = state.group
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process: no_dist
+            dcp.save(tree, storage_writer=writer, planner=_InOrder(order), process_group=group.pg,
+                     no_dist=group.world == 1)
+    except Exception as e:  # DCP's CheckpointException carries every rank's failure: name the first
+        raise _from_dcp(e) from e
+
+
+def _check_complete(tmp: str, world: int) -> None:
+    present = set(os.listdir(tmp))
+    missing = [disk.MANIFEST.format(rank=r) for r in range(world) if disk.MANIFEST.format(rank=r) not in present]
+    if missing or disk.METADATA not in present:
+        raise StoreError(f"tiermem: the checkpoint in {tmp!r} lacks {missing[:3] or [disk.METADATA]} after every rank "
+                         f"wrote its part: save it where every rank sees the same files (a shared filesystem)")
+
+
+def _discard_if(condition: bool, tmp: str) -> None:
+    if condition:
+        disk.discard(tmp)
+
+
+def _as_store(e: BaseException, path: str) -> BaseException:
+    if isinstance(e, TierMemError) or not isinstance(e, OSError):
+        return e
+    return StoreError(f"tiermem: saving the checkpoint to {path!r} failed ({e.strerror or e}); free space or choose "
+                      f"another path. Any previous checkpoint there is unchanged")
+
+
+def _from_dcp(e: Exception) -> Exception:
+    """A tiermem error inside DCP's exception, else DCP's first failure as a tiermem error."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        inner = first[0] if isinstance(first, tuple) else first
+        if isinstance(inner, TierMemError):
+            return inner
+        if isinstance(inner, OSError):
+            return StoreError(f"tiermem: rank {min(failures)} could not write its part of the checkpoint "
+                              f"({inner.strerror or inner}); free space or choose another path")
+        return TierMemError(f"tiermem: torch.distributed.checkpoint failed on rank {min(failures)} "
+                            f"({type(inner).__name__}: {inner})")
+    return e if isinstance(e, TierMemError) else TierMemError(f"tiermem: torch.distributed.checkpoint failed "
+                                                              f"({type(e).__name__}: {e})")
+
+
+# -- load --------------------------------------------------------------------------------------------
+def load(state: ModelState, path: str) -> None:
+    """Check the whole directory on every rank, then read this process's pieces into the model."""
+    reader = _Reader(path)
+    try:
+        meta = checked(state, path, reader.read_metadata, lambda: _read_meta(reader))
+    except TierMemError:
+        state.all_ok(False)
+        raise
+    if not state.all_ok(True):
+        raise StoreError(f"tiermem: checkpoint {path!r} failed its checks on another rank (see its error); nothing "
+                         f"was loaded")
+    with state.updating():
+        for index, pieces in state.pieces():
+            state.load_local(index, lambda views, pieces=pieces: _read_pieces(reader, pieces, views))
+        state.release()
+        rest = state.rest()
+        _load(reader, {key(name): t for name, t in rest.items()})
+        state.commit_rest()
+    state.take_meta(meta)
+
+
+def _read_meta(reader: _Reader) -> Any:
+    holder: dict[str, Any] = {META: None}
+    _load(reader, holder)
+    return holder[META]
+
+
+def _read_pieces(reader: _Reader, pieces: list[Piece], views: tuple[torch.Tensor, ...]) -> None:
+    values = {}
+    for part, t in zip(STATE_PARTS, views):
+        for p in pieces:
+            name = f"{part}/{p.name}"
+            local = t[p.at:p.at + p.hi - p.lo]
+            values[key(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, device=t.device)
+    if values:
+        _load(reader, values)
+
+
+# -- a user's own dcp.load, handed back -------------------------------------------------------------
+def load_sharded(state: ModelState, tree: Any) -> None:
+    """``tm.load_sharded_state_dict(tree)``: ``tree`` is what :func:`sharded_state_dict` gave this
+    model, filled by the user's ``dcp.load``; checked whole, then written home bucket by bucket."""
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"tiermem: load_sharded_state_dict() takes what this model's tm.sharded_state_dict() "
+                           f"returned (filled by dcp.load); {why}; nothing was loaded")
+    if not isinstance(tree, dict) or set(tree) != {"model", "optim", META}:
+        raise bad(f"got {type(tree).__name__} with keys {sorted(tree)[:5] if isinstance(tree, dict) else '-'}")
+    meta = parse_meta(tree[META], lambda why: bad(f"its {META!r} entry {why}"))
+    meta_fits(state, meta, lambda what: bad(f"it does not match this model: {what}"), "the state dict")
+    pieces = state.pieces()
+    values: dict[str, Any] = {}
+    for index, mine in pieces:
+        for part in STATE_PARTS:
+            for p in mine:
+                name = f"{part}/{p.name}"
+                v = values[name] = _lookup(tree, name)
+                if not isinstance(v, ShardedValue) or v.local_range != (p.lo, p.hi) or tuple(v.shape) != p.shape:
+                    raise bad(f"{key(name)!r} is not this process's ShardedValue of it (elements [{p.lo}, {p.hi}))")
+    rest = state.rest()
+    for name, t in rest.items():
+        v = values[name] = _lookup(tree, name)
+        if not isinstance(v, torch.Tensor) or isinstance(v, ShardedValue) or v.shape != t.shape:
+            raise bad(f"{key(name)!r} is not a tensor of shape {tuple(t.shape)}")
+    with state.updating():
+        for index, mine in pieces:
+            state.load_local(index, lambda views, mine=mine: _copy_pieces(values, mine, views))
+        state.release()
+        for name, t in rest.items():
+            t.copy_(values[name])  # a no-op where dcp.load filled the model's own tensor
+        state.commit_rest()
+    state.take_meta(meta)
+
+
+def _lookup(tree: dict, name: str) -> Any:
+    part, _, rest = name.partition("/")
+    where = key(name)
+    try:
+        if part in ("master", "frozen", "buffers"):
+            return tree["model"][rest]
+        return tree["optim"]["state"][rest][part]
+    except (KeyError, TypeError):
+        raise ConfigError(f"tiermem: load_sharded_state_dict() takes what this model's tm.sharded_state_dict() "
+                          f"returned (filled by dcp.load); it has no {where!r}; nothing was loaded") from None
+
+
+def _copy_pieces(values: dict[str, Any], mine: list[Piece], views: tuple[torch.Tensor, ...]) -> None:
+    for part, t in zip(STATE_PARTS, views):
+        for p in mine:
+            t[p.at:p.at + p.hi - p.lo].copy_(values[f"{part}/{p.name}"].local())

@@ -1,0 +1,157 @@
+"""A rank's chunk of each sharded bucket's working weights, at home, and the gathers that rebuild
+whole buckets from every rank's chunk (NOTE [Weights sharded over the ranks] in
+:mod:`tiermem.train.gathered`).
+
+- :class:`ShardHome`: where this rank's chunks rest, one interface whatever the tier:
+  :class:`MemoryShards` (one buffer per bucket in the device's or the host's store; Adam running
+  on that tier writes the new weights into it directly) and :class:`NvmeShards` (one NVMe key per
+  bucket, read into a pooled host buffer for each gather).
+- :class:`Gatherer`: the protocol on the gathers' own process group. Every collective there is
+  announced by a small header (what it is, which bucket, its size) that every rank checks against
+  the others' before any data moves: ranks about to pair different buckets (a forward that read
+  another weight on one rank) stop at once with an error that names both, instead of mixing two
+  buckets' bytes or hanging until the group's timeout.
+"""
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from tiermem.errors import TierMemError
+from tiermem.handles import Handle
+from tiermem.plan.buckets import Bucket
+from tiermem.transfer.collectives import Group, Pending
+from tiermem.transfer.service import CopyService
+from tiermem.types import TensorClass, Tier
+
+
+def _nothing() -> None:
+    return None
+
+
+def shard_key(b: Bucket) -> str:
+    return f"{b.key}:param shard"
+
+
+class ShardHome(ABC):
+    """This rank's chunk (``group.chunk(b.numel).size`` elements, the working precision) of the
+    working weights of some buckets; a bucket's chunk and the bucket share ``b.index``."""
+
+    tier: Tier
+
+    @abstractmethod
+    def write(self, b: Bucket, src: torch.Tensor, src_tier: Tier) -> list[Handle]:
+        """Store ``src`` (the chunk's elements, any float dtype, on ``src_tier``) as ``b``'s chunk;
+        ``src`` stays unchanged until the handles are done."""
+
+    @abstractmethod
+    def read(self, b: Bucket) -> tuple[torch.Tensor, Callable[[], None]]:
+        """``b``'s chunk in memory for a gather to send, and the function that frees it (once the
+        gather has read it)."""
+
+    def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
+        """The chunk's own buffer, when Adam running on ``compute_tier`` can write into it."""
+        return None
+
+
+class MemoryShards(ShardHome):
+    """Chunks in buffers of a memory tier (the device's: ``shard_weights=True``; the host's)."""
+
+    def __init__(self, store, engine: CopyService, buckets: Sequence[Bucket], sizes: dict[int, int],
+                 dtype: torch.dtype):
+        self.tier, self.engine = store.tier, engine
+        self._chunk = {b.index: store.allocate(shard_key(b), (sizes[b.index],), dtype, TensorClass.PARAM)
+                       for b in buckets}
+
+    def write(self, b: Bucket, src: torch.Tensor, src_tier: Tier) -> list[Handle]:
+        chunk = self._chunk[b.index]
+        return [self.engine.copy_async(chunk, src[:chunk.numel()], src_tier=src_tier, dst_tier=self.tier,
+                                       kind=TensorClass.PARAM)]
+
+    def read(self, b: Bucket) -> tuple[torch.Tensor, Callable[[], None]]:
+        return self._chunk[b.index], _nothing
+
+    def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
+        return self._chunk[b.index] if compute_tier == self.tier else None
+
+
+class NvmeShards(ShardHome):
+    """Chunks under one NVMe key per bucket; a gather reads its chunk into a pooled host buffer."""
+
+    tier = Tier.NVME
+
+    def __init__(self, engine: CopyService, sizes: dict[int, int], dtype: torch.dtype):
+        self.engine, self.sizes, self.dtype = engine, sizes, dtype
+
+    def write(self, b: Bucket, src: torch.Tensor, src_tier: Tier) -> list[Handle]:
+        src = src[:self.sizes[b.index]]
+        if src.dtype != self.dtype:  # an fp32 master (a checkpoint, the first weights): rounded, written, waited
+            self.engine.store_write(Tier.NVME, shard_key(b), src.to(self.dtype), src_tier=src_tier,
+                                    kind=TensorClass.PARAM).wait()
+            return []
+        return [self.engine.store_write(Tier.NVME, shard_key(b), src, src_tier=src_tier, kind=TensorClass.PARAM)]
+
+    def read(self, b: Bucket) -> tuple[torch.Tensor, Callable[[], None]]:
+        n = self.sizes[b.index]
+        lease = self.engine.lease(n * self.dtype.itemsize, f"<gather {b.key}>", TensorClass.PARAM)
+        try:
+            t = lease.view(self.dtype)
+            self.engine.store_read(Tier.NVME, shard_key(b), t, kind=TensorClass.PARAM).wait()
+        except BaseException:
+            lease.release()
+            raise
+        return t, lease.release
+
+
+# -- the protocol on the gathers' group ----------------------------------------------------------
+GATHER, END = 1, 2
+
+
+class Gatherer:
+    """Gathers announced by a header every rank checks (see the module's docstring). The headers
+    travel on a group of their own (``headers``), all of one size, so ranks out of step pair two
+    headers and find out, never a header with a bucket's bytes; a gather's data goes out on
+    ``group`` only once every rank announced the same bucket, in the order announced, so the k-th
+    data collective is the same bucket on every rank. ``names``: a few parameter names of each
+    bucket, by index, for the errors."""
+
+    def __init__(self, group: Group, headers: Group, names: dict[int, list[str]]):
+        self.group, self.headers, self.names = group, headers, names
+
+    def announce(self, b: Bucket, at: int) -> Pending:
+        """Tell every rank that this one gathers ``b`` next (for its access ``at``); returns at once."""
+        return self.headers.exchange_async([GATHER, b.index, b.numel, at])
+
+    def launch(self, announced: Pending, full: torch.Tensor, mine: torch.Tensor) -> Pending:
+        """Once every rank announced the same bucket (else a ``tiermem:`` error naming what each
+        announced), start gathering it into ``full`` (``padded`` elements) from every rank's ``mine``."""
+        self._check(announced.wait())
+        return self.group.all_gather_async(full, mine)
+
+    def end(self, accesses: Sequence[str]) -> bool:
+        """The iteration ended on every rank; whether every rank made the same ``accesses``."""
+        digest = int.from_bytes(hashlib.sha256("\n".join(accesses).encode()).digest()[:7], "little")
+        told = self.headers.exchange([END, digest, len(accesses), len(accesses)])
+        self._check(told)
+        return all(h[1:3] == told[0][1:3] for h in told)
+
+    def _check(self, told: list[list[int]]) -> None:
+        rank = self.headers.rank
+        mine = told[rank]
+        differ = [r for r, h in enumerate(told) if h[0] != mine[0] or (mine[0] == GATHER and h[:3] != mine[:3])]
+        if differ:
+            said = "; ".join(f"rank {r} {self._what(h)}" for r, h in enumerate(told))
+            raise TierMemError(
+                f"tiermem: rank {rank} of {self.headers.world}: the ranks are out of step on their sharded "
+                f"weights: {said}. Every rank must read the same weights in the same order (a branch that depends "
+                f"on the data or the rank reads another weight on some ranks?): read the same weights on every "
+                f"rank, or place PARAM on the device without shard_weights (NOTE [Weights sharded over the ranks])")
+
+    def _what(self, h: list[int]) -> str:
+        if h[0] == END:
+            return f"ended the iteration after {h[3]} accesses"
+        shown = self.names.get(h[1], [])
+        return f"gathers bucket {h[1]} ({', '.join(shown[:3])}{', ...' if len(shown) > 3 else ''}) for access {h[3]}"
