@@ -29,7 +29,9 @@ AVX512_BF16 = CpuFeatures("AVX512", avx512_bf16=True, amx=False)
     (CpuFeatures("AVX512", avx512_bf16=False, amx=False), False),  # Skylake: AVX-512 without its bf16
     (AVX512_BF16, True),  # Cooper Lake, Zen 4
     (CpuFeatures("AVX512", avx512_bf16=False, amx=True), True),  # AMX tiles (Sapphire Rapids)
-    (CpuFeatures("AVX2", avx512_bf16=True, amx=True), False),  # ATEN_CPU_CAPABILITY=avx2 caps torch's kernels
+    # ATEN_CPU_CAPABILITY=avx2 caps ATen's own kernels, not oneDNN's matmul: still fast
+    (CpuFeatures("AVX2", avx512_bf16=True, amx=True), True),
+    (CpuFeatures("AVX512", avx512_bf16=True, amx=True, onednn=False), False),  # no oneDNN: no fast bf16 matmul
     (CpuFeatures("AVX512", avx512_bf16=True, amx=False, onednn_max_isa="AVX2"), False),  # oneDNN capped
     (CpuFeatures("AVX512", avx512_bf16=True, amx=False, onednn_max_isa="avx512_core"), False),
     (CpuFeatures("AVX512", avx512_bf16=True, amx=False, onednn_max_isa="AVX512_CORE_BF16"), True),
@@ -66,6 +68,23 @@ def test_detect_reads_torch_and_the_onednn_cap(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert CpuFeatures.detect() == AVX512_BF16
+    with torch.backends.mkldnn.flags(enabled=False):  # the bf16 matmul falls back to torch's slow loops
+        assert CpuFeatures.detect() == CpuFeatures("AVX512", True, False, onednn=False)
+        assert not CpuFeatures.detect().native_bf16
+
+
+def test_auto_under_the_avx2_emulation_is_fp32():
+    """ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 makes any x86 CPU compute as an AVX2-only one
+    (bench/RESULTS.md: a bf16 matmul 8x fp32's time there): a fresh process sees it and picks fp32."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    code = ("import torch; from tiermem.config import CpuFeatures, resolve_precision; f = CpuFeatures.detect(); "
+            "print(f.onednn_max_isa, f.native_bf16, resolve_precision('auto', torch.device('cpu')))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["AVX2", "False", "fp32"]
 
 
 @pytest.mark.parametrize("bad", ["bfloat16", "AUTO", None, 16, torch.bfloat16])

@@ -43,8 +43,11 @@ def precision_of(dtype: torch.dtype) -> str:
 # - a GPU that computes bf16 natively (CUDA compute capability 8.0 and later, any ROCm device): "bf16";
 # - an older GPU (Volta, Turing): "fp16", with dynamic loss scaling: its tensor cores run fp16 at
 #   about 8x its fp32 rate, and it has no bf16 units (torch emulates bf16 there through fp32);
-# - a CPU with AVX512-BF16 or AMX, when torch may use them (ATen's capability is an AVX512 level, and
-#   ONEDNN_MAX_CPU_ISA/DNNL_MAX_CPU_ISA, when set, is not below AVX512_CORE_BF16): "bf16";
+# - a CPU with AVX512-BF16 or AMX, when torch's matmul may use them: torch computes a bf16 matmul
+#   on the CPU through oneDNN, so oneDNN must be built in and enabled (torch.backends.mkldnn), and
+#   ONEDNN_MAX_CPU_ISA/DNNL_MAX_CPU_ISA, when set, not below AVX512_CORE_BF16: "bf16". ATen's own
+#   capability (ATEN_CPU_CAPABILITY) does not decide: capped at AVX2 alone, the bf16 matmul still
+#   ran 3x faster than fp32 here; without oneDNN (or capped), 8x slower;
 # - any other CPU (AVX2 only, ARM, ...): "fp32". Without those instructions torch has no fast bf16
 #   matmul (on an AVX2 EPYC a bf16 F.linear took 11x its fp32 time) and fp16 is no better, so
 #   fp32 is the fastest there and needs no loss scaling. A CPU never gets "fp16": where it has fast
@@ -62,10 +65,11 @@ class CpuFeatures:
     """What decides whether this CPU computes bf16 natively (NOTE [Choosing the precision]).
     Tests make one up; :meth:`detect` asks torch."""
 
-    capability: str  # torch.backends.cpu.get_cpu_capability(): "AVX512", "AVX2", "DEFAULT", ...
+    capability: str  # torch.backends.cpu.get_cpu_capability(): "AVX512", "AVX2", "DEFAULT", ... (shown, not a rule)
     avx512_bf16: bool
     amx: bool
     onednn_max_isa: Optional[str] = None  # ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA), when set
+    onednn: bool = True  # torch's oneDNN (mkldnn) is built in and enabled: it runs the bf16 matmul
 
     @classmethod
     def detect(cls) -> "CpuFeatures":
@@ -73,18 +77,20 @@ class CpuFeatures:
             probe = getattr(torch.cpu, name, None)
             return bool(probe()) if probe is not None else False
         isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+        onednn = bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
         return cls(torch.backends.cpu.get_cpu_capability(), has("_is_avx512_bf16_supported"),
-                   has("_is_amx_tile_supported"), isa or None)
+                   has("_is_amx_tile_supported"), isa or None, onednn)
 
     @property
     def native_bf16(self) -> bool:
         capped = self.onednn_max_isa is not None and self.onednn_max_isa.upper() in _BELOW_BF16_ISAS
-        return (self.avx512_bf16 or self.amx) and self.capability.upper().startswith("AVX512") and not capped
+        return (self.avx512_bf16 or self.amx) and self.onednn and not capped
 
     def __str__(self) -> str:
         isa = [n for n, on in (("AVX512-BF16", self.avx512_bf16), ("AMX", self.amx)) if on]
         cap = f"; oneDNN capped at {self.onednn_max_isa}" if self.onednn_max_isa else ""
-        return f"{self.capability} ({'has ' + ', '.join(isa) if isa else 'no AVX512-BF16, no AMX'}{cap})"
+        off = "" if self.onednn else "; oneDNN off"
+        return f"{self.capability} ({'has ' + ', '.join(isa) if isa else 'no AVX512-BF16, no AMX'}{cap}{off})"
 
 
 def auto_precision(device: torch.device, *, cpu: Optional[CpuFeatures] = None) -> tuple[str, str]:

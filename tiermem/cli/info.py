@@ -94,7 +94,7 @@ def cpu_facts(*, check_matmul: bool) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     auto, why = auto_precision(device, cpu=features)
     out: dict[str, Any] = {"capability": features.capability, "avx512_bf16": features.avx512_bf16,
-                           "amx": features.amx, "onednn_max_isa": features.onednn_max_isa,
+                           "amx": features.amx, "onednn_max_isa": features.onednn_max_isa, "onednn": features.onednn,
                            "auto_precision": auto, "auto_why": why, "matmul_ms": None, "vs_fp32": None}
     if check_matmul:
         section = compute.matmul_figures(torch.device("cpu"))
@@ -155,7 +155,7 @@ def _render(facts: dict[str, Any]) -> None:
     t.add_row("host RAM", f"{_common.fmt_size(h['total_bytes'])} "
                           f"({_common.fmt_size(h['available_bytes'])} available), {h['cpus']} CPUs")
     c = facts["cpu"]
-    t.add_row("CPU", f"{CpuFeatures(c['capability'], c['avx512_bf16'], c['amx'], c['onednn_max_isa'])}")
+    t.add_row("CPU", f"{CpuFeatures(c['capability'], c['avx512_bf16'], c['amx'], c['onednn_max_isa'], c['onednn'])}")
     if c["matmul_ms"] is not None:
         m, k, n = c["matmul_shape"]
         t.add_row("CPU matmul", f"F.linear {m}x{k} by {n}x{k}, one thread: " + ", ".join(
