@@ -314,6 +314,10 @@ class SwappedParams:
         swap_param(p, weight, name)
         self._plain[name] = weight  # now the plain one; its data goes back in restore() or undo()
 
+    def __contains__(self, name: str) -> bool:
+        """Whether the parameter ``name`` is an :class:`OffDeviceWeight` already."""
+        return name in self._plain
+
     def settle(self) -> None:
         """Construction succeeded: the original tensors swapped out of the parameters are let go."""
         for plain in self._plain.values():

@@ -109,7 +109,7 @@ class ParamOffload(WeightHome):
         for s in b.slots:
             # a copy, even in fp32: `master` may be a pipeline buffer the next bucket reuses
             value = master[s.offset:s.offset + s.numel].view(s.shape).to(self.dtype, copy=True)
-            if s.name in self._plain:  # homed here already, frozen until now (NOTE [Freezing and unfreezing])
+            if s.name in self._swaps:  # homed here already, frozen until now (NOTE [Freezing and unfreezing])
                 self.write_home(s.name, value)
             else:
                 self.adopt(s.name, value)
