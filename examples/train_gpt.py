@@ -1,7 +1,7 @@
 """Train a small character-level GPT on the text in examples/data with tiermem.
 
     python examples/train_gpt.py                      # ~0.8M-parameter GPT, ZeRO-Offload, precision
-                                                      # auto; 2-3 minutes on a 2-core CPU, loss ~4.4 -> ~1.3
+                                                      # auto; 2-4 minutes on a 2-core CPU, loss ~4.4 -> ~1.3
     python examples/train_gpt.py --policy keep-on-device --steps 200
     python examples/train_gpt.py --trace /tmp/gpt.trace.json   # open in https://ui.perfetto.dev
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 100  # data parallel over 2 processes
