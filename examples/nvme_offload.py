@@ -117,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         try:
             tm = TieredModel(model, policy, optimizer=AdamW(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1),
-                             precision="auto", grad_clip=1.0, budgets=budgets, nvme_dir=nvme_dir,
+                             precision="bf16", grad_clip=1.0, budgets=budgets, nvme_dir=nvme_dir,
                              bucket_size=bucket_size)
         except TierMemError as e:
             print(f"\n{policy!r} does not fit either:\n  {e}", file=sys.stderr)
