@@ -31,7 +31,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from tiermem.config import is_number
+from tiermem.config import is_int, is_number
 from tiermem.errors import ConfigError, checked_arguments, fmt_bytes
 from tiermem.plan.policy import Evaluation, ModelInfo, Policy, asked_alone, check_reserve, over_reserve
 from tiermem.types import TensorClass, TensorInfo, Tier
@@ -97,20 +97,27 @@ class Auto(Policy):
             instead of this machine's (saved by ``tiermem bench``; measured on first use when none is).
         forward_backward: the measured seconds of one forward and backward, when known (they decide
             how much of the grads' trip hides behind backward); 0 when unknown.
+        tokens_per_step: when ``forward_backward`` is unknown, the tokens (rows each weight
+            multiplies) of a step, which predict it at the matmul rate of the precision in use
+            (NOTE [Cost model]); 0 when unknown.
         device_reserve: the share of the device's limit left for activations (NOTE [Device reserve]
             in tiermem/plan/policy.py), from 0 up to (not including) 1.
     """
 
-    def __init__(self, *, profile: Any = None, forward_backward: float = 0.0, device_reserve: float = 0.1):
+    def __init__(self, *, profile: Any = None, forward_backward: float = 0.0, tokens_per_step: int = 0,
+                 device_reserve: float = 0.1):
         if not is_number(forward_backward) or not forward_backward >= 0:
             raise ConfigError(f"tiermem: Auto.forward_backward={forward_backward!r} is invalid: the seconds of one "
                               f"forward and backward, a number >= 0 (0 when unknown)")
+        if not is_int(tokens_per_step) or tokens_per_step < 0:
+            raise ConfigError(f"tiermem: Auto.tokens_per_step={tokens_per_step!r} is invalid: the tokens of one step "
+                              f"(batch x sequence x micro-batches), an int >= 0 (0 when unknown)")
         if profile is not None and not isinstance(profile, Mapping) and not isinstance(getattr(profile, "data", None),
                                                                                 Mapping):
             raise ConfigError(f"tiermem: Auto.profile={profile!r} is invalid: pass a machine profile (a "
                               f"tiermem.plan.profile.Profile, e.g. load_profile(path), or its data as a dict), or "
                               f"None for this machine's")
-        self.profile, self.forward_backward = profile, float(forward_backward)
+        self.profile, self.forward_backward, self.tokens_per_step = profile, float(forward_backward), tokens_per_step
         self.device_reserve = check_reserve(device_reserve, "Auto")  # NOTE [Device reserve]
 
     def place(self, info: TensorInfo) -> Tier:
@@ -235,7 +242,8 @@ class _Search:
                 grads[name] = Tier.DEVICE if i < d else Tier.HOST if i < d + h else grads_rest
             label = self._label(weights, d, h, grads_rest)
             policy = Assigned(label, weights, state, grads)
-            ev = self.evaluate(policy, profile=self.auto.profile, forward_backward=self.auto.forward_backward)
+            ev = self.evaluate(policy, profile=self.auto.profile, forward_backward=self.auto.forward_backward,
+                               tokens=self.auto.tokens_per_step)
             self.judged[key] = Choice(label, policy, ev, *self._verdict(ev))
         return self.judged[key]
 

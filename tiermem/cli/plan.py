@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import torch
 from rich.table import Table
 
+from tiermem.config import PRECISION_CHOICES, resolve_precision
 from tiermem.plan import sizing
 from tiermem.budgets import parse_bytes
 from tiermem.cli import _common
@@ -37,13 +39,17 @@ def add_parser(sub: Any) -> None:
     src.add_argument("--model", metavar="PKG.MOD:FACTORY",
                      help="a function (or nn.Module) to count; built on the meta device, no memory used")
     src.add_argument("--config", metavar="CONFIG.JSON", help="a Hugging Face style config.json")
-    p.add_argument("--precision", choices=sizing.PRECISIONS, action="append",
-                   help="only this precision (repeatable; default: all)")
+    p.add_argument("--precision", choices=PRECISION_CHOICES, action="append",
+                   help="only this precision (repeatable; default: all, and for --policy auto this machine's); "
+                        "'auto': bf16 where the device computes it natively, else fp32 on a CPU, fp16 on an older GPU")
     p.add_argument("--policy", choices=list(sizing.builtin_placements()) + ["auto"], action="append",
                    help="only this built-in policy (repeatable; default: all); 'auto': what policies.Auto "
                         "would choose, the predicted seconds per stage, and the alternatives it rejected")
     p.add_argument("--forward-backward", type=float, metavar="SECONDS",
                    help="with --policy auto: the measured seconds of one forward and backward")
+    p.add_argument("--tokens", type=int, metavar="N",
+                   help="with --policy auto, without --forward-backward: the tokens of one step (batch x sequence "
+                        "x micro-batches), to predict forward and backward at the precision's matmul rate")
     p.add_argument("--device-mem", metavar="SIZE",
                    help="device memory, e.g. 80GB (default: the accelerator's; without one, the host RAM "
                         "the device tier shares)")
@@ -201,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"tiermem: --ranks {args.ranks} is not a number of ranks; give a whole number >= 1")
     size = _model_size(args)
     limits, origin = _limits(args)
-    precisions = args.precision or list(sizing.PRECISIONS)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precisions = [resolve_precision(p, device) for p in args.precision or sizing.PRECISIONS]
     named = list(dict.fromkeys(args.policy or []))
     auto = "auto" in named
     named = [n for n in named if n != "auto"]
@@ -211,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
                           ranks=args.ranks, shard_weights=args.shard_weights)
     if auto:
         from tiermem.cli import plan_auto  # imports the policies and the machine profile: only when asked
-        plan["auto"] = plan_auto.choose(args, size.trainable, size.frozen, limits, precisions[0])
+        mine = precisions[0] if args.precision else resolve_precision("auto", device)
+        plan["auto"] = plan_auto.choose(args, size.trainable, size.frozen, limits, mine)
     if args.json is not None:
         _common.write_json(args.json, plan)
     if args.json != "-":

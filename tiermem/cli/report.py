@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tiermem.cli._common import fmt_binary
+from tiermem.config import PRECISIONS
 
 
 def _cv(data: dict[str, Any], section: dict[str, Any], key: str, path: str) -> str:
@@ -101,11 +102,29 @@ def _adam_table(data: dict[str, Any]) -> Table:
     return t
 
 
+def _matmul_table(data: dict[str, Any]) -> Table:
+    mm = data["matmul"]
+    m, k, n = mm["cpu_shape"]
+    t = Table(title=f"matmul per precision: F.linear {m}x{k} by {n}x{k} on one CPU thread"
+                    + (", and on the accelerator" if "device_shape" in mm else ""), title_justify="left")
+    for col, just in (("where", "left"), ("precision", "left"), ("GFLOP/s", "right"), ("", "left")):
+        t.add_column(col, justify=just)
+    for where in ("cpu", "device"):
+        fp32 = mm.get(f"{where}_fp32_GFLOPs")
+        for p in PRECISIONS:
+            v = mm.get(f"{where}_{p}_GFLOPs")
+            if v is not None:
+                t.add_row(where, p, f"{v:.1f}", f"{fp32 / v:.1f}x fp32's time" if p != "fp32" else "")
+    return t
+
+
 def render(data: dict[str, Any], con: Console, *, saved: Optional[Path] = None,
            plot_path: Optional[str] = None) -> None:
     con.print(_tiers_table(data))
     con.print(_sweep_table(data))
     con.print(_adam_table(data))
+    if "matmul" in data:
+        con.print(_matmul_table(data))
     if data["noisy"]:
         con.print(f"[red]noisy[/]: {len(data['noisy'])} figure(s) varied by more than "
                   f"{data['noisy_cv'] * 100:.0f}% over their repeats (another program busy?); run again "

@@ -63,11 +63,12 @@ class ModelInfo:
 # NOTE [Choosing a placement]
 # A policy that chooses among placements (policies.Auto) cannot check one itself: the footprint,
 # the budgets and the cost model sit above the policy layer. The planner passes its judge in
-# ModelInfo.evaluate: ``evaluate(policy, profile=None, forward_backward=0.0)`` plans the buckets
-# ``policy`` gives this model exactly as TieredModel would, and says whether the constructor would
-# accept them (no refused combination, every tier within its limit) and how long a step is predicted
-# to take, per stage (tiermem/plan/cost.py, NOTE [Cost model]). ``profile``: a machine profile to
-# use instead of this machine's (saved by ``tiermem bench``, measured on first use when none is).
+# ModelInfo.evaluate: ``evaluate(policy, profile=None, forward_backward=0.0, *, tokens=0)`` plans the
+# buckets ``policy`` gives this model exactly as TieredModel would, and says whether the constructor
+# would accept them (no refused combination, every tier within its limit) and how long a step is
+# predicted to take, per stage (tiermem/plan/cost.py, NOTE [Cost model]; ``tokens`` of a step predict
+# the compute at the precision's matmul rate when ``forward_backward`` is 0). ``profile``: a machine
+# profile to use instead of this machine's (saved by ``tiermem bench``, measured on first use when none is).
 # The judge keeps nothing of what it was asked: a policy bound from a profile keeps that profile as
 # its ``profile`` (Auto's AutoChoice), which ``tm.report()`` predicts the measured step with.
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from tiermem.budgets import Budgets
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import default_device_budget, default_host_budget
 from tiermem.plan.profile import SCHEMA, Profile, load_profile, profile_path, save_profile
+from tiermem.train.compute import matmul_figures
 from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,12 @@ def store_limits(device: torch.device, budgets: Budgets, nvme_dir: Optional[str]
 
 
 def machine_profile(device: torch.device, nvme_dir: Optional[str]) -> Profile:
-    """The saved profile, or a quick one measured now (NVMe in ``nvme_dir``, when given) and saved."""
+    """The saved profile, or a quick one measured now (NVMe in ``nvme_dir``, when given) and saved;
+    its matmul figures are this machine's today (NOTE [A precision the CPU is slow at])."""
     prof = load_profile()
-    if prof is not None:
-        return prof
+    if prof is not None and prof.adam_params_per_second() is not None:  # not only matmul figures
+        matmul = matmul_figures(device)
+        return prof if prof.data.get("matmul") == matmul else Profile({**prof.data, "matmul": matmul})
     log.warning("tiermem: no machine profile at %s; measuring this machine once for the cost model (a few "
                 "seconds; `tiermem bench` measures it fully) ...", profile_path())
     data = measure(device, nvme_dir)
@@ -56,8 +59,8 @@ def machine_profile(device: torch.device, nvme_dir: Optional[str]) -> Profile:
     except Exception as e:  # noqa: BLE001 - a read-only cache directory costs a measurement next time, nothing else
         log.warning("%s", e)
     log.warning("tiermem: machine measured: %s", ", ".join(
-        f"{k} {v}" for sec in ("host", "device", "nvme", "adam") for k, v in data[sec].items()
-        if k.endswith(("GBps", "per_s"))))
+        f"{k} {v}" for sec in ("host", "device", "nvme", "adam", "matmul") for k, v in data[sec].items()
+        if k.endswith(("GBps", "per_s", "GFLOPs"))))
     return Profile(data)
 
 
@@ -82,7 +85,7 @@ def measure(device: torch.device, nvme_dir: Optional[str]) -> dict:
     data: dict = {"schema": SCHEMA, "quick": True, "source": "measured on first use by the cost model",
                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "host": {"copy_GBps": round(host, 4)}, "device": {"accelerator": None},
-                  "nvme": {}, "adam": {}}
+                  "nvme": {}, "adam": {}, "matmul": matmul_figures(device)}
     if device.type == "cuda":
         def sync() -> None:  # the model's device: a bare synchronize() is the current device's, 0 on cuda:N
             torch.cuda.synchronize(device)

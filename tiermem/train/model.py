@@ -40,6 +40,7 @@ from tiermem.train.gathered import build_gathered
 from tiermem.train.hooks import HookSet
 from tiermem.train.inputs import cast_inputs
 from tiermem.train.layout import build, make_homes
+from tiermem.train.compute import warn_if_slow
 from tiermem.train.machine import machine_profile, store_limits
 from tiermem.train.groups import Fp32Values, GroupEditor, group_dicts
 from tiermem.train.optimizer import TieredOptimizer
@@ -87,8 +88,11 @@ class TieredModel:
             read for its class, param groups and hyperparameters and never stepped itself
             (:mod:`tiermem.torch_optim`). Default: ``tiermem.AdamW()``.
         precision: the working precision of the weights the device holds: ``"bf16"``, ``"fp16"``
-            (dynamic loss scaling: an overflowing step is skipped and the scale lowered) or
-            ``"fp32"``. fp32 master weights always live with the optimizer state.
+            (dynamic loss scaling: an overflowing step is skipped and the scale lowered),
+            ``"fp32"``, or ``"auto"``: bf16 where the device computes it natively, else fp32 on a
+            CPU and fp16 on an older GPU (NOTE [Choosing the precision] in tiermem/config.py);
+            ``tm.precision`` is the one in use. bf16 or fp16 on a CPU much slower at them than at
+            fp32 logs one warning. fp32 master weights always live with the optimizer state.
         budgets: caps on the bytes tiermem manages per tier (:class:`~tiermem.Budgets`). Default:
             the device's free memory less a margin, the available RAM, the free disk space.
         nvme_dir: the directory NVMe tensors go to; needed when the policy places anything on
@@ -143,7 +147,9 @@ class TieredModel:
         deferred.start()  # the worker that gives back dropped models (NOTE [Finalizers only enqueue])
         deferred.settle()  # what models dropped before this one held is back (their hooks are off the module)
         lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
+        precision, given = opts.precision, precision  # "auto" made this device's (NOTE [Choosing the precision])
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
+        warn_if_slow(precision, opts.device)  # one warning, from the profile's matmul figures
         self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
         self.tracer = Tracer(trace_path)
@@ -233,8 +239,9 @@ class TieredModel:
             for source in self.weight_sources():
                 source.settle()  # the module's original tensors of off-device weights go
             self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
-        log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
-                 f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
+        log.info("tiermem: %s trainable parameters in %d buckets under %r (%s%s)",
+                 f"{self.layout.n_params:,}", len(buckets), self.policy, precision,
+                 f", from precision={given!r}" if given != precision else "")
 
     def _footprint(self, buckets: list[Bucket], param_homes: dict[str, Tier], shard_weights: bool) -> Footprint:
         """The bytes per tier the working set needs (the rule ``tiermem plan`` uses too)."""

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from tiermem.budgets import Budgets, parse_bytes
-from tiermem.config import AdamW, LossScale, _AdamSpec, is_int, is_number, working_dtype
+from tiermem.config import AdamW, LossScale, _AdamSpec, is_int, is_number, resolve_precision, working_dtype
 from tiermem.errors import ConfigError
 from tiermem.torch_optim import spec_from_torch, supported_names
 from tiermem.memory.ledger import Reclaimer
@@ -37,6 +37,7 @@ class Options:
     bucket_numel: int
     overlap: bool
     prefetch: bool
+    precision: str  # the working precision: "auto" made this device's (NOTE [Choosing the precision])
     shard_weights: bool = False  # under data parallelism, weights on the device sharded too (ZeRO-3); alone, nothing
 
 
@@ -103,18 +104,21 @@ def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_
     bucket_bytes = parse_bytes(bucket_size, what="bucket_size")
     if bucket_bytes < 4:
         raise ConfigError(f"tiermem: bucket_size={bucket_size!r} is invalid: must be at least 4 bytes")
-    dtype, dev, overlap = working_dtype(precision), _device(device), _flag("overlap_step", overlap_step)
+    dev, overlap = _device(device), _flag("overlap_step", overlap_step)
+    given, precision = precision, resolve_precision(precision, dev)
+    dtype = working_dtype(precision)
     _check_paths(module, nvme_dir, trace_path)
     prefetch = _flag("prefetch", prefetch)
     if max_skipped_steps is not None and (not is_int(max_skipped_steps) or max_skipped_steps < 1):
         raise ConfigError(f"tiermem: max_skipped_steps={max_skipped_steps!r} is invalid: must be an int >= 1, "
                           f"or None to never stop on skipped steps")
     if loss_scale is not None and (not isinstance(loss_scale, LossScale) or precision != "fp16"):
+        auto = f" (precision={given!r} is {precision!r} here)" if given != precision else ""
         raise ConfigError(f"tiermem: loss_scale={loss_scale!r} is invalid: it must be a tiermem.LossScale, and "
-                          f"only precision='fp16' scales the loss; pass LossScale(...) with fp16, or leave it out")
+                          f"only precision='fp16' scales the loss{auto}; pass LossScale(...) with fp16, or leave it out")
     shard = _flag("shard_weights", shard_weights)
     return Options(spec, torch_optimizer, None if grad_clip is None else float(grad_clip), dtype, dev, budgets,
-                   bucket_bytes // 4, overlap, prefetch, shard)
+                   bucket_bytes // 4, overlap, prefetch, precision, shard)
 
 
 def make_stores(opts: Options, nvme_dir: Optional[str], reclaimers: Sequence[Reclaimer], group: Group) -> dict[Tier, Any]:
