@@ -77,7 +77,8 @@ class CpuFeatures:
             probe = getattr(torch.cpu, name, None)
             return bool(probe()) if probe is not None else False
         isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-        onednn = bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+        onednn = bool(torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+                      and torch.backends.mkldnn.enabled)
         return cls(torch.backends.cpu.get_cpu_capability(), has("_is_avx512_bf16_supported"),
                    has("_is_amx_tile_supported"), isa or None, onednn)
 

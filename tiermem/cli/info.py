@@ -101,7 +101,8 @@ def cpu_facts(*, check_matmul: bool) -> dict[str, Any]:
         flop = 2 * math.prod(section["cpu_shape"])
         out["matmul_shape"] = section["cpu_shape"]
         out["matmul_ms"] = {p: round(flop / (section[profile.matmul_key("cpu", p)] * 1e9) * 1e3, 3) for p in PRECISIONS}
-        out["vs_fp32"] = {p: round(compute.slowdown(section, p), 2) for p in PRECISIONS if p != "fp32"}
+        slower = {p: compute.slowdown(section, p) for p in PRECISIONS if p != "fp32"}
+        out["vs_fp32"] = {p: None if v is None else round(v, 2) for p, v in slower.items()}
     return out
 
 

@@ -107,8 +107,10 @@ def _matmul_table(data: dict[str, Any]) -> Table:
     m, k, n = mm["cpu_shape"]
     t = Table(title=f"matmul per precision: F.linear {m}x{k} by {n}x{k} on one CPU thread"
                     + (", and on the accelerator" if "device_shape" in mm else ""), title_justify="left")
-    for col, just in (("where", "left"), ("precision", "left"), ("GFLOP/s", "right"), ("", "left")):
-        t.add_column(col, justify=just)
+    t.add_column("where", justify="left")
+    t.add_column("precision", justify="left")
+    t.add_column("GFLOP/s", justify="right")
+    t.add_column("", justify="left")
     for where in ("cpu", "device"):
         fp32 = mm.get(f"{where}_fp32_GFLOPs")
         for p in PRECISIONS:
