@@ -58,7 +58,6 @@ from typing import Callable, Optional
 import torch
 
 from tiermem.budgets import parse_bytes
-from tiermem.memory import nvme_io as nio
 from tiermem.memory.aligned import ALIGN, aligned_empty, host_buffer, round_up
 from tiermem.memory.nvme import NvmeStore
 

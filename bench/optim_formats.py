@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tiermem  # noqa: E402
-from examples.gpt import GPT, GPTConfig, PRESETS, lm_loss, load_tokens  # noqa: E402
+from examples.gpt import GPT, GPTConfig, lm_loss, load_tokens  # noqa: E402
 from examples.train_gpt import get_batch, lr_factor  # noqa: E402
 from tiermem import TensorClass, Tier, TieredModel  # noqa: E402
 from tiermem.policies import ZeroInfinity, ZeroOffload  # noqa: E402

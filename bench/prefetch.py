@@ -36,6 +36,7 @@ import torch
 from tiermem import TensorClass, TensorInfo, Tier
 from tiermem.budgets import parse_bytes
 from tiermem.transfer.engine import TransferEngine
+from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import ResidencyScheduler, ScheduleStats
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.memory.nvme import NvmeStore
@@ -47,7 +48,7 @@ MiB = 2**20
 class Setup:
     name: str
     sched: ResidencyScheduler | None  # None: weights stay resident as plain tensors
-    engine: TransferEngine | None = None
+    res: KeyedResidency | None = None
     seconds: list[float] = field(default_factory=list)
     checksums: list[float] = field(default_factory=list)
 
@@ -57,13 +58,13 @@ def make_setup(name: str, weights: list[torch.Tensor], directory: str | None, bu
     if directory is None:
         return Setup(name, None)
     os.makedirs(directory)
-    engine = TransferEngine({Tier.DEVICE: DeviceStore("cpu", budget), Tier.HOST: HostStore(),
-                             Tier.NVME: NvmeStore(directory)})
+    res = KeyedResidency(TransferEngine({Tier.DEVICE: DeviceStore("cpu", budget), Tier.HOST: HostStore(),
+                                         Tier.NVME: NvmeStore(directory)}))
     for i, w in enumerate(weights):
         key = f"layers.{i}.weight"
-        engine.register(TensorInfo(key, TensorClass.PARAM, w.nbytes, tuple(w.shape), w.dtype), Tier.NVME)
-        engine.put(key, w)
-    return Setup(name, ResidencyScheduler(engine, **options), engine)
+        res.register(TensorInfo(key, TensorClass.PARAM, w.nbytes, tuple(w.shape), w.dtype), Tier.NVME)
+        res.put(key, w)
+    return Setup(name, ResidencyScheduler(**options).connect(res), res)
 
 
 def iteration(setup: Setup, weights: list[torch.Tensor], x: torch.Tensor, order: list[int]) -> None:
@@ -89,8 +90,8 @@ def iteration(setup: Setup, weights: list[torch.Tensor], x: torch.Tensor, order:
         setup.sched.end_iteration()
     setup.seconds.append(time.perf_counter() - t0)
     setup.checksums.append(total)
-    if setup.engine is not None:
-        setup.engine.synchronize()  # untimed: the optimizer step would overlap this
+    if setup.res is not None:
+        setup.res.synchronize()  # untimed: the optimizer step would overlap this
 
 
 def main() -> None:
@@ -130,14 +131,14 @@ def main() -> None:
                 iteration(setup, weights, x, order)
         for setup in setups[1:]:
             assert setup.checksums == setups[0].checksums, f"{setup.name}: outputs differ from resident"
-            ledger = setup.engine.stores[Tier.DEVICE].ledger
+            ledger = setup.res.engine.stores[Tier.DEVICE].ledger
             assert ledger.peak <= ledger.allowed, f"{setup.name}: device budget exceeded"
         report(args, setups, weights, total_bytes, budget, root)
     finally:
         for setup in setups:
-            if setup.engine is not None:
-                setup.engine.close()
-                setup.engine.stores[Tier.NVME].close()
+            if setup.res is not None:
+                setup.res.engine.close()
+                setup.res.engine.stores[Tier.NVME].close()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -150,7 +151,7 @@ def steady(setup: Setup) -> ScheduleStats:
 
 def report(args, setups: list[Setup], weights, total_bytes: int, budget: int, root: str) -> None:
     n = args.iterations - 1
-    nvme = setups[1].engine.stores[Tier.NVME]
+    nvme = setups[1].res.engine.stores[Tier.NVME]
     print(f"{args.tensors} weights x {weights[0].nbytes / MiB:.1f} MiB on NVMe ({total_bytes / MiB:.0f} MiB), "
           f"device budget {budget / MiB:.0f} MiB ({budget / total_bytes:.2f} of it), "
           f"{2 * (args.tensors + (not args.untied))} accesses per iteration, batch {args.batch}, "

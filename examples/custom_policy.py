@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples
 from examples.gpt import GPT, GPTConfig, PRESETS, lm_loss, load_tokens  # noqa: E402
 from examples.train_gpt import get_batch  # noqa: E402
 from tiermem import AdamW, Policy, Report, TensorClass, TensorInfo, TieredModel, Tier  # noqa: E402
+from tiermem.config import resolve_precision, working_dtype  # noqa: E402
 from tiermem.errors import fmt_bytes  # noqa: E402
 from tiermem.policies import ZeroOffload  # noqa: E402
 
@@ -55,6 +56,9 @@ class EmbeddingStateOnNvme(Policy):
 
 
 # -- the rest of the example: train, then check --------------------------------------------------
+# bf16 where the device computes it natively, else fp32 (NOTE [Choosing the precision] in tiermem/config.py)
+PRECISION = resolve_precision("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -75,7 +79,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def train(model: GPT, policy: Policy, batches: list, nvme_dir: Optional[str]) -> tuple[TieredModel, list[float]]:
     tm = TieredModel(model, policy, optimizer=AdamW(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
-                     precision="bf16", grad_clip=1.0, nvme_dir=nvme_dir)
+                     precision=PRECISION, grad_clip=1.0, nvme_dir=nvme_dir)
     losses = []
     for x, y in batches:
         loss = lm_loss(tm(x), y)
@@ -109,8 +113,8 @@ def asked_bytes(model: GPT, policy: Policy, dtype: torch.dtype) -> tuple[dict[tu
 # What may show up besides a class's home bytes, and why (printed next to the figures).
 WORKING_SET = {
     (TensorClass.PARAM, Tier.DEVICE): "+ copies of host-homed weights while in use (kept while the device has room)",
-    (TensorClass.PARAM, Tier.HOST): "+ 2 staging buffers for Adam's new bf16 weights",
-    (TensorClass.GRAD, Tier.DEVICE): "bf16 grads in flight to the host during backward",
+    (TensorClass.PARAM, Tier.HOST): f"+ 2 staging buffers for Adam's new {PRECISION} weights",
+    (TensorClass.GRAD, Tier.DEVICE): f"{PRECISION} grads in flight to the host during backward",
     (TensorClass.OPTIM_STATE, Tier.HOST): "+ 3 pipeline buffer sets for the state streamed from NVMe",
     (TensorClass.OPTIM_STATE, Tier.NVME): "x2 at the peak: each write lands beside its key's value, then replaces it",
     (TensorClass.ACTIVATION, Tier.DEVICE): "saved for backward (the policy keeps them on the device)",
@@ -161,8 +165,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     model = fresh_model()
     # "The largest layers": the MLP matrices, 4 * n_embd^2 weights each (bf16: 2 bytes a weight).
-    policy = EmbeddingStateOnNvme(big_weight_bytes=2 * 4 * cfg.n_embd * cfg.n_embd)
-    asked, weight_homes = asked_bytes(model, policy, torch.bfloat16)
+    dtype = working_dtype(PRECISION)
+    policy = EmbeddingStateOnNvme(big_weight_bytes=dtype.itemsize * 4 * cfg.n_embd * cfg.n_embd)
+    asked, weight_homes = asked_bytes(model, policy, dtype)
     print(f"model: preset {args.preset!r}, {model.num_params():,} parameters; policy {policy}")
 
     nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="tiermem-custom-policy-", dir=".")

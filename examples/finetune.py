@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--policy", choices=sorted(POLICIES), default="zero-offload")
     p.add_argument("--nvme-dir", default=None, help="needed by --policy zero-infinity")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                   help="auto: bf16 where the device computes it natively, else fp32 on a CPU (fp16 on an older GPU)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     torch.manual_seed(0)
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
 
     # "pre-training" on the first part of the text: every parameter in one group
     with TieredModel(model, optimizer=AdamW(lr=3e-3), precision=a.precision) as tm:
-        for step, (x, y) in zip(range(a.pretrain_steps), batches(data[:split], 8, 64, seed=0)):
+        for _, (x, y) in zip(range(a.pretrain_steps), batches(data[:split], 8, 64, seed=0)):
             tm.backward(lm_loss(tm(x), y))
             tm.step()
     print(f"pre-trained {a.pretrain_steps} steps; fine-tuning on the rest of the text")

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     p.add_argument("--nvme-dir", default=None, help="where the weights live (default: a temporary directory)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

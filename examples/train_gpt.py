@@ -1,16 +1,19 @@
 """Train a small character-level GPT on the text in examples/data with tiermem.
 
-    python examples/train_gpt.py                      # ~0.8M-parameter GPT, ZeRO-Offload, bf16;
-                                                      # ~2 minutes on a 2-core CPU, loss ~4.4 -> ~1.3
+    python examples/train_gpt.py                      # ~0.8M-parameter GPT, ZeRO-Offload, precision
+                                                      # auto; 2-4 minutes on a 2-core CPU, loss ~4.4 -> ~1.3
     python examples/train_gpt.py --policy keep-on-device --steps 200
     python examples/train_gpt.py --trace /tmp/gpt.trace.json   # open in https://ui.perfetto.dev
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 100  # data parallel over 2 processes
     torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
         examples/train_gpt.py --policy state-on-nvme --nvme-dir /mnt/nvme/gpt   # on each of 2 nodes
 
-Weights in bf16 live on the device tier; gradients, fp32 master weights and Adam's moments live
-on the host, where Adam runs. On a machine without an accelerator both tiers are the CPU's
-memory, so the run shows the data flow and the report rather than a speed-up.
+Weights in the working precision live on the device tier; gradients, fp32 master weights and
+Adam's moments live on the host, where Adam runs. On a machine without an accelerator both tiers
+are the CPU's memory, so the run shows the data flow and the report rather than a speed-up.
+``--precision auto`` (the default) is bf16 where the device computes it natively (a GPU with bf16,
+a CPU with AVX512-BF16 or AMX) and fp32 on other CPUs, where bf16 matmuls run several times slower
+(NOTE [Choosing the precision] in tiermem/config.py; `tiermem info` says which this machine gets).
 
 Launched by torchrun (WORLD_SIZE > 1), the script joins the process group itself (gloo on the
 CPU, NCCL on GPUs: LOCAL_RANK, the rank on its node, picks the GPU) and TieredModel shards
@@ -77,7 +80,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's block_size)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="auto: bf16 where the device computes it natively, else fp32 on a CPU (fp16 on an older GPU)")
     p.add_argument("--policy", choices=sorted(POLICIES), default="zero-offload")
     p.add_argument("--nvme-dir", default=None, help="directory for tensors a policy places on NVMe (zero-infinity, "
                                                      "state-on-nvme; default: a temporary one under .); each rank "

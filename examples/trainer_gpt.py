@@ -6,7 +6,8 @@
 
 A tiny GPT-2 built from a config (nothing is downloaded) learns the bytes of the text in
 ``examples/data`` through :class:`tiermem.integrations.transformers.TieredTrainer`: ZeRO-Offload,
-bf16, gradient accumulation, clipping, a cosine schedule, a checkpoint every ``--save-steps``.
+bf16 where the device computes it natively (else fp32), gradient accumulation, clipping, a cosine
+schedule, a checkpoint every ``--save-steps``.
 Under torchrun the Trainer joins the process group (gloo on the CPU, NCCL on GPUs), its sampler
 gives each rank its share of the batches, and tiermem shards gradients and optimizer state over
 the ranks (NOTE [Data parallel] in tiermem/transfer/collectives.py); rank 0 prints. Every rank
@@ -28,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a config
 from transformers import TrainingArguments  # noqa: E402
 
 from examples.from_deepspeed import byte_blocks, tiny_gpt2  # noqa: E402
+from tiermem.config import resolve_precision  # noqa: E402
 from tiermem.integrations.transformers import TieredTrainer  # noqa: E402
 
 
@@ -40,8 +42,11 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint-N/")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # bf16 where the device computes it natively, else fp32 (tiermem's precision="auto": NOTE [Choosing the
+    # precision] in tiermem/config.py); TrainingArguments(bf16=True) is tiermem's bf16 either way
+    bf16 = resolve_precision("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu")) == "bf16"
     args = TrainingArguments(a.out, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=a.steps,
-                             learning_rate=1e-3, adam_beta2=0.95, weight_decay=0.1, max_grad_norm=1.0, bf16=True,
+                             learning_rate=1e-3, adam_beta2=0.95, weight_decay=0.1, max_grad_norm=1.0, bf16=bf16,
                              lr_scheduler_type="cosine", warmup_steps=2, logging_steps=max(1, a.steps // 10),
                              save_steps=a.save_steps, report_to=[], disable_tqdm=True,
                              use_cpu=not torch.cuda.is_available())

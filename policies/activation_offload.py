@@ -21,7 +21,13 @@ from tiermem.types import TensorClass, TensorInfo, Tier
 @checked_arguments
 @dataclass(frozen=True, repr=False)
 class ActivationOffload(Policy):
-    """``base``'s placements, with activations of at least ``min_bytes`` on ``tier``."""
+    """``base``'s placements, with activations of at least ``min_bytes`` on ``tier``.
+
+    Args:
+        base: the policy that places everything else (and whose ``for_model`` it forwards to).
+        tier: where large activations go: ``Tier.HOST`` or ``Tier.NVME``.
+        min_bytes: the smallest activation sent there (an int or a string such as ``"1MiB"``).
+    """
 
     base: Policy
     _: KW_ONLY
@@ -41,7 +47,7 @@ class ActivationOffload(Policy):
         object.__setattr__(self, "min_bytes", parse_bytes(self.min_bytes, what="ActivationOffload.min_bytes"))
 
     def place(self, info: TensorInfo) -> Tier:
-        if info.kind is TensorClass.ACTIVATION and info.nbytes >= self.min_bytes:
+        if info.kind is TensorClass.ACTIVATION and info.nbytes >= int(self.min_bytes):  # an int once constructed
             return self.tier
         return self.base.place(info)
 

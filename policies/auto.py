@@ -31,7 +31,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from tiermem.config import is_number
+from tiermem.config import is_int, is_number
 from tiermem.errors import ConfigError, checked_arguments, fmt_bytes
 from tiermem.plan.policy import Evaluation, ModelInfo, Policy, asked_alone, check_reserve, over_reserve
 from tiermem.types import TensorClass, TensorInfo, Tier
@@ -49,6 +49,7 @@ class Assigned(Policy):
             return self.weights
         if info.kind is TensorClass.ACTIVATION:
             return Tier.DEVICE
+        assert info.param is not None  # a GRAD or OPTIM_STATE info names its parameter
         if info.kind is TensorClass.GRAD:
             return self.grads[info.param]
         return self.state[info.param]
@@ -88,21 +89,35 @@ class Choice:
 @checked_arguments
 class Auto(Policy):
     """Chooses the placement from the machine profile, the model's sizes and the budgets (NOTE [How
-    Auto chooses]). ``profile``: a machine profile (its data, or a ``Profile``) to use instead of this
-    machine's; ``forward_backward``: the measured seconds of one forward and backward, when known
-    (they decide how much of the grads' trip hides behind backward); ``device_reserve``: the share of
-    the device's limit left for activations (NOTE [Device reserve] in tiermem/plan/policy.py)."""
+    Auto chooses]): among the candidates the constructor would accept, the one with the least
+    predicted step time. ``tm.placement`` shows the choice and every rejected alternative.
 
-    def __init__(self, *, profile: Any = None, forward_backward: float = 0.0, device_reserve: float = 0.1):
+    Args:
+        profile: a machine profile (a ``tiermem.plan.profile.Profile`` or its data as a dict) to use
+            instead of this machine's (saved by ``tiermem bench``; measured on first use when none is).
+        forward_backward: the measured seconds of one forward and backward, when known (they decide
+            how much of the grads' trip hides behind backward); 0 when unknown.
+        tokens_per_step: when ``forward_backward`` is unknown, the tokens (rows each weight
+            multiplies) of a step, which predict it at the matmul rate of the precision in use
+            (NOTE [Cost model]); 0 when unknown.
+        device_reserve: the share of the device's limit left for activations (NOTE [Device reserve]
+            in tiermem/plan/policy.py), from 0 up to (not including) 1.
+    """
+
+    def __init__(self, *, profile: Any = None, forward_backward: float = 0.0, tokens_per_step: int = 0,
+                 device_reserve: float = 0.1):
         if not is_number(forward_backward) or not forward_backward >= 0:
             raise ConfigError(f"tiermem: Auto.forward_backward={forward_backward!r} is invalid: the seconds of one "
                               f"forward and backward, a number >= 0 (0 when unknown)")
+        if not is_int(tokens_per_step) or tokens_per_step < 0:
+            raise ConfigError(f"tiermem: Auto.tokens_per_step={tokens_per_step!r} is invalid: the tokens of one step "
+                              f"(batch x sequence x micro-batches), an int >= 0 (0 when unknown)")
         if profile is not None and not isinstance(profile, Mapping) and not isinstance(getattr(profile, "data", None),
                                                                                 Mapping):
             raise ConfigError(f"tiermem: Auto.profile={profile!r} is invalid: pass a machine profile (a "
                               f"tiermem.plan.profile.Profile, e.g. load_profile(path), or its data as a dict), or "
                               f"None for this machine's")
-        self.profile, self.forward_backward = profile, float(forward_backward)
+        self.profile, self.forward_backward, self.tokens_per_step = profile, float(forward_backward), tokens_per_step
         self.device_reserve = check_reserve(device_reserve, "Auto")  # NOTE [Device reserve]
 
     def place(self, info: TensorInfo) -> Tier:
@@ -173,26 +188,28 @@ class _Search:
     """The candidates of NOTE [How Auto chooses], judged once each."""
 
     def __init__(self, auto: Auto, model: ModelInfo):
-        self.auto, self.model = auto, model
+        assert model.evaluate is not None, "the planner binds a policy with its evaluator"
+        self.auto, self.model, self.evaluate = auto, model, model.evaluate
         self.names = [p.name for p in model.params]
         self.numel = [p.numel for p in model.params]
         self.total = max(1, sum(self.numel))
-        self.judged: dict[tuple, Choice] = {}
+        self.judged: dict[tuple[object, ...], Choice] = {}
 
     def run(self) -> list[Choice]:
         m = len(self.names)
         for weights in (Tier.DEVICE, Tier.HOST, Tier.NVME):
             if any(c.outcome is Verdict.FITS for c in self.judged.values()):
                 break  # weights leave the device only when they cannot stay (NOTE [How Auto chooses])
-            d_max = self._largest(lambda d: self._device_ok(self._judge(weights, d, m - d, Tier.HOST)), m) \
-                if weights == Tier.DEVICE else 0
+            # the bisections call their lambdas at once, within this iteration (hence the noqa: B023)
+            d_max = (self._largest(lambda d: self._device_ok(self._judge(weights, d, m - d, Tier.HOST)), m)  # noqa: B023
+                     if weights == Tier.DEVICE else 0)
             if d_max is None:
                 continue  # not even the weights fit on the device
             for d in sorted({d_max, d_max * 3 // 4, d_max // 2, d_max // 4, 0}, reverse=True):
                 for grads in (Tier.HOST, Tier.NVME):
                     # the host's part shrinks as h does, NVMe's grows: the largest h the host holds
                     # is the one with the least on NVMe, so it fits if any h does
-                    h = self._largest(lambda h: self._host_ok(self._judge(weights, d, h, grads)), m - d)
+                    h = self._largest(lambda h: self._host_ok(self._judge(weights, d, h, grads)), m - d)  # noqa: B023
                     if h is not None and self._fits(self._judge(weights, d, h, grads)):
                         break
         return list(self.judged.values())
@@ -225,7 +242,8 @@ class _Search:
                 grads[name] = Tier.DEVICE if i < d else Tier.HOST if i < d + h else grads_rest
             label = self._label(weights, d, h, grads_rest)
             policy = Assigned(label, weights, state, grads)
-            ev = self.model.evaluate(policy, profile=self.auto.profile, forward_backward=self.auto.forward_backward)
+            ev = self.evaluate(policy, profile=self.auto.profile, forward_backward=self.auto.forward_backward,
+                               tokens=self.auto.tokens_per_step)
             self.judged[key] = Choice(label, policy, ev, *self._verdict(ev))
         return self.judged[key]
 

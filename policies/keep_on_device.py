@@ -10,6 +10,13 @@ from tiermem.types import TensorClass, Tier
 
 @checked_arguments
 class KeepOnDevice(PerClass):
+    """Every tensor on the device: the baseline every offloading policy is measured against.
+
+    Args:
+        device_reserve: the share of the device kept for activations; a model whose training state
+            needs more than the rest is refused up front (NOTE [Device reserve]).
+    """
+
     homes = {kind: Tier.DEVICE for kind in TensorClass}
 
     def __init__(self, *, device_reserve: float = 0.0):

@@ -10,6 +10,9 @@ from tiermem.types import TensorClass, Tier
 
 @checked_arguments
 class ZeroInfinity(PerClass):
+    """ZeRO-Infinity: weights and optimizer state on NVMe, grads on the host, activations on the
+    device; needs ``nvme_dir``. Takes no arguments."""
+
     homes = {
         TensorClass.PARAM: Tier.NVME,
         TensorClass.OPTIM_STATE: Tier.NVME,

@@ -65,7 +65,16 @@ def device_share(model: ModelInfo, fraction: float) -> frozenset[str]:
 
 @checked_arguments
 class ZeroOffload(PerClass):
-    """ZeRO-Offload, with ``device_fraction`` of the optimizer state (and its grads) on the device."""
+    """ZeRO-Offload (the default policy): weights and activations on the device, grads and optimizer
+    state on the host, where the fused CPU Adam updates them.
+
+    Args:
+        device_fraction: the share (0 to 1) of the trainable parameters whose grads and optimizer
+            state stay on the device, stepped there while the CPU steps the rest (the split
+            optimizer); 0 is plain ZeRO-Offload, 1 keeps them all on the device.
+        device_reserve: the share of the device kept for activations; a layout that leaves less is
+            refused up front (NOTE [Device reserve]).
+    """
 
     homes = {
         TensorClass.PARAM: Tier.DEVICE,

@@ -327,7 +327,7 @@ def test_backward_fetches_ahead_in_reverse_order(window):
     tm = TieredModel(_Chain(), ActivationOffload(ZeroOffload(), min_bytes=0), precision="bf16")
     tm.activations.window = window
     steps = 3
-    for i in range(steps):
+    for _ in range(steps):
         tm.backward(tm(torch.randn(32, 96)).float().pow(2).mean())
     s = tm.activations.stats
     assert s.offloaded[Tier.HOST] == steps * 7  # the input and each tanh output (the next layer's input)

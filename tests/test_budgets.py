@@ -67,16 +67,16 @@ def test_ledger_never_exceeds_budget(ops):
 
 
 def test_requests_in_flight_give_their_room_back_when_the_ledger_is_short():
-    """InFlight is given to the ledger at construction (through Reclaimers): a reservation that does
+    """InFlight is given to the ledger at construction, as a reclaimer: a reservation that does
     not fit waits for the requests in flight, whose room their release gives back, then fits."""
     import threading
     from concurrent.futures import Future
 
     from tiermem.handles import Handle
-    from tiermem.memory.ledger import InFlight, Reclaimers
+    from tiermem.memory.ledger import InFlight
 
     in_flight = InFlight()
-    led = Ledger(Tier.DEVICE, 1000, reclaim=Reclaimers(in_flight.give_room))
+    led = Ledger(Tier.DEVICE, 1000, reclaimers=(in_flight,))
     led.reserve("<copy in flight>", 800)
     future: Future = Future()
     in_flight.add(Handle(future), lambda: led.release("<copy in flight>"))
@@ -91,12 +91,40 @@ def test_a_reclaimer_on_tiermems_own_threads_does_not_wait():
     from concurrent.futures import Future, ThreadPoolExecutor
 
     from tiermem.handles import Handle
-    from tiermem.memory.ledger import InFlight, Reclaimers
+    from tiermem.memory.ledger import InFlight
 
     in_flight = InFlight()
-    led = Ledger(Tier.DEVICE, 1000, reclaim=Reclaimers(in_flight.give_room))
+    led = Ledger(Tier.DEVICE, 1000, reclaimers=(in_flight,))
     led.reserve("<copy in flight>", 800)
     in_flight.add(Handle(Future()), lambda: led.release("<copy in flight>"))  # never lands
     with ThreadPoolExecutor(1, thread_name_prefix="tiermem-d2h") as lane:
         with pytest.raises(OutOfTierMemory):
             lane.submit(led.reserve, "activation", 500).result(timeout=10)
+
+
+def test_the_reclaimers_given_at_construction_are_asked_in_order_until_the_reservation_fits():
+    """NOTE [Reclaimers at construction]: each reclaimer is asked for what is missing, in the order
+    given; one that asks the others itself is skipped (``besides``); with none, a refusal."""
+    asked: list[tuple[str, int]] = []
+    led: Ledger
+
+    class Frees:
+        def __init__(self, name: str, key: str):
+            self.name, self.key = name, key
+
+        def make_room(self, missing: int) -> None:
+            asked.append((self.name, missing))
+            led.release(self.key)
+
+    first, second = Frees("first", "a"), Frees("second", "b")
+    led = Ledger(Tier.DEVICE, 1000, reclaimers=(first, second))
+    led.reserve("a", 300)
+    led.reserve("b", 600)
+    led.reserve("c", 500)  # 400 missing: both are asked (the ledger retries once, after all of them)
+    assert asked == [("first", 400), ("second", 400)] and led.used == 500
+    asked.clear()
+    led.reserve("a", 300)
+    led.reclaim(100, besides=first)
+    assert asked == [("second", 100)] and led.held("a") == 300
+    with pytest.raises(OutOfTierMemory):
+        Ledger(Tier.DEVICE, 10).reserve("x", 11)

@@ -102,6 +102,8 @@ def test_bench_quick_json_gives_every_figure_and_saves_the_profile(tmp_path, env
     assert saved == data
     assert not [p for p in work.iterdir() if p.name.startswith(".tiermem-bench-")]  # scratch removed
     assert "NVMe through NvmeStore" in res.stdout and "CPU Adam" in res.stdout
+    assert all(data["matmul"][f"cpu_{p}_GFLOPs"] > 0 for p in ("fp32", "bf16", "fp16"))
+    assert "matmul per precision" in res.stdout
     assert data["adam"]["compile_s"] >= 0  # the one-time kernel build, reported apart from the rates
     if plot.matplotlib_available():  # the optional extra: draw this run's figures
         plot.draw(data, str(tmp_path / "tiers.png"))

@@ -79,3 +79,34 @@ def test_a_prediction_beside_a_measured_step_groups_what_step_runs():
     pairs = against_measured(predicted, forward_backward=1.2, grads_home=0.3, step=1.0)
     assert pairs == {"forward+backward": (1.0, 1.2), "grads home": (0.1, 0.3),
                      "norm, Adam, weights up": (pytest.approx(0.75), pytest.approx(0.7))}
+
+
+def test_unmeasured_compute_is_predicted_at_the_matmul_rate_of_the_precision_in_use():
+    from tiermem.plan.cost import step_flops
+    assert step_flops(10**6, 2 * 10**5, 1000) == 1000 * (6e6 + 4 * 2e5)
+    rates = Rates(**{**RATES.__dict__, "matmul": {"fp32": 50 * G, "bf16": 5 * G}})
+    buckets = [_b(0, 10**9, Tier.HOST), _b(1, 10**9, Tier.HOST)]
+    fp32 = predict(buckets, 4, rates, flops=30 * G, precision="fp32").stages
+    bf16 = predict(buckets, 2, rates, flops=30 * G, precision="bf16").stages
+    assert fp32["forward+backward"] == pytest.approx(0.6) and bf16["forward+backward"] == pytest.approx(6.0)
+    # the grads' trips (4 GB and 2 GB a bucket at 20 GB/s) hide behind two thirds of that compute,
+    # all but the last bucket's
+    assert fp32["grads home"] == pytest.approx(0.2) and bf16["grads home"] == pytest.approx(0.1)
+    measured = predict(buckets, 2, rates, forward_backward=0.3, flops=30 * G, precision="bf16").stages
+    assert measured["forward+backward"] == 0.3  # a measured compute wins over the prediction
+    assert predict(buckets, 2, rates).stages["forward+backward"] == 0  # neither: not counted
+    with pytest.raises(ConfigError, match=r"^tiermem: the machine profile has no fp16 matmul figure .* run "
+                                          r"`tiermem bench`"):
+        predict(buckets, 2, rates, flops=30 * G, precision="fp16")
+
+
+def test_the_matmul_rates_are_the_devices_and_a_cpus_scale_with_its_threads(monkeypatch):
+    import torch
+    data = {"device": {"accelerator": None, "h2d_GBps": 5, "d2h_GBps": 6}, "host": {"copy_GBps": 7},
+            "nvme": {"read_GBps": 2, "write_GBps": 1}, "adam": {"tiermem_Gparams_per_s": 1.5},
+            "matmul": {"cpu_fp32_GFLOPs": 40, "cpu_bf16_GFLOPs": 4, "device_bf16_GFLOPs": 900}}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert Rates.from_profile(Profile(data)).matmul == {"fp32": 120e9, "bf16": 12e9}  # one thread's, times 3
+    gpu = {**data, "device": {**data["device"], "accelerator": "H100"}, "adam": {**data["adam"],
+                                                                               "device_Gparams_per_s": 50}}
+    assert Rates.from_profile(Profile(gpu)).matmul == {"bf16": 900e9}  # forward and backward run there

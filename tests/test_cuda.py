@@ -52,19 +52,21 @@ def test_adam_step_on_the_gpu_agrees_with_the_cpu_kernel():
 
 def test_engine_moves_are_bit_exact_on_the_gpu(tmp_path):
     from tiermem.memory.nvme import NvmeStore
+    from tiermem.transfer.residency import KeyedResidency
     e = TransferEngine({Tier.DEVICE: DeviceStore("cuda"), Tier.HOST: HostStore(), Tier.NVME: NvmeStore(tmp_path)})
+    res = KeyedResidency(e)
     x = torch.randn(3, 4099).bfloat16()
-    e.register(TensorInfo("w", TensorClass.PARAM, x.nbytes, tuple(x.shape), x.dtype), Tier.NVME)
-    e.put("w", x)
+    res.register(TensorInfo("w", TensorClass.PARAM, x.nbytes, tuple(x.shape), x.dtype), Tier.NVME)
+    res.put("w", x)
     for _ in range(3):
-        e.prefetch("w", Tier.DEVICE).wait()
+        res.prefetch("w", Tier.DEVICE).wait()
         assert torch.equal(e.stores[Tier.DEVICE].get("w").cpu(), x)
         e.stores[Tier.DEVICE].get("w").mul_(2)
-        e.registry.write_at("w", Tier.DEVICE)
+        res.registry.write_at("w", Tier.DEVICE)
         x = x * 2
-        e.evict("w", Tier.DEVICE).wait()
+        res.evict("w", Tier.DEVICE).wait()
     out = torch.empty_like(x)
-    e.fetch("w", out).wait()
+    res.fetch("w", out).wait()
     assert torch.equal(out, x)
     e.close()
 

@@ -299,7 +299,7 @@ def test_a_checkpoint_loads_into_any_world_size(dp, three, tmp_path, fmt, saved_
     assert _max_diff(after, reference) <= max(spread, 1e-7)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _continued(schedule: tuple[int, ...]) -> tuple[dict, float]:
     """One process's weights after steps of ``schedule[i]`` micro-batches each, and torch's spread there."""
     reference, _ = _solo(steps=range(len(schedule)), schedule=schedule)

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.gpt import GPT, CharTokenizer, GPTConfig, generate, lm_loss, load_corpus  # noqa: E402
+from tiermem.config import resolve_precision  # noqa: E402
 
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+) \| loss (\d+\.\d+)", re.MULTILINE)
 
@@ -28,8 +29,10 @@ def run_train_gpt(*extra: str, timeout: float = 120) -> str:
 
 
 def test_train_gpt_loss_falls() -> None:
-    """The example with its defaults (ZeRO-Offload, bf16), tiny, with gradient accumulation."""
+    """The example with its defaults (ZeRO-Offload, precision auto: this CPU's fast one), tiny, with
+    gradient accumulation."""
     out = run_train_gpt("--steps", "30", "--grad-accum", "2")
+    assert f"precision={resolve_precision('auto', torch.device('cpu'))!r}" in out, out
     steps = [(int(s), int(n), float(loss)) for s, n, loss in STEP_LINE.findall(out)]
     assert [s for s, _, _ in steps] == list(range(5, 31, 5)) and steps[0][1] == 30, out
     first, last = steps[0][2], steps[-1][2]

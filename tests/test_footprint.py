@@ -291,7 +291,7 @@ def test_nvme_staging_by_hand():
     assert fp.NVME_STAGING not in fp.footprint([_bucket(10, H, H)], [], BF16, nvme_staging=True)[H]
 
 
-def test_nvme_staging_is_what_the_gpu_path_leases(gpu_mode, tmp_path):
+def test_nvme_staging_is_what_the_gpu_path_leases(gpu_mode, tmp_path):  # noqa: F811 - the fixture imported above
     """The engine's GPU control flow (stand-in streams, tests/test_gpu_paths.py) under ZeRO-Infinity
     training: the NVMe staging buffers live at once, as the host pool counts them (whole pages),
     stay within the footprint's NVMe staging and its pages; the CPU path leases none. The thread

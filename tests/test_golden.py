@@ -89,7 +89,7 @@ def train(setup: dict, precision: str, device: str = "cpu") -> dict[str, str]:
                      grad_clip=1.0, bucket_size="64KiB", device=device, **setup)
     batches = [(x.to(device), y.to(device)) for x, y in _batches(STEPS)]
     for i, (x, y) in enumerate(batches):
-        for j in range(2 if i % 5 == 0 else 1):  # some steps accumulate two micro-batches
+        for _ in range(2 if i % 5 == 0 else 1):  # some steps accumulate two micro-batches
             tm.backward(lm_loss(tm(x), y) / (2 if i % 5 == 0 else 1))
         tm.step()
     state = tm.state_dict()

@@ -242,24 +242,26 @@ def gpu_mode(monkeypatch):
 
 def test_gpu_mode_moves_land_on_the_completion_thread_and_join_waits_on_the_gpu(gpu_mode):
     from tiermem import TensorInfo
+    from tiermem.transfer.residency import KeyedResidency
     make, bound = gpu_mode
     e = make()
     try:
         x = torch.arange(5000, dtype=torch.float32)
-        e.register(TensorInfo("w", TensorClass.PARAM, x.nbytes, tuple(x.shape), x.dtype), Tier.HOST)
-        e.put("w", x)
-        h = e.prefetch("w", Tier.DEVICE)
+        res = KeyedResidency(e)
+        res.register(TensorInfo("w", TensorClass.PARAM, x.nbytes, tuple(x.shape), x.dtype), Tier.HOST)
+        res.put("w", x)
+        h = res.prefetch("w", Tier.DEVICE)
         assert e.join(h) is e.stores[Tier.DEVICE].get("w")  # the request's value, once issued
         assert _FakeStream.waited >= 2  # the lane waited on `ready`, the caller's stream on `done`
         h.wait()
-        assert e.registry.get("w").valid == {Tier.HOST, Tier.DEVICE}  # the completion thread's bookkeeping
+        assert res.registry.get("w").valid == {Tier.HOST, Tier.DEVICE}  # the completion thread's bookkeeping
         assert torch.equal(e.stores[Tier.DEVICE].get("w"), x)
         e.stores[Tier.DEVICE].get("w").mul_(2)
-        e.registry.write_at("w", Tier.DEVICE)
-        e.evict("w", Tier.DEVICE).wait()
-        assert e.registry.get("w").valid == {Tier.HOST} and "w" not in e.stores[Tier.DEVICE]
+        res.registry.write_at("w", Tier.DEVICE)
+        res.evict("w", Tier.DEVICE).wait()
+        assert res.registry.get("w").valid == {Tier.HOST} and "w" not in e.stores[Tier.DEVICE]
         out = torch.empty_like(x)
-        e.fetch("w", out)
+        res.fetch("w", out)
         assert torch.equal(out, x * 2)
         stats = e.stats.snapshot()
         assert stats["busy_seconds"][(Tier.HOST, Tier.DEVICE)] == pytest.approx(1e-3)  # the events' time

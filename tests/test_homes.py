@@ -30,6 +30,7 @@ from tiermem.train.nvme_grads import NvmeGrads
 from tiermem.train.nvme_state import NvmeState
 from tiermem.train.param_offload import ParamOffload
 from tiermem.transfer.engine import TransferEngine
+from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import ResidencyScheduler
 from tiermem.types import TensorClass, Tier
 
@@ -550,7 +551,8 @@ class WeightCase:
 
 def _param_offload(module, buckets, engine, hooks) -> WeightHome:
     homes = {s.name: b.param_tier for b in buckets for s in b.slots}
-    return ParamOffload(module, homes, engine, ResidencyScheduler(engine, Tier.DEVICE), torch.bfloat16,
+    res = KeyedResidency(engine)
+    return ParamOffload(module, homes, res, ResidencyScheduler(Tier.DEVICE).connect(res), torch.bfloat16,
                         torch.device("cpu"), hooks)
 
 

@@ -1,6 +1,6 @@
-"""examples/from_deepspeed.py, the README's "Coming from DeepSpeed / the HF Trainer" snippets: the
-example runs both migrations and the loss falls in each; every line of the section's snippets is a
-line of the example, so what the README shows is what runs."""
+"""examples/from_deepspeed.py, the snippets of docs/deepspeed.md ("Coming from DeepSpeed"): the
+example runs both migrations and the loss falls in each; every line of the page's snippets marked
+as lines of the example is a line of it, so what the docs show is what runs."""
 from __future__ import annotations
 
 import os
@@ -17,21 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "from_deepspeed.py"
 
 
-def _section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end >= 0 else None]
-
-
-def test_readme_snippets_are_lines_of_the_example():
+def test_docs_snippets_are_lines_of_the_example():
     source = {re.sub(r"\s*# noqa: E402$", "", line).strip() for line in EXAMPLE.read_text().splitlines()}
-    blocks = re.findall(r"```python\n(.*?)```", _section("Coming from DeepSpeed / the HF Trainer"), re.S)
+    marker = f"<!-- not run: lines of {EXAMPLE.relative_to(ROOT)}, which tests/test_integrations_examples.py runs -->"
+    blocks = re.findall(re.escape(marker) + r"\n```python\n(.*?)```", (ROOT / "docs" / "deepspeed.md").read_text(), re.S)
     assert len(blocks) == 2
     for block in blocks:
         for line in block.splitlines():
             if line.strip() and line.strip() != "...":
-                assert line.strip() in source, f"README line not in {EXAMPLE.name}: {line!r}"
+                assert line.strip() in source, f"docs/deepspeed.md line not in {EXAMPLE.name}: {line!r}"
 
 
 def test_example_runs_both_migrations(tmp_path):

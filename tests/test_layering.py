@@ -91,3 +91,13 @@ def test_the_layering_test_sees_a_violation():
     assert layer("tiermem.memory.nvme") > layer("tiermem.plan.placement")
     assert layer("tiermem.train.model") > layer("tiermem.transfer.engine") > layer("tiermem.memory.resident")
     assert "tiermem.train.homes" in imports(MODULES["tiermem.train.layout"], set(MODULES), top_level_only=True)
+
+
+def test_the_device_caches_reclaimer_is_an_import_the_layering_sees():
+    """NOTE [Reclaimers at construction]: a ledger calls up into the caches on its tier through the
+    Reclaimer protocol they import from it, never through an import of its own, so the call from
+    memory/ up into transfer/ is an edge this test reads (transfer.schedule -> memory.ledger)."""
+    known = set(MODULES)
+    assert "tiermem.memory.ledger" in imports(MODULES["tiermem.transfer.schedule"], known, top_level_only=True)
+    assert not any(layer(t) > layer("tiermem.memory.ledger")
+                   for t in imports(MODULES["tiermem.memory.ledger"], known, top_level_only=False))

@@ -10,7 +10,7 @@ from tiermem.memory.resident import DeviceStore, HostStore
 
 def test_host_buffers_are_page_aligned_and_reused_across_steps():
     host = HostStore(budget=1 << 20)
-    for step in range(5):
+    for _ in range(5):
         ts = [host.allocate(f"b{i}", (1000 + i,), torch.float32) for i in range(3)]
         assert all(t.data_ptr() % ALIGN == 0 for t in ts)
         for i in range(3):

@@ -243,7 +243,7 @@ def test_a_second_store_in_this_process_is_refused_until_the_first_closes(tmp_pa
     assert _same(_read(first, "k", torch.ones(3)), torch.ones(3))  # the owner is unaffected
     first.close()
     assert not lock.exists()
-    with NvmeStore(tmp_path) as again:
+    with NvmeStore(tmp_path):
         assert lock.exists()
     abandoned = NvmeStore(tmp_path)
     del abandoned  # nothing references it: it lets go when collected

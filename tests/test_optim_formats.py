@@ -115,7 +115,7 @@ TORCH = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def torch_reference(kind: str) -> tuple[dict, float]:
     """torch's for-loop result and the spread of its three variants."""
     runs = [torch_loop(lambda ps, v=v: TORCH[kind](ps, **v)) for v in VARIANTS]
@@ -131,7 +131,7 @@ def test_torch_sgd_and_adagrad_given_as_optimizer_match_torch_on_every_tier(kind
     assert diff(got, torch_loop(lambda ps: torch.optim.SGD(ps, lr=0.0))) > 1e-3  # it trained
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lion_reference() -> tuple[dict, float]:
     runs = [torch_loop(lambda ps, lerp=lerp: PaperLion(ps, lr=1e-3, weight_decay=0.1, lerp=lerp))
             for lerp in (False, True)]
@@ -146,7 +146,7 @@ def test_lion_matches_the_papers_update_on_every_tier(policy, tmp_path):
     assert diff(got, torch_loop(lambda ps: torch.optim.SGD(ps, lr=0.0))) >= 1e-3 * STEPS * 0.9  # sign steps of lr
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def adamw_8bit_reference() -> tuple[dict, float, dict]:
     """torch AdamW with its moments quantized after every step (the oracle), the spread of its
     variants, and plain fp32 AdamW."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from models import TinyGPT, train_steps
 from tiermem import Budgets, OutOfTierMemory, TieredModel, Tier
@@ -84,7 +85,7 @@ def test_the_printed_bytes_are_what_the_constructor_checks(capsys, tmp_path):
     printed = {Tier(t): n for t, n in chosen["bytes"].items()}
     assert printed[Tier.DEVICE] > 20_000 and printed[Tier.HOST] > 0, "the budgets must split the state"
     tm = TieredModel(TinyGPT(), Auto(), budgets=Budgets(device=device, host=host, nvme="1GiB"),
-                     nvme_dir=str(tmp_path))
+                     nvme_dir=str(tmp_path), precision="auto")  # the plan's precision without --precision
     assert (tm.placement.chosen.label, dict(tm.placement.chosen.evaluation.need)) == (chosen["placement"], printed)
     policy = tm.placement.chosen.policy
     tm.detach()
@@ -94,8 +95,37 @@ def test_the_printed_bytes_are_what_the_constructor_checks(capsys, tmp_path):
         d = tmp_path / f"nvme-{len(list(tmp_path.iterdir()))}"
         d.mkdir()
         # the device: room for this batch's activations beside the choice (what device_reserve is for)
-        return TieredModel(TinyGPT(), policy, budgets=Budgets(device=10 * device, **budgets), nvme_dir=str(d))
+        return TieredModel(TinyGPT(), policy, budgets=Budgets(device=10 * device, **budgets), nvme_dir=str(d),
+                           precision="auto")
     for tier in [t.value for t in (Tier.HOST, Tier.NVME) if printed[t]]:
         with pytest.raises(OutOfTierMemory, match=rf"^tiermem: out of {tier} memory"):
             build(**{tier: 1})
     assert len(train_steps(build(), 2)) == 2
+
+
+def test_tokens_predict_the_compute_at_the_matmul_rate_of_the_precision(capsys, monkeypatch):
+    """``--tokens`` (Auto(tokens_per_step=...)): forward and backward predicted as 6 FLOPs per parameter
+    and token at the profile's matmul rate of the precision planned for, one CPU thread's figure
+    times torch's threads; and --precision auto plans for this machine's precision."""
+    from tiermem.config import CpuFeatures
+    from tiermem.train import compute
+    monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls: CpuFeatures("AVX2", False, False)))
+    monkeypatch.setattr(compute, "_sections", {})
+    cpu = {**GPU, "device": {"accelerator": None, "h2d_GBps": 20, "d2h_GBps": 20},
+           "matmul": {"conditions": compute.conditions(torch.device("cpu")), "cpu_shape": [1, 1, 1],
+                      "cpu_fp32_GFLOPs": 60.0, "cpu_bf16_GFLOPs": 6.0, "cpu_fp16_GFLOPs": 5.0}}
+    profile.save_profile(cpu)
+    fb = {}
+    for precision in ("fp32", "bf16", "auto"):
+        assert main(["plan", "--params", "1e8", "--precision", precision, "--policy", "auto", "--tokens", "4096",
+                     "--device-mem", "1TB", "--host-mem", "1TB", "--nvme-free", "0", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)["auto"]
+        fb[precision] = out["choices"][0]["predicted_s"]["forward+backward"]
+        assert out["tokens_per_step"] == 4096
+    assert out["precision"] == "fp32"  # auto on a CPU without fast bf16
+    threads = torch.get_num_threads()
+    assert fb["fp32"] == pytest.approx(6 * 1e8 * 4096 / (60e9 * threads)) == fb["auto"]
+    assert fb["bf16"] == pytest.approx(10 * fb["fp32"])
+    assert main(["plan", "--params", "1e8", "--policy", "auto", "--tokens", "4096", "--device-mem", "1TB",
+                 "--host-mem", "1TB", "--nvme-free", "0"]) == 0
+    assert "predicted for 4,096 tokens at the fp32 matmul rate" in capsys.readouterr().out

@@ -16,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from tiermem import ConfigError, OutOfTierMemory, TensorClass, TensorInfo, Tier, TierMemError
 from tiermem.transfer.engine import TransferEngine
+from tiermem.transfer.residency import KeyedResidency
 from tiermem.errors import fmt_bytes
 from tiermem.transfer.schedule import (AccessTrace, ResidencyScheduler, ScheduleStats, choose_victim,
                               lookahead_window)
@@ -104,15 +105,15 @@ def test_stats_add_up():
     assert a + b == ScheduleStats(hits=3, misses=3, evictions=1, stall_seconds=0.5)
 
 
-# -- on a real engine -------------------------------------------------------------------------------
-def _engine(nvme_dir, device_budget: int) -> TransferEngine:
-    return TransferEngine({Tier.DEVICE: DeviceStore("cpu", device_budget),
-                           Tier.HOST: HostStore(64 << 20), Tier.NVME: NvmeStore(nvme_dir)})
+# -- on a real res -------------------------------------------------------------------------------
+def _residency(nvme_dir, device_budget: int) -> KeyedResidency:
+    return KeyedResidency(TransferEngine({Tier.DEVICE: DeviceStore("cpu", device_budget),
+                                          Tier.HOST: HostStore(64 << 20), Tier.NVME: NvmeStore(nvme_dir)}))
 
 
-def _close(engine: TransferEngine) -> None:
-    engine.close()
-    engine.stores[Tier.NVME].close()
+def _close(res: KeyedResidency) -> None:
+    res.engine.close()
+    res.engine.stores[Tier.NVME].close()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -125,15 +126,15 @@ class Model:
     SHAPES = [(97, 129), (1000,), (63, 65, 3), (4099,), (31, 517), (2049,), (129, 130), (777,)]
     DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
 
-    def __init__(self, engine: TransferEngine, seed: int = 0):
+    def __init__(self, res: KeyedResidency, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
-        self.engine, self.values, self.g = engine, {}, g
+        self.res, self.values, self.g = res, {}, g
         for i, shape in enumerate(self.SHAPES):
             key = f"blocks.{i}.weight"
             x = (torch.randn(shape, generator=g) * 100).to(self.DTYPES[i % len(self.DTYPES)])
-            engine.register(TensorInfo(key, TensorClass.PARAM, x.nbytes, tuple(x.shape), x.dtype),
+            res.register(TensorInfo(key, TensorClass.PARAM, x.nbytes, tuple(x.shape), x.dtype),
                             Tier.HOST if i % 2 == 0 else Tier.NVME)
-            engine.put(key, x)
+            res.put(key, x)
             self.values[key] = x
 
     @property
@@ -151,7 +152,7 @@ class Model:
     def check_home(self) -> None:
         for key, x in self.values.items():
             out = torch.empty_like(x)
-            self.engine.fetch(key, out).wait()
+            self.res.fetch(key, out).wait()
             assert torch.equal(_bits(out), _bits(x)), key
 
 
@@ -171,7 +172,7 @@ def _run(sched: ResidencyScheduler, model: Model, pattern, *, iterations: int, d
             if compute_s:
                 time.sleep(compute_s)
             sched.release(key)
-            ledger = sched.engine.stores[Tier.DEVICE].ledger
+            ledger = sched.residency.engine.stores[Tier.DEVICE].ledger
             assert ledger.used <= ledger.allowed
         sched.end_iteration()
 
@@ -189,10 +190,10 @@ def _budget(fraction: float) -> int:
 
 def test_forward_backward_is_bit_exact_within_budget_and_prefetch_removes_misses(nvme_dir):
     budget = _budget(0.5)
-    engine = _engine(nvme_dir, budget)
+    res = _residency(nvme_dir, budget)
     try:
-        model = Model(engine)
-        sched = ResidencyScheduler(engine)
+        model = Model(res)
+        sched = ResidencyScheduler().connect(res)
         pattern = model.keys + model.keys[::-1]
         _run(sched, model, pattern, iterations=4, dirty_every=3, compute_s=0.002)
         first, later = sched.history[0], sched.history[1:]
@@ -201,29 +202,29 @@ def test_forward_backward_is_bit_exact_within_budget_and_prefetch_removes_misses
         # (stall seconds are timing: bench/prefetch.py measures them; counts are what a test can hold)
         assert all(s.writebacks > 0 for s in sched.history)
         assert all(s.acquires == s.hits + s.late + s.misses == len(pattern) for s in sched.history)
-        ledger = engine.stores[Tier.DEVICE].ledger
+        ledger = res.engine.stores[Tier.DEVICE].ledger
         assert ledger.peak <= budget and ledger.peak > budget // 2
         sched.evict_all()
         assert ledger.used == 0
         model.check_home()  # every dirty update reached its home tier
     finally:
-        _close(engine)
+        _close(res)
 
 
 def test_updates_written_home_between_iterations_are_read_again(nvme_dir):
-    engine = _engine(nvme_dir, _budget(0.5))
+    res = _residency(nvme_dir, _budget(0.5))
     try:
-        model = Model(engine)
-        sched = ResidencyScheduler(engine)
-        for step in range(3):
+        model = Model(res)
+        sched = ResidencyScheduler().connect(res)
+        for _ in range(3):
             _run(sched, model, model.keys + model.keys[::-1], iterations=1)
             for key in model.keys[::3]:  # an optimizer step writes new values to the home tier
                 new = model.values[key] + 1 if model.values[key].is_floating_point() else model.values[key] - 7
-                engine.put(key, new)
+                res.put(key, new)
                 model.values[key] = new
         assert sched.history[-1].misses > 0  # what the step rewrote had to come again
     finally:
-        _close(engine)
+        _close(res)
 
 
 @pytest.mark.parametrize("name,pattern", [
@@ -236,36 +237,36 @@ def test_belady_evicts_no_more_than_lru(tmp_path, name, pattern, prefetch):
     evicted = {}
     for eviction in ("belady", "lru"):
         (tmp_path / eviction).mkdir()
-        engine = _engine(str(tmp_path / eviction), _budget(0.6))
+        res = _residency(str(tmp_path / eviction), _budget(0.6))
         try:
-            model = Model(engine)
-            sched = ResidencyScheduler(engine, prefetch=prefetch, eviction=eviction)
+            model = Model(res)
+            sched = ResidencyScheduler(prefetch=prefetch, eviction=eviction).connect(res)
             _run(sched, model, pattern(model.keys), iterations=4)
             steady = sched.history[1:]  # the first iteration has no trace: LRU in both
             evicted[eviction] = (sum(s.evictions for s in steady), sum(s.bytes_evicted for s in steady))
         finally:
-            _close(engine)
+            _close(res)
     assert evicted["belady"][0] <= evicted["lru"][0] and evicted["belady"][1] <= evicted["lru"][1]
     if name == "two forwards":  # a repeated scan is LRU's worst case: it evicts on every access
         assert evicted["belady"][0] < evicted["lru"][0] == 2 * len(Model.SHAPES) * 3
 
 
 def test_prefetch_off_fetches_on_demand(nvme_dir):
-    engine = _engine(nvme_dir, _budget(0.5))
+    res = _residency(nvme_dir, _budget(0.5))
     try:
-        model = Model(engine)
-        sched = ResidencyScheduler(engine, prefetch=False)
+        model = Model(res)
+        sched = ResidencyScheduler(prefetch=False).connect(res)
         _run(sched, model, model.keys + model.keys[::-1], iterations=3)
         assert sched.stats.prefetches == 0 and all(s.misses > 0 for s in sched.history)
     finally:
-        _close(engine)
+        _close(res)
 
 
 def test_a_changed_access_order_is_re_recorded(nvme_dir, caplog):
-    engine = _engine(nvme_dir, _budget(0.5))
+    res = _residency(nvme_dir, _budget(0.5))
     try:
-        model = Model(engine)
-        sched = ResidencyScheduler(engine)
+        model = Model(res)
+        sched = ResidencyScheduler().connect(res)
         _run(sched, model, model.keys, iterations=2)
         assert sched.trace.keys == tuple(model.keys) and sched.history[1].misses == 0
         with caplog.at_level(logging.DEBUG, logger="tiermem.transfer.schedule"):
@@ -275,7 +276,7 @@ def test_a_changed_access_order_is_re_recorded(nvme_dir, caplog):
         _run(sched, model, model.keys[::-1], iterations=1)
         assert sched.history[-1].misses == 0
     finally:
-        _close(engine)
+        _close(res)
 
 
 def test_working_set_larger_than_the_budget_is_a_clear_error(nvme_dir):
@@ -283,10 +284,10 @@ def test_working_set_larger_than_the_budget_is_a_clear_error(nvme_dir):
     big, a, b, c = "blocks.0.weight", "blocks.1.weight", "blocks.3.weight", "blocks.2.weight"
     budget = sizes[a] + sizes[b] + sizes[c] - 1  # a, b and c cannot be held at once
     assert sizes[big] > budget
-    engine = _engine(nvme_dir, budget)
+    res = _residency(nvme_dir, budget)
     try:
-        model = Model(engine)
-        sched = ResidencyScheduler(engine)
+        model = Model(res)
+        sched = ResidencyScheduler().connect(res)
         with pytest.raises(OutOfTierMemory, match=(
                 rf"working set \(1 tensor: 'blocks.0.weight'\) needs {fmt_bytes(sizes[big])} on device, "
                 rf"budget {fmt_bytes(budget)}; raise Budgets\(device=...\) to at least "
@@ -304,54 +305,61 @@ def test_working_set_larger_than_the_budget_is_a_clear_error(nvme_dir):
             sched.release(key)
         t = sched.acquire(c)  # fits once the others are released
         assert torch.equal(t, model.values[c])
-        assert engine.stores[Tier.DEVICE].ledger.peak <= budget
+        assert res.engine.stores[Tier.DEVICE].ledger.peak <= budget
     finally:
-        _close(engine)
+        _close(res)
 
 
 def test_a_tensor_brought_to_the_device_by_others_is_evictable_once_acquired(nvme_dir):
     sizes = Model.sizes()
     a, b = "blocks.2.weight", "blocks.6.weight"
-    engine = _engine(nvme_dir, max(sizes[a], sizes[b]) + 100)  # one at a time
+    res = _residency(nvme_dir, max(sizes[a], sizes[b]) + 100)  # one at a time
     try:
-        model = Model(engine)
-        engine.prefetch(a, Tier.DEVICE).wait()  # e.g. the caller's own prefetch
-        sched = ResidencyScheduler(engine)
+        model = Model(res)
+        res.prefetch(a, Tier.DEVICE).wait()  # e.g. the caller's own prefetch
+        sched = ResidencyScheduler().connect(res)
         assert torch.equal(sched.acquire(a), model.values[a]) and sched.stats.hits == 1
         sched.release(a)
         assert torch.equal(sched.acquire(b), model.values[b])  # room made by evicting a
-        assert sched.stats.evictions == 1 and a not in engine.stores[Tier.DEVICE]
+        assert sched.stats.evictions == 1 and a not in res.engine.stores[Tier.DEVICE]
     finally:
-        _close(engine)
+        _close(res)
 
 
 def test_bad_calls_are_clear_errors(nvme_dir):
-    engine = _engine(nvme_dir, 1 << 20)
+    res = _residency(nvme_dir, 1 << 20)
     try:
-        Model(engine)
+        Model(res)
         x = torch.ones(4)
-        engine.register(TensorInfo("on_device", TensorClass.PARAM, 16, (4,), x.dtype), Tier.DEVICE)
-        engine.put("on_device", x)
-        sched = ResidencyScheduler(engine)
+        res.register(TensorInfo("on_device", TensorClass.PARAM, 16, (4,), x.dtype), Tier.DEVICE)
+        res.put("on_device", x)
+        sched = ResidencyScheduler().connect(res)
+        no_host = KeyedResidency(TransferEngine({Tier.DEVICE: DeviceStore("cpu", 1 << 20)}))
+        ResidencyScheduler().make_room(1 << 20)  # not connected: it holds nothing, so it frees nothing
         cases = [
             (lambda: sched.release("blocks.1.weight"), TierMemError, r"release\('blocks.1.weight'\) without"),
             (lambda: sched.mark_dirty("blocks.1.weight"), TierMemError, "not acquired; acquire it"),
             (lambda: sched.acquire("on_device"), TierMemError, "homed on the device tier"),
             (lambda: sched.acquire("ghost"), TierMemError, "'ghost' is not registered"),
-            (lambda: ResidencyScheduler(engine, Tier.NVME), ConfigError, "must be a memory tier"),
-            (lambda: ResidencyScheduler(engine, eviction="fifo"), ConfigError, "'fifo' is not one of"),
-            (lambda: ResidencyScheduler(engine, lookahead_bytes="lots"), ConfigError,
+            (lambda: ResidencyScheduler(Tier.NVME).connect(res), ConfigError, "must be a memory tier"),
+            (lambda: ResidencyScheduler(eviction="fifo").connect(res), ConfigError, "'fifo' is not one of"),
+            (lambda: ResidencyScheduler(lookahead_bytes="lots").connect(res), ConfigError,
              "lookahead_bytes='lots' does not parse"),
+            (lambda: sched.connect(res), TierMemError, r"connect\(\) was called twice"),
+            (lambda: ResidencyScheduler().acquire("blocks.1.weight"), TierMemError, "not connected to a residency"),
+            (lambda: ResidencyScheduler(Tier.HOST).connect(no_host), ConfigError,
+             "must be a memory tier the engine has a store for"),
         ]
         for call, error, match in cases:
             with pytest.raises(error, match=match) as info:
                 call()
             assert str(info.value).startswith("tiermem:")
+        no_host.engine.close()
         t = sched.acquire("blocks.1.weight")  # the failed calls left nothing half-done
         sched.release("blocks.1.weight")
         assert sched.stats.acquires == 1 and t.shape == (1000,)
     finally:
-        _close(engine)
+        _close(res)
 
 
 # -- invariants over random access sequences -----------------------------------------------------------
@@ -360,18 +368,18 @@ def test_bad_calls_are_clear_errors(nvme_dir):
        eviction=st.sampled_from(["belady", "lru"]), iterations=st.integers(1, 3))
 def test_random_sequences_keep_budget_and_bits(data, budget_fraction, prefetch, eviction, iterations):
     tmp = tempfile.mkdtemp(prefix="tiermem-sched-")
-    engine = None
+    res = None
     try:
         sizes = Model.sizes()
         budget = max(int(sum(sizes.values()) * budget_fraction), 1)
-        engine = _engine(tmp, budget)
-        model = Model(engine, seed=data.draw(st.integers(0, 9)))
-        sched = ResidencyScheduler(engine, prefetch=prefetch, eviction=eviction,
-                                   lookahead_bytes=data.draw(st.none() | st.integers(0, budget)))
+        res = _residency(tmp, budget)
+        model = Model(res, seed=data.draw(st.integers(0, 9)))
+        sched = ResidencyScheduler(prefetch=prefetch, eviction=eviction,
+                                   lookahead_bytes=data.draw(st.none() | st.integers(0, budget))).connect(res)
         groups = data.draw(st.lists(st.lists(st.sampled_from(model.keys), min_size=1, max_size=3, unique=True),
                                     min_size=1, max_size=12))
         dirty = data.draw(st.lists(st.booleans(), min_size=len(groups), max_size=len(groups)))
-        ledger = engine.stores[Tier.DEVICE].ledger
+        ledger = res.engine.stores[Tier.DEVICE].ledger
         for it in range(iterations):
             for group, modify in zip(groups, dirty):
                 held = []
@@ -392,11 +400,11 @@ def test_random_sequences_keep_budget_and_bits(data, budget_fraction, prefetch, 
                 for key in held:
                     sched.release(key)
             sched.end_iteration()
-        engine.synchronize()
+        res.synchronize()
         assert ledger.peak <= budget
         sched.evict_all()
         model.check_home()
     finally:
-        if engine is not None:
-            _close(engine)
+        if res is not None:
+            _close(res)
         shutil.rmtree(tmp, ignore_errors=True)

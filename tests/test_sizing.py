@@ -92,7 +92,7 @@ def test_builtin_policies_per_param(policy, device, host, nvme):
 def test_builtin_placements_are_the_documented_ones():
     """DESIGN.md: ZeRO-Offload keeps PARAM and ACTIVATION on the device, GRAD and OPTIM_STATE on
     the host; ZeRO-Infinity puts PARAM and OPTIM_STATE on NVMe and GRAD on the host."""
-    P, G, O, A = TensorClass.PARAM, TensorClass.GRAD, TensorClass.OPTIM_STATE, TensorClass.ACTIVATION
+    P, G, O, A = TensorClass.PARAM, TensorClass.GRAD, TensorClass.OPTIM_STATE, TensorClass.ACTIVATION  # noqa: E741 - the classes by initial
     D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
     documented = {"ZeroOffload": {P: D, A: D, G: H, O: H}, "KeepOnDevice": {P: D, A: D, G: D, O: D},
                   "ZeroInfinity": {P: N, O: N, G: H, A: D}}

@@ -10,7 +10,7 @@ from tiermem.config import is_int
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.types import Tier
 
-ByteSize = Union[int, str]
+ByteSize = Union[int, float, str]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -22,9 +22,19 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 
 
 def parse_bytes(value: ByteSize, *, what: str = "size") -> int:
-    """``"8GiB"`` -> 8589934592, ``"500MB"`` -> 500000000, ``1024`` -> 1024.
+    """A size in bytes: ``"8GiB"`` -> 8589934592, ``"500MB"`` -> 500000000, ``1024`` -> 1024.
 
     Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) of 1024.
+
+    Args:
+        value: an int (or integral float) of bytes, or a number with a unit as a string.
+        what: the name the error message gives the value (e.g. ``"Budgets.host"``).
+
+    Returns:
+        The size in bytes, an int >= 0.
+
+    Raises:
+        ConfigError: the value does not parse, or is negative.
     """
     if is_int(value):
         n = value
@@ -48,9 +58,16 @@ def parse_bytes(value: ByteSize, *, what: str = "size") -> int:
 @checked_arguments
 @dataclass(frozen=True)
 class Budgets:
-    """Caps on the bytes tiermem manages per tier. ``None`` means this machine's default
-    (device memory, or available RAM without an accelerator; available RAM for host; free
-    disk space for NVMe)."""
+    """Caps on the bytes tiermem manages per tier; each an int of bytes or a string such as
+    ``"20GiB"`` (:func:`parse_bytes`). A model whose working set does not fit is refused at
+    construction with the bytes each tier needs.
+
+    Args:
+        device: cap on the device tier. Default: on a GPU, its free memory plus what torch's
+            allocator holds, less max(1 GiB, 5%); without an accelerator, the available RAM.
+        host: cap on host memory (pinned where an accelerator exists). Default: the available RAM.
+        nvme: cap on the NVMe directory. Default: its free disk space.
+    """
 
     device: Optional[ByteSize] = None
     host: Optional[ByteSize] = None
@@ -63,4 +80,10 @@ class Budgets:
                 object.__setattr__(self, f.name, parse_bytes(v, what=f"Budgets.{f.name}"))
 
     def for_tier(self, tier: Tier) -> Optional[int]:
-        return getattr(self, tier.value)
+        """The cap in bytes of ``tier``, None when it has none.
+
+        Args:
+            tier: a :class:`~tiermem.Tier`.
+        """
+        value = getattr(self, tier.value)  # an int once constructed (__post_init__ parsed it)
+        return None if value is None else int(value)

@@ -2,19 +2,27 @@
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, ClassVar, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional, TypeGuard, cast
 
 import torch
 
 from tiermem.errors import ConfigError, checked_arguments
 
+log = logging.getLogger(__name__)
+
 #: The working precisions: the dtype of the weights forward and backward use, by name. The one
 #: list: ``tiermem plan`` (tiermem.plan.sizing) derives its precisions and bytes per element from it.
 PRECISIONS: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+#: What ``precision=`` takes: a working precision, or "auto" for this device's (NOTE [Choosing the precision]).
+PRECISION_CHOICES: tuple[str, ...] = (*PRECISIONS, "auto")
 
 
 def working_dtype(precision: str) -> torch.dtype:
@@ -25,18 +33,109 @@ def working_dtype(precision: str) -> torch.dtype:
                           f"use one of {', '.join(repr(p) for p in PRECISIONS)}") from None
 
 
+def precision_of(dtype: torch.dtype) -> str:
+    """The name of a working dtype (``torch.bfloat16`` -> ``"bf16"``)."""
+    return next(name for name, d in PRECISIONS.items() if d == dtype)
+
+
+# NOTE [Choosing the precision]
+# ``precision="auto"`` becomes a working precision here, once, from the device the weights live on:
+# - a GPU that computes bf16 natively (CUDA compute capability 8.0 and later, any ROCm device): "bf16";
+# - an older GPU (Volta, Turing): "fp16", with dynamic loss scaling: its tensor cores run fp16 at
+#   about 8x its fp32 rate, and it has no bf16 units (torch emulates bf16 there through fp32);
+# - a CPU with AVX512-BF16 or AMX, when torch's matmul may use them: torch computes a bf16 matmul
+#   on the CPU through oneDNN, so oneDNN must be built in and enabled (torch.backends.mkldnn), and
+#   ONEDNN_MAX_CPU_ISA/DNNL_MAX_CPU_ISA, when set, not below AVX512_CORE_BF16: "bf16". ATen's own
+#   capability (ATEN_CPU_CAPABILITY) does not decide: capped at AVX2 alone, the bf16 matmul still
+#   ran 3x faster than fp32 here; without oneDNN (or capped), 8x slower;
+# - any other CPU (AVX2 only, ARM, ...): "fp32". Without those instructions torch has no fast bf16
+#   matmul (on an AVX2 EPYC a bf16 F.linear took 11x its fp32 time) and fp16 is no better, so
+#   fp32 is the fastest there and needs no loss scaling. A CPU never gets "fp16": where it has fast
+#   fp16 (AVX512-FP16, AMX-FP16) it has AMX-BF16 too, and bf16 needs no loss scaling.
+# The rule reads what the hardware and torch say, never a timing: the same answer every time on a
+# machine, and on every rank alike. How much slower bf16 and fp16 are than fp32 on this CPU is
+# measured once into the machine profile (tiermem/train/machine.py): an explicit "bf16" on a CPU
+# where it is much slower gets one warning with the figures, and the cost model predicts compute
+# at the rate of the precision in use (NOTE [Cost model]).
+_BELOW_BF16_ISAS = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What decides whether this CPU computes bf16 natively (NOTE [Choosing the precision]).
+    Tests make one up; :meth:`detect` asks torch."""
+
+    capability: str  # torch.backends.cpu.get_cpu_capability(): "AVX512", "AVX2", "DEFAULT", ... (shown, not a rule)
+    avx512_bf16: bool
+    amx: bool
+    onednn_max_isa: Optional[str] = None  # ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA), when set
+    onednn: bool = True  # torch's oneDNN (mkldnn) is built in and enabled: it runs the bf16 matmul
+
+    @classmethod
+    def detect(cls) -> "CpuFeatures":
+        def has(name: str) -> bool:  # private torch probes (torch >= 2.3): absent means "cannot tell", so no
+            probe = getattr(torch.cpu, name, None)
+            return bool(probe()) if probe is not None else False
+        isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+        onednn = bool(torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+                      and torch.backends.mkldnn.enabled)
+        return cls(torch.backends.cpu.get_cpu_capability(), has("_is_avx512_bf16_supported"),
+                   has("_is_amx_tile_supported"), isa or None, onednn)
+
+    @property
+    def native_bf16(self) -> bool:
+        capped = self.onednn_max_isa is not None and self.onednn_max_isa.upper() in _BELOW_BF16_ISAS
+        return (self.avx512_bf16 or self.amx) and self.onednn and not capped
+
+    def __str__(self) -> str:
+        isa = [n for n, on in (("AVX512-BF16", self.avx512_bf16), ("AMX", self.amx)) if on]
+        cap = f"; oneDNN capped at {self.onednn_max_isa}" if self.onednn_max_isa else ""
+        off = "" if self.onednn else "; oneDNN off"
+        return f"{self.capability} ({'has ' + ', '.join(isa) if isa else 'no AVX512-BF16, no AMX'}{cap}{off})"
+
+
+def auto_precision(device: torch.device, *, cpu: Optional[CpuFeatures] = None) -> tuple[str, str]:
+    """What ``precision="auto"`` is on ``device``, and why in words (NOTE [Choosing the precision]);
+    ``cpu``: this CPU's features (None: detected)."""
+    if device.type == "cuda":
+        if torch.version.hip is not None:
+            return "bf16", "a ROCm GPU computes bf16"
+        major, minor = torch.cuda.get_device_capability(device)
+        if major >= 8:
+            return "bf16", f"a GPU of compute capability {major}.{minor} computes bf16"
+        return "fp16", f"a GPU of compute capability {major}.{minor} has fp16 tensor cores and no bf16"
+    cpu = CpuFeatures.detect() if cpu is None else cpu
+    if cpu.native_bf16:
+        return "bf16", f"this CPU computes bf16 natively: {cpu}"
+    return "fp32", f"this CPU has no fast bf16 matmul: {cpu}"
+
+
+def resolve_precision(precision: Any, device: torch.device, *, cpu: Optional[CpuFeatures] = None) -> str:
+    """``precision`` checked, with "auto" made this device's working precision (NOTE [Choosing the
+    precision])."""
+    if precision == "auto":
+        chosen, why = auto_precision(device, cpu=cpu)
+        log.info("tiermem: precision='auto' is %r on %s: %s", chosen, device, why)
+        return chosen
+    if not (isinstance(precision, str) and precision in PRECISIONS):
+        raise ConfigError(f"tiermem: precision={precision!r} is not supported; use one of "
+                          f"{', '.join(repr(p) for p in PRECISION_CHOICES)} ('auto': bf16 where the device "
+                          f"computes it natively, else fp32 on a CPU, fp16 on an older GPU)")
+    return precision
+
+
 # NOTE [Numbers are not bools]
 # ``True`` is an int to Python, so every check of a number must also refuse a bool. The two
 # functions below are that check, for every argument tiermem takes (the Adam rules table below,
 # the policies' shares, TieredModel's and NvmeStore's arguments, DeepSpeed configs, checkpoint
 # footers): a number is a real number but not a bool (ints, floats, numpy scalars); a count is
 # an int but not a bool.
-def is_number(v: Any) -> bool:
+def is_number(v: Any) -> TypeGuard[float]:
     """A real number that is not a bool (NOTE [Numbers are not bools])."""
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
-def is_int(v: Any) -> bool:
+def is_int(v: Any) -> TypeGuard[int]:
     """An int that is not a bool (NOTE [Numbers are not bools])."""
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -196,7 +295,7 @@ def read_groups(where: str, given: Any, *, hyper: tuple[str, ...] = GROUP_HYPER,
     a group may set (checked by the rule of their name, or of ``rules[name]``), ``off``: keys taken
     only when False, ``what``: the optimizer, as errors name it."""
     rules = rules or {}
-    items = [given] if isinstance(given, (torch.Tensor, dict)) else None
+    items: Optional[list[Any]] = [given] if isinstance(given, (torch.Tensor, dict)) else None
     if items is None:
         if isinstance(given, (set, frozenset, str)) or not hasattr(given, "__iter__"):
             what = repr(given) if isinstance(given, (int, float, str)) else f"a {type(given).__name__}"
@@ -207,6 +306,7 @@ def read_groups(where: str, given: Any, *, hyper: tuple[str, ...] = GROUP_HYPER,
     if not items:
         raise ConfigError(f"tiermem: {where}params is empty; give the model's parameters or param groups, or leave "
                           f"params out (every trainable parameter in the groups by rule)")
+    groups: list[dict[str, Any]]
     if all(isinstance(g, dict) for g in items):
         groups = items
     elif not any(isinstance(g, dict) for g in items):
@@ -325,7 +425,7 @@ class _Spec:
     @property
     def given(self) -> Optional[tuple[GivenGroup, ...]]:
         """The param groups given (NOTE [Param groups]), or None when groups follow the rule."""
-        return self.params
+        return cast(Optional[tuple[GivenGroup, ...]], self.params)  # read_groups' result, once constructed
 
     def decays(self, name: str, param: torch.Tensor) -> bool:
         """Whether weight decay applies to the parameter ``name`` under the rule groups."""
@@ -383,13 +483,37 @@ class _AdamSpec(_Spec):
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class Adam(_AdamSpec):
-    """Adam (L2 penalty added to the gradient), like ``torch.optim.Adam``."""
+    """Adam (L2 penalty added to the gradient), like ``torch.optim.Adam``.
+
+    Args:
+        params: optional torch-style param groups (see :class:`AdamW`).
+        lr: learning rate.
+        betas: coefficients of the running averages of the gradient and of its square.
+        eps: term added to the denominator for numerical stability.
+        weight_decay: L2 penalty added to the gradient.
+        no_decay: without ``params``: fnmatch patterns of parameter names without weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+    """
 
 
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class AdamW(_AdamSpec):
-    """AdamW (decoupled weight decay), like ``torch.optim.AdamW``; weight decay defaults to 0.01."""
+    """AdamW (decoupled weight decay), like ``torch.optim.AdamW``; weight decay defaults to 0.01.
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate.
+        betas: coefficients of the running averages of the gradient and of its square.
+        eps: term added to the denominator for numerical stability.
+        weight_decay: decoupled weight decay.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay
+            (e.g. ``("*.bias", "*.ln_*")``).
+        no_decay_1d: without ``params``: True exempts every parameter with fewer than two
+            dimensions (biases and norm weights in most models).
+    """
 
     weight_decay: float = 1e-2
     adamw = True
@@ -402,7 +526,13 @@ class LossScale:
     """fp16 dynamic loss scaling: start at ``init_scale``; on overflow skip the step and halve the
     scale, never below ``min_scale``; after ``growth_interval`` clean steps in a row, double it.
     The defaults are ``torch.amp.GradScaler``'s (no floor); DeepSpeed's are ``init_scale=2**16``,
-    ``growth_interval=1000``, ``min_scale=1`` (what :func:`tiermem.from_deepspeed_config` uses)."""
+    ``growth_interval=1000``, ``min_scale=1`` (what :func:`tiermem.from_deepspeed_config` uses).
+
+    Args:
+        init_scale: the first loss scale, a finite number > 0.
+        growth_interval: clean steps in a row after which the scale doubles, an int >= 1.
+        min_scale: the floor the scale never goes below (at most ``init_scale``); None: no floor.
+    """
 
     init_scale: float = 2.0**16
     growth_interval: int = 2000

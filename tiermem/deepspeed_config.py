@@ -441,9 +441,21 @@ def translate(config: Any, **overrides: Any) -> tuple[dict[str, Any], list[str]]
 
 
 def from_deepspeed_config(model: torch.nn.Module, config: Any, **overrides: Any) -> TieredModel:
-    """A :class:`TieredModel` of ``model`` as the DeepSpeed config ``config`` (a path to a JSON
-    file, or a dict) describes it; logs one warning line per key tiermem does not honour (NOTE
-    [DeepSpeed config]). Keyword arguments as :func:`translate` takes them."""
+    """A :class:`~tiermem.TieredModel` of ``model`` as the DeepSpeed config ``config`` describes it;
+    logs one warning line per key tiermem does not honour, saying why and what it does instead
+    (NOTE [DeepSpeed config]).
+
+    Args:
+        model: the ``torch.nn.Module`` to train.
+        config: a DeepSpeed config: a path to its JSON file, or the dict.
+        **overrides: values for the config's ``"auto"`` entries (``lr``, ``betas``, ``eps``,
+            ``weight_decay``, ``precision``, ``grad_clip``, ``nvme_dir``, ...; one that contradicts a
+            value the config sets is an error), and options passed to TieredModel as they are
+            (``budgets``, ``device``, ``bucket_size``, ...).
+
+    Returns:
+        The TieredModel, built.
+    """
     options, notes = translate(config, **overrides)
     for line in notes:
         log.warning("%s", line)

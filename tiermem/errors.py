@@ -8,7 +8,11 @@ from typing import Optional, TypeVar
 
 
 class TierMemError(Exception):
-    """Base class of every error tiermem raises for something a user can cause or fix."""
+    """Base class of every error tiermem raises for something a user can cause or fix.
+
+    Args:
+        message: the text; ``"tiermem: "`` is put in front when it does not start with it.
+    """
 
     def __init__(self, message: str):
         if not message.startswith("tiermem:"):
@@ -31,21 +35,21 @@ C = TypeVar("C", bound=type)
 def checked_arguments(cls: C) -> C:
     """Class decorator (outermost, above ``@dataclass``): ``cls(...)`` with arguments its
     ``__init__`` does not take raises :class:`ArgumentError` instead of Python's bare TypeError."""
-    init = cls.__init__
+    init = cls.__init__  # type: ignore[misc]  # a class decorator: it reads the class's own __init__ to wrap it
     sig = inspect.signature(init if init is not object.__init__ else lambda self: None)
 
     @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
+    def __init__(self: object, *args: object, **kwargs: object) -> None:
         try:
             sig.bind(self, *args, **kwargs)
         except TypeError as e:
             raise ArgumentError(_wrong_arguments(type(self).__name__, sig, kwargs, e)) from None
         init(self, *args, **kwargs)
-    cls.__init__ = __init__
+    cls.__init__ = __init__  # type: ignore[misc]  # ...and replaces it with the checked one
     return cls
 
 
-def _wrong_arguments(name: str, sig: inspect.Signature, kwargs: dict, error: TypeError) -> str:
+def _wrong_arguments(name: str, sig: inspect.Signature, kwargs: dict[str, object], error: TypeError) -> str:
     params = list(sig.parameters.values())[1:]  # without self
     shown, star = [], False
     for p in params:
@@ -65,7 +69,17 @@ class StoreError(TierMemError, OSError):
 
 
 class OutOfTierMemory(TierMemError, MemoryError):
-    """An allocation would take a tier past its budget."""
+    """An allocation would take a tier past its budget. The message names the tier, the tensor,
+    the bytes asked, used and allowed, and what to change.
+
+    Args:
+        tier: the tier that is full.
+        key: the tensor (or working set) being placed.
+        asked: the bytes asked for.
+        used: the bytes already in use on the tier.
+        allowed: the tier's budget.
+        hint: what to change, when the default advice (raise the budget, place less there) is not it.
+    """
 
     def __init__(self, *, tier: object, key: str, asked: int, used: int, allowed: int,
                  hint: Optional[str] = None):

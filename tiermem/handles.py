@@ -8,6 +8,7 @@ reach it through ``TransferEngine.chain``, which counts the stalls (NOTE [Chaine
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import CancelledError, Future
@@ -17,22 +18,35 @@ StallSink = Callable[[float], None]
 
 
 class Handle:
-    """A pending (or finished) request. ``wait()`` returns its result or raises its error."""
+    """A pending (or finished) request of a store or the engine. ``wait()`` returns its result or
+    raises its error; ``done()`` never blocks.
+
+    Args:
+        future: the ``concurrent.futures.Future`` the request completes.
+        on_stall: called with the seconds a caller spent blocked in ``wait()``.
+        issued: for a request that ends with GPU work, the moment that work is queued.
+    """
 
     __slots__ = ("_future", "_on_stall", "_issued")
 
-    def __init__(self, future: Future, *, on_stall: Optional[StallSink] = None, issued: Optional["Issued"] = None):
+    def __init__(self, future: Future[Any], *, on_stall: Optional[StallSink] = None, issued: Optional["Issued"] = None):
         self._future = future
         self._on_stall = on_stall
         self._issued = issued
 
     @classmethod
     def completed(cls, value: Any = None) -> "Handle":
-        f: Future = Future()
+        """A handle already finished with ``value``.
+
+        Args:
+            value: what ``wait()`` returns.
+        """
+        f: Future[Any] = Future()
         f.set_result(value)
         return cls(f)
 
     def done(self) -> bool:
+        """Finished, with or without an error (never blocks)."""
         return self._future.done()
 
     def succeeded(self) -> bool:
@@ -40,6 +54,11 @@ class Handle:
         return self._future.done() and not self._future.cancelled() and self._future.exception() is None
 
     def wait(self, timeout: Optional[float] = None) -> Any:
+        """Block until the request finished; return its result or raise its error.
+
+        Args:
+            timeout: seconds to wait at most (``TimeoutError`` past it); None waits as long as it takes.
+        """
         if not self._future.done() and self._on_stall is not None:
             t0 = time.perf_counter()
             try:
@@ -63,11 +82,20 @@ class Handle:
         issued.wait()
         return issued
 
-    def add_done_callback(self, fn: Callable[[Future], None]) -> None:
+    def add_done_callback(self, fn: Callable[[Future[Any]], None]) -> None:
+        """Call ``fn(future)`` once the request finished (at once when it has).
+
+        Args:
+            fn: the callback, given the underlying future.
+        """
         self._future.add_done_callback(fn)
 
     def observed(self, on_stall: StallSink) -> "Handle":
-        """The same request, reporting the caller's stalls to ``on_stall``."""
+        """The same request, reporting the caller's stalls to ``on_stall``.
+
+        Args:
+            on_stall: called with the seconds each ``wait()`` blocked.
+        """
         return Handle(self._future, on_stall=on_stall, issued=self._issued)
 
 
@@ -78,7 +106,7 @@ class Issued:
 
     __slots__ = ("_flag", "event", "value", "failed")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._flag = threading.Event()
         self.event: Any = None
         self.value: Any = None
@@ -127,7 +155,7 @@ def chain(first: Union[Handle, Sequence[Handle]], then: Optional[Callable[[], An
     """One handle for "``then()`` once ``first`` has finished"; see NOTE [Chained requests] in
     :mod:`tiermem.transfer.engine`, whose ``TransferEngine.chain`` is the way in."""
     link = _Link(then, cleanup, isinstance(first, Handle))
-    firsts = [first] if link.single else list(first)
+    firsts = [first] if isinstance(first, Handle) else list(first)
     if len(firsts) == 1:
         firsts[0].add_done_callback(link.first_done)
     else:
@@ -143,13 +171,13 @@ class _Link:
 
     def __init__(self, then: Optional[Callable[[], Any]], cleanup: Optional[Callable[[], None]], single: bool):
         self.then, self.cleanup, self.single = then, cleanup, single
-        self.out: Future = Future()
+        self.out: Future[Any] = Future()
 
-    def first_done(self, f: Future) -> None:
+    def first_done(self, f: Future[Any]) -> None:
         error = _error_of(f)
         self.start(error, [f.result()] if error is None and self.then is None else [])
 
-    def start(self, error: Optional[BaseException], results: list) -> None:
+    def start(self, error: Optional[BaseException], results: list[Any]) -> None:
         if error is not None:
             self.end(error)
             return
@@ -163,7 +191,7 @@ class _Link:
         else:
             self.end(None, value)
 
-    def request_done(self, f: Future) -> None:
+    def request_done(self, f: Future[Any]) -> None:
         error = _error_of(f)
         self.end(error, f.result() if error is None else None)
 
@@ -177,7 +205,7 @@ class _Link:
         self.out.set_exception(error) if error is not None else self.out.set_result(value)
 
 
-def _when_all(handles: list[Handle], fn: Callable[[Optional[BaseException], list], None]) -> None:
+def _when_all(handles: list[Handle], fn: Callable[[Optional[BaseException], list[Any]], None]) -> None:
     """Call ``fn(first error in the order given or None, results)`` once every handle is done, on
     the thread that finished the last one (at once, on this thread, if there are none)."""
     if not handles:
@@ -187,7 +215,7 @@ def _when_all(handles: list[Handle], fn: Callable[[Optional[BaseException], list
     results: list[Any] = [None] * len(handles)
     left, lock = [len(handles)], threading.Lock()
 
-    def one(i: int, f: Future) -> None:
+    def one(i: int, f: Future[Any]) -> None:
         errors[i] = _error_of(f)
         if errors[i] is None:
             results[i] = f.result()
@@ -198,10 +226,10 @@ def _when_all(handles: list[Handle], fn: Callable[[Optional[BaseException], list
             error = next((e for e in errors if e is not None), None)
             fn(error, [] if error is not None else results)
     for i, h in enumerate(handles):
-        h.add_done_callback(lambda f, i=i: one(i, f))
+        h.add_done_callback(functools.partial(one, i))
 
 
-def _error_of(f: Future) -> Optional[BaseException]:
+def _error_of(f: Future[Any]) -> Optional[BaseException]:
     """A finished future's error (a cancelled one's is CancelledError), or None."""
     try:
         return f.exception()

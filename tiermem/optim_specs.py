@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping
 
-from tiermem.config import Adam, AdamW, ConfigError, _Spec, _invalid, checked_arguments, is_int
+from tiermem.config import Adam, AdamW, _Spec, _invalid, is_int
+from tiermem.errors import ConfigError, checked_arguments
 
 
 @checked_arguments
@@ -92,13 +93,15 @@ class _EightBit:
     """Block-wise 8-bit moments (NOTE [8-bit state] in tiermem/optim/_quant.py); parameters with
     fewer than ``min_8bit_size`` elements keep fp32 moments, as bitsandbytes and torchao do."""
 
+    min_8bit_size: int  # a field of each dataclass that mixes this in
+
     def _check_8bit(self) -> None:
-        size = getattr(self, "min_8bit_size")
+        size = self.min_8bit_size
         if not is_int(size) or size < 1:
             raise _invalid(f"{type(self).__name__}.", "min_8bit_size", size, "an int >= 1")
 
     def state_options(self) -> dict[str, Any]:
-        return {"min_8bit_size": getattr(self, "min_8bit_size")}
+        return {"min_8bit_size": self.min_8bit_size}
 
 
 @checked_arguments

@@ -35,14 +35,14 @@ def profiling() -> bool:
     return getattr(_autograd_profiler, "_is_profiler_enabled", True)
 
 
-def span(name: str) -> ContextManager:
+def span(name: str) -> ContextManager[object]:
     """``record_function("tiermem::<name>")`` while a profiler runs, else a no-op."""
     if not profiling():
         return _NOTHING
     return torch.profiler.record_function(PREFIX + name)
 
 
-def lazy_span(name: Callable[[], str]) -> ContextManager:
+def lazy_span(name: Callable[[], str]) -> ContextManager[object]:
     """:func:`span` with the name built only while a profiler runs (a name with a key in it)."""
     if not profiling():
         return _NOTHING

@@ -9,7 +9,13 @@ import torch
 
 
 class Tier(enum.Enum):
-    """Where a tensor's bytes can live, fastest first."""
+    """Where a tensor's bytes can live, fastest first.
+
+    Attributes:
+        DEVICE: accelerator memory; on a machine without one, the CPU itself (under a device budget).
+        HOST: DRAM, pinned when an accelerator exists.
+        NVME: files under a directory (``nvme_dir``).
+    """
 
     DEVICE = "device"  # accelerator memory; the CPU itself (under a budget) on a machine without one
     HOST = "host"  # DRAM, pinned when an accelerator exists
@@ -20,7 +26,14 @@ class Tier(enum.Enum):
 
 
 class TensorClass(enum.Enum):
-    """What a tensor is for in a training step."""
+    """What a tensor is for in a training step.
+
+    Attributes:
+        PARAM: the low-precision working weights that forward and backward read.
+        GRAD: gradients, accumulated in fp32 at their home.
+        OPTIM_STATE: fp32 master weights and the optimizer's state (Adam's ``exp_avg``, ``exp_avg_sq``).
+        ACTIVATION: tensors autograd saves for backward.
+    """
 
     PARAM = "param"  # low-precision working weights that forward and backward read
     GRAD = "grad"  # gradients, accumulated in fp32 at their home
@@ -35,7 +48,12 @@ class TensorClass(enum.Enum):
 class StateKey:
     """One tensor of a parameter's optimizer state: the parameter's qualified name and the part
     (``"master"``, ``"exp_avg"`` or ``"exp_avg_sq"``). ``str()`` of it is the name a policy sees
-    in :attr:`TensorInfo.name`: ``"blocks.0.fc.weight:exp_avg"``."""
+    in :attr:`TensorInfo.name`: ``"blocks.0.fc.weight:exp_avg"``.
+
+    Attributes:
+        param: the parameter's qualified name.
+        part: which of its state tensors: ``"master"``, ``"exp_avg"`` or ``"exp_avg_sq"``.
+    """
 
     param: str
     part: str
@@ -54,6 +72,17 @@ class TensorInfo:
     ``param`` is the parameter's qualified name (PARAM, GRAD and OPTIM_STATE; None for an
     activation) and ``part`` which of its optimizer state tensors an OPTIM_STATE info is, so a
     policy never takes the name apart (:attr:`state_key`).
+
+    Attributes:
+        name: the parameter's qualified name (PARAM, GRAD), with ``":part"`` for OPTIM_STATE; the
+            saving module's qualified name for ACTIVATION.
+        kind: the tensor's :class:`TensorClass`.
+        nbytes: its size in bytes.
+        shape: its shape.
+        dtype: its dtype.
+        module: the owning module's qualified name.
+        param: the parameter's qualified name (None for an activation).
+        part: the optimizer state part (OPTIM_STATE only).
     """
 
     name: str
@@ -79,7 +108,15 @@ class TensorInfo:
     @classmethod
     def of_state(cls, key: StateKey, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype,
                  module: Optional[str] = None) -> "TensorInfo":
-        """The OPTIM_STATE info of ``key``."""
+        """The OPTIM_STATE info of ``key``.
+
+        Args:
+            key: the parameter and part.
+            nbytes: the state tensor's bytes.
+            shape: its shape.
+            dtype: its dtype.
+            module: the owning module's qualified name.
+        """
         return cls(str(key), TensorClass.OPTIM_STATE, nbytes, shape, dtype, module, key.param, key.part)
 
     @property
@@ -91,6 +128,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
+        """The number of elements of ``shape``."""
         n = 1
         for s in self.shape:
             n *= s

@@ -1,4 +1,5 @@
-"""``tiermem bench``: how fast each tier moves bytes on this machine, and how fast the CPU Adam runs.
+"""``tiermem bench``: how fast each tier moves bytes on this machine, how fast the CPU Adam runs, and
+how fast a matmul runs in each precision (NOTE [A precision the CPU is slow at]).
 
 Prints a table, optionally writes JSON (``--json``) and a chart (``--plot``), and saves the results
 as the machine profile (:mod:`tiermem.plan.profile`) that policies can read later.
@@ -22,6 +23,7 @@ from tiermem.plan import profile
 from tiermem.cli import _common, measure, plot, report
 from tiermem.cli.measure import Rate
 from tiermem.errors import ConfigError
+from tiermem.train import compute
 
 MiB = 2**20
 
@@ -114,7 +116,12 @@ def _plan(s: Settings, res: _Results, nvme_dir: str) -> _Steps:
     steps += _device_steps(s, res, bufs) if torch.cuda.is_available() else _stand_in_steps(s, res, bufs)
     steps += _nvme_steps(s, res, bufs, nvme_dir)
     steps += _adam_steps(s, res, bufs)
+    steps.append(("matmul per precision", lambda: res.data.update(matmul=compute.measure_matmul(_device()))))
     return steps
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _timing(s: Settings) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""``tiermem info``: versions, devices and memory, the pinned-memory limit, the NVMe directory's
-O_DIRECT support and free space, and whether torch.compile (the fast CPU Adam) works here."""
+"""``tiermem info``: versions, devices and memory, the CPU's capability and how much slower it computes
+bf16 and fp16 than fp32 (the precision ``"auto"`` picks), the pinned-memory limit, the NVMe
+directory's O_DIRECT support and free space, and whether torch.compile (the fast CPU Adam) works here."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import logging
+import math
 import os
 import platform
 import resource
@@ -17,9 +19,11 @@ import torch
 from rich.table import Table
 
 from tiermem import __version__
+from tiermem.config import PRECISIONS, CpuFeatures, auto_precision
 from tiermem.plan import profile
 from tiermem.cli import _common
 from tiermem.memory.nvme_dir import describe_direct
+from tiermem.train import compute
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +31,15 @@ logger = logging.getLogger(__name__)
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("info", help="versions, devices, memory, pinned limit, O_DIRECT, torch.compile",
                        description="Show what this machine offers tiermem: torch and CUDA versions, "
-                                   "accelerators and their memory, host RAM and the pinned-memory limit "
+                                   "accelerators and their memory, the CPU's capability and matmul speed "
+                                   "per precision (what precision='auto' picks), host RAM and the pinned-memory limit "
                                    "(ulimit -l), whether --nvme-path supports O_DIRECT and its free space, "
                                    "and whether torch.compile works (so the fast CPU Adam is used).")
     p.add_argument("--nvme-path", default=".", metavar="DIR",
                    help="directory to check for NVMe offload (default: .)")
+    p.add_argument("--no-matmul-check", action="store_true",
+                   help="skip the CPU's matmul speed per precision (measured once, under a second, then read "
+                        "from the machine profile)")
     p.add_argument("--no-compile-check", action="store_true",
                    help="skip the torch.compile check (it compiles a small kernel: seconds on a cold cache)")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
@@ -78,7 +86,27 @@ def compile_check() -> dict[str, Any]:
                 "seconds": time.perf_counter() - t0}
 
 
-def gather(nvme_path: str, *, check_compile: bool) -> dict[str, Any]:
+def cpu_facts(*, check_matmul: bool) -> dict[str, Any]:
+    """The CPU's capability, what ``precision="auto"`` is here and why, and (``check_matmul``) the
+    profile's matmul times per precision with each one's slowdown against fp32 (NOTE [A precision
+    the CPU is slow at])."""
+    features = CpuFeatures.detect()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    auto, why = auto_precision(device, cpu=features)
+    out: dict[str, Any] = {"capability": features.capability, "avx512_bf16": features.avx512_bf16,
+                           "amx": features.amx, "onednn_max_isa": features.onednn_max_isa, "onednn": features.onednn,
+                           "auto_precision": auto, "auto_why": why, "matmul_ms": None, "vs_fp32": None}
+    if check_matmul:
+        section = compute.matmul_figures(torch.device("cpu"))
+        flop = 2 * math.prod(section["cpu_shape"])
+        out["matmul_shape"] = section["cpu_shape"]
+        out["matmul_ms"] = {p: round(flop / (section[profile.matmul_key("cpu", p)] * 1e9) * 1e3, 3) for p in PRECISIONS}
+        slower = {p: compute.slowdown(section, p) for p in PRECISIONS if p != "fp32"}
+        out["vs_fp32"] = {p: None if v is None else round(v, 2) for p, v in slower.items()}
+    return out
+
+
+def gather(nvme_path: str, *, check_compile: bool, check_matmul: bool = True) -> dict[str, Any]:
     path = _common.existing_dir("--nvme-path", nvme_path)
     vm = psutil.virtual_memory()
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -98,6 +126,7 @@ def gather(nvme_path: str, *, check_compile: bool) -> dict[str, Any]:
         "host": {"total_bytes": int(vm.total), "available_bytes": int(vm.available),
                  "cpus": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
                  "memlock_soft_bytes": _limit(soft), "memlock_hard_bytes": _limit(hard)},
+        "cpu": cpu_facts(check_matmul=check_matmul),
         "nvme": {"path": path, "free_bytes": _common.disk_free(path), "filesystem": _fs_type(path),
                  "o_direct": direct, "o_direct_why_not": why},
         "compile": compile_check() if check_compile else {"works": None, "why": "not checked"},
@@ -126,6 +155,14 @@ def _render(facts: dict[str, Any]) -> None:
     h = facts["host"]
     t.add_row("host RAM", f"{_common.fmt_size(h['total_bytes'])} "
                           f"({_common.fmt_size(h['available_bytes'])} available), {h['cpus']} CPUs")
+    c = facts["cpu"]
+    t.add_row("CPU", f"{CpuFeatures(c['capability'], c['avx512_bf16'], c['amx'], c['onednn_max_isa'], c['onednn'])}")
+    if c["matmul_ms"] is not None:
+        m, k, n = c["matmul_shape"]
+        t.add_row("CPU matmul", f"F.linear {m}x{k} by {n}x{k}, one thread: " + ", ".join(
+            f"{p} {ms:.2f} ms" + (f" ({c['vs_fp32'][p]:.1f}x fp32)" if p in c["vs_fp32"] else "")
+            for p, ms in c["matmul_ms"].items()))
+    t.add_row("precision 'auto'", f"{c['auto_precision']}: {c['auto_why']}")
     soft = h["memlock_soft_bytes"]
     lim = "unlimited" if soft is None else _common.fmt_size(soft)
     note = "" if accs else " (nothing is pinned without an accelerator)"
@@ -151,7 +188,7 @@ def _render(facts: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _common.check_output_path("--json", args.json)
-    facts = gather(args.nvme_path, check_compile=not args.no_compile_check)
+    facts = gather(args.nvme_path, check_compile=not args.no_compile_check, check_matmul=not args.no_matmul_check)
     if args.json is not None:
         _common.write_json(args.json, facts)
     if args.json != "-":

@@ -16,7 +16,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -129,7 +129,7 @@ def device_copies(host_a: torch.Tensor, host_b: torch.Tensor, *, repeats: int,
             host_b.copy_(dev_b, non_blocking=True)
         torch.cuda.synchronize()
 
-    kw = dict(repeats=repeats, min_seconds=min_seconds)
+    kw: dict[str, Any] = dict(repeats=repeats, min_seconds=min_seconds)
     return {"h2d": measure(h2d, nbytes, **kw), "d2h": measure(d2h, nbytes, **kw),
             "bidir": measure(both, 2 * nbytes, **kw)}
 
@@ -177,7 +177,7 @@ def nvme_point(directory: str, src: torch.Tensor, out: torch.Tensor, *, block_si
     out.zero_()
     store = NvmeStore(directory, io_threads=in_flight, block_size=block_size, direct=None if direct else False)
     try:
-        kw = dict(repeats=repeats, min_seconds=min_seconds)
+        kw: dict[str, Any] = dict(repeats=repeats, min_seconds=min_seconds)
 
         def write() -> None:
             store.write("bench", src).wait()
@@ -213,8 +213,22 @@ def adam(n: int, *, repeats: int, min_seconds: float) -> AdamRates:
     optim.warm_up()  # compile now, so the timed calls measure the kernel, not the compiler
     compile_seconds = time.perf_counter() - t0
     impl = optim.implementation()
-    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    hp: dict[str, Any] = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     gen = torch.Generator().manual_seed(0)
+    ours = _tiermem_adam(n, gen, hp, repeats=repeats, min_seconds=min_seconds)  # its buffers go on return
+
+    p = torch.nn.Parameter(torch.randn(n, generator=gen))
+    p.grad = torch.randn(n, generator=gen) * 1e-3
+    opt = torch.optim.AdamW([p], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                            weight_decay=hp["weight_decay"], fused=True)
+    theirs = measure(opt.step, n, repeats=repeats, min_seconds=min_seconds)
+    return AdamRates(ours, theirs, compile_seconds, impl)
+
+
+def _tiermem_adam(n: int, gen: torch.Generator, hp: dict[str, Any], *, repeats: int, min_seconds: float) -> Rate:
+    """Parameters/s of ``adam_step`` with bf16 grads in and bf16 weights out (its buffers are this call's)."""
+    from tiermem import optim
+
     master = torch.randn(n, generator=gen)
     exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
     grad = (torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16)
@@ -225,16 +239,7 @@ def adam(n: int, *, repeats: int, min_seconds: float) -> AdamRates:
         step[0] += 1
         optim.adam_step(master, exp_avg, exp_avg_sq, grad, step=step[0], adamw=True, out=out,
                         check_finite=False, **hp)
-
-    ours = measure(tiermem_step, n, repeats=repeats, min_seconds=min_seconds)
-    del master, exp_avg, exp_avg_sq, grad, out
-
-    p = torch.nn.Parameter(torch.randn(n, generator=gen))
-    p.grad = torch.randn(n, generator=gen) * 1e-3
-    opt = torch.optim.AdamW([p], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
-                            weight_decay=hp["weight_decay"], fused=True)
-    theirs = measure(opt.step, n, repeats=repeats, min_seconds=min_seconds)
-    return AdamRates(ours, theirs, compile_seconds, impl)
+    return measure(tiermem_step, n, repeats=repeats, min_seconds=min_seconds)
 
 
 def device_adam(n: int, *, repeats: int, min_seconds: float) -> Rate:

@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import torch
 from rich.table import Table
 
+from tiermem.config import PRECISION_CHOICES, resolve_precision
 from tiermem.plan import sizing
 from tiermem.budgets import parse_bytes
 from tiermem.cli import _common
@@ -37,13 +39,17 @@ def add_parser(sub: Any) -> None:
     src.add_argument("--model", metavar="PKG.MOD:FACTORY",
                      help="a function (or nn.Module) to count; built on the meta device, no memory used")
     src.add_argument("--config", metavar="CONFIG.JSON", help="a Hugging Face style config.json")
-    p.add_argument("--precision", choices=sizing.PRECISIONS, action="append",
-                   help="only this precision (repeatable; default: all)")
+    p.add_argument("--precision", choices=PRECISION_CHOICES, action="append",
+                   help="only this precision (repeatable; default: all, and for --policy auto this machine's); "
+                        "'auto': bf16 where the device computes it natively, else fp32 on a CPU, fp16 on an older GPU")
     p.add_argument("--policy", choices=list(sizing.builtin_placements()) + ["auto"], action="append",
                    help="only this built-in policy (repeatable; default: all); 'auto': what policies.Auto "
                         "would choose, the predicted seconds per stage, and the alternatives it rejected")
     p.add_argument("--forward-backward", type=float, metavar="SECONDS",
                    help="with --policy auto: the measured seconds of one forward and backward")
+    p.add_argument("--tokens", type=int, metavar="N",
+                   help="with --policy auto, without --forward-backward: the tokens of one step (batch x sequence "
+                        "x micro-batches), to predict forward and backward at the precision's matmul rate")
     p.add_argument("--device-mem", metavar="SIZE",
                    help="device memory, e.g. 80GB (default: the accelerator's; without one, the host RAM "
                         "the device tier shares)")
@@ -130,10 +136,11 @@ def build_plan(size: ModelSize, limits: sizing.Limits, precisions: list[str],
             entry["state_options"][name] = {}
             for option in sizing.STATE_OPTIONS:
                 fmt = sizing.state_option(option, size.trainable, prec)
-                need = None if fmt is None else sizing.tier_bytes(
+                with_fmt = None if fmt is None else sizing.tier_bytes(
                     size.trainable, prec, sizing.placement_of(name), frozen=size.frozen, world=ranks,
                     shard_weights=shard_weights, state=fmt)
-                entry["state_options"][name][option] = None if need is None else {t.value: need[t] for t in Tier}
+                entry["state_options"][name][option] = (None if with_fmt is None
+                                                        else {t.value: with_fmt[t] for t in Tier})
         out["precisions"][prec] = entry
     return out
 
@@ -167,7 +174,7 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
                   title_justify="left")
     for col, just in (("policy", "left"), ("precision", "left"), ("device", "right"), ("host", "right"),
                       ("nvme", "right"), ("fits?", "left")):
-        tiers.add_column(col, justify=just)
+        tiers.add_column(col, justify=just)  # type: ignore[arg-type]  # rich wants a Literal: these are
     caps = [_common.fmt_size(lim[f"{t}_bytes"]) for t in ("device", "host", "nvme")]
     if lim["device_shares_host"]:
         caps[0] = "in host RAM" if lim["device_bytes"] >= lim["host_bytes"] else f"{caps[0]} of host RAM"
@@ -230,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"tiermem: --ranks {args.ranks} is not a number of ranks; give a whole number >= 1")
     size = _model_size(args)
     limits, origin = _limits(args)
-    precisions = args.precision or list(sizing.PRECISIONS)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precisions = [resolve_precision(p, device) for p in args.precision or sizing.PRECISIONS]
     named = list(dict.fromkeys(args.policy or []))
     auto = "auto" in named
     named = [n for n in named if n != "auto"]
@@ -240,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
                           ranks=args.ranks, shard_weights=args.shard_weights)
     if auto:
         from tiermem.cli import plan_auto  # imports the policies and the machine profile: only when asked
-        plan["auto"] = plan_auto.choose(args, size.trainable, size.frozen, limits, precisions[0])
+        mine = precisions[0] if args.precision else resolve_precision("auto", device)
+        plan["auto"] = plan_auto.choose(args, size.trainable, size.frozen, limits, mine)
     if args.json is not None:
         _common.write_json(args.json, plan)
     if args.json != "-":

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tiermem.cli._common import fmt_binary
+from tiermem.config import PRECISIONS
 
 
 def _cv(data: dict[str, Any], section: dict[str, Any], key: str, path: str) -> str:
@@ -23,7 +24,7 @@ def _tiers_table(data: dict[str, Any]) -> Table:
                     f"(GB/s = 10^9 bytes/s, median of repeats; cv = spread)", title_justify="left")
     for col, just in (("tier", "left"), ("move", "left"), ("GB/s", "right"), ("cv", "right"),
                       ("", "left")):
-        t.add_column(col, justify=just)
+        t.add_column(col, justify=just)  # type: ignore[arg-type]  # rich wants a Literal: these are
     dev, host, nvme = data["device"], data["host"], data["nvme"]
     if dev.get("accelerator"):
         for suffix, kind in (("", "pinned"), ("_pageable", "pageable")):
@@ -70,7 +71,7 @@ def _sweep_table(data: dict[str, Any]) -> Table:
               title_justify="left")
     for col, just in (("block size", "right"), ("in flight", "right"), ("I/O", "left"),
                       ("write GB/s", "right"), ("cv", "right"), ("read GB/s", "right"), ("cv", "right")):
-        t.add_column(col, justify=just)
+        t.add_column(col, justify=just)  # type: ignore[arg-type]  # rich wants a Literal: these are
     best = {op: max(e[f"{op}_GBps"] for e in nv["sweep"] if e["asked_direct"]) for op in ("write", "read")}
     for i, e in enumerate(nv["sweep"]):
         cells = []
@@ -87,7 +88,7 @@ def _adam_table(data: dict[str, Any]) -> Table:
     a = data["adam"]
     t = Table(title=f"CPU Adam, {a['params'] / 1e6:.1f}M parameters (Gparam/s)", title_justify="left")
     for col, just in (("kernel", "left"), ("Gparam/s", "right"), ("cv", "right"), ("", "left")):
-        t.add_column(col, justify=just)
+        t.add_column(col, justify=just)  # type: ignore[arg-type]  # rich wants a Literal: these are
     first = f"{a['implementation']} kernel; compiled (or loaded from cache) in {a['compile_s']:.1f} s"
     t.add_row(f"tiermem {a['tiermem_kernel']}", f"{a['tiermem_Gparams_per_s']:.3f}",
               _cv(data, a, "tiermem_Gparams_per_s", "adam.tiermem_Gparams_per_s"), first)
@@ -101,11 +102,31 @@ def _adam_table(data: dict[str, Any]) -> Table:
     return t
 
 
+def _matmul_table(data: dict[str, Any]) -> Table:
+    mm = data["matmul"]
+    m, k, n = mm["cpu_shape"]
+    t = Table(title=f"matmul per precision: F.linear {m}x{k} by {n}x{k} on one CPU thread"
+                    + (", and on the accelerator" if "device_shape" in mm else ""), title_justify="left")
+    t.add_column("where", justify="left")
+    t.add_column("precision", justify="left")
+    t.add_column("GFLOP/s", justify="right")
+    t.add_column("", justify="left")
+    for where in ("cpu", "device"):
+        fp32 = mm.get(f"{where}_fp32_GFLOPs")
+        for p in PRECISIONS:
+            v = mm.get(f"{where}_{p}_GFLOPs")
+            if v is not None:
+                t.add_row(where, p, f"{v:.1f}", f"{fp32 / v:.1f}x fp32's time" if p != "fp32" else "")
+    return t
+
+
 def render(data: dict[str, Any], con: Console, *, saved: Optional[Path] = None,
            plot_path: Optional[str] = None) -> None:
     con.print(_tiers_table(data))
     con.print(_sweep_table(data))
     con.print(_adam_table(data))
+    if "matmul" in data:
+        con.print(_matmul_table(data))
     if data["noisy"]:
         con.print(f"[red]noisy[/]: {len(data['noisy'])} figure(s) varied by more than "
                   f"{data['noisy_cv'] * 100:.0f}% over their repeats (another program busy?); run again "

@@ -41,28 +41,33 @@ class TrainerOptimizer(torch.optim.Optimizer):
         else:
             self.tiered.optimizer.add_param_group(param_group)
 
-    def step(self, closure=None):  # type: ignore[override]
+    @property
+    def _tiered(self) -> TieredModel:
+        assert self.tiered is not None  # set at the end of __init__ (torch's constructor runs before)
+        return self.tiered
+
+    def step(self, closure=None):
         if closure is not None:
             raise TierMemError("tiermem: step(closure) is not supported; the TieredTrainer calls step() itself")
-        self.last = self.tiered.step()
+        self.last = self._tiered.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: tm.step() clears the gradients it consumed."""
 
-    def state_dict(self) -> dict:  # type: ignore[override]
-        return {"state": {}, "tiermem_step": self.tiered.stepper.steps,
+    def state_dict(self) -> dict:
+        return {"state": {}, "tiermem_step": self._tiered.stepper.steps,
                 "param_groups": [{k: g[k] for k in _GROUP_KEYS if k in g} for g in self.param_groups]}
 
-    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict) -> None:
         """Restore the groups' hyperparameters (the lr the scheduler had set), after checking that
         the state is of the step tiermem's checkpoint holds."""
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(groups, list) or "tiermem_step" not in state_dict or len(groups) != len(self.param_groups):
             raise TierMemError("tiermem: this optimizer state was not written by a TieredTrainer (or by one with "
                                "another model); resume from a checkpoint a TieredTrainer saved")
-        if state_dict["tiermem_step"] != self.tiered.stepper.steps:
+        if state_dict["tiermem_step"] != self._tiered.stepper.steps:
             raise TierMemError(f"tiermem: the checkpoint's {OPTIMIZER_NAME} is of step {state_dict['tiermem_step']} "
-                               f"but its {TIERMEM_CHECKPOINT} of step {self.tiered.stepper.steps}: the folder mixes "
+                               f"but its {TIERMEM_CHECKPOINT} of step {self._tiered.stepper.steps}: the folder mixes "
                                f"two saves; resume from another checkpoint")
         for group, saved in zip(self.param_groups, groups):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k in _GROUP_KEYS})
@@ -89,6 +94,8 @@ class TrainerModule(torch.nn.Module):
     accelerate wraps no DDP around it (tiermem reduces the gradients itself), its ``no_sync()``,
     which the Trainer enters on the micro-batches before the last of a step, is ``tm.no_sync()``,
     and its ``zero_grad()`` is nothing (``tm.step()`` cleared the grads it consumed)."""
+
+    tiered: TieredModel
 
     def __init__(self, tiered: TieredModel):
         super().__init__()

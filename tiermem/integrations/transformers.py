@@ -74,7 +74,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from transformers import Trainer, TrainingArguments
@@ -140,11 +140,17 @@ def _precision(args: TrainingArguments) -> str:
 
 class TieredTrainer(Trainer):
     """A ``transformers.Trainer`` that trains through a :class:`tiermem.TieredModel` (NOTE
-    [Trainer integration]). ``deepspeed``: a DeepSpeed config (path or dict) read by
-    :func:`tiermem.from_deepspeed_config`, its ``"auto"`` values taken from ``args``. ``tiermem``:
-    more TieredModel options (``policy``, ``nvme_dir``, ``budgets``, ``device``, ...); with a
-    DeepSpeed config only those the config has no say in. After ``train()`` starts,
-    ``trainer.tiered`` is the TieredModel."""
+    [Trainer integration]). After ``train()`` starts, ``trainer.tiered`` is the TieredModel.
+
+    Args:
+        *args: as ``transformers.Trainer`` takes them (``model``, ``args``, ...).
+        deepspeed: a DeepSpeed config (path or dict) read by :func:`tiermem.from_deepspeed_config`,
+            its ``"auto"`` values taken from ``args``; give it here, not to ``TrainingArguments``.
+        tiermem: more TieredModel options (``policy``, ``nvme_dir``, ``budgets``, ``device``, ...);
+            with a DeepSpeed config only those the config has no say in.
+        **kwargs: as ``transformers.Trainer`` takes them; ``optimizers=(optimizer, scheduler)`` takes
+            a torch optimizer built on the model's parameters, as ``TieredModel(optimizer=...)`` does.
+    """
 
     def __init__(self, *args: Any, deepspeed: Any = None, tiermem: Optional[dict] = None, **kwargs: Any):
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -154,6 +160,7 @@ class TieredTrainer(Trainer):
         _check_supported(targs, kwargs)
         # the optimizer given (built on the module's parameters) becomes the TieredModel's at create_optimizer;
         # the Trainer holds none until then, only the scheduler built on it
+        self.user_optimizer: Optional[torch.optim.Optimizer]
         self.user_optimizer, scheduler = kwargs.pop("optimizers", None) or (None, None)
         if self.user_optimizer is not None:
             kwargs["optimizers"] = (None, scheduler)
@@ -171,7 +178,14 @@ class TieredTrainer(Trainer):
 
     # -- the optimizer: a TieredModel ------------------------------------------------------------
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
+        """Wrap the model in its TieredModel (once) and return ``trainer.tiered.optimizer``, which
+        the Trainer's lr scheduler drives.
+
+        Args:
+            model: unused; the Trainer's own model is wrapped.
+        """
         if self.optimizer is None:
+            assert self.model is not None  # the Trainer was given one (model_init made it before)
             self.tiered = self._wrap(self.model)
             if self.tiered.group.world != self.args.world_size:
                 raise ConfigError(f"tiermem: this Trainer runs {self.args.world_size} processes but the TieredModel "
@@ -190,7 +204,7 @@ class TieredTrainer(Trainer):
         decay = set(self.get_decay_parameter_names(model))
         no_decay = tuple(n for n, p in model.named_parameters() if p.requires_grad and n not in decay)
         grad_clip = a.max_grad_norm if a.max_grad_norm and a.max_grad_norm > 0 else None
-        hyper = dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
+        hyper: dict[str, Any] = dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
                      weight_decay=a.weight_decay)
         placed = {"device": self.args.device, **self.tiermem_options}  # the Trainer's (cuda:<local rank>, use_cpu)
         given = self._given_optimizer(model, decay)
@@ -258,10 +272,21 @@ class TieredTrainer(Trainer):
 
     # -- a step: forward and backward through the TieredModel -------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
+        """One micro-batch: forward through the TieredModel and ``tm.backward`` of its loss (divided
+        by the accumulation steps unless the Trainer already did; the Trainer enters ``tm.no_sync()``
+        for all but a step's last micro-batch); returns the loss, detached.
+
+        Args:
+            model: the model the Trainer passes (the TieredModel's module).
+            inputs: the batch.
+            num_items_in_batch: the Trainer's count of items for loss normalisation.
+        """
         tm = self.tiered
+        assert tm is not None  # create_optimizer made it, before the first step
         tm.train()
         with self.compute_loss_context_manager():
-            loss = self.compute_loss(tm, inputs, num_items_in_batch=num_items_in_batch)
+            loss = cast(torch.Tensor, self.compute_loss(tm, inputs,  # type: ignore[arg-type]  # called like a Module
+                                                        num_items_in_batch=num_items_in_batch))  # the loss alone
         del inputs
         scaled = self.loss_is_scaled_for_ga  # the Trainer's rule: is the loss already a share of the step's?
         if scaled is None:
@@ -274,14 +299,15 @@ class TieredTrainer(Trainer):
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict, prediction_loss_only: bool,
                         ignore_keys: Optional[list[str]] = None):
-        return super().prediction_step(self.tiered if self.tiered is not None else model, inputs,
+        return super().prediction_step(self.tiered if self.tiered is not None else model,  # type: ignore[arg-type]
+                                       inputs,
                                        prediction_loss_only, ignore_keys=ignore_keys)
 
     def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
         last = self.tiered_optimizer.last if self.tiered_optimizer is not None else None
         if last is not None and "grad_norm" in logs:
             logs["grad_norm"] = last.grad_norm  # what tm.step() measured (NOTE [Trainer integration])
-            if self.tiered.precision == "fp16":
+            if self.tiered is not None and self.tiered.precision == "fp16":
                 logs["loss_scale"] = last.loss_scale
         super().log(logs, start_time)
 
@@ -293,6 +319,7 @@ class TieredTrainer(Trainer):
         if self.tiered is None:
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
+        assert best is not None  # the Trainer calls this once it tracked a best checkpoint
         path = os.path.join(best, TIERMEM_CHECKPOINT)
         if not os.path.exists(path):
             raise TierMemError(f"tiermem: the best checkpoint {best!r} (by {self.args.metric_for_best_model}) has no "
@@ -303,8 +330,16 @@ class TieredTrainer(Trainer):
         self.tiered.load(path)
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the newest *complete*
+        ``checkpoint-N/`` (one whose save did not finish is skipped with a warning).
+
+        Args:
+            resume_from_checkpoint: a checkpoint folder, True for the newest complete one, or None.
+            *args: passed to ``Trainer.train``.
+            **kwargs: passed to ``Trainer.train``.
+        """
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = last_complete_checkpoint(_output_dir(self.args.output_dir))
         if resume_from_checkpoint is False:
             resume_from_checkpoint = None
         if resume_from_checkpoint is not None:
@@ -331,7 +366,12 @@ class TieredTrainer(Trainer):
         trainer.is_world_process_zero()``. Called on some ranks only, it waits for the others
         until the process group's timeout (``TrainingArguments(ddp_timeout=...)``, 1800 s by
         default); then, on gloo, it raises a ``tiermem:`` error that says so (NCCL's watchdog
-        ends the process with its own message instead)."""
+        ends the process with its own message instead).
+
+        Args:
+            output_dir: the folder to write to (default: ``args.output_dir``).
+            _internal_call: the Trainer's own flag, passed on as it gives it.
+        """
         if self.tiered is None:
             return super().save_model(output_dir, _internal_call)
         try:
@@ -345,13 +385,15 @@ class TieredTrainer(Trainer):
             raise
 
     def _save_model(self, output_dir: Optional[str], _internal_call: bool) -> None:
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        weights = self.tiered.state_dict()
+        output_dir = _output_dir(output_dir if output_dir is not None else self.args.output_dir)
+        tm = self.tiered
+        assert tm is not None  # save_model() goes the Trainer's way without one
+        weights = tm.state_dict()
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             if hasattr(self.model, "save_pretrained"):
                 dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
-                self.model.save_pretrained(output_dir, state_dict=weights)
+                self.model.save_pretrained(output_dir, state_dict=weights)  # type: ignore[union-attr, operator]
                 _record_dtype(output_dir, dtypes)
             else:
                 from safetensors.torch import save_file
@@ -361,7 +403,12 @@ class TieredTrainer(Trainer):
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.user_args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         if _internal_call:
-            self.tiered.save(os.path.join(output_dir, TIERMEM_CHECKPOINT))
+            tm.save(os.path.join(output_dir, TIERMEM_CHECKPOINT))
+
+
+def _output_dir(output_dir: Optional[str]) -> str:
+    assert output_dir is not None  # TrainingArguments always has one (default "trainer_output")
+    return output_dir
 
 
 def _record_dtype(output_dir: str, dtypes: set[torch.dtype]) -> None:

@@ -140,7 +140,7 @@ def _cudart_call(name: str, *args: int) -> int:
 
     def call() -> int:
         with torch.cuda.device(device):
-            return int(getattr(torch.cuda.cudart(), name)(*args))
+            return int(getattr(torch.cuda.cudart(), name)(*args))  # type: ignore[no-untyped-call]  # torch leaves it untyped
     if getattr(_on_pinner, "yes", False):  # called on the pinning thread itself: waiting on it would deadlock
         return call()
     return _pin_thread().submit(call).result()

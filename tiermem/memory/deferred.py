@@ -51,7 +51,7 @@ def start() -> None:
                 # can still delete its files through its store's pool; then, at atexit, after the
                 # non-daemon threads ended, what they dropped meanwhile, and nothing more
                 with contextlib.suppress(AttributeError, RuntimeError):  # RuntimeError: shutting down already
-                    threading._register_atexit(_drain)
+                    threading._register_atexit(_drain)  # type: ignore[attr-defined]  # private, hence the suppress
                 atexit.register(_at_exit)
             _worker = threading.Thread(target=_work, name="tiermem-release", daemon=True)
             _worker.start()

@@ -17,7 +17,7 @@ out of the layout for activations.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol, Sequence
 
 from tiermem.errors import OutOfTierMemory, fmt_bytes
 from tiermem.handles import Handle, wait_all_quietly
@@ -28,13 +28,35 @@ _CLASS_WORDS = {TensorClass.PARAM: "weights", TensorClass.GRAD: "grads", TensorC
                 TensorClass.ACTIVATION: "activations saved so far"}
 
 
-class InFlight:
+# NOTE [Reclaimers at construction]
+# When a reservation does not fit, a tier's ledger asks its reclaimers for the bytes missing
+# before it refuses: requests in flight whose landing frees room (:class:`InFlight`: gradients
+# copying home), and a cache on the tier (the residency scheduler's prefetched weights, in
+# tiermem.transfer.schedule). Each is an object with ``make_room(missing)`` (:class:`Reclaimer`),
+# given to the store, and so to its ledger, when the store is built: a tuple fixed for the store's
+# life, never a list filled later. The objects that implement the protocol live in higher layers
+# and import it from here, so tests/test_layering.py sees the dependency (upward calls go through
+# this protocol, never through an import). A cache whose moves need the stores it frees room in
+# (the scheduler moves weights through the engine, which is built on the stores) is built first
+# and connected to its mover once that exists; until then it holds nothing, so it frees nothing.
+
+
+class Reclaimer(Protocol):
+    """Gives bytes back on a tier when a reservation there does not fit (NOTE [Reclaimers at construction])."""
+
+    def make_room(self, missing: int) -> None:
+        """Try to free ``missing`` bytes on the tier (less, or none, if it cannot); never raises
+        for lack of room: the ledger refuses after asking every reclaimer."""
+        ...
+
+
+class InFlight(Reclaimer):
     """Requests in flight whose landing gives room back on a tier (a gradient's copy home holds
     its device bytes until the copy has read them), each with what gives that room back. Built
-    before the tier's store and given to it, through :class:`Reclaimers`, as a reclaimer; the
-    requests' owner (tiermem.train.backward.GradCollector) adds them as it makes them and takes
-    them back when it waits for them itself. Thread-safe: backward adds while a reservation on
-    another thread may be waiting for room."""
+    before the tier's store and given to it as a reclaimer; the requests' owner
+    (tiermem.train.backward.GradCollector) adds them as it makes them and takes them back when it
+    waits for them itself. Thread-safe: backward adds while a reservation on another thread may be
+    waiting for room."""
 
     def __init__(self) -> None:
         self._items: list[tuple[Handle, Callable[[], None]]] = []
@@ -51,11 +73,11 @@ class InFlight:
             items, self._items = self._items, []
         return items
 
-    def give_room(self, missing: int) -> None:
-        """A reclaimer: wait for the requests in flight, then give their room back (a failed one
-        is its owner's to report). Never on one of tiermem's own threads, where the requests may
-        be queued behind the caller. A wait returns before the handle's own callbacks ran, so
-        the room is given back here too."""
+    def make_room(self, missing: int) -> None:
+        """Wait for the requests in flight, then give their room back (a failed one is its
+        owner's to report). Never on one of tiermem's own threads, where the requests may be
+        queued behind the caller. A wait returns before the handle's own callbacks ran, so the
+        room is given back here too."""
         if threading.current_thread().name.startswith("tiermem-"):
             return
         with self._lock:
@@ -63,23 +85,6 @@ class InFlight:
         wait_all_quietly([h for h, _ in items])
         for _, release in items:
             release()
-
-
-class Reclaimers:
-    """Who can give bytes back on a tier when a reservation does not fit: the reclaimers given at
-    construction (requests in flight, :class:`InFlight`), then a cache of prefetched weights,
-    which registers once built (it needs the engine, which needs the stores: the one reclaimer
-    that cannot exist before the store it frees room in)."""
-
-    def __init__(self, *fns: Callable[[int], None]) -> None:
-        self._fns: list[Callable[[int], None]] = list(fns)
-
-    def add(self, fn: Callable[[int], None]) -> None:
-        self._fns.append(fn)
-
-    def __call__(self, missing: int) -> None:
-        for fn in self._fns:
-            fn(missing)
 
 
 class Ledger:
@@ -90,7 +95,7 @@ class Ledger:
     :class:`~tiermem.types.TensorClass`); bytes and peaks are then also kept per kind.
     """
 
-    def __init__(self, tier: Tier, allowed: int, *, reclaim: Optional[Callable[[int], None]] = None):
+    def __init__(self, tier: Tier, allowed: int, *, reclaimers: Sequence[Reclaimer] = ()):
         self.tier = tier
         self.allowed = int(allowed)
         self._held: dict[str, int] = {}
@@ -99,9 +104,9 @@ class Ledger:
         self.peak = 0
         self.kind_used: dict[TensorClass, int] = {}
         self.kind_peak: dict[TensorClass, int] = {}
-        # Called with the bytes missing when a reservation does not fit, before giving up: a cache
+        # Asked for the bytes missing when a reservation does not fit, before giving up: a cache
         # on this tier (e.g. prefetched weights) can evict to make room. Called outside the lock.
-        self.reclaim = reclaim
+        self.reclaimers: tuple[Reclaimer, ...] = tuple(reclaimers)  # NOTE [Reclaimers at construction]
         self._lock = threading.Lock()
 
     @property
@@ -118,10 +123,17 @@ class Ledger:
         try:
             self._reserve(key, nbytes, kind, label)
         except OutOfTierMemory as e:
-            if self.reclaim is None:
+            if not self.reclaimers:
                 raise
             self.reclaim(e.used + e.asked - e.allowed)
             self._reserve(key, nbytes, kind, label)
+
+    def reclaim(self, missing: int, *, besides: Optional[Reclaimer] = None) -> None:
+        """Ask every reclaimer of this tier, in order, to free ``missing`` bytes (``besides``: one
+        that asks the others, skipped)."""
+        for r in self.reclaimers:
+            if r is not besides:
+                r.make_room(missing)
 
     def _reserve(self, key: str, nbytes: int, kind: Optional[TensorClass], label: Optional[str] = None) -> None:
         with self._lock:

@@ -20,7 +20,7 @@ import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -62,12 +62,25 @@ class NvmeStore(Store):
     (NOTE [One value per key, and a few spare files]). Files stay on disk after ``close()``
     (spares excepted); ``delete(key)`` removes them.
     The store owns ``directory`` until ``close()`` (NOTE [One store owns a directory]): another
-    store there is refused with the holder's pid.
+    store there is refused with the holder's pid. Every value carries an xxh3_64 checksum that every
+    read checks (NOTE [Data checksums]).
+
+    Args:
+        directory: an existing directory for the store's files.
+        budget: cap on the bytes held (an int or a string such as ``"100GB"``). Default: the
+            filesystem's free space.
+        io_threads: threads issuing ``os.pwritev``/``os.preadv`` (requests in flight).
+        block_size: bytes per I/O request.
+        direct: True insists on ``O_DIRECT``, False never uses it, None uses it where the filesystem
+            takes it (buffered I/O with a warning elsewhere).
+        keep_previous: keep each key's previous value (a damaged value falls back to it); False keeps
+            one value per key.
+        spares: with ``keep_previous=False``, spare files kept per size band for later writes.
     """
 
     tier = Tier.NVME
 
-    def __init__(self, directory: str | os.PathLike, *, budget: ByteSize | None = None,
+    def __init__(self, directory: str | os.PathLike[str], *, budget: ByteSize | None = None,
                  io_threads: int = 8, block_size: int = 8 * 2**20, direct: bool | None = None,
                  keep_previous: bool = True, spares: int = 4):
         self.directory = os.path.abspath(os.fspath(directory))
@@ -103,7 +116,16 @@ class NvmeStore(Store):
     # -- the Store interface --------------------------------------------------------------------
     def write(self, key: str, src: torch.Tensor, kind: Optional[TensorClass] = None) -> Handle:
         """Queue a bit-exact copy of ``src`` under ``key``; keep ``src`` unchanged until ``wait()``.
-        ``kind`` (a TensorClass) lets the ledger report bytes per class."""
+
+        Args:
+            key: the value's name (a plain string: no path separators).
+            src: a CPU tensor to store.
+            kind: the :class:`~tiermem.TensorClass` it is, so the ledger reports bytes per class.
+
+        Returns:
+            A :class:`~tiermem.Handle`; ``wait()`` returns once every byte landed (or raises a
+            :class:`~tiermem.StoreError`).
+        """
         nio.check_key(key)
         nio.check_tensor(key, src, "src")
         data = nio.byte_view(src.detach().resolve_conj().resolve_neg().contiguous())
@@ -127,7 +149,16 @@ class NvmeStore(Store):
         return Handle(future, on_stall=self._add_stall)
 
     def read(self, key: str, out: torch.Tensor) -> Handle:
-        """Queue a copy of ``key``'s value into ``out`` (same dtype and element count, contiguous)."""
+        """Queue a copy of ``key``'s value into ``out``, after any pending write of ``key``.
+
+        Args:
+            key: a key written before.
+            out: a contiguous CPU tensor of the value's dtype and element count.
+
+        Returns:
+            A :class:`~tiermem.Handle`; ``wait()`` returns once ``out`` holds the checked value
+            (or raises a :class:`~tiermem.StoreError` naming the file).
+        """
         nio.check_key(key)
         nio.check_tensor(key, out, "out")
         with self._lock:
@@ -139,7 +170,11 @@ class NvmeStore(Store):
         return Handle(future, on_stall=self._add_stall)
 
     def delete(self, key: str) -> None:
-        """Remove ``key`` and its files once its queued requests are done. Unknown keys are ignored."""
+        """Remove ``key`` and its files once its queued requests are done. Unknown keys are ignored.
+
+        Args:
+            key: the key to remove.
+        """
         with self._lock:
             self._check_open()
             if self._latest(key) is None:
@@ -150,7 +185,11 @@ class NvmeStore(Store):
     def revert(self, key: str) -> None:
         """Once ``key``'s queued requests are done, undo its latest write: the key holds the value
         it held before again (the other slot's). Lets a caller that wrote several keys undo them
-        all when one fails; a key keeps one value back, so this works once per write."""
+        all when one fails; a key keeps one value back, so this works once per write.
+
+        Args:
+            key: a key written before (with ``keep_previous=True``).
+        """
         with self._lock:
             self._check_open()
             if self._latest(key) is None:
@@ -163,15 +202,25 @@ class NvmeStore(Store):
             return isinstance(key, str) and self._latest(key) is not None
 
     def keys(self) -> Iterator[str]:
+        """The keys that hold a value."""
         with self._lock:
             return iter([k for k, state in self._keys.items() if state.latest() is not None])
 
     def meta(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
-        """``(shape, dtype)`` of the latest value written under ``key``."""
+        """``(shape, dtype)`` of the latest value written under ``key``.
+
+        Args:
+            key: a key written before.
+        """
         value = self._value(key)
         return value.shape, value.dtype
 
     def nbytes(self, key: str) -> int:
+        """Bytes of the latest value written under ``key``.
+
+        Args:
+            key: a key written before.
+        """
         return self._value(key).nbytes
 
     def close(self) -> None:
@@ -198,10 +247,10 @@ class NvmeStore(Store):
                 f"{len(list(self.keys()))} keys, {fmt_bytes(self.used)} of {fmt_bytes(self.allowed)})")
 
     # -- seams: tests replace these on one store to inject failures -------------------------------
-    def _pwritev(self, fd: int, bufs: Sequence, offset: int) -> int:
+    def _pwritev(self, fd: int, bufs: Sequence[nio.Buf], offset: int) -> int:
         return os.pwritev(fd, bufs, offset)
 
-    def _preadv(self, fd: int, bufs: Sequence, offset: int) -> int:
+    def _preadv(self, fd: int, bufs: Sequence[nio.Buf], offset: int) -> int:
         return os.preadv(fd, bufs, offset)
 
     def _fallocate(self, fd: int, size: int) -> None:
@@ -213,7 +262,7 @@ class NvmeStore(Store):
             os.ftruncate(fd, size)  # the filesystem cannot reserve space; just size the file
 
     # -- requests (run on the I/O threads) ------------------------------------------------------
-    def _start_write(self, key: str, value: Value, data: torch.Tensor, future: Future) -> None:
+    def _start_write(self, key: str, value: Value, data: torch.Tensor, future: Future[Any]) -> None:
         with self._lock:
             current = self._keys[key].current()
         slot, gen = (0, 0) if current is None else (1 - current.slot, current.gen + 1)
@@ -253,7 +302,7 @@ class NvmeStore(Store):
                                [partial(nio.digest, data[b0:b1]) for b0, b1 in spans] if beside else None,
                                hash_first=True)
 
-    def _finish_write(self, key: str, copy: Copy, fd: Optional[int], future: Future,
+    def _finish_write(self, key: str, copy: Copy, fd: Optional[int], future: Future[Any],
                       err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
         if fd is not None:
             try:
@@ -290,7 +339,7 @@ class NvmeStore(Store):
             self._release_file(previous.path, spare)
         self._complete(key, future, self._error("write", key, copy, err))
 
-    def _start_read(self, key: str, data: torch.Tensor, out: torch.Tensor, future: Future) -> None:
+    def _start_read(self, key: str, data: torch.Tensor, out: torch.Tensor, future: Future[Any]) -> None:
         with self._lock:
             current = self._keys[key].current()
         fd = None
@@ -318,7 +367,7 @@ class NvmeStore(Store):
                                partial(self._finish_read, key, current, fd, future),
                                [partial(nio.digest, data[b0:b1]) for b0, b1 in spans] if beside else None)
 
-    def _finish_read(self, key: str, copy: Optional[Copy], fd: Optional[int], future: Future,
+    def _finish_read(self, key: str, copy: Optional[Copy], fd: Optional[int], future: Future[Any],
                      err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
         if fd is not None:
             with contextlib.suppress(OSError):
@@ -357,7 +406,7 @@ class NvmeStore(Store):
             said += f"; so is the previous value's: {spoilt(key, previous, why_too)}"
         return lost(key, said, self.directory)
 
-    def _start_delete(self, key: str, future: Future) -> None:
+    def _start_delete(self, key: str, future: Future[Any]) -> None:
         with self._lock:
             state = self._keys[key]
             state.copies = [None, None]  # writes queued after this delete still land
@@ -374,7 +423,7 @@ class NvmeStore(Store):
                                         f"the key is forgotten, remove the file by hand")
         self._complete(key, future, err)
 
-    def _start_revert(self, key: str, future: Future) -> None:
+    def _start_revert(self, key: str, future: Future[Any]) -> None:
         with self._lock:
             state = self._keys[key]
             latest = state.current()
@@ -384,15 +433,16 @@ class NvmeStore(Store):
                 err = None
             else:
                 err = cannot_revert(key)
-        if err is None:
+        if err is None and latest is not None:  # (no error: there was a latest copy)
             with contextlib.suppress(OSError):
                 os.unlink(latest.path)  # a reader going by generations must not find it either
         self._complete(key, future, err)
 
-    def _complete(self, key: str, future: Future, err: Optional[BaseException]) -> None:
+    def _complete(self, key: str, future: Future[Any], err: Optional[BaseException]) -> None:
         with self._lock:
             state = self._keys.get(key)
-            if self._requests.finished(state, future) and state.current() is None and not state.queued:
+            last = self._requests.finished(state, future)  # True only for a state: its last request
+            if last and state is not None and state.current() is None and not state.queued:
                 del self._keys[key]  # nothing stored, nothing queued: forget it
         if err is None:
             future.set_result(None)

@@ -180,6 +180,7 @@ def describe_direct(directory: str) -> tuple[bool, str]:
         return False, f"cannot create a file there ({e.strerror})"
     if supported:
         return True, ""
+    assert refused is not None  # asked with direct=None: a refusal comes with its error
     why = "the filesystem refuses it" if refused.errno == errno.EINVAL else refused.strerror
     return False, f"{why} (the NVMe store falls back to buffered I/O)"
 
@@ -206,7 +207,7 @@ def _probe_write(path: str, extra_flags: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags, 0o600)
     try:
         block = aligned_empty(ALIGN, pin=False).zero_()
-        os.pwrite(fd, memoryview(block.numpy()), 0)
+        os.pwrite(fd, memoryview(block.numpy()), 0)  # type: ignore[arg-type]  # numpy's stubs: no buffer protocol
     finally:
         os.close(fd)
         os.unlink(path)

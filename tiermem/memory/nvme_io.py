@@ -62,7 +62,7 @@ import re
 import struct
 import threading
 import zlib
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import xxhash
@@ -78,8 +78,9 @@ _PREFIX = struct.Struct("<8sII")  # magic, JSON length, crc32 of the JSON
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW  # slot files: 0600, never via a symlink
-PWritev = Callable[[int, Sequence, int], int]
-PReadv = Callable[[int, Sequence, int], int]
+Buf = Union[memoryview, bytes, bytearray]  # what the vectored reads and writes take
+PWritev = Callable[[int, Sequence[Buf], int], int]
+PReadv = Callable[[int, Sequence[Buf], int], int]
 
 
 class ShortRead(Exception):
@@ -182,7 +183,7 @@ def check_tensor(key: str, t: object, what: str) -> None:
 
 
 def _mv(t: torch.Tensor) -> memoryview:
-    return memoryview(t.numpy())
+    return memoryview(t.numpy())  # type: ignore[arg-type]  # numpy's stubs do not declare the buffer protocol
 
 
 def chunks(nbytes: int, block: int) -> list[tuple[int, int]]:
@@ -297,8 +298,9 @@ def _read_body(preadv: PReadv, fd: int, out: torch.Tensor, b0: int, b1: int, wan
     need = n + (HEADER if want_header else 0)
     if not direct:
         head = bytearray(HEADER) if want_header else None
-        bufs = ([head] if head is not None else []) + ([_mv(out[b0:b1])] if n else [])
-        _read_all(preadv, fd, bufs, offset, need)
+        into: list[Buf] = [head] if head is not None else []
+        into += [_mv(out[b0:b1])] if n else []
+        _read_all(preadv, fd, into, offset, need)
         return bytes(head) if head is not None else None
     main = n // ALIGN * ALIGN if is_aligned(out) else 0
     tail = n - main
@@ -370,7 +372,7 @@ def _slot_digest(preadv: PReadv, fd: int, nbytes: int, pool: StagingPool, direct
     return combine(digests)
 
 
-def _write_all(pwritev: PWritev, fd: int, bufs: list, offset: int) -> None:
+def _write_all(pwritev: PWritev, fd: int, bufs: Sequence[Buf], offset: int) -> None:
     todo = sum(len(b) for b in bufs)
     while todo:
         done = pwritev(fd, bufs, offset)
@@ -379,7 +381,7 @@ def _write_all(pwritev: PWritev, fd: int, bufs: list, offset: int) -> None:
         offset, todo, bufs = offset + done, todo - done, _skip(bufs, done)
 
 
-def _read_all(preadv: PReadv, fd: int, bufs: list, offset: int, need: int) -> None:
+def _read_all(preadv: PReadv, fd: int, bufs: Sequence[Buf], offset: int, need: int) -> None:
     """Fill ``bufs`` from ``offset``; the file must hold at least ``need`` of those bytes (a
     direct read may ask for padding past the end of a file, which is fine)."""
     got, todo = 0, sum(len(b) for b in bufs)
@@ -392,7 +394,7 @@ def _read_all(preadv: PReadv, fd: int, bufs: list, offset: int, need: int) -> No
             break
 
 
-def _skip(bufs: list, n: int) -> list:
+def _skip(bufs: Sequence[Buf], n: int) -> list[memoryview]:
     out = []
     for b in bufs:
         b = memoryview(b)

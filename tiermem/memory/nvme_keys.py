@@ -82,7 +82,7 @@ from __future__ import annotations
 import errno
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -138,7 +138,7 @@ class KeyState:
 
     copies: list[Optional[Copy]] = field(default_factory=lambda: [None, None])  # per slot
     queued: list[Value] = field(default_factory=list)  # writes issued, not finished, in order
-    tail: Optional[Future] = None  # the last request queued, NOTE [Per-key order]
+    tail: Optional[Future[Any]] = None  # the last request queued, NOTE [Per-key order]
     kind: Optional[TensorClass] = None  # for the ledger's per-class figures
 
     def current(self) -> Optional[Copy]:
@@ -166,7 +166,7 @@ SPOILT = (FileNotFoundError, nio.ShortRead, nio.Corrupt)  # what a slot's damage
 def spoilt(key: str, copy: Copy, why: BaseException) -> str:
     """What is wrong with ``copy``'s slot file, in words."""
     what = {FileNotFoundError: "is missing (removed outside tiermem)", nio.ShortRead: f"is truncated ({why})",
-            nio.Corrupt: f"is corrupt: {why}"}.get(type(why))
+            nio.Corrupt: f"is corrupt: {why}"}.get(type(why))  # type: ignore[arg-type]  # another type: None
     if what is None:
         what = f"could not be read ({getattr(why, 'strerror', None) or why})"
     return f"NVMe file {copy.path} holding {key!r} {what}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from tiermem.memory.nvme_keys import KeyState
 
@@ -28,22 +28,24 @@ class Requests:
         self._idle = threading.Condition(lock)
         self._outstanding = 0
 
-    def enqueue(self, state: KeyState, start: Callable[[Future], None]) -> Future:
+    def enqueue(self, state: KeyState, start: Callable[[Future[Any]], None]) -> Future[Any]:
         """Queue ``start`` behind the key's previous request (NOTE [Per-key order])."""
-        future: Future = Future()
+        future: Future[Any] = Future()
         previous, state.tail = state.tail, future
         self._outstanding += 1
-        go = lambda _done=None: self.pool.submit(start, future)  # noqa: E731
+
+        def go(_done: object = None) -> None:
+            self.pool.submit(start, future)
         if previous is None:
             go()
         else:
             previous.add_done_callback(go)
         return future
 
-    def finished(self, state: Optional[KeyState], future: Future) -> bool:
+    def finished(self, state: Optional[KeyState], future: Future[Any]) -> bool:
         """Count ``future``'s request as done; whether it was the last one queued for ``state``."""
         last = state is not None and state.tail is future
-        if last:
+        if state is not None and last:
             state.tail = None
         self._outstanding -= 1
         if not self._outstanding:
@@ -55,7 +57,7 @@ class Requests:
         while self._outstanding:
             self._idle.wait()
 
-    def fan_out(self, jobs: list[Callable[[], object]], finish: Callable[[Optional[BaseException], list], None],
+    def fan_out(self, jobs: list[Callable[[], object]], finish: Callable[[Optional[BaseException], list[Any]], None],
                 hashes: Optional[list[Callable[[], object]]] = None, *, hash_first: bool = False) -> None:
         """Run ``jobs`` (one per chunk) on the pool, the first on this thread; the thread that ends
         the last part calls ``finish`` with the first error (or None) and the chunks' results in
@@ -64,7 +66,7 @@ class Requests:
         while the bytes go out) or once its job ended (a read hashes the bytes that landed), and
         the results are the hashes'; without, they are the jobs' (a chunk hashed inline returns
         its digest): NOTE [Hashing beside the I/O]."""
-        results: list = [None] * len(jobs)
+        results: list[Any] = [None] * len(jobs)
         fan = Fanout(len(jobs) * (2 if hashes else 1), lambda err: finish(err, results))
         if hashes:
             parts = [partial(self._io_and_hash, fan, job, _into(results, i, digest), hash_first)
@@ -100,10 +102,11 @@ class Fanout:
     __slots__ = ("_left", "_error", "_lock", "_finish")
 
     def __init__(self, n: int, finish: Callable[[Optional[BaseException]], None]):
-        self._left, self._error, self._lock, self._finish = n, None, threading.Lock(), finish
+        self._left, self._lock, self._finish = n, threading.Lock(), finish
+        self._error: Optional[BaseException] = None
 
     def run(self, job: Callable[[], object]) -> None:
-        error = None
+        error: Optional[BaseException] = None
         if self._error is None:
             try:
                 job()
@@ -117,7 +120,7 @@ class Fanout:
             self._finish(self._error)
 
 
-def _into(results: list, i: int, job: Callable[[], object]) -> Callable[[], None]:
+def _into(results: list[Any], i: int, job: Callable[[], object]) -> Callable[[], None]:
     """``job``, keeping what it returns at ``results[i]``."""
     def run() -> None:
         results[i] = job()

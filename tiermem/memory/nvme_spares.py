@@ -9,6 +9,7 @@ import stat
 from typing import Optional
 
 from tiermem.errors import OutOfTierMemory
+from tiermem.memory.ledger import Ledger
 from tiermem.memory import nvme_io as nio
 
 
@@ -23,7 +24,7 @@ class SparePool:
     [One value per key, and a few spare files]). The store calls every method with its lock held;
     renaming a file in or out is the caller's, outside the lock."""
 
-    def __init__(self, directory: str, limit: int, ledger):
+    def __init__(self, directory: str, limit: int, ledger: Ledger):
         self.directory, self.limit, self.ledger = directory, limit, ledger
         self.ready: dict[str, int] = {}  # path -> file size, free to take
         self.arriving: dict[str, int] = {}  # given, not renamed in yet

@@ -10,12 +10,12 @@ import logging
 import threading
 import weakref
 from collections import defaultdict
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import psutil
 import torch
 
-from tiermem.memory.ledger import Ledger
+from tiermem.memory.ledger import Ledger, Reclaimer
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle
 from tiermem.memory import deferred
@@ -44,11 +44,11 @@ def default_device_budget(device: torch.device) -> int:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return max(0, int(free) + int(torch.cuda.memory_reserved(device)) - device_margin(int(total)))
-    return psutil.virtual_memory().available
+    return int(psutil.virtual_memory().available)
 
 
 def default_host_budget() -> int:
-    return psutil.virtual_memory().available
+    return int(psutil.virtual_memory().available)
 
 
 def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -58,13 +58,14 @@ def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
     return n
 
 
-class _MemoryStore(Store):
-    """Keyed tensors in memory with byte accounting. Subclasses supply ``_alloc``/``_free`` of raw
-    uint8 buffers; ``allocate`` views them with the wanted dtype and shape."""
+class MemoryStore(Store):
+    """Keyed tensors in memory (device, host) with byte accounting, handed out by ``get``.
+    Subclasses supply ``_alloc``/``_free`` of raw uint8 buffers; ``allocate`` views them with the
+    wanted dtype and shape."""
 
-    def __init__(self, tier: Tier, budget: int, *, reclaim: Optional[Callable[[int], None]] = None):
+    def __init__(self, tier: Tier, budget: int, *, reclaimers: Sequence[Reclaimer] = ()):
         self.tier = tier
-        self.ledger = Ledger(tier, budget, reclaim=reclaim)
+        self.ledger = Ledger(tier, budget, reclaimers=reclaimers)
         self._tensors: dict[str, torch.Tensor] = {}
         self._bases: dict[str, Optional[torch.Tensor]] = {}  # None: adopted, not ours to pool
         self._lock = threading.RLock()  # the engine's lanes allocate and free from their threads
@@ -130,17 +131,17 @@ class _MemoryStore(Store):
         return iter(list(self._tensors))
 
 
-class DeviceStore(_MemoryStore):
+class DeviceStore(MemoryStore):
     """Tensors on the compute device. Without an accelerator the device is the CPU and the budget
     is enforced by accounting alone, so every code path runs on a CPU-only machine."""
 
     def __init__(self, device: torch.device | str, budget: Optional[int] = None, *,
-                 reclaim: Optional[Callable[[int], None]] = None):
-        """``reclaim(missing_bytes)``: called before refusing a reservation, so a cache on the
-        device (prefetched weights) can make room."""
+                 reclaimers: Sequence[Reclaimer] = ()):
+        """``reclaimers``: asked before a reservation is refused, so requests in flight can land
+        and a cache on the device (prefetched weights) can make room (NOTE [Reclaimers at construction])."""
         self.device = torch.device(device)
         super().__init__(Tier.DEVICE, default_device_budget(self.device) if budget is None else budget,
-                         reclaim=reclaim)
+                         reclaimers=reclaimers)
 
     def _alloc(self, key: str, nbytes: int, kind: Optional[TensorClass]) -> torch.Tensor:
         self.ledger.reserve(key, nbytes, kind)
@@ -154,7 +155,7 @@ class DeviceStore(_MemoryStore):
                                        f"is really free there, or place less on the device") from e
 
 
-class HostStore(_MemoryStore):
+class HostStore(MemoryStore):
     """Host memory as a pool of page-aligned buffers, pinned when an accelerator exists.
 
     Freed buffers are kept by size and handed out again, so a training step that allocates the

@@ -11,7 +11,29 @@ from tiermem.types import TensorClass, Tier
 
 @dataclass
 class Report:
-    """Plain dicts keyed by :class:`Tier` / :class:`TensorClass`, printable as a table."""
+    """What ``tm.report()`` returns: plain dicts keyed by :class:`~tiermem.Tier` and
+    :class:`~tiermem.TensorClass`; ``str(report)`` is a table.
+
+    Attributes:
+        peak_bytes: peak managed bytes on each tier.
+        class_peak_bytes: peak bytes of a class on a tier, keyed ``(TensorClass, Tier)``.
+        bytes_moved: bytes copied from one tier to another, keyed ``(src, dst)``.
+        stall_seconds: seconds the training thread waited on transfers, all tiers together.
+        stall_seconds_per_tier: those seconds by the tier waited on.
+        busy_seconds: seconds transfers ``(src, dst)`` were running (for :meth:`gbps`).
+        budgets: each tier's budget in bytes.
+        class_bytes_moved: bytes moved keyed ``(TensorClass, src, dst)``.
+        steps: steps taken.
+        n_params: trainable parameters.
+        step_seconds: wall time spent inside ``step()``.
+        rank: under data parallelism, this rank (the figures are its own).
+        world: the number of ranks.
+        collective_bytes: bytes this rank sent through collectives.
+        placement: the policy that placed each tensor (a whole-model policy's decision in its repr).
+        stages: seconds per step by stage, ``(predicted, measured)``; empty without a machine profile.
+        weights_on_demand: per weight homed off the device, the reads that still waited for a fetch
+            started on demand once the order of use was recorded (reads the prefetch did not foresee).
+    """
 
     peak_bytes: dict[Tier, int]
     class_peak_bytes: dict[tuple[TensorClass, Tier], int]
@@ -35,7 +57,12 @@ class Report:
     weights_on_demand: dict[str, int] = field(default_factory=dict)
 
     def gbps(self, src: Tier, dst: Tier) -> float:
-        """Achieved bandwidth of the transfers src -> dst while they ran (GB/s, 1e9 bytes)."""
+        """Achieved bandwidth of the transfers src -> dst while they ran (GB/s, 1e9 bytes).
+
+        Args:
+            src: the tier copied from.
+            dst: the tier copied to.
+        """
         busy = self.busy_seconds.get((src, dst), 0.0)
         return self.bytes_moved.get((src, dst), 0) / busy / 1e9 if busy > 0 else 0.0
 

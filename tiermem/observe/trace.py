@@ -66,6 +66,7 @@ class Tracer:
         t0 = time.perf_counter()
         with self._lock:
             doc = {"traceEvents": list(self._events), "displayTimeUnit": "ms"}
+        assert self.path is not None  # (a tracer without a path writes nothing)
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
             json.dump(doc, f)

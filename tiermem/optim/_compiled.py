@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -51,7 +51,7 @@ CHUNK = 1 << 26
 WARMUP_NUMEL = 1 << 16  # the size each kernel is first traced and run on
 EAGER_CHECK_NUMEL = 1 << 15  # below this, eager isfinite() beats a compiled call's overhead
 
-_OPTIONS = {
+_OPTIONS: dict[str, Any] = {
     "cpp.enable_floating_point_contract_flag": "fast",  # NOTE [FMA parity]
     "cpp_wrapper": True,  # C++ wrapper: releases the GIL while the kernel runs
     "cpp.dynamic_threads": True,  # threads decided at run time, whatever size the kernel first saw
@@ -217,7 +217,7 @@ def _padded_call(fn: Callable, master, exp_avg, exp_avg_sq, grad, out, s) -> Non
         fn(*pad, out_pad, s)
     for p, t in zip(pad[:3], (master, exp_avg, exp_avg_sq)):
         t.copy_(p[:1])
-    if out is not None:
+    if out is not None and out_pad is not None:  # (made when out is)
         out.copy_(out_pad[:1])
 
 

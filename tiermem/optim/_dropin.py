@@ -66,6 +66,12 @@ class CPUOptimizer(Optimizer):
 
     # -- torch.optim.Optimizer -----------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, as ``torch.optim.Optimizer.add_param_group``; its hyperparameters are
+        checked first.
+
+        Args:
+            param_group: the group: ``"params"`` and the hyperparameters it sets.
+        """
         group = {**self.defaults, **param_group}  # what torch's add_param_group will store
         self._check_group(group)
         if not isinstance(group["bf16_stochastic_round"], bool):
@@ -86,6 +92,11 @@ class CPUOptimizer(Optimizer):
                               f"TieredModel for mixed precision")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this optimizer, or of the torch optimizer it stands in for.
+
+        Args:
+            state_dict: what ``state_dict()`` returned.
+        """
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # a torch optimizer's state_dict lacks tiermem's keys
             for key in ("bf16_stochastic_round", "sr_seed"):
@@ -101,7 +112,16 @@ class CPUOptimizer(Optimizer):
         self._index = None
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]  # torch's stub: overloads
+        """One update of every parameter with a gradient, after every gradient was checked: a step
+        whose gradients hold an inf or NaN changes nothing and sets ``last_step_skipped``.
+
+        Args:
+            closure: reevaluates the model and returns the loss, as ``torch.optim`` takes it.
+
+        Returns:
+            The closure's loss, or None without one.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -131,7 +151,7 @@ class CPUOptimizer(Optimizer):
         return loss
 
     def _fused(self, kernel: _run.Kernel, p: torch.Tensor, state: tuple, group: dict[str, Any], step: int,
-               sr: Optional[StochasticRound], make: Callable[[], Any], checked: Callable[[], None],
+               sr: Optional[StochasticRound], make: Callable[[], Any], checked: Callable[[], object],
                *variant: Any) -> None:
         """One update: the native kernel straight away, with the group's hyperparameters made and checked
         once per step (``make``), when the tensors allow; else ``checked``, the functional entry."""
@@ -141,7 +161,9 @@ class CPUOptimizer(Optimizer):
             hyper = make()
             prepared = self._prepared[key] = (hyper, _native.floats(kernel.scalars(hyper)))
         keys = None if sr is None else sr.keys(step)
-        if not _run.fast_step(kernel, p.detach(), state, p.grad.detach(), prepared[1], keys):
+        grad = p.grad
+        assert grad is not None  # the drop-ins step the parameters that have a gradient
+        if not _run.fast_step(kernel, p.detach(), state, grad.detach(), prepared[1], keys):
             checked()
 
     def _rounding(self, p: torch.Tensor, group: dict[str, Any]) -> StochasticRound:

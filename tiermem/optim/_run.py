@@ -125,7 +125,7 @@ def run(kernel: Kernel, master: torch.Tensor, state: Sequence[Optional[torch.Ten
     _check_tensors(kernel, master, state, grad, out)
     _sr.check(master, stochastic_round, where)
     detached = [None if t is None else t.detach() for t in (master, *state, grad, out)]
-    master, state, grad, out = detached[0], detached[1:-2], detached[-2], detached[-1]
+    master, state, grad, out = detached[0], detached[1:-2], detached[-2], detached[-1]  # type: ignore[assignment]  # (master, grad: tensors)
     if master.numel() == 0:
         return False
     keys = None if stochastic_round is None else stochastic_round.keys(step)
@@ -138,7 +138,7 @@ def run(kernel: Kernel, master: torch.Tensor, state: Sequence[Optional[torch.Ten
         return True
     if flat:  # every kernel takes flat views; the reference takes any strides where shapes agree
         views = [None if t is None else t.view(-1) for t in (master, *state, grad, out)]
-        master, state, grad, out = views[0], views[1:-2], views[-2], views[-1]
+        master, state, grad, out = views[0], views[1:-2], views[-2], views[-1]  # type: ignore[assignment]  # (as above)
     elif any(t is not None and t.shape != master.shape for t in state):
         raise ConfigError(f"tiermem: {where}got non-contiguous tensors with state of another shape than master; "
                           f"pass contiguous tensors")

@@ -35,7 +35,12 @@ _M64 = (1 << 64) - 1
 class StochasticRound:
     """How to round an update into bf16 master weights: ``key`` identifies the parameter (and the
     run's seed), ``offset`` is the index in the parameter of the first element passed (so a slice of
-    a parameter gets the same bits as the whole). Build one with :meth:`for_parameter`."""
+    a parameter gets the same bits as the whole). Build one with :meth:`for_parameter`.
+
+    Args:
+        key: the parameter's 64-bit key (from the run's seed and its name).
+        offset: the index in the parameter of the first element passed.
+    """
 
     key: int
     offset: int = 0
@@ -50,17 +55,31 @@ class StochasticRound:
     @classmethod
     def for_parameter(cls, seed: int, name: str, offset: int = 0) -> "StochasticRound":
         """The rounding of the parameter called ``name`` (e.g. its qualified name) in a run seeded
-        with ``seed``."""
+        with ``seed``.
+
+        Args:
+            seed: the run's seed, an int.
+            name: the parameter's name.
+            offset: the index of the first element passed.
+        """
         if not is_int(seed):
             raise ConfigError(f"tiermem: StochasticRound seed={seed!r} is invalid: it must be an int")
         return cls(xxhash.xxh64_intdigest(name.encode(), seed=seed & _M64), offset)
 
     def at(self, offset: int) -> "StochasticRound":
-        """The same rounding for a slice starting ``offset`` elements further on."""
+        """The same rounding for a slice starting ``offset`` elements further on.
+
+        Args:
+            offset: elements from this one's first.
+        """
         return StochasticRound(self.key, self.offset + offset)
 
     def keys(self, step: int) -> tuple[int, int, int]:
-        """(k1, k2, offset mod 2^32) of one call at ``step``."""
+        """(k1, k2, offset mod 2^32) of one call at ``step``.
+
+        Args:
+            step: the update's 1-based step count.
+        """
         h = xxhash.xxh64_intdigest(struct.pack("<QQ", self.key, step & _M64))
         return h & _M32, h >> 32, self.offset & _M32
 

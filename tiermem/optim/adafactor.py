@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -112,7 +112,33 @@ def adafactor_step(master: torch.Tensor, grad: torch.Tensor, *, step: int, lr: f
     """One Adafactor update in place (see the module docstring for the state). ``shape`` is the
     parameter's shape when ``master`` is a flat view of it (default: master's own shape); the other
     arguments are as in :func:`tiermem.optim.sgd_step`. The state tensors are passed by name, as
-    torch's state keys them; those of the other layout must be None."""
+    torch's state keys them; those of the other layout must be None.
+
+    Args:
+        master: fp32 master weights (or bf16 ones with ``stochastic_round``), updated in place.
+        grad: the gradient, fp32, bf16 or fp16.
+        step: 1-based count of this tensor's updates including this one.
+        lr: learning rate.
+        beta2_decay: the exponent of the second moment's decay, as ``torch.optim.Adafactor``'s.
+        eps1: term added to the squared gradient (None: the dtype's smallest normal number).
+        eps2: floor of the parameter's RMS that scales the update.
+        d: clipping threshold of the update's RMS.
+        weight_decay: decoupled weight decay.
+        maximize: maximize the objective instead of minimizing it.
+        row_var: fp32 row factor of the second moment (parameters of 2 or more dimensions).
+        col_var: fp32 column factor of the second moment (parameters of 2 or more dimensions).
+        variance: fp32 full second moment (parameters of fewer than 2 dimensions).
+        shape: the parameter's shape when ``master`` is a flat view of it.
+        grad_scale: the loss scale the gradient carries; it is divided out first.
+        clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
+        out: receives the master's new value in its own dtype (fp32, bf16 or fp16), when given.
+        stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
+        check_finite: False skips the read of ``grad`` for inf/NaN when the caller knows it is finite.
+        impl: ``"native"`` or ``"reference"`` instead of the default (tests and benchmarks).
+
+    Returns:
+        ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
+    """
     hyper = AdafactorHyper(step=_as_step(step), lr=as_number(lr), beta2_decay=as_number(beta2_decay),
                            eps1=None if eps1 is None else as_number(eps1), eps2=as_number(eps2), d=as_number(d),
                            weight_decay=as_number(weight_decay), maximize=maximize,
@@ -177,8 +203,13 @@ def state_numels(shape: tuple[int, ...]) -> dict[str, int]:
 
 def _kernel(shape: tuple[int, ...]) -> _run.Kernel:
     """What _run's tensor checks read: the state's names, dtypes and element counts."""
-    specs = tuple(_run.StateSpec(name, torch.float32, lambda n, k=k: k) for name, k in state_numels(shape).items())
-    return _run.Kernel("adafactor_step", specs, None, None)
+    specs = tuple(_run.StateSpec(name, torch.float32, _always(k)) for name, k in state_numels(shape).items())
+    return _run.Kernel("adafactor_step", specs, None, None)  # type: ignore[arg-type]  # only the tensor checks read it
+
+
+def _always(k: int) -> Callable[[int], int]:
+    """A state's element count, whatever the master's."""
+    return lambda n: k
 
 
 def reference(master: torch.Tensor, state: list, grad: torch.Tensor, out: Optional[torch.Tensor],
@@ -256,7 +287,7 @@ def _native_step(lib, master: torch.Tensor, grad: torch.Tensor, out: Optional[to
         (variance,) = state
         sums = torch.zeros(2, dtype=torch.float64)  # the sums of u^2 and of p^2
         lib.tm_adafactor_vec_stats(n, P(master), C(master), P(grad), C(grad), P(variance),
-                                   _native.floats(h.scalars()), P(sums), P(sums) + 8, nt)
+                                   _native.floats(h.scalars()), P(sums), sums.data_ptr() + 8, nt)
         s = h.scalars(h.neg_step(sums[1].item(), sums[0].item(), n))
         lib.tm_adafactor_vec_apply(n, P(master), C(master), P(grad), C(grad), P(out), C(out), P(variance),
                                    _native.floats(s), sr, nt)

@@ -42,6 +42,20 @@ class CPUAdam(CPUOptimizer):
     hold an inf or NaN changes nothing (no parameter, moment or step count) and sets
     ``last_step_skipped``; ``check_finite=False`` turns the check off. ``bf16_stochastic_round=True``
     takes bf16 parameters and keeps no fp32 copy (tiermem/optim/_dropin.py).
+
+    Args:
+        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
+            CPU tensors.
+        lr: learning rate.
+        betas: coefficients of the running averages of the gradient and of its square.
+        eps: term added to the denominator.
+        weight_decay: decoupled (``adamw=True``) or L2 weight decay.
+        adamw: AdamW when True (the default), Adam when False.
+        check_finite: check every gradient for inf/NaN before any update; a step that finds one
+            changes nothing and sets ``last_step_skipped``. False skips the check.
+        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
+            stochastically (NOTE [Stochastic rounding bits]).
+        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
     _sparse_hint = "use torch.optim.SparseAdam for sparse gradients"
@@ -78,8 +92,10 @@ def adam_update(opt: CPUOptimizer, p: torch.Tensor, state: dict[str, Any], group
     beta1, beta2 = group["betas"]
     kw = dict(step=step, lr=as_number(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
               weight_decay=group["weight_decay"], adamw=group["adamw"])
+    grad = p.grad
+    assert grad is not None  # the drop-ins step the parameters that have a gradient
     opt._fused(_run.ADAM, p, (state["exp_avg"], state["exp_avg_sq"]), group, step, sr, lambda: AdamHyper(**kw),
-               lambda: adam_step(p, state["exp_avg"], state["exp_avg_sq"], p.grad, **kw, check_finite=False,
+               lambda: adam_step(p, state["exp_avg"], state["exp_avg_sq"], grad, **kw, check_finite=False,
                                  stochastic_round=sr))
 
 

@@ -31,7 +31,23 @@ Number = Union[float, torch.Tensor]
 @checked_arguments
 class CPUSGD(CPUOptimizer):
     """torch.optim.SGD (momentum, dampening, Nesterov, weight decay, maximize), one fused pass per
-    tensor. State: ``momentum_buffer`` (with momentum) and ``step``."""
+    tensor. State: ``momentum_buffer`` (with momentum) and ``step``.
+
+    Args:
+        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
+            CPU tensors.
+        lr: learning rate.
+        momentum: momentum factor.
+        dampening: dampening of the momentum.
+        weight_decay: L2 penalty added to the gradient.
+        nesterov: Nesterov momentum (needs momentum > 0 and no dampening).
+        maximize: maximize the objective instead of minimizing it.
+        check_finite: check every gradient for inf/NaN before any update; a step that finds one
+            changes nothing and sets ``last_step_skipped``. False skips the check.
+        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
+            stochastically (NOTE [Stochastic rounding bits]).
+        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
+    """
 
     def __init__(self, params: Params, lr: Number = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
@@ -59,14 +75,32 @@ class CPUSGD(CPUOptimizer):
         kw = dict(step=step, lr=number(g["lr"]), momentum=g["momentum"], dampening=g["dampening"],
                   nesterov=g["nesterov"], weight_decay=g["weight_decay"], maximize=g["maximize"], init_buffer=new)
         buf = buf if g["momentum"] != 0 else None
+        grad = p.grad
+        assert grad is not None  # the drop-ins step the parameters that have a gradient
         self._fused(_run.SGD, p, (buf,), g, step, sr, lambda: SGDHyper(**kw),
-                    lambda: sgd_step(p, buf, p.grad, **kw, stochastic_round=sr, check_finite=False), new)
+                    lambda: sgd_step(p, buf, grad, **kw, stochastic_round=sr, check_finite=False), new)
 
 
 @checked_arguments
 class CPUAdagrad(CPUOptimizer):
     """torch.optim.Adagrad (lr decay, weight decay, initial accumulator, maximize), one fused pass per
-    tensor. State: ``sum`` and ``step``."""
+    tensor. State: ``sum`` and ``step``.
+
+    Args:
+        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
+            CPU tensors.
+        lr: learning rate.
+        lr_decay: learning rate decay.
+        weight_decay: L2 penalty added to the gradient.
+        initial_accumulator_value: the starting value of the sum of squared gradients.
+        eps: term added to the denominator.
+        maximize: maximize the objective instead of minimizing it.
+        check_finite: check every gradient for inf/NaN before any update; a step that finds one
+            changes nothing and sets ``last_step_skipped``. False skips the check.
+        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
+            stochastically (NOTE [Stochastic rounding bits]).
+        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
+    """
 
     def __init__(self, params: Params, lr: Number = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
@@ -87,14 +121,29 @@ class CPUAdagrad(CPUOptimizer):
                 sr: Optional[StochasticRound]) -> None:
         kw = dict(step=step, lr=number(g["lr"]), lr_decay=g["lr_decay"], weight_decay=g["weight_decay"], eps=g["eps"],
                   maximize=g["maximize"])
+        grad = p.grad
+        assert grad is not None  # the drop-ins step the parameters that have a gradient
         self._fused(_run.ADAGRAD, p, (state["sum"],), g, step, sr, lambda: AdagradHyper(**kw),
-                    lambda: adagrad_step(p, state["sum"], p.grad, **kw, stochastic_round=sr, check_finite=False))
+                    lambda: adagrad_step(p, state["sum"], grad, **kw, stochastic_round=sr, check_finite=False))
 
 
 @checked_arguments
 class CPULion(CPUOptimizer):
     """Lion (Chen et al. 2023; torch has none): ``betas`` and decoupled ``weight_decay`` as the paper's
-    reference implementation. State: ``exp_avg`` and ``step``."""
+    reference implementation. State: ``exp_avg`` and ``step``.
+
+    Args:
+        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
+            CPU tensors.
+        lr: learning rate.
+        betas: the interpolation coefficient whose sign is the update, and the momentum's.
+        weight_decay: decoupled weight decay.
+        check_finite: check every gradient for inf/NaN before any update; a step that finds one
+            changes nothing and sets ``last_step_skipped``. False skips the check.
+        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
+            stochastically (NOTE [Stochastic rounding bits]).
+        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
+    """
 
     def __init__(self, params: Params, lr: Number = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, check_finite: bool = True, bf16_stochastic_round: bool = False,
@@ -115,9 +164,11 @@ class CPULion(CPUOptimizer):
     def _update(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int,
                 sr: Optional[StochasticRound]) -> None:
         lr, (b1, b2), wd = number(g["lr"]), g["betas"], g["weight_decay"]
+        grad = p.grad
+        assert grad is not None  # the drop-ins step the parameters that have a gradient
         self._fused(_run.LION, p, (state["exp_avg"],), g, step, sr,
                     lambda: LionHyper(step=step, lr=lr, lion_beta1=b1, lion_beta2=b2, weight_decay=wd),
-                    lambda: lion_step(p, state["exp_avg"], p.grad, step=step, lr=lr, beta1=b1, beta2=b2,
+                    lambda: lion_step(p, state["exp_avg"], grad, step=step, lr=lr, beta1=b1, beta2=b2,
                                       weight_decay=wd, stochastic_round=sr, check_finite=False))
 
 
@@ -125,7 +176,24 @@ class CPULion(CPUOptimizer):
 class CPUAdafactor(CPUOptimizer):
     """torch.optim.Adafactor (factored second moment of the last two dimensions, relative step size,
     update clipping), in the fewest passes its reductions allow. State as torch's: ``row_var`` and
-    ``col_var`` (two or more dimensions) or ``variance``, and ``step``."""
+    ``col_var`` (two or more dimensions) or ``variance``, and ``step``.
+
+    Args:
+        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
+            CPU tensors.
+        lr: learning rate (relative step size).
+        beta2_decay: the exponent of the second moment's decay.
+        eps: ``(eps1, eps2)``: the term added to the squared gradient (None: the dtype's smallest
+            normal number) and the floor of the parameter's RMS.
+        d: clipping threshold of the update's RMS.
+        weight_decay: decoupled weight decay.
+        maximize: maximize the objective instead of minimizing it.
+        check_finite: check every gradient for inf/NaN before any update; a step that finds one
+            changes nothing and sets ``last_step_skipped``. False skips the check.
+        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
+            stochastically (NOTE [Stochastic rounding bits]).
+        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
+    """
 
     def __init__(self, params: Params, lr: Number = 1e-2, beta2_decay: float = -0.8,
                  eps: tuple[Optional[float], float] = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0,
@@ -151,7 +219,9 @@ class CPUAdafactor(CPUOptimizer):
 
     def _update(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int,
                 sr: Optional[StochasticRound]) -> None:
-        adafactor_step(p, p.grad, step=step, lr=number(g["lr"]), beta2_decay=g["beta2_decay"], eps1=g["eps"][0],
+        grad = p.grad
+        assert grad is not None  # the drop-ins step the parameters that have a gradient
+        adafactor_step(p, grad, step=step, lr=number(g["lr"]), beta2_decay=g["beta2_decay"], eps1=g["eps"][0],
                        eps2=g["eps"][1], d=g["d"], weight_decay=g["weight_decay"], maximize=g["maximize"],
                        row_var=state.get("row_var"), col_var=state.get("col_var"), variance=state.get("variance"),
                        stochastic_round=sr, check_finite=False)
@@ -162,7 +232,23 @@ class CPUAdam8bit(CPUOptimizer):
     """Adam or AdamW (``adamw=True``) with 8-bit block-wise moments (NOTE [8-bit state] in
     tiermem/optim/_quant.py), as bitsandbytes' and torchao's 8-bit AdamW: tensors of at least
     ``min_8bit_size`` elements keep ``exp_avg``/``exp_avg_sq`` as uint8 codes (flat) with fp32
-    ``exp_avg_absmax``/``exp_avg_sq_absmax``; smaller ones keep fp32 moments and step as CPUAdam."""
+    ``exp_avg_absmax``/``exp_avg_sq_absmax``; smaller ones keep fp32 moments and step as CPUAdam.
+
+    Args:
+        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
+            CPU tensors.
+        lr: learning rate.
+        betas: coefficients of the running averages of the gradient and of its square.
+        eps: term added to the denominator.
+        weight_decay: decoupled (``adamw=True``) or L2 weight decay.
+        adamw: AdamW when True (the default), Adam when False.
+        min_8bit_size: the fewest elements a tensor needs for 8-bit moments.
+        check_finite: check every gradient for inf/NaN before any update; a step that finds one
+            changes nothing and sets ``last_step_skipped``. False skips the check.
+        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
+            stochastically (NOTE [Stochastic rounding bits]).
+        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
+    """
 
     def __init__(self, params: Params, lr: Number = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True, *,
@@ -196,6 +282,8 @@ class CPUAdam8bit(CPUOptimizer):
         kw = dict(step=step, lr=number(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"],
                   adamw=g["adamw"])
         quantized = (state["exp_avg"], state["exp_avg_absmax"], state["exp_avg_sq"], state["exp_avg_sq_absmax"])
+        grad = p.grad
+        assert grad is not None  # the drop-ins step the parameters that have a gradient
         self._fused(_run.ADAM8BIT, p, quantized, g, step, sr, lambda: AdamHyper(**kw),
-                    lambda: adam8bit_step(p.view(-1) if p.is_contiguous() else p, *quantized, p.grad.reshape(-1), **kw,
+                    lambda: adam8bit_step(p.view(-1) if p.is_contiguous() else p, *quantized, grad.reshape(-1), **kw,
                                           stochastic_round=sr, check_finite=False))

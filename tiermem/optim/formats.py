@@ -163,7 +163,7 @@ def step(fmt: StateFormat, master: torch.Tensor, state: Sequence[torch.Tensor], 
          out: Optional[torch.Tensor], stochastic_round: Optional[StochasticRound] = None) -> None:
     """One fused update of one piece of state under ``fmt``'s kernel, the hyperparameters read from
     a param group's dict (``hyper``, torch's names); the gradients are known to be finite."""
-    common = dict(step=step, grad_scale=grad_scale, clip_coef=clip_coef, out=out, check_finite=False)
+    common: dict[str, Any] = dict(step=step, grad_scale=grad_scale, clip_coef=clip_coef, out=out, check_finite=False)
     if stochastic_round is not None:
         common["stochastic_round"] = stochastic_round
     kind = fmt.kind
@@ -173,7 +173,7 @@ def step(fmt: StateFormat, master: torch.Tensor, state: Sequence[torch.Tensor], 
                            eps=hyper["eps"], weight_decay=hyper["weight_decay"], adamw=hyper["adamw"], **common)
     elif kind in ("adam8bit", "adamw8bit"):
         beta1, beta2 = hyper["betas"]
-        _entries.adam8bit_step(master, *state, grad, lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
+        _entries.adam8bit_step(master, state[0], state[1], state[2], state[3], grad, lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
                                weight_decay=hyper["weight_decay"], adamw=hyper["adamw"], **common)
     elif kind == "sgd":
         momentum = hyper["momentum"]

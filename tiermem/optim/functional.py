@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -67,6 +67,28 @@ def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
     computed in fp32, as above, and rounded stochastically into ``master`` (NOTE [Stochastic rounding
     bits] in tiermem/optim/_sr.py); that path runs the native kernel ("compiled" picks it,
     "fallback" and "reference" the torch-ops reference).
+
+    Args:
+        master: fp32 master weights (or bf16 ones with ``stochastic_round``), updated in place.
+        exp_avg: fp32 first moment, updated in place.
+        exp_avg_sq: fp32 second moment, updated in place.
+        grad: the gradient, fp32, bf16 or fp16, of master's shape.
+        step: 1-based count of updates including this one.
+        lr: learning rate.
+        beta1: coefficient of the running average of the gradient.
+        beta2: coefficient of the running average of its square.
+        eps: term added to the denominator.
+        weight_decay: decoupled (``adamw=True``) or L2 (``adamw=False``) weight decay.
+        adamw: AdamW (decoupled weight decay) when True, Adam when False.
+        grad_scale: the loss scale the gradient carries; it is divided out first.
+        clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
+        out: receives ``master.to(out.dtype)`` after the update, when given.
+        check_finite: False skips the finite check (the caller knows the gradients are finite).
+        impl: ``"compiled"``, ``"fallback"`` or ``"reference"`` instead of the default.
+        stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
+
+    Returns:
+        ``found_inf``: True when some gradient element is inf or NaN (nothing was written).
     """
     hyper = AdamHyper(step=_as_step(step), lr=as_number(lr), beta1=as_number(beta1), beta2=as_number(beta2),
                       eps=as_number(eps), weight_decay=as_number(weight_decay), adamw=adamw,
@@ -103,7 +125,7 @@ def _choose(impl: Optional[str], master: torch.Tensor, exp_avg: torch.Tensor, ex
     if not all(t is None or t.is_contiguous() for t in tensors):
         return "reference", tensors  # elementwise ops work on any strides; only the reference takes them
     name = impl if impl is not None else _default()
-    return name, tuple(None if t is None else t.view(-1) for t in tensors)
+    return name, tuple(None if t is None else t.view(-1) for t in tensors)  # type: ignore[return-value]  # the five, flat
 
 
 def _compiled_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
@@ -175,7 +197,13 @@ def warm_up(grad_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
             out_dtypes: tuple[Optional[torch.dtype], ...] = (torch.bfloat16,), *,
             adam_l2: bool = False) -> dict[str, float]:
     """Compile (or load from the cache) the kernels for these dtypes now, rather than on the first
-    step; returns seconds per kernel. Does nothing when compiling is off or unavailable."""
+    step; returns seconds per kernel. Does nothing when compiling is off or unavailable.
+
+    Args:
+        grad_dtypes: the gradient dtypes to build kernels for.
+        out_dtypes: the dtypes of ``out`` to build kernels for (None: no ``out``).
+        adam_l2: build the Adam (L2 weight decay) kernels instead of AdamW's.
+    """
     if _compiled.disabled_by_env():
         return {}
     for g in grad_dtypes:
@@ -223,8 +251,9 @@ def compile_disabled() -> bool:
     return _compiled.disabled_by_env()
 
 
-def as_number(value: object) -> object:
-    """A one-element tensor (torch optimizers allow a tensor lr) as the number it holds."""
+def as_number(value: object) -> Any:
+    """A one-element tensor (torch optimizers allow a tensor lr) as the number it holds (anything
+    else as it is: the hyperparameters' rules check it)."""
     return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 

@@ -24,7 +24,15 @@ def state_layout(kind: str, shape: Sequence[int], *, momentum: float = 0.0,
                  min_8bit_size: int = _quant.MIN_8BIT_NUMEL) -> dict[str, tuple[int, torch.dtype]]:
     """name -> (elements, dtype) of the state of one parameter of ``shape`` under ``kind`` (one of
     ``KINDS``). SGD has a ``momentum_buffer`` only with ``momentum``; 8-bit Adam keeps fp32 moments
-    (Adam's layout) below ``min_8bit_size`` elements (NOTE [8-bit state])."""
+    (Adam's layout) below ``min_8bit_size`` elements (NOTE [8-bit state]).
+
+    Args:
+        kind: ``"adam"``, ``"adamw"``, ``"adam8bit"``, ``"adamw8bit"``, ``"sgd"``, ``"adagrad"``,
+            ``"lion"`` or ``"adafactor"``.
+        shape: the parameter's shape.
+        momentum: SGD's momentum (a buffer exists only when it is not 0).
+        min_8bit_size: the fewest elements 8-bit Adam keeps 8-bit moments for.
+    """
     if kind not in KINDS:
         raise ConfigError(f"tiermem: state_layout kind={kind!r} is unknown; pass one of {KINDS}")
     shape = tuple(int(s) for s in shape)
@@ -46,5 +54,11 @@ def state_layout(kind: str, shape: Sequence[int], *, momentum: float = 0.0,
 
 
 def state_bytes(kind: str, shape: Sequence[int], **options) -> int:
-    """The bytes of :func:`state_layout`'s tensors."""
+    """The bytes of :func:`state_layout`'s tensors.
+
+    Args:
+        kind: as :func:`state_layout` takes it.
+        shape: the parameter's shape.
+        **options (Any): :func:`state_layout`'s keywords (``momentum``, ``min_8bit_size``).
+    """
     return sum(k * torch.empty((), dtype=dt).element_size() for k, dt in state_layout(kind, shape, **options).values())

@@ -36,7 +36,31 @@ def sgd_step(master: torch.Tensor, momentum_buffer: Optional[torch.Tensor], grad
     """torch.optim.SGD's update (``foreach=False``, op for op). ``momentum_buffer`` (fp32, like master)
     is needed when ``momentum`` is not 0 and is None otherwise; at ``step`` 1 it is set to the
     gradient, as torch creates it, so a new buffer need not be initialised (``init_buffer=True`` does
-    that at another step, for momentum turned on mid-run)."""
+    that at another step, for momentum turned on mid-run).
+
+    Args:
+        master: fp32 master weights (or bf16 ones with ``stochastic_round``), updated in place.
+        momentum_buffer: fp32 buffer shaped like master when ``momentum`` is not 0, else None.
+        grad: the gradient, fp32, bf16 or fp16.
+        step: 1-based count of this tensor's updates including this one.
+        lr: learning rate.
+        momentum: momentum factor.
+        dampening: dampening of the momentum.
+        nesterov: Nesterov momentum.
+        weight_decay: L2 penalty added to the gradient.
+        maximize: maximize the objective instead of minimizing it.
+        grad_scale: the loss scale the gradient carries; it is divided out first.
+        clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
+        out: receives the master's new value in its own dtype (fp32, bf16 or fp16), when given.
+        stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
+        check_finite: False skips the read of ``grad`` for inf/NaN when the caller knows it is finite.
+        impl: ``"native"`` or ``"reference"`` instead of the default (tests and benchmarks).
+        init_buffer: True sets the momentum buffer to the gradient at this step (momentum turned on
+            mid-run); default: at step 1.
+
+    Returns:
+        ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
+    """
     hyper = SGDHyper(step=_as_step(step), lr=as_number(lr), momentum=as_number(momentum),
                      dampening=as_number(dampening), nesterov=nesterov, weight_decay=as_number(weight_decay),
                      maximize=maximize, grad_scale=as_number(grad_scale), clip_coef=as_number(clip_coef),
@@ -55,7 +79,28 @@ def adagrad_step(master: torch.Tensor, state_sum: torch.Tensor, grad: torch.Tens
                  stochastic_round: Optional[StochasticRound] = None, check_finite: bool = True,
                  impl: Optional[str] = None) -> bool:
     """torch.optim.Adagrad's update (``foreach=False``, op for op, the square root correctly rounded).
-    ``state_sum`` starts at ``initial_accumulator_value`` (the caller fills it, as torch does)."""
+    ``state_sum`` starts at ``initial_accumulator_value`` (the caller fills it, as torch does).
+
+    Args:
+        master: fp32 master weights (or bf16 ones with ``stochastic_round``), updated in place.
+        state_sum: fp32 running sum of squared gradients, updated in place.
+        grad: the gradient, fp32, bf16 or fp16.
+        step: 1-based count of this tensor's updates including this one.
+        lr: learning rate.
+        lr_decay: learning rate decay.
+        weight_decay: L2 penalty added to the gradient.
+        eps: term added to the denominator.
+        maximize: maximize the objective instead of minimizing it.
+        grad_scale: the loss scale the gradient carries; it is divided out first.
+        clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
+        out: receives the master's new value in its own dtype (fp32, bf16 or fp16), when given.
+        stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
+        check_finite: False skips the read of ``grad`` for inf/NaN when the caller knows it is finite.
+        impl: ``"native"`` or ``"reference"`` instead of the default (tests and benchmarks).
+
+    Returns:
+        ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
+    """
     hyper = AdagradHyper(step=_as_step(step), lr=as_number(lr), lr_decay=as_number(lr_decay),
                          weight_decay=as_number(weight_decay), eps=as_number(eps), maximize=maximize,
                          grad_scale=as_number(grad_scale), clip_coef=as_number(clip_coef))
@@ -70,7 +115,27 @@ def lion_step(master: torch.Tensor, exp_avg: torch.Tensor, grad: torch.Tensor, *
               impl: Optional[str] = None) -> bool:
     """Lion (Chen et al. 2023): ``c = beta1*m + (1-beta1)*g``; ``p = p*(1 - lr*wd) - lr*sign(c)``;
     ``m = beta2*m + (1-beta2)*g``. ``step`` only keys the stochastic rounding (Lion has no bias
-    correction) but is checked like every other."""
+    correction) but is checked like every other.
+
+    Args:
+        master: fp32 master weights (or bf16 ones with ``stochastic_round``), updated in place.
+        exp_avg: fp32 momentum, updated in place.
+        grad: the gradient, fp32, bf16 or fp16.
+        step: 1-based count of this tensor's updates including this one.
+        lr: learning rate.
+        beta1: coefficient of the interpolation whose sign is the update.
+        beta2: coefficient of the momentum's running average.
+        weight_decay: decoupled weight decay.
+        grad_scale: the loss scale the gradient carries; it is divided out first.
+        clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
+        out: receives the master's new value in its own dtype (fp32, bf16 or fp16), when given.
+        stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
+        check_finite: False skips the read of ``grad`` for inf/NaN when the caller knows it is finite.
+        impl: ``"native"`` or ``"reference"`` instead of the default (tests and benchmarks).
+
+    Returns:
+        ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
+    """
     hyper = LionHyper(step=_as_step(step), lr=as_number(lr), lion_beta1=as_number(beta1),
                       lion_beta2=as_number(beta2), weight_decay=as_number(weight_decay),
                       grad_scale=as_number(grad_scale), clip_coef=as_number(clip_coef))
@@ -88,7 +153,32 @@ def adam8bit_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_absmax: t
     uint8 codes (one per element), ``*_absmax`` fp32 (one per block of 256 elements from the tensor's
     element 0). Each block is dequantized, updated with ``adam_step``'s arithmetic and requantized in
     one pass. New state is :func:`tiermem.optim.quantize_blockwise` of zeros (codes 0, absmax 0).
-    Blocks start at master's element 0: cut a tensor into calls only at multiples of 256."""
+    Blocks start at master's element 0: cut a tensor into calls only at multiples of 256.
+
+    Args:
+        master: fp32 master weights (or bf16 ones with ``stochastic_round``), updated in place.
+        exp_avg: uint8 codes of the first moment, one per element.
+        exp_avg_absmax: fp32 scale of each block of ``exp_avg``.
+        exp_avg_sq: uint8 codes of the second moment, one per element.
+        exp_avg_sq_absmax: fp32 scale of each block of ``exp_avg_sq``.
+        grad: the gradient, fp32, bf16 or fp16.
+        step: 1-based count of this tensor's updates including this one.
+        lr: learning rate.
+        beta1: coefficient of the running average of the gradient.
+        beta2: coefficient of the running average of its square.
+        eps: term added to the denominator.
+        weight_decay: decoupled (``adamw=True``) or L2 weight decay.
+        adamw: AdamW when True, Adam when False.
+        grad_scale: the loss scale the gradient carries; it is divided out first.
+        clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
+        out: receives the master's new value in its own dtype (fp32, bf16 or fp16), when given.
+        stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
+        check_finite: False skips the read of ``grad`` for inf/NaN when the caller knows it is finite.
+        impl: ``"native"`` or ``"reference"`` instead of the default (tests and benchmarks).
+
+    Returns:
+        ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
+    """
     hyper = AdamHyper(step=_as_step(step), lr=as_number(lr), beta1=as_number(beta1), beta2=as_number(beta2),
                       eps=as_number(eps), weight_decay=as_number(weight_decay), adamw=adamw,
                       grad_scale=as_number(grad_scale), clip_coef=as_number(clip_coef))
@@ -103,7 +193,15 @@ def adam8bit_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_absmax: t
 
 def quantize_blockwise(x: torch.Tensor, signed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, absmax) of ``x`` (fp32, any shape, read flat) in the 8-bit state format of NOTE [8-bit
-    state]: ``signed=True`` for ``exp_avg``, False for ``exp_avg_sq`` (non-negative values)."""
+    state]: ``signed=True`` for ``exp_avg``, False for ``exp_avg_sq`` (non-negative values).
+
+    Args:
+        x: an fp32 tensor.
+        signed: the signed map (for ``exp_avg``) or the unsigned one (``exp_avg_sq``).
+
+    Returns:
+        ``(codes, absmax)``: uint8 codes, one per element, and fp32 scales, one per block of 256.
+    """
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         raise ConfigError(f"tiermem: quantize_blockwise takes an fp32 tensor, got {type(x).__name__}"
                           f"{' of ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}")
@@ -125,7 +223,13 @@ def quantize_blockwise(x: torch.Tensor, signed: bool = True) -> tuple[torch.Tens
 
 
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool = True) -> torch.Tensor:
-    """The fp32 values (1-D) of 8-bit state (NOTE [8-bit state])."""
+    """The fp32 values (1-D) of 8-bit state (NOTE [8-bit state]).
+
+    Args:
+        codes: uint8 codes, one per element.
+        absmax: fp32 scales, one per block of 256 codes.
+        signed: the map the codes were made with (True for ``exp_avg``).
+    """
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or not isinstance(absmax, torch.Tensor) \
             or absmax.dtype != torch.float32 or absmax.numel() != _quant.num_blocks(codes.numel()):
         raise ConfigError("tiermem: dequantize_blockwise takes uint8 codes and fp32 absmax with one value per "

@@ -8,7 +8,7 @@ A bucket only records layout (names, offsets, sizes); the buffers themselves bel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -67,7 +67,7 @@ class Bucket:
         """Bytes of the whole state as one buffer (one NVMe value): :meth:`StateFormat.joined`."""
         return self.state.joined(self.part_numels())[1]
 
-    def pieces(self, views: tuple, slot_index: int) -> list[torch.Tensor]:
+    def pieces(self, views: tuple[torch.Tensor, ...], slot_index: int) -> list[torch.Tensor]:
         """Slot ``slot_index``'s piece of each part, given the bucket's ``views`` (one per part)."""
         s = self.slots[slot_index]
         if self.state.elementwise:
@@ -96,7 +96,7 @@ def plan_buckets(params: Sequence[Placed], bucket_numel: int, *, first_index: in
     ``first_index``/``first_order``: where the buckets' indices and the slots' orders start (past
     a model's buckets, for parameters unfrozen later: NOTE [Freezing and unfreezing])."""
     buckets: list[Bucket] = []
-    open_: dict[tuple, Bucket] = {}
+    open_: dict[tuple[Any, ...], Bucket] = {}
     for order, (name, p, grad_tier, state_tier, group, param_tier, fmt) in enumerate(params, start=first_order):
         k = (grad_tier, state_tier, group, param_tier, fmt)
         b = open_.get(k)

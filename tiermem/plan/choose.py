@@ -15,17 +15,20 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from tiermem.errors import ConfigError
-from tiermem.plan.cost import Rates, predict as predict_stages
+from tiermem.config import precision_of
+from tiermem.plan.cost import Rates, predict as predict_stages, step_flops
 from tiermem.plan.footprint import model_footprint, totals
-from tiermem.plan.placement import bind, compute_tier, plan
+from tiermem.plan.placement import bind, plan
 from tiermem.plan.policy import Evaluation, Policy
 from tiermem.plan.profile import Profile, load_profile
 from tiermem.types import Tier
 
 
 class Evaluator:
-    """``evaluator(policy, profile=None, forward_backward=0.0, *, predict=True) -> Evaluation`` for
-    one model and configuration (``predict=False``: the bytes alone, no stages, no profile). ``limits``: the bytes each tier's store may hold (a tier without a store is
+    """``evaluator(policy, profile=None, forward_backward=0.0, *, tokens=0, predict=True) -> Evaluation``
+    for one model and configuration (``tokens``: the rows a weight multiplies in a step, which predict
+    the compute when ``forward_backward`` is 0, NOTE [Cost model]; ``predict=False``: the bytes
+    alone, no stages, no profile). ``limits``: the bytes each tier's store may hold (a tier without a store is
     absent); ``machine``: returns this machine's profile (called once, when first needed);
     ``nvme_staging``: as :func:`~tiermem.plan.footprint.footprint` takes it (True on a GPU)."""
 
@@ -65,7 +68,7 @@ class Evaluator:
         return dict(ev.stages) if ev.stages else None
 
     def __call__(self, policy: Policy, profile: Any = None, forward_backward: float = 0.0, *,
-                 predict: bool = True) -> Evaluation:
+                 tokens: int = 0, predict: bool = True) -> Evaluation:
         try:
             planned = plan(self.module, policy, self.spec, self.dtype, self.bucket_numel, overlap=self.overlap,
                            world=self.world)
@@ -79,9 +82,16 @@ class Evaluator:
         refused = None
         if need[Tier.NVME] and Tier.NVME not in self.limits:
             refused = "it places tensors on NVMe and no nvme_dir is given"
-        stages = (predict_stages(buckets, self.dtype.itemsize, self.rates(profile), forward_backward=forward_backward)
-                  .stages if predict else {})
+        flops = step_flops(*self._counts(), tokens) if tokens else 0.0
+        stages = (predict_stages(buckets, self.dtype.itemsize, self.rates(profile), forward_backward=forward_backward,
+                                 flops=flops, precision=precision_of(self.dtype)).stages if predict else {})
         return Evaluation(not short and refused is None, stages, need, short, refused)
+
+    def _counts(self) -> tuple[int, int]:
+        """Trainable and frozen parameters of the model (tied ones once), the whole of them on every rank."""
+        params = list(self.module.parameters())
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        return trainable, sum(p.numel() for p in params) - trainable
 
     def bind(self, policy: Policy) -> Policy:
         """``policy`` bound to this model, with this evaluator as its judge."""

@@ -8,7 +8,11 @@ sets it beside the measured stages.
 # NOTE [Cost model]
 One step of a plan of buckets, each of ``n`` parameters, ``w`` bytes per working weight, in stages:
 
-- ``forward+backward``: the compute, measured (a first forward/backward) or 0 when not known; weights
+- ``forward+backward``: the compute, measured (a first forward/backward, at the precision in use),
+  else predicted from the matmuls of a step at the precision's measured rate (``flops``: about 6
+  per trainable and 4 per frozen parameter for each token, or row, a weight multiplies; the
+  profile's matmul figure of that precision on the device, a CPU's one-thread figure times the
+  threads torch uses: NOTE [A precision the CPU is slow at]), else 0; weights
   living off the device come in twice (forward and backward: ``w*n`` each way, NVMe read then
   host-to-device), prefetched behind the compute, so the stage is the longer of the two;
 - ``grads home``: each device grad (``w*n``) leaves for a host or NVMe home as its bucket completes,
@@ -32,9 +36,12 @@ on it). bench/auto.py measures how far off that leaves it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
 
+import torch
+
+from tiermem.config import PRECISIONS
 from tiermem.errors import ConfigError
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.placement import compute_tier
@@ -59,6 +66,9 @@ class Rates:
     cpu_adam: float
     device_adam: float
     device_is_cpu: bool  # no accelerator: the device tier is the CPU (its Adam shares the cores)
+    #: FLOP/s of a matmul on the device (where forward and backward run), by working precision;
+    #: a precision absent was not measured
+    matmul: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_profile(cls, profile: Profile) -> "Rates":
@@ -75,13 +85,15 @@ class Rates:
         device_adam = profile.device_adam_params_per_second()
         if device_adam is None and is_cpu:
             device_adam = cpu_adam  # the device's Adam is the CPU's kernel there
+        matmul = {p: profile.matmul_flops(p, accelerator=not is_cpu) for p in PRECISIONS}
+        threads = 1 if not is_cpu else torch.get_num_threads()  # the CPU's figures are one thread's
         rates = cls(h2d=need(profile.bandwidth(Tier.HOST, Tier.DEVICE), "device.h2d_GBps"),
                     d2h=need(profile.bandwidth(Tier.DEVICE, Tier.HOST), "device.d2h_GBps"),
                     host_copy=need(profile.bandwidth(Tier.HOST, Tier.HOST), "host.copy_GBps"),
                     nvme_read=need(profile.bandwidth(Tier.NVME, Tier.HOST), "nvme.read_GBps"),
                     nvme_write=need(profile.bandwidth(Tier.HOST, Tier.NVME), "nvme.write_GBps"),
                     cpu_adam=cpu_adam, device_adam=need(device_adam, "adam.device_Gparams_per_s"),
-                    device_is_cpu=is_cpu)
+                    device_is_cpu=is_cpu, matmul={p: r * threads for p, r in matmul.items() if r is not None})
         if missing:
             raise ConfigError(f"tiermem: the machine profile lacks {', '.join(missing)}; run `tiermem bench` "
                               f"to measure this machine again")
@@ -102,9 +114,35 @@ class Prediction:
         return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.stages.items()) + f" = {self.seconds * 1e3:.1f} ms"
 
 
-def predict(buckets: Sequence[Bucket], itemsize: int, rates: Rates, *, forward_backward: float = 0.0) -> Prediction:
+def step_flops(trainable: int, frozen: int, tokens: int) -> float:
+    """About the matmul FLOPs of one step's forwards and backwards (NOTE [Cost model]): each weight
+    multiplies each of ``tokens`` rows (tokens for a language model; all micro-batches) forward (2
+    FLOPs), and backward for the input's gradient (2) and, when trainable, its own (2). Attention's
+    own products and elementwise ops are not counted."""
+    return float(tokens) * (6 * trainable + 4 * frozen)
+
+
+def compute_seconds(rates: Rates, *, forward_backward: float = 0.0, flops: float = 0.0,
+                    precision: Optional[str] = None) -> float:
+    """The forward+backward seconds the prediction uses: measured when given, else ``flops`` at the
+    device's matmul rate in ``precision``, else 0 (NOTE [Cost model])."""
+    if forward_backward or not flops:
+        return forward_backward
+    rate = rates.matmul.get(precision) if precision is not None else None
+    if rate is None:
+        raise ConfigError(f"tiermem: the machine profile has no {precision} matmul figure to predict forward and "
+                          f"backward from; run `tiermem bench` to measure this machine again, or give the measured "
+                          f"forward+backward seconds")
+    return flops / rate
+
+
+def predict(buckets: Sequence[Bucket], itemsize: int, rates: Rates, *, forward_backward: float = 0.0,
+            flops: float = 0.0, precision: Optional[str] = None) -> Prediction:
     """Predicted seconds per stage of one step of ``buckets`` with ``itemsize``-byte working weights
-    (NOTE [Cost model]); ``forward_backward``: the compute's measured seconds, 0 when unknown."""
+    (NOTE [Cost model]); ``forward_backward``: the compute's measured seconds, 0 when unknown;
+    ``flops``: the step's matmul FLOPs (:func:`step_flops`), which predict the compute in
+    ``precision`` (a name of tiermem.config.PRECISIONS) when it is not measured."""
+    forward_backward = compute_seconds(rates, forward_backward=forward_backward, flops=flops, precision=precision)
     w = itemsize
     fetch = sum(b.numel * w * (2 / rates.nvme_read if b.param_tier == Tier.NVME else 0) + 2 * b.numel * w / rates.h2d
                 for b in buckets if b.param_tier != Tier.DEVICE)

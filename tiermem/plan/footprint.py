@@ -77,7 +77,7 @@ accepts is one the constructor accepts, with no allowance of its own on any tier
 """
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
@@ -164,7 +164,7 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
             assert sum(buffers) == nbytes, (purpose, nbytes, buffers)
             parts[PAGE_ROUNDING] = parts.get(PAGE_ROUNDING, 0) + sum(host_buffer_bytes(n) - n for n in buffers)
 
-    def each(nbytes: int, count: int = 1) -> dict:
+    def each(nbytes: int, count: int = 1) -> dict[str, Any]:
         return {"nbytes": count * nbytes, "buffers": [nbytes] * count}
 
     def chunk(b: Bucket) -> int:
@@ -227,8 +227,8 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
         for tier, numels in staged.items():
             add(tier, WEIGHT_STAGING, **each(max(numels) * w, min(2, len(numels))))  # a single bucket needs one
     if sharded:
-        padded = [chunk(b) * world * w for b in buckets if b.index in sharded]
-        add(Tier.DEVICE, GATHERED, min(sum(padded), gathered_at_once * max(padded) + gather_ahead(padded)))
+        gathered = [chunk(b) * world * w for b in buckets if b.index in sharded]
+        add(Tier.DEVICE, GATHERED, min(sum(gathered), gathered_at_once * max(gathered) + gather_ahead(gathered)))
         on_disk = [chunk(b) * w for b in buckets if b.index in sharded and b.param_tier == Tier.NVME]
         if on_disk:
             add(Tier.HOST, GATHER_STAGING, **each(max(on_disk), min(len(on_disk), gathered_at_once + GATHER_AHEAD)))
@@ -239,8 +239,8 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
         add(Tier.HOST, FROZEN_COPY, **each(p.numel() * p.element_size()))
         on_nvme += [size] if home == Tier.NVME else []
     if nvme_staging and on_nvme:
-        staged = sorted(on_nvme, reverse=True)[:NVME_THREADS]  # one per NVMe lane thread, the largest
-        add(Tier.HOST, NVME_STAGING, sum(staged), buffers=staged)
+        largest = sorted(on_nvme, reverse=True)[:NVME_THREADS]  # one per NVMe lane thread, the largest
+        add(Tier.HOST, NVME_STAGING, sum(largest), buffers=largest)
     add(Tier.DEVICE, GRADS_IN_FLIGHT, max((s.numel for b in buckets for s in b.slots), default=0) * w)
     if largest_module:
         add(Tier.DEVICE, LARGEST_MODULE, largest_module)

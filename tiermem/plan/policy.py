@@ -63,11 +63,12 @@ class ModelInfo:
 # NOTE [Choosing a placement]
 # A policy that chooses among placements (policies.Auto) cannot check one itself: the footprint,
 # the budgets and the cost model sit above the policy layer. The planner passes its judge in
-# ModelInfo.evaluate: ``evaluate(policy, profile=None, forward_backward=0.0)`` plans the buckets
-# ``policy`` gives this model exactly as TieredModel would, and says whether the constructor would
-# accept them (no refused combination, every tier within its limit) and how long a step is predicted
-# to take, per stage (tiermem/plan/cost.py, NOTE [Cost model]). ``profile``: a machine profile to
-# use instead of this machine's (saved by ``tiermem bench``, measured on first use when none is).
+# ModelInfo.evaluate: ``evaluate(policy, profile=None, forward_backward=0.0, *, tokens=0)`` plans the
+# buckets ``policy`` gives this model exactly as TieredModel would, and says whether the constructor
+# would accept them (no refused combination, every tier within its limit) and how long a step is
+# predicted to take, per stage (tiermem/plan/cost.py, NOTE [Cost model]; ``tokens`` of a step predict
+# the compute at the precision's matmul rate when ``forward_backward`` is 0). ``profile``: a machine
+# profile to use instead of this machine's (saved by ``tiermem bench``, measured on first use when none is).
 # The judge keeps nothing of what it was asked: a policy bound from a profile keeps that profile as
 # its ``profile`` (Auto's AutoChoice), which ``tm.report()`` predicts the measured step with.
 @dataclass(frozen=True)
@@ -86,15 +87,36 @@ class Evaluation:
 
 
 class Policy(abc.ABC):
-    """Gives every managed tensor a home tier."""
+    """Gives every managed tensor a home tier.
+
+    Subclass it and implement :meth:`place`. A policy is pure: no I/O, no device calls and no state
+    the manager mutates, so it can be tested with made-up :class:`~tiermem.TensorInfo` on any machine.
+    """
 
     @abc.abstractmethod
     def place(self, info: TensorInfo) -> Tier:
-        """The home tier of the tensor ``info`` describes."""
+        """The home tier of the tensor ``info`` describes.
+
+        Args:
+            info: what the tensor is (name, kind, nbytes, shape, dtype, module; ``param`` and
+                ``part`` for optimizer state).
+
+        Returns:
+            ``Tier.DEVICE``, ``Tier.HOST`` or ``Tier.NVME``.
+        """
 
     def for_model(self, model: ModelInfo) -> "Policy":
         """The policy to ask about this model's tensors (NOTE [Whole-model policies]); by default
-        this one, which places each tensor on its own."""
+        this one, which places each tensor on its own.
+
+        Args:
+            model: every trainable parameter in forward order, the working dtype and the tiers'
+                limits (:class:`ModelInfo`).
+
+        Returns:
+            A pure :class:`Policy`, complete when made (a separate object when the decision
+            depends on the model).
+        """
         return self
 
     def places_activations_by_module(self) -> bool:
@@ -110,11 +132,18 @@ class Policy(abc.ABC):
 
 
 class PerClass(Policy):
-    """Every tensor of a class on one tier: subclasses set ``homes`` (TensorClass -> Tier)."""
+    """Every tensor of a class on one tier: subclasses set ``homes``, a mapping of
+    :class:`~tiermem.TensorClass` to :class:`~tiermem.Tier`. Its ``place`` never looks at the
+    module, so the model gets no per-module hooks for it."""
 
     homes: Mapping[TensorClass, Tier] = {}
 
     def place(self, info: TensorInfo) -> Tier:
+        """``homes[info.kind]``.
+
+        Args:
+            info: the tensor to place.
+        """
         return self.homes[info.kind]
 
     def places_activations_by_module(self) -> bool:
@@ -124,7 +153,8 @@ class PerClass(Policy):
 def resolve_policy(policy: Optional[Policy]) -> Policy:
     if policy is None:
         from tiermem.policies import ZeroOffload  # lazy: policies import tiermem, never the reverse
-        return ZeroOffload()
+        default: Policy = ZeroOffload()
+        return default
     if not isinstance(policy, Policy):
         raise ConfigError(f"tiermem: policy={policy!r} is not a tiermem.Policy; pass an instance such "
                           f"as ZeroOffload() or a subclass of Policy that implements place(info)")

@@ -4,6 +4,12 @@ The profile is the bench's JSON, saved at ``$XDG_CACHE_HOME/tiermem/profile.json
 ``~/.cache/tiermem/profile.json``). Bandwidths are in GB/s (10^9 bytes per second), keyed by tier
 name (``device``, ``host``, ``nvme``) with the unit in the key, e.g. ``{"nvme": {"write_GBps": 2.1}}``.
 A missing or unreadable profile reads as None: nothing in tiermem needs one to work.
+
+The ``matmul`` section holds how fast a small matmul (``F.linear``) runs in each working precision,
+in GFLOP/s: ``cpu_<precision>_GFLOPs`` on one CPU thread and, with an accelerator,
+``device_<precision>_GFLOPs``, with the ``conditions`` they were measured under (the CPU's
+features, torch's version, the accelerator): figures measured under other conditions are stale
+(:func:`tiermem.train.machine.matmul_figures` measures them again).
 """
 from __future__ import annotations
 
@@ -68,12 +74,23 @@ class Profile:
         value = self.data.get("adam", {}).get("device_Gparams_per_s")
         return float(value) * 1e9 if isinstance(value, (int, float)) and value > 0 else None
 
+    def matmul_flops(self, precision: str, *, accelerator: bool) -> Optional[float]:
+        """FLOP/s of the profile's matmul in ``precision`` (``"bf16"``...): on the accelerator, or on
+        one CPU thread; None when not measured."""
+        value = self.data.get("matmul", {}).get(matmul_key("device" if accelerator else "cpu", precision))
+        return float(value) * 1e9 if isinstance(value, (int, float)) and value > 0 else None
+
     def noisy(self) -> list[str]:
         """Keys of the figures that varied by more than 10% over their repeats."""
         return list(self.data.get("noisy", []))
 
 
-def load_profile(path: Optional[os.PathLike | str] = None) -> Optional[Profile]:
+def matmul_key(where: str, precision: str) -> str:
+    """The key of a matmul figure in the profile's ``matmul`` section: ``where`` is "cpu" or "device"."""
+    return f"{where}_{precision}_GFLOPs"
+
+
+def load_profile(path: Optional[os.PathLike[str] | str] = None) -> Optional[Profile]:
     """The saved profile, or None when there is none (or it cannot be read: logged, not raised)."""
     p = Path(path) if path is not None else profile_path()
     try:
@@ -92,7 +109,7 @@ def load_profile(path: Optional[os.PathLike | str] = None) -> Optional[Profile]:
     return Profile(data)
 
 
-def save_profile(data: Mapping[str, Any], path: Optional[os.PathLike | str] = None) -> Path:
+def save_profile(data: Mapping[str, Any], path: Optional[os.PathLike[str] | str] = None) -> Path:
     """Write ``data`` atomically (a reader never sees half a file); returns where it went."""
     p = Path(path) if path is not None else profile_path()
     try:

@@ -215,6 +215,7 @@ class ActivationOffloader:
             return packed.tensor
         rec, run = packed.storage.rec, packed.storage.run
         handle = self.mover.fetch(rec, ahead=False)
+        assert handle is not None  # an unpacked record is not retired: fetched now, or already
         for j in range(rec.index - 1, max(rec.index - 1 - self.window, -1), -1):
             self.mover.fetch(run.records[j], ahead=True)  # what backward needs next, in reverse
         return view_of(self.mover.engine.join(handle), packed.dtype, packed.size, packed.stride, packed.offset)

@@ -32,7 +32,7 @@ from tiermem.types import TensorClass, Tier
 class _Held:
     """A gradient waiting for the rest of its bucket."""
 
-    param: torch.nn.Parameter
+    param: torch.Tensor  # the parameter
     grad: torch.Tensor
     acc: torch.Tensor  # where it lands
     key: str
@@ -100,8 +100,8 @@ class GradCollector:
                 if h.first:
                     self._got.discard(h.key)
             raise
-        handle.add_done_callback(lambda _f, ts=tags: self._release(ts))
-        self.in_flight.add(handle, lambda ts=tags: self._release(ts))
+        handle.add_done_callback(lambda _f: self._release(tags))
+        self.in_flight.add(handle, lambda: self._release(tags))
 
     def _send_all(self) -> None:
         for index in list(self._held):

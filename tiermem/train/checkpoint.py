@@ -31,6 +31,7 @@ an fp32 checkpoint resumed in fp16 keeps the run's scale rather than reset it to
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ import re
 import stat
 import struct
 import zlib
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 import xxhash
@@ -250,8 +251,8 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
                             f"Load it into the model it was saved from")
     index = {e["name"]: e for e in doc["tensors"]}
     meta = doc["meta"]
-    expected = {name: (shape, dtypes) for name, shape, dtypes in state.specs(meta["precision"])}
-    have = {name: (tuple(e["shape"]), dtype_named(e["dtype"])) for name, e in index.items()}
+    expected: dict[str, Any] = {name: (shape, dtypes) for name, shape, dtypes in state.specs(meta["precision"])}
+    have: dict[str, Any] = {name: (tuple(e["shape"]), dtype_named(e["dtype"])) for name, e in index.items()}
     conversion = Conversion(expected, have)  # NOTE [Converting state formats]
     expected, have = conversion.reconciled(expected, have)
     missing, unexpected = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
@@ -291,18 +292,18 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
     return index, conversion
 
 
-def _read_into(f: BinaryIO, e: dict, t: torch.Tensor) -> None:
+def _read_into(f: io.BufferedReader, e: dict, t: torch.Tensor) -> None:
     dtype = dtype_named(e["dtype"])
     f.seek(e["offset"])
     if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous():
-        f.readinto(t.reshape(-1).view(torch.uint8).numpy())
+        f.readinto(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy's stubs: no buffer protocol
         return
     tmp = torch.empty(e["shape"], dtype=dtype)
-    f.readinto(tmp.reshape(-1).view(torch.uint8).numpy())
+    f.readinto(tmp.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # (as above)
     t.copy_(tmp.reshape(t.shape))  # the model's piece may be flat (optimizer state), the file's shaped
 
 
-def _open(path: str) -> BinaryIO:
+def _open(path: str) -> io.BufferedReader:
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a directory, a FIFO (which would block), a device
             raise StoreError(f"tiermem: {path!r} is {'a directory' if os.path.isdir(path) else 'not a regular file'}, "
@@ -317,7 +318,7 @@ def _open(path: str) -> BinaryIO:
                          f"permissions or pass another path") from None
 
 
-def _open_checked(state: ModelState, path: str) -> tuple[BinaryIO, dict, tuple[dict[str, dict], Conversion]]:
+def _open_checked(state: ModelState, path: str) -> tuple[io.BufferedReader, dict, tuple[dict[str, dict], Conversion]]:
     f = _open(path)
     try:
         doc, magic = _read_footer(f, path)
@@ -366,5 +367,5 @@ def _load_file(state: ModelState, path: str) -> None:
                              f"nothing was loaded")
         if conversion:
             conversion.say(f"checkpoint {path!r}")
-        held = {name: (tuple(e["shape"]), dtype_named(e["dtype"])) for name, e in index.items()}
+        held: dict[str, Any] = {name: (tuple(e["shape"]), dtype_named(e["dtype"])) for name, e in index.items()}
         state.load(conversion.reader(lambda name, t: _read_into(f, index[name], t), held), doc["meta"])

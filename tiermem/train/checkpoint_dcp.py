@@ -19,6 +19,7 @@ NOTE [Checkpoint directories]. Here, the flow:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -77,7 +78,7 @@ class _Writer(FileSystemWriter):
     def __init__(self, path: str):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0,
                          overwrite=False)
-        self.fs = _HashingFileSystem()
+        self.fs: _HashingFileSystem = _HashingFileSystem()
 
 
 class _InOrder(DefaultSavePlanner):
@@ -120,7 +121,8 @@ class _OneBucket:
     """This process's part of one bucket's state at a time, read when DCP first asks for it."""
 
     def __init__(self, state: ModelState):
-        self.state, self.index, self.views = state, -1, ()
+        self.state, self.index = state, -1
+        self.views: tuple[torch.Tensor, ...] = ()
 
     def source(self, index: int, part: int, p: Piece) -> Callable[[], torch.Tensor]:
         def read() -> torch.Tensor:
@@ -288,8 +290,7 @@ def load(state: ModelState, path: str) -> None:
                          f"was loaded")
     with state.updating():
         for index, pieces in state.pieces():
-            state.load_local(index, lambda views, pieces=pieces, index=index: _read_pieces(
-                reader, state.part_names(index), pieces, views))
+            state.load_local(index, functools.partial(_read_pieces, reader, state.part_names(index), pieces))
         state.release()
         rest = state.rest()
         _load(reader, {key(name): t for name, t in rest.items()})
@@ -342,8 +343,7 @@ def load_sharded(state: ModelState, tree: Any) -> None:
             raise bad(f"{key(name)!r} is not a tensor of shape {tuple(t.shape)}")
     with state.updating():
         for index, mine in pieces:
-            state.load_local(index, lambda views, mine=mine, index=index: _copy_pieces(
-                values, state.part_names(index), mine, views))
+            state.load_local(index, functools.partial(_copy_pieces, values, state.part_names(index), mine))
         state.release()
         for name, t in rest.items():
             t.copy_(values[name])  # a no-op where dcp.load filled the model's own tensor

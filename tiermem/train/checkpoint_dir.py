@@ -160,10 +160,10 @@ def read_manifests(directory: str) -> Optional[Files]:
                 raise ValueError("it fails its checksum")
             doc = json.loads(body)
             entries = doc["files"]
-            ok = (doc["format"] == _FORMAT and doc["rank"] == int(_MANIFEST.fullmatch(name)[1])
+            ok = (doc["format"] == _FORMAT and doc["rank"] == int(_MANIFEST.fullmatch(name)[1])  # type: ignore[index]  # listed by it
                   and isinstance(doc["world"], int) and isinstance(entries, dict))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise bad(f"an unreadable manifest {name!r} ({e})") from None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise bad(f"an unreadable manifest {name!r} ({err})") from None
         if not ok:
             raise bad(f"a manifest {name!r} of another format, rank or world")
         worlds.add(doc["world"])

@@ -115,6 +115,7 @@ def check_entries(entries: Any, data_end: int, magic: bytes) -> None:
         _require(isinstance(shape, list) and all(_count(n) for n in shape), where + ".shape", shape,
                  "a list of ints >= 0")
         _require(_count(offset) and offset >= len(MAGIC), where + ".offset", offset, f"an int >= {len(MAGIC)}")
+        assert dtype is not None  # (_require raised otherwise)
         size = math.prod(shape) * dtype.itemsize
         _require(is_int(nbytes) and nbytes == size, where + ".nbytes", nbytes,
                  f"{size} ({e['dtype']} x {shape})")

@@ -97,13 +97,13 @@ class ShardedValue(torch.Tensor):
     @staticmethod
     def __new__(cls, name: str, shape: tuple[int, ...], lo: int, hi: int, local: Source, *,
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "ShardedValue":
-        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
+        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=torch.device(device))
         r._name, r._lo, r._hi, r._source = name, lo, hi, local
         r._boxes = flat_boxes(tuple(shape), lo, hi)
         r._at = {offsets: i for i, (offsets, _, _) in enumerate(r._boxes)}
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's own way to disable it
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -159,7 +159,8 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     (``torch.save`` writes a tensor's whole storage)."""
     if t.device.type != "cpu" or t.numel() == 0 or t.untyped_storage().nbytes() == t.nbytes:
         return t
-    return torch.frombuffer(memoryview(t.view(torch.uint8).numpy()), dtype=t.dtype)
+    return torch.frombuffer(memoryview(t.view(torch.uint8).numpy()),  # type: ignore[arg-type]  # numpy's stubs
+                            dtype=t.dtype)
 
 
 def key(name: str) -> str:

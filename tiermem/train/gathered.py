@@ -163,13 +163,14 @@ class GatheredWeights(WeightHome):
             self._launch()  # every rank is here: nothing to wait for
 
     # -- gathers -----------------------------------------------------------------------------------
-    # NOTE [Announced, then launched]: a gather is announced when the schedule decides it (its
-    # header goes to every rank, asynchronously) and launched (its data all-gathered) once every
-    # rank's header has arrived (looked at, without waiting, at each access) or when its bucket is
-    # needed, whichever comes first, always in the order announced, so the k-th data collective is
-    # the same bucket on every rank whenever each rank launches it. A rank thus runs ahead of
-    # another without waiting for it at each gather, as with FSDP's prefetched all-gathers, and
-    # never sends a bucket's bytes before every rank has said it gathers that bucket.
+    # NOTE [Announced, then launched]
+    # A gather is announced when the schedule decides it (its header goes to every rank,
+    # asynchronously) and launched (its data all-gathered) once every rank's header has arrived
+    # (looked at, without waiting, at each access) or when its bucket is needed, whichever comes
+    # first, always in the order announced, so the k-th data collective is the same bucket on every
+    # rank whenever each rank launches it. A rank thus runs ahead of another without waiting for it
+    # at each gather, as with FSDP's prefetched all-gathers, and never sends a bucket's bytes before
+    # every rank has said it gathers that bucket.
     def _carry_out(self, gather: list[str], free: list[str]) -> None:
         for key in free:
             self._free(key)
@@ -196,6 +197,7 @@ class GatheredWeights(WeightHome):
         while self._queue:
             key = self._queue[0]
             g = self._gathered[key]
+            assert g.announced is not None  # queued once announced, until launched
             if arrived and not g.announced.done():
                 return
             self._queue.pop(0)
@@ -341,7 +343,7 @@ class GatheredWeights(WeightHome):
         self._link.source = None
         with self._lock:
             self._queue.clear()
-            for key, g in list(self._gathered.items()):
+            for g in list(self._gathered.values()):
                 if g.pending is None and g.announced is None:
                     continue
                 with contextlib.suppress(Exception):

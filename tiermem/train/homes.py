@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
@@ -50,6 +50,8 @@ def slots_in(bucket: Bucket, runs: Runs) -> list[Slot]:
 
 
 # -- gradients ------------------------------------------------------------------------------------
+H = TypeVar("H")  # a kind of home
+
 class GradHome(ABC):
     """fp32 gradient accumulation for some buckets."""
 
@@ -297,8 +299,8 @@ class Homes:
     weights: dict[int, WeightHome]
 
     @staticmethod
-    def _unique(homes: dict[int, object]) -> list:
-        seen: dict[int, object] = {}
+    def _unique(homes: Mapping[int, H]) -> list[H]:
+        seen: dict[int, H] = {}
         for h in homes.values():
             seen.setdefault(id(h), h)
         return list(seen.values())

@@ -11,7 +11,7 @@ device), floating-point buffers too, as ``module.half()`` would, their values as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, TypeVar
 
 import torch
 
@@ -66,6 +66,8 @@ class Layout:
                 self.frozen.pop(s.name)
 
 
+H = TypeVar("H")  # a kind of home
+
 def _by_tier(buckets: list[Bucket], tier_of) -> dict[Tier, list[Bucket]]:
     out: dict[Tier, list[Bucket]] = {}
     for b in buckets:
@@ -112,7 +114,7 @@ def _weight_homes(buckets: list[Bucket], stores: dict, engine: CopyService, dtyp
     return weights
 
 
-def _per_bucket(homes: dict) -> dict[int, object]:
+def _per_bucket(homes: Mapping[Tier, tuple[H, list[Bucket]]]) -> dict[int, H]:
     return {b.index: home for home, bs in homes.values() for b in bs}
 
 

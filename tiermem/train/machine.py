@@ -20,6 +20,7 @@ from tiermem.budgets import Budgets
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import default_device_budget, default_host_budget
 from tiermem.plan.profile import SCHEMA, Profile, load_profile, profile_path, save_profile
+from tiermem.train.compute import matmul_figures
 from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
@@ -31,35 +32,39 @@ _ADAM_PARAMS = 2**22
 def store_limits(device: torch.device, budgets: Budgets, nvme_dir: Optional[str]) -> dict[Tier, int]:
     """What each store will be allowed, computed as the stores compute it, before any exists (on an
     accelerator, no more than is free there now); NVMe only with a directory."""
-    dev = budgets.device if budgets.device is not None else default_device_budget(device)
+    given = budgets.for_tier(Tier.DEVICE)
+    dev = given if given is not None else default_device_budget(device)
     if device.type == "cuda":
         dev = min(dev, torch.cuda.mem_get_info(device)[0])
-    limits = {Tier.DEVICE: dev, Tier.HOST: budgets.host if budgets.host is not None else default_host_budget()}
+    host, nvme = budgets.for_tier(Tier.HOST), budgets.for_tier(Tier.NVME)
+    limits = {Tier.DEVICE: dev, Tier.HOST: host if host is not None else default_host_budget()}
     if nvme_dir is not None:
-        limits[Tier.NVME] = budgets.nvme if budgets.nvme is not None else (
+        limits[Tier.NVME] = nvme if nvme is not None else (
             shutil.disk_usage(nvme_dir).free if os.path.isdir(nvme_dir) else 0)
     return limits
 
 
 def machine_profile(device: torch.device, nvme_dir: Optional[str]) -> Profile:
-    """The saved profile, or a quick one measured now (NVMe in ``nvme_dir``, when given) and saved."""
+    """The saved profile, or a quick one measured now (NVMe in ``nvme_dir``, when given) and saved;
+    its matmul figures are this machine's today (NOTE [A precision the CPU is slow at])."""
     prof = load_profile()
-    if prof is not None:
-        return prof
+    if prof is not None and prof.adam_params_per_second() is not None:  # not only matmul figures
+        matmul = matmul_figures(device)
+        return prof if prof.data.get("matmul") == matmul else Profile({**prof.data, "matmul": matmul})
     log.warning("tiermem: no machine profile at %s; measuring this machine once for the cost model (a few "
                 "seconds; `tiermem bench` measures it fully) ...", profile_path())
     data = measure(device, nvme_dir)
     try:
         save_profile(data)
-    except Exception as e:  # a read-only cache directory costs a measurement next time, nothing else
+    except Exception as e:  # noqa: BLE001 - a read-only cache directory costs a measurement next time, nothing else
         log.warning("%s", e)
     log.warning("tiermem: machine measured: %s", ", ".join(
-        f"{k} {v}" for sec in ("host", "device", "nvme", "adam") for k, v in data[sec].items()
-        if k.endswith(("GBps", "per_s"))))
+        f"{k} {v}" for sec in ("host", "device", "nvme", "adam", "matmul") for k, v in data[sec].items()
+        if k.endswith(("GBps", "per_s", "GFLOPs"))))
     return Profile(data)
 
 
-def _rate(fn: Callable[[], None], units: float, sync: Callable[[], None] = lambda: None, repeats: int = 3) -> float:
+def _rate(fn: Callable[[], object], units: float, sync: Callable[[], None] = lambda: None, repeats: int = 3) -> float:
     """Best of ``repeats`` timings, in units per second (after one untimed call)."""
     fn()
     sync()
@@ -80,7 +85,7 @@ def measure(device: torch.device, nvme_dir: Optional[str]) -> dict:
     data: dict = {"schema": SCHEMA, "quick": True, "source": "measured on first use by the cost model",
                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "host": {"copy_GBps": round(host, 4)}, "device": {"accelerator": None},
-                  "nvme": {}, "adam": {}}
+                  "nvme": {}, "adam": {}, "matmul": matmul_figures(device)}
     if device.type == "cuda":
         def sync() -> None:  # the model's device: a bare synchronize() is the current device's, 0 on cuda:N
             torch.cuda.synchronize(device)

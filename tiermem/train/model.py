@@ -23,10 +23,11 @@ from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _Spec
 from tiermem.errors import ConfigError, TierMemError, checked_arguments
 from tiermem.memory import deferred
-from tiermem.memory.ledger import InFlight, Reclaimers
+from tiermem.memory.ledger import InFlight
 from tiermem.observe.report import Report, collect
 from tiermem.observe.trace import Tracer
-from tiermem.plan.footprint import check_fits, largest_module_bytes, model_footprint, totals
+from tiermem.plan.buckets import Bucket
+from tiermem.plan.footprint import Footprint, check_fits, largest_module_bytes, model_footprint, totals
 from tiermem.plan.choose import Evaluator
 from tiermem.plan.cost import against_measured
 from tiermem.plan.placement import plan, split_weights
@@ -39,6 +40,7 @@ from tiermem.train.gathered import build_gathered
 from tiermem.train.hooks import HookSet
 from tiermem.train.inputs import cast_inputs
 from tiermem.train.layout import build, make_homes
+from tiermem.train.compute import warn_if_slow
 from tiermem.train.machine import machine_profile, store_limits
 from tiermem.train.groups import Fp32Values, GroupEditor, group_dicts
 from tiermem.train.optimizer import TieredOptimizer
@@ -52,6 +54,7 @@ from tiermem.train.trainable import Trainable
 from tiermem.train.uploads import Outputs
 from tiermem.transfer.collectives import fingerprint, resolve_group
 from tiermem.transfer.engine import TransferEngine
+from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import ResidencyScheduler
 from tiermem.types import Tier
 
@@ -62,30 +65,71 @@ __all__ = ["TieredModel", "StepResult", "Phase"]
 
 @checked_arguments
 class TieredModel:
-    """Train ``module`` with its tensors placed on tiers by ``policy`` (default: ZeRO-Offload).
+    """Train ``module`` with every tensor of its step placed on a tier by ``policy``.
 
-    ``bucket_size`` is the fp32 bytes of gradient per bucket (smaller buckets start transfers
-    earlier; larger ones make fewer, bigger copies). ``overlap_step=True`` runs each step's CPU
-    update in the background while the next forward and backward run, so those see weights one
-    update old (the one-step delayed update of ZeRO-Offload); the update lands at the next
-    ``step()``; an update that fails in the background raises from that later call, and its
-    gradients cannot be retried. Tensors passed to ``tm(...)`` move to the device and floating-point
-    ones are cast to the working precision, inside any container (:mod:`tiermem.train.inputs`).
-    ``prefetch=False`` fetches weights homed off the device only when their module runs (for
-    comparison; by default they are fetched ahead along the order the first step recorded).
-    ``tm.phase`` tells where in the step the model is (NOTE [Step lifecycle]).
-    ``max_skipped_steps``: in bf16/fp32, this many steps skipped in a row for non-finite gradients
-    raise an error naming the parameters (NOTE [A stalled run is loud]); None never stops.
-    ``loss_scale``: fp16's dynamic loss scaling (a :class:`tiermem.LossScale`; default: the
-    initial scale, window and factors of ``torch.amp.GradScaler``).
-    ``optimizer``: a tiermem spec (``tiermem.AdamW(...)``, param groups optional) or a
-    ``torch.optim`` optimizer built on the module's parameters (``torch.optim.AdamW(groups,
-    lr=...)``), read for its class, groups and hyperparameters and never stepped itself
-    (:mod:`tiermem.torch_optim`); default ``tiermem.AdamW()``. ``requires_grad`` may change between
-    steps (NOTE [Freezing and unfreezing] in :mod:`tiermem.train.trainable`).
-    ``shard_weights=True``: under data parallelism, weights on the device are sharded over the ranks
-    too, each rank keeping 1/N and gathering a bucket while it is read (ZeRO-3; weights off the device
-    always are: NOTE [Weights sharded over the ranks]); in one process it changes nothing.
+    The three calls of a training loop are ``tm(*inputs)`` (the module's forward; tensors inside any
+    container move to the device and floating ones are cast to the working precision),
+    ``tm.backward(loss)`` (once per micro-batch; gradients accumulate at their home) and
+    ``tm.step()`` (update from the accumulated gradients, then clear them). ``tm.optimizer`` has
+    ``param_groups``, so ``torch.optim.lr_scheduler`` drives it; ``tm.phase`` tells where in the step
+    the model is (NOTE [Step lifecycle]). Construction checks that the working set fits the budgets
+    and refuses, with the bytes each tier needs, one that does not. Under ``torch.distributed``,
+    gradients and optimizer state are sharded over the ranks (NOTE [Data parallel]).
+
+    Args:
+        module: any ``torch.nn.Module`` with trainable parameters (``requires_grad=True``); it is
+            wrapped by one live TieredModel at a time. ``requires_grad`` may change between steps
+            (NOTE [Freezing and unfreezing] in :mod:`tiermem.train.trainable`).
+        policy: the :class:`~tiermem.Policy` that gives each tensor its home tier. Default:
+            :class:`~tiermem.policies.ZeroOffload` (weights and activations on the device, grads and
+            optimizer state on the host).
+        optimizer: a tiermem spec (:class:`~tiermem.AdamW`, :class:`~tiermem.Adam`; param groups
+            optional), or a ``torch.optim.AdamW``/``Adam`` built on the module's parameters, which is
+            read for its class, param groups and hyperparameters and never stepped itself
+            (:mod:`tiermem.torch_optim`). Default: ``tiermem.AdamW()``.
+        precision: the working precision of the weights the device holds: ``"bf16"``, ``"fp16"``
+            (dynamic loss scaling: an overflowing step is skipped and the scale lowered),
+            ``"fp32"``, or ``"auto"``: bf16 where the device computes it natively, else fp32 on a
+            CPU and fp16 on an older GPU (NOTE [Choosing the precision] in tiermem/config.py);
+            ``tm.precision`` is the one in use. bf16 or fp16 on a CPU much slower at them than at
+            fp32 logs one warning. fp32 master weights always live with the optimizer state.
+        budgets: caps on the bytes tiermem manages per tier (:class:`~tiermem.Budgets`). Default:
+            the device's free memory less a margin, the available RAM, the free disk space.
+        nvme_dir: the directory NVMe tensors go to; needed when the policy places anything on
+            ``Tier.NVME``. The run owns it (a lock) until it is detached or dropped; under data
+            parallelism each rank uses ``nvme_dir/rank<r>``.
+        grad_clip: clip the global L2 norm of the gradients to this (as
+            ``torch.nn.utils.clip_grad_norm_``); a finite number > 0, or None for no clipping.
+        device: where the working weights and the forward run: ``"cpu"``, ``"cuda"``, ``"cuda:N"``
+            or a ``torch.device``. Default: the current CUDA device when one is available, else the
+            CPU.
+        bucket_size: fp32 gradient bytes per bucket, an int or a string such as ``"32MiB"``.
+            Smaller buckets start transfers earlier; larger ones make fewer, bigger copies.
+        overlap_step: run each step's CPU update in the background while the next forward and
+            backward run (the one-step delayed update of ZeRO-Offload), so they see weights one update
+            old; the update lands at the next ``step()``. Costs a second fp32 gradient buffer and a
+            host copy of the working weights (+6 B/param). An update that fails in the background
+            raises from that later call, and its gradients cannot be retried.
+        trace_path: write a Chrome trace (open it in Perfetto) of compute, transfers and optimizer
+            steps to this file; its directory must exist.
+        prefetch: fetch weights homed off the device ahead of use, along the order the first step
+            recorded (default). ``False`` fetches each only when its module runs (for comparison).
+        process_group: under data parallelism, the ``torch.distributed`` group to shard over.
+            Default (None): the default group when ``torch.distributed`` is initialized, else one
+            process. ``False``: a full replica in each process (no collectives).
+        max_skipped_steps: in bf16 and fp32, this many steps skipped in a row for non-finite
+            gradients raise a :class:`~tiermem.TierMemError` naming the parameters (NOTE [A stalled
+            run is loud]); None never stops.
+        loss_scale: fp16's dynamic loss scaling (a :class:`~tiermem.LossScale`); fp16 only. Default:
+            ``torch.amp.GradScaler``'s initial scale, growth interval and factors.
+        shard_weights: under data parallelism, shard the weights on the device over the ranks too,
+            each rank keeping 1/N and gathering a bucket while it is read (ZeRO-3; weights off the
+            device always are: NOTE [Weights sharded over the ranks]). In one process it changes
+            nothing.
+
+    Raises:
+        ConfigError: an argument is wrong (the message names it and says what to pass).
+        OutOfTierMemory: the working set does not fit the budgets (the bytes each tier needs).
     """
 
     def __init__(self, module: torch.nn.Module, policy: Optional[Policy] = None, *,
@@ -103,12 +147,15 @@ class TieredModel:
         deferred.start()  # the worker that gives back dropped models (NOTE [Finalizers only enqueue])
         deferred.settle()  # what models dropped before this one held is back (their hooks are off the module)
         lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
+        precision, given = opts.precision, precision  # "auto" made this device's (NOTE [Choosing the precision])
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
+        warn_if_slow(precision, opts.device)  # one warning, from the profile's matmul figures
         self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
         self.tracer = Tracer(trace_path)
         self.group = resolve_group(process_group, tracer=self.tracer if trace_path else None)  # NOTE [Data parallel]; one process: every collective a no-op
-        self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=store_limits(opts.device, opts.budgets, nvme_dir),
+        limits = store_limits(opts.device, opts.budgets, nvme_dir)
+        self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=limits,
                                     machine=lambda: machine_profile(opts.device, nvme_dir), overlap=opts.overlap,
                                     world=self.group.world, nvme_staging=opts.device.type == "cuda",
                                     shard_weights=opts.shard_weights)
@@ -125,15 +172,19 @@ class TieredModel:
                opts.shard_weights]
             + [(g.name, sorted(g.options.items()), g.params, g.frozen) for g in planned.groups]))
         sharded, offloaded = split_weights(buckets, param_homes, self.group.world, opts.shard_weights)
+        need = self._footprint(buckets, param_homes, opts.shard_weights)
         in_flight = InFlight()  # grads copying home hold device room until they land: the device ledger waits for them
-        reclaimers = Reclaimers(in_flight.give_room)  # and a cache of prefetched weights, once built, evicts
-        self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)
+        # and a cache of prefetched weights evicts: both given to the device store as it is built
+        weights_cache = (self._weights_cache(offloaded, limits[Tier.DEVICE] - totals(need)[Tier.DEVICE], opts.prefetch)
+                         if offloaded else None)
+        reclaimers = (in_flight,) if weights_cache is None else (in_flight, weights_cache)
+        self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)  # NOTE [Reclaimers at construction]
         with lifetime.undone_on_failure(self, module):  # a failed build leaves nothing held
-            device_need = self._check_fits(buckets, param_homes, opts.shard_weights)
+            check_fits(need, self.stores)  # refuse a working set that does not fit its budgets (as `tiermem plan`)
             self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
             self.hooks = HookSet()
-            self.param_offload = (self._offload_weights(offloaded, device_need, opts.prefetch, reclaimers)
-                                  if offloaded else None)
+            self.param_offload = (self._offload_weights(offloaded, weights_cache)
+                                  if weights_cache is not None else None)
             self.gathered = (build_gathered(module, sharded, self.stores, self.engine, self.group, self.dtype,
                                             self.device, self.hooks, prefetch=opts.prefetch)
                              if sharded else None)  # NOTE [Weights sharded over the ranks]
@@ -176,7 +227,8 @@ class TieredModel:
                                         param_groups=self.optimizer.param_groups, settle=self.stepper.finish_pending,
                                         on_device_cuda=self.device.type == "cuda", spec=opts.spec)
             self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks)
-            frozen_off = {n: self.param_offload for n in self.layout.frozen if n in param_homes}
+            frozen_off = ({n: self.param_offload for n in self.layout.frozen if n in param_homes}
+                          if self.param_offload is not None else {})  # (frozen weights off the device make one)
             self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
                                      precision, self.dtype, frozen_off, self.group)
             self._life = Lifecycle()
@@ -189,33 +241,35 @@ class TieredModel:
             for source in self.weight_sources():
                 source.settle()  # the module's original tensors of off-device weights go
             self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
-        log.info("tiermem: %s trainable parameters in %d buckets under %r (%s)",
-                 f"{self.layout.n_params:,}", len(buckets), self.policy, precision)
+        log.info("tiermem: %s trainable parameters in %d buckets under %r (%s%s)",
+                 f"{self.layout.n_params:,}", len(buckets), self.policy, precision,
+                 f", from precision={given!r}" if given != precision else "")
 
-    def _check_fits(self, buckets, param_homes: dict[str, Tier], shard_weights: bool) -> int:
-        """Refuse a working set that does not fit its budgets (the rule ``tiermem plan`` uses too);
-        returns the device bytes it needs."""
-        need = model_footprint(self.module, buckets, param_homes, self.dtype, overlap=self.overlap_step,
+    def _footprint(self, buckets: list[Bucket], param_homes: dict[str, Tier], shard_weights: bool) -> Footprint:
+        """The bytes per tier the working set needs (the rule ``tiermem plan`` uses too)."""
+        return model_footprint(self.module, buckets, param_homes, self.dtype, overlap=self.overlap_step,
                                world=self.group.world, shard_weights=shard_weights,
                                nvme_staging=self.device.type == "cuda")
-        check_fits(need, self.stores)
-        return totals(need)[Tier.DEVICE]
 
     def weight_sources(self) -> list:
         """The homes whose weights are OffDeviceWeights: ParamOffload (weights off the device in one
         process, and frozen ones), GatheredWeights (sharded over the ranks)."""
         return [s for s in (self.param_offload, self.gathered) if s is not None]
 
-    def _offload_weights(self, param_homes: dict[str, Tier], device_need: int, prefetch: bool,
-                         reclaimers: Reclaimers) -> ParamOffload:
-        """NOTE [Parameters off the device]. Fetch ahead up to a few modules' weights: enough to
-        hide transfers, while leaving the rest of the device budget to activations and grads."""
-        ledger = self.stores[Tier.DEVICE].ledger
-        room = ledger.allowed - ledger.used - device_need
+    def _weights_cache(self, param_homes: dict[str, Tier], room: int, prefetch: bool) -> ResidencyScheduler:
+        """NOTE [Parameters off the device]: what brings weights to the device. It fetches ahead up
+        to a few modules' weights: enough to hide transfers, while leaving the rest of the device
+        (``room``: what the working set leaves) to activations and grads, which may take back what
+        it holds (it is a reclaimer of the device store)."""
         lookahead = min(4 * largest_module_bytes(self.module, param_homes, self.dtype), max(room, 0) // 2)
-        scheduler = ResidencyScheduler(self.engine, Tier.DEVICE, lookahead_bytes=lookahead, prefetch=prefetch)
-        reclaimers.add(scheduler.make_room)  # activations may take that room
-        return ParamOffload(self.module, param_homes, self.engine, scheduler, self.dtype, self.device, self.hooks)
+        return ResidencyScheduler(Tier.DEVICE, lookahead_bytes=lookahead, prefetch=prefetch)
+
+    def _offload_weights(self, param_homes: dict[str, Tier], weights_cache: ResidencyScheduler) -> ParamOffload:
+        """NOTE [Parameters off the device]: the weights' residency, over the engine, and the cache
+        that brings them to the device, connected to it."""
+        residency = KeyedResidency(self.engine)
+        return ParamOffload(self.module, param_homes, residency, weights_cache.connect(residency), self.dtype,
+                            self.device, self.hooks)
 
     # -- the three calls ------------------------------------------------------------------------
     @property
@@ -224,6 +278,9 @@ class TieredModel:
         return self._life.phase
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward on ``args``/``kwargs``, with tensors moved to the device and floating
+        ones cast to the working precision inside any container (NamedTuples, dataclasses, any
+        ``Mapping``). In train mode with grad enabled, its activations are placed by the policy."""
         if not (torch.is_grad_enabled() and self.module.training):
             return self._forward(args, kwargs)  # not a training forward: no part of a step's time
         t0 = time.perf_counter()
@@ -246,10 +303,16 @@ class TieredModel:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled in fp16); call once per micro-batch, grads accumulate.
+
+        Each bucket's gradients leave the device for their home as soon as backward produced them.
         If it raises after some of its gradients arrived, this step's grads (earlier micro-batches
         too) are dropped: run the step's forward and backward again. If it raises before any did
         (e.g. a second backward through the same graph), nothing changed: earlier micro-batches'
-        grads are kept, and the error says so."""
+        grads are kept, and the error says so.
+
+        Args:
+            loss: a scalar tensor computed from ``tm(...)`` in train mode, outside ``torch.no_grad()``.
+        """
         t0 = time.perf_counter()
         try:
             self._backward(loss)
@@ -281,7 +344,17 @@ class TieredModel:
             self._life.to(Phase.GRADS_READY)
 
     def step(self) -> StepResult:
-        """Update the weights from the accumulated grads, then clear them."""
+        """Update the weights from the accumulated grads, then clear them.
+
+        Waits for the gradients, unscales them (fp16), takes the global norm, clips, runs the
+        optimizer where its state lives and sends the new working weights home. Non-finite
+        gradients skip the step (nothing changes). A step that fails on I/O is completed by calling
+        ``step()`` again (NOTE [A failed step is rolled forward]). Same as ``tm.optimizer.step()``.
+
+        Returns:
+            A :class:`StepResult`: ``skipped``, ``grad_norm`` (before clipping), ``loss_scale``
+            (for the next backward) and ``step`` (updates applied so far).
+        """
         result = self.optimizer.step()
         self.tracer.maybe_write()  # throttled: a full rewrite of a growing file; always at detach()
         return result
@@ -319,14 +392,21 @@ class TieredModel:
 
     # -- module-like conveniences ---------------------------------------------------------------
     def train(self, mode: bool = True) -> "TieredModel":
+        """Set the module's training mode, as ``nn.Module.train``; returns ``self``.
+
+        Args:
+            mode: True for training (activations saved and placed by the policy), False for eval.
+        """
         self.module.train(mode)
         return self
 
     def eval(self) -> "TieredModel":
+        """``train(False)``: forwards run as in evaluation; returns ``self``."""
         return self.train(False)
 
     @property
     def training(self) -> bool:
+        """The module's training mode."""
         return self.module.training
 
     # -- state ------------------------------------------------------------------------------------
@@ -342,10 +422,18 @@ class TieredModel:
 
     def save(self, path: str, *, format: Optional[str] = None) -> None:
         """Checkpoint weights, optimizer state, loss scale and step to ``path``, atomically.
-        ``format="file"``: one file (under data parallelism rank 0 writes it); ``"dcp"``: a
-        torch.distributed.checkpoint directory in which every rank writes its own shards, readable
-        at any world size. Default: ``"dcp"`` under data parallelism, ``"file"`` in one process.
-        Under data parallelism a collective: every rank calls it with the same path."""
+
+        The checkpoint is checksummed (xxh3_64 of every tensor), written beside ``path`` and renamed
+        into place only when complete; state on NVMe is streamed bucket by bucket. Under data
+        parallelism a collective: every rank calls it with the same path, on storage every rank sees.
+
+        Args:
+            path: the file or directory to write; an existing one is replaced whole.
+            format: ``"file"``: one file (under data parallelism rank 0 writes it, gathered bucket by
+                bucket); ``"dcp"``: a ``torch.distributed.checkpoint`` directory in which every rank
+                writes its own shards, readable at any world size. Default: ``"dcp"`` under data
+                parallelism, ``"file"`` in one process.
+        """
         if format is None:
             format = "dcp" if self.group.world > 1 else "file"
         checkpoint.save(self._settled("save()"), path, format)
@@ -364,15 +452,28 @@ class TieredModel:
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take back what :meth:`sharded_state_dict` gave, filled by ``dcp.load``: the state, the
         working weights made from it, step counts, loss scale and hyperparameters (checked whole
-        first). Under data parallelism a collective. Gradients waiting for a step are dropped."""
+        first). Under data parallelism a collective. Gradients waiting for a step are dropped.
+
+        Args:
+            state_dict: the dict :meth:`sharded_state_dict` returned, after ``dcp.load`` filled it.
+        """
         checkpoint.load_sharded(self._settled("load_sharded_state_dict()"), state_dict)
         self.grads.drop()
         self._life.to(Phase.IDLE)
 
     def load(self, path: str) -> None:
-        """Restore a checkpoint written by :meth:`save` (any bucket size, same parameter names).
-        Gradients waiting for a step (kept for the retry of a failed one) were computed with other
-        weights: they are dropped, and the next step starts from the checkpoint alone."""
+        """Restore a checkpoint written by :meth:`save` (any bucket size, placement or world size;
+        the same parameter names and param groups).
+
+        Everything is checked (checksums, names, shapes, dtypes) before anything changes. Gradients
+        waiting for a step (kept for the retry of a failed one) were computed with other weights:
+        they are dropped, and the next step starts from the checkpoint alone. Under data
+        parallelism a collective.
+
+        Args:
+            path: a file or DCP directory written by :meth:`save` (or by ``dcp.save`` of
+                :meth:`sharded_state_dict`).
+        """
         state = self._settled("load()")
         self._trainable.sync(grads_waiting=False, collective=True)  # parameters unfrozen before loading get state
         checkpoint.load(state, path)
@@ -387,7 +488,12 @@ class TieredModel:
         place, under ``torch.no_grad()``: ``p.mul_(0.5)``, ``p.copy_(new)``, ``nn.init``) become the
         model's weights: when the block ends they reach the weights' home tier and the fp32 master
         weights the optimizer updates. Reads of an off-device weight outside such a block work too
-        (fetched for each op); writes outside it are refused (NOTE [Parameters off the device])."""
+        (fetched for each op); writes outside it are refused (NOTE [Parameters off the device]).
+        Under ZeRO-3 it gathers sharded weights: enter it on every rank.
+
+        Args:
+            what: a module of the wrapped model, one of its parameters, or an iterable of either.
+        """
         self._settled("resident()")
         params = _params_of(what, self.module)
         filled: list[dict[str, torch.Tensor]] = []  # what each home's block wrote, once it ends
@@ -409,6 +515,14 @@ class TieredModel:
             self._state.take_weights(changed)
 
     def report(self) -> Report:
+        """What the run did with memory so far: peak bytes per tier and per (class, tier), bytes
+        moved between tiers and their GB/s, seconds stalled on transfers, and, with a machine
+        profile, predicted against measured seconds per stage. ``print(tm.report())`` shows a table.
+
+        Returns:
+            A :class:`~tiermem.Report` of plain dicts keyed by :class:`~tiermem.Tier` and
+            :class:`~tiermem.TensorClass`.
+        """
         peak, class_peak, budgets = collect(self.stores)
         st = self.engine.stats.snapshot()
         return Report(peak_bytes=peak, class_peak_bytes=class_peak, bytes_moved=st["bytes_moved"],

@@ -35,7 +35,7 @@ class NvmeGrads(GradHome):
     def __init__(self, buckets: Sequence[Bucket], engine: CopyService, host_store):
         self.engine, self.host = engine, host_store
         self._buckets = {b.index: b for b in buckets}
-        self._landing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (fp32 view, pool buffer)
+        self._landing: dict[int, tuple[torch.Tensor, Lease]] = {}  # bucket -> (fp32 view, pool buffer)
         self._arrived: dict[int, int] = defaultdict(int)  # gradients delivered in this backward
         self._on_disk: set[int] = set()  # buckets whose NVMe key holds this step's gradients so far
         self._flushes: list[Handle] = []

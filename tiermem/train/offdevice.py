@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol, Sequence, SupportsIndex
 
 import torch
 from torch._ops import OpOverload
@@ -86,10 +86,11 @@ class OffDeviceWeight(torch.Tensor):
         return cls(source, key, shape, _contiguous_strides(shape), 0, dtype, device, requires_grad)
 
     # ops never see this class through torch functions: dispatch below is where it is handled
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's own way to disable it
 
     @classmethod
-    def __torch_dispatch__(cls, func: OpOverload, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(cls, func: OpOverload, types: Any, args: tuple = (),  # type: ignore[override]  # torch: untyped
+                           kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         kind = _kind(func)
         if kind is _VIEW:
@@ -116,12 +117,12 @@ class OffDeviceWeight(torch.Tensor):
         return out
 
     # -- what a user sees ----------------------------------------------------------------------------
-    def real(self) -> torch.Tensor:
+    def real(self) -> torch.Tensor:  # type: ignore[override]  # Tensor.real (complex part) does not apply to weights
         """A plain copy of the values, on the weight's device, outside autograd."""
         with torch.no_grad():
             return torch.ops.aten.clone.default(self)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # as torch's, keyword only
         head = "Parameter containing:\n" if getattr(self, "_is_param", False) else ""
         return f"{head}{self.real()!r} (tiermem: {self._key!r}, homed off the device)"
 
@@ -131,7 +132,7 @@ class OffDeviceWeight(torch.Tensor):
     def tolist(self) -> Any:
         return self.real().tolist()
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         """Pickled (``torch.save``, ``copy.deepcopy``) as a plain tensor with the real values."""
         value = self.real()
         if getattr(self, "_is_param", False):
@@ -196,7 +197,8 @@ def _view(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     def wrap(o: Any) -> Any:
         if not isinstance(o, torch.Tensor):
             return o
-        return OffDeviceWeight(base._source, base._key, o.size(), o.stride(), o.storage_offset(), o.dtype, base.device)
+        return OffDeviceWeight(base._source, base._key, o.size(), o.stride(),
+                               o.storage_offset(), o.dtype, base.device)  # type: ignore[arg-type]  # eager: an int
     return [wrap(o) for o in out] if isinstance(out, (list, tuple)) else wrap(out)
 
 

@@ -34,7 +34,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                                "more); keep a reference to the TieredModel while you train with its optimizer")
         return run
 
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure=None):
         if closure is not None:
             raise TierMemError("tiermem: step(closure) is not supported; call tm.backward(loss) then tm.step()")
         return self._model(self._run_step)(self.param_groups)
@@ -48,9 +48,9 @@ class TieredOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: tm.step() clears the gradients it consumed."""
 
-    def state_dict(self):  # type: ignore[override]
+    def state_dict(self):
         raise TierMemError("tiermem: tm.optimizer holds no checkpointable state of its own; use "
                            "tm.save(path) and tm.load(path), which include the optimizer state")
 
-    def load_state_dict(self, state_dict) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict):
         self.state_dict()

@@ -7,15 +7,15 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from tiermem.budgets import Budgets, parse_bytes
-from tiermem.config import AdamW, LossScale, _Spec, is_int, is_number, working_dtype
+from tiermem.config import AdamW, LossScale, _Spec, is_int, is_number, resolve_precision, working_dtype
 from tiermem.errors import ConfigError
 from tiermem.torch_optim import spec_from_torch, supported_names
-from tiermem.memory.ledger import Reclaimers
+from tiermem.memory.ledger import Reclaimer
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.transfer.collectives import Group
@@ -37,6 +37,7 @@ class Options:
     bucket_numel: int
     overlap: bool
     prefetch: bool
+    precision: str  # the working precision: "auto" made this device's (NOTE [Choosing the precision])
     shard_weights: bool = False  # under data parallelism, weights on the device sharded too (ZeRO-3); alone, nothing
 
 
@@ -103,28 +104,33 @@ def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_
     bucket_bytes = parse_bytes(bucket_size, what="bucket_size")
     if bucket_bytes < 4:
         raise ConfigError(f"tiermem: bucket_size={bucket_size!r} is invalid: must be at least 4 bytes")
-    dtype, dev, overlap = working_dtype(precision), _device(device), _flag("overlap_step", overlap_step)
+    dev, overlap = _device(device), _flag("overlap_step", overlap_step)
+    given, precision = precision, resolve_precision(precision, dev)
+    dtype = working_dtype(precision)
     _check_paths(module, nvme_dir, trace_path)
     prefetch = _flag("prefetch", prefetch)
     if max_skipped_steps is not None and (not is_int(max_skipped_steps) or max_skipped_steps < 1):
         raise ConfigError(f"tiermem: max_skipped_steps={max_skipped_steps!r} is invalid: must be an int >= 1, "
                           f"or None to never stop on skipped steps")
     if loss_scale is not None and (not isinstance(loss_scale, LossScale) or precision != "fp16"):
+        auto = f" (precision={given!r} is {precision!r} here)" if given != precision else ""
         raise ConfigError(f"tiermem: loss_scale={loss_scale!r} is invalid: it must be a tiermem.LossScale, and "
-                          f"only precision='fp16' scales the loss; pass LossScale(...) with fp16, or leave it out")
+                          f"only precision='fp16' scales the loss{auto}; pass LossScale(...) with fp16, or leave it out")
     shard = _flag("shard_weights", shard_weights)
     if spec.bf16_stochastic_round and precision != "bf16":
         raise ConfigError(f"tiermem: {type(spec).__name__}(bf16_stochastic_round=True) keeps bf16 master weights, "
                           f"which needs precision='bf16' (got {precision!r}); pass precision='bf16' or drop "
                           f"bf16_stochastic_round")
     return Options(spec, torch_optimizer, None if grad_clip is None else float(grad_clip), dtype, dev, budgets,
-                   bucket_bytes // 4, overlap, prefetch, shard)
+                   bucket_bytes // 4, overlap, prefetch, precision, shard)
 
 
-def make_stores(opts: Options, nvme_dir: Optional[str], reclaimers: Reclaimers, group: Group) -> dict[Tier, Any]:
-    """One store per tier the arguments ask for: device and host always, NVMe with a directory."""
-    stores: dict[Tier, Any] = {Tier.DEVICE: DeviceStore(opts.device, opts.budgets.device, reclaim=reclaimers),
-                               Tier.HOST: HostStore(opts.budgets.host)}
+def make_stores(opts: Options, nvme_dir: Optional[str], reclaimers: Sequence[Reclaimer], group: Group) -> dict[Tier, Any]:
+    """One store per tier the arguments ask for: device and host always, NVMe with a directory;
+    ``reclaimers``: the device's (NOTE [Reclaimers at construction])."""
+    stores: dict[Tier, Any] = {Tier.DEVICE: DeviceStore(opts.device, opts.budgets.for_tier(Tier.DEVICE),
+                                                        reclaimers=reclaimers),
+                               Tier.HOST: HostStore(opts.budgets.for_tier(Tier.HOST))}
     if nvme_dir is not None:
         mine = group.subdirectory(nvme_dir)  # under data parallelism each rank its own: nvme_dir/rank<r>
         if mine != nvme_dir and os.path.isdir(nvme_dir):

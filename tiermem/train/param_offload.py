@@ -45,6 +45,7 @@ from tiermem.plan.buckets import Bucket
 from tiermem.train.homes import Runs, WeightHome, slots_in
 from tiermem.train.hooks import HookSet, eager
 from tiermem.train.offdevice import Link, SwappedParams
+from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import ResidencyScheduler
 from tiermem.types import TensorClass, TensorInfo, Tier
 
@@ -54,11 +55,13 @@ log = logging.getLogger(__name__)
 class ParamOffload(WeightHome):
     """The PARAM home of weights that live on the host or NVMe: NOTE [Parameters off the device]."""
 
-    def __init__(self, module: torch.nn.Module, homes: dict[str, Tier],
-                 engine, scheduler: ResidencyScheduler, dtype: torch.dtype, device: torch.device, hooks: HookSet):
+    def __init__(self, module: torch.nn.Module, homes: dict[str, Tier], residency: KeyedResidency,
+                 scheduler: ResidencyScheduler, dtype: torch.dtype, device: torch.device, hooks: HookSet):
         """``homes``: canonical parameter name -> home tier (HOST or NVME) of the parameters to
-        offload; each one's first value arrives through :meth:`initialize` or :meth:`adopt`."""
-        self.engine, self.scheduler, self.dtype, self.device = engine, scheduler, dtype, device
+        offload; each one's first value arrives through :meth:`initialize` or :meth:`adopt`.
+        ``residency``: where they are registered and stored; ``scheduler``: what brings them to
+        the device, connected to that residency."""
+        self.residency, self.scheduler, self.dtype, self.device = residency, scheduler, dtype, device
         self.homes = dict(homes)
         params = dict(module.named_parameters())
         self._params = {name: params[name] for name in homes}
@@ -83,9 +86,9 @@ class ParamOffload(WeightHome):
         """``value`` (a host tensor in the working precision) becomes ``name``'s first value at
         home, and the parameter an :class:`OffDeviceWeight` of it from now on."""
         p = self._params[name]
-        self.engine.register(TensorInfo(name, TensorClass.PARAM, value.numel() * value.element_size(),
+        self.residency.register(TensorInfo(name, TensorClass.PARAM, value.numel() * value.element_size(),
                                         tuple(p.shape), value.dtype, name.rpartition(".")[0]), self.homes[name])
-        self.engine.put(name, value)
+        self.residency.put(name, value)
         self._swaps.swap_in(name, self._link, value.dtype, self.device)
 
     def settle(self) -> None:
@@ -101,8 +104,10 @@ class ParamOffload(WeightHome):
         self._swaps.restore(values)
 
     def remove(self) -> None:
-        """The model is detached or given back: nothing is read through it any more."""
+        """The model is detached or given back: nothing is read through it any more, and weights
+        still being written home have landed (their errors stay on their handles)."""
         self._link.source = None
+        self.residency.synchronize()
 
     # -- as a WeightHome ---------------------------------------------------------------------------
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
@@ -219,7 +224,7 @@ class ParamOffload(WeightHome):
     def write_home(self, key: str, value: torch.Tensor, *, wait: bool = True) -> Handle:
         """Store the updated working-precision weights of ``key`` (a host tensor) at its home
         tier; with ``wait=False``, keep ``value`` unchanged until the handle is done."""
-        return self.engine.put(key, value, src_tier=Tier.HOST, wait=wait)
+        return self.residency.put(key, value, src_tier=Tier.HOST, wait=wait)
 
     def end_update(self) -> None:
         self.scheduler.end_iteration()  # freezes the trace, prefetches the next step's first weights

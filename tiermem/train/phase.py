@@ -29,6 +29,13 @@ from tiermem.errors import ConfigError
 
 
 class Phase(Enum):
+    """Where in the training step a :class:`~tiermem.TieredModel` is (``tm.phase``).
+
+    A call that its phase does not allow (``tm.step()`` from a backward hook, ``tm.save()`` from a
+    forward hook, anything after ``detach()``) is refused with a ``tiermem:`` error before anything
+    changes (NOTE [Step lifecycle]).
+    """
+
     IDLE = "idle"  # no gradients wait for a step
     FORWARD = "forward"  # inside tm(...)
     BACKWARD = "backward"  # inside tm.backward(...)

@@ -57,7 +57,7 @@ class ShardedGrads(GradHome):
         self._issued: set[int] = set()  # buckets communicated in this backward
         self._next = 0  # buckets are communicated in index order on every rank
         self._complete: set[int] = set()
-        self._pending: list[tuple[Pending, int, torch.Tensor]] = []
+        self._pending: list[tuple[Pending, int, torch.Tensor, int]] = []  # (work, index, out, fill)
         self._have: set[int] = set()  # shard buckets holding this step's grads already
         self._dirty = False  # a backward ran since the last communication
         self._fill = 0

@@ -99,7 +99,7 @@ class ModelState:
         yield from ((f"frozen/{n}", tuple(t.shape), (t.dtype,)) for n, t in self.layout.frozen.items())
         given = self.layout.buffer_dtypes
         for n, t in self.module.named_buffers():
-            dtypes = (given.get(n, t.dtype),)
+            dtypes: tuple[torch.dtype, ...] = (given.get(n, t.dtype),)
             if t.is_floating_point():
                 dtypes += (PRECISIONS[precision],)
             yield f"buffers/{n}", tuple(t.shape), dtypes

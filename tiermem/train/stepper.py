@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -50,7 +50,7 @@ from tiermem.handles import Handle
 from tiermem.observe.trace import Tracer
 from tiermem.optim import StochasticRound
 from tiermem.optim import formats as optim_format
-from tiermem.plan.buckets import Bucket
+from tiermem.plan.buckets import Bucket, Slot
 from tiermem.train.backward import GradCollector
 from tiermem.train.groups import check_listed, hyper_of
 from tiermem.train.homes import Runs, StateHome, StateViews, slots_in, wait_gathered
@@ -71,6 +71,16 @@ SR_SEED = 0
 
 @dataclass(frozen=True)
 class StepResult:
+    """What ``tm.step()`` did.
+
+    Attributes:
+        skipped: True when the gradients held an inf or NaN (or no backward ran since the last step)
+            and nothing was updated.
+        grad_norm: the global L2 norm of the unscaled gradients, before clipping.
+        loss_scale: the loss scale of the next backward (1.0 unless fp16).
+        step: the number of updates applied so far.
+    """
+
     skipped: bool  # True when the gradients overflowed (inf/NaN) and nothing was updated
     grad_norm: float  # global L2 norm of the (unscaled) gradients, before clipping
     loss_scale: float  # the loss scale for the next backward (1.0 unless fp16)
@@ -199,15 +209,17 @@ class Stepper:
         out = uploads.target(b)
         _fill_gaps(out, master, b, runs)  # `out` holds the bucket's complete new weights
         g, free = self.homes.grads[b.index].read(b, upd.fill) if runs else (None, None)
-        common = dict(grad_scale=upd.scale, clip_coef=upd.clip)
+        common: dict[str, Any] = dict(grad_scale=upd.scale, clip_coef=upd.clip)
         try:
             with self.tracer.span(f"adam {b.key}", "adam", numel=b.numel):
                 if fmt.elementwise and not fmt.stochastic_round:  # any range is a valid call: one per run
                     for start, end, step in runs:
+                        assert g is not None  # read, since there are runs
                         optim_format.step(fmt, master[start:end], [t[start:end] for t in state[1:]], g[start:end],
                                           step=step, hyper=upd.hyper[(b.index, start)], out=out[start:end], **common)
                 else:  # blocks and rounding keys start at each parameter's element 0: one call per parameter
                     for i, s, start, step in _slots_of(b, runs):
+                        assert g is not None  # read, since there are runs
                         pieces = b.pieces(state, i)
                         a, e = s.offset, s.offset + s.numel
                         sr = StochasticRound.for_parameter(SR_SEED, s.name, s.first) if fmt.stochastic_round else None
@@ -226,9 +238,9 @@ class Stepper:
         propagates with the grads kept for a retry (except those already applied in memory)."""
         uploads = self.outputs.session()
         if not self.overlap:
-            for home in self.homes.weight_homes():
-                home.begin_update()  # cached device copies of off-device weights are about to be stale
-        done: list[tuple[object, object]] = []
+            for weights in self.homes.weight_homes():
+                weights.begin_update()  # cached device copies of off-device weights are about to be stale
+        done: list[tuple[StateHome, object]] = []
         updated: set[int] = set()  # buckets whose update cannot be undone
         try:
             for home in _launch_order(self.homes.state_homes()):
@@ -384,7 +396,7 @@ def _on_host(norms: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(ordered)
 
 
-def _slots_of(b: Bucket, runs: Runs) -> list[tuple[int, object, int, int]]:
+def _slots_of(b: Bucket, runs: Runs) -> list[tuple[int, Slot, int, int]]:
     """(slot index, slot, start of its run, step) of each slot that ``runs`` cover."""
     out = []
     for i, s in enumerate(b.slots):

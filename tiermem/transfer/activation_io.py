@@ -41,13 +41,15 @@ import itertools
 import logging
 import threading
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle, wait_all_quietly
+from tiermem.memory.base import Store
 from tiermem.memory.ledger import Ledger
 from tiermem.transfer.lease import Lease
 from tiermem.transfer.service import CopyService
@@ -65,9 +67,9 @@ class ActivationStats:
 
     saved: int = 0  # tensors saved for backward during training forwards
     weights: int = 0  # of which parameters or buffers (or views of them): never moved
-    offloaded: Counter = field(default_factory=Counter)  # Tier -> storages sent there
-    offloaded_bytes: Counter = field(default_factory=Counter)  # Tier -> bytes of the storages sent there
-    by_module: Counter = field(default_factory=Counter)  # module name -> storages offloaded
+    offloaded: Counter[Tier] = field(default_factory=Counter)  # Tier -> storages sent there
+    offloaded_bytes: Counter[Tier] = field(default_factory=Counter)  # Tier -> bytes of the storages sent there
+    by_module: Counter[str] = field(default_factory=Counter)  # module name -> storages offloaded
     fetched_ahead: int = 0  # fetches started by the unpack of a record saved later
     fetched_on_demand: int = 0  # fetches started by their own unpack
     still_on_device: int = 0  # fetches that found the device storage not yet dropped
@@ -95,7 +97,7 @@ class Record:
 class ActivationMover:
     """Sends, fetches and frees offloaded activations; thread-safe (NOTE [Record state])."""
 
-    def __init__(self, stores: dict, engine: CopyService, stats: ActivationStats, prefix: str):
+    def __init__(self, stores: dict[Tier, Store], engine: CopyService, stats: ActivationStats, prefix: str):
         self.stores, self.engine, self.stats, self.prefix = stores, engine, stats, prefix
         self.device = torch.device(engine.device)
         self.dev: Ledger = stores[Tier.DEVICE].ledger
@@ -177,7 +179,7 @@ class ActivationMover:
             self.stats.fetched_on_demand += 1
         return handle
 
-    def _fetch_ended(self, rec: Record, future) -> None:
+    def _fetch_ended(self, rec: Record, future: Future[Any]) -> None:
         """A failed fetch gives its device bytes back now, not when its graph goes (a failed
         backward's graph may be kept for long: by the loss, or the error's traceback)."""
         if future.exception() is not None:
@@ -192,7 +194,9 @@ class ActivationMover:
     def _bring_back(self, rec: Record, out: torch.Tensor, staging: Optional[Lease]) -> Handle:
         """Issue the requests that bring ``rec`` back into ``out``, after its send (NOTE [Chained
         requests])."""
+        assert rec.stored is not None, "brought back before it was sent"
         if staging is None:
+            assert rec.lease is not None, "on the host: it has its buffer there"
             return self.engine.copy_async(out, rec.lease.view(), src_tier=Tier.HOST, dst_tier=Tier.DEVICE,
                                           kind=_ACT, after=rec.stored)
         host, store_read, key = staging.view(), self.engine.store_read, rec.nvme_key
@@ -273,6 +277,7 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
-def view_of(data: torch.Tensor, dtype: torch.dtype, size: tuple, stride: tuple, offset: int) -> torch.Tensor:
+def view_of(data: torch.Tensor, dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...], offset: int
+            ) -> torch.Tensor:
     """A tensor of ``dtype`` laid over the bytes of ``data`` as a saved view lay over its storage."""
     return torch.empty(0, dtype=dtype, device=data.device).set_(data.untyped_storage(), offset, size, stride)

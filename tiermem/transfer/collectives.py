@@ -24,11 +24,12 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from tiermem.errors import ConfigError, TierMemError
+from tiermem.observe.trace import Tracer
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,8 @@ class Group:
 
     def exchange(self, header: Sequence[int]) -> list[list[int]]:
         """Every rank's ``header`` (a few ints, the same count on every rank), in rank order."""
-        return self.exchange_async(header).wait()
+        rows: list[list[int]] = self.exchange_async(header).wait()
+        return rows
 
     def exchange_async(self, header: Sequence[int]) -> "Pending":
         """:meth:`exchange` started; ``.wait()`` returns every rank's header."""
@@ -155,7 +157,8 @@ class Pending:
     """A collective in flight: ``wait()`` blocks until it is done, then runs its finishing step
     and returns what that gave (every later ``wait()`` returns it again)."""
 
-    def __init__(self, wait, finish, done=None):
+    def __init__(self, wait: Optional[Callable[[], object]], finish: Callable[[], Any],
+                 done: Optional[Callable[[], bool]] = None):
         self._wait, self._finish, self._done, self._value = wait, finish, False, None
         self._ready = done  # whether ``wait()`` would return at once (None: it always would)
 
@@ -181,7 +184,7 @@ class Distributed(Group):
     reduce-scatter of gradients returns at once and is waited for later). Tensors that are not
     where the backend works (host tensors under NCCL) go through a copy on its device."""
 
-    def __init__(self, pg: Any = None, *, timeout: Optional[float] = None, tracer=None):
+    def __init__(self, pg: Any = None, *, timeout: Optional[float] = None, tracer: Optional[Tracer] = None):
         import torch.distributed as dist  # imported only when a process group exists
         self.dist, self.pg, self.tracer = dist, pg, tracer
         # torch 2.13 renamed the flat-tensor collectives; older versions have only the first names
@@ -200,7 +203,7 @@ class Distributed(Group):
     def _here(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device == self.device else t.to(self.device)
 
-    def _call(self, op: str, fn):
+    def _call(self, op: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except Exception as e:  # noqa: BLE001
@@ -211,7 +214,7 @@ class Distributed(Group):
         return TierMemError(f"tiermem: rank {self.rank} of {self.world}: {op} failed ({type(e).__name__}: {first}); "
                             f"another rank probably stopped or raised: see its error")
 
-    def _run(self, op: str, fn, nbytes: int) -> None:
+    def _run(self, op: str, fn: Callable[[], Any], nbytes: int) -> None:
         t0 = time.perf_counter()
         try:
             work = fn()
@@ -226,7 +229,7 @@ class Distributed(Group):
         if self.tracer is not None:
             self.tracer.add(op, "collective", t0, t1)
 
-    def _in_place(self, op: str, t: torch.Tensor, call) -> torch.Tensor:
+    def _in_place(self, op: str, t: torch.Tensor, call: Callable[[torch.Tensor], Any]) -> torch.Tensor:
         here = self._here(t)
         self._run(op, lambda: call(here), t.nbytes)
         if here is not t:
@@ -297,7 +300,7 @@ class Distributed(Group):
         differ = [r for r, p in enumerate(prints) if p != prints[0]]
         if differ:
             raise ConfigError(f"tiermem: ranks {differ} built a different {what} from rank 0 (fingerprints "
-                              f"{sorted(set(prints))}); give every rank the same model, policy and options")
+                              f"{sorted(set(map(str, prints)))}); give every rank the same model, policy and options")
 
     def bytes_sent(self) -> int:
         with self._lock:
@@ -327,17 +330,17 @@ class Distributed(Group):
         return os.path.join(directory, f"rank{self.dist.get_rank()}")
 
 
-def resolve_group(process_group: Any, *, timeout: Optional[float] = None, tracer=None) -> Group:
+def resolve_group(process_group: Any, *, timeout: Optional[float] = None, tracer: Optional[Tracer] = None) -> Group:
     """``process_group=None``: the default group when ``torch.distributed`` is initialized, else one
     process; ``False``: one full replica per process; a process group: that one."""
     if process_group is False:
         return Solo()
     if process_group is None:
         import sys
-        dist = sys.modules.get("torch.distributed")  # never imported here: no cost without it
-        if dist is None or not dist.is_available() or not dist.is_initialized():
+        loaded = sys.modules.get("torch.distributed")  # never imported here: no cost without it
+        if loaded is None or not loaded.is_available() or not loaded.is_initialized():
             return Solo()
-        return Distributed(None, timeout=timeout, tracer=tracer) if dist.get_world_size() > 1 else Solo()
+        return Distributed(None, timeout=timeout, tracer=tracer) if loaded.get_world_size() > 1 else Solo()
     import torch.distributed as dist
     if not dist.is_initialized():
         raise ConfigError("tiermem: process_group= was given but torch.distributed is not initialized; call "

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from tiermem.memory.resident import nbytes_of
 from tiermem.spans import lazy_span
-from tiermem.transfer.lanes import GpuWork, Lanes
+from tiermem.transfer.lanes import GpuWork, IssueResult, Lanes, Ready
 from tiermem.transfer.lease import Lease
+from tiermem.transfer.service import Copy
 from tiermem.transfer.stats import TransferStats
+from tiermem.types import TensorClass, Tier
 
 
 _PIECE = 256  # bytes: each copy's part of a request's staging buffer starts on this boundary
@@ -30,12 +32,14 @@ class Copies:
     def __init__(self, lanes: Lanes, stats: TransferStats, lease: Callable[[int, str], Lease]):
         self.lanes, self.stats, self.lease = lanes, stats, lease
 
-    def one(self, dst, src, lane, ready, accumulate, src_tier, dst_tier, kind):
+    def one(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready: Ready, accumulate: bool, src_tier: Tier,
+            dst_tier: Tier, kind: Optional[TensorClass]) -> IssueResult:
         """One copy_async request (NOTE [Issued, then done])."""
         gpu, _, finish = self.many([(dst, src, accumulate)], lane, ready, src_tier, dst_tier, kind)
         return gpu, dst, finish
 
-    def many(self, copies, lane, ready, src_tier, dst_tier, kind):
+    def many(self, copies: Sequence[Copy], lane: str, ready: Ready, src_tier: Tier, dst_tier: Tier,
+             kind: Optional[TensorClass]) -> IssueResult:
         """Issue copy requests on their lane, in order (NOTE [Issued, then done]); returns the GPU
         work that completes them all, and what is left for once it is done. The copies that go
         through host staging share one pooled buffer, leased for the whole request."""
@@ -43,7 +47,8 @@ class Copies:
         with lazy_span(lambda: f"copy {kind or 'tensor'} {src_tier}->{dst_tier}"):
             return self._many(copies, lane, ready, src_tier, dst_tier, kind)
 
-    def _many(self, copies, lane, ready, src_tier, dst_tier, kind):
+    def _many(self, copies: Sequence[Copy], lane: str, ready: Ready, src_tier: Tier, dst_tier: Tier,
+              kind: Optional[TensorClass]) -> IssueResult:
         t0 = time.perf_counter()
         works: list[GpuWork] = []
         tails: list[Callable[[], None]] = []
@@ -77,7 +82,7 @@ class Copies:
         nbytes = sum(src.numel() * src.element_size() for _, src, _ in copies)
         last = works[-1] if works else None
 
-        def finish(_held=copies) -> None:  # the caller may drop the sources: they live until the copies are done
+        def finish(_held: object = copies) -> None:  # the caller may drop the sources: they live until the copies are done
             try:
                 if last is not None:
                     last.wait()  # one stream, in order: the last done means all done
@@ -90,7 +95,7 @@ class Copies:
                              nbytes=nbytes, kind=kind)
         return last, None, finish
 
-    def _staging(self, copies, lane: str) -> tuple[list[Optional[torch.Tensor]], Optional[Lease]]:
+    def _staging(self, copies: Sequence[Copy], lane: str) -> tuple[list[Optional[torch.Tensor]], Optional[Lease]]:
         """Each copy's part of one pooled host buffer (None for a copy that needs none), and the
         lease of that buffer (None when no copy needs staging: always on the CPU)."""
         if not self.lanes.cuda:
@@ -106,7 +111,7 @@ class Copies:
         buf = lease.view()
         return [buf[a:a + n] if n else None for a, n in zip(starts, sizes)], lease
 
-    def _issue(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready, accumulate: bool,
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready: Ready, accumulate: bool,
                piece: Optional[torch.Tensor]) -> tuple[Optional[GpuWork], Optional[Callable[[], None]]]:
         """Queue ``dst <- src`` (or ``dst += src``) on ``lane``, through ``piece`` of host staging
         where :func:`_staged_bytes` says so; returns the GPU work and the host work left for once
@@ -119,7 +124,10 @@ class Copies:
                 return self.lanes.memcpy(dst, src, lane, ready), None
             staged = piece.view(src.dtype).view(src.shape)
             gpu = self.lanes.memcpy(staged, src, lane, ready)
-            return gpu, lambda: (dst.add_(staged) if accumulate else dst.copy_(staged))
+
+            def land() -> None:
+                (dst.add_(staged) if accumulate else dst.copy_(staged))
+            return gpu, land
         if accumulate:  # host -> device, added there: through a device temporary of src's dtype
             def add() -> None:
                 tmp = torch.empty(src.shape, dtype=src.dtype, device=dst.device)  # on the side stream

@@ -30,123 +30,47 @@ which records the ordering against the caller's stream at the call and joins its
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from tiermem.errors import TierMemError
 from tiermem.handles import Handle, chain
-from tiermem.memory.registry import Registry, Residency
 from tiermem.memory.base import Store
-from tiermem.memory.resident import HostStore, _MemoryStore, nbytes_of
+from tiermem.memory.resident import HostStore
+from tiermem.observe.trace import Tracer
 from tiermem.transfer.copies import Copies
-from tiermem.transfer.lanes import GpuWork, Lanes, event
+from tiermem.transfer.lanes import Issue, Lanes, event
 from tiermem.transfer.lease import Lease
 from tiermem.transfer.stats import TransferStats
-from tiermem.types import TensorInfo, Tier
+from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
 
 
 class TransferEngine:
-    """Moves registered tensors between tiers asynchronously and keeps the registry truthful."""
+    """The keyless copy service (:class:`~tiermem.transfer.service.CopyService`): copies between
+    tiers, store requests and background work, each a handle, in its lane's order. Keyed residency
+    (register a tensor, move it by key) is :class:`~tiermem.transfer.residency.KeyedResidency`,
+    built on this."""
 
-    def __init__(self, stores: Mapping[Tier, Store], registry: Optional[Registry] = None, *,
-                 device: torch.device | str | None = None, tracer=None):
+    def __init__(self, stores: Mapping[Tier, Store], *, device: torch.device | str | None = None,
+                 tracer: Optional[Tracer] = None):
         self.stores = dict(stores)
         self.tracer = tracer
-        self.registry = registry if registry is not None else Registry()
         dev_store = self.stores.get(Tier.DEVICE)
         self.device = torch.device(device if device is not None else getattr(dev_store, "device", "cpu"))
         self.stats = TransferStats(tracer=tracer)
         self.lanes = Lanes(self.device)
         self._copies = Copies(self.lanes, self.stats, self.lease)
-        self._pending: dict[str, tuple[Tier, Handle]] = {}
-        self._lock = threading.Lock()
         self._closed = False
 
-    # -- public requests ----------------------------------------------------------------------
-    def register(self, info: TensorInfo, home: Tier) -> Residency:
-        if isinstance(home, Tier):
-            self._store(home)  # fail now if the policy named a tier this engine has no store for
-        return self.registry.register(info, home)
-
-    def put(self, key: str, tensor: torch.Tensor, tier: Optional[Tier] = None, *,
-            src_tier: Optional[Tier] = None, wait: bool = True) -> Handle:
-        """Store ``tensor`` as the newest value of ``key`` on ``tier`` (default: its home); every
-        other copy is dropped. ``src_tier`` (where ``tensor`` lives) counts the bytes as moved.
-        With ``wait=False`` the write may still be running when this returns: keep ``tensor``
-        unchanged until the handle is done; any later request for ``key`` waits for it."""
-        r = self.registry.get(key)
-        tier = r.home if tier is None else tier
-        self._settle(key)
-        for other in list(r.valid):
-            if other != tier:
-                self._store(other).delete(key)
-        r.valid.clear()
-        h = self._store(tier).write(key, tensor, r.info.kind)
-        self._landed_on_caller_stream(tier, tensor)
-        if src_tier is not None and src_tier != tier:
-            h = self._observe(h, src_tier, tier, tensor, r.info.kind)
-        self.registry.write_at(key, tier)
-        if wait:
-            h.wait()
-            return Handle.completed(None)
-        with self._lock:
-            self._pending[key] = (tier, h)
-        h.add_done_callback(lambda _f, k=key, hh=h: self._forget(k, hh))
-        return h
-
-    def prefetch(self, key: str, dst: Tier = Tier.DEVICE) -> Handle:
-        """Make a valid copy of ``key`` resident on ``dst`` (keeping the others)."""
-        r = self.registry.get(key)
-        with self._lock:
-            pending = self._pending.get(key)
-        if pending is not None:
-            if pending[0] == dst:
-                return pending[1]
-            self._settle(key)
-        if dst in r.valid:
-            return Handle.completed(None)
-        src = r.fastest_valid()
-        if src is None:
-            raise TierMemError(f"tiermem: {key!r} holds no value yet; put() it before moving it")
-        return self._launch(r, src, dst, then_drop=None)
-
-    def evict(self, key: str, tier: Tier = Tier.DEVICE) -> Handle:
-        """Release ``key``'s copy on ``tier``, first writing it back to its home if only ``tier``
-        holds the newest value."""
-        r = self.registry.get(key)
-        self._settle(key)
-        if tier not in r.valid:
-            self._store(tier).delete(key)  # a stale copy may still hold memory
-            return Handle.completed(None)
-        if r.valid != {tier}:
-            self.registry.drop(key, tier)
-            self._store(tier).delete(key)
-            return Handle.completed(None)
-        if tier == r.home:
-            raise TierMemError(f"tiermem: cannot evict {key!r} from {tier}, its home and only copy; "
-                               f"move its home with the policy instead")
-        return self._launch(r, tier, r.home, then_drop=tier)
-
-    def fetch(self, key: str, out: torch.Tensor) -> Handle:
-        """Copy the newest value of ``key`` into ``out`` without changing residency."""
-        self._settle(key)
-        r = self.registry.get(key)
-        src = r.fastest_valid()
-        if src is None:
-            raise TierMemError(f"tiermem: {key!r} holds no value yet; put() it before reading it")
-        self._store(src).read(key, out).wait()
-        self._landed_on_caller_stream(src, out)
-        return Handle.completed(out)
-
+    # -- requests ---------------------------------------------------------------------------------
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, *, src_tier: Tier, dst_tier: Tier,
-                   accumulate: bool = False, kind: object = None, after: Optional[Handle] = None) -> Handle:
+                   accumulate: bool = False, kind: Optional[TensorClass] = None, after: Optional[Handle] = None) -> Handle:
         """Copy ``src`` into ``dst`` (or add it, when ``accumulate``), converting dtype as needed.
 
         Requests between two different tiers run on that direction's lane, in the order made;
@@ -166,7 +90,7 @@ class TransferEngine:
         lane = "d2h" if src_tier == Tier.DEVICE else "h2d"
         # Ordering: after what the caller's stream queued (src written, dst's memory free), taken
         # now, on the caller's thread, even when the copy starts later (NOTE [Chained requests]).
-        ready = self._ready()
+        ready = self.ready()
 
         def issue() -> Handle:
             return self.lanes.request(lane, lambda: self._copies.one(dst, src, lane, ready, accumulate, src_tier,
@@ -177,7 +101,7 @@ class TransferEngine:
         return self.chain(after, issue, stall=dst_tier)
 
     def copy_many(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor, bool]], *, src_tier: Tier,
-                  dst_tier: Tier, kind: object = None) -> Handle:
+                  dst_tier: Tier, kind: Optional[TensorClass] = None) -> Handle:
         """Several :meth:`copy_async` requests, ``(dst, src, accumulate)`` each, as one: one turn
         of the lane and one completion for all (a bucket's gradients), done in the order given.
         Within one tier they run on the caller's thread."""
@@ -186,37 +110,39 @@ class TransferEngine:
                 self.copy_async(dst, src, src_tier=src_tier, dst_tier=dst_tier, accumulate=accumulate, kind=kind)
             return Handle.completed(None)
         lane = "d2h" if src_tier == Tier.DEVICE else "h2d"
-        ready = self._ready()  # ordering: after what the caller's stream queued (NOTE [Chained requests])
+        ready = self.ready()  # ordering: after what the caller's stream queued (NOTE [Chained requests])
         copies = list(copies)
         return self.lanes.request(lane, lambda: self._copies.many(copies, lane, ready, src_tier, dst_tier, kind),
                                   self.stats.stall_sink(dst_tier))
 
     def store_write(self, tier: Tier, key: str, src: torch.Tensor, *, src_tier: Tier = Tier.HOST,
-                    kind: object = None) -> Handle:
+                    kind: Optional[TensorClass] = None) -> Handle:
         """Write ``src`` (a buffer on ``src_tier``) to ``tier``'s store under ``key`` without
         registry bookkeeping (for buffers the caller manages, e.g. streamed optimizer state);
         bytes, busy time and stalls are counted like any other move."""
-        h = self._store(tier).write(key, src, kind)
-        self._landed_on_caller_stream(tier, src)
-        return self._observe(h, src_tier, tier, src, kind)
+        h = self.store(tier).write(key, src, kind)
+        self.landed(tier, src)
+        return self.observe(h, src_tier, tier, src, kind)
 
     def store_read(self, tier: Tier, key: str, out: torch.Tensor, *, dst_tier: Tier = Tier.HOST,
-                   kind: object = None) -> Handle:
+                   kind: Optional[TensorClass] = None) -> Handle:
         """Read ``key`` from ``tier``'s store into ``out`` (a buffer on ``dst_tier``)."""
-        h = self._store(tier).read(key, out)
-        self._landed_on_caller_stream(tier, out)
-        return self._observe(h, tier, dst_tier, out, kind)
+        h = self.store(tier).read(key, out)
+        self.landed(tier, out)
+        return self.observe(h, tier, dst_tier, out, kind)
 
-    def store_revert(self, tier: Tier, key: str) -> None:
-        """Undo the latest write of ``key`` in ``tier``'s store (see NvmeStore.revert)."""
-        self._store(tier).revert(key)
+    def request(self, lane: str, issue: Issue, *, stall: Tier) -> Handle:
+        """Run ``issue`` on ``lane`` (a move between stores that the caller builds, e.g. by key):
+        the handle completes once its GPU work is done and its ``finish`` ran (NOTE [Issued, then
+        done] in :mod:`tiermem.transfer.lanes`); a wait on it counts to ``stall``."""
+        return self.lanes.request(lane, issue, self.stats.stall_sink(stall))
 
-    def _observe(self, h: Handle, src: Tier, dst: Tier, t: torch.Tensor, kind: object = None) -> Handle:
+    def observe(self, h: Handle, src: Tier, dst: Tier, t: torch.Tensor, kind: Optional[TensorClass] = None) -> Handle:
         """Count a store request (busy: from the request to its end, queueing included)."""
         t0 = time.perf_counter()
         nbytes = t.numel() * t.element_size()
 
-        def done(f) -> None:
+        def done(f: Future[Any]) -> None:
             if f.exception() is None:
                 self.stats.count(src, dst, t0=t0, nbytes=nbytes, kind=kind)
         h.add_done_callback(done)
@@ -229,7 +155,7 @@ class TransferEngine:
         runs on the lane's own stream, after what the caller's stream has queued so far; the
         handle completes once what ``fn`` queued there is done, and a GPU consumer may
         :meth:`join` it as soon as ``fn`` returned."""
-        def timed():
+        def timed() -> object:
             t0 = time.perf_counter()
             try:
                 return fn()
@@ -253,10 +179,10 @@ class TransferEngine:
             value.record_stream(stream)  # ordering: not reused before this stream is done with it
         return value
 
-    def lease(self, nbytes: int, key: str, kind: object = None) -> Lease:
+    def lease(self, nbytes: int, key: str, kind: Optional[TensorClass] = None) -> Lease:
         """A pooled host buffer of ``nbytes`` accounted to ``key`` as ``kind``, until its
         ``release()`` (NOTE [Pooled staging]); refused with OutOfTierMemory over the budget."""
-        host = self._store(Tier.HOST)
+        host = self.store(Tier.HOST)
         assert isinstance(host, HostStore), "the host tier's store pools buffers"
         return Lease(host, nbytes, key, kind)
 
@@ -277,39 +203,21 @@ class TransferEngine:
         """
         return chain(first, then, cleanup=cleanup, on_stall=self.stats.stall_sink(stall))
 
-    def delete(self, key: str) -> None:
-        self._settle(key)
-        r = self.registry.unregister(key)
-        for tier in set(r.valid) | {r.home}:
-            self._store(tier).delete(key)
-
-    def synchronize(self) -> None:
-        """Wait for every request in flight (errors are left on their own handles)."""
-        with self._lock:
-            handles = [h for _, h in self._pending.values()]
-        for h in handles:
-            with contextlib.suppress(Exception):
-                h.wait()
-
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._pending)
-
     def close(self) -> None:
         if self._closed:
             return
-        self.synchronize()
-        self.lanes.close()
+        self.lanes.close()  # waits for what the lanes have queued
         self._closed = True
 
     def __enter__(self) -> "TransferEngine":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- internals ----------------------------------------------------------------------------
-    def _store(self, tier: Tier) -> Store:
+    # -- for what is built on the engine (keyed residency) --------------------------------------
+    def store(self, tier: Tier) -> Store:
+        """The store of ``tier``, or a ``tiermem:`` error saying how to configure one."""
         try:
             return self.stores[tier]
         except KeyError:
@@ -317,99 +225,12 @@ class TransferEngine:
                    f"build the engine with a store for {tier}")
             raise TierMemError(f"tiermem: no {tier} store is configured; {fix}") from None
 
-    def _settle(self, key: str) -> None:
-        """Wait for an in-flight transfer of ``key`` (its error stays on its own handle)."""
-        with self._lock:
-            pending = self._pending.get(key)
-        if pending is not None:
-            with contextlib.suppress(Exception):
-                pending[1].wait()
-
-    def _launch(self, r: Residency, src: Tier, dst: Tier, then_drop: Optional[Tier]) -> Handle:
-        key, info = r.key, r.info
-        dst_store = self._store(dst)
-        # Allocate the destination now, on the caller's thread: a budget error surfaces here.
-        out = (dst_store.allocate(key, info.shape, info.dtype, info.kind)
-               if isinstance(dst_store, _MemoryStore) else None)
-        # The copy must not start before the compute stream has finished writing the source.
-        ready = self._ready() if Tier.DEVICE in (src, dst) else None
-        lane = "nvme" if Tier.NVME in (src, dst) else ("d2h" if src == Tier.DEVICE else "h2d")
-        self.registry.begin(key, src, dst)
-        handle = self.lanes.request(lane, lambda: self._run(r, src, dst, out, lane, ready, then_drop),
-                                    self.stats.stall_sink(dst))
-        with self._lock:
-            self._pending[key] = (dst, handle)
-        handle.add_done_callback(lambda _f, k=key, h=handle: self._forget(k, h))
-        return handle
-
-    def _forget(self, key: str, handle: Handle) -> None:
-        with self._lock:
-            if self._pending.get(key, (None, None))[1] is handle:
-                del self._pending[key]
-
-    def _run(self, r: Residency, src: Tier, dst: Tier, out: Optional[torch.Tensor], lane: str,
-             ready, then_drop: Optional[Tier]):
-        """Issue a move on its lane; the registry learns of it once it is done."""
-        t0 = time.perf_counter()
-        key = r.key
-
-        def failed() -> None:
-            self.stats.count(src, dst, t0=t0)
-            self.registry.finish(key, ok=False)
-            self._store(dst).delete(key)  # dst held no valid copy; free what we allocated for it
-        try:
-            gpu = self._copy(key, r.info, src, dst, out, lane, ready)
-        except BaseException:
-            failed()
-            raise
-
-        def finish() -> None:
-            try:
-                if gpu is not None:
-                    gpu.wait()
-            except BaseException:
-                failed()
-                raise
-            self.stats.count(src, dst, t0=t0, seconds=gpu.seconds() if gpu is not None else None,
-                             nbytes=r.info.nbytes, kind=r.info.kind)  # a GPU copy: its own time on its stream
-            self.registry.finish(key, ok=True)
-            if then_drop is not None:
-                self.registry.drop(key, then_drop)
-                self._store(then_drop).delete(key)
-        return gpu, (out if dst == Tier.DEVICE else None), finish
-
-    def _copy(self, key: str, info: TensorInfo, src: Tier, dst: Tier, out: Optional[torch.Tensor],
-              lane: str, ready) -> Optional[GpuWork]:
-        """Issue the copy; returns its GPU work when it may still run (memory -> memory on a GPU),
-        else None: NVMe legs are done on return."""
-        src_store, dst_store = self._store(src), self._store(dst)
-        if out is not None and isinstance(src_store, _MemoryStore):  # memory -> memory
-            return self.lanes.memcpy(out, src_store.get(key), lane, ready)
-        if out is not None:  # NVMe -> memory
-            if dst == Tier.DEVICE and self.lanes.cuda:
-                with self.lease(nbytes_of(info.shape, info.dtype), f"<staging {key}>") as lease:
-                    buf = lease.view(info.dtype, info.shape)
-                    src_store.read(key, buf).wait()
-                    self.lanes.memcpy(out, buf, "h2d", ready).wait()  # ordering: the staging goes back after
-            else:
-                src_store.read(key, out.view(-1) if out.dim() else out).wait()
-        else:  # memory -> NVMe
-            tensor = src_store.get(key)  # type: ignore[attr-defined]
-            if src == Tier.DEVICE and self.lanes.cuda:
-                with self.lease(nbytes_of(info.shape, info.dtype), f"<staging {key}>") as lease:
-                    buf = lease.view(info.dtype, info.shape)
-                    self.lanes.memcpy(buf, tensor, "d2h", ready).wait()  # ordering: landed before the write
-                    dst_store.write(key, buf, info.kind).wait()
-            else:
-                dst_store.write(key, tensor, info.kind).wait()
-        return None
-
-    def _ready(self) -> Optional[torch.cuda.Event]:
+    def ready(self) -> Optional[torch.cuda.Event]:
         """On a GPU, an event on the calling thread's current stream: a copy that waits on it
         starts after what that stream has queued so far (None on the CPU)."""
         return self.lanes.ready()
 
-    def _landed_on_caller_stream(self, tier: Tier, t: torch.Tensor) -> None:
+    def landed(self, tier: Tier, t: torch.Tensor) -> None:
         """A memory store copies on the caller's stream (``non_blocking``); a copy between host
         and device is waited for here, so the completed handle the store returns is true."""
         if self.lanes.cuda and tier != Tier.NVME and (tier == Tier.DEVICE) != t.is_cuda:

@@ -48,7 +48,10 @@ DONE_LANES = ("d2h", "h2d")  # lanes whose copies complete on a completion threa
 
 # issue() -> (gpu work or None, the request's value, finish or None). finish() runs once the GPU
 # work is done (it waits for it itself), on the completion thread; it may raise.
-Issue = Callable[[], tuple[Optional["GpuWork"], Any, Optional[Callable[[], None]]]]
+IssueResult = tuple[Optional["GpuWork"], Any, Optional[Callable[[], None]]]
+Issue = Callable[[], IssueResult]
+#: what a request waits for before it starts on a GPU: an event on the caller's stream (None on the CPU)
+Ready = Optional[torch.cuda.Event]
 
 
 class GpuWork:
@@ -65,12 +68,12 @@ class GpuWork:
 
     def seconds(self) -> float:
         """GPU time between the events (call after :meth:`wait`)."""
-        return self.start.elapsed_time(self.done) / 1000.0
+        return float(self.start.elapsed_time(self.done)) / 1000.0
 
 
 def event(*, timing: bool = False) -> torch.cuda.Event:
     """Every event the engine makes: blocking, so a host wait on it sleeps."""
-    return torch.cuda.Event(enable_timing=timing, blocking=True)
+    return torch.cuda.Event(enable_timing=timing, blocking=True)  # type: ignore[no-untyped-call]  # torch: untyped
 
 
 class Lanes:
@@ -90,7 +93,8 @@ class Lanes:
                       for name in LANES}
         self.done = ({name: ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-{name}-done", initializer=init)
                       for name in DONE_LANES} if self.cuda else {})
-        self.streams = {name: torch.cuda.Stream(device) for name in STREAM_LANES} if self.cuda else {}
+        self.streams = ({name: torch.cuda.Stream(device) for name in STREAM_LANES}  # type: ignore[no-untyped-call]
+                        if self.cuda else {})
 
     # -- ordering against the caller ------------------------------------------------------------
     def ready(self) -> Optional[torch.cuda.Event]:
@@ -124,15 +128,17 @@ class Lanes:
             done.record(stream)
         return GpuWork(start, done)
 
-    def memcpy(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready) -> Optional[GpuWork]:
+    def memcpy(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready: Ready) -> Optional[GpuWork]:
         """``dst.copy_(src)`` on ``lane``'s stream after ``ready`` (NOTE [Issued, then done])."""
-        return self.on_stream(lane, ready, lambda: dst.copy_(src, non_blocking=True), (src, dst))
+        def copy() -> None:
+            dst.copy_(src, non_blocking=True)
+        return self.on_stream(lane, ready, copy, (src, dst))
 
     # -- requests ---------------------------------------------------------------------------------
     def request(self, lane: str, issue: Issue, on_stall: Optional[StallSink]) -> Handle:
         """Run ``issue`` on ``lane``; the handle completes with its value once its GPU work is done
         and ``finish`` ran (NOTE [Issued, then done])."""
-        future: Future = Future()
+        future: Future[Any] = Future()
         issued = Issued() if self.cuda else None
         done = self.done.get(lane)
 
@@ -167,7 +173,8 @@ class Lanes:
             try:
                 with span(lane), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     current = torch.cuda.current_stream(self.device)
-                    current.wait_event(ready)  # ordering: after what the caller queued (grads written)
+                    if ready is not None:  # (always, on a GPU)
+                        current.wait_event(ready)  # ordering: after what the caller queued (grads written)
                     value = fn()
                     done = event()
                     done.record(current)
@@ -179,9 +186,9 @@ class Lanes:
             return value
         return Handle(self.pools[lane].submit(job), on_stall=on_stall, issued=issued)
 
-    def behind(self, lane: str) -> Future:
+    def behind(self, lane: str) -> Future[Any]:
         """Done once every request queued on ``lane`` so far is done (landed, on a GPU too)."""
-        future: Future = Future()
+        future: Future[Any] = Future()
         done = self.done.get(lane)
 
         def job() -> None:
@@ -204,7 +211,7 @@ def _spanned(lane: str, fn: Callable[[], Any]) -> Any:
         return fn()
 
 
-def _settle(future: Future, value: Any, finish: Optional[Callable[[], None]], lane: Optional[str] = None) -> None:
+def _settle(future: Future[Any], value: Any, finish: Optional[Callable[[], None]], lane: Optional[str] = None) -> None:
     """Complete ``future`` after ``finish`` ran; ``lane``: it runs on that lane's completion thread
     (a ``tiermem::<lane> landed`` span; on the lane itself it is inside the lane's own span)."""
     try:

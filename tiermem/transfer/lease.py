@@ -49,5 +49,5 @@ class Lease:
     def __enter__(self) -> "Lease":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()

@@ -8,12 +8,13 @@ evicted (Belady). Without a trace (the first iteration, or one that left the rec
 victims are the least recently used and nothing is fetched ahead.
 
 The decisions (:class:`AccessTrace`, :func:`choose_victim`, :func:`lookahead_window`) are pure
-and know nothing of tensors; :class:`ResidencyScheduler` carries them out with engine calls only.
+and know nothing of tensors; :class:`ResidencyScheduler` carries them out with the moves of a
+:class:`~tiermem.transfer.residency.KeyedResidency` only.
 
 # NOTE [Room before allocation]
-The engine allocates a destination on the caller's thread and the tier's ledger refuses what
+A move allocates its destination on the caller's thread and the tier's ledger refuses what
 would cross the budget. The scheduler therefore evicts until the ledger has room *before* it
-asks the engine to move anything, and waits for each eviction it makes: a tensor whose only
+asks for anything to move, and waits for each eviction it makes: a tensor whose only
 valid copy is on the tier is written back home first, and its bytes count until that write
 lands. Acquired tensors are never victims. If everything evictable is gone and the tensor still
 does not fit, the tier's other reclaimers are asked once (gradients still being copied home hold
@@ -35,11 +36,12 @@ from typing import Iterable, Mapping, Optional, Sequence
 import torch
 
 from tiermem.budgets import ByteSize, parse_bytes
-from tiermem.transfer.engine import TransferEngine
 from tiermem.errors import ConfigError, OutOfTierMemory, TierMemError, fmt_bytes
 from tiermem.handles import Handle
+from tiermem.memory.ledger import Reclaimer
 from tiermem.memory.registry import Residency
-from tiermem.memory.resident import nbytes_of
+from tiermem.memory.resident import MemoryStore, nbytes_of
+from tiermem.transfer.residency import KeyedResidency
 from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
@@ -135,7 +137,7 @@ class ScheduleStats:
 
 
 # -- carrying them out --------------------------------------------------------------------------
-class ResidencyScheduler:
+class ResidencyScheduler(Reclaimer):
     """Keeps managed tensors resident on ``tier`` when they are used, within its budget.
 
     ``acquire(key)`` returns the tensor on ``tier`` (waiting for it if needed) and keeps it there
@@ -150,20 +152,23 @@ class ResidencyScheduler:
     ``eviction="lru"`` ignores the trace when choosing victims (both are for comparison).
     Managed tensors must be registered with a home other than ``tier``. Call from the training
     thread(s); the engine's worker threads never call back into the scheduler.
+
+    It is the tier's cache, so the tier's store is given it as a reclaimer when built (NOTE
+    [Reclaimers at construction] in :mod:`tiermem.memory.ledger`): build the scheduler first,
+    then the stores, the engine and the residency over them, then :meth:`connect` it to that
+    residency (once), before the first acquire.
     """
 
-    def __init__(self, engine: TransferEngine, tier: Tier = Tier.DEVICE, *,
-                 lookahead_bytes: Optional[ByteSize] = None, prefetch: bool = True,
-                 eviction: str = "belady"):
-        store = engine.stores.get(tier)
-        if store is None or not callable(getattr(store, "get", None)):
-            raise ConfigError(f"tiermem: ResidencyScheduler.tier={tier!r} must be a memory tier this "
-                              f"engine has a store for ({', '.join(map(str, engine.stores))}); "
+    def __init__(self, tier: Tier = Tier.DEVICE, *, lookahead_bytes: Optional[ByteSize] = None,
+                 prefetch: bool = True, eviction: str = "belady"):
+        if tier not in (Tier.DEVICE, Tier.HOST):
+            raise ConfigError(f"tiermem: ResidencyScheduler.tier={tier!r} must be a memory tier; "
                               f"pass Tier.DEVICE or Tier.HOST")
         if eviction not in EVICTION_POLICIES:
             raise ConfigError(f"tiermem: ResidencyScheduler.eviction={eviction!r} is not one of "
                               f"{EVICTION_POLICIES}; pass 'belady' (the default) or 'lru'")
-        self.engine, self.tier, self._store = engine, tier, store
+        self.tier = tier
+        self._connected: Optional[tuple[KeyedResidency, MemoryStore]] = None
         self.lookahead_bytes = (None if lookahead_bytes is None else
                                 parse_bytes(lookahead_bytes, what="ResidencyScheduler.lookahead_bytes"))
         self.prefetch, self.eviction = bool(prefetch), eviction
@@ -181,13 +186,40 @@ class ResidencyScheduler:
         self._clock = 0
         self._reclaiming = False
 
+    def connect(self, residency: KeyedResidency) -> "ResidencyScheduler":
+        """Carry out the schedule with ``residency``'s moves, over its store of the tier (once)."""
+        if self._connected is not None:
+            raise TierMemError("tiermem: ResidencyScheduler.connect() was called twice; a scheduler "
+                               "serves one residency: build another scheduler for another one")
+        store = residency.engine.stores.get(self.tier)
+        if not isinstance(store, MemoryStore):
+            raise ConfigError(f"tiermem: ResidencyScheduler.tier={self.tier!r} must be a memory tier the "
+                              f"engine has a store for ({', '.join(map(str, residency.engine.stores))}); "
+                              f"build the engine with a store for {self.tier}")
+        self._connected = (residency, store)
+        return self
+
+    @property
+    def residency(self) -> KeyedResidency:
+        return self._parts()[0]
+
+    @property
+    def _store(self) -> MemoryStore:
+        return self._parts()[1]
+
+    def _parts(self) -> tuple[KeyedResidency, MemoryStore]:
+        if self._connected is None:
+            raise TierMemError("tiermem: this ResidencyScheduler is not connected to a residency yet; "
+                               "call connect(residency) once the engine exists, before acquiring")
+        return self._connected
+
     @property
     def stats(self) -> ScheduleStats:
         """Totals over every iteration, the current one included."""
         return sum([*self.history, self.current], ScheduleStats())
 
     # -- public calls -------------------------------------------------------------------------
-    def acquire(self, key: str, *, on_demand: Optional[Counter] = None) -> torch.Tensor:
+    def acquire(self, key: str, *, on_demand: Optional[Counter[str]] = None) -> torch.Tensor:
         """The tensor of ``key`` resident on the tier, held there until :meth:`release`.
         ``on_demand``: counts ``key`` there when, once a trace exists, it had to be fetched on
         demand (nothing had brought it or started to)."""
@@ -208,7 +240,7 @@ class ResidencyScheduler:
         t0, ready = time.perf_counter(), handle.done()
         try:
             if self.tier == Tier.DEVICE:
-                self.engine.join(handle)  # ordering: the caller's stream reads the tensor after its bytes land
+                self.residency.engine.join(handle)  # ordering: the caller's stream reads the tensor after its bytes land
             else:
                 handle.wait()  # ordering: the host reads the tensor only once its bytes have landed
         except BaseException:
@@ -237,7 +269,7 @@ class ResidencyScheduler:
             if not self._pins.get(key):
                 raise TierMemError(f"tiermem: mark_dirty({key!r}) on a tensor that is not acquired; "
                                    f"acquire it, modify it, mark it dirty, then release it")
-            self.engine.registry.write_at(key, self.tier)
+            self.residency.registry.write_at(key, self.tier)
 
     def end_iteration(self) -> None:
         """Close the iteration: freeze (or check and renew) the trace, then fetch ahead of the
@@ -267,6 +299,8 @@ class ResidencyScheduler:
         Installed as the tier ledger's ``reclaim`` so other users of the tier (activations,
         gradients in flight) can take room that prefetched tensors hold."""
         with self._lock:
+            if self._connected is None:  # not serving yet: it holds nothing to give back
+                return
             if self._reclaiming:  # a reservation made while evicting: do not recurse
                 return
             self._reclaiming = True
@@ -285,7 +319,7 @@ class ResidencyScheduler:
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _residency(self, key: str) -> Residency:
-        r = self.engine.registry.get(key)
+        r = self.residency.registry.get(key)
         if r.home == self.tier:
             raise TierMemError(f"tiermem: {key!r} is homed on the {self.tier} tier, so it is always "
                                f"resident there; acquire only tensors whose home is another tier")
@@ -323,7 +357,7 @@ class ResidencyScheduler:
         return sorted(k for k, n in self._pins.items() if n)
 
     def _evictable(self) -> list[str]:
-        registry = self.engine.registry
+        registry = self.residency.registry
         self._managed = {k for k in self._managed if k in registry and k in self._store}
         return [k for k in self._managed if k not in self._pins]
 
@@ -337,11 +371,11 @@ class ResidencyScheduler:
             handle = Handle.completed(None)
         elif flight is not None and flight[1] == self.tier:
             stats.late += 1
-            handle = self.engine.prefetch(key, self.tier)  # joins the move in flight
+            handle = self.residency.prefetch(key, self.tier)  # joins the move in flight
         else:
             stats.misses += 1
             self._make_room(key, self._new_bytes(key), candidates=self._evictable(), required=True)
-            handle = self.engine.prefetch(key, self.tier)
+            handle = self.residency.prefetch(key, self.tier)
             stats.bytes_fetched += self._sizes[key]
         self._managed.add(key)  # evictable once released, whoever brought it here
         return handle
@@ -350,7 +384,7 @@ class ResidencyScheduler:
         trace = self._following()
         if not self.prefetch or trace is None:
             return
-        registry = self.engine.registry
+        registry = self.residency.registry
         window = lookahead_window(trace, self._pos, self._sizes, self._window_limit(), skip=self._pins)
         upcoming = set(window)
         outside = [k for k in self._evictable() if k not in upcoming]
@@ -363,7 +397,7 @@ class ResidencyScheduler:
             if not self._make_room(key, self._new_bytes(key), candidates=outside, required=False):
                 return
             try:
-                self.engine.prefetch(key, self.tier)
+                self.residency.prefetch(key, self.tier)
             except OutOfTierMemory:  # another user of the tier took the room meanwhile
                 log.debug("tiermem: no room to prefetch %r ahead; it will be fetched on demand", key)
                 return
@@ -391,7 +425,7 @@ class ResidencyScheduler:
         while ledger.allowed - ledger.used < nbytes:
             trace = self._following() if self.eviction == "belady" else None
             victim = choose_victim(candidates, self._last_used, trace=trace, pos=self._pos)
-            if victim is None and required and not asked_others and ledger.reclaim is not None:
+            if victim is None and required and not asked_others and any(r is not self for r in ledger.reclaimers):
                 asked_others = True  # bytes in flight elsewhere (grads still copying home) go once they land
                 self._ask_others(nbytes - (ledger.allowed - ledger.used))
                 continue
@@ -406,17 +440,17 @@ class ResidencyScheduler:
     def _ask_others(self, missing: int) -> None:
         """The tier's other reclaimers give back what they can (this scheduler's own
         :meth:`make_room` is skipped: nothing of ours is left to evict)."""
-        reclaiming, self._reclaiming = self._reclaiming, True
+        reclaiming, self._reclaiming = self._reclaiming, True  # a reservation they make: no recursion
         try:
-            self._store.ledger.reclaim(missing)
+            self._store.ledger.reclaim(missing, besides=self)
         finally:
             self._reclaiming = reclaiming
 
     def _evict(self, key: str) -> None:
-        r = self.engine.registry.get(key)
+        r = self.residency.registry.get(key)
         writeback = r.valid == {self.tier}
         nbytes = self._store.ledger.held(key)
-        handle = self.engine.evict(key, self.tier)
+        handle = self.residency.evict(key, self.tier)
         t0 = time.perf_counter()
         handle.wait()  # ordering: the bytes count against the budget until the write-back lands
         self.current.stall_seconds += time.perf_counter() - t0

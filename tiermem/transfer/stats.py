@@ -57,7 +57,7 @@ class TransferStats:
             sink = self._sinks.setdefault(tier, sink)
         return sink
 
-    def snapshot(self) -> dict[str, dict]:
+    def snapshot(self) -> dict[str, dict[Any, Any]]:
         """Copies of the counters, taken under the lock (lane threads add keys as they run)."""
         with self._lock:
             return {"bytes_moved": dict(self.bytes_moved), "busy_seconds": dict(self.busy_seconds),
