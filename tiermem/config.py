@@ -493,6 +493,8 @@ class Adam(_AdamSpec):
         weight_decay: L2 penalty added to the gradient.
         no_decay: without ``params``: fnmatch patterns of parameter names without weight decay.
         no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
     """
 
 
@@ -513,6 +515,8 @@ class AdamW(_AdamSpec):
             (e.g. ``("*.bias", "*.ln_*")``).
         no_decay_1d: without ``params``: True exempts every parameter with fewer than two
             dimensions (biases and norm weights in most models).
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
     """
 
     weight_decay: float = 1e-2

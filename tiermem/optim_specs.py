@@ -18,7 +18,23 @@ from tiermem.errors import ConfigError, checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class SGD(_Spec):
     """SGD with momentum, dampening, Nesterov and weight decay, like ``torch.optim.SGD``. The
-    momentum buffer exists when some group's momentum is not 0 (then every group's must be)."""
+    momentum buffer exists when some group's momentum is not 0 (then every group's must be).
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate.
+        weight_decay: weight decay (an L2 penalty added to the gradient, as torch's).
+        momentum: momentum factor (0: plain SGD, no buffer).
+        dampening: dampening of the momentum.
+        nesterov: Nesterov momentum.
+        maximize: maximize the objective instead of minimizing it.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
+    """
 
     momentum: float = 0.0
     dampening: float = 0.0
@@ -49,7 +65,23 @@ class SGD(_Spec):
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class Adagrad(_Spec):
-    """Adagrad, like ``torch.optim.Adagrad`` (``initial_accumulator_value`` one for all groups)."""
+    """Adagrad, like ``torch.optim.Adagrad`` (``initial_accumulator_value`` one for all groups).
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate.
+        weight_decay: weight decay (an L2 penalty added to the gradient, as torch's).
+        lr_decay: learning rate decay.
+        eps: term added to the denominator for numerical stability.
+        initial_accumulator_value: the starting value of the sum of squared gradients.
+        maximize: maximize the objective instead of minimizing it.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
+    """
 
     lr: float = 1e-2
     lr_decay: float = 0.0
@@ -77,7 +109,20 @@ class Adagrad(_Spec):
 @dataclass(frozen=True, kw_only=True, repr=False)
 class Lion(_Spec):
     """Lion (Chen et al. 2023, "Symbolic discovery of optimization algorithms"): the sign of an
-    interpolated momentum, decoupled weight decay; defaults as the paper's (lr 1e-4, betas (0.9, 0.99))."""
+    interpolated momentum, decoupled weight decay; defaults as the paper's (lr 1e-4, betas (0.9, 0.99)).
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate.
+        weight_decay: weight decay (decoupled).
+        betas: the interpolation of the update's momentum and the momentum's decay.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
+    """
 
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.99)
@@ -107,7 +152,22 @@ class _EightBit:
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class AdamW8bit(_EightBit, AdamW):
-    """AdamW with 8-bit moments: bitsandbytes' ``AdamW8bit`` and torchao's ``AdamW8bit`` by name."""
+    """AdamW with 8-bit moments: bitsandbytes' ``AdamW8bit`` and torchao's ``AdamW8bit`` by name.
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate.
+        weight_decay: weight decay (decoupled).
+        betas: coefficients of the running averages of the gradient and of its square.
+        eps: term added to the denominator for numerical stability.
+        min_8bit_size: parameters with fewer elements keep fp32 moments.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
+    """
 
     min_8bit_size: int = 4096
     kind: ClassVar[str] = "adamw8bit"
@@ -120,7 +180,22 @@ class AdamW8bit(_EightBit, AdamW):
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class Adam8bit(_EightBit, Adam):
-    """Adam (L2 decay) with 8-bit moments: bitsandbytes' ``Adam8bit`` by name."""
+    """Adam (L2 decay) with 8-bit moments: bitsandbytes' ``Adam8bit`` by name.
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate.
+        weight_decay: weight decay (an L2 penalty added to the gradient).
+        betas: coefficients of the running averages of the gradient and of its square.
+        eps: term added to the denominator for numerical stability.
+        min_8bit_size: parameters with fewer elements keep fp32 moments.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
+    """
 
     min_8bit_size: int = 4096
     kind: ClassVar[str] = "adam8bit"

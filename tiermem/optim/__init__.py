@@ -19,12 +19,12 @@ from tiermem.optim.adafactor import adafactor_step
 from tiermem.optim.cpu_adam import CPUAdam
 from tiermem.optim.cpu_optimizers import CPUAdafactor, CPUAdagrad, CPUAdam8bit, CPULion, CPUSGD
 from tiermem.optim.functional import adam_step, compile_disabled, compile_seconds, implementation, warm_up
-from tiermem.optim.formats import StateFormat, StatePart, state_format
+from tiermem.optim.formats import StateFormat, StatePart, state_format  # noqa: F401  (tiermem.optim.formats has their docs)
 from tiermem.optim.layout import state_bytes, state_layout
 from tiermem.optim.steps import (adagrad_step, adam8bit_step, dequantize_blockwise, lion_step, quantize_blockwise,
                                  sgd_step)
 
-__all__ = ["StateFormat", "StatePart", "state_format", "CPUAdafactor", "CPUAdagrad", "CPUAdam", "CPUAdam8bit", "CPULion", "CPUSGD", "StochasticRound",
+__all__ = ["CPUAdafactor", "CPUAdagrad", "CPUAdam", "CPUAdam8bit", "CPULion", "CPUSGD", "StochasticRound",
            "adafactor_step", "adagrad_step", "adam8bit_step", "adam_step", "compile_disabled", "compile_seconds",
            "dequantize_blockwise", "implementation", "lion_step", "quantize_blockwise", "sgd_step", "state_bytes",
            "state_layout", "warm_up"]

@@ -85,8 +85,8 @@ class Conversion:
             parts.append(f"{len(self.dequantize)} 8-bit moments dequantized to fp32")
         if self.master:
             parts.append(f"{len(self.master)} master weights converted between fp32 and bf16")
-        log.info("tiermem: %s has another optimizer state format than this model: %s (NOTE [Converting state "
-                 "formats])", what, ", ".join(parts))
+        log.info("tiermem: %s has another optimizer state format than this model: %s "
+                 "(NOTE [Converting state formats])", what, ", ".join(parts))
 
     def reader(self, read_into: ReadInto, held: Held) -> ReadInto:
         """``read_into`` for the model's names, converting where this conversion says."""
