@@ -228,7 +228,8 @@ def numbers(args: argparse.Namespace) -> dict:
 
 
 # -- 2. speed ---------------------------------------------------------------------------------------
-def fsdp2(cfg: GPTConfig, offload: bool):
+def fsdp2_parts(cfg: GPTConfig, offload: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The GPT under ``fully_shard`` (per block and at the root) and its torch AdamW."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
@@ -244,6 +245,11 @@ def fsdp2(cfg: GPTConfig, offload: bool):
         opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=BETAS, weight_decay=WD, fused=True)
     except (RuntimeError, TypeError, ValueError):
         opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=True)
+    return m, opt
+
+
+def fsdp2(cfg: GPTConfig, offload: bool):
+    m, opt = fsdp2_parts(cfg, offload)
 
     def step(x, y):
         loss = lm_loss(m(x), y)
