@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
 from bench.zero3 import CLIP, SETUPS, batches, fsdp2_parts, spawn, tiermem_model  # noqa: E402
 from examples.gpt import GPT, add_model_args, config_from_args, lm_loss  # noqa: E402
+from tiermem import Tier  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MiB = 2**20
@@ -85,16 +86,21 @@ class Sampler:
     def __init__(self, period: float = 0.001):
         self.phase, self.peaks, self.period = "start", {}, period
         self.at_peak: dict[str, dict[str, int]] = {}  # glibc's heap when the phase's maximum was read
+        self.live: dict[str, int] = {}  # the phase's most bytes in use: glibc's, and the host pool's (its own mappings)
+        self.host = None  # tiermem's host ledger, once a model is built
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            r = rss()
+            r, m = rss(), malloc_stats()
+            live = m.get("used", 0) + (self.host.used if self.host is not None else 0)
+            if live > self.live.get(self.phase, 0):
+                self.live[self.phase] = live
             if r > self.peaks.get(self.phase, 0):
                 self.peaks[self.phase] = r
-                self.at_peak[self.phase] = malloc_stats()
+                self.at_peak[self.phase] = m
             time.sleep(self.period)
 
     def enter(self, phase: str) -> None:
@@ -179,6 +185,7 @@ def account_rank(rank: int, world: int, name: str, args: argparse.Namespace, tmp
     sampler.enter("construction")
     step = Phases(name, cfg, args, nvme)
     tm = step.tm
+    sampler.host = tm.stores[Tier.HOST].ledger if tm is not None else None
     snaps["constructed"] = snapshot(sampler, tm)
     for i, b in enumerate(batches(args, rank, world, args.steps)):
         x, y = b[:, :-1], b[:, 1:]
@@ -195,20 +202,25 @@ def account_rank(rank: int, world: int, name: str, args: argparse.Namespace, tmp
     sampler.enter("end")
     sampler.stop()
     with open(os.path.join(tmp, f"account-{name}-{rank}.json"), "w") as f:
-        json.dump({"snaps": snaps, "peaks": sampler.peaks, "at_peak": sampler.at_peak}, f)
+        json.dump({"snaps": snaps, "peaks": sampler.peaks, "at_peak": sampler.at_peak, "live": sampler.live}, f)
 
 
 def show(name: str, data: dict) -> None:
     snaps, peaks = data["snaps"], data["peaks"]
     base = snaps["plain model built"]["maxrss"]
     print(f"\n### {name} (rank 0; MiB; growth from the peak once the plain model was built: {base / MiB:.1f})")
-    print("| phase | peak RSS in phase | malloc used, kept free at it | RSS at end | torch tensors | malloc used | "
-          "malloc kept free | ledger device | ledger host | ledger device peak | ledger host peak |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    live0 = snaps["plain model built"]["malloc"].get("used", 0)
+    print(f"(bytes in use: glibc's plus tiermem's host pool, beyond the {live0 / MiB:.1f} MiB glibc held once the "
+          f"plain model was built and dropped)")
+    print("| phase | peak RSS in phase | most bytes in use in phase | malloc used, kept free at the RSS peak | "
+          "RSS at end | torch tensors | malloc used | malloc kept free | ledger device | ledger host | "
+          "ledger device peak | ledger host peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for phase, s in snaps.items():
         lg, m, p = s["ledger"], s["malloc"], data["at_peak"].get(phase, {})
         dev, host = lg.get("DEVICE", {}), lg.get("HOST", {})
-        cells = [peaks.get(phase, s["rss"]) - base, f"{p.get('used', 0) / MiB:.1f}, {p.get('kept', 0) / MiB:.1f}",
+        cells = [peaks.get(phase, s["rss"]) - base, data["live"].get(phase, live0) - live0,
+                 f"{p.get('used', 0) / MiB:.1f}, {p.get('kept', 0) / MiB:.1f}",
                  s["rss"] - base, s["tensors"], m.get("used", 0), m.get("kept", 0),
                  dev.get("used", 0), host.get("used", 0), dev.get("peak", 0), host.get("peak", 0)]
         print(f"| {phase} | " + " | ".join(c if isinstance(c, str) else f"{c / MiB:.1f}" for c in cells) + " |")
