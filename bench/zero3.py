@@ -22,7 +22,9 @@ Three parts, each in fresh processes (the script spawns its gloo ranks, one intr
    over ``--steps`` after ``--warmup``.
 3. **Memory** (2 ranks): each of those setups alone in a fresh pair of processes, built from the
    same fp32 model and stepped ``--warmup + 2`` times; each rank's peak resident memory
-   (``ru_maxrss``) beyond what it held once the plain model was built.
+   (``ru_maxrss``) beyond what it held once the plain model was built; ``--memory-repeats`` fresh
+   pairs each, the median shown (glibc's heap makes identical runs differ by +-15 MiB); tiermem's
+   managed peaks per tier apart (on a CPU run the device tier is host memory too).
 
 Ratios come last. DeepSpeed is not installed here (it is no dependency of tiermem), so it is not run.
 """
@@ -79,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-size", default="4MiB", help="TieredModel bucket_size of the speed and memory parts")
     p.add_argument("--skip-numbers", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--memory-repeats", type=int, default=3,
+                   help="fresh pairs of processes per setup in the memory part (the median is shown: a peak "
+                        "resident set varies by +-15 MiB between identical runs, with glibc's heap)")
     return p.parse_args(argv)
 
 
@@ -228,7 +233,8 @@ def numbers(args: argparse.Namespace) -> dict:
 
 
 # -- 2. speed ---------------------------------------------------------------------------------------
-def fsdp2(cfg: GPTConfig, offload: bool):
+def fsdp2_parts(cfg: GPTConfig, offload: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The GPT under ``fully_shard`` (per block and at the root) and its torch AdamW."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
@@ -244,6 +250,11 @@ def fsdp2(cfg: GPTConfig, offload: bool):
         opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=BETAS, weight_decay=WD, fused=True)
     except (RuntimeError, TypeError, ValueError):
         opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=True)
+    return m, opt
+
+
+def fsdp2(cfg: GPTConfig, offload: bool):
+    m, opt = fsdp2_parts(cfg, offload)
 
     def step(x, y):
         loss = lm_loss(m(x), y)
@@ -316,7 +327,8 @@ def memory_rank(rank: int, world: int, name: str, args: argparse.Namespace, tmp:
         step(b[:, :-1], b[:, 1:])
     grew = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before], dtype=torch.float64)
     dist.all_reduce(grew, op=dist.ReduceOp.MAX)
-    managed = sum(tm.report().peak_bytes.values()) if tm is not None else 0
+    peaks = tm.report().peak_bytes if tm is not None else {}
+    managed = {t.value: peaks.get(t, 0) for t in (Tier.DEVICE, Tier.HOST)}  # as a GPU run sees them: apart
     if rank == 0:
         with open(os.path.join(tmp, f"memory-{name}.json"), "w") as f:
             json.dump({"grew": grew.item(), "managed": managed}, f)
@@ -329,11 +341,14 @@ def speed_and_memory(args: argparse.Namespace) -> tuple[dict, dict]:
         with open(os.path.join(tmp, "speed.json")) as f:
             speed = json.load(f)
         print(f"speed: {time.perf_counter() - t0:.0f} s", flush=True)
-        memory = {}
-        for name in ["FSDP2+CPUOffload", "FSDP2", *SETUPS]:
-            spawn(memory_rank, 2, name, args, tmp)
-            with open(os.path.join(tmp, f"memory-{name}.json")) as f:
-                memory[name] = json.load(f)
+        runs: dict[str, list[dict]] = {}
+        for _ in range(args.memory_repeats):  # round-robin, so load drifts alike over every setup
+            for name in ["FSDP2+CPUOffload", "FSDP2", *SETUPS]:
+                spawn(memory_rank, 2, name, args, tmp)
+                with open(os.path.join(tmp, f"memory-{name}.json")) as f:
+                    runs.setdefault(name, []).append(json.load(f))
+        memory = {name: {"grew": statistics.median(r["grew"] for r in rs), "managed": rs[0]["managed"],
+                         "all": [r["grew"] for r in rs]} for name, rs in runs.items()}
         return speed, memory
 
 
@@ -364,11 +379,15 @@ def main() -> int:
             print(f"| {world} | {setup} | {r['diff']:.2e} | {r['spread']:.2e} | {r['same_as_zero2']} | "
                   f"{r['bf16_identical']} | {r['home_ratio']:.3f} | {du_ratio} | {r['gathered_ratio']:.3f} |")
     if speed:
-        print(f"\n| setup | step (median of {args.steps}) | peak RSS growth per rank | tiermem's managed peak |")
-        print("|---|---|---|---|")
+        print(f"\n| setup | step (median of {args.steps}) | peak RSS growth per rank (median of "
+              f"{args.memory_repeats}) | (each run, MiB) | tiermem's managed peak: device / host tier |")
+        print("|---|---|---|---|---|")
         for name, t in speed.items():
             m = memory[name]
-            print(f"| {name} | {1e3 * t:.0f} ms | {mib(m['grew'])} | {mib(m['managed']) if m['managed'] else '-'} |")
+            each = ", ".join(f"{g / 2**20:.0f}" for g in m["all"])
+            managed = (f"{mib(m['managed']['device'])} / {mib(m['managed']['host'])}" if any(m["managed"].values())
+                       else "-")
+            print(f"| {name} | {1e3 * t:.0f} ms | {mib(m['grew'])} | {each} | {managed} |")
     print("\n== ratios ==")
     for (world, setup), r in nums.items():
         ok = "within" if r["diff"] <= max(r["spread"], 1e-7) else "OUTSIDE"

@@ -79,10 +79,17 @@ def test_weights_sharded_over_ranks_by_hand():
     """Under data parallelism a rank keeps its chunk of sharded weights (one host buffer per
     bucket), and the device room for gathered buckets: held ones (``gathered_at_once`` of the
     largest) plus two of the largest gathered ahead, never more than all of them; a chunk on NVMe
-    is read into a host buffer for its gather; Adam writes a chunk on its own tier in place."""
+    is read into a host buffer for its gather; Adam writes a chunk on its own tier in place. A
+    chunk beside its master is not kept but rounded from it for each gather (NOTE [A chunk
+    rounded from its master]), except under overlap_step."""
     host = [_bucket(10, H, H, param=H), _bucket(6, H, H, param=H, index=1)]
     need = fp.footprint(host, [], BF16, world=2, gathered_at_once=1)
-    assert need[H][fp.WORKING_WEIGHTS] == 2 * (5 + 3)  # half of each bucket, in bf16
+    assert fp.WORKING_WEIGHTS not in need[H]  # rounded from the masters
+    assert need[H][fp.UPDATE_SCRATCH] == 2 * 5  # the largest chunk, in bf16
+    assert need[H][fp.GATHER_ROUNDED] == 2 * (2 * 5)  # both buckets in flight at most (1 held + 2 ahead)
+    kept = fp.footprint(host, [], BF16, world=2, gathered_at_once=1, overlap=True)
+    assert kept[H][fp.WORKING_WEIGHTS] == 2 * (5 + 3)  # half of each bucket, in bf16
+    assert fp.GATHER_ROUNDED not in kept[H] and fp.UPDATE_SCRATCH not in kept[H]
     assert fp.WEIGHT_STAGING not in need[H]  # in place
     assert need[D][fp.GATHERED] == min(2 * 16, 1 * 20 + 2 * 20)  # capped by all the buckets gathered
     many = [_bucket(10, H, H, param=H, index=i) for i in range(8)]

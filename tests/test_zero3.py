@@ -21,7 +21,7 @@ from test_data_parallel import STEPS, _batch, _max_diff, _torch_spread
 from tiermem import AdamW, Budgets, OutOfTierMemory, PerClass, TensorClass, TieredModel, Tier, TierMemError
 from tiermem.plan import footprint as fp
 from tiermem.plan.placement import plan as plan_placement
-from tiermem.policies import ZeroInfinity, ZeroOffload
+from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
 
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
 
@@ -129,15 +129,24 @@ def _construction_need(tm: TieredModel) -> dict:
     need = fp.model_footprint(tm.module, buckets, homes, tm.dtype, world=tm.group.world,
                               shard_weights=tm.gathered is not None and any(
                                   b.param_tier == D for b in tm.gathered.full.values()))
-    step_only = {fp.GRADS_IN_FLIGHT, fp.LARGEST_MODULE, fp.GRADS_TO_REDUCE, fp.GATHERED, fp.GATHER_STAGING}
+    step_only = {fp.GRADS_IN_FLIGHT, fp.LARGEST_MODULE, fp.GRADS_TO_REDUCE, fp.GATHERED, fp.GATHER_STAGING,
+                 fp.GATHER_ROUNDED}
     built = {t: sum(n for what, n in need.get(t, {}).items() if what not in step_only) for t in (D, H)}
     whole_bucket = need[H][fp.WHOLE_BUCKET]  # three parts; building takes the master's alone, a checkpoint all
     built[H] -= whole_bucket + 3 * (fp.host_buffer_bytes(whole_bucket // 3) - whole_bucket // 3)
-    built[H] += fp.host_buffer_bytes(whole_bucket // 3)
+    # the master's buffer goes back to the system before the step's staging buffers are taken
+    staging = need[H].get(fp.WEIGHT_STAGING, 0)
+    staging_pages = staging and 2 * fp.host_buffer_bytes(staging // 2)  # two buffers, when any
+    built[H] += max(fp.host_buffer_bytes(whole_bucket // 3), staging_pages) - staging_pages
     staged = max((-(-b.numel // 2) * tm.dtype.itemsize for b in buckets if b.param_tier == N), default=0)
     if staged:  # the page rounding of the step's staging buffers is no part of what building takes
         built[H] -= need[H][fp.GATHER_STAGING] // staged * (fp.host_buffer_bytes(staged) - staged)
-    return {"built": built, "gathered": need[D].get(fp.GATHERED, 0)}
+    scratch = need[H].get(fp.UPDATE_SCRATCH, 0)  # the largest chunk: what each gather's rounded chunk takes too
+    rounded = 0
+    if scratch:
+        built[H] -= need[H][fp.GATHER_ROUNDED] // scratch * (fp.host_buffer_bytes(scratch) - scratch)
+        rounded = (1 + need[H][fp.GATHER_ROUNDED] // scratch) * fp.host_buffer_bytes(scratch)
+    return {"built": built, "gathered": need[D].get(fp.GATHERED, 0), "rounded": rounded}
 
 
 def _rank_variants(rank, world, tmp):
@@ -173,6 +182,14 @@ def _rank_variants(rank, world, tmp):
                        bucket_size=3000, nvme_dir=_dir(tmp, "grads"))
     _train(nvme, rank, world, range(STEPS))
     out["grads on nvme"] = nvme.state_dict()
+    for shard in (False, True):  # state and weights on the device: a sharded chunk rounded from the device's master
+        torch.manual_seed(0)
+        tm = TieredModel(TinyGPT(), KeepOnDevice(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="bf16",
+                         bucket_size=3000, shard_weights=shard)
+        _train(tm, rank, world, range(STEPS))
+        kinds = sorted({type(h).__name__ for h in tm.gathered.shards.values()}) if shard else []
+        kept = [k for k in tm.stores[D].keys() if k.endswith(":param shard")]
+        out[f"on device shard_weights={shard}"] = (tm.state_dict(), kinds, kept)
     return out
 
 
@@ -277,7 +294,9 @@ def test_bf16_ranks_stay_identical(z3, setup):
 @pytest.mark.parametrize("setup", SETUPS)
 def test_each_rank_keeps_half_the_weights_at_home(z3, setup, tmp_path):
     """Per rank, the ledger of the weights' home peaks at half the weights' bytes (plus, on the
-    host, each chunk's buffer rounded to whole pages), where one process holds them all; the
+    host, each chunk's buffer rounded to whole pages), where one process holds them all; on the
+    host beside the masters, no chunk is kept at all, only those rounded from the masters for the
+    gathers in flight and the update's scratch (NOTE [A chunk rounded from its master]); the
     device holds gathered buckets within what the footprint allows."""
     home = SETUPS[setup][3]
     tm = _make(setup, str(tmp_path))  # in one process, every weight whole at its home
@@ -289,6 +308,10 @@ def test_each_rank_keeps_half_the_weights_at_home(z3, setup, tmp_path):
         mine, gathered = r[setup], r[setup]["need"]["gathered"]
         if home == D:  # the chunks and the gathered buckets share the device
             assert whole / 2 < mine["device_peak"] <= whole / 2 + 4 * buckets + gathered
+        elif home == H:  # below what the chunks kept in their page-rounded buffers took
+            kept = sum(fp.host_buffer_bytes(-(-b.numel // 2) * 4) for b in tm.layout.buckets)
+            assert 0 < mine["home_peak"] <= r[setup]["need"]["rounded"] < kept, (mine["home_peak"], kept)
+            assert 0 < mine["device_peak"] <= gathered
         else:
             largest = max(-(-b.numel // 2) for b in tm.layout.buckets) * 4
             # a page per chunk's buffer; on NVMe, the padding and two chunks written beside their value
@@ -326,6 +349,18 @@ def test_overlap_step_trains_like_one_process_with_overlap_step(z3):
     solo = _solo(grad_clip=1.0, overlap_step=True)
     assert _max_diff(a, solo.state_dict()) <= max(_torch_spread(), 1e-7)
     assert _max_diff(a, _solo(grad_clip=1.0).state_dict()) > 1e-4  # a delayed update is not the plain one
+
+
+def test_sharded_weights_beside_a_device_master_are_rounded_from_it(z3):
+    """KeepOnDevice with shard_weights: no chunk of weights is kept on the device (each gather
+    rounds the device's master), and bf16 training is bit for bit that of replicated weights."""
+    for r in z3[3]:
+        replicated, _, _ = r["variants"]["on device shard_weights=False"]
+        sharded, kinds, kept = r["variants"]["on device shard_weights=True"]
+        assert kinds == ["MasterShards"] and kept == []
+        assert all(torch.equal(replicated[k], sharded[k]) for k in replicated)
+    torch.manual_seed(0)
+    assert _max_diff(sharded, TinyGPT().state_dict()) > 1e-3  # it trained
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

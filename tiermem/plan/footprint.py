@@ -51,7 +51,10 @@ model as a whole:
   they are read: at most ``gathered_at_once`` of the largest (held by running modules and one op, a
   bound :func:`gathers_held` computes from the module tree) plus :func:`gather_ahead` bytes
   gathered ahead of use or kept after it; a gather of a chunk on NVMe reads it into a host buffer
-  first, held until the gather is done (as many as gathered buckets can be in flight);
+  first, held until the gather is done (as many as gathered buckets can be in flight); a chunk
+  whose master shares its memory tier is not kept but rounded from the master into such a buffer
+  for each gather (:func:`~tiermem.plan.placement.weights_from_master`), besides one scratch
+  buffer of the largest chunk that the update writes and no gather reads;
 - page rounding: the host pool hands out every buffer in whole pages (``round_up(max(n, 1))``
   bytes of 4 KiB pages, :func:`tiermem.memory.aligned.round_up`), and its budget counts what it
   hands out, so each buffer the layout takes on the host adds less than a page (an empty one, a
@@ -82,8 +85,9 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
-from tiermem.plan.buckets import Bucket
-from tiermem.plan.placement import compute_tier, split_weights, weights_sharded, writes_weights_in_place
+from tiermem.plan.buckets import STATE_PARTS, Bucket
+from tiermem.plan.placement import (compute_tier, split_weights, weights_from_master, weights_sharded,
+                                    writes_weights_in_place)
 from tiermem.types import Tier
 
 #: Bytes per tier, by purpose: ``{tier: {purpose: bytes}}``; a tier is present only when
@@ -119,6 +123,8 @@ PAGE_ROUNDING = "host buffers rounded up to whole pages"
 NVME_STAGING = f"staging between NVMe and the device (up to {NVME_THREADS} weights)"
 GATHERED = "sharded weights gathered on the device (held, and gathered ahead)"
 GATHER_STAGING = "sharded weights' chunks read from NVMe for their gathers"
+GATHER_ROUNDED = "sharded weights' chunks rounded from their masters for their gathers"
+UPDATE_SCRATCH = "the update's new weights of chunks rounded from their masters (scratch)"
 
 #: Buckets' bytes gathered ahead of use, or kept after it, besides the held ones: this many of
 #: the largest sharded bucket (NOTE [A gather schedule every rank takes alike]).
@@ -184,11 +190,13 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
 
     w = dtype.itemsize
     sharded = {b.index for b in buckets if weights_sharded(b, world, shard_weights)}
+    rounded = [b for b in buckets if weights_from_master(b, b.index in sharded, overlap)]
+    kept = sharded - {b.index for b in rounded}  # rounded: no chunk kept (NOTE [A chunk rounded from its master])
     for b in buckets:
         ct, n = compute_tier(b), chunk(b)
-        if b.index in sharded:  # this rank's chunk, one buffer
+        if b.index in kept:  # this rank's chunk, one buffer
             add(b.param_tier, WORKING_WEIGHTS, n * w, buffers=[n * w] if b.param_tier == Tier.HOST else ())
-        else:
+        elif b.index not in sharded:
             add(b.param_tier, WORKING_WEIGHTS, b.numel * w, buffers=[s.numel * w for s in b.slots]
                 if b.param_tier != Tier.DEVICE else ())  # off the device: one buffer per parameter
         add(b.grad_tier, GRADS, **each(n * _FP32))
@@ -232,6 +240,12 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
         on_disk = [chunk(b) * w for b in buckets if b.index in sharded and b.param_tier == Tier.NVME]
         if on_disk:
             add(Tier.HOST, GATHER_STAGING, **each(max(on_disk), min(len(on_disk), gathered_at_once + GATHER_AHEAD)))
+        for tier in dict.fromkeys(b.param_tier for b in rounded):
+            largest = max(chunk(b) * w for b in rounded if b.param_tier == tier)
+            count = min(sum(b.param_tier == tier for b in rounded), gathered_at_once + GATHER_AHEAD)
+            host = tier == Tier.HOST
+            add(tier, UPDATE_SCRATCH, largest, buffers=[largest] if host else ())
+            add(tier, GATHER_ROUNDED, count * largest, buffers=[largest] * count if host else ())
     on_nvme = [s.numel * w for b in buckets if b.param_tier == Tier.NVME and b.index not in sharded for s in b.slots]
     for p, home in frozen:
         size = p.numel() * (w if p.is_floating_point() else p.element_size())

@@ -96,6 +96,15 @@ def writes_weights_in_place(b: Bucket, sharded: bool) -> bool:
     return (ct == Tier.DEVICE and b.param_tier == Tier.DEVICE) or (sharded and b.param_tier == ct)
 
 
+def weights_from_master(b: Bucket, sharded: bool, overlap: bool) -> bool:
+    """Whether a rank's chunk of ``b``'s working weights is never stored but rounded from its
+    master for each gather (NOTE [A chunk rounded from its master] in
+    tiermem/train/weight_shards.py): sharded weights whose home is the memory tier where their
+    optimizer state lives and the update runs, without overlap_step (whose update rewrites the
+    master while the next forward gathers the old weights)."""
+    return sharded and not overlap and b.param_tier == b.state_tier == compute_tier(b) != Tier.NVME
+
+
 def check_combination(name: str, param_tier: Tier, grad_tier: Tier, state_tiers: set[Tier], overlap: bool) -> Tier:
     """The rules a parameter's placements must follow in this version; returns its state tier."""
     if len(state_tiers) != 1:

@@ -53,10 +53,11 @@ from tiermem.errors import TierMemError
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.plan.footprint import gather_ahead
+from tiermem.plan.placement import weights_from_master
 from tiermem.train.homes import Runs, WeightHome
 from tiermem.train.hooks import HookSet, eager
 from tiermem.train.offdevice import Link, SwappedParams
-from tiermem.train.weight_shards import Gatherer, MemoryShards, NvmeShards, ShardHome
+from tiermem.train.weight_shards import Gatherer, MasterShards, MemoryShards, NvmeShards, ShardHome
 from tiermem.transfer.collectives import Group, Pending
 from tiermem.transfer.gather_schedule import GatherSchedule
 from tiermem.transfer.service import CopyService
@@ -354,16 +355,19 @@ class GatheredWeights(WeightHome):
 
 
 def build_gathered(module: torch.nn.Module, buckets: Sequence[Bucket], stores: dict, engine: CopyService,
-                   group: Group, dtype: torch.dtype, device: torch.device, hooks: HookSet, *, prefetch: bool = True
-                   ) -> GatheredWeights:
+                   group: Group, dtype: torch.dtype, device: torch.device, hooks: HookSet, *, prefetch: bool = True,
+                   overlap: bool = False) -> GatheredWeights:
     """The home of the sharded ``buckets`` (whole ones), its chunks on each bucket's PARAM tier:
-    the one place that maps that tier to the class that keeps the chunks there. Collective (it
+    the one place that maps that tier to the class that keeps the chunks there (none kept where
+    the master beside them gives them: NOTE [A chunk rounded from its master]). Collective (it
     makes the gathers' process group): every rank builds it, in the same order."""
     sizes = {b.index: group.chunk(b.numel).size for b in buckets}
     shards: dict[int, ShardHome] = {}
-    for tier in dict.fromkeys(b.param_tier for b in buckets):
-        mine = [b for b in buckets if b.param_tier == tier]
+    kinds = {b.index: (b.param_tier, weights_from_master(b, True, overlap)) for b in buckets}
+    for tier, derived in dict.fromkeys(kinds.values()):
+        mine = [b for b in buckets if kinds[b.index] == (tier, derived)]
         home: ShardHome = (NvmeShards(engine, sizes, dtype) if tier == Tier.NVME else
+                           MasterShards(stores[tier], mine, sizes, dtype) if derived else
                            MemoryShards(stores[tier], engine, mine, sizes, dtype))
         shards.update({b.index: home for b in mine})
     ahead = gather_ahead([group.chunk(b.numel).padded * dtype.itemsize for b in buckets])

@@ -163,6 +163,8 @@ def build(module: torch.nn.Module, buckets: list[Bucket], step_buckets: list[Buc
         homes.weights[b.index].initialize(b, master)
     for home in homes.state_homes():
         home.release_views()
+    if step_buckets is not buckets:  # under data parallelism, the whole buckets' masters only building used
+        stores[Tier.HOST].trim()  # go back to the system, not to the pool's cache (the step takes chunks)
     frozen = _place_frozen(module, stores, dtype, device, weights_off_device)
     return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, KeptBuffers(module, dtype, device))
 

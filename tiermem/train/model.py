@@ -186,7 +186,8 @@ class TieredModel:
             self.param_offload = (self._offload_weights(offloaded, weights_cache)
                                   if weights_cache is not None else None)
             self.gathered = (build_gathered(module, sharded, self.stores, self.engine, self.group, self.dtype,
-                                            self.device, self.hooks, prefetch=opts.prefetch)
+                                            self.device, self.hooks, prefetch=opts.prefetch,
+                                            overlap=opts.overlap)
                              if sharded else None)  # NOTE [Weights sharded over the ranks]
             # NOTE [Parameters off the device]: a compiled forward reading such weights runs eagerly
             compiled_off_device = bool(param_homes or sharded) and _is_compiled(module)

@@ -88,8 +88,10 @@ class ShardedGrads(GradHome):
     def _issue(self, index: int) -> None:
         b = self.full[index]
         full = self.landing(b, self._fill)  # a bucket no grad reached on this rank contributes zeros
-        out = self.store.allocate(f"{b.key}:grad chunk", (self.group.chunk(b.numel).size,), torch.float32,
-                                  TensorClass.GRAD)
+        c = self.group.chunk(b.numel)
+        # in place: this rank's chunk of the bucket receives the mean (NCCL and gloo reduce-scatter so
+        # when the output is the input's own chunk), so no second device buffer per bucket in flight
+        out = full[c.start:c.start + c.size]
         self._pending.append((self.group.reduce_scatter_mean_async(out, full), index, out, self._fill))
         self._issued.add(index)
         while len(self._pending) > self.IN_FLIGHT:  # the device holds a few buckets of fp32 grads, not all
@@ -106,7 +108,6 @@ class ShardedGrads(GradHome):
                                kind=TensorClass.GRAD).wait()
         self.inner.complete(sb)  # grads on NVMe: written there now, not kept on the host
         self._have.add(index)
-        self.store.delete(f"{sb.key}:grad chunk")
         self.store.delete(f"{sb.key}:grad landing")
         self._landing.pop(index, None)
 

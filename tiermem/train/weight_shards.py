@@ -4,8 +4,9 @@ whole buckets from every rank's chunk (NOTE [Weights sharded over the ranks] in
 
 - :class:`ShardHome`: where this rank's chunks rest, one interface whatever the tier:
   :class:`MemoryShards` (one buffer per bucket in the device's or the host's store; Adam running
-  on that tier writes the new weights into it directly) and :class:`NvmeShards` (one NVMe key per
-  bucket, read into a pooled host buffer for each gather).
+  on that tier writes the new weights into it directly), :class:`MasterShards` (no buffer: each
+  gather rounds the chunk from the fp32 master beside it, NOTE [A chunk rounded from its master])
+  and :class:`NvmeShards` (one NVMe key per bucket, read into a pooled host buffer for each gather).
 - :class:`Gatherer`: the protocol on the gathers' own process group. Every collective there is
   announced by a small header (what it is, which bucket, its size) that every rank checks against
   the others' before any data moves: ranks about to pair different buckets (a forward that read
@@ -15,6 +16,7 @@ whole buckets from every rank's chunk (NOTE [Weights sharded over the ranks] in
 from __future__ import annotations
 
 import hashlib
+import itertools
 from abc import ABC, abstractmethod
 from typing import Callable, Optional, Sequence
 
@@ -22,7 +24,7 @@ import torch
 
 from tiermem.errors import TierMemError
 from tiermem.handles import Handle
-from tiermem.plan.buckets import Bucket
+from tiermem.plan.buckets import STATE_PARTS, Bucket
 from tiermem.transfer.collectives import Group, Pending
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
@@ -76,6 +78,47 @@ class MemoryShards(ShardHome):
 
     def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
         return self._chunk[b.index] if compute_tier == self.tier else None
+
+
+# NOTE [A chunk rounded from its master]
+# A rank's chunk of a bucket's working weights is, at every moment a gather can read it, its fp32
+# master chunk (same rank, same chunk of the same bucket: ShardedState's) rounded to the working
+# precision: the update writes ``out = master.to(out.dtype)`` for the whole chunk (Stepper._adam
+# fills the parameters it skips from the master too), a failed step sends the masters again,
+# a checkpoint loads the master and the weights from the same values, and ``tm.resident`` writes
+# become the master (ModelState.take_weights) before the next gather (the block's buckets stay
+# gathered while they are written). Frozen parameters have no chunk here (they are in no bucket).
+# So when the chunk's home is the memory tier that holds the master (weights and optimizer state
+# on the host; on the device with shard_weights) the chunk is not stored at all: each gather casts
+# the master chunk into a buffer that lives until the gather has sent it, bit for bit what the
+# stored chunk held, and the rank keeps 4 bytes of fp32 master per parameter instead of 4 + 2.
+# Not under overlap_step (the update rewrites the master while the next forward gathers), and
+# not on NVMe (a gather would read the master's 4 bytes per parameter instead of the chunk's 2):
+# tiermem.plan.placement.weights_from_master. Adam still writes its new weights into a scratch
+# buffer no gather reads (the update's kernels always write them).
+class MasterShards(ShardHome):
+    """Chunks never stored: rounded from the master in ``store`` (this tier's optimizer state) for
+    each gather, into a buffer as large as the largest chunk (so the store's pool reuses one size)."""
+
+    def __init__(self, store, buckets: Sequence[Bucket], sizes: dict[int, int], dtype: torch.dtype):
+        self.tier, self.store, self.sizes, self.dtype = store.tier, store, sizes, dtype
+        self._largest = max(sizes[b.index] for b in buckets)
+        self._scratch = store.allocate("<weights no gather reads>", (self._largest,), dtype, TensorClass.PARAM)
+        self._reads = itertools.count()
+
+    def write(self, b: Bucket, src: torch.Tensor, src_tier: Tier) -> list[Handle]:
+        return []  # the master has the values already (NOTE [A chunk rounded from its master])
+
+    def read(self, b: Bucket) -> tuple[torch.Tensor, Callable[[], None]]:
+        n = self.sizes[b.index]
+        master = self.store.get(f"{b.key}:{STATE_PARTS[0]}")[:n]  # ShardedState's chunk of the master
+        key = f"<gather {b.key} #{next(self._reads)}>"
+        buf = self.store.allocate(key, (self._largest,), self.dtype, TensorClass.PARAM)[:n]
+        buf.copy_(master)  # rounded to nearest, as the update's `out` is
+        return buf, lambda: self.store.delete(key)
+
+    def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
+        return self._scratch[:self.sizes[b.index]] if compute_tier == self.tier else None
 
 
 class NvmeShards(ShardHome):
