@@ -26,7 +26,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt and bench.zero3
 

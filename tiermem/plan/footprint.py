@@ -85,7 +85,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
-from tiermem.plan.buckets import STATE_PARTS, Bucket
+from tiermem.plan.buckets import Bucket
 from tiermem.plan.placement import (compute_tier, split_weights, weights_from_master, weights_sharded,
                                     writes_weights_in_place)
 from tiermem.types import Tier
@@ -253,8 +253,8 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
         add(Tier.HOST, FROZEN_COPY, **each(p.numel() * p.element_size()))
         on_nvme += [size] if home == Tier.NVME else []
     if nvme_staging and on_nvme:
-        largest = sorted(on_nvme, reverse=True)[:NVME_THREADS]  # one per NVMe lane thread, the largest
-        add(Tier.HOST, NVME_STAGING, sum(largest), buffers=largest)
+        lane_buffers = sorted(on_nvme, reverse=True)[:NVME_THREADS]  # one per NVMe lane thread, the largest
+        add(Tier.HOST, NVME_STAGING, sum(lane_buffers), buffers=lane_buffers)
     add(Tier.DEVICE, GRADS_IN_FLIGHT, max((s.numel for b in buckets for s in b.slots), default=0) * w)
     if largest_module:
         add(Tier.DEVICE, LARGEST_MODULE, largest_module)
