@@ -12,8 +12,12 @@ def run_again(script: str, argv: list[str], what: str, *, keep_stderr: bool = Fa
     """``script`` (a bench script's ``__file__``) run again with ``argv`` in a fresh process; its last
     output line is the JSON result. Its stderr goes to ours, or with ``keep_stderr`` is held and its
     tail shown if the run fails."""
-    res = subprocess.run([sys.executable, str(Path(script).resolve()), *argv], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE if keep_stderr else None, text=True)
+    res = subprocess.run(
+        [sys.executable, str(Path(script).resolve()), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if keep_stderr else None,
+        text=True,
+    )
     lines = res.stdout.strip().splitlines()
     if res.returncode != 0 or not lines:
         tail = f":\n{res.stderr[-2000:]}" if keep_stderr else ""

@@ -17,6 +17,7 @@ equal bit for bit. On a machine without an accelerator the device tier is the CP
 the copies compete with compute for the same cores, so the times measure the bookkeeping and the
 copies, not overlap with a GPU. Ratios come last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,9 @@ def parse_args() -> argparse.Namespace:
 
 def make(cfg: GPTConfig, policy, nvme_dir: str) -> TieredModel:
     torch.manual_seed(0)  # the same initial weights for every variant
-    return TieredModel(GPT(cfg), policy, optimizer=AdamW(lr=3e-4, weight_decay=0.1), precision="bf16",
-                       grad_clip=1.0, nvme_dir=nvme_dir)
+    return TieredModel(
+        GPT(cfg), policy, optimizer=AdamW(lr=3e-4, weight_decay=0.1), precision="bf16", grad_clip=1.0, nvme_dir=nvme_dir
+    )
 
 
 def main() -> int:
@@ -62,18 +64,21 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as nvme_dir:
         variants = {
             "zero-offload": make(cfg, ZeroOffload(), nvme_dir),
-            "act-host": make(cfg, ActivationOffload(ZeroOffload(), tier=Tier.HOST, min_bytes=args.min_bytes),
-                             nvme_dir),
-            "act-nvme": make(cfg, ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=args.min_bytes),
-                             nvme_dir),
+            "act-host": make(cfg, ActivationOffload(ZeroOffload(), tier=Tier.HOST, min_bytes=args.min_bytes), nvme_dir),
+            "act-nvme": make(cfg, ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=args.min_bytes), nvme_dir),
         }
         n_params = variants["zero-offload"].layout.n_params
-        print(f"GPT {args.preset}: {cfg.n_layer} layers x {cfg.n_embd} wide, {n_params / 1e6:.2f}M parameters; "
-              f"batch {args.batch_size} x {args.seq_len}; min_bytes {args.min_bytes}; "
-              f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}", flush=True)
+        print(
+            f"GPT {args.preset}: {cfg.n_layer} layers x {cfg.n_embd} wide, {n_params / 1e6:.2f}M parameters; "
+            f"batch {args.batch_size} x {args.seq_len}; min_bytes {args.min_bytes}; "
+            f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}",
+            flush=True,
+        )
         gen = torch.Generator().manual_seed(0)
-        batches = [torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
-                   for _ in range(args.warmup + args.steps)]
+        batches = [
+            torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
+            for _ in range(args.warmup + args.steps)
+        ]
         times: dict[str, list[float]] = {name: [] for name in variants}
         losses: dict[str, list[float]] = {name: [] for name in variants}
         for i, b in enumerate(batches):
@@ -88,14 +93,15 @@ def main() -> int:
         steps = len(batches)
         med = {name: statistics.median(t) for name, t in times.items()}
         peak = {}
-        print(f"\n{'variant':<14}{'step (median)':>15}{'device act. peak':>18}{'offloaded/step':>16}"
-              f"{'stall/step':>12}")
+        print(f"\n{'variant':<14}{'step (median)':>15}{'device act. peak':>18}{'offloaded/step':>16}{'stall/step':>12}")
         for name, tm in variants.items():
             rep = tm.report()
             peak[name] = rep.class_peak_bytes.get((ACT, Tier.DEVICE), 0)
             moved = sum(tm.activations.stats.offloaded_bytes.values()) / steps
-            print(f"{name:<14}{med[name] * 1e3:>12.1f} ms{fmt_bytes(peak[name]):>18}{fmt_bytes(moved):>16}"
-                  f"{rep.stall_seconds_per_tier.get(Tier.DEVICE, 0.0) / steps * 1e3:>9.1f} ms")
+            print(
+                f"{name:<14}{med[name] * 1e3:>12.1f} ms{fmt_bytes(peak[name]):>18}{fmt_bytes(moved):>16}"
+                f"{rep.stall_seconds_per_tier.get(Tier.DEVICE, 0.0) / steps * 1e3:>9.1f} ms"
+            )
         same = losses["zero-offload"] == losses["act-host"] == losses["act-nvme"]
         print(f"losses equal bit for bit across the three: {'yes' if same else 'NO'}")
         print("\n== ratios ==")

@@ -35,6 +35,7 @@ forward+backward, measured earlier: on a shared machine the load can change in b
 ``tm.report()`` gives it after each run (fed that run's own forward+backward), against the median of
 that run. Ratios last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,8 +94,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build(cfg, policy, device, bucket, budgets=None, nvme_dir=None) -> TieredModel:
     torch.manual_seed(0)
-    return TieredModel(GPT(cfg), policy, optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD), precision="bf16",
-                       grad_clip=CLIP, device=device, budgets=budgets, nvme_dir=nvme_dir, bucket_size=bucket)
+    return TieredModel(
+        GPT(cfg),
+        policy,
+        optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+        precision="bf16",
+        grad_clip=CLIP,
+        device=device,
+        budgets=budgets,
+        nvme_dir=nvme_dir,
+        bucket_size=bucket,
+    )
 
 
 def iteration(tm: TieredModel, x, y, device) -> tuple[float, float]:
@@ -143,11 +153,12 @@ def run_one(args, cfg, device, batches) -> dict:
     warm_up_process(device, args.bucket_size)
     if args.one == "base":
         tm = build(cfg, ZeroOffload(), device, args.bucket_size)
-        fb = [iteration(tm, b[:, :-1], b[:, 1:], device)[0] for b in batches][args.warmup:]
+        fb = [iteration(tm, b[:, :-1], b[:, 1:], device)[0] for b in batches][args.warmup :]
         rep = tm.report()
         dev0, host0 = rep.peak_bytes[Tier.DEVICE], rep.peak_bytes.get(Tier.HOST, 0)
-        act = dev0 - sum(v for (c, t), v in rep.class_peak_bytes.items()
-                         if t == Tier.DEVICE and c.value != "activation")
+        act = dev0 - sum(
+            v for (c, t), v in rep.class_peak_bytes.items() if t == Tier.DEVICE and c.value != "activation"
+        )
         out = dict(forward_backward=statistics.median(fb), dev0=dev0, host0=host0, act=act, n=tm.layout.n_params)
         tm.detach()
         return out
@@ -178,10 +189,13 @@ def run_one(args, cfg, device, batches) -> dict:
         if args.one == "Auto":
             chosen = tm.placement.chosen
             stages = tm.report().stages  # fed this run's own forward+backward
-            out.update(label=chosen.label, predicted=chosen.evaluation.seconds,
-                       predicted_stages=chosen.evaluation.stages,
-                       report={k: list(v) for k, v in stages.items()},
-                       predicted_fed=sum(p for p, _ in stages.values()) if stages else float("nan"))
+            out.update(
+                label=chosen.label,
+                predicted=chosen.evaluation.seconds,
+                predicted_stages=chosen.evaluation.stages,
+                report={k: list(v) for k, v in stages.items()},
+                predicted_fed=sum(p for p, _ in stages.values()) if stages else float("nan"),
+            )
         tm.detach()
         return out
     finally:
@@ -201,19 +215,24 @@ def main() -> int:
     cfg = config_from_args(args)
     if args.one is not None:
         gen = torch.Generator().manual_seed(0)
-        batches = [torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
-                   for _ in range(args.warmup + args.steps)]
+        batches = [
+            torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
+            for _ in range(args.warmup + args.steps)
+        ]
         print(json.dumps(run_one(args, cfg, device, batches)), flush=True)
         return 0
 
     argv = sys.argv[1:]
     t_start = time.perf_counter()
     base = spawn(argv, "base")  # what every placement shares, measured once under ZeroOffload
-    print(f"GPT {cfg.n_layer} x {cfg.n_embd}, {base['n'] / 1e6:.1f}M parameters, batch {args.batch_size} x "
-          f"{args.seq_len}, device {device}, one process per run, {args.rounds} rounds of {args.steps} timed "
-          f"iterations; ZeroOffload: forward+backward {base['forward_backward'] * 1e3:.0f} ms, device peak "
-          f"{fmt_bytes(base['dev0'])} (activations {fmt_bytes(base['act'])}), host peak {fmt_bytes(base['host0'])}; "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"GPT {cfg.n_layer} x {cfg.n_embd}, {base['n'] / 1e6:.1f}M parameters, batch {args.batch_size} x "
+        f"{args.seq_len}, device {device}, one process per run, {args.rounds} rounds of {args.steps} timed "
+        f"iterations; ZeroOffload: forward+backward {base['forward_backward'] * 1e3:.0f} ms, device peak "
+        f"{fmt_bytes(base['dev0'])} (activations {fmt_bytes(base['act'])}), host peak {fmt_bytes(base['host0'])}; "
+        f"load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     names = {s: ["Auto", *(builtins() if args.all_builtins else BUILTINS[s])] for s in SETTINGS}
     times: dict[str, dict[str, list[float]]] = {s: {k: [] for k in names[s]} for s in SETTINGS}
     autos: dict[str, list[dict]] = {s: [] for s in SETTINGS}
@@ -231,8 +250,12 @@ def main() -> int:
                 times[setting][name] += out["times"]
                 if name == "Auto":
                     autos[setting].append(out)
-                print(f"  round {r + 1} [{setting}] {name}: " + " ".join(f"{t * 1e3:.0f}" for t in out["times"])
-                      + f" ms; load average {os.getloadavg()[0]:.2f}", flush=True)
+                print(
+                    f"  round {r + 1} [{setting}] {name}: "
+                    + " ".join(f"{t * 1e3:.0f}" for t in out["times"])
+                    + f" ms; load average {os.getloadavg()[0]:.2f}",
+                    flush=True,
+                )
 
     rows = []
     for setting in SETTINGS:
@@ -244,27 +267,48 @@ def main() -> int:
         fed = statistics.median(x["predicted_fed"] for x in autos[setting])
         best_name = min((k for k in med if k != "Auto"), key=med.get, default=None)
         print(f"\n[{setting}] Auto chose: {a['label']}")
-        print(f"  predicted {a['predicted'] * 1e3:.0f} ms ("
-              + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in a["predicted_stages"].items()) + ")")
+        print(
+            f"  predicted {a['predicted'] * 1e3:.0f} ms ("
+            + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in a["predicted_stages"].items())
+            + ")"
+        )
         for i, x in enumerate(autos[setting]):
-            print(f"  report(), run {i + 1}: " + ", ".join(f"{k} {p * 1e3:.0f} predicted / {m * 1e3:.0f} measured"
-                                                       for k, (p, m) in x["report"].items()))
+            print(
+                f"  report(), run {i + 1}: "
+                + ", ".join(
+                    f"{k} {p * 1e3:.0f} predicted / {m * 1e3:.0f} measured" for k, (p, m) in x["report"].items()
+                )
+            )
         for k in sorted(med, key=med.get):
-            print(f"  {k:<34} {med[k] * 1e3:8.0f} ms  (iterations: "
-                  + " ".join(f"{t * 1e3:.0f}" for t in times[setting][k]) + ")")
-        rows.append((setting, a["predicted"] / med["Auto"], fed / med["Auto"],
-                     med["Auto"] / med[best_name] if best_name else None, best_name))
+            print(
+                f"  {k:<34} {med[k] * 1e3:8.0f} ms  (iterations: "
+                + " ".join(f"{t * 1e3:.0f}" for t in times[setting][k])
+                + ")"
+            )
+        rows.append(
+            (
+                setting,
+                a["predicted"] / med["Auto"],
+                fed / med["Auto"],
+                med["Auto"] / med[best_name] if best_name else None,
+                best_name,
+            )
+        )
     print(f"\n({time.perf_counter() - t_start:.0f} s in all; load average at the end {os.getloadavg()[0]:.2f})")
 
     print("\n== ratios ==")
     for setting, pred, fed, vs_best, best_name in rows:
-        print(f"{setting:<13} Auto predicted at construction / measured step: {pred:5.2f}x (its forward+backward "
-              f"from the ZeroOffload run before)")
+        print(
+            f"{setting:<13} Auto predicted at construction / measured step: {pred:5.2f}x (its forward+backward "
+            f"from the ZeroOffload run before)"
+        )
         verdict = "met" if abs(fed - 1) <= 0.25 else "NOT met"
         print(f"{setting:<13} Auto predicted / measured step, report(): {fed:5.2f}x (target 0.75-1.25x: {verdict})")
         if vs_best is not None:
-            print(f"{setting:<13} Auto / best built-in that fits ({best_name}): {vs_best:5.2f}x "
-                  f"(target <= 1.05x: {'met' if vs_best <= 1.05 else 'NOT met'})")
+            print(
+                f"{setting:<13} Auto / best built-in that fits ({best_name}): {vs_best:5.2f}x "
+                f"(target <= 1.05x: {'met' if vs_best <= 1.05 else 'NOT met'})"
+            )
     return 0
 
 

@@ -19,6 +19,7 @@ every thread), whose difference is the hashing itself.
 Also measured in the same run, for the same bytes: xxh3_64 over the state's bytes in memory (what
 hashing alone costs on one core) and a checkpoint ``tm.save`` + load of the model. Ratios come last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,7 @@ def hash_seconds(nbytes: int) -> float:
     for _ in range(3):
         t0 = time.perf_counter()
         for o in range(0, buf.nbytes, piece):
-            xxhash.xxh3_64_intdigest(memoryview(buf[o:o + piece]))
+            xxhash.xxh3_64_intdigest(memoryview(buf[o : o + piece]))
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -69,22 +70,33 @@ def main() -> int:
     p.add_argument("--depth", type=int, default=12)
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--rounds", type=int, default=8, help="measured rounds (an on pair and an off pair each)")
-    p.add_argument("--dir", default=None, help="directory on the disk to test (default: a temporary one "
-                                               "under the current directory, removed afterwards)")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="directory on the disk to test (default: a temporary one under the current directory, removed afterwards)",
+    )
     p.add_argument("--aa", action="store_true", help="A/A: checksums off in both halves (the design's spread)")
     args = p.parse_args()
     n = args.width * args.width * args.depth
     root = tempfile.mkdtemp(prefix="tiermem-checksums-", dir=args.dir or os.getcwd())
-    print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e6:.1f}M parameters; a step reads and "
-          f"writes {12 * n / GB:.2f} GB of optimizer state each way; {torch.get_num_threads()} CPU threads; load "
-          f"average at start {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e6:.1f}M parameters; a step reads and "
+        f"writes {12 * n / GB:.2f} GB of optimizer state each way; {torch.get_num_threads()} CPU threads; load "
+        f"average at start {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     label = "off (A/A)" if args.aa else "on"
     wall: dict[str, list[float]] = {label: [], "off": []}
     cpu: dict[str, list[float]] = {label: [], "off": []}
     try:
         torch.manual_seed(0)
-        tm = TieredModel(LinearStack(args.width, args.depth), OptimStateOnNvme(), precision="bf16", nvme_dir=root,
-                         optimizer=AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1))
+        tm = TieredModel(
+            LinearStack(args.width, args.depth),
+            OptimStateOnNvme(),
+            precision="bf16",
+            nvme_dir=root,
+            optimizer=AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
+        )
         store = tm.stores[Tier.NVME]
         assert isinstance(store, NvmeStore) and store.checksums
         gen = torch.Generator().manual_seed(0)
@@ -98,9 +110,12 @@ def main() -> int:
                 w, c = step(tm, torch.randn(args.rows, args.width, generator=gen))  # reads and writes with it
                 wall[setting].append(w)
                 cpu[setting].append(c)
-            print(f"round {r + 1}: " + ", ".join(f"{s} {1e3 * wall[s][-1]:.0f} ms (CPU {1e3 * cpu[s][-1]:.0f} ms)"
-                                                for s in order) + f"; load average {os.getloadavg()[0]:.2f}",
-                  flush=True)
+            print(
+                f"round {r + 1}: "
+                + ", ".join(f"{s} {1e3 * wall[s][-1]:.0f} ms (CPU {1e3 * cpu[s][-1]:.0f} ms)" for s in order)
+                + f"; load average {os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
         store.checksums = True
         step(tm, torch.randn(args.rows, args.width, generator=gen))
         path = os.path.join(root, "ck.tm")
@@ -117,15 +132,23 @@ def main() -> int:
     h = hash_seconds(12 * n) * 2
     med = statistics.median
     ratios = [a / b for a, b in zip(wall[label], wall["off"])]
-    print(f"\nmedian tm.step(): checksums {label} {1e3 * med(wall[label]):.0f} ms (CPU {1e3 * med(cpu[label]):.0f} ms), "
-          f"off {1e3 * med(wall['off']):.0f} ms (CPU {1e3 * med(cpu['off']):.0f} ms); per-round ratios "
-          + " ".join(f"{r:.2f}" for r in ratios))
-    print(f"xxh3_64 over the {hashed / GB:.2f} GB a step hashes, in memory on one core: {1e3 * h:.0f} ms "
-          f"({hashed / h / GB:.1f} GB/s); the step's CPU time grew by {1e3 * (med(cpu[label]) - med(cpu['off'])):.0f} ms")
-    print(f"checkpoint of {ck_bytes / GB:.2f} GB: save {t1 - t0:.2f} s, load (every checksum checked first) "
-          f"{t2 - t1:.2f} s")
-    print(f"\nchecksums {label + ':':<11} tm.step() / checksums off, median of rounds  {med(ratios):.2f}x"
-          + ("  (the A/A spread)" if args.aa else "  (target <= 1.05x)"))
+    print(
+        f"\nmedian tm.step(): checksums {label} {1e3 * med(wall[label]):.0f} ms (CPU {1e3 * med(cpu[label]):.0f} ms), "
+        f"off {1e3 * med(wall['off']):.0f} ms (CPU {1e3 * med(cpu['off']):.0f} ms); per-round ratios "
+        + " ".join(f"{r:.2f}" for r in ratios)
+    )
+    print(
+        f"xxh3_64 over the {hashed / GB:.2f} GB a step hashes, in memory on one core: {1e3 * h:.0f} ms "
+        f"({hashed / h / GB:.1f} GB/s); the step's CPU time grew by {1e3 * (med(cpu[label]) - med(cpu['off'])):.0f} ms"
+    )
+    print(
+        f"checkpoint of {ck_bytes / GB:.2f} GB: save {t1 - t0:.2f} s, load (every checksum checked first) "
+        f"{t2 - t1:.2f} s"
+    )
+    print(
+        f"\nchecksums {label + ':':<11} tm.step() / checksums off, median of rounds  {med(ratios):.2f}x"
+        + ("  (the A/A spread)" if args.aa else "  (target <= 1.05x)")
+    )
     return 0
 
 

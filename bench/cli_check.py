@@ -17,6 +17,7 @@ Target: every ratio within 10% of 1.
     python bench/cli_check.py            # the sizes and sweep of `tiermem bench --quick`
     python bench/cli_check.py --full     # the full bench's (several minutes)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,20 @@ def fio(paths: list[str], rw: str, *, size: int, block: int, depth: int, fresh: 
     allocates nothing (``--fallocate=none``), as the store's overwrite of a key does."""
     rates = []
     for path in paths:
-        cmd = ["fio", "--name=cli-check", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
-               f"--size={size}", f"--offset={HEADER}", "--direct=1", "--ioengine=libaio",
-               f"--iodepth={depth}", "--numjobs=1", "--output-format=json"]
+        cmd = [
+            "fio",
+            "--name=cli-check",
+            f"--filename={path}",
+            f"--rw={rw}",
+            f"--bs={block}",
+            f"--size={size}",
+            f"--offset={HEADER}",
+            "--direct=1",
+            "--ioengine=libaio",
+            f"--iodepth={depth}",
+            "--numjobs=1",
+            "--output-format=json",
+        ]
         if rw == "write":
             cmd += ["--fallocate=native"] if fresh else ["--overwrite=1", "--fallocate=none"]
         res = subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -92,8 +104,9 @@ def fio_point(directory: str, *, size: int, block: int, depth: int, repeats: int
     return {"overwrite": over, "first write": statistics.median(firsts), "read": statistics.median(reads)}
 
 
-def raw_point(directory: str, src: torch.Tensor, out: torch.Tensor, *, block: int, depth: int,
-              repeats: int) -> dict[str, float]:
+def raw_point(
+    directory: str, src: torch.Tensor, out: torch.Tensor, *, block: int, depth: int, repeats: int
+) -> dict[str, float]:
     """A third opinion: the syscalls NvmeStore makes, bare (a pool of ``depth`` threads, O_DIRECT
     pwritev/preadv of ``block`` bytes at ``HEADER`` on, the file opened and closed in each pass),
     in fio_point's patterns. Tells "the bench measures wrong" apart from "the store is slower"."""
@@ -106,14 +119,14 @@ def raw_point(directory: str, src: torch.Tensor, out: torch.Tensor, *, block: in
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
         if fresh:
             os.posix_fallocate(fd, 0, HEADER + nbytes)
-        list(pool.map(lambda o: os.pwritev(fd, [view_src[o:o + block]], HEADER + o), offsets))
+        list(pool.map(lambda o: os.pwritev(fd, [view_src[o : o + block]], HEADER + o), offsets))
         os.close(fd)
         return nbytes / (time.perf_counter() - t0)
 
     def read(path: str) -> float:
         t0 = time.perf_counter()
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        list(pool.map(lambda o: os.preadv(fd, [view_out[o:o + block]], HEADER + o), offsets))
+        list(pool.map(lambda o: os.preadv(fd, [view_out[o : o + block]], HEADER + o), offsets))
         os.close(fd)
         return nbytes / (time.perf_counter() - t0)
 
@@ -167,53 +180,65 @@ def main() -> None:
     try:
         size = max(s.copy_bytes, s.nvme_bytes)
         a, b = measure.filled(size), measure.filled(size)  # the bench shares two buffers the same way
-        src, out = a[:s.nvme_bytes], b[:s.nvme_bytes]
+        src, out = a[: s.nvme_bytes], b[: s.nvme_bytes]
         for rnd in range(args.rounds):
             print(f"round {rnd + 1}/{args.rounds} ...", file=sys.stderr)
-            for (block, depth) in points:
-                def bench() -> dict[str, float]:
-                    pt = measure.nvme_point(work, src, out, block_size=block, in_flight=depth, direct=True,
-                                            first_write=True, **kw)
-                    direct.add(pt.direct)
-                    return {"overwrite": pt.write.median, "first write": pt.first_write.median,
-                            "read": pt.read.median}
+            for block, depth in points:
 
-                sides = {"bench": bench,
-                         "fio": lambda: fio_point(work, size=s.nvme_bytes, block=block, depth=depth,
-                                                  repeats=s.repeats),
-                         "bare": lambda: raw_point(work, src, out, block=block, depth=depth, repeats=s.repeats)}
-                for side in (list(sides) if rnd % 2 == 0 else list(sides)[::-1]):
+                def bench() -> dict[str, float]:
+                    pt = measure.nvme_point(
+                        work, src, out, block_size=block, in_flight=depth, direct=True, first_write=True, **kw
+                    )
+                    direct.add(pt.direct)
+                    return {"overwrite": pt.write.median, "first write": pt.first_write.median, "read": pt.read.median}
+
+                sides = {
+                    "bench": bench,
+                    "fio": lambda: fio_point(work, size=s.nvme_bytes, block=block, depth=depth, repeats=s.repeats),
+                    "bare": lambda: raw_point(work, src, out, block=block, depth=depth, repeats=s.repeats),
+                }
+                for side in list(sides) if rnd % 2 == 0 else list(sides)[::-1]:
                     for pat, rate in sides[side]().items():
                         figs[side][(block, depth)][pat].append(rate)
         host_ours, host_theirs = [], []
         for rnd in range(args.rounds * 2):
-            x, y = a[:s.copy_bytes], b[:s.copy_bytes]
-            copies = [lambda: host_ours.append(measure.host_copy(x, y, **kw).median),
-                      lambda: host_theirs.append(torch_copy(x, y, repeats=s.repeats, seconds=0.3))]
-            for copy in (copies if rnd % 2 == 0 else copies[::-1]):
+            x, y = a[: s.copy_bytes], b[: s.copy_bytes]
+            copies = [
+                lambda: host_ours.append(measure.host_copy(x, y, **kw).median),
+                lambda: host_theirs.append(torch_copy(x, y, repeats=s.repeats, seconds=0.3)),
+            ]
+            for copy in copies if rnd % 2 == 0 else copies[::-1]:
                 copy()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     med = statistics.median
-    print(f"tiermem bench{'' if args.full else ' --quick'}'s measurements against independent tools, one run: "
-          f"{args.rounds} interleaved rounds, medians; {s.nvme_bytes // MiB} MiB per NVMe pass at offset "
-          f"{HEADER} (NvmeStore direct I/O: {sorted(direct)}; fio libaio O_DIRECT); load average "
-          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start")
-    print("  overwrite: a file laid out before the clock, written over in place, two files in turn (the "
-          "bench's write figure); first write: a fresh file each time (the bench's first write of a key)")
+    print(
+        f"tiermem bench{'' if args.full else ' --quick'}'s measurements against independent tools, one run: "
+        f"{args.rounds} interleaved rounds, medians; {s.nvme_bytes // MiB} MiB per NVMe pass at offset "
+        f"{HEADER} (NvmeStore direct I/O: {sorted(direct)}; fio libaio O_DIRECT); load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start"
+    )
+    print(
+        "  overwrite: a file laid out before the clock, written over in place, two files in turn (the "
+        "bench's write figure); first write: a fresh file each time (the bench's first write of a key)"
+    )
     ratios = []
-    for (block, depth) in points:
+    for block, depth in points:
         for pat in PATTERNS:
             o, t, raw = (med(figs[side][(block, depth)][pat]) / 1e9 for side in ("bench", "fio", "bare"))
-            print(f"  nvme {pat:11s} {block // MiB:2d} MiB x {depth:2d} in flight   tiermem {o:5.2f} GB/s   "
-                  f"fio {t:5.2f} GB/s   bare syscalls {raw:5.2f} GB/s")
+            print(
+                f"  nvme {pat:11s} {block // MiB:2d} MiB x {depth:2d} in flight   tiermem {o:5.2f} GB/s   "
+                f"fio {t:5.2f} GB/s   bare syscalls {raw:5.2f} GB/s"
+            )
             what = f"nvme {pat} {block // MiB} MiB x {depth} in flight: tiermem"
             ratios.append((f"{what} / fio", o / t))
             ratios.append((f"{what} / bare syscalls", o / raw))
     o, t = med(host_ours) / 1e9, med(host_theirs) / 1e9
-    print(f"  host copy {s.copy_bytes // MiB} MiB                  tiermem bench {o:5.2f} GB/s   "
-          f"torch copy_ {t:5.2f} GB/s")
+    print(
+        f"  host copy {s.copy_bytes // MiB} MiB                  tiermem bench {o:5.2f} GB/s   "
+        f"torch copy_ {t:5.2f} GB/s"
+    )
     ratios.append((f"host copy {s.copy_bytes // MiB} MiB: tiermem bench / torch copy_", o / t))
     print("ratios (target: within 10% of 1.00)")
     for label, r in ratios:

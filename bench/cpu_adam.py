@@ -20,6 +20,7 @@ interleaved rounds so that other work on the machine hits every contender alike.
 The first call of each tiermem kernel (trace + compile, or a load from inductor's cache, which a
 fresh TORCHINDUCTOR_CACHE_DIR avoids) is timed. The ratios against the targets come last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,13 +79,18 @@ def bandwidth_probes(master, exp_avg, exp_avg_sq, grad16, out16) -> dict[str, tu
         def run() -> None:
             with torch.no_grad():
                 fn()
+
         return run
 
-    return {"copy_": (8, lambda: c.copy_(master)),
-            "add": (12, lambda: torch.add(master, exp_avg, out=c)),
-            "compiled triad": (12, no_grad(lambda: triad(master, exp_avg, c))),
-            "compiled Adam-shaped streams": (BYTES_BF16_IN_OUT, no_grad(
-                lambda: streams(master, exp_avg, exp_avg_sq, grad16, out16)))}
+    return {
+        "copy_": (8, lambda: c.copy_(master)),
+        "add": (12, lambda: torch.add(master, exp_avg, out=c)),
+        "compiled triad": (12, no_grad(lambda: triad(master, exp_avg, c))),
+        "compiled Adam-shaped streams": (
+            BYTES_BF16_IN_OUT,
+            no_grad(lambda: streams(master, exp_avg, exp_avg_sq, grad16, out16)),
+        ),
+    }
 
 
 def main() -> None:
@@ -94,8 +100,7 @@ def main() -> None:
     args = ap.parse_args()
     n = parse_count(args.params)
     torch.manual_seed(0)
-    print(f"CPU Adam, {n / 1e6:.0f}M parameters, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}")
+    print(f"CPU Adam, {n / 1e6:.0f}M parameters, {torch.get_num_threads()} threads, torch {torch.__version__}")
 
     master = torch.randn(n)
     exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
@@ -107,15 +112,17 @@ def main() -> None:
     def ours(grad: torch.Tensor, out, check: bool) -> Callable[[], None]:
         def run() -> None:
             step[0] += 1
-            adam_step(master, exp_avg, exp_avg_sq, grad, step=step[0], adamw=True, out=out,
-                      check_finite=check, **HP)
+            adam_step(master, exp_avg, exp_avg_sq, grad, step=step[0], adamw=True, out=out, check_finite=check, **HP)
+
         return run
 
     first = {}
     for name, fn in (("bf16 in/out", ours(grad16, out16, True)), ("fp32 grad", ours(grad32, None, True))):
         first[name] = timed(fn)
-    print(f"implementation: {implementation()}; first call (compile or cache load): "
-          + ", ".join(f"{k} {v:.1f} s" for k, v in first.items()))
+    print(
+        f"implementation: {implementation()}; first call (compile or cache load): "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in first.items())
+    )
     for key, sec in compile_seconds().items():
         print(f"  kernel {key}: {sec:.1f} s")
 
@@ -123,8 +130,9 @@ def main() -> None:
     p.grad = grad32
     opts = {}
     for kind, kw in (("fused", dict(fused=True)), ("foreach", dict(foreach=True))):
-        opt = torch.optim.AdamW([p], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
-                                weight_decay=HP["weight_decay"], **kw)
+        opt = torch.optim.AdamW(
+            [p], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"], **kw
+        )
         opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         opts[kind] = opt
 
@@ -145,8 +153,14 @@ def main() -> None:
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
 
-        ds = DeepSpeedCPUAdam([p], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
-                              weight_decay=HP["weight_decay"], adamw_mode=True)
+        ds = DeepSpeedCPUAdam(
+            [p],
+            lr=HP["lr"],
+            betas=(HP["beta1"], HP["beta2"]),
+            eps=HP["eps"],
+            weight_decay=HP["weight_decay"],
+            adamw_mode=True,
+        )
         contenders["DeepSpeed DeepSpeedCPUAdam fp32"] = ds.step
     except Exception as e:  # noqa: BLE001 - not installed, or its C++ op cannot build here
         print(f"note: DeepSpeedCPUAdam not measured ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
@@ -167,21 +181,28 @@ def main() -> None:
     print(f"\n{'contender':<{width}} Gparam/s   ms/step   (fastest of {args.repeat})")
     for k, r in rate.items():
         print(f"{k:<{width}} {r / 1e9:8.3f}  {n / r * 1e3:8.1f}")
-    print(f"{'memory floor (' + str(BYTES_BF16_IN_OUT) + ' B/param)':<{width}} {floor / 1e9:8.3f}  "
-          f"{n / floor * 1e3:8.1f}   " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items()))
+    print(
+        f"{'memory floor (' + str(BYTES_BF16_IN_OUT) + ' B/param)':<{width}} {floor / 1e9:8.3f}  "
+        f"{n / floor * 1e3:8.1f}   " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items())
+    )
 
-    ours = {"checked": rate["tiermem adam_step bf16 grad -> bf16 out"],
-            "unchecked": rate["tiermem adam_step bf16 -> bf16, check_finite=False"]}
-    ours32 = {"checked": rate["tiermem adam_step fp32 grad"],
-              "unchecked": rate["tiermem adam_step fp32 grad, check_finite=False"]}
+    ours = {
+        "checked": rate["tiermem adam_step bf16 grad -> bf16 out"],
+        "unchecked": rate["tiermem adam_step bf16 -> bf16, check_finite=False"],
+    }
+    ours32 = {
+        "checked": rate["tiermem adam_step fp32 grad"],
+        "unchecked": rate["tiermem adam_step fp32 grad, check_finite=False"],
+    }
     fused = rate["torch AdamW(fused=True) fp32"]
-    print(f"\nfound_inf check costs {100 * (1 - ours['checked'] / ours['unchecked']):.1f}% of the bf16 step; "
-          f"torch fused fp32 AdamW runs at {fused / floor:.2f}x the bf16 in/out floor (4 arrays, not 5)")
+    print(
+        f"\nfound_inf check costs {100 * (1 - ours['checked'] / ours['unchecked']):.1f}% of the bf16 step; "
+        f"torch fused fp32 AdamW runs at {fused / floor:.2f}x the bf16 in/out floor (4 arrays, not 5)"
+    )
     print("\nratios; checked = adam_step's default, unchecked = check_finite=False (TieredModel's call):")
     for label, num, den, target in (
         ("bf16 in/out / torch fused fp32 AdamW", ours, fused, 1.0),
-        ("bf16 in/out / torch conversion path", ours,
-         rate["torch bf16 grad -> fp32, fused AdamW, -> bf16"], 1.5),
+        ("bf16 in/out / torch conversion path", ours, rate["torch bf16 grad -> fp32, fused AdamW, -> bf16"], 1.5),
         ("bf16 in/out / memory floor", ours, floor, 0.8),
         ("fp32 grad / torch fused fp32 AdamW", ours32, fused, 1.0),
     ):

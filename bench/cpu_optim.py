@@ -23,6 +23,7 @@ work on the machine hits every contender alike. On a loaded machine, ``--threads
 compares the contenders by the CPU time they take on one core (a two-thread call waits whenever
 either thread is descheduled, which dominates wall times there). The ratios come last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,22 @@ from typing import Callable
 
 import torch
 
-from tiermem.optim import (CPUAdafactor, CPUAdagrad, CPUAdam, CPUAdam8bit, CPULion, CPUSGD, StochasticRound,
-                           adafactor_step, adagrad_step, adam8bit_step, adam_step, lion_step, quantize_blockwise,
-                           sgd_step)
+from tiermem.optim import (
+    CPUAdafactor,
+    CPUAdagrad,
+    CPUAdam,
+    CPUAdam8bit,
+    CPULion,
+    CPUSGD,
+    StochasticRound,
+    adafactor_step,
+    adagrad_step,
+    adam8bit_step,
+    adam_step,
+    lion_step,
+    quantize_blockwise,
+    sgd_step,
+)
 from tiermem.optim import _native, _run
 from tiermem.optim._hyper import AdamHyper
 
@@ -72,11 +86,37 @@ def kernels(n: int) -> tuple[dict[str, Callable[[], None]], dict[str, str], dict
     sr = StochasticRound.for_parameter(0, "w")
     keys = (ctypes.c_uint32 * 3)(*sr.keys(1))
     side = int(math.isqrt(n))
-    mats = dict(master=torch.randn(side, side), grad=torch.randn(side, side).mul_(1e-3).to(BF16),
-                out=torch.empty(side, side, dtype=BF16), row=torch.zeros(side), col=torch.zeros(side))
-    s = {k: f32() for k in ("adam_m", "adam_e", "adam_v", "adamn_m", "adamn_e", "adamn_v", "sgd_m", "sgd_b", "ada_m",
-                            "ada_s", "lion_m", "lion_e",
-                            "f1_m", "f1_s", "f2_m", "f2_a", "f2_b", "f8_m", "q8_m")}
+    mats = dict(
+        master=torch.randn(side, side),
+        grad=torch.randn(side, side).mul_(1e-3).to(BF16),
+        out=torch.empty(side, side, dtype=BF16),
+        row=torch.zeros(side),
+        col=torch.zeros(side),
+    )
+    s = {
+        k: f32()
+        for k in (
+            "adam_m",
+            "adam_e",
+            "adam_v",
+            "adamn_m",
+            "adamn_e",
+            "adamn_v",
+            "sgd_m",
+            "sgd_b",
+            "ada_m",
+            "ada_s",
+            "lion_m",
+            "lion_e",
+            "f1_m",
+            "f1_s",
+            "f2_m",
+            "f2_a",
+            "f2_b",
+            "f8_m",
+            "q8_m",
+        )
+    }
     s["ada_s"].abs_()
     s["adam_v"].abs_().mul_(1e-6)
     s["adamn_v"].abs_().mul_(1e-6)
@@ -93,48 +133,79 @@ def kernels(n: int) -> tuple[dict[str, Callable[[], None]], dict[str, str], dict
         return step[0]
 
     fns = {
-        "Adam (fp32 master, compiled)": lambda: adam_step(s["adam_m"], s["adam_e"], s["adam_v"], grad, step=nxt(),
-                                                          out=out, check_finite=False, **ADAM),
-        "Adam (fp32 master, native)": lambda: _run.run(_run.ADAM, s["adamn_m"], (s["adamn_e"], s["adamn_v"]), grad, out,
-                                                       AdamHyper(step=nxt(), **ADAM), stochastic_round=None, step=1,
-                                                       check_finite=False, impl="native"),
-        "SGD momentum": lambda: sgd_step(s["sgd_m"], s["sgd_b"], grad, step=nxt() + 1, lr=1e-3, momentum=0.9,
-                                         out=out, check_finite=False),
+        "Adam (fp32 master, compiled)": lambda: adam_step(
+            s["adam_m"], s["adam_e"], s["adam_v"], grad, step=nxt(), out=out, check_finite=False, **ADAM
+        ),
+        "Adam (fp32 master, native)": lambda: _run.run(
+            _run.ADAM,
+            s["adamn_m"],
+            (s["adamn_e"], s["adamn_v"]),
+            grad,
+            out,
+            AdamHyper(step=nxt(), **ADAM),
+            stochastic_round=None,
+            step=1,
+            check_finite=False,
+            impl="native",
+        ),
+        "SGD momentum": lambda: sgd_step(
+            s["sgd_m"], s["sgd_b"], grad, step=nxt() + 1, lr=1e-3, momentum=0.9, out=out, check_finite=False
+        ),
         "Adagrad": lambda: adagrad_step(s["ada_m"], s["ada_s"], grad, step=nxt(), lr=1e-3, out=out, check_finite=False),
         "Lion": lambda: lion_step(s["lion_m"], s["lion_e"], grad, step=nxt(), lr=1e-4, out=out, check_finite=False),
-        "Adafactor": lambda: adafactor_step(mats["master"], mats["grad"], step=nxt(), row_var=mats["row"],
-                                            col_var=mats["col"], out=mats["out"], check_finite=False),
-        "Adam (bf16 master, SR)": lambda: adam_step(b16["sr_m"], *adam_sr_state, grad, step=nxt(), out=out,
-                                                    stochastic_round=sr, check_finite=False, **ADAM),
+        "Adafactor": lambda: adafactor_step(
+            mats["master"],
+            mats["grad"],
+            step=nxt(),
+            row_var=mats["row"],
+            col_var=mats["col"],
+            out=mats["out"],
+            check_finite=False,
+        ),
+        "Adam (bf16 master, SR)": lambda: adam_step(
+            b16["sr_m"], *adam_sr_state, grad, step=nxt(), out=out, stochastic_round=sr, check_finite=False, **ADAM
+        ),
         "Adam 8-bit": lambda: adam8bit_step(s["q8_m"], *q8, grad, step=nxt(), out=out, check_finite=False, **ADAM),
-        "Adam 8-bit + bf16 SR": lambda: adam8bit_step(b16["q8sr_m"], *q8sr, grad, step=nxt(), out=out,
-                                                      stochastic_round=sr, check_finite=False, **ADAM),
-        "floor 28 B (2 fp32 states)": lambda: ew.tm_streams(n, P(s["f2_m"]), 0, P(s["f2_a"]), P(s["f2_b"]), P(grad),
-                                                            1, P(out), 1, None, nt),
-        "floor 20 B (1 fp32 state)": lambda: ew.tm_streams(n, P(s["f1_m"]), 0, P(s["f1_s"]), None, P(grad), 1, P(out),
-                                                           1, None, nt),
-        "floor 20 B (bf16 master, 2 states)": lambda: ew.tm_streams(n, P(b16["f2sr_m"]), 1, P(s["f2_a"]),
-                                                                    P(s["f2_b"]), P(grad), 1, P(out), 1, keys, nt),
-        "floor 16 B (8-bit)": lambda: a8.tm_streams8(n, P(s["f8_m"]), 0, *(P(t) for t in f8), P(grad), 1, P(out), 1,
-                                                     None, nt),
-        "floor 12 B (8-bit, bf16 master)": lambda: a8.tm_streams8(n, P(b16["f8sr_m"]), 1, *(P(t) for t in f8),
-                                                                  P(grad), 1, P(out), 1, keys, nt),
-        "floor Adafactor (3 passes, 20 B)": lambda: af.tm_adafactor_floor(side * side, P(mats["master"]), 0,
-                                                                          P(mats["grad"]), 1, P(mats["out"]), 1,
-                                                                          None, nt),
+        "Adam 8-bit + bf16 SR": lambda: adam8bit_step(
+            b16["q8sr_m"], *q8sr, grad, step=nxt(), out=out, stochastic_round=sr, check_finite=False, **ADAM
+        ),
+        "floor 28 B (2 fp32 states)": lambda: ew.tm_streams(
+            n, P(s["f2_m"]), 0, P(s["f2_a"]), P(s["f2_b"]), P(grad), 1, P(out), 1, None, nt
+        ),
+        "floor 20 B (1 fp32 state)": lambda: ew.tm_streams(
+            n, P(s["f1_m"]), 0, P(s["f1_s"]), None, P(grad), 1, P(out), 1, None, nt
+        ),
+        "floor 20 B (bf16 master, 2 states)": lambda: ew.tm_streams(
+            n, P(b16["f2sr_m"]), 1, P(s["f2_a"]), P(s["f2_b"]), P(grad), 1, P(out), 1, keys, nt
+        ),
+        "floor 16 B (8-bit)": lambda: a8.tm_streams8(
+            n, P(s["f8_m"]), 0, *(P(t) for t in f8), P(grad), 1, P(out), 1, None, nt
+        ),
+        "floor 12 B (8-bit, bf16 master)": lambda: a8.tm_streams8(
+            n, P(b16["f8sr_m"]), 1, *(P(t) for t in f8), P(grad), 1, P(out), 1, keys, nt
+        ),
+        "floor Adafactor (3 passes, 20 B)": lambda: af.tm_adafactor_floor(
+            side * side, P(mats["master"]), 0, P(mats["grad"]), 1, P(mats["out"]), 1, None, nt
+        ),
     }
-    floors = {"Adam (fp32 master, compiled)": "floor 28 B (2 fp32 states)",
-              "Adam (fp32 master, native)": "floor 28 B (2 fp32 states)", "SGD momentum": "floor 20 B (1 fp32 state)",
-              "Adagrad": "floor 20 B (1 fp32 state)", "Lion": "floor 20 B (1 fp32 state)",
-              "Adafactor": "floor Adafactor (3 passes, 20 B)",
-              "Adam (bf16 master, SR)": "floor 20 B (bf16 master, 2 states)",
-              "Adam 8-bit": "floor 16 B (8-bit)", "Adam 8-bit + bf16 SR": "floor 12 B (8-bit, bf16 master)"}
+    floors = {
+        "Adam (fp32 master, compiled)": "floor 28 B (2 fp32 states)",
+        "Adam (fp32 master, native)": "floor 28 B (2 fp32 states)",
+        "SGD momentum": "floor 20 B (1 fp32 state)",
+        "Adagrad": "floor 20 B (1 fp32 state)",
+        "Lion": "floor 20 B (1 fp32 state)",
+        "Adafactor": "floor Adafactor (3 passes, 20 B)",
+        "Adam (bf16 master, SR)": "floor 20 B (bf16 master, 2 states)",
+        "Adam 8-bit": "floor 16 B (8-bit)",
+        "Adam 8-bit + bf16 SR": "floor 12 B (8-bit, bf16 master)",
+    }
     sizes = {"Adafactor": side * side, "floor Adafactor (3 passes, 20 B)": side * side}
     return fns, floors, sizes
 
 
 def dropins(count: int, numel: int) -> tuple[dict[str, Callable[[], None]], list[tuple[str, str, str]]]:
     """Each drop-in and its torch counterpart on ``count`` fp32 tensors of ``numel``; the pairs to compare."""
+
     def params(two_d: bool = False) -> list[torch.nn.Parameter]:
         torch.manual_seed(1)
         shape = (int(math.isqrt(numel)),) * 2 if two_d else (numel,)
@@ -157,13 +228,15 @@ def dropins(count: int, numel: int) -> tuple[dict[str, Callable[[], None]], list
         "CPULion check_finite=False": CPULion(params(), lr=1e-4, check_finite=False),
         "CPUAdam8bit check_finite=False": CPUAdam8bit(params(), lr=1e-3, check_finite=False),
     }
-    pairs = [("CPUAdam (found_inf check) / AdamW fused", "CPUAdam", "torch AdamW(fused=True)"),
-             ("CPUAdam check_finite=False / AdamW fused", "CPUAdam check_finite=False", "torch AdamW(fused=True)"),
-             ("CPUSGD / SGD fused", "CPUSGD check_finite=False", "torch SGD(fused=True)"),
-             ("CPUSGD / SGD foreach", "CPUSGD check_finite=False", "torch SGD(foreach=True)"),
-             ("CPUAdagrad / Adagrad fused", "CPUAdagrad check_finite=False", "torch Adagrad(fused=True)"),
-             ("CPUAdafactor / Adafactor foreach", "CPUAdafactor check_finite=False", "torch Adafactor(foreach=True)"),
-             ("CPUAdam8bit / AdamW fused (fewer bytes)", "CPUAdam8bit check_finite=False", "torch AdamW(fused=True)")]
+    pairs = [
+        ("CPUAdam (found_inf check) / AdamW fused", "CPUAdam", "torch AdamW(fused=True)"),
+        ("CPUAdam check_finite=False / AdamW fused", "CPUAdam check_finite=False", "torch AdamW(fused=True)"),
+        ("CPUSGD / SGD fused", "CPUSGD check_finite=False", "torch SGD(fused=True)"),
+        ("CPUSGD / SGD foreach", "CPUSGD check_finite=False", "torch SGD(foreach=True)"),
+        ("CPUAdagrad / Adagrad fused", "CPUAdagrad check_finite=False", "torch Adagrad(fused=True)"),
+        ("CPUAdafactor / Adafactor foreach", "CPUAdafactor check_finite=False", "torch Adafactor(foreach=True)"),
+        ("CPUAdam8bit / AdamW fused (fewer bytes)", "CPUAdam8bit check_finite=False", "torch AdamW(fused=True)"),
+    ]
     return {k: opt.step for k, opt in made.items()}, pairs
 
 
@@ -172,11 +245,18 @@ def main() -> None:
     ap.add_argument("--params", default="32M", help="parameters per kernel call (default 32M)")
     ap.add_argument("--dropin", default="4x2M", help="the drop-ins' parameters: COUNTxNUMEL (default 4x2M)")
     ap.add_argument("--repeat", type=int, default=9, help="timed calls per contender (fastest wins)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="intra-op threads for every contender (default: torch's); 1 is steadier on a loaded machine")
-    ap.add_argument("--cpu-time", action="store_true",
-                    help="with --threads 1: time the CPU the calling thread spends, not the wall clock (what other "
-                         "jobs on a loaded machine take from us does not count)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads for every contender (default: torch's); 1 is steadier on a loaded machine",
+    )
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="with --threads 1: time the CPU the calling thread spends, not the wall clock (what other "
+        "jobs on a loaded machine take from us does not count)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -190,9 +270,11 @@ def main() -> None:
     t0 = time.perf_counter()
     for lib in ("elementwise", "adam8bit", "adafactor"):
         _native.library(lib)
-    print(f"CPU optimizers, {n / 1e6:.0f}M parameters a kernel, drop-ins on {count} x {numel / 1e6:.0f}M, "
-          f"{torch.get_num_threads()} threads, {'CPU time' if args.cpu_time else 'wall clock'}, torch "
-          f"{torch.__version__}; native kernels ready in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"CPU optimizers, {n / 1e6:.0f}M parameters a kernel, drop-ins on {count} x {numel / 1e6:.0f}M, "
+        f"{torch.get_num_threads()} threads, {'CPU time' if args.cpu_time else 'wall clock'}, torch "
+        f"{torch.__version__}; native kernels ready in {time.perf_counter() - t0:.1f} s"
+    )
 
     fns, floors, sizes = kernels(n)
     best = best_of(fns, args.repeat)

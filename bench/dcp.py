@@ -15,6 +15,7 @@ the resident memory then; the bytes a rank writes and reads are its system calls
 what the saves just wrote, from the page cache as much as from the disk, for both formats alike.
 Ratios come last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,12 @@ FORMATS = ("file", "dcp")
 
 
 class StateOnNvme(PerClass):
-    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.GRAD: Tier.HOST, TensorClass.OPTIM_STATE: Tier.NVME,
-             TensorClass.ACTIVATION: Tier.DEVICE}
+    homes = {
+        TensorClass.PARAM: Tier.DEVICE,
+        TensorClass.GRAD: Tier.HOST,
+        TensorClass.OPTIM_STATE: Tier.NVME,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+    }
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,8 +59,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="saves and loads per format")
     p.add_argument("--policy", choices=("zero-offload", "state-on-nvme"), default="zero-offload")
     p.add_argument("--bucket-size", default="32MiB")
-    p.add_argument("--dir", default=None, help="where the checkpoints (and NVMe state) go; default: a temporary "
-                                               "directory under /tmp")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="where the checkpoints (and NVMe state) go; default: a temporary directory under /tmp",
+    )
     args = p.parse_args()
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
@@ -111,15 +119,24 @@ def run(rank: int, args: argparse.Namespace, root: str) -> None:
     torch.manual_seed(0)
     policy = ZeroOffload() if args.policy == "zero-offload" else StateOnNvme()
     nvme = os.path.join(root, "nvme") if args.policy == "state-on-nvme" else None
-    tm = TieredModel(GPT(cfg), policy, optimizer=AdamW(lr=3e-4, weight_decay=0.1), precision="bf16",
-                     bucket_size=args.bucket_size, nvme_dir=nvme)
+    tm = TieredModel(
+        GPT(cfg),
+        policy,
+        optimizer=AdamW(lr=3e-4, weight_decay=0.1),
+        precision="bf16",
+        bucket_size=args.bucket_size,
+        nvme_dir=nvme,
+    )
     gen = torch.Generator().manual_seed(rank)
     b = torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
     tm.backward(lm_loss(tm(b[:, :-1]), b[:, 1:]))
     tm.step()
     n = tm.layout.n_params
-    say(f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide, {n / 1e6:.1f}M parameters, {len(tm.layout.buckets)} "
-        f"buckets of {args.bucket_size}; {WORLD} gloo ranks; {tm!r}; checkpoints under {root}", flush=True)
+    say(
+        f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide, {n / 1e6:.1f}M parameters, {len(tm.layout.buckets)} "
+        f"buckets of {args.bucket_size}; {WORLD} gloo ranks; {tm!r}; checkpoints under {root}",
+        flush=True,
+    )
     save_s: dict[str, list[float]] = {f: [] for f in FORMATS}
     load_s: dict[str, list[float]] = {f: [] for f in FORMATS}
     peaks: dict[str, list[int]] = {f: [] for f in FORMATS}
@@ -137,8 +154,11 @@ def run(rank: int, args: argparse.Namespace, root: str) -> None:
             seconds, _, read, _ = measured(lambda: tm.load(path))
             load_s[fmt].append(seconds)
             io[fmt] = (read, io[fmt][1])
-        say(f"round {r + 1}: " + "  ".join(f"{f} save {save_s[f][-1]:6.2f} s load {load_s[f][-1]:6.2f} s"
-                                            for f in FORMATS), flush=True)
+        say(
+            f"round {r + 1}: "
+            + "  ".join(f"{f} save {save_s[f][-1]:6.2f} s load {load_s[f][-1]:6.2f} s" for f in FORMATS),
+            flush=True,
+        )
     all_peaks: list[dict[str, int]] = [{}] * WORLD
     dist.all_gather_object(all_peaks, {f: max(p) for f, p in peaks.items()})
     all_io: list[dict[str, tuple[int, int]]] = [{}] * WORLD
@@ -148,28 +168,44 @@ def run(rank: int, args: argparse.Namespace, root: str) -> None:
     size = {f: du(os.path.join(root, f"ck.{f}")) for f in FORMATS}
     med = {f: (statistics.median(save_s[f]), statistics.median(load_s[f])) for f in FORMATS}
     largest = max(b.numel for b in tm.layout.buckets)
-    print(f"\n| format | save, median of {args.rounds} | load | on disk | peak host memory during the save, "
-          f"rank 0 | rank 1 |")
+    print(
+        f"\n| format | save, median of {args.rounds} | load | on disk | peak host memory during the save, "
+        f"rank 0 | rank 1 |"
+    )
     print("|---|---|---|---|---|---|")
     for f in FORMATS:
-        print(f"| {f} | {med[f][0]:.2f} s | {med[f][1]:.2f} s | {fmt_bytes(size[f])} | "
-              + " | ".join(f"+{fmt_bytes(p[f])}" for p in all_peaks) + " |")
-    print("\n| format | bytes a save writes (files and gloo's sockets), rank 0 | rank 1 | bytes a load reads, rank 0 "
-          "| rank 1 |")
+        print(
+            f"| {f} | {med[f][0]:.2f} s | {med[f][1]:.2f} s | {fmt_bytes(size[f])} | "
+            + " | ".join(f"+{fmt_bytes(p[f])}" for p in all_peaks)
+            + " |"
+        )
+    print(
+        "\n| format | bytes a save writes (files and gloo's sockets), rank 0 | rank 1 | bytes a load reads, rank 0 "
+        "| rank 1 |"
+    )
     print("|---|---|---|---|---|")
     for f in FORMATS:
-        print(f"| {f} | " + " | ".join(fmt_bytes(i[f][1]) for i in all_io) + " | "
-              + " | ".join(fmt_bytes(i[f][0]) for i in all_io) + " |")
-    print(f"\nfor scale: the model's fp32 state (12 B/param) {fmt_bytes(12 * n)}, a rank's shard "
-          f"{fmt_bytes(12 * n // WORLD)}, one bucket's state (12 B x the largest bucket) {fmt_bytes(12 * largest)}")
+        print(
+            f"| {f} | "
+            + " | ".join(fmt_bytes(i[f][1]) for i in all_io)
+            + " | "
+            + " | ".join(fmt_bytes(i[f][0]) for i in all_io)
+            + " |"
+        )
+    print(
+        f"\nfor scale: the model's fp32 state (12 B/param) {fmt_bytes(12 * n)}, a rank's shard "
+        f"{fmt_bytes(12 * n // WORLD)}, one bucket's state (12 B x the largest bucket) {fmt_bytes(12 * largest)}"
+    )
     print("\n== ratios ==")
     print(f"dcp save / file save:                    {med['dcp'][0] / med['file'][0]:5.2f}x")
     print(f"dcp load / file load:                    {med['dcp'][1] / med['file'][1]:5.2f}x")
     most = {f: max(i[f][0] for i in all_io) for f in FORMATS}
     print(f"bytes a rank reads to load, dcp / file:  {most['dcp'] / most['file']:5.2f}x")
     for r in range(WORLD):
-        print(f"rank {r} save peak host memory, dcp / file: {all_peaks[r]['dcp'] / max(1, all_peaks[r]['file']):5.2f}x "
-              f"(/ one bucket's state: {all_peaks[r]['dcp'] / (12 * largest):.2f}x)")
+        print(
+            f"rank {r} save peak host memory, dcp / file: {all_peaks[r]['dcp'] / max(1, all_peaks[r]['file']):5.2f}x "
+            f"(/ one bucket's state: {all_peaks[r]['dcp'] / (12 * largest):.2f}x)"
+        )
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ Optimizer state per rank: tiermem's is ``tm.report()``'s peak of (OPTIM_STATE, h
 tensors in its local optimizer's state; both against a full replica's 12 B/param (fp32 master
 weights and two moments). Ratios come last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,15 @@ FULL_REPLICA = 12  # B/param of mixed-precision Adam state: fp32 master weights,
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(p, preset="small", n_layer=6, n_embd=384, batch_size=16, seq_len=128,
-                   batch_help=f"global batch, split over the {WORLD} ranks")
+    add_model_args(
+        p,
+        preset="small",
+        n_layer=6,
+        n_embd=384,
+        batch_size=16,
+        seq_len=128,
+        batch_help=f"global batch, split over the {WORLD} ranks",
+    )
     p.add_argument("--steps", type=int, default=20, help="measured steps per setup")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per setup first")
     p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size")
@@ -78,8 +86,9 @@ def ddp_zero(cfg: GPTConfig) -> tuple[Callable, Callable[[], int], str]:
     model = DistributedDataParallel(make_model(cfg))
 
     def zero(impl: str) -> ZeroRedundancyOptimizer:
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, betas=BETAS,
-                                       weight_decay=WD, **{impl: True})
+        return ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, betas=BETAS, weight_decay=WD, **{impl: True}
+        )
 
     try:
         impl, opt = "fused", zero("fused")
@@ -102,8 +111,14 @@ def ddp_zero(cfg: GPTConfig) -> tuple[Callable, Callable[[], int], str]:
 
 
 def tiered(cfg: GPTConfig, bucket_size: str) -> tuple[Callable, TieredModel]:
-    tm = TieredModel(make_model(cfg), ZeroOffload(), optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
-                     precision="bf16", grad_clip=CLIP, bucket_size=bucket_size)
+    tm = TieredModel(
+        make_model(cfg),
+        ZeroOffload(),
+        optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+        precision="bf16",
+        grad_clip=CLIP,
+        bucket_size=bucket_size,
+    )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(tm(x), y)
@@ -145,15 +160,20 @@ def run(rank: int, args: argparse.Namespace) -> None:
     n_params = make_model(cfg).num_params()
     tokens, half = args.batch_size * args.seq_len, args.batch_size // WORLD
     gen = torch.Generator().manual_seed(0)  # every rank draws the same global batches, then takes its half
-    batches = [torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)[rank * half:][:half]
-               for _ in range(args.warmup + args.steps)]
+    batches = [
+        torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)[rank * half :][:half]
+        for _ in range(args.warmup + args.steps)
+    ]
 
     anchor_step, anchor_bytes, impl = ddp_zero(cfg)
     tm_step, tm = tiered(cfg, args.bucket_size)
-    say(f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide, {n_params / 1e6:.1f}M parameters; global batch "
+    say(
+        f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide, {n_params / 1e6:.1f}M parameters; global batch "
         f"{args.batch_size} x {args.seq_len} = {tokens} tokens, {half} sequences per rank; {WORLD} gloo ranks, "
         f"{torch.get_num_threads()} intra-op thread each; torch {torch.__version__}\n"
-        f"DDP+ZeRO: ZeroRedundancyOptimizer(AdamW, {impl}=True); tiermem: {tm!r}", flush=True)
+        f"DDP+ZeRO: ZeroRedundancyOptimizer(AdamW, {impl}=True); tiermem: {tm!r}",
+        flush=True,
+    )
     variants = {"DDP+ZeRO": anchor_step, "tiermem": tm_step}
     times: dict[str, list[float]] = {name: [] for name in variants}
     losses: dict[str, list[float]] = {name: [] for name in variants}
@@ -164,8 +184,11 @@ def run(rank: int, args: argparse.Namespace) -> None:
             losses[name].append(loss)
             if i >= args.warmup:
                 times[name].append(t)
-        say(f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1:2d}: "
-            + "  ".join(f"{name} {1e3 * t:8.1f} ms (loss {loss:.4f})" for name, (t, loss) in row.items()), flush=True)
+        say(
+            f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1:2d}: "
+            + "  ".join(f"{name} {1e3 * t:8.1f} ms (loss {loss:.4f})" for name, (t, loss) in row.items()),
+            flush=True,
+        )
     med = {name: statistics.median(ts) for name, ts in times.items()}
     best = {name: min(ts) for name, ts in times.items()}  # least disturbed by other processes
 
@@ -180,21 +203,30 @@ def run(rank: int, args: argparse.Namespace) -> None:
     print(f"\n| setup | step, median of {args.steps} | best | tok/s (median) | optimizer state, rank 0 | rank 1 |")
     print("|---|---|---|---|---|---|")
     for name in variants:
-        print(f"| {name} | {1e3 * med[name]:.1f} ms | {1e3 * best[name]:.1f} ms | {tokens / med[name]:,.0f} | "
-              + " | ".join(per_param(n, n_params) for n in state[name]) + " |")
+        print(
+            f"| {name} | {1e3 * med[name]:.1f} ms | {1e3 * best[name]:.1f} ms | {tokens / med[name]:,.0f} | "
+            + " | ".join(per_param(n, n_params) for n in state[name])
+            + " |"
+        )
     print(f"| full replica | | | | {per_param(full, n_params)} | {per_param(full, n_params)} |")
     shard, gather = full / WORLD, 4 * max(b.numel for b in tm.layout.buckets)
-    print(f"\ntiermem's state per rank, peak: its 1/{WORLD} shard {shard / n_params:.2f} B/param + one whole "
-          f"bucket's fp32 master while the model is built (4 B x the largest bucket) {gather / n_params:.2f} "
-          f"B/param = {(shard + gather) / n_params:.2f} B/param; measured {max(state['tiermem']) / n_params:.2f}")
-    print(f"DDP+ZeRO's state is the moments only: its fp32 weights ({4 * n_params / n_params:.2f} B/param) are the "
-          f"model's, whole on every rank")
+    print(
+        f"\ntiermem's state per rank, peak: its 1/{WORLD} shard {shard / n_params:.2f} B/param + one whole "
+        f"bucket's fp32 master while the model is built (4 B x the largest bucket) {gather / n_params:.2f} "
+        f"B/param = {(shard + gather) / n_params:.2f} B/param; measured {max(state['tiermem']) / n_params:.2f}"
+    )
+    print(
+        f"DDP+ZeRO's state is the moments only: its fp32 weights ({4 * n_params / n_params:.2f} B/param) are the "
+        f"model's, whole on every rank"
+    )
     print("loss at the last step, mean over ranks: " + ", ".join(f"{n} {ls[-1]:.4f}" for n, ls in losses.items()))
 
     ratio = med["tiermem"] / med["DDP+ZeRO"]
     print("\n== ratios ==")
-    print(f"tiermem step / DDP+ZeRO step:                          {ratio:5.2f}x  (target <= 1.10x: "
-          f"{'met' if ratio <= 1.10 else 'NOT met'})")
+    print(
+        f"tiermem step / DDP+ZeRO step:                          {ratio:5.2f}x  (target <= 1.10x: "
+        f"{'met' if ratio <= 1.10 else 'NOT met'})"
+    )
     print(f"tiermem / DDP+ZeRO, best steps:                        {best['tiermem'] / best['DDP+ZeRO']:5.2f}x")
     for name in variants:
         print(f"optimizer state per rank / full replica, {name + ':':<9}     {max(state[name]) / full:5.2f}x")
@@ -210,11 +242,17 @@ def main() -> int:
     args = parse_args()
     try:
         import deepspeed  # noqa: F401
-        print(f"deepspeed {deepspeed.__version__} imports here; it is not run by this script "
-              f"(DDP + ZeroRedundancyOptimizer is the anchor)", flush=True)
+
+        print(
+            f"deepspeed {deepspeed.__version__} imports here; it is not run by this script "
+            f"(DDP + ZeroRedundancyOptimizer is the anchor)",
+            flush=True,
+        )
     except Exception as e:  # noqa: BLE001 - any failure to import means it is not an option here
-        print(f"deepspeed: not importable here ({type(e).__name__}); DDP + ZeroRedundancyOptimizer is the anchor",
-              flush=True)
+        print(
+            f"deepspeed: not importable here ({type(e).__name__}); DDP + ZeroRedundancyOptimizer is the anchor",
+            flush=True,
+        )
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the ranks inherit it
     mp.spawn(worker, args=(args, free_port()), nprocs=WORLD, join=True)
     return 0

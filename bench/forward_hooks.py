@@ -17,6 +17,7 @@ it with that tree's environment): that is how a change to the mechanism is compa
 Setups run round-robin, so load from other processes hits them alike; medians over ``--steps``.
 Ratios come last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,7 +82,7 @@ def main() -> None:
     fwd = {name: [] for name in setups}
     both = {name: [] for name in setups}
     for step in range(args.steps + 2):
-        order = list(setups)[step % len(setups):] + list(setups)[:step % len(setups)]
+        order = list(setups)[step % len(setups) :] + list(setups)[: step % len(setups)]
         for name in order:
             tm = models[name]
             t0 = time.perf_counter()
@@ -97,17 +98,23 @@ def main() -> None:
         tm.detach()
     nvme.cleanup()
     n = sum(p.numel() for p in GPT(cfg).parameters())
-    print(f"GPT preset {args.preset!r}: {n / 1e6:.2f}M parameters, batch {args.batch_size}x64, "
-          f"{args.threads} thread(s), {args.steps} steps per setup")
+    print(
+        f"GPT preset {args.preset!r}: {n / 1e6:.2f}M parameters, batch {args.batch_size}x64, "
+        f"{args.threads} thread(s), {args.steps} steps per setup"
+    )
     med_f = {name: statistics.median(v) for name, v in fwd.items()}
     med_b = {name: statistics.median(v) for name, v in both.items()}
     for name in setups:
-        print(f"  {name:28s} forward median {med_f[name] * 1e3:7.2f} ms   forward+backward median "
-              f"{med_b[name] * 1e3:7.2f} ms")
+        print(
+            f"  {name:28s} forward median {med_f[name] * 1e3:7.2f} ms   forward+backward median "
+            f"{med_b[name] * 1e3:7.2f} ms"
+        )
     print("ratios of medians (forward / forward+backward):")
     for name in ("zero-offload again", "zero-offload, module hooks", "weights on host", "zero-infinity"):
-        print(f"  {name} / zero-offload: {med_f[name] / med_f['zero-offload']:.3f}x / "
-              f"{med_b[name] / med_b['zero-offload']:.3f}x")
+        print(
+            f"  {name} / zero-offload: {med_f[name] / med_f['zero-offload']:.3f}x / "
+            f"{med_b[name] / med_b['zero-offload']:.3f}x"
+        )
 
 
 if __name__ == "__main__":

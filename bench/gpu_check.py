@@ -25,6 +25,7 @@ last. ``--dry-run`` runs every part on the CPU at tiny sizes (the pinned peak is
 script is checked before a device session spends its minutes on it. Exits non-zero if a part
 failed (``--ratios``: if a part failed or is missing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -117,12 +118,15 @@ def engine_copies(args, device: torch.device) -> dict[str, float]:
         for h in host:
             h.fill_(1.0)
         cases: dict[str, Callable[[], list]] = {
-            "engine_h2d": lambda: [e.copy_async(d, h, src_tier=Tier.HOST, dst_tier=Tier.DEVICE)
-                                   for d, h in zip(dev, host)],
-            "engine_d2h": lambda: [e.copy_async(h, d, src_tier=Tier.DEVICE, dst_tier=Tier.HOST)
-                                   for d, h in zip(dev, host)],
-            "engine_d2h_bf16_to_fp32": lambda: [e.copy_async(h, g, src_tier=Tier.DEVICE, dst_tier=Tier.HOST)
-                                                for g, h in zip(grads, host)],
+            "engine_h2d": lambda: [
+                e.copy_async(d, h, src_tier=Tier.HOST, dst_tier=Tier.DEVICE) for d, h in zip(dev, host)
+            ],
+            "engine_d2h": lambda: [
+                e.copy_async(h, d, src_tier=Tier.DEVICE, dst_tier=Tier.HOST) for d, h in zip(dev, host)
+            ],
+            "engine_d2h_bf16_to_fp32": lambda: [
+                e.copy_async(h, g, src_tier=Tier.DEVICE, dst_tier=Tier.HOST) for g, h in zip(grads, host)
+            ],
         }
         for name, issue in cases.items():
             for _ in range(2):  # the second round counts: staging buffers are pooled by then
@@ -157,8 +161,22 @@ def cpu_adam(args) -> dict[str, float]:
     g32 = grad.float()
 
     def fused() -> None:  # the anchor: torch's fused CPU AdamW (fp32 grad, no bf16 weights out)
-        torch._fused_adamw_([master], [g32], [m], [v], [], [torch.tensor(1.0)], lr=LR, beta1=BETAS[0],
-                            beta2=BETAS[1], weight_decay=WD, eps=1e-8, amsgrad=False, maximize=False)
+        torch._fused_adamw_(
+            [master],
+            [g32],
+            [m],
+            [v],
+            [],
+            [torch.tensor(1.0)],
+            lr=LR,
+            beta1=BETAS[0],
+            beta2=BETAS[1],
+            weight_decay=WD,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
+
     best = {"tiermem": float("inf"), "torch_fused": float("inf")}
     ours()  # compile (or load) first
     for _ in range(3):
@@ -172,8 +190,13 @@ def cpu_adam(args) -> dict[str, float]:
 # -- 3. the step --------------------------------------------------------------------------------
 def step(args, device: torch.device, variant: str) -> dict[str, float]:
     """One variant of the step, the only model of this process."""
-    cfg = GPTConfig(block_size=args.seq_len, n_layer=args.n_layer, n_head=max(1, args.n_embd // 64),
-                    n_embd=args.n_embd, vocab_size=96)
+    cfg = GPTConfig(
+        block_size=args.seq_len,
+        n_layer=args.n_layer,
+        n_head=max(1, args.n_embd // 64),
+        n_embd=args.n_embd,
+        vocab_size=96,
+    )
     torch.manual_seed(0)
     model = GPT(cfg)
     n_params = model.num_params()
@@ -190,15 +213,26 @@ def step(args, device: torch.device, variant: str) -> dict[str, float]:
             opt.step()
             opt.zero_grad(set_to_none=True)
     else:
-        tm = TieredModel(model, ZeroOffload(), optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
-                         precision="bf16", grad_clip=CLIP, device=device, bucket_size="64MiB",
-                         overlap_step=variant == "zero_offload_overlap")
+        tm = TieredModel(
+            model,
+            ZeroOffload(),
+            optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+            precision="bf16",
+            grad_clip=CLIP,
+            device=device,
+            bucket_size="64MiB",
+            overlap_step=variant == "zero_offload_overlap",
+        )
 
         def run(x, y) -> None:
             tm.backward(lm_loss(tm(x), y))
             tm.step()
-    print(f"step {variant}: GPT {cfg.n_layer} x {cfg.n_embd}, {n_params / 1e6:.0f}M parameters, batch "
-          f"{args.batch_size} x {args.seq_len}, device {device}", flush=True)
+
+    print(
+        f"step {variant}: GPT {cfg.n_layer} x {cfg.n_embd}, {n_params / 1e6:.0f}M parameters, batch "
+        f"{args.batch_size} x {args.seq_len}, device {device}",
+        flush=True,
+    )
     gen = torch.Generator().manual_seed(0)
     times: list[float] = []
     for i in range(args.warmup + args.steps):
@@ -210,11 +244,13 @@ def step(args, device: torch.device, variant: str) -> dict[str, float]:
         sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-        print(f"  {'warm-up' if i < args.warmup else 'step'} {i + 1}: {1e3 * (time.perf_counter() - t0):.0f} ms",
-              flush=True)
+        print(
+            f"  {'warm-up' if i < args.warmup else 'step'} {i + 1}: {1e3 * (time.perf_counter() - t0):.0f} ms",
+            flush=True,
+        )
     figures = {f"step_{variant}_ms": 1e3 * statistics.median(times), "params_m": n_params / 1e6}
     if device.type == "cuda":
-        figures[f"step_{variant}_max_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        figures[f"step_{variant}_max_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if tm is not None:
         figures[f"step_{variant}_stall_s"] = tm.report().stall_seconds
         tm.detach()
@@ -224,9 +260,13 @@ def step(args, device: torch.device, variant: str) -> dict[str, float]:
 # -- the parts, each in a process of its own, and the ratios ------------------------------------
 def machine(device: torch.device) -> dict[str, object]:
     """The facts bench/RESULTS.md records with the figures."""
-    facts: dict[str, object] = {"torch": torch.__version__, "cuda": torch.version.cuda,
-                                "python": sys.version.split()[0], "cpu_threads": torch.get_num_threads(),
-                                "device": str(device)}
+    facts: dict[str, object] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "cpu_threads": torch.get_num_threads(),
+        "device": str(device),
+    }
     if device.type == "cuda":
         facts["gpu"] = torch.cuda.get_device_name(device)
     return facts
@@ -236,8 +276,11 @@ def run_part(args) -> int:
     """One part in this process: its figures (or its error) as one line of DIR/figures.jsonl."""
     device = torch.device("cpu" if args.dry_run else "cuda")
     name = args.part + (f":{args.variant}" if args.variant else "")
-    line: dict[str, object] = {"part": name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                               "dry_run": args.dry_run}
+    line: dict[str, object] = {
+        "part": name,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "dry_run": args.dry_run,
+    }
     t0 = time.perf_counter()
     try:
         line |= machine(device)
@@ -249,8 +292,10 @@ def run_part(args) -> int:
         else:
             got = step(args, device, args.variant)
         line["figures"] = got
-        print(f"{name} ({time.perf_counter() - t0:.0f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()),
-              flush=True)
+        print(
+            f"{name} ({time.perf_counter() - t0:.0f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()),
+            flush=True,
+        )
     except Exception as e:  # noqa: BLE001 - recorded for --ratios, and the exit status says it
         traceback.print_exc()
         line["error"] = f"{type(e).__name__}: {e}"
@@ -288,14 +333,23 @@ def ratios(out: Path) -> int:
     merged: dict[str, object] = {"parts": {}}
     for name in expected_parts():
         d = lines.get(name)
-        state = "missing (timed out or never ran)" if d is None else (f"FAILED: {d['error']}" if "error" in d
-                                                                      else f"ok, {d['seconds']:.0f} s")
+        state = (
+            "missing (timed out or never ran)"
+            if d is None
+            else (f"FAILED: {d['error']}" if "error" in d else f"ok, {d['seconds']:.0f} s")
+        )
         merged["parts"][name] = state  # type: ignore[index]
         if d is not None:
             merged |= {k: v for k, v in d.items() if k not in ("part", "figures", "error", "seconds")}
             merged |= d.get("figures", {})
-    print("machine: " + ", ".join(f"{k} {merged[k]}" for k in ("gpu", "torch", "cuda", "python", "cpu_threads",
-                                                                   "date", "dry_run") if k in merged))
+    print(
+        "machine: "
+        + ", ".join(
+            f"{k} {merged[k]}"
+            for k in ("gpu", "torch", "cuda", "python", "cpu_threads", "date", "dry_run")
+            if k in merged
+        )
+    )
     for name, state in merged["parts"].items():  # type: ignore[union-attr]
         print(f"  {name:<28} {state}")
     rows = []

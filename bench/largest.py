@@ -17,6 +17,7 @@ Prints, per step, forward+backward and ``tm.step()`` time, peak RSS and the disk
 the end ``du`` of the directory (bytes/param on disk, measured, with the spare files counted),
 bytes/param in RAM (peak RSS / params), the report, and removes the directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,15 +66,22 @@ def plan_depth(args: argparse.Namespace, free: int, ram: int) -> tuple[int, int,
     host = ram - args.ram_margin - fixed
     want = -(-int(args.params) // layer)
     on_host = max(0, host // (4 * layer))  # layers whose grads RAM holds
-    fits = max(1, min((disk + 4 * layer * on_host) // (18 * layer),  # all on disk but the host's grads
-                      disk // (DISK_PER_PARAM * layer)))
+    fits = max(
+        1,
+        min(
+            (disk + 4 * layer * on_host) // (18 * layer),  # all on disk but the host's grads
+            disk // (DISK_PER_PARAM * layer),
+        ),
+    )
     depth = min(want, fits)
     nvme_grads = max(0, depth - on_host)
-    said = (f"disk: {free / GB:.1f} GB free, keep {args.keep_free / GB:.0f} GB, journal {journal / GB:.2f} GB + "
-            f"spares {spares / GB:.2f} GB -> {disk / GB:.1f} GB for {DISK_PER_PARAM} B/param + NVMe grads 4 B/param; "
-            f"RAM: {ram / GB:.1f} GB available, keep {args.ram_margin / GB:.0f} GB, tiermem's buffers and the "
-            f"process {fixed / GB:.1f} GB -> {host / GB:.1f} GB for host grads 4 B/param ({on_host} layers); "
-            f"room for {fits} layers of {args.width} x {args.width} ({fits * layer / 1e9:.2f}B parameters)")
+    said = (
+        f"disk: {free / GB:.1f} GB free, keep {args.keep_free / GB:.0f} GB, journal {journal / GB:.2f} GB + "
+        f"spares {spares / GB:.2f} GB -> {disk / GB:.1f} GB for {DISK_PER_PARAM} B/param + NVMe grads 4 B/param; "
+        f"RAM: {ram / GB:.1f} GB available, keep {args.ram_margin / GB:.0f} GB, tiermem's buffers and the "
+        f"process {fixed / GB:.1f} GB -> {host / GB:.1f} GB for host grads 4 B/param ({on_host} layers); "
+        f"room for {fits} layers of {args.width} x {args.width} ({fits * layer / 1e9:.2f}B parameters)"
+    )
     return depth, nvme_grads, said
 
 
@@ -95,8 +103,12 @@ def main() -> int:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--keep-free", default="10GB", help="free space to leave on the disk")
     p.add_argument("--ram-margin", default="1GB", help="available memory to leave to other processes")
-    p.add_argument("--nvme-grad-layers", type=int, default=None, help="grads of this many layers on NVMe "
-                                                                      "(default: as many as RAM cannot hold)")
+    p.add_argument(
+        "--nvme-grad-layers",
+        type=int,
+        default=None,
+        help="grads of this many layers on NVMe (default: as many as RAM cannot hold)",
+    )
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--device-budget", default="1GiB")
@@ -116,20 +128,32 @@ def main() -> int:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     print(said)
     fewer = "" if n >= args.params else ", fewer than asked"
-    print(f"training {depth} layers: {n:,} parameters ({n / 1e9:.2f}B{fewer});"
-          f" {(DISK_PER_PARAM * n + 4 * layer * nvme_grads) / GB:.1f} GB on disk (grads of {nvme_grads} layers "
-          f"there); fp32 grads on the host {4 * layer * (depth - nvme_grads) / GB:.1f} GB of {ram / GB:.1f} GB RAM; "
-          f"mixed-precision Adam in memory would need {16 * n / GB:.0f} GB", flush=True)
+    print(
+        f"training {depth} layers: {n:,} parameters ({n / 1e9:.2f}B{fewer});"
+        f" {(DISK_PER_PARAM * n + 4 * layer * nvme_grads) / GB:.1f} GB on disk (grads of {nvme_grads} layers "
+        f"there); fp32 grads on the host {4 * layer * (depth - nvme_grads) / GB:.1f} GB of {ram / GB:.1f} GB RAM; "
+        f"mixed-precision Adam in memory would need {16 * n / GB:.0f} GB",
+        flush=True,
+    )
     if args.dry_run:
         return 0
     d = tempfile.mkdtemp(prefix="tiermem-largest-", dir=where)
     try:
         t0 = time.perf_counter()
-        tm = TieredModel(windowed_stack(args.width, depth), GradsSplit(nvme_grads), precision="bf16", nvme_dir=d,
-                         optimizer=AdamW(lr=1e-6, betas=(0.9, 0.95), weight_decay=0.1),
-                         bucket_size=args.bucket_size, budgets=Budgets(device=args.device_budget))
-        print(f"built in {time.perf_counter() - t0:.0f} s (initial weights and state written to NVMe); "
-              f"peak RSS {rss_gb():.1f} GB; du {du_bytes(d) / n:.2f} B/param", flush=True)
+        tm = TieredModel(
+            windowed_stack(args.width, depth),
+            GradsSplit(nvme_grads),
+            precision="bf16",
+            nvme_dir=d,
+            optimizer=AdamW(lr=1e-6, betas=(0.9, 0.95), weight_decay=0.1),
+            bucket_size=args.bucket_size,
+            budgets=Budgets(device=args.device_budget),
+        )
+        print(
+            f"built in {time.perf_counter() - t0:.0f} s (initial weights and state written to NVMe); "
+            f"peak RSS {rss_gb():.1f} GB; du {du_bytes(d) / n:.2f} B/param",
+            flush=True,
+        )
         x = torch.randn(args.rows, args.width, generator=torch.Generator().manual_seed(0))
         low = shutil.disk_usage(d).free
         for i in range(1, args.steps + 1):
@@ -140,16 +164,21 @@ def main() -> int:
             res = tm.step()
             t2 = time.perf_counter()
             low = min(low, shutil.disk_usage(d).free)
-            print(f"step {i}: loss {loss.item():.6f}, grad norm {res.grad_norm:.4f}; fwd+bwd {t1 - t0:.1f} s, "
-                  f"tm.step() {t2 - t1:.1f} s; peak RSS {rss_gb():.1f} GB; du {du_bytes(d) / n:.2f} B/param; "
-                  f"disk free {low / GB:.1f} GB", flush=True)
+            print(
+                f"step {i}: loss {loss.item():.6f}, grad norm {res.grad_norm:.4f}; fwd+bwd {t1 - t0:.1f} s, "
+                f"tm.step() {t2 - t1:.1f} s; peak RSS {rss_gb():.1f} GB; du {du_bytes(d) / n:.2f} B/param; "
+                f"disk free {low / GB:.1f} GB",
+                flush=True,
+            )
         on_disk = du_bytes(d)
         rep = tm.report()
         spares = [f for f in os.listdir(d) if f.startswith("spare-")]
-        print(f"{rep}\nparameters {n:,}; on disk (du) {on_disk / GB:.1f} GB = {on_disk / n:.2f} B/param "
-              f"({len(spares)} spare files); NVMe peak held {rep.peak_bytes[Tier.NVME] / n:.2f} B/param; "
-              f"peak RSS {rss_gb():.1f} GB = {rss_gb() * GB / n:.2f} B/param in RAM; "
-              f"lowest free disk {low / GB:.1f} GB")
+        print(
+            f"{rep}\nparameters {n:,}; on disk (du) {on_disk / GB:.1f} GB = {on_disk / n:.2f} B/param "
+            f"({len(spares)} spare files); NVMe peak held {rep.peak_bytes[Tier.NVME] / n:.2f} B/param; "
+            f"peak RSS {rss_gb():.1f} GB = {rss_gb() * GB / n:.2f} B/param in RAM; "
+            f"lowest free disk {low / GB:.1f} GB"
+        )
         # not tm.detach(): it hands back the module with fp32 weights, 4 B/param in RAM (18 GB at 4.5B,
         # which got the first 4.5B run OOM-killed after its last line); the directory goes below
     finally:

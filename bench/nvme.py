@@ -38,6 +38,7 @@ its slot file already has, the steady state of optimizer state) and fio overwrit
 wrote once before. Ratios come last: the ratio of the medians, and the median of the per-round
 ratios (each contender against its anchor in the same round) with their spread.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,7 +90,7 @@ def make_buffer(size: int, kind: str) -> torch.Tensor:
         random.Random(0).shuffle(pages)
         for p in pages:
             buf[p] = 1
-    buf[:size // 8 * 8].view(torch.int64).random_()
+    buf[: size // 8 * 8].view(torch.int64).random_()
     return buf
 
 
@@ -114,8 +115,15 @@ class DiskRequests:
 
 
 # -- the contenders ---------------------------------------------------------------------------
-def bench_store(store: NvmeStore, src: torch.Tensor, out: torch.Tensor, key: str, *,
-                keep: bool = False, device: Optional["Emulated"] = None) -> tuple:
+def bench_store(
+    store: NvmeStore,
+    src: torch.Tensor,
+    out: torch.Tensor,
+    key: str,
+    *,
+    keep: bool = False,
+    device: Optional["Emulated"] = None,
+) -> tuple:
     """Write ``src`` under ``key`` then read it into ``out``; delete the key unless ``keep``.
     On an emulated ``device`` (which moves no bytes, so ``out`` is given ``src``'s first), also
     the mean requests in flight of the write and of the read."""
@@ -129,9 +137,19 @@ def bench_store(store: NvmeStore, src: torch.Tensor, out: torch.Tensor, key: str
 
 
 def fio(path: str, rw: str, size: int, block: int) -> float:
-    cmd = ["fio", "--name=tiermem-bench", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
-           f"--size={size}", "--direct=1", "--ioengine=libaio", "--iodepth=8", "--numjobs=1",
-           "--output-format=json"]
+    cmd = [
+        "fio",
+        "--name=tiermem-bench",
+        f"--filename={path}",
+        f"--rw={rw}",
+        f"--bs={block}",
+        f"--size={size}",
+        "--direct=1",
+        "--ioengine=libaio",
+        "--iodepth=8",
+        "--numjobs=1",
+        "--output-format=json",
+    ]
     res = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(res.stdout)["jobs"][0][rw]["bw_bytes"]
 
@@ -145,8 +163,14 @@ def bench_fio(path: str, size: int, block: int, *, keep: bool = False) -> tuple[
     return bw
 
 
-def bench_bare(pool: ThreadPoolExecutor, path: str, src: torch.Tensor, out: torch.Tensor, block: int,
-               device: Optional["Emulated"] = None) -> tuple:
+def bench_bare(
+    pool: ThreadPoolExecutor,
+    path: str,
+    src: torch.Tensor,
+    out: torch.Tensor,
+    block: int,
+    device: Optional["Emulated"] = None,
+) -> tuple:
     """The same bytes as the store moves, in ``block``-sized pwritev/preadv calls on ``pool``'s
     threads, on a new fallocated O_DIRECT file (the data at offset 4096, as in a slot file); on
     an emulated ``device`` when given, as :func:`bench_store`."""
@@ -160,14 +184,14 @@ def bench_bare(pool: ThreadPoolExecutor, path: str, src: torch.Tensor, out: torc
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
         try:
             os.posix_fallocate(fd, 0, ALIGN + size)
-            list(pool.map(lambda b: pwritev(fd, [src_mv[b:b + block]], ALIGN + b), blocks))
+            list(pool.map(lambda b: pwritev(fd, [src_mv[b : b + block]], ALIGN + b), blocks))
         finally:
             os.close(fd)
 
     def read() -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         try:
-            list(pool.map(lambda b: preadv(fd, [out_mv[b:b + block]], ALIGN + b), blocks))
+            list(pool.map(lambda b: preadv(fd, [out_mv[b : b + block]], ALIGN + b), blocks))
         finally:
             os.close(fd)
 
@@ -229,8 +253,9 @@ class EmulatedStore(NvmeStore):
         return self.device.preadv(fd, bufs, offset)
 
 
-def make_store(directory: str, checksums: bool, threads: int, block: int,
-               device: Optional[Emulated] = None) -> NvmeStore:
+def make_store(
+    directory: str, checksums: bool, threads: int, block: int, device: Optional[Emulated] = None
+) -> NvmeStore:
     os.makedirs(directory, exist_ok=True)
     before = os.environ.get("TIERMEM_NVME_CHECKSUMS")
     os.environ["TIERMEM_NVME_CHECKSUMS"] = "1" if checksums else "0"  # read once, when the store is made
@@ -252,13 +277,14 @@ def interleaved(runs: dict[str, Callable[[], tuple]], rounds: int) -> dict[str, 
     rows: dict[str, list[tuple]] = {name: [] for name in runs}
     names = list(runs)
     for i in range(rounds):
-        for name in (names if i % 2 == 0 else names[::-1]):
+        for name in names if i % 2 == 0 else names[::-1]:
             rows[name].append(runs[name]())
     return rows
 
 
 def with_requests(disk: DiskRequests, size: int, run: Callable[[], tuple]) -> Callable[[], tuple]:
     """``run``, adding the disk's write and read requests per GiB (None where unknown)."""
+
     def counted() -> tuple:
         before = disk.counts()
         w, r = run()
@@ -267,23 +293,35 @@ def with_requests(disk: DiskRequests, size: int, run: Callable[[], tuple]) -> Ca
             return w, r, None, None
         per_gib = 2**30 / size
         return w, r, (after[1] - before[1]) * per_gib, (after[0] - before[0]) * per_gib
+
     return counted
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="1GiB", help="bytes per transfer (default 1GiB)")
-    p.add_argument("--dir", default=None, help="directory to test (default: a temporary one under the "
-                                               "current directory, removed afterwards)")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="directory to test (default: a temporary one under the current directory, removed afterwards)",
+    )
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--block", default="8MiB", help="block size for NvmeStore, the bare loop and fio (default 8MiB)")
     p.add_argument("--threads", type=int, default=8, help="NvmeStore I/O threads and bare-loop threads (default 8)")
-    p.add_argument("--buffers", choices=["host", "torch", "scattered"], default="host",
-                   help="the store's and the bare loop's buffers: from tiermem's host pool (default), plain "
-                        "torch tensors, or 4 KiB pages faulted in a random order")
-    p.add_argument("--emulated-ms", type=float, default=16.0,
-                   help="latency of one request on the emulated device (default 16: 4.2 GB/s at 8 in flight "
-                        "of 8 MiB); 0 skips the emulated device")
+    p.add_argument(
+        "--buffers",
+        choices=["host", "torch", "scattered"],
+        default="host",
+        help="the store's and the bare loop's buffers: from tiermem's host pool (default), plain "
+        "torch tensors, or 4 KiB pages faulted in a random order",
+    )
+    p.add_argument(
+        "--emulated-ms",
+        type=float,
+        default=16.0,
+        help="latency of one request on the emulated device (default 16: 4.2 GB/s at 8 in flight "
+        "of 8 MiB); 0 skips the emulated device",
+    )
     p.add_argument("--overwrite", action="store_true", help="also time overwrites (tiermem and fio)")
     args = p.parse_args(argv)
     size, block = parse_bytes(args.size, what="--size"), parse_bytes(args.block, what="--block")
@@ -302,10 +340,12 @@ def main(argv: list[str] | None = None) -> None:
         off = make_store(os.path.join(directory, "off"), False, args.threads, block)
         stores += [on, off]
         fio_new, fio_old = os.path.join(directory, "fio-new.dat"), os.path.join(directory, "fio-old.dat")
-        runs = {FIO: lambda: bench_fio(fio_new, size, block),
-                ON: lambda: bench_store(on, src, out, "bench.new"),
-                OFF: lambda: bench_store(off, src, out, "bench.new"),
-                BARE: lambda: bench_bare(pool, os.path.join(directory, "bare.dat"), src, out, block)}
+        runs = {
+            FIO: lambda: bench_fio(fio_new, size, block),
+            ON: lambda: bench_store(on, src, out, "bench.new"),
+            OFF: lambda: bench_store(off, src, out, "bench.new"),
+            BARE: lambda: bench_bare(pool, os.path.join(directory, "bare.dat"), src, out, block),
+        }
         if args.overwrite:
             for _ in range(2):  # both slots of the overwritten key exist before timing starts
                 on.write("bench.overwrite", src).wait()
@@ -319,9 +359,11 @@ def main(argv: list[str] | None = None) -> None:
             e_on = make_store(os.path.join(directory, "emulated-on"), True, args.threads, block, device)
             e_off = make_store(os.path.join(directory, "emulated-off"), False, args.threads, block, device)
             stores += [e_on, e_off]
-            e_runs = {ON: lambda: bench_store(e_on, src, out, "bench.new", device=device),
-                      OFF: lambda: bench_store(e_off, src, out, "bench.new", device=device),
-                      BARE: lambda: bench_bare(pool, os.path.join(directory, "bare.dat"), src, out, block, device)}
+            e_runs = {
+                ON: lambda: bench_store(e_on, src, out, "bench.new", device=device),
+                OFF: lambda: bench_store(e_off, src, out, "bench.new", device=device),
+                BARE: lambda: bench_bare(pool, os.path.join(directory, "bare.dat"), src, out, block, device),
+            }
             emulated_rows = interleaved(e_runs, args.rounds)
     finally:
         for store in stores:
@@ -344,27 +386,46 @@ def _ratios(rows: dict[str, list[tuple]], pairs: list[tuple[str, str]], label: s
             print(f"  {label}{what:5s} {a} / {b}: {med:.2f}x; per round {_spread(per_round, fmt='{:.2f}x')}")
 
 
-def report(disk_rows: dict[str, list[tuple]], emulated_rows: Optional[dict[str, list[tuple]]], size: int,
-           block: int, args, top: str, load: tuple) -> None:
-    print(f"{size / 2**30:.2f} GiB per transfer, new files, {args.rounds} interleaved rounds, {args.threads} store "
-          f"threads, {block / 2**20:g} MiB blocks, {args.buffers} buffers, directory {top}; load average "
-          f"{load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, on {os.cpu_count()} cores")
+def report(
+    disk_rows: dict[str, list[tuple]],
+    emulated_rows: Optional[dict[str, list[tuple]]],
+    size: int,
+    block: int,
+    args,
+    top: str,
+    load: tuple,
+) -> None:
+    print(
+        f"{size / 2**30:.2f} GiB per transfer, new files, {args.rounds} interleaved rounds, {args.threads} store "
+        f"threads, {block / 2**20:g} MiB blocks, {args.buffers} buffers, directory {top}; load average "
+        f"{load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, on {os.cpu_count()} cores"
+    )
     print(f"{'disk, GB/s median [min-max]':28s} {'write':>18s} {'read':>18s} {'requests/GiB w, r':>18s}")
     for name, runs in disk_rows.items():
-        reqs = ("?" if runs[0][2] is None else
-                f"{statistics.median(x[2] for x in runs):.0f}, {statistics.median(x[3] for x in runs):.0f}")
-        print(f"{name:28s} {_spread([x[0] for x in runs], GB):>18s} {_spread([x[1] for x in runs], GB):>18s} "
-              f"{reqs:>18s}")
-    print("note: every contender uses O_DIRECT (no page cache); fio's figure excludes its file layout, the "
-          "store's includes its own (open, fallocate, header, close)")
+        reqs = (
+            "?"
+            if runs[0][2] is None
+            else f"{statistics.median(x[2] for x in runs):.0f}, {statistics.median(x[3] for x in runs):.0f}"
+        )
+        print(
+            f"{name:28s} {_spread([x[0] for x in runs], GB):>18s} {_spread([x[1] for x in runs], GB):>18s} {reqs:>18s}"
+        )
+    print(
+        "note: every contender uses O_DIRECT (no page cache); fio's figure excludes its file layout, the "
+        "store's includes its own (open, fallocate, header, close)"
+    )
     if emulated_rows is not None:
         ideal = args.threads * block / (args.emulated_ms / 1e3)
-        print(f"{'emulated device, GB/s':28s} {'write':>18s} {'read':>18s} {'in flight w, r':>18s}"
-              f"   ({args.emulated_ms:g} ms per request: {ideal / GB:.2f} GB/s with {args.threads} always in flight)")
+        print(
+            f"{'emulated device, GB/s':28s} {'write':>18s} {'read':>18s} {'in flight w, r':>18s}"
+            f"   ({args.emulated_ms:g} ms per request: {ideal / GB:.2f} GB/s with {args.threads} always in flight)"
+        )
         for name, runs in emulated_rows.items():
             flights = f"{statistics.median(x[2] for x in runs):.2f}, {statistics.median(x[3] for x in runs):.2f}"
-            print(f"{name:28s} {_spread([x[0] for x in runs], GB):>18s} {_spread([x[1] for x in runs], GB):>18s} "
-                  f"{flights:>18s}")
+            print(
+                f"{name:28s} {_spread([x[0] for x in runs], GB):>18s} {_spread([x[1] for x in runs], GB):>18s} "
+                f"{flights:>18s}"
+            )
     print("ratios (ratio of medians; median of the per-round ratios [min-max]):")
     pairs = [(BARE, FIO), (OFF, FIO), (ON, OFF), (ON, BARE)]
     if ON_OVER in disk_rows:

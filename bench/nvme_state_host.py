@@ -10,6 +10,7 @@ largest bucket; this prints what they hold against two anchors measured in the s
 sets as the typical (block) bucket would size them, and the model's whole optimizer state.
 The ratio of the sets to the whole state is printed last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,10 @@ class Model(nn.Module):
     def __init__(self, width: int, layers: int, vocab: int):
         super().__init__()
         self.wte = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width, bias=False), nn.GELU(),
-                                                  nn.Linear(4 * width, width, bias=False)) for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width, bias=False), nn.GELU(), nn.Linear(4 * width, width, bias=False))
+            for _ in range(layers)
+        )
 
     def forward(self, idx):
         x = self.wte(idx)
@@ -53,8 +56,7 @@ def main() -> None:
     block = 8 * a.width * a.width  # params of one block
     vocab = a.ratio * block // a.width
     model = Model(a.width, a.layers, vocab)
-    with tempfile.TemporaryDirectory() as d, \
-            TieredModel(model, StateOnNvme(), nvme_dir=d, bucket_size=4 * block) as tm:
+    with tempfile.TemporaryDirectory() as d, TieredModel(model, StateOnNvme(), nvme_dir=d, bucket_size=4 * block) as tm:
         for i in range(2):
             idx = torch.randint(0, vocab, (4, 16), generator=torch.Generator().manual_seed(i))
             tm.backward(tm(idx))
@@ -65,8 +67,10 @@ def main() -> None:
         typical = sorted(b.numel for b in tm.layout.buckets)[len(tm.layout.buckets) // 2]
         n_params = sum(p.numel() for p in model.parameters())
     state = 12 * n_params  # fp32 master, exp_avg, exp_avg_sq
-    print(f"params {n_params:,}; embedding {vocab * a.width:,} = {a.ratio}x a block ({block:,}); "
-          f"buckets: largest {largest:,}, median {typical:,} elements")
+    print(
+        f"params {n_params:,}; embedding {vocab * a.width:,} = {a.ratio}x a block ({block:,}); "
+        f"buckets: largest {largest:,}, median {typical:,} elements"
+    )
     print(f"host sets now:               {sets / 2**20:8.2f} MiB (3 x 12 B x largest bucket)")
     print(f"anchor, sets by the median:  {3 * 12 * typical / 2**20:8.2f} MiB")
     print(f"anchor, the whole state:     {state / 2**20:8.2f} MiB")

@@ -44,6 +44,7 @@ itself. Figures are medians over a setup's ``--rounds`` x ``--steps`` measured s
 ``--warmup`` steps first: the first records the trace and loads the compiled Adam). The load average is printed: other processes share the CPUs.
 Ratios come last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,9 +97,9 @@ def windowed_stack(width: int, depth: int) -> LinearStack:
     with torch.device("meta"):
         model = LinearStack(width, depth)
     shift = 4099
-    base = torch.randn(width * width + depth * shift, dtype=torch.bfloat16) * width ** -0.5
+    base = torch.randn(width * width + depth * shift, dtype=torch.bfloat16) * width**-0.5
     for i, layer in enumerate(model.layers):
-        layer.weight = nn.Parameter(base[i * shift:i * shift + width * width].view(width, width))
+        layer.weight = nn.Parameter(base[i * shift : i * shift + width * width].view(width, width))
     return model
 
 
@@ -144,14 +145,24 @@ def run_step(s: Setup, x: torch.Tensor, record: bool) -> str:
     t3 = time.perf_counter()
     r2 = s.tm.report()
     (a0, _), (a1, w1), (a2, w2) = nvme_bytes(r0), nvme_bytes(r1), nvme_bytes(r2)
-    row = (t1 - t0, t3 - t2, r1.stall_seconds - r0.stall_seconds, r2.stall_seconds - r1.stall_seconds,
-           a2 - a1, w2 - w1, a1 - a0)
+    row = (
+        t1 - t0,
+        t3 - t2,
+        r1.stall_seconds - r0.stall_seconds,
+        r2.stall_seconds - r1.stall_seconds,
+        a2 - a1,
+        w2 - w1,
+        a1 - a0,
+    )
     if record:
-        for series, value in zip((s.fwd_bwd, s.step, s.stall_fwd_bwd, s.stall_step, s.read, s.written,
-                                  s.read_fwd_bwd), row):
+        for series, value in zip(
+            (s.fwd_bwd, s.step, s.stall_fwd_bwd, s.stall_step, s.read, s.written, s.read_fwd_bwd), row
+        ):
             series.append(value)
-    return (f"{s.name}: fwd+bwd {1e3 * row[0]:7.0f} ms (stall {1e3 * row[2]:5.0f}), step {1e3 * row[1]:7.0f} ms "
-            f"(stall {1e3 * row[3]:5.0f}, NVMe read {row[4] / GB:.2f} GB, written {row[5] / GB:.2f} GB)")
+    return (
+        f"{s.name}: fwd+bwd {1e3 * row[0]:7.0f} ms (stall {1e3 * row[2]:5.0f}), step {1e3 * row[1]:7.0f} ms "
+        f"(stall {1e3 * row[3]:5.0f}, NVMe read {row[4] / GB:.2f} GB, written {row[5] / GB:.2f} GB)"
+    )
 
 
 def fio(directory: str, size: int) -> dict[str, float]:
@@ -160,8 +171,19 @@ def fio(directory: str, size: int) -> dict[str, float]:
     path, bw = os.path.join(directory, "fio.dat"), {}
     try:
         for rw, name in (("write", "write"), ("read", "read"), ("rw", "mixed")):
-            cmd = ["fio", "--name=nvme-step", f"--filename={path}", f"--rw={rw}", "--bs=8M", f"--size={size}",
-                   "--direct=1", "--ioengine=libaio", "--iodepth=8", "--numjobs=1", "--output-format=json"]
+            cmd = [
+                "fio",
+                "--name=nvme-step",
+                f"--filename={path}",
+                f"--rw={rw}",
+                "--bs=8M",
+                f"--size={size}",
+                "--direct=1",
+                "--ioengine=libaio",
+                "--iodepth=8",
+                "--numjobs=1",
+                "--output-format=json",
+            ]
             job = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["jobs"][0]
             bw[name] = float(job["read"]["bw_bytes"] + job["write"]["bw_bytes"])
     finally:
@@ -179,8 +201,21 @@ def adam_seconds(n: int, repeats: int = 3) -> float:
     best = float("inf")
     for step in range(1, repeats + 1):
         t0 = time.perf_counter()
-        adam_step(master, exp_avg, exp_avg_sq, grad, step=step, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=1e-8,
-                  weight_decay=WD, adamw=True, out=out, check_finite=False)
+        adam_step(
+            master,
+            exp_avg,
+            exp_avg_sq,
+            grad,
+            step=step,
+            lr=LR,
+            beta1=BETAS[0],
+            beta2=BETAS[1],
+            eps=1e-8,
+            weight_decay=WD,
+            adamw=True,
+            out=out,
+            check_finite=False,
+        )
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -191,18 +226,27 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=24)
     p.add_argument("--rows", type=int, default=128, help="rows of input per step")
     p.add_argument("--steps", type=int, default=3, help="measured steps per run of a setup (fio after each)")
-    p.add_argument("--rounds", type=int, default=2, help="runs per setup, each in a fresh process, the order "
-                                                          "reversed every other round")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="runs per setup, each in a fresh process, the order reversed every other round",
+    )
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first in each run")
     p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size")
     p.add_argument("--fio-size", default="1GiB", help="bytes per fio pass (three passes after each measured step)")
-    p.add_argument("--dir", default=None, help="directory on the disk to test (default: a temporary one under "
-                                               "the current directory, removed afterwards)")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="directory on the disk to test (default: a temporary one under the current directory, removed afterwards)",
+    )
     p.add_argument("--one", choices=SETUPS, default=None, help=argparse.SUPPRESS)  # one run, as a JSON line
     args = p.parse_args()
     if min(args.width, args.depth, args.rows, args.steps, args.rounds) < 1 or args.warmup < 1:
-        p.error("--width, --depth, --rows, --steps, --rounds must be >= 1 and --warmup >= 1 (the first step "
-                "records the trace)")
+        p.error(
+            "--width, --depth, --rows, --steps, --rounds must be >= 1 and --warmup >= 1 (the first step "
+            "records the trace)"
+        )
     return args
 
 
@@ -220,9 +264,15 @@ def run_one(args: argparse.Namespace, root: str) -> Setup:
     try:
         torch.manual_seed(0)
         policy = OptimStateOnNvme() if args.one == "state-on-nvme" else ZeroInfinity()
-        tm = TieredModel(LinearStack(args.width, args.depth), policy,
-                         optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD), precision="bf16",
-                         nvme_dir=d, bucket_size=args.bucket_size, prefetch=args.one != "zero-infinity, no prefetch")
+        tm = TieredModel(
+            LinearStack(args.width, args.depth),
+            policy,
+            optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+            precision="bf16",
+            nvme_dir=d,
+            bucket_size=args.bucket_size,
+            prefetch=args.one != "zero-infinity, no prefetch",
+        )
         s = Setup(args.one, tm, weights_on_nvme=tm.param_offload is not None)
         gen = torch.Generator().manual_seed(0)
         for i in range(args.warmup + args.steps):
@@ -232,8 +282,7 @@ def run_one(args: argparse.Namespace, root: str) -> Setup:
                 s.fios.append(fio(d, parse_bytes(args.fio_size, what="--fio-size")))
         if tm.param_offload:
             st = tm.param_offload.scheduler.history[-1]
-            s.sched = {k: getattr(st, k) for k in ("acquires", "hits", "late", "misses", "prefetches",
-                                                   "stall_seconds")}
+            s.sched = {k: getattr(st, k) for k in ("acquires", "hits", "late", "misses", "prefetches", "stall_seconds")}
         s.report = str(tm.report())
         tm.detach()  # deletes the model's files
         s.tm = None
@@ -251,40 +300,48 @@ def spawn(name: str, root: str) -> Setup:
 def main() -> int:
     args = parse_args()
     if shutil.which("fio") is None:
-        print("fio not found on PATH: the floor needs fio's bandwidth on the same directory; install fio",
-              file=sys.stderr)
+        print(
+            "fio not found on PATH: the floor needs fio's bandwidth on the same directory; install fio", file=sys.stderr
+        )
         return 2
     parse_bytes(args.fio_size, what="--fio-size")  # a bad size fails here, before any run
     root = args.dir or tempfile.mkdtemp(prefix="tiermem-nvme-step-", dir=os.getcwd())
     n = args.width * args.width * args.depth
     if args.one is None:
-        print(f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e6:.1f}M parameters, optimizer "
-              f"state {fmt_bytes(12 * n)} (as much on disk: each value once); {args.rows} rows per step; "
-              f"directory {root}; {torch.get_num_threads()} CPU threads; load average at start "
-              f"{os.getloadavg()[0]:.2f}; each setup in its own process, {args.rounds} rounds of {args.steps} "
-              f"measured steps", flush=True)
+        print(
+            f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e6:.1f}M parameters, optimizer "
+            f"state {fmt_bytes(12 * n)} (as much on disk: each value once); {args.rows} rows per step; "
+            f"directory {root}; {torch.get_num_threads()} CPU threads; load average at start "
+            f"{os.getloadavg()[0]:.2f}; each setup in its own process, {args.rounds} rounds of {args.steps} "
+            f"measured steps",
+            flush=True,
+        )
 
     def show(when: str, bw: dict[str, float]) -> str:
         return f"fio{when}: " + ", ".join(f"{k} {v / GB:.2f} GB/s" for k, v in bw.items())
 
     if args.one is not None:
         s = run_one(args, root)
-        print(json.dumps({k: getattr(s, k) for k in (*Setup.SERIES, "weights_on_nvme", "sched", "report")}),
-              flush=True)
+        print(json.dumps({k: getattr(s, k) for k in (*Setup.SERIES, "weights_on_nvme", "sched", "report")}), flush=True)
         return 0
     try:
         setups = {name: Setup(name) for name in SETUPS}
         for r in range(args.rounds):
-            for name in (SETUPS if r % 2 == 0 else SETUPS[::-1]):  # A B C, then C B A
+            for name in SETUPS if r % 2 == 0 else SETUPS[::-1]:  # A B C, then C B A
                 t0 = time.perf_counter()
                 one = spawn(name, root)
                 s = setups[name]
                 for k in Setup.SERIES:
                     getattr(s, k).extend(getattr(one, k))
                 s.weights_on_nvme, s.sched, s.report = one.weights_on_nvme, one.sched, one.report
-                print(f"round {r + 1}, {name}: tm.step() " + " ".join(f"{1e3 * t:.0f}" for t in one.step)
-                      + " ms; " + "; ".join(show("", f) for f in one.fios)
-                      + f"; run {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.2f}", flush=True)
+                print(
+                    f"round {r + 1}, {name}: tm.step() "
+                    + " ".join(f"{1e3 * t:.0f}" for t in one.step)
+                    + " ms; "
+                    + "; ".join(show("", f) for f in one.fios)
+                    + f"; run {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.2f}",
+                    flush=True,
+                )
         setups = list(setups.values())
     finally:
         if args.dir is None:
@@ -293,8 +350,10 @@ def main() -> int:
 
     fios = [f for s in setups for f in s.fios]
     bw = {k: med([f[k] for f in fios]) for k in fios[0]}
-    print(f"\n{show(f' (median of {len(fios)} passes)', bw)}; adam_step over {n / 1e6:.1f}M parameters in memory: "
-          f"{1e3 * adam:.0f} ms ({n / adam / 1e9:.2f} Gparam/s)")
+    print(
+        f"\n{show(f' (median of {len(fios)} passes)', bw)}; adam_step over {n / 1e6:.1f}M parameters in memory: "
+        f"{1e3 * adam:.0f} ms ({n / adam / 1e9:.2f} Gparam/s)"
+    )
     # What a step must move: the state, read and written; ZeroInfinity also writes the new bf16 weights home.
     must = {s.name: (12 * n, 12 * n + (2 * n if s.weights_on_nvme else 0)) for s in setups}
 
@@ -302,9 +361,11 @@ def main() -> int:
         """The floor of each of the setup's measured steps, from the fio run right after it."""
         s = next(s for s in setups if s.name == name)
         r, w = must[name]
-        io = {"serial": lambda f: r / f["read"] + w / f["write"],  # the disk doing one thing at a time
-              "mixed": lambda f: (r + w) / f["mixed"],  # reads and writes at once, as the pipeline issues them
-              "overlapped": lambda f: max(r / f["read"], w / f["write"])}[kind]  # each at its own full speed
+        io = {
+            "serial": lambda f: r / f["read"] + w / f["write"],  # the disk doing one thing at a time
+            "mixed": lambda f: (r + w) / f["mixed"],  # reads and writes at once, as the pipeline issues them
+            "overlapped": lambda f: max(r / f["read"], w / f["write"]),
+        }[kind]  # each at its own full speed
         return [max(io(f), adam) for f in s.fios]
 
     def ratio_of(s: Setup, kind: str) -> float:
@@ -316,29 +377,42 @@ def main() -> int:
     iteration = {s.name: med([a + b for a, b in zip(s.fwd_bwd, s.step)]) for s in setups}
     for s in setups:
         r, w = must[s.name]
-        print(f"\n{s.name} (median of {len(s.step)} steps): fwd+bwd {1e3 * med(s.fwd_bwd):.0f} ms "
-              f"(stalled {1e3 * med(s.stall_fwd_bwd):.0f} ms, NVMe read {med(s.read_fwd_bwd) / GB:.3f} GB), "
-              f"tm.step() {1e3 * med(s.step):.0f} ms (stalled {1e3 * med(s.stall_step):.0f} ms), iteration "
-              f"{1e3 * iteration[s.name]:.0f} ms")
-        print(f"  the step must read {r / GB:.2f} GB from NVMe and write {w / GB:.2f} GB (the report counted "
-              f"{med(s.read) / GB:.2f} and {med(s.written) / GB:.2f}); floor max(I/O, Adam), I/O at fio's "
-              + ", ".join(f"{kind} bandwidth {1e3 * med(floors(s.name, kind)):.0f} ms"
-                          for kind in ("serial", "mixed", "overlapped")))
+        print(
+            f"\n{s.name} (median of {len(s.step)} steps): fwd+bwd {1e3 * med(s.fwd_bwd):.0f} ms "
+            f"(stalled {1e3 * med(s.stall_fwd_bwd):.0f} ms, NVMe read {med(s.read_fwd_bwd) / GB:.3f} GB), "
+            f"tm.step() {1e3 * med(s.step):.0f} ms (stalled {1e3 * med(s.stall_step):.0f} ms), iteration "
+            f"{1e3 * iteration[s.name]:.0f} ms"
+        )
+        print(
+            f"  the step must read {r / GB:.2f} GB from NVMe and write {w / GB:.2f} GB (the report counted "
+            f"{med(s.read) / GB:.2f} and {med(s.written) / GB:.2f}); floor max(I/O, Adam), I/O at fio's "
+            + ", ".join(
+                f"{kind} bandwidth {1e3 * med(floors(s.name, kind)):.0f} ms"
+                for kind in ("serial", "mixed", "overlapped")
+            )
+        )
         if s.sched is not None:
             st = s.sched
-            print(f"  scheduler, last iteration of the last run: {st['acquires']} acquires = {st['hits']} hits + "
-                  f"{st['late']} late + {st['misses']} misses; {st['prefetches']} prefetches; stalled "
-                  f"{1e3 * st['stall_seconds']:.0f} ms")
+            print(
+                f"  scheduler, last iteration of the last run: {st['acquires']} acquires = {st['hits']} hits + "
+                f"{st['late']} late + {st['misses']} misses; {st['prefetches']} prefetches; stalled "
+                f"{1e3 * st['stall_seconds']:.0f} ms"
+            )
         print("  last run's report: " + s.report.replace("\n", "\n  "))
 
-    print(f"\nload average at the end {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min) "
-          f"on {os.cpu_count()} CPUs: other processes share them")
+    print(
+        f"\nload average at the end {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min) "
+        f"on {os.cpu_count()} CPUs: other processes share them"
+    )
     print("\n== ratios ==")
     for kind in ("serial", "mixed", "overlapped"):
         for s in setups:
             ratio = ratio_of(s, kind)
-            target = (f"  (target <= 1.15x: {'met' if ratio <= 1.15 else 'NOT met'})"
-                      if s is setups[0] and kind == "serial" else "")
+            target = (
+                f"  (target <= 1.15x: {'met' if ratio <= 1.15 else 'NOT met'})"
+                if s is setups[0] and kind == "serial"
+                else ""
+            )
             print(f"{s.name + ':':<28} tm.step() / floor, {kind + ' I/O':<15}{ratio:5.2f}x{target}")
     for s in setups:
         ratio = med([a + b for a, b in zip(s.fwd_bwd, s.step)]) / (compute + floor[s.name])
@@ -349,8 +423,10 @@ def main() -> int:
         print(f"{s.name + ':':<28} weight stalls / iteration         {100 * frac:5.1f}%{target}")
     for s in setups:
         frac = (med(s.stall_fwd_bwd) + med(s.stall_step)) / iteration[s.name]
-        print(f"{s.name + ':':<28} all stalls / iteration            {100 * frac:5.1f}%  (with the step's waits "
-              f"on the disk)")
+        print(
+            f"{s.name + ':':<28} all stalls / iteration            {100 * frac:5.1f}%  (with the step's waits "
+            f"on the disk)"
+        )
     return 0
 
 

@@ -9,6 +9,7 @@ training thread (each span's start and length in ms from the step's start: waits
 the write-behind and the staging buffers, Adam per bucket) with the host->device copies beside it.
 A diagnostic, not a benchmark: no anchor, no ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,13 +44,19 @@ def main() -> int:
             torch.manual_seed(0)
             d = os.path.join(root, name)
             os.makedirs(d)
-            tms[name] = TieredModel(LinearStack(2048, args.depth), policy, precision="bf16", nvme_dir=d,
-                                    optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD), bucket_size="32MiB",
-                                    trace_path=os.path.join(root, f"{name}.json"))
+            tms[name] = TieredModel(
+                LinearStack(2048, args.depth),
+                policy,
+                precision="bf16",
+                nvme_dir=d,
+                optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+                bucket_size="32MiB",
+                trace_path=os.path.join(root, f"{name}.json"),
+            )
         x = torch.randn(128, 2048)
         times: dict[str, list[float]] = collections.defaultdict(list)
         for i in range(args.steps):
-            for name in (list(tms) if i % 2 == 0 else list(reversed(tms))):
+            for name in list(tms) if i % 2 == 0 else list(reversed(tms)):
                 tm = tms[name]
                 tm.backward(tm(x).float().square().mean())
                 t0 = time.perf_counter()
@@ -60,10 +67,19 @@ def main() -> int:
             with open(os.path.join(root, f"{name}.json")) as f:
                 events = json.load(f)["traceEvents"]
             steps = [e for e in events if e["name"] == "step"]
-            adam = [sum(e["dur"] for e in events if e["name"].startswith("adam bucket")
-                        and s["ts"] <= e["ts"] <= s["ts"] + s["dur"]) / 1e3 for s in steps]
-            print(f"\n{name}: tm.step() ms {[round(1e3 * t) for t in times[name]]}; Adam per step ms "
-                  f"{[round(a) for a in adam]}")
+            adam = [
+                sum(
+                    e["dur"]
+                    for e in events
+                    if e["name"].startswith("adam bucket") and s["ts"] <= e["ts"] <= s["ts"] + s["dur"]
+                )
+                / 1e3
+                for s in steps
+            ]
+            print(
+                f"\n{name}: tm.step() ms {[round(1e3 * t) for t in times[name]]}; Adam per step ms "
+                f"{[round(a) for a in adam]}"
+            )
             last = steps[-1]
             for e in sorted(events, key=lambda e: e["ts"]):
                 inside = last["ts"] <= e["ts"] <= last["ts"] + last["dur"] and e is not last

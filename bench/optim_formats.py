@@ -13,6 +13,7 @@
   option against fp32 AdamW in the same run (the anchor), interleaved rounds, median.
 Ratios are printed last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,12 @@ from tiermem.policies import ZeroInfinity, ZeroOffload  # noqa: E402
 OPTIONS = {
     "AdamW fp32 state": lambda ps, lr: tiermem.AdamW(ps, lr=lr, betas=(0.9, 0.95), weight_decay=0.1),
     "AdamW8bit": lambda ps, lr: tiermem.AdamW8bit(ps, lr=lr, betas=(0.9, 0.95), weight_decay=0.1),
-    "AdamW bf16 master (SR)": lambda ps, lr: tiermem.AdamW(ps, lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
-                                                         bf16_stochastic_round=True),
-    "AdamW8bit + bf16 master": lambda ps, lr: tiermem.AdamW8bit(ps, lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
-                                                                bf16_stochastic_round=True),
+    "AdamW bf16 master (SR)": lambda ps, lr: tiermem.AdamW(
+        ps, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, bf16_stochastic_round=True
+    ),
+    "AdamW8bit + bf16 master": lambda ps, lr: tiermem.AdamW8bit(
+        ps, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, bf16_stochastic_round=True
+    ),
 }
 ANCHOR = "AdamW fp32 state"
 
@@ -68,12 +71,16 @@ def quality(steps: int, batch: int, lr: float, seed: int) -> dict[str, tuple[flo
         tm.eval()
         vgen = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
-            held = statistics.mean(lm_loss(tm(x), y).item() for x, y in
-                                   (get_batch(val_data, batch, cfg.block_size, vgen) for _ in range(8)))
+            held = statistics.mean(
+                lm_loss(tm(x), y).item()
+                for x, y in (get_batch(val_data, batch, cfg.block_size, vgen) for _ in range(8))
+            )
         tm.detach()
         out[name] = (statistics.mean(losses[-10:]), held)
-        print(f"quality {name:26s} first {losses[0]:.4f} final (last 10) {out[name][0]:.4f} held-out {held:.4f}",
-              flush=True)
+        print(
+            f"quality {name:26s} first {losses[0]:.4f} final (last 10) {out[name][0]:.4f} held-out {held:.4f}",
+            flush=True,
+        )
     return out
 
 
@@ -97,8 +104,11 @@ def size() -> dict[str, tuple[float, float]]:
             du = int(subprocess.run(["du", "-sb", d], capture_output=True, text=True, check=True).stdout.split()[0])
             tm.detach()
         out[name] = (host / n, du / n)
-        print(f"size    {name:26s} host (ZeroOffload grads + state) {host / n:.2f} B/param; "
-              f"NVMe (ZeroInfinity, du) {du / n:.2f} B/param", flush=True)
+        print(
+            f"size    {name:26s} host (ZeroOffload grads + state) {host / n:.2f} B/param; "
+            f"NVMe (ZeroInfinity, du) {du / n:.2f} B/param",
+            flush=True,
+        )
     return out
 
 
@@ -143,8 +153,10 @@ def main() -> int:
         if q:
             cells.append(f"final loss {q[name][0] / q[ANCHOR][0]:.4f}x, held-out {q[name][1] / q[ANCHOR][1]:.4f}x")
         if s:
-            cells.append(f"host {s[name][0]:.2f} B/param ({s[name][0] / s[ANCHOR][0]:.2f}x), "
-                         f"NVMe {s[name][1]:.2f} B/param ({s[name][1] / s[ANCHOR][1]:.2f}x)")
+            cells.append(
+                f"host {s[name][0]:.2f} B/param ({s[name][0] / s[ANCHOR][0]:.2f}x), "
+                f"NVMe {s[name][1]:.2f} B/param ({s[name][1] / s[ANCHOR][1]:.2f}x)"
+            )
         if v:
             cells.append(f"step speed {v[ANCHOR] / v[name]:.2f}x")
         print(f"  {name:26s} " + "; ".join(cells))

@@ -12,6 +12,7 @@ first ``--log-every``, past the first step's set-up). Also printed: a ``F.linear
 shape (4096x128 by 512x128, one thread) in fp32 and bf16 under each emulation, and what
 ``precision="auto"`` resolves to. Ratios against native fp32 come last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,16 +43,32 @@ for dt in (torch.float32, torch.bfloat16):
 print(*out)
 """
 
+
 def env_of(emulation: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                                                              "DNNL_MAX_CPU_ISA")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+    }
     return {**env, **EMULATIONS[emulation]}
 
 
 def step_ms(emulation: str, precision: str, steps: int, log_every: int) -> float:
     """ms/step of the last log window of a fresh ``train_gpt.py --steps steps`` run."""
-    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--steps", str(steps), "--log-every",
-           str(log_every), "--precision", precision, "--sample-tokens", "0", "--eval-batches", "1"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "train_gpt.py"),
+        "--steps",
+        str(steps),
+        "--log-every",
+        str(log_every),
+        "--precision",
+        precision,
+        "--sample-tokens",
+        "0",
+        "--eval-batches",
+        "1",
+    ]
     out = subprocess.run(cmd, env=env_of(emulation), capture_output=True, text=True, timeout=3600, cwd=ROOT)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout}\n{out.stderr}")
@@ -64,15 +81,22 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20, help="steps of each run (the last --log-every are timed)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--configs", default="native:fp32,native:auto,avx2:auto,avx2:bf16",
-                   help="EMULATION:PRECISION,... (the first is the anchor)")
+    p.add_argument(
+        "--configs",
+        default="native:fp32,native:auto,avx2:auto,avx2:bf16",
+        help="EMULATION:PRECISION,... (the first is the anchor)",
+    )
     a = p.parse_args()
     configs = [tuple(c.split(":")) for c in a.configs.split(",")]
     for emulation in dict.fromkeys(e for e, _ in configs):
-        got = subprocess.run([sys.executable, "-c", LINEAR], env=env_of(emulation), capture_output=True, text=True,
-                             check=True, cwd=ROOT).stdout.split()
-        print(f"{emulation:>6}: precision='auto' is {got[0]}; F.linear 4096x128 by 512x128, one thread: "
-              f"fp32 {got[1]} ms, bf16 {got[2]} ms ({float(got[2]) / float(got[1]):.1f}x)", flush=True)
+        got = subprocess.run(
+            [sys.executable, "-c", LINEAR], env=env_of(emulation), capture_output=True, text=True, check=True, cwd=ROOT
+        ).stdout.split()
+        print(
+            f"{emulation:>6}: precision='auto' is {got[0]}; F.linear 4096x128 by 512x128, one thread: "
+            f"fp32 {got[1]} ms, bf16 {got[2]} ms ({float(got[2]) / float(got[1]):.1f}x)",
+            flush=True,
+        )
     ms: dict[tuple, list[float]] = {c: [] for c in configs}
     t0 = time.perf_counter()
     for r in range(a.rounds):
@@ -84,8 +108,9 @@ def main() -> int:
     print(f"\nms/step (median of {a.rounds} rounds) and against {configs[0][0]} {configs[0][1]}:")
     for c in configs:
         med = statistics.median(ms[c])
-        print(f"  {c[0]:>6} {c[1]:>4}  {med:8.1f} ms/step  500 steps ~ {med * 500 / 6e4:5.1f} min  "
-              f"{med / anchor:5.2f}x")
+        print(
+            f"  {c[0]:>6} {c[1]:>4}  {med:8.1f} ms/step  500 steps ~ {med * 500 / 6e4:5.1f} min  {med / anchor:5.2f}x"
+        )
     return 0
 
 

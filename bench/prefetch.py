@@ -21,6 +21,7 @@ that the next iteration's first prefetches overlap in training. Every setup must
 same outputs as the resident one (checked), within the device budget (checked). The ratios come
 last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,13 +54,15 @@ class Setup:
     checksums: list[float] = field(default_factory=list)
 
 
-def make_setup(name: str, weights: list[torch.Tensor], directory: str | None, budget: int,
-               **options) -> Setup:
+def make_setup(name: str, weights: list[torch.Tensor], directory: str | None, budget: int, **options) -> Setup:
     if directory is None:
         return Setup(name, None)
     os.makedirs(directory)
-    res = KeyedResidency(TransferEngine({Tier.DEVICE: DeviceStore("cpu", budget), Tier.HOST: HostStore(),
-                                         Tier.NVME: NvmeStore(directory)}))
+    res = KeyedResidency(
+        TransferEngine(
+            {Tier.DEVICE: DeviceStore("cpu", budget), Tier.HOST: HostStore(), Tier.NVME: NvmeStore(directory)}
+        )
+    )
     for i, w in enumerate(weights):
         key = f"layers.{i}.weight"
         res.register(TensorInfo(key, TensorClass.PARAM, w.nbytes, tuple(w.shape), w.dtype), Tier.NVME)
@@ -69,6 +72,7 @@ def make_setup(name: str, weights: list[torch.Tensor], directory: str | None, bu
 
 def iteration(setup: Setup, weights: list[torch.Tensor], x: torch.Tensor, order: list[int]) -> None:
     """One forward (``order``) and backward (reversed) pass; records time and a checksum."""
+
     def use(i: int) -> torch.Tensor:
         return weights[i] if setup.sched is None else setup.sched.acquire(f"layers.{i}.weight")
 
@@ -117,14 +121,17 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="tiermem-prefetch-", dir=args.dir)
     setups = []
     try:
-        configs = [("resident", None, {}),
-                   ("prefetch, belady", "a", dict(prefetch=True, eviction="belady")),
-                   ("prefetch, lru", "b", dict(prefetch=True, eviction="lru")),
-                   ("on demand, belady", "c", dict(prefetch=False, eviction="belady")),
-                   ("on demand, lru", "d", dict(prefetch=False, eviction="lru"))]
+        configs = [
+            ("resident", None, {}),
+            ("prefetch, belady", "a", dict(prefetch=True, eviction="belady")),
+            ("prefetch, lru", "b", dict(prefetch=True, eviction="lru")),
+            ("on demand, belady", "c", dict(prefetch=False, eviction="belady")),
+            ("on demand, lru", "d", dict(prefetch=False, eviction="lru")),
+        ]
         for name, sub, options in configs:
-            setups.append(make_setup(name, weights, None if sub is None else os.path.join(root, sub),
-                                     budget, **options))
+            setups.append(
+                make_setup(name, weights, None if sub is None else os.path.join(root, sub), budget, **options)
+            )
         order = list(range(args.tensors)) + ([] if args.untied else [0])
         for _ in range(args.iterations):
             for setup in setups:
@@ -152,36 +159,50 @@ def steady(setup: Setup) -> ScheduleStats:
 def report(args, setups: list[Setup], weights, total_bytes: int, budget: int, root: str) -> None:
     n = args.iterations - 1
     nvme = setups[1].res.engine.stores[Tier.NVME]
-    print(f"{args.tensors} weights x {weights[0].nbytes / MiB:.1f} MiB on NVMe ({total_bytes / MiB:.0f} MiB), "
-          f"device budget {budget / MiB:.0f} MiB ({budget / total_bytes:.2f} of it), "
-          f"{2 * (args.tensors + (not args.untied))} accesses per iteration, batch {args.batch}, "
-          f"{'O_DIRECT' if nvme.direct else 'buffered'} I/O under {root}")
+    print(
+        f"{args.tensors} weights x {weights[0].nbytes / MiB:.1f} MiB on NVMe ({total_bytes / MiB:.0f} MiB), "
+        f"device budget {budget / MiB:.0f} MiB ({budget / total_bytes:.2f} of it), "
+        f"{2 * (args.tensors + (not args.untied))} accesses per iteration, batch {args.batch}, "
+        f"{'O_DIRECT' if nvme.direct else 'buffered'} I/O under {root}"
+    )
     print(f"steady state, per iteration: seconds the median, the rest the mean of iterations 2..{args.iterations}")
-    print(f"{'':20s} {'seconds':>8s} {'stall s':>8s} {'stall %':>8s} {'misses':>7s} {'late':>6s} "
-          f"{'ahead':>6s} {'evicted':>8s} {'MiB read':>9s}")
+    print(
+        f"{'':20s} {'seconds':>8s} {'stall s':>8s} {'stall %':>8s} {'misses':>7s} {'late':>6s} "
+        f"{'ahead':>6s} {'evicted':>8s} {'MiB read':>9s}"
+    )
     secs = {s.name: statistics.median(s.seconds[1:]) for s in setups}
     stall, evicted = {}, {}
     for s in setups:
         if s.sched is None:
-            print(f"{s.name:20s} {secs[s.name]:8.3f} {0.0:8.3f} {0.0:7.1f}% {'-':>7s} {'-':>6s} {'-':>6s} "
-                  f"{'-':>8s} {'-':>9s}")
+            print(
+                f"{s.name:20s} {secs[s.name]:8.3f} {0.0:8.3f} {0.0:7.1f}% {'-':>7s} {'-':>6s} {'-':>6s} "
+                f"{'-':>8s} {'-':>9s}"
+            )
             continue
         st = steady(s)
         stall[s.name], evicted[s.name] = st.stall_seconds / n, st.evictions / n
         read = (st.bytes_prefetched + st.bytes_fetched) / n / MiB
-        print(f"{s.name:20s} {secs[s.name]:8.3f} {stall[s.name]:8.3f} {100 * stall[s.name] / secs[s.name]:7.1f}% "
-              f"{st.misses / n:7.1f} {st.late / n:6.1f} {st.prefetches / n:6.1f} {evicted[s.name]:8.1f} "
-              f"{read:9.0f}")
-    print(f"stall per iteration: prefetch / on demand (belady) = "
-          f"{stall['prefetch, belady'] / max(stall['on demand, belady'], 1e-9):.3f}x")
-    print(f"iteration time: prefetch / on demand (belady) = "
-          f"{secs['prefetch, belady'] / secs['on demand, belady']:.2f}x")
+        print(
+            f"{s.name:20s} {secs[s.name]:8.3f} {stall[s.name]:8.3f} {100 * stall[s.name] / secs[s.name]:7.1f}% "
+            f"{st.misses / n:7.1f} {st.late / n:6.1f} {st.prefetches / n:6.1f} {evicted[s.name]:8.1f} "
+            f"{read:9.0f}"
+        )
+    print(
+        f"stall per iteration: prefetch / on demand (belady) = "
+        f"{stall['prefetch, belady'] / max(stall['on demand, belady'], 1e-9):.3f}x"
+    )
+    print(
+        f"iteration time: prefetch / on demand (belady) = {secs['prefetch, belady'] / secs['on demand, belady']:.2f}x"
+    )
     print(f"iteration time: prefetch, belady / resident = {secs['prefetch, belady'] / secs['resident']:.2f}x")
     print(f"iteration time: on demand, belady / resident = {secs['on demand, belady'] / secs['resident']:.2f}x")
-    print(f"evictions: belady / lru (prefetch) = "
-          f"{evicted['prefetch, belady'] / max(evicted['prefetch, lru'], 1e-9):.2f}x")
-    print(f"evictions: belady / lru (on demand) = "
-          f"{evicted['on demand, belady'] / max(evicted['on demand, lru'], 1e-9):.2f}x")
+    print(
+        f"evictions: belady / lru (prefetch) = {evicted['prefetch, belady'] / max(evicted['prefetch, lru'], 1e-9):.2f}x"
+    )
+    print(
+        f"evictions: belady / lru (on demand) = "
+        f"{evicted['on demand, belady'] / max(evicted['on demand, lru'], 1e-9):.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ GPU: the GPU's rates from ``--gpu-profile`` (a profile saved by ``tiermem bench`
 without one, nominal H100-class figures (stated in the output), with this machine's CPU Adam. With
 ``--device cuda`` the measured figures are the real GPU gain. Ratios against f=0 come last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,6 +68,7 @@ def machine_profile(path: str | None) -> Profile:
     if prof is not None:
         return prof
     from tiermem.cli.bench import QUICK, collect
+
     print("no machine profile: measuring this machine (tiermem bench --quick, not saved) ...", flush=True)
     return Profile(collect(QUICK, None, quick=True))
 
@@ -82,11 +84,20 @@ def run_one(args) -> dict:
     device = torch.device(args.device)
     cfg = config_from_args(args)
     torch.manual_seed(0)
-    tm = TieredModel(GPT(cfg), ZeroOffload(device_fraction=args.one), optimizer=AdamW(lr=LR, betas=BETAS,
-                     weight_decay=WD), precision="bf16", grad_clip=CLIP, device=device, bucket_size=args.bucket_size)
+    tm = TieredModel(
+        GPT(cfg),
+        ZeroOffload(device_fraction=args.one),
+        optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+        precision="bf16",
+        grad_clip=CLIP,
+        device=device,
+        bucket_size=args.bucket_size,
+    )
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
-               for _ in range(args.warmup + args.steps)]
+    batches = [
+        torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
+        for _ in range(args.warmup + args.steps)
+    ]
     fb: list[float] = []
     st: list[float] = []
     for i, b in enumerate(batches):
@@ -102,11 +113,16 @@ def run_one(args) -> dict:
         if i >= args.warmup:
             fb.append(t1 - t0)
             st.append(t2 - t1)
-        print(f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1:2d}: f={args.one:g} {1e3 * (t1 - t0):7.1f} + "
-              f"{1e3 * (t2 - t1):6.1f} ms", file=sys.stderr, flush=True)
+        print(
+            f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1:2d}: f={args.one:g} {1e3 * (t1 - t0):7.1f} + "
+            f"{1e3 * (t2 - t1):6.1f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
     itemsize = tm.dtype.itemsize
-    here = cost.predict(tm.layout.buckets, itemsize, cost.Rates(**json.loads(args.rates)),
-                        forward_backward=statistics.median(fb))
+    here = cost.predict(
+        tm.layout.buckets, itemsize, cost.Rates(**json.loads(args.rates)), forward_backward=statistics.median(fb)
+    )
     result = {"n_params": tm.layout.n_params, "fb": fb, "st": st, "here": here.stages}
     if args.gpu_rates:
         result["gpu"] = cost.predict(tm.layout.buckets, itemsize, cost.Rates(**json.loads(args.gpu_rates))).stages
@@ -136,15 +152,27 @@ def main() -> int:
         if args.gpu_profile:
             gpu, source = cost.Rates.from_profile(load_profile(args.gpu_profile)), args.gpu_profile
         else:
-            gpu = cost.Rates(h2d=NOMINAL_GPU["h2d"], d2h=NOMINAL_GPU["d2h"], host_copy=rates.host_copy,
-                             nvme_read=rates.nvme_read, nvme_write=rates.nvme_write, cpu_adam=rates.cpu_adam,
-                             device_adam=NOMINAL_GPU["device_adam"], device_is_cpu=False)
-            source = (f"nominal GPU: h2d/d2h {NOMINAL_GPU['h2d'] / 1e9:g} GB/s, device Adam "
-                      f"{NOMINAL_GPU['device_adam'] / 1e9:g} Gparam/s; this machine's CPU Adam "
-                      f"{rates.cpu_adam / 1e9:.2f} Gparam/s")
+            gpu = cost.Rates(
+                h2d=NOMINAL_GPU["h2d"],
+                d2h=NOMINAL_GPU["d2h"],
+                host_copy=rates.host_copy,
+                nvme_read=rates.nvme_read,
+                nvme_write=rates.nvme_write,
+                cpu_adam=rates.cpu_adam,
+                device_adam=NOMINAL_GPU["device_adam"],
+                device_is_cpu=False,
+            )
+            source = (
+                f"nominal GPU: h2d/d2h {NOMINAL_GPU['h2d'] / 1e9:g} GB/s, device Adam "
+                f"{NOMINAL_GPU['device_adam'] / 1e9:g} Gparam/s; this machine's CPU Adam "
+                f"{rates.cpu_adam / 1e9:.2f} Gparam/s"
+            )
     name = f" ({torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda})" if device.type == "cuda" else ""
-    print(f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide; batch {args.batch_size} x {args.seq_len}; device {device}"
-          f"{name}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}; one process per variant", flush=True)
+    print(
+        f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide; batch {args.batch_size} x {args.seq_len}; device {device}"
+        f"{name}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}; one process per variant",
+        flush=True,
+    )
     runs = {f: spawn(f, rates, gpu) for f in fractions}
     print(f"{runs[fractions[0]]['n_params'] / 1e6:.1f}M parameters")
     med_fb = {f: statistics.median(r["fb"]) for f, r in runs.items()}
@@ -153,8 +181,10 @@ def main() -> int:
     print("\nmedian of", args.steps, "steps (forward+backward | tm.step()), and the cost model's tm.step():")
     for f in fractions:
         p = here[f]
-        print(f"  f={f:<5g} {1e3 * med_fb[f]:8.1f} | {1e3 * med_st[f]:7.1f} ms   predicted step() "
-              f"{1e3 * (p.seconds - p.stages['forward+backward']):7.1f} ms ({p})")
+        print(
+            f"  f={f:<5g} {1e3 * med_fb[f]:8.1f} | {1e3 * med_st[f]:7.1f} ms   predicted step() "
+            f"{1e3 * (p.seconds - p.stages['forward+backward']):7.1f} ms ({p})"
+        )
     on_gpu = {}
     if gpu is not None:
         print(f"\npredicted tm.step() on a GPU ({source}):")
@@ -165,12 +195,16 @@ def main() -> int:
     base = fractions[0]
     print(f"\n== ratios (against f={base:g}, measured in this run, one process each) ==")
     for f in fractions[1:]:
-        print(f"f={f:<5g} tm.step() / f={base:g}: measured {med_st[f] / med_st[base]:5.2f}x, predicted here "
-              f"{_step(here[f]) / _step(here[base]):5.2f}x" +
-              (f", predicted on a GPU {on_gpu[f].seconds / on_gpu[base].seconds:5.2f}x" if gpu else ""))
+        print(
+            f"f={f:<5g} tm.step() / f={base:g}: measured {med_st[f] / med_st[base]:5.2f}x, predicted here "
+            f"{_step(here[f]) / _step(here[base]):5.2f}x"
+            + (f", predicted on a GPU {on_gpu[f].seconds / on_gpu[base].seconds:5.2f}x" if gpu else "")
+        )
     for f in fractions[1:]:
-        print(f"f={f:<5g} whole iteration / f={base:g}: measured "
-              f"{(med_fb[f] + med_st[f]) / (med_fb[base] + med_st[base]):5.2f}x")
+        print(
+            f"f={f:<5g} whole iteration / f={base:g}: measured "
+            f"{(med_fb[f] + med_st[f]) / (med_fb[base] + med_st[base]):5.2f}x"
+        )
     return 0
 
 

@@ -19,6 +19,7 @@ each figure is the median (and the best) over ``--steps`` steps after ``--warmup
 machine without an accelerator both tiers are the CPU's memory, so the step times measure the
 bookkeeping that tiermem adds, not transfer overlap. Ratios come last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,8 +81,15 @@ def plain_torch(cfg: GPTConfig, device: torch.device) -> tuple[Callable, Callabl
 
 
 def tiered(cfg: GPTConfig, device: torch.device, policy, bucket_size: str) -> tuple[Callable, TieredModel]:
-    tm = TieredModel(make_model(cfg), policy=policy, optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
-                     precision="bf16", grad_clip=CLIP, device=device, bucket_size=bucket_size)
+    tm = TieredModel(
+        make_model(cfg),
+        policy=policy,
+        optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+        precision="bf16",
+        grad_clip=CLIP,
+        device=device,
+        bucket_size=bucket_size,
+    )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         tm.backward(lm_loss(tm(x), y))
@@ -110,13 +118,18 @@ def main() -> int:
     cfg = build_config(args)
     n_params = make_model(cfg).num_params()
     tokens = args.batch_size * args.seq_len
-    print(f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide, {n_params / 1e6:.1f}M parameters; batch "
-          f"{args.batch_size} x {args.seq_len} = {tokens} tokens; device {device}, "
-          f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}", flush=True)
+    print(
+        f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide, {n_params / 1e6:.1f}M parameters; batch "
+        f"{args.batch_size} x {args.seq_len} = {tokens} tokens; device {device}, "
+        f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}",
+        flush=True,
+    )
 
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
-               for _ in range(args.warmup + args.steps)]
+    batches = [
+        torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
+        for _ in range(args.warmup + args.steps)
+    ]
 
     plain_step, plain_bytes = plain_torch(cfg, device)
     zo_step, zo = tiered(cfg, device, ZeroOffload(), args.bucket_size)
@@ -129,40 +142,56 @@ def main() -> int:
         if i >= args.warmup:
             for name, t in row.items():
                 times[name].append(t)
-        print(f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1:2d}: "
-              + "  ".join(f"{name} {1e3 * t:8.1f} ms" for name, t in row.items()), flush=True)
+        print(
+            f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1:2d}: "
+            + "  ".join(f"{name} {1e3 * t:8.1f} ms" for name, t in row.items()),
+            flush=True,
+        )
     med = {name: statistics.median(ts) for name, ts in times.items()}
     best = {name: min(ts) for name, ts in times.items()}  # least disturbed by other processes
 
-    print(f"\nstep time, median (best) of {args.steps}: " + ", ".join(
-        f"{n} {1e3 * m:.1f} ms ({1e3 * best[n]:.1f} ms), {tokens / m:,.0f} tok/s" for n, m in med.items()))
+    print(
+        f"\nstep time, median (best) of {args.steps}: "
+        + ", ".join(f"{n} {1e3 * m:.1f} ms ({1e3 * best[n]:.1f} ms), {tokens / m:,.0f} tok/s" for n, m in med.items())
+    )
     print(f"\nplain torch model state (fp32 weights + grads + AdamW moments): {per_param(plain_bytes(), n_params)}")
     reports = {"zero-offload": zo.report(), "keep-on-device": kd.report()}
     for name, rep in reports.items():
         print(f"\n{name}:\n{rep}")
         for tier in (Tier.DEVICE, Tier.HOST):
-            parts = ", ".join(f"{c.value} {v / n_params:.2f}" for (c, t), v in sorted(
-                rep.class_peak_bytes.items(), key=lambda kv: kv[0][0].value) if t == tier and v)
-            print(f"  {tier.value:<6} peak {per_param(rep.peak_bytes.get(tier, 0), n_params)}; "
-                  f"by class (B/param): {parts or '-'}")
+            parts = ", ".join(
+                f"{c.value} {v / n_params:.2f}"
+                for (c, t), v in sorted(rep.class_peak_bytes.items(), key=lambda kv: kv[0][0].value)
+                if t == tier and v
+            )
+            print(
+                f"  {tier.value:<6} peak {per_param(rep.peak_bytes.get(tier, 0), n_params)}; "
+                f"by class (B/param): {parts or '-'}"
+            )
 
     rep = reports["zero-offload"]
     dev = rep.peak_bytes.get(Tier.DEVICE, 0)
     act = rep.class_peak_bytes.get((TensorClass.ACTIVATION, Tier.DEVICE), 0)
     ratio = med["zero-offload"] / med["torch"]
     print("\n== ratios ==")
-    print(f"zero-offload step / plain torch step:      {ratio:5.2f}x  (target <= 1.15x: "
-          f"{'met' if ratio <= 1.15 else 'NOT met'})")
+    print(
+        f"zero-offload step / plain torch step:      {ratio:5.2f}x  (target <= 1.15x: "
+        f"{'met' if ratio <= 1.15 else 'NOT met'})"
+    )
     print(f"zero-offload / plain torch, best steps:    {best['zero-offload'] / best['torch']:5.2f}x")
     print(f"keep-on-device step / plain torch step:    {med['keep-on-device'] / med['torch']:5.2f}x")
     print(f"zero-offload step / keep-on-device step:   {med['zero-offload'] / med['keep-on-device']:5.2f}x")
     # bucket_size counts fp32 bytes; the grads in flight on the device are bf16
     bucket = min(parse_bytes(args.bucket_size) / 4, n_params) * 2 / n_params
-    print(f"zero-offload device tier, peak:            {dev / n_params:5.2f} B/param "
-          f"(activations {act / n_params:.2f} + the rest {(dev - act) / n_params:.2f}; target: activations "
-          f"+ 2 + one bucket of bf16 grads {bucket:.2f} = {2 + bucket:.2f})")
-    print(f"zero-offload host tier, peak:              {rep.peak_bytes.get(Tier.HOST, 0) / n_params:5.2f} B/param "
-          f"(target 16)")
+    print(
+        f"zero-offload device tier, peak:            {dev / n_params:5.2f} B/param "
+        f"(activations {act / n_params:.2f} + the rest {(dev - act) / n_params:.2f}; target: activations "
+        f"+ 2 + one bucket of bf16 grads {bucket:.2f} = {2 + bucket:.2f})"
+    )
+    print(
+        f"zero-offload host tier, peak:              {rep.peak_bytes.get(Tier.HOST, 0) / n_params:5.2f} B/param "
+        f"(target 16)"
+    )
     return 0
 
 

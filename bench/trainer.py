@@ -23,6 +23,7 @@ step and lr schedule of one optimizer step; logging and saving are outside). The
 turn, ``--rounds`` times, so load from other processes hits them alike; each figure is the median
 (and the best) over the steps after ``--warmup`` of every round. Ratios come last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,17 @@ class StepTimer(TrainerCallback):
 
 def model_of(a) -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=a.seq_len, n_embd=a.n_embd, n_layer=a.n_layer,
-                                      n_head=4, bos_token_id=0, eos_token_id=0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=512,
+            n_positions=a.seq_len,
+            n_embd=a.n_embd,
+            n_layer=a.n_layer,
+            n_head=4,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def data_of(a) -> list[dict]:
@@ -71,11 +81,25 @@ def data_of(a) -> list[dict]:
 
 
 def args_of(a, out: str, **kw) -> TrainingArguments:
-    return TrainingArguments(out, per_device_train_batch_size=a.batch_size, gradient_accumulation_steps=a.accum,
-                             max_steps=a.steps, learning_rate=1e-3, weight_decay=0.1, max_grad_norm=1.0,
-                             lr_scheduler_type="linear", warmup_steps=1, logging_steps=a.steps, save_strategy="no",
-                             report_to=[], disable_tqdm=True, bf16=True, use_cpu=not torch.cuda.is_available(),
-                             dataloader_pin_memory=False, **kw)
+    return TrainingArguments(
+        out,
+        per_device_train_batch_size=a.batch_size,
+        gradient_accumulation_steps=a.accum,
+        max_steps=a.steps,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        lr_scheduler_type="linear",
+        warmup_steps=1,
+        logging_steps=a.steps,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        bf16=True,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_pin_memory=False,
+        **kw,
+    )
 
 
 def run_trainer(a, cls, **kw) -> list[float]:
@@ -89,17 +113,23 @@ def run_trainer(a, cls, **kw) -> list[float]:
 def run_own_loop(a) -> list[float]:
     model = model_of(a)
     decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
-    tm = TieredModel(model, optimizer=AdamW(lr=1e-3, weight_decay=0.1,
-                                            no_decay=tuple(n for n, _ in model.named_parameters() if n not in decay)),
-                     precision="bf16", grad_clip=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(tm.optimizer, lambda s: min(1.0, s) * max(0.0, (a.steps - s)
-                                                                                        / max(1, a.steps - 1)))
+    tm = TieredModel(
+        model,
+        optimizer=AdamW(
+            lr=1e-3, weight_decay=0.1, no_decay=tuple(n for n, _ in model.named_parameters() if n not in decay)
+        ),
+        precision="bf16",
+        grad_clip=1.0,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        tm.optimizer, lambda s: min(1.0, s) * max(0.0, (a.steps - s) / max(1, a.steps - 1))
+    )
     data, seconds, rank = data_of(a), [], tm.group.rank
     for step in range(a.steps):
         t0 = time.perf_counter()
         for i in range(a.accum):
             at = ((step * a.accum + i) * a.ranks + rank) * a.batch_size
-            x = torch.stack([d["input_ids"] for d in data[at:at + a.batch_size]])
+            x = torch.stack([d["input_ids"] for d in data[at : at + a.batch_size]])
             with tm.no_sync() if i < a.accum - 1 else contextlib.nullcontext():  # communicate once per step
                 tm.backward(tm(input_ids=x, labels=x).loss / a.accum)
         tm.step()
@@ -131,8 +161,15 @@ def main(argv=None) -> int:
 
 def rank_main(rank: int, a: argparse.Namespace, port: int) -> None:
     """One of ``--ranks`` processes, in the environment torchrun would give it."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(a.ranks),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(a.ranks), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(a.ranks),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(a.ranks),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=a.ranks)  # accelerate joins this group
     try:
@@ -147,16 +184,21 @@ def rank_main(rank: int, a: argparse.Namespace, port: int) -> None:
 
 def measure(a: argparse.Namespace) -> int:
     n = sum(q.numel() for q in model_of(a).parameters())
-    print(f"GPT-2 {n / 1e6:.1f}M params, batch {a.batch_size} x seq {a.seq_len} x accum {a.accum} per rank, "
-          f"{a.ranks} rank(s), bf16, {a.steps} steps x {a.rounds} rounds (first {a.warmup} of each dropped); "
-          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
-    runs = {"trainer": lambda: run_trainer(a, Trainer, optim="adamw_torch_fused"),
-            "tiered-trainer": lambda: run_trainer(a, TieredTrainer),
-            "own-loop": lambda: run_own_loop(a)}
+    print(
+        f"GPT-2 {n / 1e6:.1f}M params, batch {a.batch_size} x seq {a.seq_len} x accum {a.accum} per rank, "
+        f"{a.ranks} rank(s), bf16, {a.steps} steps x {a.rounds} rounds (first {a.warmup} of each dropped); "
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores",
+        flush=True,
+    )
+    runs = {
+        "trainer": lambda: run_trainer(a, Trainer, optim="adamw_torch_fused"),
+        "tiered-trainer": lambda: run_trainer(a, TieredTrainer),
+        "own-loop": lambda: run_own_loop(a),
+    }
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(a.rounds):
         for name, run in runs.items():
-            times[name] += run()[a.warmup:]
+            times[name] += run()[a.warmup :]
     med = {k: statistics.median(v) for k, v in times.items()}
     for k, v in times.items():
         print(f"{k:16s} step median {med[k] * 1e3:8.1f} ms   best {min(v) * 1e3:8.1f} ms   ({len(v)} steps)")
@@ -166,10 +208,15 @@ def measure(a: argparse.Namespace) -> int:
     print(f"  tiered-trainer / own-loop = {best['tiered-trainer'] / best['own-loop']:.2f}x")
     print(f"  tiered-trainer / trainer  = {best['tiered-trainer'] / best['trainer']:.2f}x")
     print("ratios of medians:")
-    print(f"  tiered-trainer / own-loop = {med['tiered-trainer'] / med['own-loop']:.2f}x  (the Trainer's loop around "
-          f"tiermem)")
-    print(f"  tiered-trainer / trainer  = {med['tiered-trainer'] / med['trainer']:.2f}x  (tiermem's ZeRO-Offload "
-          f"against the plain Trainer{' under DDP' if a.ranks > 1 else ''})", flush=True)
+    print(
+        f"  tiered-trainer / own-loop = {med['tiered-trainer'] / med['own-loop']:.2f}x  (the Trainer's loop around "
+        f"tiermem)"
+    )
+    print(
+        f"  tiered-trainer / trainer  = {med['tiered-trainer'] / med['trainer']:.2f}x  (tiermem's ZeRO-Offload "
+        f"against the plain Trainer{' under DDP' if a.ranks > 1 else ''})",
+        flush=True,
+    )
     return 0
 
 

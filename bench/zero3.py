@@ -28,6 +28,7 @@ Three parts, each in fresh processes (the script spawns its gloo ranks, one intr
 
 Ratios come last. DeepSpeed is not installed here (it is no dependency of tiermem), so it is not run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,13 +59,20 @@ LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 
 
 class WeightsOnHost(PerClass):
-    homes = {TensorClass.PARAM: Tier.HOST, TensorClass.ACTIVATION: Tier.DEVICE, TensorClass.GRAD: Tier.HOST,
-             TensorClass.OPTIM_STATE: Tier.HOST}
+    homes = {
+        TensorClass.PARAM: Tier.HOST,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+        TensorClass.GRAD: Tier.HOST,
+        TensorClass.OPTIM_STATE: Tier.HOST,
+    }
 
 
 #: setup -> (policy, shard_weights, the weights' home tier)
-SETUPS = {"zero-infinity": (ZeroInfinity, False, Tier.NVME), "weights-on-host": (WeightsOnHost, False, Tier.HOST),
-          "shard-weights": (ZeroOffload, True, Tier.DEVICE)}
+SETUPS = {
+    "zero-infinity": (ZeroInfinity, False, Tier.NVME),
+    "weights-on-host": (WeightsOnHost, False, Tier.HOST),
+    "shard-weights": (ZeroOffload, True, Tier.DEVICE),
+}
 ANCHOR = {"zero-infinity": "FSDP2+CPUOffload", "weights-on-host": "FSDP2+CPUOffload", "shard-weights": "FSDP2"}
 NUMBERS_CFG = GPTConfig(block_size=32, n_layer=4, n_head=2, n_embd=128, vocab_size=96)
 NUMBERS_BUCKET = "64KiB"
@@ -72,8 +80,15 @@ NUMBERS_BUCKET = "64KiB"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(p, preset="small", n_layer=6, n_embd=384, batch_size=16, seq_len=128,
-                   batch_help="global batch, split over the ranks")
+    add_model_args(
+        p,
+        preset="small",
+        n_layer=6,
+        n_embd=384,
+        batch_size=16,
+        seq_len=128,
+        batch_help="global batch, split over the ranks",
+    )
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes of the numbers part")
     p.add_argument("--steps", type=int, default=8, help="measured steps per setup (speed)")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per setup first")
@@ -81,9 +96,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-size", default="4MiB", help="TieredModel bucket_size of the speed and memory parts")
     p.add_argument("--skip-numbers", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
-    p.add_argument("--memory-repeats", type=int, default=3,
-                   help="fresh pairs of processes per setup in the memory part (the median is shown: a peak "
-                        "resident set varies by +-15 MiB between identical runs, with glibc's heap)")
+    p.add_argument(
+        "--memory-repeats",
+        type=int,
+        default=3,
+        help="fresh pairs of processes per setup in the memory part (the median is shown: a peak "
+        "resident set varies by +-15 MiB between identical runs, with glibc's heap)",
+    )
     return p.parse_args(argv)
 
 
@@ -100,8 +119,9 @@ def spawn(fn, world: int, *args) -> None:
 
 def _worker(rank: int, world: int, port: int, fn, args) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))  # a rank that stops makes the others fail, not hang
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )  # a rank that stops makes the others fail, not hang
     try:
         fn(rank, world, *args)
     finally:
@@ -111,9 +131,16 @@ def _worker(rank: int, world: int, port: int, fn, args) -> None:
 def tiermem_model(setup: str, cfg: GPTConfig, *, precision: str, bucket_size, nvme_dir: str) -> TieredModel:
     policy, shard, _ = SETUPS[setup]
     torch.manual_seed(0)
-    return TieredModel(GPT(cfg), policy(), optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD), precision=precision,
-                       grad_clip=CLIP, bucket_size=bucket_size, shard_weights=shard,
-                       nvme_dir=nvme_dir if setup == "zero-infinity" else None)
+    return TieredModel(
+        GPT(cfg),
+        policy(),
+        optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+        precision=precision,
+        grad_clip=CLIP,
+        bucket_size=bucket_size,
+        shard_weights=shard,
+        nvme_dir=nvme_dir if setup == "zero-infinity" else None,
+    )
 
 
 # -- 1. numbers ---------------------------------------------------------------------------------------
@@ -142,14 +169,24 @@ def du(paths: list[str]) -> int:
 def weight_files(directory: str) -> list[str]:
     """The NVMe store's files of working weights (a parameter's, or a rank's chunk of a bucket's)
     under ``directory``: not optimizer state, grads or spare files."""
-    return [os.path.join(root, f) for root, _, files in os.walk(directory) for f in files
-            if f.endswith(".tmn") and not f.startswith("spare-") and "_state." not in f and "_grad." not in f]
+    return [
+        os.path.join(root, f)
+        for root, _, files in os.walk(directory)
+        for f in files
+        if f.endswith(".tmn") and not f.startswith("spare-") and "_state." not in f and "_grad." not in f
+    ]
 
 
 def numbers_rank(rank: int, world: int, steps: int, tmp: str) -> None:
     torch.manual_seed(0)
-    zero2 = TieredModel(GPT(NUMBERS_CFG), ZeroOffload(), optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
-                        precision="fp32", grad_clip=CLIP, bucket_size=NUMBERS_BUCKET)
+    zero2 = TieredModel(
+        GPT(NUMBERS_CFG),
+        ZeroOffload(),
+        optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+        precision="fp32",
+        grad_clip=CLIP,
+        bucket_size=NUMBERS_BUCKET,
+    )
     numbers_train(zero2, [rank], steps)
     zero2_state = zero2.state_dict()  # collective: every rank reads it
     out = {"zero2": zero2_state if rank == 0 else None}
@@ -171,8 +208,12 @@ def numbers_rank(rank: int, world: int, steps: int, tmp: str) -> None:
         os.makedirs(nvme + "-bf16", exist_ok=True)
         bf16 = tiermem_model(setup, NUMBERS_CFG, precision="bf16", bucket_size=NUMBERS_BUCKET, nvme_dir=nvme + "-bf16")
         numbers_train(bf16, [rank], steps)
-        out[setup] = {"home": home, "du": files, "bf16": {k: v.float() for k, v in bf16.state_dict().items()},
-                      "gathered": gathered}
+        out[setup] = {
+            "home": home,
+            "du": files,
+            "bf16": {k: v.float() for k, v in bf16.state_dict().items()},
+            "gathered": gathered,
+        }
         if rank == 0:
             out[setup]["state"] = sd
         del tm, bf16
@@ -209,9 +250,15 @@ def numbers(args: argparse.Namespace) -> dict:
                 nvme = os.path.join(tmp, f"solo-{setup}-{world}")
                 os.makedirs(nvme, exist_ok=True)
                 torch.manual_seed(0)
-                reference = TieredModel(GPT(NUMBERS_CFG), ZeroOffload(), optimizer=AdamW(lr=LR, betas=BETAS,
-                                        weight_decay=WD), precision="fp32", grad_clip=CLIP, bucket_size=NUMBERS_BUCKET,
-                                        process_group=False)
+                reference = TieredModel(
+                    GPT(NUMBERS_CFG),
+                    ZeroOffload(),
+                    optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+                    precision="fp32",
+                    grad_clip=CLIP,
+                    bucket_size=NUMBERS_BUCKET,
+                    process_group=False,
+                )
                 numbers_train(reference, list(range(world)), args.numbers_steps)
                 solo = tiermem_model(setup, NUMBERS_CFG, precision="fp32", bucket_size=NUMBERS_BUCKET, nvme_dir=nvme)
                 numbers_train(solo, [0], 1)  # one process holds every weight at home
@@ -220,13 +267,20 @@ def numbers(args: argparse.Namespace) -> dict:
                 ref = reference.state_dict()
                 diff = max((ranks[0][setup]["state"][k] - ref[k]).abs().max().item() for k in ref)
                 same_as_zero2 = all(torch.equal(ranks[0][setup]["state"][k], ranks[0]["zero2"][k]) for k in ref)
-                bf16 = all(torch.equal(ranks[0][setup]["bf16"][k], r[setup]["bf16"][k])
-                           for r in ranks[1:] for k in ranks[0][setup]["bf16"])
+                bf16 = all(
+                    torch.equal(ranks[0][setup]["bf16"][k], r[setup]["bf16"][k])
+                    for r in ranks[1:]
+                    for k in ranks[0][setup]["bf16"]
+                )
                 results[(world, setup)] = {
-                    "diff": diff, "spread": spread, "bf16_identical": bf16, "same_as_zero2": same_as_zero2,
+                    "diff": diff,
+                    "spread": spread,
+                    "bf16_identical": bf16,
+                    "same_as_zero2": same_as_zero2,
                     "home_ratio": max(r[setup]["home"] for r in ranks) / whole,
                     "gathered_ratio": max(r[setup]["gathered"] for r in ranks) / whole,
-                    "du_ratio": (max(r[setup]["du"] for r in ranks) / whole_du) if whole_du else None}
+                    "du_ratio": (max(r[setup]["du"] for r in ranks) / whole_du) if whole_du else None,
+                }
                 del solo, reference
             print(f"numbers on {world} ranks: {time.perf_counter() - t0:.0f} s", flush=True)
     return results
@@ -237,10 +291,13 @@ def fsdp2_parts(cfg: GPTConfig, offload: bool) -> tuple[torch.nn.Module, torch.o
     """The GPT under ``fully_shard`` (per block and at the root) and its torch AdamW."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
     torch.manual_seed(0)
     m = GPT(cfg)
-    kw = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),)),
-          "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    kw = {
+        "mesh": init_device_mesh("cpu", (dist.get_world_size(),)),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    }
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)  # pinning needs an accelerator
     for block in m.blocks:
@@ -263,6 +320,7 @@ def fsdp2(cfg: GPTConfig, offload: bool):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
+
     return step
 
 
@@ -274,6 +332,7 @@ def tiermem_step(setup: str, cfg: GPTConfig, args: argparse.Namespace, nvme: str
         tm.backward(loss)
         tm.step()
         return loss.detach()
+
     return step, tm
 
 
@@ -286,8 +345,10 @@ def make_setup(name: str, cfg: GPTConfig, args: argparse.Namespace, nvme: str):
 def batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list:
     gen = torch.Generator().manual_seed(0)
     half = args.batch_size // world
-    return [torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)[rank * half:][:half]
-            for _ in range(n)]
+    return [
+        torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)[rank * half :][:half]
+        for _ in range(n)
+    ]
 
 
 def speed_rank(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
@@ -301,7 +362,7 @@ def speed_rank(rank: int, world: int, args: argparse.Namespace, tmp: str) -> Non
     times: dict[str, list[float]] = {n: [] for n in names}
     for i, b in enumerate(batches(args, rank, world, args.warmup + args.steps)):
         x, y = b[:, :-1], b[:, 1:]
-        for name in names[i % len(names):] + names[:i % len(names)]:  # rotating order
+        for name in names[i % len(names) :] + names[: i % len(names)]:  # rotating order
             dist.barrier()
             t0 = time.perf_counter()
             steps[name](x, y)
@@ -347,8 +408,14 @@ def speed_and_memory(args: argparse.Namespace) -> tuple[dict, dict]:
                 spawn(memory_rank, 2, name, args, tmp)
                 with open(os.path.join(tmp, f"memory-{name}.json")) as f:
                     runs.setdefault(name, []).append(json.load(f))
-        memory = {name: {"grew": statistics.median(r["grew"] for r in rs), "managed": rs[0]["managed"],
-                         "all": [r["grew"] for r in rs]} for name, rs in runs.items()}
+        memory = {
+            name: {
+                "grew": statistics.median(r["grew"] for r in rs),
+                "managed": rs[0]["managed"],
+                "all": [r["grew"] for r in rs],
+            }
+            for name, rs in runs.items()
+        }
         return speed, memory
 
 
@@ -363,42 +430,56 @@ def main() -> int:
     os.environ.setdefault("TIERMEM_NO_COMPILE", "1")  # torch's fused AdamW in every rank, not a compile each
     cfg = config_from_args(args)
     n_params = GPT(cfg).num_params()
-    print(f"torch {torch.__version__}; speed/memory: GPT {cfg.n_layer} x {cfg.n_embd} ({n_params / 1e6:.1f}M "
-          f"parameters), global batch {args.batch_size} x {args.seq_len}, 2 gloo ranks, bucket_size "
-          f"{args.bucket_size}; numbers: GPT {NUMBERS_CFG.n_layer} x {NUMBERS_CFG.n_embd}, fp32, "
-          f"{args.numbers_steps} steps, bucket_size {NUMBERS_BUCKET}", flush=True)
+    print(
+        f"torch {torch.__version__}; speed/memory: GPT {cfg.n_layer} x {cfg.n_embd} ({n_params / 1e6:.1f}M "
+        f"parameters), global batch {args.batch_size} x {args.seq_len}, 2 gloo ranks, bucket_size "
+        f"{args.bucket_size}; numbers: GPT {NUMBERS_CFG.n_layer} x {NUMBERS_CFG.n_embd}, fp32, "
+        f"{args.numbers_steps} steps, bucket_size {NUMBERS_BUCKET}",
+        flush=True,
+    )
     nums = {} if args.skip_numbers else numbers(args)
     speed, memory = ({}, {}) if args.skip_speed else speed_and_memory(args)
     if nums:
-        print("\n| ranks | setup | max diff vs one process | torch AdamW spread | bit-identical to ZeRO-2 | "
-              "bf16 ranks identical | weights at home per rank / one process (ledger) | (du) | "
-              "gathered on the device / one process's weights |")
+        print(
+            "\n| ranks | setup | max diff vs one process | torch AdamW spread | bit-identical to ZeRO-2 | "
+            "bf16 ranks identical | weights at home per rank / one process (ledger) | (du) | "
+            "gathered on the device / one process's weights |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for (world, setup), r in nums.items():
             du_ratio = f"{r['du_ratio']:.3f}" if r["du_ratio"] is not None else "-"
-            print(f"| {world} | {setup} | {r['diff']:.2e} | {r['spread']:.2e} | {r['same_as_zero2']} | "
-                  f"{r['bf16_identical']} | {r['home_ratio']:.3f} | {du_ratio} | {r['gathered_ratio']:.3f} |")
+            print(
+                f"| {world} | {setup} | {r['diff']:.2e} | {r['spread']:.2e} | {r['same_as_zero2']} | "
+                f"{r['bf16_identical']} | {r['home_ratio']:.3f} | {du_ratio} | {r['gathered_ratio']:.3f} |"
+            )
     if speed:
-        print(f"\n| setup | step (median of {args.steps}) | peak RSS growth per rank (median of "
-              f"{args.memory_repeats}) | (each run, MiB) | tiermem's managed peak: device / host tier |")
+        print(
+            f"\n| setup | step (median of {args.steps}) | peak RSS growth per rank (median of "
+            f"{args.memory_repeats}) | (each run, MiB) | tiermem's managed peak: device / host tier |"
+        )
         print("|---|---|---|---|---|")
         for name, t in speed.items():
             m = memory[name]
             each = ", ".join(f"{g / 2**20:.0f}" for g in m["all"])
-            managed = (f"{mib(m['managed']['device'])} / {mib(m['managed']['host'])}" if any(m["managed"].values())
-                       else "-")
+            managed = (
+                f"{mib(m['managed']['device'])} / {mib(m['managed']['host'])}" if any(m["managed"].values()) else "-"
+            )
             print(f"| {name} | {1e3 * t:.0f} ms | {mib(m['grew'])} | {each} | {managed} |")
     print("\n== ratios ==")
     for (world, setup), r in nums.items():
         ok = "within" if r["diff"] <= max(r["spread"], 1e-7) else "OUTSIDE"
-        print(f"{world} ranks, {setup + ':':<17} weights at home per rank / one process {r['home_ratio']:.3f} "
-              f"(1/{world} = {1 / world:.3f}); numbers {ok} torch's spread, bit-identical to ZeRO-2's: "
-              f"{r['same_as_zero2']}; bf16 ranks identical: {r['bf16_identical']}")
+        print(
+            f"{world} ranks, {setup + ':':<17} weights at home per rank / one process {r['home_ratio']:.3f} "
+            f"(1/{world} = {1 / world:.3f}); numbers {ok} torch's spread, bit-identical to ZeRO-2's: "
+            f"{r['same_as_zero2']}; bf16 ranks identical: {r['bf16_identical']}"
+        )
     for setup, anchor in ANCHOR.items():
         if speed:
             ratio, mem = speed[setup] / speed[anchor], memory[setup]["grew"] / memory[anchor]["grew"]
-            print(f"{setup + ':':<17} step / {anchor} {ratio:.2f}x (target <= 1.10x: "
-                  f"{'met' if ratio <= 1.10 else 'NOT met'}); peak RSS growth / {anchor} {mem:.2f}x")
+            print(
+                f"{setup + ':':<17} step / {anchor} {ratio:.2f}x (target <= 1.10x: "
+                f"{'met' if ratio <= 1.10 else 'NOT met'}); peak RSS growth / {anchor} {mem:.2f}x"
+            )
     return 0
 
 

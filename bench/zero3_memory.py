@@ -10,6 +10,7 @@ phase's end: the resident set, glibc's heap (``mallinfo2``: bytes in use, mmappe
 the bytes of the torch tensors Python can reach (by storage, once each), and tiermem's ledger by
 tier and class. The tables are rank 0's; the ranks differ by a chunk's padding.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,21 @@ MiB = 2**20
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def malloc_stats() -> dict[str, int]:
@@ -122,10 +136,13 @@ def ledger(tm) -> dict:
         lg = getattr(store, "ledger", None)
         if lg is None:
             continue
-        out[tier.name] = {"used": lg.used, "peak": lg.peak,
-                          "by_class": {k.name: v for k, v in lg.kind_used.items() if v},
-                          "class_peak": {k.name: v for k, v in lg.kind_peak.items() if v},
-                          "keys": _by_kind_of_key(lg._held)}
+        out[tier.name] = {
+            "used": lg.used,
+            "peak": lg.peak,
+            "by_class": {k.name: v for k, v in lg.kind_used.items() if v},
+            "class_peak": {k.name: v for k, v in lg.kind_peak.items() if v},
+            "keys": _by_kind_of_key(lg._held),
+        }
     return out
 
 
@@ -133,8 +150,11 @@ def _by_kind_of_key(held: dict[str, int]) -> dict[str, int]:
     """Ledger keys grouped by what follows the parameter or bucket name (``:param shard``, ...)."""
     out: dict[str, int] = {}
     for key, n in held.items():
-        kind = key.split(":", 1)[1] if ":" in key else ("<" + key.split()[0].strip("<") if key.startswith("<")
-                                                        else "(plain)")
+        kind = (
+            key.split(":", 1)[1]
+            if ":" in key
+            else ("<" + key.split()[0].strip("<") if key.startswith("<") else "(plain)")
+        )
         out[kind] = out.get(kind, 0) + n
     return out
 
@@ -168,8 +188,14 @@ class Phases:
 
 def snapshot(sampler: Sampler, tm) -> dict:
     gc.collect()
-    return {"rss": rss(), "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "tensors": tensor_bytes(), "malloc": malloc_stats(), "ledger": ledger(tm), "phase": sampler.phase}
+    return {
+        "rss": rss(),
+        "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "tensors": tensor_bytes(),
+        "malloc": malloc_stats(),
+        "ledger": ledger(tm),
+        "phase": sampler.phase,
+    }
 
 
 def account_rank(rank: int, world: int, name: str, args: argparse.Namespace, tmp: str) -> None:
@@ -209,24 +235,39 @@ def show(name: str, data: dict) -> None:
     base = snaps["plain model built"]["maxrss"]
     print(f"\n### {name} (rank 0; MiB; growth from the peak once the plain model was built: {base / MiB:.1f})")
     live0 = snaps["plain model built"]["malloc"].get("used", 0)
-    print(f"(bytes in use: glibc's plus tiermem's host pool, beyond the {live0 / MiB:.1f} MiB glibc held once the "
-          f"plain model was built and dropped)")
-    print("| phase | peak RSS in phase | most bytes in use in phase | malloc used, kept free at the RSS peak | "
-          "RSS at end | torch tensors | malloc used | malloc kept free | ledger device | ledger host | "
-          "ledger device peak | ledger host peak |")
+    print(
+        f"(bytes in use: glibc's plus tiermem's host pool, beyond the {live0 / MiB:.1f} MiB glibc held once the "
+        f"plain model was built and dropped)"
+    )
+    print(
+        "| phase | peak RSS in phase | most bytes in use in phase | malloc used, kept free at the RSS peak | "
+        "RSS at end | torch tensors | malloc used | malloc kept free | ledger device | ledger host | "
+        "ledger device peak | ledger host peak |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for phase, s in snaps.items():
         lg, m, p = s["ledger"], s["malloc"], data["at_peak"].get(phase, {})
         dev, host = lg.get("DEVICE", {}), lg.get("HOST", {})
-        cells = [peaks.get(phase, s["rss"]) - base, data["live"].get(phase, live0) - live0,
-                 f"{p.get('used', 0) / MiB:.1f}, {p.get('kept', 0) / MiB:.1f}",
-                 s["rss"] - base, s["tensors"], m.get("used", 0), m.get("kept", 0),
-                 dev.get("used", 0), host.get("used", 0), dev.get("peak", 0), host.get("peak", 0)]
+        cells = [
+            peaks.get(phase, s["rss"]) - base,
+            data["live"].get(phase, live0) - live0,
+            f"{p.get('used', 0) / MiB:.1f}, {p.get('kept', 0) / MiB:.1f}",
+            s["rss"] - base,
+            s["tensors"],
+            m.get("used", 0),
+            m.get("kept", 0),
+            dev.get("used", 0),
+            host.get("used", 0),
+            dev.get("peak", 0),
+            host.get("peak", 0),
+        ]
         print(f"| {phase} | " + " | ".join(c if isinstance(c, str) else f"{c / MiB:.1f}" for c in cells) + " |")
     last = list(snaps.values())[-1]["ledger"]
     for tier, lg in last.items():
-        print(f"{tier}: by class now {_mib(lg['by_class'])}; class peaks {_mib(lg['class_peak'])}; "
-              f"keys now {_mib(lg['keys'])}")
+        print(
+            f"{tier}: by class now {_mib(lg['by_class'])}; class peaks {_mib(lg['class_peak'])}; "
+            f"keys now {_mib(lg['keys'])}"
+        )
 
 
 def _mib(d: dict) -> str:
@@ -238,8 +279,12 @@ def main() -> int:
     add_model_args(p, preset="small", n_layer=6, n_embd=384, batch_size=16, seq_len=128)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--bucket-size", default="4MiB")
-    p.add_argument("--setups", nargs="+", default=["FSDP2+CPUOffload", "FSDP2", "weights-on-host", "shard-weights"],
-                   choices=["FSDP2+CPUOffload", "FSDP2", *SETUPS])
+    p.add_argument(
+        "--setups",
+        nargs="+",
+        default=["FSDP2+CPUOffload", "FSDP2", "weights-on-host", "shard-weights"],
+        choices=["FSDP2+CPUOffload", "FSDP2", *SETUPS],
+    )
     args = p.parse_args()
     os.environ.setdefault("TIERMEM_NO_COMPILE", "1")
     with tempfile.TemporaryDirectory(prefix="tiermem-zero3-", dir=".") as tmp:

@@ -2,6 +2,7 @@
 ``:mod:`tiermem.train.trainable```, ``:meth:`save```) rendered as inline code holding the name
 (``Tier``, ``tiermem.train.trainable``, ``save``), as mkdocstrings' Google style shows no roles.
 Loaded by mkdocs.yml; nothing in the library imports it."""
+
 from __future__ import annotations
 
 import re

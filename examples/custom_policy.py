@@ -14,6 +14,7 @@ policy's step runs on the same processor).
 
 Exit status 0 when both checks pass, 1 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,17 +60,21 @@ class EmbeddingStateOnNvme(Policy):
 # bf16 where the device computes it natively, else fp32 (NOTE [Choosing the precision] in tiermem/config.py)
 PRECISION = resolve_precision("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model size (examples/gpt.py)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps per run")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--nvme-dir", default=None,
-                   help="directory for the NVMe tier (default: a temporary one under the current directory, "
-                        "removed afterwards)")
+    p.add_argument(
+        "--nvme-dir",
+        default=None,
+        help="directory for the NVMe tier (default: a temporary one under the current directory, removed afterwards)",
+    )
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
@@ -78,8 +83,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def train(model: GPT, policy: Policy, batches: list, nvme_dir: Optional[str]) -> tuple[TieredModel, list[float]]:
-    tm = TieredModel(model, policy, optimizer=AdamW(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
-                     precision=PRECISION, grad_clip=1.0, nvme_dir=nvme_dir)
+    tm = TieredModel(
+        model,
+        policy,
+        optimizer=AdamW(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
+        precision=PRECISION,
+        grad_clip=1.0,
+        nvme_dir=nvme_dir,
+    )
     losses = []
     for x, y in batches:
         loss = lm_loss(tm(x), y)
@@ -89,8 +100,9 @@ def train(model: GPT, policy: Policy, batches: list, nvme_dir: Optional[str]) ->
     return tm, losses
 
 
-def asked_bytes(model: GPT, policy: Policy, dtype: torch.dtype) -> tuple[dict[tuple[TensorClass, Tier], int],
-                                                                         dict[str, Tier]]:
+def asked_bytes(
+    model: GPT, policy: Policy, dtype: torch.dtype
+) -> tuple[dict[tuple[TensorClass, Tier], int], dict[str, Tier]]:
     """Home bytes per (class, tier) that ``policy`` asks for (working weights in ``dtype``, fp32
     grads, fp32 master + exp_avg + exp_avg_sq), and each weight's home tier. Tied weights count
     once, under their first name."""
@@ -100,12 +112,18 @@ def asked_bytes(model: GPT, policy: Policy, dtype: torch.dtype) -> tuple[dict[tu
         mod = name.rpartition(".")[0]
         shape = tuple(p.shape)
         home = weight_homes[name] = policy.place(
-            TensorInfo(name, TensorClass.PARAM, p.numel() * dtype.itemsize, shape, dtype, mod))
+            TensorInfo(name, TensorClass.PARAM, p.numel() * dtype.itemsize, shape, dtype, mod)
+        )
         asked[(TensorClass.PARAM, home)] += p.numel() * dtype.itemsize
-        asked[(TensorClass.GRAD, policy.place(
-            TensorInfo(name, TensorClass.GRAD, p.numel() * 4, shape, torch.float32, mod)))] += p.numel() * 4
-        state_tier = policy.place(TensorInfo(f"{name}:master", TensorClass.OPTIM_STATE, p.numel() * 4, shape,
-                                             torch.float32, mod))
+        asked[
+            (
+                TensorClass.GRAD,
+                policy.place(TensorInfo(name, TensorClass.GRAD, p.numel() * 4, shape, torch.float32, mod)),
+            )
+        ] += p.numel() * 4
+        state_tier = policy.place(
+            TensorInfo(f"{name}:master", TensorClass.OPTIM_STATE, p.numel() * 4, shape, torch.float32, mod)
+        )
         asked[(TensorClass.OPTIM_STATE, state_tier)] += p.numel() * 12
     return dict(asked), weight_homes
 
@@ -121,19 +139,24 @@ WORKING_SET = {
 }
 
 
-def check_placements(tm: TieredModel, asked: dict[tuple[TensorClass, Tier], int], weight_homes: dict[str, Tier],
-                     ref: Report) -> list[str]:
+def check_placements(
+    tm: TieredModel, asked: dict[tuple[TensorClass, Tier], int], weight_homes: dict[str, Tier], ref: Report
+) -> list[str]:
     """Print asked vs reported bytes per (class, tier), next to the ZeroOffload run's; return the
     placements that were not honoured."""
     peaks = tm.report().class_peak_bytes
     order = {k: i for i, k in enumerate((c, t) for c in TensorClass for t in Tier)}
-    keys = sorted(set(asked) | {k for k, v in peaks.items() if v} | {k for k, v in ref.class_peak_bytes.items() if v},
-                  key=order.__getitem__)
+    keys = sorted(
+        set(asked) | {k for k, v in peaks.items() if v} | {k for k, v in ref.class_peak_bytes.items() if v},
+        key=order.__getitem__,
+    )
     print(f"\n{'class':<12}{'tier':<8}{'policy asked':>14}{'report peak':>14}{'ZeroOffload':>14}   note")
     for key in keys:
         a, got, theirs = asked.get(key, 0), peaks.get(key, 0), ref.class_peak_bytes.get(key, 0)
-        print(f"{key[0].value:<12}{key[1].value:<8}{fmt_bytes(a) if a else '-':>14}{fmt_bytes(got):>14}"
-              f"{fmt_bytes(theirs):>14}   {WORKING_SET.get(key, '') if got else ''}")
+        print(
+            f"{key[0].value:<12}{key[1].value:<8}{fmt_bytes(a) if a else '-':>14}{fmt_bytes(got):>14}"
+            f"{fmt_bytes(theirs):>14}   {WORKING_SET.get(key, '') if got else ''}"
+        )
     problems = []
     for (kind, tier), a in asked.items():
         # on NVMe each write goes beside its key's value until it lands: the peak holds both
@@ -191,13 +214,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("placements NOT honoured:\n  " + "\n  ".join(problems))
     else:
         n_off = sum(home is not Tier.DEVICE for home in weight_homes.values())
-        print(f"placements honoured: every class holds at least its asked bytes on its home tier, each of the "
-              f"{n_off} off-device weights is held at its home, no optimizer state on the device, nothing but "
-              f"optimizer state on NVMe")
+        print(
+            f"placements honoured: every class holds at least its asked bytes on its home tier, each of the "
+            f"{n_off} off-device weights is held at its home, no optimizer state on the device, nothing but "
+            f"optimizer state on NVMe"
+        )
     same_losses = losses == ref_losses
-    print(f"against ZeroOffload() on the same batches: losses {'bit-identical' if same_losses else 'DIFFER'}, "
-          f"weights {'bit-identical' if not differ else 'DIFFER in ' + ', '.join(differ[:5])} "
-          f"({len(ours)} tensors after {args.steps} steps)")
+    print(
+        f"against ZeroOffload() on the same batches: losses {'bit-identical' if same_losses else 'DIFFER'}, "
+        f"weights {'bit-identical' if not differ else 'DIFFER in ' + ', '.join(differ[:5])} "
+        f"({len(ours)} tensors after {args.steps} steps)"
+    )
     return 0 if not problems and same_losses and not differ else 1
 
 

@@ -15,6 +15,7 @@ learning recipes do it:
 
 It prints the loss, each group's lr and which layers train.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,22 +43,25 @@ def layers(model: GPT) -> list[torch.nn.Module]:
 def llrd_groups(model: GPT, lr: float, decay: float) -> list[dict]:
     """One param group per layer: the top at ``lr``, each layer below ``decay`` times the one above."""
     stack = layers(model)
-    return [{"params": layer.parameters(), "lr": lr * decay ** (len(stack) - 1 - depth), "name": f"layer{depth}"}
-            for depth, layer in enumerate(stack)]
+    return [
+        {"params": layer.parameters(), "lr": lr * decay ** (len(stack) - 1 - depth), "name": f"layer{depth}"}
+        for depth, layer in enumerate(stack)
+    ]
 
 
 def batches(data: torch.Tensor, batch_size: int, seq_len: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=g).tolist()
-        x = torch.stack([data[s:s + seq_len] for s in starts])
-        y = torch.stack([data[s + 1:s + seq_len + 1] for s in starts])
+        x = torch.stack([data[s : s + seq_len] for s in starts])
+        y = torch.stack([data[s + 1 : s + seq_len + 1] for s in starts])
         yield x, y
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--pretrain-steps", type=int, default=40)
     p.add_argument("--steps", type=int, default=60, help="fine-tuning steps")
     p.add_argument("--unfreeze-every", type=int, default=10, help="steps between unfreezing the next layer down")
@@ -66,8 +70,12 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--policy", choices=sorted(POLICIES), default="zero-offload")
     p.add_argument("--nvme-dir", default=None, help="needed by --policy zero-infinity")
-    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
-                   help="auto: bf16 where the device computes it natively, else fp32 on a CPU (fp16 on an older GPU)")
+    p.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "bf16", "fp16", "fp32"],
+        help="auto: bf16 where the device computes it natively, else fp32 on a CPU (fp16 on an older GPU)",
+    )
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     torch.manual_seed(0)
@@ -101,13 +109,17 @@ def main(argv=None) -> int:
         warmup.step()
         losses.append(loss.item())
         if step % 10 == 0 or step == a.steps:
-            print(f"step {step:3d} | loss {sum(losses) / len(losses):.3f} (mean since the last line) | training "
-                  f"the top {trained} of {len(stack)} layers | lr top {tm.optimizer.param_groups[-1]['lr']:.2e} "
-                  f"bottom {tm.optimizer.param_groups[0]['lr']:.2e}")
+            print(
+                f"step {step:3d} | loss {sum(losses) / len(losses):.3f} (mean since the last line) | training "
+                f"the top {trained} of {len(stack)} layers | lr top {tm.optimizer.param_groups[-1]['lr']:.2e} "
+                f"bottom {tm.optimizer.param_groups[0]['lr']:.2e}"
+            )
             losses.clear()
     steps = tm.stepper.param_steps()
-    print("updates per layer:", ", ".join(f"{g['name']} {max(steps.get(n, 0) for n in g['param_names'])}"
-                                         for g in tm.optimizer.param_groups))
+    print(
+        "updates per layer:",
+        ", ".join(f"{g['name']} {max(steps.get(n, 0) for n in g['param_names'])}" for g in tm.optimizer.param_groups),
+    )
     tm.detach()
     return 0
 

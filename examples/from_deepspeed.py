@@ -14,6 +14,7 @@ The model is a GPT-2 built from a config (nothing is downloaded), trained on the
 text in ``examples/data``; the keys of the DeepSpeed config tiermem does not honour are logged,
 one line each. Needs the ``hf`` extra: ``pip install -e '.[hf]'``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,9 @@ SEQ = 64
 
 def tiny_gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
-                                      bos_token_id=0, eos_token_id=0))
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+    )
 
 
 def byte_blocks() -> list[dict]:
@@ -61,26 +63,43 @@ def deepspeed_loop(data: list[dict], steps: int) -> list[float]:
     for step in range(steps):
         for i in range(accum):
             at = (step * accum + i) * micro % (len(data) - micro)
-            x = torch.stack([d["input_ids"] for d in data[at:at + micro]])
+            x = torch.stack([d["input_ids"] for d in data[at : at + micro]])
             loss = tm(input_ids=x, labels=x).loss / accum  # engine.backward divided by accum; here we do
-            tm.backward(loss)                              # was: engine.backward(loss)
+            tm.backward(loss)  # was: engine.backward(loss)
             losses.append(loss.item() * accum)
-        res = tm.step()                                    # was: engine.step()
-        print(f"deepspeed loop  step {step + 1:3d} | loss {sum(losses[-accum:]) / accum:.3f} | "
-              f"grad norm {res.grad_norm:.3f}", flush=True)
+        res = tm.step()  # was: engine.step()
+        print(
+            f"deepspeed loop  step {step + 1:3d} | loss {sum(losses[-accum:]) / accum:.3f} | "
+            f"grad norm {res.grad_norm:.3f}",
+            flush=True,
+        )
     return losses
 
 
 def hf_trainer(data: list[dict], steps: int, out: str) -> list[float]:
     """Migration 2: the Hugging Face Trainer with a DeepSpeed config."""
     model = tiny_gpt2()
-    args = TrainingArguments(out, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=steps,
-                             learning_rate=1e-3, adam_beta2=0.95, weight_decay=0.1, max_grad_norm=1.0, bf16=True,
-                             lr_scheduler_type="constant", logging_steps=max(1, steps // 5), save_steps=steps,
-                             report_to=[], disable_tqdm=True, use_cpu=not torch.cuda.is_available())
+    args = TrainingArguments(
+        out,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        max_steps=steps,
+        learning_rate=1e-3,
+        adam_beta2=0.95,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        bf16=True,
+        lr_scheduler_type="constant",
+        logging_steps=max(1, steps // 5),
+        save_steps=steps,
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+    )
     # was: Trainer(model=model, args=args, ...) with TrainingArguments(..., deepspeed="ds_zero_offload_auto.json")
-    trainer = TieredTrainer(model=model, args=args, train_dataset=data,
-                            deepspeed=str(HERE / "deepspeed" / "ds_zero_offload_auto.json"))
+    trainer = TieredTrainer(
+        model=model, args=args, train_dataset=data, deepspeed=str(HERE / "deepspeed" / "ds_zero_offload_auto.json")
+    )
     trainer.train()
     print(f"trainer: {trainer.tiered!r}; checkpoints: {sorted(os.listdir(out))}")
     return [h["loss"] for h in trainer.state.log_history if "grad_norm" in h]

@@ -8,6 +8,7 @@ that manages parameters must see one parameter under two names: ``wte.weight`` a
     model = GPT(GPTConfig.preset("small", vocab_size=tok.vocab_size))
     loss = lm_loss(model(x), y)
 """
+
 from __future__ import annotations
 
 import math
@@ -45,8 +46,10 @@ class GPTConfig:
             elif f.name != "bias" and value < 1:
                 raise ValueError(f"GPTConfig.{f.name}={value}: must be >= 1")
         if self.n_embd % self.n_head:
-            raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not a multiple of n_head={self.n_head}; "
-                             "pick sizes where n_embd / n_head is a whole head dimension")
+            raise ValueError(
+                f"GPTConfig: n_embd={self.n_embd} is not a multiple of n_head={self.n_head}; "
+                "pick sizes where n_embd / n_head is a whole head dimension"
+            )
 
     @classmethod
     def preset(cls, name: str, **overrides: object) -> "GPTConfig":
@@ -56,8 +59,16 @@ class GPTConfig:
         return replace(PRESETS[name], **overrides)  # type: ignore[arg-type]
 
 
-def add_model_args(p, *, preset: str = "gpt50m", n_layer: int | None = None, n_embd: int | None = None,
-                   batch_size: int = 4, seq_len: int = 256, batch_help: str | None = None) -> None:
+def add_model_args(
+    p,
+    *,
+    preset: str = "gpt50m",
+    n_layer: int | None = None,
+    n_embd: int | None = None,
+    batch_size: int = 4,
+    seq_len: int = 256,
+    batch_help: str | None = None,
+) -> None:
     """The model and batch options the benchmarks share (read back by :func:`config_from_args`)."""
     p.add_argument("--preset", choices=sorted(PRESETS), default=preset)
     p.add_argument("--n-layer", type=int, default=n_layer, help="override the preset's depth")
@@ -100,8 +111,7 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape
         # (b, t, 3c) -> three tensors of (b, heads, t, head_dim)
         q, k, v = self.qkv(x).view(b, t, 3, self.n_head, c // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -160,8 +170,10 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.cfg.block_size:
-            raise ValueError(f"GPT: sequence of {t} tokens is longer than block_size={self.cfg.block_size}; "
-                             "crop the input or build the model with a larger block_size")
+            raise ValueError(
+                f"GPT: sequence of {t} tokens is longer than block_size={self.cfg.block_size}; "
+                "crop the input or build the model with a larger block_size"
+            )
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
@@ -192,8 +204,10 @@ class CharTokenizer:
     def encode(self, text: str) -> torch.Tensor:
         unknown = set(text) - self.index.keys()
         if unknown:
-            raise ValueError(f"CharTokenizer: characters {sorted(unknown)!r} are not in the vocabulary "
-                             f"of {self.vocab_size}; build the tokenizer from text that contains them")
+            raise ValueError(
+                f"CharTokenizer: characters {sorted(unknown)!r} are not in the vocabulary "
+                f"of {self.vocab_size}; build the tokenizer from text that contains them"
+            )
         return torch.tensor([self.index[ch] for ch in text], dtype=torch.long)
 
     def decode(self, ids: torch.Tensor | list[int]) -> str:
@@ -216,9 +230,16 @@ def load_tokens(data_dir: Path = DATA_DIR) -> tuple["CharTokenizer", torch.Tenso
 
 
 @torch.no_grad()
-def generate(forward: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor, max_new_tokens: int, *,
-             block_size: int, temperature: float = 0.8, top_k: Optional[int] = None,
-             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def generate(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    block_size: int,
+    temperature: float = 0.8,
+    top_k: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
     """Sample ``max_new_tokens`` tokens after ``idx`` (b, t). ``forward`` is the model or its wrapper."""
     for _ in range(max_new_tokens):
         logits = forward(idx[:, -block_size:])[:, -1, :].float() / temperature

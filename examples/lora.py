@@ -12,6 +12,7 @@ random, so the adapters learn what they can; the loss falls all the same. At the
 detached, the adapters are merged into the base (``merge_and_unload``) and the plain model writes a
 sample. Needs the ``hf`` extra and peft: ``pip install -e '.[hf]' peft``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,18 @@ from tiermem.policies import ZeroInfinity  # noqa: E402
 
 
 def build(vocab: int, seq: int) -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
-                                   tie_word_embeddings=False, use_cache=False, pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+        use_cache=False,
+        pad_token_id=0,
+    )
     model = transformers.LlamaForCausalLM(cfg)
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "embed_tokens"])
     model = peft.get_peft_model(model, lora)
@@ -51,8 +61,9 @@ def build(vocab: int, seq: int) -> torch.nn.Module:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
@@ -69,19 +80,28 @@ def main(argv=None) -> int:
     print(f"tiny Llama + LoRA: {total:,} parameters, {trainable:,} trainable (the adapters)")
     tmp = tempfile.TemporaryDirectory() if a.nvme_dir is None else None
     nvme_dir = a.nvme_dir or tmp.name
-    tm = TieredModel(model, ZeroInfinity(), optimizer=AdamW(lr=3e-3, weight_decay=0.0), precision=a.precision,
-                     grad_clip=1.0, nvme_dir=nvme_dir)
+    tm = TieredModel(
+        model,
+        ZeroInfinity(),
+        optimizer=AdamW(lr=3e-3, weight_decay=0.0),
+        precision=a.precision,
+        grad_clip=1.0,
+        nvme_dir=nvme_dir,
+    )
     g = torch.Generator().manual_seed(1)
     t0 = time.perf_counter()
     for step in range(1, a.steps + 1):
         starts = torch.randint(0, len(data) - a.seq_len - 1, (a.batch_size,), generator=g)
-        ids = torch.stack([data[s:s + a.seq_len] for s in starts.tolist()])
+        ids = torch.stack([data[s : s + a.seq_len] for s in starts.tolist()])
         out = tm(input_ids=ids, labels=ids)
         tm.backward(out.loss)
         res = tm.step()
         if step == 1 or step % max(1, a.steps // 6) == 0 or step == a.steps:
-            print(f"step {step:4d}  loss {out.loss.item():.3f}  grad norm {res.grad_norm:.3f}"
-                  + ("  (skipped)" if res.skipped else ""), flush=True)
+            print(
+                f"step {step:4d}  loss {out.loss.item():.3f}  grad norm {res.grad_norm:.3f}"
+                + ("  (skipped)" if res.skipped else ""),
+                flush=True,
+            )
     seconds = time.perf_counter() - t0
     print(f"{a.steps} steps in {seconds:.1f} s ({seconds / a.steps * 1e3:.0f} ms/step)")
     print(tm.report())

@@ -21,6 +21,7 @@ Buckets are small (by default each as large as the largest parameter, ``--bucket
 the pipeline's three buffer sets are as large as the largest bucket: with a tight host budget,
 smaller buckets leave more of it to the gradients.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples
 
 from examples.gpt import GPT, GPTConfig, PRESETS, lm_loss, load_tokens  # noqa: E402
 from examples.train_gpt import get_batch  # noqa: E402
-from tiermem import (AdamW, Budgets, OutOfTierMemory, Policy, TensorClass, TensorInfo, TieredModel,  # noqa: E402
-                     Tier, TierMemError, parse_bytes)
+from tiermem import (
+    AdamW,
+    Budgets,
+    OutOfTierMemory,
+    Policy,
+    TensorClass,
+    TensorInfo,
+    TieredModel,  # noqa: E402
+    Tier,
+    TierMemError,
+    parse_bytes,
+)
 from tiermem.errors import fmt_bytes  # noqa: E402
 from tiermem.policies import ZeroInfinity, ZeroOffload  # noqa: E402
 
@@ -56,23 +67,32 @@ POLICIES = {"optim-state-on-nvme": OptimStateOnNvme, "zero-infinity": ZeroInfini
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model size (examples/gpt.py)")
     p.add_argument("--policy", choices=sorted(POLICIES), default="optim-state-on-nvme")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--host-budget", default=None,
-                   help="Budgets(host=...), e.g. 6MiB; must be below the optimizer state's 12 bytes per "
-                        "parameter (default: 90%% of them)")
-    p.add_argument("--bucket-size", default=None,
-                   help="TieredModel bucket_size, fp32 bytes of grads (default: the largest parameter's, the "
-                        "smallest the pipeline's buffers can be)")
-    p.add_argument("--nvme-dir", default=None,
-                   help="directory for the NVMe tier (default: a temporary one under the current directory, "
-                        "removed afterwards)")
+    p.add_argument(
+        "--host-budget",
+        default=None,
+        help="Budgets(host=...), e.g. 6MiB; must be below the optimizer state's 12 bytes per "
+        "parameter (default: 90%% of them)",
+    )
+    p.add_argument(
+        "--bucket-size",
+        default=None,
+        help="TieredModel bucket_size, fp32 bytes of grads (default: the largest parameter's, the "
+        "smallest the pipeline's buffers can be)",
+    )
+    p.add_argument(
+        "--nvme-dir",
+        default=None,
+        help="directory for the NVMe tier (default: a temporary one under the current directory, removed afterwards)",
+    )
     p.add_argument("--log-every", type=int, default=10, help="print the loss every this many steps")
     p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args(argv)
@@ -90,16 +110,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model = GPT(cfg)
     n = model.num_params()
     state_bytes = 12 * n
-    host_budget = state_bytes * 9 // 10 if args.host_budget is None else parse_bytes(args.host_budget,
-                                                                                     what="--host-budget")
+    host_budget = (
+        state_bytes * 9 // 10 if args.host_budget is None else parse_bytes(args.host_budget, what="--host-budget")
+    )
     if host_budget >= state_bytes:
-        print(f"--host-budget {fmt_bytes(host_budget)} holds the whole optimizer state ({fmt_bytes(state_bytes)}): "
-              f"pass a budget below it to see the state go to NVMe", file=sys.stderr)
+        print(
+            f"--host-budget {fmt_bytes(host_budget)} holds the whole optimizer state ({fmt_bytes(state_bytes)}): "
+            f"pass a budget below it to see the state go to NVMe",
+            file=sys.stderr,
+        )
         return 2
     budgets = Budgets(host=host_budget)
     bucket_size = args.bucket_size or 4 * max(p.numel() for p in model.parameters())
-    print(f"model: preset {args.preset!r}, {n:,} parameters; optimizer state 12 B/param = {fmt_bytes(state_bytes)}; "
-          f"host budget {fmt_bytes(host_budget)} ({host_budget / n:.2f} B/param)")
+    print(
+        f"model: preset {args.preset!r}, {n:,} parameters; optimizer state 12 B/param = {fmt_bytes(state_bytes)}; "
+        f"host budget {fmt_bytes(host_budget)} ({host_budget / n:.2f} B/param)"
+    )
 
     # 1. ZeRO-Offload keeps the state on the host: refused before anything is allocated.
     try:
@@ -107,8 +133,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OutOfTierMemory as e:
         print(f"\nZeroOffload() is refused, as it should be:\n  {e}")
     else:
-        print("\nZeroOffload() was accepted: the host budget is not below what it needs; lower --host-budget",
-              file=sys.stderr)
+        print(
+            "\nZeroOffload() was accepted: the host budget is not below what it needs; lower --host-budget",
+            file=sys.stderr,
+        )
         return 1
 
     # 2. The same budget with the state on NVMe. The refused attempt changed nothing in `model`.
@@ -116,9 +144,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="tiermem-nvme-offload-", dir=".")
     try:
         try:
-            tm = TieredModel(model, policy, optimizer=AdamW(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1),
-                             precision="bf16", grad_clip=1.0, budgets=budgets, nvme_dir=nvme_dir,
-                             bucket_size=bucket_size)
+            tm = TieredModel(
+                model,
+                policy,
+                optimizer=AdamW(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1),
+                precision="bf16",
+                grad_clip=1.0,
+                budgets=budgets,
+                nvme_dir=nvme_dir,
+                bucket_size=bucket_size,
+            )
         except TierMemError as e:
             print(f"\n{policy!r} does not fit either:\n  {e}", file=sys.stderr)
             return 1
@@ -133,16 +168,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             window.append(loss.item())
             if step % args.log_every == 0 or step == args.steps:
                 elapsed = time.perf_counter() - t0
-                print(f"step {step:4d}/{args.steps} | loss {sum(window) / len(window):.4f} "
-                      f"| {1e3 * elapsed / len(window):7.1f} ms/step", flush=True)
+                print(
+                    f"step {step:4d}/{args.steps} | loss {sum(window) / len(window):.4f} "
+                    f"| {1e3 * elapsed / len(window):7.1f} ms/step",
+                    flush=True,
+                )
                 t0, window = time.perf_counter(), []
         rep = tm.report()
         print(f"\n{rep}")
         host_peak = rep.peak_bytes[Tier.HOST]
         on_disk = rep.class_peak_bytes.get((TensorClass.OPTIM_STATE, Tier.NVME), 0)
-        print(f"\nhost peak {fmt_bytes(host_peak)} within the budget of {fmt_bytes(host_budget)}, below the optimizer "
-              f"state's {fmt_bytes(state_bytes)}; on NVMe: optimizer state {fmt_bytes(on_disk)} at its peak (each "
-              f"value once, and the writes in flight beside it)")
+        print(
+            f"\nhost peak {fmt_bytes(host_peak)} within the budget of {fmt_bytes(host_budget)}, below the optimizer "
+            f"state's {fmt_bytes(state_bytes)}; on NVMe: optimizer state {fmt_bytes(on_disk)} at its peak (each "
+            f"value once, and the writes in flight beside it)"
+        )
         tm.detach()  # removes its files from the NVMe directory
     finally:
         if args.nvme_dir is None:

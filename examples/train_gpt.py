@@ -26,6 +26,7 @@ Each rank keeps its NVMe files under ``--nvme-dir``/rank<global rank>; ``--save`
 torch.distributed.checkpoint directory every rank writes its shards to (it must be on storage
 every node sees).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,12 @@ from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, Zero
 class StateOnNvme(PerClass):
     """ZeRO-Offload with the fp32 master weights and Adam's moments on NVMe."""
 
-    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.GRAD: Tier.HOST, TensorClass.OPTIM_STATE: Tier.NVME,
-             TensorClass.ACTIVATION: Tier.DEVICE}
+    homes = {
+        TensorClass.PARAM: Tier.DEVICE,
+        TensorClass.GRAD: Tier.HOST,
+        TensorClass.OPTIM_STATE: Tier.NVME,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+    }
 
 
 POLICIES = {
@@ -73,30 +78,46 @@ def nvme_dir(args: argparse.Namespace) -> Optional[str]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model size (examples/gpt.py)")
     p.add_argument("--steps", type=int, default=500, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's block_size)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
-                   help="auto: bf16 where the device computes it natively, else fp32 on a CPU (fp16 on an older GPU)")
+    p.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp16", "fp32"],
+        default="auto",
+        help="auto: bf16 where the device computes it natively, else fp32 on a CPU (fp16 on an older GPU)",
+    )
     p.add_argument("--policy", choices=sorted(POLICIES), default="zero-offload")
-    p.add_argument("--nvme-dir", default=None, help="directory for tensors a policy places on NVMe (zero-infinity, "
-                                                     "state-on-nvme; default: a temporary one under .); each rank "
-                                                     "uses its rank<r> subdirectory")
-    p.add_argument("--shard-weights", action="store_true",
-                   help="under torchrun, shard the weights on the device over the ranks too (ZeRO-3); weights "
-                        "off the device (--policy zero-infinity) always are")
+    p.add_argument(
+        "--nvme-dir",
+        default=None,
+        help="directory for tensors a policy places on NVMe (zero-infinity, "
+        "state-on-nvme; default: a temporary one under .); each rank "
+        "uses its rank<r> subdirectory",
+    )
+    p.add_argument(
+        "--shard-weights",
+        action="store_true",
+        help="under torchrun, shard the weights on the device over the ranks too (ZeRO-3); weights "
+        "off the device (--policy zero-infinity) always are",
+    )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr")
     p.add_argument("--warmup", type=int, default=50, help="steps of linear warm-up before the cosine decay")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay (not applied to biases and norms)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global grad-norm clip; 0 turns it off")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the weights live and compute runs (under torchrun: NCCL on cuda, gloo on cpu)")
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the weights live and compute runs (under torchrun: NCCL on cuda, gloo on cpu)",
+    )
     p.add_argument("--log-every", type=int, default=10, help="print a progress line every this many steps")
     p.add_argument("--eval-batches", type=int, default=8, help="batches of held-out text for the final loss")
     p.add_argument("--sample-tokens", type=int, default=300, help="characters to generate at the end; 0: none")
@@ -115,20 +136,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def lr_factor(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
     """Multiplier of the peak lr at each step: linear warm-up, then cosine decay to ``min_ratio``."""
+
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
     return factor
 
 
-def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(
+    data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch_size`` random windows of ``seq_len`` tokens and the same windows shifted by one."""
     if len(data) <= seq_len:
         raise ValueError(f"text of {len(data)} tokens is too short for --seq-len {seq_len}; use a shorter one")
     starts = torch.randint(len(data) - seq_len, (batch_size,), generator=gen)
-    windows = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()])
+    windows = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
     return windows[:, :-1], windows[:, 1:]
 
 
@@ -139,6 +164,7 @@ def init_distributed(device: str) -> tuple[int, int]:
     if world == 1:
         return 0, 1
     import torch.distributed as dist
+
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # TieredModel's device="cuda" is this one
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
@@ -150,6 +176,7 @@ def mean_over_ranks(value: float, world: int, device: str) -> float:
     if world == 1:
         return value
     import torch.distributed as dist
+
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)  # NCCL reduces CUDA tensors only
     return t.item() / world
@@ -163,6 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if world > 1:
             import torch.distributed as dist
+
             dist.destroy_process_group()
 
 
@@ -177,8 +205,11 @@ def train(args: argparse.Namespace, rank: int, world: int) -> int:
     seq_len = args.seq_len or preset.block_size
     cfg = GPTConfig.preset(args.preset, vocab_size=tok.vocab_size, block_size=seq_len)
     model = GPT(cfg)
-    say(f"corpus: {len(data):,} characters, vocabulary {tok.vocab_size}; model: preset {args.preset!r}, "
-        f"{model.num_params():,} parameters, {cfg.n_layer} layers x {cfg.n_embd} wide", flush=True)
+    say(
+        f"corpus: {len(data):,} characters, vocabulary {tok.vocab_size}; model: preset {args.preset!r}, "
+        f"{model.num_params():,} parameters, {cfg.n_layer} layers x {cfg.n_embd} wide",
+        flush=True,
+    )
 
     tm = TieredModel(
         model,
@@ -192,8 +223,11 @@ def train(args: argparse.Namespace, rank: int, world: int) -> int:
         shard_weights=args.shard_weights,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(tm.optimizer, lr_factor(args.warmup, args.steps, args.min_lr_ratio))
-    say(f"{tm!r}; {args.steps} steps of {args.grad_accum} x {args.batch_size} x {seq_len} tokens"
-        + (f" on each of {world} ranks" if world > 1 else ""), flush=True)
+    say(
+        f"{tm!r}; {args.steps} steps of {args.grad_accum} x {args.batch_size} x {seq_len} tokens"
+        + (f" on each of {world} ranks" if world > 1 else ""),
+        flush=True,
+    )
 
     gen = torch.Generator().manual_seed(args.seed + rank)  # each rank its own batches
     tokens_per_step = args.grad_accum * args.batch_size * seq_len * world
@@ -217,24 +251,38 @@ def train(args: argparse.Namespace, rank: int, world: int) -> int:
             window_loss = mean_over_ranks(window_loss, world, args.device)
             elapsed = time.perf_counter() - window_start
             note = f" | skipped (fp16 overflow), scale {res.loss_scale:g}" if res.skipped else ""
-            say(f"step {step:5d}/{args.steps} | loss {window_loss / window_steps:.4f} "
+            say(
+                f"step {step:5d}/{args.steps} | loss {window_loss / window_steps:.4f} "
                 f"| grad norm {res.grad_norm:6.3f} | lr {sched.get_last_lr()[0]:.2e} "
                 f"| {tokens_per_step * window_steps / elapsed:8,.0f} tok/s "
-                f"| {1e3 * elapsed / window_steps:7.1f} ms/step{note}", flush=True)
+                f"| {1e3 * elapsed / window_steps:7.1f} ms/step{note}",
+                flush=True,
+            )
             window_start, window_loss, window_steps = time.perf_counter(), 0.0, 0
 
     tm.eval()
     with torch.no_grad():
-        losses = [lm_loss(tm(x), y).item() for x, y in
-                  (get_batch(val_data, args.batch_size, seq_len, gen) for _ in range(args.eval_batches))]
+        losses = [
+            lm_loss(tm(x), y).item()
+            for x, y in (get_batch(val_data, args.batch_size, seq_len, gen) for _ in range(args.eval_batches))
+        ]
     held_out = mean_over_ranks(sum(losses) / len(losses), world, args.device)
-    say(f"held-out loss {held_out:.4f} (last 10% of the text, {args.eval_batches} batches)"
-        + (f"; {skipped} steps skipped" if skipped else ""), flush=True)
+    say(
+        f"held-out loss {held_out:.4f} (last 10% of the text, {args.eval_batches} batches)"
+        + (f"; {skipped} steps skipped" if skipped else ""),
+        flush=True,
+    )
 
     if args.sample_tokens:
         prompt = "This License"
-        out = generate(tm, tok.encode(prompt).view(1, -1), args.sample_tokens, block_size=seq_len,
-                       temperature=0.8, generator=torch.Generator().manual_seed(args.seed))
+        out = generate(
+            tm,
+            tok.encode(prompt).view(1, -1),
+            args.sample_tokens,
+            block_size=seq_len,
+            temperature=0.8,
+            generator=torch.Generator().manual_seed(args.seed),
+        )
         say("---- sample ----\n" + tok.decode(out[0]) + "\n---- end of sample ----", flush=True)
 
     if args.save:

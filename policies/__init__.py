@@ -1,4 +1,5 @@
 """Built-in placement policies, installed as ``tiermem.policies``."""
+
 from __future__ import annotations
 
 from tiermem.policies.activation_offload import ActivationOffload

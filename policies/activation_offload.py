@@ -8,6 +8,7 @@ saves them until backward needs them; everything else goes where ``base`` says::
 The hooks never move parameters, nor tensors under one page
 (:data:`tiermem.train.activations.MIN_OFFLOAD_BYTES`), whatever ``min_bytes`` says.
 """
+
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, replace
@@ -38,12 +39,16 @@ class ActivationOffload(Policy):
 
     def __post_init__(self) -> None:
         if not isinstance(self.base, Policy):
-            raise ConfigError(f"tiermem: ActivationOffload.base={self.base!r} is not a tiermem.Policy; "
-                              f"pass the policy to wrap, e.g. ActivationOffload(ZeroOffload())")
+            raise ConfigError(
+                f"tiermem: ActivationOffload.base={self.base!r} is not a tiermem.Policy; "
+                f"pass the policy to wrap, e.g. ActivationOffload(ZeroOffload())"
+            )
         if self.tier not in (Tier.HOST, Tier.NVME):
-            raise ConfigError(f"tiermem: ActivationOffload.tier={self.tier!r} is invalid: activations are "
-                              f"offloaded to Tier.HOST or Tier.NVME; pass one of those (or use the base "
-                              f"policy alone to keep them on the device)")
+            raise ConfigError(
+                f"tiermem: ActivationOffload.tier={self.tier!r} is invalid: activations are "
+                f"offloaded to Tier.HOST or Tier.NVME; pass one of those (or use the base "
+                f"policy alone to keep them on the device)"
+            )
         object.__setattr__(self, "min_bytes", parse_bytes(self.min_bytes, what="ActivationOffload.min_bytes"))
 
     def place(self, info: TensorInfo) -> Tier:

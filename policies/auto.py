@@ -25,6 +25,7 @@ device share that fits; when the host is short too, the state that does not fit 
 a candidate the constructor would refuse is never chosen (when none fits, the error says what is
 short by how much).
 """
+
 from __future__ import annotations
 
 import enum
@@ -104,19 +105,34 @@ class Auto(Policy):
             in tiermem/plan/policy.py), from 0 up to (not including) 1.
     """
 
-    def __init__(self, *, profile: Any = None, forward_backward: float = 0.0, tokens_per_step: int = 0,
-                 device_reserve: float = 0.1):
+    def __init__(
+        self,
+        *,
+        profile: Any = None,
+        forward_backward: float = 0.0,
+        tokens_per_step: int = 0,
+        device_reserve: float = 0.1,
+    ):
         if not is_number(forward_backward) or not forward_backward >= 0:
-            raise ConfigError(f"tiermem: Auto.forward_backward={forward_backward!r} is invalid: the seconds of one "
-                              f"forward and backward, a number >= 0 (0 when unknown)")
+            raise ConfigError(
+                f"tiermem: Auto.forward_backward={forward_backward!r} is invalid: the seconds of one "
+                f"forward and backward, a number >= 0 (0 when unknown)"
+            )
         if not is_int(tokens_per_step) or tokens_per_step < 0:
-            raise ConfigError(f"tiermem: Auto.tokens_per_step={tokens_per_step!r} is invalid: the tokens of one step "
-                              f"(batch x sequence x micro-batches), an int >= 0 (0 when unknown)")
-        if profile is not None and not isinstance(profile, Mapping) and not isinstance(getattr(profile, "data", None),
-                                                                                Mapping):
-            raise ConfigError(f"tiermem: Auto.profile={profile!r} is invalid: pass a machine profile (a "
-                              f"tiermem.plan.profile.Profile, e.g. load_profile(path), or its data as a dict), or "
-                              f"None for this machine's")
+            raise ConfigError(
+                f"tiermem: Auto.tokens_per_step={tokens_per_step!r} is invalid: the tokens of one step "
+                f"(batch x sequence x micro-batches), an int >= 0 (0 when unknown)"
+            )
+        if (
+            profile is not None
+            and not isinstance(profile, Mapping)
+            and not isinstance(getattr(profile, "data", None), Mapping)
+        ):
+            raise ConfigError(
+                f"tiermem: Auto.profile={profile!r} is invalid: pass a machine profile (a "
+                f"tiermem.plan.profile.Profile, e.g. load_profile(path), or its data as a dict), or "
+                f"None for this machine's"
+            )
         self.profile, self.forward_backward, self.tokens_per_step = profile, float(forward_backward), tokens_per_step
         self.device_reserve = check_reserve(device_reserve, "Auto")  # NOTE [Device reserve]
 
@@ -130,13 +146,17 @@ class Auto(Policy):
 
     def for_model(self, model: ModelInfo) -> Policy:
         if model.evaluate is None:
-            raise ConfigError("tiermem: Auto() needs the planner to judge placements; use it through "
-                              "TieredModel(module, Auto(), ...) or `tiermem plan --policy auto`")
+            raise ConfigError(
+                "tiermem: Auto() needs the planner to judge placements; use it through "
+                "TieredModel(module, Auto(), ...) or `tiermem plan --policy auto`"
+            )
         judged = _Search(self, model).run()
         fitting = sorted((c for c in judged if c.outcome is Verdict.FITS), key=lambda c: c.evaluation.seconds)
         if not fitting:
-            raise ConfigError(f"tiermem: Auto() found no placement that fits: {_closest(judged)}; raise the "
-                              f"Budgets, pass nvme_dir=... for NVMe, or lower device_reserve")
+            raise ConfigError(
+                f"tiermem: Auto() found no placement that fits: {_closest(judged)}; raise the "
+                f"Budgets, pass nvme_dir=... for NVMe, or lower device_reserve"
+            )
         # within 1% of the fastest, the one with the most on the device: the cost model cannot tell
         # such candidates apart, and it leaves out costs that grow with what is off the device
         # (driving the copies, the memory bandwidth they share with Adam)
@@ -147,11 +167,21 @@ class Auto(Policy):
             if c is best:
                 continue
             if c.outcome is Verdict.FITS and c in near:
-                c = Choice(c.label, c.policy, c.evaluation, Verdict.AS_FAST,
-                           f"{_ms(c.evaluation.seconds)} predicted, with less on the device")
+                c = Choice(
+                    c.label,
+                    c.policy,
+                    c.evaluation,
+                    Verdict.AS_FAST,
+                    f"{_ms(c.evaluation.seconds)} predicted, with less on the device",
+                )
             elif c.outcome is Verdict.FITS:
-                c = Choice(c.label, c.policy, c.evaluation, Verdict.SLOWER,
-                           f"{_ms(c.evaluation.seconds)} predicted against {_ms(best.evaluation.seconds)}")
+                c = Choice(
+                    c.label,
+                    c.policy,
+                    c.evaluation,
+                    Verdict.SLOWER,
+                    f"{_ms(c.evaluation.seconds)} predicted against {_ms(best.evaluation.seconds)}",
+                )
             rest.append(c)
         chosen = Choice(best.label, best.policy, best.evaluation, Verdict.CHOSEN)
         return AutoChoice((chosen, *rest), self.profile)
@@ -201,8 +231,11 @@ class _Search:
             if any(c.outcome is Verdict.FITS for c in self.judged.values()):
                 break  # weights leave the device only when they cannot stay (NOTE [How Auto chooses])
             # the bisections call their lambdas at once, within this iteration (hence the noqa: B023)
-            d_max = (self._largest(lambda d: self._device_ok(self._judge(weights, d, m - d, Tier.HOST)), m)  # noqa: B023
-                     if weights == Tier.DEVICE else 0)
+            d_max = (
+                self._largest(lambda d: self._device_ok(self._judge(weights, d, m - d, Tier.HOST)), m)  # noqa: B023
+                if weights == Tier.DEVICE
+                else 0
+            )
             if d_max is None:
                 continue  # not even the weights fit on the device
             for d in sorted({d_max, d_max * 3 // 4, d_max // 2, d_max // 4, 0}, reverse=True):
@@ -242,16 +275,23 @@ class _Search:
                 grads[name] = Tier.DEVICE if i < d else Tier.HOST if i < d + h else grads_rest
             label = self._label(weights, d, h, grads_rest)
             policy = Assigned(label, weights, state, grads)
-            ev = self.evaluate(policy, profile=self.auto.profile, forward_backward=self.auto.forward_backward,
-                               tokens=self.auto.tokens_per_step)
+            ev = self.evaluate(
+                policy,
+                profile=self.auto.profile,
+                forward_backward=self.auto.forward_backward,
+                tokens=self.auto.tokens_per_step,
+            )
             self.judged[key] = Choice(label, policy, ev, *self._verdict(ev))
         return self.judged[key]
 
     def _label(self, weights: Tier, d: int, h: int, grads_rest: Tier) -> str:
-        share = [sum(self.numel[:d]), sum(self.numel[d:d + h]), sum(self.numel[d + h:])]
+        share = [sum(self.numel[:d]), sum(self.numel[d : d + h]), sum(self.numel[d + h :])]
         counts = [d, h, len(self.names) - d - h]
-        parts = [f"{100 * n / self.total:.0f}% {t} ({k} params)"
-                 for n, k, t in zip(share, counts, ("device", "host", "NVMe")) if k]
+        parts = [
+            f"{100 * n / self.total:.0f}% {t} ({k} params)"
+            for n, k, t in zip(share, counts, ("device", "host", "NVMe"))
+            if k
+        ]
         grads = "" if not share[2] or grads_rest == Tier.HOST else ", grads of the NVMe part on NVMe"
         return f"weights on {weights}; grads and optimizer state: {' / '.join(parts) or 'none'}{grads}"
 

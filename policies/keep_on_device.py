@@ -1,6 +1,7 @@
 """Everything on the device: the baseline every offloading policy is measured against.
 ``device_reserve=r`` keeps the share ``r`` of the device for activations (NOTE [Device reserve] in
 tiermem/plan/policy.py): a model whose training state passes the rest is refused up front."""
+
 from __future__ import annotations
 
 from tiermem.errors import checked_arguments

@@ -1,6 +1,7 @@
 """ZeRO-Infinity: weights and optimizer state on NVMe, grads on the host, activations on the
 device. Weights come to the device just in time for their module (prefetched in the order the
 first step recorded) and the step streams the optimizer state through bounded host buffers."""
+
 from __future__ import annotations
 
 from tiermem.errors import checked_arguments

@@ -29,6 +29,7 @@ refuses, before allocating anything, a layout whose device bytes pass ``1 - r`` 
 reserve] in tiermem/plan/policy.py), where without it the first forward would find no room for
 the activations of its batch. 0 (the default) checks nothing beyond the constructor's fit check.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,9 +45,11 @@ _SPLIT = (TensorClass.GRAD, TensorClass.OPTIM_STATE)  # the classes device_fract
 
 def _check_fraction(value: object) -> float:
     if not is_number(value) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
-        raise ConfigError(f"tiermem: ZeroOffload.device_fraction={value!r} is invalid: it is the share of the "
-                          f"optimizer state kept on the device, a number from 0 (all on the host) to 1 (all "
-                          f"on the device); pass e.g. device_fraction=0.25")
+        raise ConfigError(
+            f"tiermem: ZeroOffload.device_fraction={value!r} is invalid: it is the share of the "
+            f"optimizer state kept on the device, a number from 0 (all on the host) to 1 (all "
+            f"on the device); pass e.g. device_fraction=0.25"
+        )
     return float(value)
 
 
@@ -95,10 +98,15 @@ class ZeroOffload(PerClass):
                     f"tiermem: {type(self).__name__} overrides place() of a ZeroOffload that splits the optimizer "
                     f"state (device_fraction={self.device_fraction}); the split is decided over the whole model by "
                     f"the policy for_model returns, which would not ask your place(): wrap ZeroOffload(device_"
-                    f"fraction=...) in your policy instead and forward for_model to it (NOTE [Whole-model policies])")
+                    f"fraction=...) in your policy instead and forward for_model to it (NOTE [Whole-model policies])"
+                )
             bound = DeviceShare(self, device_share(model, self.device_fraction))
-        check_device_reserve(bound, model, self.device_reserve,
-                             "lower device_fraction" if self.device_fraction else "place less on the device")
+        check_device_reserve(
+            bound,
+            model,
+            self.device_reserve,
+            "lower device_fraction" if self.device_fraction else "place less on the device",
+        )
         return bound
 
     def place(self, info: TensorInfo) -> Tier:
@@ -109,8 +117,11 @@ class ZeroOffload(PerClass):
         raise asked_alone(self, info)  # the share needs the whole model: DeviceShare answers
 
     def __repr__(self) -> str:
-        args = [f"{k}={v}" for k, v in (("device_fraction", self.device_fraction),
-                                        ("device_reserve", self.device_reserve)) if v]
+        args = [
+            f"{k}={v}"
+            for k, v in (("device_fraction", self.device_fraction), ("device_reserve", self.device_reserve))
+            if v
+        ]
         return f"{type(self).__name__}({', '.join(args)})"
 
 

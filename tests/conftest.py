@@ -1,4 +1,5 @@
 """Shared test setup: tests marked ``cuda`` need an accelerator and are skipped without one."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Small models as users write them, shared by the model tests."""
+
 from __future__ import annotations
 
 import os
@@ -95,6 +96,7 @@ class disk_fills_up:
 
     def __enter__(self):
         import errno
+
         real = self.real = self.store._pwritev
 
         def write(fd, bufs, offset):
@@ -102,6 +104,7 @@ class disk_fills_up:
             if self.calls > self.after:
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real(fd, bufs, offset)
+
         self.store._pwritev = write
         return self
 
@@ -122,8 +125,9 @@ def run_python(script: str, *, timeout: float, hang: str) -> subprocess.Complete
     path = [os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     try:
-        done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(hang)
     assert done.returncode == 0, done.stderr[-2000:]

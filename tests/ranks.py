@@ -1,6 +1,7 @@
 """Run a function on N gloo ranks in fresh processes, with a deadline, and report every rank's
 failure: the harness of the data-parallel tests. A rank's function gets ``(rank, world, *args)``
 after the process group is up, and returns something picklable."""
+
 from __future__ import annotations
 
 import io
@@ -24,6 +25,7 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, world: int, port: int, fn, args, results, backend: str = "gloo") -> None:
     import torch.distributed as dist
+
     # torch's fused AdamW instead of compiling tiermem's kernel in every fresh process (seconds each,
     # on two cores); the compiled kernel is tested in one process, where it compiles once
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TIERMEM_NO_COMPILE="1")
@@ -48,8 +50,7 @@ class RankFailed(AssertionError):
         super().__init__("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
 
 
-def run_ranks(fn, *args, world: int = 2, deadline: float = DEADLINE, allow_errors: bool = False,
-              backend: str = "gloo"):
+def run_ranks(fn, *args, world: int = 2, deadline: float = DEADLINE, allow_errors: bool = False, backend: str = "gloo"):
     """``[fn(0, world, *args), ..., fn(world-1, world, *args)]``, each on its own rank. Raises
     :class:`RankFailed` with every rank's error (or returns them, ``allow_errors=True``: a dict
     rank -> result or error text); a rank not done by ``deadline`` is killed and reported."""

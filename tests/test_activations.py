@@ -3,6 +3,7 @@
 Oracles: ZeroOffload on the same data (placement never changes the numbers: bit for bit on this
 CPU-only machine), plain PyTorch's own saved tensors (what may move, and what must not), and
 brute-force element offsets (which layouts overlap)."""
+
 from __future__ import annotations
 
 import copy
@@ -36,8 +37,15 @@ def _gpt(policy, precision="bf16", *, steps=3, accum=1, together=False, nvme_dir
     """Train TinyGPT; ``together``: all micro-batches' forwards first, then their backwards (several
     graphs alive at once). ``check(tm, alive)`` runs after every backward; ``alive``: graphs left."""
     torch.manual_seed(0)
-    tm = TieredModel(TinyGPT(), policy, optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision=precision,
-                     grad_clip=1.0, bucket_size=2000, nvme_dir=nvme_dir)
+    tm = TieredModel(
+        TinyGPT(),
+        policy,
+        optimizer=AdamW(lr=1e-2, weight_decay=0.1),
+        precision=precision,
+        grad_clip=1.0,
+        bucket_size=2000,
+        nvme_dir=nvme_dir,
+    )
     losses = []
     for i in range(steps):
         batches = [gpt_batch(10 * i + j, batch=BATCH) for j in range(accum)]
@@ -65,38 +73,51 @@ def _info(kind, nbytes, name="blocks.0.fc"):
     return TensorInfo(name, kind, nbytes, (nbytes // 2,), torch.bfloat16, name)
 
 
-@pytest.mark.parametrize("policy, info, tier", [
-    (ActivationOffload(ZeroOffload()), _info(ACT, 2**20), Tier.HOST),
-    (ActivationOffload(ZeroOffload()), _info(ACT, 2**20 - 2), Tier.DEVICE),
-    (ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes="64KiB"), _info(ACT, 65536), Tier.NVME),
-    (ActivationOffload(ZeroOffload(), min_bytes=0), _info(ACT, 0), Tier.HOST),
-    (ActivationOffload(ZeroOffload(), min_bytes=0), _info(TensorClass.PARAM, 2**30), Tier.DEVICE),
-    (ActivationOffload(ZeroOffload(), min_bytes=0), _info(TensorClass.GRAD, 2**30), Tier.HOST),
-    (ActivationOffload(KeepOnDevice(), min_bytes=0), _info(TensorClass.OPTIM_STATE, 8), Tier.DEVICE),
-    (ActivationOffload(ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=100), min_bytes=10),
-     _info(ACT, 50), Tier.HOST),
-])
+@pytest.mark.parametrize(
+    "policy, info, tier",
+    [
+        (ActivationOffload(ZeroOffload()), _info(ACT, 2**20), Tier.HOST),
+        (ActivationOffload(ZeroOffload()), _info(ACT, 2**20 - 2), Tier.DEVICE),
+        (ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes="64KiB"), _info(ACT, 65536), Tier.NVME),
+        (ActivationOffload(ZeroOffload(), min_bytes=0), _info(ACT, 0), Tier.HOST),
+        (ActivationOffload(ZeroOffload(), min_bytes=0), _info(TensorClass.PARAM, 2**30), Tier.DEVICE),
+        (ActivationOffload(ZeroOffload(), min_bytes=0), _info(TensorClass.GRAD, 2**30), Tier.HOST),
+        (ActivationOffload(KeepOnDevice(), min_bytes=0), _info(TensorClass.OPTIM_STATE, 8), Tier.DEVICE),
+        (
+            ActivationOffload(ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=100), min_bytes=10),
+            _info(ACT, 50),
+            Tier.HOST,
+        ),
+    ],
+)
 def test_policy_places_large_activations_on_its_tier(policy, info, tier):
     assert policy.place(info) is tier
 
 
 @settings(max_examples=200, deadline=None)
-@given(kind=st.sampled_from(list(TensorClass)), nbytes=st.integers(0, 2**40),
-       min_bytes=st.integers(0, 2**40), tier=st.sampled_from([Tier.HOST, Tier.NVME]),
-       base=st.sampled_from([ZeroOffload(), KeepOnDevice()]))
+@given(
+    kind=st.sampled_from(list(TensorClass)),
+    nbytes=st.integers(0, 2**40),
+    min_bytes=st.integers(0, 2**40),
+    tier=st.sampled_from([Tier.HOST, Tier.NVME]),
+    base=st.sampled_from([ZeroOffload(), KeepOnDevice()]),
+)
 def test_policy_is_its_base_except_for_large_activations(kind, nbytes, min_bytes, tier, base):
     info = TensorInfo("m", kind, nbytes, (), torch.float32, "m")
     expect = tier if kind is ACT and nbytes >= min_bytes else base.place(info)
     assert ActivationOffload(base, tier=tier, min_bytes=min_bytes).place(info) is expect
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: ActivationOffload("zero"), r"ActivationOffload.base='zero' is not a tiermem.Policy"),
-    (lambda: ActivationOffload(ZeroOffload(), tier=Tier.DEVICE), r"tier=<Tier.DEVICE.*Tier.HOST or Tier.NVME"),
-    (lambda: ActivationOffload(ZeroOffload(), tier="host"), r"tier='host' is invalid"),
-    (lambda: ActivationOffload(ZeroOffload(), min_bytes=-1), r"ActivationOffload.min_bytes=-1 is negative"),
-    (lambda: ActivationOffload(ZeroOffload(), min_bytes="lots"), r"min_bytes='lots' does not parse"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: ActivationOffload("zero"), r"ActivationOffload.base='zero' is not a tiermem.Policy"),
+        (lambda: ActivationOffload(ZeroOffload(), tier=Tier.DEVICE), r"tier=<Tier.DEVICE.*Tier.HOST or Tier.NVME"),
+        (lambda: ActivationOffload(ZeroOffload(), tier="host"), r"tier='host' is invalid"),
+        (lambda: ActivationOffload(ZeroOffload(), min_bytes=-1), r"ActivationOffload.min_bytes=-1 is negative"),
+        (lambda: ActivationOffload(ZeroOffload(), min_bytes="lots"), r"min_bytes='lots' does not parse"),
+    ],
+)
 def test_policy_refuses_bad_arguments(make, match):
     with pytest.raises(ConfigError, match=match) as e:
         make()
@@ -129,9 +150,11 @@ def test_offload_never_changes_the_numbers(precision, tier, tmp_path):
 @pytest.mark.parametrize("together", [False, True])
 def test_gradient_accumulation(together):
     """Three micro-batches per step; ``together``: three graphs alive at once before backward."""
+
     def empty_pool(tm, alive):  # nothing of a micro-batch outlives its backward
         for t in (Tier.DEVICE, Tier.HOST):
             assert (tm.stores[t].ledger.kind_used[ACT] > 0) == (alive > 0), (t, alive)
+
     base = _gpt(ZeroOffload(), accum=3, together=together)
     off = _gpt(ActivationOffload(ZeroOffload(), min_bytes=0), accum=3, together=together, check=empty_pool)
     _same_run(base, off)
@@ -150,6 +173,7 @@ def test_models_with_buffers_and_frozen_layers_match():
             tm.backward(y.float().pow(2).mean() + (z.float().mean() if z is not None else 0))
             tm.step()
         return tm.state_dict(), tm
+
     (a, _), (b, tm) = run(ZeroOffload()), run(ActivationOffload(ZeroOffload(), min_bytes=0))
     assert same_state(a, b)
     assert tm.activations.stats.offloaded[Tier.HOST] > 0
@@ -231,6 +255,7 @@ def _saved_by_plain_torch(model, x):
             if t.untyped_storage().nbytes() >= MIN_OFFLOAD_BYTES:
                 sizes.append(t.untyped_storage().nbytes())
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x).float().sum().backward()
     return counts[0], sizes
@@ -298,6 +323,7 @@ def test_saved_views_come_back_with_their_layout_and_bits(viewer_tm, shape, data
     def make(h):
         v = h.permute(*perm)[..., ::step]
         return v[..., :1].expand(*v.shape[:-1], 40) if expand else v
+
     x = torch.randn(*shape, 40)  # the last dim keeps most storages above one page
     stats = viewer_tm.activations.stats
     before = stats.offloaded[Tier.HOST]
@@ -339,14 +365,19 @@ def test_backward_fetches_ahead_in_reverse_order(window):
 
 
 def test_waiting_on_a_slow_tier_counts_as_device_stall(tmp_path):
-    tm = TieredModel(_Chain(), ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0), precision="bf16",
-                     nvme_dir=str(tmp_path))
+    tm = TieredModel(
+        _Chain(),
+        ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0),
+        precision="bf16",
+        nvme_dir=str(tmp_path),
+    )
     store = tm.stores[Tier.NVME]
     fast = store._preadv
 
     def slow(fd, bufs, offset):  # the seam test_nvme uses to inject failures
         time.sleep(0.03)
         return fast(fd, bufs, offset)
+
     store._preadv = slow
     loss = tm(torch.randn(32, 96)).float().pow(2).mean()
     _drain(tm)  # every activation reached the host (a fetch before that keeps the device copy: no read)
@@ -368,8 +399,10 @@ def test_offloaded_buffers_return_to_the_pool(tier, tmp_path):
         for t in (Tier.DEVICE, Tier.HOST):
             assert tm.stores[t].ledger.kind_used[ACT] == 0, t
         allocations.append(tm.stores[Tier.HOST].allocations)
-    _, _, tm = _gpt(ActivationOffload(ZeroOffload(), tier=tier, min_bytes=0), steps=4, nvme_dir=str(tmp_path),
-                    check=check)
+
+    _, _, tm = _gpt(
+        ActivationOffload(ZeroOffload(), tier=tier, min_bytes=0), steps=4, nvme_dir=str(tmp_path), check=check
+    )
     if tier is Tier.HOST:  # at most all of a forward's records at once, every step: the pool has them
         assert allocations[0] == allocations[-1]
     assert tm.report().class_peak_bytes[(ACT, Tier.HOST)] > 0
@@ -429,20 +462,36 @@ def _tight(budget_tier: Tier) -> TieredModel:
         budgets = Budgets(device=used + largest_grad)
     else:
         budgets = Budgets(host=used + 4096)  # less than one TinyGPT activation, page-rounded
-    return TieredModel(TinyGPT(), ActivationOffload(ZeroOffload(), min_bytes=0) if budget_tier is Tier.HOST
-                       else ZeroOffload(), precision="bf16", budgets=budgets)
+    return TieredModel(
+        TinyGPT(),
+        ActivationOffload(ZeroOffload(), min_bytes=0) if budget_tier is Tier.HOST else ZeroOffload(),
+        precision="bf16",
+        budgets=budgets,
+    )
 
 
-@pytest.mark.parametrize("make, err, match", [
-    (lambda: TieredModel(TinyGPT(), ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0)),
-     ConfigError, r"places an activation of module '.*' \(.*\) on nvme, but no nvme store.*pass nvme_dir"),
-    (lambda: TieredModel(TinyGPT(), _Junk()), ConfigError, r"returned 'pinned' for '.*' \(activation\)"),
-    (lambda: _tight(Tier.HOST), OutOfTierMemory,
-     r"out of host memory placing 'an offloaded activation'.*raise Budgets\(host=\.\.\.\), raise "
-     r"ActivationOffload's min_bytes"),
-    (lambda: _tight(Tier.DEVICE), OutOfTierMemory,
-     r"out of device memory placing 'activations saved for backward'.*offload activations"),
-])
+@pytest.mark.parametrize(
+    "make, err, match",
+    [
+        (
+            lambda: TieredModel(TinyGPT(), ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0)),
+            ConfigError,
+            r"places an activation of module '.*' \(.*\) on nvme, but no nvme store.*pass nvme_dir",
+        ),
+        (lambda: TieredModel(TinyGPT(), _Junk()), ConfigError, r"returned 'pinned' for '.*' \(activation\)"),
+        (
+            lambda: _tight(Tier.HOST),
+            OutOfTierMemory,
+            r"out of host memory placing 'an offloaded activation'.*raise Budgets\(host=\.\.\.\), raise "
+            r"ActivationOffload's min_bytes",
+        ),
+        (
+            lambda: _tight(Tier.DEVICE),
+            OutOfTierMemory,
+            r"out of device memory placing 'activations saved for backward'.*offload activations",
+        ),
+    ],
+)
 def test_errors_in_forward_say_what_to_change(make, err, match):
     tm = make()
     x, y = gpt_batch(0, batch=BATCH)
@@ -459,8 +508,9 @@ def test_errors_in_forward_say_what_to_change(make, err, match):
 @pytest.mark.parametrize("tier", [Tier.HOST, Tier.NVME])
 def test_a_step_leaves_no_reference_cycle(tier, tmp_path):
     """Records, chains and leases let go of each other once retired: nothing waits for the GC."""
-    tm = TieredModel(_Chain(), ActivationOffload(ZeroOffload(), tier=tier, min_bytes=0), precision="bf16",
-                     nvme_dir=str(tmp_path))
+    tm = TieredModel(
+        _Chain(), ActivationOffload(ZeroOffload(), tier=tier, min_bytes=0), precision="bf16", nvme_dir=str(tmp_path)
+    )
     tm.backward(tm(torch.randn(32, 96)).float().pow(2).mean())
     tm.step()  # the first step compiles the optimizer, which leaves cycles of its own
     gc.collect()
@@ -476,13 +526,21 @@ def test_a_step_leaves_no_reference_cycle(tier, tmp_path):
 
 
 def test_the_nvme_legs_are_counted_by_the_engine(tmp_path):
-    tm = TieredModel(_Chain(), ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0), precision="bf16",
-                     nvme_dir=str(tmp_path))
+    tm = TieredModel(
+        _Chain(),
+        ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0),
+        precision="bf16",
+        nvme_dir=str(tmp_path),
+    )
     tm.backward(tm(torch.randn(32, 96)).float().pow(2).mean())
     rep, stats = tm.report(), tm.activations.stats
     sent = stats.offloaded_bytes[Tier.NVME]
     back = rep.class_bytes_moved[(ACT, Tier.NVME, Tier.HOST)]  # what was not still on the device
-    assert rep.class_bytes_moved[(ACT, Tier.DEVICE, Tier.HOST)] == rep.class_bytes_moved[(ACT, Tier.HOST, Tier.NVME)] == sent
+    assert (
+        rep.class_bytes_moved[(ACT, Tier.DEVICE, Tier.HOST)]
+        == rep.class_bytes_moved[(ACT, Tier.HOST, Tier.NVME)]
+        == sent
+    )
     assert rep.class_bytes_moved[(ACT, Tier.HOST, Tier.DEVICE)] == back
     assert back == sent * (stats.fetched_ahead + stats.fetched_on_demand) // stats.offloaded[Tier.NVME] > 0
     for leg in ((Tier.DEVICE, Tier.HOST), (Tier.HOST, Tier.NVME), (Tier.NVME, Tier.HOST), (Tier.HOST, Tier.DEVICE)):
@@ -493,13 +551,15 @@ def test_a_failed_nvme_read_surfaces_at_backward_and_gives_staging_back(tmp_path
     torch.manual_seed(0)
     model = _Chain()
     plain = TieredModel(copy.deepcopy(model), ZeroOffload(), precision="bf16")  # the oracle: same numbers
-    tm = TieredModel(model, ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0), precision="bf16",
-                     nvme_dir=str(tmp_path))
+    tm = TieredModel(
+        model, ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0), precision="bf16", nvme_dir=str(tmp_path)
+    )
     store = tm.stores[Tier.NVME]
     real = store._preadv
 
     def broken(fd, bufs, offset):
         raise OSError(5, "Input/output error")
+
     store._preadv = broken
     dev = tm.stores[Tier.DEVICE].ledger
     dev_before = dev.used

@@ -1,6 +1,7 @@
 """policies.Auto (NOTE [How Auto chooses] in policies/auto.py): right at the extremes, never a
 placement the constructor would refuse, and its prediction beside the measured stages in report().
 Profiles are injected (made-up machines), so nothing here measures this machine for long."""
+
 from __future__ import annotations
 
 import logging
@@ -19,17 +20,26 @@ from tiermem.plan.choose import Evaluator
 from tiermem.plan.profile import Profile
 from tiermem.policies.auto import Assigned, AutoChoice, Verdict
 
-GPU = {"device": {"accelerator": "a GPU", "h2d_GBps": 25, "d2h_GBps": 25}, "host": {"copy_GBps": 20},
-       "nvme": {"read_GBps": 2, "write_GBps": 1.5}, "adam": {"tiermem_Gparams_per_s": 1.5, "device_Gparams_per_s": 60}}
-CPU = {"device": {"accelerator": None, "h2d_GBps": 20, "d2h_GBps": 20}, "host": {"copy_GBps": 20},
-       "nvme": {"read_GBps": 2, "write_GBps": 1.5}, "adam": {"tiermem_Gparams_per_s": 1.5}}
+GPU = {
+    "device": {"accelerator": "a GPU", "h2d_GBps": 25, "d2h_GBps": 25},
+    "host": {"copy_GBps": 20},
+    "nvme": {"read_GBps": 2, "write_GBps": 1.5},
+    "adam": {"tiermem_Gparams_per_s": 1.5, "device_Gparams_per_s": 60},
+}
+CPU = {
+    "device": {"accelerator": None, "h2d_GBps": 20, "d2h_GBps": 20},
+    "host": {"copy_GBps": 20},
+    "nvme": {"read_GBps": 2, "write_GBps": 1.5},
+    "adam": {"tiermem_Gparams_per_s": 1.5},
+}
 BUCKET = 3000
 
 
 def _tm(policy, **kw) -> TieredModel:
     torch.manual_seed(0)
-    return TieredModel(TinyGPT(), policy, optimizer=AdamW(lr=1e-2), precision="bf16", grad_clip=1.0,
-                       bucket_size=BUCKET, **kw)
+    return TieredModel(
+        TinyGPT(), policy, optimizer=AdamW(lr=1e-2), precision="bf16", grad_clip=1.0, bucket_size=BUCKET, **kw
+    )
 
 
 def _split(tm: TieredModel) -> tuple[int, int, int]:
@@ -41,9 +51,12 @@ def _split(tm: TieredModel) -> tuple[int, int, int]:
 
 
 def _prefix(names: list[str], d: int) -> Assigned:
-    return Assigned(f"first {d} on the device", Tier.DEVICE,
-                    {n: Tier.DEVICE if i < d else Tier.HOST for i, n in enumerate(names)},
-                    {n: Tier.DEVICE if i < d else Tier.HOST for i, n in enumerate(names)})
+    return Assigned(
+        f"first {d} on the device",
+        Tier.DEVICE,
+        {n: Tier.DEVICE if i < d else Tier.HOST for i, n in enumerate(names)},
+        {n: Tier.DEVICE if i < d else Tier.HOST for i, n in enumerate(names)},
+    )
 
 
 def _forward_order() -> list[str]:
@@ -89,8 +102,10 @@ def test_a_short_host_sends_the_state_that_does_not_fit_to_nvme(tmp_path):
         torch.manual_seed(0)
         tm = TieredModel(TinyGPT(d=64), policy, optimizer=AdamW(lr=1e-2), precision="bf16", bucket_size=16384, **kw)
         return tm, train_steps(tm, 2)
-    tm, losses = run(Auto(profile=GPU, device_reserve=0.5), budgets=Budgets(device=300_000, host=800_000),
-                     nvme_dir=str(tmp_path))
+
+    tm, losses = run(
+        Auto(profile=GPU, device_reserve=0.5), budgets=Budgets(device=300_000, host=800_000), nvme_dir=str(tmp_path)
+    )
     d, h, nvme = _split(tm)
     assert nvme > 0 and h > 0, (d, h, nvme)
     ref, ref_losses = run(ZeroOffload())
@@ -101,8 +116,10 @@ def test_a_short_host_sends_the_state_that_does_not_fit_to_nvme(tmp_path):
 def _two_slot_allowance(tm: TieredModel) -> int:
     """The NVMe bytes the planner used to add to the footprint (before NVMe kept one value per
     key): a page's rounding of two slot files per NVMe key."""
+
     def r(n: int) -> int:
         return (-n) % 4096
+
     out = 0
     for b in tm.layout.buckets:
         out += 3 * 2 * r(4 * b.numel) if b.state_tier == Tier.NVME else 0
@@ -115,12 +132,20 @@ def test_a_disk_budget_at_the_footprint_is_accepted_and_trains(tmp_path):
     """NVMe holds each value once plus the journal (NOTE [Footprint]): Auto judges the disk with the
     constructor's rule and nothing more, so a disk budget of exactly the footprint, which the old
     allowance of two slots per key refused, is accepted, and the layout trains within it (du)."""
+
     def run(nvme, d):
         torch.manual_seed(0)
-        tm = TieredModel(TinyGPT(d=64), Auto(profile=GPU, device_reserve=0.5), optimizer=AdamW(lr=1e-2),
-                         precision="bf16", bucket_size=16384, nvme_dir=str(d),
-                         budgets=Budgets(device=300_000, host=800_000, nvme=nvme))
+        tm = TieredModel(
+            TinyGPT(d=64),
+            Auto(profile=GPU, device_reserve=0.5),
+            optimizer=AdamW(lr=1e-2),
+            precision="bf16",
+            bucket_size=16384,
+            nvme_dir=str(d),
+            budgets=Budgets(device=300_000, host=800_000, nvme=nvme),
+        )
         return tm
+
     (tmp_path / "probe").mkdir()
     probe = run("1GiB", tmp_path / "probe")
     need = probe.placement.chosen.evaluation.need[Tier.NVME]
@@ -135,8 +160,11 @@ def test_a_disk_budget_at_the_footprint_is_accepted_and_trains(tmp_path):
     assert losses == train_steps(_tm_like(TinyGPT(d=64)), 3), "placement never changes the numbers"
     assert tm.report().peak_bytes[Tier.NVME] <= need
     files = [f for f in os.listdir(tmp_path / "run")]
-    du = int(subprocess.run(["du", "-s", "--block-size=1", str(tmp_path / "run")], capture_output=True, text=True,
-                            check=True).stdout.split()[0])
+    du = int(
+        subprocess.run(
+            ["du", "-s", "--block-size=1", str(tmp_path / "run")], capture_output=True, text=True, check=True
+        ).stdout.split()[0]
+    )
     # on disk: the budget's payload, and per file at most its 4 KiB header and a page of direct-I/O padding
     assert du <= need + 2 * 4096 * len(files) + 4096, (du, need, len(files))
     tm.detach()
@@ -147,14 +175,16 @@ def _tm_like(model) -> TieredModel:
 
 
 def test_no_placement_that_fits_is_a_clear_error():
-    with pytest.raises(ConfigError, match=r"^tiermem: Auto\(\) found no placement that fits: the closest .* short "
-                                          r"by .*; raise the Budgets"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^tiermem: Auto\(\) found no placement that fits: the closest .* short "
+        r"by .*; raise the Budgets",
+    ):
         _tm(Auto(profile=GPU), budgets=Budgets(device=20_000, host=30_000))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(device=st.integers(10_000, 250_000), host=st.integers(0, 400_000), nvme=st.booleans(),
-       overlap=st.booleans())
+@given(device=st.integers(10_000, 250_000), host=st.integers(0, 400_000), nvme=st.booleans(), overlap=st.booleans())
 def test_auto_never_chooses_what_the_constructor_refuses(tmp_path_factory, device, host, nvme, overlap):
     """Whatever the budgets, Auto either chooses a placement the constructor builds or says that
     nothing fits; it never hands the constructor one it refuses (it judges with the constructor's
@@ -203,8 +233,9 @@ def test_every_rejected_alternative_says_why():
     choices = tm.placement.choices
     assert choices[0].verdict == "chosen" and choices[0].outcome is Verdict.CHOSEN
     assert len(choices) > 2
-    assert all(c.verdict.startswith(("slower: ", "as fast within 1%", "does not fit: ", "refused: "))
-               for c in choices[1:])
+    assert all(
+        c.verdict.startswith(("slower: ", "as fast within 1%", "does not fit: ", "refused: ")) for c in choices[1:]
+    )
     assert {c.outcome for c in choices[1:]} <= {Verdict.SLOWER, Verdict.AS_FAST, Verdict.DOES_NOT_FIT, Verdict.REFUSED}
     assert all(c.verdict == f"{c.outcome.value}: {c.why}" for c in choices[1:])  # the words follow the outcome
     assert any(c.outcome is Verdict.DOES_NOT_FIT and c.why.startswith("device") for c in choices[1:])
@@ -222,8 +253,14 @@ def test_binding_returns_a_choice_and_leaves_auto_as_it_was():
 def test_the_judge_keeps_nothing_a_search_asked_it():
     """Evaluator.predict answers from the policy it is given (Auto's choice keeps the profile it was
     chosen with), never from whichever profile the last search passed it."""
-    evaluator = Evaluator(TinyGPT(), AdamW(), torch.bfloat16, BUCKET, limits={Tier.DEVICE: 10**9, Tier.HOST: 10**9},
-                          machine=lambda: Profile(CPU))
+    evaluator = Evaluator(
+        TinyGPT(),
+        AdamW(),
+        torch.bfloat16,
+        BUCKET,
+        limits={Tier.DEVICE: 10**9, Tier.HOST: 10**9},
+        machine=lambda: Profile(CPU),
+    )
     evaluator.rates()  # this machine's figures: CPU's
     zero = evaluator.bind(ZeroOffload())
     before = evaluator.predict(zero, 0.1)
@@ -233,13 +270,16 @@ def test_the_judge_keeps_nothing_a_search_asked_it():
     assert evaluator.predict(choice, 0.1) != dict(evaluator(choice.chosen.policy, CPU, 0.1).stages)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(forward_backward=-1.0), "Auto.forward_backward=-1.0 is invalid"),
-    (dict(forward_backward=True), "Auto.forward_backward=True is invalid"),
-    (dict(device_reserve=1.0), "Auto.device_reserve=1.0 is invalid"),
-    (dict(device_reserve=-0.5), "Auto.device_reserve=-0.5 is invalid"),
-    (dict(profile="profile.json"), "Auto.profile='profile.json' is invalid: pass a machine profile"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(forward_backward=-1.0), "Auto.forward_backward=-1.0 is invalid"),
+        (dict(forward_backward=True), "Auto.forward_backward=True is invalid"),
+        (dict(device_reserve=1.0), "Auto.device_reserve=1.0 is invalid"),
+        (dict(device_reserve=-0.5), "Auto.device_reserve=-0.5 is invalid"),
+        (dict(profile="profile.json"), "Auto.profile='profile.json' is invalid: pass a machine profile"),
+    ],
+)
 def test_bad_arguments_are_refused(kw, match):
     with pytest.raises(ConfigError, match="^tiermem: " + match):
         Auto(**kw)
@@ -256,6 +296,7 @@ def test_auto_needs_the_whole_model_and_a_planner():
 
 def test_without_a_profile_the_machine_is_measured_once_and_saved(tmp_path, monkeypatch, caplog):
     from tiermem.train import machine
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(machine, "_BYTES", 2**20)  # a test must not spend long measuring
     monkeypatch.setattr(machine, "_ADAM_PARAMS", 2**14)
@@ -274,9 +315,11 @@ def test_report_without_a_usable_profile_leaves_the_stages_out(tmp_path, monkeyp
     """A saved profile that lacks a figure (an older bench's) makes report() say nothing of the
     stages; it never fails a report."""
     from tiermem.plan import profile
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    profile.save_profile({"schema": profile.SCHEMA, "device": {"accelerator": "a GPU"}, "host": {}, "nvme": {},
-                          "adam": {}})
+    profile.save_profile(
+        {"schema": profile.SCHEMA, "device": {"accelerator": "a GPU"}, "host": {}, "nvme": {}, "adam": {}}
+    )
     tm = _tm(ZeroOffload())
     train_steps(tm, 1)
     assert tm.report().stages == {}

@@ -1,5 +1,6 @@
 """Every public constructor answers a wrong argument (type, value, unknown or missing keyword) with
 a one-line ``tiermem:`` error that names the keyword and says what it accepts."""
+
 from __future__ import annotations
 
 import math
@@ -8,8 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from tiermem import (Adam, AdamW, ArgumentError, Budgets, ConfigError, LossScale, NvmeStore, TieredModel, TierMemError,
-                     from_deepspeed_config)
+from tiermem import (
+    Adam,
+    AdamW,
+    ArgumentError,
+    Budgets,
+    ConfigError,
+    LossScale,
+    NvmeStore,
+    TieredModel,
+    TierMemError,
+    from_deepspeed_config,
+)
 from tiermem.optim import CPUAdam, adam_step
 from tiermem.policies import ActivationOffload, Auto, KeepOnDevice, ZeroInfinity, ZeroOffload
 
@@ -41,10 +52,18 @@ BAD = [  # (make, error type, what the message must say: the keyword and what is
     (lambda: AdamW(betas=(0.9, 0.99, 0.9)), ConfigError, r"AdamW\.betas=.*two numbers"),
     (lambda: Adam(eps=-1.0), ConfigError, r"Adam\.eps=-1\.0 .*a finite number >= 0"),
     (lambda: AdamW(weight_decay=math.inf), ConfigError, r"AdamW\.weight_decay=inf .*finite number"),
-    (lambda: AdamW(learning_rate=1e-3), ArgumentError, r"AdamW\(\): .*unexpected keyword argument 'learning_rate'"
-                                                       r".*it takes AdamW\(params=\.\.\., \*, lr=\.\.\., .*betas="),
-    (lambda: AdamW(1e-3), ConfigError, r"AdamW\.params=0\.001 is invalid: the one positional argument is the "
-                                       r"model's parameters or torch-style param groups.*pass hyperparameters by keyword"),
+    (
+        lambda: AdamW(learning_rate=1e-3),
+        ArgumentError,
+        r"AdamW\(\): .*unexpected keyword argument 'learning_rate'"
+        r".*it takes AdamW\(params=\.\.\., \*, lr=\.\.\., .*betas=",
+    ),
+    (
+        lambda: AdamW(1e-3),
+        ConfigError,
+        r"AdamW\.params=0\.001 is invalid: the one positional argument is the "
+        r"model's parameters or torch-style param groups.*pass hyperparameters by keyword",
+    ),
     (lambda: AdamW(1e-3, 0.9), ArgumentError, r"AdamW\(\): too many positional arguments; it takes AdamW\(params="),
     (lambda: Adam(amsgrad=True), ArgumentError, r"'amsgrad'.*it takes Adam\(params=\.\.\., \*, lr=\.\.\."),
     # loss scaling and budgets
@@ -63,8 +82,12 @@ BAD = [  # (make, error type, what the message must say: the keyword and what is
     (lambda: ZeroOffload(fraction=0.5), ArgumentError, r"did you mean device_fraction= instead of fraction=\?"),
     (lambda: ZeroInfinity(device_fraction=0.5), ArgumentError, r"'device_fraction'; it takes ZeroInfinity\(\)"),
     (lambda: KeepOnDevice(1), ArgumentError, r"KeepOnDevice\(\): too many positional arguments; it takes KeepOnDevice"),
-    (lambda: ActivationOffload(), ArgumentError, r"missing a required argument: 'base'; it takes "
-                                                 r"ActivationOffload\(base, \*, tier=\.\.\., min_bytes=\.\.\.\)"),
+    (
+        lambda: ActivationOffload(),
+        ArgumentError,
+        r"missing a required argument: 'base'; it takes "
+        r"ActivationOffload\(base, \*, tier=\.\.\., min_bytes=\.\.\.\)",
+    ),
     (lambda: ActivationOffload("ZeroOffload"), ConfigError, r"ActivationOffload\.base='ZeroOffload' is not a tiermem"),
     (lambda: ActivationOffload(ZeroOffload(), tier="host"), ConfigError, r"ActivationOffload\.tier='host'.*Tier\.HOST"),
     (lambda: ActivationOffload(ZeroOffload(), min_bytes=[1]), ConfigError, r"ActivationOffload\.min_bytes=\[1\]"),
@@ -73,10 +96,18 @@ BAD = [  # (make, error type, what the message must say: the keyword and what is
     # TieredModel's keywords
     (lambda: TieredModel("model"), ConfigError, r"TieredModel needs a torch\.nn\.Module, got str"),
     (lambda: TieredModel(_lin(), "zero"), ConfigError, r"policy='zero' is not a tiermem\.Policy"),
-    (lambda: TieredModel(_lin(), lr=1e-3), ArgumentError, r"'lr'; it takes TieredModel\(module, policy=\.\.\., \*, "
-                                                          r"optimizer=\.\.\."),
+    (
+        lambda: TieredModel(_lin(), lr=1e-3),
+        ArgumentError,
+        r"'lr'; it takes TieredModel\(module, policy=\.\.\., \*, "
+        r"optimizer=\.\.\.",
+    ),
     (lambda: TieredModel(_lin(), None, AdamW()), ArgumentError, r"too many positional arguments"),
-    (lambda: TieredModel(_lin(), optimizer=AdamW), ConfigError, r"optimizer=.* is not an optimizer tiermem runs; pass tiermem.AdamW"),
+    (
+        lambda: TieredModel(_lin(), optimizer=AdamW),
+        ConfigError,
+        r"optimizer=.* is not an optimizer tiermem runs; pass tiermem.AdamW",
+    ),
     (lambda: TieredModel(_lin(), optimizer=torch.optim.AdamW), ConfigError, r"optimizer=.*tiermem\.AdamW\(\.\.\.\)"),
     (lambda: TieredModel(_lin(), precision=torch.bfloat16), ConfigError, r"precision=torch\.bfloat16 .*'bf16'"),
     (lambda: TieredModel(_lin(), budgets={"host": 1}), ConfigError, r"budgets=\{'host': 1\} is not a tiermem\.Budgets"),
@@ -91,19 +122,29 @@ BAD = [  # (make, error type, what the message must say: the keyword and what is
     (lambda: TieredModel(_lin(), loss_scale=LossScale()), ConfigError, r"loss_scale=.*only precision='fp16'"),
     (lambda: TieredModel(_lin(), nvme_dir=3), ConfigError, r"nvme_dir=3 is not a path"),
     (lambda: TieredModel(_lin(), trace_path=3), ConfigError, r"trace_path=3 is not a path"),
-    (lambda: TieredModel(_lin(), process_group="world"), ConfigError,
-     r"process_group= was given but torch\.distributed is not initialized"),
+    (
+        lambda: TieredModel(_lin(), process_group="world"),
+        ConfigError,
+        r"process_group= was given but torch\.distributed is not initialized",
+    ),
     # from_deepspeed_config's keywords (its config keys: tests/test_deepspeed_config.py)
     (lambda: from_deepspeed_config(_lin(), {}, no_decay=5), ConfigError, r"AdamW\.no_decay=5 .*name pattern"),
     (lambda: from_deepspeed_config(_lin(), {}, no_decay_1d="y"), ConfigError, r"no_decay_1d='y' .*True or False"),
-    (lambda: from_deepspeed_config(_lin(), {}, learning_rate=1), ConfigError, r"unexpected keyword arguments "
-                                                                              r"\['learning_rate'\]; it takes"),
+    (
+        lambda: from_deepspeed_config(_lin(), {}, learning_rate=1),
+        ConfigError,
+        r"unexpected keyword arguments "
+        r"\['learning_rate'\]; it takes",
+    ),
     (lambda: from_deepspeed_config(_lin(), {}, prefetch="no"), ConfigError, r"prefetch='no' is not a bool"),
     (lambda: from_deepspeed_config(_lin(), 5), ConfigError, r"config"),
     # NvmeStore (a directory that exists: the checks of its options and directory run after the keywords')
-    (lambda: NvmeStore(".", threads=2), ArgumentError,
-     r"NvmeStore\(\): .*unexpected keyword argument 'threads'.*it takes NvmeStore\(directory, \*, budget=\.\.\., "
-     r"io_threads="),
+    (
+        lambda: NvmeStore(".", threads=2),
+        ArgumentError,
+        r"NvmeStore\(\): .*unexpected keyword argument 'threads'.*it takes NvmeStore\(directory, \*, budget=\.\.\., "
+        r"io_threads=",
+    ),
     (lambda: NvmeStore(".", io_thread=2), ArgumentError, r"did you mean io_threads= instead of io_thread=\?"),
     (lambda: NvmeStore(".", 1 << 20), ArgumentError, r"NvmeStore\(\): too many positional arguments"),
     (lambda: NvmeStore(), ArgumentError, r"missing a required argument: 'directory'"),
@@ -151,9 +192,29 @@ def test_adam_step_takes_tensor_scalars_as_the_numbers_they_hold():
     master, grad = torch.randn(5), torch.randn(5)
     got, want = master.clone(), master.clone()
     m, v = torch.zeros(5), torch.zeros(5)
-    adam_step(got, m, v, grad, step=torch.tensor(1.0), lr=torch.tensor(1e-2), beta1=0.9, beta2=0.999, eps=1e-8,
-              weight_decay=torch.tensor(0.1))
+    adam_step(
+        got,
+        m,
+        v,
+        grad,
+        step=torch.tensor(1.0),
+        lr=torch.tensor(1e-2),
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=torch.tensor(0.1),
+    )
     m2, v2 = torch.zeros(5), torch.zeros(5)
-    adam_step(want, m2, v2, grad, step=1, lr=float(torch.tensor(1e-2)), beta1=0.9, beta2=0.999, eps=1e-8,
-              weight_decay=float(torch.tensor(0.1)))
+    adam_step(
+        want,
+        m2,
+        v2,
+        grad,
+        step=1,
+        lr=float(torch.tensor(1e-2)),
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=float(torch.tensor(0.1)),
+    )
     assert torch.equal(got, want) and not torch.equal(got, master)

@@ -8,18 +8,37 @@ from tiermem.budgets import parse_bytes
 from tiermem.memory.ledger import Ledger
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("0", 0), ("1024", 1024), (" 8GiB ", 8 * 2**30), ("500MB", 500_000_000), ("1.5 KiB", 1536),
-    ("2gb", 2 * 10**9), ("3T", 3 * 10**12), ("1e3", 1000), (4096, 4096), ("7.5e9", 7_500_000_000),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("0", 0),
+        ("1024", 1024),
+        (" 8GiB ", 8 * 2**30),
+        ("500MB", 500_000_000),
+        ("1.5 KiB", 1536),
+        ("2gb", 2 * 10**9),
+        ("3T", 3 * 10**12),
+        ("1e3", 1000),
+        (4096, 4096),
+        ("7.5e9", 7_500_000_000),
+    ],
+)
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad, match", [
-    ("8 gigs", "does not parse as a size"), ("", "does not parse"), ("GiB", "does not parse"),
-    (-1, "negative"), (True, "is not a size"), ([1], "is not a size"), ("1.5.2GB", "does not parse"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("8 gigs", "does not parse as a size"),
+        ("", "does not parse"),
+        ("GiB", "does not parse"),
+        (-1, "negative"),
+        (True, "is not a size"),
+        ([1], "is not a size"),
+        ("1.5.2GB", "does not parse"),
+    ],
+)
 def test_parse_bytes_rejects(bad, match):
     with pytest.raises(ConfigError, match=match) as e:
         parse_bytes(bad)

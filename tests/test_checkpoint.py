@@ -1,5 +1,6 @@
 """The checkpoint file against its narrow interface (tensors by name, metadata, a load that is
 handed a reader): a stand-in model state, no TieredModel."""
+
 from __future__ import annotations
 
 import os
@@ -48,9 +49,14 @@ class FakeState:
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"master/w": torch.randn(3, 5, generator=g), "exp_avg/w": torch.randn(15, generator=g).view(3, 5),
-            "frozen/e": torch.randn(7, generator=g).to(torch.bfloat16), "buffers/n": torch.tensor(seed),
-            "buffers/empty": torch.zeros(0), "buffers/half": torch.randn(2, 2, generator=g).half()}
+    return {
+        "master/w": torch.randn(3, 5, generator=g),
+        "exp_avg/w": torch.randn(15, generator=g).view(3, 5),
+        "frozen/e": torch.randn(7, generator=g).to(torch.bfloat16),
+        "buffers/n": torch.tensor(seed),
+        "buffers/empty": torch.zeros(0),
+        "buffers/half": torch.randn(2, 2, generator=g).half(),
+    }
 
 
 def _zeroed(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -81,10 +87,13 @@ def test_a_flipped_byte_is_found_before_anything_is_loaded(tmp_path):
     assert dst.loaded_meta is None and all(not t.any() for t in dst.t.values())
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda t: t.pop("exp_avg/w"), "does not match this model: missing"),
-    (lambda t: t.update({"master/w": torch.zeros(5, 3)}), "has shape"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: t.pop("exp_avg/w"), "does not match this model: missing"),
+        (lambda t: t.update({"master/w": torch.zeros(5, 3)}), "has shape"),
+    ],
+)
 def test_a_checkpoint_of_another_model_is_refused(tmp_path, change, message):
     path = str(tmp_path / "c.tm")
     saved = _tensors(2)
@@ -106,8 +115,10 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_leaves_no_debris(tmp_pa
     assert os.listdir(tmp_path) == ["c.tm"]
 
 
-@pytest.mark.parametrize("mangle", [lambda b: b[:-3], lambda b: b"junk" + b[4:], lambda b: b"",
-                                    lambda b: b.replace(b'"step": 3', b'"step": 4')])  # the footer's checksum
+@pytest.mark.parametrize(
+    "mangle",
+    [lambda b: b[:-3], lambda b: b"junk" + b[4:], lambda b: b"", lambda b: b.replace(b'"step": 3', b'"step": 4')],
+)  # the footer's checksum
 def test_a_damaged_file_is_not_a_checkpoint(tmp_path, mangle):
     path = str(tmp_path / "c.tm")
     checkpoint.save(FakeState(_tensors(5)), path)

@@ -3,6 +3,7 @@ data parallelism writes by default; the ranks themselves: test_data_parallel): l
 into other bucket sizes and placements, plain torch reads them, every byte is checked before
 anything changes, a save replaces the previous checkpoint whole, and a user's own dcp.save/load
 of ``tm.sharded_state_dict()`` round-trips."""
+
 from __future__ import annotations
 
 import logging
@@ -30,15 +31,33 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 
 class StateOnNvme(PerClass):
-    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.ACTIVATION: Tier.DEVICE,
-             TensorClass.GRAD: Tier.HOST, TensorClass.OPTIM_STATE: Tier.NVME}
+    homes = {
+        TensorClass.PARAM: Tier.DEVICE,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+        TensorClass.GRAD: Tier.HOST,
+        TensorClass.OPTIM_STATE: Tier.NVME,
+    }
 
 
-def _model(steps: int = 2, *, policy=None, nvme=None, bucket: int = 2000, seed: int = 0, module=TinyGPT,
-           precision: str = "fp32") -> TieredModel:
+def _model(
+    steps: int = 2,
+    *,
+    policy=None,
+    nvme=None,
+    bucket: int = 2000,
+    seed: int = 0,
+    module=TinyGPT,
+    precision: str = "fp32",
+) -> TieredModel:
     torch.manual_seed(seed)
-    tm = TieredModel(module(), policy, optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision=precision,
-                     bucket_size=bucket, nvme_dir=None if nvme is None else str(nvme))
+    tm = TieredModel(
+        module(),
+        policy,
+        optimizer=AdamW(lr=1e-2, weight_decay=0.1),
+        precision=precision,
+        bucket_size=bucket,
+        nvme_dir=None if nvme is None else str(nvme),
+    )
     if module is TinyGPT:
         train_steps(tm, steps)
     return tm
@@ -80,8 +99,11 @@ def test_a_flat_range_becomes_boxes_that_cover_it_exactly_in_order(shape, data):
 def test_a_sharded_value_runs_no_op_but_says_what_it_holds():
     v = ShardedValue("model.w", (3, 4), 2, 9, torch.arange(7.0))
     assert v.shape == (3, 4) and v.local_range == (2, 9) and torch.equal(v.local(), torch.arange(7.0))
-    with pytest.raises(TierMemError, match=r"^tiermem: 'model\.w' is a ShardedValue .* elements \[2, 9\) of 12, "
-                                           r"so .* cannot run on it; use \.local\(\)"):
+    with pytest.raises(
+        TierMemError,
+        match=r"^tiermem: 'model\.w' is a ShardedValue .* elements \[2, 9\) of 12, "
+        r"so .* cannot run on it; use \.local\(\)",
+    ):
         v + 1
     assert "elements [2, 9)" in repr(v)
 
@@ -176,13 +198,19 @@ def test_a_users_dcp_load_into_the_sharded_state_dict_round_trips(tmp_path, poli
     assert same_state(dst.state_dict(), src.state_dict())
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda sd: sd.pop("tiermem"), r"with keys \['model', 'optim'\]"),
-    (lambda sd: sd.update(tiermem="{"), r"'tiermem' entry is not tiermem's JSON"),
-    (lambda sd: sd["model"].pop("ln_f.bias"), r"it has no 'model\.ln_f\.bias'"),
-    (lambda sd: sd["model"].update({"ln_f.bias": torch.zeros(24)}), r"'model\.ln_f\.bias' is not this process's "
-                                                                     r"ShardedValue"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda sd: sd.pop("tiermem"), r"with keys \['model', 'optim'\]"),
+        (lambda sd: sd.update(tiermem="{"), r"'tiermem' entry is not tiermem's JSON"),
+        (lambda sd: sd["model"].pop("ln_f.bias"), r"it has no 'model\.ln_f\.bias'"),
+        (
+            lambda sd: sd["model"].update({"ln_f.bias": torch.zeros(24)}),
+            r"'model\.ln_f\.bias' is not this process's "
+            r"ShardedValue",
+        ),
+    ],
+)
 def test_load_sharded_state_dict_refuses_what_it_did_not_give(edit, message):
     tm = _model()
     before = (tm.state_dict(), tm.stepper.steps)
@@ -211,9 +239,11 @@ def _flip(path, at: int = 200) -> None:
 
 def _evil_metadata(path) -> None:
     """A pickle that would create a file when unpickled."""
+
     class Evil:
         def __reduce__(self):
             return (open, (str(path.parent / "pwned"), "w"))
+
     (path / ".metadata").write_bytes(pickle.dumps(Evil()))
 
 
@@ -223,17 +253,30 @@ def _second_manifest(path) -> None:
 
 DAMAGE = {
     "flipped data byte": (lambda p: _flip(p / "__0_0.distcp"), StoreError, r"'__0_0\.distcp' fails its checksum\)"),
-    "truncated data": (lambda p: os.truncate(p / "__0_0.distcp", 1000), StoreError,
-                       r"'__0_0\.distcp' fails its checksum: 1000 bytes, not \d+\)"),
+    "truncated data": (
+        lambda p: os.truncate(p / "__0_0.distcp", 1000),
+        StoreError,
+        r"'__0_0\.distcp' fails its checksum: 1000 bytes, not \d+\)",
+    ),
     "missing data": (lambda p: os.unlink(p / "__0_0.distcp"), StoreError, r"incomplete: cannot read '__0_0\.distcp'"),
     "flipped metadata byte": (lambda p: _flip(p / ".metadata", 50), StoreError, r"'\.metadata' fails its checksum"),
     "hostile metadata": (_evil_metadata, StoreError, r"'\.metadata' fails its checksum"),
-    "edited manifest": (lambda p: _flip(p / "tiermem-rank0.json", 30), StoreError,
-                        r"unreadable manifest 'tiermem-rank0\.json' \(it fails its checksum\)"),
-    "lost manifest": (lambda p: os.unlink(p / "tiermem-rank0.json"), StoreError,
-                      r"tm\.save wrote it with manifests, which are missing now"),
-    "another save's manifest": (_second_manifest, StoreError, r"a manifest 'tiermem-rank1\.json' of another format, "
-                                                              r"rank or world"),
+    "edited manifest": (
+        lambda p: _flip(p / "tiermem-rank0.json", 30),
+        StoreError,
+        r"unreadable manifest 'tiermem-rank0\.json' \(it fails its checksum\)",
+    ),
+    "lost manifest": (
+        lambda p: os.unlink(p / "tiermem-rank0.json"),
+        StoreError,
+        r"tm\.save wrote it with manifests, which are missing now",
+    ),
+    "another save's manifest": (
+        _second_manifest,
+        StoreError,
+        r"a manifest 'tiermem-rank1\.json' of another format, "
+        r"rank or world",
+    ),
 }
 
 
@@ -248,17 +291,28 @@ def test_damage_is_found_before_anything_changes(saved, tmp_path, name):
     with pytest.raises(error, match=message) as info:
         target.load(str(path))
     assert str(info.value).startswith("tiermem:") and "nothing was loaded" in str(info.value)
-    assert same_state(target.state_dict(), before[0]) and (target.stepper.steps, target.stepper.param_steps()) == \
-        before[1:]
+    assert (
+        same_state(target.state_dict(), before[0])
+        and (target.stepper.steps, target.stepper.param_steps()) == before[1:]
+    )
     assert not (tmp_path / "pwned").exists()  # never unpickled
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: TieredModel(TinyGPT(d=16), optimizer=AdamW(lr=1e-2)), r"'model\.[\w.]+' has shape \((37, )?24,?\), "
-                                                                   r"the model has \((37, )?16,?\)"),
-    (lambda: TieredModel(TinyGPT(n_layer=1), optimizer=AdamW(lr=1e-2)), r"unexpected \['model\.blocks\.1\."),
-    (lambda: TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2, no_decay_1d=True)), r"has 1 param groups, this model 2"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: TieredModel(TinyGPT(d=16), optimizer=AdamW(lr=1e-2)),
+            r"'model\.[\w.]+' has shape \((37, )?24,?\), "
+            r"the model has \((37, )?16,?\)",
+        ),
+        (lambda: TieredModel(TinyGPT(n_layer=1), optimizer=AdamW(lr=1e-2)), r"unexpected \['model\.blocks\.1\."),
+        (
+            lambda: TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2, no_decay_1d=True)),
+            r"has 1 param groups, this model 2",
+        ),
+    ],
+)
 def test_a_checkpoint_of_another_model_is_refused(saved, make, message):
     tm = make()
     before = tm.state_dict()
@@ -304,9 +358,13 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_leaves_no_debris(tmp_pa
 
     def disk_full(*args):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(checkpoint_dir, "write_manifest", disk_full)
-    with pytest.raises(StoreError, match=r"saving the checkpoint to .* failed \(No space left on device\); free "
-                                         r"space or choose another path. Any previous checkpoint there is unchanged"):
+    with pytest.raises(
+        StoreError,
+        match=r"saving the checkpoint to .* failed \(No space left on device\); free "
+        r"space or choose another path. Any previous checkpoint there is unchanged",
+    ):
         tm.save(str(path), format="dcp")
     assert sorted(n for n in os.listdir(tmp_path) if not n.startswith("contents")) == ["ck"]
     assert _same_tree(_contents(path, tmp_path), before)

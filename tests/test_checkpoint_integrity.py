@@ -1,6 +1,7 @@
 """A real checkpoint against hand edits and a hostile directory: every edit to the footer is
 refused before anything changes (by its checksum, or, re-signed, by the field it breaks), stale
 temporaries of dead processes go, symlinks are never written through, files are 0600."""
+
 from __future__ import annotations
 
 import json
@@ -41,9 +42,9 @@ def saved(tmp_path_factory) -> bytes:
 
 def _split(data: bytes) -> tuple[bytes, dict, int]:
     """(everything before the footer, the footer, its checksum as written)."""
-    n, crc = _TAIL.unpack(data[-len(checkpoint.MAGIC) - _TAIL.size:-len(checkpoint.MAGIC)])
+    n, crc = _TAIL.unpack(data[-len(checkpoint.MAGIC) - _TAIL.size : -len(checkpoint.MAGIC)])
     start = len(data) - len(checkpoint.MAGIC) - _TAIL.size - n
-    return data[:start], json.loads(data[start:start + n]), crc
+    return data[:start], json.loads(data[start : start + n]), crc
 
 
 def _join(body: bytes, footer: bytes, crc: int | None = None) -> bytes:
@@ -57,11 +58,14 @@ def _as_old(data: bytes, magic: bytes) -> bytes:
     body, doc, _ = _split(data)
     for e in doc["tensors"]:
         del e["xxh3"]
-        e["crc32"] = zlib.crc32(body[e["offset"]:e["offset"] + e["nbytes"]])
+        e["crc32"] = zlib.crc32(body[e["offset"] : e["offset"] + e["nbytes"]])
     footer = json.dumps(doc).encode()
-    trailer = (struct.pack("<QI", len(footer), zlib.crc32(footer)) if magic == checkpoint.MAGIC_V2
-               else struct.pack("<Q", len(footer)))
-    return magic + body[len(checkpoint.MAGIC):] + footer + trailer + magic
+    trailer = (
+        struct.pack("<QI", len(footer), zlib.crc32(footer))
+        if magic == checkpoint.MAGIC_V2
+        else struct.pack("<Q", len(footer))
+    )
+    return magic + body[len(checkpoint.MAGIC) :] + footer + trailer + magic
 
 
 def _entry(doc: dict, name: str) -> dict:
@@ -70,13 +74,16 @@ def _entry(doc: dict, name: str) -> dict:
 
 def _set(*keys):
     """An edit that sets doc[keys[0]][keys[1]]... to a value."""
+
     def edit(value):
         def apply(doc):
             d = doc
             for k in keys[:-1]:
                 d = d[k]
             d[keys[-1]] = value
+
         return apply
+
     return edit
 
 
@@ -90,6 +97,7 @@ def _group(key):
 def _tensor(name, key):
     def edit(value):
         return lambda doc: _entry(doc, name).update({key: value})
+
     return edit
 
 
@@ -97,6 +105,7 @@ def _param_step(value):
     def apply(doc):
         name = next(iter(doc["meta"]["param_step"]))
         doc["meta"]["param_step"][name] = value
+
     return apply
 
 
@@ -122,31 +131,49 @@ SIGNED = {
     "step negative": (step(-1), *CORRUPT, r"meta\.step=-1"),
     "step a boolean": (step(True), *CORRUPT, r"meta\.step=True"),
     "step a float": (step(2.0), *CORRUPT, r"meta\.step=2\.0"),
-    "step below a parameter's count": (step(0), *CORRUPT,
-        r"meta\.param_step\[.*\]=2 is invalid: it must be an int in \[0, step=0\]"),
-    "param_step a list": (_set("meta", "param_step")([]), *CORRUPT,
-        r"meta\.param_step=\[\] is invalid: it must be an object"),
+    "step below a parameter's count": (
+        step(0),
+        *CORRUPT,
+        r"meta\.param_step\[.*\]=2 is invalid: it must be an int in \[0, step=0\]",
+    ),
+    "param_step a list": (
+        _set("meta", "param_step")([]),
+        *CORRUPT,
+        r"meta\.param_step=\[\] is invalid: it must be an object",
+    ),
     "param_step negative": (_param_step(-1), *CORRUPT, r"meta\.param_step\['.*'\]=-1"),
     "param_step a string": (_param_step("2"), *CORRUPT, r"meta\.param_step\['.*'\]='2'"),
-    "param_step of a stranger": (_set("meta", "param_step", "nope.weight")(1), *OTHER,
-                                 r"param_step counts steps of \['nope.weight'\], not trainable parameters"),
+    "param_step of a stranger": (
+        _set("meta", "param_step", "nope.weight")(1),
+        *OTHER,
+        r"param_step counts steps of \['nope.weight'\], not trainable parameters",
+    ),
     "scaler a string": (scaler("big"), *CORRUPT, r"meta\.scaler='big' is invalid: it must be an object"),
     "scaler without good_steps": (scaler({"scale": 1.0}), *CORRUPT, r"meta\.scaler keys=\['scale'\]"),
     "scale zero": (scaler({"scale": 0.0, "good_steps": 0}), *CORRUPT, r"meta\.scaler\.scale=0\.0 is invalid"),
     "scale infinite": (scaler({"scale": math.inf, "good_steps": 0}), *CORRUPT, r"meta\.scaler\.scale=inf"),
     "scale a string": (scaler({"scale": "1", "good_steps": 0}), *CORRUPT, r"meta\.scaler\.scale='1'"),
     "good_steps negative": (scaler({"scale": 1.0, "good_steps": -3}), *CORRUPT, r"meta\.scaler\.good_steps=-3"),
-    "a loss scale at fp32": (scaler({"scale": 1024.0, "good_steps": 0}), *CORRUPT,
-                             r"meta\.scaler=.* it must be \{'scale': 1\.0, 'good_steps': 0\} at precision 'fp32'"),
-    "precision unknown": (_set("meta", "precision")("fp8"), *CORRUPT,
-        r"meta\.precision='fp8' is invalid: it must be one of"),
+    "a loss scale at fp32": (
+        scaler({"scale": 1024.0, "good_steps": 0}),
+        *CORRUPT,
+        r"meta\.scaler=.* it must be \{'scale': 1\.0, 'good_steps': 0\} at precision 'fp32'",
+    ),
+    "precision unknown": (
+        _set("meta", "precision")("fp8"),
+        *CORRUPT,
+        r"meta\.precision='fp8' is invalid: it must be one of",
+    ),
     "precision a number": (_set("meta", "precision")(16), *CORRUPT, r"meta\.precision=16"),
     "lr a string": (lr("evil"), *CORRUPT, r"meta\.groups\[0\]\.lr='evil' is invalid: it must be a finite number >= 0"),
     "lr negative": (lr(-1e-3), *CORRUPT, r"meta\.groups\[0\]\.lr=-0\.001"),
     "lr NaN": (lr(math.nan), *CORRUPT, r"meta\.groups\[0\]\.lr=nan"),
     "lr a boolean": (lr(True), *CORRUPT, r"meta\.groups\[0\]\.lr=True is invalid: it must be a finite number >= 0"),
-    "betas null": (_group("betas")(None), *CORRUPT,
-        r"meta\.groups\[0\]\.betas=None is invalid: it must be two numbers"),
+    "betas null": (
+        _group("betas")(None),
+        *CORRUPT,
+        r"meta\.groups\[0\]\.betas=None is invalid: it must be two numbers",
+    ),
     "betas of one": (_group("betas")([0.9]), *CORRUPT, r"meta\.groups\[0\]\.betas=\[0\.9\]"),
     "beta2 of 1": (_group("betas")([0.9, 1.0]), *CORRUPT, r"meta\.groups\[0\]\.betas=\[0\.9, 1\.0\]"),
     "eps negative": (_group("eps")(-1.0), *CORRUPT, r"meta\.groups\[0\]\.eps=-1\.0"),
@@ -154,54 +181,95 @@ SIGNED = {
     "initial_lr negative": (_group("initial_lr")(-1.0), *CORRUPT, r"meta\.groups\[0\]\.initial_lr=-1\.0"),
     "a key no group has": (_group("amsgrad")(True), *CORRUPT, r"meta\.groups\[0\] keys="),
     "groups a dict": (_set("meta", "groups")({}), *CORRUPT, r"meta\.groups=\{\} is invalid: it must be a list"),
-    "a group a string": (_set("meta", "groups")(["x"]), *CORRUPT,
-        r"meta\.groups\[0\]='x' is invalid: it must be an object"),
-    "one group more": (lambda d: d["meta"]["groups"].append(dict(d["meta"]["groups"][0])), TierMemError,
-                       r"has 2 param groups, this model 1"),
-    "a group renamed": (_group("name")("other"), TierMemError,
-                        r"has other param groups than this model: group 0 is 'other' there, 'decay' here"),
-    "a group's parameter moved out": (lambda d: d["meta"]["groups"][0]["params"].pop(), TierMemError,
-                                      r"group 0 is 'decay' there, 'decay' here \(only there: \[\], only here: \['"),
+    "a group a string": (
+        _set("meta", "groups")(["x"]),
+        *CORRUPT,
+        r"meta\.groups\[0\]='x' is invalid: it must be an object",
+    ),
+    "one group more": (
+        lambda d: d["meta"]["groups"].append(dict(d["meta"]["groups"][0])),
+        TierMemError,
+        r"has 2 param groups, this model 1",
+    ),
+    "a group renamed": (
+        _group("name")("other"),
+        TierMemError,
+        r"has other param groups than this model: group 0 is 'other' there, 'decay' here",
+    ),
+    "a group's parameter moved out": (
+        lambda d: d["meta"]["groups"][0]["params"].pop(),
+        TierMemError,
+        r"group 0 is 'decay' there, 'decay' here \(only there: \[\], only here: \['",
+    ),
     "a group name not a str": (_group("name")(3), *CORRUPT, r"meta\.groups\[0\]\.name=3 is invalid: it must be a str"),
-    "group params not names": (_group("params")([1]), *CORRUPT,
-                               r"meta\.groups\[0\]\.params=\[1\] is invalid: it must be a list of parameter names"),
+    "group params not names": (
+        _group("params")([1]),
+        *CORRUPT,
+        r"meta\.groups\[0\]\.params=\[1\] is invalid: it must be a list of parameter names",
+    ),
     "meta without step": (lambda d: d["meta"].pop("step"), *CORRUPT, r"meta keys="),
     "meta with more": (_set("meta", "epoch")(3), *CORRUPT, r"meta keys="),
     "footer with more": (_set("extra")(1), *CORRUPT, r"footer keys="),
     "footer a list": (lambda d: d.clear(), *CORRUPT, r"footer keys=\[\]"),
     "tensors a dict": (_set("tensors")({}), *CORRUPT, r"tensors=\{\} is invalid: it must be a list"),
-    "dtype unknown": (_tensor(_W, "dtype")("floatXX"), *CORRUPT,
-        r"\.dtype='floatXX' is invalid: it must be a torch dtype"),
+    "dtype unknown": (
+        _tensor(_W, "dtype")("floatXX"),
+        *CORRUPT,
+        r"\.dtype='floatXX' is invalid: it must be a torch dtype",
+    ),
     "dtype an alias": (_tensor(_W, "dtype")("float"), *CORRUPT, r"\.dtype='float'"),
     "dtype not a dtype": (_tensor(_W, "dtype")("nn"), *CORRUPT, r"\.dtype='nn'"),
-    "dtype float64, same nbytes": (_dtype_float64, *CORRUPT,
-        r"'master/wte\.weight'\)\.nbytes=3552 is invalid: it must be 7104"),
-    "dtype of the same size": (_tensor(_W, "dtype")("int32"), *OTHER,
-                               r"'master/wte\.weight' is int32, the model holds it as float32"),
+    "dtype float64, same nbytes": (
+        _dtype_float64,
+        *CORRUPT,
+        r"'master/wte\.weight'\)\.nbytes=3552 is invalid: it must be 7104",
+    ),
+    "dtype of the same size": (
+        _tensor(_W, "dtype")("int32"),
+        *OTHER,
+        r"'master/wte\.weight' is int32, the model holds it as float32",
+    ),
     "shape of the same size": (_tensor(_W, "shape")([24, 37]), *OTHER, r"'master/wte\.weight' has shape \(24, 37\)"),
     "shape negative": (_tensor(_W, "shape")([-37, -24]), *CORRUPT, r"\.shape=\[-37, -24\]"),
-    "nbytes short": (_tensor(_W, "nbytes")(8), *CORRUPT,
-        r"\.nbytes=8 is invalid: it must be 3552 \(float32 x \[37, 24\]\)"),
+    "nbytes short": (
+        _tensor(_W, "nbytes")(8),
+        *CORRUPT,
+        r"\.nbytes=8 is invalid: it must be 3552 \(float32 x \[37, 24\]\)",
+    ),
     "offset negative": (_tensor(_W, "offset")(-64), *CORRUPT, r"\.offset=-64 is invalid: it must be an int >= 16"),
     "offset in the header": (_tensor(_W, "offset")(0), *CORRUPT, r"\.offset=0"),
     "offset a string": (_tensor(_W, "offset")("64"), *CORRUPT, r"\.offset='64'"),
-    "offset past the data": (_tensor(_W, "offset")(10**9), *CORRUPT,
-        r"\.offset=1000000000 is invalid: it must be such that"),
+    "offset past the data": (
+        _tensor(_W, "offset")(10**9),
+        *CORRUPT,
+        r"\.offset=1000000000 is invalid: it must be such that",
+    ),
     "xxh3 negative": (_tensor(_W, "xxh3")("-1"), *CORRUPT, r"\.xxh3='-1' is invalid: it must be 16 lowercase hex"),
     "xxh3 an int": (_tensor(_W, "xxh3")(12345), *CORRUPT, r"\.xxh3=12345"),
     "an entry without xxh3": (lambda d: _entry(d, _W).pop("xxh3"), *CORRUPT, r"keys="),
     "crc32 in place of xxh3": (lambda d: _entry(d, _W).update(crc32=_entry(d, _W).pop("xxh3")), *CORRUPT, r"keys="),
-    "a name twice": (lambda d: d["tensors"].append(dict(_entry(d, _W))), *CORRUPT,
-        r"\.name='master/wte\.weight' is invalid"),
+    "a name twice": (
+        lambda d: d["tensors"].append(dict(_entry(d, _W))),
+        *CORRUPT,
+        r"\.name='master/wte\.weight' is invalid",
+    ),
     "a tensor missing": (lambda d: d["tensors"].remove(_entry(d, _W)), *OTHER, r"missing \['master/wte\.weight'\]"),
-    "xxh3 of other bytes": (_tensor(_W, "xxh3")(f"{12345:016x}"), StoreError,
-                            r"'master/wte\.weight' fails its checksum"),
+    "xxh3 of other bytes": (
+        _tensor(_W, "xxh3")(f"{12345:016x}"),
+        StoreError,
+        r"'master/wte\.weight' fails its checksum",
+    ),
 }
 
 
 def _before(tm: TieredModel) -> tuple:
-    return (tm.state_dict(), tm.stepper.steps, tm.stepper.param_steps(), tm.scaler.state_dict(),
-            [dict(g) for g in tm.optimizer.param_groups])
+    return (
+        tm.state_dict(),
+        tm.stepper.steps,
+        tm.stepper.param_steps(),
+        tm.scaler.state_dict(),
+        [dict(g) for g in tm.optimizer.param_groups],
+    )
 
 
 def _unchanged(tm: TieredModel, before: tuple) -> bool:
@@ -240,16 +308,25 @@ def test_a_re_signed_edit_is_refused_by_the_field_it_breaks(saved, target, tmp_p
     edit(doc)
     (tmp_path / "edited.tm").write_bytes(_join(body, json.dumps(doc).encode()))
     message = _refused(target, tmp_path / "edited.tm", error, ".*".join(messages))
-    assert message.endswith(("Pass a file written by tm.save(), unedited", "Load it into the model it was saved from",
-                             "tm.optimizer.add_param_group) before loading", "Use another checkpoint"))
+    assert message.endswith(
+        (
+            "Pass a file written by tm.save(), unedited",
+            "Load it into the model it was saved from",
+            "tm.optimizer.add_param_group) before loading",
+            "Use another checkpoint",
+        )
+    )
 
 
-@pytest.mark.parametrize("footer, message", [
-    (b"{not json", "corrupt footer: not JSON"),
-    (b"[1, 2]", r"corrupt footer: footer=\[1, 2\] is invalid: it must be an object"),
-    (b"\xff\xfe", "corrupt footer: not JSON"),
-    (b"[" * 100_000 + b"]" * 100_000, "corrupt footer: not JSON"),
-])
+@pytest.mark.parametrize(
+    "footer, message",
+    [
+        (b"{not json", "corrupt footer: not JSON"),
+        (b"[1, 2]", r"corrupt footer: footer=\[1, 2\] is invalid: it must be an object"),
+        (b"\xff\xfe", "corrupt footer: not JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "corrupt footer: not JSON"),
+    ],
+)
 def test_a_re_signed_footer_that_is_not_ours(saved, target, tmp_path, footer, message):
     body, _, _ = _split(saved)
     (tmp_path / "edited.tm").write_bytes(_join(body, footer))
@@ -258,7 +335,7 @@ def test_a_re_signed_footer_that_is_not_ours(saved, target, tmp_path, footer, me
 
 def test_a_footer_length_past_the_file(saved, target, tmp_path):
     data = bytearray(saved)
-    data[-len(checkpoint.MAGIC) - _TAIL.size:-len(checkpoint.MAGIC) - 8] = struct.pack("<Q", 2**63)
+    data[-len(checkpoint.MAGIC) - _TAIL.size : -len(checkpoint.MAGIC) - 8] = struct.pack("<Q", 2**63)
     (tmp_path / "edited.tm").write_bytes(bytes(data))
     _refused(target, tmp_path / "edited.tm", StoreError, "corrupt footer length")
 
@@ -286,12 +363,15 @@ def test_an_older_format_still_loads_and_is_still_checked(saved, tmp_path, versi
 
 
 # -- precision ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("saved_at, loaded_at, scale", [
-    ("fp32", "fp16", 2.0**16),  # the run's scale, not fp32's 1.0
-    ("bf16", "fp16", 2.0**16),
-    ("fp16", "fp32", 1.0),      # no loss scaling at fp32, whatever fp16 had reached
-    ("fp16", "fp16", 2.0**15),  # the checkpoint's own
-])
+@pytest.mark.parametrize(
+    "saved_at, loaded_at, scale",
+    [
+        ("fp32", "fp16", 2.0**16),  # the run's scale, not fp32's 1.0
+        ("bf16", "fp16", 2.0**16),
+        ("fp16", "fp32", 1.0),  # no loss scaling at fp32, whatever fp16 had reached
+        ("fp16", "fp16", 2.0**15),  # the checkpoint's own
+    ],
+)
 def test_the_loss_scale_is_taken_only_from_a_checkpoint_of_the_same_precision(tmp_path, saved_at, loaded_at, scale):
     src = _model(saved_at)
     src.scaler.scale = 2.0**15 if saved_at == "fp16" else 1.0
@@ -317,11 +397,14 @@ def test_buffers_of_another_precision_load(tmp_path, saved_at, loaded_at):
     assert torch.equal(dst.state_dict()["bn.running_var"], src.state_dict()["bn.running_var"])
 
 
-@pytest.mark.parametrize("buffer, dtype, held", [
-    ("buffers/bn.running_var", "int16", "float32 or bfloat16"),
-    ("buffers/bn.num_batches_tracked", "float64", "int64"),
-    ("frozen/frozen.weight", "int32", "float32"),
-])
+@pytest.mark.parametrize(
+    "buffer, dtype, held",
+    [
+        ("buffers/bn.running_var", "int16", "float32 or bfloat16"),
+        ("buffers/bn.num_batches_tracked", "float64", "int64"),
+        ("frozen/frozen.weight", "int32", "float32"),
+    ],
+)
 def test_a_buffer_or_frozen_weight_of_another_dtype_is_refused(tmp_path, buffer, dtype, held):
     torch.manual_seed(1)
     TieredModel(Quirky(), precision="bf16").save(str(tmp_path / "c.tm"))
@@ -348,8 +431,16 @@ def test_a_killed_saves_temporaries_are_removed_by_the_next_save(tmp_path):
     victim.write_bytes(b"precious")
     (tmp_path / f"c.tm.tmp-{dead}").write_bytes(b"half a checkpoint")
     os.symlink(victim, tmp_path / f"c.tm.tmp-{dead_too}")  # the link goes, never its target
-    kept = [f"c.tm.tmp-{alive}", f"other.tm.tmp-{dead}", f"xc.tm.tmp-{dead}", f"c.tm.tmp-{dead}.bak",
-            f"c.tm.tmp-0{dead}", "c.tm.tmp-x", "c.tm.tmp-0", "c.tm.tmp-99999999999"]
+    kept = [
+        f"c.tm.tmp-{alive}",
+        f"other.tm.tmp-{dead}",
+        f"xc.tm.tmp-{dead}",
+        f"c.tm.tmp-{dead}.bak",
+        f"c.tm.tmp-0{dead}",
+        "c.tm.tmp-x",
+        "c.tm.tmp-0",
+        "c.tm.tmp-99999999999",
+    ]
     for name in kept:
         (tmp_path / name).write_bytes(b"not ours to remove")
     _model(steps=0).save(str(path))
@@ -360,7 +451,11 @@ def test_a_killed_saves_temporaries_are_removed_by_the_next_save(tmp_path):
 
 def test_a_save_killed_part_way_leaves_a_temporary_that_the_next_save_removes(tmp_path):
     path = tmp_path / "c.tm"
-    child = subprocess.Popen([sys.executable, "-c", f"""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import os, sys, time
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 from models import TinyGPT
@@ -370,7 +465,11 @@ def stall(fd):
     time.sleep(600)
 os.fsync = stall  # the checkpoint's bytes are in the temporary: stop before it is synced and renamed
 TieredModel(TinyGPT(), precision="fp32").save({str(path)!r})
-"""], stdout=subprocess.PIPE, text=True)
+""",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline() == "written\n"
     finally:
@@ -400,8 +499,11 @@ def test_a_symlink_at_the_temporary_name_is_refused_and_its_target_untouched(tmp
     before = path.read_bytes()
     victim.write_bytes(b"precious")
     os.symlink(victim, f"{path}.tmp-{os.getpid()}")  # this process's own name: never removed, never followed
-    with pytest.raises(StoreError, match=r"^tiermem: cannot save .* its temporary .*tmp-\d+' already exists .*"
-                                         r"remove it and save again$"):
+    with pytest.raises(
+        StoreError,
+        match=r"^tiermem: cannot save .* its temporary .*tmp-\d+' already exists .*"
+        r"remove it and save again$",
+    ):
         tm.save(str(path))
     assert victim.read_bytes() == b"precious" and path.read_bytes() == before
     assert os.path.islink(f"{path}.tmp-{os.getpid()}")  # left for the user to look at

@@ -1,5 +1,6 @@
 """The `tiermem` command (bench, plan, info) through a subprocess as users run it, and its parts
 (parameter counting, the profile, the measurements) in-process against plain-PyTorch oracles."""
+
 from __future__ import annotations
 
 import json
@@ -30,13 +31,20 @@ MiB = 2**20
 
 
 def run_cli(*args: str, cwd: Path, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tiermem", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "tiermem", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def start_cli(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tiermem", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tiermem", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 @pytest.fixture
@@ -47,11 +55,12 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 # -- through a subprocess ----------------------------------------------------------------------------
 def test_help_for_every_command(tmp_path, env):
-    expect = {(): ["bench", "plan", "info"],
-              ("bench",): ["--quick", "--nvme-path", "--json", "--plot", "--no-save"],
-              ("plan",): ["--params", "--model", "--config", "--device-mem", "--host-mem", "--nvme-free",
-                          "--json"],
-              ("info",): ["--nvme-path", "--json"]}
+    expect = {
+        (): ["bench", "plan", "info"],
+        ("bench",): ["--quick", "--nvme-path", "--json", "--plot", "--no-save"],
+        ("plan",): ["--params", "--model", "--config", "--device-mem", "--host-mem", "--nvme-free", "--json"],
+        ("info",): ["--nvme-path", "--json"],
+    }
     procs = {cmd: start_cli(*cmd, "--help", cwd=tmp_path, env=env) for cmd in expect}  # in parallel
     for cmd, proc in procs.items():
         out, err = proc.communicate(timeout=120)
@@ -82,15 +91,29 @@ def test_bench_quick_json_gives_every_figure_and_saves_the_profile(tmp_path, env
     res = run_cli("bench", "--quick", "--json", "bench.json", cwd=work, env=env, timeout=300)
     assert res.returncode == 0, res.stderr
     data = json.loads((work / "bench.json").read_text())
-    for path in ["device.h2d_GBps", "device.d2h_GBps", "device.bidir_GBps", "host.copy_GBps",
-                 "nvme.write_GBps", "nvme.read_GBps", "nvme.buffered_write_GBps", "nvme.buffered_read_GBps",
-                 "adam.tiermem_Gparams_per_s", "adam.torch_fused_Gparams_per_s"]:
+    for path in [
+        "device.h2d_GBps",
+        "device.d2h_GBps",
+        "device.bidir_GBps",
+        "host.copy_GBps",
+        "nvme.write_GBps",
+        "nvme.read_GBps",
+        "nvme.buffered_write_GBps",
+        "nvme.buffered_read_GBps",
+        "adam.tiermem_Gparams_per_s",
+        "adam.torch_fused_Gparams_per_s",
+    ]:
         value = _at(data, path)
         assert isinstance(value, float) and value > 0, path
         assert _at(data, path.rsplit("_", 1)[0] + "_cv") >= 0, path
     sweep = data["nvme"]["sweep"]
     assert {(e["block_size_bytes"], e["in_flight"], e["asked_direct"]) for e in sweep} == {
-        (MiB, 1, True), (MiB, 8, True), (8 * MiB, 1, True), (8 * MiB, 8, True), (8 * MiB, 8, False)}
+        (MiB, 1, True),
+        (MiB, 8, True),
+        (8 * MiB, 1, True),
+        (8 * MiB, 8, True),
+        (8 * MiB, 8, False),
+    }
     assert all(e["write_GBps"] > 0 and e["read_GBps"] > 0 for e in sweep)
     assert data["quick"] is True and data["schema"] == profile.SCHEMA
     assert (data["device"]["accelerator"] is None) == (not torch.cuda.is_available())
@@ -118,8 +141,14 @@ def test_plan_json_gives_the_worked_example_exactly(tmp_path, env):
     G = 10**9
     for prec in ("bf16", "fp16"):
         p = plan["precisions"][prec]
-        assert p["state_bytes"] == {"params": 15 * G, "grads": 15 * G, "master": 30 * G, "momentum": 30 * G,
-                                    "variance": 30 * G, "total": 120 * G}
+        assert p["state_bytes"] == {
+            "params": 15 * G,
+            "grads": 15 * G,
+            "master": 30 * G,
+            "momentum": 30 * G,
+            "variance": 30 * G,
+            "total": 120 * G,
+        }
         zero = p["policies"]["ZeroOffload"]["tiers"]
         assert (zero["device"]["bytes"], zero["host"]["bytes"], zero["nvme"]["bytes"]) == (15 * G, 120 * G, 0)
         assert p["policies"]["KeepOnDevice"]["tiers"]["device"]["bytes"] == 135 * G  # fp32 grads at home
@@ -136,8 +165,9 @@ def test_plan_counts_bytes_per_rank(capsys):
         assert main(["plan", "--params", "8e9", "--precision", "bf16", "--ranks", "4", *extra, "--json", "-"]) == 0
         plan = json.loads(capsys.readouterr().out)
         assert plan["ranks"] == 4
-        tiers[bool(extra)] = {n: {t: v["bytes"] for t, v in e["tiers"].items()}
-                              for n, e in plan["precisions"]["bf16"]["policies"].items()}
+        tiers[bool(extra)] = {
+            n: {t: v["bytes"] for t, v in e["tiers"].items()} for n, e in plan["precisions"]["bf16"]["policies"].items()
+        }
     assert tiers[False]["ZeroOffload"] == {"device": 16 * G, "host": 32 * G, "nvme": 0}
     assert tiers[False]["ZeroInfinity"] == {"device": 0, "host": 8 * G, "nvme": 28 * G}
     assert tiers[True]["ZeroOffload"] == {"device": 4 * G, "host": 32 * G, "nvme": 0}
@@ -172,6 +202,7 @@ def test_info_reports_this_machine(tmp_path, env):
 def _o_direct_works(directory: Path) -> bool:
     """Independent oracle: can this directory take a 4096-byte O_DIRECT write from aligned memory?"""
     import mmap
+
     path = directory / "oracle.bin"
     buf = mmap.mmap(-1, 4096)
     try:
@@ -195,8 +226,10 @@ def test_info_prints_a_table(capsys, tmp_path):
 
 def test_bad_arguments_exit_2_with_one_line_through_a_subprocess(tmp_path, env):
     # one error of ours (a TierMemError) and one of argparse's; the in-process table has the rest
-    cases = {("plan", "--params", "7.5e9", "--host-mem", "12XB"): "does not parse as a size",
-             ("frobnicate",): "invalid choice: 'frobnicate'"}
+    cases = {
+        ("plan", "--params", "7.5e9", "--host-mem", "12XB"): "does not parse as a size",
+        ("frobnicate",): "invalid choice: 'frobnicate'",
+    }
     procs = {args: start_cli(*args, cwd=tmp_path, env=env) for args in cases}
     for args, proc in procs.items():
         out, err = proc.communicate(timeout=120)
@@ -205,28 +238,31 @@ def test_bad_arguments_exit_2_with_one_line_through_a_subprocess(tmp_path, env):
         assert out == ""
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["plan", "--params", "abc"], r"^tiermem: --params 'abc' is not a whole number of parameters"),
-    (["plan", "--params", "7.5"], r"^tiermem: --params '7.5' is not a whole number"),
-    (["plan", "--params", "-3"], r"^tiermem: --params '-3' is not a whole number"),
-    (["plan", "--params", "1e9", "--device-mem", "lots"], r"^tiermem: --device-mem='lots' does not parse"),
-    (["plan"], r"^tiermem: one of the arguments --params --model --config is required"),
-    (["plan", "--params", "1e9", "--model", "m:f"], r"^tiermem: argument --model: not allowed with"),
-    (["plan", "--params", "1e9", "--precision", "fp8"], r"^tiermem: argument --precision: invalid choice"),
-    (["plan", "--model", "json"], r"^tiermem: --model 'json' is not 'package.module:factory'"),
-    (["plan", "--model", "json:no_such_factory"], r"^tiermem: module 'json' has no attribute"),
-    (["plan", "--model", "json:__doc__"], r"^tiermem: --model 'json:__doc__' names a str, not a callable"),
-    (["plan", "--model", "json:dumps"], r"^tiermem: calling json:dumps failed: TypeError"),
-    (["plan", "--model", "json:JSONDecoder"], r"^tiermem: json:JSONDecoder\(\) returned a JSONDecoder"),
-    (["plan", "--config", "/no/such/config.json"], r"^tiermem: cannot read --config '/no/such/config.json'"),
-    (["plan", "--params", "1e9", "--nvme-path", "/no/such/dir"], r"^tiermem: --nvme-path '/no/such/dir' is not"),
-    (["info", "--nvme-path", "/no/such/dir", "--no-compile-check"], r"^tiermem: --nvme-path '/no/such/dir'"),
-    (["bench", "--nvme-path", "/no/such/dir", "--quick"], r"^tiermem: --nvme-path '/no/such/dir' is not an"),
-    (["bench", "--json", "/no/such/dir/b.json"], r"^tiermem: --json '/no/such/dir/b.json': directory"),
-    (["bench", "--repeats", "0"], r"^tiermem: --repeats 0 must be 1 or more"),
-    (["bench", "--repeats", "x"], r"^tiermem: argument --repeats: invalid int value"),
-    ([], r"^usage: tiermem"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["plan", "--params", "abc"], r"^tiermem: --params 'abc' is not a whole number of parameters"),
+        (["plan", "--params", "7.5"], r"^tiermem: --params '7.5' is not a whole number"),
+        (["plan", "--params", "-3"], r"^tiermem: --params '-3' is not a whole number"),
+        (["plan", "--params", "1e9", "--device-mem", "lots"], r"^tiermem: --device-mem='lots' does not parse"),
+        (["plan"], r"^tiermem: one of the arguments --params --model --config is required"),
+        (["plan", "--params", "1e9", "--model", "m:f"], r"^tiermem: argument --model: not allowed with"),
+        (["plan", "--params", "1e9", "--precision", "fp8"], r"^tiermem: argument --precision: invalid choice"),
+        (["plan", "--model", "json"], r"^tiermem: --model 'json' is not 'package.module:factory'"),
+        (["plan", "--model", "json:no_such_factory"], r"^tiermem: module 'json' has no attribute"),
+        (["plan", "--model", "json:__doc__"], r"^tiermem: --model 'json:__doc__' names a str, not a callable"),
+        (["plan", "--model", "json:dumps"], r"^tiermem: calling json:dumps failed: TypeError"),
+        (["plan", "--model", "json:JSONDecoder"], r"^tiermem: json:JSONDecoder\(\) returned a JSONDecoder"),
+        (["plan", "--config", "/no/such/config.json"], r"^tiermem: cannot read --config '/no/such/config.json'"),
+        (["plan", "--params", "1e9", "--nvme-path", "/no/such/dir"], r"^tiermem: --nvme-path '/no/such/dir' is not"),
+        (["info", "--nvme-path", "/no/such/dir", "--no-compile-check"], r"^tiermem: --nvme-path '/no/such/dir'"),
+        (["bench", "--nvme-path", "/no/such/dir", "--quick"], r"^tiermem: --nvme-path '/no/such/dir' is not an"),
+        (["bench", "--json", "/no/such/dir/b.json"], r"^tiermem: --json '/no/such/dir/b.json': directory"),
+        (["bench", "--repeats", "0"], r"^tiermem: --repeats 0 must be 1 or more"),
+        (["bench", "--repeats", "x"], r"^tiermem: argument --repeats: invalid int value"),
+        ([], r"^usage: tiermem"),
+    ],
+)
 def test_bad_arguments_in_process(argv, match, capsys):
     try:
         code = main(argv)
@@ -243,8 +279,11 @@ def test_bad_config_file_is_one_line(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "partial.json").write_text('{"hidden_size": 8}')
-    for name, match in [("bad.json", "is not valid JSON"), ("list.json", "holds a list, not a JSON object"),
-                        ("partial.json", "has none of num_hidden_layers, n_layer, num_layers")]:
+    for name, match in [
+        ("bad.json", "is not valid JSON"),
+        ("list.json", "holds a list, not a JSON object"),
+        ("partial.json", "has none of num_hidden_layers, n_layer, num_layers"),
+    ]:
         assert main(["plan", "--config", str(tmp_path / name)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("tiermem: ") and match in err and err.count("\n") == 1
@@ -258,9 +297,18 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys):
 
 
 # -- parameter counts ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("text, n", [("7.5e9", 7_500_000_000), ("7.5B", 7_500_000_000), ("125M", 125_000_000),
-                                     ("1000", 1000), ("2.5k", 2500), ("1.2T", 1_200_000_000_000),
-                                     (" 70b ", 70_000_000_000)])
+@pytest.mark.parametrize(
+    "text, n",
+    [
+        ("7.5e9", 7_500_000_000),
+        ("7.5B", 7_500_000_000),
+        ("125M", 125_000_000),
+        ("1000", 1000),
+        ("2.5k", 2500),
+        ("1.2T", 1_200_000_000_000),
+        (" 70b ", 70_000_000_000),
+    ],
+)
 def test_parse_count(text, n):
     assert parse_count(text) == n
 
@@ -285,9 +333,16 @@ class LlamaLike(nn.Module):
             layer = nn.Module()
             layer.q, layer.k = nn.Linear(h, heads * hd, bias=ab), nn.Linear(h, kv * hd, bias=ab)
             layer.v, layer.o = nn.Linear(h, kv * hd, bias=ab), nn.Linear(heads * hd, h, bias=ab)
-            layer.experts = nn.ModuleList(nn.ModuleDict({
-                "gate": nn.Linear(h, inter, bias=mb), "up": nn.Linear(h, inter, bias=mb),
-                "down": nn.Linear(inter, h, bias=mb)}) for _ in range(experts))
+            layer.experts = nn.ModuleList(
+                nn.ModuleDict(
+                    {
+                        "gate": nn.Linear(h, inter, bias=mb),
+                        "up": nn.Linear(h, inter, bias=mb),
+                        "down": nn.Linear(inter, h, bias=mb),
+                    }
+                )
+                for _ in range(experts)
+            )
             if experts > 1:
                 layer.router = nn.Linear(h, experts, bias=False)
             layer.norm1, layer.norm2 = nn.RMSNorm(h), nn.RMSNorm(h)
@@ -303,10 +358,19 @@ class GPT2Like(nn.Module):
         super().__init__()
         h, vocab, inter = c["n_embd"], c["vocab_size"], c.get("n_inner") or 4 * c["n_embd"]
         self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(c["n_positions"], h)
-        self.h = nn.ModuleList(nn.ModuleDict({
-            "ln_1": nn.LayerNorm(h), "c_attn": nn.Linear(h, 3 * h), "attn_proj": nn.Linear(h, h),
-            "ln_2": nn.LayerNorm(h), "c_fc": nn.Linear(h, inter), "mlp_proj": nn.Linear(inter, h)})
-            for _ in range(c["n_layer"]))
+        self.h = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "ln_1": nn.LayerNorm(h),
+                    "c_attn": nn.Linear(h, 3 * h),
+                    "attn_proj": nn.Linear(h, h),
+                    "ln_2": nn.LayerNorm(h),
+                    "c_fc": nn.Linear(h, inter),
+                    "mlp_proj": nn.Linear(inter, h),
+                }
+            )
+            for _ in range(c["n_layer"])
+        )
         self.ln_f = nn.LayerNorm(h)
         self.lm_head = nn.Linear(h, vocab, bias=False)
         if c.get("tie_word_embeddings", True):
@@ -318,44 +382,120 @@ def numel(model: nn.Module) -> int:
 
 
 @settings(max_examples=25, deadline=None)
-@given(heads=st.integers(1, 4), head_dim=st.integers(1, 6), kv_div=st.sampled_from([1, 2, 4]),
-       layers=st.integers(1, 3), inter=st.integers(1, 40), vocab=st.integers(1, 50), tied=st.booleans(),
-       attention_bias=st.booleans(), mlp_bias=st.booleans(), experts=st.integers(1, 3))
-def test_count_config_llama_style_matches_the_modules(heads, head_dim, kv_div, layers, inter, vocab, tied,
-                                                      attention_bias, mlp_bias, experts):
+@given(
+    heads=st.integers(1, 4),
+    head_dim=st.integers(1, 6),
+    kv_div=st.sampled_from([1, 2, 4]),
+    layers=st.integers(1, 3),
+    inter=st.integers(1, 40),
+    vocab=st.integers(1, 50),
+    tied=st.booleans(),
+    attention_bias=st.booleans(),
+    mlp_bias=st.booleans(),
+    experts=st.integers(1, 3),
+)
+def test_count_config_llama_style_matches_the_modules(
+    heads, head_dim, kv_div, layers, inter, vocab, tied, attention_bias, mlp_bias, experts
+):
     kv = max(1, heads // kv_div) if heads % kv_div == 0 else heads
-    cfg = {"model_type": "llama", "hidden_size": heads * head_dim, "num_attention_heads": heads,
-           "num_key_value_heads": kv, "num_hidden_layers": layers, "intermediate_size": inter,
-           "vocab_size": vocab, "tie_word_embeddings": tied, "attention_bias": attention_bias,
-           "mlp_bias": mlp_bias, "num_local_experts": experts}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": heads * head_dim,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "num_hidden_layers": layers,
+        "intermediate_size": inter,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+        "attention_bias": attention_bias,
+        "mlp_bias": mlp_bias,
+        "num_local_experts": experts,
+    }
     with torch.device("meta"):
         assert count_config(cfg)[0] == numel(LlamaLike(cfg))
 
 
 @settings(max_examples=15, deadline=None)
-@given(h=st.integers(1, 24), layers=st.integers(1, 3), vocab=st.integers(1, 50), positions=st.integers(1, 30),
-       inner=st.one_of(st.none(), st.integers(1, 40)), tied=st.booleans())
+@given(
+    h=st.integers(1, 24),
+    layers=st.integers(1, 3),
+    vocab=st.integers(1, 50),
+    positions=st.integers(1, 30),
+    inner=st.one_of(st.none(), st.integers(1, 40)),
+    tied=st.booleans(),
+)
 def test_count_config_gpt2_style_matches_the_modules(h, layers, vocab, positions, inner, tied):
-    cfg = {"model_type": "gpt2", "n_embd": h, "n_head": 1, "n_layer": layers, "vocab_size": vocab,
-           "n_positions": positions, "n_inner": inner, "tie_word_embeddings": tied}
+    cfg = {
+        "model_type": "gpt2",
+        "n_embd": h,
+        "n_head": 1,
+        "n_layer": layers,
+        "vocab_size": vocab,
+        "n_positions": positions,
+        "n_inner": inner,
+        "tie_word_embeddings": tied,
+    }
     with torch.device("meta"):
         assert count_config(cfg)[0] == numel(GPT2Like(cfg))
 
 
-@pytest.mark.parametrize("cfg, published", [
-    # published parameter counts of well-known checkpoints, from their config.json
-    ({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
-      "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000, "tie_word_embeddings": False},
-     6_738_415_616),  # Llama-2-7b
-    ({"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-      "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 32000, "tie_word_embeddings": False},
-     7_241_732_096),  # Mistral-7B-v0.1
-    ({"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-      "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 32000, "tie_word_embeddings": False,
-      "num_local_experts": 8}, 46_702_792_704),  # Mixtral-8x7B
-    ({"model_type": "gpt2", "n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024,
-      "vocab_size": 50257}, 124_439_808),  # gpt2
-])
+@pytest.mark.parametrize(
+    "cfg, published",
+    [
+        # published parameter counts of well-known checkpoints, from their config.json
+        (
+            {
+                "model_type": "llama",
+                "hidden_size": 4096,
+                "intermediate_size": 11008,
+                "num_attention_heads": 32,
+                "num_hidden_layers": 32,
+                "num_key_value_heads": 32,
+                "vocab_size": 32000,
+                "tie_word_embeddings": False,
+            },
+            6_738_415_616,
+        ),  # Llama-2-7b
+        (
+            {
+                "model_type": "mistral",
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "num_attention_heads": 32,
+                "num_hidden_layers": 32,
+                "num_key_value_heads": 8,
+                "vocab_size": 32000,
+                "tie_word_embeddings": False,
+            },
+            7_241_732_096,
+        ),  # Mistral-7B-v0.1
+        (
+            {
+                "model_type": "mixtral",
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "num_attention_heads": 32,
+                "num_hidden_layers": 32,
+                "num_key_value_heads": 8,
+                "vocab_size": 32000,
+                "tie_word_embeddings": False,
+                "num_local_experts": 8,
+            },
+            46_702_792_704,
+        ),  # Mixtral-8x7B
+        (
+            {
+                "model_type": "gpt2",
+                "n_embd": 768,
+                "n_head": 12,
+                "n_layer": 12,
+                "n_positions": 1024,
+                "vocab_size": 50257,
+            },
+            124_439_808,
+        ),  # gpt2
+    ],
+)
 def test_count_config_published_models(cfg, published, tmp_path, capsys):
     assert count_config(cfg)[0] == published
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -407,10 +547,15 @@ def test_plan_model_and_config_sources(tmp_path, monkeypatch, capsys):
 def test_profile_round_trip_and_bandwidths(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert profile.load_profile() is None
-    data = {"schema": profile.SCHEMA, "created": "2024-01-01T00:00:00+00:00",
-            "device": {"h2d_GBps": 12.5, "d2h_GBps": 13.0}, "host": {"copy_GBps": 26.0},
-            "nvme": {"write_GBps": 2.0, "read_GBps": 1.5}, "adam": {"tiermem_Gparams_per_s": 1.25},
-            "noisy": ["nvme.read_GBps"]}
+    data = {
+        "schema": profile.SCHEMA,
+        "created": "2024-01-01T00:00:00+00:00",
+        "device": {"h2d_GBps": 12.5, "d2h_GBps": 13.0},
+        "host": {"copy_GBps": 26.0},
+        "nvme": {"write_GBps": 2.0, "read_GBps": 1.5},
+        "adam": {"tiermem_Gparams_per_s": 1.25},
+        "noisy": ["nvme.read_GBps"],
+    }
     path = profile.save_profile(data)
     assert path == tmp_path / "xdg" / "tiermem" / "profile.json"
     p = profile.load_profile()
@@ -433,6 +578,7 @@ def test_unreadable_profile_reads_as_none_with_a_warning(text, tmp_path, caplog)
 # -- the measurements --------------------------------------------------------------------------------
 def test_rate_statistics():
     import statistics
+
     r = measure.Rate((1.0, 2.0, 4.0))
     assert r.median == 2.0
     assert r.cv == pytest.approx(statistics.stdev([1, 2, 4]) / statistics.fmean([1, 2, 4]))
@@ -460,8 +606,9 @@ def test_measure_times_only_fn_and_prepares_each_call():
 def test_nvme_point_round_trips_through_the_store(tmp_path, direct):
     src = measure.filled(3 * MiB + 4096)
     out = measure.filled(3 * MiB + 4096)
-    pt = measure.nvme_point(str(tmp_path), src, out, block_size=MiB, in_flight=2, direct=direct,
-                            repeats=2, min_seconds=0.0)
+    pt = measure.nvme_point(
+        str(tmp_path), src, out, block_size=MiB, in_flight=2, direct=direct, repeats=2, min_seconds=0.0
+    )
     assert torch.equal(src, out) and pt.direct == (direct and _o_direct_works(tmp_path))
     assert pt.write.median > 0 and pt.read.median > 0
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmn"]  # the store's files are gone

@@ -10,6 +10,7 @@ kernels on disk, so a second run of this file is quicker). The whole file, measu
 machine while three other jobs ran: ~120 s with an empty inductor cache (half of it the two
 tests marked slow, a fifth tiermem's own Adam kernel, compiled once per cache), ~30 s warm.
 """
+
 from __future__ import annotations
 
 import collections
@@ -54,8 +55,10 @@ def _policies(tmp_path) -> dict[str, dict]:
         "zero-offload": {"policy": ZeroOffload()},
         "keep-on-device": {"policy": KeepOnDevice()},
         "activation-offload": {"policy": ActivationOffload(ZeroOffload(), min_bytes=0)},
-        "activation-offload-nvme": {"policy": ActivationOffload(KeepOnDevice(), tier=Tier.NVME, min_bytes=0),
-                                    "nvme_dir": str(tmp_path)},
+        "activation-offload-nvme": {
+            "policy": ActivationOffload(KeepOnDevice(), tier=Tier.NVME, min_bytes=0),
+            "nvme_dir": str(tmp_path),
+        },
         "by-module": {"policy": _ByModule("_orig_mod")},
         "zero-infinity": {"policy": ZeroInfinity(), "nvme_dir": str(tmp_path)},
     }
@@ -66,8 +69,12 @@ def _plain(sd: dict) -> dict:
 
 
 # -- the hooks a policy needs ------------------------------------------------------------------
-_PROFILE = {"device": {"accelerator": None, "h2d_GBps": 20, "d2h_GBps": 20}, "host": {"copy_GBps": 20},
-            "nvme": {"read_GBps": 2, "write_GBps": 1.5}, "adam": {"tiermem_Gparams_per_s": 1.5}}
+_PROFILE = {
+    "device": {"accelerator": None, "h2d_GBps": 20, "d2h_GBps": 20},
+    "host": {"copy_GBps": 20},
+    "nvme": {"read_GBps": 2, "write_GBps": 1.5},
+    "adam": {"tiermem_Gparams_per_s": 1.5},
+}
 
 
 class _Custom(Policy):
@@ -75,18 +82,28 @@ class _Custom(Policy):
         return ZeroOffload().place(info)
 
 
-@pytest.mark.parametrize("policy, by_module", [
-    (ZeroOffload(), False), (KeepOnDevice(), False), (ZeroInfinity(), False),
-    (ActivationOffload(ZeroOffload(), min_bytes=0), False),
-    (ActivationOffload(_Custom()), True), (_Custom(), True),
-    (ZeroOffload(device_fraction=0.5), False), (Auto(profile=_PROFILE), False),
-])
+@pytest.mark.parametrize(
+    "policy, by_module",
+    [
+        (ZeroOffload(), False),
+        (KeepOnDevice(), False),
+        (ZeroInfinity(), False),
+        (ActivationOffload(ZeroOffload(), min_bytes=0), False),
+        (ActivationOffload(_Custom()), True),
+        (_Custom(), True),
+        (ZeroOffload(device_fraction=0.5), False),
+        (Auto(profile=_PROFILE), False),
+    ],
+)
 def test_module_hooks_only_for_a_policy_that_places_activations_by_module(policy, by_module, tmp_path):
     assert policy.places_activations_by_module() is by_module
     model = TinyGPT()
     tm = TieredModel(model, policy, nvme_dir=str(tmp_path))
-    weights_off = {m for m in model.modules() if isinstance(policy, ZeroInfinity)
-                   and any(True for _ in m.parameters(recurse=False))}  # ParamOffload's hooks
+    weights_off = {
+        m
+        for m in model.modules()
+        if isinstance(policy, ZeroInfinity) and any(True for _ in m.parameters(recurse=False))
+    }  # ParamOffload's hooks
     for m in model.modules():
         hooked = bool(m._forward_pre_hooks) or bool(m._forward_hooks)
         assert hooked is (by_module or m in weights_off), type(m).__name__
@@ -144,9 +161,15 @@ def _blocks_compiled_in_place() -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("make, overlap", [(lambda: torch.compile(TinyGPT()), False), (_blocks_compiled_in_place, False),
-                                           (lambda: torch.compile(TinyGPT()), True)],
-                         ids=["torch.compile(model)", "block.compile()", "overlap_step"])
+@pytest.mark.parametrize(
+    "make, overlap",
+    [
+        (lambda: torch.compile(TinyGPT()), False),
+        (_blocks_compiled_in_place, False),
+        (lambda: torch.compile(TinyGPT()), True),
+    ],
+    ids=["torch.compile(model)", "block.compile()", "overlap_step"],
+)
 def test_compiled_model_under_zero_infinity_runs_eagerly_with_the_uncompiled_numbers(make, overlap, tmp_path, caplog):
     torch.manual_seed(0)
     eager = _train_gpt(TinyGPT(), policy=ZeroOffload(), overlap_step=overlap)
@@ -178,8 +201,13 @@ def test_compiled_model_reading_an_off_device_weight_outside_its_module(tmp_path
     for name, compiled, policy in (("eager", False, ZeroOffload()), ("zero-infinity", True, ZeroInfinity())):
         torch.manual_seed(0)
         model = _ReadsAnotherModulesWeight()
-        tm = TieredModel(torch.compile(model) if compiled else model, policy, precision="fp32",
-                         nvme_dir=str(tmp_path), optimizer=AdamW(lr=LR))
+        tm = TieredModel(
+            torch.compile(model) if compiled else model,
+            policy,
+            precision="fp32",
+            nvme_dir=str(tmp_path),
+            optimizer=AdamW(lr=LR),
+        )
         for i in range(2):
             x, _ = gpt_batch(i)
             loss = tm(x).logsumexp(-1).mean()
@@ -203,8 +231,9 @@ def test_compiled_model_agrees_with_torch_adamw_in_fp32():
     runs = {}
     for name in ("for-loop", "foreach", "fused"):
         model.load_state_dict(init)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=name == "foreach",
-                                fused=name == "fused" or None)
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=LR, weight_decay=WD, foreach=name == "foreach", fused=name == "fused" or None
+        )
         for i in range(3):
             x, y = gpt_batch(i, batch=8)
             gpt_loss(compiled(x), y).backward()
@@ -223,8 +252,9 @@ def test_compiled_model_agrees_with_torch_adamw_in_fp32():
 
 # -- a transformers model -----------------------------------------------------------------------
 def _gpt2() -> nn.Module:
-    cfg = transformers.GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=97, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -234,6 +264,7 @@ def test_compiled_transformers_model_trains_under_every_policy(tmp_path):
     with its activations offloaded (KeepOnDevice reads weights and keeps activations as
     ZeroOffload does); under ZeroInfinity, whose forward runs eagerly, the bits of the uncompiled
     model."""
+
     def run(setup: str, compiled: bool):
         torch.manual_seed(0)
         model = torch.compile(_gpt2()) if compiled else _gpt2()

@@ -1,5 +1,6 @@
 """The cost model (NOTE [Cost model] in tiermem/plan/cost.py): each stage's arithmetic on made-up
 buckets and rates, checked against figures worked out by hand."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,13 +12,27 @@ from tiermem.plan.profile import Profile
 from tiermem.types import Tier
 
 G = 1e9
-RATES = Rates(h2d=10 * G, d2h=20 * G, host_copy=40 * G, nvme_read=2 * G, nvme_write=1 * G, cpu_adam=1 * G,
-              device_adam=50 * G, device_is_cpu=False)
+RATES = Rates(
+    h2d=10 * G,
+    d2h=20 * G,
+    host_copy=40 * G,
+    nvme_read=2 * G,
+    nvme_write=1 * G,
+    cpu_adam=1 * G,
+    device_adam=50 * G,
+    device_is_cpu=False,
+)
 
 
 def _b(i: int, numel: int, state: Tier, grad: Tier = None, param: Tier = Tier.DEVICE) -> Bucket:
-    return Bucket(i, grad_tier=grad or (Tier.HOST if state == Tier.NVME else state), state_tier=state, group=0,
-                  param_tier=param, numel=numel)
+    return Bucket(
+        i,
+        grad_tier=grad or (Tier.HOST if state == Tier.NVME else state),
+        state_tier=state,
+        group=0,
+        param_tier=param,
+        numel=numel,
+    )
 
 
 def test_zero_offload_stages_by_hand():
@@ -60,8 +75,12 @@ def test_grads_on_another_memory_tier_are_copied_to_adam_first():
 
 
 def test_rates_from_a_profile_and_what_is_missing():
-    data = {"device": {"accelerator": None, "h2d_GBps": 5, "d2h_GBps": 6}, "host": {"copy_GBps": 7},
-            "nvme": {"read_GBps": 2, "write_GBps": 1}, "adam": {"tiermem_Gparams_per_s": 1.5}}
+    data = {
+        "device": {"accelerator": None, "h2d_GBps": 5, "d2h_GBps": 6},
+        "host": {"copy_GBps": 7},
+        "nvme": {"read_GBps": 2, "write_GBps": 1},
+        "adam": {"tiermem_Gparams_per_s": 1.5},
+    }
     r = Rates.from_profile(Profile(data))
     assert (r.h2d, r.d2h, r.host_copy, r.nvme_read, r.nvme_write) == (5e9, 6e9, 7e9, 2e9, 1e9)
     assert r.device_is_cpu and r.cpu_adam == r.device_adam == 1.5e9  # no accelerator: the same kernel
@@ -74,15 +93,26 @@ def test_rates_from_a_profile_and_what_is_missing():
 
 def test_a_prediction_beside_a_measured_step_groups_what_step_runs():
     from tiermem.plan.cost import against_measured
-    predicted = {"forward+backward": 1.0, "grads home": 0.1, "grads to Adam": 0.0, "grad norm": 0.2,
-                 "optimizer": 0.5, "weights up": 0.05}
+
+    predicted = {
+        "forward+backward": 1.0,
+        "grads home": 0.1,
+        "grads to Adam": 0.0,
+        "grad norm": 0.2,
+        "optimizer": 0.5,
+        "weights up": 0.05,
+    }
     pairs = against_measured(predicted, forward_backward=1.2, grads_home=0.3, step=1.0)
-    assert pairs == {"forward+backward": (1.0, 1.2), "grads home": (0.1, 0.3),
-                     "norm, Adam, weights up": (pytest.approx(0.75), pytest.approx(0.7))}
+    assert pairs == {
+        "forward+backward": (1.0, 1.2),
+        "grads home": (0.1, 0.3),
+        "norm, Adam, weights up": (pytest.approx(0.75), pytest.approx(0.7)),
+    }
 
 
 def test_unmeasured_compute_is_predicted_at_the_matmul_rate_of_the_precision_in_use():
     from tiermem.plan.cost import step_flops
+
     assert step_flops(10**6, 2 * 10**5, 1000) == 1000 * (6e6 + 4 * 2e5)
     rates = Rates(**{**RATES.__dict__, "matmul": {"fp32": 50 * G, "bf16": 5 * G}})
     buckets = [_b(0, 10**9, Tier.HOST), _b(1, 10**9, Tier.HOST)]
@@ -95,18 +125,29 @@ def test_unmeasured_compute_is_predicted_at_the_matmul_rate_of_the_precision_in_
     measured = predict(buckets, 2, rates, forward_backward=0.3, flops=30 * G, precision="bf16").stages
     assert measured["forward+backward"] == 0.3  # a measured compute wins over the prediction
     assert predict(buckets, 2, rates).stages["forward+backward"] == 0  # neither: not counted
-    with pytest.raises(ConfigError, match=r"^tiermem: the machine profile has no fp16 matmul figure .* run "
-                                          r"`tiermem bench`"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^tiermem: the machine profile has no fp16 matmul figure .* run "
+        r"`tiermem bench`",
+    ):
         predict(buckets, 2, rates, flops=30 * G, precision="fp16")
 
 
 def test_the_matmul_rates_are_the_devices_and_a_cpus_scale_with_its_threads(monkeypatch):
     import torch
-    data = {"device": {"accelerator": None, "h2d_GBps": 5, "d2h_GBps": 6}, "host": {"copy_GBps": 7},
-            "nvme": {"read_GBps": 2, "write_GBps": 1}, "adam": {"tiermem_Gparams_per_s": 1.5},
-            "matmul": {"cpu_fp32_GFLOPs": 40, "cpu_bf16_GFLOPs": 4, "device_bf16_GFLOPs": 900}}
+
+    data = {
+        "device": {"accelerator": None, "h2d_GBps": 5, "d2h_GBps": 6},
+        "host": {"copy_GBps": 7},
+        "nvme": {"read_GBps": 2, "write_GBps": 1},
+        "adam": {"tiermem_Gparams_per_s": 1.5},
+        "matmul": {"cpu_fp32_GFLOPs": 40, "cpu_bf16_GFLOPs": 4, "device_bf16_GFLOPs": 900},
+    }
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     assert Rates.from_profile(Profile(data)).matmul == {"fp32": 120e9, "bf16": 12e9}  # one thread's, times 3
-    gpu = {**data, "device": {**data["device"], "accelerator": "H100"}, "adam": {**data["adam"],
-                                                                               "device_Gparams_per_s": 50}}
+    gpu = {
+        **data,
+        "device": {**data["device"], "accelerator": "H100"},
+        "adam": {**data["adam"], "device_Gparams_per_s": 50},
+    }
     assert Rates.from_profile(Profile(gpu)).matmul == {"bf16": 900e9}  # forward and backward run there

@@ -1,5 +1,6 @@
 """The GPU paths: run where a CUDA device exists (marked ``cuda``; skipped elsewhere). Each
 mirrors a CPU test that the suite always runs."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,16 +16,19 @@ from tiermem.memory.resident import DeviceStore, HostStore
 pytestmark = pytest.mark.cuda
 
 
-def assert_same_update(gpu: torch.Tensor, cpu: torch.Tensor, before: torch.Tensor, *, at_most: float,
-                       what: str) -> None:
+def assert_same_update(
+    gpu: torch.Tensor, cpu: torch.Tensor, before: torch.Tensor, *, at_most: float, what: str
+) -> None:
     """The GPU run moved ``before`` where the CPU run did: ``|gpu - cpu|`` is at most ``at_most`` of the
     CPU update ``|cpu - before|`` (2-norms). A GPU path that skipped the update scores 1.0."""
     gpu, cpu, before = (t.detach().cpu().float() for t in (gpu, cpu, before))
     update = (cpu - before).norm().item()
     assert update > 0, f"{what}: the CPU run left it unchanged, so there is no update to compare"
     ratio = (gpu - cpu).norm().item() / update
-    assert ratio <= at_most, (f"{what}: |gpu - cpu| is {ratio:.3g} of the CPU update |cpu - before| (at most "
-                              f"{at_most}); 1.0 is a GPU update that never happened")
+    assert ratio <= at_most, (
+        f"{what}: |gpu - cpu| is {ratio:.3g} of the CPU update |cpu - before| (at most "
+        f"{at_most}); 1.0 is a GPU update that never happened"
+    )
 
 
 def test_adam_step_on_the_gpu_agrees_with_the_cpu_kernel():
@@ -53,6 +57,7 @@ def test_adam_step_on_the_gpu_agrees_with_the_cpu_kernel():
 def test_engine_moves_are_bit_exact_on_the_gpu(tmp_path):
     from tiermem.memory.nvme import NvmeStore
     from tiermem.transfer.residency import KeyedResidency
+
     e = TransferEngine({Tier.DEVICE: DeviceStore("cuda"), Tier.HOST: HostStore(), Tier.NVME: NvmeStore(tmp_path)})
     res = KeyedResidency(e)
     x = torch.randn(3, 4099).bfloat16()
@@ -96,8 +101,16 @@ def test_training_on_the_gpu_agrees_with_the_cpu(tmp_path, policy):
         nvme_dir = tmp_path / f"{device}-{type(pol).__name__}"
         nvme_dir.mkdir()
         torch.manual_seed(0)
-        tm = TieredModel(TinyGPT(), pol, optimizer=AdamW(lr=lr), precision="bf16", grad_clip=1.0,
-                         bucket_size=3000, device=device, nvme_dir=str(nvme_dir))
+        tm = TieredModel(
+            TinyGPT(),
+            pol,
+            optimizer=AdamW(lr=lr),
+            precision="bf16",
+            grad_clip=1.0,
+            bucket_size=3000,
+            device=device,
+            nvme_dir=str(nvme_dir),
+        )
         before = {k: v.detach().cpu().clone() for k, v in tm.state_dict().items()}
         losses = []
         for i in range(4):
@@ -107,6 +120,7 @@ def test_training_on_the_gpu_agrees_with_the_cpu(tmp_path, policy):
             losses.append(loss.item())
             tm.step()
         return losses, before, {k: v.detach().cpu() for k, v in tm.state_dict().items()}
+
     cpu_losses, w0, cpu_sd = run("cpu", ZeroOffload())
     gpu_losses, gpu_w0, gpu_sd = run("cuda", policy)
     assert gpu_sd.keys() == cpu_sd.keys() == w0.keys()
@@ -120,5 +134,6 @@ def test_training_on_the_gpu_agrees_with_the_cpu(tmp_path, policy):
         assert_same_update(gpu_sd[k], cpu_sd[k], w0[k], at_most=GPU_VS_CPU_PER_TENSOR, what=k)
     diff = torch.cat([(gpu_sd[k] - cpu_sd[k]).flatten() for k in w0]).norm()
     update = torch.cat([(cpu_sd[k] - w0[k]).flatten() for k in w0]).norm()
-    assert diff <= GPU_VS_CPU_ALL * update, (f"|gpu - cpu| over all weights is {diff / update:.3g} of the "
-                                             f"CPU update (at most {GPU_VS_CPU_ALL})")
+    assert diff <= GPU_VS_CPU_ALL * update, (
+        f"|gpu - cpu| over all weights is {diff / update:.3g} of the CPU update (at most {GPU_VS_CPU_ALL})"
+    )

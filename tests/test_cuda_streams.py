@@ -7,6 +7,7 @@ direction are in flight; waiting does not spin; pinned host memory is exact. Mar
 copy that is not ordered after it reads or overwrites bytes too early, and the test sees it.
 Bit-identical runs on two streams need cuBLAS to be deterministic across streams:
 bench/gpu_check.sh sets CUBLAS_WORKSPACE_CONFIG=:4096:8 (set it too when running these by hand)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -199,8 +200,16 @@ def _train(tmp_path, setup: dict, stream) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     d = tmp_path / f"nvme-{id(stream)}-{time.perf_counter_ns()}"
     d.mkdir()
-    tm = TieredModel(Sleepy(), optimizer=AdamW(lr=1e-3), precision="bf16", grad_clip=1.0, bucket_size="1MiB",
-                     device="cuda", nvme_dir=str(d), **setup)
+    tm = TieredModel(
+        Sleepy(),
+        optimizer=AdamW(lr=1e-3),
+        precision="bf16",
+        grad_clip=1.0,
+        bucket_size="1MiB",
+        device="cuda",
+        nvme_dir=str(d),
+        **setup,
+    )
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         for i in range(4):  # no .item() in the loop: it would sync the stream and hide a race
             x, y = gpt_batch(i, vocab=512, batch=4, seq=64)
@@ -224,8 +233,9 @@ def test_host_gradient_buckets_equal_the_gpu_gradients_exactly():
     torch.manual_seed(0)
     model = TinyGPT(vocab=512, d=256, n_layer=2, seq=64)
     ref = copy.deepcopy(model).cuda().bfloat16()
-    tm = TieredModel(model, ZeroOffload(), optimizer=AdamW(lr=1e-3), precision="bf16", bucket_size="1MiB",
-                     device="cuda")
+    tm = TieredModel(
+        model, ZeroOffload(), optimizer=AdamW(lr=1e-3), precision="bf16", bucket_size="1MiB", device="cuda"
+    )
     x, y = gpt_batch(0, vocab=512, batch=4, seq=64)
     tm.backward(gpt_loss(tm(x.cuda()), y.cuda()))
     gpt_loss(ref(x.cuda()), y.cuda()).backward()
@@ -236,7 +246,7 @@ def test_host_gradient_buckets_equal_the_gpu_gradients_exactly():
         g, free = tm.layout.homes.grads[b.index].read(b, tm.grads.fill)
         try:
             for s in b.slots:
-                assert torch.equal(g[s.offset:s.offset + s.numel].float().cpu(), want[s.name]), s.name
+                assert torch.equal(g[s.offset : s.offset + s.numel].float().cpu(), want[s.name]), s.name
                 seen += 1
         finally:
             free()
@@ -246,8 +256,14 @@ def test_host_gradient_buckets_equal_the_gpu_gradients_exactly():
 
 def test_pinned_bytes_stay_flat_over_steps_and_match_the_ledger(tmp_path):
     torch.manual_seed(0)
-    tm = TieredModel(TinyGPT(vocab=512, d=256, n_layer=2, seq=64), ActivationOffload(ZeroOffload(), min_bytes=0),
-                     optimizer=AdamW(lr=1e-3), precision="bf16", bucket_size="1MiB", device="cuda")
+    tm = TieredModel(
+        TinyGPT(vocab=512, d=256, n_layer=2, seq=64),
+        ActivationOffload(ZeroOffload(), min_bytes=0),
+        optimizer=AdamW(lr=1e-3),
+        precision="bf16",
+        bucket_size="1MiB",
+        device="cuda",
+    )
     host = tm.stores[Tier.HOST]
     pinned = []
     for i in range(5):

@@ -1,6 +1,7 @@
 """Data parallel (NOTE [Data parallel]) on 2 gloo ranks in fresh processes (tests/ranks.py): N
 ranks train like one process accumulating their N micro-batches, decide alike, checkpoint into
 any world size, and fail loudly."""
+
 from __future__ import annotations
 
 import functools
@@ -33,24 +34,28 @@ def _rank_all(rank, world, tmp):
     """Every scenario that leaves the process group usable, in one pair of processes (a fresh
     process costs seconds here): each test below reads its part."""
     nvme_files: list[str] = []
-    out = {"fp32": _rank_train(rank, world, "fp32", "zero-offload", None, 1.0),
-           "bf16": _rank_train(rank, world, "bf16", "zero-offload", None, None),
-           "host": _rank_train(rank, world, "fp32", "zero-offload", None, None),
-           "nvme": _rank_train(rank, world, "fp32", "state-on-nvme", os.path.join(tmp, "nvme"), None,
-                               files=nvme_files),
-           "nvme_files": nvme_files,
-           "activations": _rank_train(rank, world, "fp32", "activation-offload", None, None),
-           "overlap": _rank_train(rank, world, "fp32", "zero-offload", None, 1.0, overlap=True),
-           "peak": _rank_peak(rank, world), "overflow": _rank_overflow(rank, world),
-           "replica": _rank_replica(rank, world),
-           "no_sync": (_rank_no_sync(rank, world, False), _rank_no_sync(rank, world, True)),
-           "freezing": _rank_freezing(rank, world)}
+    out = {
+        "fp32": _rank_train(rank, world, "fp32", "zero-offload", None, 1.0),
+        "bf16": _rank_train(rank, world, "bf16", "zero-offload", None, None),
+        "host": _rank_train(rank, world, "fp32", "zero-offload", None, None),
+        "nvme": _rank_train(rank, world, "fp32", "state-on-nvme", os.path.join(tmp, "nvme"), None, files=nvme_files),
+        "nvme_files": nvme_files,
+        "activations": _rank_train(rank, world, "fp32", "activation-offload", None, None),
+        "overlap": _rank_train(rank, world, "fp32", "zero-offload", None, 1.0, overlap=True),
+        "peak": _rank_peak(rank, world),
+        "overflow": _rank_overflow(rank, world),
+        "replica": _rank_replica(rank, world),
+        "no_sync": (_rank_no_sync(rank, world, False), _rank_no_sync(rank, world, True)),
+        "freezing": _rank_freezing(rank, world),
+    }
     out["saved"] = _rank_save(rank, world, tmp, STEPS)
     for fmt in FORMATS:
-        out[f"{fmt} 2->2"] = _rank_load(rank, world, os.path.join(tmp, f"by2.{fmt}"),
-                                        os.path.join(tmp, f"by2-again.{fmt}"), 2, fmt)
-        out[f"{fmt} 1->2"] = _rank_load(rank, world, os.path.join(tmp, f"by1.{fmt}"),
-                                        os.path.join(tmp, f"by1-again.{fmt}"), 2, fmt)
+        out[f"{fmt} 2->2"] = _rank_load(
+            rank, world, os.path.join(tmp, f"by2.{fmt}"), os.path.join(tmp, f"by2-again.{fmt}"), 2, fmt
+        )
+        out[f"{fmt} 1->2"] = _rank_load(
+            rank, world, os.path.join(tmp, f"by1.{fmt}"), os.path.join(tmp, f"by1-again.{fmt}"), 2, fmt
+        )
     out["user"] = _rank_user(rank, world, tmp)
     out["empty"] = _rank_empty(rank, world, tmp)
     out["unseen"] = _rank_unseen(rank, world, tmp)
@@ -72,8 +77,12 @@ def dp(tmp_path_factory):
 
 
 class StateOnNvme(PerClass):
-    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.ACTIVATION: Tier.DEVICE,
-             TensorClass.GRAD: Tier.HOST, TensorClass.OPTIM_STATE: Tier.NVME}
+    homes = {
+        TensorClass.PARAM: Tier.DEVICE,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+        TensorClass.GRAD: Tier.HOST,
+        TensorClass.OPTIM_STATE: Tier.NVME,
+    }
 
 
 def _batch(step: int, rank: int):
@@ -82,15 +91,21 @@ def _batch(step: int, rank: int):
 
 def _make(precision: str = "fp32", policy=None, **kw) -> TieredModel:
     torch.manual_seed(0)
-    return TieredModel(TinyGPT(), policy or ZeroOffload(), optimizer=AdamW(lr=1e-2, weight_decay=0.1),
-                       precision=precision, bucket_size=kw.pop("bucket_size", 3000), **kw)
+    return TieredModel(
+        TinyGPT(),
+        policy or ZeroOffload(),
+        optimizer=AdamW(lr=1e-2, weight_decay=0.1),
+        precision=precision,
+        bucket_size=kw.pop("bucket_size", 3000),
+        **kw,
+    )
 
 
 def _train(tm: TieredModel, rank: int, world: int, steps: range, scale=None) -> list:
     """Each rank its own micro-batch per step (in one process, every rank's, loss / world)."""
     results = []
     for i in steps:
-        for r in ([rank] if world > 1 else range(scale or 1)):
+        for r in [rank] if world > 1 else range(scale or 1):
             x, y = _batch(i, r)
             tm.backward(gpt_loss(tm(x), y) / (scale or 1))
         results.append(tm.step())
@@ -129,8 +144,11 @@ def _max_diff(a: dict, b: dict) -> float:
 
 # -- what each rank runs (top level: the spawned processes import them) --------------------------
 def _rank_train(rank, world, precision, policy_name, nvme_dir, clip, overlap=False, files=None):
-    policy = {"zero-offload": ZeroOffload(), "state-on-nvme": StateOnNvme(),
-              "activation-offload": ActivationOffload(ZeroOffload(), min_bytes=0)}[policy_name]
+    policy = {
+        "zero-offload": ZeroOffload(),
+        "state-on-nvme": StateOnNvme(),
+        "activation-offload": ActivationOffload(ZeroOffload(), min_bytes=0),
+    }[policy_name]
     tm = _make(precision, policy, nvme_dir=nvme_dir, grad_clip=clip, overlap_step=overlap)
     per_step = []
     for i in range(STEPS):
@@ -187,8 +205,12 @@ def _rank_peak(rank, world):
     _train(tm, rank, world, range(1))
     rep = tm.report()
     torch.manual_seed(0)  # the budget check counts a rank's share: what the first run used fits again
-    TieredModel(TinyGPT(d=96, n_layer=4), precision="bf16", bucket_size="96KiB",
-                budgets=Budgets(host=int(1.3 * rep.peak_bytes[Tier.HOST])))
+    TieredModel(
+        TinyGPT(d=96, n_layer=4),
+        precision="bf16",
+        bucket_size="96KiB",
+        budgets=Budgets(host=int(1.3 * rep.peak_bytes[Tier.HOST])),
+    )
     return rep.class_peak_bytes[(TensorClass.OPTIM_STATE, Tier.HOST)]
 
 
@@ -222,8 +244,9 @@ def _rank_save(rank, world, tmp, steps):
 
 def _rank_load(rank, world, path, resave, more, fmt):
     torch.manual_seed(123)
-    tm = TieredModel(TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="fp32",
-                     bucket_size=1700)  # another bucket size: the checkpoint is keyed by parameter
+    tm = TieredModel(
+        TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="fp32", bucket_size=1700
+    )  # another bucket size: the checkpoint is keyed by parameter
     tm.load(path)
     loaded = tm.state_dict()
     tm.save(resave, format=fmt)
@@ -263,8 +286,10 @@ def _after_loading(path: str, resave: str, fmt: str):
 
 def _rank_three(rank, world, tmp):
     """Each 2-rank checkpoint loaded by 3 ranks, saved again, then two steps of 3 micro-batches."""
-    return {fmt: _rank_load(rank, world, os.path.join(tmp, f"by2.{fmt}"), os.path.join(tmp, f"by2-by3.{fmt}"), 2,
-                            fmt) for fmt in FORMATS}
+    return {
+        fmt: _rank_load(rank, world, os.path.join(tmp, f"by2.{fmt}"), os.path.join(tmp, f"by2-by3.{fmt}"), 2, fmt)
+        for fmt in FORMATS
+    }
 
 
 @pytest.fixture(scope="module")
@@ -396,8 +421,13 @@ def _rank_nvme_dcp(rank, world, tmp):
     read = after.bytes_moved[(Tier.NVME, Tier.HOST)] - before.bytes_moved[(Tier.NVME, Tier.HOST)]
     host = _make(bucket_size=1700)
     host.load(os.path.join(tmp, "by2-nvme.dcp"))
-    return (tm.state_dict(), host.state_dict(), after.class_peak_bytes[key] - before.class_peak_bytes[key], read,
-            sum(b.numel for b in tm.layout.step_buckets) * 12)
+    return (
+        tm.state_dict(),
+        host.state_dict(),
+        after.class_peak_bytes[key] - before.class_peak_bytes[key],
+        read,
+        sum(b.numel for b in tm.layout.step_buckets) * 12,
+    )
 
 
 def test_state_on_nvme_is_streamed_into_a_dcp_checkpoint_by_every_rank(dp):
@@ -407,8 +437,10 @@ def test_state_on_nvme_is_streamed_into_a_dcp_checkpoint_by_every_rank(dp):
         assert more_host == 0  # through the home's own buffers: no bucket more, let alone the shard
         assert read == shard_bytes  # this rank's shard of each bucket read once, in order
     assert same_state(dp[2][0]["nvme dcp"][0], dp[2][1]["nvme dcp"][0])
-    assert sorted(n for n in os.listdir(dp[0] / "by2-nvme.dcp") if n.endswith(".distcp")) == ["__0_0.distcp",
-                                                                                               "__1_0.distcp"]
+    assert sorted(n for n in os.listdir(dp[0] / "by2-nvme.dcp") if n.endswith(".distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
 
 
 # -- one decision for all; failures ----------------------------------------------------------------
@@ -448,8 +480,9 @@ def _rank_mismatch(rank, world):
 def test_ranks_with_different_configurations_are_caught_at_construction():
     _, errors = run_ranks(_rank_mismatch, allow_errors=True)
     assert set(errors) == {0, 1}
-    assert all("ConfigError" in e and "ranks [1] built a different model or configuration" in e
-               for e in errors.values())
+    assert all(
+        "ConfigError" in e and "ranks [1] built a different model or configuration" in e for e in errors.values()
+    )
 
 
 def _rank_replica(rank, world):
@@ -503,8 +536,11 @@ def _rank_freezing(rank, world):
     m.blocks[1].requires_grad_(False)
     frozen = TieredModel(m, ZeroOffload(), precision="fp32", bucket_size=3000)
     m.blocks[1].requires_grad_(True)
-    with pytest.raises(ConfigError, match=r"under data parallelism this version cannot add them to the sharded "
-                                          r"buckets: build the model with them trainable and freeze them"):
+    with pytest.raises(
+        ConfigError,
+        match=r"under data parallelism this version cannot add them to the sharded "
+        r"buckets: build the model with them trainable and freeze them",
+    ):
         frozen.backward(gpt_loss(frozen(x), y))
     out["refused"] = True
     return out
@@ -538,7 +574,8 @@ def _rank_nccl(rank, world):
         tm.backward(gpt_loss(tm(x), y))
         tm.step()
     return {k: v.cpu() for k, v in tm.state_dict().items()}, tm.report().class_peak_bytes.get(
-        (TensorClass.OPTIM_STATE, Tier.HOST), 0)
+        (TensorClass.OPTIM_STATE, Tier.HOST), 0
+    )
 
 
 @pytest.mark.cuda

@@ -2,6 +2,7 @@
 (stage 2, optimizer state on the CPU) and ZeRO-Infinity (stage 3, weights and optimizer state on
 NVMe) examples give the TieredModel they describe, train exactly as that TieredModel built by
 hand, and say one line per key not honoured; bad configs get one-line tiermem: errors."""
+
 from __future__ import annotations
 
 import copy
@@ -23,48 +24,109 @@ from models import TinyGPT
 # As in DeepSpeed's ZeRO-Offload tutorial and the HF Trainer's ds_config_zero2.json ("auto": the
 # Trainer fills them from TrainingArguments).
 ZERO_OFFLOAD = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto"}},
-    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                          "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
-                          "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True},
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 2e8,
+        "contiguous_gradients": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
 }
 # As in DeepSpeed's config documentation for ZeRO-Infinity (offload_param / offload_optimizer to NVMe).
 ZERO_INFINITY = {
-    "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
     "bf16": {"enabled": True},
     "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
     "zero_optimization": {
         "stage": 3,
-        "offload_optimizer": {"device": "nvme", "nvme_path": "NVME", "pin_memory": True, "buffer_count": 4,
-                              "fast_init": False},
-        "offload_param": {"device": "nvme", "nvme_path": "NVME", "pin_memory": True, "buffer_count": 5,
-                          "buffer_size": 1e8, "max_in_cpu": 1e9},
-        "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
-        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
-        "stage3_gather_16bit_weights_on_model_save": True},
-    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
-            "overlap_events": True},
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": "NVME",
+            "pin_memory": True,
+            "buffer_count": 4,
+            "fast_init": False,
+        },
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": "NVME",
+            "pin_memory": True,
+            "buffer_count": 5,
+            "buffer_size": 1e8,
+            "max_in_cpu": 1e9,
+        },
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False, "overlap_events": True},
 }
-OFFLOAD_IGNORED = {"scheduler", "zero_optimization.allgather_partitions", "zero_optimization.allgather_bucket_size",
-                   "zero_optimization.overlap_comm", "zero_optimization.reduce_scatter",
-                   "zero_optimization.reduce_bucket_size", "zero_optimization.contiguous_gradients",
-                   "fp16.hysteresis", "steps_per_print", "wall_clock_breakdown"}
-INFINITY_IGNORED = {"zero_optimization.stage", "zero_optimization.offload_optimizer.buffer_count",
-                    "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_param.buffer_count",
-                    "zero_optimization.offload_param.buffer_size", "zero_optimization.offload_param.max_in_cpu",
-                    "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
-                    "zero_optimization.sub_group_size", "zero_optimization.stage3_max_live_parameters",
-                    "zero_optimization.stage3_max_reuse_distance",
-                    "zero_optimization.stage3_gather_16bit_weights_on_model_save", "aio",
-                    "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
-FILLS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, precision="fp16", grad_clip=1.0,
-             train_batch_size=16, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4)
+OFFLOAD_IGNORED = {
+    "scheduler",
+    "zero_optimization.allgather_partitions",
+    "zero_optimization.allgather_bucket_size",
+    "zero_optimization.overlap_comm",
+    "zero_optimization.reduce_scatter",
+    "zero_optimization.reduce_bucket_size",
+    "zero_optimization.contiguous_gradients",
+    "fp16.hysteresis",
+    "steps_per_print",
+    "wall_clock_breakdown",
+}
+INFINITY_IGNORED = {
+    "zero_optimization.stage",
+    "zero_optimization.offload_optimizer.buffer_count",
+    "zero_optimization.offload_optimizer.fast_init",
+    "zero_optimization.offload_param.buffer_count",
+    "zero_optimization.offload_param.buffer_size",
+    "zero_optimization.offload_param.max_in_cpu",
+    "zero_optimization.overlap_comm",
+    "zero_optimization.contiguous_gradients",
+    "zero_optimization.sub_group_size",
+    "zero_optimization.stage3_max_live_parameters",
+    "zero_optimization.stage3_max_reuse_distance",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "aio",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+}
+FILLS = dict(
+    lr=1e-3,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=0.01,
+    precision="fp16",
+    grad_clip=1.0,
+    train_batch_size=16,
+    train_micro_batch_size_per_gpu=4,
+    gradient_accumulation_steps=4,
+)
 NOTE = re.compile(r"^tiermem: DeepSpeed config (\S+)=.* not honoured: .+$")
 
 
@@ -125,14 +187,20 @@ def _model() -> TinyGPT:
 def test_trains_as_the_tiered_model_it_describes(tmp_path, caplog, example):
     if example == "zero-offload":  # bf16 here: fp16 matmuls are slow on CPUs
         cfg, fills = ZERO_OFFLOAD, {**FILLS, "precision": "bf16"}
-        by_hand = dict(policy=ZeroOffload(), optimizer=AdamW(lr=1e-3, weight_decay=0.01), precision="bf16",
-                       grad_clip=1.0)
+        by_hand = dict(
+            policy=ZeroOffload(), optimizer=AdamW(lr=1e-3, weight_decay=0.01), precision="bf16", grad_clip=1.0
+        )
     else:
         (tmp_path / "a").mkdir()
         (tmp_path / "b").mkdir()
         cfg, fills = infinity(tmp_path / "a"), {}
-        by_hand = dict(policy=ZeroInfinity(), nvme_dir=str(tmp_path / "b"), precision="bf16", grad_clip=1.0,
-                       optimizer=AdamW(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1))
+        by_hand = dict(
+            policy=ZeroInfinity(),
+            nvme_dir=str(tmp_path / "b"),
+            precision="bf16",
+            grad_clip=1.0,
+            optimizer=AdamW(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1),
+        )
     with caplog.at_level(logging.WARNING, logger="tiermem"):
         tm = tiermem.from_deepspeed_config(_model(), cfg, **fills)
     lines = [r.getMessage() for r in caplog.records if r.name == "tiermem.deepspeed_config"]
@@ -145,15 +213,26 @@ def test_trains_as_the_tiered_model_it_describes(tmp_path, caplog, example):
 
 
 def test_other_offload_pairs_and_adam_modes():
-    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
-                                 "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}},
-           "optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "lr": 1e-4}}}
+    cfg = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu"},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/x"},
+        },
+        "optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "lr": 1e-4}},
+    }
     options, notes = translate(cfg)
     assert isinstance(options["policy"], OffloadPolicy)
-    homes = {k: options["policy"].place(tiermem.TensorInfo(name="w", kind=k, nbytes=4, shape=(1,),
-                                                             dtype=torch.float32)) for k in TensorClass}
-    assert homes == {TensorClass.PARAM: Tier.HOST, TensorClass.OPTIM_STATE: Tier.NVME, TensorClass.GRAD: Tier.HOST,
-                     TensorClass.ACTIVATION: Tier.DEVICE}
+    homes = {
+        k: options["policy"].place(tiermem.TensorInfo(name="w", kind=k, nbytes=4, shape=(1,), dtype=torch.float32))
+        for k in TensorClass
+    }
+    assert homes == {
+        TensorClass.PARAM: Tier.HOST,
+        TensorClass.OPTIM_STATE: Tier.NVME,
+        TensorClass.GRAD: Tier.HOST,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+    }
     assert type(options["optimizer"]) is Adam and options["optimizer"].weight_decay == 0.0  # DeepSpeed's default
     assert options["precision"] == "fp32" and options["grad_clip"] is None
     assert noted(notes) == {"zero_optimization.stage"}
@@ -174,35 +253,57 @@ def test_keywords_fill_auto_and_must_agree():
 
 
 BAD = {
-    "device gpu": ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
-                   r"offload_optimizer\.device=\"gpu\" is invalid: it must be \"none\", \"cpu\" or \"nvme\""),
-    "typo in zero block": ({"zero_optimization": {"stage": 2, "offload_optimiser": {"device": "cpu"}}},
-                           r"zero_optimization\.offload_optimiser is not a ZeRO setting"),
-    "typo in offload block": ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_mem": True}}},
-                              r"offload_optimizer\.pin_mem is not a DeepSpeed offload setting"),
+    "device gpu": (
+        {"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
+        r"offload_optimizer\.device=\"gpu\" is invalid: it must be \"none\", \"cpu\" or \"nvme\"",
+    ),
+    "typo in zero block": (
+        {"zero_optimization": {"stage": 2, "offload_optimiser": {"device": "cpu"}}},
+        r"zero_optimization\.offload_optimiser is not a ZeRO setting",
+    ),
+    "typo in offload block": (
+        {"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_mem": True}}},
+        r"offload_optimizer\.pin_mem is not a DeepSpeed offload setting",
+    ),
     "bf16 and fp16": ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, r"enables both bf16 and fp16"),
     "enabled yes": ({"bf16": {"enabled": "yes"}}, r"bf16\.enabled=\"yes\" is not true, false or 'auto'"),
     "lamb": ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, r"optimizer\.type=\"Lamb\" is not supported"),
     "amsgrad": ({"optimizer": {"type": "AdamW", "params": {"amsgrad": True}}}, r"with amsgrad"),
-    "AdamW without w mode": ({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}},
-                             r"adam_w_mode=false with type 'AdamW'"),
-    "lr a string": ({"optimizer": {"type": "AdamW", "params": {"lr": "0.1"}}},
-                    r"optimizer block: AdamW\.lr='0\.1' is invalid"),
-    "param offload at stage 2": ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-                                 r"offloads parameters \(offload_param\) at stage 2"),
+    "AdamW without w mode": (
+        {"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}},
+        r"adam_w_mode=false with type 'AdamW'",
+    ),
+    "lr a string": (
+        {"optimizer": {"type": "AdamW", "params": {"lr": "0.1"}}},
+        r"optimizer block: AdamW\.lr='0\.1' is invalid",
+    ),
+    "param offload at stage 2": (
+        {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+        r"offloads parameters \(offload_param\) at stage 2",
+    ),
     "stage 4": ({"zero_optimization": {"stage": 4}}, r"zero_optimization\.stage=4 is invalid"),
-    "two nvme paths": ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/a"},
-                                              "offload_optimizer": {"device": "nvme", "nvme_path": "/b"}}},
-                       r"gives two NVMe paths"),
-    "deprecated cpu_offload": ({"zero_optimization": {"stage": 2, "cpu_offload": True}},
-                               r"cpu_offload is DeepSpeed's deprecated form"),
+    "two nvme paths": (
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": "/a"},
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/b"},
+            }
+        },
+        r"gives two NVMe paths",
+    ),
+    "deprecated cpu_offload": (
+        {"zero_optimization": {"stage": 2, "cpu_offload": True}},
+        r"cpu_offload is DeepSpeed's deprecated form",
+    ),
     "static loss scale": ({"fp16": {"enabled": True, "loss_scale": 128}}, r"fp16\.loss_scale=128 \(a static loss"),
     "scale power": ({"fp16": {"enabled": True, "initial_scale_power": -1}}, r"initial_scale_power=-1 is invalid"),
-    "window zero": ({"fp16": {"enabled": True, "loss_scale_window": 0}},
-                    r"fp16 block .*growth_interval=0 is invalid"),
+    "window zero": ({"fp16": {"enabled": True, "loss_scale_window": 0}}, r"fp16 block .*growth_interval=0 is invalid"),
     "negative clipping": ({"gradient_clipping": -1.0}, r"gradient_clipping=-1\.0 is invalid"),
-    "auto without keyword": ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
-                             r"optimizer\.params\.lr='auto' needs a value: pass lr=\.\.\."),
+    "auto without keyword": (
+        {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
+        r"optimizer\.params\.lr='auto' needs a value: pass lr=\.\.\.",
+    ),
     "auto precision without keyword": ({"bf16": {"enabled": "auto"}}, r"bf16\.enabled='auto' needs a value"),
     "not an object": ({"zero_optimization": [1]}, r"zero_optimization=\[1\] is not an object"),
 }
@@ -218,12 +319,18 @@ def test_bad_configs(case):
 def test_bad_calls(tmp_path):
     cases = [
         (lambda: translate({}, policy=ZeroOffload()), r"unexpected keyword arguments \['policy'\]"),
-        (lambda: translate({"gradient_clipping": 1.0}, grad_clip=2.0),
-         r"gradient_clipping=1\.0 but grad_clip=2\.0 was given; make them agree"),
-        (lambda: translate({"bf16": {"enabled": True}}, precision="fp32"),
-         r"enables bf16 but precision='fp32' was given"),
-        (lambda: translate({"fp16": {"enabled": False}}, precision="fp16"),
-         r"has fp16\.enabled=false but precision='fp16' was given"),
+        (
+            lambda: translate({"gradient_clipping": 1.0}, grad_clip=2.0),
+            r"gradient_clipping=1\.0 but grad_clip=2\.0 was given; make them agree",
+        ),
+        (
+            lambda: translate({"bf16": {"enabled": True}}, precision="fp32"),
+            r"enables bf16 but precision='fp32' was given",
+        ),
+        (
+            lambda: translate({"fp16": {"enabled": False}}, precision="fp16"),
+            r"has fp16\.enabled=false but precision='fp16' was given",
+        ),
         (lambda: translate([1, 2]), r"needs a path to a DeepSpeed JSON file or a dict, got list"),
         (lambda: translate(str(tmp_path / "missing.json")), r"cannot read the DeepSpeed config .*missing\.json"),
     ]
@@ -236,8 +343,9 @@ def test_bad_calls(tmp_path):
 
 def test_loss_scale_window_and_floor_are_honoured():
     torch.manual_seed(0)
-    tm = TieredModel(torch.nn.Linear(4, 4), precision="fp16",
-                     loss_scale=LossScale(init_scale=8.0, growth_interval=2, min_scale=4.0))
+    tm = TieredModel(
+        torch.nn.Linear(4, 4), precision="fp16", loss_scale=LossScale(init_scale=8.0, growth_interval=2, min_scale=4.0)
+    )
     x = torch.ones(2, 4)
     scales = []
     for blow_up in (True, True, False, False, False):
@@ -257,6 +365,9 @@ def test_adagrad_and_lion_blocks_are_tiermems():
     assert options["optimizer"] == tiermem.Adagrad(lr=0.05, eps=1e-10) and notes == []
     options, _ = translate({"optimizer": {"type": "Lion", "params": {"lr": "auto", "betas": [0.9, 0.99]}}}, lr=1e-4)
     assert options["optimizer"] == tiermem.Lion(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)
-    with pytest.raises(ConfigError, match=r"^tiermem: DeepSpeed config optimizer.params has \['eps'\], which Lion "
-                                          r"does not take; use lr, betas, weight_decay$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^tiermem: DeepSpeed config optimizer.params has \['eps'\], which Lion "
+        r"does not take; use lr, betas, weight_decay$",
+    ):
         translate({"optimizer": {"type": "Lion", "params": {"eps": 1e-8}}})

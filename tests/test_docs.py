@@ -12,6 +12,7 @@ A ``bash`` block runs when every command in it is a ``tiermem`` command (in this
 
 ``python tests/test_docs.py`` rewrites the NOTE index of docs/architecture.md from the code.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -65,7 +66,7 @@ def blocks(path: Path) -> list[Block]:
         start, body = i, []
         i += 1
         while i < len(lines) and not lines[i].strip().startswith(fence):
-            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
             i += 1
         prev = next((lines[k].strip() for k in range(start - 1, -1, -1) if lines[k].strip()), None)
         marker = prev if prev and prev.startswith("<!--") else None
@@ -115,8 +116,10 @@ def test_every_block_runs_or_says_why_not():
         if b.marker and b.marker.startswith("<!-- not run") and not reason:
             problems.append(f"{b.where}: '<!-- not run: ... -->' must say why")
         if b.lang == "bash" and reason is None and _cli_commands(b) is None:
-            problems.append(f"{b.where}: a shell block that is not all `tiermem` commands needs "
-                            f"'<!-- not run: <why> -->' on the line before it")
+            problems.append(
+                f"{b.where}: a shell block that is not all `tiermem` commands needs "
+                f"'<!-- not run: <why> -->' on the line before it"
+            )
         if b.lang in ("text", "json") and b.marker is not None:
             problems.append(f"{b.where}: a {b.lang} block is never run; drop the marker")
     assert not problems, "\n".join(problems)
@@ -142,8 +145,7 @@ def _prelude() -> dict:
         ids = torch.randint(0, 37, (2, 9))
         data.append((ids[:, :-1], ids[:, 1:]))
     x, y = data[0]
-    return {"__name__": "__docs__", "torch": torch, "model": model, "loss_fn": lm_loss, "data": data,
-            "x": x, "y": y}
+    return {"__name__": "__docs__", "torch": torch, "model": model, "loss_fn": lm_loss, "data": data, "x": x, "y": y}
 
 
 @pytest.mark.parametrize("chain", _chains(), ids=lambda c: c[0].where)
@@ -248,7 +250,7 @@ def note_index() -> str:
 
 def _index_in_docs() -> str:
     text = (ROOT / "docs" / "architecture.md").read_text()
-    return text[text.index(BEGIN):text.index(END) + len(END)]
+    return text[text.index(BEGIN) : text.index(END) + len(END)]
 
 
 def test_architecture_page_indexes_every_note_block():
@@ -290,8 +292,12 @@ def _public_api() -> list[tuple[str, object]]:
     import tiermem.policies
     from tiermem.integrations.transformers import TieredTrainer
 
-    out = [(f"{m.__name__}.{n}", getattr(m, n)) for m in (tiermem, tiermem.policies, tiermem.optim)
-           for n in m.__all__ if not n.startswith("__")]
+    out = [
+        (f"{m.__name__}.{n}", getattr(m, n))
+        for m in (tiermem, tiermem.policies, tiermem.optim)
+        for n in m.__all__
+        if not n.startswith("__")
+    ]
     return out + [("tiermem.integrations.transformers.TieredTrainer", TieredTrainer)]
 
 
@@ -338,17 +344,19 @@ def test_every_public_class_and_function_documents_its_arguments():
 
 def test_the_docstring_check_finds_what_is_missing():
     """The check above can fail: a function with an argument its docstring leaves out is caught."""
+
     def half(x, y):
         """Half of a sum.
 
         Args:
             x: documented.
         """
+
     assert _undocumented("half", half) == ["half: arguments ['y'] not under Args:"]
 
 
 if __name__ == "__main__":
     page = ROOT / "docs" / "architecture.md"
     text = page.read_text()
-    page.write_text(text[:text.index(BEGIN)] + note_index() + text[text.index(END) + len(END):])
+    page.write_text(text[: text.index(BEGIN)] + note_index() + text[text.index(END) + len(END) :])
     print(f"wrote the NOTE index of {page.relative_to(ROOT)} ({len(note_definitions())} NOTEs)")

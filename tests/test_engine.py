@@ -1,5 +1,6 @@
 """The keyless copy service: chains, leases, ordering against the caller, the stats every move is
 counted in, and the protocol the homes depend on. Keyed moves are tests/test_residency.py's."""
+
 from __future__ import annotations
 
 import threading
@@ -26,8 +27,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _engine(tmp: str, device_budget=16 << 20, host_budget=16 << 20) -> TransferEngine:
-    stores = {Tier.DEVICE: DeviceStore("cpu", device_budget), Tier.HOST: HostStore(host_budget),
-              Tier.NVME: NvmeStore(tmp)}
+    stores = {
+        Tier.DEVICE: DeviceStore("cpu", device_budget),
+        Tier.HOST: HostStore(host_budget),
+        Tier.NVME: NvmeStore(tmp),
+    }
     return TransferEngine(stores)
 
 
@@ -64,14 +68,14 @@ class _Gate:
 def _failing(engine, error):
     def boom():
         raise error
+
     return engine.run_async(boom)
 
 
 def test_chain_runs_then_after_first_and_follows_its_request(engine):
     gate, order = _Gate(engine), []
     inner = _Gate(engine, lane="h2d")
-    h = engine.chain(gate.handle, lambda: order.append("then") or inner.handle,
-                     cleanup=lambda: order.append("cleanup"))
+    h = engine.chain(gate.handle, lambda: order.append("then") or inner.handle, cleanup=lambda: order.append("cleanup"))
     assert not h.done() and order == []
     gate.open()
     engine.behind("d2h").wait()
@@ -96,6 +100,7 @@ def test_an_error_anywhere_ends_the_chain_and_cleanup_runs_once(engine, where):
         cleaned.append(1)
         if where == "cleanup":
             raise err
+
     h = engine.chain(first, then, cleanup=cleanup)
     with pytest.raises(ValueError, match=where):
         h.wait()
@@ -153,8 +158,9 @@ def test_copy_after_waits_for_its_request_and_orders_on_the_callers_thread(engin
     again = torch.zeros(4099)
     assert engine.copy_async(again, src, src_tier=Tier.HOST, dst_tier=Tier.DEVICE, after=h).wait() is again
     assert torch.equal(again, src) and marks == [threading.current_thread()] * 2
-    failed = engine.copy_async(dst, src, src_tier=Tier.HOST, dst_tier=Tier.DEVICE,
-                               after=_failing(engine, OSError("disk")))
+    failed = engine.copy_async(
+        dst, src, src_tier=Tier.HOST, dst_tier=Tier.DEVICE, after=_failing(engine, OSError("disk"))
+    )
     with pytest.raises(OSError, match="disk"):
         failed.wait()
     with pytest.raises(TierMemError, match=r"chains copies between two tiers"):
@@ -184,11 +190,15 @@ def test_flush_behind_queued_copies_then_give_the_buffer_back(engine):
     acc = lease.view(torch.float32, grads.shape)
     acc.zero_()
     gate = _Gate(engine)
-    copies = [engine.copy_async(acc[i], grads[i], src_tier=Tier.DEVICE, dst_tier=Tier.HOST, accumulate=True)
-              for i in range(4)]
-    flush = engine.chain(engine.behind("d2h"),
-                         lambda: engine.store_write(Tier.NVME, "b0:grad", acc, kind=TensorClass.GRAD),
-                         cleanup=lease.release, stall=Tier.NVME)
+    copies = [
+        engine.copy_async(acc[i], grads[i], src_tier=Tier.DEVICE, dst_tier=Tier.HOST, accumulate=True) for i in range(4)
+    ]
+    flush = engine.chain(
+        engine.behind("d2h"),
+        lambda: engine.store_write(Tier.NVME, "b0:grad", acc, kind=TensorClass.GRAD),
+        cleanup=lease.release,
+        stall=Tier.NVME,
+    )
     assert not flush.done()
     gate.open()
     flush.wait()
@@ -202,22 +212,31 @@ def test_flush_behind_queued_copies_then_give_the_buffer_back(engine):
 
 
 @settings(max_examples=60, deadline=None)
-@given(firsts=st.lists(st.one_of(st.integers(), st.none()), max_size=4),
-       then=st.sampled_from(["none", "value", "raise", "request", "failed request"]), cleanup_fails=st.booleans())
+@given(
+    firsts=st.lists(st.one_of(st.integers(), st.none()), max_size=4),
+    then=st.sampled_from(["none", "value", "raise", "request", "failed request"]),
+    cleanup_fails=st.booleans(),
+)
 def test_chain_outcome_is_the_first_error_or_the_last_result(firsts, then, cleanup_fails):
     """``None`` in ``firsts`` is a failed request. The chain ends with the first error along the
     way (``first`` in order, then ``then``, then ``cleanup``), else with its last result."""
     e = TransferEngine({Tier.HOST: HostStore(1 << 20)})
     try:
         handles = [e.run_async(lambda v=v: v) if v is not None else _failing(e, KeyError("first")) for v in firsts]
-        fns = {"none": None, "value": lambda: "v", "raise": lambda: {}["then"],
-               "request": lambda: e.run_async(lambda: "r"), "failed request": lambda: _failing(e, KeyError("req"))}
+        fns = {
+            "none": None,
+            "value": lambda: "v",
+            "raise": lambda: {}["then"],
+            "request": lambda: e.run_async(lambda: "r"),
+            "failed request": lambda: _failing(e, KeyError("req")),
+        }
         cleaned = []
 
         def cleanup():
             cleaned.append(1)
             if cleanup_fails:
                 raise KeyError("cleanup")
+
         h = e.chain(handles, fns[then], cleanup=cleanup)
         if None in firsts:
             expect = "first"
@@ -241,13 +260,24 @@ def test_the_engine_provides_the_copy_service_the_homes_depend_on():
     import inspect
 
     from tiermem.transfer.service import CopyService
+
     members = [n for n, v in vars(CopyService).items() if inspect.isfunction(v) and not n.startswith("_")]
-    assert {"copy_async", "copy_many", "store_write", "store_read", "run_async", "join", "lease", "behind",
-            "chain"} <= set(members)
+    assert {
+        "copy_async",
+        "copy_many",
+        "store_write",
+        "store_read",
+        "run_async",
+        "join",
+        "lease",
+        "behind",
+        "chain",
+    } <= set(members)
     for name in members:
         want = inspect.signature(getattr(CopyService, name)).parameters
         have = inspect.signature(getattr(TransferEngine, name)).parameters
-        assert [(p.name, p.kind) for p in want.values()] == [(p.name, p.kind) for p in have.values()
-                                                             if p.name in want], name
+        assert [(p.name, p.kind) for p in want.values()] == [
+            (p.name, p.kind) for p in have.values() if p.name in want
+        ], name
     with TransferEngine({Tier.HOST: HostStore()}, device="cpu") as engine:
         assert engine.device == torch.device("cpu")  # the one attribute of the protocol

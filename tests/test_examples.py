@@ -1,4 +1,5 @@
 """The examples: the GPT model definition, and examples/train_gpt.py run end to end as a user would."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,25 @@ STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+) \| loss (\d+\.\d+)", re.MULTILINE)
 
 
 def run_train_gpt(*extra: str, timeout: float = 120) -> str:
-    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--preset", "tiny", "--seq-len", "32",
-           "--batch-size", "8", "--warmup", "5", "--log-every", "5", "--eval-batches", "1",
-           "--sample-tokens", "20", *extra]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "train_gpt.py"),
+        "--preset",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "8",
+        "--warmup",
+        "5",
+        "--log-every",
+        "5",
+        "--eval-batches",
+        "1",
+        "--sample-tokens",
+        "20",
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, f"train_gpt.py exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
@@ -45,8 +62,20 @@ def test_train_gpt_other_options_write_checkpoint_and_trace(tmp_path: Path) -> N
     # fp16 matmuls are slow on CPUs (no native kernels), so this run is short: it checks that
     # the other policy, fp16, --save and --trace work, not that the model learns.
     ckpt, trace = tmp_path / "gpt.ckpt", tmp_path / "gpt.trace.json"
-    out = run_train_gpt("--policy", "keep-on-device", "--precision", "fp16", "--steps", "6", "--batch-size", "4",
-                        "--save", str(ckpt), "--trace", str(trace))
+    out = run_train_gpt(
+        "--policy",
+        "keep-on-device",
+        "--precision",
+        "fp16",
+        "--steps",
+        "6",
+        "--batch-size",
+        "4",
+        "--save",
+        str(ckpt),
+        "--trace",
+        str(trace),
+    )
     assert "policy=KeepOnDevice()" in out and "precision='fp16'" in out, out
     assert ckpt.exists() and f"checkpoint written to {ckpt}" in out, out
     events = json.loads(trace.read_text())
@@ -100,11 +129,14 @@ def test_tokenizer_round_trip_and_generate() -> None:
     assert out.shape == (1, 15) and out.max() < tok.vocab_size
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"n_embd": 65, "n_head": 2}, "not a multiple of n_head"),
-    ({"n_layer": 0}, r"n_layer=0: must be >= 1"),
-    ({"dropout": 1.0}, r"dropout=1.0: must be in \[0, 1\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"n_embd": 65, "n_head": 2}, "not a multiple of n_head"),
+        ({"n_layer": 0}, r"n_layer=0: must be >= 1"),
+        ({"dropout": 1.0}, r"dropout=1.0: must be in \[0, 1\)"),
+    ],
+)
 def test_gpt_config_errors(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         GPTConfig.preset("tiny", **kwargs)
@@ -123,8 +155,18 @@ def test_gpt_rejects_too_long_input_and_unknown_preset() -> None:
 def test_lora_example_trains_with_its_base_weights_on_nvme(tmp_path: Path) -> None:
     """examples/lora.py, a few steps: LoRA adapters trained with the base on NVMe, then merged."""
     pytest.importorskip("peft")
-    cmd = [sys.executable, str(ROOT / "examples" / "lora.py"), "--steps", "6", "--batch-size", "2", "--seq-len", "16",
-           "--nvme-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "lora.py"),
+        "--steps",
+        "6",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--nvme-dir",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     out = proc.stdout
     assert proc.returncode == 0, f"lora.py exited {proc.returncode}\n{out}\n{proc.stderr}"
@@ -135,8 +177,18 @@ def test_lora_example_trains_with_its_base_weights_on_nvme(tmp_path: Path) -> No
 
 def test_finetune_trains_with_one_group_per_layer_and_unfreezes_them_in_turn() -> None:
     """examples/finetune.py: LLRD groups from a torch optimizer, each layer unfrozen in turn."""
-    cmd = [sys.executable, str(ROOT / "examples" / "finetune.py"), "--pretrain-steps", "3", "--steps", "12",
-           "--unfreeze-every", "3", "--precision", "fp32"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "finetune.py"),
+        "--pretrain-steps",
+        "3",
+        "--steps",
+        "12",
+        "--unfreeze-every",
+        "3",
+        "--precision",
+        "fp32",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, f"finetune.py exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "groups: layer0 lr 1.03e-03, layer1 lr 1.47e-03, layer2 lr 2.10e-03, layer3 lr 3.00e-03" in proc.stdout

@@ -1,4 +1,5 @@
 """examples/custom_policy.py and examples/nvme_offload.py, run as a user would (tiny model, few steps)."""
+
 from __future__ import annotations
 
 import re
@@ -15,13 +16,15 @@ from examples import nvme_offload  # noqa: E402
 from tiermem import parse_bytes  # noqa: E402
 
 SMALL = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32"]
-ROW = re.compile(r"^(param|grad|optim_state|activation)\s+(device|host|nvme)\s+(-|[\d.]+ \w?i?B)\s+([\d.]+ \w?i?B)",
-                 re.MULTILINE)
+ROW = re.compile(
+    r"^(param|grad|optim_state|activation)\s+(device|host|nvme)\s+(-|[\d.]+ \w?i?B)\s+([\d.]+ \w?i?B)", re.MULTILINE
+)
 
 
 def run_example(name: str, *args: str, cwd: Path) -> str:
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
     assert proc.returncode == 0, f"{name} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -40,10 +43,24 @@ def test_custom_policy_is_honoured_and_matches_zero_offload(tmp_path: Path) -> N
 def test_nvme_offload_refuses_zero_offload_and_trains_zero_infinity(tmp_path: Path) -> None:
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    out = run_example("nvme_offload.py", *SMALL, "--policy", "zero-infinity", "--steps", "8", "--log-every", "2",
-                      "--nvme-dir", str(nvme), cwd=tmp_path)
-    assert re.search(r"ZeroOffload\(\) is refused.*\n  tiermem: out of host memory .*optimizer state "
-                     r"[\d.]+ \w?i?B.*raise Budgets\(host=\.\.\.\)", out), out
+    out = run_example(
+        "nvme_offload.py",
+        *SMALL,
+        "--policy",
+        "zero-infinity",
+        "--steps",
+        "8",
+        "--log-every",
+        "2",
+        "--nvme-dir",
+        str(nvme),
+        cwd=tmp_path,
+    )
+    assert re.search(
+        r"ZeroOffload\(\) is refused.*\n  tiermem: out of host memory .*optimizer state "
+        r"[\d.]+ \w?i?B.*raise Budgets\(host=\.\.\.\)",
+        out,
+    ), out
     losses = [float(x) for x in re.findall(r"^step +\d+/8 \| loss (\d+\.\d+)", out, re.MULTILINE)]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, out
     m = re.search(r"host budget ([\d.]+ \w?i?B)", out)
@@ -55,8 +72,9 @@ def test_nvme_offload_refuses_zero_offload_and_trains_zero_infinity(tmp_path: Pa
     assert list(nvme.iterdir()) == [], "the model's files were left in --nvme-dir"
 
 
-def test_nvme_offload_default_policy_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nvme_offload_default_policy_in_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     assert nvme_offload.main([*SMALL, "--steps", "2"]) == 0
     out = capsys.readouterr().out
@@ -65,13 +83,26 @@ def test_nvme_offload_default_policy_in_process(tmp_path: Path, capsys: pytest.C
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("budget, status, match", [
-    ("2MiB", 2, r"--host-budget 2.00 MiB holds the whole optimizer state \(1\.23 MiB\)"),  # 107,328 params x 12 B
-    ("600KiB", 1, r"OptimStateOnNvme\(\) does not fit either:\n  tiermem: out of host memory .* raise "
-                  r"Budgets\(host=\.\.\.\) to at least"),
-])
-def test_nvme_offload_budget_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                    monkeypatch: pytest.MonkeyPatch, budget: str, status: int, match: str) -> None:
+@pytest.mark.parametrize(
+    "budget, status, match",
+    [
+        ("2MiB", 2, r"--host-budget 2.00 MiB holds the whole optimizer state \(1\.23 MiB\)"),  # 107,328 params x 12 B
+        (
+            "600KiB",
+            1,
+            r"OptimStateOnNvme\(\) does not fit either:\n  tiermem: out of host memory .* raise "
+            r"Budgets\(host=\.\.\.\) to at least",
+        ),
+    ],
+)
+def test_nvme_offload_budget_errors(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    budget: str,
+    status: int,
+    match: str,
+) -> None:
     monkeypatch.chdir(tmp_path)
     assert nvme_offload.main([*SMALL, "--steps", "1", "--host-budget", budget]) == status
     assert re.search(match, capsys.readouterr().err), budget

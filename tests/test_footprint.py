@@ -1,6 +1,7 @@
 """tiermem.plan.footprint: the one rule for the bytes each tier needs, checked three ways: by hand
 on made-up bucket plans, against ``tiermem plan``'s figures and the layout's old rule for real
 models under every built-in policy, and against what TieredModel really allocates."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,40 +38,93 @@ def _bucket(numel: int, grad: Tier, state: Tier, param: Tier = D, index: int = 0
 
 
 # -- the rule, by hand ---------------------------------------------------------------------------
-@pytest.mark.parametrize("buckets, overlap, expect", [
-    # ZeRO-Offload, buckets of 10 and 6: bf16 weights on the device, fp32 grads and state on the
-    # host, and two staging buffers as large as the larger bucket where Adam runs
-    ([_bucket(10, H, H), _bucket(6, H, H, index=1)], False,
-     {D: {fp.WORKING_WEIGHTS: 2 * 16, fp.GRADS_IN_FLIGHT: 0},
-      H: {fp.GRADS: 4 * 16, fp.OPTIM_STATE: 12 * 16, fp.WEIGHT_STAGING: 2 * 2 * 10,
-          fp.PAGE_ROUNDING: _pages(40, 24, *[40] * 3, *[24] * 3, 20, 20)}}),
-    # overlap_step: a second grad buffer and Adam's output per bucket instead of the staging
-    ([_bucket(10, H, H), _bucket(6, H, H, index=1)], True,
-     {D: {fp.WORKING_WEIGHTS: 32, fp.GRADS_IN_FLIGHT: 0},
-      H: {fp.GRADS: 64, fp.OPTIM_STATE: 192, fp.SECOND_GRADS: 64, fp.UPDATED_WEIGHTS: 32,
-          fp.PAGE_ROUNDING: _pages(40, 40, 24, 24, *[40] * 3, *[24] * 3, 20, 12)}}),
-    # everything on the device: no staging, no copies
-    ([_bucket(10, D, D)], False, {D: {fp.WORKING_WEIGHTS: 20, fp.GRADS: 40, fp.OPTIM_STATE: 120,
-                                      fp.GRADS_IN_FLIGHT: 0}}),
-    # ZeRO-Infinity: NVMe holds each value once, plus the writes that can be in flight beside their
-    # key's value (3 buckets of state, 2 of weights); the host streams state through 3 buckets;
-    # a single bucket needs one staging buffer
-    ([_bucket(10, H, N, param=N)], False,
-     {N: {fp.WORKING_WEIGHTS: 20, fp.OPTIM_STATE_NVME: 120, fp.NVME_JOURNAL: 3 * 120 + 2 * 20},
-      H: {fp.GRADS: 40, fp.STATE_PIPELINE: 3 * 120, fp.WEIGHT_STAGING: 20,
-          fp.PAGE_ROUNDING: _pages(40, 120, 120, 120, 20)}, D: {fp.GRADS_IN_FLIGHT: 0}}),
-    # grads on NVMe: once there, 4 buckets of writes in flight; three on their way through the host
-    ([_bucket(10, N, H)], False,
-     {D: {fp.WORKING_WEIGHTS: 20, fp.GRADS_IN_FLIGHT: 0},
-      N: {fp.GRADS: 40, fp.NVME_JOURNAL: 4 * 40},
-      H: {fp.OPTIM_STATE: 120, fp.GRADS_TO_NVME: 3 * 40, fp.WEIGHT_STAGING: 20,
-          fp.PAGE_ROUNDING: _pages(40, 40, 40, 40, 40, 40, 20)}}),
-    # grads on the device, state on the host: Adam needs them copied to the host for the step
-    ([_bucket(10, D, H)], False,
-     {D: {fp.WORKING_WEIGHTS: 20, fp.GRADS: 40, fp.GRADS_IN_FLIGHT: 0},
-      H: {fp.OPTIM_STATE: 120, fp.GRADS_FOR_STEP: 40, fp.WEIGHT_STAGING: 20,
-          fp.PAGE_ROUNDING: _pages(40, 40, 40, 40, 20)}}),
-])
+@pytest.mark.parametrize(
+    "buckets, overlap, expect",
+    [
+        # ZeRO-Offload, buckets of 10 and 6: bf16 weights on the device, fp32 grads and state on the
+        # host, and two staging buffers as large as the larger bucket where Adam runs
+        (
+            [_bucket(10, H, H), _bucket(6, H, H, index=1)],
+            False,
+            {
+                D: {fp.WORKING_WEIGHTS: 2 * 16, fp.GRADS_IN_FLIGHT: 0},
+                H: {
+                    fp.GRADS: 4 * 16,
+                    fp.OPTIM_STATE: 12 * 16,
+                    fp.WEIGHT_STAGING: 2 * 2 * 10,
+                    fp.PAGE_ROUNDING: _pages(40, 24, *[40] * 3, *[24] * 3, 20, 20),
+                },
+            },
+        ),
+        # overlap_step: a second grad buffer and Adam's output per bucket instead of the staging
+        (
+            [_bucket(10, H, H), _bucket(6, H, H, index=1)],
+            True,
+            {
+                D: {fp.WORKING_WEIGHTS: 32, fp.GRADS_IN_FLIGHT: 0},
+                H: {
+                    fp.GRADS: 64,
+                    fp.OPTIM_STATE: 192,
+                    fp.SECOND_GRADS: 64,
+                    fp.UPDATED_WEIGHTS: 32,
+                    fp.PAGE_ROUNDING: _pages(40, 40, 24, 24, *[40] * 3, *[24] * 3, 20, 12),
+                },
+            },
+        ),
+        # everything on the device: no staging, no copies
+        (
+            [_bucket(10, D, D)],
+            False,
+            {D: {fp.WORKING_WEIGHTS: 20, fp.GRADS: 40, fp.OPTIM_STATE: 120, fp.GRADS_IN_FLIGHT: 0}},
+        ),
+        # ZeRO-Infinity: NVMe holds each value once, plus the writes that can be in flight beside their
+        # key's value (3 buckets of state, 2 of weights); the host streams state through 3 buckets;
+        # a single bucket needs one staging buffer
+        (
+            [_bucket(10, H, N, param=N)],
+            False,
+            {
+                N: {fp.WORKING_WEIGHTS: 20, fp.OPTIM_STATE_NVME: 120, fp.NVME_JOURNAL: 3 * 120 + 2 * 20},
+                H: {
+                    fp.GRADS: 40,
+                    fp.STATE_PIPELINE: 3 * 120,
+                    fp.WEIGHT_STAGING: 20,
+                    fp.PAGE_ROUNDING: _pages(40, 120, 120, 120, 20),
+                },
+                D: {fp.GRADS_IN_FLIGHT: 0},
+            },
+        ),
+        # grads on NVMe: once there, 4 buckets of writes in flight; three on their way through the host
+        (
+            [_bucket(10, N, H)],
+            False,
+            {
+                D: {fp.WORKING_WEIGHTS: 20, fp.GRADS_IN_FLIGHT: 0},
+                N: {fp.GRADS: 40, fp.NVME_JOURNAL: 4 * 40},
+                H: {
+                    fp.OPTIM_STATE: 120,
+                    fp.GRADS_TO_NVME: 3 * 40,
+                    fp.WEIGHT_STAGING: 20,
+                    fp.PAGE_ROUNDING: _pages(40, 40, 40, 40, 40, 40, 20),
+                },
+            },
+        ),
+        # grads on the device, state on the host: Adam needs them copied to the host for the step
+        (
+            [_bucket(10, D, H)],
+            False,
+            {
+                D: {fp.WORKING_WEIGHTS: 20, fp.GRADS: 40, fp.GRADS_IN_FLIGHT: 0},
+                H: {
+                    fp.OPTIM_STATE: 120,
+                    fp.GRADS_FOR_STEP: 40,
+                    fp.WEIGHT_STAGING: 20,
+                    fp.PAGE_ROUNDING: _pages(40, 40, 40, 40, 20),
+                },
+            },
+        ),
+    ],
+)
 def test_footprint_by_hand(buckets, overlap, expect):
     assert fp.footprint(buckets, [], BF16, overlap=overlap) == expect
 
@@ -100,8 +154,9 @@ def test_weights_sharded_over_ranks_by_hand():
     assert nvme[H][fp.GATHER_STAGING] == 2 * 6 and nvme[H][fp.WEIGHT_STAGING] == 2 * 6
     device = fp.footprint(host[:1] + [_bucket(10, H, H, index=1)], [], BF16, world=2, gathered_at_once=1)
     assert device[D][fp.WORKING_WEIGHTS] == 2 * 10  # on the device: whole on every rank (ZeRO-2)...
-    sharded = fp.footprint(host[:1] + [_bucket(10, H, H, index=1)], [], BF16, world=2, gathered_at_once=1,
-                           shard_weights=True)
+    sharded = fp.footprint(
+        host[:1] + [_bucket(10, H, H, index=1)], [], BF16, world=2, gathered_at_once=1, shard_weights=True
+    )
     assert sharded[D][fp.WORKING_WEIGHTS] == 2 * 5  # ...unless shard_weights
     assert fp.footprint(host, [], BF16, shard_weights=True) == fp.footprint(host, [], BF16)  # alone: nothing
 
@@ -112,6 +167,7 @@ def test_gathers_held_counts_nested_modules_and_one_op():
             super().__init__()
             self.scale = nn.Parameter(torch.ones(4))
             self.inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
     m = Outer()
     buckets = []
     for i, p in enumerate([m.scale, m.inner[0].weight, m.inner[0].bias, m.inner[1].weight, m.inner[1].bias]):
@@ -124,8 +180,10 @@ def test_gathers_held_counts_nested_modules_and_one_op():
 
 
 def test_frozen_grads_in_flight_and_largest_module():
-    frozen = [(torch.empty(5, dtype=torch.float32, device="meta"), N),  # meta: nothing allocated
-              (torch.empty(3, dtype=torch.int64, device="meta"), D)]  # not floating point: its own size
+    frozen = [
+        (torch.empty(5, dtype=torch.float32, device="meta"), N),  # meta: nothing allocated
+        (torch.empty(3, dtype=torch.int64, device="meta"), D),
+    ]  # not floating point: its own size
     b = _bucket(0, H, H)
     b.add("w", nn.Parameter(torch.empty(7)), 0)
     b.add("v", nn.Parameter(torch.empty(2)), 1)
@@ -159,9 +217,12 @@ class _Store:
 def test_check_fits():
     need = {D: {fp.WORKING_WEIGHTS: 600, fp.GRADS_IN_FLIGHT: 0}, H: {fp.GRADS: 100}}
     fp.check_fits(need, {D: _Store(400, 1000), H: _Store(0, 100)})
-    with pytest.raises(OutOfTierMemory, match=r"^tiermem: out of device memory.*it needs 600 B there "
-                                              r"\(working weights 600 B\); raise Budgets\(device=\.\.\.\) "
-                                              r"to at least 1001 B") as e:
+    with pytest.raises(
+        OutOfTierMemory,
+        match=r"^tiermem: out of device memory.*it needs 600 B there "
+        r"\(working weights 600 B\); raise Budgets\(device=\.\.\.\) "
+        r"to at least 1001 B",
+    ) as e:
         fp.check_fits(need, {D: _Store(401, 1000), H: _Store(0, 100)})
     assert (e.value.tier, e.value.asked) == (D, 600)
     with pytest.raises(ConfigError, match=r"^tiermem: the policy places tensors on host but no host store"):
@@ -170,19 +231,27 @@ def test_check_fits():
 
 # -- one rule for the constructor and for `tiermem plan` -------------------------------------------
 def _models():
-    return {"TinyGPT": TinyGPT, "Quirky": Quirky,  # tied weights; a frozen layer and BatchNorm buffers
-            "Linears": lambda: nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 13), nn.Linear(13, 5))}
+    return {
+        "TinyGPT": TinyGPT,
+        "Quirky": Quirky,  # tied weights; a frozen layer and BatchNorm buffers
+        "Linears": lambda: nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 13), nn.Linear(13, 5)),
+    }
 
 
-POLICIES = {"ZeroOffload": ZeroOffload(), "KeepOnDevice": KeepOnDevice(), "ZeroInfinity": ZeroInfinity(),
-            "ActivationOffload": ActivationOffload(ZeroOffload(), min_bytes=0),
-            "ActivationOffload(ZeroInfinity)": ActivationOffload(ZeroInfinity(), tier=Tier.NVME)}
+POLICIES = {
+    "ZeroOffload": ZeroOffload(),
+    "KeepOnDevice": KeepOnDevice(),
+    "ZeroInfinity": ZeroInfinity(),
+    "ActivationOffload": ActivationOffload(ZeroOffload(), min_bytes=0),
+    "ActivationOffload(ZeroInfinity)": ActivationOffload(ZeroInfinity(), tier=Tier.NVME),
+}
 
 
 def _placement(policy) -> dict[TensorClass, Tier]:
     """The policy's home for each class, as ``tiermem plan`` takes it (all built-ins place per class)."""
-    return {kind: policy.place(TensorInfo("x.weight", kind, 4096, (32, 32), torch.float32, "x"))
-            for kind in TensorClass}
+    return {
+        kind: policy.place(TensorInfo("x.weight", kind, 4096, (32, 32), torch.float32, "x")) for kind in TensorClass
+    }
 
 
 def _footprint_of(model: nn.Module, policy, dtype: torch.dtype, overlap: bool, bucket_numel: int):
@@ -209,13 +278,15 @@ def test_plan_and_constructor_agree(model, policy, precision, overlap):
     assert fp.totals(need, fp.TRAINING_STATE) == planned
     # `tiermem plan --policy auto`'s and Auto's judge: the whole footprint, page rounding and the NVMe
     # journal included, nothing added
-    judge = Evaluator(module, AdamW(), dtype, 97, limits={D: 1 << 40, H: 1 << 40, N: 1 << 40}, machine=lambda: None,
-                      overlap=overlap)
+    judge = Evaluator(
+        module, AdamW(), dtype, 97, limits={D: 1 << 40, H: 1 << 40, N: 1 << 40}, machine=lambda: None, overlap=overlap
+    )
     assert dict(judge(POLICIES[policy], predict=False).need) == fp.totals(need)
 
 
 class WeightsOnHost(PerClass):
     """Every weight in its own host buffer: a page each, however small (a LayerNorm's bias)."""
+
     homes = {TensorClass.PARAM: H, TensorClass.GRAD: H, TensorClass.OPTIM_STATE: H, TensorClass.ACTIVATION: D}
 
 
@@ -240,8 +311,9 @@ def test_what_construction_allocates(model, policy, overlap, tmp_path):
     largest module's weights)."""
     pol = WeightsOnHost() if policy == "WeightsOnHost" else POLICIES[policy]
     need, _ = _footprint_of(BUILT[model](), pol, BF16, overlap, bucket_numel=300)
-    tm = TieredModel(BUILT[model](), pol, precision="bf16", bucket_size=4 * 300, overlap_step=overlap,
-                     nvme_dir=str(tmp_path))
+    tm = TieredModel(
+        BUILT[model](), pol, precision="bf16", bucket_size=4 * 300, overlap_step=overlap, nvme_dir=str(tmp_path)
+    )
     allocated = frozenset(set().union(*need.values()) - STEP_ONLY)
     peak = tm.report().peak_bytes
     assert peak[D] == fp.totals(need, allocated)[D]
@@ -305,21 +377,35 @@ def test_nvme_staging_is_what_the_gpu_path_leases(gpu_mode, tmp_path):  # noqa: 
     count the footprint multiplies by is the lanes' own."""
     import threading
     from models import gpt_batch, gpt_loss
+
     _, (buckets, frozen, largest, _) = _footprint_of(TinyGPT(), ZeroInfinity(), BF16, False, bucket_numel=4096)
     need = fp.footprint(buckets, frozen, BF16, largest_module=largest, nvme_staging=True)
-    staged = sorted((s.numel * 2 for b in buckets for s in b.slots), reverse=True)[:fp.NVME_THREADS]
+    staged = sorted((s.numel * 2 for b in buckets for s in b.slots), reverse=True)[: fp.NVME_THREADS]
     assert need[H][fp.NVME_STAGING] == sum(staged)
-    judge = Evaluator(TinyGPT(), AdamW(), BF16, 4096, limits={D: 1 << 40, H: 1 << 40, N: 1 << 40},
-                      machine=lambda: None, nvme_staging=True)
+    judge = Evaluator(
+        TinyGPT(),
+        AdamW(),
+        BF16,
+        4096,
+        limits={D: 1 << 40, H: 1 << 40, N: 1 << 40},
+        machine=lambda: None,
+        nvme_staging=True,
+    )
     assert dict(judge(ZeroInfinity(), predict=False).need) == fp.totals(need)  # Auto judges with it too
     make, _ = gpu_mode
     names = {n for n, _ in TinyGPT().named_parameters()}
     peaks = {}
     for gpu in (False, True):
         (tmp_path / str(gpu)).mkdir()
-        tm = TieredModel(TinyGPT(), ZeroInfinity(), optimizer=AdamW(lr=1e-2), precision="bf16",
-                         bucket_size=2 * 4096, nvme_dir=str(tmp_path / str(gpu)),
-                         budgets=Budgets(host=fp.totals(need)[H]))
+        tm = TieredModel(
+            TinyGPT(),
+            ZeroInfinity(),
+            optimizer=AdamW(lr=1e-2),
+            precision="bf16",
+            bucket_size=2 * 4096,
+            nvme_dir=str(tmp_path / str(gpu)),
+            budgets=Budgets(host=fp.totals(need)[H]),
+        )
         assert tm.engine.lanes.pools["nvme"]._max_workers == fp.NVME_THREADS
         if gpu:
             tm.engine.lanes.close()
@@ -329,7 +415,9 @@ def test_nvme_staging_is_what_the_gpu_path_leases(gpu_mode, tmp_path):  # noqa: 
 
         def leased(nbytes, key, kind=None, acquire=acquire, live=live, peak=peak, lock=lock):
             buf = acquire(nbytes, key, kind)
-            if key.startswith("<staging ") and key[len("<staging "):-1] in names:  # a weight's, not a converting copy's
+            if (
+                key.startswith("<staging ") and key[len("<staging ") : -1] in names
+            ):  # a weight's, not a converting copy's
                 with lock:
                     live[key] = buf.numel()  # what the pool counts: whole pages
                     peak[:] = max(peak[0], sum(live.values())), max(peak[1], len(live))
@@ -339,6 +427,7 @@ def test_nvme_staging_is_what_the_gpu_path_leases(gpu_mode, tmp_path):  # noqa: 
             with lock:
                 live.pop(key, None)
             release(key, buf)
+
         host.acquire, host.release = leased, returned
         for i in range(3):
             x, y = gpt_batch(i)

@@ -1,6 +1,7 @@
 """tiermem.transfer.gather_schedule: which sharded buckets are gathered, kept or freed, decided from
 the accesses alone (NOTE [A gather schedule every rank takes alike]); and the announced gathers of
 tiermem.train.weight_shards, with a stand-in group."""
+
 from __future__ import annotations
 
 import pytest
@@ -100,8 +101,10 @@ def test_prefetch_off_gathers_nothing_ahead():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.sampled_from(sorted(SIZES)), min_size=1, max_size=12), min_size=1, max_size=4),
-       st.integers(5, 40))
+@given(
+    st.lists(st.lists(st.sampled_from(sorted(SIZES)), min_size=1, max_size=12), min_size=1, max_size=4),
+    st.integers(5, 40),
+)
 def test_gathered_bytes_stay_within_held_plus_ahead(iterations, ahead):
     """Whatever the accesses: everything acquired is gathered, nothing is gathered twice, and the
     buckets no one holds take at most ``ahead`` bytes (a deterministic function of the accesses)."""
@@ -138,9 +141,12 @@ def test_an_announced_gather_that_ranks_disagree_on_names_both_buckets():
     b = Bucket(3, None, None, 0, numel=8)
     names = {3: ["blocks.0.fc.weight", "blocks.0.fc.bias"], 5: ["extra.weight"]}
     g = Gatherer(None, _Told(0, [[GATHER, 3, 8, 17], [GATHER, 5, 8, 18]]), names)  # no data may move
-    with pytest.raises(TierMemError, match=r"^tiermem: rank 0 of 2: the ranks are out of step on their sharded "
-                                           r"weights: rank 0 gathers bucket 3 \(blocks.0.fc.weight, blocks.0.fc.bias\) "
-                                           r"for access 17; rank 1 gathers bucket 5 \(extra.weight\) for access 18"):
+    with pytest.raises(
+        TierMemError,
+        match=r"^tiermem: rank 0 of 2: the ranks are out of step on their sharded "
+        r"weights: rank 0 gathers bucket 3 \(blocks.0.fc.weight, blocks.0.fc.bias\) "
+        r"for access 17; rank 1 gathers bucket 5 \(extra.weight\) for access 18",
+    ):
         g.launch(g.announce(b, 17), None, None)
     g = Gatherer(None, _Told(1, [[END, 7, 4, 4], [GATHER, 5, 8, 5]]), names)
     with pytest.raises(TierMemError, match=r"rank 0 ended the iteration after 4 accesses; rank 1 gathers bucket 5"):

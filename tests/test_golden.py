@@ -8,6 +8,7 @@ forward and backward of the same model, hashed. On a machine whose fingerprint w
 recorded the comparison with the record cannot be made; every run still checks that all
 policies agree bit for bit with each other, which needs no record.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +31,12 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 
 
 class GradsOnNvme(PerClass):
-    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.ACTIVATION: Tier.DEVICE,
-             TensorClass.GRAD: Tier.NVME, TensorClass.OPTIM_STATE: Tier.HOST}
+    homes = {
+        TensorClass.PARAM: Tier.DEVICE,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+        TensorClass.GRAD: Tier.NVME,
+        TensorClass.OPTIM_STATE: Tier.HOST,
+    }
 
 
 def setups(nvme_dir: str) -> dict[str, dict]:
@@ -42,8 +47,10 @@ def setups(nvme_dir: str) -> dict[str, dict]:
         "keep-on-device": {"policy": KeepOnDevice()},
         "zero-infinity": {"policy": ZeroInfinity(), "nvme_dir": nvme_dir},
         "activation-offload-host": {"policy": ActivationOffload(ZeroOffload(), min_bytes=0)},
-        "activation-offload-nvme": {"policy": ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0),
-                                    "nvme_dir": nvme_dir},
+        "activation-offload-nvme": {
+            "policy": ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0),
+            "nvme_dir": nvme_dir,
+        },
         "grads-on-nvme": {"policy": GradsOnNvme(), "nvme_dir": nvme_dir},
         "overlap-step": {"policy": ZeroOffload(), "overlap_step": True},
     }
@@ -63,7 +70,9 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[
+        :16
+    ]
 
 
 def fingerprint() -> str:
@@ -85,8 +94,15 @@ def fingerprint() -> str:
 def train(setup: dict, precision: str, device: str = "cpu") -> dict[str, str]:
     torch.manual_seed(0)
     model = GPT(_cfg())
-    tm = TieredModel(model, optimizer=AdamW(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1), precision=precision,
-                     grad_clip=1.0, bucket_size="64KiB", device=device, **setup)
+    tm = TieredModel(
+        model,
+        optimizer=AdamW(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
+        precision=precision,
+        grad_clip=1.0,
+        bucket_size="64KiB",
+        device=device,
+        **setup,
+    )
     batches = [(x.to(device), y.to(device)) for x, y in _batches(STEPS)]
     for i, (x, y) in enumerate(batches):
         for _ in range(2 if i % 5 == 0 else 1):  # some steps accumulate two micro-batches
@@ -121,8 +137,11 @@ def test_policies_agree_bit_for_bit_on_cuda(tmp_path):
     (KeepOnDevice steps on the GPU: it agrees to rounding, see test_cuda.py)."""
     names = [n for n in setups("-") if n not in ("keep-on-device", "overlap-step")]
     for precision in PRECISIONS:
-        got = {name: train(setup, precision, "cuda") for name, setup in setups(str(tmp_path)).items()
-               if name in names or name == "overlap-step"}
+        got = {
+            name: train(setup, precision, "cuda")
+            for name, setup in setups(str(tmp_path)).items()
+            if name in names or name == "overlap-step"
+        }
         for name in names:
             assert got[name] == got["zero-offload"], f"{name}/{precision} on cuda differs from zero-offload"
         assert got["overlap-step"] != got["zero-offload"]
@@ -132,8 +151,10 @@ def test_numbers_match_the_record(runs):
     record = json.loads(RECORD.read_text())
     fp = fingerprint()
     if fp not in record:
-        pytest.skip(f"no hashes recorded for this CPU's arithmetic (fingerprint {fp}; recorded: "
-                    f"{sorted(record)}); run `python tests/test_golden.py --record` on the code before a change")
+        pytest.skip(
+            f"no hashes recorded for this CPU's arithmetic (fingerprint {fp}; recorded: "
+            f"{sorted(record)}); run `python tests/test_golden.py --record` on the code before a change"
+        )
     expected = record[fp]
     assert sorted(expected) == sorted(runs)
     for key, hashes in expected.items():
@@ -142,6 +163,7 @@ def test_numbers_match_the_record(runs):
 
 if __name__ == "__main__" and "--record" in sys.argv:
     import tempfile
+
     with tempfile.TemporaryDirectory() as d:
         got = {f"{n}/{p}": train(s, p) for n, s in setups(d).items() for p in PRECISIONS}
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {}

@@ -1,6 +1,7 @@
 """The host-side halves of the GPU code, on any machine: exact pinned host buffers and their
 bookkeeping (NOTE [Exact pinned memory]), the default device budget, and joining requests.
 The GPU halves are in test_cuda.py / test_cuda_streams.py."""
+
 from __future__ import annotations
 
 import gc
@@ -37,6 +38,7 @@ def fake_pinning(monkeypatch):
 
     def unregister(ptr: int) -> None:
         del pinned[ptr]  # a KeyError: unpinning what was never pinned
+
     monkeypatch.setattr(aligned, "register_host", register)
     monkeypatch.setattr(aligned, "unregister_host", unregister)
     return pinned
@@ -60,11 +62,11 @@ def test_host_buffer_is_exact_page_aligned_and_unmapped_once_dropped():
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
 def test_pool_pins_exactly_what_its_ledger_counts_and_trim_gives_it_back(fake_pinning):
     host = HostStore(1 << 30, pin=True)
-    sizes = [2 ** 20, 2 ** 20 + 12, 4096 * 3 + 5, 100]  # a power of two, just above one, odd sizes
+    sizes = [2**20, 2**20 + 12, 4096 * 3 + 5, 100]  # a power of two, just above one, odd sizes
     ptrs = []
     for _ in range(3):  # steps: the same sizes every time
         bufs = [host.acquire(n, f"k{i}", TensorClass.GRAD) for i, n in enumerate(sizes)]
-        state = host.acquire(2 ** 20, "state", TensorClass.OPTIM_STATE)  # never pinned
+        state = host.acquire(2**20, "state", TensorClass.OPTIM_STATE)  # never pinned
         pinned = sum(fake_pinning.values())
         assert pinned == host.pinned_bytes == host.ledger.used - host.ledger.held("state")
         assert pinned == sum(aligned.round_up(n) for n in sizes)  # exact, not rounded to a power of two
@@ -74,7 +76,7 @@ def test_pool_pins_exactly_what_its_ledger_counts_and_trim_gives_it_back(fake_pi
         host.release("state", state)
         del bufs, state, b
     assert host.allocations == len(sizes) + 1  # reused: pinned bytes stay flat over steps
-    assert host.trim() == sum(aligned.round_up(n) for n in sizes) + 2 ** 20
+    assert host.trim() == sum(aligned.round_up(n) for n in sizes) + 2**20
     gc.collect()
     assert fake_pinning == {} and host.pinned_bytes == 0 and host.ledger.used == 0
     assert not any(_mapped(p) for p in ptrs)
@@ -95,7 +97,8 @@ def test_a_pinned_pool_collected_inside_a_thread_pools_lock_does_not_deadlock():
     module-wide lock: a pool dropped without close() and collected by a GC pass inside that lock
     unpins on the release worker instead of waiting there (inline, it deadlocked). In a
     subprocess, with a stand-in for torch's cudart binding: a deadlock would wedge every pool."""
-    done = run_python("""
+    done = run_python(
+        """
         import concurrent.futures.thread, contextlib, gc, torch
         from tiermem import TensorClass
         from tiermem.memory import deferred
@@ -123,7 +126,10 @@ def test_a_pinned_pool_collected_inside_a_thread_pools_lock_does_not_deadlock():
             gc.collect()  # the pool's finalizer runs here, on this thread, inside that lock
         deferred.settle()
         print(len(pinned))
-    """, timeout=90, hang="a pinned pool collected inside concurrent.futures' lock deadlocked")
+    """,
+        timeout=90,
+        hang="a pinned pool collected inside concurrent.futures' lock deadlocked",
+    )
     assert done.stdout.strip() == "0"  # unpinned after all
 
 
@@ -163,6 +169,7 @@ def test_gradients_leave_the_device_one_request_per_bucket():
     per parameter; the numbers are the golden tests' business."""
     import sys
     from pathlib import Path
+
     sys.path.insert(0, str(Path(__file__).parent))
     from models import TinyGPT, gpt_batch, gpt_loss
     from tiermem import AdamW, TieredModel
@@ -188,6 +195,7 @@ def test_gradients_leave_the_device_one_request_per_bucket():
 # -- the engine's GPU mode, with stand-ins for streams and events --------------------------------
 class _FakeEvent:
     """A CUDA event stand-in: every wait on it is counted; it is always complete."""
+
     synced = 0
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False):
@@ -220,6 +228,7 @@ def gpu_mode(monkeypatch):
     import contextlib
     import threading
     from tiermem.transfer import engine as engine_mod, lanes as lanes_mod
+
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
@@ -236,6 +245,7 @@ def gpu_mode(monkeypatch):
         e.lanes = lanes_mod.Lanes(gpu)  # the GPU lanes: completion threads and (stand-in) streams
         e._copies.lanes = e.lanes  # the copies issue on them too
         return e
+
     yield make, bound
     assert engine_mod.event is lanes_mod.event
 
@@ -243,6 +253,7 @@ def gpu_mode(monkeypatch):
 def test_gpu_mode_moves_land_on_the_completion_thread_and_join_waits_on_the_gpu(gpu_mode):
     from tiermem import TensorInfo
     from tiermem.transfer.residency import KeyedResidency
+
     make, bound = gpu_mode
     e = make()
     try:
@@ -285,18 +296,21 @@ def test_gpu_mode_trains_bit_identical_to_the_cpu_mode(gpu_mode, tmp_path):
     activation offload to the host and to NVMe, weights on NVMe): the numbers do not move."""
     import sys
     from pathlib import Path
+
     sys.path.insert(0, str(Path(__file__).parent))
     from models import TinyGPT, gpt_batch, gpt_loss
     from tiermem import AdamW, TieredModel
     from tiermem.policies import ActivationOffload, ZeroInfinity, ZeroOffload
+
     make, _ = gpu_mode
 
     def run(gpu: bool, **kw) -> dict:
         torch.manual_seed(0)
         nvme = tmp_path / f"nvme-{gpu}-{len(list(tmp_path.iterdir()))}"
         nvme.mkdir()
-        tm = TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), bucket_size="16KiB", device="cpu",
-                         nvme_dir=str(nvme), **kw)
+        tm = TieredModel(
+            TinyGPT(), optimizer=AdamW(lr=1e-2), bucket_size="16KiB", device="cpu", nvme_dir=str(nvme), **kw
+        )
         if gpu:
             tm.engine.lanes.close()
             fake = make()
@@ -308,10 +322,13 @@ def test_gpu_mode_trains_bit_identical_to_the_cpu_mode(gpu_mode, tmp_path):
         state = {k: v.clone() for k, v in tm.state_dict().items()}
         tm.detach()
         return state
-    for kw in (dict(policy=ZeroOffload(), overlap_step=True),
-               dict(policy=ActivationOffload(ZeroOffload(), min_bytes=0)),
-               dict(policy=ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0)),  # chains, joined by waiting
-               dict(policy=ZeroInfinity())):  # weights through the scheduler; the NVMe legs stage through the pool
+
+    for kw in (
+        dict(policy=ZeroOffload(), overlap_step=True),
+        dict(policy=ActivationOffload(ZeroOffload(), min_bytes=0)),
+        dict(policy=ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=0)),  # chains, joined by waiting
+        dict(policy=ZeroInfinity()),
+    ):  # weights through the scheduler; the NVMe legs stage through the pool
         cpu, gpu = run(False, **kw), run(True, **kw)
         assert all(torch.equal(cpu[k], gpu[k]) for k in cpu), kw
 
@@ -322,9 +339,12 @@ def test_where_cuda_refuses_to_register_the_pool_falls_back_to_torchs_pinned_cac
     def refuse(ptr: int, nbytes: int) -> None:
         asked.append(nbytes)
         raise RuntimeError("cudaHostRegister of 8192 bytes failed with CUDA error 801")
+
     monkeypatch.setattr(aligned, "register_host", refuse)
     cached = []
-    monkeypatch.setattr(resident, "aligned_empty", lambda n, pin: cached.append(pin) or aligned.aligned_empty(n, pin=False))
+    monkeypatch.setattr(
+        resident, "aligned_empty", lambda n, pin: cached.append(pin) or aligned.aligned_empty(n, pin=False)
+    )
     host = HostStore(1 << 20, pin=True)
     buf = host.acquire(8000, "k", TensorClass.GRAD)
     assert cached == [True] and buf.numel() == 8192 and host.pinned_bytes == 8192
@@ -347,6 +367,7 @@ def test_host_registration_runs_on_its_own_thread_in_an_existing_context(monkeyp
     the context of a device that has one, and an error code is raised."""
     import contextlib
     import threading
+
     calls = []
 
     class Cudart:
@@ -359,6 +380,7 @@ def test_host_registration_runs_on_its_own_thread_in_an_existing_context(monkeyp
         def cudaHostUnregister(self, ptr):
             calls.append(("unregister", threading.current_thread().name, entered[-1], ptr))
             return 0
+
     entered = [None]
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
     monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext(entered.append(i)))
@@ -387,6 +409,7 @@ def test_device_adam_matches_torchs_fused_adamw_and_makes_its_step_once_per_step
     step (per thread and stream), not per bucket."""
     from tiermem.optim import _kernels
     from tiermem.optim._hyper import AdamHyper
+
     g = torch.Generator().manual_seed(0)
     p0, grads = torch.randn(1031, generator=g), [torch.randn(1031, generator=g) for _ in range(2)]
     ref = torch.nn.Parameter(p0.clone())
@@ -424,8 +447,16 @@ def test_gpu_mode_staged_copies_share_one_pooled_buffer_per_request(gpu_mode):
         out_plain = torch.empty(50)
         for _ in range(2):  # the second request reuses the pooled buffer
             got = [a.clone() for a in accs]
-            e.copy_many([(got[0], grads[0], True), (got[1], grads[1], False), (out_plain, plain, False),
-                         (got[2], grads[2], True)], src_tier=Tier.DEVICE, dst_tier=Tier.HOST).wait()
+            e.copy_many(
+                [
+                    (got[0], grads[0], True),
+                    (got[1], grads[1], False),
+                    (out_plain, plain, False),
+                    (got[2], grads[2], True),
+                ],
+                src_tier=Tier.DEVICE,
+                dst_tier=Tier.HOST,
+            ).wait()
             assert all(torch.equal(a, b) for a, b in zip(got, expect)) and torch.equal(out_plain, plain)
         assert len(leased) == 2 and leased[0][0] == 256 + 2048 + 768  # one lease per request: 3 pieces
         assert host.allocations == 1 and host.ledger.used == host.ledger.held("<free host buffers>")
@@ -470,6 +501,7 @@ _CUDA_CALLS = [
 @pytest.mark.parametrize("fn,args,kwargs", _CUDA_CALLS, ids=lambda x: getattr(x, "__qualname__", None))
 def test_the_cuda_calls_made_exist_with_the_arguments_passed(fn, args, kwargs):
     import inspect
+
     target = fn.__new__ if isinstance(fn, type) and fn.__new__ is not object.__new__ else fn
     sig = inspect.signature(target)
     sig.bind(*((fn,) if target is not fn else ()), *args, **kwargs)

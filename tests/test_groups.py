@@ -3,6 +3,7 @@ tiermem's specs taking the same groups, ``tm.optimizer.param_groups`` with per-g
 ``add_param_group`` moving parameters, and checkpoints that keep the groups. Oracles: torch's
 own AdamW/Adam in a plain loop; the tolerance is the spread of torch's for-loop, foreach and fused
 variants, measured on the same run."""
+
 from __future__ import annotations
 
 import copy
@@ -20,15 +21,25 @@ VARIANTS = ({"foreach": False}, {"foreach": True}, {"fused": True})
 
 
 class StateOnNvme(PerClass):
-    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.ACTIVATION: Tier.DEVICE, TensorClass.GRAD: Tier.NVME,
-             TensorClass.OPTIM_STATE: Tier.NVME}
+    homes = {
+        TensorClass.PARAM: Tier.DEVICE,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+        TensorClass.GRAD: Tier.NVME,
+        TensorClass.OPTIM_STATE: Tier.NVME,
+    }
 
 
 def llrd(m: TinyGPT, base: float = 1e-2, decay: float = 0.6) -> list[dict]:
     """Layer-wise lr decay: one group per layer, the embeddings lowest; the final norm without decay."""
     layers = [[m.wte, m.wpe], *[[b] for b in m.blocks], [m.ln_f]]
-    return [{"params": [p for mod in layer for p in mod.parameters()], "lr": base * decay ** (len(layers) - 1 - d),
-             "weight_decay": 0.0 if d == len(layers) - 1 else 0.1} for d, layer in enumerate(layers)]
+    return [
+        {
+            "params": [p for mod in layer for p in mod.parameters()],
+            "lr": base * decay ** (len(layers) - 1 - d),
+            "weight_decay": 0.0 if d == len(layers) - 1 else 0.1,
+        }
+        for d, layer in enumerate(layers)
+    ]
 
 
 def lambdas(n: int) -> list:
@@ -52,8 +63,17 @@ def torch_loop(cls=torch.optim.AdamW, steps: int = STEPS, groups=llrd, edit=None
     return m.state_dict()
 
 
-def tiered_loop(make_optimizer, *, steps: int = STEPS, precision: str = "fp32", policy=None, edit=None,
-                first=None, scheduled: bool = True, **kw) -> tuple[dict, TieredModel]:
+def tiered_loop(
+    make_optimizer,
+    *,
+    steps: int = STEPS,
+    precision: str = "fp32",
+    policy=None,
+    edit=None,
+    first=None,
+    scheduled: bool = True,
+    **kw,
+) -> tuple[dict, TieredModel]:
     """``first(tm)``: before the scheduler is built; ``edit(i, tm)``: before step ``i`` (a group
     added then is one no scheduler was built with: torch's schedulers refuse that, so none runs)."""
     torch.manual_seed(0)
@@ -85,8 +105,14 @@ def within_torch(got: dict, **kw) -> tuple[float, float]:
 
 
 # -- a torch optimizer given, tiermem's spec with the same groups -----------------------------------------
-@pytest.mark.parametrize("cls,kw", [(torch.optim.AdamW, {}), (torch.optim.Adam, {"weight_decay": 0.05}),
-                                    (torch.optim.Adam, {"decoupled_weight_decay": True, "weight_decay": 0.05})])
+@pytest.mark.parametrize(
+    "cls,kw",
+    [
+        (torch.optim.AdamW, {}),
+        (torch.optim.Adam, {"weight_decay": 0.05}),
+        (torch.optim.Adam, {"decoupled_weight_decay": True, "weight_decay": 0.05}),
+    ],
+)
 def test_a_torch_optimizers_groups_train_as_that_optimizer_does(cls, kw):
     got, tm = tiered_loop(lambda m: cls(llrd(m), lr=1e-2, **kw))
     far, spread = within_torch(got, cls=cls, **kw)
@@ -94,7 +120,8 @@ def test_a_torch_optimizers_groups_train_as_that_optimizer_does(cls, kw):
     one_lr = torch_loop(cls, groups=lambda m: [{"params": m.parameters()}], **kw)
     assert diff(got, one_lr) > 1000 * spread  # the groups' own lrs and decays changed the result
     assert [g["lr"] for g in tm.optimizer.param_groups] == pytest.approx(
-        [1e-2 * 0.6 ** (3 - d) / (1 + 0.3 * STEPS * d) for d in range(4)])
+        [1e-2 * 0.6 ** (3 - d) / (1 + 0.3 * STEPS * d) for d in range(4)]
+    )
 
 
 def test_tiermems_spec_takes_the_same_groups_with_the_same_result():
@@ -156,6 +183,7 @@ def test_add_param_group_moves_parameters_with_their_state():
     def hot(i, opt, m):  # ... at the first group's lr until step 2, then at the new lr, its state kept
         if i == 2:
             opt.param_groups[1]["lr"] = 3e-2
+
     runs = _torch_runs(apart, hot, weight_decay=0.1)
     spread = max(diff(a, b) for a in runs for b in runs)
     assert max(diff(got, r) for r in runs) <= spread
@@ -173,18 +201,22 @@ def test_add_param_group_takes_a_frozen_parameter_that_trains_there_once_unfroze
     def make(m):
         m.wpe.requires_grad_(False)
         return AdamW([p for n, p in m.named_parameters() if n != "wpe.weight"], lr=1e-2)
+
     got, tm = tiered_loop(make, edit=edit, scheduled=False)
     assert tm.optimizer.param_groups[-1]["param_names"] == ["wpe.weight"]
     assert tm.stepper.param_steps()["wpe.weight"] == STEPS - 3
 
     def apart(m):
         m.wpe.requires_grad_(False)
-        return [{"params": [p for n, p in m.named_parameters() if n != "wpe.weight"]},
-                {"params": [m.wpe.weight], "lr": 5e-3}]
+        return [
+            {"params": [p for n, p in m.named_parameters() if n != "wpe.weight"]},
+            {"params": [m.wpe.weight], "lr": 5e-3},
+        ]
 
     def unfreeze(i, opt, m):
         if i == 3:
             m.wpe.weight.requires_grad_(True)
+
     runs = _torch_runs(apart, unfreeze, weight_decay=0.01)
     spread = max(diff(a, b) for a in runs for b in runs)
     assert max(diff(got, r) for r in runs) <= spread
@@ -193,13 +225,23 @@ def test_add_param_group_takes_a_frozen_parameter_that_trains_there_once_unfroze
 # -- the same groups under every policy, bit for bit --------------------------------------------------------
 def test_groups_and_moves_stay_bit_identical_across_policies(tmp_path):
     results = {}
-    for name, policy in [("zero-offload", ZeroOffload()), ("keep-on-device", KeepOnDevice()),
-                         ("split", ZeroOffload(device_fraction=0.5)), ("state-on-nvme", StateOnNvme()),
-                         ("zero-infinity", ZeroInfinity())]:
+    for name, policy in [
+        ("zero-offload", ZeroOffload()),
+        ("keep-on-device", KeepOnDevice()),
+        ("split", ZeroOffload(device_fraction=0.5)),
+        ("state-on-nvme", StateOnNvme()),
+        ("zero-infinity", ZeroInfinity()),
+    ]:
         nvme = tmp_path / name
         nvme.mkdir()
-        results[name], tm = tiered_loop(lambda m: AdamW(llrd(m), lr=1e-2), precision="bf16", policy=policy,
-                                        edit=_move_block1, scheduled=False, nvme_dir=str(nvme))
+        results[name], tm = tiered_loop(
+            lambda m: AdamW(llrd(m), lr=1e-2),
+            precision="bf16",
+            policy=policy,
+            edit=_move_block1,
+            scheduled=False,
+            nvme_dir=str(nvme),
+        )
         tm.detach()
     first = results["zero-offload"]
     assert all(torch.equal(first[k], r[k]) for r in results.values() for k in first)
@@ -209,6 +251,7 @@ def test_groups_and_moves_stay_bit_identical_across_policies(tmp_path):
 def test_a_checkpoint_keeps_the_groups_and_resumes_exactly(tmp_path):
     def make(m):
         return torch.optim.AdamW(llrd(m), lr=1e-2)
+
     _, tm = tiered_loop(make, steps=3, first=lambda tm: _move_block1(2, tm))
     lrs = [g["lr"] for g in tm.optimizer.param_groups]
     assert lrs[-1] == pytest.approx(3e-2 / (1 + 0.3 * 3 * 4))  # the scheduler drives the added group too
@@ -222,8 +265,11 @@ def test_a_checkpoint_keeps_the_groups_and_resumes_exactly(tmp_path):
     torch.manual_seed(0)
     m = TinyGPT()
     resumed = TieredModel(m, optimizer=make(m), precision="fp32", bucket_size=1000)
-    with pytest.raises(TierMemError, match=r"^tiermem: checkpoint .* has 5 param groups, this model 4; nothing was "
-                                           r"loaded: build the same param groups"):
+    with pytest.raises(
+        TierMemError,
+        match=r"^tiermem: checkpoint .* has 5 param groups, this model 4; nothing was "
+        r"loaded: build the same param groups",
+    ):
         resumed.load(str(tmp_path / "c.tm"))
     resumed.optimizer.add_param_group({"params": m.blocks[1].parameters(), "name": "hot"})
     resumed.load(str(tmp_path / "c.tm"))
@@ -237,8 +283,11 @@ def test_a_checkpoint_keeps_the_groups_and_resumes_exactly(tmp_path):
     m = TinyGPT()
     other = TieredModel(m, optimizer=torch.optim.AdamW(llrd(m), lr=1e-2), precision="fp32")
     other.optimizer.add_param_group({"params": m.blocks[0].parameters(), "name": "hot"})  # another block
-    with pytest.raises(TierMemError, match=r"other param groups than this model: group 1 is 'group1' there, 'group1' "
-                                           r"here \(only there: \['blocks\.0\."):
+    with pytest.raises(
+        TierMemError,
+        match=r"other param groups than this model: group 1 is 'group1' there, 'group1' "
+        r"here \(only there: \['blocks\.0\.",
+    ):
         other.load(str(tmp_path / "c.tm"))
 
 
@@ -264,24 +313,40 @@ class MyAdamW(torch.optim.AdamW):
 
 
 REFUSED_AT_CONSTRUCTION = {
-    "rmsprop": (lambda m: torch.optim.RMSprop(m.parameters(), lr=0.1), r"optimizer=torch\.optim\.rmsprop\.RMSprop is "
-                r"not one tiermem runs; it runs torch\.optim\.AdamW, torch\.optim\.Adam, torch\.optim\.SGD, "
-                r"torch\.optim\.Adagrad, bitsandbytes AdamW8bit"),
+    "rmsprop": (
+        lambda m: torch.optim.RMSprop(m.parameters(), lr=0.1),
+        r"optimizer=torch\.optim\.rmsprop\.RMSprop is "
+        r"not one tiermem runs; it runs torch\.optim\.AdamW, torch\.optim\.Adam, torch\.optim\.SGD, "
+        r"torch\.optim\.Adagrad, bitsandbytes AdamW8bit",
+    ),
     "a subclass": (lambda m: MyAdamW(m.parameters()), r"MyAdamW is not one tiermem runs"),
-    "amsgrad": (lambda m: torch.optim.AdamW(m.parameters(), amsgrad=True),
-                r"AdamW given as optimizer=: AdamW\.params\[0\]\.amsgrad=True: tiermem's Adam has no amsgrad"),
+    "amsgrad": (
+        lambda m: torch.optim.AdamW(m.parameters(), amsgrad=True),
+        r"AdamW given as optimizer=: AdamW\.params\[0\]\.amsgrad=True: tiermem's Adam has no amsgrad",
+    ),
     "maximize": (lambda m: torch.optim.Adam(m.parameters(), maximize=True), r"maximize=True: .*has no maximize"),
     "stepped": (_stepped, r"has state for 3 parameters \(it has stepped\); tiermem runs the update itself"),
-    "a scheduler on it": (_scheduled, r"an lr scheduler was built on the AdamW given as optimizer=; .*build the "
-                                      r"scheduler on tm\.optimizer"),
-    "a parameter left out": (lambda m: torch.optim.AdamW([m[0].weight]),
-                             r"the trainable parameters \['0\.bias', '2\.weight'\] are in no param group"),
-    "another model's": (lambda m: torch.optim.AdamW(nn.Linear(2, 2).parameters()),
-                        r"hold 2 tensors that are not parameters of the wrapped module"),
-    "a key adam has not": (lambda m: AdamW([{"params": m.parameters(), "momentum": 0.9}]),
-                           r"AdamW\.params\[0\] sets 'momentum', which tiermem's Adam does not take"),
-    "groups and no_decay": (lambda m: AdamW(m.parameters(), no_decay_1d=True),
-                            r"no_decay/no_decay_1d choose groups by rule; with param groups given"),
+    "a scheduler on it": (
+        _scheduled,
+        r"an lr scheduler was built on the AdamW given as optimizer=; .*build the "
+        r"scheduler on tm\.optimizer",
+    ),
+    "a parameter left out": (
+        lambda m: torch.optim.AdamW([m[0].weight]),
+        r"the trainable parameters \['0\.bias', '2\.weight'\] are in no param group",
+    ),
+    "another model's": (
+        lambda m: torch.optim.AdamW(nn.Linear(2, 2).parameters()),
+        r"hold 2 tensors that are not parameters of the wrapped module",
+    ),
+    "a key adam has not": (
+        lambda m: AdamW([{"params": m.parameters(), "momentum": 0.9}]),
+        r"AdamW\.params\[0\] sets 'momentum', which tiermem's Adam does not take",
+    ),
+    "groups and no_decay": (
+        lambda m: AdamW(m.parameters(), no_decay_1d=True),
+        r"no_decay/no_decay_1d choose groups by rule; with param groups given",
+    ),
 }
 
 
@@ -300,8 +365,11 @@ def test_refused_at_construction(case):
 
 def test_add_param_group_refusals_change_nothing():
     m = _small()
-    tm = TieredModel(m, optimizer=AdamW([{"params": m[0].parameters(), "name": "first"}, {"params": m[2].parameters()}]),
-                     precision="fp32")
+    tm = TieredModel(
+        m,
+        optimizer=AdamW([{"params": m[0].parameters(), "name": "first"}, {"params": m[2].parameters()}]),
+        precision="fp32",
+    )
     before = copy.deepcopy(tm.optimizer.param_groups[:])
     for group, match in [
         ({"params": [torch.zeros(3)]}, r"a tensor of shape \(3,\) is not a parameter of the wrapped module"),

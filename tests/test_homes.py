@@ -6,6 +6,7 @@ driven here as :class:`tiermem.train.backward.GradCollector` drives it: each slo
 copied into ``landing`` (added when the slot already got one in this step), then ``arrived``.
 Gradients are integer-valued floats, so every sum is exact and every check is bit-exact.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +46,9 @@ def _engine() -> Iterator[TransferEngine]:
     """Device (the CPU), host and NVMe stores behind one engine, all closed afterwards."""
     with tempfile.TemporaryDirectory(prefix="tiermem-homes-") as tmp:
         nvme = NvmeStore(tmp, keep_previous=False)  # as TieredModel makes it: one value per key
-        engine = TransferEngine({Tier.DEVICE: DeviceStore("cpu"), Tier.HOST: HostStore(), Tier.NVME: nvme},
-                                device=torch.device("cpu"))
+        engine = TransferEngine(
+            {Tier.DEVICE: DeviceStore("cpu"), Tier.HOST: HostStore(), Tier.NVME: nvme}, device=torch.device("cpu")
+        )
         try:
             yield engine
         finally:
@@ -60,8 +62,15 @@ def engine() -> Iterator[TransferEngine]:
         yield e
 
 
-def _buckets(shapes=SHAPES, bucket_numel=BUCKET_NUMEL, *, grad=Tier.HOST, state=Tier.HOST,
-             weights=Tier.DEVICE, params: Optional[list] = None) -> list[Bucket]:
+def _buckets(
+    shapes=SHAPES,
+    bucket_numel=BUCKET_NUMEL,
+    *,
+    grad=Tier.HOST,
+    state=Tier.HOST,
+    weights=Tier.DEVICE,
+    params: Optional[list] = None,
+) -> list[Bucket]:
     if params is None:
         params = [(f"p{i}", torch.nn.Parameter(torch.zeros(shape))) for i, shape in enumerate(shapes)]
     return plan_buckets([Placed(name, p, grad, state, 0, weights) for name, p in params], bucket_numel)
@@ -92,8 +101,9 @@ class GradCase:
 
 def _memory_grads(buckets, engine, buffers=1) -> GradHome:
     store = engine.stores[buckets[0].grad_tier]
-    return MemoryGrads(store, buckets, {b.index: compute_tier(b) for b in buckets}, engine.stores, engine,
-                       buffers=buffers)
+    return MemoryGrads(
+        store, buckets, {b.index: compute_tier(b) for b in buckets}, engine.stores, engine, buffers=buffers
+    )
 
 
 def _nvme_grads(buckets, engine, buffers=1) -> GradHome:
@@ -121,8 +131,9 @@ def _grad_home(case: GradCase, engine, shapes=SHAPES, bucket_numel=BUCKET_NUMEL,
 def _grads(buckets, seed: int) -> dict[tuple[int, int], torch.Tensor]:
     """One micro-batch's device gradients, integer-valued, by (bucket, slot offset)."""
     g = torch.Generator().manual_seed(seed)
-    return {(b.index, s.offset): torch.randint(-100, 100, (s.numel,), generator=g).float()
-            for b in buckets for s in b.slots}
+    return {
+        (b.index, s.offset): torch.randint(-100, 100, (s.numel,), generator=g).float() for b in buckets for s in b.slots
+    }
 
 
 def _backward(engine, home: GradHome, buckets, grads, got: set, *, fill=0, only=None, end=True) -> None:
@@ -134,9 +145,17 @@ def _backward(engine, home: GradHome, buckets, grads, got: set, *, fill=0, only=
             key = (b.index, s.offset)
             if only is not None and key not in only:
                 continue
-            acc = home.landing(b, fill)[s.offset:s.offset + s.numel]
-            copies.append(engine.copy_async(acc, grads[key], src_tier=Tier.DEVICE, dst_tier=home.landing_tier,
-                                            accumulate=key in got, kind=TensorClass.GRAD))
+            acc = home.landing(b, fill)[s.offset : s.offset + s.numel]
+            copies.append(
+                engine.copy_async(
+                    acc,
+                    grads[key],
+                    src_tier=Tier.DEVICE,
+                    dst_tier=home.landing_tier,
+                    accumulate=key in got,
+                    kind=TensorClass.GRAD,
+                )
+            )
             got.add(key)
             home.arrived(b)
     if end:
@@ -151,7 +170,7 @@ def _read(home: GradHome, buckets, fill=0) -> dict[tuple[int, int], torch.Tensor
     for b in buckets:
         t, free = home.read(b, fill)
         assert t.dtype == torch.float32 and t.shape == (b.numel,)
-        out.update({(b.index, s.offset): t[s.offset:s.offset + s.numel].clone() for s in b.slots})
+        out.update({(b.index, s.offset): t[s.offset : s.offset + s.numel].clone() for s in b.slots})
         free()
     return out
 
@@ -248,8 +267,9 @@ def test_two_grad_buffers_are_independent(engine, case):
 
 
 @settings(max_examples=8, deadline=None)
-@given(numels=st.lists(st.integers(1, 40), min_size=1, max_size=7), bucket_numel=st.integers(1, 60),
-       partial=st.booleans())
+@given(
+    numels=st.lists(st.integers(1, 40), min_size=1, max_size=7), bucket_numel=st.integers(1, 60), partial=st.booleans()
+)
 def test_grads_sum_for_any_slot_sizes(numels, bucket_numel, partial):
     with _engine() as engine:
         for case in GRAD_CASES:
@@ -318,8 +338,7 @@ def _check_state(home: StateHome, buckets, expected) -> None:
 
 def _plan(buckets):
     """Every bucket, each with its own runs: one per slot, the last bucket with none."""
-    return [(b, [] if b is buckets[-1] else [(s.offset, s.offset + s.numel, 1) for s in b.slots])
-            for b in buckets]
+    return [(b, [] if b is buckets[-1] else [(s.offset, s.offset + s.numel, 1) for s in b.slots]) for b in buckets]
 
 
 def _bump(b, runs, views) -> None:
@@ -378,6 +397,7 @@ def test_state_step_updates_every_bucket_once(engine, case):
             assert all(_same(v, w) for v, w in zip(views, before[b.index]))  # the current state
             calls.append((b.index, runs))
             _bump(b, runs, views)
+
         plan = _plan(buckets)
         home.step(plan, update, tracer, updated)
         assert calls == [(b.index, runs) for b, runs in plan]
@@ -402,6 +422,7 @@ def test_state_step_that_fails_on_the_second_bucket(engine, case):
         if b is buckets[1]:
             raise Boom("the update failed")  # as Adam's upload target would: before writing
         _bump(b, runs, views)
+
     updated: set = set()
     with pytest.raises(Boom, match="the update failed"):
         home.step(_plan(buckets), update, tracer, updated)
@@ -422,6 +443,7 @@ class _TornWrites:
         import errno
         import os
         from tiermem.memory import nvme_io as nio
+
         self.store, self.real = store, store._pwritev
         names = {nio.file_name(key, slot) for slot in (0, 1)}
 
@@ -429,6 +451,7 @@ class _TornWrites:
             if offset > 0 and os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) in names:
                 raise OSError(errno.EIO, "Input/output error")
             return self.real(fd, bufs, offset)
+
         store._pwritev = pwritev
 
     def __enter__(self):
@@ -474,6 +497,7 @@ def test_state_stored_between_steps_is_what_the_next_step_reads(engine, case):
     def update(b, runs, views):
         seen[b.index] = tuple(v.clone() for v in views)
         _bump(b, runs, views)
+
     home.step(_plan(buckets), update, tracer, set())
     assert all(_same(a, w) for b in buckets for a, w in zip(seen[b.index], stored[b.index]))
     _check_state(home, buckets, _bumped(stored, buckets))
@@ -492,14 +516,17 @@ def test_state_master_is_a_view_or_a_meta_tensor(engine, case):
                 assert t.device.type == "meta"
                 continue
             assert t.dtype == torch.float32 and t.device.type != "meta"
-            assert _same(t, masters[b.index][s.offset:s.offset + s.numel].view(s.shape))
+            assert _same(t, masters[b.index][s.offset : s.offset + s.numel].view(s.shape))
             t.fill_(-7.0)  # a view: the home's master changes with it
-            assert torch.equal(home.read(b)[0][s.offset:s.offset + s.numel], torch.full((s.numel,), -7.0))
+            assert torch.equal(home.read(b)[0][s.offset : s.offset + s.numel], torch.full((s.numel,), -7.0))
 
 
 @settings(max_examples=8, deadline=None)
-@given(numels=st.lists(st.integers(1, 50), min_size=1, max_size=8), bucket_numel=st.integers(1, 80),
-       failing=st.integers(0, 7))
+@given(
+    numels=st.lists(st.integers(1, 50), min_size=1, max_size=8),
+    bucket_numel=st.integers(1, 80),
+    failing=st.integers(0, 7),
+)
 def test_state_steps_and_failures_for_any_slot_sizes(numels, bucket_numel, failing):
     """Buckets of any sizes (the NVMe pipeline rotates three buffer sets of the largest one): two
     steps, then one that fails on some bucket; every home ends as its contract says."""
@@ -517,10 +544,11 @@ def test_state_steps_and_failures_for_any_slot_sizes(numels, bucket_numel, faili
                 if b is bad:
                     raise Boom("no")
                 _bump(b, runs, views)
+
             updated: set = set()
             with pytest.raises(Boom):
                 home.step(_plan(buckets), update, tracer, updated)
-            done = [b.index for b in buckets[:buckets.index(bad)]]
+            done = [b.index for b in buckets[: buckets.index(bad)]]
             assert updated == (set() if case.revertible else set(done))
             expected = dict(before)
             bumped = _bumped(before, buckets)
@@ -552,13 +580,15 @@ class WeightCase:
 def _param_offload(module, buckets, engine, hooks) -> WeightHome:
     homes = {s.name: b.param_tier for b in buckets for s in b.slots}
     res = KeyedResidency(engine)
-    return ParamOffload(module, homes, res, ResidencyScheduler(Tier.DEVICE).connect(res), torch.bfloat16,
-                        torch.device("cpu"), hooks)
+    return ParamOffload(
+        module, homes, res, ResidencyScheduler(Tier.DEVICE).connect(res), torch.bfloat16, torch.device("cpu"), hooks
+    )
 
 
 WEIGHT_CASES = [
-    WeightCase("device", Tier.DEVICE, True,
-               lambda m, bs, e, h: DeviceWeights(e.stores[Tier.DEVICE], bs, torch.bfloat16, e)),
+    WeightCase(
+        "device", Tier.DEVICE, True, lambda m, bs, e, h: DeviceWeights(e.stores[Tier.DEVICE], bs, torch.bfloat16, e)
+    ),
     WeightCase("host (offloaded)", Tier.HOST, False, _param_offload),
     WeightCase("nvme (offloaded)", Tier.NVME, False, _param_offload),
 ]
@@ -591,7 +621,7 @@ def test_weights_initialize_to_the_master_rounded(engine, case):
         master.fill_(float("nan"))  # a pipeline buffer the next bucket reuses: the home kept a copy
     for b in buckets:
         for s in b.slots:
-            want = masters[b.index][s.offset:s.offset + s.numel].to(torch.bfloat16).view(s.shape)
+            want = masters[b.index][s.offset : s.offset + s.numel].to(torch.bfloat16).view(s.shape)
             assert _same(_working(module, s), want), s.name
     hooks.remove()
 
@@ -619,7 +649,7 @@ def test_weights_write_changes_exactly_the_runs(engine, case, src_tier):
     for b in buckets:
         for s in b.slots:
             source = new[b.index] if (b.index, s.offset) in picked else masters[b.index].to(torch.bfloat16)
-            want = source[s.offset:s.offset + s.numel].view(s.shape)
+            want = source[s.offset : s.offset + s.numel].view(s.shape)
             assert _same(_working(module, s), want), s.name
     hooks.remove()
 
@@ -652,4 +682,4 @@ def test_device_weights_parameters_are_views_of_one_flat_buffer(engine):
         for s in b.slots:
             assert s.param.dtype == torch.bfloat16 and s.param.shape == s.shape
             assert s.param.data.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
-            assert s.param.data.data_ptr() == flat[s.offset:].data_ptr()
+            assert s.param.data.data_ptr() == flat[s.offset :].data_ptr()

@@ -1,6 +1,7 @@
 """Host buffers are private mappings that ask for transparent huge pages (NOTE [Huge pages for host
 buffers] in tiermem/memory/aligned.py), so direct I/O from them reaches the disk in large requests;
 their size stays exact and their bytes are plain memory."""
+
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """train/inputs: ``tm(...)`` moves every tensor of its inputs to the device and casts the floating
 ones to the working precision, in every kind of container, which comes back as its own type.
 Moving is checked with the meta device (a device other than the CPU on any machine)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -73,8 +74,22 @@ def _check(t: Any, dtype: torch.dtype) -> None:
     assert isinstance(t, torch.Tensor) and t.device == META and t.dtype == dtype
 
 
-@pytest.mark.parametrize("kind", ["tuple", "list", "namedtuple", "dataclass", "frozen dataclass", "dict",
-                                  "OrderedDict", "dict subclass", "UserDict Mapping", "MappingProxyType", "nested"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "tuple",
+        "list",
+        "namedtuple",
+        "dataclass",
+        "frozen dataclass",
+        "dict",
+        "OrderedDict",
+        "dict subclass",
+        "UserDict Mapping",
+        "MappingProxyType",
+        "nested",
+    ],
+)
 def test_every_container_comes_back_as_itself_with_its_tensors_moved_and_floats_cast(kind):
     x, ids = _x(), _ids()
     obj, get = {
@@ -129,9 +144,11 @@ class _Takes(nn.Module):
         return self.lin(x).float().sum()
 
 
-@pytest.mark.parametrize("make", [lambda x: Pair(x, _ids()), lambda x: Batch(x, _ids()),
-                                  lambda x: Encoding({"x": x, "ids": _ids()})],
-                         ids=["namedtuple", "dataclass", "BatchEncoding-like Mapping"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda x: Pair(x, _ids()), lambda x: Batch(x, _ids()), lambda x: Encoding({"x": x, "ids": _ids()})],
+    ids=["namedtuple", "dataclass", "BatchEncoding-like Mapping"],
+)
 def test_tm_casts_inputs_in_the_containers_it_once_refused_or_passed_unconverted(make):
     torch.manual_seed(0)
     module = _Takes()
@@ -143,6 +160,7 @@ def test_tm_casts_inputs_in_the_containers_it_once_refused_or_passed_unconverted
 
 def test_transformers_batch_encoding():
     import transformers  # the test extra installs it
+
     enc = transformers.BatchEncoding({"input_ids": torch.arange(6).view(2, 3), "mask": torch.ones(2, 3)})
     out = cast_inputs(enc, torch.bfloat16, META)
     assert isinstance(out, transformers.BatchEncoding)
@@ -155,6 +173,7 @@ def test_casting_leaves_no_reference_cycle():
     """It runs on every forward: nothing it makes may wait for the GC (pytree's tree_map would)."""
     import gc
     from tiermem.memory import deferred
+
     obj = {"a": [Pair(_x(), _ids())], "b": (Batch(_x(), _ids()),), "c": Encoding({"x": _x()})}
     deferred.collect()  # models earlier tests dropped are given back first (their release makes garbage)
     gc.collect()

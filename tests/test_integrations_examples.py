@@ -1,6 +1,7 @@
 """examples/from_deepspeed.py, the snippets of docs/deepspeed.md ("Coming from DeepSpeed"): the
 example runs both migrations and the loss falls in each; every line of the page's snippets marked
 as lines of the example is a line of it, so what the docs show is what runs."""
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,9 @@ EXAMPLE = ROOT / "examples" / "from_deepspeed.py"
 def test_docs_snippets_are_lines_of_the_example():
     source = {re.sub(r"\s*# noqa: E402$", "", line).strip() for line in EXAMPLE.read_text().splitlines()}
     marker = f"<!-- not run: lines of {EXAMPLE.relative_to(ROOT)}, which tests/test_integrations_examples.py runs -->"
-    blocks = re.findall(re.escape(marker) + r"\n```python\n(.*?)```", (ROOT / "docs" / "deepspeed.md").read_text(), re.S)
+    blocks = re.findall(
+        re.escape(marker) + r"\n```python\n(.*?)```", (ROOT / "docs" / "deepspeed.md").read_text(), re.S
+    )
     assert len(blocks) == 2
     for block in blocks:
         for line in block.splitlines():
@@ -29,10 +32,19 @@ def test_docs_snippets_are_lines_of_the_example():
 
 
 def test_example_runs_both_migrations(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "10", "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "HF_HUB_OFFLINE": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--steps", "10", "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     m = re.search(r"loss: DeepSpeed loop (\S+) -> (\S+); Trainer (\S+) -> (\S+)", proc.stdout)
     assert m, proc.stdout

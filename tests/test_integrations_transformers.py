@@ -4,6 +4,7 @@ bf16, a DeepSpeed config with "auto" values), logs loss / grad_norm / lr, writes
 folders with tiermem's checkpoint, resumes bit-exact, leaves the lr schedule alone on an fp16 step
 skipped for overflow, and loads the best checkpoint at the end through tiermem. Tiny GPT-2s built
 from a config (never downloaded); a few steps each. Under torchrun: test_integrations_transformers_dp."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,18 @@ LR, WARMUP, STEPS, ACCUM, CLIP, DECAY = 2e-3, 1, 4, 2, 0.5, 0.1
 
 def gpt2(dropout: float = 0.0) -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
-                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    cfg = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -46,10 +57,22 @@ def dataset(n: int = 24) -> list[dict]:
 
 
 def arguments(out, **kw) -> TrainingArguments:
-    base = dict(per_device_train_batch_size=2, gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=LR,
-                weight_decay=DECAY, max_grad_norm=CLIP, lr_scheduler_type="linear", warmup_steps=WARMUP,
-                logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=3,
-                use_cpu=not torch.cuda.is_available())
+    base = dict(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=ACCUM,
+        max_steps=STEPS,
+        learning_rate=LR,
+        weight_decay=DECAY,
+        max_grad_norm=CLIP,
+        lr_scheduler_type="linear",
+        warmup_steps=WARMUP,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=3,
+        use_cpu=not torch.cuda.is_available(),
+    )
     return TrainingArguments(str(out), **{**base, **kw})
 
 
@@ -73,16 +96,18 @@ def own_loop(fed, precision: str, blowup: dict[int, float] | None = None):
     on its losses; a skipped step does not step the scheduler (the Trainer's rule)."""
     model = gpt2()
     no_decay = tuple(n for n, _ in model.named_parameters() if n.endswith(".bias") or ".ln_" in n)
-    tm = TieredModel(model, optimizer=AdamW(lr=LR, weight_decay=DECAY, no_decay=no_decay), precision=precision,
-                     grad_clip=CLIP)
+    tm = TieredModel(
+        model, optimizer=AdamW(lr=LR, weight_decay=DECAY, no_decay=no_decay), precision=precision, grad_clip=CLIP
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
-        tm.optimizer, lambda s: s / WARMUP if s < WARMUP else max(0.0, (STEPS - s) / (STEPS - WARMUP)))
+        tm.optimizer, lambda s: s / WARMUP if s < WARMUP else max(0.0, (STEPS - s) / (STEPS - WARMUP))
+    )
     losses, logs = [], []
     for step in range(STEPS):
-        group = [batch for batch, _ in fed[step * ACCUM:(step + 1) * ACCUM]]
+        group = [batch for batch, _ in fed[step * ACCUM : (step + 1) * ACCUM]]
         n = fed[step * ACCUM][1]  # what the Trainer counted: the labels of the step's micro-batches
         counts = {int(sum((b["labels"][:, shift:] != -100).sum() for b in group)) for shift in (0, 1)}
-        assert int(n) in counts and all(n_fed is n for _, n_fed in fed[step * ACCUM:(step + 1) * ACCUM])
+        assert int(n) in counts and all(n_fed is n for _, n_fed in fed[step * ACCUM : (step + 1) * ACCUM])
         for b in group:
             loss = tm(**b, num_items_in_batch=n).loss  # already a share of the step's loss: no division
             loss = loss * blowup[step] if blowup and step in blowup else loss
@@ -92,20 +117,32 @@ def own_loop(fed, precision: str, blowup: dict[int, float] | None = None):
         res = tm.step()
         if not res.skipped:
             sched.step()
-        logs.append({"loss": sum(x.item() for x in losses[-ACCUM:]), "grad_norm": res.grad_norm, "lr": lr,
-                     "loss_scale": res.loss_scale, "skipped": res.skipped})
+        logs.append(
+            {
+                "loss": sum(x.item() for x in losses[-ACCUM:]),
+                "grad_norm": res.grad_norm,
+                "lr": lr,
+                "loss_scale": res.loss_scale,
+                "skipped": res.skipped,
+            }
+        )
     return tm, losses, logs
 
 
-AUTO = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
-        "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
+AUTO = {
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    "bf16": {"enabled": "auto"},
+    "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+}
 
 
-@pytest.mark.parametrize("precision,how", [("fp32", None), ("bf16", None), ("fp16", None), ("bf16", "ds.json"),
-                                           ("bf16", "zero-infinity")])
+@pytest.mark.parametrize(
+    "precision,how", [("fp32", None), ("bf16", None), ("fp16", None), ("bf16", "ds.json"), ("bf16", "zero-infinity")]
+)
 def test_trainer_trains_as_tiered_models_own_loop(tmp_path, precision, how):
     deepspeed, options, policy = None, None, ZeroOffload
     if how == "ds.json":
@@ -159,28 +196,42 @@ def test_checkpoints_and_resume_bit_exact(tmp_path, caplog):
     resumed = second.tiered.state_dict()
     assert all(torch.equal(resumed[k], final[k]) for k in final)
     assert second.tiered.stepper.steps == STEPS
-    logged = lambda t: [(h["step"], h["loss"], h["grad_norm"], h["learning_rate"])  # noqa: E731
-                        for h in t.state.log_history if "grad_norm" in h and h["step"] > 2]
+    logged = lambda t: [  # noqa: E731
+        (h["step"], h["loss"], h["grad_norm"], h["learning_rate"])
+        for h in t.state.log_history
+        if "grad_norm" in h and h["step"] > 2
+    ]
     assert logged(second) == logged(first)
 
 
 def test_evaluate_runs_through_the_tiered_model(tmp_path):
     kw = dict(max_steps=1, per_device_eval_batch_size=4)
-    trainer = TieredTrainer(model=gpt2(), args=arguments(tmp_path / "tiered", **kw), train_dataset=dataset(),
-                            eval_dataset=dataset(6))
+    trainer = TieredTrainer(
+        model=gpt2(), args=arguments(tmp_path / "tiered", **kw), train_dataset=dataset(), eval_dataset=dataset(6)
+    )
     trainer.train()
     got = trainer.evaluate()["eval_loss"]
-    plain = transformers.Trainer(model=trainer.tiered.detach(), args=arguments(tmp_path / "plain", **kw),
-                                 eval_dataset=dataset(6))  # the oracle: the plain Trainer on the same fp32 weights
+    plain = transformers.Trainer(
+        model=trainer.tiered.detach(), args=arguments(tmp_path / "plain", **kw), eval_dataset=dataset(6)
+    )  # the oracle: the plain Trainer on the same fp32 weights
     assert got == plain.evaluate()["eval_loss"]
 
 
 def test_load_best_model_at_end_loads_tiermems_checkpoint_of_the_best_step(tmp_path):
     # greater_is_better: the highest eval loss is the best, an early step (the last would prove nothing)
-    kw = dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
-              metric_for_best_model="eval_loss", greater_is_better=True, per_device_eval_batch_size=3)
-    trainer = TieredTrainer(model=gpt2(), args=arguments(tmp_path, **kw), train_dataset=dataset(),
-                            eval_dataset=dataset(6))
+    kw = dict(
+        load_best_model_at_end=True,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
+        per_device_eval_batch_size=3,
+    )
+    trainer = TieredTrainer(
+        model=gpt2(), args=arguments(tmp_path, **kw), train_dataset=dataset(), eval_dataset=dataset(6)
+    )
     trainer.train()
     evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
     best = max(evals, key=evals.get)
@@ -191,25 +242,37 @@ def test_load_best_model_at_end_loads_tiermems_checkpoint_of_the_best_step(tmp_p
     assert trainer.tiered.stepper.steps == best  # optimizer state and step are the best checkpoint's too
     assert trainer.evaluate()["eval_loss"] == evals[best]  # the metric it was chosen by, measured again
     os.remove(tmp_path / f"checkpoint-{best}" / TIERMEM_CHECKPOINT)
-    with pytest.raises(TierMemError, match=rf"^tiermem: the best checkpoint .*checkpoint-{best}' \(by eval_loss\) "
-                                           r"has no tiermem\.ckpt; it was not saved by a TieredTrainer"):
+    with pytest.raises(
+        TierMemError,
+        match=rf"^tiermem: the best checkpoint .*checkpoint-{best}' \(by eval_loss\) "
+        r"has no tiermem\.ckpt; it was not saved by a TieredTrainer",
+    ):
         trainer._load_best_model()
 
 
 def _fails(tmp_path, **kw):
-    return TieredTrainer(model=gpt2(), args=arguments(tmp_path / "out", **kw.pop("args", {})),
-                         train_dataset=dataset(), **kw)
+    return TieredTrainer(
+        model=gpt2(), args=arguments(tmp_path / "out", **kw.pop("args", {})), train_dataset=dataset(), **kw
+    )
 
 
 BAD = {
-    "an optimizer tiermem has not": (dict(optimizers=(torch.optim.RMSprop(gpt2().parameters(), lr=0.1), None)),
-                                     r"optimizers=\(RMSprop\(\.\.\.\), \.\.\.\)\) is not an optimizer tiermem "
-                                     r"runs; it runs torch\.optim\.AdamW, torch\.optim\.Adam"),
-    "two optimizers": (dict(optimizers=(torch.optim.AdamW(gpt2().parameters()), None),
-                            optimizer_cls_and_kwargs=(torch.optim.AdamW, {})), r"got both optimizers= and"),
+    "an optimizer tiermem has not": (
+        dict(optimizers=(torch.optim.RMSprop(gpt2().parameters(), lr=0.1), None)),
+        r"optimizers=\(RMSprop\(\.\.\.\), \.\.\.\)\) is not an optimizer tiermem "
+        r"runs; it runs torch\.optim\.AdamW, torch\.optim\.Adam",
+    ),
+    "two optimizers": (
+        dict(
+            optimizers=(torch.optim.AdamW(gpt2().parameters()), None), optimizer_cls_and_kwargs=(torch.optim.AdamW, {})
+        ),
+        r"got both optimizers= and",
+    ),
     "precision in tiermem=": (dict(tiermem={"precision": "bf16"}), r"these come from TrainingArguments"),
-    "a placement besides the config": (dict(deepspeed=AUTO, tiermem={"policy": KeepOnDevice()}),
-                                       r"the DeepSpeed config says these \(where tensors live"),
+    "a placement besides the config": (
+        dict(deepspeed=AUTO, tiermem={"policy": KeepOnDevice()}),
+        r"the DeepSpeed config says these \(where tensors live",
+    ),
     "no_decay in tiermem=": (dict(tiermem={"no_decay": ("*.bias",)}), r"get_decay_parameter_names\(\)"),
 }
 
@@ -223,26 +286,39 @@ def test_refused_at_construction(tmp_path, case):
 
 def test_one_process_on_several_gpus_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))  # what 2 visible GPUs give
-    with pytest.raises(ConfigError, match=r"^tiermem: TieredTrainer drives one device per process \(2 GPUs are "
-                                          r"visible to this one\); run one process per GPU with torchrun "
-                                          r"--nproc_per_node 2$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^tiermem: TieredTrainer drives one device per process \(2 GPUs are "
+        r"visible to this one\); run one process per GPU with torchrun "
+        r"--nproc_per_node 2$",
+    ):
         _fails(tmp_path)
 
 
 TRAIN_BAD = {
-    "rmsprop": (dict(args={"optim": "rmsprop"}), r"optim='rmsprop'\) is not an optimizer tiermem runs; it runs "
-                                                r"'adamw_torch', 'adamw_torch_fused'"),
+    "rmsprop": (
+        dict(args={"optim": "rmsprop"}),
+        r"optim='rmsprop'\) is not an optimizer tiermem runs; it runs "
+        r"'adamw_torch', 'adamw_torch_fused'",
+    ),
     "4-bit": (dict(args={"optim": "adamw_torch_4bit"}), r"optim='adamw_torch_4bit'\) is not an optimizer tiermem runs"),
     "adafactor": (dict(args={"optim": "adafactor"}), r"optim='adafactor'\) is not an optimizer tiermem runs"),
-    "a class tiermem has not": (dict(optimizer_cls_and_kwargs=(torch.optim.RMSprop, {"lr": 0.1})),
-                                r"optimizer_cls_and_kwargs=\(RMSprop, \.\.\.\)\) is not an optimizer tiermem runs"),
-    "another model's optimizer": (dict(optimizers=(torch.optim.AdamW(gpt2().parameters()), None)),
-                                  r"hold \d+ tensors that are not parameters of the wrapped module"),
+    "a class tiermem has not": (
+        dict(optimizer_cls_and_kwargs=(torch.optim.RMSprop, {"lr": 0.1})),
+        r"optimizer_cls_and_kwargs=\(RMSprop, \.\.\.\)\) is not an optimizer tiermem runs",
+    ),
+    "another model's optimizer": (
+        dict(optimizers=(torch.optim.AdamW(gpt2().parameters()), None)),
+        r"hold \d+ tensors that are not parameters of the wrapped module",
+    ),
     "config disagrees with args": (
         dict(deepspeed={"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}),
-        r"optimizer\.params\.lr=0\.0003 but lr=0\.002 was given; make them agree"),
-    "config batch disagrees": (dict(deepspeed={"train_micro_batch_size_per_gpu": 8}),
-                               r"train_micro_batch_size_per_gpu=8 but train_micro_batch_size_per_gpu=2"),
+        r"optimizer\.params\.lr=0\.0003 but lr=0\.002 was given; make them agree",
+    ),
+    "config batch disagrees": (
+        dict(deepspeed={"train_micro_batch_size_per_gpu": 8}),
+        r"train_micro_batch_size_per_gpu=8 but train_micro_batch_size_per_gpu=2",
+    ),
 }
 
 
@@ -257,13 +333,16 @@ def _llrd(model: GPT2LMHeadModel) -> list[dict]:
     """Layer-wise lr decay over a GPT-2: the embeddings lowest, each block higher, the rest at LR."""
     t = model.transformer
     layers = [[t.wte, t.wpe], *[[h] for h in t.h], [t.ln_f]]
-    return [{"params": [p for mod in layer for p in mod.parameters()], "lr": LR * 0.5 ** (len(layers) - 1 - d)}
-            for d, layer in enumerate(layers)]
+    return [
+        {"params": [p for mod in layer for p in mod.parameters()], "lr": LR * 0.5 ** (len(layers) - 1 - d)}
+        for d, layer in enumerate(layers)
+    ]
 
 
 def _warmup(opt) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, [lambda s, i=i: min(1.0, (s + 1) / (i + 2))
-                                                   for i in range(len(opt.param_groups))])
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, [lambda s, i=i: min(1.0, (s + 1) / (i + 2)) for i in range(len(opt.param_groups))]
+    )
 
 
 def test_trainer_takes_an_optimizer_and_scheduler_of_the_users(tmp_path):
@@ -271,16 +350,21 @@ def test_trainer_takes_an_optimizer_and_scheduler_of_the_users(tmp_path):
     trains as TieredModel's own loop with that optimizer and that schedule on tm.optimizer."""
     model = gpt2()
     opt = torch.optim.AdamW(_llrd(model), lr=LR, weight_decay=DECAY)
-    trainer = Recording(model=model, args=arguments(tmp_path / "out"), train_dataset=dataset(),
-                        optimizers=(opt, _warmup(opt)))
+    trainer = Recording(
+        model=model, args=arguments(tmp_path / "out"), train_dataset=dataset(), optimizers=(opt, _warmup(opt))
+    )
     trainer.train()
     ref_model = gpt2()
-    tm = TieredModel(ref_model, optimizer=torch.optim.AdamW(_llrd(ref_model), lr=LR, weight_decay=DECAY),
-                     precision="fp32", grad_clip=CLIP)
+    tm = TieredModel(
+        ref_model,
+        optimizer=torch.optim.AdamW(_llrd(ref_model), lr=LR, weight_decay=DECAY),
+        precision="fp32",
+        grad_clip=CLIP,
+    )
     sched = _warmup(tm.optimizer)
     lrs = []
     for step in range(STEPS):
-        for batch, n in trainer.fed[step * ACCUM:(step + 1) * ACCUM]:
+        for batch, n in trainer.fed[step * ACCUM : (step + 1) * ACCUM]:
             tm.backward(tm(**batch, num_items_in_batch=n).loss)
         lrs.append([g["lr"] for g in tm.optimizer.param_groups])
         tm.step()
@@ -298,8 +382,12 @@ def test_trainer_builds_optimizer_cls_and_kwargs_on_its_weight_decay_groups(tmp_
     decay and no-decay groups, the kwargs as given): the numbers of the default optimizer with
     the same hyperparameters, group for group."""
     kwargs = {"lr": LR, "betas": (0.9, 0.999), "eps": 1e-8}
-    trainer = Recording(model=gpt2(), args=arguments(tmp_path / "out"), train_dataset=dataset(),
-                        optimizer_cls_and_kwargs=(torch.optim.AdamW, kwargs))
+    trainer = Recording(
+        model=gpt2(),
+        args=arguments(tmp_path / "out"),
+        train_dataset=dataset(),
+        optimizer_cls_and_kwargs=(torch.optim.AdamW, kwargs),
+    )
     trainer.train()
     tm, _, _ = own_loop(trainer.fed, "fp32")
     got, want = trainer.tiered.state_dict(), tm.state_dict()
@@ -357,17 +445,25 @@ def test_fp16_step_skipped_for_overflow_leaves_the_lr_schedule(tmp_path):
     assert trainer.accelerator.optimizer_step_was_skipped is False  # the last step was not skipped
 
 
-@pytest.mark.parametrize("optim, optim_args, want", [
-    ("sgd", "momentum=0.9,nesterov=True", {"momentum": 0.9, "nesterov": True, "weight_decay": DECAY}),
-    ("adagrad", "lr_decay=0.01", {"lr_decay": 0.01, "eps": 1e-10}),
-    ("lion_32bit", None, {"betas": (0.9, 0.999), "weight_decay": DECAY}),  # the Trainer gives Lion the adam betas
-    ("paged_adamw_8bit", None, {"betas": (0.9, 0.999), "eps": 1e-8}),
-])
+@pytest.mark.parametrize(
+    "optim, optim_args, want",
+    [
+        ("sgd", "momentum=0.9,nesterov=True", {"momentum": 0.9, "nesterov": True, "weight_decay": DECAY}),
+        ("adagrad", "lr_decay=0.01", {"lr_decay": 0.01, "eps": 1e-10}),
+        ("lion_32bit", None, {"betas": (0.9, 0.999), "weight_decay": DECAY}),  # the Trainer gives Lion the adam betas
+        ("paged_adamw_8bit", None, {"betas": (0.9, 0.999), "eps": 1e-8}),
+    ],
+)
 def test_trainer_optim_names_build_tiermems_optimizer_of_that_meaning(tmp_path, optim, optim_args, want):
-    trainer = TieredTrainer(model=gpt2(), args=arguments(tmp_path / "out", optim=optim, optim_args=optim_args,
-                                                         max_steps=1), train_dataset=dataset())
+    trainer = TieredTrainer(
+        model=gpt2(),
+        args=arguments(tmp_path / "out", optim=optim, optim_args=optim_args, max_steps=1),
+        train_dataset=dataset(),
+    )
     trainer.train()
     group = trainer.tiered.optimizer.param_groups[0]
     assert {k: group[k] for k in want} == want
-    assert type(trainer.tiered.optimizer_spec).__name__ == {"sgd": "SGD", "adagrad": "Adagrad", "lion_32bit": "Lion",
-                                                  "paged_adamw_8bit": "AdamW8bit"}[optim]
+    assert (
+        type(trainer.tiered.optimizer_spec).__name__
+        == {"sgd": "SGD", "adagrad": "Adagrad", "lion_32bit": "Lion", "paged_adamw_8bit": "AdamW8bit"}[optim]
+    )

@@ -5,6 +5,7 @@ a checkpoint-N/ holds one tiermem.ckpt (a DCP directory both ranks wrote), a res
 continues bit-exact, evaluation, load_best_model_at_end and an fp16 overflow on one rank work
 there, checkpoint-2 resumes in one process too, save_model() on rank 0 alone is a tiermem: error once the process group's timeout
 passes (not a hang), and README's torchrun command runs the example."""
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,19 @@ pytest.importorskip("transformers")
 
 from ranks import run_ranks  # noqa: E402
 from test_integrations_transformers import (  # noqa: E402
-    ACCUM, CLIP, DECAY, LR, OVERFLOW, STEPS, WARMUP, Overflowing, Recording, arguments, dataset, gpt2)
+    ACCUM,
+    CLIP,
+    DECAY,
+    LR,
+    OVERFLOW,
+    STEPS,
+    WARMUP,
+    Overflowing,
+    Recording,
+    arguments,
+    dataset,
+    gpt2,
+)
 import transformers  # noqa: E402
 
 from tiermem import AdamW, ConfigError, TieredModel, TierMemError  # noqa: E402
@@ -57,20 +70,28 @@ def _rank_trainer(rank, world, tmp):
     """A run with checkpoints, then a resume from its checkpoint-2 in another folder and an
     evaluation; then a configuration refused."""
     import torch.distributed as dist
+
     # what torchrun sets; accelerate reads these and joins the group the harness made
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
+    )
     entered = []
     no_sync = TrainerModule.no_sync
     TrainerModule.no_sync = lambda self: entered.append(1) or no_sync(self)  # count the Trainer's
     kw = dict(save_strategy="steps", save_steps=2, per_device_eval_batch_size=1)
     first = Recording(model=gpt2(), args=arguments(os.path.join(tmp, "a"), **kw), train_dataset=dataset(SAMPLES))
     first.train()
-    out = {"world": first.args.world_size, "tm_world": first.tiered.group.world, "no_sync": len(entered),
-           "fed": first.fed, "weights": first.tiered.state_dict(), "history": first.state.log_history,
-           "files": sorted(os.listdir(os.path.join(tmp, "a", "checkpoint-2"))),
-           "tiermem_files": sorted(os.listdir(os.path.join(tmp, "a", "checkpoint-2", TIERMEM_CHECKPOINT))),
-           "checkpoint": os.path.join(tmp, "a", "checkpoint-2")}  # written by both ranks; resumed in one process too
+    out = {
+        "world": first.args.world_size,
+        "tm_world": first.tiered.group.world,
+        "no_sync": len(entered),
+        "fed": first.fed,
+        "weights": first.tiered.state_dict(),
+        "history": first.state.log_history,
+        "files": sorted(os.listdir(os.path.join(tmp, "a", "checkpoint-2"))),
+        "tiermem_files": sorted(os.listdir(os.path.join(tmp, "a", "checkpoint-2", TIERMEM_CHECKPOINT))),
+        "checkpoint": os.path.join(tmp, "a", "checkpoint-2"),
+    }  # written by both ranks; resumed in one process too
     if rank == 0:
         shutil.copytree(os.path.join(tmp, "a", "checkpoint-2"), os.path.join(tmp, "b", "checkpoint-2"))
     dist.barrier()
@@ -82,21 +103,41 @@ def _rank_trainer(rank, world, tmp):
     model.load_state_dict(out["resumed"])  # the oracle: the plain Trainer on these ranks, same fp32 weights
     plain = transformers.Trainer(model=model, args=arguments(os.path.join(tmp, "plain"), **kw))
     out["plain_eval_loss"] = plain.evaluate(dataset(EVAL))["eval_loss"]
-    best = TieredTrainer(model=gpt2(), args=arguments(
-        os.path.join(tmp, "best"), load_best_model_at_end=True, eval_strategy="steps", eval_steps=1,
-        save_strategy="steps", save_steps=1,
-        metric_for_best_model="eval_loss", greater_is_better=True, per_device_eval_batch_size=1),
-        train_dataset=dataset(SAMPLES), eval_dataset=dataset(EVAL))
+    best = TieredTrainer(
+        model=gpt2(),
+        args=arguments(
+            os.path.join(tmp, "best"),
+            load_best_model_at_end=True,
+            eval_strategy="steps",
+            eval_steps=1,
+            save_strategy="steps",
+            save_steps=1,
+            metric_for_best_model="eval_loss",
+            greater_is_better=True,
+            per_device_eval_batch_size=1,
+        ),
+        train_dataset=dataset(SAMPLES),
+        eval_dataset=dataset(EVAL),
+    )
     best.train()  # the highest eval loss is the best: an early step
-    out.update(best=best.state.best_model_checkpoint, best_steps=best.tiered.stepper.steps,
-               best_history=best.state.log_history, best_eval_loss=best.evaluate()["eval_loss"])
-    fp16 = OverflowingOnRank0(model=gpt2(), args=arguments(os.path.join(tmp, "fp16"), fp16=True),
-                              train_dataset=dataset(SAMPLES))
+    out.update(
+        best=best.state.best_model_checkpoint,
+        best_steps=best.tiered.stepper.steps,
+        best_history=best.state.log_history,
+        best_eval_loss=best.evaluate()["eval_loss"],
+    )
+    fp16 = OverflowingOnRank0(
+        model=gpt2(), args=arguments(os.path.join(tmp, "fp16"), fp16=True), train_dataset=dataset(SAMPLES)
+    )
     fp16.train()  # both ranks skip the step rank 0's loss blew up in (the overflow check is global)
     out.update(fp16_history=fp16.state.log_history, fp16_scheduled=fp16.lr_scheduler.last_epoch)
     try:  # a replica per rank would train each on its own data: refused on both ranks alike
-        TieredTrainer(model=gpt2(), args=arguments(os.path.join(tmp, "c")), train_dataset=dataset(SAMPLES),
-                      tiermem={"process_group": False}).train()
+        TieredTrainer(
+            model=gpt2(),
+            args=arguments(os.path.join(tmp, "c")),
+            train_dataset=dataset(SAMPLES),
+            tiermem={"process_group": False},
+        ).train()
     except ConfigError as e:
         out["refused"] = str(e)
     # save_model() on rank 0 alone (a collective): an error naming the mistake once the process
@@ -128,13 +169,16 @@ def one_process(fed0, fed1, then=()):
     ``then`` of a single process, ACCUM a step."""
     model = gpt2()
     no_decay = tuple(n for n, _ in model.named_parameters() if n.endswith(".bias") or ".ln_" in n)
-    tm = TieredModel(model, optimizer=AdamW(lr=LR, weight_decay=DECAY, no_decay=no_decay), precision="fp32",
-                     grad_clip=CLIP)
+    tm = TieredModel(
+        model, optimizer=AdamW(lr=LR, weight_decay=DECAY, no_decay=no_decay), precision="fp32", grad_clip=CLIP
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
-        tm.optimizer, lambda s: s / WARMUP if s < WARMUP else max(0.0, (STEPS - s) / (STEPS - WARMUP)))
+        tm.optimizer, lambda s: s / WARMUP if s < WARMUP else max(0.0, (STEPS - s) / (STEPS - WARMUP))
+    )
     logs = []
-    groups = ([fed0[i:i + ACCUM] + fed1[i:i + ACCUM] for i in range(0, len(fed0), ACCUM)]
-              + [list(then[i:i + ACCUM]) for i in range(0, len(then), ACCUM)])
+    groups = [fed0[i : i + ACCUM] + fed1[i : i + ACCUM] for i in range(0, len(fed0), ACCUM)] + [
+        list(then[i : i + ACCUM]) for i in range(0, len(then), ACCUM)
+    ]
     assert len(groups) == STEPS
     for group in groups:
         n = group[0][1]
@@ -176,11 +220,23 @@ def test_two_ranks_train_like_one_process_over_both_ranks_micro_batches(ranks):
 
 def test_checkpoint_holds_one_tiermem_checkpoint_and_resumes_bit_exact_on_two_ranks(ranks):
     files = set(ranks[0]["files"])
-    assert {TIERMEM_CHECKPOINT, "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json",
-            "rng_state_0.pth", "rng_state_1.pth"} <= files
+    assert {
+        TIERMEM_CHECKPOINT,
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "trainer_state.json",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    } <= files
     assert [f for f in files if f.endswith(".ckpt")] == [TIERMEM_CHECKPOINT]  # one checkpoint, whatever the world size
-    assert ranks[0]["tiermem_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "tiermem-rank0.json",
-                                         "tiermem-rank1.json"]  # a DCP directory: every rank wrote its shards
+    assert ranks[0]["tiermem_files"] == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "tiermem-rank0.json",
+        "tiermem-rank1.json",
+    ]  # a DCP directory: every rank wrote its shards
     for r in ranks:
         assert all(torch.equal(r["resumed"][k], r["weights"][k]) for k in r["weights"])
         later = lambda hist: [h for h in hist if "grad_norm" in h and h["step"] > 2]  # noqa: E731
@@ -196,7 +252,7 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process(ranks, tmp_path):
     one.train(resume_from_checkpoint=True)
     assert one.tiered.group.world == 1 and one.args.world_size == 1
     assert len(one.fed) == (STEPS - 2) * ACCUM  # the two steps after the checkpoint, nothing before
-    want, logs = one_process(ranks[0]["fed"][:2 * ACCUM], ranks[1]["fed"][:2 * ACCUM], then=one.fed)
+    want, logs = one_process(ranks[0]["fed"][: 2 * ACCUM], ranks[1]["fed"][: 2 * ACCUM], then=one.fed)
     got = one.tiered.state_dict()
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= SPREAD
     history = [h for h in one.state.log_history if "grad_norm" in h]  # the checkpoint's, then this run's
@@ -245,9 +301,20 @@ def test_the_readmes_torchrun_command_runs_the_example(tmp_path):
     """``torchrun --nproc_per_node 2 examples/trainer_gpt.py``, a few steps: trains, checkpoints,
     and prints once (rank 0)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           os.path.join(ROOT, "examples", "trainer_gpt.py"), "--steps", "4", "--save-steps", "2",
-           "--out", str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        os.path.join(ROOT, "examples", "trainer_gpt.py"),
+        "--steps",
+        "4",
+        "--save-steps",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("world size 2: loss ") == 1, proc.stdout

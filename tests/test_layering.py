@@ -2,6 +2,7 @@
 -> transfer -> train -> cli) and the module-level import graph has no cycle. Read from the
 source with ``ast``, so a new import that breaks the layering fails here, not in a user's
 process."""
+
 from __future__ import annotations
 
 import ast
@@ -13,16 +14,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: layer of each module, by longest matching prefix
 LAYERS = {
-    "tiermem.types": 0, "tiermem.errors": 0, "tiermem.handles": 0, "tiermem.config": 0, "tiermem.budgets": 0,
-    "tiermem.torch_optim": 0, "tiermem.optim_specs": 0,
+    "tiermem.types": 0,
+    "tiermem.errors": 0,
+    "tiermem.handles": 0,
+    "tiermem.config": 0,
+    "tiermem.budgets": 0,
+    "tiermem.torch_optim": 0,
+    "tiermem.optim_specs": 0,
     "tiermem.spans": 0,
-    "tiermem.plan.policy": 1, "tiermem.policies": 1, "tiermem.optim": 1,
+    "tiermem.plan.policy": 1,
+    "tiermem.policies": 1,
+    "tiermem.optim": 1,
     "tiermem.plan": 2,
     "tiermem.memory": 3,
     "tiermem.observe": 4,
     "tiermem.transfer": 5,
     "tiermem.train": 6,
-    "tiermem.cli": 7, "tiermem.__main__": 7, "tiermem": 7,  # the package itself re-exports the public API
+    "tiermem.cli": 7,
+    "tiermem.__main__": 7,
+    "tiermem": 7,  # the package itself re-exports the public API
 }
 
 
@@ -64,8 +74,10 @@ MODULES = sources()
 def test_imports_never_reach_a_higher_layer(module):
     mine = layer(module)
     for target in imports(MODULES[module], set(MODULES), top_level_only=False):
-        assert layer(target) <= mine, (f"{module} (layer {mine}) imports {target} (layer {layer(target)}): "
-                                       f"move the shared code down a layer or pass it in")
+        assert layer(target) <= mine, (
+            f"{module} (layer {mine}) imports {target} (layer {layer(target)}): "
+            f"move the shared code down a layer or pass it in"
+        )
 
 
 def test_no_import_cycle_at_module_level():
@@ -81,6 +93,7 @@ def test_no_import_cycle_at_module_level():
             if t not in state:
                 visit(t, path + [m])
         state[m] = 2
+
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
@@ -99,5 +112,7 @@ def test_the_device_caches_reclaimer_is_an_import_the_layering_sees():
     memory/ up into transfer/ is an edge this test reads (transfer.schedule -> memory.ledger)."""
     known = set(MODULES)
     assert "tiermem.memory.ledger" in imports(MODULES["tiermem.transfer.schedule"], known, top_level_only=True)
-    assert not any(layer(t) > layer("tiermem.memory.ledger")
-                   for t in imports(MODULES["tiermem.memory.ledger"], known, top_level_only=False))
+    assert not any(
+        layer(t) > layer("tiermem.memory.ledger")
+        for t in imports(MODULES["tiermem.memory.ledger"], known, top_level_only=False)
+    )

@@ -1,5 +1,6 @@
 """TieredModel against plain PyTorch: the same training loop with torch.optim must give the same
 weights (fp32), the same math in low precision, and bit-identical results under every policy."""
+
 from __future__ import annotations
 
 import copy
@@ -11,8 +12,18 @@ from torch import nn
 
 from models import Quirky, TinyGPT, gpt_batch, gpt_loss, same_state
 import tiermem.optim
-from tiermem import (Adam, AdamW, Budgets, ConfigError, OutOfTierMemory, Phase, TensorClass, TieredModel, Tier,
-                     TierMemError)
+from tiermem import (
+    Adam,
+    AdamW,
+    Budgets,
+    ConfigError,
+    OutOfTierMemory,
+    Phase,
+    TensorClass,
+    TieredModel,
+    Tier,
+    TierMemError,
+)
 from tiermem.policies import KeepOnDevice, ZeroOffload
 from tiermem.plan.policy import Policy
 
@@ -59,12 +70,15 @@ def _train_tm(tm, *, steps=STEPS, accum=1, sched=False, allow_skip=False):
     return losses
 
 
-@pytest.mark.parametrize("spec, clip, accum, sched", [
-    (AdamW(lr=1e-2, weight_decay=0.1), None, 1, False),
-    (Adam(lr=1e-2, weight_decay=0.05), None, 1, False),
-    (AdamW(lr=1e-2, betas=(0.8, 0.99)), 0.05, 1, False),  # clipping active (norms are ~1)
-    (Adam(lr=5e-3), 0.1, 3, True),  # gradient accumulation over 3 backward calls + scheduler
-])
+@pytest.mark.parametrize(
+    "spec, clip, accum, sched",
+    [
+        (AdamW(lr=1e-2, weight_decay=0.1), None, 1, False),
+        (Adam(lr=1e-2, weight_decay=0.05), None, 1, False),
+        (AdamW(lr=1e-2, betas=(0.8, 0.99)), 0.05, 1, False),  # clipping active (norms are ~1)
+        (Adam(lr=5e-3), 0.1, 3, True),  # gradient accumulation over 3 backward calls + scheduler
+    ],
+)
 def test_fp32_matches_torch_adamw(spec, clip, accum, sched):
     torch.manual_seed(0)
     ref = TinyGPT()
@@ -135,8 +149,7 @@ def test_low_precision_matches_plain_torch_reference(precision):
 def _run_policy(policy, precision, steps=4, quirky=False):
     torch.manual_seed(2)
     model = Quirky() if quirky else TinyGPT()
-    tm = TieredModel(model, policy, optimizer=AdamW(lr=1e-2), precision=precision, grad_clip=0.5,
-                     bucket_size=2000)
+    tm = TieredModel(model, policy, optimizer=AdamW(lr=1e-2), precision=precision, grad_clip=0.5, bucket_size=2000)
     losses = []
     for i in range(steps):
         if quirky:
@@ -226,8 +239,7 @@ def test_fp16_overflow_skips_and_halves_scale():
 def test_resume_is_bit_identical(tmp_path):
     def make(bucket):
         torch.manual_seed(5)
-        return TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), precision="fp16", grad_clip=1.0,
-                           bucket_size=bucket)
+        return TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), precision="fp16", grad_clip=1.0, bucket_size=bucket)
 
     def train(tm, steps, offset):
         for i in range(offset, offset + steps):
@@ -264,6 +276,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     from tiermem import StoreError
     from tiermem.train import checkpoint
+
     monkeypatch.setattr(checkpoint.os, "fsync", full_disk)
     with pytest.raises(StoreError, match="No space left on device.*previous checkpoint there is unchanged"):
         tm.save(path)
@@ -277,6 +290,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 def test_load_rejects_bad_files(tmp_path):
     tm = TieredModel(TinyGPT(), precision="bf16")
     from tiermem import StoreError, TierMemError
+
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"\x00not a checkpoint" * 10)
     with pytest.raises(StoreError, match="not a readable tiermem checkpoint"):
@@ -376,33 +390,45 @@ class _GradsOnNvmeStateOnDevice(Policy):
         return Tier.NVME if info.kind is TensorClass.GRAD else Tier.DEVICE
 
 
-@pytest.mark.parametrize("make, err, match", [
-    (lambda: TieredModel("not a module"), ConfigError, "needs a torch.nn.Module, got str"),
-    (lambda: TieredModel(TinyGPT(), precision="fp8"), ConfigError, "precision='fp8' is not supported"),
-    (lambda: TieredModel(TinyGPT(), _Bad()), ConfigError, r"returned 'gpu' for '.*'"),
-    (lambda: TieredModel(TinyGPT(), "zero"), ConfigError, "is not a tiermem.Policy"),
-    (lambda: TieredModel(TinyGPT(), _GradsOnNvmeStateOnDevice(), nvme_dir="."), ConfigError,
-     r"grads on NVMe but its optimizer state on the device.*place OPTIM_STATE on HOST or NVME"),
-    (lambda: TieredModel(TinyGPT(), optimizer=torch.optim.SGD), ConfigError, "not an optimizer tiermem runs"),
-    (lambda: TieredModel(TinyGPT(), grad_clip=-1), ConfigError, "grad_clip=-1 is invalid"),
-    (lambda: TieredModel(TinyGPT(), budgets=Budgets(device="10KB")), OutOfTierMemory,
-     r"out of device memory.*it needs .* \(working weights"),
-    (lambda: TieredModel(TinyGPT(), budgets=Budgets(host=1000)), OutOfTierMemory, r"raise Budgets\(host=\.\.\.\)"),
-    (lambda: TieredModel(nn.Linear(3, 3).requires_grad_(False)), TierMemError, "no trainable parameters"),
-    # issue 11's misuse list: answered at the call that receives it, never a raw error or silence
-    (lambda: TieredModel(TinyGPT(), nvme_dir=123), ConfigError, r"nvme_dir=123 is not a path"),
-    (lambda: TieredModel(TinyGPT(), device="gpu"), ConfigError, r"device='gpu' is not a device torch knows"),
-    (lambda: TieredModel(TinyGPT(), device=123), ConfigError, r"device=123 is not a device; pass 'cpu'"),
-    (lambda: TieredModel(TinyGPT(), device="meta"), ConfigError, r"trains on 'cpu' or 'cuda' devices"),
-    (lambda: TieredModel(nn.Linear(3, 3, device="meta")), ConfigError, r"on the meta device.*materialize"),
-    (lambda: TieredModel(TinyGPT(), trace_path="/no/such/dir/t.json"), ConfigError,
-     r"directory '/no/such/dir' does not exist"),
-    (lambda: TieredModel(TinyGPT(), trace_path=123), ConfigError, r"trace_path=123 is not a path"),
-    (lambda: TieredModel(TinyGPT(), overlap_step="no"), ConfigError, r"overlap_step='no' is not a bool"),
-    (lambda: TieredModel(TinyGPT(), prefetch="no"), ConfigError, r"prefetch='no' is not a bool"),
-    (lambda: TieredModel(TinyGPT(), grad_clip=float("inf")), ConfigError, r"grad_clip=inf is invalid.*finite"),
-    (lambda: TieredModel(TinyGPT(), grad_clip=True), ConfigError, r"grad_clip=True is invalid"),
-])
+@pytest.mark.parametrize(
+    "make, err, match",
+    [
+        (lambda: TieredModel("not a module"), ConfigError, "needs a torch.nn.Module, got str"),
+        (lambda: TieredModel(TinyGPT(), precision="fp8"), ConfigError, "precision='fp8' is not supported"),
+        (lambda: TieredModel(TinyGPT(), _Bad()), ConfigError, r"returned 'gpu' for '.*'"),
+        (lambda: TieredModel(TinyGPT(), "zero"), ConfigError, "is not a tiermem.Policy"),
+        (
+            lambda: TieredModel(TinyGPT(), _GradsOnNvmeStateOnDevice(), nvme_dir="."),
+            ConfigError,
+            r"grads on NVMe but its optimizer state on the device.*place OPTIM_STATE on HOST or NVME",
+        ),
+        (lambda: TieredModel(TinyGPT(), optimizer=torch.optim.SGD), ConfigError, "not an optimizer tiermem runs"),
+        (lambda: TieredModel(TinyGPT(), grad_clip=-1), ConfigError, "grad_clip=-1 is invalid"),
+        (
+            lambda: TieredModel(TinyGPT(), budgets=Budgets(device="10KB")),
+            OutOfTierMemory,
+            r"out of device memory.*it needs .* \(working weights",
+        ),
+        (lambda: TieredModel(TinyGPT(), budgets=Budgets(host=1000)), OutOfTierMemory, r"raise Budgets\(host=\.\.\.\)"),
+        (lambda: TieredModel(nn.Linear(3, 3).requires_grad_(False)), TierMemError, "no trainable parameters"),
+        # issue 11's misuse list: answered at the call that receives it, never a raw error or silence
+        (lambda: TieredModel(TinyGPT(), nvme_dir=123), ConfigError, r"nvme_dir=123 is not a path"),
+        (lambda: TieredModel(TinyGPT(), device="gpu"), ConfigError, r"device='gpu' is not a device torch knows"),
+        (lambda: TieredModel(TinyGPT(), device=123), ConfigError, r"device=123 is not a device; pass 'cpu'"),
+        (lambda: TieredModel(TinyGPT(), device="meta"), ConfigError, r"trains on 'cpu' or 'cuda' devices"),
+        (lambda: TieredModel(nn.Linear(3, 3, device="meta")), ConfigError, r"on the meta device.*materialize"),
+        (
+            lambda: TieredModel(TinyGPT(), trace_path="/no/such/dir/t.json"),
+            ConfigError,
+            r"directory '/no/such/dir' does not exist",
+        ),
+        (lambda: TieredModel(TinyGPT(), trace_path=123), ConfigError, r"trace_path=123 is not a path"),
+        (lambda: TieredModel(TinyGPT(), overlap_step="no"), ConfigError, r"overlap_step='no' is not a bool"),
+        (lambda: TieredModel(TinyGPT(), prefetch="no"), ConfigError, r"prefetch='no' is not a bool"),
+        (lambda: TieredModel(TinyGPT(), grad_clip=float("inf")), ConfigError, r"grad_clip=inf is invalid.*finite"),
+        (lambda: TieredModel(TinyGPT(), grad_clip=True), ConfigError, r"grad_clip=True is invalid"),
+    ],
+)
 def test_bad_input_is_a_clear_error(make, err, match):
     with pytest.raises(err, match=match) as e:
         make()
@@ -477,8 +503,9 @@ def test_overlap_step_matches_plain_step_placement_free():
     out = []
     for policy in (ZeroOffload(), KeepOnDevice()):
         torch.manual_seed(7)
-        tm = TieredModel(TinyGPT(), policy, optimizer=AdamW(lr=1e-2), precision="bf16", overlap_step=True,
-                         bucket_size=2500)
+        tm = TieredModel(
+            TinyGPT(), policy, optimizer=AdamW(lr=1e-2), precision="bf16", overlap_step=True, bucket_size=2500
+        )
         losses = _train_tm(tm, steps=4)
         out.append((losses, tm.state_dict()))
     assert out[0][0] == out[1][0]
@@ -487,6 +514,7 @@ def test_overlap_step_matches_plain_step_placement_free():
 
 def test_trace_has_compute_transfers_and_adam(tmp_path):
     import json
+
     path = tmp_path / "t.json"
     tm = TieredModel(TinyGPT(), precision="bf16", bucket_size=3000, trace_path=str(path))
     for i in range(2):
@@ -506,6 +534,7 @@ def test_failed_in_memory_step_is_never_applied_twice(monkeypatch):
     def make():
         torch.manual_seed(8)
         return TieredModel(TinyGPT(), optimizer=AdamW(lr=1e-2), precision="fp32", bucket_size=2000)
+
     ref, tm = make(), make()
     for m in (ref, tm):
         x, y = gpt_batch(0)
@@ -556,8 +585,11 @@ def test_a_stalled_run_names_the_parameters_and_stops(caplog):
         assert tm.step().skipped
     assert "not finite: blocks.1.fc.weight" in caplog.text and "blocks.0" not in caplog.text
     tm.backward(gpt_loss(tm(x), y))
-    with pytest.raises(TierMemError, match=r"3 steps in a row were skipped .*\(in blocks\.1\.fc\.weight\).*"
-                                           r"max_skipped_steps"):
+    with pytest.raises(
+        TierMemError,
+        match=r"3 steps in a row were skipped .*\(in blocks\.1\.fc\.weight\).*"
+        r"max_skipped_steps",
+    ):
         tm.step()
     assert same_state(before, tm.state_dict()) and tm.phase is Phase.IDLE
     bad.remove()

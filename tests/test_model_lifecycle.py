@@ -1,5 +1,6 @@
 """What a TieredModel holds (threads, host memory, NVMe files and the directory's lock) goes back
 when it is detached, left by a ``with`` block, or dropped (NOTE [A dropped model lets go])."""
+
 from __future__ import annotations
 
 import gc
@@ -23,8 +24,11 @@ def _threads() -> set[threading.Thread]:
     """Live threads but those a process keeps: the release worker (NOTE [Finalizers only enqueue])
     and, on a GPU, the one thread that pins host memory (NOTE [Registering host memory]), which
     the first model of a process starts."""
-    return {t for t in threading.enumerate()
-            if t.is_alive() and t.name != "tiermem-release" and not t.name.startswith("tiermem-pin")}
+    return {
+        t
+        for t in threading.enumerate()
+        if t.is_alive() and t.name != "tiermem-release" and not t.name.startswith("tiermem-pin")
+    }
 
 
 def _files(directory) -> list[str]:
@@ -186,6 +190,7 @@ def test_a_failed_construction_leaves_the_module_and_directory_as_they_were(tmp_
 
     def full(self, fd, bufs, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(NvmeStore, "_pwritev", full)
     with pytest.raises(TierMemError, match="No space left"):
         _build(model, tmp_path)  # writing the first weights to NVMe fails part way through construction
@@ -232,6 +237,7 @@ def test_a_forked_child_runs_none_of_the_parents_deferred_work(tmp_path):
         deferred.start()
         deferred.settle(timeout=5)
         return 0
+
     try:
         status = _in_forked_child(child)
     finally:
@@ -258,6 +264,7 @@ def test_a_forked_childs_copy_of_a_model_gives_back_nothing(tmp_path):
         deferred.settle(timeout=5)
         untouched = any(p._post_accumulate_grad_hooks for p in model.parameters())  # a release takes them off first
         return 0 if untouched and time.monotonic() - t0 < 2 else 1
+
     assert _in_forked_child(child) == 0
     assert _files(tmp_path) == files
     with open(tmp_path / "tiermem.lock") as f:
@@ -270,7 +277,8 @@ def test_a_forked_childs_copy_of_a_model_gives_back_nothing(tmp_path):
 def test_a_model_dropped_as_a_script_ends_leaves_no_files(tmp_path):
     """The release worker finishes before the interpreter's thread pools stop taking work, so
     the store still deletes its files (a model living in ``main()`` is dropped at every end)."""
-    run_python(f"""
+    run_python(
+        f"""
         import time
         from models import TinyGPT, train_steps
         from tiermem import TieredModel
@@ -284,7 +292,10 @@ def test_a_model_dropped_as_a_script_ends_leaves_no_files(tmp_path):
             deferred.defer(time.sleep, 0.5)  # the worker is busy: the release below runs during the exit
 
         main()
-    """, timeout=120, hang="a model dropped as the script ended kept the interpreter from exiting")
+    """,
+        timeout=120,
+        hang="a model dropped as the script ended kept the interpreter from exiting",
+    )
     assert _files(tmp_path) == []
 
 
@@ -292,7 +303,8 @@ def test_a_model_collected_inside_a_thread_pools_lock_does_not_deadlock(tmp_path
     """A GC pass can start inside ``ThreadPoolExecutor.submit``, which holds concurrent.futures'
     module-wide lock; a model collected there gives back on the release worker, not inline
     (NOTE [Finalizers only enqueue]). In a subprocess: a deadlock would wedge every pool."""
-    done = run_python(f"""
+    done = run_python(
+        f"""
         import concurrent.futures.thread, gc, os
         from models import TinyGPT, train_steps
         from tiermem import TieredModel
@@ -308,5 +320,8 @@ def test_a_model_collected_inside_a_thread_pools_lock_does_not_deadlock(tmp_path
             gc.collect()  # the model's finalizer runs here, on this thread, inside that lock
         deferred.settle()
         print(sorted(os.listdir({str(tmp_path)!r})))
-    """, timeout=90, hang="a model collected inside concurrent.futures' lock deadlocked")
+    """,
+        timeout=90,
+        hang="a model collected inside concurrent.futures' lock deadlocked",
+    )
     assert done.stdout.strip() == "[]"  # released after all: files and lock gone

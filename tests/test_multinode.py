@@ -3,6 +3,7 @@ machine, two "nodes" meeting through the c10d rendezvous, trains examples/train_
 ranks with each rank's NVMe files under ``--nvme-dir``/rank<global rank> and writes one
 torch.distributed.checkpoint directory that one process here loads. Tiny, with a deadline: it
 runs everywhere (2 CPU cores are enough); NCCL on real nodes is the README's."""
+
 from __future__ import annotations
 
 import os
@@ -32,16 +33,54 @@ def _free_port() -> int:
 
 
 def _node(port: int, nvme: Path, ck: Path, cwd: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "tiermem-two-nodes",
-           "--local-addr", "127.0.0.1", "--max-restarts", "0",
-           str(ROOT / "examples" / "train_gpt.py"), "--preset", "tiny", "--seq-len", "16", "--batch-size", "4",
-           "--steps", str(STEPS), "--log-every", "2", "--warmup", "1", "--eval-batches", "1", "--sample-tokens", "0",
-           "--policy", "state-on-nvme", "--nvme-dir", str(nvme), "--save", str(ck),
-           "--device", "cpu"]  # gloo: 4 ranks on any machine, a GPU one too
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "tiermem-two-nodes",
+        "--local-addr",
+        "127.0.0.1",
+        "--max-restarts",
+        "0",
+        str(ROOT / "examples" / "train_gpt.py"),
+        "--preset",
+        "tiny",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--steps",
+        str(STEPS),
+        "--log-every",
+        "2",
+        "--warmup",
+        "1",
+        "--eval-batches",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--policy",
+        "state-on-nvme",
+        "--nvme-dir",
+        str(nvme),
+        "--save",
+        str(ck),
+        "--device",
+        "cpu",
+    ]  # gloo: 4 ranks on any machine, a GPU one too
     env = {**os.environ, "TIERMEM_NO_COMPILE": "1"}  # torch's fused AdamW: no kernel compiled in each of 4 processes
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def test_two_nodes_of_two_ranks_train_the_example_and_checkpoint_it(tmp_path):
@@ -71,7 +110,10 @@ def test_two_nodes_of_two_ranks_train_the_example_and_checkpoint_it(tmp_path):
     assert [f for f in files if f.startswith("tiermem-rank")] == [f"tiermem-rank{r}.json" for r in range(4)]
     tok, _ = load_tokens()
     torch.manual_seed(0)
-    one = TieredModel(GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16)), device="cpu",
-                      optimizer=AdamW(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, no_decay_1d=True))
+    one = TieredModel(
+        GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16)),
+        device="cpu",
+        optimizer=AdamW(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, no_decay_1d=True),
+    )
     one.load(str(ck))  # 4 ranks' shards, every checksum checked, read by one process
     assert one.stepper.steps == STEPS

@@ -1,6 +1,7 @@
 """NvmeStore: bit-exact round trips (odd sizes, every dtype, 0-d, empty, aligned or not), per-key
 order, concurrency, overwrites in place through two slots (growth, shrink, the budget), the
 buffered fallback, bad input, injected disk failures mid-overwrite, crashes and corrupt files."""
+
 from __future__ import annotations
 
 import errno
@@ -20,9 +21,21 @@ from tiermem.memory.aligned import ALIGN, aligned_empty, round_up
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.nvme_dir import LOCK_NAME, probe_direct
 
-DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-          torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-          torch.float8_e4m3fn]
+DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+]
 SMALL_BLOCK = 4 * ALIGN  # many chunks per request with little data
 
 
@@ -35,15 +48,16 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
-def _random(shape: tuple[int, ...], dtype: torch.dtype, *, aligned: bool = False,
-            gen: torch.Generator | None = None) -> torch.Tensor:
+def _random(
+    shape: tuple[int, ...], dtype: torch.dtype, *, aligned: bool = False, gen: torch.Generator | None = None
+) -> torch.Tensor:
     """Random bit patterns (NaNs, denormals, any bool byte) of ``dtype``; page-aligned or 64 bytes
     off a page boundary (like a plain torch allocation), so both the in-place and the staged
     paths run."""
     nbytes = dtype.itemsize * max(1, int(torch.Size(shape).numel()))
     buf = aligned_empty(nbytes + 64, pin=False)
     start = 0 if aligned else 64
-    raw = buf[start:start + dtype.itemsize * int(torch.Size(shape).numel())]
+    raw = buf[start : start + dtype.itemsize * int(torch.Size(shape).numel())]
     raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8, generator=gen))
     if dtype == torch.bool:
         raw.clamp_(max=1)
@@ -110,10 +124,15 @@ def test_every_dtype_round_trips(shared_store, dtype):
 
 
 @settings(max_examples=60, deadline=None)
-@given(shape=st.one_of(st.just(()), st.tuples(st.integers(0, 3 * SMALL_BLOCK + 5)),
-                       st.tuples(st.integers(0, 40), st.integers(0, 300))),
-       dtype=st.sampled_from(DTYPES), aligned_src=st.booleans(), aligned_out=st.booleans(),
-       seed=st.integers(0, 2**31))
+@given(
+    shape=st.one_of(
+        st.just(()), st.tuples(st.integers(0, 3 * SMALL_BLOCK + 5)), st.tuples(st.integers(0, 40), st.integers(0, 300))
+    ),
+    dtype=st.sampled_from(DTYPES),
+    aligned_src=st.booleans(),
+    aligned_out=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
 def test_any_shape_dtype_alignment_round_trips(shared_store, shape, dtype, aligned_src, aligned_out, seed):
     x = _random(shape, dtype, aligned=aligned_src, gen=torch.Generator().manual_seed(seed))
     expected = x.clone()
@@ -126,8 +145,15 @@ def test_non_contiguous_source_and_keys_that_are_not_file_names(store, tmp_path)
     x = torch.arange(600, dtype=torch.float32).view(20, 30).t()  # not contiguous
     z = torch.randn(5, dtype=torch.complex64, generator=torch.Generator().manual_seed(1)).conj()
     assert _same(_round_trip(store, "lazy conj", z), z.resolve_conj())
-    keys = ["blocks.0.attn/qkv.weight:exp_avg", "../escape", "..", ".hidden", "a b\\c*?<>|",
-            "ünïcödé:κλειδί", "x" * 300]
+    keys = [
+        "blocks.0.attn/qkv.weight:exp_avg",
+        "../escape",
+        "..",
+        ".hidden",
+        "a b\\c*?<>|",
+        "ünïcödé:κλειδί",
+        "x" * 300,
+    ]
     for key in keys:
         assert _same(_round_trip(store, key, x), x)
     assert sorted(store.keys()) == sorted(keys + ["lazy conj"])
@@ -139,9 +165,15 @@ def test_non_contiguous_source_and_keys_that_are_not_file_names(store, tmp_path)
 # -- order and concurrency ------------------------------------------------------------------------
 def test_concurrent_writes_and_reads_of_many_keys(store):
     gen = torch.Generator().manual_seed(0)
-    values = {f"layer.{i}:exp_avg": _random((int(torch.randint(0, 5 * SMALL_BLOCK, (1,), generator=gen)),),
-                                            DTYPES[i % len(DTYPES)], aligned=i % 2 == 0, gen=gen)
-              for i in range(48)}
+    values = {
+        f"layer.{i}:exp_avg": _random(
+            (int(torch.randint(0, 5 * SMALL_BLOCK, (1,), generator=gen)),),
+            DTYPES[i % len(DTYPES)],
+            aligned=i % 2 == 0,
+            gen=gen,
+        )
+        for i in range(48)
+    }
     keys = list(values)
 
     def writer(part):
@@ -164,8 +196,12 @@ def test_concurrent_writes_and_reads_of_many_keys(store):
     assert store._staging.allocated <= 8  # the staging pool stays bounded by the I/O threads
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["write", "read", "delete"]), st.sampled_from("abc"),
-                         st.integers(0, 3 * SMALL_BLOCK // 4 + 3)), max_size=25)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["write", "read", "delete"]), st.sampled_from("abc"), st.integers(0, 3 * SMALL_BLOCK // 4 + 3)
+    ),
+    max_size=25,
+)
 
 
 @settings(max_examples=30, deadline=None)
@@ -336,14 +372,23 @@ BAD_INPUT = [
     (lambda s, d: NvmeStore(d, budget=-1), ConfigError, r"NvmeStore.budget=-1 is negative"),
     (lambda s, d: NvmeStore(d, io_threads=0), ConfigError, r"io_threads=0 must be an int >= 1"),
     (lambda s, d: NvmeStore(d, block_size=1000), ConfigError, r"block_size=1000 must be a positive multiple of 4096"),
-    (lambda s, d: s.write("big", torch.ones(2000)), OutOfTierMemory,
-     r"'big': asked 7.81 KiB, 40 B in use of 4.00 KiB allowed; pass a budget of at least 7.85 KiB"),
-    (lambda s, d: s.write("kept", torch.ones(1020)), OutOfTierMemory,  # fits alone, not beside the old value
-     r"'kept': asked 4.02 KiB, 0 B in use of 4.00 KiB allowed; 'kept' keeps its previous value \(40 B\) "
-     r"on disk beside the new one, .*pass a budget of at least 4.02 KiB"),
+    (
+        lambda s, d: s.write("big", torch.ones(2000)),
+        OutOfTierMemory,
+        r"'big': asked 7.81 KiB, 40 B in use of 4.00 KiB allowed; pass a budget of at least 7.85 KiB",
+    ),
+    (
+        lambda s, d: s.write("kept", torch.ones(1020)),
+        OutOfTierMemory,  # fits alone, not beside the old value
+        r"'kept': asked 4.02 KiB, 0 B in use of 4.00 KiB allowed; 'kept' keeps its previous value \(40 B\) "
+        r"on disk beside the new one, .*pass a budget of at least 4.02 KiB",
+    ),
     (lambda s, d: s.read("ghost", torch.empty(1)), StoreError, r"no tensor 'ghost' on the nvme tier"),
-    (lambda s, d: s.read("kept", torch.empty(11)), StoreError,
-     r"into a tensor of 11 x torch.float32: it holds 10 x torch.float32"),
+    (
+        lambda s, d: s.read("kept", torch.empty(11)),
+        StoreError,
+        r"into a tensor of 11 x torch.float32: it holds 10 x torch.float32",
+    ),
     (lambda s, d: s.read("kept", torch.empty(10, dtype=torch.int32)), StoreError, r"holds 10 x torch.float32"),
     (lambda s, d: s.read("kept", torch.empty(20)[::2]), StoreError, r"non-contiguous"),
     (lambda s, d: s.read("kept", torch._neg_view(torch.empty(10))), StoreError, r"lazily conjugated or negated"),
@@ -371,6 +416,7 @@ def test_bad_input_is_a_clear_error_and_stored_keys_survive(tmp_path, make_error
 
 def test_default_budget_is_the_free_space(tmp_path):
     import shutil
+
     with NvmeStore(tmp_path) as s:
         assert abs(s.allowed - shutil.disk_usage(tmp_path).free) < 2**30
         s.write("k", torch.ones(4)).wait()
@@ -378,8 +424,9 @@ def test_default_budget_is_the_free_space(tmp_path):
 
 
 # -- disk failures and corrupt files --------------------------------------------------------------
-@pytest.mark.parametrize("seam, code", [("_pwritev", errno.ENOSPC), ("_fallocate", errno.ENOSPC),
-                                        ("_pwritev", errno.EIO)])
+@pytest.mark.parametrize(
+    "seam, code", [("_pwritev", errno.ENOSPC), ("_fallocate", errno.ENOSPC), ("_pwritev", errno.EIO)]
+)
 def test_failed_write_keeps_the_previous_value(store, tmp_path, monkeypatch, seam, code):
     old = _random((3 * SMALL_BLOCK + 3,), torch.bfloat16)
     store.write("k", old).wait()
@@ -392,8 +439,11 @@ def test_failed_write_keeps_the_previous_value(store, tmp_path, monkeypatch, sea
     monkeypatch.setattr(store, seam, fail)
     fix = "free space on that filesystem, pass a different nvme_dir" if code == errno.ENOSPC else "check the disk"
     h = store.write("k", _random((10 * SMALL_BLOCK,), torch.float32))
-    with pytest.raises(TierMemError, match=rf"write of 'k' .* in {tmp_path} failed: {os.strerror(code)}; "
-                                           rf"'k' keeps its previous value; {fix}"):
+    with pytest.raises(
+        TierMemError,
+        match=rf"write of 'k' .* in {tmp_path} failed: {os.strerror(code)}; "
+        rf"'k' keeps its previous value; {fix}",
+    ):
         h.wait()
     h2 = store.write("fresh", torch.ones(3))
     with pytest.raises(StoreError, match="'fresh' holds no value"):
@@ -451,8 +501,7 @@ def test_spoiled_file_is_a_clear_error(store, tmp_path, spoil, message):
 # -- overwrites: two slots, reused in place ----------------------------------------------------------
 def test_overwrites_reuse_the_two_slot_files_in_place(store, tmp_path):
     n = 3 * SMALL_BLOCK + 3
-    values = [_random((n,), torch.uint8, aligned=i % 2 == 0, gen=torch.Generator().manual_seed(i))
-              for i in range(12)]
+    values = [_random((n,), torch.uint8, aligned=i % 2 == 0, gen=torch.Generator().manual_seed(i)) for i in range(12)]
     other = _random((5,), torch.int64)
     store.write("other", other).wait()
     inodes = None
@@ -489,18 +538,19 @@ def test_values_that_grow_and_shrink(tmp_path, direct):
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
 @pytest.mark.parametrize("where", ["blanking the header", "a middle chunk", "the switch"])
-def test_failure_in_the_middle_of_an_overwrite_keeps_the_previous_value(store, tmp_path, monkeypatch,
-                                                                          where, code):
+def test_failure_in_the_middle_of_an_overwrite_keeps_the_previous_value(store, tmp_path, monkeypatch, where, code):
     old = [_random((3 * SMALL_BLOCK + 3,), torch.float32) for _ in range(2)]
     for x in old:  # both slots exist: the overwrite goes over the older one, in place
         store.write("k", x).wait()
     real, hit = store._pwritev, []
 
     def failing(fd, bufs, offset):
-        head = bytes(memoryview(bufs[0])[:len(nio.MAGIC)])
-        if {"blanking the header": offset == 0 and head == bytes(len(nio.MAGIC)),
-                "a middle chunk": offset == nio.HEADER + 2 * SMALL_BLOCK,
-                "the switch": offset == 0 and head == nio.MAGIC}[where]:
+        head = bytes(memoryview(bufs[0])[: len(nio.MAGIC)])
+        if {
+            "blanking the header": offset == 0 and head == bytes(len(nio.MAGIC)),
+            "a middle chunk": offset == nio.HEADER + 2 * SMALL_BLOCK,
+            "the switch": offset == 0 and head == nio.MAGIC,
+        }[where]:
             hit.append(offset)
             raise OSError(code, os.strerror(code))
         return real(fd, bufs, offset)
@@ -544,14 +594,17 @@ def test_a_crash_mid_overwrite_leaves_the_previous_value_and_never_a_torn_one(st
     h = store.write("k", _random((3, 2000), torch.float32))  # over slot 0, which holds v0
     assert held.wait(10)
     crashed = {name: (tmp_path / name).read_bytes() for name in _slots("k")}
-    assert crashed[_slots("k")[0]][:nio.HEADER] == bytes(nio.HEADER)  # blanked before any data moved
+    assert crashed[_slots("k")[0]][: nio.HEADER] == bytes(nio.HEADER)  # blanked before any data moved
     release.set()
     h.wait()
     monkeypatch.undo()
     for name, raw in crashed.items():
         (tmp_path / name).write_bytes(raw)
-    with pytest.raises(StoreError, match=r"its header is blank \(a write to it did not finish\); 'k' falls "
-                                         r"back to its previous value \(4000 x torch.bfloat16"):
+    with pytest.raises(
+        StoreError,
+        match=r"its header is blank \(a write to it did not finish\); 'k' falls "
+        r"back to its previous value \(4000 x torch.bfloat16",
+    ):
         store.read("k", torch.empty(3, 2000)).wait()
     out = torch.empty(4, 1000, dtype=torch.bfloat16)
     store.read("k", out).wait()
@@ -559,15 +612,21 @@ def test_a_crash_mid_overwrite_leaves_the_previous_value_and_never_a_torn_one(st
     assert _files(tmp_path) == [nio.file_name("k", 1)] and store.used == v1.numel() * 2
 
 
-@pytest.mark.parametrize("spoil, message", SPOILS + [
-    (lambda path: _restamp(path, gen=0), r"its header describes .*'gen': 0.*, not the value the store wrote")])
+@pytest.mark.parametrize(
+    "spoil, message",
+    SPOILS
+    + [(lambda path: _restamp(path, gen=0), r"its header describes .*'gen': 0.*, not the value the store wrote")],
+)
 def test_spoiled_latest_slot_falls_back_to_the_previous_value(store, tmp_path, spoil, message):
     v0, v1, v2 = _random((2500,), torch.float32), _random((50, 50), torch.float32), _random((700,), torch.int16)
     for x in (v0, v1, v2):  # slot 0: v2 (gen 2), slot 1: v1 (gen 1)
         store.write("k", x).wait()
     spoil(tmp_path / nio.file_name("k", 0))
-    with pytest.raises(StoreError, match=message + r"; 'k' falls back to its previous value \(2500 x "
-                                                   r"torch.float32, .*read 'k' again to get that value"):
+    with pytest.raises(
+        StoreError,
+        match=message + r"; 'k' falls back to its previous value \(2500 x "
+        r"torch.float32, .*read 'k' again to get that value",
+    ):
         store.read("k", torch.empty(700, dtype=torch.int16)).wait()
     assert store.meta("k") == ((50, 50), torch.float32) and store.used == 2500 * 4
     assert _same(_round_trip(store, "other", v2), v2)  # other keys are not involved
@@ -594,9 +653,12 @@ def test_both_slots_spoiled_is_a_clear_error_and_an_older_slot_does_not_matter(s
     store.read("k", out).wait()
     assert _same(out, v1)
     _damage_header(tmp_path / nio.file_name("k", 1))
-    with pytest.raises(StoreError, match=r"\.1\.tmn holding 'k' is corrupt: its header is damaged; so is the "
-                                         r"previous value's: .*\.0\.tmn holding 'k' is truncated .*; the stored "
-                                         r"value is lost: write 'k' again"):
+    with pytest.raises(
+        StoreError,
+        match=r"\.1\.tmn holding 'k' is corrupt: its header is damaged; so is the "
+        r"previous value's: .*\.0\.tmn holding 'k' is truncated .*; the stored "
+        r"value is lost: write 'k' again",
+    ):
         store.read("k", out).wait()
     assert "k" in store
     assert _same(_round_trip(store, "k", v0), v0)
@@ -630,4 +692,3 @@ def test_revert_undoes_the_latest_write_once(store, tmp_path):
     with pytest.raises(StoreError, match=r"no tensor 'ghost'"):
         store.revert("ghost")
     assert _same(_round_trip(store, "k", v1), v1)  # writing goes on from the reverted value
-

@@ -1,5 +1,6 @@
 """Gradients homed on NVMe: same numbers as on the host, with micro-batches and parameters that
 get no gradient; host memory holds buckets in flight, not every gradient."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,20 +13,35 @@ from tiermem.plan.policy import PerClass
 
 
 class GradsOnNvme(PerClass):
-    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.ACTIVATION: Tier.DEVICE,
-             TensorClass.GRAD: Tier.NVME, TensorClass.OPTIM_STATE: Tier.HOST}
+    homes = {
+        TensorClass.PARAM: Tier.DEVICE,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+        TensorClass.GRAD: Tier.NVME,
+        TensorClass.OPTIM_STATE: Tier.HOST,
+    }
 
 
 class EverythingOnNvme(PerClass):
-    homes = {TensorClass.PARAM: Tier.NVME, TensorClass.ACTIVATION: Tier.NVME,
-             TensorClass.GRAD: Tier.NVME, TensorClass.OPTIM_STATE: Tier.NVME}
+    homes = {
+        TensorClass.PARAM: Tier.NVME,
+        TensorClass.ACTIVATION: Tier.NVME,
+        TensorClass.GRAD: Tier.NVME,
+        TensorClass.OPTIM_STATE: Tier.NVME,
+    }
 
 
 def _run(policy, tmp, precision="bf16", accum=1, quirky=False, steps=4):
     torch.manual_seed(21)
     model = Quirky() if quirky else TinyGPT(n_layer=3)
-    tm = TieredModel(model, policy, optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision=precision,
-                     grad_clip=0.5, bucket_size=2500, nvme_dir=str(tmp) if tmp else None)
+    tm = TieredModel(
+        model,
+        policy,
+        optimizer=AdamW(lr=1e-2, weight_decay=0.1),
+        precision=precision,
+        grad_clip=0.5,
+        bucket_size=2500,
+        nvme_dir=str(tmp) if tmp else None,
+    )
     losses = []
     for i in range(steps):
         for j in range(accum):
@@ -90,8 +106,14 @@ def test_a_backward_that_stops_early_never_steps_on_old_grads(tmp_path):
     results = []
     for policy, tmp in ((ZeroOffload(), None), (GradsOnNvme(), tmp_path)):
         torch.manual_seed(22)
-        tm = TieredModel(TinyGPT(n_layer=3), policy, optimizer=AdamW(lr=1e-2), precision="fp32",
-                         bucket_size=2500, nvme_dir=str(tmp) if tmp else None)
+        tm = TieredModel(
+            TinyGPT(n_layer=3),
+            policy,
+            optimizer=AdamW(lr=1e-2),
+            precision="fp32",
+            bucket_size=2500,
+            nvme_dir=str(tmp) if tmp else None,
+        )
         for i in range(3):
             x, y = gpt_batch(i)
             if i == 1:

@@ -3,6 +3,7 @@ chunks of at least HASH_HANDOFF bytes are hashed on the store's hashing threads 
 threads move the next chunks; the checksum stays the one the file format defines; a request ends
 only once every chunk's I/O and hash ended; a write of concurrent parts whose one part fails (I/O
 or hash) never switches the value; a torn read is detected; small chunks are hashed inline."""
+
 from __future__ import annotations
 
 import errno
@@ -26,7 +27,7 @@ def _value(nbytes: int, seed: int, *, aligned: bool = True) -> torch.Tensor:
     """Random bytes, page-aligned (read and written in place) or 64 bytes off (staged)."""
     g = torch.Generator().manual_seed(seed)
     buf = aligned_empty(nbytes + 64, pin=False)
-    x = buf[0:nbytes] if aligned else buf[64:64 + nbytes]
+    x = buf[0:nbytes] if aligned else buf[64 : 64 + nbytes]
     return x.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g))
 
 
@@ -62,16 +63,17 @@ def hashed_on(monkeypatch) -> list[str]:
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["in place", "staged"])
 def test_big_chunks_are_hashed_on_the_hashing_threads_and_the_checksum_is_the_formats(
-        store, tmp_path, hashed_on, aligned):
+    store, tmp_path, hashed_on, aligned
+):
     x = _value(N, 1, aligned=aligned)
     store.write("k", x).wait()
     assert len(hashed_on) == 4 and all(n.startswith("tiermem-nvme-hash") for n in hashed_on)
     want = nio.combine([nio.digest(x[b0:b1]) for b0, b1 in nio.chunks(N, BLOCK)])
     raw = (tmp_path / nio.file_name("k", 0)).read_bytes()
-    assert f'"xxh3": "{want:016x}", "chunk": {BLOCK}'.encode() in raw[:nio.HEADER]
+    assert f'"xxh3": "{want:016x}", "chunk": {BLOCK}'.encode() in raw[: nio.HEADER]
     hashed_on.clear()
     out = aligned_empty(N + 64, pin=False)
-    out = (out[:N] if aligned else out[64:64 + N]).zero_()
+    out = (out[:N] if aligned else out[64 : 64 + N]).zero_()
     store.read("k", out).wait()
     assert torch.equal(out, x)
     assert len(hashed_on) == 4 and all(n.startswith("tiermem-nvme-hash") for n in hashed_on)
@@ -101,7 +103,7 @@ def test_a_request_ends_only_once_its_last_hash_ended(store, tmp_path, monkeypat
     x = _value(N, 3)
     h = store.write("k", x)
     assert held.wait(10)
-    assert not h.done() and (tmp_path / nio.file_name("k", 0)).read_bytes()[:nio.HEADER] == bytes(nio.HEADER)
+    assert not h.done() and (tmp_path / nio.file_name("k", 0)).read_bytes()[: nio.HEADER] == bytes(nio.HEADER)
     release.set()
     h.wait()
     held.clear()
@@ -170,7 +172,7 @@ def test_a_torn_read_is_detected_and_falls_back(store, monkeypatch):
         if offset == nio.HEADER + 2 * BLOCK and not tore:  # once: the fall back reads the other slot whole
             tore.append(offset)
             view = memoryview(bufs[0]).cast("B")
-            view[BLOCK // 2:] = bytes(len(view) - BLOCK // 2)
+            view[BLOCK // 2 :] = bytes(len(view) - BLOCK // 2)
         return got
 
     monkeypatch.setattr(store, "_preadv", torn)
@@ -191,7 +193,7 @@ def test_short_reads_are_completed_before_the_chunk_is_hashed(store, monkeypatch
     def short(fd, bufs, offset):
         first = memoryview(bufs[0]).cast("B")
         if len(first) > 3 * 4096:
-            bufs = [first[:len(first) // 3 // 4096 * 4096]]  # a third of the first buffer, page-aligned
+            bufs = [first[: len(first) // 3 // 4096 * 4096]]  # a third of the first buffer, page-aligned
             pieces.append(offset)
         return real(fd, bufs, offset)
 

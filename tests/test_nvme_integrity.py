@@ -2,6 +2,7 @@
 header byte, a truncated file, another key's file, a planted symlink), each with its error and
 with every other stored value unchanged; files are 0600 and never opened through a symlink; a
 directory is owned by one store at a time (NOTE [One store owns a directory])."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -68,8 +69,11 @@ def _symlink(path, tmp_path) -> None:
 
 
 DEFECTS = [
-    (_flip_data, r"is corrupt: its data fails its checksum \(xxh3 [0-9a-f]{16}, the header says [0-9a-f]{16}: "
-                r"bytes changed on disk after tiermem wrote them\)"),
+    (
+        _flip_data,
+        r"is corrupt: its data fails its checksum \(xxh3 [0-9a-f]{16}, the header says [0-9a-f]{16}: "
+        r"bytes changed on disk after tiermem wrote them\)",
+    ),
     (_flip_header, r"is corrupt: its header is damaged"),
     (_truncate, r"is truncated \(20480 bytes on disk, \d+ expected\)"),
     (_other_keys_file, r"is corrupt: its header describes \{'key': 'other'.*\}, not the value the store wrote"),
@@ -96,8 +100,11 @@ def test_a_damaged_latest_value_is_an_error_and_falls_back_intact(tmp_path, defe
         v0, v1, other = _stored(store, tmp_path)
         path = tmp_path / nio.file_name("k", 1)
         defect(path, tmp_path)
-        with pytest.raises(StoreError, match=rf"^tiermem: NVMe file {path} holding 'k' {message}; 'k' falls back "
-                                             rf"to its previous value .*resume from the last checkpoint"):
+        with pytest.raises(
+            StoreError,
+            match=rf"^tiermem: NVMe file {path} holding 'k' {message}; 'k' falls back "
+            rf"to its previous value .*resume from the last checkpoint",
+        ):
             _read(store, "k", v1)
         assert (tmp_path / "target").read_bytes() == b"precious"
         assert not os.path.lexists(path)  # the damaged slot (or the planted link) is gone, never followed
@@ -118,9 +125,12 @@ def test_a_damaged_only_value_is_lost_never_returned(tmp_path, defect, message):
         (tmp_path / "target").write_bytes(b"precious")
         path = tmp_path / nio.file_name("k", 0)
         defect(path, tmp_path)
-        with pytest.raises(StoreError, match=rf"^tiermem: NVMe file {path} holding 'k' {message}; the stored value "
-                                             rf"is lost: write 'k' again \(a training run: resume from the last "
-                                             rf"checkpoint\)"):
+        with pytest.raises(
+            StoreError,
+            match=rf"^tiermem: NVMe file {path} holding 'k' {message}; the stored value "
+            rf"is lost: write 'k' again \(a training run: resume from the last "
+            rf"checkpoint\)",
+        ):
             _read(store, "k", x)
         assert (tmp_path / "target").read_bytes() == b"precious"
         assert _same(_read(store, "other", other), other)
@@ -132,9 +142,12 @@ def test_a_damaged_previous_value_is_not_fallen_back_to(tmp_path):
         v0, v1, other = _stored(store, tmp_path)
         _flip_data(tmp_path / nio.file_name("k", 0), tmp_path)
         _flip_header(tmp_path / nio.file_name("k", 1), tmp_path)
-        with pytest.raises(StoreError, match=r"its header is damaged; so is the previous value's: .*\.0\.tmn "
-                                             r"holding 'k' is corrupt: its data fails its checksum.*the stored "
-                                             r"value is lost"):
+        with pytest.raises(
+            StoreError,
+            match=r"its header is damaged; so is the previous value's: .*\.0\.tmn "
+            r"holding 'k' is corrupt: its data fails its checksum.*the stored "
+            r"value is lost",
+        ):
             _read(store, "k", v1)
         assert _same(_read(store, "other", other), other)
 
@@ -153,10 +166,13 @@ def test_after_a_fall_back_keys_written_since_the_previous_value_are_refused(tmp
         with pytest.raises(StoreError, match="falls back to its previous value"):
             _read(store, "a", gens[1][0])
         assert _same(_read(store, "a", gens[0][0]), gens[0][0])
-        with pytest.raises(StoreError, match=r"^tiermem: refusing to read 'b' from .*: it was written after the "
-                                             r"value 'a' fell back to \(NVMe file .* holding 'a' is corrupt: its "
-                                             r"data fails its checksum.*\); read together they would mix two "
-                                             r"generations .*resume from the last checkpoint, or write 'b' again"):
+        with pytest.raises(
+            StoreError,
+            match=r"^tiermem: refusing to read 'b' from .*: it was written after the "
+            r"value 'a' fell back to \(NVMe file .* holding 'a' is corrupt: its "
+            r"data fails its checksum.*\); read together they would mix two "
+            r"generations .*resume from the last checkpoint, or write 'b' again",
+        ):
             _read(store, "b", gens[1][1])
         assert _same(_read(store, "old", old), old)
         store.write("b", gens[0][1]).wait()
@@ -169,7 +185,7 @@ def test_checksums_are_computed_while_writing_and_checked_on_every_read(tmp_path
         store.write("k", x).wait()
         raw = (tmp_path / nio.file_name("k", 0)).read_bytes()
         digests = [nio.digest(x.view(torch.uint8)[b0:b1]) for b0, b1 in nio.chunks(x.nbytes, BLOCK)]
-        assert f'"xxh3": "{nio.combine(digests):016x}", "chunk": {BLOCK}'.encode() in raw[:nio.HEADER]
+        assert f'"xxh3": "{nio.combine(digests):016x}", "chunk": {BLOCK}'.encode() in raw[: nio.HEADER]
         assert store.checksums
 
 
@@ -205,9 +221,12 @@ def test_a_symlink_planted_at_a_slot_is_never_written_through(tmp_path):
         store.write("k", x).wait()
         (tmp_path / "target").write_bytes(b"precious")
         os.symlink(tmp_path / "target", tmp_path / nio.file_name("k", 1))  # where the next write goes
-        with pytest.raises(StoreError, match=r"write of 'k' .* failed: Too many levels of symbolic links; 'k' keeps "
-                                             r"its previous value; .*\.1\.tmn is a symbolic link, which tiermem "
-                                             r"never writes through \(its target is untouched\)"):
+        with pytest.raises(
+            StoreError,
+            match=r"write of 'k' .* failed: Too many levels of symbolic links; 'k' keeps "
+            r"its previous value; .*\.1\.tmn is a symbolic link, which tiermem "
+            r"never writes through \(its target is untouched\)",
+        ):
             store.write("k", _value(N, 9)).wait()
         assert (tmp_path / "target").read_bytes() == b"precious"
         assert _same(_read(store, "k", x), x)
@@ -236,9 +255,12 @@ def test_a_second_store_in_this_process_is_refused_until_the_first_closes(tmp_pa
     first.write("k", torch.ones(3)).wait()
     lock = tmp_path / LOCK_NAME
     assert lock.read_text() == f"{os.getpid()}\n" and stat.S_IMODE(os.stat(lock).st_mode) == 0o600
-    with pytest.raises(ConfigError, match=rf"^tiermem: NVMe directory {tmp_path} is in use by another NvmeStore, "
-                                          rf"in this process \(pid {os.getpid()}\): close the other NvmeStore "
-                                          rf"first.*or pass another nvme_dir"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^tiermem: NVMe directory {tmp_path} is in use by another NvmeStore, "
+        rf"in this process \(pid {os.getpid()}\): close the other NvmeStore "
+        rf"first.*or pass another nvme_dir",
+    ):
         NvmeStore(tmp_path)
     assert _same(_read(first, "k", torch.ones(3)), torch.ones(3))  # the owner is unaffected
     first.close()
@@ -257,8 +279,11 @@ def test_a_store_in_another_process_is_refused_with_its_pid_then_taken(tmp_path)
     holder.start()
     try:
         assert ready.wait(60)
-        with pytest.raises(ConfigError, match=rf"in use by another NvmeStore, in process {holder.pid}: stop that "
-                                              rf"run first"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"in use by another NvmeStore, in process {holder.pid}: stop that "
+            rf"run first",
+        ):
             NvmeStore(tmp_path)
         prober = ctx.Process(target=_try, args=(str(tmp_path), queue))  # a third process is refused alike
         prober.start()

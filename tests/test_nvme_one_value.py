@@ -2,6 +2,7 @@
 later writes go over in place, failed and torn writes that keep the current value whole, damage
 that is reported as lost (nothing to fall back to), the budget, and spares left by a killed run.
 NOTE [One value per key, and a few spare files] in tiermem/memory/nvme_keys.py."""
+
 from __future__ import annotations
 
 import errno
@@ -59,8 +60,7 @@ def test_each_key_holds_one_file_and_spares_are_reused_in_place(store, tmp_path)
             assert torch.equal(_read(store, key, x), x)
         slots = [name for name in _files(tmp_path) if not name.startswith("spare-")]
         # one slot file per key at rest, and no more spares than the pool allows
-        assert sorted(slots) == sorted(nio.file_name(k, 0) if round_ % 2 == 0 else nio.file_name(k, 1)
-                                       for k in sizes)
+        assert sorted(slots) == sorted(nio.file_name(k, 0) if round_ % 2 == 0 else nio.file_name(k, 1) for k in sizes)
         assert len(_spares(tmp_path)) <= 2
         # the budget counts each value once, plus the spares' payload
         spare_payload = sum(os.path.getsize(tmp_path / s) - nio.HEADER for s in _spares(tmp_path))
@@ -89,6 +89,7 @@ def test_a_write_torn_mid_way_keeps_the_current_value_whole(store, tmp_path, mon
         if len(calls) > 2:
             raise OSError(code, os.strerror(code))
         return real(fd, bufs, offset)
+
     monkeypatch.setattr(store, "_pwritev", torn)
     with pytest.raises(StoreError, match=rf"write of 'k' .* failed: {os.strerror(code)}; 'k' keeps its previous value"):
         store.write("k", _value(5 * 1024, 4)).wait()
@@ -168,11 +169,14 @@ def test_spares_left_by_a_killed_run_are_taken_over_and_close_removes_them(tmp_p
     assert _spares(tmp_path) == []
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"keep_previous": "no"}, r"NvmeStore.keep_previous='no' must be True or False"),
-    ({"spares": -1}, r"NvmeStore.spares=-1 must be an int >= 0"),
-    ({"spares": True}, r"NvmeStore.spares=True must be an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"keep_previous": "no"}, r"NvmeStore.keep_previous='no' must be True or False"),
+        ({"spares": -1}, r"NvmeStore.spares=-1 must be an int >= 0"),
+        ({"spares": True}, r"NvmeStore.spares=True must be an int >= 0"),
+    ],
+)
 def test_bad_arguments_are_refused(tmp_path, kw, message):
     with pytest.raises(ConfigError, match=message):
         NvmeStore(tmp_path, **kw)

@@ -1,4 +1,5 @@
 """Optimizer state on NVMe: same numbers as in memory, bounded host memory, atomic steps, resume."""
+
 from __future__ import annotations
 
 import collections
@@ -11,7 +12,13 @@ import sys
 import pytest
 import torch
 
-from models import TinyGPT, gpt_batch, gpt_loss, same_state, train_steps as _train  # _train: test_param_offload imports it
+from models import (
+    TinyGPT,
+    gpt_batch,
+    gpt_loss,
+    same_state,
+    train_steps as _train,
+)  # _train: test_param_offload imports it
 from tiermem import AdamW, Budgets, StoreError, TensorClass, TieredModel, Tier
 from tiermem.policies import ZeroInfinity, ZeroOffload
 from tiermem.plan.policy import Policy
@@ -32,9 +39,16 @@ class StateOnNvme(Policy):
 
 def _make(policy, tmp_path, precision="bf16", bucket=2000, n_layer=2, **kw):
     torch.manual_seed(11)
-    return TieredModel(TinyGPT(n_layer=n_layer), policy, optimizer=AdamW(lr=1e-2, weight_decay=0.1),
-                       precision=precision, grad_clip=1.0, bucket_size=bucket,
-                       nvme_dir=str(tmp_path) if tmp_path else None, **kw)
+    return TieredModel(
+        TinyGPT(n_layer=n_layer),
+        policy,
+        optimizer=AdamW(lr=1e-2, weight_decay=0.1),
+        precision=precision,
+        grad_clip=1.0,
+        bucket_size=bucket,
+        nvme_dir=str(tmp_path) if tmp_path else None,
+        **kw,
+    )
 
 
 def _trains_like(tm, ref, steps):
@@ -81,6 +95,7 @@ class _disk_fails:
             if self.calls > self.after:
                 raise OSError(self.code, os.strerror(self.code))
             return real(fd, bufs, offset)
+
         self.store._pwritev = write
         return self
 
@@ -139,6 +154,7 @@ def test_resume_from_nvme_state_is_bit_identical(tmp_path):
 
 def test_nvme_placement_needs_a_directory_and_room(tmp_path):
     from tiermem import ConfigError, OutOfTierMemory
+
     with pytest.raises(ConfigError, match="pass nvme_dir"):
         _make(StateOnNvme(), None)
     with pytest.raises(OutOfTierMemory, match=r"out of nvme memory.*optimizer state \(one value per key\)"):
@@ -167,8 +183,11 @@ def test_corrupt_state_is_detected_every_retry_refuses_and_a_checkpoint_resumes(
     x, y = gpt_batch(3)
     tm.backward(gpt_loss(tm(x), y))
     for _ in range(3):
-        with pytest.raises(StoreError, match=rf"holding '{key}' is corrupt.*the stored value is lost.*resume from "
-                                             rf"the last checkpoint"):
+        with pytest.raises(
+            StoreError,
+            match=rf"holding '{key}' is corrupt.*the stored value is lost.*resume from "
+            rf"the last checkpoint",
+        ):
             tm.step()
     tm.load(ckpt)  # writes every key again
     ref = _make(StateOnNvme(), tmp_path / "ref")
@@ -188,7 +207,11 @@ def test_a_run_killed_mid_step_resumes_bit_exact_from_its_checkpoint(tmp_path, p
     d = tmp_path / "nvme"
     d.mkdir()
     ckpt = tmp_path / "ckpt"
-    child = subprocess.run([sys.executable, "-c", f"""
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import os, signal, sys
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 from test_nvme_state import _make, _train, _policy
@@ -209,7 +232,12 @@ def write(fd, bufs, offset):
 store._pwritev = write
 tm.step()
 print("the step finished: not killed")
-"""], capture_output=True, text=True, timeout=120)
+""",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
     (tmp_path / "ref").mkdir()
     ref = _make(_policy(policy), tmp_path / "ref")
@@ -235,8 +263,9 @@ def test_zero_infinity_holds_each_value_once_on_disk(tmp_path):
     width, depth = 512, 80
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(depth)))
     n = width * width * depth
-    tm = TieredModel(model, ZeroInfinity(), optimizer=AdamW(lr=1e-3), precision="bf16", bucket_size="512KiB",
-                     nvme_dir=str(tmp_path))
+    tm = TieredModel(
+        model, ZeroInfinity(), optimizer=AdamW(lr=1e-3), precision="bf16", bucket_size="512KiB", nvme_dir=str(tmp_path)
+    )
     x = torch.randn(8, width)
     for _ in range(3):
         tm.backward(tm(x).float().square().mean())
@@ -252,9 +281,11 @@ def test_zero_infinity_holds_each_value_once_on_disk(tmp_path):
     assert all(count <= store._spares.limit for count in bands.values())  # at most `limit` of each size band
 
     def du(*paths) -> int:
-        out = subprocess.run(["du", "-s", "-c", "--block-size=1", *map(str, paths)], capture_output=True,
-                             text=True, check=True).stdout
+        out = subprocess.run(
+            ["du", "-s", "-c", "--block-size=1", *map(str, paths)], capture_output=True, text=True, check=True
+        ).stdout
         return int(out.splitlines()[-1].split()[0])
+
     payload = 14 * n  # bf16 weights 2 B + fp32 master, exp_avg, exp_avg_sq 12 B, each once
     assert du(*slots) == payload + 4096 * len(slots)  # each value once, and its file's header
     largest = 4096 + 12 * max(b.numel for b in tm.layout.buckets)

@@ -2,6 +2,7 @@
 subclass]): inside ``tm(...)`` and ``tm.backward(...)`` by any module's code and any op or view, in
 recomputed forwards of both checkpointing modes, and outside them (with or without
 ``tm.resident(...)``); never a made-up value."""
+
 from __future__ import annotations
 
 import copy
@@ -35,7 +36,7 @@ READS = {
     ".view": lambda h, w: h * w.view(-1)[:D],
     "indexing": lambda h, w: h * w[1] + w[:, 2],
     "elementwise *": lambda h, w: (h.unsqueeze(-1) * w).sum(-2),
-    "torch.cat": lambda h, w: h @ torch.cat([w, w], 0)[D // 2:D // 2 + D],
+    "torch.cat": lambda h, w: h @ torch.cat([w, w], 0)[D // 2 : D // 2 + D],
     "einsum": lambda h, w: torch.einsum("btd,de->bte", h, w),
     "chunk + stack": lambda h, w: h @ torch.cat(w.chunk(2, dim=0), 0),
     "expand + reduce": lambda h, w: h + w.unsqueeze(0).expand(3, D, D).sum(0).sum(0),

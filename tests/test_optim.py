@@ -5,6 +5,7 @@ and clip_coef equal unscaling and clipping first, flat views, threads, no recomp
 The compiled variants used here are few on purpose: each one costs a compile the first time this
 machine runs the tests (inductor's cache keeps them for later runs).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,16 +23,23 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # (grad dtype, out dtype, adamw, beta1 choices): the compiled variants the tests exercise. beta1 <= 0.5
 # makes torch's lerp_ weight 1-beta1 >= 0.5, where it computes from the far end (its own variant).
 NEAR, FAR = [0.9, 0.95, 0.8], [0.5, 0.3, 0.0]
-VARIANTS = [(BF16, BF16, True, NEAR), (FP32, BF16, True, NEAR), (FP32, None, True, NEAR),
-            (FP16, FP16, False, NEAR), (BF16, FP32, False, FAR)]
+VARIANTS = [
+    (BF16, BF16, True, NEAR),
+    (FP32, BF16, True, NEAR),
+    (FP32, None, True, NEAR),
+    (FP16, FP16, False, NEAR),
+    (BF16, FP32, False, FAR),
+]
 SIZES = st.one_of(st.sampled_from([1, 2, 3, 15, 16, 17, 31, 97, 1021, 4099]), st.integers(1, 3000))
-HYPER = st.fixed_dictionaries({
-    "lr": st.sampled_from([1e-4, 1e-3, 3e-2, 0.0]),
-    "beta1": st.sampled_from([0.9, 0.5, 0.3, 0.0]),  # lerp weight 1-beta1 on both sides of 0.5
-    "beta2": st.sampled_from([0.999, 0.95, 0.0]),
-    "eps": st.sampled_from([1e-8, 1e-6, 0.0]),
-    "weight_decay": st.sampled_from([0.0, 0.1, 1e-2]),
-})
+HYPER = st.fixed_dictionaries(
+    {
+        "lr": st.sampled_from([1e-4, 1e-3, 3e-2, 0.0]),
+        "beta1": st.sampled_from([0.9, 0.5, 0.3, 0.0]),  # lerp weight 1-beta1 on both sides of 0.5
+        "beta2": st.sampled_from([0.999, 0.95, 0.0]),
+        "eps": st.sampled_from([1e-8, 1e-6, 0.0]),
+        "weight_decay": st.sampled_from([0.0, 0.1, 1e-2]),
+    }
+)
 
 
 def make_state(n: int, seed: int, grad_dtype=FP32, steps: int = 1):
@@ -51,8 +59,9 @@ def run(impl, state, grads, hp, *, adamw=True, out_dtype=None, first_step=1, **k
     master, exp_avg, exp_avg_sq = clone_all(*state)
     out = torch.empty_like(master, dtype=out_dtype) if out_dtype is not None else None
     for i, g in enumerate(grads):
-        found = adam_step(master, exp_avg, exp_avg_sq, g, step=first_step + i, adamw=adamw, out=out,
-                          impl=impl, **hp, **kw)
+        found = adam_step(
+            master, exp_avg, exp_avg_sq, g, step=first_step + i, adamw=adamw, out=out, impl=impl, **hp, **kw
+        )
         assert found is False
     return master, exp_avg, exp_avg_sq, out
 
@@ -65,9 +74,15 @@ def assert_bits_equal(a, b):
 
 # -- compiled kernel == reference, bit for bit (NOTE [FMA parity]) ------------------------------------
 @settings(max_examples=30, deadline=None)
-@given(n=SIZES, hp=HYPER, variant=st.sampled_from(VARIANTS), seed=st.integers(0, 2**16),
-       scale=st.sampled_from([(1.0, 1.0), (1024.0, 1.0), (3.0, 0.37)]), small_chunks=st.booleans(),
-       data=st.data())
+@given(
+    n=SIZES,
+    hp=HYPER,
+    variant=st.sampled_from(VARIANTS),
+    seed=st.integers(0, 2**16),
+    scale=st.sampled_from([(1.0, 1.0), (1024.0, 1.0), (3.0, 0.37)]),
+    small_chunks=st.booleans(),
+    data=st.data(),
+)
 def test_compiled_is_bit_identical_to_reference(n, hp, variant, seed, scale, small_chunks, data):
     grad_dtype, out_dtype, adamw, beta1s = variant
     hp = {**hp, "beta1": data.draw(st.sampled_from(beta1s))}
@@ -99,8 +114,9 @@ def test_compiled_is_bit_identical_to_reference(n, hp, variant, seed, scale, sma
 # Each element is also allowed that spread of torch's two implementations, measured on the same data.
 def _torch_adam(cls, master, grads, hp, **impl):
     p = torch.nn.Parameter(master.clone())
-    opt = cls([p], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
-              weight_decay=hp["weight_decay"], **impl)
+    opt = cls(
+        [p], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"], weight_decay=hp["weight_decay"], **impl
+    )
     for g in grads:
         p.grad = g.float()
         opt.step()
@@ -109,15 +125,23 @@ def _torch_adam(cls, master, grads, hp, **impl):
 
 def _assert_within(got, want, spread, rtol, atol):
     excess = (got - want).abs() - (atol + rtol * want.abs() + spread)
-    assert not (excess > 0).any(), f"{int((excess > 0).sum())} elements off by up to {excess.max().item():.3g} more than allowed"
+    assert not (excess > 0).any(), (
+        f"{int((excess > 0).sum())} elements off by up to {excess.max().item():.3g} more than allowed"
+    )
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 3000), hp=HYPER, adamw=st.booleans(), grad_dtype=st.sampled_from([FP32, BF16, FP16]),
-       seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 3000),
+    hp=HYPER,
+    adamw=st.booleans(),
+    grad_dtype=st.sampled_from([FP32, BF16, FP16]),
+    seed=st.integers(0, 2**16),
+)
 # found by hypothesis: torch's fused and for-loop Adam part by 5.6e-4 at one element here
-@example(n=2870, hp=dict(lr=0.03, beta1=0.3, beta2=0.0, eps=0.0, weight_decay=0.1), adamw=False,
-         grad_dtype=BF16, seed=261)
+@example(
+    n=2870, hp=dict(lr=0.03, beta1=0.3, beta2=0.0, eps=0.0, weight_decay=0.1), adamw=False, grad_dtype=BF16, seed=261
+)
 def test_reference_matches_torch_optim_over_many_steps(n, hp, adamw, grad_dtype, seed):
     # lr = 0 with eps = 0: an element whose latest gradient is exactly 0 (fp16 flushes small ones) has
     # an update of 0 * (m / 0) = 0 * inf, which is NaN by IEEE and left out by torch's for-loop Adam
@@ -211,10 +235,15 @@ def test_scale_and_clip_equal_unscaling_and_clipping_first(impl, grad_scale, cli
 
 # -- found_inf: nothing changes ---------------------------------------------------------------------
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 5000), where=st.floats(0, 1, exclude_max=True),
-       bad=st.sampled_from([math.inf, -math.inf, math.nan]), grad_dtype=st.sampled_from([FP32, BF16, FP16]),
-       impl=st.sampled_from(["compiled", "fallback", "reference", None]),
-       out_dtype=st.sampled_from([None, BF16]), compiled_check=st.booleans())
+@given(
+    n=st.integers(1, 5000),
+    where=st.floats(0, 1, exclude_max=True),
+    bad=st.sampled_from([math.inf, -math.inf, math.nan]),
+    grad_dtype=st.sampled_from([FP32, BF16, FP16]),
+    impl=st.sampled_from(["compiled", "fallback", "reference", None]),
+    out_dtype=st.sampled_from([None, BF16]),
+    compiled_check=st.booleans(),
+)
 def test_nonfinite_grad_changes_nothing(n, where, bad, grad_dtype, impl, out_dtype, compiled_check):
     master, exp_avg, exp_avg_sq, (grad,) = make_state(n, n, grad_dtype)
     grad[int(where * n)] = bad
@@ -223,8 +252,20 @@ def test_nonfinite_grad_changes_nothing(n, where, bad, grad_dtype, impl, out_dty
     with pytest.MonkeyPatch.context() as mp:
         if compiled_check:  # small gradients are checked eagerly; make these take the compiled check
             mp.setattr(_compiled, "EAGER_CHECK_NUMEL", 2)
-        found = adam_step(master, exp_avg, exp_avg_sq, grad, step=3, lr=1e-2, beta1=0.9, beta2=0.999,
-                          eps=1e-8, weight_decay=0.1, out=out, impl=impl)
+        found = adam_step(
+            master,
+            exp_avg,
+            exp_avg_sq,
+            grad,
+            step=3,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.1,
+            out=out,
+            impl=impl,
+        )
     assert found is True
     for a, b in zip([master, exp_avg, exp_avg_sq, out], before):
         assert_bits_equal(a, b)
@@ -233,8 +274,22 @@ def test_nonfinite_grad_changes_nothing(n, where, bad, grad_dtype, impl, out_dty
 def test_check_finite_false_skips_the_check():
     master, exp_avg, exp_avg_sq, (grad,) = make_state(100, 0)
     grad[5] = math.inf
-    assert adam_step(master, exp_avg, exp_avg_sq, grad, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                     weight_decay=0.0, check_finite=False) is False
+    assert (
+        adam_step(
+            master,
+            exp_avg,
+            exp_avg_sq,
+            grad,
+            step=1,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            check_finite=False,
+        )
+        is False
+    )
     assert not torch.isfinite(master[5])  # the caller promised finite gradients: it gets what it asked
 
 
@@ -279,15 +334,23 @@ def test_no_recompile_across_sizes_offsets_and_hyperparameters():
     graphs = counters["stats"]["unique_graphs"]
     with torch.enable_grad():  # a caller's grad mode must not matter
         for i, (a, b) in enumerate([(0, 2), (3, 50_000), (7, 8), (1, 40_001), (0, 50_000), (13, 333)]):
-            adam_step(*(t[a:b] for t in buf), grad[a:b], step=i + 2, lr=1e-3 * (i + 1), beta1=0.9 - i / 100,
-                      beta2=0.99, eps=1e-8, weight_decay=0.1 * i, out=out[a:b])
+            adam_step(
+                *(t[a:b] for t in buf),
+                grad[a:b],
+                step=i + 2,
+                lr=1e-3 * (i + 1),
+                beta1=0.9 - i / 100,
+                beta2=0.99,
+                eps=1e-8,
+                weight_decay=0.1 * i,
+                out=out[a:b],
+            )
     assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_worker_threads_while_main_thread_computes():
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
-    jobs = [(make_state(30_011 + k, k)[:3], make_state(30_011 + k, k + 9, BF16, steps=4)[3])
-            for k in range(3)]
+    jobs = [(make_state(30_011 + k, k)[:3], make_state(30_011 + k, k + 9, BF16, steps=4)[3]) for k in range(3)]
     want = [run("reference", s, g, hp, out_dtype=BF16) for s, g in jobs]
     got, errors = [None] * len(jobs), []
 
@@ -355,26 +418,32 @@ def _call(**over):
     return adam_step(args.pop("master"), args.pop("exp_avg"), args.pop("exp_avg_sq"), args.pop("grad"), **kw)
 
 
-@pytest.mark.parametrize("over, match", [
-    (dict(step=0), r"step=0 is invalid.*>= 1"),
-    (dict(step=1.5), r"step=1.5 is invalid.*whole number"),
-    (dict(lr=-1.0), r"lr=-1.0 is invalid.*>= 0"),
-    (dict(lr=math.nan), r"lr=nan is invalid"),
-    (dict(beta1=1.0), r"beta1=1.0 is invalid.*\[0, 1\)"),
-    (dict(beta2=-0.1), r"beta2=-0.1 is invalid"),
-    (dict(eps=-1e-8), r"eps=-1e-08 is invalid"),
-    (dict(weight_decay=-0.1), r"weight_decay=-0.1 is invalid"),
-    (dict(grad_scale=0.0), r"grad_scale=0.0 is invalid.*between 2\*\*-126 and 2\*\*126"),
-    (dict(grad_scale=math.inf), r"grad_scale=inf is invalid"),
-    (dict(clip_coef=math.inf), r"clip_coef=inf is invalid"),
-    (dict(exp_avg=torch.zeros(9)), r"exp_avg has shape \(9,\) but master has \(8,\)"),
-    (dict(grad=torch.zeros(8, dtype=torch.float64)), r"grad has dtype torch.float64.*bfloat16"),
-    (dict(master=torch.zeros(8, dtype=BF16)), r"master has dtype torch.bfloat16.*float32"),
-    (dict(out=torch.zeros(8, dtype=torch.int32)), r"out has dtype torch.int32"),
-    (dict(exp_avg=torch.zeros(8, device="meta")), r"exp_avg is on meta but master is on cpu.*one CPU or accelerator"),
-    (dict(grad=[0.0] * 8), r"grad is a list, not a tensor"),
-    (dict(impl="fast"), r"impl='fast' is unknown"),
-])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (dict(step=0), r"step=0 is invalid.*>= 1"),
+        (dict(step=1.5), r"step=1.5 is invalid.*whole number"),
+        (dict(lr=-1.0), r"lr=-1.0 is invalid.*>= 0"),
+        (dict(lr=math.nan), r"lr=nan is invalid"),
+        (dict(beta1=1.0), r"beta1=1.0 is invalid.*\[0, 1\)"),
+        (dict(beta2=-0.1), r"beta2=-0.1 is invalid"),
+        (dict(eps=-1e-8), r"eps=-1e-08 is invalid"),
+        (dict(weight_decay=-0.1), r"weight_decay=-0.1 is invalid"),
+        (dict(grad_scale=0.0), r"grad_scale=0.0 is invalid.*between 2\*\*-126 and 2\*\*126"),
+        (dict(grad_scale=math.inf), r"grad_scale=inf is invalid"),
+        (dict(clip_coef=math.inf), r"clip_coef=inf is invalid"),
+        (dict(exp_avg=torch.zeros(9)), r"exp_avg has shape \(9,\) but master has \(8,\)"),
+        (dict(grad=torch.zeros(8, dtype=torch.float64)), r"grad has dtype torch.float64.*bfloat16"),
+        (dict(master=torch.zeros(8, dtype=BF16)), r"master has dtype torch.bfloat16.*float32"),
+        (dict(out=torch.zeros(8, dtype=torch.int32)), r"out has dtype torch.int32"),
+        (
+            dict(exp_avg=torch.zeros(8, device="meta")),
+            r"exp_avg is on meta but master is on cpu.*one CPU or accelerator",
+        ),
+        (dict(grad=[0.0] * 8), r"grad is a list, not a tensor"),
+        (dict(impl="fast"), r"impl='fast' is unknown"),
+    ],
+)
 def test_caller_errors(over, match):
     with pytest.raises(ConfigError, match=match) as e:
         _call(**over)
@@ -384,5 +453,6 @@ def test_caller_errors(over, match):
 def test_aliased_buffers_are_refused():
     t = torch.zeros(8)
     with pytest.raises(ConfigError, match="share memory"):
-        adam_step(t, t, torch.zeros(8), torch.zeros(8), step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                  weight_decay=0.0)
+        adam_step(
+            t, t, torch.zeros(8), torch.zeros(8), step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0
+        )

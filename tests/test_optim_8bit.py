@@ -1,6 +1,7 @@
 """8-bit Adam (NOTE [8-bit state] in tiermem/optim/_quant.py): the native quantizer and kernel against
 the torch-ops reference bit for bit, the quantization error bound, one step against fp32 Adam, a
 tiny model trained 200 steps against torch's AdamW, the block layout, and CPUAdam8bit's state."""
+
 from __future__ import annotations
 
 import copy
@@ -12,8 +13,17 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from tiermem import ConfigError
-from tiermem.optim import (CPUAdam, CPUAdam8bit, StochasticRound, adam8bit_step, adam_step, dequantize_blockwise,
-                           quantize_blockwise, state_bytes, state_layout)
+from tiermem.optim import (
+    CPUAdam,
+    CPUAdam8bit,
+    StochasticRound,
+    adam8bit_step,
+    adam_step,
+    dequantize_blockwise,
+    quantize_blockwise,
+    state_bytes,
+    state_layout,
+)
 from tiermem.optim import _quant
 
 BF16 = torch.bfloat16
@@ -40,8 +50,12 @@ def values(kind: str, n: int, seed: int) -> torch.Tensor:
 
 # -- the quantizer ------------------------------------------------------------------------------------
 @settings(max_examples=30, deadline=None)
-@given(kind=st.sampled_from(["normal", "wide", "sparse", "negative max"]), n=st.integers(1, 5000),
-       signed=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    kind=st.sampled_from(["normal", "wide", "sparse", "negative max"]),
+    n=st.integers(1, 5000),
+    signed=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_native_quantizer_is_bit_identical_to_reference(kind, n, signed, seed):
     x = values(kind, n, seed)
     x = x if signed else x.abs()
@@ -51,20 +65,23 @@ def test_native_quantizer_is_bit_identical_to_reference(kind, n, signed, seed):
     assert_bits_equal(absmax, want_absmax)
     got = torch.empty(n)  # the native dequantizer, as the kernel dequantizes
     from tiermem.optim import _native
-    _native.library("adam8bit").tm_dequantize(n, codes.data_ptr(), absmax.data_ptr(), int(signed), got.data_ptr(),
-                                              _quant.CONSTANTS.data_ptr(), 1)
+
+    _native.library("adam8bit").tm_dequantize(
+        n, codes.data_ptr(), absmax.data_ptr(), int(signed), got.data_ptr(), _quant.CONSTANTS.data_ptr(), 1
+    )
     assert_bits_equal(got, dequantize_blockwise(codes, absmax, signed))
 
 
 def _error_bound(x: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """Half the cell of each element's decade (relative to its block's absmax), or all of it below
     the map's smallest magnitude (1e-7), plus fp32 rounding of the value."""
-    scale = absmax.repeat_interleave(_quant.BLOCK)[:x.numel()]
+    scale = absmax.repeat_interleave(_quant.BLOCK)[: x.numel()]
     a = torch.where(scale > 0, x.abs() / scale, 0.0)
     d = _quant.decades_of(a)
     width = _quant._slots(signed)[4][d]
-    half_cell = torch.where(d == _quant.ZERO_SLOT, _quant.STARTS[0],
-                            torch.where(d == _quant.ONE_SLOT, 1 - _quant.ONE_EDGE, width / 2))
+    half_cell = torch.where(
+        d == _quant.ZERO_SLOT, _quant.STARTS[0], torch.where(d == _quant.ONE_SLOT, 1 - _quant.ONE_EDGE, width / 2)
+    )
     return (half_cell + 4 * torch.finfo(torch.float32).eps) * scale
 
 
@@ -78,7 +95,7 @@ def test_quantization_error_is_within_half_a_cell(kind, signed):
     assert (error <= _error_bound(x, absmax, signed)).all()
     blocks = torch.nn.functional.pad(x, (0, 256 - x.numel() % 256)).view(-1, 256)
     assert torch.equal(absmax, blocks.abs().amax(1))
-    worst = (error / absmax.repeat_interleave(256)[:x.numel()].clamp(min=1e-30)).max().item()
+    worst = (error / absmax.repeat_interleave(256)[: x.numel()].clamp(min=1e-30)).max().item()
     assert worst <= (0.9 / 63 / 2 if signed else 0.9 / 128 / 2) + 2.0**-21  # the top decade's half cell
 
 
@@ -110,8 +127,14 @@ def _state(n: int, seed: int):
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.sampled_from([1, 255, 256, 257, 4096, 70_001]), grad_dtype=st.sampled_from([torch.float32, BF16]),
-       bf16_master=st.booleans(), adamw=st.booleans(), beta1=st.sampled_from([0.9, 0.3]), seed=st.integers(0, 2**16))
+@given(
+    n=st.sampled_from([1, 255, 256, 257, 4096, 70_001]),
+    grad_dtype=st.sampled_from([torch.float32, BF16]),
+    bf16_master=st.booleans(),
+    adamw=st.booleans(),
+    beta1=st.sampled_from([0.9, 0.3]),
+    seed=st.integers(0, 2**16),
+)
 def test_native_kernel_is_bit_identical_to_reference(n, grad_dtype, bf16_master, adamw, beta1, seed):
     gen = torch.Generator().manual_seed(seed)
     master0 = torch.randn(n, generator=gen).to(BF16 if bf16_master else torch.float32)
@@ -122,8 +145,19 @@ def test_native_kernel_is_bit_identical_to_reference(n, grad_dtype, bf16_master,
     for impl in ("native", "reference"):
         master, state, out = master0.clone(), [t.clone() for t in state0], torch.empty(n, dtype=BF16)
         for i, g in enumerate(grads):
-            adam8bit_step(master, *state, g, step=i + 4, **{**HP, "beta1": beta1}, adamw=adamw, out=out,
-                          stochastic_round=sr, grad_scale=2.0, clip_coef=0.5, impl=impl)
+            adam8bit_step(
+                master,
+                *state,
+                g,
+                step=i + 4,
+                **{**HP, "beta1": beta1},
+                adamw=adamw,
+                out=out,
+                stochastic_round=sr,
+                grad_scale=2.0,
+                clip_coef=0.5,
+                impl=impl,
+            )
         results.append([master, *state, out])
     for got, want in zip(*results):
         assert_bits_equal(got, want)
@@ -158,8 +192,16 @@ def test_a_tensor_cut_at_block_boundaries_updates_as_one_call():
     parts, cut_state = master0.clone(), [t.clone() for t in state0]
     for a, b in zip(cuts[:-1], cuts[1:]):
         blocks = slice(a // 256, math.ceil(b / 256))
-        adam8bit_step(parts[a:b], cut_state[0][a:b], cut_state[1][blocks], cut_state[2][a:b], cut_state[3][blocks],
-                      grad[a:b], step=3, **HP)
+        adam8bit_step(
+            parts[a:b],
+            cut_state[0][a:b],
+            cut_state[1][blocks],
+            cut_state[2][a:b],
+            cut_state[3][blocks],
+            grad[a:b],
+            step=3,
+            **HP,
+        )
     for got, want in zip([parts, *cut_state], [whole, *state]):
         assert_bits_equal(got, want)
 
@@ -175,15 +217,23 @@ def test_nonfinite_gradient_changes_nothing():
         assert_bits_equal(a, b)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(exp_avg_absmax=torch.zeros(3)), r"exp_avg_absmax has 3 elements but master's 1000 need 4"),
-    (dict(exp_avg=torch.zeros(1000)), r"exp_avg has dtype torch.float32; it must be torch.uint8"),
-    (dict(master=torch.zeros(2000)[::2]), r"adam8bit_step takes contiguous tensors"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(exp_avg_absmax=torch.zeros(3)), r"exp_avg_absmax has 3 elements but master's 1000 need 4"),
+        (dict(exp_avg=torch.zeros(1000)), r"exp_avg has dtype torch.float32; it must be torch.uint8"),
+        (dict(master=torch.zeros(2000)[::2]), r"adam8bit_step takes contiguous tensors"),
+    ],
+)
 def test_caller_errors(bad, match):
-    args = dict(master=torch.zeros(1000), exp_avg=torch.zeros(1000, dtype=torch.uint8), exp_avg_absmax=torch.zeros(4),
-                exp_avg_sq=torch.zeros(1000, dtype=torch.uint8), exp_avg_sq_absmax=torch.zeros(4),
-                grad=torch.zeros(1000))
+    args = dict(
+        master=torch.zeros(1000),
+        exp_avg=torch.zeros(1000, dtype=torch.uint8),
+        exp_avg_absmax=torch.zeros(4),
+        exp_avg_sq=torch.zeros(1000, dtype=torch.uint8),
+        exp_avg_sq_absmax=torch.zeros(4),
+        grad=torch.zeros(1000),
+    )
     args.update(bad)
     with pytest.raises(ConfigError, match=match):
         adam8bit_step(*args.values(), step=1, **HP)
@@ -191,8 +241,11 @@ def test_caller_errors(bad, match):
 
 def test_state_layout():
     assert state_layout("adamw8bit", (64, 100)) == {
-        "exp_avg": (6400, torch.uint8), "exp_avg_absmax": (25, torch.float32),
-        "exp_avg_sq": (6400, torch.uint8), "exp_avg_sq_absmax": (25, torch.float32)}
+        "exp_avg": (6400, torch.uint8),
+        "exp_avg_absmax": (25, torch.float32),
+        "exp_avg_sq": (6400, torch.uint8),
+        "exp_avg_sq_absmax": (25, torch.float32),
+    }
     assert state_layout("adam8bit", (10, 10)) == state_layout("adam", (10, 10))  # below the 8-bit threshold
     assert state_bytes("adamw8bit", (1 << 20,)) == 2 * (1 << 20) + 2 * 4 * 4096  # 2 B/param + the scales
     assert state_bytes("adamw", (1 << 20,)) == 8 * (1 << 20)
@@ -247,10 +300,16 @@ def test_tiny_mlp_trains_within_one_percent_of_fp32_adamw(one_thread):
     assert abs(slower - want) > 0.01 * want  # the tolerance tells a different run apart
 
 
-@pytest.mark.parametrize("opt", [
-    lambda ps: CPUAdam(ps, lr=3e-3, weight_decay=0.01, bf16_stochastic_round=True, sr_seed=0),
-    lambda ps: CPUAdam8bit(ps, lr=3e-3, weight_decay=0.01, min_8bit_size=1024, bf16_stochastic_round=True, sr_seed=0),
-], ids=["adamw", "adamw8bit"])
+@pytest.mark.parametrize(
+    "opt",
+    [
+        lambda ps: CPUAdam(ps, lr=3e-3, weight_decay=0.01, bf16_stochastic_round=True, sr_seed=0),
+        lambda ps: CPUAdam8bit(
+            ps, lr=3e-3, weight_decay=0.01, min_8bit_size=1024, bf16_stochastic_round=True, sr_seed=0
+        ),
+    ],
+    ids=["adamw", "adamw8bit"],
+)
 def test_bf16_weights_with_stochastic_rounding_train_as_fp32(one_thread, opt):
     model = mlp()
     want = train(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01))

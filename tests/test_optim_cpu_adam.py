@@ -1,5 +1,6 @@
 """CPUAdam as a drop-in torch optimizer: against torch.optim.AdamW/Adam with param groups and an lr
 scheduler, state_dict round trips (bit-identical resume), skipped steps, and the errors it raises."""
+
 from __future__ import annotations
 
 import copy
@@ -28,8 +29,10 @@ def groups(m: nn.Module) -> list[dict]:
     """Two groups with their own hyperparameters (a usual split: no decay on biases and norms)."""
     decay = [p for n, p in m.named_parameters() if n.endswith("weight") and p.dim() == 2]
     rest = [p for n, p in m.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 3e-3,
-                                                     "betas": (0.8, 0.99)}]
+    return [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": rest, "weight_decay": 0.0, "lr": 3e-3, "betas": (0.8, 0.99)},
+    ]
 
 
 def train(m: nn.Module, opt, sched, steps: int, seed: int = 1) -> None:
@@ -61,10 +64,10 @@ def test_matches_torch_with_groups_and_a_scheduler(adamw):
         a, b = ours.state[p], theirs.state[q]
         assert set(a) == {"step", "exp_avg", "exp_avg_sq"} and torch.equal(a["step"], b["step"])
         # the gradients come through the loss from weights that may differ in their last ulp
-        torch.testing.assert_close(a["exp_avg"], b["exp_avg"], rtol=TOL,
-                                   atol=TOL * b["exp_avg"].abs().max().item())
-        torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"], rtol=TOL,
-                                   atol=TOL * b["exp_avg_sq"].abs().max().item())
+        torch.testing.assert_close(a["exp_avg"], b["exp_avg"], rtol=TOL, atol=TOL * b["exp_avg"].abs().max().item())
+        torch.testing.assert_close(
+            a["exp_avg_sq"], b["exp_avg_sq"], rtol=TOL, atol=TOL * b["exp_avg_sq"].abs().max().item()
+        )
 
 
 def test_state_dict_round_trip_resumes_bit_identically():
@@ -153,27 +156,44 @@ def test_parameters_without_grad_and_closure():
     assert (a < 1).all()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(lr=-1.0), r"CPUAdam lr=-1.0 is invalid"),
-    (dict(lr=math.inf), r"CPUAdam lr=inf is invalid"),
-    (dict(betas=(0.9, 1.0)), r"CPUAdam betas=\(0.9, 1.0\) is invalid.*\[0, 1\)"),
-    (dict(betas=0.9), r"CPUAdam betas=0.9 is invalid.*two numbers"),
-    (dict(eps=-1.0), r"CPUAdam eps=-1.0 is invalid"),
-    (dict(weight_decay=-0.1), r"CPUAdam weight_decay=-0.1 is invalid"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=-1.0), r"CPUAdam lr=-1.0 is invalid"),
+        (dict(lr=math.inf), r"CPUAdam lr=inf is invalid"),
+        (dict(betas=(0.9, 1.0)), r"CPUAdam betas=\(0.9, 1.0\) is invalid.*\[0, 1\)"),
+        (dict(betas=0.9), r"CPUAdam betas=0.9 is invalid.*two numbers"),
+        (dict(eps=-1.0), r"CPUAdam eps=-1.0 is invalid"),
+        (dict(weight_decay=-0.1), r"CPUAdam weight_decay=-0.1 is invalid"),
+    ],
+)
 def test_bad_hyperparameters(kwargs, match):
     with pytest.raises(ConfigError, match=match) as e:
         CPUAdam([nn.Parameter(torch.zeros(2))], **kwargs)
     assert str(e.value).startswith("tiermem:")
 
 
-@pytest.mark.parametrize("name, value, accepted", [
-    ("lr", 0.0, True), ("lr", -1e-3, False), ("lr", math.inf, False), ("lr", math.nan, False), ("lr", "0.1", False),
-    ("beta1", 0.0, True), ("beta1", 0.999, True), ("beta1", 1.0, False), ("beta1", -0.1, False),
-    ("beta2", math.nan, False),
-    ("eps", 0.0, True), ("eps", -1e-8, False), ("eps", math.inf, False),
-    ("weight_decay", 0.5, True), ("weight_decay", -0.1, False), ("weight_decay", math.inf, False),
-])
+@pytest.mark.parametrize(
+    "name, value, accepted",
+    [
+        ("lr", 0.0, True),
+        ("lr", -1e-3, False),
+        ("lr", math.inf, False),
+        ("lr", math.nan, False),
+        ("lr", "0.1", False),
+        ("beta1", 0.0, True),
+        ("beta1", 0.999, True),
+        ("beta1", 1.0, False),
+        ("beta1", -0.1, False),
+        ("beta2", math.nan, False),
+        ("eps", 0.0, True),
+        ("eps", -1e-8, False),
+        ("eps", math.inf, False),
+        ("weight_decay", 0.5, True),
+        ("weight_decay", -0.1, False),
+        ("weight_decay", math.inf, False),
+    ],
+)
 def test_one_rule_for_every_adam(name, value, accepted):
     """NOTE [Adam hyperparameter rules]: the AdamW spec, CPUAdam and adam_step accept and refuse the
     same values, each naming itself, the hyperparameter and the value."""
@@ -183,8 +203,11 @@ def test_one_rule_for_every_adam(name, value, accepted):
     betas = {"beta1": lambda v: (v, 0.999), "beta2": lambda v: (0.9, v)}
     kw = {"betas": betas[name](value)} if name in betas else {name: value}
     hyper = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
-    makers = {r"AdamW\.": lambda: AdamW(**kw), "CPUAdam ": lambda: CPUAdam([nn.Parameter(torch.zeros(2))], **kw),
-              "adam_step ": lambda: AdamHyper(**{**hyper, name: value})}
+    makers = {
+        r"AdamW\.": lambda: AdamW(**kw),
+        "CPUAdam ": lambda: CPUAdam([nn.Parameter(torch.zeros(2))], **kw),
+        "adam_step ": lambda: AdamHyper(**{**hyper, name: value}),
+    }
     for where, make in makers.items():
         if accepted:
             make()

@@ -2,6 +2,7 @@
 options) as torch optimizers: against torch with param groups and an lr scheduler, state_dict round
 trips that resume bit for bit (torch's own state_dicts load too), all-or-nothing steps, bf16 weights
 with stochastic rounding, and the errors they raise."""
+
 from __future__ import annotations
 
 import copy
@@ -49,11 +50,21 @@ def scheduler(opt):
 # (ours, theirs, hyperparameters, the second group's own, tolerance: 0 = bit for bit; else a relative
 # 2**-22 per step for the correctly rounded square root, as CPUAdam's tests)
 CASES = {
-    "sgd": (CPUSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01),
-            dict(momentum=0.5, dampening=0.0, nesterov=True), 0),
+    "sgd": (
+        CPUSGD,
+        torch.optim.SGD,
+        dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01),
+        dict(momentum=0.5, dampening=0.0, nesterov=True),
+        0,
+    ),
     "sgd-plain": (CPUSGD, torch.optim.SGD, dict(lr=0.05, maximize=True), dict(weight_decay=0.1), 0),
-    "adagrad": (CPUAdagrad, torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.01, weight_decay=0.01,
-                                                      initial_accumulator_value=0.1), dict(eps=1e-6), STEPS * 2.0**-22),
+    "adagrad": (
+        CPUAdagrad,
+        torch.optim.Adagrad,
+        dict(lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1),
+        dict(eps=1e-6),
+        STEPS * 2.0**-22,
+    ),
     "adafactor": (CPUAdafactor, torch.optim.Adafactor, dict(lr=0.05, weight_decay=0.01), dict(d=2.0), 1e-5),
 }
 
@@ -120,8 +131,10 @@ def test_state_dict_round_trip_resumes_bit_identically(name):
 
 
 def test_loads_torch_sgd_and_adagrad_state_dicts():
-    for ours_cls, theirs_cls, kw in ((CPUSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
-                                     (CPUAdagrad, torch.optim.Adagrad, dict(lr=0.05))):
+    for ours_cls, theirs_cls, kw in (
+        (CPUSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
+        (CPUAdagrad, torch.optim.Adagrad, dict(lr=0.05)),
+    ):
         m_t, m_o = model(), model()
         theirs = theirs_cls(m_t.parameters(), **kw, foreach=False)
         run_steps(m_t, theirs, torch.Generator().manual_seed(1), 3)
@@ -170,23 +183,29 @@ def test_bf16_weights_are_reproducible_and_keyed_by_the_seed(name):
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
 
 
-@pytest.mark.parametrize("make, error, match", [
-    (lambda ps: CPUSGD(ps, lr=-1.0), ConfigError, r"tiermem: CPUSGD lr=-1.0 is invalid"),
-    (lambda ps: CPUSGD(ps, momentum=0.0, nesterov=True), ConfigError, r"CPUSGD nesterov=True needs momentum > 0"),
-    (lambda ps: CPUSGD(ps, momentun=0.9), ArgumentError, r"did you mean momentum="),
-    (lambda ps: CPUAdagrad(ps, lr_decay=-0.1), ConfigError, r"tiermem: CPUAdagrad lr_decay=-0.1 is invalid"),
-    (lambda ps: CPUAdagrad(ps, initial_accumulator_value=-1.0), ConfigError,
-     r"initial_accumulator_value=-1.0 is invalid"),
-    (lambda ps: CPULion(ps, betas=(0.9, 1.5)), ConfigError, r"tiermem: CPULion beta2=1.5 is invalid"),
-    (lambda ps: CPULion(ps, betas=0.9), ConfigError, r"CPULion betas=0.9 is invalid"),
-    (lambda ps: CPUAdafactor(ps, beta2_decay=0.5), ConfigError, r"CPUAdafactor beta2_decay=0.5 is invalid"),
-    (lambda ps: CPUAdafactor(ps, d=0.5), ConfigError, r"CPUAdafactor d=0.5 is invalid"),
-    (lambda ps: CPUAdafactor(ps, eps=1e-3), ConfigError, r"CPUAdafactor eps=0.001 is invalid"),
-    (lambda ps: CPUAdam8bit(ps, betas=(1.0, 0.9)), ConfigError, r"CPUAdam8bit betas=\(1.0, 0.9\) is invalid"),
-    (lambda ps: CPUAdam8bit(ps, min_8bit_size=0), ConfigError, r"CPUAdam8bit min_8bit_size=0 is invalid"),
-    (lambda ps: CPUAdam(ps, bf16_stochastic_round=1), ConfigError, r"bf16_stochastic_round=1 is invalid"),
-    (lambda ps: CPUAdam(ps, sr_seed="x"), ConfigError, r"sr_seed='x' is invalid"),
-])
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda ps: CPUSGD(ps, lr=-1.0), ConfigError, r"tiermem: CPUSGD lr=-1.0 is invalid"),
+        (lambda ps: CPUSGD(ps, momentum=0.0, nesterov=True), ConfigError, r"CPUSGD nesterov=True needs momentum > 0"),
+        (lambda ps: CPUSGD(ps, momentun=0.9), ArgumentError, r"did you mean momentum="),
+        (lambda ps: CPUAdagrad(ps, lr_decay=-0.1), ConfigError, r"tiermem: CPUAdagrad lr_decay=-0.1 is invalid"),
+        (
+            lambda ps: CPUAdagrad(ps, initial_accumulator_value=-1.0),
+            ConfigError,
+            r"initial_accumulator_value=-1.0 is invalid",
+        ),
+        (lambda ps: CPULion(ps, betas=(0.9, 1.5)), ConfigError, r"tiermem: CPULion beta2=1.5 is invalid"),
+        (lambda ps: CPULion(ps, betas=0.9), ConfigError, r"CPULion betas=0.9 is invalid"),
+        (lambda ps: CPUAdafactor(ps, beta2_decay=0.5), ConfigError, r"CPUAdafactor beta2_decay=0.5 is invalid"),
+        (lambda ps: CPUAdafactor(ps, d=0.5), ConfigError, r"CPUAdafactor d=0.5 is invalid"),
+        (lambda ps: CPUAdafactor(ps, eps=1e-3), ConfigError, r"CPUAdafactor eps=0.001 is invalid"),
+        (lambda ps: CPUAdam8bit(ps, betas=(1.0, 0.9)), ConfigError, r"CPUAdam8bit betas=\(1.0, 0.9\) is invalid"),
+        (lambda ps: CPUAdam8bit(ps, min_8bit_size=0), ConfigError, r"CPUAdam8bit min_8bit_size=0 is invalid"),
+        (lambda ps: CPUAdam(ps, bf16_stochastic_round=1), ConfigError, r"bf16_stochastic_round=1 is invalid"),
+        (lambda ps: CPUAdam(ps, sr_seed="x"), ConfigError, r"sr_seed='x' is invalid"),
+    ],
+)
 def test_bad_arguments(make, error, match):
     with pytest.raises(error, match=match) as e:
         make([nn.Parameter(torch.zeros(2, 2))])

@@ -4,6 +4,7 @@ tier. Oracles: torch.optim.SGD/Adagrad and torch.optim.AdamW in plain loops (eac
 of torch's own for-loop, foreach and fused variants, measured in the same run), Lion as the paper
 writes it (in this file), and for 8-bit AdamW torch's AdamW whose moments are quantized and
 dequantized after every step (its quantization, by tiermem's public quantize_blockwise)."""
+
 from __future__ import annotations
 
 import functools
@@ -27,12 +28,20 @@ SMALL_8BIT = 256  # TinyGPT's matrices are below bitsandbytes' 4096: quantize th
 
 
 class StateOnNvme(PerClass):
-    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.ACTIVATION: Tier.DEVICE, TensorClass.GRAD: Tier.NVME,
-             TensorClass.OPTIM_STATE: Tier.NVME}
+    homes = {
+        TensorClass.PARAM: Tier.DEVICE,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+        TensorClass.GRAD: Tier.NVME,
+        TensorClass.OPTIM_STATE: Tier.NVME,
+    }
 
 
-POLICIES = {"zero_offload": ZeroOffload, "keep_on_device": KeepOnDevice, "zero_infinity": ZeroInfinity,
-            "state_on_nvme": StateOnNvme}
+POLICIES = {
+    "zero_offload": ZeroOffload,
+    "keep_on_device": KeepOnDevice,
+    "zero_infinity": ZeroInfinity,
+    "state_on_nvme": StateOnNvme,
+}
 
 
 class PaperLion(torch.optim.Optimizer):
@@ -81,13 +90,23 @@ def torch_loop(make, *, after=None, steps: int = STEPS) -> dict:
     return m.state_dict()
 
 
-def tiered(make, *, policy: str = "zero_offload", precision: str = "fp32", steps: int = STEPS, tmp_path=None,
-           bucket_size: int = 4000, start: int = 0, tm_out: list | None = None) -> dict:
+def tiered(
+    make,
+    *,
+    policy: str = "zero_offload",
+    precision: str = "fp32",
+    steps: int = STEPS,
+    tmp_path=None,
+    bucket_size: int = 4000,
+    start: int = 0,
+    tm_out: list | None = None,
+) -> dict:
     torch.manual_seed(0)
     m = TinyGPT()
     nvme = {"nvme_dir": str(tmp_path)} if policy in ("zero_infinity", "state_on_nvme") else {}
-    tm = TieredModel(m, POLICIES[policy](), optimizer=make(m.parameters()), precision=precision,
-                     bucket_size=bucket_size, **nvme)
+    tm = TieredModel(
+        m, POLICIES[policy](), optimizer=make(m.parameters()), precision=precision, bucket_size=bucket_size, **nvme
+    )
     for i in range(start, start + steps):
         x, y = gpt_batch(i)
         tm.backward(gpt_loss(tm(x), y))
@@ -107,11 +126,13 @@ def diff(a: dict, b: dict) -> float:
 
 TORCH = {
     "sgd": lambda ps, **v: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, **v),
-    "sgd_dampened": lambda ps, **v: torch.optim.SGD(ps, lr=0.05, momentum=0.8, dampening=0.3, weight_decay=0.01,
-                                                    maximize=True, **v),
+    "sgd_dampened": lambda ps, **v: torch.optim.SGD(
+        ps, lr=0.05, momentum=0.8, dampening=0.3, weight_decay=0.01, maximize=True, **v
+    ),
     "sgd_plain": lambda ps, **v: torch.optim.SGD(ps, lr=0.05, **v),
-    "adagrad": lambda ps, **v: torch.optim.Adagrad(ps, lr=0.05, lr_decay=0.01, weight_decay=0.01,
-                                                   initial_accumulator_value=0.1, **v),
+    "adagrad": lambda ps, **v: torch.optim.Adagrad(
+        ps, lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1, **v
+    ),
 }
 
 
@@ -133,8 +154,9 @@ def test_torch_sgd_and_adagrad_given_as_optimizer_match_torch_on_every_tier(kind
 
 @functools.cache
 def lion_reference() -> tuple[dict, float]:
-    runs = [torch_loop(lambda ps, lerp=lerp: PaperLion(ps, lr=1e-3, weight_decay=0.1, lerp=lerp))
-            for lerp in (False, True)]
+    runs = [
+        torch_loop(lambda ps, lerp=lerp: PaperLion(ps, lr=1e-3, weight_decay=0.1, lerp=lerp)) for lerp in (False, True)
+    ]
     return runs[0], diff(*runs)
 
 
@@ -150,8 +172,10 @@ def test_lion_matches_the_papers_update_on_every_tier(policy, tmp_path):
 def adamw_8bit_reference() -> tuple[dict, float, dict]:
     """torch AdamW with its moments quantized after every step (the oracle), the spread of its
     variants, and plain fp32 AdamW."""
-    runs = [torch_loop(lambda ps, v=v: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **v), after=quantized_moments)
-            for v in VARIANTS]
+    runs = [
+        torch_loop(lambda ps, v=v: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **v), after=quantized_moments)
+        for v in VARIANTS
+    ]
     plain = torch_loop(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
     return runs[0], max(diff(runs[0], r) for r in runs[1:]), plain
 
@@ -159,8 +183,11 @@ def adamw_8bit_reference() -> tuple[dict, float, dict]:
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_adamw_8bit_is_torch_adamw_with_8bit_moments_on_every_tier(policy, tmp_path):
     ref, spread, plain = adamw_8bit_reference()
-    got = tiered(lambda ps: tiermem.AdamW8bit(ps, lr=1e-2, weight_decay=0.1, min_8bit_size=SMALL_8BIT),
-                 policy=policy, tmp_path=tmp_path)
+    got = tiered(
+        lambda ps: tiermem.AdamW8bit(ps, lr=1e-2, weight_decay=0.1, min_8bit_size=SMALL_8BIT),
+        policy=policy,
+        tmp_path=tmp_path,
+    )
     # the quantization error, measured: 8-bit moments move the weights away from fp32 AdamW's by far
     # more than the oracle's own spread, and the oracle follows tiermem within that spread
     assert diff(got, ref) <= max(spread, 1e-6), (diff(got, ref), spread)
@@ -172,16 +199,37 @@ def test_bitsandbytes_and_torchao_8bit_adamw_map_by_class_name_without_importing
         cls = type(name, (torch.optim.Optimizer,), {"__module__": module})
         cls.__init__ = lambda self, ps, **kw: torch.optim.Optimizer.__init__(self, ps, {**defaults, **kw})
         return cls
+
     m = TinyGPT()
-    bnb = fake("bitsandbytes.optim.adamw", "PagedAdamW8bit", lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01,
-               amsgrad=False, optim_bits=8, min_8bit_size=4096, percentile_clipping=100, max_unorm=0.0,
-               is_paged=True)
+    bnb = fake(
+        "bitsandbytes.optim.adamw",
+        "PagedAdamW8bit",
+        lr=1e-3,
+        betas=(0.9, 0.99),
+        eps=1e-8,
+        weight_decay=0.01,
+        amsgrad=False,
+        optim_bits=8,
+        min_8bit_size=4096,
+        percentile_clipping=100,
+        max_unorm=0.0,
+        is_paged=True,
+    )
     tm = TieredModel(m, optimizer=bnb(m.parameters(), lr=3e-3), precision="fp32")
     g = tm.optimizer.param_groups[0]
     assert (g["lr"], g["betas"]) == (3e-3, (0.9, 0.99))
     tm.detach()
-    ao = fake("torchao.optim.adam", "AdamW8bit", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-              amsgrad=False, block_size=256, bf16_stochastic_round=True)
+    ao = fake(
+        "torchao.optim.adam",
+        "AdamW8bit",
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.01,
+        amsgrad=False,
+        block_size=256,
+        bf16_stochastic_round=True,
+    )
     m2 = TinyGPT()
     tm = TieredModel(m2, optimizer=ao(m2.parameters()), precision="bf16")  # its bf16_stochastic_round taken
     x, y = gpt_batch(0)
@@ -189,7 +237,9 @@ def test_bitsandbytes_and_torchao_8bit_adamw_map_by_class_name_without_importing
     tm.step()
     tm.detach()
     clipped = bnb(m.parameters(), percentile_clipping=5)
-    with pytest.raises(ConfigError, match=r"tiermem: the PagedAdamW8bit given as optimizer= sets percentile_clipping=5"):
+    with pytest.raises(
+        ConfigError, match=r"tiermem: the PagedAdamW8bit given as optimizer= sets percentile_clipping=5"
+    ):
         TieredModel(m, optimizer=clipped)
 
 
@@ -206,8 +256,12 @@ SR_SPECS = {
 @pytest.mark.parametrize("kind", list(SR_SPECS))
 def test_bf16_is_bit_identical_across_policies_and_bucket_sizes(kind, tmp_path):
     base = tiered(SR_SPECS[kind], precision="bf16")
-    for policy, bucket_size in (("keep_on_device", 4000), ("zero_offload", 100_000), ("zero_infinity", 1000),
-                                ("state_on_nvme", 4000)):
+    for policy, bucket_size in (
+        ("keep_on_device", 4000),
+        ("zero_offload", 100_000),
+        ("zero_infinity", 1000),
+        ("state_on_nvme", 4000),
+    ):
         got = tiered(SR_SPECS[kind], precision="bf16", policy=policy, bucket_size=bucket_size, tmp_path=tmp_path)
         assert diff(got, base) == 0.0, (policy, bucket_size)
 
@@ -229,9 +283,9 @@ def test_stochastic_rounding_keeps_updates_round_to_nearest_loses():
 def _footer(path) -> dict:
     data = open(path, "rb").read()
     tail = struct.Struct("<QQ")
-    n, _ = tail.unpack(data[-len(checkpoint.MAGIC) - tail.size:-len(checkpoint.MAGIC)])
+    n, _ = tail.unpack(data[-len(checkpoint.MAGIC) - tail.size : -len(checkpoint.MAGIC)])
     start = len(data) - len(checkpoint.MAGIC) - tail.size - n
-    return json.loads(data[start:start + n])
+    return json.loads(data[start : start + n])
 
 
 @pytest.mark.parametrize("policy", ["zero_offload", "zero_infinity"])
@@ -311,7 +365,9 @@ def test_a_checkpoint_of_one_format_loads_into_another_converted_and_said(tmp_pa
             seen.append(1)
             if len(seen) >= 2:  # the load after step 2 quantizes; every 8-bit step after it too
                 quantized_moments(opt)
+
         return torch_loop(lambda ps: torch.optim.AdamW(ps, lr=1e-2, **v), after=after)
+
     refs = [from_load(v) for v in VARIANTS]
     spread = max(diff(refs[0], r) for r in refs[1:])
     assert diff(_resumed(eight, tmp_path / "adam.tm"), refs[0]) <= max(spread, 1e-6)
@@ -335,6 +391,7 @@ def test_a_checkpoint_of_another_optimizer_is_refused_with_nothing_loaded(tmp_pa
 def test_state_bytes_per_parameter_follow_the_format():
     """The host's OPTIM_STATE bytes under ZeroOffload (the report's ledger): what each format keeps
     per parameter (master included; page rounding is a few pages)."""
+
     def per_param(make, precision="bf16") -> float:
         torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256, bias=False))
@@ -342,6 +399,7 @@ def test_state_bytes_per_parameter_follow_the_format():
         got = tm.report().class_peak_bytes[(TensorClass.OPTIM_STATE, Tier.HOST)]
         tm.detach()
         return got / (2 * 256 * 256)
+
     assert 12 <= per_param(lambda ps: tiermem.AdamW(ps)) < 12.2
     assert 4 <= per_param(lambda ps: tiermem.SGD(ps, lr=0.1)) < 4.2
     assert 8 <= per_param(lambda ps: tiermem.SGD(ps, lr=0.1, momentum=0.9)) < 8.2
@@ -351,15 +409,28 @@ def test_state_bytes_per_parameter_follow_the_format():
     assert 10 <= per_param(lambda ps: tiermem.AdamW(ps, bf16_stochastic_round=True)) < 10.2
 
 
-@pytest.mark.parametrize("make, error, match", [
-    (lambda ps: tiermem.AdamW(ps, bf16_stochastic_round=True), ConfigError,
-     r"tiermem: AdamW\(bf16_stochastic_round=True\) keeps bf16 master weights, which needs precision='bf16'"),
-    (lambda ps: tiermem.SGD(ps, lr=0.1, bf16_stochastic_round=1), ConfigError,
-     r"tiermem: SGD.bf16_stochastic_round=1 is invalid: it must be True or False"),
-    (lambda ps: tiermem.Lion(ps, betas=(0.9, 1.5)), ConfigError, r"tiermem: Lion.betas=\(0.9, 1.5\) is invalid"),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, nesterov=True), ValueError, r"Nesterov momentum requires"),
-    (lambda ps: tiermem.AdamW8bit(ps, min_8bit_size=0), ConfigError, r"tiermem: AdamW8bit.min_8bit_size=0 is invalid"),
-])
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (
+            lambda ps: tiermem.AdamW(ps, bf16_stochastic_round=True),
+            ConfigError,
+            r"tiermem: AdamW\(bf16_stochastic_round=True\) keeps bf16 master weights, which needs precision='bf16'",
+        ),
+        (
+            lambda ps: tiermem.SGD(ps, lr=0.1, bf16_stochastic_round=1),
+            ConfigError,
+            r"tiermem: SGD.bf16_stochastic_round=1 is invalid: it must be True or False",
+        ),
+        (lambda ps: tiermem.Lion(ps, betas=(0.9, 1.5)), ConfigError, r"tiermem: Lion.betas=\(0.9, 1.5\) is invalid"),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, nesterov=True), ValueError, r"Nesterov momentum requires"),
+        (
+            lambda ps: tiermem.AdamW8bit(ps, min_8bit_size=0),
+            ConfigError,
+            r"tiermem: AdamW8bit.min_8bit_size=0 is invalid",
+        ),
+    ],
+)
 def test_bad_optimizer_arguments_are_refused_by_name(make, error, match):
     m = TinyGPT()
     with pytest.raises(error, match=match):
@@ -387,15 +458,18 @@ def _rank_formats(rank: int, world: int, nvme_dir: str) -> dict:
     """SGD (fp32) and Lion with bf16 stochastic rounding (two bucket sizes: the chunks' edges move
     inside parameters), each rank its own micro-batch per step."""
     out = {}
-    runs = {"sgd": (lambda ps: tiermem.SGD(ps, lr=0.05, momentum=0.9, nesterov=True), "fp32", 3000, "zero_offload"),
-            "lion_sr": (SR_SPECS["lion"], "bf16", 3000, "zero_offload"),
-            "lion_sr_small": (SR_SPECS["lion"], "bf16", 1000, "state_on_nvme")}
+    runs = {
+        "sgd": (lambda ps: tiermem.SGD(ps, lr=0.05, momentum=0.9, nesterov=True), "fp32", 3000, "zero_offload"),
+        "lion_sr": (SR_SPECS["lion"], "bf16", 3000, "zero_offload"),
+        "lion_sr_small": (SR_SPECS["lion"], "bf16", 1000, "state_on_nvme"),
+    }
     for name, (make, precision, bucket_size, policy) in runs.items():
         torch.manual_seed(0)
         m = TinyGPT()
         nvme = {"nvme_dir": nvme_dir} if policy == "state_on_nvme" else {}
-        tm = TieredModel(m, POLICIES[policy](), optimizer=make(m.parameters()), precision=precision,
-                         bucket_size=bucket_size, **nvme)
+        tm = TieredModel(
+            m, POLICIES[policy](), optimizer=make(m.parameters()), precision=precision, bucket_size=bucket_size, **nvme
+        )
         for i in range(3):
             x, y = gpt_batch(100 * i + rank)
             tm.backward(gpt_loss(tm(x), y))
@@ -407,10 +481,12 @@ def _rank_formats(rank: int, world: int, nvme_dir: str) -> dict:
 
 def test_two_ranks_shard_sgd_and_bf16_lion_state_and_train_as_one(tmp_path):
     from ranks import run_ranks
+
     r0, r1 = run_ranks(_rank_formats, str(tmp_path))
     for name in r0:
         assert diff(r0[name], r1[name]) == 0.0, name  # the ranks agree bit for bit
     assert diff(r0["lion_sr"], r0["lion_sr_small"]) == 0.0  # rounding keys follow the parameter, not the chunk
+
     def one_process(mean_after: bool) -> dict:
         """Both ranks' micro-batches in one process: each loss halved (accumulation), or the grads
         summed and halved (a mean, as the ranks' reduce-scatter takes it): two correct roundings."""
@@ -427,6 +503,7 @@ def test_two_ranks_shard_sgd_and_bf16_lion_state_and_train_as_one(tmp_path):
             opt.step()
             opt.zero_grad()
         return m.state_dict()
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank computes (tests/ranks.py): the matmuls' sums in one order
     try:

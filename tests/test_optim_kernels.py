@@ -6,6 +6,7 @@ first, non-contiguous tensors work, and callers' mistakes are one-line tiermem: 
 
 The native library is built once per machine (a few seconds, then cached); these tests stay on it.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,16 +45,39 @@ def step(kind: str, master, state, grad, i: int, **kw) -> bool:
     """One update of ``kind`` at step ``i`` (hyperparameters that exercise every branch)."""
     if kind.startswith("sgd"):
         nesterov = kind == "sgd_nesterov"
-        return sgd_step(master, state[0], grad, step=i, lr=0.03, momentum=0.9, dampening=0.0 if nesterov else 0.2,
-                        nesterov=nesterov, weight_decay=0.01, maximize=not nesterov, **kw)
+        return sgd_step(
+            master,
+            state[0],
+            grad,
+            step=i,
+            lr=0.03,
+            momentum=0.9,
+            dampening=0.0 if nesterov else 0.2,
+            nesterov=nesterov,
+            weight_decay=0.01,
+            maximize=not nesterov,
+            **kw,
+        )
     if kind == "adagrad":
         return adagrad_step(master, state[0], grad, step=i, lr=0.05, lr_decay=0.01, weight_decay=0.01, **kw)
     if kind == "lion":
         return lion_step(master, state[0], grad, step=i, lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1, **kw)
     impl = kw.pop("impl", None)
     impl = {"native": "compiled", "reference": "reference", None: None}[impl]
-    return adam_step(master, state[0], state[1], grad, step=i, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                     weight_decay=0.1, impl=impl, **kw)
+    return adam_step(
+        master,
+        state[0],
+        state[1],
+        grad,
+        step=i,
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.1,
+        impl=impl,
+        **kw,
+    )
 
 
 def run(kind, master, state, grads, *, out_dtype=None, sr=None, first=1, **kw):
@@ -66,9 +90,15 @@ def run(kind, master, state, grads, *, out_dtype=None, sr=None, first=1, **kw):
 
 # -- native == reference ----------------------------------------------------------------------------
 @settings(max_examples=40, deadline=None)
-@given(kind=st.sampled_from(KINDS), n=SIZES, grad_dtype=st.sampled_from([FP32, BF16, FP16]),
-       out_dtype=st.sampled_from([None, BF16, FP32, FP16]), bf16_master=st.booleans(), seed=st.integers(0, 2**16),
-       scale=st.sampled_from([(1.0, 1.0), (1024.0, 1.0), (3.0, 0.37)]))
+@given(
+    kind=st.sampled_from(KINDS),
+    n=SIZES,
+    grad_dtype=st.sampled_from([FP32, BF16, FP16]),
+    out_dtype=st.sampled_from([None, BF16, FP32, FP16]),
+    bf16_master=st.booleans(),
+    seed=st.integers(0, 2**16),
+    scale=st.sampled_from([(1.0, 1.0), (1024.0, 1.0), (3.0, 0.37)]),
+)
 def test_native_is_bit_identical_to_reference(kind, n, grad_dtype, out_dtype, bf16_master, seed, scale):
     if kind == "adam" and not bf16_master:
         bf16_master = True  # fp32-master Adam is the compiled kernel's (tests/test_optim.py)
@@ -105,17 +135,29 @@ def test_views_into_a_flat_buffer_update_as_one_call(kind, bf16_master):
     master, state, out = master.clone(), [t.clone() for t in state], torch.zeros(total, dtype=BF16)
     for i, g in enumerate(grads):
         for a, b in zip(cuts[:-1], cuts[1:]):
-            step(kind, master[a:b], [t[a:b] for t in state], g[a:b], i + 1, out=out[a:b],
-                 stochastic_round=None if sr is None else sr.at(a))
+            step(
+                kind,
+                master[a:b],
+                [t[a:b] for t in state],
+                g[a:b],
+                i + 1,
+                out=out[a:b],
+                stochastic_round=None if sr is None else sr.at(a),
+            )
     for w, g in zip(want, [master, *state, out]):
         assert_bits_equal(g, w)
 
 
 # -- found_inf: nothing changes ------------------------------------------------------------------------
 @settings(max_examples=20, deadline=None)
-@given(kind=st.sampled_from(KINDS), n=st.integers(1, 5000), where=st.floats(0, 1, exclude_max=True),
-       bad=st.sampled_from([math.inf, -math.inf, math.nan]), grad_dtype=st.sampled_from([FP32, BF16, FP16]),
-       impl=st.sampled_from(["native", "reference", None]))
+@given(
+    kind=st.sampled_from(KINDS),
+    n=st.integers(1, 5000),
+    where=st.floats(0, 1, exclude_max=True),
+    bad=st.sampled_from([math.inf, -math.inf, math.nan]),
+    grad_dtype=st.sampled_from([FP32, BF16, FP16]),
+    impl=st.sampled_from(["native", "reference", None]),
+)
 def test_nonfinite_grad_changes_nothing(kind, n, where, bad, grad_dtype, impl):
     master, state = make(kind, n, n, BF16 if kind == "adam" else FP32)
     grad = (torch.randn(n) * 0.1).to(grad_dtype)
@@ -204,28 +246,35 @@ def _sgd(**over):
     return sgd_step(args.pop("master"), args.pop("momentum_buffer"), args.pop("grad"), **kw)
 
 
-@pytest.mark.parametrize("over, match", [
-    (dict(step=0), r"sgd_step step=0 is invalid.*>= 1"),
-    (dict(lr=-1.0), r"sgd_step lr=-1.0 is invalid.*>= 0"),
-    (dict(momentum=-0.5), r"sgd_step momentum=-0.5 is invalid"),
-    (dict(nesterov=True, dampening=0.1), r"nesterov=True needs momentum > 0 and dampening = 0"),
-    (dict(nesterov=1), r"sgd_step nesterov=1 is invalid.*True or False"),
-    (dict(momentum_buffer=None), r"momentum=0.9 needs a momentum_buffer"),
-    (dict(momentum=0.0), r"momentum=0.0 takes no momentum_buffer"),
-    (dict(momentum_buffer=torch.zeros(9)), r"momentum_buffer has 9 elements but master's 8 need 8"),
-    (dict(momentum_buffer=torch.zeros(8, dtype=BF16)),
-     r"momentum_buffer has dtype torch.bfloat16; it must be torch.float32"),
-    (dict(grad=torch.zeros(8, dtype=torch.float64)), r"grad has dtype torch.float64"),
-    (dict(grad=torch.zeros(9)), r"grad has shape \(9,\) but master has \(8,\)"),
-    (dict(out=torch.zeros(8, dtype=torch.int32)), r"out has dtype torch.int32"),
-    (dict(master=torch.zeros(8, dtype=BF16)),
-     r"sgd_step master has dtype torch.bfloat16, which needs stochastic rounding"),
-    (dict(stochastic_round=StochasticRound(1)), r"stochastic_round applies to bf16 master weights"),
-    (dict(stochastic_round=3), r"stochastic_round=3 is invalid"),
-    (dict(master=torch.zeros(8, dtype=FP16)), r"master has dtype torch.float16"),
-    (dict(grad=torch.zeros(8, device="meta")), r"grad is on meta but master is on cpu"),
-    (dict(impl="fast"), r"impl='fast' is unknown"),
-])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (dict(step=0), r"sgd_step step=0 is invalid.*>= 1"),
+        (dict(lr=-1.0), r"sgd_step lr=-1.0 is invalid.*>= 0"),
+        (dict(momentum=-0.5), r"sgd_step momentum=-0.5 is invalid"),
+        (dict(nesterov=True, dampening=0.1), r"nesterov=True needs momentum > 0 and dampening = 0"),
+        (dict(nesterov=1), r"sgd_step nesterov=1 is invalid.*True or False"),
+        (dict(momentum_buffer=None), r"momentum=0.9 needs a momentum_buffer"),
+        (dict(momentum=0.0), r"momentum=0.0 takes no momentum_buffer"),
+        (dict(momentum_buffer=torch.zeros(9)), r"momentum_buffer has 9 elements but master's 8 need 8"),
+        (
+            dict(momentum_buffer=torch.zeros(8, dtype=BF16)),
+            r"momentum_buffer has dtype torch.bfloat16; it must be torch.float32",
+        ),
+        (dict(grad=torch.zeros(8, dtype=torch.float64)), r"grad has dtype torch.float64"),
+        (dict(grad=torch.zeros(9)), r"grad has shape \(9,\) but master has \(8,\)"),
+        (dict(out=torch.zeros(8, dtype=torch.int32)), r"out has dtype torch.int32"),
+        (
+            dict(master=torch.zeros(8, dtype=BF16)),
+            r"sgd_step master has dtype torch.bfloat16, which needs stochastic rounding",
+        ),
+        (dict(stochastic_round=StochasticRound(1)), r"stochastic_round applies to bf16 master weights"),
+        (dict(stochastic_round=3), r"stochastic_round=3 is invalid"),
+        (dict(master=torch.zeros(8, dtype=FP16)), r"master has dtype torch.float16"),
+        (dict(grad=torch.zeros(8, device="meta")), r"grad is on meta but master is on cpu"),
+        (dict(impl="fast"), r"impl='fast' is unknown"),
+    ],
+)
 def test_caller_errors(over, match):
     with pytest.raises(ConfigError, match=match) as e:
         _sgd(**over)
@@ -238,16 +287,25 @@ def test_aliased_buffers_are_refused():
         lion_step(t, t, torch.zeros(8), step=1, lr=1e-3)
 
 
-@pytest.mark.parametrize("make_bad, match", [
-    (lambda: lion_step(torch.zeros(4), torch.zeros(4), torch.zeros(4), step=1, lr=1e-3, beta1=1.5),
-     r"lion_step beta1=1.5 is invalid: it must be a number in \[0, 1\]"),
-    (lambda: adagrad_step(torch.zeros(4), torch.zeros(4), torch.zeros(4), step=1, lr=1e-3, lr_decay=-1.0),
-     r"adagrad_step lr_decay=-1.0 is invalid"),
-    (lambda: adagrad_step(torch.zeros(4), torch.zeros(4), torch.zeros(4), step=1, lr=1e-3, eps=math.nan),
-     r"adagrad_step eps=nan is invalid"),
-    (lambda: StochasticRound(-1), r"StochasticRound key=-1 is invalid"),
-    (lambda: StochasticRound.for_parameter("0", "w"), r"StochasticRound seed='0' is invalid"),
-])
+@pytest.mark.parametrize(
+    "make_bad, match",
+    [
+        (
+            lambda: lion_step(torch.zeros(4), torch.zeros(4), torch.zeros(4), step=1, lr=1e-3, beta1=1.5),
+            r"lion_step beta1=1.5 is invalid: it must be a number in \[0, 1\]",
+        ),
+        (
+            lambda: adagrad_step(torch.zeros(4), torch.zeros(4), torch.zeros(4), step=1, lr=1e-3, lr_decay=-1.0),
+            r"adagrad_step lr_decay=-1.0 is invalid",
+        ),
+        (
+            lambda: adagrad_step(torch.zeros(4), torch.zeros(4), torch.zeros(4), step=1, lr=1e-3, eps=math.nan),
+            r"adagrad_step eps=nan is invalid",
+        ),
+        (lambda: StochasticRound(-1), r"StochasticRound key=-1 is invalid"),
+        (lambda: StochasticRound.for_parameter("0", "w"), r"StochasticRound seed='0' is invalid"),
+    ],
+)
 def test_more_caller_errors(make_bad, match):
     with pytest.raises(ConfigError, match=match):
         make_bad()
@@ -255,9 +313,13 @@ def test_more_caller_errors(make_bad, match):
 
 # -- Adafactor: native passes against the reference ------------------------------------------------------
 @settings(max_examples=15, deadline=None)
-@given(shape=st.sampled_from([(1,), (4097,), (1, 1), (37, 53), (2, 3, 40, 9), (300, 129)]),
-       grad_dtype=st.sampled_from([FP32, BF16]), bf16_master=st.booleans(), wd=st.sampled_from([0.0, 0.01]),
-       seed=st.integers(0, 2**16))
+@given(
+    shape=st.sampled_from([(1,), (4097,), (1, 1), (37, 53), (2, 3, 40, 9), (300, 129)]),
+    grad_dtype=st.sampled_from([FP32, BF16]),
+    bf16_master=st.booleans(),
+    wd=st.sampled_from([0.0, 0.01]),
+    seed=st.integers(0, 2**16),
+)
 def test_adafactor_native_matches_reference(shape, grad_dtype, bf16_master, wd, seed):
     """The sums are taken in double in another order than the reference's: the results agree to the
     last bits of the sums, far below anything a step moves (here: bit for bit, or a relative 1e-6)."""
@@ -274,8 +336,12 @@ def test_adafactor_native_matches_reference(shape, grad_dtype, bf16_master, wd, 
         state = {k: torch.zeros(v) for k, v in state_numels(shape).items()}
         out = torch.empty(shape, dtype=BF16)
         for i, g in enumerate(grads):
-            assert adafactor_step(master, g, step=i + 1, lr=0.05, weight_decay=wd, out=out, stochastic_round=sr,
-                                  impl=impl, **state) is False
+            assert (
+                adafactor_step(
+                    master, g, step=i + 1, lr=0.05, weight_decay=wd, out=out, stochastic_round=sr, impl=impl, **state
+                )
+                is False
+            )
         results.append([master, out, *state.values()])
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
@@ -304,8 +370,10 @@ def test_adafactor_nonfinite_grad_changes_nothing_and_wrong_state_is_refused():
 
 
 # (grad dtype, out dtype, adamw, beta1): variants tests/test_optim.py compiles anyway
-@pytest.mark.parametrize("grad_dtype, out_dtype, adamw, beta1", [(BF16, BF16, True, 0.9), (FP32, None, True, 0.95),
-                                                                 (FP16, FP16, False, 0.8), (BF16, FP32, False, 0.3)])
+@pytest.mark.parametrize(
+    "grad_dtype, out_dtype, adamw, beta1",
+    [(BF16, BF16, True, 0.9), (FP32, None, True, 0.95), (FP16, FP16, False, 0.8), (BF16, FP32, False, 0.3)],
+)
 def test_native_fp32_adam_is_the_compiled_kernel(grad_dtype, out_dtype, adamw, beta1):
     """CPUAdam steps fp32 weights with the native kernel (NOTE [Drop-in speed]); adam_step with the
     compiled one. Both are the reference bit for bit, so each other."""
@@ -320,8 +388,18 @@ def test_native_fp32_adam_is_the_compiled_kernel(grad_dtype, out_dtype, adamw, b
         out = torch.full(master.shape, 7.0, dtype=out_dtype) if out_dtype is not None else None
         for i, g in enumerate(grads):
             if native:
-                _run.run(_run.ADAM, master, state, g, out, AdamHyper(step=i + 1, **hp), stochastic_round=None,
-                         step=i + 1, check_finite=True, impl="native")
+                _run.run(
+                    _run.ADAM,
+                    master,
+                    state,
+                    g,
+                    out,
+                    AdamHyper(step=i + 1, **hp),
+                    stochastic_round=None,
+                    step=i + 1,
+                    check_finite=True,
+                    impl="native",
+                )
             else:
                 adam_step(master, *state, g, step=i + 1, out=out, impl="compiled", **hp)
         results.append([master, *state] + ([out] if out is not None else []))

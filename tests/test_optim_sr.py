@@ -2,6 +2,7 @@
 the rounding is unbiased, reproducible, keyed by (seed, parameter, step, element) only (not by how a
 tensor is cut into calls), and lets updates far below a bf16 ulp accumulate where rounding to
 nearest loses them."""
+
 from __future__ import annotations
 
 import ctypes
@@ -9,8 +10,15 @@ import ctypes
 import pytest
 import torch
 
-from tiermem.optim import StochasticRound, adafactor_step, adam8bit_step, adam_step, lion_step, quantize_blockwise, \
-    sgd_step
+from tiermem.optim import (
+    StochasticRound,
+    adafactor_step,
+    adam8bit_step,
+    adam_step,
+    lion_step,
+    quantize_blockwise,
+    sgd_step,
+)
 from tiermem.optim import _native, _sr
 
 BF16 = torch.bfloat16
@@ -25,8 +33,9 @@ def native_round(x: torch.Tensor, sr: StochasticRound, step: int) -> torch.Tenso
     bf16 master, here 0 + x."""
     master, scratch = torch.zeros(x.numel(), dtype=BF16), torch.zeros(x.numel())  # scratch: the kernel's state
     keys = (ctypes.c_uint32 * 3)(*sr.keys(step))
-    _native.library("elementwise").tm_streams(x.numel(), master.data_ptr(), 1, scratch.data_ptr(), None,
-                                               x.data_ptr(), 0, None, -1, keys, 1)
+    _native.library("elementwise").tm_streams(
+        x.numel(), master.data_ptr(), 1, scratch.data_ptr(), None, x.data_ptr(), 0, None, -1, keys, 1
+    )
     return master
 
 
@@ -69,8 +78,11 @@ def test_bits_depend_on_seed_parameter_step_and_index_only():
     sr = StochasticRound.for_parameter(0, "w")
     first = _sr.round_bf16(x, sr.keys(1))
     assert torch.equal(bits(first), bits(_sr.round_bf16(x, StochasticRound.for_parameter(0, "w").keys(1))))
-    for other in (StochasticRound.for_parameter(1, "w").keys(1), StochasticRound.for_parameter(0, "v").keys(1),
-                  sr.keys(2)):
+    for other in (
+        StochasticRound.for_parameter(1, "w").keys(1),
+        StochasticRound.for_parameter(0, "v").keys(1),
+        sr.keys(2),
+    ):
         assert (bits(_sr.round_bf16(x, other)) != bits(first)).float().mean() > 0.3
     # a slice keyed with its offset rounds as the whole did
     assert torch.equal(bits(_sr.round_bf16(x[1000:3000], sr.at(1000).keys(1))), bits(first[1000:3000]))
@@ -93,12 +105,36 @@ def test_every_optimizer_rounds_the_same_in_any_cut(kind):
 
     def update(master, state, grad, step, sr, a=0, b=n):
         if kind == "adam":
-            adam_step(master[a:b], state[0][a:b], state[1][a:b], grad[a:b], step=step, lr=1e-3, beta1=0.9, beta2=0.99,
-                      eps=1e-8, weight_decay=0.1, stochastic_round=sr)
+            adam_step(
+                master[a:b],
+                state[0][a:b],
+                state[1][a:b],
+                grad[a:b],
+                step=step,
+                lr=1e-3,
+                beta1=0.9,
+                beta2=0.99,
+                eps=1e-8,
+                weight_decay=0.1,
+                stochastic_round=sr,
+            )
         elif kind == "adam8bit":
             blk = slice(a // 256, (b + 255) // 256)
-            adam8bit_step(master[a:b], state[0][a:b], state[1][blk], state[2][a:b], state[3][blk], grad[a:b],
-                          step=step, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, stochastic_round=sr)
+            adam8bit_step(
+                master[a:b],
+                state[0][a:b],
+                state[1][blk],
+                state[2][a:b],
+                state[3][blk],
+                grad[a:b],
+                step=step,
+                lr=1e-3,
+                beta1=0.9,
+                beta2=0.99,
+                eps=1e-8,
+                weight_decay=0.1,
+                stochastic_round=sr,
+            )
         elif kind == "sgd":
             sgd_step(master[a:b], state[0][a:b], grad[a:b], step=step, lr=1e-3, momentum=0.9, stochastic_round=sr)
         elif kind == "lion":

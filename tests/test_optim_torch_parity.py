@@ -13,6 +13,7 @@ Tolerances are the references' own spread, measured (tests/ comments say what it
 * Lion: the paper's ``p -= lr * (sign(c) + wd * p)`` rounds differently from decay-then-step, a few
   ulps of p per step; the sign is exact (c is never within an ulp of 0 on this data).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -47,13 +48,21 @@ def torch_run(cls, master, grads, kw, **impl):
 
 # -- SGD -----------------------------------------------------------------------------------------------
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 3000), momentum=st.sampled_from([0.0, 0.9]), dampening=st.sampled_from([0.0, 0.3]),
-       nesterov=st.booleans(), weight_decay=st.sampled_from([0.0, 0.01]), maximize=st.booleans(),
-       lr=st.sampled_from([0.1, 1e-3]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 3000),
+    momentum=st.sampled_from([0.0, 0.9]),
+    dampening=st.sampled_from([0.0, 0.3]),
+    nesterov=st.booleans(),
+    weight_decay=st.sampled_from([0.0, 0.01]),
+    maximize=st.booleans(),
+    lr=st.sampled_from([0.1, 1e-3]),
+    seed=st.integers(0, 2**16),
+)
 def test_sgd_is_bit_identical_to_torch(n, momentum, dampening, nesterov, weight_decay, maximize, lr, seed):
     nesterov = nesterov and momentum > 0 and dampening == 0
-    kw = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
-              maximize=maximize)
+    kw = dict(
+        lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, maximize=maximize
+    )
     master, grads = data(n, seed, 15)
     p, buf = master.clone(), torch.zeros(n) if momentum else None
     for i, g in enumerate(grads):
@@ -71,9 +80,15 @@ def _assert_within(got, want, spread, rtol, atol):
 
 
 @settings(max_examples=20, deadline=None)
-@given(n=st.integers(1, 3000), lr_decay=st.sampled_from([0.0, 0.01]), weight_decay=st.sampled_from([0.0, 0.01]),
-       init=st.sampled_from([0.0, 0.1]), maximize=st.booleans(), eps=st.sampled_from([1e-10, 1e-3]),
-       seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 3000),
+    lr_decay=st.sampled_from([0.0, 0.01]),
+    weight_decay=st.sampled_from([0.0, 0.01]),
+    init=st.sampled_from([0.0, 0.1]),
+    maximize=st.booleans(),
+    eps=st.sampled_from([1e-10, 1e-3]),
+    seed=st.integers(0, 2**16),
+)
 def test_adagrad_matches_torch_within_its_spread(n, lr_decay, weight_decay, init, maximize, eps, seed):
     steps, lr = 20, 0.05
     kw = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize)
@@ -81,8 +96,9 @@ def test_adagrad_matches_torch_within_its_spread(n, lr_decay, weight_decay, init
     p, state_sum = master.clone(), torch.full((n,), init)
     for i, g in enumerate(grads):
         adagrad_step(p, state_sum, g, step=i + 1, **kw)
-    want, state = torch_run(torch.optim.Adagrad, master, grads, {**kw, "initial_accumulator_value": init},
-                            foreach=False)
+    want, state = torch_run(
+        torch.optim.Adagrad, master, grads, {**kw, "initial_accumulator_value": init}, foreach=False
+    )
     fused, _ = torch_run(torch.optim.Adagrad, master, grads, {**kw, "initial_accumulator_value": init}, fused=True)
     # each step's update is at most lr * |g| / sqrt(sum) <= lr; a relative 2**-22 of it and of p per step
     tol = steps * 2.0**-22
@@ -113,8 +129,13 @@ def paper_lion(master, grads, lr, beta1, beta2, wd):
 
 
 @settings(max_examples=20, deadline=None)
-@given(n=st.integers(1, 3000), lr=st.sampled_from([1e-4, 3e-3]), betas=st.sampled_from([(0.9, 0.99), (0.95, 0.98)]),
-       wd=st.sampled_from([0.0, 0.1, 1.0]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 3000),
+    lr=st.sampled_from([1e-4, 3e-3]),
+    betas=st.sampled_from([(0.9, 0.99), (0.95, 0.98)]),
+    wd=st.sampled_from([0.0, 0.1, 1.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_lion_matches_the_paper(n, lr, betas, wd, seed):
     steps = 15
     master, grads = data(n, seed, steps)
@@ -140,8 +161,14 @@ def test_lion_tolerance_catches_a_lagging_step():
 
 # -- Adafactor -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", [(3000,), (37, 53), (3, 20, 30), (200, 1500)])
-@pytest.mark.parametrize("kw", [dict(lr=1e-2, weight_decay=0.01), dict(lr=0.3, eps=(1e-6, 1e-2), d=1.5, maximize=True),
-                                dict(lr=1e-2, beta2_decay=-0.5)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(lr=1e-2, weight_decay=0.01),
+        dict(lr=0.3, eps=(1e-6, 1e-2), d=1.5, maximize=True),
+        dict(lr=1e-2, beta2_decay=-0.5),
+    ],
+)
 def test_adafactor_error_is_at_most_torchs(shape, kw):
     steps = 12
     master, grads = data(shape, 3, steps)
@@ -149,13 +176,26 @@ def test_adafactor_error_is_at_most_torchs(shape, kw):
     ours = master.clone()
     state = {k: torch.zeros(v) for k, v in state_numels(shape).items()}
     for i, g in enumerate(grads):
-        adafactor_step(ours, g, step=i + 1, lr=kw["lr"], beta2_decay=kw.get("beta2_decay", -0.8), eps1=eps1,
-                       eps2=eps2, d=kw.get("d", 1.0), weight_decay=kw.get("weight_decay", 0.0),
-                       maximize=kw.get("maximize", False), **state)
-    exact, exact_state = torch_run(torch.optim.Adafactor, master.double(), [g.double() for g in grads], kw,
-                                   foreach=False)
-    torch_errors = [(torch_run(torch.optim.Adafactor, master, grads, kw, **impl)[0].double() - exact).abs().max().item()
-                    for impl in (dict(foreach=False), dict(foreach=True))]
+        adafactor_step(
+            ours,
+            g,
+            step=i + 1,
+            lr=kw["lr"],
+            beta2_decay=kw.get("beta2_decay", -0.8),
+            eps1=eps1,
+            eps2=eps2,
+            d=kw.get("d", 1.0),
+            weight_decay=kw.get("weight_decay", 0.0),
+            maximize=kw.get("maximize", False),
+            **state,
+        )
+    exact, exact_state = torch_run(
+        torch.optim.Adafactor, master.double(), [g.double() for g in grads], kw, foreach=False
+    )
+    torch_errors = [
+        (torch_run(torch.optim.Adafactor, master, grads, kw, **impl)[0].double() - exact).abs().max().item()
+        for impl in (dict(foreach=False), dict(foreach=True))
+    ]
     ulp = torch.finfo(FP32).eps * exact.abs().max().item()
     assert (ours.double() - exact).abs().max().item() <= max(torch_errors) + ulp
     for name, value in state.items():  # the second moment's statistics, to fp32 rounding of their sums

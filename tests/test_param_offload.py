@@ -1,4 +1,5 @@
 """Parameters off the device (ZeRO-Infinity): same numbers, device budget held, clear errors."""
+
 from __future__ import annotations
 
 import threading
@@ -50,8 +51,15 @@ def test_weights_off_device_give_identical_numbers(tmp_path, precision, policy):
 def test_device_budget_smaller_than_the_weights(tmp_path):
     def make(policy, budgets=None, nvme_dir=str(tmp_path)):
         torch.manual_seed(12)
-        return TieredModel(TinyGPT(d=256, n_layer=4), policy, precision="bf16", bucket_size="256KiB",
-                           nvme_dir=nvme_dir, budgets=budgets)
+        return TieredModel(
+            TinyGPT(d=256, n_layer=4),
+            policy,
+            precision="bf16",
+            bucket_size="256KiB",
+            nvme_dir=nvme_dir,
+            budgets=budgets,
+        )
+
     weights = 2 * sum(p.numel() for p in TinyGPT(d=256, n_layer=4).parameters())
     budget = weights * 3 // 4  # weights alone would not fit; activations need their share too
     tm = make(ZeroInfinity(), Budgets(device=budget))
@@ -68,8 +76,14 @@ def test_device_budget_holds_with_a_slow_copy_lane(tmp_path):
     weights = 2 * sum(p.numel() for p in TinyGPT(d=256, n_layer=4).parameters())
     budget = weights * 3 // 4
     torch.manual_seed(12)
-    tm = TieredModel(TinyGPT(d=256, n_layer=4), ZeroInfinity(), precision="bf16", bucket_size="256KiB",
-                     nvme_dir=str(tmp_path), budgets=Budgets(device=budget))
+    tm = TieredModel(
+        TinyGPT(d=256, n_layer=4),
+        ZeroInfinity(),
+        precision="bf16",
+        bucket_size="256KiB",
+        nvme_dir=str(tmp_path),
+        budgets=Budgets(device=budget),
+    )
     torch.manual_seed(12)
     ref = TieredModel(TinyGPT(d=256, n_layer=4), ZeroOffload(), precision="bf16", bucket_size="256KiB")
     losses = []
@@ -134,6 +148,7 @@ def test_failed_step_with_weights_on_nvme_is_completed_by_a_retry(tmp_path, fail
     its state from before the step or from after it (never a mix), and the retry completes the step
     exactly as the uninterrupted run (weights on NVMe included: the next forwards give its losses)."""
     from tiermem import StoreError
+
     tm, ref = _two_steps_and_a_backward(tmp_path)
     before = tm.state_dict()
     with disk_fills_up(tm.stores[Tier.NVME], after=fail_after):
@@ -159,6 +174,7 @@ def test_weights_that_did_not_land_are_sent_home_again_by_the_retry(tmp_path):
     import errno
     import os
     from tiermem import StoreError
+
     tm, ref = _two_steps_and_a_backward(tmp_path)
     store = tm.stores[Tier.NVME]
     real = store._pwritev
@@ -167,6 +183,7 @@ def test_weights_that_did_not_land_are_sent_home_again_by_the_retry(tmp_path):
         if "_state." not in os.path.basename(os.readlink(f"/proc/self/fd/{fd}")):  # a weight's file
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real(fd, bufs, offset)
+
     store._pwritev = weights_fail
     try:
         with pytest.raises(StoreError, match="Input/output error"):
@@ -230,6 +247,7 @@ class _CheckpointedNorm(nn.Module):
         if self.reentrant is None:
             return self.b(self.ln(h).relu())
         from torch.utils.checkpoint import checkpoint
+
         return self.b(checkpoint(lambda t: self.ln(t).relu(), h, use_reentrant=self.reentrant))
 
 
@@ -245,20 +263,24 @@ class _Borrowing(nn.Module):
         return torch.nn.functional.linear(h, self.wte.weight)
 
 
-@pytest.mark.parametrize("make, eval_mode, inputs", [
-    (lambda: _CheckpointedNorm(None), True, lambda: torch.randn(4, 8)),  # eval() mode
-    (lambda: _CheckpointedNorm(True), False, lambda: torch.randn(4, 8, requires_grad=True)),  # reentrant recompute
-    (lambda: _CheckpointedNorm(False), False, lambda: torch.randn(4, 8)),
-    (_Borrowing, False, lambda: torch.randint(0, 10, (4, 5))),
-])
+@pytest.mark.parametrize(
+    "make, eval_mode, inputs",
+    [
+        (lambda: _CheckpointedNorm(None), True, lambda: torch.randn(4, 8)),  # eval() mode
+        (lambda: _CheckpointedNorm(True), False, lambda: torch.randn(4, 8, requires_grad=True)),  # reentrant recompute
+        (lambda: _CheckpointedNorm(False), False, lambda: torch.randn(4, 8)),
+        (_Borrowing, False, lambda: torch.randint(0, 10, (4, 5))),
+    ],
+)
 def test_weights_are_resident_wherever_autograd_or_the_model_reads_them(tmp_path, make, eval_mode, inputs):
     """Same numbers as ZeroOffload, never a NaN placeholder in arithmetic."""
     states = []
     for policy in (ZeroOffload(), ZeroInfinity()):
         torch.manual_seed(0)
         (tmp_path / type(policy).__name__).mkdir()  # a directory each: one run owns a directory
-        tm = TieredModel(make(), policy, optimizer=AdamW(lr=1e-2), precision="fp32",
-                         nvme_dir=str(tmp_path / type(policy).__name__))
+        tm = TieredModel(
+            make(), policy, optimizer=AdamW(lr=1e-2), precision="fp32", nvme_dir=str(tmp_path / type(policy).__name__)
+        )
         if eval_mode:
             tm.eval()
         torch.manual_seed(1)

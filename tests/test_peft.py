@@ -15,6 +15,7 @@ live on NVMe and are read by peft's own code: ``lora.Embedding`` computes with
 - the Hugging Face Trainer on tiermem (``TieredTrainer``) trains a LoRA model under ZeroInfinity
   with gradient checkpointing as ``TieredModel``'s own loop does, and resumes bit for bit.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,12 +62,22 @@ POLICIES = {
 def _lora(target: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     modules, tied = TARGETS[target]
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                   tie_word_embeddings=tied, use_cache=False, pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=tied,
+        use_cache=False,
+        pad_token_id=0,
+    )
     base = transformers.LlamaForCausalLM(cfg)
-    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=modules,
-                           init_lora_weights=False)  # random B too: every adapter weight gets gradients at once
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=modules, init_lora_weights=False
+    )  # random B too: every adapter weight gets gradients at once
     return peft.get_peft_model(base, lora)
 
 
@@ -100,8 +111,9 @@ def _tiered(target: str, policy: str, tmp_path, *, precision="bf16", mode="plain
     kw = {}
     if policy == "auto":  # most of a small device kept for activations: Auto homes the weights off it
         kw["budgets"] = Budgets(device="256KiB")
-    return TieredModel(model, POLICIES[policy](), optimizer=SPEC, precision=precision, grad_clip=1.0,
-                       nvme_dir=str(tmp_path), **kw)
+    return TieredModel(
+        model, POLICIES[policy](), optimizer=SPEC, precision=precision, grad_clip=1.0, nvme_dir=str(tmp_path), **kw
+    )
 
 
 def _train(tm: TieredModel, steps: range) -> list[float]:
@@ -149,9 +161,15 @@ def _torch_runs(target: str) -> dict[str, dict]:
         for variant in ("for-loop", "foreach", "fused"):
             model = _lora(target)
             trainable = [p for p in model.parameters() if p.requires_grad]
-            opt = torch.optim.AdamW(trainable, lr=SPEC.lr, betas=SPEC.betas, eps=SPEC.eps,
-                                    weight_decay=SPEC.weight_decay, foreach=variant == "foreach",
-                                    fused=variant == "fused" or None)
+            opt = torch.optim.AdamW(
+                trainable,
+                lr=SPEC.lr,
+                betas=SPEC.betas,
+                eps=SPEC.eps,
+                weight_decay=SPEC.weight_decay,
+                foreach=variant == "foreach",
+                fused=variant == "fused" or None,
+            )
             for i in range(2):
                 model(**_batch(i)).loss.backward()
                 torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -206,8 +224,9 @@ def test_bf16_checkpointing_and_eval_same_bits_as_zero_offload(target, policy, m
 def _generate(model: torch.nn.Module) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
-        return model.generate(_batch(99)["input_ids"][:, :5], max_new_tokens=5, min_new_tokens=5,
-                              do_sample=False, pad_token_id=0)
+        return model.generate(
+            _batch(99)["input_ids"][:, :5], max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0
+        )
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -248,16 +267,33 @@ def test_trainer_with_lora_and_checkpointing_under_zero_infinity(tmp_path):
     data = [{k: v[j] for k, v in _batch(i).items()} for i in range(8) for j in range(BATCH)]
 
     def args(out, **kw):
-        return TrainingArguments(str(out), per_device_train_batch_size=2, max_steps=4, learning_rate=SPEC.lr,
-                                 weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
-                                 logging_steps=1, report_to=[], disable_tqdm=True, seed=3, bf16=True,
-                                 gradient_checkpointing=True, use_cpu=True,
-                                 gradient_checkpointing_kwargs={"use_reentrant": False}, **kw)
+        return TrainingArguments(
+            str(out),
+            per_device_train_batch_size=2,
+            max_steps=4,
+            learning_rate=SPEC.lr,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            lr_scheduler_type="constant",
+            logging_steps=1,
+            report_to=[],
+            disable_tqdm=True,
+            seed=3,
+            bf16=True,
+            gradient_checkpointing=True,
+            use_cpu=True,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+            **kw,
+        )
 
     for d in ("nvme", "nvme2"):
         (tmp_path / d).mkdir()
-    first = Recording(model=_lora("attention"), args=args(tmp_path / "a", save_strategy="steps", save_steps=2),
-                      train_dataset=data, tiermem={"policy": ZeroInfinity(), "nvme_dir": str(tmp_path / "nvme")})
+    first = Recording(
+        model=_lora("attention"),
+        args=args(tmp_path / "a", save_strategy="steps", save_steps=2),
+        train_dataset=data,
+        tiermem={"policy": ZeroInfinity(), "nvme_dir": str(tmp_path / "nvme")},
+    )
     first.fed = []
     first.train()
     history = [h for h in first.state.log_history if "grad_norm" in h]
@@ -268,14 +304,19 @@ def test_trainer_with_lora_and_checkpointing_under_zero_infinity(tmp_path):
     # the micro-batches it fed, through TieredModel's own loop (ZeroOffload: placement never changes the numbers)
     model = _lora("attention")
     _checkpointing(model, reentrant=False)
-    own = TieredModel(model, ZeroOffload(), optimizer=AdamW(lr=SPEC.lr, weight_decay=0.0), precision="bf16",
-                      grad_clip=1.0)
+    own = TieredModel(
+        model, ZeroOffload(), optimizer=AdamW(lr=SPEC.lr, weight_decay=0.0), precision="bf16", grad_clip=1.0
+    )
     for h, (batch, n) in zip(history, first.fed):
         own.backward(own(**batch, num_items_in_batch=n).loss)
         assert own.step().grad_norm == h["grad_norm"]
     assert same_state(own.state_dict(), final)
 
-    second = TieredTrainer(model=_lora("attention", seed=4), args=args(tmp_path / "a", save_strategy="no"),
-                           train_dataset=data, tiermem={"policy": ZeroInfinity(), "nvme_dir": str(tmp_path / "nvme2")})
+    second = TieredTrainer(
+        model=_lora("attention", seed=4),
+        args=args(tmp_path / "a", save_strategy="no"),
+        train_dataset=data,
+        tiermem={"policy": ZeroInfinity(), "nvme_dir": str(tmp_path / "nvme2")},
+    )
     second.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
     assert same_state(second.tiered.state_dict(), final)

@@ -1,5 +1,6 @@
 """The step lifecycle (NOTE [Step lifecycle]): one phase, moved by the public calls and checked
 at each of them, so misuse is refused in one place before anything changes."""
+
 from __future__ import annotations
 
 import pytest
@@ -94,17 +95,20 @@ def test_a_step_without_backward_is_a_no_op_that_does_not_count(caplog):
     assert tm.step().step == 1
 
 
-@pytest.mark.parametrize("call", [
-    lambda tm, x, y: tm.load("unused.tm"),
-    lambda tm, x, y: tm.optimizer.step(),
-    lambda tm, x, y: tm.no_sync().__enter__(),
-    lambda tm, x, y: tm(x),
-    lambda tm, x, y: tm.backward(torch.zeros((), requires_grad=True)),
-    lambda tm, x, y: tm.step(),
-    lambda tm, x, y: tm.state_dict(),
-    lambda tm, x, y: tm.save("unused.tm"),
-    lambda tm, x, y: tm.detach(),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda tm, x, y: tm.load("unused.tm"),
+        lambda tm, x, y: tm.optimizer.step(),
+        lambda tm, x, y: tm.no_sync().__enter__(),
+        lambda tm, x, y: tm(x),
+        lambda tm, x, y: tm.backward(torch.zeros((), requires_grad=True)),
+        lambda tm, x, y: tm.step(),
+        lambda tm, x, y: tm.state_dict(),
+        lambda tm, x, y: tm.save("unused.tm"),
+        lambda tm, x, y: tm.detach(),
+    ],
+)
 def test_every_call_after_detach_says_so(call):
     tm = _tm()
     x, y = gpt_batch(0)

@@ -1,5 +1,6 @@
 """plan/placement: the policy asked once per tensor, its answers checked in one place, and the
 buckets packed. Pure: made-up policies on small modules, nothing allocated."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,12 @@ class Recording(Policy):
         return self.per_name.get(info.name, self.homes[info.kind])
 
 
-ZO = {TensorClass.PARAM: Tier.DEVICE, TensorClass.GRAD: Tier.HOST, TensorClass.OPTIM_STATE: Tier.HOST,
-      TensorClass.ACTIVATION: Tier.DEVICE}
+ZO = {
+    TensorClass.PARAM: Tier.DEVICE,
+    TensorClass.GRAD: Tier.HOST,
+    TensorClass.OPTIM_STATE: Tier.HOST,
+    TensorClass.ACTIVATION: Tier.DEVICE,
+}
 
 
 def _plan(module, policy, *, bucket_numel=10**9, overlap=False, spec=None):
@@ -40,9 +45,11 @@ def test_every_tensor_is_asked_once_with_its_name_kind_and_bytes():
     asked = {(i.name, i.kind): i for i in policy.asked}
     assert len(asked) == len(policy.asked)  # nobody asked twice
     trainable = ["0.weight", "0.bias", "1.weight"]
-    assert set(asked) == ({(n, TensorClass.PARAM) for n in trainable + ["1.bias"]}
-                          | {(n, TensorClass.GRAD) for n in trainable}
-                          | {(f"{n}:{part}", TensorClass.OPTIM_STATE) for n in trainable for part in STATE_PARTS})
+    assert set(asked) == (
+        {(n, TensorClass.PARAM) for n in trainable + ["1.bias"]}
+        | {(n, TensorClass.GRAD) for n in trainable}
+        | {(f"{n}:{part}", TensorClass.OPTIM_STATE) for n in trainable for part in STATE_PARTS}
+    )
     w = asked[("0.weight", TensorClass.PARAM)]
     assert (w.nbytes, w.shape, w.dtype, w.module) == (15 * 2, (5, 3), torch.bfloat16, "0")
     g = asked[("0.weight", TensorClass.GRAD)]
@@ -63,7 +70,8 @@ def test_an_info_made_by_hand_with_the_name_alone_gets_its_parameter_and_part():
     assert (act.param, act.part) == (None, None)
     key = StateKey("wte.weight", "master")
     assert TensorInfo.of_state(key, 4, (1,), torch.float32) == TensorInfo(
-        "wte.weight:master", TensorClass.OPTIM_STATE, 4, (1,), torch.float32, None, "wte.weight", "master")
+        "wte.weight:master", TensorClass.OPTIM_STATE, 4, (1,), torch.float32, None, "wte.weight", "master"
+    )
 
 
 def test_buckets_in_reverse_order_of_use_with_tied_weights_once():
@@ -84,7 +92,9 @@ def test_decay_groups_follow_the_spec():
     model = nn.Sequential(nn.Linear(3, 5), nn.LayerNorm(5))
     planned = _plan(model, ZeroOffload(), spec=AdamW(no_decay_1d=True))
     assert [(g.name, dict(g.options), g.params) for g in planned.groups] == [
-        ("decay", {}, ("0.weight",)), ("no_decay", {"weight_decay": 0.0}, ("1.bias", "1.weight", "0.bias"))]
+        ("decay", {}, ("0.weight",)),
+        ("no_decay", {"weight_decay": 0.0}, ("1.bias", "1.weight", "0.bias")),
+    ]
     assert {b.group for b in planned.buckets if b.slots[0].name == "0.weight"} == {0}
     assert {b.group for b in planned.buckets if b.slots[0].name != "0.weight"} == {1}
     groups = _plan(model, ZeroOffload()).groups
@@ -101,8 +111,9 @@ def test_the_first_group_stays_when_every_parameter_is_in_another():
 
 def test_a_bucket_holds_one_placement():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    policy = Recording(ZO, **{"0.weight:master": Tier.NVME, "0.weight:exp_avg": Tier.NVME,
-                              "0.weight:exp_avg_sq": Tier.NVME})
+    policy = Recording(
+        ZO, **{"0.weight:master": Tier.NVME, "0.weight:exp_avg": Tier.NVME, "0.weight:exp_avg_sq": Tier.NVME}
+    )
     buckets = _plan(model, policy).buckets
     by_name = {s.name: b for b in buckets for s in b.slots}
     assert by_name["0.weight"].state_tier == Tier.NVME and compute_tier(by_name["0.weight"]) == Tier.HOST
@@ -110,9 +121,14 @@ def test_a_bucket_holds_one_placement():
     assert by_name["0.weight"] is not by_name["0.bias"]
 
 
-@pytest.mark.parametrize("policy, params_off, compute", [
-    (ZeroOffload(), Tier.DEVICE, Tier.HOST), (KeepOnDevice(), Tier.DEVICE, Tier.DEVICE),
-    (ZeroInfinity(), Tier.NVME, Tier.HOST)])
+@pytest.mark.parametrize(
+    "policy, params_off, compute",
+    [
+        (ZeroOffload(), Tier.DEVICE, Tier.HOST),
+        (KeepOnDevice(), Tier.DEVICE, Tier.DEVICE),
+        (ZeroInfinity(), Tier.NVME, Tier.HOST),
+    ],
+)
 def test_built_in_policies(policy, params_off, compute):
     model = TinyGPT()
     planned = _plan(model, policy)
@@ -157,5 +173,6 @@ def test_a_policy_that_returns_no_tier_is_named():
     class Bad(Policy):
         def place(self, info):
             return "gpu"
+
     with pytest.raises(ConfigError, match=r"returned 'gpu' for '.*' \(.*\); it must return Tier"):
         _plan(_One(), Bad())

@@ -1,6 +1,7 @@
 """precision="auto" (NOTE [Choosing the precision] in tiermem/config.py) and the matmul figures behind
 the warning for a precision the CPU is slow at (NOTE [A precision the CPU is slow at] in
 tiermem/train/compute.py), with the CPU's features and the measured figures made up."""
+
 from __future__ import annotations
 
 import json
@@ -23,28 +24,32 @@ AVX2 = CpuFeatures("AVX2", avx512_bf16=False, amx=False)
 AVX512_BF16 = CpuFeatures("AVX512", avx512_bf16=True, amx=False)
 
 
-@pytest.mark.parametrize("cpu, native", [
-    (AVX2, False),
-    (CpuFeatures("DEFAULT", avx512_bf16=False, amx=False), False),  # ARM, or no vector unit torch knows
-    (CpuFeatures("AVX512", avx512_bf16=False, amx=False), False),  # Skylake: AVX-512 without its bf16
-    (AVX512_BF16, True),  # Cooper Lake, Zen 4
-    (CpuFeatures("AVX512", avx512_bf16=False, amx=True), True),  # AMX tiles (Sapphire Rapids)
-    # ATEN_CPU_CAPABILITY=avx2 caps ATen's own kernels, not oneDNN's matmul: still fast
-    (CpuFeatures("AVX2", avx512_bf16=True, amx=True), True),
-    (CpuFeatures("AVX512", avx512_bf16=True, amx=True, onednn=False), False),  # no oneDNN: no fast bf16 matmul
-    (CpuFeatures("AVX512", avx512_bf16=True, amx=False, onednn_max_isa="AVX2"), False),  # oneDNN capped
-    (CpuFeatures("AVX512", avx512_bf16=True, amx=False, onednn_max_isa="avx512_core"), False),
-    (CpuFeatures("AVX512", avx512_bf16=True, amx=False, onednn_max_isa="AVX512_CORE_BF16"), True),
-    (CpuFeatures("AVX512", avx512_bf16=True, amx=True, onednn_max_isa="ALL"), True),
-])
+@pytest.mark.parametrize(
+    "cpu, native",
+    [
+        (AVX2, False),
+        (CpuFeatures("DEFAULT", avx512_bf16=False, amx=False), False),  # ARM, or no vector unit torch knows
+        (CpuFeatures("AVX512", avx512_bf16=False, amx=False), False),  # Skylake: AVX-512 without its bf16
+        (AVX512_BF16, True),  # Cooper Lake, Zen 4
+        (CpuFeatures("AVX512", avx512_bf16=False, amx=True), True),  # AMX tiles (Sapphire Rapids)
+        # ATEN_CPU_CAPABILITY=avx2 caps ATen's own kernels, not oneDNN's matmul: still fast
+        (CpuFeatures("AVX2", avx512_bf16=True, amx=True), True),
+        (CpuFeatures("AVX512", avx512_bf16=True, amx=True, onednn=False), False),  # no oneDNN: no fast bf16 matmul
+        (CpuFeatures("AVX512", avx512_bf16=True, amx=False, onednn_max_isa="AVX2"), False),  # oneDNN capped
+        (CpuFeatures("AVX512", avx512_bf16=True, amx=False, onednn_max_isa="avx512_core"), False),
+        (CpuFeatures("AVX512", avx512_bf16=True, amx=False, onednn_max_isa="AVX512_CORE_BF16"), True),
+        (CpuFeatures("AVX512", avx512_bf16=True, amx=True, onednn_max_isa="ALL"), True),
+    ],
+)
 def test_a_cpu_computes_bf16_natively_only_with_its_instructions_in_reach(cpu, native):
     assert cpu.native_bf16 is native
     assert auto_precision(CPU, cpu=cpu)[0] == ("bf16" if native else "fp32")  # never fp16 on a CPU
     assert resolve_precision("auto", CPU, cpu=cpu) == ("bf16" if native else "fp32")
 
 
-@pytest.mark.parametrize("capability, precision", [((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp16"),
-                                                   ((7, 0), "fp16")])
+@pytest.mark.parametrize(
+    "capability, precision", [((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp16"), ((7, 0), "fp16")]
+)
 def test_auto_on_a_gpu_is_bf16_from_ampere_on_and_fp16_before(monkeypatch, capability, precision):
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -79,9 +84,12 @@ def test_auto_under_the_avx2_emulation_is_fp32():
     import os
     import subprocess
     import sys
+
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    code = ("import torch; from tiermem.config import CpuFeatures, resolve_precision; f = CpuFeatures.detect(); "
-            "print(f.onednn_max_isa, f.native_bf16, resolve_precision('auto', torch.device('cpu')))")
+    code = (
+        "import torch; from tiermem.config import CpuFeatures, resolve_precision; f = CpuFeatures.detect(); "
+        "print(f.onednn_max_isa, f.native_bf16, resolve_precision('auto', torch.device('cpu')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["AVX2", "False", "fp32"]
@@ -89,8 +97,11 @@ def test_auto_under_the_avx2_emulation_is_fp32():
 
 @pytest.mark.parametrize("bad", ["bfloat16", "AUTO", None, 16, torch.bfloat16])
 def test_a_precision_that_is_not_one_is_a_one_line_error(bad):
-    with pytest.raises(ConfigError, match=r"^tiermem: precision=.* is not supported; use one of 'bf16', 'fp16', "
-                                          r"'fp32', 'auto'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^tiermem: precision=.* is not supported; use one of 'bf16', 'fp16', "
+        r"'fp32', 'auto'",
+    ):
         resolve_precision(bad, CPU)
     with pytest.raises(ConfigError, match=r"^tiermem: precision="):
         TieredModel(nn.Linear(3, 3), precision=bad)
@@ -111,8 +122,14 @@ def _cpu_is(monkeypatch, cpu: CpuFeatures) -> None:
 
 def _figures(fp32: float, bf16: float, fp16: float) -> dict:
     """A matmul section measured under today's conditions, in GFLOP/s."""
-    return {"conditions": compute.conditions(CPU), "cpu_shape": list(compute.CPU_SHAPE), "cpu_threads": 1,
-            "cpu_fp32_GFLOPs": fp32, "cpu_bf16_GFLOPs": bf16, "cpu_fp16_GFLOPs": fp16}
+    return {
+        "conditions": compute.conditions(CPU),
+        "cpu_shape": list(compute.CPU_SHAPE),
+        "cpu_threads": 1,
+        "cpu_fp32_GFLOPs": fp32,
+        "cpu_bf16_GFLOPs": bf16,
+        "cpu_fp16_GFLOPs": fp16,
+    }
 
 
 def _model(precision: str) -> TieredModel:
@@ -145,10 +162,12 @@ def test_bf16_on_a_cpu_slow_at_it_warns_once_with_both_figures_and_the_fix(fresh
     warnings = [r.getMessage() for r in caplog.records if "on this CPU" in r.getMessage()]
     flop = 2 * math.prod(compute.CPU_SHAPE)
     bf16_ms, fp32_ms = flop / 7.37e9 * 1e3, flop / 82.6e9 * 1e3
-    assert warnings == [f"tiermem: precision='bf16' on this CPU ({AVX2}): a matmul in bf16 takes {bf16_ms:.2f} ms "
-                        f"against {fp32_ms:.2f} ms in fp32 ({82.6 / 7.37:.1f}x), so forward and backward run about "
-                        f"that much slower; pass precision='auto' (fp32 on this CPU) or 'fp32' to train faster (the "
-                        f"optimizer state is fp32 either way)"]
+    assert warnings == [
+        f"tiermem: precision='bf16' on this CPU ({AVX2}): a matmul in bf16 takes {bf16_ms:.2f} ms "
+        f"against {fp32_ms:.2f} ms in fp32 ({82.6 / 7.37:.1f}x), so forward and backward run about "
+        f"that much slower; pass precision='auto' (fp32 on this CPU) or 'fp32' to train faster (the "
+        f"optimizer state is fp32 either way)"
+    ]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tiermem"):
         _model("fp16")  # fp16 is as slow there: its own warning, once
@@ -185,6 +204,7 @@ def test_the_figures_are_measured_once_and_saved_then_read_back(fresh, monkeypat
     def counted(device):
         calls.append(device)
         return real(device)
+
     monkeypatch.setattr(compute, "measure_matmul", counted)
     _cpu_is(monkeypatch, AVX2)
     _model("bf16")
@@ -212,6 +232,7 @@ def test_a_partial_profile_is_completed_for_the_cost_model(fresh, monkeypatch):
     the first time Auto needs it; then every figure is there."""
     from tiermem.policies import Auto
     from tiermem.train import machine
+
     monkeypatch.setattr(machine, "_BYTES", 2**20)  # a test must not spend long measuring
     monkeypatch.setattr(machine, "_ADAM_PARAMS", 2**14)
     _cpu_is(monkeypatch, AVX2)

@@ -1,6 +1,7 @@
 """Registry + keyed residency driven by hypothesis: random register / put / prefetch / evict /
 read / delete sequences across the three tiers. Every value comes back bit-exact, budgets hold at
 every step, and no handle is left pending."""
+
 from __future__ import annotations
 
 import shutil
@@ -32,8 +33,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _residency(tmp: str, device_budget=16 << 20, host_budget=16 << 20) -> KeyedResidency:
-    stores = {Tier.DEVICE: DeviceStore("cpu", device_budget), Tier.HOST: HostStore(host_budget),
-              Tier.NVME: NvmeStore(tmp)}
+    stores = {
+        Tier.DEVICE: DeviceStore("cpu", device_budget),
+        Tier.HOST: HostStore(host_budget),
+        Tier.NVME: NvmeStore(tmp),
+    }
     return KeyedResidency(TransferEngine(stores))
 
 
@@ -53,8 +57,12 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.handles = []
         self.n = 0
 
-    @rule(target=keys, numel=st.sampled_from([0, 1, 7, 1000, 4099]), dtype=st.sampled_from(DTYPES),
-          home=st.sampled_from(TIERS))
+    @rule(
+        target=keys,
+        numel=st.sampled_from([0, 1, 7, 1000, 4099]),
+        dtype=st.sampled_from(DTYPES),
+        home=st.sampled_from(TIERS),
+    )
     def register(self, numel, dtype, home):
         self.n += 1
         key = f"blocks.{self.n}.w:exp_avg"
@@ -242,7 +250,6 @@ def test_registry_transitions_are_checked():
     assert reg.get("k").valid == {Tier.HOST}
 
 
-
 def test_every_move_is_counted_once_in_the_stats(res):
     x = torch.randn(1000)
     res.register(_info("w", x), Tier.NVME)
@@ -251,7 +258,11 @@ def test_every_move_is_counted_once_in_the_stats(res):
     res.engine.copy_async(torch.empty(1000), x, src_tier=Tier.DEVICE, dst_tier=Tier.HOST, kind=TensorClass.GRAD).wait()
     res.engine.copy_async(torch.empty(1000), x, src_tier=Tier.HOST, dst_tier=Tier.HOST).wait()
     snap = res.engine.stats.snapshot()
-    assert snap["bytes_moved"] == {(Tier.HOST, Tier.NVME): 4000, (Tier.NVME, Tier.DEVICE): 4000,
-                                   (Tier.DEVICE, Tier.HOST): 4000, (Tier.HOST, Tier.HOST): 4000}
+    assert snap["bytes_moved"] == {
+        (Tier.HOST, Tier.NVME): 4000,
+        (Tier.NVME, Tier.DEVICE): 4000,
+        (Tier.DEVICE, Tier.HOST): 4000,
+        (Tier.HOST, Tier.HOST): 4000,
+    }
     assert snap["class_bytes_moved"][(TensorClass.GRAD, Tier.DEVICE, Tier.HOST)] == 4000
     assert set(snap["busy_seconds"]) == {(Tier.HOST, Tier.NVME), (Tier.NVME, Tier.DEVICE), (Tier.DEVICE, Tier.HOST)}

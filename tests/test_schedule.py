@@ -2,6 +2,7 @@
 engine (device budget smaller than the tensors, homes on host and NVMe): bytes come back
 bit-exact, the budget holds, prefetch removes misses and stall after the first iteration, and
 Belady evicts no more than LRU."""
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,7 @@ from tiermem import ConfigError, OutOfTierMemory, TensorClass, TensorInfo, Tier,
 from tiermem.transfer.engine import TransferEngine
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.errors import fmt_bytes
-from tiermem.transfer.schedule import (AccessTrace, ResidencyScheduler, ScheduleStats, choose_victim,
-                              lookahead_window)
+from tiermem.transfer.schedule import AccessTrace, ResidencyScheduler, ScheduleStats, choose_victim, lookahead_window
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.memory.nvme import NvmeStore
 
@@ -32,9 +32,18 @@ def _next_use_oracle(keys, key, pos):
     return keys.index(key) + len(keys) if key in keys else math.inf
 
 
-@pytest.mark.parametrize("pos,key,expected", [
-    (0, "a", 0), (1, "a", 3), (4, "a", 5), (0, "c", 2), (3, "c", 7), (5, "b", 6), (2, "zz", math.inf),
-])
+@pytest.mark.parametrize(
+    "pos,key,expected",
+    [
+        (0, "a", 0),
+        (1, "a", 3),
+        (4, "a", 5),
+        (0, "c", 2),
+        (3, "c", 7),
+        (5, "b", 6),
+        (2, "zz", math.inf),
+    ],
+)
 def test_next_use_wraps_into_the_next_iteration(pos, key, expected):
     trace = AccessTrace(["a", "b", "c", "a", "b"])
     assert trace.next_use(key, pos) == expected
@@ -59,18 +68,21 @@ def test_lru_without_a_trace():
     assert choose_victim(["a", "new"], recency) == "new"  # never touched counts as oldest
 
 
-@pytest.mark.parametrize("pos,limit,skip,expected", [
-    (0, 0, (), []),
-    (0, 10, (), ["a"]),
-    (0, 29, (), ["a"]),  # b (20) would make 30
-    (0, 30, (), ["a", "b"]),
-    (0, 40, (), ["a", "b", "c"]),
-    (0, 1000, (), ["a", "b", "c", "d"]),  # distinct keys, counted once
-    (0, 24, ("b",), ["a", "c"]),  # an acquired key is passed over, not counted
-    (3, 25, (), ["b", "d"]),
-    (1, 15, (), []),  # b alone does not fit: nothing later is fetched before it
-    (6, 100, (), []),
-])
+@pytest.mark.parametrize(
+    "pos,limit,skip,expected",
+    [
+        (0, 0, (), []),
+        (0, 10, (), ["a"]),
+        (0, 29, (), ["a"]),  # b (20) would make 30
+        (0, 30, (), ["a", "b"]),
+        (0, 40, (), ["a", "b", "c"]),
+        (0, 1000, (), ["a", "b", "c", "d"]),  # distinct keys, counted once
+        (0, 24, ("b",), ["a", "c"]),  # an acquired key is passed over, not counted
+        (3, 25, (), ["b", "d"]),
+        (1, 15, (), []),  # b alone does not fit: nothing later is fetched before it
+        (6, 100, (), []),
+    ],
+)
 def test_window_respects_lookahead_bytes(pos, limit, skip, expected):
     trace = AccessTrace(["a", "b", "c", "b", "d", "a"])
     sizes = {"a": 10, "b": 20, "c": 10, "d": 5}
@@ -95,7 +107,7 @@ def test_decisions_match_brute_force(keys, data):
     limit = data.draw(st.integers(0, 60))
     window = lookahead_window(trace, pos, sizes, limit)
     upcoming = list(dict.fromkeys(keys[pos:]))
-    assert window == upcoming[:len(window)] and sum(sizes[k] for k in window) <= limit
+    assert window == upcoming[: len(window)] and sum(sizes[k] for k in window) <= limit
     if len(window) < len(upcoming):  # it stopped because the next key would not fit
         assert sum(sizes[k] for k in window) + sizes[upcoming[len(window)]] > limit
 
@@ -107,8 +119,15 @@ def test_stats_add_up():
 
 # -- on a real res -------------------------------------------------------------------------------
 def _residency(nvme_dir, device_budget: int) -> KeyedResidency:
-    return KeyedResidency(TransferEngine({Tier.DEVICE: DeviceStore("cpu", device_budget),
-                                          Tier.HOST: HostStore(64 << 20), Tier.NVME: NvmeStore(nvme_dir)}))
+    return KeyedResidency(
+        TransferEngine(
+            {
+                Tier.DEVICE: DeviceStore("cpu", device_budget),
+                Tier.HOST: HostStore(64 << 20),
+                Tier.NVME: NvmeStore(nvme_dir),
+            }
+        )
+    )
 
 
 def _close(res: KeyedResidency) -> None:
@@ -132,8 +151,10 @@ class Model:
         for i, shape in enumerate(self.SHAPES):
             key = f"blocks.{i}.weight"
             x = (torch.randn(shape, generator=g) * 100).to(self.DTYPES[i % len(self.DTYPES)])
-            res.register(TensorInfo(key, TensorClass.PARAM, x.nbytes, tuple(x.shape), x.dtype),
-                            Tier.HOST if i % 2 == 0 else Tier.NVME)
+            res.register(
+                TensorInfo(key, TensorClass.PARAM, x.nbytes, tuple(x.shape), x.dtype),
+                Tier.HOST if i % 2 == 0 else Tier.NVME,
+            )
             res.put(key, x)
             self.values[key] = x
 
@@ -146,8 +167,10 @@ class Model:
 
     @classmethod
     def sizes(cls) -> dict[str, int]:
-        return {f"blocks.{i}.weight": math.prod(shape) * cls.DTYPES[i % len(cls.DTYPES)].itemsize
-                for i, shape in enumerate(cls.SHAPES)}
+        return {
+            f"blocks.{i}.weight": math.prod(shape) * cls.DTYPES[i % len(cls.DTYPES)].itemsize
+            for i, shape in enumerate(cls.SHAPES)
+        }
 
     def check_home(self) -> None:
         for key, x in self.values.items():
@@ -156,8 +179,9 @@ class Model:
             assert torch.equal(_bits(out), _bits(x)), key
 
 
-def _run(sched: ResidencyScheduler, model: Model, pattern, *, iterations: int, dirty_every: int = 0,
-         compute_s: float = 0.0) -> None:
+def _run(
+    sched: ResidencyScheduler, model: Model, pattern, *, iterations: int, dirty_every: int = 0, compute_s: float = 0.0
+) -> None:
     """Acquire each key of ``pattern`` in turn, check its bits, optionally update it in place."""
     n = 0
     for _ in range(iterations):
@@ -227,11 +251,14 @@ def test_updates_written_home_between_iterations_are_read_again(nvme_dir):
         _close(res)
 
 
-@pytest.mark.parametrize("name,pattern", [
-    ("forward+backward", lambda k: k + k[::-1]),
-    ("two forwards", lambda k: k + k),
-    ("tied embedding", lambda k: ["blocks.0.weight"] + k[1:] + ["blocks.0.weight"] * 2 + k[1:][::-1]),
-])
+@pytest.mark.parametrize(
+    "name,pattern",
+    [
+        ("forward+backward", lambda k: k + k[::-1]),
+        ("two forwards", lambda k: k + k),
+        ("tied embedding", lambda k: ["blocks.0.weight"] + k[1:] + ["blocks.0.weight"] * 2 + k[1:][::-1]),
+    ],
+)
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_belady_evicts_no_more_than_lru(tmp_path, name, pattern, prefetch):
     evicted = {}
@@ -288,18 +315,26 @@ def test_working_set_larger_than_the_budget_is_a_clear_error(nvme_dir):
     try:
         model = Model(res)
         sched = ResidencyScheduler().connect(res)
-        with pytest.raises(OutOfTierMemory, match=(
+        with pytest.raises(
+            OutOfTierMemory,
+            match=(
                 rf"working set \(1 tensor: 'blocks.0.weight'\) needs {fmt_bytes(sizes[big])} on device, "
                 rf"budget {fmt_bytes(budget)}; raise Budgets\(device=...\) to at least "
-                rf"{fmt_bytes(sizes[big])}$")):
+                rf"{fmt_bytes(sizes[big])}$"
+            ),
+        ):
             sched.acquire(big)
         sched.acquire(a)
         sched.acquire(b)
         sched.acquire(a)  # nested: still one copy
         need = fmt_bytes(budget + 1)
-        with pytest.raises(OutOfTierMemory, match=(
+        with pytest.raises(
+            OutOfTierMemory,
+            match=(
                 rf"\(3 tensors acquired at once: '{c}', '{a}', '{b}'\) needs {need} on device, "
-                rf"budget {fmt_bytes(budget)}; raise Budgets\(device=...\) to at least {need}$")):
+                rf"budget {fmt_bytes(budget)}; raise Budgets\(device=...\) to at least {need}$"
+            ),
+        ):
             sched.acquire(c)
         for key in (a, a, b):
             sched.release(key)
@@ -343,12 +378,18 @@ def test_bad_calls_are_clear_errors(nvme_dir):
             (lambda: sched.acquire("ghost"), TierMemError, "'ghost' is not registered"),
             (lambda: ResidencyScheduler(Tier.NVME).connect(res), ConfigError, "must be a memory tier"),
             (lambda: ResidencyScheduler(eviction="fifo").connect(res), ConfigError, "'fifo' is not one of"),
-            (lambda: ResidencyScheduler(lookahead_bytes="lots").connect(res), ConfigError,
-             "lookahead_bytes='lots' does not parse"),
+            (
+                lambda: ResidencyScheduler(lookahead_bytes="lots").connect(res),
+                ConfigError,
+                "lookahead_bytes='lots' does not parse",
+            ),
             (lambda: sched.connect(res), TierMemError, r"connect\(\) was called twice"),
             (lambda: ResidencyScheduler().acquire("blocks.1.weight"), TierMemError, "not connected to a residency"),
-            (lambda: ResidencyScheduler(Tier.HOST).connect(no_host), ConfigError,
-             "must be a memory tier the engine has a store for"),
+            (
+                lambda: ResidencyScheduler(Tier.HOST).connect(no_host),
+                ConfigError,
+                "must be a memory tier the engine has a store for",
+            ),
         ]
         for call, error, match in cases:
             with pytest.raises(error, match=match) as info:
@@ -364,8 +405,13 @@ def test_bad_calls_are_clear_errors(nvme_dir):
 
 # -- invariants over random access sequences -----------------------------------------------------------
 @settings(max_examples=30, deadline=None)
-@given(data=st.data(), budget_fraction=st.floats(0.05, 1.0), prefetch=st.booleans(),
-       eviction=st.sampled_from(["belady", "lru"]), iterations=st.integers(1, 3))
+@given(
+    data=st.data(),
+    budget_fraction=st.floats(0.05, 1.0),
+    prefetch=st.booleans(),
+    eviction=st.sampled_from(["belady", "lru"]),
+    iterations=st.integers(1, 3),
+)
 def test_random_sequences_keep_budget_and_bits(data, budget_fraction, prefetch, eviction, iterations):
     tmp = tempfile.mkdtemp(prefix="tiermem-sched-")
     res = None
@@ -374,10 +420,14 @@ def test_random_sequences_keep_budget_and_bits(data, budget_fraction, prefetch, 
         budget = max(int(sum(sizes.values()) * budget_fraction), 1)
         res = _residency(tmp, budget)
         model = Model(res, seed=data.draw(st.integers(0, 9)))
-        sched = ResidencyScheduler(prefetch=prefetch, eviction=eviction,
-                                   lookahead_bytes=data.draw(st.none() | st.integers(0, budget))).connect(res)
-        groups = data.draw(st.lists(st.lists(st.sampled_from(model.keys), min_size=1, max_size=3, unique=True),
-                                    min_size=1, max_size=12))
+        sched = ResidencyScheduler(
+            prefetch=prefetch, eviction=eviction, lookahead_bytes=data.draw(st.none() | st.integers(0, budget))
+        ).connect(res)
+        groups = data.draw(
+            st.lists(
+                st.lists(st.sampled_from(model.keys), min_size=1, max_size=3, unique=True), min_size=1, max_size=12
+            )
+        )
         dirty = data.draw(st.lists(st.booleans(), min_size=len(groups), max_size=len(groups)))
         ledger = res.engine.stores[Tier.DEVICE].ledger
         for it in range(iterations):
@@ -393,7 +443,7 @@ def test_random_sequences_keep_budget_and_bits(data, budget_fraction, prefetch, 
                     held.append(key)
                     assert torch.equal(_bits(t), _bits(model.values[key])), key
                     if modify and (it + len(held)) % 2:
-                        t.view(torch.uint8).reshape(-1)[:: 7].add_(1)
+                        t.view(torch.uint8).reshape(-1)[::7].add_(1)
                         sched.mark_dirty(key)
                         model.values[key] = t.clone()
                     assert ledger.used <= budget

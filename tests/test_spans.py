@@ -1,6 +1,7 @@
 """tiermem's stages in a user's torch.profiler trace (NOTE [tiermem in the torch profiler] in
 tiermem/spans.py): a profile of two steps holds each stage as a ``tiermem::`` span; without a
 profiler a span is a shared no-op."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,12 @@ ALL_THREADS = _ExperimentalConfig(profile_all_threads=True)  # transfers run on 
 
 
 class StateOnNvme(PerClass):
-    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.ACTIVATION: Tier.DEVICE, TensorClass.GRAD: Tier.HOST,
-             TensorClass.OPTIM_STATE: Tier.NVME}
+    homes = {
+        TensorClass.PARAM: Tier.DEVICE,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+        TensorClass.GRAD: Tier.HOST,
+        TensorClass.OPTIM_STATE: Tier.NVME,
+    }
 
 
 def _model(policy, **kw) -> TieredModel:
@@ -36,8 +41,13 @@ def test_a_profile_of_two_steps_holds_every_stage_of_zero_offload():
     names = _spans_of_two_steps(tm, experimental_config=ALL_THREADS)
     buckets = {f"tiermem::adam {b.key}" for b in tm.layout.buckets}
     assert len(buckets) > 1 and buckets <= names, "Adam per bucket"
-    assert {"tiermem::forward", "tiermem::backward", "tiermem::step", "tiermem::wait grads",
-            "tiermem::wait uploads"} <= names
+    assert {
+        "tiermem::forward",
+        "tiermem::backward",
+        "tiermem::step",
+        "tiermem::wait grads",
+        "tiermem::wait uploads",
+    } <= names
     assert {"tiermem::d2h", "tiermem::copy grad device->host"} <= names, "grads home"
     assert {"tiermem::h2d", "tiermem::copy param host->device"} <= names, "weights uploaded"
 

@@ -6,6 +6,7 @@ On a machine without an accelerator the device is the CPU and the device's Adam 
 as the host's, so every fraction must give ZeRO-Offload's numbers bit for bit; the cuda-marked test
 at the end compares a GPU split with the CPU to rounding.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,14 +30,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """Bit-identical tensors under the same keys (-0.0 is not 0.0 here)."""
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(_bits(a[k]), _bits(b[k]))
-                                        for k in a)
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
 
 
 def _model(policy, *, precision="bf16", grad_clip=1.0, **kw) -> TieredModel:
     torch.manual_seed(0)
-    return TieredModel(TinyGPT(), policy, optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision=precision,
-                       grad_clip=grad_clip, bucket_size=3000, **kw)
+    return TieredModel(
+        TinyGPT(),
+        policy,
+        optimizer=AdamW(lr=1e-2, weight_decay=0.1),
+        precision=precision,
+        grad_clip=grad_clip,
+        bucket_size=3000,
+        **kw,
+    )
 
 
 def _train(tm: TieredModel, steps: range, micro: int = 2) -> list[float]:
@@ -52,8 +59,9 @@ def _train(tm: TieredModel, steps: range, micro: int = 2) -> list[float]:
 
 
 def _infos(sizes: list[int]) -> ModelInfo:
-    return ModelInfo(tuple(TensorInfo(f"p{i}", TensorClass.PARAM, 2 * n, (n,), torch.bfloat16)
-                           for i, n in enumerate(sizes)))
+    return ModelInfo(
+        tuple(TensorInfo(f"p{i}", TensorClass.PARAM, 2 * n, (n,), torch.bfloat16) for i, n in enumerate(sizes))
+    )
 
 
 # -- the policy ---------------------------------------------------------------------------------------
@@ -71,7 +79,7 @@ def test_device_share_is_the_longest_forward_prefix_within_the_fraction(sizes, f
     assert chosen == {f"p{i}" for i in range(k)}, "not a prefix in forward order"
     assert sum(sizes[:k]) <= f * sum(sizes)
     if k < len(sizes):
-        assert sum(sizes[:k + 1]) > f * sum(sizes), "stopped before the fraction was used up"
+        assert sum(sizes[: k + 1]) > f * sum(sizes), "stopped before the fraction was used up"
 
 
 def test_split_policy_places_grads_and_state_by_parameter_and_the_rest_as_zero_offload():
@@ -141,6 +149,7 @@ def test_a_parameter_without_a_grad_is_left_alone_on_either_side():
             tm.backward(y.float().square().mean() + (z.float().mean() if z is not None else 0))
             tm.step()
         return tm
+
     ref = run(ZeroOffload())
     for f in (0.3, 0.7, 1.0):
         assert _same(run(ZeroOffload(device_fraction=f)).state_dict(), ref.state_dict()), f
@@ -195,10 +204,17 @@ def test_a_subclass_that_overrides_place_of_a_split_is_refused_with_the_way_to_b
     class Split(ZeroOffload):
         def place(self, info):
             return super().place(info)
+
     with pytest.raises(ConfigError, match=r"^tiermem: Split overrides place\(\) .* wrap ZeroOffload"):
         Split(device_fraction=0.5).for_model(_infos([10, 10]))
-    assert Split().for_model(_infos([10, 10])).place(  # without a split nothing needs the whole model
-        TensorInfo("p0", TensorClass.GRAD, 40, (10,), torch.float32)) == Tier.HOST
+    assert (
+        Split()
+        .for_model(_infos([10, 10]))
+        .place(  # without a split nothing needs the whole model
+            TensorInfo("p0", TensorClass.GRAD, 40, (10,), torch.float32)
+        )
+        == Tier.HOST
+    )
 
 
 def test_binding_returns_a_separate_policy_and_leaves_the_one_bound_as_it_was():
@@ -220,7 +236,7 @@ def test_a_device_share_goes_first_beside_state_on_nvme(tmp_path):
     tm.tracer.write()
     events = sorted(json.loads(trace.read_text())["traceEvents"], key=lambda e: e["ts"])
     tier = {b.key: b.state_tier for b in tm.layout.buckets}
-    kinds = [tier[e["name"].split()[1]] for e in events if e["name"].startswith("adam ")][:len(tier)]
+    kinds = [tier[e["name"].split()[1]] for e in events if e["name"].startswith("adam ")][: len(tier)]
     assert kinds == sorted(kinds, key=lambda t: {Tier.DEVICE: 0, Tier.NVME: 1, Tier.HOST: 2}[t])
     assert set(kinds) == {Tier.NVME, Tier.DEVICE}
 
@@ -231,6 +247,7 @@ def test_a_split_on_the_gpu_agrees_with_zero_offload_on_the_cpu():
     """The device share runs torch's fused Adam on the GPU: equal to rounding, with the tolerances
     of tests/test_cuda.py (NOTE [GPU against CPU training] there)."""
     from test_cuda import GPU_VS_CPU_ALL, GPU_VS_CPU_LOSS_RTOL
+
     cpu = _model(ZeroOffload(), device="cpu")
     w0 = {k: v.clone() for k, v in cpu.state_dict().items()}
     cpu_losses = _train(cpu, range(4))
@@ -256,6 +273,7 @@ def test_the_device_adam_never_waits_for_the_device():
     """NOTE [Split step]: the CPU's Adam runs while the device's is queued, so queueing it must not
     synchronise with the device (torch raises on a synchronising call in "error" mode)."""
     from tiermem.optim import adam_step
+
     g = torch.Generator(device="cuda").manual_seed(0)
     master, grad = (torch.randn(4099, device="cuda", generator=g) for _ in range(2))
     exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
@@ -263,8 +281,22 @@ def test_the_device_adam_never_waits_for_the_device():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        adam_step(master, exp_avg, exp_avg_sq, grad, step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                  weight_decay=0.1, grad_scale=2.0, clip_coef=0.5, out=out, check_finite=False)
+        adam_step(
+            master,
+            exp_avg,
+            exp_avg_sq,
+            grad,
+            step=3,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.1,
+            grad_scale=2.0,
+            clip_coef=0.5,
+            out=out,
+            check_finite=False,
+        )
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

@@ -1,6 +1,7 @@
 """The step against the homes' interface (NOTE [Homes]): wired by hand from its parts, with a
 state home this library does not ship (a revertible in-memory one), to show that a new tier is
 one class and that the step's failure handling holds for any home that says it can revert."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,16 @@ from tiermem.train.uploads import Outputs
 from tiermem.transfer.engine import TransferEngine
 
 #: the one param group of _model(), as tm.optimizer shows it (the step reads each parameter's group by name)
-HYPER = [{"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1, "adamw": True,
-          "param_names": ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"]}]
+HYPER = [
+    {
+        "lr": 1e-2,
+        "betas": (0.9, 0.99),
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "adamw": True,
+        "param_names": ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"],
+    }
+]
 
 
 class SnapshotState(StateHome):
@@ -84,11 +93,23 @@ def _wire(module: nn.Module, snapshot_buckets: set[int]):
     snap = SnapshotState([b for b in buckets if b.index in snapshot_buckets])
     mem = MemoryState(stores[Tier.HOST], [b for b in buckets if b.index not in snapshot_buckets])
     weights = DeviceWeights(stores[Tier.DEVICE], buckets, torch.float32, engine)
-    homes = Homes({b.index: host for b in buckets},
-                  {b.index: snap if b.index in snapshot_buckets else mem for b in buckets},
-                  {b.index: weights for b in buckets})
-    layout = build(module, buckets, buckets, planned.groups, planned.aliases, homes, stores, torch.float32,
-                   torch.device("cpu"), None)
+    homes = Homes(
+        {b.index: host for b in buckets},
+        {b.index: snap if b.index in snapshot_buckets else mem for b in buckets},
+        {b.index: weights for b in buckets},
+    )
+    layout = build(
+        module,
+        buckets,
+        buckets,
+        planned.groups,
+        planned.aliases,
+        homes,
+        stores,
+        torch.float32,
+        torch.device("cpu"),
+        None,
+    )
     grads = GradCollector(homes, layout.slot_of, engine, stores[Tier.DEVICE].ledger)
     for b in buckets:
         for s in b.slots:
@@ -141,6 +162,7 @@ def test_a_failed_step_reverts_revertible_homes_and_a_retry_matches(monkeypatch,
         if calls["n"] == fail_at:
             raise RuntimeError("kernel failure")
         return real(*a, **k)
+
     monkeypatch.setattr(tiermem.optim, "adam_step", flaky)
     with pytest.raises(RuntimeError, match="kernel failure"):
         tm.run(HYPER)

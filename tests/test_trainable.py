@@ -3,14 +3,25 @@ trains as torch does under every placement, a parameter frozen after training ke
 an unfreeze that cannot be honoured is a ``tiermem:`` error that changes nothing, and checkpoints
 follow. Oracle: torch's AdamW in a plain loop toggling the same ``requires_grad``; the tolerance
 is the spread of torch's for-loop, foreach and fused variants on the same run."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from models import TinyGPT, gpt_batch, gpt_loss
-from tiermem import (AdamW, Budgets, ConfigError, OutOfTierMemory, PerClass, Policy, TensorClass, Tier, TieredModel,
-                     TierMemError)
+from tiermem import (
+    AdamW,
+    Budgets,
+    ConfigError,
+    OutOfTierMemory,
+    PerClass,
+    Policy,
+    TensorClass,
+    Tier,
+    TieredModel,
+    TierMemError,
+)
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
 
 VARIANTS = ({"foreach": False}, {"foreach": True}, {"fused": True})
@@ -19,8 +30,13 @@ EPOCHS, PER_EPOCH = 4, 2
 
 class Nvme(PerClass):
     """Grads and optimizer state on NVMe."""
-    homes = {TensorClass.PARAM: Tier.DEVICE, TensorClass.ACTIVATION: Tier.DEVICE, TensorClass.GRAD: Tier.NVME,
-             TensorClass.OPTIM_STATE: Tier.NVME}
+
+    homes = {
+        TensorClass.PARAM: Tier.DEVICE,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+        TensorClass.GRAD: Tier.NVME,
+        TensorClass.OPTIM_STATE: Tier.NVME,
+    }
 
 
 def schedule(m: TinyGPT) -> list[list[torch.nn.Module]]:
@@ -30,7 +46,7 @@ def schedule(m: TinyGPT) -> list[list[torch.nn.Module]]:
 
 def freeze_for(m: TinyGPT, epoch: int) -> None:
     m.requires_grad_(False)
-    for mods in schedule(m)[:epoch + 1]:
+    for mods in schedule(m)[: epoch + 1]:
         for mod in mods:
             mod.requires_grad_(True)
 
@@ -55,8 +71,7 @@ def tiered_gradual(policy=None, precision: str = "fp32", toggles=freeze_for, **k
     torch.manual_seed(0)
     m = TinyGPT()
     toggles(m, 0)
-    tm = TieredModel(m, policy, optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision=precision, bucket_size=2000,
-                     **kw)
+    tm = TieredModel(m, policy, optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision=precision, bucket_size=2000, **kw)
     step = 0
     for epoch in range(EPOCHS):
         toggles(tm.module, epoch)
@@ -73,8 +88,13 @@ def diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-POLICIES = {"zero-offload": ZeroOffload, "keep-on-device": KeepOnDevice, "grads-and-state-on-nvme": Nvme,
-            "zero-infinity": ZeroInfinity, "split": lambda: ZeroOffload(device_fraction=0.5)}
+POLICIES = {
+    "zero-offload": ZeroOffload,
+    "keep-on-device": KeepOnDevice,
+    "grads-and-state-on-nvme": Nvme,
+    "zero-infinity": ZeroInfinity,
+    "split": lambda: ZeroOffload(device_fraction=0.5),
+}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +111,8 @@ def test_gradual_unfreezing_trains_as_torch_does(tmp_path, torch_runs, name):
     assert not tm.layout.frozen  # every parameter has optimizer state now
     assert all(p.grad is None for p in tm.module.parameters())  # the grads went home, none piled up
     assert {n: s for n, s in tm.stepper.param_steps().items() if n.startswith("blocks.0.")} == {
-        n: (EPOCHS - 2) * PER_EPOCH for n, _ in tm.module.named_parameters() if n.startswith("blocks.0.")}
+        n: (EPOCHS - 2) * PER_EPOCH for n, _ in tm.module.named_parameters() if n.startswith("blocks.0.")
+    }
     frozen_all_along = torch_gradual({}, toggles=lambda m, e: freeze_for(m, 0))
     assert diff(got, frozen_all_along) > 1000 * spread  # the unfrozen blocks trained
 
@@ -136,8 +157,11 @@ def test_unfreezing_waits_for_the_step_boundary_and_freezing_does_not():
     x, y = gpt_batch(0)
     tm.backward(gpt_loss(tm(x), y))  # a first micro-batch
     m.blocks[0].requires_grad_(True)
-    with pytest.raises(TierMemError, match=r"^tiermem: \['blocks\.0\..*'\]( and more)? were unfrozen while gradients of earlier "
-                                           r"micro-batches wait for tm\.step\(\); unfreeze between steps"):
+    with pytest.raises(
+        TierMemError,
+        match=r"^tiermem: \['blocks\.0\..*'\]( and more)? were unfrozen while gradients of earlier "
+        r"micro-batches wait for tm\.step\(\); unfreeze between steps",
+    ):
         tm(x)
     m.blocks[0].requires_grad_(False)
     m.blocks[1].requires_grad_(False)  # freezing in the middle of accumulation: fine, as in torch
@@ -184,8 +208,11 @@ def test_a_parameter_unfrozen_that_no_group_holds_is_an_error_until_added():
     tm = TieredModel(m, optimizer=AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2), precision="fp32")
     m.wpe.requires_grad_(True)
     x, y = gpt_batch(0)
-    with pytest.raises(TierMemError, match=r"^tiermem: \['wpe\.weight'\] is to be trained but in no param group of "
-                                           r"tm\.optimizer; add them with tm\.optimizer\.add_param_group"):
+    with pytest.raises(
+        TierMemError,
+        match=r"^tiermem: \['wpe\.weight'\] is to be trained but in no param group of "
+        r"tm\.optimizer; add them with tm\.optimizer\.add_param_group",
+    ):
         tm(x)
     assert "wpe.weight" in tm.layout.frozen
     tm.optimizer.add_param_group({"params": [m.wpe.weight], "lr": 1e-3})
@@ -202,14 +229,18 @@ def test_a_policy_that_moves_an_unfrozen_parameters_weights_is_refused():
             if info.kind is TensorClass.PARAM and info.name == "wpe.weight" and not frozen:
                 return Tier.HOST
             return ZeroOffload().place(info)
+
     frozen = True
     m = TinyGPT()
     m.wpe.requires_grad_(False)
     tm = TieredModel(m, WeightsLeaveOnceTrainable(), precision="fp32")
     frozen = False
     m.wpe.requires_grad_(True)
-    with pytest.raises(ConfigError, match=r"^tiermem: 'wpe\.weight' was unfrozen; the policy now places its weights "
-                                          r"on .*host.*, but they live on .*device"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^tiermem: 'wpe\.weight' was unfrozen; the policy now places its weights "
+        r"on .*host.*, but they live on .*device",
+    ):
         tm(gpt_batch(0)[0])
 
 
@@ -220,9 +251,12 @@ def test_a_checkpoint_after_unfreezing_loads_once_the_same_parameters_are_unfroz
     m = TinyGPT()
     freeze_for(m, 0)
     fresh = TieredModel(m, optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="fp32")
-    with pytest.raises(TierMemError, match=r"^tiermem: checkpoint .* holds optimizer state for \['blocks\.0\..*which "
-                                           r"are frozen in this model.*Unfreeze them \(requires_grad_\(True\)\) before "
-                                           r"tm\.load\(\)"):
+    with pytest.raises(
+        TierMemError,
+        match=r"^tiermem: checkpoint .* holds optimizer state for \['blocks\.0\..*which "
+        r"are frozen in this model.*Unfreeze them \(requires_grad_\(True\)\) before "
+        r"tm\.load\(\)",
+    ):
         fresh.load(str(tmp_path / "c.tm"))
     freeze_for(m, EPOCHS - 1)
     fresh.load(str(tmp_path / "c.tm"))

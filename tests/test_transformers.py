@@ -15,6 +15,7 @@ ZeroInfinity, KeepOnDevice and ActivationOffload:
 - ``detach()`` gives back a model that ``generate()``s (or, for BERT, predicts) exactly like a
   fresh model loaded with the same ``state_dict``.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,28 +41,91 @@ FP32_STEPS = 2
 
 
 def _llama_config(tied: bool):
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                    tie_word_embeddings=tied, use_cache=False)
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=tied,
+        use_cache=False,
+    )
 
 
 #: family -> (the model, built from a config; what its batches look like)
 FAMILIES = {
-    "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=1)), "causal"),
+    "gpt2": (
+        lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=VOCAB,
+                n_positions=SEQ,
+                n_embd=32,
+                n_layer=2,
+                n_head=2,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                use_cache=False,
+                bos_token_id=0,
+                eos_token_id=1,
+            )
+        ),
+        "causal",
+    ),
     "llama-tied": (lambda: transformers.LlamaForCausalLM(_llama_config(tied=True)), "causal"),
     "llama-untied": (lambda: transformers.LlamaForCausalLM(_llama_config(tied=False)), "causal"),
-    "t5": (lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False)), "seq2seq"),
-    "bert": (lambda: transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), "masked"),
-    "mixtral": (lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ, num_local_experts=4, num_experts_per_tok=2,
-        use_cache=False)), "causal"),
+    "t5": (
+        lambda: transformers.T5ForConditionalGeneration(
+            transformers.T5Config(
+                vocab_size=VOCAB,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                dropout_rate=0.0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+                eos_token_id=1,
+                use_cache=False,
+            )
+        ),
+        "seq2seq",
+    ),
+    "bert": (
+        lambda: transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=64,
+                max_position_embeddings=SEQ,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        ),
+        "masked",
+    ),
+    "mixtral": (
+        lambda: transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=SEQ,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                use_cache=False,
+            )
+        ),
+        "causal",
+    ),
 }
 
 POLICIES = {
@@ -98,15 +162,22 @@ def _enable(model: torch.nn.Module, mode: str) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
-def _tiered(family: str, policy: str, tmp_path, *, precision: str = "bf16", mode: str = "plain",
-            seed: int = 0) -> TieredModel:
+def _tiered(
+    family: str, policy: str, tmp_path, *, precision: str = "bf16", mode: str = "plain", seed: int = 0
+) -> TieredModel:
     model = _build(family, seed)
     if mode != "plain":
         _enable(model, mode)
     if policy == "zero-infinity":
         tmp_path.mkdir(exist_ok=True)
-    return TieredModel(model, POLICIES[policy](), optimizer=SPEC, precision=precision, grad_clip=1.0,
-                       nvme_dir=str(tmp_path) if policy == "zero-infinity" else None)
+    return TieredModel(
+        model,
+        POLICIES[policy](),
+        optimizer=SPEC,
+        precision=precision,
+        grad_clip=1.0,
+        nvme_dir=str(tmp_path) if policy == "zero-infinity" else None,
+    )
 
 
 def _train(tm: TieredModel, family: str, steps: range) -> list[float]:
@@ -128,6 +199,7 @@ def reference(tmp_path_factory):
     """ZeroOffload, bf16: losses and fp32 weights after each step, per family and mode (each run
     once, shared by the tests that compare with it). Checkpointing changes the numbers of some
     models in plain PyTorch too (T5's gradients, in both modes), so each mode has its own."""
+
     def get(family: str, mode: str = "plain", steps: int = STEPS) -> tuple[list[float], list[dict]]:
         key = (family, mode, steps)
         if key not in _REFERENCE:
@@ -139,6 +211,7 @@ def reference(tmp_path_factory):
             tm.detach()
             _REFERENCE[key] = losses, states
         return _REFERENCE[key]
+
     return get
 
 
@@ -152,9 +225,15 @@ def _torch_runs(family: str) -> dict[str, dict]:
         runs = {}
         for variant in ("for-loop", "foreach", "fused"):
             model = _build(family)
-            opt = torch.optim.AdamW(model.parameters(), lr=SPEC.lr, betas=SPEC.betas, eps=SPEC.eps,
-                                    weight_decay=SPEC.weight_decay, foreach=variant == "foreach",
-                                    fused=variant == "fused" or None)
+            opt = torch.optim.AdamW(
+                model.parameters(),
+                lr=SPEC.lr,
+                betas=SPEC.betas,
+                eps=SPEC.eps,
+                weight_decay=SPEC.weight_decay,
+                foreach=variant == "foreach",
+                fused=variant == "fused" or None,
+            )
             for i in range(FP32_STEPS):
                 model(**_batch(family, i)).loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -230,8 +309,9 @@ def _predict(model: torch.nn.Module, family: str) -> tuple[torch.Tensor, torch.T
         if family == "bert":
             return logits, logits.argmax(-1)
         kw = {"decoder_start_token_id": 0} if family == "t5" else {}
-        out = model.generate(batch["input_ids"][:, :6], max_new_tokens=5, do_sample=False, min_new_tokens=5,
-                             pad_token_id=0, **kw)
+        out = model.generate(
+            batch["input_ids"][:, :6], max_new_tokens=5, do_sample=False, min_new_tokens=5, pad_token_id=0, **kw
+        )
     return logits, out
 
 

@@ -5,6 +5,7 @@ The weight home here is a test double whose ``write`` returns handles the test c
 hand; a future records when someone waits on it, so every ordering below is checked by flags
 and events, never by timing.
 """
+
 from __future__ import annotations
 
 import threading
@@ -83,8 +84,10 @@ def _stores():
 
 def _buckets(numels, states) -> list[Bucket]:
     """One bucket per numel, its optimizer state on the tier given (so Adam runs there)."""
-    params = [Placed(f"p{i}", torch.nn.Parameter(torch.zeros(n)), Tier.HOST, state, 0, Tier.DEVICE)
-              for i, (n, state) in enumerate(zip(numels, states))]
+    params = [
+        Placed(f"p{i}", torch.nn.Parameter(torch.zeros(n)), Tier.HOST, state, 0, Tier.DEVICE)
+        for i, (n, state) in enumerate(zip(numels, states))
+    ]
     buckets = plan_buckets(params, 1)
     assert [b.numel for b in buckets] == list(numels)
     return buckets
@@ -105,8 +108,12 @@ def _runs(b: Bucket) -> Runs:
 
 def _is(view: torch.Tensor, buffer: torch.Tensor, numel: int) -> bool:
     """``view`` is the first ``numel`` elements of ``buffer`` itself, not a copy."""
-    return (view.data_ptr() == buffer.data_ptr() and view.numel() == numel and view.dtype == buffer.dtype
-            and view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr())
+    return (
+        view.data_ptr() == buffer.data_ptr()
+        and view.numel() == numel
+        and view.dtype == buffer.dtype
+        and view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    )
 
 
 class Call:
@@ -121,6 +128,7 @@ class Call:
                 self.result.append(fn())
             except BaseException as e:  # noqa: BLE001 - checked by the test
                 self.error.append(e)
+
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
 
@@ -188,8 +196,12 @@ def test_staging_alternates_two_buffers_and_waits_for_the_previous_transfer():
     assert _is(t4, staging[0], 5)
     up.done(b4, t4, _runs(b4))
     assert not weights.writes[3].future.waited.is_set()
-    assert [(w.bucket, float(w.sent[0]), w.sent.numel()) for w in weights.writes[:4]] == \
-        [(0, 1.0, 7), (1, 2.0, 19), (2, 3.0, 4), (3, 4.0, 11)]
+    assert [(w.bucket, float(w.sent[0]), w.sent.numel()) for w in weights.writes[:4]] == [
+        (0, 1.0, 7),
+        (1, 2.0, 19),
+        (2, 3.0, 4),
+        (3, 4.0, 11),
+    ]
 
     for w in weights.writes[3:]:
         w.future.set_result(None)
@@ -307,8 +319,9 @@ def test_overlap_targets_each_param_out_and_land_background_sends_them_home():
     plan = [(b, [] if b is buckets[2] else _runs(b)) for b in buckets]
     call = Call(lambda: outputs.land_background(plan))
     assert weights.wrote.wait(PATIENCE) and weights.writes[0].future.waited.wait(PATIENCE)
-    assert [(w.bucket, w.runs, w.src_tier) for w in weights.writes] == \
-        [(b.index, runs, b.state_tier) for b, runs in plan]
+    assert [(w.bucket, w.runs, w.src_tier) for w in weights.writes] == [
+        (b.index, runs, b.state_tier) for b, runs in plan
+    ]
     assert all(w.src.data_ptr() == outputs.param_out[w.bucket].data_ptr() for w in weights.writes)
     assert [float(w.sent[0]) for w in weights.writes] == [1.0, 2.0, 3.0]
     for w in weights.writes:
@@ -339,11 +352,14 @@ def _three_uploads(failures: dict[int, BaseException]):
     return up, weights
 
 
-@pytest.mark.parametrize("failures, message", [
-    ({1: RuntimeError("first"), 2: RuntimeError("second")}, "first"),
-    ({2: RuntimeError("second")}, "second"),
-    ({1: OSError("first")}, "first"),
-])
+@pytest.mark.parametrize(
+    "failures, message",
+    [
+        ({1: RuntimeError("first"), 2: RuntimeError("second")}, "first"),
+        ({2: RuntimeError("second")}, "second"),
+        ({1: OSError("first")}, "first"),
+    ],
+)
 def test_finish_raises_the_first_failed_transfer_after_waiting_for_all(failures, message):
     up, weights = _three_uploads(failures)
     with pytest.raises(type(failures[min(failures)]), match=f"^{message}$"):

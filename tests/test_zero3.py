@@ -4,6 +4,7 @@ process accumulating both ranks' micro-batches, each rank keeping half the weigh
 overlap_step, gradient checkpointing, eval() and checkpoints work as in one process; ranks whose
 forwards read different weights stop at once with an error naming them. One pair of processes runs
 every scenario (a fresh process costs seconds here); each test reads its part."""
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,11 @@ class GradsOnNvme(PerClass):
 
 
 #: setup -> (policy, shard_weights, whether it needs a directory on NVMe, the weights' home)
-SETUPS = {"zero-infinity": (ZeroInfinity(), False, True, N), "weights-on-host": (WeightsOnHost(), False, False, H),
-          "shard-weights": (ZeroOffload(), True, False, D)}
+SETUPS = {
+    "zero-infinity": (ZeroInfinity(), False, True, N),
+    "weights-on-host": (WeightsOnHost(), False, False, H),
+    "shard-weights": (ZeroOffload(), True, False, D),
+}
 
 
 class CheckpointedGPT(TinyGPT):
@@ -80,16 +84,23 @@ class Divergent(TinyGPT):
 def _make(setup: str, tmp: str | None = None, *, precision: str = "fp32", model=TinyGPT, **kw) -> TieredModel:
     policy, shard, on_nvme, _ = SETUPS[setup]
     torch.manual_seed(0)
-    return TieredModel(model(), policy, optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision=precision,
-                       bucket_size=kw.pop("bucket_size", 3000), shard_weights=shard,
-                       nvme_dir=tmp if on_nvme else kw.pop("nvme_dir", None), **kw)
+    return TieredModel(
+        model(),
+        policy,
+        optimizer=AdamW(lr=1e-2, weight_decay=0.1),
+        precision=precision,
+        bucket_size=kw.pop("bucket_size", 3000),
+        shard_weights=shard,
+        nvme_dir=tmp if on_nvme else kw.pop("nvme_dir", None),
+        **kw,
+    )
 
 
 def _train(tm: TieredModel, rank: int, world: int, steps: range) -> list:
     """Each rank its own micro-batch per step (in one process, both ranks', loss / 2)."""
     results = []
     for i in steps:
-        for r in ([rank] if world > 1 else range(2)):
+        for r in [rank] if world > 1 else range(2):
             x, y = _batch(i, r)
             tm.backward(gpt_loss(tm(x), y) / (1 if world > 1 else 2))
         results.append(tm.step())
@@ -115,22 +126,39 @@ def _rank_setup(rank, world, tmp, setup):
     home = SETUPS[setup][3]
     bf16 = _make(setup, _dir(tmp, setup + "-bf16"), precision="bf16")
     _train(bf16, rank, world, range(STEPS))
-    return {"states": states, "need": need, "built": built, "gathers": tm.gathered.gathers,
-            "on_demand": dict(tm.gathered.on_demand), "bf16": bf16.state_dict(),
-            "home_peak": rep.class_peak_bytes.get((TensorClass.PARAM, home), 0),
-            "device_peak": rep.class_peak_bytes.get((TensorClass.PARAM, D), 0),
-            "sent": rep.collective_bytes}
+    return {
+        "states": states,
+        "need": need,
+        "built": built,
+        "gathers": tm.gathered.gathers,
+        "on_demand": dict(tm.gathered.on_demand),
+        "bf16": bf16.state_dict(),
+        "home_peak": rep.class_peak_bytes.get((TensorClass.PARAM, home), 0),
+        "device_peak": rep.class_peak_bytes.get((TensorClass.PARAM, D), 0),
+        "sent": rep.collective_bytes,
+    }
 
 
 def _construction_need(tm: TieredModel) -> dict:
     """The footprint of ``tm``'s layout, less what only a running step takes (tests/test_footprint.py)."""
     planned = plan_placement(tm.module, tm.placement, AdamW(), tm.dtype, 750)
     buckets, homes = planned.buckets, planned.weight_homes
-    need = fp.model_footprint(tm.module, buckets, homes, tm.dtype, world=tm.group.world,
-                              shard_weights=tm.gathered is not None and any(
-                                  b.param_tier == D for b in tm.gathered.full.values()))
-    step_only = {fp.GRADS_IN_FLIGHT, fp.LARGEST_MODULE, fp.GRADS_TO_REDUCE, fp.GATHERED, fp.GATHER_STAGING,
-                 fp.GATHER_ROUNDED}
+    need = fp.model_footprint(
+        tm.module,
+        buckets,
+        homes,
+        tm.dtype,
+        world=tm.group.world,
+        shard_weights=tm.gathered is not None and any(b.param_tier == D for b in tm.gathered.full.values()),
+    )
+    step_only = {
+        fp.GRADS_IN_FLIGHT,
+        fp.LARGEST_MODULE,
+        fp.GRADS_TO_REDUCE,
+        fp.GATHERED,
+        fp.GATHER_STAGING,
+        fp.GATHER_ROUNDED,
+    }
     built = {t: sum(n for what, n in need.get(t, {}).items() if what not in step_only) for t in (D, H)}
     whole_bucket = need[H][fp.WHOLE_BUCKET]  # three parts; building takes the master's alone, a checkpoint all
     built[H] -= whole_bucket + 3 * (fp.host_buffer_bytes(whole_bucket // 3) - whole_bucket // 3)
@@ -178,14 +206,26 @@ def _rank_variants(rank, world, tmp):
         tm.train()
     out["eval"] = (evals, tm.state_dict())
     torch.manual_seed(0)
-    nvme = TieredModel(TinyGPT(), GradsOnNvme(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="fp32",
-                       bucket_size=3000, nvme_dir=_dir(tmp, "grads"))
+    nvme = TieredModel(
+        TinyGPT(),
+        GradsOnNvme(),
+        optimizer=AdamW(lr=1e-2, weight_decay=0.1),
+        precision="fp32",
+        bucket_size=3000,
+        nvme_dir=_dir(tmp, "grads"),
+    )
     _train(nvme, rank, world, range(STEPS))
     out["grads on nvme"] = nvme.state_dict()
     for shard in (False, True):  # state and weights on the device: a sharded chunk rounded from the device's master
         torch.manual_seed(0)
-        tm = TieredModel(TinyGPT(), KeepOnDevice(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="bf16",
-                         bucket_size=3000, shard_weights=shard)
+        tm = TieredModel(
+            TinyGPT(),
+            KeepOnDevice(),
+            optimizer=AdamW(lr=1e-2, weight_decay=0.1),
+            precision="bf16",
+            bucket_size=3000,
+            shard_weights=shard,
+        )
         _train(tm, rank, world, range(STEPS))
         kinds = sorted({type(h).__name__ for h in tm.gathered.shards.values()}) if shard else []
         kept = [k for k in tm.stores[D].keys() if k.endswith(":param shard")]
@@ -217,8 +257,9 @@ def _rank_checkpoint(rank, world, tmp):
 def _rank_budget(rank, world, host):
     """A host budget that holds a rank's half of the weights on the host but not all of them."""
     torch.manual_seed(0)
-    tm = TieredModel(TinyGPT(d=96, n_layer=4), WeightsOnHost(), precision="bf16", bucket_size="96KiB",
-                     budgets=Budgets(host=host))
+    tm = TieredModel(
+        TinyGPT(d=96, n_layer=4), WeightsOnHost(), precision="bf16", bucket_size="96KiB", budgets=Budgets(host=host)
+    )
     return tm.report().peak_bytes[H]
 
 
@@ -260,8 +301,9 @@ def z3(tmp_path_factory):
 
 def _solo(steps=range(STEPS), **kw) -> TieredModel:
     torch.manual_seed(0)
-    tm = TieredModel(TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="fp32",
-                     bucket_size=3000, **kw)
+    tm = TieredModel(
+        TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="fp32", bucket_size=3000, **kw
+    )
     _train(tm, 0, 1, steps)
     return tm
 
@@ -272,8 +314,9 @@ def test_two_ranks_train_like_one_process_accumulating_both(z3, setup):
     ranks = [r[setup] for r in z3[3]]
     solo_results = []
     torch.manual_seed(0)
-    solo = TieredModel(TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="fp32",
-                       bucket_size=3000)
+    solo = TieredModel(
+        TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="fp32", bucket_size=3000
+    )
     spread = max(_torch_spread(), 1e-7)
     for i, ((res0, sd0), (res1, sd1)) in enumerate(zip(ranks[0]["states"], ranks[1]["states"])):
         solo_results.append(_train(solo, 0, 1, range(i, i + 1))[0])
@@ -333,8 +376,13 @@ def test_a_model_that_fits_two_ranks_but_not_one(z3):
     assert all(r["budget"] <= budget for r in ranks)
     torch.manual_seed(0)
     with pytest.raises(OutOfTierMemory, match=r"out of host memory.*working weights"):
-        TieredModel(TinyGPT(d=96, n_layer=4), WeightsOnHost(), precision="bf16", bucket_size="96KiB",
-                    budgets=Budgets(host=budget))
+        TieredModel(
+            TinyGPT(d=96, n_layer=4),
+            WeightsOnHost(),
+            precision="bf16",
+            bucket_size="96KiB",
+            budgets=Budgets(host=budget),
+        )
 
 
 def test_no_sync_communicates_once_with_the_same_result(z3):
@@ -374,8 +422,9 @@ def test_eval_between_steps(z3):
     (evals, sd), (evals1, _) = (r["variants"]["eval"] for r in z3[3])
     assert all(torch.equal(e, f) for e, f in zip(evals, evals1))
     torch.manual_seed(0)
-    solo = TieredModel(TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="fp32",
-                       bucket_size=3000)
+    solo = TieredModel(
+        TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="fp32", bucket_size=3000
+    )
     for i, e in enumerate(evals):
         _train(solo, 0, 1, range(i, i + 1))
         solo.eval()
@@ -415,8 +464,9 @@ def test_shard_weights_alone_changes_nothing():
     runs = []
     for shard in (False, True):
         torch.manual_seed(0)
-        tm = TieredModel(TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2), precision="bf16", bucket_size=3000,
-                         shard_weights=shard)
+        tm = TieredModel(
+            TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2), precision="bf16", bucket_size=3000, shard_weights=shard
+        )
         _train(tm, 0, 1, range(2))
         runs.append((tm.state_dict(), tm.gathered, tm.report().peak_bytes))
     (plain, none, peak), (sharded, gathered, peak_sharded) = runs

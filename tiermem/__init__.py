@@ -3,6 +3,7 @@
 Every tensor of a training step has a class (params, grads, optimizer states, activations);
 a policy gives each a home tier (device, host, NVMe); an async engine moves them ahead of use.
 """
+
 from __future__ import annotations
 
 from tiermem.budgets import Budgets, parse_bytes
@@ -21,7 +22,33 @@ from tiermem.deepspeed_config import from_deepspeed_config
 __version__ = "0.1.0"
 
 __all__ = [
-    "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "ArgumentError", "Budgets", "ConfigError", "Handle", "Lion", "LossScale", "NvmeStore", "OutOfTierMemory", "PerClass", "Phase", "Policy",
-    "Report", "SGD", "StateKey", "StepResult", "StoreError", "TensorClass", "TensorInfo", "TieredModel", "Tier",
-    "TierMemError", "from_deepspeed_config", "parse_bytes", "__version__",
+    "Adagrad",
+    "Adam",
+    "Adam8bit",
+    "AdamW",
+    "AdamW8bit",
+    "ArgumentError",
+    "Budgets",
+    "ConfigError",
+    "Handle",
+    "Lion",
+    "LossScale",
+    "NvmeStore",
+    "OutOfTierMemory",
+    "PerClass",
+    "Phase",
+    "Policy",
+    "Report",
+    "SGD",
+    "StateKey",
+    "StepResult",
+    "StoreError",
+    "TensorClass",
+    "TensorInfo",
+    "TieredModel",
+    "Tier",
+    "TierMemError",
+    "from_deepspeed_config",
+    "parse_bytes",
+    "__version__",
 ]

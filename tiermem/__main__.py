@@ -1,4 +1,5 @@
 """``python -m tiermem``: the same command as the ``tiermem`` console script."""
+
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,6 @@
 """Byte budgets per tier: parsing (``"8GiB"``, ``"500MB"``, ints) into caps (the accounting that
 enforces them is :class:`tiermem.memory.ledger.Ledger`)."""
+
 from __future__ import annotations
 
 import re
@@ -13,10 +14,20 @@ from tiermem.types import Tier
 ByteSize = Union[int, float, str]
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -46,7 +57,8 @@ def parse_bytes(value: ByteSize, *, what: str = "size") -> int:
         if m is None or unit not in _UNITS:
             raise ConfigError(
                 f"tiermem: {what}={value!r} does not parse as a size; write a number with an optional "
-                f"unit from B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '8GiB' or '500MB')")
+                f"unit from B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '8GiB' or '500MB')"
+            )
         n = int(float(m.group(1)) * _UNITS[unit])
     else:
         raise ConfigError(f"tiermem: {what}={value!r} is not a size; give bytes as an int or a string such as '8GiB'")

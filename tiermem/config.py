@@ -1,4 +1,5 @@
 """Frozen, validated configuration: optimizer hyperparameter specs and precision."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -29,8 +30,9 @@ def working_dtype(precision: str) -> torch.dtype:
     try:
         return PRECISIONS[precision]
     except (KeyError, TypeError):
-        raise ConfigError(f"tiermem: precision={precision!r} is not supported; "
-                          f"use one of {', '.join(repr(p) for p in PRECISIONS)}") from None
+        raise ConfigError(
+            f"tiermem: precision={precision!r} is not supported; use one of {', '.join(repr(p) for p in PRECISIONS)}"
+        ) from None
 
 
 def precision_of(dtype: torch.dtype) -> str:
@@ -76,11 +78,19 @@ class CpuFeatures:
         def has(name: str) -> bool:  # private torch probes (torch >= 2.3): absent means "cannot tell", so no
             probe = getattr(torch.cpu, name, None)
             return bool(probe()) if probe is not None else False
+
         isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-        onednn = bool(torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # torch leaves it untyped
-                      and torch.backends.mkldnn.enabled)
-        return cls(torch.backends.cpu.get_cpu_capability(), has("_is_avx512_bf16_supported"),
-                   has("_is_amx_tile_supported"), isa or None, onednn)
+        onednn = bool(
+            torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+            and torch.backends.mkldnn.enabled
+        )
+        return cls(
+            torch.backends.cpu.get_cpu_capability(),
+            has("_is_avx512_bf16_supported"),
+            has("_is_amx_tile_supported"),
+            isa or None,
+            onednn,
+        )
 
     @property
     def native_bf16(self) -> bool:
@@ -118,9 +128,11 @@ def resolve_precision(precision: Any, device: torch.device, *, cpu: Optional[Cpu
         log.info("tiermem: precision='auto' is %r on %s: %s", chosen, device, why)
         return chosen
     if not (isinstance(precision, str) and precision in PRECISIONS):
-        raise ConfigError(f"tiermem: precision={precision!r} is not supported; use one of "
-                          f"{', '.join(repr(p) for p in PRECISION_CHOICES)} ('auto': bf16 where the device "
-                          f"computes it natively, else fp32 on a CPU, fp16 on an older GPU)")
+        raise ConfigError(
+            f"tiermem: precision={precision!r} is not supported; use one of "
+            f"{', '.join(repr(p) for p in PRECISION_CHOICES)} ('auto': bf16 where the device "
+            f"computes it natively, else fp32 on a CPU, fp16 on an older GPU)"
+        )
     return precision
 
 
@@ -156,15 +168,19 @@ def _unit(v: Any) -> bool:
 _FINITE_NON_NEGATIVE = (_finite_non_negative, "a finite number >= 0")
 _ADAM_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lr": _FINITE_NON_NEGATIVE,
-    "betas": (lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_unit(b) for b in v),
-              "two numbers, each in [0, 1)"),
+    "betas": (
+        lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_unit(b) for b in v),
+        "two numbers, each in [0, 1)",
+    ),
     "beta1": (_unit, "a number in [0, 1)"),
     "beta2": (_unit, "a number in [0, 1)"),
     "eps": _FINITE_NON_NEGATIVE,
     "weight_decay": _FINITE_NON_NEGATIVE,
     "step": (lambda v: isinstance(v, int) and v >= 1, "a 1-based count of updates including this one, >= 1"),
-    "grad_scale": (lambda v: is_number(v) and 2.0**-126 < v < 2.0**126,
-                   "between 2**-126 and 2**126 (its reciprocal a normal fp32 number)"),
+    "grad_scale": (
+        lambda v: is_number(v) and 2.0**-126 < v < 2.0**126,
+        "between 2**-126 and 2**126 (its reciprocal a normal fp32 number)",
+    ),
     "clip_coef": _FINITE_NON_NEGATIVE,
     "adamw": (lambda v: isinstance(v, bool), "True (AdamW: decoupled weight decay) or False (Adam: L2 penalty)"),
 }
@@ -181,13 +197,25 @@ _OTHER_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lr_decay": _FINITE_NON_NEGATIVE,
     "initial_accumulator_value": _FINITE_NON_NEGATIVE,
     "lion_beta": (lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "lion_betas": (lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(
-        is_number(b) and 0 <= b <= 1 for b in v), "two numbers, each in [0, 1]"),
+    "lion_betas": (
+        lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(is_number(b) and 0 <= b <= 1 for b in v),
+        "two numbers, each in [0, 1]",
+    ),
     "bf16_stochastic_round": (lambda v: isinstance(v, bool), "True or False"),
 }
 #: every hyperparameter a param group of some tiermem optimizer may hold (what a checkpoint keeps)
-ALL_GROUP_HYPER = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "maximize",
-                   "lr_decay", "initial_accumulator_value")
+ALL_GROUP_HYPER = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "momentum",
+    "dampening",
+    "nesterov",
+    "maximize",
+    "lr_decay",
+    "initial_accumulator_value",
+)
 
 
 def check_hyper(where: str, **values: Any) -> None:
@@ -274,21 +302,31 @@ def _tensors(where: str, params: Any) -> list[torch.Tensor]:
     if isinstance(params, torch.Tensor):
         return [params]
     if isinstance(params, (set, frozenset, dict, str)) or not hasattr(params, "__iter__"):
-        raise ConfigError(f"tiermem: {where}params is a {type(params).__name__}; give a group's parameters as a "
-                          f"tensor, or a list of tensors or of (name, tensor) pairs (an ordered sequence, not a set)")
+        raise ConfigError(
+            f"tiermem: {where}params is a {type(params).__name__}; give a group's parameters as a "
+            f"tensor, or a list of tensors or of (name, tensor) pairs (an ordered sequence, not a set)"
+        )
     out = []
     for item in params:
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
             item = item[1]  # torch 2.x takes named parameters too
         if not isinstance(item, torch.Tensor):
-            raise ConfigError(f"tiermem: {where}params holds a {type(item).__name__}; a group holds tensors (the "
-                              f"model's parameters)")
+            raise ConfigError(
+                f"tiermem: {where}params holds a {type(item).__name__}; a group holds tensors (the model's parameters)"
+            )
         out.append(item)
     return out
 
 
-def read_groups(where: str, given: Any, *, hyper: tuple[str, ...] = GROUP_HYPER, off: tuple[str, ...] = TORCH_OFF,
-                rules: Optional[Mapping[str, str]] = None, what: str = "Adam") -> tuple[GivenGroup, ...]:
+def read_groups(
+    where: str,
+    given: Any,
+    *,
+    hyper: tuple[str, ...] = GROUP_HYPER,
+    off: tuple[str, ...] = TORCH_OFF,
+    rules: Optional[Mapping[str, str]] = None,
+    what: str = "Adam",
+) -> tuple[GivenGroup, ...]:
     """Torch-style param groups (as ``torch.optim.AdamW(params, ...)`` takes them: an iterable of
     tensors, or of dicts with ``"params"`` and the hyperparameters the group sets) checked and
     normalised. ``where``: what the field names are read after (``"AdamW."``); ``hyper``: the keys
@@ -299,13 +337,17 @@ def read_groups(where: str, given: Any, *, hyper: tuple[str, ...] = GROUP_HYPER,
     if items is None:
         if isinstance(given, (set, frozenset, str)) or not hasattr(given, "__iter__"):
             what = repr(given) if isinstance(given, (int, float, str)) else f"a {type(given).__name__}"
-            raise ConfigError(f"tiermem: {where}params={what} is invalid: the one positional argument is the "
-                              f"model's parameters or torch-style param groups (a list of dicts with 'params'), as "
-                              f"torch.optim takes them; pass hyperparameters by keyword (lr=...)")
+            raise ConfigError(
+                f"tiermem: {where}params={what} is invalid: the one positional argument is the "
+                f"model's parameters or torch-style param groups (a list of dicts with 'params'), as "
+                f"torch.optim takes them; pass hyperparameters by keyword (lr=...)"
+            )
         items = list(given)
     if not items:
-        raise ConfigError(f"tiermem: {where}params is empty; give the model's parameters or param groups, or leave "
-                          f"params out (every trainable parameter in the groups by rule)")
+        raise ConfigError(
+            f"tiermem: {where}params is empty; give the model's parameters or param groups, or leave "
+            f"params out (every trainable parameter in the groups by rule)"
+        )
     groups: list[dict[str, Any]]
     if all(isinstance(g, dict) for g in items):
         groups = items
@@ -322,8 +364,10 @@ def read_groups(where: str, given: Any, *, hyper: tuple[str, ...] = GROUP_HYPER,
         tensors = _tensors(at, g["params"])
         for t in tensors:
             if id(t) in seen:
-                raise ConfigError(f"tiermem: {at[:-1]} repeats a parameter of group {seen[id(t)]} (shape "
-                                  f"{tuple(t.shape)}); a parameter belongs to one group")
+                raise ConfigError(
+                    f"tiermem: {at[:-1]} repeats a parameter of group {seen[id(t)]} (shape "
+                    f"{tuple(t.shape)}); a parameter belongs to one group"
+                )
             seen[id(t)] = i
         name, overrides = f"group{i}", {}
         for key, value in g.items():
@@ -334,8 +378,11 @@ def read_groups(where: str, given: Any, *, hyper: tuple[str, ...] = GROUP_HYPER,
                     raise _invalid(at, "name", value, "a non-empty str")
                 name = value
             elif key in hyper:
-                overrides[key] = tuple(_number(b) for b in value) if key == "betas" and isinstance(
-                    value, (tuple, list)) else _number(value)
+                overrides[key] = (
+                    tuple(_number(b) for b in value)
+                    if key == "betas" and isinstance(value, (tuple, list))
+                    else _number(value)
+                )
             elif key == "decoupled_weight_decay" and "betas" in hyper and "adamw" not in off:  # torch's Adam -> AdamW
                 if not isinstance(value, bool):
                     raise _invalid(at, key, value, "True or False")
@@ -344,8 +391,10 @@ def read_groups(where: str, given: Any, *, hyper: tuple[str, ...] = GROUP_HYPER,
                 if value is not False:
                     raise ConfigError(f"tiermem: {at}{key}={value!r}: tiermem's {what} has no {key}; leave it False")
             elif key not in TORCH_NO_EFFECT:
-                raise ConfigError(f"tiermem: {at[:-1]} sets {key!r}, which tiermem's {what} does not take; a group "
-                                  f"takes 'params', 'name' and {', '.join(repr(k) for k in hyper)}")
+                raise ConfigError(
+                    f"tiermem: {at[:-1]} sets {key!r}, which tiermem's {what} does not take; a group "
+                    f"takes 'params', 'name' and {', '.join(repr(k) for k in hyper)}"
+                )
         for k, v in overrides.items():
             if k in hyper:
                 check_hyper(at, **{rules.get(k, k): v})
@@ -414,13 +463,16 @@ class _Spec:
             raise _invalid(where, "no_decay_1d", self.no_decay_1d, "True or False")
         if self.params is not None:
             if nd or self.no_decay_1d:
-                raise ConfigError(f"tiermem: {where}no_decay/no_decay_1d choose groups by rule; with param groups "
-                                  f"given, put the parameters without weight decay in a group of their own with "
-                                  f"'weight_decay': 0.0")
+                raise ConfigError(
+                    f"tiermem: {where}no_decay/no_decay_1d choose groups by rule; with param groups "
+                    f"given, put the parameters without weight decay in a group of their own with "
+                    f"'weight_decay': 0.0"
+                )
             groups = read_groups(where, self.params, hyper=self.HYPER, off=self.OFF, rules=self.RULES, what=self.WHAT)
             object.__setattr__(self, "params", groups)
-            object.__setattr__(self, "_member", MappingProxyType(
-                {id(t): i for i, g in enumerate(groups) for t in g.params}))
+            object.__setattr__(
+                self, "_member", MappingProxyType({id(t): i for i, g in enumerate(groups) for t in g.params})
+            )
 
     @property
     def given(self) -> Optional[tuple[GivenGroup, ...]]:
@@ -462,8 +514,9 @@ class _Spec:
         groups = "" if self.params is None else f"<{len(self.params)} param groups>, "
         hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.HYPER)
         sr = ", bf16_stochastic_round=True" if self.bf16_stochastic_round else ""
-        return (f"{type(self).__name__}({groups}{hyper}, no_decay={self.no_decay!r}, "
-                f"no_decay_1d={self.no_decay_1d!r}{sr})")
+        return (
+            f"{type(self).__name__}({groups}{hyper}, no_decay={self.no_decay!r}, no_decay_1d={self.no_decay_1d!r}{sr})"
+        )
 
 
 @checked_arguments

@@ -1,4 +1,5 @@
 """The errors a user can cause. Every message starts with ``tiermem:`` and ends with what to change."""
+
 from __future__ import annotations
 
 import difflib
@@ -45,6 +46,7 @@ def checked_arguments(cls: C) -> C:
         except TypeError as e:
             raise ArgumentError(_wrong_arguments(type(self).__name__, sig, kwargs, e)) from None
         init(self, *args, **kwargs)
+
     cls.__init__ = __init__  # type: ignore[misc]  # ...and replaces it with the checked one
     return cls
 
@@ -58,8 +60,13 @@ def _wrong_arguments(name: str, sig: inspect.Signature, kwargs: dict[str, object
             star = True
         shown.append(p.name if p.default is p.empty else f"{p.name}=...")
     names = [p.name for p in params]
-    guesses = [f"{close[0]}= instead of {k}=" for k in kwargs if k not in names
-               for close in [difflib.get_close_matches(k, names, n=1)] if close]
+    guesses = [
+        f"{close[0]}= instead of {k}="
+        for k in kwargs
+        if k not in names
+        for close in [difflib.get_close_matches(k, names, n=1)]
+        if close
+    ]
     hint = f" (did you mean {', '.join(guesses)}?)" if guesses else ""
     return f"tiermem: {name}(): {error}{hint}; it takes {name}({', '.join(shown)})"
 
@@ -81,14 +88,16 @@ class OutOfTierMemory(TierMemError, MemoryError):
         hint: what to change, when the default advice (raise the budget, place less there) is not it.
     """
 
-    def __init__(self, *, tier: object, key: str, asked: int, used: int, allowed: int,
-                 hint: Optional[str] = None):
+    def __init__(self, *, tier: object, key: str, asked: int, used: int, allowed: int, hint: Optional[str] = None):
         self.tier, self.key, self.asked, self.used, self.allowed = tier, key, asked, used, allowed
-        fix = hint or (f"raise Budgets({tier}=...) to at least {fmt_bytes(used + asked)}, "
-                       f"or choose a policy that places less on the {tier} tier")
+        fix = hint or (
+            f"raise Budgets({tier}=...) to at least {fmt_bytes(used + asked)}, "
+            f"or choose a policy that places less on the {tier} tier"
+        )
         super().__init__(
             f"tiermem: out of {tier} memory placing {key!r}: asked {fmt_bytes(asked)}, "
-            f"{fmt_bytes(used)} in use of {fmt_bytes(allowed)} allowed; {fix}")
+            f"{fmt_bytes(used)} in use of {fmt_bytes(allowed)} allowed; {fix}"
+        )
 
 
 def fmt_bytes(n: float) -> str:

@@ -6,6 +6,7 @@ on an unfinished request is reported to an optional ``on_stall`` callback, which
 engine and the stores measure stall seconds. :func:`chain` composes handles into one; callers
 reach it through ``TransferEngine.chain``, which counts the stalls (NOTE [Chained requests]).
 """
+
 from __future__ import annotations
 
 import functools
@@ -150,8 +151,13 @@ def wait_all_quietly(handles: Iterable[Handle]) -> None:
             pass
 
 
-def chain(first: Union[Handle, Sequence[Handle]], then: Optional[Callable[[], Any]] = None, *,
-          cleanup: Optional[Callable[[], None]] = None, on_stall: Optional[StallSink] = None) -> Handle:
+def chain(
+    first: Union[Handle, Sequence[Handle]],
+    then: Optional[Callable[[], Any]] = None,
+    *,
+    cleanup: Optional[Callable[[], None]] = None,
+    on_stall: Optional[StallSink] = None,
+) -> Handle:
     """One handle for "``then()`` once ``first`` has finished"; see NOTE [Chained requests] in
     :mod:`tiermem.transfer.engine`, whose ``TransferEngine.chain`` is the way in."""
     link = _Link(then, cleanup, isinstance(first, Handle))
@@ -225,6 +231,7 @@ def _when_all(handles: list[Handle], fn: Callable[[Optional[BaseException], list
         if last:
             error = next((e for e in errors if e is not None), None)
             fn(error, [] if error is not None else results)
+
     for i, h in enumerate(handles):
         h.add_done_callback(functools.partial(one, i))
 

@@ -4,6 +4,7 @@ torchao's for the 8-bit ones, the paper's for Lion), the same param groups as ``
 ``bf16_stochastic_round``. TieredModel runs each with its fused CPU kernel (tiermem.optim) where the
 optimizer state lives.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,13 +51,17 @@ class SGD(_Spec):
         super().__post_init__()
         momenta = self.group_values("momentum")
         if len({m != 0 for m in momenta}) > 1:
-            raise ConfigError(f"tiermem: SGD: some param groups have momentum 0 and others not ({momenta}); tiermem "
-                              f"keeps a momentum buffer for all parameters or none: give every group momentum > 0 "
-                              f"(or all 0)")
+            raise ConfigError(
+                f"tiermem: SGD: some param groups have momentum 0 and others not ({momenta}); tiermem "
+                f"keeps a momentum buffer for all parameters or none: give every group momentum > 0 "
+                f"(or all 0)"
+            )
         for i, (m, d, n) in enumerate(zip(momenta, self.group_values("dampening"), self.group_values("nesterov"))):
             if n and (m <= 0 or d != 0):
-                raise ConfigError(f"tiermem: SGD group {i}: nesterov=True needs momentum > 0 and dampening = 0 (got "
-                                  f"momentum={m}, dampening={d}), as torch.optim.SGD")
+                raise ConfigError(
+                    f"tiermem: SGD group {i}: nesterov=True needs momentum > 0 and dampening = 0 (got "
+                    f"momentum={m}, dampening={d}), as torch.optim.SGD"
+                )
 
     def state_options(self) -> dict[str, Any]:
         return {"momentum": any(m != 0 for m in self.group_values("momentum"))}
@@ -90,16 +95,24 @@ class Adagrad(_Spec):
     maximize: bool = False
 
     kind: ClassVar[str] = "adagrad"
-    HYPER: ClassVar[tuple[str, ...]] = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps",
-                                        "maximize")
+    HYPER: ClassVar[tuple[str, ...]] = (
+        "lr",
+        "lr_decay",
+        "weight_decay",
+        "initial_accumulator_value",
+        "eps",
+        "maximize",
+    )
     OFF: ClassVar[tuple[str, ...]] = ()
     WHAT: ClassVar[str] = "Adagrad"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if len(set(self.group_values("initial_accumulator_value"))) > 1:
-            raise ConfigError("tiermem: Adagrad: param groups set different initial_accumulator_value; tiermem "
-                              "starts every parameter's sum at one value: set it on the optimizer, not per group")
+            raise ConfigError(
+                "tiermem: Adagrad: param groups set different initial_accumulator_value; tiermem "
+                "starts every parameter's sum at one value: set it on the optimizer, not per group"
+            )
 
     def state_options(self) -> dict[str, Any]:
         return {"initial_accumulator_value": float(self.initial_accumulator_value)}

@@ -16,6 +16,7 @@ a GPU the host side of a copy that landed (a gradient converted into its fp32 bu
 Without a profiler running a span costs one attribute read: :func:`span` hands back a shared
 no-op context and builds no name.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -6,6 +6,7 @@ tiermem runs that update where the optimizer state lives, and never steps the in
 whose state must be empty. :data:`TORCH_OPTIMIZERS` is the one table of the classes it runs; a
 class not in it is refused by name, with the list.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -48,8 +49,10 @@ FOREIGN_8BIT: dict[tuple[str, str], type[_Spec]] = {
 
 
 def supported_names() -> str:
-    return ", ".join([f"torch.optim.{cls.__name__}" for cls in TORCH_OPTIMIZERS]
-                     + [f"{m.partition('.')[0]} {c}" for m, c in FOREIGN_8BIT])
+    return ", ".join(
+        [f"torch.optim.{cls.__name__}" for cls in TORCH_OPTIMIZERS]
+        + [f"{m.partition('.')[0]} {c}" for m, c in FOREIGN_8BIT]
+    )
 
 
 def runs(cls: Any) -> bool:
@@ -77,17 +80,23 @@ def spec_from_torch(optimizer: torch.optim.Optimizer, *, scheduled: bool = False
     caller moves that scheduler onto tiermem's optimizer (the Trainer integration does)."""
     cls = type(optimizer)
     if cls not in TORCH_OPTIMIZERS and _foreign(cls) is None:
-        raise ConfigError(f"tiermem: optimizer={cls.__module__}.{cls.__qualname__} is not one tiermem runs; it runs "
-                          f"{supported_names()} (and tiermem.AdamW/Adam): pass one of them, built on the model's "
-                          f"parameters as usual")
+        raise ConfigError(
+            f"tiermem: optimizer={cls.__module__}.{cls.__qualname__} is not one tiermem runs; it runs "
+            f"{supported_names()} (and tiermem.AdamW/Adam): pass one of them, built on the model's "
+            f"parameters as usual"
+        )
     if _stepped(optimizer):
-        raise ConfigError(f"tiermem: the {cls.__name__} given as optimizer= has state for {len(optimizer.state)} "
-                          f"parameters (it has stepped); tiermem runs the update itself and never steps it: pass a "
-                          f"new one, and load a checkpoint with tm.load()")
+        raise ConfigError(
+            f"tiermem: the {cls.__name__} given as optimizer= has state for {len(optimizer.state)} "
+            f"parameters (it has stepped); tiermem runs the update itself and never steps it: pass a "
+            f"new one, and load a checkpoint with tm.load()"
+        )
     if not scheduled and any("initial_lr" in g for g in optimizer.param_groups):
-        raise ConfigError(f"tiermem: an lr scheduler was built on the {cls.__name__} given as optimizer=; it would "
-                          f"set the lr of an optimizer tiermem never steps: build the scheduler on tm.optimizer, "
-                          f"after the TieredModel")
+        raise ConfigError(
+            f"tiermem: an lr scheduler was built on the {cls.__name__} given as optimizer=; it would "
+            f"set the lr of an optimizer tiermem never steps: build the scheduler on tm.optimizer, "
+            f"after the TieredModel"
+        )
     defaults = optimizer.defaults
     spec = TORCH_OPTIMIZERS[cls](defaults) if cls in TORCH_OPTIMIZERS else _foreign(cls)
     assert spec is not None
@@ -101,14 +110,20 @@ def spec_from_torch(optimizer: torch.optim.Optimizer, *, scheduled: bool = False
     try:
         return spec(groups, **{k: defaults[k] for k in spec.HYPER if k in defaults})
     except ConfigError as e:
-        raise ConfigError(f"tiermem: the {cls.__name__} given as optimizer=: "
-                          f"{str(e).removeprefix('tiermem: ')}") from None
+        raise ConfigError(
+            f"tiermem: the {cls.__name__} given as optimizer=: {str(e).removeprefix('tiermem: ')}"
+        ) from None
 
 
 #: options of the other libraries' 8-bit AdamW that change its numbers, with the value that does not
 #: (their default); any other value is refused by name
-_FOREIGN_PLAIN: dict[str, Any] = {"amsgrad": False, "percentile_clipping": 100, "max_unorm": 0.0, "optim_bits": 8,
-                                  "block_size": 256}
+_FOREIGN_PLAIN: dict[str, Any] = {
+    "amsgrad": False,
+    "percentile_clipping": 100,
+    "max_unorm": 0.0,
+    "optim_bits": 8,
+    "block_size": 256,
+}
 
 
 def _foreign_spec(spec: type[_Spec], optimizer: torch.optim.Optimizer) -> _Spec:
@@ -122,18 +137,23 @@ def _foreign_spec(spec: type[_Spec], optimizer: torch.optim.Optimizer) -> _Spec:
             kwargs[key] = defaults[key]
     changed = [f"{k}={defaults[k]!r}" for k, plain in _FOREIGN_PLAIN.items() if k in defaults and defaults[k] != plain]
     if changed:
-        raise ConfigError(f"tiermem: the {cls.__name__} given as optimizer= sets {', '.join(changed)}, which tiermem's "
-                          f"8-bit Adam does not do; leave {', '.join(c.partition('=')[0] for c in changed)} at "
-                          f"{', '.join(repr(_FOREIGN_PLAIN[c.partition('=')[0]]) for c in changed)}")
+        raise ConfigError(
+            f"tiermem: the {cls.__name__} given as optimizer= sets {', '.join(changed)}, which tiermem's "
+            f"8-bit Adam does not do; leave {', '.join(c.partition('=')[0] for c in changed)} at "
+            f"{', '.join(repr(_FOREIGN_PLAIN[c.partition('=')[0]]) for c in changed)}"
+        )
     try:
         return spec(groups, **kwargs)
     except ConfigError as e:
-        raise ConfigError(f"tiermem: the {cls.__name__} given as optimizer=: "
-                          f"{str(e).removeprefix('tiermem: ')}") from None
+        raise ConfigError(
+            f"tiermem: the {cls.__name__} given as optimizer=: {str(e).removeprefix('tiermem: ')}"
+        ) from None
 
 
 def stepped_elsewhere(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """A step pre-hook for an optimizer tiermem read: stepping it would do nothing (its parameters'
     gradients go to tiermem), silently; this says what to call instead."""
-    raise TierMemError(f"tiermem: this {type(optimizer).__name__} was given to a TieredModel, which runs its update "
-                       f"where the optimizer state lives; call tm.step() (or tm.optimizer.step()) instead of its step()")
+    raise TierMemError(
+        f"tiermem: this {type(optimizer).__name__} was given to a TieredModel, which runs its update "
+        f"where the optimizer state lives; call tm.step() (or tm.optimizer.step()) instead of its step()"
+    )

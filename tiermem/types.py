@@ -1,4 +1,5 @@
 """The vocabulary every other module speaks: tiers, tensor classes and tensor descriptions."""
+
 from __future__ import annotations
 
 import enum
@@ -106,8 +107,9 @@ class TensorInfo:
                 object.__setattr__(self, "param", self.name)
 
     @classmethod
-    def of_state(cls, key: StateKey, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype,
-                 module: Optional[str] = None) -> "TensorInfo":
+    def of_state(
+        cls, key: StateKey, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype, module: Optional[str] = None
+    ) -> "TensorInfo":
         """The OPTIM_STATE info of ``key``.
 
         Args:

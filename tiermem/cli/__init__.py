@@ -3,6 +3,7 @@ tensor class needs, per policy and tier) and ``info`` (what this machine offers)
 
 Errors a user can cause print one ``tiermem: ...`` line on stderr and exit with status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,11 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from tiermem.cli import bench, info, plan  # the subcommands add their own options
 
-    parser = _Parser(prog="tiermem", description="Tiered memory for PyTorch training: measure this "
-                     "machine's tiers, plan where a model's bytes go, and check the setup.")
+    parser = _Parser(
+        prog="tiermem",
+        description="Tiered memory for PyTorch training: measure this "
+        "machine's tiers, plan where a model's bytes go, and check the setup.",
+    )
     parser.add_argument("--version", action="version", version=f"tiermem {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what tiermem does (to stderr)")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=_Parser)
@@ -44,8 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(args, "run", None) is None:
         parser.print_help(sys.stderr)
         return USAGE_ERROR
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         return int(args.run(args))
     except TierMemError as e:

@@ -1,4 +1,5 @@
 """What the subcommands share: output consoles, size formatting, JSON output, paths and the machine's sizes."""
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,9 @@ def write_json(target: str, data: dict[str, Any]) -> None:
         with open(target, "w", encoding="utf-8") as f:
             f.write(text)
     except OSError as e:
-        raise ConfigError(f"tiermem: cannot write --json {target!r}: {e.strerror}; give a path in a "
-                          f"writable directory") from None
+        raise ConfigError(
+            f"tiermem: cannot write --json {target!r}: {e.strerror}; give a path in a writable directory"
+        ) from None
 
 
 def check_output_path(option: str, target: Optional[str]) -> None:
@@ -67,22 +69,20 @@ def check_output_path(option: str, target: Optional[str]) -> None:
         return
     directory = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(directory):
-        raise ConfigError(f"tiermem: {option} {target!r}: directory {directory!r} does not exist; create "
-                          f"it or give another path")
+        raise ConfigError(
+            f"tiermem: {option} {target!r}: directory {directory!r} does not exist; create it or give another path"
+        )
     if not os.access(directory, os.W_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
-        raise ConfigError(f"tiermem: {option} {target!r} is not writable; give a path in a writable "
-                          f"directory")
+        raise ConfigError(f"tiermem: {option} {target!r} is not writable; give a path in a writable directory")
 
 
 def existing_dir(option: str, path: str) -> str:
     """``path`` as an absolute directory that exists and that we may write into."""
     full = os.path.abspath(path)
     if not os.path.isdir(full):
-        raise ConfigError(f"tiermem: {option} {path!r} is not an existing directory; create it or give "
-                          f"another one")
+        raise ConfigError(f"tiermem: {option} {path!r} is not an existing directory; create it or give another one")
     if not os.access(full, os.W_OK | os.X_OK):
-        raise ConfigError(f"tiermem: {option} {path!r} is not writable by this user; give a directory "
-                          f"you can write to")
+        raise ConfigError(f"tiermem: {option} {path!r} is not writable by this user; give a directory you can write to")
     return full
 
 

@@ -7,6 +7,7 @@ not decide it. The coefficient of variation over the samples says how much to tr
 ``NOISY_CV`` the figure is flagged. Anything that must not be timed (dropping the page cache before
 a buffered read) runs in ``prepare`` between calls, outside the clock.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,8 +50,14 @@ class Rate:
         return self.cv > NOISY_CV
 
 
-def measure(fn: Callable[[], object], units: float, *, repeats: int, min_seconds: float,
-            prepare: Optional[Callable[[], object]] = None) -> Rate:
+def measure(
+    fn: Callable[[], object],
+    units: float,
+    *,
+    repeats: int,
+    min_seconds: float,
+    prepare: Optional[Callable[[], object]] = None,
+) -> Rate:
     """Time ``fn`` (which moves ``units`` per call) as NOTE [Stable figures] says."""
     if prepare is not None:
         prepare()
@@ -75,19 +82,19 @@ def filled(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     """Page-aligned bytes holding a random pattern, every page touched. First touch is slow on
     some machines (VMs back memory lazily), so bench allocates these once and passes them around."""
     buf = aligned_empty(nbytes, pin=pin)[:nbytes]
-    block = torch.randint(0, 256, (min(nbytes, 2**20),), dtype=torch.uint8,
-                          generator=torch.Generator().manual_seed(nbytes))
+    block = torch.randint(
+        0, 256, (min(nbytes, 2**20),), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)
+    )
     whole = nbytes // block.numel() * block.numel()
     buf[:whole].view(-1, block.numel()).copy_(block)  # random bytes: nothing on the way can compress them
-    buf[whole:].copy_(block[:nbytes - whole])
+    buf[whole:].copy_(block[: nbytes - whole])
     return buf
 
 
 # -- HOST ---------------------------------------------------------------------------------------
 def host_copy(src: torch.Tensor, dst: torch.Tensor, *, repeats: int, min_seconds: float) -> Rate:
     """Bytes per second that ``dst.copy_(src)`` moves between two host buffers."""
-    return measure(lambda: dst.copy_(src), src.numel() * src.element_size(), repeats=repeats,
-                   min_seconds=min_seconds)
+    return measure(lambda: dst.copy_(src), src.numel() * src.element_size(), repeats=repeats, min_seconds=min_seconds)
 
 
 def host_copy_pair(a: torch.Tensor, b: torch.Tensor, *, repeats: int, min_seconds: float) -> Rate:
@@ -96,16 +103,17 @@ def host_copy_pair(a: torch.Tensor, b: torch.Tensor, *, repeats: int, min_second
     do); bytes per second of both together."""
     half = a.numel() // 2
     with ThreadPoolExecutor(2, thread_name_prefix="tiermem-bench") as pool:
+
         def both() -> None:
             x = pool.submit(b[:half].copy_, a[:half])
-            y = pool.submit(a[half:2 * half].copy_, b[half:2 * half])
+            y = pool.submit(a[half : 2 * half].copy_, b[half : 2 * half])
             x.result(), y.result()
+
         return measure(both, 2 * half * a.element_size(), repeats=repeats, min_seconds=min_seconds)
 
 
 # -- DEVICE <-> HOST (CUDA) -----------------------------------------------------------------------
-def device_copies(host_a: torch.Tensor, host_b: torch.Tensor, *, repeats: int,
-                  min_seconds: float) -> dict[str, Rate]:
+def device_copies(host_a: torch.Tensor, host_b: torch.Tensor, *, repeats: int, min_seconds: float) -> dict[str, Rate]:
     """HOST->DEVICE, DEVICE->HOST and both at once (two streams) between two host buffers of one
     size (pinned or pageable: the caller's choice) and the first CUDA device."""
     assert torch.cuda.is_available()
@@ -130,8 +138,11 @@ def device_copies(host_a: torch.Tensor, host_b: torch.Tensor, *, repeats: int,
         torch.cuda.synchronize()
 
     kw: dict[str, Any] = dict(repeats=repeats, min_seconds=min_seconds)
-    return {"h2d": measure(h2d, nbytes, **kw), "d2h": measure(d2h, nbytes, **kw),
-            "bidir": measure(both, 2 * nbytes, **kw)}
+    return {
+        "h2d": measure(h2d, nbytes, **kw),
+        "d2h": measure(d2h, nbytes, **kw),
+        "bidir": measure(both, 2 * nbytes, **kw),
+    }
 
 
 # -- NVME -----------------------------------------------------------------------------------------
@@ -161,8 +172,18 @@ def _drop_cached(directory: str) -> None:
             os.close(fd)
 
 
-def nvme_point(directory: str, src: torch.Tensor, out: torch.Tensor, *, block_size: int, in_flight: int,
-               direct: bool, repeats: int, min_seconds: float, first_write: bool = False) -> NvmePoint:
+def nvme_point(
+    directory: str,
+    src: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    block_size: int,
+    in_flight: int,
+    direct: bool,
+    repeats: int,
+    min_seconds: float,
+    first_write: bool = False,
+) -> NvmePoint:
     """Write ``src`` then read it into ``out`` (page-aligned uint8 buffers of one size) through an
     NvmeStore with ``in_flight`` I/O threads and ``block_size`` chunks. A buffered read starts from
     a cold page cache each time.
@@ -219,8 +240,9 @@ def adam(n: int, *, repeats: int, min_seconds: float) -> AdamRates:
 
     p = torch.nn.Parameter(torch.randn(n, generator=gen))
     p.grad = torch.randn(n, generator=gen) * 1e-3
-    opt = torch.optim.AdamW([p], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
-                            weight_decay=hp["weight_decay"], fused=True)
+    opt = torch.optim.AdamW(
+        [p], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"], weight_decay=hp["weight_decay"], fused=True
+    )
     theirs = measure(opt.step, n, repeats=repeats, min_seconds=min_seconds)
     return AdamRates(ours, theirs, compile_seconds, impl)
 
@@ -237,8 +259,8 @@ def _tiermem_adam(n: int, gen: torch.Generator, hp: dict[str, Any], *, repeats: 
 
     def tiermem_step() -> None:
         step[0] += 1
-        optim.adam_step(master, exp_avg, exp_avg_sq, grad, step=step[0], adamw=True, out=out,
-                        check_finite=False, **hp)
+        optim.adam_step(master, exp_avg, exp_avg_sq, grad, step=step[0], adamw=True, out=out, check_finite=False, **hp)
+
     return measure(tiermem_step, n, repeats=repeats, min_seconds=min_seconds)
 
 
@@ -254,4 +276,5 @@ def device_adam(n: int, *, repeats: int, min_seconds: float) -> Rate:
     def one() -> None:
         step()
         torch.cuda.synchronize(dev)
+
     return measure(one, n, repeats=repeats, min_seconds=min_seconds)

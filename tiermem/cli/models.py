@@ -1,4 +1,5 @@
 """Where ``tiermem plan`` gets a parameter count: a number, a model factory, or a config.json."""
+
 from __future__ import annotations
 
 import importlib
@@ -36,12 +37,13 @@ def parse_count(text: str) -> int:
     s = text.strip()
     suffix = s[-1:].lower() if s[-1:].isalpha() and s[-1:].lower() != "e" else ""
     try:
-        value = Decimal(s[:len(s) - len(suffix)]) * _COUNT_SUFFIX[suffix]
+        value = Decimal(s[: len(s) - len(suffix)]) * _COUNT_SUFFIX[suffix]
     except (InvalidOperation, KeyError):
         value = None
     if value is None or not value.is_finite() or value <= 0 or value != value.to_integral_value():
-        raise ConfigError(f"tiermem: --params {text!r} is not a whole number of parameters; write e.g. "
-                          f"7.5e9, 7.5B or 125M")
+        raise ConfigError(
+            f"tiermem: --params {text!r} is not a whole number of parameters; write e.g. 7.5e9, 7.5B or 125M"
+        )
     return int(value)
 
 
@@ -76,38 +78,45 @@ def load_model(spec: str) -> torch.nn.Module:
     a module object)."""
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
-        raise ConfigError(f"tiermem: --model {spec!r} is not 'package.module:factory'; write the module "
-                          f"path, a colon and the name of a function or nn.Module in it")
+        raise ConfigError(
+            f"tiermem: --model {spec!r} is not 'package.module:factory'; write the module "
+            f"path, a colon and the name of a function or nn.Module in it"
+        )
     if os.getcwd() not in sys.path:  # like `python -m`: modules in the current directory import
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(mod_name)
     except Exception as e:  # noqa: BLE001 - any failure in user code is reported as one line
-        raise ConfigError(f"tiermem: cannot import {mod_name!r} for --model: {type(e).__name__}: {e}; "
-                          f"check the module path (it must import from the current directory)") from None
+        raise ConfigError(
+            f"tiermem: cannot import {mod_name!r} for --model: {type(e).__name__}: {e}; "
+            f"check the module path (it must import from the current directory)"
+        ) from None
     try:
         obj: Any = module
         for part in attr.split("."):
             obj = getattr(obj, part)
     except AttributeError:
-        raise ConfigError(f"tiermem: module {mod_name!r} has no attribute {attr!r}; check the name "
-                          f"after the colon in --model") from None
+        raise ConfigError(
+            f"tiermem: module {mod_name!r} has no attribute {attr!r}; check the name after the colon in --model"
+        ) from None
     return obj if isinstance(obj, torch.nn.Module) else _build(spec, obj)
 
 
 def _build(spec: str, factory: Any) -> torch.nn.Module:
     if not callable(factory):
-        raise ConfigError(f"tiermem: --model {spec!r} names a {type(factory).__name__}, not a callable "
-                          f"or an nn.Module; name a function that returns the model")
+        raise ConfigError(
+            f"tiermem: --model {spec!r} names a {type(factory).__name__}, not a callable "
+            f"or an nn.Module; name a function that returns the model"
+        )
     try:
         with torch.device("meta"):  # shapes only: a 70B model costs no memory
             model = factory()
     except Exception as e:  # noqa: BLE001 - user code; reported as one line
-        raise ConfigError(f"tiermem: calling {spec} failed: {type(e).__name__}: {e}; make the factory "
-                          f"callable with no arguments") from None
+        raise ConfigError(
+            f"tiermem: calling {spec} failed: {type(e).__name__}: {e}; make the factory callable with no arguments"
+        ) from None
     if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"tiermem: {spec}() returned a {type(model).__name__}, not an nn.Module; "
-                          f"return the model")
+        raise ConfigError(f"tiermem: {spec}() returned a {type(model).__name__}, not an nn.Module; return the model")
     return model
 
 
@@ -132,8 +141,10 @@ def _get(cfg: dict, ours: str, path: str) -> int:
     for key in _KEYS[ours]:
         if cfg.get(key) is not None:
             return int(cfg[key])
-    raise ConfigError(f"tiermem: {path} has none of {', '.join(_KEYS[ours])}; give a Hugging Face "
-                      f"style config.json of a decoder-only model")
+    raise ConfigError(
+        f"tiermem: {path} has none of {', '.join(_KEYS[ours])}; give a Hugging Face "
+        f"style config.json of a decoder-only model"
+    )
 
 
 def from_config(path: str) -> ModelSize:
@@ -142,13 +153,15 @@ def from_config(path: str) -> ModelSize:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
     except OSError as e:
-        raise ConfigError(f"tiermem: cannot read --config {path!r}: {e.strerror}; give the path of a "
-                          f"config.json") from None
+        raise ConfigError(
+            f"tiermem: cannot read --config {path!r}: {e.strerror}; give the path of a config.json"
+        ) from None
     except ValueError as e:
         raise ConfigError(f"tiermem: --config {path!r} is not valid JSON ({e}); give a config.json") from None
     if not isinstance(cfg, dict):
-        raise ConfigError(f"tiermem: --config {path!r} holds a {type(cfg).__name__}, not a JSON object; "
-                          f"give a config.json")
+        raise ConfigError(
+            f"tiermem: --config {path!r} holds a {type(cfg).__name__}, not a JSON object; give a config.json"
+        )
     cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
     n, note = count_config(cfg, path)
     return ModelSize(n, 0, source=f"--config {path}", note=note)

@@ -1,4 +1,5 @@
 """``tiermem plan``: bytes per tensor class and per tier for each built-in policy, and whether they fit."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,42 +32,84 @@ examples:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("plan", help="bytes per tensor class and per tier for each policy; does it fit?",
-                       description=DESCRIPTION, epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "plan",
+        help="bytes per tensor class and per tier for each policy; does it fit?",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", metavar="N", help="number of parameters, e.g. 7.5e9, 7.5B or 125M")
-    src.add_argument("--model", metavar="PKG.MOD:FACTORY",
-                     help="a function (or nn.Module) to count; built on the meta device, no memory used")
+    src.add_argument(
+        "--model",
+        metavar="PKG.MOD:FACTORY",
+        help="a function (or nn.Module) to count; built on the meta device, no memory used",
+    )
     src.add_argument("--config", metavar="CONFIG.JSON", help="a Hugging Face style config.json")
-    p.add_argument("--precision", choices=PRECISION_CHOICES, action="append",
-                   help="only this precision (repeatable; default: all, and for --policy auto this machine's); "
-                        "'auto': bf16 where the device computes it natively, else fp32 on a CPU, fp16 on an older GPU")
-    p.add_argument("--policy", choices=list(sizing.builtin_placements()) + ["auto"], action="append",
-                   help="only this built-in policy (repeatable; default: all); 'auto': what policies.Auto "
-                        "would choose, the predicted seconds per stage, and the alternatives it rejected")
-    p.add_argument("--forward-backward", type=float, metavar="SECONDS",
-                   help="with --policy auto: the measured seconds of one forward and backward")
-    p.add_argument("--tokens", type=int, metavar="N",
-                   help="with --policy auto, without --forward-backward: the tokens of one step (batch x sequence "
-                        "x micro-batches), to predict forward and backward at the precision's matmul rate")
-    p.add_argument("--device-mem", metavar="SIZE",
-                   help="device memory, e.g. 80GB (default: the accelerator's; without one, the host RAM "
-                        "the device tier shares)")
-    p.add_argument("--host-mem", metavar="SIZE",
-                   help="host RAM (default: this machine's total)")
-    p.add_argument("--nvme-free", metavar="SIZE",
-                   help="free space for NVMe offload (default: free space under --nvme-path)")
-    p.add_argument("--nvme-path", default=".", metavar="DIR",
-                   help="where NVMe offload would write, for the default --nvme-free (default: .)")
-    p.add_argument("--ranks", type=int, default=1, metavar="N",
-                   help="bytes per rank of N data-parallel ranks: each keeps 1/N of the grads and optimizer "
-                        "state, and of the weights when they live off the device (ZeRO-3) or with --shard-weights")
-    p.add_argument("--shard-weights", action="store_true",
-                   help="with --ranks: weights on the device sharded over the ranks too (TieredModel(..., "
-                        "shard_weights=True)); without it they are whole on every rank")
-    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
-                   help="write the plan as JSON to FILE (stdout when FILE is omitted or '-')")
+    p.add_argument(
+        "--precision",
+        choices=PRECISION_CHOICES,
+        action="append",
+        help="only this precision (repeatable; default: all, and for --policy auto this machine's); "
+        "'auto': bf16 where the device computes it natively, else fp32 on a CPU, fp16 on an older GPU",
+    )
+    p.add_argument(
+        "--policy",
+        choices=list(sizing.builtin_placements()) + ["auto"],
+        action="append",
+        help="only this built-in policy (repeatable; default: all); 'auto': what policies.Auto "
+        "would choose, the predicted seconds per stage, and the alternatives it rejected",
+    )
+    p.add_argument(
+        "--forward-backward",
+        type=float,
+        metavar="SECONDS",
+        help="with --policy auto: the measured seconds of one forward and backward",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        metavar="N",
+        help="with --policy auto, without --forward-backward: the tokens of one step (batch x sequence "
+        "x micro-batches), to predict forward and backward at the precision's matmul rate",
+    )
+    p.add_argument(
+        "--device-mem",
+        metavar="SIZE",
+        help="device memory, e.g. 80GB (default: the accelerator's; without one, the host RAM the device tier shares)",
+    )
+    p.add_argument("--host-mem", metavar="SIZE", help="host RAM (default: this machine's total)")
+    p.add_argument(
+        "--nvme-free", metavar="SIZE", help="free space for NVMe offload (default: free space under --nvme-path)"
+    )
+    p.add_argument(
+        "--nvme-path",
+        default=".",
+        metavar="DIR",
+        help="where NVMe offload would write, for the default --nvme-free (default: .)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="bytes per rank of N data-parallel ranks: each keeps 1/N of the grads and optimizer "
+        "state, and of the weights when they live off the device (ZeRO-3) or with --shard-weights",
+    )
+    p.add_argument(
+        "--shard-weights",
+        action="store_true",
+        help="with --ranks: weights on the device sharded over the ranks too (TieredModel(..., "
+        "shard_weights=True)); without it they are whole on every rank",
+    )
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="write the plan as JSON to FILE (stdout when FILE is omitted or '-')",
+    )
     p.set_defaults(run=run)
 
 
@@ -103,15 +146,29 @@ def _limits(args: argparse.Namespace) -> tuple[sizing.Limits, dict[str, str]]:
     return sizing.Limits(device=device, host=host, nvme=nvme, device_shares_host=shares), origin
 
 
-def build_plan(size: ModelSize, limits: sizing.Limits, precisions: list[str],
-               policies: list[str], *, ranks: int = 1, shard_weights: bool = False) -> dict[str, Any]:
+def build_plan(
+    size: ModelSize,
+    limits: sizing.Limits,
+    precisions: list[str],
+    policies: list[str],
+    *,
+    ranks: int = 1,
+    shard_weights: bool = False,
+) -> dict[str, Any]:
     """The plan as plain data (what ``--json`` writes); every byte figure is an exact int, per
     rank of ``ranks`` data-parallel ranks."""
     out: dict[str, Any] = {
-        "source": size.source, "note": size.note, "ranks": ranks, "shard_weights": shard_weights,
+        "source": size.source,
+        "note": size.note,
+        "ranks": ranks,
+        "shard_weights": shard_weights,
         "params": {"trainable": size.trainable, "frozen": size.frozen, "total": size.total},
-        "limits": {"device_bytes": limits.device, "host_bytes": limits.host, "nvme_bytes": limits.nvme,
-                   "device_shares_host": limits.device_shares_host},
+        "limits": {
+            "device_bytes": limits.device,
+            "host_bytes": limits.host,
+            "nvme_bytes": limits.nvme,
+            "device_shares_host": limits.device_shares_host,
+        },
         "precisions": {},
     }
     for prec in precisions:
@@ -122,8 +179,14 @@ def build_plan(size: ModelSize, limits: sizing.Limits, precisions: list[str],
             "policies": {},
         }
         for name in policies:
-            need = sizing.tier_bytes(size.trainable, prec, sizing.placement_of(name), frozen=size.frozen,
-                                     world=ranks, shard_weights=shard_weights)
+            need = sizing.tier_bytes(
+                size.trainable,
+                prec,
+                sizing.placement_of(name),
+                frozen=size.frozen,
+                world=ranks,
+                shard_weights=shard_weights,
+            )
             fit = sizing.check_fit(need, limits)
             entry["policies"][name] = {
                 "tiers": {t.value: {"bytes": need[t], "short_bytes": fit.short.get(t, 0)} for t in Tier},
@@ -136,11 +199,22 @@ def build_plan(size: ModelSize, limits: sizing.Limits, precisions: list[str],
             entry["state_options"][name] = {}
             for option in sizing.STATE_OPTIONS:
                 fmt = sizing.state_option(option, size.trainable, prec)
-                with_fmt = None if fmt is None else sizing.tier_bytes(
-                    size.trainable, prec, sizing.placement_of(name), frozen=size.frozen, world=ranks,
-                    shard_weights=shard_weights, state=fmt)
-                entry["state_options"][name][option] = (None if with_fmt is None
-                                                        else {t.value: with_fmt[t] for t in Tier})
+                with_fmt = (
+                    None
+                    if fmt is None
+                    else sizing.tier_bytes(
+                        size.trainable,
+                        prec,
+                        sizing.placement_of(name),
+                        frozen=size.frozen,
+                        world=ranks,
+                        shard_weights=shard_weights,
+                        state=fmt,
+                    )
+                )
+                entry["state_options"][name][option] = (
+                    None if with_fmt is None else {t.value: with_fmt[t] for t in Tier}
+                )
         out["precisions"][prec] = entry
     return out
 
@@ -168,12 +242,23 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
     con.print(classes)
 
     lim = plan["limits"]
-    per_rank = (f", per rank of {plan['ranks']} data-parallel ranks"
-                + (" (device weights sharded too)" if plan["shard_weights"] else "") if plan["ranks"] > 1 else "")
-    tiers = Table(title=f"Bytes per tier for each built-in policy{per_rank} (activations not counted)",
-                  title_justify="left")
-    for col, just in (("policy", "left"), ("precision", "left"), ("device", "right"), ("host", "right"),
-                      ("nvme", "right"), ("fits?", "left")):
+    per_rank = (
+        f", per rank of {plan['ranks']} data-parallel ranks"
+        + (" (device weights sharded too)" if plan["shard_weights"] else "")
+        if plan["ranks"] > 1
+        else ""
+    )
+    tiers = Table(
+        title=f"Bytes per tier for each built-in policy{per_rank} (activations not counted)", title_justify="left"
+    )
+    for col, just in (
+        ("policy", "left"),
+        ("precision", "left"),
+        ("device", "right"),
+        ("host", "right"),
+        ("nvme", "right"),
+        ("fits?", "left"),
+    ):
         tiers.add_column(col, justify=just)  # type: ignore[arg-type]  # rich wants a Literal: these are
     caps = [_common.fmt_size(lim[f"{t}_bytes"]) for t in ("device", "host", "nvme")]
     if lim["device_shares_host"]:
@@ -194,30 +279,36 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
                 verdict = f"[green]yes[/], {_common.fmt_size(e['device_headroom_bytes'])} left for activations"
             else:
                 verdict = "[red]no[/]: short " + ", ".join(
-                    f"{_common.fmt_size(v['short_bytes'])} on {t}" for t, v in e["tiers"].items()
-                    if v["short_bytes"])
+                    f"{_common.fmt_size(v['short_bytes'])} on {t}" for t, v in e["tiers"].items() if v["short_bytes"]
+                )
             tiers.add_row(name, prec, *cells, verdict)
     con.print(tiers)
     _render_state_options(con, plan, precs)
     con.print(f"[dim]capacity: device: {origin['device']}; host: {origin['host']}; nvme: {origin['nvme']}.[/]")
-    con.print("[dim]grads: the class table counts them in the params' dtype (as autograd makes them on "
-              "the device); tiermem accumulates them at their home in fp32, 4 B/param, and the tier table "
-              "counts that. nvme: each value once (a failed step is completed by retrying it). Not counted: "
-              "activations; tiermem's working buffers, sized by bucket_size and the largest parameter and "
-              "module (grads in flight on the device, weight staging, the NVMe pipelines and the NVMe "
-              "writes in flight); the host's copy of frozen weights; host buffers rounded up to whole "
-              "pages (--policy auto counts all of these).[/]")
+    con.print(
+        "[dim]grads: the class table counts them in the params' dtype (as autograd makes them on "
+        "the device); tiermem accumulates them at their home in fp32, 4 B/param, and the tier table "
+        "counts that. nvme: each value once (a failed step is completed by retrying it). Not counted: "
+        "activations; tiermem's working buffers, sized by bucket_size and the largest parameter and "
+        "module (grads in flight on the device, weight staging, the NVMe pipelines and the NVMe "
+        "writes in flight); the host's copy of frozen weights; host buffers rounded up to whole "
+        "pages (--policy auto counts all of these).[/]"
+    )
     if lim["device_shares_host"]:
-        con.print("[dim]no accelerator: the device tier lives in host RAM, so device + host must fit "
-                  "in the host's capacity together.[/]")
+        con.print(
+            "[dim]no accelerator: the device tier lives in host RAM, so device + host must fit "
+            "in the host's capacity together.[/]"
+        )
 
 
 def _render_state_options(con: Any, plan: dict[str, Any], precs: list[str]) -> None:
     """One column per optimizer state option: the training state's bytes on each tier the policy uses."""
     first = plan["precisions"][precs[0]]["state_options"]
     options = list(next(iter(first.values())))
-    table = Table(title="Bytes per tier with each optimizer state option (tiermem.AdamW, AdamW8bit, "
-                        "bf16_stochastic_round=True)", title_justify="left")
+    table = Table(
+        title="Bytes per tier with each optimizer state option (tiermem.AdamW, AdamW8bit, bf16_stochastic_round=True)",
+        title_justify="left",
+    )
     for col in ("policy", "precision", *options):
         table.add_column(col, justify="left" if col in ("policy", "precision") else "right")
     for name in first:
@@ -225,8 +316,9 @@ def _render_state_options(con: Any, plan: dict[str, Any], precs: list[str]) -> N
             cells = []
             for option in options:
                 tiers = plan["precisions"][prec]["state_options"][name][option]
-                cells.append("-" if tiers is None else ", ".join(
-                    f"{t} {_common.fmt_size(b)}" for t, b in tiers.items() if b))
+                cells.append(
+                    "-" if tiers is None else ", ".join(f"{t} {_common.fmt_size(b)}" for t, b in tiers.items() if b)
+                )
             table.add_row(name, prec, *cells)
     con.print(table)
 
@@ -244,10 +336,17 @@ def run(args: argparse.Namespace) -> int:
     named = [n for n in named if n != "auto"]
     plan: dict[str, Any] = {}
     if named or not auto:
-        plan = build_plan(size, limits, list(dict.fromkeys(precisions)), sizing.policies(named or None),
-                          ranks=args.ranks, shard_weights=args.shard_weights)
+        plan = build_plan(
+            size,
+            limits,
+            list(dict.fromkeys(precisions)),
+            sizing.policies(named or None),
+            ranks=args.ranks,
+            shard_weights=args.shard_weights,
+        )
     if auto:
         from tiermem.cli import plan_auto  # imports the policies and the machine profile: only when asked
+
         mine = precisions[0] if args.precision else resolve_precision("auto", device)
         plan["auto"] = plan_auto.choose(args, size.trainable, size.frozen, limits, mine)
     if args.json is not None:
@@ -258,4 +357,3 @@ def run(args: argparse.Namespace) -> int:
         if auto:
             plan_auto.render(plan["auto"])
     return 0
-

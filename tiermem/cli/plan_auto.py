@@ -1,6 +1,7 @@
 """``tiermem plan --policy auto``: what ``policies.Auto`` would choose for a model on this machine (or
 the capacities given), the predicted seconds per stage of a step, and every alternative it rejected
 with the reason (NOTE [How Auto chooses] in policies/auto.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,25 +30,46 @@ def choose(args: argparse.Namespace, trainable: int, frozen: int, limits: Limits
     else:
         module, shape = StandIn(trainable, frozen), "a stand-in of 48 equal layers (the count alone is known)"
     if args.forward_backward is not None and not args.forward_backward >= 0:
-        raise ConfigError(f"tiermem: --forward-backward {args.forward_backward} must be >= 0 (seconds of one "
-                          f"forward and backward, measured)")
+        raise ConfigError(
+            f"tiermem: --forward-backward {args.forward_backward} must be >= 0 (seconds of one "
+            f"forward and backward, measured)"
+        )
     if args.tokens is not None and args.tokens < 0:
-        raise ConfigError(f"tiermem: --tokens {args.tokens} must be >= 0 (tokens of one step: batch x sequence x "
-                          f"micro-batches)")
+        raise ConfigError(
+            f"tiermem: --tokens {args.tokens} must be >= 0 (tokens of one step: batch x sequence x micro-batches)"
+        )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     caps = {Tier.DEVICE: limits.device, Tier.HOST: limits.host, Tier.NVME: limits.nvme}
-    evaluator = Evaluator(module, AdamW(), working_dtype(precision), BUCKET_NUMEL, limits=caps,
-                          machine=lambda: machine_profile(device, args.nvme_path), nvme_staging=device.type == "cuda",
-                          world=args.ranks, shard_weights=args.shard_weights)
+    evaluator = Evaluator(
+        module,
+        AdamW(),
+        working_dtype(precision),
+        BUCKET_NUMEL,
+        limits=caps,
+        machine=lambda: machine_profile(device, args.nvme_path),
+        nvme_staging=device.type == "cuda",
+        world=args.ranks,
+        shard_weights=args.shard_weights,
+    )
     auto = evaluator.bind(Auto(forward_backward=args.forward_backward or 0.0, tokens_per_step=args.tokens or 0))
     assert isinstance(auto, AutoChoice)
     return {
-        "precision": precision, "parameters_as": shape, "ranks": args.ranks,
-        "forward_backward_s": args.forward_backward or 0.0, "tokens_per_step": args.tokens or 0,
-        "choices": [{"placement": c.label, "verdict": c.verdict, "fits": c.evaluation.fits,
-                     "predicted_s": c.evaluation.stages and dict(c.evaluation.stages),
-                     "step_s": c.evaluation.seconds if c.evaluation.stages else None,
-                     "bytes": {t.value: n for t, n in c.evaluation.need.items()}} for c in auto.choices],
+        "precision": precision,
+        "parameters_as": shape,
+        "ranks": args.ranks,
+        "forward_backward_s": args.forward_backward or 0.0,
+        "tokens_per_step": args.tokens or 0,
+        "choices": [
+            {
+                "placement": c.label,
+                "verdict": c.verdict,
+                "fits": c.evaluation.fits,
+                "predicted_s": c.evaluation.stages and dict(c.evaluation.stages),
+                "step_s": c.evaluation.seconds if c.evaluation.stages else None,
+                "bytes": {t.value: n for t, n in c.evaluation.need.items()},
+            }
+            for c in auto.choices
+        ],
     }
 
 
@@ -58,11 +80,18 @@ def render(out: dict[str, Any]) -> None:
     con.print(f"\n[bold]Auto[/] ({out['precision']}; parameters as {out['parameters_as']}{ranks}) chose:")
     con.print(f"  [green]{best['placement']}[/]")
     con.print("  bytes: " + ", ".join(f"{t} {_common.fmt_size(n)}" for t, n in best["bytes"].items() if n))
-    fb = ("" if out["forward_backward_s"] else f" (forward+backward predicted for {out['tokens_per_step']:,} tokens at "
-          f"the {out['precision']} matmul rate)" if out["tokens_per_step"] else
-          " (forward+backward not counted: pass --forward-backward S, or --tokens N to predict it)")
-    con.print(f"  predicted step {best['step_s'] * 1e3:.1f} ms{fb}: " + ", ".join(
-        f"{k} {v * 1e3:.1f} ms" for k, v in best["predicted_s"].items()))
+    fb = (
+        ""
+        if out["forward_backward_s"]
+        else f" (forward+backward predicted for {out['tokens_per_step']:,} tokens at "
+        f"the {out['precision']} matmul rate)"
+        if out["tokens_per_step"]
+        else " (forward+backward not counted: pass --forward-backward S, or --tokens N to predict it)"
+    )
+    con.print(
+        f"  predicted step {best['step_s'] * 1e3:.1f} ms{fb}: "
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in best["predicted_s"].items())
+    )
     con.print(f"  rejected ({len(rest)}):")
     for c in rest:
         con.print(f"  - {c['placement']}: {c['verdict']}")

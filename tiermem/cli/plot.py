@@ -1,4 +1,5 @@
 """``tiermem bench --plot``: the tier bandwidths as a picture (matplotlib, the ``plot`` extra)."""
+
 from __future__ import annotations
 
 import math
@@ -21,25 +22,31 @@ def matplotlib_available() -> bool:
 def require_matplotlib() -> None:
     """Fail before a long run, not after it, when the chart cannot be drawn."""
     if not matplotlib_available():
-        raise ConfigError("tiermem: --plot needs matplotlib, which is not installed; "
-                          "pip install 'tiermem[plot]'")
+        raise ConfigError("tiermem: --plot needs matplotlib, which is not installed; pip install 'tiermem[plot]'")
 
 
 def _bars(data: dict[str, Any]) -> list[tuple[str, str, float]]:
     """(tier, label, GB/s) for the left panel, fastest tier first."""
     dev, host, nv = data["device"], data["host"], data["nvme"]
     kind = "pinned" if dev.get("accelerator") else "stand-in: host copy"
-    bars = [("device", f"host -> device ({kind})", dev["h2d_GBps"]),
-            ("device", f"device -> host ({kind})", dev["d2h_GBps"]),
-            ("device", "device <-> host, both at once", dev["bidir_GBps"])]
+    bars = [
+        ("device", f"host -> device ({kind})", dev["h2d_GBps"]),
+        ("device", f"device -> host ({kind})", dev["d2h_GBps"]),
+        ("device", "device <-> host, both at once", dev["bidir_GBps"]),
+    ]
     if "h2d_pageable_GBps" in dev:
-        bars += [("device", "host -> device (pageable)", dev["h2d_pageable_GBps"]),
-                 ("device", "device -> host (pageable)", dev["d2h_pageable_GBps"])]
+        bars += [
+            ("device", "host -> device (pageable)", dev["h2d_pageable_GBps"]),
+            ("device", "device -> host (pageable)", dev["d2h_pageable_GBps"]),
+        ]
     bars.append(("host", "host copy", host["copy_GBps"]))
     io = "direct" if nv.get("direct") else "buffered"
-    bars += [("nvme", f"nvme write ({io})", nv["write_GBps"]), ("nvme", f"nvme read ({io})", nv["read_GBps"]),
-             ("nvme", "nvme write (buffered)", nv["buffered_write_GBps"]),
-             ("nvme", "nvme read (buffered, cold)", nv["buffered_read_GBps"])]
+    bars += [
+        ("nvme", f"nvme write ({io})", nv["write_GBps"]),
+        ("nvme", f"nvme read ({io})", nv["read_GBps"]),
+        ("nvme", "nvme write (buffered)", nv["buffered_write_GBps"]),
+        ("nvme", "nvme read (buffered, cold)", nv["buffered_read_GBps"]),
+    ]
     return bars
 
 
@@ -47,6 +54,7 @@ def draw(data: dict[str, Any], path: str) -> None:
     """Two panels: every tier's bandwidth (log scale), and the NVMe sweep."""
     require_matplotlib()
     import matplotlib
+
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
@@ -67,12 +75,16 @@ def draw(data: dict[str, Any], path: str) -> None:
 
     sweep = [e for e in data["nvme"]["sweep"] if e["asked_direct"]]
     for block in sorted({e["block_size_bytes"] for e in sweep}):
-        pts = sorted((e["in_flight"], e["write_GBps"], e["read_GBps"]) for e in sweep
-                     if e["block_size_bytes"] == block)
-        line, = right.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                           label=f"write, {fmt_binary(block)}")
-        right.plot([p[0] for p in pts], [p[2] for p in pts], marker="s", linestyle="--",
-                   color=line.get_color(), label=f"read, {fmt_binary(block)}")
+        pts = sorted((e["in_flight"], e["write_GBps"], e["read_GBps"]) for e in sweep if e["block_size_bytes"] == block)
+        (line,) = right.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"write, {fmt_binary(block)}")
+        right.plot(
+            [p[0] for p in pts],
+            [p[2] for p in pts],
+            marker="s",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"read, {fmt_binary(block)}",
+        )
     right.set_xscale("log", base=2)
     depths = sorted({e["in_flight"] for e in sweep})
     right.set_xticks(depths, [str(q) for q in depths])
@@ -86,7 +98,8 @@ def draw(data: dict[str, Any], path: str) -> None:
     try:
         fig.savefig(path, dpi=120)
     except OSError as e:
-        raise ConfigError(f"tiermem: cannot write --plot {path!r}: {e.strerror}; give a path in a "
-                          f"writable directory") from None
+        raise ConfigError(
+            f"tiermem: cannot write --plot {path!r}: {e.strerror}; give a path in a writable directory"
+        ) from None
     finally:
         plt.close(fig)

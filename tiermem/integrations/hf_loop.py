@@ -3,6 +3,7 @@
 ``tiermem.integrations.transformers``): :class:`TrainerOptimizer` (``tm.optimizer`` as a torch
 Optimizer), :class:`SkipAwareOptimizer` (it, as accelerate's prepared optimizer) and
 :class:`TrainerModule` (the loop's ``model_wrapped``)."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -55,20 +56,27 @@ class TrainerOptimizer(torch.optim.Optimizer):
         """Nothing to do: tm.step() clears the gradients it consumed."""
 
     def state_dict(self) -> dict:
-        return {"state": {}, "tiermem_step": self._tiered.stepper.steps,
-                "param_groups": [{k: g[k] for k in _GROUP_KEYS if k in g} for g in self.param_groups]}
+        return {
+            "state": {},
+            "tiermem_step": self._tiered.stepper.steps,
+            "param_groups": [{k: g[k] for k in _GROUP_KEYS if k in g} for g in self.param_groups],
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the groups' hyperparameters (the lr the scheduler had set), after checking that
         the state is of the step tiermem's checkpoint holds."""
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(groups, list) or "tiermem_step" not in state_dict or len(groups) != len(self.param_groups):
-            raise TierMemError("tiermem: this optimizer state was not written by a TieredTrainer (or by one with "
-                               "another model); resume from a checkpoint a TieredTrainer saved")
+            raise TierMemError(
+                "tiermem: this optimizer state was not written by a TieredTrainer (or by one with "
+                "another model); resume from a checkpoint a TieredTrainer saved"
+            )
         if state_dict["tiermem_step"] != self._tiered.stepper.steps:
-            raise TierMemError(f"tiermem: the checkpoint's {OPTIMIZER_NAME} is of step {state_dict['tiermem_step']} "
-                               f"but its {TIERMEM_CHECKPOINT} of step {self._tiered.stepper.steps}: the folder mixes "
-                               f"two saves; resume from another checkpoint")
+            raise TierMemError(
+                f"tiermem: the checkpoint's {OPTIMIZER_NAME} is of step {state_dict['tiermem_step']} "
+                f"but its {TIERMEM_CHECKPOINT} of step {self._tiered.stepper.steps}: the folder mixes "
+                f"two saves; resume from another checkpoint"
+            )
         for group, saved in zip(self.param_groups, groups):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k in _GROUP_KEYS})
 

@@ -68,6 +68,7 @@ for subclasses, and two private methods of transformers 5 where no public hook e
 - ``load_best_model_at_end=True`` loads the best ``checkpoint-N/``'s ``tiermem.ckpt`` with
   ``tm.load`` (``_load_best_model``): weights, optimizer state and step are the best checkpoint's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -100,18 +101,35 @@ __all__ = ["TieredTrainer", "TrainerOptimizer", "SkipAwareOptimizer", "TrainerMo
 #: AdamW are block-wise 8-bit moments; paged state is homed by the policy instead), any other name
 #: (4-bit, 8-bit Lion, RMSprop, ...) is refused with this list
 OPTIM_NAMES: dict[str, type[_Spec]] = {
-    "adamw_torch": AdamW, "adamw_torch_fused": AdamW, "adamw_torch_xla": AdamW, "adamw_torch_npu_fused": AdamW,
-    "paged_adamw_32bit": AdamW, "sgd": SGD, "adagrad": Adagrad, "lion_32bit": Lion, "paged_lion_32bit": Lion,
-    "adamw_8bit": AdamW8bit, "adamw_bnb_8bit": AdamW8bit, "paged_adamw_8bit": AdamW8bit, "adamw_torch_8bit": AdamW8bit,
+    "adamw_torch": AdamW,
+    "adamw_torch_fused": AdamW,
+    "adamw_torch_xla": AdamW,
+    "adamw_torch_npu_fused": AdamW,
+    "paged_adamw_32bit": AdamW,
+    "sgd": SGD,
+    "adagrad": Adagrad,
+    "lion_32bit": Lion,
+    "paged_lion_32bit": Lion,
+    "adamw_8bit": AdamW8bit,
+    "adamw_bnb_8bit": AdamW8bit,
+    "paged_adamw_8bit": AdamW8bit,
+    "adamw_torch_8bit": AdamW8bit,
 }
 #: which of the arguments' hyperparameters the Trainer gives each (the Adams all of theirs; SGD and
 #: Adagrad the lr and the groups' weight decay, their eps their own; Lion the adam betas too)
-TRAINER_TAKES: dict[type, tuple[str, ...]] = {SGD: ("lr", "weight_decay"), Adagrad: ("lr", "weight_decay"),
-                                              Lion: ("lr", "betas", "weight_decay")}
+TRAINER_TAKES: dict[type, tuple[str, ...]] = {
+    SGD: ("lr", "weight_decay"),
+    Adagrad: ("lr", "weight_decay"),
+    Lion: ("lr", "betas", "weight_decay"),
+}
 #: the ``optim_args`` keys the Trainer reads for an optimizer ("momentum=0.9,nesterov=True"), as it reads them
 OPTIM_ARGS: dict[type, dict[str, Any]] = {
-    SGD: {"momentum": float, "dampening": float, "weight_decay": float,
-          "nesterov": lambda v: v.lower() in ("true", "1", "yes")},
+    SGD: {
+        "momentum": float,
+        "dampening": float,
+        "weight_decay": float,
+        "nesterov": lambda v: v.lower() in ("true", "1", "yes"),
+    },
     Adagrad: {"lr_decay": float, "weight_decay": float, "eps": float},
 }
 #: what a finished checkpoint-N/ holds: tiermem's state, and the Trainer's, which it writes last
@@ -155,8 +173,10 @@ class TieredTrainer(Trainer):
     def __init__(self, *args: Any, deepspeed: Any = None, tiermem: Optional[dict] = None, **kwargs: Any):
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
         if not isinstance(targs, TrainingArguments):
-            raise ConfigError("tiermem: TieredTrainer needs args=TrainingArguments(...) (its learning rate, "
-                              "precision and clipping are tiermem's too)")
+            raise ConfigError(
+                "tiermem: TieredTrainer needs args=TrainingArguments(...) (its learning rate, "
+                "precision and clipping are tiermem's too)"
+            )
         _check_supported(targs, kwargs)
         # the optimizer given (built on the module's parameters) becomes the TieredModel's at create_optimizer;
         # the Trainer holds none until then, only the scheduler built on it
@@ -188,9 +208,11 @@ class TieredTrainer(Trainer):
             assert self.model is not None  # the Trainer was given one (model_init made it before)
             self.tiered = self._wrap(self.model)
             if self.tiered.group.world != self.args.world_size:
-                raise ConfigError(f"tiermem: this Trainer runs {self.args.world_size} processes but the TieredModel "
-                                  f"shards over {self.tiered.group.world}; leave process_group out of tiermem= (the "
-                                  f"default group is the Trainer's)")
+                raise ConfigError(
+                    f"tiermem: this Trainer runs {self.args.world_size} processes but the TieredModel "
+                    f"shards over {self.tiered.group.world}; leave process_group out of tiermem= (the "
+                    f"default group is the Trainer's)"
+                )
             self.tiered_optimizer = TrainerOptimizer(self.tiered)
             self.optimizer = SkipAwareOptimizer(self.tiered_optimizer)
             if self.user_optimizer is not None and self.lr_scheduler is not None:
@@ -204,8 +226,9 @@ class TieredTrainer(Trainer):
         decay = set(self.get_decay_parameter_names(model))
         no_decay = tuple(n for n, p in model.named_parameters() if p.requires_grad and n not in decay)
         grad_clip = a.max_grad_norm if a.max_grad_norm and a.max_grad_norm > 0 else None
-        hyper: dict[str, Any] = dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
-                     weight_decay=a.weight_decay)
+        hyper: dict[str, Any] = dict(
+            lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, weight_decay=a.weight_decay
+        )
         placed = {"device": self.args.device, **self.tiermem_options}  # the Trainer's (cuda:<local rank>, use_cpu)
         given = self._given_optimizer(model, decay)
         if self.deepspeed_config is None:
@@ -214,15 +237,22 @@ class TieredTrainer(Trainer):
         if given is None and not _has_optimizer_block(self.deepspeed_config):
             self._named_optimizer()  # the arguments' optim= must be one tiermem runs: the config has none
         options, notes = translate(
-            self.deepspeed_config, **hyper, precision=_precision(a), grad_clip=grad_clip, no_decay=no_decay,
+            self.deepspeed_config,
+            **hyper,
+            precision=_precision(a),
+            grad_clip=grad_clip,
+            no_decay=no_decay,
             train_micro_batch_size_per_gpu=a.per_device_train_batch_size,
             gradient_accumulation_steps=a.gradient_accumulation_steps,
             train_batch_size=a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size,
-            **placed)
+            **placed,
+        )
         if given is not None:
             if _has_optimizer_block(self.deepspeed_config):
-                raise ConfigError("tiermem: TieredTrainer got an optimizer (optimizers= or optimizer_cls_and_kwargs=) "
-                                  "and a DeepSpeed config with an optimizer block; drop one of them")
+                raise ConfigError(
+                    "tiermem: TieredTrainer got an optimizer (optimizers= or optimizer_cls_and_kwargs=) "
+                    "and a DeepSpeed config with an optimizer block; drop one of them"
+                )
             options["optimizer"] = given
         for line in notes:
             log.warning("%s", line)
@@ -243,8 +273,10 @@ class TieredTrainer(Trainer):
         """The spec of ``TrainingArguments(optim=...)``, by :data:`OPTIM_NAMES`."""
         optim = getattr(self.user_args.optim, "value", self.user_args.optim)  # an OptimizerNames (a str enum) or a str
         if optim not in OPTIM_NAMES:
-            raise ConfigError(f"tiermem: TrainingArguments(optim={optim!r}) is not an optimizer tiermem runs; it runs "
-                              f"{', '.join(repr(n) for n in OPTIM_NAMES)} (the default is 'adamw_torch_fused')")
+            raise ConfigError(
+                f"tiermem: TrainingArguments(optim={optim!r}) is not an optimizer tiermem runs; it runs "
+                f"{', '.join(repr(n) for n in OPTIM_NAMES)} (the default is 'adamw_torch_fused')"
+            )
         return OPTIM_NAMES[optim]
 
     def _given_optimizer(self, model: torch.nn.Module, decay: set[str]) -> Any:
@@ -256,11 +288,15 @@ class TieredTrainer(Trainer):
             return None
         cls, kwargs = self.user_optimizer_cls_and_kwargs
         if not runs(cls) and not (isinstance(cls, type) and issubclass(cls, _Spec)):
-            raise ConfigError(f"tiermem: TieredTrainer(optimizer_cls_and_kwargs=({getattr(cls, '__name__', cls)}, ...)) "
-                              f"is not an optimizer tiermem runs; it runs {supported_names()} and tiermem.AdamW/Adam")
+            raise ConfigError(
+                f"tiermem: TieredTrainer(optimizer_cls_and_kwargs=({getattr(cls, '__name__', cls)}, ...)) "
+                f"is not an optimizer tiermem runs; it runs {supported_names()} and tiermem.AdamW/Adam"
+            )
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.user_args.weight_decay},
-                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.user_args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
         return cls(groups, **dict(kwargs))
 
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
@@ -285,23 +321,34 @@ class TieredTrainer(Trainer):
         assert tm is not None  # create_optimizer made it, before the first step
         tm.train()
         with self.compute_loss_context_manager():
-            loss = cast(torch.Tensor, self.compute_loss(tm, inputs,  # type: ignore[arg-type]  # called like a Module
-                                                        num_items_in_batch=num_items_in_batch))  # the loss alone
+            loss = cast(
+                torch.Tensor,
+                self.compute_loss(
+                    tm,  # type: ignore[arg-type]  # called like a Module
+                    inputs,
+                    num_items_in_batch=num_items_in_batch,
+                ),
+            )  # the loss alone
         del inputs
         scaled = self.loss_is_scaled_for_ga  # the Trainer's rule: is the loss already a share of the step's?
         if scaled is None:
-            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
-                or self.compute_loss_func is not None
+            scaled = (
+                self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            ) or self.compute_loss_func is not None
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
         tm.backward(loss)
         return loss.detach()
 
-    def prediction_step(self, model: torch.nn.Module, inputs: dict, prediction_loss_only: bool,
-                        ignore_keys: Optional[list[str]] = None):
-        return super().prediction_step(self.tiered if self.tiered is not None else model,  # type: ignore[arg-type]
-                                       inputs,
-                                       prediction_loss_only, ignore_keys=ignore_keys)
+    def prediction_step(
+        self, model: torch.nn.Module, inputs: dict, prediction_loss_only: bool, ignore_keys: Optional[list[str]] = None
+    ):
+        return super().prediction_step(
+            self.tiered if self.tiered is not None else model,  # type: ignore[arg-type]
+            inputs,
+            prediction_loss_only,
+            ignore_keys=ignore_keys,
+        )
 
     def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
         last = self.tiered_optimizer.last if self.tiered_optimizer is not None else None
@@ -322,11 +369,17 @@ class TieredTrainer(Trainer):
         assert best is not None  # the Trainer calls this once it tracked a best checkpoint
         path = os.path.join(best, TIERMEM_CHECKPOINT)
         if not os.path.exists(path):
-            raise TierMemError(f"tiermem: the best checkpoint {best!r} (by {self.args.metric_for_best_model}) has no "
-                               f"{TIERMEM_CHECKPOINT}; it was not saved by a TieredTrainer: load it with "
-                               f"from_pretrained, or train without load_best_model_at_end")
-        log.info("tiermem: loading the best model from %s (%s %s)", path, self.args.metric_for_best_model,
-                 self.state.best_metric)
+            raise TierMemError(
+                f"tiermem: the best checkpoint {best!r} (by {self.args.metric_for_best_model}) has no "
+                f"{TIERMEM_CHECKPOINT}; it was not saved by a TieredTrainer: load it with "
+                f"from_pretrained, or train without load_best_model_at_end"
+            )
+        log.info(
+            "tiermem: loading the best model from %s (%s %s)",
+            path,
+            self.args.metric_for_best_model,
+            self.state.best_metric,
+        )
         self.tiered.load(path)
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any):
@@ -344,13 +397,17 @@ class TieredTrainer(Trainer):
             resume_from_checkpoint = None
         if resume_from_checkpoint is not None:
             if self.tiered is not None:
-                raise TierMemError("tiermem: this TieredTrainer has trained already; resume from a checkpoint with "
-                                   "a new TieredTrainer (and a fresh model)")
+                raise TierMemError(
+                    "tiermem: this TieredTrainer has trained already; resume from a checkpoint with "
+                    "a new TieredTrainer (and a fresh model)"
+                )
             missing = [f for f in _COMPLETE if not os.path.exists(os.path.join(resume_from_checkpoint, f))]
             if missing:
-                raise TierMemError(f"tiermem: {str(resume_from_checkpoint)!r} has no {' or '.join(missing)} (not "
-                                   f"saved by a TieredTrainer, or its save did not finish); resume from another "
-                                   f"checkpoint-N folder")
+                raise TierMemError(
+                    f"tiermem: {str(resume_from_checkpoint)!r} has no {' or '.join(missing)} (not "
+                    f"saved by a TieredTrainer, or its save did not finish); resume from another "
+                    f"checkpoint-N folder"
+                )
         self._resume = resume_from_checkpoint
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -378,10 +435,12 @@ class TieredTrainer(Trainer):
             self._save_model(output_dir, _internal_call)
         except TierMemError as e:
             if self.tiered.group.world > 1 and "timed out" in str(e).lower():
-                raise TierMemError(f"tiermem: save_model() waited for the other ranks past the process group's "
-                                   f"timeout: under torchrun it is a collective (it gathers the weights), so call "
-                                   f"it on every rank, not under `if trainer.is_world_process_zero()` "
-                                   f"({str(e).removeprefix('tiermem: ')})") from e
+                raise TierMemError(
+                    f"tiermem: save_model() waited for the other ranks past the process group's "
+                    f"timeout: under torchrun it is a collective (it gathers the weights), so call "
+                    f"it on every rank, not under `if trainer.is_world_process_zero()` "
+                    f"({str(e).removeprefix('tiermem: ')})"
+                ) from e
             raise
 
     def _save_model(self, output_dir: Optional[str], _internal_call: bool) -> None:
@@ -397,8 +456,12 @@ class TieredTrainer(Trainer):
                 _record_dtype(output_dir, dtypes)
             else:
                 from safetensors.torch import save_file
-                save_file({k: v.contiguous() for k, v in weights.items()},
-                          os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+
+                save_file(
+                    {k: v.contiguous() for k, v in weights.items()},
+                    os.path.join(output_dir, "model.safetensors"),
+                    metadata={"format": "pt"},
+                )
             if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.user_args, os.path.join(output_dir, TRAINING_ARGS_NAME))
@@ -442,8 +505,10 @@ def last_complete_checkpoint(output_dir: str) -> str:
         if all(os.path.exists(os.path.join(path, f)) for f in _COMPLETE):  # tiermem.ckpt: a file or a directory
             return path
         log.warning("tiermem: %s is incomplete (a save that did not finish?); resuming from an earlier one", path)
-    raise TierMemError(f"tiermem: no complete checkpoint-N folder in {str(output_dir)!r} to resume from; train "
-                       f"without resume_from_checkpoint, or pass the folder")
+    raise TierMemError(
+        f"tiermem: no complete checkpoint-N folder in {str(output_dir)!r} to resume from; train "
+        f"without resume_from_checkpoint, or pass the folder"
+    )
 
 
 def _has_optimizer_block(config: Any) -> bool:
@@ -456,31 +521,41 @@ def _tiermem_options(options: Optional[dict], deepspeed: Any) -> dict:
     options = dict(options or {})
     fixed = {"optimizer", "precision", "grad_clip", "no_decay", "no_decay_1d"} & set(options)
     if fixed:
-        raise ConfigError(f"tiermem: TieredTrainer(tiermem={{{', '.join(sorted(fixed))}: ...}}): these come from "
-                          f"TrainingArguments (learning_rate, adam_*, weight_decay, bf16/fp16, max_grad_norm) and "
-                          f"the Trainer's get_decay_parameter_names(); set them there")
+        raise ConfigError(
+            f"tiermem: TieredTrainer(tiermem={{{', '.join(sorted(fixed))}: ...}}): these come from "
+            f"TrainingArguments (learning_rate, adam_*, weight_decay, bf16/fp16, max_grad_norm) and "
+            f"the Trainer's get_decay_parameter_names(); set them there"
+        )
     if deepspeed is not None:
         bad = sorted(set(options) - set(PASS_THROUGH) - {"nvme_dir"})
         if bad:
-            raise ConfigError(f"tiermem: TieredTrainer(deepspeed=..., tiermem={{{', '.join(bad)}: ...}}): the "
-                              f"DeepSpeed config says these (where tensors live, loss scaling); drop them, or drop "
-                              f"deepspeed= and give TieredModel's options in tiermem=")
+            raise ConfigError(
+                f"tiermem: TieredTrainer(deepspeed=..., tiermem={{{', '.join(bad)}: ...}}): the "
+                f"DeepSpeed config says these (where tensors live, loss scaling); drop them, or drop "
+                f"deepspeed= and give TieredModel's options in tiermem="
+            )
     return options
 
 
 def _check_supported(args: TrainingArguments, kwargs: dict) -> None:
     if args.deepspeed:
-        raise ConfigError("tiermem: TrainingArguments(deepspeed=...) would start DeepSpeed itself; pass the config to "
-                          "TieredTrainer(..., deepspeed='ds.json') instead and leave it out of TrainingArguments")
+        raise ConfigError(
+            "tiermem: TrainingArguments(deepspeed=...) would start DeepSpeed itself; pass the config to "
+            "TieredTrainer(..., deepspeed='ds.json') instead and leave it out of TrainingArguments"
+        )
     if args.n_gpu > 1:
-        raise ConfigError(f"tiermem: TieredTrainer drives one device per process ({args.n_gpu} GPUs are visible to "
-                          f"this one); run one process per GPU with torchrun --nproc_per_node {args.n_gpu}")
+        raise ConfigError(
+            f"tiermem: TieredTrainer drives one device per process ({args.n_gpu} GPUs are visible to "
+            f"this one); run one process per GPU with torchrun --nproc_per_node {args.n_gpu}"
+        )
     optimizer, _ = kwargs.get("optimizers") or (None, None)
     if optimizer is not None and kwargs.get("optimizer_cls_and_kwargs") is not None:
         raise ConfigError("tiermem: TieredTrainer got both optimizers= and optimizer_cls_and_kwargs=; give one")
     if optimizer is not None and not runs(type(optimizer)):
-        raise ConfigError(f"tiermem: TieredTrainer(optimizers=({type(optimizer).__name__}(...), ...)) is not an "
-                          f"optimizer tiermem runs; it runs {supported_names()}, built on the model's parameters")
+        raise ConfigError(
+            f"tiermem: TieredTrainer(optimizers=({type(optimizer).__name__}(...), ...)) is not an "
+            f"optimizer tiermem runs; it runs {supported_names()}, built on the model's parameters"
+        )
 
 
 def _move_scheduler(scheduler: Any, given: torch.optim.Optimizer, tiered: torch.optim.Optimizer) -> None:
@@ -490,11 +565,15 @@ def _move_scheduler(scheduler: Any, given: torch.optim.Optimizer, tiered: torch.
     optimizer's step is wrapped by one of them, and wrap it when they are built: a scheduler
     built on ``tiered`` and dropped does that, its lr then put back."""
     if getattr(scheduler, "optimizer", None) is not given:
-        raise ConfigError("tiermem: TieredTrainer(optimizers=(optimizer, scheduler)): the scheduler was not built on "
-                          "that optimizer; build it on the optimizer you pass with it")
+        raise ConfigError(
+            "tiermem: TieredTrainer(optimizers=(optimizer, scheduler)): the scheduler was not built on "
+            "that optimizer; build it on the optimizer you pass with it"
+        )
     if len(given.param_groups) != len(tiered.param_groups):
-        raise TierMemError("tiermem: the optimizer's param groups and tiermem's differ in number; pass param groups "
-                           "that hold the model's trainable parameters")
+        raise TierMemError(
+            "tiermem: the optimizer's param groups and tiermem's differ in number; pass param groups "
+            "that hold the model's trainable parameters"
+        )
     kept = [{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in given.param_groups]
     torch.optim.lr_scheduler.LambdaLR(tiered, lambda _: 1.0)  # wraps tiered.step as torch's schedulers expect
     for group, values in zip(tiered.param_groups, kept):

@@ -16,6 +16,7 @@ system when the mapping is closed) and pins it in place with ``cudaHostRegister`
 :func:`unpin` before the buffer is dropped unpins it. Where CUDA refuses to register host memory
 (some virtualised or WSL setups), a pool falls back to torch's pinned cache and stops asking.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -46,7 +47,7 @@ def aligned_empty(nbytes: int, *, pin: bool | None = None, align: int = ALIGN) -
     size = round_up(max(nbytes, 1), align)
     raw = torch.empty(size + align, dtype=torch.uint8, pin_memory=bool(pin))
     offset = (-raw.data_ptr()) % align
-    buf = raw[offset:offset + size]
+    buf = raw[offset : offset + size]
     assert buf.data_ptr() % align == 0
     return buf
 
@@ -120,8 +121,9 @@ def _pin_thread() -> ThreadPoolExecutor:
     global _pinner
     with _pinner_lock:
         if _pinner is None:
-            _pinner = ThreadPoolExecutor(1, thread_name_prefix="tiermem-pin",
-                                         initializer=lambda: setattr(_on_pinner, "yes", True))
+            _pinner = ThreadPoolExecutor(
+                1, thread_name_prefix="tiermem-pin", initializer=lambda: setattr(_on_pinner, "yes", True)
+            )
         return _pinner
 
 
@@ -141,6 +143,7 @@ def _cudart_call(name: str, *args: int) -> int:
     def call() -> int:
         with torch.cuda.device(device):
             return int(getattr(torch.cuda.cudart(), name)(*args))  # type: ignore[no-untyped-call]  # torch leaves it untyped
+
     if getattr(_on_pinner, "yes", False):  # called on the pinning thread itself: waiting on it would deadlock
         return call()
     return _pin_thread().submit(call).result()

@@ -4,6 +4,7 @@
 both return a :class:`~tiermem.handles.Handle`. ``delete(key)`` frees the key. Memory stores
 (device, host) additionally hand out the resident tensor itself with ``get(key)``.
 """
+
 from __future__ import annotations
 
 import abc
@@ -58,17 +59,18 @@ class Store(abc.ABC):
         return self.ledger.allowed
 
 
-def check_same_layout(key: str, stored_dtype: torch.dtype, stored_numel: int, out: torch.Tensor,
-                      tier: Tier) -> None:
+def check_same_layout(key: str, stored_dtype: torch.dtype, stored_numel: int, out: torch.Tensor, tier: Tier) -> None:
     """Refuse a read into a tensor that cannot hold the stored value."""
     if out.dtype != stored_dtype or out.numel() != stored_numel:
         raise StoreError(
             f"tiermem: cannot read {key!r} from the {tier} tier into a tensor of {out.numel()} x "
-            f"{out.dtype}: it holds {stored_numel} x {stored_dtype}; pass `out` with that dtype and size")
+            f"{out.dtype}: it holds {stored_numel} x {stored_dtype}; pass `out` with that dtype and size"
+        )
     if not out.is_contiguous():
         raise StoreError(f"tiermem: cannot read {key!r} into a non-contiguous tensor; pass a contiguous `out`")
 
 
 def unknown_key(key: str, tier: Tier) -> StoreError:
-    return StoreError(f"tiermem: no tensor {key!r} on the {tier} tier; write it before reading it "
-                      f"(or check the key's spelling)")
+    return StoreError(
+        f"tiermem: no tensor {key!r} on the {tier} tier; write it before reading it (or check the key's spelling)"
+    )

@@ -19,6 +19,7 @@ A forked child starts with nothing deferred and no worker (:func:`_forget_in_chi
 queued in the parent are the parent's to run, and a lock another parent thread held at the fork
 would never be let go in the child.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -113,5 +114,6 @@ def _work() -> None:
             job()
         except Exception as e:  # noqa: BLE001 - one failed release must not stop the others
             (log.debug if _exiting else log.warning)(  # at exit, thread pools refuse work: expected
-                "tiermem: giving back a dropped model's resources failed: %s: %s", type(e).__name__, e)
+                "tiermem: giving back a dropped model's resources failed: %s: %s", type(e).__name__, e
+            )
         del job  # what it referred to goes now, not when the next job comes

@@ -14,6 +14,7 @@ smaller batch trains as if the refused one had never been tried. Up front, a pol
 ``device_reserve`` (NOTE [Device reserve] in tiermem/plan/policy.py) keeps a share of the device
 out of the layout for activations.
 """
+
 from __future__ import annotations
 
 import threading
@@ -24,8 +25,12 @@ from tiermem.handles import Handle, wait_all_quietly
 from tiermem.types import TensorClass, Tier
 
 #: How a refusal names the bytes each class holds.
-_CLASS_WORDS = {TensorClass.PARAM: "weights", TensorClass.GRAD: "grads", TensorClass.OPTIM_STATE: "optimizer state",
-                TensorClass.ACTIVATION: "activations saved so far"}
+_CLASS_WORDS = {
+    TensorClass.PARAM: "weights",
+    TensorClass.GRAD: "grads",
+    TensorClass.OPTIM_STATE: "optimizer state",
+    TensorClass.ACTIVATION: "activations saved so far",
+}
 
 
 # NOTE [Reclaimers at construction]
@@ -116,8 +121,9 @@ class Ledger:
     def held(self, key: str) -> int:
         return self._held.get(key, 0)
 
-    def reserve(self, key: str, nbytes: int, kind: Optional[TensorClass] = None, *,
-                label: Optional[str] = None) -> None:
+    def reserve(
+        self, key: str, nbytes: int, kind: Optional[TensorClass] = None, *, label: Optional[str] = None
+    ) -> None:
         """Account ``nbytes`` to ``key`` (replacing what it held before); ``label``: what a
         refusal calls the bytes (default: ``key``)."""
         try:
@@ -155,12 +161,20 @@ class Ledger:
         class, and what to change; other refusals keep OutOfTierMemory's own advice."""
         if kind is not TensorClass.ACTIVATION or self.tier != Tier.DEVICE:
             return OutOfTierMemory(tier=self.tier, key=label, asked=nbytes, used=used, allowed=self.allowed)
-        return OutOfTierMemory(tier=self.tier, key=label, asked=nbytes, used=used, allowed=self.allowed, hint=(
-            f"the activations of this batch did not fit beside what the device holds ({self._held_by_class()}); "
-            f"use a smaller batch (or shorter sequences), offload activations (ActivationOffload(policy)), keep "
-            f"less optimizer state on the device (a lower ZeroOffload(device_fraction=...); ZeroOffload, "
-            f"KeepOnDevice and Auto take a device_reserve that keeps room for activations), recompute them in "
-            f"backward (gradient checkpointing, torch.utils.checkpoint), or raise Budgets(device=...)"))
+        return OutOfTierMemory(
+            tier=self.tier,
+            key=label,
+            asked=nbytes,
+            used=used,
+            allowed=self.allowed,
+            hint=(
+                f"the activations of this batch did not fit beside what the device holds ({self._held_by_class()}); "
+                f"use a smaller batch (or shorter sequences), offload activations (ActivationOffload(policy)), keep "
+                f"less optimizer state on the device (a lower ZeroOffload(device_fraction=...); ZeroOffload, "
+                f"KeepOnDevice and Auto take a device_reserve that keeps room for activations), recompute them in "
+                f"backward (gradient checkpointing, torch.utils.checkpoint), or raise Budgets(device=...)"
+            ),
+        )
 
     def _held_by_class(self) -> str:
         parts = [f"{_CLASS_WORDS[k]} {fmt_bytes(n)}" for k, n in self.kind_used.items() if k in _CLASS_WORDS and n]

@@ -8,6 +8,7 @@ Overwrites, crash safety and the budget: NOTE [Two slots, overwritten in place],
 per key, and a few spare files] and NOTE [What the NVMe budget counts] in
 :mod:`tiermem.memory.nvme_keys`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,20 @@ from tiermem.memory import nvme_dir
 from tiermem.memory import nvme_io as nio
 from tiermem.memory.aligned import round_up
 from tiermem.memory.base import Store, check_same_layout, unknown_key
-from tiermem.memory.nvme_keys import (SPOILT, Copy, FellBack, KeyState, Value, cannot_revert, fell_back, io_error,
-                                       lost, over_budget, spoilt, would_mix)
+from tiermem.memory.nvme_keys import (
+    SPOILT,
+    Copy,
+    FellBack,
+    KeyState,
+    Value,
+    cannot_revert,
+    fell_back,
+    io_error,
+    lost,
+    over_budget,
+    spoilt,
+    would_mix,
+)
 from tiermem.memory.nvme_requests import Requests
 from tiermem.memory.nvme_spares import SparePool
 from tiermem.spans import lazy_span
@@ -80,17 +93,26 @@ class NvmeStore(Store):
 
     tier = Tier.NVME
 
-    def __init__(self, directory: str | os.PathLike[str], *, budget: ByteSize | None = None,
-                 io_threads: int = 8, block_size: int = 8 * 2**20, direct: bool | None = None,
-                 keep_previous: bool = True, spares: int = 4):
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        budget: ByteSize | None = None,
+        io_threads: int = 8,
+        block_size: int = 8 * 2**20,
+        direct: bool | None = None,
+        keep_previous: bool = True,
+        spares: int = 4,
+    ):
         self.directory = os.path.abspath(os.fspath(directory))
         nvme_dir.check_options(io_threads, block_size)
         nvme_dir.check_journal(keep_previous, spares)
         nvme_dir.check_directory(self.directory)
         self.direct = nvme_dir.choose_direct(self.directory, direct)  # fails first where no file can be made
         self.checksums = nvme_dir.checksums_wanted(self.directory)  # NOTE [Data checksums]
-        allowed = (shutil.disk_usage(self.directory).free if budget is None
-                   else parse_bytes(budget, what="NvmeStore.budget"))
+        allowed = (
+            shutil.disk_usage(self.directory).free if budget is None else parse_bytes(budget, what="NvmeStore.budget")
+        )
         self.ledger = Ledger(Tier.NVME, allowed)
         lock = nvme_dir.DirectoryLock(self.directory)  # NOTE [One store owns a directory], once all is valid
         lock.acquire()
@@ -102,8 +124,11 @@ class NvmeStore(Store):
         self._odirect = os.O_DIRECT if self.direct else 0
         self._staging = nio.StagingPool(block_size, io_threads)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiermem-nvme")
-        self._hasher = (ThreadPoolExecutor(min(HASH_THREADS, io_threads), thread_name_prefix="tiermem-nvme-hash")
-                        if self.checksums else None)  # NOTE [Hashing beside the I/O]
+        self._hasher = (
+            ThreadPoolExecutor(min(HASH_THREADS, io_threads), thread_name_prefix="tiermem-nvme-hash")
+            if self.checksums
+            else None
+        )  # NOTE [Hashing beside the I/O]
         self._lock = threading.Lock()
         self._requests = Requests(self._pool, self._lock, self._hasher)  # NOTE [Per-key order]
         self._keys: dict[str, KeyState] = {}
@@ -243,8 +268,10 @@ class NvmeStore(Store):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"NvmeStore({self.directory!r}, {'direct' if self.direct else 'buffered'} I/O, "
-                f"{len(list(self.keys()))} keys, {fmt_bytes(self.used)} of {fmt_bytes(self.allowed)})")
+        return (
+            f"NvmeStore({self.directory!r}, {'direct' if self.direct else 'buffered'} I/O, "
+            f"{len(list(self.keys()))} keys, {fmt_bytes(self.used)} of {fmt_bytes(self.allowed)})"
+        )
 
     # -- seams: tests replace these on one store to inject failures -------------------------------
     def _pwritev(self, fd: int, bufs: Sequence[nio.Buf], offset: int) -> int:
@@ -294,23 +321,49 @@ class NvmeStore(Store):
             return
         spans = nio.chunks(value.nbytes, self.block_size)
         beside = self._hash_beside(value.nbytes)  # NOTE [Hashing beside the I/O]
-        self._requests.fan_out([_spanned("write", key, partial(nio.write_chunk, self._pwritev, fd, data, b0, b1,
-                                                               self._staging, self.direct,
-                                                               self.checksums and not beside))
-                                for b0, b1 in spans],
-                               partial(self._finish_write, key, copy, fd, future),
-                               [partial(nio.digest, data[b0:b1]) for b0, b1 in spans] if beside else None,
-                               hash_first=True)
+        self._requests.fan_out(
+            [
+                _spanned(
+                    "write",
+                    key,
+                    partial(
+                        nio.write_chunk,
+                        self._pwritev,
+                        fd,
+                        data,
+                        b0,
+                        b1,
+                        self._staging,
+                        self.direct,
+                        self.checksums and not beside,
+                    ),
+                )
+                for b0, b1 in spans
+            ],
+            partial(self._finish_write, key, copy, fd, future),
+            [partial(nio.digest, data[b0:b1]) for b0, b1 in spans] if beside else None,
+            hash_first=True,
+        )
 
-    def _finish_write(self, key: str, copy: Copy, fd: Optional[int], future: Future[Any],
-                      err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
+    def _finish_write(
+        self,
+        key: str,
+        copy: Copy,
+        fd: Optional[int],
+        future: Future[Any],
+        err: Optional[BaseException],
+        digests: Sequence[Optional[int]] = (),
+    ) -> None:
         if fd is not None:
             try:
                 if err is None:  # the switch, step 3 of NOTE [Two slots, overwritten in place]
                     v = copy.value
                     xxh3 = nio.combine(digests) if self.checksums else None
-                    copy = dataclasses.replace(copy, xxh3=xxh3, header=nio.encode_header(
-                        key, v.dtype, v.shape, v.nbytes, copy.gen, xxh3, self.block_size))
+                    copy = dataclasses.replace(
+                        copy,
+                        xxh3=xxh3,
+                        header=nio.encode_header(key, v.dtype, v.shape, v.nbytes, copy.gen, xxh3, self.block_size),
+                    )
                     nio.write_header(self._pwritev, fd, copy.header, self._staging, self.direct)
             except OSError as e:
                 err = e
@@ -356,19 +409,29 @@ class NvmeStore(Store):
         beside = checked and self._hash_beside(current.value.nbytes)  # NOTE [Hashing beside the I/O]
 
         def chunk(b0: int, b1: int) -> Optional[int]:
-            head, digest = nio.read_chunk(self._preadv, fd, data, b0, b1, b0 == 0, self._staging, self.direct,
-                                          checked and not beside)
+            head, digest = nio.read_chunk(
+                self._preadv, fd, data, b0, b1, b0 == 0, self._staging, self.direct, checked and not beside
+            )
             if head is not None:
                 nio.check_header(head, current.header)
             return digest
 
         spans = nio.chunks(current.value.nbytes, self.block_size)
-        self._requests.fan_out([_spanned("read", key, partial(chunk, b0, b1)) for b0, b1 in spans],
-                               partial(self._finish_read, key, current, fd, future),
-                               [partial(nio.digest, data[b0:b1]) for b0, b1 in spans] if beside else None)
+        self._requests.fan_out(
+            [_spanned("read", key, partial(chunk, b0, b1)) for b0, b1 in spans],
+            partial(self._finish_read, key, current, fd, future),
+            [partial(nio.digest, data[b0:b1]) for b0, b1 in spans] if beside else None,
+        )
 
-    def _finish_read(self, key: str, copy: Optional[Copy], fd: Optional[int], future: Future[Any],
-                     err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
+    def _finish_read(
+        self,
+        key: str,
+        copy: Optional[Copy],
+        fd: Optional[int],
+        future: Future[Any],
+        err: Optional[BaseException],
+        digests: Sequence[Optional[int]] = (),
+    ) -> None:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -391,8 +454,15 @@ class NvmeStore(Store):
             previous = self._keys[key].copies[1 - bad.slot]
         said = spoilt(key, bad, why)
         if previous is not None:
-            why_too = nio.check_slot(self._preadv, previous.path, previous.value.nbytes, previous.header,
-                                     previous.xxh3, self._staging, self.direct)
+            why_too = nio.check_slot(
+                self._preadv,
+                previous.path,
+                previous.value.nbytes,
+                previous.header,
+                previous.xxh3,
+                self._staging,
+                self.direct,
+            )
             if why_too is None:
                 with self._lock:
                     state = self._keys[key]
@@ -419,8 +489,10 @@ class NvmeStore(Store):
             except FileNotFoundError:
                 pass
             except OSError as e:
-                err = err or StoreError(f"tiermem: could not remove {path} holding {key!r} ({e.strerror}); "
-                                        f"the key is forgotten, remove the file by hand")
+                err = err or StoreError(
+                    f"tiermem: could not remove {path} holding {key!r} ({e.strerror}); "
+                    f"the key is forgotten, remove the file by hand"
+                )
         self._complete(key, future, err)
 
     def _start_revert(self, key: str, future: Future[Any]) -> None:
@@ -483,8 +555,7 @@ class NvmeStore(Store):
         else:
             self.ledger.reserve(key, state.on_disk(), state.kind)
 
-    def _error(self, op: str, key: str, copy: Optional[Copy],
-               err: Optional[BaseException]) -> Optional[BaseException]:
+    def _error(self, op: str, key: str, copy: Optional[Copy], err: Optional[BaseException]) -> Optional[BaseException]:
         """The error a user sees for a failed request: names the key, the file and what to change."""
         if err is None or isinstance(err, StoreError) or not isinstance(err, OSError):
             return err  # already explained, or a bug (not an I/O failure): let it through as it is
@@ -516,14 +587,17 @@ class NvmeStore(Store):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise StoreError(f"tiermem: NvmeStore({self.directory!r}) is closed; make a new store to "
-                             f"keep using the directory")
+            raise StoreError(
+                f"tiermem: NvmeStore({self.directory!r}) is closed; make a new store to keep using the directory"
+            )
 
 
 def _spanned(op: str, key: str, chunk: Callable[[], Optional[int]]) -> Callable[[], Optional[int]]:
     """``chunk`` as a ``tiermem::nvme <op> <key>`` span of a running torch profiler (NOTE [tiermem in
     the torch profiler] in tiermem/spans.py)."""
+
     def run() -> Optional[int]:
         with lazy_span(lambda: f"nvme {op} {key}"):
             return chunk()
+
     return run

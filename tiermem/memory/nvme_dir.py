@@ -14,6 +14,7 @@ with the process (the kernel drops it), so a killed run never leaves the directo
 file left behind is taken over. The file is removed while still locked, and a store that got
 the lock checks that the file it locked is still the one at the path, else it tries again.
 """
+
 from __future__ import annotations
 
 import errno
@@ -34,11 +35,12 @@ log = logging.getLogger(__name__)
 
 def check_options(io_threads: object, block_size: object) -> None:
     if not is_int(io_threads) or io_threads < 1:
-        raise ConfigError(f"tiermem: NvmeStore.io_threads={io_threads!r} must be an int >= 1; "
-                          f"pass e.g. io_threads=8")
+        raise ConfigError(f"tiermem: NvmeStore.io_threads={io_threads!r} must be an int >= 1; pass e.g. io_threads=8")
     if not is_int(block_size) or block_size < ALIGN or block_size % ALIGN:
-        raise ConfigError(f"tiermem: NvmeStore.block_size={block_size!r} must be a positive multiple "
-                          f"of {ALIGN} bytes (direct I/O needs aligned lengths); pass e.g. 8 * 2**20")
+        raise ConfigError(
+            f"tiermem: NvmeStore.block_size={block_size!r} must be a positive multiple "
+            f"of {ALIGN} bytes (direct I/O needs aligned lengths); pass e.g. 8 * 2**20"
+        )
 
 
 def check_journal(keep_previous: object, spares: object) -> None:
@@ -50,11 +52,12 @@ def check_journal(keep_previous: object, spares: object) -> None:
 
 def check_directory(directory: str) -> None:
     if not os.path.exists(directory):
-        raise ConfigError(f"tiermem: NvmeStore directory {directory} does not exist; create it first "
-                          f"(mkdir -p {directory}) or pass an existing directory as nvme_dir")
+        raise ConfigError(
+            f"tiermem: NvmeStore directory {directory} does not exist; create it first "
+            f"(mkdir -p {directory}) or pass an existing directory as nvme_dir"
+        )
     if not os.path.isdir(directory):
-        raise ConfigError(f"tiermem: NvmeStore directory {directory} is not a directory; "
-                          f"pass a directory as nvme_dir")
+        raise ConfigError(f"tiermem: NvmeStore directory {directory} is not a directory; pass a directory as nvme_dir")
 
 
 LOCK_NAME = "tiermem.lock"
@@ -93,8 +96,10 @@ class DirectoryLock:
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             self._fd = fd
             return
-        raise ConfigError(f"tiermem: could not take the lock {self.path}: it kept being replaced; make sure "
-                          f"no other run uses this directory, or pass another nvme_dir")
+        raise ConfigError(
+            f"tiermem: could not take the lock {self.path}: it kept being replaced; make sure "
+            f"no other run uses this directory, or pass another nvme_dir"
+        )
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
@@ -107,12 +112,17 @@ class DirectoryLock:
         os.close(fd)  # lets go of the flock
 
     def _held(self, holder: str) -> str:
-        who = ("this process (pid " + holder + "): close the other NvmeStore first, or tm.detach() the "
-               "TieredModel that uses it (or drop every reference to it: `del tm` before building the next "
-               "one)" if holder == str(os.getpid())
-               else f"process {holder or '(pid not written yet)'}: stop that run first")
-        return (f"tiermem: NVMe directory {os.path.dirname(self.path)} is in use by another NvmeStore, in "
-                f"{who}, or pass another nvme_dir (one run owns a directory: lock file {self.path})")
+        who = (
+            "this process (pid " + holder + "): close the other NvmeStore first, or tm.detach() the "
+            "TieredModel that uses it (or drop every reference to it: `del tm` before building the next "
+            "one)"
+            if holder == str(os.getpid())
+            else f"process {holder or '(pid not written yet)'}: stop that run first"
+        )
+        return (
+            f"tiermem: NVMe directory {os.path.dirname(self.path)} is in use by another NvmeStore, in "
+            f"{who}, or pass another nvme_dir (one run owns a directory: lock file {self.path})"
+        )
 
 
 def _open_lock_file(path: str) -> int:
@@ -120,10 +130,14 @@ def _open_lock_file(path: str) -> int:
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise ConfigError(f"tiermem: the NVMe lock file {path} is a symbolic link, which tiermem never "
-                              f"follows; remove it, and find out who planted it") from e
-        raise ConfigError(f"tiermem: cannot create the NVMe lock file {path} ({e.strerror}); make the "
-                          f"directory writable or pass another nvme_dir") from e
+            raise ConfigError(
+                f"tiermem: the NVMe lock file {path} is a symbolic link, which tiermem never "
+                f"follows; remove it, and find out who planted it"
+            ) from e
+        raise ConfigError(
+            f"tiermem: cannot create the NVMe lock file {path} ({e.strerror}); make the "
+            f"directory writable or pass another nvme_dir"
+        ) from e
 
 
 CHECKSUMS_ENV = "TIERMEM_NVME_CHECKSUMS"
@@ -134,12 +148,17 @@ def checksums_wanted(directory: str) -> bool:
     sets TIERMEM_NVME_CHECKSUMS=0, a benchmarking switch that measures what the checks cost."""
     value = os.environ.get(CHECKSUMS_ENV, "1").strip()
     if value not in ("0", "1", ""):
-        raise ConfigError(f"tiermem: {CHECKSUMS_ENV}={value!r} must be 0 or 1; unset it (checksums on, "
-                          f"the default) or set it to 0 only to measure their cost")
+        raise ConfigError(
+            f"tiermem: {CHECKSUMS_ENV}={value!r} must be 0 or 1; unset it (checksums on, "
+            f"the default) or set it to 0 only to measure their cost"
+        )
     if value == "0":
-        log.warning("tiermem: %s=0: the NVMe store in %s does not check its data; a byte damaged on disk "
-                    "will be read back silently. This switch is for benchmarks only: unset it to train",
-                    CHECKSUMS_ENV, directory)
+        log.warning(
+            "tiermem: %s=0: the NVMe store in %s does not check its data; a byte damaged on disk "
+            "will be read back silently. This switch is for benchmarks only: unset it to train",
+            CHECKSUMS_ENV,
+            directory,
+        )
         return False
     return True
 
@@ -149,13 +168,19 @@ def choose_direct(directory: str, direct: Optional[bool]) -> bool:
     where the filesystem refuses it), None falls back to buffered I/O with one warning."""
     supported, refused = probe_direct(directory, direct)
     if refused is not None and direct:
-        raise ConfigError(f"tiermem: NvmeStore(direct=True) but {directory} refuses O_DIRECT "
-                          f"({refused.strerror}); pass direct=None to fall back to buffered I/O, or "
-                          f"put nvme_dir on a filesystem with direct I/O (ext4, xfs)")
+        raise ConfigError(
+            f"tiermem: NvmeStore(direct=True) but {directory} refuses O_DIRECT "
+            f"({refused.strerror}); pass direct=None to fall back to buffered I/O, or "
+            f"put nvme_dir on a filesystem with direct I/O (ext4, xfs)"
+        )
     if refused is not None:
-        log.warning("tiermem: %s refuses O_DIRECT (%s): NvmeStore falls back to buffered I/O through "
-                    "the page cache, which is slower and takes RAM; put nvme_dir on a filesystem "
-                    "with direct I/O (ext4, xfs) to avoid this", directory, refused.strerror)
+        log.warning(
+            "tiermem: %s refuses O_DIRECT (%s): NvmeStore falls back to buffered I/O through "
+            "the page cache, which is slower and takes RAM; put nvme_dir on a filesystem "
+            "with direct I/O (ext4, xfs) to avoid this",
+            directory,
+            refused.strerror,
+        )
     return supported
 
 
@@ -167,8 +192,10 @@ def probe_direct(directory: str, direct: Optional[bool]) -> tuple[bool, Optional
     try:
         return _probe(directory, direct)
     except OSError as e:
-        raise ConfigError(f"tiermem: NvmeStore cannot create files in {directory} ({e.strerror}); "
-                          f"make it writable or pass a writable directory as nvme_dir") from e
+        raise ConfigError(
+            f"tiermem: NvmeStore cannot create files in {directory} ({e.strerror}); "
+            f"make it writable or pass a writable directory as nvme_dir"
+        ) from e
 
 
 def describe_direct(directory: str) -> tuple[bool, str]:

@@ -52,6 +52,7 @@ ragged tail (< 4096 bytes) and the header go through a staging slot. A tensor th
 aligned goes through a staging slot chunk by chunk (one memcpy per chunk). Slots come from a
 bounded pool: at most one per I/O thread, allocated on first use and reused after that.
 """
+
 from __future__ import annotations
 
 import errno
@@ -104,21 +105,40 @@ def file_name(key: str, slot: int) -> str:
 def check_key(key: object) -> None:
     """Any non-empty string is a key (``file_name`` makes it safe on disk)."""
     if not isinstance(key, str) or not key:
-        raise StoreError(f"tiermem: NvmeStore keys are non-empty strings, got {key!r}; pass a name "
-                         f"such as 'blocks.0.fc.weight:exp_avg'")
+        raise StoreError(
+            f"tiermem: NvmeStore keys are non-empty strings, got {key!r}; pass a name "
+            f"such as 'blocks.0.fc.weight:exp_avg'"
+        )
 
 
-def encode_header(key: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, gen: int,
-                  xxh3: Optional[int] = None, chunk: int = 0) -> bytes:
+def encode_header(
+    key: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    nbytes: int,
+    gen: int,
+    xxh3: Optional[int] = None,
+    chunk: int = 0,
+) -> bytes:
     """The header of a slot; ``xxh3`` (None: not checked) is :func:`combine` of the value's chunk
     digests over chunks of ``chunk`` bytes (NOTE [Data checksums])."""
-    record = json.dumps({"key": key, "dtype": str(dtype).removeprefix("torch."), "shape": list(shape),
-                         "nbytes": nbytes, "gen": gen, "xxh3": None if xxh3 is None else f"{xxh3:016x}",
-                         "chunk": chunk}).encode()
+    record = json.dumps(
+        {
+            "key": key,
+            "dtype": str(dtype).removeprefix("torch."),
+            "shape": list(shape),
+            "nbytes": nbytes,
+            "gen": gen,
+            "xxh3": None if xxh3 is None else f"{xxh3:016x}",
+            "chunk": chunk,
+        }
+    ).encode()
     if _PREFIX.size + len(record) > HEADER:
-        raise StoreError(f"tiermem: key {key!r} with shape {tuple(shape)} does not fit the "
-                         f"{HEADER}-byte NVMe file header ({_PREFIX.size + len(record)} bytes needed); "
-                         f"use a shorter key")
+        raise StoreError(
+            f"tiermem: key {key!r} with shape {tuple(shape)} does not fit the "
+            f"{HEADER}-byte NVMe file header ({_PREFIX.size + len(record)} bytes needed); "
+            f"use a shorter key"
+        )
     head = _PREFIX.pack(MAGIC, len(record), zlib.crc32(record)) + record
     return head + bytes(HEADER - len(head))
 
@@ -133,7 +153,7 @@ def check_header(raw: bytes, expected: bytes) -> None:
     if raw == expected:
         return
     magic, length, crc = _PREFIX.unpack_from(raw)
-    record = raw[_PREFIX.size:_PREFIX.size + length]
+    record = raw[_PREFIX.size : _PREFIX.size + length]
     if magic == bytes(len(MAGIC)):
         raise Corrupt("its header is blank (a write to it did not finish)")
     if magic != MAGIC or length > HEADER - _PREFIX.size or zlib.crc32(record) != crc:
@@ -158,8 +178,10 @@ def combine(digests: Sequence[Optional[int]]) -> int:
 def check_data(got: int, want: int) -> None:
     """Raise :class:`Corrupt` unless a value's bytes hash to the checksum its header holds."""
     if got != want:
-        raise Corrupt(f"its data fails its checksum (xxh3 {got:016x}, the header says {want:016x}: bytes "
-                      f"changed on disk after tiermem wrote them)")
+        raise Corrupt(
+            f"its data fails its checksum (xxh3 {got:016x}, the header says {want:016x}: bytes "
+            f"changed on disk after tiermem wrote them)"
+        )
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -171,15 +193,20 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 def check_tensor(key: str, t: object, what: str) -> None:
     """What ``byte_view`` can take: a dense CPU tensor (``out`` also without lazy conj/neg bits)."""
     if not isinstance(t, torch.Tensor):
-        raise StoreError(f"tiermem: NvmeStore needs a torch.Tensor as {what} for {key!r}, got "
-                         f"{type(t).__name__}; pass a CPU tensor")
+        raise StoreError(
+            f"tiermem: NvmeStore needs a torch.Tensor as {what} for {key!r}, got {type(t).__name__}; pass a CPU tensor"
+        )
     if t.device.type != "cpu" or t.layout != torch.strided:
-        raise StoreError(f"tiermem: NvmeStore moves dense CPU tensors only, got {what} for {key!r} on "
-                         f"{t.device} ({t.layout}); copy it to host memory first (the engine stages "
-                         f"device tensors through the host store)")
+        raise StoreError(
+            f"tiermem: NvmeStore moves dense CPU tensors only, got {what} for {key!r} on "
+            f"{t.device} ({t.layout}); copy it to host memory first (the engine stages "
+            f"device tensors through the host store)"
+        )
     if what == "out" and (t.is_conj() or t.is_neg()):
-        raise StoreError(f"tiermem: cannot read {key!r} into a lazily conjugated or negated view; "
-                         f"pass a plain tensor as `out` (e.g. torch.empty_like(x))")
+        raise StoreError(
+            f"tiermem: cannot read {key!r} into a lazily conjugated or negated view; "
+            f"pass a plain tensor as `out` (e.g. torch.empty_like(x))"
+        )
 
 
 def _mv(t: torch.Tensor) -> memoryview:
@@ -222,16 +249,18 @@ class StagingPool:
 
 
 # -- one chunk of a transfer ------------------------------------------------------------------
-def write_chunk(pwritev: PWritev, fd: int, src: torch.Tensor, b0: int, b1: int, pool: StagingPool,
-                direct: bool, checked: bool) -> Optional[int]:
+def write_chunk(
+    pwritev: PWritev, fd: int, src: torch.Tensor, b0: int, b1: int, pool: StagingPool, direct: bool, checked: bool
+) -> Optional[int]:
     """Write body bytes ``[b0, b1)`` of ``src`` (uint8, 1-d) at ``HEADER + b0``; returns their
     digest when ``checked`` (NOTE [Data checksums])."""
     _write_body(pwritev, fd, src, b0, b1, pool, direct)
     return digest(src[b0:b1]) if checked else None
 
 
-def _write_body(pwritev: PWritev, fd: int, src: torch.Tensor, b0: int, b1: int, pool: StagingPool,
-                direct: bool) -> None:
+def _write_body(
+    pwritev: PWritev, fd: int, src: torch.Tensor, b0: int, b1: int, pool: StagingPool, direct: bool
+) -> None:
     n, offset = b1 - b0, HEADER + b0
     if not n:
         return
@@ -246,9 +275,9 @@ def _write_body(pwritev: PWritev, fd: int, src: torch.Tensor, b0: int, b1: int, 
     slot = pool.acquire()
     try:
         padded = round_up(tail)
-        slot[:tail].copy_(src[b0 + main:b1])
+        slot[:tail].copy_(src[b0 + main : b1])
         slot[tail:padded].zero_()  # no stale memory on disk
-        bufs = ([_mv(src[b0:b0 + main])] if main else []) + [_mv(slot[:padded])]
+        bufs = ([_mv(src[b0 : b0 + main])] if main else []) + [_mv(slot[:padded])]
         _write_all(pwritev, fd, bufs, offset)  # aligned body in place, the tail from the slot
     finally:
         pool.release(slot)
@@ -283,16 +312,26 @@ def read_header(preadv: PReadv, fd: int, pool: StagingPool, direct: bool) -> byt
         pool.release(slot)
 
 
-def read_chunk(preadv: PReadv, fd: int, out: torch.Tensor, b0: int, b1: int, want_header: bool,
-               pool: StagingPool, direct: bool, checked: bool) -> tuple[Optional[bytes], Optional[int]]:
+def read_chunk(
+    preadv: PReadv,
+    fd: int,
+    out: torch.Tensor,
+    b0: int,
+    b1: int,
+    want_header: bool,
+    pool: StagingPool,
+    direct: bool,
+    checked: bool,
+) -> tuple[Optional[bytes], Optional[int]]:
     """Read body bytes ``[b0, b1)`` into ``out`` (uint8, 1-d); returns the header (chunk 0 only)
     and, when ``checked``, the digest of the bytes read (NOTE [Data checksums])."""
     head = _read_body(preadv, fd, out, b0, b1, want_header, pool, direct)
     return head, (digest(out[b0:b1]) if checked else None)
 
 
-def _read_body(preadv: PReadv, fd: int, out: torch.Tensor, b0: int, b1: int, want_header: bool,
-               pool: StagingPool, direct: bool) -> Optional[bytes]:
+def _read_body(
+    preadv: PReadv, fd: int, out: torch.Tensor, b0: int, b1: int, want_header: bool, pool: StagingPool, direct: bool
+) -> Optional[bytes]:
     n = b1 - b0
     offset = 0 if want_header else HEADER + b0
     need = n + (HEADER if want_header else 0)
@@ -312,13 +351,13 @@ def _read_body(preadv: PReadv, fd: int, out: torch.Tensor, b0: int, b1: int, wan
         padded = round_up(tail) if tail else 0
         staged = _mv(slot)
         if main:
-            bufs = ([staged[:HEADER]] if want_header else []) + [_mv(out[b0:b0 + main])]
-            bufs += [staged[HEADER:HEADER + padded]] if padded else []
+            bufs = ([staged[:HEADER]] if want_header else []) + [_mv(out[b0 : b0 + main])]
+            bufs += [staged[HEADER : HEADER + padded]] if padded else []
         else:
-            bufs = [staged[(0 if want_header else HEADER):HEADER + padded]]
+            bufs = [staged[(0 if want_header else HEADER) : HEADER + padded]]
         _read_all(preadv, fd, bufs, offset, need)
         if tail:
-            out[b0 + main:b1].copy_(slot[HEADER:HEADER + tail])
+            out[b0 + main : b1].copy_(slot[HEADER : HEADER + tail])
         return bytes(staged[:HEADER]) if want_header else None
     finally:
         pool.release(slot)
@@ -340,8 +379,9 @@ def open_slot(path: str, nbytes: int, flags: int) -> int:
     return fd
 
 
-def check_slot(preadv: PReadv, path: str, nbytes: int, header: bytes, xxh3: Optional[int], pool: StagingPool,
-               direct: bool) -> Optional[BaseException]:
+def check_slot(
+    preadv: PReadv, path: str, nbytes: int, header: bytes, xxh3: Optional[int], pool: StagingPool, direct: bool
+) -> Optional[BaseException]:
     """None if the slot file at ``path`` has the length, the header and (``xxh3`` not None) the
     data of the value the store wrote there; otherwise what is wrong with it (missing, truncated,
     corrupt, unreadable). Reads the whole slot, through one staging slot, chunk by chunk."""
@@ -365,7 +405,7 @@ def _slot_digest(preadv: PReadv, fd: int, nbytes: int, pool: StagingPool, direct
         for b0, b1 in chunks(nbytes, pool.block):
             n = b1 - b0
             if n:
-                _read_all(preadv, fd, [_mv(slot[:round_up(n) if direct else n])], HEADER + b0, n)
+                _read_all(preadv, fd, [_mv(slot[: round_up(n) if direct else n])], HEADER + b0, n)
             digests.append(digest(slot[:n]))
     finally:
         pool.release(slot)

@@ -77,6 +77,7 @@ writes, which bounds what its slots ever take on disk at once. With one value pe
 value per key, and a few spare files]) a key at rest counts its one value, and the spare files
 count under ``<spare files>`` until a write takes them or they are unlinked.
 """
+
 from __future__ import annotations
 
 import errno
@@ -165,29 +166,38 @@ SPOILT = (FileNotFoundError, nio.ShortRead, nio.Corrupt)  # what a slot's damage
 
 def spoilt(key: str, copy: Copy, why: BaseException) -> str:
     """What is wrong with ``copy``'s slot file, in words."""
-    what = {FileNotFoundError: "is missing (removed outside tiermem)", nio.ShortRead: f"is truncated ({why})",
-            nio.Corrupt: f"is corrupt: {why}"}.get(type(why))  # type: ignore[arg-type]  # another type: None
+    what = {
+        FileNotFoundError: "is missing (removed outside tiermem)",
+        nio.ShortRead: f"is truncated ({why})",
+        nio.Corrupt: f"is corrupt: {why}",
+    }.get(type(why))  # type: ignore[arg-type]  # another type: None
     if what is None:
         what = f"could not be read ({getattr(why, 'strerror', None) or why})"
     return f"NVMe file {copy.path} holding {key!r} {what}"
 
 
-def io_error(op: str, key: str, nbytes: Optional[int], directory: str, err: OSError,
-             kept: Optional[bool]) -> StoreError:
+def io_error(
+    op: str, key: str, nbytes: Optional[int], directory: str, err: OSError, kept: Optional[bool]
+) -> StoreError:
     """A failed read or write, for the user: the key, the size, the cause and what to change.
     ``kept`` (writes only): whether the key still holds a value."""
     said = "" if kept is None else (f"; {key!r} keeps its previous value" if kept else f"; {key!r} holds no value")
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        fix = ("free space on that filesystem, pass a different nvme_dir, or set an NVMe budget below the "
-               "free space (Budgets(nvme=...) or NvmeStore(budget=...)) so tiermem refuses before the disk fills")
+        fix = (
+            "free space on that filesystem, pass a different nvme_dir, or set an NVMe budget below the "
+            "free space (Budgets(nvme=...) or NvmeStore(budget=...)) so tiermem refuses before the disk fills"
+        )
     elif err.errno == errno.ELOOP:
-        fix = (f"{err.filename} is a symbolic link, which tiermem never writes through (its target is "
-               f"untouched); remove it, and find out who planted it")
+        fix = (
+            f"{err.filename} is a symbolic link, which tiermem never writes through (its target is "
+            f"untouched); remove it, and find out who planted it"
+        )
     else:
         fix = "check the disk (dmesg) and the directory, or pass a different nvme_dir"
     size = fmt_bytes(nbytes) if nbytes is not None else "?"
-    error = StoreError(f"tiermem: NVMe {op} of {key!r} ({size}) in {directory} failed: "
-                       f"{err.strerror or err}{said}; {fix}")
+    error = StoreError(
+        f"tiermem: NVMe {op} of {key!r} ({size}) in {directory} failed: {err.strerror or err}{said}; {fix}"
+    )
     error.__cause__ = err
     return error
 
@@ -195,40 +205,57 @@ def io_error(op: str, key: str, nbytes: Optional[int], directory: str, err: OSEr
 def over_budget(key: str, need: int, nbytes: int, used: int, allowed: int) -> OutOfTierMemory:
     """A write of ``nbytes`` under ``key`` that would take the key to ``need`` bytes does not fit."""
     kept = need - nbytes
-    why = (f"{key!r} keeps its previous value ({fmt_bytes(kept)}) on disk beside the new one, so that a "
-           f"failed write loses nothing; " if kept else "")
+    why = (
+        f"{key!r} keeps its previous value ({fmt_bytes(kept)}) on disk beside the new one, so that a "
+        f"failed write loses nothing; "
+        if kept
+        else ""
+    )
     return OutOfTierMemory(
-        tier=Tier.NVME, key=key, asked=need, used=used, allowed=allowed,
+        tier=Tier.NVME,
+        key=key,
+        asked=need,
+        used=used,
+        allowed=allowed,
         hint=f"{why}pass a budget of at least {fmt_bytes(used + need)} (Budgets(nvme=...) or "
-             f"NvmeStore(budget=...)), delete keys you no longer need, or place less on NVMe")
+        f"NvmeStore(budget=...)), delete keys you no longer need, or place less on NVMe",
+    )
 
 
 def fell_back(key: str, said: str, previous: Copy, directory: str) -> StoreError:
     """The read that found ``key``'s current slot spoilt (``said``) and fell back to ``previous``."""
     v = previous.value
-    return StoreError(f"tiermem: {said}; {key!r} falls back to its previous value ({v.numel} x {v.dtype}, "
-                      f"the one written before the latest) in {previous.path}: read {key!r} again to get "
-                      f"that value, or write {key!r} again; a training run cannot go on from it (keys "
-                      f"written with the lost value would mix two steps): resume from the last checkpoint; "
-                      f"check the disk and that nothing else writes to {directory}")
+    return StoreError(
+        f"tiermem: {said}; {key!r} falls back to its previous value ({v.numel} x {v.dtype}, "
+        f"the one written before the latest) in {previous.path}: read {key!r} again to get "
+        f"that value, or write {key!r} again; a training run cannot go on from it (keys "
+        f"written with the lost value would mix two steps): resume from the last checkpoint; "
+        f"check the disk and that nothing else writes to {directory}"
+    )
 
 
 def lost(key: str, said: str, directory: str) -> StoreError:
     """No slot of ``key`` holds a usable value (``said``: what is wrong)."""
-    return StoreError(f"tiermem: {said}; the stored value is lost: write {key!r} again (a training run: "
-                      f"resume from the last checkpoint), and check the disk and that nothing else writes "
-                      f"to {directory}")
+    return StoreError(
+        f"tiermem: {said}; the stored value is lost: write {key!r} again (a training run: "
+        f"resume from the last checkpoint), and check the disk and that nothing else writes "
+        f"to {directory}"
+    )
 
 
 def would_mix(key: str, copy: Copy, why: FellBack) -> StoreError:
     """A read refused by NOTE [No mix after a fall back]."""
-    return StoreError(f"tiermem: refusing to read {key!r} from {copy.path}: it was written after the value "
-                      f"{why.key!r} fell back to ({why.said}); read together they would mix two "
-                      f"generations (e.g. weights of one step with optimizer state of the next): resume from "
-                      f"the last checkpoint, or write {key!r} again")
+    return StoreError(
+        f"tiermem: refusing to read {key!r} from {copy.path}: it was written after the value "
+        f"{why.key!r} fell back to ({why.said}); read together they would mix two "
+        f"generations (e.g. weights of one step with optimizer state of the next): resume from "
+        f"the last checkpoint, or write {key!r} again"
+    )
 
 
 def cannot_revert(key: str) -> StoreError:
-    return StoreError(f"tiermem: cannot revert {key!r}: it holds no value from before its latest write (it was "
-                      f"written once, or its latest write failed and so changed nothing, or it was reverted "
-                      f"already); revert only keys whose write succeeded, once each")
+    return StoreError(
+        f"tiermem: cannot revert {key!r}: it holds no value from before its latest write (it was "
+        f"written once, or its latest write failed and so changed nothing, or it was reverted "
+        f"already); revert only keys whose write succeeded, once each"
+    )

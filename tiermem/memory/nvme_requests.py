@@ -7,6 +7,7 @@ sees the latest write issued before it, and an overwrite never races an older wr
 a done-callback that submits the next request to the pool, so no I/O thread ever blocks on
 another. Requests of different keys run concurrently, each split into chunks (:class:`Fanout`).
 """
+
 from __future__ import annotations
 
 import threading
@@ -22,8 +23,7 @@ class Requests:
     beside the I/O] in :mod:`tiermem.memory.nvme_io`); ``lock`` is the store's lock, held by the
     callers of :meth:`enqueue`, :meth:`finished` and :meth:`drain`."""
 
-    def __init__(self, pool: ThreadPoolExecutor, lock: threading.Lock,
-                 hasher: Optional[ThreadPoolExecutor] = None):
+    def __init__(self, pool: ThreadPoolExecutor, lock: threading.Lock, hasher: Optional[ThreadPoolExecutor] = None):
         self.pool, self.hasher = pool, hasher
         self._idle = threading.Condition(lock)
         self._outstanding = 0
@@ -36,6 +36,7 @@ class Requests:
 
         def go(_done: object = None) -> None:
             self.pool.submit(start, future)
+
         if previous is None:
             go()
         else:
@@ -57,8 +58,14 @@ class Requests:
         while self._outstanding:
             self._idle.wait()
 
-    def fan_out(self, jobs: list[Callable[[], object]], finish: Callable[[Optional[BaseException], list[Any]], None],
-                hashes: Optional[list[Callable[[], object]]] = None, *, hash_first: bool = False) -> None:
+    def fan_out(
+        self,
+        jobs: list[Callable[[], object]],
+        finish: Callable[[Optional[BaseException], list[Any]], None],
+        hashes: Optional[list[Callable[[], object]]] = None,
+        *,
+        hash_first: bool = False,
+    ) -> None:
         """Run ``jobs`` (one per chunk) on the pool, the first on this thread; the thread that ends
         the last part calls ``finish`` with the first error (or None) and the chunks' results in
         order. With ``hashes`` (one per chunk; needs ``hasher``) each chunk's hash runs on the
@@ -69,16 +76,19 @@ class Requests:
         results: list[Any] = [None] * len(jobs)
         fan = Fanout(len(jobs) * (2 if hashes else 1), lambda err: finish(err, results))
         if hashes:
-            parts = [partial(self._io_and_hash, fan, job, _into(results, i, digest), hash_first)
-                     for i, (job, digest) in enumerate(zip(jobs, hashes))]
+            parts = [
+                partial(self._io_and_hash, fan, job, _into(results, i, digest), hash_first)
+                for i, (job, digest) in enumerate(zip(jobs, hashes))
+            ]
         else:
             parts = [partial(fan.run, _into(results, i, job)) for i, job in enumerate(jobs)]
         for part in parts[1:]:
             self.pool.submit(part)
         parts[0]()
 
-    def _io_and_hash(self, fan: "Fanout", job: Callable[[], object], digest: Callable[[], None],
-                     hash_first: bool) -> None:
+    def _io_and_hash(
+        self, fan: "Fanout", job: Callable[[], object], digest: Callable[[], None], hash_first: bool
+    ) -> None:
         """One chunk on an I/O thread: its job, and its hash handed to the hashing threads before
         or after it. A hash whose chunk failed is skipped (:meth:`Fanout.run`), but still counted."""
         if hash_first:
@@ -122,6 +132,8 @@ class Fanout:
 
 def _into(results: list[Any], i: int, job: Callable[[], object]) -> Callable[[], None]:
     """``job``, keeping what it returns at ``results[i]``."""
+
     def run() -> None:
         results[i] = job()
+
     return run

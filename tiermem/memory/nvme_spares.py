@@ -1,5 +1,6 @@
 """The NVMe store's spare files: slot files released by a write, kept for the next write to go
 over in place. NOTE [One value per key, and a few spare files] in :mod:`tiermem.memory.nvme_keys`."""
+
 from __future__ import annotations
 
 import contextlib

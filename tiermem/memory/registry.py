@@ -7,6 +7,7 @@ Transitions are checked, so a bug that would lose the only copy of a tensor fail
     begin(src→dst) needs src valid and nothing in flight; finish(ok) adds dst; fail adds nothing
     drop(tier) refuses to drop the last valid copy; write_at(tier) makes that tier the only valid one
 """
+
 from __future__ import annotations
 
 import threading
@@ -44,8 +45,10 @@ class Registry:
 
     def register(self, info: TensorInfo, home: Tier) -> Residency:
         if not isinstance(home, Tier):
-            raise TierMemError(f"tiermem: home tier for {info.name!r} is {home!r}, not a Tier; "
-                               f"return Tier.DEVICE, Tier.HOST or Tier.NVME")
+            raise TierMemError(
+                f"tiermem: home tier for {info.name!r} is {home!r}, not a Tier; "
+                f"return Tier.DEVICE, Tier.HOST or Tier.NVME"
+            )
         with self._lock:
             if info.name in self._entries:
                 raise TierMemError(f"tiermem: {info.name!r} is registered twice; keys must be unique")

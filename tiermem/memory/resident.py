@@ -4,6 +4,7 @@ Both hand out resident tensors with ``get(key)``; ``write``/``read`` are plain c
 ``non_blocking=True`` so that, on a GPU, the engine's stream context decides where they run and
 the engine's events decide when they are done. On the CPU they complete before returning.
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,8 +77,9 @@ class MemoryStore(Store):
     def _free(self, key: str, base: torch.Tensor) -> None:
         self.ledger.release(key)
 
-    def allocate(self, key: str, shape: Sequence[int], dtype: torch.dtype,
-                 kind: Optional[TensorClass] = None) -> torch.Tensor:
+    def allocate(
+        self, key: str, shape: Sequence[int], dtype: torch.dtype, kind: Optional[TensorClass] = None
+    ) -> torch.Tensor:
         """An uninitialised tensor resident on this tier under ``key`` (replacing any old one)."""
         with self._lock:
             self.delete(key)
@@ -135,13 +137,15 @@ class DeviceStore(MemoryStore):
     """Tensors on the compute device. Without an accelerator the device is the CPU and the budget
     is enforced by accounting alone, so every code path runs on a CPU-only machine."""
 
-    def __init__(self, device: torch.device | str, budget: Optional[int] = None, *,
-                 reclaimers: Sequence[Reclaimer] = ()):
+    def __init__(
+        self, device: torch.device | str, budget: Optional[int] = None, *, reclaimers: Sequence[Reclaimer] = ()
+    ):
         """``reclaimers``: asked before a reservation is refused, so requests in flight can land
         and a cache on the device (prefetched weights) can make room (NOTE [Reclaimers at construction])."""
         self.device = torch.device(device)
-        super().__init__(Tier.DEVICE, default_device_budget(self.device) if budget is None else budget,
-                         reclaimers=reclaimers)
+        super().__init__(
+            Tier.DEVICE, default_device_budget(self.device) if budget is None else budget, reclaimers=reclaimers
+        )
 
     def _alloc(self, key: str, nbytes: int, kind: Optional[TensorClass]) -> torch.Tensor:
         self.ledger.reserve(key, nbytes, kind)
@@ -149,10 +153,15 @@ class DeviceStore(MemoryStore):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         except RuntimeError as e:  # the device itself is out of memory: give the reservation back
             self.ledger.release(key)
-            raise OutOfTierMemory(tier=Tier.DEVICE, key=key, asked=nbytes, used=self.ledger.used,
-                                  allowed=self.ledger.allowed,
-                                  hint=f"the device refused it ({e}); lower Budgets(device=...) below what "
-                                       f"is really free there, or place less on the device") from e
+            raise OutOfTierMemory(
+                tier=Tier.DEVICE,
+                key=key,
+                asked=nbytes,
+                used=self.ledger.used,
+                allowed=self.ledger.allowed,
+                hint=f"the device refused it ({e}); lower Budgets(device=...) below what "
+                f"is really free there, or place less on the device",
+            ) from e
 
 
 class HostStore(MemoryStore):
@@ -213,10 +222,15 @@ class HostStore(MemoryStore):
             buf, registered = self._new_buffer(size, pin)
         except RuntimeError as e:  # e.g. the pinned-memory limit: give the reservation back
             self.ledger.release(key)
-            raise OutOfTierMemory(tier=Tier.HOST, key=key, asked=size, used=self.ledger.used,
-                                  allowed=self.ledger.allowed,
-                                  hint=f"the allocation failed ({e}); raise the memlock limit (ulimit -l) "
-                                       f"or lower Budgets(host=...) to what this machine can give") from e
+            raise OutOfTierMemory(
+                tier=Tier.HOST,
+                key=key,
+                asked=size,
+                used=self.ledger.used,
+                allowed=self.ledger.allowed,
+                hint=f"the allocation failed ({e}); raise the memlock limit (ulimit -l) "
+                f"or lower Budgets(host=...) to what this machine can give",
+            ) from e
         self.allocations += 1
         if pin:
             self._pinned[buf.data_ptr()] = (buf, registered)
@@ -231,8 +245,11 @@ class HostStore(MemoryStore):
             if refused is None:
                 deferred.start()  # the worker that unpins this pool if it is dropped without close()
                 return buf, True
-            log.warning("tiermem: %s; this pool's pinned buffers come from torch's pinned cache instead "
-                        "(rounded up to powers of two, returned to the system only by torch)", refused)
+            log.warning(
+                "tiermem: %s; this pool's pinned buffers come from torch's pinned cache instead "
+                "(rounded up to powers of two, returned to the system only by torch)",
+                refused,
+            )
             self._register = False
         if pin:
             return aligned_empty(size, pin=True), False

@@ -1,4 +1,5 @@
 """What a run did with memory: peaks per tier and per (class, tier), bytes moved, stalls."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -67,35 +68,55 @@ class Report:
         return self.bytes_moved.get((src, dst), 0) / busy / 1e9 if busy > 0 else 0.0
 
     def __str__(self) -> str:
-        lines = [f"tiermem report: {self.steps} steps, {self.n_params:,} trainable parameters"
-                 + (f"; rank {self.rank} of {self.world}, {fmt_bytes(self.collective_bytes)} through collectives"
-                    + (f" ({fmt_bytes(self.collective_bytes // self.steps)} per step)" if self.steps else "")
-                    if self.world > 1 else "")]
+        lines = [
+            f"tiermem report: {self.steps} steps, {self.n_params:,} trainable parameters"
+            + (
+                f"; rank {self.rank} of {self.world}, {fmt_bytes(self.collective_bytes)} through collectives"
+                + (f" ({fmt_bytes(self.collective_bytes // self.steps)} per step)" if self.steps else "")
+                if self.world > 1
+                else ""
+            )
+        ]
         lines.append(f"{'tier':<8}{'peak':>14}{'budget':>14}{'B/param':>10}   by class (peak)")
         for tier in Tier:
             if tier not in self.peak_bytes:
                 continue
-            classes = ", ".join(f"{c.value} {fmt_bytes(n)}" for (c, t), n in sorted(
-                self.class_peak_bytes.items(), key=lambda kv: kv[0][0].value) if t == tier and n)
+            classes = ", ".join(
+                f"{c.value} {fmt_bytes(n)}"
+                for (c, t), n in sorted(self.class_peak_bytes.items(), key=lambda kv: kv[0][0].value)
+                if t == tier and n
+            )
             per = self.peak_bytes[tier] / self.n_params if self.n_params else 0.0
             budget = fmt_bytes(self.budgets[tier]) if tier in self.budgets else "-"
-            lines.append(f"{tier.value:<8}{fmt_bytes(self.peak_bytes[tier]):>14}{budget:>14}"
-                         f"{per:>10.2f}   {classes or '-'}")
+            lines.append(
+                f"{tier.value:<8}{fmt_bytes(self.peak_bytes[tier]):>14}{budget:>14}{per:>10.2f}   {classes or '-'}"
+            )
         moved = [(k, n) for k, n in self.bytes_moved.items() if n and k[0] != k[1]]
         if moved:
             lines.append(f"{'moved':<16}{'bytes':>14}{'GB/s':>10}   by class")
             for (src, dst), n in sorted(moved, key=lambda kv: (kv[0][0].value, kv[0][1].value)):
-                classes = ", ".join(f"{c.value} {fmt_bytes(b)}" for (c, s, d), b in sorted(
-                    self.class_bytes_moved.items(), key=lambda kv: kv[0][0].value) if (s, d) == (src, dst) and b)
-                lines.append(f"{src.value + '->' + dst.value:<16}{fmt_bytes(n):>14}{self.gbps(src, dst):>10.2f}"
-                             + (f"   {classes}" if classes else ""))
+                classes = ", ".join(
+                    f"{c.value} {fmt_bytes(b)}"
+                    for (c, s, d), b in sorted(self.class_bytes_moved.items(), key=lambda kv: kv[0][0].value)
+                    if (s, d) == (src, dst) and b
+                )
+                lines.append(
+                    f"{src.value + '->' + dst.value:<16}{fmt_bytes(n):>14}{self.gbps(src, dst):>10.2f}"
+                    + (f"   {classes}" if classes else "")
+                )
         stalls = ", ".join(f"{t.value} {s:.3f}s" for t, s in self.stall_seconds_per_tier.items() if s)
-        lines.append(f"stalled waiting on transfers: {self.stall_seconds:.3f}s" + (f" ({stalls})" if stalls else "")
-                     + (f"; time in step(): {self.step_seconds:.3f}s" if self.steps else ""))
+        lines.append(
+            f"stalled waiting on transfers: {self.stall_seconds:.3f}s"
+            + (f" ({stalls})" if stalls else "")
+            + (f"; time in step(): {self.step_seconds:.3f}s" if self.steps else "")
+        )
         if self.weights_on_demand:
             top = sorted(self.weights_on_demand.items(), key=lambda kv: -kv[1])
-            lines.append(f"weights fetched on demand (not prefetched): {sum(self.weights_on_demand.values())} reads; "
-                         + ", ".join(f"{k} x{n}" for k, n in top[:5]) + (", ..." if len(top) > 5 else ""))
+            lines.append(
+                f"weights fetched on demand (not prefetched): {sum(self.weights_on_demand.values())} reads; "
+                + ", ".join(f"{k} x{n}" for k, n in top[:5])
+                + (", ..." if len(top) > 5 else "")
+            )
         if self.stages:
             lines.append(f"placement: {self.placement}")
             lines.append(f"{'per step':<26}{'predicted':>12}{'measured':>12}")
@@ -106,8 +127,9 @@ class Report:
         return "\n".join(lines)
 
 
-def collect(stores: Mapping[Tier, Store]) -> tuple[dict[Tier, int], dict[tuple[TensorClass, Tier], int],
-                                                      dict[Tier, int]]:
+def collect(
+    stores: Mapping[Tier, Store],
+) -> tuple[dict[Tier, int], dict[tuple[TensorClass, Tier], int], dict[Tier, int]]:
     """Peaks per tier and per (class, tier), and the budgets, read off the stores' ledgers."""
     peak, class_peak, budgets = {}, {}, {}
     for tier, store in stores.items():

@@ -1,6 +1,7 @@
 """A Chrome trace (open it in Perfetto or chrome://tracing) of compute, transfers and Adam. Each
 span is one of a user's ``torch.profiler`` trace too (NOTE [tiermem in the torch profiler] in
 :mod:`tiermem.spans`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -44,9 +45,15 @@ class Tracer:
     def add(self, name: str, cat: str, t_start: float, t_end: float, **args) -> None:
         if not self.enabled:
             return
-        ev = {"name": name, "cat": cat, "ph": "X", "pid": os.getpid(),
-              "tid": threading.current_thread().name, "ts": (t_start - self._t0) * 1e6,
-              "dur": (t_end - t_start) * 1e6}
+        ev = {
+            "name": name,
+            "cat": cat,
+            "ph": "X",
+            "pid": os.getpid(),
+            "tid": threading.current_thread().name,
+            "ts": (t_start - self._t0) * 1e6,
+            "dur": (t_end - t_start) * 1e6,
+        }
         if args:
             ev["args"] = args
         with self._lock:

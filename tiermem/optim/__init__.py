@@ -12,6 +12,7 @@ optimizers for CPU parameters: ``CPUAdam``, ``CPUAdam8bit``, ``CPUSGD``, ``CPUAd
 ``TIERMEM_NO_COMPILE=1`` forces the fallback, as ``compile_disabled()`` tells, and the reference
 kernels for the others).
 """
+
 from __future__ import annotations
 
 from tiermem.optim._sr import StochasticRound
@@ -21,10 +22,35 @@ from tiermem.optim.cpu_optimizers import CPUAdafactor, CPUAdagrad, CPUAdam8bit, 
 from tiermem.optim.functional import adam_step, compile_disabled, compile_seconds, implementation, warm_up
 from tiermem.optim.formats import StateFormat, StatePart, state_format  # noqa: F401  (tiermem.optim.formats has their docs)
 from tiermem.optim.layout import state_bytes, state_layout
-from tiermem.optim.steps import (adagrad_step, adam8bit_step, dequantize_blockwise, lion_step, quantize_blockwise,
-                                 sgd_step)
+from tiermem.optim.steps import (
+    adagrad_step,
+    adam8bit_step,
+    dequantize_blockwise,
+    lion_step,
+    quantize_blockwise,
+    sgd_step,
+)
 
-__all__ = ["CPUAdafactor", "CPUAdagrad", "CPUAdam", "CPUAdam8bit", "CPULion", "CPUSGD", "StochasticRound",
-           "adafactor_step", "adagrad_step", "adam8bit_step", "adam_step", "compile_disabled", "compile_seconds",
-           "dequantize_blockwise", "implementation", "lion_step", "quantize_blockwise", "sgd_step", "state_bytes",
-           "state_layout", "warm_up"]
+__all__ = [
+    "CPUAdafactor",
+    "CPUAdagrad",
+    "CPUAdam",
+    "CPUAdam8bit",
+    "CPULion",
+    "CPUSGD",
+    "StochasticRound",
+    "adafactor_step",
+    "adagrad_step",
+    "adam8bit_step",
+    "adam_step",
+    "compile_disabled",
+    "compile_seconds",
+    "dequantize_blockwise",
+    "implementation",
+    "lion_step",
+    "quantize_blockwise",
+    "sgd_step",
+    "state_bytes",
+    "state_layout",
+    "warm_up",
+]

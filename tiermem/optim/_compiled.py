@@ -28,6 +28,7 @@ through an identity the compiler cannot fuse across: a select (:func:`_keep`) wh
 products to choose from, else the cheaper exact ``x * 1.0`` (:func:`_keep_product`). The result is
 bit-identical to the reference kernel; the tests check this on odd sizes, chunkings and variants.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -156,8 +157,10 @@ class CompiledAdam:
 
     def update_fn(self, variant: Variant) -> Callable:
         grad_dtype, out_dtype, l2, lerp_from_grad = variant
-        name = (f"tiermem_adam_{str(grad_dtype)[6:]}_to_{str(out_dtype)[6:] if out_dtype else 'none'}"
-                f"{'_l2' if l2 else ''}{'_lerp_from_grad' if lerp_from_grad else ''}")
+        name = (
+            f"tiermem_adam_{str(grad_dtype)[6:]}_to_{str(out_dtype)[6:] if out_dtype else 'none'}"
+            f"{'_l2' if l2 else ''}{'_lerp_from_grad' if lerp_from_grad else ''}"
+        )
 
         def warm(fn: Callable) -> None:
             n = WARMUP_NUMEL
@@ -167,17 +170,28 @@ class CompiledAdam:
             hyper = H.AdamHyper(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
             fn(*z, g, out, hyper.kernel_scalars())
 
-        return self._get(("update", variant),
-                         lambda: _make_update(l2, lerp_from_grad, out_dtype is not None, name), warm)
+        return self._get(
+            ("update", variant), lambda: _make_update(l2, lerp_from_grad, out_dtype is not None, name), warm
+        )
 
     def all_finite_fn(self, grad_dtype: torch.dtype) -> Callable:
         name = f"tiermem_all_finite_{str(grad_dtype)[6:]}"
-        return self._get(("all_finite", grad_dtype), lambda: _make_all_finite(name),
-                         lambda fn: fn(torch.zeros(WARMUP_NUMEL, dtype=grad_dtype)))
+        return self._get(
+            ("all_finite", grad_dtype),
+            lambda: _make_all_finite(name),
+            lambda fn: fn(torch.zeros(WARMUP_NUMEL, dtype=grad_dtype)),
+        )
 
     # -- the kernels, in the shared signature (flat, contiguous, 1-D tensors) ----------------------
-    def adam(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-             grad: torch.Tensor, out: Optional[torch.Tensor], hyper: H.AdamHyper) -> None:
+    def adam(
+        self,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+        out: Optional[torch.Tensor],
+        hyper: H.AdamHyper,
+    ) -> None:
         fn = self.update_fn((grad.dtype, None if out is None else out.dtype, hyper.l2, hyper.lerp_from_grad))
         s = hyper.kernel_scalars()
         n = master.numel()
@@ -186,8 +200,7 @@ class CompiledAdam:
             return
         with _pinned_global_state():
             for a, b in _chunks(n):
-                fn(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b],
-                   None if out is None else out[a:b], s)
+                fn(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], None if out is None else out[a:b], s)
 
     def any_nonfinite(self, grad: torch.Tensor) -> bool:
         if grad.numel() < EAGER_CHECK_NUMEL:  # cheaper than a compiled call; and dynamo would

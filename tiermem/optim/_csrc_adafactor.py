@@ -9,6 +9,7 @@ writing master and ``out``. For a vector, (1) and (2) are one pass (the variance
 Sums are taken in double over fixed chunks of rows or elements combined in a fixed order, so the
 result does not depend on the number of threads.
 """
+
 from __future__ import annotations
 
 SOURCE = r"""

@@ -11,6 +11,7 @@ from the value's fp32 exponent (an octave holds at most one decade start) and th
 multiply-add with the decade's constants, taken from registers by permutes. The portable scalar path
 (other CPUs, and the tails) computes the same bits. bench/RESULTS.md (2026-12-01) has what it costs.
 """
+
 from __future__ import annotations
 
 SOURCE = r"""

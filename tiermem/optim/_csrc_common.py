@@ -8,6 +8,7 @@ explicit operation (the library is built with ``-ffp-contract=off``; a fused mul
 is correctly rounded (NOTE [sqrt rounding] in _kernels.py), and conversions round to nearest even as
 torch's do.
 """
+
 from __future__ import annotations
 
 SOURCE = r"""

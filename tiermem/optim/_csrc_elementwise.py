@@ -7,6 +7,7 @@ state and ``out`` once; the scalars come in one fp32 array laid out by tiermem/o
 flag among them data, so one instance serves every hyperparameter. The arithmetic is the reference
 kernels' (tiermem/optim/_reference.py), op for op.
 """
+
 from __future__ import annotations
 
 ADAM_MATH = r"""

@@ -12,6 +12,7 @@ when the optimizer is built, so ``torch.manual_seed`` makes runs repeat) and by 
 index in the optimizer (the numbering of ``state_dict()``), and both are kept in the param groups, so
 a resumed run rounds as the uninterrupted one.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -37,8 +38,15 @@ class CPUOptimizer(Optimizer):
 
     _sparse_hint = "use a torch.optim optimizer that takes sparse gradients (torch.optim.SGD, Adagrad)"
 
-    def __init__(self, params: Params, defaults: dict[str, Any], *, check_finite: bool,
-                 bf16_stochastic_round: bool, sr_seed: Optional[int]) -> None:
+    def __init__(
+        self,
+        params: Params,
+        defaults: dict[str, Any],
+        *,
+        check_finite: bool,
+        bf16_stochastic_round: bool,
+        sr_seed: Optional[int],
+    ) -> None:
         name = type(self).__name__
         for key, value in (("check_finite", check_finite), ("bf16_stochastic_round", bf16_stochastic_round)):
             if not isinstance(value, bool):
@@ -49,8 +57,11 @@ class CPUOptimizer(Optimizer):
         self.last_step_skipped = False
         self._index: Optional[dict[int, int]] = None
         self._prepared: dict[tuple, tuple[Any, ctypes.Array]] = {}
-        defaults = {**defaults, "bf16_stochastic_round": bf16_stochastic_round,
-                    "sr_seed": torch.initial_seed() if sr_seed is None else sr_seed}
+        defaults = {
+            **defaults,
+            "bf16_stochastic_round": bf16_stochastic_round,
+            "sr_seed": torch.initial_seed() if sr_seed is None else sr_seed,
+        }
         super().__init__(params, defaults)
 
     # -- what a subclass supplies ------------------------------------------------------------------
@@ -60,8 +71,9 @@ class CPUOptimizer(Optimizer):
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _update(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int,
-                sr: Optional[StochasticRound]) -> None:
+    def _update(
+        self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int, sr: Optional[StochasticRound]
+    ) -> None:
         raise NotImplementedError
 
     # -- torch.optim.Optimizer -----------------------------------------------------------------------
@@ -75,8 +87,10 @@ class CPUOptimizer(Optimizer):
         group = {**self.defaults, **param_group}  # what torch's add_param_group will store
         self._check_group(group)
         if not isinstance(group["bf16_stochastic_round"], bool):
-            raise ConfigError(f"tiermem: {type(self).__name__} bf16_stochastic_round="
-                              f"{group['bf16_stochastic_round']!r} is invalid: it must be True or False")
+            raise ConfigError(
+                f"tiermem: {type(self).__name__} bf16_stochastic_round="
+                f"{group['bf16_stochastic_round']!r} is invalid: it must be True or False"
+            )
         params = group["params"]
         for p in [params] if isinstance(params, torch.Tensor) else list(params):
             self._check_param(p, group["bf16_stochastic_round"])
@@ -86,10 +100,12 @@ class CPUOptimizer(Optimizer):
     def _check_param(self, p: torch.Tensor, stochastic: bool) -> None:
         ok = p.device.type == "cpu" and (p.dtype == torch.float32 or (stochastic and p.dtype == torch.bfloat16))
         if not ok:
-            raise ConfigError(f"tiermem: {type(self).__name__} got a {p.dtype} parameter on {p.device} of shape "
-                              f"{tuple(p.shape)}; it updates fp32 CPU parameters only (bf16 ones with "
-                              f"bf16_stochastic_round=True); use a torch.optim optimizer for others, or "
-                              f"TieredModel for mixed precision")
+            raise ConfigError(
+                f"tiermem: {type(self).__name__} got a {p.dtype} parameter on {p.device} of shape "
+                f"{tuple(p.shape)}; it updates fp32 CPU parameters only (bf16 ones with "
+                f"bf16_stochastic_round=True); use a torch.optim optimizer for others, or "
+                f"TieredModel for mixed precision"
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this optimizer, or of the torch optimizer it stands in for.
@@ -129,8 +145,10 @@ class CPUOptimizer(Optimizer):
         todo = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
         for _, p in todo:
             if p.grad.is_sparse:
-                raise ConfigError(f"tiermem: {type(self).__name__} got a sparse gradient for a parameter of shape "
-                                  f"{tuple(p.shape)}; {self._sparse_hint}")
+                raise ConfigError(
+                    f"tiermem: {type(self).__name__} got a sparse gradient for a parameter of shape "
+                    f"{tuple(p.shape)}; {self._sparse_hint}"
+                )
         # A step is atomic: every gradient is checked before any parameter is written.
         self.last_step_skipped = self.check_finite and any(_run.any_nonfinite(p.grad) for _, p in todo)
         if self.last_step_skipped:
@@ -150,9 +168,18 @@ class CPUOptimizer(Optimizer):
             self._update(p, state, group, step, sr)
         return loss
 
-    def _fused(self, kernel: _run.Kernel, p: torch.Tensor, state: tuple, group: dict[str, Any], step: int,
-               sr: Optional[StochasticRound], make: Callable[[], Any], checked: Callable[[], object],
-               *variant: Any) -> None:
+    def _fused(
+        self,
+        kernel: _run.Kernel,
+        p: torch.Tensor,
+        state: tuple,
+        group: dict[str, Any],
+        step: int,
+        sr: Optional[StochasticRound],
+        make: Callable[[], Any],
+        checked: Callable[[], object],
+        *variant: Any,
+    ) -> None:
         """One update: the native kernel straight away, with the group's hyperparameters made and checked
         once per step (``make``), when the tensors allow; else ``checked``, the functional entry."""
         key = (id(group), step, *variant)

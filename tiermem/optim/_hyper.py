@@ -1,4 +1,5 @@
 """Adam's hyperparameters for one update, checked once and turned into the scalars the kernels use."""
+
 from __future__ import annotations
 
 import struct
@@ -11,8 +12,19 @@ from tiermem.config import check_adam_hyper
 
 # Where each scalar sits in the fp32 tensor the compiled kernel reads (one tensor, so a new lr or
 # step is new data, never a new compiled graph).
-INV_GRAD_SCALE, CLIP_COEF, ONE, DECAY_MUL, L2_DECAY, LERP_COEFF, BETA2, ONE_MINUS_BETA2, BC2_SQRT, \
-    EPS, NEG_STEP_SIZE = range(11)
+(
+    INV_GRAD_SCALE,
+    CLIP_COEF,
+    ONE,
+    DECAY_MUL,
+    L2_DECAY,
+    LERP_COEFF,
+    BETA2,
+    ONE_MINUS_BETA2,
+    BC2_SQRT,
+    EPS,
+    NEG_STEP_SIZE,
+) = range(11)
 NUM_SCALARS = 11
 
 
@@ -36,9 +48,18 @@ class AdamHyper:
     clip_coef: float = 1.0
 
     def __post_init__(self) -> None:
-        check_adam_hyper("adam_step ", step=self.step, lr=self.lr, beta1=self.beta1, beta2=self.beta2,
-                         eps=self.eps, weight_decay=self.weight_decay, grad_scale=self.grad_scale,
-                         clip_coef=self.clip_coef, adamw=self.adamw)
+        check_adam_hyper(
+            "adam_step ",
+            step=self.step,
+            lr=self.lr,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            grad_scale=self.grad_scale,
+            clip_coef=self.clip_coef,
+            adamw=self.adamw,
+        )
         for name in _FLOATS:  # checked as given ("1e-3" is an error, not a cast), then Python floats
             object.__setattr__(self, name, float(getattr(self, name)))
 
@@ -64,11 +85,11 @@ class AdamHyper:
 
     @property
     def step_size(self) -> float:
-        return self.lr / (1.0 - self.beta1 ** self.step)
+        return self.lr / (1.0 - self.beta1**self.step)
 
     @property
     def bias_correction2_sqrt(self) -> float:
-        return (1.0 - self.beta2 ** self.step) ** 0.5
+        return (1.0 - self.beta2**self.step) ** 0.5
 
     def kernel_scalars(self) -> torch.Tensor:
         """The fp32 scalars of the compiled kernel. Each is rounded to fp32 once, here, as torch's CPU

@@ -6,6 +6,7 @@ each value is rounded to fp32 there, as torch's CPU kernels round a Python scala
 folded into the sign of the gradient's multiplier (negating is exact, so this equals torch's
 ``-grad``), and flags (decay on, first step, Nesterov) are data: one kernel serves every setting.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -62,12 +63,23 @@ class SGDHyper(_Hyper):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ConfigError(f"tiermem: {self.where}nesterov=True needs momentum > 0 and dampening = 0 (got "
-                              f"momentum={self.momentum}, dampening={self.dampening}); as torch.optim.SGD")
+            raise ConfigError(
+                f"tiermem: {self.where}nesterov=True needs momentum > 0 and dampening = 0 (got "
+                f"momentum={self.momentum}, dampening={self.dampening}); as torch.optim.SGD"
+            )
 
     def scalars(self) -> list[float]:
-        return [self.grad_multiplier, self.clip_coef, self.weight_decay, float(self.weight_decay != 0),
-                self.momentum, 1.0 - self.dampening, float(self.first), float(self.nesterov), -self.lr]
+        return [
+            self.grad_multiplier,
+            self.clip_coef,
+            self.weight_decay,
+            float(self.weight_decay != 0),
+            self.momentum,
+            1.0 - self.dampening,
+            float(self.first),
+            float(self.nesterov),
+            -self.lr,
+        ]
 
     @property
     def first(self) -> bool:
@@ -93,8 +105,14 @@ class AdagradHyper(_Hyper):
         return self.lr / (1 + (self.step - 1) * self.lr_decay)
 
     def scalars(self) -> list[float]:
-        return [self.grad_multiplier, self.clip_coef, self.weight_decay, float(self.weight_decay != 0), -self.clr,
-                self.eps]
+        return [
+            self.grad_multiplier,
+            self.clip_coef,
+            self.weight_decay,
+            float(self.weight_decay != 0),
+            -self.clr,
+            self.eps,
+        ]
 
 
 @dataclass(frozen=True)
@@ -120,5 +138,8 @@ class LionHyper(_Hyper):
 def adam_scalars(hyper: Any) -> list[float]:
     """The native Adam kernel's scalars: AdamHyper.kernel_scalars(), its two flags, and (read by the
     8-bit kernel) 1 / bias_correction2_sqrt."""
-    return hyper.kernel_scalars().tolist() + [float(hyper.l2), float(hyper.lerp_from_grad),
-                                              1.0 / hyper.bias_correction2_sqrt]
+    return hyper.kernel_scalars().tolist() + [
+        float(hyper.l2),
+        float(hyper.lerp_from_grad),
+        1.0 / hyper.bias_correction2_sqrt,
+    ]

@@ -20,6 +20,7 @@ reference therefore takes the square root in fp64 and rounds once to fp32 (the f
 number rounds to the correctly rounded fp32 root), so reference and compiled kernel can agree bit
 for bit, and both differ from torch.optim only through ``denom`` by at most one ulp.
 """
+
 from __future__ import annotations
 
 import threading
@@ -35,8 +36,14 @@ CHECK_CHUNK = 1 << 20  # elements per eager isfinite() call: bounds its temporar
 _scratch = threading.local()  # per-thread fp32 scratch: kernels may run on several threads at once
 
 
-def _single_tensor_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                        grad: torch.Tensor, out: Optional[torch.Tensor], hyper: AdamHyper) -> None:
+def _single_tensor_adam(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+    hyper: AdamHyper,
+) -> None:
     g = grad.float() * hyper.inv_grad_scale * hyper.clip_coef  # unscale, then clip: a new tensor
     if hyper.weight_decay != 0:
         if hyper.adamw:
@@ -60,8 +67,14 @@ def _grad_scratch(n: int) -> torch.Tensor:
     return buf[:n]
 
 
-def _fused_fallback_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                         grad: torch.Tensor, out: Optional[torch.Tensor], hyper: AdamHyper) -> None:
+def _fused_fallback_adam(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+    hyper: AdamHyper,
+) -> None:
     """Flat 1-D contiguous tensors only (adam_step flattens). Not bit-identical to the reference:
     torch's fused kernel orders the moment updates differently (tested to a tolerance)."""
     fused = torch._fused_adamw_ if hyper.adamw else torch._fused_adam_
@@ -78,15 +91,33 @@ def _fused_fallback_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq
             if hyper.clip_coef != 1.0:
                 g.mul_(hyper.clip_coef)
         p = master[a:b]
-        fused([p], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], step, lr=hyper.lr, beta1=hyper.beta1,
-              beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False,
-              maximize=False)
+        fused(
+            [p],
+            [g],
+            [exp_avg[a:b]],
+            [exp_avg_sq[a:b]],
+            [],
+            step,
+            lr=hyper.lr,
+            beta1=hyper.beta1,
+            beta2=hyper.beta2,
+            weight_decay=hyper.weight_decay,
+            eps=hyper.eps,
+            amsgrad=False,
+            maximize=False,
+        )
         if out is not None:
             out[a:b].copy_(p)
 
 
-def _device_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 grad: torch.Tensor, out: Optional[torch.Tensor], hyper: AdamHyper) -> None:
+def _device_adam(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+    hyper: AdamHyper,
+) -> None:
     """Tensors on an accelerator (e.g. KeepOnDevice on a GPU): torch's fused Adam(W) there, one
     launch; unscale and clip as the CPU kernels do (two fp32 multiplications). Agrees with the
     CPU kernels to rounding, not bit for bit."""
@@ -97,8 +128,21 @@ def _device_adam(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
     if hyper.clip_coef != 1.0:
         g = g.mul(hyper.clip_coef)
     step = [_device_step(hyper.step, master.device)]
-    fused([master], [g], [exp_avg], [exp_avg_sq], [], step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
-          weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False)
+    fused(
+        [master],
+        [g],
+        [exp_avg],
+        [exp_avg_sq],
+        [],
+        step,
+        lr=hyper.lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=False,
+    )
     if out is not None:
         out.copy_(master)
 
@@ -122,5 +166,4 @@ def _device_step(step: int, device: torch.device) -> torch.Tensor:
 
 def _eager_any_nonfinite(grad: torch.Tensor) -> bool:
     flat = grad.reshape(-1)
-    return any(not bool(torch.isfinite(flat[a:a + CHECK_CHUNK]).all())
-               for a in range(0, flat.numel(), CHECK_CHUNK))
+    return any(not bool(torch.isfinite(flat[a : a + CHECK_CHUNK]).all()) for a in range(0, flat.numel(), CHECK_CHUNK))

@@ -15,6 +15,7 @@ releases the GIL while a kernel runs. Threads: OpenMP (the libgomp torch loaded)
 ``TIERMEM_NO_COMPILE=1`` turns the native kernels off, as it does the compiled one: the reference
 kernels run instead.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -38,8 +39,7 @@ log = logging.getLogger(__name__)
 
 #: dtype codes of the C++ dispatch (TM_GRAD / TM_OUT / TM_MASTER); -1 is "no tensor"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-FLAGS = ("-O2", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c++20", "-shared",
-         "-fPIC")
+FLAGS = ("-O2", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC")
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ELEMENTWISE = {  # name -> argtypes
@@ -101,8 +101,12 @@ class _Library:
                     lines = str(e).strip().splitlines() or [""]
                     why = next((ln for ln in lines if "error" in ln), lines[0])
                     self.failure = f"{type(e).__name__}: {why.strip()[:300]}"
-                    log.warning("tiermem: building the native optimizer kernels (%s) failed, so the slower "
-                                "reference kernels run: %s", self.name, self.failure)
+                    log.warning(
+                        "tiermem: building the native optimizer kernels (%s) failed, so the slower "
+                        "reference kernels run: %s",
+                        self.name,
+                        self.failure,
+                    )
                     raise NativeUnavailable(self.failure) from e
                 self.seconds = time.perf_counter() - t0
                 log.info("tiermem: native optimizer kernels (%s) ready in %.1f s", self.name, self.seconds)
@@ -178,8 +182,9 @@ def _load(name: str) -> ctypes.CDLL:
             src = Path(tmp) / f"{name}.cpp"
             src.write_text(source)
             out = Path(tmp) / "lib.so"
-            res = subprocess.run([compiler, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True,
-                                 timeout=600)
+            res = subprocess.run(
+                [compiler, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, timeout=600
+            )
             if res.returncode != 0:
                 raise RuntimeError(f"{compiler} failed:\n{res.stderr.strip()[-4000:]}")
             os.replace(out, path)  # atomic: another process sees the old state or the whole library
@@ -208,5 +213,6 @@ def threads() -> int:
 
 def any_nonfinite(grad: torch.Tensor) -> bool:
     """Whether the flat contiguous CPU tensor ``grad`` holds an inf or NaN (one read, by bits)."""
-    return bool(library("elementwise").tm_any_nonfinite(grad.data_ptr(), DTYPE_CODES[grad.dtype], grad.numel(),
-                                                        threads()))
+    return bool(
+        library("elementwise").tm_any_nonfinite(grad.data_ptr(), DTYPE_CODES[grad.dtype], grad.numel(), threads())
+    )

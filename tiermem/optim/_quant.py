@@ -30,6 +30,7 @@ performs too: the two agree bit for bit. A quantized element is off by at most h
 of absmax near 1 for exp_avg_sq, 0.7% for exp_avg, coarser in lower decades as every dynamic-tree
 map), and what falls below 1e-7 of absmax becomes 0.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,11 +48,11 @@ ONE_EDGE = 1.0 - 2.0**-22
 
 
 def _cells(signed: bool, d: int) -> int:
-    return (63 if d == DECADES - 1 else 2 ** d) if signed else 2 ** (d + 1)
+    return (63 if d == DECADES - 1 else 2**d) if signed else 2 ** (d + 1)
 
 
 def _first_code(signed: bool, d: int) -> int:
-    return 2 ** d if signed else 2 ** (d + 1) - 1
+    return 2**d if signed else 2 ** (d + 1) - 1
 
 
 def _tables(signed: bool) -> list[list[float]]:
@@ -95,9 +96,13 @@ def _planes(table: torch.Tensor) -> torch.Tensor:
 
 
 def _tables_and_maps() -> torch.Tensor:
-    head = torch.tensor([x for signed in (True, False) for row in _tables(signed) for x in row]
-                        + [_fp32(10.0 ** (k - DECADES)) for k in range(DECADES)] + [ONE_EDGE]
-                        + [x for row in _octaves() for x in row], dtype=torch.float32)
+    head = torch.tensor(
+        [x for signed in (True, False) for row in _tables(signed) for x in row]
+        + [_fp32(10.0 ** (k - DECADES)) for k in range(DECADES)]
+        + [ONE_EDGE]
+        + [x for row in _octaves() for x in row],
+        dtype=torch.float32,
+    )
     pad = torch.zeros(256 - head.numel())
     maps = [_map(True), _map(False)]
     return torch.cat([head, pad, *maps, *(_planes(m) for m in maps)])
@@ -105,7 +110,7 @@ def _tables_and_maps() -> torch.Tensor:
 
 def _slots(signed: bool) -> tuple[torch.Tensor, ...]:
     base = 0 if signed else 80
-    return tuple(CONSTANTS[base + 16 * k:base + 16 * k + 16] for k in range(5))
+    return tuple(CONSTANTS[base + 16 * k : base + 16 * k + 16] for k in range(5))
 
 
 def num_blocks(n: int) -> int:
@@ -136,8 +141,11 @@ def _map(signed: bool) -> torch.Tensor:
     _, _, _, b, w = (torch.tensor(row, dtype=torch.float32) for row in _tables(signed))
     codes = torch.arange(256)
     q = codes & 127 if signed else codes
-    d = (torch.floor(torch.log2(q.clamp(min=1).double())).long() if signed
-         else torch.floor(torch.log2((codes + 1).double())).long() - 1) % 16
+    d = (
+        torch.floor(torch.log2(q.clamp(min=1).double())).long()
+        if signed
+        else torch.floor(torch.log2((codes + 1).double())).long() - 1
+    ) % 16
     v = b[d] + q.float() * w[d]
     if signed:  # q = 0 is 0 and q = 127 is 1
         v = torch.where(q == 127, 1.0, torch.where(q == 0, 0.0, v))
@@ -153,8 +161,6 @@ STARTS = CONSTANTS[160:168]
 MAP_SIGNED, MAP_UNSIGNED = CONSTANTS[256:512], CONSTANTS[512:768]
 
 
-
-
 def _blocks(x: torch.Tensor) -> torch.Tensor:
     """``x`` (1-D) as (blocks, BLOCK), the last block padded with zeros (which change no absmax)."""
     pad = num_blocks(x.numel()) * BLOCK - x.numel()
@@ -166,10 +172,10 @@ def reference_quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, tor
     blocks = _blocks(x.float())
     absmax = blocks.abs().amax(dim=1)
     inv = torch.where(absmax > 0, torch.reciprocal(absmax), 0.0)
-    return codes_of(blocks * inv[:, None], signed).view(-1)[:x.numel()], absmax
+    return codes_of(blocks * inv[:, None], signed).view(-1)[: x.numel()], absmax
 
 
 def reference_dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """The fp32 values of ``codes`` (1-D) with per-block ``absmax``, in torch ops."""
     table = (MAP_SIGNED if signed else MAP_UNSIGNED).to(codes.device)
-    return table[codes.long()] * absmax.repeat_interleave(BLOCK)[:codes.numel()]
+    return table[codes.long()] * absmax.repeat_interleave(BLOCK)[: codes.numel()]

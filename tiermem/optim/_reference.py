@@ -10,6 +10,7 @@ master that :func:`_write` rounds back stochastically); ``out`` receives the mas
 Deviation from torch, as in tiermem/optim/_kernels.py: square roots are correctly rounded (NOTE
 [sqrt rounding]).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -41,8 +42,9 @@ def _gradient(grad: torch.Tensor, hyper) -> torch.Tensor:
     return -g if getattr(hyper, "maximize", False) else g
 
 
-def sgd(master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[torch.Tensor], h: SGDHyper,
-        sr: Keys) -> None:
+def sgd(
+    master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[torch.Tensor], h: SGDHyper, sr: Keys
+) -> None:
     (buf,) = state
     p = _working(master)
     g = _gradient(grad, h)
@@ -58,8 +60,9 @@ def sgd(master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[to
     _write(master, p, out, sr)
 
 
-def adagrad(master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[torch.Tensor], h: AdagradHyper,
-            sr: Keys) -> None:
+def adagrad(
+    master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[torch.Tensor], h: AdagradHyper, sr: Keys
+) -> None:
     (state_sum,) = state
     p = _working(master)
     g = _gradient(grad, h)
@@ -71,8 +74,9 @@ def adagrad(master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optiona
     _write(master, p, out, sr)
 
 
-def lion(master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[torch.Tensor], h: LionHyper,
-         sr: Keys) -> None:
+def lion(
+    master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[torch.Tensor], h: LionHyper, sr: Keys
+) -> None:
     """Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2 (decoupled decay)."""
     (exp_avg,) = state
     p = _working(master)
@@ -85,16 +89,18 @@ def lion(master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[t
     _write(master, p, out, sr)
 
 
-def adam(master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[torch.Tensor], h: AdamHyper,
-         sr: Keys) -> None:
+def adam(
+    master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[torch.Tensor], h: AdamHyper, sr: Keys
+) -> None:
     exp_avg, exp_avg_sq = state
     p = _working(master)
     _single_tensor_adam(p, exp_avg, exp_avg_sq, grad, None, h)
     _write(master, p, out, sr)
 
 
-def adam8bit(master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[torch.Tensor], h: AdamHyper,
-             sr: Keys) -> None:
+def adam8bit(
+    master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[torch.Tensor], h: AdamHyper, sr: Keys
+) -> None:
     """Dequantize both moments, take an Adam step, quantize back (NOTE [8-bit state]). The step is the
     fp32 reference's but for ``sqrt(v) * (1 / bias_correction2_sqrt)`` where it divides."""
     m_codes, m_absmax, v_codes, v_absmax = state

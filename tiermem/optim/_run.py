@@ -6,6 +6,7 @@ Kernels: "native" (tiermem/optim/_native.py, the default on the CPU) and "refere
 native kernels cannot be built). Both take flat views in one signature,
 ``kernel(master, state, grad, out, hyper, sr)``, and give the same bits.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -57,32 +58,59 @@ def _sr_array(keys: Optional[tuple[int, int, int]]) -> Optional[ctypes.Array]:
 # a ctypes array (Kernel.scalars of the hyperparameters), sr the rounding keys or None.
 def _call_sgd(lib, n, master, state, grad, out, s, sr) -> None:
     P, C = _native.ptr, _native.code
-    lib.tm_sgd(n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr),
-               _native.threads())
+    lib.tm_sgd(
+        n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads()
+    )
 
 
 def _call_adagrad(lib, n, master, state, grad, out, s, sr) -> None:
     P, C = _native.ptr, _native.code
-    lib.tm_adagrad(n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr),
-                   _native.threads())
+    lib.tm_adagrad(
+        n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads()
+    )
 
 
 def _call_lion(lib, n, master, state, grad, out, s, sr) -> None:
     P, C = _native.ptr, _native.code
-    lib.tm_lion(n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr),
-                _native.threads())
+    lib.tm_lion(
+        n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads()
+    )
 
 
 def _call_adam(lib, n, master, state, grad, out, s, sr) -> None:
     P, C = _native.ptr, _native.code
-    lib.tm_adam(n, P(master), C(master), P(state[0]), P(state[1]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr),
-                _native.threads())
+    lib.tm_adam(
+        n,
+        P(master),
+        C(master),
+        P(state[0]),
+        P(state[1]),
+        P(grad),
+        C(grad),
+        P(out),
+        C(out),
+        s,
+        _sr_array(sr),
+        _native.threads(),
+    )
 
 
 def _call_adam8bit(lib, n, master, state, grad, out, s, sr) -> None:
     P, C = _native.ptr, _native.code
-    lib.tm_adam8bit(n, P(master), C(master), *(P(t) for t in state), P(grad), C(grad), P(out), C(out), s,
-                    P(_quant.CONSTANTS), _sr_array(sr), _native.threads())
+    lib.tm_adam8bit(
+        n,
+        P(master),
+        C(master),
+        *(P(t) for t in state),
+        P(grad),
+        C(grad),
+        P(out),
+        C(out),
+        s,
+        P(_quant.CONSTANTS),
+        _sr_array(sr),
+        _native.threads(),
+    )
 
 
 def _scalars(hyper) -> list[float]:
@@ -93,32 +121,68 @@ _BLOCKS = _quant.num_blocks
 SGD = Kernel("sgd_step", (StateSpec("momentum_buffer", torch.float32),), _reference.sgd, _call_sgd, _scalars)
 ADAGRAD = Kernel("adagrad_step", (StateSpec("state_sum", torch.float32),), _reference.adagrad, _call_adagrad, _scalars)
 LION = Kernel("lion_step", (StateSpec("exp_avg", torch.float32),), _reference.lion, _call_lion, _scalars)
-ADAM = Kernel("adam_step", (StateSpec("exp_avg", torch.float32), StateSpec("exp_avg_sq", torch.float32)),
-              _reference.adam, _call_adam, adam_scalars)
-ADAM8BIT = Kernel("adam8bit_step", (StateSpec("exp_avg", torch.uint8),
-                                    StateSpec("exp_avg_absmax", torch.float32, _BLOCKS),
-                                    StateSpec("exp_avg_sq", torch.uint8),
-                                    StateSpec("exp_avg_sq_absmax", torch.float32, _BLOCKS)),
-                  _reference.adam8bit, _call_adam8bit, adam_scalars, library="adam8bit")
+ADAM = Kernel(
+    "adam_step",
+    (StateSpec("exp_avg", torch.float32), StateSpec("exp_avg_sq", torch.float32)),
+    _reference.adam,
+    _call_adam,
+    adam_scalars,
+)
+ADAM8BIT = Kernel(
+    "adam8bit_step",
+    (
+        StateSpec("exp_avg", torch.uint8),
+        StateSpec("exp_avg_absmax", torch.float32, _BLOCKS),
+        StateSpec("exp_avg_sq", torch.uint8),
+        StateSpec("exp_avg_sq_absmax", torch.float32, _BLOCKS),
+    ),
+    _reference.adam8bit,
+    _call_adam8bit,
+    adam_scalars,
+    library="adam8bit",
+)
 
 
-def fast_step(kernel: Kernel, master: torch.Tensor, state: Sequence[Optional[torch.Tensor]], grad: torch.Tensor,
-              s: ctypes.Array, keys: Optional[tuple[int, int, int]]) -> bool:
+def fast_step(
+    kernel: Kernel,
+    master: torch.Tensor,
+    state: Sequence[Optional[torch.Tensor]],
+    grad: torch.Tensor,
+    s: ctypes.Array,
+    keys: Optional[tuple[int, int, int]],
+) -> bool:
     """The drop-ins' path: their parameters and state were checked when made, so only what a step can
     change is (the gradient; contiguity): the native kernel, with the scalars ``s`` already made,
     when it can run; False, with nothing done, when the checked :func:`run` must."""
     n = master.numel()
-    if not (grad.dtype in GRAD_DTYPES and grad.device.type == "cpu" and grad.numel() == n and grad.is_contiguous()
-            and master.is_contiguous() and n and all(t is None or t.is_contiguous() for t in state)
-            and _native.available(kernel.library)):
+    if not (
+        grad.dtype in GRAD_DTYPES
+        and grad.device.type == "cpu"
+        and grad.numel() == n
+        and grad.is_contiguous()
+        and master.is_contiguous()
+        and n
+        and all(t is None or t.is_contiguous() for t in state)
+        and _native.available(kernel.library)
+    ):
         return False
     kernel.native(_native.library(kernel.library), n, master, state, grad, None, s, keys)
     return True
 
 
-def run(kernel: Kernel, master: torch.Tensor, state: Sequence[Optional[torch.Tensor]], grad: torch.Tensor,
-        out: Optional[torch.Tensor], hyper, *, stochastic_round: Optional[_sr.StochasticRound], step: int,
-        check_finite: bool, impl: Optional[str]) -> bool:
+def run(
+    kernel: Kernel,
+    master: torch.Tensor,
+    state: Sequence[Optional[torch.Tensor]],
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+    hyper,
+    *,
+    stochastic_round: Optional[_sr.StochasticRound],
+    step: int,
+    check_finite: bool,
+    impl: Optional[str],
+) -> bool:
     """Check, choose, check the gradient is finite, update. Returns found_inf (nothing written)."""
     where = f"{kernel.name} "
     _check_impl(where, impl)
@@ -130,8 +194,9 @@ def run(kernel: Kernel, master: torch.Tensor, state: Sequence[Optional[torch.Ten
         return False
     keys = None if stochastic_round is None else stochastic_round.keys(step)
     flat = all(t is None or t.is_contiguous() for t in (master, *state, grad, out))
-    name = impl or ("native" if master.device.type == "cpu" and flat and _native.available(kernel.library)
-                    else "reference")
+    name = impl or (
+        "native" if master.device.type == "cpu" and flat and _native.available(kernel.library) else "reference"
+    )
     if name == "native" and (master.device.type != "cpu" or not flat):
         raise ConfigError(f"tiermem: {where}impl='native' takes contiguous CPU tensors; pass impl=None")
     if check_finite and any_nonfinite(grad):
@@ -140,14 +205,18 @@ def run(kernel: Kernel, master: torch.Tensor, state: Sequence[Optional[torch.Ten
         views = [None if t is None else t.view(-1) for t in (master, *state, grad, out)]
         master, state, grad, out = views[0], views[1:-2], views[-2], views[-1]  # type: ignore[assignment]  # (as above)
     elif any(t is not None and t.shape != master.shape for t in state):
-        raise ConfigError(f"tiermem: {where}got non-contiguous tensors with state of another shape than master; "
-                          f"pass contiguous tensors")
+        raise ConfigError(
+            f"tiermem: {where}got non-contiguous tensors with state of another shape than master; "
+            f"pass contiguous tensors"
+        )
     if name == "native":
         try:
             lib = _native.library(kernel.library)
         except _native.NativeUnavailable as e:
-            raise TierMemError(f"tiermem: the native CPU optimizer kernels are unavailable here ({e}); install a "
-                               f"C++ compiler (g++ 12 or newer), or pass impl=None") from e
+            raise TierMemError(
+                f"tiermem: the native CPU optimizer kernels are unavailable here ({e}); install a "
+                f"C++ compiler (g++ 12 or newer), or pass impl=None"
+            ) from e
         kernel.native(lib, master.numel(), master, state, grad, out, _native.floats(kernel.scalars(hyper)), keys)
     else:
         if impl is None and master.device.type == "cpu" and flat:
@@ -171,8 +240,7 @@ def _say_once(library: str) -> None:
         if library in _said:
             return
         _said.add(library)
-    log.warning("tiermem: the %s optimizer kernels run as torch ops (slower): the native ones are unavailable",
-                library)
+    log.warning("tiermem: the %s optimizer kernels run as torch ops (slower): the native ones are unavailable", library)
 
 
 def _check_impl(where: str, impl: Optional[str]) -> None:
@@ -180,8 +248,13 @@ def _check_impl(where: str, impl: Optional[str]) -> None:
         raise ConfigError(f"tiermem: {where}impl={impl!r} is unknown; pass one of {IMPLEMENTATIONS} or None")
 
 
-def _check_tensors(kernel: Kernel, master: torch.Tensor, state: Sequence[Optional[torch.Tensor]],
-                   grad: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+def _check_tensors(
+    kernel: Kernel,
+    master: torch.Tensor,
+    state: Sequence[Optional[torch.Tensor]],
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+) -> None:
     where = f"{kernel.name} "
     named: dict[str, tuple[torch.Tensor, Optional[torch.dtype], Optional[int]]] = {}
     if not isinstance(master, torch.Tensor):
@@ -197,23 +270,34 @@ def _check_tensors(kernel: Kernel, master: torch.Tensor, state: Sequence[Optiona
         if not isinstance(t, torch.Tensor):
             raise ConfigError(f"tiermem: {where}{name} is a {type(t).__name__}, not a tensor; pass a tensor")
         if t.device != master.device or t.device.type == "meta":
-            raise ConfigError(f"tiermem: {where}{name} is on {t.device} but master is on {master.device}; all "
-                              f"tensors must be on one CPU or accelerator device; move them there")
+            raise ConfigError(
+                f"tiermem: {where}{name} is on {t.device} but master is on {master.device}; all "
+                f"tensors must be on one CPU or accelerator device; move them there"
+            )
         if dtype is not None and t.dtype != dtype:
             raise ConfigError(f"tiermem: {where}{name} has dtype {t.dtype}; it must be {dtype}")
         if name in ("grad", "out") and t.shape != master.shape:
-            raise ConfigError(f"tiermem: {where}{name} has shape {tuple(t.shape)} but master has "
-                              f"{tuple(master.shape)}; pass tensors of one shape")
+            raise ConfigError(
+                f"tiermem: {where}{name} has shape {tuple(t.shape)} but master has "
+                f"{tuple(master.shape)}; pass tensors of one shape"
+            )
         if t.numel() != numel:
-            raise ConfigError(f"tiermem: {where}{name} has {t.numel()} elements but master's {n} need {numel}; "
-                              f"pass state laid out for this tensor (tiermem.optim.state_layout)")
+            raise ConfigError(
+                f"tiermem: {where}{name} has {t.numel()} elements but master's {n} need {numel}; "
+                f"pass state laid out for this tensor (tiermem.optim.state_layout)"
+            )
     if grad.dtype not in GRAD_DTYPES:
-        raise ConfigError(f"tiermem: {where}grad has dtype {grad.dtype}; it must be one of "
-                          f"{', '.join(str(d) for d in GRAD_DTYPES)}; convert it first")
+        raise ConfigError(
+            f"tiermem: {where}grad has dtype {grad.dtype}; it must be one of "
+            f"{', '.join(str(d) for d in GRAD_DTYPES)}; convert it first"
+        )
     if out is not None and out.dtype not in GRAD_DTYPES:
-        raise ConfigError(f"tiermem: {where}out has dtype {out.dtype}; it must be one of "
-                          f"{', '.join(str(d) for d in GRAD_DTYPES)}")
+        raise ConfigError(
+            f"tiermem: {where}out has dtype {out.dtype}; it must be one of {', '.join(str(d) for d in GRAD_DTYPES)}"
+        )
     ptrs = [t.data_ptr() for t, _, _ in named.values() if t.numel()] + ([master.data_ptr()] if n else [])
     if len(set(ptrs)) != len(ptrs):
-        raise ConfigError(f"tiermem: {where}master, the state tensors, grad and out must be different tensors, "
-                          f"but two of them share memory; pass separate buffers")
+        raise ConfigError(
+            f"tiermem: {where}master, the state tensors, grad and out must be different tensors, "
+            f"but two of them share memory; pass separate buffers"
+        )

@@ -15,6 +15,7 @@ fp32 bit pattern below the bf16 mantissa and truncates (``(bits + r) >> 16``), w
 with probability (low 16 bits) / 2^16; NaN stays NaN. The native kernels and :func:`round_bf16` (torch
 ops, the reference) compute the same bits.
 """
+
 from __future__ import annotations
 
 import struct
@@ -112,15 +113,23 @@ def round_bf16(x: torch.Tensor, keys: tuple[int, int, int]) -> torch.Tensor:
 def check(master: torch.Tensor, stochastic_round: Optional[StochasticRound], where: str) -> None:
     """bf16 master weights come with a rounding, fp32 ones without."""
     if stochastic_round is not None and not isinstance(stochastic_round, StochasticRound):
-        raise ConfigError(f"tiermem: {where}stochastic_round={stochastic_round!r} is invalid: pass a "
-                          f"tiermem.optim.StochasticRound or None")
+        raise ConfigError(
+            f"tiermem: {where}stochastic_round={stochastic_round!r} is invalid: pass a "
+            f"tiermem.optim.StochasticRound or None"
+        )
     if master.dtype == torch.bfloat16 and stochastic_round is None:
-        raise ConfigError(f"tiermem: {where}master has dtype torch.bfloat16, which needs stochastic rounding: pass "
-                          f"stochastic_round=StochasticRound.for_parameter(seed, name), or keep master weights in "
-                          f"torch.float32")
+        raise ConfigError(
+            f"tiermem: {where}master has dtype torch.bfloat16, which needs stochastic rounding: pass "
+            f"stochastic_round=StochasticRound.for_parameter(seed, name), or keep master weights in "
+            f"torch.float32"
+        )
     if master.dtype == torch.float32 and stochastic_round is not None:
-        raise ConfigError(f"tiermem: {where}stochastic_round applies to bf16 master weights, but master is "
-                          f"fp32; pass stochastic_round=None or bf16 master weights")
+        raise ConfigError(
+            f"tiermem: {where}stochastic_round applies to bf16 master weights, but master is "
+            f"fp32; pass stochastic_round=None or bf16 master weights"
+        )
     if master.dtype not in (torch.float32, torch.bfloat16):
-        raise ConfigError(f"tiermem: {where}master has dtype {master.dtype}; master weights must be "
-                          f"torch.float32 (or torch.bfloat16 with stochastic_round)")
+        raise ConfigError(
+            f"tiermem: {where}master has dtype {master.dtype}; master weights must be "
+            f"torch.float32 (or torch.bfloat16 with stochastic_round)"
+        )

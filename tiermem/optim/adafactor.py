@@ -12,6 +12,7 @@ once per row and column rather than per element, so the passes over the tensor m
 divide (unless v is below ``eps1**2``, where both clamp). ``eps1=None`` is fp32's machine epsilon, for bf16
 master weights too (the update is computed in fp32).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -53,11 +54,11 @@ class AdafactorHyper(_Hyper):
 
     @property
     def one_minus_beta2(self) -> float:
-        return self.step ** self.beta2_decay
+        return self.step**self.beta2_decay
 
     @property
     def rho(self) -> float:
-        return min(self.lr, 1 / (self.step ** 0.5))
+        return min(self.lr, 1 / (self.step**0.5))
 
     @property
     def decay_mul(self) -> float:
@@ -65,8 +66,16 @@ class AdafactorHyper(_Hyper):
 
     def scalars(self, neg_step: float = 0.0) -> list[float]:
         w = self.one_minus_beta2
-        return [self.grad_multiplier, self.clip_coef, self.eps1_value * self.eps1_value, self.decay_mul, neg_step,
-                w, float(abs(_fp32(w)) >= 0.5), self.inv_eps1]
+        return [
+            self.grad_multiplier,
+            self.clip_coef,
+            self.eps1_value * self.eps1_value,
+            self.decay_mul,
+            neg_step,
+            w,
+            float(abs(_fp32(w)) >= 0.5),
+            self.inv_eps1,
+        ]
 
     @property
     def inv_eps1(self) -> float:
@@ -76,8 +85,8 @@ class AdafactorHyper(_Hyper):
 
     def neg_step(self, p_sumsq: float, u_sumsq: float, n: int) -> float:
         """-alpha / denom: the weights' RMS sets the step size, the update's RMS clips it."""
-        alpha = max(self.eps2, math.sqrt(p_sumsq) / n ** 0.5) * self.rho
-        denom = max(1.0, math.sqrt(u_sumsq) / (n ** 0.5 * self.d))
+        alpha = max(self.eps2, math.sqrt(p_sumsq) / n**0.5) * self.rho
+        denom = max(1.0, math.sqrt(u_sumsq) / (n**0.5 * self.d))
         return -alpha / denom
 
 
@@ -85,10 +94,12 @@ def _fp32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float32).item()
 
 
-_RULES = {"beta2_decay": (lambda v: _real(v) and -math.inf < v <= 0, "a number <= 0"),
-          "eps1": (lambda v: v is None or (_real(v) and 0 <= v < math.inf), "None or a finite number >= 0"),
-          "eps2": (lambda v: _real(v) and 0 <= v < math.inf, "a finite number >= 0"),
-          "d": (lambda v: _real(v) and 1 <= v < math.inf, "a finite number >= 1")}
+_RULES = {
+    "beta2_decay": (lambda v: _real(v) and -math.inf < v <= 0, "a number <= 0"),
+    "eps1": (lambda v: v is None or (_real(v) and 0 <= v < math.inf), "None or a finite number >= 0"),
+    "eps2": (lambda v: _real(v) and 0 <= v < math.inf, "a finite number >= 0"),
+    "d": (lambda v: _real(v) and 1 <= v < math.inf, "a finite number >= 1"),
+}
 
 
 def check_adafactor(where: str, **values) -> None:
@@ -96,19 +107,36 @@ def check_adafactor(where: str, **values) -> None:
         if name in _RULES:
             ok, rule = _RULES[name]
             if not ok(value):
-                raise ConfigError(f"tiermem: {where}{name}={value!r} is invalid: it must be {rule}; pass a value "
-                                  f"that is")
+                raise ConfigError(
+                    f"tiermem: {where}{name}={value!r} is invalid: it must be {rule}; pass a value that is"
+                )
         else:
             check_hyper(where, **{name: value})
 
 
-def adafactor_step(master: torch.Tensor, grad: torch.Tensor, *, step: int, lr: float = 1e-2,
-                   beta2_decay: float = -0.8, eps1: Optional[float] = None, eps2: float = 1e-3, d: float = 1.0,
-                   weight_decay: float = 0.0, maximize: bool = False, row_var: Optional[torch.Tensor] = None,
-                   col_var: Optional[torch.Tensor] = None, variance: Optional[torch.Tensor] = None,
-                   shape: Optional[tuple[int, ...]] = None, grad_scale: float = 1.0, clip_coef: float = 1.0,
-                   out: Optional[torch.Tensor] = None, stochastic_round: Optional[StochasticRound] = None,
-                   check_finite: bool = True, impl: Optional[str] = None) -> bool:
+def adafactor_step(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    step: int,
+    lr: float = 1e-2,
+    beta2_decay: float = -0.8,
+    eps1: Optional[float] = None,
+    eps2: float = 1e-3,
+    d: float = 1.0,
+    weight_decay: float = 0.0,
+    maximize: bool = False,
+    row_var: Optional[torch.Tensor] = None,
+    col_var: Optional[torch.Tensor] = None,
+    variance: Optional[torch.Tensor] = None,
+    shape: Optional[tuple[int, ...]] = None,
+    grad_scale: float = 1.0,
+    clip_coef: float = 1.0,
+    out: Optional[torch.Tensor] = None,
+    stochastic_round: Optional[StochasticRound] = None,
+    check_finite: bool = True,
+    impl: Optional[str] = None,
+) -> bool:
     """One Adafactor update in place (see the module docstring for the state). ``shape`` is the
     parameter's shape when ``master`` is a flat view of it (default: master's own shape); the other
     arguments are as in :func:`tiermem.optim.sgd_step`. The state tensors are passed by name, as
@@ -139,10 +167,18 @@ def adafactor_step(master: torch.Tensor, grad: torch.Tensor, *, step: int, lr: f
     Returns:
         ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
-    hyper = AdafactorHyper(step=_as_step(step), lr=as_number(lr), beta2_decay=as_number(beta2_decay),
-                           eps1=None if eps1 is None else as_number(eps1), eps2=as_number(eps2), d=as_number(d),
-                           weight_decay=as_number(weight_decay), maximize=maximize,
-                           grad_scale=as_number(grad_scale), clip_coef=as_number(clip_coef))
+    hyper = AdafactorHyper(
+        step=_as_step(step),
+        lr=as_number(lr),
+        beta2_decay=as_number(beta2_decay),
+        eps1=None if eps1 is None else as_number(eps1),
+        eps2=as_number(eps2),
+        d=as_number(d),
+        weight_decay=as_number(weight_decay),
+        maximize=maximize,
+        grad_scale=as_number(grad_scale),
+        clip_coef=as_number(clip_coef),
+    )
     shape, state = _layout(master, grad, shape, row_var, col_var, variance)
     _run._check_impl("adafactor_step ", impl)
     _run._check_tensors(_kernel(shape), master, state, grad, out)
@@ -154,18 +190,29 @@ def adafactor_step(master: torch.Tensor, grad: torch.Tensor, *, step: int, lr: f
     if check_finite and _run.any_nonfinite(grad):
         return True
     keys = None if stochastic_round is None else stochastic_round.keys(hyper.step)
-    native = impl == "native" or (impl is None and master.device.type == "cpu" and flat
-                                  and _native.available("adafactor"))
+    native = impl == "native" or (
+        impl is None and master.device.type == "cpu" and flat and _native.available("adafactor")
+    )
     if native:
         if master.device.type != "cpu" or not flat:
             raise ConfigError("tiermem: adafactor_step impl='native' takes contiguous CPU tensors; pass impl=None")
         try:
             lib = _native.library("adafactor")
         except _native.NativeUnavailable as e:
-            raise TierMemError(f"tiermem: the native CPU optimizer kernels are unavailable here ({e}); install a "
-                               f"C++ compiler (g++ 12 or newer), or pass impl=None") from e
-        _native_step(lib, master.view(-1), grad.view(-1), None if out is None else out.view(-1),
-                     [t.detach().view(-1) for t in state], shape, hyper, keys)
+            raise TierMemError(
+                f"tiermem: the native CPU optimizer kernels are unavailable here ({e}); install a "
+                f"C++ compiler (g++ 12 or newer), or pass impl=None"
+            ) from e
+        _native_step(
+            lib,
+            master.view(-1),
+            grad.view(-1),
+            None if out is None else out.view(-1),
+            [t.detach().view(-1) for t in state],
+            shape,
+            hyper,
+            keys,
+        )
     else:
         reference(master, [t.detach() for t in state], grad, out, shape, hyper, keys)
     return False
@@ -176,16 +223,22 @@ def _layout(master, grad, shape, row_var, col_var, variance) -> tuple[tuple[int,
         raise ConfigError(f"tiermem: adafactor_step master is a {type(master).__name__}, not a tensor; pass a tensor")
     shape = tuple(master.shape) if shape is None else tuple(int(s) for s in shape)
     if math.prod(shape) != master.numel():
-        raise ConfigError(f"tiermem: adafactor_step shape={shape} has {math.prod(shape)} elements but master has "
-                          f"{master.numel()}; pass the parameter's shape")
+        raise ConfigError(
+            f"tiermem: adafactor_step shape={shape} has {math.prod(shape)} elements but master has "
+            f"{master.numel()}; pass the parameter's shape"
+        )
     if len(shape) >= 2:
         if row_var is None or col_var is None or variance is not None:
-            raise ConfigError(f"tiermem: adafactor_step factors a tensor of shape {shape}: pass row_var and col_var "
-                              f"(and no variance), as torch.optim.Adafactor keeps them")
+            raise ConfigError(
+                f"tiermem: adafactor_step factors a tensor of shape {shape}: pass row_var and col_var "
+                f"(and no variance), as torch.optim.Adafactor keeps them"
+            )
         return shape, (row_var, col_var)
     if variance is None or row_var is not None or col_var is not None:
-        raise ConfigError(f"tiermem: adafactor_step keeps a full variance for a tensor of shape {shape}: pass "
-                          f"variance (and no row_var or col_var), as torch.optim.Adafactor keeps it")
+        raise ConfigError(
+            f"tiermem: adafactor_step keeps a full variance for a tensor of shape {shape}: pass "
+            f"variance (and no row_var or col_var), as torch.optim.Adafactor keeps it"
+        )
     return shape, (variance,)
 
 
@@ -212,8 +265,15 @@ def _always(k: int) -> Callable[[int], int]:
     return lambda n: k
 
 
-def reference(master: torch.Tensor, state: list, grad: torch.Tensor, out: Optional[torch.Tensor],
-              shape: tuple[int, ...], h: AdafactorHyper, keys) -> None:
+def reference(
+    master: torch.Tensor,
+    state: list,
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+    shape: tuple[int, ...],
+    h: AdafactorHyper,
+    keys,
+) -> None:
     """torch.optim.adafactor._single_tensor_adafactor's update in torch ops (module docstring)."""
     p = master if master.dtype == torch.float32 else master.float()
     g = grad.float() * (1.0 / h.grad_scale) * h.clip_coef
@@ -251,8 +311,9 @@ def _rsqrt(x: torch.Tensor) -> torch.Tensor:
     return torch.reciprocal(x.double().sqrt().float())
 
 
-def factors(row_var: torch.Tensor, col_var: torch.Tensor, b: int, r: int, c: int,
-            eps1: float) -> tuple[torch.Tensor, ...]:
+def factors(
+    row_var: torch.Tensor, col_var: torch.Tensor, b: int, r: int, c: int, eps1: float
+) -> tuple[torch.Tensor, ...]:
     """rs, rr, col, rc (flat): each row's variance over its batch's mean row variance (clamped at
     eps1, as torch clamps it) and 1/sqrt of it, each column's variance and 1/sqrt of it. The second
     moment of (r, c) is rs[r] * col[c] and its update's factor rr[r] * rc[c] (unless clamped)."""
@@ -262,8 +323,16 @@ def factors(row_var: torch.Tensor, col_var: torch.Tensor, b: int, r: int, c: int
     return rs, _rsqrt(rs), col, _rsqrt(col)
 
 
-def _native_step(lib, master: torch.Tensor, grad: torch.Tensor, out: Optional[torch.Tensor], state: list,
-                 shape: tuple[int, ...], h: AdafactorHyper, keys) -> None:
+def _native_step(
+    lib,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+    state: list,
+    shape: tuple[int, ...],
+    h: AdafactorHyper,
+    keys,
+) -> None:
     P, C, nt = _native.ptr, _native.code, _native.threads()
     sr = None if keys is None else (ctypes.c_uint32 * 3)(*keys)
     n = master.numel()
@@ -273,21 +342,34 @@ def _native_step(lib, master: torch.Tensor, grad: torch.Tensor, out: Optional[to
         row_sum, col_sum = torch.empty(b * r, dtype=torch.float64), torch.empty(b * c, dtype=torch.float64)
         sums = torch.zeros(2, dtype=torch.float64)  # the sums of p^2 and of u^2
         s = h.scalars()
-        lib.tm_adafactor_stats(b, r, c, P(master), C(master), P(grad), C(grad), _native.floats(s), P(row_sum),
-                               P(col_sum), P(sums), nt)
+        lib.tm_adafactor_stats(
+            b, r, c, P(master), C(master), P(grad), C(grad), _native.floats(s), P(row_sum), P(col_sum), P(sums), nt
+        )
         w, eps1 = h.one_minus_beta2, h.eps1_value
         row_var.lerp_((row_sum / c).float(), w)
         col_var.lerp_((col_sum / r).float(), w)
         f = torch.cat(factors(row_var, col_var, b, r, c, eps1))
         u_sumsq = lib.tm_adafactor_rms(b, r, c, P(grad), C(grad), _native.floats(s), P(f), nt)
         s = h.scalars(h.neg_step(sums[0].item(), u_sumsq, n))
-        lib.tm_adafactor_apply(b, r, c, P(master), C(master), P(grad), C(grad), P(out), C(out), P(f),
-                               _native.floats(s), sr, nt)
+        lib.tm_adafactor_apply(
+            b, r, c, P(master), C(master), P(grad), C(grad), P(out), C(out), P(f), _native.floats(s), sr, nt
+        )
     else:
         (variance,) = state
         sums = torch.zeros(2, dtype=torch.float64)  # the sums of u^2 and of p^2
-        lib.tm_adafactor_vec_stats(n, P(master), C(master), P(grad), C(grad), P(variance),
-                                   _native.floats(h.scalars()), P(sums), sums.data_ptr() + 8, nt)
+        lib.tm_adafactor_vec_stats(
+            n,
+            P(master),
+            C(master),
+            P(grad),
+            C(grad),
+            P(variance),
+            _native.floats(h.scalars()),
+            P(sums),
+            sums.data_ptr() + 8,
+            nt,
+        )
         s = h.scalars(h.neg_step(sums[1].item(), sums[0].item(), n))
-        lib.tm_adafactor_vec_apply(n, P(master), C(master), P(grad), C(grad), P(out), C(out), P(variance),
-                                   _native.floats(s), sr, nt)
+        lib.tm_adafactor_vec_apply(
+            n, P(master), C(master), P(grad), C(grad), P(out), C(out), P(variance), _native.floats(s), sr, nt
+        )

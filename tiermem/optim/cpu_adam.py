@@ -13,6 +13,7 @@ called through ctypes in microseconds; the compiled ``adam_step`` remains the pa
 kernel can be built. bench/cpu_optim.py measures it against torch's fused AdamW (bench/RESULTS.md,
 2026-12-01, one core at load 7-8: 0.73-0.75x with the check, 0.78-0.89x without; was 0.33-0.40x).
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,13 +61,27 @@ class CPUAdam(CPUOptimizer):
 
     _sparse_hint = "use torch.optim.SparseAdam for sparse gradients"
 
-    def __init__(self, params: Params, lr: Union[float, torch.Tensor] = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, adamw: bool = True, *, check_finite: bool = True,
-                 bf16_stochastic_round: bool = False, sr_seed: Optional[int] = None):
+    def __init__(
+        self,
+        params: Params,
+        lr: Union[float, torch.Tensor] = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw: bool = True,
+        *,
+        check_finite: bool = True,
+        bf16_stochastic_round: bool = False,
+        sr_seed: Optional[int] = None,
+    ):
         _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw),
-                         check_finite=check_finite, bf16_stochastic_round=bf16_stochastic_round, sr_seed=sr_seed)
+        super().__init__(
+            params,
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw),
+            check_finite=check_finite,
+            bf16_stochastic_round=bf16_stochastic_round,
+            sr_seed=sr_seed,
+        )
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_adam_group("CPUAdam ", group)
@@ -80,29 +95,58 @@ class CPUAdam(CPUOptimizer):
         state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
-    def _update(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int,
-                sr: Optional[StochasticRound]) -> None:
+    def _update(
+        self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int, sr: Optional[StochasticRound]
+    ) -> None:
         adam_update(self, p, state, group, step, sr)
 
 
-def adam_update(opt: CPUOptimizer, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int,
-                sr: Optional[StochasticRound]) -> None:
+def adam_update(
+    opt: CPUOptimizer,
+    p: torch.Tensor,
+    state: dict[str, Any],
+    group: dict[str, Any],
+    step: int,
+    sr: Optional[StochasticRound],
+) -> None:
     """One Adam update of a drop-in's parameter with fp32 moments (NOTE [Drop-in speed]): the native
     kernel, else ``adam_step`` (the compiled kernel, or bf16 weights' reference)."""
     beta1, beta2 = group["betas"]
-    kw = dict(step=step, lr=as_number(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-              weight_decay=group["weight_decay"], adamw=group["adamw"])
+    kw = dict(
+        step=step,
+        lr=as_number(group["lr"]),
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        adamw=group["adamw"],
+    )
     grad = p.grad
     assert grad is not None  # the drop-ins step the parameters that have a gradient
-    opt._fused(_run.ADAM, p, (state["exp_avg"], state["exp_avg_sq"]), group, step, sr, lambda: AdamHyper(**kw),
-               lambda: adam_step(p, state["exp_avg"], state["exp_avg_sq"], grad, **kw, check_finite=False,
-                                 stochastic_round=sr))
+    opt._fused(
+        _run.ADAM,
+        p,
+        (state["exp_avg"], state["exp_avg_sq"]),
+        group,
+        step,
+        sr,
+        lambda: AdamHyper(**kw),
+        lambda: adam_step(
+            p, state["exp_avg"], state["exp_avg_sq"], grad, **kw, check_finite=False, stochastic_round=sr
+        ),
+    )
 
 
 def check_adam_group(where: str, group: dict[str, Any]) -> None:
     """The rules every Adam in tiermem checks (NOTE [Adam hyperparameter rules]), on a param group."""
-    check_adam_hyper(where, lr=number(group["lr"]), betas=group["betas"], eps=group["eps"],
-                     weight_decay=group["weight_decay"], adamw=group["adamw"])
+    check_adam_hyper(
+        where,
+        lr=number(group["lr"]),
+        betas=group["betas"],
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        adamw=group["adamw"],
+    )
 
 
 def _check_hyper(*, lr: Any, betas: Any, eps: Any, weight_decay: Any, adamw: Any) -> None:

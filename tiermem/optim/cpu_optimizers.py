@@ -8,6 +8,7 @@ tests state. All of them share tiermem/optim/_dropin.py: fp32 CPU parameters (bf
 ``bf16_stochastic_round=True``), a step skipped whole when a gradient is not finite
 (``check_finite=False`` turns the check off), sparse gradients refused.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Union
@@ -49,36 +50,84 @@ class CPUSGD(CPUOptimizer):
         sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
-    def __init__(self, params: Params, lr: Number = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
-                 check_finite: bool = True, bf16_stochastic_round: bool = False, sr_seed: Optional[int] = None):
-        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=nesterov, maximize=maximize),
-                         check_finite=check_finite, bf16_stochastic_round=bf16_stochastic_round, sr_seed=sr_seed)
+    def __init__(
+        self,
+        params: Params,
+        lr: Number = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        check_finite: bool = True,
+        bf16_stochastic_round: bool = False,
+        sr_seed: Optional[int] = None,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                momentum=momentum,
+                dampening=dampening,
+                weight_decay=weight_decay,
+                nesterov=nesterov,
+                maximize=maximize,
+            ),
+            check_finite=check_finite,
+            bf16_stochastic_round=bf16_stochastic_round,
+            sr_seed=sr_seed,
+        )
 
     def _check_group(self, g: dict[str, Any]) -> None:
-        check_hyper("CPUSGD ", lr=number(g["lr"]), momentum=g["momentum"], dampening=g["dampening"],
-                    weight_decay=g["weight_decay"], nesterov=g["nesterov"], maximize=g["maximize"])
+        check_hyper(
+            "CPUSGD ",
+            lr=number(g["lr"]),
+            momentum=g["momentum"],
+            dampening=g["dampening"],
+            weight_decay=g["weight_decay"],
+            nesterov=g["nesterov"],
+            maximize=g["maximize"],
+        )
         if g["nesterov"] and (g["momentum"] <= 0 or g["dampening"] != 0):
             raise ConfigError("tiermem: CPUSGD nesterov=True needs momentum > 0 and dampening = 0; as torch.optim.SGD")
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> None:
         pass  # the buffer is made on the first step with momentum
 
-    def _update(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int,
-                sr: Optional[StochasticRound]) -> None:
+    def _update(
+        self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int, sr: Optional[StochasticRound]
+    ) -> None:
         buf, new = state.get("momentum_buffer"), False
         if g["momentum"] != 0 and buf is None:  # torch: made from the gradient when first needed
-            buf = state["momentum_buffer"] = torch.empty_like(p, dtype=torch.float32,
-                                                              memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"] = torch.empty_like(
+                p, dtype=torch.float32, memory_format=torch.preserve_format
+            )
             new = True
-        kw = dict(step=step, lr=number(g["lr"]), momentum=g["momentum"], dampening=g["dampening"],
-                  nesterov=g["nesterov"], weight_decay=g["weight_decay"], maximize=g["maximize"], init_buffer=new)
+        kw = dict(
+            step=step,
+            lr=number(g["lr"]),
+            momentum=g["momentum"],
+            dampening=g["dampening"],
+            nesterov=g["nesterov"],
+            weight_decay=g["weight_decay"],
+            maximize=g["maximize"],
+            init_buffer=new,
+        )
         buf = buf if g["momentum"] != 0 else None
         grad = p.grad
         assert grad is not None  # the drop-ins step the parameters that have a gradient
-        self._fused(_run.SGD, p, (buf,), g, step, sr, lambda: SGDHyper(**kw),
-                    lambda: sgd_step(p, buf, grad, **kw, stochastic_round=sr, check_finite=False), new)
+        self._fused(
+            _run.SGD,
+            p,
+            (buf,),
+            g,
+            step,
+            sr,
+            lambda: SGDHyper(**kw),
+            lambda: sgd_step(p, buf, grad, **kw, stochastic_round=sr, check_finite=False),
+            new,
+        )
 
 
 @checked_arguments
@@ -102,29 +151,74 @@ class CPUAdagrad(CPUOptimizer):
         sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
-    def __init__(self, params: Params, lr: Number = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
-                 check_finite: bool = True, bf16_stochastic_round: bool = False, sr_seed: Optional[int] = None):
-        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
-                                      initial_accumulator_value=initial_accumulator_value, maximize=maximize),
-                         check_finite=check_finite, bf16_stochastic_round=bf16_stochastic_round, sr_seed=sr_seed)
+    def __init__(
+        self,
+        params: Params,
+        lr: Number = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        *,
+        maximize: bool = False,
+        check_finite: bool = True,
+        bf16_stochastic_round: bool = False,
+        sr_seed: Optional[int] = None,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                lr_decay=lr_decay,
+                weight_decay=weight_decay,
+                eps=eps,
+                initial_accumulator_value=initial_accumulator_value,
+                maximize=maximize,
+            ),
+            check_finite=check_finite,
+            bf16_stochastic_round=bf16_stochastic_round,
+            sr_seed=sr_seed,
+        )
 
     def _check_group(self, g: dict[str, Any]) -> None:
-        check_hyper("CPUAdagrad ", lr=number(g["lr"]), lr_decay=g["lr_decay"], weight_decay=g["weight_decay"],
-                    eps=g["eps"], initial_accumulator_value=g["initial_accumulator_value"], maximize=g["maximize"])
+        check_hyper(
+            "CPUAdagrad ",
+            lr=number(g["lr"]),
+            lr_decay=g["lr_decay"],
+            weight_decay=g["weight_decay"],
+            eps=g["eps"],
+            initial_accumulator_value=g["initial_accumulator_value"],
+            maximize=g["maximize"],
+        )
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> None:
-        state["sum"] = torch.full_like(p, g["initial_accumulator_value"], dtype=torch.float32,
-                                       memory_format=torch.preserve_format)
+        state["sum"] = torch.full_like(
+            p, g["initial_accumulator_value"], dtype=torch.float32, memory_format=torch.preserve_format
+        )
 
-    def _update(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int,
-                sr: Optional[StochasticRound]) -> None:
-        kw = dict(step=step, lr=number(g["lr"]), lr_decay=g["lr_decay"], weight_decay=g["weight_decay"], eps=g["eps"],
-                  maximize=g["maximize"])
+    def _update(
+        self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int, sr: Optional[StochasticRound]
+    ) -> None:
+        kw = dict(
+            step=step,
+            lr=number(g["lr"]),
+            lr_decay=g["lr_decay"],
+            weight_decay=g["weight_decay"],
+            eps=g["eps"],
+            maximize=g["maximize"],
+        )
         grad = p.grad
         assert grad is not None  # the drop-ins step the parameters that have a gradient
-        self._fused(_run.ADAGRAD, p, (state["sum"],), g, step, sr, lambda: AdagradHyper(**kw),
-                    lambda: adagrad_step(p, state["sum"], grad, **kw, stochastic_round=sr, check_finite=False))
+        self._fused(
+            _run.ADAGRAD,
+            p,
+            (state["sum"],),
+            g,
+            step,
+            sr,
+            lambda: AdagradHyper(**kw),
+            lambda: adagrad_step(p, state["sum"], grad, **kw, stochastic_round=sr, check_finite=False),
+        )
 
 
 @checked_arguments
@@ -145,31 +239,63 @@ class CPULion(CPUOptimizer):
         sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
-    def __init__(self, params: Params, lr: Number = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0, *, check_finite: bool = True, bf16_stochastic_round: bool = False,
-                 sr_seed: Optional[int] = None):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), check_finite=check_finite,
-                         bf16_stochastic_round=bf16_stochastic_round, sr_seed=sr_seed)
+    def __init__(
+        self,
+        params: Params,
+        lr: Number = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        check_finite: bool = True,
+        bf16_stochastic_round: bool = False,
+        sr_seed: Optional[int] = None,
+    ):
+        super().__init__(
+            params,
+            dict(lr=lr, betas=betas, weight_decay=weight_decay),
+            check_finite=check_finite,
+            bf16_stochastic_round=bf16_stochastic_round,
+            sr_seed=sr_seed,
+        )
 
     def _check_group(self, g: dict[str, Any]) -> None:
         betas = g["betas"]
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ConfigError(f"tiermem: CPULion betas={betas!r} is invalid: it must be two numbers, each in [0, 1]")
-        check_hyper("CPULion ", lr=number(g["lr"]), lion_beta1=betas[0], lion_beta2=betas[1],
-                    weight_decay=g["weight_decay"])
+        check_hyper(
+            "CPULion ", lr=number(g["lr"]), lion_beta1=betas[0], lion_beta2=betas[1], weight_decay=g["weight_decay"]
+        )
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> None:
         state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
-    def _update(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int,
-                sr: Optional[StochasticRound]) -> None:
+    def _update(
+        self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int, sr: Optional[StochasticRound]
+    ) -> None:
         lr, (b1, b2), wd = number(g["lr"]), g["betas"], g["weight_decay"]
         grad = p.grad
         assert grad is not None  # the drop-ins step the parameters that have a gradient
-        self._fused(_run.LION, p, (state["exp_avg"],), g, step, sr,
-                    lambda: LionHyper(step=step, lr=lr, lion_beta1=b1, lion_beta2=b2, weight_decay=wd),
-                    lambda: lion_step(p, state["exp_avg"], grad, step=step, lr=lr, beta1=b1, beta2=b2,
-                                      weight_decay=wd, stochastic_round=sr, check_finite=False))
+        self._fused(
+            _run.LION,
+            p,
+            (state["exp_avg"],),
+            g,
+            step,
+            sr,
+            lambda: LionHyper(step=step, lr=lr, lion_beta1=b1, lion_beta2=b2, weight_decay=wd),
+            lambda: lion_step(
+                p,
+                state["exp_avg"],
+                grad,
+                step=step,
+                lr=lr,
+                beta1=b1,
+                beta2=b2,
+                weight_decay=wd,
+                stochastic_round=sr,
+                check_finite=False,
+            ),
+        )
 
 
 @checked_arguments
@@ -195,20 +321,42 @@ class CPUAdafactor(CPUOptimizer):
         sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
-    def __init__(self, params: Params, lr: Number = 1e-2, beta2_decay: float = -0.8,
-                 eps: tuple[Optional[float], float] = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0,
-                 *, maximize: bool = False, check_finite: bool = True, bf16_stochastic_round: bool = False,
-                 sr_seed: Optional[int] = None):
-        super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay,
-                                      maximize=maximize),
-                         check_finite=check_finite, bf16_stochastic_round=bf16_stochastic_round, sr_seed=sr_seed)
+    def __init__(
+        self,
+        params: Params,
+        lr: Number = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: tuple[Optional[float], float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        check_finite: bool = True,
+        bf16_stochastic_round: bool = False,
+        sr_seed: Optional[int] = None,
+    ):
+        super().__init__(
+            params,
+            dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, maximize=maximize),
+            check_finite=check_finite,
+            bf16_stochastic_round=bf16_stochastic_round,
+            sr_seed=sr_seed,
+        )
 
     def _check_group(self, g: dict[str, Any]) -> None:
         eps = g["eps"]
         if not (isinstance(eps, (tuple, list)) and len(eps) == 2):
             raise ConfigError(f"tiermem: CPUAdafactor eps={eps!r} is invalid: it must be (eps1 or None, eps2)")
-        check_adafactor("CPUAdafactor ", lr=number(g["lr"]), beta2_decay=g["beta2_decay"], eps1=eps[0],
-                        eps2=eps[1], d=g["d"], weight_decay=g["weight_decay"], maximize=g["maximize"])
+        check_adafactor(
+            "CPUAdafactor ",
+            lr=number(g["lr"]),
+            beta2_decay=g["beta2_decay"],
+            eps1=eps[0],
+            eps2=eps[1],
+            d=g["d"],
+            weight_decay=g["weight_decay"],
+            maximize=g["maximize"],
+        )
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> None:
         if p.dim() > 1:
@@ -217,14 +365,28 @@ class CPUAdafactor(CPUOptimizer):
         else:
             state["variance"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
-    def _update(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int,
-                sr: Optional[StochasticRound]) -> None:
+    def _update(
+        self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int, sr: Optional[StochasticRound]
+    ) -> None:
         grad = p.grad
         assert grad is not None  # the drop-ins step the parameters that have a gradient
-        adafactor_step(p, grad, step=step, lr=number(g["lr"]), beta2_decay=g["beta2_decay"], eps1=g["eps"][0],
-                       eps2=g["eps"][1], d=g["d"], weight_decay=g["weight_decay"], maximize=g["maximize"],
-                       row_var=state.get("row_var"), col_var=state.get("col_var"), variance=state.get("variance"),
-                       stochastic_round=sr, check_finite=False)
+        adafactor_step(
+            p,
+            grad,
+            step=step,
+            lr=number(g["lr"]),
+            beta2_decay=g["beta2_decay"],
+            eps1=g["eps"][0],
+            eps2=g["eps"][1],
+            d=g["d"],
+            weight_decay=g["weight_decay"],
+            maximize=g["maximize"],
+            row_var=state.get("row_var"),
+            col_var=state.get("col_var"),
+            variance=state.get("variance"),
+            stochastic_round=sr,
+            check_finite=False,
+        )
 
 
 @checked_arguments
@@ -250,16 +412,32 @@ class CPUAdam8bit(CPUOptimizer):
         sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
-    def __init__(self, params: Params, lr: Number = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True, *,
-                 min_8bit_size: int = _quant.MIN_8BIT_NUMEL, check_finite: bool = True,
-                 bf16_stochastic_round: bool = False, sr_seed: Optional[int] = None):
+    def __init__(
+        self,
+        params: Params,
+        lr: Number = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw: bool = True,
+        *,
+        min_8bit_size: int = _quant.MIN_8BIT_NUMEL,
+        check_finite: bool = True,
+        bf16_stochastic_round: bool = False,
+        sr_seed: Optional[int] = None,
+    ):
         if not is_int(min_8bit_size) or min_8bit_size < 1:
-            raise ConfigError(f"tiermem: CPUAdam8bit min_8bit_size={min_8bit_size!r} is invalid: it must be an int "
-                              f">= 1")
+            raise ConfigError(
+                f"tiermem: CPUAdam8bit min_8bit_size={min_8bit_size!r} is invalid: it must be an int >= 1"
+            )
         self.min_8bit_size = min_8bit_size
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw),
-                         check_finite=check_finite, bf16_stochastic_round=bf16_stochastic_round, sr_seed=sr_seed)
+        super().__init__(
+            params,
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw),
+            check_finite=check_finite,
+            bf16_stochastic_round=bf16_stochastic_round,
+            sr_seed=sr_seed,
+        )
 
     def _check_group(self, g: dict[str, Any]) -> None:
         check_adam_group("CPUAdam8bit ", g)
@@ -273,17 +451,39 @@ class CPUAdam8bit(CPUOptimizer):
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
-    def _update(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int,
-                sr: Optional[StochasticRound]) -> None:
+    def _update(
+        self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int, sr: Optional[StochasticRound]
+    ) -> None:
         if "exp_avg_absmax" not in state:
             adam_update(self, p, state, g, step, sr)
             return
         beta1, beta2 = g["betas"]
-        kw = dict(step=step, lr=number(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"],
-                  adamw=g["adamw"])
+        kw = dict(
+            step=step,
+            lr=number(g["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=g["eps"],
+            weight_decay=g["weight_decay"],
+            adamw=g["adamw"],
+        )
         quantized = (state["exp_avg"], state["exp_avg_absmax"], state["exp_avg_sq"], state["exp_avg_sq_absmax"])
         grad = p.grad
         assert grad is not None  # the drop-ins step the parameters that have a gradient
-        self._fused(_run.ADAM8BIT, p, quantized, g, step, sr, lambda: AdamHyper(**kw),
-                    lambda: adam8bit_step(p.view(-1) if p.is_contiguous() else p, *quantized, grad.reshape(-1), **kw,
-                                          stochastic_round=sr, check_finite=False))
+        self._fused(
+            _run.ADAM8BIT,
+            p,
+            quantized,
+            g,
+            step,
+            sr,
+            lambda: AdamHyper(**kw),
+            lambda: adam8bit_step(
+                p.view(-1) if p.is_contiguous() else p,
+                *quantized,
+                grad.reshape(-1),
+                **kw,
+                stochastic_round=sr,
+                check_finite=False,
+            ),
+        )

@@ -18,6 +18,7 @@ vectors per matrix) is parts whose element count depends on the shape, not only 
 ``numel`` of a part takes the shape); an opaque state (a generic torch optimizer) would be one
 part of bytes per parameter.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -126,9 +127,15 @@ class StateFormat:
         return f"{self.kind}: {per} B/param"
 
 
-def state_format(kind: str, *, master_dtype: torch.dtype = torch.float32, numel: Optional[int] = None,
-                 momentum: bool = False, initial_accumulator_value: float = 0.0,
-                 min_8bit_size: int = _quant.MIN_8BIT_NUMEL) -> StateFormat:
+def state_format(
+    kind: str,
+    *,
+    master_dtype: torch.dtype = torch.float32,
+    numel: Optional[int] = None,
+    momentum: bool = False,
+    initial_accumulator_value: float = 0.0,
+    min_8bit_size: int = _quant.MIN_8BIT_NUMEL,
+) -> StateFormat:
     """The format of a parameter of ``numel`` elements under ``kind``: SGD keeps a
     ``momentum_buffer`` only with ``momentum``; 8-bit Adam keeps fp32 moments (Adam's format) below
     ``min_8bit_size`` elements (NOTE [8-bit state]); ``master_dtype`` bf16 drops the fp32 master."""
@@ -141,8 +148,12 @@ def state_format(kind: str, *, master_dtype: torch.dtype = torch.float32, numel:
         kind = kind.removesuffix("8bit")
     if kind in ("adam8bit", "adamw8bit"):
         b = _quant.BLOCK
-        parts += [StatePart("exp_avg", torch.uint8), StatePart("exp_avg_absmax", f32, b),
-                  StatePart("exp_avg_sq", torch.uint8), StatePart("exp_avg_sq_absmax", f32, b)]
+        parts += [
+            StatePart("exp_avg", torch.uint8),
+            StatePart("exp_avg_absmax", f32, b),
+            StatePart("exp_avg_sq", torch.uint8),
+            StatePart("exp_avg_sq_absmax", f32, b),
+        ]
     elif kind in ("adam", "adamw"):
         parts += [StatePart("exp_avg", f32), StatePart("exp_avg_sq", f32)]
     elif kind == "sgd":
@@ -158,9 +169,19 @@ def state_format(kind: str, *, master_dtype: torch.dtype = torch.float32, numel:
 ADAM = state_format("adamw")
 
 
-def step(fmt: StateFormat, master: torch.Tensor, state: Sequence[torch.Tensor], grad: torch.Tensor, *,
-         step: int, hyper: Mapping[str, Any], grad_scale: float, clip_coef: float,
-         out: Optional[torch.Tensor], stochastic_round: Optional[StochasticRound] = None) -> None:
+def step(
+    fmt: StateFormat,
+    master: torch.Tensor,
+    state: Sequence[torch.Tensor],
+    grad: torch.Tensor,
+    *,
+    step: int,
+    hyper: Mapping[str, Any],
+    grad_scale: float,
+    clip_coef: float,
+    out: Optional[torch.Tensor],
+    stochastic_round: Optional[StochasticRound] = None,
+) -> None:
     """One fused update of one piece of state under ``fmt``'s kernel, the hyperparameters read from
     a param group's dict (``hyper``, torch's names); the gradients are known to be finite."""
     common: dict[str, Any] = dict(step=step, grad_scale=grad_scale, clip_coef=clip_coef, out=out, check_finite=False)
@@ -169,31 +190,82 @@ def step(fmt: StateFormat, master: torch.Tensor, state: Sequence[torch.Tensor], 
     kind = fmt.kind
     if kind in ("adam", "adamw"):
         beta1, beta2 = hyper["betas"]
-        _entries.adam_step(master, state[0], state[1], grad, lr=hyper["lr"], beta1=beta1, beta2=beta2,
-                           eps=hyper["eps"], weight_decay=hyper["weight_decay"], adamw=hyper["adamw"], **common)
+        _entries.adam_step(
+            master,
+            state[0],
+            state[1],
+            grad,
+            lr=hyper["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=hyper["eps"],
+            weight_decay=hyper["weight_decay"],
+            adamw=hyper["adamw"],
+            **common,
+        )
     elif kind in ("adam8bit", "adamw8bit"):
         beta1, beta2 = hyper["betas"]
-        _entries.adam8bit_step(master, state[0], state[1], state[2], state[3], grad, lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
-                               weight_decay=hyper["weight_decay"], adamw=hyper["adamw"], **common)
+        _entries.adam8bit_step(
+            master,
+            state[0],
+            state[1],
+            state[2],
+            state[3],
+            grad,
+            lr=hyper["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=hyper["eps"],
+            weight_decay=hyper["weight_decay"],
+            adamw=hyper["adamw"],
+            **common,
+        )
     elif kind == "sgd":
         momentum = hyper["momentum"]
         buffer = state[0] if state else None
         if (momentum != 0) != (buffer is not None):
-            raise ConfigError(f"tiermem: a param group's SGD momentum is {momentum} but the optimizer state was made "
-                              f"{'with' if buffer is not None else 'without'} a momentum buffer; set momentum "
-                              f"{'> 0' if buffer is not None else '= 0'} in every group, or give the optimizer a "
-                              f"momentum > 0 from the start")
-        _entries.sgd_step(master, buffer, grad, lr=hyper["lr"], momentum=momentum, dampening=hyper["dampening"],
-                          nesterov=hyper["nesterov"], weight_decay=hyper["weight_decay"], maximize=hyper["maximize"],
-                          **common)
+            raise ConfigError(
+                f"tiermem: a param group's SGD momentum is {momentum} but the optimizer state was made "
+                f"{'with' if buffer is not None else 'without'} a momentum buffer; set momentum "
+                f"{'> 0' if buffer is not None else '= 0'} in every group, or give the optimizer a "
+                f"momentum > 0 from the start"
+            )
+        _entries.sgd_step(
+            master,
+            buffer,
+            grad,
+            lr=hyper["lr"],
+            momentum=momentum,
+            dampening=hyper["dampening"],
+            nesterov=hyper["nesterov"],
+            weight_decay=hyper["weight_decay"],
+            maximize=hyper["maximize"],
+            **common,
+        )
     elif kind == "adagrad":
-        _entries.adagrad_step(master, state[0], grad, lr=hyper["lr"], lr_decay=hyper["lr_decay"],
-                              weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=hyper["maximize"],
-                              **common)
+        _entries.adagrad_step(
+            master,
+            state[0],
+            grad,
+            lr=hyper["lr"],
+            lr_decay=hyper["lr_decay"],
+            weight_decay=hyper["weight_decay"],
+            eps=hyper["eps"],
+            maximize=hyper["maximize"],
+            **common,
+        )
     else:
         beta1, beta2 = hyper["betas"]
-        _entries.lion_step(master, state[0], grad, lr=hyper["lr"], beta1=beta1, beta2=beta2,
-                           weight_decay=hyper["weight_decay"], **common)
+        _entries.lion_step(
+            master,
+            state[0],
+            grad,
+            lr=hyper["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=hyper["weight_decay"],
+            **common,
+        )
 
 
 def blocks_aligned(fmt: StateFormat, start: int) -> bool:

@@ -11,6 +11,7 @@ bench/cpu_adam.py measures it at 14-16% of the bf16 step). Callers that already 
 are finite (TieredModel learns it from the global gradient norm it computes anyway) pass
 ``check_finite=False`` and pay nothing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,11 +42,26 @@ _said = threading.Lock()
 _said_which: set[str] = set()
 
 
-def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-              grad: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
-              weight_decay: float, adamw: bool = True, grad_scale: float = 1.0, clip_coef: float = 1.0,
-              out: Optional[torch.Tensor] = None, check_finite: bool = True,
-              impl: Optional[str] = None, stochastic_round: Optional["StochasticRound"] = None) -> bool:
+def adam_step(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool = True,
+    grad_scale: float = 1.0,
+    clip_coef: float = 1.0,
+    out: Optional[torch.Tensor] = None,
+    check_finite: bool = True,
+    impl: Optional[str] = None,
+    stochastic_round: Optional["StochasticRound"] = None,
+) -> bool:
     """One Adam (``adamw=False``) or AdamW update, in place, in one pass over the optimizer state
     (plus one read of ``grad`` for the finite check, see NOTE [found_inf: nothing changes]).
 
@@ -90,16 +106,33 @@ def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
     Returns:
         ``found_inf``: True when some gradient element is inf or NaN (nothing was written).
     """
-    hyper = AdamHyper(step=_as_step(step), lr=as_number(lr), beta1=as_number(beta1), beta2=as_number(beta2),
-                      eps=as_number(eps), weight_decay=as_number(weight_decay), adamw=adamw,
-                      grad_scale=as_number(grad_scale), clip_coef=as_number(clip_coef))
+    hyper = AdamHyper(
+        step=_as_step(step),
+        lr=as_number(lr),
+        beta1=as_number(beta1),
+        beta2=as_number(beta2),
+        eps=as_number(eps),
+        weight_decay=as_number(weight_decay),
+        adamw=adamw,
+        grad_scale=as_number(grad_scale),
+        clip_coef=as_number(clip_coef),
+    )
     _check_impl(impl)
     if stochastic_round is not None or (isinstance(master, torch.Tensor) and master.dtype == torch.bfloat16):
         from tiermem.optim import _run  # imports this module
 
-        return _run.run(_run.ADAM, master, (exp_avg, exp_avg_sq), grad, out, hyper,
-                        stochastic_round=stochastic_round, step=hyper.step, check_finite=check_finite,
-                        impl=None if impl is None else "native" if impl == "compiled" else "reference")
+        return _run.run(
+            _run.ADAM,
+            master,
+            (exp_avg, exp_avg_sq),
+            grad,
+            out,
+            hyper,
+            stochastic_round=stochastic_round,
+            step=hyper.step,
+            check_finite=check_finite,
+            impl=None if impl is None else "native" if impl == "compiled" else "reference",
+        )
     _check_tensors(master, exp_avg, exp_avg_sq, grad, out)
     # detached views: the same memory, without autograd's view of it (dynamo guards on requires_grad)
     master, exp_avg, exp_avg_sq, grad = (t.detach() for t in (master, exp_avg, exp_avg_sq, grad))
@@ -115,8 +148,14 @@ def adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
     return _eager_step(name, *tensors, hyper, check_finite=check_finite, impl=impl)
 
 
-def _choose(impl: Optional[str], master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-            grad: torch.Tensor, out: Optional[torch.Tensor]) -> tuple[str, _Tensors]:
+def _choose(
+    impl: Optional[str],
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+) -> tuple[str, _Tensors]:
     """Which kernel runs, and the (master, exp_avg, exp_avg_sq, grad, out) to hand it: viewed as 1-D
     where the kernel needs flat tensors, as they are where it takes any strides."""
     tensors = (master, exp_avg, exp_avg_sq, grad, out)
@@ -128,9 +167,17 @@ def _choose(impl: Optional[str], master: torch.Tensor, exp_avg: torch.Tensor, ex
     return name, tuple(None if t is None else t.view(-1) for t in tensors)  # type: ignore[return-value]  # the five, flat
 
 
-def _compiled_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-                   out: Optional[torch.Tensor], hyper: AdamHyper, *, check_finite: bool,
-                   impl: Optional[str]) -> Optional[bool]:
+def _compiled_step(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+    hyper: AdamHyper,
+    *,
+    check_finite: bool,
+    impl: Optional[str],
+) -> Optional[bool]:
     """The compiled single pass: found_inf, or None when it cannot be compiled here and ``impl``
     (None) lets the caller fall back."""
     try:
@@ -139,17 +186,28 @@ def _compiled_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
         _COMPILED.adam(master, exp_avg, exp_avg_sq, grad, out, hyper)
     except _compiled.CompileUnavailable as e:
         if impl == "compiled":
-            raise TierMemError(f"tiermem: the compiled CPU Adam is unavailable here ({e}); install "
-                               f"a C++ compiler that torch.compile can use, or pass impl=None") from e
+            raise TierMemError(
+                f"tiermem: the compiled CPU Adam is unavailable here ({e}); install "
+                f"a C++ compiler that torch.compile can use, or pass impl=None"
+            ) from e
         return None
     if impl is None:
         _say("compiled")
     return False
 
 
-def _eager_step(name: str, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                grad: torch.Tensor, out: Optional[torch.Tensor], hyper: AdamHyper, *, check_finite: bool,
-                impl: Optional[str]) -> bool:
+def _eager_step(
+    name: str,
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+    hyper: AdamHyper,
+    *,
+    check_finite: bool,
+    impl: Optional[str],
+) -> bool:
     """An uncompiled kernel: torch's fused one on an accelerator ("device"), torch's fused AdamW with
     conversions ("fallback"), or the for-loop oracle ("reference"). Returns found_inf."""
     if check_finite and _kernels._eager_any_nonfinite(grad):
@@ -193,9 +251,12 @@ def implementation() -> str:
     return _default()
 
 
-def warm_up(grad_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
-            out_dtypes: tuple[Optional[torch.dtype], ...] = (torch.bfloat16,), *,
-            adam_l2: bool = False) -> dict[str, float]:
+def warm_up(
+    grad_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+    out_dtypes: tuple[Optional[torch.dtype], ...] = (torch.bfloat16,),
+    *,
+    adam_l2: bool = False,
+) -> dict[str, float]:
     """Compile (or load from the cache) the kernels for these dtypes now, rather than on the first
     step; returns seconds per kernel. Does nothing when compiling is off or unavailable.
 
@@ -242,8 +303,11 @@ def _say(which: str) -> None:
     elif _compiled.disabled_by_env():
         log.info("tiermem: CPU Adam runs torch's fused AdamW (TIERMEM_NO_COMPILE is set)")
     else:
-        log.warning("tiermem: CPU Adam runs torch's fused AdamW with conversions, slower than the "
-                    "compiled kernel, because compiling failed: %s", _COMPILED.failure)
+        log.warning(
+            "tiermem: CPU Adam runs torch's fused AdamW with conversions, slower than the "
+            "compiled kernel, because compiling failed: %s",
+            _COMPILED.failure,
+        )
 
 
 def compile_disabled() -> bool:
@@ -260,46 +324,63 @@ def as_number(value: object) -> Any:
 def _as_step(step: object) -> int:
     value = as_number(step)
     if not is_number(value) or not math.isfinite(value) or value != int(value):
-        raise ConfigError(f"tiermem: adam_step step={step!r} is invalid: it must be a whole number "
-                          f"of updates including this one, >= 1; pass an int")
+        raise ConfigError(
+            f"tiermem: adam_step step={step!r} is invalid: it must be a whole number "
+            f"of updates including this one, >= 1; pass an int"
+        )
     return int(value)
 
 
 def _check_impl(impl: Optional[str]) -> None:
     if impl is not None and impl not in IMPLEMENTATIONS:
-        raise ConfigError(f"tiermem: adam_step impl={impl!r} is unknown; pass one of {IMPLEMENTATIONS} "
-                          f"or None for the default")
+        raise ConfigError(
+            f"tiermem: adam_step impl={impl!r} is unknown; pass one of {IMPLEMENTATIONS} or None for the default"
+        )
 
 
 def _check_dtype(name: str, dtype: torch.dtype, allowed: tuple[torch.dtype, ...]) -> None:
     if dtype not in allowed:
-        raise ConfigError(f"tiermem: adam_step {name} has dtype {dtype}; it must be one of "
-                          f"{', '.join(str(d) for d in allowed)}; convert it first")
+        raise ConfigError(
+            f"tiermem: adam_step {name} has dtype {dtype}; it must be one of "
+            f"{', '.join(str(d) for d in allowed)}; convert it first"
+        )
 
 
-def _check_tensors(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                   grad: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+def _check_tensors(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+) -> None:
     named = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grad": grad}
     if out is not None:
         named["out"] = out
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
-            raise ConfigError(f"tiermem: adam_step {name} is a {type(t).__name__}, not a tensor; pass "
-                              f"a CPU tensor")
+            raise ConfigError(f"tiermem: adam_step {name} is a {type(t).__name__}, not a tensor; pass a CPU tensor")
         if t.device != master.device or t.device.type == "meta":
-            raise ConfigError(f"tiermem: adam_step {name} is on {t.device} but master is on {master.device}; "
-                              f"all tensors must be on one CPU or accelerator device; move them there")
+            raise ConfigError(
+                f"tiermem: adam_step {name} is on {t.device} but master is on {master.device}; "
+                f"all tensors must be on one CPU or accelerator device; move them there"
+            )
         if t.shape != master.shape:
-            raise ConfigError(f"tiermem: adam_step {name} has shape {tuple(t.shape)} but master has "
-                              f"{tuple(master.shape)}; pass tensors of one shape")
+            raise ConfigError(
+                f"tiermem: adam_step {name} has shape {tuple(t.shape)} but master has "
+                f"{tuple(master.shape)}; pass tensors of one shape"
+            )
     for name in ("master", "exp_avg", "exp_avg_sq"):
         if named[name].dtype != torch.float32:
-            raise ConfigError(f"tiermem: adam_step {name} has dtype {named[name].dtype}; master weights "
-                              f"and moments must be torch.float32; keep them in fp32")
+            raise ConfigError(
+                f"tiermem: adam_step {name} has dtype {named[name].dtype}; master weights "
+                f"and moments must be torch.float32; keep them in fp32"
+            )
     _check_dtype("grad", grad.dtype, GRAD_DTYPES)
     if out is not None:
         _check_dtype("out", out.dtype, OUT_DTYPES)
     ptrs = [master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr()]
     if master.numel() and len(set(ptrs)) != len(ptrs):
-        raise ConfigError("tiermem: adam_step master, exp_avg, exp_avg_sq and grad must be four "
-                          "different tensors, but two of them share memory; pass separate buffers")
+        raise ConfigError(
+            "tiermem: adam_step master, exp_avg, exp_avg_sq and grad must be four "
+            "different tensors, but two of them share memory; pass separate buffers"
+        )

@@ -6,6 +6,7 @@ tensors the functional entry takes, in its positional order (Adafactor's by keyw
 element counts and dtypes. Master weights are not state: 4 bytes a parameter in fp32, 2 in bf16 with
 stochastic rounding.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,9 @@ from tiermem.optim.adafactor import state_numels
 KINDS = ("adam", "adamw", "adam8bit", "adamw8bit", "sgd", "adagrad", "lion", "adafactor")
 
 
-def state_layout(kind: str, shape: Sequence[int], *, momentum: float = 0.0,
-                 min_8bit_size: int = _quant.MIN_8BIT_NUMEL) -> dict[str, tuple[int, torch.dtype]]:
+def state_layout(
+    kind: str, shape: Sequence[int], *, momentum: float = 0.0, min_8bit_size: int = _quant.MIN_8BIT_NUMEL
+) -> dict[str, tuple[int, torch.dtype]]:
     """name -> (elements, dtype) of the state of one parameter of ``shape`` under ``kind`` (one of
     ``KINDS``). SGD has a ``momentum_buffer`` only with ``momentum``; 8-bit Adam keeps fp32 moments
     (Adam's layout) below ``min_8bit_size`` elements (NOTE [8-bit state]).
@@ -40,8 +42,12 @@ def state_layout(kind: str, shape: Sequence[int], *, momentum: float = 0.0,
     f32 = torch.float32
     if kind in ("adam8bit", "adamw8bit") and n >= min_8bit_size:
         blocks = _quant.num_blocks(n)
-        return {"exp_avg": (n, torch.uint8), "exp_avg_absmax": (blocks, f32),
-                "exp_avg_sq": (n, torch.uint8), "exp_avg_sq_absmax": (blocks, f32)}
+        return {
+            "exp_avg": (n, torch.uint8),
+            "exp_avg_absmax": (blocks, f32),
+            "exp_avg_sq": (n, torch.uint8),
+            "exp_avg_sq_absmax": (blocks, f32),
+        }
     if kind in ("adam", "adamw", "adam8bit", "adamw8bit"):
         return {"exp_avg": (n, f32), "exp_avg_sq": (n, f32)}
     if kind == "sgd":

@@ -14,6 +14,7 @@ updates including this one (torch's ``state["step"]`` after its increment). The 
 picks "native" or "reference" (tests and benchmarks). Each state layout is what
 :func:`tiermem.optim.state_layout` returns.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -28,11 +29,26 @@ from tiermem.optim._sr import StochasticRound
 from tiermem.optim.functional import _as_step, as_number
 
 
-def sgd_step(master: torch.Tensor, momentum_buffer: Optional[torch.Tensor], grad: torch.Tensor, *, step: int,
-             lr: float, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
-             weight_decay: float = 0.0, maximize: bool = False, grad_scale: float = 1.0, clip_coef: float = 1.0,
-             out: Optional[torch.Tensor] = None, stochastic_round: Optional[StochasticRound] = None,
-             check_finite: bool = True, impl: Optional[str] = None, init_buffer: Optional[bool] = None) -> bool:
+def sgd_step(
+    master: torch.Tensor,
+    momentum_buffer: Optional[torch.Tensor],
+    grad: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+    clip_coef: float = 1.0,
+    out: Optional[torch.Tensor] = None,
+    stochastic_round: Optional[StochasticRound] = None,
+    check_finite: bool = True,
+    impl: Optional[str] = None,
+    init_buffer: Optional[bool] = None,
+) -> bool:
     """torch.optim.SGD's update (``foreach=False``, op for op). ``momentum_buffer`` (fp32, like master)
     is needed when ``momentum`` is not 0 and is None otherwise; at ``step`` 1 it is set to the
     gradient, as torch creates it, so a new buffer need not be initialised (``init_buffer=True`` does
@@ -61,23 +77,56 @@ def sgd_step(master: torch.Tensor, momentum_buffer: Optional[torch.Tensor], grad
     Returns:
         ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
-    hyper = SGDHyper(step=_as_step(step), lr=as_number(lr), momentum=as_number(momentum),
-                     dampening=as_number(dampening), nesterov=nesterov, weight_decay=as_number(weight_decay),
-                     maximize=maximize, grad_scale=as_number(grad_scale), clip_coef=as_number(clip_coef),
-                     init_buffer=init_buffer)
+    hyper = SGDHyper(
+        step=_as_step(step),
+        lr=as_number(lr),
+        momentum=as_number(momentum),
+        dampening=as_number(dampening),
+        nesterov=nesterov,
+        weight_decay=as_number(weight_decay),
+        maximize=maximize,
+        grad_scale=as_number(grad_scale),
+        clip_coef=as_number(clip_coef),
+        init_buffer=init_buffer,
+    )
     if (hyper.momentum != 0) != (momentum_buffer is not None):
-        raise ConfigError(f"tiermem: sgd_step momentum={hyper.momentum} "
-                          f"{'needs a momentum_buffer' if hyper.momentum else 'takes no momentum_buffer'}; "
-                          f"pass {'an fp32 buffer shaped like master' if hyper.momentum else 'None'}")
-    return _run.run(_run.SGD, master, (momentum_buffer,), grad, out, hyper, stochastic_round=stochastic_round,
-                    step=hyper.step, check_finite=check_finite, impl=impl)
+        raise ConfigError(
+            f"tiermem: sgd_step momentum={hyper.momentum} "
+            f"{'needs a momentum_buffer' if hyper.momentum else 'takes no momentum_buffer'}; "
+            f"pass {'an fp32 buffer shaped like master' if hyper.momentum else 'None'}"
+        )
+    return _run.run(
+        _run.SGD,
+        master,
+        (momentum_buffer,),
+        grad,
+        out,
+        hyper,
+        stochastic_round=stochastic_round,
+        step=hyper.step,
+        check_finite=check_finite,
+        impl=impl,
+    )
 
 
-def adagrad_step(master: torch.Tensor, state_sum: torch.Tensor, grad: torch.Tensor, *, step: int, lr: float,
-                 lr_decay: float = 0.0, weight_decay: float = 0.0, eps: float = 1e-10, maximize: bool = False,
-                 grad_scale: float = 1.0, clip_coef: float = 1.0, out: Optional[torch.Tensor] = None,
-                 stochastic_round: Optional[StochasticRound] = None, check_finite: bool = True,
-                 impl: Optional[str] = None) -> bool:
+def adagrad_step(
+    master: torch.Tensor,
+    state_sum: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    lr_decay: float = 0.0,
+    weight_decay: float = 0.0,
+    eps: float = 1e-10,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+    clip_coef: float = 1.0,
+    out: Optional[torch.Tensor] = None,
+    stochastic_round: Optional[StochasticRound] = None,
+    check_finite: bool = True,
+    impl: Optional[str] = None,
+) -> bool:
     """torch.optim.Adagrad's update (``foreach=False``, op for op, the square root correctly rounded).
     ``state_sum`` starts at ``initial_accumulator_value`` (the caller fills it, as torch does).
 
@@ -101,18 +150,47 @@ def adagrad_step(master: torch.Tensor, state_sum: torch.Tensor, grad: torch.Tens
     Returns:
         ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
-    hyper = AdagradHyper(step=_as_step(step), lr=as_number(lr), lr_decay=as_number(lr_decay),
-                         weight_decay=as_number(weight_decay), eps=as_number(eps), maximize=maximize,
-                         grad_scale=as_number(grad_scale), clip_coef=as_number(clip_coef))
-    return _run.run(_run.ADAGRAD, master, (state_sum,), grad, out, hyper, stochastic_round=stochastic_round,
-                    step=hyper.step, check_finite=check_finite, impl=impl)
+    hyper = AdagradHyper(
+        step=_as_step(step),
+        lr=as_number(lr),
+        lr_decay=as_number(lr_decay),
+        weight_decay=as_number(weight_decay),
+        eps=as_number(eps),
+        maximize=maximize,
+        grad_scale=as_number(grad_scale),
+        clip_coef=as_number(clip_coef),
+    )
+    return _run.run(
+        _run.ADAGRAD,
+        master,
+        (state_sum,),
+        grad,
+        out,
+        hyper,
+        stochastic_round=stochastic_round,
+        step=hyper.step,
+        check_finite=check_finite,
+        impl=impl,
+    )
 
 
-def lion_step(master: torch.Tensor, exp_avg: torch.Tensor, grad: torch.Tensor, *, step: int, lr: float,
-              beta1: float = 0.9, beta2: float = 0.99, weight_decay: float = 0.0, grad_scale: float = 1.0,
-              clip_coef: float = 1.0, out: Optional[torch.Tensor] = None,
-              stochastic_round: Optional[StochasticRound] = None, check_finite: bool = True,
-              impl: Optional[str] = None) -> bool:
+def lion_step(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.99,
+    weight_decay: float = 0.0,
+    grad_scale: float = 1.0,
+    clip_coef: float = 1.0,
+    out: Optional[torch.Tensor] = None,
+    stochastic_round: Optional[StochasticRound] = None,
+    check_finite: bool = True,
+    impl: Optional[str] = None,
+) -> bool:
     """Lion (Chen et al. 2023): ``c = beta1*m + (1-beta1)*g``; ``p = p*(1 - lr*wd) - lr*sign(c)``;
     ``m = beta2*m + (1-beta2)*g``. ``step`` only keys the stochastic rounding (Lion has no bias
     correction) but is checked like every other.
@@ -136,19 +214,51 @@ def lion_step(master: torch.Tensor, exp_avg: torch.Tensor, grad: torch.Tensor, *
     Returns:
         ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
-    hyper = LionHyper(step=_as_step(step), lr=as_number(lr), lion_beta1=as_number(beta1),
-                      lion_beta2=as_number(beta2), weight_decay=as_number(weight_decay),
-                      grad_scale=as_number(grad_scale), clip_coef=as_number(clip_coef))
-    return _run.run(_run.LION, master, (exp_avg,), grad, out, hyper, stochastic_round=stochastic_round,
-                    step=hyper.step, check_finite=check_finite, impl=impl)
+    hyper = LionHyper(
+        step=_as_step(step),
+        lr=as_number(lr),
+        lion_beta1=as_number(beta1),
+        lion_beta2=as_number(beta2),
+        weight_decay=as_number(weight_decay),
+        grad_scale=as_number(grad_scale),
+        clip_coef=as_number(clip_coef),
+    )
+    return _run.run(
+        _run.LION,
+        master,
+        (exp_avg,),
+        grad,
+        out,
+        hyper,
+        stochastic_round=stochastic_round,
+        step=hyper.step,
+        check_finite=check_finite,
+        impl=impl,
+    )
 
 
-def adam8bit_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_absmax: torch.Tensor,
-                  exp_avg_sq: torch.Tensor, exp_avg_sq_absmax: torch.Tensor, grad: torch.Tensor, *, step: int,
-                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool = True,
-                  grad_scale: float = 1.0, clip_coef: float = 1.0, out: Optional[torch.Tensor] = None,
-                  stochastic_round: Optional[StochasticRound] = None, check_finite: bool = True,
-                  impl: Optional[str] = None) -> bool:
+def adam8bit_step(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_absmax: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_absmax: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool = True,
+    grad_scale: float = 1.0,
+    clip_coef: float = 1.0,
+    out: Optional[torch.Tensor] = None,
+    stochastic_round: Optional[StochasticRound] = None,
+    check_finite: bool = True,
+    impl: Optional[str] = None,
+) -> bool:
     """Adam/AdamW with block-wise 8-bit moments (NOTE [8-bit state]): ``exp_avg`` and ``exp_avg_sq`` are
     uint8 codes (one per element), ``*_absmax`` fp32 (one per block of 256 elements from the tensor's
     element 0). Each block is dequantized, updated with ``adam_step``'s arithmetic and requantized in
@@ -179,16 +289,37 @@ def adam8bit_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_absmax: t
     Returns:
         ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
-    hyper = AdamHyper(step=_as_step(step), lr=as_number(lr), beta1=as_number(beta1), beta2=as_number(beta2),
-                      eps=as_number(eps), weight_decay=as_number(weight_decay), adamw=adamw,
-                      grad_scale=as_number(grad_scale), clip_coef=as_number(clip_coef))
+    hyper = AdamHyper(
+        step=_as_step(step),
+        lr=as_number(lr),
+        beta1=as_number(beta1),
+        beta2=as_number(beta2),
+        eps=as_number(eps),
+        weight_decay=as_number(weight_decay),
+        adamw=adamw,
+        grad_scale=as_number(grad_scale),
+        clip_coef=as_number(clip_coef),
+    )
     state = (exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax)
     if isinstance(master, torch.Tensor) and not all(
-            isinstance(t, torch.Tensor) and t.is_contiguous() for t in (master, grad, *state)):
-        raise ConfigError("tiermem: adam8bit_step takes contiguous tensors (the 8-bit state is blocked along "
-                          "the flat tensor); pass contiguous ones")
-    return _run.run(_run.ADAM8BIT, master, state, grad, out, hyper, stochastic_round=stochastic_round,
-                    step=hyper.step, check_finite=check_finite, impl=impl)
+        isinstance(t, torch.Tensor) and t.is_contiguous() for t in (master, grad, *state)
+    ):
+        raise ConfigError(
+            "tiermem: adam8bit_step takes contiguous tensors (the 8-bit state is blocked along "
+            "the flat tensor); pass contiguous ones"
+        )
+    return _run.run(
+        _run.ADAM8BIT,
+        master,
+        state,
+        grad,
+        out,
+        hyper,
+        stochastic_round=stochastic_round,
+        step=hyper.step,
+        check_finite=check_finite,
+        impl=impl,
+    )
 
 
 def quantize_blockwise(x: torch.Tensor, signed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,8 +334,10 @@ def quantize_blockwise(x: torch.Tensor, signed: bool = True) -> tuple[torch.Tens
         ``(codes, absmax)``: uint8 codes, one per element, and fp32 scales, one per block of 256.
     """
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
-        raise ConfigError(f"tiermem: quantize_blockwise takes an fp32 tensor, got {type(x).__name__}"
-                          f"{' of ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}")
+        raise ConfigError(
+            f"tiermem: quantize_blockwise takes an fp32 tensor, got {type(x).__name__}"
+            f"{' of ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}"
+        )
     flat = x.detach().reshape(-1)
     if flat.device.type == "cpu" and flat.numel():
         from tiermem.optim import _native
@@ -216,8 +349,15 @@ def quantize_blockwise(x: torch.Tensor, signed: bool = True) -> tuple[torch.Tens
         flat = flat.contiguous()
         codes = torch.empty(flat.numel(), dtype=torch.uint8)
         absmax = torch.empty(_quant.num_blocks(flat.numel()))
-        lib.tm_quantize(flat.numel(), flat.data_ptr(), int(signed), codes.data_ptr(), absmax.data_ptr(),
-                        _quant.CONSTANTS.data_ptr(), _native.threads())
+        lib.tm_quantize(
+            flat.numel(),
+            flat.data_ptr(),
+            int(signed),
+            codes.data_ptr(),
+            absmax.data_ptr(),
+            _quant.CONSTANTS.data_ptr(),
+            _native.threads(),
+        )
         return codes, absmax
     return _quant.reference_quantize(flat, signed)
 
@@ -230,8 +370,14 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool
         absmax: fp32 scales, one per block of 256 codes.
         signed: the map the codes were made with (True for ``exp_avg``).
     """
-    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or not isinstance(absmax, torch.Tensor) \
-            or absmax.dtype != torch.float32 or absmax.numel() != _quant.num_blocks(codes.numel()):
-        raise ConfigError("tiermem: dequantize_blockwise takes uint8 codes and fp32 absmax with one value per "
-                          "block of 256 codes")
+    if (
+        not isinstance(codes, torch.Tensor)
+        or codes.dtype != torch.uint8
+        or not isinstance(absmax, torch.Tensor)
+        or absmax.dtype != torch.float32
+        or absmax.numel() != _quant.num_blocks(codes.numel())
+    ):
+        raise ConfigError(
+            "tiermem: dequantize_blockwise takes uint8 codes and fp32 absmax with one value per block of 256 codes"
+        )
     return _quant.reference_dequantize(codes.reshape(-1), absmax.reshape(-1), signed)

@@ -5,6 +5,7 @@ model: bucket 0's grads are complete first and its transfer starts while backwar
 Parameters that share a placement (the tiers of their GRAD and OPTIM_STATE) share buckets.
 A bucket only records layout (names, offsets, sizes); the buffers themselves belong to stores.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -54,8 +55,10 @@ class Bucket:
 
     def part_numels(self) -> list[int]:
         """Elements of each part of the state (``state.parts``) for the whole bucket."""
-        return [sum(p.numel(s.numel) for s in self.slots) if p.block != 1 and self.slots else p.numel(self.numel)
-                for p in self.state.parts]  # (a bucket of no slots: a plan's one bucket of ``numel`` parameters)
+        return [
+            sum(p.numel(s.numel) for s in self.slots) if p.block != 1 and self.slots else p.numel(self.numel)
+            for p in self.state.parts
+        ]  # (a bucket of no slots: a plan's one bucket of ``numel`` parameters)
 
     def part_offsets(self) -> list[list[int]]:
         """Per part of the state, where each slot's piece starts in that part's buffer."""
@@ -71,9 +74,11 @@ class Bucket:
         """Slot ``slot_index``'s piece of each part, given the bucket's ``views`` (one per part)."""
         s = self.slots[slot_index]
         if self.state.elementwise:
-            return [v[s.offset:s.offset + s.numel] for v in views]
-        return [v[at[slot_index]:at[slot_index] + p.numel(s.numel)]
-                for v, p, at in zip(views, self.state.parts, self.part_offsets())]
+            return [v[s.offset : s.offset + s.numel] for v in views]
+        return [
+            v[at[slot_index] : at[slot_index] + p.numel(s.numel)]
+            for v, p, at in zip(views, self.state.parts, self.part_offsets())
+        ]
 
 
 class Placed(NamedTuple):
@@ -88,8 +93,9 @@ class Placed(NamedTuple):
     state: StateFormat = ADAM
 
 
-def plan_buckets(params: Sequence[Placed], bucket_numel: int, *, first_index: int = 0, first_order: int = 0
-                 ) -> list[Bucket]:
+def plan_buckets(
+    params: Sequence[Placed], bucket_numel: int, *, first_index: int = 0, first_order: int = 0
+) -> list[Bucket]:
     """Pack the parameters in the order given (already reverse order of use) into buckets of at
     most ``bucket_numel`` elements (a larger single parameter gets a bucket of its own). A bucket
     holds one placement, one param group and one state format, so each bucket is one kernel family.

@@ -8,6 +8,7 @@ of the planner's own, so a layout judged to fit is one the constructor builds, a
 never judged not to fit), and predicts a step's seconds per stage (:mod:`tiermem.plan.cost`). Nothing is
 allocated: the module may live on the meta device.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional
@@ -32,9 +33,20 @@ class Evaluator:
     absent); ``machine``: returns this machine's profile (called once, when first needed);
     ``nvme_staging``: as :func:`~tiermem.plan.footprint.footprint` takes it (True on a GPU)."""
 
-    def __init__(self, module: torch.nn.Module, spec: Any, dtype: torch.dtype, bucket_numel: int, *,
-                 limits: Mapping[Tier, int], machine: Callable[[], Profile], overlap: bool = False, world: int = 1,
-                 nvme_staging: bool = False, shard_weights: bool = False):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        spec: Any,
+        dtype: torch.dtype,
+        bucket_numel: int,
+        *,
+        limits: Mapping[Tier, int],
+        machine: Callable[[], Profile],
+        overlap: bool = False,
+        world: int = 1,
+        nvme_staging: bool = False,
+        shard_weights: bool = False,
+    ):
         self.module, self.spec, self.dtype, self.bucket_numel = module, spec, dtype, bucket_numel
         self.limits, self.overlap, self.world, self.nvme_staging = dict(limits), overlap, world, nvme_staging
         self.shard_weights = shard_weights
@@ -67,24 +79,51 @@ class Evaluator:
             return None
         return dict(ev.stages) if ev.stages else None
 
-    def __call__(self, policy: Policy, profile: Any = None, forward_backward: float = 0.0, *,
-                 tokens: int = 0, predict: bool = True) -> Evaluation:
+    def __call__(
+        self,
+        policy: Policy,
+        profile: Any = None,
+        forward_backward: float = 0.0,
+        *,
+        tokens: int = 0,
+        predict: bool = True,
+    ) -> Evaluation:
         try:
-            planned = plan(self.module, policy, self.spec, self.dtype, self.bucket_numel, overlap=self.overlap,
-                           world=self.world)
+            planned = plan(
+                self.module, policy, self.spec, self.dtype, self.bucket_numel, overlap=self.overlap, world=self.world
+            )
         except ConfigError as e:
             return Evaluation(False, {}, {}, {}, refused=str(e))
         buckets, param_homes = planned.buckets, planned.weight_homes
-        need = totals(model_footprint(self.module, buckets, param_homes, self.dtype, overlap=self.overlap,
-                                      world=self.world, shard_weights=self.shard_weights,
-                                      nvme_staging=self.nvme_staging))
+        need = totals(
+            model_footprint(
+                self.module,
+                buckets,
+                param_homes,
+                self.dtype,
+                overlap=self.overlap,
+                world=self.world,
+                shard_weights=self.shard_weights,
+                nvme_staging=self.nvme_staging,
+            )
+        )
         short = {t: n - self.limits.get(t, 0) for t, n in need.items() if n and n > self.limits.get(t, 0)}
         refused = None
         if need[Tier.NVME] and Tier.NVME not in self.limits:
             refused = "it places tensors on NVMe and no nvme_dir is given"
         flops = step_flops(*self._counts(), tokens) if tokens else 0.0
-        stages = (predict_stages(buckets, self.dtype.itemsize, self.rates(profile), forward_backward=forward_backward,
-                                 flops=flops, precision=precision_of(self.dtype)).stages if predict else {})
+        stages = (
+            predict_stages(
+                buckets,
+                self.dtype.itemsize,
+                self.rates(profile),
+                forward_backward=forward_backward,
+                flops=flops,
+                precision=precision_of(self.dtype),
+            ).stages
+            if predict
+            else {}
+        )
         return Evaluation(not short and refused is None, stages, need, short, refused)
 
     def _counts(self) -> tuple[int, int]:
@@ -96,4 +135,3 @@ class Evaluator:
     def bind(self, policy: Policy) -> Policy:
         """``policy`` bound to this model, with this evaluator as its judge."""
         return bind(self.module, policy, self.dtype, self.limits, self)
-

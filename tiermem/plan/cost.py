@@ -34,6 +34,7 @@ and the transfers, nor the per-module cost of fetching weights that live off the
 one transfer per module; policies.Auto places weights off the device only when they cannot stay
 on it). bench/auto.py measures how far off that leaves it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class Rates:
                 missing.append(what)
                 return 0.0
             return value
+
         is_cpu = profile.data.get("device", {}).get("accelerator") is None
         cpu_adam = need(profile.adam_params_per_second(), "adam.tiermem_Gparams_per_s")
         device_adam = profile.device_adam_params_per_second()
@@ -87,16 +89,22 @@ class Rates:
             device_adam = cpu_adam  # the device's Adam is the CPU's kernel there
         matmul = {p: profile.matmul_flops(p, accelerator=not is_cpu) for p in PRECISIONS}
         threads = 1 if not is_cpu else torch.get_num_threads()  # the CPU's figures are one thread's
-        rates = cls(h2d=need(profile.bandwidth(Tier.HOST, Tier.DEVICE), "device.h2d_GBps"),
-                    d2h=need(profile.bandwidth(Tier.DEVICE, Tier.HOST), "device.d2h_GBps"),
-                    host_copy=need(profile.bandwidth(Tier.HOST, Tier.HOST), "host.copy_GBps"),
-                    nvme_read=need(profile.bandwidth(Tier.NVME, Tier.HOST), "nvme.read_GBps"),
-                    nvme_write=need(profile.bandwidth(Tier.HOST, Tier.NVME), "nvme.write_GBps"),
-                    cpu_adam=cpu_adam, device_adam=need(device_adam, "adam.device_Gparams_per_s"),
-                    device_is_cpu=is_cpu, matmul={p: r * threads for p, r in matmul.items() if r is not None})
+        rates = cls(
+            h2d=need(profile.bandwidth(Tier.HOST, Tier.DEVICE), "device.h2d_GBps"),
+            d2h=need(profile.bandwidth(Tier.DEVICE, Tier.HOST), "device.d2h_GBps"),
+            host_copy=need(profile.bandwidth(Tier.HOST, Tier.HOST), "host.copy_GBps"),
+            nvme_read=need(profile.bandwidth(Tier.NVME, Tier.HOST), "nvme.read_GBps"),
+            nvme_write=need(profile.bandwidth(Tier.HOST, Tier.NVME), "nvme.write_GBps"),
+            cpu_adam=cpu_adam,
+            device_adam=need(device_adam, "adam.device_Gparams_per_s"),
+            device_is_cpu=is_cpu,
+            matmul={p: r * threads for p, r in matmul.items() if r is not None},
+        )
         if missing:
-            raise ConfigError(f"tiermem: the machine profile lacks {', '.join(missing)}; run `tiermem bench` "
-                              f"to measure this machine again")
+            raise ConfigError(
+                f"tiermem: the machine profile lacks {', '.join(missing)}; run `tiermem bench` "
+                f"to measure this machine again"
+            )
         return rates
 
 
@@ -122,51 +130,82 @@ def step_flops(trainable: int, frozen: int, tokens: int) -> float:
     return float(tokens) * (6 * trainable + 4 * frozen)
 
 
-def compute_seconds(rates: Rates, *, forward_backward: float = 0.0, flops: float = 0.0,
-                    precision: Optional[str] = None) -> float:
+def compute_seconds(
+    rates: Rates, *, forward_backward: float = 0.0, flops: float = 0.0, precision: Optional[str] = None
+) -> float:
     """The forward+backward seconds the prediction uses: measured when given, else ``flops`` at the
     device's matmul rate in ``precision``, else 0 (NOTE [Cost model])."""
     if forward_backward or not flops:
         return forward_backward
     rate = rates.matmul.get(precision) if precision is not None else None
     if rate is None:
-        raise ConfigError(f"tiermem: the machine profile has no {precision} matmul figure to predict forward and "
-                          f"backward from; run `tiermem bench` to measure this machine again, or give the measured "
-                          f"forward+backward seconds")
+        raise ConfigError(
+            f"tiermem: the machine profile has no {precision} matmul figure to predict forward and "
+            f"backward from; run `tiermem bench` to measure this machine again, or give the measured "
+            f"forward+backward seconds"
+        )
     return flops / rate
 
 
-def predict(buckets: Sequence[Bucket], itemsize: int, rates: Rates, *, forward_backward: float = 0.0,
-            flops: float = 0.0, precision: Optional[str] = None) -> Prediction:
+def predict(
+    buckets: Sequence[Bucket],
+    itemsize: int,
+    rates: Rates,
+    *,
+    forward_backward: float = 0.0,
+    flops: float = 0.0,
+    precision: Optional[str] = None,
+) -> Prediction:
     """Predicted seconds per stage of one step of ``buckets`` with ``itemsize``-byte working weights
     (NOTE [Cost model]); ``forward_backward``: the compute's measured seconds, 0 when unknown;
     ``flops``: the step's matmul FLOPs (:func:`step_flops`), which predict the compute in
     ``precision`` (a name of tiermem.config.PRECISIONS) when it is not measured."""
     forward_backward = compute_seconds(rates, forward_backward=forward_backward, flops=flops, precision=precision)
     w = itemsize
-    fetch = sum(b.numel * w * (2 / rates.nvme_read if b.param_tier == Tier.NVME else 0) + 2 * b.numel * w / rates.h2d
-                for b in buckets if b.param_tier != Tier.DEVICE)
-    trips = [b.numel * w / rates.d2h + (b.numel * _FP32 / rates.nvme_write if b.grad_tier == Tier.NVME else 0)
-             for b in buckets if b.grad_tier != Tier.DEVICE]  # in the order backward completes them
+    fetch = sum(
+        b.numel * w * (2 / rates.nvme_read if b.param_tier == Tier.NVME else 0) + 2 * b.numel * w / rates.h2d
+        for b in buckets
+        if b.param_tier != Tier.DEVICE
+    )
+    trips = [
+        b.numel * w / rates.d2h + (b.numel * _FP32 / rates.nvme_write if b.grad_tier == Tier.NVME else 0)
+        for b in buckets
+        if b.grad_tier != Tier.DEVICE
+    ]  # in the order backward completes them
     grads_home = max(trips[-1], sum(trips) - BACKWARD_SHARE * forward_backward) if trips else 0.0
-    to_adam = sum(b.numel * _FP32 / _bandwidth(rates, b.grad_tier, compute_tier(b)) for b in buckets
-                  if b.grad_tier != Tier.NVME and b.grad_tier != compute_tier(b))
+    to_adam = sum(
+        b.numel * _FP32 / _bandwidth(rates, b.grad_tier, compute_tier(b))
+        for b in buckets
+        if b.grad_tier != Tier.NVME and b.grad_tier != compute_tier(b)
+    )
     norm = sum(b.numel * _FP32 for b in buckets if b.grad_tier != Tier.DEVICE or rates.device_is_cpu) / rates.host_copy
     on_device = sum(b.numel for b in buckets if compute_tier(b) == Tier.DEVICE)
     on_host = sum(b.numel for b in buckets if compute_tier(b) != Tier.DEVICE)
     streamed = [b for b in buckets if b.state_tier == Tier.NVME]
     # each bucket's state as its format keeps it (NOTE [State formats]: 12 B/param for Adam's fp32 state)
     nvme_read = sum(b.joined_bytes() for b in streamed) / rates.nvme_read
-    nvme_write = sum(b.joined_bytes() + (b.numel * w if b.param_tier == Tier.NVME else 0)
-                     for b in streamed) / rates.nvme_write
+    nvme_write = (
+        sum(b.joined_bytes() + (b.numel * w if b.param_tier == Tier.NVME else 0) for b in streamed) / rates.nvme_write
+    )
     host_part = max(on_host / rates.cpu_adam, nvme_read, nvme_write)
     device_part = on_device / rates.device_adam
     optimizer = device_part + host_part if rates.device_is_cpu else max(device_part, host_part)
-    ups = [b.numel * w / (rates.h2d if b.param_tier == Tier.DEVICE else rates.host_copy)
-           for b in buckets if compute_tier(b) != Tier.DEVICE and b.param_tier != Tier.NVME]
+    ups = [
+        b.numel * w / (rates.h2d if b.param_tier == Tier.DEVICE else rates.host_copy)
+        for b in buckets
+        if compute_tier(b) != Tier.DEVICE and b.param_tier != Tier.NVME
+    ]
     weights_up = max(ups[-1], sum(ups) - host_part) if ups else 0.0
-    return Prediction({"forward+backward": max(forward_backward, fetch), "grads home": grads_home,
-                       "grads to Adam": to_adam, "grad norm": norm, "optimizer": optimizer, "weights up": weights_up})
+    return Prediction(
+        {
+            "forward+backward": max(forward_backward, fetch),
+            "grads home": grads_home,
+            "grads to Adam": to_adam,
+            "grad norm": norm,
+            "optimizer": optimizer,
+            "weights up": weights_up,
+        }
+    )
 
 
 def _bandwidth(rates: Rates, src: Tier, dst: Tier) -> float:
@@ -175,12 +214,15 @@ def _bandwidth(rates: Rates, src: Tier, dst: Tier) -> float:
     return rates.h2d if dst == Tier.DEVICE else rates.d2h
 
 
-def against_measured(predicted: dict[str, float], *, forward_backward: float, grads_home: float,
-                     step: float) -> dict[str, tuple[float, float]]:
+def against_measured(
+    predicted: dict[str, float], *, forward_backward: float, grads_home: float, step: float
+) -> dict[str, tuple[float, float]]:
     """``predicted`` stages beside what a run measured, per step: forward+backward (inside ``tm(...)``
     and ``tm.backward``), the wait for the last grads at the start of ``step()``, and the rest of
     ``step()`` (the other stages, which it runs)."""
     rest = {k: v for k, v in predicted.items() if k not in ("forward+backward", "grads home")}
-    return {"forward+backward": (predicted["forward+backward"], forward_backward),
-            "grads home": (predicted["grads home"], grads_home),
-            "norm, Adam, weights up": (sum(rest.values()), step - grads_home)}
+    return {
+        "forward+backward": (predicted["forward+backward"], forward_backward),
+        "grads home": (predicted["grads home"], grads_home),
+        "norm, Adam, weights up": (sum(rest.values()), step - grads_home),
+    }

@@ -78,6 +78,7 @@ and the page rounding (a few pages for a parameter count, however large).
 Auto judges its candidates with this footprint as it is (tiermem/plan/choose.py): a layout it
 accepts is one the constructor accepts, with no allowance of its own on any tier.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Protocol, Sequence
@@ -86,8 +87,13 @@ import torch
 
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
 from tiermem.plan.buckets import Bucket
-from tiermem.plan.placement import (compute_tier, split_weights, weights_from_master, weights_sharded,
-                                    writes_weights_in_place)
+from tiermem.plan.placement import (
+    compute_tier,
+    split_weights,
+    weights_from_master,
+    weights_sharded,
+    writes_weights_in_place,
+)
 from tiermem.types import Tier
 
 #: Bytes per tier, by purpose: ``{tier: {purpose: bytes}}``; a tier is present only when
@@ -139,6 +145,7 @@ def host_buffer_bytes(nbytes: int) -> int:
     (``round_up(max(nbytes, 1))`` of tiermem/memory/aligned.py; a test holds the two equal)."""
     return -(-max(nbytes, 1) // HOST_PAGE) * HOST_PAGE
 
+
 #: The purposes that are the training state itself (see NOTE [Footprint]).
 TRAINING_STATE = frozenset({WORKING_WEIGHTS, GRADS, OPTIM_STATE, OPTIM_STATE_NVME, FROZEN_WEIGHTS})
 
@@ -147,9 +154,18 @@ TRAINING_STATE = frozenset({WORKING_WEIGHTS, GRADS, OPTIM_STATE, OPTIM_STATE_NVM
 JOURNAL_BUCKETS = {"state": 3, "weights": 2, "grads": 4}
 
 
-def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Tier]], dtype: torch.dtype, *,
-              overlap: bool = False, largest_module: int = 0, world: int = 1,
-              nvme_staging: bool = False, shard_weights: bool = False, gathered_at_once: int = 0) -> Footprint:
+def footprint(
+    buckets: Sequence[Bucket],
+    frozen: Sequence[tuple[torch.Tensor, Tier]],
+    dtype: torch.dtype,
+    *,
+    overlap: bool = False,
+    largest_module: int = 0,
+    world: int = 1,
+    nvme_staging: bool = False,
+    shard_weights: bool = False,
+    gathered_at_once: int = 0,
+) -> Footprint:
     """Bytes each tier must hold, by purpose, for the layout of ``buckets`` to be built and a step
     to run (NOTE [Footprint]). ``frozen``: each parameter that needs no grad, with its PARAM home;
     ``dtype``: the working precision; ``largest_module``: bytes of the off-device weights one module
@@ -197,8 +213,12 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
         if b.index in kept:  # this rank's chunk, one buffer
             add(b.param_tier, WORKING_WEIGHTS, n * w, buffers=[n * w] if b.param_tier == Tier.HOST else ())
         elif b.index not in sharded:
-            add(b.param_tier, WORKING_WEIGHTS, b.numel * w, buffers=[s.numel * w for s in b.slots]
-                if b.param_tier != Tier.DEVICE else ())  # off the device: one buffer per parameter
+            add(
+                b.param_tier,
+                WORKING_WEIGHTS,
+                b.numel * w,
+                buffers=[s.numel * w for s in b.slots] if b.param_tier != Tier.DEVICE else (),
+            )  # off the device: one buffer per parameter
         add(b.grad_tier, GRADS, **each(n * _FP32))
         if b.state_tier == Tier.NVME:
             add(Tier.NVME, OPTIM_STATE_NVME, state_joined(b))
@@ -216,10 +236,14 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
     state_largest = max((state_joined(b) for b in buckets if b.state_tier == Tier.NVME), default=0)
     if state_largest:
         add(Tier.HOST, STATE_PIPELINE, **each(state_largest, 3))  # each set: a bucket's parts, back to back
-    weights_largest = max((chunk(b) if b.index in sharded else b.numel for b in buckets if b.param_tier == Tier.NVME),
-                          default=0)
-    journal = (JOURNAL_BUCKETS["state"] * state_largest + JOURNAL_BUCKETS["weights"] * w * weights_largest
-               + JOURNAL_BUCKETS["grads"] * _FP32 * grads_largest)
+    weights_largest = max(
+        (chunk(b) if b.index in sharded else b.numel for b in buckets if b.param_tier == Tier.NVME), default=0
+    )
+    journal = (
+        JOURNAL_BUCKETS["state"] * state_largest
+        + JOURNAL_BUCKETS["weights"] * w * weights_largest
+        + JOURNAL_BUCKETS["grads"] * _FP32 * grads_largest
+    )
     if journal:
         add(Tier.NVME, NVME_JOURNAL, journal)
     if world > 1:
@@ -261,18 +285,34 @@ def footprint(buckets: Sequence[Bucket], frozen: Sequence[tuple[torch.Tensor, Ti
     return need
 
 
-def model_footprint(module: torch.nn.Module, buckets: Sequence[Bucket], param_homes: Mapping[str, Tier],
-                    dtype: torch.dtype, *, overlap: bool = False, world: int = 1, shard_weights: bool = False,
-                    nvme_staging: bool = False) -> Footprint:
+def model_footprint(
+    module: torch.nn.Module,
+    buckets: Sequence[Bucket],
+    param_homes: Mapping[str, Tier],
+    dtype: torch.dtype,
+    *,
+    overlap: bool = False,
+    world: int = 1,
+    shard_weights: bool = False,
+    nvme_staging: bool = False,
+) -> Footprint:
     """:func:`footprint` of ``module`` planned as ``buckets`` (``param_homes``: the parameters whose
     weights live off the device, as :func:`tiermem.plan.placement.plan` returns them), with what
     the module's shape decides (its frozen parameters, its largest module, how many sharded buckets
     its modules hold at once): what TieredModel checks its budgets with, and Auto judges by."""
     sharded, offloaded = split_weights(buckets, param_homes, world, shard_weights)
     frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in module.named_parameters() if not p.requires_grad]
-    return footprint(buckets, frozen, dtype, overlap=overlap, world=world, nvme_staging=nvme_staging,
-                     largest_module=largest_module_bytes(module, offloaded, dtype), shard_weights=shard_weights,
-                     gathered_at_once=gathers_held(module, buckets, {b.index for b in sharded}) if sharded else 0)
+    return footprint(
+        buckets,
+        frozen,
+        dtype,
+        overlap=overlap,
+        world=world,
+        nvme_staging=nvme_staging,
+        largest_module=largest_module_bytes(module, offloaded, dtype),
+        shard_weights=shard_weights,
+        gathered_at_once=gathers_held(module, buckets, {b.index for b in sharded}) if sharded else 0,
+    )
 
 
 def gather_ahead(padded: Sequence[int]) -> int:
@@ -294,13 +334,15 @@ def gathers_held(module: torch.nn.Module, buckets: Sequence[Bucket], sharded: se
     def chain(m: torch.nn.Module, above: frozenset[int]) -> int:
         mine = above | own(m)
         return max([len(mine), *(chain(c, mine) for c in m.children())])
+
     return chain(module, frozenset()) + max((len(own(m)) for m in module.modules()), default=0)
 
 
 def totals(need: Footprint, purposes: frozenset[str] | None = None) -> dict[Tier, int]:
     """Bytes on every tier (0 where nothing is placed): of every purpose, or of ``purposes`` only."""
-    return {tier: sum(n for what, n in need.get(tier, {}).items() if purposes is None or what in purposes)
-            for tier in Tier}
+    return {
+        tier: sum(n for what, n in need.get(tier, {}).items() if purposes is None or what in purposes) for tier in Tier
+    }
 
 
 def largest_module_bytes(module: torch.nn.Module, param_homes: Mapping[str, Tier], dtype: torch.dtype) -> int:
@@ -309,8 +351,12 @@ def largest_module_bytes(module: torch.nn.Module, param_homes: Mapping[str, Tier
     best = 0
     for mod_name, mod in module.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
-        best = max(best, sum(p.numel() * dtype.itemsize for n, p in mod.named_parameters(recurse=False)
-                             if prefix + n in param_homes))
+        best = max(
+            best,
+            sum(
+                p.numel() * dtype.itemsize for n, p in mod.named_parameters(recurse=False) if prefix + n in param_homes
+            ),
+        )
     return best
 
 
@@ -331,12 +377,19 @@ def check_fits(need: Footprint, stores: Mapping[Tier, Budgeted], *, what: str = 
     for tier, parts in need.items():
         total = sum(parts.values())
         if tier not in stores:
-            raise ConfigError(f"tiermem: the policy places tensors on {tier} but no {tier} store is "
-                              f"configured; pass nvme_dir=... to TieredModel")
+            raise ConfigError(
+                f"tiermem: the policy places tensors on {tier} but no {tier} store is "
+                f"configured; pass nvme_dir=... to TieredModel"
+            )
         store = stores[tier]
         if store.used + total > store.allowed:
             detail = " + ".join(f"{what} {fmt_bytes(n)}" for what, n in parts.items() if n)
             raise OutOfTierMemory(
-                tier=tier, key=what, asked=total, used=store.used, allowed=store.allowed,
+                tier=tier,
+                key=what,
+                asked=total,
+                used=store.used,
+                allowed=store.allowed,
                 hint=f"it needs {fmt_bytes(total)} there ({detail}); raise Budgets({tier.value}=...) to "
-                     f"at least {fmt_bytes(store.used + total)} or choose a policy that places less on {tier}")
+                f"at least {fmt_bytes(store.used + total)} or choose a policy that places less on {tier}",
+            )

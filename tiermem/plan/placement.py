@@ -5,6 +5,7 @@ Every rule about which placements this version can honour lives here, so the con
 ``tiermem plan`` and the homes agree: a combination it cannot honour is refused with a
 ``tiermem:`` error that names the tensor and what to change.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -44,6 +45,7 @@ class Plan:
     aliases: Mapping[int, tuple[str, ...]]  # id(param) -> every name it has (tied weights have several)
     weight_homes: Mapping[str, Tier]  # parameter name -> home of its working weights, when not the device
 
+
 def compute_tier(b: Bucket) -> Tier:
     """Where Adam runs for a bucket: where its state lives, or the host for state on NVMe."""
     return Tier.HOST if b.state_tier == Tier.NVME else b.state_tier
@@ -59,8 +61,7 @@ def _info(name: str, kind: TensorClass, p: torch.Tensor, dtype: torch.dtype) -> 
 
 def _state_info(key: StateKey, p: torch.Tensor, fmt: StateFormat) -> TensorInfo:
     part = fmt.parts[fmt.names.index(key.part)]
-    return TensorInfo.of_state(key, part.numel(p.numel()) * part.itemsize, tuple(p.shape), part.dtype,
-                               owner(key.param))
+    return TensorInfo.of_state(key, part.numel(p.numel()) * part.itemsize, tuple(p.shape), part.dtype, owner(key.param))
 
 
 def format_of(spec: _Spec, p: torch.Tensor) -> StateFormat:
@@ -78,8 +79,9 @@ def weights_sharded(b: Bucket, world: int, shard_weights: bool) -> bool:
     return world > 1 and (b.param_tier != Tier.DEVICE or shard_weights)
 
 
-def split_weights(buckets: Sequence[Bucket], param_homes: Mapping[str, Tier], world: int, shard_weights: bool
-                  ) -> tuple[list[Bucket], dict[str, Tier]]:
+def split_weights(
+    buckets: Sequence[Bucket], param_homes: Mapping[str, Tier], world: int, shard_weights: bool
+) -> tuple[list[Bucket], dict[str, Tier]]:
     """The buckets whose weights are sharded over the ranks (:func:`weights_sharded`), and the
     parameters whose weights live off the device each on its own (NOTE [Parameters off the device]:
     those of one process, and frozen ones), with their home."""
@@ -108,22 +110,30 @@ def weights_from_master(b: Bucket, sharded: bool, overlap: bool) -> bool:
 def check_combination(name: str, param_tier: Tier, grad_tier: Tier, state_tiers: set[Tier], overlap: bool) -> Tier:
     """The rules a parameter's placements must follow in this version; returns its state tier."""
     if len(state_tiers) != 1:
-        raise ConfigError(f"tiermem: the policy splits the optimizer state of {name!r} over "
-                          f"{sorted(t.value for t in state_tiers)}; every part of one "
-                          f"parameter's optimizer state must share a tier")
+        raise ConfigError(
+            f"tiermem: the policy splits the optimizer state of {name!r} over "
+            f"{sorted(t.value for t in state_tiers)}; every part of one "
+            f"parameter's optimizer state must share a tier"
+        )
     state_tier = next(iter(state_tiers))
     if grad_tier == Tier.NVME and state_tier == Tier.DEVICE:
-        raise ConfigError(f"tiermem: the policy places {name!r}'s grads on NVMe but its optimizer state on "
-                          f"the device; grads on NVMe are read back to the host for the step: place "
-                          f"OPTIM_STATE on HOST or NVME for it")
+        raise ConfigError(
+            f"tiermem: the policy places {name!r}'s grads on NVMe but its optimizer state on "
+            f"the device; grads on NVMe are read back to the host for the step: place "
+            f"OPTIM_STATE on HOST or NVME for it"
+        )
     if param_tier != Tier.DEVICE and state_tier == Tier.DEVICE:
-        raise ConfigError(f"tiermem: the policy places {name!r}'s weights on {param_tier} but its optimizer "
-                          f"state on the device; this version updates off-device weights from host or "
-                          f"NVMe state only: place OPTIM_STATE on HOST or NVME for it")
+        raise ConfigError(
+            f"tiermem: the policy places {name!r}'s weights on {param_tier} but its optimizer "
+            f"state on the device; this version updates off-device weights from host or "
+            f"NVMe state only: place OPTIM_STATE on HOST or NVME for it"
+        )
     if overlap and grad_tier == Tier.NVME:
-        raise ConfigError("tiermem: overlap_step=True cannot be combined with grads on NVMe (the next "
-                          "backward would overwrite grads the update still reads); place GRAD on HOST "
-                          "or pass overlap_step=False")
+        raise ConfigError(
+            "tiermem: overlap_step=True cannot be combined with grads on NVMe (the next "
+            "backward would overwrite grads the update still reads); place GRAD on HOST "
+            "or pass overlap_step=False"
+        )
     return state_tier
 
 
@@ -138,24 +148,42 @@ def _unique_params(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Pa
     return unique, dict(names)
 
 
-def bind(module: torch.nn.Module, policy: Policy, dtype: torch.dtype, limits: Optional[Mapping[Tier, int]] = None,
-         evaluate: Optional[Callable[..., Evaluation]] = None) -> Policy:
+def bind(
+    module: torch.nn.Module,
+    policy: Policy,
+    dtype: torch.dtype,
+    limits: Optional[Mapping[Tier, int]] = None,
+    evaluate: Optional[Callable[..., Evaluation]] = None,
+) -> Policy:
     """The policy to ask about ``module``'s tensors: ``policy.for_model`` told about the trainable
     parameters in the order forward uses them (NOTE [Whole-model policies]). Binding a bound
     policy again gives it back unchanged."""
     return _bind(_unique_params(module)[0], policy, dtype, limits, evaluate)
 
 
-def _bind(unique: list[tuple[str, torch.nn.Parameter]], policy: Policy, dtype: torch.dtype,
-          limits: Optional[Mapping[Tier, int]] = None, evaluate: Optional[Callable[..., Evaluation]] = None) -> Policy:
+def _bind(
+    unique: list[tuple[str, torch.nn.Parameter]],
+    policy: Policy,
+    dtype: torch.dtype,
+    limits: Optional[Mapping[Tier, int]] = None,
+    evaluate: Optional[Callable[..., Evaluation]] = None,
+) -> Policy:
     """:func:`bind` with the module's parameters already listed (:func:`_unique_params`)."""
     params = tuple(_info(name, TensorClass.PARAM, p, dtype) for name, p in unique if p.requires_grad)
     return bound(policy, ModelInfo(params, dtype, dict(limits or {}), evaluate))
 
 
-def plan(module: torch.nn.Module, policy: Policy, spec: _Spec, dtype: torch.dtype,
-         bucket_numel: int, *, overlap: bool = False, world: int = 1, limits: Optional[Mapping[Tier, int]] = None
-         ) -> Plan:
+def plan(
+    module: torch.nn.Module,
+    policy: Policy,
+    spec: _Spec,
+    dtype: torch.dtype,
+    bucket_numel: int,
+    *,
+    overlap: bool = False,
+    world: int = 1,
+    limits: Optional[Mapping[Tier, int]] = None,
+) -> Plan:
     """Ask the policy about every tensor (once bound to the whole model: NOTE [Whole-model
     policies]), then pack trainable parameters into buckets. ``limits``: bytes each tier may
     hold, for the policies that size a split."""
@@ -174,12 +202,17 @@ def plan(module: torch.nn.Module, policy: Policy, spec: _Spec, dtype: torch.dtyp
         grad_tier, state_tier = place_training_state(policy, name, p, param_tier, fmt, overlap=overlap)
         placed.append(Placed(name, p, grad_tier, state_tier, group_of[name], param_tier, fmt))
     buckets = plan_buckets(placed, bucket_numel)
-    return Plan(tuple(buckets), groups, MappingProxyType({k: tuple(v) for k, v in names.items()}),
-                MappingProxyType(weight_homes))
+    return Plan(
+        tuple(buckets),
+        groups,
+        MappingProxyType({k: tuple(v) for k, v in names.items()}),
+        MappingProxyType(weight_homes),
+    )
 
 
-def place_training_state(policy: Policy, name: str, p: torch.Tensor, param_tier: Tier, fmt: StateFormat, *,
-                         overlap: bool) -> tuple[Tier, Tier]:
+def place_training_state(
+    policy: Policy, name: str, p: torch.Tensor, param_tier: Tier, fmt: StateFormat, *, overlap: bool
+) -> tuple[Tier, Tier]:
     """The tiers of a trainable parameter's grads and optimizer state, as the (bound) policy
     places them and this version can honour them."""
     grad_tier = checked_place(policy, _info(name, TensorClass.GRAD, p, torch.float32))
@@ -187,8 +220,9 @@ def place_training_state(policy: Policy, name: str, p: torch.Tensor, param_tier:
     return grad_tier, check_combination(name, param_tier, grad_tier, state_tiers, overlap)
 
 
-def param_groups(spec: _Spec, unique: list[tuple[str, torch.nn.Parameter]]
-                 ) -> tuple[tuple[ParamGroup, ...], dict[str, int]]:
+def param_groups(
+    spec: _Spec, unique: list[tuple[str, torch.nn.Parameter]]
+) -> tuple[tuple[ParamGroup, ...], dict[str, int]]:
     """The optimizer param groups of a model (NOTE [Param groups]) and the group index of each
     trainable parameter. Groups given to the spec must hold only this module's parameters, and
     every trainable parameter must be in one; a frozen one may be (it joins it once unfrozen)."""
@@ -197,9 +231,11 @@ def param_groups(spec: _Spec, unique: list[tuple[str, torch.nn.Parameter]]
         ours = {id(p) for _, p in unique}
         strangers = [tuple(t.shape) for g in spec.given for t in g.params if id(t) not in ours]
         if strangers:
-            raise ConfigError(f"tiermem: the optimizer's param groups hold {len(strangers)} tensors that are not "
-                              f"parameters of the wrapped module (shapes {strangers[:3]}); build the groups from "
-                              f"this module's parameters")
+            raise ConfigError(
+                f"tiermem: the optimizer's param groups hold {len(strangers)} tensors that are not "
+                f"parameters of the wrapped module (shapes {strangers[:3]}); build the groups from "
+                f"this module's parameters"
+            )
     members: list[list[str]] = [[] for _ in defined]
     frozen: list[list[str]] = [[] for _ in defined]
     missing: list[str] = []
@@ -210,11 +246,12 @@ def param_groups(spec: _Spec, unique: list[tuple[str, torch.nn.Parameter]]
         elif group is not None and p.is_floating_point():
             frozen[group].append(name)
     if missing:
-        raise ConfigError(f"tiermem: the trainable parameters {missing[::-1][:5]}{' and more' if len(missing) > 5 else ''} "
-                          f"are in no param group of the optimizer; add them to a group, or freeze them "
-                          f"(requires_grad_(False)) before building the TieredModel")
+        raise ConfigError(
+            f"tiermem: the trainable parameters {missing[::-1][:5]}{' and more' if len(missing) > 5 else ''} "
+            f"are in no param group of the optimizer; add them to a group, or freeze them "
+            f"(requires_grad_(False)) before building the TieredModel"
+        )
     # NOTE [Param groups]: the first always; a rule group when a parameter joins it; a given one always
     kept = [i for i, g in enumerate(defined) if members[i] or frozen[i] or i == 0 or g.given]
-    groups = tuple(ParamGroup(defined[i].name, defined[i].overrides, tuple(members[i]), tuple(frozen[i]))
-                   for i in kept)
+    groups = tuple(ParamGroup(defined[i].name, defined[i].overrides, tuple(members[i]), tuple(frozen[i])) for i in kept)
     return groups, {name: k for k, i in enumerate(kept) for name in members[i]}

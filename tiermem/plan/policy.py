@@ -14,6 +14,7 @@ which parameters get it) overrides :meth:`Policy.for_model`: it is told about ev
 parameter once, before any ``place`` call, and returns the policy to ask, itself still pure
 (NOTE [Whole-model policies]).
 """
+
 from __future__ import annotations
 
 import abc
@@ -153,28 +154,35 @@ class PerClass(Policy):
 def resolve_policy(policy: Optional[Policy]) -> Policy:
     if policy is None:
         from tiermem.policies import ZeroOffload  # lazy: policies import tiermem, never the reverse
+
         default: Policy = ZeroOffload()
         return default
     if not isinstance(policy, Policy):
-        raise ConfigError(f"tiermem: policy={policy!r} is not a tiermem.Policy; pass an instance such "
-                          f"as ZeroOffload() or a subclass of Policy that implements place(info)")
+        raise ConfigError(
+            f"tiermem: policy={policy!r} is not a tiermem.Policy; pass an instance such "
+            f"as ZeroOffload() or a subclass of Policy that implements place(info)"
+        )
     return policy
 
 
 def asked_alone(policy: Policy, info: TensorInfo) -> ConfigError:
     """The error of a whole-model policy asked about one tensor before it was bound (NOTE
     [Whole-model policies])."""
-    return ConfigError(f"tiermem: {policy!r} decides over the whole model and was asked about {info.name!r} "
-                       f"alone; call .for_model(ModelInfo(...)) first and ask the policy it returns (TieredModel "
-                       f"does this)")
+    return ConfigError(
+        f"tiermem: {policy!r} decides over the whole model and was asked about {info.name!r} "
+        f"alone; call .for_model(ModelInfo(...)) first and ask the policy it returns (TieredModel "
+        f"does this)"
+    )
 
 
 def bound(policy: Policy, model: ModelInfo) -> Policy:
     """``policy.for_model(model)``, refusing anything that is not a :class:`Policy`."""
     out = policy.for_model(model)
     if not isinstance(out, Policy):
-        raise ConfigError(f"tiermem: {policy!r}.for_model() returned {out!r}; it must return a tiermem.Policy "
-                          f"(itself, when nothing depends on the whole model)")
+        raise ConfigError(
+            f"tiermem: {policy!r}.for_model() returned {out!r}; it must return a tiermem.Policy "
+            f"(itself, when nothing depends on the whole model)"
+        )
     return out
 
 
@@ -182,8 +190,10 @@ def checked_place(policy: Policy, info: TensorInfo) -> Tier:
     """``policy.place(info)``, refusing anything that is not a :class:`Tier`."""
     tier = policy.place(info)
     if not isinstance(tier, Tier):
-        raise ConfigError(f"tiermem: {policy!r}.place() returned {tier!r} for {info.name!r} "
-                          f"({info.kind}); it must return Tier.DEVICE, Tier.HOST or Tier.NVME")
+        raise ConfigError(
+            f"tiermem: {policy!r}.place() returned {tier!r} for {info.name!r} "
+            f"({info.kind}); it must return Tier.DEVICE, Tier.HOST or Tier.NVME"
+        )
     return tier
 
 
@@ -198,8 +208,10 @@ def check_reserve(value: object, owner: str) -> float:
     """``value`` as a device reserve (a share from 0 up to, not including, 1), or a ConfigError
     naming ``owner`` (e.g. ``"Auto"``)."""
     if not is_number(value) or not 0 <= value < 1:
-        raise ConfigError(f"tiermem: {owner}.device_reserve={value!r} is invalid: the share of the device "
-                          f"left for activations, a number from 0 up to (not including) 1, e.g. 0.1")
+        raise ConfigError(
+            f"tiermem: {owner}.device_reserve={value!r} is invalid: the share of the device "
+            f"left for activations, a number from 0 up to (not including) 1, e.g. 0.1"
+        )
     return float(value)
 
 
@@ -209,8 +221,10 @@ def over_reserve(need_device: int, limits: Mapping[Tier, int], reserve: float) -
     limit = limits.get(Tier.DEVICE)
     if limit is None or need_device <= int(limit * (1 - reserve)):
         return None
-    return (f"the device needs {fmt_bytes(need_device)}, more than {100 * (1 - reserve):.0f}% of its "
-            f"{fmt_bytes(limit)} (device_reserve={reserve:g})")
+    return (
+        f"the device needs {fmt_bytes(need_device)}, more than {100 * (1 - reserve):.0f}% of its "
+        f"{fmt_bytes(limit)} (device_reserve={reserve:g})"
+    )
 
 
 def check_device_reserve(policy: Policy, model: ModelInfo, reserve: float, fix: str) -> None:
@@ -220,12 +234,15 @@ def check_device_reserve(policy: Policy, model: ModelInfo, reserve: float, fix: 
     if not reserve or model.evaluate is None or Tier.DEVICE not in model.limits:
         return
     ev = model.evaluate(policy, predict=False)
-    words = None if ev.refused is not None or ev.short else over_reserve(ev.need[Tier.DEVICE], model.limits,
-                                                                           reserve)
+    words = None if ev.refused is not None or ev.short else over_reserve(ev.need[Tier.DEVICE], model.limits, reserve)
     if words is not None:
         limit = model.limits[Tier.DEVICE]
         raise OutOfTierMemory(
-            tier=Tier.DEVICE, key="<model working set>", asked=ev.need[Tier.DEVICE], used=0,
+            tier=Tier.DEVICE,
+            key="<model working set>",
+            asked=ev.need[Tier.DEVICE],
+            used=0,
             allowed=int(limit * (1 - reserve)),
             hint=f"{words}: the rest is kept for activations (NOTE [Device reserve]); {fix}, lower device_reserve, "
-                 f"or raise Budgets(device=...)")
+            f"or raise Budgets(device=...)",
+        )

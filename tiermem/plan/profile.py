@@ -11,6 +11,7 @@ in GFLOP/s: ``cpu_<precision>_GFLOPs`` on one CPU thread and, with an accelerato
 features, torch's version, the accelerator): figures measured under other conditions are stale
 (:func:`tiermem.train.machine.matmul_figures` measures them again).
 """
+
 from __future__ import annotations
 
 import json
@@ -99,12 +100,10 @@ def load_profile(path: Optional[os.PathLike[str] | str] = None) -> Optional[Prof
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        logger.warning("tiermem: ignoring the bench profile %s (%s); run `tiermem bench` to write a new one",
-                       p, e)
+        logger.warning("tiermem: ignoring the bench profile %s (%s); run `tiermem bench` to write a new one", p, e)
         return None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        logger.warning("tiermem: ignoring the bench profile %s (not schema %d); run `tiermem bench` again",
-                       p, SCHEMA)
+        logger.warning("tiermem: ignoring the bench profile %s (not schema %d); run `tiermem bench` again", p, SCHEMA)
         return None
     return Profile(data)
 
@@ -124,6 +123,8 @@ def save_profile(data: Mapping[str, Any], path: Optional[os.PathLike[str] | str]
             os.unlink(tmp)
             raise
     except OSError as e:
-        raise ConfigError(f"tiermem: cannot save the bench profile to {p}: {e.strerror}; set XDG_CACHE_HOME "
-                          f"to a writable directory, or pass --no-save") from None
+        raise ConfigError(
+            f"tiermem: cannot save the bench profile to {p}: {e.strerror}; set XDG_CACHE_HOME "
+            f"to a writable directory, or pass --no-save"
+        ) from None
     return p

@@ -43,6 +43,7 @@ the constructor counts but which is no part of the table above; and the host poo
 each buffer to whole pages (a few pages for one bucket). ``tiermem plan --policy auto`` prints the
 whole footprint of its choice, those included: the bytes the constructor checks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -71,6 +72,7 @@ _FP32 = torch.float32.itemsize  # master, momentum and variance
 @cache
 def builtin_placements() -> dict[str, Mapping[TensorClass, Tier]]:
     from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
+
     return {cls.__name__: dict(cls.homes) for cls in (ZeroOffload, KeepOnDevice, ZeroInfinity)}
 
 
@@ -82,8 +84,11 @@ def __getattr__(name: str) -> Any:
 
 #: Which tensor class each part of the training state belongs to.
 PART_CLASS: dict[str, TensorClass] = {
-    "params": TensorClass.PARAM, "grads": TensorClass.GRAD, "master": TensorClass.OPTIM_STATE,
-    "momentum": TensorClass.OPTIM_STATE, "variance": TensorClass.OPTIM_STATE,
+    "params": TensorClass.PARAM,
+    "grads": TensorClass.GRAD,
+    "master": TensorClass.OPTIM_STATE,
+    "momentum": TensorClass.OPTIM_STATE,
+    "variance": TensorClass.OPTIM_STATE,
 }
 
 
@@ -107,8 +112,7 @@ class StateBytes:
 
 def check_precision(precision: str) -> str:
     if not (isinstance(precision, str) and precision in _WORKING_DTYPES):
-        raise ConfigError(f"tiermem: precision={precision!r} is not one of {', '.join(PRECISIONS)}; "
-                          f"pick one of those")
+        raise ConfigError(f"tiermem: precision={precision!r} is not one of {', '.join(PRECISIONS)}; pick one of those")
     return precision
 
 
@@ -129,9 +133,13 @@ def state_bytes(trainable: int, precision: str, *, frozen: int = 0) -> StateByte
     _check_count("trainable", trainable)
     _check_count("frozen", frozen)
     per = bytes_per_param(precision)
-    return StateBytes(params=per.params * (trainable + frozen), grads=per.grads * trainable,
-                      master=per.master * trainable, momentum=per.momentum * trainable,
-                      variance=per.variance * trainable)
+    return StateBytes(
+        params=per.params * (trainable + frozen),
+        grads=per.grads * trainable,
+        master=per.master * trainable,
+        momentum=per.momentum * trainable,
+        variance=per.variance * trainable,
+    )
 
 
 def placement_of(policy: str) -> Mapping[TensorClass, Tier]:
@@ -139,16 +147,19 @@ def placement_of(policy: str) -> Mapping[TensorClass, Tier]:
     try:
         return builtin_placements()[policy]
     except KeyError:
-        raise ConfigError(f"tiermem: no built-in policy named {policy!r}; pick one of "
-                          f"{', '.join(builtin_placements())}") from None
+        raise ConfigError(
+            f"tiermem: no built-in policy named {policy!r}; pick one of {', '.join(builtin_placements())}"
+        ) from None
 
 
 #: the optimizer state options ``tiermem plan`` compares (NOTE [State formats]): Adam's fp32 state,
 #: 8-bit moments (tiermem.AdamW8bit), and 8-bit moments with bf16 master weights
 #: (``bf16_stochastic_round=True``, bf16 precision only)
 STATE_OPTIONS: dict[str, tuple[str, torch.dtype]] = {
-    "fp32": ("adamw", torch.float32), "8-bit": ("adamw8bit", torch.float32),
-    "8-bit + bf16 master": ("adamw8bit", torch.bfloat16)}
+    "fp32": ("adamw", torch.float32),
+    "8-bit": ("adamw8bit", torch.float32),
+    "8-bit + bf16 master": ("adamw8bit", torch.bfloat16),
+}
 
 
 def state_option(option: str, trainable: int, precision: str) -> Optional[StateFormat]:
@@ -160,9 +171,16 @@ def state_option(option: str, trainable: int, precision: str) -> Optional[StateF
     return state_format(kind, master_dtype=master, numel=trainable, min_8bit_size=1)
 
 
-def tier_bytes(trainable: int, precision: str, placement: Mapping[TensorClass, Tier], *,
-               frozen: int = 0, world: int = 1, shard_weights: bool = False,
-               state: StateFormat = ADAM) -> dict[Tier, int]:
+def tier_bytes(
+    trainable: int,
+    precision: str,
+    placement: Mapping[TensorClass, Tier],
+    *,
+    frozen: int = 0,
+    world: int = 1,
+    shard_weights: bool = False,
+    state: StateFormat = ADAM,
+) -> dict[Tier, int]:
     """Bytes each tier holds for the training state under ``placement``: the training-state part
     of :func:`tiermem.plan.footprint.footprint` for one bucket of ``trainable`` parameters (see
     NOTE [Bytes per parameter] for what it leaves out). ``world``: the bytes of one of that many
@@ -174,11 +192,19 @@ def tier_bytes(trainable: int, precision: str, placement: Mapping[TensorClass, T
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ConfigError(f"tiermem: world={world!r} is not a number of ranks; give a whole number >= 1")
     home = placement[TensorClass.PARAM]
-    bucket = Bucket(0, grad_tier=placement[TensorClass.GRAD], state_tier=placement[TensorClass.OPTIM_STATE],
-                    group=0, param_tier=home, numel=trainable, state=state)
+    bucket = Bucket(
+        0,
+        grad_tier=placement[TensorClass.GRAD],
+        state_tier=placement[TensorClass.OPTIM_STATE],
+        group=0,
+        param_tier=home,
+        numel=trainable,
+        state=state,
+    )
     frozen_params = [(torch.empty(frozen, dtype=torch.float32, device="meta"), home)]  # no memory
-    need = footprint([bucket], frozen_params, working_dtype(check_precision(precision)), world=world,
-                     shard_weights=shard_weights)
+    need = footprint(
+        [bucket], frozen_params, working_dtype(check_precision(precision)), world=world, shard_weights=shard_weights
+    )
     return totals(need, TRAINING_STATE)
 
 

@@ -18,6 +18,7 @@ buffers (and views of them: matmul saves ``weight.t()``), storages under
 another device. Nothing is packed under ``torch.no_grad()`` or in eval mode: TieredModel only
 tracks training forwards.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -103,8 +104,9 @@ class ActivationOffloader:
     off the device are a tensor subclass]).
     """
 
-    def __init__(self, module: torch.nn.Module, policy: Policy, stores: dict, engine, hooks, *,
-                 window: int = PREFETCH_WINDOW):
+    def __init__(
+        self, module: torch.nn.Module, policy: Policy, stores: dict, engine, hooks, *, window: int = PREFETCH_WINDOW
+    ):
         self.module, self.policy, self.stores = module, policy, stores
         self.window = window
         self.stats = ActivationStats()
@@ -133,9 +135,11 @@ class ActivationOffloader:
     def track(self) -> Iterator[None]:
         """Pack and unpack hooks for one training forward."""
         self.mover.flush()
-        self._weights = {t.untyped_storage().data_ptr()
-                         for t in itertools.chain(self.module.parameters(), self.module.buffers())
-                         if not is_off_device(t)}
+        self._weights = {
+            t.untyped_storage().data_ptr()
+            for t in itertools.chain(self.module.parameters(), self.module.buffers())
+            if not is_off_device(t)
+        }
         self._run, self._active = _Pass(), True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -173,6 +177,7 @@ class ActivationOffloader:
         def pre_hook(mod: torch.nn.Module, args: Any) -> None:
             if self._active:
                 self._stack.append(name)
+
         return pre_hook
 
     def _leaving(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
@@ -196,8 +201,13 @@ class ActivationOffloader:
         if t.device.type != self.device.type or self.device.index not in (None, t.device.index):
             return t.detach()
         nbytes = storage.nbytes()
-        if (type(t) is torch.Tensor and t.layout is torch.strided and nbytes >= MIN_OFFLOAD_BYTES
-                and not t.is_conj() and not t.is_neg()):  # lazy conj/neg bits would not survive set_()
+        if (
+            type(t) is torch.Tensor
+            and t.layout is torch.strided
+            and nbytes >= MIN_OFFLOAD_BYTES
+            and not t.is_conj()
+            and not t.is_neg()
+        ):  # lazy conj/neg bits would not survive set_()
             sent = self._sent.get(storage)
             token = sent[1]() if sent is not None and sent[0] == t._version else None
             if token is not None and token.run is self._run:  # a view of a storage sent in this forward
@@ -240,7 +250,8 @@ class ActivationOffloader:
                 raise ConfigError(
                     f"tiermem: the policy places an activation of module {name or '<root>'!r} "
                     f"({fmt_bytes(nbytes)}, shape {tuple(t.shape)}) on {tier}, but no {tier} store is "
-                    f"configured; pass nvme_dir=... to TieredModel, or change the policy")
+                    f"configured; pass nvme_dir=... to TieredModel, or change the policy"
+                )
             if len(self._tiers) > 4096:
                 self._tiers.clear()
             self._tiers[key] = tier
@@ -280,4 +291,3 @@ class ActivationOffloader:
             if entry[0] == 0:
                 del self._kept[ptr]
                 self._dev.release(entry[1])
-

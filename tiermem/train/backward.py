@@ -10,6 +10,7 @@ collector remembers which parameters got a gradient in this step (a parameter th
 not updated, as in ``torch.optim``) and which buffer backward fills (two alternate under
 overlap_step).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -41,8 +42,16 @@ class _Held:
 
 
 class GradCollector:
-    def __init__(self, homes: Homes, slot_of: dict[int, tuple[Bucket, Slot]], engine: CopyService,
-                 device_ledger: Ledger, *, in_flight: Optional[InFlight] = None, group: Group = Solo()):
+    def __init__(
+        self,
+        homes: Homes,
+        slot_of: dict[int, tuple[Bucket, Slot]],
+        engine: CopyService,
+        device_ledger: Ledger,
+        *,
+        in_flight: Optional[InFlight] = None,
+        group: Group = Solo(),
+    ):
         """``in_flight``: where the copies in flight are kept, which the device ledger waits for
         when short (given to its store at construction); by default one of its own."""
         self.homes, self.slot_of, self.engine, self.device_ledger = homes, slot_of, engine, device_ledger
@@ -69,7 +78,7 @@ class GradCollector:
         self.arrivals += 1
         bucket, slot = self.slot_of[id(param)]
         home = self.homes.grads[bucket.index]
-        acc = home.landing(bucket, self.fill)[slot.offset:slot.offset + slot.numel]
+        acc = home.landing(bucket, self.fill)[slot.offset : slot.offset + slot.numel]
         key = slot.name
         tag = f"<grad in flight {slot.name} #{next(self._copy_ids)}>"  # one tag per copy: micro-batches overlap
         self._reserve(tag, grad.numel() * grad.element_size())
@@ -90,9 +99,12 @@ class GradCollector:
         held = list(by_name.values())
         tags = [h.tag for h in held]
         try:
-            handle = self.engine.copy_many([(h.acc, h.grad, not h.first) for h in held], src_tier=Tier.DEVICE,
-                                           dst_tier=self.homes.grads[bucket.index].landing_tier,
-                                           kind=TensorClass.GRAD)
+            handle = self.engine.copy_many(
+                [(h.acc, h.grad, not h.first) for h in held],
+                src_tier=Tier.DEVICE,
+                dst_tier=self.homes.grads[bucket.index].landing_tier,
+                kind=TensorClass.GRAD,
+            )
         except BaseException:
             for h in held:  # nothing was sent: the grads go back on their parameters
                 self.device_ledger.release(h.tag)

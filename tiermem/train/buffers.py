@@ -10,6 +10,7 @@ longer holds the rounded value, or the module holds another tensor), what it wro
 buffer's own dtype. Checkpoints hold buffers as the model computes with them (in the working
 precision); after a load a buffer gives back the loaded value.
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -46,8 +47,12 @@ class KeptBuffers:
         # the same storage (state_dict() hands out detached views) still holding the rounded value:
         # kernels such as batch_norm update running statistics without bumping the version counter
         given = self._given.get(name)
-        if (given is not None and placed is not None and current.data_ptr() == placed.data_ptr()
-                and torch.equal(current.detach().cpu(), given.to(current.dtype))):
+        if (
+            given is not None
+            and placed is not None
+            and current.data_ptr() == placed.data_ptr()
+            and torch.equal(current.detach().cpu(), given.to(current.dtype))
+        ):
             return given.clone()
         return current.detach().to("cpu", self.dtypes.get(name, current.dtype), copy=True)
 

@@ -29,6 +29,7 @@ nothing. A checkpoint of another precision loads (the master weights and moments
 whatever the precision); the loss scale is taken from it only when the precisions agree, so
 an fp32 checkpoint resumed in fp16 keeps the run's scale rather than reset it to 1.0.
 """
+
 from __future__ import annotations
 
 import io
@@ -94,9 +95,16 @@ def _write(state: ModelState, f) -> None:
     for name, t in state.tensors():
         f.write(b"\0" * (-f.tell() % _ALIGN))
         data = _bytes(t)
-        entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                        "offset": f.tell(), "nbytes": data.nbytes,
-                        "xxh3": f"{xxhash.xxh3_64_intdigest(data):016x}"})
+        entries.append(
+            {
+                "name": name,
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "offset": f.tell(),
+                "nbytes": data.nbytes,
+                "xxh3": f"{xxhash.xxh3_64_intdigest(data):016x}",
+            }
+        )
         f.write(data)
     footer = json.dumps({"meta": state.meta(), "tensors": entries}).encode()
     f.write(footer + _TRAILER[MAGIC].pack(len(footer), _footer_sum(MAGIC, footer)) + MAGIC)
@@ -132,9 +140,11 @@ def _create(tmp: str, path: str) -> BinaryIO:
     try:
         fd = os.open(tmp, flags, 0o600)
     except FileExistsError:
-        raise StoreError(f"tiermem: cannot save the checkpoint to {path!r}: its temporary {tmp!r} already exists "
-                         f"(left by an earlier process with this pid, or planted there) and is never written "
-                         f"through; remove it and save again") from None
+        raise StoreError(
+            f"tiermem: cannot save the checkpoint to {path!r}: its temporary {tmp!r} already exists "
+            f"(left by an earlier process with this pid, or planted there) and is never written "
+            f"through; remove it and save again"
+        ) from None
     os.fchmod(fd, 0o600)  # whatever the umask
     return os.fdopen(fd, "wb")
 
@@ -155,10 +165,13 @@ def save(state: ModelState, path: str, format: str = "file") -> None:
     """Write ``state`` to ``path`` as one file (``format="file"``) or as a torch.distributed.checkpoint
     directory every rank writes its shards to (``"dcp"``: :mod:`tiermem.train.checkpoint_dcp`)."""
     if format not in FORMATS:
-        raise ConfigError(f"tiermem: format={format!r} is not a checkpoint format; pass 'file' (one file) or 'dcp' "
-                          f"(a torch.distributed.checkpoint directory every rank writes), or leave it out")
+        raise ConfigError(
+            f"tiermem: format={format!r} is not a checkpoint format; pass 'file' (one file) or 'dcp' "
+            f"(a torch.distributed.checkpoint directory every rank writes), or leave it out"
+        )
     if format == "dcp":
         from tiermem.train import checkpoint_dcp  # torch.distributed.checkpoint takes seconds to import
+
         checkpoint_dcp.save(state, path)
     else:
         _save_file(state, path)
@@ -170,8 +183,10 @@ def _save_file(state: ModelState, path: str) -> None:
     got through: a rank failing mid-save leaves the previous checkpoint as it was."""
     directory = os.path.dirname(os.path.abspath(path))
     if not state.all_ok(os.path.isdir(directory) or not state.writes_files):
-        raise StoreError(f"tiermem: cannot save a checkpoint to {path!r}: directory {directory!r} does not "
-                         f"exist on rank 0; create it or choose another path")
+        raise StoreError(
+            f"tiermem: cannot save a checkpoint to {path!r}: directory {directory!r} does not "
+            f"exist on rank 0; create it or choose another path"
+        )
     tmp = f"{path}.tmp-{os.getpid()}"
     f: BinaryIO | None = None
     error: BaseException | None = None
@@ -193,9 +208,14 @@ def _save_file(state: ModelState, path: str) -> None:
     published = False
     try:
         if not state.all_ok(error is None):
-            raise error if error is not None else StoreError(
-                f"tiermem: saving the checkpoint to {path!r} failed on another rank (see its error); any "
-                f"previous checkpoint there is unchanged")
+            raise (
+                error
+                if error is not None
+                else StoreError(
+                    f"tiermem: saving the checkpoint to {path!r} failed on another rank (see its error); any "
+                    f"previous checkpoint there is unchanged"
+                )
+            )
         if state.writes_files:
             _publish(tmp, path, directory)
             published = True
@@ -206,17 +226,23 @@ def _save_file(state: ModelState, path: str) -> None:
             except FileNotFoundError:
                 pass  # renamed into place before the directory's sync failed
         if isinstance(e, OSError) and not isinstance(e, TierMemError):
-            raise StoreError(f"tiermem: saving the checkpoint to {path!r} failed ({e.strerror or e}); free space "
-                             f"or choose another path. Any previous checkpoint there is unchanged") from e
+            raise StoreError(
+                f"tiermem: saving the checkpoint to {path!r} failed ({e.strerror or e}); free space "
+                f"or choose another path. Any previous checkpoint there is unchanged"
+            ) from e
         raise
 
 
 # -- load: the footer -----------------------------------------------------------------------------
 def _read_footer(f: BinaryIO, path: str) -> tuple[dict, bytes]:
     """The footer, checked, and the file's magic (its format)."""
+
     def bad(why: str) -> StoreError:
-        return StoreError(f"tiermem: {path!r} is not a readable tiermem checkpoint ({why}); nothing was loaded. "
-                          f"Pass a file written by tm.save(), unedited")
+        return StoreError(
+            f"tiermem: {path!r} is not a readable tiermem checkpoint ({why}); nothing was loaded. "
+            f"Pass a file written by tm.save(), unedited"
+        )
+
     size = os.fstat(f.fileno()).st_size
     head = f.read(len(MAGIC))
     if size < 2 * len(MAGIC) + 8 or head not in _TRAILER:
@@ -225,9 +251,9 @@ def _read_footer(f: BinaryIO, path: str) -> tuple[dict, bytes]:
     end = size - len(MAGIC) - trailer.size  # where the footer ends
     f.seek(max(end, 0))
     tail = f.read(trailer.size + len(MAGIC))
-    if end < len(MAGIC) or tail[trailer.size:] != head:
+    if end < len(MAGIC) or tail[trailer.size :] != head:
         raise bad("truncated: no footer")
-    n, *checksum = trailer.unpack(tail[:trailer.size])
+    n, *checksum = trailer.unpack(tail[: trailer.size])
     if n > end - len(MAGIC):
         raise bad("corrupt footer length")
     f.seek(end - n)
@@ -247,8 +273,11 @@ def _read_footer(f: BinaryIO, path: str) -> tuple[dict, bytes]:
 # -- load: against the model, then the data -------------------------------------------------------
 def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -> tuple[dict[str, dict], Conversion]:
     def other(what: str) -> TierMemError:
-        return TierMemError(f"tiermem: checkpoint {path!r} does not match this model: {what}; nothing was loaded. "
-                            f"Load it into the model it was saved from")
+        return TierMemError(
+            f"tiermem: checkpoint {path!r} does not match this model: {what}; nothing was loaded. "
+            f"Load it into the model it was saved from"
+        )
+
     index = {e["name"]: e for e in doc["tensors"]}
     meta = doc["meta"]
     expected: dict[str, Any] = {name: (shape, dtypes) for name, shape, dtypes in state.specs(meta["precision"])}
@@ -257,14 +286,18 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
     expected, have = conversion.reconciled(expected, have)
     missing, unexpected = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
     if missing or unexpected:
-        trained = sorted({n.partition("/")[2] for n in unexpected if n.startswith("master/")}
-                         & {n.partition("/")[2] for n in missing if n.startswith("frozen/")})
+        trained = sorted(
+            {n.partition("/")[2] for n in unexpected if n.startswith("master/")}
+            & {n.partition("/")[2] for n in missing if n.startswith("frozen/")}
+        )
         if trained:  # NOTE [Freezing and unfreezing]: unfrozen in the run that saved it
-            raise TierMemError(f"tiermem: checkpoint {path!r} holds optimizer state for {trained[:5]}, which "
-                               f"{'is' if len(trained) == 1 else 'are'} frozen in this model and never trained in "
-                               f"it; nothing was loaded. Unfreeze {'it' if len(trained) == 1 else 'them'} "
-                               f"(requires_grad_(True)) before tm.load(), as in the run that saved it (freezing "
-                               f"again after the load keeps the state)")
+            raise TierMemError(
+                f"tiermem: checkpoint {path!r} holds optimizer state for {trained[:5]}, which "
+                f"{'is' if len(trained) == 1 else 'are'} frozen in this model and never trained in "
+                f"it; nothing was loaded. Unfreeze {'it' if len(trained) == 1 else 'them'} "
+                f"(requires_grad_(True)) before tm.load(), as in the run that saved it (freezing "
+                f"again after the load keeps the state)"
+            )
         raise other(f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, (shape, dtypes) in expected.items():
         if tuple(index[name]["shape"]) != shape:
@@ -287,8 +320,10 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
             checksum.update(chunk)
             left -= len(chunk)
         if left or checksum.intdigest() != _stored_sum(magic, e):
-            raise StoreError(f"tiermem: checkpoint {path!r} is corrupt ({e['name']!r} fails its checksum); "
-                             f"nothing was loaded. Use another checkpoint")
+            raise StoreError(
+                f"tiermem: checkpoint {path!r} is corrupt ({e['name']!r} fails its checksum); "
+                f"nothing was loaded. Use another checkpoint"
+            )
     return index, conversion
 
 
@@ -306,16 +341,20 @@ def _read_into(f: io.BufferedReader, e: dict, t: torch.Tensor) -> None:
 def _open(path: str) -> io.BufferedReader:
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a directory, a FIFO (which would block), a device
-            raise StoreError(f"tiermem: {path!r} is {'a directory' if os.path.isdir(path) else 'not a regular file'}, "
-                             f"not a checkpoint; pass the file path given to tm.save()")
+            raise StoreError(
+                f"tiermem: {path!r} is {'a directory' if os.path.isdir(path) else 'not a regular file'}, "
+                f"not a checkpoint; pass the file path given to tm.save()"
+            )
         return open(path, "rb")
     except FileNotFoundError:
         raise StoreError(f"tiermem: no checkpoint at {path!r}; pass the path given to tm.save()") from None
     except TierMemError:
         raise
     except OSError as e:
-        raise StoreError(f"tiermem: cannot open the checkpoint {path!r} ({e.strerror or e}); check its "
-                         f"permissions or pass another path") from None
+        raise StoreError(
+            f"tiermem: cannot open the checkpoint {path!r} ({e.strerror or e}); check its "
+            f"permissions or pass another path"
+        ) from None
 
 
 def _open_checked(state: ModelState, path: str) -> tuple[io.BufferedReader, dict, tuple[dict[str, dict], Conversion]]:
@@ -335,10 +374,13 @@ def load(state: ModelState, path: str) -> None:
     is_dir = is_checkpoint_dir(path)  # any other directory is refused as the single file refuses one
     if state.all_ok(is_dir):
         from tiermem.train import checkpoint_dcp
+
         checkpoint_dcp.load(state, path)
     elif not state.all_ok(not is_dir):
-        raise StoreError(f"tiermem: {path!r} is a directory on some ranks and not on others; nothing was loaded. "
-                         f"Load a checkpoint from where every rank sees the same files (a shared filesystem)")
+        raise StoreError(
+            f"tiermem: {path!r} is a directory on some ranks and not on others; nothing was loaded. "
+            f"Load a checkpoint from where every rank sees the same files (a shared filesystem)"
+        )
     else:
         _load_file(state, path)
 
@@ -346,12 +388,14 @@ def load(state: ModelState, path: str) -> None:
 def sharded_state_dict(state: ModelState) -> dict:
     """``tm.sharded_state_dict()`` (NOTE [Sharded values for DCP])."""
     from tiermem.train import checkpoint_dcp
+
     return checkpoint_dcp.sharded_state_dict(state)
 
 
 def load_sharded(state: ModelState, tree: dict) -> None:
     """``tm.load_sharded_state_dict(tree)``."""
     from tiermem.train import checkpoint_dcp
+
     checkpoint_dcp.load_sharded(state, tree)
 
 
@@ -363,8 +407,9 @@ def _load_file(state: ModelState, path: str) -> None:
         raise
     with f:
         if not state.all_ok(True):
-            raise StoreError(f"tiermem: checkpoint {path!r} failed its checks on another rank (see its error); "
-                             f"nothing was loaded")
+            raise StoreError(
+                f"tiermem: checkpoint {path!r} failed its checks on another rank (see its error); nothing was loaded"
+            )
         if conversion:
             conversion.say(f"checkpoint {path!r}")
         held: dict[str, Any] = {name: (tuple(e["shape"]), dtype_named(e["dtype"])) for name, e in index.items()}

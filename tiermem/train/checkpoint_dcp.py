@@ -16,6 +16,7 @@ NOTE [Checkpoint directories]. Here, the flow:
   keeps now (one ``dcp.load`` of that bucket's pieces, no collective inside, straight into the
   home's buffers) and sends the bucket's weights home, then the frozen parameters and buffers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,8 +77,9 @@ class _Writer(FileSystemWriter):
     before it is written (no copy-ahead): one bucket of state in memory at a time."""
 
     def __init__(self, path: str):
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0,
-                         overwrite=False)
+        super().__init__(
+            path, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0, overwrite=False
+        )
         self.fs: _HashingFileSystem = _HashingFileSystem()
 
 
@@ -112,8 +114,12 @@ def _load(reader: _Reader, values: dict[str, Any]) -> None:
     ``reader``'s checkpoint, in this process alone (no collective)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # asked for: no_dist
-        dcp.load(values, storage_reader=reader, no_dist=True,
-                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+        dcp.load(
+            values,
+            storage_reader=reader,
+            no_dist=True,
+            planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        )
 
 
 # -- this process's values ------------------------------------------------------------------------
@@ -128,7 +134,8 @@ class _OneBucket:
         def read() -> torch.Tensor:
             if self.index != index:
                 self.views, self.index = self.state.read_local(index), index
-            return self.views[part][p.at:p.at + p.hi - p.lo]
+            return self.views[part][p.at : p.at + p.hi - p.lo]
+
         return read
 
 
@@ -154,6 +161,7 @@ def sharded_state_dict(state: ModelState) -> dict[str, Any]:
     def source(index: int, part: int, p: Piece) -> torch.Tensor:
         t = one.source(index, part, p)()
         return t if state.resident(index) else t.clone()  # NVMe's buffer set is the next bucket's
+
     try:
         values: dict[str, Any] = dict(_pieces(state, source))
     finally:
@@ -174,24 +182,33 @@ def save(state: ModelState, path: str) -> None:
     if state.writes_files:
         try:
             if not os.path.isdir(os.path.dirname(path)):
-                raise StoreError(f"tiermem: cannot save a checkpoint to {path!r}: directory "
-                                 f"{os.path.dirname(path)!r} does not exist on rank 0; create it or choose another "
-                                 f"path")
+                raise StoreError(
+                    f"tiermem: cannot save a checkpoint to {path!r}: directory "
+                    f"{os.path.dirname(path)!r} does not exist on rank 0; create it or choose another "
+                    f"path"
+                )
             disk.check_target(path)
             disk.make_temporary(path, pid)
             made = True
         except (OSError, TierMemError) as e:
             error = e
     if not group.all_ok(error is None):
-        raise _as_store(error, path) if error is not None else StoreError(
-            f"tiermem: saving the checkpoint to {path!r} failed on rank 0 (see its error); any previous "
-            f"checkpoint there is unchanged")
+        raise (
+            _as_store(error, path)
+            if error is not None
+            else StoreError(
+                f"tiermem: saving the checkpoint to {path!r} failed on rank 0 (see its error); any previous "
+                f"checkpoint there is unchanged"
+            )
+        )
     sees = os.path.isdir(tmp)
     if not group.all_ok(sees):
         _discard_if(made, tmp)
         who = f"rank {group.rank} of {group.world}" if not sees else "another rank"
-        raise StoreError(f"tiermem: {who} does not see the directory {tmp!r} rank 0 made for the checkpoint; nothing "
-                         f"was written. Save it where every rank sees the same files (a shared filesystem)")
+        raise StoreError(
+            f"tiermem: {who} does not see the directory {tmp!r} rank 0 made for the checkpoint; nothing "
+            f"was written. Save it where every rank sees the same files (a shared filesystem)"
+        )
     writer = _Writer(tmp)
     try:
         _write(state, writer)
@@ -203,9 +220,14 @@ def save(state: ModelState, path: str) -> None:
     published = False
     try:
         if not group.all_ok(error is None):
-            raise error if error is not None else StoreError(
-                f"tiermem: saving the checkpoint to {path!r} failed on another rank (see its error); any previous "
-                f"checkpoint there is unchanged")
+            raise (
+                error
+                if error is not None
+                else StoreError(
+                    f"tiermem: saving the checkpoint to {path!r} failed on another rank (see its error); any previous "
+                    f"checkpoint there is unchanged"
+                )
+            )
         if state.writes_files:
             _check_complete(tmp, group.world)
             disk.sync_dir(tmp)
@@ -233,8 +255,9 @@ def _write(state: ModelState, writer: _Writer) -> None:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process: no_dist
-            dcp.save(tree, storage_writer=writer, planner=_InOrder(order), process_group=group.pg,
-                     no_dist=group.world == 1)
+            dcp.save(
+                tree, storage_writer=writer, planner=_InOrder(order), process_group=group.pg, no_dist=group.world == 1
+            )
     except Exception as e:  # DCP's CheckpointException carries every rank's failure: name the first
         raise _from_dcp(e) from e
 
@@ -243,8 +266,10 @@ def _check_complete(tmp: str, world: int) -> None:
     present = set(os.listdir(tmp))
     missing = [disk.MANIFEST.format(rank=r) for r in range(world) if disk.MANIFEST.format(rank=r) not in present]
     if missing or disk.METADATA not in present:
-        raise StoreError(f"tiermem: the checkpoint in {tmp!r} lacks {missing[:3] or [disk.METADATA]} after every rank "
-                         f"wrote its part: save it where every rank sees the same files (a shared filesystem)")
+        raise StoreError(
+            f"tiermem: the checkpoint in {tmp!r} lacks {missing[:3] or [disk.METADATA]} after every rank "
+            f"wrote its part: save it where every rank sees the same files (a shared filesystem)"
+        )
 
 
 def _discard_if(condition: bool, tmp: str) -> None:
@@ -255,8 +280,10 @@ def _discard_if(condition: bool, tmp: str) -> None:
 def _as_store(e: BaseException, path: str) -> BaseException:
     if isinstance(e, TierMemError) or not isinstance(e, OSError):
         return e
-    return StoreError(f"tiermem: saving the checkpoint to {path!r} failed ({e.strerror or e}); free space or choose "
-                      f"another path. Any previous checkpoint there is unchanged")
+    return StoreError(
+        f"tiermem: saving the checkpoint to {path!r} failed ({e.strerror or e}); free space or choose "
+        f"another path. Any previous checkpoint there is unchanged"
+    )
 
 
 def _from_dcp(e: Exception) -> Exception:
@@ -268,12 +295,18 @@ def _from_dcp(e: Exception) -> Exception:
         if isinstance(inner, TierMemError):
             return inner
         if isinstance(inner, OSError):
-            return StoreError(f"tiermem: rank {min(failures)} could not write its part of the checkpoint "
-                              f"({inner.strerror or inner}); free space or choose another path")
-        return TierMemError(f"tiermem: torch.distributed.checkpoint failed on rank {min(failures)} "
-                            f"({type(inner).__name__}: {inner})")
-    return e if isinstance(e, TierMemError) else TierMemError(f"tiermem: torch.distributed.checkpoint failed "
-                                                              f"({type(e).__name__}: {e})")
+            return StoreError(
+                f"tiermem: rank {min(failures)} could not write its part of the checkpoint "
+                f"({inner.strerror or inner}); free space or choose another path"
+            )
+        return TierMemError(
+            f"tiermem: torch.distributed.checkpoint failed on rank {min(failures)} ({type(inner).__name__}: {inner})"
+        )
+    return (
+        e
+        if isinstance(e, TierMemError)
+        else TierMemError(f"tiermem: torch.distributed.checkpoint failed ({type(e).__name__}: {e})")
+    )
 
 
 # -- load --------------------------------------------------------------------------------------------
@@ -286,8 +319,9 @@ def load(state: ModelState, path: str) -> None:
         state.all_ok(False)
         raise
     if not state.all_ok(True):
-        raise StoreError(f"tiermem: checkpoint {path!r} failed its checks on another rank (see its error); nothing "
-                         f"was loaded")
+        raise StoreError(
+            f"tiermem: checkpoint {path!r} failed its checks on another rank (see its error); nothing was loaded"
+        )
     with state.updating():
         for index, pieces in state.pieces():
             state.load_local(index, functools.partial(_read_pieces, reader, state.part_names(index), pieces))
@@ -304,13 +338,12 @@ def _read_meta(reader: _Reader) -> Any:
     return holder[META]
 
 
-def _read_pieces(reader: _Reader, parts: tuple[str, ...], pieces: list[Piece], views: tuple[torch.Tensor, ...]
-                 ) -> None:
+def _read_pieces(reader: _Reader, parts: tuple[str, ...], pieces: list[Piece], views: tuple[torch.Tensor, ...]) -> None:
     values = {}
     for part, t in zip(parts, views):
         for p in pieces:
             name = f"{part}/{p.name}"
-            local = t[p.at:p.at + p.hi - p.lo]
+            local = t[p.at : p.at + p.hi - p.lo]
             values[key(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, device=t.device)
     if values:
         _load(reader, values)
@@ -320,9 +353,13 @@ def _read_pieces(reader: _Reader, parts: tuple[str, ...], pieces: list[Piece], v
 def load_sharded(state: ModelState, tree: Any) -> None:
     """``tm.load_sharded_state_dict(tree)``: ``tree`` is what :func:`sharded_state_dict` gave this
     model, filled by the user's ``dcp.load``; checked whole, then written home bucket by bucket."""
+
     def bad(why: str) -> ConfigError:
-        return ConfigError(f"tiermem: load_sharded_state_dict() takes what this model's tm.sharded_state_dict() "
-                           f"returned (filled by dcp.load); {why}; nothing was loaded")
+        return ConfigError(
+            f"tiermem: load_sharded_state_dict() takes what this model's tm.sharded_state_dict() "
+            f"returned (filled by dcp.load); {why}; nothing was loaded"
+        )
+
     if not isinstance(tree, dict) or set(tree) != {"model", "optim", META}:
         raise bad(f"got {type(tree).__name__} with keys {sorted(tree)[:5] if isinstance(tree, dict) else '-'}")
     meta = parse_meta(tree[META], lambda why: bad(f"its {META!r} entry {why}"))
@@ -359,12 +396,15 @@ def _lookup(tree: dict, name: str) -> Any:
             return tree["model"][rest]
         return tree["optim"]["state"][rest][part]
     except (KeyError, TypeError):
-        raise ConfigError(f"tiermem: load_sharded_state_dict() takes what this model's tm.sharded_state_dict() "
-                          f"returned (filled by dcp.load); it has no {where!r}; nothing was loaded") from None
+        raise ConfigError(
+            f"tiermem: load_sharded_state_dict() takes what this model's tm.sharded_state_dict() "
+            f"returned (filled by dcp.load); it has no {where!r}; nothing was loaded"
+        ) from None
 
 
-def _copy_pieces(values: dict[str, Any], parts: tuple[str, ...], mine: list[Piece],
-                 views: tuple[torch.Tensor, ...]) -> None:
+def _copy_pieces(
+    values: dict[str, Any], parts: tuple[str, ...], mine: list[Piece], views: tuple[torch.Tensor, ...]
+) -> None:
     for part, t in zip(parts, views):
         for p in mine:
-            t[p.at:p.at + p.hi - p.lo].copy_(values[f"{part}/{p.name}"].local())
+            t[p.at : p.at + p.hi - p.lo].copy_(values[f"{part}/{p.name}"].local())

@@ -2,6 +2,7 @@
 (NOTE [Checkpoint directories]): its bytes against the manifests, DCP's metadata and the
 ``tiermem`` meta against the model, and every tensor's chunks covering it exactly once.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,17 +25,24 @@ def checked(state: ModelState, path: str, read_metadata: Callable[[], Any], read
     its manifests and checksums (this rank's share of the data files), DCP's metadata (read by
     ``read_metadata`` only after its checksum passed), the meta (``read_meta``: the ``tiermem``
     entry's string) and every tensor against the model. Raises the first failure."""
+
     def bad(why: str) -> StoreError:
-        return StoreError(f"tiermem: {path!r} is not a readable tiermem checkpoint ({why}); nothing was loaded. "
-                          f"Pass a directory written by tm.save() or by dcp.save(tm.sharded_state_dict())")
+        return StoreError(
+            f"tiermem: {path!r} is not a readable tiermem checkpoint ({why}); nothing was loaded. "
+            f"Pass a directory written by tm.save() or by dcp.save(tm.sharded_state_dict())"
+        )
+
     try:
         files = disk.read_manifests(path)
     except OSError as e:
         raise bad(e.strerror or str(e)) from None
     if files is None:
         if state.writes_files:  # one line, not one a rank
-            log.warning("tiermem: %s has no tiermem manifest (written by dcp.save, not tm.save): its bytes are not "
-                        "checksummed; names, shapes, dtypes and coverage are checked against the model", path)
+            log.warning(
+                "tiermem: %s has no tiermem manifest (written by dcp.save, not tm.save): its bytes are not "
+                "checksummed; names, shapes, dtypes and coverage are checked against the model",
+                path,
+            )
     else:
         if disk.METADATA not in files:
             raise bad(f"its manifests do not list {disk.METADATA}")
@@ -75,9 +83,13 @@ def parse_meta(text: Any, bad: Callable[[str], TierMemError]) -> dict:
 def _match(state: ModelState, path: str, meta: dict, tensors: dict[str, Any]) -> None:
     """Every tensor the model needs is there, with its shape and an accepted dtype, its chunks
     covering it exactly; nothing else is; the meta fits the model."""
+
     def other(what: str) -> TierMemError:
-        return TierMemError(f"tiermem: checkpoint {path!r} does not match this model: {what}; nothing was loaded. "
-                            f"Load it into the model it was saved from")
+        return TierMemError(
+            f"tiermem: checkpoint {path!r} does not match this model: {what}; nothing was loaded. "
+            f"Load it into the model it was saved from"
+        )
+
     expected = {key(name): (shape, dtypes) for name, shape, dtypes in state.specs(meta["precision"])}
     present = set(tensors) - {META, MANIFESTS}
     missing, unexpected = sorted(set(expected) - present), sorted(present - set(expected))
@@ -94,8 +106,9 @@ def _match(state: ModelState, path: str, meta: dict, tensors: dict[str, Any]) ->
             raise other(f"{name!r} is {str(md.properties.dtype).removeprefix('torch.')}, the model holds it as {held}")
         why = coverage(shape, [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
         if why:
-            raise StoreError(f"tiermem: checkpoint {path!r} is corrupt ({name!r}: {why}); nothing was loaded. "
-                             f"Use another checkpoint")
+            raise StoreError(
+                f"tiermem: checkpoint {path!r} is corrupt ({name!r}: {why}); nothing was loaded. Use another checkpoint"
+            )
     meta_fits(state, meta, other, f"checkpoint {path!r}")
 
 
@@ -114,8 +127,11 @@ def coverage(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[i
         numel *= n
     total = 0
     for offsets, sizes in chunks:
-        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
-                o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
+        if (
+            len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape))
+        ):
             return f"a chunk at {offsets} of {sizes} lies outside its shape {shape}"
         volume = 1
         for s in sizes:
@@ -127,7 +143,7 @@ def coverage(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[i
         return ""  # one element, held once
     boxes = sorted((o, s) for o, s in chunks if all(n > 0 for n in s))
     for i, (o1, s1) in enumerate(boxes):  # as many elements as the tensor: no two may overlap
-        for o2, s2 in boxes[i + 1:]:
+        for o2, s2 in boxes[i + 1 :]:
             if o2[0] >= o1[0] + s1[0]:
                 break  # sorted by the first offset: no later box reaches back into this one
             if all(a2 < a1 + n1 and a1 < a2 + n2 for a1, n1, a2, n2 in zip(o1, s1, o2, s2)):

@@ -32,6 +32,7 @@ directory, a single-file checkpoint, or a symlink, never followed) is then remov
 there that holds anything but a checkpoint's files is refused before anything is written. A save
 also removes the temporaries that saves of dead processes left (as for the single file).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -131,9 +132,16 @@ def file_hash(path: str) -> tuple[int, str]:
 
 # -- manifests ---------------------------------------------------------------------------------------
 def write_manifest(directory: str, rank: int, world: int, files: Files) -> None:
-    body = json.dumps({"format": _FORMAT, "rank": rank, "world": world,
-                       "files": {name: {"nbytes": n, "xxh3": h} for name, (n, h) in sorted(files.items())}},
-                      indent=1, sort_keys=True).encode()
+    body = json.dumps(
+        {
+            "format": _FORMAT,
+            "rank": rank,
+            "world": world,
+            "files": {name: {"nbytes": n, "xxh3": h} for name, (n, h) in sorted(files.items())},
+        },
+        indent=1,
+        sort_keys=True,
+    ).encode()
     with create_exclusive(os.path.join(directory, MANIFEST.format(rank=rank))) as f:
         f.write(body + b"\n" + xxhash.xxh3_64_hexdigest(body).encode() + b"\n")
         f.flush()
@@ -143,9 +151,13 @@ def write_manifest(directory: str, rank: int, world: int, files: Files) -> None:
 def read_manifests(directory: str) -> Optional[Files]:
     """Every file the manifests in ``directory`` list, checked as NOTE [Checkpoint directories]
     says; None when there is no manifest (a user's own ``dcp.save``)."""
+
     def bad(why: str) -> StoreError:
-        return StoreError(f"tiermem: checkpoint {directory!r} has {why}; nothing was loaded. Use another "
-                          f"checkpoint, or one written by tm.save() and left unedited")
+        return StoreError(
+            f"tiermem: checkpoint {directory!r} has {why}; nothing was loaded. Use another "
+            f"checkpoint, or one written by tm.save() and left unedited"
+        )
+
     names = sorted(n for n in os.listdir(directory) if _MANIFEST.fullmatch(n))
     if not names:
         return None
@@ -160,23 +172,33 @@ def read_manifests(directory: str) -> Optional[Files]:
                 raise ValueError("it fails its checksum")
             doc = json.loads(body)
             entries = doc["files"]
-            ok = (doc["format"] == _FORMAT and doc["rank"] == int(_MANIFEST.fullmatch(name)[1])  # type: ignore[index]  # listed by it
-                  and isinstance(doc["world"], int) and isinstance(entries, dict))
+            ok = (
+                doc["format"] == _FORMAT
+                and doc["rank"] == int(_MANIFEST.fullmatch(name)[1])  # type: ignore[index]  # listed by it
+                and isinstance(doc["world"], int)
+                and isinstance(entries, dict)
+            )
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise bad(f"an unreadable manifest {name!r} ({err})") from None
         if not ok:
             raise bad(f"a manifest {name!r} of another format, rank or world")
         worlds.add(doc["world"])
         for file, e in entries.items():
-            good = (isinstance(file, str) and os.path.basename(file) == file and file not in ("", ".", "..")
-                    and isinstance(e, dict) and isinstance(e.get("nbytes"), int) and e["nbytes"] >= 0
-                    and isinstance(e.get("xxh3"), str) and re.fullmatch("[0-9a-f]{16}", e["xxh3"]) is not None)
+            good = (
+                isinstance(file, str)
+                and os.path.basename(file) == file
+                and file not in ("", ".", "..")
+                and isinstance(e, dict)
+                and isinstance(e.get("nbytes"), int)
+                and e["nbytes"] >= 0
+                and isinstance(e.get("xxh3"), str)
+                and re.fullmatch("[0-9a-f]{16}", e["xxh3"]) is not None
+            )
             if not good or file in files:
                 raise bad(f"a manifest {name!r} listing {file!r} {'twice' if good else 'badly'}")
             files[file] = (e["nbytes"], e["xxh3"])
     if len(worlds) != 1 or names != sorted(MANIFEST.format(rank=r) for r in range(worlds.pop())):
-        raise bad(f"manifests {names} that are not one per rank of one save (incomplete, or mixed with "
-                  f"another save's)")
+        raise bad(f"manifests {names} that are not one per rank of one save (incomplete, or mixed with another save's)")
     return files
 
 
@@ -187,12 +209,16 @@ def verify(directory: str, names: list[str], files: Files) -> None:
         try:
             got = file_hash(path)
         except OSError as e:
-            raise StoreError(f"tiermem: checkpoint {directory!r} is incomplete: cannot read {name!r} "
-                             f"({e.strerror or e}); nothing was loaded. Use another checkpoint") from None
+            raise StoreError(
+                f"tiermem: checkpoint {directory!r} is incomplete: cannot read {name!r} "
+                f"({e.strerror or e}); nothing was loaded. Use another checkpoint"
+            ) from None
         if got != files[name]:
-            raise StoreError(f"tiermem: checkpoint {directory!r} is corrupt ({name!r} fails its checksum"
-                             f"{'' if got[0] == files[name][0] else f': {got[0]} bytes, not {files[name][0]}'}); "
-                             f"nothing was loaded. Use another checkpoint")
+            raise StoreError(
+                f"tiermem: checkpoint {directory!r} is corrupt ({name!r} fails its checksum"
+                f"{'' if got[0] == files[name][0] else f': {got[0]} bytes, not {files[name][0]}'}); "
+                f"nothing was loaded. Use another checkpoint"
+            )
 
 
 def share(files: Files, world: int, rank: int) -> list[str]:
@@ -223,8 +249,10 @@ def check_target(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         others = sorted(n for n in os.listdir(path) if not _OURS.fullmatch(n))
         if others:
-            raise StoreError(f"tiermem: cannot save the checkpoint to {path!r}: it is a directory holding "
-                             f"{others[:3]}, not a checkpoint; choose another path or empty it")
+            raise StoreError(
+                f"tiermem: cannot save the checkpoint to {path!r}: it is a directory holding "
+                f"{others[:3]}, not a checkpoint; choose another path or empty it"
+            )
 
 
 def make_temporary(path: str, pid: int) -> str:
@@ -234,9 +262,11 @@ def make_temporary(path: str, pid: int) -> str:
     try:
         os.mkdir(tmp, 0o700)
     except FileExistsError:
-        raise StoreError(f"tiermem: cannot save the checkpoint to {path!r}: its temporary {tmp!r} already exists "
-                         f"(left by an earlier process with this pid, or planted there); remove it and save "
-                         f"again") from None
+        raise StoreError(
+            f"tiermem: cannot save the checkpoint to {path!r}: its temporary {tmp!r} already exists "
+            f"(left by an earlier process with this pid, or planted there); remove it and save "
+            f"again"
+        ) from None
     return tmp
 
 
@@ -297,8 +327,11 @@ def publish(tmp: str, path: str) -> None:
     else:
         old = f"{path}.old-{os.getpid()}"
         os.rename(path, old)
-        log.info("tiermem: %r moved to %r while the new checkpoint takes its place (no atomic exchange on this "
-                 "filesystem)", path, old)
+        log.info(
+            "tiermem: %r moved to %r while the new checkpoint takes its place (no atomic exchange on this filesystem)",
+            path,
+            old,
+        )
         os.rename(tmp, path)
     sync_dir(os.path.dirname(os.path.abspath(path)))
     if old is not None:

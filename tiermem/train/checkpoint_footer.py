@@ -3,6 +3,7 @@
 tensor entry's size against its dtype and shape and its place inside the file. Pure functions of
 the parsed footer; no file is touched here.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,19 @@ from tiermem.config import PRECISIONS, check_hyper, is_int
 from tiermem.errors import ConfigError
 from tiermem.train.state import HYPER, MEMBERS
 
-__all__ = ["MAGIC", "MAGIC_V2", "MAGIC_V1", "META_KEYS", "ENTRY_KEYS", "Invalid", "sum_key", "check_meta",
-           "check_entries", "check_footer", "dtype_named"]
+__all__ = [
+    "MAGIC",
+    "MAGIC_V2",
+    "MAGIC_V1",
+    "META_KEYS",
+    "ENTRY_KEYS",
+    "Invalid",
+    "sum_key",
+    "check_meta",
+    "check_entries",
+    "check_footer",
+    "dtype_named",
+]
 
 MAGIC = b"TIERMEM-CKPT-v3\n"
 MAGIC_V2 = b"TIERMEM-CKPT-v2\n"  # CRC-32s; read, never written
@@ -67,8 +79,12 @@ def _hyper(where: str, field: str, value: Any, rule: str | None = None) -> None:
 def check_meta(meta: Any) -> None:
     _keys(meta, "meta", META_KEYS, META_KEYS)
     precision, step = meta["precision"], meta["step"]
-    _require(isinstance(precision, str) and precision in PRECISIONS, "meta.precision", precision,
-             f"one of {sorted(PRECISIONS)}")
+    _require(
+        isinstance(precision, str) and precision in PRECISIONS,
+        "meta.precision",
+        precision,
+        f"one of {sorted(PRECISIONS)}",
+    )
     _require(_count(step), "meta.step", step, "an int >= 0")
     _require(isinstance(meta["param_step"], dict), "meta.param_step", meta["param_step"], "an object")
     for name, n in meta["param_step"].items():
@@ -78,8 +94,12 @@ def check_meta(meta: Any) -> None:
     _hyper("meta.scaler.", "scale", scaler["scale"], "grad_scale")
     _require(_count(scaler["good_steps"]), "meta.scaler.good_steps", scaler["good_steps"], "an int >= 0")
     if precision != "fp16":  # no loss scaling: a scale other than 1 would divide every gradient
-        _require(scaler == {"scale": 1.0, "good_steps": 0}, "meta.scaler", scaler,
-                 f"{{'scale': 1.0, 'good_steps': 0}} at precision {precision!r}")
+        _require(
+            scaler == {"scale": 1.0, "good_steps": 0},
+            "meta.scaler",
+            scaler,
+            f"{{'scale': 1.0, 'good_steps': 0}} at precision {precision!r}",
+        )
     _require(isinstance(meta["groups"], list), "meta.groups", meta["groups"], "a list")
     for i, group in enumerate(meta["groups"]):
         _keys(group, f"meta.groups[{i}]", {*HYPER, *MEMBERS}, set())
@@ -87,8 +107,12 @@ def check_meta(meta: Any) -> None:
             if name == "name":
                 _require(isinstance(value, str), f"meta.groups[{i}].name", value, "a str")
             elif name == "params":
-                _require(isinstance(value, list) and all(isinstance(n, str) for n in value),
-                         f"meta.groups[{i}].params", value, "a list of parameter names")
+                _require(
+                    isinstance(value, list) and all(isinstance(n, str) for n in value),
+                    f"meta.groups[{i}].params",
+                    value,
+                    "a list of parameter names",
+                )
             else:
                 _hyper(f"meta.groups[{i}].", name, value, "lr" if name == "initial_lr" else name)
 
@@ -106,24 +130,33 @@ def check_entries(entries: Any, data_end: int, magic: bytes) -> None:
         where = f"tensors[{i}]"
         keys = ENTRY_KEYS | {sum_key(magic)}
         _keys(e, where, keys, keys)
-        _require(isinstance(e["name"], str) and e["name"] not in seen, where + ".name", e["name"],
-                 "a name not seen before")
+        _require(
+            isinstance(e["name"], str) and e["name"] not in seen, where + ".name", e["name"], "a name not seen before"
+        )
         seen.add(e["name"])
         where = f"tensors[{i}] ({e['name']!r})"
         dtype, shape, offset, nbytes = dtype_named(e["dtype"]), e["shape"], e["offset"], e["nbytes"]
         _require(dtype is not None, where + ".dtype", e["dtype"], "a torch dtype such as 'float32'")
-        _require(isinstance(shape, list) and all(_count(n) for n in shape), where + ".shape", shape,
-                 "a list of ints >= 0")
+        _require(
+            isinstance(shape, list) and all(_count(n) for n in shape), where + ".shape", shape, "a list of ints >= 0"
+        )
         _require(_count(offset) and offset >= len(MAGIC), where + ".offset", offset, f"an int >= {len(MAGIC)}")
         assert dtype is not None  # (_require raised otherwise)
         size = math.prod(shape) * dtype.itemsize
-        _require(is_int(nbytes) and nbytes == size, where + ".nbytes", nbytes,
-                 f"{size} ({e['dtype']} x {shape})")
-        _require(offset + nbytes <= data_end, where + ".offset", offset,
-                 f"such that its {nbytes} bytes end before the footer, at {data_end}")
+        _require(is_int(nbytes) and nbytes == size, where + ".nbytes", nbytes, f"{size} ({e['dtype']} x {shape})")
+        _require(
+            offset + nbytes <= data_end,
+            where + ".offset",
+            offset,
+            f"such that its {nbytes} bytes end before the footer, at {data_end}",
+        )
         if magic == MAGIC:
-            _require(isinstance(e["xxh3"], str) and re.fullmatch("[0-9a-f]{16}", e["xxh3"]) is not None,
-                     where + ".xxh3", e["xxh3"], "16 lowercase hex digits")
+            _require(
+                isinstance(e["xxh3"], str) and re.fullmatch("[0-9a-f]{16}", e["xxh3"]) is not None,
+                where + ".xxh3",
+                e["xxh3"],
+                "16 lowercase hex digits",
+            )
         else:
             _require(_count(e["crc32"]) and e["crc32"] < 2**32, where + ".crc32", e["crc32"], "an int in [0, 2**32)")
 

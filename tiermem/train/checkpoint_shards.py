@@ -31,6 +31,7 @@ buffers are ``model.<name>``; ``exp_avg/<p>`` is ``optim.state.<p>.exp_avg`` (an
 hyperparameters are one JSON string under ``tiermem`` (the footer's ``meta``); a directory
 tm.save wrote also holds ``tiermem_manifests``, the number of its manifests.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,8 +70,13 @@ def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
         if lo < first * row:  # the end of a partial row
             cut(prefix + (first - 1,), dims[1:], lo - (first - 1) * row, row, base + (first - 1) * row)
         if first < last:
-            out.append((prefix + (first,) + (0,) * (len(dims) - 1), (1,) * len(prefix) + (last - first,) + dims[1:],
-                        base + first * row))
+            out.append(
+                (
+                    prefix + (first,) + (0,) * (len(dims) - 1),
+                    (1,) * len(prefix) + (last - first,) + dims[1:],
+                    base + first * row,
+                )
+            )
         if last * row < hi:  # the start of a partial row
             cut(prefix + (last,), dims[1:], 0, hi - last * row, base + last * row)
 
@@ -95,8 +101,17 @@ class ShardedValue(torch.Tensor):
     _at: dict[tuple[int, ...], int]
 
     @staticmethod
-    def __new__(cls, name: str, shape: tuple[int, ...], lo: int, hi: int, local: Source, *,
-                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "ShardedValue":
+    def __new__(
+        cls,
+        name: str,
+        shape: tuple[int, ...],
+        lo: int,
+        hi: int,
+        local: Source,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "ShardedValue":
         r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=torch.device(device))
         r._name, r._lo, r._hi, r._source = name, lo, hi, local
         r._boxes = flat_boxes(tuple(shape), lo, hi)
@@ -110,9 +125,11 @@ class ShardedValue(torch.Tensor):
         if func is torch.ops.aten.detach.default:
             return args[0]
         value = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedValue))
-        raise TierMemError(f"tiermem: {value._name!r} is a ShardedValue from tm.sharded_state_dict(): it holds only "
-                           f"this process's elements [{value._lo}, {value._hi}) of {math.prod(value.shape)}, so "
-                           f"{func} cannot run on it; use .local() for them, or tm.state_dict() for whole weights")
+        raise TierMemError(
+            f"tiermem: {value._name!r} is a ShardedValue from tm.sharded_state_dict(): it holds only "
+            f"this process's elements [{value._lo}, {value._hi}) of {math.prod(value.shape)}, so "
+            f"{func} cannot run on it; use .local() for them, or tm.state_dict() for whole weights"
+        )
 
     @property
     def local_range(self) -> tuple[int, int]:
@@ -126,31 +143,42 @@ class ShardedValue(torch.Tensor):
     def _box(self, i: int) -> torch.Tensor:
         _, sizes, start = self._boxes[i]
         begin = start - self._lo if math.prod(self.shape) else 0
-        return _own_storage(self.local()[begin:begin + math.prod(sizes)]).view(sizes)
+        return _own_storage(self.local()[begin : begin + math.prod(sizes)]).view(sizes)
 
     # -- the protocol DCP's planner calls (DTensor implements it too) ------------------------------
     def __create_write_items__(self, fqn: str, obj: Any) -> list:
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         properties = TensorProperties(dtype=self.dtype)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape))
-                for offsets, chunk in zip((o for o, _, _ in self._boxes), self.__create_chunk_list__())]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape),
+            )
+            for offsets, chunk in zip((o for o, _, _ in self._boxes), self.__create_chunk_list__())
+        ]
 
     def __create_chunk_list__(self) -> list:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes, _ in self._boxes]
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         i = self._at.get(tuple(index.offset) if index.offset is not None else ())
         if i is None:
-            raise TierMemError(f"tiermem: {self._name!r} has no piece at {tuple(index.offset or ())} on this process; "
-                               f"its pieces start at {sorted(self._at)}")
+            raise TierMemError(
+                f"tiermem: {self._name!r} has no piece at {tuple(index.offset or ())} on this process; "
+                f"its pieces start at {sorted(self._at)}"
+            )
         return self._box(i)
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return (f"ShardedValue({self._name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"elements [{self._lo}, {self._hi}))")
+        return (
+            f"ShardedValue({self._name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"elements [{self._lo}, {self._hi}))"
+        )
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -159,8 +187,10 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     (``torch.save`` writes a tensor's whole storage)."""
     if t.device.type != "cpu" or t.numel() == 0 or t.untyped_storage().nbytes() == t.nbytes:
         return t
-    return torch.frombuffer(memoryview(t.view(torch.uint8).numpy()),  # type: ignore[arg-type]  # numpy's stubs
-                            dtype=t.dtype)
+    return torch.frombuffer(
+        memoryview(t.view(torch.uint8).numpy()),  # type: ignore[arg-type]  # numpy's stubs
+        dtype=t.dtype,
+    )
 
 
 def key(name: str) -> str:

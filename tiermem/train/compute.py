@@ -15,6 +15,7 @@ machine). The CPU's figures are one thread's CPU time, the steadiest on a shared
 other programs hold the core is not counted); the cost model scales them by the threads torch uses
 (NOTE [Cost model]).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,11 @@ _warned: set[str] = set()  # precisions warned about in this process
 
 def conditions(device: torch.device) -> dict[str, Any]:
     """What the figures depend on besides the silicon's speed: measured under other conditions, they are stale."""
-    return {"cpu": dataclasses.asdict(CpuFeatures.detect()), "torch": torch.__version__,
-            "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    return {
+        "cpu": dataclasses.asdict(CpuFeatures.detect()),
+        "torch": torch.__version__,
+        "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
 
 
 def linear(device: torch.device, precision: str, shape: tuple[int, int, int]) -> Callable[[], torch.Tensor]:
@@ -80,8 +84,12 @@ def _best_seconds(fn: Callable[[], object], sync: Callable[[], None], clock: Cal
 def measure_matmul(device: torch.device) -> dict[str, Any]:
     """The profile's ``matmul`` section, measured now: GFLOP/s of each precision on one CPU thread and,
     on an accelerator, there too (NOTE [A precision the CPU is slow at])."""
-    section: dict[str, Any] = {"conditions": conditions(device), "cpu_shape": list(CPU_SHAPE), "cpu_threads": 1,
-                               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    section: dict[str, Any] = {
+        "conditions": conditions(device),
+        "cpu_shape": list(CPU_SHAPE),
+        "cpu_threads": 1,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     flop = 2 * math.prod(CPU_SHAPE)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the matmul runs on this thread: its CPU time leaves out other programs' turns
@@ -94,8 +102,9 @@ def measure_matmul(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         section["device_shape"] = list(DEVICE_SHAPE)
         for p in PRECISIONS:
-            seconds = _best_seconds(linear(device, p, DEVICE_SHAPE), lambda: torch.cuda.synchronize(device),
-                                    time.perf_counter)
+            seconds = _best_seconds(
+                linear(device, p, DEVICE_SHAPE), lambda: torch.cuda.synchronize(device), time.perf_counter
+            )
             section[matmul_key("device", p)] = round(2 * math.prod(DEVICE_SHAPE) / seconds / 1e9, 3)
     return section
 
@@ -111,10 +120,15 @@ def matmul_figures(device: torch.device) -> dict[str, Any]:
     prof = load_profile()
     data = dict(prof.data) if prof is not None else {"schema": SCHEMA, "source": "matmul figures measured on first use"}
     section = data.get("matmul")
-    if not (isinstance(section, dict) and section.get("conditions") == now
-            and all(isinstance(section.get(matmul_key("cpu", p)), (int, float)) for p in PRECISIONS)):
-        log.info("tiermem: measuring this machine's matmul speed in %s, once (under a second; saved in the "
-                 "machine profile)", ", ".join(PRECISIONS))
+    if not (
+        isinstance(section, dict)
+        and section.get("conditions") == now
+        and all(isinstance(section.get(matmul_key("cpu", p)), (int, float)) for p in PRECISIONS)
+    ):
+        log.info(
+            "tiermem: measuring this machine's matmul speed in %s, once (under a second; saved in the machine profile)",
+            ", ".join(PRECISIONS),
+        )
         section = data["matmul"] = measure_matmul(device)
         try:
             save_profile(data)
@@ -147,6 +161,15 @@ def warn_if_slow(precision: str, device: torch.device) -> None:
     cpu = CpuFeatures(**section["conditions"]["cpu"])
     auto = auto_precision(device, cpu=cpu)[0]
     fix = "precision='fp32'" if auto == precision else f"precision='auto' ({auto} on this CPU) or 'fp32'"
-    log.warning("tiermem: precision=%r on this CPU (%s): a matmul in %s takes %.2f ms against %.2f ms in fp32 "
-                "(%.1fx), so forward and backward run about that much slower; pass %s to train faster (the "
-                "optimizer state is fp32 either way)", precision, cpu, precision, ms[precision], ms["fp32"], ratio, fix)
+    log.warning(
+        "tiermem: precision=%r on this CPU (%s): a matmul in %s takes %.2f ms against %.2f ms in fp32 "
+        "(%.1fx), so forward and backward run about that much slower; pass %s to train faster (the "
+        "optimizer state is fp32 either way)",
+        precision,
+        cpu,
+        precision,
+        ms[precision],
+        ms["fp32"],
+        ratio,
+        fix,
+    )

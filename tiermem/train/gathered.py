@@ -38,6 +38,7 @@ was freed (:meth:`GatheredWeights.begin_update`); the gathers the next forward n
 that, at the end of the step. Reading a sharded weight is collective: every rank must make the
 same reads (a weight printed on rank 0 alone waits for the others until the group's timeout).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -85,17 +86,30 @@ class GatheredWeights(WeightHome):
     headers' (NOTE [Announced, then launched]); ``ahead``: the bytes of gathered buckets kept or
     fetched ahead besides the held ones (the same on every rank)."""
 
-    def __init__(self, module: torch.nn.Module, buckets: Sequence[Bucket], shards: dict[int, ShardHome],
-                 group: Group, headers: Group, device_store, dtype: torch.dtype, device: torch.device,
-                 hooks: HookSet, *, ahead: int, prefetch: bool = True):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        buckets: Sequence[Bucket],
+        shards: dict[int, ShardHome],
+        group: Group,
+        headers: Group,
+        device_store,
+        dtype: torch.dtype,
+        device: torch.device,
+        hooks: HookSet,
+        *,
+        ahead: int,
+        prefetch: bool = True,
+    ):
         self.store, self.dtype, self.device, self.shards = device_store, dtype, device, shards
         self.full = {b.key: b for b in buckets}
         self.chunks = {b.index: group.chunk(b.numel) for b in buckets}
         self.slots: dict[str, tuple[Bucket, Slot]] = {s.name: (b, s) for b in buckets for s in b.slots}
         self.homes = {name: shards[b.index].tier for name, (b, _) in self.slots.items()}
         self.gatherer = Gatherer(group, headers, {b.index: [s.name for s in b.slots] for b in buckets})
-        self.schedule = GatherSchedule({b.key: self.chunks[b.index].padded * dtype.itemsize for b in buckets},
-                                       ahead, prefetch=prefetch)
+        self.schedule = GatherSchedule(
+            {b.key: self.chunks[b.index].padded * dtype.itemsize for b in buckets}, ahead, prefetch=prefetch
+        )
         self._gathered: dict[str, _Gathered] = {}
         self._queue: list[str] = []  # announced, not launched yet (NOTE [Announced, then launched])
         self._lock = threading.RLock()  # reads come from autograd's threads too
@@ -121,7 +135,7 @@ class GatheredWeights(WeightHome):
         """This rank's chunk of the whole bucket ``values``, padded with zeros, in its dtype."""
         c = self.chunks[b.index]
         mine = torch.zeros(c.size, dtype=values.dtype, device=values.device)
-        mine[:c.end - c.start].copy_(values[c.start:c.end])
+        mine[: c.end - c.start].copy_(values[c.start : c.end])
         return mine
 
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
@@ -158,8 +172,10 @@ class GatheredWeights(WeightHome):
             self._launch()  # every rank launches what it announced before it ends the iteration
             agreed = self.gatherer.end(self.schedule.recording)
             if not agreed:
-                log.warning("tiermem: the ranks read their sharded weights in different orders in this iteration; "
-                            "the next one gathers on demand (NOTE [Weights sharded over the ranks])")
+                log.warning(
+                    "tiermem: the ranks read their sharded weights in different orders in this iteration; "
+                    "the next one gathers on demand (NOTE [Weights sharded over the ranks])"
+                )
             self._carry_out(*self.schedule.end_iteration(agreed=agreed))
             self._launch()  # every rank is here: nothing to wait for
 
@@ -188,7 +204,7 @@ class GatheredWeights(WeightHome):
             release()
             self.store.delete(f"{key}:gathered")
             raise
-        self._gathered[key] = _Gathered(buffer, mine[:c.size], announced, None, release)
+        self._gathered[key] = _Gathered(buffer, mine[: c.size], announced, None, release)
         self._queue.append(key)
         self.gathers += 1
 
@@ -254,12 +270,12 @@ class GatheredWeights(WeightHome):
 
     def _after(self, mod: torch.nn.Module, args, out) -> None:
         stack = self._holding.get(mod)
-        for key in (stack.pop() if stack else []):
+        for key in stack.pop() if stack else []:
             self._release(key)
 
     def _view(self, name: str) -> torch.Tensor:
         b, s = self.slots[name]
-        return self._gathered[b.key].buffer[s.offset:s.offset + s.numel].view(s.shape)
+        return self._gathered[b.key].buffer[s.offset : s.offset + s.numel].view(s.shape)
 
     @contextlib.contextmanager
     def holding(self, keys: Sequence[str], reader: str) -> Iterator[list[torch.Tensor]]:
@@ -287,9 +303,11 @@ class GatheredWeights(WeightHome):
             if self._writable[key]:
                 self._dirty.add(key)
                 return
-        raise TierMemError(f"tiermem: {op} writes into the weight {key!r}, which is sharded over the ranks; write "
-                           f"to it inside `with tm.resident(...)` on every rank, which sends the new values home "
-                           f"and to the optimizer's master weights")
+        raise TierMemError(
+            f"tiermem: {op} writes into the weight {key!r}, which is sharded over the ranks; write "
+            f"to it inside `with tm.resident(...)` on every rank, which sends the new values home "
+            f"and to the optimizer's master weights"
+        )
 
     @contextlib.contextmanager
     def resident(self, names: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:
@@ -312,7 +330,7 @@ class GatheredWeights(WeightHome):
                 dirty = [n for n in names if n in self._dirty]
                 for key in dict.fromkeys(self.slots[n][0].key for n in dirty):
                     b, c = self.full[key], self.chunks[self.full[key].index]
-                    mine = self._gathered[key].buffer[c.start:c.start + c.size].to("cpu", copy=True)
+                    mine = self._gathered[key].buffer[c.start : c.start + c.size].to("cpu", copy=True)
                     for h in self.shards[b.index].write(b, mine, Tier.HOST):
                         h.wait()
                 written.update({n: self._view(n).to("cpu", copy=True) for n in dirty})
@@ -354,9 +372,19 @@ class GatheredWeights(WeightHome):
             self._gathered.clear()
 
 
-def build_gathered(module: torch.nn.Module, buckets: Sequence[Bucket], stores: dict, engine: CopyService,
-                   group: Group, dtype: torch.dtype, device: torch.device, hooks: HookSet, *, prefetch: bool = True,
-                   overlap: bool = False) -> GatheredWeights:
+def build_gathered(
+    module: torch.nn.Module,
+    buckets: Sequence[Bucket],
+    stores: dict,
+    engine: CopyService,
+    group: Group,
+    dtype: torch.dtype,
+    device: torch.device,
+    hooks: HookSet,
+    *,
+    prefetch: bool = True,
+    overlap: bool = False,
+) -> GatheredWeights:
     """The home of the sharded ``buckets`` (whole ones), its chunks on each bucket's PARAM tier:
     the one place that maps that tier to the class that keeps the chunks there (none kept where
     the master beside them gives them: NOTE [A chunk rounded from its master]). Collective (it
@@ -366,10 +394,25 @@ def build_gathered(module: torch.nn.Module, buckets: Sequence[Bucket], stores: d
     kinds = {b.index: (b.param_tier, weights_from_master(b, True, overlap)) for b in buckets}
     for tier, derived in dict.fromkeys(kinds.values()):
         mine = [b for b in buckets if kinds[b.index] == (tier, derived)]
-        home: ShardHome = (NvmeShards(engine, sizes, dtype) if tier == Tier.NVME else
-                           MasterShards(stores[tier], mine, sizes, dtype) if derived else
-                           MemoryShards(stores[tier], engine, mine, sizes, dtype))
+        home: ShardHome = (
+            NvmeShards(engine, sizes, dtype)
+            if tier == Tier.NVME
+            else MasterShards(stores[tier], mine, sizes, dtype)
+            if derived
+            else MemoryShards(stores[tier], engine, mine, sizes, dtype)
+        )
         shards.update({b.index: home for b in mine})
     ahead = gather_ahead([group.chunk(b.numel).padded * dtype.itemsize for b in buckets])
-    return GatheredWeights(module, buckets, shards, group.for_gathers(), group.for_gather_headers(),
-                           stores[Tier.DEVICE], dtype, device, hooks, ahead=ahead, prefetch=prefetch)
+    return GatheredWeights(
+        module,
+        buckets,
+        shards,
+        group.for_gathers(),
+        group.for_gather_headers(),
+        stores[Tier.DEVICE],
+        dtype,
+        device,
+        hooks,
+        ahead=ahead,
+        prefetch=prefetch,
+    )

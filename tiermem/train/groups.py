@@ -7,6 +7,7 @@ groups] in tiermem/config.py) and ``adamw``. ``params`` shows each parameter's f
 master weights where the optimizer state lives (a meta tensor when that is NVMe), or the fp32 copy
 of a frozen parameter that has no state yet.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,15 +41,21 @@ class Fp32Values:
         return self.layout.homes.state[b.index].master(b, s)
 
 
-def group_dicts(groups: Iterable[ParamGroup], spec: _Spec, value_of: Callable[[str], torch.Tensor]
-                ) -> list[dict]:
+def group_dicts(groups: Iterable[ParamGroup], spec: _Spec, value_of: Callable[[str], torch.Tensor]) -> list[dict]:
     """The torch optimizer groups of the plan's ``groups``: the group's own hyperparameters over
     the spec's; ``value_of(name)``: the fp32 tensor shown for a parameter."""
     out = []
     for g in groups:
         names = [*g.params, *g.frozen]
-        out.append({"params": [value_of(n) for n in names], "param_names": names, "name": g.name,
-                    **spec.group_defaults(), **g.options})
+        out.append(
+            {
+                "params": [value_of(n) for n in names],
+                "param_names": names,
+                "name": g.name,
+                **spec.group_defaults(),
+                **g.options,
+            }
+        )
     return out
 
 
@@ -74,23 +81,35 @@ class GroupEditor:
 
     def add(self, groups: list[dict], group: Any) -> None:
         if not isinstance(group, Mapping):
-            raise ConfigError(f"tiermem: add_param_group() takes one group, a dict with 'params' (as torch), not a "
-                              f"{type(group).__name__}")
+            raise ConfigError(
+                f"tiermem: add_param_group() takes one group, a dict with 'params' (as torch), not a "
+                f"{type(group).__name__}"
+            )
         given = {k: v for k, v in group.items() if k not in ("adamw",)}
         if "name" not in given:
             given["name"] = f"group{len(groups)}"
         spec = self.spec
-        (read,) = read_groups(f"add_param_group(): group {len(groups)}'s ", [given], hyper=spec.HYPER, off=spec.OFF,
-                              rules=spec.RULES, what=spec.WHAT)
+        (read,) = read_groups(
+            f"add_param_group(): group {len(groups)}'s ",
+            [given],
+            hyper=spec.HYPER,
+            off=spec.OFF,
+            rules=spec.RULES,
+            what=spec.WHAT,
+        )
         taken = {g["name"] for g in groups}
         if read.name in taken:
-            raise ConfigError(f"tiermem: add_param_group(): a group named {read.name!r} exists already; give the new "
-                              f"group another 'name'")
+            raise ConfigError(
+                f"tiermem: add_param_group(): a group named {read.name!r} exists already; give the new "
+                f"group another 'name'"
+            )
         names = [self._name_of(t, groups) for t in read.params]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
-            raise ConfigError(f"tiermem: add_param_group(): the group lists {twice} twice (tied weights are one "
-                              f"parameter); list each parameter once")
+            raise ConfigError(
+                f"tiermem: add_param_group(): the group lists {twice} twice (tied weights are one "
+                f"parameter); list each parameter once"
+            )
         where = membership(groups)
         moved: dict[str, list[str]] = {}
         for name in names:  # checked: now the change
@@ -99,11 +118,24 @@ class GroupEditor:
                 i = old["param_names"].index(name)
                 del old["param_names"][i], old["params"][i]
                 moved.setdefault(old["name"], []).append(name)
-        groups.append({"params": [self.value_of(n) for n in names], "param_names": names, "name": read.name,
-                       **self.spec.group_defaults(), **read.overrides})
+        groups.append(
+            {
+                "params": [self.value_of(n) for n in names],
+                "param_names": names,
+                "name": read.name,
+                **self.spec.group_defaults(),
+                **read.overrides,
+            }
+        )
         for source, which in moved.items():
-            log.info("tiermem: add_param_group(): %d parameters move from group %r to %r (their optimizer state "
-                     "with them): %s", len(which), source, read.name, ", ".join(which[:5]))
+            log.info(
+                "tiermem: add_param_group(): %d parameters move from group %r to %r (their optimizer state "
+                "with them): %s",
+                len(which),
+                source,
+                read.name,
+                ", ".join(which[:5]),
+            )
 
     def _name_of(self, t: torch.Tensor, groups: list[dict]) -> str:
         """The canonical name of a parameter given to add_param_group: the module's parameter
@@ -112,8 +144,10 @@ class GroupEditor:
         if name is None:
             name = next((n for g in groups for p, n in zip(g["params"], g["param_names"]) if p is t), None)
         if name is None:
-            raise ConfigError(f"tiermem: add_param_group(): a tensor of shape {tuple(t.shape)} is not a parameter of "
-                              f"the wrapped module; give its parameters (e.g. model.layers[0].parameters())")
+            raise ConfigError(
+                f"tiermem: add_param_group(): a tensor of shape {tuple(t.shape)} is not a parameter of "
+                f"the wrapped module; give its parameters (e.g. model.layers[0].parameters())"
+            )
         return name
 
 
@@ -124,9 +158,11 @@ def check_listed(groups: list[dict], names: Iterable[str]) -> dict[str, int]:
     where = membership(groups)
     missing = [n for n in names if n not in where]
     if missing:
-        raise TierMemError(f"tiermem: {missing[:5]} {'is' if len(missing) == 1 else 'are'} to be trained but in no "
-                           f"param group of tm.optimizer; add them with tm.optimizer.add_param_group({{'params': "
-                           f"[...]}}) or freeze them (requires_grad_(False))")
+        raise TierMemError(
+            f"tiermem: {missing[:5]} {'is' if len(missing) == 1 else 'are'} to be trained but in no "
+            f"param group of tm.optimizer; add them with tm.optimizer.add_param_group({{'params': "
+            f"[...]}}) or freeze them (requires_grad_(False))"
+        )
     return {n: where[n] for n in names}
 
 

@@ -22,6 +22,7 @@ class that homes it. The NVMe homes live in :mod:`tiermem.train.nvme_grads` and 
 off-device weights in :mod:`tiermem.train.param_offload`. Adding a tier (another rank's memory)
 is one more class per interface and one more row in ``make_homes``.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -51,6 +52,7 @@ def slots_in(bucket: Bucket, runs: Runs) -> list[Slot]:
 
 # -- gradients ------------------------------------------------------------------------------------
 H = TypeVar("H")  # a kind of home
+
 
 class GradHome(ABC):
     """fp32 gradient accumulation for some buckets."""
@@ -104,26 +106,47 @@ class MemoryGrads(GradHome):
     """Gradients accumulated in fp32 buffers of a memory tier (device or host). When Adam runs on
     another tier, ``gather`` copies them there first (``grad_in``)."""
 
-    def __init__(self, store, buckets: Sequence[Bucket], compute_tier: dict[int, Tier], stores: dict,
-                 engine: CopyService, *, buffers: int = 1):
+    def __init__(
+        self,
+        store,
+        buckets: Sequence[Bucket],
+        compute_tier: dict[int, Tier],
+        stores: dict,
+        engine: CopyService,
+        *,
+        buffers: int = 1,
+    ):
         self.landing_tier = store.tier
         self.engine = engine
         n = {b.index: (b.numel,) for b in buckets}
         names = ("grad", "grad_alt")[:buffers]  # overlap_step: backward fills one while Adam reads the other
-        self._acc = {b.index: [store.allocate(f"{b.key}:{name}", n[b.index], torch.float32, TensorClass.GRAD)
-                               for name in names] for b in buckets}
-        self._in = {b.index: stores[compute_tier[b.index]].allocate(f"{b.key}:grad_in", n[b.index], torch.float32,
-                                                                  TensorClass.GRAD)
-                    for b in buckets if compute_tier[b.index] != store.tier}
+        self._acc = {
+            b.index: [store.allocate(f"{b.key}:{name}", n[b.index], torch.float32, TensorClass.GRAD) for name in names]
+            for b in buckets
+        }
+        self._in = {
+            b.index: stores[compute_tier[b.index]].allocate(
+                f"{b.key}:grad_in", n[b.index], torch.float32, TensorClass.GRAD
+            )
+            for b in buckets
+            if compute_tier[b.index] != store.tier
+        }
         self._compute = compute_tier
 
     def landing(self, b: Bucket, fill: int) -> torch.Tensor:
         return self._acc[b.index][fill]
 
     def gather(self, fill: int) -> list[Handle]:
-        return [self.engine.copy_async(grad_in, self._acc[index][fill], src_tier=self.landing_tier,
-                                       dst_tier=self._compute[index], kind=TensorClass.GRAD)
-                for index, grad_in in self._in.items()]
+        return [
+            self.engine.copy_async(
+                grad_in,
+                self._acc[index][fill],
+                src_tier=self.landing_tier,
+                dst_tier=self._compute[index],
+                kind=TensorClass.GRAD,
+            )
+            for index, grad_in in self._in.items()
+        ]
 
     def read(self, b: Bucket, fill: int) -> tuple[torch.Tensor, Callable[[], None]]:
         return self._in.get(b.index, self._acc[b.index][fill]), _nothing
@@ -203,8 +226,10 @@ class MemoryState(StateHome):
         self.compute_tier = store.tier
         self._views: dict[int, StateViews] = {}
         for b in buckets:
-            views = tuple(store.allocate(f"{b.key}:{part.name}", (n,), part.dtype, TensorClass.OPTIM_STATE)
-                          for part, n in zip(b.state.parts, b.part_numels()))
+            views = tuple(
+                store.allocate(f"{b.key}:{part.name}", (n,), part.dtype, TensorClass.OPTIM_STATE)
+                for part, n in zip(b.state.parts, b.part_numels())
+            )
             for part, t in zip(b.state.parts[1:], views[1:]):
                 t.fill_(part.initial)
             self._views[b.index] = views
@@ -230,7 +255,7 @@ class MemoryState(StateHome):
     resident = True
 
     def master(self, b: Bucket, s: Slot) -> torch.Tensor:
-        return self._views[b.index][0][s.offset:s.offset + s.numel].view(s.shape)
+        return self._views[b.index][0][s.offset : s.offset + s.numel].view(s.shape)
 
 
 # -- working weights --------------------------------------------------------------------------------
@@ -270,23 +295,25 @@ class DeviceWeights(WeightHome):
 
     def __init__(self, store, buckets: Sequence[Bucket], dtype: torch.dtype, engine: CopyService):
         self.engine = engine
-        self._param = {b.index: store.allocate(f"{b.key}:param", (b.numel,), dtype, TensorClass.PARAM)
-                       for b in buckets}
+        self._param = {b.index: store.allocate(f"{b.key}:param", (b.numel,), dtype, TensorClass.PARAM) for b in buckets}
 
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
         param = self._param[b.index]
         param.copy_(master)  # the working copy is the master rounded to the working precision
         for s in b.slots:
-            s.param.data = param[s.offset:s.offset + s.numel].view(s.shape)
+            s.param.data = param[s.offset : s.offset + s.numel].view(s.shape)
 
     def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
         return self._param[b.index] if compute_tier == Tier.DEVICE else None
 
     def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
         param = self._param[b.index]
-        return [self.engine.copy_async(param[a:e], src[a:e], src_tier=src_tier, dst_tier=Tier.DEVICE,
-                                       kind=TensorClass.PARAM)
-                for a, e, _ in runs]
+        return [
+            self.engine.copy_async(
+                param[a:e], src[a:e], src_tier=src_tier, dst_tier=Tier.DEVICE, kind=TensorClass.PARAM
+            )
+            for a, e, _ in runs
+        ]
 
 
 # -- all homes of a model ---------------------------------------------------------------------------

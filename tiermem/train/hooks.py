@@ -1,5 +1,6 @@
 """Hook bookkeeping: every handle kept so ``detach()`` removes them all. (The saved-tensor
 hooks that account and offload activations live in :mod:`tiermem.train.activations`.)"""
+
 from __future__ import annotations
 
 from typing import Callable, TypeVar

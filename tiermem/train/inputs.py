@@ -10,6 +10,7 @@ instances. Each container comes back as its own type with the same contents, con
 container that cannot be rebuilt with converted contents is refused with a ``tiermem:`` error,
 never passed on unconverted.
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,8 +55,10 @@ def _mapping(x: Mapping, converted: dict) -> Mapping:
     try:
         return type(x)(converted)  # type: ignore[call-arg]
     except Exception as e:  # noqa: BLE001 - any way of failing means it cannot be rebuilt
-        raise ConfigError(f"tiermem: tm(...) got a {type(x).__name__} (a read-only Mapping) holding tensors to move "
-                          f"or cast, and cannot rebuild it ({type(e).__name__}: {e}); pass a dict instead") from None
+        raise ConfigError(
+            f"tiermem: tm(...) got a {type(x).__name__} (a read-only Mapping) holding tensors to move "
+            f"or cast, and cannot rebuild it ({type(e).__name__}: {e}); pass a dict instead"
+        ) from None
 
 
 def _dataclass(x: Any, dtype: torch.dtype, device: torch.device) -> Any:

@@ -8,6 +8,7 @@ parameters move to the device in the working precision (or to their home, when i
 device), floating-point buffers too, as ``module.half()`` would, their values as given kept
 (NOTE [Buffers keep their values]).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ class Layout:
 
 H = TypeVar("H")  # a kind of home
 
+
 def _by_tier(buckets: list[Bucket], tier_of) -> dict[Tier, list[Bucket]]:
     out: dict[Tier, list[Bucket]] = {}
     for b in buckets:
@@ -75,29 +77,41 @@ def _by_tier(buckets: list[Bucket], tier_of) -> dict[Tier, list[Bucket]]:
     return out
 
 
-def _grad_homes(buckets: list[Bucket], stores: dict, engine: CopyService, compute: dict[int, Tier], overlap: bool
-                ) -> dict[Tier, tuple[GradHome, list[Bucket]]]:
+def _grad_homes(
+    buckets: list[Bucket], stores: dict, engine: CopyService, compute: dict[int, Tier], overlap: bool
+) -> dict[Tier, tuple[GradHome, list[Bucket]]]:
     out: dict[Tier, tuple[GradHome, list[Bucket]]] = {}
     for tier, bs in _by_tier(buckets, lambda b: b.grad_tier).items():
-        home: GradHome = (NvmeGrads(bs, engine, stores[Tier.HOST]) if tier == Tier.NVME else
-                          MemoryGrads(stores[tier], bs, compute, stores, engine, buffers=2 if overlap else 1))
+        home: GradHome = (
+            NvmeGrads(bs, engine, stores[Tier.HOST])
+            if tier == Tier.NVME
+            else MemoryGrads(stores[tier], bs, compute, stores, engine, buffers=2 if overlap else 1)
+        )
         out[tier] = (home, bs)
     return out
 
 
-def _state_homes(buckets: list[Bucket], stores: dict, engine: CopyService, compute: dict[int, Tier]
-                 ) -> dict[Tier, tuple[StateHome, list[Bucket]]]:
+def _state_homes(
+    buckets: list[Bucket], stores: dict, engine: CopyService, compute: dict[int, Tier]
+) -> dict[Tier, tuple[StateHome, list[Bucket]]]:
     out: dict[Tier, tuple[StateHome, list[Bucket]]] = {}
     for tier, bs in _by_tier(buckets, lambda b: b.state_tier).items():
-        home: StateHome = NvmeState(bs, engine, stores[Tier.HOST]) if tier == Tier.NVME else MemoryState(stores[tier], bs)
+        home: StateHome = (
+            NvmeState(bs, engine, stores[Tier.HOST]) if tier == Tier.NVME else MemoryState(stores[tier], bs)
+        )
         assert all(home.compute_tier == compute[b.index] for b in bs), "homes and plan disagree on where Adam runs"
         out[tier] = (home, bs)
     return out
 
 
-def _weight_homes(buckets: list[Bucket], stores: dict, engine: CopyService, dtype: torch.dtype,
-                  weights_off_device: Optional[ParamOffload], gathered: Optional[GatheredWeights]
-                  ) -> dict[int, WeightHome]:
+def _weight_homes(
+    buckets: list[Bucket],
+    stores: dict,
+    engine: CopyService,
+    dtype: torch.dtype,
+    weights_off_device: Optional[ParamOffload],
+    gathered: Optional[GatheredWeights],
+) -> dict[int, WeightHome]:
     weights: dict[int, WeightHome] = {}
     sharded = set() if gathered is None else {b.index for b in gathered.full.values()}
     on_device = [b for b in buckets if b.param_tier == Tier.DEVICE and b.index not in sharded]
@@ -118,9 +132,17 @@ def _per_bucket(homes: Mapping[Tier, tuple[H, list[Bucket]]]) -> dict[int, H]:
     return {b.index: home for home, bs in homes.values() for b in bs}
 
 
-def make_homes(buckets: list[Bucket], stores: dict, engine: CopyService, dtype: torch.dtype, *, overlap: bool,
-               weights_off_device: Optional[ParamOffload], group: Group = Solo(),
-               gathered: Optional[GatheredWeights] = None) -> tuple[Homes, list[Bucket]]:
+def make_homes(
+    buckets: list[Bucket],
+    stores: dict,
+    engine: CopyService,
+    dtype: torch.dtype,
+    *,
+    overlap: bool,
+    weights_off_device: Optional[ParamOffload],
+    group: Group = Solo(),
+    gathered: Optional[GatheredWeights] = None,
+) -> tuple[Homes, list[Bucket]]:
     """One home per class and tier, shared by the buckets placed there: the only code that maps
     a tier (or a rank's shard, NOTE [Data parallel]) to the class that homes it. Returns the
     homes and the buckets the step runs on (each rank's chunks, under data parallelism).
@@ -129,35 +151,53 @@ def make_homes(buckets: list[Bucket], stores: dict, engine: CopyService, dtype: 
     compute = {b.index: compute_tier(b) for b in buckets}
     weights = _weight_homes(buckets, stores, engine, dtype, weights_off_device, gathered)
     if group.world == 1:
-        return Homes(_per_bucket(_grad_homes(buckets, stores, engine, compute, overlap)),
-                     _per_bucket(_state_homes(buckets, stores, engine, compute)), weights), buckets
+        return Homes(
+            _per_bucket(_grad_homes(buckets, stores, engine, compute, overlap)),
+            _per_bucket(_state_homes(buckets, stores, engine, compute)),
+            weights,
+        ), buckets
     blocked = sorted({b.state.kind for b in buckets if not b.state.elementwise})
     if blocked:
-        raise ConfigError(f"tiermem: under data parallelism this version shards elementwise optimizer state only; "
-                          f"{blocked} keeps block-wise 8-bit state, whose blocks a rank's chunk would cut: pass "
-                          f"process_group=False (a full replica per process), or AdamW with fp32 state")
+        raise ConfigError(
+            f"tiermem: under data parallelism this version shards elementwise optimizer state only; "
+            f"{blocked} keeps block-wise 8-bit state, whose blocks a rank's chunk would cut: pass "
+            f"process_group=False (a full replica per process), or AdamW with fp32 state"
+        )
     shards = shard_buckets(buckets, group)
     full = {b.index: b for b in buckets}
-    grads = {t: (ShardedGrads([full[b.index] for b in bs], bs, home, group, stores[Tier.DEVICE], engine), bs)
-             for t, (home, bs) in _grad_homes(shards, stores, engine, compute, overlap).items()}
-    state = {t: (ShardedState([full[b.index] for b in bs], bs, home, group, stores[Tier.HOST]), bs)
-             for t, (home, bs) in _state_homes(shards, stores, engine, compute).items()}
+    grads = {
+        t: (ShardedGrads([full[b.index] for b in bs], bs, home, group, stores[Tier.DEVICE], engine), bs)
+        for t, (home, bs) in _grad_homes(shards, stores, engine, compute, overlap).items()
+    }
+    state = {
+        t: (ShardedState([full[b.index] for b in bs], bs, home, group, stores[Tier.HOST]), bs)
+        for t, (home, bs) in _state_homes(shards, stores, engine, compute).items()
+    }
     whole = {id(h): h for h in weights.values() if h is not gathered}  # replicated: gathered after each step
     wgroup = group.for_weights() if whole else group
     wrapped = {i: ShardedWeights(buckets, h, wgroup, engine) for i, h in whole.items()}
     return Homes(_per_bucket(grads), _per_bucket(state), {i: wrapped.get(id(h), h) for i, h in weights.items()}), shards
 
 
-def build(module: torch.nn.Module, buckets: list[Bucket], step_buckets: list[Bucket],
-          groups: tuple[ParamGroup, ...], names: Mapping[int, tuple[str, ...]], homes: Homes, stores: dict,
-          dtype: torch.dtype, device: torch.device, weights_off_device: Optional[ParamOffload]) -> Layout:
+def build(
+    module: torch.nn.Module,
+    buckets: list[Bucket],
+    step_buckets: list[Bucket],
+    groups: tuple[ParamGroup, ...],
+    names: Mapping[int, tuple[str, ...]],
+    homes: Homes,
+    stores: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    weights_off_device: Optional[ParamOffload],
+) -> Layout:
     """Fill the homes from the module's weights and point its parameters at their working copies."""
     slot_of: dict[int, tuple[Bucket, Slot]] = {}
     for b in buckets:
         state = homes.state[b.index]
         master = state.initial_master(b)
         for s in b.slots:
-            master[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+            master[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
             slot_of[id(s.param)] = (b, s)
         state.initialize(b)
         homes.weights[b.index].initialize(b, master)
@@ -169,8 +209,13 @@ def build(module: torch.nn.Module, buckets: list[Bucket], step_buckets: list[Buc
     return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, KeptBuffers(module, dtype, device))
 
 
-def _place_frozen(module: torch.nn.Module, stores: dict, dtype: torch.dtype, device: torch.device,
-                  weights_off_device: Optional[ParamOffload]) -> dict[str, torch.Tensor]:
+def _place_frozen(
+    module: torch.nn.Module,
+    stores: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    weights_off_device: Optional[ParamOffload],
+) -> dict[str, torch.Tensor]:
     """Frozen parameters: an fp32 copy on the host (for checkpoints and detach), the working copy
     on the device or at its home off the device."""
     frozen: dict[str, torch.Tensor] = {}
@@ -183,6 +228,7 @@ def _place_frozen(module: torch.nn.Module, stores: dict, dtype: torch.dtype, dev
         if weights_off_device is not None and name in weights_off_device.homes:
             weights_off_device.adopt(name, p.detach().to(dtype=target, copy=True))
         else:
-            p.data = stores[Tier.DEVICE].adopt(f"{name}:frozen", p.detach().to(device=device, dtype=target),
-                                               TensorClass.PARAM)
+            p.data = stores[Tier.DEVICE].adopt(
+                f"{name}:frozen", p.detach().to(device=device, dtype=target), TensorClass.PARAM
+            )
     return frozen

@@ -27,6 +27,7 @@ buffers held, removes its hooks and gives everything back before the error propa
 TieredModel at a time (:func:`check_unowned`): a second one would hook the same parameters and
 each would take the other's gradients, so it is refused until the first is detached or dropped.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,9 @@ log = logging.getLogger(__name__)
 _OWNERS: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def dropped(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer, stepper: Stepper,
-            pid: Optional[int] = None) -> None:
+def dropped(
+    hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer, stepper: Stepper, pid: Optional[int] = None
+) -> None:
     """The finalizer of a TieredModel built in process ``pid``: its :func:`give_back`, deferred
     (NOTE [Finalizers only enqueue] in :mod:`tiermem.memory.deferred`). In a forked child, the
     copy of a parent's model gives nothing back: its files and lock are the parent's."""
@@ -68,13 +70,17 @@ def give_back(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Trac
     _give_back_now(hooks, engine, stores, tracer, None)
 
 
-def _give_back_now(hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer,
-                   stepper: Optional[Stepper]) -> None:
+def _give_back_now(
+    hooks: HookSet, engine: TransferEngine, stores: dict, tracer: Tracer, stepper: Optional[Stepper]
+) -> None:
     if stepper is not None and stepper.steps:
-        log.info("tiermem: a TieredModel trained for %d steps was dropped without detach(): its memory, files "
-                 "and lock were given back with its trained weights (its module holds working-precision "
-                 "weights; those that lived off the device raise an error when read); call tm.detach() or tm.save(path) "
-                 "before dropping a model whose weights you need", stepper.steps)
+        log.info(
+            "tiermem: a TieredModel trained for %d steps was dropped without detach(): its memory, files "
+            "and lock were given back with its trained weights (its module holds working-precision "
+            "weights; those that lived off the device raise an error when read); call tm.detach() or tm.save(path) "
+            "before dropping a model whose weights you need",
+            stepper.steps,
+        )
     errors = []
     for step in (hooks.remove, engine.close, *(s.release_all for s in stores.values()), tracer.write):
         try:
@@ -138,9 +144,11 @@ def check_unowned(module: torch.nn.Module) -> None:
     if found is not None:
         name, tm = found
         what = f"its submodule {name!r}" if name else "it"
-        raise ConfigError(f"tiermem: this {type(module).__name__} cannot be wrapped: a live TieredModel already wraps "
-                          f"{what} ({tm!r}); call tm.detach() on that one, or drop every reference to it "
-                          f"(del tm), before wrapping the module again")
+        raise ConfigError(
+            f"tiermem: this {type(module).__name__} cannot be wrapped: a live TieredModel already wraps "
+            f"{what} ({tm!r}); call tm.detach() on that one, or drop every reference to it "
+            f"(del tm), before wrapping the module again"
+        )
 
 
 def _owner(module: torch.nn.Module) -> Optional[tuple[str, Any]]:

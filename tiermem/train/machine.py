@@ -3,6 +3,7 @@ model (the one ``tiermem bench`` saved, or, on first use when there is none, a q
 a few seconds, announced by a log line, saved in its place; ``tiermem bench`` measures more, and
 more carefully: run it to replace this one).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -39,8 +40,9 @@ def store_limits(device: torch.device, budgets: Budgets, nvme_dir: Optional[str]
     host, nvme = budgets.for_tier(Tier.HOST), budgets.for_tier(Tier.NVME)
     limits = {Tier.DEVICE: dev, Tier.HOST: host if host is not None else default_host_budget()}
     if nvme_dir is not None:
-        limits[Tier.NVME] = nvme if nvme is not None else (
-            shutil.disk_usage(nvme_dir).free if os.path.isdir(nvme_dir) else 0)
+        limits[Tier.NVME] = (
+            nvme if nvme is not None else (shutil.disk_usage(nvme_dir).free if os.path.isdir(nvme_dir) else 0)
+        )
     return limits
 
 
@@ -51,16 +53,25 @@ def machine_profile(device: torch.device, nvme_dir: Optional[str]) -> Profile:
     if prof is not None and prof.adam_params_per_second() is not None:  # not only matmul figures
         matmul = matmul_figures(device)
         return prof if prof.data.get("matmul") == matmul else Profile({**prof.data, "matmul": matmul})
-    log.warning("tiermem: no machine profile at %s; measuring this machine once for the cost model (a few "
-                "seconds; `tiermem bench` measures it fully) ...", profile_path())
+    log.warning(
+        "tiermem: no machine profile at %s; measuring this machine once for the cost model (a few "
+        "seconds; `tiermem bench` measures it fully) ...",
+        profile_path(),
+    )
     data = measure(device, nvme_dir)
     try:
         save_profile(data)
     except Exception as e:  # noqa: BLE001 - a read-only cache directory costs a measurement next time, nothing else
         log.warning("%s", e)
-    log.warning("tiermem: machine measured: %s", ", ".join(
-        f"{k} {v}" for sec in ("host", "device", "nvme", "adam", "matmul") for k, v in data[sec].items()
-        if k.endswith(("GBps", "per_s", "GFLOPs"))))
+    log.warning(
+        "tiermem: machine measured: %s",
+        ", ".join(
+            f"{k} {v}"
+            for sec in ("host", "device", "nvme", "adam", "matmul")
+            for k, v in data[sec].items()
+            if k.endswith(("GBps", "per_s", "GFLOPs"))
+        ),
+    )
     return Profile(data)
 
 
@@ -82,18 +93,29 @@ def measure(device: torch.device, nvme_dir: Optional[str]) -> dict:
     a, b = torch.empty(_BYTES, dtype=torch.uint8), torch.empty(_BYTES, dtype=torch.uint8)
     a.fill_(1)
     host = _rate(lambda: b.copy_(a), _BYTES) / 1e9
-    data: dict = {"schema": SCHEMA, "quick": True, "source": "measured on first use by the cost model",
-                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "host": {"copy_GBps": round(host, 4)}, "device": {"accelerator": None},
-                  "nvme": {}, "adam": {}, "matmul": matmul_figures(device)}
+    data: dict = {
+        "schema": SCHEMA,
+        "quick": True,
+        "source": "measured on first use by the cost model",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": {"copy_GBps": round(host, 4)},
+        "device": {"accelerator": None},
+        "nvme": {},
+        "adam": {},
+        "matmul": matmul_figures(device),
+    }
     if device.type == "cuda":
+
         def sync() -> None:  # the model's device: a bare synchronize() is the current device's, 0 on cuda:N
             torch.cuda.synchronize(device)
+
         d = torch.empty(_BYTES, dtype=torch.uint8, device=device)
         pa, pb = a.pin_memory(), b.pin_memory()
-        data["device"] = {"accelerator": torch.cuda.get_device_name(device),
-                          "h2d_GBps": round(_rate(lambda: d.copy_(pa, non_blocking=True), _BYTES, sync) / 1e9, 4),
-                          "d2h_GBps": round(_rate(lambda: pb.copy_(d, non_blocking=True), _BYTES, sync) / 1e9, 4)}
+        data["device"] = {
+            "accelerator": torch.cuda.get_device_name(device),
+            "h2d_GBps": round(_rate(lambda: d.copy_(pa, non_blocking=True), _BYTES, sync) / 1e9, 4),
+            "d2h_GBps": round(_rate(lambda: pb.copy_(d, non_blocking=True), _BYTES, sync) / 1e9, 4),
+        }
         data["adam"]["device_Gparams_per_s"] = round(_adam(device, sync) / 1e9, 4)
     else:
         data["device"].update(h2d_GBps=round(host, 4), d2h_GBps=round(host, 4))
@@ -118,8 +140,21 @@ def adam_steps(device: torch.device, n: int) -> Callable[[], None]:
 
     def one() -> None:
         step[0] += 1
-        optim.adam_step(master, m, v, grad, step=step[0], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                        weight_decay=0.0, out=out, check_finite=False)
+        optim.adam_step(
+            master,
+            m,
+            v,
+            grad,
+            step=step[0],
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            out=out,
+            check_finite=False,
+        )
+
     return one
 
 

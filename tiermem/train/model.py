@@ -7,6 +7,7 @@ what it needs, already wired. Gradients leave the device bucket by bucket while 
 still running (:mod:`tiermem.train.backward`); ``step()`` is :mod:`tiermem.train.stepper`'s.
 Every public call is checked against the step's phase in one place (NOTE [Step lifecycle]).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -132,18 +133,42 @@ class TieredModel:
         OutOfTierMemory: the working set does not fit the budgets (the bytes each tier needs).
     """
 
-    def __init__(self, module: torch.nn.Module, policy: Optional[Policy] = None, *,
-                 optimizer: "_Spec | torch.optim.Optimizer | None" = None, precision: str = "bf16",
-                 budgets: Optional[Budgets] = None, nvme_dir: Optional[str] = None,
-                 grad_clip: Optional[float] = None, device: torch.device | str | None = None,
-                 bucket_size: int | str = "32MiB", overlap_step: bool = False,
-                 trace_path: Optional[str] = None, prefetch: bool = True, process_group: Any = None,
-                 max_skipped_steps: Optional[int] = 10, loss_scale: Optional[LossScale] = None,
-                 shard_weights: bool = False):
-        opts = validate(module, optimizer=optimizer, precision=precision, budgets=budgets, grad_clip=grad_clip,
-                        device=device, bucket_size=bucket_size, overlap_step=overlap_step, nvme_dir=nvme_dir,
-                        trace_path=trace_path, prefetch=prefetch, max_skipped_steps=max_skipped_steps,
-                        loss_scale=loss_scale, shard_weights=shard_weights)
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        policy: Optional[Policy] = None,
+        *,
+        optimizer: "_Spec | torch.optim.Optimizer | None" = None,
+        precision: str = "bf16",
+        budgets: Optional[Budgets] = None,
+        nvme_dir: Optional[str] = None,
+        grad_clip: Optional[float] = None,
+        device: torch.device | str | None = None,
+        bucket_size: int | str = "32MiB",
+        overlap_step: bool = False,
+        trace_path: Optional[str] = None,
+        prefetch: bool = True,
+        process_group: Any = None,
+        max_skipped_steps: Optional[int] = 10,
+        loss_scale: Optional[LossScale] = None,
+        shard_weights: bool = False,
+    ):
+        opts = validate(
+            module,
+            optimizer=optimizer,
+            precision=precision,
+            budgets=budgets,
+            grad_clip=grad_clip,
+            device=device,
+            bucket_size=bucket_size,
+            overlap_step=overlap_step,
+            nvme_dir=nvme_dir,
+            trace_path=trace_path,
+            prefetch=prefetch,
+            max_skipped_steps=max_skipped_steps,
+            loss_scale=loss_scale,
+            shard_weights=shard_weights,
+        )
         deferred.start()  # the worker that gives back dropped models (NOTE [Finalizers only enqueue])
         deferred.settle()  # what models dropped before this one held is back (their hooks are off the module)
         lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
@@ -153,66 +178,147 @@ class TieredModel:
         self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
         self.tracer = Tracer(trace_path)
-        self.group = resolve_group(process_group, tracer=self.tracer if trace_path else None)  # NOTE [Data parallel]; one process: every collective a no-op
+        self.group = resolve_group(
+            process_group, tracer=self.tracer if trace_path else None
+        )  # NOTE [Data parallel]; one process: every collective a no-op
         limits = store_limits(opts.device, opts.budgets, nvme_dir)
-        self._evaluator = Evaluator(module, opts.spec, self.dtype, opts.bucket_numel, limits=limits,
-                                    machine=lambda: machine_profile(opts.device, nvme_dir), overlap=opts.overlap,
-                                    world=self.group.world, nvme_staging=opts.device.type == "cuda",
-                                    shard_weights=opts.shard_weights)
+        self._evaluator = Evaluator(
+            module,
+            opts.spec,
+            self.dtype,
+            opts.bucket_numel,
+            limits=limits,
+            machine=lambda: machine_profile(opts.device, nvme_dir),
+            overlap=opts.overlap,
+            world=self.group.world,
+            nvme_staging=opts.device.type == "cuda",
+            shard_weights=opts.shard_weights,
+        )
         self.placement = self._evaluator.bind(self.policy)  # NOTE [Whole-model policies]: what decides each tensor
-        planned = plan(module, self.placement, opts.spec, self.dtype, opts.bucket_numel, overlap=opts.overlap,
-                       world=self.group.world)
+        planned = plan(
+            module,
+            self.placement,
+            opts.spec,
+            self.dtype,
+            opts.bucket_numel,
+            overlap=opts.overlap,
+            world=self.group.world,
+        )
         buckets, param_homes = list(planned.buckets), dict(planned.weight_homes)
         if not buckets:
-            raise TierMemError("tiermem: the module has no trainable parameters (requires_grad=True); "
-                               "unfreeze some before wrapping it (others may be unfrozen later)")
-        self.group.check_same("model or configuration", fingerprint(
-            [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
-            + [repr(self.placement), precision, opts.bucket_numel, repr(opts.spec), opts.grad_clip, opts.overlap,
-               opts.shard_weights]
-            + [(g.name, sorted(g.options.items()), g.params, g.frozen) for g in planned.groups]))
+            raise TierMemError(
+                "tiermem: the module has no trainable parameters (requires_grad=True); "
+                "unfreeze some before wrapping it (others may be unfrozen later)"
+            )
+        self.group.check_same(
+            "model or configuration",
+            fingerprint(
+                [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+                + [
+                    repr(self.placement),
+                    precision,
+                    opts.bucket_numel,
+                    repr(opts.spec),
+                    opts.grad_clip,
+                    opts.overlap,
+                    opts.shard_weights,
+                ]
+                + [(g.name, sorted(g.options.items()), g.params, g.frozen) for g in planned.groups]
+            ),
+        )
         sharded, offloaded = split_weights(buckets, param_homes, self.group.world, opts.shard_weights)
         need = self._footprint(buckets, param_homes, opts.shard_weights)
         in_flight = InFlight()  # grads copying home hold device room until they land: the device ledger waits for them
         # and a cache of prefetched weights evicts: both given to the device store as it is built
-        weights_cache = (self._weights_cache(offloaded, limits[Tier.DEVICE] - totals(need)[Tier.DEVICE], opts.prefetch)
-                         if offloaded else None)
+        weights_cache = (
+            self._weights_cache(offloaded, limits[Tier.DEVICE] - totals(need)[Tier.DEVICE], opts.prefetch)
+            if offloaded
+            else None
+        )
         reclaimers = (in_flight,) if weights_cache is None else (in_flight, weights_cache)
         self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)  # NOTE [Reclaimers at construction]
         with lifetime.undone_on_failure(self, module):  # a failed build leaves nothing held
             check_fits(need, self.stores)  # refuse a working set that does not fit its budgets (as `tiermem plan`)
             self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
             self.hooks = HookSet()
-            self.param_offload = (self._offload_weights(offloaded, weights_cache)
-                                  if weights_cache is not None else None)
-            self.gathered = (build_gathered(module, sharded, self.stores, self.engine, self.group, self.dtype,
-                                            self.device, self.hooks, prefetch=opts.prefetch,
-                                            overlap=opts.overlap)
-                             if sharded else None)  # NOTE [Weights sharded over the ranks]
+            self.param_offload = self._offload_weights(offloaded, weights_cache) if weights_cache is not None else None
+            self.gathered = (
+                build_gathered(
+                    module,
+                    sharded,
+                    self.stores,
+                    self.engine,
+                    self.group,
+                    self.dtype,
+                    self.device,
+                    self.hooks,
+                    prefetch=opts.prefetch,
+                    overlap=opts.overlap,
+                )
+                if sharded
+                else None
+            )  # NOTE [Weights sharded over the ranks]
             # NOTE [Parameters off the device]: a compiled forward reading such weights runs eagerly
             compiled_off_device = bool(param_homes or sharded) and _is_compiled(module)
             # the stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during
             # the forward on another thread, and must stay compiled; dynamo then falls back by itself
             self._force_eager = compiled_off_device and not opts.overlap
             if compiled_off_device:
-                log.warning("tiermem: %d weights of this torch.compile'd model (or of modules compiled in it) live "
-                            "off the device under %r: its forward runs eagerly (NOTE [Parameters off the device]); "
-                            "place PARAM on the device to run it compiled", len(param_homes), self.policy)
-            homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=opts.overlap,
-                                             weights_off_device=self.param_offload, group=self.group,
-                                             gathered=self.gathered)
-            self.layout = build(module, buckets, step_buckets, planned.groups, planned.aliases, homes, self.stores,
-                                self.dtype, self.device, self.param_offload)
+                log.warning(
+                    "tiermem: %d weights of this torch.compile'd model (or of modules compiled in it) live "
+                    "off the device under %r: its forward runs eagerly (NOTE [Parameters off the device]); "
+                    "place PARAM on the device to run it compiled",
+                    len(param_homes),
+                    self.policy,
+                )
+            homes, step_buckets = make_homes(
+                buckets,
+                self.stores,
+                self.engine,
+                self.dtype,
+                overlap=opts.overlap,
+                weights_off_device=self.param_offload,
+                group=self.group,
+                gathered=self.gathered,
+            )
+            self.layout = build(
+                module,
+                buckets,
+                step_buckets,
+                planned.groups,
+                planned.aliases,
+                homes,
+                self.stores,
+                self.dtype,
+                self.device,
+                self.param_offload,
+            )
             self.scaler = LossScaler.of(precision == "fp16", loss_scale)
-            self.grads = GradCollector(homes, self.layout.slot_of, self.engine, self.stores[Tier.DEVICE].ledger,
-                                       in_flight=in_flight, group=self.group)
+            self.grads = GradCollector(
+                homes,
+                self.layout.slot_of,
+                self.engine,
+                self.stores[Tier.DEVICE].ledger,
+                in_flight=in_flight,
+                group=self.group,
+            )
             outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
-            self.stepper = Stepper(self.layout, self.grads, outputs, self.engine, self.scaler, grad_clip=opts.grad_clip,
-                                   tracer=self.tracer, overlap=opts.overlap, group=self.group,
-                                   max_skipped=max_skipped_steps)
+            self.stepper = Stepper(
+                self.layout,
+                self.grads,
+                outputs,
+                self.engine,
+                self.scaler,
+                grad_clip=opts.grad_clip,
+                tracer=self.tracer,
+                overlap=opts.overlap,
+                group=self.group,
+                max_skipped=max_skipped_steps,
+            )
             shown = Fp32Values(module, self.layout)  # not a method of self: nothing here refers back to it
-            self.optimizer = TieredOptimizer(group_dicts(planned.groups, opts.spec, shown),
-                                             opts.spec.group_defaults(), self._step, self._add_group)
+            self.optimizer = TieredOptimizer(
+                group_dicts(planned.groups, opts.spec, shown), opts.spec.group_defaults(), self._step, self._add_group
+            )
             self._groups = GroupEditor(module, opts.spec, shown)
             #: the tiermem optimizer spec this model runs (a torch optimizer given is read into one)
             self.optimizer_spec = opts.spec
@@ -221,36 +327,74 @@ class TieredModel:
                     self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
             if opts.torch_optimizer is not None:  # never stepped: a step of it would do nothing, silently
                 self.hooks.add(opts.torch_optimizer.register_step_pre_hook(stepped_elsewhere))
-            self._trainable = Trainable(module, self.layout, policy=self.placement, dtype=self.dtype,
-                                        bucket_numel=opts.bucket_numel, overlap=opts.overlap, group=self.group,
-                                        stores=self.stores, engine=self.engine, weights_off_device=self.param_offload,
-                                        grads=self.grads, outputs=outputs, hooks=self.hooks,
-                                        param_groups=self.optimizer.param_groups, settle=self.stepper.finish_pending,
-                                        on_device_cuda=self.device.type == "cuda", spec=opts.spec)
+            self._trainable = Trainable(
+                module,
+                self.layout,
+                policy=self.placement,
+                dtype=self.dtype,
+                bucket_numel=opts.bucket_numel,
+                overlap=opts.overlap,
+                group=self.group,
+                stores=self.stores,
+                engine=self.engine,
+                weights_off_device=self.param_offload,
+                grads=self.grads,
+                outputs=outputs,
+                hooks=self.hooks,
+                param_groups=self.optimizer.param_groups,
+                settle=self.stepper.finish_pending,
+                on_device_cuda=self.device.type == "cuda",
+                spec=opts.spec,
+            )
             self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks)
-            frozen_off = ({n: self.param_offload for n in self.layout.frozen if n in param_homes}
-                          if self.param_offload is not None else {})  # (frozen weights off the device make one)
-            self._state = ModelState(module, self.layout, self.stepper, self.scaler, self.optimizer.param_groups,
-                                     precision, self.dtype, frozen_off, self.group)
+            frozen_off = (
+                {n: self.param_offload for n in self.layout.frozen if n in param_homes}
+                if self.param_offload is not None
+                else {}
+            )  # (frozen weights off the device make one)
+            self._state = ModelState(
+                module,
+                self.layout,
+                self.stepper,
+                self.scaler,
+                self.optimizer.param_groups,
+                precision,
+                self.dtype,
+                frozen_off,
+                self.group,
+            )
             self._life = Lifecycle()
             # NOTE [A dropped model lets go]: nothing above refers back to self, so a model nobody
             # references is collected; this gives back what it held (and is detach()'s last part)
-            self._release = weakref.finalize(self, lifetime.dropped, self.hooks, self.engine, self.stores,
-                                             self.tracer, self.stepper, os.getpid())
+            self._release = weakref.finalize(
+                self, lifetime.dropped, self.hooks, self.engine, self.stores, self.tracer, self.stepper, os.getpid()
+            )
             self._release.atexit = False  # the process's end frees it all; no I/O on the way out
             lifetime.claim(module, self)
             for source in self.weight_sources():
                 source.settle()  # the module's original tensors of off-device weights go
             self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
-        log.info("tiermem: %s trainable parameters in %d buckets under %r (%s%s)",
-                 f"{self.layout.n_params:,}", len(buckets), self.policy, precision,
-                 f", from precision={given!r}" if given != precision else "")
+        log.info(
+            "tiermem: %s trainable parameters in %d buckets under %r (%s%s)",
+            f"{self.layout.n_params:,}",
+            len(buckets),
+            self.policy,
+            precision,
+            f", from precision={given!r}" if given != precision else "",
+        )
 
     def _footprint(self, buckets: list[Bucket], param_homes: dict[str, Tier], shard_weights: bool) -> Footprint:
         """The bytes per tier the working set needs (the rule ``tiermem plan`` uses too)."""
-        return model_footprint(self.module, buckets, param_homes, self.dtype, overlap=self.overlap_step,
-                               world=self.group.world, shard_weights=shard_weights,
-                               nvme_staging=self.device.type == "cuda")
+        return model_footprint(
+            self.module,
+            buckets,
+            param_homes,
+            self.dtype,
+            overlap=self.overlap_step,
+            world=self.group.world,
+            shard_weights=shard_weights,
+            nvme_staging=self.device.type == "cuda",
+        )
 
     def weight_sources(self) -> list:
         """The homes whose weights are OffDeviceWeights: ParamOffload (weights off the device in one
@@ -269,8 +413,9 @@ class TieredModel:
         """NOTE [Parameters off the device]: the weights' residency, over the engine, and the cache
         that brings them to the device, connected to it."""
         residency = KeyedResidency(self.engine)
-        return ParamOffload(self.module, param_homes, residency, weights_cache.connect(residency), self.dtype,
-                            self.device, self.hooks)
+        return ParamOffload(
+            self.module, param_homes, residency, weights_cache.connect(residency), self.dtype, self.device, self.hooks
+        )
 
     # -- the three calls ------------------------------------------------------------------------
     @property
@@ -332,13 +477,19 @@ class TieredModel:
                 self.grads.end_backward()
             except BaseException as e:
                 if self.grads.arrivals == arrived_before:  # nothing of this backward reached tiermem
-                    _note(e, "tiermem: no gradient of this backward had arrived: the step's earlier gradients "
-                             "are kept; run forward again to get a new graph before calling backward")
+                    _note(
+                        e,
+                        "tiermem: no gradient of this backward had arrived: the step's earlier gradients "
+                        "are kept; run forward again to get a new graph before calling backward",
+                    )
                     raise
                 self.grads.drop()  # some grads are missing: drop the step's grads, never step on a mix
                 self._life.to(Phase.IDLE)
-                _note(e, "tiermem: this backward stopped part way: the step's gradients (earlier micro-batches "
-                         "too) were dropped; run the step's forward and backward again")
+                _note(
+                    e,
+                    "tiermem: this backward stopped part way: the step's gradients (earlier micro-batches "
+                    "too) were dropped; run the step's forward and backward again",
+                )
                 raise
             finally:
                 self.activations.release()
@@ -526,14 +677,25 @@ class TieredModel:
         """
         peak, class_peak, budgets = collect(self.stores)
         st = self.engine.stats.snapshot()
-        return Report(peak_bytes=peak, class_peak_bytes=class_peak, bytes_moved=st["bytes_moved"],
-                      stall_seconds=sum(st["stall_seconds"].values()), stall_seconds_per_tier=st["stall_seconds"],
-                      busy_seconds=st["busy_seconds"], budgets=budgets, steps=self.stepper.steps,
-                      class_bytes_moved=st["class_bytes_moved"],
-                      n_params=self.layout.n_params, step_seconds=self.stepper.seconds,
-                      rank=self.group.rank, world=self.group.world, collective_bytes=self.group.bytes_sent(),
-                      placement=repr(self.placement), stages=self._stages(),
-                      weights_on_demand=dict(sum((s.on_demand for s in self.weight_sources()), Counter())))
+        return Report(
+            peak_bytes=peak,
+            class_peak_bytes=class_peak,
+            bytes_moved=st["bytes_moved"],
+            stall_seconds=sum(st["stall_seconds"].values()),
+            stall_seconds_per_tier=st["stall_seconds"],
+            busy_seconds=st["busy_seconds"],
+            budgets=budgets,
+            steps=self.stepper.steps,
+            class_bytes_moved=st["class_bytes_moved"],
+            n_params=self.layout.n_params,
+            step_seconds=self.stepper.seconds,
+            rank=self.group.rank,
+            world=self.group.world,
+            collective_bytes=self.group.bytes_sent(),
+            placement=repr(self.placement),
+            stages=self._stages(),
+            weights_on_demand=dict(sum((s.on_demand for s in self.weight_sources()), Counter())),
+        )
 
     def _stages(self) -> dict[str, tuple[float, float]]:
         """Predicted against measured seconds per step, by stage (NOTE [Cost model]; the prediction fed
@@ -543,8 +705,12 @@ class TieredModel:
         predicted = self._evaluator.predict(self.placement, self._compute_seconds / steps) if steps else None
         if predicted is None:
             return {}
-        return against_measured(predicted, forward_backward=self._compute_seconds / steps,
-                                grads_home=self.stepper.wait_seconds / steps, step=self.stepper.seconds / steps)
+        return against_measured(
+            predicted,
+            forward_backward=self._compute_seconds / steps,
+            grads_home=self.stepper.wait_seconds / steps,
+            step=self.stepper.seconds / steps,
+        )
 
     def detach(self) -> torch.nn.Module:
         """Remove every hook and give the module back with fp32 weights (on the CPU, where the
@@ -579,23 +745,30 @@ class TieredModel:
         try:
             self.detach()
         except Exception as e:  # noqa: BLE001 - the block's own error is the one to see
-            _note(exc, f"tiermem: detach() on leaving the block failed too ({type(e).__name__}: {e}); the "
-                       f"model's memory, files and lock were given back; the module may not hold its trained weights")
+            _note(
+                exc,
+                f"tiermem: detach() on leaving the block failed too ({type(e).__name__}: {e}); the "
+                f"model's memory, files and lock were given back; the module may not hold its trained weights",
+            )
             self._life.to(Phase.DETACHED)
             self._release()  # runs once: says that the weights did not go back
             deferred.settle()
 
     def __repr__(self) -> str:
-        return (f"TieredModel({type(self.module).__name__}, policy={self.policy!r}, precision={self.precision!r}, "
-                f"params={self.layout.n_params:,}, buckets={len(self.layout.buckets)})")
+        return (
+            f"TieredModel({type(self.module).__name__}, policy={self.policy!r}, precision={self.precision!r}, "
+            f"params={self.layout.n_params:,}, buckets={len(self.layout.buckets)})"
+        )
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
     """Whether ``module`` is what ``torch.compile(module)`` returns, or has modules compiled in
     place (``block.compile()``)."""
     from torch._dynamo.eval_frame import OptimizedModule  # here: only asked with weights off the device
+
     return isinstance(module, OptimizedModule) or any(
-        getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+        getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
+    )
 
 
 def _eagerly(on: bool) -> contextlib.AbstractContextManager:
@@ -611,11 +784,13 @@ def _params_of(what: Any, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     items = [what] if isinstance(what, (torch.nn.Module, torch.Tensor)) else list(what)
     out: dict[str, torch.Tensor] = {}
     for item in items:
-        for p in (item.parameters() if isinstance(item, torch.nn.Module) else [item]):
+        for p in item.parameters() if isinstance(item, torch.nn.Module) else [item]:
             if not isinstance(p, torch.Tensor) or id(p) not in names:
-                raise ConfigError(f"tiermem: resident() takes modules and parameters of the wrapped model; got "
-                                  f"{type(p).__name__}{tuple(p.shape) if isinstance(p, torch.Tensor) else ''}, "
-                                  f"which is not one of its parameters")
+                raise ConfigError(
+                    f"tiermem: resident() takes modules and parameters of the wrapped model; got "
+                    f"{type(p).__name__}{tuple(p.shape) if isinstance(p, torch.Tensor) else ''}, "
+                    f"which is not one of its parameters"
+                )
             out[names[id(p)]] = p
     return out
 
@@ -629,9 +804,13 @@ def _note(error: BaseException, text: str) -> None:
 
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ConfigError(f"tiermem: backward() needs a scalar loss tensor, got "
-                          f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}; "
-                          f"reduce the loss to one number (e.g. .mean())")
+        raise ConfigError(
+            f"tiermem: backward() needs a scalar loss tensor, got "
+            f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}; "
+            f"reduce the loss to one number (e.g. .mean())"
+        )
     if not loss.requires_grad:
-        raise ConfigError("tiermem: backward() got a loss that does not require grad; compute it from "
-                          "tm(...) outside torch.no_grad() and with the module in train mode")
+        raise ConfigError(
+            "tiermem: backward() got a loss that does not require grad; compute it from "
+            "tm(...) outside torch.no_grad() and with the module in train mode"
+        )

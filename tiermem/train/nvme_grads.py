@@ -10,6 +10,7 @@ micro-batch of the same step reads the bucket back before adding to it. Host mem
 buckets in flight, not all gradients. The step reads each bucket's gradients back twice: once
 for the global norm, once for Adam.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -97,9 +98,12 @@ class NvmeGrads(GradHome):
         t, lease = self._landing.pop(b.index)
         self._arrived[b.index] = 0
         self._on_disk.add(b.index)
-        h = self.engine.chain(self.engine.behind("d2h"),
-                              lambda: self.engine.store_write(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD),
-                              cleanup=lease.release, stall=Tier.NVME)
+        h = self.engine.chain(
+            self.engine.behind("d2h"),
+            lambda: self.engine.store_write(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD),
+            cleanup=lease.release,
+            stall=Tier.NVME,
+        )
         self._flushes.append(h)
         self._flush_of[b.index] = h
 

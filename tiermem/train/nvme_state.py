@@ -27,6 +27,7 @@ the uninterrupted step would have. What the disk holds between the failure and t
 consistent state per bucket, some buckets one step ahead of the others, never a bucket torn
 between two steps.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,8 +57,12 @@ class NvmeState(StateHome):
         largest = max(b.joined_bytes() for b in self.buckets)
         # each set holds one bucket's parts back to back (bytes), so that they are one key's value
         # named by the first bucket: buckets appended later get a home with sets of their own
-        self.sets = [host_store.allocate(f"nvme state set{i} of {self.buckets[0].key}...", (largest,),
-                                         torch.uint8, TensorClass.OPTIM_STATE) for i in range(3)]
+        self.sets = [
+            host_store.allocate(
+                f"nvme state set{i} of {self.buckets[0].key}...", (largest,), torch.uint8, TensorClass.OPTIM_STATE
+            )
+            for i in range(3)
+        ]
         self._ahead: Optional[tuple[int, list[Handle]]] = None  # (bucket, its read into set 0) for the next step
 
     @staticmethod
@@ -104,13 +109,14 @@ class NvmeState(StateHome):
         numels = b.part_numels()
         offsets, _ = b.state.joined(numels)
         whole = self.sets[which]
-        return tuple(whole[at:at + n * part.itemsize].view(part.dtype)
-                     for part, n, at in zip(b.state.parts, numels, offsets))
+        return tuple(
+            whole[at : at + n * part.itemsize].view(part.dtype) for part, n, at in zip(b.state.parts, numels, offsets)
+        )
 
     def _joined(self, b: Bucket, views: StateViews) -> torch.Tensor:
         """The one byte buffer the views of :meth:`_views` are parts of: the key's value."""
         which = [t.data_ptr() for t in self.sets].index(views[0].data_ptr())  # the master starts its set
-        return self.sets[which][:b.joined_bytes()]
+        return self.sets[which][: b.joined_bytes()]
 
     def _read(self, b: Bucket, views: StateViews) -> list[Handle]:
         return [self.engine.store_read(Tier.NVME, self.key(b), self._joined(b, views), kind=TensorClass.OPTIM_STATE)]

@@ -37,6 +37,7 @@ with NaN. The price here is a Python call per op that touches an off-device weig
 per module, measured in ``bench/forward_hooks.py``), and that dynamo cannot trace the fetch, so a
 compiled model with off-device weights runs its forward eagerly (NOTE [Parameters off the device]).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,16 +73,33 @@ class OffDeviceWeight(torch.Tensor):
     _key: str
 
     @staticmethod
-    def __new__(cls, source: WeightSource, key: str, size: Sequence[int], stride: Sequence[int], offset: int,
-                dtype: torch.dtype, device: torch.device, requires_grad: bool = False) -> "OffDeviceWeight":
-        t = torch.Tensor._make_wrapper_subclass(cls, size, strides=stride, storage_offset=offset, dtype=dtype,
-                                                device=device, requires_grad=requires_grad)
+    def __new__(
+        cls,
+        source: WeightSource,
+        key: str,
+        size: Sequence[int],
+        stride: Sequence[int],
+        offset: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        requires_grad: bool = False,
+    ) -> "OffDeviceWeight":
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, size, strides=stride, storage_offset=offset, dtype=dtype, device=device, requires_grad=requires_grad
+        )
         t._source, t._key = source, key
         return t
 
     @classmethod
-    def whole(cls, source: WeightSource, key: str, shape: Sequence[int], dtype: torch.dtype,
-              device: torch.device, requires_grad: bool = False) -> "OffDeviceWeight":
+    def whole(
+        cls,
+        source: WeightSource,
+        key: str,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        requires_grad: bool = False,
+    ) -> "OffDeviceWeight":
         """The weight ``key`` itself: contiguous, at offset 0."""
         return cls(source, key, shape, _contiguous_strides(shape), 0, dtype, device, requires_grad)
 
@@ -89,8 +107,13 @@ class OffDeviceWeight(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's own way to disable it
 
     @classmethod
-    def __torch_dispatch__(cls, func: OpOverload, types: Any, args: tuple = (),  # type: ignore[override]  # torch: untyped
-                           kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch: untyped
+        cls,
+        func: OpOverload,
+        types: Any,
+        args: tuple = (),
+        kwargs: Optional[dict] = None,
+    ) -> Any:
         kwargs = kwargs or {}
         kind = _kind(func)
         if kind is _VIEW:
@@ -163,10 +186,10 @@ def _kind(func: OpOverload) -> Any:
     kind = _KINDS.get(func)
     if kind is None:
         schema = func._schema
-        written = tuple(i for i, a in enumerate(schema.arguments)
-                        if a.alias_info is not None and a.alias_info.is_write)
-        aliasing = bool(schema.returns) and all(r.alias_info is not None and not r.alias_info.is_write
-                                                for r in schema.returns)
+        written = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+        aliasing = bool(schema.returns) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+        )
         kind = _VIEW if aliasing and not written else (written or _PURE)
         _KINDS[func] = kind
     return kind
@@ -197,8 +220,8 @@ def _view(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     def wrap(o: Any) -> Any:
         if not isinstance(o, torch.Tensor):
             return o
-        return OffDeviceWeight(base._source, base._key, o.size(), o.stride(),
-                               o.storage_offset(), o.dtype, base.device)  # type: ignore[arg-type]  # eager: an int
+        return OffDeviceWeight(base._source, base._key, o.size(), o.stride(), o.storage_offset(), o.dtype, base.device)  # type: ignore[arg-type]  # eager: an int
+
     return [wrap(o) for o in out] if isinstance(out, (list, tuple)) else wrap(out)
 
 
@@ -264,9 +287,11 @@ class Link:
 
     def _live(self, key: str) -> WeightSource:
         if self.source is None:
-            raise TierMemError(f"tiermem: the weight {key!r} lived off the device under a TieredModel that was "
-                               f"dropped without detach(), so its values are gone: build the module again (and "
-                               f"call tm.detach() or tm.save(path) before dropping a model whose weights you need)")
+            raise TierMemError(
+                f"tiermem: the weight {key!r} lived off the device under a TieredModel that was "
+                f"dropped without detach(), so its values are gone: build the module again (and "
+                f"call tm.detach() or tm.save(path) before dropping a model whose weights you need)"
+            )
         return self.source
 
     def holding(self, keys: Sequence[str], reader: str) -> ContextManager[Sequence[torch.Tensor]]:
@@ -287,9 +312,11 @@ def swap_param(p: torch.nn.Parameter, other: torch.nn.Parameter, name: str) -> N
     try:
         torch.utils.swap_tensors(p, other)
     except RuntimeError as e:
-        raise ConfigError(f"tiermem: the parameter {name!r} cannot be homed off the device: {e}; build the "
-                          f"TieredModel before anything else holds references into the parameter (a "
-                          f"torch.compile'd call, a live autograd graph), or place PARAM on the device") from None
+        raise ConfigError(
+            f"tiermem: the parameter {name!r} cannot be homed off the device: {e}; build the "
+            f"TieredModel before anything else holds references into the parameter (a "
+            f"torch.compile'd call, a live autograd graph), or place PARAM on the device"
+        ) from None
     vars(p).update(attrs)
 
 
@@ -311,8 +338,9 @@ class SwappedParams:
     def swap_in(self, name: str, link: Link, dtype: torch.dtype, device: torch.device) -> None:
         """The parameter ``name`` becomes an :class:`OffDeviceWeight` whose values ``link`` holds."""
         p = self._params[name]
-        weight = torch.nn.Parameter(OffDeviceWeight.whole(link, name, tuple(p.shape), dtype, device),
-                                    requires_grad=p.requires_grad)
+        weight = torch.nn.Parameter(
+            OffDeviceWeight.whole(link, name, tuple(p.shape), dtype, device), requires_grad=p.requires_grad
+        )
         swap_param(p, weight, name)
         self._plain[name] = weight  # now the plain one; its data goes back in restore() or undo()
 
@@ -349,8 +377,11 @@ class SwappedParams:
             vars(plain).update({k: v for k, v in vars(p).items() if k not in _OWN})
             for mod, attr in self._places.get(name, []):
                 mod._parameters[attr] = plain
-            log.info("tiermem: %r was still referenced elsewhere (a compiled graph?), so the module holds a new "
-                     "Parameter object for it, with its values", name)
+            log.info(
+                "tiermem: %r was still referenced elsewhere (a compiled graph?), so the module holds a new "
+                "Parameter object for it, with its values",
+                name,
+            )
 
 
 @contextlib.contextmanager

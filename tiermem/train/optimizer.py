@@ -1,4 +1,5 @@
 """``tm.optimizer``: the torch Optimizer face of a TieredModel, for lr schedulers."""
+
 from __future__ import annotations
 
 import weakref
@@ -21,8 +22,13 @@ class TieredOptimizer(torch.optim.Optimizer):
     are cleared by it, so ``zero_grad()`` has nothing to do. ``add_param_group`` works as in
     torch, moving parameters that are in a group already. Checkpoint with ``tm.save()``."""
 
-    def __init__(self, groups: list[dict], defaults: dict, step: Callable[[list[dict]], object],
-                 add_group: Callable[[list[dict], dict], None]):
+    def __init__(
+        self,
+        groups: list[dict],
+        defaults: dict,
+        step: Callable[[list[dict]], object],
+        add_group: Callable[[list[dict], dict], None],
+    ):
         self._run_step, self._add_group = _weakly(step), None
         super().__init__(groups, defaults)  # torch adds each group through add_param_group
         self._add_group = _weakly(add_group)
@@ -30,8 +36,10 @@ class TieredOptimizer(torch.optim.Optimizer):
     def _model(self, call: Callable[[], Callable | None] | None) -> Callable:
         run = call() if call is not None else None
         if run is None:
-            raise TierMemError("tiermem: the TieredModel of this optimizer was dropped (nothing referenced it any "
-                               "more); keep a reference to the TieredModel while you train with its optimizer")
+            raise TierMemError(
+                "tiermem: the TieredModel of this optimizer was dropped (nothing referenced it any "
+                "more); keep a reference to the TieredModel while you train with its optimizer"
+            )
         return run
 
     def step(self, closure=None):
@@ -49,8 +57,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Nothing to do: tm.step() clears the gradients it consumed."""
 
     def state_dict(self):
-        raise TierMemError("tiermem: tm.optimizer holds no checkpointable state of its own; use "
-                           "tm.save(path) and tm.load(path), which include the optimizer state")
+        raise TierMemError(
+            "tiermem: tm.optimizer holds no checkpointable state of its own; use "
+            "tm.save(path) and tm.load(path), which include the optimizer state"
+        )
 
     def load_state_dict(self, state_dict):
         self.state_dict()

@@ -2,6 +2,7 @@
 they ask for. Every error a user can cause by an argument is raised here, before anything is
 built (STYLE habit 5); :mod:`tiermem.train.model` only wires what comes out.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,8 +53,10 @@ def _device(device: Any) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not isinstance(device, (str, torch.device)):
-        raise ConfigError(f"tiermem: device={device!r} is not a device; pass 'cpu', 'cuda', 'cuda:1' or a "
-                          f"torch.device (or leave it out: cuda when available, else cpu)")
+        raise ConfigError(
+            f"tiermem: device={device!r} is not a device; pass 'cpu', 'cuda', 'cuda:1' or a "
+            f"torch.device (or leave it out: cuda when available, else cpu)"
+        )
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -61,8 +64,10 @@ def _device(device: Any) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"tiermem: device={device!r}: tiermem trains on 'cpu' or 'cuda' devices; pass one of them")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"tiermem: device={device!r} but this torch has no usable CUDA device (torch "
-                          f"{torch.__version__}); pass device='cpu' or install a CUDA build of torch")
+        raise ConfigError(
+            f"tiermem: device={device!r} but this torch has no usable CUDA device (torch "
+            f"{torch.__version__}); pass device='cpu' or install a CUDA build of torch"
+        )
     return dev
 
 
@@ -74,30 +79,53 @@ def _check_paths(module: torch.nn.Module, nvme_dir: Any, trace_path: Any) -> Non
             raise ConfigError(f"tiermem: trace_path={trace_path!r} is not a path; pass a file name as a str or Path")
         parent = os.path.dirname(os.path.abspath(trace_path))
         if not os.path.isdir(parent):
-            raise ConfigError(f"tiermem: trace_path={str(trace_path)!r}: directory {parent!r} does not exist; "
-                              f"create it or choose another path")
+            raise ConfigError(
+                f"tiermem: trace_path={str(trace_path)!r}: directory {parent!r} does not exist; "
+                f"create it or choose another path"
+            )
     meta = [n for n, p in module.named_parameters() if p.is_meta]
     if meta:
-        raise ConfigError(f"tiermem: parameters {meta[:3]} are on the meta device (no values yet); materialize "
-                          f"the module first (e.g. module.to_empty(device='cpu') and initialize it, or load weights)")
+        raise ConfigError(
+            f"tiermem: parameters {meta[:3]} are on the meta device (no values yet); materialize "
+            f"the module first (e.g. module.to_empty(device='cpu') and initialize it, or load weights)"
+        )
 
 
-def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_clip: Any, device: Any,
-             bucket_size: Any, overlap_step: Any, nvme_dir: Any, trace_path: Any, prefetch: Any,
-             max_skipped_steps: Any, loss_scale: Any, shard_weights: Any = False) -> Options:
+def validate(
+    module: Any,
+    *,
+    optimizer: Any,
+    precision: Any,
+    budgets: Any,
+    grad_clip: Any,
+    device: Any,
+    bucket_size: Any,
+    overlap_step: Any,
+    nvme_dir: Any,
+    trace_path: Any,
+    prefetch: Any,
+    max_skipped_steps: Any,
+    loss_scale: Any,
+    shard_weights: Any = False,
+) -> Options:
     """Check every argument of ``TieredModel(...)``; the first one wrong raises a ConfigError naming it."""
     if not isinstance(module, torch.nn.Module):
-        raise ConfigError(f"tiermem: TieredModel needs a torch.nn.Module, got {type(module).__name__}; "
-                          f"pass the model itself")
+        raise ConfigError(
+            f"tiermem: TieredModel needs a torch.nn.Module, got {type(module).__name__}; pass the model itself"
+        )
     torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     spec = AdamW() if optimizer is None else spec_from_torch(optimizer) if torch_optimizer is not None else optimizer
     if not isinstance(spec, _Spec):
-        raise ConfigError(f"tiermem: optimizer={spec!r} is not an optimizer tiermem runs; pass tiermem.AdamW(...), "
-                          f"Adam, SGD, Adagrad, Lion, AdamW8bit or Adam8bit, or a torch optimizer built on the "
-                          f"module's parameters ({supported_names()})")
+        raise ConfigError(
+            f"tiermem: optimizer={spec!r} is not an optimizer tiermem runs; pass tiermem.AdamW(...), "
+            f"Adam, SGD, Adagrad, Lion, AdamW8bit or Adam8bit, or a torch optimizer built on the "
+            f"module's parameters ({supported_names()})"
+        )
     if grad_clip is not None and (not is_number(grad_clip) or not math.isfinite(grad_clip) or grad_clip <= 0):
-        raise ConfigError(f"tiermem: grad_clip={grad_clip!r} is invalid: must be a finite number > 0 (the largest "
-                          f"global gradient norm), or None for no clipping")
+        raise ConfigError(
+            f"tiermem: grad_clip={grad_clip!r} is invalid: must be a finite number > 0 (the largest "
+            f"global gradient norm), or None for no clipping"
+        )
     budgets = Budgets() if budgets is None else budgets
     if not isinstance(budgets, Budgets):
         raise ConfigError(f"tiermem: budgets={budgets!r} is not a tiermem.Budgets; pass Budgets(device=..., host=...)")
@@ -110,27 +138,47 @@ def validate(module: Any, *, optimizer: Any, precision: Any, budgets: Any, grad_
     _check_paths(module, nvme_dir, trace_path)
     prefetch = _flag("prefetch", prefetch)
     if max_skipped_steps is not None and (not is_int(max_skipped_steps) or max_skipped_steps < 1):
-        raise ConfigError(f"tiermem: max_skipped_steps={max_skipped_steps!r} is invalid: must be an int >= 1, "
-                          f"or None to never stop on skipped steps")
+        raise ConfigError(
+            f"tiermem: max_skipped_steps={max_skipped_steps!r} is invalid: must be an int >= 1, "
+            f"or None to never stop on skipped steps"
+        )
     if loss_scale is not None and (not isinstance(loss_scale, LossScale) or precision != "fp16"):
         auto = f" (precision={given!r} is {precision!r} here)" if given != precision else ""
-        raise ConfigError(f"tiermem: loss_scale={loss_scale!r} is invalid: it must be a tiermem.LossScale, and "
-                          f"only precision='fp16' scales the loss{auto}; pass LossScale(...) with fp16, or leave it out")
+        raise ConfigError(
+            f"tiermem: loss_scale={loss_scale!r} is invalid: it must be a tiermem.LossScale, and "
+            f"only precision='fp16' scales the loss{auto}; pass LossScale(...) with fp16, or leave it out"
+        )
     shard = _flag("shard_weights", shard_weights)
     if spec.bf16_stochastic_round and precision != "bf16":
-        raise ConfigError(f"tiermem: {type(spec).__name__}(bf16_stochastic_round=True) keeps bf16 master weights, "
-                          f"which needs precision='bf16' (got {precision!r}); pass precision='bf16' or drop "
-                          f"bf16_stochastic_round")
-    return Options(spec, torch_optimizer, None if grad_clip is None else float(grad_clip), dtype, dev, budgets,
-                   bucket_bytes // 4, overlap, prefetch, precision, shard)
+        raise ConfigError(
+            f"tiermem: {type(spec).__name__}(bf16_stochastic_round=True) keeps bf16 master weights, "
+            f"which needs precision='bf16' (got {precision!r}); pass precision='bf16' or drop "
+            f"bf16_stochastic_round"
+        )
+    return Options(
+        spec,
+        torch_optimizer,
+        None if grad_clip is None else float(grad_clip),
+        dtype,
+        dev,
+        budgets,
+        bucket_bytes // 4,
+        overlap,
+        prefetch,
+        precision,
+        shard,
+    )
 
 
-def make_stores(opts: Options, nvme_dir: Optional[str], reclaimers: Sequence[Reclaimer], group: Group) -> dict[Tier, Any]:
+def make_stores(
+    opts: Options, nvme_dir: Optional[str], reclaimers: Sequence[Reclaimer], group: Group
+) -> dict[Tier, Any]:
     """One store per tier the arguments ask for: device and host always, NVMe with a directory;
     ``reclaimers``: the device's (NOTE [Reclaimers at construction])."""
-    stores: dict[Tier, Any] = {Tier.DEVICE: DeviceStore(opts.device, opts.budgets.for_tier(Tier.DEVICE),
-                                                        reclaimers=reclaimers),
-                               Tier.HOST: HostStore(opts.budgets.for_tier(Tier.HOST))}
+    stores: dict[Tier, Any] = {
+        Tier.DEVICE: DeviceStore(opts.device, opts.budgets.for_tier(Tier.DEVICE), reclaimers=reclaimers),
+        Tier.HOST: HostStore(opts.budgets.for_tier(Tier.HOST)),
+    }
     if nvme_dir is not None:
         mine = group.subdirectory(nvme_dir)  # under data parallelism each rank its own: nvme_dir/rank<r>
         if mine != nvme_dir and os.path.isdir(nvme_dir):

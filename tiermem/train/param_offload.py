@@ -29,6 +29,7 @@ block ends (:meth:`resident`). ``detach()`` gives each parameter a plain tensor 
 (:meth:`restore`); a model dropped without it leaves weights that raise a ``tiermem:`` error when
 read, never a made-up value.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,8 +56,16 @@ log = logging.getLogger(__name__)
 class ParamOffload(WeightHome):
     """The PARAM home of weights that live on the host or NVMe: NOTE [Parameters off the device]."""
 
-    def __init__(self, module: torch.nn.Module, homes: dict[str, Tier], residency: KeyedResidency,
-                 scheduler: ResidencyScheduler, dtype: torch.dtype, device: torch.device, hooks: HookSet):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        homes: dict[str, Tier],
+        residency: KeyedResidency,
+        scheduler: ResidencyScheduler,
+        dtype: torch.dtype,
+        device: torch.device,
+        hooks: HookSet,
+    ):
         """``homes``: canonical parameter name -> home tier (HOST or NVME) of the parameters to
         offload; each one's first value arrives through :meth:`initialize` or :meth:`adopt`.
         ``residency``: where they are registered and stored; ``scheduler``: what brings them to
@@ -86,8 +95,17 @@ class ParamOffload(WeightHome):
         """``value`` (a host tensor in the working precision) becomes ``name``'s first value at
         home, and the parameter an :class:`OffDeviceWeight` of it from now on."""
         p = self._params[name]
-        self.residency.register(TensorInfo(name, TensorClass.PARAM, value.numel() * value.element_size(),
-                                        tuple(p.shape), value.dtype, name.rpartition(".")[0]), self.homes[name])
+        self.residency.register(
+            TensorInfo(
+                name,
+                TensorClass.PARAM,
+                value.numel() * value.element_size(),
+                tuple(p.shape),
+                value.dtype,
+                name.rpartition(".")[0],
+            ),
+            self.homes[name],
+        )
         self.residency.put(name, value)
         self._swaps.swap_in(name, self._link, value.dtype, self.device)
 
@@ -113,7 +131,7 @@ class ParamOffload(WeightHome):
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
         for s in b.slots:
             # a copy, even in fp32: `master` may be a pipeline buffer the next bucket reuses
-            value = master[s.offset:s.offset + s.numel].view(s.shape).to(self.dtype, copy=True)
+            value = master[s.offset : s.offset + s.numel].view(s.shape).to(self.dtype, copy=True)
             if s.name in self._swaps:  # homed here already, frozen until now (NOTE [Freezing and unfreezing])
                 self.write_home(s.name, value)
             else:
@@ -122,8 +140,10 @@ class ParamOffload(WeightHome):
     def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
         """Updated weights go to their home tier, never to the device; overlaps Adam on the next
         bucket, like an upload. ``src`` in another dtype (an fp32 master) is rounded first."""
-        return [self.write_home(s.name, src[s.offset:s.offset + s.numel].view(s.shape).to(self.dtype), wait=False)
-                for s in slots_in(b, runs)]
+        return [
+            self.write_home(s.name, src[s.offset : s.offset + s.numel].view(s.shape).to(self.dtype), wait=False)
+            for s in slots_in(b, runs)
+        ]
 
     # -- reads ---------------------------------------------------------------------------------------
     def _before(self, mod: torch.nn.Module, args) -> None:
@@ -183,9 +203,11 @@ class ParamOffload(WeightHome):
             if self._writable[key]:
                 self._dirty.add(key)
                 return
-        raise TierMemError(f"tiermem: {op} writes into the weight {key!r}, which lives off the device; "
-                           f"write to it inside `with tm.resident(...)`, which sends the new values home "
-                           f"and to the optimizer's master weights")
+        raise TierMemError(
+            f"tiermem: {op} writes into the weight {key!r}, which lives off the device; "
+            f"write to it inside `with tm.resident(...)`, which sends the new values home "
+            f"and to the optimizer's master weights"
+        )
 
     @contextlib.contextmanager
     def resident(self, keys: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:

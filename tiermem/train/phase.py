@@ -19,6 +19,7 @@ detach) raises a ``tiermem:`` error naming the phase and what to do, before anyt
 Under overlap_step an update of the previous step may be running in the background in any
 phase; that is the stepper's to track (it lands at the next step, save or detach).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,9 +56,8 @@ ALLOWED: dict[str, frozenset[Phase]] = {
 _FIX = {
     Phase.DETACHED: "this TieredModel was detached; wrap the module again to keep training",
     Phase.FORWARD: "it was called from inside tm(...) (a forward hook or the module itself); call it after "
-                   "the forward returns",
-    Phase.BACKWARD: "it was called from inside tm.backward() (a backward or grad hook); call it after "
-                    "backward returns",
+    "the forward returns",
+    Phase.BACKWARD: "it was called from inside tm.backward() (a backward or grad hook); call it after backward returns",
     Phase.STEPPING: "it was called from inside tm.step() (an lr scheduler or hook); call it after the step returns",
 }
 
@@ -72,8 +72,9 @@ class Lifecycle:
         """Refuse ``call`` (a key of :data:`ALLOWED`; the error says ``name``, default ``call``)
         unless the phase allows it."""
         if self.phase not in ALLOWED[call]:
-            raise ConfigError(f"tiermem: {name or call} is not allowed while the model is {self.phase.value}: "
-                              f"{_FIX[self.phase]}")
+            raise ConfigError(
+                f"tiermem: {name or call} is not allowed while the model is {self.phase.value}: {_FIX[self.phase]}"
+            )
 
     @contextlib.contextmanager
     def during(self, call: str, phase: Phase) -> Iterator[None]:

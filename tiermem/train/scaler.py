@@ -1,5 +1,6 @@
 """Dynamic loss scaling for fp16, with the defaults of ``torch.amp.GradScaler`` unless a
 :class:`tiermem.LossScale` says otherwise."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,8 +27,9 @@ class LossScaler:
     def of(cls, enabled: bool, spec: Optional[LossScale]) -> "LossScaler":
         if spec is None:
             return cls(enabled=enabled)
-        return cls(enabled=enabled, scale=spec.init_scale, growth_interval=spec.growth_interval,
-                   min_scale=spec.min_scale)
+        return cls(
+            enabled=enabled, scale=spec.init_scale, growth_interval=spec.growth_interval, min_scale=spec.min_scale
+        )
 
     def __post_init__(self) -> None:
         if not self.enabled:

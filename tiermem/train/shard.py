@@ -14,6 +14,7 @@ step, the checkpoint and the model see the same interfaces as in one process.
 The step runs on the shard buckets (:func:`shard_buckets`): a bucket's chunk, its slots the
 pieces of the parameters that fall inside it.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -37,16 +38,24 @@ def shard_buckets(buckets: Sequence[Bucket], group: Group) -> list[Bucket]:
         for s in b.slots:
             lo, hi = max(s.offset, c.start), min(s.offset + s.numel, c.end)
             if lo < hi:
-                sb.slots.append(Slot(s.name, s.param, lo - c.start, hi - lo, torch.Size([hi - lo]), s.order,
-                                     first=lo - s.offset))
+                sb.slots.append(
+                    Slot(s.name, s.param, lo - c.start, hi - lo, torch.Size([hi - lo]), s.order, first=lo - s.offset)
+                )
         sb.numel = c.size  # the chunk with its padding: every rank's chunk is the same size
         out.append(sb)
     return out
 
 
 class ShardedGrads(GradHome):
-    def __init__(self, buckets: Sequence[Bucket], shards: Sequence[Bucket], inner: GradHome, group: Group,
-                 device_store, engine: CopyService):
+    def __init__(
+        self,
+        buckets: Sequence[Bucket],
+        shards: Sequence[Bucket],
+        inner: GradHome,
+        group: Group,
+        device_store,
+        engine: CopyService,
+    ):
         self.landing_tier = Tier.DEVICE
         self.full = {b.index: b for b in buckets}
         self.shards = {b.index: b for b in shards}
@@ -91,7 +100,7 @@ class ShardedGrads(GradHome):
         c = self.group.chunk(b.numel)
         # in place: this rank's chunk of the bucket receives the mean (NCCL and gloo reduce-scatter so
         # when the output is the input's own chunk), so no second device buffer per bucket in flight
-        out = full[c.start:c.start + c.size]
+        out = full[c.start : c.start + c.size]
         self._pending.append((self.group.reduce_scatter_mean_async(out, full), index, out, self._fill))
         self._issued.add(index)
         while len(self._pending) > self.IN_FLIGHT:  # the device holds a few buckets of fp32 grads, not all
@@ -103,9 +112,14 @@ class ShardedGrads(GradHome):
     def _land(self, work: Pending, index: int, out: torch.Tensor, fill: int) -> None:
         work.wait()
         sb = self.shards[index]
-        self.engine.copy_async(self.inner.landing(sb, fill), out, src_tier=Tier.DEVICE,
-                               dst_tier=self.inner.landing_tier, accumulate=index in self._have,
-                               kind=TensorClass.GRAD).wait()
+        self.engine.copy_async(
+            self.inner.landing(sb, fill),
+            out,
+            src_tier=Tier.DEVICE,
+            dst_tier=self.inner.landing_tier,
+            accumulate=index in self._have,
+            kind=TensorClass.GRAD,
+        ).wait()
         self.inner.complete(sb)  # grads on NVMe: written there now, not kept on the host
         self._have.add(index)
         self.store.delete(f"{sb.key}:grad landing")
@@ -175,8 +189,7 @@ class ShardedState(StateHome):
 
     revertible = False  # a failed step under data parallelism stops every rank: resume from a checkpoint
 
-    def __init__(self, buckets: Sequence[Bucket], shards: Sequence[Bucket], inner: StateHome, group: Group,
-                 host_store):
+    def __init__(self, buckets: Sequence[Bucket], shards: Sequence[Bucket], inner: StateHome, group: Group, host_store):
         self.compute_tier = inner.compute_tier
         self.full = {b.index: b for b in buckets}
         self.shards = {b.index: b for b in shards}
@@ -194,7 +207,7 @@ class ShardedState(StateHome):
         return self._set[key]
 
     def _whole(self, b: Bucket) -> StateViews:
-        return tuple(self._part(b, i)[:b.numel] for i in range(len(b.state.parts)))
+        return tuple(self._part(b, i)[: b.numel] for i in range(len(b.state.parts)))
 
     def release_views(self) -> None:
         for key in list(self._set):
@@ -202,14 +215,14 @@ class ShardedState(StateHome):
         self._set.clear()
 
     def initial_master(self, b: Bucket) -> torch.Tensor:
-        return self._part(b, 0)[:b.numel]  # the other parts start at their initial value: no whole buffers for them
+        return self._part(b, 0)[: b.numel]  # the other parts start at their initial value: no whole buffers for them
 
     def initialize(self, b: Bucket) -> None:
         master = self.group.broadcast_(self.initial_master(b))  # every rank starts from rank 0's weights
         c, sb = self.group.chunk(b.numel), self.shards[b.index]
         mine = self.inner.initial_master(sb)
         mine.zero_()
-        mine[:c.end - c.start].copy_(master[c.start:c.end])
+        mine[: c.end - c.start].copy_(master[c.start : c.end])
         self.inner.initialize(sb)
 
     def step(self, plan, update, tracer, updated):
@@ -232,7 +245,7 @@ class ShardedState(StateHome):
         mine = self.inner.load_views(sb)
         for dst, src in zip(mine, views):
             dst.zero_()
-            dst[:c.end - c.start].copy_(src[c.start:c.end])
+            dst[: c.end - c.start].copy_(src[c.start : c.end])
         self.inner.store(sb, mine)
 
     # -- this rank's chunk alone (a sharded checkpoint: NOTE [Sharded values for DCP]) -------------
@@ -247,15 +260,15 @@ class ShardedState(StateHome):
         c = self.group.chunk(b.numel)
         mine = self.inner.load_views(self.shards[b.index])
         for t in mine:
-            t[c.end - c.start:].zero_()  # the chunk's padding stays zero, as :meth:`store` leaves it
+            t[c.end - c.start :].zero_()  # the chunk's padding stays zero, as :meth:`store` leaves it
         return mine
 
     def store_local(self, b: Bucket, views: StateViews) -> None:
         self.inner.store(self.shards[b.index], views)
 
     def whole_master(self, b: Bucket, mine: torch.Tensor) -> torch.Tensor:
-        self.group.all_gather(self._part(b, 0)[:self.group.chunk(b.numel).padded], mine)
-        return self._part(b, 0)[:b.numel]
+        self.group.all_gather(self._part(b, 0)[: self.group.chunk(b.numel).padded], mine)
+        return self._part(b, 0)[: b.numel]
 
 
 class ShardedWeights(WeightHome):
@@ -276,12 +289,13 @@ class ShardedWeights(WeightHome):
         full_b = self.full[b.index]
         c = self.group.chunk(full_b.numel)
         whole = torch.empty(c.padded, dtype=src.dtype, device=src.device)
-        gathering = self.group.all_gather_async(whole, src[:c.size])  # `src` holds the chunk's complete new weights
+        gathering = self.group.all_gather_async(whole, src[: c.size])  # `src` holds the chunk's complete new weights
 
         def land() -> None:
             gathering.wait()
-            for h in self.inner.write(full_b, whole[:full_b.numel], [(0, full_b.numel, 0)], src_tier):
+            for h in self.inner.write(full_b, whole[: full_b.numel], [(0, full_b.numel, 0)], src_tier):
                 h.wait()  # `whole` lives until its copy is done
+
         # not on the upload lane itself: the copies `land` queues there would wait behind it
         return [self.engine.run_async(land, name=f"gather {b.key}", lane="compute")]
 

@@ -7,6 +7,7 @@ bytes through the homes (NOTE [Homes]): optimizer state on NVMe passes through o
 set at a time, so it never has to fit in memory. :mod:`tiermem.train.checkpoint` reads and writes
 through it and knows nothing else of the model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,9 +48,18 @@ class Piece:
 
 
 class ModelState:
-    def __init__(self, module: torch.nn.Module, layout: Layout, stepper: Stepper, scaler: LossScaler,
-                 param_groups: list[dict], precision: str, dtype: torch.dtype,
-                 frozen_off_device: dict[str, ParamOffload], group: Group = Solo()):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        layout: Layout,
+        stepper: Stepper,
+        scaler: LossScaler,
+        param_groups: list[dict],
+        precision: str,
+        dtype: torch.dtype,
+        frozen_off_device: dict[str, ParamOffload],
+        group: Group = Solo(),
+    ):
         self.module, self.layout, self.stepper, self.scaler = module, layout, stepper, scaler
         self.param_groups, self.precision, self.dtype = param_groups, precision, dtype
         self._frozen_off_device = frozen_off_device  # frozen parameter name -> its home off the device
@@ -105,10 +115,16 @@ class ModelState:
             yield f"buffers/{n}", tuple(t.shape), dtypes
 
     def meta(self) -> dict:
-        return {"precision": self.precision, "step": self.stepper.steps, "param_step": self.stepper.param_steps(),
-                "scaler": self.scaler.state_dict(),
-                "groups": [{**{k: g[k] for k in HYPER if k in g}, "name": g["name"], "params": list(g["param_names"])}
-                           for g in self.param_groups]}
+        return {
+            "precision": self.precision,
+            "step": self.stepper.steps,
+            "param_step": self.stepper.param_steps(),
+            "scaler": self.scaler.state_dict(),
+            "groups": [
+                {**{k: g[k] for k in HYPER if k in g}, "name": g["name"], "params": list(g["param_names"])}
+                for g in self.param_groups
+            ],
+        }
 
     def check_groups(self, saved: list[dict], what: str) -> None:
         """A checkpoint's param groups (``saved``, its meta's) are this model's: as many, and
@@ -116,17 +132,21 @@ class ModelState:
         parameters, in the same order; else a ``tiermem:`` error naming ``what``."""
         fix = "build the same param groups (the optimizer's, and tm.optimizer.add_param_group) before loading"
         if len(saved) != len(self.param_groups):
-            raise TierMemError(f"tiermem: {what} has {len(saved)} param groups, this model {len(self.param_groups)}; "
-                               f"nothing was loaded: {fix}")
+            raise TierMemError(
+                f"tiermem: {what} has {len(saved)} param groups, this model {len(self.param_groups)}; "
+                f"nothing was loaded: {fix}"
+            )
         for i, (theirs, ours) in enumerate(zip(saved, self.param_groups)):
             if "name" not in theirs:
                 continue  # written before groups were recorded: matched by their number
             extra = sorted(set(theirs.get("params", ())) - set(ours["param_names"]))
             lacking = sorted(set(ours["param_names"]) - set(theirs.get("params", ())))
             if theirs["name"] != ours["name"] or extra or lacking:
-                raise TierMemError(f"tiermem: {what} has other param groups than this model: group {i} is "
-                                   f"{theirs['name']!r} there, {ours['name']!r} here (only there: {extra[:3]}, only "
-                                   f"here: {lacking[:3]}); nothing was loaded: {fix}")
+                raise TierMemError(
+                    f"tiermem: {what} has other param groups than this model: group {i} is "
+                    f"{theirs['name']!r} there, {ours['name']!r} here (only there: {extra[:3]}, only "
+                    f"here: {lacking[:3]}); nothing was loaded: {fix}"
+                )
 
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter name (tied aliases included) -> a CPU copy of its fp32 value."""
@@ -134,7 +154,7 @@ class ModelState:
         for b, state in self._bucket_state():
             master = state[0]
             for s in b.slots:
-                value = master[s.offset:s.offset + s.numel].view(s.shape).detach().to("cpu", torch.float32, copy=True)
+                value = master[s.offset : s.offset + s.numel].view(s.shape).detach().to("cpu", torch.float32, copy=True)
                 for name in self.layout.names[id(s.param)]:
                     out[name] = value
         params = dict(self.module.named_parameters())
@@ -254,8 +274,12 @@ class ModelState:
         if meta["precision"] == self.precision:
             self.scaler.load_state_dict(meta["scaler"])
         else:  # another precision's scale means nothing here (fp32's 1.0 would defeat fp16's scaling)
-            log.info("tiermem: a %s checkpoint loaded at %s: the loss scale stays %s", meta["precision"],
-                     self.precision, self.scaler.scale)
+            log.info(
+                "tiermem: a %s checkpoint loaded at %s: the loss scale stays %s",
+                meta["precision"],
+                self.precision,
+                self.scaler.scale,
+            )
         self.stepper.load_param_steps({k: int(v) for k, v in meta["param_step"].items()}, meta["step"])
 
     def take_weights(self, values: dict[str, torch.Tensor]) -> None:
@@ -275,7 +299,7 @@ class ModelState:
         try:
             for b, *entries in by_bucket.values():
                 views = homes.state[b.index].read(b)
-                if any([_take(views[0][s.offset:s.offset + s.numel].view(s.shape), value) for s, value in entries]):
+                if any([_take(views[0][s.offset : s.offset + s.numel].view(s.shape), value) for s, value in entries]):
                     homes.state[b.index].store(b, views)
         finally:
             self._release()

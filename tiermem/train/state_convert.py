@@ -14,6 +14,7 @@ it is read, and the log says so once per load:
 Any other difference (SGD's momentum buffer into Adam's moments, ...) keeps the plain check: the
 names differ and the load is refused with the names missing and unexpected, nothing changed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,11 +47,19 @@ class Conversion:
             if name not in held:
                 continue
             have = held[name][1]
-            if part in MOMENTS and have == torch.float32 and dtypes == (torch.uint8,) \
-                    and f"{part}_absmax/{param}" not in held:
+            if (
+                part in MOMENTS
+                and have == torch.float32
+                and dtypes == (torch.uint8,)
+                and f"{part}_absmax/{param}" not in held
+            ):
                 self.quantize.add(name)
-            elif part in MOMENTS and have == torch.uint8 and dtypes == (torch.float32,) \
-                    and f"{part}_absmax/{param}" in held:
+            elif (
+                part in MOMENTS
+                and have == torch.uint8
+                and dtypes == (torch.float32,)
+                and f"{part}_absmax/{param}" in held
+            ):
                 self.dequantize.add(name)
             elif part == "master" and have in (torch.float32, torch.bfloat16) and have not in dtypes:
                 self.master.add(name)
@@ -85,11 +94,15 @@ class Conversion:
             parts.append(f"{len(self.dequantize)} 8-bit moments dequantized to fp32")
         if self.master:
             parts.append(f"{len(self.master)} master weights converted between fp32 and bf16")
-        log.info("tiermem: %s has another optimizer state format than this model: %s "
-                 "(NOTE [Converting state formats])", what, ", ".join(parts))
+        log.info(
+            "tiermem: %s has another optimizer state format than this model: %s (NOTE [Converting state formats])",
+            what,
+            ", ".join(parts),
+        )
 
     def reader(self, read_into: ReadInto, held: Held) -> ReadInto:
         """``read_into`` for the model's names, converting where this conversion says."""
+
         def read(name: str, target: torch.Tensor) -> None:
             part, _, param = name.partition("/")
             if name in self.quantize:
@@ -109,4 +122,5 @@ class Conversion:
                 target.copy_(dequantize_blockwise(codes, absmax, signed=MOMENTS[part]).view(target.shape))
             else:
                 read_into(name, target)
+
         return read

@@ -36,6 +36,7 @@ of the param group that lists it when the step starts (NOTE [Param groups] in ti
 a bucket's update runs in ranges that share a step count and a group. The step talks to homes only (NOTE
 [Homes]): it never asks which tier a bucket's grads, state or weights are on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -114,10 +115,20 @@ class Stepper:
     the second gradient buffer, and step k+1 first sends home step k's weights. A gradient is thus
     computed with weights one update older than in the plain loop."""
 
-    def __init__(self, layout: Layout, grads: GradCollector, outputs: Outputs, engine: CopyService,
-                 scaler: LossScaler, *,
-                 grad_clip: Optional[float], tracer: Tracer, overlap: bool = False, group: Group = Solo(),
-                 max_skipped: Optional[int] = 10):
+    def __init__(
+        self,
+        layout: Layout,
+        grads: GradCollector,
+        outputs: Outputs,
+        engine: CopyService,
+        scaler: LossScaler,
+        *,
+        grad_clip: Optional[float],
+        tracer: Tracer,
+        overlap: bool = False,
+        group: Group = Solo(),
+        max_skipped: Optional[int] = 10,
+    ):
         self.layout, self.homes, self.grads, self.outputs, self.group = layout, layout.homes, grads, outputs, group
         self.engine, self.scaler, self.grad_clip, self.tracer, self.overlap = engine, scaler, grad_clip, tracer, overlap
         self.steps = 0
@@ -166,8 +177,10 @@ class Stepper:
         self.wait_seconds += time.perf_counter() - t0  # the grads' exposed trip home, for report()
         self._send_unsent()
         if not self.grads.has_grads():  # no backward since the last step (on any rank): a no-op, not counted
-            log.warning("tiermem: step() with no gradient since the last step (no backward?): nothing updated, "
-                        "the step is not counted")
+            log.warning(
+                "tiermem: step() with no gradient since the last step (no backward?): nothing updated, "
+                "the step is not counted"
+            )
             return StepResult(True, 0.0, self.scaler.scale, self.steps)
         wait_gathered(self.homes, self.grads.fill)
         scale = self.scaler.scale
@@ -186,9 +199,13 @@ class Stepper:
         self._count_steps()
         runs = {b.index: self._runs(b, group_of) for b in self.layout.step_buckets}
         hyper = [hyper_of(g) for g in groups]  # as the groups are now: an lr scheduler may change them meanwhile
-        upd = _Update([(b, [(a, e, st) for a, e, st, _ in runs[b.index]]) for b in self.layout.step_buckets],
-                      {(index, a): hyper[g] for index, rs in runs.items() for a, _, _, g in rs},
-                      scale, clip, self.grads.fill)
+        upd = _Update(
+            [(b, [(a, e, st) for a, e, st, _ in runs[b.index]]) for b in self.layout.step_buckets],
+            {(index, a): hyper[g] for index, rs in runs.items() for a, _, _, g in rs},
+            scale,
+            clip,
+            self.grads.fill,
+        )
         if not any(runs for _, runs in upd.plan):
             pass  # no parameter got a gradient: nothing to update (and no state to stream)
         elif self.overlap:
@@ -215,17 +232,33 @@ class Stepper:
                 if fmt.elementwise and not fmt.stochastic_round:  # any range is a valid call: one per run
                     for start, end, step in runs:
                         assert g is not None  # read, since there are runs
-                        optim_format.step(fmt, master[start:end], [t[start:end] for t in state[1:]], g[start:end],
-                                          step=step, hyper=upd.hyper[(b.index, start)], out=out[start:end], **common)
+                        optim_format.step(
+                            fmt,
+                            master[start:end],
+                            [t[start:end] for t in state[1:]],
+                            g[start:end],
+                            step=step,
+                            hyper=upd.hyper[(b.index, start)],
+                            out=out[start:end],
+                            **common,
+                        )
                 else:  # blocks and rounding keys start at each parameter's element 0: one call per parameter
                     for i, s, start, step in _slots_of(b, runs):
                         assert g is not None  # read, since there are runs
                         pieces = b.pieces(state, i)
                         a, e = s.offset, s.offset + s.numel
                         sr = StochasticRound.for_parameter(SR_SEED, s.name, s.first) if fmt.stochastic_round else None
-                        optim_format.step(fmt, pieces[0], pieces[1:], g[a:e], step=step,
-                                          hyper=upd.hyper[(b.index, start)], out=out[a:e], stochastic_round=sr,
-                                          **common)
+                        optim_format.step(
+                            fmt,
+                            pieces[0],
+                            pieces[1:],
+                            g[a:e],
+                            step=step,
+                            hyper=upd.hyper[(b.index, start)],
+                            out=out[a:e],
+                            stochastic_round=sr,
+                            **common,
+                        )
         finally:
             if free is not None:
                 free()
@@ -245,8 +278,14 @@ class Stepper:
         try:
             for home in _launch_order(self.homes.state_homes()):
                 mine = [(b, runs) for b, runs in upd.plan if self.homes.state[b.index] is home]
-                done.append((home, home.step(mine, lambda b, runs, st: self._adam(upd, uploads, b, runs, st),
-                                             self.tracer, updated)))
+                done.append(
+                    (
+                        home,
+                        home.step(
+                            mine, lambda b, runs, st: self._adam(upd, uploads, b, runs, st), self.tracer, updated
+                        ),
+                    )
+                )
             uploads.finish()
         except BaseException:
             uploads.finish(quiet=True)
@@ -305,7 +344,7 @@ class Stepper:
             g, free = self.homes.grads[b.index].read(b, self.grads.fill)
             try:
                 for s in mine:
-                    per_slot[s.name] = torch.linalg.vector_norm(g[s.offset:s.offset + s.numel], dtype=torch.float32)
+                    per_slot[s.name] = torch.linalg.vector_norm(g[s.offset : s.offset + s.numel], dtype=torch.float32)
             finally:
                 free()
         names = [name for name in self.grads.names if self.grads.received(name)]
@@ -333,14 +372,19 @@ class Stepper:
         self.skipped_in_a_row += 1
         bad = self._not_finite()
         shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
-        log.warning("tiermem: gradient norm is %s; step skipped, weights unchanged (%d in a row); not finite: %s",
-                    norm.item(), self.skipped_in_a_row, shown)
+        log.warning(
+            "tiermem: gradient norm is %s; step skipped, weights unchanged (%d in a row); not finite: %s",
+            norm.item(),
+            self.skipped_in_a_row,
+            shown,
+        )
         if self.max_skipped is not None and self.skipped_in_a_row >= self.max_skipped:
             raise TierMemError(
                 f"tiermem: {self.skipped_in_a_row} steps in a row were skipped because the gradients are not "
                 f"finite (in {shown}); the weights have not moved since. Lower the learning rate, check the "
                 f"inputs and the loss for inf/NaN, or resume from the last checkpoint (raise "
-                f"max_skipped_steps= to allow more)")
+                f"max_skipped_steps= to allow more)"
+            )
         return result
 
     def _count_steps(self) -> None:

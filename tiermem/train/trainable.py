@@ -34,6 +34,7 @@ version (the new buckets' sharded homes would have to join the collectives' orde
 model with the parameter trainable and freeze it before the first step; a frozen parameter with
 state unfreezes under any world size.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,10 +66,27 @@ class Trainable:
     """Keeps a model's buckets in step with its parameters' ``requires_grad`` (NOTE [Freezing and
     unfreezing]). Built by the TieredModel with the collaborators an unfreeze extends."""
 
-    def __init__(self, module: torch.nn.Module, layout: Layout, *, policy: Policy, dtype: torch.dtype,
-                 bucket_numel: int, overlap: bool, group: Group, stores: dict, engine: CopyService,
-                 weights_off_device: Optional[ParamOffload], grads: GradCollector, outputs: Outputs, hooks: HookSet,
-                 param_groups: list[dict], settle: Callable[[], None], on_device_cuda: bool, spec: _Spec):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        layout: Layout,
+        *,
+        policy: Policy,
+        dtype: torch.dtype,
+        bucket_numel: int,
+        overlap: bool,
+        group: Group,
+        stores: dict,
+        engine: CopyService,
+        weights_off_device: Optional[ParamOffload],
+        grads: GradCollector,
+        outputs: Outputs,
+        hooks: HookSet,
+        param_groups: list[dict],
+        settle: Callable[[], None],
+        on_device_cuda: bool,
+        spec: _Spec,
+    ):
         """``settle``: lands an update still running in the background (overlap_step) before the
         layout changes."""
         self.layout, self.policy, self.dtype, self.bucket_numel = layout, policy, dtype, bucket_numel
@@ -102,8 +120,12 @@ class Trainable:
             self._unfreeze(new, grads_waiting)
         frozen = sorted(self._trained - now)
         if frozen:
-            log.info("tiermem: %d parameters were frozen; their optimizer state is kept, and they train again when "
-                     "unfrozen: %s", len(frozen), ", ".join(frozen[:5]))
+            log.info(
+                "tiermem: %d parameters were frozen; their optimizer state is kept, and they train again when "
+                "unfrozen: %s",
+                len(frozen),
+                ", ".join(frozen[:5]),
+            )
         self._flags, self._trained = flags, now
 
     def _same_on_every_rank(self, now: frozenset[str]) -> None:
@@ -112,23 +134,29 @@ class Trainable:
         h = float(xxhash.xxh3_64_intdigest(text.encode()) >> 12)  # 52 bits: exact in a double
         both = self.group.max_(torch.tensor([h, -h], dtype=torch.float64))
         if both[0].item() != -both[1].item():
-            raise TierMemError("tiermem: the ranks train different parameters (requires_grad, or the param groups "
-                               "of tm.optimizer, differ between them); freeze, unfreeze and add_param_group alike on "
-                               "every rank, at the same step")
+            raise TierMemError(
+                "tiermem: the ranks train different parameters (requires_grad, or the param groups "
+                "of tm.optimizer, differ between them); freeze, unfreeze and add_param_group alike on "
+                "every rank, at the same step"
+            )
 
     # -- unfreezing -----------------------------------------------------------------------------------
     def _unfreeze(self, new: list[tuple[str, torch.nn.Parameter]], grads_waiting: bool) -> None:
         names = [n for n, _ in new]
         shown = f"{names[:5]}{' and more' if len(names) > 5 else ''}"
         if grads_waiting:
-            raise TierMemError(f"tiermem: {shown} were unfrozen while gradients of earlier micro-batches wait for "
-                               f"tm.step(); unfreeze between steps (after tm.step(), before the next forward), or "
-                               f"freeze them again")
+            raise TierMemError(
+                f"tiermem: {shown} were unfrozen while gradients of earlier micro-batches wait for "
+                f"tm.step(); unfreeze between steps (after tm.step(), before the next forward), or "
+                f"freeze them again"
+            )
         if self.group.world > 1:
-            raise ConfigError(f"tiermem: {shown} were frozen when the TieredModel was built and are unfrozen now; "
-                              f"under data parallelism this version cannot add them to the sharded buckets: build "
-                              f"the model with them trainable and freeze them (requires_grad_(False)) before the "
-                              f"first step, then unfreeze them when their turn comes")
+            raise ConfigError(
+                f"tiermem: {shown} were frozen when the TieredModel was built and are unfrozen now; "
+                f"under data parallelism this version cannot add them to the sharded buckets: build "
+                f"the model with them trainable and freeze them (requires_grad_(False)) before the "
+                f"first step, then unfreeze them when their turn comes"
+            )
         self._unfreeze_checked(self._planned(new), names)
 
     def _planned(self, new: list[tuple[str, torch.nn.Parameter]]) -> list[Bucket]:
@@ -140,14 +168,20 @@ class Trainable:
             param_tier = homes_off.get(name, Tier.DEVICE)
             asked = checked_place(self.policy, _info(name, TensorClass.PARAM, p, self.dtype))
             if asked != param_tier:
-                raise ConfigError(f"tiermem: {name!r} was unfrozen; the policy now places its weights on {asked}, "
-                                  f"but they live on {param_tier}, where it placed them when the model was built; a "
-                                  f"policy must place a parameter's weights in one tier for the life of the model")
+                raise ConfigError(
+                    f"tiermem: {name!r} was unfrozen; the policy now places its weights on {asked}, "
+                    f"but they live on {param_tier}, where it placed them when the model was built; a "
+                    f"policy must place a parameter's weights in one tier for the life of the model"
+                )
             fmt = format_of(self.spec, p)
             grad_tier, state_tier = place_training_state(self.policy, name, p, param_tier, fmt, overlap=self.overlap)
             placed.append(Placed(name, p, grad_tier, state_tier, group_of[name], param_tier, fmt))
-        buckets = plan_buckets(placed, self.bucket_numel, first_index=len(self.layout.buckets),
-                               first_order=sum(len(b.slots) for b in self.layout.buckets))
+        buckets = plan_buckets(
+            placed,
+            self.bucket_numel,
+            first_index=len(self.layout.buckets),
+            first_order=sum(len(b.slots) for b in self.layout.buckets),
+        )
         need = footprint(buckets, [], self.dtype, overlap=self.overlap, nvme_staging=self.nvme_staging)
         for b in buckets:  # weights homed off the device are there already: the unfreeze reuses them
             if b.param_tier != Tier.DEVICE:
@@ -161,13 +195,20 @@ class Trainable:
         self.settle()  # overlap_step: the update in flight reads the homes this extends
         before = {tier: set(store.keys()) for tier, store in self.stores.items() if tier != Tier.NVME}
         try:
-            homes, step_buckets = make_homes(buckets, self.stores, self.engine, self.dtype, overlap=self.overlap,
-                                             weights_off_device=self.off_device, group=self.group)
+            homes, step_buckets = make_homes(
+                buckets,
+                self.stores,
+                self.engine,
+                self.dtype,
+                overlap=self.overlap,
+                weights_off_device=self.off_device,
+                group=self.group,
+            )
             for b in buckets:
                 state = homes.state[b.index]
                 master = state.initial_master(b)
                 for s in b.slots:
-                    master[s.offset:s.offset + s.numel].copy_(self.layout.frozen[s.name].reshape(-1))
+                    master[s.offset : s.offset + s.numel].copy_(self.layout.frozen[s.name].reshape(-1))
                 state.initialize(b)
                 homes.weights[b.index].initialize(b, master)
             for home in homes.state_homes():
@@ -186,9 +227,14 @@ class Trainable:
                 self.stores[Tier.DEVICE].delete(f"{s.name}:frozen")  # on the device: its working copy (or nothing)
                 self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
                 self._show_master(b, s, homes)
-        log.info("tiermem: %d parameters were unfrozen (%s, %s elements): their optimizer state is created and "
-                 "they train from this step, in %d new buckets", len(names), ", ".join(names[:5]),
-                 f"{sum(b.numel for b in buckets):,}", len(buckets))
+        log.info(
+            "tiermem: %d parameters were unfrozen (%s, %s elements): their optimizer state is created and "
+            "they train from this step, in %d new buckets",
+            len(names),
+            ", ".join(names[:5]),
+            f"{sum(b.numel for b in buckets):,}",
+            len(buckets),
+        )
 
     def _show_master(self, b: Bucket, s: Any, homes: Any) -> None:
         """``tm.optimizer``'s group shows the parameter's fp32 master now, not its frozen copy."""

@@ -10,6 +10,7 @@ Three cases, decided once per bucket from its homes:
   its previous transfer has finished. Host memory stays at 16 bytes per parameter plus two
   buckets of staging.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,9 @@ from tiermem.types import TensorClass, Tier
 class Outputs:
     """The buffers Adam writes new weights into, allocated once for the life of the model."""
 
-    def __init__(self, buckets: list[Bucket], homes: Homes, stores: dict, dtype: torch.dtype, *, overlap: bool,
-                 tracer: Tracer):
+    def __init__(
+        self, buckets: list[Bucket], homes: Homes, stores: dict, dtype: torch.dtype, *, overlap: bool, tracer: Tracer
+    ):
         self.homes, self.tracer, self.overlap = homes, tracer, overlap
         self.stores, self.dtype = stores, dtype
         self.param_out: dict[int, torch.Tensor] = {}
@@ -40,7 +42,8 @@ class Outputs:
         if self.overlap:  # the update runs while the next forward reads the old weights: one buffer per bucket
             for b in buckets:
                 self.param_out[b.index] = self.stores[self.homes.compute_tier(b)].allocate(
-                    f"{b.key}:param_out", (b.numel,), self.dtype, TensorClass.PARAM)
+                    f"{b.key}:param_out", (b.numel,), self.dtype, TensorClass.PARAM
+                )
             return
         for b in buckets:
             if self.homes.weights[b.index].in_place(b, self.homes.compute_tier(b)) is None:
@@ -50,8 +53,10 @@ class Outputs:
             have = self.staging.get(tier, [])
             if len(have) == count and all(t.numel() >= max(ns) for t in have):
                 continue
-            self.staging[tier] = [self.stores[tier].allocate(f"staging{i}:param", (max(ns),), self.dtype,
-                                                             TensorClass.PARAM) for i in range(count)]
+            self.staging[tier] = [
+                self.stores[tier].allocate(f"staging{i}:param", (max(ns),), self.dtype, TensorClass.PARAM)
+                for i in range(count)
+            ]
 
     def session(self) -> "Uploads":
         """The bookkeeping of one step's uploads."""
@@ -59,9 +64,13 @@ class Outputs:
 
     def land_background(self, plan: list[tuple[Bucket, Runs]]) -> None:
         """overlap_step: send home the weights a finished background update wrote."""
-        wait_all([h for b, runs in plan
-                  for h in self.homes.weights[b.index].write(b, self.param_out[b.index], runs,
-                                                             self.homes.compute_tier(b))])
+        wait_all(
+            [
+                h
+                for b, runs in plan
+                for h in self.homes.weights[b.index].write(b, self.param_out[b.index], runs, self.homes.compute_tier(b))
+            ]
+        )
 
 
 class Uploads:
@@ -85,14 +94,13 @@ class Uploads:
         with self.o.tracer.span("wait staging", "stall"):
             wait_all(self.inflight.pop(which, ()))  # ordering: its last upload has left the buffer
         self._current = which
-        return self.o.staging[tier][which[1]][:b.numel]
+        return self.o.staging[tier][which[1]][: b.numel]
 
     def done(self, b: Bucket, out: torch.Tensor, runs: Runs) -> None:
         """Adam wrote ``out`` (from :meth:`target`): send it home, overlapping the next bucket."""
         if self.o.overlap or self._current is None:
             return
-        self.inflight[self._current] = self.o.homes.weights[b.index].write(b, out, runs,
-                                                                           self.o.homes.compute_tier(b))
+        self.inflight[self._current] = self.o.homes.weights[b.index].write(b, out, runs, self.o.homes.compute_tier(b))
         self.turn += 1
 
     def finish(self, quiet: bool = False) -> None:

@@ -13,6 +13,7 @@ whole buckets from every rank's chunk (NOTE [Weights sharded over the ranks] in
   another weight on one rank) stop at once with an error that names both, instead of mixing two
   buckets' bytes or hanging until the group's timeout.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,16 +63,21 @@ class ShardHome(ABC):
 class MemoryShards(ShardHome):
     """Chunks in buffers of a memory tier (the device's: ``shard_weights=True``; the host's)."""
 
-    def __init__(self, store, engine: CopyService, buckets: Sequence[Bucket], sizes: dict[int, int],
-                 dtype: torch.dtype):
+    def __init__(
+        self, store, engine: CopyService, buckets: Sequence[Bucket], sizes: dict[int, int], dtype: torch.dtype
+    ):
         self.tier, self.engine = store.tier, engine
-        self._chunk = {b.index: store.allocate(shard_key(b), (sizes[b.index],), dtype, TensorClass.PARAM)
-                       for b in buckets}
+        self._chunk = {
+            b.index: store.allocate(shard_key(b), (sizes[b.index],), dtype, TensorClass.PARAM) for b in buckets
+        }
 
     def write(self, b: Bucket, src: torch.Tensor, src_tier: Tier) -> list[Handle]:
         chunk = self._chunk[b.index]
-        return [self.engine.copy_async(chunk, src[:chunk.numel()], src_tier=src_tier, dst_tier=self.tier,
-                                       kind=TensorClass.PARAM)]
+        return [
+            self.engine.copy_async(
+                chunk, src[: chunk.numel()], src_tier=src_tier, dst_tier=self.tier, kind=TensorClass.PARAM
+            )
+        ]
 
     def read(self, b: Bucket) -> tuple[torch.Tensor, Callable[[], None]]:
         return self._chunk[b.index], _nothing
@@ -118,7 +124,7 @@ class MasterShards(ShardHome):
         return buf, lambda: self.store.delete(key)
 
     def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
-        return self._scratch[:self.sizes[b.index]] if compute_tier == self.tier else None
+        return self._scratch[: self.sizes[b.index]] if compute_tier == self.tier else None
 
 
 class NvmeShards(ShardHome):
@@ -130,10 +136,11 @@ class NvmeShards(ShardHome):
         self.engine, self.sizes, self.dtype = engine, sizes, dtype
 
     def write(self, b: Bucket, src: torch.Tensor, src_tier: Tier) -> list[Handle]:
-        src = src[:self.sizes[b.index]]
+        src = src[: self.sizes[b.index]]
         if src.dtype != self.dtype:  # an fp32 master (a checkpoint, the first weights): rounded, written, waited
-            self.engine.store_write(Tier.NVME, shard_key(b), src.to(self.dtype), src_tier=src_tier,
-                                    kind=TensorClass.PARAM).wait()
+            self.engine.store_write(
+                Tier.NVME, shard_key(b), src.to(self.dtype), src_tier=src_tier, kind=TensorClass.PARAM
+            ).wait()
             return []
         return [self.engine.store_write(Tier.NVME, shard_key(b), src, src_tier=src_tier, kind=TensorClass.PARAM)]
 
@@ -191,7 +198,8 @@ class Gatherer:
                 f"tiermem: rank {rank} of {self.headers.world}: the ranks are out of step on their sharded "
                 f"weights: {said}. Every rank must read the same weights in the same order (a branch that depends "
                 f"on the data or the rank reads another weight on some ranks?): read the same weights on every "
-                f"rank, or place PARAM on the device without shard_weights (NOTE [Weights sharded over the ranks])")
+                f"rank, or place PARAM on the device without shard_weights (NOTE [Weights sharded over the ranks])"
+            )
 
     def _what(self, h: list[int]) -> str:
         if h[0] == END:

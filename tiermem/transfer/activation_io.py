@@ -35,6 +35,7 @@ requests, never across a wait or a device reservation (a full device ledger may 
 waits on the lanes); it is reentrant because a GC pass may retire a record on a thread that holds
 it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -79,8 +80,21 @@ class Record:
     """One offloaded storage (every saved view of it shares the record); see NOTE [Activation
     lifecycle]. Bytes move as they lie in the storage, so views come back exactly as they were."""
 
-    __slots__ = ("n", "tier", "index", "nbytes", "key", "back_key", "nvme_key", "device", "lease", "stored",
-                 "fetch", "keep", "retired")
+    __slots__ = (
+        "n",
+        "tier",
+        "index",
+        "nbytes",
+        "key",
+        "back_key",
+        "nvme_key",
+        "device",
+        "lease",
+        "stored",
+        "fetch",
+        "keep",
+        "retired",
+    )
 
     def __init__(self, n: int, tier: Tier, nbytes: int, index: int, prefix: str):
         self.n, self.tier, self.index, self.nbytes = n, tier, index, nbytes
@@ -130,8 +144,9 @@ class ActivationMover:
             rec.stored = landed
         else:  # the leased buffer was staging: to NVMe once the copy landed, then back to the pool
             write, key = self.engine.store_write, rec.nvme_key
-            rec.stored = self.engine.chain(landed, lambda: write(Tier.NVME, key, host, kind=_ACT),
-                                           cleanup=lease.release)
+            rec.stored = self.engine.chain(
+                landed, lambda: write(Tier.NVME, key, host, kind=_ACT), cleanup=lease.release
+            )
         return rec
 
     def _landed(self, rec: Record) -> None:
@@ -197,8 +212,9 @@ class ActivationMover:
         assert rec.stored is not None, "brought back before it was sent"
         if staging is None:
             assert rec.lease is not None, "on the host: it has its buffer there"
-            return self.engine.copy_async(out, rec.lease.view(), src_tier=Tier.HOST, dst_tier=Tier.DEVICE,
-                                          kind=_ACT, after=rec.stored)
+            return self.engine.copy_async(
+                out, rec.lease.view(), src_tier=Tier.HOST, dst_tier=Tier.DEVICE, kind=_ACT, after=rec.stored
+            )
         host, store_read, key = staging.view(), self.engine.store_read, rec.nvme_key
         read = self.engine.chain(rec.stored, lambda: store_read(Tier.NVME, key, host, kind=_ACT))
         copy = self.engine.copy_async(out, host, src_tier=Tier.HOST, dst_tier=Tier.DEVICE, kind=_ACT, after=read)
@@ -253,6 +269,7 @@ class ActivationMover:
                     log.warning("tiermem: could not delete offloaded activation %r: %s", key, e)
                 except RuntimeError as e:  # the interpreter is exiting: the store's threads are gone
                     log.debug("tiermem: offloaded activation %r left on disk: %s", key, e)
+
         self.engine.run_async(delete, name="delete activations")
 
     # -- helpers --------------------------------------------------------------------------------
@@ -261,9 +278,14 @@ class ActivationMover:
             return self.engine.lease(nbytes, key, _ACT)
         except OutOfTierMemory as e:
             raise OutOfTierMemory(
-                tier=e.tier, key="an offloaded activation", asked=nbytes, used=e.used, allowed=e.allowed,
+                tier=e.tier,
+                key="an offloaded activation",
+                asked=nbytes,
+                used=e.used,
+                allowed=e.allowed,
                 hint="raise Budgets(host=...), raise ActivationOffload's min_bytes so fewer activations "
-                     "move, or send them to Tier.NVME") from None
+                "move, or send them to Tier.NVME",
+            ) from None
 
 
 def reserve_device(ledger: Ledger, key: str, nbytes: int, what: str) -> None:
@@ -277,7 +299,8 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
-def view_of(data: torch.Tensor, dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...], offset: int
-            ) -> torch.Tensor:
+def view_of(
+    data: torch.Tensor, dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...], offset: int
+) -> torch.Tensor:
     """A tensor of ``dtype`` laid over the bytes of ``data`` as a saved view lay over its storage."""
     return torch.empty(0, dtype=dtype, device=data.device).set_(data.untyped_storage(), offset, size, stride)

@@ -17,6 +17,7 @@ wraps a ``torch.distributed`` process group (gloo on the CPU, NCCL on GPUs), cou
 each collective sends and receives, and turns a failed or timed-out collective into a
 ``tiermem:`` error that names the operation and the ranks.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -80,7 +81,7 @@ class Group:
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor) -> None:
         """``out`` (``size`` elements) = this rank's chunk of the mean over ranks of ``full``
         (``padded`` elements)."""
-        out.copy_(full[:out.numel()])
+        out.copy_(full[: out.numel()])
 
     def reduce_scatter_mean_async(self, out: torch.Tensor, full: torch.Tensor) -> "Pending":
         """:meth:`reduce_scatter_mean` started; ``.wait()`` finishes it (``full`` and ``out`` stay
@@ -90,7 +91,7 @@ class Group:
 
     def all_gather(self, full: torch.Tensor, mine: torch.Tensor) -> None:
         """``full`` (``padded`` elements) = every rank's ``mine`` (``size`` elements), in rank order."""
-        full[:mine.numel()].copy_(mine)
+        full[: mine.numel()].copy_(mine)
 
     def all_gather_async(self, full: torch.Tensor, mine: torch.Tensor) -> "Pending":
         """:meth:`all_gather` started; ``.wait()`` finishes it."""
@@ -157,8 +158,9 @@ class Pending:
     """A collective in flight: ``wait()`` blocks until it is done, then runs its finishing step
     and returns what that gave (every later ``wait()`` returns it again)."""
 
-    def __init__(self, wait: Optional[Callable[[], object]], finish: Callable[[], Any],
-                 done: Optional[Callable[[], bool]] = None):
+    def __init__(
+        self, wait: Optional[Callable[[], object]], finish: Callable[[], Any], done: Optional[Callable[[], bool]] = None
+    ):
         self._wait, self._finish, self._done, self._value = wait, finish, False, None
         self._ready = done  # whether ``wait()`` would return at once (None: it always would)
 
@@ -186,13 +188,15 @@ class Distributed(Group):
 
     def __init__(self, pg: Any = None, *, timeout: Optional[float] = None, tracer: Optional[Tracer] = None):
         import torch.distributed as dist  # imported only when a process group exists
+
         self.dist, self.pg, self.tracer = dist, pg, tracer
         # torch 2.13 renamed the flat-tensor collectives; older versions have only the first names
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl"
-                       else torch.device("cpu"))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
+        )
         self._timeout_s = timeout
         self.timeout = None if timeout is None else timedelta(seconds=timeout)
         self._sent = 0
@@ -211,8 +215,10 @@ class Distributed(Group):
 
     def _failed(self, op: str, e: BaseException) -> TierMemError:
         first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-        return TierMemError(f"tiermem: rank {self.rank} of {self.world}: {op} failed ({type(e).__name__}: {first}); "
-                            f"another rank probably stopped or raised: see its error")
+        return TierMemError(
+            f"tiermem: rank {self.rank} of {self.world}: {op} failed ({type(e).__name__}: {first}); "
+            f"another rank probably stopped or raised: see its error"
+        )
 
     def _run(self, op: str, fn: Callable[[], Any], nbytes: int) -> None:
         t0 = time.perf_counter()
@@ -240,8 +246,11 @@ class Distributed(Group):
         return self._in_place("all_reduce(sum)", t, lambda x: self.dist.all_reduce(x, group=self.pg, async_op=True))
 
     def max_(self, t: torch.Tensor) -> torch.Tensor:
-        return self._in_place("all_reduce(max)", t, lambda x: self.dist.all_reduce(
-            x, op=self.dist.ReduceOp.MAX, group=self.pg, async_op=True))
+        return self._in_place(
+            "all_reduce(max)",
+            t,
+            lambda x: self.dist.all_reduce(x, op=self.dist.ReduceOp.MAX, group=self.pg, async_op=True),
+        )
 
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
         src = self.dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
@@ -252,13 +261,15 @@ class Distributed(Group):
 
     def reduce_scatter_mean_async(self, out: torch.Tensor, full: torch.Tensor) -> Pending:
         full_here, out_here = self._here(full), self._here(out)
-        work = self._call("reduce_scatter", lambda: self._reduce_scatter(out_here, full_here, group=self.pg,
-                                                                        async_op=True))
+        work = self._call(
+            "reduce_scatter", lambda: self._reduce_scatter(out_here, full_here, group=self.pg, async_op=True)
+        )
 
         def finish() -> None:
             out_here.div_(self.world)  # gloo has no AVG; dividing by a power of two is exact
             if out_here is not out:
                 out.copy_(out_here)
+
         return Pending(lambda: self._run("reduce_scatter", lambda: work, full.nbytes), finish)
 
     def all_ok(self, ok: bool) -> bool:
@@ -276,14 +287,18 @@ class Distributed(Group):
         def finish() -> None:
             if full_here is not full:
                 full.copy_(full_here)
+
         return Pending(lambda: self._run("all_gather", lambda: work, mine.nbytes * self.world), finish)
 
     def exchange_async(self, header: Sequence[int]) -> Pending:
         mine = self._here(torch.tensor(list(header), dtype=torch.int64))
         every = torch.empty(self.world * mine.numel(), dtype=torch.int64, device=mine.device)
         work = self._call("all_gather(header)", lambda: self._all_gather(every, mine, group=self.pg, async_op=True))
-        return Pending(lambda: self._run("all_gather(header)", lambda: work, mine.nbytes * self.world),
-                       lambda: every.view(self.world, -1).tolist(), done=work.is_completed)
+        return Pending(
+            lambda: self._run("all_gather(header)", lambda: work, mine.nbytes * self.world),
+            lambda: every.view(self.world, -1).tolist(),
+            done=work.is_completed,
+        )
 
     def agree(self, got: set[str], names: Sequence[str]) -> set[str]:
         mask = self.max_(torch.tensor([float(name in got) for name in names]))
@@ -299,8 +314,10 @@ class Distributed(Group):
         self._run("all_gather_object", lambda: self.dist.all_gather_object(prints, fingerprint, group=self.pg), 0)
         differ = [r for r, p in enumerate(prints) if p != prints[0]]
         if differ:
-            raise ConfigError(f"tiermem: ranks {differ} built a different {what} from rank 0 (fingerprints "
-                              f"{sorted(set(map(str, prints)))}); give every rank the same model, policy and options")
+            raise ConfigError(
+                f"tiermem: ranks {differ} built a different {what} from rank 0 (fingerprints "
+                f"{sorted(set(map(str, prints)))}); give every rank the same model, policy and options"
+            )
 
     def bytes_sent(self) -> int:
         with self._lock:
@@ -327,6 +344,7 @@ class Distributed(Group):
         """Named by the global rank (rank in the default group), unique across every group and node
         (a rank of ``pg`` may be rank 0 of another group too)."""
         import os
+
         return os.path.join(directory, f"rank{self.dist.get_rank()}")
 
 
@@ -337,15 +355,21 @@ def resolve_group(process_group: Any, *, timeout: Optional[float] = None, tracer
         return Solo()
     if process_group is None:
         import sys
+
         loaded = sys.modules.get("torch.distributed")  # never imported here: no cost without it
         if loaded is None or not loaded.is_available() or not loaded.is_initialized():
             return Solo()
         return Distributed(None, timeout=timeout, tracer=tracer) if loaded.get_world_size() > 1 else Solo()
     import torch.distributed as dist
+
     if not dist.is_initialized():
-        raise ConfigError("tiermem: process_group= was given but torch.distributed is not initialized; call "
-                          "torch.distributed.init_process_group(...) first, or pass process_group=False")
-    return Distributed(process_group, timeout=timeout, tracer=tracer) if dist.get_world_size(process_group) > 1 else Solo()
+        raise ConfigError(
+            "tiermem: process_group= was given but torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group(...) first, or pass process_group=False"
+        )
+    return (
+        Distributed(process_group, timeout=timeout, tracer=tracer) if dist.get_world_size(process_group) > 1 else Solo()
+    )
 
 
 def fingerprint(parts: Sequence[object]) -> str:

@@ -5,6 +5,7 @@ completion thread behind the copy (off the copy's critical path), host->device o
 it, through pooled staging (one buffer per request); an add into device memory runs on the side stream. Only
 :class:`~tiermem.transfer.engine.TransferEngine` uses this module.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,14 +33,30 @@ class Copies:
     def __init__(self, lanes: Lanes, stats: TransferStats, lease: Callable[[int, str], Lease]):
         self.lanes, self.stats, self.lease = lanes, stats, lease
 
-    def one(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready: Ready, accumulate: bool, src_tier: Tier,
-            dst_tier: Tier, kind: Optional[TensorClass]) -> IssueResult:
+    def one(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        lane: str,
+        ready: Ready,
+        accumulate: bool,
+        src_tier: Tier,
+        dst_tier: Tier,
+        kind: Optional[TensorClass],
+    ) -> IssueResult:
         """One copy_async request (NOTE [Issued, then done])."""
         gpu, _, finish = self.many([(dst, src, accumulate)], lane, ready, src_tier, dst_tier, kind)
         return gpu, dst, finish
 
-    def many(self, copies: Sequence[Copy], lane: str, ready: Ready, src_tier: Tier, dst_tier: Tier,
-             kind: Optional[TensorClass]) -> IssueResult:
+    def many(
+        self,
+        copies: Sequence[Copy],
+        lane: str,
+        ready: Ready,
+        src_tier: Tier,
+        dst_tier: Tier,
+        kind: Optional[TensorClass],
+    ) -> IssueResult:
         """Issue copy requests on their lane, in order (NOTE [Issued, then done]); returns the GPU
         work that completes them all, and what is left for once it is done. The copies that go
         through host staging share one pooled buffer, leased for the whole request."""
@@ -47,8 +64,15 @@ class Copies:
         with lazy_span(lambda: f"copy {kind or 'tensor'} {src_tier}->{dst_tier}"):
             return self._many(copies, lane, ready, src_tier, dst_tier, kind)
 
-    def _many(self, copies: Sequence[Copy], lane: str, ready: Ready, src_tier: Tier, dst_tier: Tier,
-              kind: Optional[TensorClass]) -> IssueResult:
+    def _many(
+        self,
+        copies: Sequence[Copy],
+        lane: str,
+        ready: Ready,
+        src_tier: Tier,
+        dst_tier: Tier,
+        kind: Optional[TensorClass],
+    ) -> IssueResult:
         t0 = time.perf_counter()
         works: list[GpuWork] = []
         tails: list[Callable[[], None]] = []
@@ -67,6 +91,7 @@ class Copies:
                     lease.release()
             if error is not None:
                 raise error
+
         try:
             for (dst, src, accumulate), piece in zip(copies, pieces):
                 gpu, tail = self._issue(dst, src, lane, ready, accumulate, piece)
@@ -82,7 +107,9 @@ class Copies:
         nbytes = sum(src.numel() * src.element_size() for _, src, _ in copies)
         last = works[-1] if works else None
 
-        def finish(_held: object = copies) -> None:  # the caller may drop the sources: they live until the copies are done
+        def finish(
+            _held: object = copies,
+        ) -> None:  # the caller may drop the sources: they live until the copies are done
             try:
                 if last is not None:
                     last.wait()  # one stream, in order: the last done means all done
@@ -91,8 +118,15 @@ class Copies:
                 self.stats.count(src_tier, dst_tier, t0=t0)
                 raise
             # on a GPU busy for the copies' own time on their stream, elsewhere from t0 until now
-            self.stats.count(src_tier, dst_tier, t0=t0, seconds=sum(w.seconds() for w in works) if works else None,
-                             nbytes=nbytes, kind=kind)
+            self.stats.count(
+                src_tier,
+                dst_tier,
+                t0=t0,
+                seconds=sum(w.seconds() for w in works) if works else None,
+                nbytes=nbytes,
+                kind=kind,
+            )
+
         return last, None, finish
 
     def _staging(self, copies: Sequence[Copy], lane: str) -> tuple[list[Optional[torch.Tensor]], Optional[Lease]]:
@@ -109,10 +143,17 @@ class Copies:
             return [None] * len(copies), None
         lease = self.lease(total, f"<staging {id(copies)}>")
         buf = lease.view()
-        return [buf[a:a + n] if n else None for a, n in zip(starts, sizes)], lease
+        return [buf[a : a + n] if n else None for a, n in zip(starts, sizes)], lease
 
-    def _issue(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready: Ready, accumulate: bool,
-               piece: Optional[torch.Tensor]) -> tuple[Optional[GpuWork], Optional[Callable[[], None]]]:
+    def _issue(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        lane: str,
+        ready: Ready,
+        accumulate: bool,
+        piece: Optional[torch.Tensor],
+    ) -> tuple[Optional[GpuWork], Optional[Callable[[], None]]]:
         """Queue ``dst <- src`` (or ``dst += src``) on ``lane``, through ``piece`` of host staging
         where :func:`_staged_bytes` says so; returns the GPU work and the host work left for once
         it is done (both None when nothing is left: the CPU)."""
@@ -127,12 +168,15 @@ class Copies:
 
             def land() -> None:
                 (dst.add_(staged) if accumulate else dst.copy_(staged))
+
             return gpu, land
         if accumulate:  # host -> device, added there: through a device temporary of src's dtype
+
             def add() -> None:
                 tmp = torch.empty(src.shape, dtype=src.dtype, device=dst.device)  # on the side stream
                 tmp.copy_(src, non_blocking=True)
                 dst.add_(tmp)
+
             return self.lanes.on_stream(lane, ready, add, (dst,)), None
         if piece is None:
             return self.lanes.memcpy(dst, src, lane, ready), None

@@ -28,6 +28,7 @@ of the thread it runs on. A copy that must follow a request is ``copy_async(...,
 which records the ordering against the caller's stream at the call and joins its lane once
 ``after`` succeeded.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,8 +58,9 @@ class TransferEngine:
     (register a tensor, move it by key) is :class:`~tiermem.transfer.residency.KeyedResidency`,
     built on this."""
 
-    def __init__(self, stores: Mapping[Tier, Store], *, device: torch.device | str | None = None,
-                 tracer: Optional[Tracer] = None):
+    def __init__(
+        self, stores: Mapping[Tier, Store], *, device: torch.device | str | None = None, tracer: Optional[Tracer] = None
+    ):
         self.stores = dict(stores)
         self.tracer = tracer
         dev_store = self.stores.get(Tier.DEVICE)
@@ -69,8 +71,17 @@ class TransferEngine:
         self._closed = False
 
     # -- requests ---------------------------------------------------------------------------------
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, *, src_tier: Tier, dst_tier: Tier,
-                   accumulate: bool = False, kind: Optional[TensorClass] = None, after: Optional[Handle] = None) -> Handle:
+    def copy_async(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        src_tier: Tier,
+        dst_tier: Tier,
+        accumulate: bool = False,
+        kind: Optional[TensorClass] = None,
+        after: Optional[Handle] = None,
+    ) -> Handle:
         """Copy ``src`` into ``dst`` (or add it, when ``accumulate``), converting dtype as needed.
 
         Requests between two different tiers run on that direction's lane, in the order made;
@@ -82,8 +93,10 @@ class TransferEngine:
         """
         if src_tier == dst_tier:
             if after is not None:
-                raise TierMemError(f"tiermem: copy_async(after=...) chains copies between two tiers, "
-                                   f"not within {src_tier}; wait for the request first")
+                raise TierMemError(
+                    f"tiermem: copy_async(after=...) chains copies between two tiers, "
+                    f"not within {src_tier}; wait for the request first"
+                )
             (dst.add_(src) if accumulate else dst.copy_(src))
             self.stats.count(src_tier, dst_tier, nbytes=src.numel() * src.element_size(), kind=kind)
             return Handle.completed(dst)
@@ -93,15 +106,24 @@ class TransferEngine:
         ready = self.ready()
 
         def issue() -> Handle:
-            return self.lanes.request(lane, lambda: self._copies.one(dst, src, lane, ready, accumulate, src_tier,
-                                                                      dst_tier, kind),
-                                      self.stats.stall_sink(dst_tier))
+            return self.lanes.request(
+                lane,
+                lambda: self._copies.one(dst, src, lane, ready, accumulate, src_tier, dst_tier, kind),
+                self.stats.stall_sink(dst_tier),
+            )
+
         if after is None or after.succeeded():  # nothing to wait for: issue it now
             return issue()
         return self.chain(after, issue, stall=dst_tier)
 
-    def copy_many(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor, bool]], *, src_tier: Tier,
-                  dst_tier: Tier, kind: Optional[TensorClass] = None) -> Handle:
+    def copy_many(
+        self,
+        copies: Sequence[tuple[torch.Tensor, torch.Tensor, bool]],
+        *,
+        src_tier: Tier,
+        dst_tier: Tier,
+        kind: Optional[TensorClass] = None,
+    ) -> Handle:
         """Several :meth:`copy_async` requests, ``(dst, src, accumulate)`` each, as one: one turn
         of the lane and one completion for all (a bucket's gradients), done in the order given.
         Within one tier they run on the caller's thread."""
@@ -112,11 +134,15 @@ class TransferEngine:
         lane = "d2h" if src_tier == Tier.DEVICE else "h2d"
         ready = self.ready()  # ordering: after what the caller's stream queued (NOTE [Chained requests])
         copies = list(copies)
-        return self.lanes.request(lane, lambda: self._copies.many(copies, lane, ready, src_tier, dst_tier, kind),
-                                  self.stats.stall_sink(dst_tier))
+        return self.lanes.request(
+            lane,
+            lambda: self._copies.many(copies, lane, ready, src_tier, dst_tier, kind),
+            self.stats.stall_sink(dst_tier),
+        )
 
-    def store_write(self, tier: Tier, key: str, src: torch.Tensor, *, src_tier: Tier = Tier.HOST,
-                    kind: Optional[TensorClass] = None) -> Handle:
+    def store_write(
+        self, tier: Tier, key: str, src: torch.Tensor, *, src_tier: Tier = Tier.HOST, kind: Optional[TensorClass] = None
+    ) -> Handle:
         """Write ``src`` (a buffer on ``src_tier``) to ``tier``'s store under ``key`` without
         registry bookkeeping (for buffers the caller manages, e.g. streamed optimizer state);
         bytes, busy time and stalls are counted like any other move."""
@@ -124,8 +150,9 @@ class TransferEngine:
         self.landed(tier, src)
         return self.observe(h, src_tier, tier, src, kind)
 
-    def store_read(self, tier: Tier, key: str, out: torch.Tensor, *, dst_tier: Tier = Tier.HOST,
-                   kind: Optional[TensorClass] = None) -> Handle:
+    def store_read(
+        self, tier: Tier, key: str, out: torch.Tensor, *, dst_tier: Tier = Tier.HOST, kind: Optional[TensorClass] = None
+    ) -> Handle:
         """Read ``key`` from ``tier``'s store into ``out`` (a buffer on ``dst_tier``)."""
         h = self.store(tier).read(key, out)
         self.landed(tier, out)
@@ -145,6 +172,7 @@ class TransferEngine:
         def done(f: Future[Any]) -> None:
             if f.exception() is None:
                 self.stats.count(src, dst, t0=t0, nbytes=nbytes, kind=kind)
+
         h.add_done_callback(done)
         return h.observed(self.stats.stall_sink(dst))
 
@@ -155,6 +183,7 @@ class TransferEngine:
         runs on the lane's own stream, after what the caller's stream has queued so far; the
         handle completes once what ``fn`` queued there is done, and a GPU consumer may
         :meth:`join` it as soon as ``fn`` returned."""
+
         def timed() -> object:
             t0 = time.perf_counter()
             try:
@@ -162,6 +191,7 @@ class TransferEngine:
             finally:
                 if self.tracer is not None:
                     self.tracer.add(name, "compute", t0, time.perf_counter())
+
         return self.lanes.run(lane, timed, self.stats.stall_sink(Tier.HOST))
 
     def join(self, handle: Handle) -> Any:
@@ -191,8 +221,14 @@ class TransferEngine:
         chain on it runs ``then`` on that lane, before the lane takes its next request."""
         return Handle(self.lanes.behind(lane), on_stall=self.stats.stall_sink(Tier.HOST))
 
-    def chain(self, first: Union[Handle, Sequence[Handle]], then: Optional[Callable[[], Any]] = None, *,
-              cleanup: Optional[Callable[[], None]] = None, stall: Tier = Tier.HOST) -> Handle:
+    def chain(
+        self,
+        first: Union[Handle, Sequence[Handle]],
+        then: Optional[Callable[[], Any]] = None,
+        *,
+        cleanup: Optional[Callable[[], None]] = None,
+        stall: Tier = Tier.HOST,
+    ) -> Handle:
         """One handle for "``then()`` once ``first`` has finished" (NOTE [Chained requests]).
 
         ``first``: a handle, or several (the chain starts when all are done; the first error in
@@ -221,8 +257,11 @@ class TransferEngine:
         try:
             return self.stores[tier]
         except KeyError:
-            fix = ("pass nvme_dir=... to place tensors on NVMe" if tier == Tier.NVME else
-                   f"build the engine with a store for {tier}")
+            fix = (
+                "pass nvme_dir=... to place tensors on NVMe"
+                if tier == Tier.NVME
+                else f"build the engine with a store for {tier}"
+            )
             raise TierMemError(f"tiermem: no {tier} store is configured; {fix}") from None
 
     def ready(self) -> Optional[torch.cuda.Event]:
@@ -237,4 +276,3 @@ class TransferEngine:
             done = event()
             done.record(torch.cuda.current_stream(self.device))
             done.synchronize()  # ordering: the store's handle is done, so the bytes have landed
-

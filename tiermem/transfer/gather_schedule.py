@@ -23,6 +23,7 @@ So at any time the gathered buckets are the held ones plus at most ``ahead`` byt
 :meth:`GatherSchedule.free_all` (new weights are about to be written) frees every unheld bucket;
 :meth:`GatherSchedule.end_iteration` turns the iteration's accesses into the next trace.
 """
+
 from __future__ import annotations
 
 from collections import Counter, OrderedDict

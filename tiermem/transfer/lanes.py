@@ -30,6 +30,7 @@ issues on ``cuda:N`` never creates a context on GPU 0. On the CPU the lanes do e
 themselves and a request is issued and done at once, so every path but the stream calls runs on
 a machine without an accelerator.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -88,13 +89,25 @@ class Lanes:
         if self.cuda:
             index = device.index if device.index is not None else torch.cuda.current_device()
             init = lambda: torch.cuda.set_device(index)  # noqa: E731 - lanes run on the model's device
-        self.pools = {name: ThreadPoolExecutor(NVME_THREADS if name == "nvme" else 1,
-                                               thread_name_prefix=f"tiermem-{name}", initializer=init)
-                      for name in LANES}
-        self.done = ({name: ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-{name}-done", initializer=init)
-                      for name in DONE_LANES} if self.cuda else {})
-        self.streams = ({name: torch.cuda.Stream(device) for name in STREAM_LANES}  # type: ignore[no-untyped-call]
-                        if self.cuda else {})
+        self.pools = {
+            name: ThreadPoolExecutor(
+                NVME_THREADS if name == "nvme" else 1, thread_name_prefix=f"tiermem-{name}", initializer=init
+            )
+            for name in LANES
+        }
+        self.done = (
+            {
+                name: ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-{name}-done", initializer=init)
+                for name in DONE_LANES
+            }
+            if self.cuda
+            else {}
+        )
+        self.streams = (
+            {name: torch.cuda.Stream(device) for name in STREAM_LANES}  # type: ignore[no-untyped-call]
+            if self.cuda
+            else {}
+        )
 
     # -- ordering against the caller ------------------------------------------------------------
     def ready(self) -> Optional[torch.cuda.Event]:
@@ -106,8 +119,9 @@ class Lanes:
         ready.record(torch.cuda.current_stream(self.device))
         return ready
 
-    def on_stream(self, lane: str, ready: Optional[torch.cuda.Event], op: Callable[[], None],
-                  tensors: Iterable[torch.Tensor] = ()) -> Optional[GpuWork]:
+    def on_stream(
+        self, lane: str, ready: Optional[torch.cuda.Event], op: Callable[[], None], tensors: Iterable[torch.Tensor] = ()
+    ) -> Optional[GpuWork]:
         """Run ``op`` (which queues GPU work) on ``lane``'s side stream after ``ready``; the CUDA
         ``tensors`` it touches are marked used by that stream. Returns the work (None on the CPU,
         where ``op`` ran to the end)."""
@@ -130,8 +144,10 @@ class Lanes:
 
     def memcpy(self, dst: torch.Tensor, src: torch.Tensor, lane: str, ready: Ready) -> Optional[GpuWork]:
         """``dst.copy_(src)`` on ``lane``'s stream after ``ready`` (NOTE [Issued, then done])."""
+
         def copy() -> None:
             dst.copy_(src, non_blocking=True)
+
         return self.on_stream(lane, ready, copy, (src, dst))
 
     # -- requests ---------------------------------------------------------------------------------
@@ -157,6 +173,7 @@ class Lanes:
                 _settle(future, value, finish)
             else:
                 done.submit(_settle, future, value, finish, lane)
+
         self.pools[lane].submit(job)
         return Handle(future, on_stall=on_stall, issued=issued)
 
@@ -184,6 +201,7 @@ class Lanes:
             issued.set(done, value)
             done.synchronize()  # the handle completes once fn's GPU work is done
             return value
+
         return Handle(self.pools[lane].submit(job), on_stall=on_stall, issued=issued)
 
     def behind(self, lane: str) -> Future[Any]:
@@ -196,6 +214,7 @@ class Lanes:
                 future.set_result(None)
             else:  # the completion thread takes requests in the lane's order
                 done.submit(future.set_result, None)
+
         self.pools[lane].submit(job)
         return future
 
@@ -222,4 +241,3 @@ def _settle(future: Future[Any], value: Any, finish: Optional[Callable[[], None]
         future.set_exception(e)
         return
     future.set_result(value)
-

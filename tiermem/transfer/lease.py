@@ -7,6 +7,7 @@ from ``TransferEngine.lease`` and releases it on every path: as a ``with`` block
 ``cleanup`` of a chain (``TransferEngine.chain``), which runs before the chain's handle
 completes, so whoever waits on the chain finds the buffer back in the pool.
 """
+
 from __future__ import annotations
 
 import threading
@@ -36,7 +37,7 @@ class Lease:
         """The first ``nbytes`` of the buffer as ``dtype``: flat, or in ``shape``."""
         base = self._base
         assert base is not None, f"{self.key!r}: lease viewed after its release"
-        t = base[:self.nbytes]
+        t = base[: self.nbytes]
         t = t if dtype is torch.uint8 else t.view(dtype)
         return t if shape is None else t.view(tuple(shape))
 

@@ -12,6 +12,7 @@ fails at the call with :class:`~tiermem.errors.OutOfTierMemory`, before anything
 the copy then runs on its lane ("nvme" when a leg is on NVMe, else the direction's), and the
 registry learns of it once it has landed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,6 +31,7 @@ from tiermem.memory.resident import MemoryStore, nbytes_of
 from tiermem.transfer.engine import TransferEngine
 from tiermem.transfer.lanes import GpuWork, IssueResult, Ready
 from tiermem.types import TensorInfo, Tier
+
 
 class KeyedResidency:
     """Moves registered tensors between tiers asynchronously and keeps the registry truthful."""
@@ -50,8 +52,15 @@ class KeyedResidency:
             self.engine.store(home)  # fail now if the policy named a tier this engine has no store for
         return self.registry.register(info, home)
 
-    def put(self, key: str, tensor: torch.Tensor, tier: Optional[Tier] = None, *,
-            src_tier: Optional[Tier] = None, wait: bool = True) -> Handle:
+    def put(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        tier: Optional[Tier] = None,
+        *,
+        src_tier: Optional[Tier] = None,
+        wait: bool = True,
+    ) -> Handle:
         """Store ``tensor`` as the newest value of ``key`` on ``tier`` (default: its home); every
         other copy is dropped. ``src_tier`` (where ``tensor`` lives) counts the bytes as moved.
         With ``wait=False`` the write may still be running when this returns: keep ``tensor``
@@ -105,8 +114,10 @@ class KeyedResidency:
             self.store(tier).delete(key)
             return Handle.completed(None)
         if tier == r.home:
-            raise TierMemError(f"tiermem: cannot evict {key!r} from {tier}, its home and only copy; "
-                               f"move its home with the policy instead")
+            raise TierMemError(
+                f"tiermem: cannot evict {key!r} from {tier}, its home and only copy; "
+                f"move its home with the policy instead"
+            )
         return self._launch(r, tier, r.home, then_drop=tier)
 
     def fetch(self, key: str, out: torch.Tensor) -> Handle:
@@ -157,8 +168,7 @@ class KeyedResidency:
         key, info = r.key, r.info
         dst_store = self.store(dst)
         # Allocate the destination now, on the caller's thread: a budget error surfaces here.
-        out = (dst_store.allocate(key, info.shape, info.dtype, info.kind)
-               if isinstance(dst_store, MemoryStore) else None)
+        out = dst_store.allocate(key, info.shape, info.dtype, info.kind) if isinstance(dst_store, MemoryStore) else None
         # The copy must not start before the compute stream has finished writing the source.
         ready = self.engine.ready() if Tier.DEVICE in (src, dst) else None
         lane = "nvme" if Tier.NVME in (src, dst) else ("d2h" if src == Tier.DEVICE else "h2d")
@@ -169,8 +179,16 @@ class KeyedResidency:
         handle.add_done_callback(functools.partial(self._forget, key, handle))
         return handle
 
-    def _run(self, r: Residency, src: Tier, dst: Tier, out: Optional[torch.Tensor], lane: str,
-             ready: Ready, then_drop: Optional[Tier]) -> IssueResult:
+    def _run(
+        self,
+        r: Residency,
+        src: Tier,
+        dst: Tier,
+        out: Optional[torch.Tensor],
+        lane: str,
+        ready: Ready,
+        then_drop: Optional[Tier],
+    ) -> IssueResult:
         """Issue a move on its lane; the registry learns of it once it is done."""
         t0 = time.perf_counter()
         key, stats = r.key, self.engine.stats
@@ -179,6 +197,7 @@ class KeyedResidency:
             stats.count(src, dst, t0=t0)
             self.registry.finish(key, ok=False)
             self.store(dst).delete(key)  # dst held no valid copy; free what we allocated for it
+
         try:
             gpu = self._copy(key, r.info, src, dst, out, lane, ready)
         except BaseException:
@@ -192,16 +211,24 @@ class KeyedResidency:
             except BaseException:
                 failed()
                 raise
-            stats.count(src, dst, t0=t0, seconds=gpu.seconds() if gpu is not None else None,
-                        nbytes=r.info.nbytes, kind=r.info.kind)  # a GPU copy: its own time on its stream
+            stats.count(
+                src,
+                dst,
+                t0=t0,
+                seconds=gpu.seconds() if gpu is not None else None,
+                nbytes=r.info.nbytes,
+                kind=r.info.kind,
+            )  # a GPU copy: its own time on its stream
             self.registry.finish(key, ok=True)
             if then_drop is not None:
                 self.registry.drop(key, then_drop)
                 self.store(then_drop).delete(key)
+
         return gpu, (out if dst == Tier.DEVICE else None), finish
 
-    def _copy(self, key: str, info: TensorInfo, src: Tier, dst: Tier, out: Optional[torch.Tensor],
-              lane: str, ready: Ready) -> Optional[GpuWork]:
+    def _copy(
+        self, key: str, info: TensorInfo, src: Tier, dst: Tier, out: Optional[torch.Tensor], lane: str, ready: Ready
+    ) -> Optional[GpuWork]:
         """Issue the copy; returns its GPU work when it may still run (memory -> memory on a GPU),
         else None: NVMe legs are done on return."""
         src_store, dst_store = self.store(src), self.store(dst)

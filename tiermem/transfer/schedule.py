@@ -22,6 +22,7 @@ device bytes until their copy lands: a slow copy lane, e.g. on a busy CPU, must 
 that fits into a refusal); if it still does not fit, the working set itself is too large and the
 error says by how much.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -78,8 +79,9 @@ class AccessTrace:
         return at[i] if i < len(at) else at[0] + len(self.keys)
 
 
-def choose_victim(candidates: Iterable[str], last_used: Mapping[str, int], *,
-                  trace: Optional[AccessTrace] = None, pos: int = 0) -> Optional[str]:
+def choose_victim(
+    candidates: Iterable[str], last_used: Mapping[str, int], *, trace: Optional[AccessTrace] = None, pos: int = 0
+) -> Optional[str]:
     """The candidate to evict: with a trace, the one used furthest after ``pos`` (Belady), ties
     going to the least recently used; without one, the least recently used. None if no candidate.
     ``last_used`` maps keys to a growing counter; a key missing from it counts as oldest."""
@@ -92,8 +94,9 @@ def choose_victim(candidates: Iterable[str], last_used: Mapping[str, int], *,
     return best
 
 
-def lookahead_window(trace: AccessTrace, pos: int, sizes: Mapping[str, int], limit: int, *,
-                     skip: Iterable[str] = ()) -> list[str]:
+def lookahead_window(
+    trace: AccessTrace, pos: int, sizes: Mapping[str, int], limit: int, *, skip: Iterable[str] = ()
+) -> list[str]:
     """The distinct keys of ``trace`` from ``pos`` to its end, in order of next use, as many as
     fit in ``limit`` bytes together. Stops at the first key that does not fit (fetching past it
     would bring in later tensors before an earlier one). Keys in ``skip`` (acquired already,
@@ -132,8 +135,7 @@ class ScheduleStats:
     stall_seconds: float = 0.0  # time acquire spent waiting on transfers and write-backs
 
     def __add__(self, other: "ScheduleStats") -> "ScheduleStats":
-        return ScheduleStats(**{f.name: getattr(self, f.name) + getattr(other, f.name)
-                                for f in fields(self)})
+        return ScheduleStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
 # -- carrying them out --------------------------------------------------------------------------
@@ -159,18 +161,28 @@ class ResidencyScheduler(Reclaimer):
     residency (once), before the first acquire.
     """
 
-    def __init__(self, tier: Tier = Tier.DEVICE, *, lookahead_bytes: Optional[ByteSize] = None,
-                 prefetch: bool = True, eviction: str = "belady"):
+    def __init__(
+        self,
+        tier: Tier = Tier.DEVICE,
+        *,
+        lookahead_bytes: Optional[ByteSize] = None,
+        prefetch: bool = True,
+        eviction: str = "belady",
+    ):
         if tier not in (Tier.DEVICE, Tier.HOST):
-            raise ConfigError(f"tiermem: ResidencyScheduler.tier={tier!r} must be a memory tier; "
-                              f"pass Tier.DEVICE or Tier.HOST")
+            raise ConfigError(
+                f"tiermem: ResidencyScheduler.tier={tier!r} must be a memory tier; pass Tier.DEVICE or Tier.HOST"
+            )
         if eviction not in EVICTION_POLICIES:
-            raise ConfigError(f"tiermem: ResidencyScheduler.eviction={eviction!r} is not one of "
-                              f"{EVICTION_POLICIES}; pass 'belady' (the default) or 'lru'")
+            raise ConfigError(
+                f"tiermem: ResidencyScheduler.eviction={eviction!r} is not one of "
+                f"{EVICTION_POLICIES}; pass 'belady' (the default) or 'lru'"
+            )
         self.tier = tier
         self._connected: Optional[tuple[KeyedResidency, MemoryStore]] = None
-        self.lookahead_bytes = (None if lookahead_bytes is None else
-                                parse_bytes(lookahead_bytes, what="ResidencyScheduler.lookahead_bytes"))
+        self.lookahead_bytes = (
+            None if lookahead_bytes is None else parse_bytes(lookahead_bytes, what="ResidencyScheduler.lookahead_bytes")
+        )
         self.prefetch, self.eviction = bool(prefetch), eviction
         self.trace: Optional[AccessTrace] = None
         self.history: list[ScheduleStats] = []  # one entry per finished iteration
@@ -189,13 +201,17 @@ class ResidencyScheduler(Reclaimer):
     def connect(self, residency: KeyedResidency) -> "ResidencyScheduler":
         """Carry out the schedule with ``residency``'s moves, over its store of the tier (once)."""
         if self._connected is not None:
-            raise TierMemError("tiermem: ResidencyScheduler.connect() was called twice; a scheduler "
-                               "serves one residency: build another scheduler for another one")
+            raise TierMemError(
+                "tiermem: ResidencyScheduler.connect() was called twice; a scheduler "
+                "serves one residency: build another scheduler for another one"
+            )
         store = residency.engine.stores.get(self.tier)
         if not isinstance(store, MemoryStore):
-            raise ConfigError(f"tiermem: ResidencyScheduler.tier={self.tier!r} must be a memory tier the "
-                              f"engine has a store for ({', '.join(map(str, residency.engine.stores))}); "
-                              f"build the engine with a store for {self.tier}")
+            raise ConfigError(
+                f"tiermem: ResidencyScheduler.tier={self.tier!r} must be a memory tier the "
+                f"engine has a store for ({', '.join(map(str, residency.engine.stores))}); "
+                f"build the engine with a store for {self.tier}"
+            )
         self._connected = (residency, store)
         return self
 
@@ -209,8 +225,10 @@ class ResidencyScheduler(Reclaimer):
 
     def _parts(self) -> tuple[KeyedResidency, MemoryStore]:
         if self._connected is None:
-            raise TierMemError("tiermem: this ResidencyScheduler is not connected to a residency yet; "
-                               "call connect(residency) once the engine exists, before acquiring")
+            raise TierMemError(
+                "tiermem: this ResidencyScheduler is not connected to a residency yet; "
+                "call connect(residency) once the engine exists, before acquiring"
+            )
         return self._connected
 
     @property
@@ -240,7 +258,9 @@ class ResidencyScheduler(Reclaimer):
         t0, ready = time.perf_counter(), handle.done()
         try:
             if self.tier == Tier.DEVICE:
-                self.residency.engine.join(handle)  # ordering: the caller's stream reads the tensor after its bytes land
+                self.residency.engine.join(
+                    handle
+                )  # ordering: the caller's stream reads the tensor after its bytes land
             else:
                 handle.wait()  # ordering: the host reads the tensor only once its bytes have landed
         except BaseException:
@@ -257,8 +277,10 @@ class ResidencyScheduler(Reclaimer):
         """The caller is done with ``key`` for now: it may be evicted (nothing moves yet)."""
         with self._lock:
             if not self._pins.get(key):
-                raise TierMemError(f"tiermem: release({key!r}) without a matching acquire; pair every "
-                                   f"release with an earlier acquire of the same key")
+                raise TierMemError(
+                    f"tiermem: release({key!r}) without a matching acquire; pair every "
+                    f"release with an earlier acquire of the same key"
+                )
             self._unpin(key)
             self._touch(key)
 
@@ -267,8 +289,10 @@ class ResidencyScheduler(Reclaimer):
         and evicting it writes it back home."""
         with self._lock:
             if not self._pins.get(key):
-                raise TierMemError(f"tiermem: mark_dirty({key!r}) on a tensor that is not acquired; "
-                                   f"acquire it, modify it, mark it dirty, then release it")
+                raise TierMemError(
+                    f"tiermem: mark_dirty({key!r}) on a tensor that is not acquired; "
+                    f"acquire it, modify it, mark it dirty, then release it"
+                )
             self.residency.registry.write_at(key, self.tier)
 
     def end_iteration(self) -> None:
@@ -280,14 +304,21 @@ class ResidencyScheduler(Reclaimer):
                 log.debug("tiermem: an iteration acquired no managed tensor; the trace stays as it was")
             elif self.trace is None:
                 self.trace = AccessTrace(recorded)
-                log.debug("tiermem: recorded a trace of %d accesses to %d tensors on %s", len(recorded),
-                          len(set(recorded)), self.tier)
+                log.debug(
+                    "tiermem: recorded a trace of %d accesses to %d tensors on %s",
+                    len(recorded),
+                    len(set(recorded)),
+                    self.tier,
+                )
             elif recorded != self.trace.keys:
                 old = self.trace.keys
-                at = next((i for i, (a, b) in enumerate(zip(old, recorded)) if a != b),
-                          min(len(old), len(recorded)))
-                log.debug("tiermem: the access order changed at position %d (%d accesses, were %d); "
-                          "re-recorded the trace", at, len(recorded), len(old))
+                at = next((i for i, (a, b) in enumerate(zip(old, recorded)) if a != b), min(len(old), len(recorded)))
+                log.debug(
+                    "tiermem: the access order changed at position %d (%d accesses, were %d); re-recorded the trace",
+                    at,
+                    len(recorded),
+                    len(old),
+                )
                 self.trace = AccessTrace(recorded)
             self.history.append(self.current)
             self.current = ScheduleStats()
@@ -321,8 +352,10 @@ class ResidencyScheduler(Reclaimer):
     def _residency(self, key: str) -> Residency:
         r = self.residency.registry.get(key)
         if r.home == self.tier:
-            raise TierMemError(f"tiermem: {key!r} is homed on the {self.tier} tier, so it is always "
-                               f"resident there; acquire only tensors whose home is another tier")
+            raise TierMemError(
+                f"tiermem: {key!r} is homed on the {self.tier} tier, so it is always "
+                f"resident there; acquire only tensors whose home is another tier"
+            )
         if key not in self._sizes:
             self._sizes[key] = nbytes_of(r.info.shape, r.info.dtype)
         return r
@@ -335,9 +368,13 @@ class ResidencyScheduler(Reclaimer):
             self._pos += 1
             return
         self._on_trace = False
-        log.debug("tiermem: access %d is %r, the trace expected %r; falling back to LRU without "
-                  "prefetch until the iteration ends", self._pos, key,
-                  self.trace.keys[self._pos] if self._pos < len(self.trace) else "the end")
+        log.debug(
+            "tiermem: access %d is %r, the trace expected %r; falling back to LRU without "
+            "prefetch until the iteration ends",
+            self._pos,
+            key,
+            self.trace.keys[self._pos] if self._pos < len(self.trace) else "the end",
+        )
 
     def _following(self) -> Optional[AccessTrace]:
         """The trace, while this iteration follows it."""
@@ -471,7 +508,12 @@ class ResidencyScheduler(Reclaimer):
         count = f"{len(others) + 1} tensors acquired at once" if others else "1 tensor"
         besides = f" besides {fmt_bytes(foreign)} held there by other tensors" if foreign > 0 else ""
         return OutOfTierMemory(
-            tier=tier, key=key, asked=nbytes, used=ledger.used, allowed=ledger.allowed,
+            tier=tier,
+            key=key,
+            asked=nbytes,
+            used=ledger.used,
+            allowed=ledger.allowed,
             hint=f"a module's working set ({count}: {names}) needs "
-                 f"{fmt_bytes(working)} on {tier}{besides}, budget {fmt_bytes(ledger.allowed)}; "
-                 f"raise Budgets({tier}=...) to at least {fmt_bytes(needed)}")
+            f"{fmt_bytes(working)} on {tier}{besides}, budget {fmt_bytes(ledger.allowed)}; "
+            f"raise Budgets({tier}=...) to at least {fmt_bytes(needed)}",
+        )

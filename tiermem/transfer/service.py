@@ -6,6 +6,7 @@ registry of residency, so they depend on this small protocol, not on
 Every call returns a :class:`~tiermem.handles.Handle`; ordering is the engine's (NOTE [Issued, then
 done] in :mod:`tiermem.transfer.lanes`, NOTE [Chained requests] in :mod:`tiermem.transfer.engine`).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
@@ -25,24 +26,35 @@ class CopyService(Protocol):
 
     device: torch.device
 
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, *, src_tier: Tier, dst_tier: Tier,
-                   accumulate: bool = False, kind: Optional[TensorClass] = None,
-                   after: Optional[Handle] = None) -> Handle:
+    def copy_async(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        src_tier: Tier,
+        dst_tier: Tier,
+        accumulate: bool = False,
+        kind: Optional[TensorClass] = None,
+        after: Optional[Handle] = None,
+    ) -> Handle:
         """``dst <- src`` (or ``dst += src``) from ``src_tier`` to ``dst_tier``, in the direction's order."""
         ...
 
-    def copy_many(self, copies: Sequence[Copy], *, src_tier: Tier, dst_tier: Tier,
-                  kind: Optional[TensorClass] = None) -> Handle:
+    def copy_many(
+        self, copies: Sequence[Copy], *, src_tier: Tier, dst_tier: Tier, kind: Optional[TensorClass] = None
+    ) -> Handle:
         """Several copies as one request (one turn of the lane, one completion)."""
         ...
 
-    def store_write(self, tier: Tier, key: str, src: torch.Tensor, *, src_tier: Tier = Tier.HOST,
-                    kind: Optional[TensorClass] = None) -> Handle:
+    def store_write(
+        self, tier: Tier, key: str, src: torch.Tensor, *, src_tier: Tier = Tier.HOST, kind: Optional[TensorClass] = None
+    ) -> Handle:
         """Write ``src`` to ``tier``'s store under ``key``."""
         ...
 
-    def store_read(self, tier: Tier, key: str, out: torch.Tensor, *, dst_tier: Tier = Tier.HOST,
-                   kind: Optional[TensorClass] = None) -> Handle:
+    def store_read(
+        self, tier: Tier, key: str, out: torch.Tensor, *, dst_tier: Tier = Tier.HOST, kind: Optional[TensorClass] = None
+    ) -> Handle:
         """Read ``key`` from ``tier``'s store into ``out``."""
         ...
 
@@ -62,7 +74,13 @@ class CopyService(Protocol):
         """Done once every request queued on ``lane`` so far has finished."""
         ...
 
-    def chain(self, first: Union[Handle, Sequence[Handle]], then: Optional[Callable[[], Any]] = None, *,
-              cleanup: Optional[Callable[[], None]] = None, stall: Tier = Tier.HOST) -> Handle:
+    def chain(
+        self,
+        first: Union[Handle, Sequence[Handle]],
+        then: Optional[Callable[[], Any]] = None,
+        *,
+        cleanup: Optional[Callable[[], None]] = None,
+        stall: Tier = Tier.HOST,
+    ) -> Handle:
         """``then()`` once ``first`` has finished; ``cleanup()`` once the chain ends."""
         ...

@@ -3,6 +3,7 @@ its own time on its stream, so bytes over busy seconds is the link's bandwidth),
 stalled. Every move is counted here and nowhere else: the engine's lanes and its store requests
 call :meth:`TransferStats.count`, and every handle the engine returns reports its waits to a
 :meth:`TransferStats.stall_sink`."""
+
 from __future__ import annotations
 
 import threading
@@ -28,8 +29,16 @@ class TransferStats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _sinks: dict[Tier, Callable[[float], None]] = field(default_factory=dict, repr=False)
 
-    def count(self, src: Tier, dst: Tier, *, t0: Optional[float] = None, nbytes: Optional[int] = None,
-              kind: Optional[TensorClass] = None, seconds: Optional[float] = None) -> None:
+    def count(
+        self,
+        src: Tier,
+        dst: Tier,
+        *,
+        t0: Optional[float] = None,
+        nbytes: Optional[int] = None,
+        kind: Optional[TensorClass] = None,
+        seconds: Optional[float] = None,
+    ) -> None:
         """Count one move from ``src`` to ``dst``: busy from ``t0`` until now (``None``: it took
         no lane time, e.g. a copy within one tier), or for ``seconds`` ending now (a GPU copy's
         own time on its stream), and ``nbytes`` moved as ``kind`` (``None``: the move failed and
@@ -51,14 +60,20 @@ class TransferStats:
         """The callback a handle reports its waits to, one per tier (made once: every request asks)."""
         sink = self._sinks.get(tier)
         if sink is None:
+
             def sink(seconds: float) -> None:
                 with self._lock:
                     self.stall_seconds[tier] += seconds
+
             sink = self._sinks.setdefault(tier, sink)
         return sink
 
     def snapshot(self) -> dict[str, dict[Any, Any]]:
         """Copies of the counters, taken under the lock (lane threads add keys as they run)."""
         with self._lock:
-            return {"bytes_moved": dict(self.bytes_moved), "busy_seconds": dict(self.busy_seconds),
-                    "stall_seconds": dict(self.stall_seconds), "class_bytes_moved": dict(self.class_bytes_moved)}
+            return {
+                "bytes_moved": dict(self.bytes_moved),
+                "busy_seconds": dict(self.busy_seconds),
+                "stall_seconds": dict(self.stall_seconds),
+                "class_bytes_moved": dict(self.class_bytes_moved),
+            }
