@@ -18,8 +18,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from tiermem.errors import ConfigError, TierMemError
-from tiermem.optim import _native, _quant, _reference, _sr
-from tiermem.optim import functional as _functional
+from tiermem.optim import _kernels, _native, _quant, _reference, _sr
 from tiermem.optim._hypers import adam_scalars
 
 log = logging.getLogger(__name__)
@@ -226,13 +225,14 @@ def run(
 
 
 def any_nonfinite(grad: torch.Tensor) -> bool:
-    """Whether ``grad`` holds an inf or NaN: one read, by the native check where it runs."""
+    """Whether ``grad`` holds an inf or NaN: one read, by the native check where it runs, else
+    by torch ops (the native kernels and this check are built together: one unavailable, both are)."""
     if grad.numel() and grad.device.type == "cpu" and grad.is_contiguous() and grad.dtype in GRAD_DTYPES:
         try:
             return _native.any_nonfinite(grad.view(-1))
         except _native.NativeUnavailable:
             pass
-    return _functional.any_nonfinite(grad)
+    return _kernels._eager_any_nonfinite(grad)
 
 
 def _say_once(library: str) -> None:

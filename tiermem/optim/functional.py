@@ -23,7 +23,7 @@ import torch
 
 from tiermem.config import is_number
 from tiermem.errors import ConfigError, TierMemError
-from tiermem.optim import _compiled, _kernels
+from tiermem.optim import _compiled, _kernels, _run
 from tiermem.optim._hyper import AdamHyper
 
 if TYPE_CHECKING:
@@ -119,8 +119,6 @@ def adam_step(
     )
     _check_impl(impl)
     if stochastic_round is not None or (isinstance(master, torch.Tensor) and master.dtype == torch.bfloat16):
-        from tiermem.optim import _run  # imports this module
-
         return _run.run(
             _run.ADAM,
             master,
