@@ -209,8 +209,10 @@ def spread(xs: list[float]) -> float:
 
 
 def summarize(model_name: str, runs: dict[str, list[dict]], sp: dict[str, float]) -> list[str]:
-    """The table and ratios of one model, as lines."""
+    """The table and ratios of one model, as lines (the speed part alone where ``runs`` is empty)."""
     lines = [f"== {model_name}: final loss (mean of the last 20 steps) and held-out loss, mean +- stdev over seeds"]
+    if not runs:
+        lines = []
     mean = {o: statistics.mean(r["final"] for r in rs) for o, rs in runs.items()}
     for o, rs in runs.items():
         finals = [r["final"] for r in rs]
@@ -220,7 +222,8 @@ def summarize(model_name: str, runs: dict[str, list[dict]], sp: dict[str, float]
             f"held-out {statistics.mean(helds):.4f} +- {spread(helds):.4f}; "
             f"step {statistics.median(r['step_ms'] for r in rs):.1f} ms"
         )
-    lines.append(f"== {model_name}: ratios against {ANCHOR!r}, seed by seed (mean, min..max)")
+    if runs:
+        lines.append(f"== {model_name}: ratios against {ANCHOR!r}, seed by seed (mean, min..max)")
     for o, rs in runs.items():
         ratios = [r["final"] / a["final"] for r, a in zip(rs, runs[ANCHOR])]
         hr = [r["held"] / a["held"] for r, a in zip(rs, runs[ANCHOR])]
