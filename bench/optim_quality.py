@@ -2,11 +2,13 @@
 
     python bench/optim_quality.py                          # both models, 500 steps, seeds 0 1 2
     python bench/optim_quality.py --model llama --plot q.png --json q.json
+    python bench/optim_quality.py --model gpt --seeds 1 --rounds 0 --json gpt-1.json   # one process a seed,
+    python bench/optim_quality.py --merge gpt-*.json --plot gpt.png                   # then reported together
 
-Models: the example GPT (examples/gpt.py, the "small" preset made shallower and shorter so that one
-500-step run takes about a minute on 2 quiet cores) and the tests' tiny Llama (tests/test_transformers.py's
-config, widened to 128 so that its matrices pass the 4,096-element threshold below which both
-tiermem and torchao keep fp32 state), trained on the shipped corpus (character tokens) with
+Models: the example GPT (examples/gpt.py, the "small" preset at 2 layers, 64 wide, 32-token
+contexts: 0.11M parameters, so that the 36 runs of 500 steps fit a loaded 2-core machine) and the
+tests' tiny Llama (tests/test_transformers.py's config, widened to 64 so that most of its matrices
+pass the 4,096-element threshold below which both tiermem and torchao keep fp32 state), trained on the shipped corpus (character tokens) with
 train_gpt's schedule (linear warm-up, cosine decay to 10%), grad clip 1.0, betas (0.9, 0.95),
 weight decay 0.1.
 
