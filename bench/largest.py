@@ -2,16 +2,26 @@
 
     python bench/largest.py [--params 4.5e9] [--width 4096] [--keep-free 10GB] [--steps 2]
                             [--device-budget 1GiB] [--bucket-size 16MiB] [--dir DIR] [--dry-run]
+                            [--8bit] [--bf16-master]
 
 A stack of ``width`` x ``width`` bias-free Linear layers (bench/nvme_step.py's ``windowed_stack``:
 the module itself takes one layer's memory; TieredModel copies each weight to its home), deep
 enough for ``--params``, trained in bf16 on one batch of 8 rows seen every step, as ZeroInfinity
-places it: weights (2 B/param) and optimizer state (12 B/param) on NVMe, each value once (NOTE [A
-failed step is rolled forward]); the fp32 grads (4 B/param) wherever they fit best: on the host
-for as many layers as the memory available now allows (less ``--ram-margin`` and tiermem's
-buffers), on NVMe for the others. Before building, it checks that the disk holds the model's 14
-B/param, the NVMe grads, the journal (a few buckets) and still leaves ``--keep-free``; if not, it
-shows the arithmetic and trains the largest depth that fits instead.
+places it: weights (2 B/param) and optimizer state on NVMe, each value once (NOTE [A failed step
+is rolled forward]); the fp32 grads (4 B/param) wherever they fit best: on the host for as many
+layers as the memory available now allows (less ``--ram-margin`` and tiermem's buffers), on NVMe
+for the others. The optimizer state is AdamW's fp32 master, exp_avg and exp_avg_sq (12 B/param);
+``--8bit`` keeps the moments in 8 bits (``tiermem.AdamW8bit``: 1 + 1 B/param and a fp32 scale per
+256), ``--bf16-master`` drops the fp32 master for a bf16 one updated with stochastic rounding
+(``bf16_stochastic_round=True``: 2 B/param); both: 4.03 B/param of state, 6.03 on disk with the
+weights. Before building, it checks that the disk holds the weights and state, the NVMe grads, the
+journal (a few buckets) and still leaves ``--keep-free``; if not, it shows the arithmetic and
+trains the largest depth that fits instead.
+
+The grads stay fp32 at their home whatever the state (DESIGN: accumulated in fp32). In bf16
+precision with one micro-batch per step, as here, autograd's grads are bf16 and the fp32 home holds
+them widened, exactly: a bf16 home would hold the same values in half the bytes (2 B/param), but
+summing several micro-batches in bf16 would round at each one, and TieredModel has no such home.
 
 Prints, per step, forward+backward and ``tm.step()`` time, peak RSS and the disk's free space; at
 the end ``du`` of the directory (bytes/param on disk, measured, with the spare files counted),
@@ -34,12 +44,41 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.nvme_step import rss_gb, windowed_stack  # noqa: E402
-from tiermem import AdamW, Budgets, Policy, TensorClass, TensorInfo, TieredModel, Tier, parse_bytes  # noqa: E402
+from tiermem import (  # noqa: E402
+    AdamW,
+    AdamW8bit,
+    Budgets,
+    Policy,
+    TensorClass,
+    TensorInfo,
+    TieredModel,
+    Tier,
+    parse_bytes,
+)
+from tiermem.optim.formats import per_param_bytes  # noqa: E402
 from tiermem.plan.footprint import JOURNAL_BUCKETS  # noqa: E402
+from tiermem.plan.sizing import state_option  # noqa: E402
 from tiermem.policies import ZeroInfinity  # noqa: E402
 
 GB = 1e9
-DISK_PER_PARAM = 2 + 12  # bf16 weights and fp32 master, exp_avg, exp_avg_sq, each once
+WEIGHTS_PER_PARAM = 2  # bf16 weights on NVMe, once
+GRAD_PER_PARAM = 4  # fp32 grads at their home
+
+
+def state_name(args: argparse.Namespace) -> str:
+    """The option of tiermem.plan.sizing.STATE_OPTIONS that ``--8bit`` and ``--bf16-master`` name."""
+    if args.bf16_master and not args.eight_bit:
+        return "bf16 master"
+    return {False: "fp32", True: "8-bit + bf16 master" if args.bf16_master else "8-bit"}[args.eight_bit]
+
+
+def state_per_param(args: argparse.Namespace) -> float:
+    """Bytes per parameter of the optimizer state (a 4096 x 4096 layer: the 8-bit scales counted)."""
+    if args.bf16_master and not args.eight_bit:  # no plan option of its own: fp32 moments, bf16 master
+        return 2 + 8
+    fmt = state_option(state_name(args), args.width * args.width, "bf16")
+    assert fmt is not None  # bf16 precision allows every option
+    return per_param_bytes(fmt)
 
 
 def du_bytes(path: str) -> int:
@@ -57,27 +96,35 @@ def plan_depth(args: argparse.Namespace, free: int, ram: int) -> tuple[int, int,
     hold it, else the most layers they hold; grads on the host as far as RAM allows."""
     layer = args.width * args.width
     bucket = parse_bytes(args.bucket_size, what="--bucket-size") // 4  # parameters per bucket (fp32 grads)
-    journal = (JOURNAL_BUCKETS["state"] * 12 + JOURNAL_BUCKETS["weights"] * 2 + JOURNAL_BUCKETS["grads"] * 4) * bucket
-    spares = 4 * 12 * bucket  # the store's spare files, at most, each no larger than a bucket's state
+    st = state_per_param(args)
+    per_disk = WEIGHTS_PER_PARAM + st  # each value once
+    journal = int(
+        (JOURNAL_BUCKETS["state"] * st + JOURNAL_BUCKETS["weights"] * 2 + JOURNAL_BUCKETS["grads"] * 4) * bucket
+    )
+    spares = int(4 * st * bucket)  # the store's spare files, at most, each no larger than a bucket's state
     disk = free - args.keep_free - journal - spares
-    # host: the state pipeline (3 x 12 B), weight staging (2 x 2 B) and grads to NVMe (3 x 4 B) per
-    # bucket parameter, the device budget (the CPU's RAM here), and what Python and torch hold
-    fixed = (3 * 12 + 2 * 2 + 3 * 4) * bucket + parse_bytes(args.device_budget, what="--device-budget") + 2 * 2**30
+    # host: the state pipeline (3 x the state's bytes), weight staging (2 x 2 B) and grads to NVMe
+    # (3 x 4 B) per bucket parameter, the device budget (the CPU's RAM here), and what Python and
+    # torch hold
+    fixed = int((3 * st + 2 * 2 + 3 * 4) * bucket) + parse_bytes(args.device_budget, what="--device-budget") + 2 * 2**30
     host = ram - args.ram_margin - fixed
     want = -(-int(args.params) // layer)
-    on_host = max(0, host // (4 * layer))  # layers whose grads RAM holds
+    on_host = max(0, host // (GRAD_PER_PARAM * layer))  # layers whose grads RAM holds
     fits = max(
         1,
-        min(
-            (disk + 4 * layer * on_host) // (18 * layer),  # all on disk but the host's grads
-            disk // (DISK_PER_PARAM * layer),
+        int(
+            min(
+                (disk + GRAD_PER_PARAM * layer * on_host) // ((per_disk + GRAD_PER_PARAM) * layer),  # all on disk
+                disk // (per_disk * layer),  # but the host's grads
+            )
         ),
     )
     depth = min(want, fits)
     nvme_grads = max(0, depth - on_host)
     said = (
         f"disk: {free / GB:.1f} GB free, keep {args.keep_free / GB:.0f} GB, journal {journal / GB:.2f} GB + "
-        f"spares {spares / GB:.2f} GB -> {disk / GB:.1f} GB for {DISK_PER_PARAM} B/param + NVMe grads 4 B/param; "
+        f"spares {spares / GB:.2f} GB -> {disk / GB:.1f} GB for {per_disk:.2f} B/param (weights 2 + "
+        f"{state_name(args)} state {st:.2f}) + NVMe grads 4 B/param; "
         f"RAM: {ram / GB:.1f} GB available, keep {args.ram_margin / GB:.0f} GB, tiermem's buffers and the "
         f"process {fixed / GB:.1f} GB -> {host / GB:.1f} GB for host grads 4 B/param ({on_host} layers); "
         f"room for {fits} layers of {args.width} x {args.width} ({fits * layer / 1e9:.2f}B parameters)"
@@ -115,6 +162,14 @@ def main() -> int:
     p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size (fp32 grad bytes per bucket)")
     p.add_argument("--dir", default=None, help="where to make the NVMe directory (default: the current one)")
     p.add_argument("--dry-run", action="store_true", help="print the arithmetic only")
+    p.add_argument(
+        "--8bit", dest="eight_bit", action="store_true", help="8-bit moments (tiermem.AdamW8bit) instead of fp32"
+    )
+    p.add_argument(
+        "--bf16-master",
+        action="store_true",
+        help="bf16 master weights with stochastic rounding (bf16_stochastic_round=True) instead of fp32",
+    )
     args = p.parse_args()
     args.keep_free = parse_bytes(args.keep_free, what="--keep-free")
     args.ram_margin = parse_bytes(args.ram_margin, what="--ram-margin")
@@ -130,7 +185,8 @@ def main() -> int:
     fewer = "" if n >= args.params else ", fewer than asked"
     print(
         f"training {depth} layers: {n:,} parameters ({n / 1e9:.2f}B{fewer});"
-        f" {(DISK_PER_PARAM * n + 4 * layer * nvme_grads) / GB:.1f} GB on disk (grads of {nvme_grads} layers "
+        f" {((WEIGHTS_PER_PARAM + state_per_param(args)) * n + 4 * layer * nvme_grads) / GB:.1f} GB on disk "
+        f"({state_name(args)} state; grads of {nvme_grads} layers "
         f"there); fp32 grads on the host {4 * layer * (depth - nvme_grads) / GB:.1f} GB of {ram / GB:.1f} GB RAM; "
         f"mixed-precision Adam in memory would need {16 * n / GB:.0f} GB",
         flush=True,
@@ -145,7 +201,9 @@ def main() -> int:
             GradsSplit(nvme_grads),
             precision="bf16",
             nvme_dir=d,
-            optimizer=AdamW(lr=1e-6, betas=(0.9, 0.95), weight_decay=0.1),
+            optimizer=(AdamW8bit if args.eight_bit else AdamW)(
+                lr=1e-6, betas=(0.9, 0.95), weight_decay=0.1, bf16_stochastic_round=args.bf16_master
+            ),
             bucket_size=args.bucket_size,
             budgets=Budgets(device=args.device_budget),
         )
