@@ -1,4 +1,5 @@
-"""Shared test setup: tests marked ``cuda`` need an accelerator and are skipped without one."""
+"""Shared test setup: tests marked ``cuda`` need an accelerator and are skipped without one; the
+session's caches (the machine profile) live in a temporary directory, never the user's home."""
 
 from __future__ import annotations
 
@@ -18,6 +19,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cache_in_a_temporary_directory(tmp_path_factory):
+    """``XDG_CACHE_HOME`` (where tiermem keeps the machine profile: tiermem.plan.profile) in a
+    directory of this session, for the tests and every process they start: the suite neither reads
+    a profile the user measured nor writes over it, and runs as on a clean machine (the profile is
+    measured once, by the first test that needs it). The kernel caches stay where they are (beside
+    inductor's, in the temporary directory): a build is per machine, not per session."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+        yield
 
 
 @pytest.fixture(scope="module")
