@@ -15,7 +15,7 @@ import torch
 
 from tiermem.config import Adam, AdamW, _Spec
 from tiermem.errors import ConfigError, TierMemError
-from tiermem.optim_specs import SGD, Adagrad, Adam8bit, AdamW8bit
+from tiermem.optim_specs import SGD, Adafactor, Adagrad, Adam8bit, AdamW8bit
 
 __all__ = ["FOREIGN_8BIT", "TORCH_OPTIMIZERS", "runs", "spec_from_torch", "stepped_elsewhere", "supported_names"]
 
@@ -32,6 +32,7 @@ TORCH_OPTIMIZERS: dict[type, Callable[[dict[str, Any]], type[_Spec]]] = {
     torch.optim.Adam: _adam,
     torch.optim.SGD: lambda defaults: SGD,
     torch.optim.Adagrad: lambda defaults: Adagrad,
+    torch.optim.Adafactor: lambda defaults: Adafactor,
 }
 
 #: 8-bit AdamW classes of other libraries, read by their module and class name (the libraries are

@@ -242,7 +242,7 @@ class Stepper:
                             out=out[start:end],
                             **common,
                         )
-                else:  # blocks and rounding keys start at each parameter's element 0: one call per parameter
+                else:  # blocks, factors and rounding keys start at each parameter's element 0: one call per parameter
                     for i, s, start, step in _slots_of(b, runs):
                         assert g is not None  # read, since there are runs
                         pieces = b.pieces(state, i)
@@ -257,6 +257,7 @@ class Stepper:
                             hyper=upd.hyper[(b.index, start)],
                             out=out[a:e],
                             stochastic_round=sr,
+                            shape=s.shape,
                             **common,
                         )
         finally:
