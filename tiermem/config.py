@@ -239,7 +239,7 @@ def check_hyper(where: str, **values: Any) -> None:
         key = "lion_beta" if name in ("lion_beta1", "lion_beta2") else name
         ok, rule = _ADAM_RULES[key] if key in _ADAM_RULES else _OTHER_RULES[key]
         if not ok(value):
-            raise _invalid(where, name.removeprefix("lion_"), value, rule)
+            raise _invalid(where, name.removeprefix("lion_").removeprefix("adafactor_"), value, rule)
 
 
 def _invalid(where: str, name: str, value: Any, rule: str) -> ConfigError:
