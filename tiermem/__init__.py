@@ -18,6 +18,7 @@ from tiermem.observe.report import Report
 from tiermem.memory.nvme import NvmeStore
 from tiermem.types import StateKey, TensorClass, TensorInfo, Tier
 from tiermem.deepspeed_config import from_deepspeed_config
+from tiermem.torch_optim import optimizers
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ __all__ = [
     "Tier",
     "TierMemError",
     "from_deepspeed_config",
+    "optimizers",
     "parse_bytes",
     "__version__",
 ]

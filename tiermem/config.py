@@ -202,6 +202,8 @@ _OTHER_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "two numbers, each in [0, 1]",
     ),
     "bf16_stochastic_round": (lambda v: isinstance(v, bool), "True or False"),
+    # a generic optimizer's (NOTE [Generic optimizers]): its own constructor checked them
+    "generic": (lambda v: True, "anything its optimizer takes"),
     # Adafactor's, as torch.optim.Adafactor names them (eps is the pair (eps1, eps2): ``adafactor_eps``)
     "beta2_decay": (lambda v: is_number(v) and -math.inf < v <= 0, "a number <= 0"),
     "eps1": (lambda v: v is None or _finite_non_negative(v), "None or a finite number >= 0"),

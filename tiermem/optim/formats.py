@@ -39,7 +39,7 @@ from tiermem.optim._sr import StochasticRound
 from tiermem.optim.adafactor import state_numels as _factored_numels
 
 #: the kernel families TieredModel runs, by the name a spec gives (``kind``)
-KINDS = ("adam", "adamw", "adam8bit", "adamw8bit", "sgd", "adagrad", "lion", "adafactor")
+KINDS = ("adam", "adamw", "adam8bit", "adamw8bit", "sgd", "adagrad", "lion", "adafactor", "generic")
 MASTER_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -55,10 +55,14 @@ class StatePart:
     block: int = 1
     initial: float = 0.0
     factored: bool = False
+    #: one element per parameter, whatever its size (a generic optimizer's ``step``: NOTE [Generic optimizers])
+    per_parameter: bool = False
 
     def numel(self, n: int, shape: Optional[Sequence[int]] = None) -> int:
         """Elements of this part for a parameter of ``n`` elements (of ``shape``: a factored part
         needs it; without it, a factored part counts as a vector's, ``n``)."""
+        if self.per_parameter:
+            return 1
         if self.factored:
             dims = (n,) if shape is None else tuple(int(d) for d in shape)
             if math.prod(dims) != n:
@@ -69,7 +73,7 @@ class StatePart:
     @property
     def elementwise(self) -> bool:
         """One element per parameter element, whatever its shape."""
-        return self.block == 1 and not self.factored
+        return self.block == 1 and not self.factored and not self.per_parameter
 
     @property
     def itemsize(self) -> int:
@@ -152,7 +156,9 @@ class StateFormat:
     def describe(self) -> str:
         """One line: the parts and their bytes per parameter (an 8-bit part's scales counted)."""
         per = " + ".join(
-            f"{p.name} {'(rows + columns) x ' if p.factored else ''}{p.itemsize / p.block:g}" for p in self.parts
+            f"{p.name} {'(rows + columns) x ' if p.factored else 'per parameter ' if p.per_parameter else ''}"
+            f"{p.itemsize / p.block:g}"
+            for p in self.parts
         )
         return f"{self.kind}: {per} B/param"
 
@@ -165,10 +171,14 @@ def state_format(
     momentum: bool = False,
     initial_accumulator_value: float = 0.0,
     min_8bit_size: int = _quant.MIN_8BIT_NUMEL,
+    generic_parts: Sequence[Any] = (),
+    optimizer: Any = None,
 ) -> StateFormat:
     """The format of a parameter of ``numel`` elements under ``kind``: SGD keeps a
     ``momentum_buffer`` only with ``momentum``; 8-bit Adam keeps fp32 moments (Adam's format) below
-    ``min_8bit_size`` elements (NOTE [8-bit state]); ``master_dtype`` bf16 drops the fp32 master."""
+    ``min_8bit_size`` elements (NOTE [8-bit state]); ``master_dtype`` bf16 drops the fp32 master; a
+    generic optimizer keeps the entries its probe found (``generic_parts``), run by a copy of
+    ``optimizer`` (NOTE [Generic optimizers] in tiermem/optim_generic.py)."""
     if kind not in KINDS:
         raise ConfigError(f"tiermem: state_format kind={kind!r} is unknown; pass one of {KINDS}")
     f32 = torch.float32
@@ -192,6 +202,9 @@ def state_format(
         parts += [StatePart("state_sum", f32, initial=float(initial_accumulator_value))]
     elif kind == "lion":
         parts += [StatePart("exp_avg", f32)]
+    elif kind == "generic":  # its entries as the probe found them (NOTE [Generic optimizers])
+        parts += [StatePart(q.name, q.dtype, per_parameter=not q.elementwise) for q in generic_parts]
+        options["optimizer"] = optimizer
     elif kind == "adafactor":  # a matrix keeps row_var and col_var, a vector variance (NOTE [State formats])
         parts += [StatePart(name, f32, factored=True) for name in ("row_var", "col_var", "variance")]
     return StateFormat(kind, tuple(parts), options)
@@ -331,7 +344,7 @@ def blocks_aligned(fmt: StateFormat, start: int) -> bool:
 def per_param_bytes(fmt: StateFormat) -> float:
     """Bytes per parameter element of a large parameter (blocked parts amortised; a factored part's
     rows and columns are nothing beside a large matrix's elements)."""
-    return sum(0.0 if p.factored else p.itemsize / p.block for p in fmt.parts)
+    return sum(0.0 if p.factored or p.per_parameter else p.itemsize / p.block for p in fmt.parts)
 
 
 __all__ = ["ADAM", "KINDS", "StateFormat", "StatePart", "blocks_aligned", "per_param_bytes", "state_format", "step"]
