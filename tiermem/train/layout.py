@@ -158,9 +158,11 @@ def make_homes(
         ), buckets
     blocked = sorted({b.state.kind for b in buckets if not b.state.elementwise})
     if blocked:
-        what = "factored state (row and column factors of each matrix, updated a whole parameter at a time)"
-        if any(not b.state.factored for b in buckets if b.state.kind in blocked):
-            what = "block-wise 8-bit state (blocks counted from each parameter's element 0)"
+        what = "block-wise 8-bit state (blocks counted from each parameter's element 0)"
+        if "generic" in blocked:
+            what = "a generic optimizer's state (its own step() takes whole parameters: NOTE [Generic optimizers])"
+        elif "adafactor" in blocked:
+            what = "factored state (row and column factors of each matrix, updated a whole parameter at a time)"
         raise ConfigError(
             f"tiermem: under data parallelism this version shards elementwise optimizer state only; "
             f"{blocked} keeps {what}: a rank's chunk would cut parameters; pass process_group=False (a "
