@@ -191,6 +191,16 @@ def test_optimizers_lists_fused_and_generic():
             tm.detach()
 
 
+class MyAdamW(torch.optim.AdamW):
+    """A subclass of a fused class may change the update: it runs generically, its own step()."""
+
+
+def test_a_subclass_of_a_fused_class_runs_generically_with_torchs_numbers():
+    ref = torch_loop(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
+    got = tiered(lambda ps: MyAdamW(ps, lr=1e-2))
+    assert diff(got, ref) == 0.0
+
+
 def test_stepping_the_given_instance_is_refused():
     m = TinyGPT()
     opt = torch.optim.RAdam(m.parameters())

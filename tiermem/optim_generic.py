@@ -134,8 +134,12 @@ class GenericSpec(_Spec):
             raise ConfigError("tiermem: GenericSpec takes optimizer=, a torch.optim.Optimizer")
         what = type(opt).__qualname__
         defaults = self.defaults
+        keys = dict.fromkeys(defaults)  # and any other key a group holds: the optimizer's own step may read it
+        for g in self.params if isinstance(self.params, (list, tuple)) else ():
+            if isinstance(g, dict):
+                keys.update(dict.fromkeys(k for k in g if k not in ("params", "name", "param_names")))
         groups = read_groups(
-            f"{what}.", self.params, hyper=tuple(defaults), off=(), rules={k: "generic" for k in defaults}, what=what
+            f"{what}.", self.params, hyper=tuple(keys), off=(), rules={k: "generic" for k in keys}, what=what
         )
         object.__setattr__(self, "params", groups)
         object.__setattr__(self, "_member", {id(t): i for i, g in enumerate(groups) for t in g.params})
