@@ -86,7 +86,9 @@ def test_a_users_own_optimizer_runs_generically_with_groups_and_a_scheduler(capl
     torch.manual_seed(0)
     m2 = TinyGPT()
     with caplog.at_level(logging.INFO, logger="tiermem"):
-        tm = TieredModel(m2, optimizer=SignMomentum(groups(m2.parameters()), lr=1e-3), precision="fp32", bucket_size=3000)
+        tm = TieredModel(
+            m2, optimizer=SignMomentum(groups(m2.parameters()), lr=1e-3), precision="fp32", bucket_size=3000
+        )
     assert "SignMomentum has no fused kernel: it runs generically" in caplog.text
     tsched = torch.optim.lr_scheduler.LambdaLR(tm.optimizer, lam)
     for i in range(4):
@@ -161,7 +163,10 @@ class RowState(SignMomentum):
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda ps: torch.optim.LBFGS(ps), r"tiermem: optimizer=LBFGS could not be run generically: its step\(\) failed"),
+        (
+            lambda ps: torch.optim.LBFGS(ps),
+            r"tiermem: optimizer=LBFGS could not be run generically: its step\(\) failed",
+        ),
         (lambda ps: torch.optim.SparseAdam(ps), r"tiermem: optimizer=SparseAdam could not be run generically"),
         (lambda ps: PythonStep(ps), r"tiermem: optimizer=PythonStep keeps state\['n'\] as a int"),
         (lambda ps: RowState(ps), r"tiermem: optimizer=RowState keeps state\['rows'\] of shape \(3,\)"),

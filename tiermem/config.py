@@ -210,10 +210,12 @@ _OTHER_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eps2": _FINITE_NON_NEGATIVE,
     "d": (lambda v: is_number(v) and 1 <= v < math.inf, "a finite number >= 1"),
     "adafactor_eps": (
-        lambda v: isinstance(v, (tuple, list))
-        and len(v) == 2
-        and (v[0] is None or _finite_non_negative(v[0]))
-        and _finite_non_negative(v[1]),
+        lambda v: (
+            isinstance(v, (tuple, list))
+            and len(v) == 2
+            and (v[0] is None or _finite_non_negative(v[0]))
+            and _finite_non_negative(v[1])
+        ),
         "a pair (eps1 or None, eps2) of finite numbers >= 0",
     ),
 }

@@ -30,7 +30,7 @@ import copy
 import logging
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, NamedTuple
+from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -62,7 +62,7 @@ def fresh_copy(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.op
     return inner
 
 
-def probe(optimizer: torch.optim.Optimizer, hypers: list[Mapping[str, Any]]) -> tuple[GenericPart, ...]:
+def probe(optimizer: torch.optim.Optimizer, hypers: Sequence[Mapping[str, Any]]) -> tuple[GenericPart, ...]:
     """The state entries ``optimizer``'s class makes for a parameter, learnt by stepping a copy once
     on a small fp32 parameter under each of ``hypers`` (its groups' settings); a ``tiermem:`` error
     when a step fails or the entries are not of a layout tiermem homes (NOTE [Generic optimizers])."""
@@ -74,7 +74,7 @@ def probe(optimizer: torch.optim.Optimizer, hypers: list[Mapping[str, Any]]) -> 
         inner = fresh_copy(optimizer, [{**hyper, "params": [p]}])
         try:
             inner.step()
-        except Exception as e:  # the optimizer's own error: say it, and what tiermem runs
+        except Exception as e:  # noqa: BLE001  (any error of a user's step: said, with what tiermem needs)
             raise ConfigError(
                 f"tiermem: optimizer={name} could not be run generically: its step() failed on a probe "
                 f"({type(e).__name__}: {str(e)[:160]}); tiermem calls step() without a closure, on dense "

@@ -56,7 +56,9 @@ class Bucket:
     def part_numels(self) -> list[int]:
         """Elements of each part of the state (``state.parts``) for the whole bucket."""
         return [
-            sum(p.numel(s.numel, s.shape) for s in self.slots) if not p.elementwise and self.slots else p.numel(self.numel)
+            sum(p.numel(s.numel, s.shape) for s in self.slots)
+            if not p.elementwise and self.slots
+            else p.numel(self.numel)
             for p in self.state.parts
         ]  # (a bucket of no slots: a plan's one bucket of ``numel`` parameters)
 
