@@ -160,9 +160,24 @@ class RowState(SignMomentum):
                 p.add_(p.grad, alpha=-group["lr"])
 
 
+class OwnList(SignMomentum):
+    """Steps a list it kept at construction, not its param groups: it would train the module's own
+    parameters behind tiermem's back."""
+
+    def __init__(self, params, lr: float = 1e-3):
+        params = list(params)
+        super().__init__(params, lr=lr)
+        self.mine = params
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        pass  # (a real one would update self.mine; it must not touch the module's parameters here)
+
+
 @pytest.mark.parametrize(
     "make, match",
     [
+        (lambda ps: OwnList(ps), r"tiermem: optimizer=OwnList's step\(\) neither changed a probe parameter"),
         (
             lambda ps: torch.optim.LBFGS(ps),
             r"tiermem: optimizer=LBFGS could not be run generically: its step\(\) failed",

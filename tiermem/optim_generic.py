@@ -80,6 +80,12 @@ def probe(optimizer: torch.optim.Optimizer, hypers: Sequence[Mapping[str, Any]])
                 f"({type(e).__name__}: {str(e)[:160]}); tiermem calls step() without a closure, on dense "
                 f"fp32 gradients: pass an optimizer that steps so"
             ) from None
+        if not inner.state[p] and bool((p == 0).all()):
+            raise ConfigError(
+                f"tiermem: optimizer={name}'s step() neither changed a probe parameter nor made state for "
+                f"it; the generic path steps the parameters of param_groups (as torch optimizers do): "
+                f"pass an optimizer that reads its param groups, with an lr that is not 0"
+            )
         parts = []
         for key, value in inner.state[p].items():
             if not isinstance(key, str) or not isinstance(value, torch.Tensor):
