@@ -39,7 +39,8 @@ model as a whole:
   so at most ``NVME_THREADS`` (4) are live at once: the host needs the largest four weights that
   live on NVMe (``nvme_staging``; on the CPU the store reads into the device buffer itself);
 - frozen parameters: ``w`` bytes each at their PARAM home (their own element size when not
-  floating point), and a copy in their own dtype on the host;
+  floating point), and a copy in their own dtype on the host when that is not the working
+  precision (NOTE [Frozen weights keep one copy] in tiermem/train/frozen.py);
 - grads in flight on the device: autograd makes each grad there, in the working precision, and it
   leaves for its home once complete; when the device budget is tight the next one waits until
   those in flight have landed, so the device needs room for at least the largest parameter's grad;
@@ -148,6 +149,12 @@ def host_buffer_bytes(nbytes: int) -> int:
 
 #: The purposes that are the training state itself (see NOTE [Footprint]).
 TRAINING_STATE = frozenset({WORKING_WEIGHTS, GRADS, OPTIM_STATE, OPTIM_STATE_NVME, FROZEN_WEIGHTS})
+
+
+def keeps_copy(dtype: torch.dtype, working: torch.dtype, floating: bool) -> bool:
+    """Whether a frozen parameter of ``dtype`` keeps a host copy beside its working copy in
+    ``working`` (NOTE [Frozen weights keep one copy] in tiermem/train/frozen.py)."""
+    return floating and dtype != working
 
 
 #: Buckets whose writes can be in flight on NVMe at once, by what they write (NOTE [Footprint]).
@@ -274,7 +281,8 @@ def footprint(
     for p, home in frozen:
         size = p.numel() * (w if p.is_floating_point() else p.element_size())
         add(home, FROZEN_WEIGHTS, **(each(size) if home != Tier.DEVICE else {"nbytes": size}))
-        add(Tier.HOST, FROZEN_COPY, **each(p.numel() * p.element_size()))
+        if keeps_copy(p.dtype, dtype, p.is_floating_point()):  # NOTE [Frozen weights keep one copy]
+            add(Tier.HOST, FROZEN_COPY, **each(p.numel() * p.element_size()))
         on_nvme += [size] if home == Tier.NVME else []
     if nvme_staging and on_nvme:
         lane_buffers = sorted(on_nvme, reverse=True)[:NVME_THREADS]  # one per NVMe lane thread, the largest

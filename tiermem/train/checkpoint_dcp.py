@@ -326,9 +326,9 @@ def load(state: ModelState, path: str) -> None:
         for index, pieces in state.pieces():
             state.load_local(index, functools.partial(_read_pieces, reader, state.part_names(index), pieces))
         state.release()
-        rest = state.rest()
+        rest = state.rest(load=True)
         _load(reader, {key(name): t for name, t in rest.items()})
-        state.commit_rest()
+        state.commit_rest(rest)
     state.take_meta(meta)
 
 
@@ -373,7 +373,7 @@ def load_sharded(state: ModelState, tree: Any) -> None:
                 v = values[name] = _lookup(tree, name)
                 if not isinstance(v, ShardedValue) or v.local_range != (p.lo, p.hi) or tuple(v.shape) != p.shape:
                     raise bad(f"{key(name)!r} is not this process's ShardedValue of it (elements [{p.lo}, {p.hi}))")
-    rest = state.rest()
+    rest = state.rest(load=True)
     for name, t in rest.items():
         v = values[name] = _lookup(tree, name)
         if not isinstance(v, torch.Tensor) or isinstance(v, ShardedValue) or v.shape != t.shape:
@@ -384,7 +384,7 @@ def load_sharded(state: ModelState, tree: Any) -> None:
         state.release()
         for name, t in rest.items():
             t.copy_(values[name])  # a no-op where dcp.load filled the model's own tensor
-        state.commit_rest()
+        state.commit_rest(rest)
     state.take_meta(meta)
 
 

@@ -28,15 +28,15 @@ MEMBERS = ("params", "param_names", "name")
 
 class Fp32Values:
     """The fp32 tensor a group shows for each parameter, by name: its master where its optimizer
-    state lives, or the fp32 copy of a frozen parameter that has no state (yet)."""
+    state lives; for a frozen parameter that has no state (yet), its host copy or the parameter
+    itself (NOTE [Frozen weights keep one copy])."""
 
     def __init__(self, module: torch.nn.Module, layout: Layout):
         self.module, self.layout = module, layout
 
     def __call__(self, name: str) -> torch.Tensor:
-        frozen = self.layout.frozen.get(name)
-        if frozen is not None:
-            return frozen
+        if name in self.layout.frozen:
+            return self.layout.frozen.shown(name)
         b, s = self.layout.slot_of[id(self.module.get_parameter(name))]
         return self.layout.homes.state[b.index].master(b, s)
 

@@ -20,6 +20,7 @@ from tiermem.errors import ConfigError
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.plan.placement import ParamGroup, compute_tier
 from tiermem.train.buffers import KeptBuffers
+from tiermem.train.frozen import FrozenParams
 from tiermem.train.gathered import GatheredWeights
 from tiermem.train.homes import DeviceWeights, GradHome, Homes, MemoryGrads, MemoryState, StateHome, WeightHome
 from tiermem.train.nvme_grads import NvmeGrads
@@ -28,7 +29,7 @@ from tiermem.train.param_offload import ParamOffload
 from tiermem.train.shard import ShardedGrads, ShardedState, ShardedWeights, shard_buckets
 from tiermem.transfer.collectives import Group, Solo
 from tiermem.transfer.service import CopyService
-from tiermem.types import TensorClass, Tier
+from tiermem.types import Tier
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Layout:
     groups: tuple[ParamGroup, ...]  # the optimizer param groups (Bucket.group indexes them)
     names: Mapping[int, tuple[str, ...]]  # id(param) -> every name it has (tied weights have several)
     slot_of: dict[int, tuple[Bucket, Slot]]  # id(param) -> its place
-    frozen: dict[str, torch.Tensor]  # name -> fp32 copy on the host, of parameters without optimizer state
+    frozen: FrozenParams  # parameters without optimizer state (NOTE [Frozen weights keep one copy])
     buffers: KeptBuffers  # NOTE [Buffers keep their values]
 
     @property
@@ -220,20 +221,12 @@ def _place_frozen(
     dtype: torch.dtype,
     device: torch.device,
     weights_off_device: Optional[ParamOffload],
-) -> dict[str, torch.Tensor]:
-    """Frozen parameters: an fp32 copy on the host (for checkpoints and detach), the working copy
-    on the device or at its home off the device."""
-    frozen: dict[str, torch.Tensor] = {}
+) -> FrozenParams:
+    """Frozen parameters: the working copy on the device or at its home off the device, and a
+    copy in their own dtype on the host where that differs (NOTE [Frozen weights keep one copy])."""
+    frozen = FrozenParams(module, weights_off_device)
     for name, p in module.named_parameters():
-        if p.requires_grad:
-            continue
-        frozen[name] = stores[Tier.HOST].allocate(f"{name}:frozen", p.shape, p.dtype, TensorClass.PARAM)
-        frozen[name].copy_(p.detach())
-        target = dtype if p.is_floating_point() else p.dtype
-        if weights_off_device is not None and name in weights_off_device.homes:
-            weights_off_device.adopt(name, p.detach().to(dtype=target, copy=True))
-        else:
-            p.data = stores[Tier.DEVICE].adopt(
-                f"{name}:frozen", p.detach().to(device=device, dtype=target), TensorClass.PARAM
-            )
+        if not p.requires_grad:
+            frozen.place(name, p, stores, dtype, device)
+    frozen.log_copies()
     return frozen

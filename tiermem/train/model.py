@@ -347,11 +347,6 @@ class TieredModel:
                 spec=opts.spec,
             )
             self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks)
-            frozen_off = (
-                {n: self.param_offload for n in self.layout.frozen if n in param_homes}
-                if self.param_offload is not None
-                else {}
-            )  # (frozen weights off the device make one)
             self._state = ModelState(
                 module,
                 self.layout,
@@ -360,7 +355,6 @@ class TieredModel:
                 self.optimizer.param_groups,
                 precision,
                 self.dtype,
-                frozen_off,
                 self.group,
             )
             self._life = Lifecycle()

@@ -22,7 +22,6 @@ from tiermem.errors import TierMemError
 from tiermem.optim.formats import StatePart
 from tiermem.plan.buckets import Bucket
 from tiermem.train.layout import Layout
-from tiermem.train.param_offload import ParamOffload
 from tiermem.train.scaler import LossScaler
 from tiermem.train.stepper import Stepper
 from tiermem.transfer.collectives import Group, Solo
@@ -58,12 +57,10 @@ class ModelState:
         param_groups: list[dict],
         precision: str,
         dtype: torch.dtype,
-        frozen_off_device: dict[str, ParamOffload],
         group: Group = Solo(),
     ):
         self.module, self.layout, self.stepper, self.scaler = module, layout, stepper, scaler
         self.param_groups, self.precision, self.dtype = param_groups, precision, dtype
-        self._frozen_off_device = frozen_off_device  # frozen parameter name -> its home off the device
         self.group = group
         self._bucket = {b.index: b for b in layout.buckets}
         self.writes_files = group.rank == 0  # under data parallelism rank 0 writes; every rank takes part
@@ -91,8 +88,8 @@ class ModelState:
             for i, part in enumerate(b.state.parts):
                 for j, s in enumerate(b.slots):
                     yield f"{part.name}/{s.name}", _shaped(b.pieces(state, j)[i], part, s.shape)
-        for name, t in self.layout.frozen.items():
-            yield f"frozen/{name}", t
+        for name in self.layout.frozen:
+            yield f"frozen/{name}", self.layout.frozen.value(name)
         for name, t in self.module.named_buffers():
             yield f"buffers/{name}", t
 
@@ -107,7 +104,9 @@ class ModelState:
                 for s in b.slots:
                     shape = tuple(s.shape) if part.elementwise else (part.numel(s.numel, s.shape),)
                     yield f"{part.name}/{s.name}", shape, (part.dtype,)
-        yield from ((f"frozen/{n}", tuple(t.shape), (t.dtype,)) for n, t in self.layout.frozen.items())
+        for n in self.layout.frozen:
+            shape, dtype = self.layout.frozen.meta(n)
+            yield f"frozen/{n}", shape, (dtype,)
         given = self.layout.buffer_dtypes
         for n, t in self.module.named_buffers():
             dtypes: tuple[torch.dtype, ...] = (given.get(n, t.dtype),)
@@ -159,9 +158,10 @@ class ModelState:
                 for name in self.layout.names[id(s.param)]:
                     out[name] = value
         params = dict(self.module.named_parameters())
-        for name, t in self.layout.frozen.items():
+        for name in self.layout.frozen:
+            value = self.layout.frozen.value(name).detach().to("cpu", copy=True)
             for alias in self.layout.names[id(params[name])]:
-                out[alias] = t.detach().cpu().clone()
+                out[alias] = value
         return out
 
     def module_state(self) -> dict[str, torch.Tensor]:
@@ -229,23 +229,21 @@ class ModelState:
         home.store_local(b, views)
         homes.weights[index].load(b, home.whole_master(b, views[0]), homes.compute_tier(b))
 
-    def rest(self) -> dict[str, torch.Tensor]:
-        """The tensors a checkpoint holds besides the optimizer state, by name (``frozen/<param>``:
-        the fp32 host copy; ``buffers/<buffer>``: the module's); filled in place, then
-        :meth:`commit_rest`."""
-        out = {f"frozen/{name}": t for name, t in self.layout.frozen.items()}
+    def rest(self, *, load: bool = False) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint holds besides the optimizer state, by name: ``frozen/<param>``
+        in the parameter's own dtype (NOTE [Frozen weights keep one copy]: its host copy, or its
+        working copy read from home), ``buffers/<buffer>`` the module's. With ``load``, tensors to
+        fill in place instead (a working copy off the device is not read), then
+        :meth:`commit_rest` with them."""
+        frozen = self.layout.frozen
+        out = {f"frozen/{n}": frozen.target(n) if load else frozen.value(n) for n in frozen}
         out.update((f"buffers/{name}", t) for name, t in self.module.named_buffers())
         return out
 
-    def commit_rest(self) -> None:
-        """Frozen parameters take their fp32 copies' values, at their home."""
-        params = dict(self.module.named_parameters())
-        for name, t in self.layout.frozen.items():
-            home = self._frozen_off_device.get(name)
-            if home is not None:
-                home.write_home(name, t.to(self.dtype))
-            else:
-                params[name].data.copy_(t)
+    def commit_rest(self, rest: dict[str, torch.Tensor]) -> None:
+        """Frozen parameters take the values filled into ``rest`` (:meth:`rest` with ``load``), at their home."""
+        for name in self.layout.frozen:
+            self.layout.frozen.write(name, rest[f"frozen/{name}"])
 
     # -- writing ------------------------------------------------------------------------------------
     def load(self, read_into: Callable[[str, torch.Tensor], None], meta: dict) -> None:
@@ -262,9 +260,13 @@ class ModelState:
                 homes.state[b.index].store(b, views)
                 homes.weights[b.index].load(b, views[0], homes.compute_tier(b))
             self._release()
-            for name, t in self.rest().items():
-                read_into(name, t)
-            self.commit_rest()
+            frozen = self.layout.frozen
+            for name in frozen:  # one at a time: a working copy off the device is read from no further
+                t = frozen.target(name)
+                read_into(f"frozen/{name}", t)
+                frozen.write(name, t)
+            for name, t in self.module.named_buffers():
+                read_into(f"buffers/{name}", t)
         self.take_meta(meta)
 
     def take_meta(self, meta: dict) -> None:
@@ -294,8 +296,8 @@ class ModelState:
             if name in slots:
                 b, s = slots[name]
                 by_bucket.setdefault(b.index, [b]).append((s, value))
-            else:
-                _take(self.layout.frozen[name], value)
+            elif name in self.layout.frozen.copies:  # else the working copy is its value: already home
+                _take(self.layout.frozen.copies[name], value)
         homes = self.layout.homes
         try:
             for b, *entries in by_bucket.values():

@@ -208,7 +208,7 @@ class Trainable:
                 state = homes.state[b.index]
                 master = state.initial_master(b)
                 for s in b.slots:
-                    master[s.offset : s.offset + s.numel].copy_(self.layout.frozen[s.name].reshape(-1))
+                    master[s.offset : s.offset + s.numel].copy_(self.layout.frozen.value(s.name).reshape(-1))
                 state.initialize(b)
                 homes.weights[b.index].initialize(b, master)
             for home in homes.state_homes():

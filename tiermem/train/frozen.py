@@ -1,0 +1,140 @@
+"""Frozen parameters: their working copy at its home, and a copy in their own dtype only where needed.
+
+# NOTE [Frozen weights keep one copy]
+# A parameter without optimizer state (frozen: LoRA's base model, a frozen encoder) computes with
+# its working copy, in the working precision, on the device or at its home off the device. The
+# value the user gave is also what checkpoints, ``detach()``, ``state_dict()`` and a later unfreeze
+# read, in the parameter's own dtype. When that dtype is the working one (a model loaded in bf16
+# and trained in bf16, fp32 in fp32, or a parameter that is not floating point), the working copy
+# *is* that value: nothing else is kept, and those reads fetch it from its home (NVMe included)
+# one parameter at a time. Only a parameter whose dtype differs from the working precision (an
+# fp32 model trained in bf16) keeps a second copy, in its own dtype, on the host: rounding it to
+# the working precision cannot be undone. So a bf16 model fine-tuned with its base weights on NVMe
+# holds none of them in host memory between uses; an fp32 one holds 4 bytes per frozen parameter
+# there, which the footprint counts (``FROZEN_COPY``) and a log line names once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator, Optional
+
+import torch
+
+from tiermem.memory.resident import MemoryStore
+from tiermem.plan.footprint import keeps_copy
+from tiermem.train.param_offload import ParamOffload
+from tiermem.types import TensorClass, Tier
+
+log = logging.getLogger("tiermem")
+
+__all__ = ["FrozenParams"]
+
+
+class FrozenParams:
+    """The frozen parameters of a model by name (NOTE [Frozen weights keep one copy]): where their
+    working copies live, and the host copies of those whose dtype differs from the working one."""
+
+    def __init__(self, module: torch.nn.Module, off_device: Optional[ParamOffload]):
+        self._module = module
+        self._off = off_device
+        self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # in the order placed
+        self.copies: dict[str, torch.Tensor] = {}  # name -> the host copy in the parameter's own dtype
+
+    # -- building ------------------------------------------------------------------------------------
+    def place(
+        self, name: str, p: torch.nn.Parameter, stores: dict[Tier, MemoryStore], dtype: torch.dtype, device
+    ) -> None:
+        """Take the frozen parameter ``p``: its working copy in ``dtype`` (floating point) to the
+        device, or to its home off the device, and a host copy of its value where it keeps one."""
+        self._meta[name] = (tuple(p.shape), p.dtype)
+        target = dtype if p.is_floating_point() else p.dtype
+        if keeps_copy(p.dtype, target, p.is_floating_point()):
+            copy = stores[Tier.HOST].allocate(f"{name}:frozen", p.shape, p.dtype, TensorClass.PARAM)
+            copy.copy_(p.detach())
+            self.copies[name] = copy
+        if self._is_off(name):
+            assert self._off is not None
+            self._off.adopt(name, p.detach().to(dtype=target, copy=True))
+        else:
+            p.data = stores[Tier.DEVICE].adopt(
+                f"{name}:frozen", p.detach().to(device=device, dtype=target), TensorClass.PARAM
+            )
+
+    def log_copies(self) -> None:
+        if self.copies:
+            nbytes = sum(t.numel() * t.element_size() for t in self.copies.values())
+            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in self.copies.values()})
+            log.info(
+                "tiermem: %d frozen parameters keep a %s copy on the host beside their working copy "
+                "(%.2f GiB): load the model in the working precision to keep one copy only",
+                len(self.copies),
+                "/".join(dtypes),
+                nbytes / 2**30,
+            )
+
+    # -- as a collection -----------------------------------------------------------------------------
+    def __contains__(self, name: object) -> bool:
+        return name in self._meta
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._meta))
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def pop(self, name: str) -> None:
+        """``name`` trains from now on (NOTE [Freezing and unfreezing]); the caller deletes its
+        host copy's key from the host store."""
+        del self._meta[name]
+        self.copies.pop(name, None)
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """The parameter's shape and its own dtype, reading nothing."""
+        return self._meta[name]
+
+    # -- values --------------------------------------------------------------------------------------
+    def shown(self, name: str) -> torch.Tensor:
+        """The tensor a param group shows for it: its host copy, or the parameter itself."""
+        copy = self.copies.get(name)
+        return copy if copy is not None else self._module.get_parameter(name)
+
+    def value(self, name: str) -> torch.Tensor:
+        """Its value in its own dtype, on the host: the host copy itself, or the working copy (the
+        parameter's data, copied from a GPU, or read from its home off the device)."""
+        copy = self.copies.get(name)
+        if copy is not None:
+            return copy
+        if self._is_off(name):
+            assert self._off is not None
+            with self._off.holding([name], "a checkpoint or detach()") as (held,):
+                return held.to("cpu", copy=True)
+        return self._module.get_parameter(name).data.cpu()  # on a GPU, a host copy
+
+    def target(self, name: str) -> torch.Tensor:
+        """A host tensor to read a new value into, then :meth:`write`: the host copy, the
+        parameter's data (the device is the CPU), or a new one."""
+        copy = self.copies.get(name)
+        if copy is not None:
+            return copy
+        data = self._module.get_parameter(name).data
+        if self._is_off(name) or data.device.type != "cpu":
+            shape, dtype = self._meta[name]
+            return torch.empty(shape, dtype=dtype)
+        return data
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        """``value`` (in the parameter's own dtype) becomes the parameter's: its host copy, and its
+        working copy at its home."""
+        copy = self.copies.get(name)
+        if copy is not None and copy is not value:
+            copy.copy_(value)
+        p = self._module.get_parameter(name)
+        if self._is_off(name):
+            assert self._off is not None
+            self._off.write_home(name, value.to(p.dtype))
+        elif p.data is not value:
+            p.data.copy_(value)
+
+    def _is_off(self, name: str) -> bool:
+        return self._off is not None and name in self._off.homes
