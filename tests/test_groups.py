@@ -308,18 +308,11 @@ def _scheduled(m):
     return opt
 
 
-class MyAdamW(torch.optim.AdamW):
-    pass
-
-
 REFUSED_AT_CONSTRUCTION = {
-    "rmsprop": (
-        lambda m: torch.optim.RMSprop(m.parameters(), lr=0.1),
-        r"optimizer=torch\.optim\.rmsprop\.RMSprop is "
-        r"not one tiermem runs; it runs torch\.optim\.AdamW, torch\.optim\.Adam, torch\.optim\.SGD, "
-        r"torch\.optim\.Adagrad, bitsandbytes AdamW8bit",
+    "lbfgs": (  # runs neither fused nor generically (its step needs a closure: NOTE [Generic optimizers])
+        lambda m: torch.optim.LBFGS(m.parameters(), lr=0.1),
+        r"optimizer=LBFGS could not be run generically: its step\(\) failed on a probe",
     ),
-    "a subclass": (lambda m: MyAdamW(m.parameters()), r"MyAdamW is not one tiermem runs"),
     "amsgrad": (
         lambda m: torch.optim.AdamW(m.parameters(), amsgrad=True),
         r"AdamW given as optimizer=: AdamW\.params\[0\]\.amsgrad=True: tiermem's Adam has no amsgrad",

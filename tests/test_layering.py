@@ -21,6 +21,7 @@ LAYERS = {
     "tiermem.budgets": 0,
     "tiermem.torch_optim": 0,
     "tiermem.optim_specs": 0,
+    "tiermem.optim_generic": 0,
     "tiermem.spans": 0,
     "tiermem.plan.policy": 1,
     "tiermem.policies": 1,

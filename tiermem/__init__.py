@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tiermem.budgets import Budgets, parse_bytes
 from tiermem.config import Adam, AdamW, LossScale
-from tiermem.optim_specs import SGD, Adagrad, Adam8bit, AdamW8bit, Lion
+from tiermem.optim_specs import SGD, Adafactor, Adagrad, Adam8bit, AdamW8bit, Lion
 from tiermem.errors import ArgumentError, ConfigError, OutOfTierMemory, StoreError, TierMemError
 from tiermem.handles import Handle
 from tiermem.train.model import StepResult, TieredModel
@@ -18,10 +18,12 @@ from tiermem.observe.report import Report
 from tiermem.memory.nvme import NvmeStore
 from tiermem.types import StateKey, TensorClass, TensorInfo, Tier
 from tiermem.deepspeed_config import from_deepspeed_config
+from tiermem.torch_optim import optimizers
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Adafactor",
     "Adagrad",
     "Adam",
     "Adam8bit",
@@ -49,6 +51,7 @@ __all__ = [
     "Tier",
     "TierMemError",
     "from_deepspeed_config",
+    "optimizers",
     "parse_bytes",
     "__version__",
 ]

@@ -202,6 +202,22 @@ _OTHER_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "two numbers, each in [0, 1]",
     ),
     "bf16_stochastic_round": (lambda v: isinstance(v, bool), "True or False"),
+    # a generic optimizer's (NOTE [Generic optimizers]): its own constructor checked them
+    "generic": (lambda v: True, "anything its optimizer takes"),
+    # Adafactor's, as torch.optim.Adafactor names them (eps is the pair (eps1, eps2): ``adafactor_eps``)
+    "beta2_decay": (lambda v: is_number(v) and -math.inf < v <= 0, "a number <= 0"),
+    "eps1": (lambda v: v is None or _finite_non_negative(v), "None or a finite number >= 0"),
+    "eps2": _FINITE_NON_NEGATIVE,
+    "d": (lambda v: is_number(v) and 1 <= v < math.inf, "a finite number >= 1"),
+    "adafactor_eps": (
+        lambda v: (
+            isinstance(v, (tuple, list))
+            and len(v) == 2
+            and (v[0] is None or _finite_non_negative(v[0]))
+            and _finite_non_negative(v[1])
+        ),
+        "a pair (eps1 or None, eps2) of finite numbers >= 0",
+    ),
 }
 #: every hyperparameter a param group of some tiermem optimizer may hold (what a checkpoint keeps)
 ALL_GROUP_HYPER = (
@@ -215,6 +231,8 @@ ALL_GROUP_HYPER = (
     "maximize",
     "lr_decay",
     "initial_accumulator_value",
+    "beta2_decay",
+    "d",
 )
 
 
@@ -225,7 +243,7 @@ def check_hyper(where: str, **values: Any) -> None:
         key = "lion_beta" if name in ("lion_beta1", "lion_beta2") else name
         ok, rule = _ADAM_RULES[key] if key in _ADAM_RULES else _OTHER_RULES[key]
         if not ok(value):
-            raise _invalid(where, name.removeprefix("lion_"), value, rule)
+            raise _invalid(where, name.removeprefix("lion_").removeprefix("adafactor_"), value, rule)
 
 
 def _invalid(where: str, name: str, value: Any, rule: str) -> ConfigError:
@@ -450,7 +468,8 @@ class _Spec:
             value = getattr(self, name)
             value = tuple(_number(b) for b in value) if isinstance(value, (tuple, list)) else _number(value)
             check_hyper(where, **{self.RULES.get(name, name): value})
-            object.__setattr__(self, name, tuple(float(b) for b in value) if isinstance(value, tuple) else value)
+            kept = tuple(None if b is None else float(b) for b in value) if isinstance(value, tuple) else value
+            object.__setattr__(self, name, kept)
         check_hyper(where, bf16_stochastic_round=self.bf16_stochastic_round)
         nd = self.no_decay
         if isinstance(nd, (set, frozenset)):

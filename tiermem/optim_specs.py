@@ -1,7 +1,7 @@
 """The optimizer specs beyond Adam (NOTE [Optimizer specs] in tiermem/config.py): ``SGD``,
 ``Adagrad``, ``Lion`` and the 8-bit Adams, each with torch's names and defaults (bitsandbytes' and
 torchao's for the 8-bit ones, the paper's for Lion), the same param groups as ``AdamW``, and
-``bf16_stochastic_round``. TieredModel runs each with its fused CPU kernel (tiermem.optim) where the
+``bf16_stochastic_round``; and ``Adafactor`` (torch's, factored state). TieredModel runs each with its fused CPU kernel (tiermem.optim) where the
 optimizer state lives.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Optional
 
 from tiermem.config import Adam, AdamW, _Spec, _invalid, is_int
 from tiermem.errors import ConfigError, checked_arguments
@@ -147,6 +147,45 @@ class Lion(_Spec):
     WHAT: ClassVar[str] = "Lion"
 
 
+@checked_arguments
+@dataclass(frozen=True, kw_only=True, repr=False)
+class Adafactor(_Spec):
+    """Adafactor, like ``torch.optim.Adafactor`` (its names and defaults): the second moment of a
+    parameter of two or more dimensions factored into one value per row and one per column of its
+    last two dimensions (a vector keeps one per element), no first moment, the step size relative to
+    the weights' RMS. Its state is a few bytes per row and column of each matrix beside the master
+    weights (NOTE [State formats]); under data parallelism, pass ``process_group=False``.
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate (the most the relative step size may be).
+        weight_decay: weight decay (decoupled).
+        beta2_decay: the exponent of the second moment's decay (``1 - step ** beta2_decay``).
+        eps: ``(eps1, eps2)``: the term added to the squared gradient (None: fp32's machine
+            epsilon) and the floor of the weights' RMS that scales the update.
+        d: clipping threshold of the update's RMS.
+        maximize: maximize the objective instead of minimizing it.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
+    """
+
+    lr: float = 1e-2
+    beta2_decay: float = -0.8
+    eps: tuple[Optional[float], float] = (None, 1e-3)
+    d: float = 1.0
+    maximize: bool = False
+
+    kind: ClassVar[str] = "adafactor"
+    HYPER: ClassVar[tuple[str, ...]] = ("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize")
+    RULES: ClassVar[Mapping[str, str]] = MappingProxyType({"eps": "adafactor_eps"})
+    OFF: ClassVar[tuple[str, ...]] = ()
+    WHAT: ClassVar[str] = "Adafactor"
+
+
 class _EightBit:
     """Block-wise 8-bit moments (NOTE [8-bit state] in tiermem/optim/_quant.py); parameters with
     fewer than ``min_8bit_size`` elements keep fp32 moments, as bitsandbytes and torchao do."""
@@ -218,4 +257,4 @@ class Adam8bit(_EightBit, Adam):
         self._check_8bit()
 
 
-__all__ = ["Adagrad", "Adam8bit", "AdamW8bit", "Lion", "SGD"]
+__all__ = ["Adafactor", "Adagrad", "Adam8bit", "AdamW8bit", "Lion", "SGD"]

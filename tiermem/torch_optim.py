@@ -3,21 +3,36 @@
 ``TieredModel(model, optimizer=torch.optim.AdamW(groups, lr=...))`` takes the optimizer's class,
 its param groups and each group's hyperparameters (NOTE [Param groups] in tiermem/config.py);
 tiermem runs that update where the optimizer state lives, and never steps the instance itself,
-whose state must be empty. :data:`TORCH_OPTIMIZERS` is the one table of the classes it runs; a
-class not in it is refused by name, with the list.
+whose state must be empty. :data:`TORCH_OPTIMIZERS` is the one table of the classes it runs with a
+fused kernel (and :data:`FOREIGN_8BIT`, other libraries' 8-bit AdamW); any other optimizer class
+runs generically, its own ``step()`` on the master weights (NOTE [Generic optimizers] in
+tiermem/optim_generic.py), or is refused by name where it cannot. :func:`optimizers` lists which.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
 
 from tiermem.config import Adam, AdamW, _Spec
 from tiermem.errors import ConfigError, TierMemError
-from tiermem.optim_specs import SGD, Adagrad, Adam8bit, AdamW8bit
+from tiermem.optim_generic import GenericSpec
+from tiermem import optim_specs
+from tiermem.optim_specs import SGD, Adafactor, Adagrad, Adam8bit, AdamW8bit
 
-__all__ = ["FOREIGN_8BIT", "TORCH_OPTIMIZERS", "runs", "spec_from_torch", "stepped_elsewhere", "supported_names"]
+__all__ = [
+    "FOREIGN_8BIT",
+    "TORCH_OPTIMIZERS",
+    "optimizers",
+    "runs",
+    "spec_from_torch",
+    "stepped_elsewhere",
+    "supported_names",
+]
+
+log = logging.getLogger(__name__)
 
 
 def _adam(defaults: dict[str, Any]) -> type[_Spec]:
@@ -32,6 +47,7 @@ TORCH_OPTIMIZERS: dict[type, Callable[[dict[str, Any]], type[_Spec]]] = {
     torch.optim.Adam: _adam,
     torch.optim.SGD: lambda defaults: SGD,
     torch.optim.Adagrad: lambda defaults: Adagrad,
+    torch.optim.Adafactor: lambda defaults: Adafactor,
 }
 
 #: 8-bit AdamW classes of other libraries, read by their module and class name (the libraries are
@@ -56,8 +72,43 @@ def supported_names() -> str:
 
 
 def runs(cls: Any) -> bool:
-    """Whether tiermem runs optimizers of this class (TORCH_OPTIMIZERS, FOREIGN_8BIT)."""
+    """Whether tiermem may run optimizers of this class: fused (TORCH_OPTIMIZERS, FOREIGN_8BIT) or
+    generically (any other torch.optim.Optimizer subclass; its probe may still refuse it)."""
+    return cls in TORCH_OPTIMIZERS or (
+        isinstance(cls, type) and (_foreign(cls) is not None or issubclass(cls, torch.optim.Optimizer))
+    )
+
+
+def fused(cls: Any) -> bool:
+    """Whether optimizers of this class run with one of tiermem's fused kernels."""
     return cls in TORCH_OPTIMIZERS or (isinstance(cls, type) and _foreign(cls) is not None)
+
+
+def optimizers() -> dict[str, str]:
+    """Every optimizer tiermem runs, by name, and how: ``"fused"`` (a fused kernel of tiermem.optim:
+    tiermem's specs, the torch classes of :data:`TORCH_OPTIMIZERS`, other libraries' 8-bit AdamW) or
+    ``"generic"`` (its own ``step()`` on the master weights: NOTE [Generic optimizers]). The
+    ``torch.optim`` classes listed as generic are those whose probe passes here (LBFGS, which needs a
+    closure, and SparseAdam, which needs sparse gradients, are not); any other ``torch.optim.Optimizer``
+    subclass is tried the same way when given."""
+    out = {f"tiermem.{name}": "fused" for name in ("Adam", "AdamW", *optim_specs.__all__)}
+    out.update({f"torch.optim.{cls.__name__}": "fused" for cls in TORCH_OPTIMIZERS})
+    out.update({f"{m.partition('.')[0]}.{c}": "fused" for m, c in FOREIGN_8BIT})
+    for name in sorted(torch.optim.__all__):
+        cls = getattr(torch.optim, name)
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
+            if cls not in TORCH_OPTIMIZERS and _generic_ok(cls):
+                out[f"torch.optim.{name}"] = "generic"
+    return dict(sorted(out.items()))
+
+
+def _generic_ok(cls: type) -> bool:
+    """Whether the generic path's probe passes for ``cls`` built with its defaults."""
+    try:
+        GenericSpec([torch.zeros(1, requires_grad=True)], optimizer=cls([torch.zeros(1, requires_grad=True)]))
+    except (ConfigError, TypeError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def _stepped(optimizer: torch.optim.Optimizer) -> bool:
@@ -72,18 +123,17 @@ def _foreign(cls: type) -> Optional[type[_Spec]]:
 
 
 def spec_from_torch(optimizer: torch.optim.Optimizer, *, scheduled: bool = False) -> _Spec:
-    """The spec that runs ``optimizer`` in tiermem: its class (by :data:`TORCH_OPTIMIZERS`), its
-    param groups in order, each with its hyperparameters. Refused: a class not in the table (a
-    subclass too: it may change the update), an optimizer that has stepped (tiermem never steps
+    """The spec that runs ``optimizer`` in tiermem: its class (by :data:`TORCH_OPTIMIZERS`: fused; a
+    class not in it, a subclass of one too, since it may change the update: generic), its param
+    groups in order, each with its hyperparameters. Refused: an optimizer that has stepped (tiermem never steps
     it, so its state would be lost) or one an lr scheduler was built on (that scheduler would set
     the lr of an optimizer nobody steps: build it on ``tm.optimizer``), unless ``scheduled``: the
     caller moves that scheduler onto tiermem's optimizer (the Trainer integration does)."""
     cls = type(optimizer)
-    if cls not in TORCH_OPTIMIZERS and _foreign(cls) is None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
-            f"tiermem: optimizer={cls.__module__}.{cls.__qualname__} is not one tiermem runs; it runs "
-            f"{supported_names()} (and tiermem.AdamW/Adam): pass one of them, built on the model's "
-            f"parameters as usual"
+            f"tiermem: optimizer={cls.__module__}.{cls.__qualname__} is not a torch.optim.Optimizer; pass "
+            f"one built on the model's parameters, or a tiermem spec ({supported_names()}, tiermem.AdamW, ...)"
         )
     if _stepped(optimizer):
         raise ConfigError(
@@ -98,6 +148,10 @@ def spec_from_torch(optimizer: torch.optim.Optimizer, *, scheduled: bool = False
             f"after the TieredModel"
         )
     defaults = optimizer.defaults
+    if not fused(cls):  # no fused kernel: its own step() (NOTE [Generic optimizers])
+        groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
+        return GenericSpec(groups, optimizer=optimizer)
+    log.info("tiermem: %s runs with its fused kernel (tiermem.optim)", cls.__qualname__)
     spec = TORCH_OPTIMIZERS[cls](defaults) if cls in TORCH_OPTIMIZERS else _foreign(cls)
     assert spec is not None
     if cls not in TORCH_OPTIMIZERS:  # another library's 8-bit AdamW: only the keys tiermem's takes

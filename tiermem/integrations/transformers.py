@@ -272,6 +272,14 @@ class TieredTrainer(Trainer):
     def _named_optimizer(self) -> type[_Spec]:
         """The spec of ``TrainingArguments(optim=...)``, by :data:`OPTIM_NAMES`."""
         optim = getattr(self.user_args.optim, "value", self.user_args.optim)  # an OptimizerNames (a str enum) or a str
+        if optim == "adafactor":  # the Trainer's name builds transformers' Adafactor, another update than torch's
+            raise ConfigError(
+                "tiermem: TrainingArguments(optim='adafactor') is transformers' Adafactor with an absolute "
+                "step size (relative_step=False, scale_parameter=False), which tiermem does not run; "
+                "tiermem runs torch.optim.Adafactor (a step relative to the weights' RMS, other numbers): "
+                "pass TieredTrainer(optimizer_cls_and_kwargs=(torch.optim.Adafactor, {'lr': ...})) to "
+                "train with it"
+            )
         if optim not in OPTIM_NAMES:
             raise ConfigError(
                 f"tiermem: TrainingArguments(optim={optim!r}) is not an optimizer tiermem runs; it runs "
@@ -290,7 +298,8 @@ class TieredTrainer(Trainer):
         if not runs(cls) and not (isinstance(cls, type) and issubclass(cls, _Spec)):
             raise ConfigError(
                 f"tiermem: TieredTrainer(optimizer_cls_and_kwargs=({getattr(cls, '__name__', cls)}, ...)) "
-                f"is not an optimizer tiermem runs; it runs {supported_names()} and tiermem.AdamW/Adam"
+                f"is not an optimizer tiermem runs; it runs {supported_names()} and tiermem's specs fused, "
+                f"any other torch.optim.Optimizer generically"
             )
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [
@@ -554,7 +563,8 @@ def _check_supported(args: TrainingArguments, kwargs: dict) -> None:
     if optimizer is not None and not runs(type(optimizer)):
         raise ConfigError(
             f"tiermem: TieredTrainer(optimizers=({type(optimizer).__name__}(...), ...)) is not an "
-            f"optimizer tiermem runs; it runs {supported_names()}, built on the model's parameters"
+            f"optimizer tiermem runs; it runs {supported_names()} fused and any other torch.optim.Optimizer "
+            f"generically, built on the model's parameters"
         )
 
 

@@ -13,14 +13,20 @@ bf16 with stochastic rounding (``bf16_stochastic_round``: no separate fp32 copy)
 parameters of one format (one kernel family): each part is one flat buffer per bucket, the slots'
 pieces of it back to back in slot order (:meth:`StateFormat.offsets`).
 
-Later formats join here without touching the homes: a factored state (Adafactor's row and column
-vectors per matrix) is parts whose element count depends on the shape, not only on ``n`` (the
-``numel`` of a part takes the shape); an opaque state (a generic torch optimizer) would be one
-part of bytes per parameter.
+A factored part (``factor``: Adafactor's ``row_var``, ``col_var`` and ``variance``) has as many
+elements as the parameter's *shape* gives it (:func:`tiermem.optim.adafactor.state_numels`: one per
+row and one per column of each matrix of a parameter of two or more dimensions, one per element of
+a vector, none of the other layout), so its ``numel`` takes the shape. Its update needs the whole
+parameter (the factors are means over rows and columns): such a format is not elementwise, the step
+calls its kernel once per parameter with the parameter's shape, and a piece of a parameter (a data
+parallel chunk cutting it) cannot be updated. Its bytes are the true ones everywhere they are
+counted (plans, budgets, homes, NVMe values, checkpoints): a matrix of ``r x c`` keeps ``r + c``
+fp32 values of second moment, where Adam keeps ``2 r c``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -30,9 +36,10 @@ from tiermem import optim as _entries  # the functional entries, looked up when 
 from tiermem.errors import ConfigError
 from tiermem.optim import _quant
 from tiermem.optim._sr import StochasticRound
+from tiermem.optim.adafactor import state_numels as _factored_numels
 
 #: the kernel families TieredModel runs, by the name a spec gives (``kind``)
-KINDS = ("adam", "adamw", "adam8bit", "adamw8bit", "sgd", "adagrad", "lion")
+KINDS = ("adam", "adamw", "adam8bit", "adamw8bit", "sgd", "adagrad", "lion", "adafactor", "generic")
 MASTER_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -40,16 +47,33 @@ MASTER_DTYPES = (torch.float32, torch.bfloat16)
 class StatePart:
     """One tensor of a parameter's state: its name, dtype, one element per ``block`` elements of the
     parameter (1: elementwise), and the value it starts at (moments 0; Adagrad's sum its
-    ``initial_accumulator_value``)."""
+    ``initial_accumulator_value``). ``factored``: its elements follow the parameter's shape, as
+    :func:`tiermem.optim.adafactor.state_numels` counts the part of this name (NOTE [State formats])."""
 
     name: str
     dtype: torch.dtype
     block: int = 1
     initial: float = 0.0
+    factored: bool = False
+    #: one element per parameter, whatever its size (a generic optimizer's ``step``: NOTE [Generic optimizers])
+    per_parameter: bool = False
 
-    def numel(self, n: int) -> int:
-        """Elements of this part for a parameter of ``n`` elements."""
+    def numel(self, n: int, shape: Optional[Sequence[int]] = None) -> int:
+        """Elements of this part for a parameter of ``n`` elements (of ``shape``: a factored part
+        needs it; without it, a factored part counts as a vector's, ``n``)."""
+        if self.per_parameter:
+            return 1
+        if self.factored:
+            dims = (n,) if shape is None else tuple(int(d) for d in shape)
+            if math.prod(dims) != n:
+                raise ConfigError(f"tiermem: state part {self.name}: shape {dims} does not have {n} elements")
+            return _factored_numels(dims).get(self.name, 0)
         return n if self.block == 1 else -(-n // self.block)
+
+    @property
+    def elementwise(self) -> bool:
+        """One element per parameter element, whatever its shape."""
+        return self.block == 1 and not self.factored and not self.per_parameter
 
     @property
     def itemsize(self) -> int:
@@ -88,25 +112,33 @@ class StateFormat:
     def elementwise(self) -> bool:
         """Every part has one element per parameter element: any element range of a bucket is a
         valid piece of state (data parallel chunks may cut parameters anywhere)."""
-        return all(p.block == 1 for p in self.parts)
+        return all(p.elementwise for p in self.parts)
 
-    def nbytes(self, n: int) -> int:
-        """Bytes of the state (master included) of a parameter of ``n`` elements."""
-        return sum(p.numel(n) * p.itemsize for p in self.parts)
+    @property
+    def factored(self) -> bool:
+        """Some part follows the parameter's shape: the update takes a whole parameter at a time."""
+        return any(p.factored for p in self.parts)
 
-    def part_bytes(self, numels: Sequence[int]) -> list[int]:
-        """Bytes of each part's buffer for parameters of these element counts, back to back."""
-        return [sum(p.numel(n) for n in numels) * p.itemsize for p in self.parts]
+    def nbytes(self, n: int, shape: Optional[Sequence[int]] = None) -> int:
+        """Bytes of the state (master included) of a parameter of ``n`` elements (of ``shape``)."""
+        return sum(p.numel(n, shape) * p.itemsize for p in self.parts)
 
-    def offsets(self, numels: Sequence[int]) -> list[list[int]]:
+    def part_bytes(self, numels: Sequence[int], shapes: Optional[Sequence[Sequence[int]]] = None) -> list[int]:
+        """Bytes of each part's buffer for parameters of these element counts (and ``shapes``), back to back."""
+        shapes_ = list(shapes) if shapes is not None else [None] * len(numels)
+        return [sum(p.numel(n, sh) for n, sh in zip(numels, shapes_)) * p.itemsize for p in self.parts]
+
+    def offsets(self, numels: Sequence[int], shapes: Optional[Sequence[Sequence[int]]] = None) -> list[list[int]]:
         """Per part, where each parameter's piece starts in the part's buffer (parameters of these
-        element counts, in order); for an elementwise part, the parameter's offset in the bucket."""
+        element counts and ``shapes``, in order); for an elementwise part, the parameter's offset in
+        the bucket."""
+        shapes_ = list(shapes) if shapes is not None else [None] * len(numels)
         out = []
         for p in self.parts:
             at, mine = 0, []
-            for n in numels:
+            for n, sh in zip(numels, shapes_):
                 mine.append(at)
-                at += p.numel(n)
+                at += p.numel(n, sh)
             out.append(mine)
         return out
 
@@ -123,7 +155,11 @@ class StateFormat:
 
     def describe(self) -> str:
         """One line: the parts and their bytes per parameter (an 8-bit part's scales counted)."""
-        per = " + ".join(f"{p.name} {p.itemsize / p.block:g}" for p in self.parts)
+        per = " + ".join(
+            f"{p.name} {'(rows + columns) x ' if p.factored else 'per parameter ' if p.per_parameter else ''}"
+            f"{p.itemsize / p.block:g}"
+            for p in self.parts
+        )
         return f"{self.kind}: {per} B/param"
 
 
@@ -135,10 +171,14 @@ def state_format(
     momentum: bool = False,
     initial_accumulator_value: float = 0.0,
     min_8bit_size: int = _quant.MIN_8BIT_NUMEL,
+    generic_parts: Sequence[Any] = (),
+    optimizer: Any = None,
 ) -> StateFormat:
     """The format of a parameter of ``numel`` elements under ``kind``: SGD keeps a
     ``momentum_buffer`` only with ``momentum``; 8-bit Adam keeps fp32 moments (Adam's format) below
-    ``min_8bit_size`` elements (NOTE [8-bit state]); ``master_dtype`` bf16 drops the fp32 master."""
+    ``min_8bit_size`` elements (NOTE [8-bit state]); ``master_dtype`` bf16 drops the fp32 master; a
+    generic optimizer keeps the entries its probe found (``generic_parts``), run by a copy of
+    ``optimizer`` (NOTE [Generic optimizers] in tiermem/optim_generic.py)."""
     if kind not in KINDS:
         raise ConfigError(f"tiermem: state_format kind={kind!r} is unknown; pass one of {KINDS}")
     f32 = torch.float32
@@ -162,6 +202,11 @@ def state_format(
         parts += [StatePart("state_sum", f32, initial=float(initial_accumulator_value))]
     elif kind == "lion":
         parts += [StatePart("exp_avg", f32)]
+    elif kind == "generic":  # its entries as the probe found them (NOTE [Generic optimizers])
+        parts += [StatePart(q.name, q.dtype, per_parameter=not q.elementwise) for q in generic_parts]
+        options["optimizer"] = optimizer
+    elif kind == "adafactor":  # a matrix keeps row_var and col_var, a vector variance (NOTE [State formats])
+        parts += [StatePart(name, f32, factored=True) for name in ("row_var", "col_var", "variance")]
     return StateFormat(kind, tuple(parts), options)
 
 
@@ -181,9 +226,11 @@ def step(
     clip_coef: float,
     out: Optional[torch.Tensor],
     stochastic_round: Optional[StochasticRound] = None,
+    shape: Optional[Sequence[int]] = None,
 ) -> None:
     """One fused update of one piece of state under ``fmt``'s kernel, the hyperparameters read from
-    a param group's dict (``hyper``, torch's names); the gradients are known to be finite."""
+    a param group's dict (``hyper``, torch's names); the gradients are known to be finite. A
+    factored format updates one whole parameter of ``shape`` (its pieces flat)."""
     common: dict[str, Any] = dict(step=step, grad_scale=grad_scale, clip_coef=clip_coef, out=out, check_finite=False)
     if stochastic_round is not None:
         common["stochastic_round"] = stochastic_round
@@ -254,6 +301,27 @@ def step(
             maximize=hyper["maximize"],
             **common,
         )
+    elif kind == "adafactor":
+        dims = tuple(master.shape) if shape is None else tuple(shape)
+        # a matrix's pieces are row_var and col_var, a vector's variance (the other layout's have 0 elements)
+        row_var, col_var, variance = (state[0], state[1], None) if len(dims) >= 2 else (None, None, state[2])
+        eps1, eps2 = hyper["eps"]
+        _entries.adafactor_step(
+            master,
+            grad,
+            lr=hyper["lr"],
+            beta2_decay=hyper["beta2_decay"],
+            eps1=eps1,
+            eps2=eps2,
+            d=hyper["d"],
+            weight_decay=hyper["weight_decay"],
+            maximize=hyper["maximize"],
+            row_var=row_var,
+            col_var=col_var,
+            variance=variance,
+            shape=dims,
+            **common,
+        )
     else:
         beta1, beta2 = hyper["betas"]
         _entries.lion_step(
@@ -270,12 +338,13 @@ def step(
 
 def blocks_aligned(fmt: StateFormat, start: int) -> bool:
     """Whether a piece of a parameter starting at its element ``start`` keeps ``fmt``'s blocks whole."""
-    return all(start % p.block == 0 for p in fmt.parts)
+    return all(start % p.block == 0 for p in fmt.parts) and (start == 0 or not fmt.factored)
 
 
 def per_param_bytes(fmt: StateFormat) -> float:
-    """Bytes per parameter element of a large parameter (blocked parts amortised)."""
-    return sum(p.itemsize / p.block for p in fmt.parts)
+    """Bytes per parameter element of a large parameter (blocked parts amortised; a factored part's
+    rows and columns are nothing beside a large matrix's elements)."""
+    return sum(0.0 if p.factored or p.per_parameter else p.itemsize / p.block for p in fmt.parts)
 
 
 __all__ = ["ADAM", "KINDS", "StateFormat", "StatePart", "blocks_aligned", "per_param_bytes", "state_format", "step"]

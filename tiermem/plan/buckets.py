@@ -56,7 +56,9 @@ class Bucket:
     def part_numels(self) -> list[int]:
         """Elements of each part of the state (``state.parts``) for the whole bucket."""
         return [
-            sum(p.numel(s.numel) for s in self.slots) if p.block != 1 and self.slots else p.numel(self.numel)
+            sum(p.numel(s.numel, s.shape) for s in self.slots)
+            if not p.elementwise and self.slots
+            else p.numel(self.numel)
             for p in self.state.parts
         ]  # (a bucket of no slots: a plan's one bucket of ``numel`` parameters)
 
@@ -64,7 +66,7 @@ class Bucket:
         """Per part of the state, where each slot's piece starts in that part's buffer."""
         if self.state.elementwise:
             return [[s.offset for s in self.slots]] * len(self.state.parts)
-        return self.state.offsets([s.numel for s in self.slots])
+        return self.state.offsets([s.numel for s in self.slots], [s.shape for s in self.slots])
 
     def joined_bytes(self) -> int:
         """Bytes of the whole state as one buffer (one NVMe value): :meth:`StateFormat.joined`."""
@@ -76,7 +78,7 @@ class Bucket:
         if self.state.elementwise:
             return [v[s.offset : s.offset + s.numel] for v in views]
         return [
-            v[at[slot_index] : at[slot_index] + p.numel(s.numel)]
+            v[at[slot_index] : at[slot_index] + p.numel(s.numel, s.shape)]
             for v, p, at in zip(views, self.state.parts, self.part_offsets())
         ]
 

@@ -61,7 +61,9 @@ def _info(name: str, kind: TensorClass, p: torch.Tensor, dtype: torch.dtype) -> 
 
 def _state_info(key: StateKey, p: torch.Tensor, fmt: StateFormat) -> TensorInfo:
     part = fmt.parts[fmt.names.index(key.part)]
-    return TensorInfo.of_state(key, part.numel(p.numel()) * part.itemsize, tuple(p.shape), part.dtype, owner(key.param))
+    return TensorInfo.of_state(
+        key, part.numel(p.numel(), p.shape) * part.itemsize, tuple(p.shape), part.dtype, owner(key.param)
+    )
 
 
 def format_of(spec: _Spec, p: torch.Tensor) -> StateFormat:

@@ -114,7 +114,10 @@ def check_meta(meta: Any) -> None:
                     "a list of parameter names",
                 )
             else:
-                _hyper(f"meta.groups[{i}].", name, value, "lr" if name == "initial_lr" else name)
+                rule = "lr" if name == "initial_lr" else name
+                if name == "eps" and isinstance(value, list):  # Adafactor's eps is a pair (eps1 or None, eps2)
+                    rule = "adafactor_eps"
+                _hyper(f"meta.groups[{i}].", name, value, rule)
 
 
 def dtype_named(name: Any) -> torch.dtype | None:

@@ -159,10 +159,15 @@ def make_homes(
         ), buckets
     blocked = sorted({b.state.kind for b in buckets if not b.state.elementwise})
     if blocked:
+        what = "block-wise 8-bit state (blocks counted from each parameter's element 0)"
+        if "generic" in blocked:
+            what = "a generic optimizer's state (its own step() takes whole parameters: NOTE [Generic optimizers])"
+        elif "adafactor" in blocked:
+            what = "factored state (row and column factors of each matrix, updated a whole parameter at a time)"
         raise ConfigError(
             f"tiermem: under data parallelism this version shards elementwise optimizer state only; "
-            f"{blocked} keeps block-wise 8-bit state, whose blocks a rank's chunk would cut: pass "
-            f"process_group=False (a full replica per process), or AdamW with fp32 state"
+            f"{blocked} keeps {what}: a rank's chunk would cut parameters; pass process_group=False (a "
+            f"full replica per process), or an elementwise optimizer (AdamW, SGD, Adagrad, Lion)"
         )
     shards = shard_buckets(buckets, group)
     full = {b.index: b for b in buckets}

@@ -118,8 +118,8 @@ def validate(
     if not isinstance(spec, _Spec):
         raise ConfigError(
             f"tiermem: optimizer={spec!r} is not an optimizer tiermem runs; pass tiermem.AdamW(...), "
-            f"Adam, SGD, Adagrad, Lion, AdamW8bit or Adam8bit, or a torch optimizer built on the "
-            f"module's parameters ({supported_names()})"
+            f"Adam, SGD, Adagrad, Lion, Adafactor, AdamW8bit or Adam8bit, or a torch.optim.Optimizer "
+            f"built on the module's parameters ({supported_names()} fused, any other generically)"
         )
     if grad_clip is not None and (not is_number(grad_clip) or not math.isfinite(grad_clip) or grad_clip <= 0):
         raise ConfigError(

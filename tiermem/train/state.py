@@ -19,6 +19,7 @@ import torch
 
 from tiermem.config import ALL_GROUP_HYPER, PRECISIONS
 from tiermem.errors import TierMemError
+from tiermem.optim.formats import StatePart
 from tiermem.plan.buckets import Bucket
 from tiermem.train.layout import Layout
 from tiermem.train.scaler import LossScaler
@@ -86,7 +87,7 @@ class ModelState:
         for b, state in self._bucket_state():
             for i, part in enumerate(b.state.parts):
                 for j, s in enumerate(b.slots):
-                    yield f"{part.name}/{s.name}", _shaped(b.pieces(state, j)[i], part.block, s.shape)
+                    yield f"{part.name}/{s.name}", _shaped(b.pieces(state, j)[i], part, s.shape)
         for name in self.layout.frozen:
             yield f"frozen/{name}", self.layout.frozen.value(name)
         for name, t in self.module.named_buffers():
@@ -101,7 +102,7 @@ class ModelState:
         for b in self.layout.buckets:
             for part in b.state.parts:
                 for s in b.slots:
-                    shape = tuple(s.shape) if part.block == 1 else (part.numel(s.numel),)
+                    shape = tuple(s.shape) if part.elementwise else (part.numel(s.numel, s.shape),)
                     yield f"{part.name}/{s.name}", shape, (part.dtype,)
         for n in self.layout.frozen:
             shape, dtype = self.layout.frozen.meta(n)
@@ -272,7 +273,7 @@ class ModelState:
         """The step counts, loss scale (only from a checkpoint of this precision) and
         hyperparameters of a validated checkpoint's ``meta``."""
         for group, saved in zip(self.param_groups, meta["groups"]):
-            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k in HYPER})
+            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in HYPER})
         if meta["precision"] == self.precision:
             self.scaler.load_state_dict(meta["scaler"])
         else:  # another precision's scale means nothing here (fp32's 1.0 would defeat fp16's scaling)
@@ -307,10 +308,11 @@ class ModelState:
             self._release()
 
 
-def _shaped(t: torch.Tensor, block: int, shape: torch.Size) -> torch.Tensor:
+def _shaped(t: torch.Tensor, part: StatePart, shape: torch.Size) -> torch.Tensor:
     """A parameter's piece of a part as a checkpoint holds it: the parameter's shape for an
-    elementwise part, flat for a blocked one (one value per block)."""
-    return t.view(shape) if block == 1 else t
+    elementwise part, flat for a blocked one (one value per block) or a factored one (one per row
+    or column)."""
+    return t.view(shape) if part.elementwise else t
 
 
 def _take(master: torch.Tensor, value: torch.Tensor) -> bool:

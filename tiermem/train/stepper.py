@@ -51,8 +51,10 @@ from tiermem.handles import Handle
 from tiermem.observe.trace import Tracer
 from tiermem.optim import StochasticRound
 from tiermem.optim import formats as optim_format
+from tiermem.optim.formats import StateFormat
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.train.backward import GradCollector
+from tiermem.train.generic_step import GenericRunner
 from tiermem.train.groups import check_listed, hyper_of
 from tiermem.train.homes import Runs, StateHome, StateViews, slots_in, wait_gathered
 from tiermem.train.layout import Layout
@@ -141,6 +143,7 @@ class Stepper:
         self._norms: tuple[list[str], torch.Tensor] = ([], torch.zeros(0))
         self._unsent: set[int] = set()  # buckets a failed step updated: their weights go home again
         self._resuming: Optional[_Resume] = None  # a step that failed part-way, for its retry
+        self._generic: Optional[GenericRunner] = None  # a generic optimizer's copy (NOTE [Generic optimizers])
 
     # -- between steps -----------------------------------------------------------------------------
     def finish_pending(self) -> None:
@@ -229,7 +232,14 @@ class Stepper:
         common: dict[str, Any] = dict(grad_scale=upd.scale, clip_coef=upd.clip)
         try:
             with self.tracer.span(f"adam {b.key}", "adam", numel=b.numel):
-                if fmt.elementwise and not fmt.stochastic_round:  # any range is a valid call: one per run
+                if fmt.kind == "generic":  # the optimizer's own step() (NOTE [Generic optimizers])
+                    assert g is not None or not runs
+                    if runs and g is not None:
+                        mine = [(i, s, upd.hyper[(b.index, start)], step) for i, s, start, step in _slots_of(b, runs)]
+                        self._generic_runner(fmt).step(b, mine, state, g, multiplier=upd.clip / upd.scale)
+                        for _, s, _, _ in mine:
+                            out[s.offset : s.offset + s.numel].copy_(master[s.offset : s.offset + s.numel])
+                elif fmt.elementwise and not fmt.stochastic_round:  # any range is a valid call: one per run
                     for start, end, step in runs:
                         assert g is not None  # read, since there are runs
                         optim_format.step(
@@ -242,7 +252,7 @@ class Stepper:
                             out=out[start:end],
                             **common,
                         )
-                else:  # blocks and rounding keys start at each parameter's element 0: one call per parameter
+                else:  # blocks, factors and rounding keys start at each parameter's element 0: one call per parameter
                     for i, s, start, step in _slots_of(b, runs):
                         assert g is not None  # read, since there are runs
                         pieces = b.pieces(state, i)
@@ -257,12 +267,19 @@ class Stepper:
                             hyper=upd.hyper[(b.index, start)],
                             out=out[a:e],
                             stochastic_round=sr,
+                            shape=s.shape,
                             **common,
                         )
         finally:
             if free is not None:
                 free()
         uploads.done(b, out, runs)
+
+    def _generic_runner(self, fmt: StateFormat) -> GenericRunner:
+        """The copy of the generic optimizer this model steps, made at its first step."""
+        if self._generic is None:
+            self._generic = GenericRunner(fmt)
+        return self._generic
 
     def _update(self, upd: _Update) -> None:
         """Each state home runs Adam over its buckets, revertible homes first. If the step fails,
