@@ -144,7 +144,6 @@ def kernels(n: int) -> tuple[dict[str, Callable[[], None]], dict[str, str], dict
             out,
             AdamHyper(step=nxt(), **ADAM),
             stochastic_round=None,
-            step=1,
             check_finite=False,
             impl="native",
         ),

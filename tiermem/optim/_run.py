@@ -142,8 +142,18 @@ ADAM8BIT = Kernel(
 )
 
 
+def native_library(kernel: Kernel) -> Optional[ctypes.CDLL]:
+    """The loaded library of ``kernel``'s native call, or None where it cannot be built (the drop-ins
+    ask once a step, not once a tensor)."""
+    try:
+        return _native.library(kernel.library)
+    except _native.NativeUnavailable:
+        return None
+
+
 def fast_step(
     kernel: Kernel,
+    lib: ctypes.CDLL,
     master: torch.Tensor,
     state: Sequence[Optional[torch.Tensor]],
     grad: torch.Tensor,
@@ -151,21 +161,21 @@ def fast_step(
     keys: Optional[tuple[int, int, int]],
 ) -> bool:
     """The drop-ins' path: their parameters and state were checked when made, so only what a step can
-    change is (the gradient; contiguity): the native kernel, with the scalars ``s`` already made,
-    when it can run; False, with nothing done, when the checked :func:`run` must."""
+    change is (the gradient; contiguity): the native kernel of ``lib`` (:func:`native_library`), with
+    the scalars ``s`` already made, when it can run; False, with nothing done, when the checked
+    :func:`run` must."""
     n = master.numel()
     if not (
-        grad.dtype in GRAD_DTYPES
-        and grad.device.type == "cpu"
+        n
+        and grad.dtype in GRAD_DTYPES
+        and grad.is_cpu  # (not grad.device.type: that makes a device object, a microsecond a tensor)
         and grad.numel() == n
         and grad.is_contiguous()
         and master.is_contiguous()
-        and n
         and all(t is None or t.is_contiguous() for t in state)
-        and _native.available(kernel.library)
     ):
         return False
-    kernel.native(_native.library(kernel.library), n, master, state, grad, None, s, keys)
+    kernel.native(lib, n, master, state, grad, None, s, keys)
     return True
 
 
@@ -178,11 +188,11 @@ def run(
     hyper,
     *,
     stochastic_round: Optional[_sr.StochasticRound],
-    step: int,
     check_finite: bool,
     impl: Optional[str],
 ) -> bool:
-    """Check, choose, check the gradient is finite, update. Returns found_inf (nothing written)."""
+    """Check, choose, check the gradient is finite, update with ``hyper`` (checked when it was made; its
+    ``step`` keys the stochastic rounding). Returns found_inf (nothing written)."""
     where = f"{kernel.name} "
     _check_impl(where, impl)
     _check_tensors(kernel, master, state, grad, out)
@@ -191,13 +201,9 @@ def run(
     master, state, grad, out = detached[0], detached[1:-2], detached[-2], detached[-1]  # type: ignore[assignment]  # (master, grad: tensors)
     if master.numel() == 0:
         return False
-    keys = None if stochastic_round is None else stochastic_round.keys(step)
+    keys = None if stochastic_round is None else stochastic_round.keys(hyper.step)
     flat = all(t is None or t.is_contiguous() for t in (master, *state, grad, out))
-    name = impl or (
-        "native" if master.device.type == "cpu" and flat and _native.available(kernel.library) else "reference"
-    )
-    if name == "native" and (master.device.type != "cpu" or not flat):
-        raise ConfigError(f"tiermem: {where}impl='native' takes contiguous CPU tensors; pass impl=None")
+    lib = choose_native(where, kernel.library, impl, master, flat)
     if check_finite and any_nonfinite(grad):
         return True
     if flat:  # every kernel takes flat views; the reference takes any strides where shapes agree
@@ -208,20 +214,35 @@ def run(
             f"tiermem: {where}got non-contiguous tensors with state of another shape than master; "
             f"pass contiguous tensors"
         )
-    if name == "native":
-        try:
-            lib = _native.library(kernel.library)
-        except _native.NativeUnavailable as e:
-            raise TierMemError(
-                f"tiermem: the native CPU optimizer kernels are unavailable here ({e}); install a "
-                f"C++ compiler (g++ 12 or newer), or pass impl=None"
-            ) from e
+    if lib is not None:
         kernel.native(lib, master.numel(), master, state, grad, out, _native.floats(kernel.scalars(hyper)), keys)
     else:
         if impl is None and master.device.type == "cpu" and flat:
             _say_once(kernel.library)
         kernel.reference(master, tuple(state), grad, out, hyper, keys)
     return False
+
+
+def choose_native(
+    where: str, library: str, impl: Optional[str], master: torch.Tensor, flat: bool
+) -> Optional[ctypes.CDLL]:
+    """The native library a functional entry runs, or None for the reference kernel: ``impl="native"``
+    takes contiguous CPU tensors and a build (else a clear error); ``impl=None`` runs native where
+    both hold."""
+    on_cpu = master.device.type == "cpu"
+    if impl is None:
+        return _native.library(library) if on_cpu and flat and _native.available(library) else None
+    if impl != "native":
+        return None
+    if not (on_cpu and flat):
+        raise ConfigError(f"tiermem: {where}impl='native' takes contiguous CPU tensors; pass impl=None")
+    try:
+        return _native.library(library)
+    except _native.NativeUnavailable as e:
+        raise TierMemError(
+            f"tiermem: the native CPU optimizer kernels are unavailable here ({e}); install a "
+            f"C++ compiler (g++ 12 or newer), or pass impl=None"
+        ) from e
 
 
 def any_nonfinite(grad: torch.Tensor) -> bool:

@@ -24,10 +24,10 @@ import torch
 from tiermem.config import check_adam_hyper
 from tiermem.errors import checked_arguments
 from tiermem.optim import _run
-from tiermem.optim._dropin import CPUOptimizer, Params, number
+from tiermem.optim._dropin import CPUOptimizer, Params, Plan, number
 from tiermem.optim._hyper import AdamHyper
 from tiermem.optim._sr import StochasticRound
-from tiermem.optim.functional import adam_step, as_number
+from tiermem.optim.functional import adam_update, as_number, make_hyper
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class CPUAdam(CPUOptimizer):
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        check_adam_group("CPUAdam ", group)
+        check_adam_group(f"{type(self).__name__} ", group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -92,48 +92,46 @@ class CPUAdam(CPUOptimizer):
             group.setdefault("adamw", group.get("decoupled_weight_decay", self.defaults["adamw"]))
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        init_adam_state(p, state)
 
-    def _update(
-        self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int, sr: Optional[StochasticRound]
+    def _plan(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> Plan:
+        return Plan(_run.ADAM, (state["exp_avg"], state["exp_avg_sq"]))
+
+    def _hyper(self, group: dict[str, Any], step: int, variant: tuple) -> AdamHyper:
+        return adam_hyper(group, step)
+
+    def _functional(
+        self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, hyper: Any, sr: Optional[StochasticRound]
     ) -> None:
-        adam_update(self, p, state, group, step, sr)
+        adam_functional(plan, p, grad, hyper, sr)
 
 
-def adam_update(
-    opt: CPUOptimizer,
-    p: torch.Tensor,
-    state: dict[str, Any],
-    group: dict[str, Any],
-    step: int,
-    sr: Optional[StochasticRound],
-) -> None:
-    """One Adam update of a drop-in's parameter with fp32 moments (NOTE [Drop-in speed]): the native
-    kernel, else ``adam_step`` (the compiled kernel, or bf16 weights' reference)."""
+def init_adam_state(p: torch.Tensor, state: dict[str, Any]) -> None:
+    """fp32 moments of zeros, shaped as the parameter (torch's state)."""
+    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+
+
+def adam_functional(plan: Plan, p: torch.Tensor, grad: torch.Tensor, hyper: Any, sr: Optional[StochasticRound]) -> None:
+    """Where the native kernel cannot run, ``adam_step``'s path: the compiled kernel (bit-identical to
+    the native one), or bf16 weights' reference."""
+    exp_avg, exp_avg_sq = plan.state
+    assert exp_avg is not None and exp_avg_sq is not None  # Adam's moments always exist
+    adam_update(p, exp_avg, exp_avg_sq, grad, None, hyper, stochastic_round=sr, check_finite=False, impl=None)
+
+
+def adam_hyper(group: dict[str, Any], step: int) -> AdamHyper:
+    """A param group's checked Adam hyperparameters at ``step``."""
     beta1, beta2 = group["betas"]
-    kw = dict(
+    return make_hyper(
+        AdamHyper,
         step=step,
-        lr=as_number(group["lr"]),
+        lr=group["lr"],
         beta1=beta1,
         beta2=beta2,
         eps=group["eps"],
         weight_decay=group["weight_decay"],
         adamw=group["adamw"],
-    )
-    grad = p.grad
-    assert grad is not None  # the drop-ins step the parameters that have a gradient
-    opt._fused(
-        _run.ADAM,
-        p,
-        (state["exp_avg"], state["exp_avg_sq"]),
-        group,
-        step,
-        sr,
-        lambda: AdamHyper(**kw),
-        lambda: adam_step(
-            p, state["exp_avg"], state["exp_avg_sq"], grad, **kw, check_finite=False, stochastic_round=sr
-        ),
     )
 
 
