@@ -13,7 +13,7 @@ import ctypes
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -44,41 +44,43 @@ class Kernel:
     name: str  # the functional entry, as errors name it
     states: tuple[StateSpec, ...]
     reference: Callable
-    native: Callable  # (lib, n, master, state, grad, out, s, sr) -> None
+    native: Callable  # (lib, n, master, state, grad, out, s, sr) -> NativeCall
     scalars: Callable = lambda hyper: []  # the native kernel's scalars of the hyperparameters
     library: str = "elementwise"
+
+
+NativeCall = tuple[Callable[..., Any], tuple]  # a native kernel's function and its arguments
 
 
 def _sr_array(keys: Optional[tuple[int, int, int]]) -> Optional[ctypes.Array]:
     return None if keys is None else (ctypes.c_uint32 * 3)(*keys)
 
 
-# The native calls, in one signature: (lib, n, master, state, grad, out, s, sr), s the kernel's scalars as
-# a ctypes array (Kernel.scalars of the hyperparameters), sr the rounding keys or None.
-def _call_sgd(lib, n, master, state, grad, out, s, sr) -> None:
+# The native calls, in one signature: (lib, n, master, state, grad, out, s, sr) -> (function, arguments), s
+# the kernel's scalars as a ctypes array (Kernel.scalars of the hyperparameters), sr the rounding keys or
+# None. Made first and called after (NOTE [Drop-in speed] in cpu_adam.py: a drop-in makes every call
+# of a step before it runs the first).
+def _call_sgd(lib, n, master, state, grad, out, s, sr) -> NativeCall:
     P, C = _native.ptr, _native.code
-    lib.tm_sgd(
-        n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads()
-    )
+    args = (n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads())
+    return lib.tm_sgd, args
 
 
-def _call_adagrad(lib, n, master, state, grad, out, s, sr) -> None:
+def _call_adagrad(lib, n, master, state, grad, out, s, sr) -> NativeCall:
     P, C = _native.ptr, _native.code
-    lib.tm_adagrad(
-        n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads()
-    )
+    args = (n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads())
+    return lib.tm_adagrad, args
 
 
-def _call_lion(lib, n, master, state, grad, out, s, sr) -> None:
+def _call_lion(lib, n, master, state, grad, out, s, sr) -> NativeCall:
     P, C = _native.ptr, _native.code
-    lib.tm_lion(
-        n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads()
-    )
+    args = (n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads())
+    return lib.tm_lion, args
 
 
-def _call_adam(lib, n, master, state, grad, out, s, sr) -> None:
+def _call_adam(lib, n, master, state, grad, out, s, sr) -> NativeCall:
     P, C = _native.ptr, _native.code
-    lib.tm_adam(
+    args = (
         n,
         P(master),
         C(master),
@@ -92,11 +94,12 @@ def _call_adam(lib, n, master, state, grad, out, s, sr) -> None:
         _sr_array(sr),
         _native.threads(),
     )
+    return lib.tm_adam, args
 
 
-def _call_adam8bit(lib, n, master, state, grad, out, s, sr) -> None:
+def _call_adam8bit(lib, n, master, state, grad, out, s, sr) -> NativeCall:
     P, C = _native.ptr, _native.code
-    lib.tm_adam8bit(
+    args = (
         n,
         P(master),
         C(master),
@@ -110,6 +113,7 @@ def _call_adam8bit(lib, n, master, state, grad, out, s, sr) -> None:
         _sr_array(sr),
         _native.threads(),
     )
+    return lib.tm_adam8bit, args
 
 
 def _scalars(hyper) -> list[float]:
@@ -151,7 +155,7 @@ def native_library(kernel: Kernel) -> Optional[ctypes.CDLL]:
         return None
 
 
-def fast_step(
+def native_call(
     kernel: Kernel,
     lib: ctypes.CDLL,
     master: torch.Tensor,
@@ -159,11 +163,11 @@ def fast_step(
     grad: torch.Tensor,
     s: ctypes.Array,
     keys: Optional[tuple[int, int, int]],
-) -> bool:
+) -> Optional[NativeCall]:
     """The drop-ins' path: their parameters and state were checked when made, so only what a step can
-    change is (the gradient; contiguity): the native kernel of ``lib`` (:func:`native_library`), with
-    the scalars ``s`` already made, when it can run; False, with nothing done, when the checked
-    :func:`run` must."""
+    change is (the gradient; contiguity): the call of the native kernel of ``lib``
+    (:func:`native_library`), with the scalars ``s`` already made, to make when it can run; None when
+    the checked :func:`run` must."""
     n = master.numel()
     if not (
         n
@@ -174,9 +178,8 @@ def fast_step(
         and master.is_contiguous()
         and all(t is None or t.is_contiguous() for t in state)
     ):
-        return False
-    kernel.native(lib, n, master, state, grad, None, s, keys)
-    return True
+        return None
+    return kernel.native(lib, n, master, state, grad, None, s, keys)
 
 
 def run(
@@ -215,7 +218,10 @@ def run(
             f"pass contiguous tensors"
         )
     if lib is not None:
-        kernel.native(lib, master.numel(), master, state, grad, out, _native.floats(kernel.scalars(hyper)), keys)
+        fn, args = kernel.native(
+            lib, master.numel(), master, state, grad, out, _native.floats(kernel.scalars(hyper)), keys
+        )
+        fn(*args)
     else:
         if impl is None and master.device.type == "cpu" and flat:
             _say_once(kernel.library)

@@ -2,16 +2,25 @@
 
 NOTE [Drop-in speed]
 CPUAdam once stepped 4 tensors of 2M fp32 parameters 2.5-3x slower than torch.optim.AdamW(fused=True),
-while the same update inside TieredModel ran at ~0.9x. Two costs TieredModel does not pay: the
-found_inf check ran torch.compile's ``isfinite().all()`` per gradient, which reads at half the
-bandwidth of the update itself (14-34% of the step alone, more under load), and each ``adam_step``
-call went through argument checks and dynamo's guards (~0.1 ms a tensor, and a compiled kernel's
-OpenMP fork/join, whose cost grows with the machine's load). Now the check is the native bit test
-(one read of the gradient at memory speed) and the update is the native Adam kernel
-(tiermem/optim/_csrc_elementwise.py: bit-identical to the compiled kernel, both equal the reference),
-called through ctypes in microseconds; the compiled ``adam_step`` remains the path where no native
-kernel can be built. bench/cpu_optim.py measures it against torch's fused AdamW (bench/RESULTS.md,
-2026-12-01, one core at load 7-8: 0.73-0.75x with the check, 0.78-0.89x without; was 0.33-0.40x).
+while the same update inside TieredModel ran at ~0.9x. Three costs TieredModel does not pay:
+- The found_inf check ran torch.compile's ``isfinite().all()`` per gradient, at half the bandwidth of
+  the update itself. Now it is the native bit test: one read of the gradient at memory speed (4 of
+  32 bytes a parameter with fp32 gradients, so the default, checked step is at best 0.875x of
+  torch's, which checks nothing; ``check_finite=False`` moves torch's bytes).
+- Each ``adam_step`` call went through argument checks and dynamo's guards (~0.1 ms a tensor). Now
+  the update is the native Adam kernel (tiermem/optim/_csrc_elementwise.py: bit-identical to the
+  compiled kernel, both equal the reference) called through ctypes; the compiled ``adam_step``
+  remains the path where no native kernel can be built. The base's step loop (tiermem/optim/_dropin.py)
+  counts the steps in one call, makes and checks the hyperparameters once per group and step, and
+  finds the native library once per step (~12-16 us of Python a tensor, torch's fused: 5-13 us).
+- Python between two kernels runs with a cold cache: the kernel before it streamed the tensor's
+  bytes through it, so each object the interpreter touches is a miss to memory. Made between the
+  kernels, the calls of 4 tensors of 2M cost ~1 ms of the step's ~7 (measured: CPU time outside the
+  ctypes calls); the base now makes every call of a step first (:func:`tiermem.optim._run.native_call`
+  returns it unmade) and then runs them back to back, as torch's fused kernel runs all tensors in one
+  dispatch.
+bench/cpu_optim.py measures each drop-in against torch's fused optimizer and against a kernel moving
+its bytes (bench/RESULTS.md).
 """
 
 from __future__ import annotations
