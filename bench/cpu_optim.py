@@ -16,7 +16,11 @@ torch's, in one run.
 3. The drop-ins against torch on the same fp32 parameters (the issue's case: 4 tensors of 2M): CPUAdam
    against AdamW(fused=True) with the found_inf check (its default) and without (the same bytes as
    torch's), CPUSGD / CPUAdagrad against fused SGD / Adagrad, CPUAdafactor against Adafactor(foreach),
-   CPUAdam8bit against AdamW(fused=True). Target >= 0.90x where the bytes are equal.
+   CPUAdam8bit against AdamW(fused=True). Target >= 0.90x where the bytes are equal. And each drop-in
+   against its floor on the same tensors: the native streams kernel moving its bytes (fp32 grad, no
+   out: Adam 28 B, SGD / Adagrad / Lion 20 B, 8-bit Adam 14 B, Adafactor three passes), one call per
+   tensor as the drop-ins make them; torch's fused AdamW against the 28 B floor shows what the floor
+   means on the machine. Target >= 0.90x. ``--dropins-only`` skips part 1 and 2.
 
 Every measurement is the fastest of ``--repeat`` calls, taken in interleaved rounds so that other
 work on the machine hits every contender alike. On a loaded machine, ``--threads 1 --cpu-time``
@@ -144,7 +148,6 @@ def kernels(n: int) -> tuple[dict[str, Callable[[], None]], dict[str, str], dict
             out,
             AdamHyper(step=nxt(), **ADAM),
             stochastic_round=None,
-            step=1,
             check_finite=False,
             impl="native",
         ),
@@ -203,8 +206,11 @@ def kernels(n: int) -> tuple[dict[str, Callable[[], None]], dict[str, str], dict
     return fns, floors, sizes
 
 
-def dropins(count: int, numel: int) -> tuple[dict[str, Callable[[], None]], list[tuple[str, str, str]]]:
-    """Each drop-in and its torch counterpart on ``count`` fp32 tensors of ``numel``; the pairs to compare."""
+def dropins(
+    count: int, numel: int
+) -> tuple[dict[str, Callable[[], None]], list[tuple[str, str, str]], list[tuple[str, str, str]]]:
+    """Each drop-in, its torch counterpart and its floor on ``count`` fp32 tensors of ``numel``: the
+    calls; the (label, drop-in, torch) pairs; the (label, drop-in, floor) pairs."""
 
     def params(two_d: bool = False) -> list[torch.nn.Parameter]:
         torch.manual_seed(1)
@@ -228,7 +234,9 @@ def dropins(count: int, numel: int) -> tuple[dict[str, Callable[[], None]], list
         "CPULion check_finite=False": CPULion(params(), lr=1e-4, check_finite=False),
         "CPUAdam8bit check_finite=False": CPUAdam8bit(params(), lr=1e-3, check_finite=False),
     }
-    pairs = [
+    calls = {k: opt.step for k, opt in made.items()}
+    calls.update(dropin_floors(count, numel))
+    versus_torch = [
         ("CPUAdam (found_inf check) / AdamW fused", "CPUAdam", "torch AdamW(fused=True)"),
         ("CPUAdam check_finite=False / AdamW fused", "CPUAdam check_finite=False", "torch AdamW(fused=True)"),
         ("CPUSGD / SGD fused", "CPUSGD check_finite=False", "torch SGD(fused=True)"),
@@ -237,7 +245,55 @@ def dropins(count: int, numel: int) -> tuple[dict[str, Callable[[], None]], list
         ("CPUAdafactor / Adafactor foreach", "CPUAdafactor check_finite=False", "torch Adafactor(foreach=True)"),
         ("CPUAdam8bit / AdamW fused (fewer bytes)", "CPUAdam8bit check_finite=False", "torch AdamW(fused=True)"),
     ]
-    return {k: opt.step for k, opt in made.items()}, pairs
+    versus_floor = [
+        ("CPUAdam check_finite=False / floor 28 B", "CPUAdam check_finite=False", "floor 28 B (fp32 grad, 2 states)"),
+        ("torch AdamW fused / floor 28 B", "torch AdamW(fused=True)", "floor 28 B (fp32 grad, 2 states)"),
+        ("CPUSGD / floor 20 B", "CPUSGD check_finite=False", "floor 20 B (fp32 grad, 1 state)"),
+        ("CPUAdagrad / floor 20 B", "CPUAdagrad check_finite=False", "floor 20 B (fp32 grad, 1 state)"),
+        ("CPULion / floor 20 B", "CPULion check_finite=False", "floor 20 B (fp32 grad, 1 state)"),
+        ("CPUAdafactor / floor (3 passes)", "CPUAdafactor check_finite=False", "floor Adafactor (fp32, 3 passes)"),
+        ("CPUAdam8bit / floor 14 B (8-bit)", "CPUAdam8bit check_finite=False", "floor 14 B (fp32 grad, 8-bit)"),
+    ]
+    return calls, versus_torch, versus_floor
+
+
+def dropin_floors(count: int, numel: int) -> dict[str, Callable[[], None]]:
+    """The drop-ins' floors: the same tensors' bytes (fp32 master and grad, no out; the drop-ins' calls)
+    moved by the native streams kernels, one call per tensor as the drop-ins make them. Bytes per
+    parameter: Adam 28, one fp32 state 20, 8-bit 14 (and the absmax), Adafactor three passes."""
+    torch.manual_seed(2)
+    side = int(math.isqrt(numel))
+    f32 = lambda k=numel: [torch.randn(k) for _ in range(count)]  # noqa: E731
+    m2, a2, b2, g2 = f32(), f32(), f32(), f32()
+    m1, a1, g1 = f32(), f32(), f32()
+    m8, g8 = f32(), f32()
+    q8 = [[*quantize_blockwise(torch.randn(numel) * 1e-3, True), *quantize_blockwise(torch.rand(numel), False)]]
+    q8 += [[t.clone() for t in q8[0]] for _ in range(count - 1)]
+    mf, gf = f32(side * side), f32(side * side)
+    ew, a8, af = _native.library("elementwise"), _native.library("adam8bit"), _native.library("adafactor")
+    P, nt = _native.ptr, _native.threads()
+
+    def each(fn: Callable[[int], object]) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(count):
+                fn(i)
+
+        return run
+
+    return {
+        "floor 28 B (fp32 grad, 2 states)": each(
+            lambda i: ew.tm_streams(numel, P(m2[i]), 0, P(a2[i]), P(b2[i]), P(g2[i]), 0, None, -1, None, nt)
+        ),
+        "floor 20 B (fp32 grad, 1 state)": each(
+            lambda i: ew.tm_streams(numel, P(m1[i]), 0, P(a1[i]), None, P(g1[i]), 0, None, -1, None, nt)
+        ),
+        "floor 14 B (fp32 grad, 8-bit)": each(
+            lambda i: a8.tm_streams8(numel, P(m8[i]), 0, *(P(t) for t in q8[i]), P(g8[i]), 0, None, -1, None, nt)
+        ),
+        "floor Adafactor (fp32, 3 passes)": each(
+            lambda i: af.tm_adafactor_floor(side * side, P(mf[i]), 0, P(gf[i]), 0, None, -1, None, nt)
+        ),
+    }
 
 
 def main() -> None:
@@ -257,6 +313,7 @@ def main() -> None:
         help="with --threads 1: time the CPU the calling thread spends, not the wall clock (what other "
         "jobs on a loaded machine take from us does not count)",
     )
+    ap.add_argument("--dropins-only", action="store_true", help="measure the drop-ins (part 3) only")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -276,15 +333,18 @@ def main() -> None:
         f"{torch.__version__}; native kernels ready in {time.perf_counter() - t0:.1f} s"
     )
 
-    fns, floors, sizes = kernels(n)
-    best = best_of(fns, args.repeat)
-    rate = {k: sizes.get(k, n) / t for k, t in best.items()}
-    width = max(len(k) for k in fns) + 2
-    print(f"\n{'kernel (bf16 grad in, bf16 out)':<{width}} Gparam/s   ms/step   (fastest of {args.repeat})")
-    for k in fns:
-        print(f"{k:<{width}} {rate[k] / 1e9:8.3f}  {best[k] * 1e3 * n / sizes.get(k, n):8.1f}")
+    floors: dict[str, str] = {}
+    rate: dict[str, float] = {}
+    if not args.dropins_only:
+        fns, floors, sizes = kernels(n)
+        best = best_of(fns, args.repeat)
+        rate = {k: sizes.get(k, n) / t for k, t in best.items()}
+        width = max(len(k) for k in fns) + 2
+        print(f"\n{'kernel (bf16 grad in, bf16 out)':<{width}} Gparam/s   ms/step   (fastest of {args.repeat})")
+        for k in fns:
+            print(f"{k:<{width}} {rate[k] / 1e9:8.3f}  {best[k] * 1e3 * n / sizes.get(k, n):8.1f}")
 
-    steps, pairs = dropins(count, numel)
+    steps, pairs, floor_pairs = dropins(count, numel)
     best_d = best_of(steps, args.repeat)
     width_d = max(len(k) for k in steps) + 2
     print(f"\n{'drop-in (fp32 parameters)':<{width_d}} ms/step")
@@ -295,14 +355,14 @@ def main() -> None:
     for k, floor in floors.items():
         r = rate[k] / rate[floor]
         print(f"  {k + ' / its floor':<44} {r:5.2f}x   [target >= 0.90x: {'ok' if r >= 0.9 else 'MISSED'}]")
-    adam = rate["Adam (fp32 master, compiled)"]
-    for k in ("Adam 8-bit", "Adam 8-bit + bf16 SR"):
+    adam = rate.get("Adam (fp32 master, compiled)", math.nan)
+    for k in () if args.dropins_only else ("Adam 8-bit", "Adam 8-bit + bf16 SR"):
         r = rate[k] / adam
         print(f"  {k + ' / fp32 Adam kernel':<44} {r:5.2f}x   [target >= 1.40x: {'ok' if r >= 1.4 else 'MISSED'}]")
-    for label, ours, theirs in pairs:
+    for label, ours, theirs in pairs + floor_pairs:
         r = best_d[theirs] / best_d[ours]
         verdict = f"   [target >= 0.90x: {'ok' if r >= 0.9 else 'MISSED'}]"
-        target = "" if "check)" in label or "fewer" in label else verdict
+        target = "" if "check)" in label or "fewer" in label or label.startswith("torch") else verdict
         print(f"  {label:<44} {r:5.2f}x{target}")
 
 

@@ -396,7 +396,6 @@ def test_native_fp32_adam_is_the_compiled_kernel(grad_dtype, out_dtype, adamw, b
                     out,
                     AdamHyper(step=i + 1, **hp),
                     stochastic_round=None,
-                    step=i + 1,
                     check_finite=True,
                     impl="native",
                 )

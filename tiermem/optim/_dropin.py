@@ -2,8 +2,12 @@
 CPUAdafactor, CPUAdam8bit): parameter checks, the closure, the all-or-nothing finite check, state
 created on a parameter's first step, the step count, and the stochastic rounding of bf16 weights.
 
-A subclass names itself (errors say it), checks a param group's hyperparameters, creates a
-parameter's state and runs one update; the base does the rest. Every update of a step runs after
+A subclass declares only what is its own: the checks of a param group's hyperparameters, a
+parameter's new state, the kernel and state tensors of its update (:class:`Plan`), the checked
+hyperparameters of a step, and (where it is not ``_run.run``) the functional entry that runs where
+the native kernel cannot. The base runs the step loop (NOTE [Drop-in speed] in cpu_adam.py): the step
+counts in one call, the hyperparameters made and checked once per group and step, the native library
+found once per step, and each parameter's kernel called straight through ctypes. Every update of a step runs after
 every gradient was checked: a step whose gradients hold an inf or NaN changes nothing (no weight,
 state or step count) and sets ``last_step_skipped``. With ``bf16_stochastic_round=True`` the
 parameters may be bf16 (no fp32 copy is kept; NOTE [Stochastic rounding bits] in
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
 
 import torch
 from torch.optim import Optimizer
@@ -31,6 +35,14 @@ from tiermem.optim.functional import as_number
 log = logging.getLogger(__name__)
 
 Params = Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]]
+
+
+class Plan(NamedTuple):
+    """One parameter's update in a step, as its drop-in declares it."""
+
+    kernel: Optional[_run.Kernel]  # the native single pass; None: the functional path only (Adafactor)
+    state: tuple[Optional[torch.Tensor], ...]  # the state tensors, in the kernel's order
+    variant: tuple = ()  # what else the step's hyperparameters depend on (SGD: a buffer new this step)
 
 
 class CPUOptimizer(Optimizer):
@@ -56,7 +68,6 @@ class CPUOptimizer(Optimizer):
         self.check_finite = check_finite
         self.last_step_skipped = False
         self._index: Optional[dict[int, int]] = None
-        self._prepared: dict[tuple, tuple[Any, ctypes.Array]] = {}
         defaults = {
             **defaults,
             "bf16_stochastic_round": bf16_stochastic_round,
@@ -71,10 +82,18 @@ class CPUOptimizer(Optimizer):
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _update(
-        self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int, sr: Optional[StochasticRound]
-    ) -> None:
+    def _plan(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> Plan:
         raise NotImplementedError
+
+    def _hyper(self, group: dict[str, Any], step: int, variant: tuple) -> Any:
+        raise NotImplementedError
+
+    def _functional(
+        self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, hyper: Any, sr: Optional[StochasticRound]
+    ) -> None:
+        """The checked functional path, where the native kernel cannot run (no build, strides)."""
+        assert plan.kernel is not None  # a plan without a kernel supplies its own functional path
+        _run.run(plan.kernel, p, plan.state, grad, None, hyper, stochastic_round=sr, check_finite=False, impl=None)
 
     # -- torch.optim.Optimizer -----------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -142,56 +161,66 @@ class CPUOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        todo = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for _, p in todo:
+        todo = [(group, [p for p in group["params"] if p.grad is not None]) for group in self.param_groups]
+        for p in (p for _, params in todo for p in params):
             if p.grad.is_sparse:
                 raise ConfigError(
                     f"tiermem: {type(self).__name__} got a sparse gradient for a parameter of shape "
                     f"{tuple(p.shape)}; {self._sparse_hint}"
                 )
         # A step is atomic: every gradient is checked before any parameter is written.
-        self.last_step_skipped = self.check_finite and any(_run.any_nonfinite(p.grad) for _, p in todo)
+        self.last_step_skipped = self.check_finite and any(
+            _run.any_nonfinite(p.grad) for _, params in todo for p in params
+        )
         if self.last_step_skipped:
             log.info("tiermem: %s skipped a step: a gradient holds inf or NaN", type(self).__name__)
             return loss
-        self._prepared.clear()
-        for group, p in todo:
+        for group, params in todo:
+            if params:
+                self._step_group(group, params)
+        return loss
+
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """One update of each of ``params`` (they have gradients, checked). Every call is made before the
+        first runs (NOTE [Drop-in speed] in cpu_adam.py); the hyperparameters are made and checked once
+        per step and variant, the native library looked up once per kernel."""
+        made: dict[tuple, tuple[Any, Optional[ctypes.Array]]] = {}
+        libs: dict[str, Optional[ctypes.CDLL]] = {}
+        calls: list[_run.NativeCall] = []
+        for p, step in zip(params, self._count(group, params)):
+            plan = self._plan(p, self.state[p], group)
+            kernel, grad = plan.kernel, p.grad
+            assert grad is not None  # the drop-ins step the parameters that have a gradient
+            key = (None if kernel is None else kernel.name, step, plan.variant)
+            if key not in made:
+                hyper = self._hyper(group, step, plan.variant)
+                made[key] = (hyper, None if kernel is None else _native.floats(kernel.scalars(hyper)))
+            hyper, scalars = made[key]
+            sr = self._rounding(p, group) if p.dtype == torch.bfloat16 else None
+            call = None
+            if kernel is not None and scalars is not None:
+                if kernel.library not in libs:
+                    libs[kernel.library] = _run.native_library(kernel)
+                lib = libs[kernel.library]
+                keys = None if sr is None else sr.keys(step)
+                call = None if lib is None else _run.native_call(kernel, lib, p, plan.state, grad, scalars, keys)
+            calls.append(call or (self._functional, (plan, p, grad, hyper, sr)))
+        for fn, args in calls:
+            fn(*args)
+
+    def _count(self, group: dict[str, Any], params: list[torch.Tensor]) -> list[int]:
+        """Each parameter's step count after this step's increment, its state made on its first step."""
+        steps = []
+        for p in params:
             state = self.state[p]
             if not state:
                 self._init_state(p, state, group)
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
             elif "step" not in state:  # torch.optim.SGD's state keeps no count: its buffer exists, so not step 1
                 state["step"] = torch.tensor(1.0, dtype=torch.float32)
-            state["step"] += 1
-            step = int(state["step"].item())
-            sr = self._rounding(p, group) if p.dtype == torch.bfloat16 else None
-            self._update(p, state, group, step, sr)
-        return loss
-
-    def _fused(
-        self,
-        kernel: _run.Kernel,
-        p: torch.Tensor,
-        state: tuple,
-        group: dict[str, Any],
-        step: int,
-        sr: Optional[StochasticRound],
-        make: Callable[[], Any],
-        checked: Callable[[], object],
-        *variant: Any,
-    ) -> None:
-        """One update: the native kernel straight away, with the group's hyperparameters made and checked
-        once per step (``make``), when the tensors allow; else ``checked``, the functional entry."""
-        key = (id(group), step, *variant)
-        prepared = self._prepared.get(key)
-        if prepared is None:
-            hyper = make()
-            prepared = self._prepared[key] = (hyper, _native.floats(kernel.scalars(hyper)))
-        keys = None if sr is None else sr.keys(step)
-        grad = p.grad
-        assert grad is not None  # the drop-ins step the parameters that have a gradient
-        if not _run.fast_step(kernel, p.detach(), state, grad.detach(), prepared[1], keys):
-            checked()
+            steps.append(state["step"])
+        torch._foreach_add_(steps, 1)  # one call for the group, as torch's optimizers count
+        return [int(s) for s in torch.stack(steps).tolist()]
 
     def _rounding(self, p: torch.Tensor, group: dict[str, Any]) -> StochasticRound:
         if self._index is None:

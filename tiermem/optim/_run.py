@@ -13,7 +13,7 @@ import ctypes
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -44,41 +44,43 @@ class Kernel:
     name: str  # the functional entry, as errors name it
     states: tuple[StateSpec, ...]
     reference: Callable
-    native: Callable  # (lib, n, master, state, grad, out, s, sr) -> None
+    native: Callable  # (lib, n, master, state, grad, out, s, sr) -> NativeCall
     scalars: Callable = lambda hyper: []  # the native kernel's scalars of the hyperparameters
     library: str = "elementwise"
+
+
+NativeCall = tuple[Callable[..., Any], tuple]  # a native kernel's function and its arguments
 
 
 def _sr_array(keys: Optional[tuple[int, int, int]]) -> Optional[ctypes.Array]:
     return None if keys is None else (ctypes.c_uint32 * 3)(*keys)
 
 
-# The native calls, in one signature: (lib, n, master, state, grad, out, s, sr), s the kernel's scalars as
-# a ctypes array (Kernel.scalars of the hyperparameters), sr the rounding keys or None.
-def _call_sgd(lib, n, master, state, grad, out, s, sr) -> None:
+# The native calls, in one signature: (lib, n, master, state, grad, out, s, sr) -> (function, arguments), s
+# the kernel's scalars as a ctypes array (Kernel.scalars of the hyperparameters), sr the rounding keys or
+# None. Made first and called after (NOTE [Drop-in speed] in cpu_adam.py: a drop-in makes every call
+# of a step before it runs the first).
+def _call_sgd(lib, n, master, state, grad, out, s, sr) -> NativeCall:
     P, C = _native.ptr, _native.code
-    lib.tm_sgd(
-        n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads()
-    )
+    args = (n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads())
+    return lib.tm_sgd, args
 
 
-def _call_adagrad(lib, n, master, state, grad, out, s, sr) -> None:
+def _call_adagrad(lib, n, master, state, grad, out, s, sr) -> NativeCall:
     P, C = _native.ptr, _native.code
-    lib.tm_adagrad(
-        n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads()
-    )
+    args = (n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads())
+    return lib.tm_adagrad, args
 
 
-def _call_lion(lib, n, master, state, grad, out, s, sr) -> None:
+def _call_lion(lib, n, master, state, grad, out, s, sr) -> NativeCall:
     P, C = _native.ptr, _native.code
-    lib.tm_lion(
-        n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads()
-    )
+    args = (n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads())
+    return lib.tm_lion, args
 
 
-def _call_adam(lib, n, master, state, grad, out, s, sr) -> None:
+def _call_adam(lib, n, master, state, grad, out, s, sr) -> NativeCall:
     P, C = _native.ptr, _native.code
-    lib.tm_adam(
+    args = (
         n,
         P(master),
         C(master),
@@ -92,11 +94,12 @@ def _call_adam(lib, n, master, state, grad, out, s, sr) -> None:
         _sr_array(sr),
         _native.threads(),
     )
+    return lib.tm_adam, args
 
 
-def _call_adam8bit(lib, n, master, state, grad, out, s, sr) -> None:
+def _call_adam8bit(lib, n, master, state, grad, out, s, sr) -> NativeCall:
     P, C = _native.ptr, _native.code
-    lib.tm_adam8bit(
+    args = (
         n,
         P(master),
         C(master),
@@ -110,6 +113,7 @@ def _call_adam8bit(lib, n, master, state, grad, out, s, sr) -> None:
         _sr_array(sr),
         _native.threads(),
     )
+    return lib.tm_adam8bit, args
 
 
 def _scalars(hyper) -> list[float]:
@@ -142,31 +146,40 @@ ADAM8BIT = Kernel(
 )
 
 
-def fast_step(
+def native_library(kernel: Kernel) -> Optional[ctypes.CDLL]:
+    """The loaded library of ``kernel``'s native call, or None where it cannot be built (the drop-ins
+    ask once a step, not once a tensor)."""
+    try:
+        return _native.library(kernel.library)
+    except _native.NativeUnavailable:
+        return None
+
+
+def native_call(
     kernel: Kernel,
+    lib: ctypes.CDLL,
     master: torch.Tensor,
     state: Sequence[Optional[torch.Tensor]],
     grad: torch.Tensor,
     s: ctypes.Array,
     keys: Optional[tuple[int, int, int]],
-) -> bool:
+) -> Optional[NativeCall]:
     """The drop-ins' path: their parameters and state were checked when made, so only what a step can
-    change is (the gradient; contiguity): the native kernel, with the scalars ``s`` already made,
-    when it can run; False, with nothing done, when the checked :func:`run` must."""
+    change is (the gradient; contiguity): the call of the native kernel of ``lib``
+    (:func:`native_library`), with the scalars ``s`` already made, to make when it can run; None when
+    the checked :func:`run` must."""
     n = master.numel()
     if not (
-        grad.dtype in GRAD_DTYPES
-        and grad.device.type == "cpu"
+        n
+        and grad.dtype in GRAD_DTYPES
+        and grad.is_cpu  # (not grad.device.type: that makes a device object, a microsecond a tensor)
         and grad.numel() == n
         and grad.is_contiguous()
         and master.is_contiguous()
-        and n
         and all(t is None or t.is_contiguous() for t in state)
-        and _native.available(kernel.library)
     ):
-        return False
-    kernel.native(_native.library(kernel.library), n, master, state, grad, None, s, keys)
-    return True
+        return None
+    return kernel.native(lib, n, master, state, grad, None, s, keys)
 
 
 def run(
@@ -178,11 +191,11 @@ def run(
     hyper,
     *,
     stochastic_round: Optional[_sr.StochasticRound],
-    step: int,
     check_finite: bool,
     impl: Optional[str],
 ) -> bool:
-    """Check, choose, check the gradient is finite, update. Returns found_inf (nothing written)."""
+    """Check, choose, check the gradient is finite, update with ``hyper`` (checked when it was made; its
+    ``step`` keys the stochastic rounding). Returns found_inf (nothing written)."""
     where = f"{kernel.name} "
     _check_impl(where, impl)
     _check_tensors(kernel, master, state, grad, out)
@@ -191,13 +204,9 @@ def run(
     master, state, grad, out = detached[0], detached[1:-2], detached[-2], detached[-1]  # type: ignore[assignment]  # (master, grad: tensors)
     if master.numel() == 0:
         return False
-    keys = None if stochastic_round is None else stochastic_round.keys(step)
+    keys = None if stochastic_round is None else stochastic_round.keys(hyper.step)
     flat = all(t is None or t.is_contiguous() for t in (master, *state, grad, out))
-    name = impl or (
-        "native" if master.device.type == "cpu" and flat and _native.available(kernel.library) else "reference"
-    )
-    if name == "native" and (master.device.type != "cpu" or not flat):
-        raise ConfigError(f"tiermem: {where}impl='native' takes contiguous CPU tensors; pass impl=None")
+    lib = choose_native(where, kernel.library, impl, master, flat)
     if check_finite and any_nonfinite(grad):
         return True
     if flat:  # every kernel takes flat views; the reference takes any strides where shapes agree
@@ -208,20 +217,38 @@ def run(
             f"tiermem: {where}got non-contiguous tensors with state of another shape than master; "
             f"pass contiguous tensors"
         )
-    if name == "native":
-        try:
-            lib = _native.library(kernel.library)
-        except _native.NativeUnavailable as e:
-            raise TierMemError(
-                f"tiermem: the native CPU optimizer kernels are unavailable here ({e}); install a "
-                f"C++ compiler (g++ 12 or newer), or pass impl=None"
-            ) from e
-        kernel.native(lib, master.numel(), master, state, grad, out, _native.floats(kernel.scalars(hyper)), keys)
+    if lib is not None:
+        fn, args = kernel.native(
+            lib, master.numel(), master, state, grad, out, _native.floats(kernel.scalars(hyper)), keys
+        )
+        fn(*args)
     else:
         if impl is None and master.device.type == "cpu" and flat:
             _say_once(kernel.library)
         kernel.reference(master, tuple(state), grad, out, hyper, keys)
     return False
+
+
+def choose_native(
+    where: str, library: str, impl: Optional[str], master: torch.Tensor, flat: bool
+) -> Optional[ctypes.CDLL]:
+    """The native library a functional entry runs, or None for the reference kernel: ``impl="native"``
+    takes contiguous CPU tensors and a build (else a clear error); ``impl=None`` runs native where
+    both hold."""
+    on_cpu = master.device.type == "cpu"
+    if impl is None:
+        return _native.library(library) if on_cpu and flat and _native.available(library) else None
+    if impl != "native":
+        return None
+    if not (on_cpu and flat):
+        raise ConfigError(f"tiermem: {where}impl='native' takes contiguous CPU tensors; pass impl=None")
+    try:
+        return _native.library(library)
+    except _native.NativeUnavailable as e:
+        raise TierMemError(
+            f"tiermem: the native CPU optimizer kernels are unavailable here ({e}); install a "
+            f"C++ compiler (g++ 12 or newer), or pass impl=None"
+        ) from e
 
 
 def any_nonfinite(grad: torch.Tensor) -> bool:

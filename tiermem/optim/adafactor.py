@@ -22,11 +22,11 @@ from typing import Callable, Optional
 
 import torch
 
-from tiermem.errors import ConfigError, TierMemError
+from tiermem.errors import ConfigError
 from tiermem.optim import _native, _run, _sr
 from tiermem.optim._hypers import _Hyper, check_hyper
 from tiermem.optim._sr import StochasticRound
-from tiermem.optim.functional import _as_step, as_number
+from tiermem.optim.functional import make_hyper
 
 FP32_EPS = torch.finfo(torch.float32).eps
 
@@ -152,42 +152,52 @@ def adafactor_step(
     Returns:
         ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
-    hyper = AdafactorHyper(
-        step=_as_step(step),
-        lr=as_number(lr),
-        beta2_decay=as_number(beta2_decay),
-        eps1=None if eps1 is None else as_number(eps1),
-        eps2=as_number(eps2),
-        d=as_number(d),
-        weight_decay=as_number(weight_decay),
+    hyper = make_hyper(
+        AdafactorHyper,
+        step=step,
+        lr=lr,
+        beta2_decay=beta2_decay,
+        eps1=eps1,
+        eps2=eps2,
+        d=d,
+        weight_decay=weight_decay,
         maximize=maximize,
-        grad_scale=as_number(grad_scale),
-        clip_coef=as_number(clip_coef),
+        grad_scale=grad_scale,
+        clip_coef=clip_coef,
     )
-    shape, state = _layout(master, grad, shape, row_var, col_var, variance)
-    _run._check_impl("adafactor_step ", impl)
+    shape, state = factored_state(master, shape, row_var, col_var, variance)
+    return adafactor_update(
+        master, grad, state, shape, out, hyper, stochastic_round=stochastic_round, check_finite=check_finite, impl=impl
+    )
+
+
+def adafactor_update(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    state: tuple[torch.Tensor, ...],
+    shape: tuple[int, ...],
+    out: Optional[torch.Tensor],
+    hyper: AdafactorHyper,
+    *,
+    stochastic_round: Optional[StochasticRound],
+    check_finite: bool,
+    impl: Optional[str],
+) -> bool:
+    """:func:`adafactor_step` once its hyperparameters are checked (``hyper``) and its state is laid
+    out for ``shape`` (the drop-in calls it with the hyperparameters it made once for the step)."""
+    where = "adafactor_step "
+    _run._check_impl(where, impl)
     _run._check_tensors(_kernel(shape), master, state, grad, out)
-    _sr.check(master, stochastic_round, "adafactor_step ")
+    _sr.check(master, stochastic_round, where)
     if master.numel() == 0:
         return False
     master, grad = master.detach(), grad.detach()
     flat = all(t is None or t.is_contiguous() for t in (master, grad, out, *state))
+    lib = _run.choose_native(where, "adafactor", impl, master, flat)
     if check_finite and _run.any_nonfinite(grad):
         return True
     keys = None if stochastic_round is None else stochastic_round.keys(hyper.step)
-    native = impl == "native" or (
-        impl is None and master.device.type == "cpu" and flat and _native.available("adafactor")
-    )
-    if native:
-        if master.device.type != "cpu" or not flat:
-            raise ConfigError("tiermem: adafactor_step impl='native' takes contiguous CPU tensors; pass impl=None")
-        try:
-            lib = _native.library("adafactor")
-        except _native.NativeUnavailable as e:
-            raise TierMemError(
-                f"tiermem: the native CPU optimizer kernels are unavailable here ({e}); install a "
-                f"C++ compiler (g++ 12 or newer), or pass impl=None"
-            ) from e
+    if lib is not None:
         _native_step(
             lib,
             master.view(-1),
@@ -203,7 +213,15 @@ def adafactor_step(
     return False
 
 
-def _layout(master, grad, shape, row_var, col_var, variance) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
+def factored_state(
+    master: torch.Tensor,
+    shape: Optional[tuple[int, ...]],
+    row_var: Optional[torch.Tensor],
+    col_var: Optional[torch.Tensor],
+    variance: Optional[torch.Tensor],
+) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
+    """The parameter's shape (``shape``, else master's) and its state tensors in the kernels' order:
+    (row_var, col_var) for two or more dimensions, else (variance,); the other layout's must be None."""
     if not isinstance(master, torch.Tensor):
         raise ConfigError(f"tiermem: adafactor_step master is a {type(master).__name__}, not a tensor; pass a tensor")
     shape = tuple(master.shape) if shape is None else tuple(int(s) for s in shape)

@@ -2,16 +2,25 @@
 
 NOTE [Drop-in speed]
 CPUAdam once stepped 4 tensors of 2M fp32 parameters 2.5-3x slower than torch.optim.AdamW(fused=True),
-while the same update inside TieredModel ran at ~0.9x. Two costs TieredModel does not pay: the
-found_inf check ran torch.compile's ``isfinite().all()`` per gradient, which reads at half the
-bandwidth of the update itself (14-34% of the step alone, more under load), and each ``adam_step``
-call went through argument checks and dynamo's guards (~0.1 ms a tensor, and a compiled kernel's
-OpenMP fork/join, whose cost grows with the machine's load). Now the check is the native bit test
-(one read of the gradient at memory speed) and the update is the native Adam kernel
-(tiermem/optim/_csrc_elementwise.py: bit-identical to the compiled kernel, both equal the reference),
-called through ctypes in microseconds; the compiled ``adam_step`` remains the path where no native
-kernel can be built. bench/cpu_optim.py measures it against torch's fused AdamW (bench/RESULTS.md,
-2026-12-01, one core at load 7-8: 0.73-0.75x with the check, 0.78-0.89x without; was 0.33-0.40x).
+while the same update inside TieredModel ran at ~0.9x. Three costs TieredModel does not pay:
+- The found_inf check ran torch.compile's ``isfinite().all()`` per gradient, at half the bandwidth of
+  the update itself. Now it is the native bit test: one read of the gradient at memory speed (4 of
+  32 bytes a parameter with fp32 gradients, so the default, checked step is at best 0.875x of
+  torch's, which checks nothing; ``check_finite=False`` moves torch's bytes).
+- Each ``adam_step`` call went through argument checks and dynamo's guards (~0.1 ms a tensor). Now
+  the update is the native Adam kernel (tiermem/optim/_csrc_elementwise.py: bit-identical to the
+  compiled kernel, both equal the reference) called through ctypes; the compiled ``adam_step``
+  remains the path where no native kernel can be built. The base's step loop (tiermem/optim/_dropin.py)
+  counts the steps in one call, makes and checks the hyperparameters once per group and step, and
+  finds the native library once per step (~12-16 us of Python a tensor, torch's fused: 5-13 us).
+- Python between two kernels runs with a cold cache: the kernel before it streamed the tensor's
+  bytes through it, so each object the interpreter touches is a miss to memory. Made between the
+  kernels, the calls of 4 tensors of 2M cost ~1 ms of the step's ~7 (measured: CPU time outside the
+  ctypes calls); the base now makes every call of a step first (:func:`tiermem.optim._run.native_call`
+  returns it unmade) and then runs them back to back, as torch's fused kernel runs all tensors in one
+  dispatch.
+bench/cpu_optim.py measures each drop-in against torch's fused optimizer and against a kernel moving
+its bytes (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -24,10 +33,10 @@ import torch
 from tiermem.config import check_adam_hyper
 from tiermem.errors import checked_arguments
 from tiermem.optim import _run
-from tiermem.optim._dropin import CPUOptimizer, Params, number
+from tiermem.optim._dropin import CPUOptimizer, Params, Plan, number
 from tiermem.optim._hyper import AdamHyper
 from tiermem.optim._sr import StochasticRound
-from tiermem.optim.functional import adam_step, as_number
+from tiermem.optim.functional import adam_update, as_number, make_hyper
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +93,7 @@ class CPUAdam(CPUOptimizer):
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        check_adam_group("CPUAdam ", group)
+        check_adam_group(f"{type(self).__name__} ", group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -92,48 +101,46 @@ class CPUAdam(CPUOptimizer):
             group.setdefault("adamw", group.get("decoupled_weight_decay", self.defaults["adamw"]))
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        init_adam_state(p, state)
 
-    def _update(
-        self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int, sr: Optional[StochasticRound]
+    def _plan(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> Plan:
+        return Plan(_run.ADAM, (state["exp_avg"], state["exp_avg_sq"]))
+
+    def _hyper(self, group: dict[str, Any], step: int, variant: tuple) -> AdamHyper:
+        return adam_hyper(group, step)
+
+    def _functional(
+        self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, hyper: Any, sr: Optional[StochasticRound]
     ) -> None:
-        adam_update(self, p, state, group, step, sr)
+        adam_functional(plan, p, grad, hyper, sr)
 
 
-def adam_update(
-    opt: CPUOptimizer,
-    p: torch.Tensor,
-    state: dict[str, Any],
-    group: dict[str, Any],
-    step: int,
-    sr: Optional[StochasticRound],
-) -> None:
-    """One Adam update of a drop-in's parameter with fp32 moments (NOTE [Drop-in speed]): the native
-    kernel, else ``adam_step`` (the compiled kernel, or bf16 weights' reference)."""
+def init_adam_state(p: torch.Tensor, state: dict[str, Any]) -> None:
+    """fp32 moments of zeros, shaped as the parameter (torch's state)."""
+    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+
+
+def adam_functional(plan: Plan, p: torch.Tensor, grad: torch.Tensor, hyper: Any, sr: Optional[StochasticRound]) -> None:
+    """Where the native kernel cannot run, ``adam_step``'s path: the compiled kernel (bit-identical to
+    the native one), or bf16 weights' reference."""
+    exp_avg, exp_avg_sq = plan.state
+    assert exp_avg is not None and exp_avg_sq is not None  # Adam's moments always exist
+    adam_update(p, exp_avg, exp_avg_sq, grad, None, hyper, stochastic_round=sr, check_finite=False, impl=None)
+
+
+def adam_hyper(group: dict[str, Any], step: int) -> AdamHyper:
+    """A param group's checked Adam hyperparameters at ``step``."""
     beta1, beta2 = group["betas"]
-    kw = dict(
+    return make_hyper(
+        AdamHyper,
         step=step,
-        lr=as_number(group["lr"]),
+        lr=group["lr"],
         beta1=beta1,
         beta2=beta2,
         eps=group["eps"],
         weight_decay=group["weight_decay"],
         adamw=group["adamw"],
-    )
-    grad = p.grad
-    assert grad is not None  # the drop-ins step the parameters that have a gradient
-    opt._fused(
-        _run.ADAM,
-        p,
-        (state["exp_avg"], state["exp_avg_sq"]),
-        group,
-        step,
-        sr,
-        lambda: AdamHyper(**kw),
-        lambda: adam_step(
-            p, state["exp_avg"], state["exp_avg_sq"], grad, **kw, check_finite=False, stochastic_round=sr
-        ),
     )
 
 

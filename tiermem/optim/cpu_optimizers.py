@@ -18,13 +18,14 @@ import torch
 from tiermem.config import is_int
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.optim import _quant, _run
-from tiermem.optim._dropin import CPUOptimizer, Params, number
+from tiermem.optim._dropin import CPUOptimizer, Params, Plan, number
 from tiermem.optim._hyper import AdamHyper
 from tiermem.optim._hypers import AdagradHyper, LionHyper, SGDHyper, check_hyper
 from tiermem.optim._sr import StochasticRound
-from tiermem.optim.adafactor import adafactor_step, check_adafactor
-from tiermem.optim.cpu_adam import adam_update, check_adam_group
-from tiermem.optim.steps import adagrad_step, adam8bit_step, lion_step, sgd_step
+from tiermem.optim.adafactor import AdafactorHyper, adafactor_update, check_adafactor, factored_state
+from tiermem.optim.cpu_adam import adam_functional, adam_hyper, check_adam_group, init_adam_state
+from tiermem.optim.functional import make_hyper
+from tiermem.optim.steps import adam8bit_update
 
 Number = Union[float, torch.Tensor]
 
@@ -95,38 +96,27 @@ class CPUSGD(CPUOptimizer):
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> None:
         pass  # the buffer is made on the first step with momentum
 
-    def _update(
-        self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int, sr: Optional[StochasticRound]
-    ) -> None:
-        buf, new = state.get("momentum_buffer"), False
-        if g["momentum"] != 0 and buf is None:  # torch: made from the gradient when first needed
-            buf = state["momentum_buffer"] = torch.empty_like(
-                p, dtype=torch.float32, memory_format=torch.preserve_format
-            )
-            new = True
-        kw = dict(
+    def _plan(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> Plan:
+        if g["momentum"] == 0:
+            return Plan(_run.SGD, (None,), (False,))
+        buf = state.get("momentum_buffer")
+        if buf is not None:
+            return Plan(_run.SGD, (buf,), (False,))
+        # torch: made from the gradient when first needed (the kernel sets it: init_buffer)
+        buf = state["momentum_buffer"] = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        return Plan(_run.SGD, (buf,), (True,))
+
+    def _hyper(self, g: dict[str, Any], step: int, variant: tuple) -> SGDHyper:
+        return make_hyper(
+            SGDHyper,
             step=step,
-            lr=number(g["lr"]),
+            lr=g["lr"],
             momentum=g["momentum"],
             dampening=g["dampening"],
             nesterov=g["nesterov"],
             weight_decay=g["weight_decay"],
             maximize=g["maximize"],
-            init_buffer=new,
-        )
-        buf = buf if g["momentum"] != 0 else None
-        grad = p.grad
-        assert grad is not None  # the drop-ins step the parameters that have a gradient
-        self._fused(
-            _run.SGD,
-            p,
-            (buf,),
-            g,
-            step,
-            sr,
-            lambda: SGDHyper(**kw),
-            lambda: sgd_step(p, buf, grad, **kw, stochastic_round=sr, check_finite=False),
-            new,
+            init_buffer=variant[0],
         )
 
 
@@ -196,28 +186,18 @@ class CPUAdagrad(CPUOptimizer):
             p, g["initial_accumulator_value"], dtype=torch.float32, memory_format=torch.preserve_format
         )
 
-    def _update(
-        self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int, sr: Optional[StochasticRound]
-    ) -> None:
-        kw = dict(
+    def _plan(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> Plan:
+        return Plan(_run.ADAGRAD, (state["sum"],))
+
+    def _hyper(self, g: dict[str, Any], step: int, variant: tuple) -> AdagradHyper:
+        return make_hyper(
+            AdagradHyper,
             step=step,
-            lr=number(g["lr"]),
+            lr=g["lr"],
             lr_decay=g["lr_decay"],
             weight_decay=g["weight_decay"],
             eps=g["eps"],
             maximize=g["maximize"],
-        )
-        grad = p.grad
-        assert grad is not None  # the drop-ins step the parameters that have a gradient
-        self._fused(
-            _run.ADAGRAD,
-            p,
-            (state["sum"],),
-            g,
-            step,
-            sr,
-            lambda: AdagradHyper(**kw),
-            lambda: adagrad_step(p, state["sum"], grad, **kw, stochastic_round=sr, check_finite=False),
         )
 
 
@@ -269,32 +249,13 @@ class CPULion(CPUOptimizer):
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> None:
         state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
-    def _update(
-        self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int, sr: Optional[StochasticRound]
-    ) -> None:
-        lr, (b1, b2), wd = number(g["lr"]), g["betas"], g["weight_decay"]
-        grad = p.grad
-        assert grad is not None  # the drop-ins step the parameters that have a gradient
-        self._fused(
-            _run.LION,
-            p,
-            (state["exp_avg"],),
-            g,
-            step,
-            sr,
-            lambda: LionHyper(step=step, lr=lr, lion_beta1=b1, lion_beta2=b2, weight_decay=wd),
-            lambda: lion_step(
-                p,
-                state["exp_avg"],
-                grad,
-                step=step,
-                lr=lr,
-                beta1=b1,
-                beta2=b2,
-                weight_decay=wd,
-                stochastic_round=sr,
-                check_finite=False,
-            ),
+    def _plan(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> Plan:
+        return Plan(_run.LION, (state["exp_avg"],))
+
+    def _hyper(self, g: dict[str, Any], step: int, variant: tuple) -> LionHyper:
+        b1, b2 = g["betas"]
+        return make_hyper(
+            LionHyper, step=step, lr=g["lr"], lion_beta1=b1, lion_beta2=b2, weight_decay=g["weight_decay"]
         )
 
 
@@ -365,28 +326,31 @@ class CPUAdafactor(CPUOptimizer):
         else:
             state["variance"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
-    def _update(
-        self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int, sr: Optional[StochasticRound]
-    ) -> None:
-        grad = p.grad
-        assert grad is not None  # the drop-ins step the parameters that have a gradient
-        adafactor_step(
-            p,
-            grad,
+    def _plan(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> Plan:
+        shape = tuple(p.shape)
+        _, tensors = factored_state(p, shape, state.get("row_var"), state.get("col_var"), state.get("variance"))
+        return Plan(None, tensors, (shape,))
+
+    def _hyper(self, g: dict[str, Any], step: int, variant: tuple) -> AdafactorHyper:
+        return make_hyper(
+            AdafactorHyper,
             step=step,
-            lr=number(g["lr"]),
+            lr=g["lr"],
             beta2_decay=g["beta2_decay"],
             eps1=g["eps"][0],
             eps2=g["eps"][1],
             d=g["d"],
             weight_decay=g["weight_decay"],
             maximize=g["maximize"],
-            row_var=state.get("row_var"),
-            col_var=state.get("col_var"),
-            variance=state.get("variance"),
-            stochastic_round=sr,
-            check_finite=False,
         )
+
+    def _functional(
+        self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, hyper: Any, sr: Optional[StochasticRound]
+    ) -> None:
+        """adafactor_step's passes (no single native pass: its reductions come between)."""
+        (shape,) = plan.variant
+        state = tuple(t for t in plan.state if t is not None)
+        adafactor_update(p, grad, state, shape, None, hyper, stochastic_round=sr, check_finite=False, impl=None)
 
 
 @checked_arguments
@@ -443,47 +407,36 @@ class CPUAdam8bit(CPUOptimizer):
         check_adam_group("CPUAdam8bit ", g)
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> None:
-        if p.numel() >= self.min_8bit_size:
-            n, blocks = p.numel(), _quant.num_blocks(p.numel())
-            state["exp_avg"], state["exp_avg_absmax"] = torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks)
-            state["exp_avg_sq"], state["exp_avg_sq_absmax"] = torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks)
-        else:
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-
-    def _update(
-        self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int, sr: Optional[StochasticRound]
-    ) -> None:
-        if "exp_avg_absmax" not in state:
-            adam_update(self, p, state, g, step, sr)
+        if p.numel() < self.min_8bit_size:
+            init_adam_state(p, state)
             return
-        beta1, beta2 = g["betas"]
-        kw = dict(
-            step=step,
-            lr=number(g["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=g["eps"],
-            weight_decay=g["weight_decay"],
-            adamw=g["adamw"],
+        n, blocks = p.numel(), _quant.num_blocks(p.numel())
+        state["exp_avg"], state["exp_avg_absmax"] = torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks)
+        state["exp_avg_sq"], state["exp_avg_sq_absmax"] = torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks)
+
+    def _plan(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> Plan:
+        if "exp_avg_absmax" not in state:  # a small tensor: fp32 moments, as CPUAdam
+            return Plan(_run.ADAM, (state["exp_avg"], state["exp_avg_sq"]))
+        return Plan(
+            _run.ADAM8BIT, (state["exp_avg"], state["exp_avg_absmax"], state["exp_avg_sq"], state["exp_avg_sq_absmax"])
         )
-        quantized = (state["exp_avg"], state["exp_avg_absmax"], state["exp_avg_sq"], state["exp_avg_sq_absmax"])
-        grad = p.grad
-        assert grad is not None  # the drop-ins step the parameters that have a gradient
-        self._fused(
-            _run.ADAM8BIT,
-            p,
-            quantized,
-            g,
-            step,
-            sr,
-            lambda: AdamHyper(**kw),
-            lambda: adam8bit_step(
+
+    def _hyper(self, g: dict[str, Any], step: int, variant: tuple) -> AdamHyper:
+        return adam_hyper(g, step)
+
+    def _functional(
+        self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, hyper: Any, sr: Optional[StochasticRound]
+    ) -> None:
+        if plan.kernel is _run.ADAM:
+            adam_functional(plan, p, grad, hyper, sr)
+        else:
+            adam8bit_update(
                 p.view(-1) if p.is_contiguous() else p,
-                *quantized,
+                plan.state,
                 grad.reshape(-1),
-                **kw,
+                None,
+                hyper,
                 stochastic_round=sr,
                 check_finite=False,
-            ),
-        )
+                impl=None,
+            )

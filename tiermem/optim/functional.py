@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -40,6 +40,7 @@ _Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optiona
 _COMPILED = _compiled.CompiledAdam()
 _said = threading.Lock()
 _said_which: set[str] = set()
+H = TypeVar("H")
 
 
 def adam_step(
@@ -106,17 +107,45 @@ def adam_step(
     Returns:
         ``found_inf``: True when some gradient element is inf or NaN (nothing was written).
     """
-    hyper = AdamHyper(
-        step=_as_step(step),
-        lr=as_number(lr),
-        beta1=as_number(beta1),
-        beta2=as_number(beta2),
-        eps=as_number(eps),
-        weight_decay=as_number(weight_decay),
+    hyper = make_hyper(
+        AdamHyper,
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
         adamw=adamw,
-        grad_scale=as_number(grad_scale),
-        clip_coef=as_number(clip_coef),
+        grad_scale=grad_scale,
+        clip_coef=clip_coef,
     )
+    return adam_update(
+        master,
+        exp_avg,
+        exp_avg_sq,
+        grad,
+        out,
+        hyper,
+        stochastic_round=stochastic_round,
+        check_finite=check_finite,
+        impl=impl,
+    )
+
+
+def adam_update(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+    hyper: AdamHyper,
+    *,
+    stochastic_round: Optional["StochasticRound"],
+    check_finite: bool,
+    impl: Optional[str],
+) -> bool:
+    """:func:`adam_step` once its hyperparameters are checked (``hyper``): what the drop-ins call with
+    the hyperparameters they made once for the step."""
     _check_impl(impl)
     if stochastic_round is not None or (isinstance(master, torch.Tensor) and master.dtype == torch.bfloat16):
         return _run.run(
@@ -127,7 +156,6 @@ def adam_step(
             out,
             hyper,
             stochastic_round=stochastic_round,
-            step=hyper.step,
             check_finite=check_finite,
             impl=None if impl is None else "native" if impl == "compiled" else "reference",
         )
@@ -317,6 +345,13 @@ def as_number(value: object) -> Any:
     """A one-element tensor (torch optimizers allow a tensor lr) as the number it holds (anything
     else as it is: the hyperparameters' rules check it)."""
     return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+
+def make_hyper(cls: Callable[..., H], *, step: object, **values: Any) -> H:
+    """The hyperparameters of one update, as every functional entry takes them: ``step`` a whole
+    number, a one-element tensor as the number it holds; ``cls`` (AdamHyper, SGDHyper, ...) checks them
+    (one validation path for the entries and the drop-ins)."""
+    return cls(step=_as_step(step), **{k: as_number(v) for k, v in values.items()})
 
 
 def _as_step(step: object) -> int:

@@ -17,7 +17,7 @@ picks "native" or "reference" (tests and benchmarks). Each state layout is what
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from tiermem.optim import _quant, _run
 from tiermem.optim._hyper import AdamHyper
 from tiermem.optim._hypers import AdagradHyper, LionHyper, SGDHyper
 from tiermem.optim._sr import StochasticRound
-from tiermem.optim.functional import _as_step, as_number
+from tiermem.optim.functional import make_hyper
 
 
 def sgd_step(
@@ -77,16 +77,17 @@ def sgd_step(
     Returns:
         ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
-    hyper = SGDHyper(
-        step=_as_step(step),
-        lr=as_number(lr),
-        momentum=as_number(momentum),
-        dampening=as_number(dampening),
+    hyper = make_hyper(
+        SGDHyper,
+        step=step,
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
         nesterov=nesterov,
-        weight_decay=as_number(weight_decay),
+        weight_decay=weight_decay,
         maximize=maximize,
-        grad_scale=as_number(grad_scale),
-        clip_coef=as_number(clip_coef),
+        grad_scale=grad_scale,
+        clip_coef=clip_coef,
         init_buffer=init_buffer,
     )
     if (hyper.momentum != 0) != (momentum_buffer is not None):
@@ -103,7 +104,6 @@ def sgd_step(
         out,
         hyper,
         stochastic_round=stochastic_round,
-        step=hyper.step,
         check_finite=check_finite,
         impl=impl,
     )
@@ -150,15 +150,16 @@ def adagrad_step(
     Returns:
         ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
-    hyper = AdagradHyper(
-        step=_as_step(step),
-        lr=as_number(lr),
-        lr_decay=as_number(lr_decay),
-        weight_decay=as_number(weight_decay),
-        eps=as_number(eps),
+    hyper = make_hyper(
+        AdagradHyper,
+        step=step,
+        lr=lr,
+        lr_decay=lr_decay,
+        weight_decay=weight_decay,
+        eps=eps,
         maximize=maximize,
-        grad_scale=as_number(grad_scale),
-        clip_coef=as_number(clip_coef),
+        grad_scale=grad_scale,
+        clip_coef=clip_coef,
     )
     return _run.run(
         _run.ADAGRAD,
@@ -168,7 +169,6 @@ def adagrad_step(
         out,
         hyper,
         stochastic_round=stochastic_round,
-        step=hyper.step,
         check_finite=check_finite,
         impl=impl,
     )
@@ -214,14 +214,15 @@ def lion_step(
     Returns:
         ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
-    hyper = LionHyper(
-        step=_as_step(step),
-        lr=as_number(lr),
-        lion_beta1=as_number(beta1),
-        lion_beta2=as_number(beta2),
-        weight_decay=as_number(weight_decay),
-        grad_scale=as_number(grad_scale),
-        clip_coef=as_number(clip_coef),
+    hyper = make_hyper(
+        LionHyper,
+        step=step,
+        lr=lr,
+        lion_beta1=beta1,
+        lion_beta2=beta2,
+        weight_decay=weight_decay,
+        grad_scale=grad_scale,
+        clip_coef=clip_coef,
     )
     return _run.run(
         _run.LION,
@@ -231,7 +232,6 @@ def lion_step(
         out,
         hyper,
         stochastic_round=stochastic_round,
-        step=hyper.step,
         check_finite=check_finite,
         impl=impl,
     )
@@ -289,18 +289,37 @@ def adam8bit_step(
     Returns:
         ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
-    hyper = AdamHyper(
-        step=_as_step(step),
-        lr=as_number(lr),
-        beta1=as_number(beta1),
-        beta2=as_number(beta2),
-        eps=as_number(eps),
-        weight_decay=as_number(weight_decay),
+    hyper = make_hyper(
+        AdamHyper,
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
         adamw=adamw,
-        grad_scale=as_number(grad_scale),
-        clip_coef=as_number(clip_coef),
+        grad_scale=grad_scale,
+        clip_coef=clip_coef,
     )
     state = (exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax)
+    return adam8bit_update(
+        master, state, grad, out, hyper, stochastic_round=stochastic_round, check_finite=check_finite, impl=impl
+    )
+
+
+def adam8bit_update(
+    master: torch.Tensor,
+    state: Sequence[Optional[torch.Tensor]],
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+    hyper: AdamHyper,
+    *,
+    stochastic_round: Optional[StochasticRound],
+    check_finite: bool,
+    impl: Optional[str],
+) -> bool:
+    """:func:`adam8bit_step` once its hyperparameters are checked (``hyper``), with ``state`` the four
+    8-bit state tensors in its order (what CPUAdam8bit calls with the hyperparameters of its step)."""
     if isinstance(master, torch.Tensor) and not all(
         isinstance(t, torch.Tensor) and t.is_contiguous() for t in (master, grad, *state)
     ):
@@ -316,7 +335,6 @@ def adam8bit_step(
         out,
         hyper,
         stochastic_round=stochastic_round,
-        step=hyper.step,
         check_finite=check_finite,
         impl=impl,
     )
