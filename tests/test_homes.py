@@ -20,6 +20,7 @@ from hypothesis import given, settings, strategies as st
 
 from tiermem.errors import StoreError
 from tiermem.handles import wait_all
+from tiermem.memory.aligned import round_up
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.observe.trace import Tracer
@@ -249,6 +250,77 @@ def test_grads_next_step_starts_afresh(engine, case):
     _backward(engine, home, buckets, a, got)
     home.wait()
     _check_grads(_read(home, buckets), {k: c[k] + a[k] for k in a})
+
+
+def _grad_bytes(engine) -> dict[Tier, int]:
+    """GRAD bytes the device's and the host's ledgers hold now, and what the host pool caches."""
+    held = {t: engine.stores[t].ledger.kind_used.get(TensorClass.GRAD, 0) for t in (Tier.DEVICE, Tier.HOST)}
+    return {**held, "cached": engine.stores[Tier.HOST].ledger.held(HostStore._POOL_KEY)}
+
+
+@pytest.mark.parametrize("case", MEMORY_GRADS, ids=lambda c: c.id)
+def test_memory_grads_exist_from_their_first_landing_to_the_end_of_the_step(engine, case):
+    """NOTE [Grads come and go]: no grad bytes before a backward or after the step (none cached by
+    the host pool, which forward would carry: these buffers are not pinned), a bucket's buffers
+    from its first landing; the step's grads as landed, micro-batches summed."""
+    buckets, home = _grad_home(case, engine)
+    nothing = {Tier.DEVICE: 0, Tier.HOST: 0, "cached": 0}
+    for seed in (14, 15):
+        assert _grad_bytes(engine) == nothing
+        a, b = _grads(buckets, seed), _grads(buckets, seed + 10)
+        got: set = set()
+        first = buckets[0]
+        _backward(engine, home, [first], a, got)
+        tiers = {case.grad_tier, case.state_tier}  # landing, and where Adam reads them (grad_in)
+        size = {Tier.DEVICE: 4 * first.numel, Tier.HOST: round_up(4 * first.numel)}  # the host's in pages
+        assert _grad_bytes(engine) == {**nothing, **{t: size[t] for t in tiers}}  # that bucket's alone
+        _backward(engine, home, buckets[1:], a, got)
+        _backward(engine, home, buckets, b, got)
+        home.wait()
+        _check_grads(_read(home, buckets), {k: a[k] + b[k] for k in a})
+        home.end_step()
+    assert _grad_bytes(engine) == nothing
+
+
+@pytest.mark.parametrize("case", MEMORY_GRADS, ids=lambda c: c.id)
+def test_overlap_steps_grad_buffers_stay_for_the_run(engine, case):
+    """Under overlap_step the update in the background reads one buffer after its step returned:
+    both are allocated once, and a step's end frees neither."""
+    buckets, home = _grad_home(case, engine, buffers=2)
+    held = _grad_bytes(engine)
+    assert held[case.grad_tier] >= 2 * 4 * sum(b.numel for b in buckets)
+    a = _grads(buckets, 16)
+    _backward(engine, home, buckets, a, set())
+    home.wait()
+    home.end_step()
+    assert _grad_bytes(engine) == held
+    _check_grads(_read(home, buckets), a)  # the background update still reads them
+
+
+def test_host_store_gives_unpinned_buffers_back_to_the_system():
+    host = HostStore(pin=False)
+    kept = host.allocate("kept", (5000,), torch.float32)
+    kept.fill_(3.0)
+    host.allocate("g", (5000,), torch.float32).fill_(1.0)
+    host.give_back("g")
+    assert "g" not in host and host.used == host.ledger.held("kept") > 0  # nothing cached
+    host.give_back("unknown")  # ignored, as delete ignores it
+    again = host.allocate("g", (5000,), torch.float32)
+    assert host.allocations == 3 and torch.equal(kept, torch.full((5000,), 3.0))  # a fresh buffer
+    again.zero_()
+
+
+@pytest.mark.cuda
+def test_host_store_keeps_pinned_buffers_it_gives_back():
+    """Pinning is what costs on a GPU machine: a pinned grad buffer goes back to the pool's cache."""
+    host = HostStore(pin=True)
+    t = host.allocate("g", (5000,), torch.float32, TensorClass.GRAD)
+    assert host.pinned_bytes == t.nbytes
+    host.give_back("g")
+    assert host.ledger.held(HostStore._POOL_KEY) == t.nbytes and host.pinned_bytes == t.nbytes
+    host.allocate("g", (5000,), torch.float32, TensorClass.GRAD)
+    assert host.allocations == 1  # reused, not pinned again
+    host.release_all()
 
 
 @pytest.mark.parametrize("case", MEMORY_GRADS, ids=lambda c: c.id)

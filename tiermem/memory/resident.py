@@ -126,6 +126,11 @@ class MemoryStore(Store):
             else:
                 self._free(key, base)
 
+    def give_back(self, key: str) -> None:
+        """Delete ``key``, its bytes going back to the system rather than to a cache of free
+        buffers (the host pool's; the device's store caches none of its own)."""
+        self.delete(key)
+
     def __contains__(self, key: object) -> bool:
         return key in self._tensors
 
@@ -261,6 +266,17 @@ class HostStore(MemoryStore):
             self.ledger.release(key)
             self._free_bufs[(buf.numel(), buf.data_ptr() in self._pinned)].append(buf)
             self._set_free_bytes(self._free_bytes + buf.numel())
+
+    def give_back(self, key: str) -> None:
+        """Delete ``key``; its buffer goes back to the system (unmapped once no view of it is
+        left), unless it is pinned: the pool keeps a pinned buffer for the next request of its
+        size, pinning again being what costs (NOTE [Grads come and go] in tiermem/train/homes.py)."""
+        with self._lock:
+            if key not in self._tensors or self._bases[key] is None or self._bases[key].data_ptr() in self._pinned:
+                self.delete(key)
+                return
+            del self._tensors[key], self._bases[key]
+            self.ledger.release(key)
 
     def close(self) -> None:
         self.trim()  # the pool's buffers (pinned, on a GPU machine) go back to the system

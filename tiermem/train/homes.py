@@ -102,9 +102,24 @@ class GradHome(ABC):
         """The step consumed (or dropped) the grads: the next backward starts afresh."""
 
 
+# NOTE [Grads come and go]
+# A bucket's fp32 accumulation buffer exists only while it holds grads of the step to come: it
+# is allocated when the bucket's first gradient of the step lands (``landing``; under data
+# parallelism when its reduce-scattered chunk lands, bucket by bucket through backward) and given
+# back once the step has consumed or dropped them (``end_step``), as are the grads brought where
+# Adam runs (``grad_in``). Between a step and the next backward, forward included, a rank holds no
+# grad bytes, and at the backward's peak (its start, the activations all alive) only those of the
+# buckets done so far, as FSDP2's sharded grads. The step reads only buckets that got a grad this
+# step (one process: the parameters it received; data parallelism: every bucket, landed whole), so
+# a fresh buffer's other bytes are never read; no_sync() and micro-batches keep adding into the
+# buffers, which live until the step. A host buffer goes back to the system, not to the pool's
+# cache (which forward would otherwise carry along), unless it is pinned: pinning is what costs on
+# a GPU machine, so the pool keeps those to reuse (MemoryStore.give_back). Under overlap_step the
+# two buffers stay for the run: the update in the background reads one after its step returned.
 class MemoryGrads(GradHome):
-    """Gradients accumulated in fp32 buffers of a memory tier (device or host). When Adam runs on
-    another tier, ``gather`` copies them there first (``grad_in``)."""
+    """Gradients accumulated in fp32 buffers of a memory tier (device or host), allocated for each
+    step (NOTE [Grads come and go]). When Adam runs on another tier, ``gather`` copies them there
+    first (``grad_in``)."""
 
     def __init__(
         self,
@@ -117,24 +132,35 @@ class MemoryGrads(GradHome):
         buffers: int = 1,
     ):
         self.landing_tier = store.tier
-        self.engine = engine
-        n = {b.index: (b.numel,) for b in buckets}
-        names = ("grad", "grad_alt")[:buffers]  # overlap_step: backward fills one while Adam reads the other
-        self._acc = {
-            b.index: [store.allocate(f"{b.key}:{name}", n[b.index], torch.float32, TensorClass.GRAD) for name in names]
-            for b in buckets
-        }
-        self._in = {
-            b.index: stores[compute_tier[b.index]].allocate(
-                f"{b.key}:grad_in", n[b.index], torch.float32, TensorClass.GRAD
-            )
-            for b in buckets
-            if compute_tier[b.index] != store.tier
-        }
+        self.store, self.stores, self.engine = store, stores, engine
+        self._buckets = {b.index: b for b in buckets}
+        self._names = ("grad", "grad_alt")[:buffers]  # overlap_step: backward fills one while Adam reads the other
         self._compute = compute_tier
+        self._acc: dict[int, list[torch.Tensor]] = {}
+        self._in: dict[int, torch.Tensor] = {}
+        self._kept = buffers > 1  # overlap_step: allocated once for the run
+        if self._kept:
+            for b in buckets:
+                self._allocate(b)
+
+    def _in_store(self, index: int):
+        """The store of the tier Adam runs on, when it is not this home's (None: it is)."""
+        tier = self._compute[index]
+        return None if tier == self.landing_tier else self.stores[tier]
+
+    def _allocate(self, b: Bucket) -> list[torch.Tensor]:
+        acc = [
+            self.store.allocate(f"{b.key}:{name}", (b.numel,), torch.float32, TensorClass.GRAD) for name in self._names
+        ]
+        self._acc[b.index] = acc
+        other = self._in_store(b.index)
+        if other is not None:
+            self._in[b.index] = other.allocate(f"{b.key}:grad_in", (b.numel,), torch.float32, TensorClass.GRAD)
+        return acc
 
     def landing(self, b: Bucket, fill: int) -> torch.Tensor:
-        return self._acc[b.index][fill]
+        acc = self._acc.get(b.index)
+        return (acc if acc is not None else self._allocate(b))[fill]
 
     def gather(self, fill: int) -> list[Handle]:
         return [
@@ -146,10 +172,24 @@ class MemoryGrads(GradHome):
                 kind=TensorClass.GRAD,
             )
             for index, grad_in in self._in.items()
+            if index in self._acc
         ]
 
     def read(self, b: Bucket, fill: int) -> tuple[torch.Tensor, Callable[[], None]]:
         return self._in.get(b.index, self._acc[b.index][fill]), _nothing
+
+    def end_step(self) -> None:
+        if self._kept:
+            return
+        for index in list(self._acc):
+            key = self._buckets[index].key
+            for name in self._names:
+                self.store.give_back(f"{key}:{name}")
+            other = self._in_store(index)
+            if other is not None:
+                other.give_back(f"{key}:grad_in")
+        self._acc.clear()
+        self._in.clear()
 
 
 # -- optimizer state --------------------------------------------------------------------------------
@@ -271,6 +311,11 @@ class WeightHome(ABC):
         """A buffer Adam running on ``compute_tier`` may write ``b``'s new weights into directly,
         needing no :meth:`write` afterwards; None when the weights live elsewhere."""
         return None
+
+    def from_master(self, b: Bucket) -> bool:
+        """``b``'s working weights are rounded from its master whenever they are read (NOTE [A
+        chunk rounded from its master] in tiermem/train/weight_shards.py): the update writes none."""
+        return False
 
     @abstractmethod
     def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
