@@ -272,7 +272,8 @@ class HostStore(MemoryStore):
         left), unless it is pinned: the pool keeps a pinned buffer for the next request of its
         size, pinning again being what costs (NOTE [Grads come and go] in tiermem/train/homes.py)."""
         with self._lock:
-            if key not in self._tensors or self._bases[key] is None or self._bases[key].data_ptr() in self._pinned:
+            base = self._bases.get(key)
+            if base is None or base.data_ptr() in self._pinned:  # unknown, adopted or pinned: as delete
                 self.delete(key)
                 return
             del self._tensors[key], self._bases[key]
