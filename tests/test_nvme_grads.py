@@ -74,13 +74,10 @@ def test_host_holds_grads_only_in_flight(tmp_path):
     _, _, tm = _run(GradsOnNvme(), tmp_path)
     n, pages = tm.layout.n_params, 4096 * len(tm.layout.buckets)
     host = tm.stores[Tier.HOST].ledger
-    assert host.kind_used[TensorClass.GRAD] == 0  # between steps no grad stays on the host
+    assert host.kind_used[TensorClass.GRAD] == 0  # between steps no grad stays on the host (ZeroOffload: 4 B/param)
     assert 0 < host.kind_peak[TensorClass.GRAD] <= 4 * n + pages  # at worst, every bucket in flight at once
-    _, _, ref = _run(
-        ZeroOffload(), None
-    )  # grads in memory: every bucket's at the step, none after (NOTE [Grads come and go])
-    assert ref.stores[Tier.HOST].ledger.kind_peak[TensorClass.GRAD] >= 4 * n
-    assert ref.stores[Tier.HOST].ledger.kind_used[TensorClass.GRAD] == 0
+    _, _, ref = _run(ZeroOffload(), None)
+    assert ref.stores[Tier.HOST].ledger.kind_used[TensorClass.GRAD] >= 4 * n
 
 
 def test_failed_grad_flush_surfaces_and_state_is_unchanged(tmp_path):

@@ -154,8 +154,6 @@ def _construction_need(tm: TieredModel) -> dict:
         device_is_host=tm.device.type == "cpu",
     )
     step_only = {
-        fp.GRADS,  # NOTE [Grads come and go]: allocated as a step's grads land
-        fp.GRADS_FOR_STEP,
         fp.GRADS_IN_FLIGHT,
         fp.LARGEST_MODULE,
         fp.GRADS_TO_REDUCE,
@@ -165,8 +163,6 @@ def _construction_need(tm: TieredModel) -> dict:
     }
     built = {t: sum(n for what, n in need.get(t, {}).items() if what not in step_only) for t in (D, H)}
     world, w = tm.group.world, tm.dtype.itemsize
-    grads = [4 * -(-b.numel // world) for b in buckets if b.grad_tier == H]
-    built[H] -= sum(fp.host_buffer_bytes(n) - n for n in grads)  # their pages too
     whole_bucket = need[H][fp.WHOLE_BUCKET]  # three parts; building takes the master's alone, a checkpoint all
     built[H] -= whole_bucket + 3 * (fp.host_buffer_bytes(whole_bucket // 3) - whole_bucket // 3)
     # the master's buffer goes back to the system before the step's staging buffers are taken

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
@@ -103,23 +103,26 @@ class GradHome(ABC):
 
 
 # NOTE [Grads come and go]
-# A bucket's fp32 accumulation buffer exists only while it holds grads of the step to come: it
-# is allocated when the bucket's first gradient of the step lands (``landing``; under data
-# parallelism when its reduce-scattered chunk lands, bucket by bucket through backward) and given
-# back once the step has consumed or dropped them (``end_step``), as are the grads brought where
-# Adam runs (``grad_in``). Between a step and the next backward, forward included, a rank holds no
-# grad bytes, and at the backward's peak (its start, the activations all alive) only those of the
-# buckets done so far, as FSDP2's sharded grads. The step reads only buckets that got a grad this
-# step (one process: the parameters it received; data parallelism: every bucket, landed whole), so
-# a fresh buffer's other bytes are never read; no_sync() and micro-batches keep adding into the
-# buffers, which live until the step. A host buffer goes back to the system, not to the pool's
-# cache (which forward would otherwise carry along), unless it is pinned: pinning is what costs on
-# a GPU machine, so the pool keeps those to reuse (MemoryStore.give_back). Under overlap_step the
-# two buffers stay for the run: the update in the background reads one after its step returned.
+# A bucket's fp32 accumulation buffer holds memory only while it holds grads of the step to come:
+# it is allocated when the bucket's first gradient of the step lands (``landing``; under data
+# parallelism when its reduce-scattered chunk lands, bucket by bucket through backward) and its
+# memory goes back to the system once the step has consumed or dropped the grads (``end_step``:
+# MemoryStore.vacate), as does that of the grads brought where Adam runs (``grad_in``). Between a
+# step and the next backward, forward included, a rank's grads take no memory, and at the
+# backward's peak (its start, every activation alive) only those of the buckets done so far, as
+# FSDP2's sharded grads. Their bytes stay counted against the budget from construction on (room
+# held in the ledger: MemoryStore.hold_room), so what the budget check accepted at construction
+# still fits at every backward: nothing else (offloaded activations, a gather's staging) takes
+# the grads' room meanwhile, and the ledger and report() count them as before. The step reads only
+# buckets that got a grad this step (one process: the parameters it received; data parallelism:
+# every bucket, landed whole), so a fresh buffer's other bytes are never read; no_sync() and
+# micro-batches keep adding into the buffers, which live until the step. A pinned host buffer
+# stays for the run (pinning is what costs on a GPU machine; vacate keeps it), and so do both
+# buffers under overlap_step, where the update in the background reads one after its step returned.
 class MemoryGrads(GradHome):
-    """Gradients accumulated in fp32 buffers of a memory tier (device or host), allocated for each
-    step (NOTE [Grads come and go]). When Adam runs on another tier, ``gather`` copies them there
-    first (``grad_in``)."""
+    """Gradients accumulated in fp32 buffers of a memory tier (device or host), whose memory is
+    taken for each step (NOTE [Grads come and go]). When Adam runs on another tier, ``gather``
+    copies them there first (``grad_in``)."""
 
     def __init__(
         self,
@@ -132,64 +135,62 @@ class MemoryGrads(GradHome):
         buffers: int = 1,
     ):
         self.landing_tier = store.tier
-        self.store, self.stores, self.engine = store, stores, engine
-        self._buckets = {b.index: b for b in buckets}
-        self._names = ("grad", "grad_alt")[:buffers]  # overlap_step: backward fills one while Adam reads the other
+        self.engine = engine
+        self._numel = {b.index: b.numel for b in buckets}
+        names = ("grad", "grad_alt")[:buffers]  # overlap_step: backward fills one while Adam reads the other
+        self._acc = {b.index: [(store, f"{b.key}:{name}") for name in names] for b in buckets}
+        self._in = {  # where Adam reads them, when that is another tier
+            b.index: (stores[compute_tier[b.index]], f"{b.key}:grad_in")
+            for b in buckets
+            if compute_tier[b.index] != store.tier
+        }
         self._compute = compute_tier
-        self._acc: dict[int, list[torch.Tensor]] = {}
-        self._in: dict[int, torch.Tensor] = {}
-        self._kept = buffers > 1  # overlap_step: allocated once for the run
-        if self._kept:
-            for b in buckets:
-                self._allocate(b)
+        self._bufs: dict[str, torch.Tensor] = {}  # by key: the buffers holding memory now
+        self._for_the_run = buffers > 1  # overlap_step
+        for b in buckets:
+            for st, key in self._keys(b.index):
+                if self._for_the_run:
+                    self._buffer(st, key, b.index)
+                else:
+                    st.hold_room(key, (b.numel,), torch.float32, TensorClass.GRAD)
 
-    def _in_store(self, index: int):
-        """The store of the tier Adam runs on, when it is not this home's (None: it is)."""
-        tier = self._compute[index]
-        return None if tier == self.landing_tier else self.stores[tier]
+    def _keys(self, index: int) -> list[tuple[Any, str]]:
+        """(store, key) of each buffer of bucket ``index``: its accumulation buffers and its grad_in."""
+        return self._acc[index] + ([self._in[index]] if index in self._in else [])
 
-    def _allocate(self, b: Bucket) -> list[torch.Tensor]:
-        acc = [
-            self.store.allocate(f"{b.key}:{name}", (b.numel,), torch.float32, TensorClass.GRAD) for name in self._names
-        ]
-        self._acc[b.index] = acc
-        other = self._in_store(b.index)
-        if other is not None:
-            self._in[b.index] = other.allocate(f"{b.key}:grad_in", (b.numel,), torch.float32, TensorClass.GRAD)
-        return acc
+    def _buffer(self, store, key: str, index: int) -> torch.Tensor:
+        t = self._bufs.get(key)
+        if t is None:
+            t = self._bufs[key] = store.allocate(key, (self._numel[index],), torch.float32, TensorClass.GRAD)
+        return t
 
     def landing(self, b: Bucket, fill: int) -> torch.Tensor:
-        acc = self._acc.get(b.index)
-        return (acc if acc is not None else self._allocate(b))[fill]
+        return self._buffer(*self._acc[b.index][fill], b.index)
 
     def gather(self, fill: int) -> list[Handle]:
         return [
             self.engine.copy_async(
-                grad_in,
-                self._acc[index][fill],
+                self._buffer(*self._in[index], index),
+                self._bufs[self._acc[index][fill][1]],
                 src_tier=self.landing_tier,
                 dst_tier=self._compute[index],
                 kind=TensorClass.GRAD,
             )
-            for index, grad_in in self._in.items()
-            if index in self._acc
+            for index in self._in
+            if self._acc[index][fill][1] in self._bufs  # grads landed (or a buffer kept for the run)
         ]
 
     def read(self, b: Bucket, fill: int) -> tuple[torch.Tensor, Callable[[], None]]:
-        return self._in.get(b.index, self._acc[b.index][fill]), _nothing
+        st, key = self._in[b.index] if b.index in self._in else self._acc[b.index][fill]
+        return self._bufs[key], _nothing
 
     def end_step(self) -> None:
-        if self._kept:
+        if self._for_the_run:
             return
-        for index in list(self._acc):
-            key = self._buckets[index].key
-            for name in self._names:
-                self.store.give_back(f"{key}:{name}")
-            other = self._in_store(index)
-            if other is not None:
-                other.give_back(f"{key}:grad_in")
-        self._acc.clear()
-        self._in.clear()
+        for index in self._numel:
+            for st, key in self._keys(index):
+                if key in self._bufs and st.vacate(key):  # a pinned buffer stays
+                    del self._bufs[key]
 
 
 # -- optimizer state --------------------------------------------------------------------------------
