@@ -10,7 +10,8 @@ For a bucket of ``n`` trainable parameters, ``w`` bytes per element of the worki
 and the compute tier where Adam runs for it (its state's tier; the host for state on NVMe):
 
 - working weights: ``w*n`` at the PARAM tier;
-- fp32 grads: ``4n`` at the GRAD tier;
+- fp32 grads: ``4n`` at the GRAD tier (between steps, room the budget holds for them with no
+  memory taken: NOTE [Grads come and go] in tiermem/train/homes.py);
 - optimizer state: the bytes of its state format at the OPTIM_STATE tier (NOTE [State formats]:
   ``12n`` for Adam's fp32 master, exp_avg and exp_avg_sq; ``4n`` for SGD without momentum; about
   ``4n`` for 8-bit Adam with bf16 master weights), one buffer per part;
