@@ -157,6 +157,12 @@ class MemoryStore(Store):
             self._vacated.add(key)
             return True
 
+    @property
+    def room(self) -> int:
+        """Bytes the ledger counts for keys with no memory behind them now (held room)."""
+        with self._lock:
+            return sum(self.ledger.held(key) for key in self._vacated)
+
     def _taken(self, nbytes: int) -> int:
         """What the ledger counts for a tensor of ``nbytes``."""
         return nbytes
