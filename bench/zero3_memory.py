@@ -100,7 +100,7 @@ class Sampler:
         self.phase, self.peaks, self.period = "start", {}, period
         self.at_peak: dict[str, dict[str, int]] = {}  # glibc's heap when the phase's maximum was read
         self.live: dict[str, int] = {}  # the phase's most bytes in use: glibc's, and the host pool's (its own mappings)
-        self.host = None  # tiermem's host ledger, once a model is built
+        self.host = None  # tiermem's host store, once a model is built
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -108,7 +108,8 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             r, m = rss(), malloc_stats()
-            live = m.get("used", 0) + (self.host.used if self.host is not None else 0)
+            # the pool's memory: what its ledger counts, less the room held for grads with no memory yet
+            live = m.get("used", 0) + (self.host.used - self.host.room if self.host is not None else 0)
             if live > self.live.get(self.phase, 0):
                 self.live[self.phase] = live
             if r > self.peaks.get(self.phase, 0):
@@ -138,6 +139,7 @@ def ledger(tm) -> dict:
             continue
         out[tier.name] = {
             "used": lg.used,
+            "room": getattr(store, "room", 0),  # of ``used``: held for grads, no memory behind it
             "peak": lg.peak,
             "by_class": {k.name: v for k, v in lg.kind_used.items() if v},
             "class_peak": {k.name: v for k, v in lg.kind_peak.items() if v},
@@ -210,7 +212,7 @@ def account_rank(rank: int, world: int, name: str, args: argparse.Namespace, tmp
     sampler.enter("construction")
     step = Phases(name, cfg, args, nvme)
     tm = step.tm
-    sampler.host = tm.stores[Tier.HOST].ledger if tm is not None else None
+    sampler.host = tm.stores[Tier.HOST] if tm is not None else None
     snaps["constructed"] = snapshot(sampler, tm)
     for i, b in enumerate(batches(args, rank, world, args.steps)):
         x, y = b[:, :-1], b[:, 1:]

@@ -404,7 +404,9 @@ def test_offloaded_buffers_return_to_the_pool(tier, tmp_path):
         ActivationOffload(ZeroOffload(), tier=tier, min_bytes=0), steps=4, nvme_dir=str(tmp_path), check=check
     )
     if tier is Tier.HOST:  # at most all of a forward's records at once, every step: the pool has them
-        assert allocations[0] == allocations[-1]
+        # (the grads' buffers alone are new each step: their memory goes back to the system after it,
+        # NOTE [Grads come and go])
+        assert allocations[-1] - allocations[0] == (len(allocations) - 1) * len(tm.layout.buckets)
     assert tm.report().class_peak_bytes[(ACT, Tier.HOST)] > 0
     _drain(tm)
     if tier is Tier.NVME:

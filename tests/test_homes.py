@@ -18,8 +18,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tiermem.errors import StoreError
+from tiermem.errors import OutOfTierMemory, StoreError
 from tiermem.handles import wait_all
+from tiermem.memory.aligned import ALIGN, round_up
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.observe.trace import Tracer
@@ -249,6 +250,93 @@ def test_grads_next_step_starts_afresh(engine, case):
     _backward(engine, home, buckets, a, got)
     home.wait()
     _check_grads(_read(home, buckets), {k: c[k] + a[k] for k in a})
+
+
+def _grad_memory(engine, buckets) -> dict:
+    """The grad buffers holding memory now (by key), the GRAD bytes the device's and the host's
+    ledgers count, and what the host pool caches."""
+    stores = [engine.stores[t] for t in (Tier.DEVICE, Tier.HOST)]
+    keys = [f"{b.key}:{n}" for b in buckets for n in ("grad", "grad_alt", "grad_in")]
+    return {
+        "resident": sorted(k for k in keys for st in stores if k in st),
+        **{st.tier: st.ledger.kind_used.get(TensorClass.GRAD, 0) for st in stores},
+        "cached": engine.stores[Tier.HOST].ledger.held(HostStore._POOL_KEY),
+    }
+
+
+@pytest.mark.parametrize("case", MEMORY_GRADS, ids=lambda c: c.id)
+def test_memory_grads_hold_memory_from_their_first_landing_to_the_end_of_the_step(engine, case):
+    """NOTE [Grads come and go]: no grad buffer holds memory before a backward or after the step
+    (none cached by the host pool either: these are not pinned), a bucket's from its first
+    landing; the budget counts every bucket's room throughout; the step's grads as landed."""
+    buckets, home = _grad_home(case, engine)
+    before = _grad_memory(engine, buckets)
+    room = {Tier.DEVICE: 0, Tier.HOST: 0}
+    for b in buckets:
+        for t in {case.grad_tier, case.state_tier}:  # where they land, and where Adam reads them (grad_in)
+            room[t] += round_up(4 * b.numel) if t == Tier.HOST else 4 * b.numel
+    assert before == {"resident": [], **room, "cached": 0}
+    for seed in (14, 15):
+        a, b = _grads(buckets, seed), _grads(buckets, seed + 10)
+        got: set = set()
+        _backward(engine, home, buckets[:1], a, got)
+        # that bucket's alone (the grads Adam reads on another tier come at the step)
+        assert _grad_memory(engine, buckets) == {**before, "resident": [f"{buckets[0].key}:grad"]}
+        _backward(engine, home, buckets[1:], a, got)
+        _backward(engine, home, buckets, b, got)
+        home.wait()
+        _check_grads(_read(home, buckets), {k: a[k] + b[k] for k in a})
+        home.end_step()
+        assert _grad_memory(engine, buckets) == before
+
+
+@pytest.mark.parametrize("case", MEMORY_GRADS, ids=lambda c: c.id)
+def test_overlap_steps_grad_buffers_stay_for_the_run(engine, case):
+    """Under overlap_step the update in the background reads one buffer after its step returned:
+    both are allocated once, and a step's end frees neither."""
+    buckets, home = _grad_home(case, engine, buffers=2)
+    held = _grad_memory(engine, buckets)
+    assert len(held["resident"]) == len(buckets) * (2 + (case.grad_tier != case.state_tier))
+    a = _grads(buckets, 16)
+    _backward(engine, home, buckets, a, set())
+    home.wait()
+    home.end_step()
+    assert _grad_memory(engine, buckets) == held
+    _check_grads(_read(home, buckets), a)  # the background update still reads them
+
+
+@pytest.mark.parametrize(
+    "store, page", [(lambda: HostStore(budget=5 * ALIGN, pin=False), ALIGN), (lambda: DeviceStore("cpu", 5 * 4), 4)]
+)
+def test_room_held_without_memory_counts_against_the_budget(store, page):
+    """hold_room and vacate keep a key's bytes counted with no tensor behind them: allocate(key)
+    takes its room back (never refused for it), delete(key) gives it up; a host buffer vacated goes
+    back to the system, not to the pool's cache."""
+    st = store()  # a budget of 5 pages (the host pool's; of 4 bytes on the device)
+    st.hold_room("g", (3 * page // 4,), torch.float32, TensorClass.GRAD)
+    assert "g" not in st and st.used == 3 * page == st.ledger.kind_used[TensorClass.GRAD] == st.room
+    st.allocate("other", (page,), torch.uint8)
+    with pytest.raises(OutOfTierMemory, match="'more'"):  # the room is the grads'
+        st.allocate("more", (2 * page,), torch.uint8)
+    g = st.allocate("g", (3 * page // 4,), torch.float32, TensorClass.GRAD)
+    g.fill_(2.0)
+    assert "g" in st and st.used == 4 * page and st.room == 0
+    assert st.vacate("g") and "g" not in st and st.used == 4 * page and st.room == 3 * page
+    if st.tier == Tier.HOST:
+        assert st.ledger.held(HostStore._POOL_KEY) == 0 and st.allocations == 2  # nothing cached
+    assert not st.vacate("unknown") and not st.vacate("g")  # no tensor: nothing to give back
+    st.delete("g")
+    assert st.used == page and st.room == 0
+    st.allocate("more", (2 * page,), torch.uint8)  # its room is free now
+
+
+@pytest.mark.cuda
+def test_a_pinned_host_buffer_is_never_vacated():
+    """Pinning is what costs on a GPU machine: a pinned grad buffer stays (NOTE [Grads come and go])."""
+    host = HostStore(pin=True)
+    t = host.allocate("g", (5000,), torch.float32, TensorClass.GRAD)
+    assert not host.vacate("g") and host.get("g") is t and host.pinned_bytes == t.nbytes
+    host.release_all()
 
 
 @pytest.mark.parametrize("case", MEMORY_GRADS, ids=lambda c: c.id)

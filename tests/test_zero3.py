@@ -135,6 +135,7 @@ def _rank_setup(rank, world, tmp, setup):
         "bf16": bf16.state_dict(),
         "home_peak": rep.class_peak_bytes.get((TensorClass.PARAM, home), 0),
         "device_peak": rep.class_peak_bytes.get((TensorClass.PARAM, D), 0),
+        "device shards": [k for k in tm.stores[D].keys() if k.endswith(":param shard")],
         "sent": rep.collective_bytes,
     }
 
@@ -150,6 +151,7 @@ def _construction_need(tm: TieredModel) -> dict:
         tm.dtype,
         world=tm.group.world,
         shard_weights=tm.gathered is not None and any(b.param_tier == D for b in tm.gathered.full.values()),
+        device_is_host=tm.device.type == "cpu",
     )
     step_only = {
         fp.GRADS_IN_FLIGHT,
@@ -160,6 +162,7 @@ def _construction_need(tm: TieredModel) -> dict:
         fp.GATHER_ROUNDED,
     }
     built = {t: sum(n for what, n in need.get(t, {}).items() if what not in step_only) for t in (D, H)}
+    world, w = tm.group.world, tm.dtype.itemsize
     whole_bucket = need[H][fp.WHOLE_BUCKET]  # three parts; building takes the master's alone, a checkpoint all
     built[H] -= whole_bucket + 3 * (fp.host_buffer_bytes(whole_bucket // 3) - whole_bucket // 3)
     # the master's buffer goes back to the system before the step's staging buffers are taken
@@ -169,12 +172,15 @@ def _construction_need(tm: TieredModel) -> dict:
     staged = max((-(-b.numel // 2) * tm.dtype.itemsize for b in buckets if b.param_tier == N), default=0)
     if staged:  # the page rounding of the step's staging buffers is no part of what building takes
         built[H] -= need[H][fp.GATHER_STAGING] // staged * (fp.host_buffer_bytes(staged) - staged)
-    scratch = need[H].get(fp.UPDATE_SCRATCH, 0)  # the largest chunk: what each gather's rounded chunk takes too
-    rounded = 0
-    if scratch:
-        built[H] -= need[H][fp.GATHER_ROUNDED] // scratch * (fp.host_buffer_bytes(scratch) - scratch)
-        rounded = (1 + need[H][fp.GATHER_ROUNDED] // scratch) * fp.host_buffer_bytes(scratch)
-    return {"built": built, "gathered": need[D].get(fp.GATHERED, 0), "rounded": rounded}
+    largest = max(-(-b.numel // world) * w for b in buckets)  # each gather's rounded chunk takes as much
+    rounded = {t: need[t].get(fp.GATHER_ROUNDED, 0) // largest for t in (D, H)}  # how many at once, at most
+    built[H] -= rounded[H] * (fp.host_buffer_bytes(largest) - largest)
+    return {
+        "built": built,
+        "gathered": need[D].get(fp.GATHERED, 0),
+        "rounded": rounded[H] * fp.host_buffer_bytes(largest),
+        "rounded on the device": rounded[D] * largest,
+    }
 
 
 def _rank_variants(rank, world, tmp):
@@ -337,10 +343,10 @@ def test_bf16_ranks_stay_identical(z3, setup):
 @pytest.mark.parametrize("setup", SETUPS)
 def test_each_rank_keeps_half_the_weights_at_home(z3, setup, tmp_path):
     """Per rank, the ledger of the weights' home peaks at half the weights' bytes (plus, on the
-    host, each chunk's buffer rounded to whole pages), where one process holds them all; on the
-    host beside the masters, no chunk is kept at all, only those rounded from the masters for the
-    gathers in flight and the update's scratch (NOTE [A chunk rounded from its master]); the
-    device holds gathered buckets within what the footprint allows."""
+    host, each chunk's buffer rounded to whole pages), where one process holds them all; beside
+    the masters (on the host; on a CPU device, whose memory is the host's), no chunk is kept at
+    all, only those rounded from the masters for the gathers in flight (NOTE [A chunk rounded
+    from its master]); the device holds gathered buckets within what the footprint allows."""
     home = SETUPS[setup][3]
     tm = _make(setup, str(tmp_path))  # in one process, every weight whole at its home
     _train(tm, 0, 1, range(1))
@@ -349,7 +355,11 @@ def test_each_rank_keeps_half_the_weights_at_home(z3, setup, tmp_path):
     buckets = len(tm.layout.buckets)
     for r in z3[3]:
         mine, gathered = r[setup], r[setup]["need"]["gathered"]
-        if home == D:  # the chunks and the gathered buckets share the device
+        if home == D and tm.device.type == "cpu":  # rounded from the host's masters: no chunk kept
+            rounded = r[setup]["need"]["rounded on the device"]
+            assert not mine["device shards"] and rounded > 0
+            assert 0 < mine["device_peak"] <= gathered + rounded, (mine["device_peak"], gathered, rounded)
+        elif home == D:  # the chunks and the gathered buckets share the device
             assert whole / 2 < mine["device_peak"] <= whole / 2 + 4 * buckets + gathered
         elif home == H:  # below what the chunks kept in their page-rounded buffers took
             kept = sum(fp.host_buffer_bytes(-(-b.numel // 2) * 4) for b in tm.layout.buckets)

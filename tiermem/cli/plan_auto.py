@@ -48,6 +48,7 @@ def choose(args: argparse.Namespace, trainable: int, frozen: int, limits: Limits
         limits=caps,
         machine=lambda: machine_profile(device, args.nvme_path),
         nvme_staging=device.type == "cuda",
+        device_is_host=device.type == "cpu",
         world=args.ranks,
         shard_weights=args.shard_weights,
     )

@@ -69,6 +69,7 @@ class MemoryStore(Store):
         self.ledger = Ledger(tier, budget, reclaimers=reclaimers)
         self._tensors: dict[str, torch.Tensor] = {}
         self._bases: dict[str, Optional[torch.Tensor]] = {}  # None: adopted, not ours to pool
+        self._vacated: set[str] = set()  # keys whose room the ledger holds, with no tensor (hold_room, vacate)
         self._lock = threading.RLock()  # the engine's lanes allocate and free from their threads
 
     def _alloc(self, key: str, nbytes: int, kind: Optional[TensorClass]) -> torch.Tensor:
@@ -82,7 +83,10 @@ class MemoryStore(Store):
     ) -> torch.Tensor:
         """An uninitialised tensor resident on this tier under ``key`` (replacing any old one)."""
         with self._lock:
-            self.delete(key)
+            if key in self._vacated:  # its room is held: the reservation below replaces it, never dropped first
+                self._vacated.discard(key)
+            else:
+                self.delete(key)
             nbytes = nbytes_of(shape, dtype)
             base = self._alloc(key, nbytes, kind)
             t = base[:nbytes].view(dtype).view(tuple(shape))
@@ -118,6 +122,10 @@ class MemoryStore(Store):
 
     def delete(self, key: str) -> None:
         with self._lock:
+            if key in self._vacated:
+                self._vacated.discard(key)
+                self.ledger.release(key)
+                return
             if self._tensors.pop(key, None) is None:
                 return
             base = self._bases.pop(key)
@@ -125,6 +133,47 @@ class MemoryStore(Store):
                 self.ledger.release(key)
             else:
                 self._free(key, base)
+
+    # -- room held without memory (NOTE [Grads come and go] in tiermem/train/homes.py) ------------
+    def hold_room(self, key: str, shape: Sequence[int], dtype: torch.dtype, kind: Optional[TensorClass] = None) -> None:
+        """Count the bytes ``allocate(key, shape, dtype)`` takes against the budget now, taking no
+        memory: room held for a tensor allocated later (``allocate(key)`` takes it; ``delete(key)``
+        gives it up)."""
+        with self._lock:
+            self.delete(key)
+            self.ledger.reserve(key, self._taken(nbytes_of(shape, dtype)), kind)
+            self._vacated.add(key)
+
+    def vacate(self, key: str) -> bool:
+        """Give the memory of ``key``'s tensor back to the system, its bytes still counted against
+        the budget as room held for the next ``allocate(key)`` (:meth:`hold_room`); the tensor
+        handed out must not be used afterwards. Returns False, keeping the tensor, where that would
+        cost more than it saves: a pinned host buffer (pinning again is what costs), an adopted tensor."""
+        with self._lock:
+            base = self._bases.get(key)
+            if base is None or not self._may_vacate(base):
+                return False
+            del self._tensors[key], self._bases[key]  # the memory goes once the last view of it does
+            self._vacated.add(key)
+            return True
+
+    @property
+    def room(self) -> int:
+        """Bytes the ledger counts for keys with no memory behind them now (held room)."""
+        with self._lock:
+            return sum(self.ledger.held(key) for key in self._vacated)
+
+    def _taken(self, nbytes: int) -> int:
+        """What the ledger counts for a tensor of ``nbytes``."""
+        return nbytes
+
+    def _may_vacate(self, base: torch.Tensor) -> bool:
+        return True
+
+    def release_all(self) -> None:
+        for key in list(self._vacated):
+            self.delete(key)
+        super().release_all()
 
     def __contains__(self, key: object) -> bool:
         return key in self._tensors
@@ -261,6 +310,12 @@ class HostStore(MemoryStore):
             self.ledger.release(key)
             self._free_bufs[(buf.numel(), buf.data_ptr() in self._pinned)].append(buf)
             self._set_free_bytes(self._free_bytes + buf.numel())
+
+    def _taken(self, nbytes: int) -> int:
+        return round_up(max(nbytes, 1))
+
+    def _may_vacate(self, base: torch.Tensor) -> bool:
+        return base.data_ptr() not in self._pinned  # unpinned: unmapped once no view of it is left
 
     def close(self) -> None:
         self.trim()  # the pool's buffers (pinned, on a GPU machine) go back to the system

@@ -31,7 +31,8 @@ class Evaluator:
     the compute when ``forward_backward`` is 0, NOTE [Cost model]; ``predict=False``: the bytes
     alone, no stages, no profile). ``limits``: the bytes each tier's store may hold (a tier without a store is
     absent); ``machine``: returns this machine's profile (called once, when first needed);
-    ``nvme_staging``: as :func:`~tiermem.plan.footprint.footprint` takes it (True on a GPU)."""
+    ``nvme_staging``, ``device_is_host``: as :func:`~tiermem.plan.footprint.footprint` takes them
+    (True on a GPU; True on a CPU device)."""
 
     def __init__(
         self,
@@ -46,10 +47,11 @@ class Evaluator:
         world: int = 1,
         nvme_staging: bool = False,
         shard_weights: bool = False,
+        device_is_host: bool = False,
     ):
         self.module, self.spec, self.dtype, self.bucket_numel = module, spec, dtype, bucket_numel
         self.limits, self.overlap, self.world, self.nvme_staging = dict(limits), overlap, world, nvme_staging
-        self.shard_weights = shard_weights
+        self.shard_weights, self.device_is_host = shard_weights, device_is_host
         self._machine = machine
         self._rates: Optional[Rates] = None  # this machine's, once asked for
 
@@ -105,6 +107,7 @@ class Evaluator:
                 world=self.world,
                 shard_weights=self.shard_weights,
                 nvme_staging=self.nvme_staging,
+                device_is_host=self.device_is_host,
             )
         )
         short = {t: n - self.limits.get(t, 0) for t, n in need.items() if n and n > self.limits.get(t, 0)}

@@ -10,7 +10,8 @@ For a bucket of ``n`` trainable parameters, ``w`` bytes per element of the worki
 and the compute tier where Adam runs for it (its state's tier; the host for state on NVMe):
 
 - working weights: ``w*n`` at the PARAM tier;
-- fp32 grads: ``4n`` at the GRAD tier;
+- fp32 grads: ``4n`` at the GRAD tier (between steps, room the budget holds for them with no
+  memory taken: NOTE [Grads come and go] in tiermem/train/homes.py);
 - optimizer state: the bytes of its state format at the OPTIM_STATE tier (NOTE [State formats]:
   ``12n`` for Adam's fp32 master, exp_avg and exp_avg_sq; ``4n`` for SGD without momentum; about
   ``4n`` for 8-bit Adam with bf16 master weights), one buffer per part;
@@ -53,9 +54,9 @@ model as a whole:
   bound :func:`gathers_held` computes from the module tree) plus :func:`gather_ahead` bytes
   gathered ahead of use or kept after it; a gather of a chunk on NVMe reads it into a host buffer
   first, held until the gather is done (as many as gathered buckets can be in flight); a chunk
-  whose master shares its memory tier is not kept but rounded from the master into such a buffer
-  for each gather (:func:`~tiermem.plan.placement.weights_from_master`), besides one scratch
-  buffer of the largest chunk that the update writes and no gather reads;
+  whose master shares its memory (its tier; or the device that is the CPU, beside a master on the
+  host) is not kept but rounded from the master into such a buffer for each gather
+  (:func:`~tiermem.plan.placement.weights_from_master`), and the update writes no new weights for it;
 - page rounding: the host pool hands out every buffer in whole pages (``round_up(max(n, 1))``
   bytes of 4 KiB pages, :func:`tiermem.memory.aligned.round_up`), and its budget counts what it
   hands out, so each buffer the layout takes on the host adds less than a page (an empty one, a
@@ -131,7 +132,6 @@ NVME_STAGING = f"staging between NVMe and the device (up to {NVME_THREADS} weigh
 GATHERED = "sharded weights gathered on the device (held, and gathered ahead)"
 GATHER_STAGING = "sharded weights' chunks read from NVMe for their gathers"
 GATHER_ROUNDED = "sharded weights' chunks rounded from their masters for their gathers"
-UPDATE_SCRATCH = "the update's new weights of chunks rounded from their masters (scratch)"
 
 #: Buckets' bytes gathered ahead of use, or kept after it, besides the held ones: this many of
 #: the largest sharded bucket (NOTE [A gather schedule every rank takes alike]).
@@ -172,6 +172,7 @@ def footprint(
     nvme_staging: bool = False,
     shard_weights: bool = False,
     gathered_at_once: int = 0,
+    device_is_host: bool = False,
 ) -> Footprint:
     """Bytes each tier must hold, by purpose, for the layout of ``buckets`` to be built and a step
     to run (NOTE [Footprint]). ``frozen``: each parameter that needs no grad, with its PARAM home;
@@ -181,7 +182,8 @@ def footprint(
     of every bucket, the weights whole unless sharded (:func:`~tiermem.plan.placement.weights_sharded`
     with ``shard_weights``; ``gathered_at_once``: :func:`gathers_held` of the module);
     ``nvme_staging``: whether weights moving between NVMe and the device stage through the host (on
-    a GPU: ``device.type == "cuda"``)."""
+    a GPU: ``device.type == "cuda"``); ``device_is_host``: whether the device is the CPU (its memory
+    the host's: :func:`~tiermem.plan.placement.weights_from_master`)."""
     need: Footprint = {}
 
     def add(tier: Tier, purpose: str, nbytes: int, *, buffers: Sequence[int] = ()) -> None:
@@ -213,8 +215,9 @@ def footprint(
 
     w = dtype.itemsize
     sharded = {b.index for b in buckets if weights_sharded(b, world, shard_weights)}
-    rounded = [b for b in buckets if weights_from_master(b, b.index in sharded, overlap)]
-    kept = sharded - {b.index for b in rounded}  # rounded: no chunk kept (NOTE [A chunk rounded from its master])
+    rounded = [b for b in buckets if weights_from_master(b, b.index in sharded, overlap, device_is_host=device_is_host)]
+    from_master = {b.index for b in rounded}
+    kept = sharded - from_master  # rounded: no chunk kept (NOTE [A chunk rounded from its master])
     for b in buckets:
         ct, n = compute_tier(b), chunk(b)
         if b.index in kept:  # this rank's chunk, one buffer
@@ -261,7 +264,11 @@ def footprint(
     if not overlap:
         staged: dict[Tier, list[int]] = {}
         for b in buckets:
-            if compute_tier(b) != Tier.DEVICE and not writes_weights_in_place(b, b.index in sharded):
+            if (
+                compute_tier(b) != Tier.DEVICE
+                and not writes_weights_in_place(b, b.index in sharded)
+                and b.index not in from_master
+            ):
                 staged.setdefault(compute_tier(b), []).append(chunk(b))
         for tier, numels in staged.items():
             add(tier, WEIGHT_STAGING, **each(max(numels) * w, min(2, len(numels))))  # a single bucket needs one
@@ -274,9 +281,7 @@ def footprint(
         for tier in dict.fromkeys(b.param_tier for b in rounded):
             largest = max(chunk(b) * w for b in rounded if b.param_tier == tier)
             count = min(sum(b.param_tier == tier for b in rounded), gathered_at_once + GATHER_AHEAD)
-            host = tier == Tier.HOST
-            add(tier, UPDATE_SCRATCH, largest, buffers=[largest] if host else ())
-            add(tier, GATHER_ROUNDED, count * largest, buffers=[largest] * count if host else ())
+            add(tier, GATHER_ROUNDED, count * largest, buffers=[largest] * count if tier == Tier.HOST else ())
     on_nvme = [s.numel * w for b in buckets if b.param_tier == Tier.NVME and b.index not in sharded for s in b.slots]
     for p, home in frozen:
         size = p.numel() * (w if p.is_floating_point() else p.element_size())
@@ -303,6 +308,7 @@ def model_footprint(
     world: int = 1,
     shard_weights: bool = False,
     nvme_staging: bool = False,
+    device_is_host: bool = False,
 ) -> Footprint:
     """:func:`footprint` of ``module`` planned as ``buckets`` (``param_homes``: the parameters whose
     weights live off the device, as :func:`tiermem.plan.placement.plan` returns them), with what
@@ -317,6 +323,7 @@ def model_footprint(
         overlap=overlap,
         world=world,
         nvme_staging=nvme_staging,
+        device_is_host=device_is_host,
         largest_module=largest_module_bytes(module, offloaded, dtype),
         shard_weights=shard_weights,
         gathered_at_once=gathers_held(module, buckets, {b.index for b in sharded}) if sharded else 0,

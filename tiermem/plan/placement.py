@@ -100,13 +100,17 @@ def writes_weights_in_place(b: Bucket, sharded: bool) -> bool:
     return (ct == Tier.DEVICE and b.param_tier == Tier.DEVICE) or (sharded and b.param_tier == ct)
 
 
-def weights_from_master(b: Bucket, sharded: bool, overlap: bool) -> bool:
+def weights_from_master(b: Bucket, sharded: bool, overlap: bool, *, device_is_host: bool = False) -> bool:
     """Whether a rank's chunk of ``b``'s working weights is never stored but rounded from its
     master for each gather (NOTE [A chunk rounded from its master] in
-    tiermem/train/weight_shards.py): sharded weights whose home is the memory tier where their
-    optimizer state lives and the update runs, without overlap_step (whose update rewrites the
-    master while the next forward gathers the old weights)."""
-    return sharded and not overlap and b.param_tier == b.state_tier == compute_tier(b) != Tier.NVME
+    tiermem/train/weight_shards.py): sharded weights whose home is the memory where their
+    optimizer state lives and the update runs (the same tier; or the device beside state on the
+    host when ``device_is_host``: the device is the CPU, whose memory is the host's), without
+    overlap_step (whose update rewrites the master while the next forward gathers the old weights)."""
+    if not sharded or overlap or b.param_tier == Tier.NVME or b.state_tier != compute_tier(b):
+        return False
+    shared = device_is_host and {b.param_tier, b.state_tier} == {Tier.DEVICE, Tier.HOST}
+    return b.param_tier == b.state_tier or shared
 
 
 def check_combination(name: str, param_tier: Tier, grad_tier: Tier, state_tiers: set[Tier], overlap: bool) -> Tier:

@@ -149,6 +149,9 @@ class GatheredWeights(WeightHome):
     def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
         return self.shards[b.index].in_place(b, compute_tier)
 
+    def from_master(self, b: Bucket) -> bool:
+        return self.shards[b.index].from_master
+
     def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
         """``b`` is this rank's chunk (a shard bucket); ``src`` holds its complete new weights."""
         return self.shards[b.index].write(b, src, src_tier)
@@ -388,16 +391,22 @@ def build_gathered(
     """The home of the sharded ``buckets`` (whole ones), its chunks on each bucket's PARAM tier:
     the one place that maps that tier to the class that keeps the chunks there (none kept where
     the master beside them gives them: NOTE [A chunk rounded from its master]). Collective (it
-    makes the gathers' process group): every rank builds it, in the same order."""
+    makes the gathers' process group): every rank builds it, in the same order. On a CPU device the
+    device's memory is the host's, so a chunk on the device beside its master on the host is
+    rounded from it too."""
     sizes = {b.index: group.chunk(b.numel).size for b in buckets}
     shards: dict[int, ShardHome] = {}
-    kinds = {b.index: (b.param_tier, weights_from_master(b, True, overlap)) for b in buckets}
-    for tier, derived in dict.fromkeys(kinds.values()):
-        mine = [b for b in buckets if kinds[b.index] == (tier, derived)]
+    on_cpu = device.type == "cpu"
+    kinds = {
+        b.index: (b.param_tier, b.state_tier, weights_from_master(b, True, overlap, device_is_host=on_cpu))
+        for b in buckets
+    }
+    for tier, state_tier, derived in dict.fromkeys(kinds.values()):
+        mine = [b for b in buckets if kinds[b.index] == (tier, state_tier, derived)]
         home: ShardHome = (
             NvmeShards(engine, sizes, dtype)
             if tier == Tier.NVME
-            else MasterShards(stores[tier], mine, sizes, dtype)
+            else MasterShards(stores[tier], stores[state_tier], mine, sizes, dtype)
             if derived
             else MemoryShards(stores[tier], engine, mine, sizes, dtype)
         )

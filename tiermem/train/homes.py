@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
@@ -102,9 +102,27 @@ class GradHome(ABC):
         """The step consumed (or dropped) the grads: the next backward starts afresh."""
 
 
+# NOTE [Grads come and go]
+# A bucket's fp32 accumulation buffer holds memory only while it holds grads of the step to come:
+# it is allocated when the bucket's first gradient of the step lands (``landing``; under data
+# parallelism when its reduce-scattered chunk lands, bucket by bucket through backward) and its
+# memory goes back to the system once the step has consumed or dropped the grads (``end_step``:
+# MemoryStore.vacate), as does that of the grads brought where Adam runs (``grad_in``). Between a
+# step and the next backward, forward included, a rank's grads take no memory, and at the
+# backward's peak (its start, every activation alive) only those of the buckets done so far, as
+# FSDP2's sharded grads. Their bytes stay counted against the budget from construction on (room
+# held in the ledger: MemoryStore.hold_room), so what the budget check accepted at construction
+# still fits at every backward: nothing else (offloaded activations, a gather's staging) takes
+# the grads' room meanwhile, and the ledger and report() count them as before. The step reads only
+# buckets that got a grad this step (one process: the parameters it received; data parallelism:
+# every bucket, landed whole), so a fresh buffer's other bytes are never read; no_sync() and
+# micro-batches keep adding into the buffers, which live until the step. A pinned host buffer
+# stays for the run (pinning is what costs on a GPU machine; vacate keeps it), and so do both
+# buffers under overlap_step, where the update in the background reads one after its step returned.
 class MemoryGrads(GradHome):
-    """Gradients accumulated in fp32 buffers of a memory tier (device or host). When Adam runs on
-    another tier, ``gather`` copies them there first (``grad_in``)."""
+    """Gradients accumulated in fp32 buffers of a memory tier (device or host), whose memory is
+    taken for each step (NOTE [Grads come and go]). When Adam runs on another tier, ``gather``
+    copies them there first (``grad_in``)."""
 
     def __init__(
         self,
@@ -118,38 +136,61 @@ class MemoryGrads(GradHome):
     ):
         self.landing_tier = store.tier
         self.engine = engine
-        n = {b.index: (b.numel,) for b in buckets}
+        self._numel = {b.index: b.numel for b in buckets}
         names = ("grad", "grad_alt")[:buffers]  # overlap_step: backward fills one while Adam reads the other
-        self._acc = {
-            b.index: [store.allocate(f"{b.key}:{name}", n[b.index], torch.float32, TensorClass.GRAD) for name in names]
-            for b in buckets
-        }
-        self._in = {
-            b.index: stores[compute_tier[b.index]].allocate(
-                f"{b.key}:grad_in", n[b.index], torch.float32, TensorClass.GRAD
-            )
+        self._acc = {b.index: [(store, f"{b.key}:{name}") for name in names] for b in buckets}
+        self._in = {  # where Adam reads them, when that is another tier
+            b.index: (stores[compute_tier[b.index]], f"{b.key}:grad_in")
             for b in buckets
             if compute_tier[b.index] != store.tier
         }
         self._compute = compute_tier
+        self._bufs: dict[str, torch.Tensor] = {}  # by key: the buffers holding memory now
+        self._for_the_run = buffers > 1  # overlap_step
+        for b in buckets:
+            for st, key in self._keys(b.index):
+                if self._for_the_run:
+                    self._buffer(st, key, b.index)
+                else:
+                    st.hold_room(key, (b.numel,), torch.float32, TensorClass.GRAD)
+
+    def _keys(self, index: int) -> list[tuple[Any, str]]:
+        """(store, key) of each buffer of bucket ``index``: its accumulation buffers and its grad_in."""
+        return self._acc[index] + ([self._in[index]] if index in self._in else [])
+
+    def _buffer(self, store, key: str, index: int) -> torch.Tensor:
+        t = self._bufs.get(key)
+        if t is None:
+            t = self._bufs[key] = store.allocate(key, (self._numel[index],), torch.float32, TensorClass.GRAD)
+        return t
 
     def landing(self, b: Bucket, fill: int) -> torch.Tensor:
-        return self._acc[b.index][fill]
+        return self._buffer(*self._acc[b.index][fill], b.index)
 
     def gather(self, fill: int) -> list[Handle]:
         return [
             self.engine.copy_async(
-                grad_in,
-                self._acc[index][fill],
+                self._buffer(*self._in[index], index),
+                self._bufs[self._acc[index][fill][1]],
                 src_tier=self.landing_tier,
                 dst_tier=self._compute[index],
                 kind=TensorClass.GRAD,
             )
-            for index, grad_in in self._in.items()
+            for index in self._in
+            if self._acc[index][fill][1] in self._bufs  # grads landed (or a buffer kept for the run)
         ]
 
     def read(self, b: Bucket, fill: int) -> tuple[torch.Tensor, Callable[[], None]]:
-        return self._in.get(b.index, self._acc[b.index][fill]), _nothing
+        st, key = self._in[b.index] if b.index in self._in else self._acc[b.index][fill]
+        return self._bufs[key], _nothing
+
+    def end_step(self) -> None:
+        if self._for_the_run:
+            return
+        for index in self._numel:
+            for st, key in self._keys(index):
+                if key in self._bufs and st.vacate(key):  # a pinned buffer stays
+                    del self._bufs[key]
 
 
 # -- optimizer state --------------------------------------------------------------------------------
@@ -271,6 +312,11 @@ class WeightHome(ABC):
         """A buffer Adam running on ``compute_tier`` may write ``b``'s new weights into directly,
         needing no :meth:`write` afterwards; None when the weights live elsewhere."""
         return None
+
+    def from_master(self, b: Bucket) -> bool:
+        """``b``'s working weights are rounded from its master whenever they are read (NOTE [A
+        chunk rounded from its master] in tiermem/train/weight_shards.py): the update writes none."""
+        return False
 
     @abstractmethod
     def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:

@@ -192,6 +192,7 @@ class TieredModel:
             overlap=opts.overlap,
             world=self.group.world,
             nvme_staging=opts.device.type == "cuda",
+            device_is_host=opts.device.type == "cpu",
             shard_weights=opts.shard_weights,
         )
         self.placement = self._evaluator.bind(self.policy)  # NOTE [Whole-model policies]: what decides each tensor
@@ -388,6 +389,7 @@ class TieredModel:
             world=self.group.world,
             shard_weights=shard_weights,
             nvme_staging=self.device.type == "cuda",
+            device_is_host=self.device.type == "cpu",
         )
 
     def weight_sources(self) -> list:

@@ -226,8 +226,9 @@ class Stepper:
         """The fused update of the bucket's state format over ``runs`` of bucket ``b``, its new
         weights sent home behind it (NOTE [State formats] in tiermem/optim/formats.py)."""
         master, fmt = state[0], b.state
-        out = uploads.target(b)
-        _fill_gaps(out, master, b, runs)  # `out` holds the bucket's complete new weights
+        out = uploads.target(b)  # None: the weights are rounded from the master when read
+        if out is not None:
+            _fill_gaps(out, master, b, runs)  # `out` holds the bucket's complete new weights
         g, free = self.homes.grads[b.index].read(b, upd.fill) if runs else (None, None)
         common: dict[str, Any] = dict(grad_scale=upd.scale, clip_coef=upd.clip)
         try:
@@ -249,7 +250,7 @@ class Stepper:
                             g[start:end],
                             step=step,
                             hyper=upd.hyper[(b.index, start)],
-                            out=out[start:end],
+                            out=None if out is None else out[start:end],
                             **common,
                         )
                 else:  # blocks, factors and rounding keys start at each parameter's element 0: one call per parameter
@@ -265,7 +266,7 @@ class Stepper:
                             g[a:e],
                             step=step,
                             hyper=upd.hyper[(b.index, start)],
-                            out=out[a:e],
+                            out=None if out is None else out[a:e],
                             stochastic_round=sr,
                             shape=s.shape,
                             **common,
@@ -343,9 +344,10 @@ class Stepper:
         """Each bucket's weights sent home from its fp32 master as its state home holds it."""
         uploads = self.outputs.session()
         for b in buckets:
-            master = self.homes.state[b.index].read(b)[0]
             out = uploads.target(b)
-            out.copy_(master)
+            if out is None:  # rounded from the master when read: nothing to send
+                continue
+            out.copy_(self.homes.state[b.index].read(b)[0])
             uploads.done(b, out, [(0, b.numel, 0)])
         uploads.finish()
 

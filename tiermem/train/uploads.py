@@ -1,7 +1,9 @@
 """Where Adam writes a bucket's new low-precision weights, and how they reach their home.
 
-Three cases, decided once per bucket from its homes:
+Four cases, decided once per bucket from its homes:
 
+- the weights are rounded from the master whenever read (NOTE [A chunk rounded from its master]):
+  Adam writes none;
 - the weights live where Adam runs (state and weights on the device): Adam writes them in place;
 - overlap_step: into the bucket's own ``param_out`` buffer at the tier where Adam runs, sent home
   by the next step (:meth:`Outputs.land_background`);
@@ -12,6 +14,8 @@ Three cases, decided once per bucket from its homes:
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -46,7 +50,8 @@ class Outputs:
                 )
             return
         for b in buckets:
-            if self.homes.weights[b.index].in_place(b, self.homes.compute_tier(b)) is None:
+            home = self.homes.weights[b.index]
+            if not home.from_master(b) and home.in_place(b, self.homes.compute_tier(b)) is None:
                 self._staged.setdefault(self.homes.compute_tier(b), []).append(b.numel)
         for tier, ns in self._staged.items():
             count = min(2, len(ns))  # double buffering needs two; a single bucket needs one
@@ -82,9 +87,13 @@ class Uploads:
         self.inflight: dict[tuple[Tier, int], list[Handle]] = {}
         self._current: tuple[Tier, int] | None = None
 
-    def target(self, b: Bucket) -> torch.Tensor:
+    def target(self, b: Bucket) -> Optional[torch.Tensor]:
+        """Where Adam writes ``b``'s new weights; None when it writes none."""
         if self.o.overlap:
             return self.o.param_out[b.index]
+        if self.o.homes.weights[b.index].from_master(b):
+            self._current = None
+            return None
         tier = self.o.homes.compute_tier(b)
         direct = self.o.homes.weights[b.index].in_place(b, tier)
         if direct is not None:
@@ -96,9 +105,9 @@ class Uploads:
         self._current = which
         return self.o.staging[tier][which[1]][: b.numel]
 
-    def done(self, b: Bucket, out: torch.Tensor, runs: Runs) -> None:
+    def done(self, b: Bucket, out: Optional[torch.Tensor], runs: Runs) -> None:
         """Adam wrote ``out`` (from :meth:`target`): send it home, overlapping the next bucket."""
-        if self.o.overlap or self._current is None:
+        if self.o.overlap or self._current is None or out is None:
             return
         self.inflight[self._current] = self.o.homes.weights[b.index].write(b, out, runs, self.o.homes.compute_tier(b))
         self.turn += 1

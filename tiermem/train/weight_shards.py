@@ -5,7 +5,8 @@ whole buckets from every rank's chunk (NOTE [Weights sharded over the ranks] in
 - :class:`ShardHome`: where this rank's chunks rest, one interface whatever the tier:
   :class:`MemoryShards` (one buffer per bucket in the device's or the host's store; Adam running
   on that tier writes the new weights into it directly), :class:`MasterShards` (no buffer: each
-  gather rounds the chunk from the fp32 master beside it, NOTE [A chunk rounded from its master])
+  gather rounds the chunk from the fp32 master in the same memory, NOTE [A chunk rounded from its
+  master])
   and :class:`NvmeShards` (one NVMe key per bucket, read into a pooled host buffer for each gather).
 - :class:`Gatherer`: the protocol on the gathers' own process group. Every collective there is
   announced by a small header (what it is, which bucket, its size) that every rank checks against
@@ -44,6 +45,8 @@ class ShardHome(ABC):
     working weights of some buckets; a bucket's chunk and the bucket share ``b.index``."""
 
     tier: Tier
+    #: the chunks are rounded from the master whenever read: the update need not write them
+    from_master: bool = False
 
     @abstractmethod
     def write(self, b: Bucket, src: torch.Tensor, src_tier: Tier) -> list[Handle]:
@@ -94,22 +97,32 @@ class MemoryShards(ShardHome):
 # a checkpoint loads the master and the weights from the same values, and ``tm.resident`` writes
 # become the master (ModelState.take_weights) before the next gather (the block's buckets stay
 # gathered while they are written). Frozen parameters have no chunk here (they are in no bucket).
-# So when the chunk's home is the memory tier that holds the master (weights and optimizer state
-# on the host; on the device with shard_weights) the chunk is not stored at all: each gather casts
-# the master chunk into a buffer that lives until the gather has sent it, bit for bit what the
-# stored chunk held, and the rank keeps 4 bytes of fp32 master per parameter instead of 4 + 2.
-# Not under overlap_step (the update rewrites the master while the next forward gathers), and
-# not on NVMe (a gather would read the master's 4 bytes per parameter instead of the chunk's 2):
-# tiermem.plan.placement.weights_from_master. Adam still writes its new weights into a scratch
-# buffer no gather reads (the update's kernels always write them).
+# So when the chunk's home is the memory that holds the master the chunk is not stored at all:
+# each gather casts the master chunk into a buffer that lives until the gather has sent it, bit
+# for bit what the stored chunk held, and the rank keeps 4 bytes of fp32 master per parameter
+# instead of 4 + 2. That memory is the master's own tier (weights and optimizer state on the host;
+# on the device with shard_weights and KeepOnDevice), or the device beside a master on the host
+# when the device is the CPU itself: there the two tiers are the same DRAM, no bus lies between
+# them, and a gather rounding the chunk from the master moves 6 bytes per parameter of the chunk
+# in memory (4 read, 2 written) where the kept chunk cost each update as many (Adam's 2 bytes of
+# output, then 2 + 2 to copy them into the chunk), so the 2 bytes per parameter kept on the
+# "device" would buy nothing. On a GPU the chunk stays on the device beside a host master: each
+# gather would otherwise move the master's 4 bytes per parameter over PCIe instead of the chunk's
+# 2. Not under overlap_step (the update rewrites
+# the master while the next forward gathers), and not on NVMe (a gather would read the master's 4
+# bytes per parameter instead of the chunk's 2): tiermem.plan.placement.weights_from_master. The
+# update writes no new weights for these chunks (out=None: WeightHome.from_master), which saves
+# the kernel 2 bytes of writes per parameter and the buffer they would go to.
 class MasterShards(ShardHome):
-    """Chunks never stored: rounded from the master in ``store`` (this tier's optimizer state) for
-    each gather, into a buffer as large as the largest chunk (so the store's pool reuses one size)."""
+    """Chunks never stored: rounded from the master in ``master_store`` (the optimizer state's
+    tier) for each gather, into a buffer of ``store`` (the chunks' tier) as large as the largest
+    chunk (so a host pool reuses one size)."""
 
-    def __init__(self, store, buckets: Sequence[Bucket], sizes: dict[int, int], dtype: torch.dtype):
-        self.tier, self.store, self.sizes, self.dtype = store.tier, store, sizes, dtype
+    from_master = True
+
+    def __init__(self, store, master_store, buckets: Sequence[Bucket], sizes: dict[int, int], dtype: torch.dtype):
+        self.tier, self.store, self.master_store, self.sizes, self.dtype = store.tier, store, master_store, sizes, dtype
         self._largest = max(sizes[b.index] for b in buckets)
-        self._scratch = store.allocate("<weights no gather reads>", (self._largest,), dtype, TensorClass.PARAM)
         self._reads = itertools.count()
 
     def write(self, b: Bucket, src: torch.Tensor, src_tier: Tier) -> list[Handle]:
@@ -117,14 +130,11 @@ class MasterShards(ShardHome):
 
     def read(self, b: Bucket) -> tuple[torch.Tensor, Callable[[], None]]:
         n = self.sizes[b.index]
-        master = self.store.get(f"{b.key}:{STATE_PARTS[0]}")[:n]  # ShardedState's chunk of the master
+        master = self.master_store.get(f"{b.key}:{STATE_PARTS[0]}")[:n]  # ShardedState's chunk of the master
         key = f"<gather {b.key} #{next(self._reads)}>"
         buf = self.store.allocate(key, (self._largest,), self.dtype, TensorClass.PARAM)[:n]
-        buf.copy_(master)  # rounded to nearest, as the update's `out` is
+        buf.copy_(master)  # rounded to nearest, as the update's `out` would be
         return buf, lambda: self.store.delete(key)
-
-    def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
-        return self._scratch[: self.sizes[b.index]] if compute_tier == self.tier else None
 
 
 class NvmeShards(ShardHome):
