@@ -238,7 +238,7 @@ class Stepper:
                     if runs and g is not None:
                         mine = [(i, s, upd.hyper[(b.index, start)], step) for i, s, start, step in _slots_of(b, runs)]
                         self._generic_runner(fmt).step(b, mine, state, g, multiplier=upd.clip / upd.scale)
-                        for _, s, _, _ in mine:
+                        for _, s, _, _ in mine if out is not None else ():
                             out[s.offset : s.offset + s.numel].copy_(master[s.offset : s.offset + s.numel])
                 elif fmt.elementwise and not fmt.stochastic_round:  # any range is a valid call: one per run
                     for start, end, step in runs:
