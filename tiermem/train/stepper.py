@@ -238,8 +238,9 @@ class Stepper:
                     if runs and g is not None:
                         mine = [(i, s, upd.hyper[(b.index, start)], step) for i, s, start, step in _slots_of(b, runs)]
                         self._generic_runner(fmt).step(b, mine, state, g, multiplier=upd.clip / upd.scale)
-                        for _, s, _, _ in mine if out is not None else ():
-                            out[s.offset : s.offset + s.numel].copy_(master[s.offset : s.offset + s.numel])
+                        if out is not None:  # else the weights are rounded from the master when read
+                            for _, s, _, _ in mine:
+                                out[s.offset : s.offset + s.numel].copy_(master[s.offset : s.offset + s.numel])
                 elif fmt.elementwise and not fmt.stochastic_round:  # any range is a valid call: one per run
                     for start, end, step in runs:
                         assert g is not None  # read, since there are runs
