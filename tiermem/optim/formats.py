@@ -21,6 +21,7 @@ part of bytes per parameter.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -64,6 +65,9 @@ class StateFormat:
     parts: tuple[StatePart, ...]
     #: options the update needs besides the groups' hyperparameters (e.g. Adagrad's initial value)
     options: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    #: False: a parameter's state is one indivisible piece (a factored state: Adafactor's row and
+    #: column statistics), so a data parallel chunk may start only at a parameter's edge
+    divisible: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -89,6 +93,18 @@ class StateFormat:
         """Every part has one element per parameter element: any element range of a bucket is a
         valid piece of state (data parallel chunks may cut parameters anywhere)."""
         return all(p.block == 1 for p in self.parts)
+
+    def next_cut(self, first: int, n: int) -> int:
+        """Where a data parallel chunk may start in a parameter of ``n`` elements (NOTE [Chunks cut
+        where the state allows]): the smallest element index ``>= first`` (``n``: the parameter's end)
+        at which every part's piece starts whole: anywhere for elementwise parts, at a multiple of the
+        block for blocked ones, at the edges only for an indivisible state."""
+        if first <= 0 or first >= n:
+            return max(first, 0) if first <= 0 else n
+        if not self.divisible:
+            return n
+        unit = math.lcm(*(p.block for p in self.parts))
+        return min(-(-first // unit) * unit, n)
 
     def nbytes(self, n: int) -> int:
         """Bytes of the state (master included) of a parameter of ``n`` elements."""

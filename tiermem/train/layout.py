@@ -16,7 +16,6 @@ from typing import Mapping, Optional, TypeVar
 
 import torch
 
-from tiermem.errors import ConfigError
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.plan.placement import ParamGroup, compute_tier
 from tiermem.train.buffers import KeptBuffers
@@ -156,13 +155,6 @@ def make_homes(
             _per_bucket(_state_homes(buckets, stores, engine, compute)),
             weights,
         ), buckets
-    blocked = sorted({b.state.kind for b in buckets if not b.state.elementwise})
-    if blocked:
-        raise ConfigError(
-            f"tiermem: under data parallelism this version shards elementwise optimizer state only; "
-            f"{blocked} keeps block-wise 8-bit state, whose blocks a rank's chunk would cut: pass "
-            f"process_group=False (a full replica per process), or AdamW with fp32 state"
-        )
     shards = shard_buckets(buckets, group)
     full = {b.index: b for b in buckets}
     grads = {

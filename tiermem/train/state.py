@@ -23,6 +23,7 @@ from tiermem.plan.buckets import Bucket
 from tiermem.train.layout import Layout
 from tiermem.train.param_offload import ParamOffload
 from tiermem.train.scaler import LossScaler
+from tiermem.train.shard import chunk_of
 from tiermem.train.stepper import Stepper
 from tiermem.transfer.collectives import Group, Solo
 
@@ -176,7 +177,7 @@ class ModelState:
         steps = {sb.index: sb for sb in self.layout.step_buckets}
         out = []
         for b in self.layout.buckets:
-            start = self.group.chunk(b.numel).start  # where this process's part begins in the bucket
+            start = chunk_of(self.group, b).start  # where this process's part begins in the bucket
             whole = {s.name: s for s in b.slots}
             mine = []
             for p in steps[b.index].slots:
