@@ -72,7 +72,7 @@ def _solo() -> dict:
 
 
 def test_two_ranks_with_8bit_state_and_bf16_masters_train_bit_for_bit_as_one_process():
-    (w0, chunks0, eight), (w1, _, _) = run_ranks(_rank_8bit)
+    (w0, chunks0, eight), (w1, chunks1, _) = run_ranks(_rank_8bit)
     solo = _solo()
     assert w0.keys() == solo.keys() and eight
     for k in solo:
@@ -81,17 +81,12 @@ def test_two_ranks_with_8bit_state_and_bf16_masters_train_bit_for_bit_as_one_pro
             assert torch.equal(w0[k], solo[k]), k
         else:  # fp32 state: an ulp (see STEPS); a wrong update is ~lr = 1e-2 off
             assert (w0[k] - solo[k]).abs().max().item() <= 1e-5, k
-    assert chunks0, "no bucket kept 8-bit state"
-    cut_inside = 0
-    for numel, size, slots in chunks0:
-        even = -(-numel // 2)
-        for offset, n, first in slots:  # rank 0's pieces: a parameter cut at its end is cut on a block
-            assert first % 256 == 0
-        last = max(slots, key=lambda s: s[0])
-        if last[2] + last[1] < (numel if size >= numel else 10**12):
-            cut_inside += 1
-        assert even <= size < even + 256
-    assert cut_inside, "the test's buckets never cut a parameter: it would not test the alignment"
+    assert chunks0 and chunks1, "no bucket kept 8-bit state"
+    firsts = [first for _, _, slots in chunks0 + chunks1 for _, _, first in slots]
+    assert all(first % 256 == 0 for first in firsts)  # every piece of a parameter starts on one of its blocks
+    assert any(first > 0 for first in firsts), "no parameter was cut: the test would not test the alignment"
+    for numel, size, _ in chunks0:
+        assert -(-numel // 2) <= size < -(-numel // 2) + 256  # the even share, moved by less than a block
 
 
 # -- the rule on made-up buckets ------------------------------------------------------------------

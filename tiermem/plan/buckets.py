@@ -106,8 +106,10 @@ class Bucket:
             pieces = [n for n in pieces if n > 0]
             for i, p in enumerate(self.state.parts):
                 if p.block != 1:
-                    most[i] = max(most[i], sum(p.numel(n) for n in pieces)) if rank is None else sum(
-                        p.numel(n) for n in pieces
+                    most[i] = (
+                        max(most[i], sum(p.numel(n) for n in pieces))
+                        if rank is None
+                        else sum(p.numel(n) for n in pieces)
                     )
         return most
 
