@@ -5,9 +5,13 @@ buckets (where a chunk may be cut, what a rank keeps, what the plan counts)."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from models import TinyGPT, gpt_batch, gpt_loss
 from ranks import run_ranks
@@ -36,13 +40,13 @@ def _same_kernel_as_the_ranks():
         yield
 
 
-def _make() -> TieredModel:
+def _make(bucket_size: int = BUCKET) -> TieredModel:
     torch.manual_seed(0)
     return TieredModel(
         TinyGPT(),
         optimizer=AdamW8bit(lr=1e-2, weight_decay=0.1, min_8bit_size=MIN_8BIT, bf16_stochastic_round=True),
         precision="bf16",
-        bucket_size=BUCKET,
+        bucket_size=bucket_size,
     )
 
 
@@ -59,6 +63,59 @@ def _rank_8bit(rank: int, world: int):
     ]
     eight = sorted(s.name for b in tm.layout.buckets if not b.state.elementwise for s in b.slots)
     return {k: v.clone() for k, v in tm.state_dict().items()}, chunks, eight
+
+
+def _rank_checkpoints(rank: int, world: int, tmp: str):
+    """A step, then a DCP directory and a one-file checkpoint of it (2 -> 1); the one process's
+    DCP directory loaded and saved again (1 -> 2)."""
+    tm = _make()
+    x, y = gpt_batch(rank)
+    tm.backward(gpt_loss(tm(x), y))
+    tm.step()
+    tm.save(os.path.join(tmp, "by2.dcp"), format="dcp")
+    tm.save(os.path.join(tmp, "by2.file"), format="file")  # the state gathered whole (ShardedState.read)
+    again = _make(bucket_size=1700)  # another bucket size: the checkpoint is keyed by parameter
+    again.load(os.path.join(tmp, "by1.dcp"))
+    again.save(os.path.join(tmp, "by1-by2.dcp"), format="dcp")
+    return True
+
+
+def _contents(path: str, tmp: pathlib.Path) -> dict:
+    """Everything a DCP directory holds, read by torch alone (less its manifests: the world size)."""
+    out = tmp / f"contents-{len(os.listdir(tmp))}.pt"
+    dcp_to_torch_save(path, str(out))
+    whole = torch.load(out, weights_only=False)
+    whole.pop("tiermem_manifests")
+    return whole
+
+
+def _same_tree(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def test_a_dcp_checkpoint_of_8bit_state_goes_from_2_ranks_to_1_and_from_1_to_2(tmp_path):
+    solo = _make()
+    x, y = gpt_batch(7)
+    solo.backward(gpt_loss(solo(x), y))
+    solo.step()
+    solo.save(str(tmp_path / "by1.dcp"), format="dcp")
+    run_ranks(_rank_checkpoints, str(tmp_path))
+    one = _make(bucket_size=1700)
+    one.load(str(tmp_path / "by2.dcp"))  # 2 -> 1
+    one.save(str(tmp_path / "by2-by1.dcp"), format="dcp")
+    one.save(str(tmp_path / "by2-by1.file"), format="file")
+    by2 = _contents(str(tmp_path / "by2.dcp"), tmp_path)
+    assert any("exp_avg_absmax" in parts for parts in by2["optim"]["state"].values())  # 8-bit state was saved
+    assert _same_tree(by2, _contents(str(tmp_path / "by2-by1.dcp"), tmp_path))  # codes, scales, masters: all
+    assert _same_tree(
+        _contents(str(tmp_path / "by1.dcp"), tmp_path), _contents(str(tmp_path / "by1-by2.dcp"), tmp_path)
+    )
+    with open(tmp_path / "by2.file", "rb") as a, open(tmp_path / "by2-by1.file", "rb") as b:
+        assert a.read() == b.read()  # 2 ranks gather the state whole as one process holds it
 
 
 def _solo() -> dict:
