@@ -5,8 +5,9 @@ A block of 256 elements is dequantized into two L1-resident fp32 arrays, updated
 arithmetic (the fp32 kernel's but for one division: _csrc_elementwise.adam_math8), its new absmax
 taken, and quantized back; master, grad and ``out`` stream through once, so the memory traffic is
 16 bytes per parameter (bf16 grad and out) against the fp32 kernel's 28. No memory gathers (they cost
-more than the whole update here): dequantizing looks codes up in the map's byte planes with byte
-permutes (AVX-512 VBMI) or computes the value from the code (AVX-512); quantizing finds the decade
+more than the whole update here): dequantizing computes the value from the code (AVX-512: the decade
+from the code's leading zeros; a byte-permute lookup in the map's byte planes, AVX-512 VBMI, was
+measured slower on AMD Zen 4, bench/RESULTS.md 2026-12-02, and removed); quantizing finds the decade
 from the value's fp32 exponent (an octave holds at most one decade start) and the cell by a
 multiply-add with the decade's constants, taken from registers by permutes. The portable scalar path
 (other CPUs, and the tails) computes the same bits. bench/RESULTS.md (2026-12-01) has what it costs.
@@ -94,51 +95,10 @@ TM_INLINE __m512 dequant16(const uint8_t* codes, const MapVec& m, bool is_signed
 }
 #endif
 
-#if defined(TM_AVX512) && defined(__AVX512VBMI__)
-// 64 values looked up at once: each fp32 value's 4 bytes come from 4 byte planes of the map
-// (CONSTANTS from float 768: signed planes, then unsigned), each a 256-entry byte table held in 4
-// registers and read with byte permutes; the codes are first shuffled so that interleaving the planes'
-// bytes into words and dwords (which works within 128-bit lanes) lands every value at its place.
-struct Planes {
-    __m512i t[4][4];  // plane b, codes 64q .. 64q + 63
-    TM_INLINE Planes(const float* k, bool is_signed) {
-        const uint8_t* p = (const uint8_t*)(k + (is_signed ? 768 : 1024));
-        for (int b = 0; b < 4; b++)
-            for (int q = 0; q < 4; q++) t[b][q] = _mm512_loadu_si512(p + 256 * b + 64 * q);
-    }
-};
-TM_INLINE __m512i lane_order() {  // position 16L + 4k + j takes code 16k + 4L + j
-    alignas(64) uint8_t idx[64];
-    for (int l = 0; l < 4; l++)
-        for (int k = 0; k < 4; k++)
-            for (int j = 0; j < 4; j++) idx[16 * l + 4 * k + j] = (uint8_t)(16 * k + 4 * l + j);
-    return _mm512_load_si512(idx);
-}
-TM_INLINE void dequant64(const uint8_t* codes, const Planes& pl, __m512i order, __m512 scale, float* out) {
-    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes));
-    const __mmask64 high = _mm512_movepi8_mask(c);  // codes 128..255
-    __m512i plane[4];
-    for (int b = 0; b < 4; b++)
-        plane[b] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(pl.t[b][0], c, pl.t[b][1]),
-                                          _mm512_permutex2var_epi8(pl.t[b][2], c, pl.t[b][3]));
-    const __m512i w_lo = _mm512_unpacklo_epi8(plane[0], plane[1]), w_hi = _mm512_unpackhi_epi8(plane[0], plane[1]);
-    const __m512i x_lo = _mm512_unpacklo_epi8(plane[2], plane[3]), x_hi = _mm512_unpackhi_epi8(plane[2], plane[3]);
-    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w_lo, x_lo)), scale));
-    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w_lo, x_lo)), scale));
-    _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w_hi, x_hi)), scale));
-    _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w_hi, x_hi)), scale));
-}
-#endif
-
 // codes -> values, for len (<= QBLOCK) elements of a block.
 TM_INLINE void dequant_block(const uint8_t* codes, float absmax, bool is_signed, float* out, int64_t len,
                              const float* k) {
     int64_t i = 0;
-#if defined(TM_AVX512) && defined(__AVX512VBMI__)
-    const Planes pl(k, is_signed);
-    const __m512i order = lane_order();
-    for (; i + 64 <= len; i += 64) dequant64(codes + i, pl, order, _mm512_set1_ps(absmax), out + i);
-#endif
 #ifdef TM_AVX512
     const MapVec mv(map_of(k, is_signed));
     for (; i + 16 <= len; i += 16)
@@ -161,8 +121,10 @@ TM_INLINE void quant_block(const float* x, float inv, bool is_signed, uint8_t* c
     for (; i < len; i++) codes[i] = quant1(x[i] * inv, m, k, is_signed);
 }
 
+// Forced inline (as every helper): out of line, GCC 12 leaves this loop scalar (its max reductions),
+// measured 5x slower.
 template <class M, class G, class O>
-void adam8_update(int64_t o, int64_t len, M* __restrict__ master, const G* __restrict__ grad, O* __restrict__ out,
+TM_INLINE void adam8_update(int64_t o, int64_t len, M* __restrict__ master, const G* __restrict__ grad, O* __restrict__ out,
                   float* __restrict__ m, float* __restrict__ v, const AdamScalars& c_, const SR& sr_,
                   float& m_max, float& v_max) {
     const AdamScalars c = c_;  // locals: members read through a reference stop the loop vectorising

@@ -89,12 +89,6 @@ def _fp32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float32).item()
 
 
-def _planes(table: torch.Tensor) -> torch.Tensor:
-    """The 256 fp32 values as 4 planes of 256 bytes (byte b of every value), as fp32 words: the native
-    dequantizer looks codes up in each plane with byte permutes and interleaves them into values."""
-    return table.view(torch.uint8).view(256, 4).t().contiguous().view(torch.float32).reshape(-1)
-
-
 def _tables_and_maps() -> torch.Tensor:
     head = torch.tensor(
         [x for signed in (True, False) for row in _tables(signed) for x in row]
@@ -105,7 +99,7 @@ def _tables_and_maps() -> torch.Tensor:
     )
     pad = torch.zeros(256 - head.numel())
     maps = [_map(True), _map(False)]
-    return torch.cat([head, pad, *maps, *(_planes(m) for m in maps)])
+    return torch.cat([head, pad, *maps])
 
 
 def _slots(signed: bool) -> tuple[torch.Tensor, ...]:
@@ -155,7 +149,7 @@ def _map(signed: bool) -> torch.Tensor:
 
 #: the constants of both maps, in the order the native kernel reads them: per map IW, C, HI, B, W (16
 #: each, signed map first), the decade starts (8: 1e-7 ... 0.1, and ONE_EDGE), the octave tables
-#: (first decade, edge: 32 each); from float 256 the two maps' 256 values, then their byte planes
+#: (first decade, edge: 32 each); from float 256 the two maps' 256 values
 CONSTANTS = _tables_and_maps()
 STARTS = CONSTANTS[160:168]
 MAP_SIGNED, MAP_UNSIGNED = CONSTANTS[256:512], CONSTANTS[512:768]

@@ -88,6 +88,9 @@ class StateFormat:
     parts: tuple[StatePart, ...]
     #: options the update needs besides the groups' hyperparameters (e.g. Adagrad's initial value)
     options: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    #: False: a parameter's state is one indivisible piece (a factored state: Adafactor's row and
+    #: column statistics), so a data parallel chunk may start only at a parameter's edge
+    divisible: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -118,6 +121,18 @@ class StateFormat:
     def factored(self) -> bool:
         """Some part follows the parameter's shape: the update takes a whole parameter at a time."""
         return any(p.factored for p in self.parts)
+
+    def next_cut(self, first: int, n: int) -> int:
+        """Where a data parallel chunk may start in a parameter of ``n`` elements (NOTE [Chunks cut
+        where the state allows]): the smallest element index ``>= first`` (``n``: the parameter's end)
+        at which every part's piece starts whole: anywhere for elementwise parts, at a multiple of the
+        block for blocked ones, at the edges only for an indivisible state."""
+        if first <= 0 or first >= n:
+            return max(first, 0) if first <= 0 else n
+        if not self.divisible:
+            return n
+        unit = math.lcm(*(p.block for p in self.parts))
+        return min(-(-first // unit) * unit, n)
 
     def nbytes(self, n: int, shape: Optional[Sequence[int]] = None) -> int:
         """Bytes of the state (master included) of a parameter of ``n`` elements (of ``shape``)."""

@@ -8,8 +8,9 @@ A bucket only records layout (names, offsets, sizes); the buffers themselves bel
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -52,6 +53,65 @@ class Bucket:
     def add(self, name: str, param: torch.nn.Parameter, order: int) -> None:
         self.slots.append(Slot(name, param, self.numel, param.numel(), param.shape, order))
         self.numel += param.numel()
+
+    # NOTE [Chunks cut where the state allows]
+    # Under data parallelism each rank owns one chunk of every bucket, ``chunk_size(world)``
+    # elements at ``rank * chunk_size`` (the last short or empty, every chunk padded to that size for
+    # the collectives). A chunk edge that falls inside a parameter must leave that parameter's
+    # state in whole pieces on either side: the state format says where (StateFormat.next_cut:
+    # anywhere for elementwise state; at a multiple of 256 from the parameter's own element 0 for
+    # 8-bit state, so each rank quantizes the very blocks one process does and the numbers stay
+    # bit for bit those of one process; only at parameter edges for an indivisible state). The size
+    # starts at the even share, ceil(numel / world), and grows until every edge inside the bucket
+    # falls where allowed: for 8-bit state and 2 ranks by at most 255 elements. Elementwise
+    # buckets keep the even share. The plan (footprint) and the homes both take this one size.
+    def chunk_size(self, world: int) -> int:
+        """Elements of each rank's chunk of this bucket under ``world`` ranks (NOTE [Chunks cut
+        where the state allows])."""
+        if world <= 1 or self.numel == 0:
+            return self.numel
+        size = -(-self.numel // world)
+        if self.state.elementwise and self.state.divisible:
+            return size
+        slots = [s for s in self.slots if s.numel]  # the one that holds an edge
+        starts = [s.offset for s in slots]
+        r = 1
+        while r < world and r * size < self.numel:
+            edge = r * size
+            if not slots:  # a plan's bucket of ``numel`` parameters: as one parameter
+                allowed = self.state.next_cut(edge, self.numel)
+            else:
+                s = slots[bisect.bisect_right(starts, edge) - 1]
+                allowed = s.offset + self.state.next_cut(edge - s.offset, s.numel)
+            if allowed == edge:
+                r += 1
+                continue
+            size = -(-allowed // r)  # every edge moves out with the size: check them all again
+            r = 1
+        return size
+
+    def chunk_part_numels(self, world: int, rank: Optional[int] = None) -> list[int]:
+        """Elements of each part of the state rank ``rank`` keeps of this bucket under ``world``
+        ranks; without ``rank`` the most any rank keeps (NOTE [Chunks cut where the state allows]):
+        elementwise parts the chunk's padded size; a blocked part one element per started block of
+        each piece of a parameter in the chunk (a piece's last block may be short: ranks differ)."""
+        size = self.chunk_size(world)
+        counts = [p.numel(size) for p in self.state.parts]
+        if self.state.elementwise or not self.slots:
+            return counts
+        most = [0 if p.block != 1 else n for p, n in zip(self.state.parts, counts)] if rank is not None else counts
+        for r in range(world) if rank is None else [rank]:
+            lo, hi = min(r * size, self.numel), min((r + 1) * size, self.numel)
+            pieces = [min(s.offset + s.numel, hi) - max(s.offset, lo) for s in self.slots]
+            pieces = [n for n in pieces if n > 0]
+            for i, p in enumerate(self.state.parts):
+                if p.block != 1:
+                    most[i] = (
+                        max(most[i], sum(p.numel(n) for n in pieces))
+                        if rank is None
+                        else sum(p.numel(n) for n in pieces)
+                    )
+        return most
 
     def part_numels(self) -> list[int]:
         """Elements of each part of the state (``state.parts``) for the whole bucket."""

@@ -199,15 +199,15 @@ def footprint(
         return {"nbytes": count * nbytes, "buffers": [nbytes] * count}
 
     def chunk(b: Bucket) -> int:
-        return -(-b.numel // world)
+        return b.chunk_size(world)  # NOTE [Chunks cut where the state allows]
 
     def state_parts(b: Bucket) -> list[int]:
-        """Bytes of each part of this rank's state of ``b`` (under DP its chunk's: elementwise)."""
+        """Bytes of each part of this rank's state of ``b`` (under DP its chunk's, the most any rank keeps)."""
         return [n * p.itemsize for p, n in zip(b.state.parts, part_numels(b))]
 
     def part_numels(b: Bucket) -> list[int]:
         """Elements of each part of this rank's state of ``b``: its chunk's under DP."""
-        return [p.numel(chunk(b)) for p in b.state.parts] if world > 1 else b.part_numels()
+        return b.chunk_part_numels(world) if world > 1 else b.part_numels()
 
     def state_joined(b: Bucket) -> int:
         """Bytes of this rank's state of ``b`` as one buffer (one NVMe value)."""

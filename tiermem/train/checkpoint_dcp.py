@@ -143,12 +143,12 @@ def _pieces(state: ModelState, source: Callable[[int, int, Piece], Any]) -> dict
     """Every piece of optimizer state this process keeps, by tiermem name, in bucket order."""
     out: dict[str, ShardedValue] = {}
     for index, pieces in state.pieces():
-        for part_index, part in enumerate(state.part_names(index)):
-            for p in pieces:
+        for part_index, (part, dtype, mine) in enumerate(state.part_pieces(index, pieces)):
+            for p in mine:
                 name = f"{part}/{p.name}"
                 local = source(index, part_index, p)
                 device = local.device if isinstance(local, torch.Tensor) else "cpu"
-                out[name] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, device=device)
+                out[name] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=dtype, device=device)
     return out
 
 
@@ -324,7 +324,7 @@ def load(state: ModelState, path: str) -> None:
         )
     with state.updating():
         for index, pieces in state.pieces():
-            state.load_local(index, functools.partial(_read_pieces, reader, state.part_names(index), pieces))
+            state.load_local(index, functools.partial(_read_pieces, reader, state.part_pieces(index, pieces)))
         state.release()
         rest = state.rest(load=True)
         _load(reader, {key(name): t for name, t in rest.items()})
@@ -338,13 +338,15 @@ def _read_meta(reader: _Reader) -> Any:
     return holder[META]
 
 
-def _read_pieces(reader: _Reader, parts: tuple[str, ...], pieces: list[Piece], views: tuple[torch.Tensor, ...]) -> None:
+def _read_pieces(
+    reader: _Reader, parts: list[tuple[str, torch.dtype, list[Piece]]], views: tuple[torch.Tensor, ...]
+) -> None:
     values = {}
-    for part, t in zip(parts, views):
+    for (part, _, pieces), t in zip(parts, views):
         for p in pieces:
             name = f"{part}/{p.name}"
             local = t[p.at : p.at + p.hi - p.lo]
-            values[key(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, device=t.device)
+            values[key(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=t.dtype, device=t.device)
     if values:
         _load(reader, values)
 
@@ -367,8 +369,8 @@ def load_sharded(state: ModelState, tree: Any) -> None:
     pieces = state.pieces()
     values: dict[str, Any] = {}
     for index, mine in pieces:
-        for part in state.part_names(index):
-            for p in mine:
+        for part, _, of_part in state.part_pieces(index, mine):
+            for p in of_part:
                 name = f"{part}/{p.name}"
                 v = values[name] = _lookup(tree, name)
                 if not isinstance(v, ShardedValue) or v.local_range != (p.lo, p.hi) or tuple(v.shape) != p.shape:
@@ -380,7 +382,7 @@ def load_sharded(state: ModelState, tree: Any) -> None:
             raise bad(f"{key(name)!r} is not a tensor of shape {tuple(t.shape)}")
     with state.updating():
         for index, mine in pieces:
-            state.load_local(index, functools.partial(_copy_pieces, values, state.part_names(index), mine))
+            state.load_local(index, functools.partial(_copy_pieces, values, state.part_pieces(index, mine)))
         state.release()
         for name, t in rest.items():
             t.copy_(values[name])  # a no-op where dcp.load filled the model's own tensor
@@ -403,8 +405,8 @@ def _lookup(tree: dict, name: str) -> Any:
 
 
 def _copy_pieces(
-    values: dict[str, Any], parts: tuple[str, ...], mine: list[Piece], views: tuple[torch.Tensor, ...]
+    values: dict[str, Any], parts: list[tuple[str, torch.dtype, list[Piece]]], views: tuple[torch.Tensor, ...]
 ) -> None:
-    for part, t in zip(parts, views):
+    for (part, _, mine), t in zip(parts, views):
         for p in mine:
             t[p.at : p.at + p.hi - p.lo].copy_(values[f"{part}/{p.name}"].local())

@@ -58,6 +58,7 @@ from tiermem.plan.placement import weights_from_master
 from tiermem.train.homes import Runs, WeightHome
 from tiermem.train.hooks import HookSet, eager
 from tiermem.train.offdevice import Link, SwappedParams
+from tiermem.train.shard import chunk_of
 from tiermem.train.weight_shards import Gatherer, MasterShards, MemoryShards, NvmeShards, ShardHome
 from tiermem.transfer.collectives import Group, Pending
 from tiermem.transfer.gather_schedule import GatherSchedule
@@ -103,7 +104,7 @@ class GatheredWeights(WeightHome):
     ):
         self.store, self.dtype, self.device, self.shards = device_store, dtype, device, shards
         self.full = {b.key: b for b in buckets}
-        self.chunks = {b.index: group.chunk(b.numel) for b in buckets}
+        self.chunks = {b.index: chunk_of(group, b) for b in buckets}
         self.slots: dict[str, tuple[Bucket, Slot]] = {s.name: (b, s) for b in buckets for s in b.slots}
         self.homes = {name: shards[b.index].tier for name, (b, _) in self.slots.items()}
         self.gatherer = Gatherer(group, headers, {b.index: [s.name for s in b.slots] for b in buckets})
@@ -394,7 +395,7 @@ def build_gathered(
     makes the gathers' process group): every rank builds it, in the same order. On a CPU device the
     device's memory is the host's, so a chunk on the device beside its master on the host is
     rounded from it too."""
-    sizes = {b.index: group.chunk(b.numel).size for b in buckets}
+    sizes = {b.index: chunk_of(group, b).size for b in buckets}
     shards: dict[int, ShardHome] = {}
     on_cpu = device.type == "cpu"
     kinds = {
@@ -411,7 +412,7 @@ def build_gathered(
             else MemoryShards(stores[tier], engine, mine, sizes, dtype)
         )
         shards.update({b.index: home for b in mine})
-    ahead = gather_ahead([group.chunk(b.numel).padded * dtype.itemsize for b in buckets])
+    ahead = gather_ahead([chunk_of(group, b).padded * dtype.itemsize for b in buckets])
     return GatheredWeights(
         module,
         buckets,

@@ -157,17 +157,17 @@ def make_homes(
             _per_bucket(_state_homes(buckets, stores, engine, compute)),
             weights,
         ), buckets
-    blocked = sorted({b.state.kind for b in buckets if not b.state.elementwise})
-    if blocked:
-        what = "block-wise 8-bit state (blocks counted from each parameter's element 0)"
-        if "generic" in blocked:
-            what = "a generic optimizer's state (its own step() takes whole parameters: NOTE [Generic optimizers])"
-        elif "adafactor" in blocked:
-            what = "factored state (row and column factors of each matrix, updated a whole parameter at a time)"
+    uncut = sorted({b.state.kind for b in buckets if b.state.kind in ("generic", "adafactor")})
+    if uncut:
+        what = (
+            "a generic optimizer's state (its own step() takes whole parameters: NOTE [Generic optimizers])"
+            if "generic" in uncut
+            else "factored state (row and column factors of each matrix, updated a whole parameter at a time)"
+        )
         raise ConfigError(
-            f"tiermem: under data parallelism this version shards elementwise optimizer state only; "
-            f"{blocked} keeps {what}: a rank's chunk would cut parameters; pass process_group=False (a "
-            f"full replica per process), or an elementwise optimizer (AdamW, SGD, Adagrad, Lion)"
+            f"tiermem: under data parallelism this version shards elementwise and block-wise 8-bit optimizer "
+            f"state only; {uncut} keeps {what}: a rank's chunk would cut parameters; pass process_group=False "
+            f"(a full replica per process), or an elementwise optimizer (AdamW, SGD, Adagrad, Lion, AdamW8bit)"
         )
     shards = shard_buckets(buckets, group)
     full = {b.index: b for b in buckets}

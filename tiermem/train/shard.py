@@ -24,16 +24,21 @@ import torch
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.train.homes import GradHome, Runs, StateHome, StateViews, WeightHome
-from tiermem.transfer.collectives import Group, Pending
+from tiermem.transfer.collectives import Chunk, Group, Pending
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
+
+
+def chunk_of(group: Group, b: Bucket) -> Chunk:
+    """This rank's chunk of ``b`` (NOTE [Chunks cut where the state allows])."""
+    return group.chunk(b.numel, b.chunk_size(group.world))
 
 
 def shard_buckets(buckets: Sequence[Bucket], group: Group) -> list[Bucket]:
     """Each bucket's chunk for this rank, as a bucket of its own (same index and placement)."""
     out = []
     for b in buckets:
-        c = group.chunk(b.numel)
+        c = chunk_of(group, b)
         sb = Bucket(b.index, b.grad_tier, b.state_tier, b.group, b.param_tier, state=b.state)
         for s in b.slots:
             lo, hi = max(s.offset, c.start), min(s.offset + s.numel, c.end)
@@ -76,7 +81,7 @@ class ShardedGrads(GradHome):
         self._fill = fill  # the inner buffer this backward's chunks land in (two alternate under overlap_step)
         t = self._landing.get(b.index)
         if t is None:
-            c = self.group.chunk(b.numel)
+            c = chunk_of(self.group, b)
             t = self.store.allocate(f"{b.key}:grad landing", (c.padded,), torch.float32, TensorClass.GRAD).zero_()
             self._landing[b.index] = t
         return t
@@ -97,7 +102,7 @@ class ShardedGrads(GradHome):
     def _issue(self, index: int) -> None:
         b = self.full[index]
         full = self.landing(b, self._fill)  # a bucket no grad reached on this rank contributes zeros
-        c = self.group.chunk(b.numel)
+        c = chunk_of(self.group, b)
         # in place: this rank's chunk of the bucket receives the mean (NCCL and gloo reduce-scatter so
         # when the output is the input's own chunk), so no second device buffer per bucket in flight
         out = full[c.start : c.start + c.size]
@@ -194,7 +199,7 @@ class ShardedState(StateHome):
         self.full = {b.index: b for b in buckets}
         self.shards = {b.index: b for b in shards}
         self.inner, self.group, self.host = inner, group, host_store
-        self._padded = max(group.chunk(b.numel).padded for b in buckets)
+        self._padded = max(chunk_of(group, b).padded for b in buckets)
         self._set: dict[str, torch.Tensor] = {}  # whole-bucket buffers, only while the model reads or writes
 
     def _part(self, b: Bucket, i: int) -> torch.Tensor:
@@ -207,7 +212,15 @@ class ShardedState(StateHome):
         return self._set[key]
 
     def _whole(self, b: Bucket) -> StateViews:
-        return tuple(self._part(b, i)[: b.numel] for i in range(len(b.state.parts)))
+        return tuple(self._part(b, i)[:n] for i, n in enumerate(b.part_numels()))
+
+    def _blocked(self, b: Bucket, i: int) -> tuple[int, int, list[int]]:
+        """Part ``i`` of ``b`` is blocked: where this rank's piece starts in the whole part, the most
+        any rank keeps, and each rank's count (NOTE [Chunks cut where the state allows]): the
+        ranks' pieces back to back in rank order are the whole part."""
+        world = self.group.world
+        counts = [b.chunk_part_numels(world, r)[i] for r in range(world)]
+        return sum(counts[: self.group.rank]), max(counts), counts
 
     def release_views(self) -> None:
         for key in list(self._set):
@@ -219,7 +232,7 @@ class ShardedState(StateHome):
 
     def initialize(self, b: Bucket) -> None:
         master = self.group.broadcast_(self.initial_master(b))  # every rank starts from rank 0's weights
-        c, sb = self.group.chunk(b.numel), self.shards[b.index]
+        c, sb = chunk_of(self.group, b), self.shards[b.index]
         mine = self.inner.initial_master(sb)
         mine.zero_()
         mine[: c.end - c.start].copy_(master[c.start : c.end])
@@ -232,20 +245,36 @@ class ShardedState(StateHome):
         self.inner.revert(undo)
 
     def read(self, b: Bucket) -> StateViews:
-        padded = self.group.chunk(b.numel).padded
+        padded = chunk_of(self.group, b).padded
         for i, mine in enumerate(self.inner.read(self.shards[b.index])):
-            self.group.all_gather(self._part(b, i)[:padded], mine)
+            if b.state.parts[i].block == 1:
+                self.group.all_gather(self._part(b, i)[:padded], mine)
+                continue
+            _, most, counts = self._blocked(b, i)
+            sent = torch.zeros(most, dtype=mine.dtype)
+            sent[: counts[self.group.rank]].copy_(mine[: counts[self.group.rank]])
+            every = torch.empty(most * self.group.world, dtype=mine.dtype)
+            self.group.all_gather(every, sent)
+            whole, at = self._part(b, i), 0
+            for r, n in enumerate(counts):
+                whole[at : at + n].copy_(every[r * most : r * most + n])
+                at += n
         return self._whole(b)
 
     def load_views(self, b: Bucket) -> StateViews:
         return self._whole(b)
 
     def store(self, b: Bucket, views: StateViews) -> None:
-        c, sb = self.group.chunk(b.numel), self.shards[b.index]
+        c, sb = chunk_of(self.group, b), self.shards[b.index]
         mine = self.inner.load_views(sb)
-        for dst, src in zip(mine, views):
+        for i, (dst, src) in enumerate(zip(mine, views)):
             dst.zero_()
-            dst[: c.end - c.start].copy_(src[c.start : c.end])
+            if b.state.parts[i].block == 1:
+                dst[: c.end - c.start].copy_(src[c.start : c.end])
+            else:
+                at, _, counts = self._blocked(b, i)
+                n = counts[self.group.rank]
+                dst[:n].copy_(src[at : at + n])
         self.inner.store(sb, mine)
 
     # -- this rank's chunk alone (a sharded checkpoint: NOTE [Sharded values for DCP]) -------------
@@ -257,17 +286,17 @@ class ShardedState(StateHome):
         return self.inner.read(self.shards[b.index])
 
     def local_views(self, b: Bucket) -> StateViews:
-        c = self.group.chunk(b.numel)
+        c = chunk_of(self.group, b)
         mine = self.inner.load_views(self.shards[b.index])
-        for t in mine:
-            t[c.end - c.start :].zero_()  # the chunk's padding stays zero, as :meth:`store` leaves it
+        for i, t in enumerate(mine):  # the chunk's padding stays zero, as :meth:`store` leaves it
+            t[c.end - c.start if b.state.parts[i].block == 1 else self._blocked(b, i)[2][self.group.rank] :].zero_()
         return mine
 
     def store_local(self, b: Bucket, views: StateViews) -> None:
         self.inner.store(self.shards[b.index], views)
 
     def whole_master(self, b: Bucket, mine: torch.Tensor) -> torch.Tensor:
-        self.group.all_gather(self._part(b, 0)[: self.group.chunk(b.numel).padded], mine)
+        self.group.all_gather(self._part(b, 0)[: chunk_of(self.group, b).padded], mine)
         return self._part(b, 0)[: b.numel]
 
 
@@ -287,7 +316,7 @@ class ShardedWeights(WeightHome):
         """The gather starts here, in bucket order on every rank; an engine lane waits for it and
         sends the whole bucket home, while Adam runs on the next bucket."""
         full_b = self.full[b.index]
-        c = self.group.chunk(full_b.numel)
+        c = chunk_of(self.group, full_b)
         whole = torch.empty(c.padded, dtype=src.dtype, device=src.device)
         gathering = self.group.all_gather_async(whole, src[: c.size])  # `src` holds the chunk's complete new weights
 

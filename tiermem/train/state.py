@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -23,6 +24,7 @@ from tiermem.optim.formats import StatePart
 from tiermem.plan.buckets import Bucket
 from tiermem.train.layout import Layout
 from tiermem.train.scaler import LossScaler
+from tiermem.train.shard import chunk_of
 from tiermem.train.stepper import Stepper
 from tiermem.transfer.collectives import Group, Solo
 
@@ -177,7 +179,7 @@ class ModelState:
         steps = {sb.index: sb for sb in self.layout.step_buckets}
         out = []
         for b in self.layout.buckets:
-            start = self.group.chunk(b.numel).start  # where this process's part begins in the bucket
+            start = chunk_of(self.group, b).start  # where this process's part begins in the bucket
             whole = {s.name: s for s in b.slots}
             mine = []
             for p in steps[b.index].slots:
@@ -188,6 +190,29 @@ class ModelState:
                 kept = {p.name for p in mine}
                 mine += [Piece(s.name, tuple(s.shape), 0, 0, 0) for s in b.slots if s.numel == 0 and s.name not in kept]
             out.append((b.index, mine))
+        return out
+
+    def part_pieces(self, index: int, pieces: list[Piece]) -> list[tuple[str, torch.dtype, list[Piece]]]:
+        """Per part of bucket ``index``'s state format: its name, dtype and this process's pieces of
+        it, given :meth:`pieces`' ``pieces`` of the bucket. An elementwise part's are ``pieces``; a
+        blocked part's (8-bit state's absmax) count blocks: a parameter of n elements has
+        ceil(n / block), its piece [lo, hi) (lo on a block: NOTE [Chunks cut where the state
+        allows]) the blocks [lo / block, ceil(hi / block)), at its place in the part's buffer."""
+        sb = next(b for b in self.layout.step_buckets if b.index == index)
+        where = {s.name: j for j, s in enumerate(sb.slots)}
+        offsets = sb.part_offsets()
+        out = []
+        for i, part in enumerate(self._bucket[index].state.parts):
+            if part.block == 1:
+                out.append((part.name, part.dtype, pieces))
+                continue
+            mine = []
+            for p in pieces:
+                assert p.lo % part.block == 0, "a chunk cut a parameter off its blocks"
+                numel = math.prod(p.shape)
+                at = offsets[i][where[p.name]] if p.hi > p.lo else 0
+                mine.append(Piece(p.name, (part.numel(numel),), p.lo // part.block, part.numel(p.hi), at))
+            out.append((part.name, part.dtype, mine))
         return out
 
     def resident(self, index: int) -> bool:

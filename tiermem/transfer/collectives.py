@@ -2,7 +2,8 @@
 
 # NOTE [Data parallel]
 Under data parallelism (ZeRO-2 with offload) every bucket is cut into ``world`` equal chunks
-(the last padded); rank r owns chunk r of every bucket: its gradients, its optimizer state,
+(the last padded; edges where the state format allows: NOTE [Chunks cut where the state allows]
+in tiermem/plan/buckets.py); rank r owns chunk r of every bucket: its gradients, its optimizer state,
 its Adam. A bucket's gradients are reduce-scattered (averaged, as DDP does) into the chunks when
 the bucket is complete; after Adam, the new low-precision weights of every chunk are
 all-gathered into every rank's full device copy (ZeRO-2), unless the weights are sharded too
@@ -35,14 +36,19 @@ from tiermem.observe.trace import Tracer
 
 @dataclass(frozen=True)
 class Chunk:
-    """Rank ``rank``'s piece of a bucket of ``numel`` elements cut in ``world`` chunks of ``size``."""
+    """Rank ``rank``'s piece of a bucket of ``numel`` elements cut in ``world`` chunks of ``size``
+    (``chunk_size``, the bucket's choice: NOTE [Chunks cut where the state allows]; else the even
+    share)."""
 
     numel: int
     world: int
     rank: int
+    chunk_size: Optional[int] = None
 
     @property
     def size(self) -> int:
+        if self.chunk_size is not None:
+            return self.chunk_size
         return -(-self.numel // self.world) if self.numel else 0
 
     @property
@@ -67,8 +73,9 @@ class Group:
     #: (torch.distributed.checkpoint); None with :class:`Solo`, and for the default group
     pg: Any = None
 
-    def chunk(self, numel: int) -> Chunk:
-        return Chunk(numel, self.world, self.rank)
+    def chunk(self, numel: int, size: Optional[int] = None) -> Chunk:
+        """This rank's chunk of ``numel`` elements: chunks of ``size`` (default the even share)."""
+        return Chunk(numel, self.world, self.rank, size)
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over ranks, in place."""
