@@ -149,6 +149,8 @@ def test_two_ranks_refuse_factored_state_and_say_what_to_change():
     from ranks import run_ranks
 
     for said in run_ranks(_rank_adafactor):
-        assert said.startswith("tiermem: under data parallelism this version shards elementwise optimizer state only")
+        assert said.startswith(
+            "tiermem: under data parallelism this version shards elementwise and block-wise 8-bit optimizer state only"
+        )
         assert "['adafactor'] keeps factored state" in said
         assert "pass process_group=False" in said

@@ -243,5 +243,7 @@ def test_two_ranks_refuse_the_generic_path_and_say_what_to_change():
     from ranks import run_ranks
 
     for said in run_ranks(_rank_generic):
-        assert said.startswith("tiermem: under data parallelism this version shards elementwise optimizer state only")
+        assert said.startswith(
+            "tiermem: under data parallelism this version shards elementwise and block-wise 8-bit optimizer state only"
+        )
         assert "['generic']" in said and "pass process_group=False" in said
