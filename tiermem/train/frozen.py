@@ -99,17 +99,19 @@ class FrozenParams:
         copy = self.copies.get(name)
         return copy if copy is not None else self._module.get_parameter(name)
 
-    def value(self, name: str) -> torch.Tensor:
+    def value(self, name: str, *, own: bool = False) -> torch.Tensor:
         """Its value in its own dtype, on the host: the host copy itself, or the working copy (the
-        parameter's data, copied from a GPU, or read from its home off the device)."""
+        parameter's data, copied from a GPU, or read from its home off the device). With ``own``,
+        a tensor nothing else holds (a live one is cloned; one read from home already is)."""
         copy = self.copies.get(name)
         if copy is not None:
-            return copy
+            return copy.clone() if own else copy
         if self._is_off(name):
             assert self._off is not None
             with self._off.holding([name], "a checkpoint or detach()") as (held,):
                 return held.to("cpu", copy=True)
-        return self._module.get_parameter(name).data.cpu()  # on a GPU, a host copy
+        data = self._module.get_parameter(name).data
+        return data.to("cpu", copy=True) if own or data.device.type != "cpu" else data
 
     def target(self, name: str) -> torch.Tensor:
         """A host tensor to read a new value into, then :meth:`write`: the host copy, the

@@ -161,7 +161,7 @@ class ModelState:
                     out[name] = value
         params = dict(self.module.named_parameters())
         for name in self.layout.frozen:
-            value = self.layout.frozen.value(name).detach().to("cpu", copy=True)
+            value = self.layout.frozen.value(name, own=True)  # read once: no second copy
             for alias in self.layout.names[id(params[name])]:
                 out[alias] = value
         return out
