@@ -57,7 +57,7 @@ class EmbeddingStateOnNvme(Policy):
 
 
 # -- the rest of the example: train, then check --------------------------------------------------
-# bf16 where the device computes it natively, else fp32 (NOTE [Choosing the precision] in tiermem/config.py)
+# bf16 where the device computes it natively, else fp32 (NOTE [Choosing the precision] in tiermem/precision.py)
 PRECISION = resolve_precision("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 

@@ -13,7 +13,7 @@ Adam's moments live on the host, where Adam runs. On a machine without an accele
 are the CPU's memory, so the run shows the data flow and the report rather than a speed-up.
 ``--precision auto`` (the default) is bf16 where the device computes it natively (a GPU with bf16,
 a CPU with AVX512-BF16 or AMX) and fp32 on other CPUs, where bf16 matmuls run several times slower
-(NOTE [Choosing the precision] in tiermem/config.py; `tiermem info` says which this machine gets).
+(NOTE [Choosing the precision] in tiermem/precision.py; `tiermem info` says which this machine gets).
 
 Launched by torchrun (WORLD_SIZE > 1), the script joins the process group itself (gloo on the
 CPU, NCCL on GPUs: LOCAL_RANK, the rank on its node, picks the GPU) and TieredModel shards

@@ -1,4 +1,4 @@
-"""precision="auto" (NOTE [Choosing the precision] in tiermem/config.py) and the matmul figures behind
+"""precision="auto" (NOTE [Choosing the precision] in tiermem/precision.py) and the matmul figures behind
 the warning for a precision the CPU is slow at (NOTE [A precision the CPU is slow at] in
 tiermem/train/compute.py), with the CPU's features and the measured figures made up."""
 

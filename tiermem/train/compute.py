@@ -5,7 +5,7 @@ machine profile (its ``matmul`` section, :mod:`tiermem.plan.profile`), read back
 Without AVX512-BF16 or AMX, torch computes a bf16 or fp16 matmul on the CPU through slow paths: on
 an AVX2 EPYC a bf16 ``F.linear`` took 11x its fp32 time, so the main job ran at 6 s a step instead
 of 0.4 s. ``precision="auto"`` avoids that by the CPU's features alone (NOTE [Choosing the
-precision] in tiermem/config.py); a model given "bf16" or "fp16" on a CPU gets, once per process
+precision] in tiermem/precision.py); a model given "bf16" or "fp16" on a CPU gets, once per process
 and precision, a warning with the two matmul times and the fix, when that precision's matmul takes
 more than ``SLOW_RATIO`` times fp32's. The times are the profile's: measured the first time they
 are needed (under a second, announced by a log line), saved with the conditions they were

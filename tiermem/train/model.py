@@ -91,7 +91,7 @@ class TieredModel:
         precision: the working precision of the weights the device holds: ``"bf16"``, ``"fp16"``
             (dynamic loss scaling: an overflowing step is skipped and the scale lowered),
             ``"fp32"``, or ``"auto"``: bf16 where the device computes it natively, else fp32 on a
-            CPU and fp16 on an older GPU (NOTE [Choosing the precision] in tiermem/config.py);
+            CPU and fp16 on an older GPU (NOTE [Choosing the precision] in tiermem/precision.py);
             ``tm.precision`` is the one in use. bf16 or fp16 on a CPU much slower at them than at
             fp32 logs one warning. fp32 master weights always live with the optimizer state.
         budgets: caps on the bytes tiermem manages per tier (:class:`~tiermem.Budgets`). Default:
