@@ -222,7 +222,8 @@ def state_format(
         options["optimizer"] = optimizer
     elif kind == "adafactor":  # a matrix keeps row_var and col_var, a vector variance (NOTE [State formats])
         parts += [StatePart(name, f32, factored=True) for name in ("row_var", "col_var", "variance")]
-    return StateFormat(kind, tuple(parts), options)
+    # a factored state and a generic optimizer's own step() take whole parameters: cut only at edges
+    return StateFormat(kind, tuple(parts), options, divisible=kind not in ("adafactor", "generic"))
 
 
 #: Adam with fp32 master and moments: 12 B/param, what TieredModel kept before formats

@@ -157,7 +157,7 @@ def make_homes(
             _per_bucket(_state_homes(buckets, stores, engine, compute)),
             weights,
         ), buckets
-    uncut = sorted({b.state.kind for b in buckets if b.state.kind in ("generic", "adafactor")})
+    uncut = sorted({b.state.kind for b in buckets if not b.state.divisible})  # NOTE [Chunks cut where the state allows]
     if uncut:
         what = (
             "a generic optimizer's state (its own step() takes whole parameters: NOTE [Generic optimizers])"
