@@ -19,7 +19,14 @@ Three parts, each in fresh processes (the script spawns its gloo ranks, one intr
    with ``CPUOffloadPolicy(pin_memory=False)``, the anchor of the host-offload setups, and without,
    the anchor of ``shard-weights``), torch AdamW, ``clip_grad_norm_``; and tiermem's three setups,
    grad_clip=1.0. Stepped round-robin from a barrier; a step's time is the slowest rank's; medians
-   over ``--steps`` after ``--warmup``.
+   over ``--steps`` after ``--warmup``. ``zero-infinity`` reads and writes its weights and state
+   on NVMe every step, which FSDP2+CPUOffload keeps in RAM, so it also meets an anchor that moves
+   the same bytes: FSDP2+CPUOffload's step plus the bytes zero-infinity's store read and wrote in
+   the step (both ranks, counted by the store) at fio's sequential bandwidth on the same directory
+   (8 MiB blocks, O_DIRECT, libaio, iodepth 8; fio run after the speed part): ``serial`` adds
+   reads then writes to the step (bench/nvme_step.py's floor), ``overlapped`` is the larger of the
+   step and that I/O (compute hidden under the disk or the disk under compute, the lowest anchor). Without fio on PATH that anchor is
+   skipped.
 3. **Memory** (2 ranks): each of those setups alone in a fresh pair of processes, built from the
    same fp32 model and stepped ``--warmup + 2`` times; each rank's peak resident memory
    (``ru_maxrss``) beyond what it held once the plain model was built; ``--memory-repeats`` fresh
@@ -35,6 +42,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import socket
 import statistics
 import subprocess
@@ -354,25 +362,44 @@ def batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list:
 def speed_rank(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     cfg = config_from_args(args)
     names = ["FSDP2+CPUOffload", "FSDP2", *SETUPS]
-    steps = {}
+    setups = {}
     for name in names:
         nvme = os.path.join(tmp, f"speed-{name}")
         os.makedirs(nvme, exist_ok=True)
-        steps[name] = make_setup(name, cfg, args, nvme)[0]
+        setups[name] = make_setup(name, cfg, args, nvme)
+    stores = {name: tm.stores.get(Tier.NVME) for name, (_, tm) in setups.items() if tm is not None}
     times: dict[str, list[float]] = {n: [] for n in names}
+    io: dict[str, list[list[float]]] = {n: [] for n, s in stores.items() if s is not None}
     for i, b in enumerate(batches(args, rank, world, args.warmup + args.steps)):
         x, y = b[:, :-1], b[:, 1:]
         for name in names[i % len(names) :] + names[: i % len(names)]:  # rotating order
+            store = stores.get(name)
+            before = (store.bytes_read, store.bytes_written) if store is not None else (0, 0)
             dist.barrier()
             t0 = time.perf_counter()
-            steps[name](x, y)
+            setups[name][0](x, y)
             t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if i >= args.warmup:
                 times[name].append(t.item())
+            if store is not None and i >= args.warmup:  # what this step moved, every rank's together
+                moved = torch.tensor(
+                    [store.bytes_read - before[0], store.bytes_written - before[1]], dtype=torch.float64
+                )
+                dist.all_reduce(moved)
+                io[name].append(moved.tolist())
     if rank == 0:
         with open(os.path.join(tmp, "speed.json"), "w") as f:
-            json.dump({n: statistics.median(ts) for n, ts in times.items()}, f)
+            json.dump(
+                {
+                    "median": {n: statistics.median(ts) for n, ts in times.items()},
+                    "io": {
+                        n: [statistics.median(r for r, _ in v), statistics.median(w for _, w in v)]
+                        for n, v in io.items()
+                    },
+                },
+                f,
+            )
 
 
 # -- 3. memory --------------------------------------------------------------------------------------
@@ -395,12 +422,31 @@ def memory_rank(rank: int, world: int, name: str, args: argparse.Namespace, tmp:
             json.dump({"grew": grew.item(), "managed": managed}, f)
 
 
+def fio(directory: str, size: str = "1GiB") -> dict[str, float] | None:
+    """fio's sequential bandwidth (B/s) on ``directory``, ``write`` and ``read`` (8 MiB blocks,
+    O_DIRECT, libaio, iodepth 8, as bench/nvme_step.py), or None without fio."""
+    if shutil.which("fio") is None:
+        return None
+    path, bw = os.path.join(directory, "fio.dat"), {}
+    try:
+        for rw in ("write", "read"):
+            cmd = ["fio", "--name=zero3", f"--filename={path}", f"--rw={rw}", "--bs=8M", f"--size={size}"]
+            cmd += ["--direct=1", "--ioengine=libaio", "--iodepth=8", "--numjobs=1", "--output-format=json"]
+            job = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["jobs"][0]
+            bw[rw] = float(job[rw]["bw_bytes"])
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return bw
+
+
 def speed_and_memory(args: argparse.Namespace) -> tuple[dict, dict]:
     with tempfile.TemporaryDirectory(prefix="tiermem-zero3-", dir=".") as tmp:
         t0 = time.perf_counter()
         spawn(speed_rank, 2, args, tmp)
         with open(os.path.join(tmp, "speed.json")) as f:
             speed = json.load(f)
+        speed["fio"] = fio(tmp)
         print(f"speed: {time.perf_counter() - t0:.0f} s", flush=True)
         runs: dict[str, list[dict]] = {}
         for _ in range(args.memory_repeats):  # round-robin, so load drifts alike over every setup
@@ -417,6 +463,16 @@ def speed_and_memory(args: argparse.Namespace) -> tuple[dict, dict]:
             for name, rs in runs.items()
         }
         return speed, memory
+
+
+def same_bytes_anchor(speed: dict) -> dict[str, float] | None:
+    """FSDP2+CPUOffload's step plus zero-infinity's NVMe bytes at fio's bandwidth: ``serial`` (step,
+    then reads, then writes) and ``overlapped`` (the larger of the step and the reads and writes)."""
+    if not speed.get("fio") or "zero-infinity" not in speed["io"]:
+        return None
+    (read, written), bw = speed["io"]["zero-infinity"], speed["fio"]
+    step, io = speed["median"]["FSDP2+CPUOffload"], read / bw["read"] + written / bw["write"]
+    return {"serial": step + io, "overlapped": max(step, io)}
 
 
 def mib(n: float) -> str:
@@ -458,7 +514,7 @@ def main() -> int:
             f"{args.memory_repeats}) | (each run, MiB) | tiermem's managed peak: device / host tier |"
         )
         print("|---|---|---|---|---|")
-        for name, t in speed.items():
+        for name, t in speed["median"].items():
             m = memory[name]
             each = ", ".join(f"{g / 2**20:.0f}" for g in m["all"])
             managed = (
@@ -473,12 +529,30 @@ def main() -> int:
             f"(1/{world} = {1 / world:.3f}); numbers {ok} torch's spread, bit-identical to ZeRO-2's: "
             f"{r['same_as_zero2']}; bf16 ranks identical: {r['bf16_identical']}"
         )
+    same_bytes = same_bytes_anchor(speed) if speed else None
+    if same_bytes:
+        (read, written), bw = speed["io"]["zero-infinity"], speed["fio"]
+        print(
+            f"\nzero-infinity moved {read / 2**20:.1f} MiB read + {written / 2**20:.1f} MiB written per step "
+            f"(both ranks, the store's counts); fio on the same directory: read {bw['read'] / 1e9:.2f} GB/s, "
+            f"write {bw['write'] / 1e9:.2f} GB/s; anchor = FSDP2+CPUOffload's step "
+            f"{1e3 * speed['median']['FSDP2+CPUOffload']:.0f} ms with that I/O: serial "
+            f"{1e3 * same_bytes['serial']:.0f} ms, overlapped {1e3 * same_bytes['overlapped']:.0f} ms"
+        )
     for setup, anchor in ANCHOR.items():
         if speed:
-            ratio, mem = speed[setup] / speed[anchor], memory[setup]["grew"] / memory[anchor]["grew"]
+            ratio = speed["median"][setup] / speed["median"][anchor]
+            mem = memory[setup]["grew"] / memory[anchor]["grew"]
             print(
                 f"{setup + ':':<17} step / {anchor} {ratio:.2f}x (target <= 1.10x: "
                 f"{'met' if ratio <= 1.10 else 'NOT met'}); peak RSS growth / {anchor} {mem:.2f}x"
+            )
+    if same_bytes:
+        for kind, anchor_s in same_bytes.items():
+            ratio = speed["median"]["zero-infinity"] / anchor_s
+            print(
+                f"{'zero-infinity:':<17} step / (FSDP2+CPUOffload + the same NVMe bytes, {kind}) {ratio:.2f}x "
+                f"(target <= 1.10x: {'met' if ratio <= 1.10 else 'NOT met'})"
             )
     return 0
 
