@@ -24,7 +24,9 @@ from tiermem.optim import (
     state_bytes,
     state_layout,
 )
-from tiermem.optim import _quant
+from tiermem.optim import _native, _quant
+from tiermem.optim._hyper import AdamHyper
+from tiermem.optim._hypers import adam_scalars
 
 BF16 = torch.bfloat16
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
@@ -64,8 +66,6 @@ def test_native_quantizer_is_bit_identical_to_reference(kind, n, signed, seed):
     assert_bits_equal(codes, want_codes)
     assert_bits_equal(absmax, want_absmax)
     got = torch.empty(n)  # the native dequantizer, as the kernel dequantizes
-    from tiermem.optim import _native
-
     _native.library("adam8bit").tm_dequantize(
         n, codes.data_ptr(), absmax.data_ptr(), int(signed), got.data_ptr(), _quant.CONSTANTS.data_ptr(), 1
     )
@@ -115,6 +115,80 @@ def test_maps_are_increasing_and_hold_zero_and_one():
         assert m[0].item() == 0.0 and (m[127] if signed else m[255]).item() == 1.0
         assert positive.min().item() > 1e-7 and positive.max().item() < 1.0
     assert torch.equal(_quant.MAP_SIGNED[128:], -_quant.MAP_SIGNED[:128])
+
+
+def _edge_values() -> torch.Tensor:
+    """Blocks whose absmax is 1 (so y = x exactly) holding every decade start and its fp32 neighbours,
+    every power of two from 2^-40 to 1 and its neighbours, and the values of all 256 codes of both maps:
+    where a vector quantizer's decade or a rounding could go wrong."""
+    starts = _quant.STARTS
+    pow2 = 2.0 ** torch.arange(-40, 1, dtype=torch.float32)
+    core = torch.cat([starts, pow2, _quant.MAP_SIGNED.abs(), _quant.MAP_UNSIGNED, torch.tensor([1e-30, 0.0])])
+    x = torch.cat([core, torch.nextafter(core, torch.tensor(0.0)), torch.nextafter(core, torch.tensor(2.0))])
+    x = x[x <= 1.0]
+    blocks = torch.nn.functional.pad(x, (0, -x.numel() % 255)).view(-1, 255)
+    x = torch.cat([torch.ones(blocks.shape[0], 1), blocks], dim=1).view(-1)  # absmax 1 in every block
+    return torch.cat([x, -x.flip(0)])
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_native_quantizer_at_every_decade_and_octave_edge(signed):
+    """The vector quantizers find the decade from the fp32 exponent (AVX-512: a per-octave table; AVX2:
+    (e - 127) * 77 >> 8, the octave table's first decade): at the edges they agree with the reference."""
+    x = _edge_values()
+    x = x if signed else x.abs()
+    codes, absmax = quantize_blockwise(x, signed)
+    want_codes, want_absmax = _quant.reference_quantize(x, signed)
+    assert_bits_equal(codes, want_codes)
+    assert_bits_equal(absmax, want_absmax)
+
+
+def test_the_avx2_decade_formula_is_the_octave_table():
+    first = _quant.CONSTANTS[168:200]  # per exponent e (slot e % 32): the decade at the octave's start
+    for e in range(103, 128):
+        assert (((e - 127) * 77) >> 8) + 7 == first[e % 32].item()
+
+
+@pytest.mark.parametrize("n", [1, 255, 257, 4096 + 33, 70_001])
+def test_vector_paths_equal_the_portable_scalar_path(n):
+    """The library as built here (AVX-512 or AVX2 where the CPU has them) and its portable scalar build
+    (-DTM_PORTABLE) compute the same bits: quantize, dequantize, and three kernel steps."""
+    libs = [_native.library("adam8bit"), _native.portable_library("adam8bit")]
+    x = values("wide", n, n)
+    qc = _quant.CONSTANTS
+    gen = torch.Generator().manual_seed(n)
+    master0, state0 = torch.randn(n, generator=gen), _state(n, n)
+    grads = [(torch.randn(n, generator=gen) * 0.1).to(BF16) for _ in range(3)]
+    scalars = [_native.floats(adam_scalars(AdamHyper(step=i + 4, **HP))) for i in range(3)]
+    results = []
+    for lib in libs:
+        got = []
+        for signed in (True, False):
+            xs = x if signed else x.abs()
+            codes, absmax = torch.empty(n, dtype=torch.uint8), torch.empty(_quant.num_blocks(n))
+            lib.tm_quantize(n, xs.data_ptr(), int(signed), codes.data_ptr(), absmax.data_ptr(), qc.data_ptr(), 1)
+            back = torch.empty(n)
+            lib.tm_dequantize(n, codes.data_ptr(), absmax.data_ptr(), int(signed), back.data_ptr(), qc.data_ptr(), 1)
+            got += [codes, absmax, back]
+        master, state, out = master0.clone(), [t.clone() for t in state0], torch.empty(n, dtype=BF16)
+        for g, s in zip(grads, scalars):
+            lib.tm_adam8bit(
+                n,
+                master.data_ptr(),
+                0,
+                *(t.data_ptr() for t in state),
+                g.data_ptr(),
+                1,
+                out.data_ptr(),
+                1,
+                s,
+                qc.data_ptr(),
+                None,
+                1,
+            )
+        results.append([*got, master, *state, out])
+    for got, want in zip(*results):
+        assert_bits_equal(got, want)
 
 
 # -- the kernel -------------------------------------------------------------------------------------

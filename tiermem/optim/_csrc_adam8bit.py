@@ -9,8 +9,12 @@ more than the whole update here): dequantizing computes the value from the code 
 from the code's leading zeros; a byte-permute lookup in the map's byte planes, AVX-512 VBMI, was
 measured slower on AMD Zen 4, bench/RESULTS.md 2026-12-02, and removed); quantizing finds the decade
 from the value's fp32 exponent (an octave holds at most one decade start) and the cell by a
-multiply-add with the decade's constants, taken from registers by permutes. The portable scalar path
-(other CPUs, and the tails) computes the same bits. bench/RESULTS.md (2026-12-01) has what it costs.
+multiply-add with the decade's constants, taken from registers by permutes. CPUs with AVX2 but no
+AVX-512 run the same steps 8 lanes at a time (8-entry permutes; the decade at an octave's start
+computed from the exponent); the scalar path ran there before, 3.3x slower on the whole kernel (AMD
+Zen 3, bench/adam8_harness.py). The portable scalar path (other CPUs, the tails, and ``-DTM_PORTABLE``
+builds, which the tests compare with the vector paths) computes the same bits. bench/RESULTS.md
+(2026-12-01, 2026-12-02) has what each costs.
 """
 
 from __future__ import annotations
@@ -95,6 +99,58 @@ TM_INLINE __m512 dequant16(const uint8_t* codes, const MapVec& m, bool is_signed
 }
 #endif
 
+#ifdef TM_AVX2
+// AVX2 only (no AVX-512): the same numbers 8 lanes at a time, with 8-entry permutes (slots 0-7 of each
+// table; the slot-15 cases, code 0 and |y| below 1e-7, are masked to 0). Measured 2.3-2.8x the scalar
+// path on AMD Zen 3 (bench/adam8_harness.py, bench/RESULTS.md 2026-12-02).
+struct MapVec8 {
+    __m256 iw, c, b, w;
+    TM_INLINE explicit MapVec8(const Map& m)
+        : iw(_mm256_loadu_ps(m.iw)), c(_mm256_loadu_ps(m.c)), b(_mm256_loadu_ps(m.b)), w(_mm256_loadu_ps(m.w)) {}
+};
+TM_INLINE __m256i exponent_of(__m256i x) {  // floor(log2 x) + 127 of integers 1 <= x <= 2^24
+    return _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(x)), 23);
+}
+TM_INLINE __m256 dequant8(const uint8_t* codes, const MapVec8& m, bool is_signed) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)codes)), zero = _mm256_setzero_si256();
+    if (!is_signed) {  // decade floor(log2(c + 1)) - 1; code 255 is slot 7 (1.0)
+        const __m256i d = _mm256_sub_epi32(exponent_of(_mm256_add_epi32(c, _mm256_set1_epi32(1))), _mm256_set1_epi32(128));
+        const __m256 v = _mm256_add_ps(_mm256_permutevar8x32_ps(m.b, d),
+                                       _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_permutevar8x32_ps(m.w, d)));
+        return _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(c, zero)), v);
+    }
+    const __m256i q = _mm256_and_si256(c, _mm256_set1_epi32(127));
+    const __m256i d = _mm256_sub_epi32(exponent_of(q), _mm256_set1_epi32(127));  // floor(log2 q)
+    __m256 v = _mm256_add_ps(_mm256_permutevar8x32_ps(m.b, d),
+                             _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_permutevar8x32_ps(m.w, d)));
+    v = _mm256_blendv_ps(v, _mm256_set1_ps(1.f), _mm256_castsi256_ps(_mm256_cmpeq_epi32(q, _mm256_set1_epi32(127))));
+    v = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(q, zero)), v);
+    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(v),
+                                                _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(128)), 24)));
+}
+// 8 codes of y: the decade at the start of y's octave is floor((e - 127) * log10 2) + 7, computed as
+// ((e - 127) * 77) >> 8 + 7 (the same for every exponent e in [103, 127]: the octave table of
+// NOTE [8-bit state], tests/test_optim_8bit.py checks), then the one decade start the octave may hold.
+TM_INLINE __m256i quant8(__m256 y, const MapVec8& m, __m256 starts, bool is_signed) {
+    const __m256i bits = _mm256_castps_si256(y), mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 a = _mm256_castsi256_ps(mag);
+    const __m256i k = _mm256_sub_epi32(_mm256_max_epi32(_mm256_srli_epi32(mag, 23), _mm256_set1_epi32(103)),
+                                       _mm256_set1_epi32(127));
+    __m256i d = _mm256_add_epi32(_mm256_srai_epi32(_mm256_mullo_epi32(k, _mm256_set1_epi32(77)), 8), _mm256_set1_epi32(7));
+    const __m256 next = _mm256_permutevar8x32_ps(starts, _mm256_add_epi32(d, _mm256_set1_epi32(1)));
+    d = _mm256_sub_epi32(d, _mm256_castps_si256(_mm256_cmp_ps(a, next, _CMP_GE_OQ)));
+    d = _mm256_min_epi32(d, _mm256_set1_epi32(7));  // 1.0 and above (slot 8 would read starts[0])
+    const __m256 x = _mm256_add_ps(_mm256_mul_ps(a, _mm256_permutevar8x32_ps(m.iw, d)), _mm256_permutevar8x32_ps(m.c, d));
+    __m256i q = _mm256_and_si256(_mm256_cvttps_epi32(x), _mm256_cmpgt_epi32(d, _mm256_set1_epi32(-1)));
+    if (is_signed) q = _mm256_or_si256(q, _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(INT32_MIN)), 24));
+    return q;
+}
+TM_INLINE void store_codes32(uint8_t* p, __m256i q0, __m256i q1, __m256i q2, __m256i q3) {  // 32 codes, in order
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
+    _mm256_storeu_si256((__m256i*)p, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#endif
+
 // codes -> values, for len (<= QBLOCK) elements of a block.
 TM_INLINE void dequant_block(const uint8_t* codes, float absmax, bool is_signed, float* out, int64_t len,
                              const float* k) {
@@ -103,6 +159,10 @@ TM_INLINE void dequant_block(const uint8_t* codes, float absmax, bool is_signed,
     const MapVec mv(map_of(k, is_signed));
     for (; i + 16 <= len; i += 16)
         _mm512_storeu_ps(out + i, _mm512_mul_ps(dequant16(codes + i, mv, is_signed), _mm512_set1_ps(absmax)));
+#elif defined(TM_AVX2)
+    const MapVec8 mv(map_of(k, is_signed));
+    for (; i + 8 <= len; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(dequant8(codes + i, mv, is_signed), _mm256_set1_ps(absmax)));
 #endif
     for (; i < len; i++) out[i] = dequant1(codes[i], k, absmax, is_signed);
 }
@@ -117,6 +177,15 @@ TM_INLINE void quant_block(const float* x, float inv, bool is_signed, uint8_t* c
     for (; i + 16 <= len; i += 16)
         _mm_storeu_si128((__m128i*)(codes + i),
                          _mm512_cvtepi32_epi8(quant16(_mm512_mul_ps(_mm512_loadu_ps(x + i), scale), mv, o, is_signed)));
+#elif defined(TM_AVX2)
+    const MapVec8 mv(m);
+    const __m256 scale = _mm256_set1_ps(inv), starts = _mm256_loadu_ps(k + 160);
+    for (; i + 32 <= len; i += 32) {
+        __m256i q[4];
+        for (int j = 0; j < 4; j++)
+            q[j] = quant8(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), scale), mv, starts, is_signed);
+        store_codes32(codes + i, q[0], q[1], q[2], q[3]);
+    }
 #endif
     for (; i < len; i++) codes[i] = quant1(x[i] * inv, m, k, is_signed);
 }

@@ -20,6 +20,9 @@ SOURCE = r"""
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512CD__) && !defined(TM_PORTABLE)
 #include <immintrin.h>
 #define TM_AVX512 1
+#elif defined(__AVX2__) && !defined(TM_PORTABLE)
+#include <immintrin.h>
+#define TM_AVX2 1
 #endif
 
 // Every helper is forced inline: GCC leaves some out of line across the many template instances, and

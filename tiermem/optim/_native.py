@@ -168,12 +168,22 @@ def _cpu_fingerprint() -> str:
         return platform.processor() + platform.machine()
 
 
-def _load(name: str) -> ctypes.CDLL:
+def portable_library(name: str) -> ctypes.CDLL:
+    """The library ``name`` built with its portable scalar paths only (``-DTM_PORTABLE``: no AVX-512 or
+    AVX2 intrinsics), which the tests compare with the vector paths bit for bit. Not cached in memory."""
+    try:
+        return _load(name, ("-DTM_PORTABLE",))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        raise NativeUnavailable(str(e)) from e
+
+
+def _load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     sources, functions = LIBRARIES[name]
     source = "\n".join(sources)
     compiler = _compiler()
+    flags = (*FLAGS, *extra_flags)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([source, " ".join(FLAGS), compiler, version, _cpu_fingerprint()]).encode())
+    key = hashlib.sha256("\0".join([source, " ".join(flags), compiler, version, _cpu_fingerprint()]).encode())
     directory = _cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"tiermem_{name}_{key.hexdigest()[:24]}.so"
@@ -183,7 +193,7 @@ def _load(name: str) -> ctypes.CDLL:
             src.write_text(source)
             out = Path(tmp) / "lib.so"
             res = subprocess.run(
-                [compiler, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, timeout=600
+                [compiler, *flags, str(src), "-o", str(out)], capture_output=True, text=True, timeout=600
             )
             if res.returncode != 0:
                 raise RuntimeError(f"{compiler} failed:\n{res.stderr.strip()[-4000:]}")
