@@ -5,6 +5,7 @@ any world size, and fail loudly."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import pytest
@@ -119,8 +120,9 @@ def _solo(steps=range(STEPS), schedule=None, **kw):
     return tm, res
 
 
-def _torch_spread(steps: int = STEPS, schedule=None) -> float:
-    """How far torch's own AdamW variants (for-loop, foreach, fused) land apart on this run."""
+def _torch_spread(steps: int = STEPS, schedule=None, before_step=None) -> float:
+    """How far torch's own AdamW variants (for-loop, foreach, fused) land apart on this run;
+    ``before_step(model, i)`` runs before step i's micro-batches (freezing, say)."""
     schedule = schedule or [2] * steps
     runs = []
     for kw in ({"foreach": False}, {"foreach": True}, {"fused": True}):
@@ -128,6 +130,8 @@ def _torch_spread(steps: int = STEPS, schedule=None) -> float:
         m = TinyGPT()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, **kw)
         for i, n in enumerate(schedule):
+            if before_step is not None:
+                before_step(m, i)
             for r in range(n):
                 x, y = _batch(i, r)
                 (gpt_loss(m(x), y) / n).backward()
@@ -135,6 +139,12 @@ def _torch_spread(steps: int = STEPS, schedule=None) -> float:
             opt.zero_grad()
         runs.append(m.state_dict())
     return max((a[k] - b[k]).abs().max().item() for a in runs for b in runs for k in a)
+
+
+def _one_rounding(state: dict) -> float:
+    """The spacing of fp32 numbers at the largest magnitude in ``state``: one rounding there."""
+    top = max(v.float().abs().max().item() for v in state.values())
+    return torch.finfo(torch.float32).eps * 2.0 ** math.floor(math.log2(top))
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -554,7 +564,12 @@ def test_freezing_alike_on_every_rank_trains_as_one_process_and_differing_is_ref
         _train(solo, 0, 1, range(i, i + 1), scale=2)
     want = solo.state_dict()
     for r in ranks:
-        assert _max_diff(r["freezing"]["alike"], want) <= max(_torch_spread(4), 1e-7)
+        # The floor is one rounding of the largest weight (the embedding's reach |w| > 4: 4.8e-7):
+        # torch's variants may happen to differ only where weights are smaller, so their spread is
+        # a smaller ulp (seen on an AVX2 CPU: ranks 2.4e-7 from one process in the embedding,
+        # torch's variants 1.2e-7 apart).
+        spread = _torch_spread(4, before_step=lambda m, i: m.blocks[0].requires_grad_(i not in (1, 2)))
+        assert _max_diff(r["freezing"]["alike"], want) <= max(spread, _one_rounding(want))
         assert r["freezing"]["refused"]
 
 
