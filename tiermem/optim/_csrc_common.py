@@ -80,8 +80,8 @@ TM_INLINE float store_master(bf16* p, int64_t i, float v, const SR& sr) {
     return as_float((uint32_t)b << 16);
 }
 
-// NOTE [Selects, not branches]: a loop-invariant flag picks between two values both computed, never
-// between computing one or not. Without AVX-512's masks GCC may not run a floating-point operation that
+// NOTE [Selects, not branches]
+// A loop-invariant flag picks between two values both computed, never between computing one or not. Without AVX-512's masks GCC may not run a floating-point operation that
 // the source runs conditionally (it could raise an exception the program would not have raised; GCC
 // assumes -ftrapping-math), so `if (flag) g = fmaf(...)` keeps the whole loop scalar on AVX2 CPUs
 // (SGD with momentum ran at 0.28x its floor on a Zen 3). Computing both and picking gives the same
