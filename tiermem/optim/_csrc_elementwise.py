@@ -26,9 +26,9 @@ struct AdamScalars {
 struct AdamOut { float p, m, v; };
 TM_INLINE AdamOut adam_math(const AdamScalars& c, float p, float g, float m, float v) {
     g = g * c.inv * c.clip;
-    if (c.use_l2) g = fmaf(p, c.l2, g);                        // grad.add(param, alpha=wd)
+    g = pick(c.use_l2, fmaf(p, c.l2, g), g);                   // grad.add(param, alpha=wd)
     p = p * c.decay_mul;                                       // AdamW: param.mul_(1 - lr*wd)
-    m = fmaf(c.lerp, g - m, c.from_grad ? g : m);              // exp_avg.lerp_(grad, 1-beta1)
+    m = fmaf(c.lerp, g - m, pick(c.from_grad, g, m));          // exp_avg.lerp_(grad, 1-beta1)
     v = fmaf(c.omb2 * g, g, v * c.b2);                         // exp_avg_sq.mul_(b2).addcmul_(g, g, 1-b2)
     float denom = sqrtf(v) / c.bc2 + c.eps;
     return {p + (c.neg_step * m) / denom, m, v};               // param.addcdiv_(exp_avg, denom, -step_size)
@@ -62,11 +62,11 @@ void sgd_range(int64_t a, int64_t b, M* __restrict__ master, float* __restrict__
     for (int64_t i = a; i < b; i++) {
         float p = load(master, i);
         float g = load(grad, i) * inv * clip;
-        if (decay) g = fmaf(p, wd, g);                        // grad.add(param, alpha=wd)
-        if (MOMENTUM) {
-            float m = first ? g : fmaf(g, omd, buf[i] * mom);  // buf.mul_(mom).add_(grad, alpha=1-damp)
+        g = pick(decay, fmaf(p, wd, g), g);                   // grad.add(param, alpha=wd)
+        if (MOMENTUM) {  // NOTE [Selects, not branches]: buf is read on the first step too (then unused)
+            float m = pick(first, g, fmaf(g, omd, buf[i] * mom));  // buf.mul_(mom).add_(grad, alpha=1-damp)
             buf[i] = m;
-            g = nesterov ? fmaf(m, mom, g) : m;                // grad.add(buf, alpha=mom)
+            g = pick(nesterov, fmaf(m, mom, g), m);           // grad.add(buf, alpha=mom)
         }
         store(out, i, store_master(master, i, fmaf(g, neg_lr, p), sr));  // param.add_(grad, alpha=-lr)
     }
@@ -82,7 +82,7 @@ void adagrad_range(int64_t a, int64_t b, M* __restrict__ master, float* __restri
     for (int64_t i = a; i < b; i++) {
         float p = load(master, i);
         float g = load(grad, i) * inv * clip;
-        if (decay) g = fmaf(p, wd, g);
+        g = pick(decay, fmaf(p, wd, g), g);                    // NOTE [Selects, not branches]
         float acc = fmaf(g, g, sum[i]);                        // state_sum.addcmul_(grad, grad, value=1)
         sum[i] = acc;
         float std_ = sqrtf(acc) + eps;                         // state_sum.sqrt().add_(eps)
