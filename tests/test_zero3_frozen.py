@@ -88,7 +88,7 @@ def _frozen_home(tm: TieredModel) -> dict:
     frozen = [p for p in tm.module.parameters() if not p.requires_grad]
     home = SETUPS[next(s for s in SETUPS if isinstance(tm.policy, SETUPS[s][0]))][2]
     rep = tm.report()
-    cold = [b for b in tm.gathered.full.values() if b.frozen] if tm.gathered is not None else []
+    cold = [b for b in tm.gathered.full.values() if getattr(b, "frozen", False)] if tm.gathered is not None else []
     store = tm.stores[home] if home != N else None
     keys = [shard_key(b) for b in cold] if cold else [f"{n}:frozen" for n, p in tm.module.named_parameters()]
     return {
@@ -135,6 +135,10 @@ def _rank_variants(rank, world, tmp):
     other = _make("weights-on-host", tmp, bucket_size="8KiB", tag="-loaded")
     other.load(path)
     out["file"] = (tm.state_dict(), other.state_dict())
+    name, base = next((n, p) for n, p in other.module.named_parameters() if not p.requires_grad and p.dim() == 2)
+    with other.resident(base), torch.no_grad():  # on every rank: the base's bucket is gathered for the block
+        base.mul_(0.5)
+    out["halved"] = (name, other.state_dict())
     dcp = os.path.join(tmp, "frozen.dcp")
     tm.save(dcp)  # every rank its shards; rank 0 the frozen base, read by every rank
     out["dcp"] = tm.state_dict()
@@ -258,11 +262,14 @@ def test_eval_between_steps(z3, tmp_path):
         solo.train()
 
 
-def test_checkpoint_file_and_detach_at_two_ranks(z3):
+def test_checkpoint_file_resident_and_detach_at_two_ranks(z3):
     for r in z3[1]:
         saved, loaded = r["variants"]["file"]
         assert _same(saved, loaded)  # the frozen base gathered, written by rank 0, each rank's piece loaded
-        assert _same(loaded, r["variants"]["detached"])  # detach() gathers the base on every rank
+        name, halved = r["variants"]["halved"]
+        assert torch.equal(halved[name], loaded[name] * 0.5)  # resident() wrote each rank's piece home
+        assert all(torch.equal(halved[k], loaded[k]) for k in loaded if k != name)
+        assert _same(halved, r["variants"]["detached"])  # detach() gathers the base on every rank
 
 
 def test_dcp_saved_at_two_ranks_loads_in_one_process(z3):
