@@ -45,6 +45,7 @@ class Bucket:
     slots: list[Slot] = field(default_factory=list)
     numel: int = 0
     state: StateFormat = ADAM  # its parameters' optimizer state (NOTE [State formats])
+    frozen: bool = False  # frozen parameters' working weights, sharded over the ranks (no grads, no state)
 
     @property
     def key(self) -> str:

@@ -108,6 +108,7 @@ class Evaluator:
                 shard_weights=self.shard_weights,
                 nvme_staging=self.nvme_staging,
                 device_is_host=self.device_is_host,
+                bucket_numel=self.bucket_numel,
             )
         )
         short = {t: n - self.limits.get(t, 0) for t, n in need.items() if n and n > self.limits.get(t, 0)}

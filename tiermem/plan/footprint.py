@@ -41,7 +41,10 @@ model as a whole:
   live on NVMe (``nvme_staging``; on the CPU the store reads into the device buffer itself);
 - frozen parameters: ``w`` bytes each at their PARAM home (their own element size when not
   floating point), and a copy in their own dtype on the host when that is not the working
-  precision (NOTE [Frozen weights keep one copy] in tiermem/train/frozen.py);
+  precision (NOTE [Frozen weights keep one copy] in tiermem/train/frozen.py); under data
+  parallelism those sharded over the ranks (NOTE [Frozen weights sharded over the ranks]) are
+  buckets of their own (``frozen_buckets``): a rank keeps ``w*ceil(n/world)`` of each, one buffer
+  on the host, and they are gathered like the trainable ones below (the host copy stays whole);
 - grads in flight on the device: autograd makes each grad there, in the working precision, and it
   leaves for its home once complete; when the device budget is tight the next one waits until
   those in flight have landed, so the device needs room for at least the largest parameter's grad;
@@ -83,7 +86,7 @@ accepts is one the constructor accepts, with no allowance of its own on any tier
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
 import torch
 
@@ -91,6 +94,7 @@ from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.placement import (
     compute_tier,
+    frozen_buckets,
     split_weights,
     weights_from_master,
     weights_sharded,
@@ -173,6 +177,7 @@ def footprint(
     shard_weights: bool = False,
     gathered_at_once: int = 0,
     device_is_host: bool = False,
+    frozen_buckets: Sequence[Bucket] = (),
 ) -> Footprint:
     """Bytes each tier must hold, by purpose, for the layout of ``buckets`` to be built and a step
     to run (NOTE [Footprint]). ``frozen``: each parameter that needs no grad, with its PARAM home;
@@ -183,7 +188,9 @@ def footprint(
     with ``shard_weights``; ``gathered_at_once``: :func:`gathers_held` of the module);
     ``nvme_staging``: whether weights moving between NVMe and the device stage through the host (on
     a GPU: ``device.type == "cuda"``); ``device_is_host``: whether the device is the CPU (its memory
-    the host's: :func:`~tiermem.plan.placement.weights_from_master`)."""
+    the host's: :func:`~tiermem.plan.placement.weights_from_master`); ``frozen_buckets``: the
+    frozen parameters sharded over the ranks (:func:`~tiermem.plan.placement.frozen_buckets`),
+    which ``frozen`` does not list."""
     need: Footprint = {}
 
     def add(tier: Tier, purpose: str, nbytes: int, *, buffers: Sequence[int] = ()) -> None:
@@ -247,7 +254,12 @@ def footprint(
     if state_largest:
         add(Tier.HOST, STATE_PIPELINE, **each(state_largest, 3))  # each set: a bucket's parts, back to back
     weights_largest = max(
-        (chunk(b) if b.index in sharded else b.numel for b in buckets if b.param_tier == Tier.NVME), default=0
+        (
+            chunk(b) if b.index in sharded or b.frozen else b.numel
+            for b in [*buckets, *frozen_buckets]
+            if b.param_tier == Tier.NVME
+        ),
+        default=0,
     )
     journal = (
         JOURNAL_BUCKETS["state"] * state_largest
@@ -272,10 +284,17 @@ def footprint(
                 staged.setdefault(compute_tier(b), []).append(chunk(b))
         for tier, numels in staged.items():
             add(tier, WEIGHT_STAGING, **each(max(numels) * w, min(2, len(numels))))  # a single bucket needs one
-    if sharded:
-        gathered = [chunk(b) * world * w for b in buckets if b.index in sharded]
+    for b in frozen_buckets:  # NOTE [Frozen weights sharded over the ranks]: this rank's chunk, one buffer
+        n = chunk(b) * w
+        add(b.param_tier, FROZEN_WEIGHTS, n, buffers=[n] if b.param_tier == Tier.HOST else ())
+        for s in b.slots:
+            if keeps_copy(s.param.dtype, dtype, True):  # NOTE [Frozen weights keep one copy]: whole, on each rank
+                add(Tier.HOST, FROZEN_COPY, **each(s.numel * s.param.element_size()))
+    gathers = [b for b in [*buckets, *frozen_buckets] if b.index in sharded or b.frozen]
+    if gathers:
+        gathered = [chunk(b) * world * w for b in gathers]
         add(Tier.DEVICE, GATHERED, min(sum(gathered), gathered_at_once * max(gathered) + gather_ahead(gathered)))
-        on_disk = [chunk(b) * w for b in buckets if b.index in sharded and b.param_tier == Tier.NVME]
+        on_disk = [chunk(b) * w for b in gathers if b.param_tier == Tier.NVME]
         if on_disk:
             add(Tier.HOST, GATHER_STAGING, **each(max(on_disk), min(len(on_disk), gathered_at_once + GATHER_AHEAD)))
         for tier in dict.fromkeys(b.param_tier for b in rounded):
@@ -309,13 +328,23 @@ def model_footprint(
     shard_weights: bool = False,
     nvme_staging: bool = False,
     device_is_host: bool = False,
+    bucket_numel: Optional[int] = None,
 ) -> Footprint:
     """:func:`footprint` of ``module`` planned as ``buckets`` (``param_homes``: the parameters whose
     weights live off the device, as :func:`tiermem.plan.placement.plan` returns them), with what
     the module's shape decides (its frozen parameters, its largest module, how many sharded buckets
-    its modules hold at once): what TieredModel checks its budgets with, and Auto judges by."""
-    sharded, offloaded = split_weights(buckets, param_homes, world, shard_weights)
-    frozen = [(p, param_homes.get(n, Tier.DEVICE)) for n, p in module.named_parameters() if not p.requires_grad]
+    its modules hold at once): what TieredModel checks its budgets with, and Auto judges by.
+    ``bucket_numel``: the model's bucket size, which packs its sharded frozen parameters
+    (:func:`~tiermem.plan.placement.frozen_buckets`; None: a bucket per parameter)."""
+    cold = frozen_buckets(module, param_homes, world, shard_weights, bucket_numel, first_index=len(buckets))
+    sharded, offloaded = split_weights(buckets, param_homes, world, shard_weights, cold)
+    in_cold = {s.name for b in cold for s in b.slots}
+    frozen = [
+        (p, param_homes.get(n, Tier.DEVICE))
+        for n, p in module.named_parameters()
+        if not p.requires_grad and n not in in_cold
+    ]
+    gathers = {b.index for b in [*sharded, *cold]}
     return footprint(
         buckets,
         frozen,
@@ -326,7 +355,8 @@ def model_footprint(
         device_is_host=device_is_host,
         largest_module=largest_module_bytes(module, offloaded, dtype),
         shard_weights=shard_weights,
-        gathered_at_once=gathers_held(module, buckets, {b.index for b in sharded}) if sharded else 0,
+        gathered_at_once=gathers_held(module, [*buckets, *cold], gathers) if gathers else 0,
+        frozen_buckets=cold,
     )
 
 

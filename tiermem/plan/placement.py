@@ -82,14 +82,46 @@ def weights_sharded(b: Bucket, world: int, shard_weights: bool) -> bool:
 
 
 def split_weights(
-    buckets: Sequence[Bucket], param_homes: Mapping[str, Tier], world: int, shard_weights: bool
+    buckets: Sequence[Bucket],
+    param_homes: Mapping[str, Tier],
+    world: int,
+    shard_weights: bool,
+    frozen: Sequence[Bucket] = (),
 ) -> tuple[list[Bucket], dict[str, Tier]]:
     """The buckets whose weights are sharded over the ranks (:func:`weights_sharded`), and the
     parameters whose weights live off the device each on its own (NOTE [Parameters off the device]:
-    those of one process, and frozen ones), with their home."""
+    those of one process, and frozen ones not in ``frozen``, the sharded frozen buckets of
+    :func:`frozen_buckets`), with their home."""
     sharded = [b for b in buckets if weights_sharded(b, world, shard_weights)]
-    in_shards = {s.name for b in sharded for s in b.slots}
+    in_shards = {s.name for b in [*sharded, *frozen] for s in b.slots}
     return sharded, {n: t for n, t in param_homes.items() if n not in in_shards}
+
+
+def frozen_buckets(
+    module: torch.nn.Module,
+    param_homes: Mapping[str, Tier],
+    world: int,
+    shard_weights: bool,
+    bucket_numel: Optional[int],
+    *,
+    first_index: int,
+) -> list[Bucket]:
+    """The frozen parameters whose working weights are sharded over the ranks like trainable ones
+    (NOTE [Frozen weights sharded over the ranks] in tiermem/train/frozen.py), packed into buckets
+    in reverse order of use by their home (``Bucket.frozen``; no grads, no state): the floating-point
+    ones homed off the device under data parallelism, and with ``shard_weights`` those on the device
+    too. ``bucket_numel``: the model's bucket size (None: a bucket per parameter); ``first_index``:
+    past the model's trainable buckets. One process: none."""
+    unique, _ = _unique_params(module)
+    placed = []
+    for name, p in reversed(unique):
+        tier = param_homes.get(name, Tier.DEVICE)
+        if not p.requires_grad and p.is_floating_point() and world > 1 and (tier != Tier.DEVICE or shard_weights):
+            placed.append(Placed(name, p, tier, tier, 0, tier))
+    buckets = plan_buckets(placed, bucket_numel or 1, first_index=first_index)
+    for b in buckets:
+        b.frozen = True
+    return buckets
 
 
 def writes_weights_in_place(b: Bucket, sharded: bool) -> bool:
@@ -106,8 +138,9 @@ def weights_from_master(b: Bucket, sharded: bool, overlap: bool, *, device_is_ho
     tiermem/train/weight_shards.py): sharded weights whose home is the memory where their
     optimizer state lives and the update runs (the same tier; or the device beside state on the
     host when ``device_is_host``: the device is the CPU, whose memory is the host's), without
-    overlap_step (whose update rewrites the master while the next forward gathers the old weights)."""
-    if not sharded or overlap or b.param_tier == Tier.NVME or b.state_tier != compute_tier(b):
+    overlap_step (whose update rewrites the master while the next forward gathers the old weights).
+    Never a frozen bucket's: it has no master."""
+    if not sharded or b.frozen or overlap or b.param_tier == Tier.NVME or b.state_tier != compute_tier(b):
         return False
     shared = device_is_host and {b.param_tier, b.state_tier} == {Tier.DEVICE, Tier.HOST}
     return b.param_tier == b.state_tier or shared

@@ -184,8 +184,8 @@ def tier_bytes(
     """Bytes each tier holds for the training state under ``placement``: the training-state part
     of :func:`tiermem.plan.footprint.footprint` for one bucket of ``trainable`` parameters (see
     NOTE [Bytes per parameter] for what it leaves out). ``world``: the bytes of one of that many
-    data-parallel ranks (its share of grads and optimizer state, and of the weights when they are
-    sharded: off the device, or with ``shard_weights``); ``state``: the optimizer state's format
+    data-parallel ranks (its share of grads and optimizer state, and of the weights, frozen ones
+    too, when they are sharded: off the device, or with ``shard_weights``); ``state``: the optimizer state's format
     (Adam's fp32 state by default; :func:`state_option`)."""
     _check_count("trainable", trainable)
     _check_count("frozen", frozen)
@@ -201,9 +201,17 @@ def tier_bytes(
         numel=trainable,
         state=state,
     )
-    frozen_params = [(torch.empty(frozen, dtype=torch.float32, device="meta"), home)]  # no memory
+    base = torch.empty(frozen, dtype=torch.float32, device="meta")  # no memory
+    cold = Bucket(1, home, home, 0, home, frozen=True)  # NOTE [Frozen weights sharded over the ranks]
+    if frozen and world > 1 and (home != Tier.DEVICE or shard_weights):
+        cold.add("frozen", torch.nn.Parameter(base, requires_grad=False), 0)
     need = footprint(
-        [bucket], frozen_params, working_dtype(check_precision(precision)), world=world, shard_weights=shard_weights
+        [bucket],
+        [] if cold.slots else [(base, home)],
+        working_dtype(check_precision(precision)),
+        world=world,
+        shard_weights=shard_weights,
+        frozen_buckets=[cold] if cold.slots else [],
     )
     return totals(need, TRAINING_STATE)
 

@@ -243,8 +243,9 @@ def save(state: ModelState, path: str) -> None:
 def _write(state: ModelState, writer: _Writer) -> None:
     """DCP writes this process's pieces, one bucket read at a time; rank 0 also the rest."""
     values: dict[str, Any] = dict(_pieces(state, _OneBucket(state).source))
+    rest = state.rest(keep=state.writes_files)  # every rank reads the frozen weights gathered over the ranks
     if state.writes_files:  # the same on every rank: rank 0's are saved, as by the single file
-        values.update(state.rest())
+        values.update(rest)
     order = {key(name): i for i, name in enumerate(values)}
     tree = nested(values, json.dumps(state.meta()))
     if state.writes_files:

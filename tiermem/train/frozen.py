@@ -12,6 +12,25 @@
 # the working precision cannot be undone. So a bf16 model fine-tuned with its base weights on NVMe
 # holds none of them in host memory between uses; an fp32 one holds 4 bytes per frozen parameter
 # there, which the footprint counts (``FROZEN_COPY``) and a log line names once.
+
+# NOTE [Frozen weights sharded over the ranks]
+# Under data parallelism the frozen parameters whose working weights would be sharded if they
+# trained (homed off the device; with ``shard_weights=True``, on it too: weights_sharded in
+# tiermem/plan/placement.py) are sharded like trainable ones, so a LoRA base spread over N ranks
+# costs each rank 1/N of it at home, not all of it. The plan packs them into buckets of their own
+# (tiermem.plan.placement.frozen_buckets: ``Bucket.frozen``, no grads, no optimizer state, indices
+# past the trainable buckets), and :class:`~tiermem.train.gathered.GatheredWeights` homes them
+# with the trainable sharded buckets: a chunk per rank on the home tier (never rounded from a
+# master: they have none), each parameter an OffDeviceWeight gathered by the same module hooks,
+# schedule, lookahead and per-op reads (forward, a forward recomputed by checkpointing, backward's
+# formulas), and freed after use. The chunks are cut from rank 0's values at construction (one
+# broadcast per bucket), as the trainable masters are. Their values are read by gathering
+# (:meth:`FrozenParams.value`: collective, so every rank reads the same frozen parameters in the
+# same order: checkpoints, ``state_dict()``, ``detach()``), written by each rank into its own
+# piece (:meth:`FrozenParams.write`, a checkpoint load). A host copy in the parameter's own dtype
+# (above) stays whole on every rank. Frozen weights on the device without ``shard_weights``, and
+# frozen parameters that are not floating point, stay replicated (ZeRO-2); in one process nothing
+# is sharded. Unfreezing one under data parallelism is refused (NOTE [Freezing and unfreezing]).
 """
 
 from __future__ import annotations
@@ -22,8 +41,11 @@ from typing import Iterator, Optional
 import torch
 
 from tiermem.memory.resident import MemoryStore
+from tiermem.plan.buckets import Bucket
 from tiermem.plan.footprint import keeps_copy
+from tiermem.train.gathered import GatheredWeights
 from tiermem.train.param_offload import ParamOffload
+from tiermem.transfer.collectives import Group
 from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger("tiermem")
@@ -33,11 +55,19 @@ __all__ = ["FrozenParams"]
 
 class FrozenParams:
     """The frozen parameters of a model by name (NOTE [Frozen weights keep one copy]): where their
-    working copies live, and the host copies of those whose dtype differs from the working one."""
+    working copies live, and the host copies of those whose dtype differs from the working one.
+    ``off_device``: the home of those off the device each on its own; ``sharded``: of those sharded
+    over the ranks (NOTE [Frozen weights sharded over the ranks])."""
 
-    def __init__(self, module: torch.nn.Module, off_device: Optional[ParamOffload]):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        off_device: Optional[ParamOffload],
+        sharded: Optional[GatheredWeights] = None,
+    ):
         self._module = module
         self._off = off_device
+        self._sharded = sharded
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # in the order placed
         self.copies: dict[str, torch.Tensor] = {}  # name -> the host copy in the parameter's own dtype
 
@@ -53,6 +83,8 @@ class FrozenParams:
             copy = stores[Tier.HOST].allocate(f"{name}:frozen", p.shape, p.dtype, TensorClass.PARAM)
             copy.copy_(p.detach())
             self.copies[name] = copy
+        if self._in_shards(name):
+            return  # its bucket's chunk is cut by :meth:`shard`, once every frozen parameter is here
         if self._is_off(name):
             assert self._off is not None
             self._off.adopt(name, p.detach().to(dtype=target, copy=True))
@@ -60,6 +92,14 @@ class FrozenParams:
             p.data = stores[Tier.DEVICE].adopt(
                 f"{name}:frozen", p.detach().to(device=device, dtype=target), TensorClass.PARAM
             )
+
+    def shard(self, buckets: list[Bucket], group: Group, dtype: torch.dtype) -> None:
+        """Each frozen bucket's chunk at home, from rank 0's values (NOTE [Frozen weights sharded
+        over the ranks]); its parameters become OffDeviceWeights. Collective."""
+        for b in buckets:
+            assert self._sharded is not None and b.frozen
+            values = torch.cat([s.param.detach().reshape(-1).to("cpu", dtype) for s in b.slots])
+            self._sharded.initialize(b, group.broadcast_(values))
 
     def log_copies(self) -> None:
         if self.copies:
@@ -101,11 +141,16 @@ class FrozenParams:
 
     def value(self, name: str, *, own: bool = False) -> torch.Tensor:
         """Its value in its own dtype, on the host: the host copy itself, or the working copy (the
-        parameter's data, copied from a GPU, or read from its home off the device). With ``own``,
-        a tensor nothing else holds (a live one is cloned; one read from home already is)."""
+        parameter's data, copied from a GPU, or read from its home off the device; gathered when
+        sharded over the ranks: then collective). With ``own``, a tensor nothing else holds (a live
+        one is cloned; one read from home already is)."""
         copy = self.copies.get(name)
         if copy is not None:
             return copy.clone() if own else copy
+        if self._in_shards(name):
+            assert self._sharded is not None
+            with self._sharded.holding([name], "a checkpoint or detach()") as (held,):
+                return held.to("cpu", copy=True)
         if self._is_off(name):
             assert self._off is not None
             with self._off.holding([name], "a checkpoint or detach()") as (held,):
@@ -120,7 +165,7 @@ class FrozenParams:
         if copy is not None:
             return copy
         data = self._module.get_parameter(name).data
-        if self._is_off(name) or data.device.type != "cpu":
+        if self._is_off(name) or self._in_shards(name) or data.device.type != "cpu":
             shape, dtype = self._meta[name]
             return torch.empty(shape, dtype=dtype)
         return data
@@ -132,11 +177,21 @@ class FrozenParams:
         if copy is not None and copy is not value:
             copy.copy_(value)
         p = self._module.get_parameter(name)
-        if self._is_off(name):
+        if self._in_shards(name):
+            assert self._sharded is not None
+            self._sharded.write_home(name, value.to(p.dtype))
+        elif self._is_off(name):
             assert self._off is not None
             self._off.write_home(name, value.to(p.dtype))
         elif p.data is not value:
             p.data.copy_(value)
 
+    def collective(self, name: str) -> bool:
+        """Whether reading ``name``'s value gathers it over the ranks (every rank must read it)."""
+        return name not in self.copies and self._in_shards(name)
+
     def _is_off(self, name: str) -> bool:
         return self._off is not None and name in self._off.homes
+
+    def _in_shards(self, name: str) -> bool:
+        return self._sharded is not None and name in self._sharded.homes

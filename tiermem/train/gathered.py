@@ -162,6 +162,27 @@ class GatheredWeights(WeightHome):
         for h in self.shards[b.index].write(b, self._chunk_of(b, master), src_tier):
             h.wait()
 
+    def write_home(self, key: str, value: torch.Tensor) -> None:
+        """``value`` (the whole parameter ``key``, in any float dtype) becomes its weight: this
+        rank's piece of it goes into its bucket's chunk at home, and gathered copies no one holds
+        are dropped. Not collective (each rank writes its own piece); for a frozen parameter (NOTE
+        [Frozen weights sharded over the ranks] in tiermem/train/frozen.py), whose chunk no update
+        rewrites."""
+        b, s = self.slots[key]
+        c = self.chunks[b.index]
+        lo, hi = max(s.offset, c.start), min(s.offset + s.numel, c.end)
+        self.begin_update()
+        if lo >= hi:
+            return
+        mine, release = self.shards[b.index].read(b)
+        try:
+            chunk = mine[: c.size].to("cpu", copy=True)
+        finally:
+            release()
+        chunk[lo - c.start : hi - c.start].copy_(value.detach().reshape(-1)[lo - s.offset : hi - s.offset])
+        for h in self.shards[b.index].write(b, chunk, Tier.HOST):
+            h.wait()
+
     def begin_update(self) -> None:
         """New weights are about to be written home: every gathered bucket no one holds is freed
         (its gather finished first: it may still be reading the chunk)."""

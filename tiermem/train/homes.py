@@ -370,6 +370,9 @@ class Homes:
     grads: dict[int, GradHome]
     state: dict[int, StateHome]
     weights: dict[int, WeightHome]
+    #: weight homes of no trainable bucket (frozen weights sharded over the ranks alone: NOTE
+    #: [Frozen weights sharded over the ranks]), told of updates and iterations like the others
+    also: tuple[WeightHome, ...] = ()
 
     @staticmethod
     def _unique(homes: Mapping[int, H]) -> list[H]:
@@ -386,7 +389,7 @@ class Homes:
         return sorted(self._unique(self.state), key=lambda h: not h.revertible)
 
     def weight_homes(self) -> list[WeightHome]:
-        return self._unique(self.weights)
+        return self._unique({**self.weights, **{-1 - i: h for i, h in enumerate(self.also)}})
 
     def compute_tier(self, b: Bucket) -> Tier:
         return self.state[b.index].compute_tier

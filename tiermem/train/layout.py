@@ -151,11 +151,13 @@ def make_homes(
     [Weights sharded over the ranks]), already built (its chunks are on their tiers)."""
     compute = {b.index: compute_tier(b) for b in buckets}
     weights = _weight_homes(buckets, stores, engine, dtype, weights_off_device, gathered)
+    also = () if gathered is None else (gathered,)  # it may home frozen buckets alone
     if group.world == 1:
         return Homes(
             _per_bucket(_grad_homes(buckets, stores, engine, compute, overlap)),
             _per_bucket(_state_homes(buckets, stores, engine, compute)),
             weights,
+            also,
         ), buckets
     uncut = sorted({b.state.kind for b in buckets if not b.state.divisible})  # NOTE [Chunks cut where the state allows]
     if uncut:
@@ -182,7 +184,9 @@ def make_homes(
     whole = {id(h): h for h in weights.values() if h is not gathered}  # replicated: gathered after each step
     wgroup = group.for_weights() if whole else group
     wrapped = {i: ShardedWeights(buckets, h, wgroup, engine) for i, h in whole.items()}
-    return Homes(_per_bucket(grads), _per_bucket(state), {i: wrapped.get(id(h), h) for i, h in weights.items()}), shards
+    return Homes(
+        _per_bucket(grads), _per_bucket(state), {i: wrapped.get(id(h), h) for i, h in weights.items()}, also
+    ), shards
 
 
 def build(
@@ -196,8 +200,13 @@ def build(
     dtype: torch.dtype,
     device: torch.device,
     weights_off_device: Optional[ParamOffload],
+    *,
+    gathered: Optional[GatheredWeights] = None,
+    group: Group = Solo(),
 ) -> Layout:
-    """Fill the homes from the module's weights and point its parameters at their working copies."""
+    """Fill the homes from the module's weights and point its parameters at their working copies.
+    ``gathered``: the home of the weights sharded over the ranks (``group``'s), frozen ones too
+    (NOTE [Frozen weights sharded over the ranks])."""
     slot_of: dict[int, tuple[Bucket, Slot]] = {}
     for b in buckets:
         state = homes.state[b.index]
@@ -211,7 +220,7 @@ def build(
         home.release_views()
     if step_buckets is not buckets:  # under data parallelism, the whole buckets' masters only building used
         stores[Tier.HOST].trim()  # go back to the system, not to the pool's cache (the step takes chunks)
-    frozen = _place_frozen(module, stores, dtype, device, weights_off_device)
+    frozen = _place_frozen(module, stores, dtype, device, weights_off_device, gathered, group)
     return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, KeptBuffers(module, dtype, device))
 
 
@@ -221,12 +230,17 @@ def _place_frozen(
     dtype: torch.dtype,
     device: torch.device,
     weights_off_device: Optional[ParamOffload],
+    gathered: Optional[GatheredWeights],
+    group: Group,
 ) -> FrozenParams:
-    """Frozen parameters: the working copy on the device or at its home off the device, and a
-    copy in their own dtype on the host where that differs (NOTE [Frozen weights keep one copy])."""
-    frozen = FrozenParams(module, weights_off_device)
+    """Frozen parameters: the working copy on the device or at its home off the device (under
+    data parallelism, maybe sharded: NOTE [Frozen weights sharded over the ranks]), and a copy in
+    their own dtype on the host where that differs (NOTE [Frozen weights keep one copy])."""
+    frozen = FrozenParams(module, weights_off_device, gathered)
     for name, p in module.named_parameters():
         if not p.requires_grad:
             frozen.place(name, p, stores, dtype, device)
+    if gathered is not None:
+        frozen.shard([b for b in gathered.full.values() if b.frozen], group, dtype)
     frozen.log_copies()
     return frozen

@@ -31,7 +31,7 @@ from tiermem.plan.buckets import Bucket
 from tiermem.plan.footprint import Footprint, check_fits, largest_module_bytes, model_footprint, totals
 from tiermem.plan.choose import Evaluator
 from tiermem.plan.cost import against_measured
-from tiermem.plan.placement import plan, split_weights
+from tiermem.plan.placement import frozen_buckets, plan, split_weights
 from tiermem.plan.policy import Policy, resolve_policy
 from tiermem.torch_optim import stepped_elsewhere
 from tiermem.train import checkpoint, lifetime
@@ -227,8 +227,11 @@ class TieredModel:
                 + [(g.name, sorted(g.options.items()), g.params, g.frozen) for g in planned.groups]
             ),
         )
-        sharded, offloaded = split_weights(buckets, param_homes, self.group.world, opts.shard_weights)
-        need = self._footprint(buckets, param_homes, opts.shard_weights)
+        cold = frozen_buckets(  # NOTE [Frozen weights sharded over the ranks]
+            module, param_homes, self.group.world, opts.shard_weights, opts.bucket_numel, first_index=len(buckets)
+        )
+        sharded, offloaded = split_weights(buckets, param_homes, self.group.world, opts.shard_weights, cold)
+        need = self._footprint(buckets, param_homes, opts.shard_weights, opts.bucket_numel)
         in_flight = InFlight()  # grads copying home hold device room until they land: the device ledger waits for them
         # and a cache of prefetched weights evicts: both given to the device store as it is built
         weights_cache = (
@@ -246,7 +249,7 @@ class TieredModel:
             self.gathered = (
                 build_gathered(
                     module,
-                    sharded,
+                    [*sharded, *cold],
                     self.stores,
                     self.engine,
                     self.group,
@@ -256,11 +259,11 @@ class TieredModel:
                     prefetch=opts.prefetch,
                     overlap=opts.overlap,
                 )
-                if sharded
+                if sharded or cold
                 else None
             )  # NOTE [Weights sharded over the ranks]
             # NOTE [Parameters off the device]: a compiled forward reading such weights runs eagerly
-            compiled_off_device = bool(param_homes or sharded) and _is_compiled(module)
+            compiled_off_device = bool(param_homes or sharded or cold) and _is_compiled(module)
             # the stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during
             # the forward on another thread, and must stay compiled; dynamo then falls back by itself
             self._force_eager = compiled_off_device and not opts.overlap
@@ -293,6 +296,8 @@ class TieredModel:
                 self.dtype,
                 self.device,
                 self.param_offload,
+                gathered=self.gathered,
+                group=self.group,
             )
             self.scaler = LossScaler.of(precision == "fp16", loss_scale)
             self.grads = GradCollector(
@@ -378,7 +383,9 @@ class TieredModel:
             f", from precision={given!r}" if given != precision else "",
         )
 
-    def _footprint(self, buckets: list[Bucket], param_homes: dict[str, Tier], shard_weights: bool) -> Footprint:
+    def _footprint(
+        self, buckets: list[Bucket], param_homes: dict[str, Tier], shard_weights: bool, bucket_numel: int
+    ) -> Footprint:
         """The bytes per tier the working set needs (the rule ``tiermem plan`` uses too)."""
         return model_footprint(
             self.module,
@@ -390,6 +397,7 @@ class TieredModel:
             shard_weights=shard_weights,
             nvme_staging=self.device.type == "cuda",
             device_is_host=self.device.type == "cpu",
+            bucket_numel=bucket_numel,
         )
 
     def weight_sources(self) -> list:
@@ -712,8 +720,8 @@ class TieredModel:
         """Remove every hook and give the module back with fp32 weights (on the CPU, where the
         master weights were), ready for plain PyTorch."""
         state = self._settled("detach()")
+        weights = state.fp32_weights()  # before the hooks go: frozen weights sharded over the ranks are gathered
         self.hooks.remove()
-        weights = state.fp32_weights()
         for source in self.weight_sources():
             source.restore(weights)  # plain tensors again (NOTE [Parameters off the device])
         for name, p in self.module.named_parameters():

@@ -254,13 +254,20 @@ class ModelState:
         home.store_local(b, views)
         homes.weights[index].load(b, home.whole_master(b, views[0]), homes.compute_tier(b))
 
-    def rest(self, *, load: bool = False) -> dict[str, torch.Tensor]:
+    def rest(self, *, load: bool = False, keep: bool = True) -> dict[str, torch.Tensor]:
         """The tensors a checkpoint holds besides the optimizer state, by name: ``frozen/<param>``
         in the parameter's own dtype (NOTE [Frozen weights keep one copy]: its host copy, or its
         working copy read from home), ``buffers/<buffer>`` the module's. With ``load``, tensors to
         fill in place instead (a working copy off the device is not read), then
-        :meth:`commit_rest` with them."""
+        :meth:`commit_rest` with them. Without ``keep`` (a rank that writes none of them), only
+        the collective reads are made (NOTE [Frozen weights sharded over the ranks]), and nothing
+        is returned."""
         frozen = self.layout.frozen
+        if not keep:
+            for n in frozen:
+                if frozen.collective(n):
+                    frozen.value(n)
+            return {}
         out = {f"frozen/{n}": frozen.target(n) if load else frozen.value(n) for n in frozen}
         out.update((f"buffers/{name}", t) for name, t in self.module.named_buffers())
         return out

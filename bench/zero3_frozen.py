@@ -1,0 +1,195 @@
+"""A LoRA model's frozen base sharded over 2 ranks (NOTE [Frozen weights sharded over the ranks])
+against the same base replicated on each rank (the previous behaviour), and against one process.
+
+    python bench/zero3_frozen.py [--setups weights-on-host zero-infinity] [--steps 6] [--repeats 3]
+                                 [--hidden 256 --layers 4 --vocab 2048] [--batch-size 4 --seq-len 64]
+                                 [--bucket-size 2MiB]
+
+A tiny Llama built from a config (never downloaded) wrapped by ``peft`` LoRA on the attention and
+MLP projections (r=8), fp32, each rank its own micro-batch. Per setup: the weights' home tier's
+ledger peak for PARAM (frozen + trainable working weights at home; on NVMe also ``du`` of the rank's
+directory) per rank at 2 ranks, sharded and replicated, against one process; and the step time at 2
+ranks, sharded against replicated, the two run alternately in fresh pairs of gloo ranks
+(``--repeats`` each; per run the median of its steps after the first; the median of the runs).
+"Replicated" is this version with the frozen buckets switched off (``frozen_buckets`` patched to
+return none, in the ranks only): the code path before the change, reachable in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench.zero3
+
+from bench.zero3 import spawn  # noqa: E402
+from tiermem import AdamW, PerClass, TensorClass, TieredModel, Tier  # noqa: E402
+from tiermem.policies import ZeroInfinity  # noqa: E402
+
+MiB = 2**20
+
+
+class WeightsOnHost(PerClass):
+    homes = {
+        TensorClass.PARAM: Tier.HOST,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+        TensorClass.GRAD: Tier.HOST,
+        TensorClass.OPTIM_STATE: Tier.HOST,
+    }
+
+
+SETUPS = {"weights-on-host": (WeightsOnHost, Tier.HOST), "zero-infinity": (ZeroInfinity, Tier.NVME)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--bucket-size", default="2MiB", help="a few buckets of the frozen base, not one")
+    return p.parse_args(argv)
+
+
+def lora_model(args: argparse.Namespace) -> torch.nn.Module:
+    import peft
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=args.seq_len,
+        use_cache=False,
+    )
+    lora = peft.LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    return peft.get_peft_model(transformers.LlamaForCausalLM(cfg), lora)
+
+
+def batch(args: argparse.Namespace, step: int, rank: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def du(path: str) -> int:
+    return int(subprocess.run(["du", "-sb", path], check=True, capture_output=True, text=True).stdout.split()[0])
+
+
+def measure(tm: TieredModel, args: argparse.Namespace, rank: int, home: Tier) -> dict:
+    times = []
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        tm.backward(tm(**batch(args, i, rank)).loss)
+        tm.step()
+        times.append(time.perf_counter() - t0)
+    rep = tm.report()
+    return {
+        "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0],
+        "home_param_peak": rep.class_peak_bytes.get((TensorClass.PARAM, home), 0),
+        "du": du(tm.stores[Tier.NVME].directory) if home == Tier.NVME else 0,
+    }
+
+
+def du_text(r: dict) -> str:
+    return f" (du {r['du'] / MiB:.1f} MiB)" if r["du"] else ""
+
+
+def make(setup: str, args: argparse.Namespace, nvme: str) -> TieredModel:
+    policy, _ = SETUPS[setup]
+    return TieredModel(
+        lora_model(args),
+        policy(),
+        optimizer=AdamW(lr=1e-4),
+        precision="fp32",
+        nvme_dir=nvme,
+        bucket_size=args.bucket_size,
+    )
+
+
+def rank_main(rank: int, world: int, setup: str, variant: str, args: argparse.Namespace, tmp: str, out: str) -> None:
+    warnings.filterwarnings("ignore")
+    if variant == "replicated":  # the path before frozen weights were sharded: no frozen buckets
+        import tiermem.plan.footprint as footprint_module
+        import tiermem.train.model as model_module
+
+        model_module.frozen_buckets = footprint_module.frozen_buckets = lambda *a, **k: []  # type: ignore[assignment]
+    tm = make(setup, args, tmp)
+    result = measure(tm, args, rank, SETUPS[setup][1])
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TIERMEM_NO_COMPILE", "1")  # the ranks run torch's fused AdamW; so does one process
+    torch.set_num_threads(1)
+    frozen = sum(p.numel() for p in lora_model(args).parameters() if not p.requires_grad)
+    trainable = sum(p.numel() for p in lora_model(args).parameters() if p.requires_grad)
+    print(
+        f"LoRA Llama {args.layers} x {args.hidden}: {frozen / 1e6:.2f}M frozen, {trainable / 1e6:.3f}M trainable, fp32"
+    )
+    rows = {}
+    for setup in args.setups:
+        home = SETUPS[setup][1]
+        with tempfile.TemporaryDirectory() as d:
+            solo = measure(make(setup, args, d), args, 0, home)
+        runs: dict[str, list[dict]] = {"replicated": [], "sharded": []}
+        for _ in range(args.repeats):
+            for variant in ("replicated", "sharded"):  # alternately: the load moves both alike
+                with tempfile.TemporaryDirectory() as d:
+                    out = os.path.join(d, "result.json")
+                    spawn(rank_main, 2, setup, variant, args, d, out)
+                    runs[variant].append(json.loads(Path(out).read_text()))
+        rows[setup] = (solo, runs)
+    print(
+        "\n| setup | PARAM at home: 1 process | 2 ranks replicated (per rank) | 2 ranks sharded (per rank) | step: replicated | sharded (each run, ms) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for setup, (solo, runs) in rows.items():
+        rep, sh = runs["replicated"][0], runs["sharded"][0]
+        ms = {v: [round(r["step_s"] * 1e3) for r in rs] for v, rs in runs.items()}
+        print(
+            f"| {setup} | {solo['home_param_peak'] / MiB:.1f} MiB{du_text(solo)} "
+            f"| {rep['home_param_peak'] / MiB:.1f} MiB{du_text(rep)} | {sh['home_param_peak'] / MiB:.1f} MiB{du_text(sh)} "
+            f"| {statistics.median(ms['replicated'])} ms {ms['replicated']} | {statistics.median(ms['sharded'])} ms {ms['sharded']} |"
+        )
+    print("\n== ratios ==")
+    for setup, (solo, runs) in rows.items():
+        rep, sh = runs["replicated"][0], runs["sharded"][0]
+        step = statistics.median(r["step_s"] for r in runs["sharded"]) / statistics.median(
+            r["step_s"] for r in runs["replicated"]
+        )
+        line = (
+            f"{setup}: weights at home per rank / one process: sharded {sh['home_param_peak'] / solo['home_param_peak']:.2f}x, "
+            f"replicated {rep['home_param_peak'] / solo['home_param_peak']:.2f}x"
+        )
+        if solo["du"]:
+            line += f" (du: sharded {sh['du'] / solo['du']:.2f}x, replicated {rep['du'] / solo['du']:.2f}x)"
+        print(f"{line}; step sharded / replicated {step:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
