@@ -6,8 +6,21 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
-import torch
+# NOTE [Idle OpenMP threads sleep]
+# torch's intra-op threads are OpenMP's (libgomp). Left to its default, a worker that finishes a
+# parallel region spins for a while before it sleeps; the suite's tiny models run one short op after
+# another, so the second core's thread spins nearly all the time: CPU seconds that compute nothing
+# and, on a loaded machine, a core taken from whatever else runs (measured per test: a small model's
+# training test 3.1 -> 0.4 CPU s). PASSIVE makes it sleep at once. It changes no number: the
+# thread count and each op's partition of work stay as they are (tests/test_golden.py's fingerprint
+# of this machine's arithmetic is the same). libgomp reads it once, when torch loads it, hence here
+# before the first `import torch`; the processes the tests start (examples, ranks, the CLI) inherit
+# it. A value the user set is kept.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import the shared small models in models.py
 

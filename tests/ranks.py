@@ -24,7 +24,8 @@ DEADLINE = 120.0  # seconds for a whole run; a hang fails the test instead of th
 PRELOAD = ["torch", "torch.distributed", "tiermem"]  # what every rank imports first, once in the forkserver
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (the OS picks it), for a rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -66,7 +67,7 @@ def run_ranks(fn, *args, world: int = 2, deadline: float = DEADLINE, allow_error
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the forkserver starts: the first run of the session
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     procs = [
         ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results, backend, env)) for r in range(world)

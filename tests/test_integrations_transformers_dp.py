@@ -21,7 +21,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from ranks import run_ranks  # noqa: E402
+from ranks import free_port, run_ranks  # noqa: E402
 from test_integrations_transformers import (  # noqa: E402
     ACCUM,
     CLIP,
@@ -301,6 +301,9 @@ def test_the_readmes_torchrun_command_runs_the_example(tmp_path):
     """``torchrun --nproc_per_node 2 examples/trainer_gpt.py``, a few steps: trains, checkpoints,
     and prints once (rank 0)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    # torchrun's --master-port read from its environment (the command stays the README's): a free
+    # port, not the default 29500, which another run on this machine (a pytest-xdist worker) may hold
+    env["PET_MASTER_PORT"] = str(free_port())
     cmd = [
         sys.executable,
         "-m",
