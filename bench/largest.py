@@ -13,8 +13,10 @@ layers as the memory available now allows (less ``--ram-margin`` and tiermem's b
 for the others. The optimizer state is AdamW's fp32 master, exp_avg and exp_avg_sq (12 B/param);
 ``--8bit`` keeps the moments in 8 bits (``tiermem.AdamW8bit``: 1 + 1 B/param and a fp32 scale per
 256), ``--bf16-master`` drops the fp32 master for a bf16 one updated with stochastic rounding
-(``bf16_stochastic_round=True``: 2 B/param); both: 4.03 B/param of state, 6.03 on disk with the
-weights. Before building, it checks that the disk holds the weights and state, the NVMe grads, the
+(``bf16_stochastic_round=True``: 2 B/param); both: 4.03 B/param of state. A bf16 master is the
+weights themselves (NOTE [One copy of bf16 master weights]): on disk 4.03 B/param, not 2 + 4.03;
+the disk's bytes per parameter come from the library's footprint (``tier_bytes``), the one rule
+TieredModel checks its budgets with. Before building, it checks that the disk holds the weights and state, the NVMe grads, the
 journal (a few buckets) and still leaves ``--keep-free``; if not, it shows the arithmetic and
 trains the largest depth that fits instead.
 
@@ -57,11 +59,11 @@ from tiermem import (  # noqa: E402
 )
 from tiermem.optim.formats import per_param_bytes  # noqa: E402
 from tiermem.plan.footprint import JOURNAL_BUCKETS  # noqa: E402
-from tiermem.plan.sizing import state_option  # noqa: E402
+from tiermem.optim.formats import state_format  # noqa: E402
+from tiermem.plan.sizing import state_option, tier_bytes  # noqa: E402
 from tiermem.policies import ZeroInfinity  # noqa: E402
 
 GB = 1e9
-WEIGHTS_PER_PARAM = 2  # bf16 weights on NVMe, once
 GRAD_PER_PARAM = 4  # fp32 grads at their home
 
 
@@ -81,6 +83,24 @@ def state_per_param(args: argparse.Namespace) -> float:
     return per_param_bytes(fmt)
 
 
+def disk_per_param(args: argparse.Namespace) -> float:
+    """Bytes per parameter on NVMe of the weights and the optimizer state, each value once, as the
+    footprint counts them (a bf16 master and the weights: one copy) for a 4096 x 4096 layer."""
+    layer = args.width * args.width
+    if args.bf16_master and not args.eight_bit:
+        fmt = state_format("adamw", master_dtype=torch.bfloat16, numel=layer)
+    else:
+        fmt = state_option(state_name(args), layer, "bf16")
+    assert fmt is not None  # bf16 precision allows every option
+    placement = {
+        TensorClass.PARAM: Tier.NVME,
+        TensorClass.OPTIM_STATE: Tier.NVME,
+        TensorClass.GRAD: Tier.HOST,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+    }
+    return tier_bytes(layer, "bf16", placement, state=fmt)[Tier.NVME] / layer
+
+
 def du_bytes(path: str) -> int:
     out = subprocess.run(["du", "-s", "--block-size=1", path], capture_output=True, text=True, check=True).stdout
     return int(out.split()[0])
@@ -97,16 +117,19 @@ def plan_depth(args: argparse.Namespace, free: int, ram: int) -> tuple[int, int,
     layer = args.width * args.width
     bucket = parse_bytes(args.bucket_size, what="--bucket-size") // 4  # parameters per bucket (fp32 grads)
     st = state_per_param(args)
-    per_disk = WEIGHTS_PER_PARAM + st  # each value once
+    per_disk = disk_per_param(args)  # each value once; a bf16 master is the weights
     journal = int(
         (JOURNAL_BUCKETS["state"] * st + JOURNAL_BUCKETS["weights"] * 2 + JOURNAL_BUCKETS["grads"] * 4) * bucket
     )
     spares = int(4 * st * bucket)  # the store's spare files, at most, each no larger than a bucket's state
     disk = free - args.keep_free - journal - spares
-    # host: the state pipeline (3 x the state's bytes), weight staging (2 x 2 B) and grads to NVMe
-    # (3 x 4 B) per bucket parameter, the device budget (the CPU's RAM here), and what Python and
-    # torch hold
-    fixed = int((3 * st + 2 * 2 + 3 * 4) * bucket) + parse_bytes(args.device_budget, what="--device-budget") + 2 * 2**30
+    # host: the state pipeline (3 x the state's bytes), weight staging (2 x 2 B; none when the bf16
+    # master is the weights: the update writes it in place) and grads to NVMe (3 x 4 B) per bucket
+    # parameter, the device budget (the CPU's RAM here), and what Python and torch hold
+    staging = 0 if args.bf16_master else 2 * 2
+    fixed = (
+        int((3 * st + staging + 3 * 4) * bucket) + parse_bytes(args.device_budget, what="--device-budget") + 2 * 2**30
+    )
     host = ram - args.ram_margin - fixed
     want = -(-int(args.params) // layer)
     on_host = max(0, host // (GRAD_PER_PARAM * layer))  # layers whose grads RAM holds
@@ -124,7 +147,8 @@ def plan_depth(args: argparse.Namespace, free: int, ram: int) -> tuple[int, int,
     said = (
         f"disk: {free / GB:.1f} GB free, keep {args.keep_free / GB:.0f} GB, journal {journal / GB:.2f} GB + "
         f"spares {spares / GB:.2f} GB -> {disk / GB:.1f} GB for {per_disk:.2f} B/param (weights 2 + "
-        f"{state_name(args)} state {st:.2f}) + NVMe grads 4 B/param; "
+        f"{state_name(args)} state {st:.2f}{', its bf16 master the weights' if args.bf16_master else ''}) + "
+        f"NVMe grads 4 B/param; "
         f"RAM: {ram / GB:.1f} GB available, keep {args.ram_margin / GB:.0f} GB, tiermem's buffers and the "
         f"process {fixed / GB:.1f} GB -> {host / GB:.1f} GB for host grads 4 B/param ({on_host} layers); "
         f"room for {fits} layers of {args.width} x {args.width} ({fits * layer / 1e9:.2f}B parameters)"
@@ -185,7 +209,7 @@ def main() -> int:
     fewer = "" if n >= args.params else ", fewer than asked"
     print(
         f"training {depth} layers: {n:,} parameters ({n / 1e9:.2f}B{fewer});"
-        f" {((WEIGHTS_PER_PARAM + state_per_param(args)) * n + 4 * layer * nvme_grads) / GB:.1f} GB on disk "
+        f" {(disk_per_param(args) * n + 4 * layer * nvme_grads) / GB:.1f} GB on disk "
         f"({state_name(args)} state; grads of {nvme_grads} layers "
         f"there); fp32 grads on the host {4 * layer * (depth - nvme_grads) / GB:.1f} GB of {ram / GB:.1f} GB RAM; "
         f"mixed-precision Adam in memory would need {16 * n / GB:.0f} GB",

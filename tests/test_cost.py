@@ -4,8 +4,10 @@ buckets and rates, checked against figures worked out by hand."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tiermem import ConfigError
+from tiermem.optim.formats import state_format
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.cost import Rates, predict
 from tiermem.plan.profile import Profile
@@ -67,6 +69,21 @@ def test_state_on_nvme_streams_at_the_slowest_of_read_adam_and_write():
     # weights read twice (forward, backward): 2 x (2 GB at 2 GB/s + 2 GB at 10 GB/s) = 2.4 s > 1 s of compute
     assert weights_too["forward+backward"] == pytest.approx(2.4)
     assert weights_too["weights up"] == 0  # off-device weights are not uploaded by the step
+
+
+def test_a_bf16_master_that_is_the_weights_is_written_once():
+    """NOTE [One copy of bf16 master weights]: 8-bit moments and a bf16 master on NVMe beside NVMe
+    weights: the step writes the state's 4.03 B/param (the master being the weights), not 6.03;
+    on the host, no weights go up; with overlap_step or under data parallelism, two copies."""
+    sr = state_format("adamw8bit", master_dtype=torch.bfloat16, numel=10**9, min_8bit_size=1)
+    nvme = Bucket(0, Tier.HOST, Tier.NVME, 0, param_tier=Tier.NVME, numel=10**9, state=sr)
+    joined = nvme.joined_bytes()
+    assert predict([nvme], 2, RATES).stages["optimizer"] == pytest.approx(joined / 1e9)
+    for apart in ({"overlap": True}, {"world": 2}):
+        assert predict([nvme], 2, RATES, **apart).stages["optimizer"] == pytest.approx((joined + 2e9) / 1e9)
+    host = Bucket(0, Tier.HOST, Tier.HOST, 0, param_tier=Tier.HOST, numel=10**9, state=sr)
+    assert predict([host], 2, RATES).stages["weights up"] == 0
+    assert predict([host], 2, RATES, overlap=True).stages["weights up"] == pytest.approx(2e9 / 40e9)
 
 
 def test_grads_on_another_memory_tier_are_copied_to_adam_first():

@@ -12,7 +12,7 @@ from torch import nn
 
 from models import Quirky, TinyGPT
 from test_gpu_paths import gpu_mode  # noqa: F401 - the engine's GPU control flow on the CPU (a fixture)
-from tiermem import AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, TensorInfo, TieredModel, Tier
+from tiermem import AdamW, AdamW8bit, Budgets, ConfigError, OutOfTierMemory, TensorClass, TensorInfo, TieredModel, Tier
 from tiermem.plan import footprint as fp
 from tiermem.plan import sizing
 from tiermem.memory.aligned import round_up
@@ -272,9 +272,9 @@ def _placement(policy) -> dict[TensorClass, Tier]:
     }
 
 
-def _footprint_of(model: nn.Module, policy, dtype: torch.dtype, overlap: bool, bucket_numel: int):
+def _footprint_of(model: nn.Module, policy, dtype: torch.dtype, overlap: bool, bucket_numel: int, spec=None):
     """The footprint of ``model`` as TieredModel plans it (and the inputs the old rule took)."""
-    planned = plan_placement(model, policy, AdamW(), dtype, bucket_numel, overlap=overlap)
+    planned = plan_placement(model, policy, spec or AdamW(), dtype, bucket_numel, overlap=overlap)
     buckets, homes = list(planned.buckets), dict(planned.weight_homes)
     frozen = [(p, homes.get(n, D)) for n, p in model.named_parameters() if not p.requires_grad]
     largest_module = fp.largest_module_bytes(model, homes, dtype)
@@ -339,6 +339,34 @@ def test_what_construction_allocates(model, policy, overlap, tmp_path):
     assert peak[H] == expect[H]
     if Tier.NVME in peak:  # each value once; the journal is room for writes in flight, taken by steps
         assert peak[N] <= fp.totals(need)[N]
+    tm.detach()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("policy", ["ZeroInfinity", "WeightsOnHost", "ZeroOffload"])
+@pytest.mark.parametrize("model", ["TinyGPT", "ManySmall"])
+def test_what_construction_allocates_with_a_bf16_master(model, policy, overlap, tmp_path):
+    """As above with 8-bit moments and a bf16 master, which off the device is the weights
+    themselves (NOTE [One copy of bf16 master weights]; with overlap_step, a copy of its own)."""
+    pol = WeightsOnHost() if policy == "WeightsOnHost" else POLICIES[policy]
+    spec = AdamW8bit(min_8bit_size=64, bf16_stochastic_round=True)
+    need, _ = _footprint_of(BUILT[model](), pol, BF16, overlap, bucket_numel=300, spec=spec)
+    tm = TieredModel(
+        BUILT[model](),
+        pol,
+        optimizer=spec,
+        precision="bf16",
+        bucket_size=4 * 300,
+        overlap_step=overlap,
+        nvme_dir=str(tmp_path),
+    )
+    allocated = frozenset(set().union(*need.values()) - STEP_ONLY)
+    expect = fp.totals(need, allocated)
+    peak = tm.report().peak_bytes
+    assert (peak[D], peak[H]) == (expect[D], expect[H])
+    if Tier.NVME in peak:
+        assert peak[N] <= fp.totals(need)[N]
+        assert peak[N] >= fp.totals(need, fp.TRAINING_STATE)[N]  # the weights and state, each once, all written
     tm.detach()
 
 

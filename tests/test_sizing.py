@@ -177,3 +177,29 @@ def test_sizing_does_not_import_the_policies():
         "assert 'ZeroOffload' in s.BUILTIN_PLACEMENTS and 'tiermem.policies' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_bf16_master_beside_its_weights_off_the_device_is_counted_once():
+    """NOTE [One copy of bf16 master weights]: what ``tiermem plan`` prints for 8-bit moments and a
+    bf16 master with the weights off the device beside the state: the master once (4.03 B/param of
+    weights and state, not 6.03); a fp32 master stays a copy of its own, and so does a bf16 one
+    whose weights are on the device."""
+    n = 8 * 10**9
+    moments = 2 * (n + 4 * n // 256)  # two 8-bit moments, each with a fp32 scale per 256
+    one_copy = sizing.state_option("8-bit + bf16 master", n, "bf16")
+    fp32_master = sizing.state_option("8-bit", n, "bf16")
+
+    def placed(param: Tier, state: Tier) -> dict:
+        return {
+            TensorClass.PARAM: param,
+            TensorClass.OPTIM_STATE: state,
+            TensorClass.GRAD: Tier.HOST,
+            TensorClass.ACTIVATION: Tier.DEVICE,
+        }
+
+    assert sizing.tier_bytes(n, "bf16", placed(Tier.NVME, Tier.NVME), state=one_copy)[Tier.NVME] == 2 * n + moments
+    assert sizing.tier_bytes(n, "bf16", placed(Tier.NVME, Tier.NVME), state=fp32_master)[Tier.NVME] == 6 * n + moments
+    host = sizing.tier_bytes(n, "bf16", placed(Tier.HOST, Tier.HOST), state=one_copy)
+    assert host[Tier.HOST] == 4 * n + 2 * n + moments  # fp32 grads, the master (the weights), the moments
+    apart = sizing.tier_bytes(n, "bf16", placed(Tier.DEVICE, Tier.HOST), state=one_copy)
+    assert (apart[Tier.DEVICE], apart[Tier.HOST]) == (2 * n, 4 * n + 2 * n + moments)

@@ -101,6 +101,14 @@ class MemoryStore(Store):
             self._bases[key], self._tensors[key] = None, tensor
             return tensor
 
+    def alias(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, a view of memory this store already counts under another key, also under
+        ``key``, its bytes not counted again (``delete(key)`` forgets the view, freeing nothing)."""
+        with self._lock:
+            self.delete(key)
+            self._bases[key], self._tensors[key] = None, tensor  # no bytes reserved: release() frees none
+            return tensor
+
     def get(self, key: str) -> torch.Tensor:
         try:
             return self._tensors[key]

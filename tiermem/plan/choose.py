@@ -124,6 +124,8 @@ class Evaluator:
                 forward_backward=forward_backward,
                 flops=flops,
                 precision=precision_of(self.dtype),
+                overlap=self.overlap,
+                world=self.world,
             ).stages
             if predict
             else {}

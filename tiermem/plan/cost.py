@@ -26,7 +26,8 @@ One step of a plan of buckets, each of ``n`` parameters, ``w`` bytes per working
   them, or their sum when the "device" is the CPU itself;
 - ``weights up``: the host-updated weights (``w*n``) go to the device (or to their host home) behind
   the CPU's Adam; the last bucket's trip and whatever exceeds the CPU's Adam are exposed (weights on
-  NVMe are written with the state, above).
+  NVMe are written with the state, above). A bf16 master that is its weights (NOTE [One copy of
+  bf16 master weights]) is read and written once, with the state, and sends no weights up.
 
 The step is the sum of the stages. Transfers are taken at their measured bandwidth alone: the
 model does not charge the CPU for driving the copies, nor memory bandwidth shared between Adam
@@ -45,7 +46,7 @@ import torch
 from tiermem.config import PRECISIONS
 from tiermem.errors import ConfigError
 from tiermem.plan.buckets import Bucket
-from tiermem.plan.placement import compute_tier
+from tiermem.plan.placement import compute_tier, master_is_weights
 from tiermem.plan.profile import Profile
 from tiermem.types import Tier
 
@@ -155,11 +156,15 @@ def predict(
     forward_backward: float = 0.0,
     flops: float = 0.0,
     precision: Optional[str] = None,
+    overlap: bool = False,
+    world: int = 1,
 ) -> Prediction:
     """Predicted seconds per stage of one step of ``buckets`` with ``itemsize``-byte working weights
     (NOTE [Cost model]); ``forward_backward``: the compute's measured seconds, 0 when unknown;
     ``flops``: the step's matmul FLOPs (:func:`step_flops`), which predict the compute in
-    ``precision`` (a name of tiermem.config.PRECISIONS) when it is not measured."""
+    ``precision`` (a name of tiermem.config.PRECISIONS) when it is not measured; ``overlap``
+    (overlap_step) and ``world`` (data-parallel ranks) decide which buckets' weights are their bf16
+    master (:func:`~tiermem.plan.placement.master_is_weights`): no weights of their own to write."""
     forward_backward = compute_seconds(rates, forward_backward=forward_backward, flops=flops, precision=precision)
     w = itemsize
     fetch = sum(
@@ -181,11 +186,17 @@ def predict(
     norm = sum(b.numel * _FP32 for b in buckets if b.grad_tier != Tier.DEVICE or rates.device_is_cpu) / rates.host_copy
     on_device = sum(b.numel for b in buckets if compute_tier(b) == Tier.DEVICE)
     on_host = sum(b.numel for b in buckets if compute_tier(b) != Tier.DEVICE)
+    # NOTE [One copy of bf16 master weights]: the master read and written once, as the weights
+    one_copy = {b.index for b in buckets if master_is_weights(b, world > 1, overlap)}
     streamed = [b for b in buckets if b.state_tier == Tier.NVME]
     # each bucket's state as its format keeps it (NOTE [State formats]: 12 B/param for Adam's fp32 state)
     nvme_read = sum(b.joined_bytes() for b in streamed) / rates.nvme_read
     nvme_write = (
-        sum(b.joined_bytes() + (b.numel * w if b.param_tier == Tier.NVME else 0) for b in streamed) / rates.nvme_write
+        sum(
+            b.joined_bytes() + (b.numel * w if b.param_tier == Tier.NVME and b.index not in one_copy else 0)
+            for b in streamed
+        )
+        / rates.nvme_write
     )
     host_part = max(on_host / rates.cpu_adam, nvme_read, nvme_write)
     device_part = on_device / rates.device_adam
@@ -193,7 +204,7 @@ def predict(
     ups = [
         b.numel * w / (rates.h2d if b.param_tier == Tier.DEVICE else rates.host_copy)
         for b in buckets
-        if compute_tier(b) != Tier.DEVICE and b.param_tier != Tier.NVME
+        if compute_tier(b) != Tier.DEVICE and b.param_tier != Tier.NVME and b.index not in one_copy
     ]
     weights_up = max(ups[-1], sum(ups) - host_part) if ups else 0.0
     return Prediction(

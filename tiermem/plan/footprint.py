@@ -14,7 +14,10 @@ and the compute tier where Adam runs for it (its state's tier; the host for stat
   memory taken: NOTE [Grads come and go] in tiermem/train/homes.py);
 - optimizer state: the bytes of its state format at the OPTIM_STATE tier (NOTE [State formats]:
   ``12n`` for Adam's fp32 master, exp_avg and exp_avg_sq; ``4n`` for SGD without momentum; about
-  ``4n`` for 8-bit Adam with bf16 master weights), one buffer per part;
+  ``4n`` for 8-bit Adam with bf16 master weights), one buffer per part; a bf16 master that is its
+  weights (NOTE [One copy of bf16 master weights] in tiermem/train/param_offload.py) is counted
+  once: on the host with the state (the weights, views of it, take nothing more), on NVMe with
+  the weights' keys (the state key holds the other parts);
 - grads for the step: ``4n`` at the compute tier, when the grads live on another tier in memory;
 - with ``overlap_step``: a second ``4n`` grad buffer at the GRAD tier, and Adam's output, ``w*n``,
   at the compute tier.
@@ -95,6 +98,7 @@ from tiermem.plan.buckets import Bucket
 from tiermem.plan.placement import (
     compute_tier,
     frozen_buckets,
+    master_is_weights,
     split_weights,
     weights_from_master,
     weights_sharded,
@@ -225,10 +229,15 @@ def footprint(
     rounded = [b for b in buckets if weights_from_master(b, b.index in sharded, overlap, device_is_host=device_is_host)]
     from_master = {b.index for b in rounded}
     kept = sharded - from_master  # rounded: no chunk kept (NOTE [A chunk rounded from its master])
+    # NOTE [One copy of bf16 master weights]: the master and the weights, one copy (the host's counted
+    # as the master, NVMe's as the weights' keys, the state key holding the other parts)
+    one_copy = {b.index for b in buckets if master_is_weights(b, b.index in sharded, overlap)}
     for b in buckets:
         ct, n = compute_tier(b), chunk(b)
         if b.index in kept:  # this rank's chunk, one buffer
             add(b.param_tier, WORKING_WEIGHTS, n * w, buffers=[n * w] if b.param_tier == Tier.HOST else ())
+        elif b.index in one_copy and b.param_tier == Tier.HOST:
+            pass  # views of the master, counted with the optimizer state
         elif b.index not in sharded:
             add(
                 b.param_tier,
@@ -238,7 +247,8 @@ def footprint(
             )  # off the device: one buffer per parameter
         add(b.grad_tier, GRADS, **each(n * _FP32))
         if b.state_tier == Tier.NVME:
-            add(Tier.NVME, OPTIM_STATE_NVME, state_joined(b))
+            master = b.state.joined(part_numels(b))[0][1] if b.index in one_copy else 0  # in the weights' keys
+            add(Tier.NVME, OPTIM_STATE_NVME, state_joined(b) - master)
         else:
             parts = state_parts(b)
             add(b.state_tier, OPTIM_STATE, sum(parts), buffers=parts)
@@ -280,6 +290,7 @@ def footprint(
                 compute_tier(b) != Tier.DEVICE
                 and not writes_weights_in_place(b, b.index in sharded)
                 and b.index not in from_master
+                and b.index not in one_copy
             ):
                 staged.setdefault(compute_tier(b), []).append(chunk(b))
         for tier, numels in staged.items():

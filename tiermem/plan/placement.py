@@ -146,6 +146,21 @@ def weights_from_master(b: Bucket, sharded: bool, overlap: bool, *, device_is_ho
     return b.param_tier == b.state_tier or shared
 
 
+def master_is_weights(b: Bucket, sharded: bool, overlap: bool) -> bool:
+    """Whether ``b``'s working weights and its master are one copy (NOTE [One copy of bf16 master
+    weights] in tiermem/train/param_offload.py): a bf16 master (``bf16_stochastic_round``, bf16
+    precision: the working dtype) whose weights live off the device, one parameter at a time, on
+    the tier of its optimizer state (HOST or NVME), without overlap_step (whose update rewrites
+    the master while the next forward reads the old weights)."""
+    return (
+        b.state.stochastic_round
+        and not sharded
+        and not overlap
+        and b.param_tier == b.state_tier
+        and b.param_tier in (Tier.HOST, Tier.NVME)
+    )
+
+
 def check_combination(name: str, param_tier: Tier, grad_tier: Tier, state_tiers: set[Tier], overlap: bool) -> Tier:
     """The rules a parameter's placements must follow in this version; returns its state tier."""
     if len(state_tiers) != 1:

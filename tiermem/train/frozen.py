@@ -11,7 +11,9 @@
 # fp32 model trained in bf16) keeps a second copy, in its own dtype, on the host: rounding it to
 # the working precision cannot be undone. So a bf16 model fine-tuned with its base weights on NVMe
 # holds none of them in host memory between uses; an fp32 one holds 4 bytes per frozen parameter
-# there, which the footprint counts (``FROZEN_COPY``) and a log line names once.
+# there, which the footprint counts (``FROZEN_COPY``) and a log line names once. Trained weights
+# with a bf16 master keep one copy the same way (NOTE [One copy of bf16 master weights] in
+# tiermem/train/param_offload.py).
 
 # NOTE [Frozen weights sharded over the ranks]
 # Under data parallelism the frozen parameters whose working weights would be sharded if they

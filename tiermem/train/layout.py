@@ -93,12 +93,18 @@ def _grad_homes(
 
 
 def _state_homes(
-    buckets: list[Bucket], stores: dict, engine: CopyService, compute: dict[int, Tier]
+    buckets: list[Bucket],
+    stores: dict,
+    engine: CopyService,
+    compute: dict[int, Tier],
+    masters: Optional[ParamOffload] = None,
 ) -> dict[Tier, tuple[StateHome, list[Bucket]]]:
+    """``masters``: the weights' home that keeps the master of buckets whose weights are their
+    master (NOTE [One copy of bf16 master weights]), in one process."""
     out: dict[Tier, tuple[StateHome, list[Bucket]]] = {}
     for tier, bs in _by_tier(buckets, lambda b: b.state_tier).items():
         home: StateHome = (
-            NvmeState(bs, engine, stores[Tier.HOST]) if tier == Tier.NVME else MemoryState(stores[tier], bs)
+            NvmeState(bs, engine, stores[Tier.HOST], masters) if tier == Tier.NVME else MemoryState(stores[tier], bs)
         )
         assert all(home.compute_tier == compute[b.index] for b in bs), "homes and plan disagree on where Adam runs"
         out[tier] = (home, bs)
@@ -155,7 +161,7 @@ def make_homes(
     if group.world == 1:
         return Homes(
             _per_bucket(_grad_homes(buckets, stores, engine, compute, overlap)),
-            _per_bucket(_state_homes(buckets, stores, engine, compute)),
+            _per_bucket(_state_homes(buckets, stores, engine, compute, weights_off_device)),
             weights,
             also,
         ), buckets

@@ -418,7 +418,14 @@ class TieredModel:
         that brings them to the device, connected to it."""
         residency = KeyedResidency(self.engine)
         return ParamOffload(
-            self.module, param_homes, residency, weights_cache.connect(residency), self.dtype, self.device, self.hooks
+            self.module,
+            param_homes,
+            residency,
+            weights_cache.connect(residency),
+            self.dtype,
+            self.device,
+            self.hooks,
+            overlap=self.overlap_step,
         )
 
     # -- the three calls ------------------------------------------------------------------------

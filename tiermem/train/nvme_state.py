@@ -25,13 +25,16 @@ land still holds the state from before the step, and the stepper keeps its gradi
 ``tm.step()`` runs Adam on it from that state with those gradients, which gives bit for bit what
 the uninterrupted step would have. What the disk holds between the failure and the retry is one
 consistent state per bucket, some buckets one step ahead of the others, never a bucket torn
-between two steps.
+between two steps. A bucket whose bf16 master is its weights' keys (NOTE [One copy of bf16 master
+weights] in tiermem/train/param_offload.py) is several keys: when only some of them landed, its
+new value (still in its host set) is kept in memory, the bucket counts as updated, and the next
+use of this home (the retry's step, a read) writes it whole first.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -44,16 +47,32 @@ from tiermem.types import TensorClass, Tier
 log = logging.getLogger(__name__)
 
 
+class MasterKeys(Protocol):
+    """The weights' home that keeps some buckets' bf16 master as their weights (NOTE [One copy of
+    bf16 master weights]): :class:`~tiermem.train.param_offload.ParamOffload`."""
+
+    def from_master(self, b: Bucket) -> bool: ...
+
+    def read_master(self, b: Bucket, out: torch.Tensor) -> list[Handle]: ...
+
+    def write_master(self, b: Bucket, src: torch.Tensor) -> list[Handle]: ...
+
+
 class NvmeState(StateHome):
     """The OPTIM_STATE home of the buckets whose state lives on NVMe, and the step's pipeline
-    over them. Adam runs on the host, in the pipeline's buffers."""
+    over them. Adam runs on the host, in the pipeline's buffers. ``masters``: the weights' home,
+    which keeps the master of the buckets whose weights are their master."""
 
     compute_tier = Tier.HOST
     revertible = False  # NOTE [A failed step is rolled forward]
 
-    def __init__(self, buckets: Sequence[Bucket], engine: CopyService, host_store):
+    def __init__(
+        self, buckets: Sequence[Bucket], engine: CopyService, host_store, masters: Optional[MasterKeys] = None
+    ):
         self.buckets = list(buckets)
         self.engine = engine
+        self.masters = masters
+        self._kept: dict[int, tuple[Bucket, torch.Tensor]] = {}  # a bucket's new value that landed in part
         largest = max(b.joined_bytes() for b in self.buckets)
         # each set holds one bucket's parts back to back (bytes), so that they are one key's value
         # named by the first bucket: buckets appended later get a home with sets of their own
@@ -80,11 +99,12 @@ class NvmeState(StateHome):
         views = self._views(0, b)
         for part, t in zip(b.state.parts[1:], views[1:]):
             t.fill_(part.initial)
-        wait_all(self._write(b, views))
+        wait_all(self._write(b, views, master=False))  # a shared master: the weights' home stores it next
 
     def read(self, b: Bucket, which: int = 0) -> StateViews:
         """The bucket's current state in host set ``which`` (blocking)."""
         self._drop_ahead()
+        self._write_kept()
         views = self._views(which, b)
         wait_all(self._read(b, views))
         return views
@@ -96,7 +116,21 @@ class NvmeState(StateHome):
     def store(self, b: Bucket, views: StateViews) -> None:
         """Overwrite a bucket's state (checkpoint load; blocking)."""
         self._drop_ahead()
+        self._kept.pop(b.index, None)
         wait_all(self._write(b, views))
+
+    def _write_kept(self) -> None:
+        """The buckets a failed step left landed in part, written whole (NOTE [A failed step is
+        rolled forward]); a failure raises, and they stay kept."""
+        for index, (b, value) in list(self._kept.items()):
+            views = self._views(0, b)
+            self._joined(b, views).copy_(value)
+            wait_all(self._write(b, views))
+            del self._kept[index]
+
+    def _shared(self, b: Bucket) -> bool:
+        """``b``'s master is its weights' keys (NOTE [One copy of bf16 master weights])."""
+        return self.masters is not None and self.masters.from_master(b)
 
     def _drop_ahead(self) -> None:
         """The next step's first read, issued at the end of the last step: landed and forgotten
@@ -118,11 +152,28 @@ class NvmeState(StateHome):
         which = [t.data_ptr() for t in self.sets].index(views[0].data_ptr())  # the master starts its set
         return self.sets[which][: b.joined_bytes()]
 
-    def _read(self, b: Bucket, views: StateViews) -> list[Handle]:
-        return [self.engine.store_read(Tier.NVME, self.key(b), self._joined(b, views), kind=TensorClass.OPTIM_STATE)]
+    def _state_key_bytes(self, b: Bucket, views: StateViews) -> torch.Tensor:
+        """What the bucket's state key holds: every part, or every part but a shared master."""
+        joined = self._joined(b, views)
+        if not self._shared(b):
+            return joined
+        return joined[b.state.joined(b.part_numels())[0][1] :]  # from the second part on
 
-    def _write(self, b: Bucket, views: StateViews) -> list[Handle]:
-        return [self.engine.store_write(Tier.NVME, self.key(b), self._joined(b, views), kind=TensorClass.OPTIM_STATE)]
+    def _read(self, b: Bucket, views: StateViews) -> list[Handle]:
+        key = self.key(b)
+        hs = [self.engine.store_read(Tier.NVME, key, self._state_key_bytes(b, views), kind=TensorClass.OPTIM_STATE)]
+        if self._shared(b):
+            assert self.masters is not None
+            hs += self.masters.read_master(b, views[0])
+        return hs
+
+    def _write(self, b: Bucket, views: StateViews, *, master: bool = True) -> list[Handle]:
+        key, state = self.key(b), self._state_key_bytes(b, views)
+        hs = [self.engine.store_write(Tier.NVME, key, state, kind=TensorClass.OPTIM_STATE)]
+        if master and self._shared(b):
+            assert self.masters is not None
+            hs += self.masters.write_master(b, views[0])
+        return hs
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, plan: Sequence[tuple[Bucket, list]], update: Update, tracer, updated: set[int]) -> None:
@@ -132,8 +183,13 @@ class NvmeState(StateHome):
         (NOTE [A failed step is rolled forward])."""
         reads: dict[int, list[Handle]] = {}
         writes: dict[int, list[Handle]] = {}  # host set -> writes still reading from it
-        written: list[tuple[int, Handle]] = []  # (bucket, its state write) of this step
+        written: list[tuple[int, Handle]] = []  # (bucket, one of its state's writes) of this step
+        placed: dict[int, tuple[Bucket, int]] = {}  # bucket -> (itself, the set it was updated in)
         ahead, self._ahead = self._ahead, None
+        if self._kept:
+            wait_all_quietly(ahead[1] if ahead is not None else ())
+            ahead = None
+            self._write_kept()
         try:
             if plan:
                 first = plan[0][0]
@@ -154,12 +210,20 @@ class NvmeState(StateHome):
                 update(b, runs, views)  # with no runs the state is written back unchanged
                 writes[k % 3] = self._write(b, views)
                 written += [(b.index, h) for h in writes[k % 3]]
+                placed[b.index] = (b, k % 3)
             with tracer.span("wait write-behind", "stall"):
                 wait_all([h for hs in writes.values() for h in hs])
             if plan:  # every set is free again: the next step's first bucket, read ahead
                 self._ahead = (plan[0][0].index, self._read(plan[0][0], self._views(0, plan[0][0])))
         except BaseException:
             wait_all_quietly([h for hs in list(reads.values()) + list(writes.values()) for h in hs])
-            updated.update(index for index, h in written if h.succeeded())
+            landed: dict[int, list[bool]] = {}
+            for index, h in written:
+                landed.setdefault(index, []).append(h.succeeded())
+            for index, ok in landed.items():
+                if any(ok) and not all(ok):  # its set still holds the new value: kept, written at the retry
+                    b, which = placed[index]
+                    self._kept[index] = (b, self._joined(b, self._views(which, b)).clone())
+            updated.update(index for index, ok in landed.items() if any(ok))
             raise
         updated.update(index for index, _ in written)

@@ -28,6 +28,30 @@ on the device for a block and lets user code write into them; what it wrote goes
 block ends (:meth:`resident`). ``detach()`` gives each parameter a plain tensor again
 (:meth:`restore`); a model dropped without it leaves weights that raise a ``tiermem:`` error when
 read, never a made-up value.
+
+# NOTE [One copy of bf16 master weights]
+With ``bf16_stochastic_round=True`` the optimizer keeps no fp32 master: its master is a bf16
+tensor in the optimizer state, and the working weights (bf16 precision) hold exactly its values.
+Where both rest on the same tier off the device, one parameter at a time (PARAM and OPTIM_STATE
+on the host, or both on NVMe; not sharded over ranks, not with overlap_step, whose update rewrites
+the master while the next forward reads the old weights: the rule is
+:func:`tiermem.plan.placement.master_is_weights`), they are one copy:
+
+- on the host, each weight's home is a view of the master in the optimizer state's buffer
+  (``KeyedResidency.share``): the update writes the master in place, and the next fetch to the
+  device reads the new value; the host counts the master's 2 bytes per parameter, once;
+- on NVMe, the master's bytes are the weights' own keys: the bucket's state key holds the other
+  parts only, and the state pipeline reads and writes the master through the weights' keys
+  (:meth:`ParamOffload.read_master`, :meth:`ParamOffload.write_master`), so the disk holds 2 bytes
+  per parameter of weights and the rest of the state (4.03 B/param with 8-bit moments, not 6.03).
+
+Either way the update writes no separate weights (``from_master``: ``out=None``), so the numbers
+are those of every other placement bit for bit (the same kernel, the same rounding keys), and
+checkpoints, ``state_dict()`` and ``detach()`` read the master as before (on-disk checkpoints are
+unchanged). A failed step on NVMe keeps a bucket whose new value landed only in part in memory
+and writes it first at the retry (NOTE [A failed step is rolled forward]). Frozen weights solve
+the same problem their way (NOTE [Frozen weights keep one copy] in tiermem/train/frozen.py);
+sharded chunks theirs (NOTE [A chunk rounded from its master] in tiermem/train/weight_shards.py).
 """
 
 from __future__ import annotations
@@ -43,6 +67,7 @@ import torch
 from tiermem.errors import TierMemError
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket
+from tiermem.plan.placement import master_is_weights
 from tiermem.train.homes import Runs, WeightHome, slots_in
 from tiermem.train.hooks import HookSet, eager
 from tiermem.train.offdevice import Link, SwappedParams
@@ -65,12 +90,16 @@ class ParamOffload(WeightHome):
         dtype: torch.dtype,
         device: torch.device,
         hooks: HookSet,
+        *,
+        overlap: bool = False,
     ):
         """``homes``: canonical parameter name -> home tier (HOST or NVME) of the parameters to
         offload; each one's first value arrives through :meth:`initialize` or :meth:`adopt`.
         ``residency``: where they are registered and stored; ``scheduler``: what brings them to
-        the device, connected to that residency."""
+        the device, connected to that residency; ``overlap``: overlap_step (no weights are the
+        master then: NOTE [One copy of bf16 master weights])."""
         self.residency, self.scheduler, self.dtype, self.device = residency, scheduler, dtype, device
+        self.overlap = overlap
         self.homes = dict(homes)
         params = dict(module.named_parameters())
         self._params = {name: params[name] for name in homes}
@@ -91,9 +120,17 @@ class ParamOffload(WeightHome):
                 hooks.add(mod.register_forward_hook(eager(self._after), always_call=True))  # also when forward raises
         hooks.add(self)  # remove(): reads after the model is given back fail clearly
 
-    def adopt(self, name: str, value: torch.Tensor) -> None:
+    def adopt(self, name: str, value: torch.Tensor, *, shared: bool = False) -> None:
         """``value`` (a host tensor in the working precision) becomes ``name``'s first value at
-        home, and the parameter an :class:`OffDeviceWeight` of it from now on."""
+        home, and the parameter an :class:`OffDeviceWeight` of it from now on. ``shared``: its home
+        is ``value`` itself, memory the host store counts already (NOTE [One copy of bf16 master
+        weights]); else a copy of it."""
+        if name in self._swaps:  # homed here already, frozen until now (NOTE [Freezing and unfreezing])
+            if shared:
+                self.residency.share(name, value)
+            else:
+                self.write_home(name, value)
+            return
         p = self._params[name]
         self.residency.register(
             TensorInfo(
@@ -106,7 +143,10 @@ class ParamOffload(WeightHome):
             ),
             self.homes[name],
         )
-        self.residency.put(name, value)
+        if shared:
+            self.residency.share(name, value)
+        else:
+            self.residency.put(name, value)
         self._swaps.swap_in(name, self._link, value.dtype, self.device)
 
     def settle(self) -> None:
@@ -129,13 +169,26 @@ class ParamOffload(WeightHome):
 
     # -- as a WeightHome ---------------------------------------------------------------------------
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
+        if self.from_master(b) and b.param_tier == Tier.HOST:  # `master` is the state's own buffer, for the run
+            for s in b.slots:
+                self.adopt(s.name, master[s.offset : s.offset + s.numel].view(s.shape), shared=True)
+            return
         for s in b.slots:
             # a copy, even in fp32: `master` may be a pipeline buffer the next bucket reuses
-            value = master[s.offset : s.offset + s.numel].view(s.shape).to(self.dtype, copy=True)
-            if s.name in self._swaps:  # homed here already, frozen until now (NOTE [Freezing and unfreezing])
-                self.write_home(s.name, value)
-            else:
-                self.adopt(s.name, value)
+            self.adopt(s.name, master[s.offset : s.offset + s.numel].view(s.shape).to(self.dtype, copy=True))
+
+    def from_master(self, b: Bucket) -> bool:
+        """NOTE [One copy of bf16 master weights]: ``b``'s weights are its master."""
+        return master_is_weights(b, False, self.overlap)
+
+    def read_master(self, b: Bucket, out: torch.Tensor) -> list[Handle]:
+        """Start reading ``b``'s master, which its weights' keys hold, into ``out`` (flat, host)."""
+        return [self.residency.read_home(s.name, out[s.offset : s.offset + s.numel]) for s in b.slots]
+
+    def write_master(self, b: Bucket, src: torch.Tensor) -> list[Handle]:
+        """Start writing ``b``'s master ``src`` (flat, host; unchanged until the handles are done)
+        as its weights, the device copies dropped."""
+        return self.write(b, src, [(0, b.numel, 0)], Tier.HOST)
 
     def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
         """Updated weights go to their home tier, never to the device; overlaps Adam on the next

@@ -112,7 +112,9 @@ class MemoryShards(ShardHome):
 # the master while the next forward gathers), and not on NVMe (a gather would read the master's 4
 # bytes per parameter instead of the chunk's 2): tiermem.plan.placement.weights_from_master. The
 # update writes no new weights for these chunks (out=None: WeightHome.from_master), which saves
-# the kernel 2 bytes of writes per parameter and the buffer they would go to.
+# the kernel 2 bytes of writes per parameter and the buffer they would go to. Weights off the
+# device in one process whose master is bf16 are that master itself, on the host and on NVMe
+# (NOTE [One copy of bf16 master weights] in tiermem/train/param_offload.py).
 class MasterShards(ShardHome):
     """Chunks never stored: rounded from the master in ``master_store`` (the optimizer state's
     tier) for each gather, into a buffer of ``store`` (the chunks' tier) as large as the largest

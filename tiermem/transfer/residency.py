@@ -85,6 +85,26 @@ class KeyedResidency:
         h.add_done_callback(functools.partial(self._forget, key, h))
         return h
 
+    def share(self, key: str, tensor: torch.Tensor) -> None:
+        """``tensor``, memory on ``key``'s home tier that another key of that store already counts
+        (a view of it), becomes ``key``'s value there: no copy, no byte counted twice (NOTE [One
+        copy of bf16 master weights] in tiermem/train/param_offload.py); every other copy is dropped."""
+        r = self.registry.get(key)
+        self._settle(key)
+        for other in list(r.valid):
+            self.store(other).delete(key)
+        r.valid.clear()
+        store = self.store(r.home)
+        assert isinstance(store, MemoryStore), "only memory can be shared"
+        store.alias(key, tensor)
+        self.registry.write_at(key, r.home)
+
+    def read_home(self, key: str, out: torch.Tensor) -> Handle:
+        """Start reading ``key``'s value at its home tier into ``out`` (host memory), after any
+        write of it already issued (a store keeps each key's requests in order)."""
+        r = self.registry.get(key)
+        return self.engine.store_read(r.home, key, out, kind=r.info.kind)
+
     def prefetch(self, key: str, dst: Tier = Tier.DEVICE) -> Handle:
         """Make a valid copy of ``key`` resident on ``dst`` (keeping the others)."""
         r = self.registry.get(key)
