@@ -31,9 +31,12 @@ drifts by tens of percent within a minute, so fio runs after every measured step
 process, and each step is compared with the floor measured right after it (ratios are medians
 over all of a setup's measured steps). Adam is ``adam_step`` over as many parameters in
 memory (fp32 grads in, bf16 weights out, as the step calls it), measured in this run. The
-state-on-nvme step moves exactly the state (12 B/param read, 12 written); ZeroInfinity's also
+state-on-nvme step moves exactly the state (12 B/param read, 12 written; with ``--state 8bit``,
+AdamW8bit with bf16 master weights rounded stochastically, 4.03 and 4.03, the Adam term then
+``adam8bit_step``'s); ZeroInfinity's also
 writes the new bf16 weights home (2 B/param; the report's bytes_moved does not count those
-writes, so the bytes a step must move are computed, and the report's count printed beside them).
+writes, so the bytes a step must move are computed, and the report's count printed beside them;
+with ``--state 8bit`` the bf16 master is the weights, so nothing more is written).
 The floor of a whole iteration is the state-on-nvme setup's forward+backward (weights resident:
 compute alone) plus the step's serial floor.
 
@@ -68,9 +71,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples
 
 from bench._common import run_again  # noqa: E402
 from examples.nvme_offload import OptimStateOnNvme  # noqa: E402
-from tiermem import AdamW, Report, TieredModel, Tier, parse_bytes  # noqa: E402
+from tiermem import AdamW, AdamW8bit, Report, TieredModel, Tier, parse_bytes  # noqa: E402
 from tiermem.errors import fmt_bytes  # noqa: E402
-from tiermem.optim import adam_step, warm_up  # noqa: E402
+from tiermem.optim import StochasticRound, adam8bit_step, adam_step, quantize_blockwise, warm_up  # noqa: E402
 from tiermem.policies import ZeroInfinity  # noqa: E402
 
 GB = 1e9
@@ -220,6 +223,42 @@ def adam_seconds(n: int, repeats: int = 3) -> float:
     return best
 
 
+def adam8bit_seconds(n: int, repeats: int = 3) -> float:
+    """Best time of ``adam8bit_step`` over ``n`` parameters in memory with bf16 master weights rounded
+    stochastically, as the step calls it with ``--state 8bit``."""
+    master, grad = torch.randn(n).to(torch.bfloat16), torch.randn(n) * 1e-3
+    m, m_abs = quantize_blockwise(torch.zeros(n), True)
+    v, v_abs = quantize_blockwise(torch.zeros(n), False)
+    sr, best = StochasticRound.for_parameter(0, "w"), float("inf")
+    for step in range(1, repeats + 1):
+        t0 = time.perf_counter()
+        adam8bit_step(
+            master,
+            m,
+            m_abs,
+            v,
+            v_abs,
+            grad,
+            step=step,
+            lr=LR,
+            beta1=BETAS[0],
+            beta2=BETAS[1],
+            eps=1e-8,
+            weight_decay=WD,
+            adamw=True,
+            stochastic_round=sr,
+            check_finite=False,
+        )
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def state_bytes(state: str) -> float:
+    """Optimizer-state bytes per parameter on NVMe: fp32 master and moments (12), or a bf16 master
+    that is the weights themselves and 8-bit moments with an fp32 absmax per 256 (4.03)."""
+    return 12.0 if state == "fp32" else 2 + 2 * (1 + 4 / 256)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--width", type=int, default=2048)
@@ -234,6 +273,13 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first in each run")
     p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size")
+    p.add_argument(
+        "--state",
+        choices=("fp32", "8bit"),
+        default="fp32",
+        help="optimizer state: fp32 AdamW (12 B/param), or AdamW8bit with bf16 master weights rounded "
+        "stochastically (4.03 B/param, the master being the weights: one copy on NVMe)",
+    )
     p.add_argument("--fio-size", default="1GiB", help="bytes per fio pass (three passes after each measured step)")
     p.add_argument(
         "--dir",
@@ -267,7 +313,9 @@ def run_one(args: argparse.Namespace, root: str) -> Setup:
         tm = TieredModel(
             LinearStack(args.width, args.depth),
             policy,
-            optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+            optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD)
+            if args.state == "fp32"
+            else AdamW8bit(lr=LR, betas=BETAS, weight_decay=WD, bf16_stochastic_round=True),
             precision="bf16",
             nvme_dir=d,
             bucket_size=args.bucket_size,
@@ -310,7 +358,8 @@ def main() -> int:
     if args.one is None:
         print(
             f"{args.depth} Linear layers of {args.width} x {args.width}: {n / 1e6:.1f}M parameters, optimizer "
-            f"state {fmt_bytes(12 * n)} (as much on disk: each value once); {args.rows} rows per step; "
+            f"state ({args.state}) {fmt_bytes(int(state_bytes(args.state) * n))} (as much on disk: each value "
+            f"once); {args.rows} rows per step; "
             f"directory {root}; {torch.get_num_threads()} CPU threads; load average at start "
             f"{os.getloadavg()[0]:.2f}; each setup in its own process, {args.rounds} rounds of {args.steps} "
             f"measured steps",
@@ -346,16 +395,18 @@ def main() -> int:
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    adam = adam_seconds(n)
+    adam = adam_seconds(n) if args.state == "fp32" else adam8bit_seconds(n)
 
     fios = [f for s in setups for f in s.fios]
     bw = {k: med([f[k] for f in fios]) for k in fios[0]}
     print(
         f"\n{show(f' (median of {len(fios)} passes)', bw)}; adam_step over {n / 1e6:.1f}M parameters in memory: "
-        f"{1e3 * adam:.0f} ms ({n / adam / 1e9:.2f} Gparam/s)"
+        f"{1e3 * adam:.0f} ms ({n / adam / 1e9:.2f} Gparam/s; {'adam_step' if args.state == 'fp32' else 'adam8bit_step, bf16 SR'})"
     )
-    # What a step must move: the state, read and written; ZeroInfinity also writes the new bf16 weights home.
-    must = {s.name: (12 * n, 12 * n + (2 * n if s.weights_on_nvme else 0)) for s in setups}
+    # What a step must move: the state, read and written; ZeroInfinity also writes the new bf16 weights
+    # home, unless its bf16 master is those weights (--state 8bit: NOTE [One copy of bf16 master weights]).
+    sb, weights = state_bytes(args.state), 2 if args.state == "fp32" else 0
+    must = {s.name: (sb * n, sb * n + (weights * n if s.weights_on_nvme else 0)) for s in setups}
 
     def floors(name: str, kind: str) -> list[float]:
         """The floor of each of the setup's measured steps, from the fio run right after it."""
