@@ -400,8 +400,9 @@ def main() -> int:
     fios = [f for s in setups for f in s.fios]
     bw = {k: med([f[k] for f in fios]) for k in fios[0]}
     print(
-        f"\n{show(f' (median of {len(fios)} passes)', bw)}; adam_step over {n / 1e6:.1f}M parameters in memory: "
-        f"{1e3 * adam:.0f} ms ({n / adam / 1e9:.2f} Gparam/s; {'adam_step' if args.state == 'fp32' else 'adam8bit_step, bf16 SR'})"
+        f"\n{show(f' (median of {len(fios)} passes)', bw)}; "
+        f"{'adam_step' if args.state == 'fp32' else 'adam8bit_step (bf16 master, SR)'} over {n / 1e6:.1f}M "
+        f"parameters in memory: {1e3 * adam:.0f} ms ({n / adam / 1e9:.2f} Gparam/s)"
     )
     # What a step must move: the state, read and written; ZeroInfinity also writes the new bf16 weights
     # home, unless its bf16 master is those weights (--state 8bit: NOTE [One copy of bf16 master weights]).
