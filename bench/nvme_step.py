@@ -195,60 +195,24 @@ def fio(directory: str, size: int) -> dict[str, float]:
     return bw
 
 
-def adam_seconds(n: int, repeats: int = 3) -> float:
-    """Best time of ``adam_step`` over ``n`` parameters in memory, as the step calls it."""
+def adam_seconds(n: int, state: str = "fp32", repeats: int = 3) -> float:
+    """Best time of the step's kernel over ``n`` parameters in memory, as the step calls it:
+    ``adam_step`` (fp32 master and moments, bf16 weights out), or with ``state="8bit"``
+    ``adam8bit_step`` (bf16 master rounded stochastically, 8-bit moments)."""
     warm_up((torch.float32,), (torch.bfloat16,))
-    master = torch.randn(n)
-    exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
-    grad, out = torch.randn(n) * 1e-3, torch.empty(n, dtype=torch.bfloat16)
-    best = float("inf")
+    grad, best = torch.randn(n) * 1e-3, float("inf")
+    hyper = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=1e-8, weight_decay=WD, adamw=True, check_finite=False)
+    if state == "fp32":
+        master, out = torch.randn(n), torch.empty(n, dtype=torch.bfloat16)
+        moments = (torch.zeros(n), torch.zeros(n))
+        kernel, extra = adam_step, {"out": out}
+    else:
+        master = torch.randn(n).to(torch.bfloat16)
+        moments = (*quantize_blockwise(torch.zeros(n), True), *quantize_blockwise(torch.zeros(n), False))
+        kernel, extra = adam8bit_step, {"stochastic_round": StochasticRound.for_parameter(0, "w")}
     for step in range(1, repeats + 1):
         t0 = time.perf_counter()
-        adam_step(
-            master,
-            exp_avg,
-            exp_avg_sq,
-            grad,
-            step=step,
-            lr=LR,
-            beta1=BETAS[0],
-            beta2=BETAS[1],
-            eps=1e-8,
-            weight_decay=WD,
-            adamw=True,
-            out=out,
-            check_finite=False,
-        )
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def adam8bit_seconds(n: int, repeats: int = 3) -> float:
-    """Best time of ``adam8bit_step`` over ``n`` parameters in memory with bf16 master weights rounded
-    stochastically, as the step calls it with ``--state 8bit``."""
-    master, grad = torch.randn(n).to(torch.bfloat16), torch.randn(n) * 1e-3
-    m, m_abs = quantize_blockwise(torch.zeros(n), True)
-    v, v_abs = quantize_blockwise(torch.zeros(n), False)
-    sr, best = StochasticRound.for_parameter(0, "w"), float("inf")
-    for step in range(1, repeats + 1):
-        t0 = time.perf_counter()
-        adam8bit_step(
-            master,
-            m,
-            m_abs,
-            v,
-            v_abs,
-            grad,
-            step=step,
-            lr=LR,
-            beta1=BETAS[0],
-            beta2=BETAS[1],
-            eps=1e-8,
-            weight_decay=WD,
-            adamw=True,
-            stochastic_round=sr,
-            check_finite=False,
-        )
+        kernel(master, *moments, grad, step=step, **hyper, **extra)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -395,7 +359,7 @@ def main() -> int:
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    adam = adam_seconds(n) if args.state == "fp32" else adam8bit_seconds(n)
+    adam = adam_seconds(n, args.state)
 
     fios = [f for s in setups for f in s.fios]
     bw = {k: med([f[k] for f in fios]) for k in fios[0]}

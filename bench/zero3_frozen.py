@@ -32,20 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench.zero3
 
-from bench.zero3 import spawn  # noqa: E402
-from tiermem import AdamW, PerClass, TensorClass, TieredModel, Tier  # noqa: E402
+from bench.zero3 import WeightsOnHost, spawn  # noqa: E402
+from tiermem import AdamW, TensorClass, TieredModel, Tier  # noqa: E402
 from tiermem.policies import ZeroInfinity  # noqa: E402
 
 MiB = 2**20
-
-
-class WeightsOnHost(PerClass):
-    homes = {
-        TensorClass.PARAM: Tier.HOST,
-        TensorClass.ACTIVATION: Tier.DEVICE,
-        TensorClass.GRAD: Tier.HOST,
-        TensorClass.OPTIM_STATE: Tier.HOST,
-    }
 
 
 SETUPS = {"weights-on-host": (WeightsOnHost, Tier.HOST), "zero-infinity": (ZeroInfinity, Tier.NVME)}
