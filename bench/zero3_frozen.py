@@ -123,9 +123,9 @@ def rank_main(rank: int, world: int, setup: str, variant: str, args: argparse.Na
     warnings.filterwarnings("ignore")
     if variant == "replicated":  # the path before frozen weights were sharded: no frozen buckets
         import tiermem.plan.footprint as footprint_module
-        import tiermem.train.model as model_module
+        import tiermem.train.build as build_module
 
-        model_module.frozen_buckets = footprint_module.frozen_buckets = lambda *a, **k: []  # type: ignore[assignment]
+        build_module.frozen_buckets = footprint_module.frozen_buckets = lambda *a, **k: []  # type: ignore[assignment]
     tm = make(setup, args, tmp)
     result = measure(tm, args, rank, SETUPS[setup][1])
     if rank == 0:

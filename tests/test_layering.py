@@ -32,6 +32,7 @@ LAYERS = {
     "tiermem.observe": 4,
     "tiermem.transfer": 5,
     "tiermem.train": 6,
+    "tiermem.train.build": 6,  # TieredModel's construction, beside the composition root it serves
     "tiermem.cli": 7,
     "tiermem.__main__": 7,
     "tiermem": 7,  # the package itself re-exports the public API

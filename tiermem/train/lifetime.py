@@ -92,27 +92,29 @@ def _give_back_now(
 
 
 @contextlib.contextmanager
-def undone_on_failure(tm: Any, module: torch.nn.Module) -> Iterator[None]:
+def undone_on_failure(parts: Any, module: torch.nn.Module) -> Iterator[None]:
     """TieredModel's construction once its stores exist: if it raises, the module gets back the
     tensors its parameters and buffers held and loses the hooks put on it, and the engine's
-    threads and the stores' memory, files and lock are given back, before the error propagates."""
+    threads and the stores' memory, files and lock are given back, before the error propagates.
+    ``parts``: what construction built so far (:class:`tiermem.train.build.Parts`: its stores, and
+    its hooks, engine and off-device weights once they exist)."""
     params = [(p, p.data) for p in module.parameters()]
     buffers = [(owner, name, buf) for owner in module.modules() for name, buf in owner._buffers.items()]
     try:
         yield
     except BaseException:
         for attr in ("param_offload", "gathered"):
-            source = getattr(tm, attr, None)
+            source = getattr(parts, attr, None)
             if source is not None:
                 source.undo()  # off-device weights become the plain tensors they were
         for p, data in params:
             p.data = data
         for owner, name, buf in buffers:
             owner._buffers[name] = buf
-        hooks, engine = getattr(tm, "hooks", None), getattr(tm, "engine", None)
+        hooks, engine = getattr(parts, "hooks", None), getattr(parts, "engine", None)
         steps = [hooks.remove] if hooks is not None else []
         steps += [engine.close] if engine is not None else []
-        for step in steps + [s.release_all for s in tm.stores.values()]:
+        for step in steps + [s.release_all for s in parts.stores.values()]:
             try:
                 step()
             except Exception as e:  # noqa: BLE001 - the construction's own error is the one to see

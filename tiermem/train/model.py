@@ -1,9 +1,9 @@
 """TieredModel: wrap any ``nn.Module`` and train it with ``tm(x)``, ``tm.backward(loss)``, ``tm.step()``.
 
-The composition root: construction asks the policy where every tensor lives
-(:mod:`tiermem.plan.placement`), checks the bytes fit (:mod:`tiermem.plan.footprint`), builds the
-stores, the engine and one home per class and tier (NOTE [Homes]), and hands each collaborator
-what it needs, already wired. Gradients leave the device bucket by bucket while backward is
+The composition root: construction (:mod:`tiermem.train.build`) asks the policy where every
+tensor lives (:mod:`tiermem.plan.placement`), checks the bytes fit (:mod:`tiermem.plan.footprint`),
+builds the stores, the engine and one home per class and tier (NOTE [Homes]), and hands each
+collaborator what it needs, already wired; the model takes them and owns their lifetime. Gradients leave the device bucket by bucket while backward is
 still running (:mod:`tiermem.train.backward`); ``step()`` is :mod:`tiermem.train.stepper`'s.
 Every public call is checked against the step's phase in one place (NOTE [Step lifecycle]).
 """
@@ -22,42 +22,19 @@ import torch
 
 from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _Spec
-from tiermem.errors import ConfigError, TierMemError, checked_arguments
+from tiermem.errors import ConfigError, checked_arguments
 from tiermem.memory import deferred
-from tiermem.memory.ledger import InFlight
 from tiermem.observe.report import Report, collect
-from tiermem.observe.trace import Tracer
-from tiermem.plan.buckets import Bucket
-from tiermem.plan.footprint import Footprint, check_fits, largest_module_bytes, model_footprint, totals
-from tiermem.plan.choose import Evaluator
 from tiermem.plan.cost import against_measured
-from tiermem.plan.placement import frozen_buckets, plan, split_weights
-from tiermem.plan.policy import Policy, resolve_policy
-from tiermem.torch_optim import stepped_elsewhere
+from tiermem.plan.policy import Policy
 from tiermem.train import checkpoint, lifetime
-from tiermem.train.activations import ActivationOffloader
-from tiermem.train.backward import GradCollector
-from tiermem.train.gathered import build_gathered
-from tiermem.train.hooks import HookSet
+from tiermem.train.build import build_parts
 from tiermem.train.inputs import cast_inputs
-from tiermem.train.layout import build, make_homes
 from tiermem.train.compute import warn_if_slow
-from tiermem.train.machine import machine_profile, store_limits
-from tiermem.train.groups import Fp32Values, GroupEditor, group_dicts
-from tiermem.train.optimizer import TieredOptimizer
-from tiermem.train.options import make_stores, validate
-from tiermem.train.param_offload import ParamOffload
+from tiermem.train.options import validate
 from tiermem.train.phase import Lifecycle, Phase
-from tiermem.train.scaler import LossScaler
 from tiermem.train.state import ModelState
-from tiermem.train.stepper import StepResult, Stepper
-from tiermem.train.trainable import Trainable
-from tiermem.train.uploads import Outputs
-from tiermem.transfer.collectives import fingerprint, resolve_group
-from tiermem.transfer.engine import TransferEngine
-from tiermem.transfer.residency import KeyedResidency
-from tiermem.transfer.schedule import ResidencyScheduler
-from tiermem.types import Tier
+from tiermem.train.stepper import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -175,196 +152,36 @@ class TieredModel:
         precision, given = opts.precision, precision  # "auto" made this device's (NOTE [Choosing the precision])
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         warn_if_slow(precision, opts.device)  # one warning, from the profile's matmul figures
-        self.policy = resolve_policy(policy)
         self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
-        self.tracer = Tracer(trace_path)
-        self.group = resolve_group(
-            process_group, tracer=self.tracer if trace_path else None
-        )  # NOTE [Data parallel]; one process: every collective a no-op
-        limits = store_limits(opts.device, opts.budgets, nvme_dir)
-        self._evaluator = Evaluator(
+        self._life = Lifecycle()
+        parts = build_parts(  # tiermem/train/build.py: every collaborator, wired; none refers back to self
             module,
-            opts.spec,
-            self.dtype,
-            opts.bucket_numel,
-            limits=limits,
-            machine=lambda: machine_profile(opts.device, nvme_dir),
-            overlap=opts.overlap,
-            world=self.group.world,
-            nvme_staging=opts.device.type == "cuda",
-            device_is_host=opts.device.type == "cpu",
-            shard_weights=opts.shard_weights,
+            policy,
+            opts,
+            nvme_dir=nvme_dir,
+            trace_path=trace_path,
+            process_group=process_group,
+            max_skipped_steps=max_skipped_steps,
+            loss_scale=loss_scale,
+            step=self._step,
+            add_group=self._add_group,
         )
-        self.placement = self._evaluator.bind(self.policy)  # NOTE [Whole-model policies]: what decides each tensor
-        planned = plan(
-            module,
-            self.placement,
-            opts.spec,
-            self.dtype,
-            opts.bucket_numel,
-            overlap=opts.overlap,
-            world=self.group.world,
+        self.policy, self.placement, self._evaluator = parts.policy, parts.placement, parts.evaluator
+        self.tracer, self.group, self.stores, self.engine, self.hooks = (
+            parts.tracer,
+            parts.group,
+            parts.stores,
+            parts.engine,
+            parts.hooks,
         )
-        buckets, param_homes = list(planned.buckets), dict(planned.weight_homes)
-        if not buckets:
-            raise TierMemError(
-                "tiermem: the module has no trainable parameters (requires_grad=True); "
-                "unfreeze some before wrapping it (others may be unfrozen later)"
-            )
-        self.group.check_same(
-            "model or configuration",
-            fingerprint(
-                [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
-                + [
-                    repr(self.placement),
-                    precision,
-                    opts.bucket_numel,
-                    repr(opts.spec),
-                    opts.grad_clip,
-                    opts.overlap,
-                    opts.shard_weights,
-                ]
-                + [(g.name, sorted(g.options.items()), g.params, g.frozen) for g in planned.groups]
-            ),
-        )
-        cold = frozen_buckets(  # NOTE [Frozen weights sharded over the ranks]
-            module, param_homes, self.group.world, opts.shard_weights, opts.bucket_numel, first_index=len(buckets)
-        )
-        sharded, offloaded = split_weights(buckets, param_homes, self.group.world, opts.shard_weights, cold)
-        need = self._footprint(buckets, param_homes, opts.shard_weights, opts.bucket_numel)
-        in_flight = InFlight()  # grads copying home hold device room until they land: the device ledger waits for them
-        # and a cache of prefetched weights evicts: both given to the device store as it is built
-        weights_cache = (
-            self._weights_cache(offloaded, limits[Tier.DEVICE] - totals(need)[Tier.DEVICE], opts.prefetch)
-            if offloaded
-            else None
-        )
-        reclaimers = (in_flight,) if weights_cache is None else (in_flight, weights_cache)
-        self.stores = make_stores(opts, nvme_dir, reclaimers, self.group)  # NOTE [Reclaimers at construction]
-        with lifetime.undone_on_failure(self, module):  # a failed build leaves nothing held
-            check_fits(need, self.stores)  # refuse a working set that does not fit its budgets (as `tiermem plan`)
-            self.engine = TransferEngine(self.stores, device=self.device, tracer=self.tracer if trace_path else None)
-            self.hooks = HookSet()
-            self.param_offload = self._offload_weights(offloaded, weights_cache) if weights_cache is not None else None
-            self.gathered = (
-                build_gathered(
-                    module,
-                    [*sharded, *cold],
-                    self.stores,
-                    self.engine,
-                    self.group,
-                    self.dtype,
-                    self.device,
-                    self.hooks,
-                    prefetch=opts.prefetch,
-                    overlap=opts.overlap,
-                )
-                if sharded or cold
-                else None
-            )  # NOTE [Weights sharded over the ranks]
-            # NOTE [Parameters off the device]: a compiled forward reading such weights runs eagerly
-            compiled_off_device = bool(param_homes or sharded or cold) and _is_compiled(module)
-            # the stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during
-            # the forward on another thread, and must stay compiled; dynamo then falls back by itself
-            self._force_eager = compiled_off_device and not opts.overlap
-            if compiled_off_device:
-                log.warning(
-                    "tiermem: %d weights of this torch.compile'd model (or of modules compiled in it) live "
-                    "off the device under %r: its forward runs eagerly (NOTE [Parameters off the device]); "
-                    "place PARAM on the device to run it compiled",
-                    len(param_homes),
-                    self.policy,
-                )
-            homes, step_buckets = make_homes(
-                buckets,
-                self.stores,
-                self.engine,
-                self.dtype,
-                overlap=opts.overlap,
-                weights_off_device=self.param_offload,
-                group=self.group,
-                gathered=self.gathered,
-            )
-            self.layout = build(
-                module,
-                buckets,
-                step_buckets,
-                planned.groups,
-                planned.aliases,
-                homes,
-                self.stores,
-                self.dtype,
-                self.device,
-                self.param_offload,
-                gathered=self.gathered,
-                group=self.group,
-            )
-            self.scaler = LossScaler.of(precision == "fp16", loss_scale)
-            self.grads = GradCollector(
-                homes,
-                self.layout.slot_of,
-                self.engine,
-                self.stores[Tier.DEVICE].ledger,
-                in_flight=in_flight,
-                group=self.group,
-            )
-            outputs = Outputs(step_buckets, homes, self.stores, self.dtype, overlap=opts.overlap, tracer=self.tracer)
-            self.stepper = Stepper(
-                self.layout,
-                self.grads,
-                outputs,
-                self.engine,
-                self.scaler,
-                grad_clip=opts.grad_clip,
-                tracer=self.tracer,
-                overlap=opts.overlap,
-                group=self.group,
-                max_skipped=max_skipped_steps,
-            )
-            shown = Fp32Values(module, self.layout)  # not a method of self: nothing here refers back to it
-            self.optimizer = TieredOptimizer(
-                group_dicts(planned.groups, opts.spec, shown), opts.spec.group_defaults(), self._step, self._add_group
-            )
-            self._groups = GroupEditor(module, opts.spec, shown)
-            #: the tiermem optimizer spec this model runs (a torch optimizer given is read into one)
-            self.optimizer_spec = opts.spec
-            for b in buckets:
-                for s in b.slots:
-                    self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
-            if opts.torch_optimizer is not None:  # never stepped: a step of it would do nothing, silently
-                self.hooks.add(opts.torch_optimizer.register_step_pre_hook(stepped_elsewhere))
-            self._trainable = Trainable(
-                module,
-                self.layout,
-                policy=self.placement,
-                dtype=self.dtype,
-                bucket_numel=opts.bucket_numel,
-                overlap=opts.overlap,
-                group=self.group,
-                stores=self.stores,
-                engine=self.engine,
-                weights_off_device=self.param_offload,
-                grads=self.grads,
-                outputs=outputs,
-                hooks=self.hooks,
-                param_groups=self.optimizer.param_groups,
-                settle=self.stepper.finish_pending,
-                on_device_cuda=self.device.type == "cuda",
-                spec=opts.spec,
-            )
-            self.activations = ActivationOffloader(module, self.placement, self.stores, self.engine, self.hooks)
-            self._state = ModelState(
-                module,
-                self.layout,
-                self.stepper,
-                self.scaler,
-                self.optimizer.param_groups,
-                precision,
-                self.dtype,
-                self.group,
-            )
-            self._life = Lifecycle()
-            # NOTE [A dropped model lets go]: nothing above refers back to self, so a model nobody
+        self.param_offload, self.gathered, self._force_eager = parts.param_offload, parts.gathered, parts.force_eager
+        self.layout, self.scaler, self.grads, self.stepper = parts.layout, parts.scaler, parts.grads, parts.stepper
+        self.optimizer, self._groups = parts.optimizer, parts.group_editor
+        #: the tiermem optimizer spec this model runs (a torch optimizer given is read into one)
+        self.optimizer_spec = parts.optimizer_spec
+        self._trainable, self.activations, self._state = parts.trainable, parts.activations, parts.state
+        with lifetime.undone_on_failure(parts, module):  # a failed construction leaves nothing held
+            # NOTE [A dropped model lets go]: nothing built refers back to self, so a model nobody
             # references is collected; this gives back what it held (and is detach()'s last part)
             self._release = weakref.finalize(
                 self, lifetime.dropped, self.hooks, self.engine, self.stores, self.tracer, self.stepper, os.getpid()
@@ -373,60 +190,20 @@ class TieredModel:
             lifetime.claim(module, self)
             for source in self.weight_sources():
                 source.settle()  # the module's original tensors of off-device weights go
-            self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
+        self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
         log.info(
             "tiermem: %s trainable parameters in %d buckets under %r (%s%s)",
             f"{self.layout.n_params:,}",
-            len(buckets),
+            len(self.layout.buckets),
             self.policy,
             precision,
             f", from precision={given!r}" if given != precision else "",
-        )
-
-    def _footprint(
-        self, buckets: list[Bucket], param_homes: dict[str, Tier], shard_weights: bool, bucket_numel: int
-    ) -> Footprint:
-        """The bytes per tier the working set needs (the rule ``tiermem plan`` uses too)."""
-        return model_footprint(
-            self.module,
-            buckets,
-            param_homes,
-            self.dtype,
-            overlap=self.overlap_step,
-            world=self.group.world,
-            shard_weights=shard_weights,
-            nvme_staging=self.device.type == "cuda",
-            device_is_host=self.device.type == "cpu",
-            bucket_numel=bucket_numel,
         )
 
     def weight_sources(self) -> list:
         """The homes whose weights are OffDeviceWeights: ParamOffload (weights off the device in one
         process, and frozen ones), GatheredWeights (sharded over the ranks)."""
         return [s for s in (self.param_offload, self.gathered) if s is not None]
-
-    def _weights_cache(self, param_homes: dict[str, Tier], room: int, prefetch: bool) -> ResidencyScheduler:
-        """NOTE [Parameters off the device]: what brings weights to the device. It fetches ahead up
-        to a few modules' weights: enough to hide transfers, while leaving the rest of the device
-        (``room``: what the working set leaves) to activations and grads, which may take back what
-        it holds (it is a reclaimer of the device store)."""
-        lookahead = min(4 * largest_module_bytes(self.module, param_homes, self.dtype), max(room, 0) // 2)
-        return ResidencyScheduler(Tier.DEVICE, lookahead_bytes=lookahead, prefetch=prefetch)
-
-    def _offload_weights(self, param_homes: dict[str, Tier], weights_cache: ResidencyScheduler) -> ParamOffload:
-        """NOTE [Parameters off the device]: the weights' residency, over the engine, and the cache
-        that brings them to the device, connected to it."""
-        residency = KeyedResidency(self.engine)
-        return ParamOffload(
-            self.module,
-            param_homes,
-            residency,
-            weights_cache.connect(residency),
-            self.dtype,
-            self.device,
-            self.hooks,
-            overlap=self.overlap_step,
-        )
 
     # -- the three calls ------------------------------------------------------------------------
     @property
@@ -770,16 +547,6 @@ class TieredModel:
             f"TieredModel({type(self.module).__name__}, policy={self.policy!r}, precision={self.precision!r}, "
             f"params={self.layout.n_params:,}, buckets={len(self.layout.buckets)})"
         )
-
-
-def _is_compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is what ``torch.compile(module)`` returns, or has modules compiled in
-    place (``block.compile()``)."""
-    from torch._dynamo.eval_frame import OptimizedModule  # here: only asked with weights off the device
-
-    return isinstance(module, OptimizedModule) or any(
-        getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
-    )
 
 
 def _eagerly(on: bool) -> contextlib.AbstractContextManager:

@@ -1,6 +1,6 @@
 """TieredModel's keyword arguments, validated into one frozen :class:`Options`, and the stores
 they ask for. Every error a user can cause by an argument is raised here, before anything is
-built (STYLE habit 5); :mod:`tiermem.train.model` only wires what comes out.
+built (STYLE habit 5); :mod:`tiermem.train.build` only wires what comes out.
 """
 
 from __future__ import annotations
