@@ -31,6 +31,7 @@ LAYERS = {
     "tiermem.memory": 3,
     "tiermem.observe": 4,
     "tiermem.transfer": 5,
+    "tiermem.transfer.decisions": 5,  # the residency schedules' pure decisions (they import nothing of tiermem)
     "tiermem.train": 6,
     "tiermem.train.build": 6,  # TieredModel's construction, beside the composition root it serves
     "tiermem.cli": 7,

@@ -12,7 +12,7 @@ in bytes, all identical on every rank that runs the same forward and backward.
 - With a trace (the previous iteration's accesses, the same on every rank: checked at the end of
   each iteration) and while this iteration follows it, each acquire also gathers ahead the next
   buckets of the trace, as many as fit in ``ahead`` bytes (the *window*, as
-  :func:`~tiermem.transfer.schedule.lookahead_window` reads it), and frees the gathered buckets no
+  :func:`~tiermem.transfer.decisions.lookahead_window` reads it), and frees the gathered buckets no
   one holds that are not in the window. A *release* that leaves a bucket unheld keeps it only if it
   is in the window.
 - Without a trace (the first iteration), or once an iteration leaves the trace: no gather ahead,
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from typing import Mapping, Optional
 
-from tiermem.transfer.schedule import AccessTrace, lookahead_window
+from tiermem.transfer.decisions import AccessTrace, lookahead_window
 
 
 class GatherSchedule:

@@ -7,8 +7,9 @@ lookahead, and when room is needed the released tensor whose next use lies furth
 evicted (Belady). Without a trace (the first iteration, or one that left the recorded order),
 victims are the least recently used and nothing is fetched ahead.
 
-The decisions (:class:`AccessTrace`, :func:`choose_victim`, :func:`lookahead_window`) are pure
-and know nothing of tensors; :class:`ResidencyScheduler` carries them out with the moves of a
+The decisions (``AccessTrace``, ``choose_victim``, ``lookahead_window``) are pure and know
+nothing of tensors: they live in :mod:`tiermem.transfer.decisions` (and are importable from here
+too). :class:`ResidencyScheduler` carries them out with the moves of a
 :class:`~tiermem.transfer.residency.KeyedResidency` only.
 
 # NOTE [Room before allocation]
@@ -25,14 +26,12 @@ error says by how much.
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, fields
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -42,76 +41,13 @@ from tiermem.handles import Handle
 from tiermem.memory.ledger import Reclaimer
 from tiermem.memory.registry import Residency
 from tiermem.memory.resident import MemoryStore, nbytes_of
+from tiermem.transfer.decisions import AccessTrace, choose_victim, lookahead_window
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
 
 EVICTION_POLICIES = ("belady", "lru")
-
-
-# -- decisions (pure) -------------------------------------------------------------------------
-class AccessTrace:
-    """One iteration's sequence of acquired keys, frozen, answering "when is ``key`` used next?".
-
-    The trace repeats: a key not used again in this iteration is next used at its first
-    position plus the trace's length (the next iteration); a key absent from it, never.
-    """
-
-    def __init__(self, keys: Sequence[str]):
-        self.keys = tuple(keys)
-        self._positions: dict[str, list[int]] = {}
-        for i, key in enumerate(self.keys):
-            self._positions.setdefault(key, []).append(i)
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._positions
-
-    def next_use(self, key: str, pos: int) -> float:
-        """Position of ``key``'s first access at or after ``pos`` (``math.inf``: never)."""
-        at = self._positions.get(key)
-        if not at:
-            return math.inf
-        i = bisect.bisect_left(at, pos)
-        return at[i] if i < len(at) else at[0] + len(self.keys)
-
-
-def choose_victim(
-    candidates: Iterable[str], last_used: Mapping[str, int], *, trace: Optional[AccessTrace] = None, pos: int = 0
-) -> Optional[str]:
-    """The candidate to evict: with a trace, the one used furthest after ``pos`` (Belady), ties
-    going to the least recently used; without one, the least recently used. None if no candidate.
-    ``last_used`` maps keys to a growing counter; a key missing from it counts as oldest."""
-    best, best_rank = None, None
-    for key in candidates:
-        recency = last_used.get(key, -1)
-        rank = (trace.next_use(key, pos), -recency) if trace is not None else (0.0, -recency)
-        if best_rank is None or rank > best_rank:
-            best, best_rank = key, rank
-    return best
-
-
-def lookahead_window(
-    trace: AccessTrace, pos: int, sizes: Mapping[str, int], limit: int, *, skip: Iterable[str] = ()
-) -> list[str]:
-    """The distinct keys of ``trace`` from ``pos`` to its end, in order of next use, as many as
-    fit in ``limit`` bytes together. Stops at the first key that does not fit (fetching past it
-    would bring in later tensors before an earlier one). Keys in ``skip`` (acquired already,
-    counted elsewhere) are passed over without counting."""
-    skipped, window, seen, total = set(skip), [], set(), 0
-    for i in range(pos, len(trace.keys)):
-        key = trace.keys[i]
-        if key in seen or key in skipped:
-            continue
-        if total + sizes[key] > limit:
-            break
-        seen.add(key)
-        window.append(key)
-        total += sizes[key]
-    return window
 
 
 # -- counters ---------------------------------------------------------------------------------

@@ -1,0 +1,79 @@
+"""The decisions of trace-driven residency, pure and knowing nothing of tensors: what a recorded
+iteration says about the next use of a key (:class:`AccessTrace`), which released key to evict
+(:func:`choose_victim`: the one used furthest ahead, Belady, else the least recently used) and
+which keys to fetch ahead (:func:`lookahead_window`: the next ones in trace order, as many as fit).
+
+:class:`~tiermem.transfer.schedule.ResidencyScheduler` carries them out for weights off the
+device, :class:`~tiermem.transfer.gather_schedule.GatherSchedule` for gathers of sharded ones.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Iterable, Mapping, Optional, Sequence
+
+__all__ = ["AccessTrace", "choose_victim", "lookahead_window"]
+
+
+class AccessTrace:
+    """One iteration's sequence of acquired keys, frozen, answering "when is ``key`` used next?".
+
+    The trace repeats: a key not used again in this iteration is next used at its first
+    position plus the trace's length (the next iteration); a key absent from it, never.
+    """
+
+    def __init__(self, keys: Sequence[str]):
+        self.keys = tuple(keys)
+        self._positions: dict[str, list[int]] = {}
+        for i, key in enumerate(self.keys):
+            self._positions.setdefault(key, []).append(i)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._positions
+
+    def next_use(self, key: str, pos: int) -> float:
+        """Position of ``key``'s first access at or after ``pos`` (``math.inf``: never)."""
+        at = self._positions.get(key)
+        if not at:
+            return math.inf
+        i = bisect.bisect_left(at, pos)
+        return at[i] if i < len(at) else at[0] + len(self.keys)
+
+
+def choose_victim(
+    candidates: Iterable[str], last_used: Mapping[str, int], *, trace: Optional[AccessTrace] = None, pos: int = 0
+) -> Optional[str]:
+    """The candidate to evict: with a trace, the one used furthest after ``pos`` (Belady), ties
+    going to the least recently used; without one, the least recently used. None if no candidate.
+    ``last_used`` maps keys to a growing counter; a key missing from it counts as oldest."""
+    best, best_rank = None, None
+    for key in candidates:
+        recency = last_used.get(key, -1)
+        rank = (trace.next_use(key, pos), -recency) if trace is not None else (0.0, -recency)
+        if best_rank is None or rank > best_rank:
+            best, best_rank = key, rank
+    return best
+
+
+def lookahead_window(
+    trace: AccessTrace, pos: int, sizes: Mapping[str, int], limit: int, *, skip: Iterable[str] = ()
+) -> list[str]:
+    """The distinct keys of ``trace`` from ``pos`` to its end, in order of next use, as many as
+    fit in ``limit`` bytes together. Stops at the first key that does not fit (fetching past it
+    would bring in later tensors before an earlier one). Keys in ``skip`` (acquired already,
+    counted elsewhere) are passed over without counting."""
+    skipped, window, seen, total = set(skip), [], set(), 0
+    for i in range(pos, len(trace.keys)):
+        key = trace.keys[i]
+        if key in seen or key in skipped:
+            continue
+        if total + sizes[key] > limit:
+            break
+        seen.add(key)
+        window.append(key)
+        total += sizes[key]
+    return window
