@@ -35,6 +35,7 @@ LAYERS = {
     "tiermem.train": 6,
     "tiermem.train.build": 6,  # TieredModel's construction, beside the composition root it serves
     "tiermem.cli": 7,
+    "tiermem.integrations.hf_args": 7,  # imports transformers: only tiermem.integrations.transformers imports it
     "tiermem.deepspeed": 7,  # a DeepSpeed config's reader and mappings, beside the walk that uses them
     "tiermem.deepspeed_config": 7,
     "tiermem.__main__": 7,

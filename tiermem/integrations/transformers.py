@@ -11,10 +11,10 @@ the trainer instead of ``TrainingArguments``)::
 Without a DeepSpeed config, ``tiermem={...}`` gives TieredModel's own options
 (``policy=``, ``nvme_dir=``, ``budgets=``, ...); precision and clipping always come from
 ``TrainingArguments`` (and the config), the optimizer from ``TrainingArguments(optim=...)`` (the
-names tiermem runs: :data:`OPTIM_NAMES`), the config's optimizer block,
-``optimizer_cls_and_kwargs=(cls, kwargs)`` or ``optimizers=(optimizer, scheduler)`` (a torch
-optimizer as ``TieredModel(optimizer=...)`` takes it, and an lr scheduler built on it, which is
-moved onto tiermem's optimizer).
+names tiermem runs: ``OPTIM_NAMES`` in :mod:`tiermem.integrations.hf_args`, which reads the
+arguments), the config's optimizer block, ``optimizer_cls_and_kwargs=(cls, kwargs)`` or
+``optimizers=(optimizer, scheduler)`` (a torch optimizer as ``TieredModel(optimizer=...)`` takes
+it, and an lr scheduler built on it, which is moved onto tiermem's optimizer).
 
 # NOTE [Trainer integration]
 The Trainer keeps its loop (data, gradient accumulation, lr scheduler, logging, evaluation,
@@ -22,8 +22,8 @@ The Trainer keeps its loop (data, gradient accumulation, lr scheduler, logging, 
 for subclasses, and two private methods of transformers 5 where no public hook exists
 (``_wrap_model``: what wraps the model for distributed training; ``_load_best_model``):
 
-- ``create_optimizer`` wraps the model in a TieredModel (its optimizer: a name of
-  :data:`OPTIM_NAMES` with the arguments' hyperparameters and the Trainer's weight-decay groups,
+- ``create_optimizer`` wraps the model in a TieredModel (its optimizer: a name of ``OPTIM_NAMES``
+  with the arguments' hyperparameters and the Trainer's weight-decay groups,
   ``optimizer_cls_and_kwargs`` built on those same groups, or the optimizer of ``optimizers=``,
   each read as :mod:`tiermem.torch_optim` reads a torch optimizer; a scheduler of ``optimizers=``
   then drives tiermem's groups) and gives the Trainer a torch Optimizer
@@ -71,7 +71,6 @@ for subclasses, and two private methods of transformers 5 where no public hook e
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -82,78 +81,28 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from tiermem.config import AdamW, _Spec
-from tiermem.optim_specs import SGD, Adagrad, AdamW8bit, Lion
-from tiermem.deepspeed_config import PASS_THROUGH, read_config, translate
+from tiermem.deepspeed_config import translate
 from tiermem.errors import ConfigError, TierMemError
+from tiermem.integrations.hf_args import (
+    built_named,
+    check_supported,
+    given_optimizer,
+    has_optimizer_block,
+    move_scheduler,
+    named_spec,
+    precision_of,
+    tiermem_options,
+    trainer_arguments,
+)
 from tiermem.integrations.hf_loop import TIERMEM_CHECKPOINT, SkipAwareOptimizer, TrainerModule, TrainerOptimizer
-from tiermem.torch_optim import runs, spec_from_torch, supported_names
 from tiermem.train.model import TieredModel
 
 log = logging.getLogger(__name__)
 
 __all__ = ["TieredTrainer", "TrainerOptimizer", "SkipAwareOptimizer", "TrainerModule", "TIERMEM_CHECKPOINT"]
 
-#: the optimizers TrainingArguments(optim=...) may name, each with the tiermem spec that runs it
-#: (built with those of the arguments' learning_rate, adam_beta1/2, adam_epsilon, weight_decay that
-#: it takes, as the Trainer builds them: Lion takes the adam betas; and the Trainer's no-decay
-#: group); one row per optimizer whose meaning tiermem's has (bitsandbytes' and torchao's 8-bit
-#: AdamW are block-wise 8-bit moments; paged state is homed by the policy instead), any other name
-#: (4-bit, 8-bit Lion, RMSprop, ...) is refused with this list
-OPTIM_NAMES: dict[str, type[_Spec]] = {
-    "adamw_torch": AdamW,
-    "adamw_torch_fused": AdamW,
-    "adamw_torch_xla": AdamW,
-    "adamw_torch_npu_fused": AdamW,
-    "paged_adamw_32bit": AdamW,
-    "sgd": SGD,
-    "adagrad": Adagrad,
-    "lion_32bit": Lion,
-    "paged_lion_32bit": Lion,
-    "adamw_8bit": AdamW8bit,
-    "adamw_bnb_8bit": AdamW8bit,
-    "paged_adamw_8bit": AdamW8bit,
-    "adamw_torch_8bit": AdamW8bit,
-}
-#: which of the arguments' hyperparameters the Trainer gives each (the Adams all of theirs; SGD and
-#: Adagrad the lr and the groups' weight decay, their eps their own; Lion the adam betas too)
-TRAINER_TAKES: dict[type, tuple[str, ...]] = {
-    SGD: ("lr", "weight_decay"),
-    Adagrad: ("lr", "weight_decay"),
-    Lion: ("lr", "betas", "weight_decay"),
-}
-#: the ``optim_args`` keys the Trainer reads for an optimizer ("momentum=0.9,nesterov=True"), as it reads them
-OPTIM_ARGS: dict[type, dict[str, Any]] = {
-    SGD: {
-        "momentum": float,
-        "dampening": float,
-        "weight_decay": float,
-        "nesterov": lambda v: v.lower() in ("true", "1", "yes"),
-    },
-    Adagrad: {"lr_decay": float, "weight_decay": float, "eps": float},
-}
 #: what a finished checkpoint-N/ holds: tiermem's state, and the Trainer's, which it writes last
 _COMPLETE = (TIERMEM_CHECKPOINT, TRAINER_STATE_NAME)
-
-
-class _NoPlacementArguments:
-    """Mixed into the Trainer's copy of the arguments: tiermem places the weights (the override
-    the Trainer documents for integrations that do)."""
-
-    @property
-    def place_model_on_device(self) -> bool:
-        return False
-
-
-def _trainer_arguments(args: TrainingArguments) -> TrainingArguments:
-    """The user's arguments with bf16/fp16 off and no device placement (NOTE [Trainer integration])."""
-    cls = type(f"Tiered{type(args).__name__}", (_NoPlacementArguments, type(args)), {})
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
-    return cls(**{**values, "bf16": False, "fp16": False})
-
-
-def _precision(args: TrainingArguments) -> str:
-    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
 class TieredTrainer(Trainer):
@@ -177,7 +126,7 @@ class TieredTrainer(Trainer):
                 "tiermem: TieredTrainer needs args=TrainingArguments(...) (its learning rate, "
                 "precision and clipping are tiermem's too)"
             )
-        _check_supported(targs, kwargs)
+        check_supported(targs, kwargs)
         # the optimizer given (built on the module's parameters) becomes the TieredModel's at create_optimizer;
         # the Trainer holds none until then, only the scheduler built on it
         self.user_optimizer: Optional[torch.optim.Optimizer]
@@ -185,15 +134,15 @@ class TieredTrainer(Trainer):
         if self.user_optimizer is not None:
             kwargs["optimizers"] = (None, scheduler)
         self.user_optimizer_cls_and_kwargs = kwargs.pop("optimizer_cls_and_kwargs", None)
-        self.tiermem_options = _tiermem_options(tiermem, deepspeed)
+        self.tiermem_options = tiermem_options(tiermem, deepspeed)
         self.deepspeed_config, self.user_args = deepspeed, targs
         self.tiered: Optional[TieredModel] = None
         self.tiered_optimizer: Optional[TrainerOptimizer] = None
         self._resume: Optional[str] = None  # the checkpoint folder train() resumes from
         if "args" in kwargs:
-            kwargs["args"] = _trainer_arguments(targs)
+            kwargs["args"] = trainer_arguments(targs)
         else:
-            args = (args[0], _trainer_arguments(targs), *args[2:])
+            args = (args[0], trainer_arguments(targs), *args[2:])
         super().__init__(*args, **kwargs)
 
     # -- the optimizer: a TieredModel ------------------------------------------------------------
@@ -216,7 +165,7 @@ class TieredTrainer(Trainer):
             self.tiered_optimizer = TrainerOptimizer(self.tiered)
             self.optimizer = SkipAwareOptimizer(self.tiered_optimizer)
             if self.user_optimizer is not None and self.lr_scheduler is not None:
-                _move_scheduler(self.lr_scheduler, self.user_optimizer, self.optimizer)
+                move_scheduler(self.lr_scheduler, self.user_optimizer, self.optimizer)
             if self._resume is not None:
                 self.tiered.load(os.path.join(self._resume, TIERMEM_CHECKPOINT))
         return self.optimizer
@@ -230,16 +179,22 @@ class TieredTrainer(Trainer):
             lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, weight_decay=a.weight_decay
         )
         placed = {"device": self.args.device, **self.tiermem_options}  # the Trainer's (cuda:<local rank>, use_cpu)
-        given = self._given_optimizer(model, decay)
+        given = given_optimizer(
+            model,
+            decay,
+            optimizer=self.user_optimizer,
+            cls_and_kwargs=self.user_optimizer_cls_and_kwargs,
+            weight_decay=a.weight_decay,
+        )
         if self.deepspeed_config is None:
-            optimizer = given if given is not None else self._built_named(hyper, no_decay)
-            return TieredModel(model, optimizer=optimizer, precision=_precision(a), grad_clip=grad_clip, **placed)
-        if given is None and not _has_optimizer_block(self.deepspeed_config):
-            self._named_optimizer()  # the arguments' optim= must be one tiermem runs: the config has none
+            optimizer = given if given is not None else built_named(a, hyper, no_decay)
+            return TieredModel(model, optimizer=optimizer, precision=precision_of(a), grad_clip=grad_clip, **placed)
+        if given is None and not has_optimizer_block(self.deepspeed_config):
+            named_spec(a)  # the arguments' optim= must be one tiermem runs: the config has none
         options, notes = translate(
             self.deepspeed_config,
             **hyper,
-            precision=_precision(a),
+            precision=precision_of(a),
             grad_clip=grad_clip,
             no_decay=no_decay,
             train_micro_batch_size_per_gpu=a.per_device_train_batch_size,
@@ -248,7 +203,7 @@ class TieredTrainer(Trainer):
             **placed,
         )
         if given is not None:
-            if _has_optimizer_block(self.deepspeed_config):
+            if has_optimizer_block(self.deepspeed_config):
                 raise ConfigError(
                     "tiermem: TieredTrainer got an optimizer (optimizers= or optimizer_cls_and_kwargs=) "
                     "and a DeepSpeed config with an optimizer block; drop one of them"
@@ -257,56 +212,6 @@ class TieredTrainer(Trainer):
         for line in notes:
             log.warning("%s", line)
         return TieredModel(model, **options)
-
-    def _built_named(self, hyper: dict[str, Any], no_decay: tuple[str, ...]) -> _Spec:
-        """The spec of ``optim=`` with the arguments' hyperparameters it takes, and ``optim_args``."""
-        spec = self._named_optimizer()
-        taken = TRAINER_TAKES.get(spec, spec.HYPER)
-        kwargs = {k: v for k, v in hyper.items() if k in taken}
-        given = self.user_args.optim_args
-        if given and spec in OPTIM_ARGS:
-            pairs = dict(x.split("=", 1) for x in given.replace(" ", "").split(",") if "=" in x)
-            kwargs.update({k: read(pairs[k]) for k, read in OPTIM_ARGS[spec].items() if k in pairs})
-        return spec(**kwargs, no_decay=no_decay)
-
-    def _named_optimizer(self) -> type[_Spec]:
-        """The spec of ``TrainingArguments(optim=...)``, by :data:`OPTIM_NAMES`."""
-        optim = getattr(self.user_args.optim, "value", self.user_args.optim)  # an OptimizerNames (a str enum) or a str
-        if optim == "adafactor":  # the Trainer's name builds transformers' Adafactor, another update than torch's
-            raise ConfigError(
-                "tiermem: TrainingArguments(optim='adafactor') is transformers' Adafactor with an absolute "
-                "step size (relative_step=False, scale_parameter=False), which tiermem does not run; "
-                "tiermem runs torch.optim.Adafactor (a step relative to the weights' RMS, other numbers): "
-                "pass TieredTrainer(optimizer_cls_and_kwargs=(torch.optim.Adafactor, {'lr': ...})) to "
-                "train with it"
-            )
-        if optim not in OPTIM_NAMES:
-            raise ConfigError(
-                f"tiermem: TrainingArguments(optim={optim!r}) is not an optimizer tiermem runs; it runs "
-                f"{', '.join(repr(n) for n in OPTIM_NAMES)} (the default is 'adamw_torch_fused')"
-            )
-        return OPTIM_NAMES[optim]
-
-    def _given_optimizer(self, model: torch.nn.Module, decay: set[str]) -> Any:
-        """The optimizer of ``optimizers=`` or one built as the Trainer builds
-        ``optimizer_cls_and_kwargs`` (its weight-decay groups), or None."""
-        if self.user_optimizer is not None:  # its scheduler, if any, moves onto tiermem's groups (_move_scheduler)
-            return spec_from_torch(self.user_optimizer, scheduled=True)
-        if self.user_optimizer_cls_and_kwargs is None:
-            return None
-        cls, kwargs = self.user_optimizer_cls_and_kwargs
-        if not runs(cls) and not (isinstance(cls, type) and issubclass(cls, _Spec)):
-            raise ConfigError(
-                f"tiermem: TieredTrainer(optimizer_cls_and_kwargs=({getattr(cls, '__name__', cls)}, ...)) "
-                f"is not an optimizer tiermem runs; it runs {supported_names()} and tiermem's specs fused, "
-                f"any other torch.optim.Optimizer generically"
-            )
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for n, p in named if n in decay], "weight_decay": self.user_args.weight_decay},
-            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-        ]
-        return cls(groups, **dict(kwargs))
 
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
         """Once the TieredModel exists, the loop's model is :class:`TrainerModule`: not the
@@ -518,74 +423,3 @@ def last_complete_checkpoint(output_dir: str) -> str:
         f"tiermem: no complete checkpoint-N folder in {str(output_dir)!r} to resume from; train "
         f"without resume_from_checkpoint, or pass the folder"
     )
-
-
-def _has_optimizer_block(config: Any) -> bool:
-    if config is None:
-        return False
-    return "optimizer" in read_config(config)
-
-
-def _tiermem_options(options: Optional[dict], deepspeed: Any) -> dict:
-    options = dict(options or {})
-    fixed = {"optimizer", "precision", "grad_clip", "no_decay", "no_decay_1d"} & set(options)
-    if fixed:
-        raise ConfigError(
-            f"tiermem: TieredTrainer(tiermem={{{', '.join(sorted(fixed))}: ...}}): these come from "
-            f"TrainingArguments (learning_rate, adam_*, weight_decay, bf16/fp16, max_grad_norm) and "
-            f"the Trainer's get_decay_parameter_names(); set them there"
-        )
-    if deepspeed is not None:
-        bad = sorted(set(options) - set(PASS_THROUGH) - {"nvme_dir"})
-        if bad:
-            raise ConfigError(
-                f"tiermem: TieredTrainer(deepspeed=..., tiermem={{{', '.join(bad)}: ...}}): the "
-                f"DeepSpeed config says these (where tensors live, loss scaling); drop them, or drop "
-                f"deepspeed= and give TieredModel's options in tiermem="
-            )
-    return options
-
-
-def _check_supported(args: TrainingArguments, kwargs: dict) -> None:
-    if args.deepspeed:
-        raise ConfigError(
-            "tiermem: TrainingArguments(deepspeed=...) would start DeepSpeed itself; pass the config to "
-            "TieredTrainer(..., deepspeed='ds.json') instead and leave it out of TrainingArguments"
-        )
-    if args.n_gpu > 1:
-        raise ConfigError(
-            f"tiermem: TieredTrainer drives one device per process ({args.n_gpu} GPUs are visible to "
-            f"this one); run one process per GPU with torchrun --nproc_per_node {args.n_gpu}"
-        )
-    optimizer, _ = kwargs.get("optimizers") or (None, None)
-    if optimizer is not None and kwargs.get("optimizer_cls_and_kwargs") is not None:
-        raise ConfigError("tiermem: TieredTrainer got both optimizers= and optimizer_cls_and_kwargs=; give one")
-    if optimizer is not None and not runs(type(optimizer)):
-        raise ConfigError(
-            f"tiermem: TieredTrainer(optimizers=({type(optimizer).__name__}(...), ...)) is not an "
-            f"optimizer tiermem runs; it runs {supported_names()} fused and any other torch.optim.Optimizer "
-            f"generically, built on the model's parameters"
-        )
-
-
-def _move_scheduler(scheduler: Any, given: torch.optim.Optimizer, tiered: torch.optim.Optimizer) -> None:
-    """The lr scheduler of ``optimizers=(optimizer, scheduler)``, built on the torch optimizer
-    tiermem read (and never steps), drives tiermem's groups instead: the same groups in the same
-    order, each with the lr and initial_lr the scheduler set. Torch schedulers check that the
-    optimizer's step is wrapped by one of them, and wrap it when they are built: a scheduler
-    built on ``tiered`` and dropped does that, its lr then put back."""
-    if getattr(scheduler, "optimizer", None) is not given:
-        raise ConfigError(
-            "tiermem: TieredTrainer(optimizers=(optimizer, scheduler)): the scheduler was not built on "
-            "that optimizer; build it on the optimizer you pass with it"
-        )
-    if len(given.param_groups) != len(tiered.param_groups):
-        raise TierMemError(
-            "tiermem: the optimizer's param groups and tiermem's differ in number; pass param groups "
-            "that hold the model's trainable parameters"
-        )
-    kept = [{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in given.param_groups]
-    torch.optim.lr_scheduler.LambdaLR(tiered, lambda _: 1.0)  # wraps tiered.step as torch's schedulers expect
-    for group, values in zip(tiered.param_groups, kept):
-        group.update(values)
-    scheduler.optimizer = tiered
