@@ -192,7 +192,7 @@ def test_readme_reads_in_five_minutes_and_its_links_resolve():
 
 def test_ci_runs_the_readme_test_command():
     """`.ci/run` runs the test command the README gives a newcomer."""
-    command = "python -m pytest -q"
+    command = "python -m pytest -q -n auto"
     assert f"pip install -e '.[test]' && {command}" in (ROOT / "README.md").read_text()
     assert any(line.strip() == command for line in (ROOT / ".ci" / "run").read_text().splitlines())
 
