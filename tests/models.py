@@ -112,6 +112,16 @@ class disk_fills_up:
         self.store._pwritev = self.real
 
 
+def forward_at(state: dict, x: torch.Tensor, make=TinyGPT) -> torch.Tensor:
+    """Plain PyTorch's oracle of a bf16 forward: ``make()`` holding ``state`` (fp32 master weights,
+    as ``tm.state_dict()`` gives them) rounded to bf16, on ``x``, without grad."""
+    m = make()
+    m.load_state_dict(state)
+    m.to(torch.bfloat16)
+    with torch.no_grad():
+        return m(x)
+
+
 def same_state(a: dict, b: dict) -> bool:
     """Two state dicts with the same keys and bit-identical tensors."""
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import tiermem
-from models import TinyGPT, gpt_batch, gpt_loss, same_state, train_steps
-from test_nvme_state import _disk_fails
+from models import TinyGPT, forward_at, gpt_batch, gpt_loss, same_state, train_steps
+from test_nvme_state import EVERY_STATE, _disk_fails, _files_fail, forward_after_failure
 from tiermem import PerClass, StoreError, TensorClass, TieredModel, Tier
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
 
@@ -171,4 +171,35 @@ def test_a_failed_step_with_one_copy_is_completed_by_its_retry(after, tmp_path):
     assert same_state(tm.state_dict(), ref.state_dict())
     assert train_steps(tm, 2, offset=3) == train_steps(ref, 2, offset=3)
     assert same_state(tm.state_dict(), ref.state_dict())
+    tm.detach()
+
+
+@pytest.mark.parametrize(
+    "failing,moves",
+    [(("",), False), (("ln_f.weight.",), True), (EVERY_STATE, True)],
+    ids=["nothing", "torn", "weights-only"],
+)
+def test_a_forward_between_a_failed_step_with_one_copy_and_its_retry(failing, moves, tmp_path):
+    """The weights' keys are the master's: a bucket whose new value landed in part is torn on disk
+    until the retry writes it whole (bucket 0's ``ln_f.weight`` fails, its state key and other
+    weights land; or its weights land and its state key fails). A forward in between is refused with a ``tiermem:`` error
+    saying to retry the step when anything moved (never a mix of two steps), and computes plain
+    PyTorch's output at the pre-step weights when nothing did; after the retry, at one step's."""
+    ref = _gpt("keep_on_device", None, bucket_size=1000)
+    tm = _gpt("zero_infinity", tmp_path, bucket_size=1000)
+    train_steps(ref, 2)
+    train_steps(tm, 2)
+    x, y = gpt_batch(2)
+    tm.backward(gpt_loss(tm(x), y))
+    before, probe = tm.state_dict(), gpt_batch(99)[0]
+    with _files_fail(tm.stores[Tier.NVME], failing):
+        with pytest.raises(StoreError, match=os.strerror(errno.EIO)):
+            tm.step()
+    assert forward_after_failure(tm, probe, before) is moves
+    tm.step()  # the retry
+    train_steps(ref, 1, offset=2)
+    stepped = ref.state_dict()
+    assert same_state(tm.state_dict(), stepped)
+    with torch.no_grad():
+        assert torch.equal(tm(probe), forward_at(stepped, probe))
     tm.detach()

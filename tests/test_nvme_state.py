@@ -14,12 +14,13 @@ import torch
 
 from models import (
     TinyGPT,
+    forward_at,
     gpt_batch,
     gpt_loss,
     same_state,
     train_steps as _train,
 )  # _train: test_param_offload imports it
-from tiermem import AdamW, Budgets, StoreError, TensorClass, TieredModel, Tier
+from tiermem import AdamW, Budgets, StoreError, TensorClass, TieredModel, Tier, TierMemError
 from tiermem.policies import ZeroInfinity, ZeroOffload
 from tiermem.plan.policy import Policy
 
@@ -103,6 +104,30 @@ class _disk_fails:
         self.store._pwritev = self.real
 
 
+class _files_fail:
+    """Within ``with _files_fail(store, prefixes):`` the store's writes to the files whose names
+    start with one of ``prefixes`` (a key's file is named after it: ``bucket0:state`` ->
+    ``bucket0_state.<hash>...``; ``""``: every file) fail with EIO, whatever the order the I/O
+    threads run them in."""
+
+    def __init__(self, store, prefixes: tuple[str, ...]):
+        self.store, self.prefixes = store, prefixes
+
+    def __enter__(self):
+        real = self.real = self.store._pwritev
+
+        def write(fd, bufs, offset):
+            if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(self.prefixes):
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return real(fd, bufs, offset)
+
+        self.store._pwritev = write
+        return self
+
+    def __exit__(self, *exc):
+        self.store._pwritev = self.real
+
+
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
 @pytest.mark.parametrize("after", [1, 4, 9])
 def test_failed_step_is_completed_by_a_retry_bit_for_bit(tmp_path, code, after):
@@ -129,6 +154,86 @@ def test_failed_step_is_completed_by_a_retry_bit_for_bit(tmp_path, code, after):
     assert all(torch.equal(p, q) for p, q in zip(tm.module.parameters(), ref.module.parameters()))
     assert _train(tm, 2, offset=3) == _train(ref, 2, offset=3)
     assert same_state(tm.state_dict(), ref.state_dict())
+
+
+def forward_after_failure(tm, probe, before) -> bool:
+    """``tm(probe)`` just after a step failed part way, checked: the output of plain PyTorch at the
+    pre-step weights ``before`` when nothing of the step moved, a ``tiermem:`` error saying to
+    retry the step when some of it did (a forward would mix weights of two steps). Returns
+    whether the step moved anything (read after the forward: ``state_dict()`` writes a bucket kept
+    in memory, NOTE [A failed step is rolled forward])."""
+    try:
+        with torch.no_grad():
+            out = tm(probe)
+    except TierMemError as e:
+        out, refused = None, e
+    else:
+        refused = None
+    moved = not same_state(tm.state_dict(), before)
+    if moved:
+        assert refused is not None, "a forward between a failed step and its retry ran on a mix of two steps"
+        assert str(refused).startswith("tiermem:") and "tm.step()" in str(refused)
+    else:
+        assert refused is None, refused
+        assert torch.equal(out, forward_at(before, probe)), "a failed step that moved nothing changed the weights"
+    return moved
+
+
+EVERY_STATE = tuple(f"bucket{i}_state." for i in range(10))
+
+
+@pytest.mark.parametrize(
+    "policy,failing,moves",
+    [
+        ("state_on_nvme", ("",), False),  # bucket 0's new weights reached the device, its state did not
+        ("state_on_nvme", ("bucket0_state.",), True),  # bucket 1 lands, bucket 0 does not
+        ("zero_infinity", EVERY_STATE, False),  # new weights land on disk, no state does
+        ("zero_infinity", ("bucket0_state.",), True),
+    ],
+    ids=["sonvme-nothing", "sonvme-part", "zinf-nothing", "zinf-part"],
+)
+def test_a_forward_between_a_failed_step_and_its_retry(tmp_path, policy, failing, moves):
+    """What a forward computes after a step failed on NVMe: plain PyTorch at the pre-step weights
+    when nothing of the step moved; refused with a ``tiermem:`` error saying to retry the step
+    when part of it did; after the retry, plain PyTorch at the weights of one uninterrupted step."""
+    ref = _make(ZeroOffload(), None)
+    tm = _make({"state_on_nvme": StateOnNvme(), "zero_infinity": ZeroInfinity()}[policy], tmp_path)
+    _train(ref, 2)
+    _train(tm, 2)
+    x, y = gpt_batch(2)
+    tm.backward(gpt_loss(tm(x), y))
+    before, probe = tm.state_dict(), gpt_batch(99)[0]
+    with _files_fail(tm.stores[Tier.NVME], failing):
+        with pytest.raises(StoreError, match=os.strerror(errno.EIO)):
+            tm.step()
+    assert forward_after_failure(tm, probe, before) is moves
+    tm.step()  # the retry
+    _train(ref, 1, offset=2)
+    stepped = ref.state_dict()
+    assert same_state(tm.state_dict(), stepped)
+    with torch.no_grad():
+        assert torch.equal(tm(probe), forward_at(stepped, probe))
+    assert _train(tm, 2, offset=3) == _train(ref, 2, offset=3)
+
+
+def test_a_retry_that_fails_before_updating_anything_keeps_the_first_norm(tmp_path):
+    """A failed step's retry that fails too, before any bucket lands: the step is still the first
+    one's to complete, with its gradient norm and clip coefficient (the grads of the buckets it
+    updated are gone), so the next retry still equals the uninterrupted run bit for bit."""
+    ref = _make(StateOnNvme(), tmp_path / "ref" if (tmp_path / "ref").mkdir() is None else None)
+    tm = _make(StateOnNvme(), tmp_path / "tm" if (tmp_path / "tm").mkdir() is None else None)
+    _train(ref, 2)
+    _train(tm, 2)
+    x, y = gpt_batch(2)
+    tm.backward(gpt_loss(tm(x), y))
+    for failing in (("bucket1_state.",), ("",)):  # bucket 0 lands; then the retry lands nothing
+        with _files_fail(tm.stores[Tier.NVME], failing):
+            with pytest.raises(StoreError):
+                tm.step()
+    tm.step()
+    _train(ref, 1, offset=2)
+    assert same_state(tm.state_dict(), ref.state_dict())
+    assert _train(tm, 2, offset=3) == _train(ref, 2, offset=3)
 
 
 def test_resume_from_nvme_state_is_bit_identical(tmp_path):

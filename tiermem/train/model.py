@@ -225,6 +225,7 @@ class TieredModel:
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         with self._life.during("forward", Phase.FORWARD):
+            self.stepper.check_whole("tm(...)")  # NOTE [A failed step is rolled forward]
             if torch.is_grad_enabled() and self.module.training and self.group.world == 1:
                 # NOTE [Freezing and unfreezing]; under data parallelism at backward, where every rank is
                 self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=False)
@@ -435,6 +436,7 @@ class TieredModel:
             what: a module of the wrapped model, one of its parameters, or an iterable of either.
         """
         self._settled("resident()")
+        self.stepper.check_whole("tm.resident()")  # NOTE [A failed step is rolled forward]
         params = _params_of(what, self.module)
         filled: list[dict[str, torch.Tensor]] = []  # what each home's block wrote, once it ends
         with contextlib.ExitStack() as blocks:

@@ -142,6 +142,8 @@ class Stepper:
         self.skipped_in_a_row = 0
         self._norms: tuple[list[str], torch.Tensor] = ([], torch.zeros(0))
         self._unsent: set[int] = set()  # buckets a failed step updated: their weights go home again
+        self._between: Optional[str] = None  # why a failed step left weights of two steps (NOTE [A failed
+        # step is rolled forward]): reads are refused until its retry
         self._resuming: Optional[_Resume] = None  # a step that failed part-way, for its retry
         self._generic: Optional[GenericRunner] = None  # a generic optimizer's copy (NOTE [Generic optimizers])
 
@@ -164,10 +166,22 @@ class Stepper:
         self.outputs.land_background(plan)
 
     # -- the step --------------------------------------------------------------------------------
+    def check_whole(self, call: str) -> None:
+        """Refuse ``call`` (a read of the weights) while a failed step has left some buckets updated
+        and others not: it would compute with weights of two steps (NOTE [A failed step is rolled
+        forward] in tiermem/train/nvme_state.py)."""
+        if self._between is not None:
+            raise TierMemError(
+                f"tiermem: {call} would compute with weights of two steps: the last tm.step() failed part "
+                f"way ({self._between}) after updating some of the weights; call tm.step() again to "
+                f"complete it (its gradients were kept), or tm.load() a checkpoint"
+            )
+
     def run(self, groups: list[dict]) -> StepResult:
         t0 = time.perf_counter()
         with self.tracer.span("step", "compute", step=self.steps + 1):
             result = self._run(groups)
+            self._between = None  # every bucket has had this step's update (or the step changed nothing)
             for home in self.homes.weight_homes():  # the iteration ends, skipped or not
                 home.end_update()
         self.seconds += time.perf_counter() - t0
@@ -306,18 +320,21 @@ class Stepper:
                     )
                 )
             uploads.finish()
-        except BaseException:
+        except BaseException as e:
             uploads.finish(quiet=True)
             for home, undo in done:
                 home.revert(undo)
-            self._roll_back(upd.plan, updated)
+            self._roll_back(upd.plan, updated, uploads.landed(), e)
             raise
 
-    def _roll_back(self, plan: list[tuple[Bucket, Runs]], updated: set[int]) -> None:
+    def _roll_back(
+        self, plan: list[tuple[Bucket, Runs]], updated: set[int], landed: set[int], error: BaseException
+    ) -> None:
         """A failed step: buckets already updated (in memory) keep their update and drop their
         grads, so a retry cannot apply them twice; the others get their step counts back (their
-        grads stay, for a retry); revertible buckets' weights are sent home again from the state
-        they went back to."""
+        grads stay, for a retry), and their weights are sent home again from the state they hold
+        (revertible ones: went back to) if new ones had ``landed``. With some buckets updated,
+        reads of the weights are refused until the retry (:meth:`check_whole`)."""
         for b, runs in plan:
             for s in slots_in(b, runs):
                 if b.index in updated:
@@ -325,11 +342,19 @@ class Stepper:
                 else:
                     self._step_of[s.name] -= 1
         self._unsent |= updated  # their new weights may not have reached home: the next step sends them
-        if not updated:
-            self._resuming = None  # nothing changed: the retry is a step like any other
-        restore = [b for b, _ in plan if self.homes.state[b.index].revertible]
+        if updated:
+            self._between = f"{type(error).__name__}: {error}"
+        elif self._between is None:
+            self._resuming = None  # nothing changed, now or in an earlier try: the retry is a step like any other
+        restore = [
+            b for b, _ in plan if self.homes.state[b.index].revertible or (b.index in landed and b.index not in updated)
+        ]
         if restore:
-            self._send_masters(restore)
+            try:
+                self._send_masters(restore)
+            except BaseException:
+                self._between = f"{type(error).__name__}: {error}; the new weights it had sent could not be taken back"
+                raise
 
     def _send_unsent(self) -> None:
         """The weights of buckets a failed step updated, sent home again from their master (NOTE
@@ -434,6 +459,7 @@ class Stepper:
     def load_param_steps(self, steps: dict[str, int], total: int) -> None:
         self._step_of = dict(steps)
         self._resuming = None
+        self._between = None  # every weight comes from the checkpoint
         self.steps = int(total)
 
 

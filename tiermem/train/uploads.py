@@ -86,6 +86,7 @@ class Uploads:
         self.turn = 0
         self.inflight: dict[tuple[Tier, int], list[Handle]] = {}
         self._current: tuple[Tier, int] | None = None
+        self._sent: dict[int, list[Handle]] = {}  # bucket -> the transfers of its new weights home
 
     def target(self, b: Bucket) -> Optional[torch.Tensor]:
         """Where Adam writes ``b``'s new weights; None when it writes none."""
@@ -110,7 +111,12 @@ class Uploads:
         if self.o.overlap or self._current is None or out is None:
             return
         self.inflight[self._current] = self.o.homes.weights[b.index].write(b, out, runs, self.o.homes.compute_tier(b))
+        self._sent.setdefault(b.index, []).extend(self.inflight[self._current])
         self.turn += 1
+
+    def landed(self) -> set[int]:
+        """The buckets some of whose new weights reached home (after :meth:`finish`)."""
+        return {index for index, hs in self._sent.items() if any(h.succeeded() for h in hs)}
 
     def finish(self, quiet: bool = False) -> None:
         handles = [h for hs in self.inflight.values() for h in hs]
