@@ -79,8 +79,10 @@ def test_a_bf16_master_that_is_the_weights_is_written_once():
     nvme = Bucket(0, Tier.HOST, Tier.NVME, 0, param_tier=Tier.NVME, numel=10**9, state=sr)
     joined = nvme.joined_bytes()
     assert predict([nvme], 2, RATES).stages["optimizer"] == pytest.approx(joined / 1e9)
-    for apart in ({"overlap": True}, {"world": 2}):
+    for apart in ({"overlap": True}, {"world": 2}, {"world": 2, "shard_weights": True}):
         assert predict([nvme], 2, RATES, **apart).stages["optimizer"] == pytest.approx((joined + 2e9) / 1e9)
+    # sharding is the placement's (weights_sharded): one rank's weights are never sharded, whatever shard_weights says
+    assert predict([nvme], 2, RATES, shard_weights=True).stages["optimizer"] == pytest.approx(joined / 1e9)
     host = Bucket(0, Tier.HOST, Tier.HOST, 0, param_tier=Tier.HOST, numel=10**9, state=sr)
     assert predict([host], 2, RATES).stages["weights up"] == 0
     assert predict([host], 2, RATES, overlap=True).stages["weights up"] == pytest.approx(2e9 / 40e9)

@@ -126,6 +126,7 @@ class Evaluator:
                 precision=precision_of(self.dtype),
                 overlap=self.overlap,
                 world=self.world,
+                shard_weights=self.shard_weights,
             ).stages
             if predict
             else {}

@@ -46,7 +46,7 @@ import torch
 from tiermem.config import PRECISIONS
 from tiermem.errors import ConfigError
 from tiermem.plan.buckets import Bucket
-from tiermem.plan.placement import compute_tier, master_is_weights
+from tiermem.plan.placement import compute_tier, master_is_weights, weights_sharded
 from tiermem.plan.profile import Profile
 from tiermem.types import Tier
 
@@ -158,13 +158,16 @@ def predict(
     precision: Optional[str] = None,
     overlap: bool = False,
     world: int = 1,
+    shard_weights: bool = False,
 ) -> Prediction:
     """Predicted seconds per stage of one step of ``buckets`` with ``itemsize``-byte working weights
     (NOTE [Cost model]); ``forward_backward``: the compute's measured seconds, 0 when unknown;
     ``flops``: the step's matmul FLOPs (:func:`step_flops`), which predict the compute in
     ``precision`` (a name of tiermem.config.PRECISIONS) when it is not measured; ``overlap``
-    (overlap_step) and ``world`` (data-parallel ranks) decide which buckets' weights are their bf16
-    master (:func:`~tiermem.plan.placement.master_is_weights`): no weights of their own to write."""
+    (overlap_step) and which buckets' weights are sharded over the ranks (``world`` data-parallel
+    ranks, ``shard_weights``: :func:`~tiermem.plan.placement.weights_sharded`) decide which
+    buckets' weights are their bf16 master (:func:`~tiermem.plan.placement.master_is_weights`): no
+    weights of their own to write."""
     forward_backward = compute_seconds(rates, forward_backward=forward_backward, flops=flops, precision=precision)
     w = itemsize
     fetch = sum(
@@ -187,7 +190,7 @@ def predict(
     on_device = sum(b.numel for b in buckets if compute_tier(b) == Tier.DEVICE)
     on_host = sum(b.numel for b in buckets if compute_tier(b) != Tier.DEVICE)
     # NOTE [One copy of bf16 master weights]: the master read and written once, as the weights
-    one_copy = {b.index for b in buckets if master_is_weights(b, world > 1, overlap)}
+    one_copy = {b.index for b in buckets if master_is_weights(b, weights_sharded(b, world, shard_weights), overlap)}
     streamed = [b for b in buckets if b.state_tier == Tier.NVME]
     # each bucket's state as its format keeps it (NOTE [State formats]: 12 B/param for Adam's fp32 state)
     nvme_read = sum(b.joined_bytes() for b in streamed) / rates.nvme_read

@@ -46,7 +46,7 @@ model as a whole:
   floating point), and a copy in their own dtype on the host when that is not the working
   precision (NOTE [Frozen weights keep one copy] in tiermem/train/frozen.py); under data
   parallelism those sharded over the ranks (NOTE [Frozen weights sharded over the ranks]) are
-  buckets of their own (``frozen_buckets``): a rank keeps ``w*ceil(n/world)`` of each, one buffer
+  buckets of their own (``sharded_frozen``): a rank keeps ``w*ceil(n/world)`` of each, one buffer
   on the host, and they are gathered like the trainable ones below (the host copy stays whole);
 - grads in flight on the device: autograd makes each grad there, in the working precision, and it
   leaves for its home once complete; when the device budget is tight the next one waits until
@@ -181,7 +181,7 @@ def footprint(
     shard_weights: bool = False,
     gathered_at_once: int = 0,
     device_is_host: bool = False,
-    frozen_buckets: Sequence[Bucket] = (),
+    sharded_frozen: Sequence[Bucket] = (),
 ) -> Footprint:
     """Bytes each tier must hold, by purpose, for the layout of ``buckets`` to be built and a step
     to run (NOTE [Footprint]). ``frozen``: each parameter that needs no grad, with its PARAM home;
@@ -192,7 +192,7 @@ def footprint(
     with ``shard_weights``; ``gathered_at_once``: :func:`gathers_held` of the module);
     ``nvme_staging``: whether weights moving between NVMe and the device stage through the host (on
     a GPU: ``device.type == "cuda"``); ``device_is_host``: whether the device is the CPU (its memory
-    the host's: :func:`~tiermem.plan.placement.weights_from_master`); ``frozen_buckets``: the
+    the host's: :func:`~tiermem.plan.placement.weights_from_master`); ``sharded_frozen``: the
     frozen parameters sharded over the ranks (:func:`~tiermem.plan.placement.frozen_buckets`),
     which ``frozen`` does not list."""
     need: Footprint = {}
@@ -266,7 +266,7 @@ def footprint(
     weights_largest = max(
         (
             chunk(b) if b.index in sharded or b.frozen else b.numel
-            for b in [*buckets, *frozen_buckets]
+            for b in [*buckets, *sharded_frozen]
             if b.param_tier == Tier.NVME
         ),
         default=0,
@@ -295,13 +295,13 @@ def footprint(
                 staged.setdefault(compute_tier(b), []).append(chunk(b))
         for tier, numels in staged.items():
             add(tier, WEIGHT_STAGING, **each(max(numels) * w, min(2, len(numels))))  # a single bucket needs one
-    for b in frozen_buckets:  # NOTE [Frozen weights sharded over the ranks]: this rank's chunk, one buffer
+    for b in sharded_frozen:  # NOTE [Frozen weights sharded over the ranks]: this rank's chunk, one buffer
         n = chunk(b) * w
         add(b.param_tier, FROZEN_WEIGHTS, n, buffers=[n] if b.param_tier == Tier.HOST else ())
         for s in b.slots:
             if keeps_copy(s.param.dtype, dtype, True):  # NOTE [Frozen weights keep one copy]: whole, on each rank
                 add(Tier.HOST, FROZEN_COPY, **each(s.numel * s.param.element_size()))
-    gathers = [b for b in [*buckets, *frozen_buckets] if b.index in sharded or b.frozen]
+    gathers = [b for b in [*buckets, *sharded_frozen] if b.index in sharded or b.frozen]
     if gathers:
         gathered = [chunk(b) * world * w for b in gathers]
         add(Tier.DEVICE, GATHERED, min(sum(gathered), gathered_at_once * max(gathered) + gather_ahead(gathered)))
@@ -367,7 +367,7 @@ def model_footprint(
         largest_module=largest_module_bytes(module, offloaded, dtype),
         shard_weights=shard_weights,
         gathered_at_once=gathers_held(module, [*buckets, *cold], gathers) if gathers else 0,
-        frozen_buckets=cold,
+        sharded_frozen=cold,
     )
 
 

@@ -75,10 +75,15 @@ def format_of(spec: _Spec, p: torch.Tensor) -> StateFormat:
 
 def weights_sharded(b: Bucket, world: int, shard_weights: bool) -> bool:
     """Whether a bucket's working weights are cut over the ranks, each keeping its chunk (NOTE
-    [Weights sharded over the ranks] in tiermem/train/gathered.py): under data parallelism, those
-    off the device always; those on the device with ``shard_weights`` (else each rank keeps them
-    whole, ZeRO-2)."""
-    return world > 1 and (b.param_tier != Tier.DEVICE or shard_weights)
+    [Weights sharded over the ranks] in tiermem/train/gathered.py): :func:`sharded_at` its PARAM tier."""
+    return sharded_at(b.param_tier, world, shard_weights)
+
+
+def sharded_at(param_tier: Tier, world: int, shard_weights: bool) -> bool:
+    """Whether working weights homed on ``param_tier`` are cut over the ranks: under data
+    parallelism, those off the device always; those on the device with ``shard_weights`` (else
+    each rank keeps them whole, ZeRO-2). Frozen ones follow it too (:func:`frozen_buckets`)."""
+    return world > 1 and (param_tier != Tier.DEVICE or shard_weights)
 
 
 def split_weights(
@@ -116,7 +121,7 @@ def frozen_buckets(
     placed = []
     for name, p in reversed(unique):
         tier = param_homes.get(name, Tier.DEVICE)
-        if not p.requires_grad and p.is_floating_point() and world > 1 and (tier != Tier.DEVICE or shard_weights):
+        if not p.requires_grad and p.is_floating_point() and sharded_at(tier, world, shard_weights):
             placed.append(Placed(name, p, tier, tier, 0, tier))
     buckets = plan_buckets(placed, bucket_numel or 1, first_index=first_index)
     for b in buckets:

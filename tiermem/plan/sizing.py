@@ -57,6 +57,7 @@ from tiermem.errors import ConfigError
 from tiermem.optim.formats import ADAM, StateFormat, state_format
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.footprint import TRAINING_STATE, footprint, totals
+from tiermem.plan.placement import weights_sharded
 from tiermem.types import TensorClass, Tier
 
 #: The precisions, in the order plan prints them (declared with their dtypes in tiermem.config).
@@ -203,7 +204,7 @@ def tier_bytes(
     )
     base = torch.empty(frozen, dtype=torch.float32, device="meta")  # no memory
     cold = Bucket(1, home, home, 0, home, frozen=True)  # NOTE [Frozen weights sharded over the ranks]
-    if frozen and world > 1 and (home != Tier.DEVICE or shard_weights):
+    if frozen and weights_sharded(cold, world, shard_weights):
         cold.add("frozen", torch.nn.Parameter(base, requires_grad=False), 0)
     need = footprint(
         [bucket],
@@ -211,7 +212,7 @@ def tier_bytes(
         working_dtype(check_precision(precision)),
         world=world,
         shard_weights=shard_weights,
-        frozen_buckets=[cold] if cold.slots else [],
+        sharded_frozen=[cold] if cold.slots else [],
     )
     return totals(need, TRAINING_STATE)
 
