@@ -112,14 +112,15 @@ class disk_fills_up:
         self.store._pwritev = self.real
 
 
-def forward_at(state: dict, x: torch.Tensor, make=TinyGPT) -> torch.Tensor:
+def forward_at(state: dict, x: torch.Tensor, device, make=TinyGPT) -> torch.Tensor:
     """Plain PyTorch's oracle of a bf16 forward: ``make()`` holding ``state`` (fp32 master weights,
-    as ``tm.state_dict()`` gives them) rounded to bf16, on ``x``, without grad."""
+    as ``tm.state_dict()`` gives them) rounded to bf16, on ``device`` (the TieredModel's), on
+    ``x``, without grad."""
     m = make()
     m.load_state_dict(state)
-    m.to(torch.bfloat16)
+    m.to(device=device, dtype=torch.bfloat16)
     with torch.no_grad():
-        return m(x)
+        return m(x.to(device))
 
 
 def same_state(a: dict, b: dict) -> bool:

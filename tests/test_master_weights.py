@@ -201,5 +201,5 @@ def test_a_forward_between_a_failed_step_with_one_copy_and_its_retry(failing, mo
     stepped = ref.state_dict()
     assert same_state(tm.state_dict(), stepped)
     with torch.no_grad():
-        assert torch.equal(tm(probe), forward_at(stepped, probe))
+        assert torch.equal(tm(probe), forward_at(stepped, probe, tm.device))
     tm.detach()

@@ -175,7 +175,9 @@ def forward_after_failure(tm, probe, before) -> bool:
         assert str(refused).startswith("tiermem:") and "tm.step()" in str(refused)
     else:
         assert refused is None, refused
-        assert torch.equal(out, forward_at(before, probe)), "a failed step that moved nothing changed the weights"
+        assert torch.equal(out, forward_at(before, probe, tm.device)), (
+            "a failed step that moved nothing changed the weights"
+        )
     return moved
 
 
@@ -212,7 +214,7 @@ def test_a_forward_between_a_failed_step_and_its_retry(tmp_path, policy, failing
     stepped = ref.state_dict()
     assert same_state(tm.state_dict(), stepped)
     with torch.no_grad():
-        assert torch.equal(tm(probe), forward_at(stepped, probe))
+        assert torch.equal(tm(probe), forward_at(stepped, probe, tm.device))
     assert _train(tm, 2, offset=3) == _train(ref, 2, offset=3)
 
 
