@@ -173,6 +173,10 @@ def forward_after_failure(tm, probe, before) -> bool:
     if moved:
         assert refused is not None, "a forward between a failed step and its retry ran on a mix of two steps"
         assert str(refused).startswith("tiermem:") and "tm.step()" in str(refused)
+        path = os.path.join(os.path.dirname(tm.stores[Tier.NVME].directory), "mixed.tm")
+        with pytest.raises(TierMemError, match=r"^tiermem: tm\.save\(\) would use weights of two steps.*tm\.step\(\)"):
+            tm.save(path)  # a checkpoint would keep the mix for good
+        assert not os.path.exists(path)
     else:
         assert refused is None, refused
         assert torch.equal(out, forward_at(before, probe, tm.device)), (

@@ -377,7 +377,9 @@ class TieredModel:
         """
         if format is None:
             format = "dcp" if self.group.world > 1 else "file"
-        checkpoint.save(self._settled("save()"), path, format)
+        state = self._settled("save()")
+        self.stepper.check_whole("tm.save()")  # a checkpoint of two steps would keep the mix for good
+        checkpoint.save(state, path, format)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This process's shards of the fp32 master weights and Adam moments, in a form
@@ -388,7 +390,9 @@ class TieredModel:
         memory). ``dcp.save(tm.sharded_state_dict(), checkpoint_id=d)`` writes a checkpoint
         ``tm.load(d)`` reads; ``sd = tm.sharded_state_dict(); dcp.load(sd, checkpoint_id=d);
         tm.load_sharded_state_dict(sd)`` loads one. ``tm.state_dict()`` stays the whole weights."""
-        return checkpoint.sharded_state_dict(self._settled("sharded_state_dict()"))
+        state = self._settled("sharded_state_dict()")
+        self.stepper.check_whole("tm.sharded_state_dict()")  # NOTE [A failed step is rolled forward]
+        return checkpoint.sharded_state_dict(state)
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take back what :meth:`sharded_state_dict` gave, filled by ``dcp.load``: the state, the

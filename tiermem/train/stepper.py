@@ -167,12 +167,12 @@ class Stepper:
 
     # -- the step --------------------------------------------------------------------------------
     def check_whole(self, call: str) -> None:
-        """Refuse ``call`` (a read of the weights) while a failed step has left some buckets updated
-        and others not: it would compute with weights of two steps (NOTE [A failed step is rolled
+        """Refuse ``call`` (a forward, or a checkpoint) while a failed step has left some buckets
+        updated and others not: it would use weights of two steps (NOTE [A failed step is rolled
         forward] in tiermem/train/nvme_state.py)."""
         if self._between is not None:
             raise TierMemError(
-                f"tiermem: {call} would compute with weights of two steps: the last tm.step() failed part "
+                f"tiermem: {call} would use weights of two steps: the last tm.step() failed part "
                 f"way ({self._between}) after updating some of the weights; call tm.step() again to "
                 f"complete it (its gradients were kept), or tm.load() a checkpoint"
             )
