@@ -14,6 +14,7 @@ tests marked slow, a fifth tiermem's own Adam kernel, compiled once per cache), 
 from __future__ import annotations
 
 import collections
+import inspect
 import logging
 import os
 
@@ -29,6 +30,9 @@ from torch.nn import functional as F  # noqa: E402
 from models import TinyGPT, gpt_batch, gpt_loss, same_state  # noqa: E402
 from tiermem import AdamW, Policy, TensorClass, TieredModel, Tier  # noqa: E402
 from tiermem.policies import ActivationOffload, Auto, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
+from tiermem.train.activations import ActivationOffloader  # noqa: E402
+from tiermem.train.offdevice import OffDeviceWeight  # noqa: E402
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
@@ -178,6 +182,9 @@ def test_compiled_model_under_zero_infinity_runs_eagerly_with_the_uncompiled_num
         compiled = _train_gpt(make(), **_policies(tmp_path)["zero-infinity"], overlap_step=overlap)
     assert "forward runs eagerly" in caplog.text
     assert compiled[0] == eager[0] and same_state(compiled[1], eager[1])
+    # dynamo compiled no code of tiermem's own callbacks (NOTE [Callbacks dynamo must not trace])
+    for fn in (inspect.unwrap(OffDeviceWeight.__torch_dispatch__.__func__), ActivationOffloader._pack):
+        assert _debug_get_cache_entry_list(fn.__code__) == [], fn.__qualname__
     compiled[2].detach()
     eager[2].detach()
 

@@ -34,6 +34,7 @@ import torch.utils.weak
 
 from tiermem.transfer.activation_io import ActivationMover, ActivationStats, Record, reserve_device, view_of
 from tiermem.errors import ConfigError, fmt_bytes
+from tiermem.train.hooks import untraced
 from tiermem.train.offdevice import is_off_device
 from tiermem.plan.policy import Policy, checked_place
 from tiermem.memory.aligned import ALIGN
@@ -142,7 +143,7 @@ class ActivationOffloader:
         }
         self._run, self._active = _Pass(), True
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(*untraced(self._pack, self._unpack)):
                 yield
         finally:
             self._active, self._run = False, None

@@ -107,6 +107,7 @@ class OffDeviceWeight(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's own way to disable it
 
     @classmethod
+    @torch._disable_dynamo  # never traced: NOTE [Callbacks dynamo must not trace] in tiermem/train/hooks.py
     def __torch_dispatch__(  # type: ignore[override]  # torch: untyped
         cls,
         func: OpOverload,
