@@ -279,7 +279,8 @@ def test_a_model_dropped_as_a_script_ends_leaves_no_files(tmp_path):
     the store still deletes its files (a model living in ``main()`` is dropped at every end)."""
     run_python(
         f"""
-        import time
+        import os, time
+        os.environ["TIERMEM_NO_COMPILE"] = "1"  # torch's fused AdamW: no kernel to load (~7 of 16 CPU s)
         from models import TinyGPT, train_steps
         from tiermem import TieredModel
         from tiermem.memory import deferred
@@ -306,6 +307,7 @@ def test_a_model_collected_inside_a_thread_pools_lock_does_not_deadlock(tmp_path
     done = run_python(
         f"""
         import concurrent.futures.thread, gc, os
+        os.environ["TIERMEM_NO_COMPILE"] = "1"  # torch's fused AdamW: no kernel to load (~7 of 16 CPU s)
         from models import TinyGPT, train_steps
         from tiermem import TieredModel
         from tiermem.memory import deferred
