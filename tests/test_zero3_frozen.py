@@ -298,3 +298,102 @@ def test_plan_counts_a_rank_share_of_the_frozen_base():
     placement = sizing.placement_of("ZeroInfinity")
     one, two = (sizing.tier_bytes(1000, "bf16", placement, frozen=10**6, world=w)[N] for w in (1, 2))
     assert two == one // 2  # weights, state and the frozen base: each rank half of each
+
+
+# -- a DCP directory holds each rank's own pieces of the frozen base -------------------------------
+def _frozen_elements_by_file(path: str, frozen: list[str]) -> dict[str, int]:
+    """How many elements of the frozen parameters ``frozen`` each file of a DCP directory holds
+    (DCP's metadata: each chunk's box, and the file it lies in); a file per rank."""
+    import math
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(path).read_metadata()
+    out: dict[str, int] = {}
+    for index, where in md.storage_data.items():
+        if index.fqn.removeprefix("model.") in frozen:
+            box = next(c for c in md.state_dict_metadata[index.fqn].chunks if c.offsets == index.offset)
+            out[where.relative_path] = out.get(where.relative_path, 0) + math.prod(box.sizes)
+    return out
+
+
+def _rank_dcp(rank, world, tmp, solo_path):
+    """A run saved after its first step and one not saved train on alike; a model that loads the
+    checkpoint (another NVMe directory, and another bucket size) trains on like them; a model
+    loads a checkpoint one process saved."""
+    plain = _make("zero-infinity", tmp, tag="-plain")
+    _train(plain, rank, world, range(2))
+    tm = _make("zero-infinity", tmp, tag="-saved")
+    _train(tm, rank, world, range(1))
+    gathers = tm.gathered.gathers
+    path = os.path.join(tmp, "saved.dcp")
+    tm.save(path)
+    out = {"gathers during save": tm.gathered.gathers - gathers}
+    _train(tm, rank, world, range(1, 2))
+    out["plain"], out["saved"] = plain.state_dict(), tm.state_dict()
+    back = _make("zero-infinity", tmp, tag="-back")
+    back.load(path)
+    _train(back, rank, world, range(1, 2))
+    out["loaded"] = back.state_dict()
+    other = _make("weights-on-host", tmp, bucket_size="8KiB", tag="-other")  # other chunks of other buckets
+    other.load(path)
+    out["other"] = other.state_dict()
+    one = _make("zero-infinity", tmp, tag="-from-one")
+    one.load(solo_path)
+    out["from one"] = one.state_dict()
+    _train(one, rank, world, range(1, 2))
+    out["from one on"] = one.state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def z3_dcp(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("zero3-frozen-dcp"))
+    solo = _solo(tmp, steps=1)
+    solo_path = os.path.join(tmp, "solo.dcp")
+    solo.save(solo_path, format="dcp")  # one process: the frozen base whole, as before sharded saves
+    return tmp, solo.state_dict(), run_ranks(_rank_dcp, tmp, solo_path, deadline=400)
+
+
+def test_dcp_of_a_sharded_frozen_base_loads_at_two_ranks_and_trains_on(z3_dcp):
+    _, _, ranks = z3_dcp
+    for r in ranks:
+        assert _same(r["plain"], r["saved"])  # saving changed nothing
+        assert _same(r["saved"], r["loaded"])  # the loaded model trained on bit for bit
+    assert _same(ranks[0]["loaded"], ranks[1]["loaded"])
+    assert _same(ranks[0]["other"], ranks[1]["other"])
+
+
+def test_dcp_of_a_sharded_frozen_base_loads_in_one_process(z3_dcp, tmp_path):
+    tmp, _, ranks = z3_dcp
+    solo = TieredModel(_model("fp32"), ZeroOffload(), optimizer=SPEC, precision="fp32", bucket_size=BUCKET)
+    solo.load(os.path.join(tmp, "saved.dcp"))
+    reference = _solo(tmp_path, steps=1)  # what the ranks' first step gave, within torch's spread
+    loaded = solo.state_dict()
+    assert _max_diff(loaded, reference.state_dict()) <= _torch_spread()
+    _train(solo, 0, 1, range(1, 2))
+    assert _max_diff(solo.state_dict(), ranks[0]["saved"]) <= _torch_spread()
+    frozen = [n for n, p in _model("fp32").named_parameters() if not p.requires_grad]
+    other = ranks[0]["other"]  # loaded at two ranks into other buckets: the saved values exactly
+    assert frozen and all(torch.equal(loaded[n], other[n]) for n in frozen)
+
+
+def test_a_checkpoint_one_process_saved_loads_at_two_ranks(z3_dcp):
+    """The frozen base whole in one chunk (one process's save, the layout every DCP save of the
+    frozen base had before the ranks wrote their pieces) loads into each rank's pieces."""
+    _, saved, ranks = z3_dcp
+    for r in ranks:
+        assert _same(r["from one"], saved)
+    assert _same(ranks[0]["from one on"], ranks[1]["from one on"])
+
+
+def test_each_rank_saves_its_share_of_the_frozen_base_without_gathering(z3_dcp):
+    """Before, every rank gathered every frozen bucket at a save and rank 0 wrote the whole base."""
+    tmp, _, ranks = z3_dcp
+    assert [r["gathers during save"] for r in ranks] == [0, 0]
+    frozen = {n: p.numel() for n, p in _model("fp32").named_parameters() if not p.requires_grad}
+    by_file = _frozen_elements_by_file(os.path.join(tmp, "saved.dcp"), list(frozen))
+    whole = sum(frozen.values())
+    assert sum(by_file.values()) == whole and len(by_file) == 2, by_file  # each element once, in both ranks' files
+    buckets = -(-whole // 4096)  # BUCKET: 4096 elements; a rank's chunk of each is at most half of it, rounded up
+    assert all(n <= whole / 2 + buckets for n in by_file.values()), by_file  # before: rank 0's file all of it

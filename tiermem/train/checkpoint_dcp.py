@@ -240,12 +240,40 @@ def save(state: ModelState, path: str) -> None:
         raise
 
 
+def _frozen_pieces(state: ModelState, source: Callable[[int, Piece], Any]) -> dict[str, ShardedValue]:
+    """The pieces of the frozen parameters sharded over the ranks this process keeps, by tiermem
+    name, in bucket order (NOTE [Frozen weights sharded over the ranks])."""
+    out: dict[str, ShardedValue] = {}
+    for index, mine in state.frozen_pieces():
+        for p in mine:
+            name = f"frozen/{p.name}"
+            out[name] = ShardedValue(key(name), p.shape, p.lo, p.hi, source(index, p), dtype=state.dtype)
+    return out
+
+
+class _OneChunk:
+    """This process's chunk of one frozen bucket at a time, read when DCP first asks for it."""
+
+    def __init__(self, state: ModelState):
+        self.state, self.index = state, -1
+        self.chunk = torch.empty(0)
+
+    def source(self, index: int, p: Piece) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            if self.index != index:
+                self.chunk, self.index = self.state.read_frozen(index).to("cpu"), index
+            return self.chunk[p.at : p.at + p.hi - p.lo]
+
+        return read
+
+
 def _write(state: ModelState, writer: _Writer) -> None:
-    """DCP writes this process's pieces, one bucket read at a time; rank 0 also the rest."""
+    """DCP writes this process's pieces, one bucket read at a time, those of the sharded frozen
+    parameters too; rank 0 also the rest (frozen parameters not sharded, buffers)."""
     values: dict[str, Any] = dict(_pieces(state, _OneBucket(state).source))
-    rest = state.rest(keep=state.writes_files)  # every rank reads the frozen weights gathered over the ranks
+    values.update(_frozen_pieces(state, _OneChunk(state).source))  # read at home: nothing gathered
     if state.writes_files:  # the same on every rank: rank 0's are saved, as by the single file
-        values.update(rest)
+        values.update(state.rest(pieces=True))
     order = {key(name): i for i, name in enumerate(values)}
     tree = nested(values, json.dumps(state.meta()))
     if state.writes_files:
@@ -327,10 +355,21 @@ def load(state: ModelState, path: str) -> None:
         for index, pieces in state.pieces():
             state.load_local(index, functools.partial(_read_pieces, reader, state.part_pieces(index, pieces)))
         state.release()
-        rest = state.rest(load=True)
+        for index, mine in state.frozen_pieces():
+            state.load_frozen(index, functools.partial(_read_frozen, reader, state.dtype, mine))
+        rest = state.rest(load=True, pieces=True)
         _load(reader, {key(name): t for name, t in rest.items()})
         state.commit_rest(rest)
     state.take_meta(meta)
+
+
+def _read_frozen(reader: _Reader, dtype: torch.dtype, pieces: list[Piece], chunk: torch.Tensor) -> None:
+    values = {}
+    for p in pieces:
+        k = key(f"frozen/{p.name}")
+        values[k] = ShardedValue(k, p.shape, p.lo, p.hi, chunk[p.at : p.at + p.hi - p.lo], dtype=dtype)
+    if values:
+        _load(reader, values)
 
 
 def _read_meta(reader: _Reader) -> Any:

@@ -38,7 +38,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -187,6 +187,54 @@ class FrozenParams:
             self._off.write_home(name, value.to(p.dtype))
         elif p.data is not value:
             p.data.copy_(value)
+
+    # -- this rank's pieces of the sharded ones (a DCP checkpoint: NOTE [Sharded values for DCP]) ---
+    def local_pieces(self) -> list[tuple[int, list[tuple[str, tuple[int, ...], int, int, int]]]]:
+        """Per frozen bucket sharded over the ranks, in bucket order: its index and, for each
+        parameter whose value is its working copy (:meth:`collective`), the elements ``[lo, hi)``
+        of the flattened parameter this rank's chunk holds and where they start in the chunk
+        (``(name, shape, lo, hi, at)``; rank 0 names a parameter of no elements). Reads nothing."""
+        g = self._sharded
+        if g is None:
+            return []
+        out = []
+        for b in g.full.values():
+            if not b.frozen:
+                continue
+            c = g.chunks[b.index]
+            mine = []
+            for s in b.slots:
+                if not self.collective(s.name):
+                    continue  # its host copy is its value, whole on every rank: rank 0 writes it whole
+                lo, hi = max(s.offset, c.start), min(s.offset + s.numel, c.end)
+                if lo < hi:
+                    mine.append((s.name, tuple(s.shape), lo - s.offset, hi - s.offset, lo - c.start))
+                elif s.numel == 0 and c.rank == 0:
+                    mine.append((s.name, tuple(s.shape), 0, 0, 0))
+            out.append((b.index, mine))
+        return out
+
+    def read_local(self, index: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """This rank's chunk of frozen bucket ``index`` as it rests at home (in the working dtype,
+        padding included), and the function that frees it; no communication."""
+        assert self._sharded is not None
+        b, c = self._frozen_bucket(index), self._sharded.chunks[index]
+        chunk, release = self._sharded.shards[index].read(b)
+        return chunk[: c.size], release
+
+    def write_local(self, index: int, chunk: torch.Tensor) -> None:
+        """``chunk`` (on the host, in the working dtype) becomes this rank's chunk of frozen bucket
+        ``index`` at home; gathered copies no one holds are dropped. No communication."""
+        assert self._sharded is not None
+        self._sharded.begin_update()
+        for h in self._sharded.shards[index].write(self._frozen_bucket(index), chunk, Tier.HOST):
+            h.wait()
+
+    def _frozen_bucket(self, index: int) -> Bucket:
+        assert self._sharded is not None
+        b = next(b for b in self._sharded.full.values() if b.index == index)
+        assert b.frozen
+        return b
 
     def collective(self, name: str) -> bool:
         """Whether reading ``name``'s value gathers it over the ranks (every rank must read it)."""

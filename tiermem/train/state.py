@@ -66,6 +66,7 @@ class ModelState:
         self.group = group
         self._bucket = {b.index: b for b in layout.buckets}
         self.writes_files = group.rank == 0  # under data parallelism rank 0 writes; every rank takes part
+        self._frozen_release: Callable[[], None] | None = None  # frees the frozen chunk :meth:`read_frozen` gave
 
     def all_ok(self, ok: bool) -> bool:
         """True on every rank when ``ok`` is True on every rank (one process: ``ok``)."""
@@ -83,6 +84,7 @@ class ModelState:
     def _release(self) -> None:
         for home in self.layout.homes.state_homes():
             home.release_views()
+        self._release_frozen()
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor a checkpoint holds, by name; each valid until the next."""
@@ -254,28 +256,51 @@ class ModelState:
         home.store_local(b, views)
         homes.weights[index].load(b, home.whole_master(b, views[0]), homes.compute_tier(b))
 
-    def rest(self, *, load: bool = False, keep: bool = True) -> dict[str, torch.Tensor]:
+    def frozen_pieces(self) -> list[tuple[int, list[Piece]]]:
+        """Like :meth:`pieces`, for the frozen buckets sharded over the ranks (NOTE [Frozen weights
+        sharded over the ranks]): the pieces of the frozen parameters whose value is their working
+        copy this process keeps (``at``: in its chunk); none in one process or under ZeRO-2."""
+        return [(index, [Piece(*p) for p in mine]) for index, mine in self.layout.frozen.local_pieces()]
+
+    def read_frozen(self, index: int) -> torch.Tensor:
+        """This process's chunk of frozen bucket ``index`` as it rests at home; no communication;
+        valid until the next read (then :meth:`release`)."""
+        self._release_frozen()
+        chunk, self._frozen_release = self.layout.frozen.read_local(index)
+        return chunk
+
+    def load_frozen(self, index: int, fill: Callable[[torch.Tensor], None]) -> None:
+        """Replace this process's pieces of frozen bucket ``index`` (:meth:`frozen_pieces`) with
+        what ``fill(chunk)`` writes into a host copy of its chunk; no communication."""
+        chunk = self.read_frozen(index).to("cpu", copy=True)
+        self._release_frozen()
+        fill(chunk)
+        self.layout.frozen.write_local(index, chunk)
+
+    def _release_frozen(self) -> None:
+        release, self._frozen_release = self._frozen_release, None
+        if release is not None:
+            release()
+
+    def rest(self, *, load: bool = False, pieces: bool = False) -> dict[str, torch.Tensor]:
         """The tensors a checkpoint holds besides the optimizer state, by name: ``frozen/<param>``
         in the parameter's own dtype (NOTE [Frozen weights keep one copy]: its host copy, or its
         working copy read from home), ``buffers/<buffer>`` the module's. With ``load``, tensors to
         fill in place instead (a working copy off the device is not read), then
-        :meth:`commit_rest` with them. Without ``keep`` (a rank that writes none of them), only
-        the collective reads are made (NOTE [Frozen weights sharded over the ranks]), and nothing
-        is returned."""
+        :meth:`commit_rest` with them. With ``pieces``, the frozen parameters sharded over the
+        ranks are left out: the caller reads and writes them as :meth:`frozen_pieces` (NOTE
+        [Frozen weights sharded over the ranks]); without, reading them gathers (collective)."""
         frozen = self.layout.frozen
-        if not keep:
-            for n in frozen:
-                if frozen.collective(n):
-                    frozen.value(n)
-            return {}
-        out = {f"frozen/{n}": frozen.target(n) if load else frozen.value(n) for n in frozen}
+        names = [n for n in frozen if not (pieces and frozen.collective(n))]
+        out = {f"frozen/{n}": frozen.target(n) if load else frozen.value(n) for n in names}
         out.update((f"buffers/{name}", t) for name, t in self.module.named_buffers())
         return out
 
     def commit_rest(self, rest: dict[str, torch.Tensor]) -> None:
         """Frozen parameters take the values filled into ``rest`` (:meth:`rest` with ``load``), at their home."""
         for name in self.layout.frozen:
-            self.layout.frozen.write(name, rest[f"frozen/{name}"])
+            if f"frozen/{name}" in rest:  # else loaded as pieces (:meth:`load_frozen`)
+                self.layout.frozen.write(name, rest[f"frozen/{name}"])
 
     # -- writing ------------------------------------------------------------------------------------
     def load(self, read_into: Callable[[str, torch.Tensor], None], meta: dict) -> None:
