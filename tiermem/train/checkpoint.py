@@ -387,16 +387,16 @@ def load(state: ModelState, path: str) -> None:
 
 def sharded_state_dict(state: ModelState) -> dict:
     """``tm.sharded_state_dict()`` (NOTE [Sharded values for DCP])."""
-    from tiermem.train import checkpoint_dcp
+    from tiermem.train import checkpoint_dcp_user  # torch.distributed.checkpoint takes seconds to import
 
-    return checkpoint_dcp.sharded_state_dict(state)
+    return checkpoint_dcp_user.sharded_state_dict(state)
 
 
 def load_sharded(state: ModelState, tree: dict) -> None:
     """``tm.load_sharded_state_dict(tree)``."""
-    from tiermem.train import checkpoint_dcp
+    from tiermem.train import checkpoint_dcp_user
 
-    checkpoint_dcp.load_sharded(state, tree)
+    checkpoint_dcp_user.load_sharded(state, tree)
 
 
 def _load_file(state: ModelState, path: str) -> None:

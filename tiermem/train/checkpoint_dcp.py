@@ -6,15 +6,18 @@ range of a parameter becomes DCP chunks); how its bytes are checked and how it i
 NOTE [Checkpoint directories]. Here, the flow:
 
 - **save** (every rank): rank 0 makes the temporary directory; each rank hands DCP this process's
-  pieces of every bucket's state, read one bucket at a time when DCP writes them (a sorted plan,
-  one writer thread, no copy-ahead: state on NVMe passes through the home's one host buffer set,
-  state in memory is written from where it lives), rank 0 adds the frozen parameters, buffers and
-  the ``tiermem`` meta; each rank writes its manifest; rank 0 publishes once every rank got through.
+  pieces of every bucket's state, and of every frozen bucket sharded over the ranks (NOTE [Frozen
+  weights sharded over the ranks]: nothing is gathered), read one bucket at a time when DCP writes
+  them (a sorted plan, one writer thread, no copy-ahead: state on NVMe passes through the home's
+  one host buffer set, state in memory is written from where it lives), rank 0 adds the other
+  frozen parameters, buffers and the ``tiermem`` meta; each rank writes its manifest; rank 0 publishes once every rank got through.
 - **load** (every rank): everything is checked first (manifests and checksums, DCP's metadata,
   the meta, every tensor's name, shape, dtype and coverage against the model) and every rank
   learns whether every rank's checks passed; then, bucket by bucket, each rank reads the pieces it
   keeps now (one ``dcp.load`` of that bucket's pieces, no collective inside, straight into the
-  home's buffers) and sends the bucket's weights home, then the frozen parameters and buffers.
+  home's buffers) and sends the bucket's weights home; then each frozen bucket sharded over the
+  ranks (its pieces into a copy of this rank's chunk, which goes home), the other frozen
+  parameters and the buffers.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
-from tiermem.errors import ConfigError, StoreError, TierMemError
+from tiermem.errors import StoreError, TierMemError
 from tiermem.train import checkpoint_dir as disk
-from tiermem.train.checkpoint_dcp_check import checked, meta_fits, parse_meta
+from tiermem.train.checkpoint_dcp_check import checked
 from tiermem.train.checkpoint_shards import MANIFESTS, META, ShardedValue, key, nested
 from tiermem.train.state import ModelState, Piece
 
@@ -123,7 +126,7 @@ def _load(reader: _Reader, values: dict[str, Any]) -> None:
 
 
 # -- this process's values ------------------------------------------------------------------------
-class _OneBucket:
+class OneBucket:
     """This process's part of one bucket's state at a time, read when DCP first asks for it."""
 
     def __init__(self, state: ModelState):
@@ -139,7 +142,7 @@ class _OneBucket:
         return read
 
 
-def _pieces(state: ModelState, source: Callable[[int, int, Piece], Any]) -> dict[str, ShardedValue]:
+def pieces(state: ModelState, source: Callable[[int, int, Piece], Any]) -> dict[str, ShardedValue]:
     """Every piece of optimizer state this process keeps, by tiermem name, in bucket order."""
     out: dict[str, ShardedValue] = {}
     for index, pieces in state.pieces():
@@ -150,24 +153,6 @@ def _pieces(state: ModelState, source: Callable[[int, int, Piece], Any]) -> dict
                 device = local.device if isinstance(local, torch.Tensor) else "cpu"
                 out[name] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=dtype, device=device)
     return out
-
-
-def sharded_state_dict(state: ModelState) -> dict[str, Any]:
-    """``tm.sharded_state_dict()``: this process's pieces as ShardedValues (views of the live state
-    where it lives in memory, copies of state on NVMe), and the frozen parameters and buffers
-    (the model's own tensors), nested as DCP saves them."""
-    one = _OneBucket(state)  # each bucket read once
-
-    def source(index: int, part: int, p: Piece) -> torch.Tensor:
-        t = one.source(index, part, p)()
-        return t if state.resident(index) else t.clone()  # NVMe's buffer set is the next bucket's
-
-    try:
-        values: dict[str, Any] = dict(_pieces(state, source))
-    finally:
-        state.release()
-    values.update(state.rest())
-    return nested(values, json.dumps(state.meta()))
 
 
 # -- save --------------------------------------------------------------------------------------------
@@ -240,7 +225,7 @@ def save(state: ModelState, path: str) -> None:
         raise
 
 
-def _frozen_pieces(state: ModelState, source: Callable[[int, Piece], Any]) -> dict[str, ShardedValue]:
+def frozen_pieces(state: ModelState, source: Callable[[int, Piece], Any]) -> dict[str, ShardedValue]:
     """The pieces of the frozen parameters sharded over the ranks this process keeps, by tiermem
     name, in bucket order (NOTE [Frozen weights sharded over the ranks])."""
     out: dict[str, ShardedValue] = {}
@@ -270,8 +255,8 @@ class _OneChunk:
 def _write(state: ModelState, writer: _Writer) -> None:
     """DCP writes this process's pieces, one bucket read at a time, those of the sharded frozen
     parameters too; rank 0 also the rest (frozen parameters not sharded, buffers)."""
-    values: dict[str, Any] = dict(_pieces(state, _OneBucket(state).source))
-    values.update(_frozen_pieces(state, _OneChunk(state).source))  # read at home: nothing gathered
+    values: dict[str, Any] = dict(pieces(state, OneBucket(state).source))
+    values.update(frozen_pieces(state, _OneChunk(state).source))  # read at home: nothing gathered
     if state.writes_files:  # the same on every rank: rank 0's are saved, as by the single file
         values.update(state.rest(pieces=True))
     order = {key(name): i for i, name in enumerate(values)}
@@ -389,64 +374,3 @@ def _read_pieces(
             values[key(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=t.dtype, device=t.device)
     if values:
         _load(reader, values)
-
-
-# -- a user's own dcp.load, handed back -------------------------------------------------------------
-def load_sharded(state: ModelState, tree: Any) -> None:
-    """``tm.load_sharded_state_dict(tree)``: ``tree`` is what :func:`sharded_state_dict` gave this
-    model, filled by the user's ``dcp.load``; checked whole, then written home bucket by bucket."""
-
-    def bad(why: str) -> ConfigError:
-        return ConfigError(
-            f"tiermem: load_sharded_state_dict() takes what this model's tm.sharded_state_dict() "
-            f"returned (filled by dcp.load); {why}; nothing was loaded"
-        )
-
-    if not isinstance(tree, dict) or set(tree) != {"model", "optim", META}:
-        raise bad(f"got {type(tree).__name__} with keys {sorted(tree)[:5] if isinstance(tree, dict) else '-'}")
-    meta = parse_meta(tree[META], lambda why: bad(f"its {META!r} entry {why}"))
-    meta_fits(state, meta, lambda what: bad(f"it does not match this model: {what}"), "the state dict")
-    pieces = state.pieces()
-    values: dict[str, Any] = {}
-    for index, mine in pieces:
-        for part, _, of_part in state.part_pieces(index, mine):
-            for p in of_part:
-                name = f"{part}/{p.name}"
-                v = values[name] = _lookup(tree, name)
-                if not isinstance(v, ShardedValue) or v.local_range != (p.lo, p.hi) or tuple(v.shape) != p.shape:
-                    raise bad(f"{key(name)!r} is not this process's ShardedValue of it (elements [{p.lo}, {p.hi}))")
-    rest = state.rest(load=True)
-    for name, t in rest.items():
-        v = values[name] = _lookup(tree, name)
-        if not isinstance(v, torch.Tensor) or isinstance(v, ShardedValue) or v.shape != t.shape:
-            raise bad(f"{key(name)!r} is not a tensor of shape {tuple(t.shape)}")
-    with state.updating():
-        for index, mine in pieces:
-            state.load_local(index, functools.partial(_copy_pieces, values, state.part_pieces(index, mine)))
-        state.release()
-        for name, t in rest.items():
-            t.copy_(values[name])  # a no-op where dcp.load filled the model's own tensor
-        state.commit_rest(rest)
-    state.take_meta(meta)
-
-
-def _lookup(tree: dict, name: str) -> Any:
-    part, _, rest = name.partition("/")
-    where = key(name)
-    try:
-        if part in ("master", "frozen", "buffers"):
-            return tree["model"][rest]
-        return tree["optim"]["state"][rest][part]
-    except (KeyError, TypeError):
-        raise ConfigError(
-            f"tiermem: load_sharded_state_dict() takes what this model's tm.sharded_state_dict() "
-            f"returned (filled by dcp.load); it has no {where!r}; nothing was loaded"
-        ) from None
-
-
-def _copy_pieces(
-    values: dict[str, Any], parts: list[tuple[str, torch.dtype, list[Piece]]], views: tuple[torch.Tensor, ...]
-) -> None:
-    for (part, _, mine), t in zip(parts, views):
-        for p in mine:
-            t[p.at : p.at + p.hi - p.lo].copy_(values[f"{part}/{p.name}"].local())

@@ -2,7 +2,9 @@
 
 # NOTE [Sharded values for DCP]
 Under data parallelism rank r keeps chunk r of every bucket's fp32 master, exp_avg and exp_avg_sq
-(NOTE [Data parallel]). A bucket is parameters laid end to end, so the part of one parameter a
+(NOTE [Data parallel]), and under ZeRO-3 chunk r of every frozen bucket's working weights (NOTE
+[Frozen weights sharded over the ranks] in tiermem/train/frozen.py: saved and loaded the same
+way, in their own dtype, which is the working one). A bucket is parameters laid end to end, so the part of one parameter a
 rank keeps is an arbitrary range ``[lo, hi)`` of its flattened elements: a parameter may sit
 whole on one rank, or be cut anywhere, even inside a row. DCP stores a tensor as chunks, each an
 N-d box (offsets, sizes) of the tensor's real shape, and its load planner intersects the boxes
@@ -26,7 +28,9 @@ error: it holds only this process's elements (``.local()`` gives them, ``tm.stat
 whole weights).
 
 Names (NOTE [Checkpoint format] for the single file): ``master/<p>`` and frozen parameters and
-buffers are ``model.<name>``; ``exp_avg/<p>`` is ``optim.state.<p>.exp_avg`` (and likewise
+buffers are ``model.<name>`` (a frozen parameter whole in one chunk where one process, or rank 0
+of a run that does not shard it, wrote it; in each rank's pieces where the ranks shard it: the
+names are the same, so DCP's planner reads either layout into the other); ``exp_avg/<p>`` is ``optim.state.<p>.exp_avg`` (and likewise
 ``exp_avg_sq``), as torch's optimizer state dicts nest them; the step counts, loss scale and
 hyperparameters are one JSON string under ``tiermem`` (the footer's ``meta``); a directory
 tm.save wrote also holds ``tiermem_manifests``, the number of its manifests.

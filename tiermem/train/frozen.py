@@ -28,11 +28,16 @@
 # formulas), and freed after use. The chunks are cut from rank 0's values at construction (one
 # broadcast per bucket), as the trainable masters are. Their values are read by gathering
 # (:meth:`FrozenParams.value`: collective, so every rank reads the same frozen parameters in the
-# same order: checkpoints, ``state_dict()``, ``detach()``), written by each rank into its own
-# piece (:meth:`FrozenParams.write`, a checkpoint load). A host copy in the parameter's own dtype
-# (above) stays whole on every rank. Frozen weights on the device without ``shard_weights``, and
-# frozen parameters that are not floating point, stay replicated (ZeRO-2); in one process nothing
-# is sharded. Unfreezing one under data parallelism is refused (NOTE [Freezing and unfreezing]).
+# same order: a single-file checkpoint, ``state_dict()``, ``detach()``, ``sharded_state_dict()``),
+# written by each rank into its own piece (:meth:`FrozenParams.write`, a single file's load). A
+# DCP directory gathers nothing: each rank hands DCP its own pieces of them, read from its chunk
+# at home one bucket at a time, and reads back into its chunk the pieces it keeps now
+# (:meth:`FrozenParams.local_pieces`, NOTE [Sharded values for DCP]), so its save and load hold
+# one chunk of the base at a time, never all of it. A host copy in the parameter's own dtype
+# (above) stays whole on every rank (a DCP directory has it whole, from rank 0). Frozen weights
+# on the device without ``shard_weights``, and frozen parameters that are not floating point,
+# stay replicated (ZeRO-2); in one process nothing is sharded. Unfreezing one under data
+# parallelism is refused (NOTE [Freezing and unfreezing]).
 """
 
 from __future__ import annotations
