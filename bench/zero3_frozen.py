@@ -13,6 +13,16 @@ ranks, sharded against replicated, the two run alternately in fresh pairs of glo
 (``--repeats`` each; per run the median of its steps after the first; the median of the runs).
 "Replicated" is this version with the frozen buckets switched off (``frozen_buckets`` patched to
 return none, in the ranks only): the code path before the change, reachable in the same run.
+
+    python bench/zero3_frozen.py --save [--setups zero-infinity] [--repeats 3] [--hidden 512 --vocab 8192]
+
+With ``--save``: the memory a DCP save (``tm.save(dir)``) adds to each rank's resident set (its
+peak RSS during the save, VmHWM reset just before it, minus its RSS before), 2 ranks sharding the
+frozen base, each writing its own pieces of it (NOTE [Frozen weights sharded over the ranks]),
+against the same with the save of the previous version ("gathered": every rank gathers each frozen
+parameter, rank 0 keeps them all and writes them; reached in this version by patching the ranks'
+save to do that), and against one process's save (the base whole at its home), after one step.
+The same fresh pairs of gloo ranks run alternately, ``--repeats`` each; the median per rank.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--bucket-size", default="2MiB", help="a few buckets of the frozen base, not one")
+    p.add_argument("--save", action="store_true", help="measure a DCP save's added RSS per rank instead")
     return p.parse_args(argv)
 
 
@@ -132,6 +143,84 @@ def rank_main(rank: int, world: int, setup: str, variant: str, args: argparse.Na
         Path(out).write_text(json.dumps(result))
 
 
+# -- --save: the memory a DCP save adds per rank -----------------------------------------------------
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def save_rss(tm: TieredModel, args: argparse.Namespace, rank: int, path: str) -> int:
+    """Bytes a ``tm.save(path)`` after one step adds to this process's peak resident set."""
+    import gc
+
+    tm.backward(tm(**batch(args, 0, rank)).loss)
+    tm.step()
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux)
+    before = _status_kib("VmRSS")
+    tm.save(path)
+    return (_status_kib("VmHWM") - before) * 1024
+
+
+def _gather_at_save() -> None:
+    """The previous version's DCP save, in this one: no frozen pieces; every rank reads each
+    frozen parameter gathered over the ranks and rank 0 keeps them all and writes them."""
+    from tiermem.train import checkpoint_dcp
+    from tiermem.train.state import ModelState
+
+    rest = ModelState.rest
+
+    def whole_rest(self, *, load: bool = False, pieces: bool = False):
+        return rest(self, load=load)  # the sharded frozen parameters gathered, whole
+
+    def no_pieces(state, source):
+        if not state.writes_files:
+            rest(state)  # the collective reads rank 0's whole_rest makes, the values dropped
+        return {}
+
+    ModelState.rest = whole_rest  # type: ignore[method-assign]
+    checkpoint_dcp.frozen_pieces = no_pieces  # type: ignore[assignment]
+
+
+def save_rank_main(rank: int, world: int, setup: str, variant: str, args: argparse.Namespace, tmp: str) -> None:
+    warnings.filterwarnings("ignore")
+    if variant == "gathered":
+        _gather_at_save()
+    tm = make(setup, args, tmp)
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(save_rss(tm, args, rank, os.path.join(tmp, "ckpt"))))
+
+
+def main_save(args: argparse.Namespace) -> None:
+    for setup in args.setups:
+        runs: dict[str, list[list[int]]] = {"gathered": [], "pieces": []}
+        solos = []
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory() as d:  # one process (in a fresh one, as the ranks)
+                spawn(save_rank_main, 1, setup, "pieces", args, d)
+                solos.append(json.loads(Path(d, "rank0.json").read_text()))
+            for variant in ("gathered", "pieces"):  # alternately: the load moves both alike
+                with tempfile.TemporaryDirectory() as d:
+                    spawn(save_rank_main, 2, setup, variant, args, d)
+                    runs[variant].append([json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(2)])
+        solo = statistics.median(solos)
+        med = {v: [statistics.median(run[r] for run in rs) for r in range(2)] for v, rs in runs.items()}
+        print(f"\n| {setup}: RSS a DCP save adds | rank 0 | rank 1 | (each run, MiB) |")
+        print("|---|---|---|---|")
+        print(f"| one process | {solo / MiB:.1f} MiB | - | {[round(x / MiB, 1) for x in solos]} |")
+        for v in ("gathered", "pieces"):
+            each = [[round(x / MiB, 1) for x in run] for run in runs[v]]
+            print(f"| 2 ranks, {v} | {med[v][0] / MiB:.1f} MiB | {med[v][1] / MiB:.1f} MiB | {each} |")
+        print("\n== ratios ==")
+        for v in ("gathered", "pieces"):
+            print(
+                f"{setup}: save's added RSS per rank / one process's, {v}: "
+                f"rank 0 {med[v][0] / solo:.2f}x, rank 1 {med[v][1] / solo:.2f}x"
+            )
+        print(f"{setup}: rank 0's save, pieces / gathered: {med['pieces'][0] / med['gathered'][0]:.2f}x")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -142,6 +231,9 @@ def main(argv=None) -> None:
     print(
         f"LoRA Llama {args.layers} x {args.hidden}: {frozen / 1e6:.2f}M frozen, {trainable / 1e6:.3f}M trainable, fp32"
     )
+    if args.save:
+        main_save(args)
+        return
     rows = {}
     for setup in args.setups:
         home = SETUPS[setup][1]
