@@ -153,11 +153,13 @@ def _status_kib(field: str) -> int:
 
 def save_rss(tm: TieredModel, args: argparse.Namespace, rank: int, path: str) -> int:
     """Bytes a ``tm.save(path)`` after one step adds to this process's peak resident set."""
+    import ctypes
     import gc
 
     tm.backward(tm(**batch(args, 0, rank)).loss)
     tm.step()
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the system: the save's bytes show in RSS
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux)
     before = _status_kib("VmRSS")
     tm.save(path)
@@ -176,8 +178,11 @@ def _gather_at_save() -> None:
         return rest(self, load=load)  # the sharded frozen parameters gathered, whole
 
     def no_pieces(state, source):
-        if not state.writes_files:
-            rest(state)  # the collective reads rank 0's whole_rest makes, the values dropped
+        frozen = state.layout.frozen
+        if not state.writes_files:  # the collective reads rank 0's whole_rest makes, each value dropped
+            for name in frozen:
+                if frozen.collective(name):
+                    frozen.value(name)
         return {}
 
     ModelState.rest = whole_rest  # type: ignore[method-assign]
