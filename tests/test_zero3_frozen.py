@@ -343,6 +343,25 @@ def _rank_dcp(rank, world, tmp, solo_path):
     out["from one"] = one.state_dict()
     _train(one, rank, world, range(1, 2))
     out["from one on"] = one.state_dict()
+    copies = []  # an fp32 base trained in bf16: its fp32 host copies, whole on every rank, are its values
+    for tag in ("mixed", "mixed-back"):
+        os.makedirs(os.path.join(tmp, f"{tag}{rank}"), exist_ok=True)
+        copies.append(
+            TieredModel(
+                _model("fp32"),
+                ZeroInfinity(),
+                optimizer=SPEC,
+                precision="bf16",
+                bucket_size=BUCKET,
+                nvme_dir=os.path.join(tmp, f"{tag}{rank}"),
+            )
+        )
+    _train(copies[0], rank, world, range(1))
+    copies[0].save(os.path.join(tmp, "mixed.dcp"))
+    copies[1].load(os.path.join(tmp, "mixed.dcp"))
+    for tm in copies:  # the working copies at home (what the forward reads) were loaded too
+        _train(tm, rank, world, range(1, 2))
+    out["copies"] = [tm.state_dict() for tm in copies]
     return out
 
 
@@ -362,6 +381,8 @@ def test_dcp_of_a_sharded_frozen_base_loads_at_two_ranks_and_trains_on(z3_dcp):
         assert _same(r["saved"], r["loaded"])  # the loaded model trained on bit for bit
     assert _same(ranks[0]["loaded"], ranks[1]["loaded"])
     assert _same(ranks[0]["other"], ranks[1]["other"])
+    for r in ranks:  # frozen parameters with a host copy: written whole by rank 0, as before
+        assert _same(*r["copies"])
 
 
 def test_dcp_of_a_sharded_frozen_base_loads_in_one_process(z3_dcp, tmp_path):
