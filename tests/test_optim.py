@@ -17,7 +17,7 @@ from hypothesis import assume, example, given, settings, strategies as st
 
 from tiermem import ConfigError, TierMemError
 from tiermem.optim import adam_step, implementation
-from tiermem.optim import _compiled, functional
+from tiermem.optim import _compiled, _native, functional
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # (grad dtype, out dtype, adamw, beta1 choices): the compiled variants the tests exercise. beta1 <= 0.5
@@ -99,6 +99,73 @@ def test_compiled_is_bit_identical_to_reference(n, hp, variant, seed, scale, sma
             assert_bits_equal(g, w)
     if out_dtype is not None:  # out is exactly the updated master, converted
         assert_bits_equal(got[3], got[0].to(out_dtype))
+
+
+# -- native kernel == reference, bit for bit: what makes it the default (NOTE [Native default]) -------
+@settings(max_examples=30, deadline=None)
+@given(
+    n=SIZES,
+    hp=HYPER,
+    variant=st.sampled_from(VARIANTS),
+    seed=st.integers(0, 2**16),
+    scale=st.sampled_from([(1.0, 1.0), (1024.0, 1.0), (3.0, 0.37)]),
+    data=st.data(),
+)
+def test_native_is_bit_identical_to_reference(n, hp, variant, seed, scale, data):
+    grad_dtype, out_dtype, adamw, beta1s = variant
+    hp = {**hp, "beta1": data.draw(st.sampled_from(beta1s))}
+    state = make_state(n, seed, FP32)[:3]
+    grads = make_state(n, seed + 1, grad_dtype, steps=3)[3]
+    kw = dict(grad_scale=scale[0], clip_coef=scale[1])
+    want = run("reference", state, grads, hp, adamw=adamw, out_dtype=out_dtype, first_step=4, **kw)
+    got = run("native", state, grads, hp, adamw=adamw, out_dtype=out_dtype, first_step=4, **kw)
+    for w, g in zip(want, got):
+        if w is not None:
+            assert_bits_equal(g, w)
+
+
+def test_default_is_native_and_skips_the_compiler(monkeypatch):
+    """Where the native library builds, CPU Adam runs it: never torch.compile (the point: no dynamo
+    trace in a fresh process), and its bits are the compiled kernel's."""
+    assert implementation() == "native"
+    state = make_state(4099, 3)[:3]
+    grads = make_state(4099, 4, BF16, steps=3)[3]
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    want = run("compiled", state, grads, hp, out_dtype=BF16)
+
+    def no_compile(*a, **k):
+        raise AssertionError("the default CPU Adam compiled a kernel")
+
+    monkeypatch.setattr(_compiled.torch, "compile", no_compile)
+    monkeypatch.setattr(functional, "_COMPILED", _compiled.CompiledAdam())
+    got = run(None, state, grads, hp, out_dtype=BF16)
+    for w, g in zip(want, got):
+        assert_bits_equal(g, w)
+    bad = grads[0].clone()
+    bad[-1] = float("nan")
+    master = state[0].clone()
+    assert adam_step(master, state[1].clone(), state[2].clone(), bad, step=1, **hp) is True
+    assert_bits_equal(master, state[0])  # found_inf: nothing written
+    assert functional.any_nonfinite(bad) and not functional.any_nonfinite(grads[0])
+
+
+def _no_native(monkeypatch, why="no C++ compiler found"):
+    lib = _native._Library("elementwise")
+    lib.failure = why
+    monkeypatch.setitem(_native._LIBS, "elementwise", lib)
+
+
+def test_native_unavailable_runs_compiled(monkeypatch):
+    _no_native(monkeypatch)
+    assert implementation() == "compiled"
+    state = make_state(500, 5)[:3]
+    grads = make_state(500, 6, BF16, steps=2)[3]
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    for w, g in zip(run("compiled", state, grads, hp), run(None, state, grads, hp)):
+        if w is not None:
+            assert_bits_equal(g, w)
+    with pytest.raises(TierMemError, match="native CPU Adam is unavailable here.*no C\\+\\+ compiler"):
+        run("native", state, grads, hp)
 
 
 # -- reference (and so compiled) against torch.optim ---------------------------------------------------
@@ -393,6 +460,7 @@ def test_compile_failure_falls_back_and_says_so(monkeypatch, caplog):
     monkeypatch.setattr(functional, "_COMPILED", _compiled.CompiledAdam())
     monkeypatch.setattr(functional, "_said_which", set())
     monkeypatch.setattr(_compiled.torch, "compile", broken)
+    _no_native(monkeypatch)  # no compiler: the native library cannot be built either
     state = make_state(500, 1)[:3]
     grads = make_state(500, 2, FP16, steps=2)[3]
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)

@@ -8,7 +8,7 @@ Functional entries (what TieredModel calls per bucket; one style, see tiermem/op
 convert 8-bit state, ``StochasticRound`` keys bf16 master weights; ``StateFormat`` (``state_format``) is
 what one parameter's state is made of inside TieredModel (NOTE [State formats]). Drop-in ``torch.optim``
 optimizers for CPU parameters: ``CPUAdam``, ``CPUAdam8bit``, ``CPUSGD``, ``CPUAdagrad``, ``CPULion``,
-``CPUAdafactor``. ``implementation()`` says which Adam kernel runs here ("compiled" or "fallback";
+``CPUAdafactor``. ``implementation()`` says which Adam kernel runs here ("native", "compiled" or "fallback";
 ``TIERMEM_NO_COMPILE=1`` forces the fallback, as ``compile_disabled()`` tells, and the reference
 kernels for the others).
 """

@@ -23,7 +23,7 @@ import torch
 
 from tiermem.config import is_number
 from tiermem.errors import ConfigError, TierMemError
-from tiermem.optim import _compiled, _kernels, _run
+from tiermem.optim import _compiled, _kernels, _native, _run
 from tiermem.optim._hyper import AdamHyper
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("compiled", "fallback", "reference")
+IMPLEMENTATIONS = ("native", "compiled", "fallback", "reference")
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # what every kernel takes, in this order: master, exp_avg, exp_avg_sq, grad, out
@@ -77,12 +77,12 @@ def adam_step(
 
     Returns ``found_inf``: True when some gradient element is inf or NaN, in which case nothing was
     written. ``check_finite=False`` skips that check (the caller knows the gradients are finite)
-    and always returns False. ``impl`` picks an implementation ("compiled", "fallback",
+    and always returns False. ``impl`` picks an implementation ("native", "compiled", "fallback",
     "reference") instead of the default, for tests and benchmarks.
 
     bf16 master weights (no fp32 copy) take ``stochastic_round=StochasticRound(...)``: the update is
     computed in fp32, as above, and rounded stochastically into ``master`` (NOTE [Stochastic rounding
-    bits] in tiermem/optim/_sr.py); that path runs the native kernel ("compiled" picks it,
+    bits] in tiermem/optim/_sr.py); that path runs the native kernel ("native" and "compiled" pick it,
     "fallback" and "reference" the torch-ops reference).
 
     Args:
@@ -101,7 +101,7 @@ def adam_step(
         clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
         out: receives ``master.to(out.dtype)`` after the update, when given.
         check_finite: False skips the finite check (the caller knows the gradients are finite).
-        impl: ``"compiled"``, ``"fallback"`` or ``"reference"`` instead of the default.
+        impl: ``"native"``, ``"compiled"``, ``"fallback"`` or ``"reference"`` instead of the default.
         stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
 
     Returns:
@@ -157,7 +157,7 @@ def adam_update(
             hyper,
             stochastic_round=stochastic_round,
             check_finite=check_finite,
-            impl=None if impl is None else "native" if impl == "compiled" else "reference",
+            impl=None if impl is None else "native" if impl in ("native", "compiled") else "reference",
         )
     _check_tensors(master, exp_avg, exp_avg_sq, grad, out)
     # detached views: the same memory, without autograd's view of it (dynamo guards on requires_grad)
@@ -166,6 +166,11 @@ def adam_update(
     if master.numel() == 0:
         return False
     name, tensors = _choose(impl, master, exp_avg, exp_avg_sq, grad, out)
+    if name == "native":
+        found_inf = _native_step(*tensors, hyper, check_finite=check_finite, impl=impl)
+        if found_inf is not None:
+            return found_inf
+        name = _default()  # it cannot be built here, and impl=None lets it fall back
     if name == "compiled":
         found_inf = _compiled_step(*tensors, hyper, check_finite=check_finite, impl=impl)
         if found_inf is not None:
@@ -191,6 +196,38 @@ def _choose(
         return "reference", tensors  # elementwise ops work on any strides; only the reference takes them
     name = impl if impl is not None else _default()
     return name, tuple(None if t is None else t.view(-1) for t in tensors)  # type: ignore[return-value]  # the five, flat
+
+
+def _native_step(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    out: Optional[torch.Tensor],
+    hyper: AdamHyper,
+    *,
+    check_finite: bool,
+    impl: Optional[str],
+) -> Optional[bool]:
+    """The native single pass (NOTE [Native default]): found_inf, or None when the library cannot be
+    built here and ``impl`` (None) lets the caller fall back."""
+    try:
+        lib = _native.library(_run.ADAM.library)
+    except _native.NativeUnavailable as e:
+        if impl == "native":
+            raise TierMemError(
+                f"tiermem: the native CPU Adam is unavailable here ({e}); install a C++ compiler "
+                f"(g++ 12 or newer), or pass impl=None"
+            ) from e
+        return None
+    if check_finite and _native.any_nonfinite(grad):
+        return True
+    s = _native.floats(_run.ADAM.scalars(hyper))
+    fn, args = _run.ADAM.native(lib, master.numel(), master, (exp_avg, exp_avg_sq), grad, out, s, None)
+    fn(*args)
+    if impl is None:
+        _say("native")
+    return False
 
 
 def _compiled_step(
@@ -255,7 +292,10 @@ def any_nonfinite(grad: torch.Tensor) -> bool:
     grad = grad.detach()
     if grad.numel() == 0:
         return False
-    if grad.is_contiguous() and grad.dtype in GRAD_DTYPES and _default() == "compiled":
+    default = _default() if grad.is_contiguous() and grad.dtype in GRAD_DTYPES else "fallback"
+    if default == "native":
+        return _native.any_nonfinite(grad.view(-1))
+    if default == "compiled":
         try:
             return _COMPILED.any_nonfinite(grad.view(-1))
         except _compiled.CompileUnavailable:
@@ -264,15 +304,17 @@ def any_nonfinite(grad: torch.Tensor) -> bool:
 
 
 def implementation() -> str:
-    """The implementation ``adam_step`` uses by default here: "compiled" or "fallback".
+    """The implementation ``adam_step`` uses by default on CPU tensors here: "native" (the C++
+    kernel, where it builds), else "compiled" (the torch.compile'd one), else "fallback" (torch's fused
+    AdamW with conversions; forced by ``TIERMEM_NO_COMPILE``).
 
-    Answers from what is known when a kernel has been compiled (or has failed to); otherwise
-    compiles the most common kernel (bf16 grad in, bf16 weights out; seconds, or less when cached
-    from an earlier process) to find out.
+    Answers from what is known when a kernel has been built (or has failed to); otherwise builds
+    (or loads from the cache) the native library, and where that fails compiles the most common
+    kernel (bf16 grad in, bf16 weights out; seconds, or less when cached), to find out.
     """
     if _compiled.disabled_by_env():
         return "fallback"
-    if _COMPILED.failure is None and not _COMPILED.seconds():
+    if _default() == "compiled" and not _COMPILED.seconds():
         warm_up()
     return _default()
 
@@ -293,6 +335,13 @@ def warm_up(
     """
     if _compiled.disabled_by_env():
         return {}
+    if _default() == "native":  # one library serves every variant: nothing to compile
+        for g in grad_dtypes:
+            _check_dtype("grad", g, GRAD_DTYPES)
+            for o in out_dtypes:
+                if o is not None:
+                    _check_dtype("out", o, OUT_DTYPES)
+        return {}
     for g in grad_dtypes:
         _check_dtype("grad", g, GRAD_DTYPES)
         for o in out_dtypes:
@@ -312,8 +361,20 @@ def compile_seconds() -> dict[str, float]:
     return {str(k): v for k, v in _COMPILED.seconds().items()}
 
 
+# NOTE [Native default]
+# fp32-master CPU Adam runs the native C++ kernel (tm_adam, tiermem/optim/_csrc_elementwise.py)
+# where its library builds: it gives the compiled kernel's bits (bench/native_adam_ab.py: 0 ulps on
+# master, moments and out over grad/out dtypes, AdamW and L2, odd sizes; only the NaN written to a
+# bf16 ``out`` from a non-finite gradient passed with check_finite=False is encoded otherwise), runs
+# faster, and costs a process no dynamo import or trace (~10 CPU s a fresh process). The compiled
+# kernel stays the fallback where the library cannot be built; TIERMEM_NO_COMPILE turns both off.
 def _default() -> str:
-    return "fallback" if _compiled.disabled_by_env() or _COMPILED.failure is not None else "compiled"
+    """The implementation CPU Adam runs by default here (NOTE [Native default])."""
+    if _compiled.disabled_by_env():
+        return "fallback"
+    if _native.available(_run.ADAM.library):
+        return "native"
+    return "fallback" if _COMPILED.failure is not None else "compiled"
 
 
 def _say(which: str) -> None:
@@ -324,7 +385,9 @@ def _say(which: str) -> None:
         if which in _said_which:
             return
         _said_which.add(which)
-    if which == "compiled":
+    if which == "native":
+        log.info("tiermem: CPU Adam runs the native single-pass kernel")
+    elif which == "compiled":
         log.info("tiermem: CPU Adam runs the torch.compile'd single-pass kernel")
     elif _compiled.disabled_by_env():
         log.info("tiermem: CPU Adam runs torch's fused AdamW (TIERMEM_NO_COMPILE is set)")
