@@ -31,10 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from examples.gpt import GPT, PRESETS, GPTConfig, lm_loss  # noqa: E402
-from tiermem import AdamW, TensorClass, TieredModel, Tier  # noqa: E402
-from tiermem.errors import fmt_bytes  # noqa: E402
-from tiermem.policies import ActivationOffload, ZeroOffload  # noqa: E402
+from examples.gpt import GPT, PRESETS, GPTConfig, lm_loss
+from tiermem import AdamW, TensorClass, Tier, TieredModel
+from tiermem.errors import fmt_bytes
+from tiermem.policies import ActivationOffload, ZeroOffload
 
 ACT = TensorClass.ACTIVATION
 

@@ -51,11 +51,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from bench._common import run_again  # noqa: E402
-from examples.gpt import GPT, PRESETS, config_from_args, lm_loss  # noqa: E402
-from tiermem import AdamW, Budgets, TierMemError, TieredModel, Tier  # noqa: E402
-from tiermem.errors import fmt_bytes  # noqa: E402
-from tiermem.policies import Auto, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
+from bench._common import run_again
+from examples.gpt import GPT, PRESETS, config_from_args, lm_loss
+from tiermem import AdamW, Budgets, Tier, TieredModel, TierMemError
+from tiermem.errors import fmt_bytes
+from tiermem.policies import Auto, KeepOnDevice, ZeroInfinity, ZeroOffload
 
 LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 SETTINGS = ("roomy", "device short", "host short")

@@ -36,10 +36,10 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples and bench
 
-from bench.nvme_step import LinearStack  # noqa: E402
-from examples.nvme_offload import OptimStateOnNvme  # noqa: E402
-from tiermem import AdamW, TieredModel, Tier  # noqa: E402
-from tiermem.memory.nvme import NvmeStore  # noqa: E402
+from bench.nvme_step import LinearStack
+from examples.nvme_offload import OptimStateOnNvme
+from tiermem import AdamW, Tier, TieredModel
+from tiermem.memory.nvme import NvmeStore
 
 GB = 1e9
 

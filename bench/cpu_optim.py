@@ -39,13 +39,16 @@ from typing import Callable
 import torch
 
 from tiermem.optim import (
+    CPUSGD,
     CPUAdafactor,
     CPUAdagrad,
     CPUAdam,
     CPUAdam8bit,
     CPULion,
-    CPUSGD,
     StochasticRound,
+    _native,
+    _quant,
+    _run,
     adafactor_step,
     adagrad_step,
     adam8bit_step,
@@ -54,8 +57,6 @@ from tiermem.optim import (
     quantize_blockwise,
     sgd_step,
 )
-from tiermem.optim import _native, _run
-from tiermem.optim import _quant
 from tiermem.optim._hyper import AdamHyper
 from tiermem.optim._hypers import adam_scalars
 

@@ -35,10 +35,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from examples.gpt import GPT, add_model_args, config_from_args, lm_loss  # noqa: E402
-from tiermem import AdamW, PerClass, TensorClass, TieredModel, Tier  # noqa: E402
-from tiermem.errors import fmt_bytes  # noqa: E402
-from tiermem.policies import ZeroOffload  # noqa: E402
+from examples.gpt import GPT, add_model_args, config_from_args, lm_loss
+from tiermem import AdamW, PerClass, TensorClass, Tier, TieredModel
+from tiermem.errors import fmt_bytes
+from tiermem.policies import ZeroOffload
 
 WORLD = 2
 FORMATS = ("file", "dcp")

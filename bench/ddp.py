@@ -41,10 +41,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args as build_config, lm_loss  # noqa: E402
-from tiermem import AdamW, TensorClass, TieredModel, Tier  # noqa: E402
-from tiermem.errors import fmt_bytes  # noqa: E402
-from tiermem.policies import ZeroOffload  # noqa: E402
+from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args as build_config, lm_loss
+from tiermem import AdamW, TensorClass, Tier, TieredModel
+from tiermem.errors import fmt_bytes
+from tiermem.policies import ZeroOffload
 
 WORLD = 2
 LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
@@ -241,7 +241,7 @@ def free_port() -> int:
 def main() -> int:
     args = parse_args()
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed
 
         print(
             f"deepspeed {deepspeed.__version__} imports here; it is not run by this script "

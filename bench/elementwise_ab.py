@@ -33,7 +33,7 @@ def base_library(rev: str) -> ctypes.CDLL:
             ["git", "show", f"{rev}:tiermem/optim/{mod}.py"], capture_output=True, text=True, check=True
         ).stdout
         ns: dict[str, object] = {}
-        exec(compile(text, mod, "exec"), ns)  # noqa: S102 - the project's own source at a revision
+        exec(compile(text, mod, "exec"), ns)
         sources += [str(ns[n]) for n in names]
     _native.LIBRARIES["elementwise@base"] = (tuple(sources), _native.LIBRARIES["elementwise"][1])
     return _native._load("elementwise@base")

@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-from tiermem import Policy, TensorClass, TieredModel, Tier  # noqa: E402
-from tiermem.policies import ZeroInfinity, ZeroOffload  # noqa: E402
+from examples.gpt import GPT, GPTConfig, lm_loss
+from tiermem import Policy, TensorClass, Tier, TieredModel
+from tiermem.policies import ZeroInfinity, ZeroOffload
 
 
 class ZeroOffloadByModule(Policy):

@@ -43,12 +43,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt and tiermem from the tree
 
-from examples.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-from tiermem import AdamW, TieredModel, Tier  # noqa: E402
-from tiermem.memory.resident import DeviceStore, HostStore  # noqa: E402
-from tiermem.optim import adam_step  # noqa: E402
-from tiermem.policies import ZeroOffload  # noqa: E402
-from tiermem.transfer.engine import TransferEngine  # noqa: E402
+from examples.gpt import GPT, GPTConfig, lm_loss
+from tiermem import AdamW, Tier, TieredModel
+from tiermem.memory.resident import DeviceStore, HostStore
+from tiermem.optim import adam_step
+from tiermem.policies import ZeroOffload
+from tiermem.transfer.engine import TransferEngine
 
 LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 

@@ -45,23 +45,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.nvme_step import rss_gb, windowed_stack  # noqa: E402
-from tiermem import (  # noqa: E402
+from bench.nvme_step import rss_gb, windowed_stack
+from tiermem import (
     AdamW,
     AdamW8bit,
     Budgets,
     Policy,
     TensorClass,
     TensorInfo,
-    TieredModel,
     Tier,
+    TieredModel,
     parse_bytes,
 )
-from tiermem.optim.formats import per_param_bytes  # noqa: E402
-from tiermem.plan.footprint import JOURNAL_BUCKETS  # noqa: E402
-from tiermem.optim.formats import state_format  # noqa: E402
-from tiermem.plan.sizing import state_option, tier_bytes  # noqa: E402
-from tiermem.policies import ZeroInfinity  # noqa: E402
+from tiermem.optim.formats import (
+    per_param_bytes,
+    state_format,
+)
+from tiermem.plan.footprint import JOURNAL_BUCKETS
+from tiermem.plan.sizing import state_option, tier_bytes
+from tiermem.policies import ZeroInfinity
 
 GB = 1e9
 GRAD_PER_PARAM = 4  # fp32 grads at their home

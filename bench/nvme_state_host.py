@@ -23,8 +23,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tiermem import TensorClass, TieredModel, Tier  # noqa: E402
-from tiermem.policies import ZeroOffload  # noqa: E402
+from tiermem import TensorClass, Tier, TieredModel
+from tiermem.policies import ZeroOffload
 
 
 class StateOnNvme(ZeroOffload):

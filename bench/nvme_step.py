@@ -69,12 +69,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples
 
-from bench._common import run_again  # noqa: E402
-from examples.nvme_offload import OptimStateOnNvme  # noqa: E402
-from tiermem import AdamW, AdamW8bit, Report, TieredModel, Tier, parse_bytes  # noqa: E402
-from tiermem.errors import fmt_bytes  # noqa: E402
-from tiermem.optim import StochasticRound, adam8bit_step, adam_step, quantize_blockwise, warm_up  # noqa: E402
-from tiermem.policies import ZeroInfinity  # noqa: E402
+from bench._common import run_again
+from examples.nvme_offload import OptimStateOnNvme
+from tiermem import AdamW, AdamW8bit, Report, Tier, TieredModel, parse_bytes
+from tiermem.errors import fmt_bytes
+from tiermem.optim import StochasticRound, adam8bit_step, adam_step, quantize_blockwise, warm_up
+from tiermem.policies import ZeroInfinity
 
 GB = 1e9
 LR, BETAS, WD = 1e-4, (0.9, 0.95), 0.1

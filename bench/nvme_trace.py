@@ -26,10 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.nvme_step import BETAS, LR, WD, LinearStack  # noqa: E402
-from examples.nvme_offload import OptimStateOnNvme  # noqa: E402
-from tiermem import AdamW, TieredModel  # noqa: E402
-from tiermem.policies import ZeroInfinity  # noqa: E402
+from bench.nvme_step import BETAS, LR, WD, LinearStack
+from examples.nvme_offload import OptimStateOnNvme
+from tiermem import AdamW, TieredModel
+from tiermem.policies import ZeroInfinity
 
 
 def main() -> int:

@@ -29,11 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import tiermem  # noqa: E402
-from examples.gpt import GPT, GPTConfig, lm_loss, load_tokens  # noqa: E402
-from examples.train_gpt import get_batch, lr_factor  # noqa: E402
-from tiermem import TensorClass, Tier, TieredModel  # noqa: E402
-from tiermem.policies import ZeroInfinity, ZeroOffload  # noqa: E402
+import tiermem
+from examples.gpt import GPT, GPTConfig, lm_loss, load_tokens
+from examples.train_gpt import get_batch, lr_factor
+from tiermem import TensorClass, Tier, TieredModel
+from tiermem.policies import ZeroInfinity, ZeroOffload
 
 OPTIONS = {
     "AdamW fp32 state": lambda ps, lr: tiermem.AdamW(ps, lr=lr, betas=(0.9, 0.95), weight_decay=0.1),

@@ -43,11 +43,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import tiermem  # noqa: E402
-from examples.gpt import GPT, GPTConfig, lm_loss, load_tokens  # noqa: E402
-from examples.train_gpt import get_batch, lr_factor  # noqa: E402
-from tiermem import TieredModel  # noqa: E402
-from tiermem.policies import ZeroOffload  # noqa: E402
+import tiermem
+from examples.gpt import GPT, GPTConfig, lm_loss, load_tokens
+from examples.train_gpt import get_batch, lr_factor
+from tiermem import TieredModel
+from tiermem.policies import ZeroOffload
 
 SEQ = 32  # tokens per sequence, both models
 HYPER = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -36,11 +36,11 @@ import torch
 
 from tiermem import TensorClass, TensorInfo, Tier
 from tiermem.budgets import parse_bytes
+from tiermem.memory.nvme import NvmeStore
+from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.transfer.engine import TransferEngine
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import ResidencyScheduler, ScheduleStats
-from tiermem.memory.resident import DeviceStore, HostStore
-from tiermem.memory.nvme import NvmeStore
 
 MiB = 2**20
 

@@ -33,12 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from bench._common import run_again  # noqa: E402
-from examples.gpt import GPT, add_model_args, config_from_args, lm_loss  # noqa: E402
-from tiermem import AdamW, TieredModel  # noqa: E402
-from tiermem.plan import cost  # noqa: E402
-from tiermem.plan.profile import Profile, load_profile  # noqa: E402
-from tiermem.policies import ZeroOffload  # noqa: E402
+from bench._common import run_again
+from examples.gpt import GPT, add_model_args, config_from_args, lm_loss
+from tiermem import AdamW, TieredModel
+from tiermem.plan import cost
+from tiermem.plan.profile import Profile, load_profile
+from tiermem.policies import ZeroOffload
 
 LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 # Nominal figures for a GPU machine when no --gpu-profile is given: PCIe 5 x16 pinned copies as

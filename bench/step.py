@@ -33,11 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args as build_config, lm_loss  # noqa: E402
-from tiermem import AdamW, TensorClass, TieredModel, Tier  # noqa: E402
-from tiermem.budgets import parse_bytes  # noqa: E402
-from tiermem.errors import fmt_bytes  # noqa: E402
-from tiermem.policies import KeepOnDevice, ZeroOffload  # noqa: E402
+from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args as build_config, lm_loss
+from tiermem import AdamW, TensorClass, Tier, TieredModel
+from tiermem.budgets import parse_bytes
+from tiermem.errors import fmt_bytes
+from tiermem.policies import KeepOnDevice, ZeroOffload
 
 LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 

@@ -41,10 +41,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from tiermem import AdamW, TieredModel  # noqa: E402
-from tiermem.integrations.transformers import TieredTrainer  # noqa: E402
+from tiermem import AdamW, TieredModel
+from tiermem.integrations.transformers import TieredTrainer
 
 
 class StepTimer(TrainerCallback):

@@ -58,10 +58,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args, lm_loss  # noqa: E402
-from tiermem import AdamW, PerClass, TensorClass, TieredModel, Tier  # noqa: E402
-from tiermem.policies import ZeroInfinity, ZeroOffload  # noqa: E402
-from tiermem.train.weight_shards import shard_key  # noqa: E402
+from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args, lm_loss
+from tiermem import AdamW, PerClass, TensorClass, Tier, TieredModel
+from tiermem.policies import ZeroInfinity, ZeroOffload
+from tiermem.train.weight_shards import shard_key
 
 LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 

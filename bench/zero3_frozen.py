@@ -42,9 +42,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench.zero3
 
-from bench.zero3 import WeightsOnHost, spawn  # noqa: E402
-from tiermem import AdamW, TensorClass, TieredModel, Tier  # noqa: E402
-from tiermem.policies import ZeroInfinity  # noqa: E402
+from bench.zero3 import WeightsOnHost, spawn
+from tiermem import AdamW, TensorClass, Tier, TieredModel
+from tiermem.policies import ZeroInfinity
 
 MiB = 2**20
 

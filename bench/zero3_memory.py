@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt and bench.zero3
 
-from bench.zero3 import CLIP, SETUPS, batches, fsdp2_parts, spawn, tiermem_model  # noqa: E402
-from examples.gpt import GPT, add_model_args, config_from_args, lm_loss  # noqa: E402
-from tiermem import Tier  # noqa: E402
+from bench.zero3 import CLIP, SETUPS, batches, fsdp2_parts, spawn, tiermem_model
+from examples.gpt import GPT, add_model_args, config_from_args, lm_loss
+from tiermem import Tier
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MiB = 2**20

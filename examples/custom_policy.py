@@ -30,12 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples/custom_policy.py` from anywhere
 
-from examples.gpt import GPT, GPTConfig, PRESETS, lm_loss, load_tokens  # noqa: E402
-from examples.train_gpt import get_batch  # noqa: E402
-from tiermem import AdamW, Policy, Report, TensorClass, TensorInfo, TieredModel, Tier  # noqa: E402
-from tiermem.config import resolve_precision, working_dtype  # noqa: E402
-from tiermem.errors import fmt_bytes  # noqa: E402
-from tiermem.policies import ZeroOffload  # noqa: E402
+from examples.gpt import GPT, PRESETS, GPTConfig, lm_loss, load_tokens
+from examples.train_gpt import get_batch
+from tiermem import AdamW, Policy, Report, TensorClass, TensorInfo, Tier, TieredModel
+from tiermem.config import resolve_precision, working_dtype
+from tiermem.errors import fmt_bytes
+from tiermem.policies import ZeroOffload
 
 
 # -- the policy: this is all a user writes --------------------------------------------------------

@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples/finetune.py` from anywhere
 
-from examples.gpt import GPT, GPTConfig, lm_loss, load_tokens  # noqa: E402
-from tiermem import AdamW, TieredModel  # noqa: E402
-from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
+from examples.gpt import GPT, GPTConfig, lm_loss, load_tokens
+from tiermem import AdamW, TieredModel
+from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
 
 POLICIES = {"zero-offload": ZeroOffload, "keep-on-device": KeepOnDevice, "zero-infinity": ZeroInfinity}
 

@@ -28,12 +28,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples/lora.py` from anywhere
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import peft  # noqa: E402
-import transformers  # noqa: E402
+import peft
+import transformers
 
-from examples.gpt import load_tokens  # noqa: E402
-from tiermem import AdamW, TieredModel  # noqa: E402
-from tiermem.policies import ZeroInfinity  # noqa: E402
+from examples.gpt import load_tokens
+from tiermem import AdamW, TieredModel
+from tiermem.policies import ZeroInfinity
 
 
 def build(vocab: int, seq: int) -> torch.nn.Module:

@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples/nvme_offload.py` from anywhere
 
-from examples.gpt import GPT, GPTConfig, PRESETS, lm_loss, load_tokens  # noqa: E402
-from examples.train_gpt import get_batch  # noqa: E402
+from examples.gpt import GPT, PRESETS, GPTConfig, lm_loss, load_tokens
+from examples.train_gpt import get_batch
 from tiermem import (
     AdamW,
     Budgets,
@@ -45,13 +45,13 @@ from tiermem import (
     Policy,
     TensorClass,
     TensorInfo,
-    TieredModel,  # noqa: E402
     Tier,
+    TieredModel,
     TierMemError,
     parse_bytes,
 )
-from tiermem.errors import fmt_bytes  # noqa: E402
-from tiermem.policies import ZeroInfinity, ZeroOffload  # noqa: E402
+from tiermem.errors import fmt_bytes
+from tiermem.policies import ZeroInfinity, ZeroOffload
 
 
 class OptimStateOnNvme(Policy):

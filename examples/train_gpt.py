@@ -43,9 +43,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples/train_gpt.py` from anywhere
 
-from examples.gpt import GPT, GPTConfig, PRESETS, generate, lm_loss, load_tokens  # noqa: E402
-from tiermem import AdamW, PerClass, TensorClass, TieredModel, Tier  # noqa: E402
-from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
+from examples.gpt import GPT, PRESETS, GPTConfig, generate, lm_loss, load_tokens
+from tiermem import AdamW, PerClass, TensorClass, Tier, TieredModel
+from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload
 
 
 class StateOnNvme(PerClass):

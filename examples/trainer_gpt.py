@@ -27,11 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples/trainer_gpt.py` from anywhere
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a config: nothing to download
 
-from transformers import TrainingArguments  # noqa: E402
+from transformers import TrainingArguments
 
-from examples.from_deepspeed import byte_blocks, tiny_gpt2  # noqa: E402
-from tiermem.config import resolve_precision  # noqa: E402
-from tiermem.integrations.transformers import TieredTrainer  # noqa: E402
+from examples.from_deepspeed import byte_blocks, tiny_gpt2
+from tiermem.config import resolve_precision
+from tiermem.integrations.transformers import TieredTrainer
 
 
 def main(argv=None) -> int:

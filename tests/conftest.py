@@ -19,8 +19,8 @@ import sys
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import the shared small models in models.py
 

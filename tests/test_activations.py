@@ -14,14 +14,14 @@ import time
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from models import Quirky, TinyGPT, gpt_batch, gpt_loss, same_state
 from torch import nn
 
-from models import Quirky, TinyGPT, gpt_batch, gpt_loss, same_state
-from tiermem import AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, TensorInfo, TieredModel, Tier
-from tiermem.train.activations import MIN_OFFLOAD_BYTES
-from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroOffload
-from tiermem.plan.policy import Policy
+from tiermem import AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, TensorInfo, Tier, TieredModel
 from tiermem.memory.aligned import round_up
+from tiermem.plan.policy import Policy
+from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroOffload
+from tiermem.train.activations import MIN_OFFLOAD_BYTES
 
 ACT = TensorClass.ACTIVATION
 BATCH = 8  # TinyGPT's residual stream is then 8*11*24*2 = 4224 bytes in bf16: above one page

@@ -11,13 +11,13 @@ import subprocess
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
-
 from models import TinyGPT, train_steps
-from tiermem import AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, TensorInfo, TieredModel, Tier
-from tiermem.plan.policy import ModelInfo
-from tiermem.policies import Auto, ZeroOffload
+
+from tiermem import AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, TensorInfo, Tier, TieredModel
 from tiermem.plan.choose import Evaluator
+from tiermem.plan.policy import ModelInfo
 from tiermem.plan.profile import Profile
+from tiermem.policies import Auto, ZeroOffload
 from tiermem.policies.auto import Assigned, AutoChoice, Verdict
 
 GPU = {

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from tiermem import Budgets, ConfigError, OutOfTierMemory, TierMemError, Tier
+from tiermem import Budgets, ConfigError, OutOfTierMemory, Tier, TierMemError
 from tiermem.budgets import parse_bytes
 from tiermem.memory.ledger import Ledger
 

@@ -17,12 +17,11 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
+from models import Quirky, TinyGPT, same_state, train_steps
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from models import Quirky, TinyGPT, same_state, train_steps
 from tiermem import AdamW, ConfigError, PerClass, StoreError, TensorClass, Tier, TieredModel, TierMemError
 from tiermem.train import checkpoint_dir
 from tiermem.train.checkpoint_shards import ShardedValue, flat_boxes

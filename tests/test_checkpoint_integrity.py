@@ -15,8 +15,8 @@ import zlib
 import pytest
 import torch
 import xxhash
-
 from models import Quirky, TinyGPT, gpt_batch, gpt_loss, same_state
+
 from tiermem import AdamW, StoreError, TieredModel, TierMemError
 from tiermem.train import checkpoint
 

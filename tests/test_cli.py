@@ -17,14 +17,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from tiermem.plan import profile
 from tiermem.cli import main, measure, plot
 from tiermem.cli.models import count_config, from_config, from_factory, parse_count
 from tiermem.errors import ConfigError
+from tiermem.plan import profile
 from tiermem.types import Tier
 
 MiB = 2**20

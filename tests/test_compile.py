@@ -21,18 +21,18 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from configs: never a download
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
+import pytest
+import torch
+import transformers
+from models import TinyGPT, gpt_batch, gpt_loss, same_state
+from torch import nn
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch.nn import functional as F
 
-from models import TinyGPT, gpt_batch, gpt_loss, same_state  # noqa: E402
-from tiermem import AdamW, Policy, TensorClass, TieredModel, Tier  # noqa: E402
-from tiermem.policies import ActivationOffload, Auto, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
-from tiermem.train.activations import ActivationOffloader  # noqa: E402
-from tiermem.train.offdevice import OffDeviceWeight  # noqa: E402
-from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list  # noqa: E402
+from tiermem import AdamW, Policy, TensorClass, Tier, TieredModel
+from tiermem.policies import ActivationOffload, Auto, KeepOnDevice, ZeroInfinity, ZeroOffload
+from tiermem.train.activations import ActivationOffloader
+from tiermem.train.offdevice import OffDeviceWeight
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from models import TinyGPT, gpt_batch, gpt_loss
-from tiermem import AdamW, TensorClass, TensorInfo, TieredModel, Tier
-from tiermem.transfer.engine import TransferEngine
+
+from tiermem import AdamW, TensorClass, TensorInfo, Tier, TieredModel
+from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.optim import adam_step
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
-from tiermem.memory.resident import DeviceStore, HostStore
+from tiermem.transfer.engine import TransferEngine
 
 pytestmark = pytest.mark.cuda
 

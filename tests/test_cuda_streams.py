@@ -17,10 +17,10 @@ import time
 
 import pytest
 import torch
+from models import TinyGPT, gpt_batch, gpt_loss
 from torch import nn
 
-from models import TinyGPT, gpt_batch, gpt_loss
-from tiermem import AdamW, TensorClass, TieredModel, Tier
+from tiermem import AdamW, TensorClass, Tier, TieredModel
 from tiermem.handles import Handle
 from tiermem.memory.resident import DeviceStore, HostStore, default_device_budget, device_margin
 from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload

@@ -11,12 +11,12 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from models import TinyGPT, gpt_batch, gpt_loss, same_state
+from ranks import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from models import TinyGPT, gpt_batch, gpt_loss, same_state
-from ranks import run_ranks
-from tiermem import AdamW, Budgets, ConfigError, PerClass, StoreError, TensorClass, TieredModel, Tier, TierMemError
+from tiermem import AdamW, Budgets, ConfigError, PerClass, StoreError, TensorClass, Tier, TieredModel, TierMemError
 from tiermem.policies import ActivationOffload, ZeroOffload
 
 STEPS = 3

@@ -10,11 +10,11 @@ import pathlib
 
 import pytest
 import torch
+from models import TinyGPT, gpt_batch, gpt_loss
+from ranks import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from models import TinyGPT, gpt_batch, gpt_loss
-from ranks import run_ranks
 from tiermem import AdamW8bit, TieredModel
 from tiermem.optim.formats import state_format
 from tiermem.plan.buckets import Bucket

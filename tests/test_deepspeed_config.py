@@ -13,13 +13,12 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from models import TinyGPT
 
 import tiermem
-from tiermem import Adam, AdamW, ConfigError, LossScale, TieredModel, Tier, TensorClass
+from tiermem import Adam, AdamW, ConfigError, LossScale, TensorClass, Tier, TieredModel
 from tiermem.deepspeed_config import OffloadPolicy, translate
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
-
-from models import TinyGPT
 
 # As in DeepSpeed's ZeRO-Offload tutorial and the HF Trainer's ds_config_zero2.json ("auto": the
 # Trainer fills them from TrainingArguments).

@@ -8,9 +8,9 @@ import gc
 
 import pytest
 import torch
-
 from models import TinyGPT, gpt_batch, gpt_loss
-from tiermem import AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, TieredModel, Tier
+
+from tiermem import AdamW, Budgets, ConfigError, OutOfTierMemory, TensorClass, Tier, TieredModel
 from tiermem.errors import fmt_bytes
 from tiermem.plan.policy import over_reserve
 from tiermem.policies import Auto, KeepOnDevice, ZeroOffload

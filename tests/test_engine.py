@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tiermem import OutOfTierMemory, TensorClass, TensorInfo, Tier, TierMemError
-from tiermem.transfer.engine import TransferEngine
-from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.memory.nvme import NvmeStore
+from tiermem.memory.resident import DeviceStore, HostStore
+from tiermem.transfer.engine import TransferEngine
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.uint8]
 TIERS = [Tier.DEVICE, Tier.HOST, Tier.NVME]

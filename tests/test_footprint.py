@@ -8,15 +8,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from torch import nn
-
 from models import Quirky, TinyGPT
 from test_gpu_paths import gpu_mode  # noqa: F401 - the engine's GPU control flow on the CPU (a fixture)
-from tiermem import AdamW, AdamW8bit, Budgets, ConfigError, OutOfTierMemory, TensorClass, TensorInfo, TieredModel, Tier
-from tiermem.plan import footprint as fp
-from tiermem.plan import sizing
+from torch import nn
+
+from tiermem import AdamW, AdamW8bit, Budgets, ConfigError, OutOfTierMemory, TensorClass, TensorInfo, Tier, TieredModel
 from tiermem.memory.aligned import round_up
 from tiermem.memory.resident import HostStore
+from tiermem.plan import footprint as fp, sizing
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.choose import Evaluator
 from tiermem.plan.placement import plan as plan_placement
@@ -423,6 +422,7 @@ def test_nvme_staging_is_what_the_gpu_path_leases(gpu_mode, tmp_path):  # noqa: 
     stay within the footprint's NVMe staging and its pages; the CPU path leases none. The thread
     count the footprint multiplies by is the lanes' own."""
     import threading
+
     from models import gpt_batch, gpt_loss
 
     _, (buckets, frozen, largest, _) = _footprint_of(TinyGPT(), ZeroInfinity(), BF16, False, bucket_numel=4096)

@@ -10,9 +10,9 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from models import same_state
 from torch import nn
 
-from models import same_state
 from tiermem import AdamW, Tier, TieredModel
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
 

@@ -5,8 +5,7 @@ tiermem.train.weight_shards, with a stand-in group."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from tiermem import TierMemError
 from tiermem.plan.buckets import Bucket

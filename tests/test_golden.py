@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from examples.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-from tiermem import AdamW, PerClass, TensorClass, TieredModel, Tier  # noqa: E402
-from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
+from examples.gpt import GPT, GPTConfig, lm_loss
+from tiermem import AdamW, PerClass, TensorClass, Tier, TieredModel
+from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload
 
 RECORD = Path(__file__).with_name("golden") / "hashes.json"
 STEPS = 20

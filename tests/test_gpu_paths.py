@@ -8,13 +8,12 @@ import gc
 
 import pytest
 import torch
+from models import run_python
 
 from tiermem import TensorClass, Tier
 from tiermem.memory import aligned, deferred, resident
 from tiermem.memory.resident import HostStore
 from tiermem.transfer.engine import TransferEngine
-
-from models import run_python
 
 
 def _mapped(ptr: int) -> bool:
@@ -172,6 +171,7 @@ def test_gradients_leave_the_device_one_request_per_bucket():
 
     sys.path.insert(0, str(Path(__file__).parent))
     from models import TinyGPT, gpt_batch, gpt_loss
+
     from tiermem import AdamW, TieredModel
     from tiermem.policies import ZeroOffload
 
@@ -227,6 +227,7 @@ def gpu_mode(monkeypatch):
     the caller's stream) with CPU tensors: streams and events are stand-ins."""
     import contextlib
     import threading
+
     from tiermem.transfer import engine as engine_mod, lanes as lanes_mod
 
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
@@ -299,6 +300,7 @@ def test_gpu_mode_trains_bit_identical_to_the_cpu_mode(gpu_mode, tmp_path):
 
     sys.path.insert(0, str(Path(__file__).parent))
     from models import TinyGPT, gpt_batch, gpt_loss
+
     from tiermem import AdamW, TieredModel
     from tiermem.policies import ActivationOffload, ZeroInfinity, ZeroOffload
 

@@ -10,9 +10,9 @@ import copy
 
 import pytest
 import torch
+from models import TinyGPT, gpt_batch, gpt_loss
 from torch import nn
 
-from models import TinyGPT, gpt_batch, gpt_loss
 from tiermem import AdamW, ConfigError, PerClass, TensorClass, Tier, TieredModel, TierMemError
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
 

@@ -530,6 +530,7 @@ class _TornWrites:
     def __init__(self, store, key: str):
         import errno
         import os
+
         from tiermem.memory import nvme_io as nio
 
         self.store, self.real = store, store._pwritev

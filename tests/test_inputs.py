@@ -172,6 +172,7 @@ def test_transformers_batch_encoding():
 def test_casting_leaves_no_reference_cycle():
     """It runs on every forward: nothing it makes may wait for the GC (pytree's tree_map would)."""
     import gc
+
     from tiermem.memory import deferred
 
     obj = {"a": [Pair(_x(), _ids())], "b": (Batch(_x(), _ids()),), "c": Encoding({"x": _x()})}

@@ -21,8 +21,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from ranks import free_port, run_ranks  # noqa: E402
-from test_integrations_transformers import (  # noqa: E402
+import transformers
+from ranks import free_port, run_ranks
+from test_integrations_transformers import (
     ACCUM,
     CLIP,
     DECAY,
@@ -36,11 +37,10 @@ from test_integrations_transformers import (  # noqa: E402
     dataset,
     gpt2,
 )
-import transformers  # noqa: E402
 
-from tiermem import AdamW, ConfigError, TieredModel, TierMemError  # noqa: E402
-from tiermem.integrations.hf_loop import TrainerModule  # noqa: E402
-from tiermem.integrations.transformers import TIERMEM_CHECKPOINT, TieredTrainer  # noqa: E402
+from tiermem import AdamW, ConfigError, TieredModel, TierMemError
+from tiermem.integrations.hf_loop import TrainerModule
+from tiermem.integrations.transformers import TIERMEM_CHECKPOINT, TieredTrainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = 32  # 2 ranks x 2 per micro-batch x 2 micro-batches x 4 steps: one epoch

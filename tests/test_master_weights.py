@@ -10,11 +10,11 @@ import os
 
 import pytest
 import torch
-
-import tiermem
 from models import TinyGPT, forward_at, gpt_batch, gpt_loss, same_state, train_steps
 from test_nvme_state import EVERY_STATE, _disk_fails, _files_fail, forward_after_failure
-from tiermem import PerClass, StoreError, TensorClass, TieredModel, Tier
+
+import tiermem
+from tiermem import PerClass, StoreError, TensorClass, Tier, TieredModel
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
 
 

@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from models import Quirky, TinyGPT, gpt_batch, gpt_loss, same_state
 from torch import nn
 
-from models import Quirky, TinyGPT, gpt_batch, gpt_loss, same_state
 import tiermem.optim
 from tiermem import (
     Adam,
@@ -20,12 +20,12 @@ from tiermem import (
     OutOfTierMemory,
     Phase,
     TensorClass,
-    TieredModel,
     Tier,
+    TieredModel,
     TierMemError,
 )
-from tiermem.policies import KeepOnDevice, ZeroOffload
 from tiermem.plan.policy import Policy
+from tiermem.policies import KeepOnDevice, ZeroOffload
 
 STEPS = 6
 

@@ -13,9 +13,9 @@ import weakref
 
 import pytest
 import torch
-
 from models import TinyGPT, gpt_batch, gpt_loss, run_python, train_steps
-from tiermem import ConfigError, Phase, TieredModel, TierMemError, Tier
+
+from tiermem import ConfigError, Phase, Tier, TieredModel, TierMemError
 from tiermem.memory import deferred
 from tiermem.policies import ZeroInfinity
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from models import Quirky, TinyGPT, disk_fills_up, gpt_batch, gpt_loss, same_state
-from tiermem import AdamW, ConfigError, Phase, StoreError, TensorClass, TieredModel, Tier
-from tiermem.policies import ZeroOffload
+
+from tiermem import AdamW, ConfigError, Phase, StoreError, TensorClass, Tier, TieredModel
 from tiermem.plan.policy import PerClass
+from tiermem.policies import ZeroOffload
 
 
 class GradsOnNvme(PerClass):

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-
 from models import (
     TinyGPT,
     forward_at,
@@ -20,9 +19,10 @@ from models import (
     same_state,
     train_steps as _train,
 )  # _train: test_param_offload imports it
-from tiermem import AdamW, Budgets, StoreError, TensorClass, TieredModel, Tier, TierMemError
-from tiermem.policies import ZeroInfinity, ZeroOffload
+
+from tiermem import AdamW, Budgets, StoreError, TensorClass, Tier, TieredModel, TierMemError
 from tiermem.plan.policy import Policy
+from tiermem.policies import ZeroInfinity, ZeroOffload
 
 
 class StateOnNvme(Policy):

@@ -12,10 +12,10 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from models import same_state
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models import same_state
 from tiermem import AdamW, TieredModel, TierMemError
 from tiermem.memory import deferred
 from tiermem.policies import ZeroInfinity, ZeroOffload

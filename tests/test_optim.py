@@ -16,8 +16,7 @@ import torch
 from hypothesis import assume, example, given, settings, strategies as st
 
 from tiermem import ConfigError, TierMemError
-from tiermem.optim import adam_step, implementation
-from tiermem.optim import _compiled, _native, functional
+from tiermem.optim import _compiled, _native, adam_step, functional, implementation
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # (grad dtype, out dtype, adamw, beta1 choices): the compiled variants the tests exercise. beta1 <= 0.5

@@ -17,6 +17,8 @@ from tiermem.optim import (
     CPUAdam,
     CPUAdam8bit,
     StochasticRound,
+    _native,
+    _quant,
     adam8bit_step,
     adam_step,
     dequantize_blockwise,
@@ -24,7 +26,6 @@ from tiermem.optim import (
     state_bytes,
     state_layout,
 )
-from tiermem.optim import _native, _quant
 from tiermem.optim._hyper import AdamHyper
 from tiermem.optim._hypers import adam_scalars
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from tiermem import ConfigError
 from tiermem.errors import ArgumentError
-from tiermem.optim import CPUAdafactor, CPUAdagrad, CPUAdam, CPUAdam8bit, CPULion, CPUSGD
+from tiermem.optim import CPUSGD, CPUAdafactor, CPUAdagrad, CPUAdam, CPUAdam8bit, CPULion
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.one_thread)
 STEPS = 12

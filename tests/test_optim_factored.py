@@ -9,10 +9,10 @@ import functools
 
 import pytest
 import torch
-
-import tiermem
 from models import TinyGPT, gpt_batch, gpt_loss
 from test_optim_formats import POLICIES, diff, tiered, torch_loop
+
+import tiermem
 from tiermem import ConfigError, TensorClass, Tier, TieredModel
 from tiermem.optim.formats import state_format
 

@@ -14,9 +14,9 @@ import struct
 
 import pytest
 import torch
+from models import TinyGPT, gpt_batch, gpt_loss
 
 import tiermem
-from models import TinyGPT, gpt_batch, gpt_loss
 from tiermem import ConfigError, PerClass, TensorClass, Tier, TieredModel, TierMemError
 from tiermem.optim import dequantize_blockwise, quantize_blockwise
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload

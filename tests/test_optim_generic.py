@@ -10,10 +10,10 @@ import logging
 
 import pytest
 import torch
-
-import tiermem
 from models import TinyGPT, gpt_batch, gpt_loss
 from test_optim_formats import POLICIES, diff, tiered, torch_loop
+
+import tiermem
 from tiermem import ConfigError, TensorClass, Tier, TieredModel, TierMemError
 
 GENERIC = {

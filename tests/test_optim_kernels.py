@@ -16,8 +16,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tiermem import ConfigError, TierMemError
-from tiermem.optim import StochasticRound, adagrad_step, adam_step, lion_step, sgd_step
-from tiermem.optim import _native, _run
+from tiermem.optim import StochasticRound, _native, _run, adagrad_step, adam_step, lion_step, sgd_step
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 SIZES = st.one_of(st.sampled_from([1, 2, 15, 16, 17, 257, 1021, 40_000]), st.integers(1, 3000))

@@ -12,6 +12,8 @@ import torch
 
 from tiermem.optim import (
     StochasticRound,
+    _native,
+    _sr,
     adafactor_step,
     adam8bit_step,
     adam_step,
@@ -19,7 +21,6 @@ from tiermem.optim import (
     quantize_blockwise,
     sgd_step,
 )
-from tiermem.optim import _native, _sr
 
 BF16 = torch.bfloat16
 

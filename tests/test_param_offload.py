@@ -6,14 +6,14 @@ import threading
 
 import pytest
 import torch
+from models import TinyGPT, disk_fills_up, gpt_batch, gpt_loss, same_state
+from test_nvme_state import _make, _train, _trains_like
 from torch import nn
 
-from models import TinyGPT, disk_fills_up, gpt_batch, gpt_loss, same_state
-from tiermem import AdamW, Budgets, OutOfTierMemory, TensorClass, TieredModel, Tier
-from tiermem.policies import ZeroInfinity, ZeroOffload
+from tiermem import AdamW, Budgets, OutOfTierMemory, TensorClass, Tier, TieredModel
 from tiermem.plan.policy import Policy
+from tiermem.policies import ZeroInfinity, ZeroOffload
 from tiermem.train.offdevice import OffDeviceWeight
-from test_nvme_state import _make, _train, _trains_like
 
 
 class Scatter(Policy):
@@ -173,6 +173,7 @@ def test_weights_that_did_not_land_are_sent_home_again_by_the_retry(tmp_path):
     uninterrupted run does."""
     import errno
     import os
+
     from tiermem import StoreError
 
     tm, ref = _two_steps_and_a_backward(tmp_path)

@@ -24,13 +24,14 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 peft = pytest.importorskip("peft")  # the `test` extra
 transformers = pytest.importorskip("transformers")
 
 from models import same_state  # noqa: E402
+
 from tiermem import AdamW, Budgets, TieredModel  # noqa: E402
 from tiermem.policies import ActivationOffload, Auto, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
 from tiermem.train.offdevice import OffDeviceWeight  # noqa: E402

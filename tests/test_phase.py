@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from models import TinyGPT, gpt_batch, gpt_loss, same_state
+
 from tiermem import AdamW, ConfigError, Phase, TieredModel
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import TinyGPT
 from torch import nn
 
-from models import TinyGPT
 from tiermem import AdamW, ConfigError, Policy, StateKey, TensorClass, TensorInfo, Tier
-from tiermem.plan.placement import compute_tier, plan
 from tiermem.plan.buckets import STATE_PARTS
+from tiermem.plan.placement import compute_tier, plan
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
 
 

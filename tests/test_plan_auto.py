@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-
 from models import TinyGPT, train_steps
-from tiermem import Budgets, OutOfTierMemory, TieredModel, Tier
+
+from tiermem import Budgets, OutOfTierMemory, Tier, TieredModel
 from tiermem.cli import main
 from tiermem.plan import profile
 from tiermem.policies import Auto

@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
+from models import TinyGPT, train_steps
 from torch import nn
 
-from models import TinyGPT, train_steps
 from tiermem import AdamW, ConfigError, TieredModel
 from tiermem.cli import main
 from tiermem.config import CpuFeatures, auto_precision, resolve_precision

@@ -16,12 +16,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tiermem import ConfigError, OutOfTierMemory, TensorClass, TensorInfo, Tier, TierMemError
+from tiermem.errors import fmt_bytes
+from tiermem.memory.nvme import NvmeStore
+from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.transfer.engine import TransferEngine
 from tiermem.transfer.residency import KeyedResidency
-from tiermem.errors import fmt_bytes
 from tiermem.transfer.schedule import AccessTrace, ResidencyScheduler, ScheduleStats, choose_victim, lookahead_window
-from tiermem.memory.resident import DeviceStore, HostStore
-from tiermem.memory.nvme import NvmeStore
 
 
 # -- pure decisions -------------------------------------------------------------------------------

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from tiermem import config
-from tiermem.plan import sizing
 from tiermem.errors import ConfigError
+from tiermem.plan import sizing
 from tiermem.plan.sizing import Limits, StateBytes
 from tiermem.types import TensorClass, TensorInfo, Tier
 

@@ -5,11 +5,10 @@ profiler a span is a shared no-op."""
 from __future__ import annotations
 
 import torch
+from models import TinyGPT, train_steps
 from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
-from models import TinyGPT, train_steps
-from tiermem import AdamW, PerClass, TensorClass, TieredModel, Tier
-from tiermem import spans
+from tiermem import AdamW, PerClass, TensorClass, Tier, TieredModel, spans
 from tiermem.policies import ZeroInfinity, ZeroOffload
 
 ALL_THREADS = _ExperimentalConfig(profile_all_threads=True)  # transfers run on tiermem's own threads

@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-
 from models import Quirky, TinyGPT, gpt_batch, gpt_loss
-from tiermem import AdamW, ConfigError, Policy, TensorClass, TensorInfo, TieredModel, Tier
+
+from tiermem import AdamW, ConfigError, Policy, TensorClass, TensorInfo, Tier, TieredModel
 from tiermem.plan.policy import ModelInfo
 from tiermem.policies import ActivationOffload, ZeroOffload
 from tiermem.policies.zero_offload import device_share

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from models import TinyGPT, gpt_batch, gpt_loss
+
 from tiermem import (
     AdamW,
     Budgets,

@@ -23,13 +23,13 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never a download, even by accident
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import pytest
+import torch
+import transformers
+from models import same_state
 
-from models import same_state  # noqa: E402
-from tiermem import AdamW, TieredModel  # noqa: E402
-from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
+from tiermem import AdamW, TieredModel
+from tiermem.policies import ActivationOffload, KeepOnDevice, ZeroInfinity, ZeroOffload
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 transformers.logging.set_verbosity_error()  # the tiny configs' token ids outside the vocabulary, etc.

@@ -13,13 +13,13 @@ import time
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
 from models import TinyGPT, gpt_loss
 from ranks import run_ranks
 from test_data_parallel import STEPS, _batch, _max_diff, _torch_spread
-from tiermem import AdamW, Budgets, OutOfTierMemory, PerClass, TensorClass, TieredModel, Tier, TierMemError
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tiermem import AdamW, Budgets, OutOfTierMemory, PerClass, TensorClass, Tier, TieredModel, TierMemError
 from tiermem.plan import footprint as fp
 from tiermem.plan.placement import plan as plan_placement
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload

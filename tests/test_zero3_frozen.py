@@ -20,7 +20,8 @@ transformers = pytest.importorskip("transformers")
 from ranks import run_ranks  # noqa: E402
 from test_peft import SPEC, _batch, _lora, _mode  # noqa: E402
 from test_zero3 import WeightsOnHost  # noqa: E402
-from tiermem import TensorClass, TieredModel, Tier  # noqa: E402
+
+from tiermem import TensorClass, Tier, TieredModel  # noqa: E402
 from tiermem.plan import footprint as fp  # noqa: E402
 from tiermem.policies import ZeroInfinity, ZeroOffload  # noqa: E402
 from tiermem.train.weight_shards import shard_key  # noqa: E402

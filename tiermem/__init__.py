@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from tiermem.budgets import Budgets, parse_bytes
 from tiermem.config import Adam, AdamW, LossScale
-from tiermem.optim_specs import SGD, Adafactor, Adagrad, Adam8bit, AdamW8bit, Lion
+from tiermem.deepspeed_config import from_deepspeed_config
 from tiermem.errors import ArgumentError, ConfigError, OutOfTierMemory, StoreError, TierMemError
 from tiermem.handles import Handle
+from tiermem.memory.nvme import NvmeStore
+from tiermem.observe.report import Report
+from tiermem.optim_specs import SGD, Adafactor, Adagrad, Adam8bit, AdamW8bit, Lion
+from tiermem.plan.policy import PerClass, Policy
+from tiermem.torch_optim import optimizers
 from tiermem.train.model import StepResult, TieredModel
 from tiermem.train.phase import Phase
-from tiermem.plan.policy import PerClass, Policy
-from tiermem.observe.report import Report
-from tiermem.memory.nvme import NvmeStore
 from tiermem.types import StateKey, TensorClass, TensorInfo, Tier
-from tiermem.deepspeed_config import from_deepspeed_config
-from tiermem.torch_optim import optimizers
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping, Optional
 
-from tiermem.config import Adam, AdamW, _Spec, _invalid, is_int
+from tiermem.config import Adam, AdamW, _invalid, _Spec, is_int
 from tiermem.errors import ConfigError, checked_arguments
 
 

@@ -16,10 +16,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from tiermem import optim_specs
 from tiermem.config import Adam, AdamW, _Spec
 from tiermem.errors import ConfigError, TierMemError
 from tiermem.optim_generic import GenericSpec
-from tiermem import optim_specs
 from tiermem.optim_specs import SGD, Adafactor, Adagrad, Adam8bit, AdamW8bit
 
 __all__ = [

@@ -20,10 +20,10 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tiermem import __version__
-from tiermem.plan import profile
 from tiermem.cli import _common, measure, plot, report
 from tiermem.cli.measure import Rate
 from tiermem.errors import ConfigError
+from tiermem.plan import profile
 from tiermem.train import compute
 
 MiB = 2**20

@@ -20,10 +20,10 @@ import torch
 from rich.table import Table
 
 from tiermem import __version__
-from tiermem.config import PRECISIONS, CpuFeatures, auto_precision
-from tiermem.plan import profile
 from tiermem.cli import _common
+from tiermem.config import PRECISIONS, CpuFeatures, auto_precision
 from tiermem.memory.nvme_dir import describe_direct
+from tiermem.plan import profile
 from tiermem.train import compute
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def compile_check() -> dict[str, Any]:
         x = torch.ones(4096)
         ok = bool(torch.equal(fn(x, torch.ones(4096, dtype=torch.bfloat16)), x * 1.5))
         return {"works": ok, "implementation": "compiled" if ok else "fallback", "seconds": time.perf_counter() - t0}
-    except Exception as e:  # noqa: BLE001 - any failure means "no compiler here"; say why
+    except Exception as e:
         logger.info("torch.compile check failed", exc_info=True)
         return {
             "works": False,

@@ -12,9 +12,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from tiermem.memory.ledger import Ledger
 from tiermem.errors import StoreError
 from tiermem.handles import Handle
+from tiermem.memory.ledger import Ledger
 from tiermem.types import TensorClass, Tier
 
 

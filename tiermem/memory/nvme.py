@@ -26,13 +26,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from tiermem.budgets import ByteSize, parse_bytes
-from tiermem.memory.ledger import Ledger
 from tiermem.errors import StoreError, checked_arguments, fmt_bytes
 from tiermem.handles import Handle
-from tiermem.memory import nvme_dir
-from tiermem.memory import nvme_io as nio
+from tiermem.memory import nvme_dir, nvme_io as nio
 from tiermem.memory.aligned import round_up
 from tiermem.memory.base import Store, check_same_layout, unknown_key
+from tiermem.memory.ledger import Ledger
 from tiermem.memory.nvme_keys import (
     SPOILT,
     Copy,

@@ -88,8 +88,8 @@ from typing import Any, Optional
 import torch
 
 from tiermem.errors import OutOfTierMemory, StoreError, fmt_bytes
-from tiermem.types import TensorClass, Tier
 from tiermem.memory import nvme_io as nio
+from tiermem.types import TensorClass, Tier
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,9 +10,8 @@ import stat
 from typing import Optional
 
 from tiermem.errors import OutOfTierMemory
-from tiermem.memory.ledger import Ledger
 from tiermem.memory import nvme_io as nio
-
+from tiermem.memory.ledger import Ledger
 
 SPARES = "<spare files>"  # the ledger key of the pool's files
 _SPARE_PREFIX = "spare-"

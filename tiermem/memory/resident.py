@@ -16,12 +16,12 @@ from typing import Iterator, Optional, Sequence
 import psutil
 import torch
 
-from tiermem.memory.ledger import Ledger, Reclaimer
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle
 from tiermem.memory import deferred
 from tiermem.memory.aligned import aligned_empty, can_pin, host_buffer, pin_in_place, round_up, unpin
 from tiermem.memory.base import Store, check_same_layout, unknown_key
+from tiermem.memory.ledger import Ledger, Reclaimer
 from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)

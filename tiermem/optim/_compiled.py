@@ -147,7 +147,7 @@ class CompiledAdam:
                 fn = torch.compile(build(), fullgraph=True, dynamic=True, options=_OPTIONS)
                 with _pinned_global_state():
                     warm(fn)
-            except Exception as e:  # noqa: BLE001 - any compile failure means: use the fallback
+            except Exception as e:
                 self.failure = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
                 log.debug("tiermem: compiling %s failed", key, exc_info=True)
                 raise CompileUnavailable(self.failure) from e

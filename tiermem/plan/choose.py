@@ -15,8 +15,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from tiermem.errors import ConfigError
 from tiermem.config import precision_of
+from tiermem.errors import ConfigError
 from tiermem.plan.cost import Rates, predict as predict_stages, step_flops
 from tiermem.plan.footprint import model_footprint, totals
 from tiermem.plan.placement import bind, plan

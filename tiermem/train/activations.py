@@ -32,12 +32,12 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.utils.weak
 
-from tiermem.transfer.activation_io import ActivationMover, ActivationStats, Record, reserve_device, view_of
 from tiermem.errors import ConfigError, fmt_bytes
+from tiermem.memory.aligned import ALIGN
+from tiermem.plan.policy import Policy, checked_place
 from tiermem.train.hooks import untraced
 from tiermem.train.offdevice import is_off_device
-from tiermem.plan.policy import Policy, checked_place
-from tiermem.memory.aligned import ALIGN
+from tiermem.transfer.activation_io import ActivationMover, ActivationStats, Record, reserve_device, view_of
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 log = logging.getLogger(__name__)

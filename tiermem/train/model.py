@@ -29,8 +29,8 @@ from tiermem.plan.cost import against_measured
 from tiermem.plan.policy import Policy
 from tiermem.train import checkpoint, lifetime
 from tiermem.train.build import build_parts
-from tiermem.train.inputs import cast_inputs
 from tiermem.train.compute import warn_if_slow
+from tiermem.train.inputs import cast_inputs
 from tiermem.train.options import validate
 from tiermem.train.phase import Lifecycle, Phase
 from tiermem.train.state import ModelState

@@ -21,9 +21,9 @@ import torch
 
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle, wait_all
-from tiermem.transfer.lease import Lease
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes import GradHome
+from tiermem.transfer.lease import Lease
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 

@@ -15,10 +15,10 @@ import torch
 from tiermem.budgets import Budgets, parse_bytes
 from tiermem.config import AdamW, LossScale, _Spec, is_int, is_number, resolve_precision, working_dtype
 from tiermem.errors import ConfigError
-from tiermem.torch_optim import spec_from_torch, supported_names
 from tiermem.memory.ledger import Reclaimer
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import DeviceStore, HostStore
+from tiermem.torch_optim import spec_from_torch, supported_names
 from tiermem.transfer.collectives import Group
 from tiermem.types import Tier
 

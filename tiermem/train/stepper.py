@@ -49,8 +49,7 @@ import torch
 from tiermem.errors import TierMemError
 from tiermem.handles import Handle
 from tiermem.observe.trace import Tracer
-from tiermem.optim import StochasticRound
-from tiermem.optim import formats as optim_format
+from tiermem.optim import StochasticRound, formats as optim_format
 from tiermem.optim.formats import StateFormat
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.train.backward import GradCollector

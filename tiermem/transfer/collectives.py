@@ -217,7 +217,7 @@ class Distributed(Group):
     def _call(self, op: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise self._failed(op, e) from e
 
     def _failed(self, op: str, e: BaseException) -> TierMemError:
@@ -233,7 +233,7 @@ class Distributed(Group):
             work = fn()
             if work is not None:
                 work.wait(self.timeout) if self.timeout is not None else work.wait()
-        except Exception as e:  # noqa: BLE001 - every failure of a peer surfaces here, named
+        except Exception as e:
             raise self._failed(op, e) from e
         t1 = time.perf_counter()
         with self._lock:

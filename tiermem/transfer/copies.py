@@ -22,7 +22,6 @@ from tiermem.transfer.service import Copy
 from tiermem.transfer.stats import TransferStats
 from tiermem.types import TensorClass, Tier
 
-
 _PIECE = 256  # bytes: each copy's part of a request's staging buffer starts on this boundary
 
 
