@@ -19,6 +19,7 @@ kernels run instead.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -214,7 +215,15 @@ def code(t: Optional[torch.Tensor]) -> int:
 
 
 def floats(values: list[float]) -> ctypes.Array:
-    return (ctypes.c_float * len(values))(*values)
+    return _float_array(len(values))(*values)
+
+
+@functools.cache
+def _float_array(n: int) -> type[ctypes.Array]:
+    """ctypes' array type of ``n`` floats, made once: made per call, it was garbage after each step
+    (CPython 3.11), and a class is a reference cycle only the GC collects (tests/test_activations.py:
+    a step leaves no cycle)."""
+    return ctypes.c_float * n
 
 
 def threads() -> int:

@@ -52,8 +52,11 @@ class Kernel:
 NativeCall = tuple[Callable[..., Any], tuple]  # a native kernel's function and its arguments
 
 
+_KEYS = ctypes.c_uint32 * 3  # one class, made once (as _native._float_array: no class, so no cycle, per call)
+
+
 def _sr_array(keys: Optional[tuple[int, int, int]]) -> Optional[ctypes.Array]:
-    return None if keys is None else (ctypes.c_uint32 * 3)(*keys)
+    return None if keys is None else _KEYS(*keys)
 
 
 # The native calls, in one signature: (lib, n, master, state, grad, out, s, sr) -> (function, arguments), s
