@@ -59,7 +59,12 @@ def _adam_block(r: Reader, kind: str, params: Mapping):
             f"tiermem: DeepSpeed config optimizer.params.adam_w_mode={short(w_mode)} with type "
             f'{kind!r}: write true/false with "Adam" (false: L2 penalty) or drop it with "AdamW"'
         )
-    spec = AdamW if w_mode else Adam
+    return _spec_of(r, AdamW if w_mode else Adam, params, _ADAM_DEFAULTS)
+
+
+def _spec_of(r: Reader, spec: type, params: Mapping, defaults: dict[str, Any]):
+    """``spec`` built from the block's ``params`` (``defaults``, DeepSpeed's, for what it leaves out)
+    and the groups' overrides; the spec's own error, said as the block's."""
     hyper = {
         k: r.take(
             f"optimizer.params.{k}",
@@ -68,7 +73,7 @@ def _adam_block(r: Reader, kind: str, params: Mapping):
             default=default,
             norm=lambda v: tuple(v) if isinstance(v, list) else v,
         )  # JSON's betas are a list
-        for k, default in _ADAM_DEFAULTS.items()
+        for k, default in defaults.items()
     }
     for key in ("no_decay", "no_decay_1d"):
         if key in r.overrides:
@@ -91,25 +96,7 @@ def _plain_block(spec: type, defaults: dict[str, Any]):
                 f"tiermem: DeepSpeed config optimizer.params has {unknown}, which {kind} does not take; "
                 f"use {', '.join(defaults)}"
             )
-        hyper = {
-            k: r.take(
-                f"optimizer.params.{k}",
-                params.get(k, ABSENT),
-                k,
-                default=default,
-                norm=lambda v: tuple(v) if isinstance(v, list) else v,
-            )
-            for k, default in defaults.items()
-        }
-        for key in ("no_decay", "no_decay_1d"):
-            if key in r.overrides:
-                hyper[key] = r.overrides[key]
-        try:
-            return spec(**hyper)
-        except ConfigError as e:
-            raise ConfigError(
-                f"tiermem: DeepSpeed config optimizer block: {str(e).removeprefix('tiermem: ')}"
-            ) from None
+        return _spec_of(r, spec, params, defaults)
 
     return read
 
