@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
-from models import TinyGPT, forward_at, gpt_batch, gpt_loss, same_state, train_steps
-from test_nvme_state import EVERY_STATE, _disk_fails, _files_fail, forward_after_failure
+from models import TinyGPT, gpt_batch, gpt_loss, same_state, train_steps
+from test_nvme_state import EVERY_STATE, _disk_fails, fail_then_retry
 
 import tiermem
 from tiermem import PerClass, StoreError, TensorClass, Tier, TieredModel
@@ -187,19 +187,5 @@ def test_a_forward_between_a_failed_step_with_one_copy_and_its_retry(failing, mo
     PyTorch's output at the pre-step weights when nothing did; after the retry, at one step's."""
     ref = _gpt("keep_on_device", None, bucket_size=1000)
     tm = _gpt("zero_infinity", tmp_path, bucket_size=1000)
-    train_steps(ref, 2)
-    train_steps(tm, 2)
-    x, y = gpt_batch(2)
-    tm.backward(gpt_loss(tm(x), y))
-    before, probe = tm.state_dict(), gpt_batch(99)[0]
-    with _files_fail(tm.stores[Tier.NVME], failing):
-        with pytest.raises(StoreError, match=os.strerror(errno.EIO)):
-            tm.step()
-    assert forward_after_failure(tm, probe, before) is moves
-    tm.step()  # the retry
-    train_steps(ref, 1, offset=2)
-    stepped = ref.state_dict()
-    assert same_state(tm.state_dict(), stepped)
-    with torch.no_grad():
-        assert torch.equal(tm(probe), forward_at(stepped, probe, tm.device))
+    fail_then_retry(tm, ref, failing, moves)
     tm.detach()

@@ -188,6 +188,28 @@ def forward_after_failure(tm, probe, before) -> bool:
 EVERY_STATE = tuple(f"bucket{i}_state." for i in range(10))
 
 
+def fail_then_retry(tm, ref, failing: tuple[str, ...], moves: bool) -> None:
+    """``tm`` and its oracle ``ref`` train two steps; ``tm``'s third fails on the files named by
+    ``failing``: the forward in between is checked (:func:`forward_after_failure`, ``moves``: whether
+    part of the step landed), the retry completes the step, and ``tm`` then holds ``ref``'s weights
+    after its third step and computes plain PyTorch's output at them."""
+    _train(ref, 2)
+    _train(tm, 2)
+    x, y = gpt_batch(2)
+    tm.backward(gpt_loss(tm(x), y))
+    before, probe = tm.state_dict(), gpt_batch(99)[0]
+    with _files_fail(tm.stores[Tier.NVME], failing):
+        with pytest.raises(StoreError, match=os.strerror(errno.EIO)):
+            tm.step()
+    assert forward_after_failure(tm, probe, before) is moves
+    tm.step()  # the retry
+    _train(ref, 1, offset=2)
+    stepped = ref.state_dict()
+    assert same_state(tm.state_dict(), stepped)
+    with torch.no_grad():
+        assert torch.equal(tm(probe), forward_at(stepped, probe, tm.device))
+
+
 @pytest.mark.parametrize(
     "policy,failing,moves",
     [
@@ -204,21 +226,7 @@ def test_a_forward_between_a_failed_step_and_its_retry(tmp_path, policy, failing
     when part of it did; after the retry, plain PyTorch at the weights of one uninterrupted step."""
     ref = _make(ZeroOffload(), None)
     tm = _make({"state_on_nvme": StateOnNvme(), "zero_infinity": ZeroInfinity()}[policy], tmp_path)
-    _train(ref, 2)
-    _train(tm, 2)
-    x, y = gpt_batch(2)
-    tm.backward(gpt_loss(tm(x), y))
-    before, probe = tm.state_dict(), gpt_batch(99)[0]
-    with _files_fail(tm.stores[Tier.NVME], failing):
-        with pytest.raises(StoreError, match=os.strerror(errno.EIO)):
-            tm.step()
-    assert forward_after_failure(tm, probe, before) is moves
-    tm.step()  # the retry
-    _train(ref, 1, offset=2)
-    stepped = ref.state_dict()
-    assert same_state(tm.state_dict(), stepped)
-    with torch.no_grad():
-        assert torch.equal(tm(probe), forward_at(stepped, probe, tm.device))
+    fail_then_retry(tm, ref, failing, moves)
     assert _train(tm, 2, offset=3) == _train(ref, 2, offset=3)
 
 
