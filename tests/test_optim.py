@@ -71,7 +71,9 @@ def assert_bits_equal(a, b):
     assert torch.equal(a.view(ints), b.view(ints)), f"{(a.float() != b.float()).sum().item()} elements differ"
 
 
-# -- compiled kernel == reference, bit for bit (NOTE [FMA parity]) ------------------------------------
+# -- compiled and native kernels == reference, bit for bit (NOTE [FMA parity]; the native one's
+# parity is what makes it the default, NOTE [Native default]) ------------------------------------------
+@pytest.mark.parametrize("impl", ["compiled", "native"])
 @settings(max_examples=30, deadline=None)
 @given(
     n=SIZES,
@@ -82,7 +84,7 @@ def assert_bits_equal(a, b):
     small_chunks=st.booleans(),
     data=st.data(),
 )
-def test_compiled_is_bit_identical_to_reference(n, hp, variant, seed, scale, small_chunks, data):
+def test_kernel_is_bit_identical_to_reference(impl, n, hp, variant, seed, scale, small_chunks, data):
     grad_dtype, out_dtype, adamw, beta1s = variant
     hp = {**hp, "beta1": data.draw(st.sampled_from(beta1s))}
     state = make_state(n, seed, FP32)[:3]
@@ -90,37 +92,14 @@ def test_compiled_is_bit_identical_to_reference(n, hp, variant, seed, scale, sma
     kw = dict(grad_scale=scale[0], clip_coef=scale[1])
     want = run("reference", state, grads, hp, adamw=adamw, out_dtype=out_dtype, first_step=4, **kw)
     with pytest.MonkeyPatch.context() as mp:
-        if small_chunks:  # many chunks, a tail, and a would-be chunk of one element
+        if small_chunks:  # the compiled kernel: many chunks, a tail, and a would-be chunk of one element
             mp.setattr(_compiled, "CHUNK", 64)
-        got = run("compiled", state, grads, hp, adamw=adamw, out_dtype=out_dtype, first_step=4, **kw)
+        got = run(impl, state, grads, hp, adamw=adamw, out_dtype=out_dtype, first_step=4, **kw)
     for w, g in zip(want, got):
         if w is not None:
             assert_bits_equal(g, w)
     if out_dtype is not None:  # out is exactly the updated master, converted
         assert_bits_equal(got[3], got[0].to(out_dtype))
-
-
-# -- native kernel == reference, bit for bit: what makes it the default (NOTE [Native default]) -------
-@settings(max_examples=30, deadline=None)
-@given(
-    n=SIZES,
-    hp=HYPER,
-    variant=st.sampled_from(VARIANTS),
-    seed=st.integers(0, 2**16),
-    scale=st.sampled_from([(1.0, 1.0), (1024.0, 1.0), (3.0, 0.37)]),
-    data=st.data(),
-)
-def test_native_is_bit_identical_to_reference(n, hp, variant, seed, scale, data):
-    grad_dtype, out_dtype, adamw, beta1s = variant
-    hp = {**hp, "beta1": data.draw(st.sampled_from(beta1s))}
-    state = make_state(n, seed, FP32)[:3]
-    grads = make_state(n, seed + 1, grad_dtype, steps=3)[3]
-    kw = dict(grad_scale=scale[0], clip_coef=scale[1])
-    want = run("reference", state, grads, hp, adamw=adamw, out_dtype=out_dtype, first_step=4, **kw)
-    got = run("native", state, grads, hp, adamw=adamw, out_dtype=out_dtype, first_step=4, **kw)
-    for w, g in zip(want, got):
-        if w is not None:
-            assert_bits_equal(g, w)
 
 
 def test_default_is_native_and_skips_the_compiler(monkeypatch):
