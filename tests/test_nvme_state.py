@@ -81,19 +81,23 @@ def test_host_memory_is_bounded_whatever_the_bucket_count(tmp_path):
     assert host_many == host_few  # three buffer sets of the largest bucket, however many buckets
 
 
-class _disk_fails:
-    """Within ``with _disk_fails(store, after=n, code=errno.EIO):`` the store's writes fail with
-    ``code`` once ``n`` write calls have gone through."""
+class _WritesFail:
+    """Within ``with``, the store's writes for which :meth:`fails` says so raise ``OSError(code)``;
+    the others go through."""
 
-    def __init__(self, store, after: int, code: int):
-        self.store, self.after, self.code, self.calls = store, after, code, 0
+    code = errno.EIO
+
+    def __init__(self, store):
+        self.store = store
+
+    def fails(self, fd: int) -> bool:
+        raise NotImplementedError
 
     def __enter__(self):
         real = self.real = self.store._pwritev
 
         def write(fd, bufs, offset):
-            self.calls += 1
-            if self.calls > self.after:
+            if self.fails(fd):
                 raise OSError(self.code, os.strerror(self.code))
             return real(fd, bufs, offset)
 
@@ -104,28 +108,31 @@ class _disk_fails:
         self.store._pwritev = self.real
 
 
-class _files_fail:
+class _disk_fails(_WritesFail):
+    """Within ``with _disk_fails(store, after=n, code=errno.EIO):`` the store's writes fail with
+    ``code`` once ``n`` write calls have gone through."""
+
+    def __init__(self, store, after: int, code: int):
+        super().__init__(store)
+        self.after, self.code, self.calls = after, code, 0
+
+    def fails(self, fd: int) -> bool:
+        self.calls += 1
+        return self.calls > self.after
+
+
+class _files_fail(_WritesFail):
     """Within ``with _files_fail(store, prefixes):`` the store's writes to the files whose names
     start with one of ``prefixes`` (a key's file is named after it: ``bucket0:state`` ->
     ``bucket0_state.<hash>...``; ``""``: every file) fail with EIO, whatever the order the I/O
     threads run them in."""
 
     def __init__(self, store, prefixes: tuple[str, ...]):
-        self.store, self.prefixes = store, prefixes
+        super().__init__(store)
+        self.prefixes = prefixes
 
-    def __enter__(self):
-        real = self.real = self.store._pwritev
-
-        def write(fd, bufs, offset):
-            if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(self.prefixes):
-                raise OSError(errno.EIO, os.strerror(errno.EIO))
-            return real(fd, bufs, offset)
-
-        self.store._pwritev = write
-        return self
-
-    def __exit__(self, *exc):
-        self.store._pwritev = self.real
+    def fails(self, fd: int) -> bool:
+        return os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(self.prefixes)
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
