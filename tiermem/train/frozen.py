@@ -211,7 +211,7 @@ class FrozenParams:
             for s in b.slots:
                 if not self.collective(s.name):
                     continue  # its host copy is its value, whole on every rank: rank 0 writes it whole
-                lo, hi = max(s.offset, c.start), min(s.offset + s.numel, c.end)
+                lo, hi = c.overlap(s.offset, s.numel)
                 if lo < hi:
                     mine.append((s.name, tuple(s.shape), lo - s.offset, hi - s.offset, lo - c.start))
                 elif s.numel == 0 and c.rank == 0:

@@ -170,7 +170,7 @@ class GatheredWeights(WeightHome):
         rewrites."""
         b, s = self.slots[key]
         c = self.chunks[b.index]
-        lo, hi = max(s.offset, c.start), min(s.offset + s.numel, c.end)
+        lo, hi = c.overlap(s.offset, s.numel)
         self.begin_update()
         if lo >= hi:
             return

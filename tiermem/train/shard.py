@@ -41,7 +41,7 @@ def shard_buckets(buckets: Sequence[Bucket], group: Group) -> list[Bucket]:
         c = chunk_of(group, b)
         sb = Bucket(b.index, b.grad_tier, b.state_tier, b.group, b.param_tier, state=b.state)
         for s in b.slots:
-            lo, hi = max(s.offset, c.start), min(s.offset + s.numel, c.end)
+            lo, hi = c.overlap(s.offset, s.numel)
             if lo < hi:
                 sb.slots.append(
                     Slot(s.name, s.param, lo - c.start, hi - lo, torch.Size([hi - lo]), s.order, first=lo - s.offset)

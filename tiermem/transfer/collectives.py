@@ -59,6 +59,11 @@ class Chunk:
     def end(self) -> int:
         return min((self.rank + 1) * self.size, self.numel)
 
+    def overlap(self, offset: int, numel: int) -> tuple[int, int]:
+        """The elements ``[lo, hi)`` of the bucket that both this chunk and the run of ``numel`` at
+        ``offset`` (a parameter's slot) cover; ``lo >= hi`` when none."""
+        return max(offset, self.start), min(offset + numel, self.end)
+
     @property
     def padded(self) -> int:
         return self.size * self.world
