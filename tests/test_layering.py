@@ -19,6 +19,7 @@ LAYERS = {
     "tiermem.errors": 0,
     "tiermem.handles": 0,
     "tiermem.config": 0,
+    "tiermem.hyper_rules": 0,
     "tiermem.precision": 0,
     "tiermem.budgets": 0,
     "tiermem.torch_optim": 0,

@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
-from tiermem.config import is_int
 from tiermem.errors import ConfigError, checked_arguments
+from tiermem.hyper_rules import is_int
 from tiermem.types import Tier
 
 ByteSize = Union[int, float, str]

@@ -41,11 +41,12 @@ from typing import Any, Mapping
 
 import torch
 
-from tiermem.config import LossScale, is_int, is_number
+from tiermem.config import LossScale
 from tiermem.deepspeed.optimizer import optimizer_spec
 from tiermem.deepspeed.placement import OffloadPolicy, placement
 from tiermem.deepspeed.reader import ABSENT, NO_SUCH_SETTING, Reader, block, read_config, short
 from tiermem.errors import ConfigError
+from tiermem.hyper_rules import is_int, is_number
 from tiermem.train.model import TieredModel
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping, Optional
 
-from tiermem.config import Adam, AdamW, _invalid, _Spec, is_int
+from tiermem.config import Adam, AdamW, _Spec
 from tiermem.errors import ConfigError, checked_arguments
+from tiermem.hyper_rules import _invalid, is_int
 
 
 @checked_arguments

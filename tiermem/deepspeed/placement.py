@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
-from tiermem.config import is_int
 from tiermem.deepspeed.reader import ABSENT, NO_SUCH_SETTING, Reader, block, short
 from tiermem.errors import ConfigError
+from tiermem.hyper_rules import is_int
 from tiermem.plan.policy import PerClass, Policy
 from tiermem.types import TensorClass, Tier
 

@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
 import torch
 from torch.optim import Optimizer
 
-from tiermem.config import is_int
 from tiermem.errors import ConfigError
+from tiermem.hyper_rules import is_int
 from tiermem.optim import _native, _run
 from tiermem.optim._sr import StochasticRound
 from tiermem.optim.functional import as_number

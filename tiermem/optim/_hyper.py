@@ -8,7 +8,7 @@ from functools import cached_property
 
 import torch
 
-from tiermem.config import check_adam_hyper
+from tiermem.hyper_rules import check_adam_hyper
 
 # Where each scalar sits in the fp32 tensor the compiled kernel reads (one tensor, so a new lr or
 # step is new data, never a new compiled graph).

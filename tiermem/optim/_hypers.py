@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
-from tiermem.config import check_hyper as _check_hyper, is_number
 from tiermem.errors import ConfigError
+from tiermem.hyper_rules import check_hyper as _check_hyper, is_number
 
 _real = is_number  # NOTE [Numbers are not bools]
 check_hyper = _check_hyper  # the one rule table, in tiermem/config.py (specs check the same names)

@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 import xxhash
 
-from tiermem.config import is_int
 from tiermem.errors import ConfigError
+from tiermem.hyper_rules import is_int
 
 _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1

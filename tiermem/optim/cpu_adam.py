@@ -30,8 +30,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from tiermem.config import check_adam_hyper
 from tiermem.errors import checked_arguments
+from tiermem.hyper_rules import check_adam_hyper
 from tiermem.optim import _run
 from tiermem.optim._dropin import CPUOptimizer, Params, Plan, number
 from tiermem.optim._hyper import AdamHyper

@@ -15,8 +15,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from tiermem.config import is_int
 from tiermem.errors import ConfigError, checked_arguments
+from tiermem.hyper_rules import is_int
 from tiermem.optim import _quant, _run
 from tiermem.optim._dropin import CPUOptimizer, Params, Plan, number
 from tiermem.optim._hyper import AdamHyper

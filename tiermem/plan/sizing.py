@@ -52,8 +52,9 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from tiermem.config import PRECISIONS as _WORKING_DTYPES, is_int, working_dtype
+from tiermem.config import PRECISIONS as _WORKING_DTYPES, working_dtype
 from tiermem.errors import ConfigError
+from tiermem.hyper_rules import is_int
 from tiermem.optim.formats import ADAM, StateFormat, state_format
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.footprint import TRAINING_STATE, footprint, totals

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from tiermem.config import PRECISIONS, check_hyper, is_int
+from tiermem.config import PRECISIONS
 from tiermem.errors import ConfigError
+from tiermem.hyper_rules import check_hyper, is_int
 from tiermem.train.state import HYPER, MEMBERS
 
 __all__ = [

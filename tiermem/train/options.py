@@ -13,8 +13,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from tiermem.budgets import Budgets, parse_bytes
-from tiermem.config import AdamW, LossScale, _Spec, is_int, is_number, resolve_precision, working_dtype
+from tiermem.config import AdamW, LossScale, _Spec, resolve_precision, working_dtype
 from tiermem.errors import ConfigError
+from tiermem.hyper_rules import is_int, is_number
 from tiermem.memory.ledger import Reclaimer
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import DeviceStore, HostStore

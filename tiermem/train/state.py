@@ -18,8 +18,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from tiermem.config import ALL_GROUP_HYPER, PRECISIONS
+from tiermem.config import PRECISIONS
 from tiermem.errors import TierMemError
+from tiermem.hyper_rules import ALL_GROUP_HYPER
 from tiermem.optim.formats import StatePart
 from tiermem.plan.buckets import Bucket
 from tiermem.train.layout import Layout
