@@ -36,6 +36,8 @@ LAYERS = {
     "tiermem.transfer.decisions": 5,  # the residency schedules' pure decisions (they import nothing of tiermem)
     "tiermem.train": 6,
     "tiermem.train.build": 6,  # TieredModel's construction, beside the composition root it serves
+    "tiermem.train.resident": 6,  # tm.resident()'s block, beside the composition root it serves
+    "tiermem.train.report": 6,  # tm.report()'s assembly, beside the composition root it serves
     "tiermem.cli": 7,
     "tiermem.integrations.hf_args": 7,  # imports transformers: only tiermem.integrations.transformers imports it
     "tiermem.deepspeed": 7,  # a DeepSpeed config's reader and mappings, beside the walk that uses them

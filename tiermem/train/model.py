@@ -15,7 +15,6 @@ import logging
 import os
 import time
 import weakref
-from collections import Counter
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
@@ -24,8 +23,7 @@ from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _Spec
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.memory import deferred
-from tiermem.observe.report import Report, collect
-from tiermem.plan.cost import against_measured
+from tiermem.observe.report import Report
 from tiermem.plan.policy import Policy
 from tiermem.train import checkpoint, lifetime
 from tiermem.train.build import build_parts
@@ -33,6 +31,8 @@ from tiermem.train.compute import warn_if_slow
 from tiermem.train.inputs import cast_inputs
 from tiermem.train.options import validate
 from tiermem.train.phase import Lifecycle, Phase
+from tiermem.train.report import assemble as assemble_report
+from tiermem.train.resident import resident as resident_block
 from tiermem.train.state import ModelState
 from tiermem.train.stepper import StepResult
 
@@ -441,24 +441,8 @@ class TieredModel:
         """
         self._settled("resident()")
         self.stepper.check_whole("tm.resident()")  # NOTE [A failed step is rolled forward]
-        params = _params_of(what, self.module)
-        filled: list[dict[str, torch.Tensor]] = []  # what each home's block wrote, once it ends
-        with contextlib.ExitStack() as blocks:
-            off = []
-            for source in self.weight_sources():
-                mine = [n for n in params if n in source.homes]
-                if mine:
-                    filled.append(blocks.enter_context(source.resident(mine)))
-                    off += mine
-            on = {n: p for n, p in params.items() if n not in off}
-            versions = {n: p._version for n, p in on.items()}
+        with resident_block(what, self.module, self.weight_sources(), self._state):
             yield
-        written = {n: v for values in filled for n, v in values.items()}
-        # a weight on the device may share its version counter with others of its bucket: the
-        # elements that differ from their masters are what was written (ModelState.take_weights)
-        changed = {**{n: p.detach() for n, p in on.items() if p._version != versions[n]}, **written}
-        if changed:
-            self._state.take_weights(changed)
 
     def report(self) -> Report:
         """What the run did with memory so far: peak bytes per tier and per (class, tier), bytes
@@ -469,41 +453,16 @@ class TieredModel:
             A :class:`~tiermem.Report` of plain dicts keyed by :class:`~tiermem.Tier` and
             :class:`~tiermem.TensorClass`.
         """
-        peak, class_peak, budgets = collect(self.stores)
-        st = self.engine.stats.snapshot()
-        return Report(
-            peak_bytes=peak,
-            class_peak_bytes=class_peak,
-            bytes_moved=st["bytes_moved"],
-            stall_seconds=sum(st["stall_seconds"].values()),
-            stall_seconds_per_tier=st["stall_seconds"],
-            busy_seconds=st["busy_seconds"],
-            budgets=budgets,
-            steps=self.stepper.steps,
-            class_bytes_moved=st["class_bytes_moved"],
-            n_params=self.layout.n_params,
-            step_seconds=self.stepper.seconds,
-            rank=self.group.rank,
-            world=self.group.world,
-            collective_bytes=self.group.bytes_sent(),
-            placement=repr(self.placement),
-            stages=self._stages(),
-            weights_on_demand=dict(sum((s.on_demand for s in self.weight_sources()), Counter())),
-        )
-
-    def _stages(self) -> dict[str, tuple[float, float]]:
-        """Predicted against measured seconds per step, by stage (NOTE [Cost model]; the prediction fed
-        the measured forward+backward); empty before a step, or when no machine profile exists and
-        the placement needed none."""
-        steps = self.stepper.steps
-        predicted = self._evaluator.predict(self.placement, self._compute_seconds / steps) if steps else None
-        if predicted is None:
-            return {}
-        return against_measured(
-            predicted,
-            forward_backward=self._compute_seconds / steps,
-            grads_home=self.stepper.wait_seconds / steps,
-            step=self.stepper.seconds / steps,
+        return assemble_report(
+            stores=self.stores,
+            engine=self.engine,
+            stepper=self.stepper,
+            layout=self.layout,
+            group=self.group,
+            placement=self.placement,
+            evaluator=self._evaluator,
+            sources=self.weight_sources(),
+            compute_seconds=self._compute_seconds,
         )
 
     def detach(self) -> torch.nn.Module:
@@ -560,23 +519,6 @@ def _eagerly(on: bool) -> contextlib.AbstractContextManager:
     dynamo finds the eager hooks and falls back by itself, after trying to trace)."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if on and set_stance is not None else contextlib.nullcontext()
-
-
-def _params_of(what: Any, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Canonical name -> parameter, for a module of ``module``, a parameter of it, or several."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    items = [what] if isinstance(what, (torch.nn.Module, torch.Tensor)) else list(what)
-    out: dict[str, torch.Tensor] = {}
-    for item in items:
-        for p in item.parameters() if isinstance(item, torch.nn.Module) else [item]:
-            if not isinstance(p, torch.Tensor) or id(p) not in names:
-                raise ConfigError(
-                    f"tiermem: resident() takes modules and parameters of the wrapped model; got "
-                    f"{type(p).__name__}{tuple(p.shape) if isinstance(p, torch.Tensor) else ''}, "
-                    f"which is not one of its parameters"
-                )
-            out[names[id(p)]] = p
-    return out
 
 
 def _note(error: BaseException, text: str) -> None:
