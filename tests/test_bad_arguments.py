@@ -21,7 +21,7 @@ from tiermem import (
     TierMemError,
     from_deepspeed_config,
 )
-from tiermem.optim import CPUAdam, adam_step
+from tiermem.optim import CPUAdam, adam_step, warm_up
 from tiermem.policies import ActivationOffload, Auto, KeepOnDevice, ZeroInfinity, ZeroOffload
 
 
@@ -159,6 +159,8 @@ BAD = [  # (make, error type, what the message must say: the keyword and what is
     (lambda: _adam_step(step=math.nan), ConfigError, r"adam_step step=nan .*whole number"),
     (lambda: _adam_step(step=math.inf), ConfigError, r"adam_step step=inf .*whole number"),
     (lambda: _adam_step(grad_scale=torch.ones(2)), ConfigError, r"adam_step grad_scale=tensor"),
+    (lambda: warm_up(out_dtypes=(torch.int8,)), ConfigError, r"adam_step out has dtype torch.int8"),
+    (lambda: warm_up(grad_dtypes=(), out_dtypes=(torch.int8,)), ConfigError, r"adam_step out has dtype torch.int8"),
 ]
 
 

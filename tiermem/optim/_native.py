@@ -226,6 +226,14 @@ def _float_array(n: int) -> type[ctypes.Array]:
     return ctypes.c_float * n
 
 
+_KEYS = ctypes.c_uint32 * 3  # one class, made once (as _float_array: no class, so no cycle, per call)
+
+
+def keys(values: Optional[tuple[int, int, int]]) -> Optional[ctypes.Array]:
+    """The stochastic-rounding keys as the kernels take them (None: round to nearest)."""
+    return None if values is None else _KEYS(*values)
+
+
 def threads() -> int:
     return torch.get_num_threads()
 

@@ -52,37 +52,30 @@ class Kernel:
 NativeCall = tuple[Callable[..., Any], tuple]  # a native kernel's function and its arguments
 
 
-_KEYS = ctypes.c_uint32 * 3  # one class, made once (as _native._float_array: no class, so no cycle, per call)
-
-
-def _sr_array(keys: Optional[tuple[int, int, int]]) -> Optional[ctypes.Array]:
-    return None if keys is None else _KEYS(*keys)
-
-
 # The native calls, in one signature: (lib, n, master, state, grad, out, s, sr) -> (function, arguments), s
 # the kernel's scalars as a ctypes array (Kernel.scalars of the hyperparameters), sr the rounding keys or
 # None. Made first and called after (NOTE [Drop-in speed] in cpu_adam.py: a drop-in makes every call
 # of a step before it runs the first).
 def _call_sgd(lib, n, master, state, grad, out, s, sr) -> NativeCall:
-    P, C = _native.ptr, _native.code
-    args = (n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads())
+    P, C, K = _native.ptr, _native.code, _native.keys
+    args = (n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, K(sr), _native.threads())
     return lib.tm_sgd, args
 
 
 def _call_adagrad(lib, n, master, state, grad, out, s, sr) -> NativeCall:
-    P, C = _native.ptr, _native.code
-    args = (n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads())
+    P, C, K = _native.ptr, _native.code, _native.keys
+    args = (n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, K(sr), _native.threads())
     return lib.tm_adagrad, args
 
 
 def _call_lion(lib, n, master, state, grad, out, s, sr) -> NativeCall:
-    P, C = _native.ptr, _native.code
-    args = (n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, _sr_array(sr), _native.threads())
+    P, C, K = _native.ptr, _native.code, _native.keys
+    args = (n, P(master), C(master), P(state[0]), P(grad), C(grad), P(out), C(out), s, K(sr), _native.threads())
     return lib.tm_lion, args
 
 
 def _call_adam(lib, n, master, state, grad, out, s, sr) -> NativeCall:
-    P, C = _native.ptr, _native.code
+    P, C, K = _native.ptr, _native.code, _native.keys
     args = (
         n,
         P(master),
@@ -94,14 +87,14 @@ def _call_adam(lib, n, master, state, grad, out, s, sr) -> NativeCall:
         P(out),
         C(out),
         s,
-        _sr_array(sr),
+        K(sr),
         _native.threads(),
     )
     return lib.tm_adam, args
 
 
 def _call_adam8bit(lib, n, master, state, grad, out, s, sr) -> NativeCall:
-    P, C = _native.ptr, _native.code
+    P, C, K = _native.ptr, _native.code, _native.keys
     args = (
         n,
         P(master),
@@ -113,7 +106,7 @@ def _call_adam8bit(lib, n, master, state, grad, out, s, sr) -> NativeCall:
         C(out),
         s,
         P(_quant.CONSTANTS),
-        _sr_array(sr),
+        K(sr),
         _native.threads(),
     )
     return lib.tm_adam8bit, args

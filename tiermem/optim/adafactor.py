@@ -15,7 +15,6 @@ master weights too (the update is computed in fp32).
 
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -337,7 +336,7 @@ def _native_step(
     keys,
 ) -> None:
     P, C, nt = _native.ptr, _native.code, _native.threads()
-    sr = None if keys is None else (ctypes.c_uint32 * 3)(*keys)
+    sr = _native.keys(keys)
     n = master.numel()
     if len(shape) >= 2:
         b, r, c = _dims(shape)

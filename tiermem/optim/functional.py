@@ -335,18 +335,15 @@ def warm_up(
     """
     if _compiled.disabled_by_env():
         return {}
-    if _default() == "native":  # one library serves every variant: nothing to compile
-        for g in grad_dtypes:
-            _check_dtype("grad", g, GRAD_DTYPES)
-            for o in out_dtypes:
-                if o is not None:
-                    _check_dtype("out", o, OUT_DTYPES)
-        return {}
     for g in grad_dtypes:
         _check_dtype("grad", g, GRAD_DTYPES)
+    for o in out_dtypes:
+        if o is not None:
+            _check_dtype("out", o, OUT_DTYPES)
+    if _default() == "native":  # one library serves every variant: nothing to compile
+        return {}
+    for g in grad_dtypes:
         for o in out_dtypes:
-            if o is not None:
-                _check_dtype("out", o, OUT_DTYPES)
             try:
                 _COMPILED.update_fn((g, o, adam_l2, False))
                 _COMPILED.all_finite_fn(g)
