@@ -1,7 +1,8 @@
 """The decisions of trace-driven residency, pure and knowing nothing of tensors: what a recorded
 iteration says about the next use of a key (:class:`AccessTrace`), which released key to evict
 (:func:`choose_victim`: the one used furthest ahead, Belady, else the least recently used) and
-which keys to fetch ahead (:func:`lookahead_window`: the next ones in trace order, as many as fit).
+which keys to fetch ahead (:func:`lookahead_window`: the next ones in trace order, as many as fit),
+and whether the iteration running follows the recorded one (:class:`TraceFollower`).
 
 :class:`~tiermem.transfer.schedule.ResidencyScheduler` carries them out for weights off the
 device, :class:`~tiermem.transfer.gather_schedule.GatherSchedule` for gathers of sharded ones.
@@ -13,7 +14,7 @@ import bisect
 import math
 from typing import Iterable, Mapping, Optional, Sequence
 
-__all__ = ["AccessTrace", "choose_victim", "lookahead_window"]
+__all__ = ["AccessTrace", "TraceFollower", "choose_victim", "lookahead_window"]
 
 
 class AccessTrace:
@@ -42,6 +43,43 @@ class AccessTrace:
             return math.inf
         i = bisect.bisect_left(at, pos)
         return at[i] if i < len(at) else at[0] + len(self.keys)
+
+
+class TraceFollower:
+    """The accesses of the iteration running, checked against the trace of an earlier one.
+
+    :meth:`record` each access; :meth:`following` gives the trace while every access so far was
+    the one it expected (once one is not, ``None`` until the iteration ends); :meth:`close_iteration`
+    makes the recorded accesses the next trace. ``pos`` counts the accesses so far, so while
+    following it is also the index in the trace of the next expected access.
+    """
+
+    def __init__(self) -> None:
+        self.trace: Optional[AccessTrace] = None
+        self.recording: list[str] = []
+        self.pos = 0  # accesses so far in this iteration
+        self.on_trace = True  # this iteration has followed the trace so far
+
+    def following(self) -> Optional[AccessTrace]:
+        """The trace, while this iteration follows it."""
+        return self.trace if self.on_trace else None
+
+    def record(self, key: str) -> None:
+        """``key`` is this iteration's next access (it leaves the trace unless expected there)."""
+        trace = self.following()
+        if trace is not None and not (self.pos < len(trace) and trace.keys[self.pos] == key):
+            self.on_trace = False
+        self.recording.append(key)
+        self.pos += 1
+
+    def close_iteration(self, *, agreed: bool = True) -> None:
+        """The iteration's accesses become the trace (an iteration with none keeps the old one;
+        ``agreed=False`` drops the trace), and the next iteration starts on it."""
+        if not agreed:
+            self.trace = None
+        elif self.recording and (self.trace is None or tuple(self.recording) != self.trace.keys):
+            self.trace = AccessTrace(self.recording)
+        self.recording, self.pos, self.on_trace = [], 0, True
 
 
 def choose_victim(

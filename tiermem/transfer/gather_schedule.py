@@ -27,32 +27,28 @@ So at any time the gathered buckets are the held ones plus at most ``ahead`` byt
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Mapping, Optional
+from typing import Mapping
 
-from tiermem.transfer.decisions import AccessTrace, lookahead_window
+from tiermem.transfer.decisions import TraceFollower, lookahead_window
 
 
-class GatherSchedule:
+class GatherSchedule(TraceFollower):
     """The decisions of NOTE [A gather schedule every rank takes alike], for buckets by key.
     ``sizes``: the bytes each bucket takes gathered; ``ahead``: the bytes gathered ahead of use
-    (or kept after it) besides the held buckets; ``prefetch=False`` never gathers ahead."""
+    (or kept after it) besides the held buckets; ``prefetch=False`` never gathers ahead. The
+    accesses are followed against the trace as :class:`~tiermem.transfer.decisions.TraceFollower`
+    does (``trace``, ``recording``, ``pos``, ``on_trace``)."""
 
     def __init__(self, sizes: Mapping[str, int], ahead: int, *, prefetch: bool = True):
+        super().__init__()
         self.sizes, self.ahead, self.prefetch = dict(sizes), int(ahead), prefetch
-        self.trace: Optional[AccessTrace] = None
-        self.recording: list[str] = []
-        self.pos = 0  # accesses so far in this iteration
-        self.on_trace = True  # this iteration has followed the trace so far
         self.held: Counter[str] = Counter()
         self.gathered: OrderedDict[str, None] = OrderedDict()  # oldest release first
-
-    def _following(self) -> Optional[AccessTrace]:
-        return self.trace if self.on_trace else None
 
     def window(self) -> list[str]:
         """The buckets the trace uses next, within ``ahead`` bytes (empty off the trace). Held
         buckets count too, so the window at an acquire and at the release that follows is one."""
-        trace = self._following()
+        trace = self.following()
         if trace is None:
             return []
         return lookahead_window(trace, self.pos, self.sizes, self.ahead)
@@ -67,16 +63,12 @@ class GatherSchedule:
     def acquire(self, key: str) -> tuple[list[str], list[str]]:
         """``key`` is about to be used: (the buckets to gather now, in this order: ``key`` first
         when it is not gathered, then those ahead; the buckets to free first)."""
-        trace = self._following()
-        if trace is not None and not (self.pos < len(trace) and trace.keys[self.pos] == key):
-            self.on_trace = False
-        self.recording.append(key)
-        self.pos += 1
+        self.record(key)
         self.held[key] += 1
         gather = [] if key in self.gathered else [key]
         self.gathered[key] = None
         self.gathered.move_to_end(key)
-        if self._following() is None:
+        if self.following() is None:
             free = self._trim()
         else:
             window = self.window()
@@ -93,7 +85,7 @@ class GatherSchedule:
             return []
         del self.held[key]
         self.gathered.move_to_end(key)
-        return self._outside(self.window()) if self._following() is not None else self._trim()
+        return self._outside(self.window()) if self.following() is not None else self._trim()
 
     def _trim(self) -> list[str]:
         """Off the trace: the least recently released unheld buckets past ``ahead`` bytes, to free."""
@@ -120,11 +112,7 @@ class GatherSchedule:
         """The iteration's accesses become the trace (an iteration with none keeps the old one;
         ``agreed=False``, the ranks' accesses differed: no trace until an iteration they agree
         on); returns what to gather, and to free first, ahead of the next iteration's accesses."""
-        if not agreed:
-            self.trace = None
-        elif self.recording and (self.trace is None or tuple(self.recording) != self.trace.keys):
-            self.trace = AccessTrace(self.recording)
-        self.recording, self.pos, self.on_trace = [], 0, True
+        self.close_iteration(agreed=agreed)
         if not self.prefetch or self.trace is None:
             return [], self._trim()
         window = self.window()

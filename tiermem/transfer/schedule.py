@@ -41,7 +41,7 @@ from tiermem.handles import Handle
 from tiermem.memory.ledger import Reclaimer
 from tiermem.memory.registry import Residency
 from tiermem.memory.resident import MemoryStore, nbytes_of
-from tiermem.transfer.decisions import AccessTrace, choose_victim, lookahead_window
+from tiermem.transfer.decisions import AccessTrace, TraceFollower, choose_victim, lookahead_window
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.types import Tier
 
@@ -120,13 +120,10 @@ class ResidencyScheduler(Reclaimer):
             None if lookahead_bytes is None else parse_bytes(lookahead_bytes, what="ResidencyScheduler.lookahead_bytes")
         )
         self.prefetch, self.eviction = bool(prefetch), eviction
-        self.trace: Optional[AccessTrace] = None
+        self._follow = TraceFollower()  # this iteration's accesses against the trace
         self.history: list[ScheduleStats] = []  # one entry per finished iteration
         self.current = ScheduleStats()
         self._lock = threading.RLock()
-        self._recording: list[str] = []
-        self._pos = 0  # index in the trace of the next expected access
-        self._on_trace = True  # this iteration has followed the trace so far
         self._pins: dict[str, int] = {}  # acquired key -> open acquires
         self._managed: set[str] = set()  # keys this scheduler placed on the tier
         self._sizes: dict[str, int] = {}
@@ -166,6 +163,11 @@ class ResidencyScheduler(Reclaimer):
                 "call connect(residency) once the engine exists, before acquiring"
             )
         return self._connected
+
+    @property
+    def trace(self) -> Optional[AccessTrace]:
+        """The recorded iteration's accesses (None before the first iteration ends)."""
+        return self._follow.trace
 
     @property
     def stats(self) -> ScheduleStats:
@@ -235,11 +237,10 @@ class ResidencyScheduler(Reclaimer):
         """Close the iteration: freeze (or check and renew) the trace, then fetch ahead of the
         next iteration's first accesses."""
         with self._lock:
-            recorded = tuple(self._recording)
+            recorded = tuple(self._follow.recording)
             if not recorded:
                 log.debug("tiermem: an iteration acquired no managed tensor; the trace stays as it was")
             elif self.trace is None:
-                self.trace = AccessTrace(recorded)
                 log.debug(
                     "tiermem: recorded a trace of %d accesses to %d tensors on %s",
                     len(recorded),
@@ -255,10 +256,9 @@ class ResidencyScheduler(Reclaimer):
                     len(recorded),
                     len(old),
                 )
-                self.trace = AccessTrace(recorded)
+            self._follow.close_iteration()
             self.history.append(self.current)
             self.current = ScheduleStats()
-            self._recording, self._pos, self._on_trace = [], 0, True
             self._fetch_ahead()
 
     def make_room(self, nbytes: int) -> None:
@@ -297,24 +297,16 @@ class ResidencyScheduler(Reclaimer):
         return r
 
     def _record(self, key: str) -> None:
-        self._recording.append(key)
-        if self.trace is None or not self._on_trace:
-            return
-        if self._pos < len(self.trace) and self.trace.keys[self._pos] == key:
-            self._pos += 1
-            return
-        self._on_trace = False
-        log.debug(
-            "tiermem: access %d is %r, the trace expected %r; falling back to LRU without "
-            "prefetch until the iteration ends",
-            self._pos,
-            key,
-            self.trace.keys[self._pos] if self._pos < len(self.trace) else "the end",
-        )
-
-    def _following(self) -> Optional[AccessTrace]:
-        """The trace, while this iteration follows it."""
-        return self.trace if self._on_trace else None
+        trace, at = self._follow.following(), self._follow.pos
+        self._follow.record(key)
+        if trace is not None and self._follow.following() is None:
+            log.debug(
+                "tiermem: access %d is %r, the trace expected %r; falling back to LRU without "
+                "prefetch until the iteration ends",
+                at,
+                key,
+                trace.keys[at] if at < len(trace) else "the end",
+            )
 
     def _touch(self, key: str) -> None:
         self._clock += 1
@@ -354,11 +346,11 @@ class ResidencyScheduler(Reclaimer):
         return handle
 
     def _fetch_ahead(self) -> None:
-        trace = self._following()
+        trace = self._follow.following()
         if not self.prefetch or trace is None:
             return
         registry = self.residency.registry
-        window = lookahead_window(trace, self._pos, self._sizes, self._window_limit(), skip=self._pins)
+        window = lookahead_window(trace, self._follow.pos, self._sizes, self._window_limit(), skip=self._pins)
         upcoming = set(window)
         outside = [k for k in self._evictable() if k not in upcoming]
         for key in window:
@@ -396,8 +388,8 @@ class ResidencyScheduler(Reclaimer):
         """Evict from ``candidates`` until ``nbytes`` fit on the tier. NOTE [Room before allocation]"""
         ledger, asked_others = self._store.ledger, False
         while ledger.allowed - ledger.used < nbytes:
-            trace = self._following() if self.eviction == "belady" else None
-            victim = choose_victim(candidates, self._last_used, trace=trace, pos=self._pos)
+            trace = self._follow.following() if self.eviction == "belady" else None
+            victim = choose_victim(candidates, self._last_used, trace=trace, pos=self._follow.pos)
             if victim is None and required and not asked_others and any(r is not self for r in ledger.reclaimers):
                 asked_others = True  # bytes in flight elsewhere (grads still copying home) go once they land
                 self._ask_others(nbytes - (ledger.allowed - ledger.used))
