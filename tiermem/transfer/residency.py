@@ -67,11 +67,7 @@ class KeyedResidency:
         unchanged until the handle is done; any later request for ``key`` waits for it."""
         r = self.registry.get(key)
         tier = r.home if tier is None else tier
-        self._settle(key)
-        for other in list(r.valid):
-            if other != tier:
-                self.store(other).delete(key)
-        r.valid.clear()
+        self._drop_copies(r, but=tier)
         h = self.store(tier).write(key, tensor, r.info.kind)
         self.engine.landed(tier, tensor)
         if src_tier is not None and src_tier != tier:
@@ -90,14 +86,20 @@ class KeyedResidency:
         (a view of it), becomes ``key``'s value there: no copy, no byte counted twice (NOTE [One
         copy of bf16 master weights] in tiermem/train/param_offload.py); every other copy is dropped."""
         r = self.registry.get(key)
-        self._settle(key)
-        for other in list(r.valid):
-            self.store(other).delete(key)
-        r.valid.clear()
+        self._drop_copies(r, but=r.home)  # alias() replaces the home copy itself
         store = self.store(r.home)
         assert isinstance(store, MemoryStore), "only memory can be shared"
         store.alias(key, tensor)
         self.registry.write_at(key, r.home)
+
+    def _drop_copies(self, r: Residency, *, but: Tier) -> None:
+        """Before a new value of ``r.key`` goes to ``but``: every move of it settled, every copy
+        elsewhere deleted, none valid (the store of ``but`` replaces its own)."""
+        self._settle(r.key)
+        for other in list(r.valid):
+            if other != but:
+                self.store(other).delete(r.key)
+        r.valid.clear()
 
     def read_home(self, key: str, out: torch.Tensor) -> Handle:
         """Start reading ``key``'s value at its home tier into ``out`` (host memory), after any
