@@ -21,7 +21,9 @@ import torch
 import torch.multiprocessing as mp
 
 DEADLINE = 120.0  # seconds for a whole run; a hang fails the test instead of the suite
-PRELOAD = ["torch", "torch.distributed", "tiermem"]  # what every rank imports first, once in the forkserver
+# what every rank imports first, once in the forkserver. torch._dynamo too: torch.optim's
+# Optimizer methods and tiermem's eager hooks import it at their first call (~1.8 CPU s a process)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "tiermem"]
 
 
 def free_port() -> int:
