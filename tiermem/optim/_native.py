@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import getpass
 import hashlib
 import logging
 import os
 import platform
+import re
+import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -135,28 +139,33 @@ def build_seconds() -> dict[str, float]:
     return {n: lib.seconds for n, lib in _LIBS.items() if lib.seconds is not None}
 
 
+# NOTE [Native build without inductor]
+# The compiler and the cache directory are the ones torch.compile uses here, found the way inductor
+# finds them (torch/_inductor/cpp_builder.py and runtime/cache_dir_utils.py): ``$CXX``, else g++
+# (clang++ on macOS) where it runs; ``$TORCHINDUCTOR_CACHE_DIR``, else ``torchinductor_<user>`` in the
+# temporary directory. Found here, not by calling inductor: importing any ``torch._inductor`` module
+# imports torch._dynamo with it, ~1.8 CPU s in every process that takes a step and never compiles.
 def _compiler() -> str:
     cxx = os.environ.get("CXX")
     if cxx:
         return cxx
-    try:  # the compiler torch.compile uses here
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        return get_cpp_compiler()
-    except Exception:  # noqa: BLE001 - any failure: the usual name
-        return "g++"
+    names = ("clang++", "g++", "c++") if sys.platform == "darwin" else ("g++", "c++", "clang++")
+    return next((n for n in names if shutil.which(n)), names[0])
 
 
 def _cache_dir() -> Path:
     env = os.environ.get("TIERMEM_KERNEL_CACHE")
     if env:
         return Path(env)
-    try:  # beside inductor's own cache, so clearing that one clears this one
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        return Path(cache_dir()) / "tiermem"
-    except Exception:  # noqa: BLE001
-        return Path(tempfile.gettempdir()) / "tiermem_kernels"
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if inductor:  # beside inductor's own cache, so clearing that one clears this one
+        return Path(inductor).absolute() / "tiermem"
+    try:
+        user = getpass.getuser()
+    except (KeyError, ImportError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    user = re.sub(r'[\\/:*?"<>|]', "_", user)
+    return Path(tempfile.gettempdir()) / f"torchinductor_{user}" / "tiermem"
 
 
 def _cpu_fingerprint() -> str:

@@ -16,6 +16,17 @@ def _weakly(fn: Callable) -> Callable[[], Callable | None]:
     return weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
 
 
+# NOTE [Construction without dynamo]
+# torch.optim.Optimizer.add_param_group is wrapped by ``torch._disable_dynamo``, which imports
+# torch._dynamo (and torch._inductor with it) at its first call: ~1.8 CPU s in a process that
+# builds a TieredModel and never compiles (each example run, each data-parallel rank). The
+# constructor's calls are never traced, so they call the undecorated method, which functools.wraps
+# keeps as ``__wrapped__``; where a torch lacks it, the decorated one.
+_TORCH_ADD_PARAM_GROUP = getattr(
+    torch.optim.Optimizer.add_param_group, "__wrapped__", torch.optim.Optimizer.add_param_group
+)
+
+
 class TieredOptimizer(torch.optim.Optimizer):
     """A torch Optimizer whose param groups (named, with their ``param_names``; NOTE [Param
     groups] in tiermem/config.py) lr schedulers drive. ``step()`` runs the tiered step; gradients
@@ -49,7 +60,7 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if self._add_group is None:  # torch's constructor, adding the plan's groups
-            super().add_param_group(param_group)
+            _TORCH_ADD_PARAM_GROUP(self, param_group)
             return
         self._model(self._add_group)(self.param_groups, param_group)
 
