@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from fresh import run_python
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
@@ -30,12 +31,12 @@ MiB = 2**20
 
 
 def run_cli(*args: str, cwd: Path, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tiermem", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    """``python -m tiermem ARGS`` in a process of its own (NOTE [Scripts forked from the forkserver])."""
+    return run_python("-m", "tiermem", *args, cwd=cwd, env=env, timeout=timeout)
 
 
 def start_cli(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """``python -m tiermem ARGS`` in a fresh interpreter: the exit status and stderr are Python's own."""
     return subprocess.Popen(
         [sys.executable, "-m", "tiermem", *args],
         cwd=cwd,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fresh import run_python  # noqa: E402
+
 from examples.gpt import GPT, CharTokenizer, GPTConfig, generate, lm_loss, load_corpus  # noqa: E402
 from tiermem.config import resolve_precision  # noqa: E402
 
@@ -22,7 +23,6 @@ STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+) \| loss (\d+\.\d+)", re.MULTILINE)
 
 def run_train_gpt(*extra: str, timeout: float = 120) -> str:
     cmd = [
-        sys.executable,
         str(ROOT / "examples" / "train_gpt.py"),
         "--preset",
         "tiny",
@@ -40,7 +40,7 @@ def run_train_gpt(*extra: str, timeout: float = 120) -> str:
         "20",
         *extra,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = run_python(*cmd, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, f"train_gpt.py exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -156,7 +156,6 @@ def test_lora_example_trains_with_its_base_weights_on_nvme(tmp_path: Path) -> No
     """examples/lora.py, a few steps: LoRA adapters trained with the base on NVMe, then merged."""
     pytest.importorskip("peft")
     cmd = [
-        sys.executable,
         str(ROOT / "examples" / "lora.py"),
         "--steps",
         "6",
@@ -167,7 +166,7 @@ def test_lora_example_trains_with_its_base_weights_on_nvme(tmp_path: Path) -> No
         "--nvme-dir",
         str(tmp_path),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    proc = run_python(*cmd, timeout=180, cwd=ROOT)
     out = proc.stdout
     assert proc.returncode == 0, f"lora.py exited {proc.returncode}\n{out}\n{proc.stderr}"
     losses = [float(x) for x in re.findall(r"^step\s+\d+  loss (\d+\.\d+)", out, re.MULTILINE)]
@@ -178,7 +177,6 @@ def test_lora_example_trains_with_its_base_weights_on_nvme(tmp_path: Path) -> No
 def test_finetune_trains_with_one_group_per_layer_and_unfreezes_them_in_turn() -> None:
     """examples/finetune.py: LLRD groups from a torch optimizer, each layer unfrozen in turn."""
     cmd = [
-        sys.executable,
         str(ROOT / "examples" / "finetune.py"),
         "--pretrain-steps",
         "3",
@@ -189,7 +187,7 @@ def test_finetune_trains_with_one_group_per_layer_and_unfreezes_them_in_turn() -
         "--precision",
         "fp32",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    proc = run_python(*cmd, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, f"finetune.py exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "groups: layer0 lr 1.03e-03, layer1 lr 1.47e-03, layer2 lr 2.10e-03, layer3 lr 3.00e-03" in proc.stdout
     # layer 3 from the start, then one layer down every 3 steps: from steps 3, 6 and 9 of 12

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from fresh import run_python  # noqa: E402
 
 from examples import nvme_offload  # noqa: E402
 from tiermem import parse_bytes  # noqa: E402
@@ -22,9 +23,7 @@ ROW = re.compile(
 
 
 def run_example(name: str, *args: str, cwd: Path) -> str:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True, timeout=120, cwd=cwd
-    )
+    proc = run_python(str(ROOT / "examples" / name), *args, timeout=120, cwd=cwd)
     assert proc.returncode == 0, f"{name} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 

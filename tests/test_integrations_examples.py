@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fresh import run_python
 
 pytest.importorskip("transformers")  # the `hf` extra
 
@@ -37,14 +36,7 @@ def test_example_runs_both_migrations(tmp_path):
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "HF_HUB_OFFLINE": "1",
     }
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--steps", "10", "--out", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
+    proc = run_python(str(EXAMPLE), "--steps", "10", "--out", str(tmp_path / "run"), timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     m = re.search(r"loss: DeepSpeed loop (\S+) -> (\S+); Trainer (\S+) -> (\S+)", proc.stdout)
     assert m, proc.stdout

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import time
 from datetime import timedelta
 
@@ -22,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
 import transformers
+from fresh import run_python
 from ranks import free_port, run_ranks
 from test_integrations_transformers import (
     ACCUM,
@@ -305,7 +304,6 @@ def test_the_readmes_torchrun_command_runs_the_example(tmp_path):
     # port, not the default 29500, which another run on this machine (a pytest-xdist worker) may hold
     env["PET_MASTER_PORT"] = str(free_port())
     cmd = [
-        sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc_per_node",
@@ -318,7 +316,7 @@ def test_the_readmes_torchrun_command_runs_the_example(tmp_path):
         "--out",
         str(tmp_path / "run"),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    proc = run_python(*cmd, timeout=240, env=env, cwd=tmp_path)  # the agent forked, its workers fresh interpreters
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("world size 2: loss ") == 1, proc.stdout
     assert "'checkpoint-2', 'checkpoint-4'" in proc.stdout

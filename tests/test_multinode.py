@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from fresh import Python
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,9 +32,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _node(port: int, nvme: Path, ck: Path, cwd: Path) -> subprocess.Popen:
+def _node(port: int, nvme: Path, ck: Path, cwd: Path) -> Python:
+    """torchrun's agent, forked (NOTE [Scripts forked from the forkserver] in tests/fresh.py); the
+    agent starts its 2 workers as fresh interpreters."""
     cmd = [
-        sys.executable,
         "-m",
         "torch.distributed.run",
         "--nnodes",
@@ -78,9 +79,7 @@ def _node(port: int, nvme: Path, ck: Path, cwd: Path) -> subprocess.Popen:
         "cpu",
     ]  # gloo: 4 ranks on any machine, a GPU one too
     env = {**os.environ, "TIERMEM_NO_COMPILE": "1"}  # torch's fused AdamW: no kernel compiled in each of 4 processes
-    return subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    return Python(*cmd, cwd=cwd, env=env, merge=True)
 
 
 def test_two_nodes_of_two_ranks_train_the_example_and_checkpoint_it(tmp_path):
@@ -97,8 +96,8 @@ def test_two_nodes_of_two_ranks_train_the_example_and_checkpoint_it(tmp_path):
     finally:
         for p in nodes:  # each node's agent and its workers: a session of their own
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+                p.kill()
+                p.communicate()
     both = "\n".join(outs)
     assert [p.returncode for p in nodes] == [0, 0], both[-4000:]
     assert both.count("on each of 4 ranks") == 1, both[-4000:]  # global rank 0 alone prints
