@@ -22,8 +22,10 @@ import torch.multiprocessing as mp
 
 DEADLINE = 120.0  # seconds for a whole run; a hang fails the test instead of the suite
 # what every rank imports first, once in the forkserver. torch._dynamo too: torch.optim's
-# Optimizer methods and tiermem's eager hooks import it at their first call (~1.8 CPU s a process)
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "tiermem"]
+# Optimizer methods and tiermem's eager hooks import it at their first call (~1.8 CPU s a process);
+# transformers and peft (~4 CPU s, once a worker) for the ranks and the scripts (tests/fresh.py)
+# that train Hugging Face models: ~8 processes in the suite, ~3.5 CPU s each
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "tiermem", "transformers", "peft"]
 
 
 def free_port() -> int:
