@@ -7,8 +7,8 @@ import errno
 import os
 import signal
 import subprocess
-import sys
 
+import forked
 import pytest
 import torch
 from models import (
@@ -333,38 +333,8 @@ def test_a_run_killed_mid_step_resumes_bit_exact_from_its_checkpoint(tmp_path, p
     d = tmp_path / "nvme"
     d.mkdir()
     ckpt = tmp_path / "ckpt"
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            f"""
-import os, signal, sys
-sys.path.insert(0, {os.path.dirname(__file__)!r})
-from test_nvme_state import _make, _train, _policy
-from models import gpt_batch, gpt_loss
-from tiermem import Tier
-tm = _make(_policy({policy!r}), {str(d)!r})
-_train(tm, 2)
-tm.save({str(ckpt)!r})
-x, y = gpt_batch(2)
-tm.backward(gpt_loss(tm(x), y))
-store, calls = tm.stores[Tier.NVME], []
-real = store._pwritev
-def write(fd, bufs, offset):
-    calls.append(offset)
-    if len(calls) > {writes}:
-        os.kill(os.getpid(), signal.SIGKILL)  # mid-step, mid-write: no handler, no cleanup
-    return real(fd, bufs, offset)
-store._pwritev = write
-tm.step()
-print("the step finished: not killed")
-""",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
+    code, said = forked.run(_train_then_die_mid_step, policy, str(d), str(ckpt), writes)
+    assert code == -signal.SIGKILL, said or f"the step finished: not killed (exit code {code})"
     (tmp_path / "ref").mkdir()
     ref = _make(_policy(policy), tmp_path / "ref")
     ref_losses = _train(ref, 5)
@@ -376,6 +346,28 @@ print("the step finished: not killed")
 
 def _policy(name: str):
     return {"state-on-nvme": StateOnNvme(), "zero-infinity": ZeroInfinity()}[name]
+
+
+def _train_then_die_mid_step(policy: str, d: str, ckpt: str, writes: int) -> None:
+    """The killed run of the test above, in a child process: two steps, a checkpoint, then the
+    third step's NVMe writes until the one after ``writes``, where the process kills itself
+    (SIGKILL: no handler, no cleanup)."""
+    tm = _make(_policy(policy), d)
+    _train(tm, 2)
+    tm.save(ckpt)
+    x, y = gpt_batch(2)
+    tm.backward(gpt_loss(tm(x), y))
+    store, calls = tm.stores[Tier.NVME], []
+    real = store._pwritev
+
+    def write(fd, bufs, offset):
+        calls.append(offset)
+        if len(calls) > writes:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-step, mid-write
+        return real(fd, bufs, offset)
+
+    store._pwritev = write
+    tm.step()
 
 
 def test_zero_infinity_holds_each_value_once_on_disk(tmp_path):
