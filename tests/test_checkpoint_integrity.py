@@ -10,8 +10,10 @@ import os
 import struct
 import subprocess
 import sys
+import time
 import zlib
 
+import forked
 import pytest
 import torch
 import xxhash
@@ -449,33 +451,29 @@ def test_a_killed_saves_temporaries_are_removed_by_the_next_save(tmp_path):
     _model(steps=0).load(str(path))
 
 
+def _save_stalled_before_its_fsync(path: str, written) -> None:
+    """In a child process: save a model, stopping once the checkpoint's bytes are in the temporary,
+    before it is synced and renamed; ``written`` is set there."""
+
+    def stall(fd):
+        written.set()
+        time.sleep(600)
+
+    os.fsync = stall
+    TieredModel(TinyGPT(), precision="fp32").save(path)
+
+
 def test_a_save_killed_part_way_leaves_a_temporary_that_the_next_save_removes(tmp_path):
     path = tmp_path / "c.tm"
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"""
-import os, sys, time
-sys.path.insert(0, {os.path.dirname(__file__)!r})
-from models import TinyGPT
-from tiermem import TieredModel
-def stall(fd):
-    print("written", flush=True)
-    time.sleep(600)
-os.fsync = stall  # the checkpoint's bytes are in the temporary: stop before it is synced and renamed
-TieredModel(TinyGPT(), precision="fp32").save({str(path)!r})
-""",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    ctx = forked.context()  # forked: a fresh process imports torch again (~5 CPU s)
+    written = ctx.Event()
+    child = ctx.Process(target=_save_stalled_before_its_fsync, args=(str(path), written))
+    child.start()
     try:
-        assert child.stdout.readline() == "written\n"
+        assert written.wait(120), "the child's save wrote nothing within 120 s"
     finally:
         child.kill()  # SIGKILL: no handler, no cleanup
-        child.wait()
-        child.stdout.close()
+        child.join()
     assert os.listdir(tmp_path) == [f"c.tm.tmp-{child.pid}"]
     tm = _model()
     tm.save(str(path))

@@ -5,12 +5,12 @@ directory is owned by one store at a time (NOTE [One store owns a directory]).""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
 import shutil
 import stat
 
+import forked
 import pytest
 import torch
 
@@ -273,7 +273,7 @@ def test_a_second_store_in_this_process_is_refused_until_the_first_closes(tmp_pa
 
 
 def test_a_store_in_another_process_is_refused_with_its_pid_then_taken(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = forked.context()  # forked: a spawned child imports torch again (~5 CPU s each)
     ready, done, queue = ctx.Event(), ctx.Event(), ctx.Queue()
     holder = ctx.Process(target=_hold, args=(str(tmp_path), ready, done))
     holder.start()
