@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import queue
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
+import pytest
 import torch.multiprocessing as mp
 from ranks import PRELOAD
 
@@ -24,30 +25,36 @@ def context() -> Any:
     return ctx
 
 
-def _child_main(env: dict[str, str], errors: Any, target: Callable[..., None], args: tuple) -> None:
+class Child(NamedTuple):
+    exitcode: int  # negative: the signal that ended it
+    error: str  # the traceback it raised, or ""
+    value: Any  # what the target returned (None if it did not return)
+
+
+def _child_main(env: dict[str, str], said: Any, target: Callable[..., Any], args: tuple) -> None:
     os.environ.clear()
     os.environ.update(env)  # the caller's environment at the call, not the forkserver's at its start
     try:
-        target(*args)
+        said.put(("ok", target(*args)))
     except BaseException:  # sent to the parent, which shows it; re-raised: the exit code says so too
-        errors.put(traceback.format_exc())
+        said.put(("error", traceback.format_exc()))
         raise
 
 
-def run(target: Callable[..., None], *args: Any, deadline: float = 120.0) -> tuple[int, str]:
-    """``target(*args)`` in a child; its exit code (negative: the signal that ended it) and the
-    traceback it raised, if any. A child not done by ``deadline`` is killed and fails the test."""
+def run(target: Callable[..., Any], *args: Any, deadline: float = 120.0, hang: str = "") -> Child:
+    """``target(*args)`` in a child, and how it ended. A child not done by ``deadline`` seconds is
+    killed and fails the test with ``hang`` (a deadlock stays in the child)."""
     ctx = context()
-    errors = ctx.Queue()
-    child = ctx.Process(target=_child_main, args=(dict(os.environ), errors, target, args))
+    said = ctx.Queue()
+    child = ctx.Process(target=_child_main, args=(dict(os.environ), said, target, args))
     child.start()
     child.join(deadline)
     if child.exitcode is None:
         child.kill()
         child.join()
-        raise AssertionError(f"the child process was not done within {deadline:.0f} s (hung?)")
+        pytest.fail(hang or f"the child process was not done within {deadline:.0f} s")
     try:
-        said = errors.get(timeout=1.0) if child.exitcode > 0 else ""
-    except queue.Empty:
-        said = ""
-    return child.exitcode, said
+        status, what = said.get(timeout=1.0)
+    except queue.Empty:  # killed, or died without a word
+        status, what = "", None
+    return Child(child.exitcode, what if status == "error" else "", what if status == "ok" else None)

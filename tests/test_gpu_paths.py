@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import gc
 
+import forked
 import pytest
 import torch
-from models import run_python
 
 from tiermem import TensorClass, Tier
 from tiermem.memory import aligned, deferred, resident
@@ -91,45 +91,53 @@ def test_a_store_dropped_without_close_unpins(fake_pinning):
     buf.fill_(1)
 
 
+def _collect_a_pinned_pool_inside_the_pools_lock() -> int:
+    """In a child process, with a stand-in for torch's cudart binding: a pinned pool that only a GC
+    pass collects, collected while this thread holds concurrent.futures' module-wide lock; the
+    bytes still pinned once released."""
+    import concurrent.futures.thread
+    import contextlib
+
+    pinned: dict[int, int] = {}
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            pinned[ptr] = nbytes
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            del pinned[ptr]
+            return 0
+
+    torch.cuda.cudart = lambda: Cudart()
+    torch.cuda.device = lambda i: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.device_count = lambda: 1
+    torch._C._cuda_hasPrimaryContext = lambda i: True
+    host = HostStore(1 << 30, pin=True)
+    host.acquire(8192, "k", TensorClass.GRAD)
+    assert sum(pinned.values()) == 8192, pinned
+    cycle: list = [host]
+    cycle.append(cycle)  # only a GC pass collects it
+    del host, cycle
+    with concurrent.futures.thread._global_shutdown_lock:  # what submit() holds
+        gc.collect()  # the pool's finalizer runs here, on this thread, inside that lock
+    deferred.settle()
+    return len(pinned)
+
+
 def test_a_pinned_pool_collected_inside_a_thread_pools_lock_does_not_deadlock():
     """Unpinning runs on the pinning thread's pool, whose submit() takes concurrent.futures'
     module-wide lock: a pool dropped without close() and collected by a GC pass inside that lock
-    unpins on the release worker instead of waiting there (inline, it deadlocked). In a
-    subprocess, with a stand-in for torch's cudart binding: a deadlock would wedge every pool."""
-    done = run_python(
-        """
-        import concurrent.futures.thread, contextlib, gc, torch
-        from tiermem import TensorClass
-        from tiermem.memory import deferred
-        from tiermem.memory.resident import HostStore
-        pinned = {}
-        class Cudart:
-            def cudaHostRegister(self, ptr, nbytes, flags):
-                pinned[ptr] = nbytes
-                return 0
-            def cudaHostUnregister(self, ptr):
-                del pinned[ptr]
-                return 0
-        torch.cuda.cudart = lambda: Cudart()
-        torch.cuda.device = lambda i: contextlib.nullcontext()
-        torch.cuda.current_device = lambda: 0
-        torch.cuda.device_count = lambda: 1
-        torch._C._cuda_hasPrimaryContext = lambda i: True
-        host = HostStore(1 << 30, pin=True)
-        host.acquire(8192, "k", TensorClass.GRAD)
-        assert sum(pinned.values()) == 8192, pinned
-        cycle = [host]
-        cycle.append(cycle)  # only a GC pass collects it
-        del host, cycle
-        with concurrent.futures.thread._global_shutdown_lock:  # what submit() holds
-            gc.collect()  # the pool's finalizer runs here, on this thread, inside that lock
-        deferred.settle()
-        print(len(pinned))
-    """,
-        timeout=90,
+    unpins on the release worker instead of waiting there (inline, it deadlocked). In a child
+    process, with a stand-in for torch's cudart binding: a deadlock would wedge every pool."""
+    child = forked.run(
+        _collect_a_pinned_pool_inside_the_pools_lock,
+        deadline=90,
         hang="a pinned pool collected inside concurrent.futures' lock deadlocked",
     )
-    assert done.stdout.strip() == "0"  # unpinned after all
+    assert child.exitcode == 0, child.error
+    assert child.value == 0  # unpinned after all
 
 
 def test_default_device_budget_is_free_plus_what_torch_holds_minus_the_margin(monkeypatch):

@@ -11,6 +11,7 @@ import threading
 import time
 import weakref
 
+import forked
 import pytest
 import torch
 from models import TinyGPT, gpt_batch, gpt_loss, run_python, train_steps
@@ -300,30 +301,31 @@ def test_a_model_dropped_as_a_script_ends_leaves_no_files(tmp_path):
     assert _files(tmp_path) == []
 
 
+def _collect_a_model_inside_the_pools_lock(nvme_dir: str) -> list[str]:
+    """In a child process: a trained model that only a GC pass collects, collected while this
+    thread holds concurrent.futures' module-wide lock; the directory's files once released."""
+    import concurrent.futures.thread
+
+    os.environ["TIERMEM_NO_COMPILE"] = "1"  # torch's fused AdamW: no kernel to load
+    holder: list = [TieredModel(TinyGPT(), ZeroInfinity(), nvme_dir=nvme_dir, precision="bf16", bucket_size=4096)]
+    train_steps(holder[0], 1)
+    holder.append(holder)  # only a GC pass collects it
+    del holder
+    with concurrent.futures.thread._global_shutdown_lock:  # what submit() holds
+        gc.collect()  # the model's finalizer runs here, on this thread, inside that lock
+    deferred.settle()
+    return sorted(os.listdir(nvme_dir))
+
+
 def test_a_model_collected_inside_a_thread_pools_lock_does_not_deadlock(tmp_path):
     """A GC pass can start inside ``ThreadPoolExecutor.submit``, which holds concurrent.futures'
     module-wide lock; a model collected there gives back on the release worker, not inline
-    (NOTE [Finalizers only enqueue]). In a subprocess: a deadlock would wedge every pool."""
-    done = run_python(
-        f"""
-        import concurrent.futures.thread, gc, os
-        os.environ["TIERMEM_NO_COMPILE"] = "1"  # torch's fused AdamW: no kernel to load (~7 of 16 CPU s)
-        from models import TinyGPT, train_steps
-        from tiermem import TieredModel
-        from tiermem.memory import deferred
-        from tiermem.policies import ZeroInfinity
-
-        holder = [TieredModel(TinyGPT(), ZeroInfinity(), nvme_dir={str(tmp_path)!r}, precision="bf16",
-                              bucket_size=4096)]
-        train_steps(holder[0], 1)
-        holder.append(holder)  # only a GC pass collects it
-        del holder
-        with concurrent.futures.thread._global_shutdown_lock:  # what submit() holds
-            gc.collect()  # the model's finalizer runs here, on this thread, inside that lock
-        deferred.settle()
-        print(sorted(os.listdir({str(tmp_path)!r})))
-    """,
-        timeout=90,
+    (NOTE [Finalizers only enqueue]). In a child process: a deadlock would wedge every pool."""
+    child = forked.run(
+        _collect_a_model_inside_the_pools_lock,
+        str(tmp_path),
+        deadline=90,
         hang="a model collected inside concurrent.futures' lock deadlocked",
     )
-    assert done.stdout.strip() == "[]"  # released after all: files and lock gone
+    assert child.exitcode == 0, child.error
+    assert child.value == []  # released after all: files and lock gone

@@ -333,8 +333,8 @@ def test_a_run_killed_mid_step_resumes_bit_exact_from_its_checkpoint(tmp_path, p
     d = tmp_path / "nvme"
     d.mkdir()
     ckpt = tmp_path / "ckpt"
-    code, said = forked.run(_train_then_die_mid_step, policy, str(d), str(ckpt), writes)
-    assert code == -signal.SIGKILL, said or f"the step finished: not killed (exit code {code})"
+    child = forked.run(_train_then_die_mid_step, policy, str(d), str(ckpt), writes)
+    assert child.exitcode == -signal.SIGKILL, child.error or f"not killed (exit code {child.exitcode})"
     (tmp_path / "ref").mkdir()
     ref = _make(_policy(policy), tmp_path / "ref")
     ref_losses = _train(ref, 5)
