@@ -14,15 +14,7 @@ import traceback
 from typing import Any, Callable, NamedTuple
 
 import pytest
-import torch.multiprocessing as mp
-from ranks import PRELOAD
-
-
-def context() -> Any:
-    """The forkserver context shared with tests/ranks.py (one forkserver per test process)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read when the forkserver starts: the first child of the session
-    return ctx
+from ranks import forkserver as context
 
 
 class Child(NamedTuple):

@@ -41,8 +41,7 @@ import threading
 import traceback
 from typing import Optional, Sequence
 
-import torch.multiprocessing as mp
-from ranks import PRELOAD
+from ranks import forkserver
 
 
 @functools.cache
@@ -142,9 +141,7 @@ class Python:
         self._out, self._err = os.path.join(self._dir, "stdout"), os.path.join(self._dir, "stderr")
         cwd = os.fspath(cwd)
         path = _interpreter_path(env.get("PYTHONPATH"), cwd)
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)  # the same server as tests/ranks.py's, whichever starts it
-        self._proc = ctx.Process(
+        self._proc = forkserver().Process(
             target=_child, args=(list(args), cwd, env, path, self._out, None if merge else self._err)
         )
         self._proc.start()

@@ -64,12 +64,20 @@ class RankFailed(AssertionError):
         super().__init__("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
 
 
+def forkserver():
+    """The forkserver context every second process of the suite comes from: ranks here, scripts
+    (tests/fresh.py), children (tests/forked.py). One server per test process, started at the first
+    use, with PRELOAD imported."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the forkserver starts
+    return ctx
+
+
 def run_ranks(fn, *args, world: int = 2, deadline: float = DEADLINE, allow_errors: bool = False, backend: str = "gloo"):
     """``[fn(0, world, *args), ..., fn(world-1, world, *args)]``, each on its own rank. Raises
     :class:`RankFailed` with every rank's error (or returns them, ``allow_errors=True``: a dict
     rank -> result or error text); a rank not done by ``deadline`` is killed and reported."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read when the forkserver starts: the first run of the session
+    ctx = forkserver()
     results = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
