@@ -83,6 +83,8 @@ def test_ledger_never_exceeds_budget(ops):
                 assert sum(model.values()) - model.get(key, 0) + n > 1000
         assert led.used == sum(model.values()) <= 1000
         assert led.peak <= 1000
+        some = {key, "abcde"[n % 5], "never-reserved"}
+        assert led.held_total(some) == sum(model.get(k, 0) for k in some) == sum(led.held(k) for k in some)
 
 
 def test_requests_in_flight_give_their_room_back_when_the_ledger_is_short():

@@ -18,7 +18,7 @@ out of the layout for activations.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 from tiermem.errors import OutOfTierMemory, fmt_bytes
 from tiermem.handles import Handle, wait_all_quietly
@@ -120,6 +120,12 @@ class Ledger:
 
     def held(self, key: str) -> int:
         return self._held.get(key, 0)
+
+    def held_total(self, keys: Iterable[str]) -> int:
+        """``sum(held(k) for k in keys)``, without a method call per key (a scheduler sums its
+        keys on every acquire)."""
+        held = self._held
+        return sum(held.get(k, 0) for k in keys)
 
     def reserve(
         self, key: str, nbytes: int, kind: Optional[TensorClass] = None, *, label: Optional[str] = None

@@ -322,8 +322,8 @@ class ResidencyScheduler(Reclaimer):
         return sorted(k for k, n in self._pins.items() if n)
 
     def _evictable(self) -> list[str]:
-        registry = self.residency.registry
-        self._managed = {k for k in self._managed if k in registry and k in self._store}
+        registry, store = self.residency.registry, self._store  # once, not per key: this runs on every acquire
+        self._managed = {k for k in self._managed if k in registry and k in store}
         return [k for k in self._managed if k not in self._pins]
 
     # -- moves --------------------------------------------------------------------------------
@@ -379,8 +379,8 @@ class ResidencyScheduler(Reclaimer):
         """Bytes the tensors fetched ahead may take: the budget less what is acquired and what
         tensors outside this scheduler hold on the tier, capped by ``lookahead_bytes``."""
         ledger = self._store.ledger
-        managed = sum(ledger.held(k) for k in self._managed)
-        pinned = sum(ledger.held(k) for k in self._pins)
+        managed = ledger.held_total(self._managed)
+        pinned = ledger.held_total(self._pins)
         room = ledger.allowed - (ledger.used - managed) - pinned
         return room if self.lookahead_bytes is None else min(room, self.lookahead_bytes)
 
