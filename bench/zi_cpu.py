@@ -31,8 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 from examples.gpt import GPT, GPTConfig, lm_loss
 from tiermem import AdamW, TieredModel
 from tiermem.policies import ZeroInfinity, ZeroOffload
-from tiermem.transfer import residency as residency_mod
-from tiermem.transfer import schedule as schedule_mod
+from tiermem.transfer import residency as residency_mod, schedule as schedule_mod
 
 _threads_cpu = [0.0]  # CPU seconds of threads that ended, summed
 _fetch = [0.0, 0.0]  # CPU in _fetch_ahead, CPU in the moves it (and acquire) started
@@ -73,7 +72,9 @@ def train(policy: str, cfg: GPTConfig, steps: int, bucket_size: str) -> None:
     """tests/test_golden.py's ``train``, with the model's size and the bucket size as given."""
     torch.manual_seed(0)
     setup: dict = (
-        {"policy": ZeroOffload()} if policy == "zero-offload" else {"policy": ZeroInfinity(), "nvme_dir": tempfile.mkdtemp()}
+        {"policy": ZeroOffload()}
+        if policy == "zero-offload"
+        else {"policy": ZeroInfinity(), "nvme_dir": tempfile.mkdtemp()}
     )
     tm = TieredModel(
         GPT(cfg),
