@@ -1,5 +1,6 @@
 """Failure paths of a step that other tests leave out: an update that fails in the background under
-overlap_step (NOTE [A failed background update] in tiermem/train/stepper.py)."""
+overlap_step (NOTE [A failed background update] in tiermem/train/stepper.py), and an NVMe write that
+fails on one rank of two under data parallelism."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import errno
 import os
 import tempfile
 import threading
+from datetime import timedelta
 
 import pytest
 import torch
 from models import forward_at, gpt_batch, gpt_loss, same_state, train_steps as _train
+from ranks import run_ranks
 from test_nvme_state import StateOnNvme, _files_fail, _make
 
 from tiermem import StoreError, Tier, TierMemError
@@ -115,3 +118,66 @@ def test_a_checkpoint_loaded_after_a_failed_background_update(tmp_path):
     tm.load(ckpt)  # the failure, never reported, is dropped with what it left to do
     assert _train(tm, 3, offset=2) == ref_losses
     assert same_state(tm.state_dict(), ref.state_dict())
+
+
+# -- data parallelism: a step that fails on one rank -----------------------------------------------
+def _attempt(log: list, what: str, call):
+    """``call()``; logs ``(what, None)``, or ``(what, "<type>: <message and notes>")`` if it raised a
+    tiermem error (any other error fails the rank, and the test)."""
+    try:
+        out = call()
+    except TierMemError as e:
+        log.append((what, f"{type(e).__name__}: {e} {' '.join(getattr(e, '__notes__', []))}"))
+        return None
+    log.append((what, None))
+    return out
+
+
+def _rank_write_fails(rank, world, directory, failing):
+    """Two steps on 2 ranks, state on NVMe; rank 1's state writes named by ``failing`` fail in step 3.
+    Then each rank tries what a training loop would: a forward, the retry, one more step. Returns
+    what each call raised, and the working weights after step 3 and at the end."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=5))  # a rank left waiting fails soon
+    tm = _make(StateOnNvme(), directory, precision="fp32", bucket=3000, process_group=group)
+    log: list = []
+
+    def step(i):
+        x, y = gpt_batch(100 * i + rank)
+        tm.backward(gpt_loss(tm(x), y))
+        tm.step()
+
+    step(0)
+    step(1)
+    x, y = gpt_batch(200 + rank)
+    tm.backward(gpt_loss(tm(x), y))
+    with _files_fail(tm.stores[Tier.NVME], failing if rank == 1 else ("/nothing/",)):
+        _attempt(log, "step 3", tm.step)
+    weights = [p.detach().clone() for p in tm.module.parameters()]
+    with torch.no_grad():
+        _attempt(log, "forward", lambda: tm(gpt_batch(99)[0]))
+    _attempt(log, "retry", tm.step)
+    _attempt(log, "step 4", lambda: step(3))
+    return log, weights, [p.detach().clone() for p in tm.module.parameters()]
+
+
+@pytest.mark.parametrize("failing", [("bucket0_state.",), ("",)], ids=["first-bucket", "every-write"])
+def test_a_write_that_fails_on_one_rank_stops_every_rank(tmp_path, failing):
+    """Rank 1's NVMe state write fails in step 3 (docs/fault-tolerance.md: under data parallelism
+    the way out is a checkpoint). What happens today on both ranks: step 3 raises a ``tiermem:``
+    error on each (rank 1's names the disk's error), the forward after it is refused on each,
+    every later call raises a ``tiermem:`` error or leaves both ranks' weights equal, and nothing
+    hangs: no rank trains on, silently, with weights that differ from the other's."""
+    results, errors = run_ranks(_rank_write_fails, str(tmp_path), failing, deadline=90, allow_errors=True)
+    assert not errors, errors  # no rank hung or died
+    (log0, after0, end0), (log1, after1, end1) = results[0], results[1]
+    for log in (log0, log1):
+        assert log[0][1] is not None and log[0][1].split(": ", 1)[1].startswith("tiermem:"), log
+        assert log[1][1] is not None and "would use weights of two steps" in log[1][1], log
+        assert all(raised is None or "tiermem:" in raised for _, raised in log), log
+    assert os.strerror(errno.EIO) in log1[0][1], log1[0][1]  # the failing rank is told why
+    assert all(torch.equal(a, b) for a, b in zip(after0, after1))
+    assert all(torch.equal(a, b) for a, b in zip(end0, end1)) or all(
+        raised is not None for log in (log0, log1) for what, raised in log if what == "step 4"
+    )

@@ -445,9 +445,14 @@ class Stepper:
         if restore:
             try:
                 self._send_masters(restore)
-            except BaseException:
+            except TierMemError as again:  # the step's own error is the one to raise (under data parallelism
+                # the others' is a collective that failed because this rank stopped mid-step)
                 self._between = f"{type(error).__name__}: {error}; the new weights it had sent could not be taken back"
-                raise
+                if hasattr(error, "add_note"):  # Python 3.11+
+                    error.add_note(
+                        f"tiermem: the new weights this step had sent could not be taken back "
+                        f"({type(again).__name__}: {again})"
+                    )
 
     def _send_unsent(self) -> None:
         """The weights of buckets a failed step updated, sent home again from their master (NOTE
