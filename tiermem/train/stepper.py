@@ -442,6 +442,18 @@ class Stepper:
         restore = [
             b for b, _ in plan if self.homes.state[b.index].revertible or (b.index in landed and b.index not in updated)
         ]
+        if self.group.world > 1:
+            # Under data parallelism the other ranks are still in this step's collectives (or stop in
+            # them): no collective of this rank's may follow (the weights' resend gathers the masters,
+            # which another rank's gather of its step could match), and its weights may be of two
+            # steps on another rank: every read is refused; the way out is a checkpoint.
+            self._between = f"{type(error).__name__}: {error}"
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(
+                    f"tiermem: under data parallelism a step that failed on one rank stops every rank: "
+                    f"restart them and tm.load() the last checkpoint (rank {self.group.rank} of {self.group.world})"
+                )
+            return
         if restore:
             try:
                 self._send_masters(restore)
