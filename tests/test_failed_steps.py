@@ -133,14 +133,14 @@ def _attempt(log: list, what: str, call):
     return out
 
 
-def _rank_write_fails(rank, world, directory, failing):
+def _rank_write_fails(rank, world, directory, failing, overlap=False):
     """Two steps on 2 ranks, state on NVMe; rank 1's state writes named by ``failing`` fail in step 3.
     Then each rank tries what a training loop would: a forward, the retry, one more step. Returns
     what each call raised, and the working weights after step 3 and at the end."""
     import torch.distributed as dist
 
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=5))  # a rank left waiting fails soon
-    tm = _make(StateOnNvme(), directory, precision="fp32", bucket=3000, process_group=group)
+    tm = _make(StateOnNvme(), directory, precision="fp32", bucket=3000, process_group=group, overlap_step=overlap)
     log: list = []
 
     def step(i):
@@ -154,6 +154,8 @@ def _rank_write_fails(rank, world, directory, failing):
     tm.backward(gpt_loss(tm(x), y))
     with _files_fail(tm.stores[Tier.NVME], failing if rank == 1 else ("/nothing/",)):
         _attempt(log, "step 3", tm.step)
+        while tm.stepper._background is not None and not tm.stepper._background[0].done():
+            threading.Event().wait(0.01)  # overlap_step: rank 1's update fails while the files do
     weights = [p.detach().clone() for p in tm.module.parameters()]
     with torch.no_grad():
         _attempt(log, "forward", lambda: tm(gpt_batch(99)[0]))
@@ -181,3 +183,22 @@ def test_a_write_that_fails_on_one_rank_stops_every_rank(tmp_path, failing):
     assert all(torch.equal(a, b) for a, b in zip(end0, end1)) or all(
         raised is not None for log in (log0, log1) for what, raised in log if what == "step 4"
     )
+
+
+def test_an_update_that_fails_in_the_background_on_one_rank_stops_every_rank(tmp_path):
+    """The same under overlap_step: rank 1's update of step 3 fails in the background. Rank 1's next
+    call raises the disk's error; every call after it, on either rank, raises a ``tiermem:`` error
+    or leaves both ranks' weights equal (there is no retry under data parallelism: restart the
+    ranks and load a checkpoint); nothing hangs, and both ranks end with the same weights."""
+    results, errors = run_ranks(
+        _rank_write_fails, str(tmp_path), ("bucket0_state.",), True, deadline=90, allow_errors=True
+    )
+    assert not errors, errors
+    (log0, after0, end0), (log1, after1, end1) = results[0], results[1]
+    assert log1[1][1] is not None and os.strerror(errno.EIO) in log1[1][1], log1  # the forward after it
+    assert log1[2][1] is not None and "tm.load() the last checkpoint" in log1[2][1], log1  # no retry
+    for log in (log0, log1):
+        assert all(raised is None or "tiermem:" in raised for _, raised in log), log
+        assert log[3][1] is not None, log  # step 4 trains on no rank
+    assert all(torch.equal(a, b) for a, b in zip(after0, after1))
+    assert all(torch.equal(a, b) for a, b in zip(end0, end1))

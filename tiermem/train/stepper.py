@@ -48,7 +48,9 @@ the first try did, so the next forward runs on the weights of step k-1 as it wou
 next step's backward already ran (the failure came while it did), the rest runs at once, every
 weight of step k lands, and then step k+1 is taken. Either way the run gives the bits of one that
 never failed (tests/test_failed_steps.py). The step's count, loss scale and gradient norm are
-those the update started with.
+those the update started with. Under data parallelism there is no retry: the other ranks are
+stopped in (or past) the update's collectives, so forwards are refused and ``tm.step()`` raises,
+saying to restart the ranks and ``tm.load()`` the last checkpoint.
 
 Like ``torch.optim``, a parameter that received no gradient in a step is not updated, and each
 parameter keeps its own step count (bias correction). Each parameter's hyperparameters are those
@@ -396,7 +398,7 @@ class Stepper:
         failed background update])."""
         rest = [(b, runs) for b, runs in upd.plan if b.index not in updated and runs]
         self._failed = (_Update(rest, upd.hyper, upd.scale, upd.clip, upd.fill), landing, norm)
-        if updated:
+        if updated or self.group.world > 1:  # under data parallelism another rank may be a step ahead
             self._between = f"{type(error).__name__}: {error}"
 
     def _complete_failed(self) -> Optional[StepResult]:
@@ -406,6 +408,12 @@ class Stepper:
         had failed."""
         if self._failed is None:
             return None
+        if self.group.world > 1:  # the other ranks are stopped in (or past) the update's collectives
+            raise TierMemError(
+                f"tiermem: the update of step {self.steps} failed in the background on rank {self.group.rank} "
+                f"of {self.group.world}; under data parallelism a failed step stops every rank: restart them "
+                f"and tm.load() the last checkpoint"
+            )
         upd, landing, norm = self._failed
         if self.grads.has_grads():
             for home in self.homes.weight_homes():
