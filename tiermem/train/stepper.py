@@ -30,6 +30,28 @@ On a machine without an accelerator the
 "device" is the CPU: the two parts run one after the other (running them at once would only share
 the same cores), with the same kernel, so the numbers are bit-identical to ZeRO-Offload's.
 
+# NOTE [A failed background update]
+Under overlap_step the update of step k runs in the background while the forward and backward of
+step k+1 run on the weights of step k-1, and its new weights wait in each bucket's ``param_out``
+until step k+1 lands them (:mod:`tiermem.train.uploads`): nothing the update does reaches the
+weights a forward reads. If it fails (an NVMe read or write), the buckets whose state landed keep
+it (NOTE [A failed step is rolled forward]); the rest of the update (its buckets, step numbers,
+clip, gradient buffer) is kept for a retry, and nothing else is touched from the background (the
+next step's backward may be filling the other gradient buffer). The error is raised once, with a
+note saying to call ``tm.step()`` again or ``tm.load()`` a checkpoint, by the next ``tm.step()``,
+forward, ``tm.save()`` or ``tm.resident()`` once the update has ended (``tm.load()`` drops it
+with what it left to do; ``tm.state_dict()`` gives the master weights as they are). Forwards are
+then refused while some buckets hold state of step k and others not
+(:meth:`Stepper.check_whole`), as after a failed step without overlap. The retry
+(``tm.step()``): with no backward since, the rest of the update runs in the background again, as
+the first try did, so the next forward runs on the weights of step k-1 as it would have; when the
+next step's backward already ran (the failure came while it did), the rest runs at once, every
+weight of step k lands, and then step k+1 is taken. Either way the run gives the bits of one that
+never failed (tests/test_failed_steps.py). The step's count, loss scale and gradient norm are
+those the update started with. Under data parallelism there is no retry: the other ranks are
+stopped in (or past) the update's collectives, so forwards are refused and ``tm.step()`` raises,
+saying to restart the ranks and ``tm.load()`` the last checkpoint.
+
 Like ``torch.optim``, a parameter that received no gradient in a step is not updated, and each
 parameter keeps its own step count (bias correction). Each parameter's hyperparameters are those
 of the param group that lists it when the step starts (NOTE [Param groups] in tiermem/config.py):
@@ -98,6 +120,9 @@ class _Resume(NamedTuple):
     arrivals: int  # gradients received when it started: a backward since makes the retry a new step
 
 
+Plan = list[tuple[Bucket, Runs]]
+
+
 @dataclass(frozen=True)
 class _Update:
     """What one update needs, snapshotted when the step starts (an lr scheduler may change the
@@ -136,7 +161,11 @@ class Stepper:
         self.seconds = 0.0
         self.wait_seconds = 0.0  # of ``seconds``: waiting for the last grads to reach their homes
         self._step_of: dict[str, int] = {}  # canonical parameter name -> updates applied to it
-        self._background: Optional[tuple[Handle, list]] = None  # overlap: the update in flight
+        self._background: Optional[tuple[Handle, Plan, float]] = None  # overlap: the update in flight, what
+        # lands when it is done, its norm
+        self._failed: Optional[tuple[_Update, Plan, float]] = None  # overlap: what a failed update left to do,
+        # what lands once it is done, its norm (NOTE [A failed background update])
+        self._unreported: Optional[BaseException] = None  # overlap: its error, until a forward or step raises it
         self.max_skipped = max_skipped  # NOTE [A stalled run is loud]
         self.skipped_in_a_row = 0
         self._norms: tuple[list[str], torch.Tensor] = ([], torch.zeros(0))
@@ -153,28 +182,52 @@ class Stepper:
         self._land_background()
 
     def _land_background(self) -> None:
-        """overlap: wait for the update in flight, then send home the weights it produced."""
+        """overlap: wait for the update in flight, then send home the weights it produced. If it
+        failed, its error is kept, with a note saying what to do, for the next forward or step to
+        raise (:meth:`_report_failure`; NOTE [A failed background update])."""
         if self._background is None:
             return
-        handle, plan = self._background
+        handle, landing, _ = self._background
         self._background = None
-        with self.tracer.span("wait background adam", "stall"):
-            self.engine.join(handle)  # ordering: on a GPU the caller's stream waits for Adam's kernels
+        try:
+            with self.tracer.span("wait background adam", "stall"):
+                self.engine.join(handle)  # ordering: on a GPU the caller's stream waits for Adam's kernels
+        except BaseException as e:
+            if self._failed is None:  # not a failure the update kept a retry for
+                raise
+            if hasattr(e, "add_note"):  # Python 3.11+
+                e.add_note(
+                    f"tiermem: this was the update of step {self.steps} (overlap_step), which ran in the "
+                    f"background; call tm.step() again to complete it (its gradients were kept), or "
+                    f"tm.load() a checkpoint"
+                )
+            self._unreported = e
+            return
         for home in self.homes.weight_homes():
             home.begin_update()
-        self.outputs.land_background(plan)
+        self.outputs.land_background(landing)
 
     # -- the step --------------------------------------------------------------------------------
     def check_whole(self, call: str) -> None:
         """Refuse ``call`` (a forward, or a checkpoint) while a failed step has left some buckets
         updated and others not: it would use weights of two steps (NOTE [A failed step is rolled
-        forward] in tiermem/train/nvme_state.py)."""
+        forward] in tiermem/train/nvme_state.py). Under overlap_step an update that failed in the
+        background is reported here if it has ended (NOTE [A failed background update])."""
+        if self._background is not None and self._background[0].done() and not self._background[0].succeeded():
+            self._land_background()  # keeps its error for the next line
+        self._report_failure()
         if self._between is not None:
             raise TierMemError(
                 f"tiermem: {call} would use weights of two steps: the last tm.step() failed part "
                 f"way ({self._between}) after updating some of the weights; call tm.step() again to "
                 f"complete it (its gradients were kept), or tm.load() a checkpoint"
             )
+
+    def _report_failure(self) -> None:
+        """overlap: raise, once, the error of an update that failed in the background."""
+        error, self._unreported = self._unreported, None
+        if error is not None:
+            raise error
 
     def run(self, groups: list[dict]) -> StepResult:
         t0 = time.perf_counter()
@@ -191,7 +244,11 @@ class Stepper:
         with self.tracer.span("wait grads", "stall"):
             self.finish_pending()
         self.wait_seconds += time.perf_counter() - t0  # the grads' exposed trip home, for report()
+        self._report_failure()  # NOTE [A failed background update]: the retry is the next tm.step()
         self._send_unsent()
+        completed = self._complete_failed()
+        if completed is not None and not self.grads.has_grads():
+            return completed  # the failed update is done, and no backward ran since it started
         if not self.grads.has_grads():  # no backward since the last step (on any rank): a no-op, not counted
             log.warning(
                 "tiermem: step() with no gradient since the last step (no backward?): nothing updated, "
@@ -225,7 +282,8 @@ class Stepper:
         if not any(runs for _, runs in upd.plan):
             pass  # no parameter got a gradient: nothing to update (and no state to stream)
         elif self.overlap:
-            self._background = (self.engine.run_async(lambda: self._update(upd), name="adam"), upd.plan)
+            after = (upd.plan, norm.item())
+            self._background = (self.engine.run_async(lambda: self._update(upd, after), name="adam"), *after)
         else:
             self._resuming = _Resume(norm, clip, self.grads.arrivals)  # for a retry, should the update fail part-way
             self._update(upd)
@@ -296,11 +354,13 @@ class Stepper:
             self._generic = GenericRunner(fmt)
         return self._generic
 
-    def _update(self, upd: _Update) -> None:
+    def _update(self, upd: _Update, after: Optional[tuple[Plan, float]] = None) -> None:
         """Each state home runs Adam over its buckets, revertible homes first. If the step fails,
         revertible homes undo what they wrote and their device weights are restored from the
         state they went back to, per-parameter step counts are rolled back, and the error
-        propagates with the grads kept for a retry (except those already applied in memory)."""
+        propagates with the grads kept for a retry (except those already applied in memory).
+        ``after`` (overlap_step: what lands once the update is done, and its norm): a failure
+        keeps the rest of the update for the retry instead (NOTE [A failed background update])."""
         uploads = self.outputs.session()
         if not self.overlap:
             for weights in self.homes.weight_homes():
@@ -323,8 +383,50 @@ class Stepper:
             uploads.finish(quiet=True)
             for home, undo in done:
                 home.revert(undo)
-            self._roll_back(upd.plan, updated, uploads.landed(), e)
+            if after is not None:  # overlap: what lands once the update is done, and its norm
+                self._keep_for_retry(upd, updated, e, *after)
+            else:
+                self._roll_back(upd.plan, updated, uploads.landed(), e)
             raise
+
+    def _keep_for_retry(
+        self, upd: _Update, updated: set[int], error: BaseException, landing: Plan, norm: float
+    ) -> None:
+        """overlap: an update (in the background, or its retry) failed. What it did not update is
+        kept, with its step numbers, clip and gradient buffer, for the retry; nothing else is
+        touched, since a forward and backward of the next step may be running meanwhile (NOTE [A
+        failed background update])."""
+        rest = [(b, runs) for b, runs in upd.plan if b.index not in updated and runs]
+        self._failed = (_Update(rest, upd.hyper, upd.scale, upd.clip, upd.fill), landing, norm)
+        if updated or self.group.world > 1:  # under data parallelism another rank may be a step ahead
+            self._between = f"{type(error).__name__}: {error}"
+
+    def _complete_failed(self) -> Optional[StepResult]:
+        """overlap: the retry of an update that failed (NOTE [A failed background update]): with no
+        backward since, what is left runs in the background again, as the update did; else it
+        runs here and its weights land, before the next step. Its result; None when no update
+        had failed."""
+        if self._failed is None:
+            return None
+        if self.group.world > 1:  # the other ranks are stopped in (or past) the update's collectives
+            raise TierMemError(
+                f"tiermem: the update of step {self.steps} failed in the background on rank {self.group.rank} "
+                f"of {self.group.world}; under data parallelism a failed step stops every rank: restart them "
+                f"and tm.load() the last checkpoint"
+            )
+        upd, landing, norm = self._failed
+        if self.grads.has_grads():
+            for home in self.homes.weight_homes():
+                home.begin_update()
+            self._update(upd, (landing, norm))  # a failure again keeps what is left for the next retry
+            self._failed = None
+            self.outputs.land_background(landing)
+        else:
+            self._failed = None
+            after = (landing, norm)
+            self._background = (self.engine.run_async(lambda: self._update(upd, after), name="adam"), *after)
+        self._between = None  # the weights at home are all of the step before (no half of it landed)
+        return StepResult(False, norm, self.scaler.scale, self.steps)
 
     def _roll_back(
         self, plan: list[tuple[Bucket, Runs]], updated: set[int], landed: set[int], error: BaseException
@@ -348,12 +450,29 @@ class Stepper:
         restore = [
             b for b, _ in plan if self.homes.state[b.index].revertible or (b.index in landed and b.index not in updated)
         ]
+        if self.group.world > 1:
+            # Under data parallelism the other ranks are still in this step's collectives (or stop in
+            # them): no collective of this rank's may follow (the weights' resend gathers the masters,
+            # which another rank's gather of its step could match), and its weights may be of two
+            # steps on another rank: every read is refused; the way out is a checkpoint.
+            self._between = f"{type(error).__name__}: {error}"
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(
+                    f"tiermem: under data parallelism a step that failed on one rank stops every rank: "
+                    f"restart them and tm.load() the last checkpoint (rank {self.group.rank} of {self.group.world})"
+                )
+            return
         if restore:
             try:
                 self._send_masters(restore)
-            except BaseException:
+            except TierMemError as again:  # the step's own error is the one to raise (under data parallelism
+                # the others' is a collective that failed because this rank stopped mid-step)
                 self._between = f"{type(error).__name__}: {error}; the new weights it had sent could not be taken back"
-                raise
+                if hasattr(error, "add_note"):  # Python 3.11+
+                    error.add_note(
+                        f"tiermem: the new weights this step had sent could not be taken back "
+                        f"({type(again).__name__}: {again})"
+                    )
 
     def _send_unsent(self) -> None:
         """The weights of buckets a failed step updated, sent home again from their master (NOTE
@@ -458,6 +577,7 @@ class Stepper:
     def load_param_steps(self, steps: dict[str, int], total: int) -> None:
         self._step_of = dict(steps)
         self._resuming = None
+        self._failed = self._unreported = None  # a failed background update's remains: the checkpoint replaces them
         self._between = None  # every weight comes from the checkpoint
         self.steps = int(total)
 
