@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import logging
 from typing import Optional, TypeVar
 
 
@@ -110,3 +111,11 @@ def fmt_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "PiB":
             return f"{n:.2f} {unit}"
     raise AssertionError("unreachable")
+
+
+def add_note(error: BaseException, text: str) -> None:
+    """Tell the user what tiermem did about ``error`` (or what to do next) without changing its type:
+    a note on the exception (Python 3.11+), and a warning in the log, which Python 3.10 has alone."""
+    if hasattr(error, "add_note"):
+        error.add_note(text)
+    logging.getLogger("tiermem").warning("%s (%s: %s)", text, type(error).__name__, error)

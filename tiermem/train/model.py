@@ -21,7 +21,7 @@ import torch
 
 from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _Spec
-from tiermem.errors import ConfigError, checked_arguments
+from tiermem.errors import ConfigError, add_note, checked_arguments
 from tiermem.memory import deferred
 from tiermem.observe.report import Report
 from tiermem.plan.policy import Policy
@@ -266,7 +266,7 @@ class TieredModel:
                 self.grads.end_backward()
             except BaseException as e:
                 if self.grads.arrivals == arrived_before:  # nothing of this backward reached tiermem
-                    _note(
+                    add_note(
                         e,
                         "tiermem: no gradient of this backward had arrived: the step's earlier gradients "
                         "are kept; run forward again to get a new graph before calling backward",
@@ -274,7 +274,7 @@ class TieredModel:
                     raise
                 self.grads.drop()  # some grads are missing: drop the step's grads, never step on a mix
                 self._life.to(Phase.IDLE)
-                _note(
+                add_note(
                     e,
                     "tiermem: this backward stopped part way: the step's gradients (earlier micro-batches "
                     "too) were dropped; run the step's forward and backward again",
@@ -498,7 +498,7 @@ class TieredModel:
         try:
             self.detach()
         except Exception as e:  # noqa: BLE001 - the block's own error is the one to see
-            _note(
+            add_note(
                 exc,
                 f"tiermem: detach() on leaving the block failed too ({type(e).__name__}: {e}); the "
                 f"model's memory, files and lock were given back; the module may not hold its trained weights",
@@ -519,13 +519,6 @@ def _eagerly(on: bool) -> contextlib.AbstractContextManager:
     dynamo finds the eager hooks and falls back by itself, after trying to trace)."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if on and set_stance is not None else contextlib.nullcontext()
-
-
-def _note(error: BaseException, text: str) -> None:
-    """Tell the user what tiermem did about ``error`` without changing its type."""
-    if hasattr(error, "add_note"):  # Python 3.11+
-        error.add_note(text)
-    log.warning("%s (%s: %s)", text, type(error).__name__, error)
 
 
 def _check_loss(loss: Any) -> None:

@@ -68,7 +68,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from tiermem.errors import TierMemError
+from tiermem.errors import TierMemError, add_note
 from tiermem.handles import Handle
 from tiermem.observe.trace import Tracer
 from tiermem.optim import StochasticRound, formats as optim_format
@@ -195,12 +195,12 @@ class Stepper:
         except BaseException as e:
             if self._failed is None:  # not a failure the update kept a retry for
                 raise
-            if hasattr(e, "add_note"):  # Python 3.11+
-                e.add_note(
-                    f"tiermem: this was the update of step {self.steps} (overlap_step), which ran in the "
-                    f"background; call tm.step() again to complete it (its gradients were kept), or "
-                    f"tm.load() a checkpoint"
-                )
+            add_note(
+                e,
+                f"tiermem: this was the update of step {self.steps} (overlap_step), which ran in the "
+                f"background; call tm.step() again to complete it (its gradients were kept), or "
+                f"tm.load() a checkpoint",
+            )
             self._unreported = e
             return
         for home in self.homes.weight_homes():
@@ -456,11 +456,11 @@ class Stepper:
             # which another rank's gather of its step could match), and its weights may be of two
             # steps on another rank: every read is refused; the way out is a checkpoint.
             self._between = f"{type(error).__name__}: {error}"
-            if hasattr(error, "add_note"):  # Python 3.11+
-                error.add_note(
-                    f"tiermem: under data parallelism a step that failed on one rank stops every rank: "
-                    f"restart them and tm.load() the last checkpoint (rank {self.group.rank} of {self.group.world})"
-                )
+            add_note(
+                error,
+                f"tiermem: under data parallelism a step that failed on one rank stops every rank: "
+                f"restart them and tm.load() the last checkpoint (rank {self.group.rank} of {self.group.world})",
+            )
             return
         if restore:
             try:
@@ -468,11 +468,11 @@ class Stepper:
             except TierMemError as again:  # the step's own error is the one to raise (under data parallelism
                 # the others' is a collective that failed because this rank stopped mid-step)
                 self._between = f"{type(error).__name__}: {error}; the new weights it had sent could not be taken back"
-                if hasattr(error, "add_note"):  # Python 3.11+
-                    error.add_note(
-                        f"tiermem: the new weights this step had sent could not be taken back "
-                        f"({type(again).__name__}: {again})"
-                    )
+                add_note(
+                    error,
+                    f"tiermem: the new weights this step had sent could not be taken back "
+                    f"({type(again).__name__}: {again})",
+                )
 
     def _send_unsent(self) -> None:
         """The weights of buckets a failed step updated, sent home again from their master (NOTE
