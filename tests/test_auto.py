@@ -1,4 +1,4 @@
-"""policies.Auto (NOTE [How Auto chooses] in policies/auto.py): right at the extremes, never a
+"""policies.Auto (NOTE [How Auto chooses] in tiermem/policies/auto.py): right at the extremes, never a
 placement the constructor would refuse, and its prediction beside the measured stages in report().
 Profiles are injected (made-up machines), so nothing here measures this machine for long."""
 

@@ -224,7 +224,7 @@ BEGIN, END = "<!-- notes:begin (python tests/test_docs.py writes this table) -->
 
 
 def _sources() -> list[Path]:
-    return sorted(p for d in ("tiermem", "policies") for p in (ROOT / d).rglob("*.py"))
+    return sorted(p for d in ("tiermem",) for p in (ROOT / d).rglob("*.py"))
 
 
 def note_definitions() -> dict[str, list[str]]:

@@ -54,7 +54,7 @@ def layer(module: str) -> int:
 
 def sources() -> dict[str, Path]:
     out = {}
-    for base, prefix in ((REPO / "tiermem", "tiermem"), (REPO / "policies", "tiermem.policies")):
+    for base, prefix in ((REPO / "tiermem", "tiermem"),):
         for path in base.rglob("*.py"):
             parts = list(path.relative_to(base).with_suffix("").parts)
             if parts[-1] == "__init__":

@@ -1,6 +1,6 @@
 """``tiermem plan --policy auto``: what ``policies.Auto`` would choose for a model on this machine (or
 the capacities given), the predicted seconds per stage of a step, and every alternative it rejected
-with the reason (NOTE [How Auto chooses] in policies/auto.py)."""
+with the reason (NOTE [How Auto chooses] in tiermem/policies/auto.py)."""
 
 from __future__ import annotations
 
