@@ -11,6 +11,7 @@ from tiermem.config import Adam, AdamW, LossScale
 from tiermem.deepspeed_config import from_deepspeed_config
 from tiermem.errors import ArgumentError, ConfigError, OutOfTierMemory, StoreError, TierMemError
 from tiermem.handles import Handle
+from tiermem.integrations.pretrained import from_pretrained
 from tiermem.memory.nvme import NvmeStore
 from tiermem.observe.report import Report
 from tiermem.optim_specs import SGD, Adafactor, Adagrad, Adam8bit, AdamW8bit, Lion
@@ -51,6 +52,7 @@ __all__ = [
     "Tier",
     "TierMemError",
     "from_deepspeed_config",
+    "from_pretrained",
     "optimizers",
     "parse_bytes",
     "__version__",

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tiermem.config import LossScale, _Spec
-from tiermem.errors import TierMemError
+from tiermem.errors import ConfigError, TierMemError
 from tiermem.memory.ledger import InFlight
 from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket
@@ -34,6 +34,7 @@ from tiermem.train.groups import Fp32Values, GroupEditor, group_dicts
 from tiermem.train.hooks import HookSet
 from tiermem.train.layout import Layout, build, make_homes
 from tiermem.train.machine import machine_profile, store_limits
+from tiermem.train.materialize import Given, Values
 from tiermem.train.optimizer import TieredOptimizer
 from tiermem.train.options import Options, make_stores
 from tiermem.train.param_offload import ParamOffload
@@ -93,6 +94,7 @@ def build_parts(
     loss_scale: Optional[LossScale],
     step: Callable,
     add_group: Callable,
+    values: Optional[Values] = None,
 ) -> Parts:
     """Every collaborator of a TieredModel of ``module``, built from ``opts`` and wired. ``step`` and
     ``add_group`` are what ``tm.optimizer.step()`` and ``add_param_group()`` run (bound methods of the
@@ -102,6 +104,12 @@ def build_parts(
     p.policy = resolve_policy(policy)
     p.tracer = Tracer(trace_path)
     p.group = resolve_group(process_group, tracer=p.tracer if trace_path else None)
+    if p.group.world > 1 and values is not None and not isinstance(values, Given):
+        raise ConfigError(
+            "tiermem: under data parallelism this version builds from the module's own values only: a module on the "
+            "meta device or weights= is for one process; materialize the model on each rank (or load it in one "
+            "process and save a tiermem checkpoint, which any world size loads with tm.load)"
+        )
     limits = store_limits(opts.device, opts.budgets, nvme_dir)
     p.evaluator = Evaluator(
         module,
@@ -223,6 +231,7 @@ def build_parts(
             p.param_offload,
             gathered=p.gathered,
             group=p.group,
+            values=values,
         )
         p.scaler = LossScaler.of(opts.precision == "fp16", loss_scale)
         p.grads = GradCollector(

@@ -51,6 +51,7 @@ from tiermem.memory.resident import MemoryStore
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.footprint import keeps_copy
 from tiermem.train.gathered import GatheredWeights
+from tiermem.train.offdevice import point
 from tiermem.train.param_offload import ParamOffload
 from tiermem.transfer.collectives import Group
 from tiermem.types import TensorClass, Tier
@@ -80,24 +81,32 @@ class FrozenParams:
 
     # -- building ------------------------------------------------------------------------------------
     def place(
-        self, name: str, p: torch.nn.Parameter, stores: dict[Tier, MemoryStore], dtype: torch.dtype, device
+        self,
+        name: str,
+        p: torch.nn.Parameter,
+        stores: dict[Tier, MemoryStore],
+        dtype: torch.dtype,
+        device,
+        value: Optional[torch.Tensor] = None,
     ) -> None:
         """Take the frozen parameter ``p``: its working copy in ``dtype`` (floating point) to the
-        device, or to its home off the device, and a host copy of its value where it keeps one."""
+        device, or to its home off the device, and a host copy of its value where it keeps one.
+        ``value``: its first value (NOTE [Models on the meta device]); default: its own."""
         self._meta[name] = (tuple(p.shape), p.dtype)
+        value = (p.detach() if value is None else value).to(p.dtype)
         target = dtype if p.is_floating_point() else p.dtype
         if keeps_copy(p.dtype, target, p.is_floating_point()):
             copy = stores[Tier.HOST].allocate(f"{name}:frozen", p.shape, p.dtype, TensorClass.PARAM)
-            copy.copy_(p.detach())
+            copy.copy_(value)
             self.copies[name] = copy
         if self._in_shards(name):
             return  # its bucket's chunk is cut by :meth:`shard`, once every frozen parameter is here
         if self._is_off(name):
             assert self._off is not None
-            self._off.adopt(name, p.detach().to(dtype=target, copy=True))
+            self._off.adopt(name, value.to(dtype=target, copy=True))
         else:
-            p.data = stores[Tier.DEVICE].adopt(
-                f"{name}:frozen", p.detach().to(device=device, dtype=target), TensorClass.PARAM
+            point(
+                p, stores[Tier.DEVICE].adopt(f"{name}:frozen", value.to(device=device, dtype=target), TensorClass.PARAM)
             )
 
     def shard(self, buckets: list[Bucket], group: Group, dtype: torch.dtype) -> None:

@@ -33,6 +33,7 @@ import torch
 
 from tiermem.handles import Handle, wait_all
 from tiermem.plan.buckets import Bucket, Slot
+from tiermem.train.offdevice import point
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
@@ -347,7 +348,7 @@ class DeviceWeights(WeightHome):
         param = self._param[b.index]
         param.copy_(master)  # the working copy is the master rounded to the working precision
         for s in b.slots:
-            s.param.data = param[s.offset : s.offset + s.numel].view(s.shape)
+            point(s.param, param[s.offset : s.offset + s.numel].view(s.shape))  # NOTE [Models on the meta device]
 
     def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
         return self._param[b.index] if compute_tier == Tier.DEVICE else None

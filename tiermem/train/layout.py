@@ -23,6 +23,7 @@ from tiermem.train.buffers import KeptBuffers
 from tiermem.train.frozen import FrozenParams
 from tiermem.train.gathered import GatheredWeights
 from tiermem.train.homes import DeviceWeights, GradHome, Homes, MemoryGrads, MemoryState, StateHome, WeightHome
+from tiermem.train.materialize import Given, Values
 from tiermem.train.nvme_grads import NvmeGrads
 from tiermem.train.nvme_state import NvmeState
 from tiermem.train.param_offload import ParamOffload
@@ -209,16 +210,19 @@ def build(
     *,
     gathered: Optional[GatheredWeights] = None,
     group: Group = Solo(),
+    values: Optional[Values] = None,
 ) -> Layout:
     """Fill the homes from the module's weights and point its parameters at their working copies.
     ``gathered``: the home of the weights sharded over the ranks (``group``'s), frozen ones too
-    (NOTE [Frozen weights sharded over the ranks])."""
+    (NOTE [Frozen weights sharded over the ranks]). ``values``: where each parameter's first value
+    comes from, read as its bucket is built (NOTE [Models on the meta device])."""
+    values = values if values is not None else Given()
     slot_of: dict[int, tuple[Bucket, Slot]] = {}
     for b in buckets:
         state = homes.state[b.index]
         master = state.initial_master(b)
         for s in b.slots:
-            master[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+            master[s.offset : s.offset + s.numel].copy_(values.param(s.name, s.param).reshape(-1))
             slot_of[id(s.param)] = (b, s)
         state.initialize(b)
         homes.weights[b.index].initialize(b, master)
@@ -226,7 +230,8 @@ def build(
         home.release_views()
     if step_buckets is not buckets:  # under data parallelism, the whole buckets' masters only building used
         stores[Tier.HOST].trim()  # go back to the system, not to the pool's cache (the step takes chunks)
-    frozen = _place_frozen(module, stores, dtype, device, weights_off_device, gathered, group)
+    frozen = _place_frozen(module, stores, dtype, device, weights_off_device, gathered, group, values)
+    values.fill_buffers(module)
     return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, KeptBuffers(module, dtype, device))
 
 
@@ -238,6 +243,7 @@ def _place_frozen(
     weights_off_device: Optional[ParamOffload],
     gathered: Optional[GatheredWeights],
     group: Group,
+    values: Values,
 ) -> FrozenParams:
     """Frozen parameters: the working copy on the device or at its home off the device (under
     data parallelism, maybe sharded: NOTE [Frozen weights sharded over the ranks]), and a copy in
@@ -245,7 +251,7 @@ def _place_frozen(
     frozen = FrozenParams(module, weights_off_device, gathered)
     for name, p in module.named_parameters():
         if not p.requires_grad:
-            frozen.place(name, p, stores, dtype, device)
+            frozen.place(name, p, stores, dtype, device, values.param(name, p))
     if gathered is not None:
         frozen.shard([b for b in gathered.full.values() if b.frozen], group, dtype)
     frozen.log_copies()

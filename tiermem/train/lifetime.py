@@ -40,6 +40,7 @@ import torch
 
 from tiermem.errors import ConfigError
 from tiermem.memory import deferred
+from tiermem.train.offdevice import point
 from tiermem.train.phase import Phase
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ def undone_on_failure(parts: Any, module: torch.nn.Module) -> Iterator[None]:
             if source is not None:
                 source.undo()  # off-device weights become the plain tensors they were
         for p, data in params:
-            p.data = data
+            point(p, data)  # a parameter of a meta model gets its meta tensor back
         for owner, name, buf in buffers:
             owner._buffers[name] = buf
         hooks, engine = getattr(parts, "hooks", None), getattr(parts, "engine", None)

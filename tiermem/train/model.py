@@ -29,8 +29,10 @@ from tiermem.train import checkpoint, lifetime
 from tiermem.train.build import build_parts
 from tiermem.train.compute import warn_if_slow
 from tiermem.train.inputs import cast_inputs
+from tiermem.train.materialize import values_for
 from tiermem.train.options import validate
 from tiermem.train.phase import Lifecycle, Phase
+from tiermem.train.pretrained_save import save_pretrained
 from tiermem.train.report import assemble as assemble_report
 from tiermem.train.resident import resident as resident_block
 from tiermem.train.state import ModelState
@@ -104,6 +106,13 @@ class TieredModel:
             each rank keeping 1/N and gathering a bucket while it is read (ZeRO-3; weights off the
             device always are: NOTE [Weights sharded over the ranks]). In one process it changes
             nothing.
+        weights: a checkpoint to take the weights from, read one tensor at a time straight into their
+            homes (NOTE [Models on the meta device]): a Hugging Face checkpoint directory
+            (``model.safetensors`` or shards with ``model.safetensors.index.json``), one
+            ``.safetensors`` file or a torch state-dict file. Its names, shapes and dtypes are checked
+            against the module before anything is built. The module may be on the meta device (built
+            under ``torch.device("meta")``); without ``weights``, such a module's parameters are
+            initialized by its own modules' initialization, one module at a time.
 
     Raises:
         ConfigError: an argument is wrong (the message names it and says what to pass).
@@ -129,6 +138,7 @@ class TieredModel:
         max_skipped_steps: Optional[int] = 10,
         loss_scale: Optional[LossScale] = None,
         shard_weights: bool = False,
+        weights: "str | os.PathLike[str] | None" = None,
     ):
         opts = validate(
             module,
@@ -154,18 +164,25 @@ class TieredModel:
         warn_if_slow(precision, opts.device)  # one warning, from the profile's matmul figures
         self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
         self._life = Lifecycle()
-        parts = build_parts(  # tiermem/train/build.py: every collaborator, wired; none refers back to self
-            module,
-            policy,
-            opts,
-            nvme_dir=nvme_dir,
-            trace_path=trace_path,
-            process_group=process_group,
-            max_skipped_steps=max_skipped_steps,
-            loss_scale=loss_scale,
-            step=self._step,
-            add_group=self._add_group,
-        )
+        if weights is not None and not isinstance(weights, (str, os.PathLike)):
+            raise ConfigError(f"tiermem: weights={weights!r} is not a path; pass a checkpoint's file or directory")
+        values = values_for(module, None if weights is None else os.fspath(weights))  # checked whole: reads no tensor
+        try:
+            parts = build_parts(  # tiermem/train/build.py: every collaborator, wired; none refers back to self
+                module,
+                policy,
+                opts,
+                nvme_dir=nvme_dir,
+                trace_path=trace_path,
+                process_group=process_group,
+                max_skipped_steps=max_skipped_steps,
+                loss_scale=loss_scale,
+                step=self._step,
+                add_group=self._add_group,
+                values=values,
+            )
+        finally:
+            values.close()
         self.policy, self.placement, self._evaluator = parts.policy, parts.placement, parts.evaluator
         self.tracer, self.group, self.stores, self.engine, self.hooks = (
             parts.tracer,
@@ -360,6 +377,33 @@ class TieredModel:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights (and buffers) with the keys of ``module.state_dict()``."""
         return self._settled("state_dict()").module_state()
+
+    def save_pretrained(
+        self,
+        directory: "str | os.PathLike[str]",
+        *,
+        max_shard_size: int | str = "2GiB",
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        """Write the weights as Hugging Face safetensors shards (and a transformers model's
+        ``config.json``), read from their homes one tensor at a time (NOTE [Saving in the Hugging Face
+        format]): ``transformers.AutoModel*.from_pretrained(directory)`` and
+        ``TieredModel(..., weights=directory)`` read them back.
+
+        Args:
+            directory: where to write; created if missing. An earlier save there is replaced (its
+                shards and index), other files are left alone; a failed save changes nothing.
+            max_shard_size: the largest shard, an int or a string such as ``"2GiB"``.
+            dtype: the dtype of the floating-point weights written; default: the fp32 master weights.
+        """
+        state = self._settled("save_pretrained()")
+        self.stepper.check_whole("tm.save_pretrained()")  # weights of two steps would be kept for good
+        if self.group.world > 1:
+            raise ConfigError(
+                "tiermem: save_pretrained() is for one process in this version; under data parallelism save a "
+                "checkpoint with tm.save(path), load it in one process with tm.load(path), and save_pretrained there"
+            )
+        save_pretrained(state, self.module, directory, max_shard_size=max_shard_size, dtype=dtype)
 
     def save(self, path: str, *, format: Optional[str] = None) -> None:
         """Checkpoint weights, optimizer state, loss scale and step to ``path``, atomically.

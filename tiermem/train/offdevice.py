@@ -49,7 +49,7 @@ from torch._ops import OpOverload
 
 from tiermem.errors import ConfigError, TierMemError
 
-__all__ = ["OffDeviceWeight", "WeightSource", "is_off_device", "Link", "SwappedParams"]
+__all__ = ["OffDeviceWeight", "WeightSource", "is_off_device", "Link", "SwappedParams", "point", "swap_param"]
 
 log = logging.getLogger(__name__)
 
@@ -321,6 +321,16 @@ def swap_param(p: torch.nn.Parameter, other: torch.nn.Parameter, name: str) -> N
     vars(p).update(attrs)
 
 
+def point(p: torch.Tensor, value: torch.Tensor) -> None:
+    """``p.data = value``, also where the two differ in device type (a parameter on the meta device
+    getting its first real tensor, or given back its meta one): the Python object stays."""
+    if p.device.type == value.device.type:
+        p.data = value
+        return
+    stand_in = torch.nn.Parameter(value, requires_grad=p.requires_grad) if isinstance(p, torch.nn.Parameter) else value
+    swap_param(p, stand_in, "a parameter on the meta device")  # type: ignore[arg-type]  # a plain tensor swaps too
+
+
 class SwappedParams:
     """Parameters of ``module`` (``params``: name -> parameter) that become OffDeviceWeights, each
     keeping its Python object, and the plain tensors swapped out of them, until the model settles
@@ -363,7 +373,7 @@ class SwappedParams:
     def restore(self, values: dict[str, torch.Tensor]) -> None:
         """``detach()``: each parameter becomes a plain tensor again, holding ``values[name]``."""
         for name, plain in self._plain.items():
-            plain.data = values[name]
+            point(plain, values[name])  # a meta model's plain tensors are on the meta device
             self._put_back(name, plain)
         self._plain.clear()
 

@@ -84,12 +84,6 @@ def _check_paths(module: torch.nn.Module, nvme_dir: Any, trace_path: Any) -> Non
                 f"tiermem: trace_path={str(trace_path)!r}: directory {parent!r} does not exist; "
                 f"create it or choose another path"
             )
-    meta = [n for n, p in module.named_parameters() if p.is_meta]
-    if meta:
-        raise ConfigError(
-            f"tiermem: parameters {meta[:3]} are on the meta device (no values yet); materialize "
-            f"the module first (e.g. module.to_empty(device='cpu') and initialize it, or load weights)"
-        )
 
 
 def validate(

@@ -155,19 +155,27 @@ class ModelState:
 
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter name (tied aliases included) -> a CPU copy of its fp32 value."""
-        out: dict[str, torch.Tensor] = {}
+        return {alias: value for names, value in self.stream_weights() for alias in names}
+
+    def stream_weights(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+        """Each parameter's names (tied aliases included, the module's own name first) and a CPU copy of
+        its fp32 value (frozen ones in their own dtype), one at a time, bucket by bucket: what a caller
+        does not keep is all the memory it costs (NOTE [Weights read one tensor at a time])."""
         for b, state in self._bucket_state():
             master = state[0]
             for s in b.slots:
                 value = master[s.offset : s.offset + s.numel].view(s.shape).detach().to("cpu", torch.float32, copy=True)
-                for name in self.layout.names[id(s.param)]:
-                    out[name] = value
+                yield self.layout.names[id(s.param)], value
         params = dict(self.module.named_parameters())
         for name in self.layout.frozen:
-            value = self.layout.frozen.value(name, own=True)  # read once: no second copy
-            for alias in self.layout.names[id(params[name])]:
-                out[alias] = value
-        return out
+            yield self.layout.names[id(params[name])], self.layout.frozen.value(name, own=True)
+
+    def buffer_values(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The buffers ``module.state_dict()`` holds (persistent ones), in their original dtypes."""
+        kept, params = self.layout.buffers, {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
+        for k, v in self.module.state_dict().items():
+            if k not in params:
+                yield k, kept.value(k, v)
 
     def module_state(self) -> dict[str, torch.Tensor]:
         """``module.state_dict()``'s keys: fp32 weights, buffers in their original dtypes."""

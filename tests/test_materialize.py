@@ -1,0 +1,338 @@
+"""Models on the meta device (NOTE [Models on the meta device]): built from a checkpoint read one
+tensor at a time (``weights=``) or from their modules' own initialization, then trained bit for bit
+like the same values built in memory; bad checkpoints refused with nothing left behind; the
+weights written back as Hugging Face safetensors (``tm.save_pretrained``) and read by transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from models import Quirky, TinyGPT, gpt_batch, train_steps
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import tiermem
+from tiermem import PerClass, TensorClass, Tier, TierMemError
+from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
+
+
+class WeightsOnHost(PerClass):
+    homes = {
+        TensorClass.PARAM: Tier.HOST,
+        TensorClass.GRAD: Tier.HOST,
+        TensorClass.OPTIM_STATE: Tier.HOST,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+    }
+
+
+POLICIES = {
+    "zero-offload": ZeroOffload,
+    "zero-infinity": ZeroInfinity,
+    "weights-on-host": WeightsOnHost,
+    "keep-on-device": KeepOnDevice,
+}
+
+
+def _on_meta(make=TinyGPT):
+    with torch.device("meta"):
+        return make()
+
+
+def _wrap(model, policy: str, tmp_path, **kw):
+    nvme = tmp_path / f"nvme-{len(list(tmp_path.iterdir()))}"
+    nvme.mkdir()
+    kw.setdefault("precision", "fp32")
+    return tiermem.TieredModel(model, POLICIES[policy](), device="cpu", nvme_dir=str(nvme), **kw)
+
+
+def _checkpoint(tmp_path, model: nn.Module, name: str = "w.safetensors") -> str:
+    """``model``'s weights as one safetensors file, tied weights once (as transformers writes them)."""
+    path = str(tmp_path / name)
+    seen, out = set(), {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if id(v) not in seen:
+            seen.add(id(v))
+            out[k] = v.detach().contiguous()
+    save_file(out, path)
+    return path
+
+
+# -- initialization on the meta device -----------------------------------------------------------------
+@pytest.mark.parametrize("policy", POLICIES)
+def test_meta_model_is_initialized_as_in_memory_with_the_same_seed(policy, tmp_path):
+    """Each module's reset_parameters(), in the order the model built them, with the random-number
+    state it had there: the same values, and the generator left where building in memory leaves it."""
+    torch.manual_seed(3)
+    ref = TinyGPT()
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    model = _on_meta()
+    tm = _wrap(model, policy, tmp_path)
+    assert torch.equal(torch.rand(4), after)
+    got = tm.state_dict()
+    assert got.keys() == ref.state_dict().keys()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(got[k], v), k
+
+
+def test_meta_buffers_get_their_modules_initialization(tmp_path):
+    """BatchNorm's running statistics (buffers on the meta device) as its reset_parameters() sets them."""
+    torch.manual_seed(0)
+    ref = Quirky()
+    torch.manual_seed(0)
+    tm = _wrap(_on_meta(Quirky), "zero-offload", tmp_path)
+    got = tm.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(got[k], v), k
+    x = torch.randn(6, 13)
+    y, _ = tm(x)
+    ref.train()
+    assert torch.equal(y, ref(x)[0])
+
+
+def test_a_meta_module_without_an_initializer_is_refused_by_name(tmp_path):
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.w
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), Scale())
+    with pytest.raises(TierMemError, match=r"tiermem: Scale has parameters on the meta device.*weights=PATH"):
+        _wrap(model, "zero-offload", tmp_path)
+    assert all(p.is_meta for p in model.parameters())
+
+
+# -- weights= ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("policy", ["zero-offload", "zero-infinity", "weights-on-host"])
+def test_meta_model_with_weights_trains_as_the_checkpoint_loaded_in_memory(policy, precision, tmp_path):
+    torch.manual_seed(1)
+    src = TinyGPT()
+    ckpt = _checkpoint(tmp_path, src)
+    ref = TinyGPT()
+    ref.load_state_dict(load_file(ckpt), strict=False)  # the tied head is the embedding
+    a = _wrap(ref, policy, tmp_path, precision=precision)
+    b = _wrap(_on_meta(), policy, tmp_path, precision=precision, weights=ckpt)
+    assert train_steps(a, 3) == train_steps(b, 3)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_weights_replace_the_values_of_a_model_in_memory(tmp_path):
+    torch.manual_seed(1)
+    src = TinyGPT()
+    ckpt = _checkpoint(tmp_path, src)
+    torch.manual_seed(2)
+    tm = _wrap(TinyGPT(), "zero-offload", tmp_path, weights=ckpt)
+    got = tm.state_dict()
+    for k, v in src.state_dict().items():
+        assert torch.equal(got[k], v), k
+
+
+def test_a_torch_state_dict_file_is_read_too(tmp_path):
+    torch.manual_seed(1)
+    src = TinyGPT()
+    path = str(tmp_path / "w.pt")
+    torch.save(src.state_dict(), path)  # both names of the tied weight: they are one parameter
+    tm = _wrap(_on_meta(), "zero-infinity", tmp_path, weights=path)
+    got = tm.state_dict()
+    for k, v in src.state_dict().items():
+        assert torch.equal(got[k], v), k
+
+
+def _bad_checkpoints(tmp_path) -> dict[str, tuple[str, str]]:
+    """name -> (path, what the error must say)."""
+    torch.manual_seed(1)
+    sd = {k: v.clone() for k, v in TinyGPT().state_dict().items() if k != "head.weight"}
+    out = {}
+
+    def write(name, tensors):
+        path = str(tmp_path / f"{name}.safetensors")
+        save_file(tensors, path)
+        return path
+
+    out["missing"] = (write("missing", {k: v for k, v in sd.items() if k != "ln_f.bias"}), r"missing 'ln_f\.bias'")
+    out["unexpected"] = (write("unexpected", {**sd, "extra.weight": torch.zeros(2)}), r"unexpected 'extra\.weight'")
+    out["shape"] = (write("shape", {**sd, "ln_f.bias": torch.zeros(5)}), r"'ln_f\.bias' is \(5,\) there, \(24,\)")
+    out["dtype"] = (write("dtype", {**sd, "ln_f.bias": torch.zeros(24, dtype=torch.int32)}), r"torch\.int32 there")
+    good = write("good", sd)
+    with open(good, "rb") as f:
+        data = f.read()
+    truncated = str(tmp_path / "truncated.safetensors")
+    with open(truncated, "wb") as f:
+        f.write(data[: len(data) - 100])
+    out["truncated"] = (truncated, r"not a readable safetensors file")
+    garbage = str(tmp_path / "garbage.safetensors")
+    with open(garbage, "wb") as f:
+        f.write(b"\xff" * 64)
+    out["garbage"] = (garbage, r"not a readable safetensors file")
+    out["absent"] = (str(tmp_path / "nowhere"), r"no such file or directory")
+    (tmp_path / "empty").mkdir()
+    out["empty dir"] = (str(tmp_path / "empty"), r"neither model\.safetensors\.index\.json")
+    return out | {"good": (good, "")}
+
+
+@pytest.mark.parametrize(
+    "case", ["missing", "unexpected", "shape", "dtype", "truncated", "garbage", "absent", "empty dir"]
+)
+def test_a_bad_checkpoint_is_refused_and_leaves_nothing_behind(case, tmp_path):
+    """The error names what is wrong; the module is still on the meta device, the NVMe directory
+    holds nothing of it, and a retry with the right checkpoint builds the model."""
+    ckpts = _bad_checkpoints(tmp_path)
+    path, says = ckpts[case]
+    model = _on_meta()
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    with pytest.raises(TierMemError, match=says):
+        tiermem.TieredModel(model, ZeroInfinity(), precision="fp32", nvme_dir=str(nvme), weights=path)
+    assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert os.listdir(nvme) == []
+    tm = tiermem.TieredModel(model, ZeroInfinity(), precision="fp32", nvme_dir=str(nvme), weights=ckpts["good"][0])
+    assert torch.isfinite(torch.tensor(train_steps(tm, 1))).all()
+
+
+def test_a_failure_while_reading_gives_the_module_back_on_meta(tmp_path, monkeypatch):
+    """A read that fails halfway through the build (an I/O error on the third tensor): the parameters
+    already built are on the meta device again, the homes are gone."""
+    from tiermem.train import weights_file
+
+    torch.manual_seed(1)
+    ckpt = _checkpoint(tmp_path, TinyGPT())
+    real, calls = weights_file.WeightsFile.read, []
+
+    def failing(self, name):
+        calls.append(name)
+        if len(calls) == 3:
+            raise TierMemError("tiermem: injected read failure")
+        return real(self, name)
+
+    monkeypatch.setattr(weights_file.WeightsFile, "read", failing)
+    model = _on_meta()
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    for policy in (ZeroOffload(), ZeroInfinity()):
+        calls.clear()
+        with pytest.raises(TierMemError, match="injected"):
+            tiermem.TieredModel(model, policy, precision="fp32", nvme_dir=str(nvme), weights=ckpt)
+        assert all(p.is_meta for p in model.parameters())
+        assert os.listdir(nvme) == []
+
+
+# -- save_pretrained and transformers ------------------------------------------------------------------
+def _llama(tie: bool):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+    )
+    return transformers, cfg
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_transformers_checkpoint_streams_in_and_trains_as_in_memory(tie, tmp_path):
+    transformers, cfg = _llama(tie)
+    torch.manual_seed(0)
+    src = transformers.LlamaForCausalLM(cfg)
+    src.save_pretrained(tmp_path / "hf")
+    ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    a = _wrap(ref, "zero-offload", tmp_path)
+    b = _wrap(model, "zero-infinity", tmp_path, weights=str(tmp_path / "hf"))
+    x = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(5))
+    for _ in range(3):
+        la, lb = a(x, labels=x).loss, b(x, labels=x).loss
+        assert torch.equal(la, lb)
+        a.backward(la), b.backward(lb)
+        a.step(), b.step()
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_meta_transformers_model_is_initialized_by_its_own_rules(tmp_path):
+    """No weights=: each module by the model's _init_weights (normal(0, initializer_range) for
+    linear and embedding weights, ones for norms), the rotary buffers as the model computes them."""
+    transformers, cfg = _llama(True)
+    cfg.initializer_range = 0.5
+    ref = transformers.LlamaForCausalLM(cfg)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    tm = _wrap(model, "zero-infinity", tmp_path)
+    got = tm.state_dict()
+    for name, v in got.items():
+        if name.endswith("norm.weight"):
+            assert torch.equal(v, torch.ones_like(v)), name
+        else:  # 32 x 32 draws or more of N(0, 0.5): the sample std within 20% (the chance of more is < 1e-9)
+            assert abs(v.std().item() / 0.5 - 1) < 0.2, name
+    bufs = dict(model.named_buffers())
+    for name, b in ref.named_buffers():
+        assert torch.equal(bufs[name], b), name
+
+
+@pytest.mark.parametrize("shard", ["1GiB", "20KiB"])
+def test_save_pretrained_is_read_back_by_transformers_with_the_same_logits(shard, tmp_path):
+    transformers, cfg = _llama(True)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    tm = _wrap(model, "zero-infinity", tmp_path)
+    x = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(5))
+    for _ in range(2):
+        tm.backward(tm(x, labels=x).loss)
+        tm.step()
+    out = tmp_path / "out"
+    tm.save_pretrained(out, max_shard_size=shard)
+    files = sorted(os.listdir(out))
+    assert "config.json" in files
+    if shard == "20KiB":
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1
+        assert "lm_head.weight" not in index["weight_map"]  # tied: written once, as transformers writes it
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    plain = tm.detach()
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, plain(x).logits)
+
+
+def test_save_pretrained_replaces_an_earlier_save_and_nothing_else(tmp_path):
+    torch.manual_seed(0)
+    tm = _wrap(TinyGPT(), "zero-offload", tmp_path)
+    out = tmp_path / "out"
+    tm.save_pretrained(out, max_shard_size="4KiB")
+    many = {f for f in os.listdir(out) if f.endswith(".safetensors")}
+    assert len(many) > 2
+    (out / "README.md").write_text("mine")
+    train_steps(tm, 1)
+    tm.save_pretrained(out)
+    assert sorted(os.listdir(out)) == ["README.md", "model.safetensors"]
+    again = _wrap(_on_meta(), "zero-offload", tmp_path, weights=str(out))
+    got, want = again.state_dict(), tm.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_from_pretrained_builds_on_meta_and_reads_the_checkpoint(tmp_path):
+    transformers, cfg = _llama(False)
+    torch.manual_seed(0)
+    src = transformers.LlamaForCausalLM(cfg)
+    src.save_pretrained(tmp_path / "hf")
+    tm = tiermem.from_pretrained(
+        tmp_path / "hf", ZeroInfinity(), precision="fp32", device="cpu", nvme_dir=str(tmp_path)
+    )
+    x, _ = gpt_batch(0, vocab=61)
+    with torch.no_grad():
+        assert torch.equal(tm(x).logits, src(x).logits)
+    with pytest.raises(TierMemError, match="no config.json"):
+        tiermem.from_pretrained(tmp_path / "nvme-absent")
