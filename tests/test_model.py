@@ -416,7 +416,11 @@ class _GradsOnNvmeStateOnDevice(Policy):
         (lambda: TieredModel(TinyGPT(), device="gpu"), ConfigError, r"device='gpu' is not a device torch knows"),
         (lambda: TieredModel(TinyGPT(), device=123), ConfigError, r"device=123 is not a device; pass 'cpu'"),
         (lambda: TieredModel(TinyGPT(), device="meta"), ConfigError, r"trains on 'cpu' or 'cuda' devices"),
-        (lambda: TieredModel(nn.Linear(3, 3, device="meta")), ConfigError, r"on the meta device.*materialize"),
+        (
+            lambda: TieredModel(nn.Linear(3, 3, device="meta"), weights=3),
+            ConfigError,
+            r"weights=3 is not a path",
+        ),
         (
             lambda: TieredModel(TinyGPT(), trace_path="/no/such/dir/t.json"),
             ConfigError,

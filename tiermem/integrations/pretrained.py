@@ -30,9 +30,15 @@ def _build(transformers: Any, config: Any) -> torch.nn.Module:
 
 
 def from_pretrained(path: str | os.PathLike[str], policy: Optional[Policy] = None, **kwargs: Any) -> TieredModel:
-    """A :class:`~tiermem.TieredModel` of the transformers model saved at ``path`` (a directory with
-    ``config.json`` and safetensors weights), never whole in memory: built on the meta device, each
-    weight read from the checkpoint into its home. ``policy`` and ``kwargs`` are TieredModel's."""
+    """A :class:`~tiermem.TieredModel` of the transformers model saved at ``path``, never whole in
+    memory: built on the meta device, each weight read from the checkpoint into its home.
+
+    Args:
+        path: a directory with ``config.json`` and safetensors weights (what ``save_pretrained`` of
+            transformers or of a TieredModel writes).
+        policy: the placement policy (default: ZeroOffload).
+        kwargs: the other arguments of :class:`~tiermem.TieredModel` (optimizer, precision, nvme_dir, ...).
+    """
     try:
         import transformers
     except ImportError as e:

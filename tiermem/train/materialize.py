@@ -3,7 +3,8 @@ tensors (:class:`Given`), a checkpoint read one tensor at a time (:class:`FromCh
 module's own initialization run one module at a time (:class:`FromInit`), for models built on the
 meta device.
 
-NOTE [Models on the meta device]: a module built under ``torch.device("meta")`` (or
+NOTE [Models on the meta device]
+A module built under ``torch.device("meta")`` (or
 ``accelerate.init_empty_weights()``) has shapes and no values, so the plan is made from it as from
 any other (nothing reads values before the homes are built) and each parameter gets its values
 only when its bucket is built (:func:`tiermem.train.layout.build`): it is read or initialized into
@@ -13,7 +14,8 @@ every parameter back its meta tensor (:func:`tiermem.train.lifetime.undone_on_fa
 retry with the right path works. Buffers on the meta device get their values the same way before
 the model's buffers are placed.
 
-NOTE [Initialization on the meta device]: without ``weights=``, a module's parameters are
+NOTE [Initialization on the meta device]
+Without ``weights=``, a module's parameters are
 initialized by its own ``reset_parameters()`` (for a transformers model, the model's
 ``_init_weights(module)``, as its ``post_init`` does), one module at a time, in the order the
 model would initialize them in memory: for torch modules the order ``module.modules()`` lists them

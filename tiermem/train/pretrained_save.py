@@ -1,6 +1,7 @@
 """``tm.save_pretrained(directory)``: the weights in the ecosystem's format, streamed from their homes.
 
-NOTE [Saving in the Hugging Face format]: the weights are read from their homes one tensor at a
+NOTE [Saving in the Hugging Face format]
+The weights are read from their homes one tensor at a
 time (:meth:`tiermem.train.state.ModelState.stream_weights`) and written as safetensors shards of
 at most ``max_shard_size`` bytes each (one tensor larger than that gets a shard of its own), with
 ``model.safetensors.index.json`` when there is more than one shard, and the model's

@@ -2,7 +2,8 @@
 directory (``model.safetensors``, or shards named by ``model.safetensors.index.json``), one
 ``.safetensors`` file, or a torch state-dict file (``torch.save`` of a dict of tensors).
 
-NOTE [Weights read one tensor at a time]: a model bigger than the machine is built from a
+NOTE [Weights read one tensor at a time]
+A model bigger than the machine is built from a
 checkpoint bigger than the machine, so nothing here holds more than the tensor asked for. Each
 safetensors file is opened once through the ``safetensors`` package (its header is parsed and
 checked against the file's size when opened; the tensors are read from a memory map on request);
