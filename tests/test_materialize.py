@@ -336,3 +336,50 @@ def test_from_pretrained_builds_on_meta_and_reads_the_checkpoint(tmp_path):
         assert torch.equal(tm(x).logits, src(x).logits)
     with pytest.raises(TierMemError, match="no config.json"):
         tiermem.from_pretrained(tmp_path / "nvme-absent")
+
+
+# -- host memory -----------------------------------------------------------------------------------------
+class AllOnNvme(PerClass):
+    homes = {
+        TensorClass.PARAM: Tier.NVME,
+        TensorClass.GRAD: Tier.NVME,
+        TensorClass.OPTIM_STATE: Tier.NVME,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+    }
+
+
+def _stack(layers: int) -> nn.Module:
+    return nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(layers)))
+
+
+def _build_peak(ckpt: str, nvme: str, layers: int) -> int:
+    """In a fresh child: the peak resident memory that building the meta stack from ``ckpt`` added."""
+    import resource
+
+    import psutil
+
+    before = psutil.Process().memory_info().rss
+    with torch.device("meta"):
+        model = _stack(layers)
+    tiermem.TieredModel(model, AllOnNvme(), precision="bf16", nvme_dir=nvme, weights=ckpt, bucket_size="4MiB")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+
+
+def test_building_from_a_checkpoint_holds_a_window_not_the_model(tmp_path):
+    """A stack of 4 and one of 16 layers of 4 MiB each (fp32), built from safetensors into NVMe homes:
+    the larger one's construction adds less than half the 48 MiB of fp32 weights it has more (a
+    build holding the model would add them all, and its bf16 copies on top); bench/meta_rss.py
+    measures the slope (~0 B per added parameter)."""
+    import forked
+
+    peaks = []
+    for layers in (4, 16):
+        ckpt = str(tmp_path / f"w{layers}.safetensors")
+        save_file({k: v.contiguous() for k, v in _stack(layers).state_dict().items()}, ckpt)
+        nvme = tmp_path / f"nvme{layers}"
+        nvme.mkdir()
+        child = forked.run(_build_peak, ckpt, str(nvme), layers, deadline=120)
+        assert child.exitcode == 0, child.error
+        peaks.append(child.value)
+    extra_fp32 = 12 * 1024 * 1024 * 4
+    assert peaks[1] - peaks[0] < extra_fp32 / 2, peaks

@@ -3,12 +3,14 @@ directory (``model.safetensors``, or shards named by ``model.safetensors.index.j
 ``.safetensors`` file, or a torch state-dict file (``torch.save`` of a dict of tensors).
 
 NOTE [Weights read one tensor at a time]
-A model bigger than the machine is built from a
-checkpoint bigger than the machine, so nothing here holds more than the tensor asked for. Each
-safetensors file is opened once through the ``safetensors`` package (its header is parsed and
-checked against the file's size when opened; the tensors are read from a memory map on request);
-a torch file is loaded with ``mmap=True, weights_only=True`` (no code runs, and its tensors are
-paged in when read). :meth:`WeightsFile.entries` reads only headers: names, shapes and dtypes are
+A model bigger than the machine is built from a checkpoint bigger than the machine, so nothing
+here holds more than the tensor asked for. A safetensors file is opened through the
+``safetensors`` package (its header is parsed and checked against the file's size when opened)
+for each tensor read, and closed again: the pages of its memory map that the read touched would
+otherwise stay mapped, and count in the process's resident memory, until the end. A torch file is
+loaded with ``mmap=True, weights_only=True`` (no code runs, and its tensors are paged in when
+read); its map stays until construction ends, so prefer safetensors for checkpoints larger than
+the host's memory. :meth:`WeightsFile.entries` reads only headers: names, shapes and dtypes are
 checked against the model before anything is built.
 
 safetensors holds no checksum of its data: a byte flipped inside a tensor is read as written. A
@@ -21,7 +23,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -80,7 +82,8 @@ class WeightsFile:
         e = self.entries[name]
         try:
             if e.file.endswith(".safetensors"):
-                t = self._handle(e.file).get_tensor(name)
+                with _open_one(e.file, self.path) as f:  # closed at once: NOTE [Weights read one tensor at a time]
+                    t = f.get_tensor(name)
             else:
                 t = self._handle(e.file)[name].clone()
         except (OSError, RuntimeError, ValueError, KeyError) as err:
@@ -145,18 +148,18 @@ def _files(path: str) -> list[str]:
     raise _bad(path, f"the directory holds neither {INDEX}, {SINGLE} nor a torch file ({', '.join(TORCH_NAMES)})")
 
 
-def _header(file: str, path: str) -> Iterator[Entry]:
-    handle = _open_one(file, path)
+def _header(file: str, path: str) -> list[Entry]:
     if not file.endswith(".safetensors"):
-        for name, t in handle.items():
-            yield Entry(name, file, tuple(t.shape), t.dtype)
-        return
-    for name in handle.keys():
-        s = handle.get_slice(name)
-        dtype = _DTYPES.get(s.get_dtype())
-        if dtype is None:
-            raise _bad(path, f"{name!r} in {file!r} has dtype {s.get_dtype()}, which tiermem cannot load")
-        yield Entry(name, file, tuple(s.get_shape()), dtype)
+        return [Entry(name, file, tuple(t.shape), t.dtype) for name, t in _open_one(file, path).items()]
+    out = []
+    with _open_one(file, path) as handle:
+        for name in handle.keys():
+            s = handle.get_slice(name)
+            dtype = _DTYPES.get(s.get_dtype())
+            if dtype is None:
+                raise _bad(path, f"{name!r} in {file!r} has dtype {s.get_dtype()}, which tiermem cannot load")
+            out.append(Entry(name, file, tuple(s.get_shape()), dtype))
+    return out
 
 
 def open_weights(path: str | os.PathLike) -> WeightsFile:
