@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tiermem.config import LossScale, _Spec
-from tiermem.errors import ConfigError, TierMemError
+from tiermem.errors import TierMemError
 from tiermem.memory.ledger import InFlight
 from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket
@@ -34,7 +34,7 @@ from tiermem.train.groups import Fp32Values, GroupEditor, group_dicts
 from tiermem.train.hooks import HookSet
 from tiermem.train.layout import Layout, build, make_homes
 from tiermem.train.machine import machine_profile, store_limits
-from tiermem.train.materialize import Given, Values
+from tiermem.train.materialize import Values
 from tiermem.train.optimizer import TieredOptimizer
 from tiermem.train.options import Options, make_stores
 from tiermem.train.param_offload import ParamOffload
@@ -104,12 +104,6 @@ def build_parts(
     p.policy = resolve_policy(policy)
     p.tracer = Tracer(trace_path)
     p.group = resolve_group(process_group, tracer=p.tracer if trace_path else None)
-    if p.group.world > 1 and values is not None and not isinstance(values, Given):
-        raise ConfigError(
-            "tiermem: under data parallelism this version builds from the module's own values only: a module on the "
-            "meta device or weights= is for one process; materialize the model on each rank (or load it in one "
-            "process and save a tiermem checkpoint, which any world size loads with tm.load)"
-        )
     limits = store_limits(opts.device, opts.budgets, nvme_dir)
     p.evaluator = Evaluator(
         module,

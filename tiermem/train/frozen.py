@@ -51,6 +51,7 @@ from tiermem.memory.resident import MemoryStore
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.footprint import keeps_copy
 from tiermem.train.gathered import GatheredWeights
+from tiermem.train.materialize import Values
 from tiermem.train.offdevice import point
 from tiermem.train.param_offload import ParamOffload
 from tiermem.transfer.collectives import Group
@@ -109,12 +110,14 @@ class FrozenParams:
                 p, stores[Tier.DEVICE].adopt(f"{name}:frozen", value.to(device=device, dtype=target), TensorClass.PARAM)
             )
 
-    def shard(self, buckets: list[Bucket], group: Group, dtype: torch.dtype) -> None:
+    def shard(self, buckets: list[Bucket], group: Group, dtype: torch.dtype, given: Optional[Values] = None) -> None:
         """Each frozen bucket's chunk at home, from rank 0's values (NOTE [Frozen weights sharded
-        over the ranks]); its parameters become OffDeviceWeights. Collective."""
+        over the ranks]); its parameters become OffDeviceWeights. Collective. ``given``: where the
+        values come from (NOTE [Models on the meta device]); default: the parameters' own."""
         for b in buckets:
             assert self._sharded is not None and b.frozen
-            values = torch.cat([s.param.detach().reshape(-1).to("cpu", dtype) for s in b.slots])
+            read = (lambda s: s.param.detach()) if given is None else (lambda s: given.param(s.name, s.param))
+            values = torch.cat([read(s).reshape(-1).to("cpu", dtype) for s in b.slots])
             self._sharded.initialize(b, group.broadcast_(values))
 
     def log_copies(self) -> None:

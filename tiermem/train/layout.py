@@ -253,6 +253,6 @@ def _place_frozen(
         if not p.requires_grad:
             frozen.place(name, p, stores, dtype, device, values.param(name, p))
     if gathered is not None:
-        frozen.shard([b for b in gathered.full.values() if b.frozen], group, dtype)
+        frozen.shard([b for b in gathered.full.values() if b.frozen], group, dtype, values)
     frozen.log_copies()
     return frozen
