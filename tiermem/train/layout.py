@@ -17,6 +17,7 @@ from typing import Mapping, Optional, TypeVar
 import torch
 
 from tiermem.errors import ConfigError
+from tiermem.observe.progress import Progress
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.plan.placement import ParamGroup, compute_tier
 from tiermem.train.buffers import KeptBuffers
@@ -218,6 +219,7 @@ def build(
     comes from, read as its bucket is built (NOTE [Models on the meta device])."""
     values = values if values is not None else Given()
     slot_of: dict[int, tuple[Bucket, Slot]] = {}
+    progress = Progress(values.building, 4 * sum(b.numel for b in buckets))  # fp32 bytes of the trainable weights
     for b in buckets:
         state = homes.state[b.index]
         master = state.initial_master(b)
@@ -226,6 +228,9 @@ def build(
             slot_of[id(s.param)] = (b, s)
         state.initialize(b)
         homes.weights[b.index].initialize(b, master)
+        progress.advance(4 * b.numel)
+    if values.building != Given.building:
+        progress.close()
     for home in homes.state_homes():
         home.release_views()
     if step_buckets is not buckets:  # under data parallelism, the whole buckets' masters only building used

@@ -57,6 +57,8 @@ class Values:
     """The first value of each parameter and buffer. ``param`` gives a CPU (or device) tensor of the
     parameter's shape, in any floating dtype, which the caller copies from and drops."""
 
+    building = "building the homes"  # what the construction's progress lines say it does
+
     def param(self, name: str, p: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -129,6 +131,8 @@ def _meta_tensors(m: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 class FromInit(Values):
     """Each meta module initialized by its own rule, one at a time, with the random-number state it
     would have met in memory (NOTE [Initialization on the meta device])."""
+
+    building = "initializing the model at its homes"
 
     def __init__(self, module: torch.nn.Module):
         self._owner: dict[int, int] = {}  # id of a meta tensor -> index of the module initializing it
@@ -228,6 +232,7 @@ class FromCheckpoint(Values):
 
     def __init__(self, module: torch.nn.Module, weights: WeightsFile):
         self.weights = weights
+        self.building = f"reading {weights.path}"
         self._key: dict[int, str] = {}
         names = _names(module)
         params = {id(p): p for p in module.parameters()}

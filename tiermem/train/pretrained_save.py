@@ -19,13 +19,13 @@ import json
 import logging
 import os
 import shutil
-import time
 from typing import Any, Iterator, Optional
 
 import torch
 
 from tiermem.budgets import parse_bytes
-from tiermem.errors import ConfigError, StoreError, fmt_bytes
+from tiermem.errors import ConfigError, StoreError
+from tiermem.observe.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +83,18 @@ def save_pretrained(
     work = os.path.join(parent, f".{os.path.basename(os.path.abspath(directory))}.tiermem-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)  # our own leftover of a save killed in this process's pid
     os.makedirs(work, mode=0o700)
+    width = torch.finfo(dtype).bits // 8 if dtype is not None else 4
+    progress = Progress(f"writing {directory}", sum(p.numel() * width for p in module.parameters()))
     try:
-        weight_map, total, started = {}, 0, time.perf_counter()
-        files = []
+        weight_map, total, files = {}, 0, []
         for i, shard in enumerate(_shards(_tensors(state, dtype), limit)):
             file = f"part-{i:05d}.safetensors"
             save_file(dict(shard), os.path.join(work, file), metadata={"format": "pt"})
             files.append([name for name, _ in shard])
-            total += sum(t.numel() * t.element_size() for _, t in shard)
-            elapsed = time.perf_counter() - started
-            log.info(
-                "tiermem: save_pretrained: %s written (%s/s)", fmt_bytes(total), fmt_bytes(total / max(elapsed, 1e-9))
-            )
+            nbytes = sum(t.numel() * t.element_size() for _, t in shard)
+            total += nbytes
+            progress.advance(nbytes)
+        progress.close()
         names = _final_names(len(files))
         for i, (names_in, final) in enumerate(zip(files, names)):
             os.replace(os.path.join(work, f"part-{i:05d}.safetensors"), os.path.join(work, final))
