@@ -383,3 +383,19 @@ def test_building_from_a_checkpoint_holds_a_window_not_the_model(tmp_path):
         peaks.append(child.value)
     extra_fp32 = 12 * 1024 * 1024 * 4
     assert peaks[1] - peaks[0] < extra_fp32 / 2, peaks
+
+
+def test_a_module_partly_on_meta_keeps_the_values_it_had(tmp_path):
+    """A Linear whose bias is on the meta device and whose weight is set: the weight stays as given,
+    the bias is initialized (its reset_parameters() would draw a new weight too)."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        lin = nn.Linear(6, 4)
+    weight = torch.randn(4, 6)
+    lin.weight = nn.Parameter(weight.clone())
+    model = nn.Sequential(lin, nn.Linear(4, 2))
+    tm = _wrap(model, "zero-offload", tmp_path)
+    got = tm.state_dict()
+    assert torch.equal(got["0.weight"], weight)
+    bound = 1 / 6**0.5  # nn.Linear's bias: uniform(-1/sqrt(in), 1/sqrt(in))
+    assert got["0.bias"].abs().max() <= bound and got["0.bias"].abs().max() > 0

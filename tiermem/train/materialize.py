@@ -155,14 +155,20 @@ class FromInit(Values):
     @staticmethod
     def _drop(m: torch.nn.Module, init: Callable[[torch.nn.Module], None]) -> dict[int, torch.Tensor]:
         """Run ``init`` on ``m`` with its meta tensors in scratch memory, which it returns by id;
-        the module's tensors are on the meta device again afterwards."""
+        the module's tensors are on the meta device again afterwards, and those that had values
+        (a module partly on the meta device) keep the values they had."""
         metas = _meta_tensors(m)
+        own = [*m.parameters(recurse=False), *(b for b in m._buffers.values() if b is not None)]
+        kept = [(t, t.detach().clone()) for t in own if not t.is_meta]
         scratch = {id(t): torch.empty(t.shape, dtype=t.dtype) for _, t in metas}
         for _, t in metas:
             point(t, scratch[id(t)])  # the module's tensor objects hold real memory while init runs
         try:
             init(m)
         finally:
+            with torch.no_grad():
+                for t, value in kept:
+                    t.copy_(value)
             for _, t in metas:
                 value = t.data
                 point(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
