@@ -6,12 +6,13 @@ a policy gives each a home tier (device, host, NVMe); an async engine moves them
 
 from __future__ import annotations
 
+from typing import Any
+
 from tiermem.budgets import Budgets, parse_bytes
 from tiermem.config import Adam, AdamW, LossScale
 from tiermem.deepspeed_config import from_deepspeed_config
 from tiermem.errors import ArgumentError, ConfigError, OutOfTierMemory, StoreError, TierMemError
 from tiermem.handles import Handle
-from tiermem.integrations.pretrained import from_pretrained
 from tiermem.memory.nvme import NvmeStore
 from tiermem.observe.report import Report
 from tiermem.optim_specs import SGD, Adafactor, Adagrad, Adam8bit, AdamW8bit, Lion
@@ -22,6 +23,17 @@ from tiermem.train.phase import Phase
 from tiermem.types import StateKey, TensorClass, TensorInfo, Tier
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``tiermem.from_pretrained`` is imported when first used: ``import tiermem`` imports no
+    integration (tiermem/integrations/pretrained.py)."""
+    if name == "from_pretrained":
+        from tiermem.integrations.pretrained import from_pretrained
+
+        return from_pretrained
+    raise AttributeError(f"module 'tiermem' has no attribute {name!r}")
+
 
 __all__ = [
     "Adafactor",
