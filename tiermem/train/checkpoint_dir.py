@@ -46,6 +46,7 @@ from typing import BinaryIO, Optional
 import xxhash
 
 from tiermem.errors import StoreError
+from tiermem.train.checkpoint_open import OpenDir
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ _MANIFEST = re.compile(r"tiermem-rank(0|[1-9][0-9]{0,6})\.json")
 _FORMAT = "tiermem-dcp-manifest-v1"
 #: the names DCP and tiermem write into a checkpoint directory: what a save may remove
 _OURS = re.compile(r"__[0-9]+_[0-9]+\.distcp|(__[0-9]+)?\.metadata(\.tmp)?|tiermem-rank[0-9]+\.json")
-_CHUNK = 64 << 20
+_MANIFEST_CAP = 16 << 20  # a manifest: ~100 bytes a file
 Files = dict[str, tuple[int, str]]  # file name -> (bytes, xxh3_64 as 16 hex digits)
 
 
@@ -118,18 +119,6 @@ class HashedFile:
         self.close()
 
 
-def file_hash(path: str) -> tuple[int, str]:
-    """(bytes, xxh3_64) of the file at ``path``, read in chunks into one buffer (a fresh buffer a
-    chunk would fault its pages in again each time)."""
-    h, n = xxhash.xxh3_64(), 0
-    with open(path, "rb", buffering=0) as f:
-        buf = memoryview(bytearray(min(_CHUNK, max(1, os.fstat(f.fileno()).st_size))))
-        while got := f.readinto(buf):
-            h.update(buf[:got])
-            n += got
-    return n, h.hexdigest()
-
-
 # -- manifests ---------------------------------------------------------------------------------------
 def write_manifest(directory: str, rank: int, world: int, files: Files) -> None:
     body = json.dumps(
@@ -148,9 +137,10 @@ def write_manifest(directory: str, rank: int, world: int, files: Files) -> None:
         os.fsync(f.fileno())
 
 
-def read_manifests(directory: str) -> Optional[Files]:
-    """Every file the manifests in ``directory`` list, checked as NOTE [Checkpoint directories]
-    says; None when there is no manifest (a user's own ``dcp.save``)."""
+def read_manifests(opened: OpenDir) -> Optional[Files]:
+    """Every file the manifests in the opened directory list, checked as NOTE [Checkpoint
+    directories] says; None when there is no manifest (a user's own ``dcp.save``)."""
+    directory = opened.path
 
     def bad(why: str) -> StoreError:
         return StoreError(
@@ -158,15 +148,14 @@ def read_manifests(directory: str) -> Optional[Files]:
             f"checkpoint, or one written by tm.save() and left unedited"
         )
 
-    names = sorted(n for n in os.listdir(directory) if _MANIFEST.fullmatch(n))
+    names = sorted(n for n in opened.names if _MANIFEST.fullmatch(n))
     if not names:
         return None
     files: Files = {}
     worlds = set()
     for name in names:
         try:
-            with open(os.path.join(directory, name), "rb") as f:
-                raw = f.read(1 << 24)
+            raw = opened.read(name, cap=_MANIFEST_CAP)
             body, checksum, tail = raw.rsplit(b"\n", 2)
             if tail or xxhash.xxh3_64_hexdigest(body).encode() != checksum:
                 raise ValueError("it fails its checksum")
@@ -178,7 +167,7 @@ def read_manifests(directory: str) -> Optional[Files]:
                 and isinstance(doc["world"], int)
                 and isinstance(entries, dict)
             )
-        except (OSError, ValueError, KeyError, TypeError) as err:
+        except (StoreError, ValueError, KeyError, TypeError) as err:
             raise bad(f"an unreadable manifest {name!r} ({err})") from None
         if not ok:
             raise bad(f"a manifest {name!r} of another format, rank or world")
@@ -202,20 +191,16 @@ def read_manifests(directory: str) -> Optional[Files]:
     return files
 
 
-def verify(directory: str, names: list[str], files: Files) -> None:
-    """Each of ``names`` has the size and hash its manifest gives, or a ``tiermem:`` error."""
+def verify(opened: OpenDir, names: list[str], files: Files) -> None:
+    """Each of ``names`` has the size and hash its manifest gives, read through the descriptor
+    the load keeps (NOTE [A load reads the files it checked]), or a ``tiermem:`` error. The size
+    is compared first: a file that claims more bytes than its manifest is never read."""
     for name in names:
-        path = os.path.join(directory, name)
-        try:
-            got = file_hash(path)
-        except OSError as e:
-            raise StoreError(
-                f"tiermem: checkpoint {directory!r} is incomplete: cannot read {name!r} "
-                f"({e.strerror or e}); nothing was loaded. Use another checkpoint"
-            ) from None
+        size = opened.size(name)
+        got = (size, "") if size != files[name][0] else opened.hash(name)
         if got != files[name]:
             raise StoreError(
-                f"tiermem: checkpoint {directory!r} is corrupt ({name!r} fails its checksum"
+                f"tiermem: checkpoint {opened.path!r} is corrupt ({name!r} fails its checksum"
                 f"{'' if got[0] == files[name][0] else f': {got[0]} bytes, not {files[name][0]}'}); "
                 f"nothing was loaded. Use another checkpoint"
             )

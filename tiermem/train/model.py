@@ -226,6 +226,7 @@ class TieredModel:
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         with self._life.during("forward", Phase.FORWARD):
             self.stepper.check_whole("tm(...)")  # NOTE [A failed step is rolled forward]
+            self._state.check_loaded("tm(...)")  # NOTE [A failed load is guarded]
             if torch.is_grad_enabled() and self.module.training and self.group.world == 1:
                 # NOTE [Freezing and unfreezing]; under data parallelism at backward, where every rank is
                 self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=False)
@@ -308,6 +309,7 @@ class TieredModel:
     def _step(self, groups: list[dict]) -> StepResult:
         """What ``tm.optimizer.step()`` runs: the tiered step, checked against the phase."""
         with self._life.during("step", Phase.STEPPING):
+            self._state.check_loaded("tm.step()")  # NOTE [A failed load is guarded]
             try:
                 result = self.stepper.run(groups)
             except BaseException:
@@ -379,6 +381,7 @@ class TieredModel:
             format = "dcp" if self.group.world > 1 else "file"
         state = self._settled("save()")
         self.stepper.check_whole("tm.save()")  # a checkpoint of two steps would keep the mix for good
+        state.check_loaded("tm.save()")  # NOTE [A failed load is guarded]: nor of two checkpoints
         checkpoint.save(state, path, format)
 
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -392,6 +395,7 @@ class TieredModel:
         tm.load_sharded_state_dict(sd)`` loads one. ``tm.state_dict()`` stays the whole weights."""
         state = self._settled("sharded_state_dict()")
         self.stepper.check_whole("tm.sharded_state_dict()")  # NOTE [A failed step is rolled forward]
+        state.check_loaded("tm.sharded_state_dict()")
         return checkpoint.sharded_state_dict(state)
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
