@@ -10,14 +10,22 @@ NOTE [Checkpoint directories]. Here, the flow:
   weights sharded over the ranks]: nothing is gathered), read one bucket at a time when DCP writes
   them (a sorted plan, one writer thread, no copy-ahead: state on NVMe passes through the home's
   one host buffer set, state in memory is written from where it lives), rank 0 adds the other
-  frozen parameters, buffers and the ``tiermem`` meta; each rank writes its manifest; rank 0 publishes once every rank got through.
-- **load** (every rank): everything is checked first (manifests and checksums, DCP's metadata,
-  the meta, every tensor's name, shape, dtype and coverage against the model) and every rank
-  learns whether every rank's checks passed; then, bucket by bucket, each rank reads the pieces it
-  keeps now (one ``dcp.load`` of that bucket's pieces, no collective inside, straight into the
-  home's buffers) and sends the bucket's weights home; then each frozen bucket sharded over the
-  ranks (its pieces into a copy of this rank's chunk, which goes home), the other frozen
-  parameters and the buffers.
+  frozen parameters, buffers and the ``tiermem`` meta; each rank writes its manifest; rank 0
+  publishes once every rank got through, and every rank returns once it has.
+- **load** (every rank): the directory and its files are opened once (NOTE [A load reads the
+  files it checked]); everything is checked first, in two rounds each agreed by every rank
+  (manifests and checksums; then DCP's metadata through a restricted unpickler, the meta, every
+  tensor's name, shape, dtype and coverage against the model: NOTE [Nothing in a checkpoint
+  runs]); then, bucket by bucket, each rank reads the pieces it keeps now (one ``dcp.load`` of
+  that bucket's pieces through those descriptors, no collective inside, straight into the home's
+  buffers) and sends the bucket's weights home; then each frozen bucket sharded over the ranks
+  (its pieces into a copy of this rank's chunk, which goes home), the other frozen parameters
+  and the buffers. A read that fails is kept until the last bucket (each bucket's collectives
+  still run), then every rank raises the first failing rank's error and the model refuses to
+  compute until a load succeeds (NOTE [A failed load is guarded]).
+
+Every failure, DCP's ``CheckpointException`` (a ``BaseException``) included, leaves as a
+``tiermem:`` error (an ``Exception``) on every rank, after the clean-up.
 """
 
 from __future__ import annotations
@@ -357,7 +365,13 @@ def load(state: ModelState, path: str) -> None:
                     except TierMemError as e:
                         failed.append(e)
                     except Exception as e:  # noqa: BLE001 - reported once every rank got through
-                        failed.append(StoreError(f"tiermem: reading {path!r} failed ({type(e).__name__}: {e})"))
+                        failed.append(
+                            StoreError(
+                                f"tiermem: reading the checkpoint {path!r} failed part way ({type(e).__name__}: "
+                                f"{e}); the model refuses to compute until a load succeeds: load it, or another "
+                                f"checkpoint, again"
+                            )
+                        )
 
             return run
 

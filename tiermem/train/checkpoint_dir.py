@@ -5,7 +5,7 @@ directory published whole. No torch.distributed.checkpoint here (it is imported 
 # NOTE [Checkpoint directories]
 torch.distributed.checkpoint (DCP) checks nothing it reads back, and its ``.metadata`` is a pickle
 it loads as it finds it. For the directories tiermem writes, every byte read back is checked
-anyway (NOTE [Data checksums]):
+anyway (NOTE [Data checksums]), and nothing is unpickled that could run code:
 
 - Every file a rank writes (its ``__<r>_<n>.distcp``; rank 0 also ``.metadata``) is created
   exclusively, never through a symlink, mode 0600 (:func:`create_exclusive`), and hashed with
@@ -13,15 +13,21 @@ anyway (NOTE [Data checksums]):
 - Once DCP is done, each rank writes ``tiermem-rank<r>.json`` (:func:`write_manifest`): the world
   size and every file it wrote, with its size and hash; the manifest's last line is the xxh3_64
   of the lines before it.
-- A load first reads every manifest (each checked by its own hash; ranks 0..world-1 all there
-  with one world size; no file claimed twice), hashes ``.metadata`` on every rank before DCP
-  unpickles it, and checks that every file DCP's metadata points to is in a manifest; the loading
-  ranks then split the data files between them by size and each hashes its share. A mismatch on
-  any rank stops every rank before anything of the model changes.
-- A directory without any manifest was written by a user's own
-  ``dcp.save(tm.sharded_state_dict(), ...)``: it loads, with a warning that its bytes are not
-  checksummed; its metadata, and every tensor's name, shape, dtype and coverage, are still checked
-  against the model first.
+- A load opens the directory and every file it reads once, and reads only through those
+  descriptors (NOTE [A load reads the files it checked] in :mod:`tiermem.train.checkpoint_open`).
+  It first reads every manifest (each checked by its own hash; ranks 0..world-1 all there with
+  one world size; no file claimed twice), hashes ``.metadata`` on every rank, and the loading
+  ranks split the data files between them by size and each hashes its share; every rank learns
+  every rank's result before anything a file holds is parsed. Only then is ``.metadata``
+  unpickled (restricted to DCP's types), every file it points to checked against the manifests,
+  and the ``tiermem`` record read as plain data (NOTE [Nothing in a checkpoint runs] in
+  :mod:`tiermem.train.checkpoint_dcp_read`); a second agreement follows. A failure on any rank
+  stops every rank, with the first failing rank's error, before anything of the model changes.
+- A directory without any manifest (a user's own ``dcp.save(tm.sharded_state_dict(), ...)``)
+  is refused: its bytes cannot be checked. The user's own ``dcp.load`` into
+  ``tm.sharded_state_dict()`` and ``tm.load_sharded_state_dict()`` read it.
+- ``tm.save`` returns on every rank only once rank 0 has published the directory, and raises on
+  every rank if it could not.
 
 A save writes into ``<path>.tmp-<pid of rank 0>``, which rank 0 creates (mode 0700, exclusively),
 and rank 0 moves it into place (:func:`publish`) only once every rank's files and manifest are
@@ -154,8 +160,12 @@ def read_manifests(opened: OpenDir) -> Optional[Files]:
     files: Files = {}
     worlds = set()
     for name in names:
+        if opened.size(name) > _MANIFEST_CAP:  # read whole to be parsed: bounded before it is read
+            raise bad(
+                f"a manifest {name!r} of {opened.size(name)} bytes, more than a manifest may hold ({_MANIFEST_CAP})"
+            )
         try:
-            raw = opened.read(name, cap=_MANIFEST_CAP)
+            raw = opened.read(name)
             body, checksum, tail = raw.rsplit(b"\n", 2)
             if tail or xxhash.xxh3_64_hexdigest(body).encode() != checksum:
                 raise ValueError("it fails its checksum")

@@ -390,9 +390,10 @@ class TieredModel:
         for DCP]): ``{"model": {name: ...}, "optim": {"state": {name: {"exp_avg": ...,
         "exp_avg_sq": ...}}}, "tiermem": <step counts, loss scale, hyperparameters as JSON>}``.
         Values alias the model's state where it lives in memory (state on NVMe is copied into host
-        memory). ``dcp.save(tm.sharded_state_dict(), checkpoint_id=d)`` writes a checkpoint
-        ``tm.load(d)`` reads; ``sd = tm.sharded_state_dict(); dcp.load(sd, checkpoint_id=d);
-        tm.load_sharded_state_dict(sd)`` loads one. ``tm.state_dict()`` stays the whole weights."""
+        memory). ``dcp.save(tm.sharded_state_dict(), checkpoint_id=d)`` writes a checkpoint (without
+        tiermem's manifests, so ``tm.load(d)`` refuses it); ``sd = tm.sharded_state_dict();
+        dcp.load(sd, checkpoint_id=d); tm.load_sharded_state_dict(sd)`` loads one. ``tm.state_dict()``
+        stays the whole weights."""
         state = self._settled("sharded_state_dict()")
         self.stepper.check_whole("tm.sharded_state_dict()")  # NOTE [A failed step is rolled forward]
         state.check_loaded("tm.sharded_state_dict()")
@@ -420,8 +421,7 @@ class TieredModel:
         parallelism a collective.
 
         Args:
-            path: a file or DCP directory written by :meth:`save` (or by ``dcp.save`` of
-                :meth:`sharded_state_dict`).
+            path: a file or DCP directory written by :meth:`save`.
         """
         state = self._settled("load()")
         self._trainable.sync(grads_waiting=False, collective=True)  # parameters unfrozen before loading get state
