@@ -121,7 +121,7 @@ def _load(reader: Reader, values: dict[str, Any]) -> None:
                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
             )
     except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
-        raise _from_dcp(e, f"read its part of the checkpoint {reader.opened.path!r}") from e
+        raise _from_dcp(e, f"read its part of the checkpoint {reader.opened.path!r}", "check the disk") from e
 
 
 # -- this process's values ------------------------------------------------------------------------
@@ -294,7 +294,7 @@ def _write(state: ModelState, writer: _Writer) -> None:
                 tree, storage_writer=writer, planner=_InOrder(order), process_group=group.pg, no_dist=group.world == 1
             )
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException; it carries every rank's failure
-        raise _from_dcp(e, "write its part of the checkpoint") from e
+        raise _from_dcp(e, "write its part of the checkpoint", "free space or choose another path") from e
 
 
 def _check_complete(tmp: str, world: int) -> None:
@@ -321,7 +321,7 @@ def _as_store(e: BaseException, path: str) -> BaseException:
     )
 
 
-def _from_dcp(e: BaseException, doing: str) -> TierMemError:
+def _from_dcp(e: BaseException, doing: str, fix: str) -> TierMemError:
     """A tiermem error inside DCP's exception, else DCP's first failure as a tiermem error (an
     ``Exception``: DCP's own ``CheckpointException`` is a ``BaseException``)."""
     failures = getattr(e, "failures", None)
@@ -331,10 +331,7 @@ def _from_dcp(e: BaseException, doing: str) -> TierMemError:
         if isinstance(inner, TierMemError):
             return inner
         if isinstance(inner, OSError):
-            return StoreError(
-                f"tiermem: rank {min(failures)} could not {doing} ({inner.strerror or inner}); free space "
-                f"or choose another path"
-            )
+            return StoreError(f"tiermem: rank {min(failures)} could not {doing} ({inner.strerror or inner}); {fix}")
         return TierMemError(
             f"tiermem: torch.distributed.checkpoint failed on rank {min(failures)} to {doing} "
             f"({type(inner).__name__}: {inner})"

@@ -188,8 +188,8 @@ class Reader(StorageReader):
             info = self.metadata.storage_data[item.storage_index]
             if item.type == LoadItemType.BYTE_IO:
                 raise refused(self.opened, info.relative_path, f"the bytes entry {item.storage_index.fqn!r}")
-            data = self.opened.read(info.relative_path, info.offset, info.length)
-            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            with self.opened.view(info.relative_path, info.offset, info.length) as stream:
+                tensor = torch.load(stream, map_location="cpu", weights_only=True)
             if not isinstance(tensor, torch.Tensor):
                 raise self.opened.bad(f"its {item.storage_index.fqn!r} is not a tensor")
             tensor = _narrow(tensor, item.storage_offsets, item.lengths)

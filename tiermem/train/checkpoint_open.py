@@ -21,9 +21,9 @@ that claims gigabytes costs neither the memory nor the time before it is refused
 
 from __future__ import annotations
 
+import io
 import os
 import stat
-from typing import Callable
 
 import xxhash
 
@@ -107,10 +107,13 @@ class OpenDir:
             at += n
         return at, h.hexdigest()
 
-    def reader(self, name: str) -> Callable[[int, int], bytes]:
-        """``read(offset, length)`` of ``name``, bounded by its size."""
-        self._open(name)
-        return lambda offset, length: self.read(name, offset, length)
+    def view(self, name: str, offset: int, length: int) -> io.BufferedReader:
+        """Bytes ``[offset, offset + length)`` of ``name`` as a read-only, seekable file of its own
+        (``torch.load`` reads a tensor's storage straight from it, as DCP's file views do)."""
+        fd, size = self._open(name)
+        if offset < 0 or length < 0 or offset + length > size:
+            raise self.bad(f"{name!r} holds {size} bytes, not [{offset}, {offset + length})")
+        return io.BufferedReader(_Slice(fd, offset, length))
 
     def close(self) -> None:
         for fd, _ in self._files.values():
@@ -123,3 +126,33 @@ class OpenDir:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Slice(io.RawIOBase):
+    """``length`` bytes of the open file ``fd`` from ``start``, read with ``pread`` (the
+    descriptor's own offset is never moved, so any number of slices of one file may be open)."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        super().__init__()
+        self.fd, self.start, self.length, self.at = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.at, io.SEEK_END: self.length}[whence]
+        self.at = max(0, base + offset)
+        return self.at
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self.length - self.at))
+        got = os.preadv(self.fd, [view[:n]], self.start + self.at) if n else 0
+        self.at += got
+        return got
