@@ -121,7 +121,17 @@ def _pointing_outside(path) -> None:
     (path / ".metadata").write_bytes(pickle.dumps(md))
 
 
+def _symlinked_data(path) -> None:
+    """The data file replaced by a symlink to a copy outside the checkpoint."""
+    os.replace(path / "__0_0.distcp", path.parent / "outside.distcp")
+    os.symlink(path.parent / "outside.distcp", path / "__0_0.distcp")
+
+
 CRAFTED = {
+    "data file a symlink out, manifests recomputed": (
+        lambda p, m: (_symlinked_data(p), _remanifest(p)),
+        r"'__0_0\.distcp' is a symlink, which tm\.save never writes",
+    ),
     "payload in .metadata, manifests recomputed": (
         lambda p, m: (_payload_in_metadata(p, m), _remanifest(p)),
         r"is refused: its '\.metadata' would run [\w.]*_payload_then when loaded",
@@ -184,7 +194,7 @@ def test_a_load_racing_saves_reads_one_checkpoint_whole(tmp_path):
         while not os.listdir(states) and time.monotonic() < deadline:
             time.sleep(0.05)
         tm = _model(0, bucket=1300, seed=7)
-        for _ in range(40):
+        for _ in range(20):
             try:
                 tm.load(path)
             except TierMemError:
@@ -200,7 +210,7 @@ def test_a_load_racing_saves_reads_one_checkpoint_whole(tmp_path):
     saved = [torch.load(states / n, weights_only=True) for n in sorted(os.listdir(states))]
     matches = [sum(same_state(got, s) for s in saved) for got in loaded]
     assert matches == [1] * len(loaded)  # each load is one saved state, never buckets of two
-    assert len(loaded) >= 10, (len(loaded), refused)
+    assert len(loaded) >= 5, (len(loaded), refused)
 
 
 # -- 4. DCP's own failures -------------------------------------------------------------------------

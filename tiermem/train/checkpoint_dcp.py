@@ -161,6 +161,43 @@ def save(state: ModelState, path: str) -> None:
     path = os.path.abspath(path)
     pid = int(group.broadcast_(torch.tensor([os.getpid()], dtype=torch.int64)).item())  # rank 0's names the temporary
     tmp = f"{path}.tmp-{pid}"
+    made = _temporary(state, path, pid)
+    error: BaseException | None = None
+    writer = _Writer(tmp)
+    try:
+        _write(state, writer)
+        disk.write_manifest(tmp, group.rank, group.world, writer.fs.written)
+    except BaseException as e:  # noqa: BLE001 - reported after every rank knows
+        error = e
+    finally:
+        state.release()
+    try:
+        if not group.all_ok(error is None):
+            raise (
+                error
+                if error is not None
+                else StoreError(
+                    f"tiermem: saving the checkpoint to {path!r} failed on another rank (see its error); any previous "
+                    f"checkpoint there is unchanged"
+                )
+            )
+        _publish(state, tmp, path)
+    except BaseException as e:
+        _discard_if(made, tmp)  # the new checkpoint unpublished, or the previous one publish swapped out
+        if isinstance(e, TierMemError) or not isinstance(e, Exception):
+            raise
+        if isinstance(e, OSError):
+            raise _as_store(e, path) from e
+        raise TierMemError(
+            f"tiermem: saving the checkpoint to {path!r} failed ({type(e).__name__}: {e}); any previous "
+            f"checkpoint there is unchanged"
+        ) from e
+
+
+def _temporary(state: ModelState, path: str, pid: int) -> bool:
+    """Rank 0 makes the temporary directory; every rank checks that it sees it. Whether this
+    process made it (to remove it on failure)."""
+    group, tmp = state.group, f"{path}.tmp-{pid}"
     error: BaseException | None = None
     made = False
     if state.writes_files:
@@ -193,35 +230,7 @@ def save(state: ModelState, path: str) -> None:
             f"tiermem: {who} does not see the directory {tmp!r} rank 0 made for the checkpoint; nothing "
             f"was written. Save it where every rank sees the same files (a shared filesystem)"
         )
-    writer = _Writer(tmp)
-    try:
-        _write(state, writer)
-        disk.write_manifest(tmp, group.rank, group.world, writer.fs.written)
-    except BaseException as e:  # noqa: BLE001 - reported after every rank knows
-        error = e
-    finally:
-        state.release()
-    try:
-        if not group.all_ok(error is None):
-            raise (
-                error
-                if error is not None
-                else StoreError(
-                    f"tiermem: saving the checkpoint to {path!r} failed on another rank (see its error); any previous "
-                    f"checkpoint there is unchanged"
-                )
-            )
-        _publish(state, tmp, path)
-    except BaseException as e:
-        _discard_if(made, tmp)  # the new checkpoint unpublished, or the previous one publish swapped out
-        if isinstance(e, TierMemError) or not isinstance(e, Exception):
-            raise
-        if isinstance(e, OSError):
-            raise _as_store(e, path) from e
-        raise TierMemError(
-            f"tiermem: saving the checkpoint to {path!r} failed ({type(e).__name__}: {e}); any previous "
-            f"checkpoint there is unchanged"
-        ) from e
+    return made
 
 
 def _publish(state: ModelState, tmp: str, path: str) -> None:

@@ -21,6 +21,7 @@ that claims gigabytes costs neither the memory nor the time before it is refused
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import stat
@@ -65,6 +66,8 @@ class OpenDir:
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
             except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise self.bad(f"{name!r} is a symlink, which tm.save never writes: it is not followed") from None
                 raise StoreError(
                     f"tiermem: checkpoint {self.path!r} is incomplete: cannot read {name!r} "
                     f"({e.strerror or e}); nothing was loaded. Use another checkpoint"
