@@ -382,6 +382,30 @@ def test_a_load_that_fails_part_way_leaves_a_model_that_refuses_to_compute(tmp_p
     assert same_state(tm.state_dict(), src.state_dict())
 
 
+def test_a_read_failing_inside_dcp_is_a_tiermem_error_and_guards_the_model(tmp_path, monkeypatch):
+    """DCP wraps a reader's failure in its CheckpointException, a BaseException: it leaves as a
+    tiermem error (an Exception), and the half-loaded model refuses to compute."""
+    src = _model()
+    src.save(str(tmp_path / "ck"), format="dcp")
+    tm = _model(1, seed=4)
+    original, calls = torch.load, []
+
+    def load(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:  # a tensor of a later bucket, read inside dcp.load
+            raise OSError(5, "Input/output error")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    with pytest.raises(StoreError, match=r"^tiermem: .*Input/output error.*; check the disk"):
+        tm.load(str(tmp_path / "ck"))
+    monkeypatch.undo()
+    with pytest.raises(TierMemError, match=r"^tiermem: tm\(\.\.\.\) would use a half-loaded model"):
+        tm(gpt_batch(0)[0])
+    tm.load(str(tmp_path / "ck"))
+    assert same_state(tm.state_dict(), src.state_dict())
+
+
 def _rank_half_load(rank, world, tmp):
     tm = _make_dp()
     _train_dp(tm, rank, 2)
