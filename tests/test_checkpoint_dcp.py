@@ -6,7 +6,6 @@ of ``tm.sharded_state_dict()`` round-trips."""
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import pickle
@@ -167,13 +166,17 @@ def test_state_on_nvme_is_read_once_per_save_and_no_bucket_more_held(tmp_path):
 
 
 # -- a user's own dcp.save / dcp.load ------------------------------------------------------------
-def test_a_users_dcp_save_of_the_sharded_state_dict_loads(tmp_path, caplog):
+def test_a_users_dcp_save_is_refused_by_tm_load_and_read_by_the_users_dcp_load(tmp_path):
     src = _model()
     dcp.save(src.sharded_state_dict(), checkpoint_id=str(tmp_path / "user"))
     dst = _model(0, bucket=1300, seed=3)
-    with caplog.at_level(logging.WARNING, logger="tiermem"):
-        dst.load(str(tmp_path / "user"))
-    assert "has no tiermem manifest" in caplog.text and "not checksummed" in caplog.text
+    before = dst.state_dict()
+    with pytest.raises(StoreError, match=r"has no tiermem manifest .* tm\.load\(\) refuses it; nothing was loaded"):
+        dst.load(str(tmp_path / "user"))  # its bytes cannot be checked (NOTE [Nothing in a checkpoint runs])
+    assert same_state(dst.state_dict(), before)
+    sd = dst.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "user"))
+    dst.load_sharded_state_dict(sd)
     assert same_state(dst.state_dict(), src.state_dict()) and dst.stepper.steps == 2
 
 
@@ -268,7 +271,7 @@ DAMAGE = {
     "lost manifest": (
         lambda p: os.unlink(p / "tiermem-rank0.json"),
         StoreError,
-        r"tm\.save wrote it with manifests, which are missing now",
+        r"has no tiermem manifest",
     ),
     "another save's manifest": (
         _second_manifest,

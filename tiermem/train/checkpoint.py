@@ -48,6 +48,7 @@ import xxhash
 from tiermem.errors import ConfigError, StoreError, TierMemError
 from tiermem.train.checkpoint_dir import is_checkpoint_dir, pid_alive
 from tiermem.train.checkpoint_footer import MAGIC, MAGIC_V1, MAGIC_V2, Invalid, check_footer, dtype_named
+from tiermem.train.checkpoint_open import RECORD_CAP
 from tiermem.train.state import ModelState
 from tiermem.train.state_convert import Conversion
 
@@ -256,9 +257,13 @@ def _read_footer(f: BinaryIO, path: str) -> tuple[dict, bytes]:
     n, *checksum = trailer.unpack(tail[: trailer.size])
     if n > end - len(MAGIC):
         raise bad("corrupt footer length")
+    if n > RECORD_CAP:  # read in memory to be parsed: bounded before anything is read
+        raise bad(f"corrupt footer length: {n} bytes, more than a footer may hold ({RECORD_CAP})")
+    if checksum and _streamed_sum(f, head, end - n, n) != checksum[0]:  # before the footer is held in memory
+        raise bad("corrupt footer: it fails its checksum, edited or damaged")
     f.seek(end - n)
     footer = f.read(n)
-    if checksum and _footer_sum(head, footer) != checksum[0]:
+    if checksum and _footer_sum(head, footer) != checksum[0]:  # the bytes held: the file may have changed since
         raise bad("corrupt footer: it fails its checksum, edited or damaged")
     try:
         doc = json.loads(footer)
@@ -268,6 +273,19 @@ def _read_footer(f: BinaryIO, path: str) -> tuple[dict, bytes]:
     except Invalid as e:
         raise bad(f"corrupt footer: {e}") from None
     return doc, head
+
+
+def _streamed_sum(f: BinaryIO, magic: bytes, at: int, n: int) -> int:
+    """The footer checksum of the ``n`` bytes at ``at``, read 1 MiB at a time."""
+    f.seek(at)
+    checksum, left = _data_sum(magic), n
+    while left:
+        chunk = f.read(min(left, 1 << 20))
+        if not chunk:
+            return -1  # shorter than it claims: no checksum matches
+        checksum.update(chunk)
+        left -= len(chunk)
+    return checksum.intdigest()
 
 
 # -- load: against the model, then the data -------------------------------------------------------

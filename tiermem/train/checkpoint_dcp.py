@@ -10,14 +10,22 @@ NOTE [Checkpoint directories]. Here, the flow:
   weights sharded over the ranks]: nothing is gathered), read one bucket at a time when DCP writes
   them (a sorted plan, one writer thread, no copy-ahead: state on NVMe passes through the home's
   one host buffer set, state in memory is written from where it lives), rank 0 adds the other
-  frozen parameters, buffers and the ``tiermem`` meta; each rank writes its manifest; rank 0 publishes once every rank got through.
-- **load** (every rank): everything is checked first (manifests and checksums, DCP's metadata,
-  the meta, every tensor's name, shape, dtype and coverage against the model) and every rank
-  learns whether every rank's checks passed; then, bucket by bucket, each rank reads the pieces it
-  keeps now (one ``dcp.load`` of that bucket's pieces, no collective inside, straight into the
-  home's buffers) and sends the bucket's weights home; then each frozen bucket sharded over the
-  ranks (its pieces into a copy of this rank's chunk, which goes home), the other frozen
-  parameters and the buffers.
+  frozen parameters, buffers and the ``tiermem`` meta; each rank writes its manifest; rank 0
+  publishes once every rank got through, and every rank returns once it has.
+- **load** (every rank): the directory and its files are opened once (NOTE [A load reads the
+  files it checked]); everything is checked first, in two rounds each agreed by every rank
+  (manifests and checksums; then DCP's metadata through a restricted unpickler, the meta, every
+  tensor's name, shape, dtype and coverage against the model: NOTE [Nothing in a checkpoint
+  runs]); then, bucket by bucket, each rank reads the pieces it keeps now (one ``dcp.load`` of
+  that bucket's pieces through those descriptors, no collective inside, straight into the home's
+  buffers) and sends the bucket's weights home; then each frozen bucket sharded over the ranks
+  (its pieces into a copy of this rank's chunk, which goes home), the other frozen parameters
+  and the buffers. A read that fails is kept until the last bucket (each bucket's collectives
+  still run), then every rank raises the first failing rank's error and the model refuses to
+  compute until a load succeeds (NOTE [A failed load is guarded]).
+
+Every failure, DCP's ``CheckpointException`` (a ``BaseException``) included, leaves as a
+``tiermem:`` error (an ``Exception``) on every rank, after the clean-up.
 """
 
 from __future__ import annotations
@@ -33,14 +41,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata
 
 from tiermem.errors import StoreError, TierMemError
 from tiermem.train import checkpoint_dir as disk
-from tiermem.train.checkpoint_dcp_check import checked
+from tiermem.train.checkpoint_dcp_check import checked, same_error
+from tiermem.train.checkpoint_dcp_read import Reader
 from tiermem.train.checkpoint_shards import MANIFESTS, META, ShardedValue, key, nested
 from tiermem.train.state import ModelState, Piece
 
@@ -99,30 +108,20 @@ class _InOrder(DefaultSavePlanner):
         return dataclasses.replace(plan, items=sorted(plan.items, key=lambda i: self._order.get(i.index.fqn, last)))
 
 
-class _Reader(FileSystemReader):
-    """DCP's reader of ``path``, its metadata read once (after it was checked) for every load."""
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self._metadata: Metadata | None = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
-
-
-def _load(reader: _Reader, values: dict[str, Any]) -> None:
-    """DCP reads ``values`` (flat keys; a str value is replaced by what it holds) from
-    ``reader``'s checkpoint, in this process alone (no collective)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # asked for: no_dist
-        dcp.load(
-            values,
-            storage_reader=reader,
-            no_dist=True,
-            planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-        )
+def _load(reader: Reader, values: dict[str, Any]) -> None:
+    """DCP reads ``values`` (flat keys of tensors) from ``reader``'s checked checkpoint, in this
+    process alone (no collective); whatever fails is a ``tiermem:`` error."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # asked for: no_dist
+            dcp.load(
+                values,
+                storage_reader=reader,
+                no_dist=True,
+                planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            )
+    except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
+        raise _from_dcp(e, f"read its part of the checkpoint {reader.opened.path!r}", "check the disk") from e
 
 
 # -- this process's values ------------------------------------------------------------------------
@@ -162,6 +161,43 @@ def save(state: ModelState, path: str) -> None:
     path = os.path.abspath(path)
     pid = int(group.broadcast_(torch.tensor([os.getpid()], dtype=torch.int64)).item())  # rank 0's names the temporary
     tmp = f"{path}.tmp-{pid}"
+    made = _temporary(state, path, pid)
+    error: BaseException | None = None
+    writer = _Writer(tmp)
+    try:
+        _write(state, writer)
+        disk.write_manifest(tmp, group.rank, group.world, writer.fs.written)
+    except BaseException as e:  # noqa: BLE001 - reported after every rank knows
+        error = e
+    finally:
+        state.release()
+    try:
+        if not group.all_ok(error is None):
+            raise (
+                error
+                if error is not None
+                else StoreError(
+                    f"tiermem: saving the checkpoint to {path!r} failed on another rank (see its error); any previous "
+                    f"checkpoint there is unchanged"
+                )
+            )
+        _publish(state, tmp, path)
+    except BaseException as e:
+        _discard_if(made, tmp)  # the new checkpoint unpublished, or the previous one publish swapped out
+        if isinstance(e, TierMemError) or not isinstance(e, Exception):
+            raise
+        if isinstance(e, OSError):
+            raise _as_store(e, path) from e
+        raise TierMemError(
+            f"tiermem: saving the checkpoint to {path!r} failed ({type(e).__name__}: {e}); any previous "
+            f"checkpoint there is unchanged"
+        ) from e
+
+
+def _temporary(state: ModelState, path: str, pid: int) -> bool:
+    """Rank 0 makes the temporary directory; every rank checks that it sees it. Whether this
+    process made it (to remove it on failure)."""
+    group, tmp = state.group, f"{path}.tmp-{pid}"
     error: BaseException | None = None
     made = False
     if state.writes_files:
@@ -194,35 +230,29 @@ def save(state: ModelState, path: str) -> None:
             f"tiermem: {who} does not see the directory {tmp!r} rank 0 made for the checkpoint; nothing "
             f"was written. Save it where every rank sees the same files (a shared filesystem)"
         )
-    writer = _Writer(tmp)
-    try:
-        _write(state, writer)
-        disk.write_manifest(tmp, group.rank, group.world, writer.fs.written)
-    except BaseException as e:  # noqa: BLE001 - reported after every rank knows
-        error = e
-    finally:
-        state.release()
-    published = False
-    try:
-        if not group.all_ok(error is None):
-            raise (
-                error
-                if error is not None
-                else StoreError(
-                    f"tiermem: saving the checkpoint to {path!r} failed on another rank (see its error); any previous "
-                    f"checkpoint there is unchanged"
-                )
-            )
-        if state.writes_files:
-            _check_complete(tmp, group.world)
+    return made
+
+
+def _publish(state: ModelState, tmp: str, path: str) -> None:
+    """Rank 0 moves the complete directory into place; every rank returns only once it is there,
+    and raises if it is not."""
+    error: BaseException | None = None
+    if state.writes_files:
+        try:
+            _check_complete(tmp, state.group.world)
             disk.sync_dir(tmp)
             disk.publish(tmp, path)
-            published = True
-    except BaseException as e:
-        _discard_if(made and not published, tmp)
-        if isinstance(e, OSError) and not isinstance(e, TierMemError):
-            raise _as_store(e, path) from e
-        raise
+        except BaseException as e:  # noqa: BLE001 - reported after every rank knows
+            error = e
+    if not state.group.all_ok(error is None):  # the published checkpoint, on every rank
+        raise (
+            error
+            if error is not None
+            else StoreError(
+                f"tiermem: publishing the checkpoint at {path!r} failed on rank 0 (see its error); any "
+                f"previous checkpoint there is unchanged"
+            )
+        )
 
 
 def frozen_pieces(state: ModelState, source: Callable[[int, Piece], Any]) -> dict[str, ShardedValue]:
@@ -272,8 +302,8 @@ def _write(state: ModelState, writer: _Writer) -> None:
             dcp.save(
                 tree, storage_writer=writer, planner=_InOrder(order), process_group=group.pg, no_dist=group.world == 1
             )
-    except Exception as e:  # DCP's CheckpointException carries every rank's failure: name the first
-        raise _from_dcp(e) from e
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException; it carries every rank's failure
+        raise _from_dcp(e, "write its part of the checkpoint", "free space or choose another path") from e
 
 
 def _check_complete(tmp: str, world: int) -> None:
@@ -300,8 +330,9 @@ def _as_store(e: BaseException, path: str) -> BaseException:
     )
 
 
-def _from_dcp(e: Exception) -> Exception:
-    """A tiermem error inside DCP's exception, else DCP's first failure as a tiermem error."""
+def _from_dcp(e: BaseException, doing: str, fix: str) -> TierMemError:
+    """A tiermem error inside DCP's exception, else DCP's first failure as a tiermem error (an
+    ``Exception``: DCP's own ``CheckpointException`` is a ``BaseException``)."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         first = failures[min(failures)]
@@ -309,46 +340,65 @@ def _from_dcp(e: Exception) -> Exception:
         if isinstance(inner, TierMemError):
             return inner
         if isinstance(inner, OSError):
-            return StoreError(
-                f"tiermem: rank {min(failures)} could not write its part of the checkpoint "
-                f"({inner.strerror or inner}); free space or choose another path"
-            )
+            return StoreError(f"tiermem: rank {min(failures)} could not {doing} ({inner.strerror or inner}); {fix}")
         return TierMemError(
-            f"tiermem: torch.distributed.checkpoint failed on rank {min(failures)} ({type(inner).__name__}: {inner})"
+            f"tiermem: torch.distributed.checkpoint failed on rank {min(failures)} to {doing} "
+            f"({type(inner).__name__}: {inner})"
         )
     return (
         e
         if isinstance(e, TierMemError)
-        else TierMemError(f"tiermem: torch.distributed.checkpoint failed ({type(e).__name__}: {e})")
+        else TierMemError(f"tiermem: torch.distributed.checkpoint failed to {doing} ({type(e).__name__}: {e})")
     )
 
 
 # -- load --------------------------------------------------------------------------------------------
 def load(state: ModelState, path: str) -> None:
-    """Check the whole directory on every rank, then read this process's pieces into the model."""
-    reader = _Reader(path)
-    try:
-        meta = checked(state, path, reader.read_metadata, lambda: _read_meta(reader))
-    except TierMemError:
-        state.all_ok(False)
-        raise
-    if not state.all_ok(True):
-        raise StoreError(
-            f"tiermem: checkpoint {path!r} failed its checks on another rank (see its error); nothing was loaded"
-        )
-    with state.updating():
-        for index, pieces in state.pieces():
-            state.load_local(index, functools.partial(_read_pieces, reader, state.part_pieces(index, pieces)))
-        state.release()
-        for index, mine in state.frozen_pieces():
-            state.load_frozen(index, functools.partial(_read_frozen, reader, state.dtype, mine))
-        rest = state.rest(load=True, pieces=True)
-        _load(reader, {key(name): t for name, t in rest.items()})
-        state.commit_rest(rest)
+    """Check the whole directory on every rank, then read this process's pieces into the model
+    through the files the checks opened. A read that fails part way (every rank learns of it
+    after the last bucket, the collectives kept in step) leaves the model refusing to compute
+    until a load succeeds (:meth:`ModelState.updating`)."""
+    opened, metadata, meta = checked(state, path)
+    with opened:
+        reader = Reader(opened, metadata)
+        failed: list[TierMemError] = []
+
+        def guarded(read: Callable[..., None]) -> Callable[..., None]:
+            def run(*args: Any) -> None:
+                if not failed:  # after a failure each bucket still takes part in its collectives
+                    try:
+                        read(*args)
+                    except TierMemError as e:
+                        failed.append(e)
+                    except Exception as e:  # noqa: BLE001 - reported once every rank got through
+                        failed.append(
+                            StoreError(
+                                f"tiermem: reading the checkpoint {path!r} failed part way ({type(e).__name__}: "
+                                f"{e}); the model refuses to compute until a load succeeds: load it, or another "
+                                f"checkpoint, again"
+                            )
+                        )
+
+            return run
+
+        with state.updating():
+            for index, pieces in state.pieces():
+                state.load_local(
+                    index, guarded(functools.partial(_read_pieces, reader, state.part_pieces(index, pieces)))
+                )
+            state.release()
+            for index, mine in state.frozen_pieces():
+                state.load_frozen(index, guarded(functools.partial(_read_frozen, reader, state.dtype, mine)))
+            rest = state.rest(load=True, pieces=True)
+            guarded(_load)(reader, {key(name): t for name, t in rest.items()})
+            error = same_error(state.group, failed[0] if failed else None)
+            if error is not None:
+                raise error
+            state.commit_rest(rest)
     state.take_meta(meta)
 
 
-def _read_frozen(reader: _Reader, dtype: torch.dtype, pieces: list[Piece], chunk: torch.Tensor) -> None:
+def _read_frozen(reader: Reader, dtype: torch.dtype, pieces: list[Piece], chunk: torch.Tensor) -> None:
     values = {}
     for p in pieces:
         k = key(f"frozen/{p.name}")
@@ -357,14 +407,8 @@ def _read_frozen(reader: _Reader, dtype: torch.dtype, pieces: list[Piece], chunk
         _load(reader, values)
 
 
-def _read_meta(reader: _Reader) -> Any:
-    holder: dict[str, Any] = {META: None}
-    _load(reader, holder)
-    return holder[META]
-
-
 def _read_pieces(
-    reader: _Reader, parts: list[tuple[str, torch.dtype, list[Piece]]], views: tuple[torch.Tensor, ...]
+    reader: Reader, parts: list[tuple[str, torch.dtype, list[Piece]]], views: tuple[torch.Tensor, ...]
 ) -> None:
     values = {}
     for (part, _, pieces), t in zip(parts, views):

@@ -7,65 +7,116 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from tiermem.errors import StoreError, TierMemError
 from tiermem.train import checkpoint_dir as disk
+from tiermem.train.checkpoint_dcp_read import METADATA, read_metadata, read_record
 from tiermem.train.checkpoint_footer import Invalid, check_meta
+from tiermem.train.checkpoint_open import RECORD_CAP, OpenDir
 from tiermem.train.checkpoint_shards import MANIFESTS, META, key
 from tiermem.train.state import ModelState
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
-def checked(state: ModelState, path: str, read_metadata: Callable[[], Any], read_meta: Callable[[], Any]) -> dict:
-    """The meta of the checkpoint directory ``path``, once everything this rank checks passed:
-    its manifests and checksums (this rank's share of the data files), DCP's metadata (read by
-    ``read_metadata`` only after its checksum passed), the meta (``read_meta``: the ``tiermem``
-    entry's string) and every tensor against the model. Raises the first failure."""
-
-    def bad(why: str) -> StoreError:
-        return StoreError(
-            f"tiermem: {path!r} is not a readable tiermem checkpoint ({why}); nothing was loaded. "
-            f"Pass a directory written by tm.save() or by dcp.save(tm.sharded_state_dict())"
-        )
-
+def checked(state: ModelState, path: str) -> tuple[OpenDir, Metadata, dict]:
+    """The directory ``path`` opened (NOTE [A load reads the files it checked]), DCP's metadata and
+    the meta, once every rank's checks passed, in two rounds each ending in an agreement (NOTE
+    [Checkpoint directories]): first the bytes (the manifests, ``.metadata`` on every rank, each
+    rank's share of the data files), then what they hold (the metadata through the restricted
+    unpickler, the meta record, every tensor against the model: NOTE [Nothing in a checkpoint
+    runs]). On a failure every rank raises the first failing rank's error."""
+    opened = agreed(state.group, lambda: OpenDir(path))
     try:
-        files = disk.read_manifests(path)
-    except OSError as e:
-        raise bad(e.strerror or str(e)) from None
-    if files is None:
-        if state.writes_files:  # one line, not one a rank
-            log.warning(
-                "tiermem: %s has no tiermem manifest (written by dcp.save, not tm.save): its bytes are not "
-                "checksummed; names, shapes, dtypes and coverage are checked against the model",
-                path,
+        files = agreed(state.group, lambda: _bytes(state, opened))
+        if len({row[0] for row in state.group.exchange([int(files[METADATA][1][:15], 16)])}) != 1:
+            raise StoreError(
+                f"tiermem: the ranks found different checkpoints at {path!r} (a save published one while "
+                f"they opened it, or they do not share the files); nothing was loaded. Load it again"
             )
-    else:
-        if disk.METADATA not in files:
-            raise bad(f"its manifests do not list {disk.METADATA}")
-        disk.verify(path, [disk.METADATA], files)  # before DCP unpickles it
-    try:
-        metadata = read_metadata()
-        storage = metadata.storage_data
-        tensors = dict(metadata.state_dict_metadata)
-    except Exception as e:  # noqa: BLE001 - a missing or unreadable .metadata, whatever DCP raises for it
-        raise bad(f"no DCP metadata: {type(e).__name__}: {e}") from None
-    if files is None and MANIFESTS in tensors:
-        raise bad("tm.save wrote it with manifests, which are missing now: its bytes cannot be checked")
-    if files is not None:
-        unlisted = sorted({getattr(info, "relative_path", "?") for info in storage.values()} - set(files))
-        if unlisted:
-            raise bad(f"DCP's metadata points to {unlisted[:3]}, which no manifest lists")
-        data = {n: v for n, v in files.items() if n != disk.METADATA}
-        disk.verify(path, disk.share(data, state.group.world, state.group.rank), files)
+        metadata, meta = agreed(state.group, lambda: _contents(state, opened, files))
+    except BaseException:
+        opened.close()
+        raise
+    return opened, metadata, meta
+
+
+def _bytes(state: ModelState, opened: OpenDir) -> disk.Files:
+    """Every manifest, and the bytes this rank hashes: ``.metadata`` and its share of the data files."""
+    files = disk.read_manifests(opened)
+    if files is None:
+        raise StoreError(
+            f"tiermem: {opened.path!r} has no tiermem manifest (a user's own dcp.save writes none), so "
+            f"its bytes cannot be checked and tm.load() refuses it; nothing was loaded. Save with "
+            f"tm.save(), or load it with your own dcp.load into tm.sharded_state_dict() and then "
+            f"tm.load_sharded_state_dict()"
+        )
+    if METADATA not in files:
+        raise opened.bad(f"its manifests do not list {METADATA}")
+    if files[METADATA][0] > RECORD_CAP:  # unpickled in memory: bounded before it is hashed
+        raise opened.bad(
+            f"its manifests give {METADATA} {files[METADATA][0]} bytes, more than it may hold ({RECORD_CAP})"
+        )
+    data = {n: v for n, v in files.items() if n != METADATA}
+    disk.verify(opened, [METADATA, *disk.share(data, state.group.world, state.group.rank)], files)
+    for name in data:
+        opened.size(name)  # each opened now, as it was hashed: a publish from here on changes nothing read
+    return files
+
+
+def _contents(state: ModelState, opened: OpenDir, files: disk.Files) -> tuple[Metadata, dict]:
+    """DCP's metadata and the meta, read as NOTE [Nothing in a checkpoint runs] says, and checked."""
+    metadata = read_metadata(opened)
+    tensors = dict(metadata.state_dict_metadata)
+    unlisted = sorted({info.relative_path for info in metadata.storage_data.values()} - set(files))
+    if unlisted:
+        raise opened.bad(f"DCP's metadata points to {unlisted[:3]}, which no manifest lists")
     if not isinstance(tensors.get(META), BytesStorageMetadata):
-        raise bad(f"no {META!r} entry: not saved by tiermem")
-    meta = parse_meta(read_meta(), lambda why: bad(f"its {META!r} entry {why}"))
-    _match(state, path, meta, tensors)
-    return meta
+        raise opened.bad(f"no {META!r} entry: not saved by tiermem")
+    meta = parse_meta(read_record(opened, metadata, META), lambda why: opened.bad(f"its {META!r} entry {why}"))
+    _match(state, opened.path, meta, tensors)
+    return metadata, meta
+
+
+def agreed(group: Any, run: Callable[[], T]) -> T:
+    """``run()``'s result on every rank, or on every rank the first failing rank's error."""
+    result: Any = None
+    error: TierMemError | None = None
+    try:
+        result = run()
+    except TierMemError as e:
+        error = e
+    except Exception as e:  # noqa: BLE001 - told to every rank before it is raised
+        error = StoreError(f"tiermem: a checkpoint check failed ({type(e).__name__}: {e}); nothing was loaded")
+        error.__cause__ = e
+    shared = same_error(group, error)
+    if shared is not None:
+        if isinstance(result, OpenDir):
+            result.close()
+        raise shared
+    return result
+
+
+def same_error(group: Any, error: TierMemError | None) -> TierMemError | None:
+    """The error of the lowest rank that has one (this rank's own object where that is this rank),
+    on every rank; None where no rank has one. Two small all-gathers."""
+    text = str(error).encode() if error is not None else b""
+    kind = 0 if error is None else 1 if isinstance(error, StoreError) else 2
+    rows = group.exchange([kind, len(text)])
+    failed = [r for r, (k, _) in enumerate(rows) if k]
+    if not failed:
+        return None
+    width = max(n for _, n in rows)
+    texts = group.exchange(list(text.ljust(width, b"\0")))
+    first = failed[0]
+    if first == group.rank and error is not None:
+        return error
+    message = bytes(texts[first][: rows[first][1]]).decode(errors="replace")
+    return (StoreError if rows[first][0] == 1 else TierMemError)(message)
 
 
 def parse_meta(text: Any, bad: Callable[[str], TierMemError]) -> dict:

@@ -5,7 +5,7 @@ directory published whole. No torch.distributed.checkpoint here (it is imported 
 # NOTE [Checkpoint directories]
 torch.distributed.checkpoint (DCP) checks nothing it reads back, and its ``.metadata`` is a pickle
 it loads as it finds it. For the directories tiermem writes, every byte read back is checked
-anyway (NOTE [Data checksums]):
+anyway (NOTE [Data checksums]), and nothing is unpickled that could run code:
 
 - Every file a rank writes (its ``__<r>_<n>.distcp``; rank 0 also ``.metadata``) is created
   exclusively, never through a symlink, mode 0600 (:func:`create_exclusive`), and hashed with
@@ -13,15 +13,21 @@ anyway (NOTE [Data checksums]):
 - Once DCP is done, each rank writes ``tiermem-rank<r>.json`` (:func:`write_manifest`): the world
   size and every file it wrote, with its size and hash; the manifest's last line is the xxh3_64
   of the lines before it.
-- A load first reads every manifest (each checked by its own hash; ranks 0..world-1 all there
-  with one world size; no file claimed twice), hashes ``.metadata`` on every rank before DCP
-  unpickles it, and checks that every file DCP's metadata points to is in a manifest; the loading
-  ranks then split the data files between them by size and each hashes its share. A mismatch on
-  any rank stops every rank before anything of the model changes.
-- A directory without any manifest was written by a user's own
-  ``dcp.save(tm.sharded_state_dict(), ...)``: it loads, with a warning that its bytes are not
-  checksummed; its metadata, and every tensor's name, shape, dtype and coverage, are still checked
-  against the model first.
+- A load opens the directory and every file it reads once, and reads only through those
+  descriptors (NOTE [A load reads the files it checked] in :mod:`tiermem.train.checkpoint_open`).
+  It first reads every manifest (each checked by its own hash; ranks 0..world-1 all there with
+  one world size; no file claimed twice), hashes ``.metadata`` on every rank, and the loading
+  ranks split the data files between them by size and each hashes its share; every rank learns
+  every rank's result before anything a file holds is parsed. Only then is ``.metadata``
+  unpickled (restricted to DCP's types), every file it points to checked against the manifests,
+  and the ``tiermem`` record read as plain data (NOTE [Nothing in a checkpoint runs] in
+  :mod:`tiermem.train.checkpoint_dcp_read`); a second agreement follows. A failure on any rank
+  stops every rank, with the first failing rank's error, before anything of the model changes.
+- A directory without any manifest (a user's own ``dcp.save(tm.sharded_state_dict(), ...)``)
+  is refused: its bytes cannot be checked. The user's own ``dcp.load`` into
+  ``tm.sharded_state_dict()`` and ``tm.load_sharded_state_dict()`` read it.
+- ``tm.save`` returns on every rank only once rank 0 has published the directory, and raises on
+  every rank if it could not.
 
 A save writes into ``<path>.tmp-<pid of rank 0>``, which rank 0 creates (mode 0700, exclusively),
 and rank 0 moves it into place (:func:`publish`) only once every rank's files and manifest are
@@ -46,6 +52,7 @@ from typing import BinaryIO, Optional
 import xxhash
 
 from tiermem.errors import StoreError
+from tiermem.train.checkpoint_open import OpenDir
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +62,7 @@ _MANIFEST = re.compile(r"tiermem-rank(0|[1-9][0-9]{0,6})\.json")
 _FORMAT = "tiermem-dcp-manifest-v1"
 #: the names DCP and tiermem write into a checkpoint directory: what a save may remove
 _OURS = re.compile(r"__[0-9]+_[0-9]+\.distcp|(__[0-9]+)?\.metadata(\.tmp)?|tiermem-rank[0-9]+\.json")
-_CHUNK = 64 << 20
+_MANIFEST_CAP = 16 << 20  # a manifest: ~100 bytes a file
 Files = dict[str, tuple[int, str]]  # file name -> (bytes, xxh3_64 as 16 hex digits)
 
 
@@ -118,18 +125,6 @@ class HashedFile:
         self.close()
 
 
-def file_hash(path: str) -> tuple[int, str]:
-    """(bytes, xxh3_64) of the file at ``path``, read in chunks into one buffer (a fresh buffer a
-    chunk would fault its pages in again each time)."""
-    h, n = xxhash.xxh3_64(), 0
-    with open(path, "rb", buffering=0) as f:
-        buf = memoryview(bytearray(min(_CHUNK, max(1, os.fstat(f.fileno()).st_size))))
-        while got := f.readinto(buf):
-            h.update(buf[:got])
-            n += got
-    return n, h.hexdigest()
-
-
 # -- manifests ---------------------------------------------------------------------------------------
 def write_manifest(directory: str, rank: int, world: int, files: Files) -> None:
     body = json.dumps(
@@ -148,9 +143,10 @@ def write_manifest(directory: str, rank: int, world: int, files: Files) -> None:
         os.fsync(f.fileno())
 
 
-def read_manifests(directory: str) -> Optional[Files]:
-    """Every file the manifests in ``directory`` list, checked as NOTE [Checkpoint directories]
-    says; None when there is no manifest (a user's own ``dcp.save``)."""
+def read_manifests(opened: OpenDir) -> Optional[Files]:
+    """Every file the manifests in the opened directory list, checked as NOTE [Checkpoint
+    directories] says; None when there is no manifest (a user's own ``dcp.save``)."""
+    directory = opened.path
 
     def bad(why: str) -> StoreError:
         return StoreError(
@@ -158,15 +154,18 @@ def read_manifests(directory: str) -> Optional[Files]:
             f"checkpoint, or one written by tm.save() and left unedited"
         )
 
-    names = sorted(n for n in os.listdir(directory) if _MANIFEST.fullmatch(n))
+    names = sorted(n for n in opened.names if _MANIFEST.fullmatch(n))
     if not names:
         return None
     files: Files = {}
     worlds = set()
     for name in names:
+        if opened.size(name) > _MANIFEST_CAP:  # read whole to be parsed: bounded before it is read
+            raise bad(
+                f"a manifest {name!r} of {opened.size(name)} bytes, more than a manifest may hold ({_MANIFEST_CAP})"
+            )
         try:
-            with open(os.path.join(directory, name), "rb") as f:
-                raw = f.read(1 << 24)
+            raw = opened.read(name)
             body, checksum, tail = raw.rsplit(b"\n", 2)
             if tail or xxhash.xxh3_64_hexdigest(body).encode() != checksum:
                 raise ValueError("it fails its checksum")
@@ -178,7 +177,7 @@ def read_manifests(directory: str) -> Optional[Files]:
                 and isinstance(doc["world"], int)
                 and isinstance(entries, dict)
             )
-        except (OSError, ValueError, KeyError, TypeError) as err:
+        except (StoreError, ValueError, KeyError, TypeError) as err:
             raise bad(f"an unreadable manifest {name!r} ({err})") from None
         if not ok:
             raise bad(f"a manifest {name!r} of another format, rank or world")
@@ -202,20 +201,16 @@ def read_manifests(directory: str) -> Optional[Files]:
     return files
 
 
-def verify(directory: str, names: list[str], files: Files) -> None:
-    """Each of ``names`` has the size and hash its manifest gives, or a ``tiermem:`` error."""
+def verify(opened: OpenDir, names: list[str], files: Files) -> None:
+    """Each of ``names`` has the size and hash its manifest gives, read through the descriptor
+    the load keeps (NOTE [A load reads the files it checked]), or a ``tiermem:`` error. The size
+    is compared first: a file that claims more bytes than its manifest is never read."""
     for name in names:
-        path = os.path.join(directory, name)
-        try:
-            got = file_hash(path)
-        except OSError as e:
-            raise StoreError(
-                f"tiermem: checkpoint {directory!r} is incomplete: cannot read {name!r} "
-                f"({e.strerror or e}); nothing was loaded. Use another checkpoint"
-            ) from None
+        size = opened.size(name)
+        got = (size, "") if size != files[name][0] else opened.hash(name)
         if got != files[name]:
             raise StoreError(
-                f"tiermem: checkpoint {directory!r} is corrupt ({name!r} fails its checksum"
+                f"tiermem: checkpoint {opened.path!r} is corrupt ({name!r} fails its checksum"
                 f"{'' if got[0] == files[name][0] else f': {got[0]} bytes, not {files[name][0]}'}); "
                 f"nothing was loaded. Use another checkpoint"
             )

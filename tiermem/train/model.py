@@ -243,6 +243,7 @@ class TieredModel:
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         with self._life.during("forward", Phase.FORWARD):
             self.stepper.check_whole("tm(...)")  # NOTE [A failed step is rolled forward]
+            self._state.check_loaded("tm(...)")  # NOTE [A failed load is guarded]
             if torch.is_grad_enabled() and self.module.training and self.group.world == 1:
                 # NOTE [Freezing and unfreezing]; under data parallelism at backward, where every rank is
                 self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=False)
@@ -325,6 +326,7 @@ class TieredModel:
     def _step(self, groups: list[dict]) -> StepResult:
         """What ``tm.optimizer.step()`` runs: the tiered step, checked against the phase."""
         with self._life.during("step", Phase.STEPPING):
+            self._state.check_loaded("tm.step()")  # NOTE [A failed load is guarded]
             try:
                 result = self.stepper.run(groups)
             except BaseException:
@@ -423,6 +425,7 @@ class TieredModel:
             format = "dcp" if self.group.world > 1 else "file"
         state = self._settled("save()")
         self.stepper.check_whole("tm.save()")  # a checkpoint of two steps would keep the mix for good
+        state.check_loaded("tm.save()")  # NOTE [A failed load is guarded]: nor of two checkpoints
         checkpoint.save(state, path, format)
 
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -431,11 +434,13 @@ class TieredModel:
         for DCP]): ``{"model": {name: ...}, "optim": {"state": {name: {"exp_avg": ...,
         "exp_avg_sq": ...}}}, "tiermem": <step counts, loss scale, hyperparameters as JSON>}``.
         Values alias the model's state where it lives in memory (state on NVMe is copied into host
-        memory). ``dcp.save(tm.sharded_state_dict(), checkpoint_id=d)`` writes a checkpoint
-        ``tm.load(d)`` reads; ``sd = tm.sharded_state_dict(); dcp.load(sd, checkpoint_id=d);
-        tm.load_sharded_state_dict(sd)`` loads one. ``tm.state_dict()`` stays the whole weights."""
+        memory). ``dcp.save(tm.sharded_state_dict(), checkpoint_id=d)`` writes a checkpoint (without
+        tiermem's manifests, so ``tm.load(d)`` refuses it); ``sd = tm.sharded_state_dict();
+        dcp.load(sd, checkpoint_id=d); tm.load_sharded_state_dict(sd)`` loads one. ``tm.state_dict()``
+        stays the whole weights."""
         state = self._settled("sharded_state_dict()")
         self.stepper.check_whole("tm.sharded_state_dict()")  # NOTE [A failed step is rolled forward]
+        state.check_loaded("tm.sharded_state_dict()")
         return checkpoint.sharded_state_dict(state)
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -460,8 +465,7 @@ class TieredModel:
         parallelism a collective.
 
         Args:
-            path: a file or DCP directory written by :meth:`save` (or by ``dcp.save`` of
-                :meth:`sharded_state_dict`).
+            path: a file or DCP directory written by :meth:`save`.
         """
         state = self._settled("load()")
         self._trainable.sync(grads_waiting=False, collective=True)  # parameters unfrozen before loading get state

@@ -68,6 +68,9 @@ class ModelState:
         self._bucket = {b.index: b for b in layout.buckets}
         self.writes_files = group.rank == 0  # under data parallelism rank 0 writes; every rank takes part
         self._frozen_release: Callable[[], None] | None = None  # frees the frozen chunk :meth:`read_frozen` gave
+        self.failed_load: str | None = (
+            None  # the error of a load that failed part way (NOTE [A failed load is guarded])
+        )
 
     def all_ok(self, ok: bool) -> bool:
         """True on every rank when ``ok`` is True on every rank (one process: ``ok``)."""
@@ -243,15 +246,40 @@ class ModelState:
         """Done reading or writing buckets: whole-bucket buffers kept for that go."""
         self._release()
 
+    # NOTE [A failed load is guarded]
+    # A load checks everything before it changes anything, but a read can still fail part way
+    # (an I/O error, a file that changed after its checksum passed): some buckets then hold the
+    # checkpoint's state and the rest the run's. :meth:`updating` records the failure, and until a
+    # load succeeds a forward, ``tm.step()``, ``tm.save()`` and ``tm.sharded_state_dict()`` raise a
+    # ``tiermem:`` error naming it, as after a step that failed part way (NOTE [A failed step is
+    # rolled forward]). Under data parallelism every rank learns of the failure after the last
+    # bucket (the buckets' collectives kept in step) and raises the same error.
     @contextlib.contextmanager
     def updating(self) -> Iterator[None]:
-        """The weights are about to be replaced (a checkpoint load): cached copies are stale."""
+        """The weights are about to be replaced (a checkpoint load): cached copies are stale. If
+        the load raises part way, the model holds some of the state and not the rest: it refuses
+        to compute until a load succeeds (NOTE [A failed load is guarded])."""
         homes = self.layout.homes
         for home in homes.weight_homes():
             home.begin_update()
-        yield
+        try:
+            yield
+        except BaseException as e:
+            self.failed_load = f"{type(e).__name__}: {e}"
+            raise
+        self.failed_load = None
         for home in homes.weight_homes():
             home.end_update()
+
+    def check_loaded(self, call: str) -> None:
+        """Refuse ``call`` (a forward, step or checkpoint) while a failed load left the model half
+        loaded (NOTE [A failed load is guarded])."""
+        if self.failed_load is not None:
+            raise TierMemError(
+                f"tiermem: {call} would use a half-loaded model: the last load failed part way, after "
+                f"replacing some of the state ({self.failed_load}); tm.load() a checkpoint (one that "
+                f"loads whole lifts this)"
+            )
 
     def load_local(self, index: int, fill: Callable[[tuple[torch.Tensor, ...]], None]) -> None:
         """Replace this process's part of bucket ``index``'s state with what ``fill(views)`` writes
