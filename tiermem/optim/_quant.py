@@ -97,7 +97,7 @@ def _tables_and_maps() -> torch.Tensor:
         + [x for row in _octaves() for x in row],
         dtype=torch.float32,
     )
-    pad = torch.zeros(256 - head.numel())
+    pad = torch.zeros(256 - head.numel(), dtype=torch.float32)
     maps = [_map(True), _map(False)]
     return torch.cat([head, pad, *maps])
 
