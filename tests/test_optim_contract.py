@@ -1,11 +1,13 @@
 """The drop-in optimizers against torch.optim.Optimizer's whole contract (NOTE [Drop-in contract] in
 tiermem/optim/_dropin.py): what torch accepts works as in torch (the installed torch is the oracle),
-what a drop-in does not implement is refused by name, at construction and at load_state_dict.
+what a drop-in does not implement is refused by name, at construction and at load_state_dict; and the
+8-bit Adam's updates stay within exact Adam's bound (NOTE [8-bit moment bound] in tiermem/optim/_quant.py).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 
 import forked
@@ -13,7 +15,17 @@ import pytest
 import torch
 
 from tiermem import ConfigError
-from tiermem.optim import CPUSGD, CPUAdafactor, CPUAdagrad, CPUAdam, CPUAdam8bit, CPULion
+from tiermem.optim import (
+    CPUSGD,
+    CPUAdafactor,
+    CPUAdagrad,
+    CPUAdam,
+    CPUAdam8bit,
+    CPULion,
+    adam8bit_step,
+    dequantize_blockwise,
+    quantize_blockwise,
+)
 
 DROPINS = {
     "CPUAdam": CPUAdam,
@@ -363,3 +375,84 @@ def test_a_parameter_already_present_is_refused_as_torch_refuses_it(name):
     with pytest.raises(ValueError, match=str(torch_error.value)):
         opt.add_param_group({"params": [m[0].weight]})
     assert len(opt.param_groups) == 1
+
+
+# -- 11. the 8-bit Adam's updates are bounded as exact Adam's ----------------------------------------------
+def adam_update_bound(beta1: float, beta2: float, t: int) -> float:
+    """The largest |m_hat| / sqrt(v_hat) exact Adam reaches at step t (eps = 0), derived in NOTE [8-bit
+    moment bound]: sqrt(K_t) * sqrt(1 - beta2^t) / (1 - beta1^t), K_t = (1 - beta1)^2 / (1 - beta2) *
+    sum_{j<t} (beta1^2 / beta2)^j. Computed here on its own, not by the library's function."""
+    gamma = beta1 * beta1 / beta2
+    k = (1 - beta1) ** 2 / (1 - beta2) * sum(gamma**j for j in range(t))
+    return math.sqrt(k) * math.sqrt(1 - beta2**t) / (1 - beta1**t)
+
+
+def _blowup_grads(n: int = 4096) -> list[torch.Tensor]:
+    """Step 1: a gradient of 1 and one of 1e-4 in the same block of 256. The second's v is 1e-8 of the
+    block's absmax, below the map's 1e-7, so it quantizes to 0 while its m (1e-4 of m's absmax) does
+    not; then zero gradients: without the bound its update is lr * m_hat / eps, 7.4 at lr 1e-3."""
+    g = torch.zeros(n)
+    g[0], g[1] = 1.0, 1e-4
+    return [g] + [torch.zeros(n) for _ in range(5)]
+
+
+@pytest.mark.parametrize("path", ["dropin", "native", "reference"])
+def test_an_8bit_update_never_exceeds_exact_adams_bound(path):
+    lr, b1, b2, eps = 1e-3, 0.9, 0.999, 1e-8
+    p = torch.nn.Parameter(torch.zeros(4096))
+    opt = CPUAdam8bit([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=0.0)
+    state = None
+    for t, g in enumerate(_blowup_grads(), start=1):
+        before = p.detach().clone()
+        if path == "dropin":
+            p.grad = g.clone()
+            opt.step()
+        else:
+            if state is None:
+                state = (
+                    torch.zeros(4096, dtype=torch.uint8),
+                    torch.zeros(16),
+                    torch.zeros(4096, dtype=torch.uint8),
+                    torch.zeros(16),
+                )
+            with torch.no_grad():
+                adam8bit_step(p, *state, g, step=t, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=0.0, impl=path)
+        # |dw| <= lr * bound, up to fp32 rounding: the update is ~10 fp32 operations, each off by at
+        # most 2^-24 relative, so a factor 1 + 2^-18 (64 such roundings) holds it
+        bound = lr * adam_update_bound(b1, b2, t) * (1 + 2.0**-18)
+        worst = float((p.detach() - before).abs().max())
+        assert worst <= bound, f"step {t}: |dw| = {worst} > {bound}"
+
+
+def test_the_bound_changes_only_a_v_that_rounded_to_zero_and_native_equals_reference():
+    """After the first step of the blow-up case, the stored state is fp32 Adam's moments quantized, but
+    for the one v that rounded to 0 under a nonzero m: that one holds the smallest code whose value is
+    at least m_q^2 / K_1; the native kernel and the reference store the same bits."""
+    b1, b2 = 0.9, 0.999
+    g = _blowup_grads()[0]
+    states = {}
+    for impl in ("native", "reference"):
+        state = [
+            torch.zeros(4096, dtype=torch.uint8),
+            torch.zeros(16),
+            torch.zeros(4096, dtype=torch.uint8),
+            torch.zeros(16),
+        ]
+        adam8bit_step(
+            torch.zeros(4096), *state, g, step=1, lr=1e-3, beta1=b1, beta2=b2, eps=1e-8, weight_decay=0.0, impl=impl
+        )
+        states[impl] = state
+    for a, b in zip(states["native"], states["reference"]):
+        assert torch.equal(a, b)
+    m_codes, m_absmax, v_codes, v_absmax = states["native"]
+    want_m = quantize_blockwise((1 - b1) * g, True)
+    want_v = quantize_blockwise((1 - b2) * g * g, False)
+    assert torch.equal(m_codes, want_m[0]) and torch.equal(m_absmax, want_m[1]) and torch.equal(v_absmax, want_v[1])
+    changed = (v_codes != want_v[0]).nonzero().flatten().tolist()
+    assert changed == [1] and int(want_v[0][1]) == 0
+    m_q = float(dequantize_blockwise(m_codes, m_absmax, True)[1])
+    k1 = (1 - b1) ** 2 / (1 - b2)
+    values = dequantize_blockwise(torch.arange(256, dtype=torch.uint8).repeat(16), v_absmax[:1].repeat(16), False)[:256]
+    target = m_q * m_q / k1
+    assert float(values[int(v_codes[1])]) >= target * (1 - 2.0**-20)  # (target in double here, fp32 there)
+    assert float(values[int(v_codes[1]) - 1]) < target
