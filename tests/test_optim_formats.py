@@ -3,7 +3,7 @@ Adagrad, Lion and 8-bit AdamW, with fp32 or bf16 (stochastically rounded) master
 tier. Oracles: torch.optim.SGD/Adagrad and torch.optim.AdamW in plain loops (each within the spread
 of torch's own for-loop, foreach and fused variants, measured in the same run), Lion as the paper
 writes it (in this file), and for 8-bit AdamW torch's AdamW whose moments are quantized and
-dequantized after every step (its quantization, by tiermem's public quantize_blockwise)."""
+dequantized after every step (quantized as the 8-bit kernels store them: _quant.quantize_moments)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from models import TinyGPT, gpt_batch, gpt_loss
 
 import tiermem
 from tiermem import ConfigError, PerClass, TensorClass, Tier, TieredModel, TierMemError
-from tiermem.optim import dequantize_blockwise, quantize_blockwise
+from tiermem.optim import _quant, dequantize_blockwise, quantize_blockwise
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
 from tiermem.train import checkpoint
 
@@ -67,13 +67,21 @@ class PaperLion(torch.optim.Optimizer):
                     m.mul_(b2).add_(p.grad, alpha=1 - b2)
 
 
-def quantized_moments(opt: torch.optim.Optimizer, min_size: int = SMALL_8BIT) -> None:
-    """After a torch AdamW step: each large parameter's moments as 8-bit state holds them."""
-    for st in opt.state.values():
-        for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-            t = st[name]
-            if t.numel() >= min_size:
-                t.copy_(dequantize_blockwise(*quantize_blockwise(t, signed=signed), signed=signed).view(t.shape))
+def quantized_moments(opt: torch.optim.Optimizer, min_size: int = SMALL_8BIT, *, bound: bool = True) -> None:
+    """After a torch AdamW step: each large parameter's moments as 8-bit state holds them (quantized
+    together, NOTE [8-bit moment bound]; ``bound=False``: each on its own, as a checkpoint's load does)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state[p]
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            if m.numel() >= min_size:
+                b1, b2 = group["betas"]
+                if bound:
+                    q = _quant.quantize_moments(m.view(-1), v.view(-1), step=int(st["step"]), beta1=b1, beta2=b2)
+                else:
+                    q = (*quantize_blockwise(m.view(-1), signed=True), *quantize_blockwise(v.view(-1), signed=False))
+                m.copy_(dequantize_blockwise(q[0], q[1], signed=True).view(m.shape))
+                v.copy_(dequantize_blockwise(q[2], q[3], signed=False).view(v.shape))
 
 
 def torch_loop(make, *, after=None, steps: int = STEPS) -> dict:
@@ -364,7 +372,7 @@ def test_a_checkpoint_of_one_format_loads_into_another_converted_and_said(tmp_pa
         def after(opt):
             seen.append(1)
             if len(seen) >= 2:  # the load after step 2 quantizes; every 8-bit step after it too
-                quantized_moments(opt)
+                quantized_moments(opt, bound=len(seen) > 2)
 
         return torch_loop(lambda ps: torch.optim.AdamW(ps, lr=1e-2, **v), after=after)
 

@@ -164,7 +164,7 @@ class CompiledAdam:
 
         def warm(fn: Callable) -> None:
             n = WARMUP_NUMEL
-            z = [torch.zeros(n) for _ in range(3)]
+            z = [torch.zeros(n, dtype=torch.float32) for _ in range(3)]
             g = torch.zeros(n, dtype=grad_dtype)
             out = torch.empty(n, dtype=out_dtype) if out_dtype is not None else None
             hyper = H.AdamHyper(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)

@@ -213,6 +213,24 @@ TM_INLINE void adam8_update(int64_t o, int64_t len, M* __restrict__ master, cons
     v_max = vm;
 }
 
+// NOTE [8-bit moment bound] (tiermem/optim/_quant.py): an element whose v was quantized to 0 while its m
+// was not, and whose fp32 moments hold m^2 <= R K v, gets the smallest v code whose value is at least
+// m_q^2 / K (m_q: m's stored value). Rare: one vectorised test per block, the scalar fix where it found one.
+TM_INLINE void bound_block(const float* m, const float* v, const uint8_t* mq, uint8_t* vq, float m_max, float v_max,
+                           int64_t len, const AdamScalars& c, const float* k) {
+    int need = 0;
+    for (int64_t i = 0; i < len; i++) need |= (vq[i] == 0) & ((mq[i] & 127) != 0);
+    if (!need) return;
+    const float* values = map_values(k, false);
+    for (int64_t i = 0; i < len; i++) {
+        if (vq[i] != 0 || (mq[i] & 127) == 0 || !((m[i] * c.inv_rk) * m[i] <= v[i])) continue;
+        const float mv = dequant1(mq[i], k, m_max, true), target = (mv * c.inv_k) * mv;
+        uint32_t code = 0;
+        while (code < 255 && values[code] * v_max < target) code++;
+        vq[i] = (uint8_t)code;
+    }
+}
+
 template <class M, class G, class O>
 void adam8_range(int64_t a, int64_t b, M* master, uint8_t* mq, float* mabs, uint8_t* vq, float* vabs, const G* grad,
                  O* out, const float* s, const float* q, const SR& sr) {
@@ -226,6 +244,7 @@ void adam8_range(int64_t a, int64_t b, M* master, uint8_t* mq, float* mabs, uint
         adam8_update(o, len, master, grad, out, m, v, c, sr, m_max, v_max);
         quant_block(m, m_max > 0.f ? 1.f / m_max : 0.f, true, mq + o, len, q);
         quant_block(v, v_max > 0.f ? 1.f / v_max : 0.f, false, vq + o, len, q);
+        bound_block(m, v, mq + o, vq + o, m_max, v_max, len, c, q);
         mabs[blk] = m_max;
         vabs[blk] = v_max;
     }

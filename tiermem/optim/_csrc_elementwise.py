@@ -17,11 +17,11 @@ namespace {
 // (tiermem/optim/_kernels.py _single_tensor_adam), on the scalars of AdamHyper.kernel_scalars() plus
 // two flags (and, for the 8-bit kernel, 1 / bias_correction2_sqrt): the new weight and moments.
 struct AdamScalars {
-    float inv, clip, decay_mul, l2, lerp, b2, omb2, bc2, eps, neg_step, inv_bc2;
+    float inv, clip, decay_mul, l2, lerp, b2, omb2, bc2, eps, neg_step, inv_bc2, inv_k, inv_rk;
     bool use_l2, from_grad;
     explicit AdamScalars(const float* s)
         : inv(s[0]), clip(s[1]), decay_mul(s[3]), l2(s[4]), lerp(s[5]), b2(s[6]), omb2(s[7]), bc2(s[8]),
-          eps(s[9]), neg_step(s[10]), inv_bc2(s[13]), use_l2(s[11] != 0.f), from_grad(s[12] != 0.f) {}
+          eps(s[9]), neg_step(s[10]), inv_bc2(s[13]), inv_k(s[14]), inv_rk(s[15]), use_l2(s[11] != 0.f), from_grad(s[12] != 0.f) {}
 };
 struct AdamOut { float p, m, v; };
 TM_INLINE AdamOut adam_math(const AdamScalars& c, float p, float g, float m, float v) {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from functools import cached_property
@@ -91,6 +92,12 @@ class AdamHyper:
     def bias_correction2_sqrt(self) -> float:
         return (1.0 - self.beta2**self.step) ** 0.5
 
+    @cached_property
+    def moment_bound(self) -> tuple[float, float]:
+        """``(1 / K_t, 1 / (R * K_t))`` after this update (NOTE [8-bit moment bound] in
+        tiermem/optim/_quant.py), each rounded to fp32; (0.0, 0.0) where no bound exists."""
+        return bound_scalars(self.beta1, self.beta2, self.step)
+
     def kernel_scalars(self) -> torch.Tensor:
         """The fp32 scalars of the compiled kernel. Each is rounded to fp32 once, here, as torch's CPU
         kernels round a Python scalar before using it with an fp32 tensor."""
@@ -106,6 +113,34 @@ class AdamHyper:
         s[BETA2], s[ONE_MINUS_BETA2] = self.beta2, 1.0 - self.beta2
         s[BC2_SQRT], s[EPS], s[NEG_STEP_SIZE] = self.bias_correction2_sqrt, self.eps, -self.step_size
         return torch.tensor(s, dtype=torch.float32)
+
+
+#: R of NOTE [8-bit moment bound]: how far one requantization can move m^2 / v (the maps' cell centres
+#: at their lowest decades: m up 5.5x, v down to 0.59x, so 5.5^2 / 0.59 = 51.2), and a little more
+ROUNDING_SLACK = 64.0
+
+
+def moment_bound(beta1: float, beta2: float, updates: int) -> float:
+    """K_t of NOTE [8-bit moment bound]: the largest ``m**2 / v`` exact Adam reaches after ``updates``
+    updates, ``(1 - beta1)**2 / (1 - beta2) * sum(gamma**j for j < updates)``, gamma = beta1**2 / beta2;
+    inf where there is none (beta2 = 0, or past float range)."""
+    if beta2 == 0.0:
+        return math.inf
+    gamma = beta1 * beta1 / beta2
+    try:
+        total = float(updates) if gamma == 1.0 else (1.0 - gamma**updates) / (1.0 - gamma)
+    except OverflowError:
+        return math.inf
+    return (1.0 - beta1) ** 2 / (1.0 - beta2) * total
+
+
+def bound_scalars(beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    """``(1 / K_t, 1 / (R * K_t))`` at ``step`` (t, counting this update), as fp32 numbers; (0.0, 0.0)
+    where no bound exists."""
+    k = moment_bound(beta1, beta2, step)
+    if k == 0.0 or math.isinf(k):
+        return 0.0, 0.0
+    return to_fp32(1.0 / k), to_fp32(1.0 / (ROUNDING_SLACK * k))
 
 
 def to_fp32(x: float) -> float:

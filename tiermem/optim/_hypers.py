@@ -135,9 +135,11 @@ class LionHyper(_Hyper):
 
 def adam_scalars(hyper: Any) -> list[float]:
     """The native Adam kernel's scalars: AdamHyper.kernel_scalars(), its two flags, and (read by the
-    8-bit kernel) 1 / bias_correction2_sqrt."""
+    8-bit kernel) 1 / bias_correction2_sqrt and the moment bound's 1 / K and 1 / (R K) (NOTE [8-bit
+    moment bound])."""
     return hyper.kernel_scalars().tolist() + [
         float(hyper.l2),
         float(hyper.lerp_from_grad),
         1.0 / hyper.bias_correction2_sqrt,
+        *hyper.moment_bound,
     ]

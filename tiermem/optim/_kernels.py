@@ -78,7 +78,7 @@ def _fused_fallback_adam(
     """Flat 1-D contiguous tensors only (adam_step flattens). Not bit-identical to the reference:
     torch's fused kernel orders the moment updates differently (tested to a tolerance)."""
     fused = torch._fused_adamw_ if hyper.adamw else torch._fused_adam_
-    step = [torch.tensor(float(hyper.step))]
+    step = [torch.tensor(float(hyper.step), dtype=torch.float32)]
     convert = grad.dtype != torch.float32 or hyper.grad_scale != 1.0 or hyper.clip_coef != 1.0
     n = master.numel()
     for a in range(0, n, FALLBACK_CHUNK):

@@ -28,7 +28,37 @@ times the block's absmax. The constants are fp32, each rounded once here (``CONS
 definition); values and codes are these fp32 operations in this order, which the native kernel
 performs too: the two agree bit for bit. A quantized element is off by at most half its cell (0.35%
 of absmax near 1 for exp_avg_sq, 0.7% for exp_avg, coarser in lower decades as every dynamic-tree
-map), and what falls below 1e-7 of absmax becomes 0.
+map), and what falls below 1e-7 of absmax becomes 0 (but see NOTE [8-bit moment bound]).
+
+NOTE [8-bit moment bound]
+Quantizing the two moments independently can blow an 8-bit Adam up. In a block where one element's
+gradient is 1 and another's 1e-4, the second's v is 1e-8 of its block's absmax and rounds to 0 (v's
+map ends at 1e-7) while its m, 1e-4 of m's absmax, survives; when its next gradient is 0, v stays 0
+and its update is ``lr * m_hat / eps``: 7.4 at lr 1e-3 (tests/test_optim_contract.py), 4.2 in
+torchao 0.18's AdamW8bit (bench/adam8_blowup.py). Exact Adam never gets there. With gamma = b1^2 / b2,
+after t updates m = (1 - b1) sum_k b1^(t-k) g_k and v = (1 - b2) sum_k b2^(t-k) g_k^2, so by
+Cauchy-Schwarz (b1^j g = (b1^j / b2^(j/2)) * (b2^(j/2) g)):
+    m^2 <= K_t v,   K_t = (1 - b1)^2 / (1 - b2) * sum_{j<t} gamma^j   (= gamma K_{t-1} + (1 - b1)^2 / (1 - b2)),
+which bounds every update: |m_hat| / sqrt(v_hat) <= sqrt(K_t) sqrt(1 - b2^t) / (1 - b1^t) (1 at t = 1,
+below 7.3 for the default betas at any t). The same step shows the set {m^2 <= K v} is kept by an
+update: a state inside it at t - 1 is inside it at t.
+So the kernels keep the one rounding that leaves that set for good out of the stored state: after
+quantizing, an element whose v was stored as 0 while its m was not, and whose fp32 moments hold
+m^2 <= R K_t v, gets the smallest v code whose value is at least m_q^2 / K_t (m_q: m's stored value;
+the code of 1.0 at most). Then its stored pair is in the set, and its next update within Adam's bound
+(the case above: 0.18 lr where it was 7400 lr). Elsewhere quantization only rounds: one rounding to
+cell centres moves m^2 / v by at most 51.2 (m up 5.5x and v down to 0.59x at the maps' lowest
+decades), hence R = 64, and an update by at most sqrt(R) of Adam's bound, never to m / eps. Nothing else changes: a v that
+did not round to 0 is stored as before, and moments already outside R K v (no Adam run makes them:
+hand-made or loaded state) are stored as they are, so an 8-bit step is still fp32 Adam's step on the
+dequantized state and its moments quantized together (tests/test_optim_8bit.py, the oracle of
+tests/test_optim_formats.py: ``quantize_moments``). A checkpoint's fp32 moments loaded into 8-bit
+state are quantized each on its own (NOTE [Converting state formats]): the bound holds from the
+first 8-bit step after the load. The update reads the state as it is (no clamp at the update: a given
+state steps as fp32 Adam would step it). 1 / K_t and 1 / (R K_t) are two fp32 scalars per step
+(AdamHyper.moment_bound); where no bound exists (b2 = 0, or K_t past float range) both are 0 and no
+code changes. (Storing a below-range v as the smallest code instead, whatever m, would bound v by
+1e-7 of its block's absmax, which says nothing about m: the update could still be ~2000 sqrt(K).)
 """
 
 from __future__ import annotations
@@ -36,6 +66,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from tiermem.optim._hyper import bound_scalars
 
 BLOCK = 256
 #: tensors with fewer elements keep fp32 moments (bitsandbytes' and torchao's threshold)
@@ -97,7 +129,7 @@ def _tables_and_maps() -> torch.Tensor:
         + [x for row in _octaves() for x in row],
         dtype=torch.float32,
     )
-    pad = torch.zeros(256 - head.numel())
+    pad = torch.zeros(256 - head.numel(), dtype=torch.float32)
     maps = [_map(True), _map(False)]
     return torch.cat([head, pad, *maps])
 
@@ -167,6 +199,44 @@ def reference_quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, tor
     absmax = blocks.abs().amax(dim=1)
     inv = torch.where(absmax > 0, torch.reciprocal(absmax), 0.0)
     return codes_of(blocks * inv[:, None], signed).view(-1)[: x.numel()], absmax
+
+
+def reference_bound(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_absmax: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_absmax: torch.Tensor,
+    inv_k: float,
+    inv_rk: float,
+) -> None:
+    """NOTE [8-bit moment bound], in torch ops: ``v_codes`` (just quantized from ``v``, flat) raised where
+    v rounded to 0 while m did not and the fp32 moments hold ``m**2 <= R K v``, to the smallest code
+    whose value is at least ``m_q**2 / K``; ``inv_k``, ``inv_rk``: 1 / K and 1 / (R K), fp32 numbers."""
+    need = (v_codes == 0) & ((m_codes & 127) != 0) & (m.mul(inv_rk).mul_(m) <= v)
+    if not bool(need.any()):
+        return
+    idx = need.nonzero().squeeze(1)
+    blocks = idx // BLOCK
+    mv = MAP_SIGNED.to(m.device)[m_codes[idx].long()] * m_absmax[blocks]
+    target = mv.mul(inv_k).mul_(mv)
+    ok = MAP_UNSIGNED.to(m.device)[None, :] * v_absmax[blocks][:, None] >= target[:, None]
+    code = torch.where(ok[:, :255].any(dim=1), ok.int().argmax(dim=1), 255)
+    v_codes[idx] = code.to(torch.uint8)
+
+
+def quantize_moments(
+    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int, beta1: float, beta2: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Adam's fp32 moments (1-D) after update ``step`` as the 8-bit kernels store them: each quantized,
+    then v bounded (NOTE [8-bit moment bound]). Returns (exp_avg codes, absmax, exp_avg_sq codes, absmax)."""
+    m_codes, m_absmax = reference_quantize(exp_avg, True)
+    v_codes, v_absmax = reference_quantize(exp_avg_sq, False)
+    reference_bound(
+        exp_avg.float(), exp_avg_sq.float(), m_codes, m_absmax, v_codes, v_absmax, *bound_scalars(beta1, beta2, step)
+    )
+    return m_codes, m_absmax, v_codes, v_absmax
 
 
 def reference_dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:

@@ -121,4 +121,5 @@ def adam8bit(
         c, a = _quant.reference_quantize(x, signed)
         codes.copy_(c)
         absmax.copy_(a)
+    _quant.reference_bound(m, v, m_codes, m_absmax, v_codes, v_absmax, *h.moment_bound)
     _write(master, p, out, sr)

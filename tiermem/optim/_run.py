@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("native", "reference")
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MASTER_DTYPES = (torch.float32, torch.bfloat16)
 _said: set[str] = set()
 _said_lock = threading.Lock()
 
@@ -175,7 +176,24 @@ def native_call(
         and all(t is None or t.is_contiguous() for t in state)
     ):
         return None
+    check_native(kernel, master, state)
     return kernel.native(lib, n, master, state, grad, None, s, keys)
+
+
+def check_native(kernel: Kernel, master: torch.Tensor, state: Sequence[Optional[torch.Tensor]]) -> None:
+    """What a native kernel reads as raw memory, checked at its boundary (the C++ sees pointers only):
+    the master's dtype, and each state tensor's dtype and element count as ``kernel`` declares them. A
+    wrong one is a clear error here, never memory written past a buffer."""
+    n = master.numel()
+    if master.dtype not in MASTER_DTYPES:
+        raise ConfigError(f"tiermem: {kernel.name} master has dtype {master.dtype}; it must be fp32 (or bf16)")
+    for spec, t in zip(kernel.states, state):
+        if t is not None and (t.dtype != spec.dtype or t.numel() != spec.numel(n) or not t.is_cpu):
+            raise ConfigError(
+                f"tiermem: {kernel.name} {spec.name} is a {t.dtype} tensor of {t.numel()} elements on "
+                f"{t.device}; the native kernel reads a {spec.dtype} CPU tensor of {spec.numel(n)}; pass "
+                f"state laid out for this tensor (tiermem.optim.state_layout)"
+            )
 
 
 def run(

@@ -69,6 +69,7 @@ class CPUAdam(CPUOptimizer):
     """
 
     _sparse_hint = "use torch.optim.SparseAdam for sparse gradients"
+    _state_keys = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -95,10 +96,9 @@ class CPUAdam(CPUOptimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         check_adam_group(f"{type(self).__name__} ", group)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:  # a torch.optim.Adam/AdamW state_dict names it differently
-            group.setdefault("adamw", group.get("decoupled_weight_decay", self.defaults["adamw"]))
+    def _fill_group(self, group: dict[str, Any], defaults: dict[str, Any]) -> None:
+        fill_adamw(group, defaults)
+        super()._fill_group(group, defaults)
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         init_adam_state(p, state)
@@ -113,6 +113,11 @@ class CPUAdam(CPUOptimizer):
         self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, hyper: Any, sr: Optional[StochasticRound]
     ) -> None:
         adam_functional(plan, p, grad, hyper, sr)
+
+
+def fill_adamw(group: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """A loaded group's ``adamw``: a torch.optim.Adam/AdamW state dict names it ``decoupled_weight_decay``."""
+    group.setdefault("adamw", group.get("decoupled_weight_decay", defaults["adamw"]))
 
 
 def init_adam_state(p: torch.Tensor, state: dict[str, Any]) -> None:

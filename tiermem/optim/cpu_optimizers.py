@@ -11,6 +11,7 @@ tests state. All of them share tiermem/optim/_dropin.py: fp32 CPU parameters (bf
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Union
 
 import torch
@@ -23,7 +24,7 @@ from tiermem.optim._hyper import AdamHyper
 from tiermem.optim._hypers import AdagradHyper, LionHyper, SGDHyper, check_hyper
 from tiermem.optim._sr import StochasticRound
 from tiermem.optim.adafactor import AdafactorHyper, adafactor_update, check_adafactor, factored_state
-from tiermem.optim.cpu_adam import adam_functional, adam_hyper, check_adam_group, init_adam_state
+from tiermem.optim.cpu_adam import adam_functional, adam_hyper, check_adam_group, fill_adamw, init_adam_state
 from tiermem.optim.functional import make_hyper
 from tiermem.optim.steps import adam8bit_update
 
@@ -50,6 +51,8 @@ class CPUSGD(CPUOptimizer):
             stochastically (NOTE [Stochastic rounding bits]).
         sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
+
+    _state_keys = ("momentum_buffer",)
 
     def __init__(
         self,
@@ -141,6 +144,8 @@ class CPUAdagrad(CPUOptimizer):
         sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
+    _state_keys = ("sum",)
+
     def __init__(
         self,
         params: Params,
@@ -218,6 +223,8 @@ class CPULion(CPUOptimizer):
             stochastically (NOTE [Stochastic rounding bits]).
         sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
+
+    _state_keys = ("exp_avg",)
 
     def __init__(
         self,
@@ -326,6 +333,15 @@ class CPUAdafactor(CPUOptimizer):
         else:
             state["variance"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
+    def _state_spec(self, p: torch.Tensor, key: str, state: dict[str, Any]) -> Optional[tuple[torch.dtype, int]]:
+        shape = tuple(p.shape)
+        numel = {
+            "row_var": math.prod(shape[:-1]),
+            "col_var": math.prod(shape[:-2]) * shape[-1] if len(shape) > 1 else 0,
+            "variance": p.numel(),
+        }.get(key)
+        return None if numel is None else (torch.float32, numel)
+
     def _plan(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> Plan:
         shape = tuple(p.shape)
         _, tensors = factored_state(p, shape, state.get("row_var"), state.get("col_var"), state.get("variance"))
@@ -376,6 +392,8 @@ class CPUAdam8bit(CPUOptimizer):
         sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
+    _settings = (*CPUOptimizer._settings, "min_8bit_size")
+
     def __init__(
         self,
         params: Params,
@@ -411,8 +429,33 @@ class CPUAdam8bit(CPUOptimizer):
             init_adam_state(p, state)
             return
         n, blocks = p.numel(), _quant.num_blocks(p.numel())
-        state["exp_avg"], state["exp_avg_absmax"] = torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks)
-        state["exp_avg_sq"], state["exp_avg_sq_absmax"] = torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks)
+        state["exp_avg"] = torch.zeros(n, dtype=torch.uint8)
+        state["exp_avg_absmax"] = torch.zeros(blocks, dtype=torch.float32)
+        state["exp_avg_sq"] = torch.zeros(n, dtype=torch.uint8)
+        state["exp_avg_sq_absmax"] = torch.zeros(blocks, dtype=torch.float32)
+
+    def _fill_group(self, group: dict[str, Any], defaults: dict[str, Any]) -> None:
+        fill_adamw(group, defaults)
+        super()._fill_group(group, defaults)
+
+    def _state_spec(self, p: torch.Tensor, key: str, state: dict[str, Any]) -> Optional[tuple[torch.dtype, int]]:
+        n = p.numel()
+        if "exp_avg_absmax" not in state:  # fp32 moments, as CPUAdam
+            return (torch.float32, n) if key in ("exp_avg", "exp_avg_sq") else None
+        blocks = _quant.num_blocks(n)
+        specs = {"exp_avg": (torch.uint8, n), "exp_avg_sq": (torch.uint8, n)}
+        specs.update({"exp_avg_absmax": (torch.float32, blocks), "exp_avg_sq_absmax": (torch.float32, blocks)})
+        return specs.get(key)
+
+    def _check_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        super()._check_state(p, state)
+        eight_bit = "exp_avg_absmax" in state if state else p.numel() >= self.min_8bit_size
+        if eight_bit and not p.is_contiguous():
+            raise ConfigError(
+                f"tiermem: CPUAdam8bit got a non-contiguous parameter of shape {tuple(p.shape)}: its 8-bit "
+                f"state is blocked along the flat tensor; pass contiguous parameters (or raise "
+                f"min_8bit_size above its {p.numel()} elements)"
+            )
 
     def _plan(self, p: torch.Tensor, state: dict[str, Any], g: dict[str, Any]) -> Plan:
         if "exp_avg_absmax" not in state:  # a small tensor: fp32 moments, as CPUAdam

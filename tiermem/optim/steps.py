@@ -366,7 +366,7 @@ def quantize_blockwise(x: torch.Tensor, signed: bool = True) -> tuple[torch.Tens
             return _quant.reference_quantize(flat, signed)
         flat = flat.contiguous()
         codes = torch.empty(flat.numel(), dtype=torch.uint8)
-        absmax = torch.empty(_quant.num_blocks(flat.numel()))
+        absmax = torch.empty(_quant.num_blocks(flat.numel()), dtype=torch.float32)
         lib.tm_quantize(
             flat.numel(),
             flat.data_ptr(),

@@ -6,7 +6,9 @@ expansion). Loaded into a model whose format for that parameter differs, the sta
 it is read, and the log says so once per load:
 
 - Adam's fp32 moments into 8-bit ones: quantized (``quantize_blockwise``, exp_avg signed, exp_avg_sq
-  unsigned): the moments lose what 8 bits cannot hold, as an 8-bit step would have lost it;
+  unsigned): the moments lose what 8 bits cannot hold, as an 8-bit step would have lost it, but each
+  on its own: the bound an 8-bit step keeps on v (NOTE [8-bit moment bound]) needs both moments, the
+  step and the betas, so it holds from the first 8-bit step after the load on;
 - 8-bit moments into fp32 ones: dequantized, exactly the values the 8-bit step used;
 - fp32 master weights into bf16 ones (``bf16_stochastic_round``): rounded to nearest; bf16 into
   fp32: exact.
