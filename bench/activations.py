@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
+from bench._common import token_batches
 from examples.gpt import GPT, PRESETS, GPTConfig, lm_loss
 from tiermem import AdamW, TensorClass, Tier, TieredModel
 from tiermem.errors import fmt_bytes
@@ -74,11 +75,7 @@ def main() -> int:
             f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}",
             flush=True,
         )
-        gen = torch.Generator().manual_seed(0)
-        batches = [
-            torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
-            for _ in range(args.warmup + args.steps)
-        ]
+        batches = token_batches(cfg.vocab_size, args.batch_size, args.seq_len, args.warmup + args.steps)
         times: dict[str, list[float]] = {name: [] for name in variants}
         losses: dict[str, list[float]] = {name: [] for name in variants}
         for i, b in enumerate(batches):
