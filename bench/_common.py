@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,8 @@ def token_batches(
     return [
         torch.randint(vocab, (batch, seq_len + 1), generator=gen)[rank * share :][:share].to(device) for _ in range(n)
     ]
+
+
+def peak_rss() -> int:
+    """The process's peak resident set so far, in bytes (``ru_maxrss``, which Linux gives in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
