@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -68,7 +67,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples
 
-from bench._common import run_again
+from bench._common import peak_rss, run_again
 from bench._fio import sequential_bandwidth
 from examples.nvme_offload import OptimStateOnNvme
 from tiermem import AdamW, AdamW8bit, Report, Tier, TieredModel, parse_bytes
@@ -107,7 +106,7 @@ def windowed_stack(width: int, depth: int) -> LinearStack:
 
 
 def rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB  # ru_maxrss is in KiB on Linux
+    return peak_rss() / GB
 
 
 @dataclass
