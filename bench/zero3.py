@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import socket
 import statistics
@@ -58,7 +57,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from bench._common import token_batches
+from bench._common import peak_rss, token_batches
 from bench._fio import sequential_bandwidth
 from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args, lm_loss
 from tiermem import AdamW, PerClass, TensorClass, Tier, TieredModel
@@ -404,13 +403,13 @@ def memory_rank(rank: int, world: int, name: str, args: argparse.Namespace, tmp:
     cfg = config_from_args(args)
     torch.manual_seed(0)
     GPT(cfg)  # what both kinds of setup start from, once: the plain fp32 model
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = peak_rss()
     nvme = os.path.join(tmp, f"memory-{name}")
     os.makedirs(nvme, exist_ok=True)
     step, tm = make_setup(name, cfg, args, nvme)
     for b in batches(args, rank, world, args.warmup + 2):
         step(b[:, :-1], b[:, 1:])
-    grew = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before], dtype=torch.float64)
+    grew = torch.tensor([peak_rss() - before], dtype=torch.float64)
     dist.all_reduce(grew, op=dist.ReduceOp.MAX)
     peaks = tm.report().peak_bytes if tm is not None else {}
     managed = {t.value: peaks.get(t, 0) for t in (Tier.DEVICE, Tier.HOST)}  # as a GPU run sees them: apart
