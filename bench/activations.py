@@ -21,6 +21,7 @@ copies, not overlap with a GPU. Ratios come last.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -31,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
+from bench._common import token_batches
 from examples.gpt import GPT, PRESETS, GPTConfig, lm_loss
 from tiermem import AdamW, TensorClass, Tier, TieredModel
 from tiermem.errors import fmt_bytes
@@ -51,10 +53,12 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def make(cfg: GPTConfig, policy, nvme_dir: str) -> TieredModel:
+def make(cfg: GPTConfig, policy, nvme_dir: str, name: str) -> TieredModel:
     torch.manual_seed(0)  # the same initial weights for every variant
+    home = os.path.join(nvme_dir, name)  # one NvmeStore per directory: each variant its own
+    os.makedirs(home)
     return TieredModel(
-        GPT(cfg), policy, optimizer=AdamW(lr=3e-4, weight_decay=0.1), precision="bf16", grad_clip=1.0, nvme_dir=nvme_dir
+        GPT(cfg), policy, optimizer=AdamW(lr=3e-4, weight_decay=0.1), precision="bf16", grad_clip=1.0, nvme_dir=home
     )
 
 
@@ -63,9 +67,13 @@ def main() -> int:
     cfg = GPTConfig.preset(args.preset, block_size=args.seq_len)
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as nvme_dir:
         variants = {
-            "zero-offload": make(cfg, ZeroOffload(), nvme_dir),
-            "act-host": make(cfg, ActivationOffload(ZeroOffload(), tier=Tier.HOST, min_bytes=args.min_bytes), nvme_dir),
-            "act-nvme": make(cfg, ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=args.min_bytes), nvme_dir),
+            "zero-offload": make(cfg, ZeroOffload(), nvme_dir, "zero-offload"),
+            "act-host": make(
+                cfg, ActivationOffload(ZeroOffload(), tier=Tier.HOST, min_bytes=args.min_bytes), nvme_dir, "act-host"
+            ),
+            "act-nvme": make(
+                cfg, ActivationOffload(ZeroOffload(), tier=Tier.NVME, min_bytes=args.min_bytes), nvme_dir, "act-nvme"
+            ),
         }
         n_params = variants["zero-offload"].layout.n_params
         print(
@@ -74,11 +82,7 @@ def main() -> int:
             f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}",
             flush=True,
         )
-        gen = torch.Generator().manual_seed(0)
-        batches = [
-            torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
-            for _ in range(args.warmup + args.steps)
-        ]
+        batches = token_batches(cfg.vocab_size, args.batch_size, args.seq_len, args.warmup + args.steps)
         times: dict[str, list[float]] = {name: [] for name in variants}
         losses: dict[str, list[float]] = {name: [] for name in variants}
         for i, b in enumerate(batches):

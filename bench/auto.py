@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from bench._common import run_again
+from bench._common import run_again, token_batches
 from examples.gpt import GPT, PRESETS, config_from_args, lm_loss
 from tiermem import AdamW, Budgets, Tier, TieredModel, TierMemError
 from tiermem.errors import fmt_bytes
@@ -214,11 +214,7 @@ def main() -> int:
     device = torch.device(args.device)
     cfg = config_from_args(args)
     if args.one is not None:
-        gen = torch.Generator().manual_seed(0)
-        batches = [
-            torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
-            for _ in range(args.warmup + args.steps)
-        ]
+        batches = token_batches(args.vocab_size, args.batch_size, args.seq_len, args.warmup + args.steps, device=device)
         print(json.dumps(run_one(args, cfg, device, batches)), flush=True)
         return 0
 

@@ -22,18 +22,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench._fio
+
+from bench._fio import fio_job
 from tiermem.cli import measure
 from tiermem.cli.bench import FULL, QUICK
 from tiermem.memory import nvme_io as nio
@@ -53,24 +55,11 @@ def fio(paths: list[str], rw: str, *, size: int, block: int, depth: int, fresh: 
     allocates nothing (``--fallocate=none``), as the store's overwrite of a key does."""
     rates = []
     for path in paths:
-        cmd = [
-            "fio",
-            "--name=cli-check",
-            f"--filename={path}",
-            f"--rw={rw}",
-            f"--bs={block}",
-            f"--size={size}",
-            f"--offset={HEADER}",
-            "--direct=1",
-            "--ioengine=libaio",
-            f"--iodepth={depth}",
-            "--numjobs=1",
-            "--output-format=json",
-        ]
+        extra = [f"--offset={HEADER}"]
         if rw == "write":
-            cmd += ["--fallocate=native"] if fresh else ["--overwrite=1", "--fallocate=none"]
-        res = subprocess.run(cmd, check=True, capture_output=True, text=True)
-        rates.append(float(json.loads(res.stdout)["jobs"][0][rw]["bw_bytes"]))
+            extra += ["--fallocate=native"] if fresh else ["--overwrite=1", "--fallocate=none"]
+        job = fio_job(path, rw, size=size, block=block, name="cli-check", iodepth=depth, extra=extra)
+        rates.append(float(job[rw]["bw_bytes"]))
     return statistics.median(rates)
 
 

@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
+from bench._common import token_batches
 from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args as build_config, lm_loss
 from tiermem import AdamW, TensorClass, Tier, TieredModel
 from tiermem.errors import fmt_bytes
@@ -159,11 +160,10 @@ def run(rank: int, args: argparse.Namespace) -> None:
     cfg = build_config(args)
     n_params = make_model(cfg).num_params()
     tokens, half = args.batch_size * args.seq_len, args.batch_size // WORLD
-    gen = torch.Generator().manual_seed(0)  # every rank draws the same global batches, then takes its half
-    batches = [
-        torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)[rank * half :][:half]
-        for _ in range(args.warmup + args.steps)
-    ]
+    # every rank draws the same global batches, then takes its half
+    batches = token_batches(
+        args.vocab_size, args.batch_size, args.seq_len, args.warmup + args.steps, rank=rank, world=WORLD
+    )
 
     anchor_step, anchor_bytes, impl = ddp_zero(cfg)
     tm_step, tm = tiered(cfg, args.bucket_size)

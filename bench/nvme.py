@@ -42,22 +42,24 @@ ratios (each contender against its anchor in the same round) with their spread.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench._fio
+
+from bench._fio import fio_job
 from tiermem.budgets import parse_bytes
 from tiermem.memory.aligned import ALIGN, aligned_empty, host_buffer, round_up
 from tiermem.memory.nvme import NvmeStore
@@ -137,21 +139,7 @@ def bench_store(
 
 
 def fio(path: str, rw: str, size: int, block: int) -> float:
-    cmd = [
-        "fio",
-        "--name=tiermem-bench",
-        f"--filename={path}",
-        f"--rw={rw}",
-        f"--bs={block}",
-        f"--size={size}",
-        "--direct=1",
-        "--ioengine=libaio",
-        "--iodepth=8",
-        "--numjobs=1",
-        "--output-format=json",
-    ]
-    res = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads(res.stdout)["jobs"][0][rw]["bw_bytes"]
+    return fio_job(path, rw, size=size, block=block, name="tiermem-bench")[rw]["bw_bytes"]
 
 
 def bench_fio(path: str, size: int, block: int, *, keep: bool = False) -> tuple[float, float]:

@@ -53,10 +53,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,7 +67,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples
 
-from bench._common import run_again
+from bench._common import peak_rss, run_again
+from bench._fio import sequential_bandwidth
 from examples.nvme_offload import OptimStateOnNvme
 from tiermem import AdamW, AdamW8bit, Report, Tier, TieredModel, parse_bytes
 from tiermem.errors import fmt_bytes
@@ -107,7 +106,7 @@ def windowed_stack(width: int, depth: int) -> LinearStack:
 
 
 def rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB  # ru_maxrss is in KiB on Linux
+    return peak_rss() / GB
 
 
 @dataclass
@@ -171,28 +170,7 @@ def run_step(s: Setup, x: torch.Tensor, record: bool) -> str:
 def fio(directory: str, size: int) -> dict[str, float]:
     """fio's sequential bandwidth (B/s) on ``directory``: ``write``, ``read``, and ``mixed`` (reads and
     writes at once, half each, the sum of both) -- 8 MiB blocks, O_DIRECT, libaio, iodepth 8."""
-    path, bw = os.path.join(directory, "fio.dat"), {}
-    try:
-        for rw, name in (("write", "write"), ("read", "read"), ("rw", "mixed")):
-            cmd = [
-                "fio",
-                "--name=nvme-step",
-                f"--filename={path}",
-                f"--rw={rw}",
-                "--bs=8M",
-                f"--size={size}",
-                "--direct=1",
-                "--ioengine=libaio",
-                "--iodepth=8",
-                "--numjobs=1",
-                "--output-format=json",
-            ]
-            job = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["jobs"][0]
-            bw[name] = float(job["read"]["bw_bytes"] + job["write"]["bw_bytes"])
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
-    return bw
+    return sequential_bandwidth(directory, size, {"write": "write", "read": "read", "mixed": "rw"}, name="nvme-step")
 
 
 def adam_seconds(n: int, state: str = "fp32", repeats: int = 3) -> float:

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from bench._common import run_again
+from bench._common import run_again, token_batches
 from examples.gpt import GPT, add_model_args, config_from_args, lm_loss
 from tiermem import AdamW, TieredModel
 from tiermem.plan import cost
@@ -93,11 +93,7 @@ def run_one(args) -> dict:
         device=device,
         bucket_size=args.bucket_size,
     )
-    gen = torch.Generator().manual_seed(0)
-    batches = [
-        torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
-        for _ in range(args.warmup + args.steps)
-    ]
+    batches = token_batches(args.vocab_size, args.batch_size, args.seq_len, args.warmup + args.steps, device=device)
     fb: list[float] = []
     st: list[float] = []
     for i, b in enumerate(batches):

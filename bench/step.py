@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
+from bench._common import token_batches
 from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args as build_config, lm_loss
 from tiermem import AdamW, TensorClass, Tier, TieredModel
 from tiermem.budgets import parse_bytes
@@ -125,11 +126,7 @@ def main() -> int:
         flush=True,
     )
 
-    gen = torch.Generator().manual_seed(0)
-    batches = [
-        torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
-        for _ in range(args.warmup + args.steps)
-    ]
+    batches = token_batches(args.vocab_size, args.batch_size, args.seq_len, args.warmup + args.steps, device=device)
 
     plain_step, plain_bytes = plain_torch(cfg, device)
     zo_step, zo = tiered(cfg, device, ZeroOffload(), args.bucket_size)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import socket
 import statistics
@@ -58,6 +57,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
+from bench._common import peak_rss, token_batches
+from bench._fio import sequential_bandwidth
 from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args, lm_loss
 from tiermem import AdamW, PerClass, TensorClass, Tier, TieredModel
 from tiermem.policies import ZeroInfinity, ZeroOffload
@@ -351,12 +352,7 @@ def make_setup(name: str, cfg: GPTConfig, args: argparse.Namespace, nvme: str):
 
 
 def batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list:
-    gen = torch.Generator().manual_seed(0)
-    half = args.batch_size // world
-    return [
-        torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)[rank * half :][:half]
-        for _ in range(n)
-    ]
+    return token_batches(args.vocab_size, args.batch_size, args.seq_len, n, rank=rank, world=world)
 
 
 def speed_rank(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
@@ -407,13 +403,13 @@ def memory_rank(rank: int, world: int, name: str, args: argparse.Namespace, tmp:
     cfg = config_from_args(args)
     torch.manual_seed(0)
     GPT(cfg)  # what both kinds of setup start from, once: the plain fp32 model
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = peak_rss()
     nvme = os.path.join(tmp, f"memory-{name}")
     os.makedirs(nvme, exist_ok=True)
     step, tm = make_setup(name, cfg, args, nvme)
     for b in batches(args, rank, world, args.warmup + 2):
         step(b[:, :-1], b[:, 1:])
-    grew = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before], dtype=torch.float64)
+    grew = torch.tensor([peak_rss() - before], dtype=torch.float64)
     dist.all_reduce(grew, op=dist.ReduceOp.MAX)
     peaks = tm.report().peak_bytes if tm is not None else {}
     managed = {t.value: peaks.get(t, 0) for t in (Tier.DEVICE, Tier.HOST)}  # as a GPU run sees them: apart
@@ -427,17 +423,7 @@ def fio(directory: str, size: str = "1GiB") -> dict[str, float] | None:
     O_DIRECT, libaio, iodepth 8, as bench/nvme_step.py), or None without fio."""
     if shutil.which("fio") is None:
         return None
-    path, bw = os.path.join(directory, "fio.dat"), {}
-    try:
-        for rw in ("write", "read"):
-            cmd = ["fio", "--name=zero3", f"--filename={path}", f"--rw={rw}", "--bs=8M", f"--size={size}"]
-            cmd += ["--direct=1", "--ioengine=libaio", "--iodepth=8", "--numjobs=1", "--output-format=json"]
-            job = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["jobs"][0]
-            bw[rw] = float(job[rw]["bw_bytes"])
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
-    return bw
+    return sequential_bandwidth(directory, size, {"write": "write", "read": "read"}, name="zero3")
 
 
 def speed_and_memory(args: argparse.Namespace) -> tuple[dict, dict]:

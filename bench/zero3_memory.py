@@ -18,7 +18,6 @@ import ctypes
 import gc
 import json
 import os
-import resource
 import sys
 import tempfile
 import threading
@@ -30,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt and bench.zero3
 
+from bench._common import peak_rss
 from bench.zero3 import CLIP, SETUPS, batches, fsdp2_parts, spawn, tiermem_model
 from examples.gpt import GPT, add_model_args, config_from_args, lm_loss
 from tiermem import Tier
@@ -192,7 +192,7 @@ def snapshot(sampler: Sampler, tm) -> dict:
     gc.collect()
     return {
         "rss": rss(),
-        "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "maxrss": peak_rss(),
         "tensors": tensor_bytes(),
         "malloc": malloc_stats(),
         "ledger": ledger(tm),
