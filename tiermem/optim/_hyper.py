@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from functools import cached_property
+from typing import ClassVar
 
 import torch
 
@@ -46,10 +47,12 @@ class AdamHyper:
     adamw: bool = True
     grad_scale: float = 1.0
     clip_coef: float = 1.0
+    #: what an error names before the argument: the functional entry these hyperparameters are for
+    where: ClassVar[str] = "adam_step "
 
     def __post_init__(self) -> None:
         check_adam_hyper(
-            "adam_step ",
+            self.where,
             step=self.step,
             lr=self.lr,
             beta1=self.beta1,
@@ -106,6 +109,12 @@ class AdamHyper:
         s[BETA2], s[ONE_MINUS_BETA2] = self.beta2, 1.0 - self.beta2
         s[BC2_SQRT], s[EPS], s[NEG_STEP_SIZE] = self.bias_correction2_sqrt, self.eps, -self.step_size
         return torch.tensor(s, dtype=torch.float32)
+
+
+class Adam8bitHyper(AdamHyper):
+    """:class:`AdamHyper` as ``adam8bit_step`` takes it (the same rules; its errors name it)."""
+
+    where: ClassVar[str] = "adam8bit_step "
 
 
 def to_fp32(x: float) -> float:
