@@ -226,6 +226,7 @@ class TieredModel:
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         with self._life.during("forward", Phase.FORWARD):
             self.stepper.check_whole("tm(...)")  # NOTE [A failed step is rolled forward]
+            self._trainable.check_unchanged("tm(...)")  # NOTE [The parameters a model was wrapped with]
             if torch.is_grad_enabled() and self.module.training and self.group.world == 1:
                 # NOTE [Freezing and unfreezing]; under data parallelism at backward, where every rank is
                 self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=False)
@@ -308,6 +309,7 @@ class TieredModel:
     def _step(self, groups: list[dict]) -> StepResult:
         """What ``tm.optimizer.step()`` runs: the tiered step, checked against the phase."""
         with self._life.during("step", Phase.STEPPING):
+            self._trainable.check_unchanged("step()")  # NOTE [The parameters a model was wrapped with]
             try:
                 result = self.stepper.run(groups)
             except BaseException:
@@ -469,11 +471,12 @@ class TieredModel:
         """Remove every hook and give the module back with fp32 weights (on the CPU, where the
         master weights were), ready for plain PyTorch."""
         state = self._settled("detach()")
+        self._trainable.detachable()  # before anything changes (NOTE [The parameters a model was wrapped with])
         weights = state.fp32_weights()  # before the hooks go: frozen weights sharded over the ranks are gathered
         self.hooks.remove()
         for source in self.weight_sources():
             source.restore(weights)  # plain tensors again (NOTE [Parameters off the device])
-        for name, p in self.module.named_parameters():
+        for name, p in self._trainable.wrapped:
             p.data = weights[name]
         self.layout.buffers.give_back()
         self._life.to(Phase.DETACHED)
