@@ -361,7 +361,9 @@ class TieredModel:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights (and buffers) with the keys of ``module.state_dict()``."""
-        return self._settled("state_dict()").module_state()
+        state = self._settled("state_dict()")
+        self.stepper.check_whole("tm.state_dict()")  # NOTE [A failed step is rolled forward]
+        return state.module_state()
 
     def save(self, path: str, *, format: Optional[str] = None) -> None:
         """Checkpoint weights, optimizer state, loss scale and step to ``path``, atomically.
@@ -471,6 +473,7 @@ class TieredModel:
         """Remove every hook and give the module back with fp32 weights (on the CPU, where the
         master weights were), ready for plain PyTorch."""
         state = self._settled("detach()")
+        self.stepper.check_whole("tm.detach()")  # the module would keep weights of two steps
         self._trainable.detachable()  # before anything changes (NOTE [The parameters a model was wrapped with])
         weights = state.fp32_weights()  # before the hooks go: frozen weights sharded over the ranks are gathered
         self.hooks.remove()

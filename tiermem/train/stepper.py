@@ -39,9 +39,9 @@ it (NOTE [A failed step is rolled forward]); the rest of the update (its buckets
 clip, gradient buffer) is kept for a retry, and nothing else is touched from the background (the
 next step's backward may be filling the other gradient buffer). The error is raised once, with a
 note saying to call ``tm.step()`` again or ``tm.load()`` a checkpoint, by the next ``tm.step()``,
-forward, ``tm.save()`` or ``tm.resident()`` once the update has ended (``tm.load()`` drops it
-with what it left to do; ``tm.state_dict()`` gives the master weights as they are). Forwards are
-then refused while some buckets hold state of step k and others not
+forward, ``tm.save()``, ``tm.state_dict()``, ``tm.detach()`` or ``tm.resident()`` once the update
+has ended (``tm.load()`` drops it with what it left to do). Forwards, checkpoints, state dicts and
+``detach()`` are then refused while some buckets hold state of step k and others not
 (:meth:`Stepper.check_whole`), as after a failed step without overlap. The retry
 (``tm.step()``): with no backward since, the rest of the update runs in the background again, as
 the first try did, so the next forward runs on the weights of step k-1 as it would have; when the
