@@ -467,6 +467,7 @@ class TieredModel:
             evaluator=self._evaluator,
             sources=self.weight_sources(),
             compute_seconds=self._compute_seconds,
+            activations=self.activations.stats,
         )
 
     def detach(self) -> torch.nn.Module:
