@@ -400,6 +400,7 @@ class Stepper:
         self._failed = (_Update(rest, upd.hyper, upd.scale, upd.clip, upd.fill), landing, norm)
         if updated or self.group.world > 1:  # under data parallelism another rank may be a step ahead
             self._between = f"{type(error).__name__}: {error}"
+        self.group.abort(error)  # NOTE [A failed step stops every rank at once]
 
     def _complete_failed(self) -> Optional[StepResult]:
         """overlap: the retry of an update that failed (NOTE [A failed background update]): with no
@@ -454,8 +455,10 @@ class Stepper:
             # Under data parallelism the other ranks are still in this step's collectives (or stop in
             # them): no collective of this rank's may follow (the weights' resend gathers the masters,
             # which another rank's gather of its step could match), and its weights may be of two
-            # steps on another rank: every read is refused; the way out is a checkpoint.
+            # steps on another rank: every read is refused; the way out is a checkpoint. The other
+            # ranks are told, and stop at once (NOTE [A failed step stops every rank at once]).
             self._between = f"{type(error).__name__}: {error}"
+            self.group.abort(error)
             add_note(
                 error,
                 f"tiermem: under data parallelism a step that failed on one rank stops every rank: "
