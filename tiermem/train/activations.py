@@ -126,7 +126,7 @@ def _plain_parts(t: torch.Tensor) -> Iterator[torch.Tensor]:
     if not _flattens(t) or is_off_device(t):
         yield t
         return
-    for name in t.__tensor_flatten__()[0]:
+    for name in t.__tensor_flatten__()[0]:  # type: ignore[attr-defined]  # a wrapper subclass (_flattens)
         yield from _plain_parts(getattr(t, name))
 
 
@@ -241,7 +241,7 @@ class ActivationOffloader:
             self.stats.weights += 1
             return t.detach()
         if _flattens(t):  # NOTE [Wrapper subclasses]
-            names, ctx = t.__tensor_flatten__()
+            names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]  # _flattens(t)
             self.stats.wrapped += 1
             return _Wrapped(t, ctx, {n: self._place(getattr(t, n)) for n in names})
         ptr = _storage_ptr(t)
@@ -297,7 +297,7 @@ class ActivationOffloader:
             return packed.tensor
         if isinstance(packed, _Wrapped):  # NOTE [Wrapper subclasses]
             inner = {n: self._unpack(p) for n, p in packed.inner.items()}
-            return packed.cls.__tensor_unflatten__(inner, packed.ctx, packed.size, packed.stride)
+            return packed.cls.__tensor_unflatten__(inner, packed.ctx, packed.size, packed.stride)  # type: ignore[attr-defined]
         rec, run = packed.storage.rec, packed.storage.run
         handle = self.mover.fetch(rec, ahead=False)
         assert handle is not None  # an unpacked record is not retired: fetched now, or already
