@@ -291,9 +291,17 @@ BAD = {
         },
         r"gives two NVMe paths",
     ),
-    "deprecated cpu_offload": (
-        {"zero_optimization": {"stage": 2, "cpu_offload": True}},
-        r"cpu_offload is DeepSpeed's deprecated form",
+    "deprecated cpu_offload beside offload_optimizer": (
+        {"zero_optimization": {"stage": 2, "cpu_offload": False, "offload_optimizer": {"device": "cpu"}}},
+        r"both zero_optimization\.cpu_offload \(deprecated\) and offload_optimizer, which DeepSpeed refuses too",
+    ),
+    "deprecated cpu_offload not a bool": (
+        {"zero_optimization": {"stage": 2, "cpu_offload": "cpu"}},
+        r"zero_optimization\.cpu_offload=\"cpu\" is invalid: it must be true or false",
+    ),
+    "deprecated cpu_offload_param at stage 2": (
+        {"zero_optimization": {"stage": 2, "cpu_offload_param": True}},
+        r"offloads parameters \(offload_param\) at stage 2",
     ),
     "static loss scale": ({"fp16": {"enabled": True, "loss_scale": 128}}, r"fp16\.loss_scale=128 \(a static loss"),
     "scale power": ({"fp16": {"enabled": True, "initial_scale_power": -1}}, r"initial_scale_power=-1 is invalid"),
@@ -370,3 +378,51 @@ def test_adagrad_and_lion_blocks_are_tiermems():
         r"does not take; use lr, betas, weight_decay$",
     ):
         translate({"optimizer": {"type": "Lion", "params": {"eps": 1e-8}}})
+
+
+DEPRECATED = {  # DeepSpeed's deprecated booleans (it still reads them, with a warning): the policy each means
+    "cpu_offload true": ({"stage": 2, "cpu_offload": True}, ZeroOffload()),
+    "cpu_offload false": ({"stage": 2, "cpu_offload": False}, KeepOnDevice()),
+    "both on at stage 3": (
+        {"stage": 3, "cpu_offload": True, "cpu_offload_param": True},
+        OffloadPolicy({**{c: Tier.HOST for c in TensorClass}, TensorClass.ACTIVATION: Tier.DEVICE}),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEPRECATED))
+def test_deprecated_cpu_offload_keys_are_read_as_deepspeed_reads_them_and_said(case, caplog):
+    zero, policy = DEPRECATED[case]
+    options, notes = translate({"zero_optimization": zero})
+    assert repr(options["policy"]) == repr(policy)
+    for key in ("cpu_offload", "cpu_offload_param"):
+        if key in zero:
+            new = "offload_optimizer" if key == "cpu_offload" else "offload_param"
+            device = "cpu" if zero[key] else "none"
+            said = [line for line in notes if f"zero_optimization.{key}=" in line]
+            assert said == [
+                f"tiermem: DeepSpeed config zero_optimization.{key}={json.dumps(zero[key])} is deprecated "
+                f'(DeepSpeed warns too); read as {new}: {{"device": "{device}"}}: write that instead'
+            ]
+    with caplog.at_level(logging.WARNING, logger="tiermem"):
+        tm = tiermem.from_deepspeed_config(torch.nn.Linear(4, 4), {"zero_optimization": zero})
+    assert repr(tm.policy) == repr(policy)
+    assert any("is deprecated" in r.getMessage() for r in caplog.records if r.name == "tiermem.deepspeed_config")
+
+
+def test_cpu_offload_use_pin_memory_is_said_not_honoured():
+    _, notes = translate({"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}})
+    assert any(
+        line.startswith("tiermem: DeepSpeed config zero_optimization.cpu_offload_use_pin_memory=true not honoured:")
+        for line in notes
+    )
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_zero_optimization_as_a_boolean_is_deepspeeds_stage_switch(on):
+    options, notes = translate({"zero_optimization": on})
+    assert repr(options["policy"]) == repr(KeepOnDevice())
+    assert notes[0] == (
+        f"tiermem: DeepSpeed config zero_optimization={json.dumps(on)} is deprecated (DeepSpeed warns too); "
+        f'read as zero_optimization: {{"stage": {int(on)}}}: write that instead'
+    )

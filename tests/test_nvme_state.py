@@ -151,7 +151,13 @@ def test_failed_step_is_completed_by_a_retry_bit_for_bit(tmp_path, code, after):
     with _disk_fails(tm.stores[Tier.NVME], after=after, code=code):
         with pytest.raises(StoreError, match=os.strerror(code)):
             tm.step()
-    after_fail = tm.state_dict()
+    try:
+        shown = tm.state_dict()
+    except TierMemError as e:
+        assert str(e).startswith("tiermem: tm.state_dict() would use weights of two steps"), e
+        shown = None
+    after_fail = held(tm)
+    assert (shown is None) is not same_state(after_fail, before)  # refused exactly when part of the step landed
     _train(ref, 1, offset=2)
     stepped = ref.state_dict()
     assert all(torch.equal(after_fail[k], before[k]) or torch.equal(after_fail[k], stepped[k]) for k in before)
@@ -163,11 +169,18 @@ def test_failed_step_is_completed_by_a_retry_bit_for_bit(tmp_path, code, after):
     assert same_state(tm.state_dict(), ref.state_dict())
 
 
+def held(tm) -> dict:
+    """What each bucket holds, as ``tm.state_dict()`` would give it: read from the model's state
+    directly, since ``tm.state_dict()`` refuses a mix of two steps."""
+    tm.stepper.finish_pending()
+    return tm._state.module_state()
+
+
 def forward_after_failure(tm, probe, before) -> bool:
     """``tm(probe)`` just after a step failed part way, checked: the output of plain PyTorch at the
     pre-step weights ``before`` when nothing of the step moved, a ``tiermem:`` error saying to
     retry the step when some of it did (a forward would mix weights of two steps). Returns
-    whether the step moved anything (read after the forward: ``state_dict()`` writes a bucket kept
+    whether the step moved anything (read after the forward: reading the state writes a bucket kept
     in memory, NOTE [A failed step is rolled forward])."""
     try:
         with torch.no_grad():
@@ -176,10 +189,12 @@ def forward_after_failure(tm, probe, before) -> bool:
         out, refused = None, e
     else:
         refused = None
-    moved = not same_state(tm.state_dict(), before)
+    moved = not same_state(held(tm), before)
     if moved:
         assert refused is not None, "a forward between a failed step and its retry ran on a mix of two steps"
         assert str(refused).startswith("tiermem:") and "tm.step()" in str(refused)
+        with pytest.raises(TierMemError, match=r"^tiermem: tm\.state_dict\(\) would use weights of two steps"):
+            tm.state_dict()  # nor a state dict of the mix
         path = os.path.join(os.path.dirname(tm.stores[Tier.NVME].directory), "mixed.tm")
         with pytest.raises(TierMemError, match=r"^tiermem: tm\.save\(\) would use weights of two steps.*tm\.step\(\)"):
             tm.save(path)  # a checkpoint would keep the mix for good

@@ -21,6 +21,9 @@ What a DeepSpeed config says, tiermem does where it has the same thing:
   DeepSpeed's defaults for what it leaves out (weight decay 0; ``Adam`` is AdamW unless
   ``adam_w_mode`` is false, as in DeepSpeed); ``Adagrad`` and ``Lion`` blocks are
   ``tiermem.Adagrad``/``Lion`` (the optimizers DeepSpeed runs on the CPU).
+- DeepSpeed's deprecated forms it still reads are read as it reads them, with a warning line each:
+  ``zero_optimization.cpu_offload``/``cpu_offload_param`` (booleans) as ``offload_optimizer``/
+  ``offload_param`` on ``cpu`` or ``none``, ``"zero_optimization": true/false`` as stage 1/0.
 
 Every key it does not honour (tuning knobs of DeepSpeed's own buffers and collectives, a
 scheduler block, a partial offload ratio...) is logged as one warning line that says why and

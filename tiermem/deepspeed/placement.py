@@ -122,21 +122,55 @@ def _offload(r: Reader, zero: Mapping, key: str) -> tuple[Tier, Optional[str]]:
     return _DEVICES[device], (path if device == "nvme" else None)
 
 
+#: DeepSpeed's deprecated booleans and the block each stands for (true: device "cpu"; false: "none")
+_DEPRECATED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+
+
+def _undeprecated(r: Reader, zero: Mapping) -> dict:
+    """``zero`` with DeepSpeed's deprecated keys read as DeepSpeed reads them: ``cpu_offload`` and
+    ``cpu_offload_param`` as the block each stands for (given beside that block, an error, as in
+    DeepSpeed), ``cpu_offload_use_pin_memory`` ignored (DeepSpeed ignores it too); each one said."""
+    zero = dict(zero)
+    for old, new in _DEPRECATED.items():
+        if old not in zero:
+            continue
+        value = zero.pop(old)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(
+                f"tiermem: DeepSpeed config zero_optimization.{old}={short(value)} is invalid: it must be "
+                f'true or false; better, write {new}: {{"device": "cpu"}} (or leave it out) instead'
+            )
+        if new in zero:
+            raise ConfigError(
+                f"tiermem: DeepSpeed config has both zero_optimization.{old} (deprecated) and {new}, "
+                f"which DeepSpeed refuses too; keep {new} alone"
+            )
+        zero[new] = {"device": "cpu" if value else "none"}
+        r.deprecated(f"zero_optimization.{old}", value, f"{new}: {short(zero[new])}")
+    if "cpu_offload_use_pin_memory" in zero:
+        r.note(
+            "zero_optimization.cpu_offload_use_pin_memory",
+            zero.pop("cpu_offload_use_pin_memory"),
+            "it is deprecated and DeepSpeed ignores it too; tiermem pins its host memory whenever an "
+            "accelerator exists",
+        )
+    return zero
+
+
 def placement(r: Reader, cfg: Mapping) -> tuple[Policy, Optional[str]]:
     """The policy the ``zero_optimization`` block describes, and the NVMe directory it names (or the
     ``nvme_dir`` keyword's)."""
+    if isinstance(cfg.get("zero_optimization"), bool):  # DeepSpeed's oldest form, still read: a stage 1 switch
+        on = cfg["zero_optimization"]
+        r.deprecated("zero_optimization", on, f'zero_optimization: {{"stage": {int(on)}}}')
+        cfg = {**cfg, "zero_optimization": {"stage": int(on)}}
     zero = block(cfg, "zero_optimization", "")
     stage = zero.get("stage", 0)
     if not is_int(stage) or stage not in (0, 1, 2, 3):
         raise ConfigError(
             f"tiermem: DeepSpeed config zero_optimization.stage={short(stage)} is invalid: it must be 0, 1, 2 or 3"
         )
-    for old in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"):
-        if old in zero:
-            raise ConfigError(
-                f"tiermem: DeepSpeed config zero_optimization.{old} is DeepSpeed's deprecated form; "
-                f'write offload_optimizer / offload_param: {{"device": "cpu"}} instead'
-            )
+    zero = _undeprecated(r, zero)
     params, params_path = _offload(r, zero, "offload_param")
     state, state_path = _offload(r, zero, "offload_optimizer")
     if params is not Tier.DEVICE and stage != 3:

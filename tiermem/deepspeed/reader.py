@@ -30,6 +30,14 @@ class Reader:
     def note(self, where: str, value: Any, why: str) -> None:
         self.notes.append(f"tiermem: DeepSpeed config {where}={short(value)} not honoured: {why}")
 
+    def deprecated(self, where: str, value: Any, read_as: str) -> None:
+        """A key DeepSpeed still reads but calls deprecated: read as DeepSpeed reads it, and said so
+        (as DeepSpeed's own warning does)."""
+        self.notes.append(
+            f"tiermem: DeepSpeed config {where}={short(value)} is deprecated (DeepSpeed warns too); "
+            f"read as {read_as}: write that instead"
+        )
+
     def take(self, where: str, value: Any, name: str, *, default: Any = ABSENT, norm=lambda v: v) -> Any:
         """The value of ``where``: the config's, or keyword ``name``'s where the config says "auto"
         or nothing; a keyword that disagrees with the config is an error."""

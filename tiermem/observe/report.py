@@ -34,6 +34,8 @@ class Report:
         stages: seconds per step by stage, ``(predicted, measured)``; empty without a machine profile.
         weights_on_demand: per weight homed off the device, the reads that still waited for a fetch
             started on demand once the order of use was recorded (reads the prefetch did not foresee).
+        activations_unplaced: per tensor subclass, the saved activations tiermem could neither place
+            nor measure (a wrapper without ``__tensor_flatten__``: NOTE [Wrapper subclasses]).
     """
 
     peak_bytes: dict[Tier, int]
@@ -56,6 +58,8 @@ class Report:
     #: weights homed off the device -> how many reads, once a step had recorded the order of use,
     #: still waited for a fetch started on demand: reads the prefetch schedule did not foresee
     weights_on_demand: dict[str, int] = field(default_factory=dict)
+    #: tensor subclass -> saved activations of it left where they were, unmeasured (NOTE [Wrapper subclasses])
+    activations_unplaced: dict[str, int] = field(default_factory=dict)
 
     def gbps(self, src: Tier, dst: Tier) -> float:
         """Achieved bandwidth of the transfers src -> dst while they ran (GB/s, 1e9 bytes).
@@ -116,6 +120,11 @@ class Report:
                 f"weights fetched on demand (not prefetched): {sum(self.weights_on_demand.values())} reads; "
                 + ", ".join(f"{k} x{n}" for k, n in top[:5])
                 + (", ..." if len(top) > 5 else "")
+            )
+        if self.activations_unplaced:
+            lines.append(
+                "activations neither placed nor measured (tensor subclasses without __tensor_flatten__): "
+                + ", ".join(f"{k} x{n}" for k, n in sorted(self.activations_unplaced.items()))
             )
         if self.stages:
             lines.append(f"placement: {self.placement}")

@@ -6,6 +6,7 @@ import math
 import struct
 from dataclasses import dataclass
 from functools import cached_property
+from typing import ClassVar
 
 import torch
 
@@ -47,10 +48,12 @@ class AdamHyper:
     adamw: bool = True
     grad_scale: float = 1.0
     clip_coef: float = 1.0
+    #: what an error names before the argument: the functional entry these hyperparameters are for
+    where: ClassVar[str] = "adam_step "
 
     def __post_init__(self) -> None:
         check_adam_hyper(
-            "adam_step ",
+            self.where,
             step=self.step,
             lr=self.lr,
             beta1=self.beta1,
@@ -141,6 +144,12 @@ def bound_scalars(beta1: float, beta2: float, step: int) -> tuple[float, float]:
     if k == 0.0 or math.isinf(k):
         return 0.0, 0.0
     return to_fp32(1.0 / k), to_fp32(1.0 / (ROUNDING_SLACK * k))
+
+
+class Adam8bitHyper(AdamHyper):
+    """:class:`AdamHyper` as ``adam8bit_step`` takes it (the same rules; its errors name it)."""
+
+    where: ClassVar[str] = "adam8bit_step "
 
 
 def to_fp32(x: float) -> float:

@@ -338,7 +338,7 @@ def step(
             shape=dims,
             **common,
         )
-    else:
+    elif kind == "lion":
         beta1, beta2 = hyper["betas"]
         _entries.lion_step(
             master,
@@ -349,6 +349,12 @@ def step(
             beta2=beta2,
             weight_decay=hyper["weight_decay"],
             **common,
+        )
+    else:  # "generic" steps through its optimizer's own step() (NOTE [Generic optimizers]), never here
+        fused = tuple(k for k in KINDS if k != "generic")
+        raise ConfigError(
+            f"tiermem: formats.step has no fused update for kind={kind!r}; pass a format of one of {fused} "
+            f"(a generic optimizer's state is stepped by its own step())"
         )
 
 

@@ -410,15 +410,15 @@ def as_number(value: object) -> Any:
 def make_hyper(cls: Callable[..., H], *, step: object, **values: Any) -> H:
     """The hyperparameters of one update, as every functional entry takes them: ``step`` a whole
     number, a one-element tensor as the number it holds; ``cls`` (AdamHyper, SGDHyper, ...) checks them
-    (one validation path for the entries and the drop-ins)."""
-    return cls(step=_as_step(step), **{k: as_number(v) for k, v in values.items()})
+    (one validation path for the entries and the drop-ins), and its ``where`` names the entry in errors."""
+    return cls(step=_as_step(step, getattr(cls, "where", "adam_step ")), **{k: as_number(v) for k, v in values.items()})
 
 
-def _as_step(step: object) -> int:
+def _as_step(step: object, where: str) -> int:
     value = as_number(step)
     if not is_number(value) or not math.isfinite(value) or value != int(value):
         raise ConfigError(
-            f"tiermem: adam_step step={step!r} is invalid: it must be a whole number "
+            f"tiermem: {where}step={step!r} is invalid: it must be a whole number "
             f"of updates including this one, >= 1; pass an int"
         )
     return int(value)

@@ -23,7 +23,7 @@ import torch
 
 from tiermem.errors import ConfigError
 from tiermem.optim import _quant, _run
-from tiermem.optim._hyper import AdamHyper
+from tiermem.optim._hyper import Adam8bitHyper, AdamHyper
 from tiermem.optim._hypers import AdagradHyper, LionHyper, SGDHyper
 from tiermem.optim._sr import StochasticRound
 from tiermem.optim.functional import make_hyper
@@ -290,7 +290,7 @@ def adam8bit_step(
         ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
     hyper = make_hyper(
-        AdamHyper,
+        Adam8bitHyper,
         step=step,
         lr=lr,
         beta1=beta1,

@@ -14,9 +14,19 @@ What moves is a storage, once per forward however many of its views autograd sav
 one projection); each view comes back with its own size, stride and offset, so backward sees the
 same layouts, and the same numbers. Never moved, whatever the policy says: parameters and
 buffers (and views of them: matmul saves ``weight.t()``), storages under
-:data:`MIN_OFFLOAD_BYTES`, tensors with lazy conj/neg bits, tensor subclasses and tensors on
-another device. Nothing is packed under ``torch.no_grad()`` or in eval mode: TieredModel only
-tracks training forwards.
+:data:`MIN_OFFLOAD_BYTES`, tensors with lazy conj/neg bits, tensor subclasses with a storage of
+their own, and tensors on another device. Nothing is packed under ``torch.no_grad()`` or in eval
+mode: TieredModel only tracks training forwards.
+
+# NOTE [Wrapper subclasses]
+A wrapper tensor subclass (DTensor, a float8 tensor, any ``__torch_dispatch__`` wrapper) has no
+bytes of its own: they are in the plain tensors it wraps. One that says what those are
+(``__tensor_flatten__``, as ``torch.compile`` requires) is placed through them: each inner
+tensor is packed as any saved tensor (kept and counted, or offloaded; a weight's never moves),
+and unpacking rebuilds the wrapper with its class's ``__tensor_unflatten__`` from the inner
+tensors, its context and its outer size and stride. One that does not cannot be moved or
+measured: it stays where it is, counted by class in ``tm.report().activations_unplaced``, and
+when the policy asks to move it, a warning names the class once.
 """
 
 from __future__ import annotations
@@ -95,6 +105,39 @@ class _View:
         self.size, self.stride, self.offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
 
 
+class _Wrapped:
+    """Packed form of a wrapper subclass (NOTE [Wrapper subclasses]): what its class's
+    ``__tensor_unflatten__`` takes, with each inner tensor packed."""
+
+    __slots__ = ("cls", "ctx", "inner", "size", "stride")
+
+    def __init__(self, t: torch.Tensor, ctx: Any, inner: dict[str, Any]):
+        self.cls, self.ctx, self.inner = type(t), ctx, inner
+        self.size, self.stride = t.shape, t.stride()
+
+
+def _flattens(t: torch.Tensor) -> bool:
+    """A tensor subclass that says which plain tensors hold its bytes (NOTE [Wrapper subclasses])."""
+    return type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__") and hasattr(t, "__tensor_unflatten__")
+
+
+def _plain_parts(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``t``, or the plain tensors a wrapper subclass holds, at any depth."""
+    if not _flattens(t) or is_off_device(t):
+        yield t
+        return
+    for name in t.__tensor_flatten__()[0]:  # type: ignore[attr-defined]  # a wrapper subclass (_flattens)
+        yield from _plain_parts(getattr(t, name))
+
+
+def _storage_ptr(t: torch.Tensor) -> Optional[int]:
+    """Where ``t``'s storage lies, or None when it has none of its own (a wrapper subclass)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 class ActivationOffloader:
     """Saved-tensor hooks for one module: account, offload and prefetch its activations.
 
@@ -119,7 +162,8 @@ class ActivationOffloader:
         self._kept: dict[int, list] = {}  # storage pointer -> [packed references, ledger key]
         self._tiers: dict[tuple, Tier] = {}  # the policy is pure: what it was told -> its answer
         self._sent = torch.utils.weak.WeakIdKeyDictionary()  # device storage -> (version, its record)
-        self._weights: set[int] = set()
+        self._weights: set[Optional[int]] = set()
+        self._warned: set[str] = set()  # wrapper classes the log has named (NOTE [Wrapper subclasses])
         self._stack: list[str] = []  # names of the modules whose forward is running, innermost last
         self._modules: dict[str, torch.nn.Module] = {}
         self._run: Optional[_Pass] = None
@@ -137,10 +181,11 @@ class ActivationOffloader:
         """Pack and unpack hooks for one training forward."""
         self.mover.flush()
         self._weights = {
-            t.untyped_storage().data_ptr()
+            _storage_ptr(part)
             for t in itertools.chain(self.module.parameters(), self.module.buffers())
-            if not is_off_device(t)
-        }
+            for part in _plain_parts(t)
+            if not is_off_device(part)
+        } - {None}
         self._run, self._active = _Pass(), True
         try:
             with torch.autograd.graph.saved_tensors_hooks(*untraced(self._pack, self._unpack)):
@@ -188,15 +233,22 @@ class ActivationOffloader:
     # -- pack and unpack ------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
         self.stats.saved += 1
-        if is_off_device(t):  # a weight homed off the device: backward reads it again through its home
+        return self._place(t)
+
+    def _place(self, t: torch.Tensor) -> Any:
+        # a weight homed off the device: backward reads it again through its home
+        if is_off_device(t) or isinstance(t, torch.nn.Parameter):
             self.stats.weights += 1
             return t.detach()
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            return t.detach()  # no plain storage (a wrapper subclass): left as it is
-        ptr = storage.data_ptr()
-        if isinstance(t, torch.nn.Parameter) or self._is_weight(ptr):
+        if _flattens(t):  # NOTE [Wrapper subclasses]
+            names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]  # _flattens(t)
+            self.stats.wrapped += 1
+            return _Wrapped(t, ctx, {n: self._place(getattr(t, n)) for n in names})
+        ptr = _storage_ptr(t)
+        if ptr is None:
+            return self._unplaced(t)
+        storage = t.untyped_storage()
+        if self._is_weight(ptr):
             self.stats.weights += 1
             return t.detach()
         if t.device.type != self.device.type or self.device.index not in (None, t.device.index):
@@ -219,11 +271,33 @@ class ActivationOffloader:
                 return _View(self._offload(storage, t._version, tier, name), t)
         return self._keep(t, ptr, nbytes)
 
+    def _unplaced(self, t: torch.Tensor) -> torch.Tensor:
+        """A wrapper subclass that does not flatten: left where it is, counted, and a policy that
+        asks to move it told once (NOTE [Wrapper subclasses])."""
+        cls = f"{type(t).__module__}.{type(t).__qualname__}"
+        self.stats.unplaced[cls] += 1
+        name = self._stack[-1] if self._stack else ""
+        tier = self._tier(name, t, t.numel() * t.element_size())
+        if tier is not Tier.DEVICE and cls not in self._warned:
+            self._warned.add(cls)
+            log.warning(
+                "tiermem: activations of class %s stay on the device, though the policy places them on %s: "
+                "a tensor subclass without __tensor_flatten__ cannot be moved or measured (counted in "
+                "tm.report().activations_unplaced); give the class __tensor_flatten__/__tensor_unflatten__ "
+                "to have them placed",
+                cls,
+                tier,
+            )
+        return t.detach()
+
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
         if isinstance(packed, _Kept):
             return packed.tensor
+        if isinstance(packed, _Wrapped):  # NOTE [Wrapper subclasses]
+            inner = {n: self._unpack(p) for n, p in packed.inner.items()}
+            return packed.cls.__tensor_unflatten__(inner, packed.ctx, packed.size, packed.stride)  # type: ignore[attr-defined]
         rec, run = packed.storage.rec, packed.storage.run
         handle = self.mover.fetch(rec, ahead=False)
         assert handle is not None  # an unpacked record is not retired: fetched now, or already
@@ -237,7 +311,9 @@ class ActivationOffloader:
         if self._stack:  # weights made resident during this forward (e.g. by another pre-hook)
             mod = self._modules[self._stack[-1]]
             for w in itertools.chain(mod._parameters.values(), mod._buffers.values()):
-                if w is not None and not is_off_device(w) and w.untyped_storage().data_ptr() == ptr:
+                if w is not None and any(
+                    _storage_ptr(part) == ptr for part in _plain_parts(w) if not is_off_device(part)
+                ):
                     return True
         return False
 

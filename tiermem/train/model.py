@@ -244,6 +244,7 @@ class TieredModel:
         with self._life.during("forward", Phase.FORWARD):
             self.stepper.check_whole("tm(...)")  # NOTE [A failed step is rolled forward]
             self._state.check_loaded("tm(...)")  # NOTE [A failed load is guarded]
+            self._trainable.check_unchanged("tm(...)")  # NOTE [The parameters a model was wrapped with]
             if torch.is_grad_enabled() and self.module.training and self.group.world == 1:
                 # NOTE [Freezing and unfreezing]; under data parallelism at backward, where every rank is
                 self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=False)
@@ -327,6 +328,7 @@ class TieredModel:
         """What ``tm.optimizer.step()`` runs: the tiered step, checked against the phase."""
         with self._life.during("step", Phase.STEPPING):
             self._state.check_loaded("tm.step()")  # NOTE [A failed load is guarded]
+            self._trainable.check_unchanged("step()")  # NOTE [The parameters a model was wrapped with]
             try:
                 result = self.stepper.run(groups)
             except BaseException:
@@ -378,7 +380,9 @@ class TieredModel:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights (and buffers) with the keys of ``module.state_dict()``."""
-        return self._settled("state_dict()").module_state()
+        state = self._settled("state_dict()")
+        self.stepper.check_whole("tm.state_dict()")  # NOTE [A failed step is rolled forward]
+        return state.module_state()
 
     def save_pretrained(
         self,
@@ -511,17 +515,20 @@ class TieredModel:
             evaluator=self._evaluator,
             sources=self.weight_sources(),
             compute_seconds=self._compute_seconds,
+            activations=self.activations.stats,
         )
 
     def detach(self) -> torch.nn.Module:
         """Remove every hook and give the module back with fp32 weights (on the CPU, where the
         master weights were), ready for plain PyTorch."""
         state = self._settled("detach()")
+        self.stepper.check_whole("tm.detach()")  # the module would keep weights of two steps
+        self._trainable.detachable()  # before anything changes (NOTE [The parameters a model was wrapped with])
         weights = state.fp32_weights()  # before the hooks go: frozen weights sharded over the ranks are gathered
         self.hooks.remove()
         for source in self.weight_sources():
             source.restore(weights)  # plain tensors again (NOTE [Parameters off the device])
-        for name, p in self.module.named_parameters():
+        for name, p in self._trainable.wrapped:
             p.data = weights[name]
         self.layout.buffers.give_back()
         self._life.to(Phase.DETACHED)

@@ -32,10 +32,10 @@ use of this home (the retry's step, a read) writes it whole first.
 
 Until the retry, the weights are those of two steps (the updated buckets' new ones, the others'
 old ones; a kept bucket's keys even torn between the two), so ``tm(...)``, ``tm.resident(...)``
-and a checkpoint of them (``tm.save``, ``tm.sharded_state_dict``) are refused with a ``tiermem:``
-error saying to call ``tm.step()`` again (or to load a checkpoint): no forward computes with a
-mix, and no checkpoint keeps one for good (``Stepper.check_whole`` in tiermem/train/stepper.py;
-``tm.state_dict()`` still shows what each bucket holds). A failure that updated
+and a checkpoint, state dict or detached module of them (``tm.save``, ``tm.sharded_state_dict``,
+``tm.state_dict``, ``tm.detach``) are refused with a ``tiermem:`` error saying to call
+``tm.step()`` again (or to load a checkpoint): no forward computes with a mix, and nothing the
+user keeps holds one (``Stepper.check_whole`` in tiermem/train/stepper.py). A failure that updated
 no bucket leaves every weight at its value before the step, and forwards run: the new weights the
 step had sent home for a bucket whose state did not land are sent again from its old master.
 """

@@ -24,9 +24,10 @@ def assemble(
     evaluator: Any,
     sources: list,
     compute_seconds: float,
+    activations: Any,
 ) -> Report:
     """The model's Report (``sources``: TieredModel.weight_sources(); ``compute_seconds``: the
-    measured forward+backward of the training calls so far)."""
+    measured forward+backward of the training calls so far; ``activations``: their ActivationStats)."""
     peak, class_peak, budgets = collect(stores)
     st = engine.stats.snapshot()
     return Report(
@@ -47,6 +48,7 @@ def assemble(
         placement=repr(placement),
         stages=stages(stepper, placement, evaluator, compute_seconds),
         weights_on_demand=dict(sum((s.on_demand for s in sources), Counter())),
+        activations_unplaced=dict(activations.unplaced),
     )
 
 

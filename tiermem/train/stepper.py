@@ -39,9 +39,9 @@ it (NOTE [A failed step is rolled forward]); the rest of the update (its buckets
 clip, gradient buffer) is kept for a retry, and nothing else is touched from the background (the
 next step's backward may be filling the other gradient buffer). The error is raised once, with a
 note saying to call ``tm.step()`` again or ``tm.load()`` a checkpoint, by the next ``tm.step()``,
-forward, ``tm.save()`` or ``tm.resident()`` once the update has ended (``tm.load()`` drops it
-with what it left to do; ``tm.state_dict()`` gives the master weights as they are). Forwards are
-then refused while some buckets hold state of step k and others not
+forward, ``tm.save()``, ``tm.state_dict()``, ``tm.detach()`` or ``tm.resident()`` once the update
+has ended (``tm.load()`` drops it with what it left to do). Forwards, checkpoints, state dicts and
+``detach()`` are then refused while some buckets hold state of step k and others not
 (:meth:`Stepper.check_whole`), as after a failed step without overlap. The retry
 (``tm.step()``): with no backward since, the rest of the update runs in the background again, as
 the first try did, so the next forward runs on the weights of step k-1 as it would have; when the
@@ -400,6 +400,7 @@ class Stepper:
         self._failed = (_Update(rest, upd.hyper, upd.scale, upd.clip, upd.fill), landing, norm)
         if updated or self.group.world > 1:  # under data parallelism another rank may be a step ahead
             self._between = f"{type(error).__name__}: {error}"
+        self.group.abort(error)  # NOTE [A failed step stops every rank at once]
 
     def _complete_failed(self) -> Optional[StepResult]:
         """overlap: the retry of an update that failed (NOTE [A failed background update]): with no
@@ -454,8 +455,10 @@ class Stepper:
             # Under data parallelism the other ranks are still in this step's collectives (or stop in
             # them): no collective of this rank's may follow (the weights' resend gathers the masters,
             # which another rank's gather of its step could match), and its weights may be of two
-            # steps on another rank: every read is refused; the way out is a checkpoint.
+            # steps on another rank: every read is refused; the way out is a checkpoint. The other
+            # ranks are told, and stop at once (NOTE [A failed step stops every rank at once]).
             self._between = f"{type(error).__name__}: {error}"
+            self.group.abort(error)
             add_note(
                 error,
                 f"tiermem: under data parallelism a step that failed on one rank stops every rank: "

@@ -33,6 +33,16 @@ is an error on every rank. Unfreezing a parameter frozen at construction is refu
 version (the new buckets' sharded homes would have to join the collectives' order): build the
 model with the parameter trainable and freeze it before the first step; a frozen parameter with
 state unfreezes under any world size.
+
+# NOTE [The parameters a model was wrapped with]
+A TieredModel trains the parameter objects its module had when it was wrapped: each has its
+buckets, homes and hooks. One added later (a module attached, ``model.extra = nn.Linear(...)``, or
+a parameter replaced or deleted) has none of them: it would compute in another dtype, get no
+update, and be missing from every name-keyed read. Every forward and step compares the module's
+parameters with those (by object and name, ~0.1 ms per 1000 parameters) and refuses with an
+error that says to wrap the finished model; ``detach()`` checks first and changes nothing when
+a wrapped parameter is gone, and gives parameters added later back as they are (said in the
+log), so detach-and-wrap-again works.
 """
 
 from __future__ import annotations
@@ -94,6 +104,7 @@ class Trainable:
         self.off_device, self.grads, self.outputs, self.hooks = weights_off_device, grads, outputs, hooks
         self.param_groups, self.settle, self.nvme_staging = param_groups, settle, on_device_cuda
         self.spec = spec  # the optimizer: the state format of a parameter unfrozen
+        self._module = module
         self._params = list(module.named_parameters())  # each parameter once, by its first name
         self._flags = self._read()  # requires_grad of each, as last taken
         self._trained = self._names(self._flags)
@@ -103,6 +114,52 @@ class Trainable:
 
     def _names(self, flags: list[bool]) -> frozenset[str]:
         return frozenset(n for (n, _), f in zip(self._params, flags) if f)
+
+    # -- the parameters the model was wrapped with (NOTE [The parameters a model was wrapped with]) --
+    @property
+    def wrapped(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Each parameter the model was wrapped with, once, by its first name."""
+        return list(self._params)
+
+    def changed(self) -> tuple[list[str], list[str]]:
+        """The module's parameters it was not wrapped with, and those it was wrapped with that it no
+        longer has under their name (replaced or deleted): two lists of names."""
+        now = list(self._module.named_parameters())
+        if len(now) == len(self._params) and all(n == m and p is q for (n, p), (m, q) in zip(now, self._params)):
+            return [], []
+        had = {id(p) for _, p in self._params}
+        has = {n: p for n, p in now}
+        added = [n for n, p in now if id(p) not in had]
+        gone = [n for n, p in self._params if has.get(n) is not p]
+        return added, gone
+
+    def check_unchanged(self, call: str) -> None:
+        """Refuse ``call`` when the module's parameters are not those it was wrapped with."""
+        added, gone = self.changed()
+        if added or gone:
+            raise ConfigError(
+                f"tiermem: {call}: the module's parameters changed after it was wrapped ("
+                f"{_changes(added, gone)}); a TieredModel trains the parameters its module had when it "
+                f"was built: attach every module before TieredModel(model, ...), or call tm.detach() "
+                f"and wrap the module again"
+            )
+
+    def detachable(self) -> None:
+        """Before ``detach()`` changes anything: refused when a wrapped parameter is gone (its
+        trained weights would have nowhere to go); parameters added later are said and left as they are."""
+        added, gone = self.changed()
+        if gone:
+            raise ConfigError(
+                f"tiermem: detach(): the module no longer has parameters it was wrapped with "
+                f"({_changes([], gone)}), so their trained weights have nowhere to go; nothing was changed: "
+                f"put them back and call detach() again (tm.state_dict() reads the weights meanwhile)"
+            )
+        if added:
+            log.warning(
+                "tiermem: detach(): %s were added to the module after it was wrapped; tiermem never trained "
+                "them, and gives them back as they are",
+                _changes(added, []).removeprefix("added: "),
+            )
 
     # -- the checks at a step's forward, backward and load ------------------------------------------
     def sync(self, *, grads_waiting: bool, collective: bool) -> None:
@@ -241,3 +298,13 @@ class Trainable:
         for g in self.param_groups:
             if s.name in g["param_names"]:
                 g["params"][g["param_names"].index(s.name)] = homes.state[b.index].master(b, s)
+
+
+def _changes(added: list[str], gone: list[str]) -> str:
+    """What :meth:`Trainable.changed` found, in words, five names of each at most."""
+    said = [
+        f"{what}: {', '.join(names[:5])}{' and more' if len(names) > 5 else ''}"
+        for what, names in (("added", added), ("replaced or deleted", gone))
+        if names
+    ]
+    return "; ".join(said)

@@ -68,6 +68,8 @@ class ActivationStats:
 
     saved: int = 0  # tensors saved for backward during training forwards
     weights: int = 0  # of which parameters or buffers (or views of them): never moved
+    wrapped: int = 0  # wrapper subclasses placed through their inner tensors (NOTE [Wrapper subclasses])
+    unplaced: Counter[str] = field(default_factory=Counter)  # class -> wrapper subclasses that cannot be placed
     offloaded: Counter[Tier] = field(default_factory=Counter)  # Tier -> storages sent there
     offloaded_bytes: Counter[Tier] = field(default_factory=Counter)  # Tier -> bytes of the storages sent there
     by_module: Counter[str] = field(default_factory=Counter)  # module name -> storages offloaded

@@ -12,6 +12,19 @@ is gathered while it is read (NOTE [Weights sharded over the ranks] in
 tiermem/train/gathered.py). Whatever all ranks must decide alike (which
 parameters got a gradient, the global norm, an fp16 overflow) is all-reduced first.
 
+# NOTE [A failed step stops every rank at once]
+A step that fails on one rank (an NVMe write, in the foreground or the background) leaves the
+others in (or on their way to) a collective it will never join. Rather than let them wait for the
+process group's timeout, the failing rank posts its error in the process group's store
+(:meth:`Group.abort`: one key per model, the same on every rank) and issues no more collectives.
+A rank's collective waits in slices of :data:`POLL_S` and looks for that key between them (gloo's
+reduce-scatter, a composite that ignores a wait's timeout, only when it ends), and a collective
+that fails (the failing rank's process closed its connections) looks for it too: when it is
+there, the rank raises :class:`PeerFailed`, a ``tiermem:`` error naming the failing rank and its
+error. So every rank stops within a fraction of a second of the failure, with the cause named.
+Gloo only: an NCCL wait blocks the device's stream, not this thread, so under NCCL a stopped
+rank is still seen at the group's timeout.
+
 A :class:`Group` is that vocabulary. :class:`Solo` is the group of one process: every
 collective is the identity, so the step has no "if distributed" anywhere; :class:`Distributed`
 wraps a ``torch.distributed`` process group (gloo on the CPU, NCCL on GPUs), counts the bytes
@@ -32,6 +45,15 @@ import torch
 
 from tiermem.errors import ConfigError, TierMemError
 from tiermem.observe.trace import Tracer
+
+#: seconds of a collective's wait between two looks for a failed rank's error
+POLL_S = 0.2
+_POLL = timedelta(seconds=POLL_S)
+
+
+class PeerFailed(TierMemError):
+    """A collective stopped because another rank's step failed (NOTE [A failed step stops every
+    rank at once]); the message names that rank and its error."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +187,10 @@ class Group:
     def close(self) -> None:
         """Nothing of the group's outlives the model."""
 
+    def abort(self, error: BaseException) -> None:
+        """This rank's step failed with ``error`` and it issues no more collectives: tell the other
+        ranks, whose collectives then stop at once (NOTE [A failed step stops every rank at once])."""
+
 
 class Pending:
     """A collective in flight: ``wait()`` blocks until it is done, then runs its finishing step
@@ -198,10 +224,25 @@ class Distributed(Group):
     reduce-scatter of gradients returns at once and is waited for later). Tensors that are not
     where the backend works (host tensors under NCCL) go through a copy on its device."""
 
-    def __init__(self, pg: Any = None, *, timeout: Optional[float] = None, tracer: Optional[Tracer] = None):
+    _serials: dict[str, int] = {}  # process group -> models built on it so far (the same on every rank)
+
+    def __init__(
+        self,
+        pg: Any = None,
+        *,
+        timeout: Optional[float] = None,
+        tracer: Optional[Tracer] = None,
+        failed_key: Optional[str] = None,
+    ):
         import torch.distributed as dist  # imported only when a process group exists
 
         self.dist, self.pg, self.tracer = dist, pg, tracer
+        if failed_key is None:  # a model's group; its siblings share its key
+            name = getattr(pg, "group_name", None) or "default"
+            serial = Distributed._serials[name] = Distributed._serials.get(name, 0) + 1
+            failed_key = f"tiermem/failed/{name}/{serial}"
+        self._failed_key = failed_key
+        self._store = _store(dist)
         # torch 2.13 renamed the flat-tensor collectives; older versions have only the first names
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -226,6 +267,9 @@ class Distributed(Group):
             raise self._failed(op, e) from e
 
     def _failed(self, op: str, e: BaseException) -> TierMemError:
+        posted = self._posted()  # the collective failed because a rank stopped: say why it did
+        if posted:
+            return PeerFailed(self._stopped(op, posted))
         first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
         return TierMemError(
             f"tiermem: rank {self.rank} of {self.world}: {op} failed ({type(e).__name__}: {first}); "
@@ -237,7 +281,9 @@ class Distributed(Group):
         try:
             work = fn()
             if work is not None:
-                work.wait(self.timeout) if self.timeout is not None else work.wait()
+                self._wait(op, work, t0)
+        except PeerFailed:
+            raise
         except Exception as e:
             raise self._failed(op, e) from e
         t1 = time.perf_counter()
@@ -246,6 +292,49 @@ class Distributed(Group):
             self.seconds += t1 - t0
         if self.tracer is not None:
             self.tracer.add(op, "collective", t0, t1)
+
+    def _wait(self, op: str, work: Any, t0: float) -> None:
+        """``work.wait()``; under gloo, in slices of :data:`POLL_S`, looking for a failed rank's
+        error between them (NOTE [A failed step stops every rank at once])."""
+        if self._store is None or self.device.type != "cpu":
+            work.wait(self.timeout) if self.timeout is not None else work.wait()
+            return
+        while True:
+            try:
+                work.wait(_POLL)
+                return
+            except RuntimeError as e:
+                if "Operation timed out" not in str(e):  # gloo's words for a slice that ran out: go on
+                    raise
+            if self._timeout_s is not None and time.perf_counter() - t0 > self._timeout_s:
+                raise TimeoutError(f"no answer within {self._timeout_s} s")
+            posted = self._posted()
+            if posted:
+                raise PeerFailed(self._stopped(op, posted))
+
+    def _posted(self) -> Optional[str]:
+        """What a rank whose step failed posted, or None."""
+        if self._store is None:
+            return None
+        try:
+            return self._store.get(self._failed_key).decode() if self._store.check([self._failed_key]) else None
+        except Exception:  # noqa: BLE001 - a store that cannot answer: the group's timeout still applies
+            return None
+
+    def _stopped(self, op: str, posted: str) -> str:
+        return (
+            f"tiermem: rank {self.rank} of {self.world}: {op} stopped: {posted}; under data parallelism a "
+            f"failed step stops every rank: restart them and tm.load() the last checkpoint"
+        )
+
+    def abort(self, error: BaseException) -> None:
+        if self._store is None or isinstance(error, PeerFailed):  # a peer's failure is posted already
+            return
+        first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        try:
+            self._store.set(self._failed_key, f"rank {self.rank} failed its step ({type(error).__name__}: {first})")
+        except Exception:  # noqa: BLE001 - the group's timeout still stops the other ranks
+            pass
 
     def _in_place(self, op: str, t: torch.Tensor, call: Callable[[torch.Tensor], Any]) -> torch.Tensor:
         here = self._here(t)
@@ -340,7 +429,9 @@ class Distributed(Group):
         """A group of the same ranks for ``what``'s collectives alone, made once."""
         if what not in self._siblings:  # collective: every rank builds its model, so every rank gets here
             ranks = [self.dist.get_global_rank(self.pg, r) if self.pg is not None else r for r in range(self.world)]
-            self._siblings[what] = Distributed(self.dist.new_group(ranks), timeout=self._timeout_s, tracer=self.tracer)
+            self._siblings[what] = Distributed(
+                self.dist.new_group(ranks), timeout=self._timeout_s, tracer=self.tracer, failed_key=self._failed_key
+            )
         return self._siblings[what]
 
     def for_weights(self) -> "Distributed":
@@ -358,6 +449,14 @@ class Distributed(Group):
         import os
 
         return os.path.join(directory, f"rank{self.dist.get_rank()}")
+
+
+def _store(dist: Any) -> Any:
+    """The default process group's store (where ranks post a failed step), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: failures are seen at the group's timeout, as before
+        return None
 
 
 def resolve_group(process_group: Any, *, timeout: Optional[float] = None, tracer: Optional[Tracer] = None) -> Group:
