@@ -178,6 +178,7 @@ def _torch_run(target: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
     return _TORCH[target]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("target", TARGETS)
 def test_fp32_agrees_with_torch_adamw(target, policy, tmp_path):

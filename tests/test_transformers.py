@@ -241,6 +241,7 @@ def _torch_run(family: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
     return _TORCH[family]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_agrees_with_torch_adamw(family, policy, tmp_path):

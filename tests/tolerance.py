@@ -59,18 +59,21 @@ UPDATE_ULPS = 16  # per step: the update's relative error in ulps (its roundings
 GRAD_ULPS = 4  # the backward's rounding of a gradient element, in ulps of the model's largest gradient
 
 
-def ulp(x: torch.Tensor) -> torch.Tensor:
-    """Element by element, the spacing of fp32 numbers at |x| (2**floor(log2|x|) * eps; constant below
-    the smallest normal)."""
-    mag = x.detach().double().abs().clamp_min(TINY32)
-    return torch.exp2(torch.floor(torch.log2(mag))) * EPS32
+def ulp(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Element by element, the spacing of ``dtype``'s numbers (fp32 unless ``x`` is another float type)
+    at |x|: 2**floor(log2|x|) * eps, constant below the smallest normal."""
+    info = torch.finfo(dtype or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32))
+    mag = x.detach().double().abs().clamp_min(info.tiny)
+    return torch.exp2(torch.floor(torch.log2(mag))) * info.eps
 
 
 def fp32_bound(want: torch.Tensor, *, steps: int, step_size: float) -> torch.Tensor:
-    """NOTE [Arithmetic tolerances]: how far, element by element, a correct fp32 run of ``steps``
-    optimizer steps may be from ``want``, each step moving a weight by at most ``step_size``."""
+    """NOTE [Arithmetic tolerances]: how far, element by element, a correct run of ``steps`` optimizer
+    steps may be from ``want``, each step moving a value by at most ``step_size`` (ulps in fp32, or in
+    ``want``'s dtype where that is bf16 or fp16: a value a rounding apart before its last rounding to
+    that dtype, or before a stochastic rounding, may land on the neighbouring number)."""
     path = want.detach().double().abs() + steps * step_size
-    return steps * (WEIGHT_ULPS * ulp(path) + UPDATE_ULPS * EPS32 * step_size)
+    return steps * (WEIGHT_ULPS * ulp(path, want.dtype) + UPDATE_ULPS * EPS32 * step_size)
 
 
 def excess(got: torch.Tensor, want: torch.Tensor, *, steps: int, step_size: float) -> float:
@@ -106,6 +109,25 @@ def assert_beyond(got, want, *, steps: int, step_size: float) -> None:
     with_bound = worst(got, want, steps=steps, step_size=step_size) if not isinstance(want, torch.Tensor) else None
     ratio = with_bound[0] if with_bound else excess(got, want, steps=steps, step_size=step_size)
     assert ratio > 1.0, f"a wrong answer is within the bound ({ratio:.3g} of it)"
+
+
+def fma_parity() -> bool:
+    """Whether torch's eager CPU kernels here fuse the multiply-adds that tiermem's native and compiled
+    kernels fuse (NOTE [FMA parity] in tiermem/optim/_compiled.py): ATen's AVX2 and AVX-512 kernels
+    do; its scalar ones (ATEN_CPU_CAPABILITY=default, and other CPUs' builds) need not."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def assert_kernel_agrees(got: torch.Tensor, want: torch.Tensor, *, steps: int, step_size: float) -> None:
+    """A tiermem kernel against its reference written with torch's eager ops: bit for bit where those
+    ops fuse the same multiply-adds (``fma_parity``), else to NOTE [Arithmetic tolerances], each of
+    the ``steps`` steps moving the value by at most ``step_size``."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
+    if fma_parity():
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
+        assert torch.equal(got.view(ints), want.view(ints)), f"{(got != want).sum().item()} elements differ"
+    else:
+        assert_within(got, want, steps=steps, step_size=step_size)
 
 
 def adam_direction_bound(steps: int, betas: tuple[float, float] = (0.9, 0.999)) -> float:
