@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from tolerance import assert_kernel_agrees
+from tolerance import assert_kernel_agrees, assert_within
 
 from tiermem import ConfigError, TierMemError
 from tiermem.optim import StochasticRound, _native, _run, adagrad_step, adam_step, lion_step, sgd_step
@@ -337,8 +337,9 @@ def test_more_caller_errors(make_bad, match):
     seed=st.integers(0, 2**16),
 )
 def test_adafactor_native_matches_reference(shape, grad_dtype, bf16_master, wd, seed):
-    """The sums are taken in double in another order than the reference's: the results agree to the
-    last bits of the sums, far below anything a step moves (here: bit for bit, or a relative 1e-6)."""
+    """The sums are taken in double in another order than the reference's, and the reference's torch
+    ops fuse the multiply-adds the CPU's kernels fuse: the results agree to rounding (NOTE
+    [Arithmetic tolerances]), each step moving a value by at most the reference's largest move."""
     from tiermem.optim import adafactor_step
     from tiermem.optim.adafactor import state_numels
 
@@ -346,21 +347,27 @@ def test_adafactor_native_matches_reference(shape, grad_dtype, bf16_master, wd, 
     master0 = torch.randn(shape, generator=gen).to(BF16 if bf16_master else FP32)
     grads = [(torch.randn(shape, generator=gen) * 0.1).to(grad_dtype) for _ in range(3)]
     sr = StochasticRound.for_parameter(seed, "w") if bf16_master else None
-    results = []
+    results, moves = [], []
     for impl in ("native", "reference"):
         master = master0.clone()
         state = {k: torch.zeros(v) for k, v in state_numels(shape).items()}
         out = torch.empty(shape, dtype=BF16)
+        moved = [0.0] * (2 + len(state))
         for i, g in enumerate(grads):
+            before = [t.double() for t in (master, out, *state.values())]
             assert (
                 adafactor_step(
                     master, g, step=i + 1, lr=0.05, weight_decay=wd, out=out, stochastic_round=sr, impl=impl, **state
                 )
                 is False
             )
+            after = [master, out, *state.values()]
+            moved = [max(m, (t.double() - b).abs().max().item()) for m, t, b in zip(moved, after, before)]
+        moved[1] = moved[0]  # out is the new master, converted (its first value is garbage)
         results.append([master, out, *state.values()])
-    for got, want in zip(*results):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+        moves = moved
+    for got, want, step in zip(*results, moves):
+        assert_within(got, want, steps=len(grads), step_size=step)
     assert_bits_equal(results[0][1], results[0][0].to(BF16))
 
 
