@@ -105,6 +105,7 @@ def assert_same_update(got: list, want: list, moves: list, steps: int) -> None:
 
 
 # -- native == reference ----------------------------------------------------------------------------
+@pytest.mark.numerics
 @settings(max_examples=40, deadline=None)
 @given(
     kind=st.sampled_from(KINDS),
@@ -212,6 +213,7 @@ def test_scale_and_clip_equal_unscaling_and_clipping_first(kind, grad_scale, cli
 
 
 # -- strides ----------------------------------------------------------------------------------------------
+@pytest.mark.numerics
 @pytest.mark.parametrize("kind", ["sgd", "adagrad", "lion"])
 def test_non_contiguous_tensors_are_updated_correctly(kind):
     master, state = make(kind, 1000, 5)
@@ -328,6 +330,7 @@ def test_more_caller_errors(make_bad, match):
 
 
 # -- Adafactor: native passes against the reference ------------------------------------------------------
+@pytest.mark.numerics
 @settings(max_examples=15, deadline=None)
 @given(
     shape=st.sampled_from([(1,), (4097,), (1, 1), (37, 53), (2, 3, 40, 9), (300, 129)]),
