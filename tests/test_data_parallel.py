@@ -5,7 +5,6 @@ any world size, and fail loudly."""
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from models import TinyGPT, gpt_batch, gpt_loss, same_state
 from ranks import run_ranks
+from tolerance import assert_adam_within, second_moments
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -120,31 +120,40 @@ def _solo(steps=range(STEPS), schedule=None, **kw):
     return tm, res
 
 
-def _torch_spread(steps: int = STEPS, schedule=None, before_step=None) -> float:
-    """How far torch's own AdamW variants (for-loop, foreach, fused) land apart on this run;
-    ``before_step(model, i)`` runs before step i's micro-batches (freezing, say)."""
-    schedule = schedule or [2] * steps
-    runs = []
-    for kw in ({"foreach": False}, {"foreach": True}, {"fused": True}):
-        torch.manual_seed(0)
-        m = TinyGPT()
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, **kw)
-        for i, n in enumerate(schedule):
-            if before_step is not None:
-                before_step(m, i)
-            for r in range(n):
-                x, y = _batch(i, r)
-                (gpt_loss(m(x), y) / n).backward()
-            opt.step()
-            opt.zero_grad()
-        runs.append(m.state_dict())
-    return max((a[k] - b[k]).abs().max().item() for a in runs for b in runs for k in a)
+Batches = tuple[tuple[tuple[int, int], ...], ...]  # per step, the (step, rank) of each micro-batch
+NO_SYNC: Batches = tuple(((i, 0), (i + 50, 0), (i, 1), (i + 50, 1)) for i in range(2))
 
 
-def _one_rounding(state: dict) -> float:
-    """The spacing of fp32 numbers at the largest magnitude in ``state``: one rounding there."""
-    top = max(v.float().abs().max().item() for v in state.values())
-    return torch.finfo(torch.float32).eps * 2.0 ** math.floor(math.log2(top))
+def _per_step(schedule) -> Batches:
+    """Step i accumulates ``schedule[i]`` micro-batches: ranks 0, 1, ... of step i."""
+    return tuple(tuple((i, r) for r in range(n)) for i, n in enumerate(schedule))
+
+
+@functools.cache
+def _moments(batches: Batches, freezing: bool = False) -> dict:
+    """torch's for-loop AdamW's second moments after ``batches`` (block 0 frozen at steps 1 and 2
+    if ``freezing``): where a gradient is near its rounding (NOTE [Arithmetic tolerances])."""
+    torch.manual_seed(0)
+    m = TinyGPT()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for i, micro in enumerate(batches):
+        if freezing:
+            m.blocks[0].requires_grad_(i not in (1, 2))
+        for step, rank in micro:
+            x, y = _batch(step, rank)
+            (gpt_loss(m(x), y) / len(micro)).backward()
+        opt.step()
+        opt.zero_grad()
+    return second_moments(m, opt)
+
+
+def _assert_rounding_apart(got: dict, want: dict, steps: int = STEPS, batches=None, freezing=False) -> None:
+    """``got`` is ``want`` to NOTE [Arithmetic tolerances] (tests/tolerance.py) of ``steps`` AdamW
+    steps (lr 1e-2, weight decay 0.1) on ``batches`` (two micro-batches a step by default): ranks
+    summing their micro-batches' gradients round them differently from one process accumulating
+    the same losses."""
+    moments = _moments(batches or _per_step([2] * steps), freezing)
+    assert_adam_within(got, want, moments, lr=1e-2, steps=steps, eps=1e-8, weight_decay=0.1)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -172,12 +181,11 @@ def _rank_train(rank, world, precision, policy_name, nvme_dir, clip, overlap=Fal
 
 
 def test_two_ranks_train_like_one_process_accumulating_both(dp):
-    spread = _torch_spread()
     ranks = [r["fp32"] for r in dp[2]]
     solo, solo_res = _solo(grad_clip=1.0)
     (r0, _, sent0), (r1, _, _) = ranks
     assert all(torch.equal(r0[-1][1][k], r1[-1][1][k]) for k in r0[-1][1])  # the ranks agree bit for bit
-    assert _max_diff(r0[-1][1], solo.state_dict()) <= max(spread, 1e-7), spread
+    _assert_rounding_apart(r0[-1][1], solo.state_dict())
     for (a, _), (b, _), s in zip(r0, r1, solo_res):  # one decision: the same norm and clip everywhere
         assert a == b
         assert a.grad_norm == pytest.approx(s.grad_norm, rel=1e-6) and not a.skipped
@@ -190,7 +198,7 @@ def test_overlap_step_trains_like_one_process_with_overlap_step(dp):
     (r0, _, _), (r1, _, _) = (r["overlap"] for r in dp[2])
     assert all(torch.equal(r0[-1][1][k], r1[-1][1][k]) for k in r0[-1][1])
     solo, solo_res = _solo(grad_clip=1.0, overlap_step=True)
-    assert _max_diff(r0[-1][1], solo.state_dict()) <= max(_torch_spread(), 1e-7)
+    _assert_rounding_apart(r0[-1][1], solo.state_dict())
     plain = dp[2][0]["fp32"][0][-1][1]
     assert _max_diff(r0[-1][1], plain) > 1e-4  # a delayed update is not the plain one
     for (a, _), s in zip(r0, solo_res):
@@ -311,8 +319,8 @@ def three(dp):
 @pytest.mark.parametrize("saved_by, loaded_by", [(2, 2), (2, 1), (1, 2), (2, 3)])
 def test_a_checkpoint_loads_into_any_world_size(dp, three, tmp_path, fmt, saved_by, loaded_by):
     """Bit-exact after the load, the same contents saved again; then the steps after it train like
-    one process accumulating as many micro-batches (within torch's AdamW spread: dividing by 3
-    rounds differently from one process's losses / 3)."""
+    one process accumulating as many micro-batches (to rounding, NOTE [Arithmetic tolerances]:
+    dividing by 3 rounds differently from one process's losses / 3)."""
     tmp, solo_saved, ranks = dp
     saved = ranks[0]["saved"] if saved_by == 2 else solo_saved
     path = tmp / f"by{saved_by}.{fmt}"
@@ -330,15 +338,14 @@ def test_a_checkpoint_loads_into_any_world_size(dp, three, tmp_path, fmt, saved_
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)  # bit-exact after load
     assert _same_tree(_contents(resave, tmp_path), _contents(path, tmp_path))  # moments, step counts and all
     schedule = (2,) * STEPS + (loaded_by if loaded_by > 1 else 2,) * 2
-    reference, spread = _continued(schedule)
-    assert _max_diff(after, reference) <= max(spread, 1e-7)
+    _assert_rounding_apart(after, _continued(schedule), steps=len(schedule), batches=_per_step(schedule))
 
 
 @functools.cache
-def _continued(schedule: tuple[int, ...]) -> tuple[dict, float]:
-    """One process's weights after steps of ``schedule[i]`` micro-batches each, and torch's spread there."""
+def _continued(schedule: tuple[int, ...]) -> dict:
+    """One process's weights after steps of ``schedule[i]`` micro-batches each."""
     reference, _ = _solo(steps=range(len(schedule)), schedule=schedule)
-    return reference.state_dict(), _torch_spread(schedule=schedule)
+    return reference.state_dict()
 
 
 def _rank_user(rank, world, tmp):
@@ -531,7 +538,7 @@ def _rank_no_sync(rank, world, use_no_sync):
 def test_no_sync_communicates_once_with_the_same_result(dp):
     (plain, sent_plain), (once, sent_once) = dp[2][0]["no_sync"]
     assert sent_once < sent_plain
-    assert _max_diff(plain, once) <= max(_torch_spread(2), 1e-7)
+    _assert_rounding_apart(plain, once, steps=2, batches=NO_SYNC)
 
 
 def _freeze_block0(tm: TieredModel, i: int) -> None:
@@ -574,12 +581,7 @@ def test_freezing_alike_on_every_rank_trains_as_one_process_and_differing_is_ref
         _train(solo, 0, 1, range(i, i + 1), scale=2)
     want = solo.state_dict()
     for r in ranks:
-        # The floor is one rounding of the largest weight (the embedding's reach |w| > 4: 4.8e-7):
-        # torch's variants may happen to differ only where weights are smaller, so their spread is
-        # a smaller ulp (seen on an AVX2 CPU: ranks 2.4e-7 from one process in the embedding,
-        # torch's variants 1.2e-7 apart).
-        spread = _torch_spread(4, before_step=lambda m, i: m.blocks[0].requires_grad_(i not in (1, 2)))
-        assert _max_diff(r["freezing"]["alike"], want) <= max(spread, _one_rounding(want))
+        _assert_rounding_apart(r["freezing"]["alike"], want, steps=4, freezing=True)
         assert r["freezing"]["refused"]
 
 

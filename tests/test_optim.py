@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 from hypothesis import assume, example, given, settings, strategies as st
+from tolerance import assert_kernel_agrees
 
 from tiermem import ConfigError, TierMemError
 from tiermem.optim import _compiled, _native, adam_step, functional, implementation
@@ -54,14 +55,22 @@ def clone_all(*ts):
     return [t.clone() for t in ts]
 
 
-def run(impl, state, grads, hp, *, adamw=True, out_dtype=None, first_step=1, **kw):
+def run(impl, state, grads, hp, *, adamw=True, out_dtype=None, first_step=1, moves=None, **kw):
+    """(master, exp_avg, exp_avg_sq, out) after a step per gradient; ``moves`` gets, per tensor, the
+    most one step changed an element (the step size of NOTE [Arithmetic tolerances]; out: as master)."""
     master, exp_avg, exp_avg_sq = clone_all(*state)
     out = torch.empty_like(master, dtype=out_dtype) if out_dtype is not None else None
+    moved = [0.0, 0.0, 0.0]
     for i, g in enumerate(grads):
+        before = [t.double() for t in (master, exp_avg, exp_avg_sq)]
         found = adam_step(
             master, exp_avg, exp_avg_sq, g, step=first_step + i, adamw=adamw, out=out, impl=impl, **hp, **kw
         )
         assert found is False
+        for j, (t, b) in enumerate(zip((master, exp_avg, exp_avg_sq), before)):
+            moved[j] = max(moved[j], (t.double() - b).abs().max().item())
+    if moves is not None:
+        moves.extend([*moved, moved[0]])
     return master, exp_avg, exp_avg_sq, out
 
 
@@ -71,8 +80,9 @@ def assert_bits_equal(a, b):
     assert torch.equal(a.view(ints), b.view(ints)), f"{(a.float() != b.float()).sum().item()} elements differ"
 
 
-# -- compiled and native kernels == reference, bit for bit (NOTE [FMA parity]; the native one's
-# parity is what makes it the default, NOTE [Native default]) ------------------------------------------
+# -- compiled and native kernels == reference, bit for bit where torch's eager kernels fuse the same
+# multiply-adds, else to rounding (NOTE [FMA parity], tests/tolerance.py; the native one's parity is
+# what makes it the default, NOTE [Native default]) ------------------------------------------------------
 @pytest.mark.parametrize("impl", ["compiled", "native"])
 @settings(max_examples=30, deadline=None)
 @given(
@@ -84,20 +94,21 @@ def assert_bits_equal(a, b):
     small_chunks=st.booleans(),
     data=st.data(),
 )
-def test_kernel_is_bit_identical_to_reference(impl, n, hp, variant, seed, scale, small_chunks, data):
+def test_kernel_agrees_with_reference(impl, n, hp, variant, seed, scale, small_chunks, data):
     grad_dtype, out_dtype, adamw, beta1s = variant
     hp = {**hp, "beta1": data.draw(st.sampled_from(beta1s))}
     state = make_state(n, seed, FP32)[:3]
     grads = make_state(n, seed + 1, grad_dtype, steps=3)[3]
     kw = dict(grad_scale=scale[0], clip_coef=scale[1])
-    want = run("reference", state, grads, hp, adamw=adamw, out_dtype=out_dtype, first_step=4, **kw)
+    moves: list[float] = []
+    want = run("reference", state, grads, hp, adamw=adamw, out_dtype=out_dtype, first_step=4, moves=moves, **kw)
     with pytest.MonkeyPatch.context() as mp:
         if small_chunks:  # the compiled kernel: many chunks, a tail, and a would-be chunk of one element
             mp.setattr(_compiled, "CHUNK", 64)
         got = run(impl, state, grads, hp, adamw=adamw, out_dtype=out_dtype, first_step=4, **kw)
-    for w, g in zip(want, got):
+    for w, g, moved in zip(want, got, moves):
         if w is not None:
-            assert_bits_equal(g, w)
+            assert_kernel_agrees(g, w, steps=len(grads), step_size=moved)
     if out_dtype is not None:  # out is exactly the updated master, converted
         assert_bits_equal(got[3], got[0].to(out_dtype))
 
@@ -237,8 +248,11 @@ def test_default_path_matches_torch_adamw():
         adam_step(*ours, g, step=i + 1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, out=out)
     tol = steps * 2.0**-22
     torch.testing.assert_close(ours[0], p.detach(), rtol=tol, atol=tol * 4e-3)
-    assert_bits_equal(ours[1], opt.state[p]["exp_avg"])
-    assert_bits_equal(ours[2], opt.state[p]["exp_avg_sq"])
+    # the moments: the same fused multiply-adds as torch's where its kernels fuse them, else a step
+    # moves m by at most (1 - beta1) * 2 * max|g| and v by (1 - beta2) * 2 * max g**2
+    g_max = max(g.float().abs().max().item() for g in grads)
+    assert_kernel_agrees(ours[1], opt.state[p]["exp_avg"], steps=steps, step_size=0.1 * 2 * g_max)
+    assert_kernel_agrees(ours[2], opt.state[p]["exp_avg_sq"], steps=steps, step_size=0.05 * 2 * g_max**2)
     assert_bits_equal(out, ours[0].to(BF16))
 
 
@@ -396,7 +410,7 @@ def test_no_recompile_across_sizes_offsets_and_hyperparameters():
 def test_worker_threads_while_main_thread_computes():
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
     jobs = [(make_state(30_011 + k, k)[:3], make_state(30_011 + k, k + 9, BF16, steps=4)[3]) for k in range(3)]
-    want = [run("reference", s, g, hp, out_dtype=BF16) for s, g in jobs]
+    want = [run(None, s, g, hp, out_dtype=BF16) for s, g in jobs]  # the same kernel, on the main thread alone
     got, errors = [None] * len(jobs), []
 
     def work(k):

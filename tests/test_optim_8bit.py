@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tolerance import assert_within, fma_parity
 from torch import nn
 
 from tiermem import ConfigError
@@ -201,6 +202,7 @@ def _state(n: int, seed: int):
     return [*quantize_blockwise(m, True), *quantize_blockwise(v, False)]
 
 
+@pytest.mark.numerics
 @settings(max_examples=25, deadline=None)
 @given(
     n=st.sampled_from([1, 255, 256, 257, 4096, 70_001]),
@@ -210,16 +212,23 @@ def _state(n: int, seed: int):
     beta1=st.sampled_from([0.9, 0.3]),
     seed=st.integers(0, 2**16),
 )
-def test_native_kernel_is_bit_identical_to_reference(n, grad_dtype, bf16_master, adamw, beta1, seed):
+def test_native_kernel_agrees_with_reference(n, grad_dtype, bf16_master, adamw, beta1, seed):
+    """Bit for bit where torch's eager kernels fuse the multiply-adds the native one does (NOTE [FMA
+    parity]); else one step to rounding: the weights to NOTE [Arithmetic tolerances] (a step updates
+    them from the fp32 moments), a code at most one apart (a moment a rounding apart may land on the
+    neighbouring code), the scales to rounding. Not more steps there: after a flipped code the next
+    update moves by lr * (one code's step) / sqrt(v), a quantization step, not a rounding."""
     gen = torch.Generator().manual_seed(seed)
     master0 = torch.randn(n, generator=gen).to(BF16 if bf16_master else torch.float32)
     state0 = _state(n, seed)
     grads = [(torch.randn(n, generator=gen) * 0.1).to(grad_dtype) for _ in range(3)]
+    grads = grads if fma_parity() else grads[:1]
     sr = StochasticRound.for_parameter(seed, "w") if bf16_master else None
-    results = []
+    results, moved = [], 0.0
     for impl in ("native", "reference"):
         master, state, out = master0.clone(), [t.clone() for t in state0], torch.empty(n, dtype=BF16)
         for i, g in enumerate(grads):
+            before = master.double()
             adam8bit_step(
                 master,
                 *state,
@@ -233,9 +242,17 @@ def test_native_kernel_is_bit_identical_to_reference(n, grad_dtype, bf16_master,
                 clip_coef=0.5,
                 impl=impl,
             )
+            moved = max(moved, (master.double() - before).abs().max().item())
         results.append([master, *state, out])
     for got, want in zip(*results):
-        assert_bits_equal(got, want)
+        if fma_parity():
+            assert_bits_equal(got, want)
+        elif got.dtype == torch.uint8:
+            assert (got.int() - want.int()).abs().max().item() <= 1
+        elif got is results[0][2] or got is results[0][4]:  # the scales: each a rounding of its block's largest
+            assert_within(got, want, steps=len(grads), step_size=want.abs().max().item())
+        else:
+            assert_within(got, want, steps=len(grads), step_size=moved)
 
 
 def test_one_step_against_fp32_adam():

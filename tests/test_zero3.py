@@ -15,7 +15,7 @@ import pytest
 import torch
 from models import TinyGPT, gpt_loss
 from ranks import run_ranks
-from test_data_parallel import STEPS, _batch, _max_diff, _torch_spread
+from test_data_parallel import NO_SYNC, STEPS, _assert_rounding_apart, _batch, _max_diff
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -323,11 +323,10 @@ def test_two_ranks_train_like_one_process_accumulating_both(z3, setup):
     solo = TieredModel(
         TinyGPT(), ZeroOffload(), optimizer=AdamW(lr=1e-2, weight_decay=0.1), precision="fp32", bucket_size=3000
     )
-    spread = max(_torch_spread(), 1e-7)
     for i, ((res0, sd0), (res1, sd1)) in enumerate(zip(ranks[0]["states"], ranks[1]["states"])):
         solo_results.append(_train(solo, 0, 1, range(i, i + 1))[0])
         assert all(torch.equal(sd0[k], sd1[k]) for k in sd0)  # the ranks agree bit for bit
-        assert _max_diff(sd0, solo.state_dict()) <= spread, (i, spread)
+        _assert_rounding_apart(sd0, solo.state_dict(), steps=i + 1)
         assert res0 == res1 and res0.grad_norm == pytest.approx(solo_results[-1].grad_norm, rel=1e-6)
     assert ranks[0]["on_demand"] == {}  # after the first step every bucket was gathered ahead of use
 
@@ -398,14 +397,14 @@ def test_a_model_that_fits_two_ranks_but_not_one(z3):
 def test_no_sync_communicates_once_with_the_same_result(z3):
     (plain, sent_plain), (once, sent_once) = (z3[3][0]["variants"][f"no_sync={u}"] for u in (False, True))
     assert sent_once < sent_plain
-    assert _max_diff(plain, once) <= max(_torch_spread(2), 1e-7)
+    _assert_rounding_apart(plain, once, steps=2, batches=NO_SYNC)
 
 
 def test_overlap_step_trains_like_one_process_with_overlap_step(z3):
     a, b = (r["variants"]["overlap"] for r in z3[3])
     assert all(torch.equal(a[k], b[k]) for k in a)
     solo = _solo(grad_clip=1.0, overlap_step=True)
-    assert _max_diff(a, solo.state_dict()) <= max(_torch_spread(), 1e-7)
+    _assert_rounding_apart(a, solo.state_dict())
     assert _max_diff(a, _solo(grad_clip=1.0).state_dict()) > 1e-4  # a delayed update is not the plain one
 
 
@@ -425,7 +424,7 @@ def test_sharded_weights_beside_a_device_master_are_rounded_from_it(z3):
 def test_gradient_checkpointing(z3, reentrant):
     a, b = (r["variants"][f"checkpoint reentrant={reentrant}"] for r in z3[3])
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert _max_diff(a, _solo().state_dict()) <= max(_torch_spread(), 1e-7)
+    _assert_rounding_apart(a, _solo().state_dict())
 
 
 def test_eval_between_steps(z3):
@@ -441,7 +440,7 @@ def test_eval_between_steps(z3):
         with torch.no_grad():
             assert (solo(_batch(7, 0)[0]).float() - e).abs().max() <= 1e-5
         solo.train()
-    assert _max_diff(sd, solo.state_dict()) <= max(_torch_spread(), 1e-7)
+    _assert_rounding_apart(sd, solo.state_dict())
 
 
 def test_grads_on_nvme_under_data_parallelism(z3):
