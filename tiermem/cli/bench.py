@@ -126,7 +126,7 @@ class _Results:
             "schema": profile.SCHEMA,
             "tiermem": __version__,
             "torch": torch.__version__,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "quick": quick,
             "noisy_cv": measure.NOISY_CV,
             "device": {},

@@ -88,7 +88,7 @@ def measure_matmul(device: torch.device) -> dict[str, Any]:
         "conditions": conditions(device),
         "cpu_shape": list(CPU_SHAPE),
         "cpu_threads": 1,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     flop = 2 * math.prod(CPU_SHAPE)
     threads = torch.get_num_threads()

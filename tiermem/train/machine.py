@@ -97,7 +97,7 @@ def measure(device: torch.device, nvme_dir: Optional[str]) -> dict:
         "schema": SCHEMA,
         "quick": True,
         "source": "measured on first use by the cost model",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": {"copy_GBps": round(host, 4)},
         "device": {"accelerator": None},
         "nvme": {},
