@@ -11,10 +11,11 @@ device, :class:`~tiermem.transfer.gather_schedule.GatherSchedule` for gathers of
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from typing import Iterable, Mapping, Optional, Sequence
 
-__all__ = ["AccessTrace", "TraceFollower", "choose_victim", "lookahead_window"]
+__all__ = ["AccessTrace", "AbsentAhead", "TraceFollower", "choose_victim", "lookahead_window"]
 
 
 class AccessTrace:
@@ -43,6 +44,46 @@ class AccessTrace:
             return math.inf
         i = bisect.bisect_left(at, pos)
         return at[i] if i < len(at) else at[0] + len(self.keys)
+
+    def last_position(self, key: str) -> int:
+        """Position of ``key``'s last access in the trace (-1: never accessed)."""
+        at = self._positions.get(key)
+        return at[-1] if at else -1
+
+
+class AbsentAhead:
+    """The keys of a trace that may be missing from the fast tier, answering "is any of them used
+    at or after ``pos``?" in O(log n) (NOTE [Fetch-ahead in O(window)] in
+    :mod:`tiermem.transfer.schedule`). Over-reporting is allowed (a key here may be resident: the
+    caller then looks and finds nothing to do); under-reporting is not. A max-heap of last
+    positions, its entries for keys since discarded dropped when they reach the top."""
+
+    def __init__(self, trace: AccessTrace, keys: Iterable[str] = ()):
+        self.trace = trace
+        self._keys: set[str] = set()
+        self._heap: list[tuple[int, str]] = []
+        for key in keys:
+            self.add(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def add(self, key: str) -> None:
+        """``key`` may be missing now (a key the trace never uses is left out: never needed)."""
+        if key not in self._keys and key in self.trace:
+            self._keys.add(key)
+            heapq.heappush(self._heap, (-self.trace.last_position(key), key))
+
+    def discard(self, key: str) -> None:
+        """``key`` is resident, or on its way (until :meth:`add` says otherwise)."""
+        self._keys.discard(key)
+
+    def any_from(self, pos: int) -> bool:
+        """Whether a key that may be missing is accessed at trace position ``pos`` or later."""
+        heap = self._heap
+        while heap and heap[0][1] not in self._keys:
+            heapq.heappop(heap)
+        return bool(heap) and -heap[0][0] >= pos
 
 
 class TraceFollower:

@@ -22,6 +22,20 @@ does not fit, the tier's other reclaimers are asked once (gradients still being 
 device bytes until their copy lands: a slow copy lane, e.g. on a busy CPU, must not turn a budget
 that fits into a refusal); if it still does not fit, the working set itself is too large and the
 error says by how much.
+
+# NOTE [Fetch-ahead in O(window)]
+Every acquire fetches ahead, so its cost must not grow with the number of managed tensors, only
+with the window. The bytes the scheduler's tensors hold on the tier are a running total the
+ledger keeps (``HeldTotal``: it also drops a key when its copy there is released, whoever
+releases it). The keys of the trace that may be missing from the tier are an ``AbsentAhead``,
+rebuilt from the registry when an iteration ends and kept since: a key joins it when the ledger
+releases its copy (an eviction, a new value written home, a failed move, a deletion) and leaves
+it when this scheduler fetches it or sees it resident among the keys it tracks. A key brought by
+others and not tracked stays in it (over-reporting costs a look, never a decision). If no such
+key is used from the trace position on, every key of the window is resident or on its way and
+the fetch-ahead would do nothing, so it returns without computing the window; otherwise it
+computes the window exactly as before. Victims are chosen among the released keys only when
+room is short, from the candidates listed then.
 """
 
 from __future__ import annotations
@@ -31,17 +45,17 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from tiermem.budgets import ByteSize, parse_bytes
 from tiermem.errors import ConfigError, OutOfTierMemory, TierMemError, fmt_bytes
 from tiermem.handles import Handle
-from tiermem.memory.ledger import Reclaimer
+from tiermem.memory.ledger import HeldTotal, Reclaimer
 from tiermem.memory.registry import Residency
 from tiermem.memory.resident import MemoryStore, nbytes_of
-from tiermem.transfer.decisions import AccessTrace, TraceFollower, choose_victim, lookahead_window
+from tiermem.transfer.decisions import AbsentAhead, AccessTrace, TraceFollower, choose_victim, lookahead_window
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.types import Tier
 
@@ -125,7 +139,8 @@ class ResidencyScheduler(Reclaimer):
         self.current = ScheduleStats()
         self._lock = threading.RLock()
         self._pins: dict[str, int] = {}  # acquired key -> open acquires
-        self._managed: set[str] = set()  # keys this scheduler placed on the tier
+        self._held = HeldTotal()  # keys this scheduler placed on the tier, and their bytes there (kept by the ledger)
+        self._absent: Optional[AbsentAhead] = None  # NOTE [Fetch-ahead in O(window)]
         self._sizes: dict[str, int] = {}
         self._last_used: dict[str, int] = {}
         self._clock = 0
@@ -146,6 +161,7 @@ class ResidencyScheduler(Reclaimer):
                 f"build the engine with a store for {self.tier}"
             )
         self._connected = (residency, store)
+        self._held = store.ledger.held_total_of()
         return self
 
     @property
@@ -257,6 +273,7 @@ class ResidencyScheduler(Reclaimer):
                     len(old),
                 )
             self._follow.close_iteration()
+            self._absent = None  # rebuilt from the registry by the next fetch-ahead
             self.history.append(self.current)
             self.current = ScheduleStats()
             self._fetch_ahead()
@@ -274,7 +291,7 @@ class ResidencyScheduler(Reclaimer):
             try:
                 ledger = self._store.ledger
                 free_wanted = ledger.allowed - ledger.used + nbytes  # what is free now, plus what is missing
-                self._make_room("<reclaim>", free_wanted, candidates=self._evictable(), required=False)
+                self._make_room("<reclaim>", free_wanted, candidates=self._evictable, required=False)
             finally:
                 self._reclaiming = False
 
@@ -322,9 +339,27 @@ class ResidencyScheduler(Reclaimer):
         return sorted(k for k, n in self._pins.items() if n)
 
     def _evictable(self) -> list[str]:
-        registry, store = self.residency.registry, self._store  # once, not per key: this runs on every acquire
-        self._managed = {k for k in self._managed if k in registry and k in store}
-        return [k for k in self._managed if k not in self._pins]
+        """The managed keys not acquired: listed only when room is short (NOTE [Fetch-ahead in O(window)])."""
+        registry, store = self.residency.registry, self._store
+        return [k for k in store.ledger.tracked(self._held) if k not in self._pins and k in registry and k in store]
+
+    def _manage(self, key: str) -> None:
+        """``key``'s copy on the tier is resident or on its way, and evictable once released."""
+        self._store.ledger.track(self._held, key)
+        if self._absent is not None:
+            self._absent.discard(key)
+
+    def _absent_ahead(self, trace: AccessTrace) -> AbsentAhead:
+        """The trace's keys that may be missing from the tier, up to date (NOTE [Fetch-ahead in O(window)])."""
+        ledger, absent = self._store.ledger, self._absent
+        released = ledger.drain_released(self._held)
+        if absent is None or absent.trace is not trace:
+            registry, tracked, tier = self.residency.registry, set(ledger.tracked(self._held)), self.tier
+            here = {k for k in tracked if k in registry and _here(registry.get(k), tier)}
+            absent = self._absent = AbsentAhead(trace, (k for k in dict.fromkeys(trace.keys) if k not in here))
+        for key in released:
+            absent.add(key)
+        return absent
 
     # -- moves --------------------------------------------------------------------------------
     def _make_resident(self, r: Residency) -> Handle:
@@ -339,25 +374,35 @@ class ResidencyScheduler(Reclaimer):
             handle = self.residency.prefetch(key, self.tier)  # joins the move in flight
         else:
             stats.misses += 1
-            self._make_room(key, self._new_bytes(key), candidates=self._evictable(), required=True)
+            self._make_room(key, self._new_bytes(key), candidates=self._evictable, required=True)
             handle = self.residency.prefetch(key, self.tier)
             stats.bytes_fetched += self._sizes[key]
-        self._managed.add(key)  # evictable once released, whoever brought it here
+        self._manage(key)  # evictable once released, whoever brought it here
         return handle
 
     def _fetch_ahead(self) -> None:
         trace = self._follow.following()
         if not self.prefetch or trace is None:
             return
-        registry = self.residency.registry
+        absent = self._absent_ahead(trace)
+        if not absent.any_from(self._follow.pos):
+            return  # everything ahead is resident or on its way: the window would need nothing
+        registry, tracked = self.residency.registry, self._held.keys  # `in` on it is atomic
         window = lookahead_window(trace, self._follow.pos, self._sizes, self._window_limit(), skip=self._pins)
         upcoming = set(window)
-        outside = [k for k in self._evictable() if k not in upcoming]
+        listed: list[list[str]] = []
+
+        def outside() -> list[str]:  # listed once, when room is first short
+            if not listed:
+                listed.append([k for k in self._evictable() if k not in upcoming])
+            return listed[0]
+
         for key in window:
             if key not in registry:
                 continue  # deleted since the trace was recorded
-            r = registry.get(key)
-            if self.tier in r.valid or (r.in_flight is not None and r.in_flight[1] == self.tier):
+            if _here(registry.get(key), self.tier):
+                if key in tracked:
+                    absent.discard(key)
                 continue
             if not self._make_room(key, self._new_bytes(key), candidates=outside, required=False):
                 return
@@ -366,7 +411,7 @@ class ResidencyScheduler(Reclaimer):
             except OutOfTierMemory:  # another user of the tier took the room meanwhile
                 log.debug("tiermem: no room to prefetch %r ahead; it will be fetched on demand", key)
                 return
-            self._managed.add(key)
+            self._manage(key)
             self._touch(key)
             self.current.prefetches += 1
             self.current.bytes_prefetched += self._sizes[key]
@@ -379,17 +424,19 @@ class ResidencyScheduler(Reclaimer):
         """Bytes the tensors fetched ahead may take: the budget less what is acquired and what
         tensors outside this scheduler hold on the tier, capped by ``lookahead_bytes``."""
         ledger = self._store.ledger
-        managed = ledger.held_total(self._managed)
+        managed = self._held.total  # a running total: NOTE [Fetch-ahead in O(window)]
         pinned = ledger.held_total(self._pins)
         room = ledger.allowed - (ledger.used - managed) - pinned
         return room if self.lookahead_bytes is None else min(room, self.lookahead_bytes)
 
-    def _make_room(self, key: str, nbytes: int, *, candidates: list[str], required: bool) -> bool:
-        """Evict from ``candidates`` until ``nbytes`` fit on the tier. NOTE [Room before allocation]"""
-        ledger, asked_others = self._store.ledger, False
+    def _make_room(self, key: str, nbytes: int, *, candidates: Callable[[], list[str]], required: bool) -> bool:
+        """Evict from ``candidates()`` (listed once, if room is short) until ``nbytes`` fit on the
+        tier. NOTE [Room before allocation]"""
+        ledger, asked_others, listed = self._store.ledger, False, None
         while ledger.allowed - ledger.used < nbytes:
+            listed = candidates() if listed is None else listed
             trace = self._follow.following() if self.eviction == "belady" else None
-            victim = choose_victim(candidates, self._last_used, trace=trace, pos=self._follow.pos)
+            victim = choose_victim(listed, self._last_used, trace=trace, pos=self._follow.pos)
             if victim is None and required and not asked_others and any(r is not self for r in ledger.reclaimers):
                 asked_others = True  # bytes in flight elsewhere (grads still copying home) go once they land
                 self._ask_others(nbytes - (ledger.allowed - ledger.used))
@@ -398,7 +445,7 @@ class ResidencyScheduler(Reclaimer):
                 if required:
                     raise self._too_small(key, nbytes)
                 return False
-            candidates.remove(victim)
+            listed.remove(victim)
             self._evict(victim)
         return True
 
@@ -419,7 +466,7 @@ class ResidencyScheduler(Reclaimer):
         t0 = time.perf_counter()
         handle.wait()  # ordering: the bytes count against the budget until the write-back lands
         self.current.stall_seconds += time.perf_counter() - t0
-        self._managed.discard(key)
+        self._store.ledger.untrack(self._held, key)
         self.current.evictions += 1
         self.current.bytes_evicted += nbytes
         if writeback:
@@ -445,3 +492,8 @@ class ResidencyScheduler(Reclaimer):
             f"{fmt_bytes(working)} on {tier}{besides}, budget {fmt_bytes(ledger.allowed)}; "
             f"raise Budgets({tier}=...) to at least {fmt_bytes(needed)}",
         )
+
+
+def _here(r: Residency, tier: Tier) -> bool:
+    """``r`` has a valid copy on ``tier``, or one on its way there."""
+    return tier in r.valid or (r.in_flight is not None and r.in_flight[1] == tier)
