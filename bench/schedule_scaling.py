@@ -16,8 +16,9 @@ Setups, each at N = 64 and N = 1,024:
 - same total: 16 MiB in all, so a tensor is 256 KiB at 64 and 16 KiB at 1,024;
 - same size: 16 KiB a tensor, so 1 MiB in all at 64 and 16 MiB at 1,024;
 
-each with a device budget of (a) 8 tensors (a small window: every acquire evicts and prefetches)
-and (b) every tensor (everything stays once fetched). Runs alternate 64 and 1,024 and the figure
+each with a device budget of (a) 8 tensors (a small window: every acquire evicts and prefetches),
+(b) every tensor (everything stays once fetched) and (c) half the tensors with ``lookahead_bytes``
+of 8 (a small window, many released tensors to choose victims among). Runs alternate 64 and 1,024 and the figure
 is the fastest of ``--repeats`` (the machine is shared). The ratios 1,024 / 64 come last.
 """
 
@@ -37,8 +38,8 @@ from tiermem.transfer.schedule import ResidencyScheduler, ScheduleStats
 KiB, MiB = 2**10, 2**20
 
 
-def build(n: int, nbytes: int, budget: int) -> tuple[ResidencyScheduler, KeyedResidency]:
-    sched = ResidencyScheduler()
+def build(n: int, nbytes: int, budget: int, **options) -> tuple[ResidencyScheduler, KeyedResidency]:
+    sched = ResidencyScheduler(**options)
     engine = TransferEngine({Tier.DEVICE: DeviceStore("cpu", budget, reclaimers=(sched,)), Tier.HOST: HostStore()})
     res = KeyedResidency(engine)
     numel = nbytes // 4
@@ -65,11 +66,13 @@ def one_step(sched: ResidencyScheduler, keys: list[str]) -> tuple[float, int]:
     return spent, 2 * len(keys)
 
 
-def measure(n: int, nbytes: int, window: int | None, steps: int) -> tuple[float, ScheduleStats]:
+def measure(n: int, nbytes: int, window: int | str | None, steps: int) -> tuple[float, ScheduleStats]:
     """Microseconds of scheduler CPU per acquire over ``steps`` replayed steps; ``window``: the
-    budget in tensors (None: all of them)."""
-    budget = nbytes * (n if window is None else window)
-    sched, res = build(n, nbytes, budget)
+    budget in tensors (None: all of them; "half": half of them, 8 fetched ahead)."""
+    if window == "half":
+        sched, res = build(n, nbytes, nbytes * (n // 2), lookahead_bytes=8 * nbytes)
+    else:
+        sched, res = build(n, nbytes, nbytes * (n if window is None else int(window)))
     keys = [f"layers.{i}.weight" for i in range(n)]
     try:
         one_step(sched, keys)  # records the trace
@@ -98,7 +101,11 @@ def main() -> None:
         ("same total (16 MiB)", lambda n: 16 * MiB // n),
         ("same size (16 KiB)", lambda n: 16 * KiB),
     ]
-    windows = [("window 8", 8), ("budget holds all", None)]
+    windows: list[tuple[str, int | str | None]] = [
+        ("window 8", 8),
+        ("budget holds all", None),
+        ("half, 8 ahead", "half"),
+    ]
     print(f"scheduler CPU per acquire (us, main thread), fastest of {repeats}, {steps} replayed steps each")
     print(f"{'setup':22s} {'budget':17s} {'N':>5s} {'tensor':>8s} {'us/acq':>8s} {'ahead':>6s} {'evicted':>8s}")
     ratios = []

@@ -13,7 +13,7 @@ import torch
 
 from tiermem import TensorClass, TensorInfo, Tier
 from tiermem.memory.resident import DeviceStore, HostStore
-from tiermem.transfer.decisions import AbsentAhead, AccessTrace, lookahead_window
+from tiermem.transfer.decisions import AbsentAhead, AccessTrace, VictimQueue, choose_victim, lookahead_window
 from tiermem.transfer.engine import TransferEngine
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import ResidencyScheduler
@@ -23,7 +23,8 @@ KiB = 1024
 
 class _Reference(ResidencyScheduler):
     """The fetch-ahead as it was before: the managed set filtered, the window and the candidates
-    outside it computed, and the held bytes summed, on every acquire."""
+    outside it computed, and the held bytes summed, on every acquire; victims chosen by scanning
+    the candidates."""
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -41,6 +42,24 @@ class _Reference(ResidencyScheduler):
         registry, store = self.residency.registry, self._store
         self._ref_managed = {k for k in self._ref_managed if k in registry and k in store}
         return [k for k in self._ref_managed if k not in self._pins]
+
+    def _make_room(self, key, nbytes, *, excluded=None, candidates=None, required):
+        ledger, asked_others = self._store.ledger, False
+        listed = self._evictable() if candidates is None else candidates()
+        while ledger.allowed - ledger.used < nbytes:
+            trace = self._follow.following() if self.eviction == "belady" else None
+            victim = choose_victim(listed, self._last_used, trace=trace, pos=self._follow.pos)
+            if victim is None and required and not asked_others and any(r is not self for r in ledger.reclaimers):
+                asked_others = True
+                self._ask_others(nbytes - (ledger.allowed - ledger.used))
+                continue
+            if victim is None:
+                if required:
+                    raise self._too_small(key, nbytes)
+                return False
+            listed.remove(victim)
+            self._evict(victim)
+        return True
 
     def _fetch_ahead(self) -> None:
         trace = self._follow.following()

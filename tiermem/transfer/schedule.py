@@ -24,18 +24,16 @@ that fits into a refusal); if it still does not fit, the working set itself is t
 error says by how much.
 
 # NOTE [Fetch-ahead in O(window)]
-Every acquire fetches ahead, so its cost must not grow with the number of managed tensors, only
-with the window. The bytes the scheduler's tensors hold on the tier are a running total the
-ledger keeps (``HeldTotal``: it also drops a key when its copy there is released, whoever
-releases it). The keys of the trace that may be missing from the tier are an ``AbsentAhead``,
-rebuilt from the registry when an iteration ends and kept since: a key joins it when the ledger
-releases its copy (an eviction, a new value written home, a failed move, a deletion) and leaves
-it when this scheduler fetches it or sees it resident among the keys it tracks. A key brought by
-others and not tracked stays in it (over-reporting costs a look, never a decision). If no such
-key is used from the trace position on, every key of the window is resident or on its way and
-the fetch-ahead would do nothing, so it returns without computing the window; otherwise it
-computes the window exactly as before. Victims are chosen among the released keys only when
-room is short, from the candidates listed then.
+Each acquire's cost grows with the window, not with the managed tensors. The bytes they hold on
+the tier are a running total the ledger keeps (``HeldTotal``, which drops a key when its copy
+there is released, whoever releases it). The trace's keys that may be missing from the tier are
+an ``AbsentAhead``, rebuilt from the registry when an iteration ends: a key joins it when the
+ledger releases its copy (eviction, a new value written home, a failed move, deletion) and leaves
+it when fetched, or seen resident while tracked (one brought by others stays: over-reporting
+costs a look, never a decision). If none is used from the position on, every key of the window
+is resident or on its way and the fetch-ahead returns without computing it; else it computes the
+window as before. Victims come from a ``VictimQueue`` (NOTE [Victims in order]): the key
+``choose_victim`` would pick among the candidates, without listing them.
 """
 
 from __future__ import annotations
@@ -55,7 +53,8 @@ from tiermem.handles import Handle
 from tiermem.memory.ledger import HeldTotal, Reclaimer
 from tiermem.memory.registry import Residency
 from tiermem.memory.resident import MemoryStore, nbytes_of
-from tiermem.transfer.decisions import AbsentAhead, AccessTrace, TraceFollower, choose_victim, lookahead_window
+from tiermem.transfer.decisions import choose_victim  # noqa: F401  (importable from here too)
+from tiermem.transfer.decisions import AbsentAhead, AccessTrace, TraceFollower, VictimQueue, lookahead_window
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.types import Tier
 
@@ -144,6 +143,7 @@ class ResidencyScheduler(Reclaimer):
         self._sizes: dict[str, int] = {}
         self._last_used: dict[str, int] = {}
         self._clock = 0
+        self._victims = VictimQueue(self._last_used, self._tracked, belady=eviction == "belady")
         self._reclaiming = False
 
     def connect(self, residency: KeyedResidency) -> "ResidencyScheduler":
@@ -272,7 +272,9 @@ class ResidencyScheduler(Reclaimer):
                     len(recorded),
                     len(old),
                 )
+            ended_at = self._follow.pos
             self._follow.close_iteration()
+            self._victims.next_iteration(self._follow.following(), ended_at)
             self._absent = None  # rebuilt from the registry by the next fetch-ahead
             self.history.append(self.current)
             self.current = ScheduleStats()
@@ -291,14 +293,14 @@ class ResidencyScheduler(Reclaimer):
             try:
                 ledger = self._store.ledger
                 free_wanted = ledger.allowed - ledger.used + nbytes  # what is free now, plus what is missing
-                self._make_room("<reclaim>", free_wanted, candidates=self._evictable, required=False)
+                self._make_room("<reclaim>", free_wanted, excluded=self._pins.__contains__, required=False)
             finally:
                 self._reclaiming = False
 
     def evict_all(self) -> None:
         """Evict every released managed tensor from the tier, writing modified ones back home."""
         with self._lock:
-            for key in list(self._evictable()):
+            for key in [k for k in self._tracked() if k not in self._pins and self._evictable_key(k)]:
                 self._evict(key)
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -317,6 +319,7 @@ class ResidencyScheduler(Reclaimer):
         trace, at = self._follow.following(), self._follow.pos
         self._follow.record(key)
         if trace is not None and self._follow.following() is None:
+            self._victims.follow(None)  # least recently used first until the iteration ends
             log.debug(
                 "tiermem: access %d is %r, the trace expected %r; falling back to LRU without "
                 "prefetch until the iteration ends",
@@ -328,6 +331,7 @@ class ResidencyScheduler(Reclaimer):
     def _touch(self, key: str) -> None:
         self._clock += 1
         self._last_used[key] = self._clock
+        self._victims.touched(key, self._follow.pos)
 
     def _unpin(self, key: str) -> None:
         n = self._pins.pop(key)
@@ -338,10 +342,12 @@ class ResidencyScheduler(Reclaimer):
         """The keys acquired and not yet released (a module running, or autograd unpacking)."""
         return sorted(k for k, n in self._pins.items() if n)
 
-    def _evictable(self) -> list[str]:
-        """The managed keys not acquired: listed only when room is short (NOTE [Fetch-ahead in O(window)])."""
-        registry, store = self.residency.registry, self._store
-        return [k for k in store.ledger.tracked(self._held) if k not in self._pins and k in registry and k in store]
+    def _tracked(self) -> list[str]:
+        return [] if self._connected is None else self._store.ledger.tracked(self._held)
+
+    def _evictable_key(self, key: str) -> bool:
+        """``key`` is managed and still here (the acquired ones are excluded by the caller)."""
+        return key in self._held.keys and key in self.residency.registry and key in self._store
 
     def _manage(self, key: str) -> None:
         """``key``'s copy on the tier is resident or on its way, and evictable once released."""
@@ -374,7 +380,7 @@ class ResidencyScheduler(Reclaimer):
             handle = self.residency.prefetch(key, self.tier)  # joins the move in flight
         else:
             stats.misses += 1
-            self._make_room(key, self._new_bytes(key), candidates=self._evictable, required=True)
+            self._make_room(key, self._new_bytes(key), excluded=self._pins.__contains__, required=True)
             handle = self.residency.prefetch(key, self.tier)
             stats.bytes_fetched += self._sizes[key]
         self._manage(key)  # evictable once released, whoever brought it here
@@ -389,13 +395,10 @@ class ResidencyScheduler(Reclaimer):
             return  # everything ahead is resident or on its way: the window would need nothing
         registry, tracked = self.residency.registry, self._held.keys  # `in` on it is atomic
         window = lookahead_window(trace, self._follow.pos, self._sizes, self._window_limit(), skip=self._pins)
-        upcoming = set(window)
-        listed: list[list[str]] = []
+        upcoming, pins = set(window), self._pins
 
-        def outside() -> list[str]:  # listed once, when room is first short
-            if not listed:
-                listed.append([k for k in self._evictable() if k not in upcoming])
-            return listed[0]
+        def outside(k: str) -> bool:
+            return k in pins or k in upcoming
 
         for key in window:
             if key not in registry:
@@ -404,7 +407,7 @@ class ResidencyScheduler(Reclaimer):
                 if key in tracked:
                     absent.discard(key)
                 continue
-            if not self._make_room(key, self._new_bytes(key), candidates=outside, required=False):
+            if not self._make_room(key, self._new_bytes(key), excluded=outside, required=False):
                 return
             try:
                 self.residency.prefetch(key, self.tier)
@@ -429,14 +432,12 @@ class ResidencyScheduler(Reclaimer):
         room = ledger.allowed - (ledger.used - managed) - pinned
         return room if self.lookahead_bytes is None else min(room, self.lookahead_bytes)
 
-    def _make_room(self, key: str, nbytes: int, *, candidates: Callable[[], list[str]], required: bool) -> bool:
-        """Evict from ``candidates()`` (listed once, if room is short) until ``nbytes`` fit on the
+    def _make_room(self, key: str, nbytes: int, *, excluded: Callable[[str], bool], required: bool) -> bool:
+        """Evict released managed keys, but not ``excluded`` ones, until ``nbytes`` fit on the
         tier. NOTE [Room before allocation]"""
-        ledger, asked_others, listed = self._store.ledger, False, None
+        ledger, asked_others = self._store.ledger, False
         while ledger.allowed - ledger.used < nbytes:
-            listed = candidates() if listed is None else listed
-            trace = self._follow.following() if self.eviction == "belady" else None
-            victim = choose_victim(listed, self._last_used, trace=trace, pos=self._follow.pos)
+            victim = self._victims.victim(self._evictable_key, excluded)
             if victim is None and required and not asked_others and any(r is not self for r in ledger.reclaimers):
                 asked_others = True  # bytes in flight elsewhere (grads still copying home) go once they land
                 self._ask_others(nbytes - (ledger.allowed - ledger.used))
@@ -445,7 +446,6 @@ class ResidencyScheduler(Reclaimer):
                 if required:
                     raise self._too_small(key, nbytes)
                 return False
-            listed.remove(victim)
             self._evict(victim)
         return True
 
