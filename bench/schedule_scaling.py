@@ -10,6 +10,8 @@ The figure is the calling thread's CPU seconds (``time.thread_time``) spent insi
 and ``release``, divided by the number of acquires: the scheduler's decisions plus the moves it
 asks for on this thread (allocation, submission). The engine's copy threads are not counted
 (their work is per byte, and the bytes are the same at both counts in the "same total" rows).
+As CPU time on a busy machine varies, one more step is run under cProfile and the Python calls
+made per acquire on the calling thread are shown too: a count of work that load does not change.
 
 Setups, each at N = 64 and N = 1,024:
 
@@ -25,6 +27,8 @@ is the fastest of ``--repeats`` (the machine is shared). The ratios 1,024 / 64 c
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -66,7 +70,7 @@ def one_step(sched: ResidencyScheduler, keys: list[str]) -> tuple[float, int]:
     return spent, 2 * len(keys)
 
 
-def measure(n: int, nbytes: int, window: int | str | None, steps: int) -> tuple[float, ScheduleStats]:
+def measure(n: int, nbytes: int, window: int | str | None, steps: int) -> tuple[float, float, ScheduleStats]:
     """Microseconds of scheduler CPU per acquire over ``steps`` replayed steps; ``window``: the
     budget in tensors (None: all of them; "half": half of them, 8 fetched ahead)."""
     if window == "half":
@@ -83,8 +87,13 @@ def measure(n: int, nbytes: int, window: int | str | None, steps: int) -> tuple[
             acquires += a
         ledger = res.engine.stores[Tier.DEVICE].ledger
         assert ledger.peak <= ledger.allowed, "device budget exceeded"
-        steady = sum(sched.history[1:], ScheduleStats())
-        return 1e6 * spent / acquires, steady
+        steady = sum(sched.history[1 : steps + 1], ScheduleStats())
+        profile = cProfile.Profile()
+        profile.enable()
+        _, a = one_step(sched, keys)
+        profile.disable()
+        calls = pstats.Stats(profile).total_calls / a  # type: ignore[attr-defined]
+        return 1e6 * spent / acquires, calls, steady
     finally:
         res.engine.close()
 
@@ -107,26 +116,29 @@ def main() -> None:
         ("half, 8 ahead", "half"),
     ]
     print(f"scheduler CPU per acquire (us, main thread), fastest of {repeats}, {steps} replayed steps each")
-    print(f"{'setup':22s} {'budget':17s} {'N':>5s} {'tensor':>8s} {'us/acq':>8s} {'ahead':>6s} {'evicted':>8s}")
+    print(
+        f"{'setup':22s} {'budget':17s} {'N':>5s} {'tensor':>8s} {'us/acq':>8s} {'calls/acq':>9s} "
+        f"{'ahead':>6s} {'evicted':>8s}"
+    )
     ratios = []
     for sname, size_of in setups:
         for wname, window in windows:
             best: dict[int, float] = {}
+            calls: dict[int, float] = {}
             stats: dict[int, ScheduleStats] = {}
             for _ in range(repeats):
                 for n in counts:
-                    us, st = measure(n, size_of(n), window, steps)
+                    us, calls[n], stats[n] = measure(n, size_of(n), window, steps)
                     best[n] = min(best.get(n, us), us)
-                    stats[n] = st
             for n in counts:
                 st = stats[n]
                 print(
-                    f"{sname:22s} {wname:17s} {n:5d} {size_of(n) / KiB:6.0f}Ki {best[n]:8.1f} "
+                    f"{sname:22s} {wname:17s} {n:5d} {size_of(n) / KiB:6.0f}Ki {best[n]:8.1f} {calls[n]:9.0f} "
                     f"{st.prefetches / steps:6.0f} {st.evictions / steps:8.0f}"
                 )
-            ratios.append((f"{sname}, {wname}", best[1024] / best[64]))
-    for name, r in ratios:
-        print(f"per-acquire CPU 1024 / 64 tensors, {name}: {r:.2f}x")
+            ratios.append((f"{sname}, {wname}", best[1024] / best[64], calls[1024] / calls[64]))
+    for name, r, c in ratios:
+        print(f"per acquire, 1024 / 64 tensors, {name}: CPU {r:.2f}x, calls {c:.2f}x")
 
 
 if __name__ == "__main__":

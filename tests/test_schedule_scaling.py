@@ -13,7 +13,7 @@ import torch
 
 from tiermem import TensorClass, TensorInfo, Tier
 from tiermem.memory.resident import DeviceStore, HostStore
-from tiermem.transfer.decisions import AbsentAhead, AccessTrace, VictimQueue, choose_victim, lookahead_window
+from tiermem.transfer.decisions import AbsentAhead, AccessTrace, choose_victim, lookahead_window
 from tiermem.transfer.engine import TransferEngine
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import ResidencyScheduler

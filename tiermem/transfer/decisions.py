@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 __all__ = ["AccessTrace", "AbsentAhead", "TraceFollower", "VictimQueue", "choose_victim", "lookahead_window"]
 
@@ -183,7 +183,7 @@ class VictimQueue:
 
     def victim(self, managed: Callable[[str], bool], excluded: Callable[[str], bool]) -> Optional[str]:
         """The managed key not in ``excluded`` that :func:`choose_victim` would pick (None: none)."""
-        heap: list = self._ahead if self._trace is not None else self._lru
+        heap: list[Any] = self._ahead if self._trace is not None else self._lru
         aside, found = [], None
         while heap:
             entry = heapq.heappop(heap)

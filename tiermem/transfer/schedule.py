@@ -24,16 +24,13 @@ that fits into a refusal); if it still does not fit, the working set itself is t
 error says by how much.
 
 # NOTE [Fetch-ahead in O(window)]
-Each acquire's cost grows with the window, not with the managed tensors. The bytes they hold on
-the tier are a running total the ledger keeps (``HeldTotal``, which drops a key when its copy
-there is released, whoever releases it). The trace's keys that may be missing from the tier are
-an ``AbsentAhead``, rebuilt from the registry when an iteration ends: a key joins it when the
-ledger releases its copy (eviction, a new value written home, a failed move, deletion) and leaves
-it when fetched, or seen resident while tracked (one brought by others stays: over-reporting
-costs a look, never a decision). If none is used from the position on, every key of the window
-is resident or on its way and the fetch-ahead returns without computing it; else it computes the
-window as before. Victims come from a ``VictimQueue`` (NOTE [Victims in order]): the key
-``choose_victim`` would pick among the candidates, without listing them.
+An acquire costs O(window), not O(managed tensors). The ledger keeps their bytes on the tier as a
+running total (``HeldTotal``; a key leaves it when its copy there is released, by anyone). The
+trace's keys that may be missing there are an ``AbsentAhead``, rebuilt from the registry after
+each iteration, joined by every key the ledger releases (eviction, a value written home, a failed
+move, deletion), left by a key fetched or seen resident while tracked (over-reporting costs a
+look, never a decision). If none is used from the position on, the window would fetch nothing and
+is not computed. Victims come from a ``VictimQueue`` (NOTE [Victims in order]).
 """
 
 from __future__ import annotations
@@ -53,8 +50,14 @@ from tiermem.handles import Handle
 from tiermem.memory.ledger import HeldTotal, Reclaimer
 from tiermem.memory.registry import Residency
 from tiermem.memory.resident import MemoryStore, nbytes_of
-from tiermem.transfer.decisions import choose_victim  # noqa: F401  (importable from here too)
-from tiermem.transfer.decisions import AbsentAhead, AccessTrace, TraceFollower, VictimQueue, lookahead_window
+from tiermem.transfer.decisions import (
+    AbsentAhead,
+    AccessTrace,
+    TraceFollower,
+    VictimQueue,
+    choose_victim as choose_victim,  # importable from here too
+    lookahead_window,
+)
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.types import Tier
 
@@ -345,8 +348,7 @@ class ResidencyScheduler(Reclaimer):
     def _tracked(self) -> list[str]:
         return [] if self._connected is None else self._store.ledger.tracked(self._held)
 
-    def _evictable_key(self, key: str) -> bool:
-        """``key`` is managed and still here (the acquired ones are excluded by the caller)."""
+    def _evictable_key(self, key: str) -> bool:  # managed and still here (the caller excludes the acquired)
         return key in self._held.keys and key in self.residency.registry and key in self._store
 
     def _manage(self, key: str) -> None:
@@ -393,13 +395,10 @@ class ResidencyScheduler(Reclaimer):
         absent = self._absent_ahead(trace)
         if not absent.any_from(self._follow.pos):
             return  # everything ahead is resident or on its way: the window would need nothing
-        registry, tracked = self.residency.registry, self._held.keys  # `in` on it is atomic
+        registry, tracked, pins = self.residency.registry, self._held.keys, self._pins  # `in`: atomic
         window = lookahead_window(trace, self._follow.pos, self._sizes, self._window_limit(), skip=self._pins)
-        upcoming, pins = set(window), self._pins
-
-        def outside(k: str) -> bool:
-            return k in pins or k in upcoming
-
+        upcoming = set(window)
+        outside: Callable[[str], bool] = lambda k: k in pins or k in upcoming  # noqa: E731
         for key in window:
             if key not in registry:
                 continue  # deleted since the trace was recorded
