@@ -92,6 +92,19 @@ class InFlight(Reclaimer):
             release()
 
 
+class HeldTotal:
+    """A running total of the bytes a ledger holds for a set of keys (a cache on the tier: the
+    residency scheduler's weights), kept by the ledger as it reserves and releases, so the owner
+    reads it without summing its keys. A key leaves the set when the ledger releases it (its copy
+    on the tier is gone); :meth:`Ledger.drain_released` gives those keys to the owner. Built by
+    :meth:`Ledger.held_total_of`; read and changed under the ledger's lock."""
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self.total = 0
+        self.released: list[str] = []
+
+
 class Ledger:
     """Thread-safe byte accounting for one tier: who holds how much, the peak, and the cap.
 
@@ -112,6 +125,7 @@ class Ledger:
         # Asked for the bytes missing when a reservation does not fit, before giving up: a cache
         # on this tier (e.g. prefetched weights) can evict to make room. Called outside the lock.
         self.reclaimers: tuple[Reclaimer, ...] = tuple(reclaimers)  # NOTE [Reclaimers at construction]
+        self._totals: list[HeldTotal] = []  # running totals kept for caches on this tier
         self._lock = threading.Lock()
 
     @property
@@ -126,6 +140,38 @@ class Ledger:
         keys on every acquire)."""
         held = self._held
         return sum(held.get(k, 0) for k in keys)
+
+    def held_total_of(self) -> HeldTotal:
+        """A new, empty running total of the bytes held for the keys :meth:`track` adds to it."""
+        total = HeldTotal()
+        with self._lock:
+            self._totals.append(total)
+        return total
+
+    def track(self, total: HeldTotal, key: str) -> None:
+        """Count ``key``'s bytes on this tier in ``total`` from now on, until it is released."""
+        with self._lock:
+            if key not in total.keys:
+                total.keys.add(key)
+                total.total += self._held.get(key, 0)
+
+    def untrack(self, total: HeldTotal, key: str) -> None:
+        """Stop counting ``key`` in ``total`` (nothing if it is not counted)."""
+        with self._lock:
+            if key in total.keys:
+                total.keys.discard(key)
+                total.total -= self._held.get(key, 0)
+
+    def tracked(self, total: HeldTotal) -> list[str]:
+        """The keys ``total`` counts now (a copy: the ledger changes the set as it releases)."""
+        with self._lock:
+            return list(total.keys)
+
+    def drain_released(self, total: HeldTotal) -> list[str]:
+        """The keys of ``total`` this ledger released since the last call (they left it then)."""
+        with self._lock:
+            keys, total.released = total.released, []
+        return keys
 
     def reserve(
         self, key: str, nbytes: int, kind: Optional[TensorClass] = None, *, label: Optional[str] = None
@@ -155,6 +201,9 @@ class Ledger:
                 raise self._refusal(label or key, nbytes, kind, self._used - before)
             self._drop_kind(key, before)
             self._held[key] = nbytes
+            for total in self._totals:
+                if key in total.keys:
+                    total.total += nbytes - before
             self._used = after_used
             self.peak = max(self.peak, after_used)
             if kind is not None:
@@ -194,6 +243,11 @@ class Ledger:
             n = self._held.pop(key, 0)
             self._drop_kind(key, n)
             self._used -= n
+            for total in self._totals:
+                if key in total.keys:
+                    total.keys.discard(key)
+                    total.total -= n
+                    total.released.append(key)
             return n
 
     def _drop_kind(self, key: str, nbytes: int) -> None:

@@ -11,10 +11,11 @@ device, :class:`~tiermem.transfer.gather_schedule.GatherSchedule` for gathers of
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-__all__ = ["AccessTrace", "TraceFollower", "choose_victim", "lookahead_window"]
+__all__ = ["AccessTrace", "AbsentAhead", "TraceFollower", "VictimQueue", "choose_victim", "lookahead_window"]
 
 
 class AccessTrace:
@@ -43,6 +44,46 @@ class AccessTrace:
             return math.inf
         i = bisect.bisect_left(at, pos)
         return at[i] if i < len(at) else at[0] + len(self.keys)
+
+    def last_position(self, key: str) -> int:
+        """Position of ``key``'s last access in the trace (-1: never accessed)."""
+        at = self._positions.get(key)
+        return at[-1] if at else -1
+
+
+class AbsentAhead:
+    """The keys of a trace that may be missing from the fast tier, answering "is any of them used
+    at or after ``pos``?" in O(log n) (NOTE [Fetch-ahead in O(window)] in
+    :mod:`tiermem.transfer.schedule`). Over-reporting is allowed (a key here may be resident: the
+    caller then looks and finds nothing to do); under-reporting is not. A max-heap of last
+    positions, its entries for keys since discarded dropped when they reach the top."""
+
+    def __init__(self, trace: AccessTrace, keys: Iterable[str] = ()):
+        self.trace = trace
+        self._keys: set[str] = set()
+        self._heap: list[tuple[int, str]] = []
+        for key in keys:
+            self.add(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def add(self, key: str) -> None:
+        """``key`` may be missing now (a key the trace never uses is left out: never needed)."""
+        if key not in self._keys and key in self.trace:
+            self._keys.add(key)
+            heapq.heappush(self._heap, (-self.trace.last_position(key), key))
+
+    def discard(self, key: str) -> None:
+        """``key`` is resident, or on its way (until :meth:`add` says otherwise)."""
+        self._keys.discard(key)
+
+    def any_from(self, pos: int) -> bool:
+        """Whether a key that may be missing is accessed at trace position ``pos`` or later."""
+        heap = self._heap
+        while heap and heap[0][1] not in self._keys:
+            heapq.heappop(heap)
+        return bool(heap) and -heap[0][0] >= pos
 
 
 class TraceFollower:
@@ -95,6 +136,78 @@ def choose_victim(
         if best_rank is None or rank > best_rank:
             best, best_rank = key, rank
     return best
+
+
+class VictimQueue:
+    """:func:`choose_victim`'s answer without scanning the candidates: heaps of keys by rank, an
+    entry pushed each time a key is touched (its recency changes) and checked when it reaches the
+    top (a newer touch, or a key no longer managed, makes it stale).
+
+    # NOTE [Victims in order]
+    While an iteration follows its trace, a released key's next use does not move: the position
+    only passes it by acquiring it. Counted from the first followed iteration (``base`` adds each
+    finished iteration's length), it does not move across iterations either, so Belady's rank
+    (next use, then least recent) is fixed from one touch to the next and a heap keeps the order.
+    A new trace re-ranks every key (rebuilt from ``keys()``); off the trace (and with
+    ``belady=False``) the least recently used goes first, from a heap of recencies.
+    """
+
+    def __init__(self, last_used: Mapping[str, int], keys: Callable[[], Iterable[str]], *, belady: bool = True):
+        self._last_used, self._keys, self._belady = last_used, keys, belady
+        self._trace: Optional[AccessTrace] = None  # the trace followed now; None: least recently used
+        self._base = 0  # absolute position of the trace's start in this iteration
+        self._lru: list[tuple[int, str]] = []  # (recency, key)
+        self._ahead: list[tuple[float, int, str]] = []  # (-absolute next use, recency, key)
+        self._rebuilt = 0  # entries after the last rebuild (a rebuild drops the stale ones)
+
+    def follow(self, trace: Optional[AccessTrace], pos: int = 0) -> None:
+        """From now on the accesses follow ``trace`` (None: no trace); every key re-ranked."""
+        self._trace, self._base = (trace if self._belady else None), 0
+        self._rebuild(pos)
+
+    def next_iteration(self, trace: Optional[AccessTrace], ended_at: int) -> None:
+        """An iteration ended at trace position ``ended_at``; the next one follows ``trace``."""
+        if trace is not None and trace is self._trace:
+            self._base += ended_at  # the same trace again: ranks carry over (NOTE [Victims in order])
+        else:
+            self.follow(trace)
+
+    def touched(self, key: str, pos: int) -> None:
+        """``key``'s recency changed (read from ``last_used``) at trace position ``pos``."""
+        recency = self._last_used[key]
+        heapq.heappush(self._lru, (recency, key))
+        if self._trace is not None:
+            heapq.heappush(self._ahead, (-(self._base + self._trace.next_use(key, pos)), recency, key))
+        if len(self._lru) > 2 * self._rebuilt + 256:
+            self._rebuild(pos)
+
+    def victim(self, managed: Callable[[str], bool], excluded: Callable[[str], bool]) -> Optional[str]:
+        """The managed key not in ``excluded`` that :func:`choose_victim` would pick (None: none)."""
+        heap: list[Any] = self._ahead if self._trace is not None else self._lru
+        aside, found = [], None
+        while heap:
+            entry = heapq.heappop(heap)
+            key, recency = entry[-1], entry[-2]
+            if self._last_used.get(key) != recency or not managed(key):
+                continue  # stale: touched since, or gone
+            if excluded(key):
+                aside.append(entry)
+                continue
+            found = key
+            heapq.heappush(heap, entry)  # still managed until it is evicted
+            break
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return found
+
+    def _rebuild(self, pos: int) -> None:
+        keys = [k for k in self._keys() if k in self._last_used]
+        self._lru = [(self._last_used[k], k) for k in keys]
+        heapq.heapify(self._lru)
+        trace, base = self._trace, self._base
+        self._ahead = [] if trace is None else [(-(base + trace.next_use(k, pos)), self._last_used[k], k) for k in keys]
+        heapq.heapify(self._ahead)
+        self._rebuilt = len(keys)
 
 
 def lookahead_window(

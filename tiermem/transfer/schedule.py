@@ -22,6 +22,15 @@ does not fit, the tier's other reclaimers are asked once (gradients still being 
 device bytes until their copy lands: a slow copy lane, e.g. on a busy CPU, must not turn a budget
 that fits into a refusal); if it still does not fit, the working set itself is too large and the
 error says by how much.
+
+# NOTE [Fetch-ahead in O(window)]
+An acquire costs O(window), not O(managed tensors). The ledger keeps their bytes on the tier as a
+running total (``HeldTotal``; a key leaves it when its copy there is released, by anyone). The
+trace's keys that may be missing there are an ``AbsentAhead``, rebuilt from the registry after
+each iteration, joined by every key the ledger releases (eviction, a value written home, a failed
+move, deletion), left by a key fetched or seen resident while tracked (over-reporting costs a
+look, never a decision). If none is used from the position on, the window would fetch nothing and
+is not computed. Victims come from a ``VictimQueue`` (NOTE [Victims in order]).
 """
 
 from __future__ import annotations
@@ -31,17 +40,24 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from tiermem.budgets import ByteSize, parse_bytes
 from tiermem.errors import ConfigError, OutOfTierMemory, TierMemError, fmt_bytes
 from tiermem.handles import Handle
-from tiermem.memory.ledger import Reclaimer
+from tiermem.memory.ledger import HeldTotal, Reclaimer
 from tiermem.memory.registry import Residency
 from tiermem.memory.resident import MemoryStore, nbytes_of
-from tiermem.transfer.decisions import AccessTrace, TraceFollower, choose_victim, lookahead_window
+from tiermem.transfer.decisions import (
+    AbsentAhead,
+    AccessTrace,
+    TraceFollower,
+    VictimQueue,
+    choose_victim as choose_victim,  # importable from here too
+    lookahead_window,
+)
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.types import Tier
 
@@ -125,10 +141,12 @@ class ResidencyScheduler(Reclaimer):
         self.current = ScheduleStats()
         self._lock = threading.RLock()
         self._pins: dict[str, int] = {}  # acquired key -> open acquires
-        self._managed: set[str] = set()  # keys this scheduler placed on the tier
+        self._held = HeldTotal()  # keys this scheduler placed on the tier, and their bytes there (kept by the ledger)
+        self._absent: Optional[AbsentAhead] = None  # NOTE [Fetch-ahead in O(window)]
         self._sizes: dict[str, int] = {}
         self._last_used: dict[str, int] = {}
         self._clock = 0
+        self._victims = VictimQueue(self._last_used, self._tracked, belady=eviction == "belady")
         self._reclaiming = False
 
     def connect(self, residency: KeyedResidency) -> "ResidencyScheduler":
@@ -146,6 +164,7 @@ class ResidencyScheduler(Reclaimer):
                 f"build the engine with a store for {self.tier}"
             )
         self._connected = (residency, store)
+        self._held = store.ledger.held_total_of()
         return self
 
     @property
@@ -256,7 +275,10 @@ class ResidencyScheduler(Reclaimer):
                     len(recorded),
                     len(old),
                 )
+            ended_at = self._follow.pos
             self._follow.close_iteration()
+            self._victims.next_iteration(self._follow.following(), ended_at)
+            self._absent = None  # rebuilt from the registry by the next fetch-ahead
             self.history.append(self.current)
             self.current = ScheduleStats()
             self._fetch_ahead()
@@ -274,14 +296,14 @@ class ResidencyScheduler(Reclaimer):
             try:
                 ledger = self._store.ledger
                 free_wanted = ledger.allowed - ledger.used + nbytes  # what is free now, plus what is missing
-                self._make_room("<reclaim>", free_wanted, candidates=self._evictable(), required=False)
+                self._make_room("<reclaim>", free_wanted, excluded=self._pins.__contains__, required=False)
             finally:
                 self._reclaiming = False
 
     def evict_all(self) -> None:
         """Evict every released managed tensor from the tier, writing modified ones back home."""
         with self._lock:
-            for key in list(self._evictable()):
+            for key in [k for k in self._tracked() if k not in self._pins and self._evictable_key(k)]:
                 self._evict(key)
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -300,6 +322,7 @@ class ResidencyScheduler(Reclaimer):
         trace, at = self._follow.following(), self._follow.pos
         self._follow.record(key)
         if trace is not None and self._follow.following() is None:
+            self._victims.follow(None)  # least recently used first until the iteration ends
             log.debug(
                 "tiermem: access %d is %r, the trace expected %r; falling back to LRU without "
                 "prefetch until the iteration ends",
@@ -311,6 +334,7 @@ class ResidencyScheduler(Reclaimer):
     def _touch(self, key: str) -> None:
         self._clock += 1
         self._last_used[key] = self._clock
+        self._victims.touched(key, self._follow.pos)
 
     def _unpin(self, key: str) -> None:
         n = self._pins.pop(key)
@@ -321,10 +345,29 @@ class ResidencyScheduler(Reclaimer):
         """The keys acquired and not yet released (a module running, or autograd unpacking)."""
         return sorted(k for k, n in self._pins.items() if n)
 
-    def _evictable(self) -> list[str]:
-        registry, store = self.residency.registry, self._store  # once, not per key: this runs on every acquire
-        self._managed = {k for k in self._managed if k in registry and k in store}
-        return [k for k in self._managed if k not in self._pins]
+    def _tracked(self) -> list[str]:
+        return [] if self._connected is None else self._store.ledger.tracked(self._held)
+
+    def _evictable_key(self, key: str) -> bool:  # managed and still here (the caller excludes the acquired)
+        return key in self._held.keys and key in self.residency.registry and key in self._store
+
+    def _manage(self, key: str) -> None:
+        """``key``'s copy on the tier is resident or on its way, and evictable once released."""
+        self._store.ledger.track(self._held, key)
+        if self._absent is not None:
+            self._absent.discard(key)
+
+    def _absent_ahead(self, trace: AccessTrace) -> AbsentAhead:
+        """The trace's keys that may be missing from the tier, up to date (NOTE [Fetch-ahead in O(window)])."""
+        ledger, absent = self._store.ledger, self._absent
+        released = ledger.drain_released(self._held)
+        if absent is None or absent.trace is not trace:
+            registry, tracked, tier = self.residency.registry, set(ledger.tracked(self._held)), self.tier
+            here = {k for k in tracked if k in registry and _here(registry.get(k), tier)}
+            absent = self._absent = AbsentAhead(trace, (k for k in dict.fromkeys(trace.keys) if k not in here))
+        for key in released:
+            absent.add(key)
+        return absent
 
     # -- moves --------------------------------------------------------------------------------
     def _make_resident(self, r: Residency) -> Handle:
@@ -339,34 +382,38 @@ class ResidencyScheduler(Reclaimer):
             handle = self.residency.prefetch(key, self.tier)  # joins the move in flight
         else:
             stats.misses += 1
-            self._make_room(key, self._new_bytes(key), candidates=self._evictable(), required=True)
+            self._make_room(key, self._new_bytes(key), excluded=self._pins.__contains__, required=True)
             handle = self.residency.prefetch(key, self.tier)
             stats.bytes_fetched += self._sizes[key]
-        self._managed.add(key)  # evictable once released, whoever brought it here
+        self._manage(key)  # evictable once released, whoever brought it here
         return handle
 
     def _fetch_ahead(self) -> None:
         trace = self._follow.following()
         if not self.prefetch or trace is None:
             return
-        registry = self.residency.registry
+        absent = self._absent_ahead(trace)
+        if not absent.any_from(self._follow.pos):
+            return  # everything ahead is resident or on its way: the window would need nothing
+        registry, tracked, pins = self.residency.registry, self._held.keys, self._pins  # `in`: atomic
         window = lookahead_window(trace, self._follow.pos, self._sizes, self._window_limit(), skip=self._pins)
         upcoming = set(window)
-        outside = [k for k in self._evictable() if k not in upcoming]
+        outside: Callable[[str], bool] = lambda k: k in pins or k in upcoming  # noqa: E731
         for key in window:
             if key not in registry:
                 continue  # deleted since the trace was recorded
-            r = registry.get(key)
-            if self.tier in r.valid or (r.in_flight is not None and r.in_flight[1] == self.tier):
+            if _here(registry.get(key), self.tier):
+                if key in tracked:
+                    absent.discard(key)
                 continue
-            if not self._make_room(key, self._new_bytes(key), candidates=outside, required=False):
+            if not self._make_room(key, self._new_bytes(key), excluded=outside, required=False):
                 return
             try:
                 self.residency.prefetch(key, self.tier)
             except OutOfTierMemory:  # another user of the tier took the room meanwhile
                 log.debug("tiermem: no room to prefetch %r ahead; it will be fetched on demand", key)
                 return
-            self._managed.add(key)
+            self._manage(key)
             self._touch(key)
             self.current.prefetches += 1
             self.current.bytes_prefetched += self._sizes[key]
@@ -379,17 +426,17 @@ class ResidencyScheduler(Reclaimer):
         """Bytes the tensors fetched ahead may take: the budget less what is acquired and what
         tensors outside this scheduler hold on the tier, capped by ``lookahead_bytes``."""
         ledger = self._store.ledger
-        managed = ledger.held_total(self._managed)
+        managed = self._held.total  # a running total: NOTE [Fetch-ahead in O(window)]
         pinned = ledger.held_total(self._pins)
         room = ledger.allowed - (ledger.used - managed) - pinned
         return room if self.lookahead_bytes is None else min(room, self.lookahead_bytes)
 
-    def _make_room(self, key: str, nbytes: int, *, candidates: list[str], required: bool) -> bool:
-        """Evict from ``candidates`` until ``nbytes`` fit on the tier. NOTE [Room before allocation]"""
+    def _make_room(self, key: str, nbytes: int, *, excluded: Callable[[str], bool], required: bool) -> bool:
+        """Evict released managed keys, but not ``excluded`` ones, until ``nbytes`` fit on the
+        tier. NOTE [Room before allocation]"""
         ledger, asked_others = self._store.ledger, False
         while ledger.allowed - ledger.used < nbytes:
-            trace = self._follow.following() if self.eviction == "belady" else None
-            victim = choose_victim(candidates, self._last_used, trace=trace, pos=self._follow.pos)
+            victim = self._victims.victim(self._evictable_key, excluded)
             if victim is None and required and not asked_others and any(r is not self for r in ledger.reclaimers):
                 asked_others = True  # bytes in flight elsewhere (grads still copying home) go once they land
                 self._ask_others(nbytes - (ledger.allowed - ledger.used))
@@ -398,7 +445,6 @@ class ResidencyScheduler(Reclaimer):
                 if required:
                     raise self._too_small(key, nbytes)
                 return False
-            candidates.remove(victim)
             self._evict(victim)
         return True
 
@@ -419,7 +465,7 @@ class ResidencyScheduler(Reclaimer):
         t0 = time.perf_counter()
         handle.wait()  # ordering: the bytes count against the budget until the write-back lands
         self.current.stall_seconds += time.perf_counter() - t0
-        self._managed.discard(key)
+        self._store.ledger.untrack(self._held, key)
         self.current.evictions += 1
         self.current.bytes_evicted += nbytes
         if writeback:
@@ -445,3 +491,8 @@ class ResidencyScheduler(Reclaimer):
             f"{fmt_bytes(working)} on {tier}{besides}, budget {fmt_bytes(ledger.allowed)}; "
             f"raise Budgets({tier}=...) to at least {fmt_bytes(needed)}",
         )
+
+
+def _here(r: Residency, tier: Tier) -> bool:
+    """``r`` has a valid copy on ``tier``, or one on its way there."""
+    return tier in r.valid or (r.in_flight is not None and r.in_flight[1] == tier)
