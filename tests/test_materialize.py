@@ -400,3 +400,18 @@ def test_a_module_partly_on_meta_keeps_the_values_it_had(tmp_path):
     assert torch.equal(got["0.weight"], weight)
     bound = 1 / 6**0.5  # nn.Linear's bias: uniform(-1/sqrt(in), 1/sqrt(in))
     assert got["0.bias"].abs().max() <= bound and got["0.bias"].abs().max() > 0
+
+
+def test_a_checkpoint_without_the_rotary_buffers_initializes_their_module_only(tmp_path):
+    """The meta buffers a checkpoint lacks come from their own modules' initialization; no other
+    module is initialized (on a model bigger than the machine that would be a whole pass for nothing)."""
+    transformers, cfg = _llama(True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    seen = []
+    real = model._init_weights
+    model._init_weights = lambda m: (seen.append(type(m).__name__), real(m))
+    _wrap(model, "zero-offload", tmp_path, weights=str(tmp_path / "hf"))
+    assert seen and set(seen) == {"LlamaRotaryEmbedding"}, seen

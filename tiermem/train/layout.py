@@ -219,7 +219,7 @@ def build(
     comes from, read as its bucket is built (NOTE [Models on the meta device])."""
     values = values if values is not None else Given()
     slot_of: dict[int, tuple[Bucket, Slot]] = {}
-    progress = Progress(values.building, 4 * sum(b.numel for b in buckets))  # fp32 bytes of the trainable weights
+    progress = Progress(values.building, 4 * sum(b.numel for b in buckets)) if values.building else None  # fp32 bytes
     for b in buckets:
         state = homes.state[b.index]
         master = state.initial_master(b)
@@ -228,8 +228,9 @@ def build(
             slot_of[id(s.param)] = (b, s)
         state.initialize(b)
         homes.weights[b.index].initialize(b, master)
-        progress.advance(4 * b.numel)
-    if values.building != Given.building:
+        if progress is not None:
+            progress.advance(4 * b.numel)
+    if progress is not None:
         progress.close()
     for home in homes.state_homes():
         home.release_views()

@@ -57,7 +57,7 @@ class Values:
     """The first value of each parameter and buffer. ``param`` gives a CPU (or device) tensor of the
     parameter's shape, in any floating dtype, which the caller copies from and drops."""
 
-    building = "building the homes"  # what the construction's progress lines say it does
+    building: Optional[str] = "building the homes"  # what construction's progress lines say it does (None: none)
 
     def param(self, name: str, p: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -71,6 +71,8 @@ class Values:
 
 class Given(Values):
     """The module's own tensors (a module that has its values)."""
+
+    building = None  # nothing to report: copies of tensors already in memory
 
     def param(self, name: str, p: torch.Tensor) -> torch.Tensor:
         return p.detach()
@@ -92,9 +94,12 @@ def _buffer_slots(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Modul
 
 
 # -- initialization, one module at a time ----------------------------------------------------------
-def _init_order(module: torch.nn.Module) -> list[tuple[torch.nn.Module, Callable[[torch.nn.Module], None]]]:
+def _init_order(
+    module: torch.nn.Module, only: Optional[set[int]] = None
+) -> list[tuple[torch.nn.Module, Callable[[torch.nn.Module], None]]]:
     """Each module with tensors on the meta device and what initializes it, in the order the model
-    would initialize them in memory (NOTE [Initialization on the meta device])."""
+    would initialize them in memory (NOTE [Initialization on the meta device]); ``only``: the ids of
+    the modules to take (default: all)."""
     hf_init = getattr(module, "_init_weights", None)
     if hf_init is not None and hasattr(module, "config"):  # a transformers model: its post_init's order and rule
         order: list[torch.nn.Module] = []
@@ -105,10 +110,10 @@ def _init_order(module: torch.nn.Module) -> list[tuple[torch.nn.Module, Callable
             order.append(m)
 
         visit(module)
-        return [(m, hf_init) for m in order if _meta_tensors(m)]
+        return [(m, hf_init) for m in order if _meta_tensors(m) and (only is None or id(m) in only)]
     out = []
     for m in module.modules():
-        if not _meta_tensors(m):
+        if not _meta_tensors(m) or (only is not None and id(m) not in only):
             continue
         reset = getattr(m, "reset_parameters", None)
         if not callable(reset):
@@ -134,9 +139,10 @@ class FromInit(Values):
 
     building = "initializing the model at its homes"
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, *, only: Optional[set[int]] = None):
+        """``only``: the ids of the modules to initialize (default: every module on the meta device)."""
         self._owner: dict[int, int] = {}  # id of a meta tensor -> index of the module initializing it
-        self._plan = _init_order(module)
+        self._plan = _init_order(module, only)
         self._states: list[torch.Tensor] = []
         self._cache: dict[int, dict[int, torch.Tensor]] = {}  # module index -> id of tensor -> value, until taken
         for i, (m, _) in enumerate(self._plan):
@@ -263,9 +269,9 @@ class FromCheckpoint(Values):
                 f"tiermem: weights={weights.path!r} does not match the model: {'; '.join(problems[:10])}{more}; "
                 f"pass the checkpoint of this model (names as module.state_dict() gives them)"
             )
-        self._buffers_from_init: Optional[FromInit] = None
-        if any(buf.is_meta and name not in weights.entries for name, buf in buffers.items()):
-            self._buffers_from_init = FromInit(module)
+        # meta buffers the checkpoint lacks (rotary inv_freq): their modules' initialization, those modules only
+        owners = {id(mod) for name, mod, _, buf in _buffer_slots(module) if buf.is_meta and name not in weights.entries}
+        self._buffers_from_init = FromInit(module, only=owners) if owners else None
 
     def param(self, name: str, p: torch.Tensor) -> torch.Tensor:
         return self.weights.read(self._key[id(p)])
