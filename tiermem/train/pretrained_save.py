@@ -16,7 +16,6 @@ a save over an earlier one removes that one's shards and index, and nothing else
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 from typing import Any, Iterator, Optional
@@ -26,8 +25,6 @@ import torch
 from tiermem.budgets import parse_bytes
 from tiermem.errors import ConfigError, StoreError
 from tiermem.observe.progress import Progress
-
-log = logging.getLogger(__name__)
 
 __all__ = ["save_pretrained"]
 

@@ -75,7 +75,7 @@ class WeightsFile:
     def __init__(self, path: str, entries: dict[str, Entry]):
         self.path = path
         self.entries = entries
-        self._open: dict[str, Any] = {}  # file -> its safetensors handle or loaded (mmap'ed) dict
+        self.opened: dict[str, Any] = {}  # torch file -> its loaded (memory-mapped) dict
 
     def read(self, name: str) -> torch.Tensor:
         """``name``'s tensor, in its stored dtype, on the CPU (a fresh tensor: nothing else holds it)."""
@@ -85,21 +85,16 @@ class WeightsFile:
                 with _open_one(e.file, self.path) as f:  # closed at once: NOTE [Weights read one tensor at a time]
                     t = f.get_tensor(name)
             else:
-                t = self._handle(e.file)[name].clone()
+                t = self.opened[e.file][name].clone()  # loaded when its header was read
         except (OSError, RuntimeError, ValueError, KeyError) as err:
             raise _bad(self.path, f"reading {name!r} from {e.file!r} failed ({type(err).__name__}: {err})") from err
         if tuple(t.shape) != e.shape or t.dtype != e.dtype:
             raise _bad(self.path, f"{name!r} in {e.file!r} holds {tuple(t.shape)} {t.dtype}, its header said {e.shape}")
         return t
 
-    def _handle(self, file: str) -> Any:
-        if file not in self._open:
-            self._open[file] = _open_one(file, self.path)
-        return self._open[file]
-
     def close(self) -> None:
         """Let go of the files (and their memory maps)."""
-        self._open.clear()
+        self.opened.clear()
 
 
 def _open_one(file: str, path: str) -> Any:
@@ -148,9 +143,12 @@ def _files(path: str) -> list[str]:
     raise _bad(path, f"the directory holds neither {INDEX}, {SINGLE} nor a torch file ({', '.join(TORCH_NAMES)})")
 
 
-def _header(file: str, path: str) -> list[Entry]:
+def _header(file: str, path: str, opened: dict[str, Any]) -> list[Entry]:
+    """``file``'s entries; a torch file, loaded (memory-mapped) to read them, is kept in ``opened``
+    for the reads that follow."""
     if not file.endswith(".safetensors"):
-        return [Entry(name, file, tuple(t.shape), t.dtype) for name, t in _open_one(file, path).items()]
+        opened[file] = _open_one(file, path)
+        return [Entry(name, file, tuple(t.shape), t.dtype) for name, t in opened[file].items()]
     out = []
     with _open_one(file, path) as handle:
         for name in handle.keys():
@@ -166,9 +164,10 @@ def open_weights(path: str | os.PathLike) -> WeightsFile:
     """The checkpoint at ``path``, its headers read and checked (no tensor data is read)."""
     path = os.fspath(path)
     entries: dict[str, Entry] = {}
+    weights = WeightsFile(path, entries)
     for file in _files(path):
-        for e in _header(file, path):
+        for e in _header(file, path, weights.opened):
             if e.name in entries:
                 raise _bad(path, f"{e.name!r} is in both {entries[e.name].file!r} and {e.file!r}")
             entries[e.name] = e
-    return WeightsFile(path, entries)
+    return weights
