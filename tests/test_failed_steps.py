@@ -42,6 +42,18 @@ def _pair(policy: str):
     return ref, tm
 
 
+def fail_in_the_background(tm) -> None:
+    """Step 3 of ``tm`` (two steps trained, overlap_step) fails in the background: bucket 0's state
+    is not written; returns once the background update has ended."""
+    x, y = gpt_batch(2)
+    tm.backward(gpt_loss(tm(x), y))
+    with _files_fail(tm.stores[Tier.NVME], ("bucket0_state.",)):
+        tm.step()
+        handle = tm.stepper._background[0]
+        while not handle.done():
+            threading.Event().wait(0.01)
+
+
 @pytest.mark.parametrize("policy", ["zero_infinity", "state_on_nvme"])
 def test_a_failed_background_update_refuses_the_next_forward_and_a_retry_matches(policy):
     """overlap_step: the update of step 3 fails in the background (bucket 0's state cannot be
@@ -108,13 +120,7 @@ def test_a_checkpoint_loaded_after_a_failed_background_update(tmp_path):
     _train(tm, 2)
     ckpt = str(tmp_path / "two.tm")
     tm.save(ckpt)
-    x, y = gpt_batch(2)
-    tm.backward(gpt_loss(tm(x), y))
-    with _files_fail(tm.stores[Tier.NVME], ("bucket0_state.",)):
-        tm.step()
-        handle = tm.stepper._background[0]
-        while not handle.done():
-            threading.Event().wait(0.01)
+    fail_in_the_background(tm)
     tm.load(ckpt)  # the failure, never reported, is dropped with what it left to do
     assert _train(tm, 3, offset=2) == ref_losses
     assert same_state(tm.state_dict(), ref.state_dict())

@@ -7,27 +7,14 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 
 import pytest
 import torch
 from models import gpt_batch, gpt_loss, same_state, train_steps
-from test_failed_steps import _pair
-from test_nvme_state import StateOnNvme, _disk_fails, _files_fail, _make
+from test_failed_steps import _pair, fail_in_the_background
+from test_nvme_state import StateOnNvme, _disk_fails, _make
 
 from tiermem import StoreError, Tier, TierMemError
-
-
-def _fail_in_the_background(tm) -> None:
-    """Step 3 of ``tm`` (two steps trained) fails in the background: bucket 0's state is not written."""
-    x, y = gpt_batch(2)
-    tm.backward(gpt_loss(tm(x), y))
-    with _files_fail(tm.stores[Tier.NVME], ("bucket0_state.",)):
-        tm.step()
-        handle = tm.stepper._background[0]
-        while not handle.done():
-            threading.Event().wait(0.01)
-
 
 TWO_STEPS = r"^tiermem: {} would use weights of two steps: the last tm\.step\(\) failed part way.*tm\.step\(\) again"
 
@@ -37,7 +24,7 @@ def test_state_dict_and_detach_refuse_a_failed_background_update_as_save_does(po
     ref, tm = _pair(policy)
     train_steps(ref, 3)
     train_steps(tm, 2)
-    _fail_in_the_background(tm)
+    fail_in_the_background(tm)
     with pytest.raises(StoreError, match=os.strerror(errno.EIO)) as e:
         tm.state_dict()  # the update's own error, once, as the next forward or save would raise it
     assert any(n.startswith("tiermem:") and "tm.step() again" in n for n in getattr(e.value, "__notes__", []))
