@@ -36,6 +36,8 @@ class Report:
             started on demand once the order of use was recorded (reads the prefetch did not foresee).
         activations_unplaced: per tensor subclass, the saved activations tiermem could neither place
             nor measure (a wrapper without ``__tensor_flatten__``: NOTE [Wrapper subclasses]).
+        backward_again: under ``update_in_backward``, the second backward passes run (one per step
+            not skipped) and their seconds, updates included (NOTE [Updates in backward]).
     """
 
     peak_bytes: dict[Tier, int]
@@ -60,6 +62,8 @@ class Report:
     weights_on_demand: dict[str, int] = field(default_factory=dict)
     #: tensor subclass -> saved activations of it left where they were, unmeasured (NOTE [Wrapper subclasses])
     activations_unplaced: dict[str, int] = field(default_factory=dict)
+    #: update_in_backward: (second backward passes, their seconds with the updates they ran)
+    backward_again: tuple[int, float] = (0, 0.0)
 
     def gbps(self, src: Tier, dst: Tier) -> float:
         """Achieved bandwidth of the transfers src -> dst while they ran (GB/s, 1e9 bytes).
@@ -114,6 +118,9 @@ class Report:
             + (f" ({stalls})" if stalls else "")
             + (f"; time in step(): {self.step_seconds:.3f}s" if self.steps else "")
         )
+        if self.backward_again[0]:
+            n, secs = self.backward_again
+            lines.append(f"update in backward: {n} second backward passes, {secs:.3f}s with their updates")
         if self.weights_on_demand:
             top = sorted(self.weights_on_demand.items(), key=lambda kv: -kv[1])
             lines.append(

@@ -128,6 +128,7 @@ GRADS_FOR_STEP = "grads for the step"
 SECOND_GRADS = "second grad buffer (overlap_step)"
 UPDATED_WEIGHTS = "updated weights (overlap_step)"
 GRADS_TO_NVME = "grads on their way to NVMe (about 3 buckets)"
+GRADS_IN_BACKWARD = "grads of the buckets being updated in backward (a few buckets)"
 STATE_PIPELINE = "optimizer state pipeline (3 buckets)"
 WEIGHT_STAGING = "weight staging (up to 2 buckets)"
 FROZEN_COPY = "fp32 copy of frozen weights"
@@ -165,6 +166,11 @@ def keeps_copy(dtype: torch.dtype, working: torch.dtype, floating: bool) -> bool
     return floating and dtype != working
 
 
+#: Buckets whose grads the host holds at once under update_in_backward, at most: one landing, one
+#: being updated, and parameters of the next arriving before the last of this one
+#: (NOTE [Updates in backward] in tiermem/train/in_backward.py)
+WINDOW_BUCKETS = 4
+
 #: Buckets whose writes can be in flight on NVMe at once, by what they write (NOTE [Footprint]).
 JOURNAL_BUCKETS = {"state": 3, "weights": 2, "grads": 4}
 
@@ -182,6 +188,7 @@ def footprint(
     gathered_at_once: int = 0,
     device_is_host: bool = False,
     sharded_frozen: Sequence[Bucket] = (),
+    update_in_backward: bool = False,
 ) -> Footprint:
     """Bytes each tier must hold, by purpose, for the layout of ``buckets`` to be built and a step
     to run (NOTE [Footprint]). ``frozen``: each parameter that needs no grad, with its PARAM home;
@@ -194,7 +201,8 @@ def footprint(
     a GPU: ``device.type == "cuda"``); ``device_is_host``: whether the device is the CPU (its memory
     the host's: :func:`~tiermem.plan.placement.weights_from_master`); ``sharded_frozen``: the
     frozen parameters sharded over the ranks (:func:`~tiermem.plan.placement.frozen_buckets`),
-    which ``frozen`` does not list."""
+    which ``frozen`` does not list; ``update_in_backward``: no grads at rest, a few buckets' in
+    flight on the host instead (NOTE [Updates in backward] in tiermem/train/in_backward.py)."""
     need: Footprint = {}
 
     def add(tier: Tier, purpose: str, nbytes: int, *, buffers: Sequence[int] = ()) -> None:
@@ -245,19 +253,22 @@ def footprint(
                 b.numel * w,
                 buffers=[s.numel * w for s in b.slots] if b.param_tier != Tier.DEVICE else (),
             )  # off the device: one buffer per parameter
-        add(b.grad_tier, GRADS, **each(n * _FP32))
+        if not update_in_backward:
+            add(b.grad_tier, GRADS, **each(n * _FP32))
         if b.state_tier == Tier.NVME:
             master = b.state.joined(part_numels(b))[0][1] if b.index in one_copy else 0  # in the weights' keys
             add(Tier.NVME, OPTIM_STATE_NVME, state_joined(b) - master)
         else:
             parts = state_parts(b)
             add(b.state_tier, OPTIM_STATE, sum(parts), buffers=parts)
-        if ct != b.grad_tier and b.grad_tier != Tier.NVME:
+        if ct != b.grad_tier and b.grad_tier != Tier.NVME and not update_in_backward:
             add(ct, GRADS_FOR_STEP, **each(n * _FP32))
         if overlap:
             add(b.grad_tier, SECOND_GRADS, **each(n * _FP32))
             add(ct, UPDATED_WEIGHTS, **each(n * w))
-    grads_largest = max((chunk(b) for b in buckets if b.grad_tier == Tier.NVME), default=0)
+    grads_largest = max((chunk(b) for b in buckets if b.grad_tier == Tier.NVME and not update_in_backward), default=0)
+    if update_in_backward:
+        add(Tier.HOST, GRADS_IN_BACKWARD, **each(_FP32 * max(b.numel for b in buckets), WINDOW_BUCKETS))
     if grads_largest:
         add(Tier.HOST, GRADS_TO_NVME, **each(_FP32 * grads_largest, 3))
     state_largest = max((state_joined(b) for b in buckets if b.state_tier == Tier.NVME), default=0)
@@ -340,6 +351,7 @@ def model_footprint(
     nvme_staging: bool = False,
     device_is_host: bool = False,
     bucket_numel: Optional[int] = None,
+    update_in_backward: bool = False,
 ) -> Footprint:
     """:func:`footprint` of ``module`` planned as ``buckets`` (``param_homes``: the parameters whose
     weights live off the device, as :func:`tiermem.plan.placement.plan` returns them), with what
@@ -368,6 +380,7 @@ def model_footprint(
         shard_weights=shard_weights,
         gathered_at_once=gathers_held(module, [*buckets, *cold], gathers) if gathers else 0,
         sharded_frozen=cold,
+        update_in_backward=update_in_backward,
     )
 
 

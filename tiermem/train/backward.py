@@ -63,6 +63,8 @@ class GradCollector:
         self._copy_ids = itertools.count()
         self._held: dict[int, tuple[Bucket, dict[str, _Held]]] = {}  # bucket index -> gradients not yet sent, by name
         self.arrivals = 0  # gradients received since the model was built (a backward that got none changed nothing)
+        self._again: Optional[set[str]] = None  # a second backward of the step (NOTE [Updates in backward]):
+        # the parameters it has sent so far, each copied (not added) into a fresh buffer
 
     def add(self, slots: list[Slot]) -> None:
         """Parameters unfrozen since construction (their slots, already in ``slot_of``), after
@@ -75,7 +77,8 @@ class GradCollector:
         grad = param.grad
         if grad is None:
             return
-        self.arrivals += 1
+        if self._again is None:  # a step's second pass is not a backward of its own
+            self.arrivals += 1
         bucket, slot = self.slot_of[id(param)]
         home = self.homes.grads[bucket.index]
         acc = home.landing(bucket, self.fill)[slot.offset : slot.offset + slot.numel]
@@ -86,8 +89,13 @@ class GradCollector:
         if key in held:  # the same parameter again before its bucket filled
             self._send(bucket.index)
             held = self._held.setdefault(bucket.index, (bucket, {}))[1]
-        held[key] = _Held(param, grad.reshape(-1), acc, key, key not in self._got, tag)
-        self._got.add(key)
+        if self._again is not None:  # a second pass of the step: its own grads, never added to the first's
+            first = key not in self._again
+            self._again.add(key)
+        else:
+            first = key not in self._got
+            self._got.add(key)
+        held[key] = _Held(param, grad.reshape(-1), acc, key, first, tag)
         param.grad = None  # the device grad is freed once its bucket's copy has read it
         if len(held) >= len(bucket.slots):
             self._send(bucket.index)  # before arrived(): a home may act on the complete bucket
@@ -109,7 +117,7 @@ class GradCollector:
             for h in held:  # nothing was sent: the grads go back on their parameters
                 self.device_ledger.release(h.tag)
                 h.param.grad = h.grad.view(h.param.shape)
-                if h.first:
+                if h.first and self._again is None:
                     self._got.discard(h.key)
             raise
         handle.add_done_callback(lambda _f: self._release(tags))
@@ -132,6 +140,11 @@ class GradCollector:
         self._send_all()
         for home in self.homes.grad_homes():
             home.end_backward()
+
+    def again(self, on: bool) -> None:
+        """Around the step's second backward (NOTE [Updates in backward]): the grads it sends are
+        copied into their buffers, as a step's first are, and add no parameter to those received."""
+        self._again = set() if on else None
 
     # -- before the step -------------------------------------------------------------------------
     def wait_copies(self) -> None:
@@ -171,6 +184,14 @@ class GradCollector:
     def drop(self) -> None:
         """Forget this step's grads (after an error left some missing): transfers in flight are
         drained, nothing will be stepped on."""
+        self.discard_in_flight()
+        self._got.clear()
+        for home in self.homes.grad_homes():
+            home.drop()
+
+    def discard_in_flight(self) -> None:
+        """Grads held or in flight are forgotten (their copies drained), the record of which
+        parameters received one is kept."""
         for _, held in self._held.values():
             for h in held.values():
                 self.device_ledger.release(h.tag)
@@ -179,9 +200,6 @@ class GradCollector:
         wait_all_quietly([h for h, _ in copies])
         for _, release in copies:
             release()
-        self._got.clear()
-        for home in self.homes.grad_homes():
-            home.drop()
 
     # -- the step's view ---------------------------------------------------------------------------
     def has_grads(self) -> bool:

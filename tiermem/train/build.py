@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tiermem.config import LossScale, _Spec
-from tiermem.errors import TierMemError
+from tiermem.errors import ConfigError, TierMemError
 from tiermem.memory.ledger import InFlight
 from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket
@@ -32,6 +32,7 @@ from tiermem.train.backward import GradCollector
 from tiermem.train.gathered import GatheredWeights, build_gathered
 from tiermem.train.groups import Fp32Values, GroupEditor, group_dicts
 from tiermem.train.hooks import HookSet
+from tiermem.train.in_backward import WindowGrads
 from tiermem.train.layout import Layout, build, make_homes
 from tiermem.train.machine import machine_profile, store_limits
 from tiermem.train.materialize import Values
@@ -134,6 +135,8 @@ def build_parts(
             "tiermem: the module has no trainable parameters (requires_grad=True); "
             "unfreeze some before wrapping it (others may be unfrozen later)"
         )
+    if opts.update_in_backward:
+        _check_in_backward(buckets, p.group.world)
     p.group.check_same(
         "model or configuration",
         fingerprint(
@@ -202,6 +205,7 @@ def build_parts(
                 len(param_homes),
                 p.policy,
             )
+        window = WindowGrads(p.engine) if opts.update_in_backward else None  # NOTE [Updates in backward]
         homes, step_buckets = make_homes(
             buckets,
             p.stores,
@@ -211,6 +215,7 @@ def build_parts(
             weights_off_device=p.param_offload,
             group=p.group,
             gathered=p.gathered,
+            window=window,
         )
         p.layout = build(
             module,
@@ -248,7 +253,10 @@ def build_parts(
             overlap=opts.overlap,
             group=p.group,
             max_skipped=max_skipped_steps,
+            window=window,
         )
+        if window is not None:
+            window.received = p.grads.received
         shown = Fp32Values(module, p.layout)  # not the model's: nothing here refers back to it
         p.optimizer = TieredOptimizer(
             group_dicts(planned.groups, opts.spec, shown), opts.spec.group_defaults(), step, add_group
@@ -278,6 +286,7 @@ def build_parts(
             settle=p.stepper.finish_pending,
             on_device_cuda=opts.device.type == "cuda",
             spec=opts.spec,
+            window=window,
         )
         p.activations = ActivationOffloader(module, p.placement, p.stores, p.engine, p.hooks)
         p.state = ModelState(
@@ -291,6 +300,22 @@ def build_parts(
             p.group,
         )
     return p
+
+
+def _check_in_backward(buckets: list[Bucket], world: int) -> None:
+    """What update_in_backward does not do (NOTE [Updates in backward]), refused before anything is built."""
+    if world > 1:
+        raise ConfigError(
+            f"tiermem: update_in_backward=True runs in one process in this version ({world} ranks here); "
+            f"leave it off under data parallelism (ZeRO-2/3 shard the grads over the ranks already)"
+        )
+    on_device = [b.key for b in buckets if b.state_tier == Tier.DEVICE]
+    if on_device:
+        raise ConfigError(
+            f"tiermem: update_in_backward=True updates on the host, but the policy keeps the optimizer state "
+            f"of {len(on_device)} buckets on the device ({', '.join(on_device[:3])}); give OPTIM_STATE a host "
+            f"or NVMe home (ZeroOffload(device_fraction=0)), or leave update_in_backward off"
+        )
 
 
 def _footprint(
@@ -308,6 +333,7 @@ def _footprint(
         nvme_staging=opts.device.type == "cuda",
         device_is_host=opts.device.type == "cpu",
         bucket_numel=opts.bucket_numel,
+        update_in_backward=opts.update_in_backward,
     )
 
 

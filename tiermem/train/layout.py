@@ -24,6 +24,7 @@ from tiermem.train.buffers import KeptBuffers
 from tiermem.train.frozen import FrozenParams
 from tiermem.train.gathered import GatheredWeights
 from tiermem.train.homes import DeviceWeights, GradHome, Homes, MemoryGrads, MemoryState, StateHome, WeightHome
+from tiermem.train.in_backward import WindowGrads
 from tiermem.train.materialize import Given, Values
 from tiermem.train.nvme_grads import NvmeGrads
 from tiermem.train.nvme_state import NvmeState
@@ -151,18 +152,28 @@ def make_homes(
     weights_off_device: Optional[ParamOffload],
     group: Group = Solo(),
     gathered: Optional[GatheredWeights] = None,
+    window: Optional[WindowGrads] = None,
 ) -> tuple[Homes, list[Bucket]]:
     """One home per class and tier, shared by the buckets placed there: the only code that maps
     a tier (or a rank's shard, NOTE [Data parallel]) to the class that homes it. Returns the
     homes and the buckets the step runs on (each rank's chunks, under data parallelism).
     ``gathered``: the home of the buckets whose weights are sharded over the ranks (NOTE
-    [Weights sharded over the ranks]), already built (its chunks are on their tiers)."""
+    [Weights sharded over the ranks]), already built (its chunks are on their tiers). ``window``:
+    the GRAD home of every bucket under update_in_backward (NOTE [Updates in backward]), one process."""
     compute = {b.index: compute_tier(b) for b in buckets}
     weights = _weight_homes(buckets, stores, engine, dtype, weights_off_device, gathered)
     also = () if gathered is None else (gathered,)  # it may home frozen buckets alone
+    if window is not None:
+        assert group.world == 1 and not overlap, "update_in_backward is refused with these (options.py)"
+        window.add(buckets)
     if group.world == 1:
+        solo: dict[Tier, tuple[GradHome, list[Bucket]]] = (
+            {Tier.HOST: (window, buckets)}
+            if window is not None
+            else _grad_homes(buckets, stores, engine, compute, overlap)
+        )
         return Homes(
-            _per_bucket(_grad_homes(buckets, stores, engine, compute, overlap)),
+            _per_bucket(solo),
             _per_bucket(_state_homes(buckets, stores, engine, compute, weights_off_device)),
             weights,
             also,

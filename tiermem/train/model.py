@@ -11,6 +11,7 @@ Every public call is checked against the step's phase in one place (NOTE [Step l
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -21,11 +22,12 @@ import torch
 
 from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _Spec
-from tiermem.errors import ConfigError, add_note, checked_arguments
+from tiermem.errors import ConfigError, TierMemError, add_note, checked_arguments
 from tiermem.memory import deferred
 from tiermem.observe.report import Report
 from tiermem.plan.policy import Policy
 from tiermem.train import checkpoint, lifetime
+from tiermem.train.backward import GradCollector
 from tiermem.train.build import build_parts
 from tiermem.train.compute import warn_if_slow
 from tiermem.train.inputs import cast_inputs
@@ -113,6 +115,12 @@ class TieredModel:
             against the module before anything is built. The module may be on the meta device (built
             under ``torch.device("meta")``); without ``weights``, such a module's parameters are
             initialized by its own modules' initialization, one module at a time.
+        update_in_backward: keep no gradient at rest (NOTE [Updates in backward] in
+            tiermem/train/in_backward.py): ``tm.backward(loss)`` takes the gradients' norms and keeps
+            the graph, ``tm.step()`` runs backward again and updates each bucket as soon as its
+            gradients land. The same bits as the default step, for one more backward per step and a
+            few buckets of host memory instead of 4 B/param of grads. Every backward is a step's last
+            (no accumulation over micro-batches); one process; optimizer state on the host or NVMe.
 
     Raises:
         ConfigError: an argument is wrong (the message names it and says what to pass).
@@ -139,6 +147,7 @@ class TieredModel:
         loss_scale: Optional[LossScale] = None,
         shard_weights: bool = False,
         weights: "str | os.PathLike[str] | None" = None,
+        update_in_backward: bool = False,
     ):
         opts = validate(
             module,
@@ -155,6 +164,7 @@ class TieredModel:
             max_skipped_steps=max_skipped_steps,
             loss_scale=loss_scale,
             shard_weights=shard_weights,
+            update_in_backward=update_in_backward,
         )
         deferred.start()  # the worker that gives back dropped models (NOTE [Finalizers only enqueue])
         deferred.settle()  # what models dropped before this one held is back (their hooks are off the module)
@@ -163,6 +173,7 @@ class TieredModel:
         self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
         warn_if_slow(precision, opts.device)  # one warning, from the profile's matmul figures
         self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
+        self.update_in_backward = opts.update_in_backward
         self._life = Lifecycle()
         if weights is not None and not isinstance(weights, (str, os.PathLike)):
             raise ConfigError(f"tiermem: weights={weights!r} is not a path; pass a checkpoint's file or directory")
@@ -278,11 +289,20 @@ class TieredModel:
         _check_loss(loss)
         self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=True)  # NOTE [Freezing and unfreezing]
         arrived_before = self.grads.arrivals
+        if self.update_in_backward and self.grads.has_grads():
+            raise TierMemError(
+                "tiermem: update_in_backward=True: this step already has its backward (gradients do not "
+                "accumulate over micro-batches in this mode); call tm.step() after each tm.backward(), or "
+                "leave update_in_backward off to accumulate"
+            )
         with self._life.during("backward", Phase.BACKWARD):  # raising before any grad: back to the phase before
             try:
+                scaled = loss.float() * self.scaler.scale if self.scaler.enabled else loss
                 with self.tracer.span("backward", "compute"):
-                    (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
+                    scaled.backward(retain_graph=self.update_in_backward)  # NOTE [Updates in backward]
                 self.grads.end_backward()
+                if self.update_in_backward:
+                    self.stepper.again = functools.partial(_backward_again, scaled, self.grads)
             except BaseException as e:
                 if self.grads.arrivals == arrived_before:  # nothing of this backward reached tiermem
                     add_note(
@@ -574,6 +594,13 @@ def _eagerly(on: bool) -> contextlib.AbstractContextManager:
     dynamo finds the eager hooks and falls back by itself, after trying to trace)."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if on and set_stance is not None else contextlib.nullcontext()
+
+
+def _backward_again(scaled: torch.Tensor, grads: GradCollector) -> None:
+    """The step's second backward under update_in_backward (NOTE [Updates in backward]): the same
+    graph and loss scale, the graph kept once more (a retry of a step that updated nothing)."""
+    scaled.backward(retain_graph=True)
+    grads.end_backward()
 
 
 def _check_loss(loss: Any) -> None:

@@ -41,6 +41,7 @@ class Options:
     prefetch: bool
     precision: str  # the working precision: "auto" made this device's (NOTE [Choosing the precision])
     shard_weights: bool = False  # under data parallelism, weights on the device sharded too (ZeRO-3); alone, nothing
+    update_in_backward: bool = False  # NOTE [Updates in backward]
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -102,6 +103,7 @@ def validate(
     max_skipped_steps: Any,
     loss_scale: Any,
     shard_weights: Any = False,
+    update_in_backward: Any = False,
 ) -> Options:
     """Check every argument of ``TieredModel(...)``; the first one wrong raises a ConfigError naming it."""
     if not isinstance(module, torch.nn.Module):
@@ -150,6 +152,12 @@ def validate(
             f"which needs precision='bf16' (got {precision!r}); pass precision='bf16' or drop "
             f"bf16_stochastic_round"
         )
+    in_backward = _flag("update_in_backward", update_in_backward)
+    if in_backward and overlap:
+        raise ConfigError(
+            "tiermem: update_in_backward=True and overlap_step=True both change when the update runs; "
+            "pass one of them (update_in_backward frees the grads' memory, overlap_step hides the update's time)"
+        )
     return Options(
         spec,
         torch_optimizer,
@@ -162,6 +170,7 @@ def validate(
         prefetch,
         precision,
         shard,
+        in_backward,
     )
 
 

@@ -64,7 +64,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -78,6 +78,7 @@ from tiermem.train.backward import GradCollector
 from tiermem.train.generic_step import GenericRunner
 from tiermem.train.groups import check_listed, hyper_of
 from tiermem.train.homes import Runs, StateHome, StateViews, slots_in, wait_gathered
+from tiermem.train.in_backward import Relay, WindowGrads
 from tiermem.train.layout import Layout
 from tiermem.train.scaler import LossScaler
 from tiermem.train.uploads import Outputs, Uploads
@@ -154,7 +155,9 @@ class Stepper:
         overlap: bool = False,
         group: Group = Solo(),
         max_skipped: Optional[int] = 10,
+        window: Optional[WindowGrads] = None,
     ):
+        """``window``: the GRAD home under update_in_backward (NOTE [Updates in backward])."""
         self.layout, self.homes, self.grads, self.outputs, self.group = layout, layout.homes, grads, outputs, group
         self.engine, self.scaler, self.grad_clip, self.tracer, self.overlap = engine, scaler, grad_clip, tracer, overlap
         self.steps = 0
@@ -174,6 +177,12 @@ class Stepper:
         # step is rolled forward]): reads are refused until its retry
         self._resuming: Optional[_Resume] = None  # a step that failed part-way, for its retry
         self._generic: Optional[GenericRunner] = None  # a generic optimizer's copy (NOTE [Generic optimizers])
+        self.window = window
+        #: update_in_backward: the step's second backward, over the graph the first kept (set by
+        #: tm.backward(), dropped with the graph once the step no longer needs it)
+        self.again: Optional[Callable[[], None]] = None
+        self.again_passes = 0
+        self.again_seconds = 0.0
 
     # -- between steps -----------------------------------------------------------------------------
     def finish_pending(self) -> None:
@@ -286,12 +295,55 @@ class Stepper:
             self._background = (self.engine.run_async(lambda: self._update(upd, after), name="adam"), *after)
         else:
             self._resuming = _Resume(norm, clip, self.grads.arrivals)  # for a retry, should the update fail part-way
-            self._update(upd)
+            if self.window is not None:
+                self._update_in_backward(upd)
+            else:
+                self._update(upd)
             self._resuming = None
         self.scaler.update(found_inf=False)
         self.grads.consumed(swap=self.overlap and self._background is not None)
+        self.again = None  # the graph goes
         self.steps += 1
         return StepResult(False, norm.item(), self.scaler.scale, self.steps)
+
+    def _update_in_backward(self, upd: _Update) -> None:
+        """The update, bucket by bucket, as the step's second backward lands each bucket's
+        gradients (NOTE [Updates in backward])."""
+        window, again = self.window, self.again
+        assert window is not None
+        if again is None:
+            raise TierMemError(
+                "tiermem: update_in_backward: the graph of this step's backward is gone (a step that "
+                "failed part way cannot be completed: the updated buckets' gradients were never kept); "
+                "tm.load() the last checkpoint"
+            )
+        upd = _Update(window.ordered(upd.plan), upd.hyper, upd.scale, upd.clip, upd.fill)
+        relay = window.relay = Relay()
+        self.grads.again(True)
+        t0 = time.perf_counter()
+        failed: Optional[BaseException] = None
+        try:
+            relay.start(lambda: self._update(upd))
+            try:
+                with self.tracer.span("backward again", "compute"):
+                    again()
+            except BaseException as e:  # noqa: BLE001 - raised below, after the update (waiting for a bucket) rolled back
+                failed = e
+            relay.close()
+        finally:
+            window.relay = None
+            self.grads.again(False)
+            self.again_passes += 1
+            self.again_seconds += time.perf_counter() - t0
+        failed = failed or relay.error
+        if failed is not None:
+            self.grads.discard_in_flight()
+            window.release()
+            if self._between is not None:  # buckets were updated: the rest cannot be (their grads are gone)
+                self.again = None
+            raise failed
+        for home in self.homes.weight_homes():
+            home.begin_update()  # copies the second backward fetched may be of weights updated since
 
     def _adam(self, upd: _Update, uploads: Uploads, b: Bucket, runs: Runs, state: StateViews) -> None:
         """The fused update of the bucket's state format over ``runs`` of bucket ``b``, its new
@@ -502,8 +554,8 @@ class Stepper:
         # Per-parameter norms in a fixed parameter order, so that the rounding of the total (and
         # so the clip coefficient) never depends on how a policy grouped parameters into buckets;
         # under data parallelism each rank has the norms of its pieces, combined by the group.
-        per_slot: dict[str, torch.Tensor] = {}
-        for b in self.layout.step_buckets:
+        per_slot: dict[str, torch.Tensor] = {} if self.window is None else self.window.norms
+        for b in self.layout.step_buckets if self.window is None else ():
             mine = [s for s in b.slots if self.grads.received(s.name)]
             if not mine:
                 continue
@@ -532,6 +584,7 @@ class Stepper:
         business; in bf16/fp32 it is not expected (NOTE [A stalled run is loud])."""
         self.scaler.update(found_inf=True)
         self.grads.consumed()
+        self.again = None  # no second backward: the graph goes
         result = StepResult(True, norm.item(), self.scaler.scale, self.steps)
         if self.scaler.enabled:
             return result

@@ -62,6 +62,7 @@ from tiermem.plan.policy import Policy, checked_place
 from tiermem.train.backward import GradCollector
 from tiermem.train.groups import check_listed
 from tiermem.train.hooks import HookSet
+from tiermem.train.in_backward import WindowGrads
 from tiermem.train.layout import Layout, make_homes
 from tiermem.train.param_offload import ParamOffload
 from tiermem.train.uploads import Outputs
@@ -96,14 +97,17 @@ class Trainable:
         settle: Callable[[], None],
         on_device_cuda: bool,
         spec: _Spec,
+        window: Optional[WindowGrads] = None,
     ):
         """``settle``: lands an update still running in the background (overlap_step) before the
-        layout changes."""
+        layout changes; ``window``: the GRAD home under update_in_backward, which homes the grads
+        of parameters unfrozen too."""
         self.layout, self.policy, self.dtype, self.bucket_numel = layout, policy, dtype, bucket_numel
         self.overlap, self.group, self.stores, self.engine = overlap, group, stores, engine
         self.off_device, self.grads, self.outputs, self.hooks = weights_off_device, grads, outputs, hooks
         self.param_groups, self.settle, self.nvme_staging = param_groups, settle, on_device_cuda
         self.spec = spec  # the optimizer: the state format of a parameter unfrozen
+        self.window = window
         self._module = module
         self._params = list(module.named_parameters())  # each parameter once, by its first name
         self._flags = self._read()  # requires_grad of each, as last taken
@@ -260,6 +264,7 @@ class Trainable:
                 overlap=self.overlap,
                 weights_off_device=self.off_device,
                 group=self.group,
+                window=self.window,
             )
             for b in buckets:
                 state = homes.state[b.index]

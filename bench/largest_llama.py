@@ -1,0 +1,153 @@
+"""A Hugging Face Llama bigger than the machine, trained as a user would: built on the meta device,
+initialized at its homes, ZeroInfinity + 8-bit Adam with bf16 masters + update_in_backward.
+
+    python bench/largest_llama.py [--hidden 5120 --layers 40 --intermediate 13824 --heads 40
+                                   --vocab 32000] [--seq 32] [--rows 1] [--steps 3] [--dir DIR]
+                                   [--keep-free 10GB] [--device-budget 2GiB] [--dry-run]
+
+The defaults are Llama-2-13B's shape (13.0B parameters). ``transformers.LlamaForCausalLM`` is built
+under ``torch.device("meta")`` (no memory) and wrapped with ``TieredModel(...,
+update_in_backward=True)``: each module is initialized by transformers' own ``_init_weights`` in a
+scratch buffer and written to NVMe (NOTE [Initialization on the meta device]); no gradient is kept
+at rest (NOTE [Updates in backward]). Then ``--steps`` steps on one repeated batch of ``--rows`` x
+``--seq`` random tokens (the loss must fall).
+
+Printed: the disk arithmetic (before building: what the footprint says the disk must hold), the
+build's time and peak RSS, per step the loss, the grad norm, forward+backward and ``tm.step()``
+times (the step runs the second backward and the updates), the bytes the store read and wrote,
+and the step's NVMe floor: those bytes at fio's sequential bandwidth on the same directory (8 MiB
+O_DIRECT, measured first), serial (reads then writes) and overlapped (the larger of the two). The
+ratio to the serial floor is printed last. Needs fio and transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._fio import sequential_bandwidth
+from bench.largest import du_bytes
+from bench.nvme_step import nvme_bytes, rss_gb
+from tiermem import AdamW8bit, Budgets, TieredModel, parse_bytes
+from tiermem.policies import ZeroInfinity
+
+GB = 1e9
+
+
+def llama(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(args.seq, 2048),
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=5120)
+    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--intermediate", type=int, default=13824)
+    p.add_argument("--heads", type=int, default=40)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--keep-free", default="10GB", help="free space to leave on the disk")
+    p.add_argument("--device-budget", default="2GiB", help="the device tier's budget (the CPU's RAM here)")
+    p.add_argument("--bucket-size", default="32MiB")
+    p.add_argument("--fio-size", default="4GiB", help="bytes of fio's passes (O_DIRECT, 8 MiB blocks)")
+    p.add_argument("--dir", default=None, help="where to make the NVMe directory (default: the current one)")
+    p.add_argument("--dry-run", action="store_true", help="print the arithmetic only")
+    args = p.parse_args()
+    where = args.dir or os.getcwd()
+    model = llama(args)
+    n = sum(q.numel() for q in model.parameters())
+
+    free = shutil.disk_usage(where).free
+    print(
+        f"LlamaForCausalLM hidden {args.hidden}, {args.layers} layers, intermediate {args.intermediate}, vocab "
+        f"{args.vocab}: {n:,} parameters ({n / 1e9:.2f}B) on the meta device; disk {free / GB:.1f} GB free, "
+        f"keep {parse_bytes(args.keep_free, what='--keep-free') / GB:.0f} GB; mixed-precision Adam in memory "
+        f"would need {16 * n / GB:.0f} GB",
+        flush=True,
+    )
+    if args.dry_run:
+        return 0
+    bw = sequential_bandwidth(where, args.fio_size, {"write": "write", "read": "read"}, name="largest-llama")
+    print(f"fio on {where}: read {bw['read'] / GB:.2f} GB/s, write {bw['write'] / GB:.2f} GB/s", flush=True)
+    d = tempfile.mkdtemp(prefix="tiermem-llama-", dir=where)
+    try:
+        t0 = time.perf_counter()
+        torch.manual_seed(0)
+        tm = TieredModel(
+            model,
+            ZeroInfinity(),
+            precision="bf16",
+            nvme_dir=d,
+            optimizer=AdamW8bit(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, bf16_stochastic_round=True),
+            bucket_size=args.bucket_size,
+            budgets=Budgets(device=args.device_budget, nvme=free - parse_bytes(args.keep_free, what="--keep-free")),
+            update_in_backward=True,
+            device="cpu",
+        )
+        print(
+            f"built in {time.perf_counter() - t0:.0f} s (each module initialized by transformers, written to "
+            f"NVMe); peak RSS {rss_gb():.1f} GB; du {du_bytes(d) / n:.2f} B/param",
+            flush=True,
+        )
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, args.vocab, (args.rows, args.seq), generator=g)
+        ratios = []
+        for i in range(1, args.steps + 1):
+            r0 = tm.report()
+            t0 = time.perf_counter()
+            loss = tm(ids, labels=ids).loss
+            tm.backward(loss)
+            t1 = time.perf_counter()
+            res = tm.step()
+            t2 = time.perf_counter()
+            (a0, w0), (a2, w2) = nvme_bytes(r0), nvme_bytes(tm.report())
+            read, written = a2 - a0, w2 - w0
+            serial = read / bw["read"] + written / bw["write"]
+            overlapped = max(read / bw["read"], written / bw["write"])
+            ratios.append((t2 - t0) / serial)
+            print(
+                f"step {i}: loss {loss.item():.4f}, grad norm {res.grad_norm:.3f}; fwd+bwd {t1 - t0:.1f} s, "
+                f"tm.step() {t2 - t1:.1f} s (second backward + updates); NVMe read {read / GB:.1f} GB, written "
+                f"{written / GB:.1f} GB: floor {serial:.1f} s serial, {overlapped:.1f} s overlapped; peak RSS "
+                f"{rss_gb():.1f} GB; du {du_bytes(d) / n:.2f} B/param",
+                flush=True,
+            )
+        rep = tm.report()
+        print(
+            f"{rep}\nparameters {n:,}; on disk (du) {du_bytes(d) / GB:.1f} GB = {du_bytes(d) / n:.2f} B/param; "
+            f"peak RSS {rss_gb():.1f} GB = {rss_gb() * GB / n:.2f} B/param in RAM"
+        )
+        print("step time / NVMe serial floor, per step: " + ", ".join(f"{r:.2f}x" for r in ratios))
+        # not tm.detach(): it would hand back the module with fp32 weights (4 B/param in RAM)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

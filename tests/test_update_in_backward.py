@@ -1,0 +1,178 @@
+"""update_in_backward=True (NOTE [Updates in backward]): the same bits as the default step, with
+the grads at rest a window of buckets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import TinyGPT, gpt_batch, gpt_loss, same_state
+from test_nvme_state import StateOnNvme
+
+from tiermem import AdamW, AdamW8bit, ConfigError, LossScale, TensorClass, Tier, TieredModel, TierMemError
+from tiermem.plan.footprint import WINDOW_BUCKETS
+from tiermem.policies import ZeroInfinity, ZeroOffload
+
+
+def _make(policy, tmp_path, precision="fp32", *, clip=6.5, optimizer=None, **kw):
+    torch.manual_seed(3)
+    return TieredModel(
+        TinyGPT(n_layer=3),
+        policy,
+        optimizer=optimizer or AdamW(lr=3e-3, weight_decay=0.1),
+        precision=precision,
+        grad_clip=clip,
+        bucket_size=3000,  # about a dozen buckets
+        device="cpu",
+        nvme_dir=None if tmp_path is None else str(tmp_path),
+        **kw,
+    )
+
+
+def _batch(step: int):
+    """Batches whose gradient norms straddle the clip: every third has its targets shuffled
+    against a repeated input (a large norm), the others are the model's own kind of data."""
+    x, y = gpt_batch(step)
+    if step % 3 == 2:
+        x = x[:1].expand_as(x).contiguous()
+    return x, y
+
+
+def _train(tm, steps: int) -> list[tuple[str, str, bool]]:
+    """(loss, grad norm, skipped) of each step, exactly (as reprs: an overflow's norm is nan)."""
+    out = []
+    for k in range(steps):
+        x, y = _batch(k)
+        loss = gpt_loss(tm(x), y)
+        tm.backward(loss)
+        r = tm.step()
+        out.append((repr(loss.item()), repr(r.grad_norm), r.skipped))
+    return out
+
+
+POLICIES = {
+    "zero-offload": lambda d: (ZeroOffload(), None),
+    "state-on-nvme": lambda d: (StateOnNvme(), d),
+    "zero-infinity": lambda d: (ZeroInfinity(), d),
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("where", list(POLICIES))
+def test_the_same_bits_as_the_step_with_clipping_on_some_steps(tmp_path, where, precision):
+    ref_policy, ref_dir = POLICIES[where](tmp_path / "ref")
+    policy, d = POLICIES[where](tmp_path / "uib")
+    for p in (ref_dir, d):
+        if p is not None:
+            p.mkdir()
+    ref = _make(ref_policy, ref_dir, precision)
+    tm = _make(policy, d, precision, update_in_backward=True)
+    steps = 7
+    want, got = _train(ref, steps), _train(tm, steps)
+    assert got == want  # losses and norms bit for bit
+    clipped = [float(norm) > 6.5 for _, norm, _ in want]
+    assert any(clipped) and not all(clipped), clipped  # the clip fires on some steps and not on others
+    assert same_state(tm.state_dict(), ref.state_dict())
+    assert tm.report().backward_again[0] == steps
+
+
+def test_the_same_bits_with_8bit_state_and_bf16_masters_on_nvme(tmp_path):
+    """The 13B configuration: ZeroInfinity, 8-bit moments, bf16 masters with stochastic rounding."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    opt = lambda: AdamW8bit(lr=3e-3, bf16_stochastic_round=True)  # noqa: E731
+    ref = _make(ZeroInfinity(), tmp_path / "a", "bf16", optimizer=opt())
+    tm = _make(ZeroInfinity(), tmp_path / "b", "bf16", optimizer=opt(), update_in_backward=True)
+    assert _train(tm, 5) == _train(ref, 5)
+    assert same_state(tm.state_dict(), ref.state_dict())
+
+
+def test_fp16_overflow_skips_as_the_step_does_without_a_second_backward():
+    scale = LossScale(init_scale=2.0**20)  # the first five steps overflow, the scaler backs off
+    ref = _make(ZeroOffload(), None, "fp16", loss_scale=scale)
+    tm = _make(ZeroOffload(), None, "fp16", loss_scale=scale, update_in_backward=True)
+    want, got = _train(ref, 8), _train(tm, 8)
+    assert got == want
+    skipped = sum(s for _, _, s in want)
+    assert 0 < skipped < 8
+    assert tm.report().backward_again[0] == 8 - skipped  # a skipped step runs no second backward
+    assert same_state(tm.state_dict(), ref.state_dict())
+
+
+def test_a_nan_gradient_skips_the_step_and_changes_nothing():
+    tm = _make(ZeroOffload(), None, update_in_backward=True)
+    _train(tm, 2)
+    before = tm.state_dict()
+    x, y = _batch(5)
+    loss = gpt_loss(tm(x), y) * float("nan")
+    tm.backward(loss)
+    assert tm.step().skipped
+    assert same_state(tm.state_dict(), before)
+    assert tm.report().backward_again[0] == 2
+    _train(tm, 1)  # and training goes on
+
+
+def test_the_host_holds_a_window_of_grads_not_all_of_them():
+    ref = _make(ZeroOffload(), None)
+    tm = _make(ZeroOffload(), None, update_in_backward=True)
+    _train(ref, 2)
+    _train(tm, 2)
+    whole = ref.report().class_peak_bytes[(TensorClass.GRAD, Tier.HOST)]
+    assert whole >= 4 * ref.layout.n_params
+    largest = max(b.numel for b in tm.layout.buckets) * 4
+    held = tm.report().class_peak_bytes.get((TensorClass.GRAD, Tier.HOST), 0)
+    assert 0 < held <= WINDOW_BUCKETS * largest < whole / 2, (held, largest, whole)
+
+
+def test_the_footprint_counts_a_window_instead_of_the_grads():
+    from tiermem.plan.footprint import GRADS, GRADS_IN_BACKWARD
+
+    tm = _make(ZeroOffload(), None, update_in_backward=True)
+    ref = _make(ZeroOffload(), None)
+    from tiermem.train.build import _footprint  # the rule TieredModel checks its budgets with
+    from tiermem.train.options import validate
+
+    def need(model, flag):
+        opts = validate(
+            model.module,
+            optimizer=None,
+            precision="fp32",
+            budgets=None,
+            grad_clip=None,
+            device="cpu",
+            bucket_size=3000,
+            overlap_step=False,
+            nvme_dir=None,
+            trace_path=None,
+            prefetch=True,
+            max_skipped_steps=10,
+            loss_scale=None,
+            update_in_backward=flag,
+        )
+        return _footprint(model.module, model.layout.buckets, {}, opts, 1)
+
+    with_window, without = need(tm, True)[Tier.HOST], need(ref, False)[Tier.HOST]
+    assert GRADS not in with_window and without[GRADS] == 4 * ref.layout.n_params
+    assert with_window[GRADS_IN_BACKWARD] == WINDOW_BUCKETS * 4 * max(b.numel for b in tm.layout.buckets)
+
+
+def test_a_second_backward_before_the_step_is_refused_and_the_step_still_runs():
+    ref = _make(ZeroOffload(), None)
+    tm = _make(ZeroOffload(), None, update_in_backward=True)
+    x, y = _batch(0)
+    loss = gpt_loss(tm(x), y)
+    tm.backward(loss)
+    with pytest.raises(TierMemError, match="do not accumulate over micro-batches"):
+        tm.backward(gpt_loss(tm(x), y))
+    r = tm.step()
+    ref.backward(gpt_loss(ref(x), y))
+    assert r.grad_norm == ref.step().grad_norm
+    assert same_state(tm.state_dict(), ref.state_dict())
+
+
+def test_refused_with_overlap_step_and_with_state_on_the_device():
+    with pytest.raises(ConfigError, match="update_in_backward=True and overlap_step=True"):
+        _make(ZeroOffload(), None, update_in_backward=True, overlap_step=True)
+    with pytest.raises(ConfigError, match="optimizer state of .* buckets on the device"):
+        _make(ZeroOffload(device_fraction=1.0), None, update_in_backward=True)
+    with pytest.raises(ConfigError, match="update_in_backward=1 is not a bool"):
+        _make(ZeroOffload(), None, update_in_backward=1)
