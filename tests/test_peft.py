@@ -62,8 +62,17 @@ POLICIES = {
 
 
 def _lora(target: str, seed: int = 0) -> torch.nn.Module:
+    base = _base(target, seed)
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS[target][0], init_lora_weights=False
+    )  # random B too: every adapter weight gets gradients at once
+    return peft.get_peft_model(base, lora)
+
+
+def _base(target: str, seed: int = 0) -> torch.nn.Module:
+    """The Llama that ``_lora(target, seed)`` adapts, with the same initial weights."""
     torch.manual_seed(seed)
-    modules, tied = TARGETS[target]
+    _, tied = TARGETS[target]
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -76,11 +85,7 @@ def _lora(target: str, seed: int = 0) -> torch.nn.Module:
         use_cache=False,
         pad_token_id=0,
     )
-    base = transformers.LlamaForCausalLM(cfg)
-    lora = peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=modules, init_lora_weights=False
-    )  # random B too: every adapter weight gets gradients at once
-    return peft.get_peft_model(base, lora)
+    return transformers.LlamaForCausalLM(cfg)
 
 
 def _batch(i: int) -> dict:
@@ -315,3 +320,31 @@ def test_trainer_with_lora_and_checkpointing_under_zero_infinity(tmp_path):
     )
     second.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
     assert same_state(second.tiered.state_dict(), final)
+
+
+def test_save_pretrained_writes_the_adapter_as_peft_does(tmp_path):
+    """A peft model's tm.save_pretrained(dir) is peft's own save_pretrained of the trained model:
+    the same adapter tensors under the same names, and PeftModel.from_pretrained on a fresh base
+    gives the trained model's logits."""
+    tm = _tiered("attention", "zero-infinity", tmp_path, precision="fp32")
+    for i in range(2):
+        tm.backward(tm(**_batch(i)).loss)
+        tm.step()
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"an earlier full save")  # an adapter save leaves it
+    tm.save_pretrained(tmp_path / "hf")
+    trained = tm.detach()
+    trained.save_pretrained(tmp_path / "peft")  # peft's own
+    from safetensors.torch import load_file
+
+    mine, theirs = (
+        load_file(tmp_path / "hf" / "adapter_model.safetensors"),
+        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
+    )
+    assert sorted(mine) == sorted(theirs) and len(mine) == 2 * 2 * 2  # lora A and B of q and v, 2 layers
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == b"an earlier full save"
+    loaded = peft.PeftModel.from_pretrained(_base("attention"), tmp_path / "hf")
+    batch = _batch(7)
+    with torch.no_grad():
+        assert torch.equal(loaded(**batch).logits, trained(**batch).logits)

@@ -3,12 +3,15 @@ the grads at rest a window of buckets."""
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pytest
 import torch
 from models import TinyGPT, gpt_batch, gpt_loss, same_state
-from test_nvme_state import StateOnNvme
+from test_nvme_state import StateOnNvme, _files_fail
 
-from tiermem import AdamW, AdamW8bit, ConfigError, LossScale, TensorClass, Tier, TieredModel, TierMemError
+from tiermem import AdamW, AdamW8bit, ConfigError, LossScale, StoreError, TensorClass, Tier, TieredModel, TierMemError
 from tiermem.plan.footprint import WINDOW_BUCKETS
 from tiermem.policies import ZeroInfinity, ZeroOffload
 
@@ -176,3 +179,64 @@ def test_refused_with_overlap_step_and_with_state_on_the_device():
         _make(ZeroOffload(device_fraction=1.0), None, update_in_backward=True)
     with pytest.raises(ConfigError, match="update_in_backward=1 is not a bool"):
         _make(ZeroOffload(), None, update_in_backward=1)
+
+
+def test_a_step_that_failed_before_any_bucket_landed_is_completed_by_a_retry(tmp_path):
+    """Every state write fails: no bucket is updated, the weights sent home are taken back, and the
+    retry (a third backward over the kept graph) gives the uninterrupted run's bits."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ref = _make(StateOnNvme(), tmp_path / "a")
+    tm = _make(StateOnNvme(), tmp_path / "b", update_in_backward=True)
+    _train(ref, 2)
+    _train(tm, 2)
+    x, y = _batch(2)
+    tm.backward(gpt_loss(tm(x), y))
+    before = tm.state_dict()
+    with _files_fail(tm.stores[Tier.NVME], ("",)):
+        with pytest.raises(StoreError, match=os.strerror(errno.EIO)):
+            tm.step()
+    assert same_state(tm.state_dict(), before)  # nothing moved: reads are allowed and see the old weights
+    tm.step()  # the retry
+    ref.backward(gpt_loss(ref(x), y))
+    ref.step()
+    assert same_state(tm.state_dict(), ref.state_dict())
+    assert _train(tm, 2) == _train(ref, 2)
+
+
+def test_a_step_that_failed_after_some_buckets_landed_says_to_load_a_checkpoint(tmp_path):
+    """Bucket 0's state write fails after the others landed: their grads are gone, so the step
+    cannot be completed; reads are refused, a retry says to load a checkpoint, and a load works."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    tm = _make(StateOnNvme(), tmp_path / "a", update_in_backward=True)
+    _train(tm, 2)
+    tm.save(str(tmp_path / "ckpt" / "two"))
+    saved = tm.state_dict()
+    x, y = _batch(2)
+    tm.backward(gpt_loss(tm(x), y))
+    with _files_fail(tm.stores[Tier.NVME], ("bucket0_state.",)):
+        with pytest.raises(StoreError, match=os.strerror(errno.EIO)):
+            tm.step()
+    with pytest.raises(TierMemError, match="weights of two steps"):
+        tm(x)
+    with pytest.raises(TierMemError, match="cannot be completed.*tm.load"):
+        tm.step()
+    tm.load(str(tmp_path / "ckpt" / "two"))
+    assert same_state(tm.state_dict(), saved)
+    _train(tm, 1)
+
+
+class _ActivationsOnHost(ZeroOffload):
+    """ZeRO-Offload with every saved activation offloaded to the host."""
+
+    def place(self, info):
+        return Tier.HOST if info.kind is TensorClass.ACTIVATION else super().place(info)
+
+
+def test_offloaded_activations_come_back_for_the_second_backward():
+    ref = _make(_ActivationsOnHost(), None)
+    tm = _make(_ActivationsOnHost(), None, update_in_backward=True)
+    assert _train(tm, 4) == _train(ref, 4)
+    assert tm.report().class_peak_bytes.get((TensorClass.ACTIVATION, Tier.HOST), 0) > 0
+    assert same_state(tm.state_dict(), ref.state_dict())

@@ -414,7 +414,9 @@ class TieredModel:
         """Write the weights as Hugging Face safetensors shards (and a transformers model's
         ``config.json``), read from their homes one tensor at a time (NOTE [Saving in the Hugging Face
         format]): ``transformers.AutoModel*.from_pretrained(directory)`` and
-        ``TieredModel(..., weights=directory)`` read them back.
+        ``TieredModel(..., weights=directory)`` read them back. A peft model's active adapter is
+        written as peft's ``save_pretrained`` writes it (``adapter_model.safetensors`` and
+        ``adapter_config.json``), the frozen base left unread.
 
         Args:
             directory: where to write; created if missing. An earlier save there is replaced (its

@@ -11,6 +11,11 @@ Host memory is one shard. A tied weight is written once, under the module's own 
 first in ``named_parameters()``), as transformers writes it. Everything is written into a new
 directory beside ``directory`` and moved in when complete: a save that fails leaves what was there;
 a save over an earlier one removes that one's shards and index, and nothing else.
+
+A peft model (``peft.get_peft_model(...)``) is saved as peft's own ``save_pretrained`` saves it:
+its active adapter only, ``adapter_model.safetensors`` under peft's names (from
+``peft.get_peft_model_state_dict``, given the trained values: the frozen base is never read) and
+``adapter_config.json``, which ``PeftModel.from_pretrained(base, directory)`` loads.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from tiermem.observe.progress import Progress
 __all__ = ["save_pretrained"]
 
 INDEX = "model.safetensors.index.json"
+ADAPTER = "adapter_model.safetensors"
 
 
 def _shards(tensors: Iterator[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -69,6 +75,8 @@ def save_pretrained(
     from safetensors.torch import save_file
 
     directory = os.fspath(directory)
+    if _adapter(module) is not None:
+        return _save_adapter(state, module, directory, dtype)
     limit = parse_bytes(max_shard_size, what="max_shard_size")
     if limit < 1:
         raise ConfigError(f"tiermem: max_shard_size={max_shard_size!r} is invalid: must be at least 1 byte")
@@ -110,6 +118,47 @@ def save_pretrained(
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _adapter(module: torch.nn.Module) -> Optional[str]:
+    """The active adapter of a peft model; None for any other module."""
+    if type(module).__module__.split(".")[0] != "peft" or not hasattr(module, "peft_config"):
+        return None
+    active = getattr(module, "active_adapter", None)
+    return active if isinstance(active, str) else None
+
+
+def _save_adapter(state: Any, module: torch.nn.Module, directory: str, dtype: Optional[torch.dtype]) -> None:
+    """peft's ``adapter_model.safetensors`` and ``adapter_config.json`` of the active adapter, from
+    the trained values alone (NOTE [Saving in the Hugging Face format])."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    adapter = _adapter(module)
+    assert adapter is not None
+    trained = {names[0]: value for names, value in state.stream_weights(frozen=False)}
+    if dtype is not None:
+        trained = {k: v.to(dtype) if v.is_floating_point() else v for k, v in trained.items()}
+    values = get_peft_model_state_dict(module, state_dict=trained, adapter_name=adapter)
+    parent = os.path.dirname(os.path.abspath(directory))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"tiermem: save_pretrained({directory!r}): {parent!r} does not exist; create it first")
+    work = os.path.join(parent, f".{os.path.basename(os.path.abspath(directory))}.tiermem-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work, mode=0o700)
+    try:
+        save_file(
+            {k: v.contiguous() for k, v in values.items()}, os.path.join(work, ADAPTER), metadata={"format": "pt"}
+        )
+        module.peft_config[adapter].save_pretrained(work)
+        _publish(work, directory, replaces_shards=False)
+    except OSError as e:
+        raise StoreError(
+            f"tiermem: save_pretrained({directory!r}) failed ({e}); nothing in {directory!r} changed: free space "
+            f"or choose another directory, and save again"
+        ) from e
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _final_names(n: int) -> list[str]:
     if n == 1:
         return ["model.safetensors"]
@@ -124,15 +173,16 @@ def _save_config(module: torch.nn.Module, work: str) -> None:
             config.save_pretrained(work)
 
 
-def _publish(work: str, directory: str) -> None:
+def _publish(work: str, directory: str, *, replaces_shards: bool = True) -> None:
     """Move what ``work`` holds into ``directory``: a new directory is renamed into place; into an
-    existing one the files are moved one by one, and an earlier save's shards and index removed."""
+    existing one the files are moved one by one, and (``replaces_shards``) an earlier save's shards
+    and index removed."""
     if not os.path.exists(directory):
         os.rename(work, directory)
         return
     new = set(os.listdir(work))
     for name in sorted(new):
         os.replace(os.path.join(work, name), os.path.join(directory, name))
-    for name in os.listdir(directory):  # the earlier save's files that the new one did not replace
+    for name in os.listdir(directory) if replaces_shards else ():  # the earlier save's files not replaced
         if name not in new and (name == INDEX or (name.startswith("model") and name.endswith(".safetensors"))):
             os.remove(os.path.join(directory, name))

@@ -160,15 +160,18 @@ class ModelState:
         """Every parameter name (tied aliases included) -> a CPU copy of its fp32 value."""
         return {alias: value for names, value in self.stream_weights() for alias in names}
 
-    def stream_weights(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+    def stream_weights(self, *, frozen: bool = True) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
         """Each parameter's names (tied aliases included, the module's own name first) and a CPU copy of
-        its fp32 value (frozen ones in their own dtype), one at a time, bucket by bucket: what a caller
-        does not keep is all the memory it costs (NOTE [Weights read one tensor at a time])."""
+        its fp32 value (frozen ones in their own dtype; ``frozen=False``: trained ones only), one at a
+        time, bucket by bucket: what a caller does not keep is all the memory it costs (NOTE [Weights
+        read one tensor at a time])."""
         for b, state in self._bucket_state():
             master = state[0]
             for s in b.slots:
                 value = master[s.offset : s.offset + s.numel].view(s.shape).detach().to("cpu", torch.float32, copy=True)
                 yield self.layout.names[id(s.param)], value
+        if not frozen:
+            return
         params = dict(self.module.named_parameters())
         for name in self.layout.frozen:
             yield self.layout.names[id(params[name])], self.layout.frozen.value(name, own=True)
