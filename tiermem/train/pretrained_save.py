@@ -148,8 +148,8 @@ def _save_adapter(state: Any, module: torch.nn.Module, directory: str, dtype: Op
         save_file(
             {k: v.contiguous() for k, v in values.items()}, os.path.join(work, ADAPTER), metadata={"format": "pt"}
         )
-        config: Any = getattr(module, "peft_config")[adapter]  # peft's LoraConfig (peft is not typed here)
-        config.save_pretrained(work)
+        peft_model: Any = module  # peft is not typed here
+        peft_model.peft_config[adapter].save_pretrained(work)
         _publish(work, directory, replaces_shards=False)
     except OSError as e:
         raise StoreError(
