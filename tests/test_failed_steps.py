@@ -42,16 +42,26 @@ def _pair(policy: str):
     return ref, tm
 
 
+def _background_done(tm) -> None:
+    """Wait until the update ``tm`` runs in the background (overlap_step), if any, has ended: the
+    files made to fail next must fail that step's writes, not the previous step's, which may still be
+    writing (a race that failed CI on a loaded machine: the previous step's write waited on ``go``)."""
+    if tm.stepper._background is None:
+        return
+    handle = tm.stepper._background[0]
+    while not handle.done():
+        threading.Event().wait(0.01)
+
+
 def fail_in_the_background(tm) -> None:
     """Step 3 of ``tm`` (two steps trained, overlap_step) fails in the background: bucket 0's state
     is not written; returns once the background update has ended."""
     x, y = gpt_batch(2)
     tm.backward(gpt_loss(tm(x), y))
+    _background_done(tm)
     with _files_fail(tm.stores[Tier.NVME], ("bucket0_state.",)):
         tm.step()
-        handle = tm.stepper._background[0]
-        while not handle.done():
-            threading.Event().wait(0.01)
+        _background_done(tm)
 
 
 @pytest.mark.parametrize("policy", ["zero_infinity", "state_on_nvme"])
@@ -66,11 +76,10 @@ def test_a_failed_background_update_refuses_the_next_forward_and_a_retry_matches
     x, y = gpt_batch(2)
     tm.backward(gpt_loss(tm(x), y))
     probe = gpt_batch(99)[0]
+    _background_done(tm)
     with _files_fail(tm.stores[Tier.NVME], ("bucket0_state.",)):
         tm.step()
-        handle = tm.stepper._background[0]
-        while not handle.done():
-            threading.Event().wait(0.01)
+        _background_done(tm)
     with pytest.raises(StoreError, match=os.strerror(errno.EIO)) as e:
         with torch.no_grad():
             tm(probe)
@@ -94,6 +103,7 @@ def test_a_background_update_that_fails_during_the_next_backward(policy):
     _train(tm, 2)
     x, y = gpt_batch(2)
     tm.backward(gpt_loss(tm(x), y))
+    _background_done(tm)
     with _files_fail_later(tm.stores[Tier.NVME], ("bucket0_state.",)) as failing:
         tm.step()
         x, y = gpt_batch(3)
@@ -158,10 +168,10 @@ def _rank_write_fails(rank, world, directory, failing, overlap=False):
     step(1)
     x, y = gpt_batch(200 + rank)
     tm.backward(gpt_loss(tm(x), y))
+    _background_done(tm)  # overlap_step: step 2's update has landed before the files fail
     with _files_fail(tm.stores[Tier.NVME], failing if rank == 1 else ("/nothing/",)):
         _attempt(log, "step 3", tm.step)
-        while tm.stepper._background is not None and not tm.stepper._background[0].done():
-            threading.Event().wait(0.01)  # overlap_step: rank 1's update fails while the files do
+        _background_done(tm)  # overlap_step: rank 1's update fails while the files do
     weights = [p.detach().clone() for p in tm.module.parameters()]
     with torch.no_grad():
         _attempt(log, "forward", lambda: tm(gpt_batch(99)[0]))

@@ -37,6 +37,8 @@ def _rank_fails_its_step(rank, world, directory, failing, overlap):
 
     step(0)
     step(1)
+    while tm.stepper._background is not None and not tm.stepper._background[0].done():
+        threading.Event().wait(0.01)  # overlap_step: step 2's update lands before the files fail
     t0 = time.perf_counter()
     with _files_fail(tm.stores[Tier.NVME], failing if rank == 1 else ("/nothing/",)):
         try:

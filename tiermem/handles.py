@@ -91,6 +91,17 @@ class Handle:
         """
         self._future.add_done_callback(fn)
 
+    def wraps(self, future: Future[Any]) -> bool:
+        """Whether ``future`` (a done-callback's argument) is the one this request completes. A
+        callback that needs its handle finds it this way: one holding the handle itself would make
+        a reference cycle (future -> callback -> handle -> future) that keeps the request's result,
+        often a large buffer, alive until Python's next full garbage collection.
+
+        Args:
+            future: the future a done-callback was given.
+        """
+        return self._future is future
+
     def observed(self, on_stall: StallSink) -> "Handle":
         """The same request, reporting the caller's stalls to ``on_stall``.
 

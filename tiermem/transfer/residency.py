@@ -19,7 +19,8 @@ import contextlib
 import functools
 import threading
 import time
-from typing import Optional
+from concurrent.futures import Future
+from typing import Any, Optional
 
 import torch
 
@@ -78,7 +79,7 @@ class KeyedResidency:
             return Handle.completed(None)
         with self._lock:
             self._pending[key] = (tier, h)
-        h.add_done_callback(functools.partial(self._forget, key, h))
+        h.add_done_callback(functools.partial(self._forget, key))
         return h
 
     def share(self, key: str, tensor: torch.Tensor) -> None:
@@ -180,10 +181,13 @@ class KeyedResidency:
             with contextlib.suppress(Exception):
                 pending[1].wait()
 
-    def _forget(self, key: str, handle: Handle, _done: object = None) -> None:
+    def _forget(self, key: str, done: Future[Any]) -> None:
+        """A done-callback: ``key``'s transfer that ``done`` completes is no longer pending. It is
+        given the future, not the handle: a handle in its own future's callbacks would be a
+        reference cycle, keeping the transfer's buffer alive until a full garbage collection."""
         with self._lock:
             entry = self._pending.get(key)
-            if entry is not None and entry[1] is handle:
+            if entry is not None and entry[1].wraps(done):
                 del self._pending[key]
 
     def _launch(self, r: Residency, src: Tier, dst: Tier, then_drop: Optional[Tier]) -> Handle:
@@ -198,7 +202,7 @@ class KeyedResidency:
         handle = self.engine.request(lane, lambda: self._run(r, src, dst, out, lane, ready, then_drop), stall=dst)
         with self._lock:
             self._pending[key] = (dst, handle)
-        handle.add_done_callback(functools.partial(self._forget, key, handle))
+        handle.add_done_callback(functools.partial(self._forget, key))
         return handle
 
     def _run(
