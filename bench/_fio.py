@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Sequence
 
@@ -15,6 +16,8 @@ def fio_job(
     of ``size`` bytes in ``block``-byte requests, with ``extra`` options after those; returns the job's
     JSON: ``job["read"]["bw_bytes"]`` and ``job["write"]["bw_bytes"]`` are its B/s each way (0 for a
     direction it did not move)."""
+    if shutil.which("fio") is None:
+        raise SystemExit("tiermem bench: fio is not installed; install it (Debian/Ubuntu: apt-get install fio)")
     cmd = ["fio", f"--name={name}", f"--filename={path}", f"--rw={rw}", f"--bs={block}", f"--size={size}"]
     cmd += ["--direct=1", "--ioengine=libaio", f"--iodepth={iodepth}", "--numjobs=1", "--output-format=json", *extra]
     res = subprocess.run(cmd, check=True, capture_output=True, text=True)

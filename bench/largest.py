@@ -1,5 +1,9 @@
 """The largest model this machine trains: ZeroInfinity with one value per NVMe key, 2 steps.
 
+A model no user builds (its layers share one buffer) and grads kept whole: the figure a user can
+reproduce with their own model is ``bench/largest_llama.py`` (a transformers Llama built on the
+meta device, no grads at rest).
+
     python bench/largest.py [--params 4.5e9] [--width 4096] [--keep-free 10GB] [--steps 2]
                             [--device-budget 1GiB] [--bucket-size 16MiB] [--dir DIR] [--dry-run]
                             [--8bit] [--bf16-master]

@@ -16,8 +16,9 @@ Printed: the disk arithmetic (before building: what the footprint says the disk 
 build's time and peak RSS, per step the loss, the grad norm, forward+backward and ``tm.step()``
 times (the step runs the second backward and the updates), the bytes the store read and wrote,
 and the step's NVMe floor: those bytes at fio's sequential bandwidth on the same directory (8 MiB
-O_DIRECT, measured first), serial (reads then writes) and overlapped (the larger of the two). The
-ratio to the serial floor is printed last. Needs fio and transformers.
+O_DIRECT, measured first), serial (reads then writes) and overlapped (the larger of the two), and
+the CPU time the process spent in the step (every thread: near cores x wall, the step is bound by
+the CPU, not the disk). The ratio to the serial floor is printed last. Needs fio and transformers.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._common import RssSampler
 from bench._fio import sequential_bandwidth
 from bench.largest import du_bytes
 from bench.nvme_step import nvme_bytes, rss_gb
@@ -41,6 +43,12 @@ from tiermem import AdamW8bit, Budgets, TieredModel, parse_bytes
 from tiermem.policies import ZeroInfinity
 
 GB = 1e9
+
+
+def cpu_seconds() -> float:
+    """The process's CPU time so far, every thread, user and system."""
+    t = os.times()
+    return t.user + t.system
 
 
 def llama(args: argparse.Namespace) -> torch.nn.Module:
@@ -95,6 +103,7 @@ def main() -> int:
     bw = sequential_bandwidth(where, args.fio_size, {"write": "write", "read": "read"}, name="largest-llama")
     print(f"fio on {where}: read {bw['read'] / GB:.2f} GB/s, write {bw['write'] / GB:.2f} GB/s", flush=True)
     d = tempfile.mkdtemp(prefix="tiermem-llama-", dir=where)
+    rss, worst = RssSampler().__enter__(), 0  # ru_maxrss misses peaks (RssSampler's docstring)
     try:
         t0 = time.perf_counter()
         torch.manual_seed(0)
@@ -109,9 +118,11 @@ def main() -> int:
             update_in_backward=True,
             device="cpu",
         )
+        worst = max(worst, built := rss.reset())
         print(
             f"built in {time.perf_counter() - t0:.0f} s (each module initialized by transformers, written to "
-            f"NVMe); peak RSS {rss_gb():.1f} GB; du {du_bytes(d) / n:.2f} B/param",
+            f"NVMe); peak RSS {built / GB:.1f} GB sampled ({rss_gb():.1f} GB ru_maxrss); du {du_bytes(d) / n:.2f} "
+            f"B/param",
             flush=True,
         )
         g = torch.Generator().manual_seed(0)
@@ -119,6 +130,7 @@ def main() -> int:
         ratios = []
         for i in range(1, args.steps + 1):
             r0 = tm.report()
+            c0 = cpu_seconds()
             t0 = time.perf_counter()
             loss = tm(ids, labels=ids).loss
             tm.backward(loss)
@@ -130,21 +142,24 @@ def main() -> int:
             serial = read / bw["read"] + written / bw["write"]
             overlapped = max(read / bw["read"], written / bw["write"])
             ratios.append((t2 - t0) / serial)
+            worst = max(worst, peak := rss.reset())
             print(
                 f"step {i}: loss {loss.item():.4f}, grad norm {res.grad_norm:.3f}; fwd+bwd {t1 - t0:.1f} s, "
                 f"tm.step() {t2 - t1:.1f} s (second backward + updates); NVMe read {read / GB:.1f} GB, written "
-                f"{written / GB:.1f} GB: floor {serial:.1f} s serial, {overlapped:.1f} s overlapped; peak RSS "
-                f"{rss_gb():.1f} GB; du {du_bytes(d) / n:.2f} B/param",
+                f"{written / GB:.1f} GB: floor {serial:.1f} s serial, {overlapped:.1f} s overlapped; CPU busy "
+                f"{cpu_seconds() - c0:.0f} s of {os.cpu_count()} cores x {t2 - t0:.0f} s; peak RSS {peak / GB:.1f} GB sampled; "
+                f"du {du_bytes(d) / n:.2f} B/param",
                 flush=True,
             )
         rep = tm.report()
         print(
             f"{rep}\nparameters {n:,}; on disk (du) {du_bytes(d) / GB:.1f} GB = {du_bytes(d) / n:.2f} B/param; "
-            f"peak RSS {rss_gb():.1f} GB = {rss_gb() * GB / n:.2f} B/param in RAM"
+            f"peak RSS {worst / GB:.1f} GB sampled = {worst / n:.2f} B/param in RAM ({rss_gb():.1f} GB ru_maxrss)"
         )
         print("step time / NVMe serial floor, per step: " + ", ".join(f"{r:.2f}x" for r in ratios))
         # not tm.detach(): it would hand back the module with fp32 weights (4 B/param in RAM)
     finally:
+        rss.__exit__(None, None, None)
         shutil.rmtree(d, ignore_errors=True)
     return 0
 

@@ -5,8 +5,10 @@ weights written back as Hugging Face safetensors (``tm.save_pretrained``) and re
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -205,21 +207,21 @@ def test_a_failure_while_reading_gives_the_module_back_on_meta(tmp_path, monkeyp
 
     torch.manual_seed(1)
     ckpt = _checkpoint(tmp_path, TinyGPT())
-    real, calls = weights_file.WeightsFile.read, []
+    real, calls = weights_file.WeightsFile._pread_into, []
 
-    def failing(self, name):
-        calls.append(name)
+    def failing(self, e, out):  # every tensor's bytes come through here
+        calls.append(e.name)
         if len(calls) == 3:
-            raise TierMemError("tiermem: injected read failure")
-        return real(self, name)
+            raise OSError(errno.EIO, "injected read failure")
+        return real(self, e, out)
 
-    monkeypatch.setattr(weights_file.WeightsFile, "read", failing)
+    monkeypatch.setattr(weights_file.WeightsFile, "_pread_into", failing)
     model = _on_meta()
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     for policy in (ZeroOffload(), ZeroInfinity()):
         calls.clear()
-        with pytest.raises(TierMemError, match="injected"):
+        with pytest.raises(TierMemError, match=r"reading '.*' from .* failed \(OSError: .*injected"):
             tiermem.TieredModel(model, policy, precision="fp32", nvme_dir=str(nvme), weights=ckpt)
         assert all(p.is_meta for p in model.parameters())
         assert os.listdir(nvme) == []
@@ -305,6 +307,39 @@ def test_save_pretrained_is_read_back_by_transformers_with_the_same_logits(shard
     plain = tm.detach()
     with torch.no_grad():
         assert torch.equal(back(x).logits, plain(x).logits)
+
+
+def test_save_pretrained_of_a_shared_bf16_master_reads_the_weights_alone(tmp_path):
+    """ZeroInfinity + AdamW8bit(bf16_stochastic_round=True): the bf16 master is the weights' own
+    NVMe keys (NOTE [One copy of bf16 master weights]); save_pretrained reads those bytes from NVMe
+    and nothing more (not the 8-bit moments beside them), and writes the trained values."""
+    torch.manual_seed(0)
+    tm = _wrap(
+        TinyGPT(),
+        "zero-infinity",
+        tmp_path,
+        precision="bf16",
+        optimizer=tiermem.AdamW8bit(lr=1e-2, bf16_stochastic_round=True),
+        bucket_size=4000,
+    )
+    train_steps(tm, 2)
+    store, asked = tm.stores[Tier.NVME], []
+    read = store.read
+
+    def counted(key, out):  # the reads save_pretrained issues (not the next step's first read, issued
+        if threading.current_thread() is threading.main_thread():  # by a worker as this step ends)
+            asked.append(out.numel() * out.element_size())
+        return read(key, out)
+
+    store.read = counted
+    out = tmp_path / "out"
+    tm.save_pretrained(out, dtype=torch.bfloat16)
+    store.read = read
+    assert sum(asked) == sum(p.numel() * 2 for p in tm.module.parameters())  # bf16, tied weights once
+    saved = load_file(str(out / "model.safetensors"))
+    want = tm.detach().state_dict()
+    assert saved.keys() <= want.keys()
+    assert all(torch.equal(v, want[k].to(v.dtype)) for k, v in saved.items())
 
 
 def test_save_pretrained_replaces_an_earlier_save_and_nothing_else(tmp_path):
@@ -415,3 +450,38 @@ def test_a_checkpoint_without_the_rotary_buffers_initializes_their_module_only(t
     model._init_weights = lambda m: (seen.append(type(m).__name__), real(m))
     _wrap(model, "zero-offload", tmp_path, weights=str(tmp_path / "hf"))
     assert seen and set(seen) == {"LlamaRotaryEmbedding"}, seen
+
+
+def test_a_safetensors_file_is_read_tensor_by_tensor_as_the_package_reads_it(tmp_path):
+    """open_weights reads each tensor at the offset its header gives (NOTE [Weights read one tensor
+    at a time]): every dtype, empty and 0-d tensors, in the announced order, in another, and
+    unannounced, the same bytes as safetensors' own loader; a tensor whose bytes were cut off after
+    the header was checked is an error naming it."""
+    from tiermem.train.weights_file import open_weights
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "a.bf16": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+        "b.f32": torch.randn(300, generator=g),
+        "c.bool": torch.rand(9, generator=g) > 0.5,
+        "d.empty": torch.zeros(0, 4, dtype=torch.float16),
+        "e.scalar": torch.tensor(2.5, dtype=torch.float64),
+        "f.i8": torch.randint(-128, 127, (3, 3), dtype=torch.int8, generator=g),
+    }
+    path = str(tmp_path / "w.safetensors")
+    save_file(tensors, path)
+    want = load_file(path)
+    for order in (sorted(want), sorted(want, reverse=True), None):
+        w = open_weights(path)
+        if order is not None:
+            w.expect(order)
+        for name in order or want:
+            got = w.read(name)
+            assert got.dtype == want[name].dtype and torch.equal(got, want[name]), name
+        w.close()
+    w = open_weights(path)
+    e = w.entries["b.f32"]
+    os.truncate(path, e.offset + e.nbytes - 8)  # after the headers were checked
+    with pytest.raises(TierMemError, match=r"reading 'b\.f32'.*truncated"):
+        w.read("b.f32")
+    w.close()

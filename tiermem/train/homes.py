@@ -223,6 +223,12 @@ class StateHome(ABC):
     def read(self, b: Bucket) -> StateViews:
         """``b``'s current state, valid until the next call on this home."""
 
+    def read_master(self, b: Bucket) -> torch.Tensor:
+        """``b``'s master alone (the first part of :meth:`read`), valid until the next call on this
+        home: a home that can read it without the moments does (NOTE [Weights read one tensor at a
+        time])."""
+        return self.read(b)[0]
+
     @abstractmethod
     def load_views(self, b: Bucket) -> StateViews:
         """Buffers to fill with ``b``'s state from a checkpoint; then :meth:`store`."""

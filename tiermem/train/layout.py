@@ -231,11 +231,12 @@ def build(
     values = values if values is not None else Given()
     slot_of: dict[int, tuple[Bucket, Slot]] = {}
     progress = Progress(values.building, 4 * sum(b.numel for b in buckets)) if values.building else None  # fp32 bytes
+    values.expect([(s.name, s.param) for b in buckets for s in b.slots])
     for b in buckets:
         state = homes.state[b.index]
         master = state.initial_master(b)
         for s in b.slots:
-            master[s.offset : s.offset + s.numel].copy_(values.param(s.name, s.param).reshape(-1))
+            values.param_into(s.name, s.param, master[s.offset : s.offset + s.numel])
             slot_of[id(s.param)] = (b, s)
         state.initialize(b)
         homes.weights[b.index].initialize(b, master)

@@ -62,6 +62,13 @@ class Values:
     def param(self, name: str, p: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def expect(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        """The parameters :meth:`param` will be asked for, in that order (a source may read ahead)."""
+
+    def param_into(self, name: str, p: torch.Tensor, out: torch.Tensor) -> None:
+        """The parameter's first value, written into ``out`` (flat, its numel, any floating dtype)."""
+        out.copy_(self.param(name, p).reshape(-1))
+
     def fill_buffers(self, module: torch.nn.Module) -> None:
         """Give every buffer that has no values (on the meta device) its values, in place."""
 
@@ -275,6 +282,13 @@ class FromCheckpoint(Values):
 
     def param(self, name: str, p: torch.Tensor) -> torch.Tensor:
         return self.weights.read(self._key[id(p)])
+
+    def expect(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        self.weights.expect([self._key[id(p)] for _, p in params if id(p) in self._key])
+
+    def param_into(self, name: str, p: torch.Tensor, out: torch.Tensor) -> None:
+        if not self.weights.read_into(self._key[id(p)], out):  # stored in out's dtype: read in place
+            out.copy_(self.param(name, p).reshape(-1))
 
     def fill_buffers(self, module: torch.nn.Module) -> None:
         for name, owner, bname, buf in _buffer_slots(module):

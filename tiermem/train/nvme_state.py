@@ -118,6 +118,18 @@ class NvmeState(StateHome):
         wait_all(self._read(b, views))
         return views
 
+    def read_master(self, b: Bucket) -> torch.Tensor:
+        """A shared master is read from the weights' keys alone, not the moments with it (a third
+        of the bytes with 8-bit moments)."""
+        if not self._shared(b):
+            return self.read(b)[0]
+        assert self.masters is not None
+        self._drop_ahead()
+        self._write_kept()
+        master = self._views(0, b)[0]
+        wait_all(self.masters.read_master(b, master))
+        return master
+
     def load_views(self, b: Bucket) -> StateViews:
         self._drop_ahead()
         return self._views(0, b)

@@ -146,7 +146,7 @@ class ParamOffload(WeightHome):
         if shared:
             self.residency.share(name, value)
         else:
-            self.residency.put(name, value)
+            self.residency.put(name, value, src_tier=Tier.HOST)  # counted in tm.report() as moved
         self._swaps.swap_in(name, self._link, value.dtype, self.device)
 
     def settle(self) -> None:

@@ -85,6 +85,14 @@ class ModelState:
         finally:
             self._release()
 
+    def _bucket_masters(self) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        """(bucket, its master), each valid until the next item: the moments are not read."""
+        try:
+            for b in self.layout.buckets:
+                yield b, self.layout.homes.state[b.index].read_master(b)
+        finally:
+            self._release()
+
     def _release(self) -> None:
         for home in self.layout.homes.state_homes():
             home.release_views()
@@ -165,8 +173,7 @@ class ModelState:
         its fp32 value (frozen ones in their own dtype; ``frozen=False``: trained ones only), one at a
         time, bucket by bucket: what a caller does not keep is all the memory it costs (NOTE [Weights
         read one tensor at a time])."""
-        for b, state in self._bucket_state():
-            master = state[0]
+        for b, master in self._bucket_masters():
             for s in b.slots:
                 value = master[s.offset : s.offset + s.numel].view(s.shape).detach().to("cpu", torch.float32, copy=True)
                 yield self.layout.names[id(s.param)], value

@@ -4,10 +4,14 @@ directory (``model.safetensors``, or shards named by ``model.safetensors.index.j
 
 NOTE [Weights read one tensor at a time]
 A model bigger than the machine is built from a checkpoint bigger than the machine, so nothing
-here holds more than the tensor asked for. A safetensors file is opened through the
-``safetensors`` package (its header is parsed and checked against the file's size when opened)
-for each tensor read, and closed again: the pages of its memory map that the read touched would
-otherwise stay mapped, and count in the process's resident memory, until the end. A torch file is
+here holds more than the tensor asked for. A safetensors file's header is checked by the
+``safetensors`` package (parsed, and held against the file's size) when the checkpoint is opened;
+each tensor is then read with one ``preadv`` into a fresh tensor, at the offset the header gives
+(safetensors stores raw little-endian bytes): no memory map, whose touched pages would count in the
+process's resident memory until it is closed. The reads arrive in the order construction
+announced (:meth:`WeightsFile.expect`), and the kernel is asked to read ahead
+(``posix_fadvise(WILLNEED)``) up to :data:`AHEAD` bytes past the tensor being read, into the page
+cache, not this process: the disk works while the previous tensor is cast and written home. A torch file is
 loaded with ``mmap=True, weights_only=True`` (no code runs, and its tensors are paged in when
 read); its map stays until construction ends, so prefer safetensors for checkpoints larger than
 the host's memory. :meth:`WeightsFile.entries` reads only headers: names, shapes and dtypes are
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +41,7 @@ __all__ = ["Entry", "WeightsFile", "open_weights"]
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TORCH_NAMES = ("pytorch_model.bin", "model.pt", "model.pth")
+AHEAD = 256 << 20  # bytes the kernel is asked to read ahead of the tensor being read (NOTE above)
 
 #: safetensors' dtype names -> torch's
 _DTYPES = {
@@ -60,6 +66,8 @@ class Entry:
     file: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    offset: int = -1  # safetensors: where its bytes start in the file (-1: a torch file's tensor)
+    nbytes: int = 0  # safetensors: how many bytes it holds
 
 
 def _bad(path: str, why: str) -> ConfigError:
@@ -76,14 +84,24 @@ class WeightsFile:
         self.path = path
         self.entries = entries
         self.opened: dict[str, Any] = {}  # torch file -> its loaded (memory-mapped) dict
+        self._fds: dict[str, int] = {}  # safetensors file -> its descriptor, open until close()
+        self._order: list[str] = []  # the reads announced by expect(), in order
+        self._next: dict[str, int] = {}  # name -> its place in _order
+        self._advised = 0  # _order[:_advised] has been asked of the kernel ahead
+
+    def expect(self, names: list[str]) -> None:
+        """The tensors construction will read, in the order it reads them: the disk reads ahead
+        along it (NOTE [Weights read one tensor at a time]). Any order stays correct."""
+        self._order, self._advised = list(names), 0
+        self._next = {n: i for i, n in reversed(list(enumerate(self._order)))}
 
     def read(self, name: str) -> torch.Tensor:
         """``name``'s tensor, in its stored dtype, on the CPU (a fresh tensor: nothing else holds it)."""
         e = self.entries[name]
         try:
-            if e.file.endswith(".safetensors"):
-                with _open_one(e.file, self.path) as f:  # closed at once: NOTE [Weights read one tensor at a time]
-                    t = f.get_tensor(name)
+            if e.offset >= 0:
+                self._ahead(name)
+                t = self._pread(e)
             else:
                 t = self.opened[e.file][name].clone()  # loaded when its header was read
         except (OSError, RuntimeError, ValueError, KeyError) as err:
@@ -92,9 +110,64 @@ class WeightsFile:
             raise _bad(self.path, f"{name!r} in {e.file!r} holds {tuple(t.shape)} {t.dtype}, its header said {e.shape}")
         return t
 
+    def read_into(self, name: str, out: torch.Tensor) -> bool:
+        """Read ``name`` straight into ``out`` (flat, contiguous, in host memory) when it is stored in
+        ``out``'s dtype in a safetensors file: one copy fewer than :meth:`read`. False: nothing was
+        read (another dtype, or a torch file); call :meth:`read`."""
+        e = self.entries[name]
+        fits = e.offset >= 0 and e.dtype == out.dtype and out.device.type == "cpu" and out.is_contiguous()
+        if not fits or out.numel() * out.element_size() != e.nbytes:
+            return False
+        try:
+            self._ahead(name)
+            self._pread_into(e, out)
+        except (OSError, ValueError) as err:
+            raise _bad(self.path, f"reading {name!r} from {e.file!r} failed ({type(err).__name__}: {err})") from err
+        return True
+
+    def _fd(self, file: str) -> int:
+        if file not in self._fds:
+            self._fds[file] = os.open(file, os.O_RDONLY)
+        return self._fds[file]
+
+    def _pread(self, e: Entry) -> torch.Tensor:
+        """``e``'s bytes, read into a fresh tensor of its shape and dtype; a short file is an error."""
+        t = torch.empty(e.shape, dtype=e.dtype)
+        self._pread_into(e, t)
+        return t
+
+    def _pread_into(self, e: Entry, t: torch.Tensor) -> None:
+        if e.nbytes == 0:
+            return
+        buf: Any = t.reshape(-1).view(torch.uint8).numpy()  # t's own bytes: a view, written in place
+        fd, done = self._fd(e.file), 0
+        while done < e.nbytes:  # a read returns at most ~2 GiB on Linux
+            n = os.preadv(fd, [buf[done:]], e.offset + done)
+            if n == 0:
+                raise ValueError(f"the file ends {e.nbytes - done} bytes before {e.name!r} does (truncated?)")
+            done += n
+
+    def _ahead(self, name: str) -> None:
+        """Ask the kernel to read the announced tensors after ``name`` up to :data:`AHEAD` bytes."""
+        at = self._next.get(name)
+        if at is None:
+            return
+        self._advised, budget = max(self._advised, at + 1), AHEAD
+        for later in self._order[at + 1 : self._advised]:
+            budget -= self.entries[later].nbytes  # already asked for, still ahead of this read
+        while self._advised < len(self._order) and budget > 0:
+            e = self.entries[self._order[self._advised]]
+            if e.offset >= 0 and e.nbytes:
+                os.posix_fadvise(self._fd(e.file), e.offset, e.nbytes, os.POSIX_FADV_WILLNEED)
+            budget -= e.nbytes
+            self._advised += 1
+
     def close(self) -> None:
         """Let go of the files (and their memory maps)."""
         self.opened.clear()
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _open_one(file: str, path: str) -> Any:
@@ -150,14 +223,40 @@ def _header(file: str, path: str, opened: dict[str, Any]) -> list[Entry]:
         opened[file] = _open_one(file, path)
         return [Entry(name, file, tuple(t.shape), t.dtype) for name, t in opened[file].items()]
     out = []
-    with _open_one(file, path) as handle:
+    with _open_one(file, path) as handle:  # the package checks the header against the file, first
+        where = _offsets(file, path)
         for name in handle.keys():
             s = handle.get_slice(name)
             dtype = _DTYPES.get(s.get_dtype())
             if dtype is None:
                 raise _bad(path, f"{name!r} in {file!r} has dtype {s.get_dtype()}, which tiermem cannot load")
-            out.append(Entry(name, file, tuple(s.get_shape()), dtype))
+            shape = tuple(s.get_shape())
+            offset, nbytes = where[name]
+            numel = 1
+            for d in shape:
+                numel *= d
+            if nbytes != numel * dtype.itemsize:
+                raise _bad(
+                    path, f"{name!r} in {file!r} holds {nbytes} bytes, not the {numel * dtype.itemsize} of {shape}"
+                )
+            out.append(Entry(name, file, shape, dtype, offset, nbytes))
     return out
+
+
+def _offsets(file: str, path: str) -> dict[str, tuple[int, int]]:
+    """Each tensor's (first byte in the file, byte count), from the safetensors header: an 8-byte
+    little-endian length, that many bytes of JSON, then the data its ``data_offsets`` index."""
+    try:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        return {
+            name: (8 + size + int(v["data_offsets"][0]), int(v["data_offsets"][1]) - int(v["data_offsets"][0]))
+            for name, v in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as err:
+        raise _bad(path, f"{file!r} is not a readable safetensors file ({type(err).__name__}: {err})") from err
 
 
 def open_weights(path: str | os.PathLike) -> WeightsFile:
