@@ -227,6 +227,38 @@ def test_a_failure_while_reading_gives_the_module_back_on_meta(tmp_path, monkeyp
         assert os.listdir(nvme) == []
 
 
+@pytest.mark.parametrize("failing", ["", "bucket", "wte.weight", "ln_f."])
+def test_a_write_that_fails_in_flight_during_the_build_fails_it_and_leaves_nothing(failing, tmp_path, monkeypatch):
+    """NOTE [Initial writes in flight]: the homes' first writes run while the next buckets are
+    read; one that fails (the disk full: every file, the state's, the first or the last weights')
+    fails the construction with its error, the module is on the meta device again, the NVMe
+    directory is empty, and a retry builds the same model."""
+    from tiermem.memory.nvme import NvmeStore
+
+    torch.manual_seed(1)
+    ckpt = _checkpoint(tmp_path, TinyGPT())
+    real = NvmeStore._pwritev
+
+    def full(self, fd, bufs, offset):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(failing):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, fd, bufs, offset)
+
+    model = _on_meta()
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    build = dict(precision="bf16", nvme_dir=str(nvme), weights=ckpt, bucket_size=2000, device="cpu")
+    with monkeypatch.context() as m:
+        m.setattr(NvmeStore, "_pwritev", full)
+        with pytest.raises(TierMemError, match=os.strerror(errno.ENOSPC)):
+            tiermem.TieredModel(model, ZeroInfinity(), **build)
+    assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert os.listdir(nvme) == []
+    tm = tiermem.TieredModel(model, ZeroInfinity(), **build)
+    ref = _wrap(TinyGPT(), "zero-infinity", tmp_path, precision="bf16", weights=ckpt, bucket_size=2000)
+    assert train_steps(tm, 2) == train_steps(ref, 2)
+
+
 # -- save_pretrained and transformers ------------------------------------------------------------------
 def _llama(tie: bool):
     transformers = pytest.importorskip("transformers")

@@ -211,6 +211,10 @@ class StateHome(ABC):
     def initialize(self, b: Bucket) -> None:
         """Store ``b``'s initial state: the master just filled, the other parts at their initial value."""
 
+    def built(self) -> None:
+        """Every bucket is initialized: what :meth:`initialize` left in flight has landed, or its
+        first error is raised (NOTE [Initial writes in flight])."""
+
     @abstractmethod
     def step(self, plan: Sequence[tuple[Bucket, Runs]], update: Update, tracer, updated: set[int]) -> object:
         """Run ``update`` over every bucket of ``plan`` (adding each bucket it finished to
@@ -315,6 +319,10 @@ class WeightHome(ABC):
         """The first working weights, rounded from ``b``'s fp32 ``master``; the module's
         parameters are pointed at them (or at a placeholder, when they live off the device)."""
 
+    def built(self) -> None:
+        """Every bucket is initialized: what :meth:`initialize` left in flight has landed, or its
+        first error is raised (NOTE [Initial writes in flight])."""
+
     def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
         """A buffer Adam running on ``compute_tier`` may write ``b``'s new weights into directly,
         needing no :meth:`write` afterwards; None when the weights live elsewhere."""
@@ -400,6 +408,19 @@ class Homes:
 
     def compute_tier(self, b: Bucket) -> Tier:
         return self.state[b.index].compute_tier
+
+    def built(self) -> None:
+        """Every home's initial writes have landed (NOTE [Initial writes in flight]); after all
+        were waited for, the first error is raised."""
+        error: Optional[BaseException] = None
+        every: list[StateHome | WeightHome] = [*self.state_homes(), *self.weight_homes()]
+        for home in every:
+            try:
+                home.built()
+            except BaseException as e:  # noqa: BLE001 - the others are drained first, then it is raised
+                error = error or e
+        if error is not None:
+            raise error
 
     def add(self, other: "Homes") -> None:
         """The homes of buckets appended to the model (NOTE [Freezing and unfreezing])."""

@@ -7,10 +7,22 @@ master from the parameters, the working weights rounded from it, the moments zer
 parameters move to the device in the working precision (or to their home, when it is off the
 device), floating-point buffers too, as ``module.half()`` would, their values as given kept
 (NOTE [Buffers keep their values]).
+
+NOTE [Initial writes in flight]
+Building a model bigger than the machine is reading its checkpoint (or initializing it) and
+writing each bucket to its NVMe homes. Waiting for each bucket's writes before filling the next
+would leave the disk idle while the next bucket is read and cast, and the CPU idle while the disk
+writes. So the homes leave their initial writes in flight: the optimizer state on NVMe fills host
+sets 0 and 1 by turns, a set reused only once the writes from it have landed; the weights' home
+keeps two buckets' copies in flight at most. The window is two buckets, whatever the model's
+size. ``Homes.built()`` waits for all of them once every bucket is filled, and raises the first
+error: construction fails there as it would have at the bucket (the homes are removed). A failure
+elsewhere first drains them, then propagates. Any later use of a home settles them first.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Mapping, Optional, TypeVar
 
@@ -232,16 +244,22 @@ def build(
     slot_of: dict[int, tuple[Bucket, Slot]] = {}
     progress = Progress(values.building, 4 * sum(b.numel for b in buckets)) if values.building else None  # fp32 bytes
     values.expect([(s.name, s.param) for b in buckets for s in b.slots])
-    for b in buckets:
-        state = homes.state[b.index]
-        master = state.initial_master(b)
-        for s in b.slots:
-            values.param_into(s.name, s.param, master[s.offset : s.offset + s.numel])
-            slot_of[id(s.param)] = (b, s)
-        state.initialize(b)
-        homes.weights[b.index].initialize(b, master)
-        if progress is not None:
-            progress.advance(4 * b.numel)
+    try:
+        for b in buckets:
+            state = homes.state[b.index]
+            master = state.initial_master(b)
+            for s in b.slots:
+                values.param_into(s.name, s.param, master[s.offset : s.offset + s.numel])
+                slot_of[id(s.param)] = (b, s)
+            state.initialize(b)
+            homes.weights[b.index].initialize(b, master)
+            if progress is not None:
+                progress.advance(4 * b.numel)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            homes.built()  # NOTE [Initial writes in flight]: drained before the homes are removed
+        raise
+    homes.built()
     if progress is not None:
         progress.close()
     for home in homes.state_homes():

@@ -92,6 +92,10 @@ class NvmeState(StateHome):
             for i in range(3)
         ]
         self._ahead: Optional[tuple[int, list[Handle]]] = None  # (bucket, its read into set 0) for the next step
+        # construction (NOTE [Initial writes in flight]): the set the next bucket is filled in, and the
+        # writes still reading from each set
+        self._filling = 0
+        self._initial: dict[int, list[Handle]] = {}
 
     @staticmethod
     def key(b: Bucket) -> str:
@@ -99,16 +103,27 @@ class NvmeState(StateHome):
 
     # -- initial contents, reads and writes --------------------------------------------------------
     def initial_master(self, b: Bucket) -> torch.Tensor:
-        return self._views(0, b)[0]
+        """NOTE [Initial writes in flight]: in host sets 0 and 1 by turns, once the writes of the
+        bucket filled there before have landed."""
+        wait_all(self._initial.pop(self._filling, ()))
+        return self._views(self._filling, b)[0]
 
     def initialize(self, b: Bucket) -> None:
         """Store a bucket's initial state: the master filled into :meth:`initial_master`, the other
-        parts at their initial value."""
-        self._drop_ahead()
-        views = self._views(0, b)
+        parts at their initial value. The writes are left in flight (NOTE [Initial writes in
+        flight]): :meth:`built` waits for them."""
+        if self._ahead is not None:
+            self._drop_ahead()
+        views = self._views(self._filling, b)
         for part, t in zip(b.state.parts[1:], views[1:]):
             t.fill_(part.initial)
-        wait_all(self._write(b, views, master=False))  # a shared master: the weights' home stores it next
+        self._initial[self._filling] = self._write(b, views, master=False)  # a shared master: the weights' home
+        self._filling = 1 - self._filling  # stores it next
+
+    def built(self) -> None:
+        """Every initial write has landed; the first error, if any, is raised."""
+        pending, self._initial = [h for hs in self._initial.values() for h in hs], {}
+        wait_all(pending)
 
     def read(self, b: Bucket, which: int = 0) -> StateViews:
         """The bucket's current state in host set ``which`` (blocking)."""
@@ -155,7 +170,9 @@ class NvmeState(StateHome):
 
     def _drop_ahead(self) -> None:
         """The next step's first read, issued at the end of the last step: landed and forgotten
-        (its set is about to be reused, or its bucket rewritten)."""
+        (its set is about to be reused, or its bucket rewritten); initial writes too."""
+        if self._initial:
+            self.built()
         if self._ahead is not None:
             wait_all_quietly(self._ahead[1])
             self._ahead = None
@@ -206,6 +223,8 @@ class NvmeState(StateHome):
         writes: dict[int, list[Handle]] = {}  # host set -> writes still reading from it
         written: list[tuple[int, Handle]] = []  # (bucket, one of its state's writes) of this step
         placed: dict[int, tuple[Bucket, int]] = {}  # bucket -> (itself, the set it was updated in)
+        if self._initial:
+            self.built()
         ahead, self._ahead = self._ahead, None
         if self._kept:
             wait_all_quietly(ahead[1] if ahead is not None else ())

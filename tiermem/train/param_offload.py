@@ -59,13 +59,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections import Counter
-from typing import Iterator, Sequence
+from collections import Counter, deque
+from typing import Iterator, Optional, Sequence
 
 import torch
 
 from tiermem.errors import TierMemError
-from tiermem.handles import Handle
+from tiermem.handles import Handle, wait_all
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.placement import master_is_weights
 from tiermem.train.homes import Runs, WeightHome, slots_in
@@ -104,6 +104,7 @@ class ParamOffload(WeightHome):
         params = dict(module.named_parameters())
         self._params = {name: params[name] for name in homes}
         self._swaps = SwappedParams(module, self._params)
+        self._initial: deque[list[Handle]] = deque()  # NOTE [Initial writes in flight]: per bucket
         self._link = Link(self)
         self._lock = threading.RLock()  # reads come from autograd's threads too
         self._running: dict[str, list] = {}  # key -> [its device tensor, holds]: acquired by a module or a block
@@ -120,17 +121,18 @@ class ParamOffload(WeightHome):
                 hooks.add(mod.register_forward_hook(eager(self._after), always_call=True))  # also when forward raises
         hooks.add(self)  # remove(): reads after the model is given back fail clearly
 
-    def adopt(self, name: str, value: torch.Tensor, *, shared: bool = False) -> None:
+    def adopt(self, name: str, value: torch.Tensor, *, shared: bool = False, wait: bool = True) -> Optional[Handle]:
         """``value`` (a host tensor in the working precision) becomes ``name``'s first value at
         home, and the parameter an :class:`OffDeviceWeight` of it from now on. ``shared``: its home
         is ``value`` itself, memory the host store counts already (NOTE [One copy of bf16 master
-        weights]); else a copy of it."""
+        weights]); else a copy of it. ``wait=False``: that copy's write may still be in flight: the
+        handle returned (None: nothing in flight), and ``value`` stays unchanged until it is done."""
         if name in self._swaps:  # homed here already, frozen until now (NOTE [Freezing and unfreezing])
             if shared:
                 self.residency.share(name, value)
             else:
                 self.write_home(name, value)
-            return
+            return None
         p = self._params[name]
         self.residency.register(
             TensorInfo(
@@ -143,11 +145,13 @@ class ParamOffload(WeightHome):
             ),
             self.homes[name],
         )
+        handle = None
         if shared:
             self.residency.share(name, value)
-        else:
-            self.residency.put(name, value, src_tier=Tier.HOST)  # counted in tm.report() as moved
+        else:  # counted in tm.report() as moved; a read of the key waits for the write
+            handle = self.residency.put(name, value, src_tier=Tier.HOST, wait=wait)
         self._swaps.swap_in(name, self._link, value.dtype, self.device)
+        return handle
 
     def settle(self) -> None:
         """Construction succeeded: the original tensors swapped out of the parameters are let go."""
@@ -173,9 +177,20 @@ class ParamOffload(WeightHome):
             for s in b.slots:
                 self.adopt(s.name, master[s.offset : s.offset + s.numel].view(s.shape), shared=True)
             return
+        while len(self._initial) > 1:  # NOTE [Initial writes in flight]: two buckets' copies at most
+            wait_all(self._initial.popleft())
+        writes = []
         for s in b.slots:
             # a copy, even in fp32: `master` may be a pipeline buffer the next bucket reuses
-            self.adopt(s.name, master[s.offset : s.offset + s.numel].view(s.shape).to(self.dtype, copy=True))
+            h = self.adopt(
+                s.name, master[s.offset : s.offset + s.numel].view(s.shape).to(self.dtype, copy=True), wait=False
+            )
+            writes += [h] if h is not None else []
+        self._initial.append(writes)
+
+    def built(self) -> None:
+        pending, self._initial = [h for hs in self._initial for h in hs], deque()
+        wait_all(pending)
 
     def from_master(self, b: Bucket) -> bool:
         """NOTE [One copy of bf16 master weights]: ``b``'s weights are its master."""

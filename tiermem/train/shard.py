@@ -238,6 +238,9 @@ class ShardedState(StateHome):
         mine[: c.end - c.start].copy_(master[c.start : c.end])
         self.inner.initialize(sb)
 
+    def built(self) -> None:
+        self.inner.built()
+
     def step(self, plan, update, tracer, updated):
         return self.inner.step(plan, update, tracer, updated)
 
@@ -311,6 +314,9 @@ class ShardedWeights(WeightHome):
 
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
         self.inner.initialize(b, master)
+
+    def built(self) -> None:
+        self.inner.built()
 
     def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
         """The gather starts here, in bucket order on every rank; an engine lane waits for it and

@@ -47,6 +47,7 @@ log), so detach-and-wrap-again works.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Optional
 
@@ -273,9 +274,12 @@ class Trainable:
                     master[s.offset : s.offset + s.numel].copy_(self.layout.frozen.value(s.name).reshape(-1))
                 state.initialize(b)
                 homes.weights[b.index].initialize(b, master)
+            homes.built()  # NOTE [Initial writes in flight]
             for home in homes.state_homes():
                 home.release_views()
         except BaseException:
+            with contextlib.suppress(BaseException):
+                homes.built()  # drained before the keys they write are deleted
             for tier, keys in before.items():  # what the new homes took goes back (the model is as it was)
                 for key in set(self.stores[tier].keys()) - keys:
                     self.stores[tier].delete(key)
