@@ -5,6 +5,7 @@ weights written back as Hugging Face safetensors (``tm.save_pretrained``) and re
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -372,6 +373,80 @@ def test_save_pretrained_of_a_shared_bf16_master_reads_the_weights_alone(tmp_pat
     want = tm.detach().state_dict()
     assert saved.keys() <= want.keys()
     assert all(torch.equal(v, want[k].to(v.dtype)) for k, v in saved.items())
+
+
+def test_shards_written_as_they_are_read_are_what_safetensors_reads(tmp_path, monkeypatch):
+    """NOTE [Shards written as they are read]: tensors of every dtype (empty and 0-d ones too),
+    written by the writer thread with few bytes in flight (so that reads wait for writes), split
+    into shards at the limit; safetensors' own loader reads back each shard's tensors bit for bit."""
+    from tiermem.observe.progress import Progress
+    from tiermem.train import pretrained_save
+
+    g = torch.Generator().manual_seed(4)
+    tensors = [
+        ("a", torch.randn(40, 3, generator=g).to(torch.bfloat16)),
+        ("b.weight", torch.randn(100, generator=g)),
+        ("c", torch.rand(17, generator=g) > 0.5),
+        ("d", torch.zeros(0, 5, dtype=torch.float16)),
+        ("e", torch.tensor(-3, dtype=torch.int64)),
+        ("f", torch.randn(300, generator=g, dtype=torch.float64)),
+        ("g", torch.randint(-9, 9, (7,), dtype=torch.int8, generator=g)),
+    ]
+    monkeypatch.setattr(pretrained_save, "WINDOW", 64)
+    room = pretrained_save._header_room(torch.nn.Module())
+    room += 8 * sum(len(n) + 96 + 21 * t.dim() for n, t in tensors)
+    largest = max(t.numel() * t.element_size() for _, t in tensors)
+
+    def source(alloc):  # as stream_weights does: each value copied into the memory alloc gives
+        for n, t in tensors:
+            yield n, alloc(t.shape, t.dtype).copy_(t)
+
+    files, total = pretrained_save._write_shards(source, 600, str(tmp_path), room, Progress(None, 1), largest)
+    assert total == sum(t.numel() * t.element_size() for _, t in tensors)
+    assert [n for names in files for n in names] == [n for n, _ in tensors] and len(files) > 2
+    want = dict(tensors)
+    for i, names in enumerate(files):
+        got = load_file(str(tmp_path / f"part-{i:05d}.safetensors"))
+        assert set(got) == set(names)
+        for n in names:
+            assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), n
+
+
+def test_a_save_that_fails_part_way_leaves_the_earlier_one_and_no_trace(tmp_path, monkeypatch):
+    """A write that fails in the writer thread (the disk full on the third tensor): the save raises
+    a tiermem error naming the cause, the directory keeps the earlier save as it was, no working
+    directory and no open file are left, and the next save works."""
+    from tiermem.train import pretrained_save
+
+    torch.manual_seed(0)
+    tm = _wrap(TinyGPT(), "zero-infinity", tmp_path)
+    out = tmp_path / "out"
+    tm.save_pretrained(out, max_shard_size="4KiB")
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    train_steps(tm, 1)
+    real, calls = pretrained_save._Shard.add, []
+
+    def full(self, name, t):
+        calls.append(name)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, name, t)
+
+    monkeypatch.setattr(pretrained_save._Shard, "add", full)
+    with pytest.raises(TierMemError, match=rf"save_pretrained.*{os.strerror(errno.ENOSPC)}.*nothing in .* changed"):
+        tm.save_pretrained(out, max_shard_size="4KiB")
+    monkeypatch.undo()
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+    assert not [p for p in os.listdir(tmp_path) if ".tiermem-" in p]  # the working directory went
+    open_files = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            open_files.append(os.readlink(f"/proc/self/fd/{fd}"))
+    assert not [f for f in open_files if ".safetensors" in f]  # the shard being written was closed
+    tm.save_pretrained(out)
+    again = _wrap(_on_meta(), "zero-offload", tmp_path, weights=str(out))
+    got, want = again.state_dict(), tm.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_save_pretrained_replaces_an_earlier_save_and_nothing_else(tmp_path):

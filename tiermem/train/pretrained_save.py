@@ -7,7 +7,7 @@ at most ``max_shard_size`` bytes each (one tensor larger than that gets a shard 
 ``model.safetensors.index.json`` when there is more than one shard, and the model's
 ``config.json`` (and ``generation_config.json``) when it is a transformers model, so that
 ``AutoModel*.from_pretrained(directory)`` and ``TieredModel(..., weights=directory)`` read it.
-Host memory is one shard. A tied weight is written once, under the module's own name for it (the
+A tied weight is written once, under the module's own name for it (the
 first in ``named_parameters()``), as transformers writes it. Everything is written into a new
 directory beside ``directory`` and moved in when complete: a save that fails leaves what was there;
 a save over an earlier one removes that one's shards and index, and nothing else.
@@ -16,6 +16,16 @@ A peft model (``peft.get_peft_model(...)``) is saved as peft's own ``save_pretra
 its active adapter only, ``adapter_model.safetensors`` under peft's names (from
 ``peft.get_peft_model_state_dict``, given the trained values: the frozen base is never read) and
 ``adapter_config.json``, which ``PeftModel.from_pretrained(base, directory)`` loads.
+
+NOTE [Shards written as they are read]
+The ``safetensors`` package writes a file from a dict of every tensor in it: a shard whole in
+host memory, read before a byte of it is written. Here each tensor is written as soon as it is
+read, by one writer thread, while the next ones are read from their homes: the disk reads and
+writes at once, and host memory is :data:`WINDOW` bytes of tensors in flight, whatever the shard
+size. The format allows it: an 8-byte little-endian length, a JSON header that may end in spaces,
+then the tensors' bytes at the offsets the header gives. The data starts after room reserved for
+the longest header the model's names could need; the header, padded with spaces to that room, is
+written last, and the file is flushed to the disk (``fsync``) before the save is published.
 """
 
 from __future__ import annotations
@@ -23,37 +33,28 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Iterator, Optional
+import struct
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from tiermem.budgets import parse_bytes
 from tiermem.errors import ConfigError, StoreError
 from tiermem.observe.progress import Progress
+from tiermem.train.weights_file import DTYPES
 
 __all__ = ["save_pretrained"]
 
 INDEX = "model.safetensors.index.json"
 ADAPTER = "adapter_model.safetensors"
+_CODES = {dtype: code for code, dtype in DTYPES.items()}  # torch dtype -> safetensors' name
+WINDOW = 256 << 20  # bytes of tensors read but not yet written, at most (NOTE [Shards written as they are read])
 
 
-def _shards(tensors: Iterator[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """``tensors`` grouped, in order, into lists of at most ``limit`` bytes (a larger tensor alone)."""
-    shard: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if shard and size + nbytes > limit:
-            yield shard
-            shard, size = [], 0
-        shard.append((name, t))
-        size += nbytes
-    if shard:
-        yield shard
-
-
-def _tensors(state: Any, dtype: Optional[torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
-    for names, value in state.stream_weights():
+def _tensors(state: Any, dtype: Optional[torch.dtype], alloc: Alloc) -> Iterator[tuple[str, torch.Tensor]]:
+    for names, value in state.stream_weights(dtype=dtype or torch.float32, alloc=alloc):  # rounded once
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         yield names[0], value.contiguous()
@@ -72,8 +73,6 @@ def save_pretrained(
     """Write ``state``'s weights (fp32 masters, or ``dtype``) and buffers to ``directory`` as
     safetensors shards, with the config of a transformers ``module`` (NOTE [Saving in the Hugging
     Face format])."""
-    from safetensors.torch import save_file
-
     directory = os.fspath(directory)
     if _adapter(module) is not None:
         return _save_adapter(state, module, directory, dtype)
@@ -91,14 +90,11 @@ def save_pretrained(
     width = torch.finfo(dtype).bits // 8 if dtype is not None else 4
     progress = Progress(f"writing {directory}", sum(p.numel() * width for p in module.parameters()))
     try:
-        weight_map, total, files = {}, 0, []
-        for i, shard in enumerate(_shards(_tensors(state, dtype), limit)):
-            file = f"part-{i:05d}.safetensors"
-            save_file(dict(shard), os.path.join(work, file), metadata={"format": "pt"})
-            files.append([name for name, _ in shard])
-            nbytes = sum(t.numel() * t.element_size() for _, t in shard)
-            total += nbytes
-            progress.advance(nbytes)
+        weight_map: dict[str, str] = {}
+        largest = max((p.numel() * width for p in module.parameters()), default=0)
+        files, total = _write_shards(
+            lambda alloc: _tensors(state, dtype, alloc), limit, work, _header_room(module), progress, largest
+        )
         progress.close()
         names = _final_names(len(files))
         for i, (names_in, final) in enumerate(zip(files, names)):
@@ -116,6 +112,156 @@ def save_pretrained(
         ) from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _header_room(module: torch.nn.Module) -> int:
+    """Bytes that hold the safetensors header of any shard of ``module``: every name it could
+    write, with its dtype, shape and offsets at their longest (NOTE [Shards written as they are read])."""
+    room = 64  # the metadata and the braces
+    for name, t in module.state_dict(keep_vars=True).items():
+        room += len(json.dumps(name)) + 96 + 21 * t.dim()  # dtype, keys, two 20-digit offsets, each dimension
+    return -(-room // 8) * 8
+
+
+class _Shard:
+    """One safetensors file written as its tensors arrive (on the writer thread, in order)."""
+
+    def __init__(self, path: str, room: int):
+        self.path, self.room, self.at = path, room, 0
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            data: Any = t.reshape(-1).view(torch.uint8).numpy()  # its bytes, no copy
+            done = 0
+            while done < nbytes:
+                done += os.pwrite(self.fd, data[done:], 8 + self.room + self.at + done)
+        self.entries[name] = {
+            "dtype": _CODES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [self.at, self.at + nbytes],
+        }
+        self.at += nbytes
+
+    def finish(self) -> None:
+        """The header, padded to its room, then the file flushed to the disk and closed."""
+        try:
+            header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
+            assert len(header) <= self.room, (len(header), self.room)
+            os.pwrite(self.fd, struct.pack("<Q", self.room) + header + b" " * (self.room - len(header)), 0)
+            os.fsync(self.fd)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+class _Ring:
+    """Host bytes for the tensors in flight, taken and given back in the same order: reused, so no
+    tensor costs fresh pages (first touching them costs more than the copy into them)."""
+
+    ALIGN = 64
+
+    def __init__(self, capacity: int):
+        self.buf = torch.empty(capacity, dtype=torch.uint8)
+        self.spans: deque[tuple[int, int]] = deque()  # [start, end) of each span taken, oldest first
+        self.head = 0  # where the next span starts, if it fits
+
+    def take(self, nbytes: int) -> Optional[torch.Tensor]:
+        """``nbytes`` of the ring, or None until older spans are given back."""
+        n = -(-nbytes // self.ALIGN) * self.ALIGN
+        cap = self.buf.numel()
+        if not self.spans:
+            self.head = 0
+        tail = self.spans[0][0] if self.spans else cap
+        if self.spans and self.head > tail:  # free: [head, cap), then [0, tail)
+            start = self.head if cap - self.head >= n else (0 if tail >= n else -1)
+        else:  # free: [head, tail)
+            start = self.head if tail - self.head >= n else -1
+        if start < 0:
+            return None
+        self.spans.append((start, start + n))
+        self.head = start + n
+        return self.buf[start : start + nbytes]
+
+    def give_back(self) -> None:
+        self.spans.popleft()
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return t.numel() > 0 and t.untyped_storage().data_ptr() == self.buf.untyped_storage().data_ptr()
+
+
+Alloc = Callable[[torch.Size, torch.dtype], torch.Tensor]
+
+
+def _write_shards(
+    source: Callable[[Alloc], Iterator[tuple[str, torch.Tensor]]],
+    limit: int,
+    work: str,
+    room: int,
+    progress: Progress,
+    largest: int,
+) -> tuple[list[list[str]], int]:
+    """Write the tensors of ``source(alloc)`` in order into shards ``part-00000.safetensors``... of
+    at most ``limit`` bytes of data (a larger tensor alone) under ``work``, each tensor on one writer
+    thread while the next are read, :data:`WINDOW` bytes in flight at most (NOTE [Shards written as
+    they are read]); ``alloc(shape, dtype)`` gives the source reused memory for the tensors it reads
+    (``largest``: the most bytes one takes). Returns each shard's names and the bytes written; the
+    first error is raised once every write has ended and every file is closed."""
+    pending: deque[tuple[Future[None], int, bool]] = deque()  # a write, its bytes, whether in the ring
+    shards: list[_Shard] = []
+    files: list[list[str]] = []
+    in_flight = size = total = 0
+    ring = _Ring(WINDOW + largest + _Ring.ALIGN)
+
+    def land_oldest() -> None:
+        nonlocal in_flight
+        future, n, ringed = pending.popleft()
+        future.result()
+        in_flight -= n
+        progress.advance(n)
+        if ringed:
+            ring.give_back()
+
+    def alloc(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        while (got := ring.take(numel * dtype.itemsize)) is None and pending:
+            land_oldest()
+        return torch.empty(shape, dtype=dtype) if got is None else got.view(dtype).view(shape)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermem-save") as writer:
+        try:
+            for name, t in source(alloc):
+                nbytes = t.numel() * t.element_size()
+                if not files or (files[-1] and size + nbytes > limit):
+                    if shards:
+                        pending.append((writer.submit(shards[-1].finish), 0, False))
+                    shards.append(_Shard(os.path.join(work, f"part-{len(shards):05d}.safetensors"), room))
+                    files.append([])
+                    size = 0
+                pending.append((writer.submit(shards[-1].add, name, t), nbytes, ring.holds(t)))
+                files[-1].append(name)
+                in_flight, size, total = in_flight + nbytes, size + nbytes, total + nbytes
+                while pending and in_flight > WINDOW:
+                    land_oldest()
+            if shards:
+                pending.append((writer.submit(shards[-1].finish), 0, False))
+            while pending:
+                land_oldest()
+        except BaseException:
+            for future, _, _ in pending:
+                future.cancel()
+            for shard in shards:
+                writer.submit(shard.close)  # after the write running now; the executor waits for them
+            raise
+    return files, total
 
 
 def _adapter(module: torch.nn.Module) -> Optional[str]:

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -168,15 +168,23 @@ class ModelState:
         """Every parameter name (tied aliases included) -> a CPU copy of its fp32 value."""
         return {alias: value for names, value in self.stream_weights() for alias in names}
 
-    def stream_weights(self, *, frozen: bool = True) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+    def stream_weights(
+        self,
+        *,
+        frozen: bool = True,
+        dtype: torch.dtype = torch.float32,
+        alloc: Optional[Callable[[torch.Size, torch.dtype], torch.Tensor]] = None,
+    ) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
         """Each parameter's names (tied aliases included, the module's own name first) and a CPU copy of
-        its fp32 value (frozen ones in their own dtype; ``frozen=False``: trained ones only), one at a
-        time, bucket by bucket: what a caller does not keep is all the memory it costs (NOTE [Weights
-        read one tensor at a time])."""
+        its value, the master rounded to ``dtype`` (default fp32: exact; frozen ones in their own dtype;
+        ``frozen=False``: trained ones only), one at a time, bucket by bucket: what a caller does not
+        keep is all the memory it costs (NOTE [Weights read one tensor at a time]). ``alloc(shape,
+        dtype)``: where each copy goes (default: a new tensor)."""
         for b, master in self._bucket_masters():
             for s in b.slots:
-                value = master[s.offset : s.offset + s.numel].view(s.shape).detach().to("cpu", torch.float32, copy=True)
-                yield self.layout.names[id(s.param)], value
+                value = master[s.offset : s.offset + s.numel].view(s.shape).detach()
+                out = alloc(s.shape, dtype) if alloc is not None else torch.empty(s.shape, dtype=dtype)
+                yield self.layout.names[id(s.param)], out.copy_(value)
         if not frozen:
             return
         params = dict(self.module.named_parameters())

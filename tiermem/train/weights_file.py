@@ -44,7 +44,7 @@ TORCH_NAMES = ("pytorch_model.bin", "model.pt", "model.pth")
 AHEAD = 256 << 20  # bytes the kernel is asked to read ahead of the tensor being read (NOTE above)
 
 #: safetensors' dtype names -> torch's
-_DTYPES = {
+DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -227,7 +227,7 @@ def _header(file: str, path: str, opened: dict[str, Any]) -> list[Entry]:
         where = _offsets(file, path)
         for name in handle.keys():
             s = handle.get_slice(name)
-            dtype = _DTYPES.get(s.get_dtype())
+            dtype = DTYPES.get(s.get_dtype())
             if dtype is None:
                 raise _bad(path, f"{name!r} in {file!r} has dtype {s.get_dtype()}, which tiermem cannot load")
             shape = tuple(s.get_shape())
