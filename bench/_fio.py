@@ -37,3 +37,17 @@ def sequential_bandwidth(directory: str, size: int | str, passes: dict[str, str]
         if os.path.exists(path):
             os.unlink(path)
     return bw
+
+
+def read_write(directory: str, size: int | str, *, name: str) -> dict[str, float]:
+    """fio's sequential read and write bandwidth (B/s) on ``directory``, printed."""
+    bw = sequential_bandwidth(directory, size, {"write": "write", "read": "read"}, name=name)
+    print(f"fio on {directory}: read {bw['read'] / 1e9:.2f} GB/s, write {bw['write'] / 1e9:.2f} GB/s", flush=True)
+    return bw
+
+
+def faster_after(directory: str, size: int | str, before: dict[str, float], *, name: str) -> dict[str, float]:
+    """fio again (the disk's speed drifts on a shared machine), and each direction at the faster of
+    ``before`` and now: the stricter floor."""
+    after = read_write(directory, size, name=name)
+    return {k: max(before[k], after[k]) for k in before}

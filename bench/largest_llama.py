@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RssSampler
-from bench._fio import sequential_bandwidth
+from bench._fio import faster_after, read_write
 from bench.largest import du_bytes
 from bench.nvme_step import nvme_bytes, rss_gb
 from tiermem import AdamW8bit, Budgets, TieredModel, parse_bytes
@@ -100,8 +100,7 @@ def main() -> int:
     )
     if args.dry_run:
         return 0
-    bw = sequential_bandwidth(where, args.fio_size, {"write": "write", "read": "read"}, name="largest-llama")
-    print(f"fio on {where}: read {bw['read'] / GB:.2f} GB/s, write {bw['write'] / GB:.2f} GB/s", flush=True)
+    bw = read_write(where, args.fio_size, name="largest-llama")
     d = tempfile.mkdtemp(prefix="tiermem-llama-", dir=where)
     rss, worst = RssSampler().__enter__(), 0  # ru_maxrss misses peaks (RssSampler's docstring)
     try:
@@ -161,9 +160,7 @@ def main() -> int:
         rss.__exit__(None, None, None)
         shutil.rmtree(d, ignore_errors=True)
     # the disk's speed drifts (a shared machine): fio again, and the floor at the faster of the two
-    after = sequential_bandwidth(where, args.fio_size, {"write": "write", "read": "read"}, name="largest-llama")
-    fast = {k: max(bw[k], after[k]) for k in bw}
-    print(f"fio again after the steps: read {after['read'] / GB:.2f} GB/s, write {after['write'] / GB:.2f} GB/s")
+    fast = faster_after(where, args.fio_size, bw, name="largest-llama")
     for name, b in (("fio before", bw), ("the faster fio", fast)):
         ratios = [t / (r / b["read"] + w / b["write"]) for r, w, t in moved]
         print(f"step time / NVMe serial floor at {name}, per step: " + ", ".join(f"{x:.2f}x" for x in ratios))

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RssSampler
-from bench._fio import sequential_bandwidth
+from bench._fio import faster_after, read_write
 from bench.nvme_step import nvme_bytes
 from tiermem import AdamW8bit, Budgets, from_pretrained
 from tiermem.policies import ZeroInfinity
@@ -80,8 +80,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     where = args.dir or os.getcwd()
-    bw = sequential_bandwidth(where, args.fio_size, {"write": "write", "read": "read"}, name="roundtrip")
-    print(f"fio on {where}: read {bw['read'] / GB:.2f} GB/s, write {bw['write'] / GB:.2f} GB/s", flush=True)
+    bw = read_write(where, args.fio_size, name="roundtrip")
     root = tempfile.mkdtemp(prefix="tiermem-roundtrip-", dir=where)
     src, nvme, out = (os.path.join(root, s) for s in ("from-hf", "nvme", "from-tiermem"))
     os.makedirs(nvme)
@@ -171,9 +170,7 @@ def main() -> int:
         rss.__exit__(None, None, None)
         shutil.rmtree(root, ignore_errors=True)
     # the disk's speed drifts (a shared machine): fio again, and the floors at the faster of the two
-    after = sequential_bandwidth(where, args.fio_size, {"write": "write", "read": "read"}, name="roundtrip")
-    fast = {k: max(bw[k], after[k]) for k in bw}
-    print(f"fio again at the end: read {after['read'] / GB:.2f} GB/s, write {after['write'] / GB:.2f} GB/s")
+    fast = faster_after(where, args.fio_size, bw, name="roundtrip")
     load_floor = ckpt / fast["read"] + written / fast["write"]
     save_floor = shards / fast["read"] + shards / fast["write"]  # the weights it must read are the shards' bytes
     print(

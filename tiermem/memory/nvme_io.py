@@ -163,7 +163,7 @@ def check_header(raw: bytes, expected: bytes) -> None:
 
 def digest(data: torch.Tensor) -> int:
     """xxh3_64 of a chunk's bytes (``data``: uint8, 1-d, contiguous), NOTE [Data checksums]."""
-    return xxhash.xxh3_64_intdigest(_mv(data))
+    return xxhash.xxh3_64_intdigest(buffer_of(data))
 
 
 def combine(digests: Sequence[Optional[int]]) -> int:
@@ -209,7 +209,8 @@ def check_tensor(key: str, t: object, what: str) -> None:
         )
 
 
-def _mv(t: torch.Tensor) -> memoryview:
+def buffer_of(t: torch.Tensor) -> memoryview:
+    """``t``'s bytes as a buffer (``t`` contiguous, in host memory, viewed as uint8), no copy."""
     return memoryview(t.numpy())  # type: ignore[arg-type]  # numpy's stubs do not declare the buffer protocol
 
 
@@ -265,20 +266,20 @@ def _write_body(
     if not n:
         return
     if not direct:
-        _write_all(pwritev, fd, [_mv(src[b0:b1])], offset)
+        write_all(pwritev, fd, [buffer_of(src[b0:b1])], offset)
         return
     main = n // ALIGN * ALIGN if is_aligned(src) else 0
     tail = n - main
     if tail == 0:
-        _write_all(pwritev, fd, [_mv(src[b0:b1])], offset)  # aligned chunk: no copy
+        write_all(pwritev, fd, [buffer_of(src[b0:b1])], offset)  # aligned chunk: no copy
         return
     slot = pool.acquire()
     try:
         padded = round_up(tail)
         slot[:tail].copy_(src[b0 + main : b1])
         slot[tail:padded].zero_()  # no stale memory on disk
-        bufs = ([_mv(src[b0 : b0 + main])] if main else []) + [_mv(slot[:padded])]
-        _write_all(pwritev, fd, bufs, offset)  # aligned body in place, the tail from the slot
+        bufs = ([buffer_of(src[b0 : b0 + main])] if main else []) + [buffer_of(slot[:padded])]
+        write_all(pwritev, fd, bufs, offset)  # aligned body in place, the tail from the slot
     finally:
         pool.release(slot)
 
@@ -288,12 +289,12 @@ def write_header(pwritev: PWritev, fd: int, header: Optional[bytes], pool: Stagi
     for a header (NOTE [Two slots, overwritten in place])."""
     raw = header if header is not None else bytes(HEADER)
     if not direct:
-        _write_all(pwritev, fd, [raw], 0)
+        write_all(pwritev, fd, [raw], 0)
         return
     slot = pool.acquire()
     try:
         slot[:HEADER].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        _write_all(pwritev, fd, [_mv(slot[:HEADER])], 0)
+        write_all(pwritev, fd, [buffer_of(slot[:HEADER])], 0)
     finally:
         pool.release(slot)
 
@@ -302,12 +303,12 @@ def read_header(preadv: PReadv, fd: int, pool: StagingPool, direct: bool) -> byt
     """The ``HEADER`` bytes at offset 0 (raises :class:`ShortRead` if the file is shorter)."""
     if not direct:
         raw = bytearray(HEADER)
-        _read_all(preadv, fd, [raw], 0, HEADER)
+        read_all(preadv, fd, [raw], 0, HEADER)
         return bytes(raw)
     slot = pool.acquire()
     try:
-        _read_all(preadv, fd, [_mv(slot[:HEADER])], 0, HEADER)
-        return bytes(_mv(slot[:HEADER]))
+        read_all(preadv, fd, [buffer_of(slot[:HEADER])], 0, HEADER)
+        return bytes(buffer_of(slot[:HEADER]))
     finally:
         pool.release(slot)
 
@@ -338,24 +339,24 @@ def _read_body(
     if not direct:
         head = bytearray(HEADER) if want_header else None
         into: list[Buf] = [head] if head is not None else []
-        into += [_mv(out[b0:b1])] if n else []
-        _read_all(preadv, fd, into, offset, need)
+        into += [buffer_of(out[b0:b1])] if n else []
+        read_all(preadv, fd, into, offset, need)
         return bytes(head) if head is not None else None
     main = n // ALIGN * ALIGN if is_aligned(out) else 0
     tail = n - main
     if not want_header and tail == 0:
-        _read_all(preadv, fd, [_mv(out[b0:b1])], offset, need)  # aligned middle chunk: no copy
+        read_all(preadv, fd, [buffer_of(out[b0:b1])], offset, need)  # aligned middle chunk: no copy
         return None
     slot = pool.acquire()
     try:
         padded = round_up(tail) if tail else 0
-        staged = _mv(slot)
+        staged = buffer_of(slot)
         if main:
-            bufs = ([staged[:HEADER]] if want_header else []) + [_mv(out[b0 : b0 + main])]
+            bufs = ([staged[:HEADER]] if want_header else []) + [buffer_of(out[b0 : b0 + main])]
             bufs += [staged[HEADER : HEADER + padded]] if padded else []
         else:
             bufs = [staged[(0 if want_header else HEADER) : HEADER + padded]]
-        _read_all(preadv, fd, bufs, offset, need)
+        read_all(preadv, fd, bufs, offset, need)
         if tail:
             out[b0 + main : b1].copy_(slot[HEADER : HEADER + tail])
         return bytes(staged[:HEADER]) if want_header else None
@@ -405,14 +406,15 @@ def _slot_digest(preadv: PReadv, fd: int, nbytes: int, pool: StagingPool, direct
         for b0, b1 in chunks(nbytes, pool.block):
             n = b1 - b0
             if n:
-                _read_all(preadv, fd, [_mv(slot[: round_up(n) if direct else n])], HEADER + b0, n)
+                read_all(preadv, fd, [buffer_of(slot[: round_up(n) if direct else n])], HEADER + b0, n)
             digests.append(digest(slot[:n]))
     finally:
         pool.release(slot)
     return combine(digests)
 
 
-def _write_all(pwritev: PWritev, fd: int, bufs: Sequence[Buf], offset: int) -> None:
+def write_all(pwritev: PWritev, fd: int, bufs: Sequence[Buf], offset: int) -> None:
+    """Write every byte of ``bufs`` at ``offset``, however many calls it takes."""
     todo = sum(len(b) for b in bufs)
     while todo:
         done = pwritev(fd, bufs, offset)
@@ -421,7 +423,7 @@ def _write_all(pwritev: PWritev, fd: int, bufs: Sequence[Buf], offset: int) -> N
         offset, todo, bufs = offset + done, todo - done, _skip(bufs, done)
 
 
-def _read_all(preadv: PReadv, fd: int, bufs: Sequence[Buf], offset: int, need: int) -> None:
+def read_all(preadv: PReadv, fd: int, bufs: Sequence[Buf], offset: int, need: int) -> None:
     """Fill ``bufs`` from ``offset``; the file must hold at least ``need`` of those bytes (a
     direct read may ask for padding past the end of a file, which is fine)."""
     got, todo = 0, sum(len(b) for b in bufs)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Mapping, Optional, TypeVar
+from typing import Callable, Mapping, Optional, TypeVar
 
 import torch
 
@@ -241,25 +241,10 @@ def build(
     (NOTE [Frozen weights sharded over the ranks]). ``values``: where each parameter's first value
     comes from, read as its bucket is built (NOTE [Models on the meta device])."""
     values = values if values is not None else Given()
-    slot_of: dict[int, tuple[Bucket, Slot]] = {}
     progress = Progress(values.building, 4 * sum(b.numel for b in buckets)) if values.building else None  # fp32 bytes
     values.expect([(s.name, s.param) for b in buckets for s in b.slots])
-    try:
-        for b in buckets:
-            state = homes.state[b.index]
-            master = state.initial_master(b)
-            for s in b.slots:
-                values.param_into(s.name, s.param, master[s.offset : s.offset + s.numel])
-                slot_of[id(s.param)] = (b, s)
-            state.initialize(b)
-            homes.weights[b.index].initialize(b, master)
-            if progress is not None:
-                progress.advance(4 * b.numel)
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            homes.built()  # NOTE [Initial writes in flight]: drained before the homes are removed
-        raise
-    homes.built()
+    fill_homes(homes, buckets, lambda s, out: values.param_into(s.name, s.param, out), progress)
+    slot_of = {id(s.param): (b, s) for b in buckets for s in b.slots}
     if progress is not None:
         progress.close()
     for home in homes.state_homes():
@@ -269,6 +254,32 @@ def build(
     frozen = _place_frozen(module, stores, dtype, device, weights_off_device, gathered, group, values)
     values.fill_buffers(module)
     return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, KeptBuffers(module, dtype, device))
+
+
+def fill_homes(
+    homes: Homes,
+    buckets: list[Bucket],
+    fill: Callable[[Slot, torch.Tensor], object],
+    progress: Optional[Progress] = None,
+) -> None:
+    """Each bucket's master filled slot by slot (``fill(slot, its flat view)``), then its state and
+    weights initialized from it; the writes they leave in flight (NOTE [Initial writes in flight])
+    have landed on return, and a failure drains them before it propagates."""
+    try:
+        for b in buckets:
+            state = homes.state[b.index]
+            master = state.initial_master(b)
+            for s in b.slots:
+                fill(s, master[s.offset : s.offset + s.numel])
+            state.initialize(b)
+            homes.weights[b.index].initialize(b, master)
+            if progress is not None:
+                progress.advance(4 * b.numel)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            homes.built()  # drained before the caller removes the homes
+        raise
+    homes.built()
 
 
 def _place_frozen(

@@ -288,7 +288,7 @@ class FromCheckpoint(Values):
 
     def param_into(self, name: str, p: torch.Tensor, out: torch.Tensor) -> None:
         if not self.weights.read_into(self._key[id(p)], out):  # stored in out's dtype: read in place
-            out.copy_(self.param(name, p).reshape(-1))
+            super().param_into(name, p, out)
 
     def fill_buffers(self, module: torch.nn.Module) -> None:
         for name, owner, bname, buf in _buffer_slots(module):

@@ -112,8 +112,7 @@ class NvmeState(StateHome):
         """Store a bucket's initial state: the master filled into :meth:`initial_master`, the other
         parts at their initial value. The writes are left in flight (NOTE [Initial writes in
         flight]): :meth:`built` waits for them."""
-        if self._ahead is not None:
-            self._drop_ahead()
+        self._drop_ahead()
         views = self._views(self._filling, b)
         for part, t in zip(b.state.parts[1:], views[1:]):
             t.fill_(part.initial)
@@ -127,7 +126,7 @@ class NvmeState(StateHome):
 
     def read(self, b: Bucket, which: int = 0) -> StateViews:
         """The bucket's current state in host set ``which`` (blocking)."""
-        self._drop_ahead()
+        self._settled()
         self._write_kept()
         views = self._views(which, b)
         wait_all(self._read(b, views))
@@ -139,19 +138,19 @@ class NvmeState(StateHome):
         if not self._shared(b):
             return self.read(b)[0]
         assert self.masters is not None
-        self._drop_ahead()
+        self._settled()
         self._write_kept()
         master = self._views(0, b)[0]
         wait_all(self.masters.read_master(b, master))
         return master
 
     def load_views(self, b: Bucket) -> StateViews:
-        self._drop_ahead()
+        self._settled()
         return self._views(0, b)
 
     def store(self, b: Bucket, views: StateViews) -> None:
         """Overwrite a bucket's state (checkpoint load; blocking)."""
-        self._drop_ahead()
+        self._settled()
         self._kept.pop(b.index, None)
         wait_all(self._write(b, views))
 
@@ -168,11 +167,15 @@ class NvmeState(StateHome):
         """``b``'s master is its weights' keys (NOTE [One copy of bf16 master weights])."""
         return self.masters is not None and self.masters.from_master(b)
 
+    def _settled(self) -> None:
+        """Nothing of this home in flight: the initial writes landed (their first error raised) and
+        the next step's read ahead dropped; before any read or write of its sets."""
+        self.built()
+        self._drop_ahead()
+
     def _drop_ahead(self) -> None:
         """The next step's first read, issued at the end of the last step: landed and forgotten
-        (its set is about to be reused, or its bucket rewritten); initial writes too."""
-        if self._initial:
-            self.built()
+        (its set is about to be reused, or its bucket rewritten)."""
         if self._ahead is not None:
             wait_all_quietly(self._ahead[1])
             self._ahead = None
@@ -223,8 +226,7 @@ class NvmeState(StateHome):
         writes: dict[int, list[Handle]] = {}  # host set -> writes still reading from it
         written: list[tuple[int, Handle]] = []  # (bucket, one of its state's writes) of this step
         placed: dict[int, tuple[Bucket, int]] = {}  # bucket -> (itself, the set it was updated in)
-        if self._initial:
-            self.built()
+        self.built()
         ahead, self._ahead = self._ahead, None
         if self._kept:
             wait_all_quietly(ahead[1] if ahead is not None else ())

@@ -42,6 +42,7 @@ import torch
 
 from tiermem.budgets import parse_bytes
 from tiermem.errors import ConfigError, StoreError
+from tiermem.memory.nvme_io import buffer_of, write_all
 from tiermem.observe.progress import Progress
 from tiermem.train.weights_file import DTYPES
 
@@ -134,10 +135,7 @@ class _Shard:
     def add(self, name: str, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
         if nbytes:
-            data: Any = t.reshape(-1).view(torch.uint8).numpy()  # its bytes, no copy
-            done = 0
-            while done < nbytes:
-                done += os.pwrite(self.fd, data[done:], 8 + self.room + self.at + done)
+            write_all(os.pwritev, self.fd, [buffer_of(t.reshape(-1).view(torch.uint8))], 8 + self.room + self.at)
         self.entries[name] = {
             "dtype": _CODES[t.dtype],
             "shape": list(t.shape),
@@ -150,7 +148,9 @@ class _Shard:
         try:
             header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
             assert len(header) <= self.room, (len(header), self.room)
-            os.pwrite(self.fd, struct.pack("<Q", self.room) + header + b" " * (self.room - len(header)), 0)
+            write_all(
+                os.pwritev, self.fd, [struct.pack("<Q", self.room) + header + b" " * (self.room - len(header))], 0
+            )
             os.fsync(self.fd)
         finally:
             self.close()

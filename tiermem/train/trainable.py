@@ -47,7 +47,6 @@ log), so detach-and-wrap-again works.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Callable, Optional
 
@@ -64,7 +63,7 @@ from tiermem.train.backward import GradCollector
 from tiermem.train.groups import check_listed
 from tiermem.train.hooks import HookSet
 from tiermem.train.in_backward import WindowGrads
-from tiermem.train.layout import Layout, make_homes
+from tiermem.train.layout import Layout, fill_homes, make_homes
 from tiermem.train.param_offload import ParamOffload
 from tiermem.train.uploads import Outputs
 from tiermem.transfer.collectives import Group
@@ -267,19 +266,11 @@ class Trainable:
                 group=self.group,
                 window=self.window,
             )
-            for b in buckets:
-                state = homes.state[b.index]
-                master = state.initial_master(b)
-                for s in b.slots:
-                    master[s.offset : s.offset + s.numel].copy_(self.layout.frozen.value(s.name).reshape(-1))
-                state.initialize(b)
-                homes.weights[b.index].initialize(b, master)
-            homes.built()  # NOTE [Initial writes in flight]
+            frozen = self.layout.frozen
+            fill_homes(homes, buckets, lambda s, out: out.copy_(frozen.value(s.name).reshape(-1)))
             for home in homes.state_homes():
                 home.release_views()
         except BaseException:
-            with contextlib.suppress(BaseException):
-                homes.built()  # drained before the keys they write are deleted
             for tier, keys in before.items():  # what the new homes took goes back (the model is as it was)
                 for key in set(self.stores[tier].keys()) - keys:
                     self.stores[tier].delete(key)

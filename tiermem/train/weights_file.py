@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from tiermem.errors import ConfigError
+from tiermem.memory.nvme_io import ShortRead, buffer_of, read_all
 
 log = logging.getLogger(__name__)
 
@@ -139,13 +140,10 @@ class WeightsFile:
     def _pread_into(self, e: Entry, t: torch.Tensor) -> None:
         if e.nbytes == 0:
             return
-        buf: Any = t.reshape(-1).view(torch.uint8).numpy()  # t's own bytes: a view, written in place
-        fd, done = self._fd(e.file), 0
-        while done < e.nbytes:  # a read returns at most ~2 GiB on Linux
-            n = os.preadv(fd, [buf[done:]], e.offset + done)
-            if n == 0:
-                raise ValueError(f"the file ends {e.nbytes - done} bytes before {e.name!r} does (truncated?)")
-            done += n
+        try:  # t's own bytes, written in place
+            read_all(os.preadv, self._fd(e.file), [buffer_of(t.reshape(-1).view(torch.uint8))], e.offset, e.nbytes)
+        except ShortRead as err:
+            raise ValueError(f"the file ends before {e.name!r} does (truncated?): {err}") from err
 
     def _ahead(self, name: str) -> None:
         """Ask the kernel to read the announced tensors after ``name`` up to :data:`AHEAD` bytes."""
