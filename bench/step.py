@@ -2,6 +2,13 @@
 
     python bench/step.py [--preset gpt50m] [--n-layer N --n-embd C] [--batch-size 4] [--seq-len 256]
                          [--steps 8] [--warmup 2] [--device cpu|cuda]
+    python bench/step.py --llama 374m|1b|1.3b [--rounds 3] [--steps 4] [--warmup 2]
+
+``--llama``: a transformers ``LlamaForCausalLM`` of that size (vocab 32000, batch 2 x 256 unless
+given) under ZeroOffload against the same plain loop, each variant in its own process (at 1B the
+two would not fit in memory together), the processes taking turns for ``--rounds`` rounds; per
+step, forward, backward and ``step()`` are timed apart, and tiermem's report sets the cost model's
+prediction beside what it measured (``tiermem bench`` must have profiled the machine).
 
 Three ways to run the same model on the same batches, each step = forward + backward + optimizer
 step (global-norm clipping at 1.0 in all three):
@@ -23,6 +30,8 @@ bookkeeping that tiermem adds, not transfer overlap. Ratios come last.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import statistics
 import sys
 import time
@@ -33,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from bench._common import token_batches
+from bench._common import run_again, token_batches
 from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args as build_config, lm_loss
 from tiermem import AdamW, TensorClass, Tier, TieredModel
 from tiermem.budgets import parse_bytes
@@ -50,12 +59,146 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per variant first")
     p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return p.parse_args()
+    p.add_argument("--llama", choices=sorted(LLAMAS), help="a transformers Llama of this size instead (see above)")
+    p.add_argument("--rounds", type=int, default=3, help="--llama: turns of the two processes")
+    p.add_argument("--only", choices=("torch", "zero-offload"), help=argparse.SUPPRESS)  # --llama: one variant
+    args = p.parse_args()
+    if args.llama and "--batch-size" not in sys.argv:
+        args.batch_size = 2  # the issue's measurement: 2 x 256
+    return args
+
+
+#: --llama sizes: (hidden, layers, intermediate); heads of 64, vocab 32000, untied embeddings
+LLAMAS = {"374m": (1024, 24, 2816), "1b": (2048, 18, 5504), "1.3b": (2048, 24, 5504)}
+
+
+def llama_model(size: str, seq_len: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, inter = LLAMAS[size]
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=inter,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        vocab_size=32000,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)  # the same initial weights for every variant
+    return LlamaForCausalLM(cfg)
+
+
+def llama_variant(args: argparse.Namespace) -> dict:
+    """One variant's steps in this process: per step (forward, backward, step) seconds; tiermem's
+    report stages (predicted, measured) and its text. The JSON result is the last line."""
+    device = torch.device(args.device)
+    # tiermem's model is built on the meta device and initialized at its homes (as a model bigger
+    # than the machine is): at 1.3B the fp32 model in memory and its homes would not fit together
+    with torch.device("meta") if args.only == "zero-offload" else contextlib.nullcontext():
+        model = llama_model(args.llama, args.seq_len)
+    model = model if args.only == "zero-offload" else model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    batches = token_batches(32000, args.batch_size, args.seq_len, args.warmup + args.steps, device=device)
+    if args.only == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, fused=True)
+
+        def forward(x, y):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                return model(input_ids=x, labels=y).loss
+
+        def backward(loss):
+            loss.backward()
+
+        def update():
+            plain_update(model, opt)
+
+    else:
+        tm = TieredModel(
+            model,
+            policy=ZeroOffload(),
+            optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+            precision="bf16",
+            grad_clip=CLIP,
+            device=device,
+            bucket_size=args.bucket_size,
+        )
+
+        def forward(x, y):
+            return tm(input_ids=x, labels=y).loss
+
+        backward, update = tm.backward, tm.step
+    steps = []
+    for b in batches:
+        x = b[:, :-1]
+        t0 = time.perf_counter()
+        loss = forward(x, x)
+        t1 = time.perf_counter()
+        backward(loss)
+        t2 = time.perf_counter()
+        update()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        steps.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    out: dict = {"n_params": n_params, "steps": steps[args.warmup :]}
+    if args.only != "torch":
+        rep = tm.report()
+        out.update(stages=rep.stages, report=str(rep))
+    return out
+
+
+def llama_main(args: argparse.Namespace) -> int:
+    tokens = args.batch_size * args.seq_len
+    print(
+        f"transformers Llama {args.llama} {LLAMAS[args.llama]} (hidden, layers, intermediate), batch "
+        f"{args.batch_size} x {args.seq_len} = {tokens} tokens; device {args.device}, {torch.get_num_threads()} CPU "
+        f"threads, torch {torch.__version__}; each variant in its own process, {args.rounds} rounds in turn",
+        flush=True,
+    )
+    argv = [
+        "--llama", args.llama, "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+        "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--bucket-size", args.bucket_size,
+    ]  # fmt: skip
+    runs: dict[str, list[dict]] = {"torch": [], "zero-offload": []}
+    for r in range(args.rounds):
+        for name in runs:
+            res = run_again(__file__, [*argv, "--only", name], f"{name} (round {r + 1})")
+            runs[name].append(res)
+            print(
+                f"round {r + 1} {name:>12}: "
+                + "  ".join(f"{1e3 * sum(s):7.0f} ms ({1e3 * s[0]:.0f}+{1e3 * s[1]:.0f}+{1e3 * s[2]:.0f})" for s in res["steps"]),
+                flush=True,
+            )  # fmt: skip
+    n_params = runs["torch"][0]["n_params"]
+    steps = {name: [s for res in rs for s in res["steps"]] for name, rs in runs.items()}
+    med = {name: statistics.median(sum(s) for s in ss) for name, ss in steps.items()}
+    part = {name: [statistics.median(s[i] for s in ss) for i in range(3)] for name, ss in steps.items()}
+    last = runs["zero-offload"][-1]
+    print(f"\n{n_params / 1e6:.0f}M parameters; zero-offload's last report:\n{last['report']}")
+    if last["stages"]:
+        print("\ncost model, seconds per step (predicted / measured, the last zero-offload process):")
+        for stage, (p, m) in last["stages"].items():
+            print(f"  {stage:<24} {p:7.3f} / {m:7.3f}  ({p / m if m else float('inf'):.2f}x)")
+    print(f"\nmedian of {len(steps['torch'])} steps each (forward / backward / step):")
+    for name in runs:
+        print(f"  {name:>12}: {med[name]:.3f} s  ({' / '.join(f'{v:.3f}' for v in part[name])})")
+    ratio = med["zero-offload"] / med["torch"]
+    print("\n== ratios ==")
+    print(f"zero-offload step / plain torch step:      {ratio:5.2f}x  (target <= 1.05x: {'met' if ratio <= 1.05 else 'NOT met'})")  # fmt: skip
+    return 0
 
 
 def make_model(cfg: GPTConfig) -> GPT:
     torch.manual_seed(0)  # the same initial weights for every variant
     return GPT(cfg)
+
+
+def plain_update(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """The plain loop's update: clip the global norm, step, clear the grads."""
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def plain_torch(cfg: GPTConfig, device: torch.device) -> tuple[Callable, Callable[[], int]]:
@@ -69,9 +212,7 @@ def plain_torch(cfg: GPTConfig, device: torch.device) -> tuple[Callable, Callabl
             loss = lm_loss(model(x), y)
         loss.backward()
         grad_bytes[0] = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        plain_update(model, opt)
 
     def state_bytes() -> int:  # weights + grads (at their peak, after backward) + Adam state
         weights = sum(p.nbytes for p in model.parameters())
@@ -115,6 +256,11 @@ def per_param(n: int, n_params: int) -> str:
 
 def main() -> int:
     args = parse_args()
+    if args.llama and args.only:
+        print(json.dumps(llama_variant(args)))
+        return 0
+    if args.llama:
+        return llama_main(args)
     device = torch.device(args.device)
     cfg = build_config(args)
     n_params = make_model(cfg).num_params()

@@ -61,6 +61,22 @@ def test_a_device_share_runs_beside_the_cpu_on_an_accelerator_and_after_it_on_a_
     assert all_device["optimizer"] == pytest.approx(2e9 / 50e9)
 
 
+def test_a_cpu_devices_grads_go_home_inside_backward_and_weights_are_written_in_place():
+    """NOTE [A CPU device]: the copies home are backward's own work (in a prediction of the
+    compute from FLOPs; a measured compute holds them), only an NVMe write behind them is exposed,
+    and the host's Adam writes the weights where the parameters read them."""
+    cpu = Rates(**{**RATES.__dict__, "device_is_cpu": True, "matmul": {"bf16": 5 * G}})
+    buckets = [_b(0, 10**9, Tier.HOST), _b(1, 10**9, Tier.HOST)]
+    measured = predict(buckets, 2, cpu, forward_backward=0.3).stages
+    assert measured["forward+backward"] == 0.3 and measured["grads home"] == 0 and measured["weights up"] == 0
+    from_flops = predict(buckets, 2, cpu, flops=30 * G, precision="bf16").stages
+    assert from_flops["forward+backward"] == pytest.approx(6.0 + 2 * 2e9 / 20e9)  # and the copies, 0.1 s each
+    grads_on_nvme = [_b(i, 10**9, Tier.NVME, grad=Tier.NVME) for i in range(2)]
+    on_nvme = predict(grads_on_nvme, 2, cpu, forward_backward=0.3).stages
+    # two 4 GB writes at 1 GB/s behind 0.2 s of backward: 8 - 0.2 s exposed
+    assert on_nvme["grads home"] == pytest.approx(8.0 - 0.2)
+
+
 def test_state_on_nvme_streams_at_the_slowest_of_read_adam_and_write():
     s = predict([_b(0, 10**9, Tier.NVME)], 2, RATES).stages
     assert s["optimizer"] == pytest.approx(12e9 / 1e9)  # the write: 12 GB at 1 GB/s, past Adam's 1 s

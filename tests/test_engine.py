@@ -134,6 +134,22 @@ def test_behind_runs_then_on_the_lane_after_its_queued_requests(engine):
     assert gate.handle.done() and seen[0].startswith("tiermem-d2h")
 
 
+def test_a_cpu_devices_copies_home_run_on_the_callers_thread(engine):
+    """NOTE [A CPU device]: a device->host request is done when the call returns, whatever the d2h
+    lane's thread is busy with (a gradient going home during backward does not wait for it, nor
+    share the cores with it); host->device requests keep their lane."""
+    gate, src = _Gate(engine), torch.randn(3, 257).bfloat16()
+    dst = torch.zeros(3, 257)
+    h = engine.copy_many([(dst[i], src[i], False) for i in range(3)], src_tier=Tier.DEVICE, dst_tier=Tier.HOST)
+    assert h.done() and torch.equal(dst, src.float())
+    up_gate, back = _Gate(engine, lane="h2d"), torch.empty(3, 257, dtype=torch.bfloat16)
+    up = engine.copy_async(back, src, src_tier=Tier.HOST, dst_tier=Tier.DEVICE)
+    assert not up.done()
+    gate.open(), up_gate.open()
+    up.wait()
+    assert torch.equal(back, src)
+
+
 def test_stall_on_a_chain_counts_to_its_tier(engine):
     gate = _Gate(engine)
     h = engine.chain(gate.handle, stall=Tier.NVME)

@@ -271,13 +271,18 @@ def _placement(policy) -> dict[TensorClass, Tier]:
     }
 
 
-def _footprint_of(model: nn.Module, policy, dtype: torch.dtype, overlap: bool, bucket_numel: int, spec=None):
-    """The footprint of ``model`` as TieredModel plans it (and the inputs the old rule took)."""
+def _footprint_of(
+    model: nn.Module, policy, dtype: torch.dtype, overlap: bool, bucket_numel: int, spec=None, built: bool = False
+):
+    """The footprint of ``model`` as TieredModel plans it (and the inputs the old rule took);
+    ``built``: as TieredModel's default device builds it (no weight staging on a CPU device: NOTE
+    [A CPU device])."""
     planned = plan_placement(model, policy, spec or AdamW(), dtype, bucket_numel, overlap=overlap)
     buckets, homes = list(planned.buckets), dict(planned.weight_homes)
     frozen = [(p, homes.get(n, D)) for n, p in model.named_parameters() if not p.requires_grad]
     largest_module = fp.largest_module_bytes(model, homes, dtype)
-    need = fp.footprint(buckets, frozen, dtype, overlap=overlap, largest_module=largest_module)
+    cpu = built and not torch.cuda.is_available()  # TieredModel's default device
+    need = fp.footprint(buckets, frozen, dtype, overlap=overlap, largest_module=largest_module, device_is_host=cpu)
     return need, (buckets, frozen, largest_module, homes)
 
 
@@ -327,7 +332,7 @@ def test_what_construction_allocates(model, policy, overlap, tmp_path):
     of every host buffer included, except what only a running step takes (grads in flight, the
     largest module's weights)."""
     pol = WeightsOnHost() if policy == "WeightsOnHost" else POLICIES[policy]
-    need, _ = _footprint_of(BUILT[model](), pol, BF16, overlap, bucket_numel=300)
+    need, _ = _footprint_of(BUILT[model](), pol, BF16, overlap, bucket_numel=300, built=True)
     tm = TieredModel(
         BUILT[model](), pol, precision="bf16", bucket_size=4 * 300, overlap_step=overlap, nvme_dir=str(tmp_path)
     )
@@ -349,7 +354,7 @@ def test_what_construction_allocates_with_a_bf16_master(model, policy, overlap, 
     themselves (NOTE [One copy of bf16 master weights]; with overlap_step, a copy of its own)."""
     pol = WeightsOnHost() if policy == "WeightsOnHost" else POLICIES[policy]
     spec = AdamW8bit(min_8bit_size=64, bf16_stochastic_round=True)
-    need, _ = _footprint_of(BUILT[model](), pol, BF16, overlap, bucket_numel=300, spec=spec)
+    need, _ = _footprint_of(BUILT[model](), pol, BF16, overlap, bucket_numel=300, spec=spec, built=True)
     tm = TieredModel(
         BUILT[model](),
         pol,

@@ -749,12 +749,15 @@ def test_weights_in_place_only_for_adam_on_the_device(engine, case):
     masters = _bf16_masters(buckets, 5)
     for b in buckets:
         home.initialize(b, masters[b.index])
+    cpu_device = case.tier == Tier.DEVICE and engine.stores[Tier.DEVICE].device.type == "cpu"
     for b in buckets:
-        assert home.in_place(b, Tier.HOST) is None
+        host = home.in_place(b, Tier.HOST)  # NOTE [A CPU device]: the host's Adam writes a CPU device's weights
+        assert (host is not None) == cpu_device
         direct = home.in_place(b, Tier.DEVICE)
         assert (direct is not None) == case.in_place_on_device
         if direct is None:
             continue
+        assert host is None or host.data_ptr() == direct.data_ptr()
         assert direct.dtype == torch.bfloat16 and direct.shape == (b.numel,)
         direct.copy_(torch.arange(b.numel))  # Adam writes here: no write() is needed afterwards
         for s in b.slots:

@@ -375,6 +375,43 @@ def test_save_pretrained_of_a_shared_bf16_master_reads_the_weights_alone(tmp_pat
     assert all(torch.equal(v, want[k].to(v.dtype)) for k, v in saved.items())
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["fp32-state", "bf16-shared-master"])
+def test_weights_streamed_from_nvme_read_the_next_bucket_ahead(shared, tmp_path):
+    """NOTE [Weights read one tensor at a time]: while save_pretrained copies out one bucket's
+    master, the next bucket's read is already issued; the values are the model's, and a reader that
+    stops early leaves the home usable."""
+    torch.manual_seed(0)
+    kw = dict(precision="bf16", optimizer=tiermem.AdamW8bit(lr=1e-2, bf16_stochastic_round=True)) if shared else {}
+    tm = _wrap(TinyGPT(), "zero-infinity", tmp_path, bucket_size=4000, **kw)
+    train_steps(tm, 2)
+    buckets = tm.layout.buckets
+    assert len(buckets) >= 3
+    want = tm.state_dict()
+    store, asked = tm.stores[Tier.NVME], []
+    read = store.read
+
+    def logged(key, out):
+        asked.append(key)
+        return read(key, out)
+
+    store.read = logged
+    state = tm._settled("test")
+    stream = state.stream_weights(frozen=False)
+    seen = 0
+    for names, value in stream:
+        assert torch.equal(value, want[names[0]].float()), names
+        seen += 1
+        if seen == len(buckets[0].slots):  # the first bucket's last tensor: the second's read is out
+            second = [s.name for s in buckets[1].slots] if shared else [f"{buckets[1].key}:state"]
+            assert set(second) <= set(asked), (second, asked)
+        if seen == len(buckets[0].slots) + 1:
+            break
+    stream.close()  # left early: the read in flight lands before the sets are used again
+    store.read = read
+    train_steps(tm, 1)
+    assert all(torch.isfinite(v).all() for v in tm.state_dict().values())
+
+
 def test_shards_written_as_they_are_read_are_what_safetensors_reads(tmp_path, monkeypatch):
     """NOTE [Shards written as they are read]: tensors of every dtype (empty and 0-d ones too),
     written by the writer thread with few bytes in flight (so that reads wait for writes), split

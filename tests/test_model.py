@@ -372,12 +372,17 @@ def test_report_shows_zero_offload_placement():
     assert cp[(TensorClass.ACTIVATION, Tier.DEVICE)] > 0
     assert (TensorClass.OPTIM_STATE, Tier.DEVICE) not in cp
     assert rep.bytes_moved[(Tier.DEVICE, Tier.HOST)] == 2 * 2 * n  # bf16 grads, two steps
-    assert rep.bytes_moved[(Tier.HOST, Tier.DEVICE)] == 2 * 2 * n  # bf16 weights, two steps
     assert rep.class_bytes_moved[(TensorClass.GRAD, Tier.DEVICE, Tier.HOST)] == 2 * 2 * n
-    assert rep.class_bytes_moved[(TensorClass.PARAM, Tier.HOST, Tier.DEVICE)] == 2 * 2 * n
-    assert rep.peak_bytes[Tier.HOST] < 16 * n + 2 * 2 * 4000 + 6 * pages  # 16 B/param + 2 buckets of staging
+    if next(tm.module.parameters()).device.type == "cpu":  # NOTE [A CPU device]: Adam writes the weights in place
+        assert (Tier.HOST, Tier.DEVICE) not in rep.bytes_moved
+        assert (TensorClass.PARAM, Tier.HOST) not in cp  # no staging
+        assert rep.peak_bytes[Tier.HOST] < 16 * n + 6 * pages
+    else:
+        assert rep.bytes_moved[(Tier.HOST, Tier.DEVICE)] == 2 * 2 * n  # bf16 weights, two steps
+        assert rep.class_bytes_moved[(TensorClass.PARAM, Tier.HOST, Tier.DEVICE)] == 2 * 2 * n
+        assert rep.peak_bytes[Tier.HOST] < 16 * n + 2 * 2 * 4000 + 6 * pages  # 16 B/param + 2 buckets of staging
     text = str(rep)
-    assert "device" in text and "host->device" in text and "optim_state" in text
+    assert "device" in text and "device->host" in text and "optim_state" in text
 
 
 class _Bad(Policy):
@@ -530,7 +535,9 @@ def test_trace_has_compute_transfers_and_adam(tmp_path):
     cats = {e["cat"] for e in events}
     assert {"compute", "adam", "transfer"} <= cats
     names = {e["name"] for e in events}
-    assert {"forward", "backward", "step", "device->host", "host->device"} <= names
+    assert {"forward", "backward", "step", "device->host"} <= names
+    if torch.cuda.is_available():  # on a CPU device Adam writes the weights in place (NOTE [A CPU device])
+        assert "host->device" in names
     assert all(e["ph"] == "X" and e["dur"] >= 0 for e in events)
 
 

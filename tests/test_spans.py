@@ -48,7 +48,10 @@ def test_a_profile_of_two_steps_holds_every_stage_of_zero_offload():
         "tiermem::wait uploads",
     } <= names
     assert {"tiermem::d2h", "tiermem::copy grad device->host"} <= names, "grads home"
-    assert {"tiermem::h2d", "tiermem::copy param host->device"} <= names, "weights uploaded"
+    if tm.device.type == "cuda":  # a CPU device's weights are written in place by Adam (NOTE [A CPU device])
+        assert {"tiermem::h2d", "tiermem::copy param host->device"} <= names, "weights uploaded"
+    else:
+        assert "tiermem::copy param host->device" not in names
 
 
 def test_nvme_reads_and_writes_and_prefetched_weights_are_spans(tmp_path):

@@ -36,8 +36,9 @@ class Report:
             started on demand once the order of use was recorded (reads the prefetch did not foresee).
         activations_unplaced: per tensor subclass, the saved activations tiermem could neither place
             nor measure (a wrapper without ``__tensor_flatten__``: NOTE [Wrapper subclasses]).
-        backward_again: under ``update_in_backward``, the second backward passes run (one per step
-            not skipped) and their seconds, updates included (NOTE [Updates in backward]).
+        backward_again: under ``update_in_backward``, the backward passes run again over a kept
+            graph (one per step not skipped, and one per micro-batch before a step's last outside
+            ``tm.no_sync()``) and their seconds, updates included (NOTE [Updates in backward]).
     """
 
     peak_bytes: dict[Tier, int]

@@ -17,7 +17,10 @@ One step of a plan of buckets, each of ``n`` parameters, ``w`` bytes per working
   host-to-device), prefetched behind the compute, so the stage is the longer of the two;
 - ``grads home``: each device grad (``w*n``) leaves for a host or NVMe home as its bucket completes,
   during backward (taken as two thirds of the compute); what is exposed is the part that does not
-  fit behind it, and at least the last bucket's trip, which starts when backward ends;
+  fit behind it, and at least the last bucket's trip, which starts when backward ends. On a CPU
+  device the copy runs inside backward, on its thread (NOTE [A CPU device]): it is part of the
+  forward+backward stage (added to a prediction from FLOPs; a measured one holds it), and only
+  an NVMe write behind it can be exposed;
 - ``grads to Adam``: fp32 grads copied where Adam runs when they live on another memory tier;
 - ``grad norm``: one read of every fp32 grad (host memory bandwidth);
 - ``optimizer``: the device's Adam over the device buckets and the CPU's over the others, where
@@ -27,7 +30,8 @@ One step of a plan of buckets, each of ``n`` parameters, ``w`` bytes per working
 - ``weights up``: the host-updated weights (``w*n``) go to the device (or to their host home) behind
   the CPU's Adam; the last bucket's trip and whatever exceeds the CPU's Adam are exposed (weights on
   NVMe are written with the state, above). A bf16 master that is its weights (NOTE [One copy of
-  bf16 master weights]) is read and written once, with the state, and sends no weights up.
+  bf16 master weights]) is read and written once, with the state, and sends no weights up; nor do
+  weights on a CPU device, which the host's Adam writes in place (NOTE [A CPU device]).
 
 The step is the sum of the stages. Transfers are taken at their measured bandwidth alone: the
 model does not charge the CPU for driving the copies, nor memory bandwidth shared between Adam
@@ -168,6 +172,7 @@ def predict(
     ranks, ``shard_weights``: :func:`~tiermem.plan.placement.weights_sharded`) decide which
     buckets' weights are their bf16 master (:func:`~tiermem.plan.placement.master_is_weights`): no
     weights of their own to write."""
+    measured = forward_backward > 0
     forward_backward = compute_seconds(rates, forward_backward=forward_backward, flops=flops, precision=precision)
     w = itemsize
     fetch = sum(
@@ -175,11 +180,14 @@ def predict(
         for b in buckets
         if b.param_tier != Tier.DEVICE
     )
-    trips = [
-        b.numel * w / rates.d2h + (b.numel * _FP32 / rates.nvme_write if b.grad_tier == Tier.NVME else 0)
-        for b in buckets
-        if b.grad_tier != Tier.DEVICE
-    ]  # in the order backward completes them
+    homed = [b for b in buckets if b.grad_tier != Tier.DEVICE]  # in the order backward completes them
+    copies = [b.numel * w / rates.d2h for b in homed]
+    writes = [b.numel * _FP32 / rates.nvme_write if b.grad_tier == Tier.NVME else 0.0 for b in homed]
+    if rates.device_is_cpu:  # each copy runs inside backward, on its thread (NOTE [A CPU device])
+        trips = [t for t in writes if t]
+        forward_backward += 0.0 if measured else sum(copies)
+    else:
+        trips = [c + t for c, t in zip(copies, writes)]
     grads_home = max(trips[-1], sum(trips) - BACKWARD_SHARE * forward_backward) if trips else 0.0
     to_adam = sum(
         b.numel * _FP32 / _bandwidth(rates, b.grad_tier, compute_tier(b))
@@ -207,7 +215,10 @@ def predict(
     ups = [
         b.numel * w / (rates.h2d if b.param_tier == Tier.DEVICE else rates.host_copy)
         for b in buckets
-        if compute_tier(b) != Tier.DEVICE and b.param_tier != Tier.NVME and b.index not in one_copy
+        if compute_tier(b) != Tier.DEVICE
+        and b.param_tier != Tier.NVME
+        and b.index not in one_copy
+        and not (rates.device_is_cpu and b.param_tier == Tier.DEVICE)  # written in place: NOTE [A CPU device]
     ]
     weights_up = max(ups[-1], sum(ups) - host_part) if ups else 0.0
     return Prediction(

@@ -11,7 +11,11 @@ and the compute tier where Adam runs for it (its state's tier; the host for stat
 
 - working weights: ``w*n`` at the PARAM tier;
 - fp32 grads: ``4n`` at the GRAD tier (between steps, room the budget holds for them with no
-  memory taken: NOTE [Grads come and go] in tiermem/train/homes.py);
+  memory taken: NOTE [Grads come and go] in tiermem/train/homes.py); under ``update_in_backward``
+  none, a window of a few buckets on the host instead, until a step first accumulates over
+  micro-batches: that brings back the whole GRAD home, ``4n`` (with the grads for the step and the
+  NVMe flushes' buffers and journal, as without the mode), checked against the budgets then
+  (:func:`accumulation_footprint`; NOTE [Updates in backward] in tiermem/train/in_backward.py);
 - optimizer state: the bytes of its state format at the OPTIM_STATE tier (NOTE [State formats]:
   ``12n`` for Adam's fp32 master, exp_avg and exp_avg_sq; ``4n`` for SGD without momentum; about
   ``4n`` for 8-bit Adam with bf16 master weights), one buffer per part; a bf16 master that is its
@@ -34,7 +38,8 @@ model as a whole:
 
 - weight staging: at each compute tier off the device, up to two buffers the size of its largest
   bucket in the working precision, which Adam writes the new weights into (not with
-  ``overlap_step``, whose output buffers above take their place);
+  ``overlap_step``, whose output buffers above take their place; none for weights on a CPU device,
+  which the host's Adam writes in place: NOTE [A CPU device]);
 - the NVMe pipelines, on the host: three of the largest bucket with grads on NVMe (4 B each),
   three of the largest bucket with state on NVMe (all its parts, as one buffer: 12 B each for Adam);
 - NVMe staging, on a GPU only: weights moving between NVMe and the device pass through a host
@@ -96,6 +101,7 @@ import torch
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.placement import (
+    accumulation_tier,
     compute_tier,
     frozen_buckets,
     master_is_weights,
@@ -175,6 +181,58 @@ WINDOW_BUCKETS = 4
 JOURNAL_BUCKETS = {"state": 3, "weights": 2, "grads": 4}
 
 
+class _Adder:
+    """Adds bytes to a footprint: ``add(tier, purpose, nbytes, buffers=...)``."""
+
+    def __init__(self, need: Footprint):
+        self.need = need
+
+    def __call__(self, tier: Tier, purpose: str, nbytes: int, *, buffers: Sequence[int] = ()) -> None:
+        """``nbytes`` for ``purpose`` on ``tier``; ``buffers``: the sizes of the buffers they
+        are allocated as, when on the host (NOTE [Footprint]: page rounding)."""
+        parts = self.need.setdefault(tier, {})
+        parts[purpose] = parts.get(purpose, 0) + nbytes
+        if tier == Tier.HOST and buffers:
+            assert sum(buffers) == nbytes, (purpose, nbytes, buffers)
+            parts[PAGE_ROUNDING] = parts.get(PAGE_ROUNDING, 0) + sum(host_buffer_bytes(n) - n for n in buffers)
+
+
+def _each(nbytes: int, count: int = 1) -> dict[str, Any]:
+    """``count`` buffers of ``nbytes`` each, as :class:`_Adder` takes them."""
+    return {"nbytes": count * nbytes, "buffers": [nbytes] * count}
+
+
+def _grads(add: _Adder, b: Bucket, n: int, tier: Tier) -> None:
+    """The default step's GRAD home of bucket ``b`` (``n``: this rank's elements of it) on ``tier``: its
+    fp32 grads, and the grads for the step where Adam runs on another tier in memory."""
+    add(tier, GRADS, **_each(n * _FP32))
+    if compute_tier(b) != tier and tier != Tier.NVME:
+        add(compute_tier(b), GRADS_FOR_STEP, **_each(n * _FP32))
+
+
+def _grads_to_nvme(add: _Adder, largest: int) -> None:
+    """The host buffers of the flushes of grads to NVMe (``largest``: the largest such bucket's
+    elements, 0 for none)."""
+    if largest:
+        add(Tier.HOST, GRADS_TO_NVME, **_each(_FP32 * largest, 3))
+
+
+def accumulation_footprint(buckets: Sequence[Bucket]) -> Footprint:
+    """What gradient accumulation over micro-batches adds under update_in_backward, in one process: the
+    whole GRAD home of the default step (4 B/param, at :func:`~tiermem.plan.placement.accumulation_tier`),
+    made (and checked against the budgets with this) when a step first accumulates (NOTE [Updates in
+    backward] in tiermem/train/in_backward.py); the construction's footprint counts a window instead."""
+    need: Footprint = {}
+    add = _Adder(need)
+    for b in buckets:
+        _grads(add, b, b.numel, accumulation_tier(b))
+    largest = max((b.numel for b in buckets if accumulation_tier(b) == Tier.NVME), default=0)
+    _grads_to_nvme(add, largest)
+    if largest:
+        add(Tier.NVME, NVME_JOURNAL, JOURNAL_BUCKETS["grads"] * _FP32 * largest)
+    return need
+
+
 def footprint(
     buckets: Sequence[Bucket],
     frozen: Sequence[tuple[torch.Tensor, Tier]],
@@ -204,18 +262,7 @@ def footprint(
     which ``frozen`` does not list; ``update_in_backward``: no grads at rest, a few buckets' in
     flight on the host instead (NOTE [Updates in backward] in tiermem/train/in_backward.py)."""
     need: Footprint = {}
-
-    def add(tier: Tier, purpose: str, nbytes: int, *, buffers: Sequence[int] = ()) -> None:
-        """``nbytes`` for ``purpose`` on ``tier``; ``buffers``: the sizes of the buffers they
-        are allocated as, when on the host (NOTE [Footprint]: page rounding)."""
-        parts = need.setdefault(tier, {})
-        parts[purpose] = parts.get(purpose, 0) + nbytes
-        if tier == Tier.HOST and buffers:
-            assert sum(buffers) == nbytes, (purpose, nbytes, buffers)
-            parts[PAGE_ROUNDING] = parts.get(PAGE_ROUNDING, 0) + sum(host_buffer_bytes(n) - n for n in buffers)
-
-    def each(nbytes: int, count: int = 1) -> dict[str, Any]:
-        return {"nbytes": count * nbytes, "buffers": [nbytes] * count}
+    add, each = _Adder(need), _each
 
     def chunk(b: Bucket) -> int:
         return b.chunk_size(world)  # NOTE [Chunks cut where the state allows]
@@ -253,24 +300,21 @@ def footprint(
                 b.numel * w,
                 buffers=[s.numel * w for s in b.slots] if b.param_tier != Tier.DEVICE else (),
             )  # off the device: one buffer per parameter
-        if not update_in_backward:
-            add(b.grad_tier, GRADS, **each(n * _FP32))
+        if not update_in_backward:  # its grads' home is made when a step first accumulates (accumulation_footprint)
+            _grads(add, b, n, b.grad_tier)
         if b.state_tier == Tier.NVME:
             master = b.state.joined(part_numels(b))[0][1] if b.index in one_copy else 0  # in the weights' keys
             add(Tier.NVME, OPTIM_STATE_NVME, state_joined(b) - master)
         else:
             parts = state_parts(b)
             add(b.state_tier, OPTIM_STATE, sum(parts), buffers=parts)
-        if ct != b.grad_tier and b.grad_tier != Tier.NVME and not update_in_backward:
-            add(ct, GRADS_FOR_STEP, **each(n * _FP32))
         if overlap:
             add(b.grad_tier, SECOND_GRADS, **each(n * _FP32))
             add(ct, UPDATED_WEIGHTS, **each(n * w))
     grads_largest = max((chunk(b) for b in buckets if b.grad_tier == Tier.NVME and not update_in_backward), default=0)
     if update_in_backward:
         add(Tier.HOST, GRADS_IN_BACKWARD, **each(_FP32 * max(b.numel for b in buckets), WINDOW_BUCKETS))
-    if grads_largest:
-        add(Tier.HOST, GRADS_TO_NVME, **each(_FP32 * grads_largest, 3))
+    _grads_to_nvme(add, grads_largest)
     state_largest = max((state_joined(b) for b in buckets if b.state_tier == Tier.NVME), default=0)
     if state_largest:
         add(Tier.HOST, STATE_PIPELINE, **each(state_largest, 3))  # each set: a bucket's parts, back to back
@@ -299,7 +343,7 @@ def footprint(
         for b in buckets:
             if (
                 compute_tier(b) != Tier.DEVICE
-                and not writes_weights_in_place(b, b.index in sharded)
+                and not writes_weights_in_place(b, b.index in sharded, device_is_host=device_is_host)
                 and b.index not in from_master
                 and b.index not in one_copy
             ):

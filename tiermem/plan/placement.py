@@ -51,6 +51,13 @@ def compute_tier(b: Bucket) -> Tier:
     return Tier.HOST if b.state_tier == Tier.NVME else b.state_tier
 
 
+def accumulation_tier(b: Bucket) -> Tier:
+    """Where a bucket's grads accumulate over micro-batches under update_in_backward (NOTE [Updates
+    in backward] in tiermem/train/in_backward.py): on NVMe where the policy homes them there, else
+    on the host, where the update reads them (grads the policy homes on the device included)."""
+    return Tier.NVME if b.grad_tier == Tier.NVME else Tier.HOST
+
+
 def owner(name: str) -> str:
     return name.rpartition(".")[0]
 
@@ -129,12 +136,14 @@ def frozen_buckets(
     return buckets
 
 
-def writes_weights_in_place(b: Bucket, sharded: bool) -> bool:
+def writes_weights_in_place(b: Bucket, sharded: bool, *, device_is_host: bool = False) -> bool:
     """Whether Adam writes ``b``'s new working weights straight into their home (no staging
     buffer): weights on the device updated there, or this rank's chunk of sharded weights on the
-    tier where Adam runs."""
+    tier where Adam runs, or weights on a CPU device updated by the host (``device_is_host``: NOTE
+    [A CPU device])."""
     ct = compute_tier(b)
-    return (ct == Tier.DEVICE and b.param_tier == Tier.DEVICE) or (sharded and b.param_tier == ct)
+    on_device = b.param_tier == Tier.DEVICE and (ct == Tier.DEVICE or (ct == Tier.HOST and device_is_host))
+    return on_device or (sharded and b.param_tier == ct)
 
 
 def weights_from_master(b: Bucket, sharded: bool, overlap: bool, *, device_is_host: bool = False) -> bool:

@@ -63,8 +63,10 @@ class GradCollector:
         self._copy_ids = itertools.count()
         self._held: dict[int, tuple[Bucket, dict[str, _Held]]] = {}  # bucket index -> gradients not yet sent, by name
         self.arrivals = 0  # gradients received since the model was built (a backward that got none changed nothing)
-        self._again: Optional[set[str]] = None  # a second backward of the step (NOTE [Updates in backward]):
-        # the parameters it has sent so far, each copied (not added) into a fresh buffer
+        self._again: Optional[set[str]] = None  # a backward over a kept graph (NOTE [Updates in backward]):
+        # the parameters whose grads are in its buffers so far (earlier micro-batches' and its own)
+        self._stored: set[str] = set()  # parameters whose grads of this step are at the accumulation home
+        # under update_in_backward (earlier micro-batches')
 
     def add(self, slots: list[Slot]) -> None:
         """Parameters unfrozen since construction (their slots, already in ``slot_of``), after
@@ -89,7 +91,7 @@ class GradCollector:
         if key in held:  # the same parameter again before its bucket filled
             self._send(bucket.index)
             held = self._held.setdefault(bucket.index, (bucket, {}))[1]
-        if self._again is not None:  # a second pass of the step: its own grads, never added to the first's
+        if self._again is not None:  # over a kept graph: added to earlier micro-batches', never to the first pass's
             first = key not in self._again
             self._again.add(key)
         else:
@@ -142,9 +144,16 @@ class GradCollector:
             home.end_backward()
 
     def again(self, on: bool) -> None:
-        """Around the step's second backward (NOTE [Updates in backward]): the grads it sends are
-        copied into their buffers, as a step's first are, and add no parameter to those received."""
-        self._again = set() if on else None
+        """Around a backward over the graph a first pass kept (NOTE [Updates in backward]): the
+        grads it sends are copied into their buffers where no earlier micro-batch's grads are,
+        added to those where they are, and add no parameter to those received (the first pass
+        did)."""
+        self._again = set(self._stored) if on else None
+
+    def accumulated(self) -> None:
+        """Every gradient received so far has landed at the accumulation home (NOTE [Updates in
+        backward]): a backward over a kept graph adds its own to those."""
+        self._stored = set(self._got)
 
     # -- before the step -------------------------------------------------------------------------
     def wait_copies(self) -> None:
@@ -186,6 +195,7 @@ class GradCollector:
         drained, nothing will be stepped on."""
         self.discard_in_flight()
         self._got.clear()
+        self._stored.clear()
         for home in self.homes.grad_homes():
             home.drop()
 
@@ -211,11 +221,13 @@ class GradCollector:
     def forget(self, name: str) -> None:
         """``name`` was updated by a step that then failed: a retry must not apply its grad again."""
         self._got.discard(name)
+        self._stored.discard(name)
 
     def consumed(self, *, swap: bool = False) -> None:
         """The step used (or skipped) the grads; with ``swap`` the next backward fills the other
         buffer while an update in the background still reads this one."""
         self._got.clear()
+        self._stored.clear()
         for home in self.homes.grad_homes():
             home.end_step()
         if swap:

@@ -11,6 +11,7 @@ add-group calls come in as callables, which the optimizer holds weakly.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Optional
 
@@ -33,7 +34,8 @@ from tiermem.train.gathered import GatheredWeights, build_gathered
 from tiermem.train.groups import Fp32Values, GroupEditor, group_dicts
 from tiermem.train.hooks import HookSet
 from tiermem.train.in_backward import WindowGrads
-from tiermem.train.layout import Layout, build, make_homes
+from tiermem.train.in_backward_passes import Passes
+from tiermem.train.layout import Layout, accumulation_homes, build, make_homes
 from tiermem.train.machine import machine_profile, store_limits
 from tiermem.train.materialize import Values
 from tiermem.train.optimizer import TieredOptimizer
@@ -75,6 +77,7 @@ class Parts:
     scaler: LossScaler
     grads: GradCollector
     stepper: Stepper
+    passes: Optional[Passes] = None  # NOTE [Updates in backward]: update_in_backward's backward passes
     optimizer: TieredOptimizer
     group_editor: GroupEditor  # what tm.optimizer.add_param_group(...) runs
     optimizer_spec: _Spec
@@ -205,7 +208,11 @@ def build_parts(
                 len(param_homes),
                 p.policy,
             )
-        window = WindowGrads(p.engine) if opts.update_in_backward else None  # NOTE [Updates in backward]
+        window = (  # NOTE [Updates in backward]
+            WindowGrads(p.engine, functools.partial(accumulation_homes, stores=p.stores, engine=p.engine))
+            if opts.update_in_backward
+            else None
+        )
         homes, step_buckets = make_homes(
             buckets,
             p.stores,
@@ -241,6 +248,9 @@ def build_parts(
             in_flight=in_flight,
             group=p.group,
         )
+        if window is not None:
+            window.received = p.grads.received
+            p.passes = Passes(window, p.grads)
         outputs = Outputs(step_buckets, homes, p.stores, opts.dtype, overlap=opts.overlap, tracer=p.tracer)
         p.stepper = Stepper(
             p.layout,
@@ -253,10 +263,8 @@ def build_parts(
             overlap=opts.overlap,
             group=p.group,
             max_skipped=max_skipped_steps,
-            window=window,
+            passes=p.passes,
         )
-        if window is not None:
-            window.received = p.grads.received
         shown = Fp32Values(module, p.layout)  # not the model's: nothing here refers back to it
         p.optimizer = TieredOptimizer(
             group_dicts(planned.groups, opts.spec, shown), opts.spec.group_defaults(), step, add_group

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
@@ -233,6 +233,12 @@ class StateHome(ABC):
         time])."""
         return self.read(b)[0]
 
+    def read_masters(self, buckets: Sequence[Bucket]) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        """Each bucket's master in turn (:meth:`read_master`), each valid until the next item; a
+        home that reads from disk reads the next one meanwhile."""
+        for b in buckets:
+            yield b, self.read_master(b)
+
     @abstractmethod
     def load_views(self, b: Bucket) -> StateViews:
         """Buffers to fill with ``b``'s state from a checkpoint; then :meth:`store`."""
@@ -357,6 +363,9 @@ class DeviceWeights(WeightHome):
     def __init__(self, store, buckets: Sequence[Bucket], dtype: torch.dtype, engine: CopyService):
         self.engine = engine
         self._param = {b.index: store.allocate(f"{b.key}:param", (b.numel,), dtype, TensorClass.PARAM) for b in buckets}
+        # NOTE [A CPU device]: without an accelerator the device tier is host memory too, and the
+        # host's Adam writes the new weights where the parameters read them (no staging, no copy)
+        self._host_writable = store.device.type == "cpu"
 
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
         param = self._param[b.index]
@@ -365,7 +374,8 @@ class DeviceWeights(WeightHome):
             point(s.param, param[s.offset : s.offset + s.numel].view(s.shape))  # NOTE [Models on the meta device]
 
     def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
-        return self._param[b.index] if compute_tier == Tier.DEVICE else None
+        writable = compute_tier == Tier.DEVICE or (compute_tier == Tier.HOST and self._host_writable)
+        return self._param[b.index] if writable else None
 
     def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
         param = self._param[b.index]

@@ -16,27 +16,54 @@ what does not fit. With ``update_in_backward=True`` no bucket's gradients outliv
    (the same graph and the same loss scale: the same gradients), and each bucket is updated as
    soon as its gradients have landed, with the coefficient the first pass decided, its buffer
    freed after its update. The update of a bucket and the backward that produces the next one take
-   turns (:class:`Relay`): the update runs the step's own code (every state home's pipeline, its
-   NVMe read-ahead and write-behind, the weights sent home, a failed step rolled forward) on a
-   thread that waits whenever the next bucket's gradients have not landed, while backward waits
-   for the update of each bucket it completes. Only one of them runs at a time, so nothing they
-   share is touched by two threads at once.
+   turns (:class:`~tiermem.train.relay.Relay`): the update runs the step's own code (every state
+   home's pipeline, its NVMe read-ahead and write-behind, the weights sent home, a failed step
+   rolled forward) on a thread that waits whenever the next bucket's gradients have not landed,
+   while backward waits for the update of each bucket it completes. Only one of them runs at a
+   time, so nothing they share is touched by two threads at once.
 
 The updates are therefore exactly today's, bit for bit, clipping and fp16 overflow included: the
 norm and the coefficient come from the same values, and each bucket's Adam reads the same fp32
 gradients (tests/test_update_in_backward.py). What it costs is one more backward pass each step
 (activations stay alive until the step; they would be alive at the start of backward anyway); what
 it saves is every bucket's gradient bytes but a few: the host holds at most the buckets in flight,
-counted as "grads in flight for updates in backward" in the footprint. The mode pays where the
-grads' 4 B/param is what does not fit (ZeroInfinity at the largest sizes, a host whose RAM the
+counted as "grads of the buckets being updated in backward" in the footprint. The mode pays where
+the grads' 4 B/param is what does not fit (ZeroInfinity at the largest sizes, a host whose RAM the
 grads would fill); where they fit, the second backward is pure cost, so it is not the default.
 ``tm.report()`` counts the second passes and their time.
 
-What it does not do (each refused with a ``tiermem:`` error at construction or at the call):
-gradient accumulation over micro-batches (every backward is a step's last; leave the mode off to
-accumulate), overlap_step, data parallelism, optimizer state on the device (its Adam would read
-the host's window). Weights a backward changes while it runs are those of buckets it has finished:
-autograd has run every node that saved them.
+Gradient accumulation over micro-batches: on a step's last micro-batch each bucket is updated as
+soon as its gradients are complete, and its gradients are dropped; the earlier micro-batches
+accumulate as the default step's do, in the GRAD home the policy gives (host memory, or NVMe;
+grads it homes on the device accumulate on the host, where the update reads them), made when a
+step first accumulates, after checking the budgets for it (``accumulation_footprint`` in
+tiermem/plan/footprint.py: 4 B/param, refused with a ``tiermem:`` error saying what to change,
+before anything changes) and kept for the run (its buffers' memory goes back after each step,
+the budget's room stays held, as NOTE [Grads come and go] says; never made for a run that does
+not accumulate, whose grads at rest stay a window). The bits are the default step's: it computes
+home = g1, home += g2, ..., home += gk; here the home holds g1 + ... + g(k-1), added in the same
+order, and the window of the last micro-batch starts as a copy of its bucket's values there
+(``landing``), then gk is added to it, in both passes. A bucket the last micro-batch gives no
+gradient reads its norms and its update from the home. Which backward is a step's last:
+
+- automatically: ``tm.backward()`` keeps its graph as above; a further ``tm.backward()`` before
+  the step first runs the kept graph's backward again into the home (``Passes.replay``, in
+  tiermem/train/in_backward_passes.py; counted in ``tm.report().backward_again``), freeing that
+  graph, then runs its own first pass. The price is activation memory: a micro-batch's
+  activations live until the next ``tm.backward()``, through the next micro-batch's forward, so
+  two micro-batches' activations are alive at that backward's start (and one more backward pass
+  per micro-batch but the last);
+- inside ``tm.no_sync()`` a backward is known not to be the last: it lands in the home in one
+  pass and keeps no graph. A step whose every backward ran inside it updates from the home, with
+  no second pass.
+
+A non-finite value in any micro-batch is in the home's sum, so in the last window's norms (or in
+the norms read from the home): the step is skipped, the scaler's logic unchanged.
+
+What it does not do (each refused with a ``tiermem:`` error at construction): overlap_step, data
+parallelism, optimizer state on the device (its Adam would read the host's window). Weights a
+backward changes while it runs are those of buckets it has finished: autograd has run every node
+that saved them.
 
 A speculative update (SuperOffload's: update during the first backward, roll back where the
 norm says so) would save the second pass, but its undo needs the previous value of every updated
@@ -47,7 +74,7 @@ the price of compute.
 
 from __future__ import annotations
 
-import threading
+import functools
 from collections import defaultdict
 from typing import Callable, Optional, Sequence
 
@@ -57,105 +84,87 @@ from tiermem.errors import OutOfTierMemory, TierMemError
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes import GradHome
+from tiermem.train.relay import Relay, Stopped
 from tiermem.transfer.lease import Lease
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
 
-class _Stopped(Exception):
-    """Backward ended (or failed) before a bucket the update waits for landed."""
-
-
-class Relay:
-    """Two threads taking turns: the one running backward ("main") and the update
-    (NOTE [Updates in backward]). The update runs until it waits for a bucket that has not landed; backward runs until
-    it completes the bucket the update waits for. Exactly one of them runs at any time."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._turn = "main"
-        self._landed: set[int] = set()
-        self._waiting: Optional[int] = None
-        self._closed = False  # backward is over: no more buckets will land
-        self.finished = False
-        self.error: Optional[BaseException] = None
-
-    def start(self, update: Callable[[], None]) -> None:
-        """Run ``update`` on its own thread until it first waits for a bucket (or ends)."""
-        thread = threading.Thread(target=self._run, args=(update,), name="tiermem-update-in-backward", daemon=True)
-        with self._cv:
-            self._turn = "update"
-            thread.start()
-            self._cv.wait_for(lambda: self._turn == "main")
-
-    def _run(self, update: Callable[[], None]) -> None:
-        try:
-            update()
-        except BaseException as e:  # noqa: BLE001 - raised by the thread running backward, once backward is over
-            self.error = e
-        finally:
-            with self._cv:
-                self.finished = True
-                self._turn = "main"
-                self._cv.notify_all()
-
-    # -- the update's side ---------------------------------------------------------------------------
-    def wait_for(self, index: int) -> None:
-        """Until bucket ``index`` has landed: backward runs meanwhile."""
-        with self._cv:
-            while index not in self._landed:
-                if self._closed:
-                    raise _Stopped(f"backward ended before bucket {index}'s gradients landed")
-                self._waiting, self._turn = index, "main"
-                self._cv.notify_all()
-                self._cv.wait_for(lambda: self._turn == "update")
-            self._waiting = None
-            self._landed.discard(index)
-
-    # -- backward's side -----------------------------------------------------------------------------
-    def landed(self, index: int) -> None:
-        """Bucket ``index``'s gradients are on their way: the update takes it when it waits for it."""
-        with self._cv:
-            self._landed.add(index)
-            if self._waiting == index and not self.finished:
-                self._turn = "update"
-                self._cv.notify_all()
-                self._cv.wait_for(lambda: self._turn == "main")
-
-    def close(self) -> None:
-        """Backward is over (or failed): the update runs to its end, or fails waiting for a
-        bucket that will not land."""
-        with self._cv:
-            self._closed = True
-            if not self.finished:
-                self._turn = "update"
-                self._cv.notify_all()
-                self._cv.wait_for(lambda: self.finished)
-
-
 class WindowGrads(GradHome):
-    """The GRAD home under ``update_in_backward``: each bucket's gradients in a pooled host buffer
-    while it is needed, never all of them (NOTE [Updates in backward])."""
+    """The GRAD home under ``update_in_backward``: each bucket's gradients of the step's last
+    backward in a pooled host buffer while it is needed, never all of them; those of the step's
+    earlier micro-batches in accumulation homes made when a step first accumulates (NOTE [Updates
+    in backward]). It also keeps the graph of the step's last backward so far (``graph``): the
+    gradients it gives again, which go with the others at the step's end or when they are dropped."""
 
-    landing_tier = Tier.HOST
+    landing_tier = Tier.HOST  # the window's, and the accumulation homes' (accumulation_tier: host or NVMe)
 
-    def __init__(self, engine: CopyService):
+    def __init__(self, engine: CopyService, accumulation: Callable[[list[Bucket]], dict[int, GradHome]]):
+        """``accumulation``: makes the accumulation homes of some buckets, by bucket index, after
+        checking the budgets (:func:`tiermem.train.layout.accumulation_homes`)."""
         self.engine = engine
         self._buckets: dict[int, Bucket] = {}
         self._landing: dict[int, tuple[torch.Tensor, Lease]] = {}
         self._arrived: dict[int, int] = defaultdict(int)
         self._ready: dict[int, tuple[torch.Tensor, Lease, Handle]] = {}  # landed, for the update
         self.received: Callable[[str], bool] = lambda name: True  # the collector's (bound at build)
-        #: the first pass's per-parameter fp32 norms, and the order its buckets completed in
+        #: the first pass's per-parameter fp32 norms, and the buckets it completed, in their order
         self.norms: dict[str, torch.Tensor] = {}
-        self.order: list[int] = []
+        self.order: dict[int, None] = {}
         self.relay: Optional[Relay] = None  # the second pass's, while it runs
+        self._accumulation = accumulation
+        self._acc: dict[int, GradHome] = {}  # by bucket: made when a step first accumulates, kept for the run
+        self._stored: set[int] = set()  # buckets whose accumulation home holds grads of this step
+        self._into_acc = False  # a backward that is not the step's last lands in the accumulation homes
+        self.deferred = False  # inside tm.no_sync(): a backward known not to be the step's last
+        #: the scaled loss of the step's last backward so far, its graph kept for the step's second pass
+        self.graph: Optional[torch.Tensor] = None
 
     def add(self, buckets: Sequence[Bucket]) -> None:
         """Home ``buckets``' grads too (at construction; later, parameters unfrozen since)."""
         self._buckets.update((b.index, b) for b in buckets)
 
+    # -- the accumulation homes ----------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Make the accumulation homes of the buckets that have none (the first time a step
+        accumulates; then those of parameters unfrozen since), or raise, changing nothing, when
+        the budgets have no room for them."""
+        missing = [b for index, b in self._buckets.items() if index not in self._acc]
+        if not missing:
+            return
+        try:
+            self._acc.update(self._accumulation(missing))
+        except OutOfTierMemory as e:
+            e.add_note(
+                "tiermem: update_in_backward: a tm.backward() that is not the step's last (another follows "
+                "before tm.step(), or it runs inside tm.no_sync()) accumulates into the whole GRAD home, "
+                "4 B/param; raise that budget, or call tm.step() after each tm.backward() (a larger batch "
+                "instead of micro-batches), or leave update_in_backward off"
+            )
+            raise
+
+    def accumulate(self, on: bool) -> None:
+        """Around a backward that is not the step's last: its gradients land in the accumulation
+        homes (:meth:`prepare` made them); what a first pass found is of no use any more."""
+        if on:
+            self.prepare()
+            self.norms.clear()
+            self.order.clear()
+        self._into_acc = on
+
+    def _homes(self) -> list[GradHome]:
+        return list({id(h): h for h in self._acc.values()}.values())
+
+    def _at_home(self, b: Bucket) -> bool:
+        """``b``'s gradients of the step are its accumulation home's alone: the step's last
+        backward gave it none (or ran inside no_sync())."""
+        return b.index in self._stored and b.index not in self.order
+
+    # -- backward ----------------------------------------------------------------------------------
     def landing(self, b: Bucket, fill: int) -> torch.Tensor:
+        if self._into_acc:
+            self._stored.add(b.index)
+            return self._acc[b.index].landing(b, fill)
         if b.index not in self._landing:
             try:
                 lease = self.engine.lease(b.numel * 4, f"<grads for an update in backward {b.key}>", TensorClass.GRAD)
@@ -165,22 +174,49 @@ class WindowGrads(GradHome):
                     f"besides this one; raise the host budget or lower bucket_size"
                 )
                 raise
-            self._landing[b.index] = (lease.view(torch.float32)[: b.numel], lease)
+            t = lease.view(torch.float32)[: b.numel]
+            if b.index in self._stored:  # earlier micro-batches' sum: this backward's grads are added to it
+                try:
+                    self._read_home(b, t.copy_)
+                except BaseException:
+                    lease.release()
+                    raise
+            self._landing[b.index] = (t, lease)
         return self._landing[b.index][0]
 
+    def _read_home(self, b: Bucket, use: Callable[[torch.Tensor], object]) -> None:
+        """``use(grads)`` on ``b``'s gradients at its accumulation home (all landed: the backward
+        that sent them settled them)."""
+        t, free = self._acc[b.index].read(b, 0)
+        try:
+            use(t)
+        finally:
+            free()
+
     def arrived(self, b: Bucket) -> None:
+        if self._into_acc:
+            self._acc[b.index].arrived(b)
+            return
         self._arrived[b.index] += 1
         if self._arrived[b.index] >= len(b.slots):
             self._complete(b)
 
     def complete(self, b: Bucket) -> None:
-        if b.index in self._landing:
+        if self._into_acc:
+            self._acc[b.index].complete(b)
+        elif b.index in self._landing:
             self._complete(b)
 
     def end_backward(self) -> None:
+        for home in self._homes():
+            home.end_backward()
         for index in list(self._landing):
             self._complete(self._buckets[index])
         self._arrived.clear()
+
+    def wait(self) -> None:
+        for home in self._homes():
+            home.wait()
 
     def _complete(self, b: Bucket) -> None:
         """Every gradient of ``b`` in this backward is queued on the copy lane: the first pass
@@ -192,14 +228,11 @@ class WindowGrads(GradHome):
         if relay is None:  # the first pass
             try:
                 copied.wait()
-                for s in b.slots:
-                    if self.received(s.name):
-                        self.norms[s.name] = torch.linalg.vector_norm(
-                            t[s.offset : s.offset + s.numel], dtype=torch.float32
-                        )
+                self._norms(b, t)
             finally:
                 lease.release()
-            self.order.append(b.index)
+            self.order.pop(b.index, None)
+            self.order[b.index] = None
         elif relay.finished:  # the update stopped (it failed): nothing will read these
             copied.wait()
             lease.release()
@@ -207,8 +240,33 @@ class WindowGrads(GradHome):
             self._ready[b.index] = (t, lease, copied)
             relay.landed(b.index)
 
+    def _norms(self, b: Bucket, t: torch.Tensor) -> None:
+        """The fp32 norms of ``b``'s received parameters, from its gradients ``t`` (as the step's)."""
+        for s in b.slots:
+            if self.received(s.name):
+                self.norms[s.name] = torch.linalg.vector_norm(t[s.offset : s.offset + s.numel], dtype=torch.float32)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step_norms(self) -> dict[str, torch.Tensor]:
+        """Every received parameter's fp32 norm: the first pass's, and those of buckets that only
+        earlier micro-batches gave gradients, read from their accumulation home."""
+        for index in sorted(self._stored):
+            b = self._buckets[index]
+            if self._at_home(b):
+                self._read_home(b, functools.partial(self._norms, b))
+        return self.norms
+
+    def all_at_home(self) -> bool:
+        """No bucket's gradients wait for a second pass: every one of the step is at its
+        accumulation home (the step's last backward ran inside no_sync(), or stopped before any of
+        its gradients arrived)."""
+        return not self.order
+
     def read(self, b: Bucket, fill: int) -> tuple[torch.Tensor, Callable[[], None]]:
-        """``b``'s gradients of the second pass, once backward has produced them (the update waits)."""
+        """``b``'s gradients of the second pass, once backward has produced them (the update
+        waits); those of a bucket the step's last backward gave none, from its accumulation home."""
+        if self._at_home(b):
+            return self._acc[b.index].read(b, fill)
         if self.relay is None:
             raise TierMemError(
                 f"tiermem: bucket {b.key}'s gradients were read outside an update in backward; with "
@@ -216,7 +274,7 @@ class WindowGrads(GradHome):
             )
         try:
             self.relay.wait_for(b.index)
-        except _Stopped as e:
+        except Stopped as e:
             raise TierMemError(
                 f"tiermem: update_in_backward: the second backward gave no gradient for bucket {b.key}, "
                 f"which the first gave ({e}); the step's forward must not change between tm.backward() "
@@ -231,11 +289,17 @@ class WindowGrads(GradHome):
         return t, lease.release
 
     def accumulating(self) -> bool:
-        return bool(self._landing)
+        return bool(self._landing) or any(home.accumulating() for home in self._homes())
+
+    def defer(self, on: bool) -> None:
+        self.deferred = on
 
     def drop(self) -> None:
         self.release()
-        self.end_step()
+        for home in self._homes():
+            home.drop()
+        self._into_acc = False
+        self._forget()
 
     def release(self) -> None:
         """The buffers held go back to the pool (the first pass's norms stay)."""
@@ -248,12 +312,20 @@ class WindowGrads(GradHome):
         self._arrived.clear()
 
     def end_step(self) -> None:
+        for home in self._homes():
+            home.end_step()
+        self._forget()
+
+    def _forget(self) -> None:
+        """The step's gradients are consumed or dropped: norms, order, accumulated buckets, graph."""
         self._arrived.clear()
         self.norms.clear()
         self.order.clear()
+        self._stored.clear()
+        self.graph = None
 
     def ordered(self, plan: list) -> list:
         """``plan`` ((bucket, runs) pairs) in the order the first pass completed its buckets,
-        buckets without a gradient first (they read none)."""
+        buckets that read no gradient or read them from their accumulation home first."""
         rank = {index: k for k, index in enumerate(self.order)}
         return sorted(plan, key=lambda br: rank.get(br[0].index, -1) if br[1] else -2)

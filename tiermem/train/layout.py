@@ -31,7 +31,8 @@ import torch
 from tiermem.errors import ConfigError
 from tiermem.observe.progress import Progress
 from tiermem.plan.buckets import Bucket, Slot
-from tiermem.plan.placement import ParamGroup, compute_tier
+from tiermem.plan.footprint import accumulation_footprint, check_fits
+from tiermem.plan.placement import ParamGroup, accumulation_tier, compute_tier
 from tiermem.train.buffers import KeptBuffers
 from tiermem.train.frozen import FrozenParams
 from tiermem.train.gathered import GatheredWeights
@@ -94,10 +95,15 @@ def _by_tier(buckets: list[Bucket], tier_of) -> dict[Tier, list[Bucket]]:
 
 
 def _grad_homes(
-    buckets: list[Bucket], stores: dict, engine: CopyService, compute: dict[int, Tier], overlap: bool
+    buckets: list[Bucket],
+    stores: dict,
+    engine: CopyService,
+    compute: dict[int, Tier],
+    overlap: bool,
+    tier_of: Callable[[Bucket], Tier] = lambda b: b.grad_tier,
 ) -> dict[Tier, tuple[GradHome, list[Bucket]]]:
     out: dict[Tier, tuple[GradHome, list[Bucket]]] = {}
-    for tier, bs in _by_tier(buckets, lambda b: b.grad_tier).items():
+    for tier, bs in _by_tier(buckets, tier_of).items():
         home: GradHome = (
             NvmeGrads(bs, engine, stores[Tier.HOST])
             if tier == Tier.NVME
@@ -105,6 +111,17 @@ def _grad_homes(
         )
         out[tier] = (home, bs)
     return out
+
+
+def accumulation_homes(buckets: list[Bucket], stores: dict, engine: CopyService) -> dict[int, GradHome]:
+    """The GRAD homes ``buckets``' grads accumulate in over a step's micro-batches under
+    update_in_backward, by bucket index: the default step's, at each bucket's
+    :func:`~tiermem.plan.placement.accumulation_tier` (NOTE [Updates in backward]). Made when a step first
+    accumulates; raises :class:`~tiermem.OutOfTierMemory` before taking anything when the budgets
+    have no room for them (:func:`~tiermem.plan.footprint.accumulation_footprint`)."""
+    check_fits(accumulation_footprint(buckets), stores, what="<grads accumulated over micro-batches>")
+    compute = {b.index: compute_tier(b) for b in buckets}
+    return _per_bucket(_grad_homes(buckets, stores, engine, compute, False, accumulation_tier))
 
 
 def _state_homes(

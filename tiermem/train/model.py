@@ -11,7 +11,6 @@ Every public call is checked against the step's phase in one place (NOTE [Step l
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import time
@@ -22,12 +21,11 @@ import torch
 
 from tiermem.budgets import Budgets
 from tiermem.config import LossScale, _Spec
-from tiermem.errors import ConfigError, TierMemError, add_note, checked_arguments
+from tiermem.errors import ConfigError, add_note, checked_arguments
 from tiermem.memory import deferred
 from tiermem.observe.report import Report
 from tiermem.plan.policy import Policy
 from tiermem.train import checkpoint, lifetime
-from tiermem.train.backward import GradCollector
 from tiermem.train.build import build_parts
 from tiermem.train.compute import warn_if_slow
 from tiermem.train.inputs import cast_inputs
@@ -119,8 +117,11 @@ class TieredModel:
             tiermem/train/in_backward.py): ``tm.backward(loss)`` takes the gradients' norms and keeps
             the graph, ``tm.step()`` runs backward again and updates each bucket as soon as its
             gradients land. The same bits as the default step, for one more backward per step and a
-            few buckets of host memory instead of 4 B/param of grads. Every backward is a step's last
-            (no accumulation over micro-batches); one process; optimizer state on the host or NVMe.
+            few buckets of host memory instead of 4 B/param of grads. Micro-batches before a step's
+            last accumulate in the whole GRAD home (4 B/param, made when a step first accumulates):
+            a second ``tm.backward()`` first runs the previous one's backward again into it (its
+            graph, and so its activations, lived until then), one inside ``tm.no_sync()`` lands
+            there in one pass. One process; optimizer state on the host or NVMe.
 
     Raises:
         ConfigError: an argument is wrong (the message names it and says what to pass).
@@ -204,6 +205,7 @@ class TieredModel:
         )
         self.param_offload, self.gathered, self._force_eager = parts.param_offload, parts.gathered, parts.force_eager
         self.layout, self.scaler, self.grads, self.stepper = parts.layout, parts.scaler, parts.grads, parts.stepper
+        self._passes = parts.passes  # NOTE [Updates in backward]: None unless update_in_backward
         self.optimizer, self._groups = parts.optimizer, parts.group_editor
         #: the tiermem optimizer spec this model runs (a torch optimizer given is read into one)
         self.optimizer_spec = parts.optimizer_spec
@@ -269,7 +271,8 @@ class TieredModel:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled in fp16); call once per micro-batch, grads accumulate.
 
-        Each bucket's gradients leave the device for their home as soon as backward produced them.
+        Each bucket's gradients leave the device for their home as soon as backward produced them
+        (under ``update_in_backward``, a window of them: NOTE [Updates in backward]).
         If it raises after some of its gradients arrived, this step's grads (earlier micro-batches
         too) are dropped: run the step's forward and backward again. If it raises before any did
         (e.g. a second backward through the same graph), nothing changed: earlier micro-batches'
@@ -288,40 +291,59 @@ class TieredModel:
         self._life.check("backward")
         _check_loss(loss)
         self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=True)  # NOTE [Freezing and unfreezing]
-        arrived_before = self.grads.arrivals
-        if self.update_in_backward and self.grads.has_grads():
-            raise TierMemError(
-                "tiermem: update_in_backward=True: this step already has its backward (gradients do not "
-                "accumulate over micro-batches in this mode); call tm.step() after each tm.backward(), or "
-                "leave update_in_backward off to accumulate"
-            )
+        if self._passes is not None:
+            self._passes.prepare()  # the accumulation homes, if it accumulates: refused before anything changes
         with self._life.during("backward", Phase.BACKWARD):  # raising before any grad: back to the phase before
             try:
-                scaled = loss.float() * self.scaler.scale if self.scaler.enabled else loss
-                with self.tracer.span("backward", "compute"):
-                    scaled.backward(retain_graph=self.update_in_backward)  # NOTE [Updates in backward]
-                self.grads.end_backward()
-                if self.update_in_backward:
-                    self.stepper.again = functools.partial(_backward_again, scaled, self.grads)
-            except BaseException as e:
-                if self.grads.arrivals == arrived_before:  # nothing of this backward reached tiermem
-                    add_note(
-                        e,
-                        "tiermem: no gradient of this backward had arrived: the step's earlier gradients "
-                        "are kept; run forward again to get a new graph before calling backward",
-                    )
-                    raise
-                self.grads.drop()  # some grads are missing: drop the step's grads, never step on a mix
-                self._life.to(Phase.IDLE)
-                add_note(
-                    e,
-                    "tiermem: this backward stopped part way: the step's gradients (earlier micro-batches "
-                    "too) were dropped; run the step's forward and backward again",
-                )
-                raise
+                if self._passes is not None and self._passes.kept:  # the step's last backward so far was not its last
+                    self._replay()
+                self._backward_pass(loss)
             finally:
                 self.activations.release()
             self._life.to(Phase.GRADS_READY)
+
+    def _replay(self) -> None:
+        """Under update_in_backward, the kept graph's backward again into the accumulation homes
+        (NOTE [Updates in backward]); if it fails, the step's grads are dropped."""
+        assert self._passes is not None
+        try:
+            with self.tracer.span("backward again", "compute"):
+                self._passes.replay()
+        except BaseException as e:
+            self._dropped(e)
+            raise
+
+    def _backward_pass(self, loss: torch.Tensor) -> None:
+        """This backward's own pass; a failure drops the step's grads once any of its own arrived."""
+        arrived_before = self.grads.arrivals
+        try:
+            scaled = loss.float() * self.scaler.scale if self.scaler.enabled else loss
+            with self.tracer.span("backward", "compute"):
+                if self._passes is not None:
+                    self._passes.backward(scaled)  # NOTE [Updates in backward]
+                else:
+                    scaled.backward()
+                    self.grads.end_backward()
+        except BaseException as e:
+            if self.grads.arrivals == arrived_before:  # nothing of this backward reached tiermem
+                add_note(
+                    e,
+                    "tiermem: no gradient of this backward had arrived: the step's earlier gradients "
+                    "are kept; run forward again to get a new graph before calling backward",
+                )
+                raise
+            self._dropped(e)
+            raise
+
+    def _dropped(self, error: BaseException) -> None:
+        """A backward stopped part way: the step's grads are dropped, never stepped on as a mix."""
+        self.grads.drop()
+        self._life.to(Phase.IDLE)
+        add_note(
+            error,
+            "tiermem: this backward stopped part way: the step's gradients (earlier micro-batches "
+            "too) were dropped; run the step's forward and backward again",
+        )
 
     def step(self) -> StepResult:
         """Update the weights from the accumulated grads, then clear them.
@@ -361,7 +383,9 @@ class TieredModel:
     def no_sync(self) -> Iterator[None]:
         """Under data parallelism, backward inside this block accumulates gradients on this rank
         without communicating (as ``DistributedDataParallel.no_sync``); the next backward outside
-        it (or the step) sends the sum once. In one process it changes nothing."""
+        it (or the step) sends the sum once. Under ``update_in_backward`` a backward inside it is
+        known not to be the step's last: it accumulates in one pass and keeps no graph (NOTE
+        [Updates in backward]). Otherwise, in one process, it changes nothing."""
         self._life.check("backward")
         homes = self.layout.homes.grad_homes()
         for home in homes:
@@ -596,13 +620,6 @@ def _eagerly(on: bool) -> contextlib.AbstractContextManager:
     dynamo finds the eager hooks and falls back by itself, after trying to trace)."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if on and set_stance is not None else contextlib.nullcontext()
-
-
-def _backward_again(scaled: torch.Tensor, grads: GradCollector) -> None:
-    """The step's second backward under update_in_backward (NOTE [Updates in backward]): the same
-    graph and loss scale, the graph kept once more (a retry of a step that updated nothing)."""
-    scaled.backward(retain_graph=True)
-    grads.end_backward()
 
 
 def _check_loss(loss: Any) -> None:

@@ -43,7 +43,7 @@ step had sent home for a bucket whose state did not land are sent again from its
 from __future__ import annotations
 
 import logging
-from typing import Optional, Protocol, Sequence
+from typing import Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -135,14 +135,38 @@ class NvmeState(StateHome):
     def read_master(self, b: Bucket) -> torch.Tensor:
         """A shared master is read from the weights' keys alone, not the moments with it (a third
         of the bytes with 8-bit moments)."""
-        if not self._shared(b):
-            return self.read(b)[0]
-        assert self.masters is not None
         self._settled()
         self._write_kept()
-        master = self._views(0, b)[0]
-        wait_all(self.masters.read_master(b, master))
-        return master
+        views = self._views(0, b)
+        wait_all(self._read_master_into(b, views))
+        return views[0]
+
+    def read_masters(self, buckets: Sequence[Bucket]) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        """NOTE [Weights read one tensor at a time]: each bucket's master in host sets 0 and 1 by
+        turns, the next bucket's read in flight while the caller copies this one out (a shared
+        master from the weights' keys alone, as :meth:`read_master`). Leaving early waits for the
+        read in flight, so that the sets are free again."""
+        self._settled()
+        self._write_kept()
+        ahead: list[Handle] = []
+        try:
+            for i, b in enumerate(buckets):
+                views = self._views(i % 2, b)
+                hs = ahead or self._read_master_into(b, views)
+                ahead = []
+                wait_all(hs)
+                if i + 1 < len(buckets):
+                    nxt = buckets[i + 1]
+                    ahead = self._read_master_into(nxt, self._views((i + 1) % 2, nxt))
+                yield b, views[0]
+        finally:
+            wait_all_quietly(ahead)
+
+    def _read_master_into(self, b: Bucket, views: StateViews) -> list[Handle]:
+        if not self._shared(b):
+            return self._read(b, views)
+        assert self.masters is not None
+        return self.masters.read_master(b, views[0])
 
     def load_views(self, b: Bucket) -> StateViews:
         self._settled()

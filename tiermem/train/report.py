@@ -48,7 +48,7 @@ def assemble(
         placement=repr(placement),
         stages=stages(stepper, placement, evaluator, compute_seconds),
         weights_on_demand=dict(sum((s.on_demand for s in sources), Counter())),
-        backward_again=(stepper.again_passes, stepper.again_seconds),
+        backward_again=(0, 0.0) if stepper.passes is None else (stepper.passes.runs, stepper.passes.seconds),
         activations_unplaced=dict(activations.unplaced),
     )
 

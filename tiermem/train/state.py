@@ -11,6 +11,7 @@ through it and knows nothing else of the model.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -87,9 +88,10 @@ class ModelState:
 
     def _bucket_masters(self) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """(bucket, its master), each valid until the next item: the moments are not read."""
+        homes = self.layout.homes.state
         try:
-            for b in self.layout.buckets:
-                yield b, self.layout.homes.state[b.index].read_master(b)
+            for home, run in itertools.groupby(self.layout.buckets, key=lambda b: homes[b.index]):
+                yield from home.read_masters(list(run))  # a disk home reads the next bucket meanwhile
         finally:
             self._release()
 

@@ -64,7 +64,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -78,8 +78,9 @@ from tiermem.train.backward import GradCollector
 from tiermem.train.generic_step import GenericRunner
 from tiermem.train.groups import check_listed, hyper_of
 from tiermem.train.homes import Runs, StateHome, StateViews, slots_in, wait_gathered
-from tiermem.train.in_backward import Relay, WindowGrads
+from tiermem.train.in_backward_passes import Passes
 from tiermem.train.layout import Layout
+from tiermem.train.relay import Relay
 from tiermem.train.scaler import LossScaler
 from tiermem.train.uploads import Outputs, Uploads
 from tiermem.transfer.collectives import Group, Solo
@@ -155,9 +156,10 @@ class Stepper:
         overlap: bool = False,
         group: Group = Solo(),
         max_skipped: Optional[int] = 10,
-        window: Optional[WindowGrads] = None,
+        passes: Optional[Passes] = None,
     ):
-        """``window``: the GRAD home under update_in_backward (NOTE [Updates in backward])."""
+        """``passes``: the backward passes under update_in_backward, and their GRAD home (NOTE
+        [Updates in backward])."""
         self.layout, self.homes, self.grads, self.outputs, self.group = layout, layout.homes, grads, outputs, group
         self.engine, self.scaler, self.grad_clip, self.tracer, self.overlap = engine, scaler, grad_clip, tracer, overlap
         self.steps = 0
@@ -177,12 +179,8 @@ class Stepper:
         # step is rolled forward]): reads are refused until its retry
         self._resuming: Optional[_Resume] = None  # a step that failed part-way, for its retry
         self._generic: Optional[GenericRunner] = None  # a generic optimizer's copy (NOTE [Generic optimizers])
-        self.window = window
-        #: update_in_backward: the step's second backward, over the graph the first kept (set by
-        #: tm.backward(), dropped with the graph once the step no longer needs it)
-        self.again: Optional[Callable[[], None]] = None
-        self.again_passes = 0
-        self.again_seconds = 0.0
+        self.passes = passes
+        self.window = None if passes is None else passes.window
 
     # -- between steps -----------------------------------------------------------------------------
     def finish_pending(self) -> None:
@@ -301,46 +299,47 @@ class Stepper:
                 self._update(upd)
             self._resuming = None
         self.scaler.update(found_inf=False)
-        self.grads.consumed(swap=self.overlap and self._background is not None)
-        self.again = None  # the graph goes
+        self.grads.consumed(swap=self.overlap and self._background is not None)  # a kept graph goes with them
         self.steps += 1
         return StepResult(False, norm.item(), self.scaler.scale, self.steps)
 
     def _update_in_backward(self, upd: _Update) -> None:
         """The update, bucket by bucket, as the step's second backward lands each bucket's
-        gradients (NOTE [Updates in backward])."""
-        window, again = self.window, self.again
-        assert window is not None
-        if again is None:
-            raise TierMemError(
-                "tiermem: update_in_backward: the graph of this step's backward is gone (a step that "
-                "failed part way cannot be completed: the updated buckets' gradients were never kept); "
-                "tm.load() the last checkpoint"
-            )
+        gradients (NOTE [Updates in backward]); at once where they are all at their accumulation home."""
+        passes = self.passes
+        assert passes is not None
+        window = passes.window
+        if not passes.kept:
+            if not window.all_at_home():
+                raise TierMemError(
+                    "tiermem: update_in_backward: the graph of this step's backward is gone (a step that "
+                    "failed part way cannot be completed: the updated buckets' gradients were never kept); "
+                    "tm.load() the last checkpoint"
+                )
+            self._update(upd)  # every grad of the step at its accumulation home (no_sync()): no second pass
+            return
         upd = _Update(window.ordered(upd.plan), upd.hyper, upd.scale, upd.clip, upd.fill)
         relay = window.relay = Relay()
         self.grads.again(True)
-        t0 = time.perf_counter()
         failed: Optional[BaseException] = None
         try:
-            relay.start(lambda: self._update(upd))
-            try:
-                with self.tracer.span("backward again", "compute"):
-                    again()
-            except BaseException as e:  # noqa: BLE001 - raised below, after the update (waiting for a bucket) rolled back
-                failed = e
-            relay.close()
+            with passes.timed():
+                relay.start(lambda: self._update(upd))
+                try:
+                    with self.tracer.span("backward again", "compute"):
+                        passes.again()
+                except BaseException as e:  # noqa: BLE001 - raised below, after the update (waiting for a bucket) rolled back
+                    failed = e
+                relay.close()
         finally:
             window.relay = None
             self.grads.again(False)
-            self.again_passes += 1
-            self.again_seconds += time.perf_counter() - t0
         failed = failed or relay.error
         if failed is not None:
             self.grads.discard_in_flight()
             window.release()
             if self._between is not None:  # buckets were updated: the rest cannot be (their grads are gone)
-                self.again = None
+                passes.drop_graph()
             raise failed
         for home in self.homes.weight_homes():
             home.begin_update()  # copies the second backward fetched may be of weights updated since
@@ -554,7 +553,7 @@ class Stepper:
         # Per-parameter norms in a fixed parameter order, so that the rounding of the total (and
         # so the clip coefficient) never depends on how a policy grouped parameters into buckets;
         # under data parallelism each rank has the norms of its pieces, combined by the group.
-        per_slot: dict[str, torch.Tensor] = {} if self.window is None else self.window.norms
+        per_slot: dict[str, torch.Tensor] = {} if self.window is None else self.window.step_norms()
         for b in self.layout.step_buckets if self.window is None else ():
             mine = [s for s in b.slots if self.grads.received(s.name)]
             if not mine:
@@ -583,8 +582,7 @@ class Stepper:
         """Overflow or non-finite gradients: nothing is touched. In fp16 that is the loss scale's
         business; in bf16/fp32 it is not expected (NOTE [A stalled run is loud])."""
         self.scaler.update(found_inf=True)
-        self.grads.consumed()
-        self.again = None  # no second backward: the graph goes
+        self.grads.consumed()  # no second backward: a kept graph goes with the grads
         result = StepResult(True, norm.item(), self.scaler.scale, self.steps)
         if self.scaler.enabled:
             return result

@@ -97,8 +97,9 @@ class Uploads:
             return None
         tier = self.o.homes.compute_tier(b)
         direct = self.o.homes.weights[b.index].in_place(b, tier)
-        if direct is not None:
+        if direct is not None:  # new weights at home as Adam writes them: landed, for a failed step's roll-back
             self._current = None
+            self._sent.setdefault(b.index, []).append(Handle.completed(None))
             return direct
         which = (tier, self.turn % len(self.o.staging[tier]))
         with self.o.tracer.span("wait staging", "stall"):

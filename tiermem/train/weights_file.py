@@ -17,6 +17,11 @@ read); its map stays until construction ends, so prefer safetensors for checkpoi
 the host's memory. :meth:`WeightsFile.entries` reads only headers: names, shapes and dtypes are
 checked against the model before anything is built.
 
+Out the same way (``save_pretrained``, ``ModelState.stream_weights``): each bucket's master is read
+from its home and copied out one tensor at a time; an NVMe home reads the next bucket's master
+into its other host set meanwhile (``NvmeState.read_masters``), so the disk reads while the writer
+writes.
+
 safetensors holds no checksum of its data: a byte flipped inside a tensor is read as written. A
 truncated file or a header that does not fit the file is refused when the file is opened.
 """

@@ -29,6 +29,20 @@ Every lane thread is bound to the engine's device (``torch.cuda.set_device``), s
 issues on ``cuda:N`` never creates a context on GPU 0. On the CPU the lanes do each copy
 themselves and a request is issued and done at once, so every path but the stream calls runs on
 a machine without an accelerator.
+
+# NOTE [A CPU device]
+Without an accelerator the device tier is host memory too, and a copy between the two tiers is
+work for the same cores that run the model: nothing moves the bytes but a CPU thread. Two rules
+follow. The host's Adam writes a bucket's new weights straight into the device buffer the
+parameters view (``DeviceWeights.in_place``; ``placement.writes_weights_in_place`` with
+``device_is_host``): no staging buffer, no host->device copy. And a device->host request (a
+gradient going home as backward produces it, an activation evicted) runs on the caller's thread
+instead of the d2h lane's: on a lane thread it ran beside backward, whose ops already use every
+core through torch's OpenMP team, so the two teams took turns on the cores and both slowed. On a
+2-core machine, a transformers Llama of 374M parameters under ZeroOffload (bench/step.py --llama
+374m), backward went from 1.37 s to 1.21 s with the copies on the caller's thread, and the step
+from 1.00x to 0.93x of the plain loop's (bench/RESULTS.md, 2026-12-06). Host->device requests keep
+their lane: a prefetch is issued ahead of its use, and its copy runs while the caller goes on.
 """
 
 from __future__ import annotations
@@ -85,6 +99,9 @@ class Lanes:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
+        #: lanes whose requests run on the caller's thread (NOTE [A CPU device]); ``run`` and
+        #: ``behind`` keep to the pools, which these lanes leave empty
+        self.inline = frozenset() if self.cuda else frozenset({"d2h"})
         init = None
         if self.cuda:
             index = device.index if device.index is not None else torch.cuda.current_device()
@@ -174,7 +191,10 @@ class Lanes:
             else:
                 done.submit(_settle, future, value, finish, lane)
 
-        self.pools[lane].submit(job)
+        if lane in self.inline:  # NOTE [A CPU device]
+            job()
+        else:
+            self.pools[lane].submit(job)
         return Handle(future, on_stall=on_stall, issued=issued)
 
     def run(self, lane: str, fn: Callable[[], Any], on_stall: Optional[StallSink]) -> Handle:
