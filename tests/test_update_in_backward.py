@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 from typing import Iterable
 
@@ -317,7 +318,7 @@ def test_accumulating_brings_back_the_grads_home_for_the_step_and_only_then():
     assert tm.report().class_peak_bytes[(TensorClass.GRAD, Tier.HOST)] >= 4 * tm.layout.n_params
 
 
-def test_accumulation_the_budgets_have_no_room_for_is_refused_and_the_step_still_runs():
+def test_accumulation_the_budgets_have_no_room_for_is_refused_and_the_step_still_runs(caplog):
     from tiermem.plan.footprint import accumulation_footprint, totals
 
     probe = _make(ZeroOffload(), None, update_in_backward=True)
@@ -331,10 +332,13 @@ def test_accumulation_the_budgets_have_no_room_for_is_refused_and_the_step_still
     x, y = _batch(1)
     tm.backward(gpt_loss(tm(x), y))
     held = tm.stores[Tier.HOST].used
-    with pytest.raises(
-        OutOfTierMemory, match="(?s)tiermem: update_in_backward: a tm.backward.. that is not the step's last"
+    with (
+        caplog.at_level(logging.WARNING, logger="tiermem"),
+        pytest.raises(OutOfTierMemory, match=r"^tiermem: out of host memory placing '<grads accumulated over"),
     ):
         tm.backward(gpt_loss(tm(x), y))
+    # what to change, as a note on the error (and in the log, which Python 3.10 and pytest 7 see alone)
+    assert "tiermem: update_in_backward: a tm.backward() that is not the step's last" in caplog.text
     assert tm.stores[Tier.HOST].used == held  # refused before any of it was taken
     assert tm.phase is Phase.GRADS_READY  # the first backward's gradients (and graph) are kept
     r = tm.step()

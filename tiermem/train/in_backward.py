@@ -80,7 +80,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from tiermem.errors import OutOfTierMemory, TierMemError
+from tiermem.errors import OutOfTierMemory, TierMemError, add_note
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes import GradHome
@@ -135,11 +135,12 @@ class WindowGrads(GradHome):
         try:
             self._acc.update(self._accumulation(missing))
         except OutOfTierMemory as e:
-            e.add_note(
+            add_note(
+                e,
                 "tiermem: update_in_backward: a tm.backward() that is not the step's last (another follows "
                 "before tm.step(), or it runs inside tm.no_sync()) accumulates into the whole GRAD home, "
                 "4 B/param; raise that budget, or call tm.step() after each tm.backward() (a larger batch "
-                "instead of micro-batches), or leave update_in_backward off"
+                "instead of micro-batches), or leave update_in_backward off",
             )
             raise
 
@@ -169,9 +170,10 @@ class WindowGrads(GradHome):
             try:
                 lease = self.engine.lease(b.numel * 4, f"<grads for an update in backward {b.key}>", TensorClass.GRAD)
             except OutOfTierMemory as e:
-                e.add_note(
+                add_note(
+                    e,
                     f"tiermem: update_in_backward holds {len(self._landing) + len(self._ready)} buckets' gradients "
-                    f"besides this one; raise the host budget or lower bucket_size"
+                    f"besides this one; raise the host budget or lower bucket_size",
                 )
                 raise
             t = lease.view(torch.float32)[: b.numel]
