@@ -135,10 +135,6 @@ def available(name: str) -> bool:
     return True
 
 
-def build_seconds() -> dict[str, float]:
-    return {n: lib.seconds for n, lib in _LIBS.items() if lib.seconds is not None}
-
-
 # NOTE [Native build without inductor]
 # The compiler and the cache directory are the ones torch.compile uses here, found the way inductor
 # finds them (torch/_inductor/cpp_builder.py and runtime/cache_dir_utils.py): ``$CXX``, else g++

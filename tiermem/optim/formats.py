@@ -138,11 +138,6 @@ class StateFormat:
         """Bytes of the state (master included) of a parameter of ``n`` elements (of ``shape``)."""
         return sum(p.numel(n, shape) * p.itemsize for p in self.parts)
 
-    def part_bytes(self, numels: Sequence[int], shapes: Optional[Sequence[Sequence[int]]] = None) -> list[int]:
-        """Bytes of each part's buffer for parameters of these element counts (and ``shapes``), back to back."""
-        shapes_ = list(shapes) if shapes is not None else [None] * len(numels)
-        return [sum(p.numel(n, sh) for n, sh in zip(numels, shapes_)) * p.itemsize for p in self.parts]
-
     def offsets(self, numels: Sequence[int], shapes: Optional[Sequence[Sequence[int]]] = None) -> list[list[int]]:
         """Per part, where each parameter's piece starts in the part's buffer (parameters of these
         element counts and ``shapes``, in order); for an elementwise part, the parameter's offset in

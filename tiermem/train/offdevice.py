@@ -393,10 +393,3 @@ class SwappedParams:
                 "Parameter object for it, with its values",
                 name,
             )
-
-
-@contextlib.contextmanager
-def no_source_error(key: str, why: str) -> Iterator[None]:
-    """For sources that no longer hold anything (a dropped or detached model)."""
-    raise TierMemError(f"tiermem: the weight {key!r} is not readable: {why}")
-    yield  # pragma: no cover

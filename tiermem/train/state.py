@@ -253,10 +253,6 @@ class ModelState:
         """Whether :meth:`read_local` of bucket ``index`` gives the live state, not a staging copy."""
         return self.layout.homes.state[index].resident
 
-    def part_names(self, index: int) -> tuple[str, ...]:
-        """The parts of bucket ``index``'s state format, in order (NOTE [State formats])."""
-        return self._bucket[index].state.names
-
     def read_local(self, index: int) -> tuple[torch.Tensor, ...]:
         """This process's part of bucket ``index``'s state (each part of its format), no
         communication; valid until the next read (then :meth:`release`)."""
