@@ -36,7 +36,6 @@ import io
 import json
 import logging
 import os
-import re
 import stat
 import struct
 import zlib
@@ -46,7 +45,7 @@ import torch
 import xxhash
 
 from tiermem.errors import ConfigError, StoreError, TierMemError
-from tiermem.train.checkpoint_dir import is_checkpoint_dir, pid_alive
+from tiermem.train.checkpoint_dir import is_checkpoint_dir, stale_temporaries
 from tiermem.train.checkpoint_footer import MAGIC, MAGIC_V1, MAGIC_V2, Invalid, check_footer, dtype_named
 from tiermem.train.checkpoint_open import RECORD_CAP
 from tiermem.train.state import ModelState
@@ -115,20 +114,12 @@ def _write(state: ModelState, f) -> None:
 
 def _remove_stale_temporaries(path: str) -> None:
     """Remove the ``<path>.tmp-<pid>`` files of saves that were killed (NOTE [Checkpoint format])."""
-    directory, base = os.path.split(os.path.abspath(path))
-    pattern = re.compile(re.escape(base) + r"\.tmp-([1-9][0-9]{0,9})")
-    try:
-        entries = list(os.scandir(directory))
-    except OSError as e:
-        log.warning("tiermem: cannot list %r to remove stale checkpoint temporaries (%s)", directory, e)
-        return
-    for entry in entries:
-        m = pattern.fullmatch(entry.name)
-        if m is None or int(m[1]) == os.getpid() or pid_alive(int(m[1])) or entry.is_dir(follow_symlinks=False):
-            continue
+    for entry, pid in stale_temporaries(path):
+        if entry.is_dir(follow_symlinks=False):
+            continue  # a DCP save's (checkpoint_dir.remove_stale)
         try:
             os.unlink(entry.path)  # a symlink itself, never its target
-            log.info("tiermem: removed %r, left by a save of process %s, which is gone", entry.path, m[1])
+            log.info("tiermem: removed %r, left by a save of process %s, which is gone", entry.path, pid)
         except FileNotFoundError:
             pass  # another save removed it first
         except OSError as e:

@@ -47,7 +47,7 @@ import logging
 import os
 import re
 import stat
-from typing import BinaryIO, Optional
+from typing import BinaryIO, Iterator, Optional
 
 import xxhash
 
@@ -265,8 +265,9 @@ def make_temporary(path: str, pid: int) -> str:
     return tmp
 
 
-def remove_stale(path: str) -> None:
-    """Remove the ``<path>.tmp-<pid>`` directories of saves whose process is gone."""
+def stale_temporaries(path: str) -> Iterator[tuple[os.DirEntry[str], int]]:
+    """The ``<path>.tmp-<pid>`` entries beside ``path`` (files or directories) that saves of
+    processes now gone left behind, with those pids; never this process's."""
     directory, base = os.path.split(os.path.abspath(path))
     pattern = re.compile(re.escape(base) + r"\.tmp-([1-9][0-9]{0,9})")
     try:
@@ -276,8 +277,15 @@ def remove_stale(path: str) -> None:
         return
     for entry in entries:
         m = pattern.fullmatch(entry.name)
-        if m and entry.is_dir(follow_symlinks=False) and int(m[1]) != os.getpid() and not pid_alive(int(m[1])):
-            log.info("tiermem: removing %r, left by a save of process %s, which is gone", entry.path, m[1])
+        if m and int(m[1]) != os.getpid() and not pid_alive(int(m[1])):
+            yield entry, int(m[1])
+
+
+def remove_stale(path: str) -> None:
+    """Remove the ``<path>.tmp-<pid>`` directories of saves whose process is gone."""
+    for entry, pid in stale_temporaries(path):
+        if entry.is_dir(follow_symlinks=False):
+            log.info("tiermem: removing %r, left by a save of process %s, which is gone", entry.path, pid)
             discard(entry.path)
 
 
