@@ -210,11 +210,11 @@ def test_a_failure_while_reading_gives_the_module_back_on_meta(tmp_path, monkeyp
     ckpt = _checkpoint(tmp_path, TinyGPT())
     real, calls = weights_file.WeightsFile._pread_into, []
 
-    def failing(self, e, out):  # every tensor's bytes come through here
+    def failing(self, e, out, at=0):  # every tensor's bytes come through here
         calls.append(e.name)
         if len(calls) == 3:
             raise OSError(errno.EIO, "injected read failure")
-        return real(self, e, out)
+        return real(self, e, out, at)
 
     monkeypatch.setattr(weights_file.WeightsFile, "_pread_into", failing)
     model = _on_meta()
@@ -629,3 +629,51 @@ def test_a_safetensors_file_is_read_tensor_by_tensor_as_the_package_reads_it(tmp
     with pytest.raises(TierMemError, match=r"reading 'b\.f32'.*truncated"):
         w.read("b.f32")
     w.close()
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "torch"])
+def test_a_range_of_a_tensor_reads_those_elements_alone(kind, tmp_path, monkeypatch):
+    """NOTE [Models on the meta device]: a rank of ZeRO-3 reads its chunk of a bucket, a flat
+    element range of each parameter (row-major). Of a safetensors file exactly those bytes are read
+    (``read_into`` at an offset, in the stored dtype; ``read_flat`` and a cast otherwise); a torch
+    file's map is sliced. ``FromCheckpoint.param_into`` gives the same elements in the model's dtype."""
+    from tiermem.train import weights_file
+    from tiermem.train.materialize import FromCheckpoint
+    from tiermem.train.weights_file import open_weights
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {"a.weight": torch.randn(7, 13, generator=g), "b.weight": torch.randn(5, 3, generator=g).bfloat16()}
+    if kind == "safetensors":
+        path = str(tmp_path / "w.safetensors")
+        save_file(tensors, path)
+    else:
+        path = str(tmp_path / "w.pt")
+        torch.save({"a.weight": tensors["a.weight"].t().contiguous().t(), "b.weight": tensors["b.weight"]}, path)
+    read = []
+    real = os.preadv
+    monkeypatch.setattr(
+        weights_file.os, "preadv", lambda fd, bufs, at: read.append(sum(map(len, bufs))) or real(fd, bufs, at)
+    )
+    w = open_weights(path)
+    w.expect(["b.weight", "a.weight"], spans={"a.weight": (20, 61)})
+    for name, t in tensors.items():
+        flat = t.reshape(-1)
+        for lo, hi in ((0, flat.numel()), (3, 11), (flat.numel() - 1, flat.numel()), (4, 4)):
+            read.clear()
+            got = w.read_flat(name, lo, hi)
+            assert got.dtype == t.dtype and torch.equal(got, flat[lo:hi]), (name, lo, hi)
+            out = torch.full((hi - lo,), float("nan"), dtype=t.dtype)
+            assert w.read_into(name, out, at=lo) == (kind == "safetensors")
+            if kind == "safetensors":
+                assert torch.equal(out, flat[lo:hi]) and read[-1:] == ([(hi - lo) * t.itemsize] if hi > lo else [])
+            assert not w.read_into(name, torch.empty(hi - lo, dtype=torch.float16), at=lo)  # another dtype: nothing
+    w.close()
+    model = nn.Module()
+    model.a = nn.Linear(13, 7, bias=False, device="meta")
+    model.b = nn.Linear(3, 5, bias=False, device="meta")
+    values = FromCheckpoint(model, open_weights(path))
+    for name, t in tensors.items():
+        out = torch.empty(6)
+        values.param_into(name, model.get_parameter(name), out, 4)
+        assert torch.equal(out, t.reshape(-1)[4:10].float()), name
+    values.close()

@@ -26,9 +26,11 @@
 # master: they have none), each parameter an OffDeviceWeight gathered by the same module hooks,
 # schedule, lookahead and per-op reads (forward, a forward recomputed by checkpointing, backward's
 # formulas), and freed after use. The chunks are cut from rank 0's values at construction (one
-# broadcast per bucket), as the trainable masters are. Their values are read by gathering
-# (:meth:`FrozenParams.value`: collective, so every rank reads the same frozen parameters in the
-# same order: a single-file checkpoint, ``state_dict()``, ``detach()``, ``sharded_state_dict()``),
+# broadcast per bucket), as the trainable masters are, or from a checkpoint's (``weights=``): the
+# same on every rank, each reading its chunk, no broadcast (NOTE [Models on the meta device]). Their
+# values are read by gathering (:meth:`FrozenParams.value`: collective, so every rank reads the
+# same frozen parameters in the same order: a single-file checkpoint, ``state_dict()``,
+# ``detach()``, ``sharded_state_dict()``),
 # written by each rank into its own piece (:meth:`FrozenParams.write`, a single file's load). A
 # DCP directory gathers nothing: each rank hands DCP its own pieces of them, read from its chunk
 # at home one bucket at a time, and reads back into its chunk the pieces it keeps now
@@ -88,37 +90,52 @@ class FrozenParams:
         stores: dict[Tier, MemoryStore],
         dtype: torch.dtype,
         device,
-        value: Optional[torch.Tensor] = None,
+        value: Optional[Callable[[], torch.Tensor]] = None,
     ) -> None:
         """Take the frozen parameter ``p``: its working copy in ``dtype`` (floating point) to the
         device, or to its home off the device, and a host copy of its value where it keeps one.
-        ``value``: its first value (NOTE [Models on the meta device]); default: its own."""
+        ``value``: gives its first value, called only where it is needed here (NOTE [Models on the
+        meta device]); default: its own."""
         self._meta[name] = (tuple(p.shape), p.dtype)
-        value = (p.detach() if value is None else value).to(p.dtype)
         target = dtype if p.is_floating_point() else p.dtype
-        if keeps_copy(p.dtype, target, p.is_floating_point()):
+        copied = keeps_copy(p.dtype, target, p.is_floating_point())
+        if self._in_shards(name) and not copied:
+            return  # its bucket's chunk is cut by :meth:`shard`, once every frozen parameter is here
+        first = (p.detach() if value is None else value()).to(p.dtype)
+        if copied:
             copy = stores[Tier.HOST].allocate(f"{name}:frozen", p.shape, p.dtype, TensorClass.PARAM)
-            copy.copy_(value)
+            copy.copy_(first)
             self.copies[name] = copy
         if self._in_shards(name):
-            return  # its bucket's chunk is cut by :meth:`shard`, once every frozen parameter is here
+            return
         if self._is_off(name):
             assert self._off is not None
-            self._off.adopt(name, value.to(dtype=target, copy=True))
+            self._off.adopt(name, first.to(dtype=target, copy=True))
         else:
             point(
-                p, stores[Tier.DEVICE].adopt(f"{name}:frozen", value.to(device=device, dtype=target), TensorClass.PARAM)
+                p, stores[Tier.DEVICE].adopt(f"{name}:frozen", first.to(device=device, dtype=target), TensorClass.PARAM)
             )
 
     def shard(self, buckets: list[Bucket], group: Group, dtype: torch.dtype, given: Optional[Values] = None) -> None:
         """Each frozen bucket's chunk at home, from rank 0's values (NOTE [Frozen weights sharded
-        over the ranks]); its parameters become OffDeviceWeights. Collective. ``given``: where the
-        values come from (NOTE [Models on the meta device]); default: the parameters' own."""
+        over the ranks]); its parameters become OffDeviceWeights. Collective unless the values are
+        the same on every rank (a checkpoint's): then each rank reads its chunk's elements alone.
+        ``given``: where the values come from (NOTE [Models on the meta device]); default: the
+        parameters' own."""
         for b in buckets:
             assert self._sharded is not None and b.frozen
-            read = (lambda s: s.param.detach()) if given is None else (lambda s: given.param(s.name, s.param))
-            values = torch.cat([read(s).reshape(-1).to("cpu", dtype) for s in b.slots])
-            self._sharded.initialize(b, group.broadcast_(values))
+            if given is not None and given.agreed:
+                values = torch.zeros(b.numel, dtype=dtype)  # the chunk filled, the rest unread
+                lo, hi = self._sharded.initial_span(b)
+                for s in b.slots:
+                    first, last = max(lo, s.offset), min(hi, s.offset + s.numel)
+                    if first < last:
+                        given.param_into(s.name, s.param, values[first:last], first - s.offset)
+            else:
+                read = (lambda s: s.param.detach()) if given is None else (lambda s: given.param(s.name, s.param))
+                values = torch.cat([read(s).reshape(-1).to("cpu", dtype) for s in b.slots])
+                group.broadcast_(values)  # every rank starts from rank 0's weights
+            self._sharded.initialize(b, values)
 
     def log_copies(self) -> None:
         if self.copies:

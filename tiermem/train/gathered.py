@@ -139,6 +139,10 @@ class GatheredWeights(WeightHome):
         mine[: c.end - c.start].copy_(values[c.start : c.end])
         return mine
 
+    def initial_span(self, b: Bucket) -> tuple[int, int]:
+        c = self.chunks[b.index]
+        return c.start, c.end  # _chunk_of reads these alone
+
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
         """The chunk of ``b``'s first weights (``master`` rounded) at home; its parameters become
         OffDeviceWeights."""

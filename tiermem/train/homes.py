@@ -207,6 +207,15 @@ class StateHome(ABC):
     def initial_master(self, b: Bucket) -> torch.Tensor:
         """A buffer to fill with ``b``'s initial fp32 weights before :meth:`initialize`."""
 
+    def initial_span(self, b: Bucket) -> tuple[int, int]:
+        """The elements ``[lo, hi)`` of ``b``'s initial master that :meth:`initialize` keeps: all of
+        them, or a rank's chunk (NOTE [Models on the meta device])."""
+        return 0, b.numel
+
+    def agree(self, b: Bucket) -> None:
+        """Make the initial master just filled (all of it) rank 0's on every rank; nothing to do in
+        one process. Not called when every rank filled the same values (a checkpoint's)."""
+
     @abstractmethod
     def initialize(self, b: Bucket) -> None:
         """Store ``b``'s initial state: the master just filled, the other parts at their initial value."""
@@ -324,6 +333,11 @@ class WeightHome(ABC):
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
         """The first working weights, rounded from ``b``'s fp32 ``master``; the module's
         parameters are pointed at them (or at a placeholder, when they live off the device)."""
+
+    def initial_span(self, b: Bucket) -> tuple[int, int]:
+        """The elements ``[lo, hi)`` of ``master`` that :meth:`initialize` reads: all of them, or a
+        rank's chunk (weights sharded over the ranks)."""
+        return 0, b.numel
 
     def built(self) -> None:
         """Every bucket is initialized: what :meth:`initialize` left in flight has landed, or its

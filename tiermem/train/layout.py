@@ -23,6 +23,7 @@ elsewhere first drains them, then propagates. Any later use of a home settles th
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, TypeVar
 
@@ -259,8 +260,13 @@ def build(
     comes from, read as its bucket is built (NOTE [Models on the meta device])."""
     values = values if values is not None else Given()
     progress = Progress(values.building, 4 * sum(b.numel for b in buckets)) if values.building else None  # fp32 bytes
-    values.expect([(s.name, s.param) for b in buckets for s in b.slots])
-    fill_homes(homes, buckets, lambda s, out: values.param_into(s.name, s.param, out), progress)
+    agreed = values.agreed
+    values.expect([(s.name, s.param, lo, hi) for b in buckets for s, lo, hi in initial_pieces(homes, b, agreed)])
+
+    def fill(s: Slot, at: int, out: torch.Tensor) -> None:
+        values.param_into(s.name, s.param, out, at)
+
+    fill_homes(homes, buckets, fill, progress, agreed=agreed)
     slot_of = {id(s.param): (b, s) for b in buckets for s in b.slots}
     if progress is not None:
         progress.close()
@@ -273,21 +279,44 @@ def build(
     return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, KeptBuffers(module, dtype, device))
 
 
+def initial_pieces(homes: Homes, b: Bucket, agreed: bool) -> list[tuple[Slot, int, int]]:
+    """The pieces of ``b``'s initial master that building fills: each slot with the elements
+    ``[lo, hi)`` of its parameter. All of the bucket; when every rank fills the same values
+    (``agreed``, a checkpoint's), only the span its homes keep (a rank's chunk when its weights are
+    sharded over the ranks too: NOTE [Models on the meta device])."""
+    lo, hi = 0, b.numel
+    if agreed:
+        spans = (homes.state[b.index].initial_span(b), homes.weights[b.index].initial_span(b))
+        lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
+    out = []
+    for s in b.slots:
+        first, last = max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset
+        if first < last:
+            out.append((s, first, last))
+    return out
+
+
 def fill_homes(
     homes: Homes,
     buckets: list[Bucket],
-    fill: Callable[[Slot, torch.Tensor], object],
+    fill: Callable[[Slot, int, torch.Tensor], object],
     progress: Optional[Progress] = None,
+    *,
+    agreed: bool = False,
 ) -> None:
-    """Each bucket's master filled slot by slot (``fill(slot, its flat view)``), then its state and
-    weights initialized from it; the writes they leave in flight (NOTE [Initial writes in flight])
-    have landed on return, and a failure drains them before it propagates."""
+    """Each bucket's master filled slot by slot (``fill(slot, first element, its flat view)``: the
+    pieces :func:`initial_pieces` gives), made rank 0's on every rank unless ``agreed`` (every rank
+    filled the same values), then its state and weights initialized from it; the writes they leave
+    in flight (NOTE [Initial writes in flight]) have landed on return, and a failure drains them
+    before it propagates."""
     try:
         for b in buckets:
             state = homes.state[b.index]
             master = state.initial_master(b)
-            for s in b.slots:
-                fill(s, master[s.offset : s.offset + s.numel])
+            for s, lo, hi in initial_pieces(homes, b, agreed):
+                fill(s, lo, master[s.offset + lo : s.offset + hi])
+            if not agreed:
+                state.agree(b)
             state.initialize(b)
             homes.weights[b.index].initialize(b, master)
             if progress is not None:
@@ -315,7 +344,7 @@ def _place_frozen(
     frozen = FrozenParams(module, weights_off_device, gathered)
     for name, p in module.named_parameters():
         if not p.requires_grad:
-            frozen.place(name, p, stores, dtype, device, values.param(name, p))
+            frozen.place(name, p, stores, dtype, device, functools.partial(values.param, name, p))
     if gathered is not None:
         frozen.shard([b for b in gathered.full.values() if b.frozen], group, dtype, values)
     frozen.log_copies()

@@ -14,6 +14,20 @@ every parameter back its meta tensor (:func:`tiermem.train.lifetime.undone_on_fa
 retry with the right path works. Buffers on the meta device get their values the same way before
 the model's buffers are placed.
 
+Under data parallelism every rank starts from the same weights. A checkpoint holds the same bytes
+on every rank (the same path must hold the same checkpoint on every node), so no rank sends its
+values to another (:attr:`Values.agreed`) and each reads only what it keeps
+(:func:`tiermem.train.layout.initial_pieces`): with its weights sharded over the ranks
+(``shard_weights=True``, ZeRO-3; ZeroInfinity's weights off the device) its chunk of each bucket, a
+row-major flat range being a byte range of the file (:meth:`WeightsFile.read_into` at an offset,
+:meth:`WeightsFile.read_flat` where the stored dtype is cast): about 1/N of the checkpoint per rank,
+no rank reading a bucket whole; with replicated weights (ZeRO-2) the whole bucket, which its working
+weights need. Frozen parameters sharded over the ranks the same: their chunks alone, no broadcast
+(those that keep a host copy in their own dtype are read whole for it). Values from the modules'
+initialization (a rank's random numbers may differ) or from a model given in memory (its ranks may
+hold different values) are filled whole and broadcast from rank 0 bucket by bucket
+(:meth:`~tiermem.train.homes.StateHome.agree`): rank 0's win.
+
 NOTE [Initialization on the meta device]
 Without ``weights=``, a module's parameters are
 initialized by its own ``reset_parameters()`` (for a transformers model, the model's
@@ -58,16 +72,21 @@ class Values:
     parameter's shape, in any floating dtype, which the caller copies from and drops."""
 
     building: Optional[str] = "building the homes"  # what construction's progress lines say it does (None: none)
+    #: the same values on every rank (a file's bytes): under data parallelism no rank needs rank 0's,
+    #: and each reads only what it keeps (NOTE [Models on the meta device])
+    agreed: bool = False
 
     def param(self, name: str, p: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def expect(self, params: list[tuple[str, torch.Tensor]]) -> None:
-        """The parameters :meth:`param` will be asked for, in that order (a source may read ahead)."""
+    def expect(self, pieces: list[tuple[str, torch.Tensor, int, int]]) -> None:
+        """The parameters :meth:`param_into` will be asked for, in that order, each with the
+        elements ``[lo, hi)`` of it to be read (a source may read ahead)."""
 
-    def param_into(self, name: str, p: torch.Tensor, out: torch.Tensor) -> None:
-        """The parameter's first value, written into ``out`` (flat, its numel, any floating dtype)."""
-        out.copy_(self.param(name, p).reshape(-1))
+    def param_into(self, name: str, p: torch.Tensor, out: torch.Tensor, at: int = 0) -> None:
+        """Elements ``[at, at + out.numel())`` of the parameter's first value flattened (all of it
+        by default), written into ``out`` (flat, any floating dtype)."""
+        out.copy_(self.param(name, p).reshape(-1)[at : at + out.numel()])
 
     def fill_buffers(self, module: torch.nn.Module) -> None:
         """Give every buffer that has no values (on the meta device) its values, in place."""
@@ -249,6 +268,8 @@ class FromCheckpoint(Values):
     against the model before anything is read; buffers from it where it holds them, else (on the
     meta device) from the modules' initialization."""
 
+    agreed = True  # every rank reads the same file (the same path holds the same checkpoint on each node)
+
     def __init__(self, module: torch.nn.Module, weights: WeightsFile):
         self.weights = weights
         self.building = f"reading {weights.path}"
@@ -283,12 +304,15 @@ class FromCheckpoint(Values):
     def param(self, name: str, p: torch.Tensor) -> torch.Tensor:
         return self.weights.read(self._key[id(p)])
 
-    def expect(self, params: list[tuple[str, torch.Tensor]]) -> None:
-        self.weights.expect([self._key[id(p)] for _, p in params if id(p) in self._key])
+    def expect(self, pieces: list[tuple[str, torch.Tensor, int, int]]) -> None:
+        keys = [(self._key[id(p)], p, lo, hi) for _, p, lo, hi in pieces if id(p) in self._key]
+        spans = {key: (lo, hi) for key, p, lo, hi in keys if (lo, hi) != (0, p.numel())}
+        self.weights.expect([key for key, *_ in keys], spans=spans)
 
-    def param_into(self, name: str, p: torch.Tensor, out: torch.Tensor) -> None:
-        if not self.weights.read_into(self._key[id(p)], out):  # stored in out's dtype: read in place
-            super().param_into(name, p, out)
+    def param_into(self, name: str, p: torch.Tensor, out: torch.Tensor, at: int = 0) -> None:
+        key = self._key[id(p)]
+        if not self.weights.read_into(key, out, at=at):  # stored in out's dtype: read in place
+            out.copy_(self.weights.read_flat(key, at, at + out.numel()))  # cast: the span's elements alone
 
     def fill_buffers(self, module: torch.nn.Module) -> None:
         for name, owner, bname, buf in _buffer_slots(module):

@@ -230,8 +230,15 @@ class ShardedState(StateHome):
     def initial_master(self, b: Bucket) -> torch.Tensor:
         return self._part(b, 0)[: b.numel]  # the other parts start at their initial value: no whole buffers for them
 
+    def initial_span(self, b: Bucket) -> tuple[int, int]:
+        c = chunk_of(self.group, b)
+        return c.start, c.end
+
+    def agree(self, b: Bucket) -> None:
+        self.group.broadcast_(self.initial_master(b))  # every rank starts from rank 0's weights
+
     def initialize(self, b: Bucket) -> None:
-        master = self.group.broadcast_(self.initial_master(b))  # every rank starts from rank 0's weights
+        master = self.initial_master(b)  # rank 0's (agree()), or the same on every rank: its chunk read
         c, sb = chunk_of(self.group, b), self.shards[b.index]
         mine = self.inner.initial_master(sb)
         mine.zero_()

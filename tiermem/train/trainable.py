@@ -267,7 +267,9 @@ class Trainable:
                 window=self.window,
             )
             frozen = self.layout.frozen
-            fill_homes(homes, buckets, lambda s, out: out.copy_(frozen.value(s.name).reshape(-1)))
+            fill_homes(
+                homes, buckets, lambda s, at, out: out.copy_(frozen.value(s.name).reshape(-1)[at : at + out.numel()])
+            )
             for home in homes.state_homes():
                 home.release_views()
         except BaseException:

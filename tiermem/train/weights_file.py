@@ -33,7 +33,7 @@ import logging
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -75,6 +75,13 @@ class Entry:
     offset: int = -1  # safetensors: where its bytes start in the file (-1: a torch file's tensor)
     nbytes: int = 0  # safetensors: how many bytes it holds
 
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
 
 def _bad(path: str, why: str) -> ConfigError:
     return ConfigError(
@@ -94,11 +101,14 @@ class WeightsFile:
         self._order: list[str] = []  # the reads announced by expect(), in order
         self._next: dict[str, int] = {}  # name -> its place in _order
         self._advised = 0  # _order[:_advised] has been asked of the kernel ahead
+        self._spans: dict[str, tuple[int, int]] = {}  # name -> the elements to be read, when not all
 
-    def expect(self, names: list[str]) -> None:
+    def expect(self, names: list[str], *, spans: Optional[Mapping[str, tuple[int, int]]] = None) -> None:
         """The tensors construction will read, in the order it reads them: the disk reads ahead
-        along it (NOTE [Weights read one tensor at a time]). Any order stays correct."""
+        along it (NOTE [Weights read one tensor at a time]). Any order stays correct. ``spans``:
+        the elements ``[lo, hi)`` (of the flattened tensor) to be read of those read in part."""
         self._order, self._advised = list(names), 0
+        self._spans = dict(spans or {})
         self._next = {n: i for i, n in reversed(list(enumerate(self._order)))}
 
     def read(self, name: str) -> torch.Tensor:
@@ -116,17 +126,34 @@ class WeightsFile:
             raise _bad(self.path, f"{name!r} in {e.file!r} holds {tuple(t.shape)} {t.dtype}, its header said {e.shape}")
         return t
 
-    def read_into(self, name: str, out: torch.Tensor) -> bool:
-        """Read ``name`` straight into ``out`` (flat, contiguous, in host memory) when it is stored in
-        ``out``'s dtype in a safetensors file: one copy fewer than :meth:`read`. False: nothing was
-        read (another dtype, or a torch file); call :meth:`read`."""
+    def read_flat(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of ``name``'s tensor flattened (row-major), in its stored dtype, on
+        the CPU (a fresh tensor): of a safetensors file, those bytes alone are read."""
         e = self.entries[name]
-        fits = e.offset >= 0 and e.dtype == out.dtype and out.device.type == "cpu" and out.is_contiguous()
-        if not fits or out.numel() * out.element_size() != e.nbytes:
+        _check_span(e, lo, hi)
+        try:
+            if e.offset >= 0:
+                self._ahead(name)
+                t = torch.empty(hi - lo, dtype=e.dtype)
+                self._pread_into(e, t, lo)
+            else:  # a slice of the memory map: only its pages are read
+                t = self.opened[e.file][name].reshape(-1)[lo:hi].clone()
+        except (OSError, RuntimeError, ValueError, KeyError) as err:
+            raise _bad(self.path, f"reading {name!r} from {e.file!r} failed ({type(err).__name__}: {err})") from err
+        return t
+
+    def read_into(self, name: str, out: torch.Tensor, *, at: int = 0) -> bool:
+        """Read elements ``[at, at + out.numel())`` of ``name``'s tensor flattened (all of it by
+        default) straight into ``out`` (flat, contiguous, in host memory) when it is stored in
+        ``out``'s dtype in a safetensors file: one copy fewer than :meth:`read_flat`. False:
+        nothing was read (another dtype, or a torch file); call :meth:`read_flat`."""
+        e = self.entries[name]
+        _check_span(e, at, at + out.numel())
+        if not (e.offset >= 0 and e.dtype == out.dtype and out.device.type == "cpu" and out.is_contiguous()):
             return False
         try:
             self._ahead(name)
-            self._pread_into(e, out)
+            self._pread_into(e, out, at)
         except (OSError, ValueError) as err:
             raise _bad(self.path, f"reading {name!r} from {e.file!r} failed ({type(err).__name__}: {err})") from err
         return True
@@ -142,13 +169,24 @@ class WeightsFile:
         self._pread_into(e, t)
         return t
 
-    def _pread_into(self, e: Entry, t: torch.Tensor) -> None:
-        if e.nbytes == 0:
+    def _pread_into(self, e: Entry, t: torch.Tensor, at: int = 0) -> None:
+        """Elements ``[at, at + t.numel())`` of ``e`` into ``t``, its own bytes written in place."""
+        nbytes = t.numel() * e.dtype.itemsize
+        if nbytes == 0:
             return
-        try:  # t's own bytes, written in place
-            read_all(os.preadv, self._fd(e.file), [buffer_of(t.reshape(-1).view(torch.uint8))], e.offset, e.nbytes)
+        offset = e.offset + at * e.dtype.itemsize  # row-major: a run of elements is a run of bytes
+        try:
+            read_all(os.preadv, self._fd(e.file), [buffer_of(t.reshape(-1).view(torch.uint8))], offset, nbytes)
         except ShortRead as err:
             raise ValueError(f"the file ends before {e.name!r} does (truncated?): {err}") from err
+
+    def _bytes(self, name: str) -> tuple[int, int]:
+        """Where the bytes to be read of ``name`` start in its file, and how many (:meth:`expect`'s span)."""
+        e = self.entries[name]
+        if e.offset < 0:
+            return -1, 0  # a torch file's: paged in from its map, nothing to ask ahead
+        lo, hi = self._spans.get(name, (0, e.numel))
+        return e.offset + lo * e.dtype.itemsize, (hi - lo) * e.dtype.itemsize
 
     def _ahead(self, name: str) -> None:
         """Ask the kernel to read the announced tensors after ``name`` up to :data:`AHEAD` bytes."""
@@ -157,12 +195,13 @@ class WeightsFile:
             return
         self._advised, budget = max(self._advised, at + 1), AHEAD
         for later in self._order[at + 1 : self._advised]:
-            budget -= self.entries[later].nbytes  # already asked for, still ahead of this read
+            budget -= self._bytes(later)[1]  # already asked for, still ahead of this read
         while self._advised < len(self._order) and budget > 0:
             e = self.entries[self._order[self._advised]]
-            if e.offset >= 0 and e.nbytes:
-                os.posix_fadvise(self._fd(e.file), e.offset, e.nbytes, os.POSIX_FADV_WILLNEED)
-            budget -= e.nbytes
+            offset, nbytes = self._bytes(e.name)
+            if e.offset >= 0 and nbytes:
+                os.posix_fadvise(self._fd(e.file), offset, nbytes, os.POSIX_FADV_WILLNEED)
+            budget -= nbytes
             self._advised += 1
 
     def close(self) -> None:
@@ -171,6 +210,10 @@ class WeightsFile:
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+
+def _check_span(e: Entry, lo: int, hi: int) -> None:
+    assert 0 <= lo <= hi <= e.numel, f"elements [{lo}, {hi}) of {e.name!r}, which has {e.numel}"
 
 
 def _open_one(file: str, path: str) -> Any:
