@@ -6,6 +6,7 @@ exactly what it holds; one of another dtype keeps its exact value in a host copy
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from models import same_state
 from torch import nn
 
-from tiermem import AdamW, Tier, TieredModel
+from tiermem import AdamW, StoreError, TensorClass, Tier, TieredModel
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,16 +123,107 @@ def test_unfreezing_a_weight_homed_on_nvme_trains_from_its_value(tmp_path):
     assert runs[0][0] == runs[1][0] and same_state(runs[0][1], runs[1][1])
 
 
-def test_frozen_of_another_dtype_keep_their_exact_value_in_a_host_copy(tmp_path, caplog):
+#: where an fp32 frozen parameter trained in bf16 keeps its fp32 copy: beside its working copy's
+#: home when that is NVMe, else on the host (NOTE [Frozen weights keep one copy])
+COPY_TIER = {"zero-offload": Tier.HOST, "zero-infinity": Tier.NVME}
+
+
+@pytest.mark.parametrize("policy", list(COPY_TIER))
+def test_frozen_of_another_dtype_keep_their_exact_value_in_a_copy(tmp_path, caplog, policy):
     model = _model(torch.float32)  # fp32 weights, bf16 working copies: rounding cannot be undone
     given = {n: p.detach().clone() for n, p in model.named_parameters()}
     with caplog.at_level(logging.INFO, logger="tiermem"):
-        tm = _wrap(model, "zero-infinity", tmp_path, "a")
-    assert sorted(k for k in tm.stores[Tier.HOST].keys() if k.endswith(":frozen")) == sorted(
-        f"{n}:frozen" for n in FROZEN
-    )
-    assert any("keep a float32 copy on the host" in r.getMessage() for r in caplog.records)
+        tm = _wrap(model, policy, tmp_path, "a")
+    on, off = COPY_TIER[policy], ({Tier.HOST, Tier.NVME} - {COPY_TIER[policy]}).pop()
+    copies = sorted(f"{n}:frozen" for n in FROZEN)
+    assert sorted(k for k in tm.stores[on].keys() if k.endswith(":frozen")) == copies
+    assert off not in tm.stores or not [k for k in tm.stores[off].keys() if k.endswith(":frozen")]
+    where = {Tier.HOST: "on the host", Tier.NVME: "on NVMe"}[on]
+    assert any("keep a float32 copy" in r.getMessage() and where in r.getMessage() for r in caplog.records)
+    copy_bytes = sum(given[n].numel() * 4 for n in FROZEN)
+    host_params = tm.report().class_peak_bytes.get((TensorClass.PARAM, Tier.HOST), 0)
+    if on == Tier.NVME:  # host memory holds none of the base: not its fp32 copy either
+        assert host_params < copy_bytes
+        assert sum(tm.stores[Tier.NVME].nbytes(k) for k in copies) == copy_bytes
+    else:
+        assert host_params >= copy_bytes
     _step(tm, 0)
     state = tm.state_dict()
     for n in FROZEN:
         assert state[n].dtype == torch.float32 and torch.equal(state[n], given[n]), n
+    path = str(tmp_path / "ckpt.pt")
+    tm.save(path)
+    other = _model(torch.float32)  # a fresh model whose frozen weights differ takes the checkpoint's
+    with torch.no_grad():
+        for n in FROZEN:
+            other.get_parameter(n).add_(1.0)
+    tm2 = _wrap(other, policy, tmp_path, "b")
+    tm2.load(path)
+    for n in FROZEN:
+        assert torch.equal(tm2.state_dict()[n], given[n]), n
+    model.layers[1].weight.requires_grad_(True)  # unfrozen: its fp32 master starts from the exact value
+    tm.optimizer.param_groups[0]["lr"] = 0.0  # a step that leaves the master as it was
+    _step(tm, 1)
+    assert torch.equal(tm.state_dict()["layers.1.weight"], given["layers.1.weight"])
+    assert "layers.1.weight:frozen" not in tm.stores[on]
+    out = tm.detach()
+    for n in FROZEN:
+        assert torch.equal(out.get_parameter(n).detach(), given[n]), n
+
+
+def test_a_failed_read_of_a_copy_on_nvme_names_the_parameter(tmp_path):
+    import errno
+
+    tm = _wrap(_model(torch.float32), "zero-infinity", tmp_path, "a")
+    store = tm.stores[Tier.NVME]
+    real = store._preadv
+
+    def copies_fail(fd, bufs, offset):
+        if "frozen" in os.path.basename(os.readlink(f"/proc/self/fd/{fd}")):  # a copy's file
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, bufs, offset)
+
+    store._preadv = copies_fail
+    try:
+        with pytest.raises(
+            StoreError, match=r"^tiermem: the float32 copy of frozen parameter '[\w.]+': .*Input/output error"
+        ):
+            tm.state_dict()
+    finally:
+        store._preadv = real
+    assert torch.equal(tm.state_dict()["emb.weight"], _model(torch.float32).emb.weight.detach())
+    tm.detach()
+
+
+def test_a_construction_failing_at_a_copy_on_nvme_leaves_no_files(tmp_path, monkeypatch):
+    from tiermem.memory.nvme import NvmeStore
+
+    real, written = NvmeStore.write, []
+
+    def third_copy_fails(self, key, src, kind=None):
+        written.append(key)
+        if sum(k.endswith(":frozen") for k in written) == 3:
+            raise StoreError(f"tiermem: cannot write {key!r} (injected)")
+        return real(self, key, src, kind)
+
+    monkeypatch.setattr(NvmeStore, "write", third_copy_fails)
+    model = _model(torch.float32)
+    with pytest.raises(StoreError, match="injected"):
+        _wrap(model, "zero-infinity", tmp_path, "a")
+    assert sum(k.endswith(":frozen") for k in written) == 3  # two copies were on NVMe when it failed
+    assert os.listdir(tmp_path / "a") == []
+    for n, p in _model(torch.float32).named_parameters():  # the module is as it was
+        assert torch.equal(model.get_parameter(n).detach(), p.detach()), n
+
+
+@pytest.mark.parametrize("policy", list(COPY_TIER))
+def test_writes_inside_resident_reach_the_copy_of_a_frozen_weight(tmp_path, policy):
+    model = _model(torch.float32)
+    given = model.layers[0].weight.detach().clone()
+    tm = _wrap(model, policy, tmp_path, "a")
+    with tm.resident([model.layers[0].weight]), torch.no_grad():
+        model.layers[0].weight[2].fill_(0.25)  # written in bf16: the other rows keep their fp32 value
+    want = given.clone()
+    want[2] = 0.25
+    assert torch.equal(tm.state_dict()["layers.0.weight"], want)
+    tm.detach()

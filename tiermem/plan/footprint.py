@@ -48,8 +48,9 @@ model as a whole:
   so at most ``NVME_THREADS`` (4) are live at once: the host needs the largest four weights that
   live on NVMe (``nvme_staging``; on the CPU the store reads into the device buffer itself);
 - frozen parameters: ``w`` bytes each at their PARAM home (their own element size when not
-  floating point), and a copy in their own dtype on the host when that is not the working
-  precision (NOTE [Frozen weights keep one copy] in tiermem/train/frozen.py); under data
+  floating point), and a copy in their own dtype when that is not the working precision, on
+  NVMe when their PARAM home is NVMe, else on the host (NOTE [Frozen weights keep one copy] in
+  tiermem/train/frozen.py); under data
   parallelism those sharded over the ranks (NOTE [Frozen weights sharded over the ranks]) are
   buckets of their own (``sharded_frozen``): a rank keeps ``w*ceil(n/world)`` of each, one buffer
   on the host, and they are gathered like the trainable ones below (the host copy stays whole);
@@ -170,6 +171,13 @@ def keeps_copy(dtype: torch.dtype, working: torch.dtype, floating: bool) -> bool
     """Whether a frozen parameter of ``dtype`` keeps a host copy beside its working copy in
     ``working`` (NOTE [Frozen weights keep one copy] in tiermem/train/frozen.py)."""
     return floating and dtype != working
+
+
+def copy_tier(home: Tier) -> Tier:
+    """Where a frozen parameter whose working copy is homed on ``home`` keeps the copy
+    :func:`keeps_copy` asks for: on NVMe beside a working copy there, else on the host (NOTE
+    [Frozen weights keep one copy] in tiermem/train/frozen.py)."""
+    return Tier.NVME if home == Tier.NVME else Tier.HOST
 
 
 #: Buckets whose grads the host holds at once under update_in_backward, at most: one landing, one
@@ -372,7 +380,9 @@ def footprint(
         size = p.numel() * (w if p.is_floating_point() else p.element_size())
         add(home, FROZEN_WEIGHTS, **(each(size) if home != Tier.DEVICE else {"nbytes": size}))
         if keeps_copy(p.dtype, dtype, p.is_floating_point()):  # NOTE [Frozen weights keep one copy]
-            add(Tier.HOST, FROZEN_COPY, **each(p.numel() * p.element_size()))
+            copy = p.numel() * p.element_size()
+            on = copy_tier(home)
+            add(on, FROZEN_COPY, **(each(copy) if on == Tier.HOST else {"nbytes": copy}))
         on_nvme += [size] if home == Tier.NVME else []
     if nvme_staging and on_nvme:
         lane_buffers = sorted(on_nvme, reverse=True)[:NVME_THREADS]  # one per NVMe lane thread, the largest

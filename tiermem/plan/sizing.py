@@ -38,9 +38,10 @@ TieredModel's working buffers, which a parameter count does not determine: the g
 parameter in flight on the device, the weight staging buffers (up to two buckets at each tier off
 the device where Adam runs), the NVMe pipelines' host buffers (three buckets each), the NVMe
 journal (a few buckets), the overlap_step buffers, and the largest module's weights while it runs
-when weights live off the device; the host's copy of frozen weights whose dtype is not the working
-one (NOTE [Frozen weights keep one copy]), which the constructor counts but which is no part of the table above; and the host pool's rounding of
-each buffer to whole pages (a few pages for one bucket). ``tiermem plan --policy auto`` prints the
+when weights live off the device; the copy of frozen weights whose dtype is not the working
+one, on the host or on NVMe beside a working copy homed there (NOTE [Frozen weights keep one
+copy]), which the constructor counts but which is no part of the table above; and the host pool's
+rounding of each buffer to whole pages (a few pages for one bucket). ``tiermem plan --policy auto`` prints the
 whole footprint of its choice, those included: the bytes the constructor checks.
 """
 

@@ -8,12 +8,16 @@
 # and trained in bf16, fp32 in fp32, or a parameter that is not floating point), the working copy
 # *is* that value: nothing else is kept, and those reads fetch it from its home (NVMe included)
 # one parameter at a time. Only a parameter whose dtype differs from the working precision (an
-# fp32 model trained in bf16) keeps a second copy, in its own dtype, on the host: rounding it to
-# the working precision cannot be undone. So a bf16 model fine-tuned with its base weights on NVMe
-# holds none of them in host memory between uses; an fp32 one holds 4 bytes per frozen parameter
-# there, which the footprint counts (``FROZEN_COPY``) and a log line names once. Trained weights
-# with a bf16 master keep one copy the same way (NOTE [One copy of bf16 master weights] in
-# tiermem/train/param_offload.py).
+# fp32 model trained in bf16) keeps a second copy, in its own dtype: rounding it to the working
+# precision cannot be undone. That copy lives where the working copy's home says
+# (tiermem.plan.footprint.copy_tier): beside a working copy homed on NVMe (ZeroInfinity), on NVMe
+# too, under a key of its own (``<name>:frozen``) written at construction and read back one
+# parameter at a time into a fresh tensor by those reads; beside one on the host or the device, on
+# the host. So a model fine-tuned with its base weights on NVMe holds none of them in host memory
+# between uses, bf16 or fp32; an fp32 one homed on the host or the device holds 4 bytes per frozen
+# parameter there. The footprint counts the copies on their tier (``FROZEN_COPY``) and a log line
+# names them once, with where they are. Trained weights with a bf16 master keep one copy the same
+# way (NOTE [One copy of bf16 master weights] in tiermem/train/param_offload.py).
 
 # NOTE [Frozen weights sharded over the ranks]
 # Under data parallelism the frozen parameters whose working weights would be sharded if they
@@ -45,13 +49,16 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, Optional
+import math
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
+from tiermem.errors import StoreError
+from tiermem.memory.base import Store
 from tiermem.memory.resident import MemoryStore
 from tiermem.plan.buckets import Bucket
-from tiermem.plan.footprint import keeps_copy
+from tiermem.plan.footprint import copy_tier, keeps_copy
 from tiermem.train.gathered import GatheredWeights
 from tiermem.train.materialize import Values
 from tiermem.train.offdevice import point
@@ -61,12 +68,74 @@ from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger("tiermem")
 
-__all__ = ["FrozenParams"]
+__all__ = ["FrozenParams", "copy_key"]
+
+
+def copy_key(name: str) -> str:
+    """The key of frozen parameter ``name``'s copy in its own dtype, in the store of its tier (in
+    the device store the same key is its working copy)."""
+    return f"{name}:frozen"
+
+
+class HostCopy:
+    """A frozen parameter's copy in its own dtype in host memory (NOTE [Frozen weights keep one
+    copy]): a buffer of the host store, read and written in place."""
+
+    tier = Tier.HOST
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def read(self, *, own: bool = False) -> torch.Tensor:
+        return self.tensor.clone() if own else self.tensor
+
+    def target(self) -> torch.Tensor:
+        return self.tensor
+
+    def write(self, value: torch.Tensor) -> None:
+        if value is not self.tensor:
+            self.tensor.copy_(value)
+
+
+class NvmeCopy:
+    """A frozen parameter's copy in its own dtype on NVMe, under :func:`copy_key` (NOTE [Frozen
+    weights keep one copy]): each read is a fresh host tensor nothing else holds, each write waits
+    until it landed."""
+
+    tier = Tier.NVME
+
+    def __init__(self, store: Store, name: str, shape: tuple[int, ...], dtype: torch.dtype):
+        self.store, self.name, self.shape, self.dtype = store, name, shape, dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def read(self, *, own: bool = False) -> torch.Tensor:
+        out = self.target()
+        try:
+            self.store.read(copy_key(self.name), out).wait()
+        except StoreError as e:
+            dtype = str(self.dtype).removeprefix("torch.")
+            why = str(e).removeprefix("tiermem: ")  # it names the file and what to change
+            raise StoreError(f"tiermem: the {dtype} copy of frozen parameter {self.name!r}: {why}") from e
+        return out
+
+    def target(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype)
+
+    def write(self, value: torch.Tensor) -> None:
+        self.store.write(copy_key(self.name), value.to("cpu", self.dtype), TensorClass.PARAM).wait()
 
 
 class FrozenParams:
     """The frozen parameters of a model by name (NOTE [Frozen weights keep one copy]): where their
-    working copies live, and the host copies of those whose dtype differs from the working one.
+    working copies live, and the copies of those whose dtype differs from the working one (on the
+    host, or on NVMe beside a working copy homed there).
     ``off_device``: the home of those off the device each on its own; ``sharded``: of those sharded
     over the ranks (NOTE [Frozen weights sharded over the ranks])."""
 
@@ -80,20 +149,21 @@ class FrozenParams:
         self._off = off_device
         self._sharded = sharded
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # in the order placed
-        self.copies: dict[str, torch.Tensor] = {}  # name -> the host copy in the parameter's own dtype
+        self._copies: dict[str, HostCopy | NvmeCopy] = {}  # name -> its copy in its own dtype
 
     # -- building ------------------------------------------------------------------------------------
     def place(
         self,
         name: str,
         p: torch.nn.Parameter,
-        stores: dict[Tier, MemoryStore],
+        stores: Mapping[Tier, Store],
         dtype: torch.dtype,
         device,
         value: Optional[Callable[[], torch.Tensor]] = None,
     ) -> None:
         """Take the frozen parameter ``p``: its working copy in ``dtype`` (floating point) to the
-        device, or to its home off the device, and a host copy of its value where it keeps one.
+        device, or to its home off the device, and a copy of its value where it keeps one (on
+        NVMe when its working copy's home is, else on the host).
         ``value``: gives its first value, called only where it is needed here (NOTE [Models on the
         meta device]); default: its own."""
         self._meta[name] = (tuple(p.shape), p.dtype)
@@ -103,18 +173,29 @@ class FrozenParams:
             return  # its bucket's chunk is cut by :meth:`shard`, once every frozen parameter is here
         first = (p.detach() if value is None else value()).to(p.dtype)
         if copied:
-            copy = stores[Tier.HOST].allocate(f"{name}:frozen", p.shape, p.dtype, TensorClass.PARAM)
-            copy.copy_(first)
-            self.copies[name] = copy
+            self._copies[name] = self._new_copy(name, p, stores)
+            self._copies[name].write(first)
         if self._in_shards(name):
             return
         if self._is_off(name):
             assert self._off is not None
             self._off.adopt(name, first.to(dtype=target, copy=True))
         else:
-            point(
-                p, stores[Tier.DEVICE].adopt(f"{name}:frozen", first.to(device=device, dtype=target), TensorClass.PARAM)
-            )
+            on_device = stores[Tier.DEVICE]
+            assert isinstance(on_device, MemoryStore)
+            point(p, on_device.adopt(copy_key(name), first.to(device=device, dtype=target), TensorClass.PARAM))
+
+    def _new_copy(self, name: str, p: torch.nn.Parameter, stores: Mapping[Tier, Store]) -> HostCopy | NvmeCopy:
+        """Room for ``p``'s copy in its own dtype: on NVMe beside a working copy homed there (not
+        when sharded over the ranks: NOTE [Frozen weights sharded over the ranks]), else on the host."""
+        home = Tier.HOST
+        if self._off is not None and name in self._off.homes and not self._in_shards(name):
+            home = self._off.homes[name]
+        if copy_tier(home) == Tier.NVME:
+            return NvmeCopy(stores[Tier.NVME], name, tuple(p.shape), p.dtype)
+        host = stores[Tier.HOST]
+        assert isinstance(host, MemoryStore)
+        return HostCopy(host.allocate(copy_key(name), p.shape, p.dtype, TensorClass.PARAM))
 
     def shard(self, buckets: list[Bucket], group: Group, dtype: torch.dtype, given: Optional[Values] = None) -> None:
         """Each frozen bucket's chunk at home, from rank 0's values (NOTE [Frozen weights sharded
@@ -138,15 +219,16 @@ class FrozenParams:
             self._sharded.initialize(b, values)
 
     def log_copies(self) -> None:
-        if self.copies:
-            nbytes = sum(t.numel() * t.element_size() for t in self.copies.values())
-            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in self.copies.values()})
+        if self._copies:
+            dtypes = sorted({str(self._meta[n][1]).removeprefix("torch.") for n in self._copies})
+            where = {Tier.HOST: "on the host", Tier.NVME: "on NVMe"}
+            held = {t: sum(c.nbytes for c in self._copies.values() if c.tier == t) for t in where}
             log.info(
-                "tiermem: %d frozen parameters keep a %s copy on the host beside their working copy "
-                "(%.2f GiB): load the model in the working precision to keep one copy only",
-                len(self.copies),
+                "tiermem: %d frozen parameters keep a %s copy beside their working copy (%s): load the "
+                "model in the working precision to keep one copy only",
+                len(self._copies),
                 "/".join(dtypes),
-                nbytes / 2**30,
+                ", ".join(f"{n / 2**30:.2f} GiB {where[t]}" for t, n in held.items() if n),
             )
 
     # -- as a collection -----------------------------------------------------------------------------
@@ -161,9 +243,9 @@ class FrozenParams:
 
     def pop(self, name: str) -> None:
         """``name`` trains from now on (NOTE [Freezing and unfreezing]); the caller deletes its
-        host copy's key from the host store."""
+        copy's key (:func:`copy_key`) from the stores."""
         del self._meta[name]
-        self.copies.pop(name, None)
+        self._copies.pop(name, None)
 
     def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """The parameter's shape and its own dtype, reading nothing."""
@@ -171,18 +253,19 @@ class FrozenParams:
 
     # -- values --------------------------------------------------------------------------------------
     def shown(self, name: str) -> torch.Tensor:
-        """The tensor a param group shows for it: its host copy, or the parameter itself."""
-        copy = self.copies.get(name)
-        return copy if copy is not None else self._module.get_parameter(name)
+        """The tensor a param group shows for it: its host copy, or the parameter itself (also for
+        one whose copy is on NVMe: a group holds nothing in host memory for it)."""
+        copy = self._copies.get(name)
+        return copy.tensor if isinstance(copy, HostCopy) else self._module.get_parameter(name)
 
     def value(self, name: str, *, own: bool = False) -> torch.Tensor:
-        """Its value in its own dtype, on the host: the host copy itself, or the working copy (the
-        parameter's data, copied from a GPU, or read from its home off the device; gathered when
-        sharded over the ranks: then collective). With ``own``, a tensor nothing else holds (a live
-        one is cloned; one read from home already is)."""
-        copy = self.copies.get(name)
+        """Its value in its own dtype, on the host: its copy (the host copy itself, or read from
+        NVMe), or the working copy (the parameter's data, copied from a GPU, or read from its home
+        off the device; gathered when sharded over the ranks: then collective). With ``own``, a
+        tensor nothing else holds (a live one is cloned; one read from home already is)."""
+        copy = self._copies.get(name)
         if copy is not None:
-            return copy.clone() if own else copy
+            return copy.read(own=own)
         if self._in_shards(name):
             assert self._sharded is not None
             with self._sharded.holding([name], "a checkpoint or detach()") as (held,):
@@ -196,10 +279,10 @@ class FrozenParams:
 
     def target(self, name: str) -> torch.Tensor:
         """A host tensor to read a new value into, then :meth:`write`: the host copy, the
-        parameter's data (the device is the CPU), or a new one."""
-        copy = self.copies.get(name)
+        parameter's data (the device is the CPU), or a new one (also for a copy on NVMe)."""
+        copy = self._copies.get(name)
         if copy is not None:
-            return copy
+            return copy.target()
         data = self._module.get_parameter(name).data
         if self._is_off(name) or self._in_shards(name) or data.device.type != "cpu":
             shape, dtype = self._meta[name]
@@ -207,11 +290,11 @@ class FrozenParams:
         return data
 
     def write(self, name: str, value: torch.Tensor) -> None:
-        """``value`` (in the parameter's own dtype) becomes the parameter's: its host copy, and its
+        """``value`` (in the parameter's own dtype) becomes the parameter's: its copy, and its
         working copy at its home."""
-        copy = self.copies.get(name)
-        if copy is not None and copy is not value:
-            copy.copy_(value)
+        copy = self._copies.get(name)
+        if copy is not None:
+            copy.write(value)
         p = self._module.get_parameter(name)
         if self._in_shards(name):
             assert self._sharded is not None
@@ -272,7 +355,15 @@ class FrozenParams:
 
     def collective(self, name: str) -> bool:
         """Whether reading ``name``'s value gathers it over the ranks (every rank must read it)."""
-        return name not in self.copies and self._in_shards(name)
+        return name not in self._copies and self._in_shards(name)
+
+    def keeps_copy(self, name: str) -> bool:
+        """Whether ``name`` keeps a copy in its own dtype beside its working copy."""
+        return name in self._copies
+
+    def write_copy(self, name: str, value: torch.Tensor) -> None:
+        """``value`` (in the parameter's own dtype) becomes its copy; its working copy is left as it is."""
+        self._copies[name].write(value)
 
     def _is_off(self, name: str) -> bool:
         return self._off is not None and name in self._off.homes

@@ -340,7 +340,7 @@ def _place_frozen(
 ) -> FrozenParams:
     """Frozen parameters: the working copy on the device or at its home off the device (under
     data parallelism, maybe sharded: NOTE [Frozen weights sharded over the ranks]), and a copy in
-    their own dtype on the host where that differs (NOTE [Frozen weights keep one copy])."""
+    their own dtype where that differs, on the host or on NVMe (NOTE [Frozen weights keep one copy])."""
     frozen = FrozenParams(module, weights_off_device, gathered)
     for name, p in module.named_parameters():
         if not p.requires_grad:

@@ -337,7 +337,7 @@ class ModelState:
 
     def rest(self, *, load: bool = False, pieces: bool = False) -> dict[str, torch.Tensor]:
         """The tensors a checkpoint holds besides the optimizer state, by name: ``frozen/<param>``
-        in the parameter's own dtype (NOTE [Frozen weights keep one copy]: its host copy, or its
+        in the parameter's own dtype (NOTE [Frozen weights keep one copy]: its copy, or its
         working copy read from home), ``buffers/<buffer>`` the module's. With ``load``, tensors to
         fill in place instead (a working copy off the device is not read), then
         :meth:`commit_rest` with them. With ``pieces``, the frozen parameters sharded over the
@@ -406,8 +406,10 @@ class ModelState:
             if name in slots:
                 b, s = slots[name]
                 by_bucket.setdefault(b.index, [b]).append((s, value))
-            elif name in self.layout.frozen.copies:  # else the working copy is its value: already home
-                _take(self.layout.frozen.copies[name], value)
+            elif self.layout.frozen.keeps_copy(name):  # else the working copy is its value: already home
+                copy = self.layout.frozen.value(name)  # the host copy itself, or read from NVMe
+                if _take(copy, value):
+                    self.layout.frozen.write_copy(name, copy)
         homes = self.layout.homes
         try:
             for b, *entries in by_bucket.values():

@@ -60,6 +60,7 @@ from tiermem.plan.footprint import WORKING_WEIGHTS, check_fits, footprint
 from tiermem.plan.placement import _info, format_of, place_training_state
 from tiermem.plan.policy import Policy, checked_place
 from tiermem.train.backward import GradCollector
+from tiermem.train.frozen import copy_key
 from tiermem.train.groups import check_listed
 from tiermem.train.hooks import HookSet
 from tiermem.train.in_backward import WindowGrads
@@ -282,8 +283,8 @@ class Trainable:
         self.grads.add([s for b in buckets for s in b.slots])
         for b in buckets:
             for s in b.slots:
-                self.stores[Tier.HOST].delete(f"{s.name}:frozen")
-                self.stores[Tier.DEVICE].delete(f"{s.name}:frozen")  # on the device: its working copy (or nothing)
+                for store in self.stores.values():  # its copy (host or NVMe); on the device its working copy
+                    store.delete(copy_key(s.name))
                 self.hooks.add(s.param.register_post_accumulate_grad_hook(self.grads.on_grad))
                 self._show_master(b, s, homes)
         log.info(
