@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -131,7 +132,4 @@ class TensorInfo:
     @property
     def numel(self) -> int:
         """The number of elements of ``shape``."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)

@@ -55,6 +55,16 @@ class Bucket:
         self.slots.append(Slot(name, param, self.numel, param.numel(), param.shape, order))
         self.numel += param.numel()
 
+    def slots_within(self, lo: int, hi: int) -> list[tuple[Slot, int, int]]:
+        """Each slot that elements ``[lo, hi)`` of the bucket overlap, with the overlap's first
+        and end element in its parameter."""
+        out = []
+        for s in self.slots:
+            first, last = max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset
+            if first < last:
+                out.append((s, first, last))
+        return out
+
     # NOTE [Chunks cut where the state allows]
     # Under data parallelism each rank owns one chunk of every bucket, ``chunk_size(world)``
     # elements at ``rank * chunk_size`` (the last short or empty, every chunk padded to that size for

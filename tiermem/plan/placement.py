@@ -136,13 +136,19 @@ def frozen_buckets(
     return buckets
 
 
+def adam_writes_device(compute: Tier, device_is_host: bool) -> bool:
+    """Whether Adam running on ``compute`` writes weights homed on the device in place: on the
+    device itself, or on the host when the device is the CPU (``device_is_host``: NOTE [A CPU
+    device])."""
+    return compute == Tier.DEVICE or (compute == Tier.HOST and device_is_host)
+
+
 def writes_weights_in_place(b: Bucket, sharded: bool, *, device_is_host: bool = False) -> bool:
     """Whether Adam writes ``b``'s new working weights straight into their home (no staging
-    buffer): weights on the device updated there, or this rank's chunk of sharded weights on the
-    tier where Adam runs, or weights on a CPU device updated by the host (``device_is_host``: NOTE
-    [A CPU device])."""
+    buffer): weights on the device (:func:`adam_writes_device`), or this rank's chunk of sharded
+    weights on the tier where Adam runs."""
     ct = compute_tier(b)
-    on_device = b.param_tier == Tier.DEVICE and (ct == Tier.DEVICE or (ct == Tier.HOST and device_is_host))
+    on_device = b.param_tier == Tier.DEVICE and adam_writes_device(ct, device_is_host)
     return on_device or (sharded and b.param_tier == ct)
 
 

@@ -189,7 +189,8 @@ class FrozenParams:
         """Room for ``p``'s copy in its own dtype: on NVMe beside a working copy homed there (not
         when sharded over the ranks: NOTE [Frozen weights sharded over the ranks]), else on the host."""
         home = Tier.HOST
-        if self._off is not None and name in self._off.homes and not self._in_shards(name):
+        if self._is_off(name) and not self._in_shards(name):
+            assert self._off is not None
             home = self._off.homes[name]
         if copy_tier(home) == Tier.NVME:
             return NvmeCopy(stores[Tier.NVME], name, tuple(p.shape), p.dtype)
@@ -206,12 +207,14 @@ class FrozenParams:
         for b in buckets:
             assert self._sharded is not None and b.frozen
             if given is not None and given.agreed:
-                values = torch.zeros(b.numel, dtype=dtype)  # the chunk filled, the rest unread
-                lo, hi = self._sharded.initial_span(b)
-                for s in b.slots:
-                    first, last = max(lo, s.offset), min(hi, s.offset + s.numel)
-                    if first < last:
-                        given.param_into(s.name, s.param, values[first:last], first - s.offset)
+                values = torch.empty(b.numel, dtype=dtype)  # the chunk filled, the rest unread
+                for s, first, last in b.slots_within(*self._sharded.initial_span(b)):
+                    out = values[s.offset + first : s.offset + last]
+                    kept = self._copies.get(s.name)
+                    if isinstance(kept, HostCopy):  # read once already, for its copy
+                        out.copy_(kept.tensor.reshape(-1)[first:last])
+                    else:
+                        given.param_into(s.name, s.param, out, first)
             else:
                 read = (lambda s: s.param.detach()) if given is None else (lambda s: given.param(s.name, s.param))
                 values = torch.cat([read(s).reshape(-1).to("cpu", dtype) for s in b.slots])

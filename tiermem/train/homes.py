@@ -33,6 +33,7 @@ import torch
 
 from tiermem.handles import Handle, wait_all
 from tiermem.plan.buckets import Bucket, Slot
+from tiermem.plan.placement import adam_writes_device
 from tiermem.train.offdevice import point
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
@@ -377,9 +378,7 @@ class DeviceWeights(WeightHome):
     def __init__(self, store, buckets: Sequence[Bucket], dtype: torch.dtype, engine: CopyService):
         self.engine = engine
         self._param = {b.index: store.allocate(f"{b.key}:param", (b.numel,), dtype, TensorClass.PARAM) for b in buckets}
-        # NOTE [A CPU device]: without an accelerator the device tier is host memory too, and the
-        # host's Adam writes the new weights where the parameters read them (no staging, no copy)
-        self._host_writable = store.device.type == "cpu"
+        self._device_is_host = store.device.type == "cpu"  # NOTE [A CPU device]
 
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:
         param = self._param[b.index]
@@ -388,8 +387,7 @@ class DeviceWeights(WeightHome):
             point(s.param, param[s.offset : s.offset + s.numel].view(s.shape))  # NOTE [Models on the meta device]
 
     def in_place(self, b: Bucket, compute_tier: Tier) -> Optional[torch.Tensor]:
-        writable = compute_tier == Tier.DEVICE or (compute_tier == Tier.HOST and self._host_writable)
-        return self._param[b.index] if writable else None
+        return self._param[b.index] if adam_writes_device(compute_tier, self._device_is_host) else None
 
     def write(self, b: Bucket, src: torch.Tensor, runs: Runs, src_tier: Tier) -> list[Handle]:
         param = self._param[b.index]

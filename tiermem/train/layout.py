@@ -288,12 +288,7 @@ def initial_pieces(homes: Homes, b: Bucket, agreed: bool) -> list[tuple[Slot, in
     if agreed:
         spans = (homes.state[b.index].initial_span(b), homes.weights[b.index].initial_span(b))
         lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
-    out = []
-    for s in b.slots:
-        first, last = max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset
-        if first < last:
-            out.append((s, first, last))
-    return out
+    return b.slots_within(lo, hi)
 
 
 def fill_homes(

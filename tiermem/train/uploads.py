@@ -87,6 +87,7 @@ class Uploads:
         self.inflight: dict[tuple[Tier, int], list[Handle]] = {}
         self._current: tuple[Tier, int] | None = None
         self._sent: dict[int, list[Handle]] = {}  # bucket -> the transfers of its new weights home
+        self._in_place: set[int] = set()  # buckets whose new weights Adam wrote at home
 
     def target(self, b: Bucket) -> Optional[torch.Tensor]:
         """Where Adam writes ``b``'s new weights; None when it writes none."""
@@ -97,9 +98,9 @@ class Uploads:
             return None
         tier = self.o.homes.compute_tier(b)
         direct = self.o.homes.weights[b.index].in_place(b, tier)
-        if direct is not None:  # new weights at home as Adam writes them: landed, for a failed step's roll-back
+        if direct is not None:
             self._current = None
-            self._sent.setdefault(b.index, []).append(Handle.completed(None))
+            self._in_place.add(b.index)  # at home as Adam writes them: landed, for a failed step's roll-back
             return direct
         which = (tier, self.turn % len(self.o.staging[tier]))
         with self.o.tracer.span("wait staging", "stall"):
@@ -117,7 +118,7 @@ class Uploads:
 
     def landed(self) -> set[int]:
         """The buckets some of whose new weights reached home (after :meth:`finish`)."""
-        return {index for index, hs in self._sent.items() if any(h.succeeded() for h in hs)}
+        return self._in_place | {index for index, hs in self._sent.items() if any(h.succeeded() for h in hs)}
 
     def finish(self, quiet: bool = False) -> None:
         handles = [h for hs in self.inflight.values() for h in hs]

@@ -40,8 +40,8 @@ gradient going home as backward produces it, an activation evicted) runs on the 
 instead of the d2h lane's: on a lane thread it ran beside backward, whose ops already use every
 core through torch's OpenMP team, so the two teams took turns on the cores and both slowed. On a
 2-core machine, a transformers Llama of 374M parameters under ZeroOffload (bench/step.py --llama
-374m), backward went from 1.37 s to 1.21 s with the copies on the caller's thread, and the step
-from 1.00x to 0.93x of the plain loop's (bench/RESULTS.md, 2026-12-06). Host->device requests keep
+374m, medians of 8 steps), backward went from 1.37 s to 1.27 s with the copies on the caller's
+thread, and the step from 1.00x to 0.94x of the plain loop's (bench/RESULTS.md, 2026-12-06). Host->device requests keep
 their lane: a prefetch is issued ahead of its use, and its copy runs while the caller goes on.
 """
 
