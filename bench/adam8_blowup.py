@@ -1,4 +1,4 @@
-"""The 8-bit Adam blow-up of NOTE [8-bit moment bound] (tiermem/optim/_quant.py), side by side:
+"""The 8-bit Adam blow-up of NOTE [8-bit moment bound] (tiermem/optim/kernels/quant.py), side by side:
 tiermem's CPUAdam8bit, torchao's AdamW8bit (where torchao is importable; it is not a dependency, so
 run with it on PYTHONPATH, e.g. ``pip install --target /tmp/torchao_pkg --no-deps torchao``), and
 torch's exact AdamW, on the gradient sequence that triggers it: in one block of 256, a gradient of 1

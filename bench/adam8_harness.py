@@ -3,7 +3,7 @@ library (issue 22, the kernel's speed).
 
     python bench/adam8_harness.py [--params 16M] [--cache 8192] [--repeat 9]
 
-It compiles, with the library's flags, the library's own C++ (tiermem/optim/_csrc_*.py SOURCE) beside
+It compiles, with the library's flags, the library's own C++ (tiermem/optim/kernels/csrc/*.py SOURCE) beside
 candidate versions of the kernel written here, and times each on one thread in CPU time of the
 calling thread (CLOCK_THREAD_CPUTIME_ID, so descheduling on a loaded machine does not count), in
 interleaved rounds, fastest of ``--repeat``; fp32 master, bf16 grad and out (TieredModel's call):
@@ -31,7 +31,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tiermem.optim import _csrc_adam8bit, _csrc_common, _csrc_elementwise, _native
+from tiermem.optim.kernels import native as _native
+from tiermem.optim.kernels.csrc import (
+    adam8bit as _csrc_adam8bit,
+    common as _csrc_common,
+    elementwise as _csrc_elementwise,
+)
 
 CANDIDATES = r"""
 #include <immintrin.h>
@@ -285,7 +290,7 @@ def main() -> None:
     args = ap.parse_args()
     t = args.params.strip().upper()
     big = int(float(t[:-1]) * {"K": 10**3, "M": 2**20}[t[-1]]) if t[-1] in "KM" else int(t)
-    from tiermem.optim import _quant
+    from tiermem.optim.kernels import quant as _quant
 
     qconst = ", ".join(
         f"{x!r}f" if x == x and abs(x) != float("inf") else "INFINITY" for x in _quant.CONSTANTS.tolist()

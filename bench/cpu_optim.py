@@ -5,7 +5,7 @@ torch's, in one run.
 
 1. Each fused kernel, bf16 gradient in and bf16 weights out (TieredModel's call, check_finite=False),
    against "its floor": a kernel that reads and writes exactly the same bytes with next to no
-   arithmetic, built by the same compiler with the same threads (tiermem/optim/_csrc_*.py
+   arithmetic, built by the same compiler with the same threads (tiermem/optim/kernels/csrc/*.py
    ``tm_streams*``, ``tm_adafactor_floor``). Bytes per parameter: Adam 28 (fp32 master and two
    moments read and written, grad and out 2 each), SGD with momentum / Adagrad / Lion 20, 8-bit Adam
    16, 8-bit Adam with bf16 master weights 12, Adam with bf16 master weights 20, Adafactor 20 over its
@@ -46,9 +46,6 @@ from tiermem.optim import (
     CPUAdam8bit,
     CPULion,
     StochasticRound,
-    _native,
-    _quant,
-    _run,
     adafactor_step,
     adagrad_step,
     adam8bit_step,
@@ -57,8 +54,9 @@ from tiermem.optim import (
     quantize_blockwise,
     sgd_step,
 )
-from tiermem.optim._hyper import AdamHyper
-from tiermem.optim._hypers import adam_scalars
+from tiermem.optim.adam_hyper import AdamHyper
+from tiermem.optim.hypers import adam_scalars
+from tiermem.optim.kernels import dispatch as _run, native as _native, quant as _quant
 
 BF16 = torch.bfloat16
 ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)

@@ -18,9 +18,10 @@ from typing import Callable
 
 import torch
 
-from tiermem.optim import StochasticRound, _native
-from tiermem.optim._hyper import AdamHyper
-from tiermem.optim._hypers import adam_scalars
+from tiermem.optim import StochasticRound
+from tiermem.optim.adam_hyper import AdamHyper
+from tiermem.optim.hypers import adam_scalars
+from tiermem.optim.kernels import native as _native
 
 BF16 = torch.bfloat16
 
@@ -28,10 +29,14 @@ BF16 = torch.bfloat16
 def base_library(rev: str) -> ctypes.CDLL:
     """The elementwise library built from the sources at git revision ``rev`` (cached as any other)."""
     sources = []
-    for mod, names in (("_csrc_common", ("SOURCE",)), ("_csrc_elementwise", ("ADAM_MATH", "SOURCE"))):
-        text = subprocess.run(
-            ["git", "show", f"{rev}:tiermem/optim/{mod}.py"], capture_output=True, text=True, check=True
-        ).stdout
+    for mod, names in (("common", ("SOURCE",)), ("elementwise", ("ADAM_MATH", "SOURCE"))):
+        # the sources' home since the layout of issue 33, and before it
+        for path in (f"tiermem/optim/kernels/csrc/{mod}.py", f"tiermem/optim/_csrc_{mod}.py"):
+            shown = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
+            if shown.returncode == 0:
+                break
+        shown.check_returncode()
+        text = shown.stdout
         ns: dict[str, object] = {}
         exec(compile(text, mod, "exec"), ns)
         sources += [str(ns[n]) for n in names]
@@ -51,7 +56,7 @@ def main() -> None:
     P, F = _native.ptr, _native.floats
     grad, out = (torch.randn(n) * 1e-3).to(BF16), torch.empty(n, dtype=BF16)
     keys = (ctypes.c_uint32 * 3)(*StochasticRound.for_parameter(0, "w").keys(1))
-    # the scalar layouts of tiermem/optim/_hypers.py: SGD momentum 0.9 with weight decay, not the first
+    # the scalar layouts of tiermem/optim/hypers.py: SGD momentum 0.9 with weight decay, not the first
     # step; Adagrad; Lion; AdamW
     sgd = F([1.0, 1.0, 0.01, 1.0, 0.9, 1.0, 0.0, 0.0, -1e-3])
     ada = F([1.0, 1.0, 0.01, 1.0, -1e-3, 1e-10])

@@ -1,5 +1,5 @@
-"""The native C++ Adam (``tm_adam``, tiermem/optim/_csrc_elementwise.py) against the torch.compile'd
-one (tiermem/optim/_compiled.py) on fp32 master weights: the cases the default ``adam_step`` runs.
+"""The native C++ Adam (``tm_adam``, tiermem/optim/kernels/csrc/elementwise.py) against the torch.compile'd
+one (tiermem/optim/kernels/compiled.py) on fp32 master weights: the cases the default ``adam_step`` runs.
 
     python bench/native_adam_ab.py [--bits-only | --speed-only] [--params 16] [--repeat 9]
 
@@ -24,9 +24,9 @@ from typing import Callable
 
 import torch
 
-from tiermem.optim import _compiled, _native, _run
-from tiermem.optim._hyper import AdamHyper
-from tiermem.optim._hypers import adam_scalars
+from tiermem.optim.adam_hyper import AdamHyper
+from tiermem.optim.hypers import adam_scalars
+from tiermem.optim.kernels import compiled as _compiled, dispatch as _run, native as _native
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 SIZES = (1, 2, 3, 7, 15, 16, 17, 31, 33, 63, 64, 65, 127, 1000, 4097, 65537, (1 << 20) + 3)

@@ -60,7 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench._fio
 
 from bench._fio import fio_job
-from tiermem.budgets import parse_bytes
+from tiermem.config.budgets import parse_bytes
 from tiermem.memory.aligned import ALIGN, aligned_empty, host_buffer, round_up
 from tiermem.memory.nvme import NvmeStore
 

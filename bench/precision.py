@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EMULATIONS = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 LINEAR = """
 import time, torch, torch.nn.functional as F
-from tiermem.config import resolve_precision
+from tiermem.config.specs import resolve_precision
 torch.set_num_threads(1)
 out = [resolve_precision("auto", torch.device("cpu"))]
 for dt in (torch.float32, torch.bfloat16):

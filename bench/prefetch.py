@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tiermem import TensorClass, TensorInfo, Tier
-from tiermem.budgets import parse_bytes
+from tiermem.config.budgets import parse_bytes
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.transfer.engine import TransferEngine

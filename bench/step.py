@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 from bench._common import run_again, token_batches
 from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args as build_config, lm_loss
 from tiermem import AdamW, TensorClass, Tier, TieredModel
-from tiermem.budgets import parse_bytes
+from tiermem.config.budgets import parse_bytes
 from tiermem.errors import fmt_bytes
 from tiermem.policies import KeepOnDevice, ZeroOffload
 

@@ -62,7 +62,7 @@ from bench._fio import sequential_bandwidth
 from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args, lm_loss
 from tiermem import AdamW, PerClass, TensorClass, Tier, TieredModel
 from tiermem.policies import ZeroInfinity, ZeroOffload
-from tiermem.train.weight_shards import shard_key
+from tiermem.train.weights.weight_shards import shard_key
 
 LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 

@@ -133,8 +133,8 @@ def make(setup: str, args: argparse.Namespace, nvme: str) -> TieredModel:
 def rank_main(rank: int, world: int, setup: str, variant: str, args: argparse.Namespace, tmp: str, out: str) -> None:
     warnings.filterwarnings("ignore")
     if variant == "replicated":  # the path before frozen weights were sharded: no frozen buckets
+        import tiermem.model.build as build_module
         import tiermem.plan.footprint as footprint_module
-        import tiermem.train.build as build_module
 
         build_module.frozen_buckets = footprint_module.frozen_buckets = lambda *a, **k: []  # type: ignore[assignment]
     tm = make(setup, args, tmp)
@@ -169,8 +169,8 @@ def save_rss(tm: TieredModel, args: argparse.Namespace, rank: int, path: str) ->
 def _gather_at_save() -> None:
     """The previous version's DCP save, in this one: no frozen pieces; every rank reads each
     frozen parameter gathered over the ranks and rank 0 keeps them all and writes them."""
-    from tiermem.train import checkpoint_dcp
-    from tiermem.train.state import ModelState
+    from tiermem.checkpoint import dcp as checkpoint_dcp
+    from tiermem.checkpoint.view import ModelState
 
     rest = ModelState.rest
 

@@ -1,6 +1,6 @@
 """A griffe extension for the docs build: the docstrings' Sphinx roles (``:class:`~tiermem.Tier```,
-``:mod:`tiermem.train.trainable```, ``:meth:`save```) rendered as inline code holding the name
-(``Tier``, ``tiermem.train.trainable``, ``save``), as mkdocstrings' Google style shows no roles.
+``:mod:`tiermem.train.step.trainable```, ``:meth:`save```) rendered as inline code holding the name
+(``Tier``, ``tiermem.train.step.trainable``, ``save``), as mkdocstrings' Google style shows no roles.
 Loaded by mkdocs.yml; nothing in the library imports it."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples
 from examples.gpt import GPT, PRESETS, GPTConfig, lm_loss, load_tokens
 from examples.train_gpt import get_batch
 from tiermem import AdamW, Policy, Report, TensorClass, TensorInfo, Tier, TieredModel
-from tiermem.config import resolve_precision, working_dtype
+from tiermem.config.specs import resolve_precision, working_dtype
 from tiermem.errors import fmt_bytes
 from tiermem.policies import ZeroOffload
 
@@ -57,7 +57,7 @@ class EmbeddingStateOnNvme(Policy):
 
 
 # -- the rest of the example: train, then check --------------------------------------------------
-# bf16 where the device computes it natively, else fp32 (NOTE [Choosing the precision] in tiermem/precision.py)
+# bf16 where the device computes it natively, else fp32 (NOTE [Choosing the precision] in tiermem/config/precision.py)
 PRECISION = resolve_precision("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 

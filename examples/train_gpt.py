@@ -13,13 +13,13 @@ Adam's moments live on the host, where Adam runs. On a machine without an accele
 are the CPU's memory, so the run shows the data flow and the report rather than a speed-up.
 ``--precision auto`` (the default) is bf16 where the device computes it natively (a GPU with bf16,
 a CPU with AVX512-BF16 or AMX) and fp32 on other CPUs, where bf16 matmuls run several times slower
-(NOTE [Choosing the precision] in tiermem/precision.py; `tiermem info` says which this machine gets).
+(NOTE [Choosing the precision] in tiermem/config/precision.py; `tiermem info` says which this machine gets).
 
 Launched by torchrun (WORLD_SIZE > 1), the script joins the process group itself (gloo on the
 CPU, NCCL on GPUs: LOCAL_RANK, the rank on its node, picks the GPU) and TieredModel shards
 gradients and optimizer state over the ranks (NOTE [Data parallel] in
 tiermem/transfer/collectives.py), and the weights too when they live off the device or with
---shard-weights (NOTE [Weights sharded over the ranks] in tiermem/train/gathered.py). Each rank
+--shard-weights (NOTE [Weights sharded over the ranks] in tiermem/train/weights/gathered.py). Each rank
 draws its own batches (the seed offset by its global rank); global rank 0 prints, losses
 averaged over the ranks, throughput counting every rank's tokens, and alone writes the trace.
 Each rank keeps its NVMe files under ``--nvme-dir``/rank<global rank>; ``--save`` writes a

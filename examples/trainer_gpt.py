@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a config
 from transformers import TrainingArguments
 
 from examples.from_deepspeed import byte_blocks, tiny_gpt2
-from tiermem.config import resolve_precision
+from tiermem.config.specs import resolve_precision
 from tiermem.integrations.transformers import TieredTrainer
 
 
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     # bf16 where the device computes it natively, else fp32 (tiermem's precision="auto": NOTE [Choosing the
-    # precision] in tiermem/config.py); TrainingArguments(bf16=True) is tiermem's bf16 either way
+    # precision] in tiermem/config/specs.py); TrainingArguments(bf16=True) is tiermem's bf16 either way
     bf16 = resolve_precision("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu")) == "bf16"
     args = TrainingArguments(
         a.out,

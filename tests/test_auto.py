@@ -295,18 +295,18 @@ def test_auto_needs_the_whole_model_and_a_planner():
 
 
 def test_without_a_profile_the_machine_is_measured_once_and_saved(tmp_path, monkeypatch, caplog):
-    from tiermem.train import machine
+    from tiermem.model import machine
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(machine, "_BYTES", 2**20)  # a test must not spend long measuring
     monkeypatch.setattr(machine, "_ADAM_PARAMS", 2**14)
-    with caplog.at_level(logging.WARNING, logger="tiermem.train.machine"):
+    with caplog.at_level(logging.WARNING, logger="tiermem.model.machine"):
         tm = _tm(Auto())
     assert "measuring this machine once" in caplog.text
     assert (tmp_path / "cache" / "tiermem" / "profile.json").is_file()
     assert tm.placement.chosen is not None
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tiermem.train.machine"):
+    with caplog.at_level(logging.WARNING, logger="tiermem.model.machine"):
         _tm(Auto())
     assert "measuring" not in caplog.text  # the saved profile is used from then on
 

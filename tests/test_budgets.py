@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from tiermem import Budgets, ConfigError, OutOfTierMemory, Tier, TierMemError
-from tiermem.budgets import parse_bytes
+from tiermem.config.budgets import parse_bytes
 from tiermem.memory.ledger import Ledger
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tiermem import StoreError, TierMemError
-from tiermem.train import checkpoint
+from tiermem.checkpoint import file as checkpoint
 
 
 class FakeState:
-    """What :class:`tiermem.train.state.ModelState` offers checkpoint.py, over a dict."""
+    """What :class:`tiermem.checkpoint.view.ModelState` offers checkpoint.py, over a dict."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], meta: dict | None = None, fail_after: int | None = None):
         self.t, self._meta, self.fail_after = tensors, meta or {"step": 3}, fail_after

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tiermem import AdamW, ConfigError, PerClass, StoreError, TensorClass, Tier, TieredModel, TierMemError
-from tiermem.train import checkpoint_dir
-from tiermem.train.checkpoint_shards import ShardedValue, flat_boxes
+from tiermem.checkpoint import directory as checkpoint_dir
+from tiermem.checkpoint.shards import ShardedValue, flat_boxes
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

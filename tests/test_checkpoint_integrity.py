@@ -20,7 +20,7 @@ import xxhash
 from models import Quirky, TinyGPT, gpt_batch, gpt_loss, same_state
 
 from tiermem import AdamW, StoreError, TieredModel, TierMemError
-from tiermem.train import checkpoint
+from tiermem.checkpoint import file as checkpoint
 
 _TAIL = struct.Struct("<QQ")  # NOTE [Checkpoint format]: footer length, footer xxh3_64, then MAGIC
 

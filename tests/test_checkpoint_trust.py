@@ -24,9 +24,9 @@ from ranks import forkserver, run_ranks
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from tiermem import AdamW, StoreError, TieredModel, TierMemError
+from tiermem.checkpoint import dcp as checkpoint_dcp, directory as checkpoint_dir
+from tiermem.checkpoint.footer import MAGIC
 from tiermem.policies import ZeroOffload
-from tiermem.train import checkpoint_dcp, checkpoint_dir
-from tiermem.train.checkpoint_footer import MAGIC
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from tiermem import AdamW, Policy, TensorClass, Tier, TieredModel
 from tiermem.policies import ActivationOffload, Auto, KeepOnDevice, ZeroInfinity, ZeroOffload
 from tiermem.train.activations import ActivationOffloader
-from tiermem.train.offdevice import OffDeviceWeight
+from tiermem.train.weights.offdevice import OffDeviceWeight
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
@@ -179,7 +179,7 @@ def test_compiled_model_under_zero_infinity_runs_eagerly_with_the_uncompiled_num
     torch.manual_seed(0)
     eager = _train_gpt(TinyGPT(), policy=ZeroOffload(), overlap_step=overlap)
     torch.manual_seed(0)
-    with caplog.at_level(logging.WARNING, logger="tiermem.train.build"):
+    with caplog.at_level(logging.WARNING, logger="tiermem.model.build"):
         compiled = _train_gpt(make(), **_policies(tmp_path)["zero-infinity"], overlap_step=overlap)
     assert "forward runs eagerly" in caplog.text
     assert compiled[0] == eager[0] and same_state(compiled[1], eager[1])

@@ -17,7 +17,7 @@ from models import TinyGPT
 
 import tiermem
 from tiermem import Adam, AdamW, ConfigError, LossScale, TensorClass, Tier, TieredModel
-from tiermem.deepspeed_config import OffloadPolicy, translate
+from tiermem.integrations.deepspeed.walk import OffloadPolicy, translate
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
 
 # As in DeepSpeed's ZeRO-Offload tutorial and the HF Trainer's ds_config_zero2.json ("auto": the
@@ -202,7 +202,7 @@ def test_trains_as_the_tiered_model_it_describes(tmp_path, caplog, example):
         )
     with caplog.at_level(logging.WARNING, logger="tiermem"):
         tm = tiermem.from_deepspeed_config(_model(), cfg, **fills)
-    lines = [r.getMessage() for r in caplog.records if r.name == "tiermem.deepspeed_config"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "tiermem.integrations.deepspeed.walk"]
     # (the fp16 block is off when bf16 is asked for: its hysteresis does not matter then)
     assert noted(lines) == (OFFLOAD_IGNORED - {"fp16.hysteresis"} if example == "zero-offload" else INFINITY_IGNORED)
     ref = TieredModel(_model(), **by_hand)
@@ -407,7 +407,9 @@ def test_deprecated_cpu_offload_keys_are_read_as_deepspeed_reads_them_and_said(c
     with caplog.at_level(logging.WARNING, logger="tiermem"):
         tm = tiermem.from_deepspeed_config(torch.nn.Linear(4, 4), {"zero_optimization": zero})
     assert repr(tm.policy) == repr(policy)
-    assert any("is deprecated" in r.getMessage() for r in caplog.records if r.name == "tiermem.deepspeed_config")
+    assert any(
+        "is deprecated" in r.getMessage() for r in caplog.records if r.name == "tiermem.integrations.deepspeed.walk"
+    )
 
 
 def test_cpu_offload_use_pin_memory_is_said_not_honoured():

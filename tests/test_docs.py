@@ -206,7 +206,7 @@ def test_architecture_page_gives_each_module_its_layer():
     text = (ROOT / "docs" / "architecture.md").read_text()
     rows: dict[int, str] = {}
     for line in text.splitlines():
-        m = re.match(r"^\| (\d) \|(.*)", line)
+        m = re.match(r"^\| (\d+) \|(.*)", line)
         if m:
             rows[int(m.group(1))] = rows.get(int(m.group(1)), "") + m.group(2)
     for module, layer in LAYERS.items():

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 from fresh import run_python  # noqa: E402
 
 from examples.gpt import GPT, CharTokenizer, GPTConfig, generate, lm_loss, load_corpus  # noqa: E402
-from tiermem.config import resolve_precision  # noqa: E402
+from tiermem.config.specs import resolve_precision  # noqa: E402
 
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+) \| loss (\d+\.\d+)", re.MULTILINE)
 

@@ -1,5 +1,5 @@
 """Failure paths of a step that other tests leave out: an update that fails in the background under
-overlap_step (NOTE [A failed background update] in tiermem/train/stepper.py), and an NVMe write that
+overlap_step (NOTE [A failed background update] in tiermem/train/step/stepper.py), and an NVMe write that
 fails on one rank of two under data parallelism."""
 
 from __future__ import annotations

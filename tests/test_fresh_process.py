@@ -1,5 +1,5 @@
 """What a fresh process that trains pays for: NOTE [Construction without dynamo] in
-tiermem/train/optimizer.py and NOTE [Native build without inductor] in tiermem/optim/_native.py."""
+tiermem/model/torch_optimizer.py and NOTE [Native build without inductor] in tiermem/optim/kernels/native.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tiermem.optim import _native
+from tiermem.optim.kernels import native as _native
 
 TRAIN = """
 import sys, torch

@@ -1,6 +1,6 @@
 """tiermem.transfer.gather_schedule: which sharded buckets are gathered, kept or freed, decided from
 the accesses alone (NOTE [A gather schedule every rank takes alike]); and the announced gathers of
-tiermem.train.weight_shards, with a stand-in group."""
+tiermem.train.weights.weight_shards, with a stand-in group."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from tiermem import TierMemError
 from tiermem.plan.buckets import Bucket
-from tiermem.train.weight_shards import END, GATHER, Gatherer
+from tiermem.train.weights.weight_shards import END, GATHER, Gatherer
 from tiermem.transfer.collectives import Group, Pending
 from tiermem.transfer.gather_schedule import GatherSchedule
 

@@ -417,8 +417,8 @@ def test_device_adam_matches_torchs_fused_adamw_and_makes_its_step_once_per_step
     """The device kernel (torch's fused AdamW, one launch) runs on CPU tensors too: two steps of it
     equal torch.optim.AdamW(fused=True) bit for bit, and the step scalar it reads is made once per
     step (per thread and stream), not per bucket."""
-    from tiermem.optim import _kernels
-    from tiermem.optim._hyper import AdamHyper
+    from tiermem.optim.adam_hyper import AdamHyper
+    from tiermem.optim.kernels import eager as _kernels
 
     g = torch.Generator().manual_seed(0)
     p0, grads = torch.randn(1031, generator=g), [torch.randn(1031, generator=g) for _ in range(2)]

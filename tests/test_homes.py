@@ -1,8 +1,8 @@
-"""Contract tests for the homes (NOTE [Homes] in tiermem/train/homes.py).
+"""Contract tests for the homes (NOTE [Homes] in tiermem/train/homes/per_class.py).
 
 Each interface is tested once, in its own words, against every home that implements it: the
 cases below are tables, so a new home (another rank's memory) is one more row. A backward is
-driven here as :class:`tiermem.train.backward.GradCollector` drives it: each slot's device grad
+driven here as :class:`tiermem.train.step.grads.GradCollector` drives it: each slot's device grad
 copied into ``landing`` (added when the slot already got one in this step), then ``arrived``.
 Gradients are integer-valued floats, so every sum is exact and every check is bit-exact.
 """
@@ -26,11 +26,11 @@ from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket, Placed, plan_buckets
 from tiermem.plan.placement import compute_tier
-from tiermem.train.homes import DeviceWeights, GradHome, MemoryGrads, MemoryState, StateHome, WeightHome
+from tiermem.train.homes.nvme_grads import NvmeGrads
+from tiermem.train.homes.nvme_state import NvmeState
+from tiermem.train.homes.per_class import DeviceWeights, GradHome, MemoryGrads, MemoryState, StateHome, WeightHome
 from tiermem.train.hooks import HookSet
-from tiermem.train.nvme_grads import NvmeGrads
-from tiermem.train.nvme_state import NvmeState
-from tiermem.train.param_offload import ParamOffload
+from tiermem.train.weights.param_offload import ParamOffload
 from tiermem.transfer.engine import TransferEngine
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import ResidencyScheduler

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tiermem import AdamW, ConfigError, TieredModel
-from tiermem.train.inputs import cast_inputs
+from tiermem.model.inputs import cast_inputs
 
 META = torch.device("meta")
 

@@ -1,5 +1,5 @@
 """A bf16 master and its working weights kept as one copy (NOTE [One copy of bf16 master weights] in
-tiermem/train/param_offload.py): the bytes each tier holds, the numbers (bit for bit those of
+tiermem/train/weights/param_offload.py): the bytes each tier holds, the numbers (bit for bit those of
 every other placement), checkpoints, and a failed step's retry. Oracle: the same run under
 KeepOnDevice, whose weights and master are two tensors in device memory."""
 

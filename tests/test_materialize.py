@@ -204,7 +204,7 @@ def test_a_bad_checkpoint_is_refused_and_leaves_nothing_behind(case, tmp_path):
 def test_a_failure_while_reading_gives_the_module_back_on_meta(tmp_path, monkeypatch):
     """A read that fails halfway through the build (an I/O error on the third tensor): the parameters
     already built are on the meta device again, the homes are gone."""
-    from tiermem.train import weights_file
+    from tiermem.checkpoint import weights_file
 
     torch.manual_seed(1)
     ckpt = _checkpoint(tmp_path, TinyGPT())
@@ -416,8 +416,8 @@ def test_shards_written_as_they_are_read_are_what_safetensors_reads(tmp_path, mo
     """NOTE [Shards written as they are read]: tensors of every dtype (empty and 0-d ones too),
     written by the writer thread with few bytes in flight (so that reads wait for writes), split
     into shards at the limit; safetensors' own loader reads back each shard's tensors bit for bit."""
+    from tiermem.checkpoint import save_pretrained as pretrained_save
     from tiermem.observe.progress import Progress
-    from tiermem.train import pretrained_save
 
     g = torch.Generator().manual_seed(4)
     tensors = [
@@ -453,7 +453,7 @@ def test_a_save_that_fails_part_way_leaves_the_earlier_one_and_no_trace(tmp_path
     """A write that fails in the writer thread (the disk full on the third tensor): the save raises
     a tiermem error naming the cause, the directory keeps the earlier save as it was, no working
     directory and no open file are left, and the next save works."""
-    from tiermem.train import pretrained_save
+    from tiermem.checkpoint import save_pretrained as pretrained_save
 
     torch.manual_seed(0)
     tm = _wrap(TinyGPT(), "zero-infinity", tmp_path)
@@ -601,7 +601,7 @@ def test_a_safetensors_file_is_read_tensor_by_tensor_as_the_package_reads_it(tmp
     at a time]): every dtype, empty and 0-d tensors, in the announced order, in another, and
     unannounced, the same bytes as safetensors' own loader; a tensor whose bytes were cut off after
     the header was checked is an error naming it."""
-    from tiermem.train.weights_file import open_weights
+    from tiermem.checkpoint.weights_file import open_weights
 
     g = torch.Generator().manual_seed(3)
     tensors = {
@@ -637,9 +637,9 @@ def test_a_range_of_a_tensor_reads_those_elements_alone(kind, tmp_path, monkeypa
     element range of each parameter (row-major). Of a safetensors file exactly those bytes are read
     (``read_into`` at an offset, in the stored dtype; ``read_flat`` and a cast otherwise); a torch
     file's map is sliced. ``FromCheckpoint.param_into`` gives the same elements in the model's dtype."""
-    from tiermem.train import weights_file
-    from tiermem.train.materialize import FromCheckpoint
-    from tiermem.train.weights_file import open_weights
+    from tiermem.checkpoint import weights_file
+    from tiermem.checkpoint.weights_file import open_weights
+    from tiermem.train.weights.materialize import FromCheckpoint
 
     g = torch.Generator().manual_seed(5)
     tensors = {"a.weight": torch.randn(7, 13, generator=g), "b.weight": torch.randn(5, 3, generator=g).bfloat16()}

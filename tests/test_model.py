@@ -275,7 +275,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     from tiermem import StoreError
-    from tiermem.train import checkpoint
+    from tiermem.checkpoint import file as checkpoint
 
     monkeypatch.setattr(checkpoint.os, "fsync", full_disk)
     with pytest.raises(StoreError, match="No space left on device.*previous checkpoint there is unchanged"):

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from tiermem import AdamW, TieredModel, TierMemError
 from tiermem.memory import deferred
 from tiermem.policies import ZeroInfinity, ZeroOffload
-from tiermem.train.offdevice import OffDeviceWeight
+from tiermem.train.weights.offdevice import OffDeviceWeight
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,7 +17,8 @@ from hypothesis import assume, example, given, settings, strategies as st
 from tolerance import assert_kernel_agrees
 
 from tiermem import ConfigError, TierMemError
-from tiermem.optim import _compiled, _native, adam_step, functional, implementation
+from tiermem.optim import adam_step, functional, implementation
+from tiermem.optim.kernels import compiled as _compiled, native as _native
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # (grad dtype, out dtype, adamw, beta1 choices): the compiled variants the tests exercise. beta1 <= 0.5

@@ -1,4 +1,4 @@
-"""8-bit Adam (NOTE [8-bit state] in tiermem/optim/_quant.py): the native quantizer and kernel against
+"""8-bit Adam (NOTE [8-bit state] in tiermem/optim/kernels/quant.py): the native quantizer and kernel against
 the torch-ops reference bit for bit, the quantization error bound, one step against fp32 Adam, a
 tiny model trained 200 steps against torch's AdamW, the block layout, and CPUAdam8bit's state."""
 
@@ -18,8 +18,6 @@ from tiermem.optim import (
     CPUAdam,
     CPUAdam8bit,
     StochasticRound,
-    _native,
-    _quant,
     adam8bit_step,
     adam_step,
     dequantize_blockwise,
@@ -27,8 +25,9 @@ from tiermem.optim import (
     state_bytes,
     state_layout,
 )
-from tiermem.optim._hyper import AdamHyper
-from tiermem.optim._hypers import adam_scalars
+from tiermem.optim.adam_hyper import AdamHyper
+from tiermem.optim.hypers import adam_scalars
+from tiermem.optim.kernels import native as _native, quant as _quant
 
 BF16 = torch.bfloat16
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)

@@ -1,7 +1,7 @@
 """The drop-in optimizers against torch.optim.Optimizer's whole contract (NOTE [Drop-in contract] in
-tiermem/optim/_dropin.py): what torch accepts works as in torch (the installed torch is the oracle),
+tiermem/optim/dropin/shared.py): what torch accepts works as in torch (the installed torch is the oracle),
 what a drop-in does not implement is refused by name, at construction and at load_state_dict; and the
-8-bit Adam's updates stay within exact Adam's bound (NOTE [8-bit moment bound] in tiermem/optim/_quant.py).
+8-bit Adam's updates stay within exact Adam's bound (NOTE [8-bit moment bound] in tiermem/optim/kernels/quant.py).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def test_state_is_fp32_under_a_bf16_default_dtype_and_kernels_check_what_they_re
 
 def test_the_native_call_checks_state_dtypes_itself():
     """The kernel boundary itself (not only the drop-in's step) refuses a state tensor of another dtype."""
-    from tiermem.optim import _native, _run
+    from tiermem.optim.kernels import dispatch as _run, native as _native
 
     lib = _run.native_library(_run.ADAM8BIT)
     if lib is None:

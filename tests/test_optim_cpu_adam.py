@@ -198,7 +198,7 @@ def test_one_rule_for_every_adam(name, value, accepted):
     """NOTE [Adam hyperparameter rules]: the AdamW spec, CPUAdam and adam_step accept and refuse the
     same values, each naming itself, the hyperparameter and the value."""
     from tiermem import AdamW
-    from tiermem.optim._hyper import AdamHyper
+    from tiermem.optim.adam_hyper import AdamHyper
 
     betas = {"beta1": lambda v: (v, 0.999), "beta2": lambda v: (0.9, v)}
     kw = {"betas": betas[name](value)} if name in betas else {name: value}

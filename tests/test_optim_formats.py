@@ -19,9 +19,10 @@ from tolerance import assert_within, fp32_bound
 
 import tiermem
 from tiermem import ConfigError, PerClass, TensorClass, Tier, TieredModel, TierMemError
-from tiermem.optim import _quant, dequantize_blockwise, quantize_blockwise
+from tiermem.checkpoint import file as checkpoint
+from tiermem.optim import dequantize_blockwise, quantize_blockwise
+from tiermem.optim.kernels import quant as _quant
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
-from tiermem.train import checkpoint
 
 STEPS = 4
 SMALL_8BIT = 256  # TinyGPT's matrices are below bitsandbytes' 4096: quantize those of 256 elements and more

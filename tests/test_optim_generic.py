@@ -1,4 +1,4 @@
-"""The generic path (NOTE [Generic optimizers] in tiermem/optim_generic.py): any other torch optimizer
+"""The generic path (NOTE [Generic optimizers] in tiermem/config/generic_optim.py): any other torch optimizer
 runs its own step() on the fp32 master weights where the state lives. Oracle: the same optimizer in a
 plain fp32 loop; it is the same code on the same numbers, so the results are bit-identical (the
 spread of its for-loop and foreach variants, measured, is printed by the asserts for scale)."""

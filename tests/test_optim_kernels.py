@@ -18,7 +18,8 @@ from hypothesis import given, settings, strategies as st
 from tolerance import assert_kernel_agrees, assert_within
 
 from tiermem import ConfigError, TierMemError
-from tiermem.optim import StochasticRound, _native, _run, adagrad_step, adam_step, lion_step, sgd_step
+from tiermem.optim import StochasticRound, adagrad_step, adam_step, lion_step, sgd_step
+from tiermem.optim.kernels import dispatch as _run, native as _native
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 SIZES = st.one_of(st.sampled_from([1, 2, 15, 16, 17, 257, 1021, 40_000]), st.integers(1, 3000))
@@ -403,7 +404,7 @@ def test_adafactor_nonfinite_grad_changes_nothing_and_wrong_state_is_refused():
 def test_native_fp32_adam_is_the_compiled_kernel(grad_dtype, out_dtype, adamw, beta1):
     """CPUAdam steps fp32 weights with the native kernel (NOTE [Drop-in speed]); adam_step with the
     compiled one. Both are the reference bit for bit, so each other."""
-    from tiermem.optim._hyper import AdamHyper
+    from tiermem.optim.adam_hyper import AdamHyper
 
     master0, state0 = make("adam", 40_003, 9)
     grads = [(torch.randn(40_003) * 0.1).to(grad_dtype) for _ in range(3)]

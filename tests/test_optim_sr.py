@@ -1,4 +1,4 @@
-"""bf16 master weights with stochastic rounding (NOTE [Stochastic rounding bits] in tiermem/optim/_sr.py):
+"""bf16 master weights with stochastic rounding (NOTE [Stochastic rounding bits] in tiermem/optim/kernels/sr.py):
 the rounding is unbiased, reproducible, keyed by (seed, parameter, step, element) only (not by how a
 tensor is cut into calls), and lets updates far below a bf16 ulp accumulate where rounding to
 nearest loses them."""
@@ -12,8 +12,6 @@ import torch
 
 from tiermem.optim import (
     StochasticRound,
-    _native,
-    _sr,
     adafactor_step,
     adam8bit_step,
     adam_step,
@@ -21,6 +19,7 @@ from tiermem.optim import (
     quantize_blockwise,
     sgd_step,
 )
+from tiermem.optim.kernels import native as _native, sr as _sr
 
 BF16 = torch.bfloat16
 

@@ -13,7 +13,7 @@ from torch import nn
 from tiermem import AdamW, Budgets, OutOfTierMemory, TensorClass, Tier, TieredModel, TierMemError
 from tiermem.plan.policy import Policy
 from tiermem.policies import ZeroInfinity, ZeroOffload
-from tiermem.train.offdevice import OffDeviceWeight
+from tiermem.train.weights.offdevice import OffDeviceWeight
 
 
 class Scatter(Policy):

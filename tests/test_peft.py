@@ -35,7 +35,7 @@ from tolerance import assert_adam_within, second_moments  # noqa: E402
 
 from tiermem import AdamW, Budgets, TieredModel  # noqa: E402
 from tiermem.policies import ActivationOffload, Auto, KeepOnDevice, ZeroInfinity, ZeroOffload  # noqa: E402
-from tiermem.train.offdevice import OffDeviceWeight  # noqa: E402
+from tiermem.train.weights.offdevice import OffDeviceWeight  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 transformers.logging.set_verbosity_error()

@@ -170,8 +170,8 @@ def test_tokens_predict_the_compute_at_the_matmul_rate_of_the_precision(capsys, 
     """``--tokens`` (Auto(tokens_per_step=...)): forward and backward predicted as 6 FLOPs per parameter
     and token at the profile's matmul rate of the precision planned for, one CPU thread's figure
     times torch's threads; and --precision auto plans for this machine's precision."""
-    from tiermem.config import CpuFeatures
-    from tiermem.train import compute
+    from tiermem.config.specs import CpuFeatures
+    from tiermem.model import compute
 
     monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls: CpuFeatures("AVX2", False, False)))
     monkeypatch.setattr(compute, "_sections", {})

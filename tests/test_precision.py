@@ -1,6 +1,6 @@
-"""precision="auto" (NOTE [Choosing the precision] in tiermem/precision.py) and the matmul figures behind
+"""precision="auto" (NOTE [Choosing the precision] in tiermem/config/precision.py) and the matmul figures behind
 the warning for a precision the CPU is slow at (NOTE [A precision the CPU is slow at] in
-tiermem/train/compute.py), with the CPU's features and the measured figures made up."""
+tiermem/model/compute.py), with the CPU's features and the measured figures made up."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from torch import nn
 
 from tiermem import AdamW, ConfigError, TieredModel
 from tiermem.cli import main
-from tiermem.config import CpuFeatures, auto_precision, resolve_precision
+from tiermem.config.specs import CpuFeatures, auto_precision, resolve_precision
+from tiermem.model import compute
 from tiermem.plan import profile
-from tiermem.train import compute
 
 CPU = torch.device("cpu")
 AVX2 = CpuFeatures("AVX2", avx512_bf16=False, amx=False)
@@ -87,7 +87,7 @@ def test_auto_under_the_avx2_emulation_is_fp32():
 
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     code = (
-        "import torch; from tiermem.config import CpuFeatures, resolve_precision; f = CpuFeatures.detect(); "
+        "import torch; from tiermem.config.specs import CpuFeatures, resolve_precision; f = CpuFeatures.detect(); "
         "print(f.onednn_max_isa, f.native_bf16, resolve_precision('auto', torch.device('cpu')))"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -239,8 +239,8 @@ def test_the_figures_are_measured_once_and_saved_then_read_back(fresh, monkeypat
 def test_a_partial_profile_is_completed_for_the_cost_model(fresh, monkeypatch):
     """The matmul figures saved alone (a first bf16 model) leave the rest of the profile to be measured
     the first time Auto needs it; then every figure is there."""
+    from tiermem.model import machine
     from tiermem.policies import Auto
-    from tiermem.train import machine
 
     monkeypatch.setattr(machine, "_BYTES", 2**20)  # a test must not spend long measuring
     monkeypatch.setattr(machine, "_ADAM_PARAMS", 2**14)

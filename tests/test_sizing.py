@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tiermem import config
+from tiermem.config import specs as config
 from tiermem.errors import ConfigError
 from tiermem.plan import sizing
 from tiermem.plan.sizing import Limits, StateBytes
@@ -160,7 +160,7 @@ def test_errors(call, match):
 
 
 def test_precisions_are_the_configs():
-    """One list of precisions (tiermem.config); plan's bytes per element are its dtypes' sizes."""
+    """One list of precisions (tiermem.config.specs); plan's bytes per element are its dtypes' sizes."""
     assert sizing.PRECISIONS == tuple(config.PRECISIONS)
     for precision, dtype in config.PRECISIONS.items():
         assert sizing.bytes_per_param(precision).params == dtype.itemsize == DTYPE[precision].itemsize

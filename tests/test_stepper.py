@@ -15,12 +15,12 @@ from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import STATE_PARTS
 from tiermem.plan.placement import plan
 from tiermem.policies import ZeroOffload
-from tiermem.train.backward import GradCollector
-from tiermem.train.homes import DeviceWeights, Homes, MemoryGrads, MemoryState, StateHome
+from tiermem.train.homes.per_class import DeviceWeights, Homes, MemoryGrads, MemoryState, StateHome
+from tiermem.train.homes.uploads import Outputs
 from tiermem.train.layout import build
-from tiermem.train.scaler import LossScaler
-from tiermem.train.stepper import Stepper
-from tiermem.train.uploads import Outputs
+from tiermem.train.step.grads import GradCollector
+from tiermem.train.step.scaler import LossScaler
+from tiermem.train.step.stepper import Stepper
 from tiermem.transfer.engine import TransferEngine
 
 #: the one param group of _model(), as tm.optimizer shows it (the step reads each parameter's group by name)

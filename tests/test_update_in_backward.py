@@ -148,8 +148,8 @@ def test_the_footprint_counts_a_window_instead_of_the_grads():
 
     tm = _make(ZeroOffload(), None, update_in_backward=True)
     ref = _make(ZeroOffload(), None)
-    from tiermem.train.build import _footprint  # the rule TieredModel checks its budgets with
-    from tiermem.train.options import validate
+    from tiermem.model.build import _footprint  # the rule TieredModel checks its budgets with
+    from tiermem.model.options import validate
 
     def need(model, flag):
         opts = validate(

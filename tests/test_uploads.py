@@ -20,8 +20,8 @@ from tiermem.handles import Handle
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket, Placed, plan_buckets
-from tiermem.train.homes import DeviceWeights, Homes, MemoryState, Runs, WeightHome
-from tiermem.train.uploads import Outputs
+from tiermem.train.homes.per_class import DeviceWeights, Homes, MemoryState, Runs, WeightHome
+from tiermem.train.homes.uploads import Outputs
 from tiermem.transfer.engine import TransferEngine
 from tiermem.types import Tier
 

@@ -26,7 +26,7 @@ from tolerance import assert_adam_within, second_moments  # noqa: E402
 from tiermem import TensorClass, Tier, TieredModel  # noqa: E402
 from tiermem.plan import footprint as fp  # noqa: E402
 from tiermem.policies import ZeroInfinity, ZeroOffload  # noqa: E402
-from tiermem.train.weight_shards import shard_key  # noqa: E402
+from tiermem.train.weights.weight_shards import shard_key  # noqa: E402
 
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
 STEPS = 2

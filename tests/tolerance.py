@@ -113,7 +113,7 @@ def assert_beyond(got, want, *, steps: int, step_size: float) -> None:
 
 def fma_parity() -> bool:
     """Whether torch's eager CPU kernels here fuse the multiply-adds that tiermem's native and compiled
-    kernels fuse (NOTE [FMA parity] in tiermem/optim/_compiled.py): ATen's AVX2 and AVX-512 kernels
+    kernels fuse (NOTE [FMA parity] in tiermem/optim/kernels/compiled.py): ATen's AVX2 and AVX-512 kernels
     do; its scalar ones (ATEN_CPU_CAPABILITY=default, and other CPUs' builds) need not."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 

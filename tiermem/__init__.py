@@ -8,30 +8,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiermem.budgets import Budgets, parse_bytes
-from tiermem.config import Adam, AdamW, LossScale
-from tiermem.deepspeed_config import from_deepspeed_config
+from tiermem.config.budgets import Budgets, parse_bytes
+from tiermem.config.optimizers import SGD, Adafactor, Adagrad, Adam8bit, AdamW8bit, Lion
+from tiermem.config.specs import Adam, AdamW, LossScale
+from tiermem.config.torch_optim import optimizers
 from tiermem.errors import ArgumentError, ConfigError, OutOfTierMemory, StoreError, TierMemError
 from tiermem.handles import Handle
 from tiermem.memory.nvme import NvmeStore
+from tiermem.model.phase import Phase
+from tiermem.model.tiered_model import StepResult, TieredModel
 from tiermem.observe.report import Report
-from tiermem.optim_specs import SGD, Adafactor, Adagrad, Adam8bit, AdamW8bit, Lion
 from tiermem.plan.policy import PerClass, Policy
-from tiermem.torch_optim import optimizers
-from tiermem.train.model import StepResult, TieredModel
-from tiermem.train.phase import Phase
 from tiermem.types import StateKey, TensorClass, TensorInfo, Tier
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """``tiermem.from_pretrained`` is imported when first used: ``import tiermem`` imports no
-    integration (tiermem/integrations/pretrained.py)."""
+    """``tiermem.from_pretrained`` and ``tiermem.from_deepspeed_config`` are imported when first
+    used: ``import tiermem`` imports no integration (tiermem/integrations/)."""
     if name == "from_pretrained":
         from tiermem.integrations.pretrained import from_pretrained
 
         return from_pretrained
+    if name == "from_deepspeed_config":
+        from tiermem.integrations.deepspeed.walk import from_deepspeed_config
+
+        return from_deepspeed_config
     raise AttributeError(f"module 'tiermem' has no attribute {name!r}")
 
 

@@ -20,11 +20,11 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tiermem import __version__
-from tiermem.cli import _common, measure, plot, report
+from tiermem.cli import _common, measure, plot, tables as report
 from tiermem.cli.measure import Rate
 from tiermem.errors import ConfigError
+from tiermem.model import compute
 from tiermem.plan import profile
-from tiermem.train import compute
 
 MiB = 2**20
 

@@ -21,10 +21,10 @@ from rich.table import Table
 
 from tiermem import __version__
 from tiermem.cli import _common
-from tiermem.config import PRECISIONS, CpuFeatures, auto_precision
+from tiermem.config.specs import PRECISIONS, CpuFeatures, auto_precision
 from tiermem.memory.nvme_dir import describe_direct
+from tiermem.model import compute
 from tiermem.plan import profile
-from tiermem.train import compute
 
 logger = logging.getLogger(__name__)
 

@@ -267,8 +267,8 @@ def _tiermem_adam(n: int, gen: torch.Generator, hp: dict[str, Any], *, repeats: 
 def device_adam(n: int, *, repeats: int, min_seconds: float) -> Rate:
     """Parameters/s of ``adam_step`` on the accelerator as the split step calls it (fp32 state and grads
     there, bf16 weights out), synchronised after each call; the same call the machine profile's
-    quick measurement times (:func:`tiermem.train.machine.adam_steps`)."""
-    from tiermem.train.machine import adam_steps  # imported late: it may compile kernels
+    quick measurement times (:func:`tiermem.model.machine.adam_steps`)."""
+    from tiermem.model.machine import adam_steps  # imported late: it may compile kernels
 
     dev = torch.device("cuda")
     step = adam_steps(dev, n)

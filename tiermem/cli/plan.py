@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from tiermem.budgets import parse_bytes
 from tiermem.cli import _common
 from tiermem.cli.models import ModelSize, from_config, from_factory, parse_count
-from tiermem.config import PRECISION_CHOICES, resolve_precision
+from tiermem.config.budgets import parse_bytes
+from tiermem.config.specs import PRECISION_CHOICES, resolve_precision
 from tiermem.errors import ConfigError
 from tiermem.plan import sizing
 from tiermem.types import Tier

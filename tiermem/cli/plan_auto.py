@@ -11,13 +11,13 @@ import torch
 
 from tiermem.cli import _common
 from tiermem.cli.models import StandIn, load_model
-from tiermem.config import AdamW, working_dtype
+from tiermem.config.specs import AdamW, working_dtype
 from tiermem.errors import ConfigError
+from tiermem.model.machine import machine_profile
 from tiermem.plan.choose import Evaluator
 from tiermem.plan.sizing import Limits
 from tiermem.policies import Auto
 from tiermem.policies.auto import AutoChoice
-from tiermem.train.machine import machine_profile
 from tiermem.types import Tier
 
 BUCKET_NUMEL = 32 * 2**20 // 4  # TieredModel's default bucket_size (32 MiB of fp32 grads)

@@ -12,12 +12,12 @@ from typing import Any, Optional
 import torch
 from transformers import TrainingArguments
 
-from tiermem.config import AdamW, _Spec
-from tiermem.deepspeed.reader import read_config
-from tiermem.deepspeed_config import PASS_THROUGH
+from tiermem.config.optimizers import SGD, Adagrad, AdamW8bit, Lion
+from tiermem.config.specs import AdamW, _Spec
+from tiermem.config.torch_optim import runs, spec_from_torch, supported_names
 from tiermem.errors import ConfigError, TierMemError
-from tiermem.optim_specs import SGD, Adagrad, AdamW8bit, Lion
-from tiermem.torch_optim import runs, spec_from_torch, supported_names
+from tiermem.integrations.deepspeed.reader import read_config
+from tiermem.integrations.deepspeed.walk import PASS_THROUGH
 
 __all__ = [
     "OPTIM_NAMES",

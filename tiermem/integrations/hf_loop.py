@@ -13,7 +13,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers.trainer import OPTIMIZER_NAME
 
 from tiermem.errors import TierMemError
-from tiermem.train.model import StepResult, TieredModel
+from tiermem.model.tiered_model import StepResult, TieredModel
 
 __all__ = ["TrainerOptimizer", "SkipAwareOptimizer", "TrainerModule", "TIERMEM_CHECKPOINT"]
 

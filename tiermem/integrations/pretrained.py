@@ -14,8 +14,8 @@ from typing import Any, Optional
 import torch
 
 from tiermem.errors import ConfigError
+from tiermem.model.tiered_model import TieredModel
 from tiermem.plan.policy import Policy
-from tiermem.train.model import TieredModel
 
 __all__ = ["from_pretrained"]
 

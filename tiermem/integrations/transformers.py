@@ -25,7 +25,7 @@ for subclasses, and two private methods of transformers 5 where no public hook e
 - ``create_optimizer`` wraps the model in a TieredModel (its optimizer: a name of ``OPTIM_NAMES``
   with the arguments' hyperparameters and the Trainer's weight-decay groups,
   ``optimizer_cls_and_kwargs`` built on those same groups, or the optimizer of ``optimizers=``,
-  each read as :mod:`tiermem.torch_optim` reads a torch optimizer; a scheduler of ``optimizers=``
+  each read as :mod:`tiermem.config.torch_optim` reads a torch optimizer; a scheduler of ``optimizers=``
   then drives tiermem's groups) and gives the Trainer a torch Optimizer
   (:class:`TrainerOptimizer`) whose param groups are tiermem's, so the Trainer's lr scheduler
   sets tiermem's lr, and whose ``step()`` is ``tm.step()`` (clipping to ``max_grad_norm`` inside).
@@ -81,8 +81,8 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from tiermem.deepspeed_config import translate
 from tiermem.errors import ConfigError, TierMemError
+from tiermem.integrations.deepspeed.walk import translate
 from tiermem.integrations.hf_args import (
     built_named,
     check_supported,
@@ -95,7 +95,7 @@ from tiermem.integrations.hf_args import (
     trainer_arguments,
 )
 from tiermem.integrations.hf_loop import TIERMEM_CHECKPOINT, SkipAwareOptimizer, TrainerModule, TrainerOptimizer
-from tiermem.train.model import TieredModel
+from tiermem.model.tiered_model import TieredModel
 
 log = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ class InFlight(Reclaimer):
     """Requests in flight whose landing gives room back on a tier (a gradient's copy home holds
     its device bytes until the copy has read them), each with what gives that room back. Built
     before the tier's store and given to it as a reclaimer; the requests' owner
-    (tiermem.train.backward.GradCollector) adds them as it makes them and takes them back when it
+    (tiermem.train.step.grads.GradCollector) adds them as it makes them and takes them back when it
     waits for them itself. Thread-safe: backward adds while a reservation on another thread may be
     waiting for room."""
 

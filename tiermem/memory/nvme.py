@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from tiermem.budgets import ByteSize, parse_bytes
+from tiermem.config.budgets import ByteSize, parse_bytes
 from tiermem.errors import StoreError, checked_arguments, fmt_bytes
 from tiermem.handles import Handle
 from tiermem.memory import nvme_dir, nvme_io as nio

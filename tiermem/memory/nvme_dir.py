@@ -25,8 +25,8 @@ import platform
 import uuid
 from typing import Optional
 
+from tiermem.config.rules import is_int
 from tiermem.errors import ConfigError
-from tiermem.hyper_rules import is_int
 from tiermem.memory import deferred
 from tiermem.memory.aligned import ALIGN, aligned_empty
 

@@ -52,7 +52,7 @@ buckets, NOTE [Footprint] in tiermem/plan/footprint.py). There is no previous va
 to or ``revert`` to: a damaged value is lost (the read says so, and to resume from the last
 checkpoint), and a caller that writes several keys as one state must make a failed update
 complete rather than undo it (NOTE [A failed step is rolled forward] in
-tiermem/train/nvme_state.py).
+tiermem/train/homes/nvme_state.py).
 
 A released file is not unlinked at once: it is renamed to ``spare-<n>.tmn`` in a pool of at most
 ``spares`` files of each size band (sizes within the same power of two), and the next write whose

@@ -15,13 +15,13 @@ kernels for the others).
 
 from __future__ import annotations
 
-from tiermem.optim._sr import StochasticRound
 from tiermem.optim.adafactor import adafactor_step
-from tiermem.optim.cpu_adam import CPUAdam
-from tiermem.optim.cpu_optimizers import CPUSGD, CPUAdafactor, CPUAdagrad, CPUAdam8bit, CPULion
+from tiermem.optim.dropin.cpu_adam import CPUAdam
+from tiermem.optim.dropin.cpu_optimizers import CPUSGD, CPUAdafactor, CPUAdagrad, CPUAdam8bit, CPULion
+from tiermem.optim.families import state_bytes, state_layout
 from tiermem.optim.formats import StateFormat, StatePart, state_format  # noqa: F401  (tiermem.optim.formats has their docs)
 from tiermem.optim.functional import adam_step, compile_disabled, compile_seconds, implementation, warm_up
-from tiermem.optim.layout import state_bytes, state_layout
+from tiermem.optim.kernels.sr import StochasticRound
 from tiermem.optim.steps import (
     adagrad_step,
     adam8bit_step,

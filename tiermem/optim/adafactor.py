@@ -1,5 +1,5 @@
 """``adafactor_step``: torch.optim.Adafactor's update of one tensor, fused into as few passes as its
-reductions allow (tiermem/optim/_csrc_adafactor.py), with the reference in torch ops.
+reductions allow (tiermem/optim/kernels/csrc/factored.py), with the reference in torch ops.
 
 For a tensor of two or more dimensions (the last two factored, leading ones a batch, as torch does)
 the state is ``row_var`` (one value per row: ``prod(shape[:-1])``) and ``col_var`` (one per column of
@@ -22,10 +22,10 @@ from typing import Callable, Optional
 import torch
 
 from tiermem.errors import ConfigError
-from tiermem.optim import _native, _run, _sr
-from tiermem.optim._hypers import _Hyper, check_hyper
-from tiermem.optim._sr import StochasticRound
 from tiermem.optim.functional import make_hyper
+from tiermem.optim.hypers import _Hyper, check_hyper
+from tiermem.optim.kernels import dispatch as _run, native as _native, sr as _sr
+from tiermem.optim.kernels.sr import StochasticRound
 
 FP32_EPS = torch.finfo(torch.float32).eps
 
@@ -94,7 +94,7 @@ def _fp32(x: float) -> float:
 
 
 def check_adafactor(where: str, **values) -> None:
-    """Each value against the one rule of its name (tiermem/config.py's table, Adafactor's included)."""
+    """Each value against the one rule of its name (tiermem/config/specs.py's table, Adafactor's included)."""
     check_hyper(where, **values)
 
 

@@ -34,9 +34,9 @@ import torch
 
 from tiermem import optim as _entries  # the functional entries, looked up when called (tests may wrap them)
 from tiermem.errors import ConfigError
-from tiermem.optim import _quant
-from tiermem.optim._sr import StochasticRound
 from tiermem.optim.adafactor import state_numels as _factored_numels
+from tiermem.optim.kernels import quant as _quant
+from tiermem.optim.kernels.sr import StochasticRound
 
 #: the kernel families TieredModel runs, by the name a spec gives (``kind``)
 KINDS = ("adam", "adamw", "adam8bit", "adamw8bit", "sgd", "adagrad", "lion", "adafactor", "generic")
@@ -188,7 +188,7 @@ def state_format(
     ``momentum_buffer`` only with ``momentum``; 8-bit Adam keeps fp32 moments (Adam's format) below
     ``min_8bit_size`` elements (NOTE [8-bit state]); ``master_dtype`` bf16 drops the fp32 master; a
     generic optimizer keeps the entries its probe found (``generic_parts``), run by a copy of
-    ``optimizer`` (NOTE [Generic optimizers] in tiermem/optim_generic.py)."""
+    ``optimizer`` (NOTE [Generic optimizers] in tiermem/config/generic_optim.py)."""
     if kind not in KINDS:
         raise ConfigError(f"tiermem: state_format kind={kind!r} is unknown; pass one of {KINDS}")
     f32 = torch.float32

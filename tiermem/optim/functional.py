@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import torch
 
-from tiermem.config import is_number
+from tiermem.config.specs import is_number
 from tiermem.errors import ConfigError, TierMemError
-from tiermem.optim import _compiled, _kernels, _native, _run
-from tiermem.optim._hyper import AdamHyper
+from tiermem.optim.adam_hyper import AdamHyper
+from tiermem.optim.kernels import compiled as _compiled, dispatch as _run, eager as _kernels, native as _native
 
 if TYPE_CHECKING:
-    from tiermem.optim._sr import StochasticRound
+    from tiermem.optim.kernels.sr import StochasticRound
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def adam_step(
 
     bf16 master weights (no fp32 copy) take ``stochastic_round=StochasticRound(...)``: the update is
     computed in fp32, as above, and rounded stochastically into ``master`` (NOTE [Stochastic rounding
-    bits] in tiermem/optim/_sr.py); that path runs the native kernel ("native" and "compiled" pick it,
+    bits] in tiermem/optim/kernels/sr.py); that path runs the native kernel ("native" and "compiled" pick it,
     "fallback" and "reference" the torch-ops reference).
 
     Args:
@@ -359,7 +359,7 @@ def compile_seconds() -> dict[str, float]:
 
 
 # NOTE [Native default]
-# fp32-master CPU Adam runs the native C++ kernel (tm_adam, tiermem/optim/_csrc_elementwise.py)
+# fp32-master CPU Adam runs the native C++ kernel (tm_adam, tiermem/optim/kernels/csrc/elementwise.py)
 # where its library builds: it gives the compiled kernel's bits (bench/native_adam_ab.py: 0 ulps on
 # master, moments and out over grad/out dtypes, AdamW and L2, odd sizes; only the NaN written to a
 # bf16 ``out`` from a non-finite gradient passed with check_finite=False is encoded otherwise), runs

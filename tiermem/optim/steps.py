@@ -3,7 +3,7 @@
 They share ``adam_step``'s style: ``kind_step(master, *state, grad, *, step, <hyperparameters>,
 grad_scale=1.0, clip_coef=1.0, out=None, stochastic_round=None, check_finite=True, impl=None) ->
 found_inf``. ``master`` is the fp32 master weights, or bf16 ones with ``stochastic_round`` (NOTE
-[Stochastic rounding bits] in tiermem/optim/_sr.py); the state tensors are fp32 (8-bit state:
+[Stochastic rounding bits] in tiermem/optim/kernels/sr.py); the state tensors are fp32 (8-bit state:
 uint8 codes and fp32 absmax, NOTE [8-bit state]); any of them may be a 1-D view into a flat buffer
 at any offset, as TieredModel's buckets hand them. ``grad`` (fp32, bf16 or fp16) is used as
 ``grad / grad_scale * clip_coef`` (unscaled as torch.amp.GradScaler does, then clipped). ``out``
@@ -22,11 +22,11 @@ from typing import Optional, Sequence
 import torch
 
 from tiermem.errors import ConfigError
-from tiermem.optim import _quant, _run
-from tiermem.optim._hyper import Adam8bitHyper, AdamHyper
-from tiermem.optim._hypers import AdagradHyper, LionHyper, SGDHyper
-from tiermem.optim._sr import StochasticRound
+from tiermem.optim.adam_hyper import Adam8bitHyper, AdamHyper
 from tiermem.optim.functional import make_hyper
+from tiermem.optim.hypers import AdagradHyper, LionHyper, SGDHyper
+from tiermem.optim.kernels import dispatch as _run, quant as _quant
+from tiermem.optim.kernels.sr import StochasticRound
 
 
 def sgd_step(
@@ -358,7 +358,7 @@ def quantize_blockwise(x: torch.Tensor, signed: bool = True) -> tuple[torch.Tens
         )
     flat = x.detach().reshape(-1)
     if flat.device.type == "cpu" and flat.numel():
-        from tiermem.optim import _native
+        from tiermem.optim.kernels import native as _native
 
         try:
             lib = _native.library("adam8bit")

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from tiermem.config import precision_of
+from tiermem.config.specs import precision_of
 from tiermem.errors import ConfigError
 from tiermem.plan.cost import Rates, predict as predict_stages, step_flops
 from tiermem.plan.footprint import model_footprint, totals

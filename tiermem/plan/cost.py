@@ -47,7 +47,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from tiermem.config import PRECISIONS
+from tiermem.config.specs import PRECISIONS
 from tiermem.errors import ConfigError
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.placement import compute_tier, master_is_weights, weights_sharded
@@ -167,7 +167,7 @@ def predict(
     """Predicted seconds per stage of one step of ``buckets`` with ``itemsize``-byte working weights
     (NOTE [Cost model]); ``forward_backward``: the compute's measured seconds, 0 when unknown;
     ``flops``: the step's matmul FLOPs (:func:`step_flops`), which predict the compute in
-    ``precision`` (a name of tiermem.config.PRECISIONS) when it is not measured; ``overlap``
+    ``precision`` (a name of tiermem.config.specs.PRECISIONS) when it is not measured; ``overlap``
     (overlap_step) and which buckets' weights are sharded over the ranks (``world`` data-parallel
     ranks, ``shard_weights``: :func:`~tiermem.plan.placement.weights_sharded`) decide which
     buckets' weights are their bf16 master (:func:`~tiermem.plan.placement.master_is_weights`): no

@@ -11,15 +11,15 @@ and the compute tier where Adam runs for it (its state's tier; the host for stat
 
 - working weights: ``w*n`` at the PARAM tier;
 - fp32 grads: ``4n`` at the GRAD tier (between steps, room the budget holds for them with no
-  memory taken: NOTE [Grads come and go] in tiermem/train/homes.py); under ``update_in_backward``
+  memory taken: NOTE [Grads come and go] in tiermem/train/homes/per_class.py); under ``update_in_backward``
   none, a window of a few buckets on the host instead, until a step first accumulates over
   micro-batches: that brings back the whole GRAD home, ``4n`` (with the grads for the step and the
   NVMe flushes' buffers and journal, as without the mode), checked against the budgets then
-  (:func:`accumulation_footprint`; NOTE [Updates in backward] in tiermem/train/in_backward.py);
+  (:func:`accumulation_footprint`; NOTE [Updates in backward] in tiermem/train/step/in_backward.py);
 - optimizer state: the bytes of its state format at the OPTIM_STATE tier (NOTE [State formats]:
   ``12n`` for Adam's fp32 master, exp_avg and exp_avg_sq; ``4n`` for SGD without momentum; about
   ``4n`` for 8-bit Adam with bf16 master weights), one buffer per part; a bf16 master that is its
-  weights (NOTE [One copy of bf16 master weights] in tiermem/train/param_offload.py) is counted
+  weights (NOTE [One copy of bf16 master weights] in tiermem/train/weights/param_offload.py) is counted
   once: on the host with the state (the weights, views of it, take nothing more), on NVMe with
   the weights' keys (the state key holds the other parts);
 - grads for the step: ``4n`` at the compute tier, when the grads live on another tier in memory;
@@ -27,7 +27,7 @@ and the compute tier where Adam runs for it (its state's tier; the host for stat
   at the compute tier.
 
 Anything on NVMe takes its bytes there once: TieredModel's store keeps one value per key and rolls
-a failed step forward (NOTE [A failed step is rolled forward], tiermem/train/nvme_state.py). For the
+a failed step forward (NOTE [A failed step is rolled forward], tiermem/train/homes/nvme_state.py). For the
 model as a whole:
 
 - the NVMe journal: a write goes beside its key's value until it lands (the switch is atomic), so
@@ -50,7 +50,7 @@ model as a whole:
 - frozen parameters: ``w`` bytes each at their PARAM home (their own element size when not
   floating point), and a copy in their own dtype when that is not the working precision, on
   NVMe when their PARAM home is NVMe, else on the host (NOTE [Frozen weights keep one copy] in
-  tiermem/train/frozen.py); under data
+  tiermem/train/weights/frozen.py); under data
   parallelism those sharded over the ranks (NOTE [Frozen weights sharded over the ranks]) are
   buckets of their own (``sharded_frozen``): a rank keeps ``w*ceil(n/world)`` of each, one buffer
   on the host, and they are gathered like the trainable ones below (the host copy stays whole);
@@ -60,7 +60,7 @@ model as a whole:
 - the largest module's weights, while it runs, when weights live off the device (and are not
   sharded: see below);
 - weights sharded over the ranks (NOTE [Weights sharded over the ranks] in
-  tiermem/train/gathered.py): each rank keeps ``w*ceil(n/world)`` of such a bucket at its PARAM
+  tiermem/train/weights/gathered.py): each rank keeps ``w*ceil(n/world)`` of such a bucket at its PARAM
   tier (on the host, one buffer per bucket), and the device holds the buckets gathered whole while
   they are read: at most ``gathered_at_once`` of the largest (held by running modules and one op, a
   bound :func:`gathers_held` computes from the module tree) plus :func:`gather_ahead` bytes
@@ -169,20 +169,20 @@ TRAINING_STATE = frozenset({WORKING_WEIGHTS, GRADS, OPTIM_STATE, OPTIM_STATE_NVM
 
 def keeps_copy(dtype: torch.dtype, working: torch.dtype, floating: bool) -> bool:
     """Whether a frozen parameter of ``dtype`` keeps a host copy beside its working copy in
-    ``working`` (NOTE [Frozen weights keep one copy] in tiermem/train/frozen.py)."""
+    ``working`` (NOTE [Frozen weights keep one copy] in tiermem/train/weights/frozen.py)."""
     return floating and dtype != working
 
 
 def copy_tier(home: Tier) -> Tier:
     """Where a frozen parameter whose working copy is homed on ``home`` keeps the copy
     :func:`keeps_copy` asks for: on NVMe beside a working copy there, else on the host (NOTE
-    [Frozen weights keep one copy] in tiermem/train/frozen.py)."""
+    [Frozen weights keep one copy] in tiermem/train/weights/frozen.py)."""
     return Tier.NVME if home == Tier.NVME else Tier.HOST
 
 
 #: Buckets whose grads the host holds at once under update_in_backward, at most: one landing, one
 #: being updated, and parameters of the next arriving before the last of this one
-#: (NOTE [Updates in backward] in tiermem/train/in_backward.py)
+#: (NOTE [Updates in backward] in tiermem/train/step/in_backward.py)
 WINDOW_BUCKETS = 4
 
 #: Buckets whose writes can be in flight on NVMe at once, by what they write (NOTE [Footprint]).
@@ -229,7 +229,7 @@ def accumulation_footprint(buckets: Sequence[Bucket]) -> Footprint:
     """What gradient accumulation over micro-batches adds under update_in_backward, in one process: the
     whole GRAD home of the default step (4 B/param, at :func:`~tiermem.plan.placement.accumulation_tier`),
     made (and checked against the budgets with this) when a step first accumulates (NOTE [Updates in
-    backward] in tiermem/train/in_backward.py); the construction's footprint counts a window instead."""
+    backward] in tiermem/train/step/in_backward.py); the construction's footprint counts a window instead."""
     need: Footprint = {}
     add = _Adder(need)
     for b in buckets:
@@ -268,7 +268,7 @@ def footprint(
     the host's: :func:`~tiermem.plan.placement.weights_from_master`); ``sharded_frozen``: the
     frozen parameters sharded over the ranks (:func:`~tiermem.plan.placement.frozen_buckets`),
     which ``frozen`` does not list; ``update_in_backward``: no grads at rest, a few buckets' in
-    flight on the host instead (NOTE [Updates in backward] in tiermem/train/in_backward.py)."""
+    flight on the host instead (NOTE [Updates in backward] in tiermem/train/step/in_backward.py)."""
     need: Footprint = {}
     add, each = _Adder(need), _each
 

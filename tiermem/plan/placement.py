@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from tiermem.config import _Spec
+from tiermem.config.specs import _Spec
 from tiermem.errors import ConfigError
 from tiermem.optim.formats import StateFormat, state_format
 from tiermem.plan.buckets import Bucket, Placed, plan_buckets
@@ -25,7 +25,7 @@ from tiermem.types import StateKey, TensorClass, TensorInfo, Tier
 
 @dataclass(frozen=True)
 class ParamGroup:
-    """One optimizer param group of a plan (NOTE [Param groups] in tiermem/config.py)."""
+    """One optimizer param group of a plan (NOTE [Param groups] in tiermem/config/specs.py)."""
 
     name: str
     options: Mapping[str, Any]  # the hyperparameters it sets over the optimizer spec's
@@ -53,7 +53,7 @@ def compute_tier(b: Bucket) -> Tier:
 
 def accumulation_tier(b: Bucket) -> Tier:
     """Where a bucket's grads accumulate over micro-batches under update_in_backward (NOTE [Updates
-    in backward] in tiermem/train/in_backward.py): on NVMe where the policy homes them there, else
+    in backward] in tiermem/train/step/in_backward.py): on NVMe where the policy homes them there, else
     on the host, where the update reads them (grads the policy homes on the device included)."""
     return Tier.NVME if b.grad_tier == Tier.NVME else Tier.HOST
 
@@ -82,7 +82,7 @@ def format_of(spec: _Spec, p: torch.Tensor) -> StateFormat:
 
 def weights_sharded(b: Bucket, world: int, shard_weights: bool) -> bool:
     """Whether a bucket's working weights are cut over the ranks, each keeping its chunk (NOTE
-    [Weights sharded over the ranks] in tiermem/train/gathered.py): :func:`sharded_at` its PARAM tier."""
+    [Weights sharded over the ranks] in tiermem/train/weights/gathered.py): :func:`sharded_at` its PARAM tier."""
     return sharded_at(b.param_tier, world, shard_weights)
 
 
@@ -119,7 +119,7 @@ def frozen_buckets(
     first_index: int,
 ) -> list[Bucket]:
     """The frozen parameters whose working weights are sharded over the ranks like trainable ones
-    (NOTE [Frozen weights sharded over the ranks] in tiermem/train/frozen.py), packed into buckets
+    (NOTE [Frozen weights sharded over the ranks] in tiermem/train/weights/frozen.py), packed into buckets
     in reverse order of use by their home (``Bucket.frozen``; no grads, no state): the floating-point
     ones homed off the device under data parallelism, and with ``shard_weights`` those on the device
     too. ``bucket_numel``: the model's bucket size (None: a bucket per parameter); ``first_index``:
@@ -155,7 +155,7 @@ def writes_weights_in_place(b: Bucket, sharded: bool, *, device_is_host: bool = 
 def weights_from_master(b: Bucket, sharded: bool, overlap: bool, *, device_is_host: bool = False) -> bool:
     """Whether a rank's chunk of ``b``'s working weights is never stored but rounded from its
     master for each gather (NOTE [A chunk rounded from its master] in
-    tiermem/train/weight_shards.py): sharded weights whose home is the memory where their
+    tiermem/train/weights/weight_shards.py): sharded weights whose home is the memory where their
     optimizer state lives and the update runs (the same tier; or the device beside state on the
     host when ``device_is_host``: the device is the CPU, whose memory is the host's), without
     overlap_step (whose update rewrites the master while the next forward gathers the old weights).
@@ -168,7 +168,7 @@ def weights_from_master(b: Bucket, sharded: bool, overlap: bool, *, device_is_ho
 
 def master_is_weights(b: Bucket, sharded: bool, overlap: bool) -> bool:
     """Whether ``b``'s working weights and its master are one copy (NOTE [One copy of bf16 master
-    weights] in tiermem/train/param_offload.py): a bf16 master (``bf16_stochastic_round``, bf16
+    weights] in tiermem/train/weights/param_offload.py): a bf16 master (``bf16_stochastic_round``, bf16
     precision: the working dtype) whose weights live off the device, one parameter at a time, on
     the tier of its optimizer state (HOST or NVME), without overlap_step (whose update rewrites
     the master while the next forward reads the old weights)."""

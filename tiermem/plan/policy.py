@@ -23,8 +23,8 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from tiermem.config.rules import is_number
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
-from tiermem.hyper_rules import is_number
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 

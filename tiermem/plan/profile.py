@@ -9,7 +9,7 @@ The ``matmul`` section holds how fast a small matmul (``F.linear``) runs in each
 in GFLOP/s: ``cpu_<precision>_GFLOPs`` on one CPU thread and, with an accelerator,
 ``device_<precision>_GFLOPs``, with the ``conditions`` they were measured under (the CPU's
 features, torch's version, the accelerator): figures measured under other conditions are stale
-(:func:`tiermem.train.machine.matmul_figures` measures them again).
+(:func:`tiermem.model.machine.matmul_figures` measures them again).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ ZeRO-Offload needs 4 + 12 = 16 B/param on the host for 7.5e9 params (120 GB), Ke
 2 + 4 + 12 = 18 B/param on the device (135 GB). Whatever lives on NVMe takes its bytes there once
 (ZeroInfinity: 2 + 12 = 14 B/param): TieredModel's store keeps one value per key, and a failed step
 is completed by retrying it rather than undone (NOTE [A failed step is rolled forward] in
-tiermem/train/nvme_state.py); the few writes in flight beside their key's value (the journal) are
+tiermem/train/homes/nvme_state.py); the few writes in flight beside their key's value (the journal) are
 working buffers, bounded by the bucket size, not counted here.
 
 The per-tier figures are the training-state part of the footprint that TieredModel checks its
@@ -53,16 +53,16 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from tiermem.config import PRECISIONS as _WORKING_DTYPES, working_dtype
+from tiermem.config.rules import is_int
+from tiermem.config.specs import PRECISIONS as _WORKING_DTYPES, working_dtype
 from tiermem.errors import ConfigError
-from tiermem.hyper_rules import is_int
 from tiermem.optim.formats import ADAM, StateFormat, state_format
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.footprint import TRAINING_STATE, footprint, totals
 from tiermem.plan.placement import weights_sharded
 from tiermem.types import TensorClass, Tier
 
-#: The precisions, in the order plan prints them (declared with their dtypes in tiermem.config).
+#: The precisions, in the order plan prints them (declared with their dtypes in tiermem.config.specs).
 PRECISIONS = tuple(_WORKING_DTYPES)
 
 _FP32 = torch.float32.itemsize  # master, momentum and variance

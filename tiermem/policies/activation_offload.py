@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, replace
 
-from tiermem.budgets import ByteSize, parse_bytes
+from tiermem.config.budgets import ByteSize, parse_bytes
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.plan.policy import ModelInfo, Policy
 from tiermem.types import TensorClass, TensorInfo, Tier

@@ -32,7 +32,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from tiermem.config import is_int, is_number
+from tiermem.config.specs import is_int, is_number
 from tiermem.errors import ConfigError, checked_arguments, fmt_bytes
 from tiermem.plan.policy import Evaluation, ModelInfo, Policy, asked_alone, check_reserve, over_reserve
 from tiermem.types import TensorClass, TensorInfo, Tier

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tiermem.config import is_number
+from tiermem.config.specs import is_number
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.plan.policy import ModelInfo, PerClass, Policy, asked_alone, check_device_reserve, check_reserve
 from tiermem.types import TensorClass, TensorInfo, Tier

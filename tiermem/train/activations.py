@@ -46,7 +46,7 @@ from tiermem.errors import ConfigError, fmt_bytes
 from tiermem.memory.aligned import ALIGN
 from tiermem.plan.policy import Policy, checked_place
 from tiermem.train.hooks import untraced
-from tiermem.train.offdevice import is_off_device
+from tiermem.train.weights.offdevice import is_off_device
 from tiermem.transfer.activation_io import ActivationMover, ActivationStats, Record, reserve_device, view_of
 from tiermem.types import TensorClass, TensorInfo, Tier
 
@@ -144,7 +144,7 @@ class ActivationOffloader:
     ``hooks`` (a :class:`~tiermem.train.hooks.HookSet`) receives the handles of the module hooks and
     this object, whose ``remove()`` stops it, so ``TieredModel.detach()`` removes them all.
     Weights homed off the device are saved as what they are, an
-    :class:`~tiermem.train.offdevice.OffDeviceWeight` with no bytes on the device (NOTE [Weights
+    :class:`~tiermem.train.weights.offdevice.OffDeviceWeight` with no bytes on the device (NOTE [Weights
     off the device are a tensor subclass]).
     """
 

@@ -34,16 +34,24 @@ from tiermem.observe.progress import Progress
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.plan.footprint import accumulation_footprint, check_fits
 from tiermem.plan.placement import ParamGroup, accumulation_tier, compute_tier
-from tiermem.train.buffers import KeptBuffers
-from tiermem.train.frozen import FrozenParams
-from tiermem.train.gathered import GatheredWeights
-from tiermem.train.homes import DeviceWeights, GradHome, Homes, MemoryGrads, MemoryState, StateHome, WeightHome
-from tiermem.train.in_backward import WindowGrads
-from tiermem.train.materialize import Given, Values
-from tiermem.train.nvme_grads import NvmeGrads
-from tiermem.train.nvme_state import NvmeState
-from tiermem.train.param_offload import ParamOffload
-from tiermem.train.shard import ShardedGrads, ShardedState, ShardedWeights, shard_buckets
+from tiermem.train.homes.nvme_grads import NvmeGrads
+from tiermem.train.homes.nvme_state import NvmeState
+from tiermem.train.homes.per_class import (
+    DeviceWeights,
+    GradHome,
+    Homes,
+    MemoryGrads,
+    MemoryState,
+    StateHome,
+    WeightHome,
+)
+from tiermem.train.homes.sharded import ShardedGrads, ShardedState, ShardedWeights, shard_buckets
+from tiermem.train.step.in_backward import WindowGrads
+from tiermem.train.weights.buffers import KeptBuffers
+from tiermem.train.weights.frozen import FrozenParams
+from tiermem.train.weights.gathered import GatheredWeights
+from tiermem.train.weights.materialize import Given, Values
+from tiermem.train.weights.param_offload import ParamOffload
 from tiermem.transfer.collectives import Group, Solo
 from tiermem.transfer.service import CopyService
 from tiermem.types import Tier

@@ -9,7 +9,7 @@ the bucket is complete; after Adam, the new low-precision weights of every chunk
 all-gathered into every rank's full device copy (ZeRO-2), unless the weights are sharded too
 (ZeRO-3: off the device, or ``shard_weights=True``), when each rank keeps its chunk and a bucket
 is gathered while it is read (NOTE [Weights sharded over the ranks] in
-tiermem/train/gathered.py). Whatever all ranks must decide alike (which
+tiermem/train/weights/gathered.py). Whatever all ranks must decide alike (which
 parameters got a gradient, the global norm, an fp16 overflow) is all-reduced first.
 
 # NOTE [A failed step stops every rank at once]
@@ -171,7 +171,7 @@ class Group:
 
     def for_gathers(self) -> "Group":
         """The group that gathers sharded weights before their modules run (NOTE [Weights sharded
-        over the ranks] in tiermem/train/gathered.py): issued from the thread that runs forward and
+        over the ranks] in tiermem/train/weights/gathered.py): issued from the thread that runs forward and
         backward, beside the grads' reduce-scatters and the replicated weights' all-gathers."""
         return self
 

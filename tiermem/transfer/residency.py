@@ -3,7 +3,7 @@ the registry stays truthful about which tiers hold a valid copy.
 
 This is the half of the transfer layer that knows keys. Its one user is the residency scheduler
 (:mod:`tiermem.transfer.schedule`), on behalf of the weights that live off the device
-(:mod:`tiermem.train.param_offload`). Everything else (homes, the gradient collector, the step)
+(:mod:`tiermem.train.weights.param_offload`). Everything else (homes, the gradient collector, the step)
 moves bytes it owns through the keyless copy service, :class:`~tiermem.transfer.engine.TransferEngine`,
 which this class issues its moves through too: the engine's lanes, staging buffers and counters.
 
@@ -85,7 +85,7 @@ class KeyedResidency:
     def share(self, key: str, tensor: torch.Tensor) -> None:
         """``tensor``, memory on ``key``'s home tier that another key of that store already counts
         (a view of it), becomes ``key``'s value there: no copy, no byte counted twice (NOTE [One
-        copy of bf16 master weights] in tiermem/train/param_offload.py); every other copy is dropped."""
+        copy of bf16 master weights] in tiermem/train/weights/param_offload.py); every other copy is dropped."""
         r = self.registry.get(key)
         self._drop_copies(r, but=r.home)  # alias() replaces the home copy itself
         store = self.store(r.home)

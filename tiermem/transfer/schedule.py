@@ -44,7 +44,7 @@ from typing import Callable, Optional
 
 import torch
 
-from tiermem.budgets import ByteSize, parse_bytes
+from tiermem.config.budgets import ByteSize, parse_bytes
 from tiermem.errors import ConfigError, OutOfTierMemory, TierMemError, fmt_bytes
 from tiermem.handles import Handle
 from tiermem.memory.ledger import HeldTotal, Reclaimer

@@ -1,0 +1,420 @@
+"""Checkpoints as torch.distributed.checkpoint (DCP) directories: every rank writes its own shards
+in parallel, and any world size reads them (DCP's planner reshards from the metadata).
+
+What a directory holds is NOTE [Sharded values for DCP] (names, shapes, how a rank's arbitrary
+range of a parameter becomes DCP chunks); how its bytes are checked and how it is published is
+NOTE [Checkpoint directories]. Here, the flow:
+
+- **save** (every rank): rank 0 makes the temporary directory; each rank hands DCP this process's
+  pieces of every bucket's state, and of every frozen bucket sharded over the ranks (NOTE [Frozen
+  weights sharded over the ranks]: nothing is gathered), read one bucket at a time when DCP writes
+  them (a sorted plan, one writer thread, no copy-ahead: state on NVMe passes through the home's
+  one host buffer set, state in memory is written from where it lives), rank 0 adds the other
+  frozen parameters, buffers and the ``tiermem`` meta; each rank writes its manifest; rank 0
+  publishes once every rank got through, and every rank returns once it has.
+- **load** (every rank): the directory and its files are opened once (NOTE [A load reads the
+  files it checked]); everything is checked first, in two rounds each agreed by every rank
+  (manifests and checksums; then DCP's metadata through a restricted unpickler, the meta, every
+  tensor's name, shape, dtype and coverage against the model: NOTE [Nothing in a checkpoint
+  runs]); then, bucket by bucket, each rank reads the pieces it keeps now (one ``dcp.load`` of
+  that bucket's pieces through those descriptors, no collective inside, straight into the home's
+  buffers) and sends the bucket's weights home; then each frozen bucket sharded over the ranks
+  (its pieces into a copy of this rank's chunk, which goes home), the other frozen parameters
+  and the buffers. A read that fails is kept until the last bucket (each bucket's collectives
+  still run), then every rank raises the first failing rank's error and the model refuses to
+  compute until a load succeeds (NOTE [A failed load is guarded]).
+
+Every failure, DCP's ``CheckpointException`` (a ``BaseException``) included, leaves as a
+``tiermem:`` error (an ``Exception``) on every rank, after the clean-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import warnings
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from tiermem.checkpoint import directory as disk
+from tiermem.checkpoint.dcp_check import checked, same_error
+from tiermem.checkpoint.dcp_read import Reader
+from tiermem.checkpoint.shards import MANIFESTS, META, ShardedValue, key, nested
+from tiermem.checkpoint.view import ModelState, Piece
+from tiermem.errors import StoreError, TierMemError
+
+log = logging.getLogger(__name__)
+
+
+# -- DCP's storage, through tiermem's files --------------------------------------------------------
+class _HashingFileSystem(FileSystem):
+    """DCP's local filesystem, but every file it writes is created by :func:`disk.create_exclusive`
+    and hashed as written; ``written`` is this process's files (NOTE [Checkpoint directories])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: disk.Files = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[Any]:
+        if "r" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with disk.HashedFile(disk.create_exclusive(str(path))) as f:
+            yield f
+        self.written[os.path.basename(str(path))] = (f.nbytes, f.digest())
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        self.written[os.path.basename(str(new_path))] = self.written.pop(os.path.basename(str(path)))
+
+    def rm_file(self, path) -> None:
+        super().rm_file(path)
+        self.written.pop(os.path.basename(str(path)), None)
+
+
+class _Writer(FileSystemWriter):
+    """One file per rank, written in the plan's order by one thread, each tensor resolved just
+    before it is written (no copy-ahead): one bucket of state in memory at a time."""
+
+    def __init__(self, path: str):
+        super().__init__(
+            path, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0, overwrite=False
+        )
+        self.fs: _HashingFileSystem = _HashingFileSystem()
+
+
+class _InOrder(DefaultSavePlanner):
+    """DCP's planner, with each rank's writes in bucket order (``order``: key -> position)."""
+
+    def __init__(self, order: dict[str, int]):
+        super().__init__(dedup_save_to_lowest_rank=True)
+        self._order = order
+
+    def finish_plan(self, new_plan):
+        plan = super().finish_plan(new_plan)
+        last = len(self._order)
+        return dataclasses.replace(plan, items=sorted(plan.items, key=lambda i: self._order.get(i.index.fqn, last)))
+
+
+def _load(reader: Reader, values: dict[str, Any]) -> None:
+    """DCP reads ``values`` (flat keys of tensors) from ``reader``'s checked checkpoint, in this
+    process alone (no collective); whatever fails is a ``tiermem:`` error."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # asked for: no_dist
+            dcp.load(
+                values,
+                storage_reader=reader,
+                no_dist=True,
+                planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            )
+    except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
+        raise _from_dcp(e, f"read its part of the checkpoint {reader.opened.path!r}", "check the disk") from e
+
+
+# -- this process's values ------------------------------------------------------------------------
+class OneBucket:
+    """This process's part of one bucket's state at a time, read when DCP first asks for it."""
+
+    def __init__(self, state: ModelState):
+        self.state, self.index = state, -1
+        self.views: tuple[torch.Tensor, ...] = ()
+
+    def source(self, index: int, part: int, p: Piece) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            if self.index != index:
+                self.views, self.index = self.state.read_local(index), index
+            return self.views[part][p.at : p.at + p.hi - p.lo]
+
+        return read
+
+
+def pieces(state: ModelState, source: Callable[[int, int, Piece], Any]) -> dict[str, ShardedValue]:
+    """Every piece of optimizer state this process keeps, by tiermem name, in bucket order."""
+    out: dict[str, ShardedValue] = {}
+    for index, pieces in state.pieces():
+        for part_index, (part, dtype, mine) in enumerate(state.part_pieces(index, pieces)):
+            for p in mine:
+                name = f"{part}/{p.name}"
+                local = source(index, part_index, p)
+                device = local.device if isinstance(local, torch.Tensor) else "cpu"
+                out[name] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=dtype, device=device)
+    return out
+
+
+# -- save --------------------------------------------------------------------------------------------
+def save(state: ModelState, path: str) -> None:
+    """Write a DCP directory at ``path`` (NOTE [Checkpoint directories]); every rank calls it."""
+    group = state.group
+    path = os.path.abspath(path)
+    pid = int(group.broadcast_(torch.tensor([os.getpid()], dtype=torch.int64)).item())  # rank 0's names the temporary
+    tmp = f"{path}.tmp-{pid}"
+    made = _temporary(state, path, pid)
+    error: BaseException | None = None
+    writer = _Writer(tmp)
+    try:
+        _write(state, writer)
+        disk.write_manifest(tmp, group.rank, group.world, writer.fs.written)
+    except BaseException as e:  # noqa: BLE001 - reported after every rank knows
+        error = e
+    finally:
+        state.release()
+    try:
+        if not group.all_ok(error is None):
+            raise (
+                error
+                if error is not None
+                else StoreError(
+                    f"tiermem: saving the checkpoint to {path!r} failed on another rank (see its error); any previous "
+                    f"checkpoint there is unchanged"
+                )
+            )
+        _publish(state, tmp, path)
+    except BaseException as e:
+        _discard_if(made, tmp)  # the new checkpoint unpublished, or the previous one publish swapped out
+        if isinstance(e, TierMemError) or not isinstance(e, Exception):
+            raise
+        if isinstance(e, OSError):
+            raise _as_store(e, path) from e
+        raise TierMemError(
+            f"tiermem: saving the checkpoint to {path!r} failed ({type(e).__name__}: {e}); any previous "
+            f"checkpoint there is unchanged"
+        ) from e
+
+
+def _temporary(state: ModelState, path: str, pid: int) -> bool:
+    """Rank 0 makes the temporary directory; every rank checks that it sees it. Whether this
+    process made it (to remove it on failure)."""
+    group, tmp = state.group, f"{path}.tmp-{pid}"
+    error: BaseException | None = None
+    made = False
+    if state.writes_files:
+        try:
+            if not os.path.isdir(os.path.dirname(path)):
+                raise StoreError(
+                    f"tiermem: cannot save a checkpoint to {path!r}: directory "
+                    f"{os.path.dirname(path)!r} does not exist on rank 0; create it or choose another "
+                    f"path"
+                )
+            disk.check_target(path)
+            disk.make_temporary(path, pid)
+            made = True
+        except (OSError, TierMemError) as e:
+            error = e
+    if not group.all_ok(error is None):
+        raise (
+            _as_store(error, path)
+            if error is not None
+            else StoreError(
+                f"tiermem: saving the checkpoint to {path!r} failed on rank 0 (see its error); any previous "
+                f"checkpoint there is unchanged"
+            )
+        )
+    sees = os.path.isdir(tmp)
+    if not group.all_ok(sees):
+        _discard_if(made, tmp)
+        who = f"rank {group.rank} of {group.world}" if not sees else "another rank"
+        raise StoreError(
+            f"tiermem: {who} does not see the directory {tmp!r} rank 0 made for the checkpoint; nothing "
+            f"was written. Save it where every rank sees the same files (a shared filesystem)"
+        )
+    return made
+
+
+def _publish(state: ModelState, tmp: str, path: str) -> None:
+    """Rank 0 moves the complete directory into place; every rank returns only once it is there,
+    and raises if it is not."""
+    error: BaseException | None = None
+    if state.writes_files:
+        try:
+            _check_complete(tmp, state.group.world)
+            disk.sync_dir(tmp)
+            disk.publish(tmp, path)
+        except BaseException as e:  # noqa: BLE001 - reported after every rank knows
+            error = e
+    if not state.group.all_ok(error is None):  # the published checkpoint, on every rank
+        raise (
+            error
+            if error is not None
+            else StoreError(
+                f"tiermem: publishing the checkpoint at {path!r} failed on rank 0 (see its error); any "
+                f"previous checkpoint there is unchanged"
+            )
+        )
+
+
+def frozen_pieces(state: ModelState, source: Callable[[int, Piece], Any]) -> dict[str, ShardedValue]:
+    """The pieces of the frozen parameters sharded over the ranks this process keeps, by tiermem
+    name, in bucket order (NOTE [Frozen weights sharded over the ranks])."""
+    out: dict[str, ShardedValue] = {}
+    for index, mine in state.frozen_pieces():
+        for p in mine:
+            name = f"frozen/{p.name}"
+            out[name] = ShardedValue(key(name), p.shape, p.lo, p.hi, source(index, p), dtype=state.dtype)
+    return out
+
+
+class _OneChunk:
+    """This process's chunk of one frozen bucket at a time, read when DCP first asks for it."""
+
+    def __init__(self, state: ModelState):
+        self.state, self.index = state, -1
+        self.chunk = torch.empty(0)
+
+    def source(self, index: int, p: Piece) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            if self.index != index:
+                self.chunk, self.index = self.state.read_frozen(index).to("cpu"), index
+            return self.chunk[p.at : p.at + p.hi - p.lo]
+
+        return read
+
+
+def _write(state: ModelState, writer: _Writer) -> None:
+    """DCP writes this process's pieces, one bucket read at a time, those of the sharded frozen
+    parameters too; rank 0 also the rest (frozen parameters not sharded, buffers)."""
+    values: dict[str, Any] = dict(pieces(state, OneBucket(state).source))
+    values.update(frozen_pieces(state, _OneChunk(state).source))  # read at home: nothing gathered
+    if state.writes_files:  # the same on every rank: rank 0's are saved, as by the single file
+        values.update(state.rest(pieces=True))
+    order = {key(name): i for i, name in enumerate(values)}
+    tree = nested(values, json.dumps(state.meta()))
+    if state.writes_files:
+        tree[MANIFESTS] = state.group.world
+    else:
+        del tree[META]  # one copy, rank 0's
+    group = state.group
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process: no_dist
+            dcp.save(
+                tree, storage_writer=writer, planner=_InOrder(order), process_group=group.pg, no_dist=group.world == 1
+            )
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException; it carries every rank's failure
+        raise _from_dcp(e, "write its part of the checkpoint", "free space or choose another path") from e
+
+
+def _check_complete(tmp: str, world: int) -> None:
+    present = set(os.listdir(tmp))
+    missing = [disk.MANIFEST.format(rank=r) for r in range(world) if disk.MANIFEST.format(rank=r) not in present]
+    if missing or disk.METADATA not in present:
+        raise StoreError(
+            f"tiermem: the checkpoint in {tmp!r} lacks {missing[:3] or [disk.METADATA]} after every rank "
+            f"wrote its part: save it where every rank sees the same files (a shared filesystem)"
+        )
+
+
+def _discard_if(condition: bool, tmp: str) -> None:
+    if condition:
+        disk.discard(tmp)
+
+
+def _as_store(e: BaseException, path: str) -> BaseException:
+    if isinstance(e, TierMemError) or not isinstance(e, OSError):
+        return e
+    return StoreError(
+        f"tiermem: saving the checkpoint to {path!r} failed ({e.strerror or e}); free space or choose "
+        f"another path. Any previous checkpoint there is unchanged"
+    )
+
+
+def _from_dcp(e: BaseException, doing: str, fix: str) -> TierMemError:
+    """A tiermem error inside DCP's exception, else DCP's first failure as a tiermem error (an
+    ``Exception``: DCP's own ``CheckpointException`` is a ``BaseException``)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        inner = first[0] if isinstance(first, tuple) else first
+        if isinstance(inner, TierMemError):
+            return inner
+        if isinstance(inner, OSError):
+            return StoreError(f"tiermem: rank {min(failures)} could not {doing} ({inner.strerror or inner}); {fix}")
+        return TierMemError(
+            f"tiermem: torch.distributed.checkpoint failed on rank {min(failures)} to {doing} "
+            f"({type(inner).__name__}: {inner})"
+        )
+    return (
+        e
+        if isinstance(e, TierMemError)
+        else TierMemError(f"tiermem: torch.distributed.checkpoint failed to {doing} ({type(e).__name__}: {e})")
+    )
+
+
+# -- load --------------------------------------------------------------------------------------------
+def load(state: ModelState, path: str) -> None:
+    """Check the whole directory on every rank, then read this process's pieces into the model
+    through the files the checks opened. A read that fails part way (every rank learns of it
+    after the last bucket, the collectives kept in step) leaves the model refusing to compute
+    until a load succeeds (:meth:`ModelState.updating`)."""
+    opened, metadata, meta = checked(state, path)
+    with opened:
+        reader = Reader(opened, metadata)
+        failed: list[TierMemError] = []
+
+        def guarded(read: Callable[..., None]) -> Callable[..., None]:
+            def run(*args: Any) -> None:
+                if not failed:  # after a failure each bucket still takes part in its collectives
+                    try:
+                        read(*args)
+                    except TierMemError as e:
+                        failed.append(e)
+                    except Exception as e:  # noqa: BLE001 - reported once every rank got through
+                        failed.append(
+                            StoreError(
+                                f"tiermem: reading the checkpoint {path!r} failed part way ({type(e).__name__}: "
+                                f"{e}); the model refuses to compute until a load succeeds: load it, or another "
+                                f"checkpoint, again"
+                            )
+                        )
+
+            return run
+
+        with state.updating():
+            for index, pieces in state.pieces():
+                state.load_local(
+                    index, guarded(functools.partial(_read_pieces, reader, state.part_pieces(index, pieces)))
+                )
+            state.release()
+            for index, mine in state.frozen_pieces():
+                state.load_frozen(index, guarded(functools.partial(_read_frozen, reader, state.dtype, mine)))
+            rest = state.rest(load=True, pieces=True)
+            guarded(_load)(reader, {key(name): t for name, t in rest.items()})
+            error = same_error(state.group, failed[0] if failed else None)
+            if error is not None:
+                raise error
+            state.commit_rest(rest)
+    state.take_meta(meta)
+
+
+def _read_frozen(reader: Reader, dtype: torch.dtype, pieces: list[Piece], chunk: torch.Tensor) -> None:
+    values = {}
+    for p in pieces:
+        k = key(f"frozen/{p.name}")
+        values[k] = ShardedValue(k, p.shape, p.lo, p.hi, chunk[p.at : p.at + p.hi - p.lo], dtype=dtype)
+    if values:
+        _load(reader, values)
+
+
+def _read_pieces(
+    reader: Reader, parts: list[tuple[str, torch.dtype, list[Piece]]], views: tuple[torch.Tensor, ...]
+) -> None:
+    values = {}
+    for (part, _, pieces), t in zip(parts, views):
+        for p in pieces:
+            name = f"{part}/{p.name}"
+            local = t[p.at : p.at + p.hi - p.lo]
+            values[key(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=t.dtype, device=t.device)
+    if values:
+        _load(reader, values)

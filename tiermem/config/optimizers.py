@@ -1,0 +1,261 @@
+"""The optimizer specs beyond Adam (NOTE [Optimizer specs] in tiermem/config/specs.py): ``SGD``,
+``Adagrad``, ``Lion`` and the 8-bit Adams, each with torch's names and defaults (bitsandbytes' and
+torchao's for the 8-bit ones, the paper's for Lion), the same param groups as ``AdamW``, and
+``bf16_stochastic_round``; and ``Adafactor`` (torch's, factored state). TieredModel runs each with its fused CPU kernel (tiermem.optim) where the
+optimizer state lives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping, Optional
+
+from tiermem.config.rules import _invalid, is_int
+from tiermem.config.specs import Adam, AdamW, _Spec
+from tiermem.errors import ConfigError, checked_arguments
+
+
+@checked_arguments
+@dataclass(frozen=True, kw_only=True, repr=False)
+class SGD(_Spec):
+    """SGD with momentum, dampening, Nesterov and weight decay, like ``torch.optim.SGD``. The
+    momentum buffer exists when some group's momentum is not 0 (then every group's must be).
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate.
+        weight_decay: weight decay (an L2 penalty added to the gradient, as torch's).
+        momentum: momentum factor (0: plain SGD, no buffer).
+        dampening: dampening of the momentum.
+        nesterov: Nesterov momentum.
+        maximize: maximize the objective instead of minimizing it.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
+    """
+
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    maximize: bool = False
+
+    kind: ClassVar[str] = "sgd"
+    HYPER: ClassVar[tuple[str, ...]] = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+    OFF: ClassVar[tuple[str, ...]] = ()
+    WHAT: ClassVar[str] = "SGD"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        momenta = self.group_values("momentum")
+        if len({m != 0 for m in momenta}) > 1:
+            raise ConfigError(
+                f"tiermem: SGD: some param groups have momentum 0 and others not ({momenta}); tiermem "
+                f"keeps a momentum buffer for all parameters or none: give every group momentum > 0 "
+                f"(or all 0)"
+            )
+        for i, (m, d, n) in enumerate(zip(momenta, self.group_values("dampening"), self.group_values("nesterov"))):
+            if n and (m <= 0 or d != 0):
+                raise ConfigError(
+                    f"tiermem: SGD group {i}: nesterov=True needs momentum > 0 and dampening = 0 (got "
+                    f"momentum={m}, dampening={d}), as torch.optim.SGD"
+                )
+
+    def state_options(self) -> dict[str, Any]:
+        return {"momentum": any(m != 0 for m in self.group_values("momentum"))}
+
+
+@checked_arguments
+@dataclass(frozen=True, kw_only=True, repr=False)
+class Adagrad(_Spec):
+    """Adagrad, like ``torch.optim.Adagrad`` (``initial_accumulator_value`` one for all groups).
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate.
+        weight_decay: weight decay (an L2 penalty added to the gradient, as torch's).
+        lr_decay: learning rate decay.
+        eps: term added to the denominator for numerical stability.
+        initial_accumulator_value: the starting value of the sum of squared gradients.
+        maximize: maximize the objective instead of minimizing it.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
+    """
+
+    lr: float = 1e-2
+    lr_decay: float = 0.0
+    eps: float = 1e-10
+    initial_accumulator_value: float = 0.0
+    maximize: bool = False
+
+    kind: ClassVar[str] = "adagrad"
+    HYPER: ClassVar[tuple[str, ...]] = (
+        "lr",
+        "lr_decay",
+        "weight_decay",
+        "initial_accumulator_value",
+        "eps",
+        "maximize",
+    )
+    OFF: ClassVar[tuple[str, ...]] = ()
+    WHAT: ClassVar[str] = "Adagrad"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(set(self.group_values("initial_accumulator_value"))) > 1:
+            raise ConfigError(
+                "tiermem: Adagrad: param groups set different initial_accumulator_value; tiermem "
+                "starts every parameter's sum at one value: set it on the optimizer, not per group"
+            )
+
+    def state_options(self) -> dict[str, Any]:
+        return {"initial_accumulator_value": float(self.initial_accumulator_value)}
+
+
+@checked_arguments
+@dataclass(frozen=True, kw_only=True, repr=False)
+class Lion(_Spec):
+    """Lion (Chen et al. 2023, "Symbolic discovery of optimization algorithms"): the sign of an
+    interpolated momentum, decoupled weight decay; defaults as the paper's (lr 1e-4, betas (0.9, 0.99)).
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate.
+        weight_decay: weight decay (decoupled).
+        betas: the interpolation of the update's momentum and the momentum's decay.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
+    """
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.99)
+
+    kind: ClassVar[str] = "lion"
+    HYPER: ClassVar[tuple[str, ...]] = ("lr", "betas", "weight_decay")
+    RULES: ClassVar[Mapping[str, str]] = MappingProxyType({"betas": "lion_betas"})
+    OFF: ClassVar[tuple[str, ...]] = ()
+    WHAT: ClassVar[str] = "Lion"
+
+
+@checked_arguments
+@dataclass(frozen=True, kw_only=True, repr=False)
+class Adafactor(_Spec):
+    """Adafactor, like ``torch.optim.Adafactor`` (its names and defaults): the second moment of a
+    parameter of two or more dimensions factored into one value per row and one per column of its
+    last two dimensions (a vector keeps one per element), no first moment, the step size relative to
+    the weights' RMS. Its state is a few bytes per row and column of each matrix beside the master
+    weights (NOTE [State formats]); under data parallelism, pass ``process_group=False``.
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate (the most the relative step size may be).
+        weight_decay: weight decay (decoupled).
+        beta2_decay: the exponent of the second moment's decay (``1 - step ** beta2_decay``).
+        eps: ``(eps1, eps2)``: the term added to the squared gradient (None: fp32's machine
+            epsilon) and the floor of the weights' RMS that scales the update.
+        d: clipping threshold of the update's RMS.
+        maximize: maximize the objective instead of minimizing it.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
+    """
+
+    lr: float = 1e-2
+    beta2_decay: float = -0.8
+    eps: tuple[Optional[float], float] = (None, 1e-3)
+    d: float = 1.0
+    maximize: bool = False
+
+    kind: ClassVar[str] = "adafactor"
+    HYPER: ClassVar[tuple[str, ...]] = ("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize")
+    RULES: ClassVar[Mapping[str, str]] = MappingProxyType({"eps": "adafactor_eps"})
+    OFF: ClassVar[tuple[str, ...]] = ()
+    WHAT: ClassVar[str] = "Adafactor"
+
+
+class _EightBit:
+    """Block-wise 8-bit moments (NOTE [8-bit state] in tiermem/optim/kernels/quant.py); parameters with
+    fewer than ``min_8bit_size`` elements keep fp32 moments, as bitsandbytes and torchao do."""
+
+    min_8bit_size: int  # a field of each dataclass that mixes this in
+
+    def _check_8bit(self) -> None:
+        size = self.min_8bit_size
+        if not is_int(size) or size < 1:
+            raise _invalid(f"{type(self).__name__}.", "min_8bit_size", size, "an int >= 1")
+
+    def state_options(self) -> dict[str, Any]:
+        return {"min_8bit_size": self.min_8bit_size}
+
+
+@checked_arguments
+@dataclass(frozen=True, kw_only=True, repr=False)
+class AdamW8bit(_EightBit, AdamW):
+    """AdamW with 8-bit moments: bitsandbytes' ``AdamW8bit`` and torchao's ``AdamW8bit`` by name.
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate.
+        weight_decay: weight decay (decoupled).
+        betas: coefficients of the running averages of the gradient and of its square.
+        eps: term added to the denominator for numerical stability.
+        min_8bit_size: parameters with fewer elements keep fp32 moments.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
+    """
+
+    min_8bit_size: int = 4096
+    kind: ClassVar[str] = "adamw8bit"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_8bit()
+
+
+@checked_arguments
+@dataclass(frozen=True, kw_only=True, repr=False)
+class Adam8bit(_EightBit, Adam):
+    """Adam (L2 decay) with 8-bit moments: bitsandbytes' ``Adam8bit`` by name.
+
+    Args:
+        params: optional, the one positional argument: torch-style param groups (the model's
+            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+        lr: learning rate.
+        weight_decay: weight decay (an L2 penalty added to the gradient).
+        betas: coefficients of the running averages of the gradient and of its square.
+        eps: term added to the denominator for numerical stability.
+        min_8bit_size: parameters with fewer elements keep fp32 moments.
+        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
+        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
+        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+            into them stochastically (seeded per parameter, step and element), no fp32 master.
+    """
+
+    min_8bit_size: int = 4096
+    kind: ClassVar[str] = "adam8bit"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_8bit()
+
+
+__all__ = ["Adafactor", "Adagrad", "Adam8bit", "AdamW8bit", "Lion", "SGD"]

@@ -1,0 +1,637 @@
+"""TieredModel: wrap any ``nn.Module`` and train it with ``tm(x)``, ``tm.backward(loss)``, ``tm.step()``.
+
+The composition root: construction (:mod:`tiermem.model.build`) asks the policy where every
+tensor lives (:mod:`tiermem.plan.placement`), checks the bytes fit (:mod:`tiermem.plan.footprint`),
+builds the stores, the engine and one home per class and tier (NOTE [Homes]), and hands each
+collaborator what it needs, already wired; the model takes them and owns their lifetime. Gradients leave the device bucket by bucket while backward is
+still running (:mod:`tiermem.train.step.grads`); ``step()`` is :mod:`tiermem.train.step.stepper`'s.
+Every public call is checked against the step's phase in one place (NOTE [Step lifecycle]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import weakref
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from tiermem.checkpoint import file as checkpoint
+from tiermem.checkpoint.save_pretrained import save_pretrained
+from tiermem.checkpoint.view import ModelState
+from tiermem.config.budgets import Budgets
+from tiermem.config.specs import LossScale, _Spec
+from tiermem.errors import ConfigError, add_note, checked_arguments
+from tiermem.memory import deferred
+from tiermem.model import lifetime
+from tiermem.model.build import build_parts
+from tiermem.model.compute import warn_if_slow
+from tiermem.model.inputs import cast_inputs
+from tiermem.model.model_report import assemble as assemble_report
+from tiermem.model.options import validate
+from tiermem.model.phase import Lifecycle, Phase
+from tiermem.model.resident_block import resident as resident_block
+from tiermem.observe.report import Report
+from tiermem.plan.policy import Policy
+from tiermem.train.step.stepper import StepResult
+from tiermem.train.weights.materialize import values_for
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TieredModel", "StepResult", "Phase"]
+
+
+@checked_arguments
+class TieredModel:
+    """Train ``module`` with every tensor of its step placed on a tier by ``policy``.
+
+    The three calls of a training loop are ``tm(*inputs)`` (the module's forward; tensors inside any
+    container move to the device and floating ones are cast to the working precision),
+    ``tm.backward(loss)`` (once per micro-batch; gradients accumulate at their home) and
+    ``tm.step()`` (update from the accumulated gradients, then clear them). ``tm.optimizer`` has
+    ``param_groups``, so ``torch.optim.lr_scheduler`` drives it; ``tm.phase`` tells where in the step
+    the model is (NOTE [Step lifecycle]). Construction checks that the working set fits the budgets
+    and refuses, with the bytes each tier needs, one that does not. Under ``torch.distributed``,
+    gradients and optimizer state are sharded over the ranks (NOTE [Data parallel]).
+
+    Args:
+        module: any ``torch.nn.Module`` with trainable parameters (``requires_grad=True``); it is
+            wrapped by one live TieredModel at a time. ``requires_grad`` may change between steps
+            (NOTE [Freezing and unfreezing] in :mod:`tiermem.train.step.trainable`).
+        policy: the :class:`~tiermem.Policy` that gives each tensor its home tier. Default:
+            :class:`~tiermem.policies.ZeroOffload` (weights and activations on the device, grads and
+            optimizer state on the host).
+        optimizer: a tiermem spec (:class:`~tiermem.AdamW`, :class:`~tiermem.Adam`; param groups
+            optional), or a ``torch.optim.AdamW``/``Adam`` built on the module's parameters, which is
+            read for its class, param groups and hyperparameters and never stepped itself
+            (:mod:`tiermem.config.torch_optim`). Default: ``tiermem.AdamW()``.
+        precision: the working precision of the weights the device holds: ``"bf16"``, ``"fp16"``
+            (dynamic loss scaling: an overflowing step is skipped and the scale lowered),
+            ``"fp32"``, or ``"auto"``: bf16 where the device computes it natively, else fp32 on a
+            CPU and fp16 on an older GPU (NOTE [Choosing the precision] in tiermem/config/precision.py);
+            ``tm.precision`` is the one in use. bf16 or fp16 on a CPU much slower at them than at
+            fp32 logs one warning. fp32 master weights always live with the optimizer state.
+        budgets: caps on the bytes tiermem manages per tier (:class:`~tiermem.Budgets`). Default:
+            the device's free memory less a margin, the available RAM, the free disk space.
+        nvme_dir: the directory NVMe tensors go to; needed when the policy places anything on
+            ``Tier.NVME``. The run owns it (a lock) until it is detached or dropped; under data
+            parallelism each rank uses ``nvme_dir/rank<r>``.
+        grad_clip: clip the global L2 norm of the gradients to this (as
+            ``torch.nn.utils.clip_grad_norm_``); a finite number > 0, or None for no clipping.
+        device: where the working weights and the forward run: ``"cpu"``, ``"cuda"``, ``"cuda:N"``
+            or a ``torch.device``. Default: the current CUDA device when one is available, else the
+            CPU.
+        bucket_size: fp32 gradient bytes per bucket, an int or a string such as ``"32MiB"``.
+            Smaller buckets start transfers earlier; larger ones make fewer, bigger copies.
+        overlap_step: run each step's CPU update in the background while the next forward and
+            backward run (the one-step delayed update of ZeRO-Offload), so they see weights one update
+            old; the update lands at the next ``step()``. Costs a second fp32 gradient buffer and a
+            host copy of the working weights (+6 B/param). An update that fails in the background
+            raises from that later call, and its gradients cannot be retried.
+        trace_path: write a Chrome trace (open it in Perfetto) of compute, transfers and optimizer
+            steps to this file; its directory must exist.
+        prefetch: fetch weights homed off the device ahead of use, along the order the first step
+            recorded (default). ``False`` fetches each only when its module runs (for comparison).
+        process_group: under data parallelism, the ``torch.distributed`` group to shard over.
+            Default (None): the default group when ``torch.distributed`` is initialized, else one
+            process. ``False``: a full replica in each process (no collectives).
+        max_skipped_steps: in bf16 and fp32, this many steps skipped in a row for non-finite
+            gradients raise a :class:`~tiermem.TierMemError` naming the parameters (NOTE [A stalled
+            run is loud]); None never stops.
+        loss_scale: fp16's dynamic loss scaling (a :class:`~tiermem.LossScale`); fp16 only. Default:
+            ``torch.amp.GradScaler``'s initial scale, growth interval and factors.
+        shard_weights: under data parallelism, shard the weights on the device over the ranks too,
+            each rank keeping 1/N and gathering a bucket while it is read (ZeRO-3; weights off the
+            device always are: NOTE [Weights sharded over the ranks]). In one process it changes
+            nothing.
+        weights: a checkpoint to take the weights from, read one tensor at a time straight into their
+            homes (NOTE [Models on the meta device]): a Hugging Face checkpoint directory
+            (``model.safetensors`` or shards with ``model.safetensors.index.json``), one
+            ``.safetensors`` file or a torch state-dict file. Its names, shapes and dtypes are checked
+            against the module before anything is built. The module may be on the meta device (built
+            under ``torch.device("meta")``); without ``weights``, such a module's parameters are
+            initialized by its own modules' initialization, one module at a time.
+        update_in_backward: keep no gradient at rest (NOTE [Updates in backward] in
+            tiermem/train/step/in_backward.py): ``tm.backward(loss)`` takes the gradients' norms and keeps
+            the graph, ``tm.step()`` runs backward again and updates each bucket as soon as its
+            gradients land. The same bits as the default step, for one more backward per step and a
+            few buckets of host memory instead of 4 B/param of grads. Micro-batches before a step's
+            last accumulate in the whole GRAD home (4 B/param, made when a step first accumulates):
+            a second ``tm.backward()`` first runs the previous one's backward again into it (its
+            graph, and so its activations, lived until then), one inside ``tm.no_sync()`` lands
+            there in one pass. One process; optimizer state on the host or NVMe.
+
+    Raises:
+        ConfigError: an argument is wrong (the message names it and says what to pass).
+        OutOfTierMemory: the working set does not fit the budgets (the bytes each tier needs).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        policy: Optional[Policy] = None,
+        *,
+        optimizer: "_Spec | torch.optim.Optimizer | None" = None,
+        precision: str = "bf16",
+        budgets: Optional[Budgets] = None,
+        nvme_dir: Optional[str] = None,
+        grad_clip: Optional[float] = None,
+        device: torch.device | str | None = None,
+        bucket_size: int | str = "32MiB",
+        overlap_step: bool = False,
+        trace_path: Optional[str] = None,
+        prefetch: bool = True,
+        process_group: Any = None,
+        max_skipped_steps: Optional[int] = 10,
+        loss_scale: Optional[LossScale] = None,
+        shard_weights: bool = False,
+        weights: "str | os.PathLike[str] | None" = None,
+        update_in_backward: bool = False,
+    ):
+        opts = validate(
+            module,
+            optimizer=optimizer,
+            precision=precision,
+            budgets=budgets,
+            grad_clip=grad_clip,
+            device=device,
+            bucket_size=bucket_size,
+            overlap_step=overlap_step,
+            nvme_dir=nvme_dir,
+            trace_path=trace_path,
+            prefetch=prefetch,
+            max_skipped_steps=max_skipped_steps,
+            loss_scale=loss_scale,
+            shard_weights=shard_weights,
+            update_in_backward=update_in_backward,
+        )
+        deferred.start()  # the worker that gives back dropped models (NOTE [Finalizers only enqueue])
+        deferred.settle()  # what models dropped before this one held is back (their hooks are off the module)
+        lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
+        precision, given = opts.precision, precision  # "auto" made this device's (NOTE [Choosing the precision])
+        self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
+        warn_if_slow(precision, opts.device)  # one warning, from the profile's matmul figures
+        self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
+        self.update_in_backward = opts.update_in_backward
+        self._life = Lifecycle()
+        if weights is not None and not isinstance(weights, (str, os.PathLike)):
+            raise ConfigError(f"tiermem: weights={weights!r} is not a path; pass a checkpoint's file or directory")
+        values = values_for(module, None if weights is None else os.fspath(weights))  # checked whole: reads no tensor
+        try:
+            parts = build_parts(  # tiermem/model/build.py: every collaborator, wired; none refers back to self
+                module,
+                policy,
+                opts,
+                nvme_dir=nvme_dir,
+                trace_path=trace_path,
+                process_group=process_group,
+                max_skipped_steps=max_skipped_steps,
+                loss_scale=loss_scale,
+                step=self._step,
+                add_group=self._add_group,
+                values=values,
+            )
+        finally:
+            values.close()
+        self.policy, self.placement, self._evaluator = parts.policy, parts.placement, parts.evaluator
+        self.tracer, self.group, self.stores, self.engine, self.hooks = (
+            parts.tracer,
+            parts.group,
+            parts.stores,
+            parts.engine,
+            parts.hooks,
+        )
+        self.param_offload, self.gathered, self._force_eager = parts.param_offload, parts.gathered, parts.force_eager
+        self.layout, self.scaler, self.grads, self.stepper = parts.layout, parts.scaler, parts.grads, parts.stepper
+        self._passes = parts.passes  # NOTE [Updates in backward]: None unless update_in_backward
+        self.optimizer, self._groups = parts.optimizer, parts.group_editor
+        #: the tiermem optimizer spec this model runs (a torch optimizer given is read into one)
+        self.optimizer_spec = parts.optimizer_spec
+        self._trainable, self.activations, self._state = parts.trainable, parts.activations, parts.state
+        with lifetime.undone_on_failure(parts, module):  # a failed construction leaves nothing held
+            # NOTE [A dropped model lets go]: nothing built refers back to self, so a model nobody
+            # references is collected; this gives back what it held (and is detach()'s last part)
+            self._release = weakref.finalize(
+                self, lifetime.dropped, self.hooks, self.engine, self.stores, self.tracer, self.stepper, os.getpid()
+            )
+            self._release.atexit = False  # the process's end frees it all; no I/O on the way out
+            lifetime.claim(module, self)
+            for source in self.weight_sources():
+                source.settle()  # the module's original tensors of off-device weights go
+        self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
+        log.info(
+            "tiermem: %s trainable parameters in %d buckets under %r (%s%s)",
+            f"{self.layout.n_params:,}",
+            len(self.layout.buckets),
+            self.policy,
+            precision,
+            f", from precision={given!r}" if given != precision else "",
+        )
+
+    def weight_sources(self) -> list:
+        """The homes whose weights are OffDeviceWeights: ParamOffload (weights off the device in one
+        process, and frozen ones), GatheredWeights (sharded over the ranks)."""
+        return [s for s in (self.param_offload, self.gathered) if s is not None]
+
+    # -- the three calls ------------------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        """Where in the training step the model is (NOTE [Step lifecycle])."""
+        return self._life.phase
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward on ``args``/``kwargs``, with tensors moved to the device and floating
+        ones cast to the working precision inside any container (NamedTuples, dataclasses, any
+        ``Mapping``). In train mode with grad enabled, its activations are placed by the policy."""
+        if not (torch.is_grad_enabled() and self.module.training):
+            return self._forward(args, kwargs)  # not a training forward: no part of a step's time
+        t0 = time.perf_counter()
+        try:
+            return self._forward(args, kwargs)
+        finally:
+            self._compute_seconds += time.perf_counter() - t0
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
+        with self._life.during("forward", Phase.FORWARD):
+            self.stepper.check_whole("tm(...)")  # NOTE [A failed step is rolled forward]
+            self._state.check_loaded("tm(...)")  # NOTE [A failed load is guarded]
+            self._trainable.check_unchanged("tm(...)")  # NOTE [The parameters a model was wrapped with]
+            if torch.is_grad_enabled() and self.module.training and self.group.world == 1:
+                # NOTE [Freezing and unfreezing]; under data parallelism at backward, where every rank is
+                self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=False)
+            args, kwargs = cast_inputs((args, kwargs), self.dtype, self.device)
+            with self.tracer.span("forward", "compute"), _eagerly(self._force_eager):
+                if torch.is_grad_enabled() and self.module.training:
+                    with self.activations.track():
+                        return self.module(*args, **kwargs)
+                return self.module(*args, **kwargs)  # eval() or no_grad: activations stay where they are
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` (scaled in fp16); call once per micro-batch, grads accumulate.
+
+        Each bucket's gradients leave the device for their home as soon as backward produced them
+        (under ``update_in_backward``, a window of them: NOTE [Updates in backward]).
+        If it raises after some of its gradients arrived, this step's grads (earlier micro-batches
+        too) are dropped: run the step's forward and backward again. If it raises before any did
+        (e.g. a second backward through the same graph), nothing changed: earlier micro-batches'
+        grads are kept, and the error says so.
+
+        Args:
+            loss: a scalar tensor computed from ``tm(...)`` in train mode, outside ``torch.no_grad()``.
+        """
+        t0 = time.perf_counter()
+        try:
+            self._backward(loss)
+        finally:
+            self._compute_seconds += time.perf_counter() - t0
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self._life.check("backward")
+        _check_loss(loss)
+        self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=True)  # NOTE [Freezing and unfreezing]
+        if self._passes is not None:
+            self._passes.prepare()  # the accumulation homes, if it accumulates: refused before anything changes
+        with self._life.during("backward", Phase.BACKWARD):  # raising before any grad: back to the phase before
+            try:
+                if self._passes is not None and self._passes.kept:  # the step's last backward so far was not its last
+                    self._replay()
+                self._backward_pass(loss)
+            finally:
+                self.activations.release()
+            self._life.to(Phase.GRADS_READY)
+
+    def _replay(self) -> None:
+        """Under update_in_backward, the kept graph's backward again into the accumulation homes
+        (NOTE [Updates in backward]); if it fails, the step's grads are dropped."""
+        assert self._passes is not None
+        try:
+            with self.tracer.span("backward again", "compute"):
+                self._passes.replay()
+        except BaseException as e:
+            self._dropped(e)
+            raise
+
+    def _backward_pass(self, loss: torch.Tensor) -> None:
+        """This backward's own pass; a failure drops the step's grads once any of its own arrived."""
+        arrived_before = self.grads.arrivals
+        try:
+            scaled = loss.float() * self.scaler.scale if self.scaler.enabled else loss
+            with self.tracer.span("backward", "compute"):
+                if self._passes is not None:
+                    self._passes.backward(scaled)  # NOTE [Updates in backward]
+                else:
+                    scaled.backward()
+                    self.grads.end_backward()
+        except BaseException as e:
+            if self.grads.arrivals == arrived_before:  # nothing of this backward reached tiermem
+                add_note(
+                    e,
+                    "tiermem: no gradient of this backward had arrived: the step's earlier gradients "
+                    "are kept; run forward again to get a new graph before calling backward",
+                )
+                raise
+            self._dropped(e)
+            raise
+
+    def _dropped(self, error: BaseException) -> None:
+        """A backward stopped part way: the step's grads are dropped, never stepped on as a mix."""
+        self.grads.drop()
+        self._life.to(Phase.IDLE)
+        add_note(
+            error,
+            "tiermem: this backward stopped part way: the step's gradients (earlier micro-batches "
+            "too) were dropped; run the step's forward and backward again",
+        )
+
+    def step(self) -> StepResult:
+        """Update the weights from the accumulated grads, then clear them.
+
+        Waits for the gradients, unscales them (fp16), takes the global norm, clips, runs the
+        optimizer where its state lives and sends the new working weights home. Non-finite
+        gradients skip the step (nothing changes). A step that fails on I/O is completed by calling
+        ``step()`` again (NOTE [A failed step is rolled forward]). Same as ``tm.optimizer.step()``.
+
+        Returns:
+            A :class:`StepResult`: ``skipped``, ``grad_norm`` (before clipping), ``loss_scale``
+            (for the next backward) and ``step`` (updates applied so far).
+        """
+        result = self.optimizer.step()
+        self.tracer.maybe_write()  # throttled: a full rewrite of a growing file; always at detach()
+        return result
+
+    def _add_group(self, groups: list[dict], group: dict) -> None:
+        """What ``tm.optimizer.add_param_group(group)`` runs (tiermem.train.step.groups.GroupEditor)."""
+        self._life.check("state", "tm.optimizer.add_param_group()")
+        self._groups.add(groups, group)
+
+    def _step(self, groups: list[dict]) -> StepResult:
+        """What ``tm.optimizer.step()`` runs: the tiered step, checked against the phase."""
+        with self._life.during("step", Phase.STEPPING):
+            self._state.check_loaded("tm.step()")  # NOTE [A failed load is guarded]
+            self._trainable.check_unchanged("step()")  # NOTE [The parameters a model was wrapped with]
+            try:
+                result = self.stepper.run(groups)
+            except BaseException:
+                self._life.to(Phase.GRADS_READY if self.grads.has_grads() else Phase.IDLE)
+                raise
+            self._life.to(Phase.IDLE)
+        return result
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Under data parallelism, backward inside this block accumulates gradients on this rank
+        without communicating (as ``DistributedDataParallel.no_sync``); the next backward outside
+        it (or the step) sends the sum once. Under ``update_in_backward`` a backward inside it is
+        known not to be the step's last: it accumulates in one pass and keeps no graph (NOTE
+        [Updates in backward]). Otherwise, in one process, it changes nothing."""
+        self._life.check("backward")
+        homes = self.layout.homes.grad_homes()
+        for home in homes:
+            home.defer(True)
+        try:
+            yield
+        finally:
+            for home in homes:
+                home.defer(False)
+
+    # -- module-like conveniences ---------------------------------------------------------------
+    def train(self, mode: bool = True) -> "TieredModel":
+        """Set the module's training mode, as ``nn.Module.train``; returns ``self``.
+
+        Args:
+            mode: True for training (activations saved and placed by the policy), False for eval.
+        """
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "TieredModel":
+        """``train(False)``: forwards run as in evaluation; returns ``self``."""
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        """The module's training mode."""
+        return self.module.training
+
+    # -- state ------------------------------------------------------------------------------------
+    def _settled(self, call: str) -> ModelState:
+        """The model's state with nothing in flight, for the calls that read or replace it."""
+        self._life.check("state", call)
+        self.stepper.finish_pending()
+        return self._state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights (and buffers) with the keys of ``module.state_dict()``."""
+        state = self._settled("state_dict()")
+        self.stepper.check_whole("tm.state_dict()")  # NOTE [A failed step is rolled forward]
+        return state.module_state()
+
+    def save_pretrained(
+        self,
+        directory: "str | os.PathLike[str]",
+        *,
+        max_shard_size: int | str = "2GiB",
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        """Write the weights as Hugging Face safetensors shards (and a transformers model's
+        ``config.json``), read from their homes one tensor at a time (NOTE [Saving in the Hugging Face
+        format]): ``transformers.AutoModel*.from_pretrained(directory)`` and
+        ``TieredModel(..., weights=directory)`` read them back. A peft model's active adapter is
+        written as peft's ``save_pretrained`` writes it (``adapter_model.safetensors`` and
+        ``adapter_config.json``), the frozen base left unread.
+
+        Args:
+            directory: where to write; created if missing. An earlier save there is replaced (its
+                shards and index), other files are left alone; a failed save changes nothing.
+            max_shard_size: the largest shard, an int or a string such as ``"2GiB"``.
+            dtype: the dtype of the floating-point weights written; default: the fp32 master weights.
+        """
+        state = self._settled("save_pretrained()")
+        self.stepper.check_whole("tm.save_pretrained()")  # weights of two steps would be kept for good
+        if self.group.world > 1:
+            raise ConfigError(
+                "tiermem: save_pretrained() is for one process in this version; under data parallelism save a "
+                "checkpoint with tm.save(path), load it in one process with tm.load(path), and save_pretrained there"
+            )
+        save_pretrained(state, self.module, directory, max_shard_size=max_shard_size, dtype=dtype)
+
+    def save(self, path: str, *, format: Optional[str] = None) -> None:
+        """Checkpoint weights, optimizer state, loss scale and step to ``path``, atomically.
+
+        The checkpoint is checksummed (xxh3_64 of every tensor), written beside ``path`` and renamed
+        into place only when complete; state on NVMe is streamed bucket by bucket. Under data
+        parallelism a collective: every rank calls it with the same path, on storage every rank sees.
+
+        Args:
+            path: the file or directory to write; an existing one is replaced whole.
+            format: ``"file"``: one file (under data parallelism rank 0 writes it, gathered bucket by
+                bucket); ``"dcp"``: a ``torch.distributed.checkpoint`` directory in which every rank
+                writes its own shards, readable at any world size. Default: ``"dcp"`` under data
+                parallelism, ``"file"`` in one process.
+        """
+        if format is None:
+            format = "dcp" if self.group.world > 1 else "file"
+        state = self._settled("save()")
+        self.stepper.check_whole("tm.save()")  # a checkpoint of two steps would keep the mix for good
+        state.check_loaded("tm.save()")  # NOTE [A failed load is guarded]: nor of two checkpoints
+        checkpoint.save(state, path, format)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This process's shards of the fp32 master weights and Adam moments, in a form
+        ``torch.distributed.checkpoint`` saves and loads at any world size (NOTE [Sharded values
+        for DCP]): ``{"model": {name: ...}, "optim": {"state": {name: {"exp_avg": ...,
+        "exp_avg_sq": ...}}}, "tiermem": <step counts, loss scale, hyperparameters as JSON>}``.
+        Values alias the model's state where it lives in memory (state on NVMe is copied into host
+        memory). ``dcp.save(tm.sharded_state_dict(), checkpoint_id=d)`` writes a checkpoint (without
+        tiermem's manifests, so ``tm.load(d)`` refuses it); ``sd = tm.sharded_state_dict();
+        dcp.load(sd, checkpoint_id=d); tm.load_sharded_state_dict(sd)`` loads one. ``tm.state_dict()``
+        stays the whole weights."""
+        state = self._settled("sharded_state_dict()")
+        self.stepper.check_whole("tm.sharded_state_dict()")  # NOTE [A failed step is rolled forward]
+        state.check_loaded("tm.sharded_state_dict()")
+        return checkpoint.sharded_state_dict(state)
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take back what :meth:`sharded_state_dict` gave, filled by ``dcp.load``: the state, the
+        working weights made from it, step counts, loss scale and hyperparameters (checked whole
+        first). Under data parallelism a collective. Gradients waiting for a step are dropped.
+
+        Args:
+            state_dict: the dict :meth:`sharded_state_dict` returned, after ``dcp.load`` filled it.
+        """
+        checkpoint.load_sharded(self._settled("load_sharded_state_dict()"), state_dict)
+        self.grads.drop()
+        self._life.to(Phase.IDLE)
+
+    def load(self, path: str) -> None:
+        """Restore a checkpoint written by :meth:`save` (any bucket size, placement or world size;
+        the same parameter names and param groups).
+
+        Everything is checked (checksums, names, shapes, dtypes) before anything changes. Gradients
+        waiting for a step (kept for the retry of a failed one) were computed with other weights:
+        they are dropped, and the next step starts from the checkpoint alone. Under data
+        parallelism a collective.
+
+        Args:
+            path: a file or DCP directory written by :meth:`save`.
+        """
+        state = self._settled("load()")
+        self._trainable.sync(grads_waiting=False, collective=True)  # parameters unfrozen before loading get state
+        checkpoint.load(state, path)
+        self.grads.drop()
+        self._life.to(Phase.IDLE)
+
+    @contextlib.contextmanager
+    def resident(self, what: "torch.nn.Module | torch.Tensor | Iterable[torch.Tensor]") -> Iterator[None]:
+        """Explicit access to weights outside ``tm(...)``: inside the block the parameters of
+        ``what`` (a module of the model, a parameter, or several of either) are real tensors on
+        the device, those homed off the device held there for the block. Writes into them (in
+        place, under ``torch.no_grad()``: ``p.mul_(0.5)``, ``p.copy_(new)``, ``nn.init``) become the
+        model's weights: when the block ends they reach the weights' home tier and the fp32 master
+        weights the optimizer updates. Reads of an off-device weight outside such a block work too
+        (fetched for each op); writes outside it are refused (NOTE [Parameters off the device]).
+        Under ZeRO-3 it gathers sharded weights: enter it on every rank.
+
+        Args:
+            what: a module of the wrapped model, one of its parameters, or an iterable of either.
+        """
+        self._settled("resident()")
+        self.stepper.check_whole("tm.resident()")  # NOTE [A failed step is rolled forward]
+        with resident_block(what, self.module, self.weight_sources(), self._state):
+            yield
+
+    def report(self) -> Report:
+        """What the run did with memory so far: peak bytes per tier and per (class, tier), bytes
+        moved between tiers and their GB/s, seconds stalled on transfers, and, with a machine
+        profile, predicted against measured seconds per stage. ``print(tm.report())`` shows a table.
+
+        Returns:
+            A :class:`~tiermem.Report` of plain dicts keyed by :class:`~tiermem.Tier` and
+            :class:`~tiermem.TensorClass`.
+        """
+        return assemble_report(
+            stores=self.stores,
+            engine=self.engine,
+            stepper=self.stepper,
+            layout=self.layout,
+            group=self.group,
+            placement=self.placement,
+            evaluator=self._evaluator,
+            sources=self.weight_sources(),
+            compute_seconds=self._compute_seconds,
+            activations=self.activations.stats,
+        )
+
+    def detach(self) -> torch.nn.Module:
+        """Remove every hook and give the module back with fp32 weights (on the CPU, where the
+        master weights were), ready for plain PyTorch."""
+        state = self._settled("detach()")
+        self.stepper.check_whole("tm.detach()")  # the module would keep weights of two steps
+        self._trainable.detachable()  # before anything changes (NOTE [The parameters a model was wrapped with])
+        weights = state.fp32_weights()  # before the hooks go: frozen weights sharded over the ranks are gathered
+        self.hooks.remove()
+        for source in self.weight_sources():
+            source.restore(weights)  # plain tensors again (NOTE [Parameters off the device])
+        for name, p in self._trainable.wrapped:
+            p.data = weights[name]
+        self.layout.buffers.give_back()
+        self._life.to(Phase.DETACHED)
+        lifetime.disown(self.module, self)
+        self._release.detach()  # the finalizer's own call would warn that the weights were not given back
+        lifetime.give_back(self.hooks, self.engine, self.stores, self.tracer)
+        return self.module
+
+    def __enter__(self) -> "TieredModel":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """``with TieredModel(module) as tm:`` detaches on the way out, so ``module`` holds the
+        trained fp32 weights afterwards. If the block raised and the model cannot be detached
+        (e.g. it stopped inside a hook), its memory, files and lock are still given back, and
+        the block's error is the one raised."""
+        if self._life.phase is Phase.DETACHED:
+            return
+        if exc_type is None:
+            self.detach()
+            return
+        try:
+            self.detach()
+        except Exception as e:  # noqa: BLE001 - the block's own error is the one to see
+            add_note(
+                exc,
+                f"tiermem: detach() on leaving the block failed too ({type(e).__name__}: {e}); the "
+                f"model's memory, files and lock were given back; the module may not hold its trained weights",
+            )
+            self._life.to(Phase.DETACHED)
+            self._release()  # runs once: says that the weights did not go back
+            deferred.settle()
+
+    def __repr__(self) -> str:
+        return (
+            f"TieredModel({type(self.module).__name__}, policy={self.policy!r}, precision={self.precision!r}, "
+            f"params={self.layout.n_params:,}, buckets={len(self.layout.buckets)})"
+        )
+
+
+def _eagerly(on: bool) -> contextlib.AbstractContextManager:
+    """Compiled code runs eagerly inside (``torch.compiler.set_stance``, torch 2.6+; before it,
+    dynamo finds the eager hooks and falls back by itself, after trying to trace)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if on and set_stance is not None else contextlib.nullcontext()
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ConfigError(
+            f"tiermem: backward() needs a scalar loss tensor, got "
+            f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}; "
+            f"reduce the loss to one number (e.g. .mean())"
+        )
+    if not loss.requires_grad:
+        raise ConfigError(
+            "tiermem: backward() got a loss that does not require grad; compute it from "
+            "tm(...) outside torch.no_grad() and with the module in train mode"
+        )

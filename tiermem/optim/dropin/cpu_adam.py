@@ -1,0 +1,167 @@
+"""``CPUAdam``: a drop-in ``torch.optim.Optimizer`` for fp32 CPU parameters, built on the fused Adam kernel.
+
+NOTE [Drop-in speed]
+CPUAdam once stepped 4 tensors of 2M fp32 parameters 2.5-3x slower than torch.optim.AdamW(fused=True),
+while the same update inside TieredModel ran at ~0.9x. Three costs TieredModel does not pay:
+- The found_inf check ran torch.compile's ``isfinite().all()`` per gradient, at half the bandwidth of
+  the update itself. Now it is the native bit test: one read of the gradient at memory speed (4 of
+  32 bytes a parameter with fp32 gradients, so the default, checked step is at best 0.875x of
+  torch's, which checks nothing; ``check_finite=False`` moves torch's bytes).
+- Each ``adam_step`` call went through argument checks and dynamo's guards (~0.1 ms a tensor). Now
+  the update is the native Adam kernel (tiermem/optim/kernels/csrc/elementwise.py: bit-identical to the
+  compiled kernel, both equal the reference) called through ctypes; the compiled ``adam_step``
+  remains the path where no native kernel can be built. The base's step loop (tiermem/optim/dropin/shared.py)
+  counts the steps in one call, makes and checks the hyperparameters once per group and step, and
+  finds the native library once per step (~12-16 us of Python a tensor, torch's fused: 5-13 us).
+- Python between two kernels runs with a cold cache: the kernel before it streamed the tensor's
+  bytes through it, so each object the interpreter touches is a miss to memory. Made between the
+  kernels, the calls of 4 tensors of 2M cost ~1 ms of the step's ~7 (measured: CPU time outside the
+  ctypes calls); the base now makes every call of a step first (:func:`tiermem.optim.kernels.dispatch.native_call`
+  returns it unmade) and then runs them back to back, as torch's fused kernel runs all tensors in one
+  dispatch.
+bench/cpu_optim.py measures each drop-in against torch's fused optimizer and against a kernel moving
+its bytes (bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Union
+
+import torch
+
+from tiermem.config.rules import check_adam_hyper
+from tiermem.errors import checked_arguments
+from tiermem.optim.adam_hyper import AdamHyper
+from tiermem.optim.dropin.shared import CPUOptimizer, Params, Plan, number
+from tiermem.optim.functional import adam_update, as_number, make_hyper
+from tiermem.optim.kernels import dispatch as _run
+from tiermem.optim.kernels.sr import StochasticRound
+
+log = logging.getLogger(__name__)
+
+
+@checked_arguments
+class CPUAdam(CPUOptimizer):
+    """Adam or AdamW (``adamw=True``, the default) on CPU parameters, one fused pass per tensor.
+
+    Matches ``torch.optim.AdamW`` / ``torch.optim.Adam`` (``foreach=False``) up to the rounding of
+    one square root (see tiermem/optim/kernels/eager.py, NOTE [sqrt rounding]); lr schedulers, param
+    groups with their own hyperparameters, and ``state_dict``/``load_state_dict`` work as they do
+    there, with the same state keys (``step``, ``exp_avg``, ``exp_avg_sq``). A step whose gradients
+    hold an inf or NaN changes nothing (no parameter, moment or step count) and sets
+    ``last_step_skipped``; ``check_finite=False`` turns the check off. ``bf16_stochastic_round=True``
+    takes bf16 parameters and keeps no fp32 copy (tiermem/optim/dropin/shared.py).
+
+    Args:
+        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
+            CPU tensors.
+        lr: learning rate.
+        betas: coefficients of the running averages of the gradient and of its square.
+        eps: term added to the denominator.
+        weight_decay: decoupled (``adamw=True``) or L2 weight decay.
+        adamw: AdamW when True (the default), Adam when False.
+        check_finite: check every gradient for inf/NaN before any update; a step that finds one
+            changes nothing and sets ``last_step_skipped``. False skips the check.
+        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
+            stochastically (NOTE [Stochastic rounding bits]).
+        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
+    """
+
+    _sparse_hint = "use torch.optim.SparseAdam for sparse gradients"
+    _state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Params,
+        lr: Union[float, torch.Tensor] = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw: bool = True,
+        *,
+        check_finite: bool = True,
+        bf16_stochastic_round: bool = False,
+        sr_seed: Optional[int] = None,
+    ):
+        _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
+        super().__init__(
+            params,
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw),
+            check_finite=check_finite,
+            bf16_stochastic_round=bf16_stochastic_round,
+            sr_seed=sr_seed,
+        )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_adam_group(f"{type(self).__name__} ", group)
+
+    def _fill_group(self, group: dict[str, Any], defaults: dict[str, Any]) -> None:
+        fill_adamw(group, defaults)
+        super()._fill_group(group, defaults)
+
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        init_adam_state(p, state)
+
+    def _plan(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> Plan:
+        return Plan(_run.ADAM, (state["exp_avg"], state["exp_avg_sq"]))
+
+    def _hyper(self, group: dict[str, Any], step: int, variant: tuple) -> AdamHyper:
+        return adam_hyper(group, step)
+
+    def _functional(
+        self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, hyper: Any, sr: Optional[StochasticRound]
+    ) -> None:
+        adam_functional(plan, p, grad, hyper, sr)
+
+
+def fill_adamw(group: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """A loaded group's ``adamw``: a torch.optim.Adam/AdamW state dict names it ``decoupled_weight_decay``."""
+    group.setdefault("adamw", group.get("decoupled_weight_decay", defaults["adamw"]))
+
+
+def init_adam_state(p: torch.Tensor, state: dict[str, Any]) -> None:
+    """fp32 moments of zeros, shaped as the parameter (torch's state)."""
+    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+
+
+def adam_functional(plan: Plan, p: torch.Tensor, grad: torch.Tensor, hyper: Any, sr: Optional[StochasticRound]) -> None:
+    """Where the native kernel cannot run, ``adam_step``'s path: the compiled kernel (bit-identical to
+    the native one), or bf16 weights' reference."""
+    exp_avg, exp_avg_sq = plan.state
+    assert exp_avg is not None and exp_avg_sq is not None  # Adam's moments always exist
+    adam_update(p, exp_avg, exp_avg_sq, grad, None, hyper, stochastic_round=sr, check_finite=False, impl=None)
+
+
+def adam_hyper(group: dict[str, Any], step: int) -> AdamHyper:
+    """A param group's checked Adam hyperparameters at ``step``."""
+    beta1, beta2 = group["betas"]
+    return make_hyper(
+        AdamHyper,
+        step=step,
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        adamw=group["adamw"],
+    )
+
+
+def check_adam_group(where: str, group: dict[str, Any]) -> None:
+    """The rules every Adam in tiermem checks (NOTE [Adam hyperparameter rules]), on a param group."""
+    check_adam_hyper(
+        where,
+        lr=number(group["lr"]),
+        betas=group["betas"],
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        adamw=group["adamw"],
+    )
+
+
+def _check_hyper(*, lr: Any, betas: Any, eps: Any, weight_decay: Any, adamw: Any) -> None:
+    """The rules every Adam in tiermem checks (NOTE [Adam hyperparameter rules]); a tensor lr, which
+    torch optimizers allow, is checked as the number it holds."""
+    check_adam_hyper("CPUAdam ", lr=as_number(lr), betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
