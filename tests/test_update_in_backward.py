@@ -148,29 +148,11 @@ def test_the_footprint_counts_a_window_instead_of_the_grads():
 
     tm = _make(ZeroOffload(), None, update_in_backward=True)
     ref = _make(ZeroOffload(), None)
-    from tiermem.model.build import _footprint  # the rule TieredModel checks its budgets with
-    from tiermem.model.options import validate
 
-    def need(model, flag):
-        opts = validate(
-            model.module,
-            optimizer=None,
-            precision="fp32",
-            budgets=None,
-            grad_clip=None,
-            device="cpu",
-            bucket_size=3000,
-            overlap_step=False,
-            nvme_dir=None,
-            trace_path=None,
-            prefetch=True,
-            max_skipped_steps=10,
-            loss_scale=None,
-            update_in_backward=flag,
-        )
-        return _footprint(model.module, model.layout.buckets, {}, opts, 1)
+    def need(model):  # the footprint TieredModel checked its budgets with (NOTE [Plan, then build])
+        return model.model_plan.footprint
 
-    with_window, without = need(tm, True)[Tier.HOST], need(ref, False)[Tier.HOST]
+    with_window, without = need(tm)[Tier.HOST], need(ref)[Tier.HOST]
     assert GRADS not in with_window and without[GRADS] == 4 * ref.layout.n_params
     assert with_window[GRADS_IN_BACKWARD] == WINDOW_BUCKETS * 4 * max(b.numel for b in tm.layout.buckets)
 

@@ -87,6 +87,43 @@ def _check_paths(module: torch.nn.Module, nvme_dir: Any, trace_path: Any) -> Non
             )
 
 
+def _spec(optimizer: Any) -> tuple[_Spec, Optional[torch.optim.Optimizer]]:
+    """The optimizer spec ``optimizer=`` asks for, and the torch optimizer it was read from (if one)."""
+    torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    spec = AdamW() if optimizer is None else spec_from_torch(optimizer) if torch_optimizer is not None else optimizer
+    if not isinstance(spec, _Spec):
+        raise ConfigError(
+            f"tiermem: optimizer={spec!r} is not an optimizer tiermem runs; pass tiermem.AdamW(...), "
+            f"Adam, SGD, Adagrad, Lion, Adafactor, AdamW8bit or Adam8bit, or a torch.optim.Optimizer "
+            f"built on the module's parameters ({supported_names()} fused, any other generically)"
+        )
+    return spec, torch_optimizer
+
+
+def _check_grad_clip(grad_clip: Any) -> None:
+    if grad_clip is not None and (not is_number(grad_clip) or not math.isfinite(grad_clip) or grad_clip <= 0):
+        raise ConfigError(
+            f"tiermem: grad_clip={grad_clip!r} is invalid: must be a finite number > 0 (the largest "
+            f"global gradient norm), or None for no clipping"
+        )
+
+
+def _check_skips_and_scale(max_skipped_steps: Any, loss_scale: Any, precision: str, given: Any) -> None:
+    """``max_skipped_steps`` and ``loss_scale``, the latter for fp16 only (``given``: the precision
+    asked for, before "auto" became ``precision``)."""
+    if max_skipped_steps is not None and (not is_int(max_skipped_steps) or max_skipped_steps < 1):
+        raise ConfigError(
+            f"tiermem: max_skipped_steps={max_skipped_steps!r} is invalid: must be an int >= 1, "
+            f"or None to never stop on skipped steps"
+        )
+    if loss_scale is not None and (not isinstance(loss_scale, LossScale) or precision != "fp16"):
+        auto = f" (precision={given!r} is {precision!r} here)" if given != precision else ""
+        raise ConfigError(
+            f"tiermem: loss_scale={loss_scale!r} is invalid: it must be a tiermem.LossScale, and "
+            f"only precision='fp16' scales the loss{auto}; pass LossScale(...) with fp16, or leave it out"
+        )
+
+
 def validate(
     module: Any,
     *,
@@ -110,19 +147,8 @@ def validate(
         raise ConfigError(
             f"tiermem: TieredModel needs a torch.nn.Module, got {type(module).__name__}; pass the model itself"
         )
-    torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    spec = AdamW() if optimizer is None else spec_from_torch(optimizer) if torch_optimizer is not None else optimizer
-    if not isinstance(spec, _Spec):
-        raise ConfigError(
-            f"tiermem: optimizer={spec!r} is not an optimizer tiermem runs; pass tiermem.AdamW(...), "
-            f"Adam, SGD, Adagrad, Lion, Adafactor, AdamW8bit or Adam8bit, or a torch.optim.Optimizer "
-            f"built on the module's parameters ({supported_names()} fused, any other generically)"
-        )
-    if grad_clip is not None and (not is_number(grad_clip) or not math.isfinite(grad_clip) or grad_clip <= 0):
-        raise ConfigError(
-            f"tiermem: grad_clip={grad_clip!r} is invalid: must be a finite number > 0 (the largest "
-            f"global gradient norm), or None for no clipping"
-        )
+    spec, torch_optimizer = _spec(optimizer)
+    _check_grad_clip(grad_clip)
     budgets = Budgets() if budgets is None else budgets
     if not isinstance(budgets, Budgets):
         raise ConfigError(f"tiermem: budgets={budgets!r} is not a tiermem.Budgets; pass Budgets(device=..., host=...)")
@@ -134,17 +160,7 @@ def validate(
     dtype = working_dtype(precision)
     _check_paths(module, nvme_dir, trace_path)
     prefetch = _flag("prefetch", prefetch)
-    if max_skipped_steps is not None and (not is_int(max_skipped_steps) or max_skipped_steps < 1):
-        raise ConfigError(
-            f"tiermem: max_skipped_steps={max_skipped_steps!r} is invalid: must be an int >= 1, "
-            f"or None to never stop on skipped steps"
-        )
-    if loss_scale is not None and (not isinstance(loss_scale, LossScale) or precision != "fp16"):
-        auto = f" (precision={given!r} is {precision!r} here)" if given != precision else ""
-        raise ConfigError(
-            f"tiermem: loss_scale={loss_scale!r} is invalid: it must be a tiermem.LossScale, and "
-            f"only precision='fp16' scales the loss{auto}; pass LossScale(...) with fp16, or leave it out"
-        )
+    _check_skips_and_scale(max_skipped_steps, loss_scale, precision, given)
     shard = _flag("shard_weights", shard_weights)
     if spec.bf16_stochastic_round and precision != "bf16":
         raise ConfigError(

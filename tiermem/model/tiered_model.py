@@ -1,9 +1,11 @@
 """TieredModel: wrap any ``nn.Module`` and train it with ``tm(x)``, ``tm.backward(loss)``, ``tm.step()``.
 
-The composition root: construction (:mod:`tiermem.model.build`) asks the policy where every
-tensor lives (:mod:`tiermem.plan.placement`), checks the bytes fit (:mod:`tiermem.plan.footprint`),
-builds the stores, the engine and one home per class and tier (NOTE [Homes]), and hands each
-collaborator what it needs, already wired; the model takes them and owns their lifetime. Gradients leave the device bucket by bucket while backward is
+The composition root: construction plans (:func:`tiermem.plan.model_plan.plan_model`: where every
+tensor lives and the bytes each tier needs, nothing allocated; NOTE [Plan, then build]), then
+builds from the plan (:mod:`tiermem.model.build`: the stores, the engine, one home per class and
+tier, NOTE [Homes]) and hands each collaborator what it needs, already wired; the model takes them
+and owns their lifetime. The calls that read or replace its state are
+:mod:`tiermem.model.state_calls`'. Gradients leave the device bucket by bucket while backward is
 still running (:mod:`tiermem.train.step.grads`); ``step()`` is :mod:`tiermem.train.step.stepper`'s.
 Every public call is checked against the step's phase in one place (NOTE [Step lifecycle]).
 """
@@ -19,21 +21,19 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from tiermem.checkpoint import file as checkpoint
-from tiermem.checkpoint.save_pretrained import save_pretrained
-from tiermem.checkpoint.view import ModelState
 from tiermem.config.budgets import Budgets
 from tiermem.config.specs import LossScale, _Spec
 from tiermem.errors import ConfigError, add_note, checked_arguments
 from tiermem.memory import deferred
 from tiermem.model import lifetime
-from tiermem.model.build import build_parts
+from tiermem.model.build import Parts, build_parts
 from tiermem.model.compute import warn_if_slow
 from tiermem.model.inputs import cast_inputs
 from tiermem.model.model_report import assemble as assemble_report
 from tiermem.model.options import validate
 from tiermem.model.phase import Lifecycle, Phase
 from tiermem.model.resident_block import resident as resident_block
+from tiermem.model.state_calls import StateCalls
 from tiermem.observe.report import Report
 from tiermem.plan.policy import Policy
 from tiermem.train.step.stepper import StepResult
@@ -45,7 +45,7 @@ __all__ = ["TieredModel", "StepResult", "Phase"]
 
 
 @checked_arguments
-class TieredModel:
+class TieredModel(StateCalls):
     """Train ``module`` with every tensor of its step placed on a tier by ``policy``.
 
     The three calls of a training loop are ``tm(*inputs)`` (the module's forward; tensors inside any
@@ -177,40 +177,57 @@ class TieredModel:
         self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
         self.update_in_backward = opts.update_in_backward
         self._life = Lifecycle()
+        parts = self._built(
+            module,
+            policy,
+            opts,
+            weights,
+            nvme_dir=nvme_dir,
+            trace_path=trace_path,
+            process_group=process_group,
+            max_skipped_steps=max_skipped_steps,
+            loss_scale=loss_scale,
+        )
+        self._take(parts)
+        self._own(module, parts)
+        self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
+        log.info(
+            "tiermem: %s trainable parameters in %d buckets under %r (%s%s)",
+            f"{self.layout.n_params:,}",
+            len(self.layout.buckets),
+            self.policy,
+            precision,
+            f", from precision={given!r}" if given != precision else "",
+        )
+
+    def _built(self, module: torch.nn.Module, policy: Optional[Policy], opts: Any, weights: Any, **kw: Any) -> Parts:
+        """Every collaborator, planned then built and wired (:mod:`tiermem.model.build`); none refers
+        back to self. ``weights``' headers are checked whole before anything is built."""
         if weights is not None and not isinstance(weights, (str, os.PathLike)):
             raise ConfigError(f"tiermem: weights={weights!r} is not a path; pass a checkpoint's file or directory")
-        values = values_for(module, None if weights is None else os.fspath(weights))  # checked whole: reads no tensor
+        values = values_for(module, None if weights is None else os.fspath(weights))  # reads no tensor
         try:
-            parts = build_parts(  # tiermem/model/build.py: every collaborator, wired; none refers back to self
-                module,
-                policy,
-                opts,
-                nvme_dir=nvme_dir,
-                trace_path=trace_path,
-                process_group=process_group,
-                max_skipped_steps=max_skipped_steps,
-                loss_scale=loss_scale,
-                step=self._step,
-                add_group=self._add_group,
-                values=values,
-            )
+            return build_parts(module, policy, opts, step=self._step, add_group=self._add_group, values=values, **kw)
         finally:
             values.close()
+
+    def _take(self, parts: Parts) -> None:
+        """The collaborators, as the model's own attributes."""
+        #: every decision of the construction, taken before anything was built (NOTE [Plan, then build])
+        self.model_plan = parts.plan
         self.policy, self.placement, self._evaluator = parts.policy, parts.placement, parts.evaluator
-        self.tracer, self.group, self.stores, self.engine, self.hooks = (
-            parts.tracer,
-            parts.group,
-            parts.stores,
-            parts.engine,
-            parts.hooks,
-        )
-        self.param_offload, self.gathered, self._force_eager = parts.param_offload, parts.gathered, parts.force_eager
+        self.tracer, self.group, self.stores, self.engine = parts.tracer, parts.group, parts.stores, parts.engine
+        self.hooks, self.param_offload, self.gathered = parts.hooks, parts.param_offload, parts.gathered
+        self._force_eager = parts.force_eager
         self.layout, self.scaler, self.grads, self.stepper = parts.layout, parts.scaler, parts.grads, parts.stepper
         self._passes = parts.passes  # NOTE [Updates in backward]: None unless update_in_backward
         self.optimizer, self._groups = parts.optimizer, parts.group_editor
         #: the tiermem optimizer spec this model runs (a torch optimizer given is read into one)
         self.optimizer_spec = parts.optimizer_spec
         self._trainable, self.activations, self._state = parts.trainable, parts.activations, parts.state
+
+    def _own(self, module: torch.nn.Module, parts: Parts) -> None:
+        """Take ownership of ``module`` and of what was built for it."""
         with lifetime.undone_on_failure(parts, module):  # a failed construction leaves nothing held
             # NOTE [A dropped model lets go]: nothing built refers back to self, so a model nobody
             # references is collected; this gives back what it held (and is detach()'s last part)
@@ -221,15 +238,6 @@ class TieredModel:
             lifetime.claim(module, self)
             for source in self.weight_sources():
                 source.settle()  # the module's original tensors of off-device weights go
-        self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
-        log.info(
-            "tiermem: %s trainable parameters in %d buckets under %r (%s%s)",
-            f"{self.layout.n_params:,}",
-            len(self.layout.buckets),
-            self.policy,
-            precision,
-            f", from precision={given!r}" if given != precision else "",
-        )
 
     def weight_sources(self) -> list:
         """The homes whose weights are OffDeviceWeights: ParamOffload (weights off the device in one
@@ -416,114 +424,6 @@ class TieredModel:
         """The module's training mode."""
         return self.module.training
 
-    # -- state ------------------------------------------------------------------------------------
-    def _settled(self, call: str) -> ModelState:
-        """The model's state with nothing in flight, for the calls that read or replace it."""
-        self._life.check("state", call)
-        self.stepper.finish_pending()
-        return self._state
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights (and buffers) with the keys of ``module.state_dict()``."""
-        state = self._settled("state_dict()")
-        self.stepper.check_whole("tm.state_dict()")  # NOTE [A failed step is rolled forward]
-        return state.module_state()
-
-    def save_pretrained(
-        self,
-        directory: "str | os.PathLike[str]",
-        *,
-        max_shard_size: int | str = "2GiB",
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        """Write the weights as Hugging Face safetensors shards (and a transformers model's
-        ``config.json``), read from their homes one tensor at a time (NOTE [Saving in the Hugging Face
-        format]): ``transformers.AutoModel*.from_pretrained(directory)`` and
-        ``TieredModel(..., weights=directory)`` read them back. A peft model's active adapter is
-        written as peft's ``save_pretrained`` writes it (``adapter_model.safetensors`` and
-        ``adapter_config.json``), the frozen base left unread.
-
-        Args:
-            directory: where to write; created if missing. An earlier save there is replaced (its
-                shards and index), other files are left alone; a failed save changes nothing.
-            max_shard_size: the largest shard, an int or a string such as ``"2GiB"``.
-            dtype: the dtype of the floating-point weights written; default: the fp32 master weights.
-        """
-        state = self._settled("save_pretrained()")
-        self.stepper.check_whole("tm.save_pretrained()")  # weights of two steps would be kept for good
-        if self.group.world > 1:
-            raise ConfigError(
-                "tiermem: save_pretrained() is for one process in this version; under data parallelism save a "
-                "checkpoint with tm.save(path), load it in one process with tm.load(path), and save_pretrained there"
-            )
-        save_pretrained(state, self.module, directory, max_shard_size=max_shard_size, dtype=dtype)
-
-    def save(self, path: str, *, format: Optional[str] = None) -> None:
-        """Checkpoint weights, optimizer state, loss scale and step to ``path``, atomically.
-
-        The checkpoint is checksummed (xxh3_64 of every tensor), written beside ``path`` and renamed
-        into place only when complete; state on NVMe is streamed bucket by bucket. Under data
-        parallelism a collective: every rank calls it with the same path, on storage every rank sees.
-
-        Args:
-            path: the file or directory to write; an existing one is replaced whole.
-            format: ``"file"``: one file (under data parallelism rank 0 writes it, gathered bucket by
-                bucket); ``"dcp"``: a ``torch.distributed.checkpoint`` directory in which every rank
-                writes its own shards, readable at any world size. Default: ``"dcp"`` under data
-                parallelism, ``"file"`` in one process.
-        """
-        if format is None:
-            format = "dcp" if self.group.world > 1 else "file"
-        state = self._settled("save()")
-        self.stepper.check_whole("tm.save()")  # a checkpoint of two steps would keep the mix for good
-        state.check_loaded("tm.save()")  # NOTE [A failed load is guarded]: nor of two checkpoints
-        checkpoint.save(state, path, format)
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This process's shards of the fp32 master weights and Adam moments, in a form
-        ``torch.distributed.checkpoint`` saves and loads at any world size (NOTE [Sharded values
-        for DCP]): ``{"model": {name: ...}, "optim": {"state": {name: {"exp_avg": ...,
-        "exp_avg_sq": ...}}}, "tiermem": <step counts, loss scale, hyperparameters as JSON>}``.
-        Values alias the model's state where it lives in memory (state on NVMe is copied into host
-        memory). ``dcp.save(tm.sharded_state_dict(), checkpoint_id=d)`` writes a checkpoint (without
-        tiermem's manifests, so ``tm.load(d)`` refuses it); ``sd = tm.sharded_state_dict();
-        dcp.load(sd, checkpoint_id=d); tm.load_sharded_state_dict(sd)`` loads one. ``tm.state_dict()``
-        stays the whole weights."""
-        state = self._settled("sharded_state_dict()")
-        self.stepper.check_whole("tm.sharded_state_dict()")  # NOTE [A failed step is rolled forward]
-        state.check_loaded("tm.sharded_state_dict()")
-        return checkpoint.sharded_state_dict(state)
-
-    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take back what :meth:`sharded_state_dict` gave, filled by ``dcp.load``: the state, the
-        working weights made from it, step counts, loss scale and hyperparameters (checked whole
-        first). Under data parallelism a collective. Gradients waiting for a step are dropped.
-
-        Args:
-            state_dict: the dict :meth:`sharded_state_dict` returned, after ``dcp.load`` filled it.
-        """
-        checkpoint.load_sharded(self._settled("load_sharded_state_dict()"), state_dict)
-        self.grads.drop()
-        self._life.to(Phase.IDLE)
-
-    def load(self, path: str) -> None:
-        """Restore a checkpoint written by :meth:`save` (any bucket size, placement or world size;
-        the same parameter names and param groups).
-
-        Everything is checked (checksums, names, shapes, dtypes) before anything changes. Gradients
-        waiting for a step (kept for the retry of a failed one) were computed with other weights:
-        they are dropped, and the next step starts from the checkpoint alone. Under data
-        parallelism a collective.
-
-        Args:
-            path: a file or DCP directory written by :meth:`save`.
-        """
-        state = self._settled("load()")
-        self._trainable.sync(grads_waiting=False, collective=True)  # parameters unfrozen before loading get state
-        checkpoint.load(state, path)
-        self.grads.drop()
-        self._life.to(Phase.IDLE)
-
     @contextlib.contextmanager
     def resident(self, what: "torch.nn.Module | torch.Tensor | Iterable[torch.Tensor]") -> Iterator[None]:
         """Explicit access to weights outside ``tm(...)``: inside the block the parameters of
@@ -564,50 +464,6 @@ class TieredModel:
             compute_seconds=self._compute_seconds,
             activations=self.activations.stats,
         )
-
-    def detach(self) -> torch.nn.Module:
-        """Remove every hook and give the module back with fp32 weights (on the CPU, where the
-        master weights were), ready for plain PyTorch."""
-        state = self._settled("detach()")
-        self.stepper.check_whole("tm.detach()")  # the module would keep weights of two steps
-        self._trainable.detachable()  # before anything changes (NOTE [The parameters a model was wrapped with])
-        weights = state.fp32_weights()  # before the hooks go: frozen weights sharded over the ranks are gathered
-        self.hooks.remove()
-        for source in self.weight_sources():
-            source.restore(weights)  # plain tensors again (NOTE [Parameters off the device])
-        for name, p in self._trainable.wrapped:
-            p.data = weights[name]
-        self.layout.buffers.give_back()
-        self._life.to(Phase.DETACHED)
-        lifetime.disown(self.module, self)
-        self._release.detach()  # the finalizer's own call would warn that the weights were not given back
-        lifetime.give_back(self.hooks, self.engine, self.stores, self.tracer)
-        return self.module
-
-    def __enter__(self) -> "TieredModel":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        """``with TieredModel(module) as tm:`` detaches on the way out, so ``module`` holds the
-        trained fp32 weights afterwards. If the block raised and the model cannot be detached
-        (e.g. it stopped inside a hook), its memory, files and lock are still given back, and
-        the block's error is the one raised."""
-        if self._life.phase is Phase.DETACHED:
-            return
-        if exc_type is None:
-            self.detach()
-            return
-        try:
-            self.detach()
-        except Exception as e:  # noqa: BLE001 - the block's own error is the one to see
-            add_note(
-                exc,
-                f"tiermem: detach() on leaving the block failed too ({type(e).__name__}: {e}); the "
-                f"model's memory, files and lock were given back; the module may not hold its trained weights",
-            )
-            self._life.to(Phase.DETACHED)
-            self._release()  # runs once: says that the weights did not go back
-            deferred.settle()
 
     def __repr__(self) -> str:
         return (

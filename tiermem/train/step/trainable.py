@@ -55,10 +55,10 @@ import xxhash
 
 from tiermem.config.specs import _Spec
 from tiermem.errors import ConfigError, TierMemError
-from tiermem.plan.buckets import Bucket, Placed, plan_buckets
-from tiermem.plan.footprint import WORKING_WEIGHTS, check_fits, footprint
-from tiermem.plan.placement import _info, format_of, place_training_state
-from tiermem.plan.policy import Policy, checked_place
+from tiermem.plan.buckets import Bucket
+from tiermem.plan.footprint import check_fits
+from tiermem.plan.model_plan import plan_unfrozen
+from tiermem.plan.policy import Policy
 from tiermem.train.homes.uploads import Outputs
 from tiermem.train.hooks import HookSet
 from tiermem.train.layout import Layout, fill_homes, make_homes
@@ -69,7 +69,7 @@ from tiermem.train.weights.frozen import copy_key
 from tiermem.train.weights.param_offload import ParamOffload
 from tiermem.transfer.collectives import Group
 from tiermem.transfer.service import CopyService
-from tiermem.types import TensorClass, Tier
+from tiermem.types import Tier
 
 log = logging.getLogger(__name__)
 
@@ -222,32 +222,20 @@ class Trainable:
         self._unfreeze_checked(self._planned(new), names)
 
     def _planned(self, new: list[tuple[str, torch.nn.Parameter]]) -> list[Bucket]:
-        """The new parameters' buckets, after every check that needs no allocation."""
-        group_of = check_listed(self.param_groups, [n for n, _ in new])
-        homes_off = self.off_device.homes if self.off_device is not None else {}
-        placed = []
-        for name, p in reversed(new):  # reverse order of use, as the plan packs them
-            param_tier = homes_off.get(name, Tier.DEVICE)
-            asked = checked_place(self.policy, _info(name, TensorClass.PARAM, p, self.dtype))
-            if asked != param_tier:
-                raise ConfigError(
-                    f"tiermem: {name!r} was unfrozen; the policy now places its weights on {asked}, "
-                    f"but they live on {param_tier}, where it placed them when the model was built; a "
-                    f"policy must place a parameter's weights in one tier for the life of the model"
-                )
-            fmt = format_of(self.spec, p)
-            grad_tier, state_tier = place_training_state(self.policy, name, p, param_tier, fmt, overlap=self.overlap)
-            placed.append(Placed(name, p, grad_tier, state_tier, group_of[name], param_tier, fmt))
-        buckets = plan_buckets(
-            placed,
+        """The new parameters' buckets (planned by :func:`tiermem.plan.model_plan.plan_unfrozen`),
+        after every check that needs no allocation."""
+        buckets, need = plan_unfrozen(
+            new,
+            self.policy,
+            self.spec,
+            self.dtype,
             self.bucket_numel,
-            first_index=len(self.layout.buckets),
-            first_order=sum(len(b.slots) for b in self.layout.buckets),
+            group_of=check_listed(self.param_groups, [n for n, _ in new]),
+            weight_homes=self.off_device.homes if self.off_device is not None else {},
+            after=self.layout.buckets,
+            overlap=self.overlap,
+            nvme_staging=self.nvme_staging,
         )
-        need = footprint(buckets, [], self.dtype, overlap=self.overlap, nvme_staging=self.nvme_staging)
-        for b in buckets:  # weights homed off the device are there already: the unfreeze reuses them
-            if b.param_tier != Tier.DEVICE:
-                need[b.param_tier][WORKING_WEIGHTS] -= b.numel * self.dtype.itemsize
         shown = ", ".join(s.name for b in buckets for s in b.slots[:3])
         check_fits(need, self.stores, what=f"<unfreezing {shown}>")
         return buckets
