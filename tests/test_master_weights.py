@@ -84,7 +84,7 @@ def test_zero_infinity_keeps_a_bf16_master_once_on_disk(tmp_path):
     store = tm.stores[Tier.NVME]
     keys = list(store.keys())
     assert len(keys) == 16 + len(tm.layout.buckets)  # one key per weight, one state key per bucket
-    values = sum(os.path.getsize(store._keys[k].current().path) - 4096 for k in keys)  # less each header
+    values = sum(os.path.getsize(store._journal.keys[k].current().path) - 4096 for k in keys)  # less each header
     assert values / n <= 4.1, f"{values / n:.2f} B/param in the keys' files"
     tm.detach()
     (tmp_path / "fp32").mkdir()

@@ -157,7 +157,7 @@ def test_spares_left_by_a_killed_run_are_taken_over_and_close_removes_them(tmp_p
     left = _spares(tmp_path)
     assert left  # each write takes the spare the write before it released: one stays in the pool
     s._release_lock()  # as a killed process's lock dies with it; its files stay as they were
-    s._pool.shutdown(wait=True)
+    s._requests.pool.shutdown(wait=True)
     again = NvmeStore(tmp_path, block_size=BLOCK, keep_previous=False, spares=3)
     assert again.used == sum(os.path.getsize(tmp_path / n) - nio.HEADER for n in left)
     inodes = {os.stat(tmp_path / n).st_ino for n in left}
@@ -189,9 +189,9 @@ def test_a_key_named_like_a_spare_is_never_taken_for_one(tmp_path):
     for seed in range(3):
         s.write("spare-1", _value(3000, seed)).wait()
     s._release_lock()  # as a killed process's lock dies with it
-    s._pool.shutdown(wait=True)
+    s._requests.pool.shutdown(wait=True)
     again = NvmeStore(tmp_path, block_size=BLOCK, keep_previous=False, spares=3)
-    adopted = {os.path.basename(p) for p in again._spares.ready}
+    adopted = {os.path.basename(p) for p in again._journal.spares.ready}
     key_files = {nio.file_name("spare-1", slot) for slot in (0, 1)} & set(_files(tmp_path))
     assert adopted and key_files and not adopted & key_files
     again.close()

@@ -317,7 +317,7 @@ def test_corrupt_state_is_detected_every_retry_refuses_and_a_checkpoint_resumes(
     _train(tm, 1, offset=2)
     store = tm.stores[Tier.NVME]
     key = sorted(k for k in store.keys() if k.endswith(":state"))[-1]
-    path = store._keys[key].current().path
+    path = store._journal.keys[key].current().path
     with open(path, "r+b") as f:
         f.seek(40 if damage == "header" else 4096 + 3)  # a header byte, or a data byte
         f.write(b"\xff")
@@ -406,12 +406,12 @@ def test_zero_infinity_holds_each_value_once_on_disk(tmp_path):
     store = tm.stores[Tier.NVME]
     keys = list(store.keys())
     assert len(keys) == depth + len(tm.layout.buckets)  # one weight key per layer, one state key per bucket
-    slots = {store._keys[k].current().path for k in keys}
+    slots = {store._journal.keys[k].current().path for k in keys}
     files = {str(tmp_path / name) for name in os.listdir(tmp_path) if name != "tiermem.lock"}
     spares = files - slots
     assert all(os.path.basename(f).startswith("spare-") for f in spares)
     bands = collections.Counter(os.path.getsize(f).bit_length() for f in spares)  # NvmeStore's spares
-    assert all(count <= store._spares.limit for count in bands.values())  # at most `limit` of each size band
+    assert all(count <= store._journal.spares.limit for count in bands.values())  # at most `limit` of each size band
 
     def du(*paths) -> int:
         out = subprocess.run(

@@ -1,8 +1,9 @@
 """NvmeStore: tensors as files in a directory, moved with direct I/O on the store's own threads.
 
 File format, chunking and staging live in :mod:`tiermem.memory.nvme_io`, the order of requests
-(NOTE [Per-key order]) in :mod:`tiermem.memory.nvme_requests`; this module holds the store: the
-budget, crash safety and the errors users see.
+(NOTE [Per-key order]) in :mod:`tiermem.memory.nvme_requests`, what each key's slots hold, the
+budget and the spare files in :mod:`tiermem.memory.nvme_journal`; this module holds the store: its
+threads, the I/O each request does and the errors users see.
 
 Overwrites, crash safety and the budget: NOTE [Two slots, overwritten in place], NOTE [One value
 per key, and a few spare files] and NOTE [What the NVMe budget counts] in
@@ -13,15 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import logging
 import os
 import shutil
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import partial
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -29,33 +29,14 @@ from tiermem.config.budgets import ByteSize, parse_bytes
 from tiermem.errors import StoreError, checked_arguments, fmt_bytes
 from tiermem.handles import Handle
 from tiermem.memory import nvme_dir, nvme_io as nio
-from tiermem.memory.aligned import round_up
 from tiermem.memory.base import Store, check_same_layout, unknown_key
 from tiermem.memory.ledger import Ledger
-from tiermem.memory.nvme_keys import (
-    SPOILT,
-    Copy,
-    FellBack,
-    KeyState,
-    Value,
-    cannot_revert,
-    fell_back,
-    io_error,
-    lost,
-    over_budget,
-    spoilt,
-    would_mix,
-)
-from tiermem.memory.nvme_requests import Requests
-from tiermem.memory.nvme_spares import SparePool
-from tiermem.spans import lazy_span
+from tiermem.memory.nvme_journal import Released, SlotJournal
+from tiermem.memory.nvme_keys import SPOILT, Copy, Value, cannot_revert, fell_back, io_error, lost, spoilt
+from tiermem.memory.nvme_requests import Requests, spanned
 from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
-
-# hashing threads per store (NOTE [Hashing beside the I/O]): one hashes ~12 GB/s of memory the cache does not
-# hold, faster than the disk; a second keeps chunks that land together from queueing behind each other
-HASH_THREADS = 2
 
 
 @checked_arguments
@@ -122,20 +103,14 @@ class NvmeStore(Store):
         self.stall_seconds = 0.0  # time callers spent blocked in wait() on this store's handles
         self._odirect = os.O_DIRECT if self.direct else 0
         self._staging = nio.StagingPool(block_size, io_threads)
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiermem-nvme")
-        self._hasher = (
-            ThreadPoolExecutor(min(HASH_THREADS, io_threads), thread_name_prefix="tiermem-nvme-hash")
-            if self.checksums
-            else None
-        )  # NOTE [Hashing beside the I/O]
         self._lock = threading.Lock()
-        self._requests = Requests(self._pool, self._lock, self._hasher)  # NOTE [Per-key order]
-        self._keys: dict[str, KeyState] = {}
+        # NOTE [Per-key order]; hashing threads where values are hashed: NOTE [Hashing beside the I/O]
+        self._requests = Requests(self._lock, io_threads, hashing=self.checksums)
         self._closed = False
-        self._seq = 0  # successful writes so far, NOTE [No mix after a fall back]
-        self._fell_back: list[FellBack] = []
         self.keep_previous = keep_previous  # NOTE [One value per key, and a few spare files]
-        self._spares = SparePool(self.directory, spares if not keep_previous else 0, self.ledger)
+        self._journal = SlotJournal(
+            self.directory, self.ledger, keep_previous=keep_previous, spares=spares, direct=self.direct
+        )  # every call with self._lock held
 
     # -- the Store interface --------------------------------------------------------------------
     def write(self, key: str, src: torch.Tensor, kind: Optional[TensorClass] = None) -> Handle:
@@ -157,18 +132,7 @@ class NvmeStore(Store):
         nio.check_header_fits(key, value.dtype, value.shape, value.nbytes, self.block_size)
         with self._lock:
             self._check_open()
-            state = self._keys.get(key) or KeyState()
-            held, used = self.ledger.held(key), self.ledger.used
-            need = state.on_disk(extra=value.nbytes)
-            if need > held and used - held + need > self.ledger.allowed:
-                self._spares.drop_all()  # spare files hold no value: give their blocks back first
-                used = self.ledger.used
-            if need > held and used - held + need > self.ledger.allowed:
-                raise over_budget(key, need, value.nbytes, used - held, self.ledger.allowed)
-            state.kind = kind if kind is not None else state.kind
-            self.ledger.reserve(key, max(held, need), state.kind)  # NOTE [What the NVMe budget counts]
-            self._keys[key] = state
-            state.queued.append(value)
+            state = self._journal.admit(key, value, kind)  # NOTE [What the NVMe budget counts]
             future = self._requests.enqueue(state, partial(self._start_write, key, value, data))
         return Handle(future, on_stall=self._add_stall)
 
@@ -187,10 +151,11 @@ class NvmeStore(Store):
         nio.check_tensor(key, out, "out")
         with self._lock:
             self._check_open()
-            if (value := self._latest(key)) is None:
+            if (value := self._journal.latest(key)) is None:
                 raise unknown_key(key, self.tier)
             check_same_layout(key, value.dtype, value.numel, out, self.tier)
-            future = self._requests.enqueue(self._keys[key], partial(self._start_read, key, nio.byte_view(out), out))
+            start = partial(self._start_read, key, nio.byte_view(out), out)
+            future = self._requests.enqueue(self._journal.keys[key], start)
         return Handle(future, on_stall=self._add_stall)
 
     def delete(self, key: str) -> None:
@@ -201,9 +166,9 @@ class NvmeStore(Store):
         """
         with self._lock:
             self._check_open()
-            if self._latest(key) is None:
+            if self._journal.latest(key) is None:
                 return
-            future = self._requests.enqueue(self._keys[key], partial(self._start_delete, key))
+            future = self._requests.enqueue(self._journal.keys[key], partial(self._start_delete, key))
         future.result()
 
     def revert(self, key: str) -> None:
@@ -216,19 +181,19 @@ class NvmeStore(Store):
         """
         with self._lock:
             self._check_open()
-            if self._latest(key) is None:
+            if self._journal.latest(key) is None:
                 raise unknown_key(key, self.tier)
-            future = self._requests.enqueue(self._keys[key], partial(self._start_revert, key))
+            future = self._requests.enqueue(self._journal.keys[key], partial(self._start_revert, key))
         future.result()
 
     def __contains__(self, key: object) -> bool:
         with self._lock:
-            return isinstance(key, str) and self._latest(key) is not None
+            return isinstance(key, str) and self._journal.latest(key) is not None
 
     def keys(self) -> Iterator[str]:
         """The keys that hold a value."""
         with self._lock:
-            return iter([k for k, state in self._keys.items() if state.latest() is not None])
+            return iter(self._journal.held_keys())
 
     def meta(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
         """``(shape, dtype)`` of the latest value written under ``key``.
@@ -254,10 +219,8 @@ class NvmeStore(Store):
                 return
             self._closed = True
             self._requests.drain()
-            self._spares.drop_all()  # they hold no value
-        self._pool.shutdown(wait=True)
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=True)
+            self._journal.spares.drop_all()  # they hold no value
+        self._requests.shutdown()
         self._release_lock()
 
     def __enter__(self) -> "NvmeStore":
@@ -280,41 +243,25 @@ class NvmeStore(Store):
         return os.preadv(fd, bufs, offset)
 
     def _fallocate(self, fd: int, size: int) -> None:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
-            os.ftruncate(fd, size)  # the filesystem cannot reserve space; just size the file
+        nio.allocate(fd, size)
 
     # -- requests (run on the I/O threads) ------------------------------------------------------
     def _start_write(self, key: str, value: Value, data: torch.Tensor, future: Future[Any]) -> None:
         with self._lock:
-            current = self._keys[key].current()
-        slot, gen = (0, 0) if current is None else (1 - current.slot, current.gen + 1)
-        copy = Copy(value, slot, gen, self._path(key, slot), header=b"")  # the header once the data is hashed
+            copy = self._journal.next_copy(key, value)
         fd = None
         try:  # steps 1 and 2 of NOTE [Two slots, overwritten in place]
-            if current is None:  # a file in the other slot is left from an earlier store: drop it
+            if copy.gen == 0:  # the key holds nothing: a file in the other slot is left from an earlier store
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._path(key, 1 - slot))
-            want = self._file_size(value)
+                    os.unlink(self._journal.path(key, 1 - copy.slot))
             if not self.keep_previous and not os.path.lexists(copy.path):
                 with self._lock:
-                    spare = self._spares.take(want)
+                    spare = self._journal.take_spare(value)
                 if spare is not None:  # reuse its blocks: NOTE [One value per key, and a few spare files]
                     os.rename(spare, copy.path)
             fd = os.open(copy.path, nio.WRITE_FLAGS | self._odirect, 0o600)  # never through a symlink
-            st = os.fstat(fd)
-            size = st.st_size
-            if st.st_mode & 0o077:  # a file left by an older tiermem, made under the umask
-                os.fchmod(fd, 0o600)
-            if size:
-                nio.write_header(self._pwritev, fd, None, self._staging, self.direct)
-            if size < want:
-                self._fallocate(fd, want)
-            elif size > want:
-                os.ftruncate(fd, want)
+            want = nio.file_size(value.nbytes, self.direct)
+            nio.ready_slot(self._pwritev, self._fallocate, fd, want, self._staging, self.direct)
         except OSError as e:
             self._finish_write(key, copy, fd, future, e)
             return
@@ -322,7 +269,7 @@ class NvmeStore(Store):
         beside = self._hash_beside(value.nbytes)  # NOTE [Hashing beside the I/O]
         self._requests.fan_out(
             [
-                _spanned(
+                spanned(
                     "write",
                     key,
                     partial(
@@ -374,32 +321,23 @@ class NvmeStore(Store):
             with contextlib.suppress(OSError):
                 os.unlink(copy.path)
         with self._lock:
-            state = self._keys[key]
-            assert state.queued[0] is copy.value  # NOTE [Per-key order]: a key's writes end in order
-            state.queued.pop(0)
+            released = self._journal.landed(key, copy, err is None)  # NOTE [One value per key, and a few spare files]
             if err is None:
-                self._seq += 1
-                copy = dataclasses.replace(copy, seq=self._seq)
                 self.bytes_written += copy.value.nbytes
-            state.copies[copy.slot] = copy if err is None else None
-            previous = state.copies[1 - copy.slot] if err is None and not self.keep_previous else None
-            if previous is not None:  # NOTE [One value per key, and a few spare files]
-                state.copies[previous.slot] = None
-            self._settle(key, state)
-            spare = self._spares.give(self._file_size(previous.value)) if previous is not None else None
-        if previous is not None:
-            self._release_file(previous.path, spare)
+        if released is not None:
+            self._release_file(released)
         self._complete(key, future, self._error("write", key, copy, err))
 
     def _start_read(self, key: str, data: torch.Tensor, out: torch.Tensor, future: Future[Any]) -> None:
         with self._lock:
-            current = self._keys[key].current()
+            current = self._journal.current(key)
         fd = None
         try:
             if current is None:  # its only queued write failed
                 raise unknown_key(key, self.tier)
             check_same_layout(key, current.value.dtype, current.value.numel, out, self.tier)
-            self._check_no_mix(key, current)
+            with self._lock:
+                self._journal.check_no_mix(key, current)  # NOTE [No mix after a fall back]
             fd = nio.open_slot(current.path, current.value.nbytes, self._odirect)
         except (OSError, nio.ShortRead, nio.Corrupt) as e:
             self._finish_read(key, current, fd, future, e)
@@ -417,7 +355,7 @@ class NvmeStore(Store):
 
         spans = nio.chunks(current.value.nbytes, self.block_size)
         self._requests.fan_out(
-            [_spanned("read", key, partial(chunk, b0, b1)) for b0, b1 in spans],
+            [spanned("read", key, partial(chunk, b0, b1)) for b0, b1 in spans],
             partial(self._finish_read, key, current, fd, future),
             [partial(nio.digest, data[b0:b1]) for b0, b1 in spans] if beside else None,
         )
@@ -450,7 +388,7 @@ class NvmeStore(Store):
         """The current copy of ``key`` is spoilt: switch to the previous one if it is intact
         (NOTE [Two slots, overwritten in place]). Returns the error the read fails with."""
         with self._lock:
-            previous = self._keys[key].copies[1 - bad.slot]
+            previous = self._journal.previous(key, bad)
         said = spoilt(key, bad, why)
         if previous is not None:
             why_too = nio.check_slot(
@@ -464,10 +402,7 @@ class NvmeStore(Store):
             )
             if why_too is None:
                 with self._lock:
-                    state = self._keys[key]
-                    state.copies[bad.slot] = None
-                    self._settle(key, state)
-                    self._fell_back.append(FellBack(key, previous.seq, self._seq, said))
+                    self._journal.fall_back(key, bad, previous, said)
                 with contextlib.suppress(OSError):
                     os.unlink(bad.path)
                 log.warning("tiermem: %s; %r falls back to its previous value", said, key)
@@ -477,12 +412,10 @@ class NvmeStore(Store):
 
     def _start_delete(self, key: str, future: Future[Any]) -> None:
         with self._lock:
-            state = self._keys[key]
-            state.copies = [None, None]  # writes queued after this delete still land
-            self._settle(key, state)
+            self._journal.forget_copies(key)  # writes queued after this delete still land
         err = None
         for slot in (0, 1):
-            path = self._path(key, slot)
+            path = self._journal.path(key, slot)
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -496,25 +429,16 @@ class NvmeStore(Store):
 
     def _start_revert(self, key: str, future: Future[Any]) -> None:
         with self._lock:
-            state = self._keys[key]
-            latest = state.current()
-            if latest is not None and state.copies[1 - latest.slot] is not None:
-                state.copies[latest.slot] = None
-                self._settle(key, state)
-                err = None
-            else:
-                err = cannot_revert(key)
-        if err is None and latest is not None:  # (no error: there was a latest copy)
+            dropped = self._journal.revert(key)
+        if dropped is not None:
             with contextlib.suppress(OSError):
-                os.unlink(latest.path)  # a reader going by generations must not find it either
-        self._complete(key, future, err)
+                os.unlink(dropped.path)  # a reader going by generations must not find it either
+        self._complete(key, future, cannot_revert(key) if dropped is None else None)
 
     def _complete(self, key: str, future: Future[Any], err: Optional[BaseException]) -> None:
         with self._lock:
-            state = self._keys.get(key)
-            last = self._requests.finished(state, future)  # True only for a state: its last request
-            if last and state is not None and state.current() is None and not state.queued:
-                del self._keys[key]  # nothing stored, nothing queued: forget it
+            if self._requests.finished(self._journal.keys.get(key), future):  # the key's last request
+                self._journal.forget_if_empty(key)  # nothing stored, nothing queued: forget it
         if err is None:
             future.set_result(None)
         else:
@@ -523,60 +447,34 @@ class NvmeStore(Store):
     # -- helpers -------------------------------------------------------------------------------
     def _hash_beside(self, nbytes: int) -> bool:
         """Whether a value of ``nbytes`` is hashed on the hashing threads (NOTE [Hashing beside the I/O])."""
-        return self._hasher is not None and min(nbytes, self.block_size) >= nio.HASH_HANDOFF
+        return self._requests.hasher is not None and min(nbytes, self.block_size) >= nio.HASH_HANDOFF
 
-    def _file_size(self, value: Value) -> int:
-        """The size of a slot file holding ``value``."""
-        return nio.HEADER + (round_up(value.nbytes) if self.direct else value.nbytes)
-
-    def _release_file(self, path: str, spare: Optional[str]) -> None:
-        """A slot file whose value is no longer wanted: kept as ``spare`` (None: unlinked)."""
+    def _release_file(self, released: Released) -> None:
+        """A slot file whose value is no longer wanted: kept as its spare, or unlinked."""
         renamed = False
-        if spare is not None:
+        if released.spare is not None:
             try:
-                os.rename(path, spare)
+                os.rename(released.path, released.spare)
                 renamed = True
             except OSError:
                 pass
             with self._lock:
-                self._spares.keep(spare, renamed)
+                self._journal.kept_spare(released, renamed)
         if not renamed:
             with contextlib.suppress(OSError):
-                os.unlink(path)
-
-    def _path(self, key: str, slot: int) -> str:
-        return os.path.join(self.directory, nio.file_name(key, slot))
-
-    def _settle(self, key: str, state: KeyState) -> None:
-        """Hold what ``key``'s slots and queued writes take (only ever shrinks); holds the lock."""
-        if state.current() is None and not state.queued:
-            self.ledger.release(key)
-        else:
-            self.ledger.reserve(key, state.on_disk(), state.kind)
+                os.unlink(released.path)
 
     def _error(self, op: str, key: str, copy: Optional[Copy], err: Optional[BaseException]) -> Optional[BaseException]:
         """The error a user sees for a failed request: names the key, the file and what to change."""
         if err is None or isinstance(err, StoreError) or not isinstance(err, OSError):
             return err  # already explained, or a bug (not an I/O failure): let it through as it is
-        state = self._keys.get(key)
-        kept = None if op != "write" else state is not None and state.current() is not None
-        return io_error(op, key, copy.value.nbytes if copy is not None else None, self.directory, err, kept)
-
-    def _latest(self, key: str) -> Optional[Value]:
-        """What ``key`` holds once its queued writes land; holds the lock."""
-        state = self._keys.get(key)
-        return state.latest() if state is not None else None
-
-    def _check_no_mix(self, key: str, copy: Copy) -> None:
-        """NOTE [No mix after a fall back]."""
         with self._lock:
-            for why in self._fell_back:
-                if why.spans(key, copy):
-                    raise would_mix(key, copy, why)
+            kept = None if op != "write" else self._journal.holds(key)
+        return io_error(op, key, copy.value.nbytes if copy is not None else None, self.directory, err, kept)
 
     def _value(self, key: str) -> Value:
         with self._lock:
-            if (value := self._latest(key)) is None:
+            if (value := self._journal.latest(key)) is None:
                 raise unknown_key(key, self.tier)
         return value
 
@@ -589,14 +487,3 @@ class NvmeStore(Store):
             raise StoreError(
                 f"tiermem: NvmeStore({self.directory!r}) is closed; make a new store to keep using the directory"
             )
-
-
-def _spanned(op: str, key: str, chunk: Callable[[], Optional[int]]) -> Callable[[], Optional[int]]:
-    """``chunk`` as a ``tiermem::nvme <op> <key>`` span of a running torch profiler (NOTE [tiermem in
-    the torch profiler] in tiermem/spans.py)."""
-
-    def run() -> Optional[int]:
-        with lazy_span(lambda: f"nvme {op} {key}"):
-            return chunk()
-
-    return run

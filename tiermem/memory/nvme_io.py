@@ -299,6 +299,40 @@ def write_header(pwritev: PWritev, fd: int, header: Optional[bytes], pool: Stagi
         pool.release(slot)
 
 
+def file_size(nbytes: int, direct: bool) -> int:
+    """The size of a slot file holding a value of ``nbytes``: its header, then the data (padded to
+    whole blocks for O_DIRECT)."""
+    return HEADER + (round_up(nbytes) if direct else nbytes)
+
+
+def allocate(fd: int, size: int) -> None:
+    """Reserve ``size`` bytes for the file ``fd`` (just size it where the filesystem cannot reserve)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # the filesystem cannot reserve space; just size the file
+
+
+def ready_slot(
+    pwritev: PWritev, fallocate: Callable[[int, int], None], fd: int, want: int, pool: StagingPool, direct: bool
+) -> None:
+    """Make the slot file ``fd`` ready for a value's data, ``want`` bytes in all: its header blanked
+    (a file being rewritten never reads as valid), then grown (``fallocate``) or truncated to size
+    (steps 1 and 2 of NOTE [Two slots, overwritten in place])."""
+    st = os.fstat(fd)
+    size = st.st_size
+    if st.st_mode & 0o077:  # a file left by an older tiermem, made under the umask
+        os.fchmod(fd, 0o600)
+    if size:
+        write_header(pwritev, fd, None, pool, direct)
+    if size < want:
+        fallocate(fd, want)
+    elif size > want:
+        os.ftruncate(fd, want)
+
+
 def read_header(preadv: PReadv, fd: int, pool: StagingPool, direct: bool) -> bytes:
     """The ``HEADER`` bytes at offset 0 (raises :class:`ShortRead` if the file is shorter)."""
     if not direct:

@@ -1,5 +1,6 @@
 """The order of an NVMe store's requests: one key's one after another, different keys' at once,
-and one request's chunks spread over the I/O threads, their hashes over the hashing threads.
+and one request's chunks spread over the I/O threads, their hashes over the hashing threads: the
+store's threads, and the profiler spans of their chunks.
 
 # NOTE [Per-key order]
 Every request (write, read, delete) of a key waits for the key's previous request, so a read
@@ -16,15 +17,25 @@ from functools import partial
 from typing import Any, Callable, Optional
 
 from tiermem.memory.nvme_keys import KeyState
+from tiermem.spans import lazy_span
+
+# hashing threads per store (NOTE [Hashing beside the I/O]): one hashes ~12 GB/s of memory the cache does not
+# hold, faster than the disk; a second keeps chunks that land together from queueing behind each other
+HASH_THREADS = 2
 
 
 class Requests:
-    """A store's queued requests on its I/O ``pool`` (and its ``hasher`` threads, NOTE [Hashing
-    beside the I/O] in :mod:`tiermem.memory.nvme_io`); ``lock`` is the store's lock, held by the
-    callers of :meth:`enqueue`, :meth:`finished` and :meth:`drain`."""
+    """A store's queued requests on its ``io_threads`` I/O threads (and, with ``hashing``, its
+    hashing threads: NOTE [Hashing beside the I/O] in :mod:`tiermem.memory.nvme_io`); ``lock`` is
+    the store's lock, held by the callers of :meth:`enqueue`, :meth:`finished` and :meth:`drain`."""
 
-    def __init__(self, pool: ThreadPoolExecutor, lock: threading.Lock, hasher: Optional[ThreadPoolExecutor] = None):
-        self.pool, self.hasher = pool, hasher
+    def __init__(self, lock: threading.Lock, io_threads: int, *, hashing: bool):
+        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiermem-nvme")
+        self.hasher = (
+            ThreadPoolExecutor(min(HASH_THREADS, io_threads), thread_name_prefix="tiermem-nvme-hash")
+            if hashing
+            else None
+        )
         self._idle = threading.Condition(lock)
         self._outstanding = 0
 
@@ -57,6 +68,12 @@ class Requests:
         """Wait until every queued request is done."""
         while self._outstanding:
             self._idle.wait()
+
+    def shutdown(self) -> None:
+        """Stop the threads once the requests on them are done (without the lock held)."""
+        self.pool.shutdown(wait=True)
+        if self.hasher is not None:
+            self.hasher.shutdown(wait=True)
 
     def fan_out(
         self,
@@ -135,5 +152,16 @@ def _into(results: list[Any], i: int, job: Callable[[], object]) -> Callable[[],
 
     def run() -> None:
         results[i] = job()
+
+    return run
+
+
+def spanned(op: str, key: str, chunk: Callable[[], Optional[int]]) -> Callable[[], Optional[int]]:
+    """``chunk`` as a ``tiermem::nvme <op> <key>`` span of a running torch profiler (NOTE [tiermem in
+    the torch profiler] in tiermem/spans.py)."""
+
+    def run() -> Optional[int]:
+        with lazy_span(lambda: f"nvme {op} {key}"):
+            return chunk()
 
     return run

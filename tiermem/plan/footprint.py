@@ -95,134 +95,99 @@ accepts is one the constructor accepts, with no allowance of its own on any tier
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Protocol, Sequence
+from typing import Mapping, Optional, Protocol, Sequence
 
 import torch
 
 from tiermem.errors import ConfigError, OutOfTierMemory, fmt_bytes
+from tiermem.plan import footprint_parts as part
 from tiermem.plan.buckets import Bucket
-from tiermem.plan.placement import (
-    accumulation_tier,
-    compute_tier,
-    frozen_buckets,
-    master_is_weights,
-    split_weights,
-    weights_from_master,
-    weights_sharded,
-    writes_weights_in_place,
+from tiermem.plan.footprint_parts import (
+    FP32,
+    FROZEN_COPY,
+    FROZEN_WEIGHTS,
+    GATHER_AHEAD,
+    GATHER_ROUNDED,
+    GATHER_STAGING,
+    GATHERED,
+    GRADS,
+    GRADS_FOR_STEP,
+    GRADS_IN_BACKWARD,
+    GRADS_IN_FLIGHT,
+    GRADS_TO_NVME,
+    GRADS_TO_REDUCE,
+    HOST_PAGE,
+    JOURNAL_BUCKETS,
+    LARGEST_MODULE,
+    NVME_JOURNAL,
+    NVME_STAGING,
+    NVME_THREADS,
+    OPTIM_STATE,
+    OPTIM_STATE_NVME,
+    PAGE_ROUNDING,
+    SECOND_GRADS,
+    STATE_PIPELINE,
+    TRAINING_STATE,
+    UPDATED_WEIGHTS,
+    WEIGHT_STAGING,
+    WHOLE_BUCKET,
+    WINDOW_BUCKETS,
+    WORKING_WEIGHTS,
+    Footprint,
+    Layout,
+    add,
+    copy_tier,
+    gather_ahead,
+    host_buffer_bytes,
+    keeps_copy,
 )
+from tiermem.plan.placement import accumulation_tier, frozen_buckets, split_weights
 from tiermem.types import Tier
 
-#: Bytes per tier, by purpose: ``{tier: {purpose: bytes}}``; a tier is present only when
-#: something is placed on it (the device always: grads are made there).
-Footprint = dict[Tier, dict[str, int]]
-
-#: The engine's NVMe lane threads (tiermem/transfer/lanes.py makes that many). On a GPU each
-#: request between NVMe and the device holds one host staging buffer for its length
-#: (TransferEngine._copy), so at most this many are live at once (NOTE [Footprint]).
-NVME_THREADS = 4
-
-_FP32 = torch.float32.itemsize  # grads at their home
-
-# What the bytes are for: the keys of a Footprint's inner dicts, as OutOfTierMemory prints them.
-WORKING_WEIGHTS = "working weights"
-GRADS = "fp32 grads"
-OPTIM_STATE = "optimizer state"
-OPTIM_STATE_NVME = "optimizer state (one value per key)"
-NVME_JOURNAL = "writes in flight beside their key's value (the journal)"
-FROZEN_WEIGHTS = "frozen weights"
-GRADS_FOR_STEP = "grads for the step"
-SECOND_GRADS = "second grad buffer (overlap_step)"
-UPDATED_WEIGHTS = "updated weights (overlap_step)"
-GRADS_TO_NVME = "grads on their way to NVMe (about 3 buckets)"
-GRADS_IN_BACKWARD = "grads of the buckets being updated in backward (a few buckets)"
-STATE_PIPELINE = "optimizer state pipeline (3 buckets)"
-WEIGHT_STAGING = "weight staging (up to 2 buckets)"
-FROZEN_COPY = "fp32 copy of frozen weights"
-GRADS_IN_FLIGHT = "grads in flight (largest parameter)"
-LARGEST_MODULE = "weights of the largest module, while it runs"
-GRADS_TO_REDUCE = "grads on their way to be reduce-scattered (about 4 buckets)"
-WHOLE_BUCKET = "one whole bucket of optimizer state, gathered to be read"
-PAGE_ROUNDING = "host buffers rounded up to whole pages"
-NVME_STAGING = f"staging between NVMe and the device (up to {NVME_THREADS} weights)"
-GATHERED = "sharded weights gathered on the device (held, and gathered ahead)"
-GATHER_STAGING = "sharded weights' chunks read from NVMe for their gathers"
-GATHER_ROUNDED = "sharded weights' chunks rounded from their masters for their gathers"
-
-#: Buckets' bytes gathered ahead of use, or kept after it, besides the held ones: this many of
-#: the largest sharded bucket (NOTE [A gather schedule every rank takes alike]).
-GATHER_AHEAD = 2
-
-#: The host pool's page (tiermem.memory.aligned.ALIGN; the plan layer does not import the memory layer).
-HOST_PAGE = 4096
-
-
-def host_buffer_bytes(nbytes: int) -> int:
-    """What the host pool takes for a buffer of ``nbytes``: whole pages, and at least one
-    (``round_up(max(nbytes, 1))`` of tiermem/memory/aligned.py; a test holds the two equal)."""
-    return -(-max(nbytes, 1) // HOST_PAGE) * HOST_PAGE
-
-
-#: The purposes that are the training state itself (see NOTE [Footprint]).
-TRAINING_STATE = frozenset({WORKING_WEIGHTS, GRADS, OPTIM_STATE, OPTIM_STATE_NVME, FROZEN_WEIGHTS})
-
-
-def keeps_copy(dtype: torch.dtype, working: torch.dtype, floating: bool) -> bool:
-    """Whether a frozen parameter of ``dtype`` keeps a host copy beside its working copy in
-    ``working`` (NOTE [Frozen weights keep one copy] in tiermem/train/weights/frozen.py)."""
-    return floating and dtype != working
-
-
-def copy_tier(home: Tier) -> Tier:
-    """Where a frozen parameter whose working copy is homed on ``home`` keeps the copy
-    :func:`keeps_copy` asks for: on NVMe beside a working copy there, else on the host (NOTE
-    [Frozen weights keep one copy] in tiermem/train/weights/frozen.py)."""
-    return Tier.NVME if home == Tier.NVME else Tier.HOST
-
-
-#: Buckets whose grads the host holds at once under update_in_backward, at most: one landing, one
-#: being updated, and parameters of the next arriving before the last of this one
-#: (NOTE [Updates in backward] in tiermem/train/step/in_backward.py)
-WINDOW_BUCKETS = 4
-
-#: Buckets whose writes can be in flight on NVMe at once, by what they write (NOTE [Footprint]).
-JOURNAL_BUCKETS = {"state": 3, "weights": 2, "grads": 4}
-
-
-class _Adder:
-    """Adds bytes to a footprint: ``add(tier, purpose, nbytes, buffers=...)``."""
-
-    def __init__(self, need: Footprint):
-        self.need = need
-
-    def __call__(self, tier: Tier, purpose: str, nbytes: int, *, buffers: Sequence[int] = ()) -> None:
-        """``nbytes`` for ``purpose`` on ``tier``; ``buffers``: the sizes of the buffers they
-        are allocated as, when on the host (NOTE [Footprint]: page rounding)."""
-        parts = self.need.setdefault(tier, {})
-        parts[purpose] = parts.get(purpose, 0) + nbytes
-        if tier == Tier.HOST and buffers:
-            assert sum(buffers) == nbytes, (purpose, nbytes, buffers)
-            parts[PAGE_ROUNDING] = parts.get(PAGE_ROUNDING, 0) + sum(host_buffer_bytes(n) - n for n in buffers)
-
-
-def _each(nbytes: int, count: int = 1) -> dict[str, Any]:
-    """``count`` buffers of ``nbytes`` each, as :class:`_Adder` takes them."""
-    return {"nbytes": count * nbytes, "buffers": [nbytes] * count}
-
-
-def _grads(add: _Adder, b: Bucket, n: int, tier: Tier) -> None:
-    """The default step's GRAD home of bucket ``b`` (``n``: this rank's elements of it) on ``tier``: its
-    fp32 grads, and the grads for the step where Adam runs on another tier in memory."""
-    add(tier, GRADS, **_each(n * _FP32))
-    if compute_tier(b) != tier and tier != Tier.NVME:
-        add(compute_tier(b), GRADS_FOR_STEP, **_each(n * _FP32))
-
-
-def _grads_to_nvme(add: _Adder, largest: int) -> None:
-    """The host buffers of the flushes of grads to NVMe (``largest``: the largest such bucket's
-    elements, 0 for none)."""
-    if largest:
-        add(Tier.HOST, GRADS_TO_NVME, **_each(_FP32 * largest, 3))
+__all__ = [
+    "FROZEN_COPY",
+    "FROZEN_WEIGHTS",
+    "GATHER_AHEAD",
+    "GATHER_ROUNDED",
+    "GATHER_STAGING",
+    "GATHERED",
+    "GRADS",
+    "GRADS_FOR_STEP",
+    "GRADS_IN_BACKWARD",
+    "GRADS_IN_FLIGHT",
+    "GRADS_TO_NVME",
+    "GRADS_TO_REDUCE",
+    "HOST_PAGE",
+    "JOURNAL_BUCKETS",
+    "LARGEST_MODULE",
+    "NVME_JOURNAL",
+    "NVME_STAGING",
+    "NVME_THREADS",
+    "OPTIM_STATE",
+    "OPTIM_STATE_NVME",
+    "PAGE_ROUNDING",
+    "SECOND_GRADS",
+    "STATE_PIPELINE",
+    "TRAINING_STATE",
+    "UPDATED_WEIGHTS",
+    "WEIGHT_STAGING",
+    "WHOLE_BUCKET",
+    "WINDOW_BUCKETS",
+    "WORKING_WEIGHTS",
+    "Budgeted",
+    "Footprint",
+    "accumulation_footprint",
+    "check_fits",
+    "copy_tier",
+    "footprint",
+    "gather_ahead",
+    "gathers_held",
+    "host_buffer_bytes",
+    "keeps_copy",
+    "largest_module_bytes",
+    "model_footprint",
+    "totals",
+]
 
 
 def accumulation_footprint(buckets: Sequence[Bucket]) -> Footprint:
@@ -231,13 +196,12 @@ def accumulation_footprint(buckets: Sequence[Bucket]) -> Footprint:
     made (and checked against the budgets with this) when a step first accumulates (NOTE [Updates in
     backward] in tiermem/train/step/in_backward.py); the construction's footprint counts a window instead."""
     need: Footprint = {}
-    add = _Adder(need)
     for b in buckets:
-        _grads(add, b, b.numel, accumulation_tier(b))
+        part.grads(need, b, b.numel, accumulation_tier(b))
     largest = max((b.numel for b in buckets if accumulation_tier(b) == Tier.NVME), default=0)
-    _grads_to_nvme(add, largest)
+    part.grads_to_nvme(need, largest)
     if largest:
-        add(Tier.NVME, NVME_JOURNAL, JOURNAL_BUCKETS["grads"] * _FP32 * largest)
+        add(need, Tier.NVME, NVME_JOURNAL, JOURNAL_BUCKETS["grads"] * FP32 * largest)
     return need
 
 
@@ -270,126 +234,25 @@ def footprint(
     which ``frozen`` does not list; ``update_in_backward``: no grads at rest, a few buckets' in
     flight on the host instead (NOTE [Updates in backward] in tiermem/train/step/in_backward.py)."""
     need: Footprint = {}
-    add, each = _Adder(need), _each
-
-    def chunk(b: Bucket) -> int:
-        return b.chunk_size(world)  # NOTE [Chunks cut where the state allows]
-
-    def state_parts(b: Bucket) -> list[int]:
-        """Bytes of each part of this rank's state of ``b`` (under DP its chunk's, the most any rank keeps)."""
-        return [n * p.itemsize for p, n in zip(b.state.parts, part_numels(b))]
-
-    def part_numels(b: Bucket) -> list[int]:
-        """Elements of each part of this rank's state of ``b``: its chunk's under DP."""
-        return b.chunk_part_numels(world) if world > 1 else b.part_numels()
-
-    def state_joined(b: Bucket) -> int:
-        """Bytes of this rank's state of ``b`` as one buffer (one NVMe value)."""
-        return b.state.joined(part_numels(b))[1]
-
-    w = dtype.itemsize
-    sharded = {b.index for b in buckets if weights_sharded(b, world, shard_weights)}
-    rounded = [b for b in buckets if weights_from_master(b, b.index in sharded, overlap, device_is_host=device_is_host)]
-    from_master = {b.index for b in rounded}
-    kept = sharded - from_master  # rounded: no chunk kept (NOTE [A chunk rounded from its master])
-    # NOTE [One copy of bf16 master weights]: the master and the weights, one copy (the host's counted
-    # as the master, NVMe's as the weights' keys, the state key holding the other parts)
-    one_copy = {b.index for b in buckets if master_is_weights(b, b.index in sharded, overlap)}
+    lay = Layout.of(buckets, dtype, world, shard=shard_weights, overlap=overlap, on_host=device_is_host)
     for b in buckets:
-        ct, n = compute_tier(b), chunk(b)
-        if b.index in kept:  # this rank's chunk, one buffer
-            add(b.param_tier, WORKING_WEIGHTS, n * w, buffers=[n * w] if b.param_tier == Tier.HOST else ())
-        elif b.index in one_copy and b.param_tier == Tier.HOST:
-            pass  # views of the master, counted with the optimizer state
-        elif b.index not in sharded:
-            add(
-                b.param_tier,
-                WORKING_WEIGHTS,
-                b.numel * w,
-                buffers=[s.numel * w for s in b.slots] if b.param_tier != Tier.DEVICE else (),
-            )  # off the device: one buffer per parameter
-        if not update_in_backward:  # its grads' home is made when a step first accumulates (accumulation_footprint)
-            _grads(add, b, n, b.grad_tier)
-        if b.state_tier == Tier.NVME:
-            master = b.state.joined(part_numels(b))[0][1] if b.index in one_copy else 0  # in the weights' keys
-            add(Tier.NVME, OPTIM_STATE_NVME, state_joined(b) - master)
-        else:
-            parts = state_parts(b)
-            add(b.state_tier, OPTIM_STATE, sum(parts), buffers=parts)
-        if overlap:
-            add(b.grad_tier, SECOND_GRADS, **each(n * _FP32))
-            add(ct, UPDATED_WEIGHTS, **each(n * w))
-    grads_largest = max((chunk(b) for b in buckets if b.grad_tier == Tier.NVME and not update_in_backward), default=0)
-    if update_in_backward:
-        add(Tier.HOST, GRADS_IN_BACKWARD, **each(_FP32 * max(b.numel for b in buckets), WINDOW_BUCKETS))
-    _grads_to_nvme(add, grads_largest)
-    state_largest = max((state_joined(b) for b in buckets if b.state_tier == Tier.NVME), default=0)
-    if state_largest:
-        add(Tier.HOST, STATE_PIPELINE, **each(state_largest, 3))  # each set: a bucket's parts, back to back
-    weights_largest = max(
-        (
-            chunk(b) if b.index in sharded or b.frozen else b.numel
-            for b in [*buckets, *sharded_frozen]
-            if b.param_tier == Tier.NVME
-        ),
-        default=0,
-    )
-    journal = (
-        JOURNAL_BUCKETS["state"] * state_largest
-        + JOURNAL_BUCKETS["weights"] * w * weights_largest
-        + JOURNAL_BUCKETS["grads"] * _FP32 * grads_largest
-    )
-    if journal:
-        add(Tier.NVME, NVME_JOURNAL, journal)
+        part.bucket(need, lay, b, update_in_backward)
+    part.nvme_buffers(need, lay, buckets, sharded_frozen, update_in_backward)
     if world > 1:
-        padded = max((chunk(b) * world for b in buckets), default=0)
-        add(Tier.DEVICE, GRADS_TO_REDUCE, 4 * _FP32 * padded)  # a few buckets in flight, and one accumulating
-        whole = {(p.name, p.dtype): p.itemsize * padded for b in buckets for p in b.state.parts}
-        add(Tier.HOST, WHOLE_BUCKET, sum(whole.values()), buffers=list(whole.values()))  # while a checkpoint reads it
+        part.data_parallel(need, lay, buckets)
     if not overlap:
-        staged: dict[Tier, list[int]] = {}
-        for b in buckets:
-            if (
-                compute_tier(b) != Tier.DEVICE
-                and not writes_weights_in_place(b, b.index in sharded, device_is_host=device_is_host)
-                and b.index not in from_master
-                and b.index not in one_copy
-            ):
-                staged.setdefault(compute_tier(b), []).append(chunk(b))
-        for tier, numels in staged.items():
-            add(tier, WEIGHT_STAGING, **each(max(numels) * w, min(2, len(numels))))  # a single bucket needs one
-    for b in sharded_frozen:  # NOTE [Frozen weights sharded over the ranks]: this rank's chunk, one buffer
-        n = chunk(b) * w
-        add(b.param_tier, FROZEN_WEIGHTS, n, buffers=[n] if b.param_tier == Tier.HOST else ())
-        for s in b.slots:
-            if keeps_copy(s.param.dtype, dtype, True):  # NOTE [Frozen weights keep one copy]: whole, on each rank
-                add(Tier.HOST, FROZEN_COPY, **each(s.numel * s.param.element_size()))
-    gathers = [b for b in [*buckets, *sharded_frozen] if b.index in sharded or b.frozen]
-    if gathers:
-        gathered = [chunk(b) * world * w for b in gathers]
-        add(Tier.DEVICE, GATHERED, min(sum(gathered), gathered_at_once * max(gathered) + gather_ahead(gathered)))
-        on_disk = [chunk(b) * w for b in gathers if b.param_tier == Tier.NVME]
-        if on_disk:
-            add(Tier.HOST, GATHER_STAGING, **each(max(on_disk), min(len(on_disk), gathered_at_once + GATHER_AHEAD)))
-        for tier in dict.fromkeys(b.param_tier for b in rounded):
-            largest = max(chunk(b) * w for b in rounded if b.param_tier == tier)
-            count = min(sum(b.param_tier == tier for b in rounded), gathered_at_once + GATHER_AHEAD)
-            add(tier, GATHER_ROUNDED, count * largest, buffers=[largest] * count if tier == Tier.HOST else ())
-    on_nvme = [s.numel * w for b in buckets if b.param_tier == Tier.NVME and b.index not in sharded for s in b.slots]
-    for p, home in frozen:
-        size = p.numel() * (w if p.is_floating_point() else p.element_size())
-        add(home, FROZEN_WEIGHTS, **(each(size) if home != Tier.DEVICE else {"nbytes": size}))
-        if keeps_copy(p.dtype, dtype, p.is_floating_point()):  # NOTE [Frozen weights keep one copy]
-            copy = p.numel() * p.element_size()
-            on = copy_tier(home)
-            add(on, FROZEN_COPY, **(each(copy) if on == Tier.HOST else {"nbytes": copy}))
-        on_nvme += [size] if home == Tier.NVME else []
-    if nvme_staging and on_nvme:
-        lane_buffers = sorted(on_nvme, reverse=True)[:NVME_THREADS]  # one per NVMe lane thread, the largest
-        add(Tier.HOST, NVME_STAGING, sum(lane_buffers), buffers=lane_buffers)
-    add(Tier.DEVICE, GRADS_IN_FLIGHT, max((s.numel for b in buckets for s in b.slots), default=0) * w)
+        part.weight_staging(need, lay, buckets)
+    part.sharded_frozen_weights(need, lay, sharded_frozen)
+    part.gathers(need, lay, buckets, sharded_frozen, gathered_at_once)
+    on_nvme = [
+        s.numel * lay.w for b in buckets if b.param_tier == Tier.NVME and b.index not in lay.sharded for s in b.slots
+    ]
+    on_nvme += part.frozen_weights(need, lay, frozen)
+    if nvme_staging:
+        part.nvme_staging(need, on_nvme)
+    add(need, Tier.DEVICE, GRADS_IN_FLIGHT, max((s.numel for b in buckets for s in b.slots), default=0) * lay.w)
     if largest_module:
-        add(Tier.DEVICE, LARGEST_MODULE, largest_module)
+        add(need, Tier.DEVICE, LARGEST_MODULE, largest_module)
     return need
 
 
@@ -436,12 +299,6 @@ def model_footprint(
         sharded_frozen=cold,
         update_in_backward=update_in_backward,
     )
-
-
-def gather_ahead(padded: Sequence[int]) -> int:
-    """The bytes of sharded buckets gathered ahead of use or kept after it, besides the held ones
-    (``padded``: each sharded bucket's bytes gathered): the same on every rank."""
-    return GATHER_AHEAD * max(padded, default=0)
 
 
 def gathers_held(module: torch.nn.Module, buckets: Sequence[Bucket], sharded: set[int]) -> int:
