@@ -1,5 +1,5 @@
 """Failure paths of a step that other tests leave out: an update that fails in the background under
-overlap_step (NOTE [A failed background update] in tiermem/train/step/stepper.py), and an NVMe write that
+overlap_step (NOTE [A failed background update] in tiermem/train/step/background.py), and an NVMe write that
 fails on one rank of two under data parallelism."""
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def _background_done(tm) -> None:
     """Wait until the update ``tm`` runs in the background (overlap_step), if any, has ended: the
     files made to fail next must fail that step's writes, not the previous step's, which may still be
     writing (a race that failed CI on a loaded machine: the previous step's write waited on ``go``)."""
-    if tm.stepper._background is None:
+    if tm.stepper.background.in_flight is None:
         return
-    handle = tm.stepper._background[0]
+    handle = tm.stepper.background.in_flight.handle
     while not handle.done():
         threading.Event().wait(0.01)
 

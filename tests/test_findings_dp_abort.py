@@ -37,14 +37,14 @@ def _rank_fails_its_step(rank, world, directory, failing, overlap):
 
     step(0)
     step(1)
-    while tm.stepper._background is not None and not tm.stepper._background[0].done():
+    while tm.stepper.background.in_flight is not None and not tm.stepper.background.in_flight.handle.done():
         threading.Event().wait(0.01)  # overlap_step: step 2's update lands before the files fail
     t0 = time.perf_counter()
     with _files_fail(tm.stores[Tier.NVME], failing if rank == 1 else ("/nothing/",)):
         try:
             for i in range(2, 6):
                 step(i)
-                while tm.stepper._background is not None and not tm.stepper._background[0].done():
+                while tm.stepper.background.in_flight is not None and not tm.stepper.background.in_flight.handle.done():
                     threading.Event().wait(0.01)  # overlap_step: the update fails while the files do
         except TierMemError as e:
             return f"{type(e).__name__}: {e}", time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """The split optimizer: ``ZeroOffload(device_fraction=f)`` keeps part of the optimizer state (and
 its grads) on the device (NOTE [Which optimizer state goes to the device first] in
-tiermem/policies/zero_offload.py, NOTE [Split step] in tiermem/train/step/stepper.py).
+tiermem/policies/zero_offload.py, NOTE [Split step] in tiermem/train/step/updates.py).
 
 On a machine without an accelerator the device is the CPU and the device's Adam is the same kernel
 as the host's, so every fraction must give ZeRO-Offload's numbers bit for bit; the cuda-marked test

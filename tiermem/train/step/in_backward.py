@@ -84,6 +84,7 @@ from tiermem.errors import OutOfTierMemory, TierMemError, add_note
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes.per_class import GradHome
+from tiermem.train.step.grad_norm import slot_norms
 from tiermem.train.step.relay import Relay, Stopped
 from tiermem.transfer.lease import Lease
 from tiermem.transfer.service import CopyService
@@ -244,9 +245,7 @@ class WindowGrads(GradHome):
 
     def _norms(self, b: Bucket, t: torch.Tensor) -> None:
         """The fp32 norms of ``b``'s received parameters, from its gradients ``t`` (as the step's)."""
-        for s in b.slots:
-            if self.received(s.name):
-                self.norms[s.name] = torch.linalg.vector_norm(t[s.offset : s.offset + s.numel], dtype=torch.float32)
+        self.norms.update(slot_norms(t, [s for s in b.slots if self.received(s.name)]))
 
     # -- the step ----------------------------------------------------------------------------------
     def step_norms(self) -> dict[str, torch.Tensor]:
