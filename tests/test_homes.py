@@ -558,7 +558,7 @@ def test_nvme_state_write_torn_mid_step_keeps_every_bucket_whole_and_a_retry_com
     buckets, home, tracer, before = _stepped_once(NVME_STATE, engine)
     bad = buckets[failing]
     updated: set = set()
-    with _TornWrites(engine.stores[Tier.NVME], home.key(bad)):
+    with _TornWrites(engine.stores[Tier.NVME], str(home.key(bad))):
         with pytest.raises(StoreError, match=rf"NVMe write of '{bad.key}:state'.*Input/output error"):
             home.step(_plan(buckets), _bump, tracer, updated)
     assert bad.index not in updated
