@@ -23,7 +23,7 @@ from tiermem.handles import Handle, wait_all, wait_all_quietly
 from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes.per_class import Homes, Runs
-from tiermem.train.homes.store_keys import Part, bucket_key
+from tiermem.train.homes.store_keys import Part, StoreKey, bucket_key
 from tiermem.types import TensorClass, Tier
 
 
@@ -60,7 +60,9 @@ class Outputs:
             if len(have) == count and all(t.numel() >= max(ns) for t in have):
                 continue
             self.staging[tier] = [
-                self.stores[tier].allocate(f"staging{i}:param", (max(ns),), self.dtype, TensorClass.PARAM)
+                self.stores[tier].allocate(
+                    str(StoreKey(f"staging{i}", Part.PARAM)), (max(ns),), self.dtype, TensorClass.PARAM
+                )
                 for i in range(count)
             ]
 

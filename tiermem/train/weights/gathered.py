@@ -13,8 +13,8 @@ unlike ZeRO-2's replicated weights.
 Each parameter of such a bucket is an :class:`~tiermem.train.weights.offdevice.OffDeviceWeight` (NOTE
 [Weights off the device are a tensor subclass]) whose values :class:`GatheredWeights` holds: a
 bucket is *gathered* (every rank's chunk read at home and all-gathered into a device buffer of
-``padded`` elements on every rank) and a parameter's values are a view of it at the slot's
-offset. The unit is a bucket, not a module: one all-gather of a few MiB rather than one per
+``padded`` elements on every rank, by :class:`~tiermem.train.weights.bucket_gathers.BucketGathers`)
+and a parameter's values are a view of it at the slot's offset. The unit is a bucket, not a module: one all-gather of a few MiB rather than one per
 module (DeepSpeed ZeRO-3's per-submodule gathers are what its users find slow).
 
 Two ways in, as in one process (NOTE [Parameters off the device]): a forward pre-hook of each
