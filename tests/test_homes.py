@@ -24,13 +24,17 @@ from tiermem.memory.aligned import ALIGN, round_up
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.observe.trace import Tracer
+from tiermem.optim.formats import state_format
 from tiermem.plan.buckets import Bucket, Placed, plan_buckets
 from tiermem.plan.placement import compute_tier
 from tiermem.train.homes.nvme_grads import NvmeGrads
 from tiermem.train.homes.nvme_state import NvmeState
 from tiermem.train.homes.per_class import DeviceWeights, GradHome, MemoryGrads, MemoryState, StateHome, WeightHome
+from tiermem.train.homes.store_keys import Part, StoreKey, bucket_key, master_key, state_key
 from tiermem.train.hooks import HookSet
+from tiermem.train.weights.frozen import copy_key
 from tiermem.train.weights.param_offload import ParamOffload
+from tiermem.train.weights.weight_shards import MasterShards, shard_key
 from tiermem.transfer.engine import TransferEngine
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import ResidencyScheduler
@@ -558,7 +562,7 @@ def test_nvme_state_write_torn_mid_step_keeps_every_bucket_whole_and_a_retry_com
     buckets, home, tracer, before = _stepped_once(NVME_STATE, engine)
     bad = buckets[failing]
     updated: set = set()
-    with _TornWrites(engine.stores[Tier.NVME], home.key(bad)):
+    with _TornWrites(engine.stores[Tier.NVME], str(home.key(bad))):
         with pytest.raises(StoreError, match=rf"NVMe write of '{bad.key}:state'.*Input/output error"):
             home.step(_plan(buckets), _bump, tracer, updated)
     assert bad.index not in updated
@@ -775,3 +779,44 @@ def test_device_weights_parameters_are_views_of_one_flat_buffer(engine):
             assert s.param.dtype == torch.bfloat16 and s.param.shape == s.shape
             assert s.param.data.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
             assert s.param.data.data_ptr() == flat[s.offset :].data_ptr()
+
+
+# -- store keys ---------------------------------------------------------------------------------------
+def test_store_keys_keep_the_text_the_stores_and_files_hold():
+    """A key is a value (owner, part), and its text is what stores, ledgers, reports and NVMe file
+    names have always read."""
+    b = Bucket(3, Tier.HOST, Tier.HOST, 0)
+    assert [str(bucket_key(b, part)) for part in Part] == [
+        "bucket3:grad",
+        "bucket3:grad_alt",
+        "bucket3:grad_in",
+        "bucket3:grad landing",
+        "bucket3:param",
+        "bucket3:param_out",
+        "bucket3:param shard",
+        "bucket3:gathered",
+        "bucket3:state",
+        "bucket3:frozen",
+    ]
+    assert [str(state_key(b, part)) for part in b.state.parts] == [
+        "bucket3:master",
+        "bucket3:exp_avg",
+        "bucket3:exp_avg_sq",
+    ]
+    assert NvmeGrads.key(b) == StoreKey("bucket3", Part.GRAD) and str(NvmeState.key(b)) == "bucket3:state"
+    assert shard_key(b) == "bucket3:param shard" and copy_key("layers.0.weight") == "layers.0.weight:frozen"
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "lion"])
+def test_a_chunk_rounded_from_its_master_reads_the_buckets_own_master(kind):
+    """NOTE [A chunk rounded from its master]: the chunk is read from the master part of the
+    bucket's own state format (here bf16, beside another optimizer's parts), found by its key."""
+    fmt = state_format(kind, master_dtype=torch.bfloat16)
+    b = Bucket(0, Tier.HOST, Tier.HOST, 0, Tier.HOST, numel=7, state=fmt)
+    host = HostStore(pin=False)
+    state = MemoryState(host, [b])
+    state.initial_master(b).copy_(torch.arange(7, dtype=torch.bfloat16) / 3)
+    assert master_key(b).part.dtype == torch.bfloat16 and str(master_key(b)) in host
+    chunk, release = MasterShards(host, host, [b], {b.index: 7}, torch.float16).read(b)
+    assert torch.equal(chunk, (torch.arange(7, dtype=torch.bfloat16) / 3).to(torch.float16))
+    release()

@@ -250,6 +250,8 @@ def _rank_checkpoint(rank, world, tmp):
     other = _make("weights-on-host", bucket_size=1700)
     other.load(path)
     loaded = other.state_dict()
+    with torch.no_grad(), pytest.raises(TierMemError) as refused:  # outside resident(): refused, nothing changes
+        other.module.ln_f.weight.mul_(0.5)
     with other.resident(other.module.ln_f):
         with torch.no_grad():
             other.module.ln_f.weight.mul_(0.5)
@@ -257,7 +259,7 @@ def _rank_checkpoint(rank, world, tmp):
     _train(other, rank, world, range(STEPS, STEPS + 1))
     after = other.state_dict()
     detached = {n: p.detach().clone() for n, p in other.detach().named_parameters(remove_duplicate=False)}
-    return saved, loaded, halved, after, detached
+    return saved, loaded, halved, after, detached, str(refused.value)
 
 
 def _rank_budget(rank, world, host):
@@ -452,7 +454,13 @@ def test_grads_on_nvme_under_data_parallelism(z3):
 
 
 def test_checkpoints_and_resident_under_zero3(z3):
-    (saved, loaded, halved, after, detached), (_, loaded1, _, after1, detached1) = (r["checkpoint"] for r in z3[3])
+    (saved, loaded, halved, after, detached, refused), (_, loaded1, _, after1, detached1, _) = (
+        r["checkpoint"] for r in z3[3]
+    )
+    assert refused == (
+        "tiermem: mul_ writes into the weight 'ln_f.weight', which is sharded over the ranks; write to it inside "
+        "`with tm.resident(...)` on every rank, which sends the new values home and to the optimizer's master weights"
+    )
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)  # written by rank 0 from the masters
     assert all(torch.equal(loaded[k], loaded1[k]) for k in loaded)
     assert torch.equal(halved, loaded["ln_f.weight"] * 0.5)  # resident() wrote on every rank

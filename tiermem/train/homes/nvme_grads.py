@@ -23,6 +23,7 @@ from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle, wait_all
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes.per_class import GradHome
+from tiermem.train.homes.store_keys import Part, StoreKey, bucket_key
 from tiermem.transfer.lease import Lease
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
@@ -43,8 +44,8 @@ class NvmeGrads(GradHome):
         self._flush_of: dict[int, Handle] = {}  # bucket -> its latest flush
 
     @staticmethod
-    def key(b: Bucket) -> str:
-        return f"{b.key}:grad"
+    def key(b: Bucket) -> StoreKey:
+        return bucket_key(b, Part.GRAD)
 
     # -- backward ----------------------------------------------------------------------------------
     def landing(self, b: Bucket, fill: int) -> torch.Tensor:
@@ -58,7 +59,7 @@ class NvmeGrads(GradHome):
                     earlier = self._flush_of.pop(b.index, None)
                     if earlier is not None:
                         earlier.wait()  # ordering: its flush is issued and landed first
-                    self.engine.store_read(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD).wait()
+                    self.engine.store_read(Tier.NVME, str(self.key(b)), t, kind=TensorClass.GRAD).wait()
             except BaseException:
                 lease.release()
                 raise
@@ -100,7 +101,7 @@ class NvmeGrads(GradHome):
         self._on_disk.add(b.index)
         h = self.engine.chain(
             self.engine.behind("d2h"),
-            lambda: self.engine.store_write(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD),
+            lambda: self.engine.store_write(Tier.NVME, str(self.key(b)), t, kind=TensorClass.GRAD),
             cleanup=lease.release,
             stall=Tier.NVME,
         )
@@ -117,7 +118,7 @@ class NvmeGrads(GradHome):
         lease = self.engine.lease(b.numel * 4, f"<grad read {b.key}>", TensorClass.GRAD)
         t = lease.view(torch.float32)
         try:
-            self.engine.store_read(Tier.NVME, self.key(b), t, kind=TensorClass.GRAD).wait()
+            self.engine.store_read(Tier.NVME, str(self.key(b)), t, kind=TensorClass.GRAD).wait()
         except BaseException:
             lease.release()
             raise

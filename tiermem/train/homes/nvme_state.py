@@ -50,6 +50,7 @@ import torch
 from tiermem.handles import Handle, wait_all, wait_all_quietly
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes.per_class import StateHome, StateViews, Update
+from tiermem.train.homes.store_keys import Part, StoreKey, bucket_key
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 
@@ -98,8 +99,8 @@ class NvmeState(StateHome):
         self._initial: dict[int, list[Handle]] = {}
 
     @staticmethod
-    def key(b: Bucket) -> str:
-        return f"{b.key}:state"
+    def key(b: Bucket) -> StoreKey:
+        return bucket_key(b, Part.STATE)
 
     # -- initial contents, reads and writes --------------------------------------------------------
     def initial_master(self, b: Bucket) -> torch.Tensor:
@@ -225,7 +226,7 @@ class NvmeState(StateHome):
         return joined[b.state.joined(b.part_numels())[0][1] :]  # from the second part on
 
     def _read(self, b: Bucket, views: StateViews) -> list[Handle]:
-        key = self.key(b)
+        key = str(self.key(b))
         hs = [self.engine.store_read(Tier.NVME, key, self._state_key_bytes(b, views), kind=TensorClass.OPTIM_STATE)]
         if self._shared(b):
             assert self.masters is not None
@@ -233,7 +234,7 @@ class NvmeState(StateHome):
         return hs
 
     def _write(self, b: Bucket, views: StateViews, *, master: bool = True) -> list[Handle]:
-        key, state = self.key(b), self._state_key_bytes(b, views)
+        key, state = str(self.key(b)), self._state_key_bytes(b, views)
         hs = [self.engine.store_write(Tier.NVME, key, state, kind=TensorClass.OPTIM_STATE)]
         if master and self._shared(b):
             assert self.masters is not None

@@ -34,6 +34,7 @@ import torch
 from tiermem.handles import Handle, wait_all
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.plan.placement import adam_writes_device
+from tiermem.train.homes.store_keys import Part, bucket_key, state_key
 from tiermem.train.weights.offdevice import point
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
@@ -139,10 +140,10 @@ class MemoryGrads(GradHome):
         self.landing_tier = store.tier
         self.engine = engine
         self._numel = {b.index: b.numel for b in buckets}
-        names = ("grad", "grad_alt")[:buffers]  # overlap_step: backward fills one while Adam reads the other
-        self._acc = {b.index: [(store, f"{b.key}:{name}") for name in names] for b in buckets}
+        parts = (Part.GRAD, Part.GRAD_ALT)[:buffers]  # overlap_step: backward fills one while Adam reads the other
+        self._acc = {b.index: [(store, str(bucket_key(b, part))) for part in parts] for b in buckets}
         self._in = {  # where Adam reads them, when that is another tier
-            b.index: (stores[compute_tier[b.index]], f"{b.key}:grad_in")
+            b.index: (stores[compute_tier[b.index]], str(bucket_key(b, Part.GRAD_IN)))
             for b in buckets
             if compute_tier[b.index] != store.tier
         }
@@ -295,7 +296,7 @@ class MemoryState(StateHome):
         self._views: dict[int, StateViews] = {}
         for b in buckets:
             views = tuple(
-                store.allocate(f"{b.key}:{part.name}", (n,), part.dtype, TensorClass.OPTIM_STATE)
+                store.allocate(str(state_key(b, part)), (n,), part.dtype, TensorClass.OPTIM_STATE)
                 for part, n in zip(b.state.parts, b.part_numels())
             )
             for part, t in zip(b.state.parts[1:], views[1:]):
@@ -377,7 +378,10 @@ class DeviceWeights(WeightHome):
 
     def __init__(self, store, buckets: Sequence[Bucket], dtype: torch.dtype, engine: CopyService):
         self.engine = engine
-        self._param = {b.index: store.allocate(f"{b.key}:param", (b.numel,), dtype, TensorClass.PARAM) for b in buckets}
+        self._param = {
+            b.index: store.allocate(str(bucket_key(b, Part.PARAM)), (b.numel,), dtype, TensorClass.PARAM)
+            for b in buckets
+        }
         self._device_is_host = store.device.type == "cpu"  # NOTE [A CPU device]
 
     def initialize(self, b: Bucket, master: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ import torch
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.train.homes.per_class import GradHome, Runs, StateHome, StateViews, WeightHome
+from tiermem.train.homes.store_keys import Part, bucket_key
 from tiermem.transfer.collectives import Chunk, Group, Pending
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
@@ -32,6 +33,11 @@ from tiermem.types import TensorClass, Tier
 def chunk_of(group: Group, b: Bucket) -> Chunk:
     """This rank's chunk of ``b`` (NOTE [Chunks cut where the state allows])."""
     return group.chunk(b.numel, b.chunk_size(group.world))
+
+
+def _landing_key(b: Bucket) -> str:
+    """The device buffer whole bucket ``b``'s grads accumulate in, to be reduce-scattered."""
+    return str(bucket_key(b, Part.GRAD_LANDING))
 
 
 def shard_buckets(buckets: Sequence[Bucket], group: Group) -> list[Bucket]:
@@ -82,7 +88,7 @@ class ShardedGrads(GradHome):
         t = self._landing.get(b.index)
         if t is None:
             c = chunk_of(self.group, b)
-            t = self.store.allocate(f"{b.key}:grad landing", (c.padded,), torch.float32, TensorClass.GRAD).zero_()
+            t = self.store.allocate(_landing_key(b), (c.padded,), torch.float32, TensorClass.GRAD).zero_()
             self._landing[b.index] = t
         return t
 
@@ -127,7 +133,7 @@ class ShardedGrads(GradHome):
         ).wait()
         self.inner.complete(sb)  # grads on NVMe: written there now, not kept on the host
         self._have.add(index)
-        self.store.delete(f"{sb.key}:grad landing")
+        self.store.delete(_landing_key(sb))
         self._landing.pop(index, None)
 
     def end_backward(self) -> None:
@@ -171,7 +177,7 @@ class ShardedGrads(GradHome):
                 pass
         self._pending.clear()
         for index in list(self._landing):
-            self.store.delete(f"{self.full[index].key}:grad landing")
+            self.store.delete(_landing_key(self.full[index]))
         self._landing.clear()
         self.end_step()
         self.inner.drop()

@@ -23,6 +23,7 @@ from tiermem.handles import Handle, wait_all, wait_all_quietly
 from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket
 from tiermem.train.homes.per_class import Homes, Runs
+from tiermem.train.homes.store_keys import Part, StoreKey, bucket_key
 from tiermem.types import TensorClass, Tier
 
 
@@ -46,7 +47,7 @@ class Outputs:
         if self.overlap:  # the update runs while the next forward reads the old weights: one buffer per bucket
             for b in buckets:
                 self.param_out[b.index] = self.stores[self.homes.compute_tier(b)].allocate(
-                    f"{b.key}:param_out", (b.numel,), self.dtype, TensorClass.PARAM
+                    str(bucket_key(b, Part.PARAM_OUT)), (b.numel,), self.dtype, TensorClass.PARAM
                 )
             return
         for b in buckets:
@@ -59,7 +60,9 @@ class Outputs:
             if len(have) == count and all(t.numel() >= max(ns) for t in have):
                 continue
             self.staging[tier] = [
-                self.stores[tier].allocate(f"staging{i}:param", (max(ns),), self.dtype, TensorClass.PARAM)
+                self.stores[tier].allocate(
+                    str(StoreKey(f"staging{i}", Part.PARAM)), (max(ns),), self.dtype, TensorClass.PARAM
+                )
                 for i in range(count)
             ]
 

@@ -59,6 +59,7 @@ from tiermem.memory.base import Store
 from tiermem.memory.resident import MemoryStore
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.footprint import copy_tier, keeps_copy
+from tiermem.train.homes.store_keys import Part, StoreKey
 from tiermem.train.weights.gathered import GatheredWeights
 from tiermem.train.weights.materialize import Values
 from tiermem.train.weights.offdevice import point
@@ -74,7 +75,7 @@ __all__ = ["FrozenParams", "copy_key"]
 def copy_key(name: str) -> str:
     """The key of frozen parameter ``name``'s copy in its own dtype, in the store of its tier (in
     the device store the same key is its working copy)."""
-    return f"{name}:frozen"
+    return str(StoreKey(name, Part.FROZEN))
 
 
 class HostCopy:

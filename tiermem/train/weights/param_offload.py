@@ -58,19 +58,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections import Counter, deque
 from typing import Iterator, Optional, Sequence
 
 import torch
 
-from tiermem.errors import TierMemError
 from tiermem.handles import Handle, wait_all
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.placement import master_is_weights
-from tiermem.train.homes.per_class import Runs, WeightHome, slots_in
-from tiermem.train.hooks import HookSet, eager
-from tiermem.train.weights.offdevice import Link, SwappedParams
+from tiermem.train.homes.per_class import Runs, slots_in
+from tiermem.train.hooks import HookSet
+from tiermem.train.weights.offdevice_home import OffDeviceHome
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import ResidencyScheduler
 from tiermem.types import TensorClass, TensorInfo, Tier
@@ -78,8 +76,10 @@ from tiermem.types import TensorClass, TensorInfo, Tier
 log = logging.getLogger(__name__)
 
 
-class ParamOffload(WeightHome):
+class ParamOffload(OffDeviceHome):
     """The PARAM home of weights that live on the host or NVMe: NOTE [Parameters off the device]."""
+
+    lives = "lives off the device"
 
     def __init__(
         self,
@@ -103,23 +103,10 @@ class ParamOffload(WeightHome):
         self.homes = dict(homes)
         params = dict(module.named_parameters())
         self._params = {name: params[name] for name in homes}
-        self._swaps = SwappedParams(module, self._params)
         self._initial: deque[list[Handle]] = deque()  # NOTE [Initial writes in flight]: per bucket
-        self._link = Link(self)
-        self._lock = threading.RLock()  # reads come from autograd's threads too
         self._running: dict[str, list] = {}  # key -> [its device tensor, holds]: acquired by a module or a block
-        self._writable: Counter[str] = Counter()  # keys user code may write into (inside tm.resident)
-        self._dirty: set[str] = set()
         self.on_demand: Counter[str] = Counter()  # reads outside the schedule that waited for a fetch
-        keys = {id(p): name for name, p in self._params.items()}
-        self.owners: dict[torch.nn.Module, list[str]] = {}
-        for mod in module.modules():
-            mine = [keys[id(p)] for p in mod.parameters(recurse=False) if id(p) in keys]
-            if mine:
-                self.owners[mod] = mine
-                hooks.add(mod.register_forward_pre_hook(eager(self._before)))
-                hooks.add(mod.register_forward_hook(eager(self._after), always_call=True))  # also when forward raises
-        hooks.add(self)  # remove(): reads after the model is given back fail clearly
+        super().__init__(module, self._params, {name: name for name in homes}, hooks)
 
     def adopt(self, name: str, value: torch.Tensor, *, shared: bool = False, wait: bool = True) -> Optional[Handle]:
         """``value`` (a host tensor in the working precision) becomes ``name``'s first value at
@@ -153,22 +140,10 @@ class ParamOffload(WeightHome):
         self._swaps.swap_in(name, self._link, value.dtype, self.device)
         return handle
 
-    def settle(self) -> None:
-        """Construction succeeded: the original tensors swapped out of the parameters are let go."""
-        self._swaps.settle()
-
-    def undo(self) -> None:
-        """Construction failed: every parameter gets back the tensor it had (before :meth:`settle`)."""
-        self._swaps.undo()
-
-    def restore(self, values: dict[str, torch.Tensor]) -> None:
-        """``detach()``: each parameter becomes a plain tensor again, holding ``values[name]``."""
-        self._swaps.restore(values)
-
     def remove(self) -> None:
         """The model is detached or given back: nothing is read through it any more, and weights
         still being written home have landed (their errors stay on their handles)."""
-        self._link.source = None
+        super().remove()
         self.residency.synchronize()
 
     # -- as a WeightHome ---------------------------------------------------------------------------
@@ -214,14 +189,6 @@ class ParamOffload(WeightHome):
         ]
 
     # -- reads ---------------------------------------------------------------------------------------
-    def _before(self, mod: torch.nn.Module, args) -> None:
-        for key in self.owners[mod]:
-            self._hold(key)
-
-    def _after(self, mod: torch.nn.Module, args, out) -> None:
-        for key in self.owners[mod]:
-            self._unhold(key)
-
     def _hold(self, key: str) -> torch.Tensor:
         """Acquire ``key`` for a module or a block: its ops find it resident until :meth:`_unhold`."""
         with self._lock:
@@ -265,46 +232,11 @@ class ParamOffload(WeightHome):
             for key in taken:
                 self.scheduler.release(key)
 
-    def written(self, key: str, op: str) -> None:
-        """An op writes into ``key``: allowed inside ``tm.resident(...)`` only."""
-        with self._lock:
-            if self._writable[key]:
-                self._dirty.add(key)
-                return
-        raise TierMemError(
-            f"tiermem: {op} writes into the weight {key!r}, which lives off the device; "
-            f"write to it inside `with tm.resident(...)`, which sends the new values home "
-            f"and to the optimizer's master weights"
-        )
-
-    @contextlib.contextmanager
-    def resident(self, keys: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:
-        """Hold ``keys`` on the device for a block in which they may be written; yields the
-        written ones' new values (host copies, filled in when the block ends), whose home has them."""
-        held: list[str] = []
-        written: dict[str, torch.Tensor] = {}
-        try:
-            for key in keys:
-                self._hold(key)
-                held.append(key)
-                with self._lock:
-                    self._writable[key] += 1
-            yield written
-            with self._lock:
-                dirty = [k for k in held if k in self._dirty]
-            for key in dirty:
-                value = self._running[key][0].to("cpu", copy=True)
-                self.write_home(key, value)  # drops the device copy: the next read fetches the new value
-                written[key] = value
-        finally:
-            with self._lock:
-                for key in held:
-                    self._writable[key] -= 1
-                    if not self._writable[key]:
-                        del self._writable[key]
-                        self._dirty.discard(key)
-            for key in held:
-                self._unhold(key)
+    def _send_home(self, dirty: list[str], written: dict[str, torch.Tensor]) -> None:
+        for key in dirty:
+            value = self._running[key][0].to("cpu", copy=True)
+            self.write_home(key, value)  # drops the device copy: the next read fetches the new value
+            written[key] = value
 
     # -- the step ----------------------------------------------------------------------------------
     def begin_update(self) -> None:

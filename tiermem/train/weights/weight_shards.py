@@ -26,7 +26,8 @@ import torch
 
 from tiermem.errors import TierMemError
 from tiermem.handles import Handle
-from tiermem.plan.buckets import STATE_PARTS, Bucket
+from tiermem.plan.buckets import Bucket
+from tiermem.train.homes.store_keys import Part, bucket_key, master_key
 from tiermem.transfer.collectives import Group, Pending
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
@@ -37,7 +38,8 @@ def _nothing() -> None:
 
 
 def shard_key(b: Bucket) -> str:
-    return f"{b.key}:param shard"
+    """The key of this rank's chunk of ``b``'s working weights, in the store of its tier."""
+    return str(bucket_key(b, Part.PARAM_SHARD))
 
 
 class ShardHome(ABC):
@@ -132,7 +134,7 @@ class MasterShards(ShardHome):
 
     def read(self, b: Bucket) -> tuple[torch.Tensor, Callable[[], None]]:
         n = self.sizes[b.index]
-        master = self.master_store.get(f"{b.key}:{STATE_PARTS[0]}")[:n]  # ShardedState's chunk of the master
+        master = self.master_store.get(str(master_key(b)))[:n]  # ShardedState's chunk of the master
         key = f"<gather {b.key} #{next(self._reads)}>"
         buf = self.store.allocate(key, (self._largest,), self.dtype, TensorClass.PARAM)[:n]
         buf.copy_(master)  # rounded to nearest, as the update's `out` would be
