@@ -94,11 +94,12 @@ class MemoryShards(ShardHome):
 # NOTE [A chunk rounded from its master]
 # A rank's chunk of a bucket's working weights is, at every moment a gather can read it, its fp32
 # master chunk (same rank, same chunk of the same bucket: ShardedState's) rounded to the working
-# precision: the update writes ``out = master.to(out.dtype)`` for the whole chunk (Stepper._adam
-# fills the parameters it skips from the master too), a failed step sends the masters again,
-# a checkpoint loads the master and the weights from the same values, and ``tm.resident`` writes
-# become the master (ModelState.take_weights) before the next gather (the block's buckets stay
-# gathered while they are written). Frozen parameters have no chunk here (they are in no bucket).
+# precision: the update writes ``out = master.to(out.dtype)`` for the whole chunk (BucketUpdates._adam
+# in tiermem/train/step/updates.py fills the parameters it skips from the master too), a failed
+# step sends the masters again, a checkpoint loads the master and the weights from the same
+# values, and ``tm.resident`` writes become the master (ModelState.take_weights) before the next
+# gather (the block's buckets stay gathered while they are written). Frozen parameters have no
+# chunk here (they are in no bucket).
 # So when the chunk's home is the memory that holds the master the chunk is not stored at all:
 # each gather casts the master chunk into a buffer that lives until the gather has sent it, bit
 # for bit what the stored chunk held, and the rank keeps 4 bytes of fp32 master per parameter
