@@ -15,19 +15,21 @@ from tiermem import TensorClass, TensorInfo, Tier
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.transfer.decisions import AbsentAhead, AccessTrace, choose_victim, lookahead_window
 from tiermem.transfer.engine import TransferEngine
+from tiermem.transfer.fetch_evict import FetchEvict
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import ResidencyScheduler
 
 KiB = 1024
 
 
-class _Reference(ResidencyScheduler):
+class _ReferenceMoves(FetchEvict):
     """The fetch-ahead as it was before: the managed set filtered, the window and the candidates
     outside it computed, and the held bytes summed, on every acquire; victims chosen by scanning
     the candidates."""
 
-    def __init__(self, **options):
-        super().__init__(**options)
+    def __init__(self, tier, **options):
+        super().__init__(tier, **options)
+        self._belady = options["belady"]
         self._ref_managed: set[str] = set()
 
     def _manage(self, key: str) -> None:
@@ -39,17 +41,23 @@ class _Reference(ResidencyScheduler):
         self._ref_managed.discard(key)
 
     def _evictable(self) -> list[str]:
-        registry, store = self.residency.registry, self._store
+        registry, store = self.residency.registry, self.store
         self._ref_managed = {k for k in self._ref_managed if k in registry and k in store}
         return [k for k in self._ref_managed if k not in self._pins]
 
     def _make_room(self, key, nbytes, *, excluded=None, candidates=None, required):
-        ledger, asked_others = self._store.ledger, False
+        ledger, asked_others = self.store.ledger, False
         listed = self._evictable() if candidates is None else candidates()
         while ledger.allowed - ledger.used < nbytes:
-            trace = self._follow.following() if self.eviction == "belady" else None
-            victim = choose_victim(listed, self._last_used, trace=trace, pos=self._follow.pos)
-            if victim is None and required and not asked_others and any(r is not self for r in ledger.reclaimers):
+            follow = self._owner._follow  # the scheduler's, as the reference read it
+            trace = follow.following() if self._belady else None
+            victim = choose_victim(listed, self._last_used, trace=trace, pos=follow.pos)
+            if (
+                victim is None
+                and required
+                and not asked_others
+                and any(r is not self._owner for r in ledger.reclaimers)
+            ):
                 asked_others = True
                 self._ask_others(nbytes - (ledger.allowed - ledger.used))
                 continue
@@ -61,15 +69,14 @@ class _Reference(ResidencyScheduler):
             self._evict(victim)
         return True
 
-    def _fetch_ahead(self) -> None:
-        trace = self._follow.following()
+    def fetch_ahead(self, trace, pos) -> None:
         if not self.prefetch or trace is None:
             return
-        registry, ledger = self.residency.registry, self._store.ledger
+        registry, ledger = self.residency.registry, self.store.ledger
         outside_all = self._evictable()
         room = ledger.allowed - (ledger.used - ledger.held_total(self._ref_managed)) - ledger.held_total(self._pins)
         limit = room if self.lookahead_bytes is None else min(room, self.lookahead_bytes)
-        window = lookahead_window(trace, self._follow.pos, self._sizes, limit, skip=self._pins)
+        window = lookahead_window(trace, pos, self._sizes, limit, skip=self._pins)
         outside = [k for k in outside_all if k not in set(window)]
         for key in window:
             if key not in registry:
@@ -81,9 +88,15 @@ class _Reference(ResidencyScheduler):
                 return
             self.residency.prefetch(key, self.tier)
             self._manage(key)
-            self._touch(key)
-            self.current.prefetches += 1
-            self.current.bytes_prefetched += self._sizes[key]
+            self.touch(key, pos)
+            self.stats.prefetches += 1
+            self.stats.bytes_prefetched += self._sizes[key]
+
+
+class _Reference(ResidencyScheduler):
+    """The scheduler with the moves of before."""
+
+    _moves_type = _ReferenceMoves
 
 
 def _ops(seed: int, n: int) -> list[tuple]:

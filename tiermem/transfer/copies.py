@@ -61,72 +61,46 @@ class Copies:
         through host staging share one pooled buffer, leased for the whole request."""
         # NOTE [tiermem in the torch profiler]
         with lazy_span(lambda: f"copy {kind or 'tensor'} {src_tier}->{dst_tier}"):
-            return self._many(copies, lane, ready, src_tier, dst_tier, kind)
-
-    def _many(
-        self,
-        copies: Sequence[Copy],
-        lane: str,
-        ready: Ready,
-        src_tier: Tier,
-        dst_tier: Tier,
-        kind: Optional[TensorClass],
-    ) -> IssueResult:
-        t0 = time.perf_counter()
-        works: list[GpuWork] = []
-        tails: list[Callable[[], None]] = []
-        pieces, lease = self._staging(copies, lane)
-
-        def run_tails() -> None:
-            error = None
+            t0 = time.perf_counter()
+            works: list[GpuWork] = []
+            tails: list[Callable[[], None]] = []
+            pieces, lease = self._staging(copies, lane)
             try:
-                for tail in tails:
-                    try:
-                        tail()
-                    except BaseException as e:  # noqa: BLE001 - the first is raised below
-                        error = error or e
-            finally:
-                if lease is not None:
-                    lease.release()
-            if error is not None:
-                raise error
-
-        try:
-            for (dst, src, accumulate), piece in zip(copies, pieces):
-                gpu, tail = self._issue(dst, src, lane, ready, accumulate, piece)
-                works += [gpu] if gpu is not None else []
-                tails += [tail] if tail is not None else []
-        except BaseException:
-            self.stats.count(src_tier, dst_tier, t0=t0)
-            with contextlib.suppress(BaseException):
-                for w in works[-1:]:
-                    w.wait()  # ordering: staging goes back only once the copies issued so far are done
-                run_tails()
-            raise
-        nbytes = sum(src.numel() * src.element_size() for _, src, _ in copies)
-        last = works[-1] if works else None
-
-        def finish(
-            _held: object = copies,
-        ) -> None:  # the caller may drop the sources: they live until the copies are done
-            try:
-                if last is not None:
-                    last.wait()  # one stream, in order: the last done means all done
-                run_tails()
+                for copy, piece in zip(copies, pieces):
+                    gpu, tail = self._issue(copy, lane, ready, piece)
+                    works += [gpu] if gpu is not None else []
+                    tails += [tail] if tail is not None else []
             except BaseException:
                 self.stats.count(src_tier, dst_tier, t0=t0)
+                with contextlib.suppress(BaseException):
+                    for w in works[-1:]:
+                        w.wait()  # ordering: staging goes back only once the copies issued so far are done
+                    _run_tails(tails, lease)
                 raise
-            # on a GPU busy for the copies' own time on their stream, elsewhere from t0 until now
-            self.stats.count(
-                src_tier,
-                dst_tier,
-                t0=t0,
-                seconds=sum(w.seconds() for w in works) if works else None,
-                nbytes=nbytes,
-                kind=kind,
-            )
+            nbytes = sum(src.numel() * src.element_size() for _, src, _ in copies)
+            last = works[-1] if works else None
 
-        return last, None, finish
+            def finish(
+                _held: object = copies,
+            ) -> None:  # the caller may drop the sources: they live until the copies are done
+                try:
+                    if last is not None:
+                        last.wait()  # one stream, in order: the last done means all done
+                    _run_tails(tails, lease)
+                except BaseException:
+                    self.stats.count(src_tier, dst_tier, t0=t0)
+                    raise
+                # on a GPU busy for the copies' own time on their stream, elsewhere from t0 until now
+                self.stats.count(
+                    src_tier,
+                    dst_tier,
+                    t0=t0,
+                    seconds=sum(w.seconds() for w in works) if works else None,
+                    nbytes=nbytes,
+                    kind=kind,
+                )
+
+            return last, None, finish
 
     def _staging(self, copies: Sequence[Copy], lane: str) -> tuple[list[Optional[torch.Tensor]], Optional[Lease]]:
         """Each copy's part of one pooled host buffer (None for a copy that needs none), and the
@@ -145,17 +119,12 @@ class Copies:
         return [buf[a : a + n] if n else None for a, n in zip(starts, sizes)], lease
 
     def _issue(
-        self,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        lane: str,
-        ready: Ready,
-        accumulate: bool,
-        piece: Optional[torch.Tensor],
+        self, copy: Copy, lane: str, ready: Ready, piece: Optional[torch.Tensor]
     ) -> tuple[Optional[GpuWork], Optional[Callable[[], None]]]:
-        """Queue ``dst <- src`` (or ``dst += src``) on ``lane``, through ``piece`` of host staging
-        where :func:`_staged_bytes` says so; returns the GPU work and the host work left for once
-        it is done (both None when nothing is left: the CPU)."""
+        """Queue ``copy``, ``dst <- src`` (or ``dst += src``), on ``lane``, through ``piece`` of host
+        staging where :func:`_staged_bytes` says so; returns the GPU work and the host work left for
+        once it is done (both None when nothing is left: the CPU)."""
+        dst, src, accumulate = copy
         if not self.lanes.cuda:
             (dst.add_(src) if accumulate else dst.copy_(src))
             return None, None
@@ -184,6 +153,23 @@ class Copies:
         staged = piece.view(dst.dtype).view(src.shape)
         staged.copy_(src)
         return self.lanes.memcpy(dst, staged, lane, ready), None
+
+
+def _run_tails(tails: Sequence[Callable[[], None]], lease: Optional[Lease]) -> None:
+    """Run every tail of a request (the first error is raised once all ran), then give its
+    staging back."""
+    error = None
+    try:
+        for tail in tails:
+            try:
+                tail()
+            except BaseException as e:  # noqa: BLE001 - the first is raised below
+                error = error or e
+    finally:
+        if lease is not None:
+            lease.release()
+    if error is not None:
+        raise error
 
 
 def _staged_bytes(dst: torch.Tensor, src: torch.Tensor, accumulate: bool, lane: str) -> int:

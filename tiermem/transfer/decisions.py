@@ -5,7 +5,7 @@ which keys to fetch ahead (:func:`lookahead_window`: the next ones in trace orde
 and whether the iteration running follows the recorded one (:class:`TraceFollower`).
 
 :class:`~tiermem.transfer.schedule.ResidencyScheduler` carries them out for weights off the
-device, :class:`~tiermem.transfer.gather_schedule.GatherSchedule` for gathers of sharded ones.
+device (its :class:`~tiermem.transfer.fetch_evict.FetchEvict` makes the moves), :class:`~tiermem.transfer.gather_schedule.GatherSchedule` for gathers of sharded ones.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class AccessTrace:
 class AbsentAhead:
     """The keys of a trace that may be missing from the fast tier, answering "is any of them used
     at or after ``pos``?" in O(log n) (NOTE [Fetch-ahead in O(window)] in
-    :mod:`tiermem.transfer.schedule`). Over-reporting is allowed (a key here may be resident: the
+    :mod:`tiermem.transfer.fetch_evict`). Over-reporting is allowed (a key here may be resident: the
     caller then looks and finds nothing to do); under-reporting is not. A max-heap of last
     positions, its entries for keys since discarded dropped when they reach the top."""
 

@@ -2,7 +2,7 @@
 the registry stays truthful about which tiers hold a valid copy.
 
 This is the half of the transfer layer that knows keys. Its one user is the residency scheduler
-(:mod:`tiermem.transfer.schedule`), on behalf of the weights that live off the device
+(:mod:`tiermem.transfer.schedule`, its moves in :mod:`tiermem.transfer.fetch_evict`), on behalf of the weights that live off the device
 (:mod:`tiermem.train.weights.param_offload`). Everything else (homes, the gradient collector, the step)
 moves bytes it owns through the keyless copy service, :class:`~tiermem.transfer.engine.TransferEngine`,
 which this class issues its moves through too: the engine's lanes, staging buffers and counters.
