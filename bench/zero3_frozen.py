@@ -170,12 +170,12 @@ def _gather_at_save() -> None:
     """The previous version's DCP save, in this one: no frozen pieces; every rank reads each
     frozen parameter gathered over the ranks and rank 0 keeps them all and writes them."""
     from tiermem.checkpoint import dcp as checkpoint_dcp
-    from tiermem.checkpoint.view import ModelState
+    from tiermem.checkpoint.view import StateReader
 
-    rest = ModelState.rest
+    rest = StateReader.rest
 
-    def whole_rest(self, *, load: bool = False, pieces: bool = False):
-        return rest(self, load=load)  # the sharded frozen parameters gathered, whole
+    def whole_rest(self, *, pieces: bool = False):
+        return rest(self)  # the sharded frozen parameters gathered, whole
 
     def no_pieces(state, source):
         frozen = state.layout.frozen
@@ -185,7 +185,7 @@ def _gather_at_save() -> None:
                     frozen.value(name)
         return {}
 
-    ModelState.rest = whole_rest  # type: ignore[method-assign]
+    StateReader.rest = whole_rest  # type: ignore[method-assign]
     checkpoint_dcp.frozen_pieces = no_pieces  # type: ignore[assignment]
 
 

@@ -13,10 +13,12 @@ from tiermem.checkpoint import file as checkpoint
 
 
 class FakeState:
-    """What :class:`tiermem.checkpoint.view.ModelState` offers checkpoint.py, over a dict."""
+    """What :class:`tiermem.checkpoint.view.ModelState` offers checkpoint.py (its core, reader and
+    writer, all three this one object), over a dict."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], meta: dict | None = None, fail_after: int | None = None):
         self.t, self._meta, self.fail_after = tensors, meta or {"step": 3}, fail_after
+        self.core = self.reader = self.writer = self
         self.param_groups = [{}]
         self.loaded_meta = None
         self.writes_files = True
@@ -36,7 +38,7 @@ class FakeState:
         return ((n, tuple(t.shape), (t.dtype,)) for n, t in self.t.items())
 
     def check_groups(self, saved, what):
-        """No groups here: ModelState's check of them is tested with models (tests/test_groups.py)."""
+        """No groups here: StateWriter's check of them is tested with models (tests/test_groups.py)."""
 
     def meta(self):
         return dict(self._meta, precision="bf16", param_step={}, scaler={"scale": 1.0, "good_steps": 0}, groups=[{}])
@@ -138,3 +140,64 @@ def test_a_temporary_that_cannot_be_made_still_reads_the_state_through(tmp_path)
         checkpoint.save(state, str(path))
     assert state.read == len(state.t)
     assert not os.path.lexists(tmp_path / "elsewhere") and not os.path.lexists(path)
+
+
+# -- checkpoint names ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, part, param, of_module",
+    [
+        ("master/w", "master", "w", True),
+        ("exp_avg/layers.0.weight", "exp_avg", "layers.0.weight", False),
+        ("exp_avg_sq_absmax/a/b", "exp_avg_sq_absmax", "a/b", False),  # the part ends at the first '/'
+        ("frozen/e", "frozen", "e", True),
+        ("buffers/n", "buffers", "n", True),
+    ],
+)
+def test_a_state_name_is_the_string_a_checkpoint_writes(name, part, param, of_module):
+    from tiermem.checkpoint.names import StateName
+
+    n = StateName.parse(name)
+    assert (n.part, n.param, n.of_module) == (part, param, of_module)
+    assert str(n) == f"{n}" == name
+
+
+def test_a_moment_and_its_absmax_name_each_other_as_the_8bit_format_pairs_them():
+    from tiermem.checkpoint.names import SCALES, StateName
+    from tiermem.optim.formats import state_format
+
+    fmt = state_format("adamw8bit", numel=1 << 20)
+    blocked = [p.name for p in fmt.parts if p.block > 1]
+    assert sorted(SCALES.values()) == sorted(blocked)
+    for moment, scale in SCALES.items():
+        assert moment in fmt.names and fmt.names.index(moment) < fmt.names.index(scale)
+        assert StateName(moment, "w").scale == StateName(scale, "w")
+        assert StateName(scale, "w").moment == StateName(moment, "w")
+    assert StateName("master", "w").scale is None and StateName("exp_avg", "w").moment is None
+
+
+@pytest.mark.parametrize("absmax_first", [False, True])
+def test_a_quantized_moment_and_its_absmax_come_from_one_read_in_either_order(absmax_first):
+    """NOTE [Converting state formats]: an fp32 moment loaded into an 8-bit one gives its codes and
+    its absmax from one read of the checkpoint, whichever of the two the model asks for first."""
+    from tiermem.checkpoint.convert import Conversion
+    from tiermem.optim import quantize_blockwise
+
+    value = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    codes, absmax = quantize_blockwise(value, signed=True)
+    expected = {"exp_avg/w": ((300,), (torch.uint8,)), "exp_avg_absmax/w": (tuple(absmax.shape), (torch.float32,))}
+    held = {"exp_avg/w": ((300,), torch.float32)}
+    conversion = Conversion(expected, held)
+    assert conversion.quantize == {"exp_avg/w"} and not conversion.dequantize
+    assert conversion.reconciled(expected, held) == ({"exp_avg/w": ((300,), (torch.float32,))}, held)
+    reads: list[str] = []
+
+    def read_into(name: str, t: torch.Tensor) -> None:
+        reads.append(name)
+        t.copy_(value)
+
+    read = conversion.reader(read_into, held)
+    got = {"exp_avg/w": torch.empty(300, dtype=torch.uint8), "exp_avg_absmax/w": torch.empty_like(absmax)}
+    for name in sorted(got, reverse=absmax_first):
+        read(name, got[name])
+    assert reads == ["exp_avg/w"]
+    assert torch.equal(got["exp_avg/w"], codes.view(300)) and torch.equal(got["exp_avg_absmax/w"], absmax)

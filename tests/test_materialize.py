@@ -396,7 +396,7 @@ def test_weights_streamed_from_nvme_read_the_next_bucket_ahead(shared, tmp_path)
 
     store.read = logged
     state = tm._settled("test")
-    stream = state.stream_weights(frozen=False)
+    stream = state.reader.stream_weights(frozen=False)
     seen = 0
     for names, value in stream:
         assert torch.equal(value, want[names[0]].float()), names

@@ -24,12 +24,15 @@ from typing import Callable
 
 import torch
 
+from tiermem.checkpoint.names import MASTER, SCALES, StateName
 from tiermem.optim import dequantize_blockwise, quantize_blockwise
 
 log = logging.getLogger(__name__)
 
-#: the 8-bit moments, each with whether its map is signed (NOTE [8-bit state])
+#: the 8-bit moments (each with its absmax: :data:`tiermem.checkpoint.names.SCALES`), each with
+#: whether its map is signed (NOTE [8-bit state])
 MOMENTS = {"exp_avg": True, "exp_avg_sq": False}
+assert set(MOMENTS) == set(SCALES), "every 8-bit moment has its absmax"
 
 Shapes = dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]  # name -> (shape, dtypes accepted)
 Held = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype) in the checkpoint
@@ -45,40 +48,29 @@ class Conversion:
         self.dequantize: set[str] = set()  # "exp_avg/<p>": 8-bit in the checkpoint, fp32 in the model
         self.master: set[str] = set()  # "master/<p>": another float dtype there
         for name, (_, dtypes) in expected.items():
-            part, _, param = name.partition("/")
             if name not in held:
                 continue
-            have = held[name][1]
-            if (
-                part in MOMENTS
-                and have == torch.float32
-                and dtypes == (torch.uint8,)
-                and f"{part}_absmax/{param}" not in held
-            ):
+            n, have = StateName.parse(name), held[name][1]
+            scale = n.scale
+            if scale is not None and have == torch.float32 and dtypes == (torch.uint8,) and str(scale) not in held:
                 self.quantize.add(name)
-            elif (
-                part in MOMENTS
-                and have == torch.uint8
-                and dtypes == (torch.float32,)
-                and f"{part}_absmax/{param}" in held
-            ):
+            elif scale is not None and have == torch.uint8 and dtypes == (torch.float32,) and str(scale) in held:
                 self.dequantize.add(name)
-            elif part == "master" and have in (torch.float32, torch.bfloat16) and have not in dtypes:
+            elif n.part == MASTER and have in (torch.float32, torch.bfloat16) and have not in dtypes:
                 self.master.add(name)
-        self._absmax: dict[str, torch.Tensor] = {}
+        #: a quantized moment's codes and absmax, by name, from when either is asked for until both were
+        self._quantized: dict[str, torch.Tensor] = {}
 
     def reconciled(self, expected: Shapes, held: Held) -> tuple[Shapes, Held]:
         """``expected`` and ``held`` with the converted tensors made to agree (the absmax the
         conversion makes or uses is not asked of the other side)."""
         expected, held = dict(expected), dict(held)
         for name in self.quantize:
-            part, _, param = name.partition("/")
-            expected.pop(f"{part}_absmax/{param}", None)
+            expected.pop(_scale_of(name), None)
             shape, _ = expected[name]
             expected[name] = (shape, (torch.float32,))
         for name in self.dequantize:
-            part, _, param = name.partition("/")
-            held.pop(f"{part}_absmax/{param}", None)
+            held.pop(_scale_of(name), None)
             expected[name] = (held[name][0], (torch.uint8,))
         for name in self.master:
             shape, dtypes = expected[name]
@@ -103,26 +95,37 @@ class Conversion:
         )
 
     def reader(self, read_into: ReadInto, held: Held) -> ReadInto:
-        """``read_into`` for the model's names, converting where this conversion says."""
+        """``read_into`` for the model's names, converting where this conversion says. A quantized
+        moment's codes and absmax come from one read of the checkpoint's fp32 moment, whichever of
+        the two the model asks for first."""
+
+        def quantized(moment: StateName, name: str) -> torch.Tensor:
+            if name not in self._quantized:
+                value = torch.empty(held[str(moment)][0], dtype=torch.float32)
+                read_into(str(moment), value)
+                codes, absmax = quantize_blockwise(value, signed=MOMENTS[moment.part])
+                self._quantized.update({str(moment): codes, _scale_of(str(moment)): absmax})
+            return self._quantized.pop(name)
 
         def read(name: str, target: torch.Tensor) -> None:
-            part, _, param = name.partition("/")
-            if name in self.quantize:
-                value = torch.empty(held[name][0], dtype=torch.float32)
-                read_into(name, value)
-                codes, absmax = quantize_blockwise(value, signed=MOMENTS[part])
-                target.copy_(codes.view(target.shape))
-                self._absmax[f"{part}_absmax/{param}"] = absmax
-            elif name.partition("/")[0].removesuffix("_absmax") in MOMENTS and name in self._absmax:
-                target.copy_(self._absmax.pop(name))
+            n = StateName.parse(name)
+            moment = n if name in self.quantize else n.moment
+            if moment is not None and str(moment) in self.quantize:
+                target.copy_(quantized(moment, name).view(target.shape))
             elif name in self.dequantize:
                 codes = torch.empty(held[name][0], dtype=torch.uint8)
-                absmax_name = f"{part}_absmax/{param}"
-                absmax = torch.empty(held[absmax_name][0], dtype=torch.float32)
+                absmax = torch.empty(held[_scale_of(name)][0], dtype=torch.float32)
                 read_into(name, codes)
-                read_into(absmax_name, absmax)
-                target.copy_(dequantize_blockwise(codes, absmax, signed=MOMENTS[part]).view(target.shape))
+                read_into(_scale_of(name), absmax)
+                target.copy_(dequantize_blockwise(codes, absmax, signed=MOMENTS[n.part]).view(target.shape))
             else:
                 read_into(name, target)
 
         return read
+
+
+def _scale_of(moment: str) -> str:
+    """The name of the absmax of the 8-bit moment named ``moment`` (``exp_avg/<p>`` -> ``exp_avg_absmax/<p>``)."""
+    scale = StateName.parse(moment).scale
+    assert scale is not None, f"{moment!r} is not an 8-bit moment"
+    return str(scale)

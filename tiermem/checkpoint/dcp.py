@@ -49,8 +49,9 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from tiermem.checkpoint import directory as disk
 from tiermem.checkpoint.dcp_check import checked, same_error
 from tiermem.checkpoint.dcp_read import Reader
+from tiermem.checkpoint.names import FROZEN, StateName
 from tiermem.checkpoint.shards import MANIFESTS, META, ShardedValue, key, nested
-from tiermem.checkpoint.view import ModelState, Piece
+from tiermem.checkpoint.view import PartPieces, Piece, StateCore, StateReader, StateWriter
 from tiermem.errors import StoreError, TierMemError
 
 log = logging.getLogger(__name__)
@@ -128,79 +129,91 @@ def _load(reader: Reader, values: dict[str, Any]) -> None:
 class OneBucket:
     """This process's part of one bucket's state at a time, read when DCP first asks for it."""
 
-    def __init__(self, state: ModelState):
-        self.state, self.index = state, -1
+    def __init__(self, reader: StateReader):
+        self.reader, self.index = reader, -1
         self.views: tuple[torch.Tensor, ...] = ()
 
     def source(self, index: int, part: int, p: Piece) -> Callable[[], torch.Tensor]:
         def read() -> torch.Tensor:
             if self.index != index:
-                self.views, self.index = self.state.read_local(index), index
+                self.views, self.index = self.reader.read_local(index), index
             return self.views[part][p.at : p.at + p.hi - p.lo]
 
         return read
 
 
-def pieces(state: ModelState, source: Callable[[int, int, Piece], Any]) -> dict[str, ShardedValue]:
+def pieces(core: StateCore, source: Callable[[int, int, Piece], Any]) -> dict[str, ShardedValue]:
     """Every piece of optimizer state this process keeps, by tiermem name, in bucket order."""
     out: dict[str, ShardedValue] = {}
-    for index, pieces in state.pieces():
-        for part_index, (part, dtype, mine) in enumerate(state.part_pieces(index, pieces)):
+    for index, pieces in core.pieces():
+        for part_index, (part, dtype, mine) in enumerate(core.part_pieces(index, pieces)):
             for p in mine:
-                name = f"{part}/{p.name}"
+                name = StateName(part, p.name)
                 local = source(index, part_index, p)
                 device = local.device if isinstance(local, torch.Tensor) else "cpu"
-                out[name] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=dtype, device=device)
+                out[str(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=dtype, device=device)
     return out
 
 
 # -- save --------------------------------------------------------------------------------------------
-def save(state: ModelState, path: str) -> None:
+def save(reader: StateReader, path: str) -> None:
     """Write a DCP directory at ``path`` (NOTE [Checkpoint directories]); every rank calls it."""
-    group = state.group
+    group = reader.core.group
     path = os.path.abspath(path)
     pid = int(group.broadcast_(torch.tensor([os.getpid()], dtype=torch.int64)).item())  # rank 0's names the temporary
     tmp = f"{path}.tmp-{pid}"
-    made = _temporary(state, path, pid)
-    error: BaseException | None = None
+    made = _temporary(reader.core, path, pid)
     writer = _Writer(tmp)
     try:
-        _write(state, writer)
-        disk.write_manifest(tmp, group.rank, group.world, writer.fs.written)
-    except BaseException as e:  # noqa: BLE001 - reported after every rank knows
-        error = e
-    finally:
-        state.release()
-    try:
-        if not group.all_ok(error is None):
-            raise (
-                error
-                if error is not None
-                else StoreError(
-                    f"tiermem: saving the checkpoint to {path!r} failed on another rank (see its error); any previous "
-                    f"checkpoint there is unchanged"
-                )
-            )
-        _publish(state, tmp, path)
+        _write_agreed(reader, writer, tmp, path)
+        _publish(reader.core, tmp, path)
     except BaseException as e:
         _discard_if(made, tmp)  # the new checkpoint unpublished, or the previous one publish swapped out
         if isinstance(e, TierMemError) or not isinstance(e, Exception):
             raise
-        if isinstance(e, OSError):
-            raise _as_store(e, path) from e
-        raise TierMemError(
-            f"tiermem: saving the checkpoint to {path!r} failed ({type(e).__name__}: {e}); any previous "
-            f"checkpoint there is unchanged"
-        ) from e
+        raise _save_failed(e, path) from e
 
 
-def _temporary(state: ModelState, path: str, pid: int) -> bool:
+def _write_agreed(reader: StateReader, writer: _Writer, tmp: str, path: str) -> None:
+    """Every rank writes its part and its manifest into ``tmp``, then learns whether every rank did: if one did
+    not, each raises (its own error, or one naming another rank's)."""
+    group = reader.core.group
+    error: BaseException | None = None
+    try:
+        _write(reader, writer)
+        disk.write_manifest(tmp, group.rank, group.world, writer.fs.written)
+    except BaseException as e:  # noqa: BLE001 - reported after every rank knows
+        error = e
+    finally:
+        reader.release()
+    if not group.all_ok(error is None):
+        raise (
+            error
+            if error is not None
+            else StoreError(
+                f"tiermem: saving the checkpoint to {path!r} failed on another rank (see its error); any previous "
+                f"checkpoint there is unchanged"
+            )
+        )
+
+
+def _save_failed(e: Exception, path: str) -> BaseException:
+    """A save's failure that is not a ``tiermem:`` error yet, as one."""
+    if isinstance(e, OSError):
+        return _as_store(e, path)
+    return TierMemError(
+        f"tiermem: saving the checkpoint to {path!r} failed ({type(e).__name__}: {e}); any previous "
+        f"checkpoint there is unchanged"
+    )
+
+
+def _temporary(core: StateCore, path: str, pid: int) -> bool:
     """Rank 0 makes the temporary directory; every rank checks that it sees it. Whether this
     process made it (to remove it on failure)."""
-    group, tmp = state.group, f"{path}.tmp-{pid}"
+    group, tmp = core.group, f"{path}.tmp-{pid}"
     error: BaseException | None = None
     made = False
-    if state.writes_files:
+    if core.writes_files:
         try:
             if not os.path.isdir(os.path.dirname(path)):
                 raise StoreError(
@@ -233,18 +246,18 @@ def _temporary(state: ModelState, path: str, pid: int) -> bool:
     return made
 
 
-def _publish(state: ModelState, tmp: str, path: str) -> None:
+def _publish(core: StateCore, tmp: str, path: str) -> None:
     """Rank 0 moves the complete directory into place; every rank returns only once it is there,
     and raises if it is not."""
     error: BaseException | None = None
-    if state.writes_files:
+    if core.writes_files:
         try:
-            _check_complete(tmp, state.group.world)
+            _check_complete(tmp, core.group.world)
             disk.sync_dir(tmp)
             disk.publish(tmp, path)
         except BaseException as e:  # noqa: BLE001 - reported after every rank knows
             error = e
-    if not state.group.all_ok(error is None):  # the published checkpoint, on every rank
+    if not core.group.all_ok(error is None):  # the published checkpoint, on every rank
         raise (
             error
             if error is not None
@@ -255,47 +268,48 @@ def _publish(state: ModelState, tmp: str, path: str) -> None:
         )
 
 
-def frozen_pieces(state: ModelState, source: Callable[[int, Piece], Any]) -> dict[str, ShardedValue]:
+def frozen_pieces(core: StateCore, source: Callable[[int, Piece], Any]) -> dict[str, ShardedValue]:
     """The pieces of the frozen parameters sharded over the ranks this process keeps, by tiermem
     name, in bucket order (NOTE [Frozen weights sharded over the ranks])."""
     out: dict[str, ShardedValue] = {}
-    for index, mine in state.frozen_pieces():
+    for index, mine in core.frozen_pieces():
         for p in mine:
-            name = f"frozen/{p.name}"
-            out[name] = ShardedValue(key(name), p.shape, p.lo, p.hi, source(index, p), dtype=state.dtype)
+            name = StateName(FROZEN, p.name)
+            out[str(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, source(index, p), dtype=core.dtype)
     return out
 
 
 class _OneChunk:
     """This process's chunk of one frozen bucket at a time, read when DCP first asks for it."""
 
-    def __init__(self, state: ModelState):
-        self.state, self.index = state, -1
+    def __init__(self, reader: StateReader):
+        self.reader, self.index = reader, -1
         self.chunk = torch.empty(0)
 
     def source(self, index: int, p: Piece) -> Callable[[], torch.Tensor]:
         def read() -> torch.Tensor:
             if self.index != index:
-                self.chunk, self.index = self.state.read_frozen(index).to("cpu"), index
+                self.chunk, self.index = self.reader.read_frozen(index).to("cpu"), index
             return self.chunk[p.at : p.at + p.hi - p.lo]
 
         return read
 
 
-def _write(state: ModelState, writer: _Writer) -> None:
+def _write(reader: StateReader, writer: _Writer) -> None:
     """DCP writes this process's pieces, one bucket read at a time, those of the sharded frozen
     parameters too; rank 0 also the rest (frozen parameters not sharded, buffers)."""
-    values: dict[str, Any] = dict(pieces(state, OneBucket(state).source))
-    values.update(frozen_pieces(state, _OneChunk(state).source))  # read at home: nothing gathered
-    if state.writes_files:  # the same on every rank: rank 0's are saved, as by the single file
-        values.update(state.rest(pieces=True))
+    core = reader.core
+    values: dict[str, Any] = dict(pieces(core, OneBucket(reader).source))
+    values.update(frozen_pieces(core, _OneChunk(reader).source))  # read at home: nothing gathered
+    if core.writes_files:  # the same on every rank: rank 0's are saved, as by the single file
+        values.update(reader.rest(pieces=True))
     order = {key(name): i for i, name in enumerate(values)}
-    tree = nested(values, json.dumps(state.meta()))
-    if state.writes_files:
-        tree[MANIFESTS] = state.group.world
+    tree = nested(values, json.dumps(reader.meta()))
+    if core.writes_files:
+        tree[MANIFESTS] = core.group.world
     else:
         del tree[META]  # one copy, rank 0's
-    group = state.group
+    group = core.group
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process: no_dist
@@ -353,12 +367,13 @@ def _from_dcp(e: BaseException, doing: str, fix: str) -> TierMemError:
 
 
 # -- load --------------------------------------------------------------------------------------------
-def load(state: ModelState, path: str) -> None:
+def load(writer: StateWriter, path: str) -> None:
     """Check the whole directory on every rank, then read this process's pieces into the model
     through the files the checks opened. A read that fails part way (every rank learns of it
     after the last bucket, the collectives kept in step) leaves the model refusing to compute
-    until a load succeeds (:meth:`ModelState.updating`)."""
-    opened, metadata, meta = checked(state, path)
+    until a load succeeds (:meth:`StateWriter.updating`)."""
+    core = writer.core
+    opened, metadata, meta = checked(writer, path)
     with opened:
         reader = Reader(opened, metadata)
         failed: list[TierMemError] = []
@@ -381,39 +396,37 @@ def load(state: ModelState, path: str) -> None:
 
             return run
 
-        with state.updating():
-            for index, pieces in state.pieces():
-                state.load_local(
-                    index, guarded(functools.partial(_read_pieces, reader, state.part_pieces(index, pieces)))
+        with writer.updating():
+            for index, pieces in core.pieces():
+                writer.load_local(
+                    index, guarded(functools.partial(_read_pieces, reader, core.part_pieces(index, pieces)))
                 )
-            state.release()
-            for index, mine in state.frozen_pieces():
-                state.load_frozen(index, guarded(functools.partial(_read_frozen, reader, state.dtype, mine)))
-            rest = state.rest(load=True, pieces=True)
+            writer.release()
+            for index, mine in core.frozen_pieces():
+                writer.load_frozen(index, guarded(functools.partial(_read_frozen, reader, core.dtype, mine)))
+            rest = writer.rest(pieces=True)
             guarded(_load)(reader, {key(name): t for name, t in rest.items()})
-            error = same_error(state.group, failed[0] if failed else None)
+            error = same_error(core.group, failed[0] if failed else None)
             if error is not None:
                 raise error
-            state.commit_rest(rest)
-    state.take_meta(meta)
+            writer.commit_rest(rest)
+    writer.take_meta(meta)
 
 
 def _read_frozen(reader: Reader, dtype: torch.dtype, pieces: list[Piece], chunk: torch.Tensor) -> None:
     values = {}
     for p in pieces:
-        k = key(f"frozen/{p.name}")
+        k = key(StateName(FROZEN, p.name))
         values[k] = ShardedValue(k, p.shape, p.lo, p.hi, chunk[p.at : p.at + p.hi - p.lo], dtype=dtype)
     if values:
         _load(reader, values)
 
 
-def _read_pieces(
-    reader: Reader, parts: list[tuple[str, torch.dtype, list[Piece]]], views: tuple[torch.Tensor, ...]
-) -> None:
+def _read_pieces(reader: Reader, parts: list[PartPieces], views: tuple[torch.Tensor, ...]) -> None:
     values = {}
     for (part, _, pieces), t in zip(parts, views):
         for p in pieces:
-            name = f"{part}/{p.name}"
+            name = StateName(part, p.name)
             local = t[p.at : p.at + p.hi - p.lo]
             values[key(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=t.dtype, device=t.device)
     if values:

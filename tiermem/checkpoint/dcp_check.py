@@ -14,38 +14,41 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from tiermem.checkpoint import directory as disk
 from tiermem.checkpoint.dcp_read import METADATA, read_metadata, read_record
 from tiermem.checkpoint.footer import Invalid, check_meta
+from tiermem.checkpoint.names import MASTER, params_of
 from tiermem.checkpoint.opened import RECORD_CAP, OpenDir
 from tiermem.checkpoint.shards import MANIFESTS, META, key
-from tiermem.checkpoint.view import ModelState
+from tiermem.checkpoint.view import StateWriter
 from tiermem.errors import StoreError, TierMemError
+from tiermem.transfer.collectives import Group
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def checked(state: ModelState, path: str) -> tuple[OpenDir, Metadata, dict]:
+def checked(writer: StateWriter, path: str) -> tuple[OpenDir, Metadata, dict]:
     """The directory ``path`` opened (NOTE [A load reads the files it checked]), DCP's metadata and
     the meta, once every rank's checks passed, in two rounds each ending in an agreement (NOTE
     [Checkpoint directories]): first the bytes (the manifests, ``.metadata`` on every rank, each
     rank's share of the data files), then what they hold (the metadata through the restricted
     unpickler, the meta record, every tensor against the model: NOTE [Nothing in a checkpoint
     runs]). On a failure every rank raises the first failing rank's error."""
-    opened = agreed(state.group, lambda: OpenDir(path))
+    group = writer.core.group
+    opened = agreed(group, lambda: OpenDir(path))
     try:
-        files = agreed(state.group, lambda: _bytes(state, opened))
-        if len({row[0] for row in state.group.exchange([int(files[METADATA][1][:15], 16)])}) != 1:
+        files = agreed(group, lambda: _bytes(group, opened))
+        if len({row[0] for row in group.exchange([int(files[METADATA][1][:15], 16)])}) != 1:
             raise StoreError(
                 f"tiermem: the ranks found different checkpoints at {path!r} (a save published one while "
                 f"they opened it, or they do not share the files); nothing was loaded. Load it again"
             )
-        metadata, meta = agreed(state.group, lambda: _contents(state, opened, files))
+        metadata, meta = agreed(group, lambda: _contents(writer, opened, files))
     except BaseException:
         opened.close()
         raise
     return opened, metadata, meta
 
 
-def _bytes(state: ModelState, opened: OpenDir) -> disk.Files:
+def _bytes(group: Group, opened: OpenDir) -> disk.Files:
     """Every manifest, and the bytes this rank hashes: ``.metadata`` and its share of the data files."""
     files = disk.read_manifests(opened)
     if files is None:
@@ -62,13 +65,13 @@ def _bytes(state: ModelState, opened: OpenDir) -> disk.Files:
             f"its manifests give {METADATA} {files[METADATA][0]} bytes, more than it may hold ({RECORD_CAP})"
         )
     data = {n: v for n, v in files.items() if n != METADATA}
-    disk.verify(opened, [METADATA, *disk.share(data, state.group.world, state.group.rank)], files)
+    disk.verify(opened, [METADATA, *disk.share(data, group.world, group.rank)], files)
     for name in data:
         opened.size(name)  # each opened now, as it was hashed: a publish from here on changes nothing read
     return files
 
 
-def _contents(state: ModelState, opened: OpenDir, files: disk.Files) -> tuple[Metadata, dict]:
+def _contents(writer: StateWriter, opened: OpenDir, files: disk.Files) -> tuple[Metadata, dict]:
     """DCP's metadata and the meta, read as NOTE [Nothing in a checkpoint runs] says, and checked."""
     metadata = read_metadata(opened)
     tensors = dict(metadata.state_dict_metadata)
@@ -78,7 +81,7 @@ def _contents(state: ModelState, opened: OpenDir, files: disk.Files) -> tuple[Me
     if not isinstance(tensors.get(META), BytesStorageMetadata):
         raise opened.bad(f"no {META!r} entry: not saved by tiermem")
     meta = parse_meta(read_record(opened, metadata, META), lambda why: opened.bad(f"its {META!r} entry {why}"))
-    _match(state, opened.path, meta, tensors)
+    _match(writer, opened.path, meta, tensors)
     return metadata, meta
 
 
@@ -131,7 +134,7 @@ def parse_meta(text: Any, bad: Callable[[str], TierMemError]) -> dict:
     return meta
 
 
-def _match(state: ModelState, path: str, meta: dict, tensors: dict[str, Any]) -> None:
+def _match(writer: StateWriter, path: str, meta: dict, tensors: dict[str, Any]) -> None:
     """Every tensor the model needs is there, with its shape and an accepted dtype, its chunks
     covering it exactly; nothing else is; the meta fits the model."""
 
@@ -141,7 +144,7 @@ def _match(state: ModelState, path: str, meta: dict, tensors: dict[str, Any]) ->
             f"Load it into the model it was saved from"
         )
 
-    expected = {key(name): (shape, dtypes) for name, shape, dtypes in state.specs(meta["precision"])}
+    expected = {key(name): (shape, dtypes) for name, shape, dtypes in writer.specs(meta["precision"])}
     present = set(tensors) - {META, MANIFESTS}
     missing, unexpected = sorted(set(expected) - present), sorted(present - set(expected))
     if missing or unexpected:
@@ -160,15 +163,16 @@ def _match(state: ModelState, path: str, meta: dict, tensors: dict[str, Any]) ->
             raise StoreError(
                 f"tiermem: checkpoint {path!r} is corrupt ({name!r}: {why}); nothing was loaded. Use another checkpoint"
             )
-    meta_fits(state, meta, other, f"checkpoint {path!r}")
+    meta_fits(writer, meta, other, f"checkpoint {path!r}")
 
 
-def meta_fits(state: ModelState, meta: dict, other: Callable[[str], TierMemError], what: str) -> None:
-    params = {name.partition("/")[2] for name, _, _ in state.specs(meta["precision"]) if name.startswith("master/")}
+def meta_fits(writer: StateWriter, meta: dict, other: Callable[[str], TierMemError], what: str) -> None:
+    """The meta's step counts are of this model's trained parameters, its param groups this model's."""
+    params = params_of((name for name, _, _ in writer.specs(meta["precision"])), MASTER)
     strangers = sorted(set(meta["param_step"]) - params)
     if strangers:
         raise other(f"meta.param_step counts steps of {strangers[:5]}, not trainable parameters of this model")
-    state.check_groups(meta["groups"], what)
+    writer.check_groups(meta["groups"], what)
 
 
 def coverage(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:

@@ -47,8 +47,9 @@ import xxhash
 from tiermem.checkpoint.convert import Conversion
 from tiermem.checkpoint.directory import is_checkpoint_dir, stale_temporaries
 from tiermem.checkpoint.footer import MAGIC, MAGIC_V1, MAGIC_V2, Invalid, check_footer, dtype_named
+from tiermem.checkpoint.names import FROZEN, MASTER, params_of
 from tiermem.checkpoint.opened import RECORD_CAP
-from tiermem.checkpoint.view import ModelState
+from tiermem.checkpoint.view import ModelState, StateReader, StateWriter
 from tiermem.errors import ConfigError, StoreError, TierMemError
 
 log = logging.getLogger(__name__)
@@ -89,10 +90,10 @@ def _bytes(t: torch.Tensor):
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _write(state: ModelState, f) -> None:
+def _write(reader: StateReader, f) -> None:
     f.write(MAGIC)
     entries = []
-    for name, t in state.tensors():
+    for name, t in reader.tensors():
         f.write(b"\0" * (-f.tell() % _ALIGN))
         data = _bytes(t)
         entries.append(
@@ -106,7 +107,7 @@ def _write(state: ModelState, f) -> None:
             }
         )
         f.write(data)
-    footer = json.dumps({"meta": state.meta(), "tensors": entries}).encode()
+    footer = json.dumps({"meta": reader.meta(), "tensors": entries}).encode()
     f.write(footer + _TRAILER[MAGIC].pack(len(footer), _footer_sum(MAGIC, footer)) + MAGIC)
     f.flush()
     os.fsync(f.fileno())
@@ -164,17 +165,18 @@ def save(state: ModelState, path: str, format: str = "file") -> None:
     if format == "dcp":
         from tiermem.checkpoint import dcp as checkpoint_dcp  # torch.distributed.checkpoint takes seconds to import
 
-        checkpoint_dcp.save(state, path)
+        checkpoint_dcp.save(state.reader, path)
     else:
-        _save_file(state, path)
+        _save_file(state.reader, path)
 
 
-def _save_file(state: ModelState, path: str) -> None:
-    """Write ``state`` to the file ``path``. Under data parallelism every rank calls it (reading
+def _save_file(reader: StateReader, path: str) -> None:
+    """Write ``reader``'s state to the file ``path``. Under data parallelism every rank calls it (reading
     the state gathers it), rank 0 writes, and the file is renamed into place only when every rank
     got through: a rank failing mid-save leaves the previous checkpoint as it was."""
+    core = reader.core
     directory = os.path.dirname(os.path.abspath(path))
-    if not state.all_ok(os.path.isdir(directory) or not state.writes_files):
+    if not core.all_ok(os.path.isdir(directory) or not core.writes_files):
         raise StoreError(
             f"tiermem: cannot save a checkpoint to {path!r}: directory {directory!r} does not "
             f"exist on rank 0; create it or choose another path"
@@ -182,7 +184,7 @@ def _save_file(state: ModelState, path: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     f: BinaryIO | None = None
     error: BaseException | None = None
-    if state.writes_files:
+    if core.writes_files:
         try:
             _remove_stale_temporaries(path)
             f = _create(tmp, path)
@@ -191,15 +193,15 @@ def _save_file(state: ModelState, path: str) -> None:
     try:
         if f is not None:
             with f:
-                _write(state, f)
+                _write(reader, f)
         else:
-            for _ in state.tensors():
+            for _ in reader.tensors():
                 pass  # taking part in the gathers (and on rank 0 when the temporary could not be made)
     except BaseException as e:  # noqa: BLE001 - reported after every rank knows
         error = error or e
     published = False
     try:
-        if not state.all_ok(error is None):
+        if not core.all_ok(error is None):
             raise (
                 error
                 if error is not None
@@ -208,7 +210,7 @@ def _save_file(state: ModelState, path: str) -> None:
                     f"previous checkpoint there is unchanged"
                 )
             )
-        if state.writes_files:
+        if core.writes_files:
             _publish(tmp, path, directory)
             published = True
     except BaseException as e:  # whatever stopped it (a full disk, an error reading the state): no debris
@@ -280,7 +282,7 @@ def _streamed_sum(f: BinaryIO, magic: bytes, at: int, n: int) -> int:
 
 
 # -- load: against the model, then the data -------------------------------------------------------
-def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -> tuple[dict[str, dict], Conversion]:
+def _check(writer: StateWriter, doc: dict, magic: bytes, f: BinaryIO, path: str) -> tuple[dict[str, dict], Conversion]:
     def other(what: str) -> TierMemError:
         return TierMemError(
             f"tiermem: checkpoint {path!r} does not match this model: {what}; nothing was loaded. "
@@ -289,16 +291,13 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
 
     index = {e["name"]: e for e in doc["tensors"]}
     meta = doc["meta"]
-    expected: dict[str, Any] = {name: (shape, dtypes) for name, shape, dtypes in state.specs(meta["precision"])}
+    expected: dict[str, Any] = {name: (shape, dtypes) for name, shape, dtypes in writer.specs(meta["precision"])}
     have: dict[str, Any] = {name: (tuple(e["shape"]), dtype_named(e["dtype"])) for name, e in index.items()}
     conversion = Conversion(expected, have)  # NOTE [Converting state formats]
     expected, have = conversion.reconciled(expected, have)
     missing, unexpected = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
     if missing or unexpected:
-        trained = sorted(
-            {n.partition("/")[2] for n in unexpected if n.startswith("master/")}
-            & {n.partition("/")[2] for n in missing if n.startswith("frozen/")}
-        )
+        trained = sorted(params_of(unexpected, MASTER) & params_of(missing, FROZEN))
         if trained:  # NOTE [Freezing and unfreezing]: unfrozen in the run that saved it
             raise TierMemError(
                 f"tiermem: checkpoint {path!r} holds optimizer state for {trained[:5]}, which "
@@ -314,11 +313,10 @@ def _check(state: ModelState, doc: dict, magic: bytes, f: BinaryIO, path: str) -
         if dtype_named(index[name]["dtype"]) not in dtypes:
             held = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
             raise other(f"{name!r} is {index[name]['dtype']}, the model holds it as {held}")
-    params = {name.partition("/")[2] for name in expected if name.startswith("master/")}
-    strangers = sorted(set(meta["param_step"]) - params)
+    strangers = sorted(set(meta["param_step"]) - params_of(expected, MASTER))
     if strangers:
         raise other(f"meta.param_step counts steps of {strangers[:5]}, not trainable parameters of this model")
-    state.check_groups(meta["groups"], f"checkpoint {path!r}")
+    writer.check_groups(meta["groups"], f"checkpoint {path!r}")
     for e in index.values():  # every checksum before anything changes
         f.seek(e["offset"])
         checksum, left = _data_sum(magic), e["nbytes"]
@@ -366,11 +364,11 @@ def _open(path: str) -> io.BufferedReader:
         ) from None
 
 
-def _open_checked(state: ModelState, path: str) -> tuple[io.BufferedReader, dict, tuple[dict[str, dict], Conversion]]:
+def _open_checked(writer: StateWriter, path: str) -> tuple[io.BufferedReader, dict, tuple[dict[str, dict], Conversion]]:
     f = _open(path)
     try:
         doc, magic = _read_footer(f, path)
-        return f, doc, _check(state, doc, magic, f, path)  # everything checked before anything changes
+        return f, doc, _check(writer, doc, magic, f, path)  # everything checked before anything changes
     except BaseException:
         f.close()
         raise
@@ -381,17 +379,17 @@ def load(state: ModelState, path: str) -> None:
     then load it. Under data parallelism every rank calls it and reads it (it must be where every
     rank sees it); if any rank finds it unusable, every rank raises before anything changes."""
     is_dir = is_checkpoint_dir(path)  # any other directory is refused as the single file refuses one
-    if state.all_ok(is_dir):
+    if state.core.all_ok(is_dir):
         from tiermem.checkpoint import dcp as checkpoint_dcp
 
-        checkpoint_dcp.load(state, path)
-    elif not state.all_ok(not is_dir):
+        checkpoint_dcp.load(state.writer, path)
+    elif not state.core.all_ok(not is_dir):
         raise StoreError(
             f"tiermem: {path!r} is a directory on some ranks and not on others; nothing was loaded. "
             f"Load a checkpoint from where every rank sees the same files (a shared filesystem)"
         )
     else:
-        _load_file(state, path)
+        _load_file(state.writer, path)
 
 
 def sharded_state_dict(state: ModelState) -> dict:
@@ -400,28 +398,28 @@ def sharded_state_dict(state: ModelState) -> dict:
         dcp_user as checkpoint_dcp_user,  # torch.distributed.checkpoint takes seconds to import
     )
 
-    return checkpoint_dcp_user.sharded_state_dict(state)
+    return checkpoint_dcp_user.sharded_state_dict(state.reader)
 
 
 def load_sharded(state: ModelState, tree: dict) -> None:
     """``tm.load_sharded_state_dict(tree)``."""
     from tiermem.checkpoint import dcp_user as checkpoint_dcp_user
 
-    checkpoint_dcp_user.load_sharded(state, tree)
+    checkpoint_dcp_user.load_sharded(state.writer, tree)
 
 
-def _load_file(state: ModelState, path: str) -> None:
+def _load_file(writer: StateWriter, path: str) -> None:
     try:
-        f, doc, (index, conversion) = _open_checked(state, path)
+        f, doc, (index, conversion) = _open_checked(writer, path)
     except TierMemError:
-        state.all_ok(False)
+        writer.core.all_ok(False)
         raise
     with f:
-        if not state.all_ok(True):
+        if not writer.core.all_ok(True):
             raise StoreError(
                 f"tiermem: checkpoint {path!r} failed its checks on another rank (see its error); nothing was loaded"
             )
         if conversion:
             conversion.say(f"checkpoint {path!r}")
         held: dict[str, Any] = {name: (tuple(e["shape"]), dtype_named(e["dtype"])) for name, e in index.items()}
-        state.load(conversion.reader(lambda name, t: _read_into(f, index[name], t), held), doc["meta"])
+        writer.load(conversion.reader(lambda name, t: _read_into(f, index[name], t), held), doc["meta"])

@@ -2,7 +2,7 @@
 
 NOTE [Saving in the Hugging Face format]
 The weights are read from their homes one tensor at a
-time (:meth:`tiermem.checkpoint.view.ModelState.stream_weights`) and written as safetensors shards of
+time (:meth:`tiermem.checkpoint.view.StateReader.stream_weights`) and written as safetensors shards of
 at most ``max_shard_size`` bytes each (one tensor larger than that gets a shard of its own), with
 ``model.safetensors.index.json`` when there is more than one shard, and the model's
 ``config.json`` (and ``generation_config.json``) when it is a transformers model, so that
@@ -31,6 +31,7 @@ written last, and the file is flushed to the disk (``fsync``) before the save is
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -40,6 +41,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from tiermem.checkpoint.view import ModelState, StateReader
 from tiermem.checkpoint.weights_file import DTYPES
 from tiermem.config.budgets import parse_bytes
 from tiermem.errors import ConfigError, StoreError
@@ -54,17 +56,17 @@ _CODES = {dtype: code for code, dtype in DTYPES.items()}  # torch dtype -> safet
 WINDOW = 256 << 20  # bytes of tensors read but not yet written, at most (NOTE [Shards written as they are read])
 
 
-def _tensors(state: Any, dtype: Optional[torch.dtype], alloc: Alloc) -> Iterator[tuple[str, torch.Tensor]]:
-    for names, value in state.stream_weights(dtype=dtype or torch.float32, alloc=alloc):  # rounded once
+def _tensors(reader: StateReader, dtype: Optional[torch.dtype], alloc: Alloc) -> Iterator[tuple[str, torch.Tensor]]:
+    for names, value in reader.stream_weights(dtype=dtype or torch.float32, alloc=alloc):  # rounded once
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         yield names[0], value.contiguous()
-    for name, value in state.buffer_values():
+    for name, value in reader.buffer_values():
         yield name, value.contiguous()
 
 
 def save_pretrained(
-    state: Any,
+    state: ModelState,
     module: torch.nn.Module,
     directory: str | os.PathLike[str],
     *,
@@ -76,7 +78,7 @@ def save_pretrained(
     Face format])."""
     directory = os.fspath(directory)
     if _adapter(module) is not None:
-        return _save_adapter(state, module, directory, dtype)
+        return _save_adapter(state.reader, module, directory, dtype)
     limit = parse_bytes(max_shard_size, what="max_shard_size")
     if limit < 1:
         raise ConfigError(f"tiermem: max_shard_size={max_shard_size!r} is invalid: must be at least 1 byte")
@@ -94,7 +96,7 @@ def save_pretrained(
         weight_map: dict[str, str] = {}
         largest = max((p.numel() * width for p in module.parameters()), default=0)
         files, total = _write_shards(
-            lambda alloc: _tensors(state, dtype, alloc), limit, work, _header_room(module), progress, largest
+            lambda alloc: _tensors(state.reader, dtype, alloc), limit, work, _header_room(module), progress, largest
         )
         progress.close()
         names = _final_names(len(files))
@@ -207,12 +209,12 @@ def _write_shards(
     progress: Progress,
     largest: int,
 ) -> tuple[list[list[str]], int]:
-    """Write the tensors of ``source(alloc)`` in order into shards ``part-00000.safetensors``... of
-    at most ``limit`` bytes of data (a larger tensor alone) under ``work``, each tensor on one writer
-    thread while the next are read, :data:`WINDOW` bytes in flight at most (NOTE [Shards written as
-    they are read]); ``alloc(shape, dtype)`` gives the source reused memory for the tensors it reads
-    (``largest``: the most bytes one takes). Returns each shard's names and the bytes written; the
-    first error is raised once every write has ended and every file is closed."""
+    """Write the tensors of ``source(alloc)`` in order into shards ``part-00000.safetensors``... of at
+    most ``limit`` bytes of data (a larger tensor alone) under ``work``, each on one writer thread while
+    the next are read, :data:`WINDOW` bytes in flight at most (NOTE [Shards written as they are read]);
+    ``alloc(shape, dtype)`` gives the source reused memory (``largest``: the most bytes one takes).
+    Returns each shard's names and the bytes written; the first error is raised once every write has
+    ended and every file is closed."""
     pending: deque[tuple[Future[None], int, bool]] = deque()  # a write, its bytes, whether in the ring
     shards: list[_Shard] = []
     files: list[list[str]] = []
@@ -229,10 +231,7 @@ def _write_shards(
             ring.give_back()
 
     def alloc(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for d in shape:
-            numel *= d
-        while (got := ring.take(numel * dtype.itemsize)) is None and pending:
+        while (got := ring.take(math.prod(shape) * dtype.itemsize)) is None and pending:
             land_oldest()
         return torch.empty(shape, dtype=dtype) if got is None else got.view(dtype).view(shape)
 
@@ -272,7 +271,7 @@ def _adapter(module: torch.nn.Module) -> Optional[str]:
     return active if isinstance(active, str) else None
 
 
-def _save_adapter(state: Any, module: torch.nn.Module, directory: str, dtype: Optional[torch.dtype]) -> None:
+def _save_adapter(reader: StateReader, module: torch.nn.Module, directory: str, dtype: Optional[torch.dtype]) -> None:
     """peft's ``adapter_model.safetensors`` and ``adapter_config.json`` of the active adapter, from
     the trained values alone (NOTE [Saving in the Hugging Face format])."""
     from peft import get_peft_model_state_dict
@@ -280,7 +279,7 @@ def _save_adapter(state: Any, module: torch.nn.Module, directory: str, dtype: Op
 
     adapter = _adapter(module)
     assert adapter is not None
-    trained = {names[0]: value for names, value in state.stream_weights(frozen=False)}
+    trained = {names[0]: value for names, value in reader.stream_weights(frozen=False)}
     if dtype is not None:
         trained = {k: v.to(dtype) if v.is_floating_point() else v for k, v in trained.items()}
     values = get_peft_model_state_dict(module, state_dict=trained, adapter_name=adapter)

@@ -43,6 +43,7 @@ from typing import Any, Callable, Union
 
 import torch
 
+from tiermem.checkpoint.names import StateName
 from tiermem.errors import TierMemError
 
 META = "tiermem"
@@ -197,20 +198,19 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     )
 
 
-def key(name: str) -> str:
+def key(name: str | StateName) -> str:
     """The DCP key (flattened) of a tensor a tiermem checkpoint holds, by its tiermem name."""
-    part, _, rest = name.partition("/")
-    return f"model.{rest}" if part in ("master", "frozen", "buffers") else f"optim.state.{rest}.{part}"
+    n = StateName.parse(name) if isinstance(name, str) else name
+    return f"model.{n.param}" if n.of_module else f"optim.state.{n.param}.{n.part}"
 
 
 def nested(values: dict[str, Any], meta_json: str) -> dict[str, Any]:
     """``values`` (by tiermem name) nested as DCP saves them (NOTE [Sharded values for DCP])."""
     model: dict[str, Any] = {}
     state: dict[str, dict[str, Any]] = {}
-    for name, v in values.items():
-        part, _, rest = name.partition("/")
-        if part in ("master", "frozen", "buffers"):
-            model[rest] = v
+    for n, v in ((StateName.parse(name), v) for name, v in values.items()):
+        if n.of_module:
+            model[n.param] = v
         else:
-            state.setdefault(rest, {})[part] = v
+            state.setdefault(n.param, {})[n.part] = v
     return {"model": model, "optim": {"state": state}, META: meta_json}
