@@ -402,3 +402,38 @@ def test_an_unknown_format_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"^tiermem: format='zip' is not a checkpoint format; pass 'file'"):
         _model(0).save(str(tmp_path / "ck"), format="zip")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_frozen_base_is_read_one_parameter_at_a_time_by_a_dcp_save(tmp_path, monkeypatch):
+    """Rank 0's frozen parameters reach DCP's writer one at a time, each read from its home when
+    written: a frozen base on NVMe never passes through host memory whole."""
+    import gc
+    import weakref
+
+    from tiermem.policies import ZeroInfinity
+    from tiermem.train.weights.frozen import FrozenParams
+
+    torch.manual_seed(4)
+    module = torch.nn.Sequential(*(torch.nn.Linear(40, 40) for _ in range(5)))
+    for layer in list(module)[:4]:
+        layer.requires_grad_(False)
+    (tmp_path / "nvme").mkdir()
+    tm = TieredModel(module, ZeroInfinity(), precision="bf16", nvme_dir=str(tmp_path / "nvme"))
+    live: list[weakref.ref] = []
+    most = []
+    value = FrozenParams.value
+
+    def counted(self, name, **kw):
+        gc.collect()
+        most.append(sum(r() is not None for r in live))
+        out = value(self, name, **kw)
+        live.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(FrozenParams, "value", counted)
+    tm.save(str(tmp_path / "ck"), format="dcp")
+    monkeypatch.undo()
+    assert len(most) == 8 and max(most) == 0  # 4 weights and 4 biases, none held when the next is read
+    before = tm.state_dict()
+    tm.load(str(tmp_path / "ck"))  # what was written comes back whole
+    assert same_state(tm.state_dict(), before)

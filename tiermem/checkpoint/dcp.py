@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import warnings
 from contextlib import contextmanager
@@ -49,7 +50,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from tiermem.checkpoint import directory as disk
 from tiermem.checkpoint.dcp_check import checked, same_error
 from tiermem.checkpoint.dcp_read import Reader
-from tiermem.checkpoint.names import FROZEN, StateName
+from tiermem.checkpoint.names import BUFFERS, FROZEN, StateName
 from tiermem.checkpoint.shards import MANIFESTS, META, ShardedValue, key, nested
 from tiermem.checkpoint.view import PartPieces, Piece, StateCore, StateReader, StateWriter
 from tiermem.errors import StoreError, TierMemError
@@ -302,7 +303,7 @@ def _write(reader: StateReader, writer: _Writer) -> None:
     values: dict[str, Any] = dict(pieces(core, OneBucket(reader).source))
     values.update(frozen_pieces(core, _OneChunk(reader).source))  # read at home: nothing gathered
     if core.writes_files:  # the same on every rank: rank 0's are saved, as by the single file
-        values.update(reader.rest(pieces=True))
+        values.update(_rest_one_at_a_time(reader))
     order = {key(name): i for i, name in enumerate(values)}
     tree = nested(values, json.dumps(reader.meta()))
     if core.writes_files:
@@ -318,6 +319,29 @@ def _write(reader: StateReader, writer: _Writer) -> None:
             )
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException; it carries every rank's failure
         raise _from_dcp(e, "write its part of the checkpoint", "free space or choose another path") from e
+
+
+def _rest_one_at_a_time(reader: StateReader) -> dict[str, Any]:
+    """:meth:`StateReader.rest` with each frozen parameter read from its home only when DCP writes
+    it (the writer resolves one tensor at a time): a frozen base homed on NVMe passes through host
+    memory one parameter at a time, not whole. Buffers are the module's own tensors."""
+    core = reader.core
+    frozen = core.layout.frozen
+    out: dict[str, Any] = {}
+    for n in core.whole_frozen(pieces=True):
+        shape, dtype = frozen.meta(n)
+        name = StateName(FROZEN, n)
+        if not shape or not math.prod(shape):  # a scalar or an empty one: nothing to stream
+            out[str(name)] = frozen.value(n)
+            continue
+        read = functools.partial(_flat_value, frozen, n)
+        out[str(name)] = ShardedValue(key(name), shape, 0, math.prod(shape), read, dtype=dtype)
+    out.update((str(StateName(BUFFERS, b)), t) for b, t in core.module.named_buffers())
+    return out
+
+
+def _flat_value(frozen: Any, name: str) -> torch.Tensor:
+    return frozen.value(name).reshape(-1)
 
 
 def _check_complete(tmp: str, world: int) -> None:
