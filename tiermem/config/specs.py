@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Mapping, Optional, cast
 
 import torch
 
+from tiermem.config.kinds import Kind
 from tiermem.config.precision import (
     PRECISION_CHOICES as PRECISION_CHOICES,
     PRECISIONS as PRECISIONS,
@@ -230,7 +231,7 @@ class _Spec:
     #: id(tensor) -> index of its given group (NOTE [Param groups])
     _member: Mapping[int, int] = field(init=False, repr=False, compare=False, default_factory=dict)
 
-    kind: ClassVar[str] = "adam"
+    kind: ClassVar[Kind] = Kind.ADAM
     HYPER: ClassVar[tuple[str, ...]] = GROUP_HYPER
     RULES: ClassVar[Mapping[str, str]] = MappingProxyType({})
     OFF: ClassVar[tuple[str, ...]] = TORCH_OFF  # torch keys taken only when False
@@ -367,7 +368,7 @@ class AdamW(_AdamSpec):
 
     weight_decay: float = 1e-2
     adamw = True
-    kind: ClassVar[str] = "adamw"
+    kind: ClassVar[Kind] = Kind.ADAMW
 
 
 @checked_arguments
