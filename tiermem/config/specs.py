@@ -125,7 +125,36 @@ def read_groups(
     normalised. ``where``: what the field names are read after (``"AdamW."``); ``hyper``: the keys
     a group may set (checked by the rule of their name, or of ``rules[name]``), ``off``: keys taken
     only when False, ``what``: the optimizer, as errors name it."""
-    rules = rules or {}
+    out: list[GivenGroup] = []
+    seen: dict[int, int] = {}  # id of a tensor -> the group that holds it
+    for i, g in enumerate(_group_dicts(where, given)):
+        at = f"{where}params[{i}]."
+        if "params" not in g:
+            raise ConfigError(f"tiermem: {at[:-1]} has no 'params'; give each group its parameters as 'params'")
+        tensors = _tensors(at, g["params"])
+        for t in tensors:
+            if id(t) in seen:
+                raise ConfigError(
+                    f"tiermem: {at[:-1]} repeats a parameter of group {seen[id(t)]} (shape "
+                    f"{tuple(t.shape)}); a parameter belongs to one group"
+                )
+            seen[id(t)] = i
+        name, overrides = _group_settings(at, g, f"group{i}", hyper=hyper, off=off, what=what)
+        for k, v in overrides.items():
+            if k in hyper:
+                check_hyper(at, **{(rules or {}).get(k, k): v})
+        if "betas" in overrides:
+            overrides["betas"] = (float(overrides["betas"][0]), float(overrides["betas"][1]))
+        out.append(GivenGroup(name, tuple(tensors), MappingProxyType(overrides)))
+    names = [g.name for g in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"tiermem: {where}params names groups {twice} more than once; give each group its own name")
+    return tuple(out)
+
+
+def _group_dicts(where: str, given: Any) -> list[dict[str, Any]]:
+    """``read_groups``' argument as a list of torch-style group dicts (bare tensors: one group)."""
     items: Optional[list[Any]] = [given] if isinstance(given, (torch.Tensor, dict)) else None
     if items is None:
         if isinstance(given, (set, frozenset, str)) or not hasattr(given, "__iter__"):
@@ -141,64 +170,43 @@ def read_groups(
             f"tiermem: {where}params is empty; give the model's parameters or param groups, or leave "
             f"params out (every trainable parameter in the groups by rule)"
         )
-    groups: list[dict[str, Any]]
     if all(isinstance(g, dict) for g in items):
-        groups = items
-    elif not any(isinstance(g, dict) for g in items):
-        groups = [{"params": items}]
-    else:
-        raise ConfigError(f"tiermem: {where}params mixes tensors and param groups (dicts); give either")
-    out: list[GivenGroup] = []
-    seen: dict[int, int] = {}
-    for i, g in enumerate(groups):
-        at = f"{where}params[{i}]."
-        if "params" not in g:
-            raise ConfigError(f"tiermem: {at[:-1]} has no 'params'; give each group its parameters as 'params'")
-        tensors = _tensors(at, g["params"])
-        for t in tensors:
-            if id(t) in seen:
-                raise ConfigError(
-                    f"tiermem: {at[:-1]} repeats a parameter of group {seen[id(t)]} (shape "
-                    f"{tuple(t.shape)}); a parameter belongs to one group"
-                )
-            seen[id(t)] = i
-        name, overrides = f"group{i}", {}
-        for key, value in g.items():
-            if key in ("params", "param_names"):
-                continue
-            if key == "name":
-                if not isinstance(value, str) or not value:
-                    raise _invalid(at, "name", value, "a non-empty str")
-                name = value
-            elif key in hyper:
-                overrides[key] = (
-                    tuple(_number(b) for b in value)
-                    if key == "betas" and isinstance(value, (tuple, list))
-                    else _number(value)
-                )
-            elif key == "decoupled_weight_decay" and "betas" in hyper and "adamw" not in off:  # torch's Adam -> AdamW
-                if not isinstance(value, bool):
-                    raise _invalid(at, key, value, "True or False")
-                overrides["adamw"] = value
-            elif key in off:
-                if value is not False:
-                    raise ConfigError(f"tiermem: {at}{key}={value!r}: tiermem's {what} has no {key}; leave it False")
-            elif key not in TORCH_NO_EFFECT:
-                raise ConfigError(
-                    f"tiermem: {at[:-1]} sets {key!r}, which tiermem's {what} does not take; a group "
-                    f"takes 'params', 'name' and {', '.join(repr(k) for k in hyper)}"
-                )
-        for k, v in overrides.items():
-            if k in hyper:
-                check_hyper(at, **{rules.get(k, k): v})
-        if "betas" in overrides:
-            overrides["betas"] = (float(overrides["betas"][0]), float(overrides["betas"][1]))
-        out.append(GivenGroup(name, tuple(tensors), MappingProxyType(overrides)))
-    names = [g.name for g in out]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ConfigError(f"tiermem: {where}params names groups {twice} more than once; give each group its own name")
-    return tuple(out)
+        return items
+    if not any(isinstance(g, dict) for g in items):
+        return [{"params": items}]
+    raise ConfigError(f"tiermem: {where}params mixes tensors and param groups (dicts); give either")
+
+
+def _group_settings(
+    at: str, g: Mapping[str, Any], name: str, *, hyper: tuple[str, ...], off: tuple[str, ...], what: str
+) -> tuple[str, dict[str, Any]]:
+    """A group dict's name (``name`` when it gives none) and the hyperparameters it sets (one-element
+    tensors read as numbers; torch's Adam ``decoupled_weight_decay`` as ``adamw``), not yet checked;
+    a key the optimizer does not take is an error."""
+    overrides: dict[str, Any] = {}
+    for key, value in g.items():
+        if key in ("params", "param_names"):
+            continue
+        if key == "name":
+            if not isinstance(value, str) or not value:
+                raise _invalid(at, "name", value, "a non-empty str")
+            name = value
+        elif key in hyper:
+            betas = key == "betas" and isinstance(value, (tuple, list))
+            overrides[key] = tuple(_number(b) for b in value) if betas else _number(value)
+        elif key == "decoupled_weight_decay" and "betas" in hyper and "adamw" not in off:  # torch's Adam -> AdamW
+            if not isinstance(value, bool):
+                raise _invalid(at, key, value, "True or False")
+            overrides["adamw"] = value
+        elif key in off:
+            if value is not False:
+                raise ConfigError(f"tiermem: {at}{key}={value!r}: tiermem's {what} has no {key}; leave it False")
+        elif key not in TORCH_NO_EFFECT:
+            raise ConfigError(
+                f"tiermem: {at[:-1]} sets {key!r}, which tiermem's {what} does not take; a group "
+                f"takes 'params', 'name' and {', '.join(repr(k) for k in hyper)}"
+            )
+    return name, overrides
 
 
 DECAY = GroupSpec("decay")
