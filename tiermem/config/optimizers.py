@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Mapping, Optional
 
 from tiermem.config.kinds import Kind
-from tiermem.config.rules import _invalid, is_int
+from tiermem.config.rules import check_hyper
 from tiermem.config.specs import Adam, AdamW, _Spec
 from tiermem.errors import ConfigError, checked_arguments
 
@@ -195,9 +195,7 @@ class _EightBit:
     min_8bit_size: int  # a field of each dataclass that mixes this in
 
     def _check_8bit(self) -> None:
-        size = self.min_8bit_size
-        if not is_int(size) or size < 1:
-            raise _invalid(f"{type(self).__name__}.", "min_8bit_size", size, "an int >= 1")
+        check_hyper(f"{type(self).__name__}.", min_8bit_size=self.min_8bit_size)
 
     def state_options(self) -> dict[str, Any]:
         return {"min_8bit_size": self.min_8bit_size}

@@ -25,9 +25,9 @@ from tiermem.config.precision import (
 from tiermem.config.rules import (
     _ADAM_RULES,
     ALL_GROUP_HYPER as ALL_GROUP_HYPER,
-    _invalid as _invalid,
     check_adam_hyper as check_adam_hyper,
     check_hyper as check_hyper,
+    invalid as invalid,
     is_int as is_int,
     is_number as is_number,
 )
@@ -189,14 +189,14 @@ def _group_settings(
             continue
         if key == "name":
             if not isinstance(value, str) or not value:
-                raise _invalid(at, "name", value, "a non-empty str")
+                raise invalid(at, "name", value, "a non-empty str")
             name = value
         elif key in hyper:
             betas = key == "betas" and isinstance(value, (tuple, list))
             overrides[key] = tuple(_number(b) for b in value) if betas else _number(value)
         elif key == "decoupled_weight_decay" and "betas" in hyper and "adamw" not in off:  # torch's Adam -> AdamW
             if not isinstance(value, bool):
-                raise _invalid(at, key, value, "True or False")
+                raise invalid(at, key, value, "True or False")
             overrides["adamw"] = value
         elif key in off:
             if value is not False:
@@ -259,10 +259,10 @@ class _Spec:
             nd = sorted(nd, key=str)  # one order in every process (the ranks compare their configurations)
         nd = (nd,) if isinstance(nd, str) else tuple(nd) if isinstance(nd, (tuple, list)) else None
         if nd is None or not all(isinstance(p, str) for p in nd):
-            raise _invalid(where, "no_decay", self.no_decay, "a name pattern or a tuple of them, such as ('*.bias',)")
+            raise invalid(where, "no_decay", self.no_decay, "a name pattern or a tuple of them, such as ('*.bias',)")
         object.__setattr__(self, "no_decay", nd)
         if not isinstance(self.no_decay_1d, bool):
-            raise _invalid(where, "no_decay_1d", self.no_decay_1d, "True or False")
+            raise invalid(where, "no_decay_1d", self.no_decay_1d, "True or False")
         if self.params is not None:
             if nd or self.no_decay_1d:
                 raise ConfigError(
@@ -400,8 +400,8 @@ class LossScale:
     def __post_init__(self) -> None:
         ok, rule = _ADAM_RULES["grad_scale"]  # the loss scale divides the grads: the same range
         if not ok(self.init_scale):
-            raise _invalid("LossScale.", "init_scale", self.init_scale, rule)
+            raise invalid("LossScale.", "init_scale", self.init_scale, rule)
         if not is_int(self.growth_interval) or self.growth_interval < 1:
-            raise _invalid("LossScale.", "growth_interval", self.growth_interval, "an int >= 1")
+            raise invalid("LossScale.", "growth_interval", self.growth_interval, "an int >= 1")
         if self.min_scale is not None and not (ok(self.min_scale) and self.min_scale <= self.init_scale):
-            raise _invalid("LossScale.", "min_scale", self.min_scale, f"None or {rule}, at most init_scale")
+            raise invalid("LossScale.", "min_scale", self.min_scale, f"None or {rule}, at most init_scale")
