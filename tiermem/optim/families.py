@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from tiermem import optim as _entries  # the functional entries, looked up when called (tests may wrap them)
-from tiermem.config.kinds import Kind
+from tiermem.config.kinds import KINDS, Kind
 from tiermem.errors import ConfigError
 from tiermem.optim.adafactor import state_numels as _factored_numels
 from tiermem.optim.kernels import quant as _quant
@@ -273,9 +273,7 @@ def kind_of(value: Any, where: str) -> Kind:
     try:
         return Kind(value)
     except ValueError:
-        raise ConfigError(
-            f"tiermem: {where} kind={value!r} is unknown; pass one of {tuple(k.value for k in FAMILIES)}"
-        ) from None
+        raise ConfigError(f"tiermem: {where} kind={value!r} is unknown; pass one of {KINDS}") from None
 
 
 def family(kind: Kind, numel: Optional[int], min_8bit_size: int) -> tuple[Kind, Family]:

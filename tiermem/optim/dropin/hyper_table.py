@@ -45,6 +45,8 @@ class Hyper(NamedTuple):
     keyword_only: bool = False
     #: the optimizer's, not a param group's: kept as an attribute, checked on construction
     setting: bool = False
+    #: a one-element tensor is checked as the number it holds (torch allows a tensor lr)
+    tensor_ok: bool = False
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -55,7 +57,7 @@ class Hyper(NamedTuple):
 
 def lr(default: float) -> Hyper:
     """The learning rate: a number, or a one-element tensor (torch allows one) checked as its number."""
-    return Hyper("lr", default, "lr", annotation=Number)
+    return Hyper("lr", default, "lr", annotation=Number, tensor_ok=True)
 
 
 #: what every drop-in takes after its hyperparameters (tiermem/optim/dropin/shared.py checks them)
@@ -91,7 +93,7 @@ def check(where: str, table: tuple[Hyper, ...], values: dict[str, Any]) -> None:
                 raise invalid(where, h.name, v, h.rule.must)
             named.update(zip(h.rule.rules, v))
         else:
-            named[h.rule] = as_number(v) if h.annotation is Number else v
+            named[h.rule] = as_number(v) if h.tensor_ok else v
     check_hyper(where, **named)
 
 
