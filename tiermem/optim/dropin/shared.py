@@ -159,9 +159,18 @@ class CPUOptimizer(Optimizer):
     def _plan(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> Plan:
         raise NotImplementedError
 
+    # NOTE [Checked once a step]
+    # A drop-in's step checks each stepped group's hyperparameters once, by the rules HYPERS names
+    # (_check_step, before anything changes), and then makes the typed record its kernels read
+    # (SGDHyper, AdamHyper, ...) from the same values with ``prechecked=True``: the record converts
+    # them (Python floats, the kernel's scalars) but does not check them a second time. The functional
+    # entries (adam_step, sgd_step, ...) take their arguments from a caller tiermem has not checked,
+    # so their records check, by the same rules (config/rules.py), on every call.
     def _hyper(self, group: dict[str, Any], step: int, variant: tuple) -> Any:
-        """The checked record of a step's hyperparameters (``RECORD``, from HYPERS and ``variant``)."""
-        return make_hyper(self.RECORD, step=step, **table.record(self._group_table, group), **self._variant(variant))
+        """The record of a step's hyperparameters (``RECORD``, from HYPERS and ``variant``), the group
+        checked already this step (NOTE [Checked once a step])."""
+        values = table.record(self._group_table, group)
+        return make_hyper(self.RECORD, step=step, prechecked=True, **values, **self._variant(variant))
 
     def _variant(self, variant: tuple) -> dict[str, Any]:
         """The record's fields a plan's variant sets (SGD: a momentum buffer new this step)."""
