@@ -6,6 +6,7 @@ with stochastic rounding, and the errors they raise."""
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 
 import pytest
@@ -233,3 +234,20 @@ def test_sparse_gradients_are_refused():
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(ConfigError, match="CPUSGD got a sparse gradient.*torch.optim optimizer that takes sparse"):
         opt.step()
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [(CPUSGD, torch.optim.SGD), (CPUAdagrad, torch.optim.Adagrad), (CPUAdafactor, torch.optim.Adafactor)],
+    ids=["sgd", "adagrad", "adafactor"],
+)
+def test_the_signature_made_from_the_table_is_torchs(ours, theirs):
+    def positional(cls):
+        return [
+            (p.name, p.default)
+            for p in inspect.signature(cls).parameters.values()
+            if p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in ("foreach", "differentiable", "fused")
+        ]
+
+    assert positional(ours) == positional(theirs)
+    assert inspect.signature(ours).parameters["maximize"].kind is inspect.Parameter.KEYWORD_ONLY

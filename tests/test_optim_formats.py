@@ -539,3 +539,17 @@ def test_two_ranks_shard_sgd_and_bf16_lion_state_and_train_as_one(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert diff(r0["sgd"], mean) <= diff(halved, mean), (diff(r0["sgd"], mean), diff(halved, mean))
+
+
+def test_every_kind_has_one_registry_row_and_an_unknown_kind_is_refused():
+    from tiermem.config.kinds import KINDS, Kind
+    from tiermem.optim.families import FAMILIES
+
+    assert set(FAMILIES) == set(Kind) and KINDS == tuple(k.value for k in Kind)
+    state_format = tiermem.optim.state_format
+    assert Kind.ADAM == "adam" and state_format("adamw").kind is Kind.ADAMW
+    for call in (lambda: state_format("rmsprop"), lambda: tiermem.optim.state_layout("rmsprop", (3,))):
+        with pytest.raises(ConfigError, match=r"^tiermem: state_(format|layout) kind='rmsprop' is unknown"):
+            call()
+    with pytest.raises(ConfigError, match=r"^tiermem: state_layout kind='generic' has no fixed layout"):
+        tiermem.optim.state_layout("generic", (3,))

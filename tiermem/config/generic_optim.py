@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
 
 import torch
 
+from tiermem.config.kinds import Kind
 from tiermem.config.specs import _number, _Spec, read_groups
 from tiermem.errors import ConfigError, checked_arguments
 
@@ -130,7 +131,7 @@ class GenericSpec(_Spec):
     #: the state entries of each parameter, learnt by :func:`probe`
     parts: tuple[GenericPart, ...] = field(init=False, default=(), compare=False)
 
-    kind: ClassVar[str] = "generic"
+    kind: ClassVar[Kind] = Kind.GENERIC
     HYPER: ClassVar[tuple[str, ...]] = ()
     OFF: ClassVar[tuple[str, ...]] = ()
 

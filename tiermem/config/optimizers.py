@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping, Optional
 
-from tiermem.config.rules import _invalid, is_int
+from tiermem.config.kinds import Kind
+from tiermem.config.rules import check_hyper
 from tiermem.config.specs import Adam, AdamW, _Spec
 from tiermem.errors import ConfigError, checked_arguments
 
@@ -43,7 +44,7 @@ class SGD(_Spec):
     nesterov: bool = False
     maximize: bool = False
 
-    kind: ClassVar[str] = "sgd"
+    kind: ClassVar[Kind] = Kind.SGD
     HYPER: ClassVar[tuple[str, ...]] = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
     OFF: ClassVar[tuple[str, ...]] = ()
     WHAT: ClassVar[str] = "SGD"
@@ -95,7 +96,7 @@ class Adagrad(_Spec):
     initial_accumulator_value: float = 0.0
     maximize: bool = False
 
-    kind: ClassVar[str] = "adagrad"
+    kind: ClassVar[Kind] = Kind.ADAGRAD
     HYPER: ClassVar[tuple[str, ...]] = (
         "lr",
         "lr_decay",
@@ -141,7 +142,7 @@ class Lion(_Spec):
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.99)
 
-    kind: ClassVar[str] = "lion"
+    kind: ClassVar[Kind] = Kind.LION
     HYPER: ClassVar[tuple[str, ...]] = ("lr", "betas", "weight_decay")
     RULES: ClassVar[Mapping[str, str]] = MappingProxyType({"betas": "lion_betas"})
     OFF: ClassVar[tuple[str, ...]] = ()
@@ -180,7 +181,7 @@ class Adafactor(_Spec):
     d: float = 1.0
     maximize: bool = False
 
-    kind: ClassVar[str] = "adafactor"
+    kind: ClassVar[Kind] = Kind.ADAFACTOR
     HYPER: ClassVar[tuple[str, ...]] = ("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize")
     RULES: ClassVar[Mapping[str, str]] = MappingProxyType({"eps": "adafactor_eps"})
     OFF: ClassVar[tuple[str, ...]] = ()
@@ -194,9 +195,7 @@ class _EightBit:
     min_8bit_size: int  # a field of each dataclass that mixes this in
 
     def _check_8bit(self) -> None:
-        size = self.min_8bit_size
-        if not is_int(size) or size < 1:
-            raise _invalid(f"{type(self).__name__}.", "min_8bit_size", size, "an int >= 1")
+        check_hyper(f"{type(self).__name__}.", min_8bit_size=self.min_8bit_size)
 
     def state_options(self) -> dict[str, Any]:
         return {"min_8bit_size": self.min_8bit_size}
@@ -223,7 +222,7 @@ class AdamW8bit(_EightBit, AdamW):
     """
 
     min_8bit_size: int = 4096
-    kind: ClassVar[str] = "adamw8bit"
+    kind: ClassVar[Kind] = Kind.ADAMW8BIT
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -251,7 +250,7 @@ class Adam8bit(_EightBit, Adam):
     """
 
     min_8bit_size: int = 4096
-    kind: ClassVar[str] = "adam8bit"
+    kind: ClassVar[Kind] = Kind.ADAM8BIT
 
     def __post_init__(self) -> None:
         super().__post_init__()

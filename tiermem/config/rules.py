@@ -77,6 +77,8 @@ _OTHER_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "two numbers, each in [0, 1]",
     ),
     "bf16_stochastic_round": (lambda v: isinstance(v, bool), "True or False"),
+    # the 8-bit Adams' (specs and CPUAdam8bit): the fewest elements a tensor needs for 8-bit moments
+    "min_8bit_size": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
     # a generic optimizer's (NOTE [Generic optimizers]): its own constructor checked them
     "generic": (lambda v: True, "anything its optimizer takes"),
     # Adafactor's, as torch.optim.Adafactor names them (eps is the pair (eps1, eps2): ``adafactor_eps``)
@@ -118,10 +120,10 @@ def check_hyper(where: str, **values: Any) -> None:
         key = "lion_beta" if name in ("lion_beta1", "lion_beta2") else name
         ok, rule = _ADAM_RULES[key] if key in _ADAM_RULES else _OTHER_RULES[key]
         if not ok(value):
-            raise _invalid(where, name.removeprefix("lion_").removeprefix("adafactor_"), value, rule)
+            raise invalid(where, name.removeprefix("lion_").removeprefix("adafactor_"), value, rule)
 
 
-def _invalid(where: str, name: str, value: Any, rule: str) -> ConfigError:
+def invalid(where: str, name: str, value: Any, rule: str) -> ConfigError:
     """The error for a value that breaks its rule. ``where`` is what the name is read after:
     ``"AdamW."`` for a field, ``"CPUAdam "`` or ``"adam_step "`` for an argument."""
     return ConfigError(f"tiermem: {where}{name}={value!r} is invalid: it must be {rule}; pass a value that is")
@@ -133,4 +135,4 @@ def check_adam_hyper(where: str, **values: Any) -> None:
     for name, value in values.items():
         ok, rule = _ADAM_RULES[name]
         if not ok(value):
-            raise _invalid(where, name, value, rule)
+            raise invalid(where, name, value, rule)

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Mapping, Optional, cast
 
 import torch
 
+from tiermem.config.kinds import Kind
 from tiermem.config.precision import (
     PRECISION_CHOICES as PRECISION_CHOICES,
     PRECISIONS as PRECISIONS,
@@ -24,9 +25,9 @@ from tiermem.config.precision import (
 from tiermem.config.rules import (
     _ADAM_RULES,
     ALL_GROUP_HYPER as ALL_GROUP_HYPER,
-    _invalid as _invalid,
     check_adam_hyper as check_adam_hyper,
     check_hyper as check_hyper,
+    invalid as invalid,
     is_int as is_int,
     is_number as is_number,
 )
@@ -124,7 +125,36 @@ def read_groups(
     normalised. ``where``: what the field names are read after (``"AdamW."``); ``hyper``: the keys
     a group may set (checked by the rule of their name, or of ``rules[name]``), ``off``: keys taken
     only when False, ``what``: the optimizer, as errors name it."""
-    rules = rules or {}
+    out: list[GivenGroup] = []
+    seen: dict[int, int] = {}  # id of a tensor -> the group that holds it
+    for i, g in enumerate(_group_dicts(where, given)):
+        at = f"{where}params[{i}]."
+        if "params" not in g:
+            raise ConfigError(f"tiermem: {at[:-1]} has no 'params'; give each group its parameters as 'params'")
+        tensors = _tensors(at, g["params"])
+        for t in tensors:
+            if id(t) in seen:
+                raise ConfigError(
+                    f"tiermem: {at[:-1]} repeats a parameter of group {seen[id(t)]} (shape "
+                    f"{tuple(t.shape)}); a parameter belongs to one group"
+                )
+            seen[id(t)] = i
+        name, overrides = _group_settings(at, g, f"group{i}", hyper=hyper, off=off, what=what)
+        for k, v in overrides.items():
+            if k in hyper:
+                check_hyper(at, **{(rules or {}).get(k, k): v})
+        if "betas" in overrides:
+            overrides["betas"] = (float(overrides["betas"][0]), float(overrides["betas"][1]))
+        out.append(GivenGroup(name, tuple(tensors), MappingProxyType(overrides)))
+    names = [g.name for g in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"tiermem: {where}params names groups {twice} more than once; give each group its own name")
+    return tuple(out)
+
+
+def _group_dicts(where: str, given: Any) -> list[dict[str, Any]]:
+    """``read_groups``' argument as a list of torch-style group dicts (bare tensors: one group)."""
     items: Optional[list[Any]] = [given] if isinstance(given, (torch.Tensor, dict)) else None
     if items is None:
         if isinstance(given, (set, frozenset, str)) or not hasattr(given, "__iter__"):
@@ -140,64 +170,43 @@ def read_groups(
             f"tiermem: {where}params is empty; give the model's parameters or param groups, or leave "
             f"params out (every trainable parameter in the groups by rule)"
         )
-    groups: list[dict[str, Any]]
     if all(isinstance(g, dict) for g in items):
-        groups = items
-    elif not any(isinstance(g, dict) for g in items):
-        groups = [{"params": items}]
-    else:
-        raise ConfigError(f"tiermem: {where}params mixes tensors and param groups (dicts); give either")
-    out: list[GivenGroup] = []
-    seen: dict[int, int] = {}
-    for i, g in enumerate(groups):
-        at = f"{where}params[{i}]."
-        if "params" not in g:
-            raise ConfigError(f"tiermem: {at[:-1]} has no 'params'; give each group its parameters as 'params'")
-        tensors = _tensors(at, g["params"])
-        for t in tensors:
-            if id(t) in seen:
-                raise ConfigError(
-                    f"tiermem: {at[:-1]} repeats a parameter of group {seen[id(t)]} (shape "
-                    f"{tuple(t.shape)}); a parameter belongs to one group"
-                )
-            seen[id(t)] = i
-        name, overrides = f"group{i}", {}
-        for key, value in g.items():
-            if key in ("params", "param_names"):
-                continue
-            if key == "name":
-                if not isinstance(value, str) or not value:
-                    raise _invalid(at, "name", value, "a non-empty str")
-                name = value
-            elif key in hyper:
-                overrides[key] = (
-                    tuple(_number(b) for b in value)
-                    if key == "betas" and isinstance(value, (tuple, list))
-                    else _number(value)
-                )
-            elif key == "decoupled_weight_decay" and "betas" in hyper and "adamw" not in off:  # torch's Adam -> AdamW
-                if not isinstance(value, bool):
-                    raise _invalid(at, key, value, "True or False")
-                overrides["adamw"] = value
-            elif key in off:
-                if value is not False:
-                    raise ConfigError(f"tiermem: {at}{key}={value!r}: tiermem's {what} has no {key}; leave it False")
-            elif key not in TORCH_NO_EFFECT:
-                raise ConfigError(
-                    f"tiermem: {at[:-1]} sets {key!r}, which tiermem's {what} does not take; a group "
-                    f"takes 'params', 'name' and {', '.join(repr(k) for k in hyper)}"
-                )
-        for k, v in overrides.items():
-            if k in hyper:
-                check_hyper(at, **{rules.get(k, k): v})
-        if "betas" in overrides:
-            overrides["betas"] = (float(overrides["betas"][0]), float(overrides["betas"][1]))
-        out.append(GivenGroup(name, tuple(tensors), MappingProxyType(overrides)))
-    names = [g.name for g in out]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ConfigError(f"tiermem: {where}params names groups {twice} more than once; give each group its own name")
-    return tuple(out)
+        return items
+    if not any(isinstance(g, dict) for g in items):
+        return [{"params": items}]
+    raise ConfigError(f"tiermem: {where}params mixes tensors and param groups (dicts); give either")
+
+
+def _group_settings(
+    at: str, g: Mapping[str, Any], name: str, *, hyper: tuple[str, ...], off: tuple[str, ...], what: str
+) -> tuple[str, dict[str, Any]]:
+    """A group dict's name (``name`` when it gives none) and the hyperparameters it sets (one-element
+    tensors read as numbers; torch's Adam ``decoupled_weight_decay`` as ``adamw``), not yet checked;
+    a key the optimizer does not take is an error."""
+    overrides: dict[str, Any] = {}
+    for key, value in g.items():
+        if key in ("params", "param_names"):
+            continue
+        if key == "name":
+            if not isinstance(value, str) or not value:
+                raise invalid(at, "name", value, "a non-empty str")
+            name = value
+        elif key in hyper:
+            betas = key == "betas" and isinstance(value, (tuple, list))
+            overrides[key] = tuple(_number(b) for b in value) if betas else _number(value)
+        elif key == "decoupled_weight_decay" and "betas" in hyper and "adamw" not in off:  # torch's Adam -> AdamW
+            if not isinstance(value, bool):
+                raise invalid(at, key, value, "True or False")
+            overrides["adamw"] = value
+        elif key in off:
+            if value is not False:
+                raise ConfigError(f"tiermem: {at}{key}={value!r}: tiermem's {what} has no {key}; leave it False")
+        elif key not in TORCH_NO_EFFECT:
+            raise ConfigError(
+                f"tiermem: {at[:-1]} sets {key!r}, which tiermem's {what} does not take; a group "
+                f"takes 'params', 'name' and {', '.join(repr(k) for k in hyper)}"
+            )
+    return name, overrides
 
 
 DECAY = GroupSpec("decay")
@@ -230,7 +239,7 @@ class _Spec:
     #: id(tensor) -> index of its given group (NOTE [Param groups])
     _member: Mapping[int, int] = field(init=False, repr=False, compare=False, default_factory=dict)
 
-    kind: ClassVar[str] = "adam"
+    kind: ClassVar[Kind] = Kind.ADAM
     HYPER: ClassVar[tuple[str, ...]] = GROUP_HYPER
     RULES: ClassVar[Mapping[str, str]] = MappingProxyType({})
     OFF: ClassVar[tuple[str, ...]] = TORCH_OFF  # torch keys taken only when False
@@ -250,10 +259,10 @@ class _Spec:
             nd = sorted(nd, key=str)  # one order in every process (the ranks compare their configurations)
         nd = (nd,) if isinstance(nd, str) else tuple(nd) if isinstance(nd, (tuple, list)) else None
         if nd is None or not all(isinstance(p, str) for p in nd):
-            raise _invalid(where, "no_decay", self.no_decay, "a name pattern or a tuple of them, such as ('*.bias',)")
+            raise invalid(where, "no_decay", self.no_decay, "a name pattern or a tuple of them, such as ('*.bias',)")
         object.__setattr__(self, "no_decay", nd)
         if not isinstance(self.no_decay_1d, bool):
-            raise _invalid(where, "no_decay_1d", self.no_decay_1d, "True or False")
+            raise invalid(where, "no_decay_1d", self.no_decay_1d, "True or False")
         if self.params is not None:
             if nd or self.no_decay_1d:
                 raise ConfigError(
@@ -367,7 +376,7 @@ class AdamW(_AdamSpec):
 
     weight_decay: float = 1e-2
     adamw = True
-    kind: ClassVar[str] = "adamw"
+    kind: ClassVar[Kind] = Kind.ADAMW
 
 
 @checked_arguments
@@ -391,8 +400,8 @@ class LossScale:
     def __post_init__(self) -> None:
         ok, rule = _ADAM_RULES["grad_scale"]  # the loss scale divides the grads: the same range
         if not ok(self.init_scale):
-            raise _invalid("LossScale.", "init_scale", self.init_scale, rule)
+            raise invalid("LossScale.", "init_scale", self.init_scale, rule)
         if not is_int(self.growth_interval) or self.growth_interval < 1:
-            raise _invalid("LossScale.", "growth_interval", self.growth_interval, "an int >= 1")
+            raise invalid("LossScale.", "growth_interval", self.growth_interval, "an int >= 1")
         if self.min_scale is not None and not (ok(self.min_scale) and self.min_scale <= self.init_scale):
-            raise _invalid("LossScale.", "min_scale", self.min_scale, f"None or {rule}, at most init_scale")
+            raise invalid("LossScale.", "min_scale", self.min_scale, f"None or {rule}, at most init_scale")

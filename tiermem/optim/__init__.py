@@ -16,8 +16,12 @@ kernels for the others).
 from __future__ import annotations
 
 from tiermem.optim.adafactor import adafactor_step
+from tiermem.optim.dropin.cpu_adafactor import CPUAdafactor
+from tiermem.optim.dropin.cpu_adagrad import CPUAdagrad
 from tiermem.optim.dropin.cpu_adam import CPUAdam
-from tiermem.optim.dropin.cpu_optimizers import CPUSGD, CPUAdafactor, CPUAdagrad, CPUAdam8bit, CPULion
+from tiermem.optim.dropin.cpu_adam8bit import CPUAdam8bit
+from tiermem.optim.dropin.cpu_lion import CPULion
+from tiermem.optim.dropin.cpu_sgd import CPUSGD
 from tiermem.optim.families import state_bytes, state_layout
 from tiermem.optim.formats import StateFormat, StatePart, state_format  # noqa: F401  (tiermem.optim.formats has their docs)
 from tiermem.optim.functional import adam_step, compile_disabled, compile_seconds, implementation, warm_up

@@ -16,7 +16,7 @@ master weights too (the update is computed in fp32).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Callable, Optional
 
 import torch
@@ -42,6 +42,7 @@ class AdafactorHyper(_Hyper):
     maximize: bool = False
     grad_scale: float = 1.0
     clip_coef: float = 1.0
+    prechecked: InitVar[bool] = False  # checked already, by the same rules (NOTE [Checked once a step])
     where = "adafactor_step "
 
     def _check(self, values: dict) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from functools import cached_property
 from typing import ClassVar
 
@@ -48,10 +48,17 @@ class AdamHyper:
     adamw: bool = True
     grad_scale: float = 1.0
     clip_coef: float = 1.0
+    prechecked: InitVar[bool] = False  # checked already, by the same rules (NOTE [Checked once a step])
     #: what an error names before the argument: the functional entry these hyperparameters are for
     where: ClassVar[str] = "adam_step "
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, prechecked: bool = False) -> None:
+        if not prechecked:
+            self._check()
+        for name in _FLOATS:  # checked as given ("1e-3" is an error, not a cast), then Python floats
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+    def _check(self) -> None:
         check_adam_hyper(
             self.where,
             step=self.step,
@@ -64,8 +71,6 @@ class AdamHyper:
             clip_coef=self.clip_coef,
             adamw=self.adamw,
         )
-        for name in _FLOATS:  # checked as given ("1e-3" is an error, not a cast), then Python floats
-            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def l2(self) -> bool:

@@ -32,59 +32,20 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from tiermem import optim as _entries  # the functional entries, looked up when called (tests may wrap them)
+from tiermem.config.kinds import KINDS, Kind
 from tiermem.errors import ConfigError
-from tiermem.optim.adafactor import state_numels as _factored_numels
+from tiermem.optim.families import FAMILIES, PartOptions, StatePart, family, kind_of
 from tiermem.optim.kernels import quant as _quant
 from tiermem.optim.kernels.sr import StochasticRound
 
-#: the kernel families TieredModel runs, by the name a spec gives (``kind``)
-KINDS = ("adam", "adamw", "adam8bit", "adamw8bit", "sgd", "adagrad", "lion", "adafactor", "generic")
 MASTER_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class StatePart:
-    """One tensor of a parameter's state: its name, dtype, one element per ``block`` elements of the
-    parameter (1: elementwise), and the value it starts at (moments 0; Adagrad's sum its
-    ``initial_accumulator_value``). ``factored``: its elements follow the parameter's shape, as
-    :func:`tiermem.optim.adafactor.state_numels` counts the part of this name (NOTE [State formats])."""
-
-    name: str
-    dtype: torch.dtype
-    block: int = 1
-    initial: float = 0.0
-    factored: bool = False
-    #: one element per parameter, whatever its size (a generic optimizer's ``step``: NOTE [Generic optimizers])
-    per_parameter: bool = False
-
-    def numel(self, n: int, shape: Optional[Sequence[int]] = None) -> int:
-        """Elements of this part for a parameter of ``n`` elements (of ``shape``: a factored part
-        needs it; without it, a factored part counts as a vector's, ``n``)."""
-        if self.per_parameter:
-            return 1
-        if self.factored:
-            dims = (n,) if shape is None else tuple(int(d) for d in shape)
-            if math.prod(dims) != n:
-                raise ConfigError(f"tiermem: state part {self.name}: shape {dims} does not have {n} elements")
-            return _factored_numels(dims).get(self.name, 0)
-        return n if self.block == 1 else -(-n // self.block)
-
-    @property
-    def elementwise(self) -> bool:
-        """One element per parameter element, whatever its shape."""
-        return self.block == 1 and not self.factored and not self.per_parameter
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
 
 
 @dataclass(frozen=True)
 class StateFormat:
     """A parameter's state (NOTE [State formats]): the kernel ``kind`` and its ``parts``, master first."""
 
-    kind: str
+    kind: Kind
     parts: tuple[StatePart, ...]
     #: options the update needs besides the groups' hyperparameters (e.g. Adagrad's initial value)
     options: Mapping[str, Any] = field(default_factory=dict, compare=False)
@@ -93,8 +54,7 @@ class StateFormat:
     divisible: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ConfigError(f"tiermem: StateFormat kind={self.kind!r} is unknown; pass one of {KINDS}")
+        object.__setattr__(self, "kind", kind_of(self.kind, "StateFormat"))
         if not self.parts or self.parts[0].name != "master" or self.parts[0].dtype not in MASTER_DTYPES:
             raise ConfigError("tiermem: a StateFormat's first part is the master weights, fp32 or bf16")
 
@@ -184,45 +144,20 @@ def state_format(
     generic_parts: Sequence[Any] = (),
     optimizer: Any = None,
 ) -> StateFormat:
-    """The format of a parameter of ``numel`` elements under ``kind``: SGD keeps a
-    ``momentum_buffer`` only with ``momentum``; 8-bit Adam keeps fp32 moments (Adam's format) below
-    ``min_8bit_size`` elements (NOTE [8-bit state]); ``master_dtype`` bf16 drops the fp32 master; a
-    generic optimizer keeps the entries its probe found (``generic_parts``), run by a copy of
-    ``optimizer`` (NOTE [Generic optimizers] in tiermem/config/generic_optim.py)."""
-    if kind not in KINDS:
-        raise ConfigError(f"tiermem: state_format kind={kind!r} is unknown; pass one of {KINDS}")
-    f32 = torch.float32
-    parts = [StatePart("master", master_dtype)]
-    options: dict[str, Any] = {}
-    if kind in ("adam8bit", "adamw8bit") and (numel is None or numel < min_8bit_size):
-        kind = kind.removesuffix("8bit")
-    if kind in ("adam8bit", "adamw8bit"):
-        b = _quant.BLOCK
-        parts += [
-            StatePart("exp_avg", torch.uint8),
-            StatePart("exp_avg_absmax", f32, b),
-            StatePart("exp_avg_sq", torch.uint8),
-            StatePart("exp_avg_sq_absmax", f32, b),
-        ]
-    elif kind in ("adam", "adamw"):
-        parts += [StatePart("exp_avg", f32), StatePart("exp_avg_sq", f32)]
-    elif kind == "sgd":
-        parts += [StatePart("momentum_buffer", f32)] if momentum else []
-    elif kind == "adagrad":
-        parts += [StatePart("state_sum", f32, initial=float(initial_accumulator_value))]
-    elif kind == "lion":
-        parts += [StatePart("exp_avg", f32)]
-    elif kind == "generic":  # its entries as the probe found them (NOTE [Generic optimizers])
-        parts += [StatePart(q.name, q.dtype, per_parameter=not q.elementwise) for q in generic_parts]
-        options["optimizer"] = optimizer
-    elif kind == "adafactor":  # a matrix keeps row_var and col_var, a vector variance (NOTE [State formats])
-        parts += [StatePart(name, f32, factored=True) for name in ("row_var", "col_var", "variance")]
-    # a factored state and a generic optimizer's own step() take whole parameters: cut only at edges
-    return StateFormat(kind, tuple(parts), options, divisible=kind not in ("adafactor", "generic"))
+    """The format of a parameter of ``numel`` elements under ``kind``, its parts :data:`FAMILIES`'
+    row: SGD keeps a ``momentum_buffer`` only with ``momentum``; 8-bit Adam keeps fp32 moments
+    (Adam's format) below ``min_8bit_size`` elements (NOTE [8-bit state]); ``master_dtype`` bf16 drops
+    the fp32 master; a generic optimizer keeps the entries its probe found (``generic_parts``), run by
+    a copy of ``optimizer`` (NOTE [Generic optimizers] in tiermem/config/generic_optim.py)."""
+    known, fam = family(kind_of(kind, "state_format"), numel, min_8bit_size)
+    opts = PartOptions(momentum, initial_accumulator_value, generic_parts)
+    parts = (StatePart("master", master_dtype), *fam.parts(opts))
+    options = {} if fam.update is not None else {"optimizer": optimizer}  # it steps itself, with a copy of it
+    return StateFormat(known, parts, options, divisible=fam.divisible)
 
 
 #: Adam with fp32 master and moments: 12 B/param, what TieredModel kept before formats
-ADAM = state_format("adamw")
+ADAM = state_format(Kind.ADAMW)
 
 
 def step(
@@ -239,118 +174,21 @@ def step(
     stochastic_round: Optional[StochasticRound] = None,
     shape: Optional[Sequence[int]] = None,
 ) -> None:
-    """One fused update of one piece of state under ``fmt``'s kernel, the hyperparameters read from
-    a param group's dict (``hyper``, torch's names); the gradients are known to be finite. A
-    factored format updates one whole parameter of ``shape`` (its pieces flat)."""
+    """One fused update of one piece of state under ``fmt``'s kernel (its :data:`FAMILIES` row), the
+    hyperparameters read from a param group's dict (``hyper``, torch's names); the gradients are known
+    to be finite. A factored format updates one whole parameter of ``shape`` (its pieces flat). A kind
+    without a fused update (a generic optimizer steps itself) is an error."""
+    fam = FAMILIES.get(fmt.kind)
+    if fam is None or fam.update is None:
+        fused = tuple(k.value for k, f in FAMILIES.items() if f.update is not None)
+        raise ConfigError(
+            f"tiermem: formats.step has no fused update for kind={fmt.kind!r}; pass a format of one of "
+            f"{fused} (a generic optimizer's state is stepped by its own step())"
+        )
     common: dict[str, Any] = dict(step=step, grad_scale=grad_scale, clip_coef=clip_coef, out=out, check_finite=False)
     if stochastic_round is not None:
         common["stochastic_round"] = stochastic_round
-    kind = fmt.kind
-    if kind in ("adam", "adamw"):
-        beta1, beta2 = hyper["betas"]
-        _entries.adam_step(
-            master,
-            state[0],
-            state[1],
-            grad,
-            lr=hyper["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=hyper["eps"],
-            weight_decay=hyper["weight_decay"],
-            adamw=hyper["adamw"],
-            **common,
-        )
-    elif kind in ("adam8bit", "adamw8bit"):
-        beta1, beta2 = hyper["betas"]
-        _entries.adam8bit_step(
-            master,
-            state[0],
-            state[1],
-            state[2],
-            state[3],
-            grad,
-            lr=hyper["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=hyper["eps"],
-            weight_decay=hyper["weight_decay"],
-            adamw=hyper["adamw"],
-            **common,
-        )
-    elif kind == "sgd":
-        momentum = hyper["momentum"]
-        buffer = state[0] if state else None
-        if (momentum != 0) != (buffer is not None):
-            raise ConfigError(
-                f"tiermem: a param group's SGD momentum is {momentum} but the optimizer state was made "
-                f"{'with' if buffer is not None else 'without'} a momentum buffer; set momentum "
-                f"{'> 0' if buffer is not None else '= 0'} in every group, or give the optimizer a "
-                f"momentum > 0 from the start"
-            )
-        _entries.sgd_step(
-            master,
-            buffer,
-            grad,
-            lr=hyper["lr"],
-            momentum=momentum,
-            dampening=hyper["dampening"],
-            nesterov=hyper["nesterov"],
-            weight_decay=hyper["weight_decay"],
-            maximize=hyper["maximize"],
-            **common,
-        )
-    elif kind == "adagrad":
-        _entries.adagrad_step(
-            master,
-            state[0],
-            grad,
-            lr=hyper["lr"],
-            lr_decay=hyper["lr_decay"],
-            weight_decay=hyper["weight_decay"],
-            eps=hyper["eps"],
-            maximize=hyper["maximize"],
-            **common,
-        )
-    elif kind == "adafactor":
-        dims = tuple(master.shape) if shape is None else tuple(shape)
-        # a matrix's pieces are row_var and col_var, a vector's variance (the other layout's have 0 elements)
-        row_var, col_var, variance = (state[0], state[1], None) if len(dims) >= 2 else (None, None, state[2])
-        eps1, eps2 = hyper["eps"]
-        _entries.adafactor_step(
-            master,
-            grad,
-            lr=hyper["lr"],
-            beta2_decay=hyper["beta2_decay"],
-            eps1=eps1,
-            eps2=eps2,
-            d=hyper["d"],
-            weight_decay=hyper["weight_decay"],
-            maximize=hyper["maximize"],
-            row_var=row_var,
-            col_var=col_var,
-            variance=variance,
-            shape=dims,
-            **common,
-        )
-    elif kind == "lion":
-        beta1, beta2 = hyper["betas"]
-        _entries.lion_step(
-            master,
-            state[0],
-            grad,
-            lr=hyper["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=hyper["weight_decay"],
-            **common,
-        )
-    else:  # "generic" steps through its optimizer's own step() (NOTE [Generic optimizers]), never here
-        fused = tuple(k for k in KINDS if k != "generic")
-        raise ConfigError(
-            f"tiermem: formats.step has no fused update for kind={kind!r}; pass a format of one of {fused} "
-            f"(a generic optimizer's state is stepped by its own step())"
-        )
+    fam.update(master, state, grad, hyper, common, shape)
 
 
 def blocks_aligned(fmt: StateFormat, start: int) -> bool:

@@ -9,7 +9,7 @@ folded into the sign of the gradient's multiplier (negating is exact, so this eq
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import InitVar, dataclass, fields
 from typing import Any, Optional
 
 from tiermem.config.rules import check_hyper as _check_hyper, is_number
@@ -27,8 +27,9 @@ class _Hyper:
     grad_scale: float
     clip_coef: float
 
-    def __post_init__(self) -> None:
-        self._check({f.name: getattr(self, f.name) for f in fields(self)})  # type: ignore[arg-type]
+    def __post_init__(self, prechecked: bool = False) -> None:
+        if not prechecked:  # (a drop-in checked its group by the same rules this step)
+            self._check({f.name: getattr(self, f.name) for f in fields(self)})  # type: ignore[arg-type]
         for f in fields(self):  # type: ignore[arg-type]
             v = getattr(self, f.name)
             if _real(v) and f.name != "step":
@@ -56,11 +57,12 @@ class SGDHyper(_Hyper):
     grad_scale: float = 1.0
     clip_coef: float = 1.0
     init_buffer: Optional[bool] = None  # None: at step 1 (the buffer is new), as torch's "buffer is None"
+    prechecked: InitVar[bool] = False  # checked already, by the same rules (NOTE [Checked once a step])
     where = "sgd_step "
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+    def __post_init__(self, prechecked: bool = False) -> None:
+        super().__post_init__(prechecked)
+        if not prechecked and self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ConfigError(
                 f"tiermem: {self.where}nesterov=True needs momentum > 0 and dampening = 0 (got "
                 f"momentum={self.momentum}, dampening={self.dampening}); as torch.optim.SGD"
@@ -95,6 +97,7 @@ class AdagradHyper(_Hyper):
     maximize: bool = False
     grad_scale: float = 1.0
     clip_coef: float = 1.0
+    prechecked: InitVar[bool] = False  # checked already, by the same rules (NOTE [Checked once a step])
     where = "adagrad_step "
 
     @property
@@ -122,6 +125,7 @@ class LionHyper(_Hyper):
     weight_decay: float = 0.0
     grad_scale: float = 1.0
     clip_coef: float = 1.0
+    prechecked: InitVar[bool] = False  # checked already, by the same rules (NOTE [Checked once a step])
     where = "lion_step "
 
     @property

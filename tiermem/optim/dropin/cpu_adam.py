@@ -26,19 +26,28 @@ its bytes (bench/RESULTS.md).
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
-from tiermem.config.rules import check_adam_hyper
 from tiermem.errors import checked_arguments
 from tiermem.optim.adam_hyper import AdamHyper
-from tiermem.optim.dropin.shared import CPUOptimizer, Params, Plan, number
-from tiermem.optim.functional import adam_update, as_number, make_hyper
+from tiermem.optim.dropin.hyper_table import Hyper, lr
+from tiermem.optim.dropin.shared import CPUOptimizer, Plan
+from tiermem.optim.functional import adam_update
 from tiermem.optim.kernels import dispatch as _run
 from tiermem.optim.kernels.sr import StochasticRound
 
 log = logging.getLogger(__name__)
+
+#: Adam's hyperparameters, torch's names and defaults (CPUAdam8bit's too); rules: NOTE [Adam hyperparameter rules]
+ADAM_HYPERS = (
+    lr(1e-3),
+    Hyper("betas", (0.9, 0.999), "betas", to=("beta1", "beta2"), annotation=tuple[float, float]),
+    Hyper("eps", 1e-8, "eps"),
+    Hyper("weight_decay", 0.0, "weight_decay"),
+    Hyper("adamw", True, "adamw", annotation=bool),
+)
 
 
 @checked_arguments
@@ -68,33 +77,10 @@ class CPUAdam(CPUOptimizer):
         sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
+    HYPERS = ADAM_HYPERS
+    RECORD = AdamHyper
     _sparse_hint = "use torch.optim.SparseAdam for sparse gradients"
     _state_keys = ("exp_avg", "exp_avg_sq")
-
-    def __init__(
-        self,
-        params: Params,
-        lr: Union[float, torch.Tensor] = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        adamw: bool = True,
-        *,
-        check_finite: bool = True,
-        bf16_stochastic_round: bool = False,
-        sr_seed: Optional[int] = None,
-    ):
-        _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
-        super().__init__(
-            params,
-            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw),
-            check_finite=check_finite,
-            bf16_stochastic_round=bf16_stochastic_round,
-            sr_seed=sr_seed,
-        )
-
-    def _check_group(self, group: dict[str, Any]) -> None:
-        check_adam_group(f"{type(self).__name__} ", group)
 
     def _fill_group(self, group: dict[str, Any], defaults: dict[str, Any]) -> None:
         fill_adamw(group, defaults)
@@ -105,9 +91,6 @@ class CPUAdam(CPUOptimizer):
 
     def _plan(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> Plan:
         return Plan(_run.ADAM, (state["exp_avg"], state["exp_avg_sq"]))
-
-    def _hyper(self, group: dict[str, Any], step: int, variant: tuple) -> AdamHyper:
-        return adam_hyper(group, step)
 
     def _functional(
         self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, hyper: Any, sr: Optional[StochasticRound]
@@ -132,36 +115,3 @@ def adam_functional(plan: Plan, p: torch.Tensor, grad: torch.Tensor, hyper: Any,
     exp_avg, exp_avg_sq = plan.state
     assert exp_avg is not None and exp_avg_sq is not None  # Adam's moments always exist
     adam_update(p, exp_avg, exp_avg_sq, grad, None, hyper, stochastic_round=sr, check_finite=False, impl=None)
-
-
-def adam_hyper(group: dict[str, Any], step: int) -> AdamHyper:
-    """A param group's checked Adam hyperparameters at ``step``."""
-    beta1, beta2 = group["betas"]
-    return make_hyper(
-        AdamHyper,
-        step=step,
-        lr=group["lr"],
-        beta1=beta1,
-        beta2=beta2,
-        eps=group["eps"],
-        weight_decay=group["weight_decay"],
-        adamw=group["adamw"],
-    )
-
-
-def check_adam_group(where: str, group: dict[str, Any]) -> None:
-    """The rules every Adam in tiermem checks (NOTE [Adam hyperparameter rules]), on a param group."""
-    check_adam_hyper(
-        where,
-        lr=number(group["lr"]),
-        betas=group["betas"],
-        eps=group["eps"],
-        weight_decay=group["weight_decay"],
-        adamw=group["adamw"],
-    )
-
-
-def _check_hyper(*, lr: Any, betas: Any, eps: Any, weight_decay: Any, adamw: Any) -> None:
-    """The rules every Adam in tiermem checks (NOTE [Adam hyperparameter rules]); a tensor lr, which
-    torch optimizers allow, is checked as the number it holds."""
-    check_adam_hyper("CPUAdam ", lr=as_number(lr), betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)

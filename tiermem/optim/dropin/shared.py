@@ -2,10 +2,12 @@
 CPUAdafactor, CPUAdam8bit): parameter checks, the closure, the all-or-nothing finite check, state
 created on a parameter's first step, the step count, and the stochastic rounding of bf16 weights.
 
-A subclass declares only what is its own: the checks of a param group's hyperparameters, a
-parameter's new state, the kernel and state tensors of its update (:class:`Plan`), the checked
-hyperparameters of a step, and (where it is not ``_run.run``) the functional entry that runs where
-the native kernel cannot. The base runs the step loop (NOTE [Drop-in speed] in cpu_adam.py): the step
+A subclass declares only what is its own: its hyperparameters, once, as a table (``HYPERS``: name,
+default, rule, the field of the step's record it fills; tiermem/optim/dropin/hyper_table.py) from
+which the base makes the constructor (torch's signature), the groups' defaults, their checks and each
+step's record (``RECORD``); a parameter's new state, the kernel and state tensors of its update
+(:class:`Plan`), and (where it is not ``_run.run``) the functional entry that runs where the native
+kernel cannot. The base runs the step loop (NOTE [Drop-in speed] in cpu_adam.py): the step
 counts in one call, the hyperparameters made and checked once per group and step, the native library
 found once per step, and each parameter's kernel called straight through ctypes. Every update of a step runs after
 every gradient was checked: a step whose gradients hold an inf or NaN changes nothing (no weight,
@@ -21,20 +23,20 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
+from typing import Any, Callable, ClassVar, NamedTuple, Optional
 
 import torch
 from torch.optim import Optimizer
 
 from tiermem.config.rules import is_int
 from tiermem.errors import ConfigError
-from tiermem.optim.functional import as_number
+from tiermem.optim.dropin import hyper_table as table
+from tiermem.optim.dropin.hyper_table import Hyper, Params
+from tiermem.optim.functional import make_hyper
 from tiermem.optim.kernels import dispatch as _run, native as _native
 from tiermem.optim.kernels.sr import StochasticRound
 
 log = logging.getLogger(__name__)
-
-Params = Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]]
 
 
 class Plan(NamedTuple):
@@ -78,6 +80,48 @@ class CPUOptimizer(Optimizer):
     _sparse_hint = "use a torch.optim optimizer that takes sparse gradients (torch.optim.SGD, Adagrad)"
     _settings: tuple[str, ...] = ("check_finite", "last_step_skipped")  # kept by pickle and deepcopy
     _state_keys: tuple[str, ...] = ()  # the fp32 state tensors, of the parameter's size, its kernels read
+    #: the hyperparameters, each once (tiermem/optim/dropin/hyper_table.py): the constructor is made from it
+    HYPERS: ClassVar[tuple[Hyper, ...]] = ()
+    #: the checked record of one step's hyperparameters (SGDHyper, AdamHyper, ...), filled from HYPERS
+    RECORD: ClassVar[Callable[..., Any]]
+    _group_table: ClassVar[tuple[Hyper, ...]] = ()  # HYPERS' param group entries
+    _setting_table: ClassVar[tuple[Hyper, ...]] = ()  # HYPERS' settings of the optimizer itself
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A drop-in that declares ``HYPERS`` gets its constructor made from them (torch's signature)."""
+        super().__init_subclass__(**kwargs)
+        if "HYPERS" not in cls.__dict__:
+            return
+        cls._group_table = tuple(h for h in cls.HYPERS if not h.setting)
+        cls._setting_table = tuple(h for h in cls.HYPERS if h.setting)
+        cls._settings = (*CPUOptimizer._settings, *(h.name for h in cls._setting_table))
+        sig = table.signature(cls.HYPERS)
+
+        def __init__(self: CPUOptimizer, *args: Any, **kwargs: Any) -> None:
+            given = sig.bind(self, *args, **kwargs)
+            given.apply_defaults()
+            self._construct(given.arguments)
+
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        __init__.__signature__ = sig  # type: ignore[attr-defined]  # what inspect, help() and checked_arguments read
+        cls.__init__ = __init__  # type: ignore[method-assign]  # made from the table, as a dataclass's
+
+    def _construct(self, given: dict[str, Any]) -> None:
+        """The made constructor's body: the settings and the defaults checked, then torch's."""
+        where = f"{type(self).__name__} "
+        settings = {h.name: given[h.name] for h in self._setting_table}
+        table.check(where, self._setting_table, settings)
+        self.__dict__.update(settings)
+        defaults = {h.name: given[h.name] for h in self._group_table}
+        table.check(where, self._group_table, defaults)
+        CPUOptimizer.__init__(
+            self,
+            given["params"],
+            defaults,
+            check_finite=given["check_finite"],
+            bf16_stochastic_round=given["bf16_stochastic_round"],
+            sr_seed=given["sr_seed"],
+        )
 
     def __init__(
         self,
@@ -106,7 +150,8 @@ class CPUOptimizer(Optimizer):
 
     # -- what a subclass supplies ------------------------------------------------------------------
     def _check_group(self, group: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """A param group's hyperparameters, each by its rule (HYPERS)."""
+        table.check(f"{type(self).__name__} ", self._group_table, group)
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -114,8 +159,22 @@ class CPUOptimizer(Optimizer):
     def _plan(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> Plan:
         raise NotImplementedError
 
+    # NOTE [Checked once a step]
+    # A drop-in's step checks each stepped group's hyperparameters once, by the rules HYPERS names
+    # (_check_step, before anything changes), and then makes the typed record its kernels read
+    # (SGDHyper, AdamHyper, ...) from the same values with ``prechecked=True``: the record converts
+    # them (Python floats, the kernel's scalars) but does not check them a second time. The functional
+    # entries (adam_step, sgd_step, ...) take their arguments from a caller tiermem has not checked,
+    # so their records check, by the same rules (config/rules.py), on every call.
     def _hyper(self, group: dict[str, Any], step: int, variant: tuple) -> Any:
-        raise NotImplementedError
+        """The record of a step's hyperparameters (``RECORD``, from HYPERS and ``variant``), the group
+        checked already this step (NOTE [Checked once a step])."""
+        values = table.record(self._group_table, group)
+        return make_hyper(self.RECORD, step=step, prechecked=True, **values, **self._variant(variant))
+
+    def _variant(self, variant: tuple) -> dict[str, Any]:
+        """The record's fields a plan's variant sets (SGD: a momentum buffer new this step)."""
+        return {}
 
     def _functional(
         self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, hyper: Any, sr: Optional[StochasticRound]
@@ -353,8 +412,3 @@ class CPUOptimizer(Optimizer):
             params = (q for g in self.param_groups for q in g["params"])
             self._index = {id(q): i for i, q in enumerate(params)}
         return StochasticRound.for_parameter(int(group["sr_seed"]), f"param{self._index[id(p)]}")
-
-
-def number(value: Any) -> Any:
-    """A one-element tensor hyperparameter (torch allows a tensor lr) as the number it holds."""
-    return as_number(value)
