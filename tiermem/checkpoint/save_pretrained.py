@@ -30,6 +30,7 @@ written last, and the file is flushed to the disk (``fsync``) before the save is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -82,17 +83,9 @@ def save_pretrained(
     limit = parse_bytes(max_shard_size, what="max_shard_size")
     if limit < 1:
         raise ConfigError(f"tiermem: max_shard_size={max_shard_size!r} is invalid: must be at least 1 byte")
-    parent = os.path.dirname(os.path.abspath(directory))
-    if not os.path.isdir(parent):
-        raise ConfigError(f"tiermem: save_pretrained({directory!r}): {parent!r} does not exist; create it first")
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ConfigError(f"tiermem: save_pretrained({directory!r}): it is a file; pass a directory")
-    work = os.path.join(parent, f".{os.path.basename(os.path.abspath(directory))}.tiermem-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)  # our own leftover of a save killed in this process's pid
-    os.makedirs(work, mode=0o700)
     width = torch.finfo(dtype).bits // 8 if dtype is not None else 4
-    progress = Progress(f"writing {directory}", sum(p.numel() * width for p in module.parameters()))
-    try:
+    with _work_dir(directory) as work:
+        progress = Progress(f"writing {directory}", sum(p.numel() * width for p in module.parameters()))
         weight_map: dict[str, str] = {}
         largest = max((p.numel() * width for p in module.parameters()), default=0)
         files, total = _write_shards(
@@ -108,13 +101,6 @@ def save_pretrained(
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
         _save_config(module, work)
         _publish(work, directory)
-    except OSError as e:
-        raise StoreError(
-            f"tiermem: save_pretrained({directory!r}) failed ({e}); nothing in {directory!r} changed: free space "
-            f"or choose another directory, and save again"
-        ) from e
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _header_room(module: torch.nn.Module) -> int:
@@ -283,19 +269,30 @@ def _save_adapter(reader: StateReader, module: torch.nn.Module, directory: str, 
     if dtype is not None:
         trained = {k: v.to(dtype) if v.is_floating_point() else v for k, v in trained.items()}
     values = get_peft_model_state_dict(module, state_dict=trained, adapter_name=adapter)
-    parent = os.path.dirname(os.path.abspath(directory))
-    if not os.path.isdir(parent):
-        raise ConfigError(f"tiermem: save_pretrained({directory!r}): {parent!r} does not exist; create it first")
-    work = os.path.join(parent, f".{os.path.basename(os.path.abspath(directory))}.tiermem-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work, mode=0o700)
-    try:
+    with _work_dir(directory) as work:
         save_file(
             {k: v.contiguous() for k, v in values.items()}, os.path.join(work, ADAPTER), metadata={"format": "pt"}
         )
         peft_model: Any = module  # peft is not typed here
         peft_model.peft_config[adapter].save_pretrained(work)
         _publish(work, directory, replaces_shards=False)
+
+
+@contextlib.contextmanager
+def _work_dir(directory: str) -> Iterator[str]:
+    """A private directory beside ``directory`` to write a save into (our own leftover of a save
+    killed in this process's pid removed first), removed whatever happens; an OSError inside is a
+    ``tiermem:`` error saying that nothing in ``directory`` changed."""
+    parent = os.path.dirname(os.path.abspath(directory))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"tiermem: save_pretrained({directory!r}): {parent!r} does not exist; create it first")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ConfigError(f"tiermem: save_pretrained({directory!r}): it is a file; pass a directory")
+    work = os.path.join(parent, f".{os.path.basename(os.path.abspath(directory))}.tiermem-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work, mode=0o700)
+    try:
+        yield work
     except OSError as e:
         raise StoreError(
             f"tiermem: save_pretrained({directory!r}) failed ({e}); nothing in {directory!r} changed: free space "

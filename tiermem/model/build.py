@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from tiermem.checkpoint.view import ModelState
+from tiermem.checkpoint.view import ModelState, StateCore
 from tiermem.config.specs import LossScale, _Spec
 from tiermem.config.torch_optim import stepped_elsewhere
 from tiermem.memory.ledger import InFlight
@@ -307,7 +307,7 @@ def _build_faces(p: Parts, module: torch.nn.Module, opts: Options, step: Callabl
     )
     p.activations = ActivationOffloader(module, p.placement, p.stores, p.engine, p.hooks)
     p.state = ModelState(
-        module, p.layout, p.stepper, p.scaler, p.optimizer.param_groups, opts.precision, opts.dtype, p.group
+        StateCore(module, p.layout, p.stepper, p.scaler, p.optimizer.param_groups, opts.precision, opts.dtype, p.group)
     )
 
 

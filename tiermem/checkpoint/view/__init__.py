@@ -21,10 +21,6 @@ import torch
 from tiermem.checkpoint.view.core import HYPER, MEMBERS, PartPieces, Piece, StateCore
 from tiermem.checkpoint.view.reading import StateReader
 from tiermem.checkpoint.view.writing import StateWriter
-from tiermem.train.layout import Layout
-from tiermem.train.step.scaler import LossScaler
-from tiermem.train.step.stepper import Stepper
-from tiermem.transfer.collectives import Group, Solo
 
 __all__ = ["HYPER", "MEMBERS", "ModelState", "PartPieces", "Piece", "StateCore", "StateReader", "StateWriter"]
 
@@ -34,20 +30,10 @@ class ModelState:
     built over one core. The model's own calls (guarding a half-loaded model, ``state_dict()``,
     ``detach()``, a resident block's writes) go to the one of them that does that job."""
 
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        layout: Layout,
-        stepper: Stepper,
-        scaler: LossScaler,
-        param_groups: list[dict],
-        precision: str,
-        dtype: torch.dtype,
-        group: Group = Solo(),
-    ):
-        self.core = StateCore(module, layout, stepper, scaler, param_groups, precision, dtype, group)
-        self.reader = StateReader(self.core)
-        self.writer = StateWriter(self.core)
+    def __init__(self, core: StateCore):
+        self.core = core
+        self.reader = StateReader(core)
+        self.writer = StateWriter(core)
 
     def check_loaded(self, call: str) -> None:
         """:meth:`StateCore.check_loaded`: refuse ``call`` while a failed load left the model half loaded."""
