@@ -1,14 +1,149 @@
-"""What several bench scripts share."""
+"""What several bench scripts share: the GPT benches' optimizer settings and the two trainers built
+with them (tiermem's and the plain torch anchor's), a device sync, a free port for gloo ranks,
+parameter counts, target verdicts, fresh processes, seeded token batches, and the resident set."""
 
 from __future__ import annotations
 
 import json
+import os
 import resource
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
+
+from examples.gpt import lm_loss
+from tiermem import AdamW, Report, Tier, TieredModel
+
+# The GPT benches' AdamW, and the global-norm clip both sides apply (step, ddp, zero3, auto, split_step,
+# gpu_check): tiermem and its anchor are given the same numbers from here.
+LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
+
+
+# The data-parallel GPT (10.7M parameters) that ddp.py, zero3.py and zero3_memory.py compare on, for
+# examples.gpt.add_model_args: the anchors' figures in RESULTS.md were taken at this size.
+DATA_PARALLEL_GPT: dict[str, Any] = dict(preset="small", n_layer=6, n_embd=384, batch_size=16, seq_len=128)
+
+
+def tiered(model: torch.nn.Module, policy: Any, *, precision: str = "bf16", **kwargs: Any) -> TieredModel:
+    """``model`` under ``policy`` in a TieredModel with tiermem's AdamW at :data:`LR`, :data:`BETAS`,
+    :data:`WD`, clipped at :data:`CLIP`, in ``precision``; ``kwargs`` go to TieredModel as they
+    are (device, bucket_size, budgets, ...)."""
+    return TieredModel(
+        model,
+        policy,
+        optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
+        precision=precision,
+        grad_clip=CLIP,
+        **kwargs,
+    )
+
+
+def torch_adamw(params: Iterable[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
+    """The plain-torch anchor's optimizer: ``torch.optim.AdamW`` at :data:`LR`, :data:`BETAS`,
+    :data:`WD`; ``kwargs`` pick its implementation (``fused=True``, ``foreach=True``)."""
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WD, **kwargs)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so a timer stops after it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class IterationSeconds(NamedTuple):
+    """One training iteration's seconds, the device synchronized at each boundary."""
+
+    forward_backward: float
+    step: float
+    whole: float
+
+
+def timed_iteration(tm: TieredModel, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> IterationSeconds:
+    """One GPT iteration of ``tm`` on tokens ``x`` and targets ``y``: forward and backward, then
+    ``tm.step()``, each timed to the end of its device work."""
+    sync(device)
+    t0 = time.perf_counter()
+    tm.backward(lm_loss(tm(x), y))
+    sync(device)
+    t1 = time.perf_counter()
+    tm.step()
+    sync(device)
+    t2 = time.perf_counter()
+    return IterationSeconds(t1 - t0, t2 - t1, t2 - t0)
+
+
+def llama_config(
+    *, hidden: int, layers: int, intermediate: int, heads: int, vocab: int, kv_heads: int | None = None, **extra: Any
+) -> Any:
+    """A transformers ``LlamaConfig`` of this shape with untied embeddings (``kv_heads`` defaults
+    to ``heads``: no grouped-query attention); ``extra`` are further LlamaConfig fields
+    (``max_position_embeddings``, ``use_cache``)."""
+    from transformers import LlamaConfig  # only the Llama benches need transformers
+
+    return LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=heads if kv_heads is None else kv_heads,
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+        **extra,
+    )
+
+
+def interleaved_times(
+    fns: dict[str, Callable[[], None]], repeat: int, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, list[float]]:
+    """Each of ``fns`` called once untimed (page faults, lazy state, builds, thread pools), then
+    ``repeat`` rounds that call every one once in turn, so drift and other work on the machine hit
+    them alike; the ``clock`` seconds of each call, by name."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            t0 = clock()
+            fn()
+            times[k].append(clock() - t0)
+    return times
+
+
+def fastest_of(
+    fns: dict[str, Callable[[], None]], repeat: int, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
+    """The fastest of each one's :func:`interleaved_times`."""
+    return {k: min(t, default=float("inf")) for k, t in interleaved_times(fns, repeat, clock).items()}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for the gloo ranks' rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_count(text: str) -> int:
+    """'100M', '1.5e8', '2G' or a plain integer (decimal multiples: this counts parameters)."""
+    t = text.strip().upper()
+    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def at_most(ratio: float, limit: float) -> str:
+    """The verdict on a ratio whose target is ``limit`` or less: ``target <= 1.10x: met``."""
+    return f"target <= {limit:.2f}x: {'met' if ratio <= limit else 'NOT met'}"
+
+
+def cpu_seconds() -> float:
+    """The process's CPU time so far, every thread, user and system."""
+    t = os.times()
+    return t.user + t.system
 
 
 def run_again(script: str, argv: list[str], what: str, *, keep_stderr: bool = False) -> dict:
@@ -44,6 +179,24 @@ def token_batches(
 def peak_rss() -> int:
     """The process's peak resident set so far, in bytes (``ru_maxrss``, which Linux gives in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_gb() -> float:
+    """:func:`peak_rss` in GB (10^9 bytes)."""
+    return peak_rss() / 1e9
+
+
+def du_bytes(path: str) -> int:
+    """The bytes ``path`` takes on disk (``du``: blocks allocated, holes not counted)."""
+    out = subprocess.run(["du", "-s", "--block-size=1", path], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
+
+
+def nvme_bytes(rep: Report) -> tuple[int, int]:
+    """(bytes read from NVMe, bytes written to NVMe) so far, from a :class:`~tiermem.Report`."""
+    read = sum(n for (src, dst), n in rep.bytes_moved.items() if src is Tier.NVME and dst is not Tier.NVME)
+    written = sum(n for (src, dst), n in rep.bytes_moved.items() if dst is Tier.NVME and src is not Tier.NVME)
+    return read, written
 
 
 class RssSampler:

@@ -51,13 +51,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from bench._common import run_again, token_batches
-from examples.gpt import GPT, PRESETS, config_from_args, lm_loss
-from tiermem import AdamW, Budgets, Tier, TieredModel, TierMemError
+from bench._common import at_most, run_again, tiered, timed_iteration, token_batches
+from examples.gpt import GPT, PRESETS, config_from_args
+from tiermem import Budgets, Tier, TieredModel, TierMemError
 from tiermem.errors import fmt_bytes
 from tiermem.policies import Auto, KeepOnDevice, ZeroInfinity, ZeroOffload
 
-LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 SETTINGS = ("roomy", "device short", "host short")
 # The built-ins run by default: the one with Auto's layout where there is one (roomy: everything on
 # the device), ZeroOffload() (the default placement), and the one that did best in the runs of
@@ -94,30 +93,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build(cfg, policy, device, bucket, budgets=None, nvme_dir=None) -> TieredModel:
     torch.manual_seed(0)
-    return TieredModel(
+    return tiered(
         GPT(cfg),
         policy,
-        optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
-        precision="bf16",
-        grad_clip=CLIP,
         device=device,
         budgets=budgets,
         nvme_dir=nvme_dir,
         bucket_size=bucket,
     )
-
-
-def iteration(tm: TieredModel, x, y, device) -> tuple[float, float]:
-    """Seconds of forward+backward and of the whole iteration."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    tm.backward(lm_loss(tm(x), y))
-    sync()
-    t1 = time.perf_counter()
-    tm.step()
-    sync()
-    return t1 - t0, time.perf_counter() - t0
 
 
 def builtins() -> dict[str, object]:
@@ -144,7 +127,7 @@ def warm_up_process(device, bucket) -> None:
     tm = build(cfg, ZeroOffload(), device, bucket)
     for _ in range(2):
         b = torch.randint(cfg.vocab_size, (2, cfg.block_size + 1), device=device)
-        iteration(tm, b[:, :-1], b[:, 1:], device)
+        timed_iteration(tm, b[:, :-1], b[:, 1:], device)
     tm.detach()
 
 
@@ -153,7 +136,7 @@ def run_one(args, cfg, device, batches) -> dict:
     warm_up_process(device, args.bucket_size)
     if args.one == "base":
         tm = build(cfg, ZeroOffload(), device, args.bucket_size)
-        fb = [iteration(tm, b[:, :-1], b[:, 1:], device)[0] for b in batches][args.warmup :]
+        fb = [timed_iteration(tm, b[:, :-1], b[:, 1:], device).forward_backward for b in batches][args.warmup :]
         rep = tm.report()
         dev0, host0 = rep.peak_bytes[Tier.DEVICE], rep.peak_bytes.get(Tier.HOST, 0)
         act = dev0 - sum(
@@ -179,7 +162,7 @@ def run_one(args, cfg, device, batches) -> dict:
         times = []
         try:
             for i, b in enumerate(batches):
-                _, t = iteration(tm, b[:, :-1], b[:, 1:], device)
+                t = timed_iteration(tm, b[:, :-1], b[:, 1:], device).whole
                 if i >= args.warmup:
                     times.append(t)
         except TierMemError as e:  # e.g. activations past a tight device budget: it does not fit
@@ -303,7 +286,7 @@ def main() -> int:
         if vs_best is not None:
             print(
                 f"{setting:<13} Auto / best built-in that fits ({best_name}): {vs_best:5.2f}x "
-                f"(target <= 1.05x: {'met' if vs_best <= 1.05 else 'NOT met'})"
+                f"({at_most(vs_best, 1.05)})"
             )
     return 0
 

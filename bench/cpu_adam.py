@@ -24,22 +24,20 @@ fresh TORCHINDUCTOR_CACHE_DIR avoids) is timed. The ratios against the targets c
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench._common
+
+from bench._common import fastest_of, parse_count
 from tiermem.optim import adam_step, compile_seconds, implementation
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 BYTES_BF16_IN_OUT = 2 + 12 + 12 + 2  # per parameter: the floor of the bf16-in/bf16-out update
-
-
-def parse_count(text: str) -> int:
-    """'100M', '1.5e8', '2G' or a plain integer (decimal multiples: this counts parameters)."""
-    t = text.strip().upper()
-    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -167,12 +165,7 @@ def main() -> None:
 
     probes = bandwidth_probes(master, exp_avg, exp_avg_sq, grad16, out16)
     timed_fns = {**contenders, **{k: fn for k, (_, fn) in probes.items()}}
-    for fn in timed_fns.values():  # one untimed call each: page faults, lazy state, thread pools
-        fn()
-    best = {k: float("inf") for k in timed_fns}
-    for _ in range(args.repeat):  # interleaved rounds: drift and other work hit everyone alike
-        for k, fn in timed_fns.items():
-            best[k] = min(best[k], timed(fn))
+    best = fastest_of(timed_fns, args.repeat)
     bw = {k: nbytes * n / best[k] for k, (nbytes, _) in probes.items()}
     floor = max(bw.values()) / BYTES_BF16_IN_OUT
 

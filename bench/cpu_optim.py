@@ -33,11 +33,16 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench._common
+
+from bench._common import fastest_of, parse_count
 from tiermem.optim import (
     CPUSGD,
     CPUAdafactor,
@@ -62,25 +67,7 @@ BF16 = torch.bfloat16
 ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 
-def parse_count(text: str) -> int:
-    t = text.strip().upper()
-    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
-
-
 CLOCK = time.perf_counter
-
-
-def best_of(fns: dict[str, Callable[[], None]], repeat: int) -> dict[str, float]:
-    for fn in fns.values():  # one untimed call each: page faults, lazy state, builds
-        fn()
-    best = {k: math.inf for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            t0 = CLOCK()
-            fn()
-            best[k] = min(best[k], CLOCK() - t0)
-    return best
 
 
 def kernels(n: int) -> tuple[dict[str, Callable[[], None]], dict[str, str], dict[str, int]]:
@@ -355,7 +342,7 @@ def main() -> None:
     rate: dict[str, float] = {}
     if not args.dropins_only:
         fns, floors, sizes = kernels(n)
-        best = best_of(fns, args.repeat)
+        best = fastest_of(fns, args.repeat, CLOCK)
         rate = {k: sizes.get(k, n) / t for k, t in best.items()}
         width = max(len(k) for k in fns) + 2
         print(f"\n{'kernel (bf16 grad in, bf16 out)':<{width}} Gparam/s   ms/step   (fastest of {args.repeat})")
@@ -363,7 +350,7 @@ def main() -> None:
             print(f"{k:<{width}} {rate[k] / 1e9:8.3f}  {best[k] * 1e3 * n / sizes.get(k, n):8.1f}")
 
     steps, pairs, floor_pairs = dropins(count, numel)
-    best_d = best_of(steps, args.repeat)
+    best_d = fastest_of(steps, args.repeat, CLOCK)
     width_d = max(len(k) for k in steps) + 2
     print(f"\n{'drop-in (fp32 parameters)':<{width_d}} ms/step")
     for k in steps:

@@ -22,7 +22,6 @@ import argparse
 import os
 import re
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
+from bench._common import free_port
 from examples.gpt import GPT, add_model_args, config_from_args, lm_loss
 from tiermem import AdamW, PerClass, TensorClass, Tier, TieredModel
 from tiermem.errors import fmt_bytes
@@ -213,11 +213,8 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="tiermem-dcp-bench-", dir=args.dir or "/tmp")
     if args.policy == "state-on-nvme":
         os.mkdir(os.path.join(root, "nvme"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     try:
-        mp.start_processes(worker, args=(args, port, root), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(worker, args=(args, free_port(), root), nprocs=WORLD, start_method="spawn")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

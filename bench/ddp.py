@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -41,28 +40,29 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from bench._common import token_batches
+from bench._common import (
+    BETAS,
+    CLIP,
+    DATA_PARALLEL_GPT,
+    LR,
+    WD,
+    at_most,
+    free_port,
+    tiered as tiered_model,
+    token_batches,
+)
 from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args as build_config, lm_loss
-from tiermem import AdamW, TensorClass, Tier, TieredModel
+from tiermem import TensorClass, Tier, TieredModel
 from tiermem.errors import fmt_bytes
 from tiermem.policies import ZeroOffload
 
 WORLD = 2
-LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 FULL_REPLICA = 12  # B/param of mixed-precision Adam state: fp32 master weights, exp_avg, exp_avg_sq
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(
-        p,
-        preset="small",
-        n_layer=6,
-        n_embd=384,
-        batch_size=16,
-        seq_len=128,
-        batch_help=f"global batch, split over the {WORLD} ranks",
-    )
+    add_model_args(p, **DATA_PARALLEL_GPT, batch_help=f"global batch, split over the {WORLD} ranks")
     p.add_argument("--steps", type=int, default=20, help="measured steps per setup")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per setup first")
     p.add_argument("--bucket-size", default="32MiB", help="TieredModel bucket_size")
@@ -112,14 +112,7 @@ def ddp_zero(cfg: GPTConfig) -> tuple[Callable, Callable[[], int], str]:
 
 
 def tiered(cfg: GPTConfig, bucket_size: str) -> tuple[Callable, TieredModel]:
-    tm = TieredModel(
-        make_model(cfg),
-        ZeroOffload(),
-        optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
-        precision="bf16",
-        grad_clip=CLIP,
-        bucket_size=bucket_size,
-    )
+    tm = tiered_model(make_model(cfg), ZeroOffload(), bucket_size=bucket_size)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(tm(x), y)
@@ -223,19 +216,10 @@ def run(rank: int, args: argparse.Namespace) -> None:
 
     ratio = med["tiermem"] / med["DDP+ZeRO"]
     print("\n== ratios ==")
-    print(
-        f"tiermem step / DDP+ZeRO step:                          {ratio:5.2f}x  (target <= 1.10x: "
-        f"{'met' if ratio <= 1.10 else 'NOT met'})"
-    )
+    print(f"tiermem step / DDP+ZeRO step:                          {ratio:5.2f}x  ({at_most(ratio, 1.10)})")
     print(f"tiermem / DDP+ZeRO, best steps:                        {best['tiermem'] / best['DDP+ZeRO']:5.2f}x")
     for name in variants:
         print(f"optimizer state per rank / full replica, {name + ':':<9}     {max(state[name]) / full:5.2f}x")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:

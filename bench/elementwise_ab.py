@@ -13,11 +13,16 @@ from __future__ import annotations
 import argparse
 import ctypes
 import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench._common
+
+from bench._common import fastest_of
 from tiermem.optim import StochasticRound
 from tiermem.optim.adam_hyper import AdamHyper
 from tiermem.optim.hypers import adam_scalars
@@ -86,14 +91,7 @@ def main() -> None:
         fns[f"floor 20 B bf16 master [{tag}]"] = lambda lib=lib, m=m16, a=s0, b=s1: lib.tm_streams(
             n, P(m), 1, P(a), P(b), P(grad), 1, P(out), 1, keys, 1
         )
-    for fn in fns.values():
-        fn()
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(args.repeat):
-        for k, fn in fns.items():
-            t0 = time.thread_time()
-            fn()
-            best[k] = min(best[k], time.thread_time() - t0)
+    best = fastest_of(fns, args.repeat, time.thread_time)
     print(f"{n / 1e6:.0f}M parameters, 1 thread, CPU time, fastest of {args.repeat}; base = {args.base}")
     for k, t in best.items():
         print(f"  {k:<36} {t * 1e3:8.1f} ms")

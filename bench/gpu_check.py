@@ -43,15 +43,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt and tiermem from the tree
 
+from bench._common import BETAS, CLIP, LR, WD, sync, tiered, torch_adamw
 from examples.gpt import GPT, GPTConfig, lm_loss
-from tiermem import AdamW, Tier, TieredModel
+from tiermem import Tier
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.optim import adam_step
 from tiermem.policies import ZeroOffload
 from tiermem.transfer.engine import TransferEngine
-
-LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
-
 
 PARTS = ("copies", "cpu_adam", "step")
 VARIANTS = ("plain", "zero_offload", "zero_offload_overlap")
@@ -80,11 +78,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.batch_size, a.seq_len, a.n_layer, a.n_embd, a.steps, a.warmup = 2, 32, 2, 64, 2, 2
         a.copy_mib, a.copies, a.adam_params = 4, 3, 1_000_000
     return a
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # -- 1. copies ---------------------------------------------------------------------------------
@@ -203,7 +196,7 @@ def step(args, device: torch.device, variant: str) -> dict[str, float]:
     tm = None
     if variant == "plain":
         model.to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, fused=True)
+        opt = torch_adamw(model.parameters(), fused=True)
 
         def run(x, y) -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -213,12 +206,9 @@ def step(args, device: torch.device, variant: str) -> dict[str, float]:
             opt.step()
             opt.zero_grad(set_to_none=True)
     else:
-        tm = TieredModel(
+        tm = tiered(
             model,
             ZeroOffload(),
-            optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
-            precision="bf16",
-            grad_clip=CLIP,
             device=device,
             bucket_size="64MiB",
             overlap_step=variant == "zero_offload_overlap",

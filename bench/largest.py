@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.nvme_step import rss_gb, windowed_stack
+from bench._common import du_bytes, rss_gb
+from bench.nvme_step import windowed_stack
 from tiermem import (
     AdamW,
     AdamW8bit,
@@ -105,11 +105,6 @@ def disk_per_param(args: argparse.Namespace) -> float:
         TensorClass.ACTIVATION: Tier.DEVICE,
     }
     return tier_bytes(layer, "bf16", placement, state=fmt)[Tier.NVME] / layer
-
-
-def du_bytes(path: str) -> int:
-    out = subprocess.run(["du", "-s", "--block-size=1", path], capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0])
 
 
 def available_ram() -> int:

@@ -35,34 +35,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RssSampler
+from bench._common import RssSampler, cpu_seconds, du_bytes, llama_config, nvme_bytes, rss_gb
 from bench._fio import faster_after, read_write
-from bench.largest import du_bytes
-from bench.nvme_step import nvme_bytes, rss_gb
 from tiermem import AdamW8bit, Budgets, TieredModel, parse_bytes
 from tiermem.policies import ZeroInfinity
 
 GB = 1e9
 
 
-def cpu_seconds() -> float:
-    """The process's CPU time so far, every thread, user and system."""
-    t = os.times()
-    return t.user + t.system
-
-
 def llama(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        vocab_size=args.vocab,
+    config = llama_config(
+        hidden=args.hidden,
+        layers=args.layers,
+        intermediate=args.intermediate,
+        heads=args.heads,
+        vocab=args.vocab,
         max_position_embeddings=max(args.seq, 2048),
-        tie_word_embeddings=False,
     )
     with torch.device("meta"):
         return LlamaForCausalLM(config)

@@ -19,11 +19,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench._common
+
+from bench._common import interleaved_times
 from tiermem.optim.adam_hyper import AdamHyper
 from tiermem.optim.hypers import adam_scalars
 from tiermem.optim.kernels import compiled as _compiled, dispatch as _run, native as _native
@@ -108,18 +113,6 @@ def bits(compiled: _compiled.CompiledAdam) -> int:
     return max(worst, disagree)
 
 
-def _median_times(fns: dict[str, Callable[[], None]], repeat: int, clock: Callable[[], float]) -> dict[str, float]:
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            t0 = clock()
-            fn()
-            times[k].append(clock() - t0)
-    return {k: statistics.median(t) for k, t in times.items()}
-
-
 def speed(compiled: _compiled.CompiledAdam, n: int, repeat: int) -> list[tuple[str, float]]:
     grad, out = (torch.randn(n) * 1e-3).to(BF16), torch.empty(n, dtype=BF16)
     master, m, v = torch.randn(n), torch.randn(n) * 1e-3, torch.rand(n) * 1e-6
@@ -134,7 +127,7 @@ def speed(compiled: _compiled.CompiledAdam, n: int, repeat: int) -> list[tuple[s
             "compiled check": lambda: compiled.any_nonfinite(grad),
             "native check": lambda: _native.any_nonfinite(grad),
         }
-        t = _median_times(fns, repeat, clock)
+        t = {k: statistics.median(v) for k, v in interleaved_times(fns, repeat, clock).items()}
         print(f"  {threads} thread(s), {what}, median of {repeat}, {n / 1e6:.0f}M params bf16 grad -> bf16 out:")
         for k, s in t.items():
             print(f"    {k:<16} {s * 1e3:8.1f} ms")

@@ -67,10 +67,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples
 
-from bench._common import peak_rss, run_again
+from bench._common import at_most, nvme_bytes, run_again
 from bench._fio import sequential_bandwidth
 from examples.nvme_offload import OptimStateOnNvme
-from tiermem import AdamW, AdamW8bit, Report, Tier, TieredModel, parse_bytes
+from tiermem import AdamW, AdamW8bit, TieredModel, parse_bytes
 from tiermem.errors import fmt_bytes
 from tiermem.optim import StochasticRound, adam8bit_step, adam_step, quantize_blockwise, warm_up
 from tiermem.policies import ZeroInfinity
@@ -105,10 +105,6 @@ def windowed_stack(width: int, depth: int) -> LinearStack:
     return model
 
 
-def rss_gb() -> float:
-    return peak_rss() / GB
-
-
 @dataclass
 class Setup:
     name: str
@@ -126,13 +122,6 @@ class Setup:
     report: str = ""
 
     SERIES = ("fwd_bwd", "step", "stall_fwd_bwd", "stall_step", "read", "written", "read_fwd_bwd", "fios")
-
-
-def nvme_bytes(rep: Report) -> tuple[int, int]:
-    """(bytes read from NVMe, bytes written to NVMe) so far."""
-    read = sum(n for (src, dst), n in rep.bytes_moved.items() if src is Tier.NVME and dst is not Tier.NVME)
-    written = sum(n for (src, dst), n in rep.bytes_moved.items() if dst is Tier.NVME and src is not Tier.NVME)
-    return read, written
 
 
 def run_step(s: Setup, x: torch.Tensor, record: bool) -> str:
@@ -402,11 +391,7 @@ def main() -> int:
     for kind in ("serial", "mixed", "overlapped"):
         for s in setups:
             ratio = ratio_of(s, kind)
-            target = (
-                f"  (target <= 1.15x: {'met' if ratio <= 1.15 else 'NOT met'})"
-                if s is setups[0] and kind == "serial"
-                else ""
-            )
+            target = f"  ({at_most(ratio, 1.15)})" if s is setups[0] and kind == "serial" else ""
             print(f"{s.name + ':':<28} tm.step() / floor, {kind + ' I/O':<15}{ratio:5.2f}x{target}")
     for s in setups:
         ratio = med([a + b for a, b in zip(s.fwd_bwd, s.step)]) / (compute + floor[s.name])

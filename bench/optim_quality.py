@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tiermem
+from bench._common import llama_config
 from examples.gpt import GPT, GPTConfig, lm_loss, load_tokens
 from examples.train_gpt import get_batch, lr_factor
 from tiermem import TieredModel
@@ -81,15 +82,14 @@ def llama_model(vocab: int) -> tuple[torch.nn.Module, int]:
     import transformers
 
     seq = SEQ
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    cfg = llama_config(
+        hidden=64,
+        layers=2,
+        intermediate=128,
+        heads=4,
+        kv_heads=2,
+        vocab=vocab,
         max_position_embeddings=seq,
-        tie_word_embeddings=False,
         use_cache=False,
     )
     return transformers.LlamaForCausalLM(cfg), seq

@@ -36,9 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RssSampler
+from bench._common import RssSampler, llama_config, nvme_bytes
 from bench._fio import faster_after, read_write
-from bench.nvme_step import nvme_bytes
 from tiermem import AdamW8bit, Budgets, from_pretrained
 from tiermem.policies import ZeroInfinity
 
@@ -77,7 +76,7 @@ def main() -> int:
     p.add_argument("--fio-size", default="2GiB")
     p.add_argument("--dir", default=None, help="where to work (default: the current directory)")
     args = p.parse_args()
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     where = args.dir or os.getcwd()
     bw = read_write(where, args.fio_size, name="roundtrip")
@@ -86,14 +85,13 @@ def main() -> int:
     os.makedirs(nvme)
     rss = RssSampler().__enter__()
     try:
-        config = LlamaConfig(
-            hidden_size=args.hidden,
-            intermediate_size=args.intermediate,
-            num_hidden_layers=args.layers,
-            num_attention_heads=args.heads,
-            num_key_value_heads=args.kv_heads,
-            vocab_size=args.vocab,
-            tie_word_embeddings=False,
+        config = llama_config(
+            hidden=args.hidden,
+            layers=args.layers,
+            intermediate=args.intermediate,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            vocab=args.vocab,
         )
         torch.manual_seed(0)
         hf = LlamaForCausalLM(config).to(torch.bfloat16)

@@ -26,21 +26,18 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from bench._common import run_again, token_batches
-from examples.gpt import GPT, add_model_args, config_from_args, lm_loss
-from tiermem import AdamW, TieredModel
+from bench._common import run_again, tiered, timed_iteration, token_batches
+from examples.gpt import GPT, add_model_args, config_from_args
 from tiermem.plan import cost
 from tiermem.plan.profile import Profile, load_profile
 from tiermem.policies import ZeroOffload
 
-LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 # Nominal figures for a GPU machine when no --gpu-profile is given: PCIe 5 x16 pinned copies as
 # commonly measured, and torch's fused AdamW on HBM3 at about half its 3.35 TB/s over 28 B/param.
 NOMINAL_GPU = dict(h2d=25e9, d2h=25e9, device_adam=60e9)
@@ -73,45 +70,24 @@ def machine_profile(path: str | None) -> Profile:
     return Profile(collect(QUICK, None, quick=True))
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_one(args) -> dict:
     """The variant ``device_fraction=args.one``, the only model of this process: its timings, and
     the cost model's predictions for its layout (here, and on a GPU when ``--gpu-rates``)."""
     device = torch.device(args.device)
     cfg = config_from_args(args)
     torch.manual_seed(0)
-    tm = TieredModel(
-        GPT(cfg),
-        ZeroOffload(device_fraction=args.one),
-        optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
-        precision="bf16",
-        grad_clip=CLIP,
-        device=device,
-        bucket_size=args.bucket_size,
-    )
+    tm = tiered(GPT(cfg), ZeroOffload(device_fraction=args.one), device=device, bucket_size=args.bucket_size)
     batches = token_batches(args.vocab_size, args.batch_size, args.seq_len, args.warmup + args.steps, device=device)
     fb: list[float] = []
     st: list[float] = []
     for i, b in enumerate(batches):
-        x, y = b[:, :-1], b[:, 1:]
-        sync(device)
-        t0 = time.perf_counter()
-        tm.backward(lm_loss(tm(x), y))
-        sync(device)
-        t1 = time.perf_counter()
-        tm.step()
-        sync(device)
-        t2 = time.perf_counter()
+        took = timed_iteration(tm, b[:, :-1], b[:, 1:], device)
         if i >= args.warmup:
-            fb.append(t1 - t0)
-            st.append(t2 - t1)
+            fb.append(took.forward_backward)
+            st.append(took.step)
         print(
-            f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1:2d}: f={args.one:g} {1e3 * (t1 - t0):7.1f} + "
-            f"{1e3 * (t2 - t1):6.1f} ms",
+            f"{'warm-up' if i < args.warmup else 'step':>7} {i + 1:2d}: f={args.one:g} "
+            f"{1e3 * took.forward_backward:7.1f} + {1e3 * took.step:6.1f} ms",
             file=sys.stderr,
             flush=True,
         )

@@ -42,14 +42,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt
 
-from bench._common import run_again, token_batches
+from bench._common import (
+    CLIP,
+    at_most,
+    llama_config,
+    run_again,
+    sync,
+    tiered as tiered_model,
+    token_batches,
+    torch_adamw,
+)
 from examples.gpt import GPT, GPTConfig, add_model_args, config_from_args as build_config, lm_loss
-from tiermem import AdamW, TensorClass, Tier, TieredModel
+from tiermem import TensorClass, Tier, TieredModel
 from tiermem.config.budgets import parse_bytes
 from tiermem.errors import fmt_bytes
 from tiermem.policies import KeepOnDevice, ZeroOffload
-
-LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,18 +80,16 @@ LLAMAS = {"374m": (1024, 24, 2816), "1b": (2048, 18, 5504), "1.3b": (2048, 24, 5
 
 
 def llama_model(size: str, seq_len: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     hidden, layers, inter = LLAMAS[size]
-    cfg = LlamaConfig(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        intermediate_size=inter,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 64,
-        vocab_size=32000,
+    cfg = llama_config(
+        hidden=hidden,
+        layers=layers,
+        intermediate=inter,
+        heads=hidden // 64,
+        vocab=32000,
         max_position_embeddings=seq_len,
-        tie_word_embeddings=False,
     )
     torch.manual_seed(0)  # the same initial weights for every variant
     return LlamaForCausalLM(cfg)
@@ -102,7 +107,7 @@ def llama_variant(args: argparse.Namespace) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     batches = token_batches(32000, args.batch_size, args.seq_len, args.warmup + args.steps, device=device)
     if args.only == "torch":
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, fused=True)
+        opt = torch_adamw(model.parameters(), fused=True)
 
         def forward(x, y):
             with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -115,15 +120,7 @@ def llama_variant(args: argparse.Namespace) -> dict:
             plain_update(model, opt)
 
     else:
-        tm = TieredModel(
-            model,
-            policy=ZeroOffload(),
-            optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
-            precision="bf16",
-            grad_clip=CLIP,
-            device=device,
-            bucket_size=args.bucket_size,
-        )
+        tm = tiered_model(model, ZeroOffload(), device=device, bucket_size=args.bucket_size)
 
         def forward(x, y):
             return tm(input_ids=x, labels=y).loss
@@ -138,8 +135,7 @@ def llama_variant(args: argparse.Namespace) -> dict:
         backward(loss)
         t2 = time.perf_counter()
         update()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         steps.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
     out: dict = {"n_params": n_params, "steps": steps[args.warmup :]}
     if args.only != "torch":
@@ -185,7 +181,7 @@ def llama_main(args: argparse.Namespace) -> int:
         print(f"  {name:>12}: {med[name]:.3f} s  ({' / '.join(f'{v:.3f}' for v in part[name])})")
     ratio = med["zero-offload"] / med["torch"]
     print("\n== ratios ==")
-    print(f"zero-offload step / plain torch step:      {ratio:5.2f}x  (target <= 1.05x: {'met' if ratio <= 1.05 else 'NOT met'})")  # fmt: skip
+    print(f"zero-offload step / plain torch step:      {ratio:5.2f}x  ({at_most(ratio, 1.05)})")  # fmt: skip
     return 0
 
 
@@ -204,7 +200,7 @@ def plain_update(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
 def plain_torch(cfg: GPTConfig, device: torch.device) -> tuple[Callable, Callable[[], int]]:
     """The loop a user writes without tiermem. Returns (step function, bytes of model state)."""
     model = make_model(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, fused=True)
+    opt = torch_adamw(model.parameters(), fused=True)
     grad_bytes = [0]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -223,15 +219,7 @@ def plain_torch(cfg: GPTConfig, device: torch.device) -> tuple[Callable, Callabl
 
 
 def tiered(cfg: GPTConfig, device: torch.device, policy, bucket_size: str) -> tuple[Callable, TieredModel]:
-    tm = TieredModel(
-        make_model(cfg),
-        policy=policy,
-        optimizer=AdamW(lr=LR, betas=BETAS, weight_decay=WD),
-        precision="bf16",
-        grad_clip=CLIP,
-        device=device,
-        bucket_size=bucket_size,
-    )
+    tm = tiered_model(make_model(cfg), policy, device=device, bucket_size=bucket_size)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         tm.backward(lm_loss(tm(x), y))
@@ -241,12 +229,10 @@ def tiered(cfg: GPTConfig, device: torch.device, policy, bucket_size: str) -> tu
 
 
 def timed(step: Callable, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     t0 = time.perf_counter()
     step(x, y)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     return time.perf_counter() - t0
 
 
@@ -317,10 +303,7 @@ def main() -> int:
     act = rep.class_peak_bytes.get((TensorClass.ACTIVATION, Tier.DEVICE), 0)
     ratio = med["zero-offload"] / med["torch"]
     print("\n== ratios ==")
-    print(
-        f"zero-offload step / plain torch step:      {ratio:5.2f}x  (target <= 1.15x: "
-        f"{'met' if ratio <= 1.15 else 'NOT met'})"
-    )
+    print(f"zero-offload step / plain torch step:      {ratio:5.2f}x  ({at_most(ratio, 1.15)})")
     print(f"zero-offload / plain torch, best steps:    {best['zero-offload'] / best['torch']:5.2f}x")
     print(f"keep-on-device step / plain torch step:    {med['keep-on-device'] / med['torch']:5.2f}x")
     print(f"zero-offload step / keep-on-device step:   {med['zero-offload'] / med['keep-on-device']:5.2f}x")

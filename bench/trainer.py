@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
+from bench._common import free_port
 from tiermem import AdamW, TieredModel
 from tiermem.integrations.transformers import TieredTrainer
 
@@ -152,10 +152,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.ranks == 1:
         return measure(a)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(rank_main, args=(a, port), nprocs=a.ranks)
+    torch.multiprocessing.spawn(rank_main, args=(a, free_port()), nprocs=a.ranks)
     return 0
 
 

@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench.zero3
 
+from bench._common import llama_config
 from bench.zero3 import WeightsOnHost, spawn
 from tiermem import AdamW, TensorClass, Tier, TieredModel
 from tiermem.policies import ZeroInfinity
@@ -73,13 +74,12 @@ def lora_model(args: argparse.Namespace) -> torch.nn.Module:
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 8 // 3,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+    cfg = llama_config(
+        hidden=args.hidden,
+        layers=args.layers,
+        intermediate=args.hidden * 8 // 3,
+        heads=4,
+        vocab=args.vocab,
         max_position_embeddings=args.seq_len,
         use_cache=False,
     )

@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples.gpt and bench.zero3
 
-from bench._common import peak_rss
-from bench.zero3 import CLIP, SETUPS, batches, fsdp2_parts, spawn, tiermem_model
+from bench._common import CLIP, DATA_PARALLEL_GPT, peak_rss
+from bench.zero3 import SETUPS, batches, fsdp2_parts, spawn, tiermem_model
 from examples.gpt import GPT, add_model_args, config_from_args, lm_loss
 from tiermem import Tier
 
@@ -278,7 +278,7 @@ def _mib(d: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(p, preset="small", n_layer=6, n_embd=384, batch_size=16, seq_len=128)
+    add_model_args(p, **DATA_PARALLEL_GPT)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--bucket-size", default="4MiB")
     p.add_argument(

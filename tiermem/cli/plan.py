@@ -39,6 +39,22 @@ def add_parser(sub: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_model_args(p)
+    _add_choice_args(p)
+    _add_capacity_args(p)
+    _add_ranks_args(p)
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="write the plan as JSON to FILE (stdout when FILE is omitted or '-')",
+    )
+    p.set_defaults(run=run)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """What model to size: exactly one of a count, a factory or a config."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", metavar="N", help="number of parameters, e.g. 7.5e9, 7.5B or 125M")
     src.add_argument(
@@ -47,6 +63,10 @@ def add_parser(sub: Any) -> None:
         help="a function (or nn.Module) to count; built on the meta device, no memory used",
     )
     src.add_argument("--config", metavar="CONFIG.JSON", help="a Hugging Face style config.json")
+
+
+def _add_choice_args(p: argparse.ArgumentParser) -> None:
+    """Which precisions and policies to show, and what ``--policy auto`` times a step by."""
     p.add_argument(
         "--precision",
         choices=PRECISION_CHOICES,
@@ -74,6 +94,10 @@ def add_parser(sub: Any) -> None:
         help="with --policy auto, without --forward-backward: the tokens of one step (batch x sequence "
         "x micro-batches), to predict forward and backward at the precision's matmul rate",
     )
+
+
+def _add_capacity_args(p: argparse.ArgumentParser) -> None:
+    """Each tier's capacity, where the default (this machine's) is not wanted."""
     p.add_argument(
         "--device-mem",
         metavar="SIZE",
@@ -89,6 +113,10 @@ def add_parser(sub: Any) -> None:
         metavar="DIR",
         help="where NVMe offload would write, for the default --nvme-free (default: .)",
     )
+
+
+def _add_ranks_args(p: argparse.ArgumentParser) -> None:
+    """Data parallelism: the bytes shown are one rank's."""
     p.add_argument(
         "--ranks",
         type=int,
@@ -103,14 +131,6 @@ def add_parser(sub: Any) -> None:
         help="with --ranks: weights on the device sharded over the ranks too (TieredModel(..., "
         "shard_weights=True)); without it they are whole on every rank",
     )
-    p.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        metavar="FILE",
-        help="write the plan as JSON to FILE (stdout when FILE is omitted or '-')",
-    )
-    p.set_defaults(run=run)
 
 
 def _model_size(args: argparse.Namespace) -> ModelSize:
@@ -227,6 +247,14 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
     if plan["note"]:
         con.print(f"  {plan['note']}")
     precs = list(plan["precisions"])
+    con.print(_classes_table(plan, precs))
+    con.print(_policies_table(plan, precs))
+    _render_state_options(con, plan, precs)
+    _render_notes(con, plan, origin)
+
+
+def _classes_table(plan: dict[str, Any], precs: list[str]) -> Table:
+    """Bytes per parameter and in all of each tensor class, one pair of columns per precision."""
     classes = Table(title="Training state by tensor class (Adam)", title_justify="left")
     classes.add_column("part")
     for prec in precs:
@@ -239,9 +267,12 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
             row.append(str(sum(per.values()) if part == "total" else per[part]))
             row.append(_common.fmt_size(plan["precisions"][prec]["state_bytes"][part]))
         classes.add_row(*row, style="bold" if part == "total" else None)
-    con.print(classes)
+    return classes
 
-    lim = plan["limits"]
+
+def _policies_table(plan: dict[str, Any], precs: list[str]) -> Table:
+    """Bytes on each tier per (policy, precision) under a row of the tiers' capacities, and whether
+    they fit."""
     per_rank = (
         f", per rank of {plan['ranks']} data-parallel ranks"
         + (" (device weights sharded too)" if plan["shard_weights"] else "")
@@ -260,30 +291,42 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
         ("fits?", "left"),
     ):
         tiers.add_column(col, justify=just)  # type: ignore[arg-type]  # rich wants a Literal: these are
+    tiers.add_row("[dim]capacity[/]", "", *(f"[dim]{c}[/]" for c in _capacities(plan["limits"])), "")
+    for name in next(iter(plan["precisions"].values()))["policies"]:
+        for prec in precs:
+            tiers.add_row(name, prec, *_tier_cells(plan["precisions"][prec]["policies"][name]))
+    return tiers
+
+
+def _capacities(lim: dict[str, Any]) -> list[str]:
+    """The device, host and NVMe capacities as the tier table's first row shows them."""
     caps = [_common.fmt_size(lim[f"{t}_bytes"]) for t in ("device", "host", "nvme")]
     if lim["device_shares_host"]:
         caps[0] = "in host RAM" if lim["device_bytes"] >= lim["host_bytes"] else f"{caps[0]} of host RAM"
         caps[1] += " (with device)"
-    tiers.add_row("[dim]capacity[/]", "", *(f"[dim]{c}[/]" for c in caps), "")
-    for name in next(iter(plan["precisions"].values()))["policies"]:
-        for prec in precs:
-            e = plan["precisions"][prec]["policies"][name]
-            cells = []
-            for t in ("device", "host", "nvme"):
-                b = e["tiers"][t]["bytes"]
-                text = _common.fmt_size(b) if b else "-"
-                if t == "device":
-                    text = f"{text} + act." if b else "act. only"
-                cells.append(f"[red]{text}[/]" if e["tiers"][t]["short_bytes"] else text)
-            if e["fits"]:
-                verdict = f"[green]yes[/], {_common.fmt_size(e['device_headroom_bytes'])} left for activations"
-            else:
-                verdict = "[red]no[/]: short " + ", ".join(
-                    f"{_common.fmt_size(v['short_bytes'])} on {t}" for t, v in e["tiers"].items() if v["short_bytes"]
-                )
-            tiers.add_row(name, prec, *cells, verdict)
-    con.print(tiers)
-    _render_state_options(con, plan, precs)
+    return caps
+
+
+def _tier_cells(e: dict[str, Any]) -> list[str]:
+    """One policy's row in one precision: its bytes on each tier (red where short), then the verdict."""
+    cells = []
+    for t in ("device", "host", "nvme"):
+        b = e["tiers"][t]["bytes"]
+        text = _common.fmt_size(b) if b else "-"
+        if t == "device":
+            text = f"{text} + act." if b else "act. only"
+        cells.append(f"[red]{text}[/]" if e["tiers"][t]["short_bytes"] else text)
+    if e["fits"]:
+        verdict = f"[green]yes[/], {_common.fmt_size(e['device_headroom_bytes'])} left for activations"
+    else:
+        verdict = "[red]no[/]: short " + ", ".join(
+            f"{_common.fmt_size(v['short_bytes'])} on {t}" for t, v in e["tiers"].items() if v["short_bytes"]
+        )
+    return [*cells, verdict]
+
+
+def _render_notes(con: Any, plan: dict[str, Any], origin: dict[str, str]) -> None:
+    """The footnotes: where each capacity came from, and what the tables count and leave out."""
     con.print(f"[dim]capacity: device: {origin['device']}; host: {origin['host']}; nvme: {origin['nvme']}.[/]")
     con.print(
         "[dim]grads: the class table counts them in the params' dtype (as autograd makes them on "
@@ -294,7 +337,7 @@ def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:
         "writes in flight); the host's copy of frozen weights; host buffers rounded up to whole "
         "pages (--policy auto counts all of these).[/]"
     )
-    if lim["device_shares_host"]:
+    if plan["limits"]["device_shares_host"]:
         con.print(
             "[dim]no accelerator: the device tier lives in host RAM, so device + host must fit "
             "in the host's capacity together.[/]"

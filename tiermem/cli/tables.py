@@ -28,20 +28,24 @@ def _tiers_table(data: dict[str, Any]) -> Table:
     )
     for col, just in (("tier", "left"), ("move", "left"), ("GB/s", "right"), ("cv", "right"), ("", "left")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]  # rich wants a Literal: these are
-    dev, host, nvme = data["device"], data["host"], data["nvme"]
-    if dev.get("accelerator"):
-        for suffix, kind in (("", "pinned"), ("_pageable", "pageable")):
-            for name, arrow in (("h2d", "host -> device"), ("d2h", "device -> host"), ("bidir", "both at once")):
-                key = f"{name}{suffix}_GBps"
-                if key in dev:
-                    t.add_row(
-                        "device",
-                        f"{arrow}, {kind}",
-                        f"{dev[key]:.2f}",
-                        _cv(data, dev, key, f"device.{key}"),
-                        dev["accelerator"] if (name, suffix) == ("h2d", "") else "",
-                    )
-    else:
+    _device_rows(t, data)
+    host = data["host"]
+    t.add_row(
+        "host",
+        f"copy_ {fmt_binary(host['copy_bytes'])}",
+        f"{host['copy_GBps']:.2f}",
+        _cv(data, host, "copy_GBps", "host.copy_GBps"),
+        "bytes copied per second",
+    )
+    _nvme_rows(t, data)
+    return t
+
+
+def _device_rows(t: Table, data: dict[str, Any]) -> None:
+    """The device's copies each way, pinned and pageable; without an accelerator, the host copies
+    that stand in for them."""
+    dev = data["device"]
+    if not dev.get("accelerator"):
         t.add_row(
             "device",
             "host -> device, device -> host",
@@ -56,13 +60,23 @@ def _tiers_table(data: dict[str, Any]) -> Table:
             _cv(data, dev, "bidir_GBps", "device.bidir_GBps"),
             "two host copies on two threads",
         )
-    t.add_row(
-        "host",
-        f"copy_ {fmt_binary(host['copy_bytes'])}",
-        f"{host['copy_GBps']:.2f}",
-        _cv(data, host, "copy_GBps", "host.copy_GBps"),
-        "bytes copied per second",
-    )
+        return
+    for suffix, kind in (("", "pinned"), ("_pageable", "pageable")):
+        for name, arrow in (("h2d", "host -> device"), ("d2h", "device -> host"), ("bidir", "both at once")):
+            key = f"{name}{suffix}_GBps"
+            if key in dev:
+                t.add_row(
+                    "device",
+                    f"{arrow}, {kind}",
+                    f"{dev[key]:.2f}",
+                    _cv(data, dev, key, f"device.{key}"),
+                    dev["accelerator"] if (name, suffix) == ("h2d", "") else "",
+                )
+
+
+def _nvme_rows(t: Table, data: dict[str, Any]) -> None:
+    """NvmeStore's writes and reads at its defaults, then buffered ones."""
+    nvme = data["nvme"]
     block, depth = fmt_binary(nvme["default_block_size_bytes"]), nvme["default_in_flight"]
     io = "direct" if nvme.get("direct") else f"[yellow]buffered: O_DIRECT {nvme['o_direct_why_not']}[/]"
     for op in ("write", "read"):
@@ -84,7 +98,6 @@ def _tiers_table(data: dict[str, Any]) -> Table:
             _cv(data, nvme, key, _sweep_path(data, False, op)),
             f"[dim]{note}[/]",
         )
-    return t
 
 
 def _sweep_path(data: dict[str, Any], asked_direct: bool, op: str) -> str:

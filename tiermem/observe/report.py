@@ -77,16 +77,29 @@ class Report:
         return self.bytes_moved.get((src, dst), 0) / busy / 1e9 if busy > 0 else 0.0
 
     def __str__(self) -> str:
-        lines = [
-            f"tiermem report: {self.steps} steps, {self.n_params:,} trainable parameters"
-            + (
-                f"; rank {self.rank} of {self.world}, {fmt_bytes(self.collective_bytes)} through collectives"
-                + (f" ({fmt_bytes(self.collective_bytes // self.steps)} per step)" if self.steps else "")
-                if self.world > 1
-                else ""
-            )
-        ]
-        lines.append(f"{'tier':<8}{'peak':>14}{'budget':>14}{'B/param':>10}   by class (peak)")
+        return "\n".join(
+            [
+                self._headline(),
+                *self._tier_lines(),
+                *self._moved_lines(),
+                *self._time_lines(),
+                *self._unforeseen_lines(),
+                *self._stage_lines(),
+            ]
+        )
+
+    def _headline(self) -> str:
+        """Steps, parameters and, under data parallelism, this rank and its collective bytes."""
+        return f"tiermem report: {self.steps} steps, {self.n_params:,} trainable parameters" + (
+            f"; rank {self.rank} of {self.world}, {fmt_bytes(self.collective_bytes)} through collectives"
+            + (f" ({fmt_bytes(self.collective_bytes // self.steps)} per step)" if self.steps else "")
+            if self.world > 1
+            else ""
+        )
+
+    def _tier_lines(self) -> list[str]:
+        """A row per tier used: its peak, budget, bytes per parameter and peak by class."""
+        lines = [f"{'tier':<8}{'peak':>14}{'budget':>14}{'B/param':>10}   by class (peak)"]
         for tier in Tier:
             if tier not in self.peak_bytes:
                 continue
@@ -100,28 +113,43 @@ class Report:
             lines.append(
                 f"{tier.value:<8}{fmt_bytes(self.peak_bytes[tier]):>14}{budget:>14}{per:>10.2f}   {classes or '-'}"
             )
+        return lines
+
+    def _moved_lines(self) -> list[str]:
+        """A row per pair of tiers bytes moved between: the bytes, their bandwidth, and by class."""
         moved = [(k, n) for k, n in self.bytes_moved.items() if n and k[0] != k[1]]
-        if moved:
-            lines.append(f"{'moved':<16}{'bytes':>14}{'GB/s':>10}   by class")
-            for (src, dst), n in sorted(moved, key=lambda kv: (kv[0][0].value, kv[0][1].value)):
-                classes = ", ".join(
-                    f"{c.value} {fmt_bytes(b)}"
-                    for (c, s, d), b in sorted(self.class_bytes_moved.items(), key=lambda kv: kv[0][0].value)
-                    if (s, d) == (src, dst) and b
-                )
-                lines.append(
-                    f"{src.value + '->' + dst.value:<16}{fmt_bytes(n):>14}{self.gbps(src, dst):>10.2f}"
-                    + (f"   {classes}" if classes else "")
-                )
+        if not moved:
+            return []
+        lines = [f"{'moved':<16}{'bytes':>14}{'GB/s':>10}   by class"]
+        for (src, dst), n in sorted(moved, key=lambda kv: (kv[0][0].value, kv[0][1].value)):
+            classes = ", ".join(
+                f"{c.value} {fmt_bytes(b)}"
+                for (c, s, d), b in sorted(self.class_bytes_moved.items(), key=lambda kv: kv[0][0].value)
+                if (s, d) == (src, dst) and b
+            )
+            lines.append(
+                f"{src.value + '->' + dst.value:<16}{fmt_bytes(n):>14}{self.gbps(src, dst):>10.2f}"
+                + (f"   {classes}" if classes else "")
+            )
+        return lines
+
+    def _time_lines(self) -> list[str]:
+        """Seconds stalled on transfers, in ``step()`` and in backward passes run again."""
         stalls = ", ".join(f"{t.value} {s:.3f}s" for t, s in self.stall_seconds_per_tier.items() if s)
-        lines.append(
+        lines = [
             f"stalled waiting on transfers: {self.stall_seconds:.3f}s"
             + (f" ({stalls})" if stalls else "")
             + (f"; time in step(): {self.step_seconds:.3f}s" if self.steps else "")
-        )
+        ]
         if self.backward_again[0]:
             n, secs = self.backward_again
             lines.append(f"update in backward: {n} second backward passes, {secs:.3f}s with their updates")
+        return lines
+
+    def _unforeseen_lines(self) -> list[str]:
+        """What tiermem did not foresee or could not place: weights fetched on demand, activations
+        left unmeasured."""
+        lines = []
         if self.weights_on_demand:
             top = sorted(self.weights_on_demand.items(), key=lambda kv: -kv[1])
             lines.append(
@@ -134,14 +162,18 @@ class Report:
                 "activations neither placed nor measured (tensor subclasses without __tensor_flatten__): "
                 + ", ".join(f"{k} x{n}" for k, n in sorted(self.activations_unplaced.items()))
             )
-        if self.stages:
-            lines.append(f"placement: {self.placement}")
-            lines.append(f"{'per step':<26}{'predicted':>12}{'measured':>12}")
-            for stage, (predicted, measured) in self.stages.items():
-                lines.append(f"{stage:<26}{predicted * 1e3:>10.1f}ms{measured * 1e3:>10.1f}ms")
-            p, m = (sum(v[i] for v in self.stages.values()) for i in (0, 1))
-            lines.append(f"{'step':<26}{p * 1e3:>10.1f}ms{m * 1e3:>10.1f}ms")
-        return "\n".join(lines)
+        return lines
+
+    def _stage_lines(self) -> list[str]:
+        """Seconds per step by stage, predicted beside measured, and their sums."""
+        if not self.stages:
+            return []
+        lines = [f"placement: {self.placement}", f"{'per step':<26}{'predicted':>12}{'measured':>12}"]
+        for stage, (predicted, measured) in self.stages.items():
+            lines.append(f"{stage:<26}{predicted * 1e3:>10.1f}ms{measured * 1e3:>10.1f}ms")
+        p, m = (sum(v[i] for v in self.stages.values()) for i in (0, 1))
+        lines.append(f"{'step':<26}{p * 1e3:>10.1f}ms{m * 1e3:>10.1f}ms")
+        return lines
 
 
 def collect(
