@@ -360,3 +360,13 @@ if __name__ == "__main__":
     text = page.read_text()
     page.write_text(text[: text.index(BEGIN)] + note_index() + text[text.index(END) + len(END) :])
     print(f"wrote the NOTE index of {page.relative_to(ROOT)} ({len(note_definitions())} NOTEs)")
+
+
+def test_every_bench_script_has_a_row_in_the_index():
+    """bench/README.md's index names every script in bench/ (what it measures, its anchor, the
+    command), so a new benchmark cannot be left out of it."""
+    index = (ROOT / "bench" / "README.md").read_text()
+    rows = set(re.findall(r"^\| `([\w.]+\.py)` \|", index, flags=re.M))
+    scripts = {p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_")}
+    assert scripts - rows == set(), f"bench scripts without a row in bench/README.md: {sorted(scripts - rows)}"
+    assert rows - scripts == set(), f"rows of bench/README.md naming no script: {sorted(rows - scripts)}"

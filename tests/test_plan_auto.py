@@ -137,7 +137,8 @@ def test_the_printed_bytes_are_what_the_constructor_checks(capsys, tmp_path):
         )
         == 0
     )
-    chosen = json.loads(capsys.readouterr().out)["auto"]["choices"][0]
+    auto = json.loads(capsys.readouterr().out)["auto"]
+    chosen = auto["choices"][0]
     printed = {Tier(t): n for t, n in chosen["bytes"].items()}
     assert printed[Tier.DEVICE] > 20_000 and printed[Tier.HOST] > 0, "the budgets must split the state"
     tm = TieredModel(
@@ -148,6 +149,13 @@ def test_the_printed_bytes_are_what_the_constructor_checks(capsys, tmp_path):
         precision="auto",
     )  # the plan's precision without --precision
     assert (tm.placement.chosen.label, dict(tm.placement.chosen.evaluation.need)) == (chosen["placement"], printed)
+    same = (
+        "buckets",
+        "trainable_params",
+        "homes",
+        "footprint",
+    )  # the plan the model was built from (NOTE [Plan, then build])
+    assert {k: auto["plan"][k] for k in same} == {k: tm.model_plan.summary()[k] for k in same}
     policy = tm.placement.chosen.policy
     tm.detach()
 

@@ -1,6 +1,7 @@
 """``tiermem plan --policy auto``: what ``policies.Auto`` would choose for a model on this machine (or
-the capacities given), the predicted seconds per stage of a step, and every alternative it rejected
-with the reason (NOTE [How Auto chooses] in tiermem/policies/auto.py)."""
+the capacities given), read from the plan TieredModel would build from (NOTE [Plan, then build]):
+the predicted seconds per stage of a step, the homes, and every alternative it rejected with the
+reason (NOTE [How Auto chooses] in tiermem/policies/auto.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tiermem.cli.models import StandIn, load_model
 from tiermem.config.specs import AdamW, working_dtype
 from tiermem.errors import ConfigError
 from tiermem.model.machine import machine_profile
-from tiermem.plan.choose import Evaluator
+from tiermem.plan.model_plan import plan_model
 from tiermem.plan.sizing import Limits
 from tiermem.policies import Auto
 from tiermem.policies.auto import AutoChoice
@@ -40,19 +41,19 @@ def choose(args: argparse.Namespace, trainable: int, frozen: int, limits: Limits
         )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     caps = {Tier.DEVICE: limits.device, Tier.HOST: limits.host, Tier.NVME: limits.nvme}
-    evaluator = Evaluator(
+    planned = plan_model(  # the plan TieredModel would build from (NOTE [Plan, then build])
         module,
-        AdamW(),
-        working_dtype(precision),
-        BUCKET_NUMEL,
+        Auto(forward_backward=args.forward_backward or 0.0, tokens_per_step=args.tokens or 0),
+        spec=AdamW(),
+        dtype=working_dtype(precision),
+        bucket_numel=BUCKET_NUMEL,
         limits=caps,
         machine=lambda: machine_profile(device, args.nvme_path),
-        nvme_staging=device.type == "cuda",
-        device_is_host=device.type == "cpu",
         world=args.ranks,
         shard_weights=args.shard_weights,
+        device_type=device.type,
     )
-    auto = evaluator.bind(Auto(forward_backward=args.forward_backward or 0.0, tokens_per_step=args.tokens or 0))
+    auto = planned.placement
     assert isinstance(auto, AutoChoice)
     return {
         "precision": precision,
@@ -60,6 +61,7 @@ def choose(args: argparse.Namespace, trainable: int, frozen: int, limits: Limits
         "ranks": args.ranks,
         "forward_backward_s": args.forward_backward or 0.0,
         "tokens_per_step": args.tokens or 0,
+        "plan": planned.summary(),
         "choices": [
             {
                 "placement": c.label,
@@ -81,6 +83,14 @@ def render(out: dict[str, Any]) -> None:
     con.print(f"\n[bold]Auto[/] ({out['precision']}; parameters as {out['parameters_as']}{ranks}) chose:")
     con.print(f"  [green]{best['placement']}[/]")
     con.print("  bytes: " + ", ".join(f"{t} {_common.fmt_size(n)}" for t, n in best["bytes"].items() if n))
+    planned, homes = out["plan"], out["plan"]["homes"]
+    con.print(
+        f"  as TieredModel builds it: {planned['buckets']} buckets; grads "
+        + " / ".join(f"{n} {t}" for t, n in homes["grads"].items())
+        + "; optimizer state "
+        + " / ".join(f"{n} {t}" for t, n in homes["optim_state"].items())
+        + (f"; {homes['params_off_device']} weights off the device" if homes["params_off_device"] else "")
+    )
     fb = (
         ""
         if out["forward_backward_s"]
