@@ -53,6 +53,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from tiermem.config.kinds import Kind
 from tiermem.config.rules import is_int
 from tiermem.config.specs import PRECISIONS as _WORKING_DTYPES, working_dtype
 from tiermem.errors import ConfigError
@@ -158,10 +159,10 @@ def placement_of(policy: str) -> Mapping[TensorClass, Tier]:
 #: the optimizer state options ``tiermem plan`` compares (NOTE [State formats]): Adam's fp32 state,
 #: 8-bit moments (tiermem.AdamW8bit), and 8-bit moments with bf16 master weights
 #: (``bf16_stochastic_round=True``, bf16 precision only)
-STATE_OPTIONS: dict[str, tuple[str, torch.dtype]] = {
-    "fp32": ("adamw", torch.float32),
-    "8-bit": ("adamw8bit", torch.float32),
-    "8-bit + bf16 master": ("adamw8bit", torch.bfloat16),
+STATE_OPTIONS: dict[str, tuple[Kind, torch.dtype]] = {
+    "fp32": (Kind.ADAMW, torch.float32),
+    "8-bit": (Kind.ADAMW8BIT, torch.float32),
+    "8-bit + bf16 master": (Kind.ADAMW8BIT, torch.bfloat16),
 }
 
 

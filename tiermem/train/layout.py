@@ -29,6 +29,7 @@ from typing import Callable, Mapping, Optional, TypeVar
 
 import torch
 
+from tiermem.config.kinds import Kind
 from tiermem.errors import ConfigError
 from tiermem.observe.progress import Progress
 from tiermem.plan.buckets import Bucket, Slot
@@ -220,7 +221,7 @@ def make_homes(
     if uncut:
         what = (
             "a generic optimizer's state (its own step() takes whole parameters: NOTE [Generic optimizers])"
-            if "generic" in uncut
+            if Kind.GENERIC in uncut
             else "factored state (row and column factors of each matrix, updated a whole parameter at a time)"
         )
         raise ConfigError(

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from tiermem.config.kinds import Kind
 from tiermem.observe.trace import Tracer
 from tiermem.optim import StochasticRound, formats as optim_format
 from tiermem.optim.formats import StateFormat
@@ -123,7 +124,7 @@ class BucketUpdates:
         """The state format's kernel over ``runs`` of ``b``: the optimizer's own step() for a
         generic one, one call per run where any range is a valid call, else one per parameter."""
         fmt = b.state
-        if fmt.kind == "generic":  # the optimizer's own step() (NOTE [Generic optimizers])
+        if fmt.kind == Kind.GENERIC:  # the optimizer's own step() (NOTE [Generic optimizers])
             self._generic_step(upd, b, runs, state, g, out)
         elif fmt.elementwise and not fmt.stochastic_round:  # any range is a valid call: one per run
             for start, end, step in runs:
