@@ -13,6 +13,7 @@ from tiermem.cli.models import ModelSize, from_config, from_factory, parse_count
 from tiermem.config.budgets import parse_bytes
 from tiermem.config.specs import PRECISION_CHOICES, resolve_precision
 from tiermem.errors import ConfigError
+from tiermem.optim.formats import ADAM, StateFormat
 from tiermem.plan import sizing
 from tiermem.types import Tier
 
@@ -198,15 +199,21 @@ def build_plan(
             "state_bytes": {**state.as_dict(), "total": state.total},
             "policies": {},
         }
-        for name in policies:
-            need = sizing.tier_bytes(
+
+        def need_of(name: str, state: StateFormat = ADAM, prec: str = prec) -> dict[Tier, int]:
+            placement = sizing.placement_of(name)
+            return sizing.tier_bytes(
                 size.trainable,
                 prec,
-                sizing.placement_of(name),
+                placement,
                 frozen=size.frozen,
                 world=ranks,
                 shard_weights=shard_weights,
+                state=state,
             )
+
+        for name in policies:
+            need = need_of(name)
             fit = sizing.check_fit(need, limits)
             entry["policies"][name] = {
                 "tiers": {t.value: {"bytes": need[t], "short_bytes": fit.short.get(t, 0)} for t in Tier},
@@ -219,19 +226,7 @@ def build_plan(
             entry["state_options"][name] = {}
             for option in sizing.STATE_OPTIONS:
                 fmt = sizing.state_option(option, size.trainable, prec)
-                with_fmt = (
-                    None
-                    if fmt is None
-                    else sizing.tier_bytes(
-                        size.trainable,
-                        prec,
-                        sizing.placement_of(name),
-                        frozen=size.frozen,
-                        world=ranks,
-                        shard_weights=shard_weights,
-                        state=fmt,
-                    )
-                )
+                with_fmt = None if fmt is None else need_of(name, fmt)
                 entry["state_options"][name][option] = (
                     None if with_fmt is None else {t.value: with_fmt[t] for t in Tier}
                 )

@@ -21,7 +21,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 from functools import partial
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -37,6 +37,17 @@ from tiermem.memory.nvme_requests import Requests, spanned
 from tiermem.types import TensorClass, Tier
 
 log = logging.getLogger(__name__)
+
+
+class _InFlight(NamedTuple):
+    """One read or write on its way: the key, the slot's copy (None: a read of a key whose only
+    queued write failed), the slot file's descriptor (None before it opened) and the future its
+    caller waits on; what finishing it needs besides its error and digests."""
+
+    key: str
+    copy: Optional[Copy]
+    fd: Optional[int]
+    future: Future[Any]
 
 
 @checked_arguments
@@ -263,7 +274,7 @@ class NvmeStore(Store):
             want = nio.file_size(value.nbytes, self.direct)
             nio.ready_slot(self._pwritev, self._fallocate, fd, want, self._staging, self.direct)
         except OSError as e:
-            self._finish_write(key, copy, fd, future, e)
+            self._finish_write(_InFlight(key, copy, fd, future), e)
             return
         spans = nio.chunks(value.nbytes, self.block_size)
         beside = self._hash_beside(value.nbytes)  # NOTE [Hashing beside the I/O]
@@ -286,20 +297,14 @@ class NvmeStore(Store):
                 )
                 for b0, b1 in spans
             ],
-            partial(self._finish_write, key, copy, fd, future),
+            partial(self._finish_write, _InFlight(key, copy, fd, future)),
             [partial(nio.digest, data[b0:b1]) for b0, b1 in spans] if beside else None,
             hash_first=True,
         )
 
-    def _finish_write(
-        self,
-        key: str,
-        copy: Copy,
-        fd: Optional[int],
-        future: Future[Any],
-        err: Optional[BaseException],
-        digests: Sequence[Optional[int]] = (),
-    ) -> None:
+    def _finish_write(self, io: _InFlight, err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
+        key, copy, fd, future = io
+        assert copy is not None  # a write has its slot
         if fd is not None:
             try:
                 if err is None:  # the switch, step 3 of NOTE [Two slots, overwritten in place]
@@ -340,7 +345,7 @@ class NvmeStore(Store):
                 self._journal.check_no_mix(key, current)  # NOTE [No mix after a fall back]
             fd = nio.open_slot(current.path, current.value.nbytes, self._odirect)
         except (OSError, nio.ShortRead, nio.Corrupt) as e:
-            self._finish_read(key, current, fd, future, e)
+            self._finish_read(_InFlight(key, current, fd, future), e)
             return
         checked = current.xxh3 is not None
         beside = checked and self._hash_beside(current.value.nbytes)  # NOTE [Hashing beside the I/O]
@@ -356,19 +361,12 @@ class NvmeStore(Store):
         spans = nio.chunks(current.value.nbytes, self.block_size)
         self._requests.fan_out(
             [spanned("read", key, partial(chunk, b0, b1)) for b0, b1 in spans],
-            partial(self._finish_read, key, current, fd, future),
+            partial(self._finish_read, _InFlight(key, current, fd, future)),
             [partial(nio.digest, data[b0:b1]) for b0, b1 in spans] if beside else None,
         )
 
-    def _finish_read(
-        self,
-        key: str,
-        copy: Optional[Copy],
-        fd: Optional[int],
-        future: Future[Any],
-        err: Optional[BaseException],
-        digests: Sequence[Optional[int]] = (),
-    ) -> None:
+    def _finish_read(self, io: _InFlight, err: Optional[BaseException], digests: Sequence[Optional[int]] = ()) -> None:
+        key, copy, fd, future = io
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
