@@ -165,13 +165,16 @@ class Adafactor(_Spec):
     WHAT: ClassVar[str] = "Adafactor"
 
 
+@dataclass(frozen=True, kw_only=True, repr=False)
 class _EightBit:
     """Block-wise 8-bit moments (NOTE [8-bit state] in tiermem/optim/kernels/quant.py); parameters with
-    fewer than ``min_8bit_size`` elements keep fp32 moments, as bitsandbytes and torchao do."""
+    fewer than ``min_8bit_size`` elements keep fp32 moments, as bitsandbytes and torchao do. Mixed in
+    before an Adam spec: its field joins the spec's, its check follows the spec's."""
 
-    min_8bit_size: int  # a field of each dataclass that mixes this in
+    min_8bit_size: int = 4096
 
-    def _check_8bit(self) -> None:
+    def __post_init__(self) -> None:
+        super().__post_init__()  # type: ignore[misc]  # the Adam spec's, next in the mixed class's MRO
         check_hyper(f"{type(self).__name__}.", min_8bit_size=self.min_8bit_size)
 
     def state_options(self) -> dict[str, Any]:
@@ -192,12 +195,7 @@ class AdamW8bit(_EightBit, AdamW):
         min_8bit_size: parameters with fewer elements keep fp32 moments.
     """
 
-    min_8bit_size: int = 4096
     kind: ClassVar[Kind] = Kind.ADAMW8BIT
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check_8bit()
 
 
 @shares_args(SPEC_ARGS)
@@ -214,12 +212,7 @@ class Adam8bit(_EightBit, Adam):
         min_8bit_size: parameters with fewer elements keep fp32 moments.
     """
 
-    min_8bit_size: int = 4096
     kind: ClassVar[Kind] = Kind.ADAM8BIT
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check_8bit()
 
 
 __all__ = ["Adafactor", "Adagrad", "Adam8bit", "AdamW8bit", "Lion", "SGD"]
