@@ -430,7 +430,7 @@ def test_device_adam_matches_torchs_fused_adamw_and_makes_its_step_once_per_step
         ref.grad = grad.clone()
         opt.step()
         hyper = AdamHyper(step=step, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, adamw=True)
-        _kernels._device_adam(master, m, v, grad, out, hyper)
+        _kernels._device_adam((master, m, v, grad, out), hyper)
         assert torch.equal(master, ref.detach()) and torch.equal(out, master.bfloat16())
     assert torch.equal(m, opt.state[ref]["exp_avg"]) and torch.equal(v, opt.state[ref]["exp_avg_sq"])
     one = _kernels._device_step(7, torch.device("cpu"))

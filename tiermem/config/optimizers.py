@@ -11,12 +11,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping, Optional
 
+from tiermem.config.argdocs import shares_args
 from tiermem.config.kinds import Kind
 from tiermem.config.rules import check_hyper
-from tiermem.config.specs import Adam, AdamW, _Spec
+from tiermem.config.specs import SPEC_ARGS, Adam, AdamW, _Spec
 from tiermem.errors import ConfigError, checked_arguments
 
 
+@shares_args(SPEC_ARGS)
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class SGD(_Spec):
@@ -24,19 +26,12 @@ class SGD(_Spec):
     momentum buffer exists when some group's momentum is not 0 (then every group's must be).
 
     Args:
-        params: optional, the one positional argument: torch-style param groups (the model's
-            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
-            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
         lr: learning rate.
         weight_decay: weight decay (an L2 penalty added to the gradient, as torch's).
         momentum: momentum factor (0: plain SGD, no buffer).
         dampening: dampening of the momentum.
         nesterov: Nesterov momentum.
         maximize: maximize the objective instead of minimizing it.
-        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
-        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
-        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
-            into them stochastically (seeded per parameter, step and element), no fp32 master.
     """
 
     momentum: float = 0.0
@@ -69,25 +64,19 @@ class SGD(_Spec):
         return {"momentum": any(m != 0 for m in self.group_values("momentum"))}
 
 
+@shares_args(SPEC_ARGS)
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class Adagrad(_Spec):
     """Adagrad, like ``torch.optim.Adagrad`` (``initial_accumulator_value`` one for all groups).
 
     Args:
-        params: optional, the one positional argument: torch-style param groups (the model's
-            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
-            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
         lr: learning rate.
         weight_decay: weight decay (an L2 penalty added to the gradient, as torch's).
         lr_decay: learning rate decay.
         eps: term added to the denominator for numerical stability.
         initial_accumulator_value: the starting value of the sum of squared gradients.
         maximize: maximize the objective instead of minimizing it.
-        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
-        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
-        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
-            into them stochastically (seeded per parameter, step and element), no fp32 master.
     """
 
     lr: float = 1e-2
@@ -120,6 +109,7 @@ class Adagrad(_Spec):
         return {"initial_accumulator_value": float(self.initial_accumulator_value)}
 
 
+@shares_args(SPEC_ARGS)
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class Lion(_Spec):
@@ -127,16 +117,9 @@ class Lion(_Spec):
     interpolated momentum, decoupled weight decay; defaults as the paper's (lr 1e-4, betas (0.9, 0.99)).
 
     Args:
-        params: optional, the one positional argument: torch-style param groups (the model's
-            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
-            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
         lr: learning rate.
         weight_decay: weight decay (decoupled).
         betas: the interpolation of the update's momentum and the momentum's decay.
-        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
-        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
-        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
-            into them stochastically (seeded per parameter, step and element), no fp32 master.
     """
 
     lr: float = 1e-4
@@ -149,6 +132,7 @@ class Lion(_Spec):
     WHAT: ClassVar[str] = "Lion"
 
 
+@shares_args(SPEC_ARGS)
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class Adafactor(_Spec):
@@ -159,9 +143,6 @@ class Adafactor(_Spec):
     weights (NOTE [State formats]); under data parallelism, pass ``process_group=False``.
 
     Args:
-        params: optional, the one positional argument: torch-style param groups (the model's
-            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
-            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
         lr: learning rate (the most the relative step size may be).
         weight_decay: weight decay (decoupled).
         beta2_decay: the exponent of the second moment's decay (``1 - step ** beta2_decay``).
@@ -169,10 +150,6 @@ class Adafactor(_Spec):
             epsilon) and the floor of the weights' RMS that scales the update.
         d: clipping threshold of the update's RMS.
         maximize: maximize the objective instead of minimizing it.
-        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
-        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
-        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
-            into them stochastically (seeded per parameter, step and element), no fp32 master.
     """
 
     lr: float = 1e-2
@@ -188,73 +165,54 @@ class Adafactor(_Spec):
     WHAT: ClassVar[str] = "Adafactor"
 
 
+@dataclass(frozen=True, kw_only=True, repr=False)
 class _EightBit:
     """Block-wise 8-bit moments (NOTE [8-bit state] in tiermem/optim/kernels/quant.py); parameters with
-    fewer than ``min_8bit_size`` elements keep fp32 moments, as bitsandbytes and torchao do."""
+    fewer than ``min_8bit_size`` elements keep fp32 moments, as bitsandbytes and torchao do. Mixed in
+    before an Adam spec: its field joins the spec's, its check follows the spec's."""
 
-    min_8bit_size: int  # a field of each dataclass that mixes this in
+    min_8bit_size: int = 4096
 
-    def _check_8bit(self) -> None:
+    def __post_init__(self) -> None:
+        super().__post_init__()  # type: ignore[misc]  # the Adam spec's, next in the mixed class's MRO
         check_hyper(f"{type(self).__name__}.", min_8bit_size=self.min_8bit_size)
 
     def state_options(self) -> dict[str, Any]:
         return {"min_8bit_size": self.min_8bit_size}
 
 
+@shares_args(SPEC_ARGS)
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class AdamW8bit(_EightBit, AdamW):
     """AdamW with 8-bit moments: bitsandbytes' ``AdamW8bit`` and torchao's ``AdamW8bit`` by name.
 
     Args:
-        params: optional, the one positional argument: torch-style param groups (the model's
-            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
-            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
         lr: learning rate.
         weight_decay: weight decay (decoupled).
         betas: coefficients of the running averages of the gradient and of its square.
         eps: term added to the denominator for numerical stability.
         min_8bit_size: parameters with fewer elements keep fp32 moments.
-        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
-        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
-        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
-            into them stochastically (seeded per parameter, step and element), no fp32 master.
     """
 
-    min_8bit_size: int = 4096
     kind: ClassVar[Kind] = Kind.ADAMW8BIT
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check_8bit()
 
-
+@shares_args(SPEC_ARGS)
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class Adam8bit(_EightBit, Adam):
     """Adam (L2 decay) with 8-bit moments: bitsandbytes' ``Adam8bit`` by name.
 
     Args:
-        params: optional, the one positional argument: torch-style param groups (the model's
-            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
-            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
         lr: learning rate.
         weight_decay: weight decay (an L2 penalty added to the gradient).
         betas: coefficients of the running averages of the gradient and of its square.
         eps: term added to the denominator for numerical stability.
         min_8bit_size: parameters with fewer elements keep fp32 moments.
-        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay.
-        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
-        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
-            into them stochastically (seeded per parameter, step and element), no fp32 master.
     """
 
-    min_8bit_size: int = 4096
     kind: ClassVar[Kind] = Kind.ADAM8BIT
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check_8bit()
 
 
 __all__ = ["Adafactor", "Adagrad", "Adam8bit", "AdamW8bit", "Lion", "SGD"]

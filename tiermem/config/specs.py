@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Mapping, Optional, cast
 
 import torch
 
+from tiermem.config.argdocs import shares_args
 from tiermem.config.kinds import Kind
 from tiermem.config.precision import (
     PRECISION_CHOICES as PRECISION_CHOICES,
@@ -219,7 +220,25 @@ NO_DECAY = GroupSpec("no_decay", {"weight_decay": 0.0})
 # param group holds, in order, each checked by the rule of its name or of ``RULES[name]``) and its
 # groups (NOTE [Param groups]). ``bf16_stochastic_round=True`` (bf16 precision only) keeps the
 # master weights in bf16, each update rounded stochastically into them (NOTE [Stochastic rounding
-# bits] in tiermem/optim/kernels/sr.py). Adam and AdamW are here; the others in tiermem/config/optimizers.py.
+# bits] in tiermem/optim/kernels/sr.py).
+# The fields every spec takes are documented once (SPEC_ARGS, on each spec's constructor), a spec's
+# Args list its hyperparameters. Adam and AdamW are here; the others in tiermem/config/optimizers.py.
+#: the fields every spec takes, documented once: each spec's constructor shows them (config/argdocs.py)
+SPEC_ARGS = """Build the spec: its hyperparameters as its class lists them, and these.
+
+Args:
+    params: optional, the one positional argument: torch-style param groups (the model's
+        parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
+        ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
+    no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay
+        (e.g. ``("*.bias", "*.ln_*")``).
+    no_decay_1d: without ``params``: True exempts every parameter with fewer than two
+        dimensions (biases and norm weights in most models).
+    bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
+        into them stochastically (seeded per parameter, step and element), no fp32 master.
+"""
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Spec:
     """What every optimizer spec shares: the param groups, the rule groups and the master's dtype.
@@ -335,43 +354,31 @@ class _AdamSpec(_Spec):
         return {**super().group_defaults(), "adamw": self.adamw}
 
 
+@shares_args(SPEC_ARGS)
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class Adam(_AdamSpec):
     """Adam (L2 penalty added to the gradient), like ``torch.optim.Adam``.
 
     Args:
-        params: optional torch-style param groups (see :class:`AdamW`).
         lr: learning rate.
         betas: coefficients of the running averages of the gradient and of its square.
         eps: term added to the denominator for numerical stability.
         weight_decay: L2 penalty added to the gradient.
-        no_decay: without ``params``: fnmatch patterns of parameter names without weight decay.
-        no_decay_1d: without ``params``: True exempts parameters of fewer than two dimensions.
-        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
-            into them stochastically (seeded per parameter, step and element), no fp32 master.
     """
 
 
+@shares_args(SPEC_ARGS)
 @checked_arguments
 @dataclass(frozen=True, kw_only=True, repr=False)
 class AdamW(_AdamSpec):
     """AdamW (decoupled weight decay), like ``torch.optim.AdamW``; weight decay defaults to 0.01.
 
     Args:
-        params: optional, the one positional argument: torch-style param groups (the model's
-            parameters, or dicts with ``"params"``, the hyperparameters each group sets and a
-            ``"name"``); every trainable parameter must be in one (NOTE [Param groups]).
         lr: learning rate.
         betas: coefficients of the running averages of the gradient and of its square.
         eps: term added to the denominator for numerical stability.
         weight_decay: decoupled weight decay.
-        no_decay: without ``params``: fnmatch patterns of parameter names that get no weight decay
-            (e.g. ``("*.bias", "*.ln_*")``).
-        no_decay_1d: without ``params``: True exempts every parameter with fewer than two
-            dimensions (biases and norm weights in most models).
-        bf16_stochastic_round: in bf16 precision, keep bf16 master weights and round each update
-            into them stochastically (seeded per parameter, step and element), no fp32 master.
     """
 
     weight_decay: float = 1e-2

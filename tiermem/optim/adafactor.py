@@ -21,8 +21,9 @@ from typing import Callable, Optional
 
 import torch
 
+from tiermem.config.argdocs import shares_args
 from tiermem.errors import ConfigError
-from tiermem.optim.functional import make_hyper
+from tiermem.optim.functional import ENTRY_ARGS, make_hyper
 from tiermem.optim.hypers import _Hyper, check_hyper
 from tiermem.optim.kernels import dispatch as _run, native as _native, sr as _sr
 from tiermem.optim.kernels.sr import StochasticRound
@@ -99,6 +100,7 @@ def check_adafactor(where: str, **values) -> None:
     check_hyper(where, **values)
 
 
+@shares_args(ENTRY_ARGS)
 def adafactor_step(
     master: torch.Tensor,
     grad: torch.Tensor,
@@ -128,9 +130,6 @@ def adafactor_step(
     torch's state keys them; those of the other layout must be None.
 
     Args:
-        master: fp32 master weights (or bf16 ones with ``stochastic_round``), updated in place.
-        grad: the gradient, fp32, bf16 or fp16.
-        step: 1-based count of this tensor's updates including this one.
         lr: learning rate.
         beta2_decay: the exponent of the second moment's decay, as ``torch.optim.Adafactor``'s.
         eps1: term added to the squared gradient (None: the dtype's smallest normal number).
@@ -142,15 +141,7 @@ def adafactor_step(
         col_var: fp32 column factor of the second moment (parameters of 2 or more dimensions).
         variance: fp32 full second moment (parameters of fewer than 2 dimensions).
         shape: the parameter's shape when ``master`` is a flat view of it.
-        grad_scale: the loss scale the gradient carries; it is divided out first.
-        clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
-        out: receives the master's new value in its own dtype (fp32, bf16 or fp16), when given.
-        stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
-        check_finite: False skips the read of ``grad`` for inf/NaN when the caller knows it is finite.
         impl: ``"native"`` or ``"reference"`` instead of the default (tests and benchmarks).
-
-    Returns:
-        ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
     hyper = make_hyper(
         AdafactorHyper,

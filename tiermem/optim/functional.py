@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import torch
 
+from tiermem.config.argdocs import shares_args
 from tiermem.config.specs import is_number
 from tiermem.errors import ConfigError, TierMemError
 from tiermem.optim.adam_hyper import AdamHyper
 from tiermem.optim.kernels import compiled as _compiled, dispatch as _run, eager as _kernels, native as _native
+from tiermem.optim.kernels.eager import AdamTensors
 
 if TYPE_CHECKING:
     from tiermem.optim.kernels.sr import StochasticRound
@@ -34,15 +36,30 @@ log = logging.getLogger(__name__)
 IMPLEMENTATIONS = ("native", "compiled", "fallback", "reference")
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# what every kernel takes, in this order: master, exp_avg, exp_avg_sq, grad, out
-_Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 _COMPILED = _compiled.CompiledAdam()
 _said = threading.Lock()
 _said_which: set[str] = set()
 H = TypeVar("H")
 
+#: the arguments every functional entry (adam_step, sgd_step, ..., adafactor_step) takes alike,
+#: documented once: joined to each entry's own Args (config/argdocs.py)
+ENTRY_ARGS = """
+    master: fp32 master weights (or bf16 ones with ``stochastic_round``), updated in place.
+    grad: the gradient, fp32, bf16 or fp16, of master's shape.
+    step: 1-based count of this tensor's updates including this one.
+    grad_scale: the loss scale the gradient carries; it is divided out first.
+    clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
+    out: receives the master's new value in its own dtype (fp32, bf16 or fp16), when given.
+    stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
+    check_finite: False skips the read of ``grad`` for inf/NaN when the caller knows it is finite.
 
+Returns:
+    ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
+"""
+
+
+@shares_args(ENTRY_ARGS)
 def adam_step(
     master: torch.Tensor,
     exp_avg: torch.Tensor,
@@ -86,26 +103,15 @@ def adam_step(
     "fallback" and "reference" the torch-ops reference).
 
     Args:
-        master: fp32 master weights (or bf16 ones with ``stochastic_round``), updated in place.
         exp_avg: fp32 first moment, updated in place.
         exp_avg_sq: fp32 second moment, updated in place.
-        grad: the gradient, fp32, bf16 or fp16, of master's shape.
-        step: 1-based count of updates including this one.
         lr: learning rate.
         beta1: coefficient of the running average of the gradient.
         beta2: coefficient of the running average of its square.
         eps: term added to the denominator.
         weight_decay: decoupled (``adamw=True``) or L2 (``adamw=False``) weight decay.
         adamw: AdamW (decoupled weight decay) when True, Adam when False.
-        grad_scale: the loss scale the gradient carries; it is divided out first.
-        clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
-        out: receives ``master.to(out.dtype)`` after the update, when given.
-        check_finite: False skips the finite check (the caller knows the gradients are finite).
         impl: ``"native"``, ``"compiled"``, ``"fallback"`` or ``"reference"`` instead of the default.
-        stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
-
-    Returns:
-        ``found_inf``: True when some gradient element is inf or NaN (nothing was written).
     """
     hyper = make_hyper(
         AdamHyper,
@@ -160,36 +166,34 @@ def adam_update(
             impl=None if impl is None else "native" if impl in ("native", "compiled") else "reference",
         )
     _check_tensors(master, exp_avg, exp_avg_sq, grad, out)
-    # detached views: the same memory, without autograd's view of it (dynamo guards on requires_grad)
-    master, exp_avg, exp_avg_sq, grad = (t.detach() for t in (master, exp_avg, exp_avg_sq, grad))
-    out = out.detach() if out is not None else None
     if master.numel() == 0:
         return False
-    name, tensors = _choose(impl, master, exp_avg, exp_avg_sq, grad, out)
+    # detached views: the same memory, without autograd's view of it (dynamo guards on requires_grad)
+    detached = (
+        master.detach(),
+        exp_avg.detach(),
+        exp_avg_sq.detach(),
+        grad.detach(),
+        out if out is None else out.detach(),
+    )
+    name, tensors = _choose(impl, detached)
     if name == "native":
-        found_inf = _native_step(*tensors, hyper, check_finite=check_finite, impl=impl)
+        found_inf = _native_step(tensors, hyper, check_finite=check_finite, impl=impl)
         if found_inf is not None:
             return found_inf
         name = _default()  # it cannot be built here, and impl=None lets it fall back
     if name == "compiled":
-        found_inf = _compiled_step(*tensors, hyper, check_finite=check_finite, impl=impl)
+        found_inf = _compiled_step(tensors, hyper, check_finite=check_finite, impl=impl)
         if found_inf is not None:
             return found_inf
         name = "fallback"  # it cannot be compiled here, and impl=None lets it fall back
-    return _eager_step(name, *tensors, hyper, check_finite=check_finite, impl=impl)
+    return _eager_step(name, tensors, hyper, check_finite=check_finite, impl=impl)
 
 
-def _choose(
-    impl: Optional[str],
-    master: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    out: Optional[torch.Tensor],
-) -> tuple[str, _Tensors]:
-    """Which kernel runs, and the (master, exp_avg, exp_avg_sq, grad, out) to hand it: viewed as 1-D
+def _choose(impl: Optional[str], tensors: AdamTensors) -> tuple[str, AdamTensors]:
+    """Which kernel runs, and the tensors (:data:`AdamTensors`, detached) to hand it: viewed as 1-D
     where the kernel needs flat tensors, as they are where it takes any strides."""
-    tensors = (master, exp_avg, exp_avg_sq, grad, out)
+    master = tensors[0]
     if master.device.type != "cpu":  # optimizer state on an accelerator: torch's fused kernel there
         return "device", tensors
     if not all(t is None or t.is_contiguous() for t in tensors):
@@ -198,17 +202,7 @@ def _choose(
     return name, tuple(None if t is None else t.view(-1) for t in tensors)  # type: ignore[return-value]  # the five, flat
 
 
-def _native_step(
-    master: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    out: Optional[torch.Tensor],
-    hyper: AdamHyper,
-    *,
-    check_finite: bool,
-    impl: Optional[str],
-) -> Optional[bool]:
+def _native_step(tensors: AdamTensors, hyper: AdamHyper, *, check_finite: bool, impl: Optional[str]) -> Optional[bool]:
     """The native single pass (NOTE [Native default]): found_inf, or None when the library cannot be
     built here and ``impl`` (None) lets the caller fall back."""
     try:
@@ -220,6 +214,7 @@ def _native_step(
                 f"(g++ 12 or newer), or pass impl=None"
             ) from e
         return None
+    master, exp_avg, exp_avg_sq, grad, out = tensors
     if check_finite and _native.any_nonfinite(grad):
         return True
     s = _native.floats(_run.ADAM.scalars(hyper))
@@ -231,22 +226,14 @@ def _native_step(
 
 
 def _compiled_step(
-    master: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    out: Optional[torch.Tensor],
-    hyper: AdamHyper,
-    *,
-    check_finite: bool,
-    impl: Optional[str],
+    tensors: AdamTensors, hyper: AdamHyper, *, check_finite: bool, impl: Optional[str]
 ) -> Optional[bool]:
     """The compiled single pass: found_inf, or None when it cannot be compiled here and ``impl``
     (None) lets the caller fall back."""
     try:
-        if check_finite and _COMPILED.any_nonfinite(grad):
+        if check_finite and _COMPILED.any_nonfinite(tensors[3]):
             return True
-        _COMPILED.adam(master, exp_avg, exp_avg_sq, grad, out, hyper)
+        _COMPILED.adam(*tensors, hyper)
     except _compiled.CompileUnavailable as e:
         if impl == "compiled":
             raise TierMemError(
@@ -259,21 +246,10 @@ def _compiled_step(
     return False
 
 
-def _eager_step(
-    name: str,
-    master: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    out: Optional[torch.Tensor],
-    hyper: AdamHyper,
-    *,
-    check_finite: bool,
-    impl: Optional[str],
-) -> bool:
+def _eager_step(name: str, tensors: AdamTensors, hyper: AdamHyper, *, check_finite: bool, impl: Optional[str]) -> bool:
     """An uncompiled kernel: torch's fused one on an accelerator ("device"), torch's fused AdamW with
     conversions ("fallback"), or the for-loop oracle ("reference"). Returns found_inf."""
-    if check_finite and _kernels._eager_any_nonfinite(grad):
+    if check_finite and _kernels._eager_any_nonfinite(tensors[3]):
         return True
     if name == "device":
         kernel = _kernels._device_adam
@@ -281,7 +257,7 @@ def _eager_step(
         kernel = _kernels._fused_fallback_adam
     else:
         kernel = _kernels._single_tensor_adam
-    kernel(master, exp_avg, exp_avg_sq, grad, out, hyper)
+    kernel(tensors, hyper)
     if impl is None and name == "fallback":
         _say("fallback")
     return False

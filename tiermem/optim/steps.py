@@ -21,14 +21,16 @@ from typing import Optional, Sequence
 
 import torch
 
+from tiermem.config.argdocs import shares_args
 from tiermem.errors import ConfigError
 from tiermem.optim.adam_hyper import Adam8bitHyper, AdamHyper
-from tiermem.optim.functional import make_hyper
+from tiermem.optim.functional import ENTRY_ARGS, make_hyper
 from tiermem.optim.hypers import AdagradHyper, LionHyper, SGDHyper
 from tiermem.optim.kernels import dispatch as _run, quant as _quant
 from tiermem.optim.kernels.sr import StochasticRound
 
 
+@shares_args(ENTRY_ARGS)
 def sgd_step(
     master: torch.Tensor,
     momentum_buffer: Optional[torch.Tensor],
@@ -55,27 +57,16 @@ def sgd_step(
     that at another step, for momentum turned on mid-run).
 
     Args:
-        master: fp32 master weights (or bf16 ones with ``stochastic_round``), updated in place.
         momentum_buffer: fp32 buffer shaped like master when ``momentum`` is not 0, else None.
-        grad: the gradient, fp32, bf16 or fp16.
-        step: 1-based count of this tensor's updates including this one.
         lr: learning rate.
         momentum: momentum factor.
         dampening: dampening of the momentum.
         nesterov: Nesterov momentum.
         weight_decay: L2 penalty added to the gradient.
         maximize: maximize the objective instead of minimizing it.
-        grad_scale: the loss scale the gradient carries; it is divided out first.
-        clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
-        out: receives the master's new value in its own dtype (fp32, bf16 or fp16), when given.
-        stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
-        check_finite: False skips the read of ``grad`` for inf/NaN when the caller knows it is finite.
         impl: ``"native"`` or ``"reference"`` instead of the default (tests and benchmarks).
         init_buffer: True sets the momentum buffer to the gradient at this step (momentum turned on
             mid-run); default: at step 1.
-
-    Returns:
-        ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
     hyper = make_hyper(
         SGDHyper,
@@ -109,6 +100,7 @@ def sgd_step(
     )
 
 
+@shares_args(ENTRY_ARGS)
 def adagrad_step(
     master: torch.Tensor,
     state_sum: torch.Tensor,
@@ -131,24 +123,13 @@ def adagrad_step(
     ``state_sum`` starts at ``initial_accumulator_value`` (the caller fills it, as torch does).
 
     Args:
-        master: fp32 master weights (or bf16 ones with ``stochastic_round``), updated in place.
         state_sum: fp32 running sum of squared gradients, updated in place.
-        grad: the gradient, fp32, bf16 or fp16.
-        step: 1-based count of this tensor's updates including this one.
         lr: learning rate.
         lr_decay: learning rate decay.
         weight_decay: L2 penalty added to the gradient.
         eps: term added to the denominator.
         maximize: maximize the objective instead of minimizing it.
-        grad_scale: the loss scale the gradient carries; it is divided out first.
-        clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
-        out: receives the master's new value in its own dtype (fp32, bf16 or fp16), when given.
-        stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
-        check_finite: False skips the read of ``grad`` for inf/NaN when the caller knows it is finite.
         impl: ``"native"`` or ``"reference"`` instead of the default (tests and benchmarks).
-
-    Returns:
-        ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
     hyper = make_hyper(
         AdagradHyper,
@@ -174,6 +155,7 @@ def adagrad_step(
     )
 
 
+@shares_args(ENTRY_ARGS)
 def lion_step(
     master: torch.Tensor,
     exp_avg: torch.Tensor,
@@ -196,23 +178,12 @@ def lion_step(
     correction) but is checked like every other.
 
     Args:
-        master: fp32 master weights (or bf16 ones with ``stochastic_round``), updated in place.
         exp_avg: fp32 momentum, updated in place.
-        grad: the gradient, fp32, bf16 or fp16.
-        step: 1-based count of this tensor's updates including this one.
         lr: learning rate.
         beta1: coefficient of the interpolation whose sign is the update.
         beta2: coefficient of the momentum's running average.
         weight_decay: decoupled weight decay.
-        grad_scale: the loss scale the gradient carries; it is divided out first.
-        clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
-        out: receives the master's new value in its own dtype (fp32, bf16 or fp16), when given.
-        stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
-        check_finite: False skips the read of ``grad`` for inf/NaN when the caller knows it is finite.
         impl: ``"native"`` or ``"reference"`` instead of the default (tests and benchmarks).
-
-    Returns:
-        ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
     hyper = make_hyper(
         LionHyper,
@@ -237,6 +208,7 @@ def lion_step(
     )
 
 
+@shares_args(ENTRY_ARGS)
 def adam8bit_step(
     master: torch.Tensor,
     exp_avg: torch.Tensor,
@@ -266,28 +238,17 @@ def adam8bit_step(
     Blocks start at master's element 0: cut a tensor into calls only at multiples of 256.
 
     Args:
-        master: fp32 master weights (or bf16 ones with ``stochastic_round``), updated in place.
         exp_avg: uint8 codes of the first moment, one per element.
         exp_avg_absmax: fp32 scale of each block of ``exp_avg``.
         exp_avg_sq: uint8 codes of the second moment, one per element.
         exp_avg_sq_absmax: fp32 scale of each block of ``exp_avg_sq``.
-        grad: the gradient, fp32, bf16 or fp16.
-        step: 1-based count of this tensor's updates including this one.
         lr: learning rate.
         beta1: coefficient of the running average of the gradient.
         beta2: coefficient of the running average of its square.
         eps: term added to the denominator.
         weight_decay: decoupled (``adamw=True``) or L2 weight decay.
         adamw: AdamW when True, Adam when False.
-        grad_scale: the loss scale the gradient carries; it is divided out first.
-        clip_coef: the clip coefficient the (unscaled) gradient is multiplied by.
-        out: receives the master's new value in its own dtype (fp32, bf16 or fp16), when given.
-        stochastic_round: with bf16 ``master``, the :class:`StochasticRound` of this parameter.
-        check_finite: False skips the read of ``grad`` for inf/NaN when the caller knows it is finite.
         impl: ``"native"`` or ``"reference"`` instead of the default (tests and benchmarks).
-
-    Returns:
-        ``found_inf``: True when ``grad`` holds an inf or NaN, in which case nothing was written.
     """
     hyper = make_hyper(
         Adam8bitHyper,

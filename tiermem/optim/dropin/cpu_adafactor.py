@@ -21,8 +21,6 @@ class CPUAdafactor(CPUOptimizer):
     ``col_var`` (two or more dimensions) or ``variance``, and ``step``.
 
     Args:
-        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
-            CPU tensors.
         lr: learning rate (relative step size).
         beta2_decay: the exponent of the second moment's decay.
         eps: ``(eps1, eps2)``: the term added to the squared gradient (None: the dtype's smallest
@@ -30,11 +28,6 @@ class CPUAdafactor(CPUOptimizer):
         d: clipping threshold of the update's RMS.
         weight_decay: decoupled weight decay.
         maximize: maximize the objective instead of minimizing it.
-        check_finite: check every gradient for inf/NaN before any update; a step that finds one
-            changes nothing and sets ``last_step_skipped``. False skips the check.
-        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
-            stochastically (NOTE [Stochastic rounding bits]).
-        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
     HYPERS = (

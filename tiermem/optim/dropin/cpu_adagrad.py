@@ -19,19 +19,12 @@ class CPUAdagrad(CPUOptimizer):
     tensor. State: ``sum`` and ``step``.
 
     Args:
-        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
-            CPU tensors.
         lr: learning rate.
         lr_decay: learning rate decay.
         weight_decay: L2 penalty added to the gradient.
         initial_accumulator_value: the starting value of the sum of squared gradients.
         eps: term added to the denominator.
         maximize: maximize the objective instead of minimizing it.
-        check_finite: check every gradient for inf/NaN before any update; a step that finds one
-            changes nothing and sets ``last_step_skipped``. False skips the check.
-        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
-            stochastically (NOTE [Stochastic rounding bits]).
-        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
     HYPERS = (

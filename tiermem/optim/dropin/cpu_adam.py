@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 
+from tiermem.config.argdocs import shares_args
 from tiermem.errors import checked_arguments
 from tiermem.optim.adam_hyper import AdamHyper
 from tiermem.optim.dropin.hyper_table import Hyper, lr
@@ -48,8 +49,17 @@ ADAM_HYPERS = (
     Hyper("weight_decay", 0.0, "weight_decay"),
     Hyper("adamw", True, "adamw", annotation=bool),
 )
+#: ...and their documentation, joined to CPUAdam's and CPUAdam8bit's constructors (config/argdocs.py)
+ADAM_ARGS = """
+    lr: learning rate.
+    betas: coefficients of the running averages of the gradient and of its square.
+    eps: term added to the denominator.
+    weight_decay: decoupled (``adamw=True``) or L2 weight decay.
+    adamw: AdamW when True (the default), Adam when False.
+"""
 
 
+@shares_args(ADAM_ARGS)
 @checked_arguments
 class CPUAdam(CPUOptimizer):
     """Adam or AdamW (``adamw=True``, the default) on CPU parameters, one fused pass per tensor.
@@ -62,19 +72,7 @@ class CPUAdam(CPUOptimizer):
     ``last_step_skipped``; ``check_finite=False`` turns the check off. ``bf16_stochastic_round=True``
     takes bf16 parameters and keeps no fp32 copy (tiermem/optim/dropin/shared.py).
 
-    Args:
-        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
-            CPU tensors.
-        lr: learning rate.
-        betas: coefficients of the running averages of the gradient and of its square.
-        eps: term added to the denominator.
-        weight_decay: decoupled (``adamw=True``) or L2 weight decay.
-        adamw: AdamW when True (the default), Adam when False.
-        check_finite: check every gradient for inf/NaN before any update; a step that finds one
-            changes nothing and sets ``last_step_skipped``. False skips the check.
-        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
-            stochastically (NOTE [Stochastic rounding bits]).
-        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
+    Its hyperparameters (ADAM_HYPERS) are documented on its constructor.
     """
 
     HYPERS = ADAM_HYPERS

@@ -7,9 +7,10 @@ from typing import Any, Optional
 
 import torch
 
+from tiermem.config.argdocs import shares_args
 from tiermem.errors import ConfigError, checked_arguments
 from tiermem.optim.adam_hyper import AdamHyper
-from tiermem.optim.dropin.cpu_adam import ADAM_HYPERS, adam_functional, fill_adamw, init_adam_state
+from tiermem.optim.dropin.cpu_adam import ADAM_ARGS, ADAM_HYPERS, adam_functional, fill_adamw, init_adam_state
 from tiermem.optim.dropin.hyper_table import Hyper
 from tiermem.optim.dropin.shared import CPUOptimizer, Plan
 from tiermem.optim.kernels import dispatch as _run, quant as _quant
@@ -17,6 +18,7 @@ from tiermem.optim.kernels.sr import StochasticRound
 from tiermem.optim.steps import adam8bit_update
 
 
+@shares_args(ADAM_ARGS)
 @checked_arguments
 class CPUAdam8bit(CPUOptimizer):
     """Adam or AdamW (``adamw=True``) with 8-bit block-wise moments (NOTE [8-bit state] in
@@ -25,19 +27,9 @@ class CPUAdam8bit(CPUOptimizer):
     ``exp_avg_absmax``/``exp_avg_sq_absmax``; smaller ones keep fp32 moments and step as CPUAdam.
 
     Args:
-        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
-            CPU tensors.
-        lr: learning rate.
-        betas: coefficients of the running averages of the gradient and of its square.
-        eps: term added to the denominator.
-        weight_decay: decoupled (``adamw=True``) or L2 weight decay.
-        adamw: AdamW when True (the default), Adam when False.
         min_8bit_size: the fewest elements a tensor needs for 8-bit moments.
-        check_finite: check every gradient for inf/NaN before any update; a step that finds one
-            changes nothing and sets ``last_step_skipped``. False skips the check.
-        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
-            stochastically (NOTE [Stochastic rounding bits]).
-        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
+
+    Adam's hyperparameters (ADAM_HYPERS) are documented on its constructor.
     """
 
     HYPERS = (

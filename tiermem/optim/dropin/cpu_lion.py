@@ -20,16 +20,9 @@ class CPULion(CPUOptimizer):
     reference implementation. State: ``exp_avg`` and ``step``.
 
     Args:
-        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
-            CPU tensors.
         lr: learning rate.
         betas: the interpolation coefficient whose sign is the update, and the momentum's.
         weight_decay: decoupled weight decay.
-        check_finite: check every gradient for inf/NaN before any update; a step that finds one
-            changes nothing and sets ``last_step_skipped``. False skips the check.
-        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
-            stochastically (NOTE [Stochastic rounding bits]).
-        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
     HYPERS = (

@@ -19,19 +19,12 @@ class CPUSGD(CPUOptimizer):
     tensor. State: ``momentum_buffer`` (with momentum) and ``step``.
 
     Args:
-        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
-            CPU tensors.
         lr: learning rate.
         momentum: momentum factor.
         dampening: dampening of the momentum.
         weight_decay: L2 penalty added to the gradient.
         nesterov: Nesterov momentum (needs momentum > 0 and no dampening).
         maximize: maximize the objective instead of minimizing it.
-        check_finite: check every gradient for inf/NaN before any update; a step that finds one
-            changes nothing and sets ``last_step_skipped``. False skips the check.
-        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
-            stochastically (NOTE [Stochastic rounding bits]).
-        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
     """
 
     HYPERS = (

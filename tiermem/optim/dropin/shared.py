@@ -75,7 +75,21 @@ def _step_tensor(name: str, step: Any) -> torch.Tensor:
 
 
 class CPUOptimizer(Optimizer):
-    """The base of tiermem's drop-in CPU optimizers (module docstring, NOTE [Drop-in contract])."""
+    """The base of tiermem's drop-in CPU optimizers (module docstring, NOTE [Drop-in contract]). A
+    drop-in's Args list its hyperparameters; what every drop-in takes after them is documented once,
+    here (``SHARED_ARGS``), and is the docstring of each made constructor."""
+
+    SHARED_ARGS: ClassVar[str] = """Build the optimizer from its hyperparameters (its class's Args, or below) and these.
+
+    Args:
+        params: the parameters to optimize, or param groups (dicts), as ``torch.optim`` takes them;
+            CPU tensors.
+        check_finite: check every gradient for inf/NaN before any update; a step that finds one
+            changes nothing and sets ``last_step_skipped``. False skips the check.
+        bf16_stochastic_round: take bf16 parameters and keep no fp32 copy, rounding each update
+            stochastically (NOTE [Stochastic rounding bits]).
+        sr_seed: the seed of that rounding (default: ``torch.initial_seed()`` when built).
+    """
 
     _sparse_hint = "use a torch.optim optimizer that takes sparse gradients (torch.optim.SGD, Adagrad)"
     _settings: tuple[str, ...] = ("check_finite", "last_step_skipped")  # kept by pickle and deepcopy
@@ -103,6 +117,7 @@ class CPUOptimizer(Optimizer):
             self._construct(given.arguments)
 
         __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        __init__.__doc__ = cls.SHARED_ARGS
         __init__.__signature__ = sig  # type: ignore[attr-defined]  # what inspect, help() and checked_arguments read
         cls.__init__ = __init__  # type: ignore[method-assign]  # made from the table, as a dataclass's
 

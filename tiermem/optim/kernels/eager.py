@@ -1,7 +1,7 @@
 """The eager implementations behind :func:`tiermem.optim.adam_step`.
 
-Every kernel has one signature, ``kernel(master, exp_avg, exp_avg_sq, grad, out, hyper) -> None``: it
-updates ``master``/``exp_avg``/``exp_avg_sq`` (fp32) in place from ``grad`` (fp32/bf16/fp16, never
+Every kernel has one signature, ``kernel(tensors, hyper) -> None`` with ``tensors`` the
+:data:`AdamTensors` ``(master, exp_avg, exp_avg_sq, grad, out)``: it updates ``master``/``exp_avg``/``exp_avg_sq`` (fp32) in place from ``grad`` (fp32/bf16/fp16, never
 written) and, when ``out`` is not None, writes ``master.to(out.dtype)`` into it. Finite gradients are
 checked by the caller before any kernel runs (see NOTE [found_inf: nothing changes] in
 functional.py); kernels do not look.
@@ -33,17 +33,14 @@ from tiermem.optim.adam_hyper import AdamHyper
 FALLBACK_CHUNK = 1 << 18  # elements per fused call: the fp32 grad scratch (1 MiB) stays in cache
 CHECK_CHUNK = 1 << 20  # elements per eager isfinite() call: bounds its temporary bool tensor
 
+#: what every kernel updates and reads, in this order: master, exp_avg, exp_avg_sq, grad, out (None: no out)
+AdamTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+
 _scratch = threading.local()  # per-thread fp32 scratch: kernels may run on several threads at once
 
 
-def _single_tensor_adam(
-    master: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    out: Optional[torch.Tensor],
-    hyper: AdamHyper,
-) -> None:
+def _single_tensor_adam(tensors: AdamTensors, hyper: AdamHyper) -> None:
+    master, exp_avg, exp_avg_sq, grad, out = tensors
     g = grad.float() * hyper.inv_grad_scale * hyper.clip_coef  # unscale, then clip: a new tensor
     if hyper.weight_decay != 0:
         if hyper.adamw:
@@ -67,17 +64,10 @@ def _grad_scratch(n: int) -> torch.Tensor:
     return buf[:n]
 
 
-def _fused_fallback_adam(
-    master: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    out: Optional[torch.Tensor],
-    hyper: AdamHyper,
-) -> None:
+def _fused_fallback_adam(tensors: AdamTensors, hyper: AdamHyper) -> None:
     """Flat 1-D contiguous tensors only (adam_step flattens). Not bit-identical to the reference:
     torch's fused kernel orders the moment updates differently (tested to a tolerance)."""
-    fused = torch._fused_adamw_ if hyper.adamw else torch._fused_adam_
+    master, exp_avg, exp_avg_sq, grad, out = tensors
     step = [torch.tensor(float(hyper.step), dtype=torch.float32)]
     convert = grad.dtype != torch.float32 or hyper.grad_scale != 1.0 or hyper.clip_coef != 1.0
     n = master.numel()
@@ -91,48 +81,38 @@ def _fused_fallback_adam(
             if hyper.clip_coef != 1.0:
                 g.mul_(hyper.clip_coef)
         p = master[a:b]
-        fused(
-            [p],
-            [g],
-            [exp_avg[a:b]],
-            [exp_avg_sq[a:b]],
-            [],
-            step,
-            lr=hyper.lr,
-            beta1=hyper.beta1,
-            beta2=hyper.beta2,
-            weight_decay=hyper.weight_decay,
-            eps=hyper.eps,
-            amsgrad=False,
-            maximize=False,
-        )
+        _fused(p, g, exp_avg[a:b], exp_avg_sq[a:b], step, hyper)
         if out is not None:
             out[a:b].copy_(p)
 
 
-def _device_adam(
-    master: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    out: Optional[torch.Tensor],
-    hyper: AdamHyper,
-) -> None:
+def _device_adam(tensors: AdamTensors, hyper: AdamHyper) -> None:
     """Tensors on an accelerator (e.g. KeepOnDevice on a GPU): torch's fused Adam(W) there, one
     launch; unscale and clip as the CPU kernels do (two fp32 multiplications). Agrees with the
     CPU kernels to rounding, not bit for bit."""
-    fused = torch._fused_adamw_ if hyper.adamw else torch._fused_adam_
+    master, exp_avg, exp_avg_sq, grad, out = tensors
     g = grad.float() if grad.dtype != torch.float32 else grad
     if hyper.grad_scale != 1.0:
         g = g.mul(hyper.inv_grad_scale)
     if hyper.clip_coef != 1.0:
         g = g.mul(hyper.clip_coef)
     step = [_device_step(hyper.step, master.device)]
+    _fused(master, g, exp_avg, exp_avg_sq, step, hyper)
+    if out is not None:
+        out.copy_(master)
+
+
+def _fused(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: list[torch.Tensor], hyper: AdamHyper
+) -> None:
+    """torch's fused Adam(W) of one tensor (fp32 ``g``: unscaled and clipped already), ``step`` its
+    fp32 step count on ``p``'s device."""
+    fused = torch._fused_adamw_ if hyper.adamw else torch._fused_adam_
     fused(
-        [master],
+        [p],
         [g],
-        [exp_avg],
-        [exp_avg_sq],
+        [m],
+        [v],
         [],
         step,
         lr=hyper.lr,
@@ -143,8 +123,6 @@ def _device_adam(
         amsgrad=False,
         maximize=False,
     )
-    if out is not None:
-        out.copy_(master)
 
 
 def _device_step(step: int, device: torch.device) -> torch.Tensor:

@@ -42,14 +42,18 @@ def _gradient(grad: torch.Tensor, hyper) -> torch.Tensor:
     return -g if getattr(hyper, "maximize", False) else g
 
 
+def _l2_gradient(p: torch.Tensor, grad: torch.Tensor, hyper) -> torch.Tensor:
+    """:func:`_gradient` plus the L2 penalty torch's SGD and Adagrad add (``weight_decay * p``)."""
+    g = _gradient(grad, hyper)
+    return g.add(p, alpha=hyper.weight_decay) if hyper.weight_decay != 0 else g
+
+
 def sgd(
     master: torch.Tensor, state: tuple, grad: torch.Tensor, out: Optional[torch.Tensor], h: SGDHyper, sr: Keys
 ) -> None:
     (buf,) = state
     p = _working(master)
-    g = _gradient(grad, h)
-    if h.weight_decay != 0:
-        g = g.add(p, alpha=h.weight_decay)
+    g = _l2_gradient(p, grad, h)
     if h.momentum != 0:
         if h.first:  # torch: the buffer starts as a copy of the gradient
             buf.copy_(g)
@@ -65,9 +69,7 @@ def adagrad(
 ) -> None:
     (state_sum,) = state
     p = _working(master)
-    g = _gradient(grad, h)
-    if h.weight_decay != 0:
-        g = g.add(p, alpha=h.weight_decay)
+    g = _l2_gradient(p, grad, h)
     state_sum.addcmul_(g, g, value=1)
     std = state_sum.double().sqrt().float().add_(h.eps)  # NOTE [sqrt rounding]
     p.addcdiv_(g, std, value=-h.clr)
@@ -94,7 +96,7 @@ def adam(
 ) -> None:
     exp_avg, exp_avg_sq = state
     p = _working(master)
-    _single_tensor_adam(p, exp_avg, exp_avg_sq, grad, None, h)
+    _single_tensor_adam((p, exp_avg, exp_avg_sq, grad, None), h)
     _write(master, p, out, sr)
 
 
