@@ -122,6 +122,7 @@ def build_parts(
         shard_weights=opts.shard_weights,
         device_type=opts.device.type,
         update_in_backward=opts.update_in_backward,
+        inference=opts.inference,
     )
     p.policy, p.placement, p.evaluator = plan.policy, plan.placement, plan.evaluator
     p.group.check_same("model or configuration", _identity(module, plan, opts))

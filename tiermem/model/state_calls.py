@@ -46,6 +46,7 @@ class StateCalls:
     tracer: Any
     layout: Layout
     _release: Any
+    _inference: Any  # NOTE [Inference only]: the parameters' flags to give back, or None
 
     weight_sources: Callable[[], list]  # TieredModel's: the homes of weights off the device
 
@@ -151,7 +152,8 @@ class StateCalls:
             path: a file or DCP directory written by :meth:`save`.
         """
         state = self._settled("load()")
-        self._trainable.sync(grads_waiting=False, collective=True)  # parameters unfrozen before loading get state
+        if self._inference is None:  # NOTE [Inference only]: requires_grad plays no part
+            self._trainable.sync(grads_waiting=False, collective=True)  # parameters unfrozen before loading get state
         checkpoint.load(state, path)
         self.grads.drop()
         self._life.to(Phase.IDLE)
@@ -169,6 +171,8 @@ class StateCalls:
         for name, p in self._trainable.wrapped:
             p.data = weights[name]
         self.layout.buffers.give_back()
+        if self._inference is not None:
+            self._inference.give_back()  # NOTE [Inference only]: requires_grad as it was given
         self._life.to(Phase.DETACHED)
         lifetime.disown(self.module, self)
         self._release.detach()  # the finalizer's own call would warn that the weights were not given back
