@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import tiermem
-from tiermem import AdamW, TensorClass, Tier, TieredModel, TierMemError
+from tiermem import AdamW, Budgets, TensorClass, Tier, TieredModel, TierMemError
 from tiermem.memory.aligned import round_up
 from tiermem.plan.policy import PerClass
 from tiermem.policies import KeepOnDevice, ZeroInfinity
@@ -222,3 +222,26 @@ def test_generate_on_a_training_model_restores_its_mode():
     out = tm(**_prompts(), labels=_prompts()["input_ids"])
     tm.backward(out.loss)
     assert not tm.step().skipped
+
+
+def test_weights_stream_along_the_recorded_order(tmp_path):
+    """With a device budget smaller than the weights, each forward ends an iteration of the weights'
+    order (there is no step): after the first forward every weight is prefetched or still there,
+    none fetched on demand, and the tokens are the same."""
+    model = _model("llama")
+    expected = _expected(model, torch.float32, beam=False)
+    tm = TieredModel(
+        model,
+        ZeroInfinity(),
+        optimizer=None,
+        precision="fp32",
+        device="cpu",
+        nvme_dir=str(tmp_path),
+        budgets=Budgets(device="80KiB"),
+    )
+    assert torch.equal(tm.generate(**_prompts(), **_decoding(False)), expected)
+    scheduler = tm.param_offload.scheduler
+    first, *later = scheduler.history
+    assert scheduler.trace is not None and len(later) == _decoding(False)["max_new_tokens"] - 1
+    assert first.misses > 0 and sum(h.misses for h in later) == 0
+    assert sum(h.prefetches for h in later) > 0 and scheduler.stats.evictions > 0  # it streamed

@@ -7,7 +7,10 @@ and the training calls it refuses.
 # state. Every parameter is handled as a frozen one is (NOTE [Frozen weights keep one copy]): its
 # working copy, in the working precision, at its PARAM home (the device, the host within its
 # budget, NVMe), brought to the device by the same hooks, cache and recorded order as in training
-# (NOTE [Parameters off the device]). To keep no second copy, each floating-point parameter takes
+# (NOTE [Parameters off the device]). In training an iteration of that order ends with the step's
+# update; here, with each forward of the whole module (:func:`end_each_forward`: each token
+# ``generate`` decodes), so the second forward follows the first one's trace and each forward's end
+# fetches the next one's first weights ahead. To keep no second copy, each floating-point parameter takes
 # the working dtype before planning (:meth:`Inference.take`: a tensor on the meta device only
 # changes its dtype; a meta module's values then stream from ``weights=`` or its initialization
 # straight into their homes in that dtype), so the working copy *is* the value: ``state_dict()``,
@@ -25,13 +28,14 @@ and the training calls it refuses.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from tiermem.errors import ConfigError
+from tiermem.train.hooks import HookSet
 
-__all__ = ["Inference", "building", "refuse"]
+__all__ = ["Inference", "building", "end_each_forward", "refuse"]
 
 
 class Inference:
@@ -82,6 +86,16 @@ def building(inference: Optional[Inference], dtype: torch.dtype) -> Iterator[Non
         inference.undo()
         raise
     inference.built()
+
+
+def end_each_forward(module: torch.nn.Module, sources: Sequence[Any], hooks: HookSet) -> None:
+    """After each forward of ``module``, every weight source's iteration ends (NOTE [Inference only])."""
+
+    def ended(*_: Any) -> None:
+        for source in sources:
+            source.end_update()  # no update here: the iteration's end, the trace frozen and followed
+
+    hooks.add(module.register_forward_hook(ended))
 
 
 def refuse(call: str) -> ConfigError:
