@@ -245,3 +245,19 @@ def test_weights_stream_along_the_recorded_order(tmp_path):
     assert scheduler.trace is not None and len(later) == _decoding(False)["max_new_tokens"] - 1
     assert first.misses > 0 and sum(h.misses for h in later) == 0
     assert sum(h.prefetches for h in later) > 0 and scheduler.stats.evictions > 0  # it streamed
+
+
+def test_sampling_and_an_eval_forward_match_in_memory(tmp_path):
+    """Sampling draws the same tokens from the same generator state; ``tm.eval()`` and ``tm(...)``
+    give the in-memory model's logits."""
+    model = _model("qwen2")
+    ref = copy.deepcopy(model).to(torch.bfloat16).eval()
+    sampling = {**_decoding(False), "do_sample": True, "top_k": 20, "temperature": 0.9}
+    torch.manual_seed(5)
+    with torch.no_grad():
+        expected, logits = ref.generate(**_prompts(), **sampling), ref(**_prompts()).logits
+    tm = TieredModel(model, optimizer=None, precision="bf16", device="cpu", **_where("nvme", tmp_path))
+    torch.manual_seed(5)
+    assert torch.equal(tm.generate(**_prompts(), **sampling), expected)
+    with torch.no_grad():
+        assert torch.equal(tm.eval()(**_prompts()).logits, logits)

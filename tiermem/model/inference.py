@@ -8,21 +8,23 @@ and the training calls it refuses.
 # working copy, in the working precision, at its PARAM home (the device, the host within its
 # budget, NVMe), brought to the device by the same hooks, cache and recorded order as in training
 # (NOTE [Parameters off the device]). In training an iteration of that order ends with the step's
-# update; here, with each forward of the whole module (:func:`end_each_forward`: each token
-# ``generate`` decodes), so the second forward follows the first one's trace and each forward's end
-# fetches the next one's first weights ahead. To keep no second copy, each floating-point parameter takes
-# the working dtype before planning (:meth:`Inference.take`: a tensor on the meta device only
-# changes its dtype; a meta module's values then stream from ``weights=`` or its initialization
-# straight into their homes in that dtype), so the working copy *is* the value: ``state_dict()``,
-# ``detach()`` and ``save_pretrained()`` give it. ``requires_grad`` plays no part: every parameter
-# is made frozen for the plan, and :meth:`Inference.give_back` hands the flags back as they were
-# on ``detach()`` (and on a construction that fails, with the tensors the module had). With no
-# trainable parameter the plan has no bucket, so the footprint has no GRAD and no OPTIM_STATE
-# bytes; ``tm.backward``, ``tm.step`` (``tm.optimizer.step()``, an optimizer of no param group)
-# and ``add_param_group`` are refused with a ``tiermem:`` error and change nothing. The options that only shape a step (grad_clip, overlap_step,
-# update_in_backward) are refused at construction. ``tm.generate(...)`` (tiermem/model/module_calls.py)
-# runs the module's own ``generate`` in eval mode under ``torch.no_grad()`` on inputs moved to the device,
-# the weights streamed by the hooks as for any forward; it works on a training model too.
+# update; here it ends with each forward of the whole module (:func:`end_each_forward`: each token
+# ``generate`` decodes), so later forwards follow the first one's trace and each forward's end
+# fetches the next one's first weights ahead. To keep no second copy, each floating-point
+# parameter takes the working dtype before planning (:meth:`Inference.take`: a tensor on the meta
+# device only changes its dtype; a meta module's values then stream from ``weights=`` or its
+# initialization straight into their homes in that dtype), so the working copy *is* the value:
+# ``state_dict()``, ``detach()`` and ``save_pretrained()`` give it. ``requires_grad`` plays no
+# part: every parameter is made frozen for the plan, and :meth:`Inference.give_back` hands the
+# flags back as they were on ``detach()`` (a construction that fails gives back the tensors too).
+# With no trainable parameter the plan has no bucket, so the footprint has no GRAD and no
+# OPTIM_STATE bytes. ``tm.optimizer`` still lists the parameters in a group (torch refuses an
+# optimizer of none; frozen parameters are listed so in training too), but ``tm.backward``,
+# ``tm.step`` (and ``tm.optimizer.step()``) and ``add_param_group`` are refused with a ``tiermem:``
+# error and change nothing; so are the options that only shape a step (grad_clip, overlap_step,
+# update_in_backward), at construction. ``tm.generate(...)`` (tiermem/model/module_calls.py) runs
+# the module's own ``generate`` in eval mode under ``torch.no_grad()`` on inputs moved to the
+# device, the weights streamed by the hooks as for any forward; it works on a training model too.
 """
 
 from __future__ import annotations

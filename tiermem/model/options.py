@@ -102,14 +102,10 @@ def _check_paths(module: torch.nn.Module, nvme_dir: Any, trace_path: Any) -> Non
 def _spec(optimizer: Any) -> tuple[_Spec, Optional[torch.optim.Optimizer]]:
     """The optimizer spec ``optimizer=`` asks for, and the torch optimizer it was read from (if one)."""
     torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    # optimizer=None (inference) plans with AdamW's spec too: with no trainable bucket it keeps nothing
-    spec = (
-        AdamW()
-        if optimizer is None or optimizer is DEFAULT_OPTIMIZER
-        else spec_from_torch(optimizer)
-        if torch_optimizer is not None
-        else optimizer
-    )
+    if optimizer is None or optimizer is DEFAULT_OPTIMIZER:
+        spec: Any = AdamW()  # optimizer=None (inference) plans with it too: with no trainable bucket it keeps nothing
+    else:
+        spec = spec_from_torch(optimizer) if torch_optimizer is not None else optimizer
     if not isinstance(spec, _Spec):
         raise ConfigError(
             f"tiermem: optimizer={spec!r} is not an optimizer tiermem runs; pass tiermem.AdamW(...), "

@@ -21,6 +21,7 @@ from tiermem.checkpoint.view import ModelState
 from tiermem.errors import ConfigError, add_note
 from tiermem.memory import deferred
 from tiermem.model import lifetime
+from tiermem.model.inference import Inference
 from tiermem.model.phase import Lifecycle, Phase
 from tiermem.train.hooks import HookSet
 from tiermem.train.layout import Layout
@@ -46,7 +47,7 @@ class StateCalls:
     tracer: Any
     layout: Layout
     _release: Any
-    _inference: Any  # NOTE [Inference only]: the parameters' flags to give back, or None
+    _inference: Optional[Inference]  # NOTE [Inference only]: the parameters' flags to give back, or None
 
     weight_sources: Callable[[], list]  # TieredModel's: the homes of weights off the device
 

@@ -60,7 +60,8 @@ class TieredModel(StateCalls, ModuleCalls):
     gradients and optimizer state are sharded over the ranks (NOTE [Data parallel]).
 
     Args:
-        module: any ``torch.nn.Module`` with trainable parameters (``requires_grad=True``); it is
+        module: any ``torch.nn.Module`` with trainable parameters (``requires_grad=True``; with
+            ``optimizer=None``, any parameters: NOTE [Inference only]); it is
             wrapped by one live TieredModel at a time. ``requires_grad`` may change between steps
             (NOTE [Freezing and unfreezing] in :mod:`tiermem.train.step.trainable`).
         policy: the :class:`~tiermem.Policy` that gives each tensor its home tier. Default:
