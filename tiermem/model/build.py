@@ -22,6 +22,7 @@ from tiermem.config.specs import LossScale, _Spec
 from tiermem.config.torch_optim import stepped_elsewhere
 from tiermem.memory.ledger import InFlight
 from tiermem.model import lifetime
+from tiermem.model.inference import end_each_forward
 from tiermem.model.machine import machine_profile, store_limits
 from tiermem.model.options import Options, make_stores
 from tiermem.model.torch_optimizer import TieredOptimizer
@@ -122,6 +123,7 @@ def build_parts(
         shard_weights=opts.shard_weights,
         device_type=opts.device.type,
         update_in_backward=opts.update_in_backward,
+        inference=opts.inference,
     )
     p.policy, p.placement, p.evaluator = plan.policy, plan.placement, plan.evaluator
     p.group.check_same("model or configuration", _identity(module, plan, opts))
@@ -189,6 +191,9 @@ def _build_weights(
         if plan.sharded or plan.frozen
         else None
     )
+    sources = [s for s in (p.param_offload, p.gathered) if s is not None]
+    if opts.inference and sources:  # NOTE [Inference only]: no step ends an iteration of the weights' order
+        end_each_forward(module, sources, p.hooks)
     # NOTE [Parameters off the device]: a compiled forward reading such weights runs eagerly. The
     # stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during the
     # forward on another thread, and must stay compiled; dynamo then falls back by itself

@@ -8,7 +8,7 @@ recursive closure, for the GC to find on every forward); two kinds it leaves as 
 here too: any ``Mapping`` (transformers' ``BatchEncoding``, a dict subclass) and dataclass
 instances. Each container comes back as its own type with the same contents, converted; a
 container that cannot be rebuilt with converted contents is refused with a ``tiermem:`` error,
-never passed on unconverted.
+never passed on unconverted. :func:`check_loss` is what ``tm.backward(loss)`` accepts.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from tiermem.errors import ConfigError
 
-__all__ = ["cast_inputs"]
+__all__ = ["cast_inputs", "check_loss"]
 
 
 def cast_inputs(obj: Any, dtype: torch.dtype, device: torch.device) -> Any:
@@ -76,3 +76,18 @@ def _dataclass(x: Any, dtype: torch.dtype, device: torch.device) -> Any:
     for name, value in changed.items():
         object.__setattr__(out, name, value)
     return out
+
+
+def check_loss(loss: Any) -> None:
+    """What ``tm.backward(loss)`` accepts: a scalar tensor that requires grad."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ConfigError(
+            f"tiermem: backward() needs a scalar loss tensor, got "
+            f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}; "
+            f"reduce the loss to one number (e.g. .mean())"
+        )
+    if not loss.requires_grad:
+        raise ConfigError(
+            "tiermem: backward() got a loss that does not require grad; compute it from "
+            "tm(...) outside torch.no_grad() and with the module in train mode"
+        )

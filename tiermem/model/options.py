@@ -23,7 +23,18 @@ from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.transfer.collectives import Group
 from tiermem.types import Tier
 
-__all__ = ["Options", "validate", "make_stores"]
+__all__ = ["Options", "validate", "make_stores", "DEFAULT_OPTIMIZER"]
+
+
+class _DefaultOptimizer:
+    """``optimizer=`` left out: ``tiermem.AdamW()``. Only ``optimizer=None`` given means inference
+    (NOTE [Inference only] in tiermem/model/inference.py)."""
+
+    def __repr__(self) -> str:
+        return "AdamW()"
+
+
+DEFAULT_OPTIMIZER: Any = _DefaultOptimizer()
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,7 @@ class Options:
     precision: str  # the working precision: "auto" made this device's (NOTE [Choosing the precision])
     shard_weights: bool = False  # under data parallelism, weights on the device sharded too (ZeRO-3); alone, nothing
     update_in_backward: bool = False  # NOTE [Updates in backward]
+    inference: bool = False  # optimizer=None: no grads, no master weights, no state (NOTE [Inference only])
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -90,7 +102,10 @@ def _check_paths(module: torch.nn.Module, nvme_dir: Any, trace_path: Any) -> Non
 def _spec(optimizer: Any) -> tuple[_Spec, Optional[torch.optim.Optimizer]]:
     """The optimizer spec ``optimizer=`` asks for, and the torch optimizer it was read from (if one)."""
     torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    spec = AdamW() if optimizer is None else spec_from_torch(optimizer) if torch_optimizer is not None else optimizer
+    if optimizer is None or optimizer is DEFAULT_OPTIMIZER:
+        spec: Any = AdamW()  # optimizer=None (inference) plans with it too: with no trainable bucket it keeps nothing
+    else:
+        spec = spec_from_torch(optimizer) if torch_optimizer is not None else optimizer
     if not isinstance(spec, _Spec):
         raise ConfigError(
             f"tiermem: optimizer={spec!r} is not an optimizer tiermem runs; pass tiermem.AdamW(...), "
@@ -174,6 +189,9 @@ def validate(
             "tiermem: update_in_backward=True and overlap_step=True both change when the update runs; "
             "pass one of them (update_in_backward frees the grads' memory, overlap_step hides the update's time)"
         )
+    inference = optimizer is None
+    if inference:
+        _check_inference(grad_clip=grad_clip, overlap_step=overlap, update_in_backward=in_backward)
     return Options(
         spec,
         torch_optimizer,
@@ -187,7 +205,18 @@ def validate(
         precision,
         shard,
         in_backward,
+        inference,
     )
+
+
+def _check_inference(**given: Any) -> None:
+    """The training options an inference-only model (optimizer=None) refuses, naming the first given."""
+    for name, value in given.items():
+        if value not in (None, False):
+            raise ConfigError(
+                f"tiermem: {name}={value!r} is a training option, but optimizer=None builds a model for "
+                f"inference only; leave {name} out, or pass an optimizer (e.g. tiermem.AdamW()) to train"
+            )
 
 
 def make_stores(

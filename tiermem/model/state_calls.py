@@ -21,6 +21,7 @@ from tiermem.checkpoint.view import ModelState
 from tiermem.errors import ConfigError, add_note
 from tiermem.memory import deferred
 from tiermem.model import lifetime
+from tiermem.model.inference import Inference
 from tiermem.model.phase import Lifecycle, Phase
 from tiermem.train.hooks import HookSet
 from tiermem.train.layout import Layout
@@ -46,6 +47,7 @@ class StateCalls:
     tracer: Any
     layout: Layout
     _release: Any
+    _inference: Optional[Inference]  # NOTE [Inference only]: the parameters' flags to give back, or None
 
     weight_sources: Callable[[], list]  # TieredModel's: the homes of weights off the device
 
@@ -151,7 +153,8 @@ class StateCalls:
             path: a file or DCP directory written by :meth:`save`.
         """
         state = self._settled("load()")
-        self._trainable.sync(grads_waiting=False, collective=True)  # parameters unfrozen before loading get state
+        if self._inference is None:  # NOTE [Inference only]: requires_grad plays no part
+            self._trainable.sync(grads_waiting=False, collective=True)  # parameters unfrozen before loading get state
         checkpoint.load(state, path)
         self.grads.drop()
         self._life.to(Phase.IDLE)
@@ -169,6 +172,8 @@ class StateCalls:
         for name, p in self._trainable.wrapped:
             p.data = weights[name]
         self.layout.buffers.give_back()
+        if self._inference is not None:
+            self._inference.give_back()  # NOTE [Inference only]: requires_grad as it was given
         self._life.to(Phase.DETACHED)
         lifetime.disown(self.module, self)
         self._release.detach()  # the finalizer's own call would warn that the weights were not given back

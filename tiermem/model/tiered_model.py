@@ -28,9 +28,11 @@ from tiermem.memory import deferred
 from tiermem.model import lifetime
 from tiermem.model.build import Parts, build_parts
 from tiermem.model.compute import warn_if_slow
-from tiermem.model.inputs import cast_inputs
+from tiermem.model.inference import Inference, building, refuse
+from tiermem.model.inputs import cast_inputs, check_loss
 from tiermem.model.model_report import assemble as assemble_report
-from tiermem.model.options import validate
+from tiermem.model.module_calls import ModuleCalls
+from tiermem.model.options import DEFAULT_OPTIMIZER, validate
 from tiermem.model.phase import Lifecycle, Phase
 from tiermem.model.resident_block import resident as resident_block
 from tiermem.model.state_calls import StateCalls
@@ -45,7 +47,7 @@ __all__ = ["TieredModel", "StepResult", "Phase"]
 
 
 @checked_arguments
-class TieredModel(StateCalls):
+class TieredModel(StateCalls, ModuleCalls):
     """Train ``module`` with every tensor of its step placed on a tier by ``policy``.
 
     The three calls of a training loop are ``tm(*inputs)`` (the module's forward; tensors inside any
@@ -58,7 +60,8 @@ class TieredModel(StateCalls):
     gradients and optimizer state are sharded over the ranks (NOTE [Data parallel]).
 
     Args:
-        module: any ``torch.nn.Module`` with trainable parameters (``requires_grad=True``); it is
+        module: any ``torch.nn.Module`` with trainable parameters (``requires_grad=True``; with
+            ``optimizer=None``, any parameters: NOTE [Inference only]); it is
             wrapped by one live TieredModel at a time. ``requires_grad`` may change between steps
             (NOTE [Freezing and unfreezing] in :mod:`tiermem.train.step.trainable`).
         policy: the :class:`~tiermem.Policy` that gives each tensor its home tier. Default:
@@ -67,7 +70,8 @@ class TieredModel(StateCalls):
         optimizer: a tiermem spec (:class:`~tiermem.AdamW`, :class:`~tiermem.Adam`; param groups
             optional), or a ``torch.optim.AdamW``/``Adam`` built on the module's parameters, which is
             read for its class, param groups and hyperparameters and never stepped itself
-            (:mod:`tiermem.config.torch_optim`). Default: ``tiermem.AdamW()``.
+            (:mod:`tiermem.config.torch_optim`). Default: ``tiermem.AdamW()``. ``None``: inference
+            only, no grads, master weights or optimizer state (NOTE [Inference only]).
         precision: the working precision of the weights the device holds: ``"bf16"``, ``"fp16"``
             (dynamic loss scaling: an overflowing step is skipped and the scale lowered),
             ``"fp32"``, or ``"auto"``: bf16 where the device computes it natively, else fp32 on a
@@ -134,7 +138,7 @@ class TieredModel(StateCalls):
         module: torch.nn.Module,
         policy: Optional[Policy] = None,
         *,
-        optimizer: "_Spec | torch.optim.Optimizer | None" = None,
+        optimizer: "_Spec | torch.optim.Optimizer | None" = DEFAULT_OPTIMIZER,
         precision: str = "bf16",
         budgets: Optional[Budgets] = None,
         nvme_dir: Optional[str] = None,
@@ -177,27 +181,30 @@ class TieredModel(StateCalls):
         self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
         self.update_in_backward = opts.update_in_backward
         self._life = Lifecycle()
-        parts = self._built(
-            module,
-            policy,
-            opts,
-            weights,
-            nvme_dir=nvme_dir,
-            trace_path=trace_path,
-            process_group=process_group,
-            max_skipped_steps=max_skipped_steps,
-            loss_scale=loss_scale,
-        )
-        self._take(parts)
-        self._own(module, parts)
+        self._inference = Inference(module) if opts.inference else None  # NOTE [Inference only]
+        with building(self._inference, opts.dtype):
+            parts = self._built(
+                module,
+                policy,
+                opts,
+                weights,
+                nvme_dir=nvme_dir,
+                trace_path=trace_path,
+                process_group=process_group,
+                max_skipped_steps=max_skipped_steps,
+                loss_scale=loss_scale,
+            )
+            self._take(parts)
+            self._own(module, parts)
         self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
+        trains = f"{self.layout.n_params:,} trainable parameters in {len(self.layout.buckets)} buckets"
+        asked = f", from precision={given!r}" if given != precision else ""
         log.info(
-            "tiermem: %s trainable parameters in %d buckets under %r (%s%s)",
-            f"{self.layout.n_params:,}",
-            len(self.layout.buckets),
+            "tiermem: %s under %r (%s%s)",
+            "inference only" if self._inference else trains,
             self.policy,
             precision,
-            f", from precision={given!r}" if given != precision else "",
+            asked,
         )
 
     def _built(self, module: torch.nn.Module, policy: Optional[Policy], opts: Any, weights: Any, **kw: Any) -> Parts:
@@ -221,9 +228,10 @@ class TieredModel(StateCalls):
         self._force_eager = parts.force_eager
         self.layout, self.scaler, self.grads, self.stepper = parts.layout, parts.scaler, parts.grads, parts.stepper
         self._passes = parts.passes  # NOTE [Updates in backward]: None unless update_in_backward
-        self.optimizer, self._groups = parts.optimizer, parts.group_editor
-        #: the tiermem optimizer spec this model runs (a torch optimizer given is read into one)
-        self.optimizer_spec = parts.optimizer_spec
+        self.optimizer, self._groups = parts.optimizer, parts.group_editor  # inference: no group, step refused
+        #: the tiermem optimizer spec this model runs (a torch optimizer given is read into one); None:
+        #: inference only (NOTE [Inference only])
+        self.optimizer_spec: Optional[_Spec] = None if self._inference else parts.optimizer_spec
         self._trainable, self.activations, self._state = parts.trainable, parts.activations, parts.state
 
     def _own(self, module: torch.nn.Module, parts: Parts) -> None:
@@ -264,10 +272,8 @@ class TieredModel(StateCalls):
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         with self._life.during("forward", Phase.FORWARD):
-            self.stepper.check_whole("tm(...)")  # NOTE [A failed step is rolled forward]
-            self._state.check_loaded("tm(...)")  # NOTE [A failed load is guarded]
-            self._trainable.check_unchanged("tm(...)")  # NOTE [The parameters a model was wrapped with]
-            if torch.is_grad_enabled() and self.module.training and self.group.world == 1:
+            self._check_forward("tm(...)")
+            if torch.is_grad_enabled() and self.module.training and self.group.world == 1 and not self._inference:
                 # NOTE [Freezing and unfreezing]; under data parallelism at backward, where every rank is
                 self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=False)
             args, kwargs = cast_inputs((args, kwargs), self.dtype, self.device)
@@ -276,6 +282,20 @@ class TieredModel(StateCalls):
                     with self.activations.track():
                         return self.module(*args, **kwargs)
                 return self.module(*args, **kwargs)  # eval() or no_grad: activations stay where they are
+
+    def _check_forward(self, call: str) -> None:
+        """What every forward checks first, named ``call`` in its errors."""
+        self.stepper.check_whole(call)  # NOTE [A failed step is rolled forward]
+        self._state.check_loaded(call)  # NOTE [A failed load is guarded]
+        self._trainable.check_unchanged(call)  # NOTE [The parameters a model was wrapped with]
+
+    @contextlib.contextmanager
+    def _generating(self) -> Iterator[None]:
+        """What ``tm.generate(...)`` runs inside (NOTE [Inference only]): a forward's phase and checks."""
+        with self._life.during("forward", Phase.FORWARD):
+            self._check_forward("tm.generate(...)")
+            with self.tracer.span("generate", "compute"), _eagerly(self._force_eager):
+                yield
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled in fp16); call once per micro-batch, grads accumulate.
@@ -297,8 +317,10 @@ class TieredModel(StateCalls):
             self._compute_seconds += time.perf_counter() - t0
 
     def _backward(self, loss: torch.Tensor) -> None:
+        if self._inference:
+            raise refuse("tm.backward()")
         self._life.check("backward")
-        _check_loss(loss)
+        check_loss(loss)
         self._trainable.sync(grads_waiting=self.grads.has_grads(), collective=True)  # NOTE [Freezing and unfreezing]
         if self._passes is not None:
             self._passes.prepare()  # the accumulation homes, if it accumulates: refused before anything changes
@@ -372,11 +394,15 @@ class TieredModel(StateCalls):
 
     def _add_group(self, groups: list[dict], group: dict) -> None:
         """What ``tm.optimizer.add_param_group(group)`` runs (tiermem.train.step.groups.GroupEditor)."""
+        if self._inference:
+            raise refuse("tm.optimizer.add_param_group()")
         self._life.check("state", "tm.optimizer.add_param_group()")
         self._groups.add(groups, group)
 
     def _step(self, groups: list[dict]) -> StepResult:
         """What ``tm.optimizer.step()`` runs: the tiered step, checked against the phase."""
+        if self._inference:
+            raise refuse("tm.step()")
         with self._life.during("step", Phase.STEPPING):
             self._state.check_loaded("tm.step()")  # NOTE [A failed load is guarded]
             self._trainable.check_unchanged("step()")  # NOTE [The parameters a model was wrapped with]
@@ -404,25 +430,6 @@ class TieredModel(StateCalls):
         finally:
             for home in homes:
                 home.defer(False)
-
-    # -- module-like conveniences ---------------------------------------------------------------
-    def train(self, mode: bool = True) -> "TieredModel":
-        """Set the module's training mode, as ``nn.Module.train``; returns ``self``.
-
-        Args:
-            mode: True for training (activations saved and placed by the policy), False for eval.
-        """
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "TieredModel":
-        """``train(False)``: forwards run as in evaluation; returns ``self``."""
-        return self.train(False)
-
-    @property
-    def training(self) -> bool:
-        """The module's training mode."""
-        return self.module.training
 
     @contextlib.contextmanager
     def resident(self, what: "torch.nn.Module | torch.Tensor | Iterable[torch.Tensor]") -> Iterator[None]:
@@ -477,17 +484,3 @@ def _eagerly(on: bool) -> contextlib.AbstractContextManager:
     dynamo finds the eager hooks and falls back by itself, after trying to trace)."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if on and set_stance is not None else contextlib.nullcontext()
-
-
-def _check_loss(loss: Any) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ConfigError(
-            f"tiermem: backward() needs a scalar loss tensor, got "
-            f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}; "
-            f"reduce the loss to one number (e.g. .mean())"
-        )
-    if not loss.requires_grad:
-        raise ConfigError(
-            "tiermem: backward() got a loss that does not require grad; compute it from "
-            "tm(...) outside torch.no_grad() and with the module in train mode"
-        )

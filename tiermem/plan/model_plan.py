@@ -110,11 +110,13 @@ def plan_model(
     shard_weights: bool = False,
     device_type: str = "cpu",
     update_in_backward: bool = False,
+    inference: bool = False,
 ) -> ModelPlan:
     """Everything TieredModel's construction decides (NOTE [Plan, then build]); nothing allocated.
     ``limits``: the bytes each tier's store may hold (a tier without a store absent); ``machine``:
     this machine's profile, called only if a whole-model policy asks for it; ``device_type``: the
-    device's (``"cuda"`` stages NVMe reads through the host; ``"cpu"`` computes on the host)."""
+    device's (``"cuda"`` stages NVMe reads through the host; ``"cpu"`` computes on the host);
+    ``inference``: no parameter trains, none is asked to (NOTE [Inference only] in tiermem/model/inference.py)."""
     given = resolve_policy(policy)
     evaluator = Evaluator(
         module,
@@ -132,7 +134,8 @@ def plan_model(
     placement = evaluator.bind(given)
     planned = plan(module, placement, spec, dtype, bucket_numel, overlap=overlap, world=world)
     buckets, homes = planned.buckets, dict(planned.weight_homes)
-    _check_buckets(buckets, world, update_in_backward)
+    if not inference:
+        _check_buckets(buckets, world, update_in_backward)
     cold = frozen_buckets(module, homes, world, shard_weights, bucket_numel, first_index=len(buckets))
     sharded, offloaded = split_weights(buckets, homes, world, shard_weights, cold)
     need = model_footprint(

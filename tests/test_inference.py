@@ -1,0 +1,263 @@
+"""An inference-only TieredModel (``optimizer=None``, NOTE [Inference only]) and ``tm.generate``:
+the same tokens as the transformers model in memory in the same precision, with the weights on the
+device, the host and NVMe, from a model in memory or on the meta device with ``weights=``; no
+gradient or optimizer-state bytes; training calls refused, changing nothing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from tiermem import AdamW, Budgets, TensorClass, Tier, TieredModel, TierMemError
+from tiermem.memory.aligned import round_up
+from tiermem.plan.policy import PerClass
+from tiermem.policies import KeepOnDevice, ZeroInfinity
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64)
+
+
+class WeightsOnHost(PerClass):
+    """Every weight homed on the host (the device computes)."""
+
+    homes = {
+        TensorClass.PARAM: Tier.HOST,
+        TensorClass.GRAD: Tier.HOST,
+        TensorClass.OPTIM_STATE: Tier.HOST,
+        TensorClass.ACTIVATION: Tier.DEVICE,
+    }
+
+
+def _config(family: str):
+    if family == "llama":
+        return transformers.LlamaConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**SMALL, num_attention_heads=4, num_key_value_heads=2)
+    assert family == "mixtral"
+    return transformers.MixtralConfig(
+        **SMALL, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
+    )
+
+
+def _model(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(_config(family)).eval()
+
+
+def _where(placement: str, tmp_path) -> dict:
+    return {
+        "device": {"policy": KeepOnDevice()},
+        "host": {"policy": WeightsOnHost()},
+        "nvme": {"policy": ZeroInfinity(), "nvme_dir": str(tmp_path)},
+    }[placement]
+
+
+def _prompts() -> dict:
+    torch.manual_seed(1)
+    ids = torch.randint(3, 97, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # the second prompt left-padded
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _decoding(beam: bool) -> dict:
+    extra = {"num_beams": 3, "early_stopping": True} if beam else {}
+    return {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, **extra}
+
+
+def _expected(model: nn.Module, dtype: torch.dtype, beam: bool) -> torch.Tensor:
+    """The oracle: the same model in memory, in the same precision."""
+    ref = copy.deepcopy(model).to(dtype).eval()
+    with torch.no_grad():
+        return ref.generate(**_prompts(), **_decoding(beam))
+
+
+@pytest.mark.parametrize("precision", list(DTYPES))
+@pytest.mark.parametrize("placement", ["device", "host", "nvme"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
+def test_generate_same_tokens_as_in_memory(family, placement, precision, tmp_path):
+    model = _model(family)
+    expected = {beam: _expected(model, DTYPES[precision], beam) for beam in (False, True)}
+    tm = TieredModel(model, optimizer=None, precision=precision, device="cpu", **_where(placement, tmp_path))
+    for beam in (False, True):
+        got = tm.generate(**_prompts(), **_decoding(beam))
+        assert torch.equal(got, expected[beam]), (beam, got, expected[beam])
+    assert not tm.training  # it was built from a model in eval mode, and is so again
+    if placement != "device":
+        assert tm.weight_sources(), "the weights were not homed off the device"
+
+
+@pytest.mark.parametrize("precision", list(DTYPES))
+def test_meta_model_with_weights_generates_the_same(precision, tmp_path):
+    model = _model("llama")
+    model.save_pretrained(tmp_path / "ckpt")  # safetensors
+    expected = _expected(model, DTYPES[precision], beam=False)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    kw = dict(optimizer=None, precision=precision, device="cpu")
+    tm = TieredModel(meta, ZeroInfinity(), nvme_dir=str(tmp_path), weights=tmp_path / "ckpt", **kw)
+    assert torch.equal(tm.generate(**_prompts(), **_decoding(False)), expected)
+    again = tiermem.from_pretrained(tmp_path / "ckpt", WeightsOnHost(), **kw)
+    assert torch.equal(again.generate(**_prompts(), **_decoding(False)), expected)
+
+
+def test_save_pretrained_and_resident_writes(tmp_path):
+    """What an inference model saves is its working-precision weights, and a write inside
+    ``tm.resident`` reaches a weight's home on NVMe."""
+    model = _model("llama")
+    tm = TieredModel(model, ZeroInfinity(), optimizer=None, precision="bf16", device="cpu", nvme_dir=str(tmp_path))
+    with tm.resident(model.lm_head), torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    tm.save_pretrained(tmp_path / "out")
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    ref = copy.deepcopy(_model("llama")).to(torch.bfloat16)
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(2)
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in saved.state_dict().items())
+    with torch.no_grad():
+        expected = ref.generate(**_prompts(), **_decoding(False))
+    assert torch.equal(tm.generate(**_prompts(), **_decoding(False)), expected)
+
+
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+def test_inference_keeps_the_weights_only(placement, tmp_path):
+    """No GRAD and no OPTIM_STATE bytes anywhere; at their home, the weights' bytes in the working
+    dtype (in page-aligned buffers on the host, exact on NVMe) and nothing on the other tier."""
+    model = _model("llama")
+    sizes = [p.numel() * 2 for p in model.parameters()]  # bf16
+    tm = TieredModel(model, optimizer=None, precision="bf16", device="cpu", **_where(placement, tmp_path))
+    tm.generate(**_prompts(), **_decoding(False))
+    peaks = {k: n for k, n in tm.report().class_peak_bytes.items() if n}
+    assert {c for c, _ in peaks} <= {TensorClass.PARAM, TensorClass.ACTIVATION}, peaks
+    if placement == "host":
+        assert peaks[TensorClass.PARAM, Tier.HOST] == sum(round_up(n) for n in sizes), peaks
+        assert (TensorClass.PARAM, Tier.NVME) not in peaks
+    else:
+        assert peaks[TensorClass.PARAM, Tier.NVME] == sum(sizes), peaks
+        assert (TensorClass.PARAM, Tier.HOST) not in peaks
+    assert tm.model_plan.summary()["trainable_params"] == 0
+    assert not tm.model_plan.buckets and tm.optimizer_spec is None
+
+
+def test_training_calls_are_refused_and_change_nothing(tmp_path):
+    model = _model("llama")
+    tm = TieredModel(model, optimizer=None, precision="fp32", device="cpu", **_where("host", tmp_path))
+    before = tm.state_dict()
+    loss = tm(torch.ones(1, 4, dtype=torch.long), labels=torch.ones(1, 4, dtype=torch.long)).loss
+    with pytest.raises(TierMemError, match=r"tiermem: tm.backward\(\).*inference \(optimizer=None\).*AdamW"):
+        tm.backward(loss)
+    for step in (tm.step, tm.optimizer.step):
+        with pytest.raises(TierMemError, match=r"tiermem: tm.step\(\).*inference \(optimizer=None\)"):
+            step()
+    with pytest.raises(TierMemError, match=r"tiermem: tm.optimizer.add_param_group\(\).*inference"):
+        tm.optimizer.add_param_group({"params": [next(model.parameters())]})
+    after = tm.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert tm.phase.name == "IDLE"
+
+
+def test_state_dict_and_detach_give_working_precision_values_and_flags_back():
+    model = _model("llama")
+    model.lm_head.requires_grad_(False)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    expected = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    tm = TieredModel(model, optimizer=None, precision="bf16", device="cpu", policy=WeightsOnHost())
+    sd = tm.state_dict()
+    assert all(torch.equal(sd[k], expected[k]) for k in sd if sd[k].is_floating_point())
+    back = tm.detach()
+    assert {n: p.requires_grad for n, p in back.named_parameters()} == flags
+    assert all(torch.equal(v, expected[k]) for k, v in back.state_dict().items() if v.is_floating_point())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"grad_clip": 1.0}, r"tiermem: grad_clip=1.0 is a training option, but optimizer=None"),
+        ({"overlap_step": True}, r"tiermem: overlap_step=True is a training option"),
+        ({"update_in_backward": True}, r"tiermem: update_in_backward=True is a training option"),
+    ],
+)
+def test_training_options_refused_for_inference(kwargs, match):
+    model = _model("llama")
+    flags = [p.requires_grad for p in model.parameters()]
+    with pytest.raises(TierMemError, match=match):
+        TieredModel(model, optimizer=None, device="cpu", **kwargs)
+    assert [p.requires_grad for p in model.parameters()] == flags
+
+
+def test_failed_construction_gives_the_module_back(tmp_path):
+    """A construction that fails after the parameters were taken leaves them as they were."""
+    model = _model("llama")
+    before = {n: (p.dtype, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()}
+    with pytest.raises(TierMemError, match="nvme_dir"):
+        TieredModel(model, ZeroInfinity(), optimizer=None, precision="bf16", device="cpu")  # no nvme_dir
+    for n, p in model.named_parameters():
+        dtype, flag, value = before[n]
+        assert (p.dtype, p.requires_grad) == (dtype, flag) and torch.equal(p, value)
+
+
+def test_generate_needs_a_module_that_generates():
+    tm = TieredModel(nn.Linear(4, 4), optimizer=None, device="cpu")
+    with pytest.raises(
+        TierMemError, match=r"tiermem: tm.generate\(...\) runs the module's own generate\(\), and Linear"
+    ):
+        tm.generate(torch.ones(1, 4))
+
+
+def test_generate_on_a_training_model_restores_its_mode():
+    model = _model("llama").train()
+    expected = _expected(model, torch.float32, beam=False)
+    tm = TieredModel(model, precision="fp32", device="cpu")  # optimizer left out: AdamW
+    assert tm.optimizer_spec == AdamW() and tm.layout.n_params > 0
+    assert torch.equal(tm.generate(**_prompts(), **_decoding(False)), expected)
+    assert tm.training
+    out = tm(**_prompts(), labels=_prompts()["input_ids"])
+    tm.backward(out.loss)
+    assert not tm.step().skipped
+
+
+def test_weights_stream_along_the_recorded_order(tmp_path):
+    """With a device budget smaller than the weights, each forward ends an iteration of the weights'
+    order (there is no step): after the first forward every weight is prefetched or still there,
+    none fetched on demand, and the tokens are the same."""
+    model = _model("llama")
+    expected = _expected(model, torch.float32, beam=False)
+    tm = TieredModel(
+        model,
+        ZeroInfinity(),
+        optimizer=None,
+        precision="fp32",
+        device="cpu",
+        nvme_dir=str(tmp_path),
+        budgets=Budgets(device="80KiB"),
+    )
+    assert torch.equal(tm.generate(**_prompts(), **_decoding(False)), expected)
+    scheduler = tm.param_offload.scheduler
+    first, *later = scheduler.history
+    assert scheduler.trace is not None and len(later) == _decoding(False)["max_new_tokens"] - 1
+    assert first.misses > 0 and sum(h.misses for h in later) == 0
+    assert sum(h.prefetches for h in later) > 0 and scheduler.stats.evictions > 0  # it streamed
+
+
+def test_sampling_and_an_eval_forward_match_in_memory(tmp_path):
+    """Sampling draws the same tokens from the same generator state; ``tm.eval()`` and ``tm(...)``
+    give the in-memory model's logits."""
+    model = _model("qwen2")
+    ref = copy.deepcopy(model).to(torch.bfloat16).eval()
+    sampling = {**_decoding(False), "do_sample": True, "top_k": 20, "temperature": 0.9}
+    torch.manual_seed(5)
+    with torch.no_grad():
+        expected, logits = ref.generate(**_prompts(), **sampling), ref(**_prompts()).logits
+    tm = TieredModel(model, optimizer=None, precision="bf16", device="cpu", **_where("nvme", tmp_path))
+    torch.manual_seed(5)
+    assert torch.equal(tm.generate(**_prompts(), **sampling), expected)
+    with torch.no_grad():
+        assert torch.equal(tm.eval()(**_prompts()).logits, logits)
