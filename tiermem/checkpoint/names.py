@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Iterable, NamedTuple, Optional
 
+from tiermem.config.kinds import Kind
+from tiermem.optim.families import FAMILIES, PartOptions
+
 MASTER = "master"
 FROZEN = "frozen"
 BUFFERS = "buffers"
@@ -19,9 +22,9 @@ BUFFERS = "buffers"
 #: every other part is optimizer state (``optim.state.<param>.<part>``: NOTE [Sharded values for DCP])
 MODULE_PARTS = (MASTER, FROZEN, BUFFERS)
 
-#: each 8-bit moment's part and the part holding its blocks' absmax (NOTE [8-bit state]). A
-#: StatePart knows its own name and block, not which moment a scale belongs to: the pairing is here.
-SCALES = {"exp_avg": "exp_avg_absmax", "exp_avg_sq": "exp_avg_sq_absmax"}
+#: each 8-bit moment's part and the part holding its blocks' absmax (NOTE [8-bit state]), as the
+#: 8-bit state format's parts say (``StatePart.scale``)
+SCALES = {p.name: p.scale for p in FAMILIES[Kind.ADAM8BIT].parts(PartOptions()) if p.scale is not None}
 _MOMENT_OF = {scale: moment for moment, scale in SCALES.items()}
 
 

@@ -41,6 +41,8 @@ class StatePart:
     factored: bool = False
     #: one element per parameter, whatever its size (a generic optimizer's ``step``: NOTE [Generic optimizers])
     per_parameter: bool = False
+    #: the part holding the absmax of this quantized part's blocks (8-bit moments: NOTE [8-bit state])
+    scale: Optional[str] = None
 
     def numel(self, n: int, shape: Optional[Sequence[int]] = None) -> int:
         """Elements of this part for a parameter of ``n`` elements (of ``shape``: a factored part
@@ -101,9 +103,9 @@ def _adam_parts(o: PartOptions) -> tuple[StatePart, ...]:
 def _adam8bit_parts(o: PartOptions) -> tuple[StatePart, ...]:
     b = _quant.BLOCK
     return (
-        StatePart("exp_avg", torch.uint8),
+        StatePart("exp_avg", torch.uint8, scale="exp_avg_absmax"),
         StatePart("exp_avg_absmax", F32, b),
-        StatePart("exp_avg_sq", torch.uint8),
+        StatePart("exp_avg_sq", torch.uint8, scale="exp_avg_sq_absmax"),
         StatePart("exp_avg_sq_absmax", F32, b),
     )
 
