@@ -551,7 +551,7 @@ def test_failed_in_memory_step_is_never_applied_twice(monkeypatch):
         x, y = gpt_batch(0)
         m.backward(gpt_loss(m(x), y))
     ref.step()
-    real, calls = tiermem.optim.adam_step, {"n": 0}
+    real, calls = tiermem.optim.functional.adam_update, {"n": 0}  # the update TieredModel calls
 
     def fails_on_the_fourth(*a, **k):
         calls["n"] += 1
@@ -559,11 +559,11 @@ def test_failed_in_memory_step_is_never_applied_twice(monkeypatch):
             raise RuntimeError("kernel failure")
         return real(*a, **k)
 
-    monkeypatch.setattr(tiermem.optim, "adam_step", fails_on_the_fourth)
+    monkeypatch.setattr(tiermem.optim.functional, "adam_update", fails_on_the_fourth)
     with pytest.raises(RuntimeError, match="kernel failure"):
         tm.step()
     assert tm.phase is Phase.GRADS_READY  # the grads not yet applied are kept for the retry
-    monkeypatch.setattr(tiermem.optim, "adam_step", real)
+    monkeypatch.setattr(tiermem.optim.functional, "adam_update", real)
     tm.step()  # the retry updates only what the failed step did not
     a, b = tm.state_dict(), ref.state_dict()
     assert same_state(a, b)

@@ -155,7 +155,7 @@ def test_a_failed_step_reverts_revertible_homes_and_a_retry_matches(monkeypatch,
     ref.run(HYPER)
     _backward(tm_module, tm_grads, 0)
     before = _weights(tm_module)
-    real, calls = tiermem.optim.adam_step, {"n": 0}
+    real, calls = tiermem.optim.functional.adam_update, {"n": 0}  # the update TieredModel calls
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -163,7 +163,7 @@ def test_a_failed_step_reverts_revertible_homes_and_a_retry_matches(monkeypatch,
             raise RuntimeError("kernel failure")
         return real(*a, **k)
 
-    monkeypatch.setattr(tiermem.optim, "adam_step", flaky)
+    monkeypatch.setattr(tiermem.optim.functional, "adam_update", flaky)
     with pytest.raises(RuntimeError, match="kernel failure"):
         tm.run(HYPER)
     snap = list(buckets[0].slots)
@@ -172,7 +172,7 @@ def test_a_failed_step_reverts_revertible_homes_and_a_retry_matches(monkeypatch,
         key = next(k for k in before if tm_module.get_parameter(k) is s.param)
         assert torch.equal(after[key], before[key])
     assert all(tm.param_steps()[s.name] == 0 for s in snap)  # its step counts went back too
-    monkeypatch.setattr(tiermem.optim, "adam_step", real)
+    monkeypatch.setattr(tiermem.optim.functional, "adam_update", real)
     tm.run(HYPER)  # the retry
     want, got = _weights(ref_module), _weights(tm_module)
     assert all(torch.equal(want[k], got[k]) for k in want)

@@ -1,9 +1,11 @@
 """The one registry of optimizer kinds (``FAMILIES``): for each :class:`~tiermem.config.kinds.Kind`,
-the state tensors it keeps beside the master weights and the kernel that updates them.
+the state tensors it keeps beside the master weights, the kernel that updates them and the typed
+record of hyperparameters that kernel reads.
 
 Three readers, one table: :func:`tiermem.optim.formats.state_format` (what a parameter's state is
-made of inside TieredModel: plans, budgets, homes, NVMe keys, checkpoints), :func:`tiermem.optim.formats.step`
-(the fused update a bucket's piece of state gets) and :func:`state_layout` (the same tensors, master
+made of inside TieredModel: plans, budgets, homes, NVMe keys, checkpoints), :func:`tiermem.optim.formats.update`
+(the fused update a bucket's piece of state gets, its record made once a step by
+:func:`tiermem.optim.formats.hyper_record`: NOTE [Checked once a step]) and :func:`state_layout` (the same tensors, master
 left out, for a parameter's shape: what the functional entries take, in their positional order,
 Adafactor's by keyword). A kind without a row here is an error everywhere, never a default.
 """
@@ -16,11 +18,14 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from tiermem import optim as _entries  # the functional entries, looked up when called (tests may wrap them)
 from tiermem.config.kinds import KINDS, Kind
 from tiermem.errors import ConfigError
-from tiermem.optim.adafactor import state_numels as _factored_numels
-from tiermem.optim.kernels import quant as _quant
+from tiermem.optim import adafactor as _factored, functional as _functional, steps as _steps
+from tiermem.optim.adafactor import AdafactorHyper, state_numels as _factored_numels
+from tiermem.optim.adam_hyper import Adam8bitHyper, AdamHyper
+from tiermem.optim.functional import make_hyper
+from tiermem.optim.hypers import AdagradHyper, LionHyper, SGDHyper
+from tiermem.optim.kernels import dispatch as _run, quant as _quant
 
 F32 = torch.float32
 Tensor = torch.Tensor
@@ -76,22 +81,27 @@ class PartOptions:
     generic_parts: Sequence[Any] = ()
 
 
-#: ``update(master, state, grad, hyper, common, shape)``: one fused update, the hyperparameters read
-#: from a param group's dict (torch's names), ``common`` the keywords every functional entry takes
-Update = Callable[
-    [torch.Tensor, Sequence[torch.Tensor], torch.Tensor, Mapping[str, Any], dict, Optional[Sequence[int]]], None
-]
+#: ``update(master, state, grad, record, common, shape)``: one fused update, its hyperparameters one
+#: checked record (the kind's ``record``), ``common`` the keywords of the kind's private entry (``out``,
+#: ``stochastic_round``, ``check_finite``, ``impl``; NOTE [Checked once a step])
+Update = Callable[[torch.Tensor, Sequence[torch.Tensor], torch.Tensor, Any, dict, Optional[Sequence[int]]], None]
+
+#: ``record(hyper, step, grad_scale, clip_coef)``: a param group's hyperparameters (torch's names) as the
+#: kind's typed record, checked by the rules of the kind's functional entry (its errors name the entry)
+Record = Callable[[Mapping[str, Any], int, float, float], Any]
 
 
 @dataclass(frozen=True)
 class Family:
     """A kind's row: its state ``parts`` (master excluded), its fused ``update`` (None: the optimizer
-    steps itself, NOTE [Generic optimizers]), whether a parameter's state may be cut into pieces
-    (``divisible``: not a factored state nor a generic optimizer's), and the kind a parameter below
-    ``min_8bit_size`` elements falls back to (``small``: 8-bit Adam keeps fp32 moments there)."""
+    steps itself, NOTE [Generic optimizers]) and the ``record`` of hyperparameters it takes, whether a
+    parameter's state may be cut into pieces (``divisible``: not a factored state nor a generic
+    optimizer's), and the kind a parameter below ``min_8bit_size`` elements falls back to (``small``:
+    8-bit Adam keeps fp32 moments there)."""
 
     parts: Callable[[PartOptions], tuple[StatePart, ...]]
     update: Optional[Update]
+    record: Optional[Record] = None
     divisible: bool = True
     small: Optional[Kind] = None
 
@@ -132,50 +142,70 @@ def _generic_parts(o: PartOptions) -> tuple[StatePart, ...]:
     return tuple(StatePart(q.name, q.dtype, per_parameter=not q.elementwise) for q in o.generic_parts)
 
 
-def _adam(
-    master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Mapping[str, Any], common: dict, shape: Dims
-) -> None:
+def _given(hyper: Mapping[str, Any], *keys: str) -> dict[str, Any]:
+    """The group's values of ``keys`` (torch's names, which are the record's fields)."""
+    return {k: hyper[k] for k in keys}
+
+
+def _adam_record(cls: Callable[..., Any]) -> Record:
+    """The record maker of Adam's ``cls`` (AdamHyper, or Adam8bitHyper, whose errors name adam8bit_step)."""
+
+    def make(hyper: Mapping[str, Any], step: int, grad_scale: float, clip_coef: float) -> Any:
+        beta1, beta2 = hyper["betas"]
+        values = _given(hyper, "lr", "eps", "weight_decay", "adamw")
+        return make_hyper(
+            cls, step=step, beta1=beta1, beta2=beta2, grad_scale=grad_scale, clip_coef=clip_coef, **values
+        )
+
+    return make
+
+
+def _sgd_record(hyper: Mapping[str, Any], step: int, grad_scale: float, clip_coef: float) -> Any:
+    values = _given(hyper, "lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize")
+    return make_hyper(SGDHyper, step=step, grad_scale=grad_scale, clip_coef=clip_coef, **values)
+
+
+def _adagrad_record(hyper: Mapping[str, Any], step: int, grad_scale: float, clip_coef: float) -> Any:
+    values = _given(hyper, "lr", "lr_decay", "weight_decay", "eps", "maximize")
+    return make_hyper(AdagradHyper, step=step, grad_scale=grad_scale, clip_coef=clip_coef, **values)
+
+
+def _lion_record(hyper: Mapping[str, Any], step: int, grad_scale: float, clip_coef: float) -> Any:
     beta1, beta2 = hyper["betas"]
-    _entries.adam_step(
-        master,
-        state[0],
-        state[1],
-        grad,
-        lr=hyper["lr"],
-        beta1=beta1,
-        beta2=beta2,
-        eps=hyper["eps"],
-        weight_decay=hyper["weight_decay"],
-        adamw=hyper["adamw"],
-        **common,
+    values = dict(lr=hyper["lr"], lion_beta1=beta1, lion_beta2=beta2, weight_decay=hyper["weight_decay"])
+    return make_hyper(LionHyper, step=step, grad_scale=grad_scale, clip_coef=clip_coef, **values)
+
+
+def _adafactor_record(hyper: Mapping[str, Any], step: int, grad_scale: float, clip_coef: float) -> Any:
+    eps1, eps2 = hyper["eps"]
+    values = _given(hyper, "lr", "beta2_decay", "d", "weight_decay", "maximize")
+    return make_hyper(
+        AdafactorHyper, step=step, eps1=eps1, eps2=eps2, grad_scale=grad_scale, clip_coef=clip_coef, **values
     )
 
 
-def _adam8bit(
-    master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Mapping[str, Any], common: dict, shape: Dims
-) -> None:
-    beta1, beta2 = hyper["betas"]
-    _entries.adam8bit_step(
-        master,
-        state[0],
-        state[1],
-        state[2],
-        state[3],
-        grad,
-        lr=hyper["lr"],
-        beta1=beta1,
-        beta2=beta2,
-        eps=hyper["eps"],
-        weight_decay=hyper["weight_decay"],
-        adamw=hyper["adamw"],
-        **common,
-    )
+def _adam(master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Any, common: dict, shape: Dims) -> None:
+    out = common.pop("out")
+    _functional.adam_update(master, state[0], state[1], grad, out, hyper, **common)
 
 
-def _sgd(
-    master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Mapping[str, Any], common: dict, shape: Dims
-) -> None:
-    momentum = hyper["momentum"]
+def _adam8bit(master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Any, common: dict, shape: Dims) -> None:
+    out = common.pop("out")
+    _steps.adam8bit_update(master, state[:4], grad, out, hyper, **common)
+
+
+def _elementwise(kernel: _run.Kernel) -> Update:
+    """The update of an elementwise kind whose one state tensor ``kernel`` takes (Adagrad, Lion)."""
+
+    def update(master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Any, common: dict, shape: Dims) -> None:
+        out = common.pop("out")
+        _run.run(kernel, master, (state[0],), grad, out, hyper, **common)
+
+    return update
+
+
+def _sgd(master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Any, common: dict, shape: Dims) -> None:
+    momentum = hyper.momentum
     buffer = state[0] if state else None
     if (momentum != 0) != (buffer is not None):
         raise ConfigError(
@@ -184,88 +214,30 @@ def _sgd(
             f"{'> 0' if buffer is not None else '= 0'} in every group, or give the optimizer a "
             f"momentum > 0 from the start"
         )
-    _entries.sgd_step(
-        master,
-        buffer,
-        grad,
-        lr=hyper["lr"],
-        momentum=momentum,
-        dampening=hyper["dampening"],
-        nesterov=hyper["nesterov"],
-        weight_decay=hyper["weight_decay"],
-        maximize=hyper["maximize"],
-        **common,
-    )
+    out = common.pop("out")
+    _run.run(_run.SGD, master, (buffer,), grad, out, hyper, **common)
 
 
-def _adagrad(
-    master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Mapping[str, Any], common: dict, shape: Dims
-) -> None:
-    _entries.adagrad_step(
-        master,
-        state[0],
-        grad,
-        lr=hyper["lr"],
-        lr_decay=hyper["lr_decay"],
-        weight_decay=hyper["weight_decay"],
-        eps=hyper["eps"],
-        maximize=hyper["maximize"],
-        **common,
-    )
-
-
-def _lion(
-    master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Mapping[str, Any], common: dict, shape: Dims
-) -> None:
-    beta1, beta2 = hyper["betas"]
-    _entries.lion_step(
-        master,
-        state[0],
-        grad,
-        lr=hyper["lr"],
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=hyper["weight_decay"],
-        **common,
-    )
-
-
-def _adafactor(
-    master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Mapping[str, Any], common: dict, shape: Dims
-) -> None:
+def _adafactor(master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Any, common: dict, shape: Dims) -> None:
     dims = tuple(master.shape) if shape is None else tuple(shape)
     # a matrix's pieces are row_var and col_var, a vector's variance (the other layout's have 0 elements)
     row_var, col_var, variance = (state[0], state[1], None) if len(dims) >= 2 else (None, None, state[2])
-    eps1, eps2 = hyper["eps"]
-    _entries.adafactor_step(
-        master,
-        grad,
-        lr=hyper["lr"],
-        beta2_decay=hyper["beta2_decay"],
-        eps1=eps1,
-        eps2=eps2,
-        d=hyper["d"],
-        weight_decay=hyper["weight_decay"],
-        maximize=hyper["maximize"],
-        row_var=row_var,
-        col_var=col_var,
-        variance=variance,
-        shape=dims,
-        **common,
-    )
+    dims, pieces = _factored.factored_state(master, dims, row_var, col_var, variance)
+    out = common.pop("out")
+    _factored.adafactor_update(master, grad, pieces, dims, out, hyper, **common)
 
 
 #: every kind's row; each member of Kind has one (tests/test_optim_formats.py checks)
 FAMILIES: Mapping[Kind, Family] = {
-    Kind.ADAM: Family(_adam_parts, _adam),
-    Kind.ADAMW: Family(_adam_parts, _adam),
-    Kind.ADAM8BIT: Family(_adam8bit_parts, _adam8bit, small=Kind.ADAM),
-    Kind.ADAMW8BIT: Family(_adam8bit_parts, _adam8bit, small=Kind.ADAMW),
-    Kind.SGD: Family(_sgd_parts, _sgd),
-    Kind.ADAGRAD: Family(_adagrad_parts, _adagrad),
-    Kind.LION: Family(_lion_parts, _lion),
+    Kind.ADAM: Family(_adam_parts, _adam, _adam_record(AdamHyper)),
+    Kind.ADAMW: Family(_adam_parts, _adam, _adam_record(AdamHyper)),
+    Kind.ADAM8BIT: Family(_adam8bit_parts, _adam8bit, _adam_record(Adam8bitHyper), small=Kind.ADAM),
+    Kind.ADAMW8BIT: Family(_adam8bit_parts, _adam8bit, _adam_record(Adam8bitHyper), small=Kind.ADAMW),
+    Kind.SGD: Family(_sgd_parts, _sgd, _sgd_record),
+    Kind.ADAGRAD: Family(_adagrad_parts, _elementwise(_run.ADAGRAD), _adagrad_record),
+    Kind.LION: Family(_lion_parts, _elementwise(_run.LION), _lion_record),
     # a factored state and a generic optimizer's own step() take whole parameters: cut only at edges
-    Kind.ADAFACTOR: Family(_adafactor_parts, _adafactor, divisible=False),
+    Kind.ADAFACTOR: Family(_adafactor_parts, _adafactor, _adafactor_record, divisible=False),
     Kind.GENERIC: Family(_generic_parts, None, divisible=False),
 }
 

@@ -34,7 +34,7 @@ import torch
 
 from tiermem.config.kinds import KINDS, Kind
 from tiermem.errors import ConfigError
-from tiermem.optim.families import FAMILIES, PartOptions, StatePart, family, kind_of
+from tiermem.optim.families import FAMILIES, Family, PartOptions, StatePart, family, kind_of
 from tiermem.optim.kernels import quant as _quant
 from tiermem.optim.kernels.sr import StochasticRound
 
@@ -160,6 +160,48 @@ def state_format(
 ADAM = state_format(Kind.ADAMW)
 
 
+def _fused(fmt: StateFormat) -> Family:
+    """``fmt``'s row, which has a fused update; a kind without one (a generic optimizer steps itself) is
+    an error."""
+    fam = FAMILIES.get(fmt.kind)
+    if fam is None or fam.update is None or fam.record is None:
+        fused = tuple(k.value for k, f in FAMILIES.items() if f.update is not None)
+        raise ConfigError(
+            f"tiermem: formats.step has no fused update for kind={fmt.kind!r}; pass a format of one of "
+            f"{fused} (a generic optimizer's state is stepped by its own step())"
+        )
+    return fam
+
+
+def hyper_record(fmt: StateFormat, hyper: Mapping[str, Any], *, step: int, grad_scale: float, clip_coef: float) -> Any:
+    """A param group's hyperparameters (``hyper``, torch's names) for one update of ``step`` under
+    ``fmt``'s kernel, as the typed record its kernel reads (AdamHyper, SGDHyper, ...), checked by the
+    rules of the kind's functional entry, whose name its errors carry (NOTE [Checked once a step])."""
+    record = _fused(fmt).record
+    assert record is not None  # _fused refuses a row without one
+    return record(hyper, step, grad_scale, clip_coef)
+
+
+def update(
+    fmt: StateFormat,
+    master: torch.Tensor,
+    state: Sequence[torch.Tensor],
+    grad: torch.Tensor,
+    record: Any,
+    *,
+    out: Optional[torch.Tensor],
+    stochastic_round: Optional[StochasticRound] = None,
+    shape: Optional[Sequence[int]] = None,
+) -> None:
+    """One fused update of one piece of state under ``fmt``'s kernel (its :data:`FAMILIES` row), its
+    hyperparameters ``record`` (:func:`hyper_record`, checked once for the step); the gradients are
+    known to be finite. A factored format updates one whole parameter of ``shape`` (its pieces flat)."""
+    fam = _fused(fmt)
+    assert fam.update is not None  # _fused refuses a row without one
+    common: dict[str, Any] = dict(out=out, check_finite=False, impl=None, stochastic_round=stochastic_round)
+    fam.update(master, state, grad, record, common, shape)
+
+
 def step(
     fmt: StateFormat,
     master: torch.Tensor,
@@ -174,21 +216,11 @@ def step(
     stochastic_round: Optional[StochasticRound] = None,
     shape: Optional[Sequence[int]] = None,
 ) -> None:
-    """One fused update of one piece of state under ``fmt``'s kernel (its :data:`FAMILIES` row), the
-    hyperparameters read from a param group's dict (``hyper``, torch's names); the gradients are known
-    to be finite. A factored format updates one whole parameter of ``shape`` (its pieces flat). A kind
-    without a fused update (a generic optimizer steps itself) is an error."""
-    fam = FAMILIES.get(fmt.kind)
-    if fam is None or fam.update is None:
-        fused = tuple(k.value for k, f in FAMILIES.items() if f.update is not None)
-        raise ConfigError(
-            f"tiermem: formats.step has no fused update for kind={fmt.kind!r}; pass a format of one of "
-            f"{fused} (a generic optimizer's state is stepped by its own step())"
-        )
-    common: dict[str, Any] = dict(step=step, grad_scale=grad_scale, clip_coef=clip_coef, out=out, check_finite=False)
-    if stochastic_round is not None:
-        common["stochastic_round"] = stochastic_round
-    fam.update(master, state, grad, hyper, common, shape)
+    """:func:`update` with the hyperparameters read from a param group's dict (``hyper``, torch's
+    names), checked by this call. A kind without a fused update (a generic optimizer steps itself) is
+    an error."""
+    record = hyper_record(fmt, hyper, step=step, grad_scale=grad_scale, clip_coef=clip_coef)
+    update(fmt, master, state, grad, record, out=out, stochastic_round=stochastic_round, shape=shape)
 
 
 def blocks_aligned(fmt: StateFormat, start: int) -> bool:
@@ -202,4 +234,15 @@ def per_param_bytes(fmt: StateFormat) -> float:
     return sum(0.0 if p.factored or p.per_parameter else p.itemsize / p.block for p in fmt.parts)
 
 
-__all__ = ["ADAM", "KINDS", "StateFormat", "StatePart", "blocks_aligned", "per_param_bytes", "state_format", "step"]
+__all__ = [
+    "ADAM",
+    "KINDS",
+    "StateFormat",
+    "StatePart",
+    "blocks_aligned",
+    "hyper_record",
+    "per_param_bytes",
+    "state_format",
+    "step",
+    "update",
+]

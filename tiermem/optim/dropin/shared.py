@@ -180,7 +180,12 @@ class CPUOptimizer(Optimizer):
     # (SGDHyper, AdamHyper, ...) from the same values with ``prechecked=True``: the record converts
     # them (Python floats, the kernel's scalars) but does not check them a second time. The functional
     # entries (adam_step, sgd_step, ...) take their arguments from a caller tiermem has not checked,
-    # so their records check, by the same rules (config/rules.py), on every call.
+    # so their records check, by the same rules (config/rules.py), on every call. TieredModel's step
+    # makes its records once too: when the step's update is snapshotted, each run's group dict becomes
+    # the record of its bucket's kernel (tiermem.optim.formats.hyper_record, the kind's row in
+    # optim/families.py), checked once per group, kernel and step count, before any bucket changes
+    # (train/step/updates.py checked_records); the kernels of the step take the record
+    # (formats.update), not the dict, through the entries' private paths (adam_update, ...).
     def _hyper(self, group: dict[str, Any], step: int, variant: tuple) -> Any:
         """The record of a step's hyperparameters (``RECORD``, from HYPERS and ``variant``), the group
         checked already this step (NOTE [Checked once a step])."""

@@ -168,5 +168,5 @@ def check_listed(groups: list[dict], names: Iterable[str]) -> dict[str, int]:
 
 def hyper_of(group: dict) -> dict[str, Any]:
     """The hyperparameters the update reads from a group, as they are at this moment (the kernel of
-    the state format picks its own by name: tiermem.optim.formats.step)."""
+    the state format picks its own by name into its record: tiermem.optim.formats.hyper_record)."""
     return {k: v for k, v in group.items() if k not in MEMBERS}

@@ -44,7 +44,7 @@ from tiermem.train.step.in_backward_passes import Passes
 from tiermem.train.step.recovery import Recovery, Retry, UpdateFailed
 from tiermem.train.step.relay import Relay
 from tiermem.train.step.scaler import LossScaler
-from tiermem.train.step.updates import BucketUpdates, StepUpdate
+from tiermem.train.step.updates import BucketUpdates, StepUpdate, checked_records
 from tiermem.transfer.collectives import Group, Solo
 from tiermem.transfer.service import CopyService
 
@@ -191,7 +191,13 @@ class Stepper:
             runs = self._runs(b, group_of)
             plan.append((b, [(a, e, step) for a, e, step, _ in runs]))
             hyper_at.update({(b.index, a): hyper[g] for a, _, _, g in runs})
-        return StepUpdate(plan, hyper_at, scale, clip, self.grads.fill)
+        try:  # NOTE [Checked once a step]: a refused value changes nothing, step counts included
+            records = checked_records(plan, hyper_at, scale, clip)
+        except BaseException:
+            for name in received:
+                self._step_of[name] -= 1
+            raise
+        return StepUpdate(plan, hyper_at, scale, clip, self.grads.fill, records)
 
     def _runs(self, bucket: Bucket, group_of: dict[str, int]) -> list[tuple[int, int, int, int]]:
         """Contiguous ranges of parameters that got a grad (those in ``group_of``) and share a step

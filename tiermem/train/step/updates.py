@@ -20,7 +20,7 @@ the same cores), with the same kernel, so the numbers are bit-identical to ZeRO-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -57,10 +57,12 @@ class StepUpdate:
     scale: float
     clip: float
     fill: int  # the gradient buffer this update reads (backward may fill the other one meanwhile)
+    #: (bucket index, start of a run) -> the record its kernel reads, checked (NOTE [Checked once a step])
+    records: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     def with_plan(self, plan: Plan) -> StepUpdate:
         """The same update over ``plan`` (part of this one's, or in another order)."""
-        return StepUpdate(plan, self.hyper, self.scale, self.clip, self.fill)
+        return StepUpdate(plan, self.hyper, self.scale, self.clip, self.fill, self.records)
 
     def without(self, updated: set[int]) -> StepUpdate:
         """What is left of this update once the buckets ``updated`` have had theirs."""
@@ -127,21 +129,14 @@ class BucketUpdates:
         if fmt.kind == Kind.GENERIC:  # the optimizer's own step() (NOTE [Generic optimizers])
             self._generic_step(upd, b, runs, state, g, out)
         elif fmt.elementwise and not fmt.stochastic_round:  # any range is a valid call: one per run
-            for start, end, step in runs:
-                optim_format.step(
-                    fmt,
-                    state[0][start:end],
-                    [t[start:end] for t in state[1:]],
-                    g[start:end],
-                    step=step,
-                    hyper=upd.hyper[(b.index, start)],
-                    out=None if out is None else out[start:end],
-                    grad_scale=upd.scale,
-                    clip_coef=upd.clip,
-                )
+            for start, end, _ in runs:
+                record = upd.records[(b.index, start)]
+                piece = [t[start:end] for t in state[1:]]
+                out_ = None if out is None else out[start:end]
+                optim_format.update(fmt, state[0][start:end], piece, g[start:end], record, out=out_)
         else:  # blocks, factors and rounding keys start at each parameter's element 0: one call per parameter
-            for i, s, start, step in slots_of(b, runs):
-                _parameter_step(upd, b, i, s, state, g[s.offset : s.offset + s.numel], out, start, step)
+            for i, s, start, _ in slots_of(b, runs):
+                _parameter_step(upd, b, i, s, state, g[s.offset : s.offset + s.numel], out, start)
 
     def _generic_step(
         self, upd: StepUpdate, b: Bucket, runs: Runs, state: StateViews, g: torch.Tensor, out: Optional[torch.Tensor]
@@ -167,25 +162,35 @@ def _parameter_step(
     g: torch.Tensor,
     out: Optional[torch.Tensor],
     start: int,
-    step: int,
 ) -> None:
     """The kernel over parameter ``s`` (slot ``i`` of ``b``) alone, its gradients ``g``."""
     fmt: StateFormat = b.state
     pieces = b.pieces(state, i)
     sr = StochasticRound.for_parameter(SR_SEED, s.name, s.first) if fmt.stochastic_round else None
-    common: dict[str, Any] = dict(grad_scale=upd.scale, clip_coef=upd.clip)
-    optim_format.step(
-        fmt,
-        pieces[0],
-        pieces[1:],
-        g,
-        step=step,
-        hyper=upd.hyper[(b.index, start)],
-        out=None if out is None else out[s.offset : s.offset + s.numel],
-        stochastic_round=sr,
-        shape=s.shape,
-        **common,
-    )
+    out_ = None if out is None else out[s.offset : s.offset + s.numel]
+    record = upd.records[(b.index, start)]
+    optim_format.update(fmt, pieces[0], pieces[1:], g, record, out=out_, stochastic_round=sr, shape=s.shape)
+
+
+def checked_records(plan: Plan, hyper_at: dict[tuple[int, int], dict], scale: float, clip: float) -> dict:
+    """The record each run of ``plan`` hands its kernel (NOTE [Checked once a step]): its group's
+    hyperparameters (``hyper_at``, the dict of each run) made into the record of its bucket's kernel
+    and checked once per group, kernel and step count, before any bucket is updated (a value set by
+    hand or by an lr scheduler that the kernel's rules refuse is a ``tiermem:`` error here). A generic
+    optimizer's runs have none (it reads its groups' dicts)."""
+    made: dict[tuple[int, Kind, int], Any] = {}
+    records: dict[tuple[int, int], Any] = {}
+    for b, runs in plan:
+        fmt: StateFormat = b.state
+        if fmt.kind == Kind.GENERIC:
+            continue
+        for start, _, step in runs:
+            hyper = hyper_at[(b.index, start)]
+            key = (id(hyper), fmt.kind, step)
+            if key not in made:
+                made[key] = optim_format.hyper_record(fmt, hyper, step=step, grad_scale=scale, clip_coef=clip)
+            records[(b.index, start)] = made[key]
+    return records
 
 
 def launch_order(homes: list[StateHome]) -> list[StateHome]:
