@@ -14,6 +14,7 @@ from models import TinyGPT, gpt_batch, gpt_loss
 from tolerance import adam_ratio, assert_adam_within, second_moments
 from torch import nn
 
+import tiermem
 from tiermem import AdamW, ConfigError, PerClass, TensorClass, Tier, TieredModel, TierMemError
 from tiermem.policies import KeepOnDevice, ZeroInfinity, ZeroOffload
 
@@ -391,3 +392,26 @@ def test_the_given_torch_optimizer_refuses_to_step_and_a_group_edited_by_hand_is
     assert not tm.step().skipped  # the grads were kept: the retry steps
     tm.detach()
     given.step()  # detached: the hook is gone
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [AdamW(lr=1e-3), tiermem.AdamW8bit(lr=1e-3, min_8bit_size=64), tiermem.Adafactor(lr=1e-3), tiermem.SGD(lr=1e-3)],
+    ids=["adamw", "adamw8bit", "adafactor", "sgd"],
+)
+def test_a_bad_value_set_on_a_group_is_refused_at_the_step_and_changes_nothing(spec):
+    """A group's hyperparameters are checked once a step, before any bucket changes (NOTE [Checked
+    once a step]): an lr set by hand to a value the kernel refuses is a tiermem: error at tm.step(), the
+    weights and state as they were; set right again, the step runs from the same gradients."""
+    torch.manual_seed(0)
+    tm = TieredModel(TinyGPT(), ZeroOffload(), optimizer=spec, precision="fp32", bucket_size=4000)
+    x, y = gpt_batch(0)
+    tm.backward(gpt_loss(tm(x), y))
+    before = {k: v.clone() for k, v in tm.state_dict().items()}
+    tm.optimizer.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ConfigError, match=r"^tiermem: .*lr=-1\.0 .*invalid"):
+        tm.step()
+    assert all(torch.equal(v, before[k]) for k, v in tm.state_dict().items())
+    tm.optimizer.param_groups[0]["lr"] = 1e-3
+    assert not tm.step().skipped
+    assert any(not torch.equal(v, before[k]) for k, v in tm.state_dict().items())

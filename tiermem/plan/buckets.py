@@ -46,6 +46,10 @@ class Bucket:
     numel: int = 0
     state: StateFormat = ADAM  # its parameters' optimizer state (NOTE [State formats])
     frozen: bool = False  # frozen parameters' working weights, sharded over the ranks (no grads, no state)
+    #: part_offsets() as last computed, for that many slots under that format (slots are only appended)
+    _offsets: Optional[tuple[int, StateFormat, list[list[int]]]] = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def key(self) -> str:
@@ -137,7 +141,11 @@ class Bucket:
         """Per part of the state, where each slot's piece starts in that part's buffer."""
         if self.state.elementwise:
             return [[s.offset for s in self.slots]] * len(self.state.parts)
-        return self.state.offsets([s.numel for s in self.slots], [s.shape for s in self.slots])
+        cached = self._offsets  # each slot's piece asks for them: computed once, not once per slot
+        if cached is None or cached[0] != len(self.slots) or cached[1] is not self.state:
+            offsets = self.state.offsets([s.numel for s in self.slots], [s.shape for s in self.slots])
+            self._offsets = cached = (len(self.slots), self.state, offsets)
+        return cached[2]
 
     def joined_bytes(self) -> int:
         """Bytes of the whole state as one buffer (one NVMe value): :meth:`StateFormat.joined`."""
