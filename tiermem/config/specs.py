@@ -224,7 +224,7 @@ NO_DECAY = GroupSpec("no_decay", {"weight_decay": 0.0})
 # The fields every spec takes are documented once (SPEC_ARGS, on each spec's constructor), a spec's
 # Args list its hyperparameters. Adam and AdamW are here; the others in tiermem/config/optimizers.py.
 #: the fields every spec takes, documented once: each spec's constructor shows them (config/argdocs.py)
-SPEC_ARGS = """Build the spec: its hyperparameters as its class lists them, and these.
+SPEC_ARGS = """Besides its hyperparameters, every spec takes these.
 
 Args:
     params: optional, the one positional argument: torch-style param groups (the model's

@@ -117,6 +117,7 @@ class CPUOptimizer(Optimizer):
             self._construct(given.arguments)
 
         __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        __init__.__module__ = cls.__module__  # where the class is: what docs and tracebacks name
         __init__.__doc__ = cls.SHARED_ARGS
         __init__.__signature__ = sig  # type: ignore[attr-defined]  # what inspect, help() and checked_arguments read
         cls.__init__ = __init__  # type: ignore[method-assign]  # made from the table, as a dataclass's
