@@ -181,6 +181,33 @@ def gather(nvme_path: str, *, check_compile: bool, check_matmul: bool = True) ->
     }
 
 
+def _cpu_and_disk_rows(t: Table, facts: dict[str, Any], accelerated: bool) -> None:
+    """The rows of :func:`_render` on the CPU (features, matmul rates, ``auto``'s precision), the
+    pinned-memory limit and the NVMe path."""
+    h = facts["host"]
+    c = facts["cpu"]
+    t.add_row("CPU", f"{CpuFeatures(c['capability'], c['avx512_bf16'], c['amx'], c['onednn_max_isa'], c['onednn'])}")
+    if c["matmul_ms"] is not None:
+        m, k, n = c["matmul_shape"]
+        t.add_row(
+            "CPU matmul",
+            f"F.linear {m}x{k} by {n}x{k}, one thread: "
+            + ", ".join(
+                f"{p} {ms:.2f} ms" + (f" ({c['vs_fp32'][p]:.1f}x fp32)" if p in c["vs_fp32"] else "")
+                for p, ms in c["matmul_ms"].items()
+            ),
+        )
+    t.add_row("precision 'auto'", f"{c['auto_precision']}: {c['auto_why']}")
+    soft = h["memlock_soft_bytes"]
+    lim = "unlimited" if soft is None else _common.fmt_size(soft)
+    note = "" if accelerated else " (nothing is pinned without an accelerator)"
+    t.add_row("pinned limit", f"ulimit -l: {lim}{note}")
+    n = facts["nvme"]
+    direct = "yes" if n["o_direct"] else f"no: {n['o_direct_why_not']}"
+    t.add_row("nvme path", f"{n['path']} ({n['filesystem']}), {_common.fmt_size(n['free_bytes'])} free")
+    t.add_row("O_DIRECT", direct)
+
+
 def _render(facts: dict[str, Any]) -> None:
     con = _common.stdout_console()
     t = Table(show_header=False, title="tiermem info", title_justify="left")
@@ -204,27 +231,7 @@ def _render(facts: dict[str, Any]) -> None:
         "host RAM",
         f"{_common.fmt_size(h['total_bytes'])} ({_common.fmt_size(h['available_bytes'])} available), {h['cpus']} CPUs",
     )
-    c = facts["cpu"]
-    t.add_row("CPU", f"{CpuFeatures(c['capability'], c['avx512_bf16'], c['amx'], c['onednn_max_isa'], c['onednn'])}")
-    if c["matmul_ms"] is not None:
-        m, k, n = c["matmul_shape"]
-        t.add_row(
-            "CPU matmul",
-            f"F.linear {m}x{k} by {n}x{k}, one thread: "
-            + ", ".join(
-                f"{p} {ms:.2f} ms" + (f" ({c['vs_fp32'][p]:.1f}x fp32)" if p in c["vs_fp32"] else "")
-                for p, ms in c["matmul_ms"].items()
-            ),
-        )
-    t.add_row("precision 'auto'", f"{c['auto_precision']}: {c['auto_why']}")
-    soft = h["memlock_soft_bytes"]
-    lim = "unlimited" if soft is None else _common.fmt_size(soft)
-    note = "" if accs else " (nothing is pinned without an accelerator)"
-    t.add_row("pinned limit", f"ulimit -l: {lim}{note}")
-    n = facts["nvme"]
-    direct = "yes" if n["o_direct"] else f"no: {n['o_direct_why_not']}"
-    t.add_row("nvme path", f"{n['path']} ({n['filesystem']}), {_common.fmt_size(n['free_bytes'])} free")
-    t.add_row("O_DIRECT", direct)
+    _cpu_and_disk_rows(t, facts, bool(accs))
     c = facts["compile"]
     if c["works"] is None:
         comp = "not checked (--no-compile-check)"

@@ -193,45 +193,50 @@ def build_plan(
         "precisions": {},
     }
     for prec in precisions:
-        state = sizing.state_bytes(size.trainable, prec, frozen=size.frozen)
-        entry: dict[str, Any] = {
-            "bytes_per_param": sizing.bytes_per_param(prec).as_dict(),
-            "state_bytes": {**state.as_dict(), "total": state.total},
-            "policies": {},
-        }
-
-        def need_of(name: str, state: StateFormat = ADAM, prec: str = prec) -> dict[Tier, int]:
-            placement = sizing.placement_of(name)
-            return sizing.tier_bytes(
-                size.trainable,
-                prec,
-                placement,
-                frozen=size.frozen,
-                world=ranks,
-                shard_weights=shard_weights,
-                state=state,
-            )
-
-        for name in policies:
-            need = need_of(name)
-            fit = sizing.check_fit(need, limits)
-            entry["policies"][name] = {
-                "tiers": {t.value: {"bytes": need[t], "short_bytes": fit.short.get(t, 0)} for t in Tier},
-                "total_bytes": sum(need.values()),
-                "fits": fit.fits,
-                "device_headroom_bytes": fit.device_headroom,
-            }
-        entry["state_options"] = {}  # the same policies with fewer optimizer-state bytes (NOTE [State formats])
-        for name in policies:
-            entry["state_options"][name] = {}
-            for option in sizing.STATE_OPTIONS:
-                fmt = sizing.state_option(option, size.trainable, prec)
-                with_fmt = None if fmt is None else need_of(name, fmt)
-                entry["state_options"][name][option] = (
-                    None if with_fmt is None else {t.value: with_fmt[t] for t in Tier}
-                )
-        out["precisions"][prec] = entry
+        out["precisions"][prec] = _precision_entry(size, limits, prec, policies, ranks, shard_weights)
     return out
+
+
+def _precision_entry(
+    size: ModelSize, limits: sizing.Limits, prec: str, policies: list[str], ranks: int, shard_weights: bool
+) -> dict[str, Any]:
+    """One precision's part of :func:`build_plan`: its bytes per parameter, and each policy's bytes
+    per tier, with Adam's state and with each smaller state option."""
+    state = sizing.state_bytes(size.trainable, prec, frozen=size.frozen)
+    entry: dict[str, Any] = {
+        "bytes_per_param": sizing.bytes_per_param(prec).as_dict(),
+        "state_bytes": {**state.as_dict(), "total": state.total},
+        "policies": {},
+    }
+
+    def need_of(name: str, state: StateFormat = ADAM) -> dict[Tier, int]:
+        return sizing.tier_bytes(
+            size.trainable,
+            prec,
+            sizing.placement_of(name),
+            frozen=size.frozen,
+            world=ranks,
+            shard_weights=shard_weights,
+            state=state,
+        )
+
+    for name in policies:
+        need = need_of(name)
+        fit = sizing.check_fit(need, limits)
+        entry["policies"][name] = {
+            "tiers": {t.value: {"bytes": need[t], "short_bytes": fit.short.get(t, 0)} for t in Tier},
+            "total_bytes": sum(need.values()),
+            "fits": fit.fits,
+            "device_headroom_bytes": fit.device_headroom,
+        }
+    entry["state_options"] = {}  # the same policies with fewer optimizer-state bytes (NOTE [State formats])
+    for name in policies:
+        options = {}
+        for option in sizing.STATE_OPTIONS:
+            fmt = sizing.state_option(option, size.trainable, prec)
+            options[option] = None if fmt is None else {t.value: n for t, n in need_of(name, fmt).items()}
+        entry["state_options"][name] = options
+    return entry
 
 
 def _render(plan: dict[str, Any], origin: dict[str, str]) -> None:

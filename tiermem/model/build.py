@@ -219,12 +219,39 @@ def _build_step(
 ) -> None:
     """The homes of every bucket, the layout over them, and what a step runs: the gradient
     collector, the loss scaler, the stepper and (update_in_backward) its backward passes."""
-    plan = p.plan
-    window = (  # NOTE [Updates in backward]
+    p.window = (  # NOTE [Updates in backward]
         WindowGrads(p.engine, functools.partial(accumulation_homes, stores=p.stores, engine=p.engine))
         if opts.update_in_backward
         else None
     )
+    homes, step_buckets = _build_layout(p, module, opts, values)
+    p.scaler = LossScaler.of(opts.precision == "fp16", loss_scale)
+    p.grads = GradCollector(
+        homes, p.layout.slot_of, p.engine, p.stores[Tier.DEVICE].ledger, in_flight=in_flight, group=p.group
+    )
+    if p.window is not None:
+        p.window.received = p.grads.received
+        p.passes = Passes(p.window, p.grads)
+    p.outputs = Outputs(step_buckets, homes, p.stores, opts.dtype, overlap=opts.overlap, tracer=p.tracer)
+    p.stepper = Stepper(
+        p.layout,
+        p.grads,
+        p.outputs,
+        p.engine,
+        p.scaler,
+        grad_clip=opts.grad_clip,
+        tracer=p.tracer,
+        overlap=opts.overlap,
+        group=p.group,
+        max_skipped=max_skipped_steps,
+        passes=p.passes,
+    )
+
+
+def _build_layout(p: Parts, module: torch.nn.Module, opts: Options, values: Optional[Values]) -> tuple[Any, Any]:
+    """One home per class and tier for every bucket (NOTE [Homes]), the layout over them with the
+    first values in; the homes and the buckets the step runs over."""
+    plan = p.plan
     homes, step_buckets = make_homes(
         list(plan.buckets),
         p.stores,
@@ -234,7 +261,7 @@ def _build_step(
         weights_off_device=p.param_offload,
         group=p.group,
         gathered=p.gathered,
-        window=window,
+        window=p.window,
     )
     p.layout = build(
         module,
@@ -251,28 +278,7 @@ def _build_step(
         group=p.group,
         values=values,
     )
-    p.scaler = LossScaler.of(opts.precision == "fp16", loss_scale)
-    p.grads = GradCollector(
-        homes, p.layout.slot_of, p.engine, p.stores[Tier.DEVICE].ledger, in_flight=in_flight, group=p.group
-    )
-    if window is not None:
-        window.received = p.grads.received
-        p.passes = Passes(window, p.grads)
-    p.window = window
-    p.outputs = Outputs(step_buckets, homes, p.stores, opts.dtype, overlap=opts.overlap, tracer=p.tracer)
-    p.stepper = Stepper(
-        p.layout,
-        p.grads,
-        p.outputs,
-        p.engine,
-        p.scaler,
-        grad_clip=opts.grad_clip,
-        tracer=p.tracer,
-        overlap=opts.overlap,
-        group=p.group,
-        max_skipped=max_skipped_steps,
-        passes=p.passes,
-    )
+    return homes, step_buckets
 
 
 def _build_faces(p: Parts, module: torch.nn.Module, opts: Options, step: Callable, add_group: Callable) -> None:

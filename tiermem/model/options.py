@@ -139,6 +139,34 @@ def _check_skips_and_scale(max_skipped_steps: Any, loss_scale: Any, precision: s
         )
 
 
+def _budgets_and_bucket(budgets: Any, bucket_size: Any) -> tuple[Budgets, int]:
+    """``budgets`` (None: no caps) and ``bucket_size`` in bytes, checked."""
+    budgets = Budgets() if budgets is None else budgets
+    if not isinstance(budgets, Budgets):
+        raise ConfigError(f"tiermem: budgets={budgets!r} is not a tiermem.Budgets; pass Budgets(device=..., host=...)")
+    bucket_bytes = parse_bytes(bucket_size, what="bucket_size")
+    if bucket_bytes < 4:
+        raise ConfigError(f"tiermem: bucket_size={bucket_size!r} is invalid: must be at least 4 bytes")
+    return budgets, bucket_bytes
+
+
+def _when_updated(spec: _Spec, precision: str, update_in_backward: Any, overlap: bool) -> bool:
+    """``update_in_backward``, checked with what it and bf16 master weights combine with."""
+    if spec.bf16_stochastic_round and precision != "bf16":
+        raise ConfigError(
+            f"tiermem: {type(spec).__name__}(bf16_stochastic_round=True) keeps bf16 master weights, "
+            f"which needs precision='bf16' (got {precision!r}); pass precision='bf16' or drop "
+            f"bf16_stochastic_round"
+        )
+    in_backward = _flag("update_in_backward", update_in_backward)
+    if in_backward and overlap:
+        raise ConfigError(
+            "tiermem: update_in_backward=True and overlap_step=True both change when the update runs; "
+            "pass one of them (update_in_backward frees the grads' memory, overlap_step hides the update's time)"
+        )
+    return in_backward
+
+
 def validate(
     module: Any,
     *,
@@ -164,12 +192,7 @@ def validate(
         )
     spec, torch_optimizer = _spec(optimizer)
     _check_grad_clip(grad_clip)
-    budgets = Budgets() if budgets is None else budgets
-    if not isinstance(budgets, Budgets):
-        raise ConfigError(f"tiermem: budgets={budgets!r} is not a tiermem.Budgets; pass Budgets(device=..., host=...)")
-    bucket_bytes = parse_bytes(bucket_size, what="bucket_size")
-    if bucket_bytes < 4:
-        raise ConfigError(f"tiermem: bucket_size={bucket_size!r} is invalid: must be at least 4 bytes")
+    budgets, bucket_bytes = _budgets_and_bucket(budgets, bucket_size)
     dev, overlap = _device(device), _flag("overlap_step", overlap_step)
     given, precision = precision, resolve_precision(precision, dev)
     dtype = working_dtype(precision)
@@ -177,18 +200,7 @@ def validate(
     prefetch = _flag("prefetch", prefetch)
     _check_skips_and_scale(max_skipped_steps, loss_scale, precision, given)
     shard = _flag("shard_weights", shard_weights)
-    if spec.bf16_stochastic_round and precision != "bf16":
-        raise ConfigError(
-            f"tiermem: {type(spec).__name__}(bf16_stochastic_round=True) keeps bf16 master weights, "
-            f"which needs precision='bf16' (got {precision!r}); pass precision='bf16' or drop "
-            f"bf16_stochastic_round"
-        )
-    in_backward = _flag("update_in_backward", update_in_backward)
-    if in_backward and overlap:
-        raise ConfigError(
-            "tiermem: update_in_backward=True and overlap_step=True both change when the update runs; "
-            "pass one of them (update_in_backward frees the grads' memory, overlap_step hides the update's time)"
-        )
+    in_backward = _when_updated(spec, precision, update_in_backward, overlap)
     inference = optimizer is None
     if inference:
         _check_inference(grad_clip=grad_clip, overlap_step=overlap, update_in_backward=in_backward)

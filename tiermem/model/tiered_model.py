@@ -32,7 +32,7 @@ from tiermem.model.inference import Inference, building, refuse
 from tiermem.model.inputs import cast_inputs, check_loss
 from tiermem.model.model_report import assemble as assemble_report
 from tiermem.model.module_calls import ModuleCalls
-from tiermem.model.options import DEFAULT_OPTIMIZER, validate
+from tiermem.model.options import DEFAULT_OPTIMIZER, Options, validate
 from tiermem.model.phase import Lifecycle, Phase
 from tiermem.model.resident_block import resident as resident_block
 from tiermem.model.state_calls import StateCalls
@@ -172,16 +172,7 @@ class TieredModel(StateCalls, ModuleCalls):
             shard_weights=shard_weights,
             update_in_backward=update_in_backward,
         )
-        deferred.start()  # the worker that gives back dropped models (NOTE [Finalizers only enqueue])
-        deferred.settle()  # what models dropped before this one held is back (their hooks are off the module)
-        lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
-        precision, given = opts.precision, precision  # "auto" made this device's (NOTE [Choosing the precision])
-        self.module, self.precision, self.dtype, self.device = module, precision, opts.dtype, opts.device
-        warn_if_slow(precision, opts.device)  # one warning, from the profile's matmul figures
-        self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
-        self.update_in_backward = opts.update_in_backward
-        self._life = Lifecycle()
-        self._inference = Inference(module) if opts.inference else None  # NOTE [Inference only]
+        self._adopt(module, opts)
         with building(self._inference, opts.dtype):
             parts = self._built(
                 module,
@@ -198,14 +189,22 @@ class TieredModel(StateCalls, ModuleCalls):
             self._own(module, parts)
         self._compute_seconds = 0.0  # in training tm(...) and tm.backward(...): forward+backward, for report()
         trains = f"{self.layout.n_params:,} trainable parameters in {len(self.layout.buckets)} buckets"
-        asked = f", from precision={given!r}" if given != precision else ""
-        log.info(
-            "tiermem: %s under %r (%s%s)",
-            "inference only" if self._inference else trains,
-            self.policy,
-            precision,
-            asked,
-        )
+        asked = f", from precision={precision!r}" if precision != self.precision else ""  # "auto" made this device's
+        what = "inference only" if self._inference else trains
+        log.info("tiermem: %s under %r (%s%s)", what, self.policy, self.precision, asked)
+
+    def _adopt(self, module: torch.nn.Module, opts: Options) -> None:
+        """Before anything is built: models dropped earlier given back, ``module`` owned by none, the
+        options the model shows as its own."""
+        deferred.start()  # the worker that gives back dropped models (NOTE [Finalizers only enqueue])
+        deferred.settle()  # what models dropped before this one held is back (their hooks are off the module)
+        lifetime.check_unowned(module)  # NOTE [A dropped model lets go]: one live TieredModel a module
+        self.module, self.precision, self.dtype, self.device = module, opts.precision, opts.dtype, opts.device
+        warn_if_slow(opts.precision, opts.device)  # one warning, from the profile's matmul figures
+        self.grad_clip, self.overlap_step = opts.grad_clip, opts.overlap
+        self.update_in_backward = opts.update_in_backward
+        self._life = Lifecycle()
+        self._inference = Inference(module) if opts.inference else None  # NOTE [Inference only]
 
     def _built(self, module: torch.nn.Module, policy: Optional[Policy], opts: Any, weights: Any, **kw: Any) -> Parts:
         """Every collaborator, planned then built and wired (:mod:`tiermem.model.build`); none refers

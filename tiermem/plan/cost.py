@@ -152,6 +152,34 @@ def compute_seconds(
     return flops / rate
 
 
+def _state_io(buckets: Sequence[Bucket], w: int, rates: Rates, one_copy: set[int]) -> tuple[float, float]:
+    """Seconds to read and to write the optimizer state streamed from NVMe (and the weights homed
+    there beside it, unless they are their bf16 master: ``one_copy``), each bucket's state as its
+    format keeps it (NOTE [State formats]: 12 B/param for Adam's fp32 state)."""
+    streamed = [b for b in buckets if b.state_tier == Tier.NVME]
+    read = sum(b.joined_bytes() for b in streamed)
+    written = sum(
+        b.joined_bytes() + (b.numel * w if b.param_tier == Tier.NVME and b.index not in one_copy else 0)
+        for b in streamed
+    )
+    return read / rates.nvme_read, written / rates.nvme_write
+
+
+def _weights_up(buckets: Sequence[Bucket], w: int, rates: Rates, one_copy: set[int], host_part: float) -> float:
+    """Seconds of new weights going home after the host's update that it does not hide (``host_part``:
+    the update's own seconds): none for weights written in place (NOTE [A CPU device]), homed on NVMe
+    or their bf16 master (``one_copy``)."""
+    ups = [
+        b.numel * w / (rates.h2d if b.param_tier == Tier.DEVICE else rates.host_copy)
+        for b in buckets
+        if compute_tier(b) != Tier.DEVICE
+        and b.param_tier != Tier.NVME
+        and b.index not in one_copy
+        and not (rates.device_is_cpu and b.param_tier == Tier.DEVICE)
+    ]
+    return max(ups[-1], sum(ups) - host_part) if ups else 0.0
+
+
 def predict(
     buckets: Sequence[Bucket],
     itemsize: int,
@@ -199,28 +227,10 @@ def predict(
     on_host = sum(b.numel for b in buckets if compute_tier(b) != Tier.DEVICE)
     # NOTE [One copy of bf16 master weights]: the master read and written once, as the weights
     one_copy = {b.index for b in buckets if master_is_weights(b, weights_sharded(b, world, shard_weights), overlap)}
-    streamed = [b for b in buckets if b.state_tier == Tier.NVME]
-    # each bucket's state as its format keeps it (NOTE [State formats]: 12 B/param for Adam's fp32 state)
-    nvme_read = sum(b.joined_bytes() for b in streamed) / rates.nvme_read
-    nvme_write = (
-        sum(
-            b.joined_bytes() + (b.numel * w if b.param_tier == Tier.NVME and b.index not in one_copy else 0)
-            for b in streamed
-        )
-        / rates.nvme_write
-    )
-    host_part = max(on_host / rates.cpu_adam, nvme_read, nvme_write)
+    host_part = max(on_host / rates.cpu_adam, *_state_io(buckets, w, rates, one_copy))
     device_part = on_device / rates.device_adam
     optimizer = device_part + host_part if rates.device_is_cpu else max(device_part, host_part)
-    ups = [
-        b.numel * w / (rates.h2d if b.param_tier == Tier.DEVICE else rates.host_copy)
-        for b in buckets
-        if compute_tier(b) != Tier.DEVICE
-        and b.param_tier != Tier.NVME
-        and b.index not in one_copy
-        and not (rates.device_is_cpu and b.param_tier == Tier.DEVICE)  # written in place: NOTE [A CPU device]
-    ]
-    weights_up = max(ups[-1], sum(ups) - host_part) if ups else 0.0
+    weights_up = _weights_up(buckets, w, rates, one_copy, host_part)
     return Prediction(
         {
             "forward+backward": max(forward_backward, fetch),

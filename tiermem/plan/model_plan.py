@@ -125,11 +125,7 @@ def plan_model(
         bucket_numel,
         limits=limits,
         machine=machine,
-        overlap=overlap,
-        world=world,
-        nvme_staging=device_type == "cuda",
-        device_is_host=device_type == "cpu",
-        shard_weights=shard_weights,
+        **_shape_of(overlap, world, shard_weights, device_type),
     )
     placement = evaluator.bind(given)
     planned = plan(module, placement, spec, dtype, bucket_numel, overlap=overlap, world=world)
@@ -143,18 +139,11 @@ def plan_model(
         buckets,
         homes,
         dtype,
-        overlap=overlap,
-        world=world,
-        shard_weights=shard_weights,
-        nvme_staging=device_type == "cuda",
-        device_is_host=device_type == "cpu",
         bucket_numel=bucket_numel,
         update_in_backward=update_in_backward,
+        **_shape_of(overlap, world, shard_weights, device_type),
     )
-    lookahead = None
-    if offloaded:  # a few modules' weights ahead, leaving the rest of the device to activations and grads
-        room = limits[Tier.DEVICE] - totals(need)[Tier.DEVICE]
-        lookahead = min(4 * largest_module_bytes(module, offloaded, dtype), max(room, 0) // 2)
+    lookahead = _lookahead(module, offloaded, dtype, limits[Tier.DEVICE] - totals(need)[Tier.DEVICE])
     return ModelPlan(
         policy=given,
         placement=placement,
@@ -171,6 +160,26 @@ def plan_model(
         weights_lookahead=lookahead,
         compiled_off_device=bool(homes or sharded or cold) and _is_compiled(module),
         world=world,
+    )
+
+
+def _lookahead(module: torch.nn.Module, offloaded: Mapping[str, Tier], dtype: torch.dtype, room: int) -> Optional[int]:
+    """The bytes the weights cache fetches ahead: a few modules' weights, leaving the rest of the
+    device (``room``: what the working set leaves) to activations and grads; None without weights
+    off the device one by one (NOTE [Parameters off the device])."""
+    if not offloaded:
+        return None
+    return min(4 * largest_module_bytes(module, offloaded, dtype), max(room, 0) // 2)
+
+
+def _shape_of(overlap: bool, world: int, shard_weights: bool, device_type: str) -> dict[str, Any]:
+    """What shapes the homes besides the buckets, as the evaluator and the footprint take it."""
+    return dict(
+        overlap=overlap,
+        world=world,
+        shard_weights=shard_weights,
+        nvme_staging=device_type == "cuda",  # NVMe reads staged through the host
+        device_is_host=device_type == "cpu",
     )
 
 
