@@ -128,13 +128,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def parse_count(text: str) -> int:
-    """'100M', '1.5e8', '2G' or a plain integer (decimal multiples: this counts parameters)."""
-    t = text.strip().upper()
-    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
-
-
 def at_most(ratio: float, limit: float) -> str:
     """The verdict on a ratio whose target is ``limit`` or less: ``target <= 1.10x: met``."""
     return f"target <= {limit:.2f}x: {'met' if ratio <= limit else 'NOT met'}"

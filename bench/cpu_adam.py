@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench._common
 
-from bench._common import fastest_of, parse_count
+from bench._common import fastest_of
+from tiermem.cli.models import parse_count
 from tiermem.optim import adam_step, compile_seconds, implementation
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)

@@ -42,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench._common
 
-from bench._common import fastest_of, parse_count
+from bench._common import fastest_of
+from tiermem.cli.models import parse_count
 from tiermem.optim import (
     CPUSGD,
     CPUAdafactor,

@@ -118,7 +118,6 @@ class NvmeStore(Store):
         # NOTE [Per-key order]; hashing threads where values are hashed: NOTE [Hashing beside the I/O]
         self._requests = Requests(self._lock, io_threads, hashing=self.checksums)
         self._closed = False
-        self.keep_previous = keep_previous  # NOTE [One value per key, and a few spare files]
         self._journal = SlotJournal(
             self.directory, self.ledger, keep_previous=keep_previous, spares=spares, direct=self.direct
         )  # every call with self._lock held
@@ -257,6 +256,11 @@ class NvmeStore(Store):
         nio.allocate(fd, size)
 
     # -- requests (run on the I/O threads) ------------------------------------------------------
+    @property
+    def keep_previous(self) -> bool:
+        """Whether each key keeps its previous value (NOTE [One value per key, and a few spare files])."""
+        return self._journal.keep_previous
+
     def _start_write(self, key: str, value: Value, data: torch.Tensor, future: Future[Any]) -> None:
         with self._lock:
             copy = self._journal.next_copy(key, value)

@@ -72,7 +72,7 @@ class SlotJournal:
 
     def take_spare(self, value: Value) -> Optional[str]:
         """A spare file for a slot that does not exist yet to go over (None: make a new one)."""
-        return self.spares.take(nio.file_size(value.nbytes, self.direct)) if not self.keep_previous else None
+        return self.spares.take(nio.file_size(value.nbytes, self.direct))  # none kept with keep_previous
 
     def landed(self, key: str, copy: Copy, ok: bool) -> Optional[Released]:
         """A write of ``copy`` ended (``ok``: its data and header landed, the switch): the key holds it

@@ -14,7 +14,7 @@ import torch
 from tiermem.errors import ConfigError
 from tiermem.model.inputs import cast_inputs
 
-__all__ = ["ModuleCalls", "generate"]
+__all__ = ["ModuleCalls"]
 
 
 class ModuleCalls:
@@ -55,31 +55,18 @@ class ModuleCalls:
         Raises:
             ConfigError: the module has no ``generate`` method.
         """
-        return generate(self.module, self._generating, args, kwargs, self.dtype, self.device)
-
-
-def generate(
-    module: torch.nn.Module,
-    forward: Callable[[], Any],
-    args: tuple,
-    kwargs: dict,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> Any:
-    """``module.generate(*args, **kwargs)`` in eval mode under ``torch.no_grad()``, its tensors on
-    ``device`` (floating ones in ``dtype``) as ``tm(...)`` gives them; the mode as it was afterwards.
-    ``forward``: a context manager factory the model's checks and phase run under."""
-    gen = getattr(module, "generate", None)
-    if gen is None or not callable(gen) or not inspect.ismethod(gen):
-        raise ConfigError(
-            f"tiermem: tm.generate(...) runs the module's own generate(), and {type(module).__name__} has none; "
-            f"call tm(...) for a forward, or wrap a model that generates (a transformers GenerationMixin)"
-        )
-    args, kwargs = cast_inputs((args, kwargs), dtype, device)
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad(), forward():
-            return gen(*args, **kwargs)
-    finally:
-        module.train(was_training)
+        module = self.module
+        gen = getattr(module, "generate", None)
+        if gen is None or not callable(gen) or not inspect.ismethod(gen):
+            raise ConfigError(
+                f"tiermem: tm.generate(...) runs the module's own generate(), and {type(module).__name__} has "
+                f"none; call tm(...) for a forward, or wrap a model that generates (a transformers GenerationMixin)"
+            )
+        args, kwargs = cast_inputs((args, kwargs), self.dtype, self.device)
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad(), self._generating():
+                return gen(*args, **kwargs)
+        finally:
+            module.train(was_training)

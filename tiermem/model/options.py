@@ -85,7 +85,7 @@ def _device(device: Any) -> torch.device:
     return dev
 
 
-def _check_paths(module: torch.nn.Module, nvme_dir: Any, trace_path: Any) -> None:
+def _check_paths(nvme_dir: Any, trace_path: Any) -> None:
     if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
         raise ConfigError(f"tiermem: nvme_dir={nvme_dir!r} is not a path; pass the directory as a str or Path")
     if trace_path is not None:
@@ -196,7 +196,7 @@ def validate(
     dev, overlap = _device(device), _flag("overlap_step", overlap_step)
     given, precision = precision, resolve_precision(precision, dev)
     dtype = working_dtype(precision)
-    _check_paths(module, nvme_dir, trace_path)
+    _check_paths(nvme_dir, trace_path)
     prefetch = _flag("prefetch", prefetch)
     _check_skips_and_scale(max_skipped_steps, loss_scale, precision, given)
     shard = _flag("shard_weights", shard_weights)
@@ -205,19 +205,19 @@ def validate(
     if inference:
         _check_inference(grad_clip=grad_clip, overlap_step=overlap, update_in_backward=in_backward)
     return Options(
-        spec,
-        torch_optimizer,
-        None if grad_clip is None else float(grad_clip),
-        dtype,
-        dev,
-        budgets,
-        bucket_bytes // 4,
-        overlap,
-        prefetch,
-        precision,
-        shard,
-        in_backward,
-        inference,
+        spec=spec,
+        torch_optimizer=torch_optimizer,
+        grad_clip=None if grad_clip is None else float(grad_clip),
+        dtype=dtype,
+        device=dev,
+        budgets=budgets,
+        bucket_numel=bucket_bytes // 4,
+        overlap=overlap,
+        prefetch=prefetch,
+        precision=precision,
+        shard_weights=shard,
+        update_in_backward=in_backward,
+        inference=inference,
     )
 
 

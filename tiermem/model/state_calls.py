@@ -51,16 +51,19 @@ class StateCalls:
 
     weight_sources: Callable[[], list]  # TieredModel's: the homes of weights off the device
 
-    def _settled(self, call: str) -> ModelState:
-        """The model's state with nothing in flight, for the calls that read or replace it."""
+    def _settled(self, call: str, *, whole: bool = True) -> ModelState:
+        """The model's state with nothing in flight, for the calls that read or replace it; with
+        ``whole``, refused while a failed step left weights of two steps (NOTE [A failed step is
+        rolled forward]): a read would keep the mix (a load replaces it: ``whole=False``)."""
         self._life.check("state", call)
         self.stepper.finish_pending()
+        if whole:
+            self.stepper.check_whole(f"tm.{call}")
         return self._state
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights (and buffers) with the keys of ``module.state_dict()``."""
         state = self._settled("state_dict()")
-        self.stepper.check_whole("tm.state_dict()")  # NOTE [A failed step is rolled forward]
         return state.module_state()
 
     def save_pretrained(
@@ -84,7 +87,6 @@ class StateCalls:
             dtype: the dtype of the floating-point weights written; default: the fp32 master weights.
         """
         state = self._settled("save_pretrained()")
-        self.stepper.check_whole("tm.save_pretrained()")  # weights of two steps would be kept for good
         if self.group.world > 1:
             raise ConfigError(
                 "tiermem: save_pretrained() is for one process in this version; under data parallelism save a "
@@ -109,7 +111,6 @@ class StateCalls:
         if format is None:
             format = "dcp" if self.group.world > 1 else "file"
         state = self._settled("save()")
-        self.stepper.check_whole("tm.save()")  # a checkpoint of two steps would keep the mix for good
         state.check_loaded("tm.save()")  # NOTE [A failed load is guarded]: nor of two checkpoints
         checkpoint.save(state, path, format)
 
@@ -124,7 +125,6 @@ class StateCalls:
         dcp.load(sd, checkpoint_id=d); tm.load_sharded_state_dict(sd)`` loads one. ``tm.state_dict()``
         stays the whole weights."""
         state = self._settled("sharded_state_dict()")
-        self.stepper.check_whole("tm.sharded_state_dict()")  # NOTE [A failed step is rolled forward]
         state.check_loaded("tm.sharded_state_dict()")
         return checkpoint.sharded_state_dict(state)
 
@@ -136,7 +136,7 @@ class StateCalls:
         Args:
             state_dict: the dict :meth:`sharded_state_dict` returned, after ``dcp.load`` filled it.
         """
-        checkpoint.load_sharded(self._settled("load_sharded_state_dict()"), state_dict)
+        checkpoint.load_sharded(self._settled("load_sharded_state_dict()", whole=False), state_dict)
         self.grads.drop()
         self._life.to(Phase.IDLE)
 
@@ -152,7 +152,7 @@ class StateCalls:
         Args:
             path: a file or DCP directory written by :meth:`save`.
         """
-        state = self._settled("load()")
+        state = self._settled("load()", whole=False)
         if self._inference is None:  # NOTE [Inference only]: requires_grad plays no part
             self._trainable.sync(grads_waiting=False, collective=True)  # parameters unfrozen before loading get state
         checkpoint.load(state, path)
@@ -163,7 +163,6 @@ class StateCalls:
         """Remove every hook and give the module back with fp32 weights (on the CPU, where the
         master weights were), ready for plain PyTorch."""
         state = self._settled("detach()")
-        self.stepper.check_whole("tm.detach()")  # the module would keep weights of two steps
         self._trainable.detachable()  # before anything changes (NOTE [The parameters a model was wrapped with])
         weights = state.fp32_weights()  # before the hooks go: frozen weights sharded over the ranks are gathered
         self.hooks.remove()

@@ -445,7 +445,6 @@ class TieredModel(StateCalls, ModuleCalls):
             what: a module of the wrapped model, one of its parameters, or an iterable of either.
         """
         self._settled("resident()")
-        self.stepper.check_whole("tm.resident()")  # NOTE [A failed step is rolled forward]
         with resident_block(what, self.module, self.weight_sources(), self._state):
             yield
 

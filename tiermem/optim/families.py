@@ -81,10 +81,12 @@ class PartOptions:
     generic_parts: Sequence[Any] = ()
 
 
-#: ``update(master, state, grad, record, common, shape)``: one fused update, its hyperparameters one
-#: checked record (the kind's ``record``), ``common`` the keywords of the kind's private entry (``out``,
-#: ``stochastic_round``, ``check_finite``, ``impl``; NOTE [Checked once a step])
-Update = Callable[[torch.Tensor, Sequence[torch.Tensor], torch.Tensor, Any, dict, Optional[Sequence[int]]], None]
+#: ``update(master, state, grad, out, record, shape, stochastic_round)``: one fused update into ``out``,
+#: its hyperparameters one checked record (the kind's ``record``; NOTE [Checked once a step]), the
+#: gradients known to be finite
+Update = Callable[
+    [torch.Tensor, Sequence[torch.Tensor], torch.Tensor, Optional[torch.Tensor], Any, Dims, Optional[Any]], None
+]
 
 #: ``record(hyper, step, grad_scale, clip_coef)``: a param group's hyperparameters (torch's names) as the
 #: kind's typed record, checked by the rules of the kind's functional entry (its errors name the entry)
@@ -184,27 +186,34 @@ def _adafactor_record(hyper: Mapping[str, Any], step: int, grad_scale: float, cl
     )
 
 
-def _adam(master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Any, common: dict, shape: Dims) -> None:
-    out = common.pop("out")
-    _functional.adam_update(master, state[0], state[1], grad, out, hyper, **common)
+def _adam(
+    master: Tensor, state: Sequence[Tensor], grad: Tensor, out: Optional[Tensor], hyper: Any, shape: Dims, sr: Any
+) -> None:
+    _functional.adam_update(
+        master, state[0], state[1], grad, out, hyper, check_finite=False, impl=None, stochastic_round=sr
+    )
 
 
-def _adam8bit(master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Any, common: dict, shape: Dims) -> None:
-    out = common.pop("out")
-    _steps.adam8bit_update(master, state[:4], grad, out, hyper, **common)
+def _adam8bit(
+    master: Tensor, state: Sequence[Tensor], grad: Tensor, out: Optional[Tensor], hyper: Any, shape: Dims, sr: Any
+) -> None:
+    _steps.adam8bit_update(master, state[:4], grad, out, hyper, check_finite=False, impl=None, stochastic_round=sr)
 
 
 def _elementwise(kernel: _run.Kernel) -> Update:
     """The update of an elementwise kind whose one state tensor ``kernel`` takes (Adagrad, Lion)."""
 
-    def update(master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Any, common: dict, shape: Dims) -> None:
-        out = common.pop("out")
-        _run.run(kernel, master, (state[0],), grad, out, hyper, **common)
+    def update(
+        master: Tensor, state: Sequence[Tensor], grad: Tensor, out: Optional[Tensor], hyper: Any, shape: Dims, sr: Any
+    ) -> None:
+        _run.run(kernel, master, (state[0],), grad, out, hyper, check_finite=False, impl=None, stochastic_round=sr)
 
     return update
 
 
-def _sgd(master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Any, common: dict, shape: Dims) -> None:
+def _sgd(
+    master: Tensor, state: Sequence[Tensor], grad: Tensor, out: Optional[Tensor], hyper: Any, shape: Dims, sr: Any
+) -> None:
     momentum = hyper.momentum
     buffer = state[0] if state else None
     if (momentum != 0) != (buffer is not None):
@@ -214,17 +223,19 @@ def _sgd(master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Any, comm
             f"{'> 0' if buffer is not None else '= 0'} in every group, or give the optimizer a "
             f"momentum > 0 from the start"
         )
-    out = common.pop("out")
-    _run.run(_run.SGD, master, (buffer,), grad, out, hyper, **common)
+    _run.run(_run.SGD, master, (buffer,), grad, out, hyper, check_finite=False, impl=None, stochastic_round=sr)
 
 
-def _adafactor(master: Tensor, state: Sequence[Tensor], grad: Tensor, hyper: Any, common: dict, shape: Dims) -> None:
+def _adafactor(
+    master: Tensor, state: Sequence[Tensor], grad: Tensor, out: Optional[Tensor], hyper: Any, shape: Dims, sr: Any
+) -> None:
     dims = tuple(master.shape) if shape is None else tuple(shape)
     # a matrix's pieces are row_var and col_var, a vector's variance (the other layout's have 0 elements)
     row_var, col_var, variance = (state[0], state[1], None) if len(dims) >= 2 else (None, None, state[2])
     dims, pieces = _factored.factored_state(master, dims, row_var, col_var, variance)
-    out = common.pop("out")
-    _factored.adafactor_update(master, grad, pieces, dims, out, hyper, **common)
+    _factored.adafactor_update(
+        master, grad, pieces, dims, out, hyper, check_finite=False, impl=None, stochastic_round=sr
+    )
 
 
 #: every kind's row; each member of Kind has one (tests/test_optim_formats.py checks)

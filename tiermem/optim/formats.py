@@ -198,8 +198,7 @@ def update(
     known to be finite. A factored format updates one whole parameter of ``shape`` (its pieces flat)."""
     fam = _fused(fmt)
     assert fam.update is not None  # _fused refuses a row without one
-    common: dict[str, Any] = dict(out=out, check_finite=False, impl=None, stochastic_round=stochastic_round)
-    fam.update(master, state, grad, record, common, shape)
+    fam.update(master, state, grad, out, record, shape, stochastic_round)
 
 
 def step(

@@ -94,8 +94,7 @@ class StateWriter:
         to compute until a load succeeds (NOTE [A failed load is guarded],
         :meth:`StateCore.check_loaded`)."""
         homes = self.core.layout.homes
-        for home in homes.weight_homes():
-            home.begin_update()
+        homes.begin_update()
         try:
             yield
         except BaseException as e:

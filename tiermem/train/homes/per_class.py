@@ -432,6 +432,11 @@ class Homes:
     def weight_homes(self) -> list[WeightHome]:
         return self._unique({**self.weights, **{-1 - i: h for i, h in enumerate(self.also)}})
 
+    def begin_update(self) -> None:
+        """Every weight home's cached device copies are about to be stale (an update, a roll back, a load)."""
+        for home in self.weight_homes():
+            home.begin_update()
+
     def compute_tier(self, b: Bucket) -> Tier:
         return self.state[b.index].compute_tier
 

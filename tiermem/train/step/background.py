@@ -104,8 +104,7 @@ class Background:
             )
             self.recovery.failure = replace(failure, error=e)
             return
-        for home in self.homes.weight_homes():
-            home.begin_update()
+        self.homes.begin_update()
         self.outputs.land_background(landing)
 
     def retry(self, failed: UpdateFailed, steps: int, *, now: bool) -> None:
@@ -119,8 +118,7 @@ class Background:
                 f"and tm.load() the last checkpoint"
             )
         if now:
-            for home in self.homes.weight_homes():
-                home.begin_update()
+            self.homes.begin_update()
             self._run(failed.rest, failed.landing, failed.norm)  # a failure again keeps what is left for the next retry
             self.recovery.failure = None  # the weights at home are all of the step before (no half of it landed)
             self.outputs.land_background(failed.landing)

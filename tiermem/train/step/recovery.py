@@ -182,8 +182,7 @@ class Recovery:
         [A failed step is rolled forward] in tiermem/train/homes/nvme_state.py)."""
         if not self.unsent:
             return
-        for home in self.homes.weight_homes():
-            home.begin_update()
+        self.homes.begin_update()
         self.send_masters([b for b in self.buckets if b.index in self.unsent])
         self.unsent.clear()
 

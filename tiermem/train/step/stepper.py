@@ -274,8 +274,7 @@ class Stepper:
             if self.recovery.between() is not None:  # buckets were updated: the rest cannot be (their grads are gone)
                 passes.drop_graph()
             raise failed
-        for home in self.homes.weight_homes():
-            home.begin_update()  # copies the second backward fetched may be of weights updated since
+        self.homes.begin_update()  # copies the second backward fetched may be of weights updated since
 
     def _complete_failed(self) -> Optional[StepResult]:
         """overlap: the retry of an update that failed (NOTE [A failed background update]). Its

@@ -84,14 +84,13 @@ class BucketUpdates:
         they wrote do so, ``on_failure`` is told what could not be undone, and the error propagates."""
         uploads = self.outputs.session()
         if self.fresh_weights:
-            for weights in self.homes.weight_homes():
-                weights.begin_update()  # cached device copies of off-device weights are about to be stale
+            self.homes.begin_update()  # cached device copies of off-device weights are about to be stale
         done: list[tuple[StateHome, object]] = []
         updated: set[int] = set()  # buckets whose update cannot be undone
+        step = self._bucket_step(upd, uploads)
         try:
             for home in launch_order(self.homes.state_homes()):
                 mine = [(b, runs) for b, runs in upd.plan if self.homes.state[b.index] is home]
-                step = self._bucket_step(upd, uploads)
                 done.append((home, home.step(mine, step, self.tracer, updated)))
             uploads.finish()
         except BaseException as e:

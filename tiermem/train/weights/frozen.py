@@ -57,7 +57,7 @@ import torch
 from tiermem.errors import StoreError
 from tiermem.memory.base import Store
 from tiermem.memory.resident import MemoryStore
-from tiermem.plan.buckets import Bucket
+from tiermem.plan.buckets import Bucket, Slot
 from tiermem.plan.footprint import copy_tier, keeps_copy
 from tiermem.train.homes.store_keys import Part, StoreKey
 from tiermem.train.weights.gathered import GatheredWeights
@@ -217,10 +217,17 @@ class FrozenParams:
                     else:
                         given.param_into(s.name, s.param, out, first)
             else:
-                read = (lambda s: s.param.detach()) if given is None else (lambda s: given.param(s.name, s.param))
-                values = torch.cat([read(s).reshape(-1).to("cpu", dtype) for s in b.slots])
+                values = torch.cat([self._first_value(s, given).reshape(-1).to("cpu", dtype) for s in b.slots])
                 group.broadcast_(values)  # every rank starts from rank 0's weights
             self._sharded.initialize(b, values)
+
+    def _first_value(self, s: Slot, given: Optional[Values]) -> torch.Tensor:
+        """A frozen parameter's value as built: its host copy when it has one (read once already,
+        for the copy: a module's own initialization is not run twice), else where it comes from."""
+        kept = self._copies.get(s.name)
+        if isinstance(kept, HostCopy):
+            return kept.tensor
+        return s.param.detach() if given is None else given.param(s.name, s.param)
 
     def log_copies(self) -> None:
         if self._copies:
