@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 import tiermem
 from tiermem.policies import ZeroInfinity, ZeroOffload
-from tiermem.transfer.collectives import Distributed
+from tiermem.transfer.distributed import Distributed
 
 BUCKET = 1500  # bytes of fp32 grads: 8 trainable buckets and 2 frozen, the ranks' chunks cutting parameters
 

@@ -45,7 +45,8 @@ from tiermem.train.step.trainable import Trainable
 from tiermem.train.weights.gathered import GatheredWeights, build_gathered
 from tiermem.train.weights.materialize import Values
 from tiermem.train.weights.param_offload import ParamOffload
-from tiermem.transfer.collectives import Group, fingerprint, resolve_group
+from tiermem.transfer.collectives import Group, fingerprint
+from tiermem.transfer.distributed import resolve_group
 from tiermem.transfer.engine import TransferEngine
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import ResidencyScheduler
