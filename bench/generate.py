@@ -14,10 +14,10 @@ end-of-sequence token stops no one early), at each batch of ``--batches``:
   ``load_checkpoint_and_dispatch(device_map={"": "disk"}, offload_folder=...)``, every weight
   offloaded to disk and read back per forward through numpy memmaps: through the page cache, so
   its RAM is not bounded (on a warm cache it reads from memory, not the disk);
-- **tiermem**: ``tiermem.from_pretrained(..., optimizer=None, budgets=Budgets(host=...))`` and
-  ``tm.generate``, the host budget at each fraction of ``--budgets`` of the weights' bytes, under
-  :class:`HostFirst` (a user policy in a few lines: weights on the host in forward order while
-  they fit the budget, the rest on NVMe), and a device budget of ``--device`` of the weights' bytes
+- **tiermem**: ``tiermem.from_pretrained(..., ZeroInfinity(), optimizer=None, budgets=Budgets(host=...))``
+  and ``tm.generate``, the host budget at each fraction of ``--budgets`` of the weights' bytes
+  (ZeroInfinity keeps the weights that fit there, the smallest first, and streams the rest from
+  NVMe: NOTE [Resident weights for inference]), and a device budget of ``--device`` of the weights' bytes
   (here the device is the CPU: unbounded, it would keep every weight once fetched).
 
 Figures: tokens/s (new tokens x batch / seconds of one ``generate``, after one untimed warm-up
@@ -39,7 +39,6 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -49,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RssSampler, llama_config, nvme_bytes
 from bench._fio import read_write
-from tiermem import Budgets, Policy, TensorClass, TensorInfo, Tier, from_pretrained
+from tiermem import Budgets, from_pretrained
+from tiermem.policies import ZeroInfinity
 
 SIZES: dict[str, dict[str, int]] = {
     "200M": dict(hidden=1024, layers=12, intermediate=2816, heads=16, vocab=32000),
@@ -57,38 +57,9 @@ SIZES: dict[str, dict[str, int]] = {
 }
 
 
-# What tiermem's host footprint adds to the weights placed there (each buffer rounded up to whole
-# pages): the host budget is the weights' bytes that HostFirst places there plus this.
+# What tiermem's host footprint adds to the weights kept there (each buffer rounded up to whole
+# pages): the host budget is the fraction of the weights' bytes plus this.
 HOST_SLACK = 1 << 20
-
-
-@dataclass(frozen=True)
-class HostFirst(Policy):
-    """The weights named in ``on_host`` on the host, the other weights on NVMe, everything else
-    (activations) on the device. :meth:`fitting` picks the names: in forward order while their
-    running sum fits the host's bytes. (``for_model`` cannot pick them here: an inference-only
-    model's ModelInfo lists no parameter, as it lists only trainable ones.)"""
-
-    on_host: frozenset[str] = field(repr=False)
-
-    @classmethod
-    def fitting(cls, ckpt: str, host_bytes: int) -> "HostFirst":
-        from transformers import AutoConfig, LlamaForCausalLM
-
-        with torch.device("meta"):
-            model = LlamaForCausalLM(AutoConfig.from_pretrained(ckpt))
-        names, used = set(), 0
-        for name, p in model.named_parameters():
-            nbytes = p.numel() * torch.bfloat16.itemsize
-            if used + nbytes <= host_bytes:
-                names.add(name)
-                used += nbytes
-        return cls(frozenset(names))
-
-    def place(self, info: TensorInfo) -> Tier:
-        if info.kind is TensorClass.PARAM:
-            return Tier.HOST if info.name in self.on_host else Tier.NVME
-        return Tier.DEVICE
 
 
 class Run(NamedTuple):
@@ -129,19 +100,12 @@ def run_all(
     return {b: timed(generate_with(model, args, b, vocab), rss, nvme) for b in args.batches}
 
 
-def in_memory(
-    ckpt: str, args: argparse.Namespace, vocab: int, rss: RssSampler
-) -> tuple[dict[int, Run], dict[int, torch.Tensor]]:
-    """The model in memory's runs, and the tokens of the same model with its buffers (the rotary
-    ``inv_freq``, fp32 after ``from_pretrained``) cast to bf16 too, as tiermem casts them."""
+def in_memory(ckpt: str, args: argparse.Namespace, vocab: int, rss: RssSampler) -> dict[int, Run]:
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(ckpt, torch_dtype=torch.bfloat16).eval()
     with torch.no_grad():
-        runs = run_all(model, args, vocab, rss)
-        model.to(torch.bfloat16)
-        cast = {b: generate_with(model, args, b, vocab)() for b in args.batches}
-    return runs, cast
+        return run_all(model, args, vocab, rss)
 
 
 def accelerate_disk(ckpt: str, work: str, args: argparse.Namespace, vocab: int, rss: RssSampler) -> dict[int, Run]:
@@ -164,9 +128,7 @@ def tiermem_at(
     nvme_dir = tempfile.mkdtemp(prefix=f"tiermem-{host}-", dir=work)
     # the weights the policy puts there, plus room for the host buffers' rounding to whole pages
     budgets = Budgets(host=host + HOST_SLACK, device=device)
-    tm = from_pretrained(
-        ckpt, HostFirst.fitting(ckpt, host), optimizer=None, nvme_dir=nvme_dir, precision="bf16", budgets=budgets
-    )
+    tm = from_pretrained(ckpt, ZeroInfinity(), optimizer=None, nvme_dir=nvme_dir, precision="bf16", budgets=budgets)
     return run_all(tm, args, vocab, rss, lambda: nvme_bytes(tm.report())[0])
 
 
@@ -183,7 +145,6 @@ def report(
     weights: int,
     read_bw: float,
     mem: dict[int, Run],
-    cast: dict[int, torch.Tensor],
     acc: dict[int, Run],
     tms: dict[float, dict[int, Run]],
 ) -> None:
@@ -198,8 +159,6 @@ def report(
         for frac, runs in tms.items():
             r = runs[b]
             same = "yes" if torch.equal(r.tokens, mem[b].tokens) else "NO"
-            if same == "NO":
-                same += f" (with the buffers in bf16 too: {'yes' if torch.equal(r.tokens, cast[b]) else 'no'})"
             floor = max(mem[b].seconds, r.nvme_read / read_bw)
             print(
                 f"batch {b:2d}: tiermem host {frac:4.0%} {tok_s(r, args, b):7.1f} tok/s, peak RSS {r.rss / 1e9:.2f} GB,"
@@ -258,7 +217,7 @@ def main() -> int:
         print(f"checkpoint: Llama {n / 1e6:.0f}M parameters ({shape}), bf16, {weights / 1e6:.0f} MB", flush=True)
         read_bw = read_write(work, args.fio_size, name="generate")["read"]
         with RssSampler() as rss:
-            mem, cast = in_memory(ckpt, args, shape["vocab"], rss)
+            mem = in_memory(ckpt, args, shape["vocab"], rss)
             gc.collect()
             print("in memory: done", flush=True)
             acc = accelerate_disk(ckpt, work, args, shape["vocab"], rss)
@@ -271,7 +230,7 @@ def main() -> int:
                 )
                 gc.collect()
                 print(f"tiermem host {frac:.0%}: done", flush=True)
-        report(args, weights, read_bw, mem, cast, acc, tms)
+        report(args, weights, read_bw, mem, acc, tms)
     return 0
 
 

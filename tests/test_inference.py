@@ -5,8 +5,6 @@ gradient or optimizer-state bytes; training calls refused, changing nothing."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -23,6 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64)
+SPLIT_HOST = 12 * 4096  # twelve host pages: the norms and the small projections, not the embeddings
 
 
 class WeightsOnHost(PerClass):
@@ -56,7 +55,10 @@ def _where(placement: str, tmp_path) -> dict:
     return {
         "device": {"policy": KeepOnDevice()},
         "host": {"policy": WeightsOnHost()},
-        "nvme": {"policy": ZeroInfinity(), "nvme_dir": str(tmp_path)},
+        # no host room: every weight on NVMe (NOTE [Resident weights for inference])
+        "nvme": {"policy": ZeroInfinity(), "nvme_dir": str(tmp_path), "budgets": Budgets(host=0)},
+        # the host holds about half the weights' bytes: those stay, the rest stream from NVMe
+        "split": {"policy": ZeroInfinity(), "nvme_dir": str(tmp_path), "budgets": Budgets(host=SPLIT_HOST)},
     }[placement]
 
 
@@ -73,15 +75,28 @@ def _decoding(beam: bool) -> dict:
     return {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, **extra}
 
 
+def _in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The model as transformers loads it in ``dtype`` (``from_pretrained(..., torch_dtype=dtype)``):
+    its weights in ``dtype``, the buffers it computes when built (rotary ``inv_freq``) as built."""
+    with torch.device("meta"):
+        ref = transformers.AutoModelForCausalLM.from_config(model.config, torch_dtype=dtype)
+    ref.to_empty(device="cpu")
+    for name, buf in model.named_buffers():  # the computed ones: not in the state dict
+        if ref.get_buffer(name).is_floating_point() and name not in model.state_dict():
+            ref.get_buffer(name).copy_(buf)
+    ref.load_state_dict(model.state_dict())
+    return ref.eval()
+
+
 def _expected(model: nn.Module, dtype: torch.dtype, beam: bool) -> torch.Tensor:
-    """The oracle: the same model in memory, in the same precision."""
-    ref = copy.deepcopy(model).to(dtype).eval()
+    """The oracle: the same model in memory, as transformers loads it in the same precision."""
+    ref = _in_dtype(model, dtype)
     with torch.no_grad():
         return ref.generate(**_prompts(), **_decoding(beam))
 
 
 @pytest.mark.parametrize("precision", list(DTYPES))
-@pytest.mark.parametrize("placement", ["device", "host", "nvme"])
+@pytest.mark.parametrize("placement", ["device", "host", "nvme", "split"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
 def test_generate_same_tokens_as_in_memory(family, placement, precision, tmp_path):
     model = _model(family)
@@ -118,7 +133,7 @@ def test_save_pretrained_and_resident_writes(tmp_path):
         model.lm_head.weight.mul_(2)
     tm.save_pretrained(tmp_path / "out")
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
-    ref = copy.deepcopy(_model("llama")).to(torch.bfloat16)
+    ref = _in_dtype(_model("llama"), torch.bfloat16)
     with torch.no_grad():
         ref.lm_head.weight.mul_(2)
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in saved.state_dict().items())
@@ -198,7 +213,8 @@ def test_failed_construction_gives_the_module_back(tmp_path):
     model = _model("llama")
     before = {n: (p.dtype, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()}
     with pytest.raises(TierMemError, match="nvme_dir"):
-        TieredModel(model, ZeroInfinity(), optimizer=None, precision="bf16", device="cpu")  # no nvme_dir
+        # no host room, so the weights go to NVMe, and no nvme_dir
+        TieredModel(model, ZeroInfinity(), optimizer=None, precision="bf16", device="cpu", budgets=Budgets(host=0))
     for n, p in model.named_parameters():
         dtype, flag, value = before[n]
         assert (p.dtype, p.requires_grad) == (dtype, flag) and torch.equal(p, value)
@@ -237,7 +253,7 @@ def test_weights_stream_along_the_recorded_order(tmp_path):
         precision="fp32",
         device="cpu",
         nvme_dir=str(tmp_path),
-        budgets=Budgets(device="80KiB"),
+        budgets=Budgets(device="80KiB", host=0),  # every weight on NVMe, a few at a time on the device
     )
     assert torch.equal(tm.generate(**_prompts(), **_decoding(False)), expected)
     scheduler = tm.param_offload.scheduler
@@ -251,7 +267,7 @@ def test_sampling_and_an_eval_forward_match_in_memory(tmp_path):
     """Sampling draws the same tokens from the same generator state; ``tm.eval()`` and ``tm(...)``
     give the in-memory model's logits."""
     model = _model("qwen2")
-    ref = copy.deepcopy(model).to(torch.bfloat16).eval()
+    ref = _in_dtype(model, torch.bfloat16)
     sampling = {**_decoding(False), "do_sample": True, "top_k": 20, "temperature": 0.9}
     torch.manual_seed(5)
     with torch.no_grad():
@@ -261,3 +277,101 @@ def test_sampling_and_an_eval_forward_match_in_memory(tmp_path):
     assert torch.equal(tm.generate(**_prompts(), **sampling), expected)
     with torch.no_grad():
         assert torch.equal(tm.eval()(**_prompts()).logits, logits)
+
+
+def test_resident_weights_are_the_smallest_that_fit(tmp_path):
+    """ZeroInfinity for inference keeps on the host the weights its limit holds, smallest first
+    (the most re-read cost per byte), each in whole pages; the rest stay on NVMe (NOTE [Resident
+    weights for inference]). The host peak and the NVMe bytes say where each weight went."""
+    model = _model("llama")
+    named = dict(model.named_parameters())  # tied weights once
+    order = sorted(enumerate(named.items()), key=lambda i: (i[1][1].numel(), i[0]))
+    room, expected = SPLIT_HOST, set()
+    for _, (name, p) in order:
+        if round_up(p.numel() * 2) > room:
+            break
+        expected.add(name)
+        room -= round_up(p.numel() * 2)
+    assert 0 < len(expected) < len(named)  # the budget splits them
+    tm = TieredModel(model, optimizer=None, precision="bf16", device="cpu", **_where("split", tmp_path))
+    assert tm.model_plan.placement.on_host == expected
+    tm.generate(**_prompts(), **_decoding(False))
+    peaks = tm.report().class_peak_bytes
+    host = sum(round_up(named[n].numel() * 2) for n in expected)
+    assert peaks[TensorClass.PARAM, Tier.HOST] == host <= SPLIT_HOST
+    assert peaks[TensorClass.PARAM, Tier.NVME] == sum(p.numel() * 2 for n, p in named.items() if n not in expected)
+
+
+def test_training_keeps_zero_infinity_weights_on_nvme(tmp_path):
+    """The host room goes to weights only for inference: a model built to train keeps ZeroInfinity's
+    weights on NVMe whatever the host's limit."""
+    model = _model("llama")
+    tm = TieredModel(model, ZeroInfinity(), precision="bf16", device="cpu", nvme_dir=str(tmp_path))
+    assert not any(t is Tier.HOST for t in tm.model_plan.weight_homes.values())
+    assert tm.model_plan.placement is not None and not hasattr(tm.model_plan.placement, "on_host")
+
+
+class _WithBuffers(nn.Module):
+    """A persistent float buffer (statistics, in the state dict) and a computed one (not in it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("stats", torch.full((4,), 1 / 3))
+        self.register_buffer("freq", torch.full((4,), 1 / 3), persistent=False)
+
+    def forward(self, x):
+        seen.append((self.stats.dtype, self.freq.dtype))
+        return self.fc(x) * self.stats.to(x.dtype) + self.freq.to(x.dtype)
+
+
+seen: list = []
+
+
+@pytest.mark.parametrize("optimizer", [None, AdamW()])
+def test_inference_keeps_computed_buffers_in_their_dtype(optimizer):
+    """For inference a non-persistent buffer keeps its dtype, as transformers' from_pretrained in a
+    dtype leaves rotary inv_freq; a persistent one takes the working precision, as in training
+    (NOTE [Buffers keep their values])."""
+    seen.clear()
+    tm = TieredModel(_WithBuffers(), optimizer=optimizer, precision="bf16", device="cpu")
+    with torch.no_grad():
+        tm(torch.ones(2, 4))
+    assert seen == [(torch.bfloat16, torch.float32 if optimizer is None else torch.bfloat16)]
+    back = tm.detach()
+    assert back.freq.dtype == back.stats.dtype == torch.float32 and torch.equal(back.freq, torch.full((4,), 1 / 3))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_linear_inputs_folded_for_inference(batch):
+    """An inference model's weights do not require grad, and torch's matmul then folds an input of
+    more than two dims only where its strides nest; the prefill's last-token slice does not (at
+    batch 1 too, though is_contiguous() says True), and multiplying it as a batch copies the whole
+    weight (258 ms for a bf16 lm_head at batch 1, 1.79 s at 16: RESULTS 2026-12-07). Each Linear gets
+    it with fresh strides; the logits are those of the model in memory."""
+    model = _model("llama")
+    hidden = torch.randn(batch, 5, 32)[:, -1:, :]  # a view into the whole sequence's hidden states
+    assert hidden.stride(0) != hidden.stride(1) * hidden.size(1)
+    with torch.no_grad():
+        expected = model.lm_head(hidden)
+    tm = TieredModel(model, optimizer=None, precision="fp32", device="cpu")
+    got: list[tuple[int, ...]] = []  # the strides lm_head multiplies, seen after tiermem's hooks
+    tm.module.lm_head.register_forward_pre_hook(lambda m, args: got.append(args[0].stride()))
+    with torch.no_grad():
+        out = model.lm_head(hidden)
+    assert got == [(32, 32, 1)] and torch.equal(out, expected)
+
+
+def test_host_weights_are_read_in_place_on_a_cpu_device():
+    """The CPU device computes with host memory: an inference model reads the weights homed there
+    where they are (NOTE [Host weights read in place]): no copy moves to the device tier, none is
+    counted there, whatever the device budget; the tokens are the in-memory model's."""
+    model = _model("llama")
+    expected = _expected(model, torch.bfloat16, beam=False)
+    tm = TieredModel(
+        model, WeightsOnHost(), optimizer=None, precision="bf16", device="cpu", budgets=Budgets(device="16KiB")
+    )
+    assert torch.equal(tm.generate(**_prompts(), **_decoding(False)), expected)
+    report = tm.report()
+    assert (TensorClass.PARAM, Tier.DEVICE) not in {k for k, n in report.class_peak_bytes.items() if n}
+    assert not any(n for (src, dst), n in report.bytes_moved.items() if dst == Tier.DEVICE), report.bytes_moved

@@ -22,7 +22,7 @@ from tiermem.config.specs import LossScale, _Spec
 from tiermem.config.torch_optim import stepped_elsewhere
 from tiermem.memory.ledger import InFlight
 from tiermem.model import lifetime
-from tiermem.model.inference import end_each_forward
+from tiermem.model.inference import end_each_forward, fold_linear_inputs
 from tiermem.model.machine import machine_profile, store_limits
 from tiermem.model.options import Options, make_stores
 from tiermem.model.torch_optimizer import TieredOptimizer
@@ -195,6 +195,8 @@ def _build_weights(
     sources = [s for s in (p.param_offload, p.gathered) if s is not None]
     if opts.inference and sources:  # NOTE [Inference only]: no step ends an iteration of the weights' order
         end_each_forward(module, sources, p.hooks)
+    if opts.inference:
+        fold_linear_inputs(module, p.hooks)
     # NOTE [Parameters off the device]: a compiled forward reading such weights runs eagerly. The
     # stance is process-wide: with overlap_step a step's Adam (a compiled kernel) runs during the
     # forward on another thread, and must stay compiled; dynamo then falls back by itself
@@ -278,6 +280,7 @@ def _build_layout(p: Parts, module: torch.nn.Module, opts: Options, values: Opti
         gathered=p.gathered,
         group=p.group,
         values=values,
+        inference=opts.inference,
     )
     return homes, step_buckets
 
@@ -343,4 +346,5 @@ def _offload_weights(
         opts.device,
         hooks,
         overlap=opts.overlap,
+        host_in_place=opts.inference and opts.device.type == "cpu",  # NOTE [Host weights read in place]
     )

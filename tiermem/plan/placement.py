@@ -230,7 +230,7 @@ def bind(
     evaluate: Optional[Callable[..., Evaluation]] = None,
 ) -> Policy:
     """The policy to ask about ``module``'s tensors: ``policy.for_model`` told about the trainable
-    parameters in the order forward uses them (NOTE [Whole-model policies]). Binding a bound
+    parameters (every one, for inference) in the order forward uses them (NOTE [Whole-model policies]). Binding a bound
     policy again gives it back unchanged."""
     return _bind(_unique_params(module)[0], policy, dtype, limits, evaluate)
 
@@ -242,9 +242,12 @@ def _bind(
     limits: Optional[Mapping[Tier, int]] = None,
     evaluate: Optional[Callable[..., Evaluation]] = None,
 ) -> Policy:
-    """:func:`bind` with the module's parameters already listed (:func:`_unique_params`)."""
-    params = tuple(_info(name, TensorClass.PARAM, p, dtype) for name, p in unique if p.requires_grad)
-    return bound(policy, ModelInfo(params, dtype, dict(limits or {}), evaluate))
+    """:func:`bind` with the module's parameters already listed (:func:`_unique_params`). A module
+    with no trainable parameter is planned only for inference (training refuses it): the policy is
+    told about every parameter then (``ModelInfo.inference``)."""
+    inference = not any(p.requires_grad for _, p in unique)
+    params = tuple(_info(name, TensorClass.PARAM, p, dtype) for name, p in unique if p.requires_grad or inference)
+    return bound(policy, ModelInfo(params, dtype, dict(limits or {}), evaluate, inference=inference))
 
 
 def plan(

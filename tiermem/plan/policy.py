@@ -44,7 +44,8 @@ class ModelInfo:
     """What a policy is told about the whole model before it places any tensor."""
 
     #: a PARAM info for every trainable parameter (tied weights once), in the order forward uses
-    #: them (registration order): backward produces their gradients in the reverse order
+    #: them (registration order): backward produces their gradients in the reverse order; for an
+    #: inference-only model (``inference``), every parameter
     params: tuple[TensorInfo, ...]
     #: the working precision of the weights
     dtype: torch.dtype = torch.bfloat16
@@ -55,6 +56,9 @@ class ModelInfo:
     #: the planner's judge of a candidate placement (NOTE [Choosing a placement]); None where no
     #: planner can judge (a ModelInfo made up in a test of a policy that needs none)
     evaluate: Optional[Callable[..., "Evaluation"]] = field(default=None, compare=False)
+    #: no parameter trains: a model built for inference (``optimizer=None``, NOTE [Inference only]
+    #: in tiermem/model/inference.py), whose weights are all that is placed
+    inference: bool = False
 
     @property
     def numel(self) -> int:

@@ -262,11 +262,13 @@ def build(
     gathered: Optional[GatheredWeights] = None,
     group: Group = Solo(),
     values: Optional[Values] = None,
+    inference: bool = False,
 ) -> Layout:
     """Fill the homes from the module's weights and point its parameters at their working copies.
     ``gathered``: the home of the weights sharded over the ranks (``group``'s), frozen ones too
     (NOTE [Frozen weights sharded over the ranks]). ``values``: where each parameter's first value
-    comes from, read as its bucket is built (NOTE [Models on the meta device])."""
+    comes from, read as its bucket is built (NOTE [Models on the meta device]). ``inference``: the
+    module's computed buffers keep their dtype (NOTE [Buffers keep their values])."""
     values = values if values is not None else Given()
     progress = Progress(values.building, 4 * sum(b.numel for b in buckets)) if values.building else None  # fp32 bytes
     agreed = values.agreed
@@ -285,7 +287,16 @@ def build(
         stores[Tier.HOST].trim()  # go back to the system, not to the pool's cache (the step takes chunks)
     frozen = _place_frozen(module, stores, dtype, device, weights_off_device, gathered, group, values)
     values.fill_buffers(module)
-    return Layout(buckets, step_buckets, homes, groups, names, slot_of, frozen, KeptBuffers(module, dtype, device))
+    return Layout(
+        buckets,
+        step_buckets,
+        homes,
+        groups,
+        names,
+        slot_of,
+        frozen,
+        KeptBuffers(module, dtype, device, inference=inference),
+    )
 
 
 def initial_pieces(homes: Homes, b: Bucket, agreed: bool) -> list[tuple[Slot, int, int]]:

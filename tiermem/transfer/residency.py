@@ -143,6 +143,18 @@ class KeyedResidency:
             )
         return self._launch(r, tier, r.home, then_drop=tier)
 
+    def home_value(self, key: str) -> torch.Tensor:
+        """The tensor that holds ``key``'s value at its home, a memory tier, once its moves are
+        settled: the home itself, not a copy (a write into it changes the value at home)."""
+        self._settle(key)
+        r = self.registry.get(key)
+        store = self.store(r.home)
+        if r.home not in r.valid or not isinstance(store, MemoryStore):
+            raise TierMemError(
+                f"tiermem: {key!r} holds no value in memory at its home ({r.home}); it cannot be read in place"
+            )
+        return store.get(key)
+
     def fetch(self, key: str, out: torch.Tensor) -> Handle:
         """Copy the newest value of ``key`` into ``out`` without changing residency."""
         self._settle(key)

@@ -9,6 +9,14 @@ give back, for a buffer the model never wrote, that value bit for bit; for one i
 longer holds the rounded value, or the module holds another tensor), what it wrote, in the
 buffer's own dtype. Checkpoints hold buffers as the model computes with them (in the working
 precision); after a load a buffer gives back the loaded value.
+
+A model built for inference (NOTE [Inference only]) keeps its non-persistent buffers (those outside
+``state_dict()``, which the model computes when it is built: rotary ``inv_freq``) in their own
+dtype, as transformers' ``from_pretrained(..., torch_dtype=...)`` leaves them: its rotary
+embedding computes in fp32 from an fp32 ``inv_freq``, and an ``inv_freq`` rounded to bf16 gives
+other positions' angles, so other tokens than the model loaded in that dtype. Persistent buffers
+(BatchNorm statistics, which kernels need in their input's dtype) take the working precision, as
+training's do.
 """
 
 from __future__ import annotations
@@ -19,8 +27,9 @@ import torch
 
 
 class KeptBuffers:
-    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, device: torch.device):
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, device: torch.device, *, inference: bool = False):
         self.module, self.dtype, self.device = module, dtype, device
+        self.inference = inference  # non-persistent buffers keep their own dtype
         self.dtypes: dict[str, torch.dtype] = {}  # every buffer's dtype as given
         self._given: dict[str, torch.Tensor] = {}  # float buffers' values as given (or last loaded)
         self._placed: dict[str, torch.Tensor] = {}  # the tensor put in the module
@@ -37,7 +46,9 @@ class KeptBuffers:
                     yield (f"{mod_name}.{bname}" if mod_name else bname), mod, bname, buf
 
     def _place(self, name: str, owner: torch.nn.Module, bname: str, value: torch.Tensor) -> None:
-        work = value.to(device=self.device, dtype=self.dtype if value.is_floating_point() else value.dtype)
+        computed = self.inference and bname in owner._non_persistent_buffers_set
+        cast = value.is_floating_point() and not computed
+        work = value.to(device=self.device, dtype=self.dtype if cast else value.dtype)
         owner._buffers[bname] = work
         self._placed[name] = work
 

@@ -92,15 +92,19 @@ class ParamOffload(OffDeviceHome):
         hooks: HookSet,
         *,
         overlap: bool = False,
+        host_in_place: bool = False,
     ):
         """``homes``: canonical parameter name -> home tier (HOST or NVME) of the parameters to
         offload; each one's first value arrives through :meth:`initialize` or :meth:`adopt`.
         ``residency``: where they are registered and stored; ``scheduler``: what brings them to
         the device, connected to that residency; ``overlap``: overlap_step (no weights are the
-        master then: NOTE [One copy of bf16 master weights])."""
+        master then: NOTE [One copy of bf16 master weights]); ``host_in_place``: the device is the
+        host, and the weights homed there are read where they are (NOTE [Host weights read in
+        place])."""
         self.residency, self.scheduler, self.dtype, self.device = residency, scheduler, dtype, device
         self.overlap = overlap
         self.homes = dict(homes)
+        self._in_place = frozenset(n for n, t in homes.items() if t == Tier.HOST) if host_in_place else frozenset()
         params = dict(module.named_parameters())
         self._params = {name: params[name] for name in homes}
         self._initial: deque[list[Handle]] = deque()  # NOTE [Initial writes in flight]: per bucket
@@ -189,11 +193,27 @@ class ParamOffload(OffDeviceHome):
         ]
 
     # -- reads ---------------------------------------------------------------------------------------
+    # NOTE [Host weights read in place]
+    # When the device is the CPU, host memory is the device's memory: a weight homed on the host
+    # needs no copy to be computed with. An inference-only model (NOTE [Inference only]) reads such
+    # weights where they are: holding one gives its home tensor, with no fetch, no device bytes and
+    # nothing for the weights cache to schedule or evict; only the weights homed on NVMe go through
+    # the cache. Measured on the 220M Llama of bench/generate.py with the weights on the host and a
+    # device budget of a quarter of them, each token copied every weight from the host tier to the
+    # device tier (bench/RESULTS.md 2026-12-07). Training keeps the copy: its step rewrites the
+    # weights at home (and, with overlap_step, while the next forward reads them), and a block of
+    # ``tm.resident(...)`` writes into what it holds, which here is the home itself (what it wrote
+    # is written home again when the block ends, the same values).
     def _hold(self, key: str) -> torch.Tensor:
         """Acquire ``key`` for a module or a block: its ops find it resident until :meth:`_unhold`."""
         with self._lock:
             entry = self._running.get(key)
             if entry is not None:
+                entry[1] += 1
+                return entry[0]
+        if key in self._in_place:  # NOTE [Host weights read in place]: nothing to fetch or release
+            with self._lock:
+                entry = self._running.setdefault(key, [self.residency.home_value(key), 0])
                 entry[1] += 1
                 return entry[0]
         t = self.scheduler.acquire(key)
@@ -211,7 +231,8 @@ class ParamOffload(OffDeviceHome):
             if entry[1]:
                 return
             del self._running[key]
-        self.scheduler.release(key)
+        if key not in self._in_place:
+            self.scheduler.release(key)
 
     @contextlib.contextmanager
     def holding(self, keys: Sequence[str], reader: str) -> Iterator[list[torch.Tensor]]:
@@ -225,6 +246,9 @@ class ParamOffload(OffDeviceHome):
                     if entry is not None:
                         reals.append(entry[0])
                         continue
+                if key in self._in_place:
+                    reals.append(self.residency.home_value(key))
+                    continue
                 reals.append(self.scheduler.acquire(key, on_demand=self.on_demand))
                 taken.append(key)
             yield reals
