@@ -266,6 +266,10 @@ def _refusal(
         if chosen is not None and len(room) == 1
         else ""
     )
+    raise_ = " or ".join(
+        f"Budgets({t.value}=...) to at least {fmt_bytes(ledgers[t].allowed - n + cache.nbytes)}"
+        for t, n in room.items()
+    )
     return OutOfTierMemory(
         tier=last,
         key="the KV cache of tm.generate(...)",
@@ -275,7 +279,6 @@ def _refusal(
         hint=(
             f"the KV cache needs {cache.describe()} and no tier has room for it beside the weights "
             f"({rooms}){mine}; generate fewer sequences at once (a smaller batch, num_beams or "
-            f"num_return_sequences) or fewer tokens (max_new_tokens), or raise Budgets(device=...) "
-            f"or Budgets(host=...); nothing was generated"
+            f"num_return_sequences) or fewer tokens (max_new_tokens), or raise {raise_}; nothing was generated"
         ),
     )
