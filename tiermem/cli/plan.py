@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from tiermem.cli import _common
+from tiermem.cli import _common, plan_kv
 from tiermem.cli.models import ModelSize, from_config, from_factory, parse_count
 from tiermem.config.budgets import parse_bytes
 from tiermem.config.specs import PRECISION_CHOICES, resolve_precision
@@ -29,7 +29,8 @@ examples:
   tiermem plan --model mypkg.models:gpt_small --device-mem 24GB
   tiermem plan --config llama-7b/config.json --json plan.json
   tiermem plan --params 7.5e9 --policy auto --device-mem 80GB --host-mem 256GB
-  tiermem plan --params 70e9 --ranks 8 --device-mem 80GB   # bytes per rank of 8 data-parallel ranks"""
+  tiermem plan --params 70e9 --ranks 8 --device-mem 80GB   # bytes per rank of 8 data-parallel ranks
+  tiermem plan --config llama-7b/config.json --generate 8,4096   # and the KV cache of generate"""
 
 
 def add_parser(sub: Any) -> None:
@@ -44,6 +45,7 @@ def add_parser(sub: Any) -> None:
     _add_choice_args(p)
     _add_capacity_args(p)
     _add_ranks_args(p)
+    plan_kv.add_argument(p)
     p.add_argument(
         "--json",
         nargs="?",
@@ -392,6 +394,9 @@ def run(args: argparse.Namespace) -> int:
 
         mine = precisions[0] if args.precision else resolve_precision("auto", device)
         plan["auto"] = plan_auto.choose(args, size.trainable, size.frozen, limits, mine)
+    if args.generate is not None:
+        policies = sizing.policies(named or None)
+        plan["generate"] = plan_kv.entry(args, size.total, limits, list(dict.fromkeys(precisions)), policies)
     if args.json is not None:
         _common.write_json(args.json, plan)
     if args.json != "-":
@@ -399,4 +404,6 @@ def run(args: argparse.Namespace) -> int:
             _render(plan, origin)
         if auto:
             plan_auto.render(plan["auto"])
+        if "generate" in plan:
+            plan_kv.render(plan["generate"])
     return 0

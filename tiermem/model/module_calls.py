@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Callable, Self
+from typing import Any, Callable, Iterator, Self
 
 import torch
 
 from tiermem.errors import ConfigError
+from tiermem.model import kv_cache
 from tiermem.model.inputs import cast_inputs
+from tiermem.plan.model_plan import ModelPlan
+from tiermem.plan.policy import Policy
+from tiermem.types import Tier
 
 __all__ = ["ModuleCalls"]
 
@@ -24,6 +28,9 @@ class ModuleCalls:
     dtype: torch.dtype
     device: torch.device
     _generating: Callable[[], contextlib.AbstractContextManager]  # the model's: a forward's phase and checks
+    placement: Policy  # the policy bound to the model: where the KV cache goes (NOTE [The KV cache is placed])
+    stores: dict[Tier, Any]  # each tier's store, whose ledger holds the KV cache while generate runs
+    model_plan: ModelPlan  # its footprint: what each tier keeps beside the cache
 
     def train(self, mode: bool = True) -> Self:
         """Set the module's training mode, as ``nn.Module.train``; returns ``self``.
@@ -47,13 +54,16 @@ class ModuleCalls:
         """The module's own ``generate(*args, **kwargs)`` (a transformers model's: greedy, sampling,
         beam search), in eval mode under ``torch.no_grad()``, its tensors moved to the device as in
         ``tm(...)`` and the weights streamed from their homes (NOTE [Inference only]); the module's
-        mode is as it was afterwards. Works on a model built to train too.
+        mode is as it was afterwards. Works on a model built to train too. The KV cache's bytes are
+        placed by the policy and held in a tier's ledger while it runs: the device, or the host when
+        the device is short (NOTE [The KV cache is placed]).
 
         Returns:
             What the module's ``generate`` returns (token ids, or its output object).
 
         Raises:
             ConfigError: the module has no ``generate`` method.
+            OutOfTierMemory: no tier has room for the KV cache (before generate runs).
         """
         module = self.module
         gen = getattr(module, "generate", None)
@@ -66,7 +76,26 @@ class ModuleCalls:
         was_training = module.training
         module.eval()
         try:
-            with torch.no_grad(), self._generating():
-                return gen(*args, **kwargs)
+            with torch.no_grad(), self._generating(), self._kv_cache_placed(args, kwargs) as offload:
+                return gen(*args, **({**kwargs, "cache_implementation": "offloaded"} if offload else kwargs))
         finally:
             module.train(was_training)
+
+    @contextlib.contextmanager
+    def _kv_cache_placed(self, args: tuple, kwargs: dict) -> Iterator[bool]:
+        """The KV cache of ``generate(*args, **kwargs)`` held on its tier for the block (NOTE [The KV
+        cache is placed]); yields whether generate must keep it on the host (offloaded, on CUDA)."""
+        cache = kv_cache.for_call(self.module, args, kwargs, self.dtype)
+        if cache is None:  # not a transformers decoder's cache: nothing to place
+            yield False
+            return
+        chosen = kv_cache.chosen_cache(kwargs, self.module)
+        with kv_cache.placed(
+            cache,
+            policy=self.placement,
+            ledgers={t: s.ledger for t, s in self.stores.items()},
+            footprint=self.model_plan.tier_bytes(),
+            device=self.device,
+            chosen=chosen,
+        ) as tier:
+            yield kv_cache.offloaded(tier, self.device, chosen)
