@@ -375,3 +375,27 @@ def test_host_weights_are_read_in_place_on_a_cpu_device():
     report = tm.report()
     assert (TensorClass.PARAM, Tier.DEVICE) not in {k for k, n in report.class_peak_bytes.items() if n}
     assert not any(n for (src, dst), n in report.bytes_moved.items() if dst == Tier.DEVICE), report.bytes_moved
+
+
+def test_weights_read_in_place_rest_on_their_home_and_go_back_as_copies():
+    """A host weight read in place is a plain tensor over its home's memory: a write inside
+    ``tm.resident`` is the home's new value (state_dict, tokens); ``detach()`` hands back copies
+    off that memory, with the values; a model dropped without ``detach()`` refuses reads of them
+    (their memory may be another tensor's by then), never giving a made-up value."""
+    model = _model("llama")
+    tm = TieredModel(model, WeightsOnHost(), optimizer=None, precision="bf16", device="cpu")
+    head = model.lm_head.weight
+    home = tm.param_offload.residency.home_value("lm_head.weight")
+    assert type(head.data) is torch.Tensor and head.data_ptr() == home.data_ptr()
+    before = head.detach().clone()
+    with tm.resident(model.lm_head), torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    assert torch.equal(tm.state_dict()["lm_head.weight"], before * 2)
+    back = tm.detach()
+    assert back.lm_head.weight.data_ptr() != home.data_ptr() and torch.equal(back.lm_head.weight, before * 2)
+
+    dropped = _model("llama")
+    tm = TieredModel(dropped, WeightsOnHost(), optimizer=None, precision="bf16", device="cpu")
+    tm.param_offload.remove()  # what giving the model back without detach() does to its weights
+    with pytest.raises(TierMemError, match="tiermem:"):
+        dropped.lm_head.weight + 1

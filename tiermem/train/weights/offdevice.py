@@ -345,6 +345,7 @@ class SwappedParams:
                 if p is not None and id(p) in where:
                     self._places.setdefault(where[id(p)], []).append((mod, attr))
         self._plain: dict[str, torch.nn.Parameter] = {}  # name -> the plain tensor swapped out of the parameter
+        self._rested: dict[str, Optional[torch.Tensor]] = {}  # name -> its tensor before rest_on (None once settled)
 
     def swap_in(self, name: str, link: Link, dtype: torch.dtype, device: torch.device) -> None:
         """The parameter ``name`` becomes an :class:`OffDeviceWeight` whose values ``link`` holds."""
@@ -355,20 +356,32 @@ class SwappedParams:
         swap_param(p, weight, name)
         self._plain[name] = weight  # now the plain one; its data goes back in restore() or undo()
 
+    def rest_on(self, name: str, home: torch.Tensor) -> None:
+        """The parameter ``name`` stays a plain tensor, over ``home``, the memory of its home (NOTE
+        [Host weights read in place] in tiermem/train/weights/param_offload.py)."""
+        p = self._params[name]
+        self._rested[name] = p.data
+        point(p, home)
+
     def __contains__(self, name: str) -> bool:
-        """Whether the parameter ``name`` is an :class:`OffDeviceWeight` already."""
-        return name in self._plain
+        """Whether the parameter ``name`` is an :class:`OffDeviceWeight` already, or rests on its home."""
+        return name in self._plain or name in self._rested
 
     def settle(self) -> None:
         """Construction succeeded: the original tensors swapped out of the parameters are let go."""
         for plain in self._plain.values():
             plain.data = torch.empty(0, dtype=plain.dtype, device=plain.device)
+        self._rested = dict.fromkeys(self._rested)
 
     def undo(self) -> None:
         """Construction failed: every parameter gets back the tensor it had (before :meth:`settle`)."""
         for name, plain in self._plain.items():
             self._put_back(name, plain)
         self._plain.clear()
+        for name, before in self._rested.items():
+            if before is not None:
+                point(self._params[name], before)
+        self._rested.clear()
 
     def restore(self, values: dict[str, torch.Tensor]) -> None:
         """``detach()``: each parameter becomes a plain tensor again, holding ``values[name]``."""
@@ -376,6 +389,17 @@ class SwappedParams:
             point(plain, values[name])  # a meta model's plain tensors are on the meta device
             self._put_back(name, plain)
         self._plain.clear()
+        for name in self._rested:
+            point(self._params[name], values[name])  # off the home's memory, which goes with the model
+        self._rested.clear()
+
+    def cut_off(self, link: Link, dtype: torch.dtype, device: torch.device) -> None:
+        """The model is given back without ``detach()``: a parameter resting on its home's memory
+        (which the home may hand to another tensor now) becomes an :class:`OffDeviceWeight` of
+        ``link``, whose reads fail clearly."""
+        for name in list(self._rested):
+            self.swap_in(name, link, dtype, device)
+        self._rested.clear()
 
     def _put_back(self, name: str, plain: torch.nn.Parameter) -> None:
         """The plain tensor back in the parameter object; if something still holds references into

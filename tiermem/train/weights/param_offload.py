@@ -111,6 +111,8 @@ class ParamOffload(OffDeviceHome):
         self._running: dict[str, list] = {}  # key -> [its device tensor, holds]: acquired by a module or a block
         self.on_demand: Counter[str] = Counter()  # reads outside the schedule that waited for a fetch
         super().__init__(module, self._params, {name: name for name in homes}, hooks)
+        for units in self.owners.values():  # the weights read in place are never held
+            units[:] = [u for u in units if u not in self._in_place]
 
     def adopt(self, name: str, value: torch.Tensor, *, shared: bool = False, wait: bool = True) -> Optional[Handle]:
         """``value`` (a host tensor in the working precision) becomes ``name``'s first value at
@@ -141,6 +143,9 @@ class ParamOffload(OffDeviceHome):
             self.residency.share(name, value)
         else:  # counted in tm.report() as moved; a read of the key waits for the write
             handle = self.residency.put(name, value, src_tier=Tier.HOST, wait=wait)
+        if name in self._in_place:  # NOTE [Host weights read in place]
+            self._swaps.rest_on(name, self.residency.home_value(name))
+            return None
         self._swaps.swap_in(name, self._link, value.dtype, self.device)
         return handle
 
@@ -148,6 +153,7 @@ class ParamOffload(OffDeviceHome):
         """The model is detached or given back: nothing is read through it any more, and weights
         still being written home have landed (their errors stay on their handles)."""
         super().remove()
+        self._swaps.cut_off(self._link, self.dtype, self.device)
         self.residency.synchronize()
 
     # -- as a WeightHome ---------------------------------------------------------------------------
@@ -196,14 +202,17 @@ class ParamOffload(OffDeviceHome):
     # NOTE [Host weights read in place]
     # When the device is the CPU, host memory is the device's memory: a weight homed on the host
     # needs no copy to be computed with. An inference-only model (NOTE [Inference only]) reads such
-    # weights where they are: holding one gives its home tensor, with no fetch, no device bytes and
-    # nothing for the weights cache to schedule or evict; only the weights homed on NVMe go through
-    # the cache. Measured on the 220M Llama of bench/generate.py with the weights on the host and a
-    # device budget of a quarter of them, each token copied every weight from the host tier to the
-    # device tier (bench/RESULTS.md 2026-12-07). Training keeps the copy: its step rewrites the
-    # weights at home (and, with overlap_step, while the next forward reads them), and a block of
-    # ``tm.resident(...)`` writes into what it holds, which here is the home itself (what it wrote
-    # is written home again when the block ends, the same values).
+    # weights where they are: each one's parameter stays a plain tensor over its home's memory
+    # (``SwappedParams.rest_on``), so ops run on it with no fetch, no device bytes, no hold by its
+    # module's hooks and no OffDeviceWeight dispatch; only the weights homed on NVMe go through the
+    # weights cache. Measured on the 220M Llama of bench/generate.py with every weight on the host and
+    # a device budget of a quarter of them: each token copied every weight from the host tier to the
+    # device tier (6.3 tokens/s against 27.1 in memory, bench/RESULTS.md 2026-12-07). A write into such
+    # a parameter (inside ``tm.resident(...)``) writes its home. ``detach()`` hands each one a copy of
+    # its value, and a model dropped without it turns them into OffDeviceWeights that refuse reads
+    # (``SwappedParams.cut_off``): the home's memory may hold another tensor by then. Training keeps
+    # the copy: its step rewrites the weights at home (with overlap_step while the next forward
+    # reads them).
     def _hold(self, key: str) -> torch.Tensor:
         """Acquire ``key`` for a module or a block: its ops find it resident until :meth:`_unhold`."""
         with self._lock:
