@@ -17,6 +17,8 @@ from tiermem.policies import KeepOnDevice, ZeroInfinity
 
 transformers = pytest.importorskip("transformers")
 
+from ranks import run_ranks  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -399,3 +401,31 @@ def test_weights_read_in_place_rest_on_their_home_and_go_back_as_copies():
     tm.param_offload.remove()  # what giving the model back without detach() does to its weights
     with pytest.raises(TierMemError, match="tiermem:"):
         dropped.lm_head.weight + 1
+
+
+def _rank_generate(rank, world, tmp, shard_weights, placement):
+    """One rank's inference model and its generate, against the same model in memory (NOTE
+    [Inference only]); each rank its own prompts, the same number of forwards."""
+    model = _model("llama")
+    torch.manual_seed(10 + rank)
+    ids = torch.randint(3, 97, (2, 6))
+    kw = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **_decoding(False), "min_new_tokens": 8}
+    with torch.no_grad():
+        expected = _in_dtype(model, torch.bfloat16).generate(**kw)
+    where = _where(placement, tmp)  # each rank its own directory in it
+    if placement == "nvme":  # room for the sharded weights' gathers on the host, the weights on NVMe
+        where["budgets"] = Budgets(host="32KiB")
+    tm = TieredModel(model, optimizer=None, precision="bf16", device="cpu", shard_weights=shard_weights, **where)
+    got = tm.generate(**kw)
+    read = sum(n for (src, _), n in tm.report().bytes_moved.items() if src is Tier.NVME)
+    return bool(torch.equal(got, expected)), tm.group.world, read > 0
+
+
+@pytest.mark.parametrize(
+    "shard_weights, placement", [(False, "host"), (True, "host"), (True, "nvme")], ids=["replicated", "sharded", "nvme"]
+)
+def test_generate_on_two_ranks(shard_weights, placement, tmp_path):
+    """Inference under data parallelism (2 gloo ranks): each rank generates its own prompts with the
+    in-memory model's tokens, the weights replicated or sharded over the ranks (gathered per module)."""
+    results = run_ranks(_rank_generate, str(tmp_path), shard_weights, placement)
+    assert results == [(True, 2, placement == "nvme")] * 2
