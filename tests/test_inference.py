@@ -281,10 +281,31 @@ def test_sampling_and_an_eval_forward_match_in_memory(tmp_path):
         assert torch.equal(tm.eval()(**_prompts()).logits, logits)
 
 
+def test_resident_weights_order():
+    """Under a MiB the smallest first (a request costs more than the bytes), then the largest first
+    (a big read cannot hide behind a layer's compute); each whole, in whole pages, skipped where it
+    does not fit; ties in forward order (NOTE [Resident weights for inference])."""
+    from tiermem.plan.policy import ModelInfo
+    from tiermem.policies.zero_infinity import resident_weights
+    from tiermem.types import TensorInfo
+
+    sizes = {"norm": 2048, "embed": 65 << 20, "q": 2 << 20, "mlp": 6 << 20, "bias": 512 << 10, "head": 65 << 20}
+    model = ModelInfo(
+        tuple(TensorInfo(n, TensorClass.PARAM, b, (b // 2,), torch.bfloat16) for n, b in sizes.items()), inference=True
+    )
+    assert resident_weights(model, 4096) == {"norm"}
+    assert resident_weights(model, (512 << 10) + 4096) == {"norm", "bias"}
+    # head does not fit beside embed: skipped, and mlp, next in line, is taken
+    assert resident_weights(model, (65 << 20) + (6 << 20) + (1 << 20)) == {"norm", "bias", "embed", "mlp"}
+    assert resident_weights(model, (130 << 20) + (512 << 10) + 8192) == {"norm", "bias", "embed", "head"}
+    assert resident_weights(model, (138 << 20) + (1 << 20)) == {"norm", "bias", "embed", "head", "mlp", "q"}
+    assert resident_weights(model, 0) == frozenset()
+
+
 def test_resident_weights_are_the_smallest_that_fit(tmp_path):
-    """ZeroInfinity for inference keeps on the host the weights its limit holds, smallest first
-    (the most re-read cost per byte), each in whole pages; the rest stay on NVMe (NOTE [Resident
-    weights for inference]). The host peak and the NVMe bytes say where each weight went."""
+    """ZeroInfinity for inference keeps on the host the weights its limit holds (those of this tiny
+    model are all under a MiB: the smallest first), each in whole pages; the rest stay on NVMe (NOTE
+    [Resident weights for inference]). The host peak and the NVMe bytes say where each weight went."""
     model = _model("llama")
     named = dict(model.named_parameters())  # tied weights once
     order = sorted(enumerate(named.items()), key=lambda i: (i[1][1].numel(), i[0]))

@@ -8,14 +8,26 @@ way through, so ZeroInfinity bound to one (``ModelInfo.inference``) keeps as man
 as the host's limit holds (the ``Budgets(host=...)``, or the memory available), and only the rest
 stay on NVMe and stream at each forward: each token of ``generate`` reads every weight once, so
 what is resident is read from memory and what is not costs a read of the disk per token. Which
-ones: those whose re-read costs the most per byte they hold. Reading ``n`` bytes from NVMe costs
-a request's latency plus ``n`` over the bandwidth, so its cost per byte falls as ``n`` grows, for
-any latency and bandwidth: the smallest weights first (norms, biases: a request each for a few
-KiB), then larger ones, each taken whole while it fits; ties in forward order. The room is the
-host's limit less what the model needs there with no weight resident (the planner's own footprint,
-page rounding included), and the final choice is checked by the planner: a weight that would pass
-the limit stays on NVMe. Training is not changed: its host holds the grads, and the weights' trip
-through the step is another matter.
+ones: those whose reads cost the most beyond their bytes.
+
+- A read costs a request's latency plus its bytes over the bandwidth. Below about a MiB (NVMe's
+  latency, ~0.1 ms, times its bandwidth, a few GB/s, is a few hundred KiB) the latency dominates:
+  norms and biases, a request each for a few KiB. These go first, the smallest first.
+- Of the rest, the largest go first. Every streamed byte costs the same at the disk, but a read is
+  free only while compute hides it: a weight is fetched ahead within the device's room and has to
+  land before its module runs. A 65 MB ``lm_head`` or embedding takes longer to read than a layer
+  takes to run and stalls the forward each token, where the same bytes in 2-6 MB projections spread
+  over the layers stream behind their compute. Measured on bench/generate.py's 220M Llama, half the
+  weights on the host, a quarter as the device budget: the smallest first stalled 65-104 ms a token
+  on the embedding and ``lm_head``; these kept resident instead, 13-17 ms, and 137 against 160 ms a
+  token at batch 1, 168 against 212 at batch 16 (RESULTS 2026-12-07, fifth session).
+
+Each weight is taken whole or not at all (one that does not fit leaves room for the next), ties in
+forward order. The room is the host's limit less
+what the model needs there with no weight resident (the planner's own footprint, page rounding
+included), and the final choice is checked by the planner: a weight that would pass the limit
+stays on NVMe. Training is not changed: its host holds the grads, and the weights' trip through
+the step is another matter.
 """
 
 from __future__ import annotations
@@ -27,6 +39,8 @@ from tiermem.plan.policy import ModelInfo, PerClass, Policy
 from tiermem.types import TensorClass, TensorInfo, Tier
 
 _PAGE = 4096  # a host buffer takes whole pages (tiermem.plan.footprint.host_buffer_bytes)
+#: a weight read from NVMe whose request costs more than its bytes, about (NOTE [Resident weights for inference])
+LATENCY_BOUND = 1 << 20
 
 
 @checked_arguments
@@ -64,16 +78,23 @@ def _host_need(model: ModelInfo, policy: Policy) -> int:
 
 
 def resident_weights(model: ModelInfo, room: int) -> frozenset[str]:
-    """The weights kept on the host within ``room`` bytes: the smallest first, each whole (NOTE
-    [Resident weights for inference])."""
+    """The weights kept on the host within ``room`` bytes: those under :data:`LATENCY_BOUND` the
+    smallest first, then the others the largest first, each whole (NOTE [Resident weights for
+    inference])."""
+    ranked = sorted(
+        enumerate(model.params),
+        key=lambda ip: (
+            ip[1].nbytes >= LATENCY_BOUND,
+            ip[1].nbytes * (1 if ip[1].nbytes < LATENCY_BOUND else -1),
+            ip[0],
+        ),
+    )
     chosen: set[str] = set()
-    order = sorted(enumerate(model.params), key=lambda ip: (ip[1].nbytes, ip[0]))
-    for _, p in order:
+    for _, p in ranked:
         size = -(-max(p.nbytes, 1) // _PAGE) * _PAGE
-        if size > room:
-            break  # the rest are no smaller
-        chosen.add(p.name)
-        room -= size
+        if size <= room:
+            chosen.add(p.name)
+            room -= size
     return frozenset(chosen)
 
 
