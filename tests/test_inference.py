@@ -450,3 +450,18 @@ def test_generate_on_two_ranks(shard_weights, placement, tmp_path):
     in-memory model's tokens, the weights replicated or sharded over the ranks (gathered per module)."""
     results = run_ranks(_rank_generate, str(tmp_path), shard_weights, placement)
     assert results == [(True, 2, placement == "nvme")] * 2
+
+
+def test_a_prompt_longer_than_the_positions_is_refused():
+    """A prompt past the model's max_position_embeddings: a tiermem: error before anything runs,
+    the mode as it was; a prompt that fits then gives the in-memory model's tokens."""
+    model = _model("llama").train()
+    expected = _expected(model, torch.float32, beam=False)
+    tm = TieredModel(model, optimizer=None, precision="fp32", device="cpu")
+    too_long = torch.randint(3, 97, (1, SMALL["max_position_embeddings"] + 1))
+    with pytest.raises(
+        TierMemError, match=r"tiermem: tm.generate\(...\): the prompt has 65 tokens and the model has 64"
+    ):
+        tm.generate(too_long, max_new_tokens=2)
+    assert tm.training
+    assert torch.equal(tm.generate(**_prompts(), **_decoding(False)), expected)

@@ -692,3 +692,41 @@ def test_revert_undoes_the_latest_write_once(store, tmp_path):
     with pytest.raises(StoreError, match=r"no tensor 'ghost'"):
         store.revert("ghost")
     assert _same(_round_trip(store, "k", v1), v1)  # writing goes on from the reverted value
+
+
+def test_requests_still_finish_when_the_pool_takes_no_more_work():
+    """At the interpreter's exit concurrent.futures refuses new work (as a pool shut down does). A
+    request queued behind another of its key, and the chunks of a request already started, then run
+    on the thread that would have submitted them: whoever waits for them (a prefetch's lane thread,
+    which the exit joins) is not left waiting forever. A request with nothing ahead is refused to
+    its caller, as before."""
+    from concurrent.futures import Future
+    from functools import partial
+
+    from tiermem.memory.nvme_keys import KeyState
+    from tiermem.memory.nvme_requests import Requests
+
+    requests = Requests(threading.Lock(), 2, hashing=False)
+    state = KeyState()
+    first_may_end = threading.Event()
+    ran: list[str] = []
+
+    def first(future: Future) -> None:
+        first_may_end.wait(timeout=10)
+        ran.append("first")
+        future.set_result(None)
+
+    def second(future: Future) -> None:  # a request that fans out into three chunks
+        def chunk(i: int) -> None:
+            ran.append(f"chunk {i}")
+
+        requests.fan_out([partial(chunk, i) for i in range(3)], lambda err, _: future.set_result(err))
+
+    one = requests.enqueue(state, first)
+    two = requests.enqueue(state, second)  # behind `first`, submitted when it ends
+    requests.pool.shutdown(wait=False)  # from now on submit() raises, as at the interpreter's exit
+    first_may_end.set()
+    assert one.result(timeout=10) is None and two.result(timeout=10) is None
+    assert ran[0] == "first" and sorted(ran[1:]) == ["chunk 0", "chunk 1", "chunk 2"]
+    with pytest.raises(RuntimeError):
+        requests.enqueue(KeyState(), first)

@@ -45,13 +45,10 @@ class Requests:
         previous, state.tail = state.tail, future
         self._outstanding += 1
 
-        def go(_done: object = None) -> None:
-            self.pool.submit(start, future)
-
         if previous is None:
-            go()
-        else:
-            previous.add_done_callback(go)
+            self.pool.submit(start, future)  # refused at shutdown: the caller (holding the lock) sees it
+        else:  # the previous request's end submits it, without the lock
+            previous.add_done_callback(lambda _done: self._submit(start, future))
         return future
 
     def finished(self, state: Optional[KeyState], future: Future[Any]) -> bool:
@@ -100,8 +97,18 @@ class Requests:
         else:
             parts = [partial(fan.run, _into(results, i, job)) for i, job in enumerate(jobs)]
         for part in parts[1:]:
-            self.pool.submit(part)
+            self._submit(part)
         parts[0]()
+
+    def _submit(self, job: Callable[..., object], *args: Any) -> None:
+        """``job(*args)`` on the pool; on this thread where the pool takes no more work (the
+        interpreter is shutting down, or the store closed): a request already queued behind another
+        one, or a chunk of a request that started, must still finish, or whoever waits for it
+        (a prefetch's lane thread, which the interpreter's exit joins) waits forever."""
+        try:
+            self.pool.submit(job, *args)
+        except RuntimeError:
+            job(*args)
 
     def _io_and_hash(
         self, fan: "Fanout", job: Callable[[], object], digest: Callable[[], None], hash_first: bool

@@ -62,7 +62,8 @@ class ModuleCalls:
             What the module's ``generate`` returns (token ids, or its output object).
 
         Raises:
-            ConfigError: the module has no ``generate`` method.
+            ConfigError: the module has no ``generate`` method, or the prompt is longer than its
+                positions (``config.max_position_embeddings``).
             OutOfTierMemory: no tier has room for the KV cache (before generate runs).
         """
         module = self.module
@@ -72,6 +73,7 @@ class ModuleCalls:
                 f"tiermem: tm.generate(...) runs the module's own generate(), and {type(module).__name__} has "
                 f"none; call tm(...) for a forward, or wrap a model that generates (a transformers GenerationMixin)"
             )
+        _check_prompt(module, args, kwargs)
         args, kwargs = cast_inputs((args, kwargs), self.dtype, self.device)
         was_training = module.training
         module.eval()
@@ -99,3 +101,18 @@ class ModuleCalls:
             chosen=chosen,
         ) as tier:
             yield kv_cache.offloaded(tier, self.device, chosen)
+
+
+def _check_prompt(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """A prompt longer than the model's positions is refused before anything runs: a model with
+    learned positions would index past its table, one with rotary positions would run outside what
+    it was trained for, silently."""
+    prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    positions = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 and isinstance(positions, int):
+        if prompt.shape[-1] > positions:
+            raise ConfigError(
+                f"tiermem: tm.generate(...): the prompt has {prompt.shape[-1]} tokens and the model has "
+                f"{positions} positions (config.max_position_embeddings); shorten the prompt to at most "
+                f"{positions} tokens (and leave room for max_new_tokens); nothing was generated"
+            )
