@@ -4,6 +4,7 @@ parameter counts, target verdicts, fresh processes, seeded token batches, and th
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -95,6 +96,32 @@ def llama_config(
         tie_word_embeddings=False,
         **extra,
     )
+
+
+LLAMA_13B = dict(hidden=5120, layers=40, intermediate=13824, heads=40, vocab=32000)  # Llama-2-13B's shape
+
+
+def add_llama_shape(p: argparse.ArgumentParser, shape: dict[str, int] = LLAMA_13B) -> None:
+    """``--hidden --layers --intermediate --heads --vocab``, defaulting to ``shape``."""
+    for name, default in shape.items():
+        p.add_argument(f"--{name}", type=int, default=default)
+
+
+def meta_llama(args: argparse.Namespace, positions: int) -> torch.nn.Module:
+    """A transformers ``LlamaForCausalLM`` of ``args``' shape (:func:`add_llama_shape`) on the meta
+    device, with ``positions`` positions."""
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(
+        hidden=args.hidden,
+        layers=args.layers,
+        intermediate=args.intermediate,
+        heads=args.heads,
+        vocab=args.vocab,
+        max_position_embeddings=positions,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
 
 
 def interleaved_times(

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RssSampler, du_bytes, llama_config, nvme_bytes
+from bench._common import RssSampler, add_llama_shape, du_bytes, meta_llama, nvme_bytes
 from bench._fio import read_write
 from tiermem import Budgets, TieredModel
 from tiermem.policies import ZeroInfinity
@@ -41,28 +41,9 @@ from tiermem.policies import ZeroInfinity
 GB = 1e9
 
 
-def llama(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import LlamaForCausalLM
-
-    config = llama_config(
-        hidden=args.hidden,
-        layers=args.layers,
-        intermediate=args.intermediate,
-        heads=args.heads,
-        vocab=args.vocab,
-        max_position_embeddings=args.prompt + args.new_tokens + 16,
-    )
-    with torch.device("meta"):
-        return LlamaForCausalLM(config)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=5120)
-    p.add_argument("--layers", type=int, default=40)
-    p.add_argument("--intermediate", type=int, default=13824)
-    p.add_argument("--heads", type=int, default=40)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_llama_shape(p)
     p.add_argument("--host", default="12GB", help="the host's budget: the weights it holds stay resident")
     p.add_argument("--device-budget", default="2GiB", help="the device tier's budget (the CPU's RAM here)")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
@@ -72,7 +53,7 @@ def main() -> int:
     p.add_argument("--dir", default=None, help="where to make the NVMe directory (default: the current one)")
     args = p.parse_args()
     where = args.dir or os.getcwd()
-    model = llama(args)
+    model = meta_llama(args, args.prompt + args.new_tokens + 16)
     n = sum(q.numel() for q in model.parameters())
     print(f"LlamaForCausalLM {n / 1e9:.2f}B parameters on the meta device, {2 * n / GB:.1f} GB in bf16", flush=True)
     read_bw = read_write(where, args.fio_size, name="generate-largest")["read"]

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RssSampler, cpu_seconds, du_bytes, llama_config, nvme_bytes, rss_gb
+from bench._common import RssSampler, add_llama_shape, cpu_seconds, du_bytes, meta_llama, nvme_bytes, rss_gb
 from bench._fio import faster_after, read_write
 from tiermem import AdamW8bit, Budgets, TieredModel, parse_bytes
 from tiermem.policies import ZeroInfinity
@@ -43,28 +43,9 @@ from tiermem.policies import ZeroInfinity
 GB = 1e9
 
 
-def llama(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import LlamaForCausalLM
-
-    config = llama_config(
-        hidden=args.hidden,
-        layers=args.layers,
-        intermediate=args.intermediate,
-        heads=args.heads,
-        vocab=args.vocab,
-        max_position_embeddings=max(args.seq, 2048),
-    )
-    with torch.device("meta"):
-        return LlamaForCausalLM(config)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=5120)
-    p.add_argument("--layers", type=int, default=40)
-    p.add_argument("--intermediate", type=int, default=13824)
-    p.add_argument("--heads", type=int, default=40)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_llama_shape(p)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
@@ -77,7 +58,7 @@ def main() -> int:
     p.add_argument("--dry-run", action="store_true", help="print the arithmetic only")
     args = p.parse_args()
     where = args.dir or os.getcwd()
-    model = llama(args)
+    model = meta_llama(args, max(args.seq, 2048))
     n = sum(q.numel() for q in model.parameters())
 
     free = shutil.disk_usage(where).free

@@ -12,29 +12,18 @@ from torch import nn
 import tiermem
 from tiermem import AdamW, Budgets, TensorClass, Tier, TieredModel, TierMemError
 from tiermem.memory.aligned import round_up
-from tiermem.plan.policy import PerClass
 from tiermem.policies import KeepOnDevice, ZeroInfinity
 
 transformers = pytest.importorskip("transformers")
 
 from ranks import run_ranks  # noqa: E402
+from test_zero3 import WeightsOnHost  # noqa: E402  (every weight homed on the host)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64)
 SPLIT_HOST = 12 * 4096  # twelve host pages: the norms and the small projections, not the embeddings
-
-
-class WeightsOnHost(PerClass):
-    """Every weight homed on the host (the device computes)."""
-
-    homes = {
-        TensorClass.PARAM: Tier.HOST,
-        TensorClass.GRAD: Tier.HOST,
-        TensorClass.OPTIM_STATE: Tier.HOST,
-        TensorClass.ACTIVATION: Tier.DEVICE,
-    }
 
 
 def _config(family: str):
