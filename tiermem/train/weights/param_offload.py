@@ -255,9 +255,6 @@ class ParamOffload(OffDeviceHome):
                     if entry is not None:
                         reals.append(entry[0])
                         continue
-                if key in self._in_place:
-                    reals.append(self.residency.home_value(key))
-                    continue
                 reals.append(self.scheduler.acquire(key, on_demand=self.on_demand))
                 taken.append(key)
             yield reals
