@@ -291,6 +291,28 @@ def test_resident_weights_order():
     assert resident_weights(model, 0) == frozenset()
 
 
+def test_resident_weights_past_the_planners_limit_drop_the_last_chosen():
+    """Where the planner says the choice passes the host's limit (here: any resident weight costs
+    8 MiB more), the weights chosen last stay on NVMe, until it fits; those ranked first stay."""
+    from types import SimpleNamespace
+
+    from tiermem.plan.policy import ModelInfo
+    from tiermem.types import TensorInfo
+
+    sizes = {"norm": 2048, "embed": 65 << 20, "q": 2 << 20, "mlp": 6 << 20, "head": 65 << 20}
+
+    def evaluate(policy, predict=True):
+        on_host = getattr(policy, "on_host", frozenset())
+        return SimpleNamespace(need={Tier.HOST: sum(round_up(sizes[n]) for n in on_host) + (8 << 20) * bool(on_host)})
+
+    infos = tuple(TensorInfo(n, TensorClass.PARAM, b, (b // 2,), torch.bfloat16) for n, b in sizes.items())
+    limit = (138 << 20) + 4096  # all five by bytes alone; with the 8 MiB, the two 65 MB weights and the norm
+    model = ModelInfo(infos, limits={Tier.HOST: limit}, evaluate=evaluate, inference=True)
+    bound = ZeroInfinity().for_model(model)
+    assert bound.on_host == {"norm", "embed", "head"}  # mlp and q, chosen last, dropped
+    assert evaluate(bound).need[Tier.HOST] <= limit
+
+
 def test_resident_weights_are_the_smallest_that_fit(tmp_path):
     """ZeroInfinity for inference keeps on the host the weights its limit holds (those of this tiny
     model are all under a MiB: the smallest first), each in whole pages; the rest stay on NVMe (NOTE

@@ -32,7 +32,8 @@ class Evaluator:
     alone, no stages, no profile). ``limits``: the bytes each tier's store may hold (a tier without a store is
     absent); ``machine``: returns this machine's profile (called once, when first needed);
     ``nvme_staging``, ``device_is_host``: as :func:`~tiermem.plan.footprint.footprint` takes them
-    (True on a GPU; True on a CPU device)."""
+    (True on a GPU; True on a CPU device); ``inference``: a model built for inference, whose every
+    parameter the policy is told about (``ModelInfo.inference``)."""
 
     def __init__(
         self,
@@ -48,10 +49,11 @@ class Evaluator:
         nvme_staging: bool = False,
         shard_weights: bool = False,
         device_is_host: bool = False,
+        inference: bool = False,
     ):
         self.module, self.spec, self.dtype, self.bucket_numel = module, spec, dtype, bucket_numel
         self.limits, self.overlap, self.world, self.nvme_staging = dict(limits), overlap, world, nvme_staging
-        self.shard_weights, self.device_is_host = shard_weights, device_is_host
+        self.shard_weights, self.device_is_host, self.inference = shard_weights, device_is_host, inference
         self._machine = machine
         self._rates: Optional[Rates] = None  # this machine's, once asked for
 
@@ -92,7 +94,14 @@ class Evaluator:
     ) -> Evaluation:
         try:
             planned = plan(
-                self.module, policy, self.spec, self.dtype, self.bucket_numel, overlap=self.overlap, world=self.world
+                self.module,
+                policy,
+                self.spec,
+                self.dtype,
+                self.bucket_numel,
+                overlap=self.overlap,
+                world=self.world,
+                inference=self.inference,
             )
         except ConfigError as e:
             return Evaluation(False, {}, {}, {}, refused=str(e))
@@ -141,4 +150,4 @@ class Evaluator:
 
     def bind(self, policy: Policy) -> Policy:
         """``policy`` bound to this model, with this evaluator as its judge."""
-        return bind(self.module, policy, self.dtype, self.limits, self)
+        return bind(self.module, policy, self.dtype, self.limits, self, inference=self.inference)

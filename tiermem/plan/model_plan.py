@@ -125,10 +125,11 @@ def plan_model(
         bucket_numel,
         limits=limits,
         machine=machine,
+        inference=inference,
         **_shape_of(overlap, world, shard_weights, device_type),
     )
     placement = evaluator.bind(given)
-    planned = plan(module, placement, spec, dtype, bucket_numel, overlap=overlap, world=world)
+    planned = plan(module, placement, spec, dtype, bucket_numel, overlap=overlap, world=world, inference=inference)
     buckets, homes = planned.buckets, dict(planned.weight_homes)
     if not inference:
         _check_buckets(buckets, world, update_in_backward)
@@ -164,7 +165,7 @@ def plan_model(
 
 
 def _lookahead(
-    module: torch.nn.Module, offloaded: Mapping[str, Tier], dtype: torch.dtype, room: int, inference: bool = False
+    module: torch.nn.Module, offloaded: Mapping[str, Tier], dtype: torch.dtype, room: int, inference: bool
 ) -> Optional[int]:
     """The bytes the weights cache fetches ahead: a few modules' weights, leaving the rest of the
     device (``room``: what the working set leaves) to activations and grads; None without weights

@@ -228,11 +228,13 @@ def bind(
     dtype: torch.dtype,
     limits: Optional[Mapping[Tier, int]] = None,
     evaluate: Optional[Callable[..., Evaluation]] = None,
+    *,
+    inference: bool = False,
 ) -> Policy:
     """The policy to ask about ``module``'s tensors: ``policy.for_model`` told about the trainable
-    parameters (every one, for inference) in the order forward uses them (NOTE [Whole-model policies]). Binding a bound
-    policy again gives it back unchanged."""
-    return _bind(_unique_params(module)[0], policy, dtype, limits, evaluate)
+    parameters (every one, for ``inference``: ``ModelInfo.inference``) in the order forward uses
+    them (NOTE [Whole-model policies]). Binding a bound policy again gives it back unchanged."""
+    return _bind(_unique_params(module)[0], policy, dtype, limits, evaluate, inference=inference)
 
 
 def _bind(
@@ -241,11 +243,10 @@ def _bind(
     dtype: torch.dtype,
     limits: Optional[Mapping[Tier, int]] = None,
     evaluate: Optional[Callable[..., Evaluation]] = None,
+    *,
+    inference: bool = False,
 ) -> Policy:
-    """:func:`bind` with the module's parameters already listed (:func:`_unique_params`). A module
-    with no trainable parameter is planned only for inference (training refuses it): the policy is
-    told about every parameter then (``ModelInfo.inference``)."""
-    inference = not any(p.requires_grad for _, p in unique)
+    """:func:`bind` with the module's parameters already listed (:func:`_unique_params`)."""
     params = tuple(_info(name, TensorClass.PARAM, p, dtype) for name, p in unique if p.requires_grad or inference)
     return bound(policy, ModelInfo(params, dtype, dict(limits or {}), evaluate, inference=inference))
 
@@ -260,12 +261,13 @@ def plan(
     overlap: bool = False,
     world: int = 1,
     limits: Optional[Mapping[Tier, int]] = None,
+    inference: bool = False,
 ) -> Plan:
     """Ask the policy about every tensor (once bound to the whole model: NOTE [Whole-model
     policies]), then pack trainable parameters into buckets. ``limits``: bytes each tier may
-    hold, for the policies that size a split."""
+    hold, for the policies that size a split; ``inference``: as :func:`bind` takes it."""
     unique, names = _unique_params(module)
-    policy = _bind(unique, policy, dtype, limits)
+    policy = _bind(unique, policy, dtype, limits, inference=inference)
     groups, group_of = param_groups(spec, unique)
     weight_homes: dict[str, Tier] = {}
     placed: list[Placed] = []

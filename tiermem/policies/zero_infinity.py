@@ -25,8 +25,8 @@ ones: those whose reads cost the most beyond their bytes.
 Each weight is taken whole or not at all (one that does not fit leaves room for the next), ties in
 forward order. The room is the host's limit less
 what the model needs there with no weight resident (the planner's own footprint, page rounding
-included), and the final choice is checked by the planner: a weight that would pass the limit
-stays on NVMe. Training is not changed: its host holds the grads, and the weights' trip through
+included), and the final choice is checked by the planner: past the limit, the weights chosen last
+stay on NVMe. Training is not changed: its host holds the grads, and the weights' trip through
 the step is another matter.
 """
 
@@ -60,14 +60,15 @@ class ZeroInfinity(PerClass):
     def for_model(self, model: ModelInfo) -> Policy:
         if not model.inference or Tier.HOST not in model.limits:
             return self
-        room = model.limits[Tier.HOST] - _host_need(model, HostResident(self, frozenset()))
-        on_host = resident_weights(model, room)
-        while on_host and model.evaluate is not None:  # the planner's word on the choice
-            if _host_need(model, HostResident(self, on_host)) <= model.limits[Tier.HOST]:
+        limit = model.limits[Tier.HOST]
+        chosen = _chosen(model, limit - _host_need(model, HostResident(self, frozenset())))
+        while chosen:  # the planner's word on the choice: past the limit, the last ones chosen go first
+            over = _host_need(model, HostResident(self, frozenset(p.name for p in chosen))) - limit
+            if over <= 0:
                 break
-            largest = max((p for p in model.params if p.name in on_host), key=lambda p: p.nbytes)
-            on_host = on_host - {largest.name}
-        return HostResident(self, on_host)
+            while chosen and over > 0:
+                over -= _pages(chosen.pop().nbytes)
+        return HostResident(self, frozenset(p.name for p in chosen))
 
 
 def _host_need(model: ModelInfo, policy: Policy) -> int:
@@ -77,10 +78,14 @@ def _host_need(model: ModelInfo, policy: Policy) -> int:
     return int(model.evaluate(policy, predict=False).need.get(Tier.HOST, 0))
 
 
-def resident_weights(model: ModelInfo, room: int) -> frozenset[str]:
-    """The weights kept on the host within ``room`` bytes: those under :data:`LATENCY_BOUND` the
-    smallest first, then the others the largest first, each whole (NOTE [Resident weights for
-    inference])."""
+def _pages(nbytes: int) -> int:
+    return -(-max(nbytes, 1) // _PAGE) * _PAGE
+
+
+def _chosen(model: ModelInfo, room: int) -> list[TensorInfo]:
+    """The weights kept on the host within ``room`` bytes, in the order chosen: those under
+    :data:`LATENCY_BOUND` the smallest first, then the others the largest first, each whole (NOTE
+    [Resident weights for inference])."""
     ranked = sorted(
         enumerate(model.params),
         key=lambda ip: (
@@ -89,13 +94,17 @@ def resident_weights(model: ModelInfo, room: int) -> frozenset[str]:
             ip[0],
         ),
     )
-    chosen: set[str] = set()
+    chosen: list[TensorInfo] = []
     for _, p in ranked:
-        size = -(-max(p.nbytes, 1) // _PAGE) * _PAGE
-        if size <= room:
-            chosen.add(p.name)
-            room -= size
-    return frozenset(chosen)
+        if _pages(p.nbytes) <= room:
+            chosen.append(p)
+            room -= _pages(p.nbytes)
+    return chosen
+
+
+def resident_weights(model: ModelInfo, room: int) -> frozenset[str]:
+    """The names of the weights kept on the host within ``room`` bytes (:func:`_chosen`)."""
+    return frozenset(p.name for p in _chosen(model, room))
 
 
 @dataclass(frozen=True)

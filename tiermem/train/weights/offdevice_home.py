@@ -17,7 +17,7 @@ import contextlib
 import threading
 from abc import abstractmethod
 from collections import Counter
-from typing import ContextManager, Iterator, Sequence
+from typing import Collection, ContextManager, Iterator, Sequence
 
 import torch
 
@@ -38,15 +38,23 @@ class OffDeviceHome(WeightHome):
     write_where: str = ""
 
     def __init__(
-        self, module: torch.nn.Module, params: dict[str, torch.nn.Parameter], units: dict[str, str], hooks: HookSet
+        self,
+        module: torch.nn.Module,
+        params: dict[str, torch.nn.Parameter],
+        units: dict[str, str],
+        hooks: HookSet,
+        *,
+        unheld: Collection[str] = (),
     ):
+        """``unheld``: units no module holds while it runs (weights read where they rest, NOTE [Host
+        weights read in place]): their modules get no hooks for them."""
         self._swaps = SwappedParams(module, params)
         self._link = Link(self)
         self._unit = dict(units)
         self._lock = threading.RLock()  # reads come from autograd's threads too
         self._writable: Counter[str] = Counter()  # keys user code may write into (inside tm.resident)
         self._dirty: set[str] = set()
-        owned = {id(p): units[name] for name, p in params.items()}
+        owned = {id(p): units[name] for name, p in params.items() if units[name] not in unheld}
         self.owners: dict[torch.nn.Module, list[str]] = {}
         self._holding: dict[torch.nn.Module, list[list[str]]] = {}  # module -> what each running call holds
         for mod in module.modules():

@@ -110,9 +110,7 @@ class ParamOffload(OffDeviceHome):
         self._initial: deque[list[Handle]] = deque()  # NOTE [Initial writes in flight]: per bucket
         self._running: dict[str, list] = {}  # key -> [its device tensor, holds]: acquired by a module or a block
         self.on_demand: Counter[str] = Counter()  # reads outside the schedule that waited for a fetch
-        super().__init__(module, self._params, {name: name for name in homes}, hooks)
-        for units in self.owners.values():  # the weights read in place are never held
-            units[:] = [u for u in units if u not in self._in_place]
+        super().__init__(module, self._params, {name: name for name in homes}, hooks, unheld=self._in_place)
 
     def adopt(self, name: str, value: torch.Tensor, *, shared: bool = False, wait: bool = True) -> Optional[Handle]:
         """``value`` (a host tensor in the working precision) becomes ``name``'s first value at
