@@ -160,6 +160,24 @@ def at_most(ratio: float, limit: float) -> str:
     return f"target <= {limit:.2f}x: {'met' if ratio <= limit else 'NOT met'}"
 
 
+def at_least(ratio: float, limit: float) -> str:
+    """The verdict on a ratio whose target is ``limit`` or more: ``target >= 0.90x: met``."""
+    return f"target >= {limit:.2f}x: {'met' if ratio >= limit else 'NOT met'}"
+
+
+def counts(text: str) -> list[int]:
+    """``--batches 1,16``: a comma-separated list of counts."""
+    return [int(x) for x in text.split(",")]
+
+
+def token_prompts(vocab: int, batch: int, length: int) -> dict[str, torch.Tensor]:
+    """``generate``'s inputs: ``batch`` prompts of ``length`` random token ids (seed 0; ids 0..2, pad,
+    bos and eos, left out), no padding."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (batch, length), generator=gen)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
 def cpu_seconds() -> float:
     """The process's CPU time so far, every thread, user and system."""
     t = os.times()

@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RssSampler, llama_config, nvme_bytes
+from bench._common import RssSampler, at_least, counts, llama_config, nvme_bytes, token_prompts
 from bench._fio import read_write
 from tiermem import Budgets, from_pretrained
 from tiermem.policies import ZeroInfinity
@@ -82,15 +82,9 @@ def timed(generate: Callable[[], torch.Tensor], rss: RssSampler, nvme: Callable[
     return Run(sec, out, rss.reset(), nvme() - read0)
 
 
-def prompts(vocab: int, batch: int, length: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (batch, length), generator=gen)  # 0..2: pad, bos, eos
-    return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
-
-
 def generate_with(model: Any, args: argparse.Namespace, batch: int, vocab: int) -> Callable[[], torch.Tensor]:
     kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
-    inputs = prompts(vocab, batch, args.prompt)
+    inputs = token_prompts(vocab, batch, args.prompt)
     return lambda: model.generate(**inputs, **kw)
 
 
@@ -133,7 +127,7 @@ def tiermem_at(
 
 
 def verdict(ratio: float, target: float) -> str:
-    return f"{ratio:6.2f}x (target >= {target:g}x: {'met' if ratio >= target else 'MISSED'})"
+    return f"{ratio:6.2f}x ({at_least(ratio, target)})"
 
 
 def tok_s(run: Run, args: argparse.Namespace, batch: int) -> float:
@@ -189,7 +183,7 @@ def main() -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="200M")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--prompt", type=int, default=32)
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    p.add_argument("--batches", type=counts, default=[1, 16])
     p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 0.5, 0.1])
     p.add_argument(
         "--device",

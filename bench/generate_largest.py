@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RssSampler, add_llama_shape, du_bytes, meta_llama, nvme_bytes
+from bench._common import RssSampler, add_llama_shape, counts, du_bytes, meta_llama, nvme_bytes, token_prompts
 from bench._fio import read_write
 from tiermem import Budgets, TieredModel
 from tiermem.policies import ZeroInfinity
@@ -46,7 +46,7 @@ def main() -> int:
     add_llama_shape(p)
     p.add_argument("--host", default="12GB", help="the host's budget: the weights it holds stay resident")
     p.add_argument("--device-budget", default="2GiB", help="the device tier's budget (the CPU's RAM here)")
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    p.add_argument("--batches", type=counts, default=[1, 16])
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--fio-size", default="4GiB", help="bytes of fio's passes (O_DIRECT, 8 MiB blocks)")
@@ -79,9 +79,7 @@ def main() -> int:
             )
             ratios = []
             for batch in args.batches:
-                g = torch.Generator().manual_seed(0)
-                ids = torch.randint(3, args.vocab, (batch, args.prompt), generator=g)
-                kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+                kw = dict(**token_prompts(args.vocab, batch, args.prompt), do_sample=False, pad_token_id=0)
                 tm.generate(**kw, max_new_tokens=1)  # records the weights' order
                 read0, t0 = nvme_bytes(tm.report())[0], time.perf_counter()
                 out = tm.generate(**kw, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)

@@ -167,7 +167,7 @@ def _fused(fmt: StateFormat) -> Family:
     if fam is None or fam.update is None or fam.record is None:
         fused = tuple(k.value for k, f in FAMILIES.items() if f.update is not None)
         raise ConfigError(
-            f"tiermem: formats.step has no fused update for kind={fmt.kind!r}; pass a format of one of "
+            f"tiermem: formats.update has no fused update for kind={fmt.kind!r}; pass a format of one of "
             f"{fused} (a generic optimizer's state is stepped by its own step())"
         )
     return fam
@@ -201,27 +201,6 @@ def update(
     fam.update(master, state, grad, out, record, shape, stochastic_round)
 
 
-def step(
-    fmt: StateFormat,
-    master: torch.Tensor,
-    state: Sequence[torch.Tensor],
-    grad: torch.Tensor,
-    *,
-    step: int,
-    hyper: Mapping[str, Any],
-    grad_scale: float,
-    clip_coef: float,
-    out: Optional[torch.Tensor],
-    stochastic_round: Optional[StochasticRound] = None,
-    shape: Optional[Sequence[int]] = None,
-) -> None:
-    """:func:`update` with the hyperparameters read from a param group's dict (``hyper``, torch's
-    names), checked by this call. A kind without a fused update (a generic optimizer steps itself) is
-    an error."""
-    record = hyper_record(fmt, hyper, step=step, grad_scale=grad_scale, clip_coef=clip_coef)
-    update(fmt, master, state, grad, record, out=out, stochastic_round=stochastic_round, shape=shape)
-
-
 def blocks_aligned(fmt: StateFormat, start: int) -> bool:
     """Whether a piece of a parameter starting at its element ``start`` keeps ``fmt``'s blocks whole."""
     return all(start % p.block == 0 for p in fmt.parts) and (start == 0 or not fmt.factored)
@@ -242,6 +221,5 @@ __all__ = [
     "hyper_record",
     "per_param_bytes",
     "state_format",
-    "step",
     "update",
 ]
