@@ -38,12 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench._fio
 from bench._fio import fio_job
 from tiermem.cli import measure
 from tiermem.cli.bench import FULL, QUICK
-from tiermem.memory import nvme_io as nio
+from tiermem.memory import nvme_layout as layout
 
 MiB = 2**20
 
 
-HEADER = nio.HEADER  # NvmeStore puts the tensor's bytes after a header block: so do the anchors
+HEADER = layout.HEADER  # NvmeStore puts the tensor's bytes after a header block: so do the anchors
 PATTERNS = ("overwrite", "first write", "read")  # overwrite: the steady state a training step sees
 
 

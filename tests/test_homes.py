@@ -535,10 +535,10 @@ class _TornWrites:
         import errno
         import os
 
-        from tiermem.memory import nvme_io as nio
+        from tiermem.memory import nvme_layout as layout
 
         self.store, self.real = store, store._pwritev
-        names = {nio.file_name(key, slot) for slot in (0, 1)}
+        names = {layout.file_name(key, slot) for slot in (0, 1)}
 
         def pwritev(fd, bufs, offset):
             if offset > 0 and os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) in names:

@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from tiermem import OutOfTierMemory, StoreError, TierMemError
 from tiermem.errors import ConfigError
-from tiermem.memory import nvme_io as nio
+from tiermem.memory import nvme_layout as layout
 from tiermem.memory.aligned import ALIGN, aligned_empty, round_up
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.nvme_dir import LOCK_NAME, probe_direct
@@ -82,7 +82,7 @@ def _files(directory) -> list[str]:
 
 
 def _slots(key: str) -> list[str]:
-    return [nio.file_name(key, 0), nio.file_name(key, 1)]
+    return [layout.file_name(key, 0), layout.file_name(key, 1)]
 
 
 @pytest.fixture
@@ -287,7 +287,7 @@ def test_delete_waits_frees_and_forgets(store, tmp_path, monkeypatch):
     store.delete("gone")  # waits for the pending write, then removes the file
     assert h.done() and "gone" not in store and store.used == 40
     store.delete("never-written")
-    assert _files(tmp_path) == [nio.file_name("keep", 0)]
+    assert _files(tmp_path) == [layout.file_name("keep", 0)]
     with pytest.raises(StoreError, match="no tensor 'gone'"):
         store.read("gone", torch.empty(5000))
 
@@ -303,7 +303,7 @@ def test_close_drains_pending_work_then_refuses(tmp_path, monkeypatch):
     with pytest.raises(StoreError, match="is closed"):
         s.write("k", torch.ones(1))
     with NvmeStore(tmp_path) as again:  # the file outlives the store; a new store starts empty
-        assert list(again.keys()) == [] and _files(tmp_path) == [nio.file_name("k", 0)]
+        assert list(again.keys()) == [] and _files(tmp_path) == [layout.file_name("k", 0)]
 
 
 def test_stall_seconds_counts_time_blocked_in_wait(store, monkeypatch):
@@ -323,7 +323,7 @@ def test_direct_path_pads_files_to_whole_blocks(tmp_path):
         assert s.direct
         x = _random((4097,), torch.uint8)
         assert _same(_round_trip(s, "k", x), x)
-        assert os.path.getsize(tmp_path / nio.file_name("k", 0)) == nio.HEADER + round_up(4097)
+        assert os.path.getsize(tmp_path / layout.file_name("k", 0)) == layout.HEADER + round_up(4097)
 
 
 def test_buffered_path_when_direct_is_off(tmp_path):
@@ -332,7 +332,7 @@ def test_buffered_path_when_direct_is_off(tmp_path):
         for aligned in (True, False):  # the second write goes to the other slot
             x = _random((3 * SMALL_BLOCK + 5,), torch.int16, aligned=aligned)
             assert _same(_round_trip(s, "k", x, aligned_out=not aligned), x)
-        assert [os.path.getsize(tmp_path / n) for n in _slots("k")] == [nio.HEADER + x.numel() * 2] * 2
+        assert [os.path.getsize(tmp_path / n) for n in _slots("k")] == [layout.HEADER + x.numel() * 2] * 2
 
 
 def _refuse_o_direct(monkeypatch):
@@ -356,7 +356,7 @@ def test_filesystem_refusing_o_direct_falls_back_with_one_warning(tmp_path, monk
         assert not s.direct
         x = _random((5000,), torch.float16)
         assert _same(_round_trip(s, "k", x), x)
-        assert _files(tmp_path) == [nio.file_name("k", 0)]  # the probe file is gone
+        assert _files(tmp_path) == [layout.file_name("k", 0)]  # the probe file is gone
     finally:
         s.close()
     with pytest.raises(ConfigError, match=r"direct=True.* refuses O_DIRECT .*pass direct=None"):
@@ -411,7 +411,7 @@ def test_bad_input_is_a_clear_error_and_stored_keys_survive(tmp_path, make_error
         out = torch.empty(10)
         s.read("kept", out).wait()
         assert _same(out, kept) and s.used == 40 and list(s.keys()) == ["kept"]
-    assert sorted(_files(tmp_path)) == sorted(["a-file", nio.file_name("kept", 0)])  # nothing else made
+    assert sorted(_files(tmp_path)) == sorted(["a-file", layout.file_name("kept", 0)])  # nothing else made
 
 
 def test_default_budget_is_the_free_space(tmp_path):
@@ -449,7 +449,7 @@ def test_failed_write_keeps_the_previous_value(store, tmp_path, monkeypatch, sea
     with pytest.raises(StoreError, match="'fresh' holds no value"):
         h2.wait()
     assert calls and "fresh" not in store and store.meta("k") == (tuple(old.shape), torch.bfloat16)
-    assert store.used == old.numel() * 2 and _files(tmp_path) == [nio.file_name("k", 0)]
+    assert store.used == old.numel() * 2 and _files(tmp_path) == [layout.file_name("k", 0)]
     monkeypatch.undo()
     out = torch.empty_like(old)
     store.read("k", out).wait()
@@ -459,7 +459,7 @@ def test_failed_write_keeps_the_previous_value(store, tmp_path, monkeypatch, sea
 
 
 def _truncate(path):
-    os.truncate(path, nio.HEADER + 100)
+    os.truncate(path, layout.HEADER + 100)
 
 
 def _damage_header(path):
@@ -469,12 +469,12 @@ def _damage_header(path):
 
 def _restamp_header(path):  # a well-formed header that describes another tensor
     with open(path, "r+b") as f:
-        f.write(nio.encode_header("k", torch.int32, (2500,), 10_000, gen=0))
+        f.write(layout.encode_header("k", torch.int32, (2500,), 10_000, gen=0))
 
 
 def _blank_header(path):  # what a write that died before its switch leaves
     with open(path, "r+b") as f:
-        f.write(bytes(nio.HEADER))
+        f.write(bytes(layout.HEADER))
 
 
 SPOILS = [
@@ -491,7 +491,7 @@ def test_spoiled_file_is_a_clear_error(store, tmp_path, spoil, message):
     x, other = _random((2500,), torch.float32), _random((3,), torch.float32)
     store.write("k", x).wait()
     store.write("other", other).wait()
-    spoil(tmp_path / nio.file_name("k", 0))
+    spoil(tmp_path / layout.file_name("k", 0))
     with pytest.raises(StoreError, match=message + r"; the stored value is lost: write 'k' again"):
         store.read("k", torch.empty(2500)).wait()
     assert _same(_round_trip(store, "other", other), other)
@@ -511,13 +511,13 @@ def test_overwrites_reuse_the_two_slot_files_in_place(store, tmp_path):
             inodes = [os.stat(tmp_path / name).st_ino for name in _slots("k")]
     # the same two files all along (no new file per write), holding the latest and the one before
     assert [os.stat(tmp_path / name).st_ino for name in _slots("k")] == inodes
-    assert _files(tmp_path) == sorted(_slots("k") + [nio.file_name("other", 0)])
+    assert _files(tmp_path) == sorted(_slots("k") + [layout.file_name("other", 0)])
     assert store.used == 2 * n + 40 and store.bytes_written == 12 * n + 40
     out = torch.empty_like(other)
     store.read("other", out).wait()
     assert _same(out, other)
     store.delete("k")  # removes both slots
-    assert _files(tmp_path) == [nio.file_name("other", 0)] and store.used == 40
+    assert _files(tmp_path) == [layout.file_name("other", 0)] and store.used == 40
 
 
 @pytest.mark.parametrize("direct", [None, False])
@@ -532,8 +532,8 @@ def test_values_that_grow_and_shrink(tmp_path, direct):
             assert _same(_round_trip(store, "k", x), x), i
             assert store.used == sum(v.nbytes for v in written[-2:])
             for j in range(max(0, i - 1), i + 1):  # write j went to slot j % 2, sized to fit it
-                size, nbytes = os.path.getsize(tmp_path / nio.file_name("k", j % 2)), written[j].nbytes
-                assert size == nio.HEADER + (round_up(nbytes) if store.direct else nbytes)
+                size, nbytes = os.path.getsize(tmp_path / layout.file_name("k", j % 2)), written[j].nbytes
+                assert size == layout.HEADER + (round_up(nbytes) if store.direct else nbytes)
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
@@ -545,11 +545,11 @@ def test_failure_in_the_middle_of_an_overwrite_keeps_the_previous_value(store, t
     real, hit = store._pwritev, []
 
     def failing(fd, bufs, offset):
-        head = bytes(memoryview(bufs[0])[: len(nio.MAGIC)])
+        head = bytes(memoryview(bufs[0])[: len(layout.MAGIC)])
         if {
-            "blanking the header": offset == 0 and head == bytes(len(nio.MAGIC)),
-            "a middle chunk": offset == nio.HEADER + 2 * SMALL_BLOCK,
-            "the switch": offset == 0 and head == nio.MAGIC,
+            "blanking the header": offset == 0 and head == bytes(len(layout.MAGIC)),
+            "a middle chunk": offset == layout.HEADER + 2 * SMALL_BLOCK,
+            "the switch": offset == 0 and head == layout.MAGIC,
         }[where]:
             hit.append(offset)
             raise OSError(code, os.strerror(code))
@@ -564,7 +564,7 @@ def test_failure_in_the_middle_of_an_overwrite_keeps_the_previous_value(store, t
     store.read("k", out).wait()
     assert _same(out, old[1])
     # the slot it spoilt is gone (blocks given back), the budget counts what is left
-    assert _files(tmp_path) == [nio.file_name("k", 1)] and store.used == old[1].numel() * 4
+    assert _files(tmp_path) == [layout.file_name("k", 1)] and store.used == old[1].numel() * 4
     monkeypatch.undo()
     y = _random((1000,), torch.float32)
     assert _same(_round_trip(store, "k", y), y)  # the next write succeeds
@@ -575,7 +575,7 @@ def _hold_body_writes(store: NvmeStore, monkeypatch) -> tuple[threading.Event, t
     held, release, real = threading.Event(), threading.Event(), store._pwritev
 
     def slow(fd, bufs, offset):
-        if offset >= nio.HEADER:
+        if offset >= layout.HEADER:
             held.set()
             assert release.wait(10)
         return real(fd, bufs, offset)
@@ -594,7 +594,7 @@ def test_a_crash_mid_overwrite_leaves_the_previous_value_and_never_a_torn_one(st
     h = store.write("k", _random((3, 2000), torch.float32))  # over slot 0, which holds v0
     assert held.wait(10)
     crashed = {name: (tmp_path / name).read_bytes() for name in _slots("k")}
-    assert crashed[_slots("k")[0]][: nio.HEADER] == bytes(nio.HEADER)  # blanked before any data moved
+    assert crashed[_slots("k")[0]][: layout.HEADER] == bytes(layout.HEADER)  # blanked before any data moved
     release.set()
     h.wait()
     monkeypatch.undo()
@@ -609,7 +609,7 @@ def test_a_crash_mid_overwrite_leaves_the_previous_value_and_never_a_torn_one(st
     out = torch.empty(4, 1000, dtype=torch.bfloat16)
     store.read("k", out).wait()
     assert _same(out, v1) and store.meta("k") == ((4, 1000), torch.bfloat16)
-    assert _files(tmp_path) == [nio.file_name("k", 1)] and store.used == v1.numel() * 2
+    assert _files(tmp_path) == [layout.file_name("k", 1)] and store.used == v1.numel() * 2
 
 
 @pytest.mark.parametrize(
@@ -621,7 +621,7 @@ def test_spoiled_latest_slot_falls_back_to_the_previous_value(store, tmp_path, s
     v0, v1, v2 = _random((2500,), torch.float32), _random((50, 50), torch.float32), _random((700,), torch.int16)
     for x in (v0, v1, v2):  # slot 0: v2 (gen 2), slot 1: v1 (gen 1)
         store.write("k", x).wait()
-    spoil(tmp_path / nio.file_name("k", 0))
+    spoil(tmp_path / layout.file_name("k", 0))
     with pytest.raises(
         StoreError,
         match=message + r"; 'k' falls back to its previous value \(2500 x "
@@ -640,19 +640,19 @@ def test_spoiled_latest_slot_falls_back_to_the_previous_value(store, tmp_path, s
 
 def _restamp(path, *, gen):  # the right key and shape, an older generation
     with open(path, "r+b") as f:
-        f.write(nio.encode_header("k", torch.int16, (700,), 1400, gen=gen))
+        f.write(layout.encode_header("k", torch.int16, (700,), 1400, gen=gen))
 
 
 def test_both_slots_spoiled_is_a_clear_error_and_an_older_slot_does_not_matter(store, tmp_path):
     v0, v1 = _random((2500,), torch.float32), _random((2500,), torch.float32)
     store.write("k", v0).wait()
     store.write("k", v1).wait()
-    _truncate(tmp_path / nio.file_name("k", 0))  # the older slot: reads of the latest do not look at it
+    _truncate(tmp_path / layout.file_name("k", 0))  # the older slot: reads of the latest do not look at it
     assert _same(_round_trip(store, "other", v0), v0)
     out = torch.empty(2500)
     store.read("k", out).wait()
     assert _same(out, v1)
-    _damage_header(tmp_path / nio.file_name("k", 1))
+    _damage_header(tmp_path / layout.file_name("k", 1))
     with pytest.raises(
         StoreError,
         match=r"\.1\.tmn holding 'k' is corrupt: its header is damaged; so is the "
@@ -673,7 +673,7 @@ def test_files_left_by_an_earlier_store_are_reused_not_counted(tmp_path):
         assert list(again.keys()) == []
         x = _random((100,), torch.float32)
         assert _same(_round_trip(again, "k", x), x)
-        assert again.used == 400 and _files(tmp_path) == [nio.file_name("k", 0)]
+        assert again.used == 400 and _files(tmp_path) == [layout.file_name("k", 0)]
 
 
 def test_revert_undoes_the_latest_write_once(store, tmp_path):
@@ -686,7 +686,7 @@ def test_revert_undoes_the_latest_write_once(store, tmp_path):
     assert h.done() and store.meta("k") == ((3000,), torch.float32) and store.used == 12_000
     out = torch.empty(3000)
     store.read("k", out).wait()
-    assert _same(out, v0) and _files(tmp_path) == [nio.file_name("k", 0)]
+    assert _same(out, v0) and _files(tmp_path) == [layout.file_name("k", 0)]
     with pytest.raises(StoreError, match=r"or it was reverted already"):
         store.revert("k")
     with pytest.raises(StoreError, match=r"no tensor 'ghost'"):

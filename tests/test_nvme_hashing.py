@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tiermem import StoreError
-from tiermem.memory import nvme_io as nio
+from tiermem.memory import nvme_io as nio, nvme_layout as layout
 from tiermem.memory.aligned import aligned_empty
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.nvme_dir import LOCK_NAME
@@ -50,14 +50,14 @@ def store(tmp_path):
 @pytest.fixture
 def hashed_on(monkeypatch) -> list[str]:
     """The names of the threads that hashed a chunk, in the order the hashes ended."""
-    names, real = [], nio.digest
+    names, real = [], layout.digest
 
     def digest(data):
         d = real(data)
         names.append(threading.current_thread().name)
         return d
 
-    monkeypatch.setattr(nio, "digest", digest)
+    monkeypatch.setattr(layout, "digest", digest)
     return names
 
 
@@ -68,9 +68,9 @@ def test_big_chunks_are_hashed_on_the_hashing_threads_and_the_checksum_is_the_fo
     x = _value(N, 1, aligned=aligned)
     store.write("k", x).wait()
     assert len(hashed_on) == 4 and all(n.startswith("tiermem-nvme-hash") for n in hashed_on)
-    want = nio.combine([nio.digest(x[b0:b1]) for b0, b1 in nio.chunks(N, BLOCK)])
-    raw = (tmp_path / nio.file_name("k", 0)).read_bytes()
-    assert f'"xxh3": "{want:016x}", "chunk": {BLOCK}'.encode() in raw[: nio.HEADER]
+    want = layout.combine([layout.digest(x[b0:b1]) for b0, b1 in nio.chunks(N, BLOCK)])
+    raw = (tmp_path / layout.file_name("k", 0)).read_bytes()
+    assert f'"xxh3": "{want:016x}", "chunk": {BLOCK}'.encode() in raw[: layout.HEADER]
     hashed_on.clear()
     out = aligned_empty(N + 64, pin=False)
     out = (out[:N] if aligned else out[64 : 64 + N]).zero_()
@@ -90,7 +90,7 @@ def test_small_chunks_are_hashed_inline_on_the_io_threads(tmp_path, hashed_on):
 def test_a_request_ends_only_once_its_last_hash_ended(store, tmp_path, monkeypatch):
     """The I/O of every chunk is done, one hash is held: neither handle is done, the slot's header
     is still blank (no switch without the checksum), and the read has not been checked yet."""
-    held, release, real = threading.Event(), threading.Event(), nio.digest
+    held, release, real = threading.Event(), threading.Event(), layout.digest
     hold = {"on": True}
 
     def slow(data):
@@ -99,11 +99,11 @@ def test_a_request_ends_only_once_its_last_hash_ended(store, tmp_path, monkeypat
             assert release.wait(10)
         return real(data)
 
-    monkeypatch.setattr(nio, "digest", slow)
+    monkeypatch.setattr(layout, "digest", slow)
     x = _value(N, 3)
     h = store.write("k", x)
     assert held.wait(10)
-    assert not h.done() and (tmp_path / nio.file_name("k", 0)).read_bytes()[: nio.HEADER] == bytes(nio.HEADER)
+    assert not h.done() and (tmp_path / layout.file_name("k", 0)).read_bytes()[: layout.HEADER] == bytes(layout.HEADER)
     release.set()
     h.wait()
     held.clear()
@@ -129,7 +129,7 @@ def test_a_write_whose_one_part_fails_never_switches_the_value(store, tmp_path, 
         real = store._pwritev
 
         def pwritev(fd, bufs, offset):
-            if offset == nio.HEADER + BLOCK:
+            if offset == layout.HEADER + BLOCK:
                 failed.append(offset)
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
             return real(fd, bufs, offset)
@@ -137,7 +137,7 @@ def test_a_write_whose_one_part_fails_never_switches_the_value(store, tmp_path, 
         monkeypatch.setattr(store, "_pwritev", pwritev)
         match = r"write of 'k' .* failed: Input/output error; 'k' keeps its previous value"
     else:
-        real_digest, calls = nio.digest, []
+        real_digest, calls = layout.digest, []
 
         def digest(data):
             calls.append(data)
@@ -146,14 +146,14 @@ def test_a_write_whose_one_part_fails_never_switches_the_value(store, tmp_path, 
                 raise MemoryError("out of memory while hashing")  # not an I/O error: passed on as it is
             return real_digest(data)
 
-        monkeypatch.setattr(nio, "digest", digest)
+        monkeypatch.setattr(layout, "digest", digest)
         match = "out of memory while hashing"
     with pytest.raises((StoreError, MemoryError), match=match):
         store.write("k", _value(N, 5)).wait()
     assert failed
     monkeypatch.undo()
     assert torch.equal(_read(store, "k", N), old)
-    assert _files(tmp_path) == [nio.file_name("k", 0)] and store.used == N
+    assert _files(tmp_path) == [layout.file_name("k", 0)] and store.used == N
     y = _value(N, 6)
     store.write("k", y).wait()  # the store works after the failure
     assert torch.equal(_read(store, "k", N), y)
@@ -169,7 +169,7 @@ def test_a_torn_read_is_detected_and_falls_back(store, monkeypatch):
 
     def torn(fd, bufs, offset):
         got = real(fd, bufs, offset)
-        if offset == nio.HEADER + 2 * BLOCK and not tore:  # once: the fall back reads the other slot whole
+        if offset == layout.HEADER + 2 * BLOCK and not tore:  # once: the fall back reads the other slot whole
             tore.append(offset)
             view = memoryview(bufs[0]).cast("B")
             view[BLOCK // 2 :] = bytes(len(view) - BLOCK // 2)

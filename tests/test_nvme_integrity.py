@@ -16,7 +16,7 @@ import torch
 
 from tiermem import StoreError
 from tiermem.errors import ConfigError
-from tiermem.memory import nvme_io as nio
+from tiermem.memory import nvme_io as nio, nvme_layout as layout
 from tiermem.memory.aligned import ALIGN
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.nvme_dir import LOCK_NAME
@@ -48,7 +48,7 @@ def _flip(path, offset: int) -> None:
 
 
 def _flip_data(path, tmp_path) -> None:
-    _flip(path, nio.HEADER + 2 * BLOCK + 123)  # the middle of the third chunk
+    _flip(path, layout.HEADER + 2 * BLOCK + 123)  # the middle of the third chunk
 
 
 def _flip_header(path, tmp_path) -> None:
@@ -56,11 +56,11 @@ def _flip_header(path, tmp_path) -> None:
 
 
 def _truncate(path, tmp_path) -> None:
-    os.truncate(path, nio.HEADER + BLOCK)
+    os.truncate(path, layout.HEADER + BLOCK)
 
 
 def _other_keys_file(path, tmp_path) -> None:
-    shutil.copyfile(tmp_path / nio.file_name("other", 0), path)
+    shutil.copyfile(tmp_path / layout.file_name("other", 0), path)
 
 
 def _symlink(path, tmp_path) -> None:
@@ -98,7 +98,7 @@ def _stored(store: NvmeStore, tmp_path):
 def test_a_damaged_latest_value_is_an_error_and_falls_back_intact(tmp_path, defect, message, direct):
     with NvmeStore(tmp_path, block_size=BLOCK, direct=direct) as store:
         v0, v1, other = _stored(store, tmp_path)
-        path = tmp_path / nio.file_name("k", 1)
+        path = tmp_path / layout.file_name("k", 1)
         defect(path, tmp_path)
         with pytest.raises(
             StoreError,
@@ -123,7 +123,7 @@ def test_a_damaged_only_value_is_lost_never_returned(tmp_path, defect, message):
         x = _value(N, 4)
         store.write("k", x).wait()
         (tmp_path / "target").write_bytes(b"precious")
-        path = tmp_path / nio.file_name("k", 0)
+        path = tmp_path / layout.file_name("k", 0)
         defect(path, tmp_path)
         with pytest.raises(
             StoreError,
@@ -140,8 +140,8 @@ def test_a_damaged_previous_value_is_not_fallen_back_to(tmp_path):
     """The fall back checks every byte of the previous slot too, not only its header."""
     with NvmeStore(tmp_path, block_size=BLOCK) as store:
         v0, v1, other = _stored(store, tmp_path)
-        _flip_data(tmp_path / nio.file_name("k", 0), tmp_path)
-        _flip_header(tmp_path / nio.file_name("k", 1), tmp_path)
+        _flip_data(tmp_path / layout.file_name("k", 0), tmp_path)
+        _flip_header(tmp_path / layout.file_name("k", 1), tmp_path)
         with pytest.raises(
             StoreError,
             match=r"its header is damaged; so is the previous value's: .*\.0\.tmn "
@@ -162,7 +162,7 @@ def test_after_a_fall_back_keys_written_since_the_previous_value_are_refused(tmp
         for a, b in gens:
             store.write("a", a).wait()
             store.write("b", b).wait()
-        _flip_data(tmp_path / nio.file_name("a", 1), tmp_path)
+        _flip_data(tmp_path / layout.file_name("a", 1), tmp_path)
         with pytest.raises(StoreError, match="falls back to its previous value"):
             _read(store, "a", gens[1][0])
         assert _same(_read(store, "a", gens[0][0]), gens[0][0])
@@ -183,9 +183,9 @@ def test_checksums_are_computed_while_writing_and_checked_on_every_read(tmp_path
     with NvmeStore(tmp_path, block_size=BLOCK) as store:
         x = _value(N, 5)
         store.write("k", x).wait()
-        raw = (tmp_path / nio.file_name("k", 0)).read_bytes()
-        digests = [nio.digest(x.view(torch.uint8)[b0:b1]) for b0, b1 in nio.chunks(x.nbytes, BLOCK)]
-        assert f'"xxh3": "{nio.combine(digests):016x}", "chunk": {BLOCK}'.encode() in raw[: nio.HEADER]
+        raw = (tmp_path / layout.file_name("k", 0)).read_bytes()
+        digests = [layout.digest(x.view(torch.uint8)[b0:b1]) for b0, b1 in nio.chunks(x.nbytes, BLOCK)]
+        assert f'"xxh3": "{layout.combine(digests):016x}", "chunk": {BLOCK}'.encode() in raw[: layout.HEADER]
         assert store.checksums
 
 
@@ -204,12 +204,12 @@ def test_the_benchmark_switch_turns_checksums_off_and_says_so(tmp_path, monkeypa
 def test_files_are_0600_whatever_the_umask_and_older_files_are_tightened(tmp_path):
     old_umask = os.umask(0o002)
     try:
-        (tmp_path / nio.file_name("k", 0)).write_bytes(b"left by an older tiermem")
-        os.chmod(tmp_path / nio.file_name("k", 0), 0o644)
+        (tmp_path / layout.file_name("k", 0)).write_bytes(b"left by an older tiermem")
+        os.chmod(tmp_path / layout.file_name("k", 0), 0o644)
         with NvmeStore(tmp_path, block_size=BLOCK) as store:
             for key in ("k", "k", "other"):
                 store.write(key, _value(N, 7)).wait()
-            for name in (nio.file_name("k", 0), nio.file_name("k", 1), nio.file_name("other", 0)):
+            for name in (layout.file_name("k", 0), layout.file_name("k", 1), layout.file_name("other", 0)):
                 assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600, name
     finally:
         os.umask(old_umask)
@@ -220,7 +220,7 @@ def test_a_symlink_planted_at_a_slot_is_never_written_through(tmp_path):
         x = _value(N, 8)
         store.write("k", x).wait()
         (tmp_path / "target").write_bytes(b"precious")
-        os.symlink(tmp_path / "target", tmp_path / nio.file_name("k", 1))  # where the next write goes
+        os.symlink(tmp_path / "target", tmp_path / layout.file_name("k", 1))  # where the next write goes
         with pytest.raises(
             StoreError,
             match=r"write of 'k' .* failed: Too many levels of symbolic links; 'k' keeps "

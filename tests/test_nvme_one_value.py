@@ -13,7 +13,7 @@ import torch
 
 from tiermem import OutOfTierMemory, StoreError
 from tiermem.errors import ConfigError
-from tiermem.memory import nvme_io as nio
+from tiermem.memory import nvme_layout as layout
 from tiermem.memory.aligned import ALIGN
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.nvme_dir import LOCK_NAME
@@ -41,7 +41,7 @@ def _read(store: NvmeStore, key: str, like: torch.Tensor) -> torch.Tensor:
 
 def _file_bytes(n_floats: int, direct: bool) -> int:
     nbytes = 4 * n_floats
-    return nio.HEADER + (-(-nbytes // ALIGN) * ALIGN if direct else nbytes)
+    return layout.HEADER + (-(-nbytes // ALIGN) * ALIGN if direct else nbytes)
 
 
 @pytest.fixture
@@ -60,10 +60,12 @@ def test_each_key_holds_one_file_and_spares_are_reused_in_place(store, tmp_path)
             assert torch.equal(_read(store, key, x), x)
         slots = [name for name in _files(tmp_path) if not name.startswith("spare-")]
         # one slot file per key at rest, and no more spares than the pool allows
-        assert sorted(slots) == sorted(nio.file_name(k, 0) if round_ % 2 == 0 else nio.file_name(k, 1) for k in sizes)
+        assert sorted(slots) == sorted(
+            layout.file_name(k, 0) if round_ % 2 == 0 else layout.file_name(k, 1) for k in sizes
+        )
         assert len(_spares(tmp_path)) <= 2
         # the budget counts each value once, plus the spares' payload
-        spare_payload = sum(os.path.getsize(tmp_path / s) - nio.HEADER for s in _spares(tmp_path))
+        spare_payload = sum(os.path.getsize(tmp_path / s) - layout.HEADER for s in _spares(tmp_path))
         assert store.used == sum(4 * n for n in sizes.values()) + spare_payload
         inodes = {os.stat(tmp_path / name).st_ino for name in _files(tmp_path)}
         if round_ == 1:
@@ -71,7 +73,7 @@ def test_each_key_holds_one_file_and_spares_are_reused_in_place(store, tmp_path)
         elif round_ > 1:  # overwrites go over files already made: the set of files does not grow
             assert len(inodes | inodes_after_warm_up) <= len(inodes_after_warm_up) + 1
     store.delete("a")
-    assert nio.file_name("a", 1) not in _files(tmp_path) and "a" not in store
+    assert layout.file_name("a", 1) not in _files(tmp_path) and "a" not in store
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
@@ -95,15 +97,15 @@ def test_a_write_torn_mid_way_keeps_the_current_value_whole(store, tmp_path, mon
         store.write("k", _value(5 * 1024, 4)).wait()
     monkeypatch.undo()
     assert torch.equal(_read(store, "k", current), current)
-    assert store.used <= used and nio.file_name("k", 1) not in _files(tmp_path)  # the torn file is gone
+    assert store.used <= used and layout.file_name("k", 1) not in _files(tmp_path)  # the torn file is gone
     assert store.meta("k") == ((5 * 1024,), torch.float32)
 
 
-@pytest.mark.parametrize("where", [40, nio.HEADER + 3], ids=["header", "data"])
+@pytest.mark.parametrize("where", [40, layout.HEADER + 3], ids=["header", "data"])
 def test_a_damaged_value_is_lost_never_replaced_by_an_older_one(store, tmp_path, where):
     for seed in range(3):
         store.write("k", _value(2000, seed)).wait()
-    path = tmp_path / nio.file_name("k", 0)  # the third write's slot
+    path = tmp_path / layout.file_name("k", 0)  # the third write's slot
     with open(path, "r+b") as f:
         f.seek(where)
         f.write(b"\xff")
@@ -145,7 +147,7 @@ def test_each_size_band_keeps_its_own_spares(tmp_path):
         spare_inodes = {os.stat(tmp_path / n).st_ino for n in _spares(tmp_path)}
         x = _value(big, 9)
         s.write("big", x).wait()  # goes over the large spare, though a small one was released since
-        assert os.stat(tmp_path / nio.file_name("big", 0)).st_ino in spare_inodes
+        assert os.stat(tmp_path / layout.file_name("big", 0)).st_ino in spare_inodes
         assert torch.equal(_read(s, "big", x), x)
 
 
@@ -159,11 +161,11 @@ def test_spares_left_by_a_killed_run_are_taken_over_and_close_removes_them(tmp_p
     s._release_lock()  # as a killed process's lock dies with it; its files stay as they were
     s._requests.pool.shutdown(wait=True)
     again = NvmeStore(tmp_path, block_size=BLOCK, keep_previous=False, spares=3)
-    assert again.used == sum(os.path.getsize(tmp_path / n) - nio.HEADER for n in left)
+    assert again.used == sum(os.path.getsize(tmp_path / n) - layout.HEADER for n in left)
     inodes = {os.stat(tmp_path / n).st_ino for n in left}
     x = _value(3000, 7)
     again.write("z", x).wait()  # a key with no file yet: its slot is a spare, renamed
-    assert os.stat(tmp_path / nio.file_name("z", 0)).st_ino in inodes
+    assert os.stat(tmp_path / layout.file_name("z", 0)).st_ino in inodes
     assert torch.equal(_read(again, "z", x), x)
     again.close()
     assert _spares(tmp_path) == []
@@ -192,6 +194,6 @@ def test_a_key_named_like_a_spare_is_never_taken_for_one(tmp_path):
     s._requests.pool.shutdown(wait=True)
     again = NvmeStore(tmp_path, block_size=BLOCK, keep_previous=False, spares=3)
     adopted = {os.path.basename(p) for p in again._journal.spares.ready}
-    key_files = {nio.file_name("spare-1", slot) for slot in (0, 1)} & set(_files(tmp_path))
+    key_files = {layout.file_name("spare-1", slot) for slot in (0, 1)} & set(_files(tmp_path))
     assert adopted and key_files and not adopted & key_files
     again.close()

@@ -46,7 +46,8 @@ from tiermem.checkpoint.view import ModelState, StateReader
 from tiermem.checkpoint.weights_file import DTYPES
 from tiermem.config.budgets import parse_bytes
 from tiermem.errors import ConfigError, StoreError
-from tiermem.memory.nvme_io import buffer_of, write_all
+from tiermem.memory.nvme_io import write_all
+from tiermem.memory.nvme_layout import buffer_of
 from tiermem.observe.progress import Progress
 
 __all__ = ["save_pretrained"]

@@ -39,7 +39,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from tiermem.errors import ConfigError
-from tiermem.memory.nvme_io import ShortRead, buffer_of, read_all
+from tiermem.memory.nvme_io import read_all
+from tiermem.memory.nvme_layout import ShortRead, buffer_of
 
 log = logging.getLogger(__name__)
 

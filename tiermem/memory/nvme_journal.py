@@ -16,7 +16,7 @@ import dataclasses
 import os
 from typing import NamedTuple, Optional
 
-from tiermem.memory import nvme_io as nio
+from tiermem.memory import nvme_layout as layout
 from tiermem.memory.ledger import Ledger
 from tiermem.memory.nvme_keys import Copy, FellBack, KeyState, Value, over_budget, would_mix
 from tiermem.memory.nvme_spares import SparePool
@@ -72,7 +72,7 @@ class SlotJournal:
 
     def take_spare(self, value: Value) -> Optional[str]:
         """A spare file for a slot that does not exist yet to go over (None: make a new one)."""
-        return self.spares.take(nio.file_size(value.nbytes, self.direct))  # none kept with keep_previous
+        return self.spares.take(layout.file_size(value.nbytes, self.direct))  # none kept with keep_previous
 
     def landed(self, key: str, copy: Copy, ok: bool) -> Optional[Released]:
         """A write of ``copy`` ended (``ok``: its data and header landed, the switch): the key holds it
@@ -91,7 +91,7 @@ class SlotJournal:
         self.settle(key, state)
         if previous is None:
             return None
-        return Released(previous.path, self.spares.give(nio.file_size(previous.value.nbytes, self.direct)))
+        return Released(previous.path, self.spares.give(layout.file_size(previous.value.nbytes, self.direct)))
 
     def kept_spare(self, released: Released, renamed: bool) -> None:
         """``released`` was renamed to its spare (or that failed: it is unlinked instead)."""
@@ -161,7 +161,7 @@ class SlotJournal:
 
     def path(self, key: str, slot: int) -> str:
         """The file of ``key``'s ``slot``."""
-        return os.path.join(self.directory, nio.file_name(key, slot))
+        return os.path.join(self.directory, layout.file_name(key, slot))
 
     def settle(self, key: str, state: KeyState) -> None:
         """Hold what ``key``'s slots and queued writes take (only ever shrinks)."""

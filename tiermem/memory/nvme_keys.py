@@ -88,7 +88,7 @@ from typing import Any, Optional
 import torch
 
 from tiermem.errors import OutOfTierMemory, StoreError, fmt_bytes
-from tiermem.memory import nvme_io as nio
+from tiermem.memory import nvme_layout as layout
 from tiermem.types import TensorClass, Tier
 
 
@@ -161,15 +161,15 @@ class KeyState:
         return sum(sorted(sizes)[-2:])
 
 
-SPOILT = (FileNotFoundError, nio.ShortRead, nio.Corrupt)  # what a slot's damage looks like to a read
+SPOILT = (FileNotFoundError, layout.ShortRead, layout.Corrupt)  # what a slot's damage looks like to a read
 
 
 def spoilt(key: str, copy: Copy, why: BaseException) -> str:
     """What is wrong with ``copy``'s slot file, in words."""
     what = {
         FileNotFoundError: "is missing (removed outside tiermem)",
-        nio.ShortRead: f"is truncated ({why})",
-        nio.Corrupt: f"is corrupt: {why}",
+        layout.ShortRead: f"is truncated ({why})",
+        layout.Corrupt: f"is corrupt: {why}",
     }.get(type(why))  # type: ignore[arg-type]  # another type: None
     if what is None:
         what = f"could not be read ({getattr(why, 'strerror', None) or why})"

@@ -10,13 +10,13 @@ import stat
 from typing import Optional
 
 from tiermem.errors import OutOfTierMemory
-from tiermem.memory import nvme_io as nio
+from tiermem.memory import nvme_layout as layout
 from tiermem.memory.ledger import Ledger
 
 SPARES = "<spare files>"  # the ledger key of the pool's files
 _SPARE_PREFIX = "spare-"
 # a spare's whole name; never a slot file's, which is "<readable>.<16 hex digits>.<slot>.tmn"
-_SPARE_NAME = re.compile(rf"{_SPARE_PREFIX}[0-9]+{re.escape(nio.SUFFIX)}")
+_SPARE_NAME = re.compile(rf"{_SPARE_PREFIX}[0-9]+{re.escape(layout.SUFFIX)}")
 
 
 class SparePool:
@@ -56,7 +56,7 @@ class SparePool:
         held = [s for s in (*self.ready.values(), *self.arriving.values()) if _band(s) == _band(size)]
         if len(held) >= self.limit:
             return None
-        while (path := os.path.join(self.directory, f"{_SPARE_PREFIX}{self._next}{nio.SUFFIX}")) in self.ready:
+        while (path := os.path.join(self.directory, f"{_SPARE_PREFIX}{self._next}{layout.SUFFIX}")) in self.ready:
             self._next += 1
         self._next += 1
         self.arriving[path] = size
@@ -83,7 +83,7 @@ class SparePool:
         self._count()
 
     def _count(self) -> None:
-        held = sum(max(0, size - nio.HEADER) for size in (*self.ready.values(), *self.arriving.values()))
+        held = sum(max(0, size - layout.HEADER) for size in (*self.ready.values(), *self.arriving.values()))
         if held:
             self.ledger.reserve(SPARES, held)
         else:
