@@ -1,4 +1,4 @@
-"""Contract tests for the homes (NOTE [Homes] in tiermem/train/homes/per_class.py).
+"""Contract tests for the homes (NOTE [Homes] in tiermem/train/homes/bucket_homes.py).
 
 Each interface is tested once, in its own words, against every home that implements it: the
 cases below are tables, so a new home (another rank's memory) is one more row. A backward is
@@ -27,10 +27,12 @@ from tiermem.observe.trace import Tracer
 from tiermem.optim.formats import state_format
 from tiermem.plan.buckets import Bucket, Placed, plan_buckets
 from tiermem.plan.placement import compute_tier
+from tiermem.train.homes.grad_homes import GradHome, MemoryGrads
 from tiermem.train.homes.nvme_grads import NvmeGrads
 from tiermem.train.homes.nvme_state import NvmeState
-from tiermem.train.homes.per_class import DeviceWeights, GradHome, MemoryGrads, MemoryState, StateHome, WeightHome
+from tiermem.train.homes.state_homes import MemoryState, StateHome
 from tiermem.train.homes.store_keys import Part, StoreKey, bucket_key, master_key, state_key
+from tiermem.train.homes.weight_homes import DeviceWeights, WeightHome
 from tiermem.train.hooks import HookSet
 from tiermem.train.weights.frozen import copy_key
 from tiermem.train.weights.param_offload import ParamOffload

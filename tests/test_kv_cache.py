@@ -1,4 +1,4 @@
-"""The KV cache of ``tm.generate`` (NOTE [The KV cache is placed], tiermem/model/kv_cache.py): its
+"""The KV cache of ``tm.generate`` (NOTE [The KV cache is placed], tiermem/plan/kv_cache.py): its
 bytes equal those of the cache transformers builds; they are held in a tier's ledger while generate
 runs and released after (also when it raises); a device too small puts the cache on the host with
 the same tokens; no tier with room refuses the call, changing nothing; ``tiermem plan --generate``
@@ -17,8 +17,8 @@ from tiermem import Budgets, Phase, TensorClass, Tier, TieredModel
 from tiermem.__main__ import main
 from tiermem.errors import OutOfTierMemory
 from tiermem.memory.ledger import Ledger
-from tiermem.model import kv_cache
-from tiermem.model.kv_cache import KvShape
+from tiermem.plan import kv_cache
+from tiermem.plan.kv_cache import KvShape
 from tiermem.policies import KeepOnDevice, ZeroOffload
 
 transformers = pytest.importorskip("transformers")

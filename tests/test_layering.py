@@ -104,7 +104,7 @@ def test_the_layering_test_sees_a_violation():
     """The checker itself: an upward import is reported."""
     assert layer("tiermem.memory.nvme") > layer("tiermem.plan.placement")
     assert layer("tiermem.model.tiered_model") > layer("tiermem.transfer.engine") > layer("tiermem.memory.resident")
-    assert "tiermem.train.homes.per_class" in imports(
+    assert "tiermem.train.homes.bucket_homes" in imports(
         MODULES["tiermem.train.layout"], set(MODULES), top_level_only=True
     )
 

@@ -15,8 +15,11 @@ from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import STATE_PARTS
 from tiermem.plan.placement import plan
 from tiermem.policies import ZeroOffload
-from tiermem.train.homes.per_class import DeviceWeights, Homes, MemoryGrads, MemoryState, StateHome
+from tiermem.train.homes.bucket_homes import Homes
+from tiermem.train.homes.grad_homes import MemoryGrads
+from tiermem.train.homes.state_homes import MemoryState, StateHome
 from tiermem.train.homes.uploads import Outputs
+from tiermem.train.homes.weight_homes import DeviceWeights
 from tiermem.train.layout import build
 from tiermem.train.step.grads import GradCollector
 from tiermem.train.step.scaler import LossScaler

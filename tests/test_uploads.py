@@ -20,8 +20,11 @@ from tiermem.handles import Handle
 from tiermem.memory.resident import DeviceStore, HostStore
 from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket, Placed, plan_buckets
-from tiermem.train.homes.per_class import DeviceWeights, Homes, MemoryState, Runs, WeightHome
+from tiermem.train.homes.bucket_homes import Homes
+from tiermem.train.homes.state_homes import MemoryState
+from tiermem.train.homes.update_runs import Runs
 from tiermem.train.homes.uploads import Outputs
+from tiermem.train.homes.weight_homes import DeviceWeights, WeightHome
 from tiermem.transfer.engine import TransferEngine
 from tiermem.types import Tier
 

@@ -1,5 +1,5 @@
 """``tiermem plan --config CONFIG.JSON --generate BATCH,TOKENS``: the KV cache of a generate call
-(NOTE [The KV cache is placed] in tiermem/model/kv_cache.py) in each precision, and the tier it would
+(NOTE [The KV cache is placed] in tiermem/plan/kv_cache.py) in each precision, and the tier it would
 take beside each built-in policy's weights for inference (``optimizer=None``) under the capacities."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from rich.table import Table
 from tiermem.cli import _common
 from tiermem.config.specs import working_dtype
 from tiermem.errors import ConfigError
-from tiermem.model.kv_cache import KvShape, kv_cache, tier_for
 from tiermem.plan import sizing
+from tiermem.plan.kv_cache import KvShape, kv_cache, tier_for
 from tiermem.types import TensorClass, Tier
 
 

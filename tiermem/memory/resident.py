@@ -142,7 +142,7 @@ class MemoryStore(Store):
             else:
                 self._free(key, base)
 
-    # -- room held without memory (NOTE [Grads come and go] in tiermem/train/homes/per_class.py) ------------
+    # -- room held without memory (NOTE [Grads come and go] in tiermem/train/homes/grad_homes.py) -----------
     def hold_room(self, key: str, shape: Sequence[int], dtype: torch.dtype, kind: Optional[TensorClass] = None) -> None:
         """Count the bytes ``allocate(key, shape, dtype)`` takes against the budget now, taking no
         memory: room held for a tensor allocated later (``allocate(key)`` takes it; ``delete(key)``

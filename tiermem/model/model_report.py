@@ -1,6 +1,6 @@
 """``tm.report()``'s assembly: the stores' peaks, the engine's traffic and the step's stages, in one Report.
 
-Split out of :mod:`tiermem.model.tiered_model`, which keeps the public method and its docstring and passes
+Split out of :mod:`tiermem.model.model_views`, which keeps the public method and its docstring and passes
 the collaborators this reads (nothing here holds state of its own).
 """
 

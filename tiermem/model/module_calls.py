@@ -12,8 +12,8 @@ from typing import Any, Callable, Iterator, Self
 import torch
 
 from tiermem.errors import ConfigError
-from tiermem.model import kv_cache
 from tiermem.model.inputs import cast_inputs
+from tiermem.plan import kv_cache
 from tiermem.plan.model_plan import ModelPlan
 from tiermem.plan.policy import Policy
 from tiermem.types import Tier

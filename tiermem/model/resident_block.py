@@ -1,6 +1,6 @@
 """``tm.resident(what)``'s block: the named parameters real tensors on the device, their writes the model's.
 
-Split out of :mod:`tiermem.model.tiered_model` (which keeps the public method and its checks of the phase):
+Split out of :mod:`tiermem.model.model_views` (which keeps the public method and its checks of the phase):
 which homes hold each parameter, the blocks of those that hold weights off the device, and the
 writes handed to the model's state when the block ends.
 """

@@ -5,8 +5,10 @@ tensor lives and the bytes each tier needs, nothing allocated; NOTE [Plan, then 
 builds from the plan (:mod:`tiermem.model.build`: the stores, the engine, one home per class and
 tier, NOTE [Homes]) and hands each collaborator what it needs, already wired; the model takes them
 and owns their lifetime. The calls that read or replace its state are
-:mod:`tiermem.model.state_calls`'. Gradients leave the device bucket by bucket while backward is
-still running (:mod:`tiermem.train.step.grads`); ``step()`` is :mod:`tiermem.train.step.stepper`'s.
+:mod:`tiermem.model.state_calls`', those that mirror the module's :mod:`tiermem.model.module_calls`',
+and the conveniences (``phase``, ``resident``, ``report``) :mod:`tiermem.model.model_views`'. This
+module is construction and the three calls of a step. Gradients leave the device bucket by bucket
+while backward is still running (:mod:`tiermem.train.step.grads`); ``step()`` is :mod:`tiermem.train.step.stepper`'s.
 Every public call is checked against the step's phase in one place (NOTE [Step lifecycle]).
 """
 
@@ -17,7 +19,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -30,13 +32,11 @@ from tiermem.model.build import Parts, build_parts
 from tiermem.model.compute import warn_if_slow
 from tiermem.model.inference import Inference, building, refuse
 from tiermem.model.inputs import cast_inputs, check_loss
-from tiermem.model.model_report import assemble as assemble_report
+from tiermem.model.model_views import ModelViews
 from tiermem.model.module_calls import ModuleCalls
 from tiermem.model.options import DEFAULT_OPTIMIZER, Options, validate
 from tiermem.model.phase import Lifecycle, Phase
-from tiermem.model.resident_block import resident as resident_block
 from tiermem.model.state_calls import StateCalls
-from tiermem.observe.report import Report
 from tiermem.plan.policy import Policy
 from tiermem.train.step.stepper import StepResult
 from tiermem.train.weights.materialize import values_for
@@ -47,7 +47,7 @@ __all__ = ["TieredModel", "StepResult", "Phase"]
 
 
 @checked_arguments
-class TieredModel(StateCalls, ModuleCalls):
+class TieredModel(StateCalls, ModuleCalls, ModelViews):
     """Train ``module`` with every tensor of its step placed on a tier by ``policy``.
 
     The three calls of a training loop are ``tm(*inputs)`` (the module's forward; tensors inside any
@@ -246,17 +246,7 @@ class TieredModel(StateCalls, ModuleCalls):
             for source in self.weight_sources():
                 source.settle()  # the module's original tensors of off-device weights go
 
-    def weight_sources(self) -> list:
-        """The homes whose weights are OffDeviceWeights: ParamOffload (weights off the device in one
-        process, and frozen ones), GatheredWeights (sharded over the ranks)."""
-        return [s for s in (self.param_offload, self.gathered) if s is not None]
-
     # -- the three calls ------------------------------------------------------------------------
-    @property
-    def phase(self) -> Phase:
-        """Where in the training step the model is (NOTE [Step lifecycle])."""
-        return self._life.phase
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward on ``args``/``kwargs``, with tensors moved to the device and floating
         ones cast to the working precision inside any container (NamedTuples, dataclasses, any
@@ -429,52 +419,6 @@ class TieredModel(StateCalls, ModuleCalls):
         finally:
             for home in homes:
                 home.defer(False)
-
-    @contextlib.contextmanager
-    def resident(self, what: "torch.nn.Module | torch.Tensor | Iterable[torch.Tensor]") -> Iterator[None]:
-        """Explicit access to weights outside ``tm(...)``: inside the block the parameters of
-        ``what`` (a module of the model, a parameter, or several of either) are real tensors on
-        the device, those homed off the device held there for the block. Writes into them (in
-        place, under ``torch.no_grad()``: ``p.mul_(0.5)``, ``p.copy_(new)``, ``nn.init``) become the
-        model's weights: when the block ends they reach the weights' home tier and the fp32 master
-        weights the optimizer updates. Reads of an off-device weight outside such a block work too
-        (fetched for each op); writes outside it are refused (NOTE [Parameters off the device]).
-        Under ZeRO-3 it gathers sharded weights: enter it on every rank.
-
-        Args:
-            what: a module of the wrapped model, one of its parameters, or an iterable of either.
-        """
-        self._settled("resident()")
-        with resident_block(what, self.module, self.weight_sources(), self._state):
-            yield
-
-    def report(self) -> Report:
-        """What the run did with memory so far: peak bytes per tier and per (class, tier), bytes
-        moved between tiers and their GB/s, seconds stalled on transfers, and, with a machine
-        profile, predicted against measured seconds per stage. ``print(tm.report())`` shows a table.
-
-        Returns:
-            A :class:`~tiermem.Report` of plain dicts keyed by :class:`~tiermem.Tier` and
-            :class:`~tiermem.TensorClass`.
-        """
-        return assemble_report(
-            stores=self.stores,
-            engine=self.engine,
-            stepper=self.stepper,
-            layout=self.layout,
-            group=self.group,
-            placement=self.placement,
-            evaluator=self._evaluator,
-            sources=self.weight_sources(),
-            compute_seconds=self._compute_seconds,
-            activations=self.activations.stats,
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"TieredModel({type(self.module).__name__}, policy={self.policy!r}, precision={self.precision!r}, "
-            f"params={self.layout.n_params:,}, buckets={len(self.layout.buckets)})"
-        )
 
 
 def _eagerly(on: bool) -> contextlib.AbstractContextManager:

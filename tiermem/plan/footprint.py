@@ -11,7 +11,7 @@ and the compute tier where Adam runs for it (its state's tier; the host for stat
 
 - working weights: ``w*n`` at the PARAM tier;
 - fp32 grads: ``4n`` at the GRAD tier (between steps, room the budget holds for them with no
-  memory taken: NOTE [Grads come and go] in tiermem/train/homes/per_class.py); under ``update_in_backward``
+  memory taken: NOTE [Grads come and go] in tiermem/train/homes/grad_homes.py); under ``update_in_backward``
   none, a window of a few buckets on the host instead, until a step first accumulates over
   micro-batches: that brings back the whole GRAD home, ``4n`` (with the grads for the step and the
   NVMe flushes' buffers and journal, as without the mode), checked against the budgets then

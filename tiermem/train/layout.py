@@ -35,18 +35,13 @@ from tiermem.observe.progress import Progress
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.plan.footprint import accumulation_footprint, check_fits
 from tiermem.plan.placement import ParamGroup, accumulation_tier, compute_tier
+from tiermem.train.homes.bucket_homes import Homes
+from tiermem.train.homes.grad_homes import GradHome, MemoryGrads
 from tiermem.train.homes.nvme_grads import NvmeGrads
 from tiermem.train.homes.nvme_state import NvmeState
-from tiermem.train.homes.per_class import (
-    DeviceWeights,
-    GradHome,
-    Homes,
-    MemoryGrads,
-    MemoryState,
-    StateHome,
-    WeightHome,
-)
 from tiermem.train.homes.sharded import ShardedGrads, ShardedState, ShardedWeights, shard_buckets
+from tiermem.train.homes.state_homes import MemoryState, StateHome
+from tiermem.train.homes.weight_homes import DeviceWeights, WeightHome
 from tiermem.train.step.in_backward import WindowGrads
 from tiermem.train.weights.buffers import KeptBuffers
 from tiermem.train.weights.frozen import FrozenParams

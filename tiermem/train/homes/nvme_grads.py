@@ -22,7 +22,7 @@ import torch
 from tiermem.errors import OutOfTierMemory
 from tiermem.handles import Handle, wait_all
 from tiermem.plan.buckets import Bucket
-from tiermem.train.homes.per_class import GradHome
+from tiermem.train.homes.grad_homes import GradHome
 from tiermem.train.homes.store_keys import Part, StoreKey, bucket_key
 from tiermem.transfer.lease import Lease
 from tiermem.transfer.service import CopyService

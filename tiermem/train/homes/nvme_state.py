@@ -49,8 +49,9 @@ import torch
 
 from tiermem.handles import Handle, wait_all, wait_all_quietly
 from tiermem.plan.buckets import Bucket
-from tiermem.train.homes.per_class import StateHome, StateViews, Update
+from tiermem.train.homes.state_homes import StateHome
 from tiermem.train.homes.store_keys import Part, StoreKey, bucket_key
+from tiermem.train.homes.update_runs import StateViews, Update
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier
 

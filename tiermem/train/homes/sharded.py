@@ -23,8 +23,11 @@ import torch
 
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket, Slot
-from tiermem.train.homes.per_class import GradHome, Runs, StateHome, StateViews, WeightHome
+from tiermem.train.homes.grad_homes import GradHome
+from tiermem.train.homes.state_homes import StateHome
 from tiermem.train.homes.store_keys import Part, bucket_key
+from tiermem.train.homes.update_runs import Runs, StateViews
+from tiermem.train.homes.weight_homes import WeightHome
 from tiermem.transfer.collectives import Chunk, Group, Pending
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier

@@ -22,8 +22,9 @@ import torch
 from tiermem.handles import Handle, wait_all, wait_all_quietly
 from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket
-from tiermem.train.homes.per_class import Homes, Runs
+from tiermem.train.homes.bucket_homes import Homes
 from tiermem.train.homes.store_keys import Part, StoreKey, bucket_key
+from tiermem.train.homes.update_runs import Runs
 from tiermem.types import TensorClass, Tier
 
 

@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 from tiermem.errors import TierMemError, add_note
 from tiermem.handles import Handle
 from tiermem.observe.trace import Tracer
-from tiermem.train.homes.per_class import Homes
+from tiermem.train.homes.bucket_homes import Homes
 from tiermem.train.homes.uploads import Outputs
 from tiermem.train.step.recovery import Recovery, UpdateFailed
 from tiermem.train.step.updates import BucketUpdates, Plan, StepUpdate

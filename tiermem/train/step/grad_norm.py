@@ -23,7 +23,7 @@ import torch
 
 from tiermem.errors import TierMemError
 from tiermem.plan.buckets import Bucket, Slot
-from tiermem.train.homes.per_class import Homes
+from tiermem.train.homes.bucket_homes import Homes
 from tiermem.transfer.collectives import Group
 
 log = logging.getLogger(__name__)

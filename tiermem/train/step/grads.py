@@ -23,7 +23,7 @@ from tiermem.errors import OutOfTierMemory
 from tiermem.handles import wait_all, wait_all_quietly
 from tiermem.memory.ledger import InFlight, Ledger
 from tiermem.plan.buckets import Bucket, Slot
-from tiermem.train.homes.per_class import Homes
+from tiermem.train.homes.bucket_homes import Homes
 from tiermem.transfer.collectives import Group, Solo
 from tiermem.transfer.service import CopyService
 from tiermem.types import TensorClass, Tier

@@ -83,7 +83,7 @@ import torch
 from tiermem.errors import OutOfTierMemory, TierMemError, add_note
 from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket
-from tiermem.train.homes.per_class import GradHome
+from tiermem.train.homes.grad_homes import GradHome
 from tiermem.train.step.grad_norm import slot_norms
 from tiermem.train.step.relay import Relay, Stopped
 from tiermem.transfer.lease import Lease

@@ -17,7 +17,8 @@ import torch
 
 from tiermem.errors import TierMemError, add_note
 from tiermem.plan.buckets import Bucket
-from tiermem.train.homes.per_class import Homes, slots_in
+from tiermem.train.homes.bucket_homes import Homes
+from tiermem.train.homes.update_runs import slots_in
 from tiermem.train.homes.uploads import Outputs
 from tiermem.train.step.grads import GradCollector
 from tiermem.train.step.updates import Plan, StepUpdate

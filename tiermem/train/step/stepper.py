@@ -33,7 +33,7 @@ import torch
 from tiermem.errors import TierMemError
 from tiermem.observe.trace import Tracer
 from tiermem.plan.buckets import Bucket
-from tiermem.train.homes.per_class import wait_gathered
+from tiermem.train.homes.bucket_homes import wait_gathered
 from tiermem.train.homes.uploads import Outputs
 from tiermem.train.layout import Layout
 from tiermem.train.step.background import Background

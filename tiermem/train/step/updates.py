@@ -30,7 +30,9 @@ from tiermem.observe.trace import Tracer
 from tiermem.optim import StochasticRound, formats as optim_format
 from tiermem.optim.formats import StateFormat
 from tiermem.plan.buckets import Bucket, Slot
-from tiermem.train.homes.per_class import Homes, Runs, StateHome, StateViews
+from tiermem.train.homes.bucket_homes import Homes
+from tiermem.train.homes.state_homes import StateHome
+from tiermem.train.homes.update_runs import Runs, StateViews
 from tiermem.train.homes.uploads import Outputs, Uploads
 from tiermem.train.step.generic_step import GenericRunner
 from tiermem.types import Tier

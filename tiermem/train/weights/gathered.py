@@ -51,8 +51,8 @@ from tiermem.handles import Handle
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.plan.footprint import gather_ahead
 from tiermem.plan.placement import weights_from_master
-from tiermem.train.homes.per_class import Runs
 from tiermem.train.homes.sharded import chunk_of
+from tiermem.train.homes.update_runs import Runs
 from tiermem.train.hooks import HookSet
 from tiermem.train.weights.bucket_gathers import BucketGathers
 from tiermem.train.weights.offdevice_home import OffDeviceHome

@@ -26,7 +26,7 @@ weights need. Frozen parameters sharded over the ranks the same: their chunks al
 (those that keep a copy in their own dtype are read whole for it). Values from the modules'
 initialization (a rank's random numbers may differ) or from a model given in memory (its ranks may
 hold different values) are filled whole and broadcast from rank 0 bucket by bucket
-(:meth:`~tiermem.train.homes.per_class.StateHome.agree`): rank 0's win.
+(:meth:`~tiermem.train.homes.state_homes.StateHome.agree`): rank 0's win.
 
 NOTE [Initialization on the meta device]
 Without ``weights=``, a module's parameters are

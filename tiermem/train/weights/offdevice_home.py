@@ -22,7 +22,7 @@ from typing import Collection, ContextManager, Iterator, Sequence
 import torch
 
 from tiermem.errors import TierMemError
-from tiermem.train.homes.per_class import WeightHome
+from tiermem.train.homes.weight_homes import WeightHome
 from tiermem.train.hooks import HookSet, eager
 from tiermem.train.weights.offdevice import Link, SwappedParams
 

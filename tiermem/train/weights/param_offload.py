@@ -66,7 +66,7 @@ import torch
 from tiermem.handles import Handle, wait_all
 from tiermem.plan.buckets import Bucket
 from tiermem.plan.placement import master_is_weights
-from tiermem.train.homes.per_class import Runs, slots_in
+from tiermem.train.homes.update_runs import Runs, slots_in
 from tiermem.train.hooks import HookSet
 from tiermem.train.weights.offdevice_home import OffDeviceHome
 from tiermem.transfer.residency import KeyedResidency

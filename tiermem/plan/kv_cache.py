@@ -132,7 +132,7 @@ def kv_cache(shape: KvShape, batch: int, max_length: int, dtype: torch.dtype) ->
     return KvCache(shape.bytes_per_token(dtype) * batch * tokens, shape, batch, tokens, dtype)
 
 
-def for_call(module: Any, args: tuple, kwargs: Mapping[str, Any], dtype: torch.dtype) -> Optional[KvCache]:
+def for_call(module: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], dtype: torch.dtype) -> Optional[KvCache]:
     """The cache ``module.generate(*args, **kwargs)`` builds, or None when there is none to place
     (no decoder config, no prompt tensor, ``use_cache=False``; NOTE [The KV cache is placed])."""
     shape = KvShape.of(getattr(module, "config", None))
@@ -251,8 +251,9 @@ def _room(ledgers: Mapping[Tier, Any], footprint: Mapping[Tier, int], tier: Tier
     ledger = ledgers.get(tier)
     if ledger is None:
         return 0
-    held = footprint.get(tier, 0) if ledger.reclaimers else max(footprint.get(tier, 0), ledger.used)
-    return max(ledger.allowed - held, 0)
+    held: int = footprint.get(tier, 0) if ledger.reclaimers else max(footprint.get(tier, 0), ledger.used)
+    allowed: int = ledger.allowed  # the ledger is duck-typed here (plan/ sits below memory/): its budget
+    return max(allowed - held, 0)
 
 
 def _refusal(
