@@ -169,7 +169,7 @@ def save_rss(tm: TieredModel, args: argparse.Namespace, rank: int, path: str) ->
 def _gather_at_save() -> None:
     """The previous version's DCP save, in this one: no frozen pieces; every rank reads each
     frozen parameter gathered over the ranks and rank 0 keeps them all and writes them."""
-    from tiermem.checkpoint import dcp as checkpoint_dcp
+    from tiermem.checkpoint import dcp_save
     from tiermem.checkpoint.view import StateReader
 
     rest = StateReader.rest
@@ -186,7 +186,7 @@ def _gather_at_save() -> None:
         return {}
 
     StateReader.rest = whole_rest  # type: ignore[method-assign]
-    checkpoint_dcp.frozen_pieces = no_pieces  # type: ignore[assignment]
+    dcp_save.frozen_pieces = no_pieces  # type: ignore[assignment]
 
 
 def save_rank_main(rank: int, world: int, setup: str, variant: str, args: argparse.Namespace, tmp: str) -> None:

@@ -17,7 +17,7 @@ from hypothesis import assume, example, given, settings, strategies as st
 from tolerance import assert_kernel_agrees
 
 from tiermem import ConfigError, TierMemError
-from tiermem.optim import adam_step, functional, implementation
+from tiermem.optim import adam_impl, adam_step, implementation
 from tiermem.optim.kernels import compiled as _compiled, native as _native
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -127,7 +127,7 @@ def test_default_is_native_and_skips_the_compiler(monkeypatch):
         raise AssertionError("the default CPU Adam compiled a kernel")
 
     monkeypatch.setattr(_compiled.torch, "compile", no_compile)
-    monkeypatch.setattr(functional, "_COMPILED", _compiled.CompiledAdam())
+    monkeypatch.setattr(adam_impl, "_COMPILED", _compiled.CompiledAdam())
     got = run(None, state, grads, hp, out_dtype=BF16)
     for w, g in zip(want, got):
         assert_bits_equal(g, w)
@@ -136,7 +136,7 @@ def test_default_is_native_and_skips_the_compiler(monkeypatch):
     master = state[0].clone()
     assert adam_step(master, state[1].clone(), state[2].clone(), bad, step=1, **hp) is True
     assert_bits_equal(master, state[0])  # found_inf: nothing written
-    assert functional.any_nonfinite(bad) and not functional.any_nonfinite(grads[0])
+    assert adam_impl.any_nonfinite(bad) and not adam_impl.any_nonfinite(grads[0])
 
 
 def _no_native(monkeypatch, why="no C++ compiler found"):
@@ -450,14 +450,14 @@ def test_compile_failure_falls_back_and_says_so(monkeypatch, caplog):
     def broken(*a, **k):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(functional, "_COMPILED", _compiled.CompiledAdam())
-    monkeypatch.setattr(functional, "_said_which", set())
+    monkeypatch.setattr(adam_impl, "_COMPILED", _compiled.CompiledAdam())
+    monkeypatch.setattr(adam_impl, "_said_which", set())
     monkeypatch.setattr(_compiled.torch, "compile", broken)
     _no_native(monkeypatch)  # no compiler: the native library cannot be built either
     state = make_state(500, 1)[:3]
     grads = make_state(500, 2, FP16, steps=2)[3]
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
-    with caplog.at_level("INFO", logger="tiermem.optim.functional"):
+    with caplog.at_level("INFO", logger="tiermem.optim.adam_impl"):
         got = run(None, state, grads, hp)
     for w, g in zip(run("fallback", state, grads, hp), got):
         if w is not None:

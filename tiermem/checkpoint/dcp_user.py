@@ -1,7 +1,8 @@
 """A user's own DCP calls on a TieredModel: ``tm.sharded_state_dict()`` gives this process's pieces
 as DCP saves them (NOTE [Sharded values for DCP]), and ``tm.load_sharded_state_dict(tree)`` takes
 them back once the user's ``dcp.load`` filled them; ``tm.save``/``tm.load`` of a directory are
-:mod:`tiermem.checkpoint.dcp`, which this shares the pieces with."""
+:mod:`tiermem.checkpoint.dcp_save` and :mod:`tiermem.checkpoint.dcp`, which this shares the pieces
+with."""
 
 from __future__ import annotations
 

@@ -163,9 +163,9 @@ def save(state: ModelState, path: str, format: str = "file") -> None:
             f"(a torch.distributed.checkpoint directory every rank writes), or leave it out"
         )
     if format == "dcp":
-        from tiermem.checkpoint import dcp as checkpoint_dcp  # torch.distributed.checkpoint takes seconds to import
+        from tiermem.checkpoint import dcp_save  # torch.distributed.checkpoint takes seconds to import
 
-        checkpoint_dcp.save(state.reader, path)
+        dcp_save.save(state.reader, path)
     else:
         _save_file(state.reader, path)
 

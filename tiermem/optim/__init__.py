@@ -16,6 +16,7 @@ kernels for the others).
 from __future__ import annotations
 
 from tiermem.optim.adafactor import adafactor_step
+from tiermem.optim.adam_impl import compile_disabled, compile_seconds, implementation, warm_up
 from tiermem.optim.dropin.cpu_adafactor import CPUAdafactor
 from tiermem.optim.dropin.cpu_adagrad import CPUAdagrad
 from tiermem.optim.dropin.cpu_adam import CPUAdam
@@ -24,7 +25,7 @@ from tiermem.optim.dropin.cpu_lion import CPULion
 from tiermem.optim.dropin.cpu_sgd import CPUSGD
 from tiermem.optim.families import state_bytes, state_layout
 from tiermem.optim.formats import StateFormat, StatePart, state_format  # noqa: F401  (tiermem.optim.formats has their docs)
-from tiermem.optim.functional import adam_step, compile_disabled, compile_seconds, implementation, warm_up
+from tiermem.optim.functional import adam_step
 from tiermem.optim.kernels.sr import StochasticRound
 from tiermem.optim.steps import (
     adagrad_step,

@@ -23,7 +23,8 @@ import torch
 
 from tiermem.config.argdocs import shares_args
 from tiermem.errors import ConfigError
-from tiermem.optim.functional import ENTRY_ARGS, make_hyper
+from tiermem.optim.arg_checks import make_hyper
+from tiermem.optim.functional import ENTRY_ARGS
 from tiermem.optim.hypers import _Hyper, check_hyper
 from tiermem.optim.kernels import dispatch as _run, native as _native, sr as _sr
 from tiermem.optim.kernels.sr import StochasticRound

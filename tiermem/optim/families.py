@@ -23,7 +23,7 @@ from tiermem.errors import ConfigError
 from tiermem.optim import adafactor as _factored, functional as _functional, steps as _steps
 from tiermem.optim.adafactor import AdafactorHyper, state_numels as _factored_numels
 from tiermem.optim.adam_hyper import Adam8bitHyper, AdamHyper
-from tiermem.optim.functional import make_hyper
+from tiermem.optim.arg_checks import make_hyper
 from tiermem.optim.hypers import AdagradHyper, LionHyper, SGDHyper
 from tiermem.optim.kernels import dispatch as _run, quant as _quant
 

@@ -24,7 +24,8 @@ import torch
 from tiermem.config.argdocs import shares_args
 from tiermem.errors import ConfigError
 from tiermem.optim.adam_hyper import Adam8bitHyper, AdamHyper
-from tiermem.optim.functional import ENTRY_ARGS, make_hyper
+from tiermem.optim.arg_checks import make_hyper
+from tiermem.optim.functional import ENTRY_ARGS
 from tiermem.optim.hypers import AdagradHyper, LionHyper, SGDHyper
 from tiermem.optim.kernels import dispatch as _run, quant as _quant
 from tiermem.optim.kernels.sr import StochasticRound

@@ -16,7 +16,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Union
 import torch
 
 from tiermem.config.rules import check_hyper, invalid
-from tiermem.optim.functional import as_number
+from tiermem.optim.arg_checks import as_number
 
 Number = Union[float, torch.Tensor]
 Params = Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]]

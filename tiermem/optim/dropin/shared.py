@@ -30,9 +30,9 @@ from torch.optim import Optimizer
 
 from tiermem.config.rules import is_int
 from tiermem.errors import ConfigError
+from tiermem.optim.arg_checks import make_hyper
 from tiermem.optim.dropin import hyper_table as table
 from tiermem.optim.dropin.hyper_table import Hyper, Params
-from tiermem.optim.functional import make_hyper
 from tiermem.optim.kernels import dispatch as _run, native as _native
 from tiermem.optim.kernels.sr import StochasticRound
 
