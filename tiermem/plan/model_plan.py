@@ -118,15 +118,9 @@ def plan_model(
     device's (``"cuda"`` stages NVMe reads through the host; ``"cpu"`` computes on the host);
     ``inference``: no parameter trains, none is asked to (NOTE [Inference only] in tiermem/model/inference.py)."""
     given = resolve_policy(policy)
+    shape = _shape_of(overlap, world, shard_weights, device_type)
     evaluator = Evaluator(
-        module,
-        spec,
-        dtype,
-        bucket_numel,
-        limits=limits,
-        machine=machine,
-        inference=inference,
-        **_shape_of(overlap, world, shard_weights, device_type),
+        module, spec, dtype, bucket_numel, limits=limits, machine=machine, inference=inference, **shape
     )
     placement = evaluator.bind(given)
     planned = plan(module, placement, spec, dtype, bucket_numel, overlap=overlap, world=world, inference=inference)
@@ -142,7 +136,7 @@ def plan_model(
         dtype,
         bucket_numel=bucket_numel,
         update_in_backward=update_in_backward,
-        **_shape_of(overlap, world, shard_weights, device_type),
+        **shape,
     )
     lookahead = _lookahead(module, offloaded, dtype, limits[Tier.DEVICE] - totals(need)[Tier.DEVICE], inference)
     return ModelPlan(
