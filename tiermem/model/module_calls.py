@@ -107,12 +107,11 @@ def _check_prompt(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """A prompt longer than the model's positions is refused before anything runs: a model with
     learned positions would index past its table, one with rotary positions would run outside what
     it was trained for, silently."""
-    prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    positions = getattr(getattr(module, "config", None), "max_position_embeddings", None)
-    if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 and isinstance(positions, int):
-        if prompt.shape[-1] > positions:
+    prompt, positions = kv_cache.prompt_of(args, kwargs), kv_cache.positions_of(module)
+    if prompt is not None and positions is not None:
+        if prompt.shape[1] > positions:
             raise ConfigError(
-                f"tiermem: tm.generate(...): the prompt has {prompt.shape[-1]} tokens and the model has "
+                f"tiermem: tm.generate(...): the prompt has {prompt.shape[1]} tokens and the model has "
                 f"{positions} positions (config.max_position_embeddings); shorten the prompt to at most "
                 f"{positions} tokens (and leave room for max_new_tokens); nothing was generated"
             )

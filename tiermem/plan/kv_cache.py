@@ -49,7 +49,19 @@ from tiermem.types import TensorClass, TensorInfo, Tier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KEY", "KvCache", "KvShape", "chosen_cache", "for_call", "kv_cache", "offloaded", "placed", "tier_for"]
+__all__ = [
+    "KEY",
+    "KvCache",
+    "KvShape",
+    "chosen_cache",
+    "for_call",
+    "kv_cache",
+    "offloaded",
+    "placed",
+    "positions_of",
+    "prompt_of",
+    "tier_for",
+]
 
 #: The name the policy is asked about and the ledgers hold the cache under.
 KEY = "kv_cache"
@@ -132,12 +144,24 @@ def kv_cache(shape: KvShape, batch: int, max_length: int, dtype: torch.dtype) ->
     return KvCache(shape.bytes_per_token(dtype) * batch * tokens, shape, batch, tokens, dtype)
 
 
+def prompt_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[torch.Tensor]:
+    """The prompt of ``generate(*args, **kwargs)``, rows by tokens (by width, for ``inputs_embeds``):
+    its first positional argument, else ``input_ids``, ``inputs`` or ``inputs_embeds``; None without one."""
+    prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
+    return prompt if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 else None
+
+
+def positions_of(module: Any) -> Optional[int]:
+    """The positions ``module``'s config gives it (``max_position_embeddings``), or None."""
+    return _field(getattr(module, "config", None), "max_position_embeddings")
+
+
 def for_call(module: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], dtype: torch.dtype) -> Optional[KvCache]:
     """The cache ``module.generate(*args, **kwargs)`` builds, or None when there is none to place
     (no decoder config, no prompt tensor, ``use_cache=False``; NOTE [The KV cache is placed])."""
     shape = KvShape.of(getattr(module, "config", None))
-    prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
-    if shape is None or not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
+    prompt = prompt_of(args, kwargs)
+    if shape is None or prompt is None:
         return None
     configs = [kwargs.get("generation_config"), getattr(module, "generation_config", None)]
 
@@ -155,7 +179,7 @@ def for_call(module: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], dtyp
         max_length = int(setting("max_length"))
     else:
         max_length = length + _DEFAULT_NEW_TOKENS
-        positions = _field(getattr(module, "config", None), "max_position_embeddings")
+        positions = positions_of(module)
         max_length = min(max_length, positions) if positions else max_length
     expand = max(int(setting("num_beams") or 1), int(setting("num_return_sequences") or 1))
     return kv_cache(shape, rows * expand, max_length, dtype)
@@ -212,11 +236,11 @@ def placed(
     Raises:
         OutOfTierMemory: no tier the cache may take has room for it.
     """
-    asked = checked_place(policy, _info(cache))
     if chosen is not None and device.type != "cpu":  # it lives where the caller's choice keeps it
         asked = Tier.HOST if "offloaded" in chosen else Tier.DEVICE
         room = {asked: _room(ledgers, footprint, asked)}
     else:
+        asked = checked_place(policy, _info(cache))
         room = {t: _room(ledgers, footprint, t) for t in (Tier.DEVICE, Tier.HOST)}
     tier = _reserve(cache, ledgers, _fitting(cache.nbytes, asked, room))
     if tier is None:
