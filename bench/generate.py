@@ -16,9 +16,10 @@ end-of-sequence token stops no one early), at each batch of ``--batches``:
   its RAM is not bounded (on a warm cache it reads from memory, not the disk);
 - **tiermem**: ``tiermem.from_pretrained(..., ZeroInfinity(), optimizer=None, budgets=Budgets(host=...))``
   and ``tm.generate``, the host budget at each fraction of ``--budgets`` of the weights' bytes
-  (ZeroInfinity keeps the weights that fit there, the smallest first, and streams the rest from
-  NVMe: NOTE [Resident weights for inference]), and a device budget of ``--device`` of the weights' bytes
-  (here the device is the CPU: unbounded, it would keep every weight once fetched).
+  (ZeroInfinity keeps the weights that fit there, those under a MiB then the largest, and streams the
+  rest from NVMe: NOTE [Resident weights for inference]), and a device budget of ``--device`` of the
+  weights' bytes plus the largest batch's KV cache (here the device is the CPU: unbounded, it would
+  keep every weight once fetched).
 
 Figures: tokens/s (new tokens x batch / seconds of one ``generate``, after one untimed warm-up
 ``generate`` each), whether the tokens equal the in-memory ones, the process's peak resident set
@@ -49,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import RssSampler, at_least, counts, llama_config, nvme_bytes, token_prompts
 from bench._fio import read_write
 from tiermem import Budgets, from_pretrained
+from tiermem.plan.kv_cache import KvShape, kv_cache
 from tiermem.policies import ZeroInfinity
 
 SIZES: dict[str, dict[str, int]] = {
@@ -209,6 +211,8 @@ def main() -> int:
         del model
         gc.collect()
         print(f"checkpoint: Llama {n / 1e6:.0f}M parameters ({shape}), bf16, {weights / 1e6:.0f} MB", flush=True)
+        # the device keeps room for the largest batch's KV cache beside its share of the weights
+        kv = kv_cache(KvShape.of(config), max(args.batches), args.prompt + args.new_tokens, torch.bfloat16)  # type: ignore[arg-type]  # a Llama config has a shape
         read_bw = read_write(work, args.fio_size, name="generate")["read"]
         with RssSampler() as rss:
             mem = in_memory(ckpt, args, shape["vocab"], rss)
@@ -220,7 +224,7 @@ def main() -> int:
             tms = {}
             for frac in args.budgets:
                 tms[frac] = tiermem_at(
-                    ckpt, work, int(weights * frac), int(weights * args.device), args, shape["vocab"], rss
+                    ckpt, work, int(weights * frac), int(weights * args.device) + kv.nbytes, args, shape["vocab"], rss
                 )
                 gc.collect()
                 print(f"tiermem host {frac:.0%}: done", flush=True)

@@ -45,8 +45,7 @@ class Inference:
     given, changed by :meth:`take` and handed back by :meth:`give_back` / :meth:`undo`."""
 
     def __init__(self, module: torch.nn.Module):
-        params = dict.fromkeys(module.parameters())  # tied weights once, in order
-        self._flags = [(p, p.requires_grad) for p in params]
+        self._flags = [(p, p.requires_grad) for p in module.parameters()]  # tied weights once, in order
         self._data: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # until construction succeeds
 
     def take(self, dtype: torch.dtype) -> None:

@@ -68,7 +68,7 @@ class ModuleCalls:
         """
         module = self.module
         gen = getattr(module, "generate", None)
-        if gen is None or not callable(gen) or not inspect.ismethod(gen):
+        if not inspect.ismethod(gen):
             raise ConfigError(
                 f"tiermem: tm.generate(...) runs the module's own generate(), and {type(module).__name__} has "
                 f"none; call tm(...) for a forward, or wrap a model that generates (a transformers GenerationMixin)"
