@@ -6,6 +6,7 @@ of ``tm.sharded_state_dict()`` round-trips."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import pickle
@@ -437,3 +438,105 @@ def test_a_frozen_base_is_read_one_parameter_at_a_time_by_a_dcp_save(tmp_path, m
     before = tm.state_dict()
     tm.load(str(tmp_path / "ck"))  # what was written comes back whole
     assert same_state(tm.state_dict(), before)
+
+
+# -- NOTE [Streamed sharded values] ----------------------------------------------------------------
+def _on_nvme(tmp_path, seed: int = 4, steps: int = 1) -> TieredModel:
+    """Three frozen layers and three trained ones, each its own bucket, all homed on NVMe."""
+    from tiermem.policies import ZeroInfinity
+
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(*(torch.nn.Linear(40, 40) for _ in range(6)))
+    for layer in list(module)[:3]:
+        layer.requires_grad_(False)
+    nvme = tmp_path / f"nvme{seed}"
+    nvme.mkdir()
+    tm = TieredModel(module, ZeroInfinity(), precision="bf16", bucket_size=1700, nvme_dir=str(nvme))
+    for i in range(steps):
+        x = torch.randn(8, 40, generator=torch.Generator().manual_seed(i))
+        tm.backward(tm(x).float().square().mean())
+        tm.step()
+    return tm
+
+
+def _nvme_read(tm) -> int:
+    return tm.report().bytes_moved.get((Tier.NVME, Tier.HOST), 0)
+
+
+def test_a_sharded_state_dict_of_state_off_memory_reads_nothing_and_its_save_one_bucket_at_a_time(
+    tmp_path, monkeypatch
+):
+    import gc
+    import weakref
+
+    from tiermem.checkpoint import dcp_user
+    from tiermem.train.weights.frozen import FrozenParams
+
+    tm = _on_nvme(tmp_path)
+    read, frozen_reads = _nvme_read(tm), []
+    value = FrozenParams.value
+    monkeypatch.setattr(FrozenParams, "value", lambda self, n, **kw: frozen_reads.append(n) or value(self, n, **kw))
+    sd = tm.sharded_state_dict()
+    assert _nvme_read(tm) == read and frozen_reads == []  # nothing read, nothing held
+    streamed = [v for v in [*sd["model"].values(), *(p for s in sd["optim"]["state"].values() for p in s.values())]]
+    assert len(streamed) == 12 + 6 * 2 and not any(v.filled for v in streamed)
+
+    live: list[weakref.ref] = []
+    most: list[int] = []
+    get = dcp_user._OneAtATime.get
+
+    def counted(self, index, part):
+        out = get(self, index, part)
+        live.extend(weakref.ref(t) for t in self._parts if all(r() is not t for r in live))
+        gc.collect()
+        most.append(sum(r() is not None for r in live))
+        return out
+
+    monkeypatch.setattr(dcp_user._OneAtATime, "get", counted)
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"))
+    monkeypatch.undo()
+    parts = 3  # master, exp_avg, exp_avg_sq of one bucket: no more at any time
+    assert most and max(most) == parts
+    state = 12 * sum(p.numel() for p in tm.module.parameters() if p.requires_grad)
+    assert _nvme_read(tm) - read == 2 * state  # the weights' pass, the moments' pass (the report counts no copies)
+    assert sorted(frozen_reads) == sorted(n for n, p in tm.module.named_parameters() if not p.requires_grad)
+
+    dst = _on_nvme(tmp_path, seed=5, steps=0)
+    sd = dst.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ck"))
+    assert all(v.filled for v in sd["model"].values())
+    dst.load_sharded_state_dict(sd)
+    assert same_state(dst.state_dict(), tm.state_dict()) and dst.stepper.steps == 1
+    assert not any(v.filled for v in sd["model"].values())  # what dcp.load filled went home, and was dropped
+
+
+def test_a_streamed_value_not_filled_by_dcp_load_is_refused_by_load_sharded_state_dict(tmp_path):
+    tm = _on_nvme(tmp_path)
+    before = tm.state_dict()
+    with pytest.raises(ConfigError, match=r"'model\.5\.bias' was not filled by a dcp\.load .* nothing was loaded"):
+        tm.load_sharded_state_dict(tm.sharded_state_dict())
+    assert same_state(tm.state_dict(), before) and tm.stepper.steps == 1
+
+
+@pytest.mark.parametrize("where", ["memory", "nvme"])
+def test_a_sharded_state_dict_taken_before_a_step_is_not_saved_after_it(tmp_path, where):
+    """Its step counts are the call's: the next step's state beside them would be a checkpoint of
+    no step, whether the values are views of the live state or read from home."""
+    make = (
+        (lambda seed, steps: _model(steps, seed=seed)) if where == "memory" else functools.partial(_on_nvme, tmp_path)
+    )
+    tm = make(4, 1)
+    sd = tm.sharded_state_dict()
+    if where == "memory":
+        train_steps(tm, 1, offset=1)
+    else:
+        tm.backward(tm(torch.randn(8, 40)).float().square().mean())
+        tm.step()
+    with pytest.raises(BaseException, match=r"taken at step 1 and read at step 2.*again just before dcp\.save"):
+        dcp.save(sd, checkpoint_id=str(tmp_path / "ck"))
+    dcp.save(tm.sharded_state_dict(), checkpoint_id=str(tmp_path / "ck2"))
+    dst = make(5, 0)
+    sd = dst.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ck2"))
+    dst.load_sharded_state_dict(sd)
+    assert same_state(dst.state_dict(), tm.state_dict()) and dst.stepper.steps == 2

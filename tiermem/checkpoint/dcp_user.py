@@ -2,40 +2,164 @@
 as DCP saves them (NOTE [Sharded values for DCP]), and ``tm.load_sharded_state_dict(tree)`` takes
 them back once the user's ``dcp.load`` filled them; ``tm.save``/``tm.load`` of a directory are
 :mod:`tiermem.checkpoint.dcp_save` and :mod:`tiermem.checkpoint.dcp`, which this shares the pieces
-with."""
+with.
+
+NOTE [Streamed sharded values]
+``tm.sharded_state_dict()`` hands back state that lives in memory as views of it (a ``dcp.save``
+writes it from where it lives, a ``dcp.load`` fills it in place, as FSDP2's DTensors do). State
+that does not (optimizer state on NVMe; a frozen base off the device, or sharded over the ranks)
+cannot be handed back whole: for a model bigger than the machine that is the whole point. Those
+values hold nothing when returned. Each is a ShardedValue whose source reads its home when DCP
+asks: the save planner's ``__create_write_items__`` clears what a source kept, then the writer
+resolves one box at a time; the first box of a bucket reads that bucket's part of this process
+(a private copy, so a step or another read in between cannot change what it holds) and each box
+DCP gets is a copy of its own bytes (torch's writer on a CUDA host resolves up to 10 MB ahead, in
+size order). So a save holds one bucket's local state and the boxes in flight, and reads each
+bucket once per pass over it: DCP's plan writes the weights, then the moments, so twice, where
+``tm.save`` reads once. Out of order (a writer that sorts), it reads a bucket again where it
+comes back to it: slower, never more memory. The load planner's ``__create_chunk_list__`` gives
+each such value a buffer for DCP to fill, held until ``tm.load_sharded_state_dict`` checks the
+tree whole and sends it home bucket by bucket, then drops it; so a load holds this process's
+share of that state while the user's ``dcp.load`` runs (``tm.load`` of a directory ``tm.save``
+wrote holds one bucket). Each read first checks what ``tm.sharded_state_dict()`` checked (no
+step half done, no failed load, no step since), and so does each read of a view of the live state:
+the tree's step counts (its ``tiermem`` entry) are those of the call, so a save after a step
+would pair them with the next step's state.
+"""
 
 from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+import math
+from typing import Any, Callable
 
 import torch
 
-from tiermem.checkpoint.dcp import OneBucket, pieces
 from tiermem.checkpoint.dcp_check import meta_fits, parse_meta
-from tiermem.checkpoint.names import StateName
+from tiermem.checkpoint.dcp_save import frozen_pieces
+from tiermem.checkpoint.names import BUFFERS, FROZEN, StateName
 from tiermem.checkpoint.shards import META, ShardedValue, key, nested
 from tiermem.checkpoint.view import PartPieces, Piece, StateReader, StateWriter
 from tiermem.errors import ConfigError
 
+Parts = tuple[torch.Tensor, ...]
 
-def sharded_state_dict(reader: StateReader) -> dict[str, Any]:
-    """``tm.sharded_state_dict()``: this process's pieces as ShardedValues (views of the live state
-    where it lives in memory, copies of state on NVMe), and the frozen parameters and buffers
-    (the model's own tensors), nested as DCP saves them."""
-    one = OneBucket(reader)  # each bucket read once
 
-    def source(index: int, part: int, p: Piece) -> torch.Tensor:
-        t = one.source(index, part, p)()
-        return t if reader.resident(index) else t.clone()  # NVMe's buffer set is the next bucket's
+class _OneAtATime:
+    """This process's part of one bucket (or one frozen chunk) at a time, copied out of its home
+    when a piece of it is first asked for (NOTE [Streamed sharded values])."""
 
-    try:
-        values: dict[str, Any] = dict(pieces(reader.core, source))
-    finally:
-        reader.release()
-    values.update(reader.rest())
+    def __init__(self, read: Callable[[int], Parts], reader: StateReader, guard: Callable[[], None]):
+        self._read, self._reader, self._guard = read, reader, guard
+        self._index, self._parts = -1, ()  # type: tuple[int, Parts]
+
+    def forget(self) -> None:
+        self._index, self._parts = -1, ()
+
+    def get(self, index: int, part: int) -> torch.Tensor:
+        if self._index != index:
+            self.forget()  # the previous bucket goes before the next is read
+            self._guard()
+            try:
+                self._parts = tuple(t.to("cpu", copy=True) for t in self._read(index))
+            finally:
+                self._reader.release()
+            self._index = index
+        return self._parts[part]
+
+
+class _Piece:
+    """A :class:`~tiermem.checkpoint.shards.Streamed` source: elements ``[at, at + n)`` of part
+    ``part`` of bucket ``index``, read through ``one``."""
+
+    __slots__ = ("one", "index", "part", "at", "n")
+
+    def __init__(self, one: _OneAtATime, index: int, part: int, p: Piece):
+        self.one, self.index, self.part, self.at, self.n = one, index, part, p.at, p.hi - p.lo
+
+    def __call__(self) -> torch.Tensor:
+        return self.one.get(self.index, self.part)[self.at : self.at + self.n]
+
+    def forget(self) -> None:
+        self.one.forget()
+
+
+class _Live:
+    """The live state's elements, checked first (NOTE [Streamed sharded values]): a save or load of
+    a tree taken before a step is refused, whether its values are views or read from home."""
+
+    __slots__ = ("view", "guard")
+
+    def __init__(self, view: torch.Tensor, guard: Callable[[], None]):
+        self.view, self.guard = view, guard
+
+    def __call__(self) -> torch.Tensor:
+        self.guard()
+        return self.view
+
+
+class _Whole:
+    """A :class:`~tiermem.checkpoint.shards.Streamed` source: a frozen parameter kept whole by
+    this process, read from its home (flat) each time."""
+
+    __slots__ = ("read", "guard")
+
+    def __init__(self, read: Callable[[], torch.Tensor], guard: Callable[[], None]):
+        self.read, self.guard = read, guard
+
+    def __call__(self) -> torch.Tensor:
+        self.guard()
+        return self.read().reshape(-1)
+
+    def forget(self) -> None:
+        pass
+
+
+def sharded_state_dict(reader: StateReader, guard: Callable[[], None]) -> dict[str, Any]:
+    """``tm.sharded_state_dict()``: this process's pieces as ShardedValues, nested as DCP saves
+    them: views of the live state where it lives in memory, read from home when DCP asks where
+    it does not (NOTE [Streamed sharded values]); the frozen parameters sharded over the ranks in
+    this process's pieces, the others whole (read when asked), the buffers the module's own.
+    ``guard()`` refuses a read the call itself would have refused. Reads nothing."""
+    core = reader.core
+    state = _OneAtATime(reader.read_local, reader, guard)
+
+    def source(index: int, part: int, p: Piece) -> Any:
+        if not reader.resident(index):
+            return _Piece(state, index, part, p)
+        views = reader.read_local(index)  # the live state: nothing read or kept
+        return _Live(views[part][p.at : p.at + p.hi - p.lo], guard)
+
+    chunks = _OneAtATime(lambda index: (reader.read_frozen(index),), reader, guard)
+    values: dict[str, Any] = {}
+    for index, mine in core.pieces():
+        for part_index, (part, dtype, of_part) in enumerate(core.part_pieces(index, mine)):
+            for p in of_part:
+                local = source(index, part_index, p)
+                device = local.view.device if isinstance(local, _Live) else "cpu"
+                name = StateName(part, p.name)
+                values[str(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=dtype, device=device)
+    values.update(frozen_pieces(core, lambda index, p: _Piece(chunks, index, 0, p)))
+    values.update(_whole_frozen(reader, guard))
+    values.update((str(StateName(BUFFERS, b)), t) for b, t in core.module.named_buffers())
     return nested(values, json.dumps(reader.meta()))
+
+
+def _whole_frozen(reader: StateReader, guard: Callable[[], None]) -> dict[str, Any]:
+    """The frozen parameters this process keeps whole, each a ShardedValue of all its elements read
+    from home when asked (a scalar or an empty one: its value)."""
+    frozen = reader.core.layout.frozen
+    out: dict[str, Any] = {}
+    for n in reader.core.whole_frozen(pieces=True):
+        shape, dtype = frozen.meta(n)
+        name = StateName(FROZEN, n)
+        if not shape or not math.prod(shape):
+            out[str(name)] = frozen.value(n)
+            continue
+        read = _Whole(functools.partial(frozen.value, n), guard)
+        out[str(name)] = ShardedValue(key(name), shape, 0, math.prod(shape), read, dtype=dtype)
+    return out
 
 
 # -- a user's own dcp.load, handed back -------------------------------------------------------------
@@ -54,28 +178,51 @@ def load_sharded(writer: StateWriter, tree: Any) -> None:
     meta = parse_meta(tree[META], lambda why: bad(f"its {META!r} entry {why}"))
     meta_fits(writer, meta, lambda what: bad(f"it does not match this model: {what}"), "the state dict")
     core = writer.core
-    pieces = core.pieces()
+    pieces, frozen = core.pieces(), core.frozen_pieces()
     values: dict[str, Any] = {}
     for index, mine in pieces:
         for part, _, of_part in core.part_pieces(index, mine):
             for p in of_part:
-                n = StateName(part, p.name)
-                v = values[str(n)] = _lookup(tree, n)
-                if not isinstance(v, ShardedValue) or v.local_range != (p.lo, p.hi) or tuple(v.shape) != p.shape:
-                    raise bad(f"{key(n)!r} is not this process's ShardedValue of it (elements [{p.lo}, {p.hi}))")
-    rest = writer.rest()
+                _check_piece(values, tree, StateName(part, p.name), (p.lo, p.hi), p.shape, bad)
+    for _, mine in frozen:
+        for p in mine:
+            _check_piece(values, tree, StateName(FROZEN, p.name), (p.lo, p.hi), p.shape, bad)
+    rest = writer.rest(pieces=True)
     for name, t in rest.items():
         v = values[name] = _lookup(tree, StateName.parse(name))
-        if not isinstance(v, torch.Tensor) or isinstance(v, ShardedValue) or v.shape != t.shape:
+        if isinstance(v, ShardedValue) and v.local_range == (0, t.numel()) and v.shape == t.shape:
+            _check_loaded(v, name, bad)
+        elif not isinstance(v, torch.Tensor) or isinstance(v, ShardedValue) or v.shape != t.shape:
             raise bad(f"{key(name)!r} is not a tensor of shape {tuple(t.shape)}")
     with writer.updating():
         for index, mine in pieces:
             writer.load_local(index, functools.partial(_copy_pieces, values, core.part_pieces(index, mine)))
         writer.release()
+        for index, mine in frozen:
+            writer.load_frozen(index, functools.partial(_copy_frozen, values, mine))
         for name, t in rest.items():
-            t.copy_(values[name])  # a no-op where dcp.load filled the model's own tensor
+            v = values[name]
+            t.copy_(v.local().view(t.shape) if isinstance(v, ShardedValue) else v)  # a no-op where dcp.load filled t
         writer.commit_rest(rest)
+    for v in values.values():
+        if isinstance(v, ShardedValue):
+            v.drop_loaded()  # home now: the tree holds nothing more
     writer.take_meta(meta)
+
+
+def _check_piece(values: dict[str, Any], tree: dict, n: StateName, span: tuple[int, int], shape: tuple, bad) -> None:
+    v = values[str(n)] = _lookup(tree, n)
+    if not isinstance(v, ShardedValue) or v.local_range != span or tuple(v.shape) != tuple(shape):
+        raise bad(f"{key(n)!r} is not this process's ShardedValue of it (elements [{span[0]}, {span[1]}))")
+    _check_loaded(v, str(n), bad)
+
+
+def _check_loaded(v: ShardedValue, name: str, bad) -> None:
+    if not v.filled:
+        raise bad(
+            f"{key(name)!r} was not filled by a dcp.load (its value lives off memory and is read when asked: "
+            f"NOTE [Streamed sharded values]); call dcp.load(sd, ...) on this very dict first"
+        )
 
 
 def _lookup(tree: dict, name: StateName) -> Any:
@@ -95,3 +242,8 @@ def _copy_pieces(values: dict[str, Any], parts: list[PartPieces], views: tuple[t
     for (part, _, mine), t in zip(parts, views):
         for p in mine:
             t[p.at : p.at + p.hi - p.lo].copy_(values[str(StateName(part, p.name))].local())
+
+
+def _copy_frozen(values: dict[str, Any], mine: list[Piece], chunk: torch.Tensor) -> None:
+    for p in mine:
+        chunk[p.at : p.at + p.hi - p.lo].copy_(values[str(StateName(FROZEN, p.name))].local())

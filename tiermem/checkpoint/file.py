@@ -39,7 +39,7 @@ import os
 import stat
 import struct
 import zlib
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import torch
 import xxhash
@@ -392,13 +392,14 @@ def load(state: ModelState, path: str) -> None:
         _load_file(state.writer, path)
 
 
-def sharded_state_dict(state: ModelState) -> dict:
-    """``tm.sharded_state_dict()`` (NOTE [Sharded values for DCP])."""
+def sharded_state_dict(state: ModelState, guard: Callable[[], None]) -> dict:
+    """``tm.sharded_state_dict()`` (NOTE [Sharded values for DCP]); ``guard()`` before each read
+    when DCP asks (NOTE [Streamed sharded values])."""
     from tiermem.checkpoint import (
         dcp_user as checkpoint_dcp_user,  # torch.distributed.checkpoint takes seconds to import
     )
 
-    return checkpoint_dcp_user.sharded_state_dict(state.reader)
+    return checkpoint_dcp_user.sharded_state_dict(state.reader, guard)
 
 
 def load_sharded(state: ModelState, tree: dict) -> None:

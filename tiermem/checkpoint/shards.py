@@ -39,7 +39,7 @@ tm.save wrote also holds ``tiermem_manifests``, the number of its manifests.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 
@@ -92,6 +92,15 @@ def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
 Source = Union[torch.Tensor, Callable[[], torch.Tensor]]
 
 
+class Streamed(Protocol):
+    """A source read from the model's home each time DCP asks (NOTE [Streamed sharded values]):
+    called, it gives the elements; ``forget()`` drops whatever it kept from an earlier read."""
+
+    def __call__(self) -> torch.Tensor: ...
+
+    def forget(self) -> None: ...
+
+
 class ShardedValue(torch.Tensor):
     """Elements ``[lo, hi)`` of a flattened tensor of ``shape``: what one process keeps of a
     parameter's fp32 state (NOTE [Sharded values for DCP]). ``local`` is those elements as a 1-d
@@ -104,6 +113,7 @@ class ShardedValue(torch.Tensor):
     _source: Source
     _boxes: list[Box]
     _at: dict[tuple[int, ...], int]
+    _held: Optional[torch.Tensor]  # what a dcp.load filled in, for a streamed source
 
     @staticmethod
     def __new__(
@@ -118,7 +128,7 @@ class ShardedValue(torch.Tensor):
         device: torch.device | str = "cpu",
     ) -> "ShardedValue":
         r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=torch.device(device))
-        r._name, r._lo, r._hi, r._source = name, lo, hi, local
+        r._name, r._lo, r._hi, r._source, r._held = name, lo, hi, local, None
         r._boxes = flat_boxes(tuple(shape), lo, hi)
         r._at = {offsets: i for i, (offsets, _, _) in enumerate(r._boxes)}
         return r
@@ -141,20 +151,40 @@ class ShardedValue(torch.Tensor):
         """``(lo, hi)``: which elements of the flattened tensor this process holds."""
         return self._lo, self._hi
 
+    @property
+    def _streamed(self) -> bool:
+        return hasattr(self._source, "forget")
+
     def local(self) -> torch.Tensor:
-        """This process's elements, flat (a view of the model's state where it lives in memory)."""
+        """This process's elements, flat: a view of the model's state where it lives in memory;
+        for a value read from its home when asked (NOTE [Streamed sharded values]), what a
+        ``dcp.load`` filled in, else a fresh read."""
+        if self._held is not None:
+            return self._held
+        if self._streamed:
+            self._source.forget()  # type: ignore[union-attr]  # _streamed: it has one
+        return self._current()
+
+    def _current(self) -> torch.Tensor:
         return self._source() if callable(self._source) else self._source
 
     def _box(self, i: int) -> torch.Tensor:
         _, sizes, start = self._boxes[i]
         begin = start - self._lo if math.prod(self.shape) else 0
-        return _own_storage(self.local()[begin : begin + math.prod(sizes)]).view(sizes)
+        flat = self._held if self._held is not None else self._current()
+        box = flat[begin : begin + math.prod(sizes)]
+        if self._streamed and self._held is None:  # a copy that owns its bytes: DCP may keep it a while
+            return box.clone().view(sizes)
+        return _own_storage(box).view(sizes)
 
     # -- the protocol DCP's planner calls (DTensor implements it too) ------------------------------
     def __create_write_items__(self, fqn: str, obj: Any) -> list:
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+        if self._streamed:  # a save reads the home as it is now, not what a read before kept
+            self._held = None
+            self._source.forget()  # type: ignore[union-attr]  # _streamed: it has one
         properties = TensorProperties(dtype=self.dtype)
         return [
             WriteItem(
@@ -162,13 +192,30 @@ class ShardedValue(torch.Tensor):
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape),
             )
-            for offsets, chunk in zip((o for o, _, _ in self._boxes), self.__create_chunk_list__())
+            for offsets, chunk in zip((o for o, _, _ in self._boxes), self._chunks())
         ]
 
     def __create_chunk_list__(self) -> list:
+        """DCP's load planner asks this (its save planner asks :meth:`__create_write_items__`): a
+        streamed value gets a buffer for the load to fill, held until ``tm.load_sharded_state_dict``."""
+        if self._streamed and self._held is None:
+            self._held = torch.empty(self._hi - self._lo, dtype=self.dtype, device=self.device)
+        return self._chunks()
+
+    def _chunks(self) -> list:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
         return [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes, _ in self._boxes]
+
+    @property
+    def filled(self) -> bool:
+        """Whether :meth:`local` gives values without reading the home: a view of the live state,
+        or what a ``dcp.load`` filled into a streamed value (NOTE [Streamed sharded values])."""
+        return self._held is not None or not self._streamed
+
+    def drop_loaded(self) -> None:
+        """Forget what a ``dcp.load`` filled in (it went home): a later read is of the home again."""
+        self._held = None
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         i = self._at.get(tuple(index.offset) if index.offset is not None else ())

@@ -18,7 +18,7 @@ import torch
 from tiermem.checkpoint import file as checkpoint
 from tiermem.checkpoint.save_pretrained import save_pretrained
 from tiermem.checkpoint.view import ModelState
-from tiermem.errors import ConfigError, add_note
+from tiermem.errors import ConfigError, TierMemError, add_note
 from tiermem.memory import deferred
 from tiermem.model import lifetime
 from tiermem.model.inference import Inference
@@ -119,14 +119,31 @@ class StateCalls:
         ``torch.distributed.checkpoint`` saves and loads at any world size (NOTE [Sharded values
         for DCP]): ``{"model": {name: ...}, "optim": {"state": {name: {"exp_avg": ...,
         "exp_avg_sq": ...}}}, "tiermem": <step counts, loss scale, hyperparameters as JSON>}``.
-        Values alias the model's state where it lives in memory (state on NVMe is copied into host
-        memory). ``dcp.save(tm.sharded_state_dict(), checkpoint_id=d)`` writes a checkpoint (without
-        tiermem's manifests, so ``tm.load(d)`` refuses it); ``sd = tm.sharded_state_dict();
+        Values alias the model's state where it lives in memory; state that does not (on NVMe, a
+        frozen base off the device or sharded over the ranks) is read from its home when DCP asks
+        for it, a bucket at a time, and a ``dcp.load`` fills buffers of its own (NOTE [Streamed
+        sharded values]). ``dcp.save(tm.sharded_state_dict(), checkpoint_id=d)`` writes a checkpoint
+        (without tiermem's manifests, so ``tm.load(d)`` refuses it); ``sd = tm.sharded_state_dict();
         dcp.load(sd, checkpoint_id=d); tm.load_sharded_state_dict(sd)`` loads one. ``tm.state_dict()``
         stays the whole weights."""
         state = self._settled("sharded_state_dict()")
         state.check_loaded("tm.sharded_state_dict()")
-        return checkpoint.sharded_state_dict(state)
+        steps = self.stepper.steps
+
+        def still() -> None:
+            """What the call checked, with nothing collective: each rank reads in its own order."""
+            call = "tm.sharded_state_dict() read by dcp"
+            self._life.check("state", call)
+            state.check_loaded(call)
+            self.stepper.recovery.check_whole(call)
+            if self.stepper.steps != steps:  # its meta (step counts) is the earlier step's
+                raise TierMemError(
+                    f"tiermem: this tm.sharded_state_dict() was taken at step {steps} and read at step "
+                    f"{self.stepper.steps}; its step counts are the earlier step's. Call tm.sharded_state_dict() "
+                    f"again just before dcp.save or dcp.load"
+                )
+
+        return checkpoint.sharded_state_dict(state, still)
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take back what :meth:`sharded_state_dict` gave, filled by ``dcp.load``: the state, the
