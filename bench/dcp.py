@@ -1,6 +1,7 @@
 """Checkpoints of 2 data-parallel ranks: the torch.distributed.checkpoint directory every rank writes
-its shards to (``tm.save``'s default under data parallelism) against the single file rank 0
-writes (``format="file"``, what earlier versions wrote), in one run.
+its shards to (``tm.save``'s default under data parallelism), and a user's own ``dcp.save`` /
+``dcp.load`` of ``tm.sharded_state_dict()`` ("user"), against the single file rank 0 writes
+(``format="file"``, what earlier versions wrote), in one run.
 
     python bench/dcp.py [--preset gpt50m] [--rounds 3] [--policy zero-offload|state-on-nvme] [--dir DIR]
 
@@ -19,6 +20,7 @@ Ratios come last.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import shutil
@@ -41,7 +43,9 @@ from tiermem.errors import fmt_bytes
 from tiermem.policies import ZeroOffload
 
 WORLD = 2
-FORMATS = ("file", "dcp")
+# user: your own dcp.save / dcp.load of tm.sharded_state_dict() (torch's FileSystemWriter: a file per
+# rank); user-files: the same with FileSystemWriter(single_file_per_rank=False), a file per tensor
+FORMATS = ("file", "dcp", "user", "user-files")
 
 
 class StateOnNvme(PerClass):
@@ -87,6 +91,7 @@ def measured(fn) -> tuple[float, int, int, int]:
     """(seconds of ``fn()`` on the slowest rank; this rank's peak resident bytes above those before
     it, bytes read and bytes written meanwhile)."""
     dist.barrier()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what an earlier measurement freed leaves the process first
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the high-water mark starts again from what is resident now
     before, io0 = _rss_kib("VmRSS"), _io()
@@ -111,6 +116,27 @@ def worker(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
         run(rank, args, root)
     finally:
         dist.destroy_process_group()
+
+
+def save(tm: TieredModel, path: str, fmt: str) -> None:
+    if not fmt.startswith("user"):
+        tm.save(path, format=fmt)
+        return
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(path, single_file_per_rank=fmt == "user")
+    dcp.save(tm.sharded_state_dict(), storage_writer=writer)
+
+
+def load(tm: TieredModel, path: str, fmt: str) -> None:
+    if not fmt.startswith("user"):
+        tm.load(path)
+        return
+    import torch.distributed.checkpoint as dcp
+
+    sd = tm.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    tm.load_sharded_state_dict(sd)
 
 
 def run(rank: int, args: argparse.Namespace, root: str) -> None:
@@ -145,13 +171,13 @@ def run(rank: int, args: argparse.Namespace, root: str) -> None:
         order = FORMATS if r % 2 == 0 else FORMATS[::-1]
         for fmt in order:
             path = os.path.join(root, f"ck.{fmt}")
-            seconds, peak, _, written = measured(lambda: tm.save(path, format=fmt))
+            seconds, peak, _, written = measured(lambda: save(tm, path, fmt))
             save_s[fmt].append(seconds)
             peaks[fmt].append(peak)
             io[fmt] = (0, written)
         for fmt in order:
             path = os.path.join(root, f"ck.{fmt}")
-            seconds, _, read, _ = measured(lambda: tm.load(path))
+            seconds, _, read, _ = measured(lambda: load(tm, path, fmt))
             load_s[fmt].append(seconds)
             io[fmt] = (read, io[fmt][1])
         say(
@@ -201,11 +227,12 @@ def run(rank: int, args: argparse.Namespace, root: str) -> None:
     print(f"dcp load / file load:                    {med['dcp'][1] / med['file'][1]:5.2f}x")
     most = {f: max(i[f][0] for i in all_io) for f in FORMATS}
     print(f"bytes a rank reads to load, dcp / file:  {most['dcp'] / most['file']:5.2f}x")
-    for r in range(WORLD):
-        print(
-            f"rank {r} save peak host memory, dcp / file: {all_peaks[r]['dcp'] / max(1, all_peaks[r]['file']):5.2f}x "
-            f"(/ one bucket's state: {all_peaks[r]['dcp'] / (12 * largest):.2f}x)"
-        )
+    for f in FORMATS[1:]:
+        for r in range(WORLD):
+            print(
+                f"rank {r} save peak host memory, {f} / file: {all_peaks[r][f] / max(1, all_peaks[r]['file']):5.2f}x "
+                f"(/ one bucket's state: {all_peaks[r][f] / (12 * largest):.2f}x)"
+            )
 
 
 def main() -> None:

@@ -10,21 +10,24 @@ writes it from where it lives, a ``dcp.load`` fills it in place, as FSDP2's DTen
 that does not (optimizer state on NVMe; a frozen base off the device, or sharded over the ranks)
 cannot be handed back whole: for a model bigger than the machine that is the whole point. Those
 values hold nothing when returned. Each is a ShardedValue whose source reads its home when DCP
-asks: the save planner's ``__create_write_items__`` clears what a source kept, then the writer
+asks: the save planner's ``__create_write_items__`` drops what a source kept, then the writer
 resolves one box at a time; the first box of a bucket reads that bucket's part of this process
-(a private copy, so a step or another read in between cannot change what it holds) and each box
-DCP gets is a copy of its own bytes (torch's writer on a CUDA host resolves up to 10 MB ahead, in
-size order). So a save holds one bucket's local state and the boxes in flight, and reads each
-bucket once per pass over it: DCP's plan writes the weights, then the moments, so twice, where
-``tm.save`` reads once. Out of order (a writer that sorts), it reads a bucket again where it
-comes back to it: slower, never more memory. The load planner's ``__create_chunk_list__`` gives
-each such value a buffer for DCP to fill, held until ``tm.load_sharded_state_dict`` checks the
-tree whole and sends it home bucket by bucket, then drops it; so a load holds this process's
-share of that state while the user's ``dcp.load`` runs (``tm.load`` of a directory ``tm.save``
-wrote holds one bucket). Each read first checks what ``tm.sharded_state_dict()`` checked (no
-step half done, no failed load, no step since), and so does each read of a view of the live state:
-the tree's step counts (its ``tiermem`` entry) are those of the call, so a save after a step
-would pair them with the next step's state.
+into the home's own buffer set (no new memory), and each box DCP gets is a copy of its own bytes,
+because a writer may keep it past the next read (torch's on a CUDA host resolves 10 MB ahead, in
+size order). What the writer keeps is its business: torch's ``FileSystemWriter`` keeps every
+tensor of a file until the file is written, so with its default of one file per rank a save
+holds this process's share of that state (as it did when this call copied it all), and with
+``single_file_per_rank=False`` (a file per tensor) one tensor; ``tm.save`` hands DCP views of the
+buffer set and holds nothing. Each bucket is read once per pass over it: DCP's plan writes the
+weights, then the moments, so twice, where ``tm.save`` reads once; a writer that reorders reads a
+bucket again where it comes back to it. The load planner's ``__create_chunk_list__`` gives each
+such value a buffer for DCP to fill, held until ``tm.load_sharded_state_dict`` checks the tree
+whole and sends it home bucket by bucket, then drops it; so a load holds this process's share of
+that state while the user's ``dcp.load`` runs (``tm.load`` of a directory ``tm.save`` wrote
+holds one bucket). Each read first checks what ``tm.sharded_state_dict()`` checked (no step half
+done, no failed load, no step since), and so does each read of a view of the live state: the
+tree's step counts (its ``tiermem`` entry) are those of the call, so a save after a step would
+pair them with the next step's state. The checks are local: each rank reads in its own order.
 """
 
 from __future__ import annotations
@@ -47,11 +50,13 @@ Parts = tuple[torch.Tensor, ...]
 
 
 class _OneAtATime:
-    """This process's part of one bucket (or one frozen chunk) at a time, copied out of its home
-    when a piece of it is first asked for (NOTE [Streamed sharded values])."""
+    """This process's part of one bucket (or one frozen chunk) at a time, read from its home when a
+    piece of it is first asked for (NOTE [Streamed sharded values]). ``copy``: copied out and the
+    home's buffer released at once (a frozen chunk, read into a buffer of its own); else the home's
+    own buffer set, valid until its next read (optimizer state)."""
 
-    def __init__(self, read: Callable[[int], Parts], reader: StateReader, guard: Callable[[], None]):
-        self._read, self._reader, self._guard = read, reader, guard
+    def __init__(self, read: Callable[[int], Parts], reader: StateReader, guard: Callable[[], None], *, copy: bool):
+        self._read, self._reader, self._guard, self._copy = read, reader, guard, copy
         self._index, self._parts = -1, ()  # type: tuple[int, Parts]
 
     def forget(self) -> None:
@@ -61,10 +66,13 @@ class _OneAtATime:
         if self._index != index:
             self.forget()  # the previous bucket goes before the next is read
             self._guard()
-            try:
-                self._parts = tuple(t.to("cpu", copy=True) for t in self._read(index))
-            finally:
-                self._reader.release()
+            if self._copy:
+                try:
+                    self._parts = tuple(t.to("cpu", copy=True) for t in self._read(index))
+                finally:
+                    self._reader.release()
+            else:
+                self._parts = self._read(index)
             self._index = index
         return self._parts[part]
 
@@ -123,7 +131,7 @@ def sharded_state_dict(reader: StateReader, guard: Callable[[], None]) -> dict[s
     this process's pieces, the others whole (read when asked), the buffers the module's own.
     ``guard()`` refuses a read the call itself would have refused. Reads nothing."""
     core = reader.core
-    state = _OneAtATime(reader.read_local, reader, guard)
+    state = _OneAtATime(reader.read_local, reader, guard, copy=False)
 
     def source(index: int, part: int, p: Piece) -> Any:
         if not reader.resident(index):
@@ -131,7 +139,7 @@ def sharded_state_dict(reader: StateReader, guard: Callable[[], None]) -> dict[s
         views = reader.read_local(index)  # the live state: nothing read or kept
         return _Live(views[part][p.at : p.at + p.hi - p.lo], guard)
 
-    chunks = _OneAtATime(lambda index: (reader.read_frozen(index),), reader, guard)
+    chunks = _OneAtATime(lambda index: (reader.read_frozen(index),), reader, guard, copy=True)
     values: dict[str, Any] = {}
     for index, mine in core.pieces():
         for part_index, (part, dtype, of_part) in enumerate(core.part_pieces(index, mine)):

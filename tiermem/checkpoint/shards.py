@@ -158,11 +158,12 @@ class ShardedValue(torch.Tensor):
     def local(self) -> torch.Tensor:
         """This process's elements, flat: a view of the model's state where it lives in memory;
         for a value read from its home when asked (NOTE [Streamed sharded values]), what a
-        ``dcp.load`` filled in, else a fresh read."""
+        ``dcp.load`` filled in, else a copy read now."""
         if self._held is not None:
             return self._held
         if self._streamed:
             self._source.forget()  # type: ignore[union-attr]  # _streamed: it has one
+            return self._current().clone()  # the home's buffers are the next read's
         return self._current()
 
     def _current(self) -> torch.Tensor:
