@@ -346,7 +346,7 @@ def _rank_dcp(rank, world, tmp, solo_path):
     out["from one"] = one.state_dict()
     _train(one, rank, world, range(1, 2))
     out["from one on"] = one.state_dict()
-    copies = []  # an fp32 base trained in bf16: its fp32 host copies, whole on every rank, are its values
+    copies = []  # an fp32 base trained in bf16: its fp32 copies, each rank keeping its pieces, are its values
     for tag in ("mixed", "mixed-back"):
         os.makedirs(os.path.join(tmp, f"{tag}{rank}"), exist_ok=True)
         copies.append(
@@ -384,7 +384,7 @@ def test_dcp_of_a_sharded_frozen_base_loads_at_two_ranks_and_trains_on(z3_dcp):
         assert _same(r["saved"], r["loaded"])  # the loaded model trained on bit for bit
     assert _same(ranks[0]["loaded"], ranks[1]["loaded"])
     assert _same(ranks[0]["other"], ranks[1]["other"])
-    for r in ranks:  # frozen parameters with a host copy: written whole by rank 0, as before
+    for r in ranks:  # frozen parameters with an fp32 copy: each rank's pieces of it, in fp32
         assert _same(*r["copies"])
 
 

@@ -19,10 +19,11 @@ NOTE [Checkpoint directories]. Here, the flow:
   runs]); then, bucket by bucket, each rank reads the pieces it keeps now (one ``dcp.load`` of
   that bucket's pieces through those descriptors, no collective inside, straight into the home's
   buffers) and sends the bucket's weights home; then each frozen bucket sharded over the ranks
-  (its pieces into a copy of this rank's chunk, which goes home), the other frozen parameters
-  and the buffers. A read that fails is kept until the last bucket (each bucket's collectives
-  still run), then every rank raises the first failing rank's error and the model refuses to
-  compute until a load succeeds (NOTE [A failed load is guarded]).
+  (its pieces into a copy of this rank's chunk, which goes home; a parameter's that keeps a copy
+  in its own dtype into this rank's piece of that copy, and rounded into the chunk), the other
+  frozen parameters and the buffers. A read that fails is kept until the last bucket (each
+  bucket's collectives still run), then every rank raises the first failing rank's error and the
+  model refuses to compute until a load succeeds (NOTE [A failed load is guarded]).
 
 Every failure, DCP's ``CheckpointException`` (a ``BaseException``) included, leaves as a
 ``tiermem:`` error (an ``Exception``) on every rank, after the clean-up.
@@ -160,7 +161,7 @@ def load(writer: StateWriter, path: str) -> None:
                 )
             writer.release()
             for index, mine in core.frozen_pieces():
-                writer.load_frozen(index, guarded(functools.partial(_read_frozen, reader, core.dtype, mine)))
+                writer.load_frozen(index, guarded(functools.partial(_read_frozen, reader, mine)))
             rest = writer.rest(pieces=True)
             guarded(_load)(reader, {key(name): t for name, t in rest.items()})
             error = same_error(core.group, failed[0] if failed else None)
@@ -170,11 +171,12 @@ def load(writer: StateWriter, path: str) -> None:
     writer.take_meta(meta)
 
 
-def _read_frozen(reader: Reader, dtype: torch.dtype, pieces: list[Piece], chunk: torch.Tensor) -> None:
+def _read_frozen(reader: Reader, pieces: list[Piece], targets: dict[str, torch.Tensor]) -> None:
+    """This process's ``pieces`` of a frozen bucket read into ``targets`` (:meth:`StateWriter.load_frozen`)."""
     values = {}
     for p in pieces:
-        k = key(StateName(FROZEN, p.name))
-        values[k] = ShardedValue(k, p.shape, p.lo, p.hi, chunk[p.at : p.at + p.hi - p.lo], dtype=dtype)
+        k, t = key(StateName(FROZEN, p.name)), targets[p.name]
+        values[k] = ShardedValue(k, p.shape, p.lo, p.hi, t, dtype=t.dtype)
     if values:
         _load(reader, values)
 

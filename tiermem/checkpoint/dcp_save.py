@@ -200,13 +200,22 @@ def _publish(core: StateCore, tmp: str, path: str) -> None:
 
 def frozen_pieces(core: StateCore, source: Callable[[int, Piece], Any]) -> dict[str, ShardedValue]:
     """The pieces of the frozen parameters sharded over the ranks this process keeps, by tiermem
-    name, in bucket order (NOTE [Frozen weights sharded over the ranks])."""
+    name, in bucket order, each in its own dtype (NOTE [Frozen weights sharded over the ranks]):
+    ``source(index, piece)`` gives those of its working copy in chunk ``index``; a parameter that
+    keeps a copy in its own dtype gives its piece of that copy, read from its tier when DCP
+    writes it."""
+    frozen = core.layout.frozen
     out: dict[str, ShardedValue] = {}
     for index, mine in core.frozen_pieces():
         for p in mine:
             name = StateName(FROZEN, p.name)
-            out[str(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, source(index, p), dtype=core.dtype)
+            local = functools.partial(_copy_piece, frozen, p.name) if frozen.keeps_copy(p.name) else source(index, p)
+            out[str(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=core.frozen_dtype(p.name))
     return out
+
+
+def _copy_piece(frozen: Any, name: str) -> torch.Tensor:
+    return frozen.copy_piece(name)[0]
 
 
 class _OneChunk:

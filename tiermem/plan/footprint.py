@@ -53,7 +53,8 @@ model as a whole:
   tiermem/train/weights/frozen.py); under data
   parallelism those sharded over the ranks (NOTE [Frozen weights sharded over the ranks]) are
   buckets of their own (``sharded_frozen``): a rank keeps ``w*ceil(n/world)`` of each, one buffer
-  on the host, and they are gathered like the trainable ones below (the host copy stays whole);
+  on the host, and they are gathered like the trainable ones below (a copy in their own dtype is
+  sharded too: a rank keeps its chunk's elements of it, a buffer each, on the copy's tier);
 - grads in flight on the device: autograd makes each grad there, in the working precision, and it
   leaves for its home once complete; when the device budget is tight the next one waits until
   those in flight have landed, so the device needs room for at least the largest parameter's grad;

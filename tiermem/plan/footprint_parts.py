@@ -280,14 +280,24 @@ def weight_staging(need: Footprint, lay: Layout, buckets: Sequence[Bucket]) -> N
 
 
 def sharded_frozen_weights(need: Footprint, lay: Layout, sharded_frozen: Sequence[Bucket]) -> None:
-    """NOTE [Frozen weights sharded over the ranks]: this rank's chunk, one buffer, and a copy
-    whole on each rank where one is kept (NOTE [Frozen weights keep one copy])."""
+    """NOTE [Frozen weights sharded over the ranks]: this rank's chunk, one buffer, and where a
+    parameter keeps a copy in its own dtype (NOTE [Frozen weights keep one copy]) this rank's
+    piece of it, the chunk's elements, one buffer each, on the copy's tier (the pieces of the
+    rank that keeps the most: the same figure on every rank)."""
     for b in sharded_frozen:
         n = lay.chunk(b) * lay.w
         add(need, b.param_tier, FROZEN_WEIGHTS, n, buffers=[n] if b.param_tier == Tier.HOST else ())
-        for s in b.slots:
-            if keeps_copy(s.param.dtype, lay.dtype, True):
-                add_each(need, Tier.HOST, FROZEN_COPY, s.numel * s.param.element_size())
+        copied = [s for s in b.slots if keeps_copy(s.param.dtype, lay.dtype, True)]
+        if not copied:
+            continue
+        size, tier = lay.chunk(b), copy_tier(b.param_tier)
+        ranks = []
+        for r in range(lay.world):
+            lo, hi = min(r * size, b.numel), min((r + 1) * size, b.numel)  # rank r's chunk
+            spans = [(max(lo, s.offset), min(hi, s.offset + s.numel), s.param.element_size()) for s in copied]
+            ranks.append([(last - first) * each for first, last, each in spans if first < last])
+        pieces = max(ranks, key=lambda p: sum(map(host_buffer_bytes, p)) if tier == Tier.HOST else sum(p))
+        add(need, tier, FROZEN_COPY, sum(pieces), buffers=pieces if tier == Tier.HOST else ())
 
 
 def gathers(

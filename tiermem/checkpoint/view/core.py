@@ -137,12 +137,20 @@ class StateCore:
 
     def frozen_pieces(self) -> list[tuple[int, list[Piece]]]:
         """Like :meth:`pieces`, for the frozen buckets sharded over the ranks (NOTE [Frozen weights
-        sharded over the ranks]): the pieces of the frozen parameters whose value is their working
-        copy this process keeps (``at``: in its chunk); none in one process or under ZeRO-2."""
+        sharded over the ranks]): the pieces of their parameters this process keeps (``at``: in
+        its chunk; a parameter that keeps a copy in its own dtype keeps the same piece of it,
+        which is its value: :meth:`frozen_dtype`); none in one process or under ZeRO-2."""
         return [(index, [Piece(*p) for p in mine]) for index, mine in self.layout.frozen.local_pieces()]
 
+    def frozen_dtype(self, name: str) -> torch.dtype:
+        """The dtype a checkpoint holds frozen parameter ``name`` in: its own (NOTE [Frozen weights
+        keep one copy]: its working copy's where they agree, else its copy's)."""
+        return self.layout.frozen.meta(name)[1]
+
     def whole_frozen(self, *, pieces: bool) -> list[str]:
-        """The frozen parameters a checkpoint holds whole, by name (``frozen/<param>``): with ``pieces``, those sharded over the ranks are left out (read and written as
-        :meth:`frozen_pieces`: NOTE [Frozen weights sharded over the ranks])."""
+        """The frozen parameters a checkpoint holds whole, by name (``frozen/<param>``): with
+        ``pieces``, those sharded over the ranks are left out (read and written as
+        :meth:`frozen_pieces`, their copies in their own dtype too: NOTE [Frozen weights sharded
+        over the ranks])."""
         frozen = self.layout.frozen
         return [n for n in frozen if not (pieces and frozen.collective(n))]

@@ -159,16 +159,32 @@ class StateWriter:
         home.store_local(b, views)
         homes.weights[index].load(b, home.whole_master(b, views[0]), homes.compute_tier(b))
 
-    def load_frozen(self, index: int, fill: Callable[[torch.Tensor], None]) -> None:
+    def load_frozen(self, index: int, fill: Callable[[dict[str, torch.Tensor]], None]) -> None:
         """Replace this process's pieces of frozen bucket ``index`` (:meth:`StateCore.frozen_pieces`)
-        with what ``fill(chunk)`` writes into a host copy of its chunk; no communication."""
+        with what ``fill(targets)`` writes into ``targets``: by parameter name, a flat tensor of
+        its piece's ``hi - lo`` elements in the dtype a checkpoint holds it in (its own:
+        :meth:`StateCore.frozen_dtype`). A piece of a parameter whose value is its working copy
+        is a view of a host copy of the chunk; one of a parameter that keeps a copy in its own
+        dtype becomes this rank's piece of that copy, and its chunk's elements rounded from it.
+        No communication."""
         frozen = self.core.layout.frozen
+        pieces = dict(self.core.frozen_pieces())[index]
         chunk, release = frozen.read_local(index)
         try:
             chunk = chunk.to("cpu", copy=True)
         finally:
             release()
-        fill(chunk)
+        targets = {
+            p.name: torch.empty(p.hi - p.lo, dtype=self.core.frozen_dtype(p.name))
+            if frozen.keeps_copy(p.name)
+            else chunk[p.at : p.at + p.hi - p.lo]
+            for p in pieces
+        }
+        fill(targets)
+        for p in pieces:
+            if frozen.keeps_copy(p.name):
+                frozen.write_copy(p.name, targets[p.name])
+                chunk[p.at : p.at + p.hi - p.lo].copy_(targets[p.name])  # as :meth:`FrozenParams.write` rounds
         frozen.write_local(index, chunk)
 
     def rest(self, *, pieces: bool = False) -> dict[str, torch.Tensor]:
@@ -203,8 +219,8 @@ class StateWriter:
                 b, s = slots[name]
                 by_bucket.setdefault(b.index, [b]).append((s, value))
             elif layout.frozen.keeps_copy(name):  # else the working copy is its value: already home
-                copy = layout.frozen.value(name)  # the host copy itself, or read from NVMe
-                if _take(copy, value):
+                copy, lo, hi = layout.frozen.copy_piece(name)  # this rank's elements: nothing gathered
+                if _take(copy, value.reshape(-1)[lo:hi]):
                     layout.frozen.write_copy(name, copy)
         homes = layout.homes
         try:

@@ -15,9 +15,12 @@
 # parameter at a time into a fresh tensor by those reads; beside one on the host or the device, on
 # the host. So a model fine-tuned with its base weights on NVMe holds none of them in host memory
 # between uses, bf16 or fp32; an fp32 one homed on the host or the device holds 4 bytes per frozen
-# parameter there. The footprint counts the copies on their tier (``FROZEN_COPY``) and a log line
-# names them once, with where they are. Trained weights with a bf16 master keep one copy the same
-# way (NOTE [One copy of bf16 master weights] in tiermem/train/weights/param_offload.py).
+# parameter there (under data parallelism, 4/N where the working copy is sharded over the N ranks:
+# the copy is sharded with it, NOTE [Frozen weights sharded over the ranks]). The copies live in
+# tiermem/train/weights/frozen_copies.py. The footprint counts the copies on their tier
+# (``FROZEN_COPY``) and a log line names them once, with where they are. Trained weights with a
+# bf16 master keep one copy the same way (NOTE [One copy of bf16 master weights] in
+# tiermem/train/weights/param_offload.py).
 
 # NOTE [Frozen weights sharded over the ranks]
 # Under data parallelism the frozen parameters whose working weights would be sharded if they
@@ -31,16 +34,22 @@
 # schedule, lookahead and per-op reads (forward, a forward recomputed by checkpointing, backward's
 # formulas), and freed after use. The chunks are cut from rank 0's values at construction (one
 # broadcast per bucket), as the trainable masters are, or from a checkpoint's (``weights=``): the
-# same on every rank, each reading its chunk, no broadcast (NOTE [Models on the meta device]). Their
-# values are read by gathering (:meth:`FrozenParams.value`: collective, so every rank reads the
-# same frozen parameters in the same order: a single-file checkpoint, ``state_dict()``,
-# ``detach()``, ``sharded_state_dict()``),
-# written by each rank into its own piece (:meth:`FrozenParams.write`, a single file's load). A
-# DCP directory gathers nothing: each rank hands DCP its own pieces of them, read from its chunk
-# at home one bucket at a time, and reads back into its chunk the pieces it keeps now
-# (:meth:`FrozenParams.local_pieces`, NOTE [Sharded values for DCP]), so its save and load hold
-# one chunk of the base at a time, never all of it. A host copy in the parameter's own dtype
-# (above) stays whole on every rank (a DCP directory has it whole, from rank 0). Frozen weights
+# same on every rank, each reading its chunk, no broadcast (NOTE [Models on the meta device]).
+# A parameter that keeps a copy in its own dtype (above: an fp32 base trained in bf16) keeps it
+# sharded the same way (:class:`~tiermem.train.weights.frozen_copies.ShardedCopy`): each rank its
+# chunk's elements of it, in that dtype, on the copy's tier (copy_tier of its chunk's home: NVMe
+# beside a chunk on NVMe, else the host), cut from the same values (rank 0's, broadcast bit for bit
+# in that dtype, or the checkpoint's, each rank reading its piece), the chunk's elements rounded
+# from them; nothing of it stays whole on a rank. Their values are read by gathering
+# (:meth:`FrozenParams.value`: the working copy's bucket, or the copy's pieces, as bytes: collective,
+# so every rank reads the same frozen parameters in the same order: a single-file checkpoint,
+# ``state_dict()``, ``detach()``, ``sharded_state_dict()``), written by each rank into its own
+# pieces (:meth:`FrozenParams.write`, a single file's load; a resident block's write, into its piece
+# of the copy: :meth:`FrozenParams.copy_piece`). A DCP directory gathers nothing: each rank hands DCP
+# its own pieces of them, read from its chunk at home one bucket at a time, or from its piece of
+# the copy, in the parameter's own dtype, and reads back the pieces it keeps now into its chunk and
+# its pieces of the copies (:meth:`FrozenParams.local_pieces`, NOTE [Sharded values for DCP]), so
+# its save and load hold one chunk of the base at a time, never all of it. Frozen weights
 # on the device without ``shard_weights``, and frozen parameters that are not floating point,
 # stay replicated (ZeRO-2); in one process nothing is sharded. Unfreezing one under data
 # parallelism is refused (NOTE [Freezing and unfreezing]).
@@ -48,18 +57,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
-from tiermem.errors import StoreError
 from tiermem.memory.base import Store
 from tiermem.memory.resident import MemoryStore
 from tiermem.plan.buckets import Bucket, Slot
 from tiermem.plan.footprint import copy_tier, keeps_copy
-from tiermem.train.homes.store_keys import Part, StoreKey
+from tiermem.train.weights.frozen_copies import HostCopy, NvmeCopy, ShardedCopy, copy_key
 from tiermem.train.weights.gathered import GatheredWeights
 from tiermem.train.weights.materialize import Values
 from tiermem.train.weights.offdevice import point
@@ -70,67 +78,6 @@ from tiermem.types import TensorClass, Tier
 log = logging.getLogger("tiermem")
 
 __all__ = ["FrozenParams", "copy_key"]
-
-
-def copy_key(name: str) -> str:
-    """The key of frozen parameter ``name``'s copy in its own dtype, in the store of its tier (in
-    the device store the same key is its working copy)."""
-    return str(StoreKey(name, Part.FROZEN))
-
-
-class HostCopy:
-    """A frozen parameter's copy in its own dtype in host memory (NOTE [Frozen weights keep one
-    copy]): a buffer of the host store, read and written in place."""
-
-    tier = Tier.HOST
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
-    def read(self, *, own: bool = False) -> torch.Tensor:
-        return self.tensor.clone() if own else self.tensor
-
-    def target(self) -> torch.Tensor:
-        return self.tensor
-
-    def write(self, value: torch.Tensor) -> None:
-        if value is not self.tensor:
-            self.tensor.copy_(value)
-
-
-class NvmeCopy:
-    """A frozen parameter's copy in its own dtype on NVMe, under :func:`copy_key` (NOTE [Frozen
-    weights keep one copy]): each read is a fresh host tensor nothing else holds, each write waits
-    until it landed."""
-
-    tier = Tier.NVME
-
-    def __init__(self, store: Store, name: str, shape: tuple[int, ...], dtype: torch.dtype):
-        self.store, self.name, self.shape, self.dtype = store, name, shape, dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def read(self, *, own: bool = False) -> torch.Tensor:
-        out = self.target()
-        try:
-            self.store.read(copy_key(self.name), out).wait()
-        except StoreError as e:
-            dtype = str(self.dtype).removeprefix("torch.")
-            why = str(e).removeprefix("tiermem: ")  # it names the file and what to change
-            raise StoreError(f"tiermem: the {dtype} copy of frozen parameter {self.name!r}: {why}") from e
-        return out
-
-    def target(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype)
-
-    def write(self, value: torch.Tensor) -> None:
-        self.store.write(copy_key(self.name), value.to("cpu", self.dtype), TensorClass.PARAM).wait()
 
 
 class FrozenParams:
@@ -150,7 +97,8 @@ class FrozenParams:
         self._off = off_device
         self._sharded = sharded
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # in the order placed
-        self._copies: dict[str, HostCopy | NvmeCopy] = {}  # name -> its copy in its own dtype
+        self._copies: dict[str, HostCopy | NvmeCopy | ShardedCopy] = {}  # name -> its copy in its own dtype
+        self._stores: Mapping[Tier, Store] = {}  # where copies go, as :meth:`place` was given them
 
     # -- building ------------------------------------------------------------------------------------
     def place(
@@ -168,16 +116,15 @@ class FrozenParams:
         ``value``: gives its first value, called only where it is needed here (NOTE [Models on the
         meta device]); default: its own."""
         self._meta[name] = (tuple(p.shape), p.dtype)
-        target = dtype if p.is_floating_point() else p.dtype
-        copied = keeps_copy(p.dtype, target, p.is_floating_point())
-        if self._in_shards(name) and not copied:
-            return  # its bucket's chunk is cut by :meth:`shard`, once every frozen parameter is here
-        first = (p.detach() if value is None else value()).to(p.dtype)
-        if copied:
-            self._copies[name] = self._new_copy(name, p, stores)
-            self._copies[name].write(first)
         if self._in_shards(name):
+            self._stores = stores  # its bucket's chunk, and its copy's piece, are cut by :meth:`shard`
             return
+        target = dtype if p.is_floating_point() else p.dtype
+        first = (p.detach() if value is None else value()).to(p.dtype)
+        if keeps_copy(p.dtype, target, p.is_floating_point()):
+            home = self._off.homes[name] if self._off is not None and name in self._off.homes else Tier.HOST
+            self._copies[name] = self._room(name, tuple(p.shape), p.dtype, copy_tier(home), stores)
+            self._copies[name].write(first)
         if self._is_off(name):
             assert self._off is not None
             self._off.adopt(name, first.to(dtype=target, copy=True))
@@ -186,60 +133,90 @@ class FrozenParams:
             assert isinstance(on_device, MemoryStore)
             point(p, on_device.adopt(copy_key(name), first.to(device=device, dtype=target), TensorClass.PARAM))
 
-    def _new_copy(self, name: str, p: torch.nn.Parameter, stores: Mapping[Tier, Store]) -> HostCopy | NvmeCopy:
-        """Room for ``p``'s copy in its own dtype: on NVMe beside a working copy homed there (not
-        when sharded over the ranks: NOTE [Frozen weights sharded over the ranks]), else on the host."""
-        home = Tier.HOST
-        if self._is_off(name) and not self._in_shards(name):
-            assert self._off is not None
-            home = self._off.homes[name]
-        if copy_tier(home) == Tier.NVME:
-            return NvmeCopy(stores[Tier.NVME], name, tuple(p.shape), p.dtype)
+    @staticmethod
+    def _room(
+        name: str, shape: tuple[int, ...], dtype: torch.dtype, tier: Tier, stores: Mapping[Tier, Store]
+    ) -> HostCopy | NvmeCopy:
+        """Room for ``shape`` elements of ``name``'s copy in its own dtype on ``tier`` (host or NVMe)."""
+        if tier == Tier.NVME:
+            return NvmeCopy(stores[Tier.NVME], name, shape, dtype)
         host = stores[Tier.HOST]
         assert isinstance(host, MemoryStore)
-        return HostCopy(host.allocate(copy_key(name), p.shape, p.dtype, TensorClass.PARAM))
+        return HostCopy(host.allocate(copy_key(name), shape, dtype, TensorClass.PARAM))
 
     def shard(self, buckets: list[Bucket], group: Group, dtype: torch.dtype, given: Optional[Values] = None) -> None:
-        """Each frozen bucket's chunk at home, from rank 0's values (NOTE [Frozen weights sharded
-        over the ranks]); its parameters become OffDeviceWeights. Collective unless the values are
-        the same on every rank (a checkpoint's): then each rank reads its chunk's elements alone.
+        """Each frozen bucket's chunk at home, and this rank's pieces of the copies its parameters
+        keep in their own dtype, from rank 0's values (NOTE [Frozen weights sharded over the
+        ranks]); its parameters become OffDeviceWeights. Collective unless the values are the same
+        on every rank (a checkpoint's): then each rank reads its chunk's elements alone.
         ``given``: where the values come from (NOTE [Models on the meta device]); default: the
         parameters' own."""
         for b in buckets:
             assert self._sharded is not None and b.frozen
+            copies = self._sharded_copies(b, group, dtype)
             if given is not None and given.agreed:
                 values = torch.empty(b.numel, dtype=dtype)  # the chunk filled, the rest unread
                 for s, first, last in b.slots_within(*self._sharded.initial_span(b)):
                     out = values[s.offset + first : s.offset + last]
-                    kept = self._copies.get(s.name)
-                    if isinstance(kept, HostCopy):  # read once already, for its copy
-                        out.copy_(kept.tensor.reshape(-1)[first:last])
+                    if s.name in copies:  # its piece read in its own dtype, the chunk's rounded from it
+                        piece = torch.empty(last - first, dtype=copies[s.name].dtype)
+                        given.param_into(s.name, s.param, piece, first)
+                        copies[s.name].write_piece(piece)
+                        out.copy_(piece)
                     else:
                         given.param_into(s.name, s.param, out, first)
             else:
-                values = torch.cat([self._first_value(s, given).reshape(-1).to("cpu", dtype) for s in b.slots])
+                firsts = [self._first_value(s, given) for s in b.slots]  # whole: this bucket's only
+                values = torch.cat([f.reshape(-1).to("cpu", dtype) for f in firsts])
                 group.broadcast_(values)  # every rank starts from rank 0's weights
+                kept = [(copies[s.name], f) for s, f in zip(b.slots, firsts) if s.name in copies]
+                if kept:  # and from rank 0's copies, bit for bit
+                    raw = group.broadcast_(torch.cat([f.to("cpu").reshape(-1).view(torch.uint8) for _, f in kept]))
+                    at = 0
+                    for copy, f in kept:
+                        copy.write(raw[at : at + f.numel() * f.element_size()].clone().view(copy.dtype))  # aligned
+                        at += f.numel() * f.element_size()
+            self._copies.update(copies)
             self._sharded.initialize(b, values)
 
+    def _sharded_copies(self, b: Bucket, group: Group, dtype: torch.dtype) -> dict[str, ShardedCopy]:
+        """Room for this rank's pieces of the copies that frozen bucket ``b``'s parameters of
+        another dtype than ``dtype`` keep: its chunk's elements of each, on the copy's tier."""
+        assert self._sharded is not None
+        c = self._sharded.chunks[b.index]
+        out = {}
+        for s in b.slots:
+            shape, own = self._meta[s.name]
+            if not keeps_copy(own, dtype, s.param.is_floating_point()):
+                continue
+            spans = [dataclasses.replace(c, rank=r).overlap(s.offset, s.numel) for r in range(c.world)]
+            spans = [(lo - s.offset, hi - s.offset) for lo, hi in spans]
+            lo, hi = spans[c.rank]
+            tier = copy_tier(self._sharded.homes[s.name])
+            piece = self._room(s.name, (hi - lo,), own, tier, self._stores) if hi > lo else None
+            out[s.name] = ShardedCopy(piece, tier, shape, own, spans, group)
+        return out
+
     def _first_value(self, s: Slot, given: Optional[Values]) -> torch.Tensor:
-        """A frozen parameter's value as built: its host copy when it has one (read once already,
-        for the copy: a module's own initialization is not run twice), else where it comes from."""
-        kept = self._copies.get(s.name)
-        if isinstance(kept, HostCopy):
-            return kept.tensor
-        return s.param.detach() if given is None else given.param(s.name, s.param)
+        """A frozen parameter's value as built, in its own dtype, whole: from where it comes."""
+        first = s.param.detach() if given is None else given.param(s.name, s.param)
+        return first.to(self._meta[s.name][1])
 
     def log_copies(self) -> None:
         if self._copies:
             dtypes = sorted({str(self._meta[n][1]).removeprefix("torch.") for n in self._copies})
             where = {Tier.HOST: "on the host", Tier.NVME: "on NVMe"}
             held = {t: sum(c.nbytes for c in self._copies.values() if c.tier == t) for t in where}
+            sharded = [c for c in self._copies.values() if isinstance(c, ShardedCopy)]
             log.info(
-                "tiermem: %d frozen parameters keep a %s copy beside their working copy (%s): load the "
+                "tiermem: %d frozen parameters keep a %s copy beside their working copy (%s%s): load the "
                 "model in the working precision to keep one copy only",
                 len(self._copies),
                 "/".join(dtypes),
-                ", ".join(f"{n / 2**30:.2f} GiB {where[t]}" for t, n in held.items() if n),
+                ", ".join(f"{n / 2**30:.2f} GiB {where[t]}" for t, n in held.items() if n) or "none here",
+                f"; {len(sharded)} of them sharded over the {sharded[0].group.world} ranks, this rank's pieces"
+                if sharded
+                else "",
             )
 
     # -- as a collection -----------------------------------------------------------------------------
@@ -265,13 +242,13 @@ class FrozenParams:
     # -- values --------------------------------------------------------------------------------------
     def shown(self, name: str) -> torch.Tensor:
         """The tensor a param group shows for it: its host copy, or the parameter itself (also for
-        one whose copy is on NVMe: a group holds nothing in host memory for it)."""
+        one whose copy is on NVMe or sharded over the ranks: a group holds no whole copy for it)."""
         copy = self._copies.get(name)
         return copy.tensor if isinstance(copy, HostCopy) else self._module.get_parameter(name)
 
     def value(self, name: str, *, own: bool = False) -> torch.Tensor:
-        """Its value in its own dtype, on the host: its copy (the host copy itself, or read from
-        NVMe), or the working copy (the parameter's data, copied from a GPU, or read from its home
+        """Its value in its own dtype, on the host: its copy (the host copy itself, read from
+        NVMe, or gathered from the ranks' pieces when sharded: then collective), or the working copy (the parameter's data, copied from a GPU, or read from its home
         off the device; gathered when sharded over the ranks: then collective). With ``own``, a
         tensor nothing else holds (a live one is cloned; one read from home already is)."""
         copy = self._copies.get(name)
@@ -290,7 +267,8 @@ class FrozenParams:
 
     def target(self, name: str) -> torch.Tensor:
         """A host tensor to read a new value into, then :meth:`write`: the host copy, the
-        parameter's data (the device is the CPU), or a new one (also for a copy on NVMe)."""
+        parameter's data (the device is the CPU), or a new one (also for a copy on NVMe or sharded
+        over the ranks)."""
         copy = self._copies.get(name)
         if copy is not None:
             return copy.target()
@@ -302,7 +280,8 @@ class FrozenParams:
 
     def write(self, name: str, value: torch.Tensor) -> None:
         """``value`` (in the parameter's own dtype) becomes the parameter's: its copy, and its
-        working copy at its home."""
+        working copy at its home (sharded over the ranks: this rank's piece of each; not
+        collective)."""
         copy = self._copies.get(name)
         if copy is not None:
             copy.write(value)
@@ -318,10 +297,11 @@ class FrozenParams:
 
     # -- this rank's pieces of the sharded ones (a DCP checkpoint: NOTE [Sharded values for DCP]) ---
     def local_pieces(self) -> list[tuple[int, list[tuple[str, tuple[int, ...], int, int, int]]]]:
-        """Per frozen bucket sharded over the ranks, in bucket order: its index and, for each
-        parameter whose value is its working copy (:meth:`collective`), the elements ``[lo, hi)``
-        of the flattened parameter this rank's chunk holds and where they start in the chunk
-        (``(name, shape, lo, hi, at)``; rank 0 names a parameter of no elements). Reads nothing."""
+        """Per frozen bucket sharded over the ranks, in bucket order: its index and, for each of its
+        parameters, the elements ``[lo, hi)`` of the flattened parameter this rank's chunk holds
+        (and its piece of the copy in its own dtype, where it keeps one: :meth:`copy_piece`) and
+        where they start in the chunk (``(name, shape, lo, hi, at)``; rank 0 names a parameter of
+        no elements). Reads nothing."""
         g = self._sharded
         if g is None:
             return []
@@ -332,8 +312,6 @@ class FrozenParams:
             c = g.chunks[b.index]
             mine = []
             for s in b.slots:
-                if not self.collective(s.name):
-                    continue  # its host copy is its value, whole on every rank: rank 0 writes it whole
                 lo, hi = c.overlap(s.offset, s.numel)
                 if lo < hi:
                     mine.append((s.name, tuple(s.shape), lo - s.offset, hi - s.offset, lo - c.start))
@@ -365,16 +343,32 @@ class FrozenParams:
         return b
 
     def collective(self, name: str) -> bool:
-        """Whether reading ``name``'s value gathers it over the ranks (every rank must read it)."""
-        return name not in self._copies and self._in_shards(name)
+        """Whether reading ``name``'s value gathers it over the ranks (every rank must read it):
+        its working copy, or its copy in its own dtype, is sharded over them."""
+        return self._in_shards(name)
 
     def keeps_copy(self, name: str) -> bool:
         """Whether ``name`` keeps a copy in its own dtype beside its working copy."""
         return name in self._copies
 
-    def write_copy(self, name: str, value: torch.Tensor) -> None:
-        """``value`` (in the parameter's own dtype) becomes its copy; its working copy is left as it is."""
-        self._copies[name].write(value)
+    def copy_piece(self, name: str) -> tuple[torch.Tensor, int, int]:
+        """This rank's elements ``[lo, hi)`` of ``name``'s copy in its own dtype, flat, and ``lo``
+        and ``hi``: all of it (the host copy itself, or read from NVMe), or, sharded over the
+        ranks, this rank's piece (:meth:`local_pieces`' span), read alone; no communication."""
+        copy = self._copies[name]
+        if isinstance(copy, ShardedCopy):
+            return copy.read_piece(), copy.lo, copy.hi
+        whole = copy.read().reshape(-1)
+        return whole, 0, whole.numel()
+
+    def write_copy(self, name: str, piece: torch.Tensor) -> None:
+        """``piece`` (in the parameter's own dtype, :meth:`copy_piece`'s elements) becomes that part
+        of its copy; its working copy is left as it is. No communication."""
+        copy = self._copies[name]
+        if isinstance(copy, ShardedCopy):
+            copy.write_piece(piece)
+        else:
+            copy.write(piece)
 
     def _is_off(self, name: str) -> bool:
         return self._off is not None and name in self._off.homes

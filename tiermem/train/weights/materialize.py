@@ -23,7 +23,7 @@ row-major flat range being a byte range of the file (:meth:`WeightsFile.read_int
 :meth:`WeightsFile.read_flat` where the stored dtype is cast): about 1/N of the checkpoint per rank,
 no rank reading a bucket whole; with replicated weights (ZeRO-2) the whole bucket, which its working
 weights need. Frozen parameters sharded over the ranks the same: their chunks alone, no broadcast
-(those that keep a copy in their own dtype are read whole for it). Values from the modules'
+(those that keep a copy in their own dtype: its piece, in that dtype). Values from the modules'
 initialization (a rank's random numbers may differ) or from a model given in memory (its ranks may
 hold different values) are filled whole and broadcast from rank 0 bucket by bucket
 (:meth:`~tiermem.train.homes.state_homes.StateHome.agree`): rank 0's win.
