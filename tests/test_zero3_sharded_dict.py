@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 pytest.importorskip("peft")  # the `test` extra
 pytest.importorskip("transformers")
@@ -19,7 +20,7 @@ from test_zero3_frozen import BUCKET, _frozen_elements_by_file, _make, _model, _
 
 from tiermem import TieredModel
 from tiermem.checkpoint.shards import ShardedValue
-from tiermem.policies import ZeroOffload
+from tiermem.policies import ZeroInfinity, ZeroOffload
 
 
 def _rank_user(rank, world, tmp):
@@ -42,6 +43,31 @@ def _rank_user(rank, world, tmp):
     for model in (tm, back):
         _train(model, rank, world, range(1, 2))
     out["trained"], out["loaded trained"] = tm.state_dict(), back.state_dict()
+    mixed = []  # an fp32 base trained in bf16: each rank's piece of its fp32 copy, on NVMe beside its chunk
+    for tag in ("mixed", "mixed-back"):
+        os.makedirs(os.path.join(tmp, f"user-{tag}{rank}"))
+        mixed.append(
+            TieredModel(
+                _model("fp32"),
+                ZeroInfinity(),
+                optimizer=SPEC,
+                precision="bf16",
+                bucket_size=BUCKET,
+                nvme_dir=os.path.join(tmp, f"user-{tag}{rank}"),
+            )
+        )
+    _train(mixed[0], rank, world, range(1))
+    sd = mixed[0].sharded_state_dict()
+    pieces = [sd["model"][n] for n, p in mixed[0].module.named_parameters() if not p.requires_grad and n in sd["model"]]
+    out["mixed streamed"] = (len(pieces), sum(v.dtype == torch.float32 and not v.filled for v in pieces))
+    dcp.save(sd, checkpoint_id=os.path.join(tmp, "user-mixed.dcp"))
+    sd = mixed[1].sharded_state_dict()
+    dcp.load(sd, checkpoint_id=os.path.join(tmp, "user-mixed.dcp"))
+    mixed[1].load_sharded_state_dict(sd)
+    out["mixed"] = [m.state_dict() for m in mixed]
+    for model in mixed:  # the working copies at home (what the forward reads) were loaded too
+        _train(model, rank, world, range(1, 2))
+    out["mixed trained"] = [m.state_dict() for m in mixed]
     return out
 
 
@@ -69,6 +95,17 @@ def test_the_ranks_load_it_back_and_train_on_bit_for_bit(user):
     for r in ranks:
         assert _same(r["saved"], r["loaded"]) and _same(r["trained"], r["loaded trained"])
     assert _same(ranks[0]["loaded trained"], ranks[1]["loaded trained"])
+
+
+def test_an_fp32_base_trained_in_bf16_comes_back_from_each_ranks_pieces_of_its_copy(user):
+    _, ranks = user
+    frozen = [n for n, p in _model("fp32").named_parameters() if not p.requires_grad]
+    for r in ranks:
+        mine, streamed = r["mixed streamed"]
+        assert mine == streamed > 0  # its pieces of the fp32 copy, nothing read when returned
+        saved, loaded = r["mixed"]
+        assert _same(saved, loaded) and all(saved[n].dtype == torch.float32 for n in frozen)
+        assert _same(*r["mixed trained"])
 
 
 def test_one_process_loads_what_the_ranks_saved(user):

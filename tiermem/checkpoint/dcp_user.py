@@ -40,7 +40,6 @@ from typing import Any, Callable
 import torch
 
 from tiermem.checkpoint.dcp_check import meta_fits, parse_meta
-from tiermem.checkpoint.dcp_save import frozen_pieces
 from tiermem.checkpoint.names import BUFFERS, FROZEN, StateName
 from tiermem.checkpoint.shards import META, ShardedValue, key, nested
 from tiermem.checkpoint.view import PartPieces, Piece, StateReader, StateWriter
@@ -108,8 +107,8 @@ class _Live:
 
 
 class _Whole:
-    """A :class:`~tiermem.checkpoint.shards.Streamed` source: a frozen parameter kept whole by
-    this process, read from its home (flat) each time."""
+    """A :class:`~tiermem.checkpoint.shards.Streamed` source: a frozen parameter this process keeps
+    whole, or its piece of one's copy in its own dtype, read from home (flat) each time."""
 
     __slots__ = ("read", "guard")
 
@@ -148,7 +147,15 @@ def sharded_state_dict(reader: StateReader, guard: Callable[[], None]) -> dict[s
                 device = local.view.device if isinstance(local, _Live) else "cpu"
                 name = StateName(part, p.name)
                 values[str(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=dtype, device=device)
-    values.update(frozen_pieces(core, lambda index, p: _Piece(chunks, index, 0, p)))
+    frozen = core.layout.frozen
+    for index, mine in core.frozen_pieces():  # NOTE [Frozen weights sharded over the ranks]: nothing gathered
+        for p in mine:
+            own = frozen.keeps_copy(p.name)  # this rank's piece of its copy in its own dtype
+            local = (
+                _Whole(functools.partial(_copy_piece, frozen, p.name), guard) if own else _Piece(chunks, index, 0, p)
+            )
+            name = StateName(FROZEN, p.name)
+            values[str(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=core.frozen_dtype(p.name))
     values.update(_whole_frozen(reader, guard))
     values.update((str(StateName(BUFFERS, b)), t) for b, t in core.module.named_buffers())
     return nested(values, json.dumps(reader.meta()))
@@ -252,6 +259,10 @@ def _copy_pieces(values: dict[str, Any], parts: list[PartPieces], views: tuple[t
             t[p.at : p.at + p.hi - p.lo].copy_(values[str(StateName(part, p.name))].local())
 
 
-def _copy_frozen(values: dict[str, Any], mine: list[Piece], chunk: torch.Tensor) -> None:
+def _copy_frozen(values: dict[str, Any], mine: list[Piece], targets: dict[str, torch.Tensor]) -> None:
     for p in mine:
-        chunk[p.at : p.at + p.hi - p.lo].copy_(values[str(StateName(FROZEN, p.name))].local())
+        targets[p.name].copy_(values[str(StateName(FROZEN, p.name))].local())
+
+
+def _copy_piece(frozen: Any, name: str) -> torch.Tensor:
+    return frozen.copy_piece(name)[0]
