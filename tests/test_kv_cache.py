@@ -107,6 +107,16 @@ def test_the_call_and_config_defaults():
         2, 4, 3
     )
     assert KvShape.of({"hidden_size": 64}) is None
+
+
+def test_a_gpt2_style_config_json_reads_as_transformers_reads_it():
+    """GPT-2's config.json says n_layer, n_head, n_embd; transformers' config object maps them."""
+    raw = {"model_type": "gpt2", "n_layer": 3, "n_head": 4, "n_embd": 96, "vocab_size": 50}
+    config = transformers.GPT2Config(**raw)
+    want = KvShape(
+        config.num_hidden_layers, config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    )
+    assert KvShape.of(raw) == KvShape.of(config) == want == KvShape(3, 4, 24)
     assert KvShape.of(SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)) == KvShape(2, 4, 16)
 
 

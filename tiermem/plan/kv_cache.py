@@ -108,9 +108,22 @@ class KvShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype.itemsize
 
 
+#: the names a config.json may give these fields under (GPT-2's and others'): a transformers config
+#: object maps them itself (its ``attribute_map``); a config.json read as a dict does not
+_ALIASES = {
+    "num_hidden_layers": ("n_layer", "num_layers", "n_layers"),
+    "num_attention_heads": ("n_head", "num_heads", "n_heads"),
+    "hidden_size": ("n_embd", "d_model"),
+}
+
+
 def _field(config: Any, name: str) -> Optional[int]:
-    """``config``'s whole-number field ``name`` (attribute or key), or None."""
-    value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+    """``config``'s whole-number field ``name`` (attribute or key, or a key it goes by in a
+    config.json), or None."""
+    if isinstance(config, Mapping):
+        value = next((config[k] for k in (name, *_ALIASES.get(name, ())) if k in config), None)
+    else:
+        value = getattr(config, name, None)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
