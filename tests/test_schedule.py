@@ -19,6 +19,7 @@ from tiermem import ConfigError, OutOfTierMemory, TensorClass, TensorInfo, Tier,
 from tiermem.errors import fmt_bytes
 from tiermem.memory.nvme import NvmeStore
 from tiermem.memory.resident import DeviceStore, HostStore
+from tiermem.transfer.decisions import RepeatGuess
 from tiermem.transfer.engine import TransferEngine
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.transfer.schedule import AccessTrace, ResidencyScheduler, ScheduleStats, choose_victim, lookahead_window
@@ -221,7 +222,9 @@ def test_forward_backward_is_bit_exact_within_budget_and_prefetch_removes_misses
         pattern = model.keys + model.keys[::-1]
         _run(sched, model, pattern, iterations=4, dirty_every=3, compute_s=0.002)
         first, later = sched.history[0], sched.history[1:]
-        assert first.misses > 0 and first.prefetches == 0
+        # the first iteration: forward fetches on demand; backward repeats it reversed, fetched ahead
+        # (NOTE [Fetch ahead before a trace]): the forward's misses only
+        assert first.misses == len(model.keys) and first.prefetches > 0
         assert all(s.misses == 0 and s.prefetches > 0 for s in later)
         # (stall seconds are timing: bench/prefetch.py measures them; counts are what a test can hold)
         assert all(s.writebacks > 0 for s in sched.history)
@@ -233,6 +236,47 @@ def test_forward_backward_is_bit_exact_within_budget_and_prefetch_removes_misses
         model.check_home()  # every dirty update reached its home tier
     finally:
         _close(res)
+
+
+def test_without_prefetch_the_first_backward_misses_what_it_fetches_ahead_with_it(nvme_dir):
+    """The oracle of the count above: the same first iteration fetching on demand only."""
+    res = _residency(nvme_dir, _budget(0.5))
+    try:
+        model = Model(res)
+        sched = ResidencyScheduler(prefetch=False).connect(res)
+        _run(sched, model, model.keys + model.keys[::-1], iterations=1)
+        assert sched.history[0].misses > len(model.keys)
+    finally:
+        _close(res)
+
+
+# -- NOTE [Fetch ahead before a trace] ---------------------------------------------------------------
+def _guessed(accesses: list[str], sizes: dict[str, int], limit: int = 1000) -> list[list[str]]:
+    """What :class:`RepeatGuess` would fetch after each access."""
+    guess, out = RepeatGuess(), []
+    for pos in range(len(accesses)):
+        guess.record(accesses, pos)
+        out.append(guess.ahead(accesses, sizes, limit))
+    return out
+
+
+def test_a_first_backward_is_guessed_as_the_forward_reversed():
+    forward = ["emb", "q", "k", "v", "head"]
+    sizes = dict.fromkeys(forward, 10)
+    ahead = _guessed([*forward, "head", "v", "k", "q"], sizes)
+    assert ahead[:6] == [[]] * 6  # nothing repeats yet; one access is not a run
+    assert ahead[6:] == [["k", "q", "emb"], ["q", "emb"], ["emb"]]
+    assert _guessed([*forward, "head", "v", "k"], sizes, limit=15)[-1] == ["q"]  # the window's bytes
+    assert _guessed([*forward, "head", "v", "emb"], sizes)[-1] == []  # an access off the run ends it
+
+
+def test_a_second_pass_is_guessed_as_the_first():
+    forward = ["emb", "q", "k", "head"]
+    backward = ["head", "k", "q"]
+    ahead = _guessed([*forward, *backward, "head", "k"], dict.fromkeys(forward, 10))
+    assert ahead[-1] == ["q"]  # the first backward's order, not the forward's reversed
+    ahead = _guessed(["a", "b", "c", "d", "a", "b"], dict.fromkeys("abcd", 10))
+    assert ahead[-1] == ["c", "d"]  # a second micro-batch's forward repeats the first's
 
 
 def test_updates_written_home_between_iterations_are_read_again(nvme_dir):

@@ -69,14 +69,25 @@ class _ReferenceMoves(FetchEvict):
             self._evict(victim)
         return True
 
+    def _limit(self) -> int:
+        ledger = self.store.ledger
+        room = ledger.allowed - (ledger.used - ledger.held_total(self._ref_managed)) - ledger.held_total(self._pins)
+        return room if self.lookahead_bytes is None else min(room, self.lookahead_bytes)
+
     def fetch_ahead(self, trace, pos) -> None:
         if not self.prefetch or trace is None:
             return
-        registry, ledger = self.residency.registry, self.store.ledger
         outside_all = self._evictable()
-        room = ledger.allowed - (ledger.used - ledger.held_total(self._ref_managed)) - ledger.held_total(self._pins)
-        limit = room if self.lookahead_bytes is None else min(room, self.lookahead_bytes)
-        window = lookahead_window(trace, pos, self._sizes, limit, skip=self._pins)
+        self._ref_bring(lookahead_window(trace, pos, self._sizes, self._limit(), skip=self._pins), outside_all, pos)
+
+    def fetch_guessed(self, guess, recording, pos) -> None:  # NOTE [Fetch ahead before a trace], the same way
+        if not self.prefetch or guess.anchor is None:
+            return
+        outside_all = self._evictable()
+        self._ref_bring(guess.ahead(recording, self._sizes, self._limit(), skip=self._pins), outside_all, pos)
+
+    def _ref_bring(self, window, outside_all, pos) -> None:
+        registry = self.residency.registry
         outside = [k for k in outside_all if k not in set(window)]
         for key in window:
             if key not in registry:

@@ -33,14 +33,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, fields
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 from tiermem.errors import OutOfTierMemory, TierMemError, fmt_bytes
 from tiermem.handles import Handle
 from tiermem.memory.ledger import HeldTotal, Reclaimer
 from tiermem.memory.registry import Residency
 from tiermem.memory.resident import MemoryStore, nbytes_of
-from tiermem.transfer.decisions import AbsentAhead, AccessTrace, VictimQueue, lookahead_window
+from tiermem.transfer.decisions import AbsentAhead, AccessTrace, RepeatGuess, VictimQueue, lookahead_window
 from tiermem.transfer.residency import KeyedResidency
 from tiermem.types import Tier
 
@@ -177,15 +177,25 @@ class FetchEvict:
         absent = self._absent_ahead(trace)
         if not absent.any_from(pos):
             return  # everything ahead is resident or on its way: the window would need nothing
+        self._bring(lookahead_window(trace, pos, self._sizes, self._window_limit(), skip=self._pins), pos, absent)
+
+    def fetch_guessed(self, guess: RepeatGuess, recording: Sequence[str], pos: int) -> None:
+        """Before any trace: start bringing the keys ``guess`` says the accesses so far repeat
+        next (NOTE [Fetch ahead before a trace])."""
+        if self.prefetch and guess.anchor is not None:
+            self._bring(guess.ahead(recording, self._sizes, self._window_limit(), skip=self._pins), pos, None)
+
+    def _bring(self, window: list[str], pos: int, absent: Optional[AbsentAhead]) -> None:
+        """Start bringing ``window``'s keys (in order, until the room runs out), keeping the keys
+        of the window and the acquired ones."""
         registry, tracked, pins = self.residency.registry, self._held.keys, self._pins  # `in`: atomic
-        window = lookahead_window(trace, pos, self._sizes, self._window_limit(), skip=pins)
         upcoming = set(window)
         outside: Callable[[str], bool] = lambda k: k in pins or k in upcoming  # noqa: E731
         for key in window:
             if key not in registry:
                 continue  # deleted since the trace was recorded
             if _here(registry.get(key), self.tier):
-                if key in tracked:
+                if key in tracked and absent is not None:
                     absent.discard(key)
                 continue
             if not self._make_room(key, self._new_bytes(key), excluded=outside, required=False):

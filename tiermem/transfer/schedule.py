@@ -5,7 +5,9 @@ The first iteration records the order in which managed tensors are acquired. Lat
 follow that trace: each acquire prefetches the tensors used next, as many as fit in the
 lookahead, and when room is needed the released tensor whose next use lies furthest ahead is
 evicted (Belady). Without a trace (the first iteration, or one that left the recorded order),
-victims are the least recently used and nothing is fetched ahead.
+victims are the least recently used; in the first iteration, what repeats its own earlier accesses
+(backward, after forward) is fetched ahead (NOTE [Fetch ahead before a trace] in
+:mod:`tiermem.transfer.decisions`), else nothing is.
 
 The decisions (``AccessTrace``, ``choose_victim``, ``lookahead_window``) are pure and know
 nothing of tensors: they live in :mod:`tiermem.transfer.decisions` (and are importable from here
@@ -33,6 +35,7 @@ from tiermem.memory.registry import Residency
 from tiermem.memory.resident import MemoryStore
 from tiermem.transfer.decisions import (
     AccessTrace,
+    RepeatGuess,
     TraceFollower,
     choose_victim as choose_victim,  # importable from here too
     lookahead_window as lookahead_window,
@@ -96,6 +99,7 @@ class ResidencyScheduler(Reclaimer):
         )
         self.tier, self.eviction = tier, eviction
         self._follow = TraceFollower()  # this iteration's accesses against the trace
+        self._guess = RepeatGuess()  # before any trace: NOTE [Fetch ahead before a trace]
         self.history: list[ScheduleStats] = []  # one entry per finished iteration
         self._lock = threading.RLock()
         self._pins: dict[str, int] = {}  # acquired key -> open acquires
@@ -220,6 +224,7 @@ class ResidencyScheduler(Reclaimer):
             self._log_trace(tuple(self._follow.recording))
             ended_at = self._follow.pos
             self._follow.close_iteration()
+            self._guess = RepeatGuess()
             self.history.append(self._moves.next_iteration(self._follow.following(), ended_at))
             self._fetch_ahead()
 
@@ -252,6 +257,8 @@ class ResidencyScheduler(Reclaimer):
     def _record(self, key: str) -> None:
         trace, at = self._follow.following(), self._follow.pos
         self._follow.record(key)
+        if self._follow.trace is None:  # the first iteration
+            self._guess.record(self._follow.recording, at)
         if trace is not None and self._follow.following() is None:
             self._moves.leave_trace()  # least recently used first until the iteration ends
             log.debug(
@@ -287,7 +294,10 @@ class ResidencyScheduler(Reclaimer):
         self._moves.touch(key, self._follow.pos)
 
     def _fetch_ahead(self) -> None:
-        self._moves.fetch_ahead(self._follow.following(), self._follow.pos)
+        if self._follow.trace is None:
+            self._moves.fetch_guessed(self._guess, self._follow.recording, self._follow.pos)
+        else:
+            self._moves.fetch_ahead(self._follow.following(), self._follow.pos)
 
     def _unpin(self, key: str) -> None:
         n = self._pins.pop(key)
