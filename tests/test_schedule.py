@@ -270,6 +270,36 @@ def test_a_first_backward_is_guessed_as_the_forward_reversed():
     assert _guessed([*forward, "head", "v", "emb"], sizes)[-1] == []  # an access off the run ends it
 
 
+def test_before_any_repeat_the_registered_order_is_the_guess():
+    order = ["q", "k", "norm", "q2"]
+    sizes = dict.fromkeys(order, 10)
+    guess = RepeatGuess(order)
+    assert guess.ahead([], sizes, 100) == []  # nothing used yet
+    assert _guessed_with(order, ["norm", "q"], sizes) == [["q2"], ["k", "norm", "q2"]]
+    assert _guessed_with(order, ["q", "k", "k"], sizes)[-1] == []  # a key used twice: no more
+    assert _guessed_with(order, ["x"], sizes) == [[]]  # a key the order does not know
+
+
+def _guessed_with(order: list[str], accesses: list[str], sizes: dict[str, int]) -> list[list[str]]:
+    guess, out = RepeatGuess(order), []
+    for pos in range(len(accesses)):
+        guess.record(accesses, pos)
+        out.append(guess.ahead(accesses, sizes, 1000))
+    return out
+
+
+def test_the_expected_order_fetches_the_first_forward_ahead(nvme_dir):
+    res = _residency(nvme_dir, _budget(0.5))
+    try:
+        model = Model(res)
+        sched = ResidencyScheduler().connect(res)
+        sched.expect(model.keys)
+        _run(sched, model, model.keys + model.keys[::-1], iterations=1)
+        assert sched.history[0].misses == 1  # the first key; without the order, every forward key (above)
+    finally:
+        _close(res)
+
+
 def test_a_second_pass_is_guessed_as_the_first():
     forward = ["emb", "q", "k", "head"]
     backward = ["head", "k", "q"]

@@ -81,7 +81,7 @@ class _ReferenceMoves(FetchEvict):
         self._ref_bring(lookahead_window(trace, pos, self._sizes, self._limit(), skip=self._pins), outside_all, pos)
 
     def fetch_guessed(self, guess, recording, pos) -> None:  # NOTE [Fetch ahead before a trace], the same way
-        if not self.prefetch or guess.anchor is None:
+        if not self.prefetch or not guess.guessing:
             return
         outside_all = self._evictable()
         self._ref_bring(guess.ahead(recording, self._sizes, self._limit(), skip=self._pins), outside_all, pos)

@@ -253,12 +253,20 @@ class RepeatGuess:
     ``j`` right after one whose previous use was ``j - 1``, or ``j + 1``), the run is taken to go on
     from ``j`` in that direction (``step`` +1 or -1), over the accesses recorded before the run
     began, and the window fetches its next keys as a trace's would. Each access that is the
-    expected one moves the run on; any other ends it (until two accesses start another). A guess
+    expected one moves the run on; any other ends it (until two accesses start another). Before
+    any key was used twice (the first forward), nothing repeats yet: the keys follow ``order``, the
+    order the caller registered them in (a module's parameters, in the order its submodules are
+    defined), from the one just used, a guess that is right block by block where it is wrong
+    within one (Llama's norms are defined after its projections but run before them). A guess
     that is wrong costs what a prefetch costs (room and bytes read, evicted least recently used
     first); once an iteration has ended, its trace replaces all this.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, order: Sequence[str] = ()) -> None:
+        self.order = tuple(order)
+        self._order_at = {k: i for i, k in enumerate(self.order)}
+        self._last: Optional[str] = None  # the newest access
+        self.repeated = False  # some key was used twice: the order guess is over
         self.latest: dict[str, int] = {}  # key -> its latest position among the accesses
         self._prev_at: Optional[int] = None  # the previous access's earlier position, if it had one
         self.anchor: Optional[int] = None  # the position the run matched last (None: no run)
@@ -276,21 +284,32 @@ class RepeatGuess:
             self.anchor, self.step, self.start = j, j - self._prev_at, pos - 1
         else:
             self.anchor = None
-        self._prev_at = j
+        self._prev_at, self._last = j, key
+        self.repeated = self.repeated or j is not None
         self.latest[key] = pos
+
+    @property
+    def guessing(self) -> bool:
+        """Whether :meth:`ahead` would name any key."""
+        return self.anchor is not None or (not self.repeated and self._last in self._order_at)
 
     def ahead(
         self, recording: Sequence[str], sizes: Mapping[str, int], limit: int, *, skip: Iterable[str] = ()
     ) -> list[str]:
-        """The run's next distinct keys, as many as fit in ``limit`` bytes together (as
-        :func:`lookahead_window`: it stops at the first that does not fit); none without a run."""
-        if self.anchor is None:
+        """The run's next distinct keys (before any repeat, ``order``'s after the newest access), as
+        many as fit in ``limit`` bytes together (as :func:`lookahead_window`: it stops at the first
+        that does not fit); none without either."""
+        if self.anchor is not None:
+            keys, i, end, step = recording, self.anchor + self.step, self.start, self.step
+        elif self.guessing:
+            assert self._last is not None
+            keys, i, end, step = self.order, self._order_at[self._last] + 1, len(self.order), 1
+        else:
             return []
         seen, window, total = set(skip), [], 0
-        i = self.anchor + self.step
-        while 0 <= i < self.start:
-            key = recording[i]
-            i += self.step
+        while 0 <= i < end:
+            key = keys[i]
+            i += step
             if key in seen:
                 continue
             if total + sizes[key] > limit:

@@ -95,7 +95,7 @@ class FetchEvict:
         self._connected: Optional[tuple[KeyedResidency, MemoryStore]] = None
         self._held = HeldTotal()  # keys placed on the tier, and their bytes there (kept by the ledger)
         self._absent: Optional[AbsentAhead] = None  # NOTE [Fetch-ahead in O(window)]
-        self._sizes: dict[str, int] = {}
+        self._sizes: dict[str, int] = _Sizes(self)
         self._last_used: dict[str, int] = {}
         self._clock = 0
         self._victims = VictimQueue(self._last_used, self._tracked, belady=belady)
@@ -182,7 +182,7 @@ class FetchEvict:
     def fetch_guessed(self, guess: RepeatGuess, recording: Sequence[str], pos: int) -> None:
         """Before any trace: start bringing the keys ``guess`` says the accesses so far repeat
         next (NOTE [Fetch ahead before a trace])."""
-        if self.prefetch and guess.anchor is not None:
+        if self.prefetch and guess.guessing:
             self._bring(guess.ahead(recording, self._sizes, self._window_limit(), skip=self._pins), pos, None)
 
     def _bring(self, window: list[str], pos: int, absent: Optional[AbsentAhead]) -> None:
@@ -327,6 +327,24 @@ class FetchEvict:
             f"{fmt_bytes(working)} on {tier}{besides}, budget {fmt_bytes(ledger.allowed)}; "
             f"raise Budgets({tier}=...) to at least {fmt_bytes(needed)}",
         )
+
+
+class _Sizes(dict[str, int]):
+    """Each key's bytes on the tier, read from the registry the first time a key is asked for
+    (a key guessed ahead of its first use: NOTE [Fetch ahead before a trace]); 0 for a key not
+    registered (there is nothing to bring)."""
+
+    def __init__(self, moves: FetchEvict):
+        super().__init__()
+        self._moves = moves
+
+    def __missing__(self, key: str) -> int:
+        registry = self._moves.residency.registry
+        if key not in registry:
+            return 0
+        r = registry.get(key)
+        size = self[key] = nbytes_of(r.info.shape, r.info.dtype)
+        return size
 
 
 def _here(r: Residency, tier: Tier) -> bool:

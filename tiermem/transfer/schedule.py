@@ -217,6 +217,13 @@ class ResidencyScheduler(Reclaimer):
                 )
             self.residency.registry.write_at(key, self.tier)
 
+    def expect(self, order: list[str]) -> None:
+        """The keys in the order their owner registered them: the first iteration's guess of its
+        first accesses (NOTE [Fetch ahead before a trace])."""
+        with self._lock:
+            if self._follow.trace is None and not self._follow.recording:
+                self._guess = RepeatGuess(order)
+
     def end_iteration(self) -> None:
         """Close the iteration: freeze (or check and renew) the trace, then fetch ahead of the
         next iteration's first accesses."""
@@ -224,7 +231,7 @@ class ResidencyScheduler(Reclaimer):
             self._log_trace(tuple(self._follow.recording))
             ended_at = self._follow.pos
             self._follow.close_iteration()
-            self._guess = RepeatGuess()
+            self._guess = RepeatGuess(self._guess.order)
             self.history.append(self._moves.next_iteration(self._follow.following(), ended_at))
             self._fetch_ahead()
 

@@ -111,6 +111,7 @@ class ParamOffload(OffDeviceHome):
         self._running: dict[str, list] = {}  # key -> [its device tensor, holds]: acquired by a module or a block
         self.on_demand: Counter[str] = Counter()  # reads outside the schedule that waited for a fetch
         super().__init__(module, self._params, {name: name for name in homes}, hooks, unheld=self._in_place)
+        scheduler.expect([n for n in params if n in homes and n not in self._in_place])  # the first forward's guess
 
     def adopt(self, name: str, value: torch.Tensor, *, shared: bool = False, wait: bool = True) -> Optional[Handle]:
         """``value`` (a host tensor in the working precision) becomes ``name``'s first value at
