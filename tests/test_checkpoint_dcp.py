@@ -469,6 +469,7 @@ def test_a_sharded_state_dict_of_state_off_memory_reads_nothing_until_dcp_asks(t
     from tiermem.train.weights.frozen import FrozenParams
 
     tm = _on_nvme(tmp_path)
+    tm.save(str(tmp_path / "first"), format="dcp")  # the step's read-ahead of its next bucket lands first
     read, frozen_reads = _nvme_read(tm), []
     value = FrozenParams.value
     monkeypatch.setattr(FrozenParams, "value", lambda self, n, **kw: frozen_reads.append(n) or value(self, n, **kw))
@@ -520,7 +521,9 @@ def test_a_sharded_state_dict_taken_before_a_step_is_not_saved_after_it(tmp_path
     else:
         tm.backward(tm(torch.randn(8, 40)).float().square().mean())
         tm.step()
-    with pytest.raises(BaseException, match=r"taken at step 1 and read at step 2.*again just before dcp\.save"):
+    with pytest.raises(
+        BaseException, match=r"taken at step 1, and the model has stepped since.*again just before dcp\.save"
+    ):
         dcp.save(sd, checkpoint_id=str(tmp_path / "ck"))
     dcp.save(tm.sharded_state_dict(), checkpoint_id=str(tmp_path / "ck2"))
     dst = make(5, 0)
@@ -528,3 +531,74 @@ def test_a_sharded_state_dict_taken_before_a_step_is_not_saved_after_it(tmp_path
     dcp.load(sd, checkpoint_id=str(tmp_path / "ck2"))
     dst.load_sharded_state_dict(sd)
     assert same_state(dst.state_dict(), tm.state_dict()) and dst.stepper.steps == 2
+
+
+def test_a_sharded_state_dict_taken_before_a_load_is_not_saved_after_it(tmp_path):
+    tm = _on_nvme(tmp_path)
+    tm.save(str(tmp_path / "first"), format="dcp")
+    sd = tm.sharded_state_dict()
+    tm.load(str(tmp_path / "first"))  # the same step count, other state (in general)
+    with pytest.raises(BaseException, match=r"taken at step 1, and the model has loaded a checkpoint since"):
+        dcp.save(sd, checkpoint_id=str(tmp_path / "ck"))
+
+
+def test_a_dict_a_dcp_load_filled_is_not_saved_before_the_model_takes_it(tmp_path):
+    """Its streamed values hold the loaded state, its views the model's own: a save would mix them."""
+    src = _on_nvme(tmp_path)
+    dcp.save(src.sharded_state_dict(), checkpoint_id=str(tmp_path / "ck"))
+    dst = _on_nvme(tmp_path, seed=5, steps=0)
+    sd = dst.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ck"))
+    with pytest.raises(BaseException, match=r"holds what a dcp\.load filled in.*tm\.load_sharded_state_dict\(\)"):
+        dcp.save(sd, checkpoint_id=str(tmp_path / "again"))
+    dst.load_sharded_state_dict(sd)
+    assert same_state(dst.state_dict(), src.state_dict())
+
+
+def test_a_partial_dcp_load_leaves_values_unfilled_and_is_refused(tmp_path):
+    src = _on_nvme(tmp_path)
+    dcp.save({"model": src.sharded_state_dict()["model"]}, checkpoint_id=str(tmp_path / "weights"))
+    dst = _on_nvme(tmp_path, seed=5, steps=0)
+    before = dst.state_dict()
+    sd = dst.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "weights"), planner=DefaultLoadPlanner(allow_partial_load=True))
+    with pytest.raises(ConfigError, match=r"'optim\.state\.\d\.\w+\.exp_avg' was not filled by a dcp\.load"):
+        dst.load_sharded_state_dict(sd)
+    assert same_state(dst.state_dict(), before)
+
+
+def test_a_writer_resolving_from_two_threads_saves_every_bucket_right(tmp_path):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    tm = _on_nvme(tmp_path, steps=2)
+    path = str(tmp_path / "ck")
+    dcp.save(tm.sharded_state_dict(), storage_writer=FileSystemWriter(path, thread_count=2, single_file_per_rank=False))
+    dst = _on_nvme(tmp_path, seed=5, steps=0)
+    sd = dst.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    dst.load_sharded_state_dict(sd)
+    assert same_state(dst.state_dict(), tm.state_dict())
+
+
+def test_frozen_values_in_host_memory_are_handed_over_as_views(tmp_path):
+    """An fp32 base trained in bf16 keeps its fp32 copy in host memory: the dict's value is that
+    copy, not a copy of it (a save through torch's writer would hold a second base)."""
+
+    def make(seed: int) -> TieredModel:
+        torch.manual_seed(seed)
+        module = torch.nn.Sequential(*(torch.nn.Linear(40, 40) for _ in range(3)))
+        module[0].requires_grad_(False)
+        return TieredModel(module, None, precision="bf16", bucket_size=1700)
+
+    tm = make(4)
+    sd = tm.sharded_state_dict()
+    value = sd["model"]["0.weight"]
+    live = tm.layout.frozen.live("0.weight")
+    assert value.filled and value.dtype == torch.float32 and live is not None
+    assert value.local().data_ptr() == live.data_ptr()
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"))
+    other = make(5)
+    sd = other.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ck"))
+    other.load_sharded_state_dict(sd)
+    assert same_state(other.state_dict(), tm.state_dict())

@@ -107,6 +107,7 @@ def test_the_call_and_config_defaults():
         2, 4, 3
     )
     assert KvShape.of({"hidden_size": 64}) is None
+    assert KvShape.of(SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)) == KvShape(2, 4, 16)
 
 
 def test_a_gpt2_style_config_json_reads_as_transformers_reads_it():
@@ -117,7 +118,17 @@ def test_a_gpt2_style_config_json_reads_as_transformers_reads_it():
         config.num_hidden_layers, config.num_attention_heads, config.hidden_size // config.num_attention_heads
     )
     assert KvShape.of(raw) == KvShape.of(config) == want == KvShape(3, 4, 24)
-    assert KvShape.of(SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)) == KvShape(2, 4, 16)
+
+
+@pytest.mark.parametrize(
+    "grouping", [{"multi_query": True}, {"multi_query_group_num": 2}, {"num_kv_heads": 1}, {"n_head_kv": 1}]
+)
+def test_a_config_json_whose_kv_heads_it_does_not_say_is_refused(grouping):
+    """StarCoder's multi-query attention has one KV head of 48 attention heads: a shape read without
+    it would be 48x too large, so none is read (the CLI says to add num_key_value_heads)."""
+    raw = {"n_layer": 40, "n_head": 48, "n_embd": 6144, **grouping}
+    assert KvShape.of(raw) is None
+    assert KvShape.of({**raw, "num_key_value_heads": 1}) == KvShape(40, 1, 128)
 
 
 def test_held_on_the_device_while_generating_and_released_after():

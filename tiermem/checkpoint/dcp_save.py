@@ -209,12 +209,12 @@ def frozen_pieces(core: StateCore, source: Callable[[int, Piece], Any]) -> dict[
     for index, mine in core.frozen_pieces():
         for p in mine:
             name = StateName(FROZEN, p.name)
-            local = functools.partial(_copy_piece, frozen, p.name) if frozen.keeps_copy(p.name) else source(index, p)
+            local = functools.partial(own_piece, frozen, p.name) if frozen.keeps_copy(p.name) else source(index, p)
             out[str(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=core.frozen_dtype(p.name))
     return out
 
 
-def _copy_piece(frozen: Any, name: str) -> torch.Tensor:
+def own_piece(frozen: Any, name: str) -> torch.Tensor:
     return frozen.copy_piece(name)[0]
 
 

@@ -6,28 +6,36 @@ with.
 
 NOTE [Streamed sharded values]
 ``tm.sharded_state_dict()`` hands back state that lives in memory as views of it (a ``dcp.save``
-writes it from where it lives, a ``dcp.load`` fills it in place, as FSDP2's DTensors do). State
-that does not (optimizer state on NVMe; a frozen base off the device, or sharded over the ranks)
-cannot be handed back whole: for a model bigger than the machine that is the whole point. Those
-values hold nothing when returned. Each is a ShardedValue whose source reads its home when DCP
-asks: the save planner's ``__create_write_items__`` drops what a source kept, then the writer
-resolves one box at a time; the first box of a bucket reads that bucket's part of this process
-into the home's own buffer set (no new memory), and each box DCP gets is a copy of its own bytes,
-because a writer may keep it past the next read (torch's on a CUDA host resolves 10 MB ahead, in
-size order). What the writer keeps is its business: torch's ``FileSystemWriter`` keeps every
-tensor of a file until the file is written, so with its default of one file per rank a save
-holds this process's share of that state (as it did when this call copied it all), and with
-``single_file_per_rank=False`` (a file per tensor) one tensor; ``tm.save`` hands DCP views of the
-buffer set and holds nothing. Each bucket is read once per pass over it: DCP's plan writes the
-weights, then the moments, so twice, where ``tm.save`` reads once; a writer that reorders reads a
-bucket again where it comes back to it. The load planner's ``__create_chunk_list__`` gives each
-such value a buffer for DCP to fill, held until ``tm.load_sharded_state_dict`` checks the tree
-whole and sends it home bucket by bucket, then drops it; so a load holds this process's share of
-that state while the user's ``dcp.load`` runs (``tm.load`` of a directory ``tm.save`` wrote
-holds one bucket). Each read first checks what ``tm.sharded_state_dict()`` checked (no step half
-done, no failed load, no step since), and so does each read of a view of the live state: the
-tree's step counts (its ``tiermem`` entry) are those of the call, so a save after a step would
-pair them with the next step's state. The checks are local: each rank reads in its own order.
+writes it from where it lives, a ``dcp.load`` fills it in place, as FSDP2's DTensors do): the
+optimizer state of buckets homed in memory, and frozen values in host memory (a copy in their own
+dtype, or the working copy when the device is the CPU: ``FrozenParams.live``). State that does
+not (optimizer state on NVMe; a frozen base off the device, or a rank's pieces of it) cannot be
+handed back whole: for a model bigger than the machine that is the whole point. Those values hold
+nothing when returned. Each is a ShardedValue with a :class:`~tiermem.checkpoint.shards.Streamed`
+source, which reads its home when DCP asks: the save planner's ``__create_write_items__`` drops
+what a source kept; the first box of a bucket reads that bucket's part of this process into the
+home's own buffer set (no new memory), and each box DCP gets is a copy of its own bytes, taken
+under the source's lock together with the read (a writer may resolve from several threads, and
+keep a box past the next read: torch's on a CUDA host resolves 10 MB ahead, in size order). What
+the writer keeps is its business: torch's ``FileSystemWriter`` keeps every tensor of a file until
+the file is written, so with its default of one file per rank a save holds this process's share
+of that state (as it did when this call copied it all), and with ``single_file_per_rank=False``
+(a file per tensor) one tensor; ``tm.save`` hands DCP views of the buffer set and holds nothing.
+Each bucket is read once per pass over it: DCP's plan writes the weights, then the moments, so
+twice, where ``tm.save`` reads once; a writer that reorders (torch's size order on a CUDA host,
+unless ``per_thread_copy_ahead=0``) reads a bucket again each time it comes back to it.
+
+The load planner's ``__create_chunk_list__`` gives each streamed value a buffer for DCP to fill,
+and each box DCP asks for is marked filled; ``tm.load_sharded_state_dict`` refuses a value not
+filled whole (a partial load), checks the tree whole, sends it home bucket by bucket, then drops
+the buffers. So a load holds this process's share of that state while the user's ``dcp.load``
+runs (``tm.load`` of a directory ``tm.save`` wrote holds one bucket). A dict a load filled cannot
+be saved before the model took it (its views and its buffers would be of two checkpoints).
+
+The dict's step counts and hyperparameters (its ``tiermem`` entry) are the call's. So when a
+``dcp.save`` plans it, each value checks, locally (each rank plans on its own), what the call
+checked (no step half done, no failed load) and that no step and no load happened since
+(``StateCore.loads``): a save after either would pair the entry with other state.
 """
 
 from __future__ import annotations
@@ -35,13 +43,15 @@ from __future__ import annotations
 import functools
 import json
 import math
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Optional
 
 import torch
 
 from tiermem.checkpoint.dcp_check import meta_fits, parse_meta
+from tiermem.checkpoint.dcp_save import own_piece
 from tiermem.checkpoint.names import BUFFERS, FROZEN, StateName
-from tiermem.checkpoint.shards import META, ShardedValue, key, nested
+from tiermem.checkpoint.shards import META, ShardedValue, Source, Streamed, key, nested
 from tiermem.checkpoint.view import PartPieces, Piece, StateReader, StateWriter
 from tiermem.errors import ConfigError
 
@@ -50,35 +60,38 @@ Parts = tuple[torch.Tensor, ...]
 
 class _OneAtATime:
     """This process's part of one bucket (or one frozen chunk) at a time, read from its home when a
-    piece of it is first asked for (NOTE [Streamed sharded values]). ``copy``: copied out and the
-    home's buffer released at once (a frozen chunk, read into a buffer of its own); else the home's
-    own buffer set, valid until its next read (optimizer state)."""
+    piece of it is first asked for (NOTE [Streamed sharded values]), into the home's own buffer
+    set (optimizer state; valid until its next read), or copied out and the home's buffer released
+    at once (``copy``: a frozen chunk, read into a buffer of its own). A lock keeps a read and the
+    copy a box takes of it together: a writer may resolve from several threads."""
 
-    def __init__(self, read: Callable[[int], Parts], reader: StateReader, guard: Callable[[], None], *, copy: bool):
-        self._read, self._reader, self._guard, self._copy = read, reader, guard, copy
+    def __init__(self, read: Callable[[int], Parts], reader: StateReader, *, copy: bool):
+        self._read, self._reader, self._copy = read, reader, copy
         self._index, self._parts = -1, ()  # type: tuple[int, Parts]
+        self._lock = threading.Lock()
 
     def forget(self) -> None:
-        self._index, self._parts = -1, ()
+        with self._lock:
+            self._index, self._parts = -1, ()
 
-    def get(self, index: int, part: int) -> torch.Tensor:
-        if self._index != index:
-            self.forget()  # the previous bucket goes before the next is read
-            self._guard()
-            if self._copy:
-                try:
-                    self._parts = tuple(t.to("cpu", copy=True) for t in self._read(index))
-                finally:
-                    self._reader.release()
-            else:
-                self._parts = self._read(index)
-            self._index = index
-        return self._parts[part]
+    def box(self, index: int, part: int, begin: int, n: int) -> torch.Tensor:
+        """Elements ``[begin, begin + n)`` of part ``part`` of bucket ``index``, in a tensor of their own."""
+        with self._lock:
+            if self._index != index:
+                self._index, self._parts = -1, ()  # the previous bucket goes before the next is read
+                if self._copy:
+                    try:
+                        self._parts = tuple(t.to("cpu", copy=True) for t in self._read(index))
+                    finally:
+                        self._reader.release()
+                else:
+                    self._parts = self._read(index)
+                self._index = index
+            return self._parts[part][begin : begin + n].to("cpu", copy=True)
 
 
-class _Piece:
-    """A :class:`~tiermem.checkpoint.shards.Streamed` source: elements ``[at, at + n)`` of part
-    ``part`` of bucket ``index``, read through ``one``."""
+class _Piece(Streamed):
+    """Elements ``[at, at + n)`` of part ``part`` of bucket ``index``, read through ``one``."""
 
     __slots__ = ("one", "index", "part", "at", "n")
 
@@ -86,84 +99,83 @@ class _Piece:
         self.one, self.index, self.part, self.at, self.n = one, index, part, p.at, p.hi - p.lo
 
     def __call__(self) -> torch.Tensor:
-        return self.one.get(self.index, self.part)[self.at : self.at + self.n]
+        return self.box(0, self.n)
+
+    def box(self, begin: int, n: int) -> torch.Tensor:
+        return self.one.box(self.index, self.part, self.at + begin, n)
 
     def forget(self) -> None:
         self.one.forget()
 
 
-class _Live:
-    """The live state's elements, checked first (NOTE [Streamed sharded values]): a save or load of
-    a tree taken before a step is refused, whether its values are views or read from home."""
+class _Whole(Streamed):
+    """A frozen parameter this process keeps whole, or its piece of one's copy in its own dtype,
+    read from home (flat) when a box of it is first asked for and kept for the next boxes."""
 
-    __slots__ = ("view", "guard")
+    __slots__ = ("read", "value", "lock")
 
-    def __init__(self, view: torch.Tensor, guard: Callable[[], None]):
-        self.view, self.guard = view, guard
-
-    def __call__(self) -> torch.Tensor:
-        self.guard()
-        return self.view
-
-
-class _Whole:
-    """A :class:`~tiermem.checkpoint.shards.Streamed` source: a frozen parameter this process keeps
-    whole, or its piece of one's copy in its own dtype, read from home (flat) each time."""
-
-    __slots__ = ("read", "guard")
-
-    def __init__(self, read: Callable[[], torch.Tensor], guard: Callable[[], None]):
-        self.read, self.guard = read, guard
+    def __init__(self, read: Callable[[], torch.Tensor]):
+        self.read, self.lock = read, threading.Lock()
+        self.value: Optional[torch.Tensor] = None
 
     def __call__(self) -> torch.Tensor:
-        self.guard()
         return self.read().reshape(-1)
 
+    def box(self, begin: int, n: int) -> torch.Tensor:
+        with self.lock:
+            if self.value is None:
+                self.value = self.read().reshape(-1)
+            return self.value[begin : begin + n].clone()
+
     def forget(self) -> None:
-        pass
+        with self.lock:
+            self.value = None
 
 
 def sharded_state_dict(reader: StateReader, guard: Callable[[], None]) -> dict[str, Any]:
     """``tm.sharded_state_dict()``: this process's pieces as ShardedValues, nested as DCP saves
     them: views of the live state where it lives in memory, read from home when DCP asks where
     it does not (NOTE [Streamed sharded values]); the frozen parameters sharded over the ranks in
-    this process's pieces, the others whole (read when asked), the buffers the module's own.
-    ``guard()`` refuses a read the call itself would have refused. Reads nothing."""
+    this process's pieces, the others whole, the buffers the module's own. ``guard()`` refuses a
+    save the call itself would have refused (checked when DCP plans one). Reads nothing but
+    scalar or empty frozen parameters."""
     core = reader.core
-    state = _OneAtATime(reader.read_local, reader, guard, copy=False)
-
-    def source(index: int, part: int, p: Piece) -> Any:
-        if not reader.resident(index):
-            return _Piece(state, index, part, p)
-        views = reader.read_local(index)  # the live state: nothing read or kept
-        return _Live(views[part][p.at : p.at + p.hi - p.lo], guard)
-
-    chunks = _OneAtATime(lambda index: (reader.read_frozen(index),), reader, guard, copy=True)
+    state = _OneAtATime(reader.read_local, reader, copy=False)
+    chunks = _OneAtATime(lambda index: (reader.read_frozen(index),), reader, copy=True)
+    frozen = core.layout.frozen
     values: dict[str, Any] = {}
     for index, mine in core.pieces():
+        live = reader.read_local(index) if reader.resident(index) else None  # the live state: nothing read
         for part_index, (part, dtype, of_part) in enumerate(core.part_pieces(index, mine)):
             for p in of_part:
-                local = source(index, part_index, p)
-                device = local.view.device if isinstance(local, _Live) else "cpu"
+                local = (
+                    _Piece(state, index, part_index, p) if live is None else live[part_index][p.at : p.at + p.hi - p.lo]
+                )
+                device = local.device if isinstance(local, torch.Tensor) else "cpu"
                 name = StateName(part, p.name)
-                values[str(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=dtype, device=device)
-    frozen = core.layout.frozen
+                values[str(name)] = ShardedValue(
+                    key(name), p.shape, p.lo, p.hi, local, dtype=dtype, device=device, guard=guard
+                )
     for index, mine in core.frozen_pieces():  # NOTE [Frozen weights sharded over the ranks]: nothing gathered
         for p in mine:
             own = frozen.keeps_copy(p.name)  # this rank's piece of its copy in its own dtype
-            local = (
-                _Whole(functools.partial(_copy_piece, frozen, p.name), guard) if own else _Piece(chunks, index, 0, p)
-            )
+            mine_live = frozen.live(p.name) if own else None
+            piece: Source = mine_live if mine_live is not None else _Piece(chunks, index, 0, p)
+            if own and mine_live is None:
+                piece = _Whole(functools.partial(own_piece, frozen, p.name))
             name = StateName(FROZEN, p.name)
-            values[str(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=core.frozen_dtype(p.name))
+            values[str(name)] = ShardedValue(
+                key(name), p.shape, p.lo, p.hi, piece, dtype=core.frozen_dtype(p.name), guard=guard
+            )
     values.update(_whole_frozen(reader, guard))
     values.update((str(StateName(BUFFERS, b)), t) for b, t in core.module.named_buffers())
     return nested(values, json.dumps(reader.meta()))
 
 
 def _whole_frozen(reader: StateReader, guard: Callable[[], None]) -> dict[str, Any]:
-    """The frozen parameters this process keeps whole, each a ShardedValue of all its elements read
-    from home when asked (a scalar or an empty one: its value)."""
+    """The frozen parameters this process keeps whole, each a ShardedValue of all its elements: a
+    view where the value lives in host memory, else read from home when asked (a scalar or an
+    empty one: its value)."""
     frozen = reader.core.layout.frozen
     out: dict[str, Any] = {}
     for n in reader.core.whole_frozen(pieces=True):
@@ -172,8 +184,9 @@ def _whole_frozen(reader: StateReader, guard: Callable[[], None]) -> dict[str, A
         if not shape or not math.prod(shape):
             out[str(name)] = frozen.value(n)
             continue
-        read = _Whole(functools.partial(frozen.value, n), guard)
-        out[str(name)] = ShardedValue(key(name), shape, 0, math.prod(shape), read, dtype=dtype)
+        live = frozen.live(n)
+        local = live if live is not None else _Whole(functools.partial(frozen.value, n))
+        out[str(name)] = ShardedValue(key(name), shape, 0, math.prod(shape), local, dtype=dtype, guard=guard)
     return out
 
 
@@ -262,7 +275,3 @@ def _copy_pieces(values: dict[str, Any], parts: list[PartPieces], views: tuple[t
 def _copy_frozen(values: dict[str, Any], mine: list[Piece], targets: dict[str, torch.Tensor]) -> None:
     for p in mine:
         targets[p.name].copy_(values[str(StateName(FROZEN, p.name))].local())
-
-
-def _copy_piece(frozen: Any, name: str) -> torch.Tensor:
-    return frozen.copy_piece(name)[0]

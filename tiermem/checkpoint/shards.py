@@ -39,7 +39,7 @@ tm.save wrote also holds ``tiermem_manifests``, the number of its manifests.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -89,23 +89,31 @@ def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
     return out
 
 
-Source = Union[torch.Tensor, Callable[[], torch.Tensor]]
+class Streamed:
+    """A source read from the model's home when DCP asks (NOTE [Streamed sharded values]): called,
+    it gives the elements (a tensor valid until the next read); :meth:`box` gives ``n`` of them
+    from ``begin`` in a tensor of their own, read and copied under the source's lock (a writer
+    may resolve from several threads); :meth:`forget` drops what it kept from an earlier read."""
+
+    def __call__(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def box(self, begin: int, n: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forget(self) -> None:
+        pass
 
 
-class Streamed(Protocol):
-    """A source read from the model's home each time DCP asks (NOTE [Streamed sharded values]):
-    called, it gives the elements; ``forget()`` drops whatever it kept from an earlier read."""
-
-    def __call__(self) -> torch.Tensor: ...
-
-    def forget(self) -> None: ...
+Source = Union[torch.Tensor, Callable[[], torch.Tensor], Streamed]
 
 
 class ShardedValue(torch.Tensor):
     """Elements ``[lo, hi)`` of a flattened tensor of ``shape``: what one process keeps of a
     parameter's fp32 state (NOTE [Sharded values for DCP]). ``local`` is those elements as a 1-d
     tensor, or a function that returns them when DCP reads them (a checkpoint streamed from
-    NVMe). ``.local()`` gives them; torch.distributed.checkpoint saves and loads them."""
+    NVMe), or a :class:`Streamed` source. ``guard()``: checked when a DCP save plans it.
+    ``.local()`` gives them; torch.distributed.checkpoint saves and loads them."""
 
     _name: str
     _lo: int
@@ -113,7 +121,9 @@ class ShardedValue(torch.Tensor):
     _source: Source
     _boxes: list[Box]
     _at: dict[tuple[int, ...], int]
-    _held: Optional[torch.Tensor]  # what a dcp.load filled in, for a streamed source
+    _guard: Optional[Callable[[], None]]
+    _held: Optional[torch.Tensor]  # a streamed value's buffer for a dcp.load to fill
+    _filled: set[int]  # the boxes a dcp.load asked for, into that buffer
 
     @staticmethod
     def __new__(
@@ -126,9 +136,10 @@ class ShardedValue(torch.Tensor):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        guard: Optional[Callable[[], None]] = None,
     ) -> "ShardedValue":
         r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=torch.device(device))
-        r._name, r._lo, r._hi, r._source, r._held = name, lo, hi, local, None
+        r._name, r._lo, r._hi, r._source, r._guard, r._held, r._filled = name, lo, hi, local, guard, None, set()
         r._boxes = flat_boxes(tuple(shape), lo, hi)
         r._at = {offsets: i for i, (offsets, _, _) in enumerate(r._boxes)}
         return r
@@ -143,7 +154,8 @@ class ShardedValue(torch.Tensor):
         raise TierMemError(
             f"tiermem: {value._name!r} is a ShardedValue from tm.sharded_state_dict(): it holds only "
             f"this process's elements [{value._lo}, {value._hi}) of {math.prod(value.shape)}, so "
-            f"{func} cannot run on it; use .local() for them, or tm.state_dict() for whole weights"
+            f"{func} cannot run on it; use .local() for its elements, or tm.state_dict() for whole weights "
+            f"(torch.distributed.checkpoint's async_save copies every value: use dcp.save)"
         )
 
     @property
@@ -151,41 +163,55 @@ class ShardedValue(torch.Tensor):
         """``(lo, hi)``: which elements of the flattened tensor this process holds."""
         return self._lo, self._hi
 
-    @property
-    def _streamed(self) -> bool:
-        return hasattr(self._source, "forget")
-
     def local(self) -> torch.Tensor:
         """This process's elements, flat: a view of the model's state where it lives in memory;
         for a value read from its home when asked (NOTE [Streamed sharded values]), what a
         ``dcp.load`` filled in, else a copy read now."""
         if self._held is not None:
             return self._held
-        if self._streamed:
-            self._source.forget()  # type: ignore[union-attr]  # _streamed: it has one
-            return self._current().clone()  # the home's buffers are the next read's
-        return self._current()
-
-    def _current(self) -> torch.Tensor:
+        if isinstance(self._source, Streamed):
+            self._source.forget()
+            return self._source.box(0, self._hi - self._lo)
         return self._source() if callable(self._source) else self._source
 
     def _box(self, i: int) -> torch.Tensor:
         _, sizes, start = self._boxes[i]
         begin = start - self._lo if math.prod(self.shape) else 0
-        flat = self._held if self._held is not None else self._current()
-        box = flat[begin : begin + math.prod(sizes)]
-        if self._streamed and self._held is None:  # a copy that owns its bytes: DCP may keep it a while
-            return box.clone().view(sizes)
-        return _own_storage(box).view(sizes)
+        n = math.prod(sizes)
+        if self._held is not None:  # a dcp.load fills it
+            self._filled.add(i)
+            return self._held[begin : begin + n].view(sizes)
+        if isinstance(self._source, Streamed):  # its own bytes: a writer may keep it past the next read
+            return self._source.box(begin, n).view(sizes)
+        flat = self._source() if callable(self._source) else self._source
+        return _own_storage(flat[begin : begin + n]).view(sizes)
+
+    @property
+    def filled(self) -> bool:
+        """Whether :meth:`local` gives values without reading the home: a view of the live state,
+        or a streamed value every box of which a ``dcp.load`` filled (NOTE [Streamed sharded values])."""
+        if not isinstance(self._source, Streamed):
+            return True
+        return self._held is not None and len(self._filled) == len(self._boxes)
+
+    def drop_loaded(self) -> None:
+        """Forget what a ``dcp.load`` filled in (it went home): a later read is of the home again."""
+        self._held, self._filled = None, set()
 
     # -- the protocol DCP's planner calls (DTensor implements it too) ------------------------------
     def __create_write_items__(self, fqn: str, obj: Any) -> list:
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-        if self._streamed:  # a save reads the home as it is now, not what a read before kept
-            self._held = None
-            self._source.forget()  # type: ignore[union-attr]  # _streamed: it has one
+        if self._held is not None:
+            raise TierMemError(
+                f"tiermem: {self._name!r} holds what a dcp.load filled in, which the model has not taken: "
+                f"call tm.load_sharded_state_dict() with this dict first, or save a new tm.sharded_state_dict()"
+            )
+        if self._guard is not None:
+            self._guard()
+        if isinstance(self._source, Streamed):  # a save reads the home as it is now, not what a read before kept
+            self._source.forget()
         properties = TensorProperties(dtype=self.dtype)
         return [
             WriteItem(
@@ -199,24 +225,14 @@ class ShardedValue(torch.Tensor):
     def __create_chunk_list__(self) -> list:
         """DCP's load planner asks this (its save planner asks :meth:`__create_write_items__`): a
         streamed value gets a buffer for the load to fill, held until ``tm.load_sharded_state_dict``."""
-        if self._streamed and self._held is None:
-            self._held = torch.empty(self._hi - self._lo, dtype=self.dtype, device=self.device)
+        if isinstance(self._source, Streamed) and self._held is None:
+            self._held, self._filled = torch.empty(self._hi - self._lo, dtype=self.dtype, device=self.device), set()
         return self._chunks()
 
     def _chunks(self) -> list:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
         return [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes, _ in self._boxes]
-
-    @property
-    def filled(self) -> bool:
-        """Whether :meth:`local` gives values without reading the home: a view of the live state,
-        or what a ``dcp.load`` filled into a streamed value (NOTE [Streamed sharded values])."""
-        return self._held is not None or not self._streamed
-
-    def drop_loaded(self) -> None:
-        """Forget what a ``dcp.load`` filled in (it went home): a later read is of the home again."""
-        self._held = None
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         i = self._at.get(tuple(index.offset) if index.offset is not None else ())

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tiermem.errors import ConfigError
+from tiermem.plan.kv_cache import CONFIG_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +131,9 @@ def _build(spec: str, factory: Any) -> torch.nn.Module:
 # `tie_word_embeddings` defaults to True, as in transformers' PretrainedConfig.
 _GPT2_STYLE = {"gpt2", "gpt_neo", "gptj", "gpt_bigcode", "opt", "biogpt", "codegen"}
 _KEYS = {  # our name -> the names families use for it
-    "hidden": ("hidden_size", "n_embd", "d_model"),
-    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "heads": ("num_attention_heads", "n_head"),
+    "hidden": CONFIG_NAMES["hidden_size"],
+    "layers": CONFIG_NAMES["num_hidden_layers"],
+    "heads": CONFIG_NAMES["num_attention_heads"],
     "vocab": ("vocab_size",),
 }
 

@@ -61,8 +61,10 @@ def entry(
         shape = KvShape.of(json.load(f))
     if shape is None:
         raise ConfigError(
-            f"tiermem: --config {args.config!r} has no num_hidden_layers and num_attention_heads (or no "
-            f"head width); --generate sizes the KV cache of a transformers decoder's config.json"
+            f"tiermem: --config {args.config!r} gives no layer count and head count (num_hidden_layers or "
+            f"n_layer, num_attention_heads or n_head), no head width, or groups its KV heads without "
+            f"num_key_value_heads (multi-query attention); --generate sizes the KV cache of a transformers "
+            f"decoder's config.json: add num_key_value_heads to it"
         )
     out: dict[str, Any] = {
         "batch": asked.batch,

@@ -128,19 +128,21 @@ class StateCalls:
         stays the whole weights."""
         state = self._settled("sharded_state_dict()")
         state.check_loaded("tm.sharded_state_dict()")
-        steps = self.stepper.steps
+        taken = (self.stepper.steps, state.core.loads)
 
         def still() -> None:
-            """What the call checked, with nothing collective: each rank reads in its own order."""
-            call = "tm.sharded_state_dict() read by dcp"
+            """What the call checked, when a dcp.save plans the dict; nothing collective (each rank
+            plans on its own). Its step counts and hyperparameters are the call's: after a step or
+            a load they would go with other state."""
+            call = "a dcp.save of tm.sharded_state_dict()"
             self._life.check("state", call)
             state.check_loaded(call)
             self.stepper.recovery.check_whole(call)
-            if self.stepper.steps != steps:  # its meta (step counts) is the earlier step's
+            if (self.stepper.steps, state.core.loads) != taken:
                 raise TierMemError(
-                    f"tiermem: this tm.sharded_state_dict() was taken at step {steps} and read at step "
-                    f"{self.stepper.steps}; its step counts are the earlier step's. Call tm.sharded_state_dict() "
-                    f"again just before dcp.save or dcp.load"
+                    f"tiermem: this tm.sharded_state_dict() was taken at step {taken[0]}, and the model has "
+                    f"{'stepped' if self.stepper.steps != taken[0] else 'loaded a checkpoint'} since; its step "
+                    f"counts would not match the state saved. Call tm.sharded_state_dict() again just before dcp.save"
                 )
 
         return checkpoint.sharded_state_dict(state, still)

@@ -99,6 +99,8 @@ class KvShape:
         )
         if not layers or not heads or encoder_decoder is True:
             return None
+        if isinstance(config, Mapping) and "num_key_value_heads" not in config and any(config.get(k) for k in _GROUPED):
+            return None  # its KV heads are not the attention heads, and not said in a way read here
         kv_heads = _field(config, "num_key_value_heads") or heads
         head_dim = _field(config, "head_dim") or (hidden // heads if hidden else None)
         return cls(layers, kv_heads, head_dim) if head_dim else None
@@ -108,20 +110,24 @@ class KvShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype.itemsize
 
 
-#: the names a config.json may give these fields under (GPT-2's and others'): a transformers config
-#: object maps them itself (its ``attribute_map``); a config.json read as a dict does not
-_ALIASES = {
-    "num_hidden_layers": ("n_layer", "num_layers", "n_layers"),
-    "num_attention_heads": ("n_head", "num_heads", "n_heads"),
-    "hidden_size": ("n_embd", "d_model"),
+#: the names a config.json gives these fields under, transformers' own first (GPT-2's after it:
+#: a transformers config object maps them itself, by its ``attribute_map``; a dict does not).
+#: ``tiermem plan --config`` counts parameters by the same names
+CONFIG_NAMES = {
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
 }
+#: keys of a config.json that group the KV heads in a way these fields do not say (multi-query
+#: attention, Falcon's and ChatGLM's KV heads): without ``num_key_value_heads`` its shape is unknown
+_GROUPED = ("multi_query", "multi_query_attention", "multi_query_group_num", "num_kv_heads", "n_head_kv", "kv_n_heads")
 
 
 def _field(config: Any, name: str) -> Optional[int]:
     """``config``'s whole-number field ``name`` (attribute or key, or a key it goes by in a
     config.json), or None."""
     if isinstance(config, Mapping):
-        value = next((config[k] for k in (name, *_ALIASES.get(name, ())) if k in config), None)
+        value = next((config[k] for k in CONFIG_NAMES.get(name, (name,)) if k in config), None)
     else:
         value = getattr(config, name, None)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

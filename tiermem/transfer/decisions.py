@@ -239,6 +239,10 @@ def lookahead_window(
     return window
 
 
+#: the most keys :meth:`RepeatGuess.ahead` looks at (keys used again are passed over uncounted)
+WALK = 512
+
+
 class RepeatGuess:
     """What comes next in the first iteration, before any trace exists.
 
@@ -253,20 +257,21 @@ class RepeatGuess:
     ``j`` right after one whose previous use was ``j - 1``, or ``j + 1``), the run is taken to go on
     from ``j`` in that direction (``step`` +1 or -1), over the accesses recorded before the run
     began, and the window fetches its next keys as a trace's would. Each access that is the
-    expected one moves the run on; any other ends it (until two accesses start another). Before
-    any key was used twice (the first forward), nothing repeats yet: the keys follow ``order``, the
-    order the caller registered them in (a module's parameters, in the order its submodules are
-    defined), from the one just used, a guess that is right block by block where it is wrong
-    within one (Llama's norms are defined after its projections but run before them). A guess
-    that is wrong costs what a prefetch costs (room and bytes read, evicted least recently used
-    first); once an iteration has ended, its trace replaces all this.
+    expected one moves the run on; any other ends it (until two accesses start another). Where no
+    run goes on and the key just used is used for the first time (the first forward), the keys
+    follow ``order``, the order the caller registered them in (a module's parameters, in the order
+    its submodules are defined), from that key: right block by block where it is wrong within one
+    (Llama's norms are defined after its projections but run before them). A guess that is wrong
+    costs what a prefetch costs (room and bytes read, evicted least recently used first; with
+    activation checkpointing, a run after a block's recompute walks into blocks already done);
+    the walk looks at no more than :data:`WALK` keys. Once an iteration has ended, its trace
+    replaces all this.
     """
 
     def __init__(self, order: Sequence[str] = ()) -> None:
         self.order = tuple(order)
         self._order_at = {k: i for i, k in enumerate(self.order)}
-        self._last: Optional[str] = None  # the newest access
-        self.repeated = False  # some key was used twice: the order guess is over
+        self._last: Optional[str] = None  # the newest access, when it was that key's first
         self.latest: dict[str, int] = {}  # key -> its latest position among the accesses
         self._prev_at: Optional[int] = None  # the previous access's earlier position, if it had one
         self.anchor: Optional[int] = None  # the position the run matched last (None: no run)
@@ -284,14 +289,13 @@ class RepeatGuess:
             self.anchor, self.step, self.start = j, j - self._prev_at, pos - 1
         else:
             self.anchor = None
-        self._prev_at, self._last = j, key
-        self.repeated = self.repeated or j is not None
+        self._prev_at, self._last = j, key if j is None else None
         self.latest[key] = pos
 
     @property
     def guessing(self) -> bool:
         """Whether :meth:`ahead` would name any key."""
-        return self.anchor is not None or (not self.repeated and self._last in self._order_at)
+        return self.anchor is not None or self._last in self._order_at
 
     def ahead(
         self, recording: Sequence[str], sizes: Mapping[str, int], limit: int, *, skip: Iterable[str] = ()
@@ -307,7 +311,8 @@ class RepeatGuess:
         else:
             return []
         seen, window, total = set(skip), [], 0
-        while 0 <= i < end:
+        stop = i + step * WALK
+        while 0 <= i < end and i != stop:
             key = keys[i]
             i += step
             if key in seen:

@@ -1,5 +1,6 @@
-"""The moves of a residency scheduler on its tier: fetch on demand, fetch ahead along the trace,
-make room by evicting released tensors, and count what they did.
+"""The moves of a residency scheduler on its tier: fetch on demand, fetch ahead along the trace
+(before one exists, along a guess: NOTE [Fetch ahead before a trace]), make room by evicting
+released tensors, and count what they did.
 
 :class:`~tiermem.transfer.schedule.ResidencyScheduler` keeps the bookkeeping of its callers (what
 is acquired, the trace being followed) and hands each decision to carry out to :class:`FetchEvict`,

@@ -231,7 +231,8 @@ class ResidencyScheduler(Reclaimer):
             self._log_trace(tuple(self._follow.recording))
             ended_at = self._follow.pos
             self._follow.close_iteration()
-            self._guess = RepeatGuess(self._guess.order)
+            if self._follow.trace is None:  # an iteration with no access: still the first
+                self._guess = RepeatGuess(self._guess.order)
             self.history.append(self._moves.next_iteration(self._follow.following(), ended_at))
             self._fetch_ahead()
 

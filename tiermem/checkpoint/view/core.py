@@ -69,6 +69,7 @@ class StateCore:
         self.writes_files = group.rank == 0  # under data parallelism rank 0 writes; every rank takes part
         #: the error of a load that failed part way (NOTE [A failed load is guarded])
         self.failed_load: Optional[str] = None
+        self.loads = 0  # loads begun (a state dict taken before one does not go with the state after it)
 
     def bucket(self, index: int) -> Bucket:
         return self._bucket[index]

@@ -95,6 +95,7 @@ class StateWriter:
         :meth:`StateCore.check_loaded`)."""
         homes = self.core.layout.homes
         homes.begin_update()
+        self.core.loads += 1
         try:
             yield
         except BaseException as e:

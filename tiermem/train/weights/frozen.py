@@ -361,6 +361,22 @@ class FrozenParams:
         whole = copy.read().reshape(-1)
         return whole, 0, whole.numel()
 
+    def live(self, name: str) -> Optional[torch.Tensor]:
+        """``name``'s value as :meth:`copy_piece` gives it (flat; its piece when its copy is sharded
+        over the ranks), where that is a host tensor read in place: a copy in host memory, or the
+        working copy when the device is the CPU; else None (reading it reads its home)."""
+        copy = self._copies.get(name)
+        if isinstance(copy, ShardedCopy):
+            if copy.piece is None:
+                return torch.empty(0, dtype=copy.dtype)
+            copy = copy.piece
+        if isinstance(copy, HostCopy):
+            return copy.tensor.reshape(-1)
+        if copy is not None or self._is_off(name) or self._in_shards(name):
+            return None
+        data = self._module.get_parameter(name).data
+        return data.reshape(-1) if data.device.type == "cpu" else None
+
     def write_copy(self, name: str, piece: torch.Tensor) -> None:
         """``piece`` (in the parameter's own dtype, :meth:`copy_piece`'s elements) becomes that part
         of its copy; its working copy is left as it is. No communication."""
