@@ -4,7 +4,8 @@ step, the checkpoint and the model see the same interfaces as in one process.
 - :class:`ShardedGrads`: the device's gradients of a whole bucket accumulate in a device buffer
   (zeroed, so a parameter this rank never saw counts as 0), reduce-scattered into this rank's
   chunk, in bucket order on every rank, as soon as the bucket is complete; the chunk's mean
-  lands in the inner GRAD home (host memory).
+  lands in the inner GRAD home (host memory; under update_in_backward, the window of NOTE
+  [Updates in backward], which takes each chunk as it lands).
 - :class:`ShardedState`: the inner OPTIM_STATE home (host or NVMe) holds this rank's chunk of
   every bucket. Read by the model (checkpoint, ``state_dict``), it all-gathers whole buckets into
   one host buffer set; written from a checkpoint, it keeps its chunk of the whole bucket given.
@@ -17,7 +18,7 @@ pieces of the parameters that fall inside it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -69,8 +70,15 @@ class ShardedGrads(GradHome):
         group: Group,
         device_store,
         engine: CopyService,
+        *,
+        holds: Optional[Callable[[Bucket], bool]] = None,
     ):
+        """``holds(shard bucket)``: whether the buffer ``inner.landing`` gives next holds grads of
+        this step that the chunk is added to; by default, whether an earlier backward of the step
+        landed one there. An inner home whose buffers come and go within a step (the window
+        under update_in_backward, NOTE [Updates in backward]) says it itself."""
         self.landing_tier = Tier.DEVICE
+        self._holds = holds if holds is not None else (lambda sb: sb.index in self._have)
         self.full = {b.index: b for b in buckets}
         self.shards = {b.index: b for b in shards}
         self.inner, self.group, self.store, self.engine = inner, group, device_store, engine
@@ -126,12 +134,13 @@ class ShardedGrads(GradHome):
     def _land(self, work: Pending, index: int, out: torch.Tensor, fill: int) -> None:
         work.wait()
         sb = self.shards[index]
+        adds = self._holds(sb)  # asked before landing(), which may fill the buffer it gives
         self.engine.copy_async(
             self.inner.landing(sb, fill),
             out,
             src_tier=Tier.DEVICE,
             dst_tier=self.inner.landing_tier,
-            accumulate=index in self._have,
+            accumulate=adds,
             kind=TensorClass.GRAD,
         ).wait()
         self.inner.complete(sb)  # grads on NVMe: written there now, not kept on the host
@@ -163,6 +172,7 @@ class ShardedGrads(GradHome):
         self._next = 0
 
     def defer(self, on: bool) -> None:
+        self.inner.defer(on)  # first: an inner home that refuses it leaves this one unchanged
         self.deferred = on
 
     def gather(self, fill: int) -> list[Handle]:
