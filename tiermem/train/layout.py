@@ -194,6 +194,22 @@ def _window_or_grad_homes(
     return {Tier.HOST: (window, buckets)}
 
 
+def _sharded_grads(
+    buckets: list[Bucket],
+    shards: list[Bucket],
+    inner: GradHome,
+    group: Group,
+    device_store,
+    engine: CopyService,
+    window: Optional[WindowGrads],
+) -> ShardedGrads:
+    """A rank's GRAD home over ``inner``; under update_in_backward (``window``), told by the window
+    where a chunk adds to grads already landed and when a pass must leave no_sync()'s sums be."""
+    if window is None:
+        return ShardedGrads(buckets, shards, inner, group, device_store, engine)
+    return ShardedGrads(buckets, shards, inner, group, device_store, engine, holds=window.holds, keeps=window.keeps)
+
+
 def make_homes(
     buckets: list[Bucket],
     stores: dict,
@@ -238,9 +254,8 @@ def make_homes(
         )
     shards = shard_buckets(buckets, group)
     full = {b.index: b for b in buckets}
-    holds = None if window is None else window.holds
     grads = {
-        t: (ShardedGrads([full[b.index] for b in bs], bs, home, group, stores[Tier.DEVICE], engine, holds=holds), bs)
+        t: (_sharded_grads([full[b.index] for b in bs], bs, home, group, stores[Tier.DEVICE], engine, window), bs)
         for t, (home, bs) in _window_or_grad_homes(
             shards, stores, engine, compute, overlap, window, sharded=True
         ).items()

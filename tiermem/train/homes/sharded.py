@@ -39,9 +39,10 @@ def chunk_of(group: Group, b: Bucket) -> Chunk:
     return group.chunk(b.numel, b.chunk_size(group.world))
 
 
-def _landing_key(b: Bucket) -> str:
-    """The device buffer whole bucket ``b``'s grads accumulate in, to be reduce-scattered."""
-    return str(bucket_key(b, Part.GRAD_LANDING))
+def _landing_key(b: Bucket, copy: bool = False) -> str:
+    """The device buffer whole bucket ``b``'s grads accumulate in, to be reduce-scattered; with
+    ``copy``, the copy of it that a pass which must leave it be sends (:class:`ShardedGrads`)."""
+    return str(bucket_key(b, Part.GRAD_LANDING_COPY if copy else Part.GRAD_LANDING))
 
 
 def shard_buckets(buckets: Sequence[Bucket], group: Group) -> list[Bucket]:
@@ -72,13 +73,19 @@ class ShardedGrads(GradHome):
         engine: CopyService,
         *,
         holds: Optional[Callable[[Bucket], bool]] = None,
+        keeps: Callable[[], bool] = lambda: False,
     ):
         """``holds(shard bucket)``: whether the buffer ``inner.landing`` gives next holds grads of
         this step that the chunk is added to; by default, whether an earlier backward of the step
         landed one there. An inner home whose buffers come and go within a step (the window
-        under update_in_backward, NOTE [Updates in backward]) says it itself."""
+        under update_in_backward, NOTE [Updates in backward]) says it itself. ``keeps()``: the
+        backward running now must leave what ``tm.no_sync()`` accumulated on the device as it is
+        (a first pass under update_in_backward, whose graph runs again): it adds to a copy."""
         self.landing_tier = Tier.DEVICE
         self._holds = holds if holds is not None else (lambda sb: sb.index in self._have)
+        self._keeps = keeps
+        self._copies: dict[int, torch.Tensor] = {}  # by bucket: a copy of its landing buffer, sent instead
+        self._unsent: set[int] = set()  # buckets whose landing buffer holds grads of a backward inside no_sync()
         self.full = {b.index: b for b in buckets}
         self.shards = {b.index: b for b in shards}
         self.inner, self.group, self.store, self.engine = inner, group, device_store, engine
@@ -96,11 +103,26 @@ class ShardedGrads(GradHome):
     def landing(self, b: Bucket, fill: int) -> torch.Tensor:
         self._dirty = True
         self._fill = fill  # the inner buffer this backward's chunks land in (two alternate under overlap_step)
+        if self.deferred:
+            self._unsent.add(b.index)
+        elif b.index in self._unsent and self._keeps():
+            return self._copy(b)
         t = self._landing.get(b.index)
         if t is None:
             c = chunk_of(self.group, b)
             t = self.store.allocate(_landing_key(b), (c.padded,), torch.float32, TensorClass.GRAD).zero_()
             self._landing[b.index] = t
+        return t
+
+    def _copy(self, b: Bucket) -> torch.Tensor:
+        """A copy of ``b``'s landing buffer (what ``tm.no_sync()`` left there), made at this
+        backward's first use of it; the copy is sent and freed, the buffer stays for a later pass."""
+        t = self._copies.get(b.index)
+        if t is None:
+            kept = self._landing[b.index]
+            t = self.store.allocate(_landing_key(b, copy=True), kept.shape, torch.float32, TensorClass.GRAD)
+            t.copy_(kept)
+            self._copies[b.index] = t
         return t
 
     def arrived(self, b: Bucket) -> None:
@@ -145,8 +167,11 @@ class ShardedGrads(GradHome):
         ).wait()
         self.inner.complete(sb)  # grads on NVMe: written there now, not kept on the host
         self._have.add(index)
-        self.store.delete(_landing_key(sb))
-        self._landing.pop(index, None)
+        copied = self._copies.pop(index, None) is not None
+        self.store.delete(_landing_key(sb, copy=copied))
+        if not copied:
+            self._landing.pop(index, None)
+            self._unsent.discard(index)
 
     def end_backward(self) -> None:
         self._arrived.clear()
@@ -189,13 +214,23 @@ class ShardedGrads(GradHome):
             except Exception:  # noqa: BLE001 - draining after the error that matters
                 pass
         self._pending.clear()
-        for index in list(self._landing):
-            self.store.delete(_landing_key(self.full[index]))
-        self._landing.clear()
         self.end_step()
         self.inner.drop()
 
+    def _free(self) -> None:
+        """Every device buffer goes: landing buffers and their copies."""
+        for index in list(self._copies):
+            self.store.delete(_landing_key(self.full[index], copy=True))
+        for index in list(self._landing):
+            self.store.delete(_landing_key(self.full[index]))
+        self._copies.clear()
+        self._landing.clear()
+        self._unsent.clear()
+
     def end_step(self) -> None:
+        """The step's grads are consumed or dropped: a step skipped after a first pass under
+        update_in_backward leaves what no_sync() accumulated on the device; it goes too."""
+        self._free()
         self._have.clear()
         self._issued.clear()
         self._complete.clear()

@@ -93,12 +93,20 @@ bucket's new chunk goes home while backward runs, after its reduce-scatter finis
 backward is done with its weights (later gathers are of other buckets), and the step frees every
 gathered copy before the next forward gathers again.
 
-What it does not do (each refused with a ``tiermem:`` error): overlap_step and optimizer state on
-the device (at construction: its Adam would read the host's window); ``tm.no_sync()`` under data
-parallelism (when entered: the default step reduce-scatters the sum of its micro-batches once,
-which the second pass would need kept on the device; micro-batches through ``tm.backward()``
-alone accumulate as above). Weights a backward changes while it runs are those of buckets it has
-finished: autograd has run every node that saved them.
+``tm.no_sync()`` under data parallelism: as in the default step, a backward inside it adds its
+grads to the device buffers a reduce-scatter reads (ShardedGrads) and sends nothing; the next
+backward outside it, or the step, sends their sum once. Here that backward's first pass must
+leave those buffers be, since its graph runs again: it adds to a copy of each (``keeps()``: made
+at the pass's first use of the buffer, freed once sent), and the pass that runs the graph again
+(a replay, or the step's second pass) adds to the buffers themselves and sends them: the sum the
+default step sends, once. A replay inside no_sync() sends too (the backward that kept the graph
+ran outside it). When the step's last backward ran inside no_sync(), the step sends the sums into
+the accumulation homes (``_to_acc``) and updates from there, as in one process. The device holds
+what no_sync() holds in the default step, and copies of the buckets in flight in a first pass.
+
+What it does not do (each refused with a ``tiermem:`` error at construction): overlap_step, and
+optimizer state on the device (its Adam would read the host's window). Weights a backward changes
+while it runs are those of buckets it has finished: autograd has run every node that saved them.
 
 A speculative update (SuperOffload's: update during the first backward, roll back where the
 norm says so) would save the second pass, but its undo needs the previous value of every updated
@@ -154,6 +162,7 @@ class WindowGrads(GradHome):
         self._stored: set[int] = set()  # buckets whose accumulation home holds grads of this step
         self._into_acc = False  # a backward that is not the step's last lands in the accumulation homes
         self.deferred = False  # inside tm.no_sync(): a backward known not to be the step's last
+        self.first = False  # a first pass runs (its graph kept): ShardedGrads leaves no_sync()'s sums be
         #: the scaled loss of the step's last backward so far, its graph kept for the step's second pass
         self.graph: Optional[torch.Tensor] = None
 
@@ -202,8 +211,14 @@ class WindowGrads(GradHome):
         return b.index in self._stored and b.index not in self.order
 
     # -- backward ----------------------------------------------------------------------------------
+    def _to_acc(self) -> bool:
+        """Landings go to the accumulation homes: a backward that is not the step's last runs, or,
+        under data parallelism, the step sends what backwards inside ``tm.no_sync()`` left on the
+        device (outside any pass)."""
+        return self._into_acc or (self.sharded and not self.first and self.relay is None)
+
     def landing(self, b: Bucket, fill: int) -> torch.Tensor:
-        if self._into_acc:
+        if self._to_acc():
             self._stored.add(b.index)
             return self._acc[b.index].landing(b, fill)
         if b.index not in self._landing:
@@ -225,6 +240,11 @@ class WindowGrads(GradHome):
                     raise
             self._landing[b.index] = (t, lease)
         return self._landing[b.index][0]
+
+    def keeps(self) -> bool:
+        """A first pass runs: its graph runs again, so what backwards inside ``tm.no_sync()`` left
+        on the device must stay for that pass (ShardedGrads sends a copy of it)."""
+        return self.first
 
     def holds(self, b: Bucket) -> bool:
         """The buffer :meth:`landing` gives next for ``b`` holds grads of this step, which the
@@ -249,7 +269,7 @@ class WindowGrads(GradHome):
             self._complete(b)
 
     def complete(self, b: Bucket) -> None:
-        if self._into_acc:
+        if self._to_acc():
             self._acc[b.index].complete(b)
         elif b.index in self._landing:
             self._complete(b)
@@ -340,13 +360,6 @@ class WindowGrads(GradHome):
         return bool(self._landing) or any(home.accumulating() for home in self._homes())
 
     def defer(self, on: bool) -> None:
-        if on and self.sharded:
-            raise TierMemError(
-                "tiermem: tm.no_sync() under data parallelism with update_in_backward=True is not supported in "
-                "this version (the step's second backward would need the unsent sum kept on the device); call "
-                "tm.backward() for each micro-batch outside tm.no_sync() (each one's grads are then reduce-scattered "
-                "as it ends), or leave update_in_backward off"
-            )
         self.deferred = on
 
     def drop(self) -> None:
