@@ -92,7 +92,8 @@ def test_what_cannot_be_built_is_refused_at_planning():
     frozen = Quirky().requires_grad_(False)
     with pytest.raises(TierMemError, match="no trainable parameters"):
         _plan(frozen)
-    with pytest.raises(ConfigError, match="update_in_backward=True runs in one process"):
-        _plan(TinyGPT(), update_in_backward=True, world=2)
+    _plan(TinyGPT(), update_in_backward=True, world=2)  # data parallel too (tests/test_update_in_backward_dp.py)
     with pytest.raises(ConfigError, match="keeps the optimizer state"):
         _plan(TinyGPT(), ZeroOffload(device_fraction=1.0), update_in_backward=True)
+    with pytest.raises(ConfigError, match="keeps the optimizer state"):
+        _plan(TinyGPT(), ZeroOffload(device_fraction=1.0), update_in_backward=True, world=2)

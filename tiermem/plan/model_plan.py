@@ -126,7 +126,7 @@ def plan_model(
     planned = plan(module, placement, spec, dtype, bucket_numel, overlap=overlap, world=world, inference=inference)
     buckets, homes = planned.buckets, dict(planned.weight_homes)
     if not inference:
-        _check_buckets(buckets, world, update_in_backward)
+        _check_buckets(buckets, update_in_backward)
     cold = frozen_buckets(module, homes, world, shard_weights, bucket_numel, first_index=len(buckets))
     sharded, offloaded = split_weights(buckets, homes, world, shard_weights, cold)
     need = model_footprint(
@@ -188,7 +188,7 @@ def _shape_of(overlap: bool, world: int, shard_weights: bool, device_type: str) 
     )
 
 
-def _check_buckets(buckets: Sequence[Bucket], world: int, update_in_backward: bool) -> None:
+def _check_buckets(buckets: Sequence[Bucket], update_in_backward: bool) -> None:
     """What a plan cannot be built into, refused before anything is."""
     if not buckets:
         raise TierMemError(
@@ -197,11 +197,6 @@ def _check_buckets(buckets: Sequence[Bucket], world: int, update_in_backward: bo
         )
     if not update_in_backward:
         return
-    if world > 1:  # NOTE [Updates in backward]
-        raise ConfigError(
-            f"tiermem: update_in_backward=True runs in one process in this version ({world} ranks here); "
-            f"leave it off under data parallelism (ZeRO-2/3 shard the grads over the ranks already)"
-        )
     on_device = [b.key for b in buckets if b.state_tier == Tier.DEVICE]
     if on_device:
         raise ConfigError(

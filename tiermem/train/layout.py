@@ -176,6 +176,40 @@ def _per_bucket(homes: Mapping[Tier, tuple[H, list[Bucket]]]) -> dict[int, H]:
     return {b.index: home for home, bs in homes.values() for b in bs}
 
 
+def _window_or_grad_homes(
+    buckets: list[Bucket],
+    stores: dict,
+    engine: CopyService,
+    compute: dict[int, Tier],
+    overlap: bool,
+    window: Optional[WindowGrads],
+    *,
+    sharded: bool,
+) -> dict[Tier, tuple[GradHome, list[Bucket]]]:
+    """The GRAD homes of ``buckets`` (``sharded``: this rank's chunks, NOTE [Data parallel]): the
+    window under update_in_backward (NOTE [Updates in backward]), else one per tier."""
+    if window is None:
+        return _grad_homes(buckets, stores, engine, compute, overlap)
+    window.add(buckets, sharded=sharded)
+    return {Tier.HOST: (window, buckets)}
+
+
+def _sharded_grads(
+    buckets: list[Bucket],
+    shards: list[Bucket],
+    inner: GradHome,
+    group: Group,
+    device_store,
+    engine: CopyService,
+    window: Optional[WindowGrads],
+) -> ShardedGrads:
+    """A rank's GRAD home over ``inner``; under update_in_backward (``window``), told by the window
+    where a chunk adds to grads already landed and when a pass must leave no_sync()'s sums be."""
+    if window is None:
+        return ShardedGrads(buckets, shards, inner, group, device_store, engine)
+    return ShardedGrads(buckets, shards, inner, group, device_store, engine, holds=window.holds, keeps=window.keeps)
+
+
 def make_homes(
     buckets: list[Bucket],
     stores: dict,
@@ -193,21 +227,15 @@ def make_homes(
     homes and the buckets the step runs on (each rank's chunks, under data parallelism).
     ``gathered``: the home of the buckets whose weights are sharded over the ranks (NOTE
     [Weights sharded over the ranks]), already built (its chunks are on their tiers). ``window``:
-    the GRAD home of every bucket under update_in_backward (NOTE [Updates in backward]), one process."""
+    the GRAD home of every bucket under update_in_backward (NOTE [Updates in backward]); under
+    data parallelism, of this rank's chunks, inside the ShardedGrads that reduce-scatter into it."""
     compute = {b.index: compute_tier(b) for b in buckets}
     weights = _weight_homes(buckets, stores, engine, dtype, weights_off_device, gathered)
     also = () if gathered is None else (gathered,)  # it may home frozen buckets alone
-    if window is not None:
-        assert group.world == 1 and not overlap, "update_in_backward is refused with these (options.py)"
-        window.add(buckets)
+    assert window is None or not overlap, "update_in_backward is refused with overlap_step (options.py)"
     if group.world == 1:
-        solo: dict[Tier, tuple[GradHome, list[Bucket]]] = (
-            {Tier.HOST: (window, buckets)}
-            if window is not None
-            else _grad_homes(buckets, stores, engine, compute, overlap)
-        )
         return Homes(
-            _per_bucket(solo),
+            _per_bucket(_window_or_grad_homes(buckets, stores, engine, compute, overlap, window, sharded=False)),
             _per_bucket(_state_homes(buckets, stores, engine, compute, weights_off_device)),
             weights,
             also,
@@ -227,8 +255,10 @@ def make_homes(
     shards = shard_buckets(buckets, group)
     full = {b.index: b for b in buckets}
     grads = {
-        t: (ShardedGrads([full[b.index] for b in bs], bs, home, group, stores[Tier.DEVICE], engine), bs)
-        for t, (home, bs) in _grad_homes(shards, stores, engine, compute, overlap).items()
+        t: (_sharded_grads([full[b.index] for b in bs], bs, home, group, stores[Tier.DEVICE], engine, window), bs)
+        for t, (home, bs) in _window_or_grad_homes(
+            shards, stores, engine, compute, overlap, window, sharded=True
+        ).items()
     }
     state = {
         t: (ShardedState([full[b.index] for b in bs], bs, home, group, stores[Tier.HOST]), bs)

@@ -4,7 +4,8 @@ step, the checkpoint and the model see the same interfaces as in one process.
 - :class:`ShardedGrads`: the device's gradients of a whole bucket accumulate in a device buffer
   (zeroed, so a parameter this rank never saw counts as 0), reduce-scattered into this rank's
   chunk, in bucket order on every rank, as soon as the bucket is complete; the chunk's mean
-  lands in the inner GRAD home (host memory).
+  lands in the inner GRAD home (host memory; under update_in_backward, the window of NOTE
+  [Updates in backward], which takes each chunk as it lands).
 - :class:`ShardedState`: the inner OPTIM_STATE home (host or NVMe) holds this rank's chunk of
   every bucket. Read by the model (checkpoint, ``state_dict``), it all-gathers whole buckets into
   one host buffer set; written from a checkpoint, it keeps its chunk of the whole bucket given.
@@ -17,7 +18,7 @@ pieces of the parameters that fall inside it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -38,9 +39,10 @@ def chunk_of(group: Group, b: Bucket) -> Chunk:
     return group.chunk(b.numel, b.chunk_size(group.world))
 
 
-def _landing_key(b: Bucket) -> str:
-    """The device buffer whole bucket ``b``'s grads accumulate in, to be reduce-scattered."""
-    return str(bucket_key(b, Part.GRAD_LANDING))
+def _landing_key(b: Bucket, copy: bool = False) -> str:
+    """The device buffer whole bucket ``b``'s grads accumulate in, to be reduce-scattered; with
+    ``copy``, the copy of it that a pass which must leave it be sends (:class:`ShardedGrads`)."""
+    return str(bucket_key(b, Part.GRAD_LANDING_COPY if copy else Part.GRAD_LANDING))
 
 
 def shard_buckets(buckets: Sequence[Bucket], group: Group) -> list[Bucket]:
@@ -69,8 +71,21 @@ class ShardedGrads(GradHome):
         group: Group,
         device_store,
         engine: CopyService,
+        *,
+        holds: Optional[Callable[[Bucket], bool]] = None,
+        keeps: Callable[[], bool] = lambda: False,
     ):
+        """``holds(shard bucket)``: whether the buffer ``inner.landing`` gives next holds grads of
+        this step that the chunk is added to; by default, whether an earlier backward of the step
+        landed one there. An inner home whose buffers come and go within a step (the window
+        under update_in_backward, NOTE [Updates in backward]) says it itself. ``keeps()``: the
+        backward running now must leave what ``tm.no_sync()`` accumulated on the device as it is
+        (a first pass under update_in_backward, whose graph runs again): it adds to a copy."""
         self.landing_tier = Tier.DEVICE
+        self._holds = holds if holds is not None else (lambda sb: sb.index in self._have)
+        self._keeps = keeps
+        self._copies: dict[int, torch.Tensor] = {}  # by bucket: a copy of its landing buffer, sent instead
+        self._unsent: set[int] = set()  # buckets whose landing buffer holds grads of a backward inside no_sync()
         self.full = {b.index: b for b in buckets}
         self.shards = {b.index: b for b in shards}
         self.inner, self.group, self.store, self.engine = inner, group, device_store, engine
@@ -88,11 +103,26 @@ class ShardedGrads(GradHome):
     def landing(self, b: Bucket, fill: int) -> torch.Tensor:
         self._dirty = True
         self._fill = fill  # the inner buffer this backward's chunks land in (two alternate under overlap_step)
+        if self.deferred:
+            self._unsent.add(b.index)
+        elif b.index in self._unsent and self._keeps():
+            return self._copy(b)
         t = self._landing.get(b.index)
         if t is None:
             c = chunk_of(self.group, b)
             t = self.store.allocate(_landing_key(b), (c.padded,), torch.float32, TensorClass.GRAD).zero_()
             self._landing[b.index] = t
+        return t
+
+    def _copy(self, b: Bucket) -> torch.Tensor:
+        """A copy of ``b``'s landing buffer (what ``tm.no_sync()`` left there), made at this
+        backward's first use of it; the copy is sent and freed, the buffer stays for a later pass."""
+        t = self._copies.get(b.index)
+        if t is None:
+            kept = self._landing[b.index]
+            t = self.store.allocate(_landing_key(b, copy=True), kept.shape, torch.float32, TensorClass.GRAD)
+            t.copy_(kept)
+            self._copies[b.index] = t
         return t
 
     def arrived(self, b: Bucket) -> None:
@@ -126,18 +156,22 @@ class ShardedGrads(GradHome):
     def _land(self, work: Pending, index: int, out: torch.Tensor, fill: int) -> None:
         work.wait()
         sb = self.shards[index]
+        adds = self._holds(sb)  # asked before landing(), which may fill the buffer it gives
         self.engine.copy_async(
             self.inner.landing(sb, fill),
             out,
             src_tier=Tier.DEVICE,
             dst_tier=self.inner.landing_tier,
-            accumulate=index in self._have,
+            accumulate=adds,
             kind=TensorClass.GRAD,
         ).wait()
         self.inner.complete(sb)  # grads on NVMe: written there now, not kept on the host
         self._have.add(index)
-        self.store.delete(_landing_key(sb))
-        self._landing.pop(index, None)
+        copied = self._copies.pop(index, None) is not None
+        self.store.delete(_landing_key(sb, copy=copied))
+        if not copied:
+            self._landing.pop(index, None)
+            self._unsent.discard(index)
 
     def end_backward(self) -> None:
         self._arrived.clear()
@@ -163,6 +197,7 @@ class ShardedGrads(GradHome):
         self._next = 0
 
     def defer(self, on: bool) -> None:
+        self.inner.defer(on)  # first: an inner home that refuses it leaves this one unchanged
         self.deferred = on
 
     def gather(self, fill: int) -> list[Handle]:
@@ -179,13 +214,23 @@ class ShardedGrads(GradHome):
             except Exception:  # noqa: BLE001 - draining after the error that matters
                 pass
         self._pending.clear()
-        for index in list(self._landing):
-            self.store.delete(_landing_key(self.full[index]))
-        self._landing.clear()
         self.end_step()
         self.inner.drop()
 
+    def _free(self) -> None:
+        """Every device buffer goes: landing buffers and their copies."""
+        for index in list(self._copies):
+            self.store.delete(_landing_key(self.full[index], copy=True))
+        for index in list(self._landing):
+            self.store.delete(_landing_key(self.full[index]))
+        self._copies.clear()
+        self._landing.clear()
+        self._unsent.clear()
+
     def end_step(self) -> None:
+        """The step's grads are consumed or dropped: a step skipped after a first pass under
+        update_in_backward leaves what no_sync() accumulated on the device; it goes too."""
+        self._free()
         self._have.clear()
         self._issued.clear()
         self._complete.clear()

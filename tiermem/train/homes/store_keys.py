@@ -28,6 +28,7 @@ class Part(enum.Enum):
     GRAD_ALT = "grad_alt"  # the second accumulation buffer, under overlap_step
     GRAD_IN = "grad_in"  # the grads brought where Adam runs, when that is another tier
     GRAD_LANDING = "grad landing"  # the device buffer a whole bucket's grads are reduce-scattered from
+    GRAD_LANDING_COPY = "grad landing copy"  # its copy a first pass under update_in_backward sends instead
     PARAM = "param"  # working weights: a bucket's on the device, or a staging buffer's for uploads
     PARAM_OUT = "param_out"  # Adam's new weights of a bucket under overlap_step
     PARAM_SHARD = "param shard"  # this rank's chunk of a sharded bucket's working weights

@@ -60,10 +60,53 @@ gradient reads its norms and its update from the home. Which backward is a step'
 A non-finite value in any micro-batch is in the home's sum, so in the last window's norms (or in
 the norms read from the home): the step is skipped, the scaler's logic unchanged.
 
-What it does not do (each refused with a ``tiermem:`` error at construction): overlap_step, data
-parallelism, optimizer state on the device (its Adam would read the host's window). Weights a
-backward changes while it runs are those of buckets it has finished: autograd has run every node
-that saved them.
+Under data parallelism (NOTE [Data parallel]) the window is the inner home of
+:class:`~tiermem.train.homes.sharded.ShardedGrads`, and its buckets are this rank's chunks: every
+pass (a first pass, a replay, the second pass) reduce-scatters each bucket as the default step's
+backward does, in bucket order on every rank, and the chunk's mean lands in the window (or the
+accumulation homes) whole. The first pass takes the norms of every piece of a chunk (which
+parameters got a gradient is agreed over the ranks only at the step; a piece no rank's backward
+reached holds zeros), the step reads those of the agreed parameters and combines them over the
+ranks as the default step does (``global_norm``): one norm, one coefficient, one skip decision
+on every rank. A chunk is copied into its buffer, or added, exactly where the default step adds
+(``WindowGrads.holds``: the accumulation home's sum, or the window's copy of it), so the bits are
+the default data-parallel step's (tests/test_update_in_backward_dp.py). Each rank's grads at rest
+are a few of its chunks; the price is the second pass's reduce-scatters (the step sends the
+grads twice, a replay once more). The two threads never share a process group, so each group
+sees its collectives in one order on every rank, whenever the Relay switches threads (which
+differs between ranks in time):
+
+- the thread running backward issues the grads' reduce-scatters (the model's group, in bucket
+  order) and, under ZeRO-3, the gathers of the sharded weights backward reads (their own group,
+  NOTE [A gather schedule every rank takes alike]);
+- the update thread issues only ZeRO-2's all-gathers of new weights (``ShardedWeights.write``,
+  on the weights' group, ``group.for_weights()``): one per bucket, in the order the update takes
+  the buckets, which is the order the first pass landed them, bucket order on every rank. ZeRO-3
+  writes a new chunk at its home and gathers nothing;
+- what ranks agree on (the parameters received, the norms, ZeRO-3's end of iteration) is
+  all-reduced on the main thread before the second pass or after it, outside the Relay.
+
+Nothing waits in a cycle: the update waits (for a bucket, or an all-gather behind an upload) only
+for buckets this rank has landed, and a rank that landed bucket k has issued every reduce-scatter
+and gather the others need to land it (every rank issues the same sequence). Under ZeRO-3 a
+bucket's new chunk goes home while backward runs, after its reduce-scatter finished: every rank's
+backward is done with its weights (later gathers are of other buckets), and the step frees every
+gathered copy before the next forward gathers again.
+
+``tm.no_sync()`` under data parallelism: as in the default step, a backward inside it adds its
+grads to the device buffers a reduce-scatter reads (ShardedGrads) and sends nothing; the next
+backward outside it, or the step, sends their sum once. Here that backward's first pass must
+leave those buffers be, since its graph runs again: it adds to a copy of each (``keeps()``: made
+at the pass's first use of the buffer, freed once sent), and the pass that runs the graph again
+(a replay, or the step's second pass) adds to the buffers themselves and sends them: the sum the
+default step sends, once. A replay inside no_sync() sends too (the backward that kept the graph
+ran outside it). When the step's last backward ran inside no_sync(), the step sends the sums into
+the accumulation homes (``_to_acc``) and updates from there, as in one process. The device holds
+what no_sync() holds in the default step, and copies of the buckets in flight in a first pass.
+
+What it does not do (each refused with a ``tiermem:`` error at construction): overlap_step, and
+optimizer state on the device (its Adam would read the host's window). Weights a backward changes
+while it runs are those of buckets it has finished: autograd has run every node that saved them.
 
 A speculative update (SuperOffload's: update during the first backward, roll back where the
 norm says so) would save the second pass, but its undo needs the previous value of every updated
@@ -109,6 +152,7 @@ class WindowGrads(GradHome):
         self._arrived: dict[int, int] = defaultdict(int)
         self._ready: dict[int, tuple[torch.Tensor, Lease, Handle]] = {}  # landed, for the update
         self.received: Callable[[str], bool] = lambda name: True  # the collector's (bound at build)
+        self.sharded = False  # under data parallelism: its buckets are a rank's chunks (shard buckets)
         #: the first pass's per-parameter fp32 norms, and the buckets it completed, in their order
         self.norms: dict[str, torch.Tensor] = {}
         self.order: dict[int, None] = {}
@@ -118,12 +162,16 @@ class WindowGrads(GradHome):
         self._stored: set[int] = set()  # buckets whose accumulation home holds grads of this step
         self._into_acc = False  # a backward that is not the step's last lands in the accumulation homes
         self.deferred = False  # inside tm.no_sync(): a backward known not to be the step's last
+        self.first = False  # a first pass runs (its graph kept): ShardedGrads leaves no_sync()'s sums be
         #: the scaled loss of the step's last backward so far, its graph kept for the step's second pass
         self.graph: Optional[torch.Tensor] = None
 
-    def add(self, buckets: Sequence[Bucket]) -> None:
-        """Home ``buckets``' grads too (at construction; later, parameters unfrozen since)."""
+    def add(self, buckets: Sequence[Bucket], *, sharded: bool = False) -> None:
+        """Home ``buckets``' grads too (at construction; later, parameters unfrozen since).
+        ``sharded``: they are this rank's chunks, whose reduce-scattered grads land whole, every
+        backward, from :class:`~tiermem.train.homes.sharded.ShardedGrads` (NOTE [Data parallel])."""
         self._buckets.update((b.index, b) for b in buckets)
+        self.sharded = self.sharded or sharded
 
     # -- the accumulation homes ----------------------------------------------------------------------
     def prepare(self) -> None:
@@ -163,8 +211,14 @@ class WindowGrads(GradHome):
         return b.index in self._stored and b.index not in self.order
 
     # -- backward ----------------------------------------------------------------------------------
+    def _to_acc(self) -> bool:
+        """Landings go to the accumulation homes: a backward that is not the step's last runs, or,
+        under data parallelism, the step sends what backwards inside ``tm.no_sync()`` left on the
+        device (outside any pass)."""
+        return self._into_acc or (self.sharded and not self.first and self.relay is None)
+
     def landing(self, b: Bucket, fill: int) -> torch.Tensor:
-        if self._into_acc:
+        if self._to_acc():
             self._stored.add(b.index)
             return self._acc[b.index].landing(b, fill)
         if b.index not in self._landing:
@@ -187,6 +241,16 @@ class WindowGrads(GradHome):
             self._landing[b.index] = (t, lease)
         return self._landing[b.index][0]
 
+    def keeps(self) -> bool:
+        """A first pass runs: its graph runs again, so what backwards inside ``tm.no_sync()`` left
+        on the device must stay for that pass (ShardedGrads sends a copy of it)."""
+        return self.first
+
+    def holds(self, b: Bucket) -> bool:
+        """The buffer :meth:`landing` gives next for ``b`` holds grads of this step, which the
+        ones landing are added to: the accumulation home's sum, or the window's copy of it."""
+        return b.index in self._stored
+
     def _read_home(self, b: Bucket, use: Callable[[torch.Tensor], object]) -> None:
         """``use(grads)`` on ``b``'s gradients at its accumulation home (all landed: the backward
         that sent them settled them)."""
@@ -205,7 +269,7 @@ class WindowGrads(GradHome):
             self._complete(b)
 
     def complete(self, b: Bucket) -> None:
-        if self._into_acc:
+        if self._to_acc():
             self._acc[b.index].complete(b)
         elif b.index in self._landing:
             self._complete(b)
@@ -244,8 +308,11 @@ class WindowGrads(GradHome):
             relay.landed(b.index)
 
     def _norms(self, b: Bucket, t: torch.Tensor) -> None:
-        """The fp32 norms of ``b``'s received parameters, from its gradients ``t`` (as the step's)."""
-        self.norms.update(slot_norms(t, [s for s in b.slots if self.received(s.name)]))
+        """The fp32 norms of ``b``'s received parameters, from its gradients ``t`` (as the step's).
+        Sharded, of every piece: which parameters got a gradient on some rank is agreed only at
+        the step, and a chunk lands whole (a piece no rank's backward reached holds zeros); the
+        step reads the norms of the agreed ones alone."""
+        self.norms.update(slot_norms(t, [s for s in b.slots if self.sharded or self.received(s.name)]))
 
     # -- the step ----------------------------------------------------------------------------------
     def step_norms(self) -> dict[str, torch.Tensor]:

@@ -18,7 +18,8 @@ class Passes:
     """The backward passes of a step under update_in_backward (NOTE [Updates in backward]): a
     first pass keeping its graph, the same graph's backward again into the accumulation homes
     when another backward follows (it was not the step's last), or at the step, updating; and a
-    backward inside ``tm.no_sync()``, straight into the accumulation homes. Counts the passes
+    backward inside ``tm.no_sync()``, straight into the accumulation homes (under data
+    parallelism, kept on the device unsent, as the default step keeps them). Counts the passes
     over a kept graph and their seconds (``tm.report().backward_again``)."""
 
     def __init__(self, window: WindowGrads, grads: GradCollector):
@@ -45,6 +46,8 @@ class Passes:
         assert graph is not None, "replay() without a kept graph"
         self.window.graph = None
         self.grads.again(True)
+        deferred = self.window.deferred
+        self._defer(False)  # the backward that kept it ran outside no_sync(): its grads are sent
         try:
             with self.timed():
                 self._accumulate(lambda: graph.backward())  # not kept: its activations go
@@ -52,6 +55,7 @@ class Passes:
             self.grads.drop()
             raise
         finally:
+            self._defer(deferred)
             self.grads.again(False)
 
     def backward(self, scaled: torch.Tensor) -> None:
@@ -60,8 +64,12 @@ class Passes:
         if self.window.deferred:
             self._accumulate(lambda: scaled.backward())
             return
-        scaled.backward(retain_graph=True)
-        self.grads.end_backward()
+        self.window.first = True
+        try:
+            scaled.backward(retain_graph=True)
+            self.grads.end_backward()
+        finally:
+            self.window.first = False
         self.window.graph = scaled
 
     def again(self) -> None:
@@ -74,15 +82,25 @@ class Passes:
 
     def _accumulate(self, run: Callable[[], None]) -> None:
         """``run`` a backward whose gradients land in the accumulation homes; they have landed
-        on return (the window reads them when the step's last backward adds to them)."""
+        on return (the window reads them when the step's last backward adds to them). Inside
+        no_sync() under data parallelism they stay on the device, unsent (NOTE [Updates in
+        backward]): a later pass or the step sends them."""
         self.window.accumulate(True)
         try:
             run()
             self.grads.end_backward()
-            self.grads.settle()  # its copies and NVMe flushes landed (a failure drops the step's grads)
+            if self.window.sharded and self.window.deferred:
+                self.grads.wait_copies()  # kept on the device, sent by a later backward or the step
+            else:
+                self.grads.settle()  # its copies and NVMe flushes landed (a failure drops the step's grads)
         finally:
             self.window.accumulate(False)
         self.grads.accumulated()
+
+    def _defer(self, on: bool) -> None:
+        """Every GRAD home deferring its communication or not (as ``tm.no_sync()`` sets them)."""
+        for home in self.grads.homes.grad_homes():
+            home.defer(on)
 
     def drop_graph(self) -> None:
         """The kept graph goes, the gradients stay (a step that failed after updating some buckets)."""
