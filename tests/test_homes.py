@@ -793,6 +793,7 @@ def test_store_keys_keep_the_text_the_stores_and_files_hold():
         "bucket3:grad_alt",
         "bucket3:grad_in",
         "bucket3:grad landing",
+        "bucket3:grad landing copy",
         "bucket3:param",
         "bucket3:param_out",
         "bucket3:param shard",
