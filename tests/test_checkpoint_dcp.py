@@ -602,3 +602,12 @@ def test_frozen_values_in_host_memory_are_handed_over_as_views(tmp_path):
     dcp.load(sd, checkpoint_id=str(tmp_path / "ck"))
     other.load_sharded_state_dict(sd)
     assert same_state(other.state_dict(), tm.state_dict())
+
+
+def test_a_sharded_state_dict_taken_before_the_trainable_set_changed_is_not_saved_after_it(tmp_path):
+    tm = _on_nvme(tmp_path)
+    sd = tm.sharded_state_dict()
+    tm.module[5].requires_grad_(False)  # taken at the next backward
+    tm.backward(tm(torch.randn(8, 40)).float().square().mean())
+    with pytest.raises(BaseException, match=r"taken at step 1, and the model has frozen or unfrozen parameters since"):
+        dcp.save(sd, checkpoint_id=str(tmp_path / "ck"))

@@ -161,7 +161,7 @@ def load(writer: StateWriter, path: str) -> None:
                 )
             writer.release()
             for index, mine in core.frozen_pieces():
-                writer.load_frozen(index, guarded(functools.partial(_read_frozen, reader, mine)))
+                writer.load_frozen(index, mine, guarded(functools.partial(_read_frozen, reader, mine)))
             rest = writer.rest(pieces=True)
             guarded(_load)(reader, {key(name): t for name, t in rest.items()})
             error = same_error(core.group, failed[0] if failed else None)

@@ -227,7 +227,7 @@ def load_sharded(writer: StateWriter, tree: Any) -> None:
             writer.load_local(index, functools.partial(_copy_pieces, values, core.part_pieces(index, mine)))
         writer.release()
         for index, mine in frozen:
-            writer.load_frozen(index, functools.partial(_copy_frozen, values, mine))
+            writer.load_frozen(index, mine, functools.partial(_copy_frozen, values, mine))
         for name, t in rest.items():
             v = values[name]
             t.copy_(v.local().view(t.shape) if isinstance(v, ShardedValue) else v)  # a no-op where dcp.load filled t

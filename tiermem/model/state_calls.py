@@ -128,24 +128,30 @@ class StateCalls:
         stays the whole weights."""
         state = self._settled("sharded_state_dict()")
         state.check_loaded("tm.sharded_state_dict()")
-        taken = (self.stepper.steps, state.core.loads)
+        taken = self._state_now(state)
 
         def still() -> None:
             """What the call checked, when a dcp.save plans the dict; nothing collective (each rank
-            plans on its own). Its step counts and hyperparameters are the call's: after a step or
-            a load they would go with other state."""
+            plans on its own). Its step counts and hyperparameters are the call's: after a step, a
+            load or a change of what trains they would go with other state."""
             call = "a dcp.save of tm.sharded_state_dict()"
             self._life.check("state", call)
             state.check_loaded(call)
             self.stepper.recovery.check_whole(call)
-            if (self.stepper.steps, state.core.loads) != taken:
+            now = self._state_now(state)
+            if now != taken:
+                since = ("stepped", "loaded a checkpoint", "frozen or unfrozen parameters")
                 raise TierMemError(
                     f"tiermem: this tm.sharded_state_dict() was taken at step {taken[0]}, and the model has "
-                    f"{'stepped' if self.stepper.steps != taken[0] else 'loaded a checkpoint'} since; its step "
-                    f"counts would not match the state saved. Call tm.sharded_state_dict() again just before dcp.save"
+                    f"{next(w for w, a, b in zip(since, taken, now) if a != b)} since; its step counts would "
+                    f"not match the state saved. Call tm.sharded_state_dict() again just before dcp.save"
                 )
 
         return checkpoint.sharded_state_dict(state, still)
+
+    def _state_now(self, state: ModelState) -> tuple[int, int, int]:
+        """What a state dict's entries go with: the steps, loads and changes of the trainable set so far."""
+        return self.stepper.steps, state.core.loads, self._trainable.changes
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take back what :meth:`sharded_state_dict` gave, filled by ``dcp.load``: the state, the

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 
 from tiermem.checkpoint.names import BUFFERS, FROZEN, StateName
-from tiermem.checkpoint.view.core import HYPER, StateCore
+from tiermem.checkpoint.view.core import HYPER, Piece, StateCore
 from tiermem.config.specs import PRECISIONS
 from tiermem.errors import TierMemError
 
@@ -160,16 +160,15 @@ class StateWriter:
         home.store_local(b, views)
         homes.weights[index].load(b, home.whole_master(b, views[0]), homes.compute_tier(b))
 
-    def load_frozen(self, index: int, fill: Callable[[dict[str, torch.Tensor]], None]) -> None:
-        """Replace this process's pieces of frozen bucket ``index`` (:meth:`StateCore.frozen_pieces`)
-        with what ``fill(targets)`` writes into ``targets``: by parameter name, a flat tensor of
+    def load_frozen(self, index: int, pieces: list[Piece], fill: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        """Replace this process's ``pieces`` of frozen bucket ``index`` (:meth:`StateCore.frozen_pieces`
+        gives them) with what ``fill(targets)`` writes into ``targets``: by parameter name, a flat tensor of
         its piece's ``hi - lo`` elements in the dtype a checkpoint holds it in (its own:
         :meth:`StateCore.frozen_dtype`). A piece of a parameter whose value is its working copy
         is a view of a host copy of the chunk; one of a parameter that keeps a copy in its own
         dtype becomes this rank's piece of that copy, and its chunk's elements rounded from it.
         No communication."""
         frozen = self.core.layout.frozen
-        pieces = dict(self.core.frozen_pieces())[index]
         chunk, release = frozen.read_local(index)
         try:
             chunk = chunk.to("cpu", copy=True)

@@ -112,6 +112,7 @@ class Trainable:
         self._module = module
         self._params = list(module.named_parameters())  # each parameter once, by its first name
         self._flags = self._read()  # requires_grad of each, as last taken
+        self.changes = 0  # times the trainable set changed (a state dict taken before one is of another model)
         self._trained = self._names(self._flags)
 
     def _read(self) -> list[bool]:
@@ -189,6 +190,7 @@ class Trainable:
                 ", ".join(frozen[:5]),
             )
         self._flags, self._trained = flags, now
+        self.changes += 1
 
     def _same_on_every_rank(self, now: frozenset[str]) -> None:
         """The trainable set and the param groups' membership alike on every rank, or an error on all."""
