@@ -34,8 +34,9 @@ be saved before the model took it (its views and its buffers would be of two che
 
 The dict's step counts and hyperparameters (its ``tiermem`` entry) are the call's. So when a
 ``dcp.save`` plans it, each value checks, locally (each rank plans on its own), what the call
-checked (no step half done, no failed load) and that no step and no load happened since
-(``StateCore.loads``): a save after either would pair the entry with other state.
+checked (no step half done, no failed load) and that no step, no load and no change of what
+trains happened since (``StateCore.loads``, ``Trainable.changes``): a save after any of them
+would pair the entry with other state.
 """
 
 from __future__ import annotations
