@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import threading
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -46,7 +48,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from tiermem.checkpoint.dcp_check import checked, same_error
 from tiermem.checkpoint.dcp_read import Reader
-from tiermem.checkpoint.names import FROZEN, StateName
+from tiermem.checkpoint.names import BUFFERS, FROZEN, StateName
 from tiermem.checkpoint.shards import ShardedValue, key
 from tiermem.checkpoint.view import PartPieces, Piece, StateCore, StateReader, StateWriter
 from tiermem.errors import StoreError, TierMemError
@@ -72,24 +74,55 @@ def _load(reader: Reader, values: dict[str, Any]) -> None:
 
 
 # -- this process's values ------------------------------------------------------------------------
-class OneBucket:
-    """This process's part of one bucket's state at a time, read when DCP first asks for it."""
+class OneAtATime:
+    """This process's part of one bucket (or one frozen chunk) at a time, read from its home when a
+    piece of it is first asked for: into the home's own buffer set (optimizer state; valid until
+    its next read), or copied out and the home's buffer released at once (``copy``: a frozen
+    chunk, read into a buffer of its own). ``source`` gives views for a save that writes each
+    before the next read (``tm.save``); ``box`` a copy taken under the lock together with the read
+    (NOTE [Streamed sharded values]: a writer may resolve from several threads)."""
 
-    def __init__(self, reader: StateReader):
-        self.reader, self.index = reader, -1
-        self.views: tuple[torch.Tensor, ...] = ()
+    def __init__(self, read: Callable[[int], tuple[torch.Tensor, ...]], reader: StateReader, *, copy: bool):
+        self._read, self._reader, self._copy = read, reader, copy
+        self._index, self._parts = -1, ()  # type: tuple[int, tuple[torch.Tensor, ...]]
+        self._lock = threading.Lock()
+
+    def forget(self) -> None:
+        with self._lock:
+            self._index, self._parts = -1, ()
+
+    def _part(self, index: int, part: int) -> torch.Tensor:
+        """Part ``part`` of bucket ``index``, read if it is not the one held (the lock held)."""
+        if self._index != index:
+            self._index, self._parts = -1, ()  # the previous bucket goes before the next is read
+            if self._copy:
+                try:
+                    self._parts = tuple(t.to("cpu", copy=True) for t in self._read(index))
+                finally:
+                    self._reader.release()
+            else:
+                self._parts = self._read(index)
+            self._index = index
+        return self._parts[part]
 
     def source(self, index: int, part: int, p: Piece) -> Callable[[], torch.Tensor]:
         def read() -> torch.Tensor:
-            if self.index != index:
-                self.views, self.index = self.reader.read_local(index), index
-            return self.views[part][p.at : p.at + p.hi - p.lo]
+            with self._lock:
+                return self._part(index, part)[p.at : p.at + p.hi - p.lo]
 
         return read
 
+    def box(self, index: int, part: int, begin: int, n: int) -> torch.Tensor:
+        """Elements ``[begin, begin + n)`` of part ``part`` of bucket ``index``, in a tensor of their own."""
+        with self._lock:
+            return self._part(index, part)[begin : begin + n].to("cpu", copy=True)
 
-def pieces(core: StateCore, source: Callable[[int, int, Piece], Any]) -> dict[str, ShardedValue]:
-    """Every piece of optimizer state this process keeps, by tiermem name, in bucket order."""
+
+def pieces(
+    core: StateCore, source: Callable[[int, int, Piece], Any], guard: Optional[Callable[[], None]] = None
+) -> dict[str, ShardedValue]:
+    """Every piece of optimizer state this process keeps, by tiermem name, in bucket order;
+    ``source(index, part, piece)`` gives each its local elements (a ShardedValue's ``local``)."""
     out: dict[str, ShardedValue] = {}
     for index, pieces in core.pieces():
         for part_index, (part, dtype, mine) in enumerate(core.part_pieces(index, pieces)):
@@ -97,8 +130,56 @@ def pieces(core: StateCore, source: Callable[[int, int, Piece], Any]) -> dict[st
                 name = StateName(part, p.name)
                 local = source(index, part_index, p)
                 device = local.device if isinstance(local, torch.Tensor) else "cpu"
-                out[str(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=dtype, device=device)
+                out[str(name)] = ShardedValue(
+                    key(name), p.shape, p.lo, p.hi, local, dtype=dtype, device=device, guard=guard
+                )
     return out
+
+
+def frozen_pieces(
+    core: StateCore, source: Callable[[int, Piece], Any], guard: Optional[Callable[[], None]] = None
+) -> dict[str, ShardedValue]:
+    """The pieces of the frozen parameters sharded over the ranks this process keeps, by tiermem
+    name, in bucket order, each in its own dtype (NOTE [Frozen weights sharded over the ranks]):
+    ``source(index, piece)`` gives each its local elements (of its copy in its own dtype where it
+    keeps one, else of its working copy in chunk ``index``)."""
+    out: dict[str, ShardedValue] = {}
+    for index, mine in core.frozen_pieces():
+        for p in mine:
+            name = StateName(FROZEN, p.name)
+            out[str(name)] = ShardedValue(
+                key(name), p.shape, p.lo, p.hi, source(index, p), dtype=core.frozen_dtype(p.name), guard=guard
+            )
+    return out
+
+
+def whole_frozen(
+    core: StateCore, source: Callable[[str], Any], guard: Optional[Callable[[], None]] = None
+) -> dict[str, Any]:
+    """The frozen parameters this process keeps whole (not sharded over the ranks), by tiermem
+    name, each a ShardedValue of all its elements whose local elements ``source(name)`` gives (a
+    scalar or an empty one: its value, read now), then the buffers (the module's own tensors)."""
+    frozen = core.layout.frozen
+    out: dict[str, Any] = {}
+    for n in core.whole_frozen(pieces=True):
+        shape, dtype = frozen.meta(n)
+        name = StateName(FROZEN, n)
+        if not shape or not math.prod(shape):  # nothing to stream
+            out[str(name)] = frozen.value(n)
+        else:
+            out[str(name)] = ShardedValue(key(name), shape, 0, math.prod(shape), source(n), dtype=dtype, guard=guard)
+    out.update((str(StateName(BUFFERS, b)), t) for b, t in core.module.named_buffers())
+    return out
+
+
+def flat_value(frozen: Any, name: str) -> torch.Tensor:
+    """Frozen parameter ``name``'s value, flat, read now."""
+    return frozen.value(name).reshape(-1)
+
+
+def own_piece(frozen: Any, name: str) -> torch.Tensor:
+    """This process's piece of frozen parameter ``name``'s copy in its own dtype, read now."""
+    return frozen.copy_piece(name)[0]
 
 
 # -- DCP's failures -------------------------------------------------------------------------------

@@ -10,11 +10,10 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import os
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,9 +23,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from tiermem.checkpoint import directory as disk
-from tiermem.checkpoint.dcp import OneBucket, from_dcp, pieces
-from tiermem.checkpoint.names import BUFFERS, FROZEN, StateName
-from tiermem.checkpoint.shards import MANIFESTS, META, ShardedValue, key, nested
+from tiermem.checkpoint.dcp import OneAtATime, flat_value, from_dcp, frozen_pieces, own_piece, pieces, whole_frozen
+from tiermem.checkpoint.shards import MANIFESTS, META, key, nested
 from tiermem.checkpoint.view import Piece, StateCore, StateReader
 from tiermem.errors import StoreError, TierMemError
 
@@ -198,50 +196,23 @@ def _publish(core: StateCore, tmp: str, path: str) -> None:
         )
 
 
-def frozen_pieces(core: StateCore, source: Callable[[int, Piece], Any]) -> dict[str, ShardedValue]:
-    """The pieces of the frozen parameters sharded over the ranks this process keeps, by tiermem
-    name, in bucket order, each in its own dtype (NOTE [Frozen weights sharded over the ranks]):
-    ``source(index, piece)`` gives those of its working copy in chunk ``index``; a parameter that
-    keeps a copy in its own dtype gives its piece of that copy, read from its tier when DCP
-    writes it."""
-    frozen = core.layout.frozen
-    out: dict[str, ShardedValue] = {}
-    for index, mine in core.frozen_pieces():
-        for p in mine:
-            name = StateName(FROZEN, p.name)
-            local = functools.partial(own_piece, frozen, p.name) if frozen.keeps_copy(p.name) else source(index, p)
-            out[str(name)] = ShardedValue(key(name), p.shape, p.lo, p.hi, local, dtype=core.frozen_dtype(p.name))
-    return out
-
-
-def own_piece(frozen: Any, name: str) -> torch.Tensor:
-    return frozen.copy_piece(name)[0]
-
-
-class _OneChunk:
-    """This process's chunk of one frozen bucket at a time, read when DCP first asks for it."""
-
-    def __init__(self, reader: StateReader):
-        self.reader, self.index = reader, -1
-        self.chunk = torch.empty(0)
-
-    def source(self, index: int, p: Piece) -> Callable[[], torch.Tensor]:
-        def read() -> torch.Tensor:
-            if self.index != index:
-                self.chunk, self.index = self.reader.read_frozen(index).to("cpu"), index
-            return self.chunk[p.at : p.at + p.hi - p.lo]
-
-        return read
-
-
 def _write(reader: StateReader, writer: _Writer) -> None:
     """DCP writes this process's pieces, one bucket read at a time, those of the sharded frozen
     parameters too; rank 0 also the rest (frozen parameters not sharded, buffers)."""
     core = reader.core
-    values: dict[str, Any] = dict(pieces(core, OneBucket(reader).source))
-    values.update(frozen_pieces(core, _OneChunk(reader).source))  # read at home: nothing gathered
+    values: dict[str, Any] = dict(pieces(core, OneAtATime(reader.read_local, reader, copy=False).source))
+    chunks, frozen = OneAtATime(lambda index: (reader.read_frozen(index),), reader, copy=True), core.layout.frozen
+
+    def frozen_source(index: int, p: Piece) -> Any:
+        if frozen.keeps_copy(p.name):
+            return functools.partial(own_piece, frozen, p.name)  # its piece of its own-dtype copy
+        return chunks.source(index, 0, p)
+
+    values.update(frozen_pieces(core, frozen_source))  # read at home: nothing gathered
     if core.writes_files:  # the same on every rank: rank 0's are saved, as by the single file
-        values.update(_rest_one_at_a_time(reader))
+        # each frozen parameter read from its home only when DCP writes it (one tensor at a time):
+        # a frozen base homed on NVMe passes through host memory one parameter at a time
+        values.update(whole_frozen(core, lambda n: functools.partial(flat_value, frozen, n)))
     order = {key(name): i for i, name in enumerate(values)}
     tree = nested(values, json.dumps(reader.meta()))
     if core.writes_files:
@@ -257,29 +228,6 @@ def _write(reader: StateReader, writer: _Writer) -> None:
             )
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException; it carries every rank's failure
         raise from_dcp(e, "write its part of the checkpoint", "free space or choose another path") from e
-
-
-def _rest_one_at_a_time(reader: StateReader) -> dict[str, Any]:
-    """:meth:`StateReader.rest` with each frozen parameter read from its home only when DCP writes
-    it (the writer resolves one tensor at a time): a frozen base homed on NVMe passes through host
-    memory one parameter at a time, not whole. Buffers are the module's own tensors."""
-    core = reader.core
-    frozen = core.layout.frozen
-    out: dict[str, Any] = {}
-    for n in core.whole_frozen(pieces=True):
-        shape, dtype = frozen.meta(n)
-        name = StateName(FROZEN, n)
-        if not shape or not math.prod(shape):  # a scalar or an empty one: nothing to stream
-            out[str(name)] = frozen.value(n)
-            continue
-        read = functools.partial(_flat_value, frozen, n)
-        out[str(name)] = ShardedValue(key(name), shape, 0, math.prod(shape), read, dtype=dtype)
-    out.update((str(StateName(BUFFERS, b)), t) for b, t in core.module.named_buffers())
-    return out
-
-
-def _flat_value(frozen: Any, name: str) -> torch.Tensor:
-    return frozen.value(name).reshape(-1)
 
 
 def _check_complete(tmp: str, world: int) -> None:

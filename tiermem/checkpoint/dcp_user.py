@@ -43,64 +43,26 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import threading
 from typing import Any, Callable, Optional
 
 import torch
 
+from tiermem.checkpoint.dcp import OneAtATime, frozen_pieces, own_piece, pieces, whole_frozen
 from tiermem.checkpoint.dcp_check import meta_fits, parse_meta
-from tiermem.checkpoint.dcp_save import own_piece
-from tiermem.checkpoint.names import BUFFERS, FROZEN, StateName
+from tiermem.checkpoint.names import FROZEN, StateName
 from tiermem.checkpoint.shards import META, ShardedValue, Source, Streamed, key, nested
 from tiermem.checkpoint.view import PartPieces, Piece, StateReader, StateWriter
 from tiermem.errors import ConfigError
-
-Parts = tuple[torch.Tensor, ...]
-
-
-class _OneAtATime:
-    """This process's part of one bucket (or one frozen chunk) at a time, read from its home when a
-    piece of it is first asked for (NOTE [Streamed sharded values]), into the home's own buffer
-    set (optimizer state; valid until its next read), or copied out and the home's buffer released
-    at once (``copy``: a frozen chunk, read into a buffer of its own). A lock keeps a read and the
-    copy a box takes of it together: a writer may resolve from several threads."""
-
-    def __init__(self, read: Callable[[int], Parts], reader: StateReader, *, copy: bool):
-        self._read, self._reader, self._copy = read, reader, copy
-        self._index, self._parts = -1, ()  # type: tuple[int, Parts]
-        self._lock = threading.Lock()
-
-    def forget(self) -> None:
-        with self._lock:
-            self._index, self._parts = -1, ()
-
-    def box(self, index: int, part: int, begin: int, n: int) -> torch.Tensor:
-        """Elements ``[begin, begin + n)`` of part ``part`` of bucket ``index``, in a tensor of their own."""
-        with self._lock:
-            if self._index != index:
-                self._index, self._parts = -1, ()  # the previous bucket goes before the next is read
-                if self._copy:
-                    try:
-                        self._parts = tuple(t.to("cpu", copy=True) for t in self._read(index))
-                    finally:
-                        self._reader.release()
-                else:
-                    self._parts = self._read(index)
-                self._index = index
-            return self._parts[part][begin : begin + n].to("cpu", copy=True)
 
 
 class _Piece(Streamed):
     """Elements ``[at, at + n)`` of part ``part`` of bucket ``index``, read through ``one``."""
 
-    __slots__ = ("one", "index", "part", "at", "n")
+    __slots__ = ("one", "index", "part", "at")
 
-    def __init__(self, one: _OneAtATime, index: int, part: int, p: Piece):
-        self.one, self.index, self.part, self.at, self.n = one, index, part, p.at, p.hi - p.lo
-
-    def __call__(self) -> torch.Tensor:
-        return self.box(0, self.n)
+    def __init__(self, one: OneAtATime, index: int, part: int, p: Piece):
+        self.one, self.index, self.part, self.at = one, index, part, p.at
 
     def box(self, begin: int, n: int) -> torch.Tensor:
         return self.one.box(self.index, self.part, self.at + begin, n)
@@ -118,9 +80,6 @@ class _Whole(Streamed):
     def __init__(self, read: Callable[[], torch.Tensor]):
         self.read, self.lock = read, threading.Lock()
         self.value: Optional[torch.Tensor] = None
-
-    def __call__(self) -> torch.Tensor:
-        return self.read().reshape(-1)
 
     def box(self, begin: int, n: int) -> torch.Tensor:
         with self.lock:
@@ -141,54 +100,29 @@ def sharded_state_dict(reader: StateReader, guard: Callable[[], None]) -> dict[s
     save the call itself would have refused (checked when DCP plans one). Reads nothing but
     scalar or empty frozen parameters."""
     core = reader.core
-    state = _OneAtATime(reader.read_local, reader, copy=False)
-    chunks = _OneAtATime(lambda index: (reader.read_frozen(index),), reader, copy=True)
+    state = OneAtATime(reader.read_local, reader, copy=False)
+    chunks = OneAtATime(lambda index: (reader.read_frozen(index),), reader, copy=True)
     frozen = core.layout.frozen
-    values: dict[str, Any] = {}
-    for index, mine in core.pieces():
-        live = reader.read_local(index) if reader.resident(index) else None  # the live state: nothing read
-        for part_index, (part, dtype, of_part) in enumerate(core.part_pieces(index, mine)):
-            for p in of_part:
-                local = (
-                    _Piece(state, index, part_index, p) if live is None else live[part_index][p.at : p.at + p.hi - p.lo]
-                )
-                device = local.device if isinstance(local, torch.Tensor) else "cpu"
-                name = StateName(part, p.name)
-                values[str(name)] = ShardedValue(
-                    key(name), p.shape, p.lo, p.hi, local, dtype=dtype, device=device, guard=guard
-                )
-    for index, mine in core.frozen_pieces():  # NOTE [Frozen weights sharded over the ranks]: nothing gathered
-        for p in mine:
-            own = frozen.keeps_copy(p.name)  # this rank's piece of its copy in its own dtype
-            mine_live = frozen.live(p.name) if own else None
-            piece: Source = mine_live if mine_live is not None else _Piece(chunks, index, 0, p)
-            if own and mine_live is None:
-                piece = _Whole(functools.partial(own_piece, frozen, p.name))
-            name = StateName(FROZEN, p.name)
-            values[str(name)] = ShardedValue(
-                key(name), p.shape, p.lo, p.hi, piece, dtype=core.frozen_dtype(p.name), guard=guard
-            )
-    values.update(_whole_frozen(reader, guard))
-    values.update((str(StateName(BUFFERS, b)), t) for b, t in core.module.named_buffers())
+
+    def state_source(index: int, part: int, p: Piece) -> Source:
+        if not reader.resident(index):
+            return _Piece(state, index, part, p)
+        return reader.read_local(index)[part][p.at : p.at + p.hi - p.lo]  # the live state: nothing read
+
+    def frozen_source(index: int, p: Piece) -> Source:
+        if not frozen.keeps_copy(p.name):
+            return _Piece(chunks, index, 0, p)
+        live = frozen.live(p.name)  # this rank's piece of its copy in its own dtype
+        return live if live is not None else _Whole(functools.partial(own_piece, frozen, p.name))
+
+    def whole_source(name: str) -> Source:
+        live = frozen.live(name)
+        return live if live is not None else _Whole(functools.partial(frozen.value, name))
+
+    values: dict[str, Any] = dict(pieces(core, state_source, guard))
+    values.update(frozen_pieces(core, frozen_source, guard))  # NOTE [Frozen weights sharded over the ranks]
+    values.update(whole_frozen(core, whole_source, guard))
     return nested(values, json.dumps(reader.meta()))
-
-
-def _whole_frozen(reader: StateReader, guard: Callable[[], None]) -> dict[str, Any]:
-    """The frozen parameters this process keeps whole, each a ShardedValue of all its elements: a
-    view where the value lives in host memory, else read from home when asked (a scalar or an
-    empty one: its value)."""
-    frozen = reader.core.layout.frozen
-    out: dict[str, Any] = {}
-    for n in reader.core.whole_frozen(pieces=True):
-        shape, dtype = frozen.meta(n)
-        name = StateName(FROZEN, n)
-        if not shape or not math.prod(shape):
-            out[str(name)] = frozen.value(n)
-            continue
-        live = frozen.live(n)
-        local = live if live is not None else _Whole(functools.partial(frozen.value, n))
-        out[str(name)] = ShardedValue(key(name), shape, 0, math.prod(shape), local, dtype=dtype, guard=guard)
-    return out
 
 
 # -- a user's own dcp.load, handed back -------------------------------------------------------------

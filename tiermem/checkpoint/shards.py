@@ -90,13 +90,10 @@ def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
 
 
 class Streamed:
-    """A source read from the model's home when DCP asks (NOTE [Streamed sharded values]): called,
-    it gives the elements (a tensor valid until the next read); :meth:`box` gives ``n`` of them
-    from ``begin`` in a tensor of their own, read and copied under the source's lock (a writer
-    may resolve from several threads); :meth:`forget` drops what it kept from an earlier read."""
-
-    def __call__(self) -> torch.Tensor:
-        raise NotImplementedError
+    """A source read from the model's home when DCP asks (NOTE [Streamed sharded values]):
+    :meth:`box` gives ``n`` elements from ``begin`` in a tensor of their own, read and copied under
+    the source's lock (a writer may resolve from several threads); :meth:`forget` drops what it
+    kept from an earlier read."""
 
     def box(self, begin: int, n: int) -> torch.Tensor:
         raise NotImplementedError

@@ -226,10 +226,16 @@ def lookahead_window(
     fit in ``limit`` bytes together. Stops at the first key that does not fit (fetching past it
     would bring in later tensors before an earlier one). Keys in ``skip`` (acquired already,
     counted elsewhere) are passed over without counting."""
-    skipped, window, seen, total = set(skip), [], set(), 0
-    for i in range(pos, len(trace.keys)):
-        key = trace.keys[i]
-        if key in seen or key in skipped:
+    keys = trace.keys
+    return _fill((keys[i] for i in range(pos, len(keys))), sizes, limit, skip)  # lazy: O(window), not O(trace)
+
+
+def _fill(keys: Iterable[str], sizes: Mapping[str, int], limit: int, skip: Iterable[str]) -> list[str]:
+    """``keys``' distinct ones, in order, as many as fit in ``limit`` bytes together (stopping at
+    the first that does not), those in ``skip`` passed over uncounted."""
+    seen, window, total = set(skip), [], 0
+    for key in keys:
+        if key in seen:
             continue
         if total + sizes[key] > limit:
             break
@@ -310,16 +316,5 @@ class RepeatGuess:
             keys, i, end, step = self.order, self._order_at[self._last] + 1, len(self.order), 1
         else:
             return []
-        seen, window, total = set(skip), [], 0
-        stop = i + step * WALK
-        while 0 <= i < end and i != stop:
-            key = keys[i]
-            i += step
-            if key in seen:
-                continue
-            if total + sizes[key] > limit:
-                break
-            seen.add(key)
-            window.append(key)
-            total += sizes[key]
-        return window
+        bound = min(end, i + WALK) if step > 0 else max(-1, i - WALK)
+        return _fill((keys[j] for j in range(i, bound, step)), sizes, limit, skip)
