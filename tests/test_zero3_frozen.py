@@ -320,6 +320,14 @@ def _frozen_elements_by_file(path: str, frozen: list[str]) -> dict[str, int]:
     return out
 
 
+def _mixed(nvme: str) -> TieredModel:
+    """An fp32 LoRA base trained in bf16 under ZeroInfinity, homed in ``nvme`` (made here)."""
+    os.makedirs(nvme, exist_ok=True)
+    return TieredModel(
+        _model("fp32"), ZeroInfinity(), optimizer=SPEC, precision="bf16", bucket_size=BUCKET, nvme_dir=nvme
+    )
+
+
 def _rank_dcp(rank, world, tmp, solo_path):
     """A run saved after its first step and one not saved train on alike; a model that loads the
     checkpoint (another NVMe directory, and another bucket size) trains on like them; a model
@@ -346,19 +354,8 @@ def _rank_dcp(rank, world, tmp, solo_path):
     out["from one"] = one.state_dict()
     _train(one, rank, world, range(1, 2))
     out["from one on"] = one.state_dict()
-    copies = []  # an fp32 base trained in bf16: its fp32 copies, each rank keeping its pieces, are its values
-    for tag in ("mixed", "mixed-back"):
-        os.makedirs(os.path.join(tmp, f"{tag}{rank}"), exist_ok=True)
-        copies.append(
-            TieredModel(
-                _model("fp32"),
-                ZeroInfinity(),
-                optimizer=SPEC,
-                precision="bf16",
-                bucket_size=BUCKET,
-                nvme_dir=os.path.join(tmp, f"{tag}{rank}"),
-            )
-        )
+    # an fp32 base trained in bf16: its fp32 copies, each rank keeping its pieces, are its values
+    copies = [_mixed(os.path.join(tmp, f"{tag}{rank}")) for tag in ("mixed", "mixed-back")]
     _train(copies[0], rank, world, range(1))
     copies[0].save(os.path.join(tmp, "mixed.dcp"))
     copies[1].load(os.path.join(tmp, "mixed.dcp"))

@@ -16,11 +16,11 @@ pytest.importorskip("transformers")
 import torch.distributed.checkpoint as dcp
 from ranks import run_ranks
 from test_peft import SPEC
-from test_zero3_frozen import BUCKET, _frozen_elements_by_file, _make, _model, _same, _train
+from test_zero3_frozen import BUCKET, _frozen_elements_by_file, _make, _mixed, _model, _same, _train
 
 from tiermem import TieredModel
 from tiermem.checkpoint.shards import ShardedValue
-from tiermem.policies import ZeroInfinity, ZeroOffload
+from tiermem.policies import ZeroOffload
 
 
 def _rank_user(rank, world, tmp):
@@ -43,19 +43,8 @@ def _rank_user(rank, world, tmp):
     for model in (tm, back):
         _train(model, rank, world, range(1, 2))
     out["trained"], out["loaded trained"] = tm.state_dict(), back.state_dict()
-    mixed = []  # an fp32 base trained in bf16: each rank's piece of its fp32 copy, on NVMe beside its chunk
-    for tag in ("mixed", "mixed-back"):
-        os.makedirs(os.path.join(tmp, f"user-{tag}{rank}"))
-        mixed.append(
-            TieredModel(
-                _model("fp32"),
-                ZeroInfinity(),
-                optimizer=SPEC,
-                precision="bf16",
-                bucket_size=BUCKET,
-                nvme_dir=os.path.join(tmp, f"user-{tag}{rank}"),
-            )
-        )
+    # an fp32 base trained in bf16: each rank's piece of its fp32 copy, on NVMe beside its chunk
+    mixed = [_mixed(os.path.join(tmp, f"user-{tag}{rank}")) for tag in ("mixed", "mixed-back")]
     _train(mixed[0], rank, world, range(1))
     sd = mixed[0].sharded_state_dict()
     pieces = [sd["model"][n] for n, p in mixed[0].module.named_parameters() if not p.requires_grad and n in sd["model"]]
